@@ -1,0 +1,1 @@
+"""Command-line front doors: ``psgd`` (and, with the parameter server, ``psgd-server`` / ``psgd-worker``)."""

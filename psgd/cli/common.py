@@ -1,0 +1,60 @@
+"""Arguments and error handling shared by every psgd command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from psgd.config import ConfigError, JobConfig
+from psgd.data import DataError
+from psgd.model import ModelError
+from psgd.optim import OptimizerError
+from psgd.xp import DeviceError
+
+#: Errors that are the user's to fix: printed as one line, exit status 2.
+USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError)
+
+JOB_FLAGS = {
+    # flag: (dotted key, type, help)
+    "--model": ("model.name", str, "model: softmax, mlp, cnn, or package.module:Class (default mlp)"),
+    "--dataset": ("data.name", str, "dataset: digits (bundled), synthetic, idx:DIR or npz:FILE (default digits)"),
+    "--optimizer": ("optimizer.name", str, "optimizer: sgd, momentum, nesterov, adam, adamw (default momentum)"),
+    "--lr": ("optimizer.lr", float, "learning rate (default 0.05 for momentum)"),
+    "--batch-size": ("train.batch_size", int, "minibatch size per process (default 32)"),
+    "--epochs": ("train.epochs", int, "passes over the training data (default 30)"),
+    "--seed": ("train.seed", int, "seed for initial weights and data order (default 0)"),
+    "--device": ("train.device", str, "cpu, cuda or cuda:N (default cpu)"),
+    "--dtype": ("train.dtype", str, "float32 or float64 (default float32)"),
+}
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("job", "what to train; flags override the job file")
+    group.add_argument("--config", "-c", metavar="JOB.toml", help="TOML job file (sections model, data, optimizer, train)")
+    for flag, (_, kind, text) in JOB_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, help=text)
+    group.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override any job-file key, e.g. --set model.hidden=[256,128] (repeatable)")
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    job = JobConfig.load(args.config) if args.config else JobConfig()
+    for flag, (dotted, _, _) in JOB_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            job.override(dotted, value)
+    job.apply_sets(args.set)
+    return job
+
+
+def run_command(prog: str, body: Callable[[], int]) -> int:
+    """Run ``body``; a user error becomes one line on stderr and exit status 2."""
+    try:
+        return body()
+    except USER_ERRORS as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

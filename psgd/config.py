@@ -1,0 +1,230 @@
+"""The job file: one TOML document that every psgd process reads.
+
+```toml
+[model]                 # name + options for psgd.model.build_model
+name = "mlp"
+hidden = [128, 64]
+
+[data]                  # name + options for psgd.data.load_dataset
+name = "digits"
+
+[optimizer]             # name + options for psgd.optim.build_optimizer
+name = "momentum"
+lr = 0.05
+
+[train]                 # the training loop
+batch_size = 32
+epochs = 30
+seed = 0
+```
+
+Command-line flags override the file; ``--set section.key=value`` overrides any
+key (the value is read as TOML, so ``--set model.hidden=[256,128]`` works).
+Every mistake is a :class:`ConfigError` whose message names the file, the
+section and the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable
+
+DTYPES = ("float32", "float64")
+
+
+class ConfigError(ValueError):
+    """A malformed or inconsistent job file or override."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    batch_size: int = 32
+    epochs: int = 30
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
+    eval_batch_size: int = 1024
+
+
+_INT_KEYS = {"batch_size": 1, "epochs": 1, "eval_every": 0, "eval_batch_size": 1}
+
+POLICIES = ("sync", "async", "ssp")
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    """How the parameter-server job is laid out and how shards apply updates."""
+
+    policy: str = "sync"          # sync (BSP), async, or ssp (bounded staleness)
+    staleness: int = 2            # ssp: how many clocks a worker may run ahead of the slowest
+    backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
+    staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
+    shards: int = 2
+    workers: int = 2
+    servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
+    slice_bytes: int = 4 << 20    # tensors larger than this are cut into slices
+    lease_seconds: float = 10.0   # a worker silent this long leaves the round
+    join_timeout: float = 120.0   # a worker that never registers within this leaves the round
+    request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
+
+
+_CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
+_CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout")
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """A whole job; ``model``, ``data`` and ``optimizer`` are name + free options."""
+
+    model: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "mlp"})
+    data: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "digits"})
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "momentum", "lr": 0.05})
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    source: str = "<defaults>"
+
+    SECTIONS = ("model", "data", "optimizer", "train", "cluster")
+
+    # -- construction -----------------------------------------------------
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> "JobConfig":
+        job = cls(source=source)
+        unknown = set(doc) - set(cls.SECTIONS)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown section(s) {sorted(unknown)}; known sections: {', '.join(cls.SECTIONS)}"
+            )
+        for section in ("model", "data", "optimizer"):
+            if section in doc:
+                table = _table(doc[section], source, section)
+                merged = dict(table) if "name" in table else {**getattr(job, section), **table}
+                setattr(job, section, merged)
+        for section in ("train", "cluster"):
+            for key, value in _table(doc.get(section, {}), source, section).items():
+                job._set_field(section, key, value)
+        job.validate()
+        return job
+
+    @classmethod
+    def load(cls, path: str | Path) -> "JobConfig":
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"job file {path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read job file {path}: {exc.strerror or exc}") from None
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        return cls.from_dict(doc, source=str(path))
+
+    # -- overrides --------------------------------------------------------
+    def override(self, dotted: str, value: Any) -> None:
+        """Set ``section.key`` to ``value`` (``model.name`` replaces the model's options)."""
+        section, _, key = dotted.partition(".")
+        if section not in self.SECTIONS or not key:
+            raise ConfigError(f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}")
+        if section in ("train", "cluster"):
+            self._set_field(section, key, value)
+        else:
+            table = getattr(self, section)
+            if key == "name" and value != table.get("name"):
+                table.clear()
+            table[key] = value
+        self.validate()
+
+    def apply_sets(self, assignments: Iterable[str]) -> None:
+        """Apply ``--set section.key=value`` strings; values are parsed as TOML (bare words as strings)."""
+        for item in assignments:
+            dotted, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {item!r}: expected section.key=value")
+            self.override(dotted.strip(), parse_value(raw.strip()))
+
+    # -- checks -----------------------------------------------------------
+    def _set_field(self, section: str, key: str, value: Any) -> None:
+        target = getattr(self, section)
+        fields = {f.name for f in dataclasses.fields(target)}
+        if key not in fields:
+            raise ConfigError(f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}")
+        setattr(target, key, value)
+
+    def validate(self) -> None:
+        src = self.source
+        for section in ("model", "data", "optimizer"):
+            name = getattr(self, section).get("name")
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{src}: [{section}] needs a name (a string)")
+        t = self.train
+        for key, low in _INT_KEYS.items():
+            value = getattr(t, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{src}: [train] {key} must be an integer >= {low}, got {value!r}")
+        if isinstance(t.seed, bool) or not isinstance(t.seed, int) or t.seed < 0:
+            raise ConfigError(f"{src}: [train] seed must be a non-negative integer, got {t.seed!r}")
+        if t.dtype not in DTYPES:
+            raise ConfigError(f"{src}: [train] dtype must be one of {DTYPES}, got {t.dtype!r}")
+        if not isinstance(t.device, str):
+            raise ConfigError(f"{src}: [train] device must be a string such as 'cpu' or 'cuda:0', got {t.device!r}")
+        self._validate_cluster()
+        lr = self.optimizer.get("lr")
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0):
+            raise ConfigError(f"{src}: [optimizer] lr must be a positive number, got {lr!r}")
+
+    def _validate_cluster(self) -> None:
+        src, c = self.source, self.cluster
+        if c.policy not in POLICIES:
+            raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
+        for key, low in _CLUSTER_INT_KEYS.items():
+            value = getattr(c, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{src}: [cluster] {key} must be an integer >= {low}, got {value!r}")
+        for key in _CLUSTER_TIME_KEYS:
+            value = getattr(c, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{src}: [cluster] {key} must be a positive number of seconds, got {value!r}")
+        if c.backup_workers >= c.workers:
+            raise ConfigError(f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({c.workers})")
+        if isinstance(c.servers, str):
+            c.servers = [a.strip() for a in c.servers.split(",") if a.strip()]
+        if not isinstance(c.servers, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit()
+                                                        for a in c.servers):
+            raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
+        if c.servers and len(c.servers) != c.shards:
+            raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
+        if not isinstance(c.staleness_lr, bool):
+            raise ConfigError(f"{src}: [cluster] staleness_lr must be true or false, got {c.staleness_lr!r}")
+
+    def options(self, section: str) -> dict[str, Any]:
+        """A section's options without its name."""
+        return {k: v for k, v in getattr(self, section).items() if k != "name"}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": copy.deepcopy(self.model),
+            "data": copy.deepcopy(self.data),
+            "optimizer": copy.deepcopy(self.optimizer),
+            "train": dataclasses.asdict(self.train),
+            "cluster": dataclasses.asdict(self.cluster),
+        }
+
+
+def _table(value: Any, source: str, section: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table, got {type(value).__name__}")
+    return value
+
+
+def parse_value(raw: str) -> Any:
+    """Read a command-line value as TOML (numbers, booleans, arrays); anything else is a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw

@@ -1,0 +1,23 @@
+"""Logging set-up: every line names the process (role and rank) that wrote it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def setup_logging(role: str, verbose: int = 0) -> None:
+    """Send psgd's log to stderr as ``time role[pid] LEVEL message``.
+
+    ``role`` is e.g. ``local``, ``server:1`` or ``worker:3``; ``verbose`` 0 is
+    INFO, 1 or more is DEBUG, and -1 is WARNING only.
+    """
+    level = logging.DEBUG if verbose > 0 else logging.WARNING if verbose < 0 else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    root = logging.getLogger("psgd")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

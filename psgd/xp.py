@@ -1,0 +1,162 @@
+"""The array backend: the only module in psgd that imports CuPy.
+
+Models, losses and optimizers are written once against an array module
+``xp`` (NumPy or CuPy).  This module says whether CuPy and a CUDA device are
+usable, keeps the reason when they are not, parses device names
+(``cpu``, ``cuda``, ``cuda:N``) and moves arrays between host and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+
+try:  # pragma: no cover - depends on the machine
+    import cupy as _cupy
+
+    _import_error: BaseException | None = None
+except Exception as exc:  # ImportError, or a CUDA library that fails to load
+    _cupy = None
+    _import_error = exc
+
+INSTALL_HINT = (
+    "install CuPy for your CUDA version with `pip install 'psgd[cuda12]'` "
+    "(CUDA 12) or `pip install 'psgd[cuda13]'` (CUDA 13), or run with --device cpu"
+)
+
+
+class DeviceError(RuntimeError):
+    """A device was asked for that this machine cannot provide."""
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices CuPy can see (0 when CuPy or the driver is missing)."""
+    if _cupy is None:
+        return 0
+    try:
+        return int(_cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible."""
+    return cuda_device_count() > 0
+
+
+def check_cuda_available(index: int = 0) -> None:
+    """Raise :class:`DeviceError` saying what is missing unless GPU ``index`` is usable."""
+    if _cupy is None:
+        raise DeviceError(
+            f"a CUDA device was requested but CuPy could not be imported ({_import_error}); "
+            + INSTALL_HINT
+        )
+    try:
+        count = int(_cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        raise DeviceError(
+            f"CuPy is installed but CUDA is not usable ({exc}); check the NVIDIA driver "
+            "and that CUDA_VISIBLE_DEVICES names a GPU, or run with --device cpu"
+        ) from exc
+    if count == 0:
+        raise DeviceError("CuPy is installed but no CUDA device is visible; run with --device cpu")
+    if not 0 <= index < count:
+        raise DeviceError(
+            f"cuda:{index} was requested but this machine has {count} CUDA device(s) "
+            f"(cuda:0 .. cuda:{count - 1})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Where arrays live: ``Device('cpu')`` or ``Device('cuda', n)``."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def xp(self) -> Any:
+        """The array module for this device (``numpy`` or ``cupy``)."""
+        return np if self.kind == "cpu" else _cupy
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    def use(self) -> None:
+        """Make this the current CUDA device of the calling thread (no-op on CPU)."""
+        if self.is_gpu:
+            _cupy.cuda.Device(self.index).use()
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        """``a`` as an array on this device (no copy when it is already there)."""
+        return to_device(a, self, dtype=dtype)
+
+
+CPU = Device("cpu")
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|gpu)(?::(\d+))?$")
+
+
+def get_device(spec: str | Device | None = "cpu") -> Device:
+    """Parse ``cpu``, ``cuda``, ``cuda:N`` (or ``gpu``/``gpu:N``) and check it is usable."""
+    if isinstance(spec, Device):
+        device = spec
+    else:
+        text = (spec or "cpu").strip().lower()
+        m = _DEVICE_RE.match(text)
+        if not m:
+            raise DeviceError(f"unknown device {spec!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        kind = "cpu" if m.group(1) == "cpu" else "cuda"
+        if kind == "cpu" and m.group(2) is not None:
+            raise DeviceError(f"unknown device {spec!r}: 'cpu' takes no index")
+        device = Device(kind, int(m.group(2) or 0))
+    if device.is_gpu:
+        check_cuda_available(device.index)
+    return device
+
+
+def get_array_module(*arrays: Any) -> Any:
+    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
+    if _cupy is not None:
+        return _cupy.get_array_module(*arrays)
+    return np
+
+
+def is_device_array(a: Any) -> bool:
+    return _cupy is not None and isinstance(a, _cupy.ndarray)
+
+
+def to_host(a: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """Copy ``a`` to a NumPy array (into ``out`` when given); NumPy input is returned as is."""
+    if is_device_array(a):
+        if out is not None:
+            a.get(out=out)
+            return out
+        return a.get()
+    if out is not None:
+        np.copyto(out, a)
+        return out
+    return np.asarray(a)
+
+
+def to_device(a: Any, device: Device | str = CPU, dtype: Any = None) -> Any:
+    """Put ``a`` on ``device`` (a no-op when it is already there with the right dtype)."""
+    device = get_device(device) if not isinstance(device, Device) else device
+    if not device.is_gpu:
+        return np.asarray(to_host(a), dtype=dtype)
+    with _cupy.cuda.Device(device.index):
+        return _cupy.asarray(a, dtype=dtype)
+
+
+def synchronize(device: Device) -> None:
+    """Wait for all queued work on ``device`` (no-op on CPU); use before timing GPU code."""
+    if device.is_gpu:
+        with _cupy.cuda.Device(device.index):
+            _cupy.cuda.get_current_stream().synchronize()

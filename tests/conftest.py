@@ -1,0 +1,52 @@
+"""Shared test fixtures.
+
+Tests marked ``gpu`` need CuPy and a CUDA device.  Without one they are
+skipped, unless ``PSGD_REQUIRE_GPU=1`` is set, in which case they fail: a
+GPU machine that silently skips its GPU tests proves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from psgd import xp as backend
+
+
+def gpu_required() -> bool:
+    return os.environ.get("PSGD_REQUIRE_GPU", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if backend.cuda_available() or gpu_required():
+        return  # run them: pytest_runtest_setup fails each one when the GPU is required but missing
+    skip = pytest.mark.skip(reason="no CUDA GPU with CuPy on this machine (" + _why_no_gpu() + ")")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and gpu_required() and not backend.cuda_available():
+        pytest.fail("PSGD_REQUIRE_GPU=1 but no usable CUDA GPU: " + _why_no_gpu(), pytrace=False)
+
+
+def _why_no_gpu() -> str:
+    try:
+        backend.check_cuda_available()
+    except backend.DeviceError as exc:
+        return str(exc)
+    return "unknown"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Run a test once on NumPy and once on CuPy (the latter marked ``gpu``)."""
+    return backend.get_device(request.param)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,92 @@
+"""The single-process reference trainer, end to end, through the library and the ``psgd`` command."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from psgd.cli.main import main
+from psgd.config import JobConfig
+from psgd.train import train_local
+
+
+def job(**sets):
+    j = JobConfig()
+    j.apply_sets(f"{k}={v}" for k, v in sets.items())
+    return j
+
+
+def test_mlp_reaches_97_percent_on_digits():
+    result = train_local(JobConfig(), progress=False)
+    assert result.test_accuracy >= 0.97
+    assert result.steps == 30 * (1438 // 32)
+    assert [p["step"] for p in result.history][-1] == result.steps
+
+
+def test_softmax_regression_reaches_95_percent_on_digits():
+    assert train_local(job(**{"model.name": "softmax"}), progress=False).test_accuracy >= 0.95
+
+
+def test_cnn_learns_digits():
+    result = train_local(job(**{"model.name": "cnn", "train.epochs": 4}), progress=False)
+    assert result.test_accuracy >= 0.9
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a = train_local(job(**{"train.epochs": 1}), progress=False).params
+    b = train_local(job(**{"train.epochs": 1}), progress=False).params
+    c = train_local(job(**{"train.epochs": 1, "train.seed": 1}), progress=False).params
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not all(np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_float64_and_adam_with_a_schedule():
+    result = train_local(job(**{"train.dtype": "float64", "train.epochs": 5, "optimizer.name": "adam",
+                                "optimizer.lr": 0.01, "optimizer.schedule": "cosine",
+                                "optimizer.total_steps": 220}), progress=False)
+    assert all(v.dtype == np.float64 for v in result.params.values())
+    assert result.test_accuracy >= 0.95
+
+
+def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys):
+    weights, metrics = tmp_path / "w.npz", tmp_path / "m.jsonl"
+    code = main(["train", "--epochs", "2", "--no-progress", "-q", "--json",
+                 "--save", str(weights), "--metrics", str(metrics)])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert 0.8 < summary["test_accuracy"] <= 1.0
+    with np.load(weights, allow_pickle=False) as saved:
+        assert set(saved.files) == {"dense0/W", "dense0/b", "dense1/W", "dense1/b", "dense2/W", "dense2/b"}
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["eval", "eval", "final"]
+    assert all(e["role"] == "local" for e in events)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "resnet"], "unknown model 'resnet'"),
+    (["--model", "no_such_module_xyz:Net"], "no_such_module_xyz"),
+    (["--dataset", "imagenet"], "imagenet"),
+    (["--dataset", "npz:/no/such/file.npz"], "/no/such/file.npz"),
+    (["--optimizer", "adan"], "unknown optimizer 'adan'"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--batch-size", "0"], "batch_size must be an integer >= 1"),
+    (["--set", "model.hidden=[0]"], "hidden"),
+])
+def test_cli_user_errors_are_one_line_and_exit_2(argv, words, capsys):
+    assert main(["train", "--epochs", "1", "--no-progress", "-q", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.startswith("psgd: error:") and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_job_file_and_help(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nname = "softmax"\n[train]\nepochs = 1\n')
+    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "train", "-c", str(path), "--no-progress",
+                          "-q", "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert json.loads(out)["steps"] == 1438 // 32
+    help_text = subprocess.run([sys.executable, "-m", "psgd.cli.main", "train", "--help"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout
+    for flag in ("--config", "--model", "--dataset", "--set", "--device", "--metrics"):
+        assert flag in help_text

@@ -1,0 +1,88 @@
+import pytest
+
+from psgd.config import ConfigError, JobConfig, parse_value
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_bundled_digits_mlp():
+    job = JobConfig()
+    assert job.model["name"] == "mlp" and job.data["name"] == "digits"
+    assert job.train.batch_size == 32 and job.train.device == "cpu"
+
+
+def test_file_sections_and_options(tmp_path):
+    job = JobConfig.load(write(tmp_path, """
+[model]
+name = "cnn"
+channels = [4, 8]
+[optimizer]
+lr = 0.1
+[train]
+batch_size = 16
+epochs = 2
+"""))
+    assert job.model == {"name": "cnn", "channels": [4, 8]}
+    assert job.optimizer == {"name": "momentum", "lr": 0.1}  # options merge into the default optimizer
+    assert job.options("model") == {"channels": [4, 8]}
+    assert (job.train.batch_size, job.train.epochs) == (16, 2)
+
+
+def test_overrides_and_set(tmp_path):
+    job = JobConfig()
+    job.apply_sets(["model.hidden=[256,128]", "train.epochs=3", "data.name=synthetic", "optimizer.name=adam"])
+    assert job.model["hidden"] == [256, 128] and job.train.epochs == 3
+    assert job.data == {"name": "synthetic"}
+    assert job.optimizer == {"name": "adam"}  # a new name drops the old options
+    assert parse_value("abc") == "abc" and parse_value("1e-3") == 0.001 and parse_value("true") is True
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[model\nname='mlp'", "not valid TOML"),
+    ("[modle]\nname='mlp'", "unknown section"),
+    ("[train]\nbatchsize = 4", "unknown key 'batchsize'"),
+    ("[train]\nbatch_size = 0", "batch_size must be an integer >= 1"),
+    ("[train]\nbatch_size = 'big'", "batch_size"),
+    ("[train]\ndtype = 'float16'", "dtype"),
+    ("[optimizer]\nlr = -1.0", "lr must be a positive number"),
+    ("[model]\nname = 3", "[model] needs a name"),
+    ("model = 3", "[model] must be a table"),
+    ("[cluster]\npolicy = 'bsp'", "policy must be one of sync, async, ssp"),
+    ("[cluster]\nworkers = 2\nbackup_workers = 2", "backup_workers (2) must be less than workers (2)"),
+    ("[cluster]\nshards = 2\nservers = ['127.0.0.1:1']", "lists 1 server address(es) but shards = 2"),
+    ("[cluster]\nservers = ['nohost']", "host:port"),
+    ("[cluster]\nlease_seconds = 0", "lease_seconds must be a positive number"),
+])
+def test_malformed_job_files_name_file_section_and_key(tmp_path, text, words):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        JobConfig.load(path)
+    assert words in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_and_bad_set(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        JobConfig.load(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        JobConfig().apply_sets(["epochs"])
+    with pytest.raises(ConfigError, match="cannot override"):
+        JobConfig().apply_sets(["nosuch.x=1"])
+
+
+def test_cluster_section(tmp_path):
+    job = JobConfig.load(write(tmp_path, """
+[cluster]
+policy = "ssp"
+staleness = 3
+shards = 2
+servers = ["127.0.0.1:5000", "127.0.0.1:5001"]
+"""))
+    assert job.cluster.policy == "ssp" and job.cluster.staleness == 3
+    job.override("cluster.servers", "10.0.0.1:1,10.0.0.2:2")
+    assert job.cluster.servers == ["10.0.0.1:1", "10.0.0.2:2"]
+    assert job.to_dict()["cluster"]["shards"] == 2

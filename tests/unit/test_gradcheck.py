@@ -1,0 +1,184 @@
+"""Central finite-difference checks of every layer, loss and built-in model, in float64.
+
+Each check runs on NumPy and, when a GPU is present, on CuPy (``device`` fixture):
+the analytic gradient and every function value are computed on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psgd import xp as backend
+from psgd.model import build_model
+from psgd.model.layers import Conv2D, Dense, Flatten, MaxPool2D, ReLU, Sequential
+from psgd.model.losses import mean_squared_error, softmax_cross_entropy
+
+EPS = 1e-6
+TOL = 1e-7  # observed errors are about 1e-9
+
+
+def numeric_grad(f, arrays, key):
+    """d f(arrays) / d arrays[key] by central differences (host float64 arrays)."""
+    a = arrays[key]
+    grad = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+        old = a[idx]
+        a[idx] = old + EPS
+        up = f(arrays)
+        a[idx] = old - EPS
+        down = f(arrays)
+        a[idx] = old
+        grad[idx] = (up - down) / (2 * EPS)
+    return grad
+
+
+def assert_close(analytic, numeric, what):
+    analytic = backend.to_host(analytic)
+    assert analytic.shape == numeric.shape, what
+    assert analytic.dtype == np.float64, what
+    err = np.linalg.norm(analytic - numeric) / max(np.linalg.norm(analytic) + np.linalg.norm(numeric), 1e-12)
+    assert err <= TOL, f"{what}: relative error {err:.2e}"
+
+
+def away_from_zero(rng, shape, margin=0.1):
+    """Random values with |v| >= margin, so ReLU kinks are never crossed."""
+    v = rng.uniform(margin, 1.0, size=shape)
+    return v * rng.choice([-1.0, 1.0], size=shape)
+
+
+def no_ties(rng, shape):
+    """A random permutation of well-separated values: no two inputs to a max are close."""
+    n = int(np.prod(shape))
+    return (rng.permutation(n) * 0.1 - n * 0.05).reshape(shape)
+
+
+def check_layer(device, layer, x, rng):
+    """Check dx and every variable gradient of ``layer`` on ``sum(forward(x) * r)``."""
+    host = {s.name.split("/")[-1]: rng.standard_normal(s.shape) for s in layer.specs("l", "float64")}
+    host["x"] = x
+    out, _ = layer.forward({k: device.asarray(v) for k, v in host.items() if k != "x"}, device.asarray(x))
+    r = rng.standard_normal(out.shape)
+
+    def f(arrays):
+        dev = {k: device.asarray(v) for k, v in arrays.items()}
+        out, _ = layer.forward(dev, dev["x"])
+        return float(backend.to_host((out * device.asarray(r)).sum()))
+
+    dev = {k: device.asarray(v) for k, v in host.items()}
+    out, cache = layer.forward(dev, dev["x"])
+    assert backend.get_array_module(out) is device.xp
+    dx, grads = layer.backward(dev, cache, device.asarray(r))
+    assert set(grads) == set(layer.param_names)
+    assert_close(dx, numeric_grad(f, host, "x"), f"{type(layer).__name__} dx")
+    for name, g in grads.items():
+        assert_close(g, numeric_grad(f, host, name), f"{type(layer).__name__} d{name}")
+
+
+def test_dense(device, rng):
+    check_layer(device, Dense(4, 3), rng.standard_normal((5, 4)), rng)
+
+
+def test_relu(device, rng):
+    check_layer(device, ReLU(), away_from_zero(rng, (4, 6)), rng)
+
+
+def test_flatten(device, rng):
+    check_layer(device, Flatten(), rng.standard_normal((3, 2, 2, 3)), rng)
+
+
+@pytest.mark.parametrize("padding,kernel", [("same", 3), ("valid", 3), (2, 3), (0, 2), ("same", 1)])
+def test_conv2d(device, rng, padding, kernel):
+    check_layer(device, Conv2D(2, 3, kernel, padding=padding), rng.standard_normal((2, 2, 5, 4)), rng)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4, 6), (1, 3, 5, 3)])  # even, and odd (cropped)
+def test_maxpool2d(device, rng, shape):
+    check_layer(device, MaxPool2D(), no_ties(rng, shape), rng)
+
+
+def test_sequential(device, rng):
+    net = Sequential([Conv2D(1, 2, 3), ReLU(), MaxPool2D(), Flatten(), Dense(8, 3)], "float64")
+    assert [s.name for s in net.specs()] == ["conv0/W", "conv0/b", "dense0/W", "dense0/b"]
+    host = {s.name: rng.standard_normal(s.shape) for s in net.specs()}
+    host["x"] = rng.standard_normal((2, 1, 4, 4))
+    r = rng.standard_normal((2, 3))
+
+    def f(arrays):
+        dev = {k: device.asarray(v) for k, v in arrays.items()}
+        return float(backend.to_host((net.forward(dev, dev["x"])[0] * device.asarray(r)).sum()))
+
+    dev = {k: device.asarray(v) for k, v in host.items()}
+    out, caches = net.forward(dev, dev["x"])
+    dx, grads = net.backward(dev, caches, device.asarray(r))
+    assert list(grads) == [s.name for s in net.specs()]
+    assert_close(dx, numeric_grad(f, host, "x"), "sequential dx")
+    for name, g in grads.items():
+        assert_close(g, numeric_grad(f, host, name), f"sequential d{name}")
+
+
+def check_loss(device, loss_fn, logits, target):
+    def f(arrays):
+        return loss_fn(device.asarray(arrays["z"]), device.asarray(target))[0]
+
+    loss, dz = loss_fn(device.asarray(logits), device.asarray(target))
+    assert isinstance(loss, float)
+    assert backend.get_array_module(dz) is device.xp
+    assert_close(dz, numeric_grad(f, {"z": logits.copy()}, "z"), loss_fn.__name__)
+
+
+def test_softmax_cross_entropy(device, rng):
+    logits = rng.standard_normal((5, 4)) * 3
+    y = rng.integers(0, 4, size=5)
+    check_loss(device, softmax_cross_entropy, logits, y)
+
+
+def test_softmax_cross_entropy_is_stable_and_correct(device):
+    logits = np.array([[1000.0, 0.0, -1000.0], [0.0, 0.0, 0.0]])
+    loss, dz = softmax_cross_entropy(device.asarray(logits), device.asarray(np.array([0, 2])))
+    assert np.isfinite(loss)
+    assert loss == pytest.approx(np.log(3) / 2)
+    np.testing.assert_allclose(backend.to_host(dz).sum(axis=1), 0, atol=1e-12)
+
+
+def test_mse_with_labels(device, rng):
+    outputs = rng.standard_normal((5, 4))
+    y = rng.integers(0, 4, size=5)
+    check_loss(device, lambda z, t: mean_squared_error(z, t, 4), outputs, y)
+    loss, _ = mean_squared_error(device.asarray(outputs), device.asarray(y), 4)
+    expected = ((outputs - np.eye(4)[y]) ** 2).sum(axis=1).mean()
+    assert loss == pytest.approx(expected)
+
+
+def test_mse_with_targets(device, rng):
+    check_loss(device, mean_squared_error, rng.standard_normal((3, 2)), rng.standard_normal((3, 2)))
+
+
+MODEL_CASES = [
+    ("softmax", (3, 2), {}),
+    ("mlp", (5,), {"hidden": (4, 3)}),
+    ("cnn", (2, 4, 6), {"channels": (2, 3), "kernel": 3, "hidden": 4}),
+    ("cnn", (4, 4), {"channels": (2,), "kernel": 3, "hidden": 3}),
+]
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+@pytest.mark.parametrize("name,input_shape,options", MODEL_CASES, ids=lambda v: str(v))
+def test_model(device, rng, name, input_shape, options, loss):
+    model = build_model(name, input_shape, 3, dtype="float64", loss=loss, **options)
+    host = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in model.init(seed=7).items()}  # nonzero biases
+    host["x"] = rng.standard_normal((3,) + input_shape)
+    y = np.array([0, 2, 1])
+
+    def f(arrays):
+        dev = {k: device.asarray(v) for k, v in arrays.items()}
+        return model.loss_and_grads(dev, dev["x"], device.asarray(y))[0]
+
+    dev = {k: device.asarray(v) for k, v in host.items()}
+    loss_value, grads, dx = model.loss_grads_and_dx(dev, dev["x"], device.asarray(y))
+    assert loss_value == pytest.approx(f(host), rel=1e-12)
+    assert list(grads) == [s.name for s in model.specs()]
+    assert_close(dx.reshape(host["x"].shape), numeric_grad(f, host, "x"), f"{name} dx")
+    for spec in model.specs():
+        assert backend.get_array_module(grads[spec.name]) is device.xp
+        assert_close(grads[spec.name], numeric_grad(f, host, spec.name), f"{name} d{spec.name}")
