@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import tomllib
 from pathlib import Path
@@ -214,6 +215,31 @@ class JobConfig:
             "train": dataclasses.asdict(self.train),
             "cluster": dataclasses.asdict(self.cluster),
         }
+
+
+def to_toml(doc: dict[str, dict[str, Any]]) -> str:
+    """Write a job (``JobConfig.to_dict()``) back as TOML: tables of scalars and lists of scalars."""
+    lines = []
+    for section, table in doc.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value, f'{section}.{key}')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any, where: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: {value} cannot be written to a job file")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v, where) for v in value) + "]"
+    raise ConfigError(f"{where}: a {type(value).__name__} cannot be written to a job file")
 
 
 def _table(value: Any, source: str, section: str) -> dict[str, Any]:

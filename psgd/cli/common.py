@@ -10,10 +10,16 @@ from psgd.config import ConfigError, JobConfig
 from psgd.data import DataError
 from psgd.model import ModelError
 from psgd.optim import OptimizerError
+from psgd.partition import PlanError
+from psgd.policy import PolicyError
+from psgd.cli.launch import LaunchError
+from psgd.worker.client import PSError
 from psgd.xp import DeviceError
 
 #: Errors that are the user's to fix: printed as one line, exit status 2.
-USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError)
+USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError, PlanError, PolicyError)
+#: Errors of a running cluster (unreachable shard, refused request): one line, exit status 1.
+CLUSTER_ERRORS = (PSError, LaunchError)
 
 JOB_FLAGS = {
     # flag: (dotted key, type, help)
@@ -28,24 +34,51 @@ JOB_FLAGS = {
     "--dtype": ("train.dtype", str, "float32 or float64 (default float32)"),
 }
 
+CLUSTER_FLAGS = {
+    "--policy": ("cluster.policy", str, "consistency policy: sync (BSP), async, or ssp (default sync)"),
+    "--staleness": ("cluster.staleness", int, "ssp: clocks a worker may run ahead of the slowest (default 2)"),
+    "--backup-workers": ("cluster.backup_workers", int,
+                         "sync: close each round without the last B workers' pushes (default 0)"),
+    "--shards": ("cluster.shards", int, "number of parameter-server shards (default 2)"),
+    "--workers": ("cluster.workers", int, "number of workers (default 2)"),
+    "--servers": ("cluster.servers", str, "shard addresses host:port,host:port,... in shard order"),
+    "--lease": ("cluster.lease_seconds", float,
+                "seconds a silent worker keeps its place in the round (default 10)"),
+}
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+
+def add_job_arguments(parser: argparse.ArgumentParser, cluster: bool = False) -> None:
+    """The job file and the flags that override it (with ``cluster``, the [cluster] flags too)."""
     group = parser.add_argument_group("job", "what to train; flags override the job file")
-    group.add_argument("--config", "-c", metavar="JOB.toml", help="TOML job file (sections model, data, optimizer, train)")
+    group.add_argument("--config", "-c", metavar="JOB.toml",
+                       help="TOML job file (sections model, data, optimizer, train, cluster)")
     for flag, (_, kind, text) in JOB_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=text)
     group.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override any job-file key, e.g. --set model.hidden=[256,128] (repeatable)")
+    if cluster:
+        group = parser.add_argument_group("cluster", "how the parameter-server job is laid out")
+        for flag, (_, kind, text) in CLUSTER_FLAGS.items():
+            group.add_argument(flag, type=kind, default=None, help=text)
 
 
 def job_from_args(args: argparse.Namespace) -> JobConfig:
     job = JobConfig.load(args.config) if args.config else JobConfig()
-    for flag, (dotted, _, _) in JOB_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    for flag, (dotted, _, _) in {**JOB_FLAGS, **CLUSTER_FLAGS}.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:
             job.override(dotted, value)
     job.apply_sets(args.set)
     return job
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-v: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    return -1 if args.quiet else args.verbose
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
@@ -55,6 +88,9 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except USER_ERRORS as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except CLUSTER_ERRORS as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

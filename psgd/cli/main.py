@@ -7,15 +7,20 @@ import json
 import sys
 
 from psgd import __version__
-from psgd.cli.common import add_job_arguments, job_from_args, run_command
+from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
 from psgd.logs import setup_logging
 
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
 
 commands:
+  launch   run a whole parameter-server job on this machine: K shards and N
+           workers on 127.0.0.1, progress shown, final test accuracy printed
   train    train in a single process: the reference the distributed modes are
-           checked against (bundled digits + MLP by default, ~97% in seconds)
+           checked against (bundled digits + MLP by default, ~98% in seconds)
+
+Across machines, start psgd-server (one per shard) and psgd-worker (one per
+rank) yourself with the same job file; see their --help.
 """
 
 
@@ -34,10 +39,43 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save", metavar="FILE.npz", help="save the final weights (plain .npz, no pickle)")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     train.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
-    train.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-v: debug)")
-    train.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+    add_log_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    launch = sub.add_parser(
+        "launch", help="run a parameter-server job locally (shards + workers on 127.0.0.1)",
+        description="Start K psgd-server shards and N psgd-worker processes on 127.0.0.1, show worker 0's "
+                    "progress, wait for the workers to finish, then print the test accuracy of the weights "
+                    "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "
+                    "bundled digits.")
+    add_job_arguments(launch, cluster=True)
+    launch.add_argument("--run-dir", metavar="DIR",
+                        help="folder for the job file, logs and metrics (default: a new temporary folder)")
+    launch.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                        help="stop everything and fail if the job runs longer (default 900)")
+    launch.add_argument("--no-progress", action="store_true", help="hide worker 0's progress bar")
+    launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_log_arguments(launch)
+    launch.set_defaults(func=cmd_launch)
     return parser
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from psgd.cli.launch import launch
+
+    setup_logging("launch", verbosity(args))
+    job = job_from_args(args)
+    result = launch(job, run_dir=args.run_dir, progress=not args.no_progress, timeout=args.timeout,
+                    verbose=verbosity(args))
+    c = job.cluster
+    if args.json:
+        print(json.dumps({"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
+                          "seconds": round(result.seconds, 3), "versions": result.versions,
+                          "run_dir": result.run_dir, "policy": c.policy}))
+    else:
+        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {c.policy}, "
+              f"{c.shards} shard(s), {c.workers} worker(s), {result.seconds:.1f}s; logs in {result.run_dir})")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -45,7 +83,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from psgd.train import train_local
 
-    setup_logging("local", -1 if args.quiet else args.verbose)
+    setup_logging("local", verbosity(args))
     job = job_from_args(args)
     result = train_local(job, progress=not args.no_progress, metrics_path=args.metrics)
     if args.save:

@@ -86,3 +86,15 @@ servers = ["127.0.0.1:5000", "127.0.0.1:5001"]
     job.override("cluster.servers", "10.0.0.1:1,10.0.0.2:2")
     assert job.cluster.servers == ["10.0.0.1:1", "10.0.0.2:2"]
     assert job.to_dict()["cluster"]["shards"] == 2
+
+
+def test_job_written_as_toml_reads_back_the_same(tmp_path):
+    from psgd.config import to_toml
+
+    job = JobConfig()
+    job.apply_sets(["model.hidden=[256, 128]", 'data.name="synthetic"', "data.n_train=500",
+                    "optimizer.lr=0.125", "cluster.policy=ssp", "cluster.staleness_lr=true",
+                    'cluster.servers=["127.0.0.1:1", "127.0.0.1:2"]', 'train.device="cpu"'])
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    assert JobConfig.load(path).to_dict() == job.to_dict()

@@ -1,0 +1,93 @@
+"""``psgd-server``: serve one parameter-server shard of a job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
+from psgd.config import ConfigError
+from psgd.logs import setup_logging
+
+log = logging.getLogger("psgd.cli.server")
+
+DESCRIPTION = """\
+Serve shard K of a parameter-server job: hold that shard's slices of the
+model's variables, answer workers' pulls and apply their pushes under the
+job's consistency policy (sync, async or ssp).
+
+Every process of a job reads the same job file; a worker built from another
+model, dtype or shard count is refused when it registers.
+
+examples:
+  psgd-server -c job.toml --shard 0 --bind 127.0.0.1:50051
+  psgd-server --shards 1 --workers 4 --policy ssp --staleness 3 --bind 127.0.0.1:50051
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="psgd-server", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shard", type=int, default=0, help="which shard this process serves, 0..shards-1 (default 0)")
+    parser.add_argument("--bind", metavar="HOST:PORT",
+                        help="address to listen on (default: this shard's entry in [cluster] servers, "
+                             "else 127.0.0.1 with a free port); never all interfaces unless you name 0.0.0.0")
+    parser.add_argument("--port-file", metavar="FILE", help="write the address actually bound to FILE once serving")
+    parser.add_argument("--exit-when-done", action="store_true",
+                        help="exit once every worker has finished or been dropped")
+    add_job_arguments(parser, cluster=True)
+    add_log_arguments(parser)
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from psgd.server import build_shard
+    from psgd.server.service import ShardServer
+
+    job = job_from_args(args)
+    setup_logging(f"server:{args.shard}", verbosity(args))
+    bind = args.bind
+    if bind is None:
+        bind = job.cluster.servers[args.shard] if args.shard < len(job.cluster.servers) else "127.0.0.1:0"
+    if ":" not in bind:
+        raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
+    core = build_shard(job, args.shard)
+    try:
+        server = ShardServer(core, bind, max_wait=job.cluster.request_timeout).start()
+    except (OSError, RuntimeError) as exc:
+        raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(server.address + "\n")
+        os.replace(tmp, args.port_file)
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.is_set():
+        if args.exit_when_done and server.wait_finished(timeout=0.5):
+            log.info("every worker has finished: stopping")
+            break
+        stop.wait(0.5)
+    server.stop(grace=5.0)
+    log.info("stopped at version %d", core.version)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command("psgd-server", lambda: serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""async: every push is applied on arrival; pulls never wait."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from psgd.policy.base import APPLY, DUPLICATE, Policy, PushDecision
+
+
+class AsyncPolicy(Policy):
+    """Applies every push whose clock is at least the worker's clock (gaps allowed).
+
+    A push below the worker's clock was seen before (a retry): it is a
+    ``duplicate``, so a retried push is applied once.
+    """
+
+    name: ClassVar[str] = "async"
+    _COUNTERS: ClassVar[tuple[str, ...]] = ("pushes_applied", "duplicates", "late", "rejected")
+
+    def __init__(self, num_workers: int):
+        super().__init__(num_workers)
+        self._clocks = [0] * self.num_workers
+
+    def join(self, worker: int) -> int:
+        worker = self._check_worker(worker)
+        self._live.add(worker)
+        return self._clocks[worker]
+
+    def leave(self, worker: int) -> tuple[int, ...]:
+        self._live.discard(self._check_worker(worker))
+        return ()
+
+    def push(self, worker: int, clock: int) -> PushDecision:
+        problem = self._push_problem(worker, clock)
+        if problem is not None:
+            return problem
+        worker, clock = int(worker), int(clock)
+        if clock < self._clocks[worker]:
+            self._counters["duplicates"] += 1
+            return PushDecision(DUPLICATE, next_clock=self._clocks[worker],
+                                reason=f"worker {worker} already pushed clock {clock}: "
+                                       f"it is at clock {self._clocks[worker]}")
+        self._clocks[worker] = clock + 1
+        self._counters["pushes_applied"] += 1
+        return PushDecision(APPLY, next_clock=clock + 1)
+
+    def pull_ready(self, worker: int, clock: int) -> bool:
+        self._check_worker(worker)
+        self._check_clock(clock)
+        return True
+
+    def clock_of(self, worker: int) -> int:
+        return self._clocks[self._check_worker(worker)]
+
+    def _state(self) -> dict[str, Any]:
+        return {"clocks": list(self._clocks)}
+
+    def _check_state(self, d: dict[str, Any]):
+        clocks = self._int_list(d, "clocks", 0)
+
+        def restore() -> None:
+            self._clocks = clocks
+        return restore

@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    plan_hash: str
+    plan_json: str
+    hostname: str
+    pid: int
+    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    clock: int
+    lease_seconds: float
+    shard: int
+    num_shards: int
+    num_workers: int
+    policy: str
+    incarnation: str
+    version: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker_id", "clock")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("slice_id", "offset", "data", "version")
+    SLICE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    slice_id: int
+    offset: int
+    data: bytes
+    version: int
+    def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "clock", "base_version", "dtype")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    clock: int
+    base_version: int
+    dtype: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("outcome", "next_clock", "version", "staleness")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    next_clock: int
+    version: int
+    staleness: int
+    def __init__(self, outcome: _Optional[str] = ..., next_clock: _Optional[int] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "clock")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("lease_seconds", "version")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    version: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DoneRequest(_message.Message):
+    __slots__ = ("worker_id", "clock")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class DoneReply(_message.Message):
+    __slots__ = ("live_workers",)
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    live_workers: int
+    def __init__(self, live_workers: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "state", "clock", "lease_left_seconds", "hostname", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    state: str
+    clock: int
+    lease_left_seconds: float
+    hostname: str
+    pid: int
+    def __init__(self, worker_id: _Optional[int] = ..., state: _Optional[str] = ..., clock: _Optional[int] = ..., lease_left_seconds: _Optional[float] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    policy: str
+    version: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    plan_hash: str
+    bytes_held: int
+    counters_json: str
+    staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
+    incarnation: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,364 @@
+"""A parameter-server shard without any transport: store + policy + optimizer.
+
+The gRPC servicer is a thin adapter over :class:`ShardCore`; tests drive the
+core directly.  Every failure is a :class:`ShardError` carrying the name of
+the gRPC status code it maps to, and a message that says what to do.
+
+Locking: one lock guards weights, policy and leases; pulls wait on a
+condition variable until the policy lets them through, never longer than their
+timeout.  Updates are applied under the lock, so a pull sees whole versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from psgd.optim import Optimizer
+from psgd.partition import PartitionPlan, Slice, plan_differences
+from psgd.policy import Policy
+
+log = logging.getLogger(__name__)
+
+STALENESS_BUCKETS = 16  # histogram entries 0..14 exact, the last counts 15 and more
+
+
+class ShardError(Exception):
+    """A request the shard refuses: ``code`` names a ``grpc.StatusCode``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    state: str = "pending"  # pending (expected, not yet registered), live, done, expired
+    deadline: float = 0.0   # lease (or join) deadline, on the core's clock
+    clock: int = 0
+    hostname: str = ""
+    pid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    outcome: str  # applied, accumulated, duplicate, late
+    next_clock: int
+    version: int
+    staleness: int
+
+
+class PushAssembler:
+    """Collects one push's chunks into complete, validated gradient arrays.
+
+    Chunks of a slice must arrive in order and cover it exactly; the declared
+    dtype must be the plan's.  Sizes come from the plan, never from the
+    request, so a hostile push cannot make the shard allocate more than the
+    slices it holds.
+    """
+
+    def __init__(self, slices: Mapping[int, Slice], dtype: str):
+        self.slices = slices
+        self.dtype = dtype
+        self._buffers: dict[int, bytearray] = {}
+        self._received: dict[int, int] = {}
+
+    def check_dtype(self, dtype: str) -> None:
+        if dtype != self.dtype:
+            raise ShardError("INVALID_ARGUMENT", f"gradient dtype {dtype or '(none)'!r} does not match the "
+                             f"model's {self.dtype!r}: worker and server must use the same dtype")
+
+    def add(self, slice_id: int, offset: int, data: bytes) -> None:
+        sl = self.slices.get(slice_id)
+        if sl is None:
+            raise ShardError("NOT_FOUND", f"slice {slice_id} is not held by this shard: "
+                             "is the worker using the same partition plan?")
+        got = self._received.get(slice_id, 0)
+        if offset != got:
+            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}): chunk at byte {offset}, "
+                             f"expected {got} (chunks must arrive in order, without gaps)")
+        end = offset + len(data)
+        if end > sl.nbytes:
+            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}) holds {sl.nbytes} bytes, "
+                             f"the push sent {end} or more: wrong shape or dtype")
+        buf = self._buffers.get(slice_id)
+        if buf is None:
+            buf = self._buffers[slice_id] = bytearray(sl.nbytes)
+        buf[offset:end] = data
+        self._received[slice_id] = end
+
+    def finish(self) -> dict[int, np.ndarray]:
+        missing = [f"{sl.key} ({self._received.get(i, 0)} of {sl.nbytes} bytes)"
+                   for i, sl in self.slices.items() if self._received.get(i, 0) != sl.nbytes]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ShardError("INVALID_ARGUMENT", f"incomplete push: {', '.join(missing[:3])}{more}")
+        return {i: np.frombuffer(buf, dtype=self.dtype) for i, buf in self._buffers.items()}
+
+
+class ShardCore:
+    """Shard ``shard`` of a job: its slices' weights, the policy and the optimizer."""
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        shard: int,
+        values: Mapping[int, np.ndarray],
+        optimizer: Optimizer,
+        policy: Policy,
+        *,
+        num_workers: int,
+        lease_seconds: float = 10.0,
+        join_timeout: float = 120.0,
+        staleness_lr: bool = False,
+        allow_nonfinite: bool = False,
+        now: Callable[[], float] = time.monotonic,
+    ):
+        self.plan, self.shard = plan, shard
+        self.slices = {s.id: s for s in plan.slices_for_shard(shard)}
+        dtypes = {s.dtype for s in plan.specs}
+        if len(dtypes) != 1:
+            raise ValueError(f"all variables must share one dtype, got {sorted(dtypes)}")
+        self.dtype = dtypes.pop()
+        if set(values) != set(self.slices):
+            raise ValueError("initial values must cover exactly this shard's slices")
+        self.weights = {i: np.array(values[i], dtype=self.dtype).reshape(-1) for i in self.slices}
+        self.optimizer, self.policy = optimizer, policy
+        self.num_workers = num_workers
+        self.lease_seconds, self.join_timeout = lease_seconds, join_timeout
+        self.staleness_lr, self.allow_nonfinite = staleness_lr, allow_nonfinite
+        self._now = now
+        self.version = 0
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        start = now()
+        self.workers = {w: WorkerInfo(deadline=start + join_timeout) for w in range(num_workers)}
+        self._round_sum = {i: np.zeros_like(w) for i, w in self.weights.items()}
+        self._round_bases: list[int] = []
+        self._snapshot: tuple[int, dict[int, bytes]] | None = None
+        self.staleness_histogram = [0] * STALENESS_BUCKETS
+        self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
+                         "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
+        self.closing = False
+
+    # -- helpers ------------------------------------------------------------
+    def assembler(self) -> PushAssembler:
+        return PushAssembler(self.slices, self.dtype)
+
+    def _check_worker(self, worker: int) -> None:
+        if not 0 <= worker < self.num_workers:
+            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} is out of range: this job has "
+                             f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}")
+
+    def _require_live(self, worker: int) -> WorkerInfo:
+        info = self.workers[worker]
+        if info.state != "live":
+            raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
+                             f"(state: {info.state}); it must register again")
+        info.deadline = self._now() + self.lease_seconds
+        return info
+
+    def _record_staleness(self, staleness: int) -> None:
+        self.staleness_histogram[min(max(staleness, 0), STALENESS_BUCKETS - 1)] += 1
+
+    def _apply(self, grads: Mapping[int, np.ndarray], lr_scale: float) -> None:
+        for i, grad in grads.items():
+            self.optimizer.update(self.slices[i].key, self.weights[i], grad, lr_scale=lr_scale)
+        self.version += 1
+        self.counters["applied"] += 1
+
+    def _close_rounds(self, rounds: Iterable[int]) -> None:
+        for _ in rounds:
+            count = len(self._round_bases)
+            if count == 0:
+                continue
+            for acc in self._round_sum.values():
+                acc *= 1.0 / count
+            for base in self._round_bases:
+                self._record_staleness(self.version - base)
+            self._apply(self._round_sum, 1.0)
+            for acc in self._round_sum.values():
+                acc.fill(0)
+            self._round_bases.clear()
+        self.changed.notify_all()
+
+    # -- requests -----------------------------------------------------------------
+    def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0) -> int:
+        """(Re)join ``worker``; returns the clock it continues from."""
+        self._check_worker(worker)
+        if plan_hash != self.plan.hash:
+            try:
+                why = plan_differences(json.loads(plan_json), self.plan.description())
+            except (ValueError, TypeError, AttributeError):
+                why = ""
+            raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from "
+                             f"shard {self.shard}'s {self.plan.hash!r}" + (f": {why}" if why else "") +
+                             "; start every process from the same job file")
+        with self.lock:
+            info = self.workers[worker]
+            clock = self.policy.join(worker)
+            info.state, info.clock, info.hostname, info.pid = "live", clock, hostname, pid
+            info.deadline = self._now() + self.lease_seconds
+            self.changed.notify_all()
+        log.info("shard %d: worker %d registered (%s pid %d), continues at clock %d",
+                 self.shard, worker, hostname or "?", pid, clock)
+        return clock
+
+    def pull(self, worker: int, clock: int, timeout: float) -> tuple[int, dict[int, bytes]]:
+        """Wait until the policy allows it, then return (version, bytes of every slice)."""
+        if worker != -1:
+            self._check_worker(worker)
+            if clock < 0:
+                raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self.lock:
+            if worker != -1:
+                self._require_live(worker)
+                while not self.policy.pull_ready(worker, clock):
+                    if self.closing:
+                        raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ShardError("DEADLINE_EXCEEDED", self._why_waiting(worker, clock, timeout))
+                    self.changed.wait(min(left, 1.0))
+                    self._require_live(worker)
+            self.counters["pulls"] += 1
+            if self._snapshot is None or self._snapshot[0] != self.version:
+                self._snapshot = (self.version, {i: w.tobytes() for i, w in self.weights.items()})
+            version, data = self._snapshot
+            self.counters["bytes_out"] += sum(len(b) for b in data.values())
+        return version, data
+
+    def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
+        slow = sorted((w, i.clock) for w, i in self.workers.items()
+                      if i.state in ("live", "pending") and w != worker)
+        waiting = ", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none"
+        return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
+                f"other workers still expected: {waiting}")
+
+    def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray]) -> PushResult:
+        """Apply, accumulate or drop one gradient for every slice of this shard, as the policy says."""
+        self._check_worker(worker)
+        if clock < 0 or base_version < 0:
+            raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
+        if set(grads) != set(self.slices):
+            raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
+        if not self.allow_nonfinite:
+            for i, g in grads.items():
+                bad = int(g.size - np.count_nonzero(np.isfinite(g)))
+                if bad:
+                    raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "
+                                     f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
+        with self.lock:
+            if base_version > self.version:
+                raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
+                                 f"{self.shard}'s version {self.version}")
+            info = self._require_live(worker)
+            self.counters["pushes"] += 1
+            decision = self.policy.push(worker, clock)
+            staleness = self.version - base_version
+            action = decision.action
+            if action == "reject":
+                self.counters["rejected"] += 1
+                raise ShardError("FAILED_PRECONDITION", f"push from worker {worker} at clock {clock} refused: "
+                                 f"{decision.reason}")
+            self.counters["bytes_in"] += sum(g.nbytes for g in grads.values())
+            info.clock = max(info.clock, decision.next_clock)
+            if action == "apply":
+                self._record_staleness(staleness)
+                scale = 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+                self._apply(grads, scale)
+                self.changed.notify_all()
+                outcome = "applied"
+            elif action == "accumulate":
+                for i, g in grads.items():
+                    self._round_sum[i] += g
+                self._round_bases.append(base_version)
+                self.counters["accumulated"] += 1
+                self._close_rounds(decision.closed_rounds)
+                outcome = "accumulated"
+            elif action == "duplicate":
+                self.counters["duplicates"] += 1
+                outcome = "duplicate"
+            else:
+                self.counters["late"] += 1
+                outcome = "late"
+            return PushResult(outcome, decision.next_clock, self.version, staleness)
+
+    def heartbeat(self, worker: int, clock: int) -> None:
+        self._check_worker(worker)
+        with self.lock:
+            self._require_live(worker)
+
+    def done(self, worker: int, clock: int) -> int:
+        """``worker`` has finished; returns how many workers are still live."""
+        self._check_worker(worker)
+        with self.lock:
+            info = self.workers[worker]
+            if info.state == "live":
+                info.state = "done"
+                info.clock = max(info.clock, clock)
+                self._close_rounds(self.policy.leave(worker))
+                log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
+            self.changed.notify_all()
+            return sum(1 for i in self.workers.values() if i.state == "live")
+
+    def expire_leases(self) -> list[int]:
+        """Drop workers whose lease (or join deadline) has passed; returns their ids."""
+        now = self._now()
+        expired = []
+        with self.lock:
+            for w, info in self.workers.items():
+                if info.state in ("pending", "live") and now > info.deadline:
+                    was = info.state
+                    info.state = "expired"
+                    self.counters["expired"] += 1
+                    expired.append(w)
+                    self._close_rounds(self.policy.leave(w))
+                    limit = self.join_timeout if was == "pending" else self.lease_seconds
+                    log.warning("shard %d: worker %d %s within %.1fs: dropped from the round; it may register "
+                                "again", self.shard, w, "did not register" if was == "pending" else
+                                "missed its lease", limit)
+            if expired:
+                self.changed.notify_all()
+        return expired
+
+    def finished(self) -> bool:
+        """True once no worker is pending or live (all done or expired)."""
+        with self.lock:
+            return all(i.state in ("done", "expired") for i in self.workers.values())
+
+    def wait_changed(self, timeout: float) -> None:
+        with self.lock:
+            self.changed.wait(timeout)
+
+    def close(self) -> None:
+        """Wake every waiting pull so that it ends with UNAVAILABLE."""
+        with self.lock:
+            self.closing = True
+            self.changed.notify_all()
+
+    def status(self) -> dict:
+        now = self._now()
+        with self.lock:
+            return {
+                "shard": self.shard, "num_shards": self.plan.num_shards, "policy": self.policy.name,
+                "version": self.version, "plan_hash": self.plan.hash,
+                "bytes_held": int(sum(w.nbytes for w in self.weights.values())),
+                "workers": [{"worker_id": w, "state": i.state, "clock": i.clock,
+                             "lease_left_seconds": i.deadline - now, "hostname": i.hostname, "pid": i.pid}
+                            for w, i in sorted(self.workers.items())],
+                "counters": {**self.counters, "policy": self.policy.describe()},
+                "staleness_histogram": list(self.staleness_histogram),
+            }
+
+    def weights_by_var(self) -> Iterator[tuple[Slice, np.ndarray]]:
+        for i, w in self.weights.items():
+            yield self.slices[i], w

@@ -1,0 +1,166 @@
+"""The gRPC face of a shard: a thin servicer over :class:`ShardCore`, health checking, lease reaper.
+
+``ShardServer(core, bind)`` builds the server (port 0 picks a free port);
+``start()`` serves, ``stop()`` reports NOT_SERVING, wakes waiting pulls and
+stops within a grace period.  Tests and the ``psgd-server`` command share it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.server.core import ShardCore, ShardError
+from psgd.wire import CHANNEL_OPTIONS, chunks
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "psgd.v1.ParameterServer"
+
+
+def _abort(context: grpc.ServicerContext, err: ShardError):
+    context.abort(getattr(grpc.StatusCode, err.code), err.message)
+
+
+def _remaining(context: grpc.ServicerContext, cap: float) -> float:
+    left = context.time_remaining()
+    return cap if left is None else max(0.0, min(cap, left - 0.05))
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    """Maps RPCs onto the core; every ShardError becomes its status code."""
+
+    def __init__(self, core: ShardCore, incarnation: str, max_wait: float):
+        self.core, self.incarnation, self.max_wait = core, incarnation, max_wait
+
+    def Register(self, request, context):
+        try:
+            clock = self.core.register(request.worker_id, request.plan_hash, request.plan_json,
+                                       request.hostname, request.pid)
+        except ShardError as err:
+            _abort(context, err)
+        core = self.core
+        return ps_pb2.RegisterReply(
+            worker_id=request.worker_id, clock=clock, lease_seconds=core.lease_seconds, shard=core.shard,
+            num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
+            incarnation=self.incarnation, version=core.version)
+
+    def Pull(self, request, context):
+        try:
+            version, data = self.core.pull(request.worker_id, request.clock, _remaining(context, self.max_wait))
+        except ShardError as err:
+            _abort(context, err)
+        for slice_id, payload in data.items():
+            for offset, piece in chunks(payload):
+                yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece), version=version)
+
+    def Push(self, request_iterator, context):
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise ShardError("INVALID_ARGUMENT", "a push must start with a header")
+            header = first.header
+            self.core._check_worker(header.worker_id)
+            assembler = self.core.assembler()
+            assembler.check_dtype(header.dtype)
+            for message in request_iterator:
+                if message.WhichOneof("kind") != "chunk":
+                    raise ShardError("INVALID_ARGUMENT", "a push has exactly one header, at the start")
+                chunk = message.chunk
+                assembler.add(chunk.slice_id, chunk.offset, chunk.data)
+            result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish())
+        except ShardError as err:
+            _abort(context, err)
+        return ps_pb2.PushReply(outcome=result.outcome, next_clock=result.next_clock, version=result.version,
+                                staleness=result.staleness)
+
+    def Heartbeat(self, request, context):
+        try:
+            self.core.heartbeat(request.worker_id, request.clock)
+        except ShardError as err:
+            _abort(context, err)
+        return ps_pb2.HeartbeatReply(lease_seconds=self.core.lease_seconds, version=self.core.version)
+
+    def Done(self, request, context):
+        try:
+            live = self.core.done(request.worker_id, request.clock)
+        except ShardError as err:
+            _abort(context, err)
+        return ps_pb2.DoneReply(live_workers=live)
+
+    def Status(self, request, context):
+        s = self.core.status()
+        return ps_pb2.StatusReply(
+            shard=s["shard"], num_shards=s["num_shards"], policy=s["policy"], version=s["version"],
+            workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],
+            bytes_held=s["bytes_held"], counters_json=json.dumps(s["counters"]),
+            staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation)
+
+
+class ShardServer:
+    """A shard served over gRPC, with health checking and a lease reaper thread."""
+
+    def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, max_wait: float = 60.0,
+                 threads: int | None = None):
+        self.core = core
+        self.incarnation = uuid.uuid4().hex[:12]
+        threads = threads or max(16, 4 * core.num_workers + 8)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
+                                                             thread_name_prefix=f"shard{core.shard}"),
+                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(
+            ParameterServerServicer(core, self.incarnation, max_wait), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        host = bind.rpartition(":")[0]
+        self.port = self.server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {bind}: the address is in use or not on this machine; "
+                          "pick another port or bind address")
+        self.address = f"{host}:{self.port}"
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name=f"shard{core.shard}-leases", daemon=True)
+
+    def start(self) -> "ShardServer":
+        self.server.start()
+        self._reaper.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("shard %d of %d serving on %s (policy %s, %d workers, %d slices, %.1f MB)",
+                 self.core.shard, self.core.plan.num_shards, self.address, self.core.policy.name,
+                 self.core.num_workers, len(self.core.slices),
+                 sum(w.nbytes for w in self.core.weights.values()) / 1e6)
+        return self
+
+    def _reap(self) -> None:
+        period = max(0.05, min(1.0, self.core.lease_seconds / 4))
+        while not self._stop.wait(period):
+            self.core.expire_leases()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until every worker is done or expired (or ``timeout``); True when finished."""
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.core.finished():
+            if self._stop.is_set():
+                return False
+            left = 1.0 if end is None else min(1.0, end - time.monotonic())
+            if left <= 0:
+                return False
+            self.core.wait_changed(left)
+        return True
+
+    def stop(self, grace: float = 5.0) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._stop.set()
+        self.core.close()
+        self.server.stop(grace).wait(grace + 1)

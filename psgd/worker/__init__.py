@@ -1,0 +1,5 @@
+"""Parameter-server workers: the client to the shards and the training loop."""
+
+from psgd.worker.client import PSClient, PSError, fetch_weights
+
+__all__ = ["PSClient", "PSError", "fetch_weights"]

@@ -1,0 +1,222 @@
+"""The worker's client to every shard: one channel each, calls in parallel, bounded retries.
+
+Pulls write straight into preallocated host arrays (one per variable); pushes
+stream each slice's bytes in chunks from views of the gradient arrays, so no
+model-sized buffer is built per step on the client.  Transient failures
+(UNAVAILABLE, DEADLINE_EXCEEDED) are retried with jittered exponential
+backoff inside one overall deadline; anything else fails at once with the
+shard's address and the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
+
+import grpc
+import numpy as np
+
+from psgd.partition import PartitionPlan
+from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.wire import CHANNEL_OPTIONS, chunks
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class PSError(RuntimeError):
+    """A call to a shard failed for good; the message names the address and what was tried."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class PSClient:
+    """Talks to all shards of one job on behalf of worker ``worker_id`` (-1: an observer)."""
+
+    def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = -1, *,
+                 request_timeout: float = 60.0, retry_deadline: float | None = None):
+        if len(addresses) != plan.num_shards:
+            raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
+        self.addresses = list(addresses)
+        self.plan, self.worker_id = plan, worker_id
+        self.request_timeout = request_timeout
+        self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
+        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
+        self.stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self.channels]
+        self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
+        self.versions = [0] * plan.num_shards
+        self.lease_seconds = 10.0
+        self._pool = futures.ThreadPoolExecutor(max_workers=plan.num_shards, thread_name_prefix="ps-client")
+        self._beat_stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self.clock = 0
+
+    # -- plumbing ------------------------------------------------------------
+    def _retrying(self, shard: int, what: str, call: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.retry_deadline
+        delay, attempt = 0.05, 0
+        while True:
+            attempt += 1
+            try:
+                return call()
+            except grpc.RpcError as err:
+                code = err.code()
+                left = deadline - time.monotonic()
+                if code not in RETRYABLE or left <= 0:
+                    tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if code in RETRYABLE else ""
+                    raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
+                                  f"{code.name}: {err.details()}", code) from None
+                pause = min(left, delay * (0.5 + random.random()))
+                log.debug("%s on shard %d: %s, retrying in %.2fs", what, shard, code.name, pause)
+                time.sleep(pause)  # backoff between attempts, not synchronization
+                delay = min(delay * 2, 2.0)
+
+    def _on_all(self, fn: Callable[[int], T]) -> list[T]:
+        jobs = [self._pool.submit(fn, k) for k in range(self.plan.num_shards)]
+        return [j.result() for j in jobs]
+
+    # -- calls --------------------------------------------------------------------
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until every shard accepts connections, or fail naming the ones that do not."""
+        def one(k: int) -> str | None:
+            try:
+                grpc.channel_ready_future(self.channels[k]).result(timeout=timeout)
+                return None
+            except grpc.FutureTimeoutError:
+                return self.addresses[k]
+
+        missing = [a for a in self._on_all(one) if a]
+        if missing:
+            raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is psgd-server "
+                          "running there, and is the address and port right?", grpc.StatusCode.UNAVAILABLE)
+
+    def register(self) -> int:
+        """Join every shard; returns the clock to continue from (the largest any shard reports)."""
+        request = ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
+                                         plan_json=json.dumps(self.plan.description()),
+                                         hostname=socket.gethostname(), pid=os.getpid())
+
+        def one(k: int) -> ps_pb2.RegisterReply:
+            return self._retrying(k, "register", lambda: self.stubs[k].Register(request, timeout=self.request_timeout))
+
+        replies = self._on_all(one)
+        self.lease_seconds = min(r.lease_seconds for r in replies)
+        self.versions = [r.version for r in replies]
+        self.clock = max(r.clock for r in replies)
+        return self.clock
+
+    def pull(self, clock: int, out: Mapping[str, np.ndarray]) -> list[int]:
+        """Fill ``out`` (one host array per variable) with every shard's weights; returns shard versions."""
+        flat = {name: a.reshape(-1) for name, a in out.items()}
+        request = ps_pb2.PullRequest(worker_id=self.worker_id, clock=clock)
+
+        def one(k: int) -> int:
+            def call() -> int:
+                slices = {s.id: s for s in self.shard_slices[k]}
+                got = dict.fromkeys(slices, 0)
+                version = 0
+                for chunk in self.stubs[k].Pull(request, timeout=self.request_timeout):
+                    sl = slices.get(chunk.slice_id)
+                    if sl is None:
+                        raise PSError(f"shard {k} at {self.addresses[k]} sent slice {chunk.slice_id}, which the "
+                                      "plan does not place there")
+                    item = np.dtype(sl.dtype).itemsize
+                    values = np.frombuffer(chunk.data, dtype=sl.dtype)
+                    begin = sl.start + chunk.offset // item
+                    if chunk.offset % item or begin + len(values) > sl.stop:
+                        raise PSError(f"shard {k} sent a malformed chunk for slice {sl.key}")
+                    flat[sl.var][begin:begin + len(values)] = values
+                    got[sl.id] += len(chunk.data)
+                    version = chunk.version
+                short = [slices[i].key for i, n in got.items() if n != slices[i].nbytes]
+                if short:
+                    raise PSError(f"shard {k} at {self.addresses[k]} sent incomplete slices: {', '.join(short[:3])}")
+                return version
+
+            return self._retrying(k, f"pull (clock {clock})", call)
+
+        self.versions = self._on_all(one)
+        return self.versions
+
+    def push(self, clock: int, grads: Mapping[str, np.ndarray]) -> list[ps_pb2.PushReply]:
+        """Send every shard its slices of ``grads``; a retried push is applied once by the shard."""
+        flat = {name: np.ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
+
+        def one(k: int) -> ps_pb2.PushReply:
+            slices = self.shard_slices[k]
+            dtype = slices[0].dtype if slices else "float32"
+            header = ps_pb2.PushHeader(worker_id=self.worker_id, clock=clock, base_version=self.versions[k],
+                                       dtype=dtype)
+
+            def messages() -> Iterator[ps_pb2.PushMessage]:
+                yield ps_pb2.PushMessage(header=header)
+                for sl in slices:
+                    view = flat[sl.var][sl.start:sl.stop]
+                    if view.dtype != np.dtype(sl.dtype):
+                        raise PSError(f"gradient {sl.var} is {view.dtype}, the model's variable is {sl.dtype}")
+                    for offset, piece in chunks(view):
+                        yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset,
+                                                                          data=bytes(piece)))
+
+            return self._retrying(k, f"push (clock {clock})",
+                                  lambda: self.stubs[k].Push(messages(), timeout=self.request_timeout))
+
+        return self._on_all(one)
+
+    def done(self) -> None:
+        request = ps_pb2.DoneRequest(worker_id=self.worker_id, clock=self.clock)
+        self._on_all(lambda k: self._retrying(k, "done", lambda: self.stubs[k].Done(request, timeout=self.request_timeout)))
+
+    def status(self) -> list[ps_pb2.StatusReply]:
+        return self._on_all(lambda k: self._retrying(
+            k, "status", lambda: self.stubs[k].Status(ps_pb2.StatusRequest(), timeout=self.request_timeout)))
+
+    # -- leases ---------------------------------------------------------------------
+    def start_heartbeats(self) -> None:
+        """Renew the lease on every shard from a background thread, three times per lease."""
+        if self._beat is not None:
+            return
+        self._beat = threading.Thread(target=self._heartbeats, name="ps-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeats(self) -> None:
+        while not self._beat_stop.wait(self.lease_seconds / 3):
+            for k, stub in enumerate(self.stubs):
+                try:
+                    stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id, clock=self.clock),
+                                   timeout=max(1.0, self.lease_seconds / 3))
+                except grpc.RpcError as err:
+                    log.warning("heartbeat to shard %d at %s failed: %s", k, self.addresses[k], err.code().name)
+
+    def close(self) -> None:
+        self._beat_stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self.channels:
+            ch.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, timeout: float = 60.0) -> dict[str, np.ndarray]:
+    """The current weights of a running job, read as an observer (never waits for a round)."""
+    out = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
+    with PSClient(addresses, plan, -1, request_timeout=timeout) as client:
+        client.pull(0, out)
+    return out

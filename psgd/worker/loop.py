@@ -1,0 +1,113 @@
+"""The worker's training loop: pull, compute on its data shard, push; evaluate now and then."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+
+from psgd import data as datasets
+from psgd import xp as backend
+from psgd.config import JobConfig
+from psgd.metrics import MetricsLog, progress_bar
+from psgd.partition import PartitionPlan
+from psgd.train import build_job, evaluate
+from psgd.worker.client import PSClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WorkerResult:
+    rank: int
+    steps: int          # steps this worker computed
+    final_clock: int
+    seconds: float
+    last_loss: float
+    history: list[dict]
+    outcomes: dict[str, int]
+
+
+def run_worker(
+    job: JobConfig,
+    rank: int,
+    addresses: Sequence[str],
+    *,
+    dataset: datasets.Dataset | None = None,
+    progress: bool = True,
+    metrics_path: str | None = None,
+    evaluate_every: int | None = None,
+    step_delay: float = 0.0,
+) -> WorkerResult:
+    """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
+
+    ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
+    others) evaluates the pulled weights on the test split.  ``step_delay``
+    adds seconds to every step, to play a slow machine in experiments.
+    """
+    built = build_job(job, dataset)
+    ds, model, device = built.dataset, built.model, built.device
+    c, t = job.cluster, job.train
+    if not 0 <= rank < c.workers:
+        raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
+    batches = datasets.ShardedBatches(ds.x_train, ds.y_train, rank=rank, world=c.workers,
+                                      batch_size=t.batch_size, seed=t.seed)
+    spe = batches.steps_per_epoch
+    total = spe * t.epochs
+    if evaluate_every is None:
+        evaluate_every = (t.eval_every or spe) if rank == 0 else 0
+    plan = PartitionPlan(model.specs(), c.shards, c.slice_bytes)
+    host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
+    metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
+    outcomes: dict[str, int] = {}
+    history: list[dict] = []
+
+    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout) as client:
+        client.wait_ready(c.join_timeout)
+        clock = client.register()
+        client.start_heartbeats()
+        log.info("worker %d of %d: %d steps of batch %d (%d per epoch), starting at clock %d, %s",
+                 rank, c.workers, total, t.batch_size, spe, clock, ds.describe())
+        start = time.perf_counter()
+        steps, loss, acc = 0, float("nan"), float("nan")
+        cached_epoch, indices = -1, None
+        with progress_bar(total, f"worker {rank}", enabled=progress) as bar:
+            bar.update(clock)
+            while clock < total:
+                epoch, i = divmod(clock, spe)
+                if epoch != cached_epoch:
+                    cached_epoch, indices = epoch, batches.indices(epoch)
+                idx = indices[i]
+                versions = client.pull(clock, host)
+                params = {k: device.asarray(v) for k, v in host.items()}
+                if evaluate_every and clock % evaluate_every == 0 and clock > 0:
+                    _, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
+                loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
+                                                   device.asarray(ds.y_train[idx]))
+                if step_delay:
+                    time.sleep(step_delay)  # an injected slowdown, part of the run's configuration
+                replies = client.push(clock, {k: backend.to_host(g) for k, g in grads.items()})
+                for r in replies:
+                    outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+                staleness = max(r.staleness for r in replies)
+                new_clock = max(clock + 1, max(r.next_clock for r in replies))
+                steps += 1
+                point = {"clock": clock, "epoch": epoch, "loss": float(loss), "version": max(versions),
+                         "staleness": staleness, "wall": time.perf_counter() - start}
+                if evaluate_every and clock % evaluate_every == 0 and clock > 0:
+                    point["test_accuracy"] = acc
+                    history.append(point)
+                metrics.write("step", **point)
+                bar.update(new_clock - clock)
+                bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
+                clock = client.clock = new_clock
+        client.done()
+        seconds = time.perf_counter() - start
+    metrics.write("done", steps=steps, clock=clock, seconds=seconds, outcomes=outcomes)
+    metrics.close()
+    log.info("worker %d done: %d steps in %.1fs (%s)", rank, steps, seconds,
+             ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    return WorkerResult(rank, steps, clock, seconds, float(loss), history, outcomes)
