@@ -27,6 +27,7 @@ from psgd.policy import Policy
 log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS = 16  # histogram entries 0..14 exact, the last counts 15 and more
+MAX_CLOCK = 2**63 - 2  # the largest clock a push may carry: the next clock (clock + 1) must fit the wire's int64
 
 
 class ShardError(Exception):
@@ -157,12 +158,13 @@ class ShardCore:
             raise ShardError("INVALID_ARGUMENT", f"worker id {worker} is out of range: this job has "
                              f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}")
 
-    def _require_live(self, worker: int) -> WorkerInfo:
+    def _require_live(self, worker: int, renew: bool = True) -> WorkerInfo:
         info = self.workers[worker]
         if info.state != "live":
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
                              f"(state: {info.state}); it must register again")
-        info.deadline = self._now() + self.lease_seconds
+        if renew:
+            info.deadline = self._now() + self.lease_seconds
         return info
 
     def _record_staleness(self, staleness: int) -> None:
@@ -196,7 +198,7 @@ class ShardCore:
         if plan_hash != self.plan.hash:
             try:
                 why = plan_differences(json.loads(plan_json), self.plan.description())
-            except (ValueError, TypeError, AttributeError):
+            except Exception:  # a malformed description (any shape, any depth) only loses the explanation
                 why = ""
             raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from "
                              f"shard {self.shard}'s {self.plan.hash!r}" + (f": {why}" if why else "") +
@@ -211,8 +213,14 @@ class ShardCore:
                  self.shard, worker, hostname or "?", pid, clock)
         return clock
 
-    def pull(self, worker: int, clock: int, timeout: float) -> tuple[int, dict[int, bytes]]:
-        """Wait until the policy allows it, then return (version, bytes of every slice)."""
+    def pull(self, worker: int, clock: int, timeout: float,
+             cancelled: Callable[[], bool] = lambda: False) -> tuple[int, dict[int, bytes]]:
+        """Wait until the policy allows it, then return (version, bytes of every slice).
+
+        Waiting does not renew the worker's lease (its heartbeats do), so a
+        worker that dies while its pull waits is still dropped on time; a
+        pull whose caller has gone (``cancelled``) stops waiting.
+        """
         if worker != -1:
             self._check_worker(worker)
             if clock < 0:
@@ -224,11 +232,13 @@ class ShardCore:
                 while not self.policy.pull_ready(worker, clock):
                     if self.closing:
                         raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
+                    if cancelled():
+                        raise ShardError("CANCELLED", f"worker {worker} went away while its pull waited")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ShardError("DEADLINE_EXCEEDED", self._why_waiting(worker, clock, timeout))
-                    self.changed.wait(min(left, 1.0))
-                    self._require_live(worker)
+                    self.changed.wait(min(left, 0.5))
+                    self._require_live(worker, renew=False)
             self.counters["pulls"] += 1
             if self._snapshot is None or self._snapshot[0] != self.version:
                 self._snapshot = (self.version, {i: w.tobytes() for i, w in self.weights.items()})
@@ -238,7 +248,7 @@ class ShardCore:
 
     def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
         slow = sorted((w, i.clock) for w, i in self.workers.items()
-                      if i.state in ("live", "pending") and w != worker)
+                      if i.state in ("live", "pending") and w != worker and i.clock < clock)
         waiting = ", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none"
         return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
                 f"other workers still expected: {waiting}")
@@ -248,6 +258,9 @@ class ShardCore:
         self._check_worker(worker)
         if clock < 0 or base_version < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
+        if clock > MAX_CLOCK:
+            raise ShardError("INVALID_ARGUMENT", f"clock {clock} is too large: a push's clock must be at most "
+                             f"{MAX_CLOCK}")
         if set(grads) != set(self.slices):
             raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
         if not self.allow_nonfinite:

@@ -24,9 +24,28 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "psgd.v1.ParameterServer"
 
+# Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB (at random
+# above that, always above 16 KiB) with a RESOURCE_EXHAUSTED that hides the real status: stay well under.
+MAX_DETAILS_BYTES = 6000
+
+
+def _details(message: str) -> str:
+    """``message`` as a client will accept it: valid UTF-8, cut to MAX_DETAILS_BYTES once encoded.
+
+    Messages may echo what a request sent (a dtype, a plan description), so their size and characters
+    are the sender's choice.
+    """
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    size = 0
+    for i, ch in enumerate(message):
+        size += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8"))
+        if size > MAX_DETAILS_BYTES - 40:
+            return f"{message[:i]} ... ({len(message) - i} more characters)"
+    return message
+
 
 def _abort(context: grpc.ServicerContext, err: ShardError):
-    context.abort(getattr(grpc.StatusCode, err.code), err.message)
+    context.abort(getattr(grpc.StatusCode, err.code), _details(err.message))
 
 
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
@@ -54,7 +73,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):
         try:
-            version, data = self.core.pull(request.worker_id, request.clock, _remaining(context, self.max_wait))
+            version, data = self.core.pull(request.worker_id, request.clock, _remaining(context, self.max_wait),
+                                           cancelled=lambda: not context.is_active())
         except ShardError as err:
             _abort(context, err)
         for slice_id, payload in data.items():

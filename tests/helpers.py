@@ -1,0 +1,55 @@
+"""Helpers for tests that run shards in this process (real gRPC on 127.0.0.1); import as `helpers`."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import pytest
+
+from psgd.config import JobConfig
+from psgd.server import build_shard
+from psgd.server.service import ShardServer
+
+
+def make_job(*sets: str) -> JobConfig:
+    job = JobConfig()
+    job.apply_sets(sets)
+    return job
+
+
+@contextlib.contextmanager
+def shards(job: JobConfig) -> Iterator[list[ShardServer]]:
+    """Every shard of ``job`` served on 127.0.0.1 (free ports); ``job.cluster.servers`` is filled in."""
+    servers = []
+    try:
+        for k in range(job.cluster.shards):
+            servers.append(ShardServer(build_shard(job, k), "127.0.0.1:0").start())
+        job.override("cluster.servers", [s.address for s in servers])
+        yield servers
+    finally:
+        for s in servers:
+            s.stop(grace=1.0)
+
+
+def run_threads(targets, timeout: float) -> list:
+    """Run callables in threads; return their results, re-raising the first error; bounded by ``timeout``."""
+    results, errors = [None] * len(targets), []
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as exc:  # reported to the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(i, fn), daemon=True) for i, fn in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        pytest.fail(f"threads still running after {timeout}s")
+    if errors:
+        raise errors[0]
+    return results

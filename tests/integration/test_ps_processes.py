@@ -1,0 +1,149 @@
+"""Real psgd-server / psgd-worker processes on 127.0.0.1; every wait is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from psgd.config import JobConfig, to_toml
+from psgd.partition import PartitionPlan
+from psgd.train import build_job
+from psgd.worker.client import PSClient
+
+PY = sys.executable
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, extra, target", [
+    ("sync", [], 0.97),
+    ("async", [], 0.95),
+    ("ssp", ["--staleness", "2"], 0.95),
+])
+def test_launch_trains_digits_with_every_policy(policy, extra, target, tmp_path):
+    start = time.monotonic()
+    done = run_cli("psgd.cli.main", "launch", "--policy", policy, *extra, "--json", "--no-progress",
+                   "--run-dir", str(tmp_path), "--timeout", "110")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["policy"] == policy
+    assert result["test_accuracy"] >= target
+    assert time.monotonic() - start < 60
+    assert len(result["versions"]) == 2 and min(result["versions"]) > 0
+    for r in range(2):
+        steps = [json.loads(line) for line in (tmp_path / f"worker-{r}.jsonl").read_text().splitlines()]
+        assert steps[-1]["event"] == "done" and steps[-1]["steps"] > 0
+    assert 'servers = ["127.0.0.1:' in (tmp_path / "job.toml").read_text()  # the job file all processes read
+
+
+@contextlib.contextmanager
+def processes():
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling with a deadline
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    files = []
+    for k in range(job.cluster.shards):
+        files.append(tmp_path / f"shard-{k}.addr")
+        procs.append(subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k),
+                                       "--bind", "127.0.0.1:0", "--port-file", str(files[-1])],
+                                      stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"shard-{k}.log", "w")))
+    addresses = wait_for(lambda: all(f.exists() for f in files) and [f.read_text().strip() for f in files],
+                         60, "servers to start")
+    job.override("cluster.servers", addresses)
+    path.write_text(to_toml(job.to_dict()))
+    return addresses
+
+
+def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_path):
+    job = JobConfig()
+    job.apply_sets(["model.name=softmax", "train.epochs=40", "cluster.policy=sync", "cluster.workers=3",
+                    "cluster.shards=2", "cluster.lease_seconds=2"])
+    with processes() as procs:
+        addresses = start_servers(job, tmp_path, procs)
+        workers = []
+        for r in range(3):
+            workers.append(subprocess.Popen(
+                [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", str(r), "--no-progress",
+                 "--metrics", str(tmp_path / f"w{r}.jsonl")],
+                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"w{r}.log", "w")))
+        procs += workers
+        victim_log = tmp_path / "w2.jsonl"
+        wait_for(lambda: victim_log.exists() and len(victim_log.read_text().splitlines()) >= 20, 60,
+                 "worker 2 to take 20 steps")
+        workers[2].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for w in workers[:2]:
+            assert w.wait(120) == 0, (tmp_path / "w0.log").read_text()[-2000:]
+        total = 40 * (1438 // 3 // 32)
+        for r in range(2):
+            last = json.loads((tmp_path / f"w{r}.jsonl").read_text().splitlines()[-1])
+            assert last["event"] == "done" and last["clock"] == total
+        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.slice_bytes)
+        with PSClient(addresses, plan) as client:
+            for status in client.status():
+                states = {w.worker_id: w.state for w in status.workers}
+                assert states == {0: "done", 1: "done", 2: "expired"}
+                assert status.version == total  # every round closed exactly once
+        assert time.monotonic() - killed_at < 60
+
+
+def test_wrong_address_fails_fast_with_a_clear_message():
+    done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",
+                   "--servers", "127.0.0.1:9", "--set", "cluster.join_timeout=1", "--no-progress", timeout=60)
+    assert done.returncode == 1
+    assert "cannot reach shard(s) at 127.0.0.1:9 within 1s" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_worker_with_another_model_is_refused_with_the_difference(tmp_path):
+    job = JobConfig()
+    job.apply_sets(["cluster.workers=1", "cluster.shards=1"])
+    with processes() as procs:
+        addresses = start_servers(job, tmp_path, procs)
+        done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",
+                       "--servers", addresses[0], "--set", "model.hidden=[10]", "--no-progress", timeout=60)
+    assert done.returncode == 1
+    assert "FAILED_PRECONDITION" in done.stderr and "partition plan" in done.stderr
+    assert "dense0/W: worker shape (64, 10)" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("module", ["psgd.cli.server", "psgd.cli.worker", "psgd.cli.main"])
+def test_help_explains(module):
+    done = run_cli(module, "--help", timeout=60)
+    assert done.returncode == 0 and "usage:" in done.stdout
+    if module != "psgd.cli.main":
+        assert "examples:" in done.stdout
+        for flag in ("--config", "--policy", "--servers", "--workers", "--shards"):
+            assert flag in done.stdout

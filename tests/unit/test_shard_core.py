@@ -1,0 +1,623 @@
+"""ShardCore and PushAssembler driven directly: no network, time from a fake clock, tiny plans.
+
+The plan has two float64 variables, ``w`` (12 elements, cut by 64-byte slices
+into ``w#0`` = w[0:8] and ``w#8`` = w[8:12]) and ``b`` (3 elements), all on
+shard 0.  The optimizer is plain SGD with lr 0.1, so every expected weight is
+``init - lr * (what the policy says was applied)``.  Pull timeouts are real
+time but tiny (0 or a few ms); every thread is joined with a bounded timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from psgd.model.base import VarSpec
+from psgd.optim import build_optimizer
+from psgd.partition import PartitionPlan
+from psgd.policy import make_policy
+from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, PushAssembler, ShardCore, ShardError
+
+LR = 0.1
+LEASE = 10.0
+JOIN = 60.0
+SPECS = [VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float64")]
+PLAN = PartitionPlan(SPECS, num_shards=1, slice_bytes=64)
+INIT = {"w": np.arange(12, dtype=np.float64) - 6.0, "b": np.array([1.0, 2.0, 3.0])}
+JOIN_WAIT = 10.0  # seconds a test waits for one of its threads, at most
+
+
+class FakeClock:
+    """The core's clock: time moves only when a test says so."""
+
+    def __init__(self, start: float = 1000.0):
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def make_core(policy: str = "sync", workers: int = 2, *, clock: FakeClock | None = None,
+              options: dict | None = None, **kwargs) -> tuple[ShardCore, FakeClock]:
+    clock = clock or FakeClock()
+    values = PLAN.split(INIT, shard=0)
+    core = ShardCore(PLAN, 0, values, build_optimizer("sgd", lr=LR), make_policy(policy, workers, **(options or {})),
+                     num_workers=workers, lease_seconds=LEASE, join_timeout=JOIN, now=clock, **kwargs)
+    return core, clock
+
+
+def register_all(core: ShardCore, workers=None) -> None:
+    for w in range(core.num_workers) if workers is None else workers:
+        assert core.register(w, PLAN.hash, json.dumps(PLAN.description())) == 0
+
+
+def grads_of(w: np.ndarray, b: np.ndarray) -> dict[int, np.ndarray]:
+    """Per-slice gradients of the whole-variable gradients (w, b)."""
+    return {i: np.array(g, dtype=np.float64) for i, g in PLAN.split({"w": np.asarray(w, float),
+                                                                       "b": np.asarray(b, float)}).items()}
+
+
+def grad(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A distinct, exactly representable whole-model gradient per seed."""
+    return (np.arange(12, dtype=np.float64) * 0.25 + seed, np.array([seed, -seed, 0.5 * seed], dtype=np.float64))
+
+
+def weights(core: ShardCore) -> dict[str, np.ndarray]:
+    out = {s.name: np.empty(s.size) for s in SPECS}
+    for sl, values in core.weights_by_var():
+        out[sl.var][sl.start:sl.stop] = values
+    return out
+
+
+def expect(*steps: tuple[float, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """INIT minus the sum of ``scale * lr * grad`` over steps."""
+    w, b = INIT["w"].copy(), INIT["b"].copy()
+    for scale, (gw, gb) in steps:
+        w -= LR * scale * gw
+        b -= LR * scale * gb
+    return {"w": w, "b": b}
+
+
+def assert_weights(core: ShardCore, expected: dict[str, np.ndarray]) -> None:
+    got = weights(core)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+def push(core: ShardCore, worker: int, clock: int, g=None, base: int | None = None):
+    g = grad(worker + 10 * clock + 1) if g is None else g
+    return core.push(worker, clock, core.version if base is None else base, grads_of(*g))
+
+
+def error(fn, *args, **kwargs) -> ShardError:
+    with pytest.raises(ShardError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def run_in_thread(fn, *args, **kwargs):
+    """Start fn in a thread; returns a join() that gives its result (or raises its exception)."""
+    box: dict = {}
+
+    def body():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+
+    def join():
+        t.join(JOIN_WAIT)
+        assert not t.is_alive(), f"thread running {fn.__name__} did not finish within {JOIN_WAIT}s"
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+    return join
+
+
+def test_plan_is_cut_into_several_slices():
+    assert [(s.id, s.key, s.nbytes) for s in PLAN.slices] == [(0, "w#0", 64), (1, "w#8", 32), (2, "b#0", 24)]
+    core, _ = make_core()
+    assert core.dtype == "float64" and set(core.slices) == {0, 1, 2}
+    assert_weights(core, INIT)
+
+
+# --- sync -----------------------------------------------------------------------------
+
+
+def test_sync_applies_one_averaged_update_per_clock():
+    core, _ = make_core("sync", 2)
+    register_all(core)
+    g00, g10, g01, g11 = grad(1), grad(2), grad(3), grad(4)
+
+    r = push(core, 0, 0, g00)
+    assert (r.outcome, r.next_clock, r.version) == ("accumulated", 1, 0)
+    assert_weights(core, INIT)  # nothing applied before the round closes
+    r = push(core, 1, 0, g10)
+    assert (r.outcome, r.next_clock, r.version) == ("accumulated", 1, 1)
+    after0 = expect((0.5, g00), (0.5, g10))
+    assert_weights(core, after0)
+    assert core.version == 1
+
+    assert push(core, 1, 1, g11, base=1).outcome == "accumulated"
+    assert core.version == 1
+    assert_weights(core, after0)
+    r = push(core, 0, 1, g01, base=1)
+    assert (r.outcome, r.version, r.staleness) == ("accumulated", 2, 0)
+    assert core.version == 2
+    assert_weights(core, expect((0.5, g00), (0.5, g10), (0.5, g01), (0.5, g11)))
+    c = core.status()["counters"]
+    assert (c["pushes"], c["accumulated"], c["applied"]) == (4, 4, 2)
+    assert core.status()["staleness_histogram"][0] == 4
+
+
+def test_sync_pull_waits_for_the_round_and_names_the_missing_worker():
+    core, _ = make_core("sync", 2)
+    register_all(core)
+    version, data = core.pull(0, 0, timeout=0)
+    assert version == 0 and set(data) == {0, 1, 2}
+    assert np.array_equal(np.frombuffer(data[2], dtype=np.float64), INIT["b"])
+
+    push(core, 0, 0)
+    err = error(core.pull, 0, 1, timeout=0.01)
+    assert err.code == "DEADLINE_EXCEEDED"
+    assert "worker 1 at clock 0" in err.message and "sync" in err.message and "clock 1" in err.message
+
+    waiting = run_in_thread(core.pull, 0, 1, timeout=JOIN_WAIT)
+    push(core, 1, 0)
+    version, data = waiting()
+    assert version == 1
+    assert np.array_equal(np.frombuffer(data[2], dtype=np.float64), weights(core)["b"])
+    assert not np.array_equal(weights(core)["b"], INIT["b"])
+    # a pull for an earlier clock, or by an observer, never waits
+    assert core.pull(1, 0, timeout=0)[0] == 1
+    assert core.pull(-1, 0, timeout=0)[0] == 1
+
+
+def test_sync_push_from_the_future_is_refused():
+    core, _ = make_core("sync", 2)
+    register_all(core)
+    err = error(push, core, 0, 3)
+    assert err.code == "FAILED_PRECONDITION" and "future" in err.message
+    assert core.version == 0 and core.status()["counters"]["rejected"] == 1
+    assert_weights(core, INIT)
+    assert push(core, 0, 0).outcome == "accumulated"  # the refusal changed no state
+
+
+@pytest.mark.parametrize("policy,options", [("sync", {}), ("async", {}), ("ssp", {"staleness": 1})])
+def test_a_duplicate_push_changes_the_weights_once(policy, options):
+    core, _ = make_core(policy, 2, options=options)
+    register_all(core)
+    g0, g1 = grad(1), grad(2)
+    first = push(core, 0, 0, g0, base=0)
+    after_first = weights(core)
+    again = push(core, 0, 0, g0, base=0)
+    assert again.outcome == "duplicate" and again.next_clock == 1
+    for name, value in after_first.items():
+        assert np.array_equal(weights(core)[name], value)
+    assert core.status()["counters"]["duplicates"] == 1
+    if policy == "sync":
+        assert first.outcome == "accumulated"
+        push(core, 1, 0, g1, base=0)
+        assert core.version == 1
+        assert_weights(core, expect((0.5, g0), (0.5, g1)))  # averaged over two pushes, not three
+        # a retry after the round closed is still a duplicate, not a second contribution
+        assert push(core, 0, 0, g0, base=0).outcome == "duplicate"
+        assert core.version == 1
+        assert_weights(core, expect((0.5, g0), (0.5, g1)))
+    else:
+        assert first.outcome == "applied" and core.version == 1
+        assert_weights(core, expect((1.0, g0)))
+
+
+def test_backup_worker_push_is_late_and_dropped():
+    core, _ = make_core("sync", 3, options={"backup_workers": 1})
+    register_all(core)
+    g0, g1, g2 = grad(1), grad(2), grad(3)
+    assert push(core, 0, 0, g0).outcome == "accumulated"
+    assert core.version == 0
+    assert push(core, 1, 0, g1).outcome == "accumulated"
+    assert core.version == 1  # closed with one worker missing
+    after = expect((0.5, g0), (0.5, g1))
+    assert_weights(core, after)
+
+    late = push(core, 2, 0, g2, base=0)
+    assert (late.outcome, late.next_clock, late.version) == ("late", 1, 1)
+    assert_weights(core, after)
+    assert core.status()["counters"]["late"] == 1
+    assert core.status()["workers"][2]["clock"] == 1
+    # the late worker continues with the open round
+    assert push(core, 2, 1, g2).outcome == "accumulated"
+
+
+# --- async, ssp, staleness ---------------------------------------------------------------
+
+
+def test_async_applies_every_push_and_records_staleness():
+    core, _ = make_core("async", 2)
+    register_all(core)
+    g = [grad(k) for k in range(1, 5)]
+    r = push(core, 0, 0, g[0], base=0)
+    assert (r.outcome, r.version, r.staleness, r.next_clock) == ("applied", 1, 0, 1)
+    r = push(core, 1, 0, g[1], base=0)
+    assert (r.outcome, r.version, r.staleness) == ("applied", 2, 1)
+    r = push(core, 0, 1, g[2], base=1)
+    assert (r.outcome, r.version, r.staleness) == ("applied", 3, 1)
+    r = push(core, 1, 5, g[3], base=3)  # clocks may skip ahead under async
+    assert (r.outcome, r.version, r.staleness, r.next_clock) == ("applied", 4, 0, 6)
+    assert_weights(core, expect(*((1.0, x) for x in g)))
+    hist = core.status()["staleness_histogram"]
+    assert len(hist) == STALENESS_BUCKETS
+    assert hist[:3] == [2, 2, 0] and sum(hist) == 4
+    assert core.pull(0, 100, timeout=0)[0] == 4  # async pulls never wait
+
+
+def test_staleness_histogram_clamps_large_staleness_into_the_last_bucket():
+    core, _ = make_core("async", 2)
+    register_all(core)
+    for clock in range(STALENESS_BUCKETS + 4):
+        push(core, 0, clock, base=core.version)
+    push(core, 1, 0, base=0)
+    hist = core.status()["staleness_histogram"]
+    assert hist[0] == STALENESS_BUCKETS + 4 and hist[-1] == 1
+
+
+def test_staleness_lr_scales_the_step_by_one_over_staleness():
+    core, _ = make_core("async", 2, staleness_lr=True)
+    register_all(core)
+    g0, g1, g2, g3 = grad(1), grad(2), grad(3), grad(4)
+    assert push(core, 0, 0, g0, base=0).staleness == 0  # scale 1 (staleness 0 counts as 1)
+    assert push(core, 1, 0, g1, base=0).staleness == 1  # scale 1
+    assert push(core, 0, 1, g2, base=0).staleness == 2  # scale 1/2
+    assert push(core, 1, 1, g3, base=0).staleness == 3  # scale 1/3
+    assert_weights(core, expect((1.0, g0), (1.0, g1), (0.5, g2), (1.0 / 3.0, g3)))
+
+    plain, _ = make_core("async", 2)
+    register_all(plain)
+    for w, c, g in ((0, 0, g0), (1, 0, g1), (0, 1, g2), (1, 1, g3)):
+        push(plain, w, c, g, base=0)
+    assert_weights(plain, expect((1.0, g0), (1.0, g1), (1.0, g2), (1.0, g3)))
+
+
+def test_ssp_pull_waits_only_beyond_the_staleness_bound():
+    core, _ = make_core("ssp", 2, options={"staleness": 1})
+    register_all(core)
+    push(core, 0, 0)
+    assert core.pull(0, 1, timeout=0)[0] == 1  # one ahead of worker 1: allowed
+    push(core, 0, 1)
+    err = error(core.pull, 0, 2, timeout=0.01)
+    assert err.code == "DEADLINE_EXCEEDED" and "worker 1 at clock 0" in err.message
+    waiting = run_in_thread(core.pull, 0, 2, timeout=JOIN_WAIT)
+    push(core, 1, 0)
+    assert waiting()[0] == 3
+
+
+# --- leases, joining, leaving ----------------------------------------------------------------
+
+
+def test_lease_expiry_drops_a_silent_worker_and_closes_the_round():
+    core, clock = make_core("sync", 2)
+    register_all(core)
+    g0 = grad(1)
+    push(core, 0, 0, g0)
+    waiting = run_in_thread(core.pull, 0, 1, timeout=JOIN_WAIT)  # blocked on worker 1
+
+    clock.advance(LEASE - 1)
+    assert core.expire_leases() == []
+    core.heartbeat(0, 1)  # worker 0 stays alive, worker 1 stays silent
+    clock.advance(2)
+    assert core.expire_leases() == [1]
+    assert waiting()[0] == 1  # the round closed without worker 1, waking the pull
+    assert core.version == 1
+    assert_weights(core, expect((1.0, g0)))  # averaged over the one push it got
+    s = core.status()
+    assert [w["state"] for w in s["workers"]] == ["live", "expired"]
+    assert s["counters"]["expired"] == 1
+    assert core.expire_leases() == []  # dropped once
+
+    for call in (lambda: core.pull(1, 0, timeout=0), lambda: push(core, 1, 0), lambda: core.heartbeat(1, 0)):
+        err = error(call)
+        assert err.code == "FAILED_PRECONDITION"
+        assert "worker 1 is not registered" in err.message and "expired" in err.message
+        assert "register again" in err.message
+    assert core.version == 1
+
+    assert core.register(1, PLAN.hash) == 1  # rejoins at the open round
+    assert core.pull(1, 1, timeout=0)[0] == 1
+    assert push(core, 1, 1).outcome == "accumulated"
+    assert push(core, 0, 1).outcome == "accumulated"
+    assert core.version == 2
+
+
+def test_a_waiting_pull_ends_with_failed_precondition_when_its_worker_expires():
+    core, clock = make_core("sync", 2)
+    register_all(core)
+    push(core, 0, 0)
+    waiting = run_in_thread(core.pull, 0, 1, timeout=JOIN_WAIT)
+    clock.advance(LEASE + 1)  # both silent (a waiting pull renews the lease only when it wakes)
+    assert core.expire_leases() == [0, 1]
+    with pytest.raises(ShardError) as info:
+        waiting()
+    assert info.value.code == "FAILED_PRECONDITION" and "expired" in info.value.message
+    assert core.version == 1  # worker 1 leaving closed the round worker 0 had pushed to
+    assert core.finished()
+
+
+def test_a_worker_that_never_registers_is_dropped_after_join_timeout():
+    core, clock = make_core("sync", 2)
+    register_all(core, [0])
+    g0 = grad(1)
+    push(core, 0, 0, g0)
+    assert [w["state"] for w in core.status()["workers"]] == ["live", "pending"]
+    for _ in range(int(JOIN // (LEASE / 2))):  # worker 0 keeps its lease; worker 1 never shows up
+        clock.advance(LEASE / 2)
+        core.heartbeat(0, 1)
+        assert core.expire_leases() == []  # up to and including the join deadline itself
+    clock.advance(1)
+    assert core.expire_leases() == [1]
+    assert core.version == 1
+    assert_weights(core, expect((1.0, g0)))
+    assert [w["state"] for w in core.status()["workers"]] == ["live", "expired"]
+    assert core.register(1, PLAN.hash) == 1  # it may still join later
+
+
+def test_done_lets_the_round_close_and_finished_follows_the_workers():
+    core, clock = make_core("sync", 2)
+    register_all(core)
+    assert not core.finished()
+    g0 = grad(1)
+    push(core, 0, 0, g0)
+    assert core.done(1, 0) == 1
+    assert core.version == 1
+    assert_weights(core, expect((1.0, g0)))
+    assert not core.finished()
+    assert core.done(1, 0) == 1  # idempotent
+    push(core, 0, 1, g0)
+    assert core.version == 2  # worker 0 alone now closes every round
+    assert core.done(0, 2) == 0
+    assert core.finished()
+    s = core.status()
+    assert [(w["state"], w["clock"]) for w in s["workers"]] == [("done", 2), ("done", 0)]
+    err = error(push, core, 0, 2)
+    assert err.code == "FAILED_PRECONDITION" and "done" in err.message
+    clock.advance(JOIN * 10)
+    assert core.expire_leases() == []  # done workers do not expire
+
+
+def test_finished_with_expired_and_done_workers():
+    core, clock = make_core("async", 3)
+    register_all(core, [0])
+    core.done(0, 0)
+    assert not core.finished()  # 1 and 2 are still expected
+    clock.advance(JOIN + 1)
+    assert sorted(core.expire_leases()) == [1, 2]
+    assert core.finished()
+
+
+def test_close_wakes_a_waiting_pull_with_unavailable():
+    core, _ = make_core("sync", 2)
+    register_all(core)
+    push(core, 0, 0)
+    waiting = run_in_thread(core.pull, 0, 1, timeout=JOIN_WAIT)
+    core.close()
+    with pytest.raises(ShardError) as info:
+        waiting()
+    assert info.value.code == "UNAVAILABLE"
+
+
+# --- refusals ---------------------------------------------------------------------------
+
+
+def test_plan_hash_mismatch_explains_the_difference():
+    core, _ = make_core("sync", 2)
+    other = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (4,), "float64")], 1, 128)
+    err = error(core.register, 0, other.hash, json.dumps(other.description()))
+    assert err.code == "FAILED_PRECONDITION"
+    assert other.hash in err.message and PLAN.hash in err.message
+    assert "slice_bytes: worker 128 vs server 64" in err.message
+    assert "b: worker shape (4,) float64 vs server shape (3,) float64" in err.message
+    assert core.status()["workers"][0]["state"] == "pending"
+    err = error(push, core, 0, 0)
+    assert err.code == "FAILED_PRECONDITION"
+
+
+MALFORMED_PLANS = ["", "not json", "[]", "null", "7", '{"variables": 5}', '{"variables": [[]]}',
+                   '{"variables": [{}]}', '{"variables": [["w"]]}', '{"variables": [[["w"]]]}',
+                   '{"num_shards": 1, "slice_bytes": 64, "variables": [["w", 12, "float64"]]}',
+                   "[" * 100_000 + "]" * 100_000]
+
+
+@pytest.mark.parametrize("plan_json", MALFORMED_PLANS, ids=[f"plan{i}" for i in range(len(MALFORMED_PLANS))])
+def test_plan_hash_mismatch_with_a_malformed_plan_description(plan_json):
+    core, _ = make_core("sync", 2)
+    err = error(core.register, 1, "0123456789abcdef", plan_json)
+    assert err.code == "FAILED_PRECONDITION"
+    assert "0123456789abcdef" in err.message and "same job file" in err.message
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("policy", ["sync", "async"])
+def test_non_finite_gradients_are_refused_and_change_nothing(bad, policy):
+    core, _ = make_core(policy, 2)
+    register_all(core)
+    gw, gb = grad(1)
+    gw = gw.copy()
+    gw[9] = bad  # in slice w#8
+    err = error(push, core, 0, 0, (gw, gb))
+    assert err.code == "INVALID_ARGUMENT"
+    assert "w#8" in err.message and "worker 0" in err.message and "non-finite" in err.message
+    assert core.version == 0
+    assert_weights(core, INIT)
+    # the refused push did not count: the same clock with a good gradient is accepted, not a duplicate
+    assert push(core, 0, 0).outcome in ("accumulated", "applied")
+
+
+def test_non_finite_gradients_are_allowed_when_configured():
+    core, _ = make_core("async", 1, allow_nonfinite=True)
+    register_all(core)
+    gw, gb = grad(1)
+    gb = gb.copy()
+    gb[0] = math.nan
+    assert push(core, 0, 0, (gw, gb)).outcome == "applied"
+    assert np.isnan(weights(core)["b"][0])
+
+
+def test_malformed_pushes_are_refused():
+    core, _ = make_core("async", 2)
+    register_all(core)
+    good = grads_of(*grad(1))
+    cases = [
+        (lambda: core.push(2, 0, 0, good), "INVALID_ARGUMENT", "out of range"),
+        (lambda: core.push(-1, 0, 0, good), "INVALID_ARGUMENT", "out of range"),
+        (lambda: core.push(0, -1, 0, good), "INVALID_ARGUMENT", "must be >= 0"),
+        (lambda: core.push(0, 0, -1, good), "INVALID_ARGUMENT", "must be >= 0"),
+        (lambda: core.push(0, 0, 5, good), "INVALID_ARGUMENT", "ahead"),
+        (lambda: core.push(0, 0, 0, {i: g for i, g in good.items() if i != 1}), "INVALID_ARGUMENT", "every slice"),
+        (lambda: core.push(0, 0, 0, {**good, 7: good[2]}), "INVALID_ARGUMENT", "every slice"),
+        (lambda: core.pull(5, 0, timeout=0), "INVALID_ARGUMENT", "out of range"),
+        (lambda: core.pull(0, -3, timeout=0), "INVALID_ARGUMENT", "negative"),
+        (lambda: core.register(9, PLAN.hash), "INVALID_ARGUMENT", "out of range"),
+        (lambda: core.heartbeat(-2, 0), "INVALID_ARGUMENT", "out of range"),
+        (lambda: core.done(2, 0), "INVALID_ARGUMENT", "out of range"),
+    ]
+    for call, code, words in cases:
+        err = error(call)
+        assert err.code == code, err.message
+        assert words in err.message
+    assert core.version == 0
+    assert_weights(core, INIT)
+
+
+@pytest.mark.parametrize("policy,options", [("async", {}), ("ssp", {"staleness": 1})])
+def test_a_push_clock_must_leave_room_for_the_next_clock_in_int64(policy, options):
+    core, _ = make_core(policy, 2, options=options)
+    register_all(core)
+    err = error(push, core, 0, MAX_CLOCK + 1)
+    assert err.code == "INVALID_ARGUMENT" and "too large" in err.message
+    assert core.version == 0
+    assert_weights(core, INIT)
+    r = push(core, 0, MAX_CLOCK)  # gaps are allowed: the largest clock is still applied
+    assert (r.outcome, r.next_clock) == ("applied", 2**63 - 1)
+    assert core.status()["workers"][0]["clock"] == 2**63 - 1
+
+
+def test_pull_and_push_from_a_worker_that_has_not_registered():
+    core, _ = make_core("sync", 2)
+    register_all(core, [0])
+    for call in (lambda: core.pull(1, 0, timeout=0), lambda: push(core, 1, 0), lambda: core.heartbeat(1, 0)):
+        err = error(call)
+        assert err.code == "FAILED_PRECONDITION"
+        assert "not registered" in err.message and "pending" in err.message
+    assert core.version == 0
+
+
+# --- status ----------------------------------------------------------------------------------
+
+
+def test_status_reports_everything():
+    core, clock = make_core("sync", 2)
+    core.register(0, PLAN.hash, hostname="host-a", pid=4242)
+    clock.advance(3)
+    push(core, 0, 0)
+    clock.advance(4)
+    s = core.status()
+    assert set(s) == {"shard", "num_shards", "policy", "version", "plan_hash", "bytes_held", "workers",
+                      "counters", "staleness_histogram"}
+    assert (s["shard"], s["num_shards"], s["policy"], s["version"]) == (0, 1, "sync", 0)
+    assert s["plan_hash"] == PLAN.hash
+    assert s["bytes_held"] == 15 * 8
+    w0, w1 = s["workers"]
+    assert w0 == {"worker_id": 0, "state": "live", "clock": 1, "lease_left_seconds": pytest.approx(LEASE - 4),
+                  "hostname": "host-a", "pid": 4242}
+    assert (w1["worker_id"], w1["state"], w1["clock"]) == (1, "pending", 0)
+    assert w1["lease_left_seconds"] == pytest.approx(JOIN - 7)
+    c = s["counters"]
+    assert (c["pushes"], c["accumulated"], c["applied"], c["rejected"]) == (1, 1, 0, 0)
+    assert c["bytes_in"] == 15 * 8 and c["bytes_out"] == 0
+    assert c["policy"]["name"] == "sync" and c["policy"]["open_round_pushers"] == [0]
+    assert s["staleness_histogram"] == [0] * STALENESS_BUCKETS
+    core.pull(0, 0, timeout=0)
+    assert core.status()["counters"]["bytes_out"] == 15 * 8
+    json.dumps(s)  # everything is JSON-serialisable (the service sends counters as JSON)
+
+
+# --- PushAssembler -------------------------------------------------------------------------
+
+
+def assembler() -> PushAssembler:
+    core, _ = make_core()
+    return core.assembler()
+
+
+def slice_bytes(seed: int) -> dict[int, bytes]:
+    return {i: g.tobytes() for i, g in grads_of(*grad(seed)).items()}
+
+
+def test_assembler_puts_chunks_together():
+    a = assembler()
+    a.check_dtype("float64")
+    data = slice_bytes(3)
+    a.add(0, 0, data[0][:24])
+    a.add(2, 0, data[2])
+    a.add(0, 24, data[0][24:])
+    a.add(1, 0, b"")  # an empty chunk is harmless
+    a.add(1, 0, data[1])
+    got = a.finish()
+    assert set(got) == {0, 1, 2}
+    for i, g in grads_of(*grad(3)).items():
+        assert got[i].dtype == np.float64 and np.array_equal(got[i], g)
+
+
+def test_assembler_refuses_an_out_of_order_chunk():
+    a = assembler()
+    err = error(a.add, 0, 8, b"\0" * 8)
+    assert err.code == "INVALID_ARGUMENT" and "w#0" in err.message and "expected 0" in err.message
+    a.add(0, 0, b"\0" * 16)
+    err = error(a.add, 0, 8, b"\0" * 8)  # overlapping, going back
+    assert err.code == "INVALID_ARGUMENT" and "in order" in err.message
+
+
+def test_assembler_refuses_an_overlong_chunk():
+    a = assembler()
+    err = error(a.add, 2, 0, b"\0" * 25)
+    assert err.code == "INVALID_ARGUMENT" and "b#0" in err.message and "holds 24 bytes" in err.message
+    a.add(2, 0, b"\0" * 24)
+    err = error(a.add, 2, 24, b"\0" * 8)  # more after a complete slice
+    assert err.code == "INVALID_ARGUMENT" and "holds 24 bytes" in err.message
+
+
+def test_assembler_refuses_an_unknown_slice():
+    a = assembler()
+    for slice_id in (3, 99, 2**32 - 1):
+        err = error(a.add, slice_id, 0, b"\0" * 8)
+        assert err.code == "NOT_FOUND" and f"slice {slice_id}" in err.message and "partition plan" in err.message
+
+
+def test_assembler_refuses_an_incomplete_push():
+    a = assembler()
+    data = slice_bytes(1)
+    a.add(0, 0, data[0])
+    a.add(1, 0, data[1][:16])
+    err = error(a.finish)
+    assert err.code == "INVALID_ARGUMENT" and "incomplete push" in err.message
+    assert "w#8 (16 of 32 bytes)" in err.message and "b#0 (0 of 24 bytes)" in err.message
+    assert "w#0" not in err.message
+    err = error(assembler().finish)  # nothing at all
+    assert err.code == "INVALID_ARGUMENT" and "w#0 (0 of 64 bytes)" in err.message
+
+
+def test_assembler_refuses_a_wrong_dtype():
+    a = assembler()
+    for dtype in ("float32", "", "<f8", "float64 ", "int64"):
+        err = error(a.check_dtype, dtype)
+        assert err.code == "INVALID_ARGUMENT" and "'float64'" in err.message and "dtype" in err.message
+    assert "(none)" in error(a.check_dtype, "").message
