@@ -155,6 +155,29 @@ def to_device(a: Any, device: Device | str = CPU, dtype: Any = None) -> Any:
         return _cupy.asarray(a, dtype=dtype)
 
 
+def nccl_module() -> Any:
+    """CuPy's NCCL bindings (``cupy.cuda.nccl``), or raise :class:`DeviceError` saying what is missing."""
+    if _cupy is None:
+        raise DeviceError(f"the nccl backend needs CuPy ({_import_error}); " + INSTALL_HINT)
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:
+        raise DeviceError(f"CuPy is installed but its NCCL bindings are not usable ({exc}); install NCCL "
+                          "for your CUDA version (`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`) or use --backend mpi") from exc
+    if not getattr(nccl, "available", True):
+        raise DeviceError("CuPy was built without NCCL support; install NCCL for your CUDA version "
+                          "(`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`) or use --backend mpi")
+    return nccl
+
+
+def current_stream_ptr(device: Device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (0 on CPU)."""
+    if not device.is_gpu:
+        return 0
+    with _cupy.cuda.Device(device.index):
+        return _cupy.cuda.get_current_stream().ptr
+
+
 def synchronize(device: Device) -> None:
     """Wait for all queued work on ``device`` (no-op on CPU); use before timing GPU code."""
     if device.is_gpu:

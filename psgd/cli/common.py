@@ -13,13 +13,15 @@ from psgd.optim import OptimizerError
 from psgd.partition import PlanError
 from psgd.policy import PolicyError
 from psgd.cli.launch import LaunchError
+from psgd.collective import BackendUnavailable, CollectiveError
 from psgd.worker.client import PSError
 from psgd.xp import DeviceError
 
 #: Errors that are the user's to fix: printed as one line, exit status 2.
-USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError, PlanError, PolicyError)
+USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError, PlanError, PolicyError,
+               BackendUnavailable)
 #: Errors of a running cluster (unreachable shard, refused request): one line, exit status 1.
-CLUSTER_ERRORS = (PSError, LaunchError)
+CLUSTER_ERRORS = (PSError, LaunchError, CollectiveError)
 
 JOB_FLAGS = {
     # flag: (dotted key, type, help)

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "
                     "bundled digits.")
     add_job_arguments(launch, cluster=True)
+    launch.add_argument("--mode", choices=("ps", "allreduce"), default="ps",
+                        help="ps: parameter-server shards and workers (default); allreduce: N ranks averaging "
+                             "gradients with --backend, no servers")
+    launch.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
+                        help="allreduce mode: mpi (CPU, needs the mpi extra) or nccl (one rank per GPU) "
+                             "(default mpi)")
     launch.add_argument("--run-dir", metavar="DIR",
                         help="folder for the job file, logs and metrics (default: a new temporary folder)")
     launch.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
@@ -65,16 +71,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     setup_logging("launch", verbosity(args))
     job = job_from_args(args)
-    result = launch(job, run_dir=args.run_dir, progress=not args.no_progress, timeout=args.timeout,
-                    verbose=verbosity(args))
+    result = launch(job, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
+                    progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args))
     c = job.cluster
+    how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
+           else f"all-reduce over {args.backend}, {c.workers} rank(s)")
     if args.json:
         print(json.dumps({"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
-                          "run_dir": result.run_dir, "policy": c.policy}))
+                          "run_dir": result.run_dir, "mode": args.mode,
+                          "policy": c.policy if args.mode == "ps" else args.backend}))
     else:
-        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {c.policy}, "
-              f"{c.shards} shard(s), {c.workers} worker(s), {result.seconds:.1f}s; logs in {result.run_dir})")
+        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {how}, "
+              f"{result.seconds:.1f}s; logs in {result.run_dir})")
     return 0
 
 

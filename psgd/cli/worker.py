@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
@@ -11,20 +12,41 @@ from psgd.config import ConfigError
 from psgd.logs import setup_logging
 
 DESCRIPTION = """\
-Train as worker RANK of a parameter-server job: pull the weights from every
-shard, compute gradients on this worker's share of the data (NumPy, or CuPy
-with --device cuda), push them back, repeat for the job's epochs, then leave.
+Train as one worker of a job.
+
+--mode ps (default): worker RANK of a parameter-server job: pull the weights
+from every shard, compute gradients on this worker's share of the data (NumPy,
+or CuPy with --device cuda), push them back, repeat for the job's epochs, then
+leave.
+
+--mode allreduce: one rank of an all-reduce job: compute gradients on this
+rank's share, average them with the other ranks (--backend mpi on CPUs, under
+mpiexec; --backend nccl on GPUs, one rank per GPU), and apply the same
+optimizer update on every rank. No servers are involved.
 
 examples:
   psgd-worker -c job.toml --rank 0
   psgd-worker --rank 1 --workers 2 --servers 10.0.0.5:50051,10.0.0.6:50051 --device cuda:0
+  mpiexec -n 4 psgd-worker --mode allreduce --backend mpi --workers 4 --save weights.npz
+  psgd-worker --mode allreduce --backend nccl --rank 0 --workers 2 --device cuda:0 \\
+      --rendezvous tcp:10.0.0.5:29500
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="psgd-worker", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rank", type=int, required=True, help="this worker's rank, 0..workers-1")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="this worker's rank, 0..workers-1 (ps and nccl modes; mpi takes it from mpiexec)")
+    parser.add_argument("--mode", choices=("ps", "allreduce"), default="ps",
+                        help="ps: train against parameter-server shards (default); allreduce: average "
+                             "gradients between ranks, no servers")
+    parser.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
+                        help="allreduce mode: mpi (CPU, start under mpiexec) or nccl (GPU) (default mpi)")
+    parser.add_argument("--rendezvous", metavar="file:PATH|tcp:HOST:PORT",
+                        help="nccl: where rank 0 hands out the NCCL id (default file:/tmp/psgd-nccl-id.json; "
+                             "tcp:HOST:PORT is rank 0's address)")
+    parser.add_argument("--save", metavar="FILE.npz", help="allreduce mode: rank 0 saves the final weights here")
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line per step to FILE")
     parser.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
                         help="evaluate on the test split every STEPS steps (default: each epoch on rank 0)")
@@ -38,21 +60,55 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def work(args: argparse.Namespace) -> int:
+    job = job_from_args(args)
+    if args.step_delay < 0:
+        raise ConfigError("--step-delay must be >= 0")
+    if args.mode == "allreduce":
+        return allreduce(args, job)
     from psgd.worker.loop import run_worker
 
-    job = job_from_args(args)
+    if args.rank is None:
+        raise ConfigError("--rank is required in ps mode")
     setup_logging(f"worker:{args.rank}", verbosity(args))
     if not job.cluster.servers:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
     if not 0 <= args.rank < job.cluster.workers:
         raise ConfigError(f"--rank {args.rank} is out of range: the job has {job.cluster.workers} worker(s)")
-    if args.step_delay < 0:
-        raise ConfigError("--step-delay must be >= 0")
     result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress,
                         metrics_path=args.metrics, evaluate_every=args.eval_every, step_delay=args.step_delay)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.outcomes}))
+    return 0
+
+
+def allreduce(args: argparse.Namespace, job) -> int:
+    import numpy as np
+
+    from psgd import xp as backend
+    from psgd.collective import make_collective
+    from psgd.collective.trainer import run_allreduce
+
+    if args.backend == "nccl" and args.rank is None:
+        raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
+    device = backend.get_device(job.train.device)
+    with make_collective(args.backend, rank=args.rank, world_size=job.cluster.workers, device=device,
+                         rendezvous=args.rendezvous, timeout=job.cluster.request_timeout) as group:
+        setup_logging(f"allreduce:{group.rank}", verbosity(args))
+        result = run_allreduce(job, group, progress=not args.no_progress, metrics_path=args.metrics,
+                               evaluate_every=args.eval_every)
+    if group.rank == 0:
+        if args.save:
+            tmp = args.save + ".tmp.npz"
+            np.savez(tmp, **result.params)
+            os.replace(tmp, args.save)
+        if args.json:
+            print(json.dumps({"rank": 0, "world_size": result.world_size, "steps": result.steps,
+                              "seconds": round(result.seconds, 3), "comm_seconds": round(result.comm_seconds, 3),
+                              "test_accuracy": result.test_accuracy}))
+        else:
+            print(f"final test accuracy: {result.test_accuracy:.4f} ({result.world_size} rank(s), "
+                  f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)")
     return 0
 
 

@@ -1,0 +1,105 @@
+"""The collective interface the all-reduce trainer needs, and gradient bucketing.
+
+Backends wrap an existing engine (NCCL through CuPy, MPI through mpi4py); psgd
+never hand-writes a ring.  Every operation works in place on an ``xp`` array.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+
+OPS = ("sum", "max", "min")
+
+
+class CollectiveError(RuntimeError):
+    """A collective operation failed: a rank died, timed out, or the ranks disagree."""
+
+
+class BackendUnavailable(CollectiveError):
+    """The backend's engine is not installed here; the message says what to install."""
+
+
+class Collective(abc.ABC):
+    """One rank's handle on a group of ``world_size`` processes."""
+
+    backend: str = "?"
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def allreduce_(self, array: Any, op: str = "sum") -> Any:
+        """Reduce ``array`` over all ranks, in place, and return it (``op``: sum, max, min)."""
+
+    @abc.abstractmethod
+    def broadcast_(self, array: Any, root: int = 0) -> Any:
+        """Overwrite ``array`` on every rank with ``root``'s, in place, and return it."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    def close(self) -> None:
+        """Release the backend's resources (idempotent)."""
+
+    def check_agreement(self, text: str, what: str) -> None:
+        """Fail on every rank unless all ranks passed the same ``text`` (e.g. a plan hash)."""
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+        both = self._host_allreduce(np.array([digest, -digest], dtype=np.int64), op="max")
+        if both[0] != digest or -both[1] != digest:
+            raise CollectiveError(f"rank {self.rank}: the {self.world_size} ranks disagree on {what}; "
+                                  "start every rank from the same job file")
+
+    def _host_allreduce(self, array: np.ndarray, op: str) -> np.ndarray:
+        """All-reduce a small host array (backends that reduce device arrays only stage it)."""
+        return self.allreduce_(array, op=op)
+
+    def __enter__(self) -> "Collective":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Bucketer:
+    """Packs many gradients into a few large flat buffers, all-reduces those, unpacks.
+
+    Few large all-reduces are much faster than many small ones.  Buckets are
+    allocated once (on the gradients' device) and reused every step; the
+    unpacked gradients are views into them.
+    """
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: Any, xp: Any, bucket_bytes: int = 32 << 20):
+        self.xp, self.dtype = xp, np.dtype(dtype)
+        self.layout: list[list[tuple[str, int, int, tuple[int, ...]]]] = [[]]
+        used = 0
+        limit = max(1, bucket_bytes // self.dtype.itemsize)
+        for name, shape in shapes.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            if used and used + size > limit:
+                self.layout.append([])
+                used = 0
+            self.layout[-1].append((name, used, used + size, tuple(shape)))
+            used += size
+        self.buffers = [xp.empty(bucket[-1][2] if bucket else 0, dtype=self.dtype) for bucket in self.layout]
+
+    def allreduce_mean(self, collective: Collective, grads: Mapping[str, Any]) -> dict[str, Any]:
+        """The mean of ``grads`` over all ranks, as views into the reused buckets."""
+        out = {}
+        scale = 1.0 / collective.world_size
+        for bucket, buf in zip(self.layout, self.buffers):
+            for name, start, stop, _ in bucket:
+                buf[start:stop] = grads[name].reshape(-1)
+            collective.allreduce_(buf, op="sum")
+            buf *= scale
+            for name, start, stop, shape in bucket:
+                out[name] = buf[start:stop].reshape(shape)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.buffers)

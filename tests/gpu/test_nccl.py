@@ -1,0 +1,137 @@
+"""The nccl backend on a real GPU: one rank (world size 1) on cuda:0, through CuPy's NCCL bindings.
+
+With one rank every reduction returns its input, so these tests check the
+plumbing (pointers, counts, dtypes, streams, the watchdog) against real NCCL.
+CuPy is reached only through ``psgd.xp``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psgd import xp as backend
+from psgd.collective.base import Bucketer, CollectiveError
+
+
+@pytest.fixture
+def gpu():
+    return backend.get_device("cuda:0")
+
+
+@pytest.fixture
+def group(gpu, tmp_path):
+    from psgd.collective.nccl import NcclCollective
+
+    g = NcclCollective(0, 1, gpu, rendezvous=f"file:{tmp_path / 'nccl-id.json'}", timeout=60.0)
+    yield g
+    g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_allreduce_of_one_rank_returns_the_input(group, gpu, dtype, op):
+    xp = gpu.xp
+    x = (xp.arange(1000, dtype=dtype) * 1.5 - 300.0).reshape(10, 100)
+    expected = backend.to_host(x).copy()
+    assert group.allreduce_(x, op=op) is x
+    np.testing.assert_array_equal(backend.to_host(x), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.int64])
+def test_allreduce_of_the_other_supported_dtypes(group, gpu, dtype):
+    x = gpu.xp.arange(17, dtype=dtype)
+    group.allreduce_(x, op="sum")
+    np.testing.assert_array_equal(backend.to_host(x), np.arange(17, dtype=dtype))
+
+
+@pytest.mark.gpu
+def test_a_large_allreduce(group, gpu):
+    x = gpu.xp.full(16 << 20, 0.25, dtype=np.float32)  # 64 MiB
+    group.allreduce_(x)
+    assert float(x.min()) == float(x.max()) == 0.25
+
+
+@pytest.mark.gpu
+def test_allreduce_on_a_non_default_stream(group, gpu):
+    xp = gpu.xp
+    stream = xp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = xp.arange(4096, dtype=np.float32)
+        group.allreduce_(x, op="max")
+        assert stream.done  # the watchdog waited for this stream, not the default one
+    np.testing.assert_array_equal(backend.to_host(x), np.arange(4096, dtype=np.float32))
+
+
+@pytest.mark.gpu
+def test_broadcast_and_barrier(group, gpu):
+    x = gpu.xp.arange(12, dtype=np.float32)
+    assert group.broadcast_(x, root=0) is x
+    np.testing.assert_array_equal(backend.to_host(x), np.arange(12, dtype=np.float32))
+    group.barrier()
+    group.barrier()
+    with pytest.raises(CollectiveError, match="root must be in 0..0"):
+        group.broadcast_(x, root=1)
+
+
+@pytest.mark.gpu
+def test_host_arrays_and_unsupported_dtypes_are_refused(group, gpu):
+    with pytest.raises(CollectiveError, match="needs device \\(CuPy\\) arrays"):
+        group.allreduce_(np.zeros(3, dtype=np.float32))
+    with pytest.raises(CollectiveError, match="cannot reduce uint8"):
+        group.allreduce_(gpu.xp.zeros(3, dtype=np.uint8))
+    with pytest.raises(CollectiveError, match="cannot reduce bool"):
+        group.broadcast_(gpu.xp.zeros(3, dtype=bool))
+    with pytest.raises(CollectiveError, match="contiguous"):
+        group.allreduce_(gpu.xp.zeros((4, 4), dtype=np.float32)[:, 1])
+    group.barrier()  # refusals leave the communicator usable
+
+
+@pytest.mark.gpu
+def test_bucketer_mean_over_cupy_grads(group, gpu, rng):
+    xp = gpu.xp
+    shapes = {"w1": (8, 16), "b1": (16,), "w2": (16, 4), "b2": (4,)}
+    grads = {k: xp.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    bucketer = Bucketer(shapes, np.float32, xp, bucket_bytes=256)  # small buckets: several all-reduces
+    assert len(bucketer.buffers) > 1
+    mean = bucketer.allreduce_mean(group, grads)
+    assert set(mean) == set(shapes)
+    for name, grad in grads.items():
+        assert mean[name].shape == grad.shape
+        np.testing.assert_allclose(backend.to_host(mean[name]), backend.to_host(grad), rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_check_agreement_passes(group):
+    group.check_agreement('{"plan": "abc"}', "the plan")
+
+
+@pytest.mark.gpu
+def test_close_is_idempotent(gpu, tmp_path):
+    from psgd.collective.nccl import NcclCollective
+
+    with NcclCollective(0, 1, gpu, rendezvous=f"file:{tmp_path / 'id.json'}", timeout=60.0) as g:
+        g.barrier()
+    g.close()
+    with pytest.raises(CollectiveError, match="closed"):
+        g.barrier()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_a_stalled_allreduce_is_aborted_by_the_watchdog(group, gpu):
+    """Queue a lot of work ahead of the all-reduce and give it 1 ms: the watchdog must abort, not hang."""
+    xp = gpu.xp
+    a = xp.ones((4096, 4096), dtype=np.float32)
+    for _ in range(50):
+        a = a @ a / 4096.0
+    x = xp.zeros(8, dtype=np.float32)
+    group.timeout = 0.001
+    with pytest.raises(CollectiveError, match="did not complete within 0.001 s"):
+        group.allreduce_(x)
+    with pytest.raises(CollectiveError, match="aborted"):
+        group.barrier()
+    backend.synchronize(gpu)  # the queued work still drains after the abort
+    assert float(a[0, 0]) == 1.0

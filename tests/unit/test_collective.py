@@ -1,0 +1,67 @@
+import sys
+
+import numpy as np
+import pytest
+
+from psgd.collective import BackendUnavailable, Bucketer, Collective, CollectiveError, make_collective
+
+
+class Mirror(Collective):
+    """A stand-in group of ``world`` identical ranks: a sum multiplies by the world size."""
+
+    backend = "mirror"
+
+    def __init__(self, world: int, rank: int = 0):
+        self.rank, self.world_size, self.calls = rank, world, 0
+
+    def allreduce_(self, array, op="sum"):
+        self.calls += 1
+        if op == "sum":
+            array *= self.world_size
+        return array
+
+    def broadcast_(self, array, root=0):
+        return array
+
+    def barrier(self):
+        pass
+
+
+def test_bucketer_packs_gradients_into_few_reused_buffers():
+    shapes = {"a": (3, 4), "b": (4,), "c": (100,), "d": (2,)}
+    bucketer = Bucketer(shapes, "float32", np, bucket_bytes=64)
+    assert [len(b) for b in bucketer.layout] == [2, 1, 1]  # a+b fill 16 floats; c alone; d alone
+    group = Mirror(world=4)
+    grads = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    first = bucketer.allreduce_mean(group, grads)
+    assert group.calls == 3
+    for k, s in shapes.items():
+        assert first[k].shape == s and first[k].dtype == np.float32
+        np.testing.assert_allclose(first[k], grads[k], rtol=1e-6)  # mean of 4 identical ranks
+    buffers = [b.__array_interface__["data"][0] for b in bucketer.buffers]
+    bucketer.allreduce_mean(group, grads)
+    assert buffers == [b.__array_interface__["data"][0] for b in bucketer.buffers]
+
+
+def test_agreement_check_detects_a_different_text():
+    class Split(Mirror):
+        def allreduce_(self, array, op="sum"):
+            array[:] = np.maximum(array, [12345, -12345])  # another rank brought other values
+            return array
+
+    Mirror(2).check_agreement("x", "the model")
+    with pytest.raises(CollectiveError, match="disagree on the model"):
+        Split(2).check_agreement("x", "the model")
+
+
+def test_missing_mpi_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(BackendUnavailable, match=r"pip install 'psgd\[mpi\]'"):
+        make_collective("mpi")
+
+
+def test_unknown_backend_and_nccl_without_rank():
+    with pytest.raises(CollectiveError, match="unknown all-reduce backend 'gloo'"):
+        make_collective("gloo")
+    with pytest.raises(CollectiveError, match="needs --rank"):
+        make_collective("nccl")
