@@ -17,9 +17,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from psgd.config import JobConfig, to_toml
 
@@ -115,9 +116,15 @@ def _wait_all(pending: list[_Proc], watched: Sequence[_Proc], deadline: float, t
 
 
 def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
-           progress: bool = True, timeout: float = 900.0, worker_args: Sequence[Sequence[str]] = (),
-           verbose: int = 0) -> LaunchResult:
-    """Run ``job`` as a local cluster; returns the final test accuracy of the trained weights."""
+           progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
+           verbose: int = 0, monitor: Callable[[list[str], threading.Event], None] | None = None) -> LaunchResult:
+    """Run ``job`` as a local cluster; returns the final test accuracy of the trained weights.
+
+    ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
+    "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop)`` runs in a
+    thread from the workers' start until they have all finished (``stop`` is
+    set then); it may read the shards, e.g. to evaluate the weights over time.
+    """
     run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
     run.mkdir(parents=True, exist_ok=True)
     spec = job.to_dict()
@@ -125,19 +132,19 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     (run / "job.toml").write_text(to_toml(spec))
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
     if mode == "allreduce":
-        return _launch_allreduce(job, backend, run, progress, timeout, log_flags)
+        return _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags)
     if mode != "ps":
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
-    return _launch_ps(job, spec, run, progress, timeout, worker_args, log_flags)
+    return _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor)
 
 
 def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
-                      log_flags: list[str]) -> LaunchResult:
+                      worker_args: list[str], log_flags: list[str]) -> LaunchResult:
     n, py = job.cluster.workers, sys.executable
     weights = run / "weights.npz"
     weights.unlink(missing_ok=True)
     common = ["-m", "psgd.cli.worker", "-c", str(run / "job.toml"), "--mode", "allreduce", "--backend", backend,
-              "--save", str(weights), "--metrics", str(run / "allreduce.jsonl")]
+              "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
     common += ["-q"] if progress else (log_flags + ["--no-progress"])
     procs: list[_Proc] = []
     start = time.perf_counter()
@@ -182,8 +189,8 @@ def _evaluate(job: JobConfig, weights: dict) -> tuple[float, float]:
     return evaluate(built.model, params, built.dataset.x_test, built.dataset.y_test, built.device)
 
 
-def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float,
-               worker_args: Sequence[Sequence[str]], log_flags: list[str]) -> LaunchResult:
+def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
+               log_flags: list[str], monitor: Callable[[list[str], threading.Event], None] | None) -> LaunchResult:
     c = job.cluster
     job_path = run / "job.toml"
     py = sys.executable
@@ -205,14 +212,22 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
                  c.shards, ", ".join(addresses), c.workers, run)
         workers = []
         for r in range(c.workers):
-            extra = list(worker_args[r]) if r < len(worker_args) else []
             show = progress and r == 0
             argv = [py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
-                    "--metrics", str(run / f"worker-{r}.jsonl"), *extra]
+                    "--metrics", str(run / f"worker-{r}.jsonl"), *worker_args]
             argv += ["-q"] if show else (log_flags + ["--no-progress"])
             workers.append(_Proc(f"worker {r}", argv, run / f"worker-{r}.log", show=show))
         procs += workers
-        _wait_all(workers, procs, time.monotonic() + timeout, timeout, run)
+        stop = threading.Event()
+        watcher = threading.Thread(target=monitor, args=(addresses, stop), daemon=True) if monitor else None
+        if watcher:
+            watcher.start()
+        try:
+            _wait_all(workers, procs, time.monotonic() + timeout, timeout, run)
+        finally:
+            stop.set()
+            if watcher:
+                watcher.join(60)
         return _final_evaluation(job, addresses, run, start)
     finally:
         for p in reversed(procs):

@@ -10,6 +10,7 @@ import sys
 from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
+from psgd.worker.delay import DelayError, parse_delay
 
 DESCRIPTION = """\
 Train as one worker of a job.
@@ -50,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line per step to FILE")
     parser.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
                         help="evaluate on the test split every STEPS steps (default: each epoch on rank 0)")
-    parser.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS",
-                        help="add SECONDS to every step, to play a slow machine (default 0)")
+    parser.add_argument("--delay", metavar="SPEC",
+                        help="slow steps down, to play a straggler: fixed:S, exp:MEAN, uniform:LO:HI or "
+                             "slowdown:K (each step K times as long), optionally @RANKS (e.g. slowdown:4@0)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
     add_job_arguments(parser, cluster=True)
@@ -61,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def work(args: argparse.Namespace) -> int:
     job = job_from_args(args)
-    if args.step_delay < 0:
-        raise ConfigError("--step-delay must be >= 0")
+    try:
+        delay = parse_delay(args.delay)
+    except DelayError as exc:
+        raise ConfigError(str(exc)) from None
     if args.mode == "allreduce":
-        return allreduce(args, job)
+        return allreduce(args, job, delay)
     from psgd.worker.loop import run_worker
 
     if args.rank is None:
@@ -75,14 +79,14 @@ def work(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < job.cluster.workers:
         raise ConfigError(f"--rank {args.rank} is out of range: the job has {job.cluster.workers} worker(s)")
     result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress,
-                        metrics_path=args.metrics, evaluate_every=args.eval_every, step_delay=args.step_delay)
+                        metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.outcomes}))
     return 0
 
 
-def allreduce(args: argparse.Namespace, job) -> int:
+def allreduce(args: argparse.Namespace, job, delay) -> int:
     import numpy as np
 
     from psgd import xp as backend
@@ -96,7 +100,7 @@ def allreduce(args: argparse.Namespace, job) -> int:
                          rendezvous=args.rendezvous, timeout=job.cluster.request_timeout) as group:
         setup_logging(f"allreduce:{group.rank}", verbosity(args))
         result = run_allreduce(job, group, progress=not args.no_progress, metrics_path=args.metrics,
-                               evaluate_every=args.eval_every)
+                               evaluate_every=args.eval_every, delay=delay)
     if group.rank == 0:
         if args.save:
             tmp = args.save + ".tmp.npz"

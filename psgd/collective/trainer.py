@@ -24,6 +24,7 @@ from psgd.config import JobConfig
 from psgd.metrics import MetricsLog, progress_bar
 from psgd.partition import PartitionPlan
 from psgd.train import build_job, build_optimizer, evaluate, params_to_device
+from psgd.worker.delay import NO_DELAY, Delay
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def run_allreduce(
     metrics_path: str | None = None,
     evaluate_every: int | None = None,
     bucket_bytes: int = 32 << 20,
+    delay: Delay = NO_DELAY,
 ) -> AllreduceResult:
     """Train ``job`` as this rank of ``collective``; returns the final weights (host copies)."""
     built = build_job(job, dataset)
@@ -80,10 +82,15 @@ def run_allreduce(
     start = time.perf_counter()
     comm = 0.0
     loss, acc = float("nan"), float("nan")
+    slow = delay.applies_to(rank)
+    delay_rng = np.random.default_rng([t.seed, rank, 7])
     with progress_bar(total, f"allreduce rank {rank}", enabled=progress and lead) as bar:
         for batch in batches.iterate(epochs=t.epochs):
+            step_began = time.perf_counter()
             loss, grads = model.loss_and_grads(params, device.asarray(batch.x), device.asarray(batch.y))
             backend.synchronize(device)
+            if slow:
+                time.sleep(delay.seconds(time.perf_counter() - step_began, delay_rng))  # an injected straggler
             began = time.perf_counter()
             mean = bucketer.allreduce_mean(collective, grads)
             comm += time.perf_counter() - began

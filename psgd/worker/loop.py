@@ -16,6 +16,7 @@ from psgd.metrics import MetricsLog, progress_bar
 from psgd.partition import PartitionPlan
 from psgd.train import build_job, evaluate
 from psgd.worker.client import PSClient
+from psgd.worker.delay import NO_DELAY, Delay
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,13 @@ def run_worker(
     progress: bool = True,
     metrics_path: str | None = None,
     evaluate_every: int | None = None,
-    step_delay: float = 0.0,
+    delay: Delay = NO_DELAY,
 ) -> WorkerResult:
     """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
 
     ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
-    others) evaluates the pulled weights on the test split.  ``step_delay``
-    adds seconds to every step, to play a slow machine in experiments.
+    others) evaluates the pulled weights on the test split.  ``delay`` slows
+    this worker down, to play a straggler in experiments.
     """
     built = build_job(job, dataset)
     ds, model, device = built.dataset, built.model, built.device
@@ -74,6 +75,8 @@ def run_worker(
         start = time.perf_counter()
         steps, loss, acc = 0, float("nan"), float("nan")
         cached_epoch, indices = -1, None
+        slow = delay.applies_to(rank)
+        delay_rng = np.random.default_rng([t.seed, rank, 7])
         with progress_bar(total, f"worker {rank}", enabled=progress) as bar:
             bar.update(clock)
             while clock < total:
@@ -81,22 +84,24 @@ def run_worker(
                 if epoch != cached_epoch:
                     cached_epoch, indices = epoch, batches.indices(epoch)
                 idx = indices[i]
+                began = time.perf_counter()
                 versions = client.pull(clock, host)
                 params = {k: device.asarray(v) for k, v in host.items()}
                 if evaluate_every and clock % evaluate_every == 0 and clock > 0:
                     _, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]))
-                if step_delay:
-                    time.sleep(step_delay)  # an injected slowdown, part of the run's configuration
                 replies = client.push(clock, {k: backend.to_host(g) for k, g in grads.items()})
+                pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
+                if pause:
+                    time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
                 for r in replies:
                     outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
                 staleness = max(r.staleness for r in replies)
                 new_clock = max(clock + 1, max(r.next_clock for r in replies))
                 steps += 1
                 point = {"clock": clock, "epoch": epoch, "loss": float(loss), "version": max(versions),
-                         "staleness": staleness, "wall": time.perf_counter() - start}
+                         "staleness": staleness, "wall": time.perf_counter() - start, "delay": pause}
                 if evaluate_every and clock % evaluate_every == 0 and clock > 0:
                     point["test_accuracy"] = acc
                     history.append(point)

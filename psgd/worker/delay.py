@@ -1,0 +1,71 @@
+"""Injected slowdowns, to play stragglers on one machine.
+
+A spec is ``KIND:ARGS[@RANKS]``:
+
+- ``fixed:S``          sleep S seconds every step
+- ``exp:MEAN``         sleep an exponentially distributed time of mean MEAN seconds
+- ``uniform:LO:HI``    sleep a uniform time between LO and HI seconds
+- ``slowdown:K``       make every step take K times as long as it took without the delay
+
+``@RANKS`` limits it to some ranks (``@0`` or ``@0,2``); without it every
+rank is slowed.  The spec is part of a run's recorded configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+KINDS = ("fixed", "exp", "uniform", "slowdown")
+
+
+class DelayError(ValueError):
+    """A malformed delay spec."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Delay:
+    kind: str = "none"
+    args: tuple[float, ...] = ()
+    ranks: tuple[int, ...] | None = None
+    spec: str = ""
+
+    def applies_to(self, rank: int) -> bool:
+        return self.kind != "none" and (self.ranks is None or rank in self.ranks)
+
+    def seconds(self, step_seconds: float, rng: np.random.Generator) -> float:
+        """How long to sleep after a step that took ``step_seconds`` on its own."""
+        if self.kind == "fixed":
+            return self.args[0]
+        if self.kind == "exp":
+            return float(rng.exponential(self.args[0]))
+        if self.kind == "uniform":
+            return float(rng.uniform(self.args[0], self.args[1]))
+        if self.kind == "slowdown":
+            return (self.args[0] - 1.0) * max(step_seconds, 0.0)
+        return 0.0
+
+
+NO_DELAY = Delay()
+
+
+def parse_delay(spec: str | None) -> Delay:
+    if not spec:
+        return NO_DELAY
+    body, _, ranks_text = spec.partition("@")
+    kind, _, rest = body.partition(":")
+    arity = {"fixed": 1, "exp": 1, "uniform": 2, "slowdown": 1}
+    if kind not in arity:
+        raise DelayError(f"delay {spec!r}: unknown kind {kind!r}; use fixed:S, exp:MEAN, uniform:LO:HI or "
+                         "slowdown:K, optionally followed by @RANKS")
+    try:
+        args = tuple(float(a) for a in rest.split(":")) if rest else ()
+        ranks = tuple(int(r) for r in ranks_text.split(",")) if ranks_text else None
+    except ValueError:
+        raise DelayError(f"delay {spec!r}: arguments must be numbers and ranks integers") from None
+    if len(args) != arity[kind]:
+        raise DelayError(f"delay {spec!r}: {kind} takes {arity[kind]} number(s)")
+    if any(a < 0 for a in args) or (kind == "slowdown" and args[0] < 1) or (kind == "uniform" and args[0] > args[1]):
+        raise DelayError(f"delay {spec!r}: times must be >= 0, LO <= HI, and a slowdown at least 1")
+    return Delay(kind, args, ranks, spec)
