@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
-import threading
 import time
 
 import numpy as np
@@ -11,37 +11,48 @@ import numpy as np
 CHUNK = 4 << 20
 
 
-def tcp_loopback_gbps(total_bytes: int = 1 << 30, chunk: int = CHUNK) -> float:
-    """Raw loopback TCP from Python: ``sendall`` in one thread, ``recv_into`` a reused buffer in another."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    received = [0]
+def _sink(server: socket.socket, total_bytes: int, buffer_bytes: int) -> None:
+    conn, _ = server.accept()
+    view = memoryview(bytearray(buffer_bytes))
+    received = 0
+    while received < total_bytes:
+        at = received % buffer_bytes
+        n = conn.recv_into(view[at:], min(CHUNK, buffer_bytes - at))
+        if n == 0:
+            break
+        received += n
+    conn.sendall(b"k")
+    conn.close()
 
-    def sink():
-        conn, _ = server.accept()
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while received[0] < total_bytes:
-            n = conn.recv_into(view)
-            if n == 0:
-                break
-            received[0] += n
-        conn.close()
 
-    t = threading.Thread(target=sink, daemon=True)
-    t.start()
-    client = socket.create_connection(("127.0.0.1", port))
-    payload = memoryview(bytearray(chunk))
-    start = time.perf_counter()
-    sent = 0
-    while sent < total_bytes:
-        client.sendall(payload)
-        sent += chunk
-    t.join(60)
-    elapsed = time.perf_counter() - start
-    client.close()
-    server.close()
-    return total_bytes / elapsed / 1e9
+def tcp_loopback_gbps(total_bytes: int = 2 << 30, buffer_bytes: int = CHUNK, repeats: int = 3) -> float:
+    """Raw loopback TCP from Python between two processes (best of ``repeats``).
+
+    With the default ``buffer_bytes`` (4 MiB) both sides reuse one buffer that
+    stays in cache: ``sendall`` of 4 MiB chunks into ``recv_into``, the usual
+    figure for "raw loopback TCP".  With a model-sized ``buffer_bytes`` the
+    bytes come from and go to memory, as a model's tensors do.
+    """
+    ctx = multiprocessing.get_context("fork")
+    total_bytes = max(total_bytes // buffer_bytes, 1) * buffer_bytes
+    best = 0.0
+    for _ in range(repeats):
+        server = socket.create_server(("127.0.0.1", 0))
+        proc = ctx.Process(target=_sink, args=(server, total_bytes, buffer_bytes), daemon=True)
+        proc.start()
+        client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+        payload = memoryview(bytearray(buffer_bytes))
+        start = time.perf_counter()
+        sent = 0
+        while sent < total_bytes:
+            client.sendall(payload)
+            sent += buffer_bytes
+        client.recv(1)  # the receiver has everything
+        best = max(best, total_bytes / (time.perf_counter() - start) / 1e9)
+        client.close()
+        server.close()
+        proc.join(30)
+    return best
 
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:

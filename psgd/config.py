@@ -72,6 +72,8 @@ class ClusterConfig:
     lease_seconds: float = 10.0   # a worker silent this long leaves the round
     join_timeout: float = 120.0   # a worker that never registers within this leaves the round
     request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
+    data_path: bool = True        # pulls and pushes over the shards' plain-TCP data port (else gRPC only)
+    wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
 
 
 _CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
@@ -200,8 +202,12 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
-        if not isinstance(c.staleness_lr, bool):
-            raise ConfigError(f"{src}: [cluster] staleness_lr must be true or false, got {c.staleness_lr!r}")
+        for key in ("staleness_lr", "data_path"):
+            if not isinstance(getattr(c, key), bool):
+                raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
+        if c.wire_dtype not in ("", "float16", "bfloat16"):
+            raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "
+                              f"got {c.wire_dtype!r}")
 
     def options(self, section: str) -> dict[str, Any]:
         """A section's options without its name."""

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bind", metavar="HOST:PORT",
                         help="address to listen on (default: this shard's entry in [cluster] servers, "
                              "else 127.0.0.1 with a free port); never all interfaces unless you name 0.0.0.0")
+    parser.add_argument("--data-port", type=int, default=None, metavar="PORT",
+                        help="port of the bulk data path (plain TCP, same host) for pulls and pushes "
+                             "(default: the gRPC port + 1, or a free port when that is 0)")
     parser.add_argument("--port-file", metavar="FILE", help="write the address actually bound to FILE once serving")
     parser.add_argument("--exit-when-done", action="store_true",
                         help="exit once every worker has finished or been dropped")
@@ -53,11 +56,15 @@ def serve(args: argparse.Namespace) -> int:
     bind = args.bind
     if bind is None:
         bind = job.cluster.servers[args.shard] if args.shard < len(job.cluster.servers) else "127.0.0.1:0"
-    if ":" not in bind:
+    host, _, port_text = bind.rpartition(":")
+    if not host or not port_text.isdigit():
         raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
     core = build_shard(job, args.shard)
     try:
-        server = ShardServer(core, bind, max_wait=job.cluster.request_timeout).start()
+        port = int(port_text)
+        data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
+        server = ShardServer(core, bind, max_wait=job.cluster.request_timeout, data_path=job.cluster.data_path,
+                             data_port=data_port).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     if args.port_file:

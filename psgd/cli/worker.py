@@ -82,7 +82,8 @@ def work(args: argparse.Namespace) -> int:
                         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
-                          "seconds": round(result.seconds, 3), "outcomes": result.outcomes}))
+                          "seconds": round(result.seconds, 3), "outcomes": result.outcomes,
+                          "peak_rss_mb": round(peak_rss_mb(), 1)}))
     return 0
 
 
@@ -114,6 +115,19 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
             print(f"final test accuracy: {result.test_accuracy:.4f} ({result.world_size} rank(s), "
                   f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)")
     return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (``VmHWM``: unlike ``ru_maxrss`` it does
+    not carry over the parent's memory from before ``exec``); NaN where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:

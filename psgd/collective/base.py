@@ -66,31 +66,46 @@ class Collective(abc.ABC):
 
 
 class Bucketer:
-    """Packs many gradients into a few large flat buffers, all-reduces those, unpacks.
+    """Packs small gradients into a few large flat buffers, all-reduces those, unpacks.
 
     Few large all-reduces are much faster than many small ones.  Buckets are
     allocated once (on the gradients' device) and reused every step; the
-    unpacked gradients are views into them.
+    unpacked gradients are views into them.  A gradient of ``direct_bytes``
+    or more is reduced in place in its own array, with no packing copy (the
+    trainer owns the arrays a model returns, so it may overwrite them).
     """
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: Any, xp: Any, bucket_bytes: int = 32 << 20):
+    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: Any, xp: Any, bucket_bytes: int = 32 << 20,
+                 direct_bytes: int = 4 << 20):
         self.xp, self.dtype = xp, np.dtype(dtype)
+        self.direct = {name: tuple(shape) for name, shape in shapes.items()
+                       if int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize >= direct_bytes}
         self.layout: list[list[tuple[str, int, int, tuple[int, ...]]]] = [[]]
         used = 0
         limit = max(1, bucket_bytes // self.dtype.itemsize)
         for name, shape in shapes.items():
+            if name in self.direct:
+                continue
             size = int(np.prod(shape, dtype=np.int64))
             if used and used + size > limit:
                 self.layout.append([])
                 used = 0
             self.layout[-1].append((name, used, used + size, tuple(shape)))
             used += size
-        self.buffers = [xp.empty(bucket[-1][2] if bucket else 0, dtype=self.dtype) for bucket in self.layout]
+        self.layout = [bucket for bucket in self.layout if bucket]
+        self.buffers = [xp.empty(bucket[-1][2], dtype=self.dtype) for bucket in self.layout]
 
     def allreduce_mean(self, collective: Collective, grads: Mapping[str, Any]) -> dict[str, Any]:
-        """The mean of ``grads`` over all ranks, as views into the reused buckets."""
+        """The mean of ``grads`` over all ranks (views into the reused buckets, or the arrays themselves)."""
         out = {}
         scale = 1.0 / collective.world_size
+        for name in self.direct:
+            g = grads[name]
+            if not (g.flags.c_contiguous and g.flags.writeable and g.dtype == self.dtype):
+                g = self.xp.ascontiguousarray(g, dtype=self.dtype).copy()
+            collective.allreduce_(g.reshape(-1), op="sum")
+            g *= scale
+            out[name] = g
         for bucket, buf in zip(self.layout, self.buffers):
             for name, start, stop, _ in bucket:
                 buf[start:stop] = grads[name].reshape(-1)

@@ -21,7 +21,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version")
+    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class RegisterReply(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
     lease_seconds: float
@@ -40,7 +41,8 @@ class RegisterReply(_message.Message):
     policy: str
     incarnation: str
     version: int
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "clock")

@@ -104,8 +104,90 @@ class PushAssembler:
         return {i: np.frombuffer(buf, dtype=self.dtype) for i, buf in self._buffers.items()}
 
 
+class Snapshot:
+    """The weights of one version, as one contiguous buffer shared by every pull of that version.
+
+    Unpacks as ``(version, data)`` with ``data`` mapping slice id to a
+    memoryview.  Call :meth:`release` (or use it as a context manager) when
+    the bytes have been sent, so the shard can reuse the buffer.
+    """
+
+    def __init__(self, version: int, buffer: bytearray, views: dict[int, memoryview], owner: "ShardCore"):
+        self.version, self.buffer, self.data = version, buffer, views
+        self.refs, self._owner = 0, owner
+
+    def release(self) -> None:
+        self._owner._release_snapshot(self)
+
+    def __iter__(self):
+        return iter((self.version, self.data))
+
+    def __getitem__(self, index: int):
+        return (self.version, self.data)[index]
+
+    def __enter__(self) -> "Snapshot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class LiveWeights:
+    """A pull served straight from the shard's weights: ``buffer`` is valid until :meth:`release`."""
+
+    def __init__(self, version: int, buffer: memoryview, owner: "ShardCore"):
+        self.version, self.buffer, self._owner, self._done = version, buffer, owner, False
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            with self._owner.lock:
+                self._owner._readers -= 1
+                self._owner.changed.notify_all()
+
+    def __enter__(self) -> "LiveWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class BufferPool:
+    """At most ``limit`` receive buffers of ``nbytes`` each, reused across pushes.
+
+    Bounds the memory concurrent pushes can take: the ``limit + 1``-th push
+    waits (within its timeout) for a buffer instead of allocating one.
+    """
+
+    def __init__(self, nbytes: int, limit: int = 2):
+        self.nbytes = nbytes
+        self._free: list[bytearray] = []
+        self._made = 0
+        self._limit = limit
+        self._cond = threading.Condition()
+
+    def acquire(self, timeout: float) -> bytearray:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._made < self._limit, timeout):
+                raise ShardError("RESOURCE_EXHAUSTED", f"no receive buffer free within {timeout:.1f}s: "
+                                 "too many pushes at once")
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return bytearray(self.nbytes)
+
+    def release(self, buf: bytearray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
 class ShardCore:
-    """Shard ``shard`` of a job: its slices' weights, the policy and the optimizer."""
+    """Shard ``shard`` of a job: its slices' weights, the policy and the optimizer.
+
+    The weights of all slices live in one contiguous array (``flat``), in
+    slice-id order, which is also the order slices travel in on the wire.
+    """
 
     def __init__(
         self,
@@ -130,7 +212,17 @@ class ShardCore:
         self.dtype = dtypes.pop()
         if set(values) != set(self.slices):
             raise ValueError("initial values must cover exactly this shard's slices")
-        self.weights = {i: np.array(values[i], dtype=self.dtype).reshape(-1) for i in self.slices}
+        self.order = sorted(self.slices)
+        self.offsets, total = {}, 0
+        for i in self.order:
+            self.offsets[i] = (total, total + self.slices[i].size)
+            total += self.slices[i].size
+        self.nbytes = total * np.dtype(self.dtype).itemsize
+        self.flat = np.empty(total, dtype=self.dtype)
+        self.weights = self._views(self.flat)
+        for i in self.order:
+            self.weights[i][...] = np.asarray(values[i], dtype=self.dtype).reshape(-1)
+        self.receive_buffers = BufferPool(self.nbytes, limit=2)
         self.optimizer, self.policy = optimizer, policy
         self.num_workers = num_workers
         self.lease_seconds, self.join_timeout = lease_seconds, join_timeout
@@ -141,15 +233,50 @@ class ShardCore:
         self.changed = threading.Condition(self.lock)
         start = now()
         self.workers = {w: WorkerInfo(deadline=start + join_timeout) for w in range(num_workers)}
-        self._round_sum = {i: np.zeros_like(w) for i, w in self.weights.items()}
+        self._round_flat = np.zeros_like(self.flat) if policy.name == "sync" else None
+        self._round_sum = self._views(self._round_flat) if self._round_flat is not None else {}
         self._round_bases: list[int] = []
-        self._snapshot: tuple[int, dict[int, bytes]] | None = None
+        self._snapshot: Snapshot | None = None
+        self._spare: bytearray | None = None
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
         self.closing = False
+        self._readers = 0          # zero-copy pulls sending from ``flat`` right now
+        self._writers_waiting = 0  # updates waiting for those sends to finish
 
     # -- helpers ------------------------------------------------------------
+    def _views(self, flat: np.ndarray) -> dict[int, np.ndarray]:
+        return {i: flat[a:b] for i, (a, b) in self.offsets.items()}
+
+    def gradient_views(self, buf: bytearray | memoryview) -> dict[int, np.ndarray]:
+        """Per-slice arrays over a receive buffer holding the shard's gradient in slice order."""
+        return self._views(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size))
+
+    def _take_snapshot(self) -> Snapshot:
+        """The current version's snapshot (under the lock), made or refreshed only when needed."""
+        snap = self._snapshot
+        if snap is None or snap.version != self.version:
+            if snap is not None and snap.refs == 0:
+                buf = snap.buffer  # nobody is sending from it: refresh in place
+            elif self._spare is not None:
+                buf, self._spare = self._spare, None
+            else:
+                buf = bytearray(self.nbytes)
+            np.copyto(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size), self.flat)
+            view = memoryview(buf)
+            item = np.dtype(self.dtype).itemsize
+            parts = {i: view[a * item:b * item] for i, (a, b) in self.offsets.items()}
+            snap = self._snapshot = Snapshot(self.version, buf, parts, self)
+        snap.refs += 1
+        return snap
+
+    def _release_snapshot(self, snap: Snapshot) -> None:
+        with self.lock:
+            snap.refs -= 1
+            if snap.refs == 0 and snap is not self._snapshot and self._spare is None:
+                self._spare = snap.buffer
+
     def assembler(self) -> PushAssembler:
         return PushAssembler(self.slices, self.dtype)
 
@@ -171,6 +298,13 @@ class ShardCore:
         self.staleness_histogram[min(max(staleness, 0), STALENESS_BUCKETS - 1)] += 1
 
     def _apply(self, grads: Mapping[int, np.ndarray], lr_scale: float) -> None:
+        """Update the weights (under the lock), once no zero-copy pull is sending from them."""
+        if self._readers:
+            self._writers_waiting += 1
+            try:
+                self.changed.wait_for(lambda: self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
         for i, grad in grads.items():
             self.optimizer.update(self.slices[i].key, self.weights[i], grad, lr_scale=lr_scale)
         self.version += 1
@@ -181,13 +315,11 @@ class ShardCore:
             count = len(self._round_bases)
             if count == 0:
                 continue
-            for acc in self._round_sum.values():
-                acc *= 1.0 / count
+            self._round_flat *= 1.0 / count
             for base in self._round_bases:
                 self._record_staleness(self.version - base)
             self._apply(self._round_sum, 1.0)
-            for acc in self._round_sum.values():
-                acc.fill(0)
+            self._round_flat.fill(0)
             self._round_bases.clear()
         self.changed.notify_all()
 
@@ -214,8 +346,8 @@ class ShardCore:
         return clock
 
     def pull(self, worker: int, clock: int, timeout: float,
-             cancelled: Callable[[], bool] = lambda: False) -> tuple[int, dict[int, bytes]]:
-        """Wait until the policy allows it, then return (version, bytes of every slice).
+             cancelled: Callable[[], bool] = lambda: False, _copy: bool = True) -> "Snapshot | LiveWeights":
+        """Wait until the policy allows it, then return a snapshot of the weights (release it when sent).
 
         Waiting does not renew the worker's lease (its heartbeats do), so a
         worker that dies while its pull waits is still dropped on time; a
@@ -239,12 +371,23 @@ class ShardCore:
                         raise ShardError("DEADLINE_EXCEEDED", self._why_waiting(worker, clock, timeout))
                     self.changed.wait(min(left, 0.5))
                     self._require_live(worker, renew=False)
+            while self._writers_waiting:  # an update is due first: never send half-applied weights
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ShardError("DEADLINE_EXCEEDED", f"pull waited {timeout:.1f}s for an update to finish")
+                self.changed.wait(min(left, 0.5))
             self.counters["pulls"] += 1
-            if self._snapshot is None or self._snapshot[0] != self.version:
-                self._snapshot = (self.version, {i: w.tobytes() for i, w in self.weights.items()})
-            version, data = self._snapshot
-            self.counters["bytes_out"] += sum(len(b) for b in data.values())
-        return version, data
+            self.counters["bytes_out"] += self.nbytes
+            if not _copy:
+                self._readers += 1
+                return LiveWeights(self.version, memoryview(self.flat).cast("B"), self)
+            return self._take_snapshot()
+
+    def pull_live(self, worker: int, clock: int, timeout: float,
+                  cancelled: Callable[[], bool] = lambda: False) -> "LiveWeights":
+        """Like :meth:`pull`, without a copy: the caller sends straight from the weights and must
+        call ``release()`` when done; updates wait until then, and new pulls defer to a waiting update."""
+        return self.pull(worker, clock, timeout, cancelled, _copy=False)
 
     def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
         slow = sorted((w, i.clock) for w, i in self.workers.items()
@@ -265,6 +408,8 @@ class ShardCore:
             raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
         if not self.allow_nonfinite:
             for i, g in grads.items():
+                if np.isfinite(np.add.reduce(g)):
+                    continue  # a finite sum has no NaN or Inf in it; a sum that overflows is checked below
                 bad = int(g.size - np.count_nonzero(np.isfinite(g)))
                 if bad:
                     raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server.core import ShardCore, ShardError
+from psgd.server.datapath import DataServer
 from psgd.wire import CHANNEL_OPTIONS, chunks
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,8 @@ def _remaining(context: grpc.ServicerContext, cap: float) -> float:
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Maps RPCs onto the core; every ShardError becomes its status code."""
 
-    def __init__(self, core: ShardCore, incarnation: str, max_wait: float):
-        self.core, self.incarnation, self.max_wait = core, incarnation, max_wait
+    def __init__(self, core: ShardCore, incarnation: str, max_wait: float, data_port: int = 0):
+        self.core, self.incarnation, self.max_wait, self.data_port = core, incarnation, max_wait, data_port
 
     def Register(self, request, context):
         try:
@@ -69,17 +70,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.lease_seconds, shard=core.shard,
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
-            incarnation=self.incarnation, version=core.version)
+            incarnation=self.incarnation, version=core.version, data_port=self.data_port)
 
     def Pull(self, request, context):
         try:
-            version, data = self.core.pull(request.worker_id, request.clock, _remaining(context, self.max_wait),
-                                           cancelled=lambda: not context.is_active())
+            snap = self.core.pull(request.worker_id, request.clock, _remaining(context, self.max_wait),
+                                  cancelled=lambda: not context.is_active())
         except ShardError as err:
             _abort(context, err)
-        for slice_id, payload in data.items():
-            for offset, piece in chunks(payload):
-                yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece), version=version)
+        with snap:
+            for slice_id, payload in snap.data.items():
+                for offset, piece in chunks(payload):
+                    yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece),
+                                             version=snap.version)
 
     def Push(self, request_iterator, context):
         try:
@@ -128,18 +131,21 @@ class ShardServer:
     """A shard served over gRPC, with health checking and a lease reaper thread."""
 
     def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, max_wait: float = 60.0,
-                 threads: int | None = None):
+                 threads: int | None = None, data_path: bool = True, data_port: int = 0):
         self.core = core
         self.incarnation = uuid.uuid4().hex[:12]
+        host = bind.rpartition(":")[0]
+        self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port,
+                               request_timeout=max_wait) if data_path else None
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                              thread_name_prefix=f"shard{core.shard}"),
                                   options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4)
         ps_pb2_grpc.add_ParameterServerServicer_to_server(
-            ParameterServerServicer(core, self.incarnation, max_wait), self.server)
+            ParameterServerServicer(core, self.incarnation, max_wait, self.data.port if self.data else 0),
+            self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        host = bind.rpartition(":")[0]
         self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot listen on {bind}: the address is in use or not on this machine; "
@@ -150,11 +156,14 @@ class ShardServer:
 
     def start(self) -> "ShardServer":
         self.server.start()
+        if self.data:
+            self.data.start()
         self._reaper.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("shard %d of %d serving on %s (policy %s, %d workers, %d slices, %.1f MB)",
-                 self.core.shard, self.core.plan.num_shards, self.address, self.core.policy.name,
+        log.info("shard %d of %d serving on %s, data port %s (policy %s, %d workers, %d slices, %.1f MB)",
+                 self.core.shard, self.core.plan.num_shards, self.address,
+                 self.data.port if self.data else "none", self.core.policy.name,
                  self.core.num_workers, len(self.core.slices),
                  sum(w.nbytes for w in self.core.weights.values()) / 1e6)
         return self
@@ -183,4 +192,6 @@ class ShardServer:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stop.set()
         self.core.close()
+        if self.data:
+            self.data.stop()
         self.server.stop(grace).wait(grace + 1)

@@ -23,9 +23,11 @@ from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 import grpc
 import numpy as np
 
+from psgd import wire
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.wire import CHANNEL_OPTIONS, chunks
+from psgd.wire import CHANNEL_OPTIONS, WireError, chunks
+from psgd.worker.datapath import DataConnection, DataStatus
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ class PSClient:
     """Talks to all shards of one job on behalf of worker ``worker_id`` (-1: an observer)."""
 
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = -1, *,
-                 request_timeout: float = 60.0, retry_deadline: float | None = None):
+                 request_timeout: float = 60.0, retry_deadline: float | None = None, data_path: bool = True,
+                 wire_dtype: str | None = None, token: str = ""):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         self.addresses = list(addresses)
@@ -61,6 +64,16 @@ class PSClient:
         self._beat_stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.clock = 0
+        self.token = token
+        self.data_path = data_path
+        self.data_ports = [0] * plan.num_shards
+        self._data: list[DataConnection | None] = [None] * plan.num_shards
+        if wire_dtype not in (None, "float16", "bfloat16"):
+            raise PSError(f"wire dtype {wire_dtype!r}: use float16 or bfloat16 (or none)")
+        if wire_dtype and any(s.dtype != "float32" for s in plan.specs):
+            raise PSError("gradient compression (float16/bfloat16 on the wire) needs float32 variables")
+        self.wire_dtype = wire_dtype
+        self._packed: list[np.ndarray | None] = [None] * plan.num_shards
 
     # -- plumbing ------------------------------------------------------------
     def _retrying(self, shard: int, what: str, call: Callable[[], T]) -> T:
@@ -70,21 +83,45 @@ class PSClient:
             attempt += 1
             try:
                 return call()
-            except grpc.RpcError as err:
-                code = err.code()
+            except (grpc.RpcError, DataStatus, WireError) as err:
+                if isinstance(err, WireError):  # the data connection broke: reconnect on the next attempt
+                    self._drop_data(shard)
+                    code, details = grpc.StatusCode.UNAVAILABLE, f"data connection: {err}"
+                elif isinstance(err, DataStatus):
+                    code, details = err.code, err.message
+                else:
+                    code, details = err.code(), err.details()
                 left = deadline - time.monotonic()
                 if code not in RETRYABLE or left <= 0:
                     tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if code in RETRYABLE else ""
                     raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
-                                  f"{code.name}: {err.details()}", code) from None
+                                  f"{code.name}: {details}", code) from None
                 pause = min(left, delay * (0.5 + random.random()))
                 log.debug("%s on shard %d: %s, retrying in %.2fs", what, shard, code.name, pause)
                 time.sleep(pause)  # backoff between attempts, not synchronization
                 delay = min(delay * 2, 2.0)
 
     def _on_all(self, fn: Callable[[int], T]) -> list[T]:
+        if self.plan.num_shards == 1:  # no thread hand-off for a single shard: it costs latency
+            return [fn(0)]
         jobs = [self._pool.submit(fn, k) for k in range(self.plan.num_shards)]
         return [j.result() for j in jobs]
+
+    def _connection(self, shard: int) -> DataConnection | None:
+        """The data-path connection to ``shard`` (opened on first use), or None to use gRPC."""
+        if not (self.data_path and self.data_ports[shard]):
+            return None
+        conn = self._data[shard]
+        if conn is None:
+            host = self.addresses[shard].rpartition(":")[0].strip("[]")
+            conn = self._data[shard] = DataConnection(host, self.data_ports[shard], self.worker_id,
+                                                      self.plan.hash, self.token, self.request_timeout)
+        return conn
+
+    def _drop_data(self, shard: int) -> None:
+        conn, self._data[shard] = self._data[shard], None
+        if conn is not None:
+            conn.close()
 
     # -- calls --------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> None:
@@ -111,6 +148,7 @@ class PSClient:
             return self._retrying(k, "register", lambda: self.stubs[k].Register(request, timeout=self.request_timeout))
 
         replies = self._on_all(one)
+        self.data_ports = [r.data_port for r in replies]
         self.lease_seconds = min(r.lease_seconds for r in replies)
         self.versions = [r.version for r in replies]
         self.clock = max(r.clock for r in replies)
@@ -123,6 +161,10 @@ class PSClient:
 
         def one(k: int) -> int:
             def call() -> int:
+                conn = self._connection(k)
+                if conn is not None:
+                    return conn.pull(clock, [memoryview(flat[s.var][s.start:s.stop]).cast("B")
+                                             for s in self.shard_slices[k]])
                 slices = {s.id: s for s in self.shard_slices[k]}
                 got = dict.fromkeys(slices, 0)
                 version = 0
@@ -156,6 +198,8 @@ class PSClient:
         def one(k: int) -> ps_pb2.PushReply:
             slices = self.shard_slices[k]
             dtype = slices[0].dtype if slices else "float32"
+            if self.data_path and self.data_ports[k]:
+                return self._push_data(k, clock, flat)
             header = ps_pb2.PushHeader(worker_id=self.worker_id, clock=clock, base_version=self.versions[k],
                                        dtype=dtype)
 
@@ -173,6 +217,41 @@ class PSClient:
                                   lambda: self.stubs[k].Push(messages(), timeout=self.request_timeout))
 
         return self._on_all(one)
+
+    def _push_data(self, k: int, clock: int, flat: Mapping[str, np.ndarray]) -> ps_pb2.PushReply:
+        slices = self.shard_slices[k]
+        for sl in slices:
+            if flat[sl.var].dtype != np.dtype(sl.dtype):
+                raise PSError(f"gradient {sl.var} is {flat[sl.var].dtype}, the model's variable is {sl.dtype}")
+        if self.wire_dtype:
+            payload, code = [self._pack(k, flat)], wire.WIRE_CODES[self.wire_dtype]
+        else:
+            payload, code = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in slices], 0
+        size = sum(memoryview(p).nbytes for p in payload)
+
+        def call() -> ps_pb2.PushReply:
+            outcome, version, next_clock, staleness = self._connection(k).push(
+                clock, self.versions[k], code, payload, size)
+            return ps_pb2.PushReply(outcome=outcome, next_clock=next_clock, version=version, staleness=staleness)
+
+        return self._retrying(k, f"push (clock {clock})", call)
+
+    def _pack(self, k: int, flat: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Compress shard ``k``'s slices of the gradient into a reused 16-bit buffer."""
+        slices = self.shard_slices[k]
+        total = sum(s.size for s in slices)
+        packed = self._packed[k]
+        if packed is None:
+            packed = self._packed[k] = np.empty(total, dtype=np.uint16)
+        at = 0
+        for s in slices:
+            src, dst = flat[s.var][s.start:s.stop], packed[at:at + s.size]
+            if self.wire_dtype == "float16":
+                np.copyto(dst.view(np.float16), src, casting="same_kind")
+            else:
+                wire.to_bfloat16(src, dst)
+            at += s.size
+        return packed
 
     def done(self) -> None:
         request = ps_pb2.DoneRequest(worker_id=self.worker_id, clock=self.clock)
@@ -204,6 +283,8 @@ class PSClient:
         if self._beat is not None:
             self._beat.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for k in range(self.plan.num_shards):
+            self._drop_data(k)
         for ch in self.channels:
             ch.close()
 

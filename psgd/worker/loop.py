@@ -66,7 +66,8 @@ def run_worker(
     outcomes: dict[str, int] = {}
     history: list[dict] = []
 
-    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout) as client:
+    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
+                  wire_dtype=c.wire_dtype or None) as client:
         client.wait_ready(c.join_timeout)
         clock = client.register()
         client.start_heartbeats()

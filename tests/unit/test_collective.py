@@ -29,8 +29,9 @@ class Mirror(Collective):
 
 def test_bucketer_packs_gradients_into_few_reused_buffers():
     shapes = {"a": (3, 4), "b": (4,), "c": (100,), "d": (2,)}
-    bucketer = Bucketer(shapes, "float32", np, bucket_bytes=64)
-    assert [len(b) for b in bucketer.layout] == [2, 1, 1]  # a+b fill 16 floats; c alone; d alone
+    bucketer = Bucketer(shapes, "float32", np, bucket_bytes=64, direct_bytes=400)
+    assert [len(b) for b in bucketer.layout] == [2, 1]  # a+b fill 16 floats; d alone
+    assert set(bucketer.direct) == {"c"}  # its 400 bytes are reduced in place, not packed
     group = Mirror(world=4)
     grads = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     first = bucketer.allreduce_mean(group, grads)
@@ -65,3 +66,14 @@ def test_unknown_backend_and_nccl_without_rank():
         make_collective("gloo")
     with pytest.raises(CollectiveError, match="needs --rank"):
         make_collective("nccl")
+
+
+def test_large_gradients_are_reduced_in_place():
+    bucketer = Bucketer({"big": (256,), "small": (4,)}, "float32", np, bucket_bytes=1 << 20, direct_bytes=1024)
+    assert set(bucketer.direct) == {"big"} and len(bucketer.buffers) == 1
+    big = np.full(256, 3.0, dtype=np.float32)
+    out = bucketer.allreduce_mean(Mirror(world=3), {"big": big, "small": np.ones(4, np.float32)})
+    assert out["big"] is big and np.allclose(big, 3.0)  # summed over 3 identical ranks, then averaged
+    strided = np.full(512, 2.0, dtype=np.float32)[::2]  # not contiguous: reduced in a copy, input untouched
+    out = bucketer.allreduce_mean(Mirror(world=2), {"big": strided, "small": np.ones(4, np.float32)})
+    assert out["big"] is not strided and np.allclose(out["big"], 2.0) and np.allclose(strided, 2.0)

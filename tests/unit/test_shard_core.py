@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -621,3 +622,24 @@ def test_assembler_refuses_a_wrong_dtype():
         err = error(a.check_dtype, dtype)
         assert err.code == "INVALID_ARGUMENT" and "'float64'" in err.message and "dtype" in err.message
     assert "(none)" in error(a.check_dtype, "").message
+
+
+def test_updates_wait_for_zero_copy_pulls_and_new_pulls_defer_to_them():
+    core, _ = make_core("async", 1)
+    register_all(core)
+    live = core.pull_live(0, 0, timeout=1)
+    before = bytes(live.buffer)
+    pushed = run_in_thread(push, core, 0, 0)
+    deadline = time.monotonic() + JOIN_WAIT
+    while core._writers_waiting != 1:  # the update is parked behind the send
+        assert time.monotonic() < deadline, "the push never waited for the zero-copy pull"
+        time.sleep(0.001)  # polling with a deadline
+    assert bytes(live.buffer) == before and core.version == 0  # nothing changed under the sender
+    err = error(core.pull, 0, 1, timeout=0.05)  # a new pull defers to the waiting update
+    assert err.code == "DEADLINE_EXCEEDED" and "update" in err.message
+    live.release()
+    live.release()  # idempotent
+    assert pushed().outcome == "applied" and core.version == 1
+    with core.pull_live(0, 1, timeout=1) as again:
+        assert bytes(again.buffer) != before
+    assert core._readers == 0
