@@ -12,6 +12,7 @@ import logging
 import threading
 import uuid
 from concurrent import futures
+from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -131,7 +132,8 @@ class ShardServer:
     """A shard served over gRPC, with health checking and a lease reaper thread."""
 
     def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, max_wait: float = 60.0,
-                 threads: int | None = None, data_path: bool = True, data_port: int = 0):
+                 threads: int | None = None, data_path: bool = True, data_port: int = 0,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()):
         self.core = core
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
@@ -140,7 +142,8 @@ class ShardServer:
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                              thread_name_prefix=f"shard{core.shard}"),
-                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4)
+                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4,
+                                  interceptors=list(interceptors))
         ps_pb2_grpc.add_ParameterServerServicer_to_server(
             ParameterServerServicer(core, self.incarnation, max_wait, self.data.port if self.data else 0),
             self.server)

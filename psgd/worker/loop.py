@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -42,12 +42,15 @@ def run_worker(
     metrics_path: str | None = None,
     evaluate_every: int | None = None,
     delay: Delay = NO_DELAY,
+    on_step: Callable[[dict], None] | None = None,
 ) -> WorkerResult:
     """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
 
     ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
     others) evaluates the pulled weights on the test split.  ``delay`` slows
-    this worker down, to play a straggler in experiments.
+    this worker down, to play a straggler in experiments.  ``on_step`` is
+    called with each step's record (the JSONL fields plus ``pull_seconds``,
+    ``push_seconds`` and ``bytes``), e.g. to feed a metrics endpoint.
     """
     built = build_job(job, dataset)
     ds, model, device = built.dataset, built.model, built.device
@@ -87,12 +90,15 @@ def run_worker(
                 idx = indices[i]
                 began = time.perf_counter()
                 versions = client.pull(clock, host)
+                pulled = time.perf_counter()
                 params = {k: device.asarray(v) for k, v in host.items()}
                 if evaluate_every and clock % evaluate_every == 0 and clock > 0:
                     _, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]))
+                pushing = time.perf_counter()
                 replies = client.push(clock, {k: backend.to_host(g) for k, g in grads.items()})
+                pushed = time.perf_counter()
                 pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
                 if pause:
                     time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
@@ -107,6 +113,9 @@ def run_worker(
                     point["test_accuracy"] = acc
                     history.append(point)
                 metrics.write("step", **point)
+                if on_step:
+                    on_step({**point, "pull_seconds": pulled - began, "push_seconds": pushed - pushing,
+                             "bytes": 2 * plan.total_bytes, "outcomes": [r.outcome for r in replies]})
                 bar.update(new_clock - clock)
                 bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
                 clock = client.clock = new_clock
