@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -72,6 +73,16 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
             job.override(dotted, value)
     job.apply_sets(args.set)
     return job
+
+
+def add_token_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token", default=None, metavar="TOKEN",
+                        help="shared secret every call must carry (default: $PSGD_TOKEN; none: no check). "
+                             "Make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+
+
+def token_from_args(args: argparse.Namespace) -> str:
+    return args.token if args.token is not None else os.environ.get("PSGD_TOKEN", "")
 
 
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:

@@ -240,8 +240,9 @@ def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: fl
     from psgd.worker.client import PSClient, fetch_weights
 
     plan = PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.slice_bytes)
-    weights = fetch_weights(addresses, plan, timeout=job.cluster.request_timeout)
-    with PSClient(addresses, plan) as client:
+    token = os.environ.get("PSGD_TOKEN", "")  # the children inherit it too
+    weights = fetch_weights(addresses, plan, timeout=job.cluster.request_timeout, token=token)
+    with PSClient(addresses, plan, token=token) as client:
         versions = [s.version for s in client.status()]
     loss, acc = _evaluate(job, weights)
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions)

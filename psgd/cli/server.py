@@ -9,7 +9,8 @@ import signal
 import sys
 import threading
 
-from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
+from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args, run_command,
+                             token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
 
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port-file", metavar="FILE", help="write the address actually bound to FILE once serving")
     parser.add_argument("--exit-when-done", action="store_true",
                         help="exit once every worker has finished or been dropped")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="write crash-safe checkpoints into DIR/shard-K and restore the newest intact one "
+                             "on start (default: no checkpoints)")
+    parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds between checkpoints (default 30); one more is written on SIGTERM")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                        help="how many checkpoints to keep (default 3)")
+    add_token_argument(parser)
     add_job_arguments(parser, cluster=True)
     add_log_arguments(parser)
     return parser
@@ -59,12 +68,24 @@ def serve(args: argparse.Namespace) -> int:
     host, _, port_text = bind.rpartition(":")
     if not host or not port_text.isdigit():
         raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
+    if args.checkpoint_every <= 0 or args.keep_checkpoints < 1:
+        raise ConfigError("--checkpoint-every must be > 0 and --keep-checkpoints at least 1")
     core = build_shard(job, args.shard)
+    if args.checkpoint_dir:
+        from psgd.server import checkpoint
+
+        saved = checkpoint.load_latest(checkpoint.shard_dir(args.checkpoint_dir, args.shard), core.plan.hash)
+        if saved is not None:
+            core.restore(saved)
+        else:
+            log.info("no checkpoint in %s: starting from the initial weights", args.checkpoint_dir)
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
         server = ShardServer(core, bind, max_wait=job.cluster.request_timeout, data_path=job.cluster.data_path,
-                             data_port=data_port).start()
+                             data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
+                             checkpoint_seconds=args.checkpoint_every,
+                             keep_checkpoints=args.keep_checkpoints).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     if args.port_file:

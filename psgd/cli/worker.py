@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
-from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
+from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args, run_command,
+                             token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
 from psgd.worker.delay import DelayError, parse_delay
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "slowdown:K (each step K times as long), optionally @RANKS (e.g. slowdown:4@0)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
+    add_token_argument(parser)
     add_job_arguments(parser, cluster=True)
     add_log_arguments(parser)
     return parser
@@ -78,8 +82,15 @@ def work(args: argparse.Namespace) -> int:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
     if not 0 <= args.rank < job.cluster.workers:
         raise ConfigError(f"--rank {args.rank} is out of range: the job has {job.cluster.workers} worker(s)")
-    result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress,
-                        metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()  # finish the step in hand, push it, leave
+
+    signal.signal(signal.SIGTERM, on_signal)
+    result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
+                        metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
+                        token=token_from_args(args))
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.outcomes,

@@ -73,6 +73,18 @@ class Policy(ABC):
     def join(self, worker: int) -> int:
         """(Re)register ``worker``: it is live again; returns the clock it continues from."""
 
+    def fast_forward(self, worker: int, clock: int) -> bool:
+        """After the shard was restored from a checkpoint, ``worker`` says it is at ``clock``:
+        adopt it if it is ahead, so the worker carries on instead of repeating or being refused.
+
+        Returns True when the open sync round was discarded (its partial sum must be cleared).
+        """
+        worker, clock = self._check_worker(worker), self._check_clock(clock)
+        clocks = getattr(self, "_clocks", None)
+        if clocks is not None and clock > clocks[worker]:
+            clocks[worker] = clock
+        return False
+
     @abstractmethod
     def leave(self, worker: int) -> tuple[int, ...]:
         """``worker`` is done or its lease expired; returns the sync rounds that close because of it."""

@@ -21,7 +21,7 @@ class SyncPolicy(Policy):
 
     name: ClassVar[str] = "sync"
     _COUNTERS: ClassVar[tuple[str, ...]] = (
-        "rounds_closed", "pushes_accumulated", "duplicates", "late", "rejected")
+        "rounds_closed", "pushes_accumulated", "duplicates", "late", "rejected", "rounds_skipped")
 
     def __init__(self, num_workers: int, backup_workers: int = 0):
         super().__init__(num_workers)
@@ -50,6 +50,18 @@ class SyncPolicy(Policy):
         worker = self._check_worker(worker)
         self._live.add(worker)  # never closes a round: one more live worker to wait for, or one that pushed
         return self.clock_of(worker)
+
+    def fast_forward(self, worker: int, clock: int) -> bool:
+        """Jump the open round to ``clock`` (dropping the rounds in between, and the open round's
+        contributions) when a worker comes back to a restored shard further ahead."""
+        self._check_worker(worker)
+        clock = self._check_clock(clock)
+        if clock <= self._applied_rounds:
+            return False
+        self._counters["rounds_skipped"] += clock - self._applied_rounds
+        self._applied_rounds = clock
+        self._last = [min(c, clock - 1) for c in self._last]
+        return True
 
     def leave(self, worker: int) -> tuple[int, ...]:
         worker = self._check_worker(worker)

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid")
+    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid", "clock")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     plan_hash: str
     plan_json: str
     hostname: str
     pid: int
-    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port")

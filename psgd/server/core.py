@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from psgd.optim import Optimizer
+from psgd.server import checkpoint
 from psgd.partition import PartitionPlan, Slice, plan_differences
 from psgd.policy import Policy
 
@@ -244,6 +245,9 @@ class ShardCore:
         self.closing = False
         self._readers = 0          # zero-copy pulls sending from ``flat`` right now
         self._writers_waiting = 0  # updates waiting for those sends to finish
+        self.restored_version: int | None = None   # the checkpoint this process started from
+        self.last_checkpoint: tuple[int, float] | None = None  # (version, time) of the newest one written
+        self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
     # -- helpers ------------------------------------------------------------
     def _views(self, flat: np.ndarray) -> dict[int, np.ndarray]:
@@ -324,8 +328,15 @@ class ShardCore:
         self.changed.notify_all()
 
     # -- requests -----------------------------------------------------------------
-    def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0) -> int:
-        """(Re)join ``worker``; returns the clock it continues from."""
+    def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
+                 clock: int = 0) -> int:
+        """(Re)join ``worker``; returns the clock it continues from.
+
+        ``clock`` is where the worker is.  The first time a worker that was
+        already training registers with this shard process (so the shard was
+        restarted), the shard jumps ahead to it: the updates since the shard's
+        checkpoint are lost on this shard, but nobody repeats or waits.
+        """
         self._check_worker(worker)
         if plan_hash != self.plan.hash:
             try:
@@ -335,8 +346,21 @@ class ShardCore:
             raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from "
                              f"shard {self.shard}'s {self.plan.hash!r}" + (f": {why}" if why else "") +
                              "; start every process from the same job file")
+        if clock < 0:
+            raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
         with self.lock:
             info = self.workers[worker]
+            if worker not in self._joined:
+                self._joined.add(worker)
+                if clock > self.policy.clock_of(worker):
+                    log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard (%s); "
+                                "continuing from there", self.shard, worker, clock,
+                                f"restored from the checkpoint of version {self.restored_version}"
+                                if self.restored_version is not None else
+                                "started without a checkpoint: its earlier updates are lost")
+                    if self.policy.fast_forward(worker, clock):
+                        self._round_flat.fill(0)
+                        self._round_bases.clear()
             clock = self.policy.join(worker)
             info.state, info.clock, info.hostname, info.pid = "live", clock, hostname, pid
             info.deadline = self._now() + self.lease_seconds
@@ -415,10 +439,10 @@ class ShardCore:
                     raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "
                                      f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
         with self.lock:
+            info = self._require_live(worker)  # first: a restarted shard asks the worker to register again
             if base_version > self.version:
                 raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
                                  f"{self.shard}'s version {self.version}")
-            info = self._require_live(worker)
             self.counters["pushes"] += 1
             decision = self.policy.push(worker, clock)
             staleness = self.version - base_version
@@ -488,6 +512,53 @@ class ShardCore:
                 self.changed.notify_all()
         return expired
 
+    # -- checkpoints -------------------------------------------------------------
+    def checkpoint(self, folder, keep: int = 3, force: bool = False):
+        """Write a checkpoint of this shard into ``folder`` (nothing when unchanged since the last one).
+
+        Written under the lock, straight from the live arrays: consistent, and
+        no second copy of the weights in memory; training pauses meanwhile.
+        Raises CheckpointError when the disk refuses (the previous one stays).
+        """
+        with self.lock:
+            if not force and self.last_checkpoint and self.last_checkpoint[0] == self.version:
+                return None
+            arrays = {"weights": self.flat}
+            arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
+            if self._round_flat is not None:
+                arrays["round_sum"] = self._round_flat
+            manifest = {"shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
+                        "policy": self.policy.state_dict(), "counters": dict(self.counters),
+                        "staleness_histogram": list(self.staleness_histogram),
+                        "round_bases": list(self._round_bases), "optimizer": self.optimizer.describe()}
+            try:
+                path = checkpoint.save(folder, self.version, arrays, manifest, keep)
+            except checkpoint.CheckpointError:
+                self.counters["checkpoint_failures"] = self.counters.get("checkpoint_failures", 0) + 1
+                raise
+            self.last_checkpoint = (self.version, time.time())
+            return path
+
+    def restore(self, ckpt: "checkpoint.Checkpoint") -> None:
+        """Take the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before serving)."""
+        m, a = ckpt.manifest, ckpt.arrays
+        weights = a.get("weights")
+        if weights is None or weights.shape != self.flat.shape or weights.dtype != self.flat.dtype:
+            raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {self.shard}")
+        with self.lock:
+            np.copyto(self.flat, weights)
+            self.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
+            self.policy.load_state_dict(m["policy"])
+            if self._round_flat is not None and "round_sum" in a:
+                np.copyto(self._round_flat, a["round_sum"])
+                self._round_bases[:] = [int(b) for b in m.get("round_bases", [])]
+            self.version = int(m["version"])
+            self.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in self.counters})
+            self.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
+            self.restored_version = self.version
+            self.last_checkpoint = (self.version, float(m.get("written_at", time.time())))
+        log.info("shard %d: restored version %d from %s", self.shard, self.version, ckpt.path)
+
     def finished(self) -> bool:
         """True once no worker is pending or live (all done or expired)."""
         with self.lock:
@@ -515,6 +586,9 @@ class ShardCore:
                             for w, i in sorted(self.workers.items())],
                 "counters": {**self.counters, "policy": self.policy.describe()},
                 "staleness_histogram": list(self.staleness_histogram),
+                "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
+                if self.last_checkpoint else None,
+                "restored_version": self.restored_version,
             }
 
     def weights_by_var(self) -> Iterator[tuple[Slice, np.ndarray]]:

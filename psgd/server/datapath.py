@@ -53,6 +53,10 @@ class DataServer:
     def stop(self) -> None:
         self._stop.set()
         try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop at once
+        except OSError:
+            pass
+        try:
             self.sock.close()
         except OSError:
             pass

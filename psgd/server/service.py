@@ -7,9 +7,11 @@ stops within a grace period.  Tests and the ``psgd-server`` command share it.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
+import time
 import uuid
 from concurrent import futures
 from typing import Sequence
@@ -18,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.server import checkpoint
 from psgd.server.core import ShardCore, ShardError
 from psgd.server.datapath import DataServer
 from psgd.wire import CHANNEL_OPTIONS, chunks
@@ -64,7 +67,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Register(self, request, context):
         try:
             clock = self.core.register(request.worker_id, request.plan_hash, request.plan_json,
-                                       request.hostname, request.pid)
+                                       request.hostname, request.pid, request.clock)
         except ShardError as err:
             _abort(context, err)
         core = self.core
@@ -124,8 +127,42 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.StatusReply(
             shard=s["shard"], num_shards=s["num_shards"], policy=s["policy"], version=s["version"],
             workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],
-            bytes_held=s["bytes_held"], counters_json=json.dumps(s["counters"]),
+            bytes_held=s["bytes_held"],
+            counters_json=json.dumps({**s["counters"], "checkpoint": s["checkpoint"],
+                                      "restored_version": s["restored_version"]}),
             staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without the shared token (metadata ``authorization: Bearer TOKEN``)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass --token or set PSGD_TOKEN "
+                                                           "to the job's token")
+
+        self._refusals = {
+            (False, False): grpc.unary_unary_rpc_method_handler(refuse),
+            (False, True): grpc.unary_stream_rpc_method_handler(refuse),
+            (True, False): grpc.stream_unary_rpc_method_handler(refuse),
+            (True, True): grpc.stream_stream_rpc_method_handler(refuse),
+        }
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)  # health checks stay open, as orchestrators expect
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return continuation(handler_call_details)
+                break
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._refusals[(handler.request_streaming, handler.response_streaming)]
 
 
 class ShardServer:
@@ -133,11 +170,16 @@ class ShardServer:
 
     def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, max_wait: float = 60.0,
                  threads: int | None = None, data_path: bool = True, data_port: int = 0,
-                 interceptors: Sequence[grpc.ServerInterceptor] = ()):
+                 interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
+                 checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3):
         self.core = core
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
+        if token:
+            interceptors = [TokenInterceptor(token), *interceptors]
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
-        self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port,
+        self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
                                request_timeout=max_wait) if data_path else None
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
@@ -156,12 +198,16 @@ class ShardServer:
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name=f"shard{core.shard}-leases", daemon=True)
+        self._checkpointer = threading.Thread(target=self._checkpoints, name=f"shard{core.shard}-checkpoints",
+                                              daemon=True)
 
     def start(self) -> "ShardServer":
         self.server.start()
         if self.data:
             self.data.start()
         self._reaper.start()
+        if self.checkpoint_dir:
+            self._checkpointer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("shard %d of %d serving on %s, data port %s (policy %s, %d workers, %d slices, %.1f MB)",
@@ -176,10 +222,27 @@ class ShardServer:
         while not self._stop.wait(period):
             self.core.expire_leases()
 
+    def _checkpoints(self) -> None:
+        while not self._stop.wait(min(1.0, self.checkpoint_seconds)):
+            last = self.core.last_checkpoint
+            if last is None or time.time() - last[1] >= self.checkpoint_seconds:
+                self.save_checkpoint()
+
+    def save_checkpoint(self, force: bool = False) -> None:
+        """Write a checkpoint now (if there is a checkpoint folder); a failure is logged, not raised."""
+        if not self.checkpoint_dir:
+            return
+        try:
+            path = self.core.checkpoint(checkpoint.shard_dir(self.checkpoint_dir, self.core.shard),
+                                        self.keep_checkpoints, force=force)
+        except checkpoint.CheckpointError as exc:
+            log.error("shard %d: %s", self.core.shard, exc)
+            return
+        if path:
+            log.debug("shard %d: checkpoint %s", self.core.shard, path)
+
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Block until every worker is done or expired (or ``timeout``); True when finished."""
-        import time
-
         end = None if timeout is None else time.monotonic() + timeout
         while not self.core.finished():
             if self._stop.is_set():
@@ -191,6 +254,7 @@ class ShardServer:
         return True
 
     def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, let in-flight calls finish (within ``grace``), write a last checkpoint, stop."""
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stop.set()
@@ -198,3 +262,6 @@ class ShardServer:
         if self.data:
             self.data.stop()
         self.server.stop(grace).wait(grace + 1)
+        if self._checkpointer.is_alive():
+            self._checkpointer.join(grace + 30)
+        self.save_checkpoint()

@@ -51,6 +51,10 @@ class PSClient:
                  wire_dtype: str | None = None, token: str = ""):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
+        if wire_dtype not in (None, "float16", "bfloat16"):
+            raise PSError(f"wire dtype {wire_dtype!r}: use float16 or bfloat16 (or none)")
+        if wire_dtype and any(s.dtype != "float32" for s in plan.specs):
+            raise PSError("gradient compression (float16/bfloat16 on the wire) needs float32 variables")
         self.addresses = list(addresses)
         self.plan, self.worker_id = plan, worker_id
         self.request_timeout = request_timeout
@@ -65,18 +69,17 @@ class PSClient:
         self._beat: threading.Thread | None = None
         self.clock = 0
         self.token = token
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.data_path = data_path
         self.data_ports = [0] * plan.num_shards
         self._data: list[DataConnection | None] = [None] * plan.num_shards
-        if wire_dtype not in (None, "float16", "bfloat16"):
-            raise PSError(f"wire dtype {wire_dtype!r}: use float16 or bfloat16 (or none)")
-        if wire_dtype and any(s.dtype != "float32" for s in plan.specs):
-            raise PSError("gradient compression (float16/bfloat16 on the wire) needs float32 variables")
         self.wire_dtype = wire_dtype
         self._packed: list[np.ndarray | None] = [None] * plan.num_shards
 
     # -- plumbing ------------------------------------------------------------
-    def _retrying(self, shard: int, what: str, call: Callable[[], T]) -> T:
+    def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True) -> T:
+        """``call()``, retried on transient errors within the retry deadline; a shard that has
+        forgotten this worker (it restarted, or the lease ran out) is re-registered with first."""
         deadline = time.monotonic() + self.retry_deadline
         delay, attempt = 0.05, 0
         while True:
@@ -92,6 +95,12 @@ class PSClient:
                 else:
                     code, details = err.code(), err.details()
                 left = deadline - time.monotonic()
+                if (rejoin and self.worker_id >= 0 and code == grpc.StatusCode.FAILED_PRECONDITION
+                        and "register again" in details and left > 0):
+                    log.warning("shard %d at %s no longer knows worker %d (restarted?): registering again",
+                                shard, self.addresses[shard], self.worker_id)
+                    self._register_one(shard)
+                    continue
                 if code not in RETRYABLE or left <= 0:
                     tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if code in RETRYABLE else ""
                     raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
@@ -138,17 +147,25 @@ class PSClient:
             raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is psgd-server "
                           "running there, and is the address and port right?", grpc.StatusCode.UNAVAILABLE)
 
+    def _register_request(self) -> ps_pb2.RegisterRequest:
+        return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
+                                      plan_json=json.dumps(self.plan.description()),
+                                      hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock)
+
+    def _register_one(self, k: int) -> ps_pb2.RegisterReply:
+        request = self._register_request()
+        reply = self._retrying(k, "register", lambda: self.stubs[k].Register(request, timeout=self.request_timeout,
+                                                                             metadata=self._metadata),
+                               rejoin=False)
+        if reply.data_port != self.data_ports[k]:
+            self._drop_data(k)
+        self.data_ports[k] = reply.data_port
+        self.versions[k] = reply.version
+        return reply
+
     def register(self) -> int:
         """Join every shard; returns the clock to continue from (the largest any shard reports)."""
-        request = ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
-                                         plan_json=json.dumps(self.plan.description()),
-                                         hostname=socket.gethostname(), pid=os.getpid())
-
-        def one(k: int) -> ps_pb2.RegisterReply:
-            return self._retrying(k, "register", lambda: self.stubs[k].Register(request, timeout=self.request_timeout))
-
-        replies = self._on_all(one)
-        self.data_ports = [r.data_port for r in replies]
+        replies = self._on_all(self._register_one)
         self.lease_seconds = min(r.lease_seconds for r in replies)
         self.versions = [r.version for r in replies]
         self.clock = max(r.clock for r in replies)
@@ -168,7 +185,7 @@ class PSClient:
                 slices = {s.id: s for s in self.shard_slices[k]}
                 got = dict.fromkeys(slices, 0)
                 version = 0
-                for chunk in self.stubs[k].Pull(request, timeout=self.request_timeout):
+                for chunk in self.stubs[k].Pull(request, timeout=self.request_timeout, metadata=self._metadata):
                     sl = slices.get(chunk.slice_id)
                     if sl is None:
                         raise PSError(f"shard {k} at {self.addresses[k]} sent slice {chunk.slice_id}, which the "
@@ -200,11 +217,9 @@ class PSClient:
             dtype = slices[0].dtype if slices else "float32"
             if self.data_path and self.data_ports[k]:
                 return self._push_data(k, clock, flat)
-            header = ps_pb2.PushHeader(worker_id=self.worker_id, clock=clock, base_version=self.versions[k],
-                                       dtype=dtype)
-
-            def messages() -> Iterator[ps_pb2.PushMessage]:
-                yield ps_pb2.PushMessage(header=header)
+            def messages() -> Iterator[ps_pb2.PushMessage]:  # made anew for each attempt
+                yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
+                    worker_id=self.worker_id, clock=clock, base_version=self.versions[k], dtype=dtype))
                 for sl in slices:
                     view = flat[sl.var][sl.start:sl.stop]
                     if view.dtype != np.dtype(sl.dtype):
@@ -214,7 +229,8 @@ class PSClient:
                                                                           data=bytes(piece)))
 
             return self._retrying(k, f"push (clock {clock})",
-                                  lambda: self.stubs[k].Push(messages(), timeout=self.request_timeout))
+                                  lambda: self.stubs[k].Push(messages(), timeout=self.request_timeout,
+                                                             metadata=self._metadata))
 
         return self._on_all(one)
 
@@ -255,11 +271,13 @@ class PSClient:
 
     def done(self) -> None:
         request = ps_pb2.DoneRequest(worker_id=self.worker_id, clock=self.clock)
-        self._on_all(lambda k: self._retrying(k, "done", lambda: self.stubs[k].Done(request, timeout=self.request_timeout)))
+        self._on_all(lambda k: self._retrying(k, "done", lambda: self.stubs[k].Done(request, timeout=self.request_timeout,
+                                                                                metadata=self._metadata)))
 
     def status(self) -> list[ps_pb2.StatusReply]:
         return self._on_all(lambda k: self._retrying(
-            k, "status", lambda: self.stubs[k].Status(ps_pb2.StatusRequest(), timeout=self.request_timeout)))
+            k, "status", lambda: self.stubs[k].Status(ps_pb2.StatusRequest(), timeout=self.request_timeout,
+                                         metadata=self._metadata)))
 
     # -- leases ---------------------------------------------------------------------
     def start_heartbeats(self) -> None:
@@ -274,6 +292,7 @@ class PSClient:
             for k, stub in enumerate(self.stubs):
                 try:
                     stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id, clock=self.clock),
+                                   metadata=self._metadata,
                                    timeout=max(1.0, self.lease_seconds / 3))
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d at %s failed: %s", k, self.addresses[k], err.code().name)
@@ -295,9 +314,10 @@ class PSClient:
         self.close()
 
 
-def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, timeout: float = 60.0) -> dict[str, np.ndarray]:
+def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, timeout: float = 60.0,
+                  token: str = "") -> dict[str, np.ndarray]:
     """The current weights of a running job, read as an observer (never waits for a round)."""
     out = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(addresses, plan, -1, request_timeout=timeout) as client:
+    with PSClient(addresses, plan, -1, request_timeout=timeout, token=token) as client:
         client.pull(0, out)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -43,6 +44,8 @@ def run_worker(
     evaluate_every: int | None = None,
     delay: Delay = NO_DELAY,
     on_step: Callable[[dict], None] | None = None,
+    token: str = "",
+    stop: threading.Event | None = None,
 ) -> WorkerResult:
     """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
 
@@ -51,6 +54,8 @@ def run_worker(
     this worker down, to play a straggler in experiments.  ``on_step`` is
     called with each step's record (the JSONL fields plus ``pull_seconds``,
     ``push_seconds`` and ``bytes``), e.g. to feed a metrics endpoint.
+    ``token`` is the job's shared secret.  When ``stop`` is set (SIGTERM), the
+    worker finishes the step in hand, pushes it, and leaves.
     """
     built = build_job(job, dataset)
     ds, model, device = built.dataset, built.model, built.device
@@ -70,7 +75,7 @@ def run_worker(
     history: list[dict] = []
 
     with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
-                  wire_dtype=c.wire_dtype or None) as client:
+                  wire_dtype=c.wire_dtype or None, token=token) as client:
         client.wait_ready(c.join_timeout)
         clock = client.register()
         client.start_heartbeats()
@@ -84,6 +89,10 @@ def run_worker(
         with progress_bar(total, f"worker {rank}", enabled=progress) as bar:
             bar.update(clock)
             while clock < total:
+                if stop is not None and stop.is_set():
+                    log.info("worker %d: stopping at clock %d as asked; the next start continues from here",
+                             rank, clock)
+                    break
                 epoch, i = divmod(clock, spe)
                 if epoch != cached_epoch:
                     cached_epoch, indices = epoch, batches.indices(epoch)

@@ -336,7 +336,7 @@ def test_sync_one_averaged_update_per_clock_and_pulls_wait_for_the_round():
         assert core.push(1, rnd).action == DUPLICATE  # a retry after it closed
     assert core.applied == [frozenset({0, 1, 2})] * 4
     assert policy.describe()["counters"] == {
-        "rounds_closed": 4, "pushes_accumulated": 12, "duplicates": 8, "late": 0, "rejected": 0}
+        "rounds_closed": 4, "pushes_accumulated": 12, "duplicates": 8, "late": 0, "rejected": 0, "rounds_skipped": 0}
 
 
 def test_sync_rejects_clocks_from_the_future():
@@ -558,3 +558,20 @@ def test_load_state_dict_keeps_the_configured_options():
     restored.load_state_dict(saved.state_dict())
     assert restored.staleness == 5 and restored.clock_of(0) == 2
     assert restored.pull_ready(0, 2) and not saved.pull_ready(0, 2)
+
+
+def test_fast_forward_after_a_restore():
+    sync = make_policy("sync", 2)
+    for w in (0, 1):
+        sync.join(w)
+    sync.push(0, 0)  # round 0 open, worker 0 contributed
+    assert sync.fast_forward(1, 0) is False and sync.applied_rounds == 0  # not ahead: nothing changes
+    assert sync.fast_forward(1, 3) is True  # a worker is at clock 3: rounds 0..2 are skipped here
+    assert sync.applied_rounds == 3 and sync.pull_ready(0, 3) and not sync.pull_ready(0, 4)
+    assert sync.push(0, 3).action == "accumulate" and sync.push(1, 3).closed_rounds == (3,)
+    assert sync.counters()["rounds_skipped"] == 3
+    for name, options in (("async", {}), ("ssp", {"staleness": 1})):
+        policy = make_policy(name, 2, **options)
+        policy.join(0)
+        assert policy.fast_forward(0, 5) is False and policy.clock_of(0) == 5
+        assert policy.push(0, 4).action == "duplicate" and policy.push(0, 5).action == "apply"

@@ -1,0 +1,161 @@
+"""What a convergence lab runs: one job shared by every run, the policies, the injected delays, presets.
+
+A lab is the cross product of *scenarios* (an injected delay, or none) and
+*policies*; every run trains the same model on the same data with the same
+seed, worker count and optimizer, as real processes on this machine.
+
+Policies are named by short specs:
+
+- ``sync``         parameter server, bulk-synchronous rounds
+- ``async``        parameter server, every push applied on arrival
+- ``ssp:S``        parameter server, bounded staleness S
+- ``backup:B``     parameter server, sync with B backup workers (a round closes after N-B pushes)
+- ``allreduce``    no servers: N MPI ranks average their gradients every step
+
+Scenarios are delay specs for ``psgd-worker --delay`` (see
+:mod:`psgd.worker.delay`), or ``none``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from psgd.config import ConfigError, JobConfig
+from psgd.worker.delay import DelayError, parse_delay
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One way to train: how it is launched and the job keys it sets."""
+
+    spec: str                   # as given: sync | async | ssp:S | backup:B | allreduce
+    label: str                  # for tables and legends
+    mode: str                   # ps | allreduce
+    sets: tuple[str, ...] = ()  # job overrides (cluster.policy=...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """An injected delay shared by every run of the scenario ('' means none)."""
+
+    delay: str = ""
+
+    @property
+    def name(self) -> str:
+        """A file-name-safe slug: ``no-straggler`` or e.g. ``slowdown4-at0``."""
+        if not self.delay:
+            return "no-straggler"
+        return re.sub(r"[^A-Za-z0-9.-]+", "", self.delay.replace("@", "-at").replace(":", "-"))
+
+    @property
+    def title(self) -> str:
+        return "no straggler" if not self.delay else f"delay {self.delay}"
+
+
+def parse_policy(spec: str) -> Policy:
+    """A :class:`Policy` from ``sync``, ``async``, ``ssp:S``, ``backup:B`` or ``allreduce``."""
+    text = spec.strip()
+    kind, _, arg = text.partition(":")
+    if kind in ("sync", "async", "allreduce") and not arg:
+        if kind == "allreduce":
+            return Policy(text, "allreduce (MPI)", "allreduce")
+        return Policy(text, kind, "ps", (f"cluster.policy={kind}",))
+    if kind in ("ssp", "backup") and arg.isdigit():
+        if kind == "ssp":
+            return Policy(text, f"ssp s={int(arg)}", "ps", ("cluster.policy=ssp", f"cluster.staleness={int(arg)}"))
+        if int(arg) < 1:
+            raise ConfigError(f"policy {spec!r}: backup:B needs B >= 1 (plain sync is 'sync')")
+        return Policy(text, f"sync +{int(arg)} backup", "ps",
+                      ("cluster.policy=sync", f"cluster.backup_workers={int(arg)}"))
+    raise ConfigError(f"unknown policy {spec!r}: use sync, async, ssp:S, backup:B or allreduce")
+
+
+def parse_scenario(text: str) -> Scenario:
+    """A :class:`Scenario` from ``none`` or a delay spec such as ``slowdown:4@0``."""
+    text = text.strip()
+    if text in ("", "none"):
+        return Scenario("")
+    try:
+        parse_delay(text)
+    except DelayError as exc:
+        raise ConfigError(str(exc)) from None
+    return Scenario(text)
+
+
+@dataclasses.dataclass
+class LabConfig:
+    """Everything a lab run depends on; recorded in its JSON output."""
+
+    name: str = "default"
+    job: list[str] = dataclasses.field(default_factory=list)        # --set overrides of the default job
+    policies: list[str] = dataclasses.field(default_factory=lambda: ["sync", "async", "ssp:1", "ssp:4",
+                                                                     "backup:1", "allreduce"])
+    delays: list[str] = dataclasses.field(default_factory=lambda: ["none", "slowdown:4@0"])
+    target_accuracy: float = 0.95
+    eval_interval: float = 0.05      # seconds between the observer's evaluations of the shards (ps runs)
+    allreduce_eval_every: int = 2    # steps between rank 0's evaluations (allreduce runs)
+    repeats: int = 1                 # runs of every (scenario, policy); the table shows medians
+    run_timeout: float = 600.0       # seconds; a run that takes longer fails
+    blas_threads: int | None = 1     # BLAS threads per process (more processes than cores); None: leave as is
+
+    def job_config(self) -> JobConfig:
+        job = JobConfig()
+        job.apply_sets(self.job)
+        return job
+
+    def parsed_policies(self) -> list[Policy]:
+        return [parse_policy(p) for p in self.policies]
+
+    def scenarios(self) -> list[Scenario]:
+        return [parse_scenario(d) for d in self.delays]
+
+    def check(self) -> None:
+        """Fail early, with one line, on anything a run would trip over later."""
+        job = self.job_config()
+        policies = self.parsed_policies()
+        self.scenarios()
+        if not policies:
+            raise ConfigError("no policies to run")
+        for p in policies:
+            if p.spec.startswith("backup:") and int(p.spec.split(":")[1]) >= job.cluster.workers:
+                raise ConfigError(f"policy {p.spec}: needs fewer backup workers than workers "
+                                  f"({job.cluster.workers})")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ConfigError(f"target accuracy {self.target_accuracy} is not in (0, 1]")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.eval_interval <= 0 or self.allreduce_eval_every < 1:
+            raise ConfigError("the evaluation interval must be > 0 seconds and >= 1 step")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_DIGITS = ["cluster.workers=4", "cluster.shards=2", "train.epochs=30", "optimizer.name=momentum",
+           "optimizer.lr=0.02"]
+
+PRESETS: dict[str, LabConfig] = {
+    # The issue's default configuration: MLP on the bundled digits, 4 workers, 2 shards.
+    "default": LabConfig(name="default", job=list(_DIGITS), repeats=3),
+    # A lab of the lab: small enough for CI, still every output.
+    "quick": LabConfig(name="quick", job=["cluster.workers=2", "cluster.shards=2", "train.epochs=4",
+                                          "optimizer.name=momentum", "optimizer.lr=0.02"],
+                       policies=["sync", "async", "allreduce"], target_accuracy=0.8),
+    # Communication dominates: a ~9.7M-parameter MLP (38.7 MB of float32) on synthetic teacher data.
+    "synthetic": LabConfig(name="synthetic",
+                           job=["cluster.workers=4", "cluster.shards=2", "data.name=synthetic",
+                                "data.input_dim=64", "data.n_train=3072", "data.n_test=256",
+                                "model.hidden=[3072, 3072]", "train.epochs=2", "optimizer.name=momentum",
+                                "optimizer.lr=0.01"],
+                           policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
+                           target_accuracy=0.5, eval_interval=2.0, allreduce_eval_every=4),
+}
+
+
+def preset(name: str) -> LabConfig:
+    """A fresh copy of a named preset (``default``, ``quick`` or ``synthetic``)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], job=list(PRESETS[name].job),
+                               policies=list(PRESETS[name].policies), delays=list(PRESETS[name].delays))

@@ -1,0 +1,350 @@
+"""The convergence lab: the same job under every consistency policy, with and without stragglers.
+
+``run_lab(config, out_dir)`` launches each (scenario, policy) pair as real
+processes on this machine (``psgd.cli.launch.launch``: shards and workers, or
+MPI ranks), records every evaluation point, and writes into ``out_dir``:
+
+- ``lab.json``: the lab's configuration, the machine, and per run its job,
+  injected delay, evaluation points and summary;
+- ``table.md``: one row per run (time to target accuracy, final accuracy,
+  steps/s, updates/s, staleness p50/p99, bytes moved);
+- ``accuracy-<scenario>.png`` and ``loss-<scenario>.png``: one line per
+  policy, against wall time, applied updates and gradients computed.
+
+``psgd bench convergence`` and ``benchmarks/convergence.py`` are its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from psgd.bench.config import PRESETS, LabConfig, Policy, Scenario, preset
+from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin, ps_points,
+                                start_skew, step_lines)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One (scenario, policy) run: what ran, its evaluation points and their summary."""
+
+    key: str                 # "<scenario>/<policy spec>"
+    scenario: str            # scenario slug
+    delay: str               # the injected delay spec ('' for none), as passed to every worker
+    policy: str              # policy spec
+    label: str               # policy label
+    mode: str                # ps | allreduce
+    job: dict                # the full job configuration of the run
+    worker_args: list[str]
+    points: list[dict]
+    summary: dict
+    error: str | None = None
+    repeat: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class LabResult:
+    config: LabConfig
+    machine: str
+    parameters: int          # model parameters
+    model_bytes: int
+    runs: list[RunResult]
+    seconds: float
+    files: dict[str, str]    # what was written: json, table, plots...
+    load_average: dict       # the machine's 1/5/15-minute load averages before and after the lab
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "machine": self.machine, "load_average": self.load_average,
+                "parameters": self.parameters, "model_bytes": self.model_bytes, "seconds": round(self.seconds, 1),
+                "axes": AXES, "runs": [r.to_dict() for r in self.runs]}
+
+
+#: What every axis of the outputs means, recorded in lab.json.
+AXES = {
+    "wall": "seconds since the first worker (rank) entered its training loop (from the metrics JSONL)",
+    "steps": "gradients computed by all workers together",
+    "updates": "optimizer updates applied (ps: smallest shard version; allreduce: steps of rank 0)",
+    "loss": f"mean training loss of the last {LOSS_WINDOW} minibatches before the point (all workers'; "
+            "allreduce: rank 0's)",
+    "test_loss": "loss on the test split (ps runs; allreduce only where rank 0 records it)",
+    "staleness": "versions applied between a gradient's pull and its application, over all gradients so far",
+    "bytes": "ps: bytes_in + bytes_out over all shards, the observer's pulls left out (measured); "
+             "allreduce: steps x 2(N-1) x model bytes, the ring algorithm's volume (computed)",
+}
+
+
+def load_result(path: str | os.PathLike) -> LabResult:
+    """A :class:`LabResult` read back from a ``lab.json`` (to redraw its table and plots)."""
+    data = json.loads(Path(path).read_text())
+    fields = {f.name for f in dataclasses.fields(RunResult)}
+    runs = [RunResult(**{k: v for k, v in r.items() if k in fields}) for r in data["runs"]]
+    return LabResult(LabConfig(**data["config"]), data["machine"], data["parameters"], data["model_bytes"], runs,
+                     data["seconds"], data.get("files", {}), data.get("load_average", {}))
+
+
+def machine() -> str:
+    """This machine in words (CPU, cores, memory, Python, OS)."""
+    import os as _os
+    import platform
+
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = _os.sysconf("SC_PAGE_SIZE") * _os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {_os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
+
+
+@contextlib.contextmanager
+def _blas_threads(n: int | None) -> Iterator[None]:
+    """Set the BLAS thread count the launched processes inherit, restoring the environment afterwards."""
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {k: os.environ.get(k) for k in names}
+    if n is not None:
+        os.environ.update({k: str(n) for k in names})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = True,
+            keep_runs: str | os.PathLike | None = None) -> LabResult:
+    """Run every (scenario, policy) of ``config`` and write JSON, table and plots into ``out_dir``.
+
+    Repeats go round the whole list, so background noise falls on every
+    policy alike.  Each run's logs and metrics go to a folder under
+    ``keep_runs`` (kept), or to a temporary folder removed at the end.
+    """
+    from tqdm import tqdm
+
+    from psgd.bench import report
+
+    config.check()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(keep_runs) if keep_runs else Path(tempfile.mkdtemp(prefix="psgd-lab-"))
+    evaluator = Evaluator(config.job_config())
+    todo = [(r, s, p) for r in range(config.repeats) for s in config.scenarios() for p in config.parsed_policies()]
+    began, load_before = time.perf_counter(), os.getloadavg()
+    runs: list[RunResult] = []
+    try:
+        with _blas_threads(config.blas_threads), tqdm(total=len(todo), desc="convergence lab", unit="run",
+                                                       disable=not progress, file=sys.stderr,
+                                                       dynamic_ncols=True) as bar:
+            for repeat, scenario, policy in todo:
+                bar.set_description(f"{scenario.name} / {policy.label}" + (f" #{repeat}" if config.repeats > 1 else ""))
+                folder = root / f"{scenario.name}-{policy.spec.replace(':', '')}-{repeat}"
+                run = run_one(config, evaluator, scenario, policy, folder, bar)
+                run.repeat = repeat
+                runs.append(run)
+                bar.update(1)
+                if progress:
+                    bar.write(_one_line(run, config.target_accuracy), file=sys.stderr)
+    finally:
+        if not keep_runs:
+            shutil.rmtree(root, ignore_errors=True)
+    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    result = LabResult(config, machine(), evaluator.parameters, evaluator.model_bytes, runs,
+                       time.perf_counter() - began, {}, load)
+    result.files = report.write_all(result, out)
+    return result
+
+
+def _one_line(run: RunResult, target: float) -> str:
+    if run.error:
+        return f"{run.key} #{run.repeat}: FAILED: {run.error.splitlines()[0]}"
+    s = run.summary
+    reached = f"{s['time_to_target']:.2f}s" if s["time_to_target"] is not None else "not reached"
+    return (f"{run.key} #{run.repeat}: target {target:g} {reached}, final accuracy {s['final_accuracy']:.3f}, "
+            f"{s['steps_per_s']:.0f} steps/s, {s['updates_per_s']:.0f} updates/s")
+
+
+def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, policy: Policy, run_dir: Path,
+            bar=None) -> RunResult:
+    """Launch one run and turn what it recorded into evaluation points and a summary."""
+    job = config.job_config()
+    job.apply_sets(list(policy.sets))
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # the metrics logs append
+    delay_args = ["--delay", scenario.delay] if scenario.delay else []
+    run = RunResult(f"{scenario.name}/{policy.spec}", scenario.name, scenario.delay, policy.spec, policy.label,
+                    policy.mode, job.to_dict(), delay_args, [], {})
+    try:
+        if policy.mode == "allreduce":
+            run.worker_args += ["--eval-every", str(config.allreduce_eval_every)]
+            seconds, accuracy, train_seconds = _run_allreduce(config, evaluator, job, run, run_dir)
+        else:
+            run.worker_args += ["--eval-every", "0"]  # the observer evaluates; workers only train
+            seconds, accuracy, train_seconds = _run_ps(config, evaluator, job, run, run_dir, bar)
+        run.summary.update(summarize(run.points, config.target_accuracy, train_seconds))
+        run.summary.update(launch_seconds=round(seconds, 2), launch_test_accuracy=accuracy)
+    except Exception as exc:  # one failed run is reported in its row; the lab carries on
+        log.warning("run %s failed: %s", run.key, exc)
+        run.error = f"{type(exc).__name__}: {exc}"
+    return run
+
+
+def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path):
+    """N MPI ranks; the points are rank 0's evaluations.  Returns (launch s, final accuracy, train s)."""
+    from psgd.cli.launch import launch
+
+    result = launch(job, mode="allreduce", backend="mpi", run_dir=str(run_dir), progress=False,
+                    timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1)
+    steps = step_lines([run_dir / "allreduce.jsonl"])
+    run.points = allreduce_points(steps, job.cluster.workers, evaluator.model_bytes, initial_point(evaluator))
+    return result.seconds, result.test_accuracy, steps[-1]["time"] - origin(steps)
+
+
+def _run_ps(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, bar):
+    """Shards and workers, watched by a :class:`ShardObserver`.  Returns (launch s, final accuracy, train s)."""
+    from psgd.cli.launch import launch
+
+    observer = ShardObserver(evaluator, config.eval_interval, _postfix(bar))
+    result = launch(job, mode="ps", run_dir=str(run_dir), progress=False, timeout=config.run_timeout,
+                    worker_args=run.worker_args, verbose=-1, monitor=observer)
+    steps = step_lines(run_dir / f"worker-{r}.jsonl" for r in range(job.cluster.workers))
+    start = origin(steps)
+    run.points = ps_points(observer.samples, steps, start, evaluator.model_bytes, initial_point(evaluator))
+    run.error = observer.error
+    last = observer.samples[-1].counters if observer.samples else {}
+    run.summary.update(start_skew=round(start_skew(steps), 3), late_gradients=int(last.get("late", 0)))
+    return result.seconds, result.test_accuracy, steps[-1]["time"] - start
+
+
+def _postfix(bar):
+    if bar is None:
+        return None
+    return lambda s: bar.set_postfix(acc=f"{s.test_accuracy:.3f}", updates=min(s.versions), refresh=False)
+
+
+def summarize(points: list[dict], target: float, train_seconds: float) -> dict:
+    """Time, updates and gradients to ``target`` accuracy (None if never reached), final figures, rates."""
+    hit = next((p for p in points if (p["test_accuracy"] or 0.0) >= target), None)
+    last = points[-1]
+    seconds = max(train_seconds, 1e-9)
+    accuracies = [p["test_accuracy"] for p in points if p["test_accuracy"] is not None]
+    return {
+        "target_accuracy": target,
+        "time_to_target": hit["wall"] if hit else None,
+        "updates_to_target": hit["updates"] if hit else None,
+        "steps_to_target": hit["steps"] if hit else None,
+        "final_accuracy": last["test_accuracy"],
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "final_loss": last["loss"],
+        "train_seconds": round(train_seconds, 3),
+        "steps": last["steps"],
+        "updates": last["updates"],
+        "steps_per_s": last["steps"] / seconds,
+        "updates_per_s": last["updates"] / seconds,
+        "staleness_p50": last["staleness_p50"],
+        "staleness_p99": last["staleness_p99"],
+        "bytes": last["bytes"],
+        "eval_points": len(points),
+    }
+
+
+# -- command line -------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The lab's flags (shared by ``psgd bench convergence`` and ``benchmarks/convergence.py``)."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                        help="starting configuration: default (MLP on digits, 4 workers, 2 shards, every policy, "
+                             "no straggler and worker 0 4x slower), quick (a few seconds a run, for CI) or "
+                             "synthetic (a ~10M-parameter MLP: communication dominates) (default: default)")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="preset_quick",
+                        help="same as --preset quick")
+    parser.add_argument("--policies", metavar="LIST",
+                        help="comma-separated: sync, async, ssp:S, backup:B (sync with B backup workers), allreduce")
+    parser.add_argument("--delays", metavar="LIST",
+                        help="comma-separated scenarios: none, or a --delay spec of psgd-worker such as "
+                             "slowdown:4@0, fixed:0.01@1, exp:0.005 (default: none,slowdown:4@0)")
+    parser.add_argument("--target", type=float, metavar="ACC", help="target test accuracy (default 0.95 on digits)")
+    parser.add_argument("--workers", type=int, help="workers (ranks) in every run")
+    parser.add_argument("--shards", type=int, help="parameter-server shards")
+    parser.add_argument("--epochs", type=int, help="passes over the training data")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any job-file key for every run (repeatable)")
+    parser.add_argument("--eval-interval", type=float, metavar="SECONDS",
+                        help="seconds between evaluations of the shards' weights in ps runs")
+    parser.add_argument("--allreduce-eval-every", type=int, metavar="STEPS",
+                        help="steps between rank 0's evaluations in all-reduce runs")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="fail a run that takes longer (default 600)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where lab.json, table.md and the plots go "
+                             "(default benchmarks/results/convergence/PRESET)")
+    parser.add_argument("--keep-runs", metavar="DIR", help="keep every run's logs and metrics under DIR")
+    parser.add_argument("--repeats", type=int, metavar="N",
+                        help="run every (scenario, policy) N times; the table shows medians (default 3, quick 1)")
+    parser.add_argument("--from", dest="from_json", metavar="LAB.json",
+                        help="run nothing: redraw the table and plots of an earlier lab (into --out, default "
+                             "beside the file)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> LabConfig:
+    config = preset(args.preset_quick or args.preset)
+    if args.policies:
+        config.policies = [p for p in args.policies.split(",") if p.strip()]
+    if args.delays:
+        config.delays = [d for d in args.delays.split(",") if d.strip()]
+    for flag, key in (("workers", "cluster.workers"), ("shards", "cluster.shards"), ("epochs", "train.epochs")):
+        if getattr(args, flag) is not None:
+            config.job.append(f"{key}={getattr(args, flag)}")
+    config.job += args.set
+    for flag, attr in (("target", "target_accuracy"), ("eval_interval", "eval_interval"),
+                       ("allreduce_eval_every", "allreduce_eval_every"), ("timeout", "run_timeout"),
+                       ("repeats", "repeats")):
+        if getattr(args, flag) is not None:
+            setattr(config, attr, getattr(args, flag))
+    return config
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the lab the flags describe (or redraw one, with --from) and print the table; 1 when a run failed."""
+    from psgd.bench import report
+
+    if args.from_json:
+        result = load_result(args.from_json)
+        result.files = report.write_all(result, Path(args.out or Path(args.from_json).parent))
+    else:
+        config = config_from_args(args)
+        out = args.out or str(Path("benchmarks/results/convergence") / config.name)
+        result = run_lab(config, out, progress=not args.no_progress, keep_runs=args.keep_runs)
+    print(Path(result.files["table"]).read_text())
+    print(f"{len(result.runs)} runs in {result.seconds:.0f}s; wrote {', '.join(sorted(result.files.values()))}")
+    return 1 if any(r.error for r in result.runs) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from psgd.cli.common import run_command
+    from psgd.logs import setup_logging
+
+    parser = argparse.ArgumentParser(prog="psgd bench convergence", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging("lab", -1)
+    return run_command("psgd bench convergence", lambda: run_from_args(args))
+

@@ -1,0 +1,163 @@
+"""The lab's outputs: lab.json, a Markdown table, and PNG plots (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from psgd.bench.convergence import LabResult, RunResult
+
+#: The table's columns: (header, function of a run's summary giving a number or text).
+COLUMNS = (
+    ("time to target s", lambda s: _num(s["time_to_target"], 2, "not reached")),
+    ("updates to target", lambda s: _num(s["updates_to_target"], 0, "not reached")),
+    ("gradients to target", lambda s: _num(s["steps_to_target"], 0, "not reached")),
+    ("final accuracy", lambda s: _num(s["final_accuracy"], 3)),
+    ("train s", lambda s: _num(s["train_seconds"], 2)),
+    ("steps/s", lambda s: _num(s["steps_per_s"], 1)),
+    ("updates/s", lambda s: _num(s["updates_per_s"], 1)),
+    ("staleness p50", lambda s: _num(s["staleness_p50"], 0)),
+    ("staleness p99", lambda s: _num(s["staleness_p99"], 0)),
+    ("MB moved", lambda s: _num(None if s["bytes"] is None else s["bytes"] / 1e6, 1)),
+)
+
+
+def _num(value, digits: int, missing: str = "n/a") -> str:
+    if value is None:
+        return missing
+    return f"{value:.{digits}f}"
+
+
+_MEDIAN_KEYS = ("final_accuracy", "train_seconds", "steps_per_s", "updates_per_s", "staleness_p50",
+                "staleness_p99", "bytes")
+
+
+def groups(result: "LabResult") -> list[list["RunResult"]]:
+    """The runs of each (scenario, policy), in the order they were first run."""
+    by_key: dict[str, list] = {}
+    for run in result.runs:
+        by_key.setdefault(run.key, []).append(run)
+    return list(by_key.values())
+
+
+def _lower_median(values: list) -> object:
+    values = sorted(values)
+    return values[(len(values) - 1) // 2]
+
+
+def representative(runs: list["RunResult"]) -> "RunResult":
+    """The run whose time to target is the (lower) median of its group: the one plotted."""
+    ok = [r for r in runs if not r.error] or runs
+    def rank(r: "RunResult") -> tuple[float, float]:
+        t = r.summary.get("time_to_target")
+        return (float("inf") if t is None else t, -(r.summary.get("final_accuracy") or 0.0))
+
+    ranked = sorted(ok, key=rank)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def median_summary(runs: list["RunResult"]) -> dict:
+    """Medians over the repeats; a target counts as reached when the median run reached it."""
+    ok = [r for r in runs if not r.error]
+    rep = representative(runs)
+    out = {"reached": sum(r.summary.get("time_to_target") is not None for r in ok), "runs": len(runs)}
+    for key in ("time_to_target", "updates_to_target", "steps_to_target"):
+        out[key] = rep.summary.get(key)
+    for key in _MEDIAN_KEYS:
+        values = [r.summary[key] for r in ok if r.summary.get(key) is not None]
+        out[key] = _lower_median(values) if values else None
+    return out
+
+
+def markdown_table(result: "LabResult") -> str:
+    """One row per (scenario, policy): medians over the repeats; a failed group says why."""
+    head = ["scenario", "policy", "reached", *(c[0] for c in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for runs in groups(result):
+        first = runs[0]
+        if all(r.error and len(r.points) < 2 for r in runs):
+            cells = ["0/%d" % len(runs), f"failed: {first.error.splitlines()[0][:80]}"] + [""] * (len(COLUMNS) - 1)
+        else:
+            summary = median_summary(runs)
+            cells = [f"{summary['reached']}/{summary['runs']}", *(fn(summary) for _, fn in COLUMNS)]
+        lines.append("| " + " | ".join([first.scenario, first.label, *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def table_notes(result: "LabResult") -> str:
+    c = result.config
+    repeats = (f"Each row: the median of {c.repeats} runs (to target: the run with the median time to target; "
+               f"reached: runs that reached it). " if c.repeats > 1 else "")
+    return (repeats + f"Target test accuracy {c.target_accuracy:g}. Time is wall time since the first worker entered its "
+            f"training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
+            f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "
+            f"update; async and ssp apply every gradient). steps/s = gradients/s. MB moved: parameter-server "
+            f"runs measured at the shards (weights out + gradients in, the observer's pulls left out); "
+            f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step.\n")
+
+
+def write_all(result: "LabResult", out: Path) -> dict[str, str]:
+    """Write lab.json, table.md and the plots into ``out``; returns {what: path}."""
+    files = {"json": str(out / "lab.json"), "table": str(out / "table.md")}
+    Path(files["table"]).write_text(markdown_table(result) + "\n" + table_notes(result))
+    for scenario in dict.fromkeys(r.scenario for r in result.runs):
+        runs = [representative(g) for g in groups(result) if g[0].scenario == scenario]
+        runs = [r for r in runs if len(r.points) > 1]
+        title = next(r for r in result.runs if r.scenario == scenario).delay or "no straggler"
+        for metric in ("accuracy", "loss"):
+            path = out / f"{metric}-{scenario}.png"
+            plot(runs, metric, path, f"{result.config.name}: {metric}, {title}", result.config.target_accuracy)
+            files[f"{metric}-{scenario}"] = str(path)
+    result.files = files
+    Path(files["json"]).write_text(json.dumps({**result.to_dict(), "files": files}, indent=1) + "\n")
+    return files
+
+
+_AXES = (("wall", "wall time (s)"), ("updates", "updates applied"), ("steps", "gradients computed"))
+
+
+def plot(runs: list["RunResult"], metric: str, path: Path, title: str, target: float | None = None) -> None:
+    """One PNG: ``metric`` (accuracy or loss) against wall time, updates and gradients, a line per policy."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("the convergence lab's plots need matplotlib: pip install 'psgd[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    key, ylabel = (("test_accuracy", "test accuracy") if metric == "accuracy"
+                   else ("loss", "training loss (minibatch mean)"))
+    fig, axes = plt.subplots(1, len(_AXES), figsize=(15, 4.6), sharey=True)
+    colors = plt.get_cmap("tab10")
+    low = max(0.0, (target or 0.3) - 0.3) if metric == "accuracy" else 0.0
+    for ax, (x, xlabel) in zip(axes, _AXES):
+        shown = []  # x of the points inside the y range, to fit the log x axes to them
+        for i, run in enumerate(runs):
+            xy = [(p[x], p[key]) for p in run.points if p[key] is not None and (x == "wall" or p[x] > 0)]
+            shown += [a for a, b in xy if b >= low]
+            ax.plot([a for a, _ in xy], [b for _, b in xy], label=run.label, color=colors(i % 10),
+                    linewidth=1.6, marker="o" if len(xy) < 30 else None, markersize=3)
+        ax.set_xlabel(xlabel + ("" if x == "wall" else " (log scale)"))
+        ax.grid(True, which="both", alpha=0.3)
+        if x != "wall":
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+            if shown:
+                ax.set_xlim(left=min(shown) / 1.5)
+        if metric == "accuracy" and target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+        if metric == "loss":
+            ax.set_yscale("log")
+    axes[0].set_ylabel(ylabel)
+    if metric == "accuracy":
+        axes[0].set_ylim(low, 1.0)
+    axes[-1].legend(loc="lower right" if metric == "accuracy" else "upper right", fontsize=9)
+    fig.suptitle(title + (f" (dashed: target {target:g})" if metric == "accuracy" and target else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,138 @@
+"""Shard checkpoints: atomic, checksummed, restorable, and safe when the disk is full."""
+
+import errno
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from psgd.model.base import VarSpec
+from psgd.optim import build_optimizer
+from psgd.partition import PartitionPlan
+from psgd.policy import make_policy
+from psgd.server import checkpoint
+from psgd.server.core import ShardCore
+
+PLAN = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float64")], 1, slice_bytes=64)
+
+
+def make(policy="sync", workers=2):
+    values = {s.id: np.arange(s.start, s.stop, dtype=np.float64) for s in PLAN.slices}
+    core = ShardCore(PLAN, 0, values, build_optimizer("momentum", lr=0.1), make_policy(policy, workers),
+                     num_workers=workers)
+    for w in range(workers):
+        core.register(w, PLAN.hash)
+    return core
+
+
+def grads(seed):
+    rng = np.random.default_rng(seed)
+    return {s.id: rng.standard_normal(s.size) for s in PLAN.slices}
+
+
+def test_restore_continues_exactly_like_an_uninterrupted_shard(tmp_path):
+    a = make()
+    for clock in range(3):
+        a.push(0, clock, a.version, grads(clock))
+        a.push(1, clock, a.version, grads(10 + clock))
+    a.push(0, 3, a.version, grads(3))  # the open round 3 holds worker 0's gradient
+    path = a.checkpoint(tmp_path, keep=3)
+    assert path.name == "ckpt-3.json" and a.checkpoint(tmp_path) is None  # unchanged: nothing written
+
+    b = make()
+    saved = checkpoint.load_latest(tmp_path, PLAN.hash)
+    b.restore(saved)
+    assert b.version == 3 and b.restored_version == 3 and np.array_equal(a.flat, b.flat)
+    for core in (a, b):  # worker 0's earlier push is in the restored round: a retry is a duplicate
+        assert core.push(0, 3, 3, grads(3)).outcome == "duplicate"
+        core.push(1, 3, 3, grads(13))
+        core.push(0, 4, 4, grads(4))
+        core.push(1, 4, 4, grads(14))
+    assert a.version == b.version == 5
+    np.testing.assert_array_equal(a.flat, b.flat)  # momentum state and round sum came back exactly
+    manifest = json.loads(path.read_text())
+    assert manifest["plan_hash"] == PLAN.hash and manifest["policy"]["applied_rounds"] == 3
+
+
+def test_only_the_newest_are_kept(tmp_path):
+    core = make("async", 1)
+    for clock in range(5):
+        core.push(0, clock, core.version, grads(clock))
+        core.checkpoint(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4.json", "ckpt-4.npz", "ckpt-5.json", "ckpt-5.npz"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("psgd"), "propagate", True)  # a CLI test may have set up logging
+    core = make("async", 1)
+    core.push(0, 0, 0, grads(0))
+    core.checkpoint(tmp_path)
+    good = core.flat.copy()
+    core.push(0, 1, 1, grads(1))
+    core.checkpoint(tmp_path)
+    npz, meta = tmp_path / "ckpt-2.npz", tmp_path / "ckpt-2.json"
+    if damage == "truncate":
+        npz.write_bytes(npz.read_bytes()[:100])
+    elif damage == "flip":
+        data = bytearray(npz.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        npz.write_bytes(bytes(data))
+    elif damage == "delete":
+        npz.unlink()
+    else:
+        meta.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="psgd.server.checkpoint"):
+        saved = checkpoint.load_latest(tmp_path, PLAN.hash)
+    assert saved.manifest["version"] == 1 and np.array_equal(saved.arrays["weights"], good)
+    assert "skipping checkpoint" in caplog.text and "ckpt-2.json" in caplog.text
+
+
+def test_a_checkpoint_of_another_plan_is_not_used(tmp_path):
+    core = make("async", 1)
+    core.checkpoint(tmp_path, force=True)
+    assert checkpoint.load_latest(tmp_path, "another-plan") is None
+    assert checkpoint.load_latest(tmp_path / "missing", PLAN.hash) is None
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    core = make("async", 1)
+    core.push(0, 0, 0, grads(0))
+    core.checkpoint(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    core.push(0, 1, 1, grads(1))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*previous checkpoint is intact"):
+        core.checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no partial files left behind
+    assert core.counters["checkpoint_failures"] == 1
+    assert checkpoint.load_latest(tmp_path, PLAN.hash).manifest["version"] == 1
+
+
+def test_a_really_full_filesystem(tmp_path):
+    """The same on a real 64 KiB tmpfs, where the kernel itself refuses the write (root only)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        big = PartitionPlan([VarSpec("w", (6000,), "float64")], 1)  # 48 KB of weights
+        core = ShardCore(big, 0, {0: np.zeros(6000)}, build_optimizer("sgd", lr=0.1),
+                         make_policy("async", 1), num_workers=1)
+        core.register(0, big.hash)
+        core.checkpoint(mnt)  # fits once
+        core.push(0, 0, 0, {0: np.ones(6000)})
+        with pytest.raises(checkpoint.CheckpointError, match="previous checkpoint is intact"):
+            core.checkpoint(mnt)  # a second copy does not fit
+        saved = checkpoint.load_latest(mnt, big.hash)
+        assert saved.manifest["version"] == 0 and not saved.arrays["weights"].any()
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
