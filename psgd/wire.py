@@ -38,6 +38,7 @@ def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[tuple[
 # the other declares.
 
 import socket
+import ssl
 import struct
 
 import numpy as np
@@ -95,6 +96,10 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
     """Send every buffer, in order, with as few system calls as the kernel allows."""
     views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
     try:
+        if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg: one buffer at a time
+            for view in views:
+                sock.sendall(view)
+            return
         while views:
             sent = sock.sendmsg(views[:512])
             while views and sent >= len(views[0]):

@@ -16,11 +16,12 @@ from psgd.policy import PolicyError
 from psgd.cli.launch import LaunchError
 from psgd.collective import BackendUnavailable, CollectiveError
 from psgd.worker.client import PSError
+from psgd.tls import TLSError
 from psgd.xp import DeviceError
 
 #: Errors that are the user's to fix: printed as one line, exit status 2.
 USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError, PlanError, PolicyError,
-               BackendUnavailable)
+               BackendUnavailable, TLSError)
 #: Errors of a running cluster (unreachable shard, refused request): one line, exit status 1.
 CLUSTER_ERRORS = (PSError, LaunchError, CollectiveError)
 

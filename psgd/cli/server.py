@@ -13,6 +13,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
+from psgd.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("psgd.cli.server")
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                         help="how many checkpoints to keep (default 3)")
     add_token_argument(parser)
+    add_tls_arguments(parser, server=True)
     add_job_arguments(parser, cluster=True)
     add_log_arguments(parser)
     return parser
@@ -85,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
         server = ShardServer(core, bind, max_wait=job.cluster.request_timeout, data_path=job.cluster.data_path,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
-                             keep_checkpoints=args.keep_checkpoints).start()
+                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args)).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     if args.port_file:

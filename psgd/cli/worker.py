@@ -13,6 +13,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
+from psgd.tls import add_tls_arguments, tls_from_args
 from psgd.worker.delay import DelayError, parse_delay
 
 DESCRIPTION = """\
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
     add_token_argument(parser)
+    add_tls_arguments(parser, server=False)
     add_job_arguments(parser, cluster=True)
     add_log_arguments(parser)
     return parser
@@ -90,7 +92,7 @@ def work(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
                         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
-                        token=token_from_args(args))
+                        token=token_from_args(args), tls=tls_from_args(args))
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.outcomes,

@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import socket
+import ssl
 import threading
 
 import grpc
@@ -35,8 +36,9 @@ class DataServer:
     """Accepts data-path connections for one shard on ``host:port`` (0: a free port)."""
 
     def __init__(self, core: ShardCore, host: str = "127.0.0.1", port: int = 0, *, token: str = "",
-                 request_timeout: float = 60.0, idle_timeout: float = 600.0, max_connections: int | None = None):
-        self.core, self.token = core, token
+                 request_timeout: float = 60.0, idle_timeout: float = 600.0, max_connections: int | None = None,
+                 tls: ssl.SSLContext | None = None):
+        self.core, self.token, self.tls = core, token, tls
         self.request_timeout, self.idle_timeout = request_timeout, idle_timeout
         self.max_connections = max_connections or 4 * core.num_workers + 8
         self.sock = socket.create_server((host, port), backlog=64)
@@ -89,9 +91,18 @@ class DataServer:
                              name=f"shard{self.core.shard}-data-{peer[1]}").start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        wire.tune(conn)
+        raw = conn
         try:
+            wire.tune(conn)
             conn.settimeout(self.request_timeout)
+            if self.tls is not None:
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    raise _Fatal(f"TLS handshake failed: {exc}") from None
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
             worker = self._hello(conn)
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
@@ -105,6 +116,7 @@ class DataServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:

@@ -23,6 +23,7 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore, ShardError
 from psgd.server.datapath import DataServer
+from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import CHANNEL_OPTIONS, chunks
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,8 @@ class ShardServer:
     def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, max_wait: float = 60.0,
                  threads: int | None = None, data_path: bool = True, data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
-                 checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3):
+                 checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
+                 tls: TLSFiles = NO_TLS):
         self.core = core
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
@@ -180,7 +182,8 @@ class ShardServer:
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
-                               request_timeout=max_wait) if data_path else None
+                               request_timeout=max_wait,
+                               tls=tls.server_context() if tls.enabled else None) if data_path else None
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                              thread_name_prefix=f"shard{core.shard}"),
@@ -191,7 +194,9 @@ class ShardServer:
             self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(bind)
+        self.tls = tls
+        self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls.enabled
+                     else self.server.add_insecure_port(bind))
         if self.port == 0:
             raise OSError(f"cannot listen on {bind}: the address is in use or not on this machine; "
                           "pick another port or bind address")

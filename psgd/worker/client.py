@@ -26,6 +26,7 @@ import numpy as np
 from psgd import wire
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import CHANNEL_OPTIONS, WireError, chunks
 from psgd.worker.datapath import DataConnection, DataStatus
 
@@ -48,7 +49,7 @@ class PSClient:
 
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = -1, *,
                  request_timeout: float = 60.0, retry_deadline: float | None = None, data_path: bool = True,
-                 wire_dtype: str | None = None, token: str = ""):
+                 wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         if wire_dtype not in (None, "float16", "bfloat16"):
@@ -59,7 +60,12 @@ class PSClient:
         self.plan, self.worker_id = plan, worker_id
         self.request_timeout = request_timeout
         self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
-        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
+        self.tls = tls
+        if tls.enabled:
+            creds = tls.channel_credentials()
+            self.channels = [grpc.secure_channel(a, creds, options=CHANNEL_OPTIONS) for a in self.addresses]
+        else:
+            self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
         self.stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self.channels]
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         self.versions = [0] * plan.num_shards
@@ -124,7 +130,7 @@ class PSClient:
         if conn is None:
             host = self.addresses[shard].rpartition(":")[0].strip("[]")
             conn = self._data[shard] = DataConnection(host, self.data_ports[shard], self.worker_id,
-                                                      self.plan.hash, self.token, self.request_timeout)
+                                                      self.plan.hash, self.token, self.request_timeout, self.tls)
         return conn
 
     def _drop_data(self, shard: int) -> None:
@@ -315,9 +321,9 @@ class PSClient:
 
 
 def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, timeout: float = 60.0,
-                  token: str = "") -> dict[str, np.ndarray]:
+                  token: str = "", tls: TLSFiles = NO_TLS) -> dict[str, np.ndarray]:
     """The current weights of a running job, read as an observer (never waits for a round)."""
     out = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(addresses, plan, -1, request_timeout=timeout, token=token) as client:
+    with PSClient(addresses, plan, -1, request_timeout=timeout, token=token, tls=tls) as client:
         client.pull(0, out)
     return out

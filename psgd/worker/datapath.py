@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 
 import grpc
 
@@ -23,13 +24,22 @@ class DataStatus(Exception):
 class DataConnection:
     """One data-path connection to one shard, opened with a hello (worker id, plan hash, token)."""
 
-    def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0):
+    def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0,
+                 tls=None):
         try:
             self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
         except OSError as exc:
             raise wire.WireError(f"cannot connect to the data port {host}:{port}: {exc}") from None
         try:
             wire.tune(self.sock)
+            if tls is not None and tls.enabled:
+                try:
+                    self.sock.settimeout(min(timeout, 10.0))
+                    self.sock = tls.wrap_client(self.sock, host)
+                except (ssl.SSLError, OSError) as exc:
+                    raise DataStatus(grpc.StatusCode.UNAVAILABLE if isinstance(exc, socket.timeout)
+                                     else grpc.StatusCode.UNAUTHENTICATED,
+                                     f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout)
             body = json.dumps({"token": token, "plan_hash": plan_hash}).encode()
             self._send(wire.OP_HELLO, worker, 0, 0, 0, [body], len(body))

@@ -15,6 +15,7 @@ from psgd import xp as backend
 from psgd.config import JobConfig
 from psgd.metrics import MetricsLog, progress_bar
 from psgd.partition import PartitionPlan
+from psgd.tls import NO_TLS, TLSFiles
 from psgd.train import build_job, evaluate
 from psgd.worker.client import PSClient
 from psgd.worker.delay import NO_DELAY, Delay
@@ -46,6 +47,7 @@ def run_worker(
     on_step: Callable[[dict], None] | None = None,
     token: str = "",
     stop: threading.Event | None = None,
+    tls: TLSFiles = NO_TLS,
 ) -> WorkerResult:
     """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
 
@@ -75,7 +77,7 @@ def run_worker(
     history: list[dict] = []
 
     with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
-                  wire_dtype=c.wire_dtype or None, token=token) as client:
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls) as client:
         client.wait_ready(c.join_timeout)
         clock = client.register()
         client.start_heartbeats()

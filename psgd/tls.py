@@ -1,0 +1,109 @@
+"""TLS and mutual TLS for gRPC and for the bulk data path, from certificate files.
+
+A shard with ``--tls-cert`` and ``--tls-key`` speaks only TLS; adding
+``--tls-ca`` makes it demand client certificates signed by that CA (mutual
+TLS).  A worker with ``--tls-ca`` trusts shards signed by that CA, and sends
+``--tls-cert``/``--tls-key`` as its own certificate.  The certificate must
+name the address the worker dials (a DNS name or an IP in subjectAltName).
+README.md shows how to make a CA and certificates with openssl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import ssl
+from pathlib import Path
+
+import grpc
+
+
+class TLSError(ValueError):
+    """A certificate file is missing or unreadable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSFiles:
+    cert: str | None = None  # this side's certificate chain (PEM)
+    key: str | None = None   # its private key (PEM)
+    ca: str | None = None    # the CA that signs the other side (PEM)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key or self.ca)
+
+    def _read(self, which: str) -> bytes | None:
+        path = getattr(self, which)
+        if not path:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise TLSError(f"--tls-{which} {path}: {exc.strerror or exc}") from None
+
+    def check_server(self) -> None:
+        if not (self.cert and self.key):
+            raise TLSError("a TLS server needs both --tls-cert and --tls-key (and --tls-ca for mutual TLS)")
+
+    # -- gRPC --------------------------------------------------------------------------
+    def server_credentials(self) -> grpc.ServerCredentials:
+        self.check_server()
+        ca = self._read("ca")
+        return grpc.ssl_server_credentials([(self._read("key"), self._read("cert"))], root_certificates=ca,
+                                           require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if bool(self.cert) != bool(self.key):
+            raise TLSError("a client certificate needs both --tls-cert and --tls-key")
+        return grpc.ssl_channel_credentials(root_certificates=self._read("ca"), private_key=self._read("key"),
+                                            certificate_chain=self._read("cert"))
+
+    # -- the data path -------------------------------------------------------------------
+    def server_context(self) -> ssl.SSLContext:
+        self.check_server()
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            if self.ca:
+                ctx.load_verify_locations(self.ca)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as exc:
+            raise TLSError(f"cannot load the TLS files: {exc}") from None
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            if self.ca:
+                ctx.load_verify_locations(self.ca)
+            else:
+                ctx.load_default_certs()
+            if self.cert or self.key:
+                ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise TLSError(f"cannot load the TLS files: {exc}") from None
+        return ctx
+
+    def wrap_client(self, sock: socket.socket, host: str) -> ssl.SSLSocket:
+        return self.client_context().wrap_socket(sock, server_hostname=host)
+
+
+NO_TLS = TLSFiles()
+
+
+def add_tls_arguments(parser, server: bool) -> None:
+    group = parser.add_argument_group("TLS", "encryption and mutual authentication (see README: certificates)")
+    if server:
+        group.add_argument("--tls-cert", metavar="PEM", help="this shard's certificate; with --tls-key: TLS only")
+        group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+        group.add_argument("--tls-ca", metavar="PEM", help="demand client certificates signed by this CA (mutual TLS)")
+    else:
+        group.add_argument("--tls-ca", metavar="PEM", help="trust shards whose certificate this CA signed (enables TLS)")
+        group.add_argument("--tls-cert", metavar="PEM", help="this worker's certificate, for mutual TLS")
+        group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+
+
+def tls_from_args(args) -> TLSFiles:
+    return TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)

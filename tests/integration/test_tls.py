@@ -1,0 +1,119 @@
+"""TLS and mutual TLS on both transports, with certificates made here by openssl (as README shows)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import make_job
+from psgd.partition import PartitionPlan
+from psgd.server import build_shard
+from psgd.server.service import ShardServer
+from psgd.tls import TLSFiles
+from psgd.train import build_job
+from psgd.worker.client import PSClient, PSError
+from psgd.worker.loop import run_worker
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(folder: Path, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+            "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=folder)
+
+
+def make_cert(folder: Path, name: str, ca: str, san: str) -> None:
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+            "-out", f"{name}.csr", cwd=folder)
+    (folder / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("certs")
+    make_ca(d, "ca")
+    make_cert(d, "shard", "ca", "IP:127.0.0.1,DNS:localhost")
+    make_cert(d, "worker", "ca", "DNS:worker")
+    make_ca(d, "stranger-ca")
+    make_cert(d, "stranger", "stranger-ca", "DNS:worker")
+    return d
+
+
+def files(d: Path, cert: str | None = None, ca: str | None = None) -> TLSFiles:
+    return TLSFiles(str(d / f"{cert}.pem") if cert else None, str(d / f"{cert}.key") if cert else None,
+                    str(d / f"{ca}.pem") if ca else None)
+
+
+def serve(job, tls: TLSFiles) -> ShardServer:
+    return ShardServer(build_shard(job, 0), "127.0.0.1:0", tls=tls).start()
+
+
+def job():
+    return make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=1",
+                    "cluster.policy=async", "cluster.request_timeout=3", "cluster.join_timeout=3")
+
+
+def plan_of(j):
+    return PartitionPlan(build_job(j).model.specs(), 1, j.cluster.slice_bytes)
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_training_over_tls_and_mutual_tls(certs, mutual):
+    j = job()
+    server = serve(j, files(certs, "shard", "ca" if mutual else None))
+    try:
+        client_tls = files(certs, "worker" if mutual else None, "ca")
+        result = run_worker(j, 0, [server.address], progress=False, tls=client_tls)
+        assert result.steps > 0 and server.core.version == result.steps  # every push went through
+    finally:
+        server.stop(1)
+
+
+def test_a_certificate_from_an_unknown_ca_is_refused(certs):
+    j = job()
+    server = serve(j, files(certs, "shard", "ca"))
+    try:
+        before = server.core.flat.copy()
+        for client_tls in (files(certs, "stranger", "ca"),        # client cert from another CA
+                           files(certs, None, "ca"),              # no client cert at all
+                           files(certs, "worker", "stranger-ca")):  # does not trust the shard's CA
+            with PSClient([server.address], plan_of(j), 0, request_timeout=2, tls=client_tls) as client:
+                with pytest.raises(PSError, match="UNAVAILABLE"):
+                    client.register()
+        with PSClient([server.address], plan_of(j), 0, request_timeout=2) as plain:  # no TLS at all
+            with pytest.raises(PSError):
+                plain.register()
+        assert np.array_equal(server.core.flat, before) and server.core.version == 0
+    finally:
+        server.stop(1)
+
+
+def test_the_data_path_refuses_a_plaintext_or_untrusted_client(certs):
+    from psgd.worker.datapath import DataConnection, DataStatus
+    from psgd.wire import WireError
+
+    j = job()
+    server = serve(j, files(certs, "shard", "ca"))
+    try:
+        port, plan_hash = server.data.port, server.core.plan.hash
+        with pytest.raises((WireError, DataStatus)):
+            DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3)  # plaintext hello to a TLS port
+        # TLS 1.3: a client learns that its certificate was refused at its first read, not in the handshake
+        with pytest.raises((WireError, DataStatus), match="(?i)unknown ca|certificate|handshake"):
+            DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3, tls=files(certs, "stranger", "ca"))
+        with pytest.raises(DataStatus, match="TLS handshake"):  # the worker does not trust the shard
+            DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3, tls=files(certs, "worker", "stranger-ca"))
+        ok = DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3, tls=files(certs, "worker", "ca"))
+        ok.close()
+    finally:
+        server.stop(1)
