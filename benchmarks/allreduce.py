@@ -105,7 +105,7 @@ def run_ps(size: int, repeats: int, tmp: str) -> dict:
     from psgd.worker.client import PSClient
 
     job = JobConfig()
-    job.apply_sets([f"model.name=blob:Blob", f"model.size={size // 4}", "data.name=synthetic", "data.n_train=64",
+    job.apply_sets(["model.name=blob:Blob", f"model.size={size // 4}", "data.name=synthetic", "data.n_train=64",
                     "data.n_test=16", "optimizer.name=sgd", "optimizer.lr=0.001", "cluster.policy=async",
                     "cluster.shards=1", "cluster.workers=1"])
     path = Path(tmp) / f"job-{size}.toml"

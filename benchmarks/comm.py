@@ -49,7 +49,7 @@ class BlobCluster:
 
         self.size, self.elems = size, size // 4
         self.job = JobConfig()
-        self.job.apply_sets([f"model.name=blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
+        self.job.apply_sets(["model.name=blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
                              "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
                              "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
                              f"cluster.workers={workers}"])
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mpi = run_mpi(sorted(set(sizes + [focus])), 2, max(3, steps // 2))
     with tempfile.TemporaryDirectory() as tmp:
-        say(f"\n1 worker, 1 shard (async, sgd), bulk data path; all-reduce = MPI between 2 processes")
+        say("\n1 worker, 1 shard (async, sgd), bulk data path; all-reduce = MPI between 2 processes")
         say(f"{'MB':>5} {'pull ms':>8} {'push ms':>8} {'step ms':>8} {'GB/s':>6} {'/TCP':>5} "
             f"{'allreduce ms':>12} {'step/AR':>7} {'shard RSS MB':>12} {'RSS budget':>10}")
         rows = []

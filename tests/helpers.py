@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Iterator
 
 import pytest
@@ -53,3 +54,14 @@ def run_threads(targets, timeout: float) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll ``predicate`` until it returns something true (returned), failing the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling with a deadline
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import wait_for
+
 from psgd.config import JobConfig, to_toml
 from psgd.partition import PartitionPlan
 from psgd.train import build_job
@@ -60,14 +62,6 @@ def processes():
             p.wait(10)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling with a deadline
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -16,7 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import make_job, run_threads, shards
+from helpers import make_job, shards, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
@@ -30,14 +28,6 @@ from psgd.worker.loop import run_worker
 PY = sys.executable
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling with a deadline
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 def free_port_pair() -> int:

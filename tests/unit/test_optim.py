@@ -343,7 +343,7 @@ def test_different_keys_from_threads_match_one_thread():
                 train(key)
         return opt, params
 
-    (opt_a, par_a), (opt_b, par_b) = run(True), run(False)
+    (opt_a, par_a), (_, par_b) = run(True), run(False)
     assert sorted(opt_a.keys()) == sorted(grads)
     for key in grads:
         assert opt_a.step_count(key) == 5
