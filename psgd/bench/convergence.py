@@ -6,8 +6,9 @@ MPI ranks), records every evaluation point, and writes into ``out_dir``:
 
 - ``lab.json``: the lab's configuration, the machine, and per run its job,
   injected delay, evaluation points and summary;
-- ``table.md``: one row per run (time to target accuracy, final accuracy,
-  steps/s, updates/s, staleness p50/p99, bytes moved);
+- ``table.md``: one row per (scenario, policy), medians over the repeats
+  (time to target accuracy, final accuracy, steps/s, updates/s, staleness
+  p50/p99, bytes moved);
 - ``accuracy-<scenario>.png`` and ``loss-<scenario>.png``: one line per
   policy, against wall time, applied updates and gradients computed.
 
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import Iterator
 
 from psgd.bench.config import PRESETS, LabConfig, Policy, Scenario, preset
-from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin, ps_points,
-                                start_skew, step_lines)
+from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
+                                ps_points, start_skew, step_lines)
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,12 @@ class LabResult:
     seconds: float
     files: dict[str, str]    # what was written: json, table, plots...
     load_average: dict       # the machine's 1/5/15-minute load averages before and after the lab
+    gradient_seconds: float | None = None  # one minibatch gradient, computed alone in a fresh process
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "machine": self.machine, "load_average": self.load_average,
                 "parameters": self.parameters, "model_bytes": self.model_bytes, "seconds": round(self.seconds, 1),
+                "gradient_seconds": self.gradient_seconds,
                 "axes": AXES, "runs": [r.to_dict() for r in self.runs]}
 
 
@@ -94,12 +97,12 @@ def load_result(path: str | os.PathLike) -> LabResult:
     fields = {f.name for f in dataclasses.fields(RunResult)}
     runs = [RunResult(**{k: v for k, v in r.items() if k in fields}) for r in data["runs"]]
     return LabResult(LabConfig(**data["config"]), data["machine"], data["parameters"], data["model_bytes"], runs,
-                     data["seconds"], data.get("files", {}), data.get("load_average", {}))
+                     data["seconds"], data.get("files", {}), data.get("load_average", {}),
+                     data.get("gradient_seconds"))
 
 
 def machine() -> str:
-    """This machine in words (CPU, cores, memory, Python, OS)."""
-    import os as _os
+    """This machine in words (CPU, cores, memory, Python, OS), as benchmarks/loopback.py describes it."""
     import platform
 
     cpu = "unknown CPU"
@@ -108,8 +111,8 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    mem = _os.sysconf("SC_PAGE_SIZE") * _os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {_os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
 
 
 @contextlib.contextmanager
@@ -142,6 +145,7 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     from psgd.bench import report
 
     config.check()
+    report.require_matplotlib()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(keep_runs) if keep_runs else Path(tempfile.mkdtemp(prefix="psgd-lab-"))
@@ -165,9 +169,12 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     finally:
         if not keep_runs:
             shutil.rmtree(root, ignore_errors=True)
+    seconds = time.perf_counter() - began
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
-    result = LabResult(config, machine(), evaluator.parameters, evaluator.model_bytes, runs,
-                       time.perf_counter() - began, {}, load)
+    with _blas_threads(config.blas_threads):
+        compute = evaluator.gradient_seconds()
+    result = LabResult(config, machine(), evaluator.parameters, evaluator.model_bytes, runs, seconds, {}, load,
+                       compute)
     result.files = report.write_all(result, out)
     return result
 

@@ -25,6 +25,9 @@ import dataclasses
 import json
 import logging
 import math
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -75,9 +78,40 @@ class Evaluator:
         return evaluate(self.model, params, self.dataset.x_test, self.dataset.y_test, self.device,
                         self.job.train.eval_batch_size)
 
+    def gradient_seconds(self, tries: int = 5) -> float:
+        """Median time of one minibatch gradient, computed alone in a fresh process (with the BLAS
+        thread settings the runs inherit): the compute a step needs, nothing else."""
+        from psgd.config import to_toml
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "job.toml"
+            path.write_text(to_toml(self.job.to_dict()))
+            out = subprocess.run([sys.executable, "-c", _GRADIENT_TIMER, str(path), str(tries)], capture_output=True,
+                                 text=True, timeout=300, check=True).stdout
+        return float(out.split()[-1])
+
     def initial(self) -> tuple[float, float]:
         """(test loss, test accuracy) of the initial weights every run starts from."""
         return self(self.model.init(self.job.train.seed))
+
+
+_GRADIENT_TIMER = """
+import sys, time
+import numpy as np
+from psgd.config import JobConfig
+from psgd.train import build_job
+job = JobConfig.load(sys.argv[1])
+built = build_job(job)
+params = built.model.init(job.train.seed)
+b = job.train.batch_size
+x, y = built.dataset.x_train[:b], built.dataset.y_train[:b]
+times = []
+for _ in range(int(sys.argv[2]) + 1):  # the first is a warm-up
+    began = time.perf_counter()
+    built.model.loss_and_grads(params, x, y)
+    times.append(time.perf_counter() - began)
+print(float(np.median(times[1:])))
+"""
 
 
 class ShardObserver:
@@ -169,7 +203,9 @@ def _window_loss(steps: Sequence[dict], upto: int) -> float | None:
 
 def _point(wall: float, steps: int, updates: int, loss: float | None, test_loss: float | None, acc: float,
            p50: int | None, p99: int | None, nbytes: int) -> dict:
-    clean = (lambda v: None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v)
+    def clean(v: float | None) -> float | None:
+        return None if v is None or not math.isfinite(v) else round(float(v), 5)
+
     return {"wall": round(max(wall, 0.0), 4), "steps": steps, "updates": updates, "loss": clean(loss),
             "test_loss": clean(test_loss), "test_accuracy": clean(acc), "staleness_p50": p50,
             "staleness_p99": p99, "bytes": nbytes}

@@ -88,14 +88,17 @@ def markdown_table(result: "LabResult") -> str:
 
 def table_notes(result: "LabResult") -> str:
     c = result.config
+    compute = (f" One minibatch gradient alone takes {result.gradient_seconds * 1e3:.2f} ms here (model: "
+               f"{result.parameters:,} parameters, {result.model_bytes / 1e6:.2f} MB)." if result.gradient_seconds
+               else "")
     repeats = (f"Each row: the median of {c.repeats} runs (to target: the run with the median time to target; "
                f"reached: runs that reached it). " if c.repeats > 1 else "")
-    return (repeats + f"Target test accuracy {c.target_accuracy:g}. Time is wall time since the first worker entered its "
-            f"training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
+    return (repeats + f"Target test accuracy {c.target_accuracy:g}. Time is wall time since the first worker "
+            f"entered its training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
             f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "
             f"update; async and ssp apply every gradient). steps/s = gradients/s. MB moved: parameter-server "
             f"runs measured at the shards (weights out + gradients in, the observer's pulls left out); "
-            f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step.\n")
+            f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step." + compute + "\n")
 
 
 def write_all(result: "LabResult", out: Path) -> dict[str, str]:
@@ -111,19 +114,37 @@ def write_all(result: "LabResult", out: Path) -> dict[str, str]:
             plot(runs, metric, path, f"{result.config.name}: {metric}, {title}", result.config.target_accuracy)
             files[f"{metric}-{scenario}"] = str(path)
     result.files = files
-    Path(files["json"]).write_text(json.dumps({**result.to_dict(), "files": files}, indent=1) + "\n")
+    names = {k: Path(v).name for k, v in files.items()}  # beside lab.json
+    Path(files["json"]).write_text(_json_text({**result.to_dict(), "files": names}))
     return files
+
+
+def _json_text(data: dict) -> str:
+    """Indented JSON, except that each run (with its evaluation points) takes one line."""
+    runs = data.pop("runs")
+    head = json.dumps(data, indent=1)[:-2]  # without the closing newline and brace
+    body = ",\n  ".join(json.dumps(r) for r in runs)
+    return f'{head},\n "runs": [\n  {body}\n ]\n}}\n'
 
 
 _AXES = (("wall", "wall time (s)"), ("updates", "updates applied"), ("steps", "gradients computed"))
 
 
+def require_matplotlib() -> None:
+    """Fail at once, before any run, when the plots cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from psgd.config import ConfigError
+
+        raise ConfigError("the convergence lab's plots need matplotlib: pip install 'psgd[bench]'") from None
+
+
 def plot(runs: list["RunResult"], metric: str, path: Path, title: str, target: float | None = None) -> None:
     """One PNG: ``metric`` (accuracy or loss) against wall time, updates and gradients, a line per policy."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("the convergence lab's plots need matplotlib: pip install 'psgd[bench]'") from None
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker
@@ -156,8 +177,9 @@ def plot(runs: list["RunResult"], metric: str, path: Path, title: str, target: f
     axes[0].set_ylabel(ylabel)
     if metric == "accuracy":
         axes[0].set_ylim(low, 1.0)
-    axes[-1].legend(loc="lower right" if metric == "accuracy" else "upper right", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=10, frameon=False)
     fig.suptitle(title + (f" (dashed: target {target:g})" if metric == "accuracy" and target else ""))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
