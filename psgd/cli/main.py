@@ -91,7 +91,7 @@ def _add_bench(sub) -> None:
                     "and all-reduce, as real processes on this machine, with and without an injected "
                     "straggler; write lab.json (every evaluation point), table.md and PNG plots of accuracy "
                     "and loss against wall time, updates and gradients. The default configuration (MLP on "
-                    "digits, 4 workers, 2 shards, 3 repeats) takes about 5 minutes on 2 cores; --quick "
+                    "digits, 4 workers, 2 shards, 3 repeats) takes 3-5 minutes on 2 cores; --quick "
                     "takes well under a minute.")
     add_arguments(lab)
     lab.set_defaults(func=cmd_bench_convergence)

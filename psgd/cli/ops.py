@@ -62,7 +62,14 @@ class Connect:
     def channel(self, address: str) -> grpc.Channel:
         if not self.tls:
             return grpc.insecure_channel(address)
-        read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+        def read(path: str) -> bytes | None:
+            try:
+                return open(path, "rb").read() if path else None
+            except OSError as exc:
+                from psgd.config import ConfigError
+
+                raise ConfigError(f"cannot read TLS file {path}: {exc.strerror or exc}") from None
+
         creds = grpc.ssl_channel_credentials(root_certificates=read(self.tls_ca), private_key=read(self.tls_key),
                                              certificate_chain=read(self.tls_cert))
         return grpc.secure_channel(address, creds)
@@ -80,16 +87,10 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", metavar="FILE", default=None, help="client private key (PEM) for mutual TLS")
 
 
-def connect_from_args(args: argparse.Namespace, job: Any = None) -> Connect:
-    cluster = getattr(job, "cluster", None)
-
-    def pick(flag: str, key: str) -> str:
-        value = getattr(args, flag, None)
-        return str(value) if value else str(getattr(cluster, key, "") or "")
-
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "") or pick("token", "token")
-    return Connect(timeout=args.timeout, token=token, tls_ca=pick("tls_ca", "tls_ca"),
-                   tls_cert=pick("tls_cert", "tls_cert"), tls_key=pick("tls_key", "tls_key"))
+def connect_from_args(args: argparse.Namespace) -> Connect:
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    return Connect(timeout=args.timeout, token=token, tls_ca=args.tls_ca or "", tls_cert=args.tls_cert or "",
+                   tls_key=args.tls_key or "")
 
 
 def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:
@@ -416,7 +417,7 @@ def add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def status_addresses(args: argparse.Namespace) -> tuple[list[str], Any]:
+def status_addresses(args: argparse.Namespace) -> list[str]:
     from psgd.config import ConfigError, JobConfig
 
     job = JobConfig.load(args.config) if args.config else None
@@ -427,13 +428,13 @@ def status_addresses(args: argparse.Namespace) -> tuple[list[str], Any]:
         host, sep, port = a.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ConfigError(f"{a!r} is not an address: expected host:port")
-    return addresses, job
+    return addresses
 
 
 def cmd_status(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
-    addresses, job = status_addresses(args)
-    connect = connect_from_args(args, job)
+    addresses = status_addresses(args)
+    connect = connect_from_args(args)
     if args.watch is None:
         view = collect(addresses, connect)
         if args.sample > 0:
@@ -578,6 +579,8 @@ class Doctor:
         self.check_token(statuses, len(c.servers))
 
     def check_shard(self, k: int, address: str, plan_hash: str | None) -> tuple[list[Finding], dict | None]:
+        from psgd.config import ConfigError
+
         found: list[Finding] = []
         say = lambda level, message: found.append(Finding(level, f"shard {k} at {address}", message))  # noqa: E731
         c, timeout = self.job.cluster, self.connect.timeout
@@ -600,7 +603,11 @@ class Doctor:
             say("FAIL", f"gRPC port {port}: {error}")
             return found, None
         say("ok", f"gRPC port {port} accepts connections")
-        result = probe(address, self.connect)
+        try:
+            result = probe(address, self.connect)
+        except ConfigError as exc:  # TLS files that cannot be read: said once more under TLS below
+            say("FAIL", str(exc))
+            return found, None
         if result.health != "SERVING":
             say("FAIL", result.error or f"health {result.health}")
         else:
@@ -640,6 +647,9 @@ class Doctor:
 
     def check_token(self, statuses: list[dict], total: int) -> None:
         token = self.connect.token
+        if token.startswith("replace-me"):
+            self.add("warn", "token", "is the placeholder from deploy/psgd.env.example: generate a real one (python3 -c "
+                     "\"import secrets; print(secrets.token_urlsafe(32))\")")
         if token and token != token.strip():
             self.add("warn", "token", "has leading or trailing whitespace (quotes or a trailing space in an env "
                      "file?); every process must use exactly the same token")
@@ -741,7 +751,7 @@ def cmd_doctor(args: argparse.Namespace, out=None) -> int:
     from psgd.cli.common import job_from_args
 
     job = job_from_args(args)
-    doctor = Doctor(job, connect_from_args(args, job))
+    doctor = Doctor(job, connect_from_args(args))
     findings = doctor.run()
     failures, warnings = doctor.failures, [f for f in findings if f.level == "warn"]
     if args.json:

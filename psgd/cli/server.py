@@ -13,6 +13,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
+from psgd.monitor import ShardMetrics, add_metrics_arguments
 from psgd.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("psgd.cli.server")
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many checkpoints to keep (default 3)")
     add_token_argument(parser)
     add_tls_arguments(parser, server=True)
+    add_metrics_arguments(parser)
     add_job_arguments(parser, cluster=True)
     add_log_arguments(parser)
     return parser
@@ -81,13 +83,15 @@ def serve(args: argparse.Namespace) -> int:
             core.restore(saved)
         else:
             log.info("no checkpoint in %s: starting from the initial weights", args.checkpoint_dir)
+    metrics = ShardMetrics.from_args(core, args, default_host=host).start()
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
         server = ShardServer(core, bind, max_wait=job.cluster.request_timeout, data_path=job.cluster.data_path,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
-                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args)).start()
+                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args),
+                             interceptors=metrics.interceptors).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     if args.port_file:
@@ -110,6 +114,7 @@ def serve(args: argparse.Namespace) -> int:
             break
         stop.wait(0.5)
     server.stop(grace=5.0)
+    metrics.stop()
     log.info("stopped at version %d", core.version)
     return 0
 

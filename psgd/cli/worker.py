@@ -13,6 +13,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
+from psgd.monitor import WorkerMetrics, add_metrics_arguments
 from psgd.tls import add_tls_arguments, tls_from_args
 from psgd.worker.delay import DelayError, parse_delay
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
     add_token_argument(parser)
     add_tls_arguments(parser, server=False)
+    add_metrics_arguments(parser)
     add_job_arguments(parser, cluster=True)
     add_log_arguments(parser)
     return parser
@@ -84,15 +86,11 @@ def work(args: argparse.Namespace) -> int:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
     if not 0 <= args.rank < job.cluster.workers:
         raise ConfigError(f"--rank {args.rank} is out of range: the job has {job.cluster.workers} worker(s)")
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        stop.set()  # finish the step in hand, push it, leave
-
-    signal.signal(signal.SIGTERM, on_signal)
-    result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
-                        metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
-                        token=token_from_args(args), tls=tls_from_args(args))
+    stop = _STOP  # set by SIGTERM (see main): finish the step in hand, push it, leave
+    with WorkerMetrics.from_args(args, args.rank) as metrics:
+        result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
+                            metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
+                            token=token_from_args(args), tls=tls_from_args(args), on_step=metrics.on_step)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.outcomes,
@@ -143,8 +141,15 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
+_STOP = threading.Event()
+
+
 def main(argv: list[str] | None = None) -> int:
+    # First thing: a SIGTERM that arrives while the worker is still starting ends it cleanly too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.set())
     args = build_parser().parse_args(argv)
+    if args.mode == "allreduce":  # ranks stop together: MPI and the launcher end them with SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return run_command("psgd-worker", lambda: work(args))
 
 

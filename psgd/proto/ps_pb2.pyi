@@ -149,7 +149,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., state: _Optional[str] = ..., clock: _Optional[int] = ..., lease_left_seconds: _Optional[float] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation")
+    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation", "data_port")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class StatusReply(_message.Message):
     COUNTERS_JSON_FIELD_NUMBER: _ClassVar[int]
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     policy: str
@@ -170,4 +171,5 @@ class StatusReply(_message.Message):
     counters_json: str
     staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
     incarnation: str
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...

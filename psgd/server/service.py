@@ -131,7 +131,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             bytes_held=s["bytes_held"],
             counters_json=json.dumps({**s["counters"], "checkpoint": s["checkpoint"],
                                       "restored_version": s["restored_version"]}),
-            staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation)
+            staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
+            data_port=self.data_port)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

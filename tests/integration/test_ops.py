@@ -1,0 +1,409 @@
+"""Operating a cluster: the Prometheus endpoint scraped during a run, ``psgd status`` and ``psgd doctor``.
+
+Shards run in this process (real gRPC and data ports on 127.0.0.1) and workers in threads, so nothing here
+depends on how the command-line tools wire the metrics in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import make_job, run_threads, shards
+from psgd import xp as backend
+from psgd.cli import ops
+from psgd.cli.main import main
+from psgd.config import to_toml
+from psgd.monitor import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
+from psgd.server import build_shard
+from psgd.server.service import ShardServer
+from psgd.worker.loop import run_worker
+
+SMALL = ("model.name=softmax", "cluster.workers=2", "cluster.shards=2")
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """``{sample name: {sorted label items: value}}`` from a Prometheus text endpoint."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for key, v in samples.get(name, {}).items() if all((k, labels[k]) in key for k in labels))
+
+
+@contextlib.contextmanager
+def observed_shards(job):
+    """Every shard of ``job`` on 127.0.0.1 with its metrics endpoint; yields (servers, metrics)."""
+    servers, metrics = [], []
+    try:
+        for k in range(job.cluster.shards):
+            core = build_shard(job, k)
+            m = ShardMetrics(core)
+            servers.append(ShardServer(core, "127.0.0.1:0", data_path=job.cluster.data_path,
+                                       interceptors=m.interceptors).start())
+            m.endpoint = serve_metrics("127.0.0.1:0", m.registry)
+            metrics.append(m)
+        job.override("cluster.servers", [s.address for s in servers])
+        yield servers, metrics
+    finally:
+        for m in metrics:
+            m.stop()
+        for s in servers:
+            s.stop(grace=1.0)
+
+
+@pytest.mark.parametrize("data_path", [True, False], ids=["data-port", "grpc-only"])
+def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fills(data_path):
+    job = make_job(*SMALL, "train.epochs=3", "cluster.policy=async", f"cluster.data_path={str(data_path).lower()}")
+    with observed_shards(job) as (servers, metrics):
+        worker = WorkerMetrics(0)
+        worker.endpoint = serve_metrics("127.0.0.1:0", worker.registry)
+        scrapes = {}
+
+        def on_step(point):
+            worker.on_step(point)
+            if point["clock"] in (5, 30):  # scrape mid-run, from inside the run
+                scrapes[point["clock"]] = (scrape(metrics[0].endpoint.url), scrape(worker.endpoint.url))
+
+        try:
+            run_threads([lambda: run_worker(job, 0, job.cluster.servers, progress=False, on_step=on_step),
+                         lambda: run_worker(job, 1, job.cluster.servers, progress=False)], timeout=60)
+            final = scrape(metrics[0].endpoint.url)
+            final_worker = scrape(worker.endpoint.url)
+        finally:
+            worker.stop()
+        status = servers[0].core.status()
+
+    (early, early_w), (late, late_w) = scrapes[5], scrapes[30]
+    for name in ("psgd_shard_pushes_total", "psgd_shard_pulls_total", "psgd_shard_received_bytes_total",
+                 "psgd_shard_sent_bytes_total", "psgd_shard_version"):
+        assert 0 < total(early, name) < total(late, name) <= total(final, name), name
+    assert total(final, "psgd_shard_pushes_total") == status["counters"]["pushes"]
+    assert total(final, "psgd_shard_push_outcomes_total", outcome="applied") == status["counters"]["applied"]
+    # the staleness histogram: one observation per applied push, spread over the buckets
+    assert 0 < total(early, "psgd_shard_staleness_count") < total(late, "psgd_shard_staleness_count")
+    assert total(final, "psgd_shard_staleness_count") == status["counters"]["applied"] == \
+        sum(status["staleness_histogram"])
+    assert total(final, "psgd_shard_staleness_bucket", le="+Inf") == status["counters"]["applied"]
+    assert total(final, "psgd_shard_staleness_bucket", le="0.0") == status["staleness_histogram"][0]
+    # workers, as the shard sees them: live while training (mid-run), done at the end
+    assert total(late, "psgd_shard_live_workers") == 2
+    assert total(final, "psgd_shard_workers", state="done") == 2
+    assert total(late, "psgd_shard_worker_clock", worker="0") >= 30
+    # RPC latency from the interceptor, by method and code
+    assert total(final, "psgd_shard_rpc_seconds_count", method="Register", code="OK") == 2
+    assert total(final, "psgd_shard_rpc_seconds_count", method="Done", code="OK") == 2
+    if not data_path:
+        assert total(late, "psgd_shard_rpc_seconds_count", method="Push", code="OK") > \
+            total(early, "psgd_shard_rpc_seconds_count", method="Push", code="OK") > 0
+        assert total(final, "psgd_shard_rpc_seconds_count", method="Pull") > 0
+    # the worker's own endpoint
+    assert total(early_w, "psgd_worker_steps_total") == 6 and total(late_w, "psgd_worker_steps_total") == 31
+    assert total(late_w, "psgd_worker_clock") == 31
+    assert total(final_worker, "psgd_worker_pulls_total") == 2 * total(final_worker, "psgd_worker_steps_total")
+    assert total(final_worker, "psgd_worker_pushes_total", outcome="applied") == \
+        2 * total(final_worker, "psgd_worker_steps_total")
+    assert total(final_worker, "psgd_worker_staleness_count") == total(final_worker, "psgd_worker_steps_total")
+    assert total(late_w, "psgd_worker_pull_seconds_count") == 31 and total(late_w, "psgd_worker_bytes_total") > 0
+    assert total(final_worker, "psgd_worker_info", rank="0") == 1
+
+
+def test_checkpoint_age_and_metrics_flags(tmp_path):
+    import argparse
+
+    from psgd.monitor import add_metrics_arguments
+
+    job = make_job(*SMALL)
+    core = build_shard(job, 0)
+    parser = argparse.ArgumentParser()
+    add_metrics_arguments(parser)
+    # without --metrics-port: nothing is served and nothing needs stopping
+    quiet = ShardMetrics.from_args(core, parser.parse_args([]))
+    assert list(quiet.interceptors) == [] and quiet.start().endpoint is None
+    with WorkerMetrics.from_args(parser.parse_args([]), 0) as w:
+        w.on_step({"clock": 0})
+    with pytest.raises(MetricsError, match="PORT or HOST:PORT"):
+        ShardMetrics.from_args(core, parser.parse_args(["--metrics-port", "nine"]))
+    # with it: the endpoint with the process metrics, and the checkpoint age once there is a checkpoint
+    metrics = ShardMetrics.from_args(core, parser.parse_args(["--metrics-port", "127.0.0.1:0"])).start()
+    try:
+        first = scrape(metrics.endpoint.url)
+        assert "psgd_shard_checkpoint_age_seconds" not in first  # no checkpoint yet
+        assert "process_cpu_seconds_total" in first or "python_info" in first
+        core.checkpoint(tmp_path, force=True)
+        then = scrape(metrics.endpoint.url)
+        assert 0 <= total(then, "psgd_shard_checkpoint_age_seconds") < 30
+        assert total(then, "psgd_shard_checkpoint_version") == 0
+    finally:
+        metrics.stop()
+    with pytest.raises(MetricsError, match="cannot serve metrics on 127.0.0.1"):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            ShardMetrics.from_args(core, parser.parse_args(["--metrics-port", str(taken.getsockname()[1])])).start()
+
+
+# -- psgd status ---------------------------------------------------------------------------------
+def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_path):
+    job = make_job(*SMALL, "train.epochs=4", "cluster.policy=sync")
+    seen = {}
+    with shards(job) as servers:
+        addresses = job.cluster.servers
+
+        def on_step(point):
+            if point["clock"] == 20:  # while both workers are live
+                view = ops.collect(addresses, ops.Connect(timeout=2))
+                seen["view"], seen["text"] = view, view.render()
+
+        run_threads([lambda: run_worker(job, 0, addresses, progress=False, on_step=on_step),
+                     lambda: run_worker(job, 1, addresses, progress=False)], timeout=60)
+        servers[1].core.checkpoint(tmp_path, force=True)
+        code = main(["status", *addresses, "--sample", "0"])
+        after = capsys.readouterr().out
+        code_json = main(["status", *addresses, "--json", "--watch", "0.05", "--count", "2"])
+        polls = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        versions = [s.core.version for s in servers]
+
+    view, text = seen["view"], seen["text"]
+    assert view.healthy() and not view.problems()
+    assert [r["state"] for r in view.worker_rows()] == ["live", "live"]
+    clocks = [r["clock"] for r in view.worker_rows()]
+    assert clocks[0] == 21 and clocks[1] in (21, 22)  # worker 0 has pushed clock 20; worker 1 is at most a round on
+    for address in addresses:
+        assert address in text
+    lines = text.splitlines()
+    assert lines[0].startswith("psgd status at ") and "2 of 2 shard(s) answering, policy sync" in lines[0]
+    assert "2 live" in lines[0]
+    assert any(line.startswith("0/2 ") and "SERVING" in line for line in lines)
+    assert any(line.startswith("1/2 ") and "SERVING" in line for line in lines)
+    worker_lines = [line for line in lines if line.split()[:2] in (["0", "live"], ["1", "live"])]
+    assert len(worker_lines) == 2 and all(socket.gethostname() in line for line in worker_lines)
+
+    assert code == 0
+    for address in addresses:
+        assert address in after
+    rows = {line.split()[0]: line for line in after.splitlines() if line[:4] in ("0/2 ", "1/2 ")}
+    assert f"v{versions[1]}, 0s ago" in rows["1/2"] and ", 0s ago" not in rows["0/2"]
+    done = [line.split() for line in after.splitlines() if line.split()[:2] in (["0", "done"], ["1", "done"])]
+    assert len(done) == 2 and all(row[2] == str(4 * (1438 // 2 // 32)) for row in done)
+    assert code_json == 0 and len(polls) == 2
+    assert [s["version"] for s in polls[1]["shards"]] == versions
+    assert all(s["pushes_per_second"] == 0 for s in polls[1]["shards"])  # finished: nothing moves
+    assert all("pushes_per_second" not in s for s in polls[0]["shards"])
+    assert [w["state"] for w in polls[1]["workers"]] == ["done", "done"]
+
+
+def test_status_says_plainly_when_an_address_does_not_answer(capsys):
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1")
+    closed = free_port()
+    with shards(job):
+        start = time.monotonic()
+        code = main(["status", job.cluster.servers[0], f"127.0.0.1:{closed}", "--sample", "0", "--timeout", "2"])
+        took = time.monotonic() - start
+    out = capsys.readouterr().out
+    assert code == 1 and took < 10
+    assert f"nothing listens at 127.0.0.1:{closed} (connection refused)" in out
+    assert "UNREACHABLE" in out and "SERVING" in out and "1 of 2 shard(s) answering" in out
+    assert main(["status", "not-an-address"]) == 2
+    assert "is not an address" in capsys.readouterr().err
+
+
+def test_status_command_line_with_a_job_file(tmp_path):
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=2")
+    with shards(job):
+        path = tmp_path / "job.toml"
+        path.write_text(to_toml(job.to_dict()))
+        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "status", "-c", str(path), "--sample", "0.2"],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "2 of 2 shard(s) answering" in done.stdout and "pending" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+# -- psgd doctor ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_pair() -> int:
+    """A port P with P and P + 1 free just now (psgd-server's default layout: gRPC on P, data on P + 1)."""
+    for _ in range(50):
+        port = free_port()
+        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 1))
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@contextlib.contextmanager
+def cli_layout_shards(job, data_path: bool = True):
+    """Every shard of ``job`` as psgd-server lays it out: gRPC on a port P, the data port on P + 1."""
+    servers = []
+    try:
+        for k in range(job.cluster.shards):
+            port = port_pair()
+            servers.append(ShardServer(build_shard(job, k), f"127.0.0.1:{port}", data_path=data_path,
+                                       data_port=port + 1).start())
+        job.override("cluster.servers", [s.address for s in servers])
+        yield servers
+    finally:
+        for s in servers:
+            s.stop(grace=1.0)
+
+
+def write_job(tmp_path: Path, job, servers=None) -> str:
+    spec = job.to_dict()
+    if servers is not None:
+        spec["cluster"]["servers"] = servers
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(spec))
+    return str(path)
+
+
+def test_doctor_passes_a_healthy_cluster(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PSGD_TOKEN", raising=False)
+    job = make_job(*SMALL)
+    with cli_layout_shards(job):
+        code = main(["doctor", "-c", write_job(tmp_path, job)])
+        out = capsys.readouterr().out
+        assert main(["doctor", "--health", job.cluster.servers[1]]) == 0
+        assert capsys.readouterr().out.strip() == f"{job.cluster.servers[1]}: SERVING"
+        monkeypatch.setenv("PSGD_HEALTH_ADDRESS", job.cluster.servers[0])
+        assert main(["doctor", "--health"]) == 0
+    assert code == 0, out
+    assert "FAIL" not in out and out.rstrip().endswith("warning(s)).")
+    for k, address in enumerate(job.cluster.servers):
+        assert f"shard {k} at {address}: gRPC port" in out and f"shard {k} at {address}: data port" in out
+        assert f"shard {k} at {address}: health check: SERVING" in out
+        assert f"shard {k} at {address}: answers as shard {k} of 2, policy sync" in out
+        assert "same partition plan" in out
+    assert "loopback: only processes on this machine can reach it" in out
+    assert "token: none set" in out and "GPU: train.device is cpu" in out
+
+
+def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
+    job = make_job(*SMALL)
+    other = make_job("model.name=mlp", "cluster.workers=3", "cluster.shards=2", "cluster.policy=async")
+    closed = free_port()
+    with shards(other) as running:
+        servers = [running[1].address, running[0].address]  # shard order swapped
+        path = write_job(tmp_path, job, servers)
+        start = time.monotonic()
+        code = main(["doctor", "-c", path, "--timeout", "2"])
+        out = capsys.readouterr().out
+        took = time.monotonic() - start
+    assert code == 1 and took < 20
+    assert "it is shard 1, but the job file lists it as shard 0: [cluster] servers must be in shard order" in out
+    assert "its policy is async, the job file's is sync" in out
+    assert "it expects 3 worker(s), the job file has 2" in out
+    assert "this job file makes" in out and "started from another model" in out
+    assert out.rstrip().endswith("fix the FAIL lines above.")
+
+    path = write_job(tmp_path, job, ["no-such-host.invalid:50051", f"127.0.0.1:{closed}"])
+    code = main(["doctor", "-c", path, "--timeout", "2", "--device", "cuda:7", "--tls-cert", str(tmp_path / "no.pem"),
+                 "--tls-key", str(tmp_path / "job.toml")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "shard 0 at no-such-host.invalid:50051: cannot resolve 'no-such-host.invalid'" in out
+    assert f"shard 1 at 127.0.0.1:{closed}: gRPC port {closed}: nothing listens on 127.0.0.1:{closed} " \
+           "(connection refused)" in out
+    assert f"TLS: certificate {tmp_path / 'no.pem'} does not exist" in out
+    if not backend.cuda_available():
+        assert "GPU: train.device is cuda:7, but" in out
+    assert main(["doctor", "-c", write_job(tmp_path, job, ["0.0.0.0:50051", "127.0.0.1:1"]), "--timeout", "1",
+                 "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    assert any("is a bind address, not one to connect to" in f["message"] for f in report["findings"])
+
+    assert main(["doctor", "--health", f"127.0.0.1:{closed}", "--timeout", "1"]) == 1
+    assert "UNREACHABLE" in capsys.readouterr().out
+
+
+def test_doctor_data_port_closed(tmp_path, capsys):
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1")
+    with cli_layout_shards(job, data_path=False):  # the job wants a data port, the shard serves none
+        port = int(job.cluster.servers[0].rpartition(":")[2])
+        code = main(["doctor", "-c", write_job(tmp_path, job), "--timeout", "2"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"data port {port + 1}: nothing listens" in out and "data_path = false" in out
+
+
+def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch):
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.data_path=false")
+    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", token="s3cret", data_path=False).start()
+    try:
+        path = write_job(tmp_path, job, [server.address])
+        monkeypatch.setenv("PSGD_TOKEN", "wrong")
+        assert main(["doctor", "-c", path]) == 1
+        out = capsys.readouterr().out
+        assert "refused the token (UNAUTHENTICATED): set PSGD_TOKEN or --token" in out
+        assert main(["status", server.address, "--sample", "0"]) == 1
+        assert "refused the token" in capsys.readouterr().out
+        assert main(["doctor", "-c", path, "--token", "s3cret"]) == 0
+        assert "token: accepted by every shard" in capsys.readouterr().out
+    finally:
+        server.stop(grace=1.0)
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_doctor_and_status_with_tls(tmp_path, capsys):
+    from psgd.tls import TLSFiles
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca", "-keyout", "ca.key",
+            "-out", "ca.pem", cwd=tmp_path)
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=shard", "-keyout", "shard.key", "-out", "shard.csr",
+            cwd=tmp_path)
+    (tmp_path / "shard.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "shard.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+            "-extfile", "shard.ext", "-out", "shard.pem", cwd=tmp_path)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    ca, cert, key = (str(tmp_path / name) for name in ("ca.pem", "shard.pem", "shard.key"))
+
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.data_path=false")
+    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", data_path=False, tls=TLSFiles(cert, key)).start()
+    try:
+        path = write_job(tmp_path, job, [server.address])
+        assert main(["doctor", "-c", path, "--tls-ca", ca]) == 0
+        out = capsys.readouterr().out
+        assert f"TLS: files parse: CA {ca}" in out and "health check: SERVING" in out
+        assert main(["status", server.address, "--sample", "0", "--tls-ca", ca]) == 0
+        assert "SERVING" in capsys.readouterr().out
+        # plain text to a TLS shard: named, with the way out
+        assert main(["status", server.address, "--sample", "0", "--timeout", "2"]) == 1
+        assert "pass --tls-ca" in capsys.readouterr().out
+        # files that do not parse, or are not there
+        assert main(["doctor", "-c", path, "--tls-ca", str(garbage), "--tls-cert", cert,
+                     "--tls-key", str(garbage)]) == 1
+        assert f"TLS: CA certificate {garbage} is not a PEM certificate" in capsys.readouterr().out
+        assert main(["doctor", "-c", path, "--tls-ca", ca, "--tls-cert", cert, "--tls-key", str(garbage)]) == 1
+        assert "do not load together" in capsys.readouterr().out
+        assert main(["status", server.address, "--tls-ca", str(tmp_path / "missing.pem")]) == 2
+        assert "cannot read TLS file" in capsys.readouterr().err
+    finally:
+        server.stop(grace=1.0)
