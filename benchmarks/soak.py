@@ -87,7 +87,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
             loss, acc = evaluate(built.model, params_to_device(weights, built.device), built.dataset.x_test,
                                  built.dataset.y_test, built.device)
             losses.append((round(time.monotonic() - (end - seconds), 1), loss, acc))
-            if time.monotonic() >= next_kill:
+            if time.monotonic() >= next_kill and time.monotonic() < end - 8:  # the last restart settles
                 victim = f"worker{rng.randrange(workers)}"
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait(10)

@@ -7,6 +7,18 @@ import os
 import sys
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (it may be replaced)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(role: str, verbose: int = 0) -> None:
     """Send psgd's log to stderr as ``time role[pid] LEVEL message``.
 
@@ -14,7 +26,7 @@ def setup_logging(role: str, verbose: int = 0) -> None:
     INFO, 1 or more is DEBUG, and -1 is WARNING only.
     """
     level = logging.DEBUG if verbose > 0 else logging.WARNING if verbose < 0 else logging.INFO
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     root = logging.getLogger("psgd")
