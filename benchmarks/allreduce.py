@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -99,56 +98,14 @@ def run_nccl(sizes: list[int], repeats: int, rendezvous_dir: str) -> dict[int, f
 
 # -- parameter server -------------------------------------------------------------------
 def run_ps(size: int, repeats: int, tmp: str) -> dict:
-    """Pull + push of ``size`` bytes through one shard process; returns seconds per step and per half."""
-    from psgd.config import JobConfig, to_toml
-    from psgd.partition import PartitionPlan
-    from psgd.worker.client import PSClient
+    """Pull + push of ``size`` bytes through one shard process (see comm.py); medians per step and per half."""
+    from comm import BlobCluster, time_steps
 
-    job = JobConfig()
-    job.apply_sets(["model.name=blob:Blob", f"model.size={size // 4}", "data.name=synthetic", "data.n_train=64",
-                    "data.n_test=16", "optimizer.name=sgd", "optimizer.lr=0.001", "cluster.policy=async",
-                    "cluster.shards=1", "cluster.workers=1"])
-    path = Path(tmp) / f"job-{size}.toml"
-    path.write_text(to_toml(job.to_dict()))
-    port_file = Path(tmp) / f"ps-{size}.addr"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    server = subprocess.Popen([sys.executable, "-m", "psgd.cli.server", "-c", str(path), "--bind", "127.0.0.1:0",
-                               "--port-file", str(port_file), "-q"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cluster = BlobCluster(size, tmp=tmp)
     try:
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"psgd-server did not start: {server.stderr.read()[-2000:]}")
-            time.sleep(0.05)  # polling for the port file with a deadline
-        address = port_file.read_text().strip()
-        from blob import Blob
-
-        model = Blob((1,), 2, size=size // 4)
-        plan = PartitionPlan(model.specs(), 1, job.cluster.slice_bytes)
-        host = {"blob": np.empty(size // 4, dtype=np.float32)}
-        grads = {"blob": np.full(size // 4, 1e-3, dtype=np.float32)}
-        with PSClient([address], plan, 0) as client:
-            client.wait_ready(60)
-            client.register()
-            clock = [0]
-            pulls, pushes = [], []
-
-            def step():
-                a = time.perf_counter()
-                client.pull(clock[0], host)
-                b = time.perf_counter()
-                client.push(clock[0], grads)
-                pushes.append(time.perf_counter() - b)
-                pulls.append(b - a)
-                clock[0] += 1
-
-            total = _timed(step, repeats)
-            client.done()
-        return {"step_s": total, "pull_s": float(np.median(pulls[1:])), "push_s": float(np.median(pushes[1:]))}
+        return time_steps(cluster, 1, repeats)
     finally:
-        server.terminate()
-        server.wait(30)
+        cluster.close()
 
 
 def main(argv: list[str] | None = None) -> int:

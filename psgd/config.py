@@ -166,10 +166,7 @@ class JobConfig:
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{src}: [{section}] needs a name (a string)")
         t = self.train
-        for key, low in _INT_KEYS.items():
-            value = getattr(t, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{src}: [train] {key} must be an integer >= {low}, got {value!r}")
+        _check_ints(src, "train", t, _INT_KEYS)
         if isinstance(t.seed, bool) or not isinstance(t.seed, int) or t.seed < 0:
             raise ConfigError(f"{src}: [train] seed must be a non-negative integer, got {t.seed!r}")
         if t.dtype not in DTYPES:
@@ -185,10 +182,7 @@ class JobConfig:
         src, c = self.source, self.cluster
         if c.policy not in POLICIES:
             raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
-        for key, low in _CLUSTER_INT_KEYS.items():
-            value = getattr(c, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{src}: [cluster] {key} must be an integer >= {low}, got {value!r}")
+        _check_ints(src, "cluster", c, _CLUSTER_INT_KEYS)
         for key in _CLUSTER_TIME_KEYS:
             value = getattr(c, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -246,6 +240,13 @@ def _toml_value(value: Any, where: str) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v, where) for v in value) + "]"
     raise ConfigError(f"{where}: a {type(value).__name__} cannot be written to a job file")
+
+
+def _check_ints(source: str, section: str, values: Any, minimums: dict[str, int]) -> None:
+    for key, low in minimums.items():
+        value = getattr(values, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{source}: [{section}] {key} must be an integer >= {low}, got {value!r}")
 
 
 def _table(value: Any, source: str, section: str) -> dict[str, Any]:

@@ -103,7 +103,8 @@ def run_worker(
                 versions = client.pull(clock, host)
                 pulled = time.perf_counter()
                 params = {k: device.asarray(v) for k, v in host.items()}
-                if evaluate_every and clock % evaluate_every == 0 and clock > 0:
+                evaluating = bool(evaluate_every) and clock > 0 and clock % evaluate_every == 0
+                if evaluating:
                     _, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]))
@@ -120,7 +121,7 @@ def run_worker(
                 steps += 1
                 point = {"clock": clock, "epoch": epoch, "loss": float(loss), "version": max(versions),
                          "staleness": staleness, "wall": time.perf_counter() - start, "delay": pause}
-                if evaluate_every and clock % evaluate_every == 0 and clock > 0:
+                if evaluating:
                     point["test_accuracy"] = acc
                     history.append(point)
                 metrics.write("step", **point)
