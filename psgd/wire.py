@@ -36,6 +36,16 @@ def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[tuple[
 # pull, the weight bytes in the same order, or an error message.  Payload
 # sizes are fixed by the partition plan, so neither side ever allocates what
 # the other declares.
+#
+# A push of at least GO_AHEAD_BYTES waits, after its header, for a reply with
+# the outcome code READY (the shard has checked the header and has a receive
+# buffer for it) before it sends the payload.  Besides sparing a refused push
+# its payload, the short exchange keeps Linux from treating the connection as
+# interactive: a large transfer that follows one in the other direction
+# straight away is otherwise paced by delayed ACKs, and a 40 MB push took
+# twice as long as the pull before it (benchmarks/RESULTS.md).  Smaller
+# pushes go in one message: below 4 MiB the round trip cost more than it saved.  A client may always
+# send the payload without waiting; the shard reads it after its READY.
 
 import socket
 import ssl
@@ -53,6 +63,14 @@ REPLY = struct.Struct("<4sBBxxqqqQ")
 MAX_HELLO_BYTES = 64 << 10
 MAX_ERROR_BYTES = 8 << 10
 OUTCOMES = ("applied", "accumulated", "duplicate", "late")
+#: the outcome code of a push's go-ahead (status 0, no payload)
+READY = 255
+GO_AHEAD_BYTES = 4 << 20
+
+
+def wants_go_ahead(payload_bytes: int) -> bool:
+    """Whether a push of ``payload_bytes`` waits for the shard's READY before its payload."""
+    return payload_bytes >= GO_AHEAD_BYTES
 
 #: wire dtypes of pushed gradients: 0 = the variables' own dtype; the others compress float32 gradients
 WIRE_DTYPES = {0: None, 1: "float32", 2: "float64", 3: "float16", 4: "bfloat16"}

@@ -196,6 +196,8 @@ class DataServer:
         except ShardError as err:
             self._fatal(conn, err.code, err.message)
         try:
+            if wire.wants_go_ahead(size):
+                wire.send_buffers(conn, [wire.REPLY.pack(wire.DATA_MAGIC, 0, wire.READY, core.version, 0, 0, 0)])
             _receive_gradient(conn, memoryview(buf), wire_dtype, core.flat.size)
             try:
                 result = core.push(worker, clock, base_version, core.gradient_views(buf))

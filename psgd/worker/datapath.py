@@ -78,8 +78,16 @@ class DataConnection:
         return version
 
     def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int) -> tuple:
-        """Send a gradient; returns (outcome, version, next clock, staleness)."""
-        self._send(wire.OP_PUSH, self.worker, clock, base_version, dtype_code, payload, size)
+        """Send a gradient; returns (outcome, version, next clock, staleness).
+
+        A large one waits for the shard's go-ahead before its payload (see :mod:`psgd.wire`)."""
+        if wire.wants_go_ahead(size):
+            self._send(wire.OP_PUSH, self.worker, clock, base_version, dtype_code, [], size)
+            if self._reply()[0] != wire.READY:
+                raise wire.WireError("the shard answered a push header without its go-ahead")
+            wire.send_buffers(self.sock, payload)
+        else:
+            self._send(wire.OP_PUSH, self.worker, clock, base_version, dtype_code, payload, size)
         outcome, version, next_clock, staleness, _ = self._reply()
         return wire.OUTCOMES[outcome], version, next_clock, staleness
 

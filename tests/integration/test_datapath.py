@@ -16,6 +16,7 @@ gradient the tests push.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import json
@@ -274,7 +275,10 @@ def _sync_run(job, grads, steps: int, data_path: bool):
     return result
 
 
-def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc():
+@pytest.mark.parametrize("go_ahead", [False, True], ids=["one-message-pushes", "pushes-wait-for-go-ahead"])
+def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc(monkeypatch, go_ahead):
+    if go_ahead:  # every push of this small model waits for READY, as a large model's do
+        monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)
     job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", f"optimizer.lr={LR}",
                    "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "cluster.slice_bytes=1024")
     steps = 3
@@ -761,6 +765,63 @@ def test_a_refused_push_leaves_the_connection_usable(shard, case):
             expect(sock, code)
             push_valid(shard, sock)
     assert shard.state()[:2] == before[:2]
+
+
+def test_a_large_push_gets_the_go_ahead_before_its_payload_is_read(shard, monkeypatch):
+    monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)  # the hostile shard's pushes count as large
+    before = shard.state()
+    g = valid_gradient(shard.plan)
+    with shard.hello(0) as sock:
+        request(sock, wire.OP_PUSH, clock=0, size=g.nbytes)  # the header alone
+        ready = read_reply(sock)
+        assert (ready.code, ready.outcome, ready.size) == (OK, wire.READY, 0)
+        assert shard.state() == before  # nothing happens until the payload is there
+        sock.sendall(g.tobytes())
+        reply = read_reply(sock)
+        assert reply.code == OK and wire.OUTCOMES[reply.outcome] in ("accumulated", "duplicate"), reply
+        # a client may also send the payload without waiting: READY comes, then the outcome
+        request(sock, wire.OP_PUSH, clock=0, payload=g.tobytes())
+        assert read_reply(sock).outcome == wire.READY
+        assert wire.OUTCOMES[read_reply(sock).outcome] == "duplicate"
+
+
+def test_a_refused_large_push_header_is_answered_before_any_payload(shard, monkeypatch):
+    """A push of the wrong size is refused on its header: the error comes instead of READY."""
+    monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)
+    before = shard.state()
+    with shard.hello(0) as sock:
+        request(sock, wire.OP_PUSH, clock=0, size=shard.core.nbytes + 8)
+        reply = expect(sock, INVALID, "wrong shape")
+        assert reply.outcome != wire.READY
+        assert_closed(sock)
+    assert shard.state() == before
+
+
+def test_the_client_gives_up_on_a_shard_that_answers_a_push_header_with_something_else(monkeypatch):
+    """A peer that answers a large push's header with an outcome instead of READY broke the protocol."""
+    monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def fake_shard():
+        conn, _ = listener.accept()
+        with conn:
+            wire.recv_struct(conn, wire.REQUEST)
+            conn.recv(1 << 16)  # the hello's body
+            conn.sendall(wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, 0, 0, 0, 0))
+            wire.recv_struct(conn, wire.REQUEST)  # the push header
+            conn.sendall(wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, 1, 1, 0, 0))  # "applied", not READY
+            conn.recv(1)  # until the client hangs up
+
+    with listener, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        served = pool.submit(fake_shard)
+        conn = DataConnection("127.0.0.1", listener.getsockname()[1], 0, "plan", timeout=IO)
+        try:
+            g = np.zeros(4)
+            with pytest.raises(wire.WireError, match="without its go-ahead"):
+                conn.push(0, 0, 0, [g], g.nbytes)
+        finally:
+            conn.close()
+        served.result(timeout=IO)
 
 
 @pytest.mark.parametrize("clock, code, words", [(-1, INVALID, ["clock -1", "negative"]),

@@ -183,6 +183,7 @@ def test_request_and_reply_layouts_are_stable():
     assert wire.DATA_MAGIC == b"PSG1" and len(wire.DATA_MAGIC) == 4
     assert (wire.OP_HELLO, wire.OP_PULL, wire.OP_PUSH) == (1, 2, 3)
     assert wire.OUTCOMES == ("applied", "accumulated", "duplicate", "late")
+    assert wire.READY not in range(len(wire.OUTCOMES))  # the go-ahead is no outcome
     req = wire.REQUEST.pack(wire.DATA_MAGIC, wire.OP_PUSH, 4, -1, 2**63 - 1, -2**63, 2**64 - 1)
     assert req[:4] == b"PSG1" and req[4] == 3 and req[5] == 4 and req[6:8] == b"\0\0"
     assert req[8:12] == (-1).to_bytes(4, "little", signed=True)
@@ -355,3 +356,9 @@ def test_tune_sets_no_delay_on_tcp_sockets():
         client.close()
     finally:
         listener.close()
+
+
+def test_pushes_from_four_mebibytes_wait_for_the_go_ahead():
+    assert wire.GO_AHEAD_BYTES == 4 << 20
+    assert not wire.wants_go_ahead(0) and not wire.wants_go_ahead((4 << 20) - 1)
+    assert wire.wants_go_ahead(4 << 20) and wire.wants_go_ahead(400_000_000)
