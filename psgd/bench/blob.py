@@ -2,7 +2,7 @@
 
 It isolates communication: ``loss_and_grads`` costs nothing, so a step's time
 is the time to move the weights and the gradient.  Use it as
-``--model blob:Blob --set model.size=N`` with this folder on PYTHONPATH.
+``--set model.name=psgd.bench.blob:Blob --set model.size=N``.
 """
 
 from __future__ import annotations

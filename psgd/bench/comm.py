@@ -1,0 +1,414 @@
+"""How fast psgd moves tensors, against this machine's own limits, in one run.
+
+Measured side by side:
+  - the limits: raw loopback TCP between two processes, memory-copy bandwidth;
+  - pull, push and pull+push through psgd-server shard processes for models of
+    1 MB to 400 MB (one worker, one shard), and for a 40 MB model over 1-4
+    shards and 1-4 workers (the bulk data path, and gRPC alone for contrast);
+  - an MPI all-reduce of the same bytes between 2 processes;
+  - the round trip of a tiny model's pull+push against a bare gRPC unary call;
+  - the optimizers' update throughput against memory bandwidth;
+  - peak memory (RSS) of a shard and of a worker against the model size.
+
+Every figure is printed as it is measured; ``--json FILE`` writes them all.
+
+    psgd bench comm --json comm.json     # everything, about 10 minutes on 2 cores
+    psgd bench comm --quick              # 1-16 MB, about a minute
+    psgd bench comm --parts sweep,latency --sizes-mb 40 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+
+from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
+
+MB = 1_000_000
+PY = sys.executable
+
+
+# -- a cluster of shard processes for a blob model ----------------------------------------
+class BlobCluster:
+    """``shards`` psgd-server processes holding a one-variable model of ``size`` bytes."""
+
+    def __init__(self, size: int, shards: int = 1, workers: int = 1, optimizer: str = "sgd",
+                 policy: str = "async", tmp: str = "."):
+        from psgd.config import JobConfig, to_toml
+
+        self.size, self.elems = size, size // 4
+        self.job = JobConfig()
+        self.job.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
+                             "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
+                             "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
+                             f"cluster.workers={workers}"])
+        self.tmp = Path(tempfile.mkdtemp(dir=tmp))
+        self.path = self.tmp / "job.toml"
+        self.path.write_text(to_toml(self.job.to_dict()))
+        self.env = dict(os.environ)
+        files = [self.tmp / f"{k}.addr" for k in range(shards)]
+        self.procs = [subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(self.path), "--shard", str(k),
+                                        "--bind", "127.0.0.1:0", "--port-file", str(files[k]), "-q"],
+                                       env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                      for k in range(shards)]
+        deadline = time.monotonic() + 120
+        while not all(f.exists() for f in files):
+            for p in self.procs:
+                if p.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise SystemExit(f"psgd-server did not start: {p.stderr.read()[-2000:]}")
+            time.sleep(0.05)  # polling for the port files with a deadline
+        self.addresses = [f.read_text().strip() for f in files]
+        from psgd.bench.blob import Blob
+        from psgd.partition import PartitionPlan
+
+        self.plan = PartitionPlan(Blob((1,), 2, size=self.elems).specs(), shards, self.job.cluster.slice_bytes)
+
+    def client(self, worker: int, data_path: bool = True, wire_dtype: str | None = None):
+        from psgd.worker.client import PSClient
+
+        c = PSClient(self.addresses, self.plan, worker, data_path=data_path, wire_dtype=wire_dtype)
+        c.wait_ready(60)
+        c.register()
+        return c
+
+    def peak_rss_mb(self) -> list[float]:
+        return [_peak_rss_mb(p.pid) for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(30)
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _median(xs) -> float:
+    return float(np.median(xs))
+
+
+def time_steps(cluster: BlobCluster, workers: int, steps: int, data_path: bool = True,
+               wire_dtype: str | None = None) -> dict:
+    """``workers`` clients in threads each doing ``steps`` pull+push; per-step medians and throughput."""
+    clients = [cluster.client(w, data_path, wire_dtype) for w in range(workers)]
+    host = [{"blob": np.empty(cluster.elems, dtype=np.float32)} for _ in clients]
+    grads = {"blob": np.full(cluster.elems, 1e-3, dtype=np.float32)}
+
+    def run(w: int) -> tuple[list, list]:
+        pulls, pushes = [], []
+        for clock in range(steps + 1):  # the first step warms up
+            a = time.perf_counter()
+            clients[w].pull(clock, host[w])
+            b = time.perf_counter()
+            clients[w].push(clock, grads)
+            if clock:
+                pulls.append(b - a)
+                pushes.append(time.perf_counter() - b)
+        return pulls, pushes
+
+    start = time.perf_counter()
+    with futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(run, range(workers)))
+    wall = time.perf_counter() - start
+    for c in clients:
+        c.done()
+        c.close()
+    pulls = [x for r in results for x in r[0]]
+    pushes = [x for r in results for x in r[1]]
+    step = _median([a + b for r in results for a, b in zip(*r)])
+    moved = 2 * cluster.size * workers * (steps + 1)
+    return {"pull_s": _median(pulls), "push_s": _median(pushes), "step_s": step,
+            "pull_gbps": cluster.size / _median(pulls) / 1e9, "push_gbps": cluster.size / _median(pushes) / 1e9,
+            "step_gbps": 2 * cluster.size / step / 1e9, "aggregate_gbps": moved / wall / 1e9}
+
+
+# -- pieces -------------------------------------------------------------------------------------------
+def bare_grpc_rtt(repeats: int = 2000) -> float:
+    """Median seconds of a 100-byte unary call to a generic-handler echo server in another process."""
+    code = (
+        "import grpc, sys\nfrom concurrent import futures\n"
+        "h = grpc.method_handlers_generic_handler('b.Echo', {'E': grpc.unary_unary_rpc_method_handler(lambda r, c: r)})\n"
+        "s = grpc.server(futures.ThreadPoolExecutor(4)); s.add_generic_rpc_handlers((h,))\n"
+        "p = s.add_insecure_port('127.0.0.1:0'); s.start(); print(p, flush=True); sys.stdin.read()\n")
+    import grpc
+
+    proc = subprocess.Popen([PY, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            echo = ch.unary_unary("/b.Echo/E")
+            payload = b"x" * 100
+            for _ in range(200):
+                echo(payload, timeout=10)
+            times = []
+            for _ in range(repeats):
+                a = time.perf_counter()
+                echo(payload, timeout=10)
+                times.append(time.perf_counter() - a)
+        return _median(times)
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
+    """GB/s of parameter bytes updated per second, per optimizer, on one 4 MiB-sliced tensor."""
+    from psgd.optim import build_optimizer
+
+    out = {}
+    n = nbytes // 4
+    slice_elems = (4 << 20) // 4
+    for name in ("sgd", "momentum", "adam"):
+        opt = build_optimizer(name)
+        p = np.ones(n, dtype=np.float32)
+        g = np.full(n, 1e-3, dtype=np.float32)
+        keys = [(f"p#{a}", slice(a, min(n, a + slice_elems))) for a in range(0, n, slice_elems)]
+
+        def step():
+            for key, sl in keys:
+                opt.update(key, p[sl], g[sl])
+
+        step()
+        best = min(_timed_once(step) for _ in range(repeats))
+        out[name] = nbytes / best / 1e9
+    return out
+
+
+def _timed_once(fn) -> float:
+    a = time.perf_counter()
+    fn()
+    return time.perf_counter() - a
+
+
+def run_worker_process(cluster: BlobCluster) -> dict:
+    """A real psgd-worker process training the blob model for one epoch (8 steps); its JSON summary."""
+    from psgd.config import to_toml
+
+    job = cluster.job
+    job.override("cluster.servers", cluster.addresses)
+    job.override("train.batch_size", 8)
+    job.override("train.epochs", 1)
+    path = cluster.tmp / "worker.toml"
+    path.write_text(to_toml(job.to_dict()))
+    done = subprocess.run([PY, "-m", "psgd.cli.worker", "-c", str(path), "--rank", "0", "--no-progress", "-q",
+                           "--json"], env=cluster.env, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise SystemExit(f"worker failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+PARTS = ("sweep", "grid", "variants", "latency", "optimizer", "memory", "scale")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by ``psgd bench comm`` and ``benchmarks/comm.py``)."""
+    parser.add_argument("--sizes-mb", default="1,4,16,40,100,400", metavar="LIST",
+                        help="model sizes in MB (10^6 bytes) for the one-worker, one-shard sweep "
+                             "(default 1,4,16,40,100,400)")
+    parser.add_argument("--steps", type=int, default=8, metavar="N",
+                        help="timed steps per figure after one warm-up; medians are reported (default 8)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1-16 MB, 3 steps, a 16 MB focus model and no scale check: about a minute")
+    parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
+                        help="which measurements, comma-separated, besides the limits (always measured): "
+                             + ", ".join(PARTS) + " (default: all)")
+    parser.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    """Measure what the flags ask for, printing each figure as it comes; returns every figure."""
+    from psgd.config import ConfigError
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        sizes = [int(float(s) * MB) // 4 * 4 for s in ("1,4,16" if args.quick else args.sizes_mb).split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes-mb: expected numbers separated by commas, got {args.sizes_mb!r}") from None
+    if not sizes or min(sizes) < 4:
+        raise ConfigError("--sizes-mb: every size must be at least 0.000004 MB (one float32)")
+    steps = 3 if args.quick else args.steps
+    focus = 16 * MB if args.quick else 40 * MB
+    result: dict = {"machine": machine()}
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    say(f"machine: {result['machine']}")
+    tcp, mem = tcp_loopback_gbps(), memcpy_gbps()
+    tcp_cold = tcp_loopback_gbps(buffer_bytes=focus)
+    result.update(tcp_loopback_gbps=tcp, tcp_model_sized_gbps=tcp_cold, memcpy_gbps=mem)
+    say(f"limits: raw loopback TCP {tcp:.2f} GB/s (two processes, a 4 MiB buffer in cache), "
+        f"{tcp_cold:.2f} GB/s moving {focus / MB:.0f} MB buffers; memory copy {mem:.2f} GB/s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if "sweep" in parts:
+            _sweep(result, sizes, focus, steps, tcp, tmp, say)
+        if "grid" in parts:
+            _grid(result, focus, steps, tcp, tmp, say)
+        if "variants" in parts:
+            _variants(result, focus, steps, tcp, tcp_cold, tmp, say)
+        if "latency" in parts:
+            _latency(result, steps, tmp, say)
+        if "optimizer" in parts:
+            opt = optimizer_throughput()
+            result["optimizer_gbps"] = opt
+            say("optimizer update throughput (parameter bytes/s): " +
+                ", ".join(f"{k} {v:.2f} GB/s ({v / mem:.2f} of memory copy)" for k, v in opt.items()))
+        if "memory" in parts:
+            _memory(result, [16 * MB] if args.quick else [40 * MB, 400 * MB], tmp, say)
+        if "scale" in parts and not args.quick:
+            _scale(result, tmp, say)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, tmp: str, say) -> None:
+    """One worker, one shard, every size; beside an MPI all-reduce of the same bytes between 2 processes."""
+    from psgd.bench.allreduce import run_mpi
+
+    mpi = run_mpi(sorted(set(sizes + [focus])), 2, max(3, steps // 2))
+    say("\n1 worker, 1 shard (async, sgd), bulk data path; all-reduce = MPI between 2 processes")
+    say(f"{'MB':>5} {'pull ms':>8} {'push ms':>8} {'step ms':>8} {'GB/s':>6} {'/TCP':>5} "
+        f"{'allreduce ms':>12} {'step/AR':>7} {'shard RSS MB':>12} {'RSS budget':>10}")
+    rows = []
+    for size in sizes:
+        cluster = BlobCluster(size, tmp=tmp)
+        try:
+            t = time_steps(cluster, 1, steps)
+            rss = cluster.peak_rss_mb()[0]
+        finally:
+            cluster.close()
+        ar = mpi[size]["bare_s"]
+        budget = 2 * size / MB + 200  # 2 x (weights + SGD's empty state) + 200 MB
+        rows.append({"size_bytes": size, **t, "allreduce_s": ar, "step_over_allreduce": t["step_s"] / ar,
+                     "step_over_tcp": t["step_gbps"] / tcp, "shard_peak_rss_mb": rss, "shard_rss_budget_mb": budget})
+        say(f"{size / MB:5.0f} {t['pull_s'] * 1e3:8.2f} {t['push_s'] * 1e3:8.2f} {t['step_s'] * 1e3:8.2f} "
+            f"{t['step_gbps']:6.2f} {t['step_gbps'] / tcp:5.2f} {ar * 1e3:12.2f} {t['step_s'] / ar:7.2f} "
+            f"{rss:12.0f} {budget:10.0f}")
+    result["sweep"] = rows
+
+
+def _grid(result: dict, focus: int, steps: int, tcp: float, tmp: str, say) -> None:
+    """The focus model over 1-4 shards and 1-4 workers."""
+    say(f"\n{focus / MB:.0f} MB model: shards x workers (aggregate GB/s = bytes moved by all workers / wall)")
+    grid = []
+    for shards, workers in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4), (4, 4)):
+        cluster = BlobCluster(focus, shards, workers, tmp=tmp)
+        try:
+            t = time_steps(cluster, workers, steps)
+        finally:
+            cluster.close()
+        grid.append({"shards": shards, "workers": workers, **t})
+        say(f"  {shards} shard(s) {workers} worker(s): step {t['step_s'] * 1e3:7.1f} ms, "
+            f"aggregate {t['aggregate_gbps']:.2f} GB/s ({t['aggregate_gbps'] / tcp:.2f} of TCP)")
+    result["grid"] = grid
+
+
+def _variants(result: dict, focus: int, steps: int, tcp: float, tcp_cold: float, tmp: str, say) -> None:
+    """The focus model, one worker and one shard: gRPC alone, the data path, compressed gradients."""
+    say(f"\n{focus / MB:.0f} MB, 1x1: transport and wire-compression variants")
+    variants = []
+    for label, data_path, wdt in (("gRPC only", False, None), ("data path", True, None),
+                                  ("data path, float16 gradients", True, "float16"),
+                                  ("data path, bfloat16 gradients", True, "bfloat16")):
+        cluster = BlobCluster(focus, tmp=tmp)
+        try:
+            t = time_steps(cluster, 1, steps, data_path, wdt)
+        finally:
+            cluster.close()
+        variants.append({"variant": label, **t})
+        say(f"  {label:32s} pull {t['pull_s'] * 1e3:7.1f} ms  push {t['push_s'] * 1e3:7.1f} ms  "
+            f"step {t['step_s'] * 1e3:7.1f} ms  ({t['step_gbps'] / tcp:.2f} of TCP, "
+            f"{t['step_gbps'] / tcp_cold:.2f} of model-sized TCP; pull alone {t['pull_gbps'] / tcp_cold:.2f})")
+    result["variants"] = variants
+
+
+def _latency(result: dict, steps: int, tmp: str, say) -> None:
+    """A tiny model's pull+push against a bare gRPC unary round trip."""
+    repeats = max(50, 60 * steps)
+    rtt = bare_grpc_rtt(4 * repeats)
+    cluster = BlobCluster(64, tmp=tmp)
+    try:
+        tiny = time_steps(cluster, 1, repeats)
+        tiny_grpc = time_steps(cluster, 1, repeats, data_path=False)
+    finally:
+        cluster.close()
+    result["latency"] = {"bare_grpc_unary_s": rtt, "tiny_pull_push_s": tiny["step_s"],
+                         "tiny_pull_push_grpc_s": tiny_grpc["step_s"], "ratio": tiny["step_s"] / rtt}
+    say(f"\ntiny model (16 floats): pull+push {tiny['step_s'] * 1e6:.0f} us on the data path, "
+        f"{tiny_grpc['step_s'] * 1e6:.0f} us over gRPC; a bare gRPC unary round trip {rtt * 1e6:.0f} us "
+        f"(ratio {tiny['step_s'] / rtt:.2f})")
+
+
+def _memory(result: dict, sizes: list[int], tmp: str, say) -> None:
+    """Peak RSS of a shard (SGD and momentum) and of a real worker process, against their budgets."""
+    memory = []
+    for size in sizes:
+        for optimizer in ("sgd", "momentum"):
+            cluster = BlobCluster(size, optimizer=optimizer, tmp=tmp)
+            try:
+                time_steps(cluster, 1, 2)
+                worker = run_worker_process(cluster)["peak_rss_mb"] if optimizer == "sgd" else None
+                shard = cluster.peak_rss_mb()[0]
+            finally:
+                cluster.close()
+            state = size if optimizer == "momentum" else 0
+            row = {"size_bytes": size, "optimizer": optimizer, "shard_peak_rss_mb": shard,
+                   "shard_budget_mb": 2 * (size + state) / MB + 200, "worker_peak_rss_mb": worker,
+                   "worker_budget_mb": 3 * size / MB + 200}
+            memory.append(row)
+            say(f"peak RSS, {size / MB:.0f} MB model, {optimizer}: shard {shard:.0f} MB "
+                f"(budget {row['shard_budget_mb']:.0f})" +
+                (f", worker {worker:.0f} MB (budget {row['worker_budget_mb']:.0f})" if worker else ""))
+    result["memory"] = memory
+
+
+def _scale(result: dict, tmp: str, say) -> None:
+    """100M float32 parameters (400 MB) over 4 shards, trained by a real psgd-worker process."""
+    size = 400 * MB
+    cluster = BlobCluster(size, shards=4, optimizer="momentum", tmp=tmp)
+    try:
+        worker = run_worker_process(cluster)
+        shards = cluster.peak_rss_mb()
+    finally:
+        cluster.close()
+    result["scale"] = {"parameters": size // 4, "shards": 4, "worker": worker, "shard_peak_rss_mb": shards}
+    say(f"scale check: {size // 4 / 1e6:.0f}M parameters over 4 shards (momentum): {worker['steps']} steps "
+        f"in {worker['seconds']:.1f}s, worker peak {worker['peak_rss_mb']:.0f} MB, shards peak "
+        + ", ".join(f"{r:.0f}" for r in shards) + " MB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from psgd.cli.common import run_command
+
+    parser = argparse.ArgumentParser(prog="psgd bench comm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_command("psgd bench comm", lambda: (run_from_args(args), 0)[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""psgd bench comm: its front door, its checks of the flags, and a small real run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+PY = sys.executable
+
+
+def bench(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "psgd.cli.main", "bench", "comm", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_names_every_part_and_the_limits():
+    done = bench("--help", timeout=60)
+    assert done.returncode == 0, done.stderr
+    for word in ("--parts", "--quick", "--json", "sweep", "latency", "scale", "loopback TCP"):
+        assert word in done.stdout, word
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--parts", "sweep,warp"], ["--parts: unknown warp", "choose from"]),
+    (["--sizes-mb", "4,lots"], ["--sizes-mb", "'4,lots'"]),
+    (["--sizes-mb", "0"], ["at least"]),
+    (["--steps", "0"], ["--steps must be at least 1"]),
+])
+def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
+    done = bench(*argv, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == ""  # refused before the limits were measured
+    assert done.stderr.startswith("psgd: error: ") and done.stderr.count("\n") == 1, done.stderr
+    for word in words:
+        assert word in done.stderr, (word, done.stderr)
+
+
+@pytest.mark.slow
+def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
+    pytest.importorskip("mpi4py", reason="the sweep's all-reduce needs the mpi extra")
+    out = tmp_path / "comm.json"
+    done = bench("--parts", "sweep,latency,optimizer", "--sizes-mb", "0.1", "--steps", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "limits: raw loopback TCP" in done.stdout and "tiny model" in done.stdout
+    result = json.loads(out.read_text())
+    for key in ("tcp_loopback_gbps", "tcp_model_sized_gbps", "memcpy_gbps"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    (row,) = result["sweep"]
+    assert row["size_bytes"] == 100_000
+    assert 0 < row["pull_s"] < row["step_s"] and 0 < row["push_s"] < row["step_s"]
+    assert row["allreduce_s"] > 0 and row["step_over_tcp"] == pytest.approx(row["step_gbps"] / result["tcp_loopback_gbps"])
+    assert 0 < row["shard_peak_rss_mb"] < row["shard_rss_budget_mb"]
+    latency = result["latency"]
+    assert latency["ratio"] == pytest.approx(latency["tiny_pull_push_s"] / latency["bare_grpc_unary_s"])
+    assert set(result["optimizer_gbps"]) == {"sgd", "momentum", "adam"}
+    assert "grid" not in result and "scale" not in result  # only the parts asked for
