@@ -2,7 +2,8 @@
 
 For each gradient size it measures:
   - an all-reduce through psgd's mpi backend (the ``Bucketer`` path the trainer
-    uses) and a bare ``mpi4py`` ``Allreduce`` of the same buffer, between R ranks;
+    uses) and a bare ``mpi4py`` ``Allreduce`` of the same buffer, between R
+    ranks, both in one call and in the 4 MiB pieces psgd's backend uses;
   - an all-reduce through the nccl backend, when CuPy and a GPU are present
     (one rank: one GPU cannot host a multi-rank communicator);
   - one worker's pull + push of a model of that size through one psgd-server
@@ -56,11 +57,19 @@ def mpi_child(sizes: list[int], repeats: int) -> None:
         grads = {"g": np.ones(n, dtype=np.float32)}
         bucketer = Bucketer({"g": (n,)}, "float32", np, bucket_bytes=32 << 20)
         buf = np.ones(n, dtype=np.float32)
+        step = group.chunk_bytes // 4
+
+        def bare_in_pieces() -> None:
+            for start in range(0, n, step):
+                comm.Allreduce(MPI.IN_PLACE, buf[start:start + step], op=MPI.SUM)
+
         psgd_s = _timed(lambda: bucketer.allreduce_mean(group, grads), repeats, comm.Barrier)
         bare_s = _timed(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), repeats, comm.Barrier)
-        worst = comm.allreduce(max(psgd_s, 0.0), op=MPI.MAX), comm.allreduce(bare_s, op=MPI.MAX)
+        pieces_s = _timed(bare_in_pieces, repeats, comm.Barrier)
+        worst = [comm.allreduce(t, op=MPI.MAX) for t in (psgd_s, bare_s, pieces_s)]
         if group.rank == 0:
-            print(json.dumps({"size": size, "psgd_s": worst[0], "bare_s": worst[1]}), flush=True)
+            print(json.dumps({"size": size, "psgd_s": worst[0], "bare_s": worst[1], "bare_pieces_s": worst[2]}),
+                  flush=True)
 
 
 def run_mpi(sizes: list[int], ranks: int, repeats: int) -> dict[int, dict]:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         nccl = run_nccl(sizes, args.repeats, tmp)
         rows = []
-        header = (f"{'size MB':>8} {'mpi ms':>8} {'bare ms':>8} {'psgd/bare':>9} {'algbw GB/s':>10} "
+        header = (f"{'size MB':>8} {'mpi ms':>8} {'bare ms':>8} {'psgd/bare':>9} {'bare 4MiB':>9} {'algbw GB/s':>10} "
                   f"{'nccl ms':>8} {'PS ms':>8} {'pull ms':>8} {'push ms':>8} {'PS GB/s':>8} "
                   f"{'PS/mpi':>7} {'PS/TCP':>7}")
         print(header, flush=True)
@@ -134,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             m = mpi[size]
             ps_gbps = 2 * size / ps["step_s"] / 1e9
             row = {"size_bytes": size, "mpi_allreduce_s": m["psgd_s"], "bare_mpi_allreduce_s": m["bare_s"],
+                   "bare_mpi_allreduce_4mib_pieces_s": m["bare_pieces_s"],
                    "mpi_algbw_gbps": size / m["psgd_s"] / 1e9,
                    "nccl_allreduce_s": nccl.get(size) if isinstance(nccl, dict) else None,
                    "ps_pull_push_s": ps["step_s"], "ps_pull_s": ps["pull_s"], "ps_push_s": ps["push_s"],
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             nccl_ms = f"{row['nccl_allreduce_s'] * 1e3:8.2f}" if row["nccl_allreduce_s"] else f"{'-':>8}"
             print(f"{size / MB:8.0f} {m['psgd_s'] * 1e3:8.2f} {m['bare_s'] * 1e3:8.2f} "
-                  f"{m['psgd_s'] / m['bare_s']:9.2f} {row['mpi_algbw_gbps']:10.2f} {nccl_ms} "
+                  f"{m['psgd_s'] / m['bare_s']:9.2f} {m['bare_pieces_s'] * 1e3:9.2f} {row['mpi_algbw_gbps']:10.2f} {nccl_ms} "
                   f"{ps['step_s'] * 1e3:8.1f} {ps['pull_s'] * 1e3:8.1f} {ps['push_s'] * 1e3:8.1f} "
                   f"{ps_gbps:8.2f} {row['ps_over_mpi']:7.2f} {row['ps_over_tcp']:7.2f}", flush=True)
     if isinstance(nccl, str):

@@ -30,6 +30,8 @@ class Collective(abc.ABC):
     backend: str = "?"
     rank: int
     world_size: int
+    #: Largest piece a long buffer is reduced in by :class:`Bucketer` (0: the whole buffer at once).
+    chunk_bytes: int = 0
 
     @abc.abstractmethod
     def allreduce_(self, array: Any, op: str = "sum") -> Any:
@@ -73,6 +75,8 @@ class Bucketer:
     unpacked gradients are views into them.  A gradient of ``direct_bytes``
     or more is reduced in place in its own array, with no packing copy (the
     trainer owns the arrays a model returns, so it may overwrite them).
+    Where the backend asks for it (``chunk_bytes``), long buffers are reduced
+    in pieces, each scaled to the mean while it is still in cache.
     """
 
     def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: Any, xp: Any, bucket_bytes: int = 32 << 20,
@@ -103,14 +107,12 @@ class Bucketer:
             g = grads[name]
             if not (g.flags.c_contiguous and g.flags.writeable and g.dtype == self.dtype):
                 g = self.xp.ascontiguousarray(g, dtype=self.dtype).copy()
-            collective.allreduce_(g.reshape(-1), op="sum")
-            g *= scale
+            _sum_then_scale(collective, g.reshape(-1), scale)
             out[name] = g
         for bucket, buf in zip(self.layout, self.buffers):
             for name, start, stop, _ in bucket:
                 buf[start:stop] = grads[name].reshape(-1)
-            collective.allreduce_(buf, op="sum")
-            buf *= scale
+            _sum_then_scale(collective, buf, scale)
             for name, start, stop, shape in bucket:
                 out[name] = buf[start:stop].reshape(shape)
         return out
@@ -118,3 +120,12 @@ class Bucketer:
     @property
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self.buffers)
+
+
+def _sum_then_scale(collective: Collective, flat: Any, scale: float) -> None:
+    """All-reduce (sum) the 1-D ``flat`` in place, in the backend's chunks, and scale it by ``scale``."""
+    step = max(1, collective.chunk_bytes // flat.dtype.itemsize) if collective.chunk_bytes else max(1, flat.size)
+    for start in range(0, flat.size, step):
+        part = flat[start:start + step]
+        collective.allreduce_(part, op="sum")
+        part *= scale

@@ -32,6 +32,9 @@ def load_mpi() -> Any:
 
 class MpiCollective(Collective):
     backend = "mpi"
+    # MPICH's shared-memory all-reduce of one buffer larger than the cache ran at half the speed of the
+    # same bytes in 4 MiB calls (40-400 MB, 2 ranks; benchmarks/RESULTS.md), so long buffers go in pieces.
+    chunk_bytes = 4 << 20
 
     def __init__(self) -> None:
         self.MPI = load_mpi()

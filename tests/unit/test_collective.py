@@ -77,3 +77,31 @@ def test_large_gradients_are_reduced_in_place():
     strided = np.full(512, 2.0, dtype=np.float32)[::2]  # not contiguous: reduced in a copy, input untouched
     out = bucketer.allreduce_mean(Mirror(world=2), {"big": strided, "small": np.ones(4, np.float32)})
     assert out["big"] is not strided and np.allclose(out["big"], 2.0) and np.allclose(strided, 2.0)
+
+
+def test_long_buffers_are_reduced_in_the_backends_chunks_each_piece_once():
+    class Chunked(Mirror):
+        chunk_bytes = 40  # 10 float32 values
+
+        def __init__(self):
+            super().__init__(world=2)
+            self.sizes = []
+
+        def allreduce_(self, array, op="sum"):
+            self.sizes.append(array.size)
+            array *= 3.0  # the other rank holds twice these values: the sum is 3x, the mean 1.5x
+            return array
+
+    shapes = {"big": (5, 5), "a": (7,), "b": (6,)}
+    bucketer = Bucketer(shapes, "float32", np, bucket_bytes=1 << 20, direct_bytes=100)
+    assert set(bucketer.direct) == {"big"}
+    grads = {k: np.arange(1, np.prod(s) + 1, dtype=np.float32).reshape(s) for k, s in shapes.items()}
+    expected = {k: g * 1.5 for k, g in grads.items()}
+    group = Chunked()
+    out = bucketer.allreduce_mean(group, {k: g.copy() for k, g in grads.items()})
+    assert group.sizes == [10, 10, 5, 10, 3]  # 25 values of "big", then the 13-value bucket of a and b
+    for k in shapes:
+        np.testing.assert_array_equal(out[k], expected[k])
+    assert Mirror(2).chunk_bytes == 0  # backends reduce whole buffers unless they ask otherwise
+    from psgd.collective.mpi import MpiCollective
+    assert MpiCollective.chunk_bytes == 4 << 20
