@@ -2,6 +2,8 @@
 
 Measured side by side:
   - the limits: raw loopback TCP between two processes, memory-copy bandwidth;
+  - the headline: a 40 MB model's pull+push (one worker, one shard) in rounds,
+    each beside raw TCP measured just before it;
   - pull, push and pull+push through psgd-server shard processes for models of
     1 MB to 400 MB (one worker, one shard), and for a 40 MB model over 1-4
     shards and 1-4 workers (the bulk data path, and gRPC alone for contrast);
@@ -213,7 +215,7 @@ def run_worker_process(cluster: BlobCluster) -> dict:
 
 
 # -- the run ----------------------------------------------------------------------------------------------
-PARTS = ("sweep", "grid", "variants", "latency", "optimizer", "memory", "scale")
+PARTS = ("headline", "sweep", "grid", "variants", "latency", "optimizer", "memory", "scale")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,6 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1,4,16,40,100,400)")
     parser.add_argument("--steps", type=int, default=8, metavar="N",
                         help="timed steps per figure after one warm-up; medians are reported (default 8)")
+    parser.add_argument("--focus-mb", type=float, default=None, metavar="MB",
+                        help="model size for the headline, the shards x workers grid and the transport variants "
+                             "(default 40; 16 with --quick)")
+    parser.add_argument("--rounds", type=int, default=5, metavar="N",
+                        help="headline: rounds of raw TCP then the focus model's step, each ratio taken within "
+                             "its round; the median is reported (default 5)")
     parser.add_argument("--quick", action="store_true",
                         help="1-16 MB, 3 steps, a 16 MB focus model and no scale check: about a minute")
     parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
@@ -247,8 +255,12 @@ def run_from_args(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--sizes-mb: expected numbers separated by commas, got {args.sizes_mb!r}") from None
     if not sizes or min(sizes) < 4:
         raise ConfigError("--sizes-mb: every size must be at least 0.000004 MB (one float32)")
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")
     steps = 3 if args.quick else args.steps
-    focus = 16 * MB if args.quick else 40 * MB
+    focus = int((args.focus_mb if args.focus_mb is not None else 16 if args.quick else 40) * MB) // 4 * 4
+    if focus < 4:
+        raise ConfigError("--focus-mb: the focus model needs at least one float32")
     result: dict = {"machine": machine()}
 
     def say(text: str) -> None:
@@ -262,6 +274,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         f"{tcp_cold:.2f} GB/s moving {focus / MB:.0f} MB buffers; memory copy {mem:.2f} GB/s")
 
     with tempfile.TemporaryDirectory() as tmp:
+        if "headline" in parts:
+            _headline(result, focus, steps, tmp, say, args.rounds)
         if "sweep" in parts:
             _sweep(result, sizes, focus, steps, tcp, tmp, say)
         if "grid" in parts:
@@ -284,14 +298,39 @@ def run_from_args(args: argparse.Namespace) -> dict:
     return result
 
 
+def _headline(result: dict, focus: int, steps: int, tmp: str, say, rounds: int) -> None:
+    """The focus model's 1x1 step against raw loopback TCP measured just before it, ``rounds`` times.
+
+    The machine's speed drifts (shared hosts): measuring the limit beside each
+    figure, rather than once at the start, exposes both to the same conditions.
+    """
+    say(f"\n{focus / MB:.0f} MB, 1 worker, 1 shard, step beside raw loopback TCP (cache-hot 4 MiB buffer), "
+        f"{rounds} rounds")
+    rows = []
+    for k in range(rounds):
+        tcp = tcp_loopback_gbps()
+        cluster = BlobCluster(focus, tmp=tmp)
+        try:
+            t = time_steps(cluster, 1, steps)
+        finally:
+            cluster.close()
+        rows.append({"tcp_loopback_gbps": tcp, **t, "step_over_tcp": t["step_gbps"] / tcp})
+        say(f"  round {k + 1}: TCP {tcp:.2f} GB/s; pull {t['pull_s'] * 1e3:.1f} ms, push {t['push_s'] * 1e3:.1f} ms, "
+            f"step {t['step_s'] * 1e3:.1f} ms = {t['step_gbps']:.2f} GB/s, {t['step_gbps'] / tcp:.2f} of TCP")
+    ratio = _median([r["step_over_tcp"] for r in rows])
+    result["headline"] = {"size_bytes": focus, "rounds": rows, "median_step_over_tcp": ratio}
+    say(f"  median over the rounds: {ratio:.2f} of raw loopback TCP")
+
+
 def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, tmp: str, say) -> None:
     """One worker, one shard, every size; beside an MPI all-reduce of the same bytes between 2 processes."""
     from psgd.bench.allreduce import run_mpi
 
     mpi = run_mpi(sorted(set(sizes + [focus])), 2, max(3, steps // 2))
-    say("\n1 worker, 1 shard (async, sgd), bulk data path; all-reduce = MPI between 2 processes")
+    say("\n1 worker, 1 shard (async, sgd), bulk data path; AR = a bare mpi4py Allreduce of the same bytes "
+        "between 2 processes in one call, psgd AR = psgd's all-reduce mode (4 MiB pieces, then the mean)")
     say(f"{'MB':>5} {'pull ms':>8} {'push ms':>8} {'step ms':>8} {'GB/s':>6} {'/TCP':>5} "
-        f"{'allreduce ms':>12} {'step/AR':>7} {'shard RSS MB':>12} {'RSS budget':>10}")
+        f"{'AR ms':>12} {'step/AR':>7} {'psgd AR ms':>10} {'step/psgd AR':>8} {'shard RSS MB':>12} {'RSS budget':>10}")
     rows = []
     for size in sizes:
         cluster = BlobCluster(size, tmp=tmp)
@@ -300,13 +339,14 @@ def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, t
             rss = cluster.peak_rss_mb()[0]
         finally:
             cluster.close()
-        ar = mpi[size]["bare_s"]
+        ar, ours = mpi[size]["bare_s"], mpi[size]["psgd_s"]
         budget = 2 * size / MB + 200  # 2 x (weights + SGD's empty state) + 200 MB
         rows.append({"size_bytes": size, **t, "allreduce_s": ar, "step_over_allreduce": t["step_s"] / ar,
+                     "psgd_allreduce_s": ours, "step_over_psgd_allreduce": t["step_s"] / ours,
                      "step_over_tcp": t["step_gbps"] / tcp, "shard_peak_rss_mb": rss, "shard_rss_budget_mb": budget})
         say(f"{size / MB:5.0f} {t['pull_s'] * 1e3:8.2f} {t['push_s'] * 1e3:8.2f} {t['step_s'] * 1e3:8.2f} "
             f"{t['step_gbps']:6.2f} {t['step_gbps'] / tcp:5.2f} {ar * 1e3:12.2f} {t['step_s'] / ar:7.2f} "
-            f"{rss:12.0f} {budget:10.0f}")
+            f"{ours * 1e3:10.2f} {t['step_s'] / ours:8.2f} {rss:12.0f} {budget:10.0f}")
     result["sweep"] = rows
 
 

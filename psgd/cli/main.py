@@ -103,7 +103,8 @@ def _add_bench(sub) -> None:
     speed = kinds.add_parser(
         "comm", help="pull/push/all-reduce throughput, latency, optimizer speed and memory against raw TCP",
         description="Measure, in one run and side by side: raw loopback TCP and memory-copy bandwidth (the "
-                    "machine's limits); pull, push and pull+push through psgd-server processes for models of "
+                    "machine's limits); a 40 MB model's pull+push in rounds, each beside TCP measured just before it; "
+                    "pull, push and pull+push through psgd-server processes for models of "
                     "1-400 MB, over 1-4 shards and 1-4 workers, over gRPC alone and with compressed gradients; "
                     "an MPI all-reduce of the same bytes (needs the mpi extra); a tiny model's round trip "
                     "against a bare gRPC call; the optimizers' update throughput; peak memory of shards and "

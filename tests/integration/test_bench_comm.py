@@ -20,7 +20,7 @@ def bench(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def test_help_names_every_part_and_the_limits():
     done = bench("--help", timeout=60)
     assert done.returncode == 0, done.stderr
-    for word in ("--parts", "--quick", "--json", "sweep", "latency", "scale", "loopback TCP"):
+    for word in ("--parts", "--quick", "--json", "--rounds", "headline", "sweep", "latency", "scale", "loopback TCP"):
         assert word in done.stdout, word
 
 
@@ -29,6 +29,8 @@ def test_help_names_every_part_and_the_limits():
     (["--sizes-mb", "4,lots"], ["--sizes-mb", "'4,lots'"]),
     (["--sizes-mb", "0"], ["at least"]),
     (["--steps", "0"], ["--steps must be at least 1"]),
+    (["--rounds", "0"], ["--rounds must be at least 1"]),
+    (["--focus-mb", "0"], ["--focus-mb"]),
 ])
 def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
     done = bench(*argv, timeout=60)
@@ -43,7 +45,8 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
 def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     pytest.importorskip("mpi4py", reason="the sweep's all-reduce needs the mpi extra")
     out = tmp_path / "comm.json"
-    done = bench("--parts", "sweep,latency,optimizer", "--sizes-mb", "0.1", "--steps", "2", "--json", str(out))
+    done = bench("--parts", "headline,sweep,latency,optimizer", "--sizes-mb", "0.1", "--focus-mb", "0.2",
+                 "--rounds", "2", "--steps", "2", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "limits: raw loopback TCP" in done.stdout and "tiny model" in done.stdout
     result = json.loads(out.read_text())
@@ -54,6 +57,12 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     assert 0 < row["pull_s"] < row["step_s"] and 0 < row["push_s"] < row["step_s"]
     assert row["allreduce_s"] > 0 and row["step_over_tcp"] == pytest.approx(row["step_gbps"] / result["tcp_loopback_gbps"])
     assert 0 < row["shard_peak_rss_mb"] < row["shard_rss_budget_mb"]
+    headline = result["headline"]
+    assert headline["size_bytes"] == 200_000 and len(headline["rounds"]) == 2
+    for r in headline["rounds"]:
+        assert r["step_over_tcp"] == pytest.approx(r["step_gbps"] / r["tcp_loopback_gbps"])
+    assert headline["median_step_over_tcp"] == pytest.approx(
+        sum(r["step_over_tcp"] for r in headline["rounds"]) / 2)  # the median of two is their mean
     latency = result["latency"]
     assert latency["ratio"] == pytest.approx(latency["tiny_pull_push_s"] / latency["bare_grpc_unary_s"])
     assert set(result["optimizer_gbps"]) == {"sgd", "momentum", "adam"}
