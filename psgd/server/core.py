@@ -14,9 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from typing import Callable, Iterable, Iterator, Mapping
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -28,6 +31,9 @@ from psgd.policy import Policy
 log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS = 16  # histogram entries 0..14 exact, the last counts 15 and more
+#: A shard holding at least this many bytes checks and updates its slices on several threads
+#: (numpy releases the GIL for large arrays); smaller ones stay on one, where threads cost latency.
+PARALLEL_BYTES = 8 << 20
 MAX_CLOCK = 2**63 - 2  # the largest clock a push may carry: the next clock (clock + 1) must fit the wire's int64
 
 
@@ -203,6 +209,7 @@ class ShardCore:
         join_timeout: float = 120.0,
         staleness_lr: bool = False,
         allow_nonfinite: bool = False,
+        apply_threads: int | None = None,
         now: Callable[[], float] = time.monotonic,
     ):
         self.plan, self.shard = plan, shard
@@ -224,6 +231,9 @@ class ShardCore:
         for i in self.order:
             self.weights[i][...] = np.asarray(values[i], dtype=self.dtype).reshape(-1)
         self.receive_buffers = BufferPool(self.nbytes, limit=2)
+        threads = min(4, os.cpu_count() or 1) if apply_threads is None else apply_threads
+        self._threads = (ThreadPoolExecutor(threads, thread_name_prefix=f"shard{shard}-apply")
+                         if threads > 1 and len(self.order) > 1 and self.nbytes >= PARALLEL_BYTES else None)
         self.optimizer, self.policy = optimizer, policy
         self.num_workers = num_workers
         self.lease_seconds, self.join_timeout = lease_seconds, join_timeout
@@ -250,6 +260,12 @@ class ShardCore:
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
     # -- helpers ------------------------------------------------------------
+    def _map(self, fn: Callable[[int], object], ids: Iterable[int]) -> list:
+        """``[fn(i) for i in ids]``, spread over the shard's threads when it has them."""
+        if self._threads is None:
+            return [fn(i) for i in ids]
+        return list(self._threads.map(fn, ids))
+
     def _views(self, flat: np.ndarray) -> dict[int, np.ndarray]:
         return {i: flat[a:b] for i, (a, b) in self.offsets.items()}
 
@@ -309,8 +325,8 @@ class ShardCore:
                 self.changed.wait_for(lambda: self._readers == 0)
             finally:
                 self._writers_waiting -= 1
-        for i, grad in grads.items():
-            self.optimizer.update(self.slices[i].key, self.weights[i], grad, lr_scale=lr_scale)
+        self._map(lambda i: self.optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale=lr_scale),
+                  grads)
         self.version += 1
         self.counters["applied"] += 1
 
@@ -431,10 +447,7 @@ class ShardCore:
         if set(grads) != set(self.slices):
             raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
         if not self.allow_nonfinite:
-            for i, g in grads.items():
-                if np.isfinite(np.add.reduce(g)):
-                    continue  # a finite sum has no NaN or Inf in it; a sum that overflows is checked below
-                bad = int(g.size - np.count_nonzero(np.isfinite(g)))
+            for i, bad in zip(grads, self._map(lambda i: _nonfinite(grads[i]), grads)):
                 if bad:
                     raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "
                                      f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
@@ -594,3 +607,10 @@ class ShardCore:
     def weights_by_var(self) -> Iterator[tuple[Slice, np.ndarray]]:
         for i, w in self.weights.items():
             yield self.slices[i], w
+
+
+def _nonfinite(g: np.ndarray) -> int:
+    """How many NaN/Inf values ``g`` holds."""
+    if np.isfinite(np.add.reduce(g)):
+        return 0  # a finite sum has no NaN or Inf in it; a sum that overflows is counted exactly below
+    return int(g.size - np.count_nonzero(np.isfinite(g)))

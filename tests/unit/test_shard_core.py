@@ -645,3 +645,49 @@ def test_updates_wait_for_zero_copy_pulls_and_new_pulls_defer_to_them():
     with core.pull_live(0, 1, timeout=1) as again:
         assert bytes(again.buffer) != before
     assert core._readers == 0
+
+
+# -- large shards check and update their slices on several threads ---------------------------------------
+
+
+def _big_core(threads: int, optimizer: str) -> ShardCore:
+    from psgd.server.core import PARALLEL_BYTES
+
+    specs = [VarSpec("w", (PARALLEL_BYTES // 8 + 1000,), "float64"), VarSpec("b", (7,), "float64")]
+    plan = PartitionPlan(specs, num_shards=1, slice_bytes=1 << 20)
+    rng = np.random.default_rng(5)
+    values = plan.split({s.name: rng.standard_normal(s.shape) for s in specs}, shard=0)
+    core = ShardCore(plan, 0, values, build_optimizer(optimizer, lr=LR), make_policy("async", 1), num_workers=1,
+                     apply_threads=threads)
+    core.register(0, plan.hash)
+    return core
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_large_shard_updates_on_threads_bitwise_as_on_one(optimizer):
+    one, many = _big_core(1, optimizer), _big_core(3, optimizer)
+    assert one._threads is None and many._threads is not None and len(many.slices) > 8
+    rng = np.random.default_rng(6)
+    for clock in range(3):
+        grads = {i: rng.standard_normal(s.size) for i, s in one.slices.items()}
+        for core in (one, many):
+            core.push(0, clock, core.version, {i: g.copy() for i, g in grads.items()})
+    assert one.version == many.version == 3
+    assert one.flat.tobytes() == many.flat.tobytes()
+
+
+def test_a_large_shard_names_the_first_bad_slice_and_changes_nothing():
+    core = _big_core(3, "sgd")
+    before = core.flat.tobytes()
+    grads = {i: np.zeros(s.size) for i, s in core.slices.items()}
+    ids = sorted(grads)
+    grads[ids[2]][5] = np.nan
+    grads[ids[6]][:3] = np.inf
+    with pytest.raises(ShardError, match=rf"{core.slices[ids[2]].key} from worker 0 has 1 non-finite"):
+        core.push(0, 0, 0, grads)
+    assert core.flat.tobytes() == before and core.version == 0
+
+
+def test_small_shards_stay_on_one_thread():
+    core, _ = make_core("async", 1)
+    assert core._threads is None  # 15 values: threads would only add latency
