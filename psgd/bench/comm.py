@@ -14,8 +14,8 @@ Measured side by side:
 
 Every figure is printed as it is measured; ``--json FILE`` writes them all.
 
-    psgd bench comm --json comm.json     # everything, about 10 minutes on 2 cores
-    psgd bench comm --quick              # 1-16 MB, about a minute
+    psgd bench comm --json comm.json     # everything, about 12 minutes on 2 cores
+    psgd bench comm --quick              # 1-16 MB, under a minute
     psgd bench comm --parts sweep,latency --sizes-mb 40 --steps 20
 """
 
@@ -232,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="headline: rounds of raw TCP then the focus model's step, each ratio taken within "
                              "its round; the median is reported (default 5)")
     parser.add_argument("--quick", action="store_true",
-                        help="1-16 MB, 3 steps, a 16 MB focus model and no scale check: about a minute")
+                        help="1-16 MB, 3 steps, a 16 MB focus model and no scale check: under a minute")
     parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
                         help="which measurements, comma-separated, besides the limits (always measured): "
                              + ", ".join(PARTS) + " (default: all)")

@@ -109,8 +109,8 @@ def _add_bench(sub) -> None:
                     "an MPI all-reduce of the same bytes (needs the mpi extra); a tiny model's round trip "
                     "against a bare gRPC call; the optimizers' update throughput; peak memory of shards and "
                     "workers; and a 100M-parameter model over 4 shards. Ratios to the limits are printed as "
-                    "each figure comes; --json writes them all. Everything takes about 10 minutes on 2 cores, "
-                    "--quick about a minute.")
+                    "each figure comes; --json writes them all. Everything takes about 12 minutes on 2 cores, "
+                    "--quick under a minute.")
     comm.add_arguments(speed)
     speed.set_defaults(func=cmd_bench_comm)
 
