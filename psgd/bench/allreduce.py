@@ -107,11 +107,8 @@ def run_ps(size: int, repeats: int, tmp: str) -> dict:
     """Pull + push of ``size`` bytes through one shard process (see comm.py); medians per step and per half."""
     from psgd.bench.comm import BlobCluster, time_steps
 
-    cluster = BlobCluster(size, tmp=tmp)
-    try:
+    with BlobCluster(size, tmp=tmp) as cluster:
         return time_steps(cluster, 1, repeats)
-    finally:
-        cluster.close()
 
 
 def main(argv: list[str] | None = None) -> int:

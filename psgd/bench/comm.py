@@ -92,6 +92,12 @@ class BlobCluster:
         for p in self.procs:
             p.wait(30)
 
+    def __enter__(self) -> "BlobCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -309,11 +315,8 @@ def _headline(result: dict, focus: int, steps: int, tmp: str, say, rounds: int) 
     rows = []
     for k in range(rounds):
         tcp = tcp_loopback_gbps()
-        cluster = BlobCluster(focus, tmp=tmp)
-        try:
+        with BlobCluster(focus, tmp=tmp) as cluster:
             t = time_steps(cluster, 1, steps)
-        finally:
-            cluster.close()
         rows.append({"tcp_loopback_gbps": tcp, **t, "step_over_tcp": t["step_gbps"] / tcp})
         say(f"  round {k + 1}: TCP {tcp:.2f} GB/s; pull {t['pull_s'] * 1e3:.1f} ms, push {t['push_s'] * 1e3:.1f} ms, "
             f"step {t['step_s'] * 1e3:.1f} ms = {t['step_gbps']:.2f} GB/s, {t['step_gbps'] / tcp:.2f} of TCP")
@@ -333,12 +336,9 @@ def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, t
         f"{'AR ms':>12} {'step/AR':>7} {'psgd AR ms':>10} {'step/psgd AR':>8} {'shard RSS MB':>12} {'RSS budget':>10}")
     rows = []
     for size in sizes:
-        cluster = BlobCluster(size, tmp=tmp)
-        try:
+        with BlobCluster(size, tmp=tmp) as cluster:
             t = time_steps(cluster, 1, steps)
             rss = cluster.peak_rss_mb()[0]
-        finally:
-            cluster.close()
         ar, ours = mpi[size]["bare_s"], mpi[size]["psgd_s"]
         budget = 2 * size / MB + 200  # 2 x (weights + SGD's empty state) + 200 MB
         rows.append({"size_bytes": size, **t, "allreduce_s": ar, "step_over_allreduce": t["step_s"] / ar,
@@ -355,11 +355,8 @@ def _grid(result: dict, focus: int, steps: int, tcp: float, tmp: str, say) -> No
     say(f"\n{focus / MB:.0f} MB model: shards x workers (aggregate GB/s = bytes moved by all workers / wall)")
     grid = []
     for shards, workers in ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4), (4, 4)):
-        cluster = BlobCluster(focus, shards, workers, tmp=tmp)
-        try:
+        with BlobCluster(focus, shards, workers, tmp=tmp) as cluster:
             t = time_steps(cluster, workers, steps)
-        finally:
-            cluster.close()
         grid.append({"shards": shards, "workers": workers, **t})
         say(f"  {shards} shard(s) {workers} worker(s): step {t['step_s'] * 1e3:7.1f} ms, "
             f"aggregate {t['aggregate_gbps']:.2f} GB/s ({t['aggregate_gbps'] / tcp:.2f} of TCP)")
@@ -373,11 +370,8 @@ def _variants(result: dict, focus: int, steps: int, tcp: float, tcp_cold: float,
     for label, data_path, wdt in (("gRPC only", False, None), ("data path", True, None),
                                   ("data path, float16 gradients", True, "float16"),
                                   ("data path, bfloat16 gradients", True, "bfloat16")):
-        cluster = BlobCluster(focus, tmp=tmp)
-        try:
+        with BlobCluster(focus, tmp=tmp) as cluster:
             t = time_steps(cluster, 1, steps, data_path, wdt)
-        finally:
-            cluster.close()
         variants.append({"variant": label, **t})
         say(f"  {label:32s} pull {t['pull_s'] * 1e3:7.1f} ms  push {t['push_s'] * 1e3:7.1f} ms  "
             f"step {t['step_s'] * 1e3:7.1f} ms  ({t['step_gbps'] / tcp:.2f} of TCP, "
@@ -389,12 +383,9 @@ def _latency(result: dict, steps: int, tmp: str, say) -> None:
     """A tiny model's pull+push against a bare gRPC unary round trip."""
     repeats = max(50, 60 * steps)
     rtt = bare_grpc_rtt(4 * repeats)
-    cluster = BlobCluster(64, tmp=tmp)
-    try:
+    with BlobCluster(64, tmp=tmp) as cluster:
         tiny = time_steps(cluster, 1, repeats)
         tiny_grpc = time_steps(cluster, 1, repeats, data_path=False)
-    finally:
-        cluster.close()
     result["latency"] = {"bare_grpc_unary_s": rtt, "tiny_pull_push_s": tiny["step_s"],
                          "tiny_pull_push_grpc_s": tiny_grpc["step_s"], "ratio": tiny["step_s"] / rtt}
     say(f"\ntiny model (16 floats): pull+push {tiny['step_s'] * 1e6:.0f} us on the data path, "
@@ -407,13 +398,10 @@ def _memory(result: dict, sizes: list[int], tmp: str, say) -> None:
     memory = []
     for size in sizes:
         for optimizer in ("sgd", "momentum"):
-            cluster = BlobCluster(size, optimizer=optimizer, tmp=tmp)
-            try:
+            with BlobCluster(size, optimizer=optimizer, tmp=tmp) as cluster:
                 time_steps(cluster, 1, 2)
                 worker = run_worker_process(cluster)["peak_rss_mb"] if optimizer == "sgd" else None
                 shard = cluster.peak_rss_mb()[0]
-            finally:
-                cluster.close()
             state = size if optimizer == "momentum" else 0
             row = {"size_bytes": size, "optimizer": optimizer, "shard_peak_rss_mb": shard,
                    "shard_budget_mb": 2 * (size + state) / MB + 200, "worker_peak_rss_mb": worker,
@@ -428,12 +416,9 @@ def _memory(result: dict, sizes: list[int], tmp: str, say) -> None:
 def _scale(result: dict, tmp: str, say) -> None:
     """100M float32 parameters (400 MB) over 4 shards, trained by a real psgd-worker process."""
     size = 400 * MB
-    cluster = BlobCluster(size, shards=4, optimizer="momentum", tmp=tmp)
-    try:
+    with BlobCluster(size, shards=4, optimizer="momentum", tmp=tmp) as cluster:
         worker = run_worker_process(cluster)
         shards = cluster.peak_rss_mb()
-    finally:
-        cluster.close()
     result["scale"] = {"parameters": size // 4, "shards": 4, "worker": worker, "shard_peak_rss_mb": shards}
     say(f"scale check: {size // 4 / 1e6:.0f}M parameters over 4 shards (momentum): {worker['steps']} steps "
         f"in {worker['seconds']:.1f}s, worker peak {worker['peak_rss_mb']:.0f} MB, shards peak "

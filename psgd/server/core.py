@@ -17,9 +17,8 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Mapping
-
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
