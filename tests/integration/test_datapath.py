@@ -805,8 +805,8 @@ def test_the_client_gives_up_on_a_shard_that_answers_a_push_header_with_somethin
     def fake_shard():
         conn, _ = listener.accept()
         with conn:
-            wire.recv_struct(conn, wire.REQUEST)
-            conn.recv(1 << 16)  # the hello's body
+            size = wire.recv_struct(conn, wire.REQUEST)[-1]
+            wire.recv_exact(conn, memoryview(bytearray(size)))  # the hello's body
             conn.sendall(wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, 0, 0, 0, 0))
             wire.recv_struct(conn, wire.REQUEST)  # the push header
             conn.sendall(wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, 1, 1, 0, 0))  # "applied", not READY
