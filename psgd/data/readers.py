@@ -105,6 +105,13 @@ def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, expected an .npz file")
     try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    if head.startswith(b"\x80"):
+        raise DataError(f"{path}: is a Python pickle, which psgd never loads; save plain arrays with numpy.savez")
+    try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz archive ({exc})") from exc

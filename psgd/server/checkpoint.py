@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -119,28 +119,53 @@ def _versions(folder: Path) -> list[int]:
     return out
 
 
+def versions(folder: str | os.PathLike) -> list[int]:
+    """The versions of the checkpoints in ``folder`` (those with a manifest), newest first."""
+    folder = Path(folder)
+    return sorted(_versions(folder), reverse=True) if folder.is_dir() else []
+
+
+def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
+         arrays: bool | Sequence[str] = True) -> Checkpoint:
+    """Checkpoint ``version`` of ``folder``, checked against its manifest's size and SHA-256 (and
+    against ``plan_hash`` when given); never unpickles.  ``arrays``: True loads every array, a
+    list of names loads those (e.g. ``["weights"]``), False only checks.  Raises
+    :class:`CheckpointError` saying what is wrong."""
+    folder = Path(folder)
+    meta = folder / f"ckpt-{version}.json"
+    try:
+        manifest = json.loads(meta.read_text())
+        if not isinstance(manifest, dict):
+            raise CheckpointError("the manifest is not a JSON object")
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"unknown format {manifest.get('format')!r}")
+        npz = folder / manifest["npz"]
+        if npz.parent != folder or not npz.exists():
+            raise CheckpointError(f"{npz.name} is missing")
+        if npz.stat().st_size != manifest["npz_bytes"] or _sha256(npz) != manifest["sha256"]:
+            raise CheckpointError(f"{npz.name} does not match its checksum (truncated or corrupt)")
+        if plan_hash is not None and manifest.get("plan_hash") != plan_hash:
+            raise CheckpointError(f"it was written for partition plan {manifest.get('plan_hash')!r}, "
+                                  f"this shard has {plan_hash!r}")
+        loaded = {}
+        if arrays:
+            with np.load(npz, allow_pickle=False) as data:
+                keys = data.files if arrays is True else [k for k in arrays if k in data.files]
+                loaded = {k: data[k] for k in keys}
+        return Checkpoint(manifest, loaded, meta)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise CheckpointError(f"{type(exc).__name__}: {reason}") from None
+
+
 def load_latest(folder: str | os.PathLike, plan_hash: str) -> Checkpoint | None:
     """The newest intact checkpoint in ``folder`` for ``plan_hash``, or None when there is none."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    for version in sorted(_versions(folder), reverse=True):
-        meta = folder / f"ckpt-{version}.json"
+    for version in versions(folder):
         try:
-            manifest = json.loads(meta.read_text())
-            if manifest.get("format") != FORMAT:
-                raise CheckpointError(f"unknown format {manifest.get('format')!r}")
-            npz = folder / manifest["npz"]
-            if npz.parent != folder or not npz.exists():
-                raise CheckpointError(f"{npz.name} is missing")
-            if npz.stat().st_size != manifest["npz_bytes"] or _sha256(npz) != manifest["sha256"]:
-                raise CheckpointError(f"{npz.name} does not match its checksum (truncated or corrupt)")
-            if manifest.get("plan_hash") != plan_hash:
-                raise CheckpointError(f"it was written for partition plan {manifest.get('plan_hash')!r}, "
-                                      f"this shard has {plan_hash!r}")
-            with np.load(npz, allow_pickle=False) as data:
-                arrays = {k: data[k] for k in data.files}
-            return Checkpoint(manifest, arrays, meta)
-        except (OSError, ValueError, KeyError, TypeError, CheckpointError) as exc:
-            log.warning("skipping checkpoint %s: %s; trying the one before", meta, exc)
+            return load(folder, version, plan_hash)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s; trying the one before", Path(folder) / f"ckpt-{version}.json",
+                        exc)
     return None

@@ -1,0 +1,385 @@
+"""Keeping the trained model: a job's weights as one plain ``.npz``, and back.
+
+A parameter-server job holds its model in pieces: each shard has some slices
+of some variables (see :mod:`psgd.partition`), live in memory and in its
+checkpoints (``DIR/shard-K/ckpt-V.npz``, one flat array per shard in slice-id
+order).  This module joins the pieces into whole variables:
+
+- :func:`pull_from_servers` reads the current weights of a running cluster
+  as an observer (it never joins or waits for a round);
+- :func:`join_checkpoints` joins the newest intact checkpoint of every shard
+  (or version V of every shard), each checked against its manifest's SHA-256
+  as a restoring shard checks it, and refuses checkpoints that do not belong
+  together (other plans, other versions) with a message that says what each
+  shard has;
+- :func:`save_weights` writes ``{name: array}`` as a plain ``.npz`` (no
+  pickle, temporary file then rename), and :func:`load_weights` reads one back,
+  checked against the model's variables.
+
+Both sources derive the partition plan from the job (model, dtype, shards,
+slice size) exactly as shards and workers do, so the job must describe the
+model that was trained: a mismatch is refused, never joined into garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from psgd.config import JobConfig
+from psgd.model.base import VarSpec
+from psgd.partition import PartitionPlan, plan_differences
+from psgd.server import checkpoint
+from psgd.tls import NO_TLS, TLSFiles
+
+log = logging.getLogger(__name__)
+
+#: What to pass when the job does not describe the model that was trained.
+JOB_HINT = ("pass the job file or flags the model was trained with (-c job.toml, or --model, --dtype, --shards, "
+            "--set model.KEY=VALUE)")
+
+
+#: How many checkpoints of a shard a message lists (newest first).
+SHOWN = 5
+
+
+class ExportError(ValueError):
+    """Weights that cannot be exported, joined, written or loaded; the message is one line that says why."""
+
+
+@dataclasses.dataclass
+class Exported:
+    """Whole variables joined from a job's shards, and where they came from."""
+
+    weights: dict[str, np.ndarray]
+    versions: list[int]                     # the version taken from each shard, in shard order
+    source: str                             # in words: the cluster's addresses or the checkpoint folder
+    files: list[str] = dataclasses.field(default_factory=list)   # the checkpoint files taken (none from servers)
+    notes: list[str] = dataclasses.field(default_factory=list)   # e.g. a damaged checkpoint skipped
+
+    @property
+    def parameters(self) -> int:
+        return sum(int(w.size) for w in self.weights.values())
+
+
+def job_plan(job: JobConfig) -> PartitionPlan:
+    """The partition plan every process of ``job`` derives (builds the model, so loads the dataset)."""
+    from psgd.train import build_job
+
+    return PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.slice_bytes)
+
+
+def _describe_job(job: JobConfig, plan: PartitionPlan) -> str:
+    return (f"plan {plan.hash}: model {job.model['name']}, {job.train.dtype}, {plan.num_shards} shard(s), "
+            f"slices of {plan.slice_bytes} bytes")
+
+
+# -- from a running cluster -------------------------------------------------------------------
+def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
+                      tls: TLSFiles = NO_TLS, timeout: float | None = None) -> Exported:
+    """The current weights of the running cluster at ``addresses`` (default: the job's servers).
+
+    Each shard is first asked for its status, to check that it is the shard
+    the list says (order matters) and holds the job's partition plan; then the
+    weights are pulled as an observer.  Under async or while a sync round is
+    being applied, shards may be at different versions: they are returned.
+    """
+    from psgd.worker.client import PSClient
+
+    addresses = list(addresses or job.cluster.servers)
+    if not addresses:
+        raise ExportError("no shard addresses: pass --servers HOST:PORT,... in shard order, or a job file whose "
+                          "[cluster] lists servers, or --checkpoints DIR to join the shards' checkpoints")
+    plan = job_plan(job)
+    if len(addresses) != plan.num_shards:
+        raise ExportError(f"{len(addresses)} shard address(es) given for a job of {plan.num_shards} shard(s): "
+                          "list every shard's address, or pass --shards")
+    timeout = job.cluster.request_timeout if timeout is None else timeout
+    with PSClient(addresses, plan, -1, request_timeout=timeout, token=token, tls=tls) as client:
+        problems, statuses = [], client.status()
+        for k, status in enumerate(statuses):
+            if status.shard != k or status.num_shards != plan.num_shards:
+                problems.append(f"{addresses[k]} is shard {status.shard} of {status.num_shards}, "
+                                f"listed as shard {k} of {plan.num_shards}")
+            elif status.plan_hash != plan.hash:
+                problems.append(f"shard {k} at {addresses[k]} holds plan {status.plan_hash}")
+        theirs = {s.plan_hash for s in statuses}
+        if len(problems) == len(statuses) > 1 and len(theirs) == 1 and plan.hash not in theirs \
+                and all(s.shard == k for k, s in enumerate(statuses)):
+            problems = [f"every shard holds plan {theirs.pop()}"]
+        if problems:
+            raise ExportError(f"the cluster does not hold the model this job describes ({_describe_job(job, plan)}): "
+                              f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order")
+        weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
+        versions = client.pull(0, weights)
+    return Exported(weights, [int(v) for v in versions], f"the cluster at {','.join(addresses)}")
+
+
+def export_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
+                        tls: TLSFiles = NO_TLS) -> dict[str, np.ndarray]:
+    """The current weights of a running cluster, whole variables by name (see :func:`pull_from_servers`)."""
+    return pull_from_servers(job, addresses, token, tls).weights
+
+
+# -- from checkpoints -----------------------------------------------------------------------------
+class _ShardFolder:
+    """One shard's checkpoint folder: which versions it has, and which of them are intact (checked lazily)."""
+
+    def __init__(self, root: Path, shard: int):
+        self.shard = shard
+        self.folder = checkpoint.shard_dir(root, shard)
+        self.name = f"shard-{shard}"
+        self.versions = checkpoint.versions(self.folder)
+        self.damaged: dict[int, str] = {}
+
+    def take(self, version: int) -> checkpoint.Checkpoint | None:
+        """Checkpoint ``version`` with its weights, or None when it is damaged (the reason is kept)."""
+        try:
+            return checkpoint.load(self.folder, version, arrays=["weights"])
+        except checkpoint.CheckpointError as exc:
+            self.damaged[version] = str(exc)
+            return None
+
+    def newest_intact(self) -> checkpoint.Checkpoint | None:
+        for version in self.versions:
+            taken = self.take(version)
+            if taken is not None:
+                return taken
+        return None
+
+    def inventory(self) -> str:
+        if not self.folder.is_dir():
+            return f"{self.name}: no folder"
+        if not self.versions:
+            return f"{self.name}: no checkpoints"
+        shown = [f"ckpt-{v}" + (" (damaged)" if v in self.damaged else "") for v in self.versions[:SHOWN]]
+        more = len(self.versions) - SHOWN
+        return f"{self.name}: " + ", ".join(shown) + (f" and {more} older" if more > 0 else "")
+
+
+def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | None = None,
+                     mixed: bool = False) -> Exported:
+    """Whole variables joined from the checkpoints in ``root``/shard-K, K = 0..shards-1.
+
+    By default the newest intact checkpoint of each shard (a damaged newer one
+    is skipped, as a restoring shard skips it, and said in ``notes``); they
+    must all be of one version, unless ``mixed``.  With ``version``,
+    checkpoint ``version`` of every shard.  Raises :class:`ExportError` when
+    they cannot be joined, saying what each shard has.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ExportError(f"checkpoint folder {root} does not exist (it is psgd-server's --checkpoint-dir, "
+                          "holding shard-0, shard-1, ...)")
+    plan = job_plan(job)
+    shards = [_ShardFolder(root, k) for k in range(plan.num_shards)]
+
+    def inventory() -> str:
+        return "; ".join(s.inventory() for s in shards)
+
+    taken: dict[int, checkpoint.Checkpoint] = {}
+    notes: list[str] = []
+    if version is None:
+        for s in shards:
+            ckpt = s.newest_intact()
+            if ckpt is not None:
+                taken[s.shard] = ckpt
+                took = ckpt.manifest["version"]
+                notes += [f"{s.name}/ckpt-{v} skipped ({s.damaged[v]}), took ckpt-{took}" for v in s.versions
+                          if v in s.damaged]
+    else:
+        missing = [s.name for s in shards if version not in s.versions]
+        if missing:
+            raise ExportError(f"checkpoint version {version} is not in {', '.join(missing)} of {root} "
+                              f"({inventory()}); {_common_versions(shards)}")
+        for s in shards:
+            ckpt = s.take(version)
+            if ckpt is None:
+                raise ExportError(f"{s.folder}/ckpt-{version} is damaged: {s.damaged[version]} ({inventory()}); "
+                                  f"{_common_versions(shards)}")
+            taken[s.shard] = ckpt
+
+    _check_plans(job, plan, root, shards, taken, inventory)
+    lacking = [s for s in shards if s.shard not in taken]
+    if lacking:
+        why = [f"{s.name}/ckpt-{max(s.damaged)}: {s.damaged[max(s.damaged)]}" for s in lacking if s.damaged]
+        raise ExportError(f"cannot join the checkpoints in {root}: {', '.join(s.name for s in lacking)} "
+                          f"{'has' if len(lacking) == 1 else 'have'} no intact checkpoint ({inventory()}"
+                          + (f"; {'; '.join(why)}" if why else "") + ")")
+    versions = [int(taken[s.shard].manifest["version"]) for s in shards]
+    if version is None and len(set(versions)) > 1 and not mixed:
+        newest = ", ".join(f"{s.name}: ckpt-{v}" for s, v in zip(shards, versions))
+        raise ExportError(f"the newest intact checkpoints in {root} are of different versions ({newest}), as "
+                          "happens when shards checkpoint at different moments of training; pass --version V to "
+                          f"take checkpoint V of every shard ({_common_versions(shards)}), or --mixed-versions "
+                          "to join the newest of each shard as it is")
+
+    weights = {spec.name: np.empty(spec.shape, dtype=spec.dtype) for spec in plan.specs}
+    for s in shards:
+        _place(plan, s, taken[s.shard], weights)
+    files = [str(s.folder / taken[s.shard].manifest["npz"]) for s in shards]
+    return Exported(weights, versions, f"checkpoints in {root}", files, notes)
+
+
+def export_from_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | None = None,
+                            mixed: bool = False) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Whole variables and the version taken from each shard (see :func:`join_checkpoints`);
+    skipped damaged checkpoints are logged as warnings."""
+    joined = join_checkpoints(job, root, version, mixed)
+    for note in joined.notes:
+        log.warning("%s", note)
+    return joined.weights, joined.versions
+
+
+def _common_versions(shards: Sequence[_ShardFolder]) -> str:
+    common = set.intersection(*(set(s.versions) - set(s.damaged) for s in shards)) if shards else set()
+    if not common:
+        return "no version is in every shard"
+    newest = sorted(common, reverse=True)
+    more = f" and {len(newest) - SHOWN} older" if len(newest) > SHOWN else ""
+    return "every shard has " + ", ".join(str(v) for v in newest[:SHOWN]) + more
+
+
+def _check_plans(job: JobConfig, plan: PartitionPlan, root: Path, shards: Sequence[_ShardFolder],
+                 taken: Mapping[int, checkpoint.Checkpoint], inventory) -> None:
+    """Refuse checkpoints of several plans, or of a plan other than the job's, or in the wrong folder."""
+    hashes = {k: c.manifest.get("plan_hash") for k, c in taken.items()}
+    if len(set(hashes.values())) > 1:
+        each = ", ".join(f"shard-{k}/ckpt-{taken[k].manifest['version']}: plan {h}" for k, h in sorted(hashes.items()))
+        raise ExportError(f"the checkpoints in {root} were written for different partition plans ({each}; this job "
+                          f"has plan {plan.hash}): they are not from one job (was the folder reused?); "
+                          f"pass --version V to pick checkpoints of one job ({inventory()})")
+    if hashes and next(iter(hashes.values())) != plan.hash:
+        k, ckpt = next(iter(sorted(taken.items())))
+        theirs = ckpt.manifest.get("plan")
+        why = plan_differences(plan.description(), theirs, "job", "checkpoints") if isinstance(theirs, dict) else ""
+        raise ExportError(f"the checkpoints in {root} were written for partition plan {hashes[k]}, this job "
+                          f"describes {_describe_job(job, plan)}" + (f" ({why})" if why else "") + f": {JOB_HINT}")
+    for k, ckpt in taken.items():
+        if ckpt.manifest.get("shard", k) != k:
+            raise ExportError(f"{ckpt.path} says it is shard {ckpt.manifest.get('shard')}'s, but it lies in "
+                              f"{shards[k].folder}: was it copied into the wrong folder?")
+
+
+def _place(plan: PartitionPlan, shard: _ShardFolder, ckpt: checkpoint.Checkpoint,
+           weights: dict[str, np.ndarray]) -> None:
+    """Copy one shard's flat weights (its slices in slice-id order) into the whole variables."""
+    slices = plan.slices_for_shard(shard.shard)
+    flat = ckpt.arrays.get("weights")
+    size = sum(s.size for s in slices)
+    dtype = slices[0].dtype if slices else None
+    if flat is None or flat.ndim != 1 or flat.size != size or (dtype and flat.dtype != np.dtype(dtype)):
+        got = "no weights" if flat is None else f"weights of shape {flat.shape} {flat.dtype}"
+        raise ExportError(f"{ckpt.path.with_suffix('.npz')} holds {got}; the plan gives {shard.name} "
+                          f"{size} values of {dtype}")
+    at = 0
+    for s in slices:
+        weights[s.var].reshape(-1)[s.start:s.stop] = flat[at:at + s.size]
+        at += s.size
+
+
+# -- files ---------------------------------------------------------------------------------------------
+def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
+    """Write ``weights`` as a plain ``.npz`` keyed by variable name; returns its size in bytes.
+
+    Loadable with ``numpy.load(path, allow_pickle=False)``.  Written to a
+    temporary file in the same folder, fsynced, then renamed into place, so
+    ``path`` is either the old file or the whole new one.  The name is used
+    as given (no ``.npz`` is added).
+    """
+    from psgd.xp import to_host
+
+    path = Path(path)
+    arrays = {}
+    for name, value in weights.items():
+        array = np.ascontiguousarray(to_host(value))
+        if array.dtype.hasobject:
+            raise ExportError(f"variable {name} holds Python objects ({array.dtype}); only plain arrays are saved")
+        arrays[str(name)] = array
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for name, array in arrays.items():  # what numpy.savez does, without a way to pickle
+                    with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path`` (:func:`psgd.data.read_npz`: never unpickling);
+    :class:`ExportError` when it is not one."""
+    from psgd.data import DataError
+    from psgd.data.readers import read_npz as read_arrays
+
+    try:
+        return read_arrays(path)
+    except DataError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def weight_differences(arrays: Mapping[str, np.ndarray], specs: Sequence[VarSpec]) -> list[str]:
+    """How ``arrays`` differ from the variables ``specs`` describe: missing, extra, wrong shape or dtype."""
+    wanted = {s.name: s for s in specs}
+    problems = []
+    missing = [n for n in wanted if n not in arrays]
+    extra = [n for n in arrays if n not in wanted]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if extra:
+        problems.append(f"extra {', '.join(extra)}")
+    dtypes = []
+    for name, spec in wanted.items():
+        if name not in arrays:
+            continue
+        a = arrays[name]
+        if tuple(a.shape) != spec.shape:
+            problems.append(f"{name} has shape {tuple(a.shape)}, the model's is {spec.shape}")
+        if a.dtype != np.dtype(spec.dtype):
+            dtypes.append((name, str(a.dtype), spec.dtype))
+    pairs = {(got, want) for _, got, want in dtypes}
+    if len(dtypes) > 1 and len(pairs) == 1 and len(dtypes) == len(wanted):
+        got, want = pairs.pop()
+        problems.append(f"every variable is {got}, the model's are {want}")
+    else:
+        problems.extend(f"{name} is {got}, the model's is {want}" for name, got, want in dtypes)
+    return problems
+
+
+def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec]) -> dict[str, np.ndarray]:
+    """The weights saved at ``path``, checked against the model's variables ``specs``."""
+    arrays = read_npz(path)
+    problems = weight_differences(arrays, specs)
+    if problems:
+        raise ExportError(f"{path} does not fit this job's model: {'; '.join(problems)}; pass the job file or "
+                          "flags it was trained with (-c job.toml, or --model, --dtype, --set model.KEY=VALUE)")
+    return arrays
+
+
+def evaluate_file(job: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
+    """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``job``."""
+    from psgd.train import build_job, evaluate, params_to_device
+
+    built = build_job(job)
+    weights = load_weights(path, built.model.specs())
+    params = params_to_device(weights, built.device)
+    ds = built.dataset
+    loss, accuracy = evaluate(built.model, params, ds.x_test, ds.y_test, built.device, job.train.eval_batch_size)
+    return {"test_accuracy": accuracy, "test_loss": loss, "examples": int(len(ds.y_test)),
+            "dataset": job.data["name"], "model": job.model["name"], "variables": len(weights),
+            "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
