@@ -34,8 +34,12 @@ class Job:
     device: backend.Device
 
 
-def build_job(config: JobConfig, dataset: datasets.Dataset | None = None) -> Job:
-    """Load the dataset and build the model a job file describes (errors are one line each)."""
+def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False) -> Job:
+    """Load the dataset and build the model a job file describes (errors are one line each).
+
+    With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
+    (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
+    """
     device = backend.get_device(config.train.device)
     dtype = config.train.dtype
     if dataset is None:
@@ -43,6 +47,11 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None) -> Job
     model = models.build_model(
         config.model["name"], dataset.input_shape, dataset.num_classes, dtype=dtype, **config.options("model")
     )
+    if check:
+        began = time.perf_counter()
+        models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
+                           name=config.model["name"], options=config.options("model"), device=device)
+        log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
     return Job(config=config, dataset=dataset, model=model, device=device)
 
 
@@ -90,7 +99,7 @@ def train_local(
     on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Train in one process and return the final weights and test accuracy."""
-    job = build_job(config, dataset)
+    job = build_job(config, dataset, check=True)
     ds, model, device, tc = job.dataset, job.model, job.device, config.train
     opt = build_optimizer(config)
     params = params_to_device(model.init(tc.seed), device)

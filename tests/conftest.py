@@ -8,6 +8,9 @@ GPU machine that silently skips its GPU tests proves nothing.
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
+import uuid
 
 import numpy as np
 import pytest
@@ -50,3 +53,20 @@ def device(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """``write(source)`` writes a uniquely named module into tmp_path (on sys.path) and returns its name."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = []
+
+    def write(source: str) -> str:
+        name = f"psgd_test_user_{uuid.uuid4().hex[:12]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        written.append(name)
+        return name
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)

@@ -53,7 +53,7 @@ def run_allreduce(
     delay: Delay = NO_DELAY,
 ) -> AllreduceResult:
     """Train ``job`` as this rank of ``collective``; returns the final weights (host copies)."""
-    built = build_job(job, dataset)
+    built = build_job(job, dataset, check=True)
     ds, model, device, t = built.dataset, built.model, built.device, job.train
     rank, world = collective.rank, collective.world_size
     if world != job.cluster.workers:

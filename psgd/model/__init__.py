@@ -3,6 +3,8 @@
 ``build_model("mlp", (784,), 10, hidden=(256,))`` builds a built-in network;
 ``build_model("mypkg.nets:ResNetish", ...)`` imports ``mypkg.nets`` and builds
 its ``ResNetish`` class.  Every failure is a one-line :class:`ModelError`.
+``check_model(model, input_shape, num_classes, dtype)`` checks a built model
+before training (see :mod:`psgd.model.check`).
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import inspect
 import re
 from typing import Any
 
-from psgd.model.base import BaseModel, Model, VarSpec, init_variable
+from psgd.model.base import INITIALIZERS, BaseModel, Model, VarSpec, VarSpecError, init_variable
+from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 
 __all__ = [
-    "VarSpec", "Model", "BaseModel", "init_variable", "ModelError",
+    "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
+    "check_model", "run_checks", "Check",
 ]
 
 MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN}
@@ -82,6 +86,8 @@ def build_model(name: str, input_shape: Any, num_classes: int, dtype: str = "flo
         raise ModelError(f"model {name!r}: {' '.join(str(exc).split())} (options it takes: {takes})") from None
     try:
         return cls(**args)
+    except VarSpecError as exc:  # a VarSpec made in the constructor: name the model too
+        raise ModelError(f"model {name!r}: {exc}") from None
     except ModelError:
         raise
     except (TypeError, ValueError) as exc:  # a bad option value in a user model

@@ -19,7 +19,13 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
+from psgd.model.errors import ModelError
+
 INITIALIZERS = ("zeros", "he_normal", "glorot_uniform", "normal")
+
+
+class VarSpecError(ModelError):
+    """A :class:`VarSpec` that cannot be: an unknown initializer, a non-positive dimension."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +47,19 @@ class VarSpec:
     scale: float = 0.01
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        try:
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        except (TypeError, ValueError):
+            raise VarSpecError(f"variable {self.name!r}: shape {self.shape!r} is not a tuple of integers") from None
+        try:
+            object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        except TypeError:
+            raise VarSpecError(f"variable {self.name!r}: unknown dtype {self.dtype!r}") from None
         if self.init not in INITIALIZERS:
-            raise ValueError(f"variable {self.name!r}: unknown initializer {self.init!r} (use one of {INITIALIZERS})")
+            raise VarSpecError(f"variable {self.name!r}: unknown initializer {self.init!r} "
+                               f"(use one of {', '.join(INITIALIZERS)})")
         if any(d <= 0 for d in self.shape):
-            raise ValueError(f"variable {self.name!r}: shape {self.shape} has a non-positive dimension")
+            raise VarSpecError(f"variable {self.name!r}: shape {self.shape} has a non-positive dimension")
 
     @property
     def size(self) -> int:

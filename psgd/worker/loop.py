@@ -59,7 +59,7 @@ def run_worker(
     ``token`` is the job's shared secret.  When ``stop`` is set (SIGTERM), the
     worker finishes the step in hand, pushes it, and leaves.
     """
-    built = build_job(job, dataset)
+    built = build_job(job, dataset, check=True)
     ds, model, device = built.dataset, built.model, built.device
     c, t = job.cluster, job.train
     if not 0 <= rank < c.workers:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import textwrap
-import uuid
 
 import numpy as np
 import pytest
@@ -189,23 +186,6 @@ def test_wrong_input_shape_at_call_time(rng):
 def test_unknown_model_name(name):
     msg = one_line_error(r"^unknown model", build_model, name, (4,), 3)
     assert "softmax, mlp, cnn" in msg and "package.module:Class" in msg
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    """Write a uniquely named module into tmp_path (on sys.path) and return its name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    written = []
-
-    def write(source: str) -> str:
-        name = f"psgd_test_user_{uuid.uuid4().hex[:12]}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        written.append(name)
-        return name
-
-    yield write
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 GOOD_MODULE = """
