@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from psgd.parsing import Parser
+
 PY = sys.executable
 
 
@@ -116,7 +118,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE")

@@ -50,9 +50,10 @@ class TrainConfig:
     dtype: str = "float32"
     eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
     eval_batch_size: int = 1024
+    threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
 
 
-_INT_KEYS = {"batch_size": 1, "epochs": 1, "eval_every": 0, "eval_batch_size": 1}
+_INT_KEYS = {"batch_size": 1, "epochs": 1, "eval_every": 0, "eval_batch_size": 1, "threads": 0}
 
 POLICIES = ("sync", "async", "ssp")
 
@@ -130,7 +131,11 @@ class JobConfig:
 
     # -- overrides --------------------------------------------------------
     def override(self, dotted: str, value: Any) -> None:
-        """Set ``section.key`` to ``value`` (``model.name`` replaces the model's options)."""
+        """Set ``section.key`` to ``value`` (``model.name`` replaces the model's options).
+
+        Only the key is checked here; call :meth:`validate` once every override is in, so
+        that values which must agree (servers and shards, workers and backup workers) are
+        judged together, whatever order they were given in."""
         section, _, key = dotted.partition(".")
         if section not in self.SECTIONS or not key:
             raise ConfigError(f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}")
@@ -141,15 +146,17 @@ class JobConfig:
             if key == "name" and value != table.get("name"):
                 table.clear()
             table[key] = value
-        self.validate()
 
-    def apply_sets(self, assignments: Iterable[str]) -> None:
-        """Apply ``--set section.key=value`` strings; values are parsed as TOML (bare words as strings)."""
+    def apply_sets(self, assignments: Iterable[str], validate: bool = True) -> None:
+        """Apply ``--set section.key=value`` strings (values parsed as TOML, bare words as strings),
+        then validate the job once (unless ``validate`` is false: more overrides are coming)."""
         for item in assignments:
             dotted, sep, raw = item.partition("=")
             if not sep:
                 raise ConfigError(f"--set {item!r}: expected section.key=value")
             self.override(dotted.strip(), parse_value(raw.strip()))
+        if validate:
+            self.validate()
 
     # -- checks -----------------------------------------------------------
     def _set_field(self, section: str, key: str, value: Any) -> None:
@@ -157,6 +164,8 @@ class JobConfig:
         fields = {f.name for f in dataclasses.fields(target)}
         if key not in fields:
             raise ConfigError(f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}")
+        if (section, key) == ("cluster", "servers") and isinstance(value, str):
+            value = [a.strip() for a in value.split(",") if a.strip()]
         setattr(target, key, value)
 
     def validate(self) -> None:
@@ -189,8 +198,6 @@ class JobConfig:
                 raise ConfigError(f"{src}: [cluster] {key} must be a positive number of seconds, got {value!r}")
         if c.backup_workers >= c.workers:
             raise ConfigError(f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({c.workers})")
-        if isinstance(c.servers, str):
-            c.servers = [a.strip() for a in c.servers.split(",") if a.strip()]
         if not isinstance(c.servers, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit()
                                                         for a in c.servers):
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
+from psgd.parsing import Parser
 
 MB = 1_000_000
 
@@ -73,7 +74,7 @@ def mpi_child(sizes: list[int], repeats: int) -> None:
 
 
 def run_mpi(sizes: list[int], ranks: int, repeats: int) -> dict[int, dict]:
-    from psgd.cli.launch import find_mpiexec
+    from psgd.launch import find_mpiexec
 
     argv = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "psgd.bench.allreduce", "--child", "mpi",
             "--sizes-mb", ",".join(str(s / MB) for s in sizes), "--repeats", str(repeats)]
@@ -112,7 +113,7 @@ def run_ps(size: int, repeats: int, tmp: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", default="1,4,16,64,256,400", help="gradient sizes in MB (10^6 bytes)")
     parser.add_argument("--ranks", type=int, default=2, help="MPI ranks (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the median is reported")

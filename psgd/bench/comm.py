@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
+from psgd.parsing import Parser
 
 MB = 1_000_000
 PY = sys.executable
@@ -428,7 +429,7 @@ def _scale(result: dict, tmp: str, say) -> None:
 def main(argv: list[str] | None = None) -> int:
     from psgd.cli.common import run_command
 
-    parser = argparse.ArgumentParser(prog="psgd bench comm", description=__doc__,
+    parser = Parser(prog="psgd bench comm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -97,7 +97,6 @@ class LabConfig:
     allreduce_eval_every: int = 2    # steps between rank 0's evaluations (allreduce runs)
     repeats: int = 1                 # runs of every (scenario, policy); the table shows medians
     run_timeout: float = 600.0       # seconds; a run that takes longer fails
-    blas_threads: int | None = 1     # BLAS threads per process (more processes than cores); None: leave as is
 
     def job_config(self) -> JobConfig:
         job = JobConfig()

@@ -1,7 +1,7 @@
 """The convergence lab: the same job under every consistency policy, with and without stragglers.
 
 ``run_lab(config, out_dir)`` launches each (scenario, policy) pair as real
-processes on this machine (``psgd.cli.launch.launch``: shards and workers, or
+processes on this machine (``psgd.launch.launch``: shards and workers, or
 MPI ranks), records every evaluation point, and writes into ``out_dir``:
 
 - ``lab.json``: the lab's configuration, the machine, and per run its job,
@@ -28,11 +28,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
+from psgd import threads
 from psgd.bench.config import PRESETS, LabConfig, Policy, Scenario, preset
 from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, start_skew, step_lines)
+from psgd.parsing import Parser
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def load_result(path: str | os.PathLike) -> LabResult:
     data = json.loads(Path(path).read_text())
     fields = {f.name for f in dataclasses.fields(RunResult)}
     runs = [RunResult(**{k: v for k, v in r.items() if k in fields}) for r in data["runs"]]
-    return LabResult(LabConfig(**data["config"]), data["machine"], data["parameters"], data["model_bytes"], runs,
+    known = {f.name for f in dataclasses.fields(LabConfig)}  # files from older versions may hold more
+    return LabResult(LabConfig(**{k: v for k, v in data["config"].items() if k in known}), data["machine"], data["parameters"], data["model_bytes"], runs,
                      data["seconds"], data.get("files", {}), data.get("load_average", {}),
                      data.get("gradient_seconds"))
 
@@ -115,23 +117,6 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
 
 
-@contextlib.contextmanager
-def _blas_threads(n: int | None) -> Iterator[None]:
-    """Set the BLAS thread count the launched processes inherit, restoring the environment afterwards."""
-    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-    saved = {k: os.environ.get(k) for k in names}
-    if n is not None:
-        os.environ.update({k: str(n) for k in names})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = True,
             keep_runs: str | os.PathLike | None = None) -> LabResult:
     """Run every (scenario, policy) of ``config`` and write JSON, table and plots into ``out_dir``.
@@ -146,6 +131,9 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
 
     config.check()
     report.require_matplotlib()
+    # The lab's own evaluations run beside the runs: one thread, so they disturb them least. This
+    # limits this process only (threadpoolctl); every launched process takes its own budget.
+    threads.apply(1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(keep_runs) if keep_runs else Path(tempfile.mkdtemp(prefix="psgd-lab-"))
@@ -154,9 +142,8 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     began, load_before = time.perf_counter(), os.getloadavg()
     runs: list[RunResult] = []
     try:
-        with _blas_threads(config.blas_threads), tqdm(total=len(todo), desc="convergence lab", unit="run",
-                                                       disable=not progress, file=sys.stderr,
-                                                       dynamic_ncols=True) as bar:
+        with tqdm(total=len(todo), desc="convergence lab", unit="run", disable=not progress, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
             for repeat, scenario, policy in todo:
                 bar.set_description(f"{scenario.name} / {policy.label}" + (f" #{repeat}" if config.repeats > 1 else ""))
                 folder = root / f"{scenario.name}-{policy.spec.replace(':', '')}-{repeat}"
@@ -171,8 +158,7 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
             shutil.rmtree(root, ignore_errors=True)
     seconds = time.perf_counter() - began
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
-    with _blas_threads(config.blas_threads):
-        compute = evaluator.gradient_seconds()
+    compute = evaluator.gradient_seconds()
     result = LabResult(config, machine(), evaluator.parameters, evaluator.model_bytes, runs, seconds, {}, load,
                        compute)
     result.files = report.write_all(result, out)
@@ -215,7 +201,7 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, policy:
 
 def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path):
     """N MPI ranks; the points are rank 0's evaluations.  Returns (launch s, final accuracy, train s)."""
-    from psgd.cli.launch import launch
+    from psgd.launch import launch
 
     result = launch(job, mode="allreduce", backend="mpi", run_dir=str(run_dir), progress=False,
                     timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1)
@@ -226,7 +212,7 @@ def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult,
 
 def _run_ps(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, bar):
     """Shards and workers, watched by a :class:`ShardObserver`.  Returns (launch s, final accuracy, train s)."""
-    from psgd.cli.launch import launch
+    from psgd.launch import launch
 
     observer = ShardObserver(evaluator, config.eval_interval, _postfix(bar))
     result = launch(job, mode="ps", run_dir=str(run_dir), progress=False, timeout=config.run_timeout,
@@ -348,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     from psgd.cli.common import run_command
     from psgd.logs import setup_logging
 
-    parser = argparse.ArgumentParser(prog="psgd bench convergence", description=__doc__,
+    parser = Parser(prog="psgd bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

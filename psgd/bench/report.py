@@ -130,14 +130,14 @@ def _json_text(data: dict) -> str:
 _AXES = (("wall", "wall time (s)"), ("updates", "updates applied"), ("steps", "gradients computed"))
 
 
-def require_matplotlib() -> None:
+def require_matplotlib(who: str = "the convergence lab") -> None:
     """Fail at once, before any run, when the plots cannot be drawn."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         from psgd.config import ConfigError
 
-        raise ConfigError("the convergence lab's plots need matplotlib: pip install 'psgd[bench]'") from None
+        raise ConfigError(f"{who}'s plots need matplotlib: pip install 'psgd[bench]'") from None
 
 
 def plot(runs: list["RunResult"], metric: str, path: Path, title: str, target: float | None = None) -> None:

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from psgd.config import ConfigError, JobConfig
 from psgd.data import DataError
+from psgd.export import ExportError
 from psgd.model import ModelError
 from psgd.optim import OptimizerError
 from psgd.partition import PlanError
 from psgd.policy import PolicyError
-from psgd.cli.launch import LaunchError
+from psgd.launch import LaunchError, LaunchInterrupted
 from psgd.collective import BackendUnavailable, CollectiveError
 from psgd.worker.client import PSError
 from psgd.tls import TLSError
 from psgd.xp import DeviceError
 
+log = logging.getLogger("psgd.cli")
+
 #: Errors that are the user's to fix: printed as one line, exit status 2.
 USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError, PlanError, PolicyError,
-               BackendUnavailable, TLSError)
+               BackendUnavailable, TLSError, ExportError)
 #: Errors of a running cluster (unreachable shard, refused request): one line, exit status 1.
 CLUSTER_ERRORS = (PSError, LaunchError, CollectiveError)
 
@@ -36,6 +40,9 @@ JOB_FLAGS = {
     "--seed": ("train.seed", int, "seed for initial weights and data order (default 0)"),
     "--device": ("train.device", str, "cpu, cuda or cuda:N (default cpu)"),
     "--dtype": ("train.dtype", str, "float32 or float64 (default float32)"),
+    "--threads": ("train.threads", int, "BLAS/OpenMP threads per process (default: all cores for a lone "
+                                        "process; psgd launch divides the cores among the processes it starts; "
+                                        "OMP_NUM_THREADS or OPENBLAS_NUM_THREADS, when set, rule instead)"),
 }
 
 CLUSTER_FLAGS = {
@@ -66,14 +73,68 @@ def add_job_arguments(parser: argparse.ArgumentParser, cluster: bool = False) ->
             group.add_argument(flag, type=kind, default=None, help=text)
 
 
-def job_from_args(args: argparse.Namespace) -> JobConfig:
+#: Variables read by every command, between the job file and the flags: (variable, job key).
+ENV_OVERRIDES = (("PSGD_SERVERS", "cluster.servers"), ("PSGD_SHARDS", "cluster.shards"),
+                 ("PSGD_WORKERS", "cluster.workers"))
+#: Where psgd-worker finds its rank when --rank is not given, in this order.
+RANK_VARIABLES = ("PSGD_RANK", "RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX")
+#: Where psgd-worker finds the number of workers when neither --workers nor PSGD_WORKERS is given.
+WORLD_VARIABLES = ("WORLD_SIZE",)
+
+
+def env_int(name: str, environ: Mapping[str, str]) -> int:
+    """An integer variable of the environment, or a ConfigError that names it."""
+    raw = environ[name].strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ConfigError(f"environment variable {name}={raw!r} must not be negative")
+    return value
+
+
+def first_env_int(names: Sequence[str], environ: Mapping[str, str]) -> tuple[int, str] | None:
+    """(value, variable) of the first of ``names`` set in ``environ``, or None."""
+    for name in names:
+        if environ.get(name, "").strip():
+            return env_int(name, environ), name
+    return None
+
+
+def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+                  extra_env: Sequence[tuple[str, str]] = ()) -> JobConfig:
+    """The job: its file, then ``PSGD_*`` variables (and ``extra_env``: (variable, key) pairs read
+    only when the key's own ``PSGD_`` variable is unset), then flags and ``--set``; validated once."""
+    environ = os.environ if environ is None else environ
     job = JobConfig.load(args.config) if args.config else JobConfig()
+    for name, dotted in (*ENV_OVERRIDES, *extra_env):
+        own = [n for n, d in ENV_OVERRIDES if d == dotted and n != name]
+        if environ.get(name, "").strip() and not any(environ.get(n, "").strip() for n in own):
+            raw = environ[name].strip()
+            job.override(dotted, raw if dotted == "cluster.servers" else env_int(name, environ))
     for flag, (dotted, _, _) in {**JOB_FLAGS, **CLUSTER_FLAGS}.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:
             job.override(dotted, value)
-    job.apply_sets(args.set)
+    job.apply_sets(args.set, validate=False)
+    job.validate()
     return job
+
+
+def import_from_current_folder() -> None:
+    """Put the current folder first on the import path, as ``python -m`` does, so that
+    ``--model mymodule:MyNet`` finds ``./mymodule.py`` from every psgd command."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def start_process(job: JobConfig) -> None:
+    """What every psgd process does once its job is known: its BLAS/OpenMP thread budget."""
+    from psgd import threads
+
+    log.debug("BLAS/OpenMP threads: %s", threads.apply(job.train.threads))
 
 
 def add_token_argument(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +163,9 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except USER_ERRORS as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except LaunchInterrupted as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except CLUSTER_ERRORS as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1

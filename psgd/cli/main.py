@@ -4,38 +4,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from psgd import __version__
-from psgd.cli import ops
-from psgd.cli.common import add_job_arguments, add_log_arguments, job_from_args, run_command, verbosity
+from psgd.cli import export as export_cli
+from psgd.cli import models, ops
+from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
+                             job_from_args, run_command, start_process, verbosity)
 from psgd.logs import setup_logging
+from psgd.parsing import Parser
 
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
 
 commands:
-  launch   run a whole parameter-server job on this machine: K shards and N
-           workers on 127.0.0.1, progress shown, final test accuracy printed
+  launch   run a whole job on this machine: K shards and N workers on
+           127.0.0.1 (or all-reduce ranks), progress shown, final test
+           accuracy printed, --save keeps the model; with --nnodes, one
+           command per machine runs a job across machines
   train    train in a single process: the reference the distributed modes are
            checked against (bundled digits + MLP by default, ~98% in seconds)
   bench    benchmarks: `psgd bench convergence` trains one job under sync,
            async, ssp, sync with backup workers and all-reduce, with and
            without a straggler, and writes a table, plots and JSON;
            `psgd bench comm` measures pull/push/all-reduce throughput,
-           latency, optimizer speed and memory against raw loopback TCP
+           latency, optimizer speed and memory against raw loopback TCP;
+           `psgd bench scaling` measures steps/s against model width,
+           workers and mode, as users start them
   status   live view of a running cluster: shards' health, versions and
            staleness, workers' clocks and throughput (psgd status HOST:PORT...)
   doctor   preflight check of a job file: every address resolves and answers,
            ports, plan, token, TLS files and GPU, said in plain words
+  check-model
+           check your model before training it: specs, init, gradients
+           against finite differences, predict (psgd check-model mod:Class)
+  export   save a job's weights as one plain .npz: pulled from its running
+           shards, or joined from their checkpoints (--checkpoints DIR)
+  eval     test accuracy and loss of weights saved in an .npz (psgd export,
+           psgd train --save)
 
-Across machines, start psgd-server (one per shard) and psgd-worker (one per
-rank) yourself with the same job file; see their --help.
+Across machines: `psgd launch --nnodes N --node-rank R --hosts ...` on each,
+or start psgd-server (one per shard) and psgd-worker (one per rank) yourself
+with the same job file; see their --help. Flags are never abbreviated.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="psgd", description=DESCRIPTION,
+    parser = Parser(prog="psgd", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"psgd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -53,11 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     launch = sub.add_parser(
-        "launch", help="run a parameter-server job locally (shards + workers on 127.0.0.1)",
+        "launch", help="run a job: shards + workers on 127.0.0.1, or this node's share of a multi-node job",
         description="Start K psgd-server shards and N psgd-worker processes on 127.0.0.1, show worker 0's "
                     "progress, wait for the workers to finish, then print the test accuracy of the weights "
                     "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "
-                    "bundled digits.")
+                    "bundled digits. The cores are divided among the processes (one line says how); "
+                    "SIGINT, SIGTERM and SIGHUP are passed on to every process, which gets 10 s to leave "
+                    "before it is killed; no process outlives the launcher. Your own model in the current "
+                    "folder is found, as with python -m.",
+        epilog="many machines, one command on each (shard k and worker r run on node k % nnodes and "
+               "r % nnodes; node i's shards listen on hosts[i]:port, port+2, ...):\n"
+               "  psgd launch --nnodes 2 --node-rank 0 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
+               "  psgd launch --nnodes 2 --node-rank 1 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
+               "node 0 prints the accuracy (and saves with --save) once every worker is done.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(launch, cluster=True)
     launch.add_argument("--mode", choices=("ps", "allreduce"), default="ps",
                         help="ps: parameter-server shards and workers (default); allreduce: N ranks averaging "
@@ -65,10 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
                         help="allreduce mode: mpi (CPU, needs the mpi extra) or nccl (one rank per GPU) "
                              "(default mpi)")
+    launch.add_argument("--save", metavar="FILE.npz",
+                        help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
     launch.add_argument("--run-dir", metavar="DIR",
                         help="folder for the job file, logs and metrics (default: a new temporary folder)")
     launch.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop everything and fail if the job runs longer (default 900)")
+    nodes = launch.add_argument_group("many machines")
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines taking part, one launch on each (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=None,
+                       help="this machine's index, 0..nnodes-1 (default: $PSGD_NODE_RANK, else $SLURM_NODEID, "
+                            "else 0)")
+    nodes.add_argument("--hosts", metavar="HOST,HOST,...",
+                       help="every node's address, in node-rank order (default: $PSGD_HOSTS)")
+    nodes.add_argument("--port", type=int, default=29500,
+                       help="first gRPC port of each node's shards; each data port is its gRPC port + 1 "
+                            "(default 29500)")
     launch.add_argument("--no-progress", action="store_true", help="hide worker 0's progress bar")
     launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_log_arguments(launch)
@@ -76,18 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     ops.add_status_parser(sub)
     ops.add_doctor_parser(sub)
+    models.add_check_model_parser(sub)
+    export_cli.add_export_parser(sub)
+    export_cli.add_eval_parser(sub)
     return parser
 
 
 def _add_bench(sub) -> None:
-    """``psgd bench convergence`` (the convergence lab) and ``psgd bench comm`` (psgd.bench)."""
-    from psgd.bench import comm
+    """``psgd bench convergence`` (the convergence lab), ``psgd bench comm`` and ``scaling`` (psgd.bench)."""
+    from psgd.bench import comm, scaling
     from psgd.bench.convergence import add_arguments
 
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
-                                         "comm: how fast tensors move)",
-                           description="Benchmarks of psgd itself. See `psgd bench convergence --help` and "
-                                       "`psgd bench comm --help`.")
+                                         "comm: how fast tensors move; scaling: steps/s against model width "
+                                         "and workers)",
+                           description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
+                                       "`psgd bench comm --help` and `psgd bench scaling --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     lab = kinds.add_parser(
@@ -113,6 +154,12 @@ def _add_bench(sub) -> None:
                     "--quick under a minute.")
     comm.add_arguments(speed)
     speed.set_defaults(func=cmd_bench_comm)
+    scale = kinds.add_parser(
+        "scaling", help="steps/s of the MLP (widths 64-4096) and CNN: one process, 1-4 workers under sync, async "
+                        "and all-reduce, and a 1-BLAS-thread peer",
+        description=scaling.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    scaling.add_arguments(scale)
+    scale.set_defaults(func=cmd_bench_scaling)
 
 
 def cmd_bench_convergence(args: argparse.Namespace) -> int:
@@ -130,37 +177,64 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from psgd.bench.scaling import run_from_args
+
+    setup_logging("bench", -1)
+    return run_from_args(args)
+
+
+def layout_from_args(args: argparse.Namespace, environ=None):
+    """Where this node stands in a multi-node launch: flags first, then PSGD_NODE_RANK/SLURM_NODEID, PSGD_HOSTS."""
+    from psgd.launch import Layout
+
+    environ = os.environ if environ is None else environ
+    node_rank = args.node_rank
+    if node_rank is None:
+        found = first_env_int(("PSGD_NODE_RANK", "SLURM_NODEID"), environ) if args.nnodes > 1 else None
+        node_rank = found[0] if found else 0
+    hosts = args.hosts if args.hosts is not None else environ.get("PSGD_HOSTS", "")
+    return Layout(args.nnodes, node_rank, tuple(h.strip() for h in hosts.split(",") if h.strip()), args.port)
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
-    from psgd.cli.launch import launch
+    from psgd.launch import launch
 
     setup_logging("launch", verbosity(args))
     job = job_from_args(args)
+    layout = layout_from_args(args)
     result = launch(job, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
-                    progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args))
+                    progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
+                    save=args.save, layout=layout)
     c = job.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")
     if args.json:
         print(json.dumps({"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
-                          "run_dir": result.run_dir, "mode": args.mode,
+                          "run_dir": result.run_dir, "mode": args.mode, "saved": result.saved,
+                          "node_rank": layout.node_rank,
                           "policy": c.policy if args.mode == "ps" else args.backend}))
+    elif layout.node_rank > 0:
+        print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
+              f"{result.run_dir}); node 0 prints the final accuracy")
     else:
+        saved = f"; weights saved to {result.saved}" if result.saved else ""
         print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {how}, "
-              f"{result.seconds:.1f}s; logs in {result.run_dir})")
+              f"{result.seconds:.1f}s; logs in {result.run_dir}{saved})")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import numpy as np
-
+    from psgd.export import save_weights
     from psgd.train import train_local
 
     setup_logging("local", verbosity(args))
     job = job_from_args(args)
+    start_process(job)
     result = train_local(job, progress=not args.no_progress, metrics_path=args.metrics)
     if args.save:
-        np.savez(args.save, **result.params)
+        save_weights(args.save, result.params)
     summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
                "steps": result.steps, "seconds": round(result.seconds, 3)}
     if args.json:
@@ -172,6 +246,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import_from_current_folder()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -9,11 +9,13 @@ import signal
 import sys
 import threading
 
-from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args, run_command,
+from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, first_env_int,
+                             import_from_current_folder, job_from_args, run_command, start_process,
                              token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
 from psgd.monitor import ShardMetrics, add_metrics_arguments
+from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("psgd.cli.server")
@@ -24,7 +26,10 @@ model's variables, answer workers' pulls and apply their pushes under the
 job's consistency policy (sync, async or ssp).
 
 Every process of a job reads the same job file; a worker built from another
-model, dtype or shard count is refused when it registers.
+model, dtype or shard count is refused when it registers. The shard index
+comes from --shard, else PSGD_SHARD, else 0; the shard addresses from
+--servers, PSGD_SERVERS or the job file. SIGTERM, SIGINT or SIGHUP: stop
+serving, let calls in flight finish, write a last checkpoint, exit 0.
 
 examples:
   psgd-server -c job.toml --shard 0 --bind 127.0.0.1:50051
@@ -33,9 +38,10 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="psgd-server", description=DESCRIPTION,
+    parser = Parser(prog="psgd-server", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shard", type=int, default=0, help="which shard this process serves, 0..shards-1 (default 0)")
+    parser.add_argument("--shard", type=int, default=None,
+                        help="which shard this process serves, 0..shards-1 (default: $PSGD_SHARD, else 0)")
     parser.add_argument("--bind", metavar="HOST:PORT",
                         help="address to listen on (default: this shard's entry in [cluster] servers, "
                              "else 127.0.0.1 with a free port); never all interfaces unless you name 0.0.0.0")
@@ -65,6 +71,12 @@ def serve(args: argparse.Namespace) -> int:
     from psgd.server.service import ShardServer
 
     job = job_from_args(args)
+    start_process(job)
+    if args.shard is None:
+        found = first_env_int(("PSGD_SHARD",), os.environ)
+        args.shard = found[0] if found else 0
+    if not 0 <= args.shard < job.cluster.shards:
+        raise ConfigError(f"shard {args.shard} is out of range: the job has {job.cluster.shards} shard(s)")
     setup_logging(f"server:{args.shard}", verbosity(args))
     bind = args.bind
     if bind is None:
@@ -100,14 +112,9 @@ def serve(args: argparse.Namespace) -> int:
             f.write(server.address + "\n")
         os.replace(tmp, args.port_file)
 
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _STOP
+    if stop.is_set():
+        log.info("received %s while starting: stopping", _RECEIVED[0])
     while not stop.is_set():
         if args.exit_when_done and server.wait_finished(timeout=0.5):
             log.info("every worker has finished: stopping")
@@ -119,7 +126,22 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_STOP = threading.Event()
+_RECEIVED: list[str] = []
+
+
+def _on_signal(signum, frame) -> None:
+    _RECEIVED.append(signal.Signals(signum).name)
+    if not _STOP.is_set():
+        log.info("received %s: stopping", _RECEIVED[-1])
+    _STOP.set()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import_from_current_folder()
+    # First thing: a stop signal that arrives while the shard is still starting ends it cleanly too.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
     args = build_parser().parse_args(argv)
     return run_command("psgd-server", lambda: serve(args))
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 
-from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args, run_command,
-                             token_from_args, verbosity)
+from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments, add_log_arguments,
+                             add_token_argument, first_env_int, import_from_current_folder, job_from_args,
+                             run_command, start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
 from psgd.monitor import WorkerMetrics, add_metrics_arguments
+from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
 from psgd.worker.delay import DelayError, parse_delay
 
@@ -30,6 +33,12 @@ rank's share, average them with the other ranks (--backend mpi on CPUs, under
 mpiexec; --backend nccl on GPUs, one rank per GPU), and apply the same
 optimizer update on every rank. No servers are involved.
 
+Where things come from, first found wins: the rank from --rank, PSGD_RANK,
+RANK, SLURM_PROCID or JOB_COMPLETION_INDEX; the shard addresses from
+--servers, PSGD_SERVERS or the job file; the number of workers from
+--workers, PSGD_WORKERS, WORLD_SIZE or the job file (PSGD_SHARDS likewise).
+SIGTERM, SIGINT or SIGHUP: finish the step in hand, push it, leave, exit 0.
+
 examples:
   psgd-worker -c job.toml --rank 0
   psgd-worker --rank 1 --workers 2 --servers 10.0.0.5:50051,10.0.0.6:50051 --device cuda:0
@@ -40,7 +49,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="psgd-worker", description=DESCRIPTION,
+    parser = Parser(prog="psgd-worker", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rank", type=int, default=None,
                         help="this worker's rank, 0..workers-1 (ps and nccl modes; mpi takes it from mpiexec)")
@@ -69,8 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def rank_from(args: argparse.Namespace, environ=None) -> tuple[int | None, str]:
+    """This worker's rank and where it came from: --rank, else the first of RANK_VARIABLES set."""
+    if args.rank is not None:
+        return args.rank, "--rank"
+    found = first_env_int(RANK_VARIABLES, os.environ if environ is None else environ)
+    return found if found else (None, "")
+
+
 def work(args: argparse.Namespace) -> int:
-    job = job_from_args(args)
+    job = job_from_args(args, extra_env=[(name, "cluster.workers") for name in WORLD_VARIABLES])
+    start_process(job)
+    if not (args.mode == "allreduce" and args.backend == "mpi"):  # under mpiexec, MPI says the rank
+        args.rank, rank_source = rank_from(args)
     try:
         delay = parse_delay(args.delay)
     except DelayError as exc:
@@ -80,13 +100,16 @@ def work(args: argparse.Namespace) -> int:
     from psgd.worker.loop import run_worker
 
     if args.rank is None:
-        raise ConfigError("--rank is required in ps mode")
+        raise ConfigError(f"no rank: pass --rank, or set one of {', '.join(RANK_VARIABLES)}")
     setup_logging(f"worker:{args.rank}", verbosity(args))
+    if rank_source != "--rank":
+        logging.getLogger("psgd.cli.worker").info("rank %d from %s", args.rank, rank_source)
     if not job.cluster.servers:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
     if not 0 <= args.rank < job.cluster.workers:
-        raise ConfigError(f"--rank {args.rank} is out of range: the job has {job.cluster.workers} worker(s)")
-    stop = _STOP  # set by SIGTERM (see main): finish the step in hand, push it, leave
+        raise ConfigError(f"rank {args.rank} (from {rank_source}) is out of range: the job has "
+                          f"{job.cluster.workers} worker(s)")
+    stop = _STOP  # set by SIGTERM, SIGINT or SIGHUP (see main): finish the step in hand, push it, leave
     with WorkerMetrics.from_args(args, args.rank) as metrics:
         result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
                             metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
@@ -99,8 +122,6 @@ def work(args: argparse.Namespace) -> int:
 
 
 def allreduce(args: argparse.Namespace, job, delay) -> int:
-    import numpy as np
-
     from psgd import xp as backend
     from psgd.collective import make_collective
     from psgd.collective.trainer import run_allreduce
@@ -115,9 +136,9 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
                                evaluate_every=args.eval_every, delay=delay)
     if group.rank == 0:
         if args.save:
-            tmp = args.save + ".tmp.npz"
-            np.savez(tmp, **result.params)
-            os.replace(tmp, args.save)
+            from psgd.export import save_weights
+
+            save_weights(args.save, result.params)
         if args.json:
             print(json.dumps({"rank": 0, "world_size": result.world_size, "steps": result.steps,
                               "seconds": round(result.seconds, 3), "comm_seconds": round(result.comm_seconds, 3),
@@ -144,12 +165,18 @@ def peak_rss_mb() -> float:
 _STOP = threading.Event()
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def main(argv: list[str] | None = None) -> int:
-    # First thing: a SIGTERM that arrives while the worker is still starting ends it cleanly too.
-    signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.set())
+    import_from_current_folder()
+    # First thing: a stop signal that arrives while the worker is still starting ends it cleanly too.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: _STOP.set())
     args = build_parser().parse_args(argv)
-    if args.mode == "allreduce":  # ranks stop together: MPI and the launcher end them with SIGTERM
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if args.mode == "allreduce":  # ranks stop together: MPI and the launcher end them with a signal
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
     return run_command("psgd-worker", lambda: work(args))
 
 

@@ -44,12 +44,24 @@ class PSError(RuntimeError):
         self.code = code
 
 
+class Stopped(PSError):
+    """The worker was asked to stop (SIGTERM) while it waited for its shards."""
+
+
+#: Once a worker is asked to stop, calls still in hand (the last push, ``done``) are retried at
+#: most this long: shards stopped together with the worker are not coming back.
+STOP_GRACE = 2.0
+#: How often a worker waiting for its shards says which ones it is waiting for.
+WAIT_REPORT_SECONDS = 5.0
+
+
 class PSClient:
     """Talks to all shards of one job on behalf of worker ``worker_id`` (-1: an observer)."""
 
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = -1, *,
                  request_timeout: float = 60.0, retry_deadline: float | None = None, data_path: bool = True,
-                 wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS):
+                 wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
+                 stop: threading.Event | None = None):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         if wire_dtype not in (None, "float16", "bfloat16"):
@@ -81,6 +93,33 @@ class PSClient:
         self._data: list[DataConnection | None] = [None] * plan.num_shards
         self.wire_dtype = wire_dtype
         self._packed: list[np.ndarray | None] = [None] * plan.num_shards
+        self.stop = stop
+        self._stopped_at: float | None = None
+        self._pulling = False
+        self._pull_calls: list = []  # gRPC pull streams in flight, cancelled when the worker stops
+        if stop is not None:
+            threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
+
+    def _watch_stop(self) -> None:
+        """When the worker is asked to stop, note the time and abandon a pull in progress: a sync pull
+        may wait on a round that will not close now (the other workers are stopping too)."""
+        self.stop.wait()
+        self._stopped_at = time.monotonic()
+        if not self._pulling:
+            return
+        for call in list(self._pull_calls):
+            call.cancel()
+        for conn in list(self._data):
+            if conn is not None:
+                conn.interrupt()
+
+    def _stop_deadline(self) -> float | None:
+        """When retries must end because the worker is stopping (None: it is not)."""
+        if self.stop is None or not self.stop.is_set():
+            return None
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
+        return self._stopped_at + STOP_GRACE
 
     # -- plumbing ------------------------------------------------------------
     def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True) -> T:
@@ -101,6 +140,9 @@ class PSClient:
                 else:
                     code, details = err.code(), err.details()
                 left = deadline - time.monotonic()
+                stopping = self._stop_deadline()
+                if stopping is not None:
+                    left = min(left, stopping - time.monotonic())
                 if (rejoin and self.worker_id >= 0 and code == grpc.StatusCode.FAILED_PRECONDITION
                         and "register again" in details and left > 0):
                     log.warning("shard %d at %s no longer knows worker %d (restarted?): registering again",
@@ -109,6 +151,8 @@ class PSClient:
                     continue
                 if code not in RETRYABLE or left <= 0:
                     tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if code in RETRYABLE else ""
+                    if code in RETRYABLE and stopping is not None:
+                        tried = f" after {attempt} attempt(s) (the worker is stopping, so it did not wait longer)"
                     raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
                                   f"{code.name}: {details}", code) from None
                 pause = min(left, delay * (0.5 + random.random()))
@@ -140,18 +184,33 @@ class PSClient:
 
     # -- calls --------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> None:
-        """Wait until every shard accepts connections, or fail naming the ones that do not."""
-        def one(k: int) -> str | None:
-            try:
-                grpc.channel_ready_future(self.channels[k]).result(timeout=timeout)
-                return None
-            except grpc.FutureTimeoutError:
-                return self.addresses[k]
-
-        missing = [a for a in self._on_all(one) if a]
-        if missing:
-            raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is psgd-server "
-                          "running there, and is the address and port right?", grpc.StatusCode.UNAVAILABLE)
+        """Wait until every shard accepts connections, saying every few seconds which ones it waits
+        for; fail naming the missing ones after ``timeout``, or raise :class:`Stopped` when asked to stop."""
+        ready = [grpc.channel_ready_future(ch) for ch in self.channels]
+        log.info("joining %d shard(s) at %s (waiting up to %.0fs)", len(self.addresses), ", ".join(self.addresses),
+                 timeout)
+        start = time.monotonic()
+        deadline, report = start + timeout, start + WAIT_REPORT_SECONDS
+        stop = self.stop if self.stop is not None else threading.Event()
+        try:
+            while True:
+                missing = [self.addresses[k] for k, f in enumerate(ready) if not f.done()]
+                if not missing:
+                    return
+                now = time.monotonic()
+                if now >= deadline:
+                    raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is "
+                                  "psgd-server running there, and is the address and port right?",
+                                  grpc.StatusCode.UNAVAILABLE)
+                if now >= report:
+                    log.warning("waiting for shard(s) at %s (%.0fs of %.0fs)", ", ".join(missing), now - start,
+                                timeout)
+                    report = now + WAIT_REPORT_SECONDS
+                if stop.wait(min(0.1, deadline - now)):
+                    raise Stopped(f"asked to stop while waiting for shard(s) at {', '.join(missing)}")
+        finally:
+            for f in ready:
+                f.cancel()
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
         return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
@@ -191,19 +250,24 @@ class PSClient:
                 slices = {s.id: s for s in self.shard_slices[k]}
                 got = dict.fromkeys(slices, 0)
                 version = 0
-                for chunk in self.stubs[k].Pull(request, timeout=self.request_timeout, metadata=self._metadata):
-                    sl = slices.get(chunk.slice_id)
-                    if sl is None:
-                        raise PSError(f"shard {k} at {self.addresses[k]} sent slice {chunk.slice_id}, which the "
-                                      "plan does not place there")
-                    item = np.dtype(sl.dtype).itemsize
-                    values = np.frombuffer(chunk.data, dtype=sl.dtype)
-                    begin = sl.start + chunk.offset // item
-                    if chunk.offset % item or begin + len(values) > sl.stop:
-                        raise PSError(f"shard {k} sent a malformed chunk for slice {sl.key}")
-                    flat[sl.var][begin:begin + len(values)] = values
-                    got[sl.id] += len(chunk.data)
-                    version = chunk.version
+                stream = self.stubs[k].Pull(request, timeout=self.request_timeout, metadata=self._metadata)
+                self._pull_calls.append(stream)
+                try:
+                    for chunk in stream:
+                        sl = slices.get(chunk.slice_id)
+                        if sl is None:
+                            raise PSError(f"shard {k} at {self.addresses[k]} sent slice {chunk.slice_id}, which "
+                                          "the plan does not place there")
+                        item = np.dtype(sl.dtype).itemsize
+                        values = np.frombuffer(chunk.data, dtype=sl.dtype)
+                        begin = sl.start + chunk.offset // item
+                        if chunk.offset % item or begin + len(values) > sl.stop:
+                            raise PSError(f"shard {k} sent a malformed chunk for slice {sl.key}")
+                        flat[sl.var][begin:begin + len(values)] = values
+                        got[sl.id] += len(chunk.data)
+                        version = chunk.version
+                finally:
+                    self._pull_calls.remove(stream)
                 short = [slices[i].key for i, n in got.items() if n != slices[i].nbytes]
                 if short:
                     raise PSError(f"shard {k} at {self.addresses[k]} sent incomplete slices: {', '.join(short[:3])}")
@@ -211,7 +275,13 @@ class PSClient:
 
             return self._retrying(k, f"pull (clock {clock})", call)
 
-        self.versions = self._on_all(one)
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped(f"asked to stop before the pull of clock {clock}")
+        self._pulling = True
+        try:
+            self.versions = self._on_all(one)
+        finally:
+            self._pulling = False
         return self.versions
 
     def push(self, clock: int, grads: Mapping[str, np.ndarray]) -> list[ps_pb2.PushReply]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -48,6 +49,11 @@ class DataConnection:
             self.sock.close()
             raise
         self.worker = worker
+
+    def interrupt(self) -> None:
+        """End a call blocked on this connection (from another thread); the connection is then dead."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def _send(self, op: int, worker: int, clock: int, base_version: int, dtype_code: int,
               payload: list, size: int) -> None:

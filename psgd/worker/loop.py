@@ -17,7 +17,7 @@ from psgd.metrics import MetricsLog, progress_bar
 from psgd.partition import PartitionPlan
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.train import build_job, evaluate
-from psgd.worker.client import PSClient
+from psgd.worker.client import PSClient, PSError, Stopped
 from psgd.worker.delay import NO_DELAY, Delay
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,14 @@ def run_worker(
     history: list[dict] = []
 
     with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
-                  wire_dtype=c.wire_dtype or None, token=token, tls=tls) as client:
-        client.wait_ready(c.join_timeout)
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop) as client:
+        try:
+            client.wait_ready(c.join_timeout)
+        except Stopped as exc:
+            log.info("worker %d: %s; leaving before it joined", rank, exc)
+            metrics.write("done", steps=0, clock=0, seconds=0.0, outcomes={})
+            metrics.close()
+            return WorkerResult(rank, 0, 0, 0.0, float("nan"), [], {})
         clock = client.register()
         client.start_heartbeats()
         log.info("worker %d of %d: %d steps of batch %d (%d per epoch), starting at clock %d, %s",
@@ -90,48 +96,60 @@ def run_worker(
         delay_rng = np.random.default_rng([t.seed, rank, 7])
         with progress_bar(total, f"worker {rank}", enabled=progress) as bar:
             bar.update(clock)
-            while clock < total:
-                if stop is not None and stop.is_set():
-                    log.info("worker %d: stopping at clock %d as asked; the next start continues from here",
-                             rank, clock)
-                    break
-                epoch, i = divmod(clock, spe)
-                if epoch != cached_epoch:
-                    cached_epoch, indices = epoch, batches.indices(epoch)
-                idx = indices[i]
-                began = time.perf_counter()
-                versions = client.pull(clock, host)
-                pulled = time.perf_counter()
-                params = {k: device.asarray(v) for k, v in host.items()}
-                evaluating = bool(evaluate_every) and clock > 0 and clock % evaluate_every == 0
-                if evaluating:
-                    _, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
-                loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
-                                                   device.asarray(ds.y_train[idx]))
-                pushing = time.perf_counter()
-                replies = client.push(clock, {k: backend.to_host(g) for k, g in grads.items()})
-                pushed = time.perf_counter()
-                pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
-                if pause:
-                    time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
-                for r in replies:
-                    outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
-                staleness = max(r.staleness for r in replies)
-                new_clock = max(clock + 1, max(r.next_clock for r in replies))
-                steps += 1
-                point = {"clock": clock, "epoch": epoch, "loss": float(loss), "version": max(versions),
-                         "staleness": staleness, "wall": time.perf_counter() - start, "delay": pause}
-                if evaluating:
-                    point["test_accuracy"] = acc
-                    history.append(point)
-                metrics.write("step", **point)
-                if on_step:
-                    on_step({**point, "pull_seconds": pulled - began, "push_seconds": pushed - pushing,
-                             "bytes": 2 * plan.total_bytes, "outcomes": [r.outcome for r in replies]})
-                bar.update(new_clock - clock)
-                bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
-                clock = client.clock = new_clock
-        client.done()
+            try:
+                while clock < total:
+                    if stop is not None and stop.is_set():
+                        log.info("worker %d: stopping at clock %d as asked; the next start continues from here",
+                                 rank, clock)
+                        break
+                    epoch, i = divmod(clock, spe)
+                    if epoch != cached_epoch:
+                        cached_epoch, indices = epoch, batches.indices(epoch)
+                    idx = indices[i]
+                    began = time.perf_counter()
+                    versions = client.pull(clock, host)
+                    pulled = time.perf_counter()
+                    params = {k: device.asarray(v) for k, v in host.items()}
+                    evaluating = bool(evaluate_every) and clock > 0 and clock % evaluate_every == 0
+                    if evaluating:
+                        _, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
+                    loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
+                                                       device.asarray(ds.y_train[idx]))
+                    pushing = time.perf_counter()
+                    replies = client.push(clock, {k: backend.to_host(g) for k, g in grads.items()})
+                    pushed = time.perf_counter()
+                    pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
+                    if pause:
+                        time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
+                    for r in replies:
+                        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+                    staleness = max(r.staleness for r in replies)
+                    new_clock = max(clock + 1, max(r.next_clock for r in replies))
+                    steps += 1
+                    point = {"clock": clock, "epoch": epoch, "loss": float(loss), "version": max(versions),
+                             "staleness": staleness, "wall": time.perf_counter() - start, "delay": pause}
+                    if evaluating:
+                        point["test_accuracy"] = acc
+                        history.append(point)
+                    metrics.write("step", **point)
+                    if on_step:
+                        on_step({**point, "pull_seconds": pulled - began, "push_seconds": pushed - pushing,
+                                 "bytes": 2 * plan.total_bytes, "outcomes": [r.outcome for r in replies]})
+                    bar.update(new_clock - clock)
+                    bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
+                    clock = client.clock = new_clock
+            except PSError as exc:
+                if stop is None or not stop.is_set():
+                    raise
+                log.info("worker %d: stopping at clock %d as asked, in the middle of a step (%s); the next start "
+                         "continues from here", rank, clock, exc)
+        try:
+            client.done()
+        except PSError as exc:
+            if stop is None or not stop.is_set():
+                raise
+            # Stopped together with its shards (docker compose down): they are not there to hear it.
+            log.warning("worker %d: could not say it left (%s); stopping anyway", rank, exc)
         seconds = time.perf_counter() - start
     metrics.write("done", steps=steps, clock=clock, seconds=seconds, outcomes=outcomes)
     metrics.close()

@@ -23,7 +23,7 @@ from psgd.worker.client import fetch_weights
 from psgd.worker.loop import run_worker
 
 pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
-from psgd.cli.launch import find_mpiexec  # noqa: E402
+from psgd.launch import find_mpiexec  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable

@@ -22,7 +22,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML reads the compose file and the
 from psgd.cli import main as psgd_main  # noqa: E402
 from psgd.cli import server as psgd_server  # noqa: E402
 from psgd.cli import worker as psgd_worker  # noqa: E402
-from psgd.cli.common import job_from_args  # noqa: E402
+from psgd.cli.common import RANK_VARIABLES, job_from_args  # noqa: E402
 from psgd.config import JobConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -364,8 +364,9 @@ def test_kubernetes_statefulset_shards_and_indexed_job_workers(job):
         assert shard[probe]["grpc"] == {"port": port, "service": "psgd.v1.ParameterServer"}, probe
     state = [m["mountPath"] for m in shard["volumeMounts"] if m["name"] in generators["claims"].split()]
     assert any(args.checkpoint_dir.startswith(path) for path in state), "checkpoints on the shard's own volume"
-    index = [e for e in shard["env"] if e["name"] == "SHARD"][0]["valueFrom"]["fieldRef"]["fieldPath"]
+    index = [e for e in shard["env"] if e["name"] == "PSGD_SHARD"][0]["valueFrom"]["fieldRef"]["fieldPath"]
     assert index == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert args.shard is None, "the shard index comes from PSGD_SHARD, which psgd-server reads"
 
     (work,) = [o for o in objects.values() if o["kind"] == "Job"]
     spec = work["spec"]
@@ -380,7 +381,8 @@ def test_kubernetes_statefulset_shards_and_indexed_job_workers(job):
         assert args.servers == expected, f"{where}: --servers {args.servers}, the shards are {expected}"
         assert ran.cluster.shards == c.shards and ran.cluster.workers == c.workers
     (worker,) = spec["template"]["spec"]["containers"]
-    assert "$(JOB_COMPLETION_INDEX)" in worker["args"][worker["args"].index("--rank") + 1]
+    assert "--rank" not in worker["args"] and "JOB_COMPLETION_INDEX" in RANK_VARIABLES, \
+        "the Indexed Job's JOB_COMPLETION_INDEX is the worker's rank, read by psgd-worker itself"
     assert kustomization["namespace"] == objects[f"Namespace/{kustomization['namespace']}"]["metadata"]["name"]
 
 

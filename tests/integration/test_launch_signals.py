@@ -1,0 +1,209 @@
+"""psgd launch owns its children: signals are forwarded, nothing outlives it; processes honour SIGTERM.
+
+Every process is started as a user starts it (the console scripts, the user's
+environment) and found afterwards by listing /proc for its run folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import wait_for
+from psgd.launch import GRACE
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc to list processes")
+
+PSGD = shutil.which("psgd") or "psgd"
+SERVER = shutil.which("psgd-server") or "psgd-server"
+WORKER = shutil.which("psgd-worker") or "psgd-worker"
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+            state = next((line for line in (entry / "status").read_text().splitlines()
+                          if line.startswith("State:")), "")
+        except OSError:
+            continue
+        if "zombie" in state:
+            continue
+        cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
+        if text in cmdline:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def started_training(run: Path) -> bool:
+    """Both workers have pushed a step (each has joined)."""
+    paths = [run / f"worker-{r}.jsonl" for r in (0, 1)]
+    return all(path.exists() and path.stat().st_size > 0 for path in paths)
+
+
+def start_launch(run: Path, *extra: str) -> subprocess.Popen:
+    argv = [PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_leftovers(run: Path) -> None:
+    for pid, _ in processes_mentioning(str(run)):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_to_launch_is_forwarded_and_leaves_no_process(tmp_path, signum):
+    run = tmp_path / "run"
+    launcher = start_launch(run)
+    try:
+        wait_for(lambda: started_training(run), 60, "the workers' first steps")
+        assert len(processes_mentioning(str(run))) == 5  # the launcher, 2 shards, 2 workers
+        launcher.send_signal(signum)
+        _, err = launcher.communicate(timeout=GRACE + 10)
+        assert launcher.returncode == 128 + signum, err
+        assert f"stopped by {signal.Signals(signum).name}" in err
+        assert processes_mentioning(str(run)) == []
+        for r in (0, 1):  # each worker left cleanly: asked to stop, then done
+            log = (run / f"worker-{r}.log").read_text()
+            assert "stopping at clock" in log and f"worker {r} done" in log, log
+        for k in (0, 1):
+            assert "stopped at version" in (run / f"shard-{k}.log").read_text()
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+        kill_leftovers(run)
+
+
+@pytest.mark.slow
+def test_children_die_with_a_killed_launcher(tmp_path):
+    run = tmp_path / "run"
+    launcher = start_launch(run)
+    try:
+        wait_for(lambda: started_training(run), 60, "the workers' first steps")
+        launcher.kill()  # SIGKILL: the launcher cannot forward anything
+        launcher.wait(10)
+        wait_for(lambda: not processes_mentioning(str(run)), GRACE, "every child to end after the launcher died")
+    finally:
+        kill_leftovers(run)
+
+
+@pytest.mark.slow
+def test_launch_under_timeout_leaves_nothing(tmp_path):
+    run = tmp_path / "run"
+    done = subprocess.run(["timeout", "4", PSGD, "launch", "--run-dir", str(run), "--epochs", "400",
+                           "--no-progress"], capture_output=True, text=True, timeout=GRACE + 30)
+    assert done.returncode == 124, done.stderr  # timeout's status: the launch was cut short by SIGTERM
+    assert processes_mentioning(str(run)) == []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_waiting_for_absent_shards_stops_at_once_on_sigterm(tmp_path):
+    servers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    worker = subprocess.Popen([WORKER, "--rank", "0", "--servers", servers, "--no-progress"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = worker.stderr.readline()  # bounded: the worker logs at start-up, or exits
+        while first and "joining 2 shard(s)" not in first:
+            first = worker.stderr.readline()
+        assert "joining 2 shard(s)" in first, "the worker never said which shards it waits for"
+        began = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=10)
+        took = time.monotonic() - began
+        assert worker.returncode == 0, err
+        assert took < 2.0, f"took {took:.1f}s"
+        assert "asked to stop while waiting for shard(s)" in err
+    finally:
+        worker.kill()
+        worker.wait(10)
+
+
+def test_a_waiting_worker_says_what_it_waits_for(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([WORKER, "--rank", "0", "--shards", "1", "--servers", address, "--no-progress",
+                           "--set", "cluster.join_timeout=6"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"waiting for shard(s) at {address} (5s of 6s)" in done.stderr
+    assert f"cannot reach shard(s) at {address} within 6s" in done.stderr
+
+
+@pytest.mark.slow
+def test_shards_and_workers_sigtermed_together_all_exit_0(tmp_path):
+    """What ``docker compose down`` does: every process of the job gets SIGTERM at the same moment."""
+    job = tmp_path / "job.toml"
+    job.write_text("[train]\nepochs = 400\n[cluster]\nshards = 2\nworkers = 2\n")
+    procs = []
+    try:
+        files = [tmp_path / f"shard-{k}.addr" for k in (0, 1)]
+        for k in (0, 1):
+            procs.append(subprocess.Popen([SERVER, "-c", str(job), "--shard", str(k), "--port-file", str(files[k])],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        wait_for(lambda: all(f.exists() for f in files), 60, "both shards to serve")
+        servers = ",".join(f.read_text().strip() for f in files)
+        for r in (0, 1):
+            procs.append(subprocess.Popen([WORKER, "-c", str(job), "--rank", str(r), "--servers", servers,
+                                           "--no-progress", "--metrics", str(tmp_path / f"w{r}.jsonl")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        wait_for(lambda: all((tmp_path / f"w{r}.jsonl").exists() for r in (0, 1)), 60, "both workers to step")
+        began = time.monotonic()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        errors = [p.communicate(timeout=15)[1] for p in procs]
+        took = time.monotonic() - began
+        assert [p.returncode for p in procs] == [0, 0, 0, 0], "\n".join(e[-2000:] for e in errors)
+        assert took < 10.0, f"took {took:.1f}s"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def test_launch_divides_the_cores_and_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                            "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                                                            "VECLIB_MAXIMUM_THREADS")}
+    run = tmp_path / "run"
+    done = subprocess.run([PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress",
+                           "--shards", "1", "--workers", "1"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // 2)
+    assert f"2 process(es) on {cores} core(s): {share} BLAS/OpenMP thread(s) each" in done.stderr
+    assert f"threads = {share}" in (run / "job.toml").read_text()
+
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress",
+                           "--shards", "1", "--workers", "1"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "BLAS/OpenMP threads as OMP_NUM_THREADS=1 says" in done.stderr
+    assert "threads = 0" in (run / "job.toml").read_text()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_child_environment_puts_the_current_folder_first(tmp_path, monkeypatch):
+    from psgd.launch import child_environment
+
+    monkeypatch.chdir(tmp_path)
+    env = child_environment({"PYTHONPATH": f"/elsewhere{os.pathsep}{tmp_path}"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
+    assert env["PYTHONUNBUFFERED"] == "1"
