@@ -71,9 +71,12 @@ def test_a_signal_to_launch_is_forwarded_and_leaves_no_process(tmp_path, signum)
     try:
         wait_for(lambda: started_training(run), 60, "the workers' first steps")
         assert len(processes_mentioning(str(run))) == 5  # the launcher, 2 shards, 2 workers
+        began = time.monotonic()
         launcher.send_signal(signum)
         _, err = launcher.communicate(timeout=GRACE + 10)
+        took = time.monotonic() - began
         assert launcher.returncode == 128 + signum, err
+        assert took < 5.0, f"the job took {took:.1f}s to stop"  # each process left cleanly, none was killed
         assert f"stopped by {signal.Signals(signum).name}" in err
         assert processes_mentioning(str(run)) == []
         for r in (0, 1):  # each worker left cleanly: asked to stop, then done
