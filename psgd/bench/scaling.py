@@ -670,9 +670,12 @@ def plot(result: dict, path: Path) -> None:
     widths = [row for row in t["rows"] if row != "cnn"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2))
     colors = plt.get_cmap("tab10")
-    for i, col in enumerate(t["columns"]):
-        style = {"color": colors(i % 10), "marker": "o", "markersize": 4, "label": col,
-                 "linestyle": "--" if col == PEER_LABEL else "-"}
+    special = {PEER_LABEL: {"color": "black", "linestyle": "--"},  # the two references stand apart
+               ALLCORES_LABEL: {"color": "black", "linestyle": ":", "marker": "x"}}
+    plain = [c for c in t["columns"] if c not in special]
+    for col in t["columns"]:
+        style = {"marker": "o", "markersize": 4, "label": col, "linestyle": "-",
+                 "color": colors(plain.index(col) % 10) if col in plain else None, **special.get(col, {})}
         xy = [(int(w), t["steps_per_s"][w].get(col)) for w in widths]
         xy = [(x, y) for x, y in xy if isinstance(y, float) and y > 0]
         if xy:
