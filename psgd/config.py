@@ -73,12 +73,13 @@ class ClusterConfig:
     lease_seconds: float = 10.0   # a worker silent this long leaves the round
     join_timeout: float = 120.0   # a worker that never registers within this leaves the round
     request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
+    hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
     data_path: bool = True        # pulls and pushes over the shards' plain-TCP data port (else gRPC only)
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
 
 
 _CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
-_CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout")
+_CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout", "hello_timeout")
 
 
 @dataclasses.dataclass

@@ -2,8 +2,8 @@
 
 A parameter-server job holds its model in pieces: each shard has some slices
 of some variables (see :mod:`psgd.partition`), live in memory and in its
-checkpoints (``DIR/shard-K/ckpt-V.npz``, one flat array per shard in slice-id
-order).  This module joins the pieces into whole variables:
+checkpoints (``DIR/<job fingerprint>/shard-K/ckpt-V.npz``, one flat array per
+shard in slice-id order).  This module joins the pieces into whole variables:
 
 - :func:`pull_from_servers` reads the current weights of a running cluster
   as an observer (it never joins or waits for a round);
@@ -165,7 +165,13 @@ class _ShardFolder:
 
 def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | None = None,
                      mixed: bool = False) -> Exported:
-    """Whole variables joined from the checkpoints in ``root``/shard-K, K = 0..shards-1.
+    """Whole variables joined from the job's checkpoints in ``root``/<fingerprint>/shard-K, K = 0..shards-1.
+
+    The fingerprint is the job's (:func:`psgd.job.fingerprint`); a ``root``
+    that holds shard-K folders itself is taken as it is (a job's folder named
+    directly, or checkpoints written before they were scoped to their job).
+    When ``root`` holds only other jobs' checkpoints, the error names them and
+    what differs.
 
     By default the newest intact checkpoint of each shard (a damaged newer one
     is skipped, as a restoring shard skips it, and said in ``notes``); they
@@ -176,8 +182,9 @@ def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | Non
     root = Path(root)
     if not root.is_dir():
         raise ExportError(f"checkpoint folder {root} does not exist (it is psgd-server's --checkpoint-dir, "
-                          "holding shard-0, shard-1, ...)")
+                          "holding <job fingerprint>/shard-0, shard-1, ...)")
     plan = job_plan(job)
+    root = _job_folder(job, plan, root)
     shards = [_ShardFolder(root, k) for k in range(plan.num_shards)]
 
     def inventory() -> str:
@@ -225,6 +232,40 @@ def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | Non
         _place(plan, s, taken[s.shard], weights)
     files = [str(s.folder / taken[s.shard].manifest["npz"]) for s in shards]
     return Exported(weights, versions, f"checkpoints in {root}", files, notes)
+
+
+def _job_folder(job: JobConfig, plan: PartitionPlan, root: Path) -> Path:
+    """Where ``job``'s checkpoints are in ``root``: ``root/<fingerprint>``, or ``root`` itself when it holds
+    shard-K folders; refuses, naming them and what differs, when only other jobs' checkpoints are there."""
+    from psgd.job import fingerprint, identity
+
+    mine = identity(job, plan.hash)
+    name = fingerprint(mine)
+    folder = root / name
+    if folder.is_dir():
+        return folder
+    if any(checkpoint.shard_dir(root, k).is_dir() for k in range(plan.num_shards)):
+        return root
+    found: dict[str, checkpoint.Other] = {}
+    for k in range(plan.num_shards):
+        for other in checkpoint.others(root, k, name):
+            if other.fingerprint:
+                found.setdefault(other.fingerprint, other)
+    if not found:
+        return folder  # nothing there: said shard by shard ("no folder")
+    them = "another job" if len(found) == 1 else "other jobs"
+    said = f"no checkpoints of this job (fingerprint {name}) in {root}, only of {them}: " + \
+        ", ".join(other.describe(mine, plan.hash) for other in found.values())
+    same = [f for f, other in found.items() if (other.manifest or {}).get("plan_hash") == plan.hash]
+    if same:
+        raise ExportError(f"{said}; job {same[0]} has this job's partition plan: pass the job file or flags it was "
+                          f"trained with, or --checkpoints {root / same[0]} to join its checkpoints as they are")
+    newest = max(found.values(), key=lambda o: (o.manifest or {}).get("written_at", 0))
+    theirs = (newest.manifest or {}).get("plan")
+    why = plan_differences(plan.description(), theirs, "job", "checkpoints") if isinstance(theirs, dict) else ""
+    raise ExportError(f"{said}; job {newest.fingerprint}'s were written for partition plan "
+                      f"{(newest.manifest or {}).get('plan_hash')}, this job describes {_describe_job(job, plan)}"
+                      + (f" ({why})" if why else "") + f": {JOB_HINT}")
 
 
 def export_from_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | None = None,

@@ -79,7 +79,7 @@ class BlobCluster:
     def client(self, worker: int, data_path: bool = True, wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, data_path=data_path, wire_dtype=wire_dtype)
+        c = PSClient(self.addresses, self.plan, worker, data_path=data_path, wire_dtype=wire_dtype, job=self.job)
         c.wait_ready(60)
         c.register()
         return c

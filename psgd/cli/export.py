@@ -27,7 +27,8 @@ Two sources:
                    whose [cluster] servers lists them. --token and the TLS
                    flags as for psgd-worker.
   checkpoints      --checkpoints DIR (psgd-server's --checkpoint-dir): the
-                   newest intact checkpoint of each shard DIR/shard-K, each
+                   newest intact checkpoint of each shard of this job
+                   (DIR/<job fingerprint>/shard-K), each
                    checked against its SHA-256 (a damaged one is skipped for
                    the one before, and said). They must be of one version:
                    --version V takes checkpoint V of every shard, and

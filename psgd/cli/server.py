@@ -52,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exit-when-done", action="store_true",
                         help="exit once every worker has finished or been dropped")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="write crash-safe checkpoints into DIR/shard-K and restore the newest intact one "
-                             "on start (default: no checkpoints)")
+                        help="write crash-safe checkpoints into DIR/<job fingerprint>/shard-K and restore the "
+                             "newest intact one on start (default: no checkpoints)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start from the initial weights even though DIR holds this shard's checkpoints of "
+                             "another job (without it, the shard refuses to start; their files are left alone). "
+                             "This job's own checkpoints are still restored")
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between checkpoints (default 30); one more is written on SIGTERM")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
@@ -90,11 +94,30 @@ def serve(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         from psgd.server import checkpoint
 
-        saved = checkpoint.load_latest(checkpoint.shard_dir(args.checkpoint_dir, args.shard), core.plan.hash)
+        folder = checkpoint.shard_dir(args.checkpoint_dir, args.shard, core.fingerprint)
+        checkpoint.remove_leftovers(folder)
+        saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint)
         if saved is not None:
             core.restore(saved)
+        elif checkpoint.owned(folder, core.fingerprint, args.shard):
+            log.warning("no intact checkpoint in %s (each was skipped above): starting from the initial weights",
+                        folder)
         else:
-            log.info("no checkpoint in %s: starting from the initial weights", args.checkpoint_dir)
+            found = checkpoint.others(args.checkpoint_dir, args.shard, core.fingerprint)
+            theirs = ", ".join(o.describe(core.identity, core.plan.hash) for o in found)
+            if found and not args.fresh:
+                raise ConfigError(
+                    f"shard {args.shard}: {args.checkpoint_dir} holds no checkpoint of this job (fingerprint "
+                    f"{core.fingerprint}) but shard {args.shard}'s checkpoints of "
+                    f"{'another job' if len(found) == 1 else 'other jobs'}: {theirs}; to resume from them, start "
+                    "this shard with the job they were written for; to start this job from its initial weights, "
+                    "pass --fresh (their files are left alone) or another --checkpoint-dir")
+            if found:
+                log.warning("--fresh: starting from the initial weights, into %s; the checkpoints of %s are left "
+                            "alone", folder, ", ".join(f"job {o.fingerprint}" if o.fingerprint else str(o.folder)
+                                                       for o in found))
+            else:
+                log.info("no checkpoint of this job in %s: starting from the initial weights", folder)
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()
     try:
         port = int(port_text)
@@ -103,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args),
-                             interceptors=metrics.interceptors).start()
+                             interceptors=metrics.interceptors, hello_timeout=job.cluster.hello_timeout).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     if args.port_file:

@@ -43,6 +43,7 @@ class PushDecision:
     closed_rounds: tuple[int, ...] = ()  # sync rounds complete after this event, to apply now, in order
     next_clock: int = 0                  # the clock the worker should use for its next push
     reason: str = ""                     # for reject, late and duplicate
+    reason_code: str = ""                # for reject: NOT_REGISTERED when the worker must register again
 
 
 def _is_int(value: Any) -> bool:
@@ -213,9 +214,9 @@ class Policy(ABC):
             return self._reject(str(exc))
         if worker not in self._live:
             return self._reject(f"worker {worker} has left (done or lease expired): it must register again "
-                                "before it pushes", self.clock_of(worker))
+                                "before it pushes", self.clock_of(worker), "NOT_REGISTERED")
         return None
 
-    def _reject(self, reason: str, next_clock: int = 0) -> PushDecision:
+    def _reject(self, reason: str, next_clock: int = 0, code: str = "") -> PushDecision:
         self._counters["rejected"] += 1
-        return PushDecision(REJECT, next_clock=next_clock, reason=reason)
+        return PushDecision(REJECT, next_clock=next_clock, reason=reason, reason_code=code)

@@ -9,6 +9,7 @@ def build_shard(job, shard: int, dataset=None) -> ShardCore:
     """The core of shard ``shard`` for a job file: its slices initialized from the job's seed."""
     from psgd import optim, policy
     from psgd.config import ConfigError
+    from psgd.job import identity
     from psgd.partition import PartitionPlan
     from psgd.train import build_job
 
@@ -27,5 +28,5 @@ def build_shard(job, shard: int, dataset=None) -> ShardCore:
         optim.build_optimizer(job.optimizer["name"], **job.options("optimizer")),
         policy.make_policy(c.policy, c.workers, **options),
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
-        staleness_lr=c.staleness_lr,
+        staleness_lr=c.staleness_lr, identity=identity(job, plan.hash),
     )

@@ -1,18 +1,25 @@
 """Crash-safe shard checkpoints: ``.npz`` arrays plus a JSON manifest, never pickle.
 
-A checkpoint of shard K at version V is two files in the shard's folder:
+A checkpoint of shard K at version V is two files in the shard's folder,
+``DIR/<fingerprint>/shard-K`` (the fingerprint names the job, see
+:mod:`psgd.job`, so that jobs sharing a checkpoint folder never touch each
+other's files):
 
 - ``ckpt-V.npz``: the weights (``weights``), the optimizer state (``opt/<key>``)
   and, for sync, the open round's partial sum (``round_sum``);
-- ``ckpt-V.json``: the manifest: version, plan hash and description, policy
-  state, counters, the open round's base versions, and the npz file's size
-  and SHA-256.
+- ``ckpt-V.json``: the manifest: version, the job's fingerprint and identity,
+  the shard, plan hash and description, policy state, counters, the open
+  round's base versions, and the npz file's size and SHA-256.
 
 Each file is written to a temporary name, flushed and fsynced, then renamed
 into place, the manifest last, so a crash at any moment leaves the previous
 checkpoint whole.  On start the newest checkpoint whose npz matches its
 manifest's checksum (and whose plan matches) is restored; a corrupt or
-truncated one is skipped with a warning.  The newest ``keep`` are kept.
+truncated one is skipped with a warning.  The newest ``keep`` of this job's
+checkpoints are kept: pruning only ever removes files whose manifest carries
+the same fingerprint and shard, and never the checkpoint just written.  What
+a crash in the middle of a checkpoint leaves (temporary files, weights
+without their manifest) is removed by :func:`remove_leftovers` at start.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -44,8 +52,18 @@ class Checkpoint:
     path: Path
 
 
-def shard_dir(root: str | os.PathLike, shard: int) -> Path:
-    return Path(root) / f"shard-{shard}"
+def shard_dir(root: str | os.PathLike, shard: int, fingerprint: str | None = None) -> Path:
+    """``root/<fingerprint>/shard-K``, where shard K of the job named ``fingerprint`` keeps its checkpoints.
+
+    Without a fingerprint: ``root/shard-K``, the layout of checkpoints written
+    before they were scoped to their job (or a job's own folder as ``root``).
+    """
+    return (Path(root) / fingerprint if fingerprint else Path(root)) / f"shard-{shard}"
+
+
+def is_fingerprint(name: str) -> bool:
+    """True for a job fingerprint (16 hex digits), the name of a job's folder under a checkpoint folder."""
+    return re.fullmatch(r"[0-9a-f]{16}", name) is not None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -78,20 +96,51 @@ def _write_atomically(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
+
+
+def _remove(path: Path) -> bool:
+    """Delete ``path`` if it is there; False when the OS refuses (e.g. a read-only folder)."""
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError:
+        return False
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest at ``path``, or None when it cannot be read as a JSON object."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def owned(folder: Path, fingerprint: Any, shard: Any) -> list[int]:
+    """The versions in ``folder`` whose manifest carries ``fingerprint`` and ``shard``, newest first."""
+    return [v for v in versions(folder)
+            if (m := _read_manifest(folder / f"ckpt-{v}.json")) is not None
+            and m.get("fingerprint") == fingerprint and m.get("shard") == shard]
 
 
 def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray], manifest: dict[str, Any],
          keep: int = 3) -> Path:
     """Write checkpoint ``version`` into ``folder``; returns the manifest's path.
 
-    Raises :class:`CheckpointError` (with the OS's reason, e.g. a full disk)
-    if it cannot be written; the previous checkpoints are left as they were.
+    Then the job's older checkpoints beyond the newest ``keep`` are removed:
+    only those whose manifest carries the same ``fingerprint`` and ``shard``
+    as ``manifest`` (files of other jobs are never touched), and never the
+    one just written.  Raises :class:`CheckpointError` (with the OS's reason,
+    e.g. a full disk) if it cannot be written, saying whether an earlier
+    checkpoint is there to fall back on; the previous checkpoints are left as
+    they were.
     """
     folder = Path(folder)
     npz = folder / f"ckpt-{version}.npz"
     meta = folder / f"ckpt-{version}.json"
+    job, shard = manifest.get("fingerprint"), manifest.get("shard")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _write_atomically(npz, lambda f: np.savez(f, **arrays))
@@ -101,13 +150,59 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
         _fsync_dir(folder)
     except OSError as exc:
         if not meta.exists():
-            npz.unlink(missing_ok=True)
+            _remove(npz)
         raise CheckpointError(f"checkpoint of version {version} in {folder} failed ({exc.strerror or exc}); "
-                              "the previous checkpoint is intact") from None
-    for old in sorted(_versions(folder))[:-keep] if keep > 0 else []:
+                              + fallback(folder, job, shard, version)) from None
+    older = [v for v in owned(folder, job, shard) if v != version]
+    for old in older[keep - 1:] if keep > 0 else []:
         for suffix in (".json", ".npz"):
-            (folder / f"ckpt-{old}{suffix}").unlink(missing_ok=True)
+            if not _remove(folder / f"ckpt-{old}{suffix}"):
+                log.warning("could not remove the old checkpoint %s", folder / f"ckpt-{old}{suffix}")
     return meta
+
+
+def fallback(folder: str | os.PathLike, fingerprint: Any, shard: Any, failed: int | None = None) -> str:
+    """What is left to restore after checkpoint ``failed`` could not be written, in words."""
+    left = [v for v in owned(Path(folder), fingerprint, shard) if v != failed]
+    if not left:
+        return "there is no earlier checkpoint to fall back on"
+    return f"the previous checkpoint is intact (ckpt-{left[0]})"
+
+
+_LEFTOVER = re.compile(r"\.ckpt-\d+\.(npz|json)\.tmp|ckpt-(\d+)\.npz")
+
+
+def remove_leftovers(folder: str | os.PathLike) -> tuple[list[str], int]:
+    """Remove what a crash in the middle of a checkpoint left in a job's own ``folder``.
+
+    That is: temporary files (``.ckpt-V.npz.tmp``, ``.ckpt-V.json.tmp``) and
+    weights without their manifest (``ckpt-V.npz`` with no ``ckpt-V.json``);
+    nothing else.  Call it at start, before the shard writes checkpoints.
+    Returns the names removed and their total size in bytes; says so in one
+    log line when there were any.
+    """
+    folder = Path(folder)
+    removed: list[str] = []
+    size = 0
+    if not folder.is_dir():
+        return removed, size
+    for path in sorted(folder.iterdir()):
+        match = _LEFTOVER.fullmatch(path.name)
+        if not match or not path.is_file():
+            continue
+        if match.group(2) and (folder / f"ckpt-{match.group(2)}.json").exists():
+            continue  # a checkpoint's weights, with their manifest
+        try:
+            nbytes = path.stat().st_size
+            path.unlink()
+        except OSError as exc:
+            log.warning("could not remove %s, left by an interrupted checkpoint: %s", path, exc.strerror or exc)
+            continue
+        removed.append(path.name)
+        size += nbytes
+    if removed:
+        log.info("removed what interrupted checkpoints left in %s: %s (%d bytes)", folder, ", ".join(removed), size)
+    return removed, size
 
 
 def _versions(folder: Path) -> list[int]:
@@ -126,11 +221,11 @@ def versions(folder: str | os.PathLike) -> list[int]:
 
 
 def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
-         arrays: bool | Sequence[str] = True) -> Checkpoint:
+         arrays: bool | Sequence[str] = True, fingerprint: str | None = None) -> Checkpoint:
     """Checkpoint ``version`` of ``folder``, checked against its manifest's size and SHA-256 (and
-    against ``plan_hash`` when given); never unpickles.  ``arrays``: True loads every array, a
-    list of names loads those (e.g. ``["weights"]``), False only checks.  Raises
-    :class:`CheckpointError` saying what is wrong."""
+    against ``plan_hash`` and the job's ``fingerprint`` when given); never unpickles.  ``arrays``:
+    True loads every array, a list of names loads those (e.g. ``["weights"]``), False only checks.
+    Raises :class:`CheckpointError` saying what is wrong."""
     folder = Path(folder)
     meta = folder / f"ckpt-{version}.json"
     try:
@@ -139,6 +234,9 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
             raise CheckpointError("the manifest is not a JSON object")
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"unknown format {manifest.get('format')!r}")
+        if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
+            raise CheckpointError(f"it was written by job {manifest.get('fingerprint') or '(unnamed)'}, "
+                                  f"this is job {fingerprint}")
         npz = folder / manifest["npz"]
         if npz.parent != folder or not npz.exists():
             raise CheckpointError(f"{npz.name} is missing")
@@ -160,12 +258,62 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
         raise CheckpointError(f"{type(exc).__name__}: {reason}") from None
 
 
-def load_latest(folder: str | os.PathLike, plan_hash: str) -> Checkpoint | None:
-    """The newest intact checkpoint in ``folder`` for ``plan_hash``, or None when there is none."""
+def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | None = None) -> Checkpoint | None:
+    """The newest intact checkpoint in ``folder`` for ``plan_hash`` (and the job ``fingerprint``, when
+    given), or None when there is none."""
     for version in versions(folder):
         try:
-            return load(folder, version, plan_hash)
+            return load(folder, version, plan_hash, fingerprint=fingerprint)
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s; trying the one before", Path(folder) / f"ckpt-{version}.json",
                         exc)
     return None
+
+
+@dataclasses.dataclass
+class Other:
+    """Checkpoints of one shard index that belong to another job (or to no job: the layout before)."""
+
+    fingerprint: str | None             # None: ``root/shard-K``, written before checkpoints were scoped to a job
+    folder: Path
+    versions: list[int]                 # newest first
+    manifest: dict[str, Any] | None     # the newest readable manifest
+
+    def describe(self, mine: Mapping[str, Any] | None, plan_hash: str) -> str:
+        """``fingerprint (ckpt-V; differs in field: this job a, checkpoint b; ...)``, one line."""
+        from psgd.job import differences
+
+        m = self.manifest or {}
+        theirs = m.get("identity")
+        if not m:
+            diff = "its manifests cannot be read"
+        elif isinstance(theirs, dict) and mine is not None:
+            found = differences(mine, theirs, me="this job", them="checkpoint")
+            diff = "differs in " + "; ".join(found) if found else "the same identity"
+        elif m.get("plan_hash") != plan_hash:
+            diff = f"differs in plan: this job {plan_hash}, checkpoint {m.get('plan_hash')}"
+        else:
+            diff = "the same plan, no identity recorded"
+        newest = ", ".join(f"ckpt-{v}" for v in self.versions[:3]) + (" ..." if len(self.versions) > 3 else "")
+        if self.fingerprint:
+            return f"job {self.fingerprint} ({newest}; {diff})"
+        if m.get("fingerprint"):  # a job's own folder given as the checkpoint folder
+            return f"job {m['fingerprint']} in {self.folder} ({newest}; {diff})"
+        return f"{self.folder} ({newest}, written before checkpoints were scoped to their job; {diff})"
+
+
+def others(root: str | os.PathLike, shard: int, fingerprint: str) -> list[Other]:
+    """Checkpoints of shard index ``shard`` in the checkpoint folder ``root`` that are not job ``fingerprint``'s:
+    ``root/<another fingerprint>/shard-K`` and the old layout ``root/shard-K``; empty folders are not counted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    folders = [(sub.name, shard_dir(root, shard, sub.name)) for sub in sorted(root.iterdir())
+               if sub.name != fingerprint and is_fingerprint(sub.name)]
+    found = []
+    for name, folder in [*folders, (None, shard_dir(root, shard))]:
+        held = versions(folder)
+        if held:
+            newest = next((m for v in held if (m := _read_manifest(folder / f"ckpt-{v}.json")) is not None), None)
+            found.append(Other(name, folder, held, newest))
+    return found

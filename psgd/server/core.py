@@ -18,10 +18,12 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
+from psgd.job import differences as job_differences
+from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import Optimizer
 from psgd.server import checkpoint
 from psgd.partition import PartitionPlan, Slice, plan_differences
@@ -37,12 +39,29 @@ MAX_CLOCK = 2**63 - 2  # the largest clock a push may carry: the next clock (clo
 
 
 class ShardError(Exception):
-    """A request the shard refuses: ``code`` names a ``grpc.StatusCode``."""
+    """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
+    ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, reason: str = "", differences: Iterable[str] = ()):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.differences = list(differences)
+
+
+def _job_identity(text: str) -> dict:
+    """The job identity a worker sent when it registered (a JSON object), or a refusal."""
+    if not text:
+        raise ShardError("INVALID_ARGUMENT", "the worker sent no job identity: start it with the same psgd "
+                                             "version as the shards")
+    try:
+        job = json.loads(text)
+    except (ValueError, RecursionError):
+        job = None
+    if not isinstance(job, dict):
+        raise ShardError("INVALID_ARGUMENT", "the worker's job identity is not a JSON object")
+    return job
 
 
 @dataclasses.dataclass
@@ -209,9 +228,13 @@ class ShardCore:
         staleness_lr: bool = False,
         allow_nonfinite: bool = False,
         apply_threads: int | None = None,
+        identity: Mapping[str, Any] | None = None,
         now: Callable[[], float] = time.monotonic,
     ):
         self.plan, self.shard = plan, shard
+        # What every process of the job must agree on (psgd.job.identity); None: only the plan is compared.
+        self.identity = dict(identity) if identity is not None else None
+        self.fingerprint = job_fingerprint(identity) if identity is not None else plan.hash[:16]
         self.slices = {s.id: s for s in plan.slices_for_shard(shard)}
         dtypes = {s.dtype for s in plan.specs}
         if len(dtypes) != 1:
@@ -308,7 +331,7 @@ class ShardCore:
         info = self.workers[worker]
         if info.state != "live":
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
-                             f"(state: {info.state}); it must register again")
+                             f"(state: {info.state}); it must register again", reason="NOT_REGISTERED")
         if renew:
             info.deadline = self._now() + self.lease_seconds
         return info
@@ -344,7 +367,7 @@ class ShardCore:
 
     # -- requests -----------------------------------------------------------------
     def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
-                 clock: int = 0) -> int:
+                 clock: int = 0, job_json: str | None = None) -> int:
         """(Re)join ``worker``; returns the clock it continues from.
 
         ``clock`` is where the worker is.  The first time a worker that was
@@ -360,7 +383,14 @@ class ShardCore:
                 why = ""
             raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from "
                              f"shard {self.shard}'s {self.plan.hash!r}" + (f": {why}" if why else "") +
-                             "; start every process from the same job file")
+                             "; start every process from the same job file", reason="JOB_MISMATCH")
+        if job_json is not None and self.identity is not None:
+            job = _job_identity(job_json)
+            differ = job_differences(self.identity, job, me=f"shard {self.shard}", them=f"worker {worker}")
+            if differ:
+                raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s job differs from shard {self.shard}'s: "
+                                 f"{'; '.join(differ)}; start every process from the same job file",
+                                 reason="JOB_MISMATCH", differences=differ)
         if clock < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
         with self.lock:
@@ -462,7 +492,7 @@ class ShardCore:
             if action == "reject":
                 self.counters["rejected"] += 1
                 raise ShardError("FAILED_PRECONDITION", f"push from worker {worker} at clock {clock} refused: "
-                                 f"{decision.reason}")
+                                 f"{decision.reason}", reason=decision.reason_code)
             self.counters["bytes_in"] += sum(g.nbytes for g in grads.values())
             info.clock = max(info.clock, decision.next_clock)
             if action == "apply":
@@ -539,7 +569,8 @@ class ShardCore:
             arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
             if self._round_flat is not None:
                 arrays["round_sum"] = self._round_flat
-            manifest = {"shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
+            manifest = {"fingerprint": self.fingerprint, "identity": self.identity,
+                        "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
                         "policy": self.policy.state_dict(), "counters": dict(self.counters),
                         "staleness_histogram": list(self.staleness_histogram),
                         "round_bases": list(self._round_bases), "optimizer": self.optimizer.describe()}
@@ -554,6 +585,9 @@ class ShardCore:
     def restore(self, ckpt: "checkpoint.Checkpoint") -> None:
         """Take the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before serving)."""
         m, a = ckpt.manifest, ckpt.arrays
+        if m.get("fingerprint", self.fingerprint) != self.fingerprint or m.get("shard", self.shard) != self.shard:
+            raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
+                                             f"this is shard {self.shard} of job {self.fingerprint}")
         weights = a.get("weights")
         if weights is None or weights.shape != self.flat.shape or weights.dtype != self.flat.dtype:
             raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {self.shard}")

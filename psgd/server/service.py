@@ -19,6 +19,7 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from psgd import status
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore, ShardError
@@ -35,7 +36,7 @@ SERVICE_NAME = "psgd.v1.ParameterServer"
 MAX_DETAILS_BYTES = 6000
 
 
-def _details(message: str) -> str:
+def _details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
     """``message`` as a client will accept it: valid UTF-8, cut to MAX_DETAILS_BYTES once encoded.
 
     Messages may echo what a request sent (a dtype, a plan description), so their size and characters
@@ -45,13 +46,19 @@ def _details(message: str) -> str:
     size = 0
     for i, ch in enumerate(message):
         size += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8"))
-        if size > MAX_DETAILS_BYTES - 40:
+        if size > limit - 40:
             return f"{message[:i]} ... ({len(message) - i} more characters)"
     return message
 
 
 def _abort(context: grpc.ServicerContext, err: ShardError):
-    context.abort(getattr(grpc.StatusCode, err.code), _details(err.message))
+    code = getattr(grpc.StatusCode, err.code)
+    if not err.reason:
+        status.abort(context, code, _details(err.message))
+    # A reason travels in a second trailer that repeats the message (base64, a third larger): both must fit
+    # under the clients' 8 KiB together, so the message gets less than half and the differences a little.
+    differences = [_details(d, 160) for d in err.differences[:12]]
+    status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences)
 
 
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
@@ -68,7 +75,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Register(self, request, context):
         try:
             clock = self.core.register(request.worker_id, request.plan_hash, request.plan_json,
-                                       request.hostname, request.pid, request.clock)
+                                       request.hostname, request.pid, request.clock, request.job_json)
         except ShardError as err:
             _abort(context, err)
         core = self.core
@@ -174,7 +181,7 @@ class ShardServer:
                  threads: int | None = None, data_path: bool = True, data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
-                 tls: TLSFiles = NO_TLS):
+                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0):
         self.core = core
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
@@ -183,7 +190,7 @@ class ShardServer:
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
-                               request_timeout=max_wait,
+                               request_timeout=max_wait, hello_timeout=hello_timeout,
                                tls=tls.server_context() if tls.enabled else None) if data_path else None
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
@@ -239,8 +246,8 @@ class ShardServer:
         if not self.checkpoint_dir:
             return
         try:
-            path = self.core.checkpoint(checkpoint.shard_dir(self.checkpoint_dir, self.core.shard),
-                                        self.keep_checkpoints, force=force)
+            folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
+            path = self.core.checkpoint(folder, self.keep_checkpoints, force=force)
         except checkpoint.CheckpointError as exc:
             log.error("shard %d: %s", self.core.shard, exc)
             return

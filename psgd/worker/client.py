@@ -23,7 +23,9 @@ from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 import grpc
 import numpy as np
 
-from psgd import wire
+from psgd import status, wire
+from psgd.config import JobConfig
+from psgd.job import identity as job_identity
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.tls import NO_TLS, TLSFiles
@@ -61,7 +63,7 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = -1, *,
                  request_timeout: float = 60.0, retry_deadline: float | None = None, data_path: bool = True,
                  wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, job: JobConfig | None = None):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         if wire_dtype not in (None, "float16", "bfloat16"):
@@ -94,6 +96,8 @@ class PSClient:
         self.wire_dtype = wire_dtype
         self._packed: list[np.ndarray | None] = [None] * plan.num_shards
         self.stop = stop
+        # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
+        self.identity = job_identity(job, plan.hash) if job is not None else None
         self._stopped_at: float | None = None
         self._pulling = False
         self._pull_calls: list = []  # gRPC pull streams in flight, cancelled when the worker stops
@@ -125,7 +129,8 @@ class PSClient:
     def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True) -> T:
         """``call()``, retried on transient errors within the retry deadline; a shard that has
         forgotten this worker (it restarted, or the lease ran out) is re-registered with first."""
-        deadline = time.monotonic() + self.retry_deadline
+        began = time.monotonic()
+        deadline, report = began + self.retry_deadline, began + WAIT_REPORT_SECONDS
         delay, attempt = 0.05, 0
         while True:
             attempt += 1
@@ -134,17 +139,16 @@ class PSClient:
             except (grpc.RpcError, DataStatus, WireError) as err:
                 if isinstance(err, WireError):  # the data connection broke: reconnect on the next attempt
                     self._drop_data(shard)
-                    code, details = grpc.StatusCode.UNAVAILABLE, f"data connection: {err}"
+                    code, details, reason = grpc.StatusCode.UNAVAILABLE, f"data connection: {err}", ""
                 elif isinstance(err, DataStatus):
-                    code, details = err.code, err.message
+                    code, details, reason = err.code, err.message, err.reason
                 else:
-                    code, details = err.code(), err.details()
+                    code, details, reason = err.code(), err.details(), status.reason_of(err)
                 left = deadline - time.monotonic()
                 stopping = self._stop_deadline()
                 if stopping is not None:
                     left = min(left, stopping - time.monotonic())
-                if (rejoin and self.worker_id >= 0 and code == grpc.StatusCode.FAILED_PRECONDITION
-                        and "register again" in details and left > 0):
+                if rejoin and self.worker_id >= 0 and reason == "NOT_REGISTERED" and left > 0:
                     log.warning("shard %d at %s no longer knows worker %d (restarted?): registering again",
                                 shard, self.addresses[shard], self.worker_id)
                     self._register_one(shard)
@@ -157,6 +161,11 @@ class PSClient:
                                   f"{code.name}: {details}", code) from None
                 pause = min(left, delay * (0.5 + random.random()))
                 log.debug("%s on shard %d: %s, retrying in %.2fs", what, shard, code.name, pause)
+                if time.monotonic() >= report:  # a long wait says what it waits for
+                    report = time.monotonic() + WAIT_REPORT_SECONDS
+                    log.warning("%s on shard %d at %s: %s (%s); still retrying (%.0fs of %.0fs)", what, shard,
+                                self.addresses[shard], code.name, details.splitlines()[0] if details else "",
+                                time.monotonic() - began, self.retry_deadline)
                 time.sleep(pause)  # backoff between attempts, not synchronization
                 delay = min(delay * 2, 2.0)
 
@@ -213,15 +222,25 @@ class PSClient:
                 f.cancel()
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
+        if self.identity is None:
+            raise PSError("a worker registers with its job (PSClient(..., job=...)); an observer cannot register")
         return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
                                       plan_json=json.dumps(self.plan.description()),
-                                      hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock)
+                                      hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,
+                                      job_json=json.dumps(self.identity))
 
     def _register_one(self, k: int) -> ps_pb2.RegisterReply:
         request = self._register_request()
         reply = self._retrying(k, "register", lambda: self.stubs[k].Register(request, timeout=self.request_timeout,
                                                                              metadata=self._metadata),
                                rejoin=False)
+        expected = (k, self.plan.num_shards, self.identity["workers"])
+        if (reply.shard, reply.num_shards, reply.num_workers) != expected:
+            raise PSError(f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
+                          f"answered as shard {reply.shard} of {reply.num_shards} (with {reply.num_workers} "
+                          f"worker(s), this worker expects {expected[2]}): each address must be that of its shard, "
+                          "in shard order; is a psgd-server started with the wrong --shard?",
+                          grpc.StatusCode.FAILED_PRECONDITION)
         if reply.data_port != self.data_ports[k]:
             self._drop_data(k)
         self.data_ports[k] = reply.data_port

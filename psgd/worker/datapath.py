@@ -10,6 +10,7 @@ import ssl
 import grpc
 
 from psgd import wire
+from psgd.status import reason_name
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -17,9 +18,9 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 class DataStatus(Exception):
     """The shard answered a data-path request with an error status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = ""):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.reason = code, message, reason
 
 
 class DataConnection:
@@ -43,12 +44,28 @@ class DataConnection:
                                      f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout)
             body = json.dumps({"token": token, "plan_hash": plan_hash}).encode()
-            self._send(wire.OP_HELLO, worker, 0, 0, 0, [body], len(body))
-            self._reply()
+            try:
+                self._send(wire.OP_HELLO, worker, 0, 0, 0, [body], len(body))
+            except wire.WireError as exc:
+                self._refused(host, port, exc)
+            try:
+                self._reply()
+            except wire.WireError as exc:
+                raise wire.WireError(f"the data port {host}:{port} gave no answer to the hello: {exc}") from None
         except BaseException:  # a refused or broken hello: do not leave the socket to the garbage collector
             self.sock.close()
             raise
         self.worker = worker
+
+    def _refused(self, host: str, port: int, exc: wire.WireError):
+        """The hello could not be sent: the shard may have refused the connection (full, too late) and
+        closed it, saying why first.  Raise its reason (DataStatus) if it sent one, else a WireError."""
+        try:
+            self.sock.settimeout(1.0)
+            self._reply()
+        except (wire.WireError, OSError):
+            pass
+        raise wire.WireError(f"the data port {host}:{port} closed the connection before the hello: {exc}") from None
 
     def interrupt(self) -> None:
         """End a call blocked on this connection (from another thread); the connection is then dead."""
@@ -69,7 +86,8 @@ class DataConnection:
                 raise wire.WireError("oversized error message")
             text = bytearray(size)
             wire.recv_exact(self.sock, memoryview(text))
-            raise DataStatus(_STATUS.get(status, grpc.StatusCode.UNKNOWN), text.decode("utf-8", "replace"))
+            raise DataStatus(_STATUS.get(status, grpc.StatusCode.UNKNOWN), text.decode("utf-8", "replace"),
+                             reason_name(outcome))  # an error reply's outcome byte is its reason
         return outcome, version, next_clock, staleness, size
 
     def pull(self, clock: int, into: list[memoryview]) -> int:

@@ -77,7 +77,7 @@ def run_worker(
     history: list[dict] = []
 
     with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
-                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop) as client:
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=job) as client:
         try:
             client.wait_ready(c.join_timeout)
         except Stopped as exc:

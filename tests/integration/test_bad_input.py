@@ -75,7 +75,7 @@ class Shard:
     def register(self, worker: int) -> ps_pb2.RegisterReply:
         return self.stub.Register(ps_pb2.RegisterRequest(
             worker_id=worker, plan_hash=self.plan.hash, plan_json=json.dumps(self.plan.description()),
-            hostname="test", pid=1), timeout=RPC_TIMEOUT)
+            hostname="test", pid=1, job_json=json.dumps(self.core.identity)), timeout=RPC_TIMEOUT)
 
     def push(self, messages: list[ps_pb2.PushMessage]) -> ps_pb2.PushReply:
         return self.stub.Push(iter(messages), timeout=RPC_TIMEOUT)

@@ -246,7 +246,7 @@ def token_port(hostile):
 def _sync_run(job, grads, steps: int, data_path: bool):
     with shards(job) as servers:
         plan = servers[0].core.plan
-        clients = [PSClient(job.cluster.servers, plan, w, request_timeout=IO, data_path=data_path)
+        clients = [PSClient(job.cluster.servers, plan, w, request_timeout=IO, data_path=data_path, job=job)
                    for w in range(2)]
         try:
             assert [c.register() for c in clients] == [0, 0]
@@ -372,7 +372,7 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         assert rel.max() <= (2.0**-8 if wire_dtype == "bfloat16" else 2.0**-11)  # half an ulp
         assert np.all(np.abs(r[~normal] - g[~normal]) <= smallest * 2.0**-10)
     with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], request_timeout=IO,
-                  wire_dtype=wire_dtype) as client:
+                  wire_dtype=wire_dtype, job=job) as client:
         clock = client.register()
         before = [s.core.flat.copy() for s in servers]
         versions = [s.core.version for s in servers]
@@ -409,7 +409,7 @@ def test_nan_and_inf_gradients_are_refused_whatever_the_wire_dtype(async32, wire
     grads = _gradients(plan, 6)
     _poison(servers, grads, bits)
     before = [(s.core.flat.tobytes(), s.core.version) for s in servers]
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype=wire_dtype) as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype=wire_dtype, job=job) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -424,7 +424,7 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
     grads = _gradients(plan, 7)
     _poison(servers, grads, int(np.array([1.0e5], dtype=np.float32).view(np.uint32)[0]))
     before = [s.core.flat.tobytes() for s in servers]
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype="float16") as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype="float16", job=job) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -432,7 +432,7 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
     assert [s.core.flat.tobytes() for s in servers] == before
     # bfloat16 has float32's range: the same gradient goes through.  (A new client: the failed push may
     # still be running on the other shard when PSClient.push raises.)
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype="bfloat16") as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype="bfloat16", job=job) as client:
         assert client.register() == clock
         assert [r.outcome for r in client.push(clock, grads)] == ["applied", "applied"]
 
@@ -452,7 +452,7 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
     job, servers = async32
     plan = servers[0].core.plan
     grads = _gradients(plan, 8)
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO) as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, job=job) as client:
         clock = client.register()
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
@@ -492,7 +492,7 @@ def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeyp
 
         monkeypatch.setattr(server.core, "push", push_then_break)
         server.calls = calls
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO) as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, job=job) as client:
         clock = client.register()
         client.pull(clock, {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs})
         before = [s.core.flat.copy() for s in servers]
@@ -857,12 +857,13 @@ def test_truncated_pushes_release_their_buffers(shard):
 
 def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
     shard = hostile
-    data = DataServer(shard.core, request_timeout=0.3, idle_timeout=0.6).start()
+    data = DataServer(shard.core, request_timeout=0.3, idle_timeout=0.6, hello_timeout=0.3).start()
     try:
         started = time.monotonic()
         with dial(data.port) as silent, shard.hello(0, port=data.port) as idle, \
                 shard.hello(0, port=data.port) as stalled:
             request(stalled, wire.OP_PUSH, size=shard.core.nbytes, payload=b"\0" * 100)
+            expect(silent, grpc.StatusCode.DEADLINE_EXCEEDED, "no hello within 0.3 s")  # told why, then closed
             for sock in (silent, stalled, idle):
                 assert_closed(sock)
             assert time.monotonic() - started < 3.0
@@ -887,9 +888,14 @@ def test_connections_beyond_the_limit_are_closed_and_the_others_keep_working(hos
             socks.append(shard.hello(-1, port=data.port))
         wait_for(lambda: len(data._conns) == 3, "three connections")
         extra = [dial(data.port) for _ in range(3)]
-        for sock in extra:
+        for sock in extra:  # the limit counts served connections: one more hello is refused, saying why
+            send_hello(sock, shard.plan.hash, worker=-1)
+            expect(sock, grpc.StatusCode.UNAVAILABLE, "already serves 3 data connections")
             assert_closed(sock)
             sock.close()
+        with pytest.raises(DataStatus, match="already serves 3 data connections") as info:
+            DataConnection("127.0.0.1", data.port, -1, shard.plan.hash, timeout=IO)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE  # retried by the client, like a lost connection
         for sock in socks:
             request(sock, wire.OP_PULL)
             assert read_reply(sock, shard.core.nbytes).payload == shard.initial

@@ -37,7 +37,7 @@ def flags(j) -> list[str]:
 def push_steps(j, steps: int) -> None:
     plan = PartitionPlan(build_job(j).model.specs(), j.cluster.shards, j.cluster.slice_bytes)
     rng = np.random.default_rng(7)
-    with PSClient(j.cluster.servers, plan, 0, request_timeout=5) as client:
+    with PSClient(j.cluster.servers, plan, 0, request_timeout=5, job=j) as client:
         client.register()
         for clock in range(steps):
             client.pull(clock, {s.name: np.empty(s.shape, s.dtype) for s in plan.specs})
@@ -137,6 +137,7 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     servers = [ShardServer(build_shard(j, k), "127.0.0.1:0", checkpoint_dir=str(ckpt),
                            checkpoint_seconds=3600).start() for k in range(2)]
+    folder = ckpt / servers[0].core.fingerprint  # DIR/<the job's fingerprint>/shard-K
     try:
         j.override("cluster.servers", [s.address for s in servers])
         push_steps(j, 4)
@@ -153,7 +154,8 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     code, text, err = run(capsys, "export", "-c", str(job_file), "--checkpoints", str(ckpt), str(out))
     assert code == 0, err
     assert text == (f"wrote {out}: 4 variables, {sum(v.size for v in live.values())} parameters, "
-                    f"{out.stat().st_size} bytes; versions shard 0: 4, shard 1: 4; from checkpoints in {ckpt}\n")
+                    f"{out.stat().st_size} bytes; versions shard 0: 4, shard 1: 4; from checkpoints in {folder}\n")
+    assert sorted(p.name for p in folder.iterdir()) == ["shard-0", "shard-1"]
     with np.load(out, allow_pickle=False) as data:
         for name, value in live.items():
             assert np.array_equal(data[name], value)
@@ -168,6 +170,7 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
 
     code, _, err = run(capsys, "export", "--checkpoints", str(ckpt), str(out))  # the default MLP: another plan
     assert code == 2 and "written for partition plan" in err and "this job describes plan" in err
+    assert "no checkpoints of this job (fingerprint" in err and f"only of another job: job {folder.name}" in err
     code, _, err = run(capsys, "export", "--version", "3", str(out))
     assert code == 2 and "use them with --checkpoints DIR" in err
 

@@ -84,7 +84,7 @@ def test_a_retried_push_is_applied_once():
         model = build_job(job).model
         plan = PartitionPlan(model.specs(), 2, job.cluster.slice_bytes)
         grads = {s.name: np.full(s.shape, 0.5, dtype=np.float32) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0) as client:
+        with PSClient(job.cluster.servers, plan, 0, job=job) as client:
             client.register()
             first = client.push(0, grads)
             again = client.push(0, grads)  # the same push delivered twice (a forced retry)
@@ -118,6 +118,10 @@ class Cluster:
                              stdout=subprocess.DEVNULL, stderr=open(self.tmp / (log_name or f"shard{k}.log"), "w"))
         self.procs.append(p)
         return p
+
+    def shard_folder(self, k: int) -> Path:
+        """Where shard k keeps its checkpoints: DIR/<the job's fingerprint>/shard-k."""
+        return self.ckpt / build_shard(self.job, k).fingerprint / f"shard-{k}"
 
     def start_worker(self, r: int, *extra: str) -> subprocess.Popen:
         p = subprocess.Popen([PY, "-m", "psgd.cli.worker", "-c", str(self.path), "--rank", str(r), "--no-progress",
@@ -167,7 +171,7 @@ def test_a_sigkilled_shard_restarts_from_its_checkpoint_and_training_completes(t
         wait_for(lambda: len(cluster.steps(0)) >= total // 3, 60, "a third of the run")
         shard0.send_signal(signal.SIGKILL)
         shard0.wait(10)
-        manifests = sorted(cluster.ckpt.glob("shard-0/ckpt-*.json"), key=lambda p: int(p.stem[5:]))
+        manifests = sorted(cluster.shard_folder(0).glob("ckpt-*.json"), key=lambda p: int(p.stem[5:]))
         last_checkpoint = int(manifests[-1].stem[5:])
         statuses, _ = _status_of_shard(cluster, 1)
         upper_bound_at_kill = statuses.version + 1  # in sync, shard 0 was at most one round ahead of shard 1
@@ -211,7 +215,7 @@ def test_sigterm_stops_a_shard_gracefully_with_a_last_checkpoint_and_a_worker_af
         assert shard.wait(30) == 0
     finally:
         cluster.close()
-    newest = max(int(p.stem[5:]) for p in cluster.ckpt.glob("shard-0/ckpt-*.json"))
+    newest = max(int(p.stem[5:]) for p in cluster.shard_folder(0).glob("ckpt-*.json"))
     assert newest == status.version  # the last checkpoint holds every applied update
 
 

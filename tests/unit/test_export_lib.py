@@ -11,6 +11,7 @@ import pytest
 
 from psgd import export
 from psgd.export import ExportError
+from psgd.job import fingerprint, identity
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard, checkpoint
 from psgd.server.core import ShardCore
@@ -53,7 +54,12 @@ def joined_by_hand(j, shard_cores: list[ShardCore]) -> dict[str, np.ndarray]:
 
 def write(root, shard_cores, keep=3):
     for core in shard_cores:
-        core.checkpoint(checkpoint.shard_dir(root, core.shard), keep=keep, force=True)
+        core.checkpoint(checkpoint.shard_dir(root, core.shard, core.fingerprint), keep=keep, force=True)
+
+
+def home(root, j):
+    """Where psgd-server --checkpoint-dir ``root`` keeps job ``j``'s checkpoints: root/<its fingerprint>."""
+    return root / fingerprint(identity(j, export.job_plan(j).hash))
 
 
 def test_fresh_checkpoints_join_into_the_initial_weights_exactly(tmp_path):
@@ -78,7 +84,8 @@ def test_checkpoints_after_training_join_bitwise_into_what_the_shards_hold(tmp_p
     write(tmp_path, shard_cores)
     result = export.join_checkpoints(j, tmp_path)
     assert result.versions == [4, 4, 4] and not result.notes
-    assert result.files == [str(tmp_path / f"shard-{k}" / "ckpt-4.npz") for k in range(3)]
+    assert result.files == [str(home(tmp_path, j) / f"shard-{k}" / "ckpt-4.npz") for k in range(3)]
+    assert result.source == f"checkpoints in {home(tmp_path, j)}"
     expected = joined_by_hand(j, shard_cores)
     for name, value in expected.items():
         assert np.array_equal(result.weights[name], value), name
@@ -137,9 +144,9 @@ def test_mixed_versions_takes_the_newest_of_each(tmp_path):
 def test_a_missing_shard_is_refused(tmp_path):
     j = job()
     write(tmp_path, cores(j))
-    for p in (tmp_path / "shard-1").iterdir():
+    for p in (home(tmp_path, j) / "shard-1").iterdir():
         p.unlink()
-    (tmp_path / "shard-1").rmdir()
+    (home(tmp_path, j) / "shard-1").rmdir()
     with pytest.raises(ExportError, match=r"shard-1 has no intact checkpoint \(shard-0: ckpt-0; shard-1: no folder; "
                                           r"shard-2: ckpt-0\)"):
         export.join_checkpoints(j, tmp_path)
@@ -164,7 +171,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_says_so(tm
         step(c, 2)
     write(tmp_path, shard_cores)
     for k in range(3):
-        damage(tmp_path / f"shard-{k}" / "ckpt-2.npz")
+        damage(home(tmp_path, j) / f"shard-{k}" / "ckpt-2.npz")
     result = export.join_checkpoints(j, tmp_path)
     assert result.versions == [1, 1, 1]
     assert len(result.notes) == 3 and "shard-0/ckpt-2 skipped (ckpt-2.npz does not match its checksum" in \
@@ -180,14 +187,14 @@ def test_a_damaged_checkpoint_on_one_shard_is_named(tmp_path):
     for c in shard_cores:
         step(c, 2)
     write(tmp_path, shard_cores)
-    (tmp_path / "shard-2" / "ckpt-1.npz").write_bytes(b"PK truncated")
+    (home(tmp_path, j) / "shard-2" / "ckpt-1.npz").write_bytes(b"PK truncated")
     with pytest.raises(ExportError, match=r"shard-0: ckpt-1, shard-1: ckpt-1, shard-2: ckpt-0"):
         export.join_checkpoints(j, tmp_path)  # shard 2 fell back to version 0: versions differ
     with pytest.raises(ExportError, match=r"shard-2/ckpt-1 is damaged: ckpt-1.npz does not match its checksum.*"
                                           r"shard-2: ckpt-1 \(damaged\), ckpt-0"):
         export.join_checkpoints(j, tmp_path, version=1)
     assert export.join_checkpoints(j, tmp_path, version=0).versions == [0, 0, 0]
-    (tmp_path / "shard-2" / "ckpt-0.npz").unlink()
+    (home(tmp_path, j) / "shard-2" / "ckpt-0.npz").unlink()
     with pytest.raises(ExportError, match=r"shard-2 has no intact checkpoint .*shard-2/ckpt-1: ckpt-1.npz does not "
                                           r"match"):
         export.join_checkpoints(j, tmp_path, mixed=True)
@@ -200,6 +207,9 @@ def test_checkpoints_of_another_model_are_refused_with_the_jobs_plan(tmp_path):
         export.join_checkpoints(other, tmp_path)
     text = str(err.value)
     plan = export.job_plan(other)
+    assert f"no checkpoints of this job (fingerprint {home(tmp_path, other).name}) in {tmp_path}" in text
+    assert f"only of another job: job {home(tmp_path, job()).name} (ckpt-0; differs in plan: this job " \
+           f"{plan.hash}, checkpoint {export.job_plan(job()).hash})" in text
     assert f"this job describes plan {plan.hash}: model mlp, float32, 3 shard(s)" in text
     assert "dense0/W: job shape (64, 32) float32 vs checkpoints shape (64, 24) float32" in text
     assert "--model" in text and "-c job.toml" in text
@@ -210,10 +220,10 @@ def test_checkpoints_of_another_model_are_refused_with_the_jobs_plan(tmp_path):
 
 def test_checkpoints_of_different_plans_are_refused(tmp_path):
     write(tmp_path, cores(job()))
-    for p in (tmp_path / "shard-1").iterdir():
+    for p in (home(tmp_path, job()) / "shard-1").iterdir():
         p.unlink()
     other = cores(job("model.hidden=[32]"))
-    other[1].checkpoint(tmp_path / "shard-1", force=True)
+    other[1].checkpoint(home(tmp_path, job()) / "shard-1", force=True)  # copied into this job's folder
     with pytest.raises(ExportError, match=r"different partition plans \(shard-0/ckpt-0: plan \w+, shard-1/ckpt-0: "
                                           r"plan \w+, shard-2/ckpt-0: plan \w+; this job has plan \w+\)"):
         export.join_checkpoints(job(), tmp_path)
@@ -223,10 +233,48 @@ def test_a_checkpoint_in_the_wrong_shard_folder_is_refused(tmp_path):
     j = make_job("model.name=softmax", "cluster.shards=2", "cluster.workers=1", "cluster.slice_bytes=64",
                  "cluster.policy=async")
     shard_cores = cores(j)
-    shard_cores[0].checkpoint(tmp_path / "shard-0", force=True)
-    shard_cores[0].checkpoint(tmp_path / "shard-1", force=True)
+    shard_cores[0].checkpoint(home(tmp_path, j) / "shard-0", force=True)
+    shard_cores[0].checkpoint(home(tmp_path, j) / "shard-1", force=True)
     with pytest.raises(ExportError, match="says it is shard 0's, but it lies in .*shard-1"):
         export.join_checkpoints(j, tmp_path)
+
+
+def test_a_reused_folder_joins_this_jobs_checkpoints_not_another_jobs_newer_ones(tmp_path):
+    j = job()
+    other = cores(job("cluster.workers=2"))  # the same plan, trained as another job, to version 580
+    for core in other:
+        core.version = 580
+    write(tmp_path, other)
+    mine = cores(j)
+    for core in mine:
+        step(core, core.shard)
+    write(tmp_path, mine)
+    result = export.join_checkpoints(j, tmp_path)
+    assert result.versions == [1, 1, 1] and result.source == f"checkpoints in {home(tmp_path, j)}"
+    for name, value in joined_by_hand(j, mine).items():
+        assert np.array_equal(result.weights[name], value), name
+
+
+def test_checkpoints_of_another_job_with_the_same_plan_are_named_with_what_differs(tmp_path):
+    trained = job("cluster.workers=2", "optimizer.lr=0.2")
+    write(tmp_path, cores(trained))
+    theirs = home(tmp_path, trained)
+    with pytest.raises(ExportError) as err:
+        export.join_checkpoints(job(), tmp_path)
+    text = str(err.value)
+    assert f"no checkpoints of this job (fingerprint {home(tmp_path, job()).name}) in {tmp_path}, only of another " \
+           f"job: job {theirs.name} (ckpt-0; differs in workers: this job 1, checkpoint 2; optimizer: this job " \
+           "{lr=0.05, name=momentum}, checkpoint {lr=0.2, name=momentum})" in text
+    assert f"or --checkpoints {theirs} to join its checkpoints as they are" in text and "\n" not in text
+    assert export.join_checkpoints(job(), theirs).versions == [0, 0, 0]  # a job's folder named directly
+
+
+def test_checkpoints_in_the_layout_before_fingerprints_still_join(tmp_path):
+    j = job()
+    for core in cores(j):
+        core.checkpoint(checkpoint.shard_dir(tmp_path, core.shard), force=True)  # DIR/shard-K, as psgd wrote before
+    result = export.join_checkpoints(j, tmp_path)
+    assert result.versions == [0, 0, 0] and result.source == f"checkpoints in {tmp_path}"
 
 
 def test_saved_weights_load_without_pickle_and_the_write_is_atomic(tmp_path, monkeypatch):

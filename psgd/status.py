@@ -1,0 +1,62 @@
+"""Structured refusals: the reasons a client acts on travel as gRPC status details, not as prose.
+
+A shard that refuses a call for a reason the client must act on (register
+again, or stop: the jobs differ) attaches a :class:`ErrorInfo` message to the
+call's status, as a ``google.rpc.Status`` detail (the standard "rich error
+model", trailing metadata ``grpc-status-details-bin``).  The client reads the
+reason back with :func:`reason_of`; the message stays for people.  The data
+path carries the same reasons as numbers in its error replies.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import status_pb2
+from grpc_status import rpc_status
+
+from psgd.proto import ps_pb2
+
+REASONS = ("NOT_REGISTERED", "JOB_MISMATCH")
+
+
+def reason_number(reason: str) -> int:
+    """The ``ErrorInfo.Reason`` number of ``reason`` ("" or unknown: 0)."""
+    return ps_pb2.ErrorInfo.Reason.Value(reason) if reason in REASONS else 0
+
+
+def reason_name(number: int) -> str:
+    """The name of an ``ErrorInfo.Reason`` number ("" for none or an unknown one)."""
+    try:
+        name = ps_pb2.ErrorInfo.Reason.Name(number)
+    except ValueError:
+        return ""
+    return name if name in REASONS else ""
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, reason: str = "",
+          differences: Iterable[str] = ()) -> None:
+    """End the call with ``code`` and ``message``, and ``reason`` as a detail when there is one."""
+    if not reason:
+        context.abort(code, message)
+    detail = any_pb2.Any()
+    detail.Pack(ps_pb2.ErrorInfo(reason=reason_number(reason), differences=list(differences)))
+    context.abort_with_status(rpc_status.to_status(
+        status_pb2.Status(code=code.value[0], message=message, details=[detail])))
+
+
+def reason_of(err: grpc.RpcError) -> str:
+    """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read)."""
+    try:
+        status = rpc_status.from_call(err)
+    except (ValueError, AttributeError, TypeError):  # a detail that does not match the code or message
+        return ""
+    if status is None:
+        return ""
+    for detail in status.details:
+        info = ps_pb2.ErrorInfo()
+        if detail.Is(ps_pb2.ErrorInfo.DESCRIPTOR) and detail.Unpack(info):
+            return reason_name(info.reason)
+    return ""
