@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Callable, Mapping, Sequence
 
@@ -128,6 +129,14 @@ def import_from_current_folder() -> None:
     here = os.getcwd()
     if here not in sys.path:
         sys.path.insert(0, here)
+
+
+def ignore_stop_signals() -> None:
+    """Once a command's work is done: SIGTERM, SIGINT and SIGHUP change nothing any more. (CPython puts
+    back the default handlers early in its shutdown; a signal after that would kill the process and
+    turn its exit status 0 into 128 + the signal's number.)"""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def start_process(job: JobConfig) -> None:

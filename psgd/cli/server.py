@@ -10,8 +10,8 @@ import sys
 import threading
 
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, first_env_int,
-                             import_from_current_folder, job_from_args, run_command, start_process,
-                             token_from_args, verbosity)
+                             ignore_stop_signals, import_from_current_folder, job_from_args, run_command,
+                             start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
 from psgd.monitor import ShardMetrics, add_metrics_arguments
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the gRPC port + 1, or a free port when that is 0)")
     parser.add_argument("--port-file", metavar="FILE", help="write the address actually bound to FILE once serving")
     parser.add_argument("--exit-when-done", action="store_true",
-                        help="exit once every worker has finished or been dropped")
+                        help="exit once every worker has finished, or was dropped (lease expired) and has not "
+                             "come back within another lease")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="write crash-safe checkpoints into DIR/<job fingerprint>/shard-K and restore the "
                              "newest intact one on start (default: no checkpoints)")
@@ -139,7 +140,7 @@ def serve(args: argparse.Namespace) -> int:
     if stop.is_set():
         log.info("received %s while starting: stopping", _RECEIVED[0])
     while not stop.is_set():
-        if args.exit_when_done and server.wait_finished(timeout=0.5):
+        if args.exit_when_done and server.wait_finished(timeout=0.5, settle=job.cluster.lease_seconds):
             log.info("every worker has finished: stopping")
             break
         stop.wait(0.5)
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _on_signal)
     args = build_parser().parse_args(argv)
-    return run_command("psgd-server", lambda: serve(args))
+    code = run_command("psgd-server", lambda: serve(args))
+    ignore_stop_signals()  # a stop signal during teardown must not turn exit 0 into death by signal
+    return code
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import sys
 import threading
 
 from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments, add_log_arguments,
-                             add_token_argument, first_env_int, import_from_current_folder, job_from_args,
-                             run_command, start_process, token_from_args, verbosity)
+                             add_token_argument, first_env_int, ignore_stop_signals, import_from_current_folder,
+                             job_from_args, run_command, start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.logs import setup_logging
 from psgd.monitor import WorkerMetrics, add_metrics_arguments
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "allreduce":  # ranks stop together: MPI and the launcher end them with a signal
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
-    return run_command("psgd-worker", lambda: work(args))
+    code = run_command("psgd-worker", lambda: work(args))
+    ignore_stop_signals()  # a stop signal during teardown must not turn exit 0 into death by signal
+    return code
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def _job_identity(text: str) -> dict:
 class WorkerInfo:
     state: str = "pending"  # pending (expected, not yet registered), live, done, expired
     deadline: float = 0.0   # lease (or join) deadline, on the core's clock
+    expired_at: float = 0.0  # when this shard dropped it (its clock), for "finished" to settle
     clock: int = 0
     hostname: str = ""
     pid: int = 0
@@ -542,7 +543,7 @@ class ShardCore:
             for w, info in self.workers.items():
                 if info.state in ("pending", "live") and now > info.deadline:
                     was = info.state
-                    info.state = "expired"
+                    info.state, info.expired_at = "expired", now
                     self.counters["expired"] += 1
                     expired.append(w)
                     self._close_rounds(self.policy.leave(w))
@@ -605,10 +606,14 @@ class ShardCore:
             self.last_checkpoint = (self.version, float(m.get("written_at", time.time())))
         log.info("shard %d: restored version %d from %s", self.shard, self.version, ckpt.path)
 
-    def finished(self) -> bool:
-        """True once no worker is pending or live (all done or expired)."""
+    def finished(self, settle: float = 0.0) -> bool:
+        """True once no worker is pending or live: each is done, or was dropped at least ``settle``
+        seconds ago (a shard paused longer than the lease drops every worker at once when it resumes;
+        they come back within a lease, so a dropped worker counts as gone only once that has passed)."""
+        now = self._now()
         with self.lock:
-            return all(i.state in ("done", "expired") for i in self.workers.values())
+            return all(i.state == "done" or (i.state == "expired" and now - i.expired_at >= settle)
+                       for i in self.workers.values())
 
     def wait_changed(self, timeout: float) -> None:
         with self.lock:

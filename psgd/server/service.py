@@ -254,10 +254,11 @@ class ShardServer:
         if path:
             log.debug("shard %d: checkpoint %s", self.core.shard, path)
 
-    def wait_finished(self, timeout: float | None = None) -> bool:
-        """Block until every worker is done or expired (or ``timeout``); True when finished."""
+    def wait_finished(self, timeout: float | None = None, settle: float = 0.0) -> bool:
+        """Block until every worker is done or was dropped ``settle`` seconds ago (or ``timeout``);
+        True when finished."""
         end = None if timeout is None else time.monotonic() + timeout
-        while not self.core.finished():
+        while not self.core.finished(settle):
             if self._stop.is_set():
                 return False
             left = 1.0 if end is None else min(1.0, end - time.monotonic())

@@ -35,7 +35,9 @@ from psgd.worker.datapath import DataConnection, DataStatus
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: a shard stopping (SIGTERM, to restart) cancels the calls still in flight when its grace ends.
+# A worker cancels its own calls only when it stops, and then it does not retry them (see _retrying).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class PSError(RuntimeError):
@@ -153,6 +155,8 @@ class PSClient:
                                 shard, self.addresses[shard], self.worker_id)
                     self._register_one(shard)
                     continue
+                if code == grpc.StatusCode.CANCELLED and stopping is not None:
+                    left = 0  # cancelled by this worker itself, to stop
                 if code not in RETRYABLE or left <= 0:
                     tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if code in RETRYABLE else ""
                     if code in RETRYABLE and stopping is not None:
@@ -248,11 +252,15 @@ class PSClient:
         return reply
 
     def register(self) -> int:
-        """Join every shard; returns the clock to continue from (the largest any shard reports)."""
+        """Join every shard; returns the clock to continue from: the smallest any shard reports.
+
+        A worker stopped between its pushes to two shards left them a clock apart; continuing from the
+        larger would leave the other (under sync) waiting for a push that never comes.  From the smaller,
+        the shard that has it already counts the push again as a duplicate (applied once)."""
         replies = self._on_all(self._register_one)
         self.lease_seconds = min(r.lease_seconds for r in replies)
         self.versions = [r.version for r in replies]
-        self.clock = max(r.clock for r in replies)
+        self.clock = min(r.clock for r in replies)
         return self.clock
 
     def pull(self, clock: int, out: Mapping[str, np.ndarray]) -> list[int]:
@@ -391,6 +399,17 @@ class PSClient:
                                    timeout=max(1.0, self.lease_seconds / 3))
                 except grpc.RpcError as err:
                     log.warning("heartbeat to shard %d at %s failed: %s", k, self.addresses[k], err.code().name)
+                    if status.reason_of(err) == "NOT_REGISTERED" and not self._beat_stop.is_set():
+                        self._rejoin(k)  # the lease is what heartbeats keep: a shard that dropped us hears back
+
+    def _rejoin(self, k: int) -> None:
+        """Register again with shard ``k`` from the heartbeat thread (it forgot this worker)."""
+        log.warning("shard %d at %s dropped worker %d (paused or cut off past the lease?): registering again",
+                    k, self.addresses[k], self.worker_id)
+        try:
+            self._register_one(k)
+        except PSError as exc:
+            log.warning("registering again with shard %d failed: %s", k, exc)
 
     def close(self) -> None:
         self._beat_stop.set()

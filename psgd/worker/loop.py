@@ -124,7 +124,9 @@ def run_worker(
                     for r in replies:
                         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
                     staleness = max(r.staleness for r in replies)
-                    new_clock = max(clock + 1, max(r.next_clock for r in replies))
+                    # The smallest clock any shard expects next (never behind this one): skipping a clock
+                    # on a shard that is behind would leave its sync round waiting for this worker forever.
+                    new_clock = max(clock + 1, min(r.next_clock for r in replies))
                     steps += 1
                     point = {"clock": clock, "epoch": epoch, "loss": float(loss), "version": max(versions),
                              "staleness": staleness, "wall": time.perf_counter() - start, "delay": pause}

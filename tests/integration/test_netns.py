@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for
+from psgd.bench.chaos import Namespaces, namespaces_unavailable
 from psgd.config import JobConfig, to_toml
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
@@ -37,76 +38,46 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([IP, *args], capture_output=True, text=True, timeout=20, check=check)
 
 
-class Hosts:
-    """Network namespaces joined by a bridge: ``Hosts.run(name, argv)`` starts a process "on" host ``name``."""
+class Hosts(Namespaces):
+    """The chaos suite's namespaces (a bridge in a hub, a veth per host), with processes "on" each host:
+    ``Hosts.run(name, argv)`` starts one."""
 
-    def __init__(self, tag: str):
-        self.tag = tag
-        self.names: list[str] = []
+    def __init__(self):
+        super().__init__(HOSTS)
         self.procs: list[subprocess.Popen] = []
 
-    def ns(self, host: str) -> str:
-        return f"{self.tag}-{host}"
-
-    def add(self, host: str) -> None:
-        done = ip("netns", "add", self.ns(host), check=False)
-        if done.returncode != 0:
-            raise PermissionError(done.stderr.strip() or f"ip netns add exited {done.returncode}")
-        self.names.append(self.ns(host))
-
-    def build(self) -> None:
-        self.add("hub")
-        hub = self.ns("hub")
-        ip("-n", hub, "link", "add", "br0", "type", "bridge")
-        ip("-n", hub, "link", "set", "br0", "up")
-        for i, (host, address) in enumerate(HOSTS.items()):
-            self.add(host)
-            ns = self.ns(host)
-            ip("-n", hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            ip("-n", hub, "link", "set", f"v{i}", "master", "br0")
-            ip("-n", hub, "link", "set", f"v{i}", "up")
-            ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            ip("-n", ns, "link", "set", "eth0", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        done = subprocess.run([IP, "netns", "exec", self.ns("s0"), "true"], capture_output=True, text=True, timeout=20)
-        if done.returncode != 0:  # e.g. no right to mount /sys for the namespace
-            raise PermissionError(f"ip netns exec: {done.stderr.strip() or done.returncode}")
-
     def run(self, host: str, argv: list[str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen([IP, "netns", "exec", self.ns(host), *argv], stdout=subprocess.PIPE,
-                                stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen([*self.prefix(host), *argv], stdout=subprocess.PIPE, stderr=open(log, "w"),
+                                stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append(proc)
         return proc
 
     def call(self, host: str, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([IP, "netns", "exec", self.ns(host), *argv], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.run([*self.prefix(host), *argv], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def rx_bytes(self, host: str) -> int:
         stats = json.loads(ip("-n", self.ns(host), "-s", "-j", "link", "show", "eth0").stdout)
         return int(stats[0]["stats64"]["rx"]["bytes"])
 
-    def close(self) -> None:
+    def close(self) -> list[str]:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
-        for name in reversed(self.names):
-            ip("netns", "del", name, check=False)
+        return super().close()
 
 
 @pytest.fixture
 def hosts():
-    if not sys.platform.startswith("linux") or not os.path.exists(IP):
-        pytest.skip("network namespaces need Linux and iproute2's ip")
-    h = Hosts(f"psgd{os.getpid()}{os.urandom(2).hex()}")
+    why = namespaces_unavailable()
+    if why:
+        pytest.skip(f"cannot create network namespaces here: {why}")
+    h = Hosts()
     try:
         try:
             h.build()
-        except PermissionError as exc:
-            pytest.skip(f"cannot create network namespaces here ({exc}): needs root or CAP_SYS_ADMIN")
         except subprocess.CalledProcessError as exc:  # e.g. a kernel without bridge or veth support
             pytest.skip(f"cannot build the test network: {shlex.join(exc.cmd)}: {exc.stderr.strip()}")
         yield h

@@ -1,0 +1,72 @@
+"""Which failures a worker retries: a shard restarting cancels calls in flight; a worker that stops does not
+retry the calls it cancelled itself."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from helpers import make_job
+from psgd.partition import PartitionPlan
+from psgd.train import build_job
+from psgd.worker.client import PSClient, PSError
+
+
+class Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode):
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name.lower()
+
+    def trailing_metadata(self):
+        return ()
+
+
+def client(stop: threading.Event | None = None) -> PSClient:
+    job = make_job("cluster.shards=1")
+    plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.slice_bytes)
+    return PSClient(["127.0.0.1:1"], plan, 0, request_timeout=5, job=job, stop=stop)
+
+
+def failing(times: int, code: grpc.StatusCode):
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) <= times:
+            raise Refused(code)
+        return "answered"
+    return call, calls
+
+
+def test_a_call_cancelled_by_a_restarting_shard_is_retried():
+    """Seen in the chaos suite: SIGTERM to a shard (to restart it) cancelled a push in flight, and the worker
+    gave up with CANCELLED."""
+    with client() as c:
+        call, calls = failing(2, grpc.StatusCode.CANCELLED)
+        assert c._retrying(0, "push (clock 142)", call) == "answered"
+        assert len(calls) == 3
+
+
+def test_a_worker_that_stops_does_not_retry_the_calls_it_cancelled():
+    stop = threading.Event()
+    stop.set()
+    with client(stop) as c:
+        call, calls = failing(5, grpc.StatusCode.CANCELLED)
+        with pytest.raises(PSError, match="CANCELLED"):
+            c._retrying(0, "pull (clock 3)", call)
+        assert len(calls) == 1
+
+
+def test_permanent_errors_are_not_retried():
+    with client() as c:
+        call, calls = failing(1, grpc.StatusCode.INVALID_ARGUMENT)
+        with pytest.raises(PSError, match="INVALID_ARGUMENT"):
+            c._retrying(0, "push (clock 1)", call)
+        assert len(calls) == 1
