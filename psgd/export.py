@@ -24,7 +24,6 @@ model that was trained: a mismatch is refused, never joined into garbage.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import zipfile
 from pathlib import Path
@@ -38,7 +37,6 @@ from psgd.partition import PartitionPlan, plan_differences
 from psgd.server import checkpoint
 from psgd.tls import NO_TLS, TLSFiles
 
-log = logging.getLogger(__name__)
 
 #: What to pass when the job does not describe the model that was trained.
 JOB_HINT = ("pass the job file or flags the model was trained with (-c job.toml, or --model, --dtype, --shards, "
@@ -119,12 +117,6 @@ def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, to
         weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         versions = client.pull(0, weights)
     return Exported(weights, [int(v) for v in versions], f"the cluster at {','.join(addresses)}")
-
-
-def export_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
-                        tls: TLSFiles = NO_TLS) -> dict[str, np.ndarray]:
-    """The current weights of a running cluster, whole variables by name (see :func:`pull_from_servers`)."""
-    return pull_from_servers(job, addresses, token, tls).weights
 
 
 # -- from checkpoints -----------------------------------------------------------------------------
@@ -266,16 +258,6 @@ def _job_folder(job: JobConfig, plan: PartitionPlan, root: Path) -> Path:
     raise ExportError(f"{said}; job {newest.fingerprint}'s were written for partition plan "
                       f"{(newest.manifest or {}).get('plan_hash')}, this job describes {_describe_job(job, plan)}"
                       + (f" ({why})" if why else "") + f": {JOB_HINT}")
-
-
-def export_from_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | None = None,
-                            mixed: bool = False) -> tuple[dict[str, np.ndarray], list[int]]:
-    """Whole variables and the version taken from each shard (see :func:`join_checkpoints`);
-    skipped damaged checkpoints are logged as warnings."""
-    joined = join_checkpoints(job, root, version, mixed)
-    for note in joined.notes:
-        log.warning("%s", note)
-    return joined.weights, joined.versions
 
 
 def _common_versions(shards: Sequence[_ShardFolder]) -> str:

@@ -48,7 +48,7 @@ from psgd.config import JobConfig, to_toml
 
 log = logging.getLogger(__name__)
 
-#: Signals the launcher forwards to its children.
+#: The stop signals: the launcher forwards them to its children; every psgd process leaves cleanly on them.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds the children get to leave after a forwarded signal (or at the end of the job) before SIGKILL.
 GRACE = 10.0
@@ -487,14 +487,11 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
 
 def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None) -> LaunchResult:
-    from psgd.export import job_plan, save_weights
-    from psgd.worker.client import PSClient, fetch_weights
+    from psgd.export import pull_from_servers, save_weights
 
-    plan = job_plan(job)
-    token = os.environ.get("PSGD_TOKEN", "")  # the children inherit it too
-    weights = fetch_weights(addresses, plan, timeout=job.cluster.request_timeout, token=token)
-    with PSClient(addresses, plan, token=token) as client:
-        versions = [s.version for s in client.status()]
+    # One observer: it checks each shard is the one listed, then reads the weights and their versions.
+    pulled = pull_from_servers(job, addresses, token=os.environ.get("PSGD_TOKEN", ""))  # children have it too
+    weights, versions = pulled.weights, pulled.versions
     loss, acc = _evaluate(job, weights)
     if save:
         save_weights(save, weights)

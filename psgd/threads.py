@@ -65,11 +65,3 @@ def apply(threads: int) -> str:
 
     _limiter = threadpool_limits(limits=threads)
     return f"{threads} thread(s)"
-
-
-def describe_pools() -> list[str]:
-    """The BLAS/OpenMP libraries loaded in this process and their thread counts, one line each."""
-    from threadpoolctl import threadpool_info
-
-    return [f"{p.get('internal_api')} ({p.get('threading_layer', '?')}): {p.get('num_threads')} thread(s)"
-            for p in threadpool_info()]

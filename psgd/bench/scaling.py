@@ -59,6 +59,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from threadpoolctl import threadpool_info
+
 from psgd.threads import THREAD_VARIABLES, available_cores
 
 DESCRIPTION = __doc__
@@ -486,7 +488,7 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
         "machine": machine(),
         "cores": os.cpu_count(),
         "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "threadpool_info": _threadpool_info(),
+        "threadpool_info": threadpool_info(),
         "thread_env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ},
         "peer_env": PEER_ENV,
         "load_average": {"before": [round(x, 2) for x in load_before],
@@ -499,14 +501,6 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
     }
     result["files"] = write_outputs(result, out)
     return result
-
-
-def _threadpool_info() -> list | str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "threadpoolctl is not installed"
-    return threadpool_info()
 
 
 # -- the figures ------------------------------------------------------------------------------

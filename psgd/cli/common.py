@@ -16,7 +16,7 @@ from psgd.model import ModelError
 from psgd.optim import OptimizerError
 from psgd.partition import PlanError
 from psgd.policy import PolicyError
-from psgd.launch import LaunchError, LaunchInterrupted
+from psgd.launch import STOP_SIGNALS, LaunchError, LaunchInterrupted
 from psgd.collective import BackendUnavailable, CollectiveError
 from psgd.worker.client import PSError
 from psgd.tls import TLSError
@@ -135,7 +135,7 @@ def ignore_stop_signals() -> None:
     """Once a command's work is done: SIGTERM, SIGINT and SIGHUP change nothing any more. (CPython puts
     back the default handlers early in its shutdown; a signal after that would kill the process and
     turn its exit status 0 into 128 + the signal's number.)"""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 

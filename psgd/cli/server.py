@@ -13,6 +13,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              ignore_stop_signals, import_from_current_folder, job_from_args, run_command,
                              start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
+from psgd.launch import STOP_SIGNALS
 from psgd.logs import setup_logging
 from psgd.monitor import ShardMetrics, add_metrics_arguments
 from psgd.parsing import Parser
@@ -164,7 +165,7 @@ def _on_signal(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     import_from_current_folder()
     # First thing: a stop signal that arrives while the shard is still starting ends it cleanly too.
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _on_signal)
     args = build_parser().parse_args(argv)
     code = run_command("psgd-server", lambda: serve(args))

@@ -14,6 +14,7 @@ from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments,
                              add_token_argument, first_env_int, ignore_stop_signals, import_from_current_folder,
                              job_from_args, run_command, start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
+from psgd.launch import STOP_SIGNALS
 from psgd.logs import setup_logging
 from psgd.monitor import WorkerMetrics, add_metrics_arguments
 from psgd.parsing import Parser
@@ -163,9 +164,6 @@ def peak_rss_mb() -> float:
 
 
 _STOP = threading.Event()
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def main(argv: list[str] | None = None) -> int:
