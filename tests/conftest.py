@@ -23,17 +23,43 @@ def gpu_required() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if backend.cuda_available() or gpu_required():
-        return  # run them: pytest_runtest_setup fails each one when the GPU is required but missing
-    skip = pytest.mark.skip(reason="no CUDA GPU with CuPy on this machine (" + _why_no_gpu() + ")")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not (backend.cuda_available() or gpu_required()):
+        skip = pytest.mark.skip(reason="no CUDA GPU with CuPy on this machine (" + _why_no_gpu() + ")")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    # else run them: pytest_runtest_setup fails each one when the GPU is required but missing
+    if not docker_required() and any("docker" in item.keywords for item in items):
+        why = _why_no_docker()
+        if why:
+            skip = pytest.mark.skip(reason=f"no usable Docker engine: {why}")
+            for item in items:
+                if "docker" in item.keywords:
+                    item.add_marker(skip)
 
 
 def pytest_runtest_setup(item):
     if "gpu" in item.keywords and gpu_required() and not backend.cuda_available():
         pytest.fail("PSGD_REQUIRE_GPU=1 but no usable CUDA GPU: " + _why_no_gpu(), pytrace=False)
+    if "docker" in item.keywords and docker_required():
+        why = _why_no_docker()
+        if why:
+            pytest.fail(f"PSGD_REQUIRE_DOCKER=1 but no usable Docker engine: {why}", pytrace=False)
+
+
+def docker_required() -> bool:
+    return os.environ.get("PSGD_REQUIRE_DOCKER", "") not in ("", "0")
+
+
+_NO_DOCKER: list[str | None] = []
+
+
+def _why_no_docker() -> str | None:
+    """Why tests marked ``docker`` cannot run here (asked once per session), or None."""
+    if not _NO_DOCKER:
+        import dockerlab
+        _NO_DOCKER.append(dockerlab.unavailable())
+    return _NO_DOCKER[0]
 
 
 def _why_no_gpu() -> str:

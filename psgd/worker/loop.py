@@ -133,6 +133,9 @@ def run_worker(
                     if evaluating:
                         point["test_accuracy"] = acc
                         history.append(point)
+                        if not progress:  # no bar to show it: one line per evaluation, for logs
+                            log.info("worker %d: epoch %d/%d, clock %d/%d: test accuracy %.4f, train loss %.4f",
+                                     rank, epoch, t.epochs, clock, total, acc, loss)
                     metrics.write("step", **point)
                     if on_step:
                         on_step({**point, "pull_seconds": pulled - began, "push_seconds": pushed - pushing,

@@ -24,6 +24,8 @@ from psgd.cli import server as psgd_server  # noqa: E402
 from psgd.cli import worker as psgd_worker  # noqa: E402
 from psgd.cli.common import RANK_VARIABLES, job_from_args  # noqa: E402
 from psgd.config import JobConfig  # noqa: E402
+from psgd.export import job_plan  # noqa: E402
+from psgd.job import fingerprint, identity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -208,9 +210,10 @@ def test_compose_runs_every_shard_and_worker_of_the_job_file(job):
     services = doc["services"]
     networks = set(doc["networks"])
     volumes = set(doc.get("volumes") or {})
-    assert networks == {"psgd"} and doc["networks"]["psgd"]["name"] == "psgd"
+    # no fixed network name: two projects (docker compose -p) must be able to run side by side
+    assert networks == {"psgd"} and "name" not in doc["networks"]["psgd"]
 
-    shards, workers = {}, {}
+    shards, workers, results = {}, {}, {}
     for name, svc in services.items():
         where = f"compose.yaml service {name}"
         assert set(svc["networks"]) <= networks and svc["networks"], f"{where}: not on the named network"
@@ -226,6 +229,10 @@ def test_compose_runs_every_shard_and_worker_of_the_job_file(job):
         if "build" in svc:
             assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
         argv = svc.get("command")
+        if argv and argv[:2] == ["sh", "-c"]:
+            results[name] = [parse_cli(shlex.split(part), f"{where}: {part.strip()}")
+                             for part in argv[2].split("&&")]
+            continue
         if not argv or argv[0] not in PARSERS:
             continue
         args = parse_cli(argv, where)
@@ -236,6 +243,8 @@ def test_compose_runs_every_shard_and_worker_of_the_job_file(job):
         if test and not svc["healthcheck"].get("disable"):
             assert test[0] == "CMD"
             parse_cli(test[1:], f"{where} healthcheck")
+        # four processes on one machine: left to the default, each one's BLAS pool would take every core
+        assert ran.train.threads == 1, f"{where}: give each process its share of the cores (--threads)"
         if argv[0] == "psgd-server":
             shards[args.shard] = (name, svc, args, ran)
         elif argv[0] == "psgd-worker":
@@ -263,6 +272,16 @@ def test_compose_runs_every_shard_and_worker_of_the_job_file(job):
         assert svc["restart"] in ("always", "on-failure"), f"{name}: a failed worker must rejoin"
         assert {d: v["condition"] for d, v in svc["depends_on"].items()} == \
             {shards[k][0]: "service_healthy" for k in shards}
+
+    # the result service joins the checkpoints the shards write, once every shard has finished
+    assert list(results) == ["result"]
+    export, evaluate = results["result"]
+    assert export.checkpoints == shards[0][2].checkpoint_dir and export.file == evaluate.file
+    assert {d: v["condition"] for d, v in services["result"]["depends_on"].items()} == \
+        {shards[k][0]: "service_completed_successfully" for k in shards}
+    for k, (name, svc, args, ran) in shards.items():
+        assert args.exit_when_done and svc["restart"] == "on-failure", \
+            f"{name}: must end with the job (exit 0, not restarted) for the result service to run"
 
     prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = {t for sc in prometheus["scrape_configs"] for s in sc["static_configs"] for t in s["targets"]}
@@ -387,7 +406,7 @@ def test_kubernetes_statefulset_shards_and_indexed_job_workers(job):
 
 
 # -- Slurm -----------------------------------------------------------------------------------------
-SLURM_SAMPLES = {"JOB_FILE": ["deploy/job.toml"], "k": ["0"], "r": ["0"], "SHARDS": ["2"], "WORKERS": ["2"],
+SLURM_SAMPLES = {"JOB_FILE": ["deploy/job.toml"], "k": ["0"], "r": ["0"], "SHARDS": ["2"], "WORKERS": ["3"],
                  "PORT": ["50051"], "DEVICE": ["cpu"], "CHECKPOINTS": ["/scratch/psgd"],
                  "SERVERS": ["node1:50051,node2:50051"], "ADDRESSES[@]": ["node1:50051", "node2:50051"]}
 
@@ -431,9 +450,17 @@ def test_slurm_script_is_valid_bash_and_runs_real_commands(job):
     assert done.returncode == 0, done.stderr
     commands = slurm_commands(text)
     kinds = [argv[0] if argv[0] != "psgd" else f"psgd {argv[1]}" for argv in commands]
-    assert sorted(set(kinds)) == ["psgd doctor", "psgd status", "psgd-server", "psgd-worker"], kinds
-    for argv in commands:
+    assert sorted(set(kinds)) == ["psgd doctor", "psgd eval", "psgd export", "psgd status", "psgd-server",
+                                  "psgd-worker"], kinds
+    fingerprints = {}
+    for kind, argv in zip(kinds, commands):
         args = parse_cli(argv, "psgd.sbatch")
         if getattr(args, "config", None):
             ran = job_of(args, "psgd.sbatch")
-            assert ran.cluster.servers == ["node1:50051", "node2:50051"] and ran.cluster.workers == 2
+            if "--servers" in argv:
+                assert ran.cluster.servers == ["node1:50051", "node2:50051"], f"{kind}: {ran.cluster.servers}"
+            if kind != "psgd eval":  # the one command that reads only the model and the data
+                assert ran.cluster.workers == 3, f"{kind}: {ran.cluster.workers} workers, not $WORKERS"
+                fingerprints[kind] = fingerprint(identity(ran, job_plan(ran).hash))
+    # psgd export finds the shards' checkpoints under the job fingerprint that they were written with
+    assert len(set(fingerprints.values())) == 1, fingerprints
