@@ -396,7 +396,8 @@ def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec]) -> dict[str,
 
 def evaluate_file(job: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``job``."""
-    from psgd.train import build_job, evaluate, params_to_device
+    from psgd.loop import evaluate
+    from psgd.train import build_job, params_to_device
 
     built = build_job(job)
     weights = load_weights(path, built.model.specs())

@@ -1,8 +1,9 @@
-"""The single-process reference trainer, and the pieces every trainer shares.
+"""The single-process reference trainer, and building what a job file describes.
 
-``train_local(job)`` is plain minibatch training in one process: the yardstick
-that the parameter-server and all-reduce modes are checked against (a sync run
-of N workers with batch B must end where this ends with batch N*B).
+``train_local(job)`` is plain minibatch training in one process (the one loop,
+:mod:`psgd.loop`, with :class:`LocalExchange`): the yardstick that the
+parameter-server and all-reduce modes are checked against (a sync run of N
+workers with batch B must end where this ends with batch N*B).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from psgd import model as models
 from psgd import optim
 from psgd import xp as backend
 from psgd.config import JobConfig
-from psgd.metrics import MetricsLog, progress_bar
+from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -63,31 +64,25 @@ def params_to_device(params: Mapping[str, np.ndarray], device: backend.Device) -
     return {name: device.asarray(value) for name, value in params.items()}
 
 
-def evaluate(
-    model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
-    device: backend.Device, batch_size: int = 1024,
-) -> tuple[float, float]:
-    """Mean loss and accuracy of ``params`` on (x, y), in batches."""
-    total_loss, correct = 0.0, 0
-    for start in range(0, len(x), batch_size):
-        xb = device.asarray(x[start:start + batch_size])
-        yb_host = y[start:start + batch_size]
-        loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))
-        scores = backend.to_host(model.predict(params, xb))
-        total_loss += float(loss) * len(yb_host)
-        correct += int((scores.argmax(axis=1) == yb_host).sum())
-    n = max(len(x), 1)
-    return total_loss / n, correct / n
+class LocalExchange(Exchange):
+    """The reference trainer's exchange: the optimizer applied in this process, step by step."""
 
+    role = name = "local"
 
-@dataclasses.dataclass
-class TrainResult:
-    params: dict[str, np.ndarray]  # host copies of the final weights
-    test_loss: float
-    test_accuracy: float
-    steps: int
-    seconds: float
-    history: list[dict[str, Any]]
+    def __init__(self, built: Job):
+        self.params = params_to_device(built.model.init(built.config.train.seed), built.device)
+        self.optimizer = build_optimizer(built.config)
+
+    def weights(self, step: int) -> Mapping[str, Any]:
+        return self.params
+
+    def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
+        for name, grad in grads.items():
+            self.optimizer.update(name, self.params[name], grad)
+        return Exchanged(step + 1)
+
+    def final_weights(self) -> Mapping[str, Any]:
+        return self.params
 
 
 def train_local(
@@ -96,44 +91,12 @@ def train_local(
     dataset: datasets.Dataset | None = None,
     progress: bool = True,
     metrics_path: str | None = None,
-    on_eval: Callable[[dict[str, Any]], None] | None = None,
-) -> TrainResult:
-    """Train in one process and return the final weights and test accuracy."""
-    job = build_job(config, dataset, check=True)
-    ds, model, device, tc = job.dataset, job.model, job.device, config.train
-    opt = build_optimizer(config)
-    params = params_to_device(model.init(tc.seed), device)
-    steps_per_epoch = datasets.steps_per_epoch(ds.n_train, 1, tc.batch_size)
-    total_steps = steps_per_epoch * tc.epochs
-    eval_every = tc.eval_every or steps_per_epoch
-    log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], ds.describe(),
-             total_steps, tc.batch_size, device)
-
-    history: list[dict[str, Any]] = []
-    metrics = MetricsLog(metrics_path, role="local")
-    start = time.perf_counter()
-    step, last_loss, acc = 0, float("nan"), float("nan")
-    with progress_bar(total_steps, "train", enabled=progress) as bar:
-        for epoch in range(tc.epochs):
-            for xb, yb in datasets.epoch_batches(ds.x_train, ds.y_train, 0, 1, tc.batch_size, epoch, tc.seed):
-                last_loss, grads = model.loss_and_grads(params, device.asarray(xb), device.asarray(yb))
-                for name, grad in grads.items():
-                    opt.update(name, params[name], grad)
-                step += 1
-                if step % eval_every == 0 or step == total_steps:
-                    test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, tc.eval_batch_size)
-                    point = {"step": step, "epoch": epoch, "wall": time.perf_counter() - start,
-                             "train_loss": float(last_loss), "test_loss": test_loss, "test_accuracy": acc}
-                    history.append(point)
-                    metrics.write("eval", **point)
-                    if on_eval:
-                        on_eval(point)
-                bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.4f}", acc=f"{acc:.3f}", refresh=False)
-    backend.synchronize(device)
-    seconds = time.perf_counter() - start
-    test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, tc.eval_batch_size)
-    metrics.write("final", step=step, wall=seconds, test_loss=test_loss, test_accuracy=acc)
-    metrics.close()
-    host = {name: backend.to_host(value) for name, value in params.items()}
-    return TrainResult(host, test_loss, acc, step, seconds, history)
+) -> LoopResult:
+    """Train in one process; the result holds the final weights and their test accuracy."""
+    built = build_job(config, dataset, check=True)
+    t = config.train
+    spe = datasets.steps_per_epoch(built.dataset.n_train, 1, t.batch_size)
+    log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], built.dataset.describe(),
+             spe * t.epochs, t.batch_size, built.device)
+    return run_loop(built, LocalExchange(built), evaluate_every=t.eval_every or spe, progress=progress,
+                    metrics_path=metrics_path)

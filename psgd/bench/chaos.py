@@ -754,7 +754,8 @@ class Cluster:
         return max(found, default=None)
 
     def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
-        from psgd.train import evaluate, params_to_device
+        from psgd.loop import evaluate
+        from psgd.train import params_to_device
 
         b = self.built
         return float(evaluate(b.model, params_to_device(weights, b.device), b.dataset.x_test, b.dataset.y_test,

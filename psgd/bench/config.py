@@ -13,7 +13,7 @@ Policies are named by short specs:
 - ``allreduce``    no servers: N MPI ranks average their gradients every step
 
 Scenarios are delay specs for ``psgd-worker --delay`` (see
-:mod:`psgd.worker.delay`), or ``none``.
+:mod:`psgd.delay`), or ``none``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 import re
 
 from psgd.config import ConfigError, JobConfig
-from psgd.worker.delay import DelayError, parse_delay
+from psgd.delay import DelayError, parse_delay
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 from psgd import threads
 from psgd.bench.config import PRESETS, LabConfig, Policy, Scenario, preset
 from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
-                                ps_points, start_skew, step_lines)
+                                ps_points, read_jsonl, start_skew, step_lines)
 from psgd.parsing import Parser
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,8 @@ def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult,
     result = launch(job, mode="allreduce", backend="mpi", run_dir=str(run_dir), progress=False,
                     timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1)
     steps = step_lines([run_dir / "allreduce.jsonl"])
-    run.points = allreduce_points(steps, job.cluster.workers, evaluator.model_bytes, initial_point(evaluator))
+    evals = [rec for rec in read_jsonl(run_dir / "allreduce.jsonl") if rec.get("event") == "eval"]
+    run.points = allreduce_points(steps, evals, job.cluster.workers, evaluator.model_bytes, initial_point(evaluator))
     return result.seconds, result.test_accuracy, steps[-1]["time"] - origin(steps)
 
 

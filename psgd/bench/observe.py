@@ -72,7 +72,8 @@ class Evaluator:
 
     def __call__(self, weights: dict) -> tuple[float, float]:
         """(test loss, test accuracy) of ``weights``."""
-        from psgd.train import evaluate, params_to_device
+        from psgd.loop import evaluate
+        from psgd.train import params_to_device
 
         params = params_to_device(weights, self.device)
         return evaluate(self.model, params, self.dataset.x_test, self.dataset.y_test, self.device,
@@ -233,18 +234,20 @@ def ps_points(samples: Sequence[Sample], steps: Sequence[dict], start: float, mo
     return points
 
 
-def allreduce_points(steps: Sequence[dict], workers: int, model_bytes: int, first: dict) -> list[dict]:
-    """Evaluation points of an all-reduce run from rank 0's step lines that carry a test accuracy.
+def allreduce_points(steps: Sequence[dict], evals: Sequence[dict], workers: int, model_bytes: int,
+                     first: dict) -> list[dict]:
+    """Evaluation points of an all-reduce run from rank 0's ``eval`` lines (``step``: steps done), the
+    loss from its ``step`` lines before each.
 
     Bytes are computed, not measured: a ring all-reduce moves 2(N-1)/N of the
     model per rank per step, 2(N-1) models in all."""
     start = origin(steps)
+    clocks = [int(rec["clock"]) for rec in steps]
     points = [first]
-    for i, rec in enumerate(steps):
-        if rec.get("test_accuracy") is None:
-            continue
+    for rec in evals:
         step = int(rec["step"])
-        points.append(_point(rec["time"] - start, step * workers, step, _window_loss(steps, i + 1),
+        before = sum(1 for c in clocks if c < step)
+        points.append(_point(rec["time"] - start, step * workers, step, _window_loss(steps, before),
                              rec.get("test_loss"), rec["test_accuracy"], 0, 0,
                              step * 2 * (workers - 1) * model_bytes))
     return points

@@ -19,7 +19,7 @@ from psgd.logs import setup_logging
 from psgd.monitor import WorkerMetrics, add_metrics_arguments
 from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
-from psgd.worker.delay import DelayError, parse_delay
+from psgd.delay import DelayError, parse_delay
 
 DESCRIPTION = """\
 Train as one worker of a job.
@@ -98,7 +98,7 @@ def work(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if args.mode == "allreduce":
         return allreduce(args, job, delay)
-    from psgd.worker.loop import run_worker
+    from psgd.worker.exchange import run_worker
 
     if args.rank is None:
         raise ConfigError(f"no rank: pass --rank, or set one of {', '.join(RANK_VARIABLES)}")
@@ -117,7 +117,7 @@ def work(args: argparse.Namespace) -> int:
                             token=token_from_args(args), tls=tls_from_args(args), on_step=metrics.on_step)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
-                          "seconds": round(result.seconds, 3), "outcomes": result.outcomes,
+                          "seconds": round(result.seconds, 3), "outcomes": result.summary["outcomes"],
                           "peak_rss_mb": round(peak_rss_mb(), 1)}))
     return 0
 
@@ -125,7 +125,7 @@ def work(args: argparse.Namespace) -> int:
 def allreduce(args: argparse.Namespace, job, delay) -> int:
     from psgd import xp as backend
     from psgd.collective import make_collective
-    from psgd.collective.trainer import run_allreduce
+    from psgd.collective.exchange import run_allreduce
 
     if args.backend == "nccl" and args.rank is None:
         raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
@@ -141,11 +141,12 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
 
             save_weights(args.save, result.params)
         if args.json:
-            print(json.dumps({"rank": 0, "world_size": result.world_size, "steps": result.steps,
-                              "seconds": round(result.seconds, 3), "comm_seconds": round(result.comm_seconds, 3),
+            print(json.dumps({"rank": 0, "world_size": group.world_size, "steps": result.steps,
+                              "seconds": round(result.seconds, 3),
+                              "comm_seconds": round(result.summary["comm_seconds"], 3),
                               "test_accuracy": result.test_accuracy}))
         else:
-            print(f"final test accuracy: {result.test_accuracy:.4f} ({result.world_size} rank(s), "
+            print(f"final test accuracy: {result.test_accuracy:.4f} ({group.world_size} rank(s), "
                   f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)")
     return 0
 

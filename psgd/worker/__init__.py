@@ -1,4 +1,4 @@
-"""Parameter-server workers: the client to the shards and the training loop."""
+"""Parameter-server workers: the client to the shards and the exchange the one loop drives (exchange.py)."""
 
 from psgd.worker.client import PSClient, PSError, fetch_weights
 

@@ -30,7 +30,7 @@ from psgd.partition import PartitionPlan
 from psgd.server import checkpoint
 from psgd.train import build_job
 from psgd.worker.client import PSClient, PSError
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 #: The short run's seed: its three runs cover every fault kind, both policies and both data paths (see
 #: test_the_ci_seed_covers_every_kind_policy_and_data_path).

@@ -20,7 +20,7 @@ from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.train import build_job, train_local
 from psgd.worker.client import fetch_weights
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
 from psgd.launch import find_mpiexec  # noqa: E402

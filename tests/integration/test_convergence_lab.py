@@ -78,9 +78,10 @@ def test_ps_points_share_the_clock_of_the_first_step_and_leave_out_observer_byte
 
 
 def test_allreduce_points_count_n_gradients_per_step_and_ring_bytes():
-    lines = [{"time": 10.0 + 0.1 * s, "wall": 0.1 * s, "step": s, "loss": 1.0, "role": "r0"} for s in range(1, 5)]
-    lines[1]["test_accuracy"], lines[3]["test_accuracy"] = 0.5, 0.7
-    points = allreduce_points(lines, workers=4, model_bytes=100, first={"wall": 0.0})
+    lines = [{"time": 10.0 + 0.1 * s, "wall": 0.1 * s, "clock": s - 1, "loss": 1.0, "role": "r0"} for s in range(1, 5)]
+    evals = [{"time": 10.2, "wall": 0.2, "step": 2, "test_accuracy": 0.5},
+             {"time": 10.4, "wall": 0.4, "step": 4, "test_accuracy": 0.7}]
+    points = allreduce_points(lines, evals, workers=4, model_bytes=100, first={"wall": 0.0})
     assert [(p["steps"], p["updates"]) for p in points[1:]] == [(8, 2), (16, 4)]
     assert [p["bytes"] for p in points[1:]] == [2 * 2 * 3 * 100, 4 * 2 * 3 * 100]
     assert points[1]["wall"] == pytest.approx(0.2)

@@ -163,7 +163,8 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     code, text, _ = run(capsys, "eval", "-c", str(job_file), str(out), "--json")
     result = json.loads(text)
     built = build_job(j)
-    from psgd.train import evaluate, params_to_device
+    from psgd.loop import evaluate
+    from psgd.train import params_to_device
     loss, acc = evaluate(built.model, params_to_device(live, built.device), built.dataset.x_test,
                          built.dataset.y_test, built.device, j.train.eval_batch_size)
     assert code == 0 and result["test_accuracy"] == acc and result["test_loss"] == loss

@@ -32,7 +32,7 @@ from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.datapath import DataConnection, DataStatus
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 TOKEN = "s3cret"
 IO = 10.0  # seconds: every socket's timeout here

@@ -21,7 +21,7 @@ from psgd.server.service import ShardServer
 from psgd.train import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.datapath import DataStatus
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 
 def plan_of(job) -> PartitionPlan:

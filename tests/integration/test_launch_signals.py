@@ -81,7 +81,7 @@ def test_a_signal_to_launch_is_forwarded_and_leaves_no_process(tmp_path, signum)
         assert processes_mentioning(str(run)) == []
         for r in (0, 1):  # each worker left cleanly: asked to stop, then done
             log = (run / f"worker-{r}.log").read_text()
-            assert "stopping at clock" in log and f"worker {r} done" in log, log
+            assert f"worker {r}: stopping at step" in log and f"worker {r} done" in log, log
         for k in (0, 1):
             assert "stopped at version" in (run / f"shard-{k}.log").read_text()
     finally:

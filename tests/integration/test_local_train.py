@@ -60,7 +60,11 @@ def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys):
     with np.load(weights, allow_pickle=False) as saved:
         assert set(saved.files) == {"dense0/W", "dense0/b", "dense1/W", "dense1/b", "dense2/W", "dense2/b"}
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [e["event"] for e in events] == ["eval", "eval", "final"]
+    # one line per step, an evaluation after each epoch (the second one of the final weights), the end
+    steps = summary["steps"]
+    assert [e["event"] for e in events] == ["step"] * (steps // 2) + ["eval"] + ["step"] * (steps // 2) + ["eval", "done"]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [steps // 2, steps]
+    assert events[-2]["test_accuracy"] == summary["test_accuracy"] and events[-1]["steps"] == steps
     assert all(e["role"] == "local" for e in events)
 
 

@@ -27,7 +27,7 @@ from psgd.config import to_toml
 from psgd.monitor import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 SMALL = ("model.name=softmax", "cluster.workers=2", "cluster.shards=2")
 

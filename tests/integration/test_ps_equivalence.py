@@ -14,7 +14,7 @@ from psgd.partition import PartitionPlan
 from psgd.server.core import ShardCore
 from psgd.train import build_job, train_local
 from psgd.worker.client import fetch_weights
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 from helpers import make_job, run_threads, shards
 

@@ -16,7 +16,7 @@ from psgd.server.service import ShardServer
 from psgd.tls import TLSFiles
 from psgd.train import build_job
 from psgd.worker.client import PSClient, PSError
-from psgd.worker.loop import run_worker
+from psgd.worker.exchange import run_worker
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 

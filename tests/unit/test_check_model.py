@@ -351,14 +351,14 @@ def test_train_local_stops_before_training(user_module):
 
 
 def test_parameter_server_worker_stops_before_connecting(user_module):
-    from psgd.worker.loop import run_worker
+    from psgd.worker.exchange import run_worker
 
     with pytest.raises(ModelError, match=MISSING_B2):  # nothing listens on port 9: it never got that far
         run_worker(broken_job(user_module), 0, ["127.0.0.1:9", "127.0.0.1:9"], progress=False)
 
 
 def test_allreduce_rank_stops_before_the_collective(user_module):
-    from psgd.collective.trainer import run_allreduce
+    from psgd.collective.exchange import run_allreduce
 
     with pytest.raises(ModelError, match=MISSING_B2):
         run_allreduce(broken_job(user_module), collective=None, progress=False)

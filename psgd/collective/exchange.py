@@ -1,0 +1,99 @@
+"""The all-reduce mode: the one loop (:mod:`psgd.loop`) with a collective as its exchange.
+
+Every rank computes a gradient on its data shard, the gradients are averaged by the collective (in
+buckets), and every rank applies the same update with the same optimizer code the shards use.
+Same model, same sharding and same evaluation as a parameter-server worker, so the two modes are
+compared on equal terms: with SGD, N ranks with batch B end where one process ends with batch N*B,
+and where a sync parameter-server run ends.  Rank 0 shows progress, evaluates, writes metrics and
+holds the weights it saves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping
+
+from psgd import data as datasets
+from psgd import xp as backend
+from psgd.collective.base import Bucketer, Collective, CollectiveError
+from psgd.config import JobConfig
+from psgd.delay import NO_DELAY, Delay
+from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
+from psgd.partition import PartitionPlan
+from psgd.train import Job, build_job, build_optimizer, params_to_device
+
+log = logging.getLogger(__name__)
+
+
+class AllReduceExchange(Exchange):
+    """Average the gradients with the other ranks of ``collective``, then apply them here."""
+
+    def __init__(self, built: Job, collective: Collective, bucket_bytes: int = 32 << 20):
+        job, ds, model, device, t = built.config, built.dataset, built.model, built.device, built.config.train
+        self.collective, self.device = collective, device
+        rank, world = collective.rank, collective.world_size
+        self.role, self.name = f"allreduce:{rank}", f"rank {rank}"
+        if world != job.cluster.workers:
+            raise CollectiveError(f"rank {rank}: the job file says workers = {job.cluster.workers} but "
+                                  f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "
+                                  f"{job.cluster.workers}) or change [cluster] workers")
+        specs = model.specs()
+        plan = PartitionPlan(specs, 1)
+        collective.check_agreement(json.dumps({"plan": plan.hash, "world": world, "batch": t.batch_size,
+                                               "epochs": t.epochs, "seed": t.seed, "data": ds.describe()}),
+                                   "the model, data, batch size, epochs and seed")
+        self.params = params_to_device(model.init(t.seed), device)
+        for name in sorted(self.params):  # one source of truth, whatever the ranks computed locally
+            collective.broadcast_(self.params[name], root=0)
+        self.optimizer = build_optimizer(job)
+        self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
+        self.comm_seconds = 0.0
+        spe = datasets.steps_per_epoch(ds.n_train, world, t.batch_size)
+        log.info("rank %d of %d (%s): %d steps of batch %d, %d bucket(s) of %.1f MB", rank, world,
+                 collective.backend, spe * t.epochs, t.batch_size, len(self.bucketer.buffers),
+                 self.bucketer.nbytes / 1e6)
+
+    def weights(self, step: int) -> Mapping[str, Any]:
+        return self.params
+
+    def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
+        backend.synchronize(self.device)  # the gradient is computed: time the collective alone
+        began = time.perf_counter()
+        mean = self.bucketer.allreduce_mean(self.collective, grads)
+        seconds = time.perf_counter() - began
+        self.comm_seconds += seconds
+        for name, grad in mean.items():
+            self.optimizer.update(name, self.params[name], grad)
+        return Exchanged(step + 1, timings={"allreduce_seconds": seconds})
+
+    def end(self, interrupted: bool) -> dict[str, Any]:
+        return {"comm_seconds": self.comm_seconds}
+
+    def final_weights(self) -> Mapping[str, Any]:
+        return self.params
+
+
+def run_allreduce(
+    job: JobConfig,
+    collective: Collective,
+    *,
+    dataset: datasets.Dataset | None = None,
+    progress: bool = True,
+    metrics_path: str | None = None,
+    evaluate_every: int | None = None,
+    bucket_bytes: int = 32 << 20,
+    delay: Delay = NO_DELAY,
+) -> LoopResult:
+    """Train ``job`` as this rank of ``collective``; the result holds the final weights (host copies)."""
+    built = build_job(job, dataset, check=True)
+    exchange = AllReduceExchange(built, collective, bucket_bytes)
+    rank, world = collective.rank, collective.world_size
+    lead = rank == 0
+    if evaluate_every is None:
+        evaluate_every = job.train.eval_every or datasets.steps_per_epoch(built.dataset.n_train, world,
+                                                                        job.train.batch_size)
+    return run_loop(built, exchange, rank=rank, world=world, evaluate_every=evaluate_every if lead else 0,
+                    final_evaluation=lead, progress=progress and lead, desc=f"allreduce rank {rank}",
+                    metrics_path=metrics_path if lead else None, delay=delay)

@@ -1,0 +1,218 @@
+"""The one training loop, shared by every mode, and the exchange that tells the modes apart.
+
+Each step: the weights to compute with (:meth:`Exchange.weights`), the gradient of this process's
+next batch (the only ``loss_and_grads`` of training), then the gradient handed on
+(:meth:`Exchange.exchange`).  What an exchange does with it is the mode:
+
+- :class:`psgd.train.LocalExchange`: applies the optimizer in this process (the reference trainer);
+- :class:`psgd.worker.exchange.ParameterServerExchange`: pulls from and pushes to the shards;
+- :class:`psgd.collective.exchange.AllReduceExchange`: averages with the other ranks, then applies
+  the optimizer on every rank.
+
+Everything else is written here once: the batches of this rank's data shard, when to evaluate
+(before a step, on the weights it computes with, and once after the last step where this process
+holds the final weights), the metrics lines, the progress bar or log lines, the injected straggler
+delay, the stop event and the result.
+
+The straggler delay (``--delay``, :mod:`psgd.delay`) means the same in every mode: after a
+step's exchange the process sleeps, and ``slowdown:K`` makes the whole step (weights in, gradient,
+exchange out, with any waiting for the others) take K times as long as it did.
+
+Metrics lines (``--metrics FILE``, one JSON object a line, with ``time``, ``role``, ``event``):
+``step`` after every step (``clock``: the step's index from 0, ``epoch``, ``loss``, ``wall``,
+``delay``, and what the exchange adds, e.g. ``version`` and ``staleness``); ``eval`` after every
+evaluation (``step``: the steps done, ``epoch``, ``wall``, ``train_loss``, ``test_loss``,
+``test_accuracy``); ``done`` at the end (``steps``, ``clock``, ``seconds``, the exchange's summary).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from psgd import data as datasets
+from psgd import model as models
+from psgd import xp as backend
+from psgd.metrics import MetricsLog, progress_bar
+from psgd.delay import NO_DELAY, Delay
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(
+    model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
+    device: backend.Device, batch_size: int = 1024,
+) -> tuple[float, float]:
+    """Mean loss and accuracy of ``params`` on (x, y), in batches."""
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(x), batch_size):
+        xb = device.asarray(x[start:start + batch_size])
+        yb_host = y[start:start + batch_size]
+        loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
+        scores = backend.to_host(model.predict(params, xb))
+        total_loss += float(loss) * len(yb_host)
+        correct += int((scores.argmax(axis=1) == yb_host).sum())
+    n = max(len(x), 1)
+    return total_loss / n, correct / n
+
+
+class Interrupted(Exception):
+    """Raised by an exchange when the stop event ended a step half-way (the step is not counted)."""
+
+
+@dataclasses.dataclass
+class Exchanged:
+    """What an exchange says about one step: the next step to compute, and fields for its record."""
+
+    next_step: int
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # for ``on_step`` only
+
+
+class Exchange(abc.ABC):
+    """How one process's gradients become new weights.  Subclasses hold any connection they need."""
+
+    #: who writes the metrics lines, e.g. ``local``, ``worker:0``, ``allreduce:1``
+    role: str = "local"
+    #: who logs, in words: ``local``, ``worker 0``, ``rank 1``
+    name: str = "local"
+
+    def begin(self) -> int:
+        """Join the job; returns the first step to compute (a parameter-server worker resumes)."""
+        return 0
+
+    @abc.abstractmethod
+    def weights(self, step: int) -> Mapping[str, Any]:
+        """The weights (on the device) to compute step ``step``'s gradient with."""
+
+    @abc.abstractmethod
+    def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
+        """Hand on step ``step``'s gradients (device arrays, by variable name)."""
+
+    def end(self, interrupted: bool) -> dict[str, Any]:
+        """Leave the job (``interrupted``: the stop event ended it early); returns summary fields."""
+        return {}
+
+    def final_weights(self) -> Mapping[str, Any] | None:
+        """The weights after the last step, where this process holds them (None: it does not)."""
+        return None
+
+
+@dataclasses.dataclass
+class LoopResult:
+    rank: int
+    steps: int                  # steps this process computed
+    final_clock: int            # the step it would compute next
+    seconds: float
+    last_loss: float
+    test_loss: float            # of the final weights, where evaluated; NaN otherwise
+    test_accuracy: float
+    history: list[dict[str, Any]]          # the evaluation records
+    params: dict[str, np.ndarray] | None   # host copies of the final weights, where this process holds them
+    summary: dict[str, Any]                # the exchange's: push outcomes, seconds in the collective, ...
+
+
+def run_loop(
+    built: Any,
+    exchange: Exchange,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    evaluate_every: int = 0,
+    final_evaluation: bool = True,
+    progress: bool = True,
+    desc: str = "train",
+    metrics_path: str | None = None,
+    delay: Delay = NO_DELAY,
+    stop: threading.Event | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> LoopResult:
+    """Train ``built`` (a :class:`psgd.train.Job`) as ``rank`` of ``world`` through ``exchange``.
+
+    ``evaluate_every`` (steps, 0: never) evaluates the weights before each step whose index is a
+    multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.
+    ``on_step`` gets each step's record plus the exchange's timings (e.g. to feed a metrics endpoint).
+    When ``stop`` is set, the step in hand is finished (or interrupted) and the loop ends early.
+    """
+    ds, model, device, t = built.dataset, built.model, built.device, built.config.train
+    batches = datasets.ShardedBatches(ds.x_train, ds.y_train, rank=rank, world=world,
+                                      batch_size=t.batch_size, seed=t.seed)
+    spe = batches.steps_per_epoch
+    total = spe * t.epochs
+    metrics = MetricsLog(metrics_path, role=exchange.role)
+    history: list[dict[str, Any]] = []
+    slow = delay.applies_to(rank)
+    delay_rng = np.random.default_rng([t.seed, rank, 7])
+    loss, acc, test_loss = float("nan"), float("nan"), float("nan")
+    steps, step, interrupted = 0, 0, False
+    start = time.perf_counter()  # again once joined: wall times count from the first step
+
+    def evaluation(params: Mapping[str, Any], done: int) -> None:
+        nonlocal acc, test_loss
+        test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
+        point = {"step": done, "epoch": done // spe, "wall": time.perf_counter() - start,
+                 "train_loss": float(loss), "test_loss": test_loss, "test_accuracy": acc}
+        history.append(point)
+        metrics.write("eval", **point)
+        if not progress:  # no bar to show it: one line per evaluation, for logs
+            log.info("%s: epoch %d/%d, step %d/%d: test accuracy %.4f, train loss %.4f",
+                     exchange.name, done // spe, t.epochs, done, total, acc, loss)
+
+    with progress_bar(total, desc, enabled=progress) as bar:
+        try:
+            step = exchange.begin()
+            start = time.perf_counter()
+            bar.update(step)
+            while step < total:
+                if stop is not None and stop.is_set():
+                    log.info("%s: stopping at step %d as asked; the next start continues from here",
+                             exchange.name, step)
+                    interrupted = True
+                    break
+                epoch, i = divmod(step, spe)
+                idx = batches.indices(epoch)[i]
+                began = time.perf_counter()
+                params = exchange.weights(step)
+                fetched = time.perf_counter()
+                evaluated = bool(evaluate_every) and step > 0 and step % evaluate_every == 0
+                if evaluated:
+                    evaluation(params, step)
+                loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
+                                                   device.asarray(ds.y_train[idx]))
+                computed = time.perf_counter()
+                out = exchange.exchange(step, grads)
+                pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
+                if pause:
+                    time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
+                steps += 1
+                point = {"clock": step, "epoch": epoch, "loss": float(loss), **out.fields,
+                         "wall": time.perf_counter() - start, "delay": pause}
+                metrics.write("step", **point)
+                if on_step:
+                    on_step({**point, **({"test_accuracy": acc} if evaluated else {}),
+                             "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
+                             **out.timings})
+                bar.update(out.next_step - step)
+                bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
+                step = out.next_step
+        except Interrupted as exc:
+            interrupted = True
+            log.info("%s: stopping at step %d as asked (%s); the next start continues from here",
+                     exchange.name, step, exc)
+        summary = exchange.end(interrupted)
+    final = exchange.final_weights()
+    backend.synchronize(device)
+    seconds = time.perf_counter() - start
+    if final is not None and final_evaluation and not interrupted:
+        evaluation(final, step)
+    metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary,
+                  **({"test_loss": test_loss, "test_accuracy": acc} if history else {}))
+    metrics.close()
+    host = {name: backend.to_host(v) for name, v in final.items()} if final is not None else None
+    return LoopResult(rank, steps, step, seconds, float(loss), test_loss, acc, history, host, summary)

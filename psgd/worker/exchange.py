@@ -1,0 +1,143 @@
+"""A parameter-server worker: the one loop (:mod:`psgd.loop`) with the shards as its exchange.
+
+Each step pulls the weights for the worker's clock from every shard, and pushes the gradient back;
+the shards apply it under the job's policy.  The worker joins at the clock the shards hold (a
+restarted worker continues where the job is), and when the shards say a clock is already past, it
+skips ahead to the smallest clock any shard expects next.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from psgd import data as datasets
+from psgd import xp as backend
+from psgd.config import JobConfig
+from psgd.delay import NO_DELAY, Delay
+from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
+from psgd.partition import PartitionPlan
+from psgd.tls import NO_TLS, TLSFiles
+from psgd.train import Job, build_job
+from psgd.worker.client import PSClient, PSError, Stopped
+
+log = logging.getLogger(__name__)
+
+
+class ParameterServerExchange(Exchange):
+    """Pull from and push to every shard through ``client`` (a :class:`PSClient`, entered)."""
+
+    def __init__(self, built: Job, client: PSClient, plan: PartitionPlan, rank: int,
+                 stop: threading.Event | None = None):
+        self.built, self.client, self.plan, self.rank, self.stop = built, client, plan, rank, stop
+        self.role, self.name = f"worker:{rank}", f"worker {rank}"
+        self.host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
+        self.outcomes: dict[str, int] = {}
+        self.joined = False
+        self.versions: list[int] = []
+        self.pull_seconds = 0.0
+
+    def _stopping(self, exc: PSError) -> None:
+        """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
+        if isinstance(exc, Stopped) or (self.stop is not None and self.stop.is_set()):
+            raise Interrupted(str(exc)) from None
+
+    def begin(self) -> int:
+        c, t, ds = self.built.config.cluster, self.built.config.train, self.built.dataset
+        try:
+            self.client.wait_ready(c.join_timeout)
+        except Stopped as exc:
+            raise Interrupted(f"{exc}; leaving before it joined") from None
+        clock = self.client.register()
+        self.joined = True
+        self.client.start_heartbeats()
+        spe = datasets.steps_per_epoch(ds.n_train, c.workers, t.batch_size)
+        log.info("worker %d of %d: %d steps of batch %d (%d per epoch), starting at clock %d, %s",
+                 self.rank, c.workers, spe * t.epochs, t.batch_size, spe, clock, ds.describe())
+        return clock
+
+    def weights(self, step: int) -> Mapping[str, Any]:
+        began = time.perf_counter()
+        try:
+            self.versions = self.client.pull(step, self.host)
+        except PSError as exc:
+            self._stopping(exc)
+            raise
+        self.pull_seconds = time.perf_counter() - began
+        device = self.built.device
+        return {k: device.asarray(v) for k, v in self.host.items()}
+
+    def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
+        began = time.perf_counter()
+        try:
+            replies = self.client.push(step, {k: backend.to_host(g) for k, g in grads.items()})
+        except PSError as exc:
+            self._stopping(exc)
+            raise
+        pushed = time.perf_counter()
+        for r in replies:
+            self.outcomes[r.outcome] = self.outcomes.get(r.outcome, 0) + 1
+        # The smallest clock any shard expects next (never behind this one): skipping a clock on a
+        # shard that is behind would leave its sync round waiting for this worker forever.
+        new_clock = self.client.clock = max(step + 1, min(r.next_clock for r in replies))
+        return Exchanged(new_clock, {"version": max(self.versions), "staleness": max(r.staleness for r in replies)},
+                         {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
+                          "bytes": 2 * self.plan.total_bytes, "outcomes": [r.outcome for r in replies]})
+
+    def end(self, interrupted: bool) -> dict[str, Any]:
+        if self.joined:
+            try:
+                self.client.done()
+            except PSError as exc:
+                if not interrupted and (self.stop is None or not self.stop.is_set()):
+                    raise
+                # Stopped together with its shards (docker compose down): they are not there to hear it.
+                log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
+        return {"outcomes": dict(self.outcomes)}
+
+
+def run_worker(
+    job: JobConfig,
+    rank: int,
+    addresses: Sequence[str],
+    *,
+    dataset: datasets.Dataset | None = None,
+    progress: bool = True,
+    metrics_path: str | None = None,
+    evaluate_every: int | None = None,
+    delay: Delay = NO_DELAY,
+    on_step: Callable[[dict], None] | None = None,
+    token: str = "",
+    stop: threading.Event | None = None,
+    tls: TLSFiles = NO_TLS,
+) -> LoopResult:
+    """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
+
+    ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
+    others) evaluates the pulled weights on the test split.  ``delay`` slows
+    this worker down, to play a straggler in experiments.  ``on_step`` is
+    called with each step's record (the JSONL fields plus ``pull_seconds``,
+    ``push_seconds`` and ``bytes``), e.g. to feed a metrics endpoint.
+    ``token`` is the job's shared secret.  When ``stop`` is set (SIGTERM), the
+    worker finishes the step in hand, pushes it, and leaves.
+    """
+    built = build_job(job, dataset, check=True)
+    c, t = job.cluster, job.train
+    if not 0 <= rank < c.workers:
+        raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
+    spe = datasets.steps_per_epoch(built.dataset.n_train, c.workers, t.batch_size)
+    if evaluate_every is None:
+        evaluate_every = (t.eval_every or spe) if rank == 0 else 0
+    plan = PartitionPlan(built.model.specs(), c.shards, c.slice_bytes)
+    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=job) as client:
+        result = run_loop(built, ParameterServerExchange(built, client, plan, rank, stop), rank=rank,
+                          world=c.workers, evaluate_every=evaluate_every, progress=progress, desc=f"worker {rank}",
+                          metrics_path=metrics_path, delay=delay, stop=stop, on_step=on_step)
+    log.info("worker %d done: %d steps in %.1fs (%s)", rank, result.steps, result.seconds,
+             ", ".join(f"{k} {v}" for k, v in sorted(result.summary["outcomes"].items())))
+    return result
