@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from psgd.bench.comm import main
+from psgd.cli.main import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "comm", *sys.argv[1:]]))

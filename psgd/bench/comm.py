@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
-from psgd.parsing import Parser
 
 MB = 1_000_000
 PY = sys.executable
@@ -226,7 +225,7 @@ PARTS = ("headline", "sweep", "grid", "variants", "latency", "optimizer", "memor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``psgd bench comm`` and ``benchmarks/comm.py``)."""
+    """The benchmark's flags (``psgd bench comm``; ``benchmarks/comm.py`` runs the same command)."""
     parser.add_argument("--sizes-mb", default="1,4,16,40,100,400", metavar="LIST",
                         help="model sizes in MB (10^6 bytes) for the one-worker, one-shard sweep "
                              "(default 1,4,16,40,100,400)")
@@ -424,17 +423,3 @@ def _scale(result: dict, tmp: str, say) -> None:
     say(f"scale check: {size // 4 / 1e6:.0f}M parameters over 4 shards (momentum): {worker['steps']} steps "
         f"in {worker['seconds']:.1f}s, worker peak {worker['peak_rss_mb']:.0f} MB, shards peak "
         + ", ".join(f"{r:.0f}" for r in shards) + " MB")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from psgd.cli.common import run_command
-
-    parser = Parser(prog="psgd bench comm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_command("psgd bench comm", lambda: (run_from_args(args), 0)[1])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,7 +33,6 @@ from psgd import threads
 from psgd.bench.config import PRESETS, LabConfig, Policy, Scenario, preset
 from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)
-from psgd.parsing import Parser
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +261,7 @@ def summarize(points: list[dict], target: float, train_seconds: float) -> dict:
 # -- command line -------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The lab's flags (shared by ``psgd bench convergence`` and ``benchmarks/convergence.py``)."""
+    """The lab's flags (``psgd bench convergence``; ``benchmarks/convergence.py`` runs the same command)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="starting configuration: default (MLP on digits, 4 workers, 2 shards, every policy, "
                              "no straggler and worker 0 4x slower), quick (a few seconds a run, for CI) or "
@@ -329,16 +328,3 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(Path(result.files["table"]).read_text())
     print(f"{len(result.runs)} runs in {result.seconds:.0f}s; wrote {', '.join(sorted(result.files.values()))}")
     return 1 if any(r.error for r in result.runs) else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from psgd.cli.common import run_command
-    from psgd.logs import setup_logging
-
-    parser = Parser(prog="psgd bench convergence", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    setup_logging("lab", -1)
-    return run_command("psgd bench convergence", lambda: run_from_args(args))
-

@@ -701,7 +701,7 @@ def plot(result: dict, path: Path) -> None:
 
 # -- command line ---------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags (shared by ``psgd bench scaling`` and ``benchmarks/scaling.py``)."""
+    """The benchmark's flags (``psgd bench scaling``; ``benchmarks/scaling.py`` runs the same command)."""
     parser.add_argument("--widths", metavar="LIST",
                         help="MLP hidden widths, comma-separated (default " + ",".join(map(str, WIDTHS)) +
                              "; quick 64,512)")
@@ -741,19 +741,3 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"{len(result['runs'])} runs in {result['seconds']:.0f}s; wrote "
           f"{', '.join(sorted(result['files'].values()))}")
     return 1 if any(r.get("error") for r in result["runs"]) else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from psgd.cli.common import run_command
-    from psgd.logs import setup_logging
-
-    parser = argparse.ArgumentParser(prog="psgd bench scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    setup_logging("bench", -1)
-    return run_command("psgd bench scaling", lambda: run_from_args(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

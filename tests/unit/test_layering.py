@@ -1,0 +1,50 @@
+"""Which parts of psgd may import which: the layers point one way (read from the source with ``ast``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PSGD = Path(__file__).resolve().parents[2] / "psgd"
+
+
+def imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((PSGD / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", modules("bench"), ids=lambda p: p.name)
+def test_benchmarks_do_not_import_the_command_line(path):
+    """psgd/cli parses and calls the library; the benchmarks are library code that cli calls."""
+    assert not {m for m in imported(path) if m == "psgd.cli" or m.startswith("psgd.cli.")}, path
+
+
+@pytest.mark.parametrize("path", [PSGD / "server" / "core.py", PSGD / "loop.py"], ids=lambda p: p.name)
+def test_the_shard_core_and_the_loop_know_no_transport(path):
+    assert not imported(path) & {"grpc", "socket", "psgd.proto", "psgd.worker.client"}, path
+
+
+def test_the_loop_is_the_only_training_loop():
+    """One place outside the models computes a training step's gradient: psgd/loop.py."""
+    calls = []
+    for path in sorted(PSGD.rglob("*.py")):
+        if "model" in path.relative_to(PSGD).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("loss_and_grads", "loss_grads_and_dx"):
+                calls.append(f"{path.relative_to(PSGD)}:{node.lineno}")
+    # the loss of an evaluation (psgd.loop.evaluate), and the step of the one loop (psgd.loop.run_loop)
+    assert [c.split(":")[0] for c in calls] == ["loop.py", "loop.py"], calls
