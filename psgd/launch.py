@@ -446,11 +446,11 @@ def _wait_for_job(local: list[str], children: Children, servers: list[_Proc], de
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
     import grpc
 
+    from psgd.channel import open_channel, token_metadata
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
-    token = os.environ.get("PSGD_TOKEN", "")
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    channels = [grpc.insecure_channel(a) for a in local]
+    metadata = token_metadata(os.environ.get("PSGD_TOKEN", ""))
+    channels = [open_channel(a) for a in local]
     try:
         stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
         while True:
@@ -476,7 +476,9 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
     """Wait until the shard at ``address`` (node 0's shard 0) stops serving: node 0 has read the weights."""
     import grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from psgd.channel import open_channel
+
+    with open_channel(address) as channel:
         while time.monotonic() < deadline:
             try:
                 grpc.channel_ready_future(channel).result(timeout=0.5)

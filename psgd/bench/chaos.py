@@ -701,11 +701,12 @@ class Cluster:
             return self._status_command(timeout)
         import grpc
 
+        from psgd.channel import open_channel
         from psgd.proto import ps_pb2, ps_pb2_grpc
 
         out: list[dict | None] = []
         for address in self.binds:
-            with grpc.insecure_channel(address) as channel:
+            with open_channel(address) as channel:
                 try:
                     reply = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=timeout)
                 except grpc.RpcError:

@@ -32,14 +32,13 @@ from typing import Any, Sequence
 
 import grpc
 
+from psgd.channel import open_channel, token_metadata
+from psgd.tls import TLSFiles
+
 SERVICE_NAME = "psgd.v1.ParameterServer"
 TOKEN_ENV = "PSGD_TOKEN"
 HEALTH_ENV = "PSGD_HEALTH_ADDRESS"
 DEFAULT_HEALTH_ADDRESS = "127.0.0.1:50051"
-#: gRPC metadata that carries the job's shared token: ``authorization: Bearer TOKEN``.
-TOKEN_METADATA_KEY = "authorization"
-
-
 # -- connecting ----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Connect:
@@ -53,26 +52,14 @@ class Connect:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((TOKEN_METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
+        return token_metadata(self.token)
 
     @property
-    def tls(self) -> bool:
-        return bool(self.tls_ca or self.tls_cert)
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert or None, self.tls_key or None, self.tls_ca or None)
 
     def channel(self, address: str) -> grpc.Channel:
-        if not self.tls:
-            return grpc.insecure_channel(address)
-        def read(path: str) -> bytes | None:
-            try:
-                return open(path, "rb").read() if path else None
-            except OSError as exc:
-                from psgd.config import ConfigError
-
-                raise ConfigError(f"cannot read TLS file {path}: {exc.strerror or exc}") from None
-
-        creds = grpc.ssl_channel_credentials(root_certificates=read(self.tls_ca), private_key=read(self.tls_key),
-                                             certificate_chain=read(self.tls_cert))
-        return grpc.secure_channel(address, creds)
+        return open_channel(address, self.tls)
 
 
 def add_connect_arguments(parser: argparse.ArgumentParser) -> None:

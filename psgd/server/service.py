@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd import status
+from psgd.channel import TOKEN_METADATA_KEY
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore, ShardError
@@ -163,7 +164,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
             return continuation(handler_call_details)  # health checks stay open, as orchestrators expect
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
+            if key == TOKEN_METADATA_KEY:
                 given = value.encode() if isinstance(value, str) else value
                 if hmac.compare_digest(given, self._expected):
                     return continuation(handler_call_details)

@@ -24,12 +24,13 @@ import grpc
 import numpy as np
 
 from psgd import status, wire
+from psgd.channel import open_channel, token_metadata
 from psgd.config import JobConfig
 from psgd.job import identity as job_identity
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.wire import CHANNEL_OPTIONS, WireError, chunks
+from psgd.wire import WireError, chunks
 from psgd.worker.datapath import DataConnection, DataStatus
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,7 @@ class PSClient:
         self.request_timeout = request_timeout
         self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
         self.tls = tls
-        if tls.enabled:
-            creds = tls.channel_credentials()
-            self.channels = [grpc.secure_channel(a, creds, options=CHANNEL_OPTIONS) for a in self.addresses]
-        else:
-            self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
+        self.channels = [open_channel(a, tls) for a in self.addresses]
         self.stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self.channels]
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         self.versions = [0] * plan.num_shards
@@ -91,7 +88,7 @@ class PSClient:
         self._beat: threading.Thread | None = None
         self.clock = 0
         self.token = token
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = token_metadata(token)
         self.data_path = data_path
         self.data_ports = [0] * plan.num_shards
         self._data: list[DataConnection | None] = [None] * plan.num_shards

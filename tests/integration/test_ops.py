@@ -406,6 +406,6 @@ def test_doctor_and_status_with_tls(tmp_path, capsys):
         assert main(["doctor", "-c", path, "--tls-ca", ca, "--tls-cert", cert, "--tls-key", str(garbage)]) == 1
         assert "do not load together" in capsys.readouterr().out
         assert main(["status", server.address, "--tls-ca", str(tmp_path / "missing.pem")]) == 2
-        assert "cannot read TLS file" in capsys.readouterr().err
+        assert f"--tls-ca {tmp_path / 'missing.pem'}: No such file or directory" in capsys.readouterr().err
     finally:
         server.stop(grace=1.0)

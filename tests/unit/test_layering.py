@@ -21,6 +21,18 @@ def imported(path: Path) -> set[str]:
     return found
 
 
+def method_calls(names: tuple[str, ...], outside: str) -> list[str]:
+    """``path:line`` of every call of a method named in ``names`` in psgd/, but under psgd/``outside``/."""
+    found = []
+    for path in sorted(PSGD.rglob("*.py")):
+        if path.relative_to(PSGD).parts[0] == outside:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+                found.append(f"{path.relative_to(PSGD)}:{node.lineno}")
+    return found
+
+
 def modules(package: str) -> list[Path]:
     return sorted((PSGD / package).rglob("*.py"))
 
@@ -38,13 +50,13 @@ def test_the_shard_core_and_the_loop_know_no_transport(path):
 
 def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/loop.py."""
-    calls = []
-    for path in sorted(PSGD.rglob("*.py")):
-        if "model" in path.relative_to(PSGD).parts[:1]:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in ("loss_and_grads", "loss_grads_and_dx"):
-                calls.append(f"{path.relative_to(PSGD)}:{node.lineno}")
+    calls = method_calls(("loss_and_grads", "loss_grads_and_dx"), outside="model")
     # the loss of an evaluation (psgd.loop.evaluate), and the step of the one loop (psgd.loop.run_loop)
     assert [c.split(":")[0] for c in calls] == ["loop.py", "loop.py"], calls
+
+
+def test_channels_to_shards_are_opened_in_one_place():
+    """psgd/channel.py opens every gRPC channel (TLS, message limits); the comm benchmark's bare echo
+    server, gRPC without psgd, is its baseline."""
+    opened = method_calls(("insecure_channel", "secure_channel"), outside="proto")
+    assert sorted({c.split(":")[0] for c in opened}) == ["bench/comm.py", "channel.py"], opened
