@@ -31,7 +31,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
     from psgd.config import JobConfig, to_toml
     from psgd.partition import PartitionPlan
     from psgd.loop import evaluate
-    from psgd.train import build_job, params_to_device
+    from psgd.job import build_job, params_to_device
     from psgd.worker.client import PSClient, fetch_weights
 
     run = Path(folder or tempfile.mkdtemp(prefix="psgd-soak-"))

@@ -68,7 +68,7 @@ class Exported:
 
 def job_plan(job: JobConfig) -> PartitionPlan:
     """The partition plan every process of ``job`` derives (builds the model, so loads the dataset)."""
-    from psgd.train import build_job
+    from psgd.job import build_job
 
     return PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.slice_bytes)
 
@@ -397,7 +397,7 @@ def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec]) -> dict[str,
 def evaluate_file(job: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``job``."""
     from psgd.loop import evaluate
-    from psgd.train import build_job, params_to_device
+    from psgd.job import build_job, params_to_device
 
     built = build_job(job)
     weights = load_weights(path, built.model.specs())

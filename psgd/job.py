@@ -1,4 +1,8 @@
-"""A job's identity: everything the processes of one job must agree on, and its fingerprint.
+"""A job assembled from its job file (dataset, model, device, optimizer), and its identity:
+everything the processes of one job must agree on, and its fingerprint.
+
+:func:`build_job` is the one place that turns a :class:`~psgd.config.JobConfig` into the objects
+every process trains or serves with.
 
 Every shard and worker derives the same identity from its job file and the
 partition plan: the plan's hash, the consistency policy and its options, the
@@ -12,11 +16,22 @@ shard's checkpoints live under ``DIR/<fingerprint>/shard-K``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
+import time
 from typing import Any, Mapping
 
+import numpy as np
+
+from psgd import data as datasets
+from psgd import model as models
+from psgd import optim
+from psgd import xp as backend
 from psgd.config import JobConfig
+
+log = logging.getLogger(__name__)
 
 #: The fields of an identity, in the order differences are reported.
 FIELDS = ("plan", "policy", "policy_options", "workers", "shards", "optimizer", "dtype")
@@ -55,3 +70,42 @@ def _show(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}={v}" for k, v in sorted(value.items())) + "}"
     return "missing" if value is None else str(value)
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything built from a job file: dataset, model and device."""
+
+    config: JobConfig
+    dataset: datasets.Dataset
+    model: models.Model
+    device: backend.Device
+
+
+def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False) -> Job:
+    """Load the dataset and build the model a job file describes (errors are one line each).
+
+    With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
+    (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
+    """
+    device = backend.get_device(config.train.device)
+    dtype = config.train.dtype
+    if dataset is None:
+        dataset = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
+    model = models.build_model(
+        config.model["name"], dataset.input_shape, dataset.num_classes, dtype=dtype, **config.options("model")
+    )
+    if check:
+        began = time.perf_counter()
+        models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
+                           name=config.model["name"], options=config.options("model"), device=device)
+        log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
+    return Job(config=config, dataset=dataset, model=model, device=device)
+
+
+def build_optimizer(config: JobConfig) -> optim.Optimizer:
+    return optim.build_optimizer(config.optimizer["name"], **config.options("optimizer"))
+
+
+def params_to_device(params: Mapping[str, np.ndarray], device: backend.Device) -> dict[str, Any]:
+    return {name: device.asarray(value) for name, value in params.items()}

@@ -383,7 +383,7 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
 
 def _evaluate(job: JobConfig, weights: dict) -> tuple[float, float]:
     from psgd.loop import evaluate
-    from psgd.train import build_job, params_to_device
+    from psgd.job import build_job, params_to_device
 
     built = build_job(job)
     params = params_to_device(weights, built.device)

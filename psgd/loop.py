@@ -133,7 +133,7 @@ def run_loop(
     stop: threading.Event | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoopResult:
-    """Train ``built`` (a :class:`psgd.train.Job`) as ``rank`` of ``world`` through ``exchange``.
+    """Train ``built`` (a :class:`psgd.job.Job`) as ``rank`` of ``world`` through ``exchange``.
 
     ``evaluate_every`` (steps, 0: never) evaluates the weights before each step whose index is a
     multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.

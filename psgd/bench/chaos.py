@@ -571,7 +571,7 @@ class Cluster:
         from psgd.config import JobConfig, to_toml
         from psgd.data.sharding import steps_per_epoch
         from psgd.partition import PartitionPlan
-        from psgd.train import build_job
+        from psgd.job import build_job
 
         self.spec, self.folder, self.net = spec, folder, net
         job = JobConfig()
@@ -756,7 +756,7 @@ class Cluster:
 
     def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
         from psgd.loop import evaluate
-        from psgd.train import params_to_device
+        from psgd.job import params_to_device
 
         b = self.built
         return float(evaluate(b.model, params_to_device(weights, b.device), b.dataset.x_test, b.dataset.y_test,

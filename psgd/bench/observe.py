@@ -62,7 +62,7 @@ class Evaluator:
 
     def __init__(self, job: JobConfig):
         from psgd.partition import PartitionPlan
-        from psgd.train import build_job
+        from psgd.job import build_job
 
         built = build_job(job)
         self.job, self.model, self.dataset, self.device = job, built.model, built.dataset, built.device
@@ -73,7 +73,7 @@ class Evaluator:
     def __call__(self, weights: dict) -> tuple[float, float]:
         """(test loss, test accuracy) of ``weights``."""
         from psgd.loop import evaluate
-        from psgd.train import params_to_device
+        from psgd.job import params_to_device
 
         params = params_to_device(weights, self.device)
         return evaluate(self.model, params, self.dataset.x_test, self.dataset.y_test, self.device,
@@ -100,7 +100,7 @@ _GRADIENT_TIMER = """
 import sys, time
 import numpy as np
 from psgd.config import JobConfig
-from psgd.train import build_job
+from psgd.job import build_job
 job = JobConfig.load(sys.argv[1])
 built = build_job(job)
 params = built.model.init(job.train.seed)

@@ -529,7 +529,7 @@ class Doctor:
         """The partition plan's hash as this job file makes it (None when it cannot be built here)."""
         from psgd.config import JobConfig
         from psgd.partition import PartitionPlan
-        from psgd.train import build_job
+        from psgd.job import build_job
 
         c = self.job.cluster
         try:

@@ -22,7 +22,7 @@ from psgd.config import JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.partition import PartitionPlan
-from psgd.train import Job, build_job, build_optimizer, params_to_device
+from psgd.job import Job, build_job, build_optimizer, params_to_device
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ def build_shard(job, shard: int, dataset=None) -> ShardCore:
     from psgd.config import ConfigError
     from psgd.job import identity
     from psgd.partition import PartitionPlan
-    from psgd.train import build_job
+    from psgd.job import build_job
 
     built = build_job(job, dataset)
     c = job.cluster

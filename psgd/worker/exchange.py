@@ -22,7 +22,7 @@ from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
 from psgd.partition import PartitionPlan
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.train import Job, build_job
+from psgd.job import Job, build_job
 from psgd.worker.client import PSClient, PSError, Stopped
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from psgd.bench.chaos import (KINDS, Planner, check_counters, check_exactly_once
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.server import checkpoint
-from psgd.train import build_job
+from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 

@@ -129,7 +129,7 @@ def run_demo(deploy: Path, image: str, tmp_path: Path, *, drill: bool) -> dict:
         figures["final_versions"] = [int(v) for v in versions[-1]]
         figures["output"] = up.log.read_text(errors="replace")
         if not drill:  # the model leaves the volume as the README says, and tests the same outside
-            p("cp", "result:/var/lib/psgd/model.npz", str(tmp_path / "model.npz"), timeout=60)
+            p("cp", "result:/var/lib/psgd/checkpoints/model.npz", str(tmp_path / "model.npz"), timeout=60)
             here = subprocess.run(["psgd", "eval", "-c", str(deploy / env["PSGD_JOB_FILE"]), "--json",
                                    str(tmp_path / "model.npz")], capture_output=True, text=True, timeout=120)
             assert here.returncode == 0, here.stderr

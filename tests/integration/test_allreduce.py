@@ -18,7 +18,8 @@ import pytest
 from helpers import make_job, run_threads, shards
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
-from psgd.train import build_job, train_local
+from psgd.job import build_job
+from psgd.train import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 

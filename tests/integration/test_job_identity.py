@@ -18,7 +18,7 @@ from psgd.partition import PartitionPlan
 from psgd.server import build_shard
 from psgd.server.core import ShardCore
 from psgd.server.service import ShardServer
-from psgd.train import build_job
+from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.datapath import DataStatus
 from psgd.worker.exchange import run_worker

@@ -92,7 +92,7 @@ import json, sys
 from psgd.config import JobConfig
 from psgd.partition import PartitionPlan
 from psgd.loop import evaluate
-from psgd.train import build_job
+from psgd.job import build_job
 from psgd.worker.client import fetch_weights
 job = JobConfig.load(sys.argv[1])
 built = build_job(job)

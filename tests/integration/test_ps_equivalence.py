@@ -12,7 +12,8 @@ import pytest
 
 from psgd.partition import PartitionPlan
 from psgd.server.core import ShardCore
-from psgd.train import build_job, train_local
+from psgd.job import build_job
+from psgd.train import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 

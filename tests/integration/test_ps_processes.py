@@ -17,7 +17,7 @@ from helpers import wait_for
 
 from psgd.config import JobConfig, to_toml
 from psgd.partition import PartitionPlan
-from psgd.train import build_job
+from psgd.job import build_job
 from psgd.worker.client import PSClient
 
 PY = sys.executable

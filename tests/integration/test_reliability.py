@@ -21,7 +21,7 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.loop import evaluate
-from psgd.train import build_job, params_to_device
+from psgd.job import build_job, params_to_device
 from psgd.worker.client import PSClient, PSError, fetch_weights
 from psgd.worker.datapath import DataConnection, DataStatus
 from psgd.worker.exchange import run_worker

@@ -14,7 +14,7 @@ from psgd.partition import PartitionPlan
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.tls import TLSFiles
-from psgd.train import build_job
+from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 

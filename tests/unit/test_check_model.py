@@ -20,7 +20,8 @@ from psgd import xp as backend
 from psgd.config import JobConfig
 from psgd.model import BaseModel, ModelError, VarSpec, build_model, check_model, run_checks
 from psgd.model.losses import softmax_cross_entropy
-from psgd.train import build_job, train_local
+from psgd.job import build_job
+from psgd.train import train_local
 from psgd.xp import get_array_module
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import make_job
 from psgd.partition import PartitionPlan
-from psgd.train import build_job
+from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 
 

@@ -11,11 +11,10 @@ import pytest
 
 from psgd import export
 from psgd.export import ExportError
-from psgd.job import fingerprint, identity
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard, checkpoint
 from psgd.server.core import ShardCore
-from psgd.train import build_job
+from psgd.job import build_job, fingerprint, identity
 
 from helpers import make_job
 
