@@ -124,7 +124,7 @@ def run_loop(
     *,
     rank: int = 0,
     world: int = 1,
-    evaluate_every: int = 0,
+    evaluate_every: int | None = None,
     final_evaluation: bool = True,
     progress: bool = True,
     desc: str = "train",
@@ -135,8 +135,8 @@ def run_loop(
 ) -> LoopResult:
     """Train ``built`` (a :class:`psgd.job.Job`) as ``rank`` of ``world`` through ``exchange``.
 
-    ``evaluate_every`` (steps, 0: never) evaluates the weights before each step whose index is a
-    multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.
+    ``evaluate_every`` (steps; 0: never; default: the job's ``eval_every``, else once per epoch)
+    evaluates the weights before each step whose index is a multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.
     ``on_step`` gets each step's record plus the exchange's timings (e.g. to feed a metrics endpoint).
     When ``stop`` is set, the step in hand is finished (or interrupted) and the loop ends early.
     """
@@ -145,12 +145,15 @@ def run_loop(
                                       batch_size=t.batch_size, seed=t.seed)
     spe = batches.steps_per_epoch
     total = spe * t.epochs
+    if evaluate_every is None:
+        evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)
     history: list[dict[str, Any]] = []
     slow = delay.applies_to(rank)
     delay_rng = np.random.default_rng([t.seed, rank, 7])
     loss, acc, test_loss = float("nan"), float("nan"), float("nan")
     steps, step, interrupted = 0, 0, False
+    cached_epoch, indices = -1, np.empty((0, t.batch_size), dtype=np.int64)  # this rank's batches of one epoch
     start = time.perf_counter()  # again once joined: wall times count from the first step
 
     def evaluation(params: Mapping[str, Any], done: int) -> None:
@@ -176,7 +179,9 @@ def run_loop(
                     interrupted = True
                     break
                 epoch, i = divmod(step, spe)
-                idx = batches.indices(epoch)[i]
+                if epoch != cached_epoch:  # the epoch's permutation, once per epoch rather than per step
+                    cached_epoch, indices = epoch, batches.indices(epoch)
+                idx = indices[i]
                 began = time.perf_counter()
                 params = exchange.weights(step)
                 fetched = time.perf_counter()

@@ -53,5 +53,4 @@ def train_local(
     spe = datasets.steps_per_epoch(built.dataset.n_train, 1, t.batch_size)
     log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], built.dataset.describe(),
              spe * t.epochs, t.batch_size, built.device)
-    return run_loop(built, LocalExchange(built), evaluate_every=t.eval_every or spe, progress=progress,
-                    metrics_path=metrics_path)
+    return run_loop(built, LocalExchange(built), progress=progress, metrics_path=metrics_path)

@@ -7,6 +7,7 @@ GPU machine that silently skips its GPU tests proves nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import textwrap
@@ -51,15 +52,12 @@ def docker_required() -> bool:
     return os.environ.get("PSGD_REQUIRE_DOCKER", "") not in ("", "0")
 
 
-_NO_DOCKER: list[str | None] = []
-
-
+@functools.cache
 def _why_no_docker() -> str | None:
     """Why tests marked ``docker`` cannot run here (asked once per session), or None."""
-    if not _NO_DOCKER:
-        import dockerlab
-        _NO_DOCKER.append(dockerlab.unavailable())
-    return _NO_DOCKER[0]
+    import dockerlab
+
+    return dockerlab.unavailable()
 
 
 def _why_no_gpu() -> str:

@@ -184,10 +184,14 @@ class Project:
     def logs(self, *services: str) -> str:
         return self.text("logs", "--no-color", "--no-log-prefix", *services, timeout=60)
 
+    def inspect(self, service: str, template: str) -> str:
+        """``docker inspect --format template`` of ``service``'s container, running or not."""
+        cid = self("ps", "-a", "-q", service, timeout=30).stdout.decode().strip()
+        return run(["docker", "inspect", "--format", template, cid], timeout=30).stdout.decode().strip()
+
     def host_pid(self, service: str) -> int:
         """The PID, on this machine, of the main process of ``service``'s container."""
-        cid = self("ps", "-q", service, timeout=30).stdout.decode().strip()
-        return int(run(["docker", "inspect", "--format", "{{.State.Pid}}", cid], timeout=30).stdout.decode())
+        return int(self.inspect(service, "{{.State.Pid}}"))
 
     def wait(self, what: str, ready: Callable[[], T | None], timeout: float, every: float = 1.0) -> T:
         """``until``, explaining a miss with the state of every service and the end of their logs."""

@@ -91,9 +91,6 @@ def run_allreduce(
     exchange = AllReduceExchange(built, collective, bucket_bytes)
     rank, world = collective.rank, collective.world_size
     lead = rank == 0
-    if evaluate_every is None:
-        evaluate_every = job.train.eval_every or datasets.steps_per_epoch(built.dataset.n_train, world,
-                                                                        job.train.batch_size)
     return run_loop(built, exchange, rank=rank, world=world, evaluate_every=evaluate_every if lead else 0,
                     final_evaluation=lead, progress=progress and lead, desc=f"allreduce rank {rank}",
                     metrics_path=metrics_path if lead else None, delay=delay)

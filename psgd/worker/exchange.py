@@ -126,12 +126,11 @@ def run_worker(
     worker finishes the step in hand, pushes it, and leaves.
     """
     built = build_job(job, dataset, check=True)
-    c, t = job.cluster, job.train
+    c = job.cluster
     if not 0 <= rank < c.workers:
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
-    spe = datasets.steps_per_epoch(built.dataset.n_train, c.workers, t.batch_size)
-    if evaluate_every is None:
-        evaluate_every = (t.eval_every or spe) if rank == 0 else 0
+    if evaluate_every is None and rank != 0:
+        evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
     plan = PartitionPlan(built.model.specs(), c.shards, c.slice_bytes)
     with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
                   wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=job) as client:

@@ -155,16 +155,11 @@ def kill_a_shard(p: dockerlab.Project) -> dict:
     restart_seconds = time.monotonic() - killed_at
     restored = re.findall(r"shard 1: restored version (\d+)", p.logs("shard-1"))
     assert restored, f"shard 1 did not restore a checkpoint:\n{p.logs('shard-1')[-3000:]}"
-    assert int(run_inspect(p, "shard-1", "{{.RestartCount}}")) == 1
+    assert int(p.inspect("shard-1", "{{.RestartCount}}")) == 1
     epoch_at_restart = epochs_done(p)
     p.wait("worker 0 training past the restart", lambda: epochs_done(p) > epoch_at_restart, timeout=180)
     return {"restart_seconds": restart_seconds, "version_seen_before_kill": before["version"],
             "restored_version": int(restored[-1]), "serving_at_version": after["version"]}
-
-
-def run_inspect(p: dockerlab.Project, service: str, template: str) -> str:
-    cid = p("ps", "-a", "-q", service, timeout=30).stdout.decode().strip()
-    return dockerlab.run(["docker", "inspect", "--format", template, cid], timeout=30).stdout.decode().strip()
 
 
 def test_compose_demo_trains_survives_a_killed_shard_and_leaves_nothing(repo_copy, psgd_image, tmp_path):
@@ -212,7 +207,7 @@ def test_two_machines_reach_the_shards_only_through_published_ports(repo_copy, p
             up.close()
         all_exited_cleanly(b, ("worker-0", "worker-1"))
         for worker in ("worker-0", "worker-1"):
-            networks = json.loads(run_inspect(b, worker, "{{json .NetworkSettings.Networks}}"))
+            networks = json.loads(b.inspect(worker, "{{json .NetworkSettings.Networks}}"))
             assert list(networks) == [f"{b_name}_psgd"], f"{worker} is on {list(networks)}"
         assert f"joining 2 shard(s) at {gateway}:50051, {gateway}:50053" in b.logs("worker-0")
         a.wait("both shards done and exited", lambda: all(
