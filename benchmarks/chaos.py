@@ -1,6 +1,6 @@
 """Chaos: shards and workers of running jobs are faulted, and invariants are checked after each fault.
 
-A thin script around the library in ``psgd/bench/chaos.py``: small jobs on the bundled digits (2 shards,
+A thin script around the library in ``psgd/bench/chaos/``: small jobs on the bundled digits (2 shards,
 2-3 workers, sync or async, data path on or off), each started as users start them, faulted (SIGKILL or
 SIGTERM and restart a shard, SIGKILL and restart a worker, SIGSTOP either, hostile connections, network
 cuts in namespaces when root, SIGTERM to everything), with the invariants checked after each fault.  The
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from psgd.bench.chaos import main
+from psgd.bench.chaos.suite import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Training speed against model width, workers and mode, as a user runs psgd, beside a 1-BLAS-thread peer.
 
-A thin script around ``psgd/bench/scaling.py`` (the same as ``psgd bench
+A thin script around ``psgd/bench/scaling/`` (the same as ``psgd bench
 scaling``); results and their reading are in ``benchmarks/RESULTS.md``.
 
     python benchmarks/scaling.py            # everything: about 15 minutes on 2 cores (an estimate)

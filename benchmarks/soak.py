@@ -86,7 +86,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
             else:
                 still = 0
             versions.append(now)
-            weights = fetch_weights(job.cluster.servers, plan, timeout=10)
+            weights = fetch_weights(job.cluster.servers, plan, request_timeout=10)
             loss, acc = evaluate(built.model, params_to_device(weights, built.device), built.dataset.x_test,
                                  built.dataset.y_test, built.device)
             losses.append((round(time.monotonic() - (end - seconds), 1), loss, acc))

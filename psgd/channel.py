@@ -1,12 +1,26 @@
-"""A gRPC channel to a shard, and the token every call to it carries: one place for every caller
-(a worker's client, ``psgd status``/``doctor``/``export``, the launcher, the benchmarks)."""
+"""A gRPC channel to a shard, the token every call to it carries, and the size of the messages on it:
+one place for every caller (a worker's links, ``psgd status``/``doctor``/``export``, the launcher, the
+benchmarks) and for the shard's gRPC server."""
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import grpc
 
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.wire import CHANNEL_OPTIONS
+
+#: Tensors travel over gRPC in chunks of this many bytes (a pull's TensorChunk, a push's).
+CHUNK_BYTES = 2 << 20
+#: Largest message either side accepts: one chunk plus its envelope.  Anything
+#: bigger is refused by gRPC itself with RESOURCE_EXHAUSTED.
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
 
 #: The gRPC metadata key that carries the job's shared token, as ``Bearer TOKEN``.
 TOKEN_METADATA_KEY = "authorization"
@@ -23,3 +37,13 @@ def open_channel(address: str, tls: TLSFiles = NO_TLS) -> grpc.Channel:
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries ``token`` (none without one)."""
     return ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[tuple[int, memoryview]]:
+    """(offset, piece) pairs covering ``data``; an empty buffer still yields one empty piece."""
+    view = memoryview(data).cast("B")
+    if len(view) == 0:
+        yield 0, view
+        return
+    for offset in range(0, len(view), size):
+        yield offset, view[offset:offset + size]

@@ -34,6 +34,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
+from psgd.policy import POLICIES
+
 DTYPES = ("float32", "float64")
 
 
@@ -55,14 +57,12 @@ class TrainConfig:
 
 _INT_KEYS = {"batch_size": 1, "epochs": 1, "eval_every": 0, "eval_batch_size": 1, "threads": 0}
 
-POLICIES = ("sync", "async", "ssp")
-
 
 @dataclasses.dataclass
 class ClusterConfig:
     """How the parameter-server job is laid out and how shards apply updates."""
 
-    policy: str = "sync"          # sync (BSP), async, or ssp (bounded staleness)
+    policy: str = "sync"          # a consistency policy: a name in psgd.policy.POLICIES
     staleness: int = 2            # ssp: how many clocks a worker may run ahead of the slowest
     backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
     staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
@@ -190,7 +190,7 @@ class JobConfig:
 
     def _validate_cluster(self) -> None:
         src, c = self.source, self.cluster
-        if c.policy not in POLICIES:
+        if not isinstance(c.policy, str) or c.policy not in POLICIES:
             raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
         _check_ints(src, "cluster", c, _CLUSTER_INT_KEYS)
         for key in _CLUSTER_TIME_KEYS:

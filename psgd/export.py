@@ -67,10 +67,10 @@ class Exported:
 
 
 def job_plan(job: JobConfig) -> PartitionPlan:
-    """The partition plan every process of ``job`` derives (builds the model, so loads the dataset)."""
-    from psgd.job import build_job
+    """The partition plan every process of ``job`` derives (builds the model; the data is only described)."""
+    from psgd.job import build_job_model
 
-    return PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.slice_bytes)
+    return PartitionPlan(build_job_model(job).specs(), job.cluster.shards, job.cluster.slice_bytes)
 
 
 def _describe_job(job: JobConfig, plan: PartitionPlan) -> str:
@@ -80,7 +80,7 @@ def _describe_job(job: JobConfig, plan: PartitionPlan) -> str:
 
 # -- from a running cluster -------------------------------------------------------------------
 def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
-                      tls: TLSFiles = NO_TLS, timeout: float | None = None) -> Exported:
+                      tls: TLSFiles = NO_TLS, request_timeout: float | None = None) -> Exported:
     """The current weights of the running cluster at ``addresses`` (default: the job's servers).
 
     Each shard is first asked for its status, to check that it is the shard
@@ -88,6 +88,7 @@ def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, to
     weights are pulled as an observer.  Under async or while a sync round is
     being applied, shards may be at different versions: they are returned.
     """
+    from psgd.link.protocol import OBSERVER
     from psgd.worker.client import PSClient
 
     addresses = list(addresses or job.cluster.servers)
@@ -98,8 +99,9 @@ def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, to
     if len(addresses) != plan.num_shards:
         raise ExportError(f"{len(addresses)} shard address(es) given for a job of {plan.num_shards} shard(s): "
                           "list every shard's address, or pass --shards")
-    timeout = job.cluster.request_timeout if timeout is None else timeout
-    with PSClient(addresses, plan, -1, request_timeout=timeout, token=token, tls=tls) as client:
+    if request_timeout is None:
+        request_timeout = job.cluster.request_timeout
+    with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls) as client:
         problems, statuses = [], client.status()
         for k, status in enumerate(statuses):
             if status.shard != k or status.num_shards != plan.num_shards:

@@ -30,6 +30,7 @@ from psgd import model as models
 from psgd import optim
 from psgd import xp as backend
 from psgd.config import JobConfig
+from psgd.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,7 @@ def identity(job: JobConfig, plan_hash: str) -> dict[str, Any]:
     """What every process of ``job`` must agree on (the shard index is checked apart)."""
     c = job.cluster
     options: dict[str, Any] = {"staleness_lr": c.staleness_lr}
-    if c.policy == "ssp":
-        options["staleness"] = c.staleness
-    if c.policy == "sync":
-        options["backup_workers"] = c.backup_workers
+    options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
             "shards": c.shards, "optimizer": dict(job.optimizer), "dtype": job.train.dtype}
 
@@ -92,15 +90,28 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
     dtype = config.train.dtype
     if dataset is None:
         dataset = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
-    model = models.build_model(
-        config.model["name"], dataset.input_shape, dataset.num_classes, dtype=dtype, **config.options("model")
-    )
+    model = build_job_model(config, dataset)
     if check:
         began = time.perf_counter()
         models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
                            name=config.model["name"], options=config.options("model"), device=device)
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
     return Job(config=config, dataset=dataset, model=model, device=device)
+
+
+def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None) -> models.Model:
+    """The model a job file describes, for ``data``'s input shape and class count.
+
+    Without ``data`` they come from :func:`psgd.data.describe_dataset`, which reads headers and labels
+    but not the inputs: what a shard needs, which holds parameters and never sees the data.  No device
+    is opened and the model is not checked.
+    """
+    dtype = config.train.dtype
+    if data is None:
+        data = datasets.describe_dataset(config.data["name"], dtype=dtype, **config.options("data"))
+    return models.build_model(
+        config.model["name"], data.input_shape, data.num_classes, dtype=dtype, **config.options("model")
+    )
 
 
 def build_optimizer(config: JobConfig) -> optim.Optimizer:

@@ -39,7 +39,7 @@ import numpy as np
 from psgd import data as datasets
 from psgd import model as models
 from psgd import xp as backend
-from psgd.metrics import MetricsLog, progress_bar
+from psgd.progress import MetricsLog, progress_bar
 from psgd.delay import NO_DELAY, Delay
 
 log = logging.getLogger(__name__)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 import threading
 import time
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from psgd.config import JobConfig
@@ -65,3 +67,14 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.05)  # polling with a deadline
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+_IDX_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype("i2"): 0x0B,
+              np.dtype("i4"): 0x0C, np.dtype("f4"): 0x0D, np.dtype("f8"): 0x0E}
+
+
+def idx_bytes(arr: np.ndarray) -> bytes:
+    """The IDX encoding of ``arr``, written independently of the reader."""
+    code = _IDX_CODES[arr.dtype.newbyteorder("=")]
+    header = struct.pack(">BBBB", 0, 0, code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()

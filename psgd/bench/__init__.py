@@ -8,8 +8,8 @@ Markdown table and plots::
     result = run_lab(preset("quick"), "lab-out")
 """
 
-from psgd.bench.config import LabConfig, Policy, Scenario, parse_policy, parse_scenario, preset
+from psgd.bench.config import Contender, LabConfig, Scenario, parse_contender, parse_scenario, preset
 from psgd.bench.convergence import LabResult, RunResult, run_lab
 
-__all__ = ["LabConfig", "LabResult", "Policy", "RunResult", "Scenario", "parse_policy", "parse_scenario",
+__all__ = ["Contender", "LabConfig", "LabResult", "RunResult", "Scenario", "parse_contender", "parse_scenario",
            "preset", "run_lab"]

@@ -1,16 +1,19 @@
-"""What a convergence lab runs: one job shared by every run, the policies, the injected delays, presets.
+"""What a convergence lab runs: one job shared by every run, the contenders, the injected delays, presets.
 
 A lab is the cross product of *scenarios* (an injected delay, or none) and
-*policies*; every run trains the same model on the same data with the same
-seed, worker count and optimizer, as real processes on this machine.
+*contenders* (ways to train: a parameter-server policy, or all-reduce); every
+run trains the same model on the same data with the same seed, worker count
+and optimizer, as real processes on this machine.
 
-Policies are named by short specs:
+Contenders are named by short specs (the ``policies`` of a :class:`LabConfig`):
 
 - ``sync``         parameter server, bulk-synchronous rounds
 - ``async``        parameter server, every push applied on arrival
 - ``ssp:S``        parameter server, bounded staleness S
 - ``backup:B``     parameter server, sync with B backup workers (a round closes after N-B pushes)
 - ``allreduce``    no servers: N MPI ranks average their gradients every step
+
+A name of :data:`psgd.policy.POLICIES` whose options all have defaults is a spec of its own.
 
 Scenarios are delay specs for ``psgd-worker --delay`` (see
 :mod:`psgd.delay`), or ``none``.
@@ -23,11 +26,12 @@ import re
 
 from psgd.config import ConfigError, JobConfig
 from psgd.delay import DelayError, parse_delay
+from psgd.policy import POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
-    """One way to train: how it is launched and the job keys it sets."""
+class Contender:
+    """One way to train (a parameter-server policy or all-reduce): how it is launched and the job keys it sets."""
 
     spec: str                   # as given: sync | async | ssp:S | backup:B | allreduce
     label: str                  # for tables and legends
@@ -53,22 +57,27 @@ class Scenario:
         return "no straggler" if not self.delay else f"delay {self.delay}"
 
 
-def parse_policy(spec: str) -> Policy:
-    """A :class:`Policy` from ``sync``, ``async``, ``ssp:S``, ``backup:B`` or ``allreduce``."""
+def _plain_policies() -> list[str]:
+    """The parameter-server policies named by their name alone: those that need no option."""
+    return [name for name, cls in POLICIES.items() if not any(o.required for o in cls.options)]
+
+
+def parse_contender(spec: str) -> Contender:
+    """A :class:`Contender` from ``sync``, ``async``, ``ssp:S``, ``backup:B`` or ``allreduce``."""
     text = spec.strip()
     kind, _, arg = text.partition(":")
-    if kind in ("sync", "async", "allreduce") and not arg:
-        if kind == "allreduce":
-            return Policy(text, "allreduce (MPI)", "allreduce")
-        return Policy(text, kind, "ps", (f"cluster.policy={kind}",))
+    if text == "allreduce":
+        return Contender(text, "allreduce (MPI)", "allreduce")
+    if kind in _plain_policies() and not arg:
+        return Contender(text, kind, "ps", (f"cluster.policy={kind}",))
     if kind in ("ssp", "backup") and arg.isdigit():
         if kind == "ssp":
-            return Policy(text, f"ssp s={int(arg)}", "ps", ("cluster.policy=ssp", f"cluster.staleness={int(arg)}"))
+            return Contender(text, f"ssp s={int(arg)}", "ps", ("cluster.policy=ssp", f"cluster.staleness={int(arg)}"))
         if int(arg) < 1:
             raise ConfigError(f"policy {spec!r}: backup:B needs B >= 1 (plain sync is 'sync')")
-        return Policy(text, f"sync +{int(arg)} backup", "ps",
-                      ("cluster.policy=sync", f"cluster.backup_workers={int(arg)}"))
-    raise ConfigError(f"unknown policy {spec!r}: use sync, async, ssp:S, backup:B or allreduce")
+        return Contender(text, f"sync +{int(arg)} backup", "ps",
+                         ("cluster.policy=sync", f"cluster.backup_workers={int(arg)}"))
+    raise ConfigError(f"unknown policy {spec!r}: use {', '.join(_plain_policies())}, ssp:S, backup:B or allreduce")
 
 
 def parse_scenario(text: str) -> Scenario:
@@ -103,8 +112,8 @@ class LabConfig:
         job.apply_sets(self.job)
         return job
 
-    def parsed_policies(self) -> list[Policy]:
-        return [parse_policy(p) for p in self.policies]
+    def contenders(self) -> list[Contender]:
+        return [parse_contender(p) for p in self.policies]
 
     def scenarios(self) -> list[Scenario]:
         return [parse_scenario(d) for d in self.delays]
@@ -112,11 +121,11 @@ class LabConfig:
     def check(self) -> None:
         """Fail early, with one line, on anything a run would trip over later."""
         job = self.job_config()
-        policies = self.parsed_policies()
+        contenders = self.contenders()
         self.scenarios()
-        if not policies:
+        if not contenders:
             raise ConfigError("no policies to run")
-        for p in policies:
+        for p in contenders:
             if p.spec.startswith("backup:") and int(p.spec.split(":")[1]) >= job.cluster.workers:
                 raise ConfigError(f"policy {p.spec}: needs fewer backup workers than workers "
                                   f"({job.cluster.workers})")

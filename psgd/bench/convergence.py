@@ -1,6 +1,6 @@
 """The convergence lab: the same job under every consistency policy, with and without stragglers.
 
-``run_lab(config, out_dir)`` launches each (scenario, policy) pair as real
+``run_lab(config, out_dir)`` launches each (scenario, contender) pair as real
 processes on this machine (``psgd.launch.launch``: shards and workers, or
 MPI ranks), records every evaluation point, and writes into ``out_dir``:
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from psgd import threads
-from psgd.bench.config import PRESETS, LabConfig, Policy, Scenario, preset
+from psgd.bench.config import PRESETS, Contender, LabConfig, Scenario, preset
 from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)
 
@@ -39,13 +39,13 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class RunResult:
-    """One (scenario, policy) run: what ran, its evaluation points and their summary."""
+    """One (scenario, contender) run: what ran, its evaluation points and their summary."""
 
-    key: str                 # "<scenario>/<policy spec>"
+    key: str                 # "<scenario>/<contender spec>"
     scenario: str            # scenario slug
     delay: str               # the injected delay spec ('' for none), as passed to every worker
-    policy: str              # policy spec
-    label: str               # policy label
+    policy: str              # the contender's spec (a policy, or allreduce)
+    label: str               # the contender's label
     mode: str                # ps | allreduce
     job: dict                # the full job configuration of the run
     worker_args: list[str]
@@ -118,7 +118,7 @@ def machine() -> str:
 
 def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = True,
             keep_runs: str | os.PathLike | None = None) -> LabResult:
-    """Run every (scenario, policy) of ``config`` and write JSON, table and plots into ``out_dir``.
+    """Run every (scenario, contender) of ``config`` and write JSON, table and plots into ``out_dir``.
 
     Repeats go round the whole list, so background noise falls on every
     policy alike.  Each run's logs and metrics go to a folder under
@@ -137,16 +137,17 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     out.mkdir(parents=True, exist_ok=True)
     root = Path(keep_runs) if keep_runs else Path(tempfile.mkdtemp(prefix="psgd-lab-"))
     evaluator = Evaluator(config.job_config())
-    todo = [(r, s, p) for r in range(config.repeats) for s in config.scenarios() for p in config.parsed_policies()]
+    todo = [(r, s, p) for r in range(config.repeats) for s in config.scenarios() for p in config.contenders()]
     began, load_before = time.perf_counter(), os.getloadavg()
     runs: list[RunResult] = []
     try:
         with tqdm(total=len(todo), desc="convergence lab", unit="run", disable=not progress, file=sys.stderr,
                   dynamic_ncols=True) as bar:
-            for repeat, scenario, policy in todo:
-                bar.set_description(f"{scenario.name} / {policy.label}" + (f" #{repeat}" if config.repeats > 1 else ""))
-                folder = root / f"{scenario.name}-{policy.spec.replace(':', '')}-{repeat}"
-                run = run_one(config, evaluator, scenario, policy, folder, bar)
+            for repeat, scenario, contender in todo:
+                repeat_text = f" #{repeat}" if config.repeats > 1 else ""
+                bar.set_description(f"{scenario.name} / {contender.label}{repeat_text}")
+                folder = root / f"{scenario.name}-{contender.spec.replace(':', '')}-{repeat}"
+                run = run_one(config, evaluator, scenario, contender, folder, bar)
                 run.repeat = repeat
                 runs.append(run)
                 bar.update(1)
@@ -173,18 +174,18 @@ def _one_line(run: RunResult, target: float) -> str:
             f"{s['steps_per_s']:.0f} steps/s, {s['updates_per_s']:.0f} updates/s")
 
 
-def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, policy: Policy, run_dir: Path,
+def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contender: Contender, run_dir: Path,
             bar=None) -> RunResult:
     """Launch one run and turn what it recorded into evaluation points and a summary."""
     job = config.job_config()
-    job.apply_sets(list(policy.sets))
+    job.apply_sets(list(contender.sets))
     if run_dir.exists():
         shutil.rmtree(run_dir)  # the metrics logs append
     delay_args = ["--delay", scenario.delay] if scenario.delay else []
-    run = RunResult(f"{scenario.name}/{policy.spec}", scenario.name, scenario.delay, policy.spec, policy.label,
-                    policy.mode, job.to_dict(), delay_args, [], {})
+    run = RunResult(f"{scenario.name}/{contender.spec}", scenario.name, scenario.delay, contender.spec,
+                    contender.label, contender.mode, job.to_dict(), delay_args, [], {})
     try:
-        if policy.mode == "allreduce":
+        if contender.mode == "allreduce":
             run.worker_args += ["--eval-every", str(config.allreduce_eval_every)]
             seconds, accuracy, train_seconds = _run_allreduce(config, evaluator, job, run, run_dir)
         else:

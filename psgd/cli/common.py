@@ -9,13 +9,13 @@ import signal
 import sys
 from typing import Callable, Mapping, Sequence
 
-from psgd.config import ConfigError, JobConfig
+from psgd.config import ClusterConfig, ConfigError, JobConfig
 from psgd.data import DataError
 from psgd.export import ExportError
 from psgd.model import ModelError
 from psgd.optim import OptimizerError
 from psgd.partition import PlanError
-from psgd.policy import PolicyError
+from psgd.policy import POLICIES, PolicyError
 from psgd.launch import STOP_SIGNALS, LaunchError, LaunchInterrupted
 from psgd.collective import BackendUnavailable, CollectiveError
 from psgd.worker.client import PSError
@@ -46,11 +46,22 @@ JOB_FLAGS = {
                                         "OMP_NUM_THREADS or OPENBLAS_NUM_THREADS, when set, rule instead)"),
 }
 
+
+def _policy_flags() -> dict[str, tuple[str, type, str]]:
+    """--policy and a flag for each policy option, from the registry (psgd.policy.POLICIES)."""
+    defaults = ClusterConfig()
+    described = " ".join(f"{name}: {cls.summary}." for name, cls in POLICIES.items())
+    flags = {"--policy": ("cluster.policy", str, f"consistency policy (default {defaults.policy}). {described}")}
+    for name, cls in POLICIES.items():
+        for option in cls.options:
+            key = option.cluster_key
+            flags["--" + key.replace("_", "-")] = (f"cluster.{key}", option.type,
+                                                   f"{name}: {option.help} (default {getattr(defaults, key)})")
+    return flags
+
+
 CLUSTER_FLAGS = {
-    "--policy": ("cluster.policy", str, "consistency policy: sync (BSP), async, or ssp (default sync)"),
-    "--staleness": ("cluster.staleness", int, "ssp: clocks a worker may run ahead of the slowest (default 2)"),
-    "--backup-workers": ("cluster.backup_workers", int,
-                         "sync: close each round without the last B workers' pushes (default 0)"),
+    **_policy_flags(),
     "--shards": ("cluster.shards", int, "number of parameter-server shards (default 2)"),
     "--workers": ("cluster.workers", int, "number of workers (default 2)"),
     "--servers": ("cluster.servers", str, "shard addresses host:port,host:port,... in shard order"),

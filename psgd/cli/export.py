@@ -114,7 +114,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         result = join_checkpoints(job, args.checkpoints, args.version, args.mixed_versions)
     else:
         result = pull_from_servers(job, job.cluster.servers, token_from_args(args), tls_from_args(args),
-                                   timeout=args.timeout)
+                                   request_timeout=args.timeout)
     size = save_weights(args.file, result.weights)
     if args.json:
         print(json.dumps({"file": args.file, "variables": len(result.weights), "parameters": result.parameters,

@@ -9,7 +9,7 @@ import sys
 
 from psgd import __version__
 from psgd.cli import export as export_cli
-from psgd.cli import models, ops
+from psgd.cli import doctor, models, status
 from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
                              job_from_args, run_command, start_process, verbosity)
 from psgd.logs import setup_logging
@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_arguments(launch)
     launch.set_defaults(func=cmd_launch)
     _add_bench(sub)
-    ops.add_status_parser(sub)
-    ops.add_doctor_parser(sub)
+    status.add_status_parser(sub)
+    doctor.add_doctor_parser(sub)
     models.add_check_model_parser(sub)
     export_cli.add_export_parser(sub)
     export_cli.add_eval_parser(sub)
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench(sub) -> None:
     """``psgd bench convergence`` (the convergence lab), ``psgd bench comm`` and ``scaling`` (psgd.bench)."""
-    from psgd.bench import comm, scaling
+    from psgd.bench import comm
+    from psgd.bench.scaling import command as scaling
     from psgd.bench.convergence import add_arguments
 
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
@@ -178,7 +179,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
-    from psgd.bench.scaling import run_from_args
+    from psgd.bench.scaling.command import run_from_args
 
     setup_logging("bench", -1)
     return run_from_args(args)

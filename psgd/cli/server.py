@@ -15,7 +15,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
 from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
 from psgd.logs import setup_logging
-from psgd.monitor import ShardMetrics, add_metrics_arguments
+from psgd.prometheus import ShardMetrics, add_metrics_arguments
 from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
 
@@ -124,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
-        server = ShardServer(core, bind, max_wait=job.cluster.request_timeout, data_path=job.cluster.data_path,
+        server = ShardServer(core, bind, request_timeout=job.cluster.request_timeout, data_path=job.cluster.data_path,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args),

@@ -16,7 +16,7 @@ from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments,
 from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
 from psgd.logs import setup_logging
-from psgd.monitor import WorkerMetrics, add_metrics_arguments
+from psgd.prometheus import WorkerMetrics, add_metrics_arguments
 from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
 from psgd.delay import DelayError, parse_delay

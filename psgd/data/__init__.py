@@ -5,8 +5,8 @@ This module only re-exports the public API; the work lives in ``base``,
 """
 
 from psgd.data.base import DataError, Dataset, stratified_split
-from psgd.data.datasets import load_dataset, load_idx_dir, load_npz
-from psgd.data.readers import read_digits, read_idx, read_npz
+from psgd.data.datasets import DataShape, describe_dataset, load_dataset, load_idx_dir, load_npz
+from psgd.data.readers import read_digits, read_idx, read_idx_header, read_npz, read_npz_headers
 from psgd.data.sharding import (
     Batch,
     ShardedBatches,
@@ -16,13 +16,15 @@ from psgd.data.sharding import (
     shard_indices,
     steps_per_epoch,
 )
-from psgd.data.synthetic import make_synthetic
+from psgd.data.synthetic import make_synthetic, synthetic_options
 
 __all__ = [
     "Batch",
     "DataError",
+    "DataShape",
     "Dataset",
     "ShardedBatches",
+    "describe_dataset",
     "epoch_batch_indices",
     "epoch_batches",
     "epoch_permutation",
@@ -32,8 +34,11 @@ __all__ = [
     "make_synthetic",
     "read_digits",
     "read_idx",
+    "read_idx_header",
     "read_npz",
+    "read_npz_headers",
     "shard_indices",
     "stratified_split",
     "steps_per_epoch",
+    "synthetic_options",
 ]

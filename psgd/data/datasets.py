@@ -6,12 +6,17 @@ Specs:
 - ``synthetic``: teacher-network data of any size (see :mod:`psgd.data.synthetic`).
 - ``idx:DIR``: MNIST-format IDX files in ``DIR``.
 - ``npz:PATH``, or any spec ending in ``.npz``: arrays in an ``.npz`` archive.
+
+``describe_dataset(spec)`` tells what a model needs to know (input shape and
+class count) from the same spec without loading the bulk data: headers, and
+labels where the class count comes from them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import Any, Collection, Iterable
 
 import numpy as np
 
@@ -23,8 +28,8 @@ from psgd.data.base import (
     labels_to_int64,
     stratified_split,
 )
-from psgd.data.readers import read_digits, read_idx, read_npz
-from psgd.data.synthetic import make_synthetic
+from psgd.data.readers import read_digits, read_idx, read_idx_header, read_npz, read_npz_headers
+from psgd.data.synthetic import make_synthetic, synthetic_options
 
 ACCEPTED_SPECS = (
     "'digits' (bundled 8x8 handwritten digits), "
@@ -35,6 +40,10 @@ ACCEPTED_SPECS = (
 )
 
 SYNTHETIC_OPTIONS = ("n_train", "n_test", "input_dim", "num_classes", "teacher_hidden", "data_seed")
+
+# The bundled digits, as read_digits gives them.
+DIGITS_INPUT_SHAPE = (8, 8)
+DIGITS_NUM_CLASSES = 10
 
 # (logical name, IDX kind) of the four files of an MNIST-format directory.
 IDX_FILES = (
@@ -67,6 +76,58 @@ def load_dataset(
     ``options`` are loader-specific (only ``synthetic`` takes any); an unknown
     option is a DataError rather than silently ignored.
     """
+    spec, dt, kind, path = _check_request(spec, seed, dtype, options)
+    if kind == "digits":
+        ds = _load_digits(check_test_fraction(test_fraction, spec))
+    elif kind == "synthetic":
+        ds = _load_synthetic(**options)
+    elif kind == "idx":
+        ds = load_idx_dir(path)
+    else:
+        ds = load_npz(path, test_fraction=test_fraction)
+    return ds.astype(dt)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataShape:
+    """What a model needs to know of a dataset: the shape of one input and the number of classes."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def describe_dataset(
+    spec: str,
+    *,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+    dtype: Any = "float32",
+    **options: Any,
+) -> DataShape:
+    """The name, input shape and class count that ``load_dataset`` with the same arguments would give.
+
+    Arguments are checked as ``load_dataset`` checks them, with the same
+    errors.  The bulk data is never read: ``digits`` and ``synthetic`` are
+    known from their options, ``idx:DIR`` from the image files' headers and
+    the labels, ``npz`` from the ``.npy`` headers inside the archive and the
+    labels.  So what only the inputs themselves can show (a truncated image
+    file, NaN inputs) is left for ``load_dataset`` to find.
+    """
+    spec, _, kind, path = _check_request(spec, seed, dtype, options)
+    if kind == "digits":
+        check_test_fraction(test_fraction, spec)
+        return DataShape("digits", DIGITS_INPUT_SHAPE, DIGITS_NUM_CLASSES)
+    if kind == "synthetic":
+        o = synthetic_options(**options)
+        return DataShape("synthetic", (o["input_dim"],), o["num_classes"])
+    if kind == "idx":
+        return describe_idx_dir(path)
+    return describe_npz(path, test_fraction=test_fraction)
+
+
+def _check_request(spec: str, seed: int, dtype: Any, options: dict[str, Any]) -> tuple[str, np.dtype, str, str]:
+    """The checks both load_dataset and describe_dataset make: ``(spec, dtype, kind, path)``."""
     if not isinstance(spec, str) or not spec.strip():
         raise DataError(f"dataset spec must be a non-empty string, got {spec!r}; accepted: {ACCEPTED_SPECS}")
     spec = spec.strip()
@@ -74,23 +135,15 @@ def load_dataset(
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise DataError(f"{spec}: seed must be an integer, got {seed!r}")
     kind, path = _parse_spec(spec)
-    if kind == "digits":
-        _no_options(spec, options)
-        ds = _load_digits(check_test_fraction(test_fraction, spec))
-    elif kind == "synthetic":
+    if kind == "synthetic":
         unknown = sorted(set(options) - set(SYNTHETIC_OPTIONS))
         if unknown:
             raise DataError(
                 f"synthetic: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(SYNTHETIC_OPTIONS)}"
             )
-        ds = _load_synthetic(**options)
-    elif kind == "idx":
-        _no_options(spec, options)
-        ds = load_idx_dir(path)
     else:
         _no_options(spec, options)
-        ds = load_npz(path, test_fraction=test_fraction)
-    return ds.astype(dt)
+    return spec, dt, kind, path
 
 
 def _parse_spec(spec: str) -> tuple[str, str]:
@@ -117,13 +170,13 @@ def _load_digits(test_fraction: float) -> Dataset:
     pixels, labels = read_digits()
     x = (pixels / 16.0).astype(np.float32)
     train, test = stratified_split(labels, test_fraction)
-    return Dataset("digits", x[train], labels[train], x[test], labels[test], 10, (8, 8))
+    return Dataset("digits", x[train], labels[train], x[test], labels[test], DIGITS_NUM_CLASSES, DIGITS_INPUT_SHAPE)
 
 
 def _load_synthetic(**options: Any) -> Dataset:
-    x_train, y_train, x_test, y_test = make_synthetic(**options)
-    num_classes = int(options.get("num_classes", 10))
-    return Dataset("synthetic", x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:])
+    o = synthetic_options(**options)
+    x_train, y_train, x_test, y_test = make_synthetic(**o)
+    return Dataset("synthetic", x_train, y_train, x_test, y_test, o["num_classes"], x_train.shape[1:])
 
 
 def find_idx_file(directory: str, stem: str, kind: str) -> str:
@@ -144,48 +197,79 @@ def load_idx_dir(directory: str | os.PathLike[str]) -> Dataset:
     as they are otherwise.  ``num_classes`` is 10 when every label is in 0..9,
     else the largest label + 1.
     """
+    directory, paths = _idx_paths(directory)
+    x_train, y_train = _idx_pair(paths[0], paths[1])
+    x_test, y_test = _idx_pair(paths[2], paths[3])
+    _idx_same_shape(paths, x_train.shape, x_test.shape)
+    num_classes = _idx_num_classes(y_train, y_test)
+    return Dataset(f"idx:{directory}", x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:])
+
+
+def describe_idx_dir(directory: str | os.PathLike[str]) -> DataShape:
+    """What :func:`load_idx_dir` would give as shape and classes, from the image headers and the labels."""
+    directory, paths = _idx_paths(directory)
+    train = read_idx_header(paths[0]).dims
+    y_train = _idx_labels(paths[0], train, paths[1])
+    test = read_idx_header(paths[2]).dims
+    y_test = _idx_labels(paths[2], test, paths[3])
+    _idx_same_shape(paths, train, test)
+    return DataShape(f"idx:{directory}", train[1:], _idx_num_classes(y_train, y_test))
+
+
+def _idx_paths(directory: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """The directory as a string, and the paths of its four files in ``IDX_FILES`` order."""
     directory = os.fspath(directory)
     if not os.path.exists(directory):
         raise DataError(f"{directory}: no such directory")
     if not os.path.isdir(directory):
         raise DataError(f"{directory}: is not a directory; idx:DIR wants the directory holding the IDX files")
-    paths = [find_idx_file(directory, stem, kind) for stem, kind in IDX_FILES]
-    x_train, y_train = _idx_pair(paths[0], paths[1])
-    x_test, y_test = _idx_pair(paths[2], paths[3])
-    if x_train.shape[1:] != x_test.shape[1:]:
-        raise DataError(
-            f"{paths[0]} has images of shape {x_train.shape[1:]} but {paths[2]} has {x_test.shape[1:]}"
-        )
-    top = int(max(y_train.max(initial=0), y_test.max(initial=0)))
-    num_classes = 10 if top <= 9 else top + 1
-    name = f"idx:{directory}"
-    return Dataset(name, x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:])
+    return directory, [find_idx_file(directory, stem, kind) for stem, kind in IDX_FILES]
 
 
 def _idx_pair(images_path: str, labels_path: str) -> tuple[np.ndarray, np.ndarray]:
     images = read_idx(images_path)
-    labels = read_idx(labels_path)
-    if images.ndim < 2:
-        raise DataError(f"{images_path}: images must have at least 2 dimensions (count, ...), got {images.shape}")
-    y = labels_to_int64(labels, labels_path)
-    if len(y) != len(images):
-        raise DataError(
-            f"{labels_path} has {len(y)} labels but {images_path} has {len(images)} images"
-        )
+    y = _idx_labels(images_path, images.shape, labels_path)
     x = _scale_inputs(images, images_path)
     return x, y
 
 
+def _idx_labels(images_path: str, images_shape: tuple[int, ...], labels_path: str) -> np.ndarray:
+    """The labels for images of ``images_shape`` (count first), checked against them."""
+    labels = read_idx(labels_path)
+    if len(images_shape) < 2:
+        raise DataError(f"{images_path}: images must have at least 2 dimensions (count, ...), got {images_shape}")
+    y = labels_to_int64(labels, labels_path)
+    if len(y) != images_shape[0]:
+        raise DataError(
+            f"{labels_path} has {len(y)} labels but {images_path} has {images_shape[0]} images"
+        )
+    return y
+
+
+def _idx_same_shape(paths: list[str], train: tuple[int, ...], test: tuple[int, ...]) -> None:
+    if train[1:] != test[1:]:
+        raise DataError(f"{paths[0]} has images of shape {train[1:]} but {paths[2]} has {test[1:]}")
+
+
+def _idx_num_classes(y_train: np.ndarray, y_test: np.ndarray) -> int:
+    top = int(max(y_train.max(initial=0), y_test.max(initial=0)))
+    return 10 if top <= 9 else top + 1
+
+
 def _scale_inputs(x: np.ndarray, where: str) -> np.ndarray:
     """float32 inputs: uint8 scaled to [0, 1] by /255, other numeric types cast; must be finite."""
+    _check_numeric(x.dtype, where)
     if x.dtype == np.uint8:
         return x.astype(np.float32) / np.float32(255.0)
-    if x.dtype.kind not in "iuf":
-        raise DataError(f"{where}: inputs must be numeric, got dtype {x.dtype}")
     out = x.astype(np.float32)
     if out.dtype.kind == "f" and not np.all(np.isfinite(out)):
         raise DataError(f"{where}: inputs contain NaN or infinite values")
     return out
+
+
+def _check_numeric(dtype: np.dtype, where: str) -> None:
+    if dtype.kind not in "iuf":
+        raise DataError(f"{where}: inputs must be numeric, got dtype {dtype}")
 
 
 _NPZ_SPLIT_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -201,50 +285,91 @@ def load_npz(path: str | os.PathLike[str], *, test_fraction: float = 0.2) -> Dat
     """
     path = os.fspath(path)
     arrays = read_npz(path)
-    found = ", ".join(sorted(arrays)) or "none"
-    if any(k in arrays for k in _NPZ_SPLIT_KEYS):
-        missing = [k for k in _NPZ_SPLIT_KEYS if k not in arrays]
+    pairs = _npz_layout(path, arrays)
+    if len(pairs) == 2:
+        x_train, y_train = _npz_pair(path, arrays, *pairs[0])
+        x_test, y_test = _npz_pair(path, arrays, *pairs[1])
+        _npz_same_rows(path, x_train.shape, x_test.shape)
+    else:
+        x, y = _npz_pair(path, arrays, *pairs[0])
+        train, test = stratified_split(y, check_test_fraction(test_fraction, path))
+        x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
+    num_classes = _npz_num_classes(path, (y_train, y_test), arrays.get("num_classes"))
+    return Dataset(f"npz:{path}", x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:])
+
+
+def describe_npz(path: str | os.PathLike[str], *, test_fraction: float = 0.2) -> DataShape:
+    """What :func:`load_npz` would give as shape and classes, from the ``.npy`` headers and the labels.
+
+    The inputs are never read; object arrays are refused from their headers, so nothing is unpickled.
+    """
+    path = os.fspath(path)
+    headers = read_npz_headers(path)
+    pairs = _npz_layout(path, headers)
+    wanted = [ykey for _, ykey in pairs] + (["num_classes"] if "num_classes" in headers else [])
+    arrays = read_npz(path, wanted)
+    ys = []
+    for xkey, ykey in pairs:
+        x = headers[xkey]
+        ys.append(_npz_labels(path, xkey, x.shape, ykey, arrays[ykey]))
+        _check_numeric(x.dtype, f"{path}: {xkey}")
+    if len(pairs) == 2:
+        _npz_same_rows(path, headers["x_train"].shape, headers["x_test"].shape)
+    else:
+        check_test_fraction(test_fraction, path)
+    num_classes = _npz_num_classes(path, ys, arrays.get("num_classes"))
+    return DataShape(f"npz:{path}", headers[pairs[0][0]].shape[1:], num_classes)
+
+
+def _npz_layout(path: str, keys: Collection[str]) -> tuple[tuple[str, str], ...]:
+    """The ``(x key, y key)`` pairs of an archive holding ``keys``: train and test, or just ``x, y``."""
+    found = ", ".join(sorted(keys)) or "none"
+    if any(k in keys for k in _NPZ_SPLIT_KEYS):
+        missing = [k for k in _NPZ_SPLIT_KEYS if k not in keys]
         if missing:
             raise DataError(
                 f"{path}: missing key(s) {', '.join(missing)}; an .npz needs x_train, y_train, x_test, y_test "
                 f"(or just x, y); found: {found}"
             )
-        x_train, y_train = _npz_pair(path, arrays, "x_train", "y_train")
-        x_test, y_test = _npz_pair(path, arrays, "x_test", "y_test")
-        if x_train.shape[1:] != x_test.shape[1:]:
-            raise DataError(f"{path}: x_train rows have shape {x_train.shape[1:]} but x_test rows {x_test.shape[1:]}")
-    elif "x" in arrays and "y" in arrays:
-        x, y = _npz_pair(path, arrays, "x", "y")
-        train, test = stratified_split(y, check_test_fraction(test_fraction, path))
-        x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
-    else:
-        raise DataError(
-            f"{path}: an .npz needs arrays x_train, y_train, x_test, y_test (or just x, y); found: {found}"
-        )
-    top = int(max(y_train.max(initial=-1), y_test.max(initial=-1)))
-    num_classes = top + 1
-    if "num_classes" in arrays:
-        num_classes = _npz_num_classes(path, arrays["num_classes"], top)
-    if num_classes < 1:
-        raise DataError(f"{path}: no labels at all")
-    return Dataset(f"npz:{path}", x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:])
+        return (("x_train", "y_train"), ("x_test", "y_test"))
+    if "x" in keys and "y" in keys:
+        return (("x", "y"),)
+    raise DataError(
+        f"{path}: an .npz needs arrays x_train, y_train, x_test, y_test (or just x, y); found: {found}"
+    )
 
 
 def _npz_pair(path: str, arrays: dict[str, np.ndarray], xkey: str, ykey: str) -> tuple[np.ndarray, np.ndarray]:
-    x, y = arrays[xkey], arrays[ykey]
-    if x.ndim < 2:
-        raise DataError(f"{path}: {xkey} must have shape (n, features...), got {x.shape}")
-    y = labels_to_int64(y, f"{path}: {ykey}")
-    if len(x) != len(y):
-        raise DataError(f"{path}: {xkey} has {len(x)} rows but {ykey} has {len(y)} labels")
+    x = arrays[xkey]
+    y = _npz_labels(path, xkey, x.shape, ykey, arrays[ykey])
     return _scale_inputs(x, f"{path}: {xkey}"), y
 
 
-def _npz_num_classes(path: str, value: np.ndarray, top: int) -> int:
-    if value.shape != () or value.dtype.kind not in "iu":
-        raise DataError(f"{path}: num_classes must be a scalar integer, got {value.dtype} {value.shape}")
-    n = int(value)
-    if n <= top:
-        raise DataError(f"{path}: num_classes is {n} but a label is {top}")
-    return n
+def _npz_labels(path: str, xkey: str, xshape: tuple[int, ...], ykey: str, y: np.ndarray) -> np.ndarray:
+    """The labels ``y`` for inputs of ``xshape`` (rows first), checked against them."""
+    if len(xshape) < 2:
+        raise DataError(f"{path}: {xkey} must have shape (n, features...), got {xshape}")
+    y = labels_to_int64(y, f"{path}: {ykey}")
+    if xshape[0] != len(y):
+        raise DataError(f"{path}: {xkey} has {xshape[0]} rows but {ykey} has {len(y)} labels")
+    return y
 
+
+def _npz_same_rows(path: str, train: tuple[int, ...], test: tuple[int, ...]) -> None:
+    if train[1:] != test[1:]:
+        raise DataError(f"{path}: x_train rows have shape {train[1:]} but x_test rows {test[1:]}")
+
+
+def _npz_num_classes(path: str, ys: Iterable[np.ndarray], value: np.ndarray | None) -> int:
+    """The largest label + 1, or the archive's scalar ``num_classes`` (``value``) when it has one."""
+    top = int(max(y.max(initial=-1) for y in ys))
+    num_classes = top + 1
+    if value is not None:
+        if value.shape != () or value.dtype.kind not in "iu":
+            raise DataError(f"{path}: num_classes must be a scalar integer, got {value.dtype} {value.shape}")
+        num_classes = int(value)
+        if num_classes <= top:
+            raise DataError(f"{path}: num_classes is {num_classes} but a label is {top}")
+    if num_classes < 1:
+        raise DataError(f"{path}: no labels at all")
+    return num_classes

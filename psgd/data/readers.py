@@ -13,6 +13,8 @@ import io
 import os
 import zipfile
 import zlib
+from typing import IO, Iterable, NamedTuple
+
 import numpy as np
 
 from psgd.data.base import DataError
@@ -26,6 +28,8 @@ IDX_DTYPES: dict[int, np.dtype] = {
     0x0D: np.dtype(">f4"),  # float
     0x0E: np.dtype(">f8"),  # double
 }
+#: The longest IDX header: the magic number and 255 dimensions.
+IDX_HEADER_MAX = 4 + 4 * 255
 _IDX_TYPE_NAMES = {0x08: "ubyte", 0x09: "byte", 0x0B: "short", 0x0C: "int", 0x0D: "float", 0x0E: "double"}
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -35,32 +39,55 @@ DIGITS_ROWS = 1797
 DIGITS_COLUMNS = 65  # 8x8 pixels in 0..16, then the label 0..9
 
 
-def read_bytes(path: str | os.PathLike[str]) -> bytes:
-    """The content of ``path``, gunzipped when it starts with the gzip magic."""
+def read_bytes(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
+    """The content of ``path``, gunzipped when it starts with the gzip magic.
+
+    With ``limit``, at most the first ``limit`` bytes of that content: the rest
+    of the file is neither read nor decompressed.
+    """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        f = open(path, "rb")
     except FileNotFoundError as exc:
         raise DataError(f"{path}: no such file") from exc
     except IsADirectoryError as exc:
         raise DataError(f"{path}: is a directory, expected a file") from exc
     except OSError as exc:
         raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    if data[:2] == _GZIP_MAGIC:
+    with f:
         try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise DataError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
-    return data
+            data = f.read() if limit is None else f.read(max(limit, len(_GZIP_MAGIC)))
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        if data[:2] == _GZIP_MAGIC:
+            try:
+                if limit is None:
+                    data = gzip.decompress(data)
+                else:
+                    f.seek(0)
+                    data = gzip.GzipFile(fileobj=f).read(limit)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise DataError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
+    return data if limit is None else data[:limit]
 
 
-def parse_idx(data: bytes, name: str = "<bytes>") -> np.ndarray:
-    """Parse the IDX format from bytes; ``name`` is used in error messages.
+class IdxHeader(NamedTuple):
+    """An IDX header: the type code (a key of ``IDX_DTYPES``), the dimensions, and its length in bytes."""
+
+    code: int
+    dims: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return IDX_DTYPES[self.code]
+
+
+def parse_idx_header(data: bytes, name: str = "<bytes>") -> IdxHeader:
+    """The header at the start of IDX ``data`` (which may stop anywhere after it); ``name`` is for errors.
 
     Header: two zero bytes, a type code (see ``IDX_DTYPES``), the number of
-    dimensions, then each dimension as a big-endian uint32; then exactly
-    ``prod(dims)`` big-endian values.  Returns a native-endian, writeable array.
+    dimensions, then each dimension as a big-endian uint32.
     """
     if len(data) < 4:
         raise DataError(f"{name}: {len(data)} bytes is too short for an IDX header (4 bytes at least)")
@@ -71,20 +98,30 @@ def parse_idx(data: bytes, name: str = "<bytes>") -> np.ndarray:
             f"{name}: bad IDX magic number 0x{magic:08X}: expected 0x0000TTNN with type TT in "
             f"{{08, 09, 0B, 0C, 0D, 0E}} and NN >= 1 dimensions (is this an IDX file?)"
         )
-    header = 4 + 4 * ndim
-    if len(data) < header:
-        raise DataError(f"{name}: truncated IDX header: {ndim} dimensions need {header} bytes, file has {len(data)}")
+    size = 4 + 4 * ndim
+    if len(data) < size:
+        raise DataError(f"{name}: truncated IDX header: {ndim} dimensions need {size} bytes, file has {len(data)}")
     dims = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    dtype = IDX_DTYPES[code]
+    return IdxHeader(code, dims, size)
+
+
+def parse_idx(data: bytes, name: str = "<bytes>") -> np.ndarray:
+    """Parse the IDX format from bytes; ``name`` is used in error messages.
+
+    The header (see :func:`parse_idx_header`) is followed by exactly
+    ``prod(dims)`` big-endian values.  Returns a native-endian, writeable array.
+    """
+    header = parse_idx_header(data, name)
+    dims, dtype = header.dims, header.dtype
     expected = int(np.prod(dims, dtype=object)) * dtype.itemsize
-    payload = len(data) - header
+    payload = len(data) - header.nbytes
     if payload != expected:
         what = "truncated" if payload < expected else f"{payload - expected} extra bytes at the end"
         raise DataError(
-            f"{name}: IDX payload is {payload} bytes but dims {dims} of {_IDX_TYPE_NAMES[code]} "
+            f"{name}: IDX payload is {payload} bytes but dims {dims} of {_IDX_TYPE_NAMES[header.code]} "
             f"need {expected} bytes ({what})"
         )
-    arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
+    arr = np.frombuffer(data, dtype=dtype, offset=header.nbytes).reshape(dims)
     return arr.astype(dtype.newbyteorder("="))  # native byte order, and a writeable copy
 
 
@@ -93,13 +130,88 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     return parse_idx(read_bytes(path), os.fspath(path))
 
 
-def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """All arrays of an ``.npz`` archive, loaded with ``allow_pickle=False``.
+def read_idx_header(path: str | os.PathLike[str]) -> IdxHeader:
+    """The header of one IDX file (raw or gzipped), reading no more than the longest header can be."""
+    return parse_idx_header(read_bytes(path, limit=IDX_HEADER_MAX), os.fspath(path))
+
+
+class NpyHeader(NamedTuple):
+    """What the header of one ``.npy`` array says: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def read_npz(path: str | os.PathLike[str], keys: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """All arrays of an ``.npz`` archive (or only ``keys``, which it must hold), loaded with ``allow_pickle=False``.
 
     An object array (which would need unpickling) is refused with a DataError
-    naming the key; so are files that are not ``.npz`` archives.
+    naming the key; so are files that are not ``.npz`` archives, and members
+    that are not ``.npy`` arrays.
     """
     path = os.fspath(path)
+    out: dict[str, np.ndarray] = {}
+    with _open_npz(path) as loaded:
+        for key in loaded.files if keys is None else keys:
+            try:
+                value = loaded[key]
+            except ValueError as exc:
+                if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
+                    raise _object_array_error(path, key) from exc
+                raise DataError(f"{path}: array {key!r} is unreadable ({exc})") from exc
+            except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                raise DataError(f"{path}: array {key!r} is corrupt ({exc})") from exc
+            if not isinstance(value, np.ndarray):  # NpzFile hands back the raw bytes of a non-.npy member
+                raise _not_an_array_error(path, key)
+            out[key] = value
+    return out
+
+
+def read_npz_headers(path: str | os.PathLike[str]) -> dict[str, NpyHeader]:
+    """The shape and dtype of every array of an ``.npz`` archive, from the ``.npy`` headers alone.
+
+    No array's data is read.  The archive is checked as :func:`read_npz` checks
+    it, with the same errors: an object array is refused from its header, so
+    nothing is ever unpickled.
+    """
+    path = os.fspath(path)
+    out: dict[str, NpyHeader] = {}
+    with _open_npz(path) as loaded:
+        for member in loaded.zip.namelist():
+            key = member.removesuffix(".npy")  # the key NpzFile gives it
+            try:
+                with loaded.zip.open(member) as f:
+                    header = _read_npy_header(f)
+            except ValueError as exc:
+                raise DataError(f"{path}: array {key!r} is unreadable ({exc})") from exc
+            except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                raise DataError(f"{path}: array {key!r} is corrupt ({exc})") from exc
+            if header is None:
+                raise _not_an_array_error(path, key)
+            shape, dtype = header
+            if dtype.hasobject:
+                raise _object_array_error(path, key)
+            out[key] = NpyHeader(tuple(int(d) for d in shape), dtype)
+    return out
+
+
+def _read_npy_header(f: IO[bytes]) -> tuple[tuple[int, ...], np.dtype] | None:
+    """``(shape, dtype)`` from the ``.npy`` header at the start of ``f``; None when ``f`` is not a ``.npy``."""
+    if f.read(len(np.lib.format.MAGIC_PREFIX)) != np.lib.format.MAGIC_PREFIX:
+        return None
+    f.seek(0)
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+    else:  # 3.0 only differs for structured dtypes with non-Latin-1 field names, which are not numeric
+        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported here")
+    return shape, dtype
+
+
+def _open_npz(path: str) -> np.lib.npyio.NpzFile:
+    """``np.load(path, allow_pickle=False)``, which must be an ``.npz`` archive (its arrays are not read yet)."""
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")
     if os.path.isdir(path):
@@ -117,21 +229,15 @@ def read_npz(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise DataError(f"{path}: not a readable .npz archive ({exc})") from exc
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise DataError(f"{path}: is a single .npy array, expected an .npz archive of named arrays")
-    out: dict[str, np.ndarray] = {}
-    with loaded:
-        for key in loaded.files:
-            try:
-                out[key] = loaded[key]
-            except ValueError as exc:
-                if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
-                    raise DataError(
-                        f"{path}: array {key!r} is an object array; psgd never unpickles data, "
-                        f"save plain numeric arrays"
-                    ) from exc
-                raise DataError(f"{path}: array {key!r} is unreadable ({exc})") from exc
-            except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-                raise DataError(f"{path}: array {key!r} is corrupt ({exc})") from exc
-    return out
+    return loaded
+
+
+def _object_array_error(path: str, key: str) -> DataError:
+    return DataError(f"{path}: array {key!r} is an object array; psgd never unpickles data, save plain numeric arrays")
+
+
+def _not_an_array_error(path: str, key: str) -> DataError:
+    return DataError(f"{path}: member {key!r} is not a .npy array; an .npz holds only arrays saved by numpy.savez")
 
 
 def read_digits() -> tuple[np.ndarray, np.ndarray]:

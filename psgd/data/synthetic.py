@@ -17,6 +17,8 @@ temporaries beyond one chunk.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from psgd.data.base import DataError
@@ -75,24 +77,39 @@ def _sample(teacher: Teacher, n: int, input_dim: int, rng: np.random.Generator) 
     return x, y
 
 
-def make_synthetic(
+def synthetic_options(
     n_train: int = 10000,
     n_test: int = 2000,
     input_dim: int = 64,
     num_classes: int = 10,
     teacher_hidden: int = 32,
     data_seed: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(x_train, y_train, x_test, y_test)``: float32 inputs, int64 labels."""
-    n_train = _int_option("n_train", n_train, minimum=1)
-    n_test = _int_option("n_test", n_test, minimum=1)
-    input_dim = _int_option("input_dim", input_dim, minimum=1)
-    num_classes = _int_option("num_classes", num_classes, minimum=2)
-    teacher_hidden = _int_option("teacher_hidden", teacher_hidden, minimum=1)
-    data_seed = _int_option("data_seed", data_seed, minimum=0)
-    teacher = Teacher(input_dim, teacher_hidden, num_classes, data_seed)
-    x_train, y_train = _sample(teacher, n_train, input_dim, _rng(data_seed, _TRAIN))
-    x_test, y_test = _sample(teacher, n_test, input_dim, _rng(data_seed, _TEST))
+) -> dict[str, int]:
+    """The options of :func:`make_synthetic`, checked, with the defaults filled in.
+
+    Each is an integer (strings from a command line or job file accepted):
+    the sizes at least 1, ``num_classes`` at least 2, ``data_seed`` at least 0.
+    """
+    return {
+        "n_train": _int_option("n_train", n_train, minimum=1),
+        "n_test": _int_option("n_test", n_test, minimum=1),
+        "input_dim": _int_option("input_dim", input_dim, minimum=1),
+        "num_classes": _int_option("num_classes", num_classes, minimum=2),
+        "teacher_hidden": _int_option("teacher_hidden", teacher_hidden, minimum=1),
+        "data_seed": _int_option("data_seed", data_seed, minimum=0),
+    }
+
+
+def make_synthetic(**options: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(x_train, y_train, x_test, y_test)``: float32 inputs, int64 labels.
+
+    ``options`` and their defaults are those of :func:`synthetic_options`.
+    """
+    o = synthetic_options(**options)
+    input_dim, data_seed = o["input_dim"], o["data_seed"]
+    teacher = Teacher(input_dim, o["teacher_hidden"], o["num_classes"], data_seed)
+    x_train, y_train = _sample(teacher, o["n_train"], input_dim, _rng(data_seed, _TRAIN))
+    x_test, y_test = _sample(teacher, o["n_test"], input_dim, _rng(data_seed, _TEST))
     return x_train, y_train, x_test, y_test
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from psgd.policy.base import APPLY, DUPLICATE, Policy, PushDecision
+from psgd.policy.base import APPLY, DUPLICATE, Policy, PolicyOption, PushDecision
 
 
 class AsyncPolicy(Policy):
@@ -15,6 +15,9 @@ class AsyncPolicy(Policy):
     """
 
     name: ClassVar[str] = "async"
+    summary: ClassVar[str] = "every push is applied on arrival; pulls never wait"
+    options: ClassVar[tuple[PolicyOption, ...]] = ()
+    accumulates: ClassVar[bool] = False
     _COUNTERS: ClassVar[tuple[str, ...]] = ("pushes_applied", "duplicates", "late", "rejected")
 
     def __init__(self, num_workers: int):

@@ -1,4 +1,4 @@
-"""What every consistency policy shares: the decision type, the error and the base class.
+"""What every consistency policy shares: the decision type, the error, the option type and the base class.
 
 A policy is a pure state machine.  The server core feeds it events (a worker
 joins, leaves, pushes, asks to pull) and acts on what it answers; the policy
@@ -11,6 +11,11 @@ clock ``c`` pulls weights for ``c``, computes step ``c``, pushes it with clock
 ``c`` and is then at ``c + 1``.  Workers are ``0 .. num_workers - 1``, and all
 of them start live (expected); the core calls :meth:`Policy.leave` for those
 that never register, finish (``done``) or let their lease run out.
+
+Each policy describes itself in class attributes: its ``name``, a one-line
+``summary``, the ``options`` it takes (:class:`PolicyOption`: type, default,
+help and the ``[cluster]`` key of a job file it is read from) and whether it
+``accumulates`` a round's pushes into a sum before one update.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ DUPLICATE = "duplicate"    # already applied: drop it, acknowledge OK
 LATE = "late"              # its sync round closed without it: drop it, count it
 REJECT = "reject"          # a protocol violation: tell the worker why
 ACTIONS = (APPLY, ACCUMULATE, DUPLICATE, LATE, REJECT)
+#: What the shard tells the worker happened to a push it took, for each action but REJECT (an error), and
+#: the shard's counter of each (psgd status, Prometheus).  The order is the data path's outcome codes.
+OUTCOMES = {APPLY: "applied", ACCUMULATE: "accumulated", DUPLICATE: "duplicate", LATE: "late"}
+OUTCOME_COUNTERS = {"applied": "applied", "accumulated": "accumulated", "duplicate": "duplicates", "late": "late"}
 
 STATE_FORMAT = 1
 
@@ -46,6 +55,18 @@ class PushDecision:
     reason_code: str = ""                # for reject: NOT_REGISTERED when the worker must register again
 
 
+@dataclass(frozen=True)
+class PolicyOption:
+    """One option a policy takes: a keyword of its constructor, and a ``[cluster]`` key of a job file."""
+
+    name: str          # the keyword (and the policy's attribute that holds the value)
+    type: type         # int, float, ...
+    default: Any       # None when required
+    help: str          # one line, for --help
+    required: bool
+    cluster_key: str   # the [cluster] key (psgd.config.ClusterConfig field) it is read from
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -59,6 +80,9 @@ class Policy(ABC):
     """The interface the server core drives; see the module docstring."""
 
     name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""                     # one line, in words
+    options: ClassVar[tuple[PolicyOption, ...]] = ()
+    accumulates: ClassVar[bool] = False             # the core sums a round's pushes before one update
     _COUNTERS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_workers: int):
@@ -111,9 +135,9 @@ class Policy(ABC):
         """The slowest live worker's clock, or None when no worker is live."""
         return min((self.clock_of(w) for w in self._live), default=None)
 
-    def options(self) -> dict[str, Any]:
+    def option_values(self) -> dict[str, Any]:
         """The options this policy was built with (as :func:`psgd.policy.make_policy` takes them)."""
-        return {}
+        return {o.name: getattr(self, o.name) for o in self.options}
 
     def counters(self) -> dict[str, int]:
         return dict(self._counters)
@@ -123,7 +147,7 @@ class Policy(ABC):
         return {
             "name": self.name,
             "num_workers": self.num_workers,
-            "options": self.options(),
+            "options": self.option_values(),
             "counters": self.counters(),
             "live_workers": sorted(self._live),
             "clocks": [self.clock_of(w) for w in range(self.num_workers)],
@@ -138,7 +162,7 @@ class Policy(ABC):
             "format": STATE_FORMAT,
             "policy": self.name,
             "num_workers": self.num_workers,
-            "options": self.options(),
+            "options": self.option_values(),
             "live": sorted(self._live),
             "counters": self.counters(),
             **self._state(),

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from psgd.policy.asynchronous import AsyncPolicy
-from psgd.policy.base import PolicyError, _is_int, _show
+from psgd.policy.base import PolicyError, PolicyOption, _is_int, _show
 
 
 class SSPPolicy(AsyncPolicy):
@@ -25,15 +25,19 @@ class SSPPolicy(AsyncPolicy):
     """
 
     name: ClassVar[str] = "ssp"
+    summary: ClassVar[str] = ("bounded staleness: pushes are applied on arrival; a pull waits while its worker "
+                              "is more clocks than the staleness bound ahead of the slowest")
+    options: ClassVar[tuple[PolicyOption, ...]] = (
+        PolicyOption("staleness", int, None, "clocks a worker may run ahead of the slowest",
+                     required=True, cluster_key="staleness"),
+    )
+    accumulates: ClassVar[bool] = False
 
     def __init__(self, num_workers: int, staleness: int):
         super().__init__(num_workers)
         if not _is_int(staleness) or staleness < 0:
             raise PolicyError(f"policy 'ssp': staleness must be an integer >= 0, got {_show(staleness)}")
         self.staleness = int(staleness)
-
-    def options(self) -> dict[str, Any]:
-        return {"staleness": self.staleness}
 
     def _slowest_other(self, worker: int) -> int | None:
         return min((self._clocks[o] for o in self._live if o != worker), default=None)

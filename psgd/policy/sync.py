@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from psgd.policy.base import ACCUMULATE, DUPLICATE, LATE, Policy, PolicyError, PushDecision, _is_int, _show
+from psgd.policy.base import (
+    ACCUMULATE, DUPLICATE, LATE, Policy, PolicyError, PolicyOption, PushDecision, _is_int, _show,
+)
 
 
 class SyncPolicy(Policy):
@@ -20,6 +22,12 @@ class SyncPolicy(Policy):
     """
 
     name: ClassVar[str] = "sync"
+    summary: ClassVar[str] = "bulk-synchronous rounds: a round's pushes are averaged, then applied once"
+    options: ClassVar[tuple[PolicyOption, ...]] = (
+        PolicyOption("backup_workers", int, 0, "close each round without the last B workers' pushes",
+                     required=False, cluster_key="backup_workers"),
+    )
+    accumulates: ClassVar[bool] = True
     _COUNTERS: ClassVar[tuple[str, ...]] = (
         "rounds_closed", "pushes_accumulated", "duplicates", "late", "rejected", "rounds_skipped")
 
@@ -36,9 +44,6 @@ class SyncPolicy(Policy):
     def applied_rounds(self) -> int:
         """Rounds closed so far; the open round is this one."""
         return self._applied_rounds
-
-    def options(self) -> dict[str, Any]:
-        return {"backup_workers": self.backup_workers}
 
     def open_round_pushers(self) -> frozenset[int]:
         """Workers (live or not) whose push is in the open round."""

@@ -1,32 +1,42 @@
-"""Parameter-server shards: the transport-free core and its gRPC adapter."""
+"""Parameter-server shards.
 
-from psgd.server.core import PushAssembler, PushResult, ShardCore, ShardError
+- core.py: the shard without any transport (workers, leases, the policy, the optimizer);
+- store.py: its weights, the reads pulls are served from, updates in place;
+- service.py: the gRPC servicer and ShardServer (health, leases, checkpoints), which also starts
+- datapath.py: the TCP data path's server end, behind gatekeeper.py (accepting and checking hellos);
+- checkpoint.py: writing and reading a shard's checkpoints.
 
-__all__ = ["PushAssembler", "PushResult", "ShardCore", "ShardError", "build_shard"]
+``build_shard(job, k)`` makes the core of shard ``k`` from a job file.
+"""
+
+from psgd.server.core import PushResult, ShardCore, ShardError
+
+__all__ = ["PushResult", "ShardCore", "ShardError", "build_shard"]
 
 
-def build_shard(job, shard: int, dataset=None) -> ShardCore:
-    """The core of shard ``shard`` for a job file: its slices initialized from the job's seed."""
+def build_shard(job, shard: int) -> ShardCore:
+    """The core of shard ``shard`` for a job file: its slices initialized from the job's seed.
+
+    The model comes from :func:`psgd.job.build_job_model`: a shard learns the input shape and class
+    count from the dataset's headers and labels, and never loads the inputs.
+    """
     from psgd import optim, policy
     from psgd.config import ConfigError
-    from psgd.job import identity
+    from psgd.job import build_job_model, identity
     from psgd.partition import PartitionPlan
-    from psgd.job import build_job
 
-    built = build_job(job, dataset)
+    model = build_job_model(job)
     c = job.cluster
     if not 0 <= shard < c.shards:
         raise ConfigError(f"shard index {shard} is out of range: the job has {c.shards} shard(s), 0..{c.shards - 1}")
-    plan = PartitionPlan(built.model.specs(), c.shards, c.slice_bytes)
+    plan = PartitionPlan(model.specs(), c.shards, c.slice_bytes)
     mine = plan.slices_for_shard(shard)
-    init = built.model.init(job.train.seed, names=sorted({s.var for s in mine}))
+    init = model.init(job.train.seed, names=sorted({s.var for s in mine}))
     values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
-    options = {"staleness": c.staleness} if c.policy == "ssp" else \
-              {"backup_workers": c.backup_workers} if c.policy == "sync" else {}
     return ShardCore(
         plan, shard, values,
         optim.build_optimizer(job.optimizer["name"], **job.options("optimizer")),
-        policy.make_policy(c.policy, c.workers, **options),
+        policy.policy_from_cluster(c),
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
         staleness_lr=c.staleness_lr, identity=identity(job, plan.hash),
     )

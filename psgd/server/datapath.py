@@ -9,59 +9,61 @@ for gRPC, and errors come back as the same status codes.
 One thread serves one authenticated connection (a worker keeps one per
 shard).  Every read has a timeout, payload sizes come from the partition plan,
 and a connection that breaks the protocol is answered with an error and closed.
-
-Connections cannot be hoarded.  Until its hello has been checked (token, plan,
-worker id) a connection is *unauthenticated* and holds no thread: one
-gatekeeper thread accepts connections, reads their hellos without blocking and
-hands each authenticated one to a thread of its own.  Unauthenticated
-connections have their own small cap (MAX_UNAUTHENTICATED, at most
-MAX_UNAUTHENTICATED_PER_PEER from one address), separate from the cap on
-served ones (4 per worker + 8); when it is full a new connection evicts the
-oldest unauthenticated one (those that have sent nothing first), so a worker,
-whose hello arrives with its connection, always finds room; on loopback,
-where every peer is 127.0.0.1, this eviction is what protects the workers.
-A hello must arrive within ``hello_timeout`` (2 s), new connections are
-accepted at ACCEPT_RATE per second at most (bounding what a flood costs this
-process), every refusal is answered with an error reply saying why where the
-protocol allows it, and refusals are summed up in the log every
-REFUSAL_LOG_SECONDS instead of one line each.
+Connections are accepted, and their hellos checked, by the gatekeeper
+(:mod:`psgd.server.gatekeeper`), which holds no thread per connection until it
+is authenticated: connections cannot be hoarded.
 """
 
 from __future__ import annotations
 
-import errno
-import hmac
-import json
 import logging
-import selectors
 import socket
 import ssl
 import threading
-import time
 
 import grpc
 import numpy as np
 
-from psgd import status, wire
+from psgd import status
+from psgd.codec import Codec, CodecError, by_code
+from psgd.link import protocol
 from psgd.server.core import ShardCore, ShardError
+from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 
 log = logging.getLogger(__name__)
 
 _CODES = {code.name: code.value[0] for code in grpc.StatusCode}
-_OUTCOME_CODES = {name: i for i, name in enumerate(wire.OUTCOMES)}
+_OUTCOME_CODES = {name: i for i, name in enumerate(protocol.OUTCOMES)}
 
-#: Connections accepted whose hello has not been checked yet, at most (then the oldest is evicted) ...
-MAX_UNAUTHENTICATED = 32
-#: ... and at most this many of them from one address.
-MAX_UNAUTHENTICATED_PER_PEER = 16
-#: New connections accepted per second at most, in bursts of up to ACCEPT_BURST: a flood of
-#: connections then costs this process a bounded share of one core, whatever its rate.  A worker
-#: waits its turn in the listen backlog (BACKLOG): well under a second.
-ACCEPT_RATE, ACCEPT_BURST, BACKLOG = 1000.0, 256, 512
-#: Connections accepted in one go before the gatekeeper looks at the hellos in progress again.
-_ACCEPT_BATCH = 64
-#: Refused connections are summed up in the log at most once per this many seconds.
-REFUSAL_LOG_SECONDS = 5.0
+
+class BufferPool:
+    """At most ``limit`` receive buffers of ``nbytes`` each, reused across pushes.
+
+    Bounds the memory concurrent pushes can take: the ``limit + 1``-th push
+    waits (within its timeout) for a buffer instead of allocating one.
+    """
+
+    def __init__(self, nbytes: int, limit: int = 2):
+        self.nbytes = nbytes
+        self._free: list[bytearray] = []
+        self._made = 0
+        self._limit = limit
+        self._cond = threading.Condition()
+
+    def acquire(self, timeout: float) -> bytearray:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._made < self._limit, timeout):
+                raise ShardError("RESOURCE_EXHAUSTED", f"no receive buffer free within {timeout:.1f}s: "
+                                 "too many pushes at once")
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return bytearray(self.nbytes)
+
+    def release(self, buf: bytearray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
 
 
 class DataServer:
@@ -71,300 +73,65 @@ class DataServer:
                  request_timeout: float = 60.0, idle_timeout: float = 600.0, max_connections: int | None = None,
                  hello_timeout: float = 2.0, max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None):
-        self.core, self.token, self.tls = core, token, tls
-        self.request_timeout, self.idle_timeout, self.hello_timeout = request_timeout, idle_timeout, hello_timeout
+        self.core = core
+        self.receive_buffers = BufferPool(core.nbytes, limit=2)
+        self.request_timeout, self.idle_timeout = request_timeout, idle_timeout
         #: authenticated connections served at once (one thread each)
         self.max_connections = max_connections or 4 * core.num_workers + 8
-        self.max_unauthenticated = max(1, max_unauthenticated)
-        self.max_per_peer = max(1, min(max_per_peer, self.max_unauthenticated))
-        self.sock = socket.create_server((host, port), backlog=BACKLOG)
-        self.sock.setblocking(False)
-        self.port = self.sock.getsockname()[1]
+        sock = socket.create_server((host, port), backlog=BACKLOG)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()  # authenticated, each served by its thread
         self._lock = threading.Lock()
-        # the gatekeeper's own state, touched by its thread only
-        self._pending: set[_Pending] = set()      # accepted, hello not checked yet
-        self._selector = selectors.DefaultSelector()
-        self._listening = False
-        self._tokens, self._refilled = float(ACCEPT_BURST), time.monotonic()
-        self._refusals = _RefusalLog(core.shard, REFUSAL_LOG_SECONDS)
-        self._accepter = threading.Thread(target=self._gatekeep, name=f"shard{core.shard}-data", daemon=True)
+        self.gate = Gatekeeper(core, sock, token=token, tls=tls, hello_timeout=hello_timeout,
+                               max_unauthenticated=max_unauthenticated, max_per_peer=max_per_peer,
+                               hand_over=self._hand_over)
 
     def start(self) -> "DataServer":
-        self._accepter.start()
+        self.gate.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop at once
-        except OSError:
-            pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.gate.stop()  # wakes the gatekeeper at once
         with self._lock:
             for conn in list(self._conns):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        self._accepter.join(5)
-
-    # -- the gatekeeper: accepting connections and checking their hellos -------------------------
-    def _gatekeep(self) -> None:
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                self._tokens = min(float(ACCEPT_BURST), self._tokens + (now - self._refilled) * ACCEPT_RATE)
-                self._refilled = now
-                if not self._listen(self._tokens >= 1):
-                    return
-                try:
-                    events = self._selector.select(self._wait(now))
-                except (OSError, ValueError):
-                    if self._stop.is_set():
-                        return
-                    raise
-                for key, _ in events:
-                    if key.data is None:
-                        if not self._accept_some():
-                            return
-                    elif key.data in self._pending:
-                        self._advance(key.data)
-                now = time.monotonic()
-                for p in [p for p in self._pending if p.deadline <= now]:
-                    self._refuse(p, "DEADLINE_EXCEEDED", f"no hello within {self.hello_timeout:g} s: a data "
-                                 "connection must open with its psgd hello at once", "no hello in time")
-                self._refusals.flush(now)
-        except Exception:  # a bug here would silently close the data port: say so loudly
-            log.exception("shard %d: the data port stopped accepting connections", self.core.shard)
-            raise
-        finally:
-            for p in list(self._pending):
-                self._forget(p)
-                _close(p.sock)
-            self._refusals.flush(time.monotonic(), force=True)
-            self._selector.close()
-
-    def _listen(self, on: bool) -> bool:
-        """Watch the listening socket for new connections, or not (no accept tokens left); False once
-        the server is stopping."""
-        if self._stop.is_set():
-            return False
-        if on != self._listening:
-            try:
-                if on:
-                    self._selector.register(self.sock, selectors.EVENT_READ, None)
-                else:
-                    self._selector.unregister(self.sock)
-            except (OSError, ValueError, KeyError):  # the listening socket was closed by stop()
-                return False
-            self._listening = on
-        return True
-
-    def _wait(self, now: float) -> float:
-        """How long the gatekeeper may sleep: until the next hello deadline, accept token or log line."""
-        wake = now + 0.5
-        if self._pending:
-            wake = min(wake, min(p.deadline for p in self._pending))
-        if self._tokens < 1:
-            wake = min(wake, now + (1 - self._tokens) / ACCEPT_RATE)
-        due = self._refusals.due()
-        if due is not None:
-            wake = min(wake, due)
-        return max(0.0, wake - now)
-
-    def _accept_some(self) -> bool:
-        """Accept what the tokens allow (at most _ACCEPT_BATCH); False once the server is stopping."""
-        for _ in range(_ACCEPT_BATCH):
-            if self._tokens < 1:
-                break
-            try:
-                conn, peer = self.sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                break
-            except OSError as exc:
-                if self._stop.is_set():
-                    return False
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("shard %d: cannot accept a data connection: %s; pausing 0.1 s", self.core.shard, exc)
-                    if self._pending:
-                        self._evict(list(self._pending))
-                    self._tokens = -0.1 * ACCEPT_RATE  # accept nothing for 0.1 s
-                    break
-                raise
-            self._tokens -= 1
-            self._admit(conn, peer)
-        return True
-
-    def _admit(self, conn: socket.socket, peer) -> None:
-        """Hold a new connection until its hello comes, making room for it first."""
-        host = str(peer[0])
-        mine = [p for p in self._pending if p.host == host]
-        if len(mine) >= self.max_per_peer:
-            self._evict(mine)
-        elif len(self._pending) >= self.max_unauthenticated:
-            counts: dict[str, int] = {}
-            for p in self._pending:
-                counts[p.host] = counts.get(p.host, 0) + 1
-            heaviest = max(counts, key=counts.__getitem__)  # the address that holds the most slots pays
-            self._evict([p for p in self._pending if p.host == heaviest])
-        try:
-            conn.setblocking(False)
-            wire.tune(conn)
-        except OSError:  # already reset by the peer
-            _close(conn)
-            return
-        now = time.monotonic()
-        p = _Pending(conn, peer, now, now + self.hello_timeout, tls=self.tls is not None)
-        self._pending.add(p)
-        self._selector.register(conn, selectors.EVENT_READ, p)
-        self._advance(p)  # a worker's hello is usually here already
-
-    def _evict(self, candidates: list["_Pending"]) -> None:
-        victim = min(candidates, key=lambda p: (p.progress, p.accepted))  # silent ones first, then the oldest
-        self._refuse(victim, "UNAVAILABLE", f"shard {self.core.shard} closed this data connection to make room: "
-                     f"too many connections were waiting for their hello (at most {self.max_unauthenticated}, "
-                     f"{self.max_per_peer} from one address)", "evicted waiting for its hello")
-
-    def _advance(self, p: "_Pending") -> None:
-        """Read what has come of ``p``'s hello (never blocking); check it once it is whole."""
-        try:
-            if p.state == "tls" and not self._tls_start(p):
-                return
-            if p.state == "handshake":
-                p.sock.do_handshake()
-                p.state = "header"
-            while True:
-                if p.got < len(p.buf):
-                    n = p.sock.recv_into(memoryview(p.buf)[p.got:])
-                    if n == 0:
-                        self._drop(p, "closed before its hello")
-                        return
-                    p.progress, p.got = True, p.got + n
-                    continue
-                if p.state == "header":
-                    magic, op, _, worker, _, _, size = wire.REQUEST.unpack(p.buf)
-                    if magic != wire.DATA_MAGIC or op != wire.OP_HELLO or size > wire.MAX_HELLO_BYTES:
-                        raise _Refusal("INVALID_ARGUMENT", "a data connection must start with a psgd hello",
-                                       "not a psgd hello")
-                    p.worker, p.state, p.buf, p.got = worker, "body", bytearray(size), 0
-                    continue
-                self._authenticated(p, self._check_hello(p.worker, p.buf))
-                return
-        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
-            self._want(p, selectors.EVENT_READ)
-        except ssl.SSLWantWriteError:
-            self._want(p, selectors.EVENT_WRITE)
-        except _Refusal as r:
-            self._refuse(p, r.code, str(r), r.reason)
-        except (ssl.SSLError, OSError, ValueError) as exc:
-            if p.state in ("tls", "handshake"):
-                self._refuse(p, "UNAUTHENTICATED", f"TLS handshake failed: {exc}", "TLS handshake failed",
-                             reply=False)
-            else:
-                self._drop(p, f"broken before its hello: {exc}")
-
-    def _tls_start(self, p: "_Pending") -> bool:
-        """Start the TLS handshake of ``p``; a plaintext psgd hello is told that this port wants TLS."""
-        head = p.sock.recv(len(wire.DATA_MAGIC), socket.MSG_PEEK)
-        if not head:
-            self._drop(p, "closed before its hello")
-            return False
-        if head == wire.DATA_MAGIC:
-            self._refuse(p, "FAILED_PRECONDITION", f"the data port of shard {self.core.shard} speaks TLS only: give "
-                         "the worker the job's TLS settings (--tls-ca, and --tls-cert/--tls-key for mutual TLS)",
-                         "plaintext hello to a TLS port", reply=True)
-            return False
-        self._selector.unregister(p.sock)
-        p.sock = self.tls.wrap_socket(p.sock, server_side=True, do_handshake_on_connect=False)  # detaches the raw one
-        self._selector.register(p.sock, p.events, p)
-        p.state, p.progress = "handshake", True
-        return True
-
-    def _want(self, p: "_Pending", events: int) -> None:
-        if events != p.events:
-            p.events = events
-            self._selector.modify(p.sock, events, p)
-
-    def _check_hello(self, worker: int, body: bytearray) -> int:
-        try:
-            hello = json.loads(body)
-            token, plan_hash = str(hello.get("token", "")), str(hello.get("plan_hash", ""))
-        except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
-            raise _Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
-        # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
-        if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
-                                   self.token.encode("utf-8", "surrogatepass")):
-            raise _Refusal("UNAUTHENTICATED", "wrong or missing token", "wrong or missing token")
-        if plan_hash != self.core.plan.hash:
-            raise _Refusal("FAILED_PRECONDITION", f"partition plan {plan_hash!r} differs from shard "
-                           f"{self.core.shard}'s {self.core.plan.hash!r}", "another partition plan")
-        if worker != -1:
-            try:
-                self.core._check_worker(worker)
-            except ShardError as err:
-                raise _Refusal(err.code, err.message, "worker id out of range") from None
-        return worker
-
-    def _authenticated(self, p: "_Pending", worker: int) -> None:
-        """Hand ``p`` to a thread of its own, if the cap on served connections allows."""
-        self._forget(p)
-        with self._lock:
-            full = len(self._conns) >= self.max_connections
-            if not full:
-                self._conns.add(p.sock)
-        if full:
-            self._refuse(p, "UNAVAILABLE", f"shard {self.core.shard} already serves {self.max_connections} data "
-                         "connections, the most it takes (4 per worker + 8)", "too many data connections")
-            return
-        try:
-            threading.Thread(target=self._serve, args=(p.sock, p.peer, worker), daemon=True,
-                             name=f"shard{self.core.shard}-data-{p.peer[1]}").start()
-        except RuntimeError as exc:  # no thread to be had
-            with self._lock:
-                self._conns.discard(p.sock)
-            self._refuse(p, "UNAVAILABLE", f"shard {self.core.shard} cannot serve another connection: {exc}",
-                         "no thread for it")
-
-    def _refuse(self, p: "_Pending", code: str, message: str, reason: str, reply: bool | None = None) -> None:
-        """Close ``p``, first telling the peer why (never blocking), and count it for the log."""
-        self._forget(p)
-        if reply if reply is not None else p.state not in ("tls", "handshake"):
-            try:
-                p.sock.send(_error_reply(code, message))
-            except (OSError, ValueError):
-                pass
-        self._refusals.note(p.host, reason, time.monotonic())
-        _close(p.sock)
-
-    def _drop(self, p: "_Pending", why: str) -> None:
-        log.debug("shard %d: data connection from %s %s", self.core.shard, p.peer, why)
-        self._forget(p)
-        _close(p.sock)
-
-    def _forget(self, p: "_Pending") -> None:
-        if p in self._pending:
-            self._pending.discard(p)
-            try:
-                self._selector.unregister(p.sock)
-            except (KeyError, ValueError, OSError):
-                pass
+        self.gate.join(5)
 
     # -- serving an authenticated connection -----------------------------------------------------
+    def _hand_over(self, conn: socket.socket, peer, worker: int) -> tuple[str, str, str] | None:
+        """Serve ``conn`` (authenticated by the gatekeeper) on a thread of its own, if the cap on served
+        connections allows; else the refusal (code, message, reason) to send it."""
+        with self._lock:
+            if len(self._conns) >= self.max_connections:
+                return ("UNAVAILABLE", f"shard {self.core.shard} already serves {self.max_connections} data "
+                        "connections, the most it takes (4 per worker + 8)", "too many data connections")
+            self._conns.add(conn)
+        try:
+            threading.Thread(target=self._serve, args=(conn, peer, worker), daemon=True,
+                             name=f"shard{self.core.shard}-data-{peer[1]}").start()
+        except RuntimeError as exc:  # no thread to be had
+            with self._lock:
+                self._conns.discard(conn)
+            return ("UNAVAILABLE", f"shard {self.core.shard} cannot serve another connection: {exc}",
+                    "no thread for it")
+        return None
+
     def _serve(self, conn: socket.socket, peer, worker: int) -> None:
         try:
             conn.settimeout(self.request_timeout)
-            wire.send_buffers(conn, [wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, self.core.version, 0, 0, 0)])
+            protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0, 0)])
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
-                header = wire.recv_struct(conn, wire.REQUEST)
+                header = protocol.recv_struct(conn, protocol.REQUEST)
                 conn.settimeout(self.request_timeout)
                 self._request(conn, worker, header)
-        except wire.WireError as exc:
+        except protocol.WireError as exc:
             log.debug("shard %d: data connection from %s ended: %s", self.core.shard, peer, exc)
         except _Fatal as exc:
             log.warning("shard %d: closing the data connection from %s: %s", self.core.shard, peer, exc)
@@ -374,24 +141,25 @@ class DataServer:
             conn.close()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
-        message = err.message.encode("utf-8", "replace")[:wire.MAX_ERROR_BYTES]
+        message = err.message.encode("utf-8", "replace")[:protocol.MAX_ERROR_BYTES]
         # In an error reply the outcome byte carries the reason the client acts on (psgd.status).
-        wire.send_buffers(conn, [wire.REPLY.pack(wire.DATA_MAGIC, _CODES[err.code], status.reason_number(err.reason),
-                                                 0, 0, 0, len(message)), message])
+        head = protocol.REPLY.pack(protocol.DATA_MAGIC, _CODES[err.code], status.reason_number(err.reason),
+                                   0, 0, 0, len(message))
+        protocol.send_buffers(conn, [head, message])
 
     def _fatal(self, conn: socket.socket, code: str, message: str):
         try:
             self._reply_error(conn, ShardError(code, message))
-        except wire.WireError:
+        except protocol.WireError:
             pass
         raise _Fatal(message)
 
     # -- requests -------------------------------------------------------------------
     def _request(self, conn: socket.socket, worker: int, header: tuple) -> None:
         magic, op, dtype_code, _, clock, base_version, size = header
-        if magic != wire.DATA_MAGIC or op not in (wire.OP_PULL, wire.OP_PUSH):
+        if magic != protocol.DATA_MAGIC or op not in (protocol.OP_PULL, protocol.OP_PUSH):
             self._fatal(conn, "INVALID_ARGUMENT", "not a psgd data request")
-        if op == wire.OP_PULL:
+        if op == protocol.OP_PULL:
             if size:
                 self._fatal(conn, "INVALID_ARGUMENT", "a pull carries no payload")
             self._pull(conn, worker, clock)
@@ -400,155 +168,68 @@ class DataServer:
 
     def _pull(self, conn: socket.socket, worker: int, clock: int) -> None:
         try:
-            snap = self.core.pull_live(worker, clock, self.request_timeout)
+            snap = self.core.pull(None if worker == protocol.OBSERVER else worker, clock, self.request_timeout,
+                                  copy=False)
         except ShardError as err:
             self._reply_error(conn, err)
             return
         with snap:
-            head = wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, snap.version, 0, 0, len(snap.buffer))
-            wire.send_buffers(conn, [head, snap.buffer])
+            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, len(snap.buffer))
+            protocol.send_buffers(conn, [head, snap.buffer])
 
     def _push(self, conn: socket.socket, worker: int, clock: int, base_version: int, dtype_code: int,
               size: int) -> None:
         core = self.core
-        wire_dtype = wire.WIRE_DTYPES.get(dtype_code, "?") or core.dtype
-        compressed = core.dtype == "float32" and wire_dtype in ("float16", "bfloat16")
-        if wire_dtype != core.dtype and not compressed:
-            self._fatal(conn, "INVALID_ARGUMENT", f"gradient wire dtype code {dtype_code} cannot carry "
-                        f"{core.dtype} variables")
-        expected = core.flat.size * wire.WIRE_ITEMSIZE[wire_dtype]
+        try:
+            codec = by_code(dtype_code, core.dtype)
+        except CodecError as exc:
+            self._fatal(conn, "INVALID_ARGUMENT", str(exc))
+        itemsize = codec.wire_itemsize(core.dtype)
+        expected = core.flat.size * itemsize
         if size != expected:
             self._fatal(conn, "INVALID_ARGUMENT", f"push of {size} bytes, shard {core.shard} expects {expected} "
-                        f"({core.flat.size} {wire_dtype} values): wrong shape or dtype")
+                        f"({core.flat.size} values of {itemsize} bytes): wrong shape or dtype")
         try:
-            buf = core.receive_buffers.acquire(self.request_timeout)
+            buf = self.receive_buffers.acquire(self.request_timeout)
         except ShardError as err:
             self._fatal(conn, err.code, err.message)
         try:
-            if wire.wants_go_ahead(size):
-                wire.send_buffers(conn, [wire.REPLY.pack(wire.DATA_MAGIC, 0, wire.READY, core.version, 0, 0, 0)])
-            _receive_gradient(conn, memoryview(buf), wire_dtype, core.flat.size)
+            if protocol.wants_go_ahead(size):
+                ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
+                protocol.send_buffers(conn, [ready])
+            _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
             try:
                 result = core.push(worker, clock, base_version, core.gradient_views(buf))
             except ShardError as err:
                 self._reply_error(conn, err)
                 return
         finally:
-            core.receive_buffers.release(buf)
-        wire.send_buffers(conn, [wire.REPLY.pack(wire.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
-                                                 result.version, result.next_clock, result.staleness, 0)])
+            self.receive_buffers.release(buf)
+        protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
+                                                         result.version, result.next_clock, result.staleness, 0)])
 
 
 class _Fatal(Exception):
     """The connection cannot go on (protocol broken); it is closed after the error reply."""
 
 
-class _Refusal(Exception):
-    """A hello is refused: ``code`` and the message go to the peer, ``reason`` (a few words) to the log."""
-
-    def __init__(self, code: str, message: str, reason: str):
-        super().__init__(message)
-        self.code, self.reason = code, reason
-
-
-class _Pending:
-    """A connection accepted but not yet authenticated, its hello read by the gatekeeper piece by piece."""
-
-    __slots__ = ("sock", "peer", "host", "accepted", "deadline", "state", "buf", "got", "worker", "progress",
-                 "events")
-
-    def __init__(self, sock: socket.socket, peer, now: float, deadline: float, tls: bool):
-        self.sock, self.peer, self.host = sock, peer, str(peer[0])
-        self.accepted, self.deadline = now, deadline
-        self.state = "tls" if tls else "header"  # tls -> handshake -> header -> body
-        self.buf, self.got, self.worker = bytearray(wire.REQUEST.size), 0, 0
-        self.progress = False  # has the peer sent anything yet?
-        self.events = selectors.EVENT_READ
-
-
-def _error_reply(code: str, message: str) -> bytes:
-    text = message.encode("utf-8", "replace")[:wire.MAX_ERROR_BYTES]
-    return wire.REPLY.pack(wire.DATA_MAGIC, _CODES[code], 0, 0, 0, 0, len(text)) + text
-
-
-def _close(sock: socket.socket) -> None:
-    """Close a connection that is being refused: what the peer sent is read first (a close with unread
-    bytes would reset the connection, and could destroy the error reply before the peer reads it)."""
-    try:
-        for _ in range(4):
-            if not sock.recv(1 << 16):
-                break
-    except (OSError, ValueError):
-        pass
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except (OSError, ValueError):
-        pass
-    sock.close()
-
-
-class _RefusalLog:
-    """Refused connections, counted by address and reason and written in one burst of lines per
-    ``every`` seconds at most; the first one after a quiet spell is written at once."""
-
-    MAX_LINES = 4   # (address, reason) lines per burst; the rest are summed up in one more line
-    MAX_KEYS = 256  # counters kept at most; further addresses are counted together
-
-    def __init__(self, shard: int, every: float):
-        self.shard, self.every = shard, every
-        self.counts: dict[tuple[str, str], int] = {}
-        self.last = -float("inf")  # when lines were last written
-
-    def note(self, host: str, reason: str, now: float) -> None:
-        if not self.counts and now - self.last >= self.every:
-            log.warning("shard %d: refused a data connection from %s (%s)", self.shard, host, reason)
-            self.last = now
-            return
-        key = (host, reason)
-        if key not in self.counts and len(self.counts) >= self.MAX_KEYS:
-            key = ("other addresses", reason)
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def due(self) -> float | None:
-        """When the next lines are due (None: nothing to write)."""
-        return self.last + self.every if self.counts else None
-
-    def flush(self, now: float, force: bool = False) -> None:
-        if not self.counts or (now - self.last < self.every and not force):
-            return
-        window = min(now - self.last, 10 * self.every)
-        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])
-        for (host, reason), n in ranked[:self.MAX_LINES]:
-            log.warning("shard %d: refused %d data connection(s) from %s in the last %.0fs (%s)",
-                        self.shard, n, host, window, reason)
-        rest = ranked[self.MAX_LINES:]
-        if rest:
-            log.warning("shard %d: refused %d more data connection(s) from %d other address(es) or reason(s) "
-                        "in the last %.0fs", self.shard, sum(n for _, n in rest), len(rest), window)
-        self.counts.clear()
-        self.last = now
-
-
 _STAGE_ELEMS = 1 << 20
 
 
-def _receive_gradient(conn: socket.socket, buf: memoryview, wire_dtype: str, count: int) -> None:
-    """Receive ``count`` gradient values into ``buf`` (float32 or the variables' dtype).
+def _receive_gradient(conn: socket.socket, buf: memoryview, codec: Codec, count: int) -> None:
+    """Receive ``count`` gradient values into ``buf`` as ``codec`` wrote them.
 
     Compressed gradients (float16, bfloat16) are received in pieces into a
-    small staging buffer and widened into place, so they never need a
-    second full-size buffer.
+    small staging buffer and decoded into place, so they never need a second
+    full-size buffer.
     """
-    if wire.WIRE_ITEMSIZE[wire_dtype] * count == len(buf):
-        wire.recv_exact(conn, buf)
+    if not codec.compresses:
+        protocol.recv_exact(conn, buf)
         return
     out = np.frombuffer(buf, dtype=np.float32, count=count)
     stage = np.empty(min(count, _STAGE_ELEMS), dtype=np.uint16)
     for start in range(0, count, _STAGE_ELEMS):
         n = min(_STAGE_ELEMS, count - start)
         piece = stage[:n]
-        wire.recv_exact(conn, memoryview(piece))
-        if wire_dtype == "float16":
-            np.copyto(out[start:start + n], piece.view(np.float16))
-        else:
-            wire.from_bfloat16(piece, out[start:start + n])
+        protocol.recv_exact(conn, memoryview(piece))
+        codec.decode(piece, out[start:start + n])

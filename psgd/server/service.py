@@ -19,14 +19,18 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import numpy as np
+
 from psgd import status
-from psgd.channel import TOKEN_METADATA_KEY
+from psgd.channel import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, chunks
+from psgd.codec import Codec, CodecError, by_name
+from psgd.link.protocol import OBSERVER
+from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore, ShardError
 from psgd.server.datapath import DataServer
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.wire import CHANNEL_OPTIONS, chunks
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,68 @@ def _abort(context: grpc.ServicerContext, err: ShardError):
     status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences)
 
 
+class PushAssembler:
+    """Collects one gRPC push's chunks into complete, validated gradient arrays.
+
+    Chunks of a slice must arrive in order and cover it exactly, in the wire
+    format of the push's codec.  Sizes come from the plan, never from the
+    request, so a hostile push cannot make the shard allocate more than the
+    slices it holds.
+    """
+
+    def __init__(self, core: ShardCore, declared: str):
+        try:
+            self.codec: Codec = by_name(declared, core.dtype)
+        except CodecError as exc:
+            raise ShardError("INVALID_ARGUMENT", str(exc)) from None
+        self.slices: dict[int, Slice] = core.slices
+        self.dtype = core.dtype
+        self.itemsize = self.codec.wire_itemsize(core.dtype)
+        self._buffers: dict[int, bytearray] = {}
+        self._received: dict[int, int] = {}
+
+    def _nbytes(self, sl: Slice) -> int:
+        return sl.size * self.itemsize
+
+    def add(self, slice_id: int, offset: int, data: bytes) -> None:
+        sl = self.slices.get(slice_id)
+        if sl is None:
+            raise ShardError("NOT_FOUND", f"slice {slice_id} is not held by this shard: "
+                             "is the worker using the same partition plan?")
+        got, nbytes = self._received.get(slice_id, 0), self._nbytes(sl)
+        if offset != got:
+            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}): chunk at byte {offset}, "
+                             f"expected {got} (chunks must arrive in order, without gaps)")
+        end = offset + len(data)
+        if end > nbytes:
+            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}) holds {nbytes} bytes, "
+                             f"the push sent {end} or more: wrong shape or dtype")
+        buf = self._buffers.get(slice_id)
+        if buf is None:
+            buf = self._buffers[slice_id] = bytearray(nbytes)
+        buf[offset:end] = data
+        self._received[slice_id] = end
+
+    def finish(self) -> dict[int, np.ndarray]:
+        missing = [f"{sl.key} ({self._received.get(i, 0)} of {self._nbytes(sl)} bytes)"
+                   for i, sl in self.slices.items() if self._received.get(i, 0) != self._nbytes(sl)]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ShardError("INVALID_ARGUMENT", f"incomplete push: {', '.join(missing[:3])}{more}")
+        if not self.codec.compresses:
+            return {i: np.frombuffer(buf, dtype=self.dtype) for i, buf in self._buffers.items()}
+        out = {}
+        for i, buf in self._buffers.items():
+            out[i] = np.empty(self.slices[i].size, dtype=self.dtype)
+            self.codec.decode(np.frombuffer(buf, dtype=np.uint16), out[i])
+        return out
+
+
+def _worker(worker_id: int) -> int | None:
+    """The core's name for a request's worker id (None: an observer)."""
+    return None if worker_id == OBSERVER else worker_id
+
+
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
     left = context.time_remaining()
     return cap if left is None else max(0.0, min(cap, left - 0.05))
@@ -70,8 +136,9 @@ def _remaining(context: grpc.ServicerContext, cap: float) -> float:
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Maps RPCs onto the core; every ShardError becomes its status code."""
 
-    def __init__(self, core: ShardCore, incarnation: str, max_wait: float, data_port: int = 0):
-        self.core, self.incarnation, self.max_wait, self.data_port = core, incarnation, max_wait, data_port
+    def __init__(self, core: ShardCore, incarnation: str, request_timeout: float, data_port: int = 0):
+        self.core, self.incarnation, self.data_port = core, incarnation, data_port
+        self.request_timeout = request_timeout
 
     def Register(self, request, context):
         try:
@@ -87,8 +154,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):
         try:
-            snap = self.core.pull(request.worker_id, request.clock, _remaining(context, self.max_wait),
-                                  cancelled=lambda: not context.is_active())
+            snap = self.core.pull(_worker(request.worker_id), request.clock,
+                                  _remaining(context, self.request_timeout), cancelled=lambda: not context.is_active())
         except ShardError as err:
             _abort(context, err)
         with snap:
@@ -103,9 +170,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise ShardError("INVALID_ARGUMENT", "a push must start with a header")
             header = first.header
-            self.core._check_worker(header.worker_id)
-            assembler = self.core.assembler()
-            assembler.check_dtype(header.dtype)
+            self.core.check_worker(header.worker_id)
+            assembler = PushAssembler(self.core, header.dtype)
             for message in request_iterator:
                 if message.WhichOneof("kind") != "chunk":
                     raise ShardError("INVALID_ARGUMENT", "a push has exactly one header, at the start")
@@ -178,7 +244,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 class ShardServer:
     """A shard served over gRPC, with health checking and a lease reaper thread."""
 
-    def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, max_wait: float = 60.0,
+    def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, request_timeout: float = 60.0,
                  threads: int | None = None, data_path: bool = True, data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
@@ -191,7 +257,7 @@ class ShardServer:
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
-                               request_timeout=max_wait, hello_timeout=hello_timeout,
+                               request_timeout=request_timeout, hello_timeout=hello_timeout,
                                tls=tls.server_context() if tls.enabled else None) if data_path else None
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
@@ -199,7 +265,7 @@ class ShardServer:
                                   options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4,
                                   interceptors=list(interceptors))
         ps_pb2_grpc.add_ParameterServerServicer_to_server(
-            ParameterServerServicer(core, self.incarnation, max_wait, self.data.port if self.data else 0),
+            ParameterServerServicer(core, self.incarnation, request_timeout, self.data.port if self.data else 0),
             self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

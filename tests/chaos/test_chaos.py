@@ -1,4 +1,4 @@
-"""The chaos suite (psgd/bench/chaos.py): its invariant checks on hand-made data, a short seeded run of every
+"""The chaos suite (psgd/bench/chaos/): its invariant checks on hand-made data, a short seeded run of every
 fault kind against real processes, and the product bugs it found, each reproduced deterministically.
 
 The long version is ``python benchmarks/chaos.py --minutes 10`` (not run here).  Replay a failure of the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -22,9 +23,13 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads, shards
-from psgd.bench import chaos
-from psgd.bench.chaos import (KINDS, Planner, check_counters, check_exactly_once, check_exit,
-                              check_files, check_finite, check_no_loss, check_restore, parse_kinds)
+from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
+                                         check_no_loss, check_restore)
+from psgd.bench.chaos.plan import Planner
+from psgd.bench.chaos.processes import command, free_port_pair
+from psgd.bench.chaos.settings import FAULTS_PER_RUN, IP, KINDS, MIN_ACCURACY
+from psgd.bench.chaos.suite import main as chaos_main
+from psgd.bench.chaos.suite import parse_kinds, run_chaos
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.server import checkpoint
@@ -132,7 +137,7 @@ def test_the_plan_is_replayed_from_its_seed_and_covers_every_kind():
     again = [Planner(5, KINDS, None).next(i).describe() for i in range(1)]
     assert first == again
     planner = Planner(5, KINDS, None)
-    specs = [planner.next(i) for i in range(-(-len(KINDS) // chaos.FAULTS_PER_RUN))]
+    specs = [planner.next(i) for i in range(-(-len(KINDS) // FAULTS_PER_RUN))]
     covered = {f.kind for s in specs for f in s.faults} | {"sigterm" for s in specs if s.end == "sigterm"}
     assert covered == set(KINDS)
     assert all(s.namespaces == any(f.kind == "netcut" for f in s.faults) for s in specs)
@@ -153,12 +158,12 @@ def test_unknown_kinds_are_refused():
     with pytest.raises(ValueError, match="unknown fault kind.*kill-everything"):
         parse_kinds("kill-everything")
     with pytest.raises(SystemExit):
-        chaos.main(["--kinds", "nope"])
+        chaos_main(["--kinds", "nope"])
 
 
 # -- the short run ------------------------------------------------------------------------------------------
 def _namespaces_of_this_process() -> str:
-    done = subprocess.run([chaos.IP, "netns", "list"], capture_output=True, text=True, timeout=20)
+    done = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=20)
     return "\n".join(line for line in done.stdout.splitlines() if f"psgdchaos{os.getpid()}" in line)
 
 
@@ -166,15 +171,15 @@ def _namespaces_of_this_process() -> str:
 def test_a_short_chaos_run_of_every_fault_kind_finds_no_violation(tmp_path):
     seed = int(os.environ.get("PSGD_CHAOS_SEED", CI_SEED))
     print(f"chaos seed {seed}: replay with PSGD_CHAOS_SEED={seed} or benchmarks/chaos.py --runs 3 --seed {seed}")
-    result = chaos.run_chaos(0, seed, "all", out=tmp_path, progress=False, runs=3)
+    result = run_chaos(0, seed, "all", out=tmp_path, progress=False, runs=3)
     shown = json.dumps([{k: v for k, v in x.items() if k != "logs"} for x in result["violations"]], indent=1)
     assert result["violations"] == [], f"seed {seed}: {result['violation_count']} violation(s):\n{shown}\n" + \
         "\n\n".join(f"{name}:\n{text}" for x in result["violations"][:2] for name, text in x["logs"].items())
     for kind in KINDS:
         assert result["faults"][kind] >= 1 or kind in result["skipped"], (kind, result["faults"], result["skipped"])
     assert result["runs"] == 3 and len(result["accuracies"]) >= 1
-    assert all(a >= chaos.MIN_ACCURACY for a in result["accuracies"]), result["accuracies"]
-    if os.path.exists(chaos.IP):
+    assert all(a >= MIN_ACCURACY for a in result["accuracies"]), result["accuracies"]
+    if os.path.exists(IP):
         assert _namespaces_of_this_process() == ""  # every namespace made is gone
 
 
@@ -220,7 +225,7 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
 
 
 def _shard_process(job_path, port, *extra):
-    return subprocess.Popen([*chaos.command("psgd-server", "psgd.cli.server"), "-c", str(job_path), "--shard", "0",
+    return subprocess.Popen([*command("psgd-server", "psgd.cli.server"), "-c", str(job_path), "--shard", "0",
                              "--bind", f"127.0.0.1:{port}", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
 
@@ -234,7 +239,7 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     """
     job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1",
                    "cluster.lease_seconds=1")
-    port = chaos.free_port_pair(chaos.random.Random(), set())
+    port = free_port_pair(random.Random(), set())
     job.override("cluster.servers", [f"127.0.0.1:{port}"])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
@@ -267,14 +272,14 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
     Kubernetes) instead of 0.  Tried at a few moments of that teardown.
     """
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=1")
-    port = chaos.free_port_pair(chaos.random.Random(), set())
+    port = free_port_pair(random.Random(), set())
     job.override("cluster.servers", [f"127.0.0.1:{port}"])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     shard = _shard_process(tmp_path / "job.toml", port)
     codes = {}
     try:
         for delay in (0.005, 0.015, 0.03):
-            worker = subprocess.Popen([*chaos.command("psgd-worker", "psgd.cli.worker"), "-c",
+            worker = subprocess.Popen([*command("psgd-worker", "psgd.cli.worker"), "-c",
                                        str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             guard = threading.Timer(60, worker.kill)  # bounds the read below, should the worker hang

@@ -28,7 +28,7 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import build_shard
 from psgd.server.core import MAX_CLOCK, ShardCore
 from psgd.server.service import SERVICE_NAME, ShardServer
-from psgd.wire import MAX_MESSAGE_BYTES
+from psgd.channel import MAX_MESSAGE_BYTES
 from psgd.worker.client import fetch_weights
 
 RPC_TIMEOUT = 5.0  # seconds; every call here is answered in milliseconds
@@ -70,7 +70,7 @@ class Shard:
         return [self.server.address]
 
     def weights(self) -> dict[str, np.ndarray]:
-        return fetch_weights(self.addresses, self.plan, timeout=RPC_TIMEOUT)
+        return fetch_weights(self.addresses, self.plan, request_timeout=RPC_TIMEOUT)
 
     def register(self, worker: int) -> ps_pb2.RegisterReply:
         return self.stub.Register(ps_pb2.RegisterRequest(
@@ -85,7 +85,7 @@ class Shard:
 
 
 def start_shard(digits, *sets: str) -> Shard:
-    core = build_shard(make_job(*sets), 0, dataset=digits)
+    core = build_shard(make_job(*sets), 0)
     server = ShardServer(core, "127.0.0.1:0").start()
     channel = grpc.insecure_channel(server.address)  # default options: it may send more than the server takes
     return Shard(core, server, ps_pb2_grpc.ParameterServerStub(channel), health_pb2_grpc.HealthStub(channel), channel)
@@ -331,7 +331,7 @@ def test_register_with_another_plan_is_refused_with_the_difference(shard, digits
     assert other.hash in err.details() and shard.plan.hash in err.details()
     assert "slice_bytes: worker 1024 vs server 2048" in err.details() and "same job file" in err.details()
 
-    mlp = build_shard(make_job("model.name=mlp"), 0, dataset=digits).plan
+    mlp = build_shard(make_job("model.name=mlp"), 0).plan
     request = ps_pb2.RegisterRequest(worker_id=1, plan_hash=mlp.hash, plan_json=json.dumps(mlp.description()))
     err = refused(shard.stub.Register, request, RPC_TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from psgd.bench import scaling
-from psgd.bench.scaling import (ALLCORES_LABEL, PEER_ENV, PEER_LABEL, RATIO_LABEL, MeasureError, Run, allreduce_rates, efficiency,
-                                markdown, ps_rates, read_steps, single_rates, span_rate, tabulate, thread_report)
+from psgd.bench.scaling.command import add_arguments, settings_from_args
+from psgd.bench.scaling.measure import (MeasureError, allreduce_rates, efficiency, ps_rates, read_steps, single_rates,
+                                        span_rate, thread_report)
+from psgd.bench.scaling.plan import ALLCORES_LABEL, PEER_ENV, PEER_LABEL, RATIO_LABEL, Run
+from psgd.bench.scaling.report import markdown, tabulate
 from psgd.cli.main import main as psgd_main
+from psgd.threads import available_cores
 
 PY = sys.executable
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scaling.py"
@@ -103,15 +106,15 @@ def test_thread_report_reads_the_launchers_line():
 
 
 def test_the_plan_runs_the_peer_beside_its_twin_and_flags_fill_in_quick():
-    settings = scaling.settings_from_args(_args("--quick"))
+    settings = settings_from_args(_args("--quick"))
     assert [(r.row, r.column) for r in settings.plan()] == [
         (w, c) for w in ("64", "512") for c in ("1 process", "sync 1w", "sync 2w", PEER_LABEL, ALLCORES_LABEL)]
-    settings = scaling.settings_from_args(_args("--quick", "--workers", "1", "--configs", "sync,peer,cnn",
+    settings = settings_from_args(_args("--quick", "--workers", "1", "--configs", "sync,peer,cnn",
                                                 "--widths", "128"))
     assert [(r.row, r.column) for r in settings.plan()] == [
         ("128", "sync 1w"), ("128", "sync 2w"), ("128", PEER_LABEL),
         ("cnn", "sync 1w"), ("cnn", "sync 2w"), ("cnn", PEER_LABEL)]
-    full = scaling.settings_from_args(_args())
+    full = settings_from_args(_args())
     assert len(full.plan()) == 8 * 12 and full.repeats == 3 and full.epochs == 20
     assert full.columns() == ["1 process", "sync 1w", "sync 2w", "sync 4w", "async 1w", "async 2w", "async 4w",
                               "all-reduce 1w", "all-reduce 2w", "all-reduce 4w", PEER_LABEL, ALLCORES_LABEL]
@@ -119,7 +122,7 @@ def test_the_plan_runs_the_peer_beside_its_twin_and_flags_fill_in_quick():
     argv = peer.argv(3, "DIR", 60)
     assert argv[:2] == ["launch", "--mode"] and "--set" in argv and "model.hidden=[256]" in argv
     no_budget = Run("256", "sync", 2, all_cores=True).argv(3, "DIR", 60)
-    assert no_budget[no_budget.index("--threads") + 1] == str(scaling.available_cores())
+    assert no_budget[no_budget.index("--threads") + 1] == str(available_cores())
     assert "--threads" not in argv
     assert Run("cnn", "single").argv(3) == ["train", "--optimizer", "sgd", "--lr", "0.1", "--epochs", "3", "--model",
                                             "cnn", "--no-progress", "--json"]
@@ -129,7 +132,7 @@ def _args(*argv: str):
     import argparse
 
     parser = argparse.ArgumentParser()
-    scaling.add_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -143,7 +146,7 @@ def _record(row, column, kind, workers, rate, peer=False, error=None, threads=No
 
 
 def test_table_medians_efficiency_and_peer_ratio_from_hand_made_runs():
-    settings = scaling.settings_from_args(_args("--widths", "64,512", "--workers", "2",
+    settings = settings_from_args(_args("--widths", "64,512", "--workers", "2",
                                                 "--configs", "single,sync,allreduce,peer", "--repeats", "3"))
     records = []
     for rate in (1000.0, 900.0, 1100.0):

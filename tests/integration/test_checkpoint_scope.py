@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from helpers import make_job, wait_for
-from psgd.cli import ops
+from psgd.cli.probe import Connect
+from psgd.cli.status import collect
 from psgd.config import to_toml
 from psgd.server import build_shard, checkpoint
 from psgd.server.core import ShardCore
@@ -95,7 +96,7 @@ def test_a_reused_folder_keeps_this_jobs_checkpoints_and_leaves_the_other_jobs_a
         assert not {"ckpt-1.json", "ckpt-2.json"} & ours  # this job's older ones were pruned
         assert untouched(theirs, before)  # the other job's files: byte for byte
         # psgd status reports the checkpoint this job wrote, and it exists
-        row = ops.collect([server.address], ops.Connect(timeout=5)).shard_rows()[0]
+        row = collect([server.address], Connect(timeout=5)).shard_rows()[0]
         assert row["checkpoint_version"] == 4 and (mine / "ckpt-4.json").exists() and (mine / "ckpt-4.npz").exists()
         weights = core.flat.copy()
         # a kill here: a new shard process restores this job's newest, never the other job's ckpt-580

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from psgd.bench import LabConfig, LabResult, RunResult, parse_policy, parse_scenario, preset
+from psgd.bench import LabConfig, LabResult, RunResult, parse_contender, parse_scenario, preset
 from psgd.bench.convergence import load_result, summarize
 from psgd.bench.observe import Sample, allreduce_points, percentile, ps_points
 from psgd.bench.report import markdown_table
@@ -24,14 +24,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # -- parts, no processes -------------------------------------------------------------
 
-def test_policies_and_scenarios_parse():
-    assert parse_policy("sync").sets == ("cluster.policy=sync",)
-    assert parse_policy("ssp:4").sets == ("cluster.policy=ssp", "cluster.staleness=4")
-    assert parse_policy("backup:1").sets == ("cluster.policy=sync", "cluster.backup_workers=1")
-    assert parse_policy("allreduce").mode == "allreduce"
+def test_contenders_and_scenarios_parse():
+    assert parse_contender("sync").sets == ("cluster.policy=sync",)
+    assert parse_contender("ssp:4").sets == ("cluster.policy=ssp", "cluster.staleness=4")
+    assert parse_contender("backup:1").sets == ("cluster.policy=sync", "cluster.backup_workers=1")
+    assert parse_contender("allreduce").mode == "allreduce"
     for bad in ("ssp", "ssp:x", "backup:0", "bsp", "async:2"):
         with pytest.raises(ConfigError):
-            parse_policy(bad)
+            parse_contender(bad)
     assert parse_scenario("none").delay == "" and parse_scenario("none").name == "no-straggler"
     assert parse_scenario("slowdown:4@0").name == "slowdown-4-at0"
     with pytest.raises(ConfigError, match="unknown kind"):

@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psgd import wire
+from psgd.link import protocol
 from psgd.data import datasets
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard
@@ -41,7 +41,8 @@ from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient, PSError
-from psgd.worker.datapath import DataConnection, DataStatus
+from psgd.link import LinkError
+from psgd.link.tcp import DataConnection
 
 from helpers import make_job, run_threads, shards
 
@@ -88,31 +89,31 @@ def dial(port: int) -> socket.socket:
 
 
 def request(sock: socket.socket, op: int, *, worker: int = 0, clock: int = 0, base: int = 0, code: int = 0,
-            size: int | None = None, payload: bytes = b"", magic: bytes = wire.DATA_MAGIC) -> None:
+            size: int | None = None, payload: bytes = b"", magic: bytes = protocol.DATA_MAGIC) -> None:
     size = len(payload) if size is None else size
-    sock.sendall(wire.REQUEST.pack(magic, op, code, worker, clock, base, size) + payload)
+    sock.sendall(protocol.REQUEST.pack(magic, op, code, worker, clock, base, size) + payload)
 
 
 def send_hello(sock: socket.socket, plan_hash: str, *, worker: int = 0, token="", body: bytes | None = None,
                size: int | None = None) -> None:
     if body is None:
         body = json.dumps({"token": token, "plan_hash": plan_hash}).encode()
-    request(sock, wire.OP_HELLO, worker=worker, size=size, payload=body if size is None else b"")
+    request(sock, protocol.OP_HELLO, worker=worker, size=size, payload=body if size is None else b"")
 
 
 def read_reply(sock: socket.socket, pull_bytes: int = 0) -> Reply:
-    magic, status, outcome, version, next_clock, staleness, size = wire.recv_struct(sock, wire.REPLY)
-    assert magic == wire.DATA_MAGIC
+    magic, status, outcome, version, next_clock, staleness, size = protocol.recv_struct(sock, protocol.REPLY)
+    assert magic == protocol.DATA_MAGIC
     reply = Reply(CODE[status], outcome, version, next_clock, staleness, size)
     if status:
-        assert size <= wire.MAX_ERROR_BYTES
+        assert size <= protocol.MAX_ERROR_BYTES
         text = bytearray(size)
-        wire.recv_exact(sock, memoryview(text))
+        protocol.recv_exact(sock, memoryview(text))
         reply.message = text.decode("utf-8", "replace")
     elif size:
         assert size == pull_bytes, f"{size} payload bytes, expected {pull_bytes}"
         data = bytearray(size)
-        wire.recv_exact(sock, memoryview(data))
+        protocol.recv_exact(sock, memoryview(data))
         reply.payload = bytes(data)
     return reply
 
@@ -187,10 +188,10 @@ def valid_gradient(plan: PartitionPlan) -> np.ndarray:
 
 def push_valid(shard: Shard, sock: socket.socket) -> Reply:
     g = valid_gradient(shard.plan)
-    request(sock, wire.OP_PUSH, clock=0, payload=g.tobytes())
+    request(sock, protocol.OP_PUSH, clock=0, payload=g.tobytes())
     reply = read_reply(sock)
     assert reply.code == OK, reply
-    assert wire.OUTCOMES[reply.outcome] in ("accumulated", "duplicate") and reply.next_clock == 1, reply
+    assert protocol.OUTCOMES[reply.outcome] in ("accumulated", "duplicate") and reply.next_clock == 1, reply
     return reply
 
 
@@ -203,8 +204,8 @@ def assert_serves(shard: Shard) -> None:
         assert conn.pull(0, [memoryview(out)]) == 0
         assert bytes(out) == shard.initial
         g = valid_gradient(shard.plan)
-        outcome, version, next_clock, _ = conn.push(0, 0, 0, [g], g.nbytes)
-        assert outcome in ("accumulated", "duplicate") and (version, next_clock) == (0, 1)
+        reply = conn.push(0, 0, 0, [g], g.nbytes)
+        assert reply.outcome in ("accumulated", "duplicate") and (reply.version, reply.next_clock) == (0, 1)
     finally:
         conn.close()
     assert shard.core.flat.tobytes() == shard.initial and shard.core.version == 0
@@ -213,10 +214,10 @@ def assert_serves(shard: Shard) -> None:
 
 @pytest.fixture(scope="module")
 def hostile(digits64):
-    core = build_shard(make_job(*HOSTILE_SETS), 0, dataset=digits64)
+    core = build_shard(make_job(*HOSTILE_SETS), 0)
     assert [s.key for s in core.slices.values()] == ["dense0/W#0", "dense0/W#256", "dense0/W#512", "dense0/b#0"]
     core.register(0, core.plan.hash)
-    server = ShardServer(core, "127.0.0.1:0", max_wait=IO).start()
+    server = ShardServer(core, "127.0.0.1:0", request_timeout=IO).start()
     try:
         yield Shard(core, server, core.flat.tobytes())
     finally:
@@ -250,7 +251,8 @@ def _sync_run(job, grads, steps: int, data_path: bool):
                    for w in range(2)]
         try:
             assert [c.register() for c in clients] == [0, 0]
-            assert all(all(c.data_ports) for c in clients)
+            assert all(link.kind == ("tcp" if data_path else "grpc") for c in clients for link in c.links)
+            assert not data_path or all(link.data_port for c in clients for link in c.links)
 
             def loop(w: int) -> list[dict[str, np.ndarray]]:
                 host = {s.name: np.full(s.shape, np.nan, dtype=s.dtype) for s in plan.specs}
@@ -265,7 +267,7 @@ def _sync_run(job, grads, steps: int, data_path: bool):
                 return seen
 
             seen = run_threads([lambda w=w: loop(w) for w in range(2)], timeout=60)
-            used = {c._data[k] is not None for c in clients for k in range(plan.num_shards)}
+            used = {getattr(c.links[k], "_conn", None) is not None for c in clients for k in range(plan.num_shards)}
             conns = sum(len(s.data._conns) for s in servers)
             result = {"flats": [s.core.flat.copy() for s in servers], "versions": [s.core.version for s in servers],
                       "seen": seen, "used": used, "conns": conns, "cores": [s.core for s in servers]}
@@ -278,7 +280,7 @@ def _sync_run(job, grads, steps: int, data_path: bool):
 @pytest.mark.parametrize("go_ahead", [False, True], ids=["one-message-pushes", "pushes-wait-for-go-ahead"])
 def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc(monkeypatch, go_ahead):
     if go_ahead:  # every push of this small model waits for READY, as a large model's do
-        monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)
+        monkeypatch.setattr(protocol, "GO_AHEAD_BYTES", 1)
     job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", f"optimizer.lr={LR}",
                    "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "cluster.slice_bytes=1024")
     steps = 3
@@ -316,7 +318,7 @@ def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc(mon
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
     """Finite float32 ``x`` rounded to bfloat16 (nearest, ties to even) and widened back, independently of
-    psgd.wire: integer arithmetic on the bit patterns."""
+    psgd.codec: integer arithmetic on the bit patterns."""
     bits = x.astype(np.float32).view(np.uint32).astype(np.int64)
     low, high = bits & 0xFFFF, bits >> 16
     up = (low > 0x8000) | ((low == 0x8000) & (high & 1 == 1))
@@ -325,6 +327,7 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 ROUND = {None: lambda g: g, "float16": lambda g: g.astype(np.float16).astype(np.float32), "bfloat16": bf16_round}
 WORKER_FOR = {None: 0, "float16": 1, "bfloat16": 2}  # async: each test pushes as its own worker
+LINKS = {"tcp": True, "grpc": False}  # [cluster] data_path for each link
 
 
 @pytest.fixture(scope="module")
@@ -356,8 +359,9 @@ def _gradients(plan: PartitionPlan, seed: int) -> dict[str, np.ndarray]:
     return grads
 
 
+@pytest.mark.parametrize("link", LINKS)
 @pytest.mark.parametrize("wire_dtype", [None, "float16", "bfloat16"])
-def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtype):
+def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtype, link):
     job, servers = async32
     plan = servers[0].core.plan
     grads = _gradients(plan, 5)
@@ -372,7 +376,7 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         assert rel.max() <= (2.0**-8 if wire_dtype == "bfloat16" else 2.0**-11)  # half an ulp
         assert np.all(np.abs(r[~normal] - g[~normal]) <= smallest * 2.0**-10)
     with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], request_timeout=IO,
-                  wire_dtype=wire_dtype, job=job) as client:
+                  wire_dtype=wire_dtype, data_path=LINKS[link], job=job) as client:
         clock = client.register()
         before = [s.core.flat.copy() for s in servers]
         versions = [s.core.version for s in servers]
@@ -384,7 +388,9 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
                 assert server.core.flat.tobytes() == want.tobytes()
             before, clock = expected, clock + 1
         assert [s.core.version for s in servers] == [v + 2 for v in versions]
-        assert all(c is not None for c in client._data)  # it went over the data path
+        assert [s.core.counters["bytes_in"] for s in servers]  # counted, whatever the link
+        if link == "tcp":
+            assert all(c is not None for c in [link._conn for link in client.links])  # it went over the data path
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
         for server in servers:
@@ -441,8 +447,31 @@ def test_compression_of_float64_variables_is_refused_by_the_client(hostile):
     for wire_dtype in ("float16", "bfloat16"):
         with pytest.raises(PSError, match="needs float32 variables"):
             PSClient(["127.0.0.1:1"], hostile.plan, 0, wire_dtype=wire_dtype)
-    with pytest.raises(PSError, match="use float16 or bfloat16"):
+    with pytest.raises(PSError, match="use none, float16, bfloat16"):
         PSClient(["127.0.0.1:1"], hostile.plan, 0, wire_dtype="int8")
+
+
+# --- timeouts -----------------------------------------------------------------------------------
+
+
+def test_a_pull_that_waits_out_the_request_timeout_hears_why_from_the_shard(hostile):
+    """The shard bounds a waiting pull by the request timeout and then says what it waited for; the
+    worker's end waits a little longer than that, so it hears the shard's answer instead of timing out
+    on its own at the same moment with nothing to say."""
+    job = make_job(*HOSTILE_SETS, "cluster.request_timeout=1")
+    server = ShardServer(hostile.core, "127.0.0.1:0", request_timeout=job.cluster.request_timeout).start()
+    try:
+        client = PSClient([server.address], hostile.plan, 0, request_timeout=job.cluster.request_timeout,
+                          retry_deadline=0.0, job=job)
+        with client:
+            client.register()
+            host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in hostile.plan.specs}
+            with pytest.raises(PSError) as info:
+                client.pull(1, host)  # round 0 never closes: worker 1 never comes
+    finally:
+        server.stop(grace=1.0)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+    assert "other workers still expected: worker 1" in str(info.value)
 
 
 # --- reconnects ---------------------------------------------------------------------------------
@@ -457,7 +486,7 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
         for step in range(3):
-            old = list(client._data)
+            old = list([link._conn for link in client.links])
             assert all(kill_data_connections(s) >= 1 for s in servers)
             before = [s.core.flat.copy() for s in servers]
             versions = [s.core.version for s in servers]
@@ -472,7 +501,7 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
                     assert server.core.flat.tobytes() == want.tobytes()
                 assert [s.core.version for s in servers] == [v + 1 for v in versions]
                 clock += 1
-            assert all(new is not None and new is not was for new, was in zip(client._data, old))
+            assert all(new is not None and new is not was for new, was in zip([link._conn for link in client.links], old))
 
 
 def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeypatch):
@@ -514,11 +543,11 @@ def test_a_connection_must_start_with_a_hello(shard, first):
     sock = dial(shard.port)
     with sock:
         if first == "pull":
-            request(sock, wire.OP_PULL)
+            request(sock, protocol.OP_PULL)
         elif first == "push":
-            request(sock, wire.OP_PUSH, size=shard.core.nbytes)  # the header only: nothing is read after it
+            request(sock, protocol.OP_PUSH, size=shard.core.nbytes)  # the header only: nothing is read after it
         elif first == "bad-magic":
-            request(sock, wire.OP_HELLO, magic=b"PSG0", size=0)
+            request(sock, protocol.OP_HELLO, magic=b"PSG0", size=0)
         elif first == "zero-op":
             request(sock, 0)
         else:
@@ -538,7 +567,7 @@ def test_a_peer_that_sends_less_than_a_header_and_hangs_up_is_dropped(shard, jun
 
 def test_a_valid_hello_is_answered_with_the_version(shard):
     with shard.hello(0) as sock:
-        request(sock, wire.OP_PULL)
+        request(sock, protocol.OP_PULL)
         reply = read_reply(sock, shard.core.nbytes)
         assert reply.code == OK and reply.payload == shard.initial and reply.version == 0
 
@@ -557,11 +586,11 @@ def test_a_hello_with_another_plan_is_refused(shard, plan_hash):
         send_hello(sock, plan_hash)
         reply = expect(sock, PRECONDITION, "partition plan")
         assert shard.plan.hash in reply.message or len(plan_hash) > 1000  # a huge hash is cut off
-        assert len(reply.message.encode()) <= wire.MAX_ERROR_BYTES
+        assert len(reply.message.encode()) <= protocol.MAX_ERROR_BYTES
         assert_closed(sock)
 
 
-@pytest.mark.parametrize("size", [wire.MAX_HELLO_BYTES + 1, 1 << 30, 2**63, 2**64 - 1])
+@pytest.mark.parametrize("size", [protocol.MAX_HELLO_BYTES + 1, 1 << 30, 2**63, 2**64 - 1])
 def test_an_oversized_hello_is_refused_without_allocating_it(shard, size):
     tracemalloc.start()
     try:
@@ -578,8 +607,8 @@ def test_an_oversized_hello_is_refused_without_allocating_it(shard, size):
 def test_a_hello_of_exactly_the_largest_size_is_read(shard):
     empty = json.dumps({"token": "", "plan_hash": shard.plan.hash, "pad": ""}).encode()
     body = json.dumps({"token": "", "plan_hash": shard.plan.hash,
-                       "pad": "x" * (wire.MAX_HELLO_BYTES - len(empty))}).encode()
-    assert len(body) == wire.MAX_HELLO_BYTES
+                       "pad": "x" * (protocol.MAX_HELLO_BYTES - len(empty))}).encode()
+    assert len(body) == protocol.MAX_HELLO_BYTES
     with dial(shard.port) as sock:
         send_hello(sock, shard.plan.hash, body=body)
         assert read_reply(sock).code == OK
@@ -628,10 +657,10 @@ def test_the_right_token_opens_the_connection(shard, token_port):
         assert bytes(out) == shard.initial
     finally:
         conn.close()
-    with pytest.raises(DataStatus) as info:
+    with pytest.raises(LinkError) as info:
         DataConnection("127.0.0.1", token_port, 0, shard.plan.hash, token="nope", timeout=IO)
     assert info.value.code == UNAUTHENTICATED
-    with pytest.raises(DataStatus) as info:
+    with pytest.raises(LinkError) as info:
         DataConnection("127.0.0.1", token_port, 0, "0000", token="s3cret", timeout=IO)
     assert info.value.code == PRECONDITION
 
@@ -644,7 +673,7 @@ def test_a_refused_hello_leaves_no_socket_open_on_the_worker(shard, token_port):
         for token, plan_hash in (("nope", shard.plan.hash), ("s3cret", "0000")):
             try:
                 DataConnection("127.0.0.1", token_port, 0, plan_hash, token=token, timeout=IO)
-            except DataStatus as exc:
+            except LinkError as exc:
                 codes.append(exc.code)
         gc.collect()
     assert codes == [UNAUTHENTICATED, PRECONDITION]
@@ -674,8 +703,8 @@ FATAL_PUSHES = {
     "huge": (0, lambda s: 2**64 - 1, [f"push of {2**64 - 1} bytes"]),
     "float64-code-short": (2, lambda s: _nbytes(s, 4), ["expects 5200"]),
     "float32-code": (1, lambda s: _nbytes(s, 4), ["wire dtype code 1", "float64"]),
-    "float16-code": (3, lambda s: _nbytes(s, 2), ["wire dtype code 3", "cannot carry float64"]),
-    "bfloat16-code": (4, lambda s: _nbytes(s, 2), ["wire dtype code 4"]),
+    "float16-code": (3, lambda s: _nbytes(s, 2), ["float16 on the wire", "needs float32 variables", "float64"]),
+    "bfloat16-code": (4, lambda s: _nbytes(s, 2), ["bfloat16 on the wire", "needs float32 variables"]),
     "unknown-code": (5, lambda s: _nbytes(s, 8), ["wire dtype code 5"]),
     "code-255": (255, lambda s: _nbytes(s, 8), ["wire dtype code 255"]),
 }
@@ -688,7 +717,7 @@ def test_a_push_of_the_wrong_size_or_dtype_is_refused_and_the_connection_closed(
     code, size, words = FATAL_PUSHES[case]
     before = shard.state()
     with shard.hello(0) as sock:
-        request(sock, wire.OP_PUSH, code=code, size=size(shard))
+        request(sock, protocol.OP_PUSH, code=code, size=size(shard))
         expect(sock, INVALID, *words)
         assert_closed(sock)
     assert shard.state() == before
@@ -700,10 +729,10 @@ def test_a_push_with_a_wrong_size_and_its_payload_does_not_hurt_the_server(shard
     with shard.hello(0) as sock:
         payload = np.ones(shard.core.flat.size + 1).tobytes()
         with contextlib.suppress(ConnectionError):
-            request(sock, wire.OP_PUSH, payload=payload)
+            request(sock, protocol.OP_PUSH, payload=payload)
             try:
                 expect(sock, INVALID, "wrong shape")
-            except wire.WireError:
+            except protocol.WireError:
                 pass
     assert shard.state() == before
 
@@ -711,9 +740,9 @@ def test_a_push_with_a_wrong_size_and_its_payload_does_not_hurt_the_server(shard
 def test_float64_named_explicitly_is_the_variables_own_dtype(shard):
     with shard.hello(0) as sock:
         g = valid_gradient(shard.plan)
-        request(sock, wire.OP_PUSH, code=wire.WIRE_CODES["float64"], payload=g.tobytes())
+        request(sock, protocol.OP_PUSH, code=2, payload=g.tobytes())
         reply = read_reply(sock)
-        assert reply.code == OK and wire.OUTCOMES[reply.outcome] in ("accumulated", "duplicate")
+        assert reply.code == OK and protocol.OUTCOMES[reply.outcome] in ("accumulated", "duplicate")
 
 
 def _with_value(shard: Shard, index: int, value: float) -> bytes:
@@ -748,12 +777,12 @@ def test_a_refused_push_leaves_the_connection_usable(shard, case):
     payload = fields.pop("payload", valid_gradient(shard.plan).tobytes())
     before = shard.state()
     with shard.hello(worker) as sock:
-        request(sock, wire.OP_PUSH, payload=payload, **fields)
+        request(sock, protocol.OP_PUSH, payload=payload, **fields)
         expect(sock, code, *words)
         assert shard.state() == before
-        request(sock, wire.OP_PUSH, payload=payload, **fields)  # again: the same answer
+        request(sock, protocol.OP_PUSH, payload=payload, **fields)  # again: the same answer
         expect(sock, code, *words)
-        request(sock, wire.OP_PULL)  # a pull on the same connection
+        request(sock, protocol.OP_PULL)  # a pull on the same connection
         reply = read_reply(sock, shard.core.nbytes)
         if worker == 1:
             assert reply.code == PRECONDITION
@@ -761,55 +790,55 @@ def test_a_refused_push_leaves_the_connection_usable(shard, case):
             assert reply.code == OK and reply.payload == shard.initial
     if worker == 0:  # and a valid push on a connection that saw the refusal
         with shard.hello(0) as sock:
-            request(sock, wire.OP_PUSH, payload=payload, **fields)
+            request(sock, protocol.OP_PUSH, payload=payload, **fields)
             expect(sock, code)
             push_valid(shard, sock)
     assert shard.state()[:2] == before[:2]
 
 
 def test_a_large_push_gets_the_go_ahead_before_its_payload_is_read(shard, monkeypatch):
-    monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)  # the hostile shard's pushes count as large
+    monkeypatch.setattr(protocol, "GO_AHEAD_BYTES", 1)  # the hostile shard's pushes count as large
     before = shard.state()
     g = valid_gradient(shard.plan)
     with shard.hello(0) as sock:
-        request(sock, wire.OP_PUSH, clock=0, size=g.nbytes)  # the header alone
+        request(sock, protocol.OP_PUSH, clock=0, size=g.nbytes)  # the header alone
         ready = read_reply(sock)
-        assert (ready.code, ready.outcome, ready.size) == (OK, wire.READY, 0)
+        assert (ready.code, ready.outcome, ready.size) == (OK, protocol.READY, 0)
         assert shard.state() == before  # nothing happens until the payload is there
         sock.sendall(g.tobytes())
         reply = read_reply(sock)
-        assert reply.code == OK and wire.OUTCOMES[reply.outcome] in ("accumulated", "duplicate"), reply
+        assert reply.code == OK and protocol.OUTCOMES[reply.outcome] in ("accumulated", "duplicate"), reply
         # a client may also send the payload without waiting: READY comes, then the outcome
-        request(sock, wire.OP_PUSH, clock=0, payload=g.tobytes())
-        assert read_reply(sock).outcome == wire.READY
-        assert wire.OUTCOMES[read_reply(sock).outcome] == "duplicate"
+        request(sock, protocol.OP_PUSH, clock=0, payload=g.tobytes())
+        assert read_reply(sock).outcome == protocol.READY
+        assert protocol.OUTCOMES[read_reply(sock).outcome] == "duplicate"
 
 
 def test_a_refused_large_push_header_is_answered_before_any_payload(shard, monkeypatch):
     """A push of the wrong size is refused on its header: the error comes instead of READY."""
-    monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)
+    monkeypatch.setattr(protocol, "GO_AHEAD_BYTES", 1)
     before = shard.state()
     with shard.hello(0) as sock:
-        request(sock, wire.OP_PUSH, clock=0, size=shard.core.nbytes + 8)
+        request(sock, protocol.OP_PUSH, clock=0, size=shard.core.nbytes + 8)
         reply = expect(sock, INVALID, "wrong shape")
-        assert reply.outcome != wire.READY
+        assert reply.outcome != protocol.READY
         assert_closed(sock)
     assert shard.state() == before
 
 
 def test_the_client_gives_up_on_a_shard_that_answers_a_push_header_with_something_else(monkeypatch):
     """A peer that answers a large push's header with an outcome instead of READY broke the protocol."""
-    monkeypatch.setattr(wire, "GO_AHEAD_BYTES", 1)
+    monkeypatch.setattr(protocol, "GO_AHEAD_BYTES", 1)
     listener = socket.create_server(("127.0.0.1", 0))
 
     def fake_shard():
         conn, _ = listener.accept()
         with conn:
-            size = wire.recv_struct(conn, wire.REQUEST)[-1]
-            wire.recv_exact(conn, memoryview(bytearray(size)))  # the hello's body
-            conn.sendall(wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, 0, 0, 0, 0))
-            wire.recv_struct(conn, wire.REQUEST)  # the push header
-            conn.sendall(wire.REPLY.pack(wire.DATA_MAGIC, 0, 0, 1, 1, 0, 0))  # "applied", not READY
+            size = protocol.recv_struct(conn, protocol.REQUEST)[-1]
+            protocol.recv_exact(conn, memoryview(bytearray(size)))  # the hello's body
+            conn.sendall(protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, 0, 0, 0, 0))
+            protocol.recv_struct(conn, protocol.REQUEST)  # the push header
+            conn.sendall(protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, 1, 1, 0, 0))  # "applied", not READY
             conn.recv(1)  # until the client hangs up
 
     with listener, concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -817,7 +846,7 @@ def test_the_client_gives_up_on_a_shard_that_answers_a_push_header_with_somethin
         conn = DataConnection("127.0.0.1", listener.getsockname()[1], 0, "plan", timeout=IO)
         try:
             g = np.zeros(4)
-            with pytest.raises(wire.WireError, match="without its go-ahead"):
+            with pytest.raises(protocol.WireError, match="without its go-ahead"):
                 conn.push(0, 0, 0, [g], g.nbytes)
         finally:
             conn.close()
@@ -828,15 +857,15 @@ def test_the_client_gives_up_on_a_shard_that_answers_a_push_header_with_somethin
                                                 (-2**63, INVALID, ["negative"])])
 def test_a_bad_pull_is_answered_and_the_connection_goes_on(shard, clock, code, words):
     with shard.hello(0) as sock:
-        request(sock, wire.OP_PULL, clock=clock)
+        request(sock, protocol.OP_PULL, clock=clock)
         expect(sock, code, *words)
-        request(sock, wire.OP_PULL, clock=0)
+        request(sock, protocol.OP_PULL, clock=0)
         assert read_reply(sock, shard.core.nbytes).payload == shard.initial
 
 
 def test_a_pull_with_a_payload_is_refused_and_the_connection_closed(shard):
     with shard.hello(0) as sock:
-        request(sock, wire.OP_PULL, size=8)
+        request(sock, protocol.OP_PULL, size=8)
         expect(sock, INVALID, "a pull carries no payload")
         assert_closed(sock)
 
@@ -847,11 +876,11 @@ def test_truncated_pushes_release_their_buffers(shard):
     payload = valid_gradient(shard.plan).tobytes()
     for cut in (1, 100, len(payload) // 2, len(payload) - 1, len(payload) - 8):
         with shard.hello(0) as sock:
-            request(sock, wire.OP_PUSH, size=len(payload), payload=payload[:cut])
+            request(sock, protocol.OP_PUSH, size=len(payload), payload=payload[:cut])
             sock.shutdown(socket.SHUT_WR)
             assert_closed(sock)
     assert shard.state() == before
-    pool = shard.core.receive_buffers
+    pool = shard.server.data.receive_buffers
     wait_for(lambda: len(pool._free) == pool._made, "every receive buffer back in the pool")
 
 
@@ -862,12 +891,12 @@ def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
         started = time.monotonic()
         with dial(data.port) as silent, shard.hello(0, port=data.port) as idle, \
                 shard.hello(0, port=data.port) as stalled:
-            request(stalled, wire.OP_PUSH, size=shard.core.nbytes, payload=b"\0" * 100)
+            request(stalled, protocol.OP_PUSH, size=shard.core.nbytes, payload=b"\0" * 100)
             expect(silent, grpc.StatusCode.DEADLINE_EXCEEDED, "no hello within 0.3 s")  # told why, then closed
             for sock in (silent, stalled, idle):
                 assert_closed(sock)
             assert time.monotonic() - started < 3.0
-        pool = shard.core.receive_buffers
+        pool = data.receive_buffers
         wait_for(lambda: len(pool._free) == pool._made, "the stalled push's buffer back in the pool")
         wait_for(lambda: not data._conns, "the connections to be forgotten")
     finally:
@@ -893,16 +922,16 @@ def test_connections_beyond_the_limit_are_closed_and_the_others_keep_working(hos
             expect(sock, grpc.StatusCode.UNAVAILABLE, "already serves 3 data connections")
             assert_closed(sock)
             sock.close()
-        with pytest.raises(DataStatus, match="already serves 3 data connections") as info:
+        with pytest.raises(LinkError, match="already serves 3 data connections") as info:
             DataConnection("127.0.0.1", data.port, -1, shard.plan.hash, timeout=IO)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE  # retried by the client, like a lost connection
         for sock in socks:
-            request(sock, wire.OP_PULL)
+            request(sock, protocol.OP_PULL)
             assert read_reply(sock, shard.core.nbytes).payload == shard.initial
         socks.pop().close()
         wait_for(lambda: len(data._conns) == 2, "a connection to be freed")
         socks.append(shard.hello(-1, port=data.port))  # there is room again
-        request(socks[-1], wire.OP_PULL)
+        request(socks[-1], protocol.OP_PULL)
         assert read_reply(socks[-1], shard.core.nbytes).payload == shard.initial
     finally:
         for sock in socks:
@@ -915,7 +944,7 @@ def test_many_concurrent_connections_get_whole_snapshots(shard):
     def puller(n: int) -> int:
         with shard.hello(-1) as sock:
             for _ in range(n):
-                request(sock, wire.OP_PULL)
+                request(sock, protocol.OP_PULL)
                 assert read_reply(sock, shard.core.nbytes).payload == shard.initial
         return n
 
@@ -928,7 +957,7 @@ def test_many_concurrent_connections_get_whole_snapshots(shard):
 @pytest.fixture(scope="module")
 def fuzz_shard(digits64):
     """An async shard (pulls never wait) served by a bare data server."""
-    core = build_shard(make_job(*HOSTILE_SETS, "cluster.policy=async"), 0, dataset=digits64)
+    core = build_shard(make_job(*HOSTILE_SETS, "cluster.policy=async"), 0)
     core.register(0, core.plan.hash)
     data = DataServer(core, request_timeout=IO, idle_timeout=IO).start()
     try:
@@ -948,19 +977,19 @@ def sessions(draw, plan_hash: str) -> bytes:
     parts = []
     if draw(st.booleans()):
         body = json.dumps({"token": "", "plan_hash": plan_hash}).encode()
-        parts.append(wire.REQUEST.pack(wire.DATA_MAGIC, wire.OP_HELLO, 0, draw(st.sampled_from([-1, 0, 1, 2])),
+        parts.append(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, draw(st.sampled_from([-1, 0, 1, 2])),
                                        0, 0, len(body)) + body)
     for _ in range(draw(st.integers(0, 4))):
         if draw(st.integers(0, 3)) == 0:
             parts.append(draw(st.binary(max_size=200)))
             continue
-        magic = draw(st.sampled_from([wire.DATA_MAGIC, wire.DATA_MAGIC, b"PSG0", b"\0\0\0\0"]))
-        op = draw(st.one_of(st.sampled_from([wire.OP_PULL, wire.OP_PUSH, wire.OP_HELLO]), st.integers(0, 255)))
+        magic = draw(st.sampled_from([protocol.DATA_MAGIC, protocol.DATA_MAGIC, b"PSG0", b"\0\0\0\0"]))
+        op = draw(st.one_of(st.sampled_from([protocol.OP_PULL, protocol.OP_PUSH, protocol.OP_HELLO]), st.integers(0, 255)))
         code = draw(st.one_of(st.integers(0, 5), st.integers(0, 255)))
-        size = draw(st.one_of(st.sampled_from([0, 8, 2600, 1300, 5200, 5199, 5201, wire.MAX_HELLO_BYTES + 1]),
+        size = draw(st.one_of(st.sampled_from([0, 8, 2600, 1300, 5200, 5199, 5201, protocol.MAX_HELLO_BYTES + 1]),
                               st.integers(0, 2**64 - 1)))
         payload = draw(st.binary(max_size=400))
-        parts.append(wire.REQUEST.pack(magic, op, code, draw(st.one_of(st.integers(-2, 2), INT32)),
+        parts.append(protocol.REQUEST.pack(magic, op, code, draw(st.one_of(st.integers(-2, 2), INT32)),
                                        draw(st.one_of(st.integers(-2, 2), INT64)),
                                        draw(st.one_of(st.integers(-1, 1), INT64)), size) + payload)
     return b"".join(parts)
@@ -983,13 +1012,13 @@ def test_random_bytes_get_answers_or_a_closed_connection_never_a_change(fuzz_sha
                 received += chunk
     # whatever came back is whole replies
     at = 0
-    while at + wire.REPLY.size <= len(received):
-        magic, status, _, _, _, _, size = wire.REPLY.unpack_from(received, at)
-        assert magic == wire.DATA_MAGIC
+    while at + protocol.REPLY.size <= len(received):
+        magic, status, _, _, _, _, size = protocol.REPLY.unpack_from(received, at)
+        assert magic == protocol.DATA_MAGIC
         assert CODE[status] in (OK, INVALID, PRECONDITION), (CODE[status], bytes(received[at + 40:at + 200]))
-        assert size in (0, core.nbytes) if status == 0 else size <= wire.MAX_ERROR_BYTES
-        at += wire.REPLY.size + size
-    assert at == len(received) or len(received) - at < wire.REPLY.size  # a reset may cut the last one
+        assert size in (0, core.nbytes) if status == 0 else size <= protocol.MAX_ERROR_BYTES
+        at += protocol.REPLY.size + size
+    assert at == len(received) or len(received) - at < protocol.REPLY.size  # a reset may cut the last one
     assert (core.flat.tobytes(), core.version) == before
     conn = DataConnection("127.0.0.1", server.port, 0, core.plan.hash, timeout=IO)
     try:

@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads, wait_for
-from psgd import wire
+from psgd.link import protocol
 from psgd.config import to_toml
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient, PSError
-from psgd.worker.datapath import DataConnection, DataStatus
+from psgd.link import LinkError
+from psgd.link.tcp import DataConnection
 from psgd.worker.exchange import run_worker
 
 TOKEN = "s3cret"
@@ -93,10 +94,10 @@ def test_idle_connections_do_not_lock_the_workers_out():
 
 def read_refusal(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
     """The error reply a refused connection gets before the shard closes it."""
-    magic, status, _, _, _, _, size = wire.recv_struct(sock, wire.REPLY)
-    assert magic == wire.DATA_MAGIC and status != 0 and size <= wire.MAX_ERROR_BYTES
+    magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
+    assert magic == protocol.DATA_MAGIC and status != 0 and size <= protocol.MAX_ERROR_BYTES
     text = bytearray(size)
-    wire.recv_exact(sock, memoryview(text))
+    protocol.recv_exact(sock, memoryview(text))
     return CODES[status], text.decode()
 
 
@@ -109,9 +110,9 @@ def test_a_client_refused_for_its_token_sees_why():
     job = tiny_job()
     with token_shards(job) as servers:
         core, port = servers[0].core, servers[0].data.port
-        with pytest.raises(DataStatus) as info:
+        with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token="nope", timeout=IO)
-        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "wrong or missing token" in info.value.message
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "wrong or missing token" in info.value.details
         DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO).close()  # the right one
 
 
@@ -130,14 +131,14 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
         send = DataConnection._send
 
         def late(self, op, *args):
-            if op == wire.OP_HELLO:
+            if op == protocol.OP_HELLO:
                 time.sleep(1.0)  # a hello that leaves too late: the shard has already refused the connection
             return send(self, op, *args)
 
         monkeypatch.setattr(DataConnection, "_send", late)
-        with pytest.raises(DataStatus) as info:
+        with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO)
-        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.message
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.details
         # a worker retries it (a slow network may be to blame) and, when it gives up, its error says why
         with PSClient(job.cluster.servers, core.plan, 0, request_timeout=2.0, token=TOKEN, job=job) as client:
             clock = client.register()
@@ -155,12 +156,12 @@ def test_idle_connections_beyond_the_cap_evict_the_oldest_and_hold_no_thread():
         threads_before = threading.active_count()
         socks = [dial(data.port) for _ in range(60)]
         try:
-            cap = min(data.max_unauthenticated, data.max_per_peer)  # on loopback every peer is one address
+            cap = min(data.gate.max_unauthenticated, data.gate.max_per_peer)  # on loopback every peer is one address
             evicted = socks[:60 - cap]
             for sock in evicted[:5]:
                 code, message = read_refusal(sock)
                 assert code == grpc.StatusCode.UNAVAILABLE and "to make room" in message, message
-            wait_for(lambda: len(data._pending) == cap, 5, f"{cap} connections left waiting for their hello")
+            wait_for(lambda: len(data.gate._pending) == cap, 5, f"{cap} connections left waiting for their hello")
             assert threading.active_count() <= threads_before + 2  # no thread per socket (2: slack for gRPC's own)
             started = time.monotonic()
             conn = DataConnection("127.0.0.1", data.port, 0, core.plan.hash, token=TOKEN, timeout=IO)
@@ -176,11 +177,11 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
     with token_shards(job) as servers:
         core, port = servers[0].core, servers[0].data.port
         body = json.dumps({"token": "wrong", "plan_hash": core.plan.hash}).encode()
-        hello = wire.REQUEST.pack(wire.DATA_MAGIC, wire.OP_HELLO, 0, 0, 0, 0, len(body)) + body
+        hello = protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(body)) + body
         records: list[logging.LogRecord] = []
         keep = logging.Handler(logging.WARNING)
         keep.emit = records.append  # on the logger itself: psgd's loggers may not propagate (psgd.logs)
-        logger = logging.getLogger("psgd.server.datapath")
+        logger = logging.getLogger("psgd.server.gatekeeper")
         logger.addHandler(keep)
         try:
             for _ in range(150):

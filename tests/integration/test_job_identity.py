@@ -20,7 +20,7 @@ from psgd.server.core import ShardCore
 from psgd.server.service import ShardServer
 from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
-from psgd.worker.datapath import DataStatus
+from psgd.link import LinkError
 from psgd.worker.exchange import run_worker
 
 
@@ -147,7 +147,7 @@ def test_the_data_path_reports_the_reason_too():
     job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async")
     servers = serve([build_shard(job, 0)])
     try:
-        from psgd.worker.datapath import DataConnection
+        from psgd.link.tcp import DataConnection
 
         plan = plan_of(job)
         with PSClient([servers[0].address], plan, 0, request_timeout=5, job=job) as client:
@@ -156,7 +156,7 @@ def test_the_data_path_reports_the_reason_too():
         try:
             with servers[0].core.lock:
                 servers[0].core.workers[0].state = "expired"
-            with pytest.raises(DataStatus) as err:
+            with pytest.raises(LinkError) as err:
                 conn.pull(0, [memoryview(bytearray(s.nbytes)) for s in plan.slices_for_shard(0)])
             assert err.value.reason == "NOT_REGISTERED" and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         finally:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for
-from psgd.bench.chaos import Namespaces, namespaces_unavailable
+from psgd.bench.chaos.netns import Namespaces, namespaces_unavailable
 from psgd.config import JobConfig, to_toml
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
@@ -97,7 +97,7 @@ from psgd.worker.client import fetch_weights
 job = JobConfig.load(sys.argv[1])
 built = build_job(job)
 plan = PartitionPlan(built.model.specs(), job.cluster.shards, job.cluster.slice_bytes)
-weights = fetch_weights(job.cluster.servers, plan, timeout=30)
+weights = fetch_weights(job.cluster.servers, plan, request_timeout=30)
 loss, acc = evaluate(built.model, weights, built.dataset.x_test, built.dataset.y_test, built.device)
 print(json.dumps({"test_accuracy": acc, "test_loss": loss}))
 """

@@ -21,10 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import make_job, run_threads, shards
 from psgd import xp as backend
-from psgd.cli import ops
 from psgd.cli.main import main
+from psgd.cli.probe import Connect
+from psgd.cli.status import collect
 from psgd.config import to_toml
-from psgd.monitor import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
+from psgd.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.worker.exchange import run_worker
@@ -129,7 +130,7 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
 def test_checkpoint_age_and_metrics_flags(tmp_path):
     import argparse
 
-    from psgd.monitor import add_metrics_arguments
+    from psgd.prometheus import add_metrics_arguments
 
     job = make_job(*SMALL)
     core = build_shard(job, 0)
@@ -170,7 +171,7 @@ def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_pa
 
         def on_step(point):
             if point["clock"] == 20:  # while both workers are live
-                view = ops.collect(addresses, ops.Connect(timeout=2))
+                view = collect(addresses, Connect(timeout=2))
                 seen["view"], seen["text"] = view, view.render()
 
         run_threads([lambda: run_worker(job, 0, addresses, progress=False, on_step=on_step),

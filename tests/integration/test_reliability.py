@@ -23,7 +23,8 @@ from psgd.server.service import ShardServer
 from psgd.loop import evaluate
 from psgd.job import build_job, params_to_device
 from psgd.worker.client import PSClient, PSError, fetch_weights
-from psgd.worker.datapath import DataConnection, DataStatus
+from psgd.link import LinkError
+from psgd.link.tcp import DataConnection
 from psgd.worker.exchange import run_worker
 
 PY = sys.executable
@@ -66,12 +67,12 @@ def test_calls_without_the_token_are_refused_and_change_nothing():
                     assert "token" in info.value.details()
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
-        with pytest.raises(DataStatus) as info:
+        with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", server.data.port, 0, server.core.plan.hash, token="wrong", timeout=5)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
         plan = server.core.plan
         with pytest.raises(PSError, match="UNAUTHENTICATED"):
-            fetch_weights([server.address], plan, timeout=5)
+            fetch_weights([server.address], plan, request_timeout=5)
         assert np.array_equal(server.core.flat, before) and server.core.version == 0
         result = run_worker(job, 0, [server.address], progress=False, token="s3cret")  # the right token works
         assert result.steps > 0 and server.core.version == result.steps

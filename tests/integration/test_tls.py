@@ -99,19 +99,20 @@ def test_a_certificate_from_an_unknown_ca_is_refused(certs):
 
 
 def test_the_data_path_refuses_a_plaintext_or_untrusted_client(certs):
-    from psgd.worker.datapath import DataConnection, DataStatus
-    from psgd.wire import WireError
+    from psgd.link import LinkError
+    from psgd.link.protocol import WireError
+    from psgd.link.tcp import DataConnection
 
     j = job()
     server = serve(j, files(certs, "shard", "ca"))
     try:
         port, plan_hash = server.data.port, server.core.plan.hash
-        with pytest.raises((WireError, DataStatus)):
+        with pytest.raises((WireError, LinkError)):
             DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3)  # plaintext hello to a TLS port
         # TLS 1.3: a client learns that its certificate was refused at its first read, not in the handshake
-        with pytest.raises((WireError, DataStatus), match="(?i)unknown ca|certificate|handshake|EOF|reset"):
+        with pytest.raises((WireError, LinkError), match="(?i)unknown ca|certificate|handshake|EOF|reset"):
             DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3, tls=files(certs, "stranger", "ca"))
-        with pytest.raises(DataStatus, match="TLS handshake"):  # the worker does not trust the shard
+        with pytest.raises(LinkError, match="TLS handshake"):  # the worker does not trust the shard
             DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3, tls=files(certs, "worker", "stranger-ca"))
         ok = DataConnection("127.0.0.1", port, 0, plan_hash, timeout=3, tls=files(certs, "worker", "ca"))
         ok.close()

@@ -380,7 +380,7 @@ def test_finite_differences_fit_the_budget(tanhnet, monkeypatch):
     assert skipped.status == "skip"
     assert re.fullmatch(r"a step takes \d+\.\d\d s here, too long to take 8 more at the start of every process "
                         r"\(psgd check-model checks them\)", skipped.lines[0])
-    monkeypatch.setattr("psgd.model.check.FD_MAX_PARAMETERS", 1000)
+    monkeypatch.setattr("psgd.model.gradcheck.FD_MAX_PARAMETERS", 1000)
     (line,) = check_model(model, SHAPE, CLASSES, "float32")[-1].lines
     assert line.startswith("over 1,000 parameters: float64 copies of the weights would cost too much memory")
     assert check_model(model, SHAPE, CLASSES, "float32", budget=None)[-1].status == "ok"

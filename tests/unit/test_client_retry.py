@@ -11,21 +11,8 @@ import pytest
 from helpers import make_job
 from psgd.partition import PartitionPlan
 from psgd.job import build_job
+from psgd.link import LinkError
 from psgd.worker.client import PSClient, PSError
-
-
-class Refused(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode):
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._code.name.lower()
-
-    def trailing_metadata(self):
-        return ()
 
 
 def client(stop: threading.Event | None = None) -> PSClient:
@@ -40,7 +27,7 @@ def failing(times: int, code: grpc.StatusCode):
     def call():
         calls.append(1)
         if len(calls) <= times:
-            raise Refused(code)
+            raise LinkError(code, code.name.lower())
         return "answered"
     return call, calls
 

@@ -6,7 +6,6 @@ Sharding is tested in ``test_data_sharding.py``.
 from __future__ import annotations
 
 import gzip
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,8 @@ from psgd.data import (
     read_npz,
     stratified_split,
 )
+
+from helpers import idx_bytes
 
 # ---------------------------------------------------------------- digits
 
@@ -161,15 +162,6 @@ def test_synthetic_labels_are_learnable_by_a_linear_probe():
 
 # ---------------------------------------------------------------- IDX
 
-_IDX_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype("i2"): 0x0B,
-              np.dtype("i4"): 0x0C, np.dtype("f4"): 0x0D, np.dtype("f8"): 0x0E}
-
-
-def idx_bytes(arr: np.ndarray) -> bytes:
-    """The IDX encoding of ``arr``, written independently of the reader."""
-    code = _IDX_CODES[arr.dtype.newbyteorder("=")]
-    header = struct.pack(">BBBB", 0, 0, code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
-    return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
 
 
 def write_idx(path: Path, arr: np.ndarray, *, gz: bool = False) -> Path:

@@ -43,9 +43,29 @@ def test_benchmarks_do_not_import_the_command_line(path):
     assert not {m for m in imported(path) if m == "psgd.cli" or m.startswith("psgd.cli.")}, path
 
 
-@pytest.mark.parametrize("path", [PSGD / "server" / "core.py", PSGD / "loop.py"], ids=lambda p: p.name)
+TRANSPORTS = {"grpc", "socket", "ssl", "selectors", "psgd.proto", "psgd.channel", "psgd.worker.client"}
+
+
+@pytest.mark.parametrize("path", [PSGD / "server" / "core.py", PSGD / "server" / "store.py", PSGD / "loop.py"],
+                         ids=lambda p: p.name)
 def test_the_shard_core_and_the_loop_know_no_transport(path):
-    assert not imported(path) & {"grpc", "socket", "psgd.proto", "psgd.worker.client"}, path
+    found = imported(path)
+    assert not found & TRANSPORTS and not any(m.startswith("psgd.link") for m in found), path
+
+
+def test_the_workers_client_leaves_the_bytes_to_its_links():
+    """The client decides what to retry and fans out to every shard; it never touches a socket or a stub."""
+    assert not imported(PSGD / "worker" / "client.py") & {"socket.socket", "psgd.link.tcp", "psgd.link.grpc",
+                                                          "psgd.channel", "psgd.link.protocol.WireError"}
+    source = (PSGD / "worker" / "client.py").read_text()
+    assert "Stub(" not in source and "recv_into" not in source and "sendmsg" not in source
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PSGD.rglob("*.py") if "proto" not in p.parts),
+                         ids=lambda p: str(p.relative_to(PSGD)))
+def test_no_module_is_longer_than_a_sitting(path):
+    """Modules of psgd/ stay under about 400 lines (generated code aside): split by meaning beyond that."""
+    assert len(path.read_text().splitlines()) <= 430, path
 
 
 def test_the_loop_is_the_only_training_loop():

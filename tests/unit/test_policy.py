@@ -142,7 +142,7 @@ def test_describe_and_state_dict_are_json(name, options):
     policy.push(0, 0)
     policy.leave(2)
     described = json.loads(json.dumps(policy.describe()))
-    assert described["name"] == name and described["options"] == policy.options()
+    assert described["name"] == name and described["options"] == policy.option_values()
     assert set(described["counters"]) >= {"duplicates", "late", "rejected"}
     assert ("rounds_closed" if name == "sync" else "pushes_applied") in described["counters"]
     assert described["live_workers"] == [0, 1]

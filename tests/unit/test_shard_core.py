@@ -1,4 +1,4 @@
-"""ShardCore and PushAssembler driven directly: no network, time from a fake clock, tiny plans.
+"""ShardCore and the gRPC push assembler driven directly: no network, time from a fake clock, tiny plans.
 
 The plan has two float64 variables, ``w`` (12 elements, cut by 64-byte slices
 into ``w#0`` = w[0:8] and ``w#8`` = w[8:12]) and ``b`` (3 elements), all on
@@ -21,7 +21,8 @@ from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, PushAssembler, ShardCore, ShardError
+from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore, ShardError
+from psgd.server.service import PushAssembler
 
 LR = 0.1
 LEASE = 10.0
@@ -181,7 +182,7 @@ def test_sync_pull_waits_for_the_round_and_names_the_missing_worker():
     assert not np.array_equal(weights(core)["b"], INIT["b"])
     # a pull for an earlier clock, or by an observer, never waits
     assert core.pull(1, 0, timeout=0)[0] == 1
-    assert core.pull(-1, 0, timeout=0)[0] == 1
+    assert core.pull(None, 0, timeout=0)[0] == 1
 
 
 def test_sync_push_from_the_future_is_refused():
@@ -556,9 +557,9 @@ def test_status_reports_everything():
 # --- PushAssembler -------------------------------------------------------------------------
 
 
-def assembler() -> PushAssembler:
+def assembler(declared: str = "float64") -> PushAssembler:
     core, _ = make_core()
-    return core.assembler()
+    return PushAssembler(core, declared)
 
 
 def slice_bytes(seed: int) -> dict[int, bytes]:
@@ -567,7 +568,6 @@ def slice_bytes(seed: int) -> dict[int, bytes]:
 
 def test_assembler_puts_chunks_together():
     a = assembler()
-    a.check_dtype("float64")
     data = slice_bytes(3)
     a.add(0, 0, data[0][:24])
     a.add(2, 0, data[2])
@@ -619,21 +619,23 @@ def test_assembler_refuses_an_incomplete_push():
 
 
 def test_assembler_refuses_a_wrong_dtype():
-    a = assembler()
     for dtype in ("float32", "", "<f8", "float64 ", "int64"):
-        err = error(a.check_dtype, dtype)
+        err = error(assembler, dtype)
         assert err.code == "INVALID_ARGUMENT" and "'float64'" in err.message and "dtype" in err.message
-    assert "(none)" in error(a.check_dtype, "").message
+    assert "(none)" in error(assembler, "").message
+    for codec in ("float16", "bfloat16"):  # compression is for float32 variables only
+        err = error(assembler, codec)
+        assert err.code == "INVALID_ARGUMENT" and "needs float32 variables" in err.message
 
 
 def test_updates_wait_for_zero_copy_pulls_and_new_pulls_defer_to_them():
     core, _ = make_core("async", 1)
     register_all(core)
-    live = core.pull_live(0, 0, timeout=1)
+    live = core.pull(0, 0, timeout=1, copy=False)
     before = bytes(live.buffer)
     pushed = run_in_thread(push, core, 0, 0)
     deadline = time.monotonic() + JOIN_WAIT
-    while core._writers_waiting != 1:  # the update is parked behind the send
+    while core.store.writers_waiting != 1:  # the update is parked behind the send
         assert time.monotonic() < deadline, "the push never waited for the zero-copy pull"
         time.sleep(0.001)  # polling with a deadline
     assert bytes(live.buffer) == before and core.version == 0  # nothing changed under the sender
@@ -642,16 +644,16 @@ def test_updates_wait_for_zero_copy_pulls_and_new_pulls_defer_to_them():
     live.release()
     live.release()  # idempotent
     assert pushed().outcome == "applied" and core.version == 1
-    with core.pull_live(0, 1, timeout=1) as again:
+    with core.pull(0, 1, timeout=1, copy=False) as again:
         assert bytes(again.buffer) != before
-    assert core._readers == 0
+    assert core.store._readers == 0
 
 
 # -- large shards check and update their slices on several threads ---------------------------------------
 
 
 def _big_core(threads: int, optimizer: str) -> ShardCore:
-    from psgd.server.core import PARALLEL_BYTES
+    from psgd.server.store import PARALLEL_BYTES
 
     specs = [VarSpec("w", (PARALLEL_BYTES // 8 + 1000,), "float64"), VarSpec("b", (7,), "float64")]
     plan = PartitionPlan(specs, num_shards=1, slice_bytes=1 << 20)
@@ -666,7 +668,7 @@ def _big_core(threads: int, optimizer: str) -> ShardCore:
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_large_shard_updates_on_threads_bitwise_as_on_one(optimizer):
     one, many = _big_core(1, optimizer), _big_core(3, optimizer)
-    assert one._threads is None and many._threads is not None and len(many.slices) > 8
+    assert one.store._threads is None and many.store._threads is not None and len(many.slices) > 8
     rng = np.random.default_rng(6)
     for clock in range(3):
         grads = {i: rng.standard_normal(s.size) for i, s in one.slices.items()}
@@ -690,4 +692,4 @@ def test_a_large_shard_names_the_first_bad_slice_and_changes_nothing():
 
 def test_small_shards_stay_on_one_thread():
     core, _ = make_core("async", 1)
-    assert core._threads is None  # 15 values: threads would only add latency
+    assert core.store._threads is None  # 15 values: threads would only add latency

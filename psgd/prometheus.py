@@ -5,9 +5,10 @@ The JSONL log (``--metrics FILE``) keeps working without any of this.
 Shard: :class:`ShardMetrics` is a custom collector that reads ``core.status()``
 on each scrape (pushes, pulls, outcomes, bytes, version, workers and their
 clocks, the staleness histogram), so the shard's hot path pays nothing for
-it; its :attr:`~ShardMetrics.interceptor` times every gRPC call by method and
-status code.  Pulls and pushes over the data port are counted by the core
-(``psgd_shard_pulls_total``...) and timed by the workers.
+it; its :attr:`~ShardMetrics.interceptor` (:mod:`psgd.rpc_latency`) times
+every gRPC call by method and status code.  Pulls and pushes over the data
+port are counted by the core (``psgd_shard_pulls_total``...) and timed by the
+workers.
 
 Worker: :class:`WorkerMetrics` is fed by ``run_worker(on_step=metrics.on_step)``:
 steps, clock, loss, staleness, pull time (which includes the wait for the
@@ -34,14 +35,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from psgd.config import ConfigError
+from psgd.policy import OUTCOME_COUNTERS
+from psgd.rpc_latency import LatencyInterceptor
 
 #: RPC latency buckets (seconds): sub-millisecond control calls up to sync pulls that wait a minute.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, math.inf)
 #: Staleness buckets, as the shard keeps them: 0..14 exactly, the last bucket is 15 and more.
 STALENESS_BUCKETS = tuple(float(i) for i in range(15)) + (math.inf,)
-PUSH_OUTCOMES = {"applied": "applied", "accumulated": "accumulated", "duplicates": "duplicate", "late": "late",
-                 "rejected": "rejected"}
+#: the shard's counter for each push outcome (psgd.policy.OUTCOME_COUNTERS), and refusals
+PUSH_OUTCOMES = {**{counter: outcome for outcome, counter in OUTCOME_COUNTERS.items()}, "rejected": "rejected"}
 WORKER_STATES = ("pending", "live", "done", "expired")
 
 
@@ -262,67 +265,6 @@ def _counter(name: str, text: str, names: list[str], values: list[str], value: f
     c = CounterMetricFamily(name, text, labels=names)
     c.add_metric(values, value)
     return c
-
-
-# -- RPC latency ---------------------------------------------------------------------------------
-def _code_name(context: grpc.ServicerContext, default: str) -> str:
-    """The status code the handler set (an abort sets one), else ``default``."""
-    try:
-        code = context.code()
-    except Exception:  # a context without code() (older grpcio): fall back to what we saw
-        code = None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    return default
-
-
-class LatencyInterceptor(grpc.ServerInterceptor):
-    """Times each served call into ``histogram.labels(method, code)``; streaming replies until their last message."""
-
-    def __init__(self, histogram: Histogram):
-        self.histogram = histogram
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method.rpartition("/")[2] or "?"
-        observe = self.histogram.labels
-
-        def single(behavior):
-            def timed(request, context):
-                began, code = time.perf_counter(), "UNKNOWN"
-                try:
-                    reply = behavior(request, context)
-                    code = "OK"
-                    return reply
-                finally:
-                    observe(method, _code_name(context, code)).observe(time.perf_counter() - began)
-            return timed
-
-        def streaming(behavior):
-            def timed(request, context):
-                began, code = time.perf_counter(), "UNKNOWN"
-                try:
-                    yield from behavior(request, context)
-                    code = "OK"
-                except GeneratorExit:  # the client went away before the last message
-                    code = "CANCELLED"
-                    raise
-                finally:
-                    observe(method, _code_name(context, code)).observe(time.perf_counter() - began)
-            return timed
-
-        kinds = (("unary_unary", single, grpc.unary_unary_rpc_method_handler),
-                 ("unary_stream", streaming, grpc.unary_stream_rpc_method_handler),
-                 ("stream_unary", single, grpc.stream_unary_rpc_method_handler),
-                 ("stream_stream", streaming, grpc.stream_stream_rpc_method_handler))
-        for attr, wrap, make in kinds:
-            behavior = getattr(handler, attr)
-            if behavior is not None:
-                return make(wrap(behavior), request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
-        return handler
 
 
 # -- workers -------------------------------------------------------------------------------------

@@ -1,0 +1,237 @@
+"""The processes of one job: :class:`Cluster` starts, signals and reads its shards and workers (on
+127.0.0.1, or on hosts in network namespaces); :class:`Abort` stops a run that cannot go on."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from psgd.bench.chaos.netns import Namespaces
+from psgd.bench.chaos.plan import RunSpec
+from psgd.bench.chaos.processes import Proc, command, die_with_parent, free_port_pair, last_error
+from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, JOIN_TIMEOUT, KEEP, LEASE, NS_PORT, PACE, REQUEST_TIMEOUT,
+                                       SHARDS, START_BOUND, STEPS_PER_WORKER)
+
+
+class Abort(Exception):
+    """The run cannot go on (a hang, a failed process); recorded as a violation of ``invariant``."""
+
+    def __init__(self, message: str, invariant: str = "bounded"):
+        super().__init__(message)
+        self.invariant = invariant
+
+
+class Cluster:
+    """The processes of one job, on 127.0.0.1 at fixed ports or on hosts in network namespaces."""
+
+    def __init__(self, spec: RunSpec, folder: Path, port_rng: random.Random, net: Namespaces | None):
+        from psgd.config import JobConfig, to_toml
+        from psgd.data.sharding import steps_per_epoch
+        from psgd.partition import PartitionPlan
+        from psgd.job import build_job
+
+        self.spec, self.folder, self.net = spec, folder, net
+        job = JobConfig()
+        job.apply_sets([f"model.name={spec.model}", *(["model.hidden=[32]"] if spec.model == "mlp" else []),
+                        "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
+                        f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
+                        f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
+                        f"cluster.data_path={'true' if spec.data_path else 'false'}"])
+        self.built = build_job(job)
+        spe = steps_per_epoch(len(self.built.dataset.x_train), spec.workers, job.train.batch_size)
+        self.epochs = max(1, round(STEPS_PER_WORKER / spe))
+        job.apply_sets([f"train.epochs={self.epochs}"])
+        self.total = spe * self.epochs
+        if net is None:
+            taken: set[int] = set()
+            self.binds = [f"127.0.0.1:{free_port_pair(port_rng, taken)}" for _ in range(SHARDS)]
+        else:
+            self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
+        job.override("cluster.servers", list(self.binds))
+        self.job = job
+        self.plan = PartitionPlan(self.built.model.specs(), SHARDS, job.cluster.slice_bytes)
+        self.path = folder / "job.toml"
+        self.path.write_text(to_toml(job.to_dict()))
+        self.ckpt = folder / "ckpt"
+        self.port_files = [folder / f"shard{k}.addr" for k in range(SHARDS)]
+        self.procs: dict[str, Proc] = {}    # the current incarnation of each process
+        self.history: list[Proc] = []       # every incarnation
+        self.server, self.worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
+        self.psgd = command("psgd", "psgd.cli.main")
+
+    # -- starting and stopping ---------------------------------------------------------------------
+    def _host(self, name: str) -> str:
+        return name[0] + name[-1] if name.startswith(("shard", "worker")) else name
+
+    def prefix(self, host: str) -> list[str]:
+        """What runs a command on ``host`` (nothing on loopback)."""
+        return self.net.prefix(host) if self.net else []
+
+    def _start(self, name: str, argv: list[str], metrics: Path | None = None) -> Proc:
+        incarnation = sum(1 for p in self.history if p.name == name)
+        log = self.folder / f"{name}.{incarnation}.log"
+        with open(log, "w") as err:
+            popen = subprocess.Popen(self.prefix(self._host(name)) + argv, stdout=subprocess.DEVNULL, stderr=err,
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
+        proc = Proc(name, incarnation, popen, log, metrics)
+        self.procs[name] = proc
+        self.history.append(proc)
+        return proc
+
+    def start_shard(self, k: int) -> Proc:
+        self.port_files[k].unlink(missing_ok=True)
+        argv = [*self.server, "-c", str(self.path), "--shard", str(k), "--bind", self.binds[k],
+                "--port-file", str(self.port_files[k]), "--checkpoint-dir", str(self.ckpt),
+                "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-checkpoints", str(KEEP),
+                *(["--exit-when-done"] if self.spec.exit_when_done else [])]
+        return self._start(f"shard{k}", argv)
+
+    def wait_listening(self, k: int, bound: float = START_BOUND) -> None:
+        proc = self.procs[f"shard{k}"]
+        deadline = time.monotonic() + bound
+        while not self.port_files[k].exists():
+            if proc.popen.poll() is not None:
+                raise Abort(f"shard {k} exited with status {proc.popen.returncode} while starting: "
+                            f"{last_error(proc.log)}", "finishes")
+            if time.monotonic() > deadline:
+                raise Abort(f"shard {k} did not listen within {bound:.0f}s")
+            time.sleep(0.05)  # polling for the port file, with a deadline
+
+    def start_worker(self, r: int) -> Proc:
+        name = f"worker{r}"
+        incarnation = sum(1 for p in self.history if p.name == name)
+        metrics = self.folder / f"{name}.{incarnation}.jsonl"
+        argv = [*self.worker, "-c", str(self.path), "--rank", str(r), "--servers", ",".join(self.binds),
+                "--no-progress", "--metrics", str(metrics), "--delay", PACE]
+        return self._start(name, argv, metrics)
+
+    def alive(self, name: str) -> bool:
+        proc = self.procs.get(name)
+        return proc is not None and proc.popen.poll() is None
+
+    def signal(self, name: str, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.procs[name].popen.send_signal(signum)
+
+    def wait(self, name: str, bound: float) -> int | None:
+        try:
+            return self.procs[name].popen.wait(bound)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        for proc in self.history:
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.send_signal(signal.SIGCONT)
+                    proc.popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(10)
+
+    # -- reading -------------------------------------------------------------------------------------
+    def records(self, r: int) -> list[dict]:
+        """Worker ``r``'s metrics lines, every incarnation in order."""
+        out = []
+        for proc in self.history:
+            if proc.name == f"worker{r}" and proc.metrics is not None and proc.metrics.exists():
+                for line in proc.metrics.read_text().splitlines():
+                    if line.endswith("}"):
+                        out.append({**json.loads(line), "incarnation": proc.incarnation})
+        return out
+
+    def clocks(self) -> dict[int, int]:
+        """Each worker's last logged step clock (-1: none yet); a worker that is done counts its final clock."""
+        out = {}
+        for r in range(self.spec.workers):
+            last = -1
+            for rec in self.records(r):
+                if rec["event"] == "step":
+                    last = max(last, rec["clock"])
+                elif rec["event"] == "done":
+                    last = max(last, rec["clock"] - 1)
+            out[r] = last
+        return out
+
+    def status(self, timeout: float = 5.0) -> list[dict | None]:
+        """Every shard's Status (None where it did not answer within ``timeout``)."""
+        if self.net is not None:
+            return self._status_command(timeout)
+        import grpc
+
+        from psgd.channel import open_channel
+        from psgd.proto import ps_pb2, ps_pb2_grpc
+
+        out: list[dict | None] = []
+        for address in self.binds:
+            with open_channel(address) as channel:
+                try:
+                    reply = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=timeout)
+                except grpc.RpcError:
+                    out.append(None)
+                    continue
+            counters = json.loads(reply.counters_json or "{}")
+            out.append(shard_view(reply.shard, reply.version, reply.incarnation, counters))
+        return out
+
+    def _status_command(self, timeout: float) -> list[dict | None]:
+        """``psgd status --json`` from the observer's host in the namespaces."""
+        try:
+            done = subprocess.run(self.prefix("obs") + [*self.psgd, "status", "--json", "--sample", "0", "--timeout",
+                                                         str(timeout), *self.binds],
+                                  capture_output=True, text=True, timeout=timeout * 2 + 30)
+            rows = json.loads(done.stdout)["shards"]
+        except (subprocess.TimeoutExpired, ValueError, KeyError):
+            return [None] * SHARDS
+        return [shard_view(row["shard"], row["version"], row["incarnation"], row["counters"])
+                if "version" in row else None for row in rows]
+
+    def weights(self, timeout: float = 10.0) -> dict[str, np.ndarray]:
+        """The current weights, pulled as an observer (``psgd export`` from the observer's host in namespaces)."""
+        if self.net is None:
+            from psgd.worker.client import fetch_weights
+
+            return fetch_weights(self.binds, self.plan, request_timeout=timeout)
+        from psgd.export import read_npz
+
+        out = self.folder / "observed.npz"
+        done = subprocess.run(self.prefix("obs") + [*self.psgd, "export", "-c", str(self.path), "--timeout",
+                                                     str(timeout), str(out)],
+                              capture_output=True, text=True, timeout=timeout * 3 + 30)
+        if done.returncode != 0:
+            raise RuntimeError(f"psgd export exited with status {done.returncode}: {done.stderr.strip()[-500:]}")
+        try:
+            return read_npz(out)
+        finally:
+            out.unlink(missing_ok=True)
+
+    def newest_checkpoint(self, k: int) -> int | None:
+        """The newest checkpoint (with its manifest) shard ``k`` has written, whatever the job folder."""
+        from psgd.server import checkpoint
+
+        found = [v for folder in self.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)]
+        return max(found, default=None)
+
+    def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
+        from psgd.loop import evaluate
+        from psgd.job import params_to_device
+
+        b = self.built
+        return float(evaluate(b.model, params_to_device(weights, b.device), b.dataset.x_test, b.dataset.y_test,
+                              b.device)[1])
+
+
+def shard_view(shard: int, version: int, incarnation: str, counters: Mapping[str, Any]) -> dict:
+    counters = dict(counters)
+    written = counters.pop("checkpoint", None) or {}
+    return {"shard": shard, "version": version, "incarnation": incarnation,
+            "restored_version": counters.pop("restored_version", None), "checkpoint_version": written.get("version"),
+            "counters": {k: v for k, v in counters.items() if isinstance(v, int)}}

@@ -1,0 +1,174 @@
+"""How each fault kind is injected into a running job: :class:`FaultInjection`, the fault half of
+:class:`psgd.bench.chaos.run.Run` (a mixin: it uses the run's cluster, spec, checks and records)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from psgd.bench.chaos.cluster import Abort
+from psgd.bench.chaos.hostile import HOSTILE
+from psgd.bench.chaos.invariants import check_exit, check_restore
+from psgd.bench.chaos.plan import Fault
+from psgd.bench.chaos.processes import Proc, last_error
+from psgd.bench.chaos.settings import PY, START_BOUND, STOP_BOUND
+
+
+class FaultInjection:
+    """The faults of a :class:`~psgd.bench.chaos.run.Run`, one method per kind; :meth:`_inject` picks one."""
+
+    def _inject(self, fault: Fault) -> None:
+        c = self.cluster
+        began = time.monotonic()
+        note = ""
+        if fault.kind == "kill-shard":
+            note = self._kill_shard(fault.target)
+        elif fault.kind == "restart-shard":
+            note = self._restart_shard(fault.target)
+        elif fault.kind == "kill-worker":
+            r = self._live_worker(fault.target)
+            note = self._kill_worker(r, fault.offset, fault.seconds) if r is not None else \
+                "skipped: every worker had finished"
+        elif fault.kind in ("stop-shard", "stop-worker"):
+            if fault.kind == "stop-shard":
+                name = f"shard{fault.target}"
+            else:
+                r = self._live_worker(fault.target)
+                name = f"worker{r}" if r is not None else ""
+            if name and c.alive(name):
+                c.signal(name, signal.SIGSTOP)
+                time.sleep(fault.seconds)  # the length of the pause is the fault
+                c.signal(name, signal.SIGCONT)
+            else:
+                note = "skipped: every worker had finished"
+        elif fault.kind == "hostile":
+            note = self._hostile(fault)
+        elif fault.kind == "netcut":
+            host = ("s" if fault.role == "shard" else "w") + str(fault.target)
+            self.net.link(host, up=False)
+            try:
+                time.sleep(fault.seconds)  # the length of the cut is the fault
+            finally:
+                self.net.link(host, up=True)
+        text = f"{fault.describe()} at {time.monotonic() - self.started:.1f}s"
+        self.done_faults.append(text + (f" ({note})" if note else ""))
+        self.say(f"  run {self.spec.index}: {text}, {time.monotonic() - began:.1f}s{'; ' + note if note else ''}")
+
+    def _live_worker(self, hint: int) -> int | None:
+        n = self.spec.workers
+        for i in range(n):
+            r = (hint + i) % n
+            if self.cluster.alive(f"worker{r}"):
+                return r
+        return None
+
+    def _kill_shard(self, k: int) -> str:
+        c = self.cluster
+        name = f"shard{k}"
+        c.signal(name, signal.SIGKILL)
+        self.violate("exit-code", check_exit(f"shard {k} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
+                                             "after SIGKILL"))
+        newest = c.newest_checkpoint(k)  # what was on disk when it died
+        c.start_shard(k)
+        self.restarted.add(k)
+        c.wait_listening(k)
+        view = self._status_of(k, START_BOUND)
+        self.violate("checkpoint", check_restore(k, newest, view["restored_version"], view["version"]))
+        return f"newest checkpoint ckpt-{newest}, restored {view['restored_version']}, version {view['version']}"
+
+    def _restart_shard(self, k: int) -> str:
+        """SIGTERM: it exits 0 within 10 s with a last checkpoint of its last version; started again, it
+        restores that checkpoint, so a graceful restart loses nothing."""
+        c = self.cluster
+        name = f"shard{k}"
+        c.signal(name, signal.SIGTERM)
+        code = c.wait(name, STOP_BOUND)
+        self.violate("exit-code", check_exit(f"shard {k}", code, 0, "within 10 s of SIGTERM"))
+        if code is None:
+            c.signal(name, signal.SIGKILL)
+            c.wait(name, STOP_BOUND)
+            self.restarted.add(k)
+        stopped = self._stopped_at().get(k)
+        newest = c.newest_checkpoint(k)
+        if stopped is not None and newest != stopped:
+            self.violate("checkpoint", [f"shard {k} stopped at version {stopped} on SIGTERM but its newest "
+                                        f"checkpoint is ckpt-{newest}"])
+        c.start_shard(k)
+        c.wait_listening(k)
+        view = self._status_of(k, START_BOUND)
+        self.violate("checkpoint", check_restore(k, stopped if stopped is not None else newest,
+                                                 view["restored_version"], view["version"]))
+        return f"stopped at version {stopped}, restored {view['restored_version']}"
+
+    def _kill_worker(self, r: int, offset: float, down: float) -> str:
+        c = self.cluster
+        name = f"worker{r}"
+        self._aim(c.procs[name], offset)
+        c.signal(name, signal.SIGKILL)
+        self.violate("exit-code", check_exit(f"worker {r} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
+                                             "after SIGKILL"))
+        self.worker_kills += 1
+        before = c.clocks()[r]
+        time.sleep(down)  # how long it stays dead is part of the fault
+        proc = c.start_worker(r)
+        deadline = time.monotonic() + START_BOUND
+        while not (proc.metrics.exists() and proc.metrics.read_text().strip()):
+            if proc.popen.poll() is not None:
+                raise Abort(f"worker {r}, restarted after SIGKILL at clock {before}, exited with status "
+                            f"{proc.popen.returncode} before its first step: {last_error(proc.log)}", "finishes")
+            if time.monotonic() > deadline:
+                raise Abort(f"worker {r}, restarted after SIGKILL at clock {before}, logged no step within "
+                            f"{START_BOUND:.0f}s")
+            time.sleep(0.05)  # polling for its first metrics line, with a deadline
+        first = json.loads(proc.metrics.read_text().splitlines()[0])
+        resumed = first["clock"]
+        problems = []
+        if before >= 0 and resumed < before + 1:
+            problems.append(f"worker {r} logged clock {before} before it was killed but continued at clock "
+                            f"{resumed}: it repeats steps the shards hold")
+        if self.spec.policy != "sync" and before >= 0 and resumed > before + 2:
+            problems.append(f"worker {r} logged clock {before} before it was killed but continued at clock "
+                            f"{resumed}: async steps were skipped")
+        self.violate("continue", problems)
+        return f"last clock {before}, continued at {resumed}"
+
+    @staticmethod
+    def _aim(proc: Proc, offset: float) -> None:
+        """Wait (at most 2 s) for the worker's next metrics line, then ``offset`` seconds: its next step is under
+        way then (pull, gradient, push; the pace's pause comes after the push)."""
+        def size() -> int:
+            try:
+                return proc.metrics.stat().st_size
+            except OSError:
+                return -1
+
+        first, deadline = size(), time.monotonic() + 2.0
+        while size() == first and time.monotonic() < deadline and proc.popen.poll() is None:
+            time.sleep(0.0005)  # watching for the line, briefly, with a deadline
+        time.sleep(offset)  # the aim is the fault's own timing
+
+    def _hostile(self, fault: Fault) -> str:
+        c = self.cluster
+        targets = []
+        for address in c.binds:
+            host, _, port = address.rpartition(":")
+            targets += [(host, int(port)), (host, int(port) + 1)]
+        before = self._versions()
+        args = json.dumps({"targets": targets, "count": fault.count, "seconds": fault.seconds,
+                           "seed": self.seed * 1000 + self.spec.index})
+        done = subprocess.run(c.prefix("obs") + [PY, "-c", HOSTILE, args], capture_output=True, text=True,
+                              timeout=fault.seconds + 60)
+        after = self._versions()
+        try:
+            stats = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            self.violate("harness", [f"the hostile client failed: {done.stderr.strip()[-500:]}"])
+            return "hostile client failed"
+        training = any(c.alive(f"worker{r}") for r in range(self.spec.workers))
+        if training and None not in before + after and sum(after) <= sum(before):
+            self.violate("starvation", [f"no shard applied an update during {fault.seconds:.1f}s of hostile "
+                                        f"connections (versions {before} -> {after}; {stats})"])
+        return (f"{stats['opened']} opened, {stats['closed_by_peer']} closed by the shards, versions "
+                f"{before} -> {after}")

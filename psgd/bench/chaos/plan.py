@@ -1,0 +1,112 @@
+"""The plan of each run, everything random drawn before it starts: :class:`Fault`, :class:`RunSpec` and the
+seeded :class:`Planner` that draws them."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Sequence
+
+from psgd.bench.chaos.settings import FAULTS_PER_RUN, LEASE, SHARDS
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    at: float              # the slowest worker's progress (fraction of its steps) at which it is injected
+    target: int = 0        # shard or worker index (a worker that has finished passes it on to the next)
+    seconds: float = 0.0   # stop, hostile, netcut: how long
+    count: int = 0         # hostile: connections of each sort per port
+    role: str = ""         # netcut: whose link ("shard" or "worker")
+    offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
+
+    def describe(self) -> str:
+        who = {"netcut": self.role}.get(self.kind, self.kind.rpartition("-")[2])
+        text = self.kind + (f" {who} {self.target}" if who in ("shard", "worker") else "")
+        if self.kind == "kill-worker":
+            text += f" {self.offset * 1000:.1f} ms after a step"
+        if self.kind == "hostile":
+            text += f" {self.count}+{self.count} connection(s) per port"
+        if self.seconds:
+            text += f", restarted {self.seconds:.1f}s later" if self.kind == "kill-worker" else \
+                f" for {self.seconds:.1f}s"
+        return text
+
+
+@dataclasses.dataclass
+class RunSpec:
+    index: int
+    policy: str
+    data_path: bool
+    model: str
+    workers: int
+    exit_when_done: bool
+    faults: list[Fault]
+    end: str                 # "finish" (train to the end) or "sigterm" (every process at once)
+    end_at: float            # sigterm: the progress at which it is sent
+    namespaces: bool         # the run lives in network namespaces (it has a netcut)
+
+    def describe(self) -> str:
+        return (f"{self.policy}, {self.model}, {self.workers} workers, data path {'on' if self.data_path else 'off'}"
+                + (", in namespaces" if self.namespaces else "") + (", --exit-when-done" if self.exit_when_done else "")
+                + f"; faults: {', '.join(f.describe() for f in self.faults) or 'none'}; end: {self.end}")
+
+
+class Planner:
+    """Draws run after run from one seeded generator; fault kinds come from a shuffled bag (every kind once
+    before any twice), and so do the (policy, data path) pairs, so a few runs cover them all."""
+
+    def __init__(self, seed: int, kinds: Sequence[str], namespaces: str | None):
+        self.rng = random.Random(seed)
+        self.kinds = list(kinds)
+        self.why_no_namespaces = namespaces  # None: namespaces can be made
+        self._bag: list[str] = []
+        self._pairs: list[tuple[str, bool]] = []
+        self.skipped: dict[str, str] = {}
+
+    def _draw(self) -> str:
+        if not self._bag:
+            self._bag = list(self.kinds)
+            self.rng.shuffle(self._bag)
+        return self._bag.pop()
+
+    def next(self, index: int) -> RunSpec:
+        rng = self.rng
+        if not self._pairs:
+            self._pairs = [(p, d) for p in ("sync", "async") for d in (True, False)]
+            rng.shuffle(self._pairs)
+        policy, data_path = self._pairs.pop()
+        drawn = [self._draw() for _ in range(FAULTS_PER_RUN)]
+        workers = rng.choice((2, 3))
+        faults = []
+        for kind in drawn:
+            if kind == "sigterm":
+                continue
+            if kind == "netcut" and self.why_no_namespaces:
+                self.skipped["netcut"] = self.why_no_namespaces
+                continue
+            fault = Fault(kind, 0.0)
+            if kind.endswith("-shard"):
+                fault.target = rng.randrange(SHARDS)
+            elif kind.endswith("-worker"):
+                fault.target = rng.randrange(workers)
+                fault.offset = round(rng.uniform(0.0, 0.012), 4)
+                if kind == "kill-worker" and rng.random() < 0.5:  # restarted after its lease ran out
+                    fault.seconds = round(rng.uniform(LEASE + 0.5, LEASE + 2.0), 2)
+            if kind.startswith("stop-"):
+                fault.seconds = round(rng.uniform(0.5, 3.0), 2)
+            elif kind == "hostile":
+                fault.seconds, fault.count = round(rng.uniform(1.5, 3.0), 2), rng.randint(8, 24)
+            elif kind == "netcut":
+                fault.role = rng.choice(("shard", "worker"))
+                fault.target = rng.randrange(SHARDS if fault.role == "shard" else workers)
+                fault.seconds = round(rng.uniform(1.0, 3.0), 2)
+            faults.append(fault)
+        for fault, at in zip(faults, sorted(rng.uniform(0.1, 0.7) for _ in faults)):
+            fault.at = round(at, 3)
+        end = "sigterm" if "sigterm" in drawn else "finish"
+        end_at = round(max([0.5] + [f.at + 0.1 for f in faults]) if end == "sigterm" else 1.0, 3)
+        return RunSpec(index, policy, data_path, rng.choice(("softmax", "mlp")), workers,
+                       exit_when_done=end == "finish" and rng.random() < 0.5, faults=faults, end=end,
+                       end_at=min(end_at, 0.9), namespaces=any(f.kind == "netcut" for f in faults))
+

@@ -1,0 +1,99 @@
+"""The processes of a run: how they are started (as users start them, dying with the harness), free ports,
+their logs' tails, and a search for processes left behind."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+from psgd.bench.chaos.settings import PY
+
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child is killed when the harness dies, however it dies (no process is left)."""
+    def set_up() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return set_up
+
+
+def command(script: str, module: str) -> list[str]:
+    """How a user starts ``script``: the console script beside this Python (a venv's), else on PATH, else
+    ``python -m module``."""
+    beside = Path(PY).parent / script
+    if beside.exists() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    found = shutil.which(script)
+    return [found] if found else [PY, "-m", module]
+
+
+def free_port_pair(rng: random.Random, taken: set[int]) -> int:
+    """A port p with p and p + 1 free on 127.0.0.1, below the ephemeral range (so that no outgoing
+    connection takes it while its shard is down for a restart)."""
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        if port in taken or port + 1 in taken:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        taken.update((port, port + 1))
+        return port
+    raise RuntimeError("no free pair of ports between 20000 and 32000 on 127.0.0.1")
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def last_error(path: Path) -> str:
+    """The last line of a log that reports an error, else its last three lines."""
+    lines = tail(path, 40).splitlines()
+    found = next((line for line in reversed(lines) if "error" in line.lower()), None)
+    return found or " | ".join(lines[-3:]) or "(empty log)"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live (not zombie) processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and text in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@dataclasses.dataclass
+class Proc:
+    name: str                # shard0, worker1, ...
+    incarnation: int
+    popen: subprocess.Popen
+    log: Path
+    metrics: Path | None = None  # a worker's --metrics file
+

@@ -1,0 +1,173 @@
+"""Reaching shards from the command line, for ``psgd status`` and ``psgd doctor``: the connection flags
+(:class:`Connect`: deadline, token, TLS), one address's health check and Status as a :class:`ShardProbe`,
+and failed calls explained in plain words.
+
+Every network call has a deadline (``--timeout``, default 3 s), and shards are
+asked in parallel, so an unreachable address costs seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import grpc
+
+from psgd.channel import open_channel, token_metadata
+from psgd.tls import TLSFiles
+
+SERVICE_NAME = "psgd.v1.ParameterServer"
+TOKEN_ENV = "PSGD_TOKEN"
+
+
+# -- connecting ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Connect:
+    """How to reach shards: per-call deadline, token and TLS files."""
+
+    timeout: float = 3.0
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return token_metadata(self.token)
+
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert or None, self.tls_key or None, self.tls_ca or None)
+
+    def channel(self, address: str) -> grpc.Channel:
+        return open_channel(address, self.tls)
+
+
+def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
+    group.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS",
+                       help="deadline for each call to a shard (default 3)")
+    group.add_argument("--token", default=None,
+                       help=f"the job's shared token (default: the {TOKEN_ENV} environment variable)")
+    group.add_argument("--tls-ca", metavar="FILE", default=None,
+                       help="CA certificate (PEM) to check the shards' certificates: talk TLS to them")
+    group.add_argument("--tls-cert", metavar="FILE", default=None, help="client certificate (PEM) for mutual TLS")
+    group.add_argument("--tls-key", metavar="FILE", default=None, help="client private key (PEM) for mutual TLS")
+
+
+def connect_from_args(args: argparse.Namespace) -> Connect:
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    return Connect(timeout=args.timeout, token=token, tls_ca=args.tls_ca or "", tls_cert=args.tls_cert or "",
+                   tls_key=args.tls_key or "")
+
+
+def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:
+    """A failed call to ``address`` in plain words."""
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else "") or ""
+    low = details.lower()
+    host = address.rpartition(":")[0]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "dns" in low or "resolve" in low or "name or service" in low:
+            return f"cannot resolve the host name {host!r} (DNS): check the name, /etc/hosts or the cluster's DNS"
+        if "refused" in low:
+            return (f"nothing listens at {address} (connection refused): is psgd-server running there, bound to "
+                    "an address others can reach (not 127.0.0.1)?")
+        if "ssl" in low or "handshake" in low or "tls" in low or "certificate" in low:
+            return f"TLS failed with {address}: {details} (do the client and the shard agree on TLS and the CA?)"
+        if "timeout" in low or "timed out" in low or "deadline" in low:
+            return f"no answer from {address} within {timeout:g}s: a firewall may drop the packets, or the host is down"
+        return (f"cannot talk to {address}: {details or 'unavailable'} (if the shards use TLS, pass --tls-ca; if "
+                "not, check that the address is a psgd-server's gRPC port)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer from {address} within {timeout:g}s: a firewall may drop the packets, or the host is down"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (f"{address} refused the token (UNAUTHENTICATED): set {TOKEN_ENV} or --token to the token the "
+                "shards were started with")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return f"{address} refused the call (PERMISSION_DENIED): {details}"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return f"something answers at {address}, but it is not a psgd shard (the call is unknown there)"
+    name = code.name if code is not None else "error"
+    return f"{address}: {name}: {details}"
+
+
+# -- one shard -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ShardProbe:
+    """What one address said: its health and Status, or why it could not say."""
+
+    address: str
+    health: str                   # SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN or UNREACHABLE
+    status: dict | None = None    # the StatusReply as a dict (counters parsed)
+    error: str | None = None      # plain words, when something failed
+    code: str | None = None       # the gRPC status code name of that failure
+    taken: float = 0.0            # time.monotonic() when the Status arrived
+
+    @property
+    def ok(self) -> bool:
+        return self.health == "SERVING" and self.status is not None
+
+
+def status_dict(reply: Any) -> dict:
+    try:
+        counters = json.loads(reply.counters_json or "{}")
+    except ValueError:
+        counters = {}
+    return {
+        "shard": reply.shard, "num_shards": reply.num_shards, "policy": reply.policy, "version": reply.version,
+        "plan_hash": reply.plan_hash, "bytes_held": reply.bytes_held, "incarnation": reply.incarnation,
+        "data_port": getattr(reply, "data_port", 0),  # where Status reports it; else the gRPC port + 1
+        "counters": counters, "staleness_histogram": list(reply.staleness_histogram),
+        "workers": [{"worker_id": w.worker_id, "state": w.state, "clock": w.clock,
+                     "lease_left_seconds": w.lease_left_seconds, "hostname": w.hostname, "pid": w.pid}
+                    for w in reply.workers],
+    }
+
+
+def check_health(address: str, connect: Connect) -> tuple[str, str | None, str | None]:
+    """``(health, error, code)`` of ``address`` from the standard gRPC health service."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with connect.channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=connect.timeout,
+                metadata=connect.metadata)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN", (f"{address} runs a gRPC health service but not for {SERVICE_NAME}: "
+                                           "is it a psgd shard?"), err.code().name
+            return "UNREACHABLE", explain_rpc_error(address, err, connect.timeout), err.code().name
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if name != "SERVING":
+        return name, f"{address} reports {name}: the shard is starting, shutting down or unwell", None
+    return name, None, None
+
+
+def probe(address: str, connect: Connect) -> ShardProbe:
+    """Health check and Status of one address, each within ``connect.timeout``."""
+    from psgd.proto import ps_pb2, ps_pb2_grpc
+
+    health, error, code = check_health(address, connect)
+    if health == "UNREACHABLE":
+        return ShardProbe(address, health, error=error, code=code, taken=time.monotonic())
+    with connect.channel(address) as channel:
+        try:
+            reply = ps_pb2_grpc.ParameterServerStub(channel).Status(
+                ps_pb2.StatusRequest(), timeout=connect.timeout, metadata=connect.metadata)
+        except grpc.RpcError as err:
+            return ShardProbe(address, health, error=explain_rpc_error(address, err, connect.timeout),
+                              code=err.code().name, taken=time.monotonic())
+    return ShardProbe(address, health, status_dict(reply), error=error, code=code, taken=time.monotonic())
+
+
+def probe_all(addresses: Sequence[str], connect: Connect) -> list[ShardProbe]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(addresses)))) as pool:
+        return list(pool.map(lambda a: probe(a, connect), addresses))
+

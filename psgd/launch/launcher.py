@@ -1,0 +1,249 @@
+"""``launch()``: this node's share of a job, in parameter-server or all-reduce mode, to its final accuracy.
+
+Parameter-server mode starts the shards, waits for their addresses, starts the
+workers and (on node 0) reads the final weights from the shards; all-reduce
+mode starts the ranks and reads the weights rank 0 saved.  Either way the
+weights are evaluated on the test set here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from psgd import threads
+from psgd.config import JobConfig, to_toml
+from psgd.launch.plan import Layout, find_mpiexec, thread_budget
+from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
+                                   wait_for_files)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    test_accuracy: float
+    test_loss: float
+    seconds: float
+    servers: list[str]
+    run_dir: str
+    versions: list[int]
+    saved: str | None = None
+
+
+def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
+           progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
+           verbose: int = 0, monitor: Callable[[list[str], threading.Event], None] | None = None,
+           save: str | None = None, layout: Layout = Layout()) -> LaunchResult:
+    """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
+
+    ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
+    "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop)`` runs in a
+    thread from the workers' start until they have all finished (``stop`` is
+    set then); it may read the shards, e.g. to evaluate the weights over time.
+    ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
+    Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
+    stopped first).
+    """
+    if mode not in ("ps", "allreduce"):
+        raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
+    if mode == "allreduce" and layout.nnodes > 1:
+        raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
+    layout.check(job.cluster.shards, job.cluster.workers)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
+    run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
+    run.mkdir(parents=True, exist_ok=True)
+    spec = job.to_dict()
+    spec["cluster"]["servers"] = []
+    here = (len(layout.shards_here(job.cluster.shards)) if mode == "ps" else 0) + \
+        len(layout.workers_here(job.cluster.workers))
+    per_process, said = thread_budget(job, here)
+    log.info("%s", said)
+    spec["train"]["threads"] = per_process
+    threads.apply(per_process)
+    (run / "job.toml").write_text(to_toml(spec))
+    log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
+    children = Children()
+    with children.forwarding_signals():
+        stopping = signal.SIGTERM
+        try:
+            if mode == "allreduce":
+                return _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
+                                         children, save)
+            return _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor, children,
+                              save, layout)
+        except LaunchInterrupted as exc:
+            stopping = exc.signum
+            raise
+        finally:
+            children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
+
+
+def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
+                      worker_args: list[str], log_flags: list[str], children: Children,
+                      save: str | None) -> LaunchResult:
+    from psgd.export import read_npz, save_weights
+
+    n, py = job.cluster.workers, sys.executable
+    weights = run / "weights.npz"
+    weights.unlink(missing_ok=True)
+    common = ["-m", "psgd.cli.worker", "-c", str(run / "job.toml"), "--mode", "allreduce", "--backend", backend,
+              "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
+    common += ["-q"] if progress else (log_flags + ["--no-progress"])
+    start = time.perf_counter()
+    if backend == "mpi":
+        children.start(f"mpiexec -n {n}", [find_mpiexec(), "-n", str(n), py, *common], run / "allreduce.log",
+                       show=progress)
+    elif backend == "nccl":
+        rendezvous = run / "nccl-id.json"
+        rendezvous.unlink(missing_ok=True)
+        for r in range(n):
+            extra = ["--rank", str(r), "--device", f"cuda:{r}", "--rendezvous", f"file:{rendezvous}"]
+            if r:
+                extra += ["--no-progress"]
+            children.start(f"rank {r}", [py, *common, *extra], run / f"rank-{r}.log", show=progress and r == 0)
+    else:
+        raise LaunchError(f"unknown all-reduce backend {backend!r}: use mpi or nccl")
+    try:
+        wait_all(children.procs, children.procs, children, time.monotonic() + timeout, timeout, run)
+    except LaunchInterrupted:
+        raise
+    except LaunchError as exc:
+        raise LaunchError(f"a rank of the all-reduce job failed, so the job was stopped (one rank cannot "
+                          f"go on without the others): {exc}") from None
+    if not weights.exists():
+        raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
+    params = read_npz(weights)
+    loss, acc = _evaluate(job, params)
+    if save:
+        save_weights(save, params)
+    return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save)
+
+
+def _evaluate(job: JobConfig, weights: dict) -> tuple[float, float]:
+    from psgd.loop import evaluate
+    from psgd.job import build_job, params_to_device
+
+    built = build_job(job)
+    params = params_to_device(weights, built.device)
+    return evaluate(built.model, params, built.dataset.x_test, built.dataset.y_test, built.device)
+
+
+def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
+               log_flags: list[str], monitor: Callable[[list[str], threading.Event], None] | None,
+               children: Children, save: str | None, layout: Layout) -> LaunchResult:
+    c = job.cluster
+    job_path = run / "job.toml"
+    py = sys.executable
+    start = time.perf_counter()
+    mine = layout.shards_here(c.shards)
+    port_files = {k: run / f"shard-{k}.addr" for k in mine}
+    for path in port_files.values():
+        path.unlink(missing_ok=True)
+    servers = []
+    for k in mine:
+        bind = ["--bind", "127.0.0.1:0" if layout.nnodes == 1 else layout.address(k)]
+        servers.append(children.start(f"shard {k}", [py, "-m", "psgd.cli.server", "-c", str(job_path), "--shard",
+                                                     str(k), *bind, "--port-file", str(port_files[k]),
+                                                     *log_flags], run / f"shard-{k}.log"))
+    bound = dict(zip(mine, wait_for_files(list(port_files.values()), servers, children,
+                                          timeout=min(timeout, 120.0))))
+    addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
+    spec["cluster"]["servers"] = addresses
+    job_path.write_text(to_toml(spec))
+    ranks = layout.workers_here(c.workers)
+    log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),
+             ", ".join(bound.values()) or "none", ", ".join(map(str, ranks)) or "none", run)
+    workers = []
+    for r in ranks:
+        show = progress and r == ranks[0]
+        argv = [py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
+                "--metrics", str(run / f"worker-{r}.jsonl"), *worker_args]
+        argv += ["-q"] if show else (log_flags + ["--no-progress"])
+        workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show))
+    stop = threading.Event()
+    watcher = threading.Thread(target=monitor, args=(addresses, stop), daemon=True) if monitor else None
+    if watcher:
+        watcher.start()
+    try:
+        wait_all(workers, children.procs, children, time.monotonic() + timeout, timeout, run)
+        if layout.nnodes > 1 and servers:  # shards here may still serve other nodes' workers
+            _wait_for_job(list(bound.values()), children, servers, time.monotonic() + timeout, timeout)
+    finally:
+        stop.set()
+        if watcher:
+            watcher.join(60)
+    if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
+        _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout)
+        return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
+    return _final_evaluation(job, addresses, run, start, save)
+
+
+def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,
+                  timeout: float) -> None:
+    """Wait until this node's shards say every worker of the job has finished or been dropped (every
+    shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
+    import grpc
+
+    from psgd.channel import open_channel, token_metadata
+    from psgd.proto import ps_pb2, ps_pb2_grpc
+
+    metadata = token_metadata(os.environ.get("PSGD_TOKEN", ""))
+    channels = [open_channel(a) for a in local]
+    try:
+        stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
+        while True:
+            for p in servers:
+                if p.popen.poll() is not None:
+                    raise LaunchError(p.failed())
+            try:
+                if all(w.state in ("done", "expired")
+                       for stub in stubs for w in stub.Status(ps_pb2.StatusRequest(), timeout=2.0,
+                                                              metadata=metadata).workers):
+                    return
+            except grpc.RpcError as exc:
+                log.debug("waiting for the job's workers: %s", exc.code().name)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the job's workers did not finish within {timeout:.0f}s (--timeout)")
+            children.wait(0.5)
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def _wait_until_gone(address: str, children: Children, deadline: float, timeout: float) -> None:
+    """Wait until the shard at ``address`` (node 0's shard 0) stops serving: node 0 has read the weights."""
+    import grpc
+
+    from psgd.channel import open_channel
+
+    with open_channel(address) as channel:
+        while time.monotonic() < deadline:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.5)
+            except grpc.FutureTimeoutError:
+                return
+            children.wait(0.5)
+    raise LaunchError(f"node 0's shard at {address} was still serving after {timeout:.0f}s (--timeout)")
+
+
+def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: float,
+                      save: str | None) -> LaunchResult:
+    from psgd.export import pull_from_servers, save_weights
+
+    # One observer: it checks each shard is the one listed, then reads the weights and their versions.
+    pulled = pull_from_servers(job, addresses, token=os.environ.get("PSGD_TOKEN", ""))  # children have it too
+    weights, versions = pulled.weights, pulled.versions
+    loss, acc = _evaluate(job, weights)
+    if save:
+        save_weights(save, weights)
+    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save)

@@ -1,0 +1,202 @@
+"""The launcher's children: started, watched and stopped together, never left behind.
+
+- each child runs in a session of its own and is told by the kernel to stop
+  (SIGTERM) when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``);
+- SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every child
+  (:meth:`Children.forwarding_signals`), which gets ``GRACE`` seconds to leave
+  cleanly before it is killed (:meth:`Children.stop_all`);
+- the current folder is first on every child's import path (:func:`child_environment`);
+- :func:`wait_all` and :func:`wait_for_files` wait on children with a deadline
+  and fail, with the end of its log, as soon as one of them fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+#: The stop signals: the launcher forwards them to its children; every psgd process leaves cleanly on them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds the children get to leave after a forwarded signal (or at the end of the job) before SIGKILL.
+GRACE = 10.0
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+class LaunchError(RuntimeError):
+    """A process of the job failed or ran past the time limit."""
+
+
+class LaunchInterrupted(LaunchError):
+    """The launcher was sent a stop signal; every child has been stopped."""
+
+    def __init__(self, signum: int, children: int):
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name}: forwarded it to {children} process(es); none is left running")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when the launcher dies, however it dies."""
+    def set_up() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+    return set_up
+
+
+def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: the launcher's, unbuffered, with the current folder first on PYTHONPATH."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    paths = [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != os.getcwd()]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+class Child:
+    """One started process, its log file, and how to report and signal it."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, show: bool):
+        self.name, self.log_path = name, log_path
+        self.log_file = open(log_path, "w")
+        stderr = None if show else self.log_file
+        self.popen = subprocess.Popen(argv, stdout=self.log_file, stderr=stderr, stdin=subprocess.DEVNULL,
+                                      env=child_environment(), start_new_session=True,
+                                      preexec_fn=_die_with_parent(os.getpid()))
+
+    def failed(self) -> str:
+        return (f"{self.name} exited with status {self.popen.returncode}; the end of its log "
+                f"({self.log_path}):\n{_tail(self.log_path)}")
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the child's whole process group (mpiexec's ranks included)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signum)
+
+
+class Children:
+    """The processes of one launch: started, watched, and stopped together, never left behind."""
+
+    def __init__(self) -> None:
+        self.procs: list[Child] = []
+        self.received: int | None = None
+
+    def start(self, name: str, argv: list[str], log_path: Path, show: bool = False) -> Child:
+        self.check_signal()
+        proc = Child(name, argv, log_path, show)
+        self.procs.append(proc)
+        return proc
+
+    def check_signal(self) -> None:
+        if self.received is not None:
+            raise LaunchInterrupted(self.received, len(self.procs))
+
+    def wait(self, seconds: float) -> None:
+        """Pause up to ``seconds``, returning early when a stop signal arrives."""
+        self.check_signal()
+        _SIGNALLED.wait(seconds)
+        self.check_signal()
+
+    def stop_all(self, signum: int = signal.SIGTERM, grace: float = GRACE) -> None:
+        """Stop every child within ``grace`` seconds, then kill what is left.
+
+        Workers (and ranks) get ``signum`` first and up to two thirds of the grace to push their
+        last step and say they are done; then the shards get it and write their last checkpoint.
+        """
+        deadline = time.monotonic() + grace
+        workers = [p for p in self.procs if not p.name.startswith("shard")]
+        shards = [p for p in self.procs if p.name.startswith("shard")]
+        self._signal_and_wait(workers, signum, time.monotonic() + grace * 2 / 3)
+        self._signal_and_wait(shards, signum, deadline)
+        for p in self.procs:
+            if p.popen.poll() is None:
+                log.warning("%s did not stop within %.0fs of %s: killing it", p.name, grace,
+                            signal.Signals(signum).name)
+            p.signal_group(signal.SIGKILL)  # whatever is left in its group (e.g. an MPI rank)
+            if p.popen.poll() is None:
+                p.popen.wait(5)
+            p.log_file.close()
+
+    @staticmethod
+    def _signal_and_wait(procs: Sequence[Child], signum: int, deadline: float) -> None:
+        live = [p for p in procs if p.popen.poll() is None]
+        for p in live:
+            p.signal_group(signum)
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+
+    @contextlib.contextmanager
+    def forwarding_signals(self) -> Iterator[None]:
+        """While inside, SIGINT/SIGTERM/SIGHUP are recorded (and end the launch) instead of killing us."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum, frame) -> None:
+            if self.received is None:
+                self.received = signum
+            _SIGNALLED.set()
+
+        _SIGNALLED.clear()
+        previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+_SIGNALLED = threading.Event()
+
+
+def wait_for_files(paths: Sequence[Path], procs: Sequence[Child], children: Children, timeout: float) -> list[str]:
+    """The contents of ``paths`` (the shards' port files) once all exist; fail at once when one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise LaunchError(p.failed())
+        if all(path.exists() for path in paths):
+            return [path.read_text().strip() for path in paths]
+        if time.monotonic() > deadline:
+            missing = [path.name for path in paths if not path.exists()]
+            raise LaunchError(f"shards did not start within {timeout:.0f}s (no {', '.join(missing)}); "
+                              f"see the logs in {paths[0].parent}")
+        children.wait(0.05)  # polling for port files with a deadline
+
+
+def wait_all(pending: list[Child], watched: Sequence[Child], children: Children, deadline: float,
+             timeout: float, run: Path) -> None:
+    """Wait until every process in ``pending`` exits 0; fail at once when any of ``watched`` fails."""
+    pending = list(pending)
+    while pending:
+        for p in watched:
+            if p.popen.poll() is not None and p.popen.returncode != 0:
+                raise LaunchError(p.failed())
+        pending = [p for p in pending if p.popen.poll() is None]
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the job did not finish within {timeout:.0f}s (--timeout); still running: "
+                              f"{', '.join(p.name for p in pending)}; logs in {run}")
+        if pending:
+            children.wait(0.1)

@@ -1,0 +1,38 @@
+"""Links: how a worker talks to one shard, one class per transport, chosen by configuration.
+
+- :mod:`psgd.link.base`: the interface every link has (register, pull into
+  arrays, push, heartbeat, done, status), its one error type and reply.
+- :mod:`psgd.link.grpc`: everything over gRPC, tensors in protobuf chunks.
+- :mod:`psgd.link.tcp`: pulls and pushes over the shard's plain-TCP data
+  port, control calls over gRPC (the default).
+- :mod:`psgd.link.protocol`: the data port's frames, shared with the shard's
+  end (:mod:`psgd.server.datapath`).
+
+How a gradient is written on the wire is a codec (:mod:`psgd.codec`), the
+same for every link.  The retries, the fan-out to every shard and the leases
+are the worker's client's (:mod:`psgd.worker.client`), the same for every link.
+"""
+
+from __future__ import annotations
+
+from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
+from psgd.link.grpc import GrpcLink
+from psgd.link.tcp import TcpLink
+
+__all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "link_kind", "open_link"]
+
+LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink}
+
+
+def link_kind(data_path: bool) -> str:
+    """The link a job's ``[cluster] data_path`` asks for."""
+    return "tcp" if data_path else "grpc"
+
+
+def open_link(kind: str, endpoint: Endpoint) -> Link:
+    """A link of ``kind`` (a key of :data:`LINKS`) to the shard at ``endpoint``."""
+    try:
+        cls = LINKS[kind]
+    except KeyError:
+        raise ValueError(f"unknown link {kind!r}: use one of {', '.join(LINKS)}") from None
+    return cls(endpoint)

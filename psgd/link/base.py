@@ -1,0 +1,104 @@
+"""What a link to one shard does, whatever carries the bytes: the interface and its one error type."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import grpc
+
+from psgd.codec import Codec
+from psgd.partition import Slice
+from psgd.proto import ps_pb2
+from psgd.tls import NO_TLS, TLSFiles
+
+#: Errors a caller may retry: the shard is away or slow (UNAVAILABLE, DEADLINE_EXCEEDED), or it cancelled
+#: the call while stopping to restart (CANCELLED; a worker cancels its own calls only when it stops).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class LinkError(Exception):
+    """A call to a shard failed: ``code`` is the gRPC status code (whichever link carried it),
+    ``details`` the shard's message, ``reason`` the ErrorInfo reason the caller acts on ("" for none)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details, self.reason = code, details, reason
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
+
+
+class ProtocolError(RuntimeError):
+    """The shard sent what the partition plan does not allow (a slice it does not hold, a short one)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PushReply:
+    """What the shard did with a push: applied, accumulated, duplicate or late, and where it stands."""
+
+    outcome: str
+    next_clock: int
+    version: int
+    staleness: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where shard ``shard`` is and who calls it: what every link is made from."""
+
+    address: str
+    shard: int
+    slices: Sequence[Slice]  # the shard's slices, in slice-id order (the order bytes travel in)
+    worker_id: int           # protocol.OBSERVER for a reader that never pushes
+    plan_hash: str
+    token: str = ""
+    tls: TLSFiles = NO_TLS
+    request_timeout: float = 60.0
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0].strip("[]")
+
+
+class Link:
+    """Calls to one shard.  Every method raises :class:`LinkError` on failure; none retries (the
+    worker's client decides what to retry).  ``pull`` fills ``views`` (one per slice, slice order) and
+    returns the version; ``push`` sends ``parts`` (one per slice, encoded by ``codec``)."""
+
+    kind = ""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+
+    def wait_ready(self) -> "grpc.Future":
+        """A future that completes once the shard accepts connections."""
+        raise NotImplementedError
+
+    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
+        raise NotImplementedError
+
+    def pull(self, clock: int, views: list[memoryview]) -> int:
+        raise NotImplementedError
+
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
+        raise NotImplementedError
+
+    def heartbeat(self, clock: int, timeout: float) -> None:
+        raise NotImplementedError
+
+    def done(self, clock: int) -> None:
+        raise NotImplementedError
+
+    def status(self) -> ps_pb2.StatusReply:
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        """End the calls in flight (from another thread): the worker is stopping."""
+
+    def reset(self) -> None:
+        """Forget any connection of the link's own (it is reopened on next use)."""
+
+    def close(self) -> None:
+        raise NotImplementedError

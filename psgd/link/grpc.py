@@ -1,0 +1,124 @@
+"""The gRPC link: every call to a shard over its gRPC port, tensors in protobuf chunks.
+
+A pull streams :class:`TensorChunk` messages straight into the worker's
+arrays; a push streams a header and then each slice's bytes (encoded by the
+push's codec) in chunks of :data:`psgd.channel.CHUNK_BYTES`, from views of
+the gradient, so no model-sized buffer is built per step.  It is the whole
+link when ``[cluster] data_path = false``, and the control half (register,
+heartbeat, done, status) of the TCP link.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator, TypeVar
+
+import grpc
+import numpy as np
+
+from psgd import status
+from psgd.channel import chunks, open_channel, token_metadata
+from psgd.codec import Codec
+from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
+from psgd.proto import ps_pb2, ps_pb2_grpc
+
+T = TypeVar("T")
+
+
+def _call(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except grpc.RpcError as err:
+        raise LinkError(err.code(), err.details() or "", status.reason_of(err)) from None
+
+
+class GrpcLink(Link):
+    kind = "grpc"
+
+    def __init__(self, endpoint: Endpoint):
+        super().__init__(endpoint)
+        self.channel = open_channel(endpoint.address, endpoint.tls)
+        self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
+        self.metadata = token_metadata(endpoint.token)
+        self.timeout = endpoint.request_timeout
+        self._streams: list = []  # pull streams in flight, cancelled by interrupt()
+        self._lock = threading.Lock()
+
+    def wait_ready(self) -> grpc.Future:
+        return grpc.channel_ready_future(self.channel)
+
+    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
+        return _call(lambda: self.stub.Register(request, timeout=self.timeout, metadata=self.metadata))
+
+    def heartbeat(self, clock: int, timeout: float) -> None:
+        request = ps_pb2.HeartbeatRequest(worker_id=self.endpoint.worker_id, clock=clock)
+        _call(lambda: self.stub.Heartbeat(request, timeout=timeout, metadata=self.metadata))
+
+    def done(self, clock: int) -> None:
+        request = ps_pb2.DoneRequest(worker_id=self.endpoint.worker_id, clock=clock)
+        _call(lambda: self.stub.Done(request, timeout=self.timeout, metadata=self.metadata))
+
+    def status(self) -> ps_pb2.StatusReply:
+        return _call(lambda: self.stub.Status(ps_pb2.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
+
+    def pull(self, clock: int, views: list[memoryview]) -> int:
+        ep = self.endpoint
+        targets = {sl.id: (sl, np.frombuffer(view, dtype=sl.dtype)) for sl, view in zip(ep.slices, views)}
+        got = dict.fromkeys(targets, 0)
+        version = 0
+        stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock), timeout=self.timeout,
+                                metadata=self.metadata)
+        with self._lock:
+            self._streams.append(stream)
+        try:
+            for chunk in self._chunks(stream):
+                target = targets.get(chunk.slice_id)
+                if target is None:
+                    raise ProtocolError(f"shard {ep.shard} at {ep.address} sent slice {chunk.slice_id}, which the "
+                                        "plan does not place there")
+                sl, out = target
+                values = np.frombuffer(chunk.data, dtype=sl.dtype)
+                begin, rem = divmod(chunk.offset, out.itemsize)
+                if rem or begin + len(values) > len(out):
+                    raise ProtocolError(f"shard {ep.shard} sent a malformed chunk for slice {sl.key}")
+                out[begin:begin + len(values)] = values
+                got[sl.id] += len(chunk.data)
+                version = chunk.version
+        finally:
+            with self._lock:
+                self._streams.remove(stream)
+        short = [targets[i][0].key for i, n in got.items() if n != targets[i][0].nbytes]
+        if short:
+            raise ProtocolError(f"shard {ep.shard} at {ep.address} sent incomplete slices: {', '.join(short[:3])}")
+        return version
+
+    @staticmethod
+    def _chunks(stream) -> Iterator[ps_pb2.TensorChunk]:
+        try:
+            yield from stream
+        except grpc.RpcError as err:
+            raise LinkError(err.code(), err.details() or "", status.reason_of(err)) from None
+
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
+        ep = self.endpoint
+        dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
+
+        def messages() -> Iterator[ps_pb2.PushMessage]:
+            yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(worker_id=ep.worker_id, clock=clock,
+                                                              base_version=base_version, dtype=dtype))
+            for sl, part in zip(ep.slices, parts):
+                for offset, piece in chunks(part):
+                    yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset,
+                                                                      data=bytes(piece)))
+
+        reply = _call(lambda: self.stub.Push(messages(), timeout=self.timeout, metadata=self.metadata))
+        return PushReply(reply.outcome, reply.next_clock, reply.version, reply.staleness)
+
+    def interrupt(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,105 @@
+"""The TCP data path's protocol, what both ends agree on (the worker's :mod:`psgd.link.tcp`, the
+shard's :mod:`psgd.server.datapath`).
+
+Beside gRPC (the control plane: register, heartbeat, done, status, and a
+pull/push fallback), every shard listens on a plain TCP port for pulls and
+pushes.  A connection starts with HELLO (worker id, plan hash, token); then
+each request is one fixed header and, for a push, the gradient bytes of the
+shard's slices in slice order; each reply is one fixed header and, for a
+pull, the weight bytes in the same order, or an error message.  Payload
+sizes are fixed by the partition plan, so neither side ever allocates what
+the other declares.
+
+A push of at least GO_AHEAD_BYTES waits, after its header, for a reply with
+the outcome code READY (the shard has checked the header and has a receive
+buffer for it) before it sends the payload.  Besides sparing a refused push
+its payload, the short exchange keeps Linux from treating the connection as
+interactive: a large transfer that follows one in the other direction
+straight away is otherwise paced by delayed ACKs, and a 40 MB push took
+twice as long as the pull before it (benchmarks/RESULTS.md).  Smaller
+pushes go in one message: below 4 MiB the round trip cost more than it saved.  A client may always
+send the payload without waiting; the shard reads it after its READY.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+
+from psgd import policy
+
+DATA_MAGIC = b"PSG1"
+OP_HELLO, OP_PULL, OP_PUSH = 1, 2, 3
+OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push"}
+#: magic, op, wire dtype code, worker id, clock, base version, payload bytes
+REQUEST = struct.Struct("<4sBBxxiqqQ")
+#: magic, status (a grpc.StatusCode number), outcome code, version, next clock, staleness, payload bytes
+REPLY = struct.Struct("<4sBBxxqqqQ")
+MAX_HELLO_BYTES = 64 << 10
+MAX_ERROR_BYTES = 8 << 10
+#: a push reply's outcome code indexes this
+OUTCOMES = tuple(policy.OUTCOMES.values())
+#: the worker id of an observer (``psgd export``, ``status``): it may pull, never push
+OBSERVER = -1
+#: the outcome code of a push's go-ahead (status 0, no payload)
+READY = 255
+GO_AHEAD_BYTES = 4 << 20
+
+
+def wants_go_ahead(payload_bytes: int) -> bool:
+    """Whether a push of ``payload_bytes`` waits for the shard's READY before its payload."""
+    return payload_bytes >= GO_AHEAD_BYTES
+
+
+class WireError(Exception):
+    """The peer broke the data-path protocol or went away."""
+
+
+def tune(sock: socket.socket) -> None:
+    """Options for every data-path socket: no Nagle delay.  Buffer sizes are left to the kernel:
+    setting SO_SNDBUF/SO_RCVBUF turns Linux's autotuning off, which made pushes slower here."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def recv_exact(sock: socket.socket, into: memoryview) -> None:
+    """Fill ``into`` from ``sock`` or raise WireError (the peer closed, or the timeout passed)."""
+    view = into.cast("B") if into.format != "B" or into.ndim != 1 else into
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], min(n - got, 8 << 20))
+        except socket.timeout:
+            raise WireError(f"timed out after {got} of {n} bytes") from None
+        except OSError as exc:
+            raise WireError(f"connection failed: {exc}") from None
+        if k == 0:
+            raise WireError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def recv_struct(sock: socket.socket, fmt: struct.Struct) -> tuple:
+    buf = bytearray(fmt.size)
+    recv_exact(sock, memoryview(buf))
+    return fmt.unpack(buf)
+
+
+def send_buffers(sock: socket.socket, buffers: list) -> None:
+    """Send every buffer, in order, with as few system calls as the kernel allows."""
+    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    try:
+        if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg: one buffer at a time
+            for view in views:
+                sock.sendall(view)
+            return
+        while views:
+            sent = sock.sendmsg(views[:512])
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if sent:
+                views[0] = views[0][sent:]
+    except socket.timeout:
+        raise WireError("timed out while sending") from None
+    except OSError as exc:
+        raise WireError(f"connection failed: {exc}") from None

@@ -1,0 +1,197 @@
+"""The TCP link: pulls and pushes over the shard's plain-TCP data port, the rest over gRPC.
+
+A pull is one request header and the weights received straight into the
+worker's arrays with ``recv_into``; a push is one header and the gradient's
+bytes sent from views with ``sendmsg`` (see :mod:`psgd.link.protocol`).  The
+connection is opened on first use with a hello (worker id, plan hash, token)
+and reopened after it breaks.  A shard without a data port (``data_path =
+false`` on its side) is pulled from and pushed to over gRPC.
+
+The worker waits :data:`REPLY_MARGIN` seconds longer than the request
+timeout for an answer: the shard bounds its own wait (a sync pull) by the
+request timeout and then answers why, and that answer should arrive before
+the worker gives up on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import ssl
+
+import grpc
+
+from psgd.codec import Codec
+from psgd.link import protocol
+from psgd.link.base import Endpoint, LinkError, PushReply
+from psgd.link.grpc import GrpcLink
+from psgd.proto import ps_pb2
+from psgd.status import reason_name
+from psgd.tls import NO_TLS, TLSFiles
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+#: Seconds a worker waits for an answer beyond the request timeout, which bounds the shard's own waits.
+REPLY_MARGIN = 2.0
+
+
+class DataConnection:
+    """One data-path connection to one shard, opened with a hello (worker id, plan hash, token).
+
+    Raises :class:`LinkError` with the shard's status when it refuses, and
+    :class:`protocol.WireError` when the connection breaks."""
+
+    def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0,
+                 tls: TLSFiles = NO_TLS):
+        try:
+            self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
+        except OSError as exc:
+            raise protocol.WireError(f"cannot connect to the data port {host}:{port}: {exc}") from None
+        try:
+            protocol.tune(self.sock)
+            if tls.enabled:
+                try:
+                    self.sock.settimeout(min(timeout, 10.0))
+                    self.sock = tls.wrap_client(self.sock, host)
+                except (ssl.SSLError, OSError) as exc:
+                    raise LinkError(grpc.StatusCode.UNAVAILABLE if isinstance(exc, socket.timeout)
+                                    else grpc.StatusCode.UNAUTHENTICATED,
+                                    f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
+            self.sock.settimeout(timeout + REPLY_MARGIN)
+            body = json.dumps({"token": token, "plan_hash": plan_hash}).encode()
+            try:
+                self._send(protocol.OP_HELLO, worker, 0, 0, 0, [body], len(body))
+            except protocol.WireError as exc:
+                self._refused(host, port, exc)
+            try:
+                self._reply()
+            except protocol.WireError as exc:
+                raise protocol.WireError(f"the data port {host}:{port} gave no answer to the hello: {exc}") from None
+        except BaseException:  # a refused or broken hello: do not leave the socket to the garbage collector
+            self.sock.close()
+            raise
+        self.worker = worker
+
+    def _refused(self, host: str, port: int, exc: protocol.WireError):
+        """The hello could not be sent: the shard may have refused the connection (full, too late) and
+        closed it, saying why first.  Raise its reason (LinkError) if it sent one, else a WireError."""
+        try:
+            self.sock.settimeout(1.0)
+            self._reply()
+        except (protocol.WireError, OSError):
+            pass
+        raise protocol.WireError(f"the data port {host}:{port} closed the connection before the hello: "
+                                 f"{exc}") from None
+
+    def interrupt(self) -> None:
+        """End a call blocked on this connection (from another thread); the connection is then dead."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _send(self, op: int, worker: int, clock: int, base_version: int, dtype_code: int,
+              payload: list, size: int) -> None:
+        head = protocol.REQUEST.pack(protocol.DATA_MAGIC, op, dtype_code, worker, clock, base_version, size)
+        protocol.send_buffers(self.sock, [head, *payload])
+
+    def _reply(self) -> tuple:
+        magic, status, outcome, version, next_clock, staleness, size = protocol.recv_struct(self.sock, protocol.REPLY)
+        if magic != protocol.DATA_MAGIC:
+            raise protocol.WireError("the data port did not answer with the psgd protocol")
+        if status:
+            if size > protocol.MAX_ERROR_BYTES:
+                raise protocol.WireError("oversized error message")
+            text = bytearray(size)
+            protocol.recv_exact(self.sock, memoryview(text))
+            raise LinkError(_STATUS.get(status, grpc.StatusCode.UNKNOWN), text.decode("utf-8", "replace"),
+                            reason_name(outcome))  # an error reply's outcome byte is its reason
+        return outcome, version, next_clock, staleness, size
+
+    def pull(self, clock: int, into: list[memoryview]) -> int:
+        """Receive the shard's weights straight into ``into`` (slice order); returns the version."""
+        self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
+        _, version, _, _, size = self._reply()
+        expected = sum(v.nbytes for v in into)
+        if size != expected:
+            raise protocol.WireError(f"the shard sent {size} bytes of weights, the plan says {expected}")
+        for view in into:
+            protocol.recv_exact(self.sock, view)
+        return version
+
+    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int) -> PushReply:
+        """Send a gradient; a large one waits for the shard's go-ahead before its payload."""
+        if protocol.wants_go_ahead(size):
+            self._send(protocol.OP_PUSH, self.worker, clock, base_version, dtype_code, [], size)
+            if self._reply()[0] != protocol.READY:
+                raise protocol.WireError("the shard answered a push header without its go-ahead")
+            protocol.send_buffers(self.sock, payload)
+        else:
+            self._send(protocol.OP_PUSH, self.worker, clock, base_version, dtype_code, payload, size)
+        outcome, version, next_clock, staleness, _ = self._reply()
+        return PushReply(protocol.OUTCOMES[outcome], next_clock, version, staleness)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class TcpLink(GrpcLink):
+    """Bulk transfers on the data port the shard gave at registration; control calls over gRPC."""
+
+    kind = "tcp"
+
+    def __init__(self, endpoint: Endpoint):
+        super().__init__(endpoint)
+        self.data_port = 0
+        self._conn: DataConnection | None = None
+
+    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
+        reply = super().register(request)
+        self._use_port(reply.data_port)
+        return reply
+
+    def _use_port(self, port: int) -> None:
+        if port != self.data_port:
+            self.reset()
+        self.data_port = port
+
+    def _connection(self) -> DataConnection:
+        if self._conn is None:
+            ep = self.endpoint
+            self._conn = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
+                                        ep.request_timeout, ep.tls)
+        return self._conn
+
+    def _over_data(self, fn):
+        """``fn(connection)``; a broken connection is dropped (reopened next time) and reported as
+        UNAVAILABLE, which the caller may retry."""
+        try:
+            return fn(self._connection())
+        except protocol.WireError as err:
+            self.reset()
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
+
+    def pull(self, clock: int, views: list[memoryview]) -> int:
+        if not self.data_port:
+            return super().pull(clock, views)
+        return self._over_data(lambda conn: conn.pull(clock, views))
+
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
+        if not self.data_port:
+            return super().push(clock, base_version, codec, parts)
+        size = sum(memoryview(p).nbytes for p in parts)
+        return self._over_data(lambda conn: conn.push(clock, base_version, codec.code, parts, size))
+
+    def interrupt(self) -> None:
+        super().interrupt()
+        conn = self._conn
+        if conn is not None:
+            conn.interrupt()
+
+    def reset(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        self.reset()
+        super().close()

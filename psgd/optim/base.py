@@ -1,0 +1,225 @@
+"""The optimizer base class: per-key state, the checked update around one ``_step`` hook, checkpoints.
+
+A subclass (see :mod:`psgd.optim.rules`) sets ``name`` and ``state_names`` and
+implements ``_step``; :class:`Optimizer` creates each key's buffers on its
+first update, checks every update's arrays, counts ``t`` and takes the learning
+rate from the schedule, and writes and restores the state (``state_dict``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from psgd import xp as backend
+from psgd.optim.schedules import Constant, Schedule
+from psgd.optim.validation import OptimizerError, non_negative, positive
+
+SEP = "::"  # state_dict names are "<key>::<field>"; keys may themselves contain "::"
+
+
+class _Slot:
+    """One key's state: the update count and the optimizer's buffers."""
+
+    __slots__ = ("t", "state")
+
+    def __init__(self, t: int, state: dict[str, Any]):
+        self.t = t
+        self.state = state
+
+
+def _is_array(a: Any) -> bool:
+    return isinstance(a, np.ndarray) or backend.is_device_array(a)
+
+
+def _where(a: Any) -> str:
+    return "a CuPy array" if backend.is_device_array(a) else "a NumPy array"
+
+
+class Optimizer:
+    """Per-key optimizer state and the update loop around one ``_step`` hook.
+
+    ``lr`` is a positive number (a constant rate) or a :class:`Schedule`.
+    Subclasses set ``name`` and ``state_names`` (buffers created as
+    ``zeros_like(param)`` on a key's first update), validate their
+    hyperparameters, list them in ``hyperparameters()`` and implement ``_step``.
+    """
+
+    name = "optimizer"
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, lr: float | Schedule):
+        if isinstance(lr, Schedule):
+            self.schedule = lr
+        else:
+            self.schedule = Constant(positive(self.name, "lr", lr))
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.Lock()  # guards the key table, not the per-key arithmetic
+
+    def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: int) -> None:
+        """Update ``param`` (and ``state``) in place.
+
+        ``lr`` is this update's learning rate (schedule times ``lr_scale``) and
+        ``t`` this update's number counted from 1, as in Adam's bias correction.
+        """
+        raise NotImplementedError
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def lr(self) -> float:
+        """The base learning rate (the schedule's peak)."""
+        return self.schedule.lr
+
+    # -- the update ----------------------------------------------------------
+
+    def update(self, key: str, param: Any, grad: Any, lr_scale: float = 1.0) -> None:
+        """Apply one update to ``param`` in place, with ``grad``, under ``key``.
+
+        The learning rate is ``schedule(t) * lr_scale``, ``t`` being the updates
+        already applied to ``key`` (``lr_scale`` carries e.g. 1/staleness).
+        """
+        self._check(key, param, grad, lr_scale)
+        slot = self._slot(key, param)
+        lr = self.schedule(slot.t) * lr_scale
+        self._step(param, grad, slot.state, lr, slot.t + 1)
+        slot.t += 1
+
+    def _check(self, key: str, param: Any, grad: Any, lr_scale: float) -> None:
+        if not isinstance(key, str):
+            raise OptimizerError(f"{self.name}: key must be a string, got {key!r}")
+        where = f"{self.name}: key {key!r}"
+        for label, a in (("param", param), ("grad", grad)):
+            if not _is_array(a):
+                raise OptimizerError(f"{where}: {label} must be a NumPy or CuPy array, got {type(a).__name__}")
+        if backend.is_device_array(param) != backend.is_device_array(grad):
+            raise OptimizerError(
+                f"{where}: param is {_where(param)} but grad is {_where(grad)}; put both on one device"
+            )
+        if param.shape != grad.shape:
+            raise OptimizerError(f"{where}: grad shape {grad.shape} does not match param shape {param.shape}")
+        if param.dtype != grad.dtype:
+            raise OptimizerError(f"{where}: grad dtype {grad.dtype} does not match param dtype {param.dtype}")
+        if param.dtype.kind != "f":
+            raise OptimizerError(f"{where}: param dtype {param.dtype} is not floating point")
+        if not getattr(param.flags, "writeable", True):
+            raise OptimizerError(f"{where}: param is read-only; the optimizer updates it in place")
+        if lr_scale != 1.0:
+            non_negative(where, "lr_scale", lr_scale)
+
+    def _slot(self, key: str, param: Any) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:
+            xp = backend.get_array_module(param)
+            state = {name: xp.zeros_like(param) for name in self.state_names}
+            with self._lock:
+                return self._slots.setdefault(key, _Slot(0, state))
+        for name, buf in slot.state.items():
+            if buf.shape != param.shape or buf.dtype != param.dtype:
+                raise OptimizerError(
+                    f"{self.name}: key {key!r}: param {param.shape} {param.dtype} does not match its "
+                    f"optimizer state {buf.shape} {buf.dtype} (a key reused for another variable, "
+                    "or state restored from another model?)"
+                )
+            if backend.is_device_array(buf) != backend.is_device_array(param):  # after load_state_dict(device=None)
+                if backend.is_device_array(param):
+                    slot.state[name] = backend.get_array_module(param).asarray(buf)
+                else:
+                    slot.state[name] = backend.to_host(buf)
+        return slot
+
+    # -- inspection ----------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """The keys that have state, in the order they were first updated (or loaded)."""
+        with self._lock:
+            return list(self._slots)
+
+    def step_count(self, key: str) -> int:
+        """Updates applied to ``key`` (0 for a key never updated)."""
+        slot = self._slots.get(key)
+        return 0 if slot is None else slot.t
+
+    def state(self, key: str) -> dict[str, Any]:
+        """The live state buffers of ``key`` by name (not copies)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            raise OptimizerError(f"{self.name}: no state for key {key!r}; it has not been updated or loaded")
+        return dict(slot.state)
+
+    def describe(self) -> dict[str, Any]:
+        """Name, learning rate, schedule and hyperparameters as flat JSON-ready values.
+
+        ``build_optimizer(**opt.describe())`` rebuilds an equivalent optimizer.
+        """
+        return {"name": self.name, **self.schedule.describe(), **self.hyperparameters()}
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.describe().items() if k != "name")
+        return f"{type(self).__name__}({options})"
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of all state: ``"<key>::t"`` (0-d int64) and ``"<key>::<buffer>"``.
+
+        Ready for ``numpy.savez``.
+        """
+        with self._lock:
+            items = list(self._slots.items())
+        out: dict[str, np.ndarray] = {}
+        for key, slot in items:
+            out[f"{key}{SEP}t"] = np.array(slot.t, dtype=np.int64)
+            for name, buf in slot.state.items():
+                host = backend.to_host(buf)
+                out[f"{key}{SEP}{name}"] = host.copy() if host is buf else host
+        return out
+
+    def load_state_dict(self, d: Mapping[str, Any], device: backend.Device | str | None = None) -> None:
+        """Replace all state with ``d`` (as written by :meth:`state_dict`, or an npz file).
+
+        Buffers go to ``device`` when given; with ``device=None`` they are loaded
+        as NumPy arrays and moved next to the parameter on its first update.
+        Everything is checked before anything changes.
+        """
+        target = None if device is None else backend.get_device(device)
+        fields_by_key: dict[str, dict[str, Any]] = {}
+        expected = ("t",) + self.state_names
+        for entry in d:
+            if not isinstance(entry, str) or SEP not in entry:
+                raise OptimizerError(f"{self.name}: state_dict entry {entry!r} is not '<key>{SEP}<field>'")
+            key, field = entry.rsplit(SEP, 1)
+            if field not in expected:
+                raise OptimizerError(
+                    f"{self.name}: state_dict entry {entry!r} is not {self.name} state "
+                    f"(fields: {', '.join(expected)})"
+                )
+            fields_by_key.setdefault(key, {})[field] = d[entry]
+        slots: dict[str, _Slot] = {}
+        for key, fields in fields_by_key.items():
+            where = f"{self.name}: state_dict key {key!r}"
+            missing = [f for f in expected if f not in fields]
+            if missing:
+                raise OptimizerError(f"{where}: missing {', '.join(missing)}")
+            t = backend.to_host(fields["t"])
+            if t.ndim != 0 or t.dtype.kind not in "iu" or int(t) < 0:
+                raise OptimizerError(f"{where}: t must be a non-negative integer scalar, got {t!r}")
+            state = {}
+            first = backend.to_host(fields[self.state_names[0]]) if self.state_names else None
+            for name in self.state_names:
+                host = backend.to_host(fields[name])
+                if host.dtype.kind != "f" or host.shape != first.shape or host.dtype != first.dtype:
+                    raise OptimizerError(
+                        f"{where}: buffer {name!r} ({host.shape} {host.dtype}) must be floating point and "
+                        f"match {self.state_names[0]!r} ({first.shape} {first.dtype})"
+                    )
+                if target is not None and target.is_gpu:
+                    state[name] = backend.to_device(host, target)
+                else:
+                    state[name] = host.copy() if host is fields[name] else host
+            slots[key] = _Slot(int(t), state)
+        with self._lock:
+            self._slots = slots

@@ -1,0 +1,160 @@
+"""The optimizers themselves, each one ``_step`` with its paper: SGD, Momentum (and Nesterov), Adam, AdamW.
+
+Each update is written with in-place ufuncs (``out=``) against ``xp``, so it
+runs on NumPy or CuPy and allocates at most one parameter-sized temporary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from psgd import xp as backend
+from psgd.optim.base import Optimizer
+from psgd.optim.schedules import Schedule
+from psgd.optim.validation import OptimizerError, fraction, non_negative, positive
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with L2 weight decay: ``p -= lr * (g + wd * p)``.
+
+    Robbins & Monro, "A Stochastic Approximation Method", Ann. Math. Statist. 1951.
+    """
+
+    name = "sgd"
+
+    def __init__(self, lr: float | Schedule, weight_decay: float = 0.0):
+        super().__init__(lr)
+        self.weight_decay = non_negative(self.name, "weight_decay", weight_decay)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"weight_decay": self.weight_decay}
+
+    def _step(self, param, grad, state, lr, t):
+        xp = backend.get_array_module(param)
+        if self.weight_decay:  # the lr * wd * p part of the update
+            xp.multiply(param, 1.0 - lr * self.weight_decay, out=param)
+        param -= xp.multiply(grad, lr)
+
+
+class Momentum(Optimizer):
+    """SGD with (Nesterov) momentum, as common frameworks write it.
+
+    ``v = mu * v + g``; ``p -= lr * v``, or with ``nesterov``
+    ``p -= lr * (g + mu * v)``; L2 weight decay adds ``wd * p`` to ``g``.
+    Sutskever, Martens, Dahl & Hinton, "On the importance of initialization and
+    momentum in deep learning", ICML 2013 (after Polyak 1964 and Nesterov 1983).
+    The paper scales ``g`` by ``lr`` inside ``v``; for a constant ``lr`` the two
+    forms are the same, and this one keeps ``v`` independent of the schedule.
+    """
+
+    name = "momentum"
+    state_names = ("v",)
+
+    def __init__(self, lr: float | Schedule, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0):
+        if not isinstance(nesterov, bool):
+            raise OptimizerError(f"momentum: nesterov must be true or false, got {nesterov!r}")
+        self.nesterov = nesterov
+        self.name = "nesterov" if nesterov else "momentum"
+        super().__init__(lr)
+        self.momentum = fraction(self.name, "momentum", momentum)
+        self.weight_decay = non_negative(self.name, "weight_decay", weight_decay)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"momentum": self.momentum, "weight_decay": self.weight_decay}
+
+    def _step(self, param, grad, state, lr, t):
+        xp = backend.get_array_module(param)
+        v, mu, wd = state["v"], self.momentum, self.weight_decay
+        tmp = xp.empty_like(param)
+        v *= mu
+        v += grad
+        if wd:  # L2: the gradient is g + wd * p
+            xp.multiply(param, wd, out=tmp)
+            v += tmp
+        if self.nesterov:  # p -= lr * (g + wd * p + mu * v)
+            if wd:
+                xp.multiply(param, 1.0 - lr * wd, out=param)
+            xp.multiply(v, mu, out=tmp)
+            tmp += grad
+            tmp *= lr
+        else:  # p -= lr * v
+            xp.multiply(v, lr, out=tmp)
+        param -= tmp
+
+
+class Adam(Optimizer):
+    """Adam with bias correction and L2 weight decay (added to the gradient).
+
+    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+    ``p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)``.
+    Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015,
+    arXiv:1412.6980 (Algorithm 1).
+    """
+
+    name = "adam"
+    state_names = ("m", "v")
+    decoupled = False  # AdamW: weight decay applied to p directly, not through g
+
+    def __init__(
+        self,
+        lr: float | Schedule = 1e-3,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__(lr)
+        self.beta1 = fraction(self.name, "beta1", beta1)
+        self.beta2 = fraction(self.name, "beta2", beta2)
+        self.eps = positive(self.name, "eps", eps)
+        self.weight_decay = non_negative(self.name, "weight_decay", weight_decay)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def _step(self, param, grad, state, lr, t):
+        xp = backend.get_array_module(param)
+        m, v, b1, b2, wd = state["m"], state["v"], self.beta1, self.beta2, self.weight_decay
+        if wd and self.decoupled:  # AdamW: p -= lr * wd * p, on the weights before this step
+            xp.multiply(param, 1.0 - lr * wd, out=param)
+        if wd and not self.decoupled:  # L2: g + wd * p, in the one temporary
+            g = tmp = xp.multiply(param, wd)
+            g += grad
+        else:
+            g, tmp = grad, xp.empty_like(param)
+        m -= g  # m = b1 * m + (1 - b1) * g, as b1 * (m - g) + g: no temporary
+        m *= b1
+        m += g
+        xp.multiply(g, g, out=tmp)  # v = b2 * v + (1 - b2) * g^2  (g is not needed after this)
+        tmp *= 1.0 - b2
+        v *= b2
+        v += tmp
+        xp.sqrt(v, out=tmp)  # sqrt(v_hat) + eps
+        tmp *= 1.0 / math.sqrt(1.0 - b2**t)
+        tmp += self.eps
+        xp.divide(m, tmp, out=tmp)
+        tmp *= lr / (1.0 - b1**t)  # m_hat = m / (1 - b1^t)
+        param -= tmp
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay: ``p -= lr * wd * p`` besides the Adam step.
+
+    Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019,
+    arXiv:1711.05101 (Algorithm 2, with the schedule multiplier folded into lr).
+    """
+
+    name = "adamw"
+    decoupled = True
+
+    def __init__(
+        self,
+        lr: float | Schedule = 1e-3,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ):
+        super().__init__(lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
