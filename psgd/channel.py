@@ -22,6 +22,8 @@ CHANNEL_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
+#: The gRPC service of a shard, as health checks name it.
+SERVICE_NAME = "psgd.v1.ParameterServer"
 #: The gRPC metadata key that carries the job's shared token, as ``Bearer TOKEN``.
 TOKEN_METADATA_KEY = "authorization"
 

@@ -66,6 +66,17 @@ class Interrupted(Exception):
     """Raised by an exchange when the stop event ended a step half-way (the step is not counted)."""
 
 
+
+def gradient_seconds(model: models.Model, params: Mapping[str, Any], x: Any, y: Any, repeats: int) -> float:
+    """Median seconds of one gradient of (x, y) over ``repeats`` tries after a warm-up: what a step's
+    compute costs before any exchange (the convergence lab's estimate)."""
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        began = time.perf_counter()
+        model.loss_and_grads(params, x, y)
+        times.append(time.perf_counter() - began)
+    return float(np.median(times[1:]))
+
 @dataclasses.dataclass
 class Exchanged:
     """What an exchange says about one step: the next step to compute, and fields for its record."""

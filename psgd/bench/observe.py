@@ -97,21 +97,15 @@ class Evaluator:
 
 
 _GRADIENT_TIMER = """
-import sys, time
-import numpy as np
+import sys
 from psgd.config import JobConfig
 from psgd.job import build_job
+from psgd.loop import gradient_seconds
 job = JobConfig.load(sys.argv[1])
 built = build_job(job)
-params = built.model.init(job.train.seed)
 b = job.train.batch_size
-x, y = built.dataset.x_train[:b], built.dataset.y_train[:b]
-times = []
-for _ in range(int(sys.argv[2]) + 1):  # the first is a warm-up
-    began = time.perf_counter()
-    built.model.loss_and_grads(params, x, y)
-    times.append(time.perf_counter() - began)
-print(float(np.median(times[1:])))
+print(gradient_seconds(built.model, built.model.init(job.train.seed), built.dataset.x_train[:b],
+                       built.dataset.y_train[:b], int(sys.argv[2])))
 """
 
 

@@ -18,10 +18,9 @@ from typing import Any, Sequence
 
 import grpc
 
-from psgd.channel import open_channel, token_metadata
+from psgd.channel import SERVICE_NAME, open_channel, token_metadata
 from psgd.tls import TLSFiles
 
-SERVICE_NAME = "psgd.v1.ParameterServer"
 TOKEN_ENV = "PSGD_TOKEN"
 
 

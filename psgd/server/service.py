@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import numpy as np
 
 from psgd import status
-from psgd.channel import CHANNEL_OPTIONS, TOKEN_METADATA_KEY, chunks
+from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chunks
 from psgd.codec import Codec, CodecError, by_name
 from psgd.link.protocol import OBSERVER
 from psgd.partition import Slice
@@ -34,7 +34,6 @@ from psgd.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "psgd.v1.ParameterServer"
 
 # Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB (at random
 # above that, always above 16 KiB) with a RESOURCE_EXHAUSTED that hides the real status: stay well under.

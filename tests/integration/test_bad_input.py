@@ -27,7 +27,8 @@ from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import build_shard
 from psgd.server.core import MAX_CLOCK, ShardCore
-from psgd.server.service import SERVICE_NAME, ShardServer
+from psgd.channel import SERVICE_NAME
+from psgd.server.service import ShardServer
 from psgd.channel import MAX_MESSAGE_BYTES
 from psgd.worker.client import fetch_weights
 
