@@ -96,30 +96,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         from psgd.server import checkpoint
 
-        folder = checkpoint.shard_dir(args.checkpoint_dir, args.shard, core.fingerprint)
-        checkpoint.remove_leftovers(folder)
-        saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint)
-        if saved is not None:
-            core.restore(saved)
-        elif checkpoint.owned(folder, core.fingerprint, args.shard):
-            log.warning("no intact checkpoint in %s (each was skipped above): starting from the initial weights",
-                        folder)
-        else:
-            found = checkpoint.others(args.checkpoint_dir, args.shard, core.fingerprint)
-            theirs = ", ".join(o.describe(core.identity, core.plan.hash) for o in found)
-            if found and not args.fresh:
-                raise ConfigError(
-                    f"shard {args.shard}: {args.checkpoint_dir} holds no checkpoint of this job (fingerprint "
-                    f"{core.fingerprint}) but shard {args.shard}'s checkpoints of "
-                    f"{'another job' if len(found) == 1 else 'other jobs'}: {theirs}; to resume from them, start "
-                    "this shard with the job they were written for; to start this job from its initial weights, "
-                    "pass --fresh (their files are left alone) or another --checkpoint-dir")
-            if found:
-                log.warning("--fresh: starting from the initial weights, into %s; the checkpoints of %s are left "
-                            "alone", folder, ", ".join(f"job {o.fingerprint}" if o.fingerprint else str(o.folder)
-                                                       for o in found))
-            else:
-                log.info("no checkpoint of this job in %s: starting from the initial weights", folder)
+        try:
+            checkpoint.resume(core, args.checkpoint_dir, fresh=args.fresh)
+        except checkpoint.CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()
     try:
         port = int(port_text)
