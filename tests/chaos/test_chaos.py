@@ -27,9 +27,10 @@ from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, che
                                          check_no_loss, check_restore)
 from psgd.bench.chaos.plan import Planner
 from psgd.bench.chaos.processes import command, free_port_pair
-from psgd.bench.chaos.settings import FAULTS_PER_RUN, IP, KINDS, MIN_ACCURACY
+from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
 from psgd.bench.chaos.suite import main as chaos_main
 from psgd.bench.chaos.suite import parse_kinds, run_chaos
+from psgd.bench.netns import IP, PREFIX
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.server import checkpoint
@@ -164,7 +165,7 @@ def test_unknown_kinds_are_refused():
 # -- the short run ------------------------------------------------------------------------------------------
 def _namespaces_of_this_process() -> str:
     done = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=20)
-    return "\n".join(line for line in done.stdout.splitlines() if f"psgdchaos{os.getpid()}" in line)
+    return "\n".join(line for line in done.stdout.splitlines() if f"{PREFIX}{os.getpid()}" in line)
 
 
 @pytest.mark.slow

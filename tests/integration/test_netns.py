@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,10 +22,9 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for
-from psgd.bench.chaos.netns import Namespaces, namespaces_unavailable
+from psgd.bench.netns import IP, Namespaces, NetworkError, unavailable
 from psgd.config import JobConfig, to_toml
 
-IP = shutil.which("ip") or "/usr/sbin/ip"
 PY = sys.executable
 SUBNET = "10.99.0"
 HOSTS = {"s0": f"{SUBNET}.10", "s1": f"{SUBNET}.11", "w0": f"{SUBNET}.20", "w1": f"{SUBNET}.21"}
@@ -71,15 +68,15 @@ class Hosts(Namespaces):
 
 @pytest.fixture
 def hosts():
-    why = namespaces_unavailable()
+    why = unavailable()
     if why:
         pytest.skip(f"cannot create network namespaces here: {why}")
     h = Hosts()
     try:
         try:
             h.build()
-        except subprocess.CalledProcessError as exc:  # e.g. a kernel without bridge or veth support
-            pytest.skip(f"cannot build the test network: {shlex.join(exc.cmd)}: {exc.stderr.strip()}")
+        except NetworkError as exc:  # e.g. a kernel without bridge or veth support
+            pytest.skip(f"cannot build the test network: {exc}")
         yield h
     finally:
         h.close()

@@ -13,7 +13,6 @@ Which file holds what:
 - ``settings.py``: the fault kinds (``KINDS``), the shape and pace of a job, every time bound;
 - ``invariants.py``: the ``check_*`` functions, pure, on plain data;
 - ``plan.py``: ``Fault``, ``RunSpec`` and the seeded ``Planner`` that draws them;
-- ``netns.py``: network namespaces for ``netcut`` (``Namespaces``, ``namespaces_unavailable``);
 - ``processes.py``: starting processes as users do, free ports, log tails, leftover processes;
 - ``hostile.py``: the client behind the ``hostile`` fault;
 - ``cluster.py``: ``Cluster``, one job's shards and workers, and ``Abort``;

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 KINDS = ("kill-shard", "restart-shard", "kill-worker", "stop-shard", "stop-worker", "hostile", "netcut", "sigterm")
 PY = sys.executable
-IP = shutil.which("ip") or "/usr/sbin/ip"
 
 SHARDS = 2
 FAULTS_PER_RUN = 3            # draws per run (``sigterm`` among them ends the run)

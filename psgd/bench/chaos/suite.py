@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from psgd.bench.chaos.netns import namespaces_unavailable
+from psgd.bench.netns import unavailable as namespaces_unavailable
 from psgd.bench.chaos.plan import Planner
 from psgd.bench.chaos.run import Run
 from psgd.bench.chaos.settings import KINDS
