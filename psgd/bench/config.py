@@ -106,6 +106,7 @@ class LabConfig:
     allreduce_eval_every: int = 2    # steps between rank 0's evaluations (allreduce runs)
     repeats: int = 1                 # runs of every (scenario, policy); the table shows medians
     run_timeout: float = 600.0       # seconds; a run that takes longer fails
+    networks: list[str] = dataclasses.field(default_factory=list)  # link rates (psgd.bench.netns); []: loopback
 
     def job_config(self) -> JobConfig:
         job = JobConfig()
@@ -117,7 +118,6 @@ class LabConfig:
 
     def scenarios(self) -> list[Scenario]:
         return [parse_scenario(d) for d in self.delays]
-
     def check(self) -> None:
         """Fail early, with one line, on anything a run would trip over later."""
         job = self.job_config()
@@ -135,6 +135,18 @@ class LabConfig:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         if self.eval_interval <= 0 or self.allreduce_eval_every < 1:
             raise ConfigError("the evaluation interval must be > 0 seconds and >= 1 step")
+        if self.networks:
+            from psgd.bench import netns
+
+            try:
+                rates = [netns.parse_rate(n) for n in self.networks]
+            except netns.NetworkError as exc:
+                raise ConfigError(str(exc)) from None
+            if len(set(self.networks)) != len(self.networks):
+                raise ConfigError(f"--network lists a rate twice: {','.join(self.networks)}")
+            why = netns.unavailable(shaping=any(r is not None for r in rates))
+            if why:
+                raise ConfigError(f"--network needs emulated hosts, which cannot be made here: {why}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

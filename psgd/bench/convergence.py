@@ -53,6 +53,7 @@ class RunResult:
     summary: dict
     error: str | None = None
     repeat: int = 0
+    network: str = ""        # the emulated links it ran on ('' : loopback, no emulated hosts)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -69,11 +70,12 @@ class LabResult:
     files: dict[str, str]    # what was written: json, table, plots...
     load_average: dict       # the machine's 1/5/15-minute load averages before and after the lab
     gradient_seconds: float | None = None  # one minibatch gradient, computed alone in a fresh process
+    links: dict = dataclasses.field(default_factory=dict)  # network -> its rate and measured throughput
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "machine": self.machine, "load_average": self.load_average,
                 "parameters": self.parameters, "model_bytes": self.model_bytes, "seconds": round(self.seconds, 1),
-                "gradient_seconds": self.gradient_seconds,
+                "gradient_seconds": self.gradient_seconds, "links": self.links,
                 "axes": AXES, "runs": [r.to_dict() for r in self.runs]}
 
 
@@ -99,7 +101,7 @@ def load_result(path: str | os.PathLike) -> LabResult:
     known = {f.name for f in dataclasses.fields(LabConfig)}  # files from older versions may hold more
     return LabResult(LabConfig(**{k: v for k, v in data["config"].items() if k in known}), data["machine"], data["parameters"], data["model_bytes"], runs,
                      data["seconds"], data.get("files", {}), data.get("load_average", {}),
-                     data.get("gradient_seconds"))
+                     data.get("gradient_seconds"), data.get("links", {}))
 
 
 def machine() -> str:
@@ -138,21 +140,32 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     root = Path(keep_runs) if keep_runs else Path(tempfile.mkdtemp(prefix="psgd-lab-"))
     evaluator = Evaluator(config.job_config())
     todo = [(r, s, p) for r in range(config.repeats) for s in config.scenarios() for p in config.contenders()]
+    networks = list(config.networks)
     began, load_before = time.perf_counter(), os.getloadavg()
     runs: list[RunResult] = []
+    links: dict = {}
     try:
-        with tqdm(total=len(todo), desc="convergence lab", unit="run", disable=not progress, file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            for repeat, scenario, contender in todo:
-                repeat_text = f" #{repeat}" if config.repeats > 1 else ""
-                bar.set_description(f"{scenario.name} / {contender.label}{repeat_text}")
-                folder = root / f"{scenario.name}-{contender.spec.replace(':', '')}-{repeat}"
-                run = run_one(config, evaluator, scenario, contender, folder, bar)
-                run.repeat = repeat
-                runs.append(run)
-                bar.update(1)
-                if progress:
-                    bar.write(_one_line(run, config.target_accuracy), file=sys.stderr)
+        with tqdm(total=len(todo) * max(1, len(networks)), desc="convergence lab", unit="run", disable=not progress,
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            for network in networks or [None]:
+                with _network(network, config) as net:
+                    if net is not None:
+                        links[network] = net.record()
+                        bar.write(f"{network} links: measured {net.record()['measured_gbit_per_s']} Gbit/s",
+                                  file=sys.stderr)
+                    for repeat, scenario, contender in todo:
+                        repeat_text = f" #{repeat}" if config.repeats > 1 else ""
+                        where = f"{network} / " if network else ""
+                        bar.set_description(f"{where}{scenario.name} / {contender.label}{repeat_text}")
+                        slug = f"{network}-{scenario.name}" if network else scenario.name
+                        folder = root / f"{slug}-{contender.spec.replace(':', '')}-{repeat}"
+                        run = (run_one(config, evaluator, scenario, contender, folder, bar) if net is None
+                               else _run_hosted(net, config, scenario, contender, folder))
+                        run.repeat = repeat
+                        runs.append(run)
+                        bar.update(1)
+                        if progress:
+                            bar.write(_one_line(run, config.target_accuracy), file=sys.stderr)
     finally:
         if not keep_runs:
             shutil.rmtree(root, ignore_errors=True)
@@ -160,9 +173,34 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     compute = evaluator.gradient_seconds()
     result = LabResult(config, machine(), evaluator.parameters, evaluator.model_bytes, runs, seconds, {}, load,
-                       compute)
+                       compute, links)
     result.files = report.write_all(result, out)
     return result
+
+
+def _network(name: str | None, config: LabConfig):
+    """The emulated hosts of one network of the lab (a context); none on loopback."""
+    if name is None:
+        return contextlib.nullcontext()
+    from psgd.bench.hosted import Network
+
+    job = config.job_config()
+    return Network(name, job.cluster.shards, job.cluster.workers)
+
+
+def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender, folder: Path) -> RunResult:
+    """One run with its shards and workers on ``net``'s hosts; a failure is reported in its row."""
+    from psgd.bench.hosted import run_on
+
+    try:
+        run = run_on(net, config, scenario, contender, folder, config.run_timeout)
+    except Exception as exc:
+        run = RunResult(f"{scenario.name}/{contender.spec}", scenario.name, scenario.delay, contender.spec,
+                        contender.label, contender.mode, config.job_config().to_dict(), [], [], {},
+                        error=f"{type(exc).__name__}: {exc}")
+    run.network = net.name
+    run.key, run.scenario = f"{net.name}/{run.key}", f"{net.name}-{run.scenario}"
+    return run
 
 
 def _one_line(run: RunResult, target: float) -> str:
@@ -175,7 +213,7 @@ def _one_line(run: RunResult, target: float) -> str:
 
 
 def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contender: Contender, run_dir: Path,
-            bar=None) -> RunResult:
+            bar=None, hosts=None) -> RunResult:
     """Launch one run and turn what it recorded into evaluation points and a summary."""
     job = config.job_config()
     job.apply_sets(list(contender.sets))
@@ -187,10 +225,10 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
     try:
         if contender.mode == "allreduce":
             run.worker_args += ["--eval-every", str(config.allreduce_eval_every)]
-            seconds, accuracy, train_seconds = _run_allreduce(config, evaluator, job, run, run_dir)
+            seconds, accuracy, train_seconds = _run_allreduce(config, evaluator, job, run, run_dir, hosts)
         else:
             run.worker_args += ["--eval-every", "0"]  # the observer evaluates; workers only train
-            seconds, accuracy, train_seconds = _run_ps(config, evaluator, job, run, run_dir, bar)
+            seconds, accuracy, train_seconds = _run_ps(config, evaluator, job, run, run_dir, bar, hosts)
         run.summary.update(summarize(run.points, config.target_accuracy, train_seconds))
         run.summary.update(launch_seconds=round(seconds, 2), launch_test_accuracy=accuracy)
     except Exception as exc:  # one failed run is reported in its row; the lab carries on
@@ -199,25 +237,25 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
     return run
 
 
-def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path):
+def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, hosts=None):
     """N MPI ranks; the points are rank 0's evaluations.  Returns (launch s, final accuracy, train s)."""
     from psgd.launch import launch
 
     result = launch(job, mode="allreduce", backend="mpi", run_dir=str(run_dir), progress=False,
-                    timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1)
+                    timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1, hosts=hosts)
     steps = step_lines([run_dir / "allreduce.jsonl"])
     evals = [rec for rec in read_jsonl(run_dir / "allreduce.jsonl") if rec.get("event") == "eval"]
     run.points = allreduce_points(steps, evals, job.cluster.workers, evaluator.model_bytes, initial_point(evaluator))
     return result.seconds, result.test_accuracy, steps[-1]["time"] - origin(steps)
 
 
-def _run_ps(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, bar):
+def _run_ps(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, bar, hosts=None):
     """Shards and workers, watched by a :class:`ShardObserver`.  Returns (launch s, final accuracy, train s)."""
     from psgd.launch import launch
 
     observer = ShardObserver(evaluator, config.eval_interval, _postfix(bar))
     result = launch(job, mode="ps", run_dir=str(run_dir), progress=False, timeout=config.run_timeout,
-                    worker_args=run.worker_args, verbose=-1, monitor=observer)
+                    worker_args=run.worker_args, verbose=-1, monitor=observer, hosts=hosts)
     steps = step_lines(run_dir / f"worker-{r}.jsonl" for r in range(job.cluster.workers))
     start = origin(steps)
     run.points = ps_points(observer.samples, steps, start, evaluator.model_bytes, initial_point(evaluator))
@@ -274,6 +312,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delays", metavar="LIST",
                         help="comma-separated scenarios: none, or a --delay spec of psgd-worker such as "
                              "slowdown:4@0, fixed:0.01@1, exp:0.005 (default: none,slowdown:4@0)")
+    parser.add_argument("--network", metavar="LIST",
+                        help="comma-separated link rates to run the whole lab on, e.g. 1gbit,10gbit,none: every "
+                             "shard and worker then runs on a host of its own (a network namespace, as root), its "
+                             "link shaped to the rate (none: not shaped), measured before the runs (default: "
+                             "loopback, no emulated hosts)")
     parser.add_argument("--target", type=float, metavar="ACC", help="target test accuracy (default 0.95 on digits)")
     parser.add_argument("--workers", type=int, help="workers (ranks) in every run")
     parser.add_argument("--shards", type=int, help="parameter-server shards")
@@ -303,6 +346,8 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         config.policies = [p for p in args.policies.split(",") if p.strip()]
     if args.delays:
         config.delays = [d for d in args.delays.split(",") if d.strip()]
+    if args.network:
+        config.networks = [n.strip() for n in args.network.split(",") if n.strip()]
     for flag, key in (("workers", "cluster.workers"), ("shards", "cluster.shards"), ("epochs", "train.epochs")):
         if getattr(args, flag) is not None:
             config.job.append(f"{key}={getattr(args, flag)}")

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from psgd.bench import netns
+
 if TYPE_CHECKING:
     from psgd.bench.convergence import LabResult, RunResult
 
@@ -98,17 +100,34 @@ def table_notes(result: "LabResult") -> str:
             f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "
             f"update; async and ssp apply every gradient). steps/s = gradients/s. MB moved: parameter-server "
             f"runs measured at the shards (weights out + gradients in, the observer's pulls left out); "
-            f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step." + compute + "\n")
+            f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step." + compute +
+            links_note(result) + "\n")
+
+
+def links_note(result: "LabResult") -> str:
+    """What each emulated network's links carried when measured before its runs ('' on loopback)."""
+    if not result.links:
+        return ""
+    parts = [f"{name} ({link['described']}): " + ", ".join(f"{way} {gbit:.3f} Gbit/s"
+                                                          for way, gbit in link["measured_gbit_per_s"].items())
+             for name, link in result.links.items()]
+    return (" Emulated links: every shard and worker ran on a host of its own (a network namespace), its link "
+            "shaped to the rate by a token bucket each way; one TCP stream measured before the runs: "
+            + "; ".join(parts) + ".")
 
 
 def write_all(result: "LabResult", out: Path) -> dict[str, str]:
     """Write lab.json, table.md and the plots into ``out``; returns {what: path}."""
+    out.mkdir(parents=True, exist_ok=True)
     files = {"json": str(out / "lab.json"), "table": str(out / "table.md")}
     Path(files["table"]).write_text(markdown_table(result) + "\n" + table_notes(result))
     for scenario in dict.fromkeys(r.scenario for r in result.runs):
         runs = [representative(g) for g in groups(result) if g[0].scenario == scenario]
         runs = [r for r in runs if len(r.points) > 1]
-        title = next(r for r in result.runs if r.scenario == scenario).delay or "no straggler"
+        first = next(r for r in result.runs if r.scenario == scenario)
+        title = first.delay or "no straggler"
+        if first.network:
+            title = f"{netns.describe_rate(netns.parse_rate(first.network))} links, {title}"
         for metric in ("accuracy", "loss"):
             path = out / f"{metric}-{scenario}.png"
             plot(runs, metric, path, f"{result.config.name}: {metric}, {title}", result.config.target_accuracy)

@@ -36,10 +36,10 @@ This package only re-exports their public names.
 """
 
 from psgd.launch.launcher import LaunchResult, launch
-from psgd.launch.plan import Layout, find_mpiexec, thread_budget
+from psgd.launch.plan import Hosts, Layout, find_mpiexec, thread_budget
 from psgd.launch.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
 
 __all__ = [
-    "launch", "LaunchResult", "Layout", "find_mpiexec", "thread_budget",
+    "launch", "LaunchResult", "Hosts", "Layout", "find_mpiexec", "thread_budget",
     "Children", "child_environment", "LaunchError", "LaunchInterrupted", "STOP_SIGNALS", "GRACE",
 ]

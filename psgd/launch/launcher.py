@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from psgd import threads
 from psgd.config import JobConfig, to_toml
-from psgd.launch.plan import Layout, find_mpiexec, thread_budget
+from psgd.launch.plan import Hosts, Layout, find_mpiexec, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 
@@ -42,7 +42,7 @@ class LaunchResult:
 def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event], None] | None = None,
-           save: str | None = None, layout: Layout = Layout()) -> LaunchResult:
+           save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -50,6 +50,8 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     thread from the workers' start until they have all finished (``stop`` is
     set then); it may read the shards, e.g. to evaluate the weights over time.
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
+    ``hosts`` puts every shard and worker on an emulated host of this machine
+    (ps mode, one node).
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
     stopped first).
     """
@@ -58,6 +60,11 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     if mode == "allreduce" and layout.nnodes > 1:
         raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
     layout.check(job.cluster.shards, job.cluster.workers)
+    if hosts is not None:
+        if mode != "ps" or layout.nnodes > 1:
+            raise LaunchError("emulated hosts are for parameter-server mode on one node; all-reduce ranks on "
+                              "emulated hosts are not supported yet")
+        hosts.check(job.cluster.shards, job.cluster.workers)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
@@ -80,7 +87,7 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
                 return _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
                                          children, save)
             return _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor, children,
-                              save, layout)
+                              save, layout, hosts)
         except LaunchInterrupted as exc:
             stopping = exc.signum
             raise
@@ -140,7 +147,7 @@ def _evaluate(job: JobConfig, weights: dict) -> tuple[float, float]:
 
 def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
                log_flags: list[str], monitor: Callable[[list[str], threading.Event], None] | None,
-               children: Children, save: str | None, layout: Layout) -> LaunchResult:
+               children: Children, save: str | None, layout: Layout, hosts: Hosts | None) -> LaunchResult:
     c = job.cluster
     job_path = run / "job.toml"
     py = sys.executable
@@ -151,10 +158,14 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
         path.unlink(missing_ok=True)
     servers = []
     for k in mine:
-        bind = ["--bind", "127.0.0.1:0" if layout.nnodes == 1 else layout.address(k)]
-        servers.append(children.start(f"shard {k}", [py, "-m", "psgd.cli.server", "-c", str(job_path), "--shard",
-                                                     str(k), *bind, "--port-file", str(port_files[k]),
-                                                     *log_flags], run / f"shard-{k}.log"))
+        bind = "127.0.0.1:0" if layout.nnodes == 1 else layout.address(k)
+        on = hosts.prefix(f"s{k}") if hosts else []
+        if hosts:
+            bind = f"{hosts.addresses[f's{k}']}:0"
+        servers.append(children.start(f"shard {k}", [*on, py, "-m", "psgd.cli.server", "-c", str(job_path),
+                                                     "--shard", str(k), "--bind", bind,
+                                                     "--port-file", str(port_files[k]), *log_flags],
+                                      run / f"shard-{k}.log"))
     bound = dict(zip(mine, wait_for_files(list(port_files.values()), servers, children,
                                           timeout=min(timeout, 120.0))))
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
@@ -166,7 +177,8 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
     workers = []
     for r in ranks:
         show = progress and r == ranks[0]
-        argv = [py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
+        on = hosts.prefix(f"w{r}") if hosts else []
+        argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
                 "--metrics", str(run / f"worker-{r}.jsonl"), *worker_args]
         argv += ["-q"] if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show))

@@ -2,6 +2,7 @@
 
 :class:`Layout` lays a job out over ``nnodes`` machines (every node computes
 the same addresses, so one command per machine needs no other coordination);
+:class:`Hosts` puts each process on an emulated host of this machine;
 :func:`thread_budget` divides the machine's cores among the processes it starts
 (see :mod:`psgd.threads`); :func:`find_mpiexec` finds the ``mpiexec`` that
 all-reduce mode over MPI starts its ranks with.
@@ -49,6 +50,25 @@ class Layout:
     def address(self, shard: int) -> str:
         host = self.hosts[shard % self.nnodes]
         return f"{host}:{self.port + 2 * (shard // self.nnodes)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hosts:
+    """Emulated hosts on this one machine (network namespaces, :mod:`psgd.bench.netns`): shard ``k`` runs
+    on host ``s<k>`` and listens on its address, worker ``r`` runs on host ``w<r>``.  ``prefixes`` give the
+    argv that runs a command on a host; the launcher itself must run where it reaches every address."""
+
+    prefixes: dict[str, tuple[str, ...]]
+    addresses: dict[str, str]
+
+    def check(self, shards: int, workers: int) -> None:
+        wanted = [f"s{k}" for k in range(shards)] + [f"w{r}" for r in range(workers)]
+        missing = [h for h in wanted if h not in self.prefixes or h not in self.addresses]
+        if missing:
+            raise LaunchError(f"no emulated host for {', '.join(missing)}: every shard and worker needs one")
+
+    def prefix(self, host: str) -> list[str]:
+        return list(self.prefixes[host])
 
 
 def find_mpiexec() -> str:

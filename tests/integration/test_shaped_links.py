@@ -82,3 +82,73 @@ def test_the_namespaces_of_a_killed_process_are_removed_at_the_next_start(shapin
     removed = netns.remove_stale()
     assert {f"{tag}-hub", f"{tag}-a"} <= set(removed) and tag not in listed()
     assert not [n for n in removed if n.startswith(f"{netns.PREFIX}{os.getpid()}x")]  # never a live process's
+
+
+# -- the convergence lab on emulated links ---------------------------------------------------------------
+
+def quick_lab(**changes):
+    from psgd.bench.config import preset
+
+    config = preset("quick")
+    config.job += ["cluster.workers=1", "cluster.shards=1"]
+    config.policies, config.delays, config.networks = ["sync"], ["none"], ["200mbit"]
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def ours() -> list[str]:
+    return [n for n in listed().split() if n.startswith(f"{netns.PREFIX}{os.getpid()}x")]
+
+
+def test_a_quick_lab_runs_on_two_hosts_over_one_shaped_link_and_leaves_nothing(shaping, tmp_path):
+    from psgd.bench.convergence import run_lab
+
+    result = run_lab(quick_lab(), tmp_path / "lab", progress=False)
+    (run,) = result.runs
+    assert run.error is None and run.network == "200mbit" and run.scenario == "200mbit-no-straggler", run.error
+    assert run.summary["time_to_target"] is not None and run.summary["bytes"] > 0
+    measured = result.links["200mbit"]["measured_bytes_per_s"]
+    assert set(measured) == {"w0 -> s0", "s0 -> w0"}
+    assert all(0.8 * 200e6 / 8 <= v <= 1.02 * 200e6 / 8 for v in measured.values()), measured
+    table = (tmp_path / "lab" / "table.md").read_text()
+    assert "| 200mbit-no-straggler | sync | 1/1 |" in table and "Emulated links" in table
+    assert (tmp_path / "lab" / "accuracy-200mbit-no-straggler.png").exists()
+    assert not ours()
+
+
+def test_a_lab_stopped_in_the_middle_leaves_no_namespace_behind(shaping, tmp_path, monkeypatch):
+    from psgd.bench import hosted
+    from psgd.bench.convergence import run_lab
+
+    seen = []
+
+    def interrupted(network, *args, **kwargs):
+        seen.append(ours())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hosted, "run_on", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_lab(quick_lab(), tmp_path / "lab", progress=False)
+    assert seen and len(seen[0]) == 4  # hub, ctl, s0, w0 were there during the run
+    assert not ours()
+
+
+def test_a_network_the_lab_cannot_read_is_refused_before_anything_runs():
+    from psgd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="1gb.*e.g. 1gbit"):
+        quick_lab(networks=["1gb"]).check()
+    with pytest.raises(ConfigError, match="twice"):
+        quick_lab(networks=["1gbit", "1gbit"]).check()
+
+
+def test_without_root_or_tc_the_network_option_says_so(monkeypatch):
+    from psgd.config import ConfigError
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="--network needs emulated hosts.*need root"):
+        quick_lab().check()
+    monkeypatch.setattr(netns, "TC", "/nonexistent/tc")
+    with pytest.raises(ConfigError, match="needs tc"):
+        quick_lab().check()
