@@ -62,9 +62,23 @@ def _plain_policies() -> list[str]:
     return [name for name, cls in POLICIES.items() if not any(o.required for o in cls.options)]
 
 
+#: Gradient compression a parameter-server contender may add: ``async+bf16``.
+COMPRESSION = {"bf16": "bfloat16", "fp16": "float16"}
+
+
 def parse_contender(spec: str) -> Contender:
-    """A :class:`Contender` from ``sync``, ``async``, ``ssp:S``, ``backup:B`` or ``allreduce``."""
+    """A :class:`Contender` from ``sync``, ``async``, ``ssp:S``, ``backup:B`` or ``allreduce``; a
+    parameter-server one may end in ``+bf16`` or ``+fp16`` (gradients compressed on the wire)."""
     text = spec.strip()
+    base, plus, codec = text.partition("+")
+    if plus:
+        if codec not in COMPRESSION:
+            raise ConfigError(f"policy {spec!r}: +{codec} is no compression; use +{' or +'.join(COMPRESSION)}")
+        inner = parse_contender(base)
+        if inner.mode != "ps":
+            raise ConfigError(f"policy {spec!r}: gradient compression is for parameter-server policies")
+        return Contender(text, f"{inner.label}, {codec} gradients", "ps",
+                         (*inner.sets, f"cluster.wire_dtype={COMPRESSION[codec]}"))
     kind, _, arg = text.partition(":")
     if text == "allreduce":
         return Contender(text, "allreduce (MPI)", "allreduce")

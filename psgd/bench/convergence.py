@@ -160,7 +160,7 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
                         slug = f"{network}-{scenario.name}" if network else scenario.name
                         folder = root / f"{slug}-{contender.spec.replace(':', '')}-{repeat}"
                         run = (run_one(config, evaluator, scenario, contender, folder, bar) if net is None
-                               else _run_hosted(net, config, scenario, contender, folder))
+                               else _run_hosted(net, config, scenario, contender, folder, evaluator.model_bytes))
                         run.repeat = repeat
                         runs.append(run)
                         bar.update(1)
@@ -188,7 +188,17 @@ def _network(name: str | None, config: LabConfig):
     return Network(name, job.cluster.shards, job.cluster.workers)
 
 
-def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender, folder: Path) -> RunResult:
+def link_step_seconds(model_bytes: int, workers: int, shards: int, bytes_per_s: float,
+                      wire_fraction: float = 1.0) -> float:
+    """What a worker's parameter-server step takes on links carrying ``bytes_per_s``, for the bytes alone,
+    with a step's pull and push one after the other: a worker pulls the model and pushes its gradient
+    (``wire_fraction`` of the model's bytes: 0.5 with 16-bit compression) over its link, and each shard's
+    link carries its 1/shards share of that for every worker, so it is shared by workers/shards of them."""
+    return max(1.0, workers / shards) * model_bytes * (1 + wire_fraction) / bytes_per_s
+
+
+def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender, folder: Path,
+                model_bytes: int) -> RunResult:
     """One run with its shards and workers on ``net``'s hosts; a failure is reported in its row."""
     from psgd.bench.hosted import run_on
 
@@ -200,6 +210,13 @@ def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender
                         error=f"{type(exc).__name__}: {exc}")
     run.network = net.name
     run.key, run.scenario = f"{net.name}/{run.key}", f"{net.name}-{run.scenario}"
+    if net.rate and contender.mode == "ps" and not run.error:
+        job = config.job_config()
+        job.apply_sets(list(contender.sets))
+        fraction = 0.5 if job.cluster.wire_dtype else 1.0
+        carried = min(net.measured.values())  # what one TCP stream really got through, not the nominal rate
+        run.summary["link_step_seconds"] = link_step_seconds(model_bytes, job.cluster.workers, job.cluster.shards,
+                                                             carried, fraction)
     return run
 
 
@@ -230,6 +247,8 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
             run.worker_args += ["--eval-every", "0"]  # the observer evaluates; workers only train
             seconds, accuracy, train_seconds = _run_ps(config, evaluator, job, run, run_dir, bar, hosts)
         run.summary.update(summarize(run.points, config.target_accuracy, train_seconds))
+        steps_per_s = run.summary["steps_per_s"]
+        run.summary["step_seconds"] = job.cluster.workers / steps_per_s if steps_per_s else None
         run.summary.update(launch_seconds=round(seconds, 2), launch_test_accuracy=accuracy)
     except Exception as exc:  # one failed run is reported in its row; the lab carries on
         log.warning("run %s failed: %s", run.key, exc)
@@ -308,7 +327,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_const", const="quick", dest="preset_quick",
                         help="same as --preset quick")
     parser.add_argument("--policies", metavar="LIST",
-                        help="comma-separated: sync, async, ssp:S, backup:B (sync with B backup workers), allreduce")
+                        help="comma-separated: sync, async, ssp:S, backup:B (sync with B backup workers), allreduce; "
+                             "a parameter-server policy may end in +bf16 or +fp16 (gradients compressed on the "
+                             "wire), e.g. async+bf16")
     parser.add_argument("--delays", metavar="LIST",
                         help="comma-separated scenarios: none, or a --delay spec of psgd-worker such as "
                              "slowdown:4@0, fixed:0.01@1, exp:0.005 (default: none,slowdown:4@0)")

@@ -23,6 +23,8 @@ COLUMNS = (
     ("staleness p50", lambda s: _num(s["staleness_p50"], 0)),
     ("staleness p99", lambda s: _num(s["staleness_p99"], 0)),
     ("MB moved", lambda s: _num(None if s["bytes"] is None else s["bytes"] / 1e6, 1)),
+    ("s per step", lambda s: _num(s.get("step_seconds"), 3)),
+    ("link-bound s per step", lambda s: _num(s.get("link_step_seconds"), 3, "")),
 )
 
 
@@ -33,7 +35,7 @@ def _num(value, digits: int, missing: str = "n/a") -> str:
 
 
 _MEDIAN_KEYS = ("final_accuracy", "train_seconds", "steps_per_s", "updates_per_s", "staleness_p50",
-                "staleness_p99", "bytes")
+                "staleness_p99", "bytes", "step_seconds", "link_step_seconds")
 
 
 def groups(result: "LabResult") -> list[list["RunResult"]]:
@@ -113,7 +115,10 @@ def links_note(result: "LabResult") -> str:
              for name, link in result.links.items()]
     return (" Emulated links: every shard and worker ran on a host of its own (a network namespace), its link "
             "shaped to the rate by a token bucket each way; one TCP stream measured before the runs: "
-            + "; ".join(parts) + ".")
+            + "; ".join(parts) + ". *s per step*: a worker's step (workers / steps/s); *link-bound s per step*: "
+            "what the bytes alone take at the measured link throughput, the pull and the push one after the "
+            "other (a worker pulls the model and pushes its gradient over its link; each shard's link carries its "
+            "share of that for every worker, shared by workers/shards of them).")
 
 
 def write_all(result: "LabResult", out: Path) -> dict[str, str]:

@@ -1,0 +1,39 @@
+"""The lab's contenders with gradient compression, and the link-bound step time its table shows."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from psgd.bench.config import parse_contender
+from psgd.bench.convergence import link_step_seconds
+from psgd.config import ConfigError
+
+
+def test_a_parameter_server_policy_may_compress_its_gradients():
+    c = parse_contender("async+bf16")
+    assert (c.mode, c.label, c.sets) == ("ps", "async, bf16 gradients",
+                                         ("cluster.policy=async", "cluster.wire_dtype=bfloat16"))
+    c = parse_contender("ssp:2+fp16")
+    assert c.sets == ("cluster.policy=ssp", "cluster.staleness=2", "cluster.wire_dtype=float16")
+    assert c.label == "ssp s=2, fp16 gradients"
+
+
+@pytest.mark.parametrize("spec, words", [("allreduce+bf16", "parameter-server policies"),
+                                         ("sync+int8", "use +bf16 or +fp16"), ("nope+bf16", "unknown policy")])
+def test_compression_is_refused_where_it_means_nothing(spec, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_contender(spec)
+
+
+def test_the_link_bound_step_counts_the_busiest_link_pull_then_push():
+    model = 40e6
+    # one worker, one shard: the model down, the gradient up, one after the other
+    assert link_step_seconds(model, 1, 1, 125e6) == pytest.approx(0.64)
+    # four workers on two shards: each shard link carries two workers' share of the model each way
+    assert link_step_seconds(model, 4, 2, 125e6) == pytest.approx(1.28)
+    # more shards than workers: the worker's own link is the bound
+    assert link_step_seconds(model, 2, 4, 125e6) == pytest.approx(0.64)
+    # 16-bit gradients halve the push, not the pull
+    assert link_step_seconds(model, 1, 1, 125e6, 0.5) == pytest.approx(0.48)
