@@ -31,6 +31,23 @@ class Delay:
     ranks: tuple[int, ...] | None = None
     spec: str = ""
 
+    def describe(self) -> str:
+        """The delay in words, for titles: ``worker 0 four times slower``."""
+        if self.kind == "none":
+            return "no straggler"
+        who = ("every worker" if self.ranks is None else
+               f"worker {self.ranks[0]}" if len(self.ranks) == 1 else
+               "workers " + ", ".join(map(str, self.ranks)))
+        if self.kind == "slowdown":
+            k = self.args[0]
+            times = {2: "twice", 3: "three times", 4: "four times", 5: "five times", 10: "ten times"}.get(k, f"{k:g}x")
+            return f"{who} {times} slower"
+        if self.kind == "fixed":
+            return f"{who} {self.args[0] * 1e3:g} ms slower per step"
+        if self.kind == "exp":
+            return f"{who} slowed by random pauses (mean {self.args[0] * 1e3:g} ms a step)"
+        return f"{who} slowed by {self.args[0] * 1e3:g}-{self.args[1] * 1e3:g} ms a step"
+
     def applies_to(self, rank: int) -> bool:
         return self.kind != "none" and (self.ranks is None or rank in self.ranks)
 

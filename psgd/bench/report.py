@@ -1,4 +1,5 @@
-"""The lab's outputs: lab.json, a Markdown table, and PNG plots (matplotlib, Agg backend)."""
+"""The lab's outputs: lab.json, a Markdown table, the figures (:mod:`psgd.bench.plots`) and the answer in
+words (:mod:`psgd.bench.answer`, summary.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from psgd.bench import netns
+from psgd.bench import answer, plots
 
 if TYPE_CHECKING:
     from psgd.bench.convergence import LabResult, RunResult
@@ -77,15 +78,16 @@ def median_summary(runs: list["RunResult"]) -> dict:
 
 def markdown_table(result: "LabResult") -> str:
     """One row per (scenario, policy): medians over the repeats; a failed group says why."""
-    head = ["scenario", "policy", "reached", *(c[0] for c in COLUMNS)]
+    columns = COLUMNS if result.links else COLUMNS[:-1]  # the link-bound step only on emulated links
+    head = ["scenario", "policy", "reached", *(c[0] for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for runs in groups(result):
         first = runs[0]
         if all(r.error and len(r.points) < 2 for r in runs):
-            cells = ["0/%d" % len(runs), f"failed: {first.error.splitlines()[0][:80]}"] + [""] * (len(COLUMNS) - 1)
+            cells = ["0/%d" % len(runs), f"failed: {first.error.splitlines()[0][:80]}"] + [""] * (len(columns) - 1)
         else:
             summary = median_summary(runs)
-            cells = [f"{summary['reached']}/{summary['runs']}", *(fn(summary) for _, fn in COLUMNS)]
+            cells = [f"{summary['reached']}/{summary['runs']}", *(fn(summary) for _, fn in columns)]
         lines.append("| " + " | ".join([first.scenario, first.label, *cells]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -127,16 +129,19 @@ def write_all(result: "LabResult", out: Path) -> dict[str, str]:
     files = {"json": str(out / "lab.json"), "table": str(out / "table.md")}
     Path(files["table"]).write_text(markdown_table(result) + "\n" + table_notes(result))
     for scenario in dict.fromkeys(r.scenario for r in result.runs):
-        runs = [representative(g) for g in groups(result) if g[0].scenario == scenario]
-        runs = [r for r in runs if len(r.points) > 1]
+        group_runs = [[r for r in g if len(r.points) > 1] for g in groups(result) if g[0].scenario == scenario]
+        group_runs = [g for g in group_runs if g]
         first = next(r for r in result.runs if r.scenario == scenario)
-        title = first.delay or "no straggler"
-        if first.network:
-            title = f"{netns.describe_rate(netns.parse_rate(first.network))} links, {title}"
         for metric in ("accuracy", "loss"):
             path = out / f"{metric}-{scenario}.png"
-            plot(runs, metric, path, f"{result.config.name}: {metric}, {title}", result.config.target_accuracy)
+            plots.curves(group_runs, metric, path, f"{result.config.name}: {metric}, "
+                         f"{answer.situation(first.network, first.delay)}", result.config.target_accuracy,
+                         result.config.policies)
             files[f"{metric}-{scenario}"] = str(path)
+    files["summary-plot"] = str(out / "summary.png")
+    plots.summary(result, [r[:4] for r in answer.rows(result)], Path(files["summary-plot"]))
+    files["summary"] = str(out / "summary.md")
+    Path(files["summary"]).write_text(answer.recommend(result))
     result.files = files
     names = {k: Path(v).name for k, v in files.items()}  # beside lab.json
     Path(files["json"]).write_text(_json_text({**result.to_dict(), "files": names}))
@@ -149,61 +154,3 @@ def _json_text(data: dict) -> str:
     head = json.dumps(data, indent=1)[:-2]  # without the closing newline and brace
     body = ",\n  ".join(json.dumps(r) for r in runs)
     return f'{head},\n "runs": [\n  {body}\n ]\n}}\n'
-
-
-_AXES = (("wall", "wall time (s)"), ("updates", "updates applied"), ("steps", "gradients computed"))
-
-
-def require_matplotlib(who: str = "the convergence lab") -> None:
-    """Fail at once, before any run, when the plots cannot be drawn."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        from psgd.config import ConfigError
-
-        raise ConfigError(f"{who}'s plots need matplotlib: pip install 'psgd[bench]'") from None
-
-
-def plot(runs: list["RunResult"], metric: str, path: Path, title: str, target: float | None = None) -> None:
-    """One PNG: ``metric`` (accuracy or loss) against wall time, updates and gradients, a line per policy."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    key, ylabel = (("test_accuracy", "test accuracy") if metric == "accuracy"
-                   else ("loss", "training loss (minibatch mean)"))
-    fig, axes = plt.subplots(1, len(_AXES), figsize=(15, 4.6), sharey=True)
-    colors = plt.get_cmap("tab10")
-    low = max(0.0, (target or 0.3) - 0.3) if metric == "accuracy" else 0.0
-    for ax, (x, xlabel) in zip(axes, _AXES):
-        shown = []  # x of the points inside the y range, to fit the log x axes to them
-        for i, run in enumerate(runs):
-            xy = [(p[x], p[key]) for p in run.points if p[key] is not None and (x == "wall" or p[x] > 0)]
-            shown += [a for a, b in xy if b >= low]
-            ax.plot([a for a, _ in xy], [b for _, b in xy], label=run.label, color=colors(i % 10),
-                    linewidth=1.6, marker="o" if len(xy) < 30 else None, markersize=3)
-        ax.set_xlabel(xlabel + ("" if x == "wall" else " (log scale)"))
-        ax.grid(True, which="both", alpha=0.3)
-        if x != "wall":
-            ax.set_xscale("log")
-            ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-            if shown:
-                ax.set_xlim(left=min(shown) / 1.5)
-        if metric == "accuracy" and target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=1)
-        if metric == "loss":
-            ax.set_yscale("log")
-    axes[0].set_ylabel(ylabel)
-    if metric == "accuracy":
-        axes[0].set_ylim(low, 1.0)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=10, frameon=False)
-    fig.suptitle(title + (f" (dashed: target {target:g})" if metric == "accuracy" and target else ""))
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)

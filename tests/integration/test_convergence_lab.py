@@ -172,8 +172,22 @@ def test_quick_lab_plots_are_pngs_with_a_line_per_policy(quick_lab):
             data = path.read_bytes()
             assert data[:8] == PNG_SIGNATURE and len(data) > 20_000
             image = matplotlib.image.imread(path)
-            assert image.shape == (414, 1350, 4)  # 15 x 4.6 inches at 90 dpi, RGBA
+            assert image.shape == (720, 2250, 4)  # 15 x 4.8 inches at 150 dpi, RGBA
             assert image[..., :3].std() > 0.05  # not a blank canvas
+    image = matplotlib.image.imread(out / "summary.png")  # time to target, a bar per policy and scenario
+    assert image.shape[2] == 4 and image[..., :3].std() > 0.05
+
+
+@pytest.mark.slow
+def test_quick_lab_ends_with_an_answer_in_words(quick_lab):
+    out, proc = quick_lab
+    summary = (out / "summary.md").read_text()
+    assert summary in proc.stdout
+    situations = [line for line in summary.splitlines() if line.startswith("**")]
+    assert [line.split("**")[1] for line in situations] == ["loopback, no straggler",
+                                                             "loopback, worker 0 four times slower"]
+    for line in situations:
+        assert "reached it first, in" in line and "final accuracy" in line
 
 
 @pytest.mark.slow

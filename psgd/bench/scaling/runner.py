@@ -119,7 +119,7 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
     from tqdm import tqdm
 
     from psgd.bench.convergence import machine
-    from psgd.bench.report import require_matplotlib
+    from psgd.bench.plots import require_matplotlib
 
     require_matplotlib("psgd bench scaling")
     out = Path(settings.out)

@@ -1,0 +1,74 @@
+"""The lab's answer in words: for each network and scenario, which policy reached the target first, by how
+much, and at what final accuracy, derived from the lab's own table (medians over the repeats)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psgd.bench import netns
+from psgd.delay import parse_delay
+
+if TYPE_CHECKING:
+    from psgd.bench.convergence import LabResult
+
+
+def situation(network: str, delay: str) -> str:
+    """A group of runs in words: ``1 Gbit/s links, worker 0 four times slower``."""
+    words = parse_delay(delay or None).describe()
+    if network:
+        return f"{netns.describe_rate(netns.parse_rate(network))} links, {words}"
+    return f"loopback, {words}"
+
+
+def rows(result: "LabResult") -> list[tuple[str, str, str, float | None, float | None, str | None]]:
+    """(situation, contender spec, label, median seconds to target or None, median final accuracy, error)
+    for every (network, scenario, contender), in the order they ran."""
+    from psgd.bench.report import groups, median_summary
+
+    out = []
+    for runs in groups(result):
+        first = runs[0]
+        m = median_summary(runs)
+        failed = all(r.error for r in runs)
+        out.append((situation(first.network, first.delay), first.policy, first.label,
+                    None if failed else m["time_to_target"], None if failed else m["final_accuracy"],
+                    first.error if failed else None))
+    return out
+
+
+def recommend(result: "LabResult") -> str:
+    """A few lines per situation: the fastest policy to the target, how much faster than the next and than
+    sync, and the final accuracies; then which policies never reached it."""
+    target = result.config.target_accuracy
+    lines = [f"# {result.config.name}: which policy to use",
+             "",
+             f"Time to test accuracy {target:g} (median of {result.config.repeats} run(s)), from this lab's table.",
+             ""]
+    table = rows(result)
+    for where in dict.fromkeys(r[0] for r in table):
+        mine = [r for r in table if r[0] == where]
+        reached = sorted((r for r in mine if r[3] is not None), key=lambda r: r[3])
+        lines.append(f"**{where}**: " + _verdict(reached, mine, target))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _verdict(reached: list, mine: list, target: float) -> str:
+    if not reached:
+        failed = [f"{r[2]} ({r[5].splitlines()[0][:80]})" for r in mine if r[5]]
+        return (f"no policy reached {target:g}." + (f" Failed: {'; '.join(failed)}." if failed else ""))
+    best = reached[0]
+    text = f"{best[2]} reached it first, in {best[3]:.2f} s (final accuracy {best[4]:.3f})"
+    if len(reached) > 1:
+        second = reached[1]
+        text += f"; {second[2]} next, {second[3] / best[3]:.2f}x as long ({second[3]:.2f} s, final {second[4]:.3f})"
+    sync = next((r for r in reached if r[1] == "sync"), None)
+    if sync is not None and sync not in reached[:2]:
+        text += f"; sync took {sync[3] / best[3]:.2f}x as long"
+    text += "."
+    missing = [r for r in mine if r[3] is None]
+    if missing:
+        parts = [f"{r[2]} (failed: {r[5].splitlines()[0][:80]})" if r[5] else
+                 f"{r[2]} (final {r[4]:.3f})" if r[4] is not None else r[2] for r in missing]
+        text += " Never reached it: " + ", ".join(parts) + "."
+    return text

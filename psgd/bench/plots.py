@@ -1,0 +1,161 @@
+"""The lab's figures (matplotlib, Agg backend): curves of every policy, and one summary of the whole lab.
+
+- :func:`curves`: test accuracy (or training loss) against wall time,
+  updates applied and gradients computed; each policy is its median run as
+  a line, with the spread of its repeats (lowest to highest) as a band.
+- :func:`summary`: time to the target accuracy of every policy, grouped by
+  network and scenario, as bars (a policy that never reached it: an empty
+  slot marked "not reached").
+
+Every policy keeps one colour in every figure of every lab, from the
+Okabe-Ito palette (distinguishable with the common colour-vision
+deficiencies); compressed-gradient variants share their policy's colour,
+dashed or hatched.  Figures are written at 150 dpi.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from psgd.bench.convergence import LabResult, RunResult
+
+DPI = 150
+#: Okabe & Ito's colour-blind-safe palette, in the order policies take it.
+OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+#: The colour of each policy everywhere; any other takes the next free one in OKABE_ITO.
+POLICY_COLORS = {"sync": OKABE_ITO[0], "async": OKABE_ITO[1], "ssp:1": OKABE_ITO[2], "ssp:2": OKABE_ITO[2],
+                 "ssp:4": OKABE_ITO[5], "backup:1": OKABE_ITO[4], "allreduce": OKABE_ITO[3]}
+_AXES = (("wall", "wall time (s)"), ("updates", "updates applied"), ("steps", "gradients computed"))
+
+
+def require_matplotlib(who: str = "the convergence lab") -> None:
+    """Fail at once, before any run, when the plots cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from psgd.config import ConfigError
+
+        raise ConfigError(f"{who}'s plots need matplotlib: pip install 'psgd[bench]'") from None
+
+
+def _pyplot():
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def style(spec: str, order: Sequence[str] = ()) -> dict:
+    """Colour and line style of a contender (``async+bf16``: async's colour, dashed)."""
+    base, _, codec = spec.partition("+")
+    color = POLICY_COLORS.get(base)
+    if color is None:
+        free = [c for c in OKABE_ITO if c not in POLICY_COLORS.values()]
+        others = [s.partition("+")[0] for s in order if s.partition("+")[0] not in POLICY_COLORS]
+        index = others.index(base) if base in others else len(others)
+        color = free[index % len(free)]
+    return {"color": color, "linestyle": "--" if codec else "-"}
+
+
+def _band(runs: Sequence["RunResult"], x: str, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A common x grid and, on it, the median, lowest and highest of ``key`` over the runs (each run's points
+    joined linearly), where every run has points."""
+    series = []
+    for run in runs:
+        xy = sorted((p[x], p[key]) for p in run.points if p[key] is not None and (x == "wall" or p[x] > 0))
+        if len(xy) >= 2:
+            series.append((np.array([a for a, _ in xy], float), np.array([b for _, b in xy], float)))
+    if not series:
+        return (np.array([]),) * 4
+    lo, hi = max(s[0][0] for s in series), min(s[0][-1] for s in series)
+    if len(series) == 1 or hi <= lo:  # one run, or runs that do not overlap: the median run alone
+        xs, ys = series[len(series) // 2]
+        return xs, ys, ys, ys
+    grid = np.union1d(np.concatenate([s[0] for s in series]), [])
+    grid = grid[(grid >= lo) & (grid <= hi)]
+    values = np.array([np.interp(grid, xs, ys) for xs, ys in series])
+    return grid, np.median(values, axis=0), values.min(axis=0), values.max(axis=0)
+
+
+def curves(group_runs: Sequence[Sequence["RunResult"]], metric: str, path: Path, title: str,
+           target: float | None = None, order: Sequence[str] = ()) -> None:
+    """One figure: ``metric`` (accuracy or loss) against wall time, updates and gradients; per policy its
+    median as a line and the spread of its repeats as a band."""
+    plt = _pyplot()
+    from matplotlib import ticker
+
+    key, ylabel = (("test_accuracy", "test accuracy") if metric == "accuracy"
+                   else ("loss", "training loss, minibatch mean (log scale)"))
+    fig, axes = plt.subplots(1, len(_AXES), figsize=(15, 4.8), sharey=True)
+    for ax, (x, xlabel) in zip(axes, _AXES):
+        for runs in group_runs:
+            grid, mid, low, high = _band(runs, x, key)
+            if not len(grid):
+                continue
+            look = style(runs[0].policy, order)
+            ax.plot(grid, mid, label=runs[0].label, linewidth=1.8, **look)
+            if len(runs) > 1:
+                ax.fill_between(grid, low, high, color=look["color"], alpha=0.18, linewidth=0)
+        ax.set_xlabel(xlabel + ("" if x == "wall" else " (log scale)"))
+        ax.grid(True, which="both", alpha=0.3)
+        if x != "wall":
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        if metric == "accuracy" and target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1.2)
+        if metric == "loss":
+            ax.set_yscale("log")
+    axes[0].set_ylabel(ylabel)
+    if metric == "accuracy":
+        axes[0].set_ylim(0.0, 1.0)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=10, frameon=False)
+    repeats = max((len(r) for r in group_runs), default=1)
+    spread = f"; bands: the spread of {repeats} repeats, lines their median" if repeats > 1 else ""
+    fig.suptitle(title + (f" (dotted: target {target:g}{spread})" if metric == "accuracy" and target
+                          else f" ({spread[2:]})" if spread else ""))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def summary(result: "LabResult", rows: Sequence[tuple[str, str, str, float | None]], path: Path) -> None:
+    """Time to target per policy (bars) for each network and scenario (groups); ``rows`` are (group title,
+    contender spec, label, seconds or None)."""
+    plt = _pyplot()
+
+    groups = list(dict.fromkeys(r[0] for r in rows))
+    specs = list(dict.fromkeys(r[1] for r in rows))
+    labels = {r[1]: r[2] for r in rows}
+    seconds = {(r[0], r[1]): r[3] for r in rows}
+    width = 0.8 / max(1, len(specs))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) * max(1, len(specs)) / 3), 4.8))
+    top = max([s for s in seconds.values() if s is not None], default=1.0)
+    for i, spec in enumerate(specs):
+        look = style(spec, result.config.policies)
+        xs = [g + (i - (len(specs) - 1) / 2) * width for g in range(len(groups))]
+        heights = [seconds.get((group, spec)) for group in groups]
+        ax.bar([x for x, h in zip(xs, heights) if h is not None], [h for h in heights if h is not None], width,
+               color=look["color"], hatch="//" if look["linestyle"] == "--" else None, edgecolor="white",
+               label=labels[spec])
+        for group, x, h in zip(groups, xs, heights):
+            if h is None and (group, spec) in seconds:
+                ax.text(x, top * 0.02, "not reached", rotation=90, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=9)
+    ax.set_ylabel(f"seconds to test accuracy {result.config.target_accuracy:g} (median run)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=9, frameon=False, ncol=min(4, len(specs)))
+    ax.set_title(f"{result.config.name}: time to target accuracy, by policy (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
