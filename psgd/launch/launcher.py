@@ -50,8 +50,8 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     thread from the workers' start until they have all finished (``stop`` is
     set then); it may read the shards, e.g. to evaluate the weights over time.
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
-    ``hosts`` puts every shard and worker on an emulated host of this machine
-    (ps mode, one node).
+    ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
+    this machine (one node).
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
     stopped first).
     """
@@ -61,10 +61,10 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
         raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
     layout.check(job.cluster.shards, job.cluster.workers)
     if hosts is not None:
-        if mode != "ps" or layout.nnodes > 1:
-            raise LaunchError("emulated hosts are for parameter-server mode on one node; all-reduce ranks on "
-                              "emulated hosts are not supported yet")
-        hosts.check(job.cluster.shards, job.cluster.workers)
+        if layout.nnodes > 1 or (mode == "allreduce" and backend != "mpi"):
+            raise LaunchError("emulated hosts are for one node, and for all-reduce over MPI (NCCL ranks need "
+                              "GPUs of their own)")
+        hosts.check(job.cluster.shards if mode == "ps" else 0, job.cluster.workers)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
@@ -85,7 +85,7 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
         try:
             if mode == "allreduce":
                 return _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
-                                         children, save)
+                                         children, save, hosts)
             return _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor, children,
                               save, layout, hosts)
         except LaunchInterrupted as exc:
@@ -95,9 +95,14 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
 
 
+#: MPI settings for ranks on emulated hosts: they talk over their hosts' links (TCP on eth0), not through the
+#: shared memory of the one machine they all run on.
+MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0")
+
+
 def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
-                      save: str | None) -> LaunchResult:
+                      save: str | None, hosts: Hosts | None) -> LaunchResult:
     from psgd.export import read_npz, save_weights
 
     n, py = job.cluster.workers, sys.executable
@@ -107,7 +112,12 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
               "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
     common += ["-q"] if progress else (log_flags + ["--no-progress"])
     start = time.perf_counter()
-    if backend == "mpi":
+    if backend == "mpi" and hosts is not None:  # one rank per host: mpiexec's MPMD form, rank r on host w<r>
+        argv = [find_mpiexec(), *MPI_ON_HOSTS]
+        for r in range(n):
+            argv += [":"] * (r > 0) + ["-n", "1", *hosts.prefix(f"w{r}"), py, *common]
+        children.start(f"mpiexec -n {n} on emulated hosts", argv, run / "allreduce.log", show=progress)
+    elif backend == "mpi":
         children.start(f"mpiexec -n {n}", [find_mpiexec(), "-n", str(n), py, *common], run / "allreduce.log",
                        show=progress)
     elif backend == "nccl":

@@ -55,7 +55,7 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Hosts:
     """Emulated hosts on this one machine (network namespaces, :mod:`psgd.bench.netns`): shard ``k`` runs
-    on host ``s<k>`` and listens on its address, worker ``r`` runs on host ``w<r>``.  ``prefixes`` give the
+    on host ``s<k>`` and listens on its address, worker (or all-reduce rank) ``r`` runs on host ``w<r>``.  ``prefixes`` give the
     argv that runs a command on a host; the launcher itself must run where it reaches every address."""
 
     prefixes: dict[str, tuple[str, ...]]

@@ -152,3 +152,29 @@ def test_without_root_or_tc_the_network_option_says_so(monkeypatch):
     monkeypatch.setattr(netns, "TC", "/nonexistent/tc")
     with pytest.raises(ConfigError, match="needs tc"):
         quick_lab().check()
+
+
+def test_all_reduce_ranks_on_emulated_hosts_talk_over_their_links(shaping, tmp_path):
+    """Ranks of one machine would otherwise use its shared memory: on emulated hosts the launcher makes MPI
+    use TCP on each host's link, so the bytes of every step cross it."""
+    import json
+
+    hosts = {"ctl": "10.99.5.2", "w0": "10.99.5.10", "w1": "10.99.5.11"}
+    script = ("import json, sys; from psgd.config import JobConfig; from psgd.launch import Hosts, launch; "
+              "spec = json.loads(sys.argv[1]); job = JobConfig(); "
+              "job.apply_sets(['cluster.workers=2', 'train.epochs=1', 'model.hidden=[256]']); "
+              "r = launch(job, mode='allreduce', hosts=Hosts({h: tuple(p) for h, p in spec['prefixes'].items()}, "
+              "spec['addresses']), run_dir=sys.argv[2], progress=False); print(json.dumps([r.test_accuracy]))")
+    with netns.Namespaces(hosts) as net:
+        spec = {"prefixes": {h: net.prefix(h) for h in hosts}, "addresses": hosts}
+        done = subprocess.run([*net.prefix("ctl"), sys.executable, "-c", script, json.dumps(spec), str(tmp_path)],
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-2000:]
+        stats = json.loads(subprocess.run([netns.IP, "-n", net.ns("w1"), "-s", "-j", "link", "show", "eth0"],
+                                          capture_output=True, text=True, timeout=20).stdout)
+    accuracy = json.loads(done.stdout.splitlines()[-1])[0]
+    assert accuracy > 0.8
+    steps = sum(1 for line in (tmp_path / "allreduce.jsonl").read_text().splitlines() if '"step"' in line)
+    model_bytes = (64 * 256 + 256 + 256 * 10 + 10) * 4
+    # a 2-rank ring moves half the model each way per step: rank 1 receives at least that much
+    assert stats[0]["stats64"]["rx"]["bytes"] >= steps * model_bytes / 2, (stats, steps)
