@@ -190,7 +190,7 @@ PRESETS: dict[str, LabConfig] = {
                             "model.channels=[32, 64]", "model.hidden=256", "train.epochs=6",
                             "optimizer.name=momentum", "optimizer.lr=0.02"],
                        policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
-                       target_accuracy=0.95, eval_interval=1.0, allreduce_eval_every=10),
+                       target_accuracy=0.95, eval_interval=1.0, allreduce_eval_every=25),
 }
 
 
