@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from psgd.bench import netns
+from psgd.bench.config import LOOPBACK
 from psgd.delay import parse_delay
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 def situation(network: str, delay: str) -> str:
     """A group of runs in words: ``1 Gbit/s links, worker 0 four times slower``."""
     words = parse_delay(delay or None).describe()
-    if network:
+    if network and network != LOOPBACK:
         return f"{netns.describe_rate(netns.parse_rate(network))} links, {words}"
     return f"loopback, {words}"
 

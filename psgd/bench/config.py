@@ -62,6 +62,8 @@ def _plain_policies() -> list[str]:
     return [name for name, cls in POLICIES.items() if not any(o.required for o in cls.options)]
 
 
+#: A network of the lab that is this machine's own loopback (no emulated hosts), beside shaped ones.
+LOOPBACK = "loopback"
 #: Gradient compression a parameter-server contender may add: ``async+bf16``.
 COMPRESSION = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -153,12 +155,12 @@ class LabConfig:
             from psgd.bench import netns
 
             try:
-                rates = [netns.parse_rate(n) for n in self.networks]
+                rates = [netns.parse_rate(n) for n in self.networks if n != LOOPBACK]
             except netns.NetworkError as exc:
                 raise ConfigError(str(exc)) from None
             if len(set(self.networks)) != len(self.networks):
                 raise ConfigError(f"--network lists a rate twice: {','.join(self.networks)}")
-            why = netns.unavailable(shaping=any(r is not None for r in rates))
+            why = netns.unavailable(shaping=any(r is not None for r in rates)) if rates else None
             if why:
                 raise ConfigError(f"--network needs emulated hosts, which cannot be made here: {why}")
 

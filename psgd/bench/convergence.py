@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from psgd import threads
-from psgd.bench.config import PRESETS, Contender, LabConfig, Scenario, preset
+from psgd.bench.config import LOOPBACK, PRESETS, Contender, LabConfig, Scenario, preset
 from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)
 
@@ -53,7 +53,7 @@ class RunResult:
     summary: dict
     error: str | None = None
     repeat: int = 0
-    network: str = ""        # the emulated links it ran on ('' : loopback, no emulated hosts)
+    network: str = ""        # the emulated links it ran on ('' or LOOPBACK: this machine's loopback, no hosts)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -159,8 +159,12 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
                         bar.set_description(f"{where}{scenario.name} / {contender.label}{repeat_text}")
                         slug = f"{network}-{scenario.name}" if network else scenario.name
                         folder = root / f"{slug}-{contender.spec.replace(':', '')}-{repeat}"
-                        run = (run_one(config, evaluator, scenario, contender, folder, bar) if net is None
-                               else _run_hosted(net, config, scenario, contender, folder, evaluator.model_bytes))
+                        if net is not None:
+                            run = _run_hosted(net, config, scenario, contender, folder, evaluator.model_bytes)
+                        else:
+                            run = run_one(config, evaluator, scenario, contender, folder, bar)
+                            if network:  # LOOPBACK, named among the networks: this machine's own loopback
+                                run.network, run.key, run.scenario = network, f"{network}/{run.key}", slug
                         run.repeat = repeat
                         runs.append(run)
                         bar.update(1)
@@ -180,7 +184,7 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
 
 def _network(name: str | None, config: LabConfig):
     """The emulated hosts of one network of the lab (a context); none on loopback."""
-    if name is None:
+    if name is None or name == LOOPBACK:
         return contextlib.nullcontext()
     from psgd.bench.hosted import Network
 
@@ -337,8 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", metavar="LIST",
                         help="comma-separated link rates to run the whole lab on, e.g. 1gbit,10gbit,none: every "
                              "shard and worker then runs on a host of its own (a network namespace, as root), its "
-                             "link shaped to the rate (none: not shaped), measured before the runs (default: "
-                             "loopback, no emulated hosts)")
+                             "link shaped to the rate (none: not shaped), measured before the runs; loopback: "
+                             "this machine's loopback, no emulated hosts, as without the flag")
     parser.add_argument("--target", type=float, metavar="ACC", help="target test accuracy (default 0.95 on digits)")
     parser.add_argument("--workers", type=int, help="workers (ranks) in every run")
     parser.add_argument("--shards", type=int, help="parameter-server shards")

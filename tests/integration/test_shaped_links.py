@@ -178,3 +178,15 @@ def test_all_reduce_ranks_on_emulated_hosts_talk_over_their_links(shaping, tmp_p
     model_bytes = (64 * 256 + 256 + 256 * 10 + 10) * 4
     # a 2-rank ring moves half the model each way per step: rank 1 receives at least that much
     assert stats[0]["stats64"]["rx"]["bytes"] >= steps * model_bytes / 2, (stats, steps)
+
+
+def test_loopback_runs_beside_a_shaped_network_in_one_lab(shaping, tmp_path):
+    from psgd.bench.convergence import run_lab
+
+    result = run_lab(quick_lab(networks=["200mbit", "loopback"]), tmp_path / "lab", progress=False)
+    assert [(r.network, r.scenario, r.error) for r in result.runs] == [
+        ("200mbit", "200mbit-no-straggler", None), ("loopback", "loopback-no-straggler", None)]
+    assert list(result.links) == ["200mbit"]  # loopback is this machine's own: nothing to measure
+    summary = (tmp_path / "lab" / "summary.md").read_text()
+    assert "**200 Mbit/s links, no straggler**" in summary and "**loopback, no straggler**" in summary
+    assert not ours()
