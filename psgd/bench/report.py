@@ -103,7 +103,8 @@ def table_notes(result: "LabResult") -> str:
             f"entered its training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
             f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "
             f"update; async and ssp apply every gradient). steps/s = gradients/s. MB moved: parameter-server "
-            f"runs measured at the shards (weights out + gradients in, the observer's pulls left out); "
+            f"runs measured at the shards (weights out + gradients in as sent, 16-bit when compressed; the "
+            f"observer's pulls left out); "
             f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step." + compute +
             links_note(result) + "\n")
 

@@ -248,8 +248,10 @@ class ShardCore:
         return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
                 f"other workers still expected: {waiting}")
 
-    def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray]) -> PushResult:
-        """Apply, accumulate or drop one gradient for every slice of this shard, as the policy says."""
+    def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray],
+             wire_bytes: int | None = None) -> PushResult:
+        """Apply, accumulate or drop one gradient for every slice of this shard, as the policy says.
+        ``wire_bytes``: what the push took on the wire (less than the gradient when compressed)."""
         self.check_worker(worker)
         if clock < 0 or base_version < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
@@ -275,7 +277,7 @@ class ShardCore:
                 self.counters["rejected"] += 1
                 raise ShardError("FAILED_PRECONDITION", f"push from worker {worker} at clock {clock} refused: "
                                  f"{decision.reason}", reason=decision.reason_code)
-            self.counters["bytes_in"] += sum(g.nbytes for g in grads.values())
+            self.counters["bytes_in"] += sum(g.nbytes for g in grads.values()) if wire_bytes is None else wire_bytes
             info.clock = max(info.clock, decision.next_clock)
             outcome = OUTCOMES[action]
             if action == APPLY:

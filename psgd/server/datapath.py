@@ -199,7 +199,7 @@ class DataServer:
                 protocol.send_buffers(conn, [ready])
             _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
             try:
-                result = core.push(worker, clock, base_version, core.gradient_views(buf))
+                result = core.push(worker, clock, base_version, core.gradient_views(buf), wire_bytes=size)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return

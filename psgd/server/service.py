@@ -107,6 +107,11 @@ class PushAssembler:
         buf[offset:end] = data
         self._received[slice_id] = end
 
+    @property
+    def received(self) -> int:
+        """Bytes of gradient received so far, as they came over the wire."""
+        return sum(self._received.values())
+
     def finish(self) -> dict[int, np.ndarray]:
         missing = [f"{sl.key} ({self._received.get(i, 0)} of {self._nbytes(sl)} bytes)"
                    for i, sl in self.slices.items() if self._received.get(i, 0) != self._nbytes(sl)]
@@ -176,7 +181,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise ShardError("INVALID_ARGUMENT", "a push has exactly one header, at the start")
                 chunk = message.chunk
                 assembler.add(chunk.slice_id, chunk.offset, chunk.data)
-            result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish())
+            result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
+                                    wire_bytes=assembler.received)
         except ShardError as err:
             _abort(context, err)
         return ps_pb2.PushReply(outcome=result.outcome, next_clock=result.next_clock, version=result.version,
