@@ -132,21 +132,24 @@ def summary(result: "LabResult", rows: Sequence[tuple[str, str, str, float | Non
     """Time to target per policy (bars) for each network and scenario (groups); ``rows`` are (group title,
     contender spec, label, seconds or None)."""
     plt = _pyplot()
+    from matplotlib.patches import Patch
 
     groups = list(dict.fromkeys(r[0] for r in rows))
     specs = list(dict.fromkeys(r[1] for r in rows))
     labels = {r[1]: r[2] for r in rows}
     seconds = {(r[0], r[1]): r[3] for r in rows}
     width = 0.8 / max(1, len(specs))
+    handles = []  # drawn by hand: a policy that never reached the target has no bar to take its colour from
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) * max(1, len(specs)) / 3), 4.8))
     top = max([s for s in seconds.values() if s is not None], default=1.0)
     for i, spec in enumerate(specs):
         look = style(spec, result.config.policies)
         xs = [g + (i - (len(specs) - 1) / 2) * width for g in range(len(groups))]
         heights = [seconds.get((group, spec)) for group in groups]
+        hatch = "//" if look["linestyle"] == "--" else None
         ax.bar([x for x, h in zip(xs, heights) if h is not None], [h for h in heights if h is not None], width,
-               color=look["color"], hatch="//" if look["linestyle"] == "--" else None, edgecolor="white",
-               label=labels[spec])
+               color=look["color"], hatch=hatch, edgecolor="white")
+        handles.append(Patch(facecolor=look["color"], hatch=hatch, edgecolor="white", label=labels[spec]))
         for group, x, h in zip(groups, xs, heights):
             if h is None and (group, spec) in seconds:
                 ax.text(x, top * 0.02, "not reached", rotation=90, ha="center", va="bottom", fontsize=7)
@@ -154,8 +157,8 @@ def summary(result: "LabResult", rows: Sequence[tuple[str, str, str, float | Non
     ax.set_xticklabels(groups, fontsize=9)
     ax.set_ylabel(f"seconds to test accuracy {result.config.target_accuracy:g} (median run)")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=9, frameon=False, ncol=min(4, len(specs)))
+    fig.legend(handles=handles, loc="lower center", ncol=min(5, len(specs)), fontsize=9, frameon=False)
     ax.set_title(f"{result.config.name}: time to target accuracy, by policy (lower is better)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
