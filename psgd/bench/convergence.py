@@ -215,11 +215,10 @@ def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender
     run.network = net.name
     run.key, run.scenario = f"{net.name}/{run.key}", f"{net.name}-{run.scenario}"
     if net.rate and contender.mode == "ps" and not run.error:
-        job = config.job_config()
-        job.apply_sets(list(contender.sets))
-        fraction = 0.5 if job.cluster.wire_dtype else 1.0
+        cluster = run.job["cluster"]  # the job the run recorded, its contender's settings applied
+        fraction = 0.5 if cluster["wire_dtype"] else 1.0
         carried = min(net.measured.values())  # what one TCP stream really got through, not the nominal rate
-        run.summary["link_step_seconds"] = link_step_seconds(model_bytes, job.cluster.workers, job.cluster.shards,
+        run.summary["link_step_seconds"] = link_step_seconds(model_bytes, cluster["workers"], cluster["shards"],
                                                              carried, fraction)
     return run
 

@@ -56,16 +56,14 @@ class Network:
             size = max(32 << 20, (self.rate or 10**10) // 8 // 2)  # half a second at the rate
             self.measured = {"w0 -> s0": self.net.measure("w0", "s0", size),
                              "s0 -> w0": self.net.measure("s0", "w0", size)}
-        except BaseException:
-            self.net.close()
-            raise
-        if self.rate is not None:
             for way, got in self.measured.items():
-                if abs(got * 8 / self.rate - 1) > RATE_TOLERANCE:
-                    self.net.close()
+                if self.rate is not None and abs(got * 8 / self.rate - 1) > RATE_TOLERANCE:
                     raise netns.NetworkError(f"the {self.name} link measured {got * 8 / 1e9:.3f} Gbit/s {way}, "
                                              f"not within {RATE_TOLERANCE:.0%} of its rate: the machine cannot "
                                              "emulate it (too busy, or the rate is above what veth carries here)")
+        except BaseException:
+            self.net.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

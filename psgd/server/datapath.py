@@ -21,7 +21,6 @@ import socket
 import ssl
 import threading
 
-import grpc
 import numpy as np
 
 from psgd import status
@@ -32,7 +31,6 @@ from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTIC
 
 log = logging.getLogger(__name__)
 
-_CODES = {code.name: code.value[0] for code in grpc.StatusCode}
 _OUTCOME_CODES = {name: i for i, name in enumerate(protocol.OUTCOMES)}
 
 
@@ -141,11 +139,7 @@ class DataServer:
             conn.close()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
-        message = err.message.encode("utf-8", "replace")[:protocol.MAX_ERROR_BYTES]
-        # In an error reply the outcome byte carries the reason the client acts on (psgd.status).
-        head = protocol.REPLY.pack(protocol.DATA_MAGIC, _CODES[err.code], status.reason_number(err.reason),
-                                   0, 0, 0, len(message))
-        protocol.send_buffers(conn, [head, message])
+        protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason))])
 
     def _fatal(self, conn: socket.socket, code: str, message: str):
         try:
@@ -168,8 +162,7 @@ class DataServer:
 
     def _pull(self, conn: socket.socket, worker: int, clock: int) -> None:
         try:
-            snap = self.core.pull(None if worker == protocol.OBSERVER else worker, clock, self.request_timeout,
-                                  copy=False)
+            snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False)
         except ShardError as err:
             self._reply_error(conn, err)
             return
@@ -199,7 +192,7 @@ class DataServer:
                 protocol.send_buffers(conn, [ready])
             _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
             try:
-                result = core.push(worker, clock, base_version, core.gradient_views(buf), wire_bytes=size)
+                result = core.push(worker, clock, base_version, core.store.gradient_views(buf), wire_bytes=size)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return

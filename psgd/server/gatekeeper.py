@@ -31,14 +31,11 @@ import threading
 import time
 from typing import Callable
 
-import grpc
-
 from psgd.link import protocol
 from psgd.server.core import ShardCore, ShardError
 
 log = logging.getLogger(__name__)
 
-_CODES = {code.name: code.value[0] for code in grpc.StatusCode}
 
 #: Connections accepted whose hello has not been checked yet, at most (then the oldest is evicted) ...
 MAX_UNAUTHENTICATED = 32
@@ -304,7 +301,7 @@ class Gatekeeper:
         self._forget(p)
         if reply if reply is not None else p.state not in ("tls", "handshake"):
             try:
-                p.sock.send(_error_reply(code, message))
+                p.sock.send(protocol.error_reply(code, message))
             except (OSError, ValueError):
                 pass
         self._refusals.note(p.host, reason, time.monotonic())
@@ -345,11 +342,6 @@ class _Pending:
         self.buf, self.got, self.worker = bytearray(protocol.REQUEST.size), 0, 0
         self.progress = False  # has the peer sent anything yet?
         self.events = selectors.EVENT_READ
-
-
-def _error_reply(code: str, message: str) -> bytes:
-    text = message.encode("utf-8", "replace")[:protocol.MAX_ERROR_BYTES]
-    return protocol.REPLY.pack(protocol.DATA_MAGIC, _CODES[code], 0, 0, 0, 0, len(text)) + text
 
 
 def _close(sock: socket.socket) -> None:

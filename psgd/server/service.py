@@ -24,7 +24,7 @@ import numpy as np
 from psgd import status
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chunks
 from psgd.codec import Codec, CodecError, by_name
-from psgd.link.protocol import OBSERVER
+from psgd.link.protocol import as_worker
 from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
@@ -127,11 +127,6 @@ class PushAssembler:
         return out
 
 
-def _worker(worker_id: int) -> int | None:
-    """The core's name for a request's worker id (None: an observer)."""
-    return None if worker_id == OBSERVER else worker_id
-
-
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
     left = context.time_remaining()
     return cap if left is None else max(0.0, min(cap, left - 0.05))
@@ -158,7 +153,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):
         try:
-            snap = self.core.pull(_worker(request.worker_id), request.clock,
+            snap = self.core.pull(as_worker(request.worker_id), request.clock,
                                   _remaining(context, self.request_timeout), cancelled=lambda: not context.is_active())
         except ShardError as err:
             _abort(context, err)
