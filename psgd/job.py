@@ -86,7 +86,7 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
     With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
     (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
     """
-    device = backend.get_device(config.train.device)
+    device = backend.use_device(config.train.device)  # current before any array, kernel or buffer is made
     dtype = config.train.dtype
     if dataset is None:
         dataset = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))

@@ -23,9 +23,13 @@ except Exception as exc:  # ImportError, or a CUDA library that fails to load
     _import_error = exc
 
 INSTALL_HINT = (
-    "install CuPy for your CUDA version with `pip install 'psgd[cuda12]'` "
+    "install CuPy with CUDA's libraries and NCCL for your CUDA version with `pip install 'psgd[cuda12]'` "
     "(CUDA 12) or `pip install 'psgd[cuda13]'` (CUDA 13), or run with --device cpu"
 )
+#: the CuPy major version psgd is written against (NCCL ids are bytes from 14 on)
+CUPY_MAJOR = 14
+#: device index -> why its kernels cannot run (None: they ran), checked once per process
+_checked_devices: dict[int, str | None] = {}
 
 
 class DeviceError(RuntimeError):
@@ -43,8 +47,12 @@ def cuda_device_count() -> int:
 
 
 def cuda_available() -> bool:
-    """True when CuPy imports and at least one CUDA device is visible."""
-    return cuda_device_count() > 0
+    """True when CuPy imports, a CUDA device is visible and it runs CuPy's kernels."""
+    try:
+        check_cuda_available()
+    except DeviceError:
+        return False
+    return True
 
 
 def check_cuda_available(index: int = 0) -> None:
@@ -68,6 +76,23 @@ def check_cuda_available(index: int = 0) -> None:
             f"cuda:{index} was requested but this machine has {count} CUDA device(s) "
             f"(cuda:0 .. cuda:{count - 1})"
         )
+    if index not in _checked_devices:
+        _checked_devices[index] = _kernels_fail(index)
+    why = _checked_devices[index]
+    if why is not None:
+        raise DeviceError(f"CuPy sees cuda:{index} but cannot run kernels on it ({why}); CuPy's wheel does not "
+                          "bring CUDA's libraries (NVRTC, cuBLAS): " + INSTALL_HINT)
+
+
+def _kernels_fail(index: int) -> str | None:
+    """Why an elementwise kernel (compiled by NVRTC) and a product (cuBLAS) fail on GPU ``index``, or None."""
+    try:
+        with _cupy.cuda.Device(index):
+            x = _cupy.arange(8, dtype=_cupy.float32)
+            float((x @ x).item())
+    except Exception as exc:  # CUDA, NVRTC or cuBLAS missing or broken: CuPy raises many types
+        return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +115,10 @@ class Device:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
 
     def use(self) -> None:
-        """Make this the current CUDA device of the calling thread (no-op on CPU)."""
+        """Make this the current CUDA device of the calling thread (no-op on CPU).
+
+        CuPy makes new arrays and runs kernels on the thread's current device, whatever device an
+        array came from: a process that computes on ``cuda:N`` makes it current before anything."""
         if self.is_gpu:
             _cupy.cuda.Device(self.index).use()
 
@@ -122,6 +150,13 @@ def get_device(spec: str | Device | None = "cpu") -> Device:
     return device
 
 
+def use_device(spec: str | Device | None = "cpu") -> Device:
+    """:func:`get_device`, made the calling thread's current device: what a process computing on it does first."""
+    device = get_device(spec)
+    device.use()
+    return device
+
+
 def get_array_module(*arrays: Any) -> Any:
     """``cupy`` if any argument is a CuPy array, else ``numpy``."""
     if _cupy is not None:
@@ -146,6 +181,18 @@ def to_host(a: Any, out: np.ndarray | None = None) -> np.ndarray:
     return np.asarray(a)
 
 
+def host_empty(shape: Any, dtype: Any, device: Device = CPU) -> np.ndarray:
+    """A NumPy array to stage ``device``'s transfers in: page-locked (pinned) host memory when
+    ``device`` is a GPU, so copies to and from it run at the bus's full rate by DMA; plain memory
+    otherwise.  Pinned memory is a scarce system resource: allocate such buffers once and reuse them."""
+    dtype = np.dtype(dtype)
+    if not device.is_gpu:
+        return np.empty(shape, dtype=dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    memory = _cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
 def to_device(a: Any, device: Device | str = CPU, dtype: Any = None) -> Any:
     """Put ``a`` on ``device`` (a no-op when it is already there with the right dtype)."""
     device = get_device(device) if not isinstance(device, Device) else device
@@ -159,6 +206,11 @@ def nccl_module() -> Any:
     """CuPy's NCCL bindings (``cupy.cuda.nccl``), or raise :class:`DeviceError` saying what is missing."""
     if _cupy is None:
         raise DeviceError(f"the nccl backend needs CuPy ({_import_error}); " + INSTALL_HINT)
+    version = str(getattr(_cupy, "__version__", "unknown"))
+    major = version.split(".")[0]
+    if not major.isdigit() or int(major) < CUPY_MAJOR:
+        raise DeviceError(f"the nccl backend needs CuPy {CUPY_MAJOR} or later, this is CuPy {version}; "
+                          + INSTALL_HINT)
     try:
         from cupy.cuda import nccl
     except Exception as exc:

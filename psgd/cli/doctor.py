@@ -259,11 +259,12 @@ class Doctor:
             self.add("ok", "GPU", f"train.device is {device}: no GPU needed")
             return
         try:
-            backend.get_device(device)  # parses cuda[:N] and checks CuPy, the driver and the index
+            backend.get_device(device)  # parses cuda[:N]; checks CuPy, the driver, the index and a first kernel
         except backend.DeviceError as exc:
             self.add("FAIL", "GPU", f"train.device is {device}, but {exc}")
             return
-        self.add("ok", "GPU", f"{device} is visible ({backend.cuda_device_count()} CUDA device(s) on this machine)")
+        self.add("ok", "GPU", f"{device} runs CuPy's kernels ({backend.cuda_device_count()} CUDA device(s) on this "
+                              "machine)")
 
 
 def resolve(host: str, port: int, timeout: float) -> tuple[list[str], str | None]:

@@ -74,7 +74,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
         args.model = args.model_name
     job = job_from_args(args)
     name, options, dtype = job.model["name"], job.options("model"), job.train.dtype
-    device = backend.get_device(job.train.device)
+    device = backend.use_device(job.train.device)
     ds = datasets.load_dataset(job.data["name"], dtype=dtype, **job.options("data"))
     print(f"checking model {name} for {ds.name}: input {ds.input_shape} {dtype}, {ds.num_classes} classes, "
           f"on {device}")

@@ -105,7 +105,8 @@ class Bucketer:
         scale = 1.0 / collective.world_size
         for name in self.direct:
             g = grads[name]
-            if not (g.flags.c_contiguous and g.flags.writeable and g.dtype == self.dtype):
+            # CuPy arrays have no ``writeable`` flag: they always are
+            if not (g.flags.c_contiguous and getattr(g.flags, "writeable", True) and g.dtype == self.dtype):
                 g = self.xp.ascontiguousarray(g, dtype=self.dtype).copy()
             _sum_then_scale(collective, g.reshape(-1), scale)
             out[name] = g

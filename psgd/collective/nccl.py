@@ -42,6 +42,8 @@ _DTYPES = {
 #: reduction -> name of the NCCL op constant
 _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}
 
+CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600  # cudaStreamQuery's two answers that are not errors
+
 _FIRST_SLEEP = 20e-6  # watchdog polling: sleeps grow from this ...
 _MAX_SLEEP = 1e-3     # ... to this, so a finished operation is noticed within about a millisecond
 
@@ -111,6 +113,17 @@ def _call_with_deadline(fn: Callable[[], Any], timeout: float, on_timeout: Calla
     return outcome.get("value")
 
 
+def _stream_finished(runtime: Any, stream: Any) -> bool:
+    """Whether ``stream``'s work is done; a CUDA error on it is raised (CuPy's ``Stream.done`` is
+    ``streamQuery(...) == 0``, which reports a failed stream as merely unfinished)."""
+    status = runtime.streamQuery(stream.ptr)
+    if status == CUDA_SUCCESS:
+        return True
+    if status == CUDA_ERROR_NOT_READY:
+        return False
+    raise runtime.CUDARuntimeError(status)
+
+
 # ---------------------------------------------------------------- the backend
 
 class NcclCollective(Collective):
@@ -138,7 +151,7 @@ class NcclCollective(Collective):
                                   f"{self.device}; run with --device cuda:N (one GPU per rank), or use "
                                   "--backend mpi on CPUs")
         self._cuda = self.device.xp.cuda  # CuPy's cuda namespace: Device contexts and streams
-        unique = exchange(rendezvous, rank, world_size, lambda: list(self._nccl.get_unique_id()), self.timeout)
+        unique = exchange(rendezvous, rank, world_size, self._nccl.get_unique_id, self.timeout)
         log.info("rank %d of %d: creating the NCCL communicator on %s", rank, world_size, self.device)
         self._comm = _call_with_deadline(lambda: self._create(unique), self.timeout, self._init_timed_out)
         self._check_async = self._async_error_check()
@@ -146,8 +159,9 @@ class NcclCollective(Collective):
     def _create(self, unique: list[int]) -> Any:
         # Runs in a helper thread (CuPy releases the GIL inside ncclCommInitRank), so the device
         # must be made current here: NCCL binds the communicator to the calling thread's device.
+        # CuPy 14 takes the id as the bytes its get_unique_id() returned (psgd.xp requires 14).
         self.device.use()
-        return self._nccl.NcclCommunicator(self.world_size, tuple(unique), self.rank)
+        return self._nccl.NcclCommunicator(self.world_size, bytes(unique), self.rank)
 
     def _init_timed_out(self) -> None:
         raise CollectiveError(
@@ -260,10 +274,12 @@ class NcclCollective(Collective):
         """Wait for ``stream`` under the watchdog; abort the communicator on timeout or error."""
         check = self._check_async
 
+        runtime = self._cuda.runtime
+
         def done() -> bool:
             if check is not None:
                 check()  # raises NcclError when NCCL saw a peer fail
-            return bool(stream.done)
+            return _stream_finished(runtime, stream)
 
         def timed_out() -> None:
             self._abort()

@@ -61,7 +61,7 @@ class RendezvousError(CollectiveError):
 def exchange(spec: str, rank: int, world_size: int, make_id: Callable[[], Any], timeout: float) -> list[int]:
     """Rank 0's id on every rank: rank 0 calls ``make_id()`` and publishes it, the others wait for it.
 
-    ``make_id`` returns ``bytes`` or a sequence of ints (e.g. the tuple from
+    ``make_id`` returns ``bytes`` or a sequence of ints (e.g. the bytes from
     ``cupy.cuda.nccl.get_unique_id()``); the result is that id as a list of
     ints.  Raises :class:`RendezvousError` when the spec is not one of the two
     forms, or when ``timeout`` seconds pass before the exchange is complete.

@@ -25,6 +25,7 @@ from psgd.collective.nccl import NcclCollective, _call_with_deadline, _nccl_dtyp
 from psgd.collective.rendezvous import RendezvousError, exchange
 
 ID = list(range(-64, 64))  # the shape of an NCCL unique id: 128 signed chars
+NCCL_ID = bytes(range(100, 228))  # what CuPy 14's nccl.get_unique_id() returns: 128 bytes
 
 
 def free_port() -> int:
@@ -348,19 +349,33 @@ class FakeArray:
         return FakeArray(self.host[key])
 
 
+class FakeCudaRuntimeError(RuntimeError):
+    def __init__(self, status):
+        super().__init__(f"cudaErrorIllegalAddress: an illegal memory access was encountered (status {status})")
+        self.status = status
+
+
 class FakeStream:
-    def __init__(self, finishes=True):
-        self.finishes, self.ptr = finishes, 1234
+    """A stream as CuPy 14 has it: ``done`` is ``streamQuery(ptr) == 0``, so it never raises."""
+
+    def __init__(self):
+        self.status, self.ptr = 0, 1234  # 0 success, 600 cudaErrorNotReady, anything else an error
+
+    def query(self, ptr):
+        assert ptr == self.ptr
+        return self.status
 
     @property
     def done(self):
-        return self.finishes
+        return self.query(self.ptr) == 0
 
 
 class FakeComm:
     instances: list = []
 
     def __init__(self, ndev, comm_id, rank):
+        if not isinstance(comm_id, bytes):  # CuPy 14: NcclCommunicator(int ndev, bytes commId, int rank)
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(comm_id).__name__})")
         self.args, self.calls, self.aborted, self.destroyed, self.async_error = (ndev, comm_id, rank), [], 0, 0, None
         FakeComm.instances.append(self)
 
@@ -386,7 +401,9 @@ class FakeDevice:
 
     def __init__(self, stream):
         self.used = 0
-        cuda = types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(), get_current_stream=lambda: stream)
+        runtime = types.SimpleNamespace(streamQuery=stream.query, CUDARuntimeError=FakeCudaRuntimeError)
+        cuda = types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(), get_current_stream=lambda: stream,
+                                     runtime=runtime)
         self.xp = types.SimpleNamespace(cuda=cuda)
 
     def use(self):
@@ -404,7 +421,7 @@ def fake_gpu(monkeypatch):
     """Patch the nccl backend onto fake bindings and a fake device; returns (stream, device)."""
     FakeComm.instances = []
     fake = types.SimpleNamespace(**FAKE_NCCL_CONSTANTS, NcclCommunicator=FakeComm,
-                                 get_unique_id=lambda: tuple(ID))
+                                 get_unique_id=lambda: NCCL_ID)
     stream = FakeStream()
     device = FakeDevice(stream)
     monkeypatch.setattr(nccl_backend, "nccl_module", lambda: fake)
@@ -422,7 +439,7 @@ def test_nccl_collective_drives_the_bindings(fake_gpu, tmp_path):
     stream, device = fake_gpu
     group = make_group(tmp_path)
     comm = FakeComm.instances[0]
-    assert comm.args == (1, tuple(ID), 0) and device.used == 1 and group.backend == "nccl"
+    assert comm.args == (1, NCCL_ID, 0) and device.used == 1 and group.backend == "nccl"
     a = FakeArray(np.arange(6, dtype=np.float32))
     assert group.allreduce_(a, op="max") is a
     assert comm.calls[-1] == ("allReduce", a.data.ptr, a.data.ptr, 6, 7, 2, stream.ptr)
@@ -463,7 +480,7 @@ def test_nccl_collective_refuses_what_it_cannot_reduce(fake_gpu, tmp_path):
 def test_a_stalled_all_reduce_aborts_the_communicator(fake_gpu, tmp_path):
     stream, _ = fake_gpu
     group = make_group(tmp_path, timeout=0.3)
-    stream.finishes = False
+    stream.status = 600  # cudaErrorNotReady
     began = time.monotonic()
     with pytest.raises(CollectiveError) as info:
         group.allreduce_(FakeArray(np.zeros(4, np.float32)))
@@ -482,7 +499,7 @@ def test_a_stalled_all_reduce_aborts_the_communicator(fake_gpu, tmp_path):
 def test_an_nccl_async_error_aborts_at_once(fake_gpu, tmp_path):
     stream, _ = fake_gpu
     group = make_group(tmp_path, timeout=30.0)
-    stream.finishes = False
+    stream.status = 600  # cudaErrorNotReady
     comm = FakeComm.instances[0]
     comm.async_error = RuntimeError("NCCL_ERROR_REMOTE_ERROR: remote process exited")
     began = time.monotonic()
@@ -490,6 +507,16 @@ def test_an_nccl_async_error_aborts_at_once(fake_gpu, tmp_path):
         group.broadcast_(FakeArray(np.zeros(3, np.float32)))
     assert time.monotonic() - began < 1.0 and comm.aborted == 1
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_cuda_error_on_the_stream_aborts_at_once(fake_gpu, tmp_path):
+    stream, _ = fake_gpu
+    group = make_group(tmp_path, timeout=30.0)
+    stream.status = 700  # cudaErrorIllegalAddress: the all-reduce will never finish
+    began = time.monotonic()
+    with pytest.raises(CollectiveError, match="all-reduce \\(sum\\) of 16 bytes failed .*illegal memory access"):
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    assert time.monotonic() - began < 1.0 and FakeComm.instances[0].aborted == 1
 
 
 def test_nccl_collective_needs_a_gpu_device(fake_gpu, monkeypatch, tmp_path):
