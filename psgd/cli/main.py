@@ -31,7 +31,9 @@ commands:
            `psgd bench comm` measures pull/push/all-reduce throughput,
            latency, optimizer speed and memory against raw loopback TCP;
            `psgd bench scaling` measures steps/s against model width,
-           workers and mode, as users start them
+           workers and mode, as users start them; `psgd bench gpu`
+           measures psgd on one GPU (training step, host<->device
+           transfers, NCCL all-reduce) against bare CuPy
   status   live view of a running cluster: shards' health, versions and
            staleness, workers' clocks and throughput (psgd status HOST:PORT...)
   doctor   preflight check of a job file: every address resolves and answers,
@@ -120,16 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub) -> None:
-    """``psgd bench convergence`` (the convergence lab), ``psgd bench comm`` and ``scaling`` (psgd.bench)."""
+    """``psgd bench convergence`` (the convergence lab), ``psgd bench comm``, ``scaling`` and ``gpu`` (psgd.bench)."""
     from psgd.bench import comm
+    from psgd.bench import gpu
     from psgd.bench.scaling import command as scaling
     from psgd.bench.convergence import add_arguments
 
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
                                          "comm: how fast tensors move; scaling: steps/s against model width "
-                                         "and workers)",
+                                         "and workers; gpu: psgd on one GPU against bare CuPy)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
-                                       "`psgd bench comm --help` and `psgd bench scaling --help`.")
+                                       "`psgd bench comm --help`, `psgd bench scaling --help` and "
+                                       "`psgd bench gpu --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     lab = kinds.add_parser(
@@ -161,6 +165,12 @@ def _add_bench(sub) -> None:
         description=scaling.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     scaling.add_arguments(scale)
     scale.set_defaults(func=cmd_bench_scaling)
+    on_gpu = kinds.add_parser(
+        "gpu", help="psgd on one GPU against bare CuPy: the MLP's training step (mlp), host<->device "
+                    "transfers (transfer) and the NCCL all-reduce (nccl)",
+        description=gpu.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu.add_arguments(on_gpu)
+    on_gpu.set_defaults(func=cmd_bench_gpu)
 
 
 def cmd_bench_convergence(args: argparse.Namespace) -> int:
@@ -180,6 +190,13 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
     from psgd.bench.scaling.command import run_from_args
+
+    setup_logging("bench", -1)
+    return run_from_args(args)
+
+
+def cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from psgd.bench.gpu import run_from_args
 
     setup_logging("bench", -1)
     return run_from_args(args)
