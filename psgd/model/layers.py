@@ -15,10 +15,16 @@ from psgd.xp import get_array_module
 
 
 class Layer:
-    """A layer without variables; subclasses override what they need."""
+    """A layer without variables; subclasses override what they need.
+
+    A layer whose ``backward`` takes ``need_dx=False`` (and then returns ``None`` for the input's
+    gradient) sets ``skips_dx``: as the first layer of a model it is spared that product, which
+    training never uses.
+    """
 
     kind = "layer"
     param_names: tuple[str, ...] = ()
+    skips_dx = False
 
     def specs(self, prefix: str, dtype: str = "float32") -> list[VarSpec]:
         return []
@@ -48,9 +54,11 @@ class Dense(Layer):
     def forward(self, params, x):
         return x @ params["W"] + params["b"], x
 
-    def backward(self, params, cache, dout):
+    skips_dx = True
+
+    def backward(self, params, cache, dout, need_dx=True):
         x = cache
-        return dout @ params["W"].T, {"W": x.T @ dout, "b": dout.sum(axis=0)}
+        return dout @ params["W"].T if need_dx else None, {"W": x.T @ dout, "b": dout.sum(axis=0)}
 
 
 class ReLU(Layer):
@@ -130,7 +138,9 @@ class Conv2D(Layer):
         out = (w2 @ cols).reshape(b, self.c_out, ho, wo) + params["b"].reshape(1, -1, 1, 1)
         return out, (x.shape, cols)
 
-    def backward(self, params, cache, dout):
+    skips_dx = True
+
+    def backward(self, params, cache, dout, need_dx=True):
         xp = get_array_module(dout)
         (b, c, h, w), cols = cache
         ho, wo = dout.shape[2:]
@@ -139,6 +149,8 @@ class Conv2D(Layer):
         w2 = params["W"].reshape(self.c_out, -1)
         dw = xp.tensordot(d2, cols, axes=([0, 2], [0, 2])).reshape(params["W"].shape)
         db = d2.sum(axis=(0, 2))
+        if not need_dx:
+            return None, {"W": dw, "b": db}
         # col2im: add each kernel offset's slice back into the padded input
         dcols = (w2.T @ d2).reshape(b, c, self.k * self.k, ho, wo)
         dxpad = xp.zeros((b, c, h + 2 * p, w + 2 * p), dtype=dout.dtype)
@@ -203,9 +215,16 @@ class Sequential:
             caches.append(cache)
         return x, caches
 
-    def backward(self, params: Mapping[str, Any], caches: list[Any], dout: Any) -> tuple[Any, dict[str, Any]]:
+    def backward(self, params: Mapping[str, Any], caches: list[Any], dout: Any,
+                 need_dx: bool = True) -> tuple[Any, dict[str, Any]]:
+        """``(dx, grads)``; without ``need_dx`` the input's gradient is skipped where the first layer can
+        (``dx`` is then None): training needs the variables' gradients only."""
         grads: dict[str, Any] = {}
+        first = self.layers[0][1]
         for (prefix, layer), cache in zip(reversed(self.layers), reversed(caches)):
-            dout, local = layer.backward(self._local(params, prefix, layer), cache, dout)
+            if layer is first and not need_dx and layer.skips_dx:
+                dout, local = layer.backward(self._local(params, prefix, layer), cache, dout, need_dx=False)
+            else:
+                dout, local = layer.backward(self._local(params, prefix, layer), cache, dout)
             grads.update({f"{prefix}/{k}": g for k, g in local.items()})
         return dout, {name: grads[name] for name in self.names}  # in spec order

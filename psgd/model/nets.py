@@ -100,18 +100,21 @@ class LayeredModel(BaseModel):
                              f"got {tuple(x.shape)}")
         return x.reshape((x.shape[0],) + self.batch_shape())
 
-    def loss_grads_and_dx(self, params: Mapping[str, Any], x: Any, y: Any) -> tuple[float, dict[str, Any], Any]:
+    def loss_grads_and_dx(self, params: Mapping[str, Any], x: Any, y: Any,
+                          need_dx: bool = True) -> tuple[Any, dict[str, Any], Any]:
         """Like :meth:`loss_and_grads`, plus the gradient with respect to the (reshaped) inputs."""
         out, caches = self.net.forward(params, self._inputs(params, x))
         if self.loss_name == "mse":
             loss, dout = mean_squared_error(out, y, self.num_classes)
         else:
             loss, dout = softmax_cross_entropy(out, y)
-        dx, grads = self.net.backward(params, caches, dout)
+        dx, grads = self.net.backward(params, caches, dout, need_dx=need_dx)
         return loss, grads, dx
 
-    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any) -> tuple[float, dict[str, Any]]:
-        loss, grads, _ = self.loss_grads_and_dx(params, x, y)
+    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
+        """The mean loss (a 0-d array on the params' device: reading it waits for the GPU, so the
+        caller does that once the step's work is queued) and the gradients."""
+        loss, grads, _ = self.loss_grads_and_dx(params, x, y, need_dx=False)
         return loss, grads
 
     def predict(self, params: Mapping[str, Any], x: Any) -> Any:

@@ -135,3 +135,30 @@ def test_a_stalled_allreduce_is_aborted_by_the_watchdog(group, gpu):
         group.barrier()
     backend.synchronize(gpu)  # the queued work still drains after the abort
     assert float(a[0, 0]) == 1.0
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_trains_as_one_process_on_the_cpu(tmp_path):
+    """psgd-worker --mode allreduce --backend nccl, one rank on cuda:0, float64: the weights one process
+    reaches on the CPU with the same batch (the GPU's arithmetic and NCCL's plumbing change nothing)."""
+    import subprocess
+    import sys
+
+    from helpers import make_job
+    from psgd.config import to_toml
+    from psgd.train import train_local
+
+    job = make_job("model.hidden=[32]", "train.dtype=float64", "train.epochs=2", "train.batch_size=16",
+                   "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=1", "train.device=cuda:0")
+    path, saved = tmp_path / "job.toml", tmp_path / "w.npz"
+    path.write_text(to_toml(job.to_dict()))
+    done = subprocess.run([sys.executable, "-m", "psgd.cli.worker", "-c", str(path), "--mode", "allreduce",
+                           "--backend", "nccl", "--rank", "0", "--rendezvous", f"file:{tmp_path / 'id.json'}",
+                           "--no-progress", "-q", "--save", str(saved)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job.train.device = "cpu"
+    reference = train_local(job, progress=False).params
+    with np.load(saved, allow_pickle=False) as f:
+        for name, ref in reference.items():
+            rel = np.linalg.norm(f[name] - ref) / np.linalg.norm(ref)
+            assert f[name].dtype == np.float64 and rel <= 1e-5, f"{name}: relative error {rel:.2e}"

@@ -42,9 +42,11 @@ def test_collectives_across_three_ranks():
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path):
+def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path, device):
+    """Ranks and workers on ``device`` (on a GPU, MPI stages the device arrays through host buffers)
+    against one process on the CPU."""
     batch = 16
-    job = make_job("model.hidden=[32]", "train.dtype=float64", "train.epochs=2", f"train.batch_size={batch}",
+    job = make_job("model.hidden=[32]", "train.dtype=float64", f"train.device={device}", "train.epochs=2", f"train.batch_size={batch}",
                    "optimizer.name=sgd", "optimizer.lr=0.1", f"cluster.workers={ranks}", "cluster.shards=2",
                    "cluster.slice_bytes=4096")
     path = tmp_path / "job.toml"
@@ -58,6 +60,7 @@ def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path):
 
     reference_job = copy.deepcopy(job)
     reference_job.train.batch_size = ranks * batch
+    reference_job.train.device = "cpu"
     reference = train_local(reference_job, progress=False).params
 
     with shards(job):

@@ -21,9 +21,11 @@ from helpers import make_job, run_threads, shards
 
 
 @pytest.mark.parametrize("workers, num_shards, model", [(2, 2, "mlp"), (3, 3, "softmax"), (4, 1, "mlp")])
-def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shards, model):
+def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shards, model, device):
+    """Workers on ``device`` (NumPy, or CuPy on a GPU) against one process on the CPU."""
     batch = 16
     job = make_job(f"model.name={model}", "model.hidden=[32]" if model == "mlp" else "train.seed=3",
+                   f"train.device={device}",
                    "train.dtype=float64", "train.epochs=2", f"train.batch_size={batch}",
                    "optimizer.name=sgd", "optimizer.lr=0.1",
                    "cluster.policy=sync", f"cluster.workers={workers}", f"cluster.shards={num_shards}",
@@ -38,6 +40,7 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
 
     reference_job = copy.deepcopy(job)  # the [cluster] section plays no part in a single process
     reference_job.train.batch_size = workers * batch
+    reference_job.train.device = "cpu"
     reference = train_local(reference_job, progress=False)
 
     assert versions == {reference.steps}  # one update per clock on every shard

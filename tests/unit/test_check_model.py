@@ -175,7 +175,7 @@ FAULTS = {
         r"^model 'net': loss_and_grads: the loss is an array of shape \(4,\), not a scalar \(return the mean"),
     "one value returned": (
         "return loss",
-        r"^model 'net': loss_and_grads: returned a float; it must return a \(loss, gradients\) tuple$"),
+        r"^model 'net': loss_and_grads: returned a float(32)?; it must return a \(loss, gradients\) tuple$"),
     "wrong values": (
         "grads['W2'] = 2 * grads['W2']",
         r"^model 'net': finite differences: the gradient for 'W2' at \[\d+, \d+\] is \S+, but central "
