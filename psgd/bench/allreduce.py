@@ -14,6 +14,12 @@ Algorithm bandwidth is size / time.
 
     python benchmarks/allreduce.py                    # 1 MB .. 400 MB, 2 ranks
     python benchmarks/allreduce.py --sizes-mb 1,16 --repeats 3 --json out.json
+    sudo python benchmarks/allreduce.py --network 1gbit,10gbit --sizes-mb 4,40 --ranks 2
+
+With ``--network`` every rank, worker and shard runs on an emulated host of its
+own whose link is shaped to the rate (psgd.bench.links): the MPI all-reduce of
+``--ranks`` ranks against as many workers on as many shards, gradients pushed
+as float32 and as bf16, each beside what the link's bytes alone take.
 """
 
 from __future__ import annotations
@@ -106,7 +112,7 @@ def run_nccl(sizes: list[int], repeats: int, rendezvous_dir: str) -> dict[int, f
 # -- parameter server -------------------------------------------------------------------
 def run_ps(size: int, repeats: int, tmp: str) -> dict:
     """Pull + push of ``size`` bytes through one shard process (see comm.py); medians per step and per half."""
-    from psgd.bench.comm import BlobCluster, time_steps
+    from psgd.bench.blob import BlobCluster, time_steps
 
     with BlobCluster(size, tmp=tmp) as cluster:
         return time_steps(cluster, 1, repeats)
@@ -117,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", default="1,4,16,64,256,400", help="gradient sizes in MB (10^6 bytes)")
     parser.add_argument("--ranks", type=int, default=2, help="MPI ranks (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the median is reported")
+    parser.add_argument("--network", metavar="LIST",
+                        help="instead: on emulated links of these rates (e.g. 1gbit,10gbit; root and tc), --ranks "
+                             "MPI ranks against as many workers on as many shards, gradients as float32 and bf16, "
+                             "every process on a host of its own, beside what the link's bytes alone take")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--child", choices=("mpi",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -126,6 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     print(f"machine: {machine()}", flush=True)
+    if args.network:
+        from psgd.bench import links, netns
+
+        try:
+            names = links.networks_from(args.network)
+        except netns.NetworkError as exc:
+            parser.error(str(exc))
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = links.ps_against_allreduce_on(names, sizes, args.ranks, args.repeats, tmp,
+                                                 lambda text: print(text, flush=True))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "ranks": args.ranks,
+                                                   "repeats": args.repeats, "rows": rows}, indent=2))
+        return 0
     tcp, copy = tcp_loopback_gbps(), memcpy_gbps()
     print(f"raw loopback TCP {tcp:.2f} GB/s, memory copy {copy:.2f} GB/s", flush=True)
     mpi = run_mpi(sizes, args.ranks, args.repeats)

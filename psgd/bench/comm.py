@@ -23,126 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 
+from psgd.bench.blob import BlobCluster, median, time_steps
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
 
 MB = 1_000_000
 PY = sys.executable
-
-
-# -- a cluster of shard processes for a blob model ----------------------------------------
-class BlobCluster:
-    """``shards`` psgd-server processes holding a one-variable model of ``size`` bytes."""
-
-    def __init__(self, size: int, shards: int = 1, workers: int = 1, optimizer: str = "sgd",
-                 policy: str = "async", tmp: str = "."):
-        from psgd.config import JobConfig, to_toml
-
-        self.size, self.elems = size, size // 4
-        self.job = JobConfig()
-        self.job.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
-                             "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
-                             "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
-                             f"cluster.workers={workers}"])
-        self.tmp = Path(tempfile.mkdtemp(dir=tmp))
-        self.path = self.tmp / "job.toml"
-        self.path.write_text(to_toml(self.job.to_dict()))
-        self.env = dict(os.environ)
-        files = [self.tmp / f"{k}.addr" for k in range(shards)]
-        self.procs = [subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(self.path), "--shard", str(k),
-                                        "--bind", "127.0.0.1:0", "--port-file", str(files[k]), "-q"],
-                                       env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                      for k in range(shards)]
-        deadline = time.monotonic() + 120
-        while not all(f.exists() for f in files):
-            for p in self.procs:
-                if p.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise SystemExit(f"psgd-server did not start: {p.stderr.read()[-2000:]}")
-            time.sleep(0.05)  # polling for the port files with a deadline
-        self.addresses = [f.read_text().strip() for f in files]
-        from psgd.bench.blob import Blob
-        from psgd.partition import PartitionPlan
-
-        self.plan = PartitionPlan(Blob((1,), 2, size=self.elems).specs(), shards, self.job.cluster.slice_bytes)
-
-    def client(self, worker: int, data_path: bool = True, wire_dtype: str | None = None):
-        from psgd.worker.client import PSClient
-
-        c = PSClient(self.addresses, self.plan, worker, data_path=data_path, wire_dtype=wire_dtype, job=self.job)
-        c.wait_ready(60)
-        c.register()
-        return c
-
-    def peak_rss_mb(self) -> list[float]:
-        return [_peak_rss_mb(p.pid) for p in self.procs]
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            p.wait(30)
-
-    def __enter__(self) -> "BlobCluster":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _median(xs) -> float:
-    return float(np.median(xs))
-
-
-def time_steps(cluster: BlobCluster, workers: int, steps: int, data_path: bool = True,
-               wire_dtype: str | None = None) -> dict:
-    """``workers`` clients in threads each doing ``steps`` pull+push; per-step medians and throughput."""
-    clients = [cluster.client(w, data_path, wire_dtype) for w in range(workers)]
-    host = [{"blob": np.empty(cluster.elems, dtype=np.float32)} for _ in clients]
-    grads = {"blob": np.full(cluster.elems, 1e-3, dtype=np.float32)}
-
-    def run(w: int) -> tuple[list, list]:
-        pulls, pushes = [], []
-        for clock in range(steps + 1):  # the first step warms up
-            a = time.perf_counter()
-            clients[w].pull(clock, host[w])
-            b = time.perf_counter()
-            clients[w].push(clock, grads)
-            if clock:
-                pulls.append(b - a)
-                pushes.append(time.perf_counter() - b)
-        return pulls, pushes
-
-    start = time.perf_counter()
-    with futures.ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(run, range(workers)))
-    wall = time.perf_counter() - start
-    for c in clients:
-        c.done()
-        c.close()
-    pulls = [x for r in results for x in r[0]]
-    pushes = [x for r in results for x in r[1]]
-    step = _median([a + b for r in results for a, b in zip(*r)])
-    moved = 2 * cluster.size * workers * (steps + 1)
-    return {"pull_s": _median(pulls), "push_s": _median(pushes), "step_s": step,
-            "pull_gbps": cluster.size / _median(pulls) / 1e9, "push_gbps": cluster.size / _median(pushes) / 1e9,
-            "step_gbps": 2 * cluster.size / step / 1e9, "aggregate_gbps": moved / wall / 1e9}
 
 
 # -- pieces -------------------------------------------------------------------------------------------
@@ -168,7 +61,7 @@ def bare_grpc_rtt(repeats: int = 2000) -> float:
                 a = time.perf_counter()
                 echo(payload, timeout=10)
                 times.append(time.perf_counter() - a)
-        return _median(times)
+        return median(times)
     finally:
         proc.stdin.close()
         proc.wait(10)
@@ -242,6 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
                         help="which measurements, comma-separated, besides the limits (always measured): "
                              + ", ".join(PARTS) + " (default: all)")
+    parser.add_argument("--network", metavar="LIST",
+                        help="instead: on emulated links of these rates (e.g. 1gbit,10gbit,none; root and tc), one "
+                             "worker and one shard each on a host of its own, pull, push and step for every "
+                             "--sizes-mb with float32 and bf16 gradients, beside the link's measured rate")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
 
 
@@ -273,6 +170,18 @@ def run_from_args(args: argparse.Namespace) -> dict:
         print(text, flush=True)
 
     say(f"machine: {result['machine']}")
+    if args.network:
+        from psgd.bench import links, netns
+
+        try:
+            names = links.networks_from(args.network)
+        except netns.NetworkError as exc:
+            raise ConfigError(str(exc)) from None
+        with tempfile.TemporaryDirectory() as tmp:
+            result["links"] = links.comm_on(names, sizes, steps, tmp, say)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return result
     tcp, mem = tcp_loopback_gbps(), memcpy_gbps()
     tcp_cold = tcp_loopback_gbps(buffer_bytes=focus)
     result.update(tcp_loopback_gbps=tcp, tcp_model_sized_gbps=tcp_cold, memcpy_gbps=mem)
@@ -320,7 +229,7 @@ def _headline(result: dict, focus: int, steps: int, tmp: str, say, rounds: int) 
         rows.append({"tcp_loopback_gbps": tcp, **t, "step_over_tcp": t["step_gbps"] / tcp})
         say(f"  round {k + 1}: TCP {tcp:.2f} GB/s; pull {t['pull_s'] * 1e3:.1f} ms, push {t['push_s'] * 1e3:.1f} ms, "
             f"step {t['step_s'] * 1e3:.1f} ms = {t['step_gbps']:.2f} GB/s, {t['step_gbps'] / tcp:.2f} of TCP")
-    ratio = _median([r["step_over_tcp"] for r in rows])
+    ratio = median([r["step_over_tcp"] for r in rows])
     result["headline"] = {"size_bytes": focus, "rounds": rows, "median_step_over_tcp": ratio}
     say(f"  median over the rounds: {ratio:.2f} of raw loopback TCP")
 

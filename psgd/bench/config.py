@@ -154,15 +154,12 @@ class LabConfig:
         if self.networks:
             from psgd.bench import netns
 
-            try:
-                rates = [netns.parse_rate(n) for n in self.networks if n != LOOPBACK]
-            except netns.NetworkError as exc:
-                raise ConfigError(str(exc)) from None
             if len(set(self.networks)) != len(self.networks):
                 raise ConfigError(f"--network lists a rate twice: {','.join(self.networks)}")
-            why = netns.unavailable(shaping=any(r is not None for r in rates)) if rates else None
-            if why:
-                raise ConfigError(f"--network needs emulated hosts, which cannot be made here: {why}")
+            try:
+                netns.check_networks([n for n in self.networks if n != LOOPBACK])
+            except netns.NetworkError as exc:
+                raise ConfigError(str(exc)) from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -87,6 +87,17 @@ def unavailable(shaping: bool = False) -> str | None:
         probe.close()
 
 
+def check_networks(names: list[str]) -> None:
+    """Refuse (:class:`NetworkError`) a ``--network`` list with a rate tc would not take or named twice, and
+    one this machine cannot emulate; loopback (no emulated hosts) is left to the caller."""
+    if len(set(names)) != len(names):
+        raise NetworkError(f"--network lists a rate twice: {','.join(names)}")
+    rates = [parse_rate(n) for n in names]
+    why = unavailable(shaping=any(r is not None for r in rates)) if rates else None
+    if why:
+        raise NetworkError(f"--network needs emulated hosts, which cannot be made here: {why}")
+
+
 def remove_stale() -> list[str]:
     """Delete the namespaces made here by processes that are gone; returns their names."""
     listed = _run(IP, "netns", "list", check=False).stdout.split()

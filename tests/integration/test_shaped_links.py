@@ -190,3 +190,59 @@ def test_loopback_runs_beside_a_shaped_network_in_one_lab(shaping, tmp_path):
     summary = (tmp_path / "lab" / "summary.md").read_text()
     assert "**200 Mbit/s links, no straggler**" in summary and "**loopback, no straggler**" in summary
     assert not ours()
+
+
+def test_comm_on_a_shaped_link_sets_each_step_beside_the_link_bound(shaping, tmp_path):
+    """psgd bench comm --network: a worker and a shard on hosts of their own, float32 and bf16 pushes,
+    each step set beside what the measured link takes for its bytes; nothing left behind."""
+    import json
+
+    out = tmp_path / "comm.json"
+    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "comm", "--network", "1gbit",
+                           "--sizes-mb", "2", "--steps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "1gbit links: measured" in done.stdout and "link-bound ms" in done.stdout
+    rows = json.loads(out.read_text())["links"]
+    assert [(r["network"], r["wire_dtype"]) for r in rows] == [("1gbit", "float32"), ("1gbit", "bfloat16")]
+    rate = min(rows[0]["link"]["measured_bytes_per_s"].values())
+    for row in rows:
+        fraction = 1.0 if row["wire_dtype"] == "float32" else 0.5
+        assert row["link_bound_s"] == pytest.approx(2_000_000 * (1 + fraction) / rate)
+        assert 0 < row["pull_s"] and 0 < row["push_s"] and row["step_s"] >= max(row["pull_s"], row["push_s"])
+        assert row["step_over_bound"] == pytest.approx(row["step_s"] / row["link_bound_s"])
+    assert netns.PREFIX not in listed()
+
+
+def test_allreduce_against_the_parameter_server_on_a_shaped_link(shaping, tmp_path):
+    """benchmarks/allreduce.py --network: 2 MPI ranks against 2 workers on 2 shards, every process on a host
+    of its own, each figure beside its link bound (a 2-rank ring: the buffer once over each link)."""
+    import json
+
+    pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
+    out = tmp_path / "allreduce.json"
+    done = subprocess.run([sys.executable, "-m", "psgd.bench.allreduce", "--network", "1gbit", "--sizes-mb", "2",
+                           "--ranks", "2", "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    rate = min(row["link"]["measured_bytes_per_s"].values())
+    assert row["ring_bound_s"] == pytest.approx(2_000_000 / rate)
+    assert row["ps_bound_s"] == pytest.approx(2 * 2_000_000 / rate)
+    assert row["ps_bf16_bound_s"] == pytest.approx(1.5 * 2_000_000 / rate)
+    for key in ("allreduce_s", "ps_step_s", "ps_bf16_step_s"):
+        assert row[key] > 0
+    assert row["ps_over_allreduce"] == pytest.approx(row["ps_step_s"] / row["allreduce_s"])
+    assert netns.PREFIX not in listed()
+
+
+def test_the_benchmarks_refuse_a_network_they_cannot_emulate(monkeypatch):
+    from psgd.bench import links
+
+    with pytest.raises(netns.NetworkError, match="twice"):
+        links.networks_from("1gbit,1gbit")
+    with pytest.raises(netns.NetworkError, match="e.g. 1gbit"):
+        links.networks_from("1gb")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(netns.NetworkError, match="--network needs emulated hosts.*need root"):
+        links.networks_from("1gbit")
