@@ -98,8 +98,18 @@ def run_on(network: Network, config, scenario, contender, run_dir: Path, timeout
     return RunResult(**json.loads(out.read_text()))
 
 
+def launch_argv(network: Network, folder: Path, argv: list[str]) -> list[str]:
+    """The command that runs ``psgd <argv>`` (a ``launch``) on ``ctl`` with its shards, workers and ranks on
+    ``network``'s hosts (``--emulated-hosts``), as ``psgd bench scaling --network`` starts its runs."""
+    spec = folder / "hosts.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps(network.hosts_spec()))
+    return [*network.net.prefix("ctl"), sys.executable, "-m", "psgd.cli.main", *argv, "--emulated-hosts", str(spec)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """On ``ctl``: run the one lab run SPEC describes, write its RunResult to OUT."""
+    argv = sys.argv[1:] if argv is None else argv
     from psgd.bench.config import LabConfig, parse_contender, parse_scenario
     from psgd.bench.convergence import run_one
     from psgd.bench.observe import Evaluator
@@ -107,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     from psgd.launch import Hosts
 
     threads.apply(1)  # this process evaluates beside the run, as the lab's own process does
-    spec_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
+    spec_path, out_path = argv[:2]
     spec = json.loads(Path(spec_path).read_text())
     config = LabConfig(**spec["config"])
-    hosts = Hosts({h: tuple(p) for h, p in spec["hosts"]["prefixes"].items()}, spec["hosts"]["addresses"])
+    hosts = Hosts.from_spec(spec["hosts"])
     run = run_one(config, Evaluator(config.job_config()), parse_scenario(spec["delay"] or "none"),
                   parse_contender(spec["contender"]), Path(spec["run_dir"]), None, hosts=hosts)
     Path(out_path).write_text(json.dumps(run.to_dict()))

@@ -16,6 +16,7 @@ process they start on a host (``python -m psgd.bench.links worker SPEC``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -95,15 +96,37 @@ def networks_from(text: str) -> list[str]:
     return names
 
 
+@contextlib.contextmanager
+def _network(name: str, shards: int, workers: int, rows: list[dict], say):
+    """The emulated hosts of network ``name``, or None where this machine cannot emulate it now (its links
+    measure off their rate, e.g. too busy): that is said, and left in ``rows`` as an error."""
+    from psgd.bench.hosted import Network
+    from psgd.bench.netns import NetworkError
+
+    net = Network(name, shards=shards, workers=workers)
+    try:
+        net.__enter__()
+    except NetworkError as exc:
+        say(f"\n{name} links: skipped: {exc}")
+        rows.append({"network": name, "error": str(exc)})
+        yield None
+        return
+    try:
+        yield net
+    finally:
+        net.__exit__(None, None, None)
+
+
 def comm_on(names: list[str], sizes: list[int], steps: int, tmp: str, say) -> list[dict]:
     """``psgd bench comm --network``: one worker and one shard on each network, every size, the gradient
     pushed as float32 and as bf16, each step beside the link-bound step."""
     from psgd.bench.convergence import link_step_seconds
-    from psgd.bench.hosted import Network
 
-    rows = []
+    rows: list[dict] = []
     for name in names:
-        with Network(name, shards=1, workers=1) as net:
+        with _network(name, 1, 1, rows, say) as net:
+            if net is None:
+                continue
             rate = link_rate(net)
             say(f"\n{name} links: measured {net.record()['measured_gbit_per_s']} Gbit/s; 1 worker, 1 shard, each on "
                 "a host of its own\n  size MB  push  pull ms  push ms  step ms  link-bound ms  step/bound")
@@ -126,11 +149,12 @@ def ps_against_allreduce_on(names: list[str], sizes: list[int], ranks: int, repe
     as many workers pull+push it through as many shards (gradients as float32 and bf16), every process on
     a host of its own; each figure beside what the link's bytes alone take."""
     from psgd.bench.convergence import link_step_seconds
-    from psgd.bench.hosted import Network
 
-    rows = []
+    rows: list[dict] = []
     for name in names:
-        with Network(name, shards=ranks, workers=ranks) as net:
+        with _network(name, ranks, ranks, rows, say) as net:
+            if net is None:
+                continue
             rate = link_rate(net)
             say(f"\n{name} links: measured {net.record()['measured_gbit_per_s']} Gbit/s; {ranks} ranks, and "
                 f"{ranks} workers on {ranks} shards, each on a host of its own\n"

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder for the job file, logs and metrics (default: a new temporary folder)")
     launch.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop everything and fail if the job runs longer (default 900)")
+    launch.add_argument("--emulated-hosts", metavar="FILE.json",
+                        help="run shard k on emulated host s<k> and worker (or rank) r on w<r>, as FILE says "
+                             "(each host's command prefix and address; psgd bench's --network writes such files)")
     nodes = launch.add_argument_group("many machines")
     nodes.add_argument("--nnodes", type=int, default=1, help="machines taking part, one launch on each (default 1)")
     nodes.add_argument("--node-rank", type=int, default=None,
@@ -216,14 +219,15 @@ def layout_from_args(args: argparse.Namespace, environ=None):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from psgd.launch import launch
+    from psgd.launch import Hosts, launch
 
     setup_logging("launch", verbosity(args))
     job = job_from_args(args)
     layout = layout_from_args(args)
+    hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
     result = launch(job, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout)
+                    save=args.save, layout=layout, hosts=hosts)
     c = job.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")

@@ -11,6 +11,7 @@ all-reduce mode over MPI starts its ranks with.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -69,6 +70,26 @@ class Hosts:
 
     def prefix(self, host: str) -> list[str]:
         return list(self.prefixes[host])
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "Hosts":
+        """From ``{"prefixes": {host: argv}, "addresses": {host: address}}`` (psgd.bench.hosted writes it)."""
+        try:
+            return cls({h: tuple(p) for h, p in spec["prefixes"].items()}, dict(spec["addresses"]))
+        except KeyError as exc:
+            raise LaunchError(f"an emulated-hosts spec needs 'prefixes' and 'addresses' by host; {exc} is "
+                              "missing") from None
+        except (TypeError, AttributeError):
+            raise LaunchError("an emulated-hosts spec needs 'prefixes' and 'addresses' by host, each a table "
+                              "keyed by host name") from None
+
+    @classmethod
+    def load(cls, path: str) -> "Hosts":
+        """:meth:`from_spec` of the JSON file ``path`` (``psgd launch --emulated-hosts``)."""
+        try:
+            return cls.from_spec(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"--emulated-hosts {path}: {exc}") from None
 
 
 def find_mpiexec() -> str:

@@ -246,3 +246,44 @@ def test_the_benchmarks_refuse_a_network_they_cannot_emulate(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(netns.NetworkError, match="--network needs emulated hosts.*need root"):
         links.networks_from("1gbit")
+
+
+def test_scaling_runs_its_launches_on_a_shaped_link(shaping, tmp_path):
+    """psgd bench scaling --network: each launch's shard, workers and ranks on hosts of their own (its
+    record says so), the one-process run on this machine, the link measured first and named in the notes."""
+    import json
+
+    pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
+    out = tmp_path / "scaling.json"
+    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "scaling", "--network", "1gbit",
+                           "--widths", "64", "--workers", "2", "--configs", "single,sync,allreduce", "--epochs", "1",
+                           "--repeats", "1", "--out", str(tmp_path / "out"), "--json", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["network"]["rate_bits_per_s"] == 10**9 and min(result["network"]["measured_bytes_per_s"].values()) > 0
+    by_kind = {r["kind"]: r for r in result["runs"]}
+    assert set(by_kind) == {"single", "sync", "allreduce"} and not any(r.get("error") for r in result["runs"])
+    assert "network" not in by_kind["single"]
+    assert by_kind["sync"]["network"] == by_kind["allreduce"]["network"] == "1gbit"
+    assert all(r["steps_per_s"] > 0 for r in result["runs"])
+    assert "emulated links of 1 Gbit/s" in (tmp_path / "out" / "table.md").read_text()
+    assert netns.PREFIX not in listed()
+
+
+def test_an_emulated_hosts_file_psgd_launch_cannot_read_is_a_clear_error(tmp_path):
+    from psgd.launch import Hosts
+    from psgd.launch.supervise import LaunchError
+
+    with pytest.raises(LaunchError, match="--emulated-hosts .*missing.json"):
+        Hosts.load(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"prefixes": {}}')
+    with pytest.raises(LaunchError, match="needs 'prefixes' and 'addresses'"):
+        Hosts.load(str(bad))
+    good = tmp_path / "good.json"
+    good.write_text('{"prefixes": {"s0": ["ip", "netns", "exec", "x"]}, "addresses": {"s0": "10.0.0.1"}}')
+    assert Hosts.load(str(good)).prefix("s0") == ["ip", "netns", "exec", "x"]
+    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--emulated-hosts", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "'addresses' is missing" in done.stderr, done.stderr[-1000:]

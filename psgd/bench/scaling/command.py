@@ -101,8 +101,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     epochs = _number("--epochs", args.epochs) if args.epochs is not None else base["epochs"]
     repeats = _number("--repeats", args.repeats) if args.repeats is not None else base["repeats"]
     timeout = _number("--timeout", args.timeout, float, 1) if args.timeout is not None else DEFAULT_TIMEOUT
+    network = (args.network or "").strip()
+    if network:
+        from psgd.bench import netns
+
+        try:
+            netns.check_networks([network])
+        except netns.NetworkError as exc:
+            raise _config_error(str(exc)) from None
     settings = Settings(widths, workers, list(dict.fromkeys(configs)), epochs, repeats, timeout,
-                        args.out or DEFAULT_OUT, args.quick)
+                        args.out or DEFAULT_OUT, args.quick, network)
     if not settings.rows:
         raise _config_error("nothing to run: give --widths, or add cnn to --configs")
     if not settings.plan():
@@ -137,6 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="widths 64 and 512, 1 and 2 workers, sync + peer + one process, 1 epoch, 1 repeat "
                              "(~15 s); flags given beside it win")
+    parser.add_argument("--network", metavar="RATE",
+                        help="run every launch on emulated links of this rate (e.g. 1gbit, 10gbit, none; root and "
+                             "tc): each shard, worker and all-reduce rank on a host of its own, its link shaped to "
+                             "the rate and measured first; one-process runs stay on this machine")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep every run's logs and metrics under DIR")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

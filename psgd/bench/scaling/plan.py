@@ -88,6 +88,7 @@ class Settings:
     timeout: float
     out: str
     quick: bool = False
+    network: str = ""  # a link rate (1gbit, 10gbit, none): launches on emulated hosts (psgd.bench.hosted)
 
     @property
     def rows(self) -> list[str]:

@@ -137,6 +137,12 @@ def notes(result: dict, reported: bool) -> str:
     for row, failures in t["failures"].items():
         for col, error in failures.items():
             lines.append(f"{row_label(row)} | {col}: failed: {error}")
+    if result.get("network"):
+        net = result["network"]
+        lines.append(f"Every launch ran on emulated links of {net['described']}: each shard, worker and all-reduce "
+                     f"rank on a host of its own (a network namespace), its link shaped to the rate and measured "
+                     f"at {net['measured_gbit_per_s']} Gbit/s before the runs; one-process runs ran on this "
+                     f"machine.")
     load = result["load_average"]
     lines.append(f"Machine: {result['machine']}; load average (1/5/15 min) {load['before']} before, "
                  f"{load['after']} after; {len(result['runs'])} runs in {result['seconds']:.0f}s.")

@@ -3,6 +3,7 @@ stopped within its timeout and measured; :func:`run_benchmark` goes round every 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -38,8 +39,9 @@ def allreduce_unavailable() -> str | None:
     return None
 
 
-def execute(run: Run, epochs: int, timeout: float, run_dir: Path) -> dict:
-    """Start the run as a user would, wait for it (within ``timeout``), and measure it; one JSON-able record."""
+def execute(run: Run, epochs: int, timeout: float, run_dir: Path, network=None) -> dict:
+    """Start the run as a user would, wait for it (within ``timeout``), and measure it; one JSON-able record.
+    With ``network`` (:class:`psgd.bench.hosted.Network`) a launch runs with its processes on its hosts."""
     argv = run.argv(epochs, run_dir, timeout)
     env = {**os.environ, **PEER_ENV} if run.peer else None  # None: this process's environment, as it is
     record = {"row": run.row, "column": run.column, "kind": run.kind, "workers": run.workers, "peer": run.peer,
@@ -47,7 +49,13 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path) -> dict:
               "command": shlex.join(["psgd", *argv]), "env": dict(PEER_ENV) if run.peer else {}}
     limit = timeout + (60 if run.kind != "single" else 0)  # psgd launch stops itself at --timeout
     began = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "psgd.cli.main", *argv], stdin=subprocess.DEVNULL,
+    command = [sys.executable, "-m", "psgd.cli.main", *argv]
+    if network is not None and run.kind != "single":
+        from psgd.bench.hosted import launch_argv
+
+        command = launch_argv(network, run_dir, argv)
+        record["network"] = network.name
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     timed_out = False
@@ -78,6 +86,29 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path) -> dict:
     except (MeasureError, OSError, ValueError, KeyError, IndexError) as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
     return record
+
+
+def _run_all(todo: list, settings: Settings, root: Path, records: list[dict], progress: bool, skipped: dict,
+             network) -> None:
+    """Each (repeat, run) in turn, its record appended to ``records``, one line each as it comes."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(todo), desc="scaling", unit="run", disable=not progress, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        if progress:
+            for kind, why in skipped.items():
+                bar.write(f"{kind_name(kind)}: skipped: {why}", file=sys.stderr)
+        for repeat, run in todo:
+            bar.set_description(run.label + (f" #{repeat}" if settings.repeats > 1 else ""))
+            variant = "-peer" if run.peer else "-allcores" if run.all_cores else ""
+            folder = root / f"{run.row}-{run.kind}{run.workers}{variant}-{repeat}"
+            shutil.rmtree(folder, ignore_errors=True)  # the metrics logs append
+            record = execute(run, settings.epochs, settings.timeout, folder, network)
+            record["repeat"] = repeat
+            records.append(record)
+            bar.update(1)
+            if progress:
+                bar.write(_one_line(record, repeat), file=sys.stderr)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -116,8 +147,6 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
     Repeats go round the whole list, so background load falls on every
     configuration alike.  Returns everything written to scaling.json.
     """
-    from tqdm import tqdm
-
     from psgd.bench.convergence import machine
     from psgd.bench.plots import require_matplotlib
 
@@ -133,28 +162,23 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
     began, load_before = time.perf_counter(), os.getloadavg()
     records: list[dict] = []
     try:
-        with tqdm(total=len(todo), desc="scaling", unit="run", disable=not progress, file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            if progress:
-                for kind, why in skipped.items():
-                    bar.write(f"{kind_name(kind)}: skipped: {why}", file=sys.stderr)
-            for repeat, run in todo:
-                bar.set_description(run.label + (f" #{repeat}" if settings.repeats > 1 else ""))
-                variant = "-peer" if run.peer else "-allcores" if run.all_cores else ""
-                folder = root / f"{run.row}-{run.kind}{run.workers}{variant}-{repeat}"
-                shutil.rmtree(folder, ignore_errors=True)  # the metrics logs append
-                record = execute(run, settings.epochs, settings.timeout, folder)
-                record["repeat"] = repeat
-                records.append(record)
-                bar.update(1)
+        with contextlib.ExitStack() as stack:
+            network = None
+            if settings.network:  # every launch's shards, workers and ranks on hosts of their own
+                from psgd.bench.hosted import Network
+
+                network = stack.enter_context(Network(settings.network, 1, max(r.workers for r in plan)))
                 if progress:
-                    bar.write(_one_line(record, repeat), file=sys.stderr)
+                    print(f"{settings.network} links: measured {network.record()['measured_gbit_per_s']} Gbit/s",
+                          file=sys.stderr, flush=True)
+            _run_all(todo, settings, root, records, progress, skipped, network)
     finally:
         if not keep_runs:
             shutil.rmtree(root, ignore_errors=True)
     result = {
         "benchmark": "psgd bench scaling",
         "settings": settings.to_dict(),
+        "network": network.record() if network is not None else None,
         "machine": machine(),
         "cores": os.cpu_count(),
         "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
