@@ -76,6 +76,7 @@ class ClusterConfig:
     hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
     data_path: bool = True        # pulls and pushes over the shards' plain-TCP data port (else gRPC only)
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
+    overlap: bool = False         # hand gradients on as backward produces them (all-reduce: buckets reduced meanwhile)
 
 
 _CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
@@ -204,7 +205,7 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
-        for key in ("staleness_lr", "data_path"):
+        for key in ("staleness_lr", "data_path", "overlap"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
         if c.wire_dtype not in ("", "float16", "bfloat16"):

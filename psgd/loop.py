@@ -106,6 +106,13 @@ class Exchange(abc.ABC):
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         """Hand on step ``step``'s gradients (device arrays, by variable name)."""
 
+    #: whether :meth:`gradient_ready` wants each gradient as soon as backward produces it ([cluster] overlap)
+    overlaps: bool = False
+
+    def gradient_ready(self, name: str, grad: Any) -> None:
+        """Variable ``name``'s gradient of the step in hand, as soon as backward has produced it (only where
+        :attr:`overlaps` and the model hands its gradients over); :meth:`exchange` still gets them all."""
+
     def end(self, interrupted: bool) -> dict[str, Any]:
         """Leave the job (``interrupted``: the stop event ended it early); returns summary fields."""
         return {}
@@ -165,6 +172,13 @@ def run_loop(
     loss, acc, test_loss = float("nan"), float("nan"), float("nan")
     steps, step, interrupted = 0, 0, False
     cached_epoch, indices = -1, np.empty((0, t.batch_size), dtype=np.int64)  # this rank's batches of one epoch
+    handing = {}  # the model's loss_and_grads keyword that hands each gradient on as backward produces it
+    if exchange.overlaps:
+        if models.hands_over_gradients(model):
+            handing = {"on_grad": exchange.gradient_ready}
+        else:
+            log.info("%s: the model's loss_and_grads takes no on_grad, so its gradients move once backward is "
+                     "done (no overlap)", exchange.name)
     start = time.perf_counter()  # again once joined: wall times count from the first step
 
     def evaluation(params: Mapping[str, Any], done: int) -> None:
@@ -200,7 +214,7 @@ def run_loop(
                 if evaluated:
                     evaluation(params, step)
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
-                                                   device.asarray(ds.y_train[idx]))
+                                                   device.asarray(ds.y_train[idx]), **handing)
                 computed = time.perf_counter()
                 out = exchange.exchange(step, grads)
                 pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from typing import Any, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -99,15 +100,19 @@ class Bucketer:
         self.layout = [bucket for bucket in self.layout if bucket]
         self.buffers = [xp.empty(bucket[-1][2], dtype=self.dtype) for bucket in self.layout]
 
+    def _direct(self, g: Any) -> Any:
+        """A large gradient as the array to reduce in place: itself, or a contiguous copy of it."""
+        # CuPy arrays have no ``writeable`` flag: they always are
+        if not (g.flags.c_contiguous and getattr(g.flags, "writeable", True) and g.dtype == self.dtype):
+            g = self.xp.ascontiguousarray(g, dtype=self.dtype).copy()
+        return g
+
     def allreduce_mean(self, collective: Collective, grads: Mapping[str, Any]) -> dict[str, Any]:
         """The mean of ``grads`` over all ranks (views into the reused buckets, or the arrays themselves)."""
         out = {}
         scale = 1.0 / collective.world_size
         for name in self.direct:
-            g = grads[name]
-            # CuPy arrays have no ``writeable`` flag: they always are
-            if not (g.flags.c_contiguous and getattr(g.flags, "writeable", True) and g.dtype == self.dtype):
-                g = self.xp.ascontiguousarray(g, dtype=self.dtype).copy()
+            g = self._direct(grads[name])
             _sum_then_scale(collective, g.reshape(-1), scale)
             out[name] = g
         for bucket, buf in zip(self.layout, self.buffers):
@@ -121,6 +126,70 @@ class Bucketer:
     @property
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self.buffers)
+
+    def round(self, collective: Collective, submit: Callable[..., Future]) -> "BucketRound":
+        """One step's reduction with each bucket started (through ``submit``, e.g. a one-thread executor's)
+        as soon as its gradients are in, while backward goes on."""
+        return BucketRound(self, collective, submit)
+
+
+class BucketRound:
+    """One step of :class:`Bucketer` fed gradient by gradient (overlap): a large gradient is reduced as it
+    arrives, a bucket once all of its gradients are in, each through ``submit``; :meth:`finish` adds what
+    never came, waits, and returns what :meth:`Bucketer.allreduce_mean` would.
+
+    The same buckets are reduced as without overlap, each as one sum, so the mean is the same to the bit.
+    Every rank must hand the gradients over in the same order (the same model does), since the reductions
+    are collective calls made in the order they are submitted.  At most one reduction per bucket and per
+    large gradient is in flight: the buffers are the bucketer's own, made once.
+    """
+
+    def __init__(self, bucketer: Bucketer, collective: Collective, submit: Callable[..., Future]):
+        self.b, self.collective, self.submit = bucketer, collective, submit
+        self.scale = 1.0 / collective.world_size
+        self.missing = [{name for name, *_ in bucket} for bucket in bucketer.layout]
+        self.where = {name: (i, start, stop) for i, bucket in enumerate(bucketer.layout)
+                      for name, start, stop, _ in bucket}
+        self.out: dict[str, Any] = {}
+        self.pending: list[Future] = []
+
+    def add(self, name: str, grad: Any) -> None:
+        """Variable ``name``'s gradient is ready: copy it into its bucket (or take it), start what is complete."""
+        if name in self.out or (name in self.where and name not in self.missing[self.where[name][0]]):
+            return  # handed over twice: the first one counts
+        if name in self.b.direct:
+            g = self.b._direct(grad)
+            self.out[name] = g
+            self.pending.append(self.submit(_sum_then_scale, self.collective, g.reshape(-1), self.scale))
+            return
+        i, start, stop = self.where[name]
+        self.b.buffers[i][start:stop] = grad.reshape(-1)
+        self.missing[i].discard(name)
+        if not self.missing[i]:
+            self.pending.append(self.submit(_sum_then_scale, self.collective, self.b.buffers[i], self.scale))
+
+    def finish(self, grads: Mapping[str, Any]) -> dict[str, Any]:
+        """Add the gradients of ``grads`` not handed over yet, wait for every reduction (its error is raised
+        here, in the step that owns it) and return the mean by variable."""
+        for name in self.b.direct:
+            if name not in self.out:
+                self.add(name, grads[name])
+        for i, bucket in enumerate(self.b.layout):
+            for name, *_ in bucket:
+                if name in self.missing[i]:
+                    self.add(name, grads[name])
+        errors = []
+        for future in self.pending:
+            try:
+                future.result()
+            except BaseException as exc:  # wait for the rest before raising: no reduction outlives its step
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        for bucket, buf in zip(self.b.layout, self.b.buffers):
+            for name, start, stop, shape in bucket:
+                self.out[name] = buf[start:stop].reshape(shape)
+        return self.out
 
 
 def _sum_then_scale(collective: Collective, flat: Any, scale: float) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from psgd import data as datasets
@@ -41,15 +42,21 @@ class AllReduceExchange(Exchange):
                                   f"{job.cluster.workers}) or change [cluster] workers")
         specs = model.specs()
         plan = PartitionPlan(specs, 1)
+        # overlap too: it changes the order of the collective calls, which every rank must make alike
         collective.check_agreement(json.dumps({"plan": plan.hash, "world": world, "batch": t.batch_size,
-                                               "epochs": t.epochs, "seed": t.seed, "data": ds.describe()}),
-                                   "the model, data, batch size, epochs and seed")
+                                               "epochs": t.epochs, "seed": t.seed, "data": ds.describe(),
+                                               "overlap": job.cluster.overlap}),
+                                   "the model, data, batch size, epochs, seed and overlap")
         self.params = params_to_device(model.init(t.seed), device)
         for name in sorted(self.params):  # one source of truth, whatever the ranks computed locally
             collective.broadcast_(self.params[name], root=0)
         self.optimizer = build_optimizer(job)
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
+        # [cluster] overlap: buckets are reduced by one communication thread while backward goes on
+        self.overlaps = job.cluster.overlap
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}") if self.overlaps else None
+        self._round = None
         spe = datasets.steps_per_epoch(ds.n_train, world, t.batch_size)
         log.info("rank %d of %d (%s): %d steps of batch %d, %d bucket(s) of %.1f MB", rank, world,
                  collective.backend, spe * t.epochs, t.batch_size, len(self.bucketer.buffers),
@@ -58,10 +65,21 @@ class AllReduceExchange(Exchange):
     def weights(self, step: int) -> Mapping[str, Any]:
         return self.params
 
+    def gradient_ready(self, name: str, grad: Any) -> None:
+        if self._round is None:
+            self._round = self.bucketer.round(self.collective, self._comm.submit)
+        if self.device.is_gpu:
+            backend.synchronize(self.device)  # the communication thread reads what the kernels write
+        self._round.add(name, grad)
+
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         backend.synchronize(self.device)  # the gradient is computed: time the collective alone
         began = time.perf_counter()
-        mean = self.bucketer.allreduce_mean(self.collective, grads)
+        if self.overlaps:  # what is left of the reductions started during backward
+            round_, self._round = self._round or self.bucketer.round(self.collective, self._comm.submit), None
+            mean = round_.finish(grads)
+        else:
+            mean = self.bucketer.allreduce_mean(self.collective, grads)
         seconds = time.perf_counter() - began
         self.comm_seconds += seconds
         for name, grad in mean.items():
@@ -69,6 +87,8 @@ class AllReduceExchange(Exchange):
         return Exchanged(step + 1, timings={"allreduce_seconds": seconds})
 
     def end(self, interrupted: bool) -> dict[str, Any]:
+        if self._comm is not None:
+            self._comm.shutdown(wait=True)
         return {"comm_seconds": self.comm_seconds}
 
     def final_weights(self) -> Mapping[str, Any]:

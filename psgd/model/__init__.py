@@ -14,7 +14,8 @@ import inspect
 import re
 from typing import Any
 
-from psgd.model.base import INITIALIZERS, BaseModel, Model, VarSpec, VarSpecError, init_variable
+from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecError, hands_over_gradients,
+                              init_variable)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
@@ -22,7 +23,7 @@ from psgd.model.nets import CNN, MLP, SoftmaxRegression
 __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
-    "check_model", "run_checks", "Check",
+    "check_model", "run_checks", "Check", "hands_over_gradients",
 ]
 
 MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN}

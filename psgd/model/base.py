@@ -14,6 +14,7 @@ the command line as ``package.module:Class``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import zlib
 from typing import Any, Mapping, Protocol, runtime_checkable
 
@@ -91,6 +92,16 @@ def init_variable(spec: VarSpec, seed: int) -> np.ndarray:
     else:  # normal
         values = rng.standard_normal(shape) * spec.scale
     return values.astype(dtype)
+
+
+def hands_over_gradients(model: Any) -> bool:
+    """Whether ``model.loss_and_grads`` takes ``on_grad``: a callback it calls with each variable's gradient
+    as soon as backward has produced it (the built-in models do, last layer first), so that moving the
+    gradients can start while backward goes on ([cluster] overlap)."""
+    try:
+        return "on_grad" in inspect.signature(model.loss_and_grads).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return False
 
 
 @runtime_checkable

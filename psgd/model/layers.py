@@ -8,7 +8,7 @@ names (``W``, ``b``); :class:`Sequential` adds the prefixes.  Images are NCHW.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from psgd.model.base import VarSpec
 from psgd.xp import get_array_module
@@ -215,10 +215,11 @@ class Sequential:
             caches.append(cache)
         return x, caches
 
-    def backward(self, params: Mapping[str, Any], caches: list[Any], dout: Any,
-                 need_dx: bool = True) -> tuple[Any, dict[str, Any]]:
+    def backward(self, params: Mapping[str, Any], caches: list[Any], dout: Any, need_dx: bool = True,
+                 on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
         """``(dx, grads)``; without ``need_dx`` the input's gradient is skipped where the first layer can
-        (``dx`` is then None): training needs the variables' gradients only."""
+        (``dx`` is then None): training needs the variables' gradients only.  ``on_grad(name, grad)`` is
+        called for each variable as soon as its layer's backward has produced it, last layer first."""
         grads: dict[str, Any] = {}
         first = self.layers[0][1]
         for (prefix, layer), cache in zip(reversed(self.layers), reversed(caches)):
@@ -226,5 +227,8 @@ class Sequential:
                 dout, local = layer.backward(self._local(params, prefix, layer), cache, dout, need_dx=False)
             else:
                 dout, local = layer.backward(self._local(params, prefix, layer), cache, dout)
-            grads.update({f"{prefix}/{k}": g for k, g in local.items()})
+            for k, g in local.items():
+                grads[f"{prefix}/{k}"] = g
+                if on_grad is not None:
+                    on_grad(f"{prefix}/{k}", g)
         return dout, {name: grads[name] for name in self.names}  # in spec order

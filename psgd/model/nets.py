@@ -8,7 +8,7 @@ raises :class:`ModelError` naming the model and the option.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -100,21 +100,23 @@ class LayeredModel(BaseModel):
                              f"got {tuple(x.shape)}")
         return x.reshape((x.shape[0],) + self.batch_shape())
 
-    def loss_grads_and_dx(self, params: Mapping[str, Any], x: Any, y: Any,
-                          need_dx: bool = True) -> tuple[Any, dict[str, Any], Any]:
+    def loss_grads_and_dx(self, params: Mapping[str, Any], x: Any, y: Any, need_dx: bool = True,
+                          on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any], Any]:
         """Like :meth:`loss_and_grads`, plus the gradient with respect to the (reshaped) inputs."""
         out, caches = self.net.forward(params, self._inputs(params, x))
         if self.loss_name == "mse":
             loss, dout = mean_squared_error(out, y, self.num_classes)
         else:
             loss, dout = softmax_cross_entropy(out, y)
-        dx, grads = self.net.backward(params, caches, dout, need_dx=need_dx)
+        dx, grads = self.net.backward(params, caches, dout, need_dx=need_dx, on_grad=on_grad)
         return loss, grads, dx
 
-    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
+    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
+                       on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
         """The mean loss (a 0-d array on the params' device: reading it waits for the GPU, so the
-        caller does that once the step's work is queued) and the gradients."""
-        loss, grads, _ = self.loss_grads_and_dx(params, x, y, need_dx=False)
+        caller does that once the step's work is queued) and the gradients; ``on_grad(name, grad)``
+        hears of each gradient as soon as backward has produced it, last layer first."""
+        loss, grads, _ = self.loss_grads_and_dx(params, x, y, need_dx=False, on_grad=on_grad)
         return loss, grads
 
     def predict(self, params: Mapping[str, Any], x: Any) -> Any:

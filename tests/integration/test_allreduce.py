@@ -99,13 +99,16 @@ def test_wrong_number_of_ranks_is_a_clear_error():
     assert "Traceback" not in done.stderr
 
 
-def test_ranks_with_different_models_are_refused(tmp_path):
+@pytest.mark.parametrize("differ", [("model.hidden=[32]", "model.hidden=[16]"),
+                                    ("cluster.overlap=true", "cluster.overlap=false")])
+def test_ranks_with_different_models_are_refused(tmp_path, differ):
+    """A different model, or a different [cluster] overlap (which orders the collective calls), is refused."""
     # rank-dependent model through a per-rank job file is impossible with one command line, so give
     # each rank its own file via MPMD syntax: mpiexec -n 1 A : -n 1 B
     jobs = []
-    for hidden in (32, 16):
-        j = make_job(f"model.hidden=[{hidden}]", "cluster.workers=2", "train.epochs=1")
-        p = tmp_path / f"job{hidden}.toml"
+    for k, setting in enumerate(differ):
+        j = make_job(setting, "cluster.workers=2", "train.epochs=1")
+        p = tmp_path / f"job{k}.toml"
         p.write_text(to_toml(j.to_dict()))
         jobs.append(p)
     argv = [find_mpiexec()]
@@ -114,7 +117,7 @@ def test_ranks_with_different_models_are_refused(tmp_path):
                                         "--backend", "mpi", "--no-progress", "-q"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
-    assert "disagree on the model, data, batch size, epochs and seed" in done.stderr
+    assert "disagree on the model, data, batch size, epochs, seed and overlap" in done.stderr
 
 
 def test_a_dead_rank_stops_the_job_with_a_message(tmp_path):
@@ -149,3 +152,23 @@ def _is_rank(pid: int, run_dir: Path) -> bool:
     except OSError:
         return False
     return cmd[:1] == [PY.encode()] and b"psgd.cli.worker" in cmd and str(run_dir / "job.toml").encode() in cmd
+
+
+def test_overlap_on_and_off_give_identical_weights(tmp_path):
+    """[cluster] overlap = true (buckets reduced by a communication thread during backward) ends with the
+    weights of overlap = false, to the bit, over 2 MPI ranks in float64; one large variable goes alone."""
+    saved = {}
+    for overlap in (False, True):
+        job = make_job("model.hidden=[1200, 600]", "train.dtype=float64", "train.epochs=1", "train.batch_size=16",
+                       "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=2",
+                       f"cluster.overlap={'true' if overlap else 'false'}")
+        path = tmp_path / f"job-{overlap}.toml"
+        path.write_text(to_toml(job.to_dict()))
+        saved[overlap] = tmp_path / f"w-{overlap}.npz"
+        done = mpirun(2, "-m", "psgd.cli.worker", "-c", str(path), "--mode", "allreduce", "--backend", "mpi",
+                      "--no-progress", "-q", "--save", str(saved[overlap]))
+        assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(saved[False], allow_pickle=False) as off, np.load(saved[True], allow_pickle=False) as on:
+        assert off.files == on.files
+        for name in off.files:
+            np.testing.assert_array_equal(on[name], off[name])
