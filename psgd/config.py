@@ -76,7 +76,7 @@ class ClusterConfig:
     hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
     data_path: bool = True        # pulls and pushes over the shards' plain-TCP data port (else gRPC only)
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
-    overlap: bool = False         # hand gradients on as backward produces them (all-reduce: buckets reduced meanwhile)
+    overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
 
 
 _CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}

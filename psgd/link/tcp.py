@@ -141,7 +141,9 @@ class TcpLink(GrpcLink):
     def __init__(self, endpoint: Endpoint):
         super().__init__(endpoint)
         self.data_port = 0
-        self._conn: DataConnection | None = None
+        # one connection for pulls and one for pushes, so that a pull may run while a push is in flight
+        # (overlap): a connection carries one call at a time
+        self._conns: dict[str, DataConnection | None] = {"pull": None, "push": None}
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = super().register(request)
@@ -150,44 +152,49 @@ class TcpLink(GrpcLink):
         self.data_port = reply.data_port
         return reply
 
-    def _connection(self) -> DataConnection:
-        if self._conn is None:
+    def _connection(self, purpose: str) -> DataConnection:
+        conn = self._conns[purpose]
+        if conn is None:
             ep = self.endpoint
-            self._conn = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
-                                        ep.request_timeout, ep.tls)
-        return self._conn
+            conn = self._conns[purpose] = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash,
+                                                         ep.token, ep.request_timeout, ep.tls)
+        return conn
 
-    def _over_data(self, fn):
-        """``fn(connection)``; a broken connection is dropped (reopened next time) and reported as
-        UNAVAILABLE, which the caller may retry."""
+    def _over_data(self, purpose: str, fn):
+        """``fn(connection)`` on the ``purpose`` ("pull" or "push") connection; a broken connection is
+        dropped (reopened next time) and reported as UNAVAILABLE, which the caller may retry."""
         try:
-            return fn(self._connection())
+            return fn(self._connection(purpose))
         except protocol.WireError as err:
-            self.reset()
+            self._drop(purpose)
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
 
     def pull(self, clock: int, views: list[memoryview]) -> int:
         if not self.data_port:
             return super().pull(clock, views)
-        return self._over_data(lambda conn: conn.pull(clock, views))
+        return self._over_data("pull", lambda conn: conn.pull(clock, views))
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
         if not self.data_port:
             return super().push(clock, base_version, codec, parts)
         size = sum(memoryview(p).nbytes for p in parts)
-        return self._over_data(lambda conn: conn.push(clock, base_version, codec.code, parts, size))
+        return self._over_data("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size))
 
     def interrupt(self) -> None:
         super().interrupt()
-        conn = self._conn
-        if conn is not None:
-            conn.interrupt()
+        for conn in list(self._conns.values()):
+            if conn is not None:
+                conn.interrupt()
 
-    def reset(self) -> None:
-        """Drop the data connection; the next call opens a new one."""
-        conn, self._conn = self._conn, None
+    def _drop(self, purpose: str) -> None:
+        conn, self._conns[purpose] = self._conns[purpose], None
         if conn is not None:
             conn.close()
+
+    def reset(self) -> None:
+        """Drop the data connections; the next calls open new ones."""
+        for purpose in self._conns:
+            self._drop(purpose)
 
     def close(self) -> None:
         self.reset()

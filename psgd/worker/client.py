@@ -85,7 +85,8 @@ class PSClient:
                                                request_timeout)) for k, a in enumerate(self.addresses)]
         self.versions = [0] * plan.num_shards
         self.lease_seconds = 10.0
-        self._pool = futures.ThreadPoolExecutor(max_workers=plan.num_shards, thread_name_prefix="ps-client")
+        # a pull and a push may be under way at once (overlap), each on every shard
+        self._pool = futures.ThreadPoolExecutor(max_workers=2 * plan.num_shards, thread_name_prefix="ps-client")
         self._beat_stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.clock = 0
@@ -243,9 +244,12 @@ class PSClient:
             self._pulling = False
         return self.versions
 
-    def push(self, clock: int, grads: Mapping[str, np.ndarray]) -> list[PushReply]:
+    def push(self, clock: int, grads: Mapping[str, np.ndarray],
+             base_versions: Sequence[int] | None = None) -> list[PushReply]:
         """Send every shard its slices of ``grads``, encoded by the job's codec; a retried push is applied
-        once by the shard."""
+        once by the shard.  ``base_versions`` are the shards' versions the gradient was computed from
+        (default: those of the last pull; give them when a later pull may already be under way)."""
+        bases = list(self.versions if base_versions is None else base_versions)
         flat = {name: np.ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
         for spec in self.plan.specs:
             g = flat.get(spec.name)
@@ -255,7 +259,7 @@ class PSClient:
         def one(k: int) -> PushReply:
             parts = self._encode(k, flat)
             return self._retrying(k, f"push (clock {clock})",
-                                  lambda: self.links[k].push(clock, self.versions[k], self.codec, parts))
+                                  lambda: self.links[k].push(clock, bases[k], self.codec, parts))
 
         return self._on_all(one)
 

@@ -8,9 +8,11 @@ skips ahead to the smallest clock any shard expects next.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -45,6 +47,13 @@ class ParameterServerExchange(Exchange):
         self.joined = False
         self.versions: list[int] = []
         self.pull_seconds = 0.0
+        # [cluster] overlap: the next step's pull goes out while this step's push is in flight, into a second
+        # set of host buffers; at most one push and one pull are under way (two threads, two buffer sets)
+        self.overlaps = built.config.cluster.overlap
+        self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in plan.specs} \
+            if self.overlaps else None
+        self._prefetch: tuple[int, Future] | None = None
+        self.total = 0
 
     def _stopping(self, exc: PSError) -> None:
         """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
@@ -61,6 +70,7 @@ class ParameterServerExchange(Exchange):
         self.joined = True
         self.client.start_heartbeats()
         spe = datasets.steps_per_epoch(ds.n_train, c.workers, t.batch_size)
+        self.total = spe * t.epochs
         log.info("worker %d of %d: %d steps of batch %d (%d per epoch), starting at clock %d, %s",
                  self.rank, c.workers, spe * t.epochs, t.batch_size, spe, clock, ds.describe())
         return clock
@@ -68,18 +78,37 @@ class ParameterServerExchange(Exchange):
     def weights(self, step: int) -> Mapping[str, Any]:
         began = time.perf_counter()
         try:
-            self.versions = self.client.pull(step, self.host)
+            if not self._prefetched(step):
+                self.versions = self.client.pull(step, self.host)
         except PSError as exc:
             self._stopping(exc)
             raise
-        self.pull_seconds = time.perf_counter() - began
+        self.pull_seconds = time.perf_counter() - began  # with overlap: the part of the pull not hidden
         device = self.built.device
         return {k: device.asarray(v) for k, v in self.host.items()}
+
+    def _prefetched(self, step: int) -> bool:
+        """Take the pull of ``step`` started during the last push, if that is the step now computed (its error,
+        if it failed, is this step's); a pull for another step is waited for and dropped."""
+        if self._prefetch is None:
+            return False
+        clock, pending = self._prefetch
+        self._prefetch = None
+        if clock != step:
+            with contextlib.suppress(PSError):  # not this step's: only let it finish off the connection
+                pending.result()
+            return False
+        self.versions = pending.result()
+        self.host, self._spare = self._spare, self.host
+        return True
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         began = time.perf_counter()
         try:
-            replies = self.client.push(step, self._on_host(grads))
+            if self.overlaps:
+                replies = self._push_beside_next_pull(step, self._on_host(grads))
+            else:
+                replies = self.client.push(step, self._on_host(grads))
         except PSError as exc:
             self._stopping(exc)
             raise
@@ -93,6 +122,15 @@ class ParameterServerExchange(Exchange):
                          {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
                           "bytes": 2 * self.plan.total_bytes, "outcomes": [r.outcome for r in replies]})
 
+    def _push_beside_next_pull(self, step: int, grads: dict[str, np.ndarray]) -> list:
+        """Push ``step``'s gradient and, at the same time, pull the weights for the next step (on the link's
+        other connection; under sync that pull waits at the shards for the round this push closes)."""
+        push = _in_background(f"worker-{self.rank}-push", self.client.push, step, grads, list(self.versions))
+        if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
+            self._prefetch = (step + 1, _in_background(f"worker-{self.rank}-pull", self.client.pull, step + 1,
+                                                       self._spare))
+        return push.result()  # a failed push fails this step, with the message it has without overlap
+
     def _on_host(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
         """The gradients as host arrays: copied into the pinned buffers from a GPU, as they are on a CPU."""
         if self.grad_host is None:
@@ -100,6 +138,10 @@ class ParameterServerExchange(Exchange):
         return {k: backend.to_host(g, out=self.grad_host[k]) for k, g in grads.items()}
 
     def end(self, interrupted: bool) -> dict[str, Any]:
+        if self._prefetch is not None:  # a pull for a step that will not be computed now
+            with contextlib.suppress(PSError):
+                self._prefetch[1].result()
+            self._prefetch = None
         if self.joined:
             try:
                 self.client.done()
@@ -109,6 +151,22 @@ class ParameterServerExchange(Exchange):
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
         return {"outcomes": dict(self.outcomes)}
+
+
+def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` on a thread of its own; its result or error in the future.  The thread is a daemon:
+    a call left behind by a failed step (retrying a shard that is gone) never holds the process open."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def run_worker(

@@ -267,7 +267,8 @@ def _sync_run(job, grads, steps: int, data_path: bool):
                 return seen
 
             seen = run_threads([lambda w=w: loop(w) for w in range(2)], timeout=60)
-            used = {getattr(c.links[k], "_conn", None) is not None for c in clients for k in range(plan.num_shards)}
+            used = {any(conn is not None for conn in getattr(c.links[k], "_conns", {}).values())
+                    for c in clients for k in range(plan.num_shards)}
             conns = sum(len(s.data._conns) for s in servers)
             result = {"flats": [s.core.flat.copy() for s in servers], "versions": [s.core.version for s in servers],
                       "seen": seen, "used": used, "conns": conns, "cores": [s.core for s in servers]}
@@ -290,7 +291,7 @@ def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc(mon
     tcp = _sync_run(job, grads, steps, data_path=True)
     rpc = _sync_run(job, grads, steps, data_path=False)
 
-    assert tcp["used"] == {True} and tcp["conns"] == 4  # one data connection per worker and shard
+    assert tcp["used"] == {True} and tcp["conns"] == 8  # a pull and a push connection per worker and shard
     assert rpc["used"] == {False} and rpc["conns"] == 0  # gRPC only
     assert sum(len(c.slices) for c in tcp["cores"]) > len(specs)  # tensors were cut
     assert tcp["versions"] == rpc["versions"] == [steps, steps]
@@ -393,7 +394,7 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         assert [s.core.counters["bytes_in"] - r for s, r in zip(servers, received)] == \
             [2 * s.core.flat.size * itemsize for s in servers]
         if link == "tcp":
-            assert all(c is not None for c in [link._conn for link in client.links])  # it went over the data path
+            assert all(link._conns["push"] is not None for link in client.links)  # it went over the data path
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
         for server in servers:
@@ -489,7 +490,8 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
         for step in range(3):
-            old = list([link._conn for link in client.links])
+            purpose = "pull" if step % 2 else "push"  # the connection the step's call goes over
+            old = [link._conns[purpose] for link in client.links]
             assert all(kill_data_connections(s) >= 1 for s in servers)
             before = [s.core.flat.copy() for s in servers]
             versions = [s.core.version for s in servers]
@@ -504,7 +506,8 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
                     assert server.core.flat.tobytes() == want.tobytes()
                 assert [s.core.version for s in servers] == [v + 1 for v in versions]
                 clock += 1
-            assert all(new is not None and new is not was for new, was in zip([link._conn for link in client.links], old))
+            assert all(new is not None and new is not was
+                       for new, was in zip([link._conns[purpose] for link in client.links], old))
 
 
 def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeypatch):

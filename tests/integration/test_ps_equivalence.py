@@ -54,10 +54,34 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
     assert any(not np.allclose(init[k], reference.params[k]) for k in init)  # training moved the weights
 
 
-def test_async_and_ssp_runs_apply_every_push():
+def sync_weights(overlap: bool, link: str) -> tuple[dict, list]:
+    job = make_job("model.hidden=[48]", "train.dtype=float64", "train.epochs=2", "train.batch_size=16",
+                   "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.policy=sync", "cluster.workers=2",
+                   "cluster.shards=2", "cluster.slice_bytes=4096", f"cluster.overlap={str(overlap).lower()}",
+                   f"cluster.data_path={str(link == 'tcp').lower()}")
+    with shards(job) as servers:
+        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
+                               for r in range(2)], timeout=120)
+        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.slice_bytes)
+        return fetch_weights(job.cluster.servers, plan), [r.steps for r in results]
+
+
+@pytest.mark.parametrize("link", ["tcp", "grpc"])
+def test_overlap_on_and_off_give_identical_weights_under_sync(link):
+    """[cluster] overlap = true (the next step's pull under way while this step's push is in flight)
+    ends a sync run with the weights of overlap = false, to the bit, in float64."""
+    off, steps_off = sync_weights(False, link)
+    on, steps_on = sync_weights(True, link)
+    assert steps_on == steps_off
+    for name in off:
+        np.testing.assert_array_equal(on[name], off[name])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_async_and_ssp_runs_apply_every_push(overlap):
     for policy in ("async", "ssp"):
         job = make_job("model.name=softmax", "train.epochs=1", f"cluster.policy={policy}",
-                       "cluster.workers=2", "cluster.shards=2")
+                       "cluster.workers=2", "cluster.shards=2", f"cluster.overlap={str(overlap).lower()}")
         with shards(job) as servers:
             results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                    for r in range(2)], timeout=120)
