@@ -33,7 +33,8 @@ commands:
            `psgd bench scaling` measures steps/s against model width,
            workers and mode, as users start them; `psgd bench gpu`
            measures psgd on one GPU (training step, host<->device
-           transfers, NCCL all-reduce) against bare CuPy
+           transfers, NCCL all-reduce) against bare CuPy; `psgd bench
+           overlap` measures steps/s with [cluster] overlap off and on
   status   live view of a running cluster: shards' health, versions and
            staleness, workers' clocks and throughput (psgd status HOST:PORT...)
   doctor   preflight check of a job file: every address resolves and answers,
@@ -127,16 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     """``psgd bench convergence`` (the convergence lab), ``psgd bench comm``, ``scaling`` and ``gpu`` (psgd.bench)."""
     from psgd.bench import comm
-    from psgd.bench import gpu
+    from psgd.bench import gpu, overlap
     from psgd.bench.scaling import command as scaling
     from psgd.bench.convergence import add_arguments
 
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
                                          "comm: how fast tensors move; scaling: steps/s against model width "
-                                         "and workers; gpu: psgd on one GPU against bare CuPy)",
+                                         "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
+                                         "communication beside computation, off and on)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
-                                       "`psgd bench comm --help`, `psgd bench scaling --help` and "
-                                       "`psgd bench gpu --help`.")
+                                       "`psgd bench comm --help`, `psgd bench scaling --help`, "
+                                       "`psgd bench gpu --help` and `psgd bench overlap --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     lab = kinds.add_parser(
@@ -174,6 +176,12 @@ def _add_bench(sub) -> None:
         description=gpu.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu.add_arguments(on_gpu)
     on_gpu.set_defaults(func=cmd_bench_gpu)
+    hiding = kinds.add_parser(
+        "overlap", help="steps/s with [cluster] overlap off and on, beside one step's compute-only and "
+                        "communication-only time (sync, async, all-reduce; the synthetic model and a quarter of it)",
+        description=overlap.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    overlap.add_arguments(hiding)
+    hiding.set_defaults(func=cmd_bench_overlap)
 
 
 def cmd_bench_convergence(args: argparse.Namespace) -> int:
@@ -200,6 +208,13 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
 
 def cmd_bench_gpu(args: argparse.Namespace) -> int:
     from psgd.bench.gpu import run_from_args
+
+    setup_logging("bench", -1)
+    return run_from_args(args)
+
+
+def cmd_bench_overlap(args: argparse.Namespace) -> int:
+    from psgd.bench.overlap import run_from_args
 
     setup_logging("bench", -1)
     return run_from_args(args)

@@ -1,0 +1,173 @@
+"""Overlap of communication with computation, measured as users run it.
+
+For the synthetic preset's model (an MLP 64-3072-3072-10, 38.7 MB) and one a quarter of its size
+(64-1536-1536-10), with 1 and 2 workers under sync and async (2 shards) and 2 all-reduce ranks, in one run:
+
+  - steps/s of ``psgd launch`` with ``[cluster] overlap`` false and true, read from the processes' own
+    step records, as ``psgd bench scaling`` reads them;
+  - one step's compute alone: a gradient in one process with one BLAS thread, as the launcher gives each
+    process here (:func:`psgd.loop.gradient_seconds`);
+  - one step's communication alone: the model's bytes pulled and pushed through 2 shard processes by as
+    many workers at once (a free gradient), or all-reduced over MPI by as many ranks;
+  - step / max(compute, communication): 1 when a step costs only its larger part.
+
+    psgd bench overlap                        # about 10 minutes on 2 cores
+    psgd bench overlap --models quarter --workers 2 --epochs 1 --json overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODELS = {"synthetic": 3072, "quarter": 1536}
+KINDS = ("sync", "async", "allreduce")
+DATA = ["--dataset", "synthetic", "--set", "data.input_dim=64", "--set", "data.n_train=3072", "--set",
+        "data.n_test=256"]
+PY = sys.executable
+
+
+def launch_argv(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
+                timeout: float) -> list[str]:
+    """The ``psgd`` command line of one run, as a user would type it (without the leading ``psgd``)."""
+    mode = ["--mode", "allreduce"] if kind == "allreduce" else ["--mode", "ps", "--policy", kind, "--shards", "2"]
+    return ["launch", *mode, "--workers", str(workers), "--optimizer", "momentum", "--lr", "0.01",
+            "--epochs", str(epochs), "--set", f"model.hidden=[{width}, {width}]", *DATA,
+            "--set", f"cluster.overlap={'true' if overlap else 'false'}", "--run-dir", str(run_dir),
+            "--timeout", f"{timeout:g}", "--no-progress", "--json"]
+
+
+def run_one(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
+            timeout: float) -> dict:
+    """One launch; its steps/s (aggregate and per worker) from what its processes recorded."""
+    from psgd.bench.scaling.measure import MeasureError, allreduce_rates, ps_rates, read_steps
+
+    argv = launch_argv(kind, workers, width, overlap, epochs, run_dir, timeout)
+    record = {"kind": kind, "workers": workers, "width": width, "overlap": overlap,
+              "command": shlex.join(["psgd", *argv])}
+    done = subprocess.run([PY, "-m", "psgd.cli.main", *argv], capture_output=True, text=True, timeout=timeout + 60)
+    if done.returncode:
+        record["error"] = f"exit status {done.returncode}: {done.stderr.strip()[-400:]}"
+        return record
+    try:
+        if kind == "allreduce":
+            record.update(allreduce_rates(read_steps(run_dir / "allreduce.jsonl"), workers))
+        else:
+            record.update(ps_rates([read_steps(run_dir / f"worker-{k}.jsonl") for k in range(workers)]))
+    except (MeasureError, OSError, ValueError, KeyError) as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def compute_seconds(width: int, repeats: int = 10) -> float:
+    """One gradient of a batch of 32 in this process with one BLAS thread."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from psgd.loop import gradient_seconds
+    from psgd.model import build_model
+
+    model = build_model("mlp", (64,), 10, hidden=(width, width))
+    params = model.init(0)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 64)).astype(np.float32), rng.integers(0, 10, 32)
+    with threadpool_limits(1):
+        return gradient_seconds(model, params, x, y, repeats)
+
+
+def model_bytes(width: int) -> int:
+    return 4 * (64 * width + width + width * width + width + width * 10 + 10)
+
+
+def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str) -> float:
+    """One step's communication alone: pull+push of the model through 2 shards by ``workers`` workers at
+    once (the median step), or an all-reduce of its bytes over ``workers`` MPI ranks; 0 for one rank."""
+    size = model_bytes(width) // 4 * 4
+    if kind == "allreduce":
+        if workers < 2:
+            return 0.0
+        from psgd.bench.allreduce import run_mpi
+
+        return run_mpi([size], workers, steps)[size]["psgd_s"]
+    from psgd.bench.blob import BlobCluster, time_steps
+
+    with BlobCluster(size, shards=2, workers=workers, tmp=tmp) as cluster:
+        return time_steps(cluster, workers, steps)["step_s"]
+
+
+def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say) -> list[dict]:
+    """Every (model, kind, workers): steps/s off and on, compute and communication alone, and the ratio."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="psgd-overlap-") as tmp:
+        for name in models:
+            width = MODELS[name]
+            compute = compute_seconds(width)
+            say(f"\n{name} (MLP 64-{width}-{width}-10, {model_bytes(width) / 1e6:.1f} MB): one gradient alone "
+                f"{compute * 1e3:.1f} ms\n  run              steps/s off  steps/s on  on/off  compute s  comm s  "
+                "step off s  step on s  on / max")
+            for kind in kinds:
+                for n in workers:
+                    if kind == "allreduce" and n < 2:
+                        continue
+                    comm = comm_seconds(kind, n, width, 5, tmp)
+                    runs = {overlap: run_one(kind, n, width, overlap, epochs,
+                                             Path(tmp) / f"{name}-{kind}{n}-{overlap}", timeout)
+                            for overlap in (False, True)}
+                    row = {"model": name, "width": width, "model_bytes": model_bytes(width), "kind": kind,
+                           "workers": n, "compute_s": compute, "comm_s": comm, "runs": list(runs.values())}
+                    if any("error" in r for r in runs.values()):
+                        row["error"] = "; ".join(r["error"] for r in runs.values() if "error" in r)
+                        say(f"  {kind} {n}w: FAILED: {row['error']}")
+                        rows.append(row)
+                        continue
+                    off, on = (runs[o]["per_worker_steps_per_s"] for o in (False, True))
+                    row.update(steps_per_s_off=runs[False]["steps_per_s"], steps_per_s_on=runs[True]["steps_per_s"],
+                               speedup=on / off, step_off_s=1 / off, step_on_s=1 / on,
+                               on_over_max=(1 / on) / max(compute, comm))
+                    rows.append(row)
+                    say(f"  {kind + f' {n}w':<16} {row['steps_per_s_off']:11.1f} {row['steps_per_s_on']:11.1f} "
+                        f"{row['speedup']:7.2f} {compute:10.4f} {comm:7.4f} {row['step_off_s']:11.4f} "
+                        f"{row['step_on_s']:10.4f} {row['on_over_max']:9.2f}")
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=",".join(MODELS), metavar="LIST",
+                        help=f"from {', '.join(MODELS)} (default: both)")
+    parser.add_argument("--workers", default="1,2", metavar="LIST", help="worker (rank) counts (default 1,2)")
+    parser.add_argument("--kinds", default=",".join(KINDS), metavar="LIST",
+                        help=f"from {', '.join(KINDS)} (default: all; all-reduce runs with 2 or more ranks)")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the 3,072 examples per run (default 1)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="fail a run that takes longer (default 600)")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from psgd.bench.limits import machine
+    from psgd.config import ConfigError
+
+    def listed(flag: str, text: str, known) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in known]
+        if bad or not items:
+            raise ConfigError(f"{flag}: unknown {', '.join(bad) or 'nothing'}; choose from {', '.join(known)}")
+        return items
+
+    models = listed("--models", args.models, MODELS)
+    kinds = listed("--kinds", args.kinds, KINDS)
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--workers: expected numbers separated by commas, got {args.workers!r}") from None
+    if not workers or min(workers) < 1 or args.epochs < 1:
+        raise ConfigError("--workers and --epochs must be at least 1")
+    print(f"machine: {machine()}", flush=True)
+    rows = measure(models, workers, kinds, args.epochs, args.timeout, lambda text: print(text, flush=True))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "epochs": args.epochs, "rows": rows}, indent=2))
+    return 1 if any("error" in r for r in rows) else 0

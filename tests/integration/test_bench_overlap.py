@@ -1,0 +1,44 @@
+"""psgd bench overlap: its flags, and a small real run started as users start psgd."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from psgd.bench import overlap
+
+
+def test_a_run_of_one_async_worker_measures_both_paths_and_the_two_parts(tmp_path):
+    out = tmp_path / "overlap.json"
+    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "overlap", "--models", "quarter",
+                           "--workers", "1", "--kinds", "async", "--epochs", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "steps/s off" in done.stdout and "async 1w" in done.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "quarter" and row["kind"] == "async" and row["workers"] == 1
+    assert [r["overlap"] for r in row["runs"]] == [False, True]
+    assert all("cluster.overlap=" + ("true" if r["overlap"] else "false") in r["command"] for r in row["runs"])
+    assert row["compute_s"] > 0 and row["comm_s"] > 0 and row["steps_per_s_off"] > 0 and row["steps_per_s_on"] > 0
+    assert row["on_over_max"] == pytest.approx(row["step_on_s"] / max(row["compute_s"], row["comm_s"]))
+    assert row["speedup"] == pytest.approx(row["step_off_s"] / row["step_on_s"])
+
+
+@pytest.mark.parametrize("flags, said", [(["--models", "huge"], "--models: unknown huge"),
+                                         (["--kinds", "bsp"], "--kinds: unknown bsp"),
+                                         (["--workers", "x"], "--workers: expected numbers"),
+                                         (["--epochs", "0"], "at least 1")])
+def test_bad_flags_are_refused_in_one_line(flags, said):
+    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "overlap", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_command_line_of_a_run_is_what_a_user_types(tmp_path):
+    argv = overlap.launch_argv("sync", 2, 1536, True, 1, tmp_path, 60)
+    assert argv[:6] == ["launch", "--mode", "ps", "--policy", "sync", "--shards"]
+    assert "cluster.overlap=true" in argv and "model.hidden=[1536, 1536]" in argv
+    assert overlap.model_bytes(3072) == 4 * 9_670_666
