@@ -11,13 +11,15 @@ For the synthetic preset's model (an MLP 64-3072-3072-10, 38.7 MB) and one a qua
     many workers at once (a free gradient), or all-reduced over MPI by as many ranks;
   - step / max(compute, communication): 1 when a step costs only its larger part.
 
-    psgd bench overlap                        # about 10 minutes on 2 cores
+    psgd bench overlap                        # about 5 minutes on 2 cores
     psgd bench overlap --models quarter --workers 2 --epochs 1 --json overlap.json
+    sudo psgd bench overlap --network 1gbit   # every process on an emulated host, links of 1 Gbit/s
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import subprocess
@@ -43,14 +45,20 @@ def launch_argv(kind: str, workers: int, width: int, overlap: bool, epochs: int,
 
 
 def run_one(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
-            timeout: float) -> dict:
-    """One launch; its steps/s (aggregate and per worker) from what its processes recorded."""
+            timeout: float, network=None) -> dict:
+    """One launch (on ``network``'s emulated hosts, if given); its steps/s (aggregate and per worker) from
+    what its processes recorded."""
     from psgd.bench.scaling.measure import MeasureError, allreduce_rates, ps_rates, read_steps
 
     argv = launch_argv(kind, workers, width, overlap, epochs, run_dir, timeout)
     record = {"kind": kind, "workers": workers, "width": width, "overlap": overlap,
               "command": shlex.join(["psgd", *argv])}
-    done = subprocess.run([PY, "-m", "psgd.cli.main", *argv], capture_output=True, text=True, timeout=timeout + 60)
+    command = [PY, "-m", "psgd.cli.main", *argv]
+    if network is not None:
+        from psgd.bench.hosted import launch_argv as on_hosts
+
+        command = on_hosts(network, run_dir, argv)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60)
     if done.returncode:
         record["error"] = f"exit status {done.returncode}: {done.stderr.strip()[-400:]}"
         return record
@@ -84,13 +92,20 @@ def model_bytes(width: int) -> int:
     return 4 * (64 * width + width + width * width + width + width * 10 + 10)
 
 
-def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str) -> float:
+def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str, network=None) -> float:
     """One step's communication alone: pull+push of the model through 2 shards by ``workers`` workers at
-    once (the median step), or an all-reduce of its bytes over ``workers`` MPI ranks; 0 for one rank."""
+    once (the median step), or an all-reduce of its bytes over ``workers`` MPI ranks; 0 for one rank.
+    With ``network``, every process on a host of its own (:mod:`psgd.bench.links`)."""
     size = model_bytes(width) // 4 * 4
+    if kind == "allreduce" and workers < 2:
+        return 0.0
+    if network is not None:
+        from psgd.bench import links
+
+        if kind == "allreduce":
+            return links.mpi_allreduce(network, [size], workers, steps)[size]["psgd_s"]
+        return links.ps_steps(network, size, 2, workers, steps, tmp)["step_s"]
     if kind == "allreduce":
-        if workers < 2:
-            return 0.0
         from psgd.bench.allreduce import run_mpi
 
         return run_mpi([size], workers, steps)[size]["psgd_s"]
@@ -100,8 +115,10 @@ def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str) -> f
         return time_steps(cluster, workers, steps)["step_s"]
 
 
-def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say) -> list[dict]:
-    """Every (model, kind, workers): steps/s off and on, compute and communication alone, and the ratio."""
+def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say,
+            network=None) -> list[dict]:
+    """Every (model, kind, workers): steps/s off and on, compute and communication alone, and the ratio;
+    on ``network``'s emulated hosts where given."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psgd-overlap-") as tmp:
         for name in models:
@@ -114,9 +131,9 @@ def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int
                 for n in workers:
                     if kind == "allreduce" and n < 2:
                         continue
-                    comm = comm_seconds(kind, n, width, 5, tmp)
+                    comm = comm_seconds(kind, n, width, 5, tmp, network)
                     runs = {overlap: run_one(kind, n, width, overlap, epochs,
-                                             Path(tmp) / f"{name}-{kind}{n}-{overlap}", timeout)
+                                             Path(tmp) / f"{name}-{kind}{n}-{overlap}", timeout, network)
                             for overlap in (False, True)}
                     row = {"model": name, "width": width, "model_bytes": model_bytes(width), "kind": kind,
                            "workers": n, "compute_s": compute, "comm_s": comm, "runs": list(runs.values())}
@@ -144,6 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"from {', '.join(KINDS)} (default: all; all-reduce runs with 2 or more ranks)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the 3,072 examples per run (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="fail a run that takes longer (default 600)")
+    parser.add_argument("--network", metavar="RATE",
+                        help="on emulated links of this rate (e.g. 1gbit; root and tc): every shard, worker and "
+                             "rank on a host of its own, for the runs and the communication-only figures")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
@@ -167,7 +187,24 @@ def run_from_args(args: argparse.Namespace) -> int:
     if not workers or min(workers) < 1 or args.epochs < 1:
         raise ConfigError("--workers and --epochs must be at least 1")
     print(f"machine: {machine()}", flush=True)
-    rows = measure(models, workers, kinds, args.epochs, args.timeout, lambda text: print(text, flush=True))
+    say = lambda text: print(text, flush=True)  # noqa: E731
+    link = None
+    with contextlib.ExitStack() as stack:
+        network = None
+        if args.network:
+            from psgd.bench import netns
+            from psgd.bench.hosted import Network
+
+            try:
+                netns.check_networks([args.network])
+            except netns.NetworkError as exc:
+                raise ConfigError(str(exc)) from None
+            network = stack.enter_context(Network(args.network, 2, max(workers)))
+            link = network.record()
+            say(f"{args.network} links: measured {link['measured_gbit_per_s']} Gbit/s; every shard, worker and "
+                "rank on a host of its own")
+        rows = measure(models, workers, kinds, args.epochs, args.timeout, say, network)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "epochs": args.epochs, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"machine": machine(), "epochs": args.epochs, "network": link,
+                                               "rows": rows}, indent=2))
     return 1 if any("error" in r for r in rows) else 0
