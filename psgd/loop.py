@@ -223,6 +223,9 @@ def run_loop(
                 steps += 1
                 point = {"clock": step, "epoch": epoch, "loss": float(loss), **out.fields,
                          "wall": time.perf_counter() - start, "delay": pause}
+                if exchange.overlaps:  # what ran when, on the clock of "wall": psgd bench overlap draws it
+                    point["spans"] = {name: [round(a - start, 5), round(b - start, 5)] for name, (a, b) in
+                                      {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}
                 metrics.write("step", **point)
                 if on_step:
                     on_step({**point, **({"test_accuracy": acc} if evaluated else {}),

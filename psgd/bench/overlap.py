@@ -116,9 +116,9 @@ def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str, netw
 
 
 def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say,
-            network=None) -> list[dict]:
+            network=None, timeline: Path | None = None) -> list[dict]:
     """Every (model, kind, workers): steps/s off and on, compute and communication alone, and the ratio;
-    on ``network``'s emulated hosts where given."""
+    on ``network``'s emulated hosts where given; ``timeline``: the first overlapped async run, drawn."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psgd-overlap-") as tmp:
         for name in models:
@@ -142,6 +142,13 @@ def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int
                         say(f"  {kind} {n}w: FAILED: {row['error']}")
                         rows.append(row)
                         continue
+                    if timeline is not None and kind == "async":
+                        draw_timeline(Path(tmp) / f"{name}-{kind}{n}-True" / "worker-0.jsonl", timeline,
+                                      f"worker 0 of {n}, async, overlap on: {name} model "
+                                      f"({model_bytes(width) / 1e6:.1f} MB)"
+                                      + (f", {network.record()['described']} links" if network else ""))
+                        say(f"  timeline of {kind} {n}w written to {timeline}")
+                        timeline = None
                     off, on = (runs[o]["per_worker_steps_per_s"] for o in (False, True))
                     row.update(steps_per_s_off=runs[False]["steps_per_s"], steps_per_s_on=runs[True]["steps_per_s"],
                                speedup=on / off, step_off_s=1 / off, step_on_s=1 / on,
@@ -151,6 +158,44 @@ def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int
                         f"{row['speedup']:7.2f} {compute:10.4f} {comm:7.4f} {row['step_off_s']:11.4f} "
                         f"{row['step_on_s']:10.4f} {row['on_over_max']:9.2f}")
     return rows
+
+
+def draw_timeline(worker_log: Path, path: Path, title: str, steps: int = 4) -> None:
+    """What ran when in ``steps`` consecutive steps (from the middle of the run) of one worker with overlap
+    on, one lane per thread: the gradient (main thread), the push and the next step's pull (their own
+    threads), from the ``spans`` the loop writes to the worker's step records."""
+    from psgd.bench.plots import OKABE_ITO, require_matplotlib
+    from psgd.bench.scaling.measure import read_steps
+
+    require_matplotlib("psgd bench overlap --timeline")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_steps(worker_log) if "spans" in r]
+    if len(records) < steps:
+        raise ValueError(f"{worker_log}: {len(records)} step(s) with spans, {steps} wanted")
+    middle = len(records) // 2
+    shown = records[middle - steps // 2:middle - steps // 2 + steps]
+    origin = min(a for r in shown for a, _ in r["spans"].values())
+    lanes = [("compute", "gradient (main thread)"), ("push", "push (its thread)"), ("pull", "pull (its thread)")]
+    fig, ax = plt.subplots(figsize=(9, 2.8), dpi=150)
+    for lane, (key, label) in enumerate(lanes):
+        for r in shown:
+            if key in r["spans"]:
+                a, b = r["spans"][key]
+                ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (lane - 0.35, 0.7),
+                               facecolors=OKABE_ITO[lane], edgecolor="white")
+                ax.text((a - origin + (b - a) / 2) * 1e3, lane, str(r["clock"]), ha="center", va="center",
+                        fontsize=8, color="white")
+    ax.set_yticks(range(len(lanes)), [label for _, label in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds (numbers: the step each piece of work belongs to)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", metavar="RATE",
                         help="on emulated links of this rate (e.g. 1gbit; root and tc): every shard, worker and "
                              "rank on a host of its own, for the runs and the communication-only figures")
+    parser.add_argument("--timeline", metavar="FILE.png",
+                        help="draw what ran when in four steps of worker 0 of the first overlapped async run "
+                             "(one lane per thread)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
@@ -203,7 +251,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             link = network.record()
             say(f"{args.network} links: measured {link['measured_gbit_per_s']} Gbit/s; every shard, worker and "
                 "rank on a host of its own")
-        rows = measure(models, workers, kinds, args.epochs, args.timeout, say, network)
+        if args.timeline:
+            from psgd.bench.plots import require_matplotlib
+
+            require_matplotlib("psgd bench overlap --timeline")
+        rows = measure(models, workers, kinds, args.epochs, args.timeout, say, network,
+                       Path(args.timeline) if args.timeline else None)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "epochs": args.epochs, "network": link,
                                                "rows": rows}, indent=2))

@@ -54,6 +54,7 @@ class ParameterServerExchange(Exchange):
             if self.overlaps else None
         self._prefetch: tuple[int, Future] | None = None
         self.total = 0
+        self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
 
     def _stopping(self, exc: PSError) -> None:
         """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
@@ -80,6 +81,7 @@ class ParameterServerExchange(Exchange):
         try:
             if not self._prefetched(step):
                 self.versions = self.client.pull(step, self.host)
+                self.spans["pull"] = (began, time.perf_counter())
         except PSError as exc:
             self._stopping(exc)
             raise
@@ -98,7 +100,7 @@ class ParameterServerExchange(Exchange):
             with contextlib.suppress(PSError):  # not this step's: only let it finish off the connection
                 pending.result()
             return False
-        self.versions = pending.result()
+        self.versions, self.spans["pull"] = pending.result()
         self.host, self._spare = self._spare, self.host
         return True
 
@@ -118,18 +120,22 @@ class ParameterServerExchange(Exchange):
         # The smallest clock any shard expects next (never behind this one): skipping a clock on a
         # shard that is behind would leave its sync round waiting for this worker forever.
         new_clock = self.client.clock = max(step + 1, min(r.next_clock for r in replies))
+        spans, self.spans = self.spans, {}
         return Exchanged(new_clock, {"version": max(self.versions), "staleness": max(r.staleness for r in replies)},
                          {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
-                          "bytes": 2 * self.plan.total_bytes, "outcomes": [r.outcome for r in replies]})
+                          "bytes": 2 * self.plan.total_bytes, "outcomes": [r.outcome for r in replies],
+                          "spans": spans})
 
     def _push_beside_next_pull(self, step: int, grads: dict[str, np.ndarray]) -> list:
         """Push ``step``'s gradient and, at the same time, pull the weights for the next step (on the link's
         other connection; under sync that pull waits at the shards for the round this push closes)."""
-        push = _in_background(f"worker-{self.rank}-push", self.client.push, step, grads, list(self.versions))
+        push = _in_background(f"worker-{self.rank}-push", _spanned, self.client.push, step, grads,
+                              list(self.versions))
         if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
-            self._prefetch = (step + 1, _in_background(f"worker-{self.rank}-pull", self.client.pull, step + 1,
-                                                       self._spare))
-        return push.result()  # a failed push fails this step, with the message it has without overlap
+            self._prefetch = (step + 1, _in_background(f"worker-{self.rank}-pull", _spanned, self.client.pull,
+                                                       step + 1, self._spare))
+        replies, self.spans["push"] = push.result()  # a failed push fails this step, as without overlap
+        return replies
 
     def _on_host(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
         """The gradients as host arrays: copied into the pinned buffers from a GPU, as they are on a CPU."""
@@ -151,6 +157,12 @@ class ParameterServerExchange(Exchange):
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
         return {"outcomes": dict(self.outcomes)}
+
+
+def _spanned(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[float, float]]:
+    """``fn(*args)`` and when it ran (perf_counter at its start and end)."""
+    began = time.perf_counter()
+    return fn(*args), (began, time.perf_counter())
 
 
 def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
