@@ -84,6 +84,7 @@ class PSClient:
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
                                                request_timeout)) for k, a in enumerate(self.addresses)]
         self.versions = [0] * plan.num_shards
+        self._joins = [0] * plan.num_shards  # registrations with each shard, so far
         self.lease_seconds = 10.0
         # a pull and a push may be under way at once (overlap), each on every shard
         self._pool = futures.ThreadPoolExecutor(max_workers=2 * plan.num_shards, thread_name_prefix="ps-client")
@@ -213,6 +214,7 @@ class PSClient:
                           "in shard order; is a psgd-server started with the wrong --shard?",
                           grpc.StatusCode.FAILED_PRECONDITION)
         self.versions[k] = reply.version
+        self._joins[k] += 1
         return reply
 
     def register(self) -> int:
@@ -250,6 +252,7 @@ class PSClient:
         once by the shard.  ``base_versions`` are the shards' versions the gradient was computed from
         (default: those of the last pull; give them when a later pull may already be under way)."""
         bases = list(self.versions if base_versions is None else base_versions)
+        joins = list(self._joins)
         flat = {name: np.ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
         for spec in self.plan.specs:
             g = flat.get(spec.name)
@@ -258,8 +261,9 @@ class PSClient:
 
         def one(k: int) -> PushReply:
             parts = self._encode(k, flat)
-            return self._retrying(k, f"push (clock {clock})",
-                                  lambda: self.links[k].push(clock, bases[k], self.codec, parts))
+            # a shard that restarted and took this worker back meanwhile holds its own version now
+            return self._retrying(k, f"push (clock {clock})", lambda: self.links[k].push(
+                clock, bases[k] if self._joins[k] == joins[k] else self.versions[k], self.codec, parts))
 
         return self._on_all(one)
 

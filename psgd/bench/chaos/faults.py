@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from psgd.bench.chaos.cluster import Abort
 from psgd.bench.chaos.hostile import HOSTILE
@@ -114,15 +115,14 @@ class FaultInjection:
         time.sleep(down)  # how long it stays dead is part of the fault
         proc = c.start_worker(r)
         deadline = time.monotonic() + START_BOUND
-        while not (proc.metrics.exists() and proc.metrics.read_text().strip()):
+        while (first := _first_step(proc.metrics)) is None:  # an evaluation may be logged before it
             if proc.popen.poll() is not None:
                 raise Abort(f"worker {r}, restarted after SIGKILL at clock {before}, exited with status "
                             f"{proc.popen.returncode} before its first step: {last_error(proc.log)}", "finishes")
             if time.monotonic() > deadline:
                 raise Abort(f"worker {r}, restarted after SIGKILL at clock {before}, logged no step within "
                             f"{START_BOUND:.0f}s")
-            time.sleep(0.05)  # polling for its first metrics line, with a deadline
-        first = json.loads(proc.metrics.read_text().splitlines()[0])
+            time.sleep(0.05)  # polling for its first step record, with a deadline
         resumed = first["clock"]
         problems = []
         if before >= 0 and resumed < before + 1:
@@ -172,3 +172,15 @@ class FaultInjection:
                                         f"connections (versions {before} -> {after}; {stats})"])
         return (f"{stats['opened']} opened, {stats['closed_by_peer']} closed by the shards, versions "
                 f"{before} -> {after}")
+
+
+def _first_step(metrics: Path) -> dict | None:
+    """The first step record of a worker's metrics log (an evaluation may come before it), or None yet."""
+    if not metrics.exists():
+        return None
+    for line in metrics.read_text().splitlines():
+        if line.endswith("}"):
+            record = json.loads(line)
+            if record.get("event") == "step":
+                return record
+    return None
