@@ -11,6 +11,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from psgd.collective import Collective, CollectiveError
 from psgd.config import JobConfig
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
@@ -78,3 +79,32 @@ def idx_bytes(arr: np.ndarray) -> bytes:
     code = _IDX_CODES[arr.dtype.newbyteorder("=")]
     header = struct.pack(">BBBB", 0, 0, code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
     return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+
+
+class Mirror(Collective):
+    """A stand-in group of ``world`` identical ranks: a sum multiplies by the world size.  ``sizes`` lists
+    the size of every all-reduce in order; with ``fail_on`` the n-th one (from 1) fails as a dead rank would."""
+
+    backend = "mirror"
+
+    def __init__(self, world: int, rank: int = 0, fail_on: int | None = None):
+        self.rank, self.world_size, self.fail_on = rank, world, fail_on
+        self.sizes: list[int] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.sizes)
+
+    def allreduce_(self, array, op="sum"):
+        self.sizes.append(array.size)
+        if self.fail_on is not None and self.calls == self.fail_on:
+            raise CollectiveError("rank 1 died")
+        if op == "sum":
+            array *= self.world_size
+        return array
+
+    def broadcast_(self, array, root=0):
+        return array
+
+    def barrier(self):
+        pass

@@ -3,28 +3,8 @@ import sys
 import numpy as np
 import pytest
 
-from psgd.collective import BackendUnavailable, Bucketer, Collective, CollectiveError, make_collective
-
-
-class Mirror(Collective):
-    """A stand-in group of ``world`` identical ranks: a sum multiplies by the world size."""
-
-    backend = "mirror"
-
-    def __init__(self, world: int, rank: int = 0):
-        self.rank, self.world_size, self.calls = rank, world, 0
-
-    def allreduce_(self, array, op="sum"):
-        self.calls += 1
-        if op == "sum":
-            array *= self.world_size
-        return array
-
-    def broadcast_(self, array, root=0):
-        return array
-
-    def barrier(self):
-        pass
+from helpers import Mirror
+from psgd.collective import BackendUnavailable, Bucketer, CollectiveError, make_collective
 
 
 def test_bucketer_packs_gradients_into_few_reused_buffers():

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import fake_cupy
+from helpers import Mirror
 from psgd import xp as backend
-from psgd.collective.base import Bucketer, Collective
+from psgd.collective.base import Bucketer
 from psgd.config import JobConfig
 from psgd.data import load_dataset
 from psgd.job import build_job
@@ -30,19 +31,6 @@ class CupyShaped(np.ndarray):
                                      owndata=real.owndata)
 
 
-class OneRank(Collective):
-    backend, rank, world_size = "one", 0, 1
-
-    def allreduce_(self, array, op="sum"):
-        return array
-
-    def broadcast_(self, array, root=0):
-        return array
-
-    def barrier(self):
-        pass
-
-
 def test_bucketer_reduces_a_large_gradient_that_has_cupy_flags():
     shapes = {"big": (64, 64), "small": (3,)}
     bucketer = Bucketer(shapes, np.float32, np, direct_bytes=1024)
@@ -50,7 +38,7 @@ def test_bucketer_reduces_a_large_gradient_that_has_cupy_flags():
     big = np.arange(64 * 64, dtype=np.float32).reshape(64, 64).view(CupyShaped)
     strided = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)[::2].view(CupyShaped)
     for grad in (big, strided):
-        out = bucketer.allreduce_mean(OneRank(), {"big": grad, "small": np.ones(3, np.float32)})
+        out = bucketer.allreduce_mean(Mirror(1), {"big": grad, "small": np.ones(3, np.float32)})
         np.testing.assert_array_equal(np.asarray(out["big"]), np.asarray(grad))
         np.testing.assert_array_equal(out["small"], np.ones(3, np.float32))
 

@@ -9,30 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from psgd.collective.base import Bucketer, Collective, CollectiveError
+from helpers import Mirror
+from psgd.collective.base import Bucketer, CollectiveError
 from psgd.model import build_model, hands_over_gradients
-
-
-class Doubling(Collective):
-    """Two ranks holding the same gradient: every sum doubles it (so the mean is the gradient itself)."""
-
-    backend, rank, world_size = "doubling", 0, 2
-
-    def __init__(self, fail_on: int | None = None):
-        self.calls, self.fail_on = [], fail_on
-
-    def allreduce_(self, array, op="sum"):
-        self.calls.append(array.size)
-        if self.fail_on is not None and len(self.calls) == self.fail_on:
-            raise CollectiveError("rank 1 died")
-        array *= 2
-        return array
-
-    def broadcast_(self, array, root=0):
-        return array
-
-    def barrier(self):
-        pass
 
 
 def test_the_built_in_models_hand_each_gradient_over_last_layer_first(rng):
@@ -72,12 +51,12 @@ def test_a_round_fed_gradient_by_gradient_equals_the_reduction_at_the_end(rng, o
     assert set(bucketer.direct) == {"big/W"} and len(bucketer.layout) > 1
     grads = grads_for(SHAPES, rng)
     reference = {k: v.copy() for k, v in Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000)
-                 .allreduce_mean(Doubling(), {k: v.copy() for k, v in grads.items()}).items()}
+                 .allreduce_mean(Mirror(2), {k: v.copy() for k, v in grads.items()}).items()}
     names = list(SHAPES)[::-1] if order == "backward" else list(SHAPES)
     if order.startswith("some"):
         names = names[::2]
     with ThreadPoolExecutor(1) as comm:
-        collective = Doubling()
+        collective = Mirror(2)
         round_ = bucketer.round(collective, comm.submit)
         for name in names:
             round_.add(name, grads[name])
@@ -85,17 +64,17 @@ def test_a_round_fed_gradient_by_gradient_equals_the_reduction_at_the_end(rng, o
     assert set(mean) == set(SHAPES)
     for name in SHAPES:
         np.testing.assert_array_equal(mean[name], reference[name])  # the same sums: equal to the bit
-    at_the_end = Doubling()  # the same reductions, of the same sizes, as without overlap
+    at_the_end = Mirror(2)  # the same reductions, of the same sizes, as without overlap
     Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000).allreduce_mean(
         at_the_end, {k: v.copy() for k, v in grads.items()})
-    assert sorted(collective.calls) == sorted(at_the_end.calls)
+    assert sorted(collective.sizes) == sorted(at_the_end.sizes)
 
 
 def test_a_failed_reduction_surfaces_in_the_step_that_owns_it(rng):
     bucketer = Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000)
     grads = grads_for(SHAPES, rng)
     with ThreadPoolExecutor(1) as comm:
-        round_ = bucketer.round(Doubling(fail_on=1), comm.submit)
+        round_ = bucketer.round(Mirror(2, fail_on=1), comm.submit)
         round_.add("c/b", grads["c/b"])
         round_.add("c/W", grads["c/W"])
         with pytest.raises(CollectiveError, match="rank 1 died"):
