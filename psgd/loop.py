@@ -67,13 +67,15 @@ class Interrupted(Exception):
 
 
 
-def gradient_seconds(model: models.Model, params: Mapping[str, Any], x: Any, y: Any, repeats: int) -> float:
+def gradient_seconds(model: models.Model, params: Mapping[str, Any], x: Any, y: Any, repeats: int,
+                     device: backend.Device = backend.CPU) -> float:
     """Median seconds of one gradient of (x, y) over ``repeats`` tries after a warm-up: what a step's
-    compute costs before any exchange (the convergence lab's estimate)."""
+    compute costs before any exchange (the convergence lab's estimate); on a GPU until its kernels are done."""
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         began = time.perf_counter()
         model.loss_and_grads(params, x, y)
+        backend.synchronize(device)
         times.append(time.perf_counter() - began)
     return float(np.median(times[1:]))
 

@@ -235,3 +235,56 @@ def synchronize(device: Device) -> None:
     if device.is_gpu:
         with _cupy.cuda.Device(device.index):
             _cupy.cuda.get_current_stream().synchronize()
+
+
+class SideStream:
+    """A CUDA stream of its own beside the one computing, for transfers and collectives that run while the
+    computation goes on (overlap); on a CPU every method simply runs or does nothing.
+
+    Work is ordered across the two streams by events, never by waiting for the whole device: :meth:`mark`
+    records what the calling thread's current stream has queued so far, and :meth:`run_after` or
+    :meth:`to_host_after` starts on this stream only once that is done.  The compute stream is never made
+    to wait: what the side stream wrote is read after :meth:`synchronize` (or after :meth:`run_after` has
+    returned, which ends with it)."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        self.stream = None
+        if device.is_gpu:
+            with _cupy.cuda.Device(device.index):
+                self.stream = _cupy.cuda.Stream(non_blocking=True)
+
+    def mark(self) -> Any:
+        """An event after everything the calling thread's current stream has queued (None on a CPU)."""
+        if self.stream is None:
+            return None
+        with _cupy.cuda.Device(self.device.index):
+            return _cupy.cuda.get_current_stream().record()
+
+    def to_host_after(self, event: Any, a: Any, out: np.ndarray) -> None:
+        """Start copying ``a`` into ``out`` (pinned, see :func:`host_empty`) once ``event`` has happened,
+        without waiting for it; ``out`` holds the values after :meth:`synchronize`.  On a CPU: a copy now."""
+        if self.stream is None:
+            np.copyto(out, a)
+            return
+        with _cupy.cuda.Device(self.device.index):
+            self.stream.wait_event(event)
+            with self.stream:  # any kernel the copy needs (a strided array made contiguous) runs here too
+                a.get(stream=self.stream, out=out, blocking=False)
+
+    def run_after(self, event: Any, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with this stream current in the calling thread (e.g. a communication thread),
+        started on the device once ``event`` has happened, and waited for: its results are ready on return."""
+        if self.stream is None:
+            return fn(*args)
+        with _cupy.cuda.Device(self.device.index):
+            self.stream.wait_event(event)
+            with self.stream:
+                result = fn(*args)
+            self.stream.synchronize()
+        return result
+
+    def synchronize(self) -> None:
+        """Wait for everything started on this stream."""
+        if self.stream is not None:
+            self.stream.synchronize()

@@ -14,6 +14,7 @@ For the synthetic preset's model (an MLP 64-3072-3072-10, 38.7 MB) and one a qua
     psgd bench overlap                        # about 5 minutes on 2 cores
     psgd bench overlap --models quarter --workers 2 --epochs 1 --json overlap.json
     sudo psgd bench overlap --network 1gbit   # every process on an emulated host, links of 1 Gbit/s
+    psgd bench overlap --device cuda          # workers and ranks computing on the GPU
 """
 
 from __future__ import annotations
@@ -35,22 +36,22 @@ PY = sys.executable
 
 
 def launch_argv(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
-                timeout: float) -> list[str]:
+                timeout: float, device: str = "cpu") -> list[str]:
     """The ``psgd`` command line of one run, as a user would type it (without the leading ``psgd``)."""
     mode = ["--mode", "allreduce"] if kind == "allreduce" else ["--mode", "ps", "--policy", kind, "--shards", "2"]
     return ["launch", *mode, "--workers", str(workers), "--optimizer", "momentum", "--lr", "0.01",
             "--epochs", str(epochs), "--set", f"model.hidden=[{width}, {width}]", *DATA,
             "--set", f"cluster.overlap={'true' if overlap else 'false'}", "--run-dir", str(run_dir),
-            "--timeout", f"{timeout:g}", "--no-progress", "--json"]
+            "--timeout", f"{timeout:g}", "--no-progress", "--json", *(["--device", device] if device != "cpu" else [])]
 
 
 def run_one(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
-            timeout: float, network=None) -> dict:
+            timeout: float, network=None, device: str = "cpu") -> dict:
     """One launch (on ``network``'s emulated hosts, if given); its steps/s (aggregate and per worker) from
     what its processes recorded."""
     from psgd.bench.scaling.measure import MeasureError, allreduce_rates, ps_rates, read_steps
 
-    argv = launch_argv(kind, workers, width, overlap, epochs, run_dir, timeout)
+    argv = launch_argv(kind, workers, width, overlap, epochs, run_dir, timeout, device)
     record = {"kind": kind, "workers": workers, "width": width, "overlap": overlap,
               "command": shlex.join(["psgd", *argv])}
     command = [PY, "-m", "psgd.cli.main", *argv]
@@ -72,20 +73,22 @@ def run_one(kind: str, workers: int, width: int, overlap: bool, epochs: int, run
     return record
 
 
-def compute_seconds(width: int, repeats: int = 10) -> float:
-    """One gradient of a batch of 32 in this process with one BLAS thread."""
+def compute_seconds(width: int, repeats: int = 10, device: str = "cpu") -> float:
+    """One gradient of a batch of 32 in this process with one BLAS thread, or on the GPU ``device``."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 
+    from psgd import xp as backend
     from psgd.loop import gradient_seconds
     from psgd.model import build_model
 
+    where = backend.use_device(device)
     model = build_model("mlp", (64,), 10, hidden=(width, width))
-    params = model.init(0)
+    params = {k: where.asarray(v) for k, v in model.init(0).items()}
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((32, 64)).astype(np.float32), rng.integers(0, 10, 32)
     with threadpool_limits(1):
-        return gradient_seconds(model, params, x, y, repeats)
+        return gradient_seconds(model, params, where.asarray(x), where.asarray(y), repeats, where)
 
 
 def model_bytes(width: int) -> int:
@@ -116,14 +119,14 @@ def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str, netw
 
 
 def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say,
-            network=None, timeline: Path | None = None) -> list[dict]:
+            network=None, timeline: Path | None = None, device: str = "cpu") -> list[dict]:
     """Every (model, kind, workers): steps/s off and on, compute and communication alone, and the ratio;
     on ``network``'s emulated hosts where given; ``timeline``: the first overlapped async run, drawn."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="psgd-overlap-") as tmp:
         for name in models:
             width = MODELS[name]
-            compute = compute_seconds(width)
+            compute = compute_seconds(width, device=device)
             say(f"\n{name} (MLP 64-{width}-{width}-10, {model_bytes(width) / 1e6:.1f} MB): one gradient alone "
                 f"{compute * 1e3:.1f} ms\n  run              steps/s off  steps/s on  on/off  compute s  comm s  "
                 "step off s  step on s  on / max")
@@ -133,7 +136,7 @@ def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int
                         continue
                     comm = comm_seconds(kind, n, width, 5, tmp, network)
                     runs = {overlap: run_one(kind, n, width, overlap, epochs,
-                                             Path(tmp) / f"{name}-{kind}{n}-{overlap}", timeout, network)
+                                             Path(tmp) / f"{name}-{kind}{n}-{overlap}", timeout, network, device)
                             for overlap in (False, True)}
                     row = {"model": name, "width": width, "model_bytes": model_bytes(width), "kind": kind,
                            "workers": n, "compute_s": compute, "comm_s": comm, "runs": list(runs.values())}
@@ -212,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="draw what ran when in four steps of worker 0 of the first overlapped async run "
                              "(one lane per thread)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the workers and ranks compute: cpu (default) or cuda (every process on "
+                             "cuda:0 for a parameter server, all-reduce ranks staged through MPI)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
@@ -234,6 +240,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers: expected numbers separated by commas, got {args.workers!r}") from None
     if not workers or min(workers) < 1 or args.epochs < 1:
         raise ConfigError("--workers and --epochs must be at least 1")
+    from psgd import xp as backend
+
+    try:
+        backend.get_device(args.device)
+    except backend.DeviceError as exc:
+        raise ConfigError(f"--device: {exc}") from None
     print(f"machine: {machine()}", flush=True)
     say = lambda text: print(text, flush=True)  # noqa: E731
     link = None
@@ -256,8 +268,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             require_matplotlib("psgd bench overlap --timeline")
         rows = measure(models, workers, kinds, args.epochs, args.timeout, say, network,
-                       Path(args.timeline) if args.timeline else None)
+                       Path(args.timeline) if args.timeline else None, args.device)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "epochs": args.epochs, "network": link,
+                                               "device": args.device,
                                                "rows": rows}, indent=2))
     return 1 if any("error" in r for r in rows) else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 from psgd import data as datasets
@@ -53,9 +53,11 @@ class AllReduceExchange(Exchange):
         self.optimizer = build_optimizer(job)
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
-        # [cluster] overlap: buckets are reduced by one communication thread while backward goes on
+        # [cluster] overlap: buckets are reduced by one communication thread while backward goes on, on a
+        # GPU on a CUDA stream of its own that starts a bucket once the kernels that filled it are done
         self.overlaps = job.cluster.overlap
         self._comm = ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}") if self.overlaps else None
+        self._side = backend.SideStream(device) if self.overlaps else None
         self._round = None
         spe = datasets.steps_per_epoch(ds.n_train, world, t.batch_size)
         log.info("rank %d of %d (%s): %d steps of batch %d, %d bucket(s) of %.1f MB", rank, world,
@@ -65,18 +67,22 @@ class AllReduceExchange(Exchange):
     def weights(self, step: int) -> Mapping[str, Any]:
         return self.params
 
+    def _submit(self, fn: Any, *args: Any) -> Future:
+        """Start a bucket's reduction ``fn(*args)`` on the communication thread; on a GPU it runs on the side
+        stream once the kernels queued so far (those that wrote the bucket) are done, while backward's next
+        kernels go on."""
+        return self._comm.submit(self._side.run_after, self._side.mark(), fn, *args)
+
     def gradient_ready(self, name: str, grad: Any) -> None:
         if self._round is None:
-            self._round = self.bucketer.round(self.collective, self._comm.submit)
-        if self.device.is_gpu:
-            backend.synchronize(self.device)  # the communication thread reads what the kernels write
+            self._round = self.bucketer.round(self.collective, self._submit)
         self._round.add(name, grad)
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         backend.synchronize(self.device)  # the gradient is computed: time the collective alone
         began = time.perf_counter()
         if self.overlaps:  # what is left of the reductions started during backward
-            round_, self._round = self._round or self.bucketer.round(self.collective, self._comm.submit), None
+            round_, self._round = self._round or self.bucketer.round(self.collective, self._submit), None
             mean = round_.finish(grads)
         else:
             mean = self.bucketer.allreduce_mean(self.collective, grads)

@@ -53,6 +53,10 @@ class ParameterServerExchange(Exchange):
         self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in plan.specs} \
             if self.overlaps else None
         self._prefetch: tuple[int, Future] | None = None
+        # and on a GPU each gradient leaves the device as soon as backward has produced it, on a CUDA stream
+        # of its own into its pinned buffer, while backward goes on
+        self._side = backend.SideStream(device) if self.overlaps and device.is_gpu else None
+        self._copied: set[str] = set()
         self.total = 0
         self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
 
@@ -126,6 +130,11 @@ class ParameterServerExchange(Exchange):
                           "bytes": 2 * self.plan.total_bytes, "outcomes": [r.outcome for r in replies],
                           "spans": spans})
 
+    def gradient_ready(self, name: str, grad: Any) -> None:
+        if self._side is not None:
+            self._side.to_host_after(self._side.mark(), grad, self.grad_host[name])
+            self._copied.add(name)
+
     def _push_beside_next_pull(self, step: int, grads: dict[str, np.ndarray]) -> list:
         """Push ``step``'s gradient and, at the same time, pull the weights for the next step (on the link's
         other connection; under sync that pull waits at the shards for the round this push closes)."""
@@ -141,7 +150,11 @@ class ParameterServerExchange(Exchange):
         """The gradients as host arrays: copied into the pinned buffers from a GPU, as they are on a CPU."""
         if self.grad_host is None:
             return {k: np.asarray(g) for k, g in grads.items()}
-        return {k: backend.to_host(g, out=self.grad_host[k]) for k, g in grads.items()}
+        copied, self._copied = self._copied, set()
+        if copied:  # those copied during backward (overlap)
+            self._side.synchronize()
+        return {k: self.grad_host[k] if k in copied else backend.to_host(g, out=self.grad_host[k])
+                for k, g in grads.items()}
 
     def end(self, interrupted: bool) -> dict[str, Any]:
         if self._prefetch is not None:  # a pull for a step that will not be computed now

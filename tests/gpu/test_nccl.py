@@ -162,3 +162,31 @@ def test_one_nccl_rank_trains_as_one_process_on_the_cpu(tmp_path):
         for name, ref in reference.items():
             rel = np.linalg.norm(f[name] - ref) / np.linalg.norm(ref)
             assert f[name].dtype == np.float64 and rel <= 1e-5, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+def test_one_nccl_rank_with_overlap_ends_with_the_weights_without_it(tmp_path):
+    """[cluster] overlap = true: each bucket is reduced by NCCL on a stream of its own, started by an event
+    once backward has filled it; float64 weights equal to the bit those of overlap = false."""
+    import subprocess
+    import sys
+
+    from helpers import make_job
+    from psgd.config import to_toml
+
+    saved = {}
+    for overlap in (False, True):
+        job = make_job("model.hidden=[1200, 600]", "train.dtype=float64", "train.epochs=1", "train.batch_size=16",
+                       "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=1", "train.device=cuda:0",
+                       f"cluster.overlap={str(overlap).lower()}")
+        path, saved[overlap] = tmp_path / f"job-{overlap}.toml", tmp_path / f"w-{overlap}.npz"
+        path.write_text(to_toml(job.to_dict()))
+        done = subprocess.run([sys.executable, "-m", "psgd.cli.worker", "-c", str(path), "--mode", "allreduce",
+                               "--backend", "nccl", "--rank", "0", "--rendezvous",
+                               f"file:{tmp_path / f'id-{overlap}.json'}", "--no-progress", "-q",
+                               "--save", str(saved[overlap])], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(saved[False], allow_pickle=False) as off, np.load(saved[True], allow_pickle=False) as on:
+        assert off.files == on.files
+        for name in off.files:
+            np.testing.assert_array_equal(on[name], off[name])

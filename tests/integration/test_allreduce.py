@@ -154,12 +154,13 @@ def _is_rank(pid: int, run_dir: Path) -> bool:
     return cmd[:1] == [PY.encode()] and b"psgd.cli.worker" in cmd and str(run_dir / "job.toml").encode() in cmd
 
 
-def test_overlap_on_and_off_give_identical_weights(tmp_path):
-    """[cluster] overlap = true (buckets reduced by a communication thread during backward) ends with the
-    weights of overlap = false, to the bit, over 2 MPI ranks in float64; one large variable goes alone."""
+def test_overlap_on_and_off_give_identical_weights(tmp_path, device):
+    """[cluster] overlap = true (buckets reduced by a communication thread during backward, on a GPU on a
+    stream of its own) ends with the weights of overlap = false, to the bit, over 2 MPI ranks in float64;
+    one large variable goes alone."""
     saved = {}
     for overlap in (False, True):
-        job = make_job("model.hidden=[1200, 600]", "train.dtype=float64", "train.epochs=1", "train.batch_size=16",
+        job = make_job("model.hidden=[1200, 600]", "train.dtype=float64", f"train.device={device}", "train.epochs=1", "train.batch_size=16",
                        "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=2",
                        f"cluster.overlap={'true' if overlap else 'false'}")
         path = tmp_path / f"job-{overlap}.toml"

@@ -54,8 +54,8 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
     assert any(not np.allclose(init[k], reference.params[k]) for k in init)  # training moved the weights
 
 
-def sync_weights(overlap: bool, link: str) -> tuple[dict, list]:
-    job = make_job("model.hidden=[48]", "train.dtype=float64", "train.epochs=2", "train.batch_size=16",
+def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
+    job = make_job("model.hidden=[48]", "train.dtype=float64", f"train.device={device}", "train.epochs=2", "train.batch_size=16",
                    "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.policy=sync", "cluster.workers=2",
                    "cluster.shards=2", "cluster.slice_bytes=4096", f"cluster.overlap={str(overlap).lower()}",
                    f"cluster.data_path={str(link == 'tcp').lower()}")
@@ -67,11 +67,12 @@ def sync_weights(overlap: bool, link: str) -> tuple[dict, list]:
 
 
 @pytest.mark.parametrize("link", ["tcp", "grpc"])
-def test_overlap_on_and_off_give_identical_weights_under_sync(link):
-    """[cluster] overlap = true (the next step's pull under way while this step's push is in flight)
-    ends a sync run with the weights of overlap = false, to the bit, in float64."""
-    off, steps_off = sync_weights(False, link)
-    on, steps_on = sync_weights(True, link)
+def test_overlap_on_and_off_give_identical_weights_under_sync(link, device):
+    """[cluster] overlap = true (the next step's pull under way while this step's push is in flight; on a GPU
+    each gradient copied off the device on a stream of its own during backward) ends a sync run with the
+    weights of overlap = false, to the bit, in float64."""
+    off, steps_off = sync_weights(False, link, device)
+    on, steps_on = sync_weights(True, link, device)
     assert steps_on == steps_off
     for name in off:
         np.testing.assert_array_equal(on[name], off[name])
