@@ -8,9 +8,10 @@ usable, keeps the reason when they are not, parses device names
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -272,16 +273,30 @@ class SideStream:
             with self.stream:  # any kernel the copy needs (a strided array made contiguous) runs here too
                 a.get(stream=self.stream, out=out, blocking=False)
 
+    @contextlib.contextmanager
+    def current(self, after: Any = None) -> Iterator[None]:
+        """This stream as the calling thread's current one (kernels and NCCL calls made inside queue on it),
+        its work starting once ``after`` (an event from :meth:`mark`) has happened; on a CPU: nothing."""
+        if self.stream is None:
+            yield
+            return
+        with _cupy.cuda.Device(self.device.index):
+            if after is not None:
+                self.stream.wait_event(after)
+            with self.stream:
+                yield
+
     def run_after(self, event: Any, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` with this stream current in the calling thread (e.g. a communication thread),
-        started on the device once ``event`` has happened, and waited for: its results are ready on return."""
+        """``fn(*args)`` with this stream current in the calling thread (e.g. a communication thread), called
+        once ``event`` has happened, and waited for: its results are ready on return."""
         if self.stream is None:
             return fn(*args)
-        with _cupy.cuda.Device(self.device.index):
-            self.stream.wait_event(event)
-            with self.stream:
-                result = fn(*args)
-            self.stream.synchronize()
+        # Waited for here, on the host, and not only by the stream: work that polls its stream under a
+        # watchdog would otherwise poll, with growing sleeps, for all of backward.
+        event.synchronize()
+        with self.current(after=event):
+            result = fn(*args)
+        self.stream.synchronize()
         return result
 
     def synchronize(self) -> None:

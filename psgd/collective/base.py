@@ -7,9 +7,10 @@ never hand-writes a ring.  Every operation works in place on an ``xp`` array.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -37,6 +38,18 @@ class Collective(abc.ABC):
     @abc.abstractmethod
     def allreduce_(self, array: Any, op: str = "sum") -> Any:
         """Reduce ``array`` over all ranks, in place, and return it (``op``: sum, max, min)."""
+
+    #: whether :meth:`queued` works: all-reduces left queued on the current CUDA stream, not waited for
+    queues: bool = False
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """Inside, :meth:`allreduce_` only queues its work on the calling thread's current stream and returns;
+        :meth:`wait_queued` waits for it (only where :attr:`queues`)."""
+        raise CollectiveError(f"the {self.backend} backend cannot leave an all-reduce queued")
+
+    def wait_queued(self, what: str) -> None:
+        """Wait for the work queued on the calling thread's current stream (``what``: for the error message)."""
 
     @abc.abstractmethod
     def broadcast_(self, array: Any, root: int = 0) -> Any:

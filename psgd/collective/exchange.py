@@ -53,11 +53,14 @@ class AllReduceExchange(Exchange):
         self.optimizer = build_optimizer(job)
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
-        # [cluster] overlap: buckets are reduced by one communication thread while backward goes on, on a
-        # GPU on a CUDA stream of its own that starts a bucket once the kernels that filled it are done
+        # [cluster] overlap: each bucket is reduced while backward goes on, on a GPU on a CUDA stream of its
+        # own that starts it once the kernels that filled it are done.  NCCL queues the reduction there from
+        # this thread (the DDP shape); a backend that blocks (MPI) runs it on one communication thread.
         self.overlaps = job.cluster.overlap
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}") if self.overlaps else None
         self._side = backend.SideStream(device) if self.overlaps else None
+        self._queues = self.overlaps and device.is_gpu and collective.queues
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}") \
+            if self.overlaps and not self._queues else None
         self._round = None
         spe = datasets.steps_per_epoch(ds.n_train, world, t.batch_size)
         log.info("rank %d of %d (%s): %d steps of batch %d, %d bucket(s) of %.1f MB", rank, world,
@@ -68,10 +71,16 @@ class AllReduceExchange(Exchange):
         return self.params
 
     def _submit(self, fn: Any, *args: Any) -> Future:
-        """Start a bucket's reduction ``fn(*args)`` on the communication thread; on a GPU it runs on the side
-        stream once the kernels queued so far (those that wrote the bucket) are done, while backward's next
-        kernels go on."""
-        return self._comm.submit(self._side.run_after, self._side.mark(), fn, *args)
+        """Start a bucket's reduction ``fn(*args)``, after the kernels queued so far (those that wrote the
+        bucket), on the side stream, while backward's next kernels go on: queued from here where the backend
+        can (its completion is waited for in :meth:`exchange`), else on the communication thread."""
+        mark = self._side.mark()
+        if not self._queues:
+            return self._comm.submit(self._side.run_after, mark, fn, *args)
+        done: Future = Future()
+        with self._side.current(after=mark), self.collective.queued():
+            done.set_result(fn(*args))
+        return done
 
     def gradient_ready(self, name: str, grad: Any) -> None:
         if self._round is None:
@@ -84,6 +93,9 @@ class AllReduceExchange(Exchange):
         if self.overlaps:  # what is left of the reductions started during backward
             round_, self._round = self._round or self.bucketer.round(self.collective, self._submit), None
             mean = round_.finish(grads)
+            if self._queues:
+                with self._side.current():
+                    self.collective.wait_queued(f"the all-reduces of step {step}")
         else:
             mean = self.bucketer.allreduce_mean(self.collective, grads)
         seconds = time.perf_counter() - began

@@ -3,7 +3,9 @@
 Start one process per GPU, each with ``--rank R --device cuda:N`` and the same
 ``--rendezvous`` (see :mod:`psgd.collective.rendezvous`).  Arrays are CuPy
 arrays reduced in place on the device, with no host copy; the work runs on the
-device's current stream.
+device's current stream.  An all-reduce made inside :meth:`NcclCollective.queued` is only queued, so the
+overlapped all-reduce mode queues each bucket on a stream of its own while backward goes on, with no
+communication thread, and waits once for all of them (:meth:`NcclCollective.wait_queued`).
 
 Every operation waits for completion under a watchdog: if it has not finished
 within ``timeout`` seconds (or NCCL reports an asynchronous error), the
@@ -16,10 +18,11 @@ This is the only psgd module that touches the NCCL bindings; it gets them from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -130,11 +133,13 @@ class NcclCollective(Collective):
     """One rank of an NCCL group on one GPU."""
 
     backend = "nccl"
+    queues = True  # NCCL calls are queued on a stream: overlap needs no communication thread
 
     def __init__(self, rank: int, world_size: int, device: Any, rendezvous: str = DEFAULT_RENDEZVOUS,
                  timeout: float = 300.0):
         self._comm: Any = None  # first, so close() works whatever fails below
         self._aborted = False
+        self._queued = False
         self._barrier_buf: Any = None
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise CollectiveError(f"the nccl backend needs a positive integer world size, not {world_size!r}")
@@ -194,8 +199,21 @@ class NcclCollective(Collective):
                 stream = self._cuda.get_current_stream()
                 self._enqueue(lambda: comm.allReduce(array.data.ptr, array.data.ptr, array.size, datatype,
                                                      nccl_op, stream.ptr), what)
-                self._finish(stream, what)
+                if not self._queued:
+                    self._finish(stream, what)
         return array
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        self._queued = True
+        try:
+            yield
+        finally:
+            self._queued = False
+
+    def wait_queued(self, what: str) -> None:
+        with self._cuda.Device(self.device.index):
+            self._finish(self._cuda.get_current_stream(), what)
 
     def broadcast_(self, array: Any, root: int = 0) -> Any:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.world_size:

@@ -18,6 +18,8 @@ import types
 import numpy as np
 import pytest
 
+from helpers import Mirror
+
 from psgd import xp as backend
 from psgd.collective import nccl as nccl_backend
 from psgd.collective.base import CollectiveError
@@ -517,6 +519,31 @@ def test_a_cuda_error_on_the_stream_aborts_at_once(fake_gpu, tmp_path):
     with pytest.raises(CollectiveError, match="all-reduce \\(sum\\) of 16 bytes failed .*illegal memory access"):
         group.allreduce_(FakeArray(np.zeros(4, np.float32)))
     assert time.monotonic() - began < 1.0 and FakeComm.instances[0].aborted == 1
+
+
+def test_queued_all_reduces_return_at_once_and_are_waited_for_under_the_watchdog(fake_gpu, tmp_path):
+    """What overlap does on a GPU: inside queued() an all-reduce only queues (it returns while its stream is
+    still busy); wait_queued() then waits for the stream, and a stream that never finishes is aborted."""
+    stream, _ = fake_gpu
+    group = make_group(tmp_path, timeout=0.2)
+    assert group.queues
+    stream.status = 600  # cudaErrorNotReady: the stream is busy
+    with group.queued():
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+        group.allreduce_(FakeArray(np.zeros(8, np.float32)))
+    assert [c[3] for c in FakeComm.instances[0].calls] == [4, 8]
+    with pytest.raises(CollectiveError, match="the all-reduces of step 3 did not complete within 0.2 s"):
+        group.wait_queued("the all-reduces of step 3")
+    assert FakeComm.instances[0].aborted == 1
+    stream.status = 0
+    with pytest.raises(CollectiveError, match="aborted"):  # outside queued() again: waits, and refuses
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+
+
+def test_a_backend_that_cannot_queue_says_so():
+    with pytest.raises(CollectiveError, match="the mirror backend cannot leave an all-reduce queued"):
+        with Mirror(2).queued():
+            pass
 
 
 def test_nccl_collective_needs_a_gpu_device(fake_gpu, monkeypatch, tmp_path):
