@@ -74,7 +74,7 @@ class ClusterConfig:
     join_timeout: float = 120.0   # a worker that never registers within this leaves the round
     request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
     hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
-    data_path: bool = True        # pulls and pushes over the shards' plain-TCP data port (else gRPC only)
+    transport: str = "auto"       # pulls and pushes: auto (shared memory on a shard's host, else tcp), shm, tcp, grpc
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
 
@@ -164,6 +164,10 @@ class JobConfig:
     def _set_field(self, section: str, key: str, value: Any) -> None:
         target = getattr(self, section)
         fields = {f.name for f in dataclasses.fields(target)}
+        if (section, key) == ("cluster", "data_path"):
+            raise ConfigError(f"{self.source}: [cluster] data_path was replaced by transport: data_path = true is "
+                              "transport = \"tcp\" (or \"auto\", the default, which also uses shared memory on a "
+                              "shard's host), data_path = false is transport = \"grpc\"")
         if key not in fields:
             raise ConfigError(f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}")
         if (section, key) == ("cluster", "servers") and isinstance(value, str):
@@ -205,9 +209,12 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
-        for key in ("staleness_lr", "data_path", "overlap"):
+        for key in ("staleness_lr", "overlap"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
+        if c.transport not in ("auto", "shm", "tcp", "grpc"):
+            raise ConfigError(f"{src}: [cluster] transport must be \"auto\", \"shm\", \"tcp\" or \"grpc\", "
+                              f"got {c.transport!r}")
         if c.wire_dtype not in ("", "float16", "bfloat16"):
             raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "
                               f"got {c.wire_dtype!r}")

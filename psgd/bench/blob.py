@@ -86,10 +86,10 @@ class BlobCluster:
 
         self.plan = PartitionPlan(Blob((1,), 2, size=self.elems).specs(), shards, self.job.cluster.slice_bytes)
 
-    def client(self, worker: int, data_path: bool = True, wire_dtype: str | None = None):
+    def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, data_path=data_path, wire_dtype=wire_dtype, job=self.job)
+        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, job=self.job)
         c.wait_ready(60)
         c.register()
         return c
@@ -121,10 +121,15 @@ def median(xs) -> float:
     return float(np.median(xs))
 
 
-def time_steps(cluster: BlobCluster, workers: int, steps: int, data_path: bool = True,
+def time_steps(cluster: BlobCluster, workers: int, steps: int, transport: str = "tcp",
                wire_dtype: str | None = None) -> dict:
-    """``workers`` clients in threads each doing ``steps`` pull+push; per-step medians and throughput."""
-    clients = [cluster.client(w, data_path, wire_dtype) for w in range(workers)]
+    """``workers`` clients in threads each doing ``steps`` pull+push over ``transport`` (tcp: the data port,
+    shm: shared memory, grpc); per-step medians and throughput."""
+    clients = [cluster.client(w, transport, wire_dtype) for w in range(workers)]
+    if transport == "shm" and not all(link.shared for c in clients for link in c.links):
+        for c in clients:
+            c.close()
+        raise SystemExit("the shm link fell back to TCP (see the log line above): no shared-memory figures here")
     start = time.perf_counter()
     with futures.ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(lambda c: pull_push_loop(c, cluster.elems, steps), clients))

@@ -7,6 +7,8 @@ Measured side by side:
   - pull, push and pull+push through psgd-server shard processes for models of
     1 MB to 400 MB (one worker, one shard), and for a 40 MB model over 1-4
     shards and 1-4 workers (the bulk data path, and gRPC alone for contrast);
+  - the same-host link (shared memory) against the data port on the same shard, 1 MB to 400 MB with one
+    worker and the focus model with 2 and 4 workers, against memory-copy bandwidth;
   - an MPI all-reduce of the same bytes between 2 processes;
   - the round trip of a tiny model's pull+push against a bare gRPC unary call;
   - the optimizers' update throughput against memory bandwidth;
@@ -114,7 +116,7 @@ def run_worker_process(cluster: BlobCluster) -> dict:
 
 
 # -- the run ----------------------------------------------------------------------------------------------
-PARTS = ("headline", "sweep", "grid", "variants", "latency", "optimizer", "memory", "scale")
+PARTS = ("headline", "sweep", "shm", "grid", "variants", "latency", "optimizer", "memory", "scale")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +195,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
             _headline(result, focus, steps, tmp, say, args.rounds)
         if "sweep" in parts:
             _sweep(result, sizes, focus, steps, tcp, tmp, say)
+        if "shm" in parts:
+            _shm(result, sizes, focus, steps, tcp, mem, tmp, say)
         if "grid" in parts:
             _grid(result, focus, steps, tcp, tmp, say)
         if "variants" in parts:
@@ -259,6 +263,27 @@ def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, t
     result["sweep"] = rows
 
 
+def _shm(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, mem: float, tmp: str, say) -> None:
+    """Shared memory against the data port, both against the same shard process, one after the other."""
+    say("\nshared memory (shm) against the data port (tcp), the same shard process (async, sgd); "
+        "'of memcpy' = (2 x size / step) / memory-copy bandwidth, 'of TCP' the same over raw loopback TCP")
+    say(f"{'MB':>5} {'workers':>7} {'shm pull ms':>11} {'shm push ms':>11} {'shm step ms':>11} {'of memcpy':>9} "
+        f"{'tcp step ms':>11} {'of TCP':>6} {'tcp/shm':>7}")
+    rows = []
+    for size, workers in [(size, 1) for size in sizes] + [(focus, 2), (focus, 4)]:
+        with BlobCluster(size, workers=workers, tmp=tmp) as cluster:
+            shm = time_steps(cluster, workers, steps, "shm")
+            tcp_run = time_steps(cluster, workers, steps, "tcp")
+        row = {"size_bytes": size, "workers": workers, "shm": shm, "tcp": tcp_run,
+               "shm_of_memcpy": shm["step_gbps"] / mem, "tcp_of_tcp": tcp_run["step_gbps"] / tcp,
+               "tcp_over_shm": tcp_run["step_s"] / shm["step_s"]}
+        rows.append(row)
+        say(f"{size / MB:5.0f} {workers:7d} {shm['pull_s'] * 1e3:11.2f} {shm['push_s'] * 1e3:11.2f} "
+            f"{shm['step_s'] * 1e3:11.2f} {row['shm_of_memcpy']:9.2f} {tcp_run['step_s'] * 1e3:11.2f} "
+            f"{row['tcp_of_tcp']:6.2f} {row['tcp_over_shm']:7.2f}")
+    result["shm"] = rows
+
+
 def _grid(result: dict, focus: int, steps: int, tcp: float, tmp: str, say) -> None:
     """The focus model over 1-4 shards and 1-4 workers."""
     say(f"\n{focus / MB:.0f} MB model: shards x workers (aggregate GB/s = bytes moved by all workers / wall)")
@@ -276,11 +301,11 @@ def _variants(result: dict, focus: int, steps: int, tcp: float, tcp_cold: float,
     """The focus model, one worker and one shard: gRPC alone, the data path, compressed gradients."""
     say(f"\n{focus / MB:.0f} MB, 1x1: transport and wire-compression variants")
     variants = []
-    for label, data_path, wdt in (("gRPC only", False, None), ("data path", True, None),
-                                  ("data path, float16 gradients", True, "float16"),
-                                  ("data path, bfloat16 gradients", True, "bfloat16")):
+    for label, transport, wdt in (("gRPC only", "grpc", None), ("data path", "tcp", None),
+                                  ("data path, float16 gradients", "tcp", "float16"),
+                                  ("data path, bfloat16 gradients", "tcp", "bfloat16")):
         with BlobCluster(focus, tmp=tmp) as cluster:
-            t = time_steps(cluster, 1, steps, data_path, wdt)
+            t = time_steps(cluster, 1, steps, transport, wdt)
         variants.append({"variant": label, **t})
         say(f"  {label:32s} pull {t['pull_s'] * 1e3:7.1f} ms  push {t['push_s'] * 1e3:7.1f} ms  "
             f"step {t['step_s'] * 1e3:7.1f} ms  ({t['step_gbps'] / tcp:.2f} of TCP, "
@@ -294,7 +319,7 @@ def _latency(result: dict, steps: int, tmp: str, say) -> None:
     rtt = bare_grpc_rtt(4 * repeats)
     with BlobCluster(64, tmp=tmp) as cluster:
         tiny = time_steps(cluster, 1, repeats)
-        tiny_grpc = time_steps(cluster, 1, repeats, data_path=False)
+        tiny_grpc = time_steps(cluster, 1, repeats, transport="grpc")
     result["latency"] = {"bare_grpc_unary_s": rtt, "tiny_pull_push_s": tiny["step_s"],
                          "tiny_pull_push_grpc_s": tiny_grpc["step_s"], "ratio": tiny["step_s"] / rtt}
     say(f"\ntiny model (16 floats): pull+push {tiny['step_s'] * 1e6:.0f} us on the data path, "

@@ -115,7 +115,7 @@ def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str, netw
     from psgd.bench.blob import BlobCluster, time_steps
 
     with BlobCluster(size, shards=2, workers=workers, tmp=tmp) as cluster:
-        return time_steps(cluster, workers, steps)["step_s"]
+        return time_steps(cluster, workers, steps, transport="auto")["step_s"]  # as psgd launch moves them
 
 
 def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say,

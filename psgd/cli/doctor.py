@@ -167,12 +167,12 @@ class Doctor:
             say("FAIL", result.error or f"health {result.health}")
         else:
             say("ok", "health check: SERVING")
-        if c.data_path:
+        if c.transport != "grpc":
             data_port = (result.status or {}).get("data_port") or port + 1
             error = tcp_check(ips[0], data_port, timeout)
             if error:
                 say("FAIL", f"data port {data_port}: {error}; workers send tensors there: open it (the default is "
-                    "the gRPC port + 1; psgd-server --data-port moves it), or set [cluster] data_path = false")
+                    "the gRPC port + 1; psgd-server --data-port moves it), or set [cluster] transport = \"grpc\"")
             else:
                 say("ok", f"data port {data_port} accepts connections")
         s = result.status

@@ -104,7 +104,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
-        server = ShardServer(core, bind, request_timeout=job.cluster.request_timeout, data_path=job.cluster.data_path,
+        server = ShardServer(core, bind, request_timeout=job.cluster.request_timeout, transport=job.cluster.transport,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args),

@@ -4,7 +4,10 @@
   arrays, push, heartbeat, done, status), its one error type and reply.
 - :mod:`psgd.link.grpc`: everything over gRPC, tensors in protobuf chunks.
 - :mod:`psgd.link.tcp`: pulls and pushes over the shard's plain-TCP data
-  port, control calls over gRPC (the default).
+  port, control calls over gRPC.
+- :mod:`psgd.link.shm`: on the shard's host, pulls and pushes through shared
+  memory (:mod:`psgd.link.segment`), their requests over the data port;
+  elsewhere the TCP link's (the default, ``transport = "auto"``).
 - :mod:`psgd.link.protocol`: the data port's frames, shared with the shard's
   end (:mod:`psgd.server.datapath`).
 
@@ -17,16 +20,22 @@ from __future__ import annotations
 
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
 from psgd.link.grpc import GrpcLink
+from psgd.link.shm import ShmLink
 from psgd.link.tcp import TcpLink
 
-__all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "link_kind", "open_link"]
+__all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS", "link_kind",
+           "open_link"]
 
-LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink}
+LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink, "shm": ShmLink}
+#: what ``[cluster] transport`` may say; "auto" is the shm link, which falls back to TCP off the shard's host
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 
 
-def link_kind(data_path: bool) -> str:
-    """The link a job's ``[cluster] data_path`` asks for."""
-    return "tcp" if data_path else "grpc"
+def link_kind(transport: str) -> str:
+    """The link a job's ``[cluster] transport`` asks for."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
+    return "shm" if transport == "auto" else transport
 
 
 def open_link(kind: str, endpoint: Endpoint) -> Link:

@@ -56,6 +56,7 @@ class Endpoint:
     token: str = ""
     tls: TLSFiles = NO_TLS
     request_timeout: float = 60.0
+    transport: str = "auto"  # what the job asked for ([cluster] transport), for the shm link's fallback line
 
     @property
     def host(self) -> str:

@@ -4,8 +4,8 @@ A pull streams :class:`TensorChunk` messages straight into the worker's
 arrays; a push streams a header and then each slice's bytes (encoded by the
 push's codec) in chunks of :data:`psgd.channel.CHUNK_BYTES`, from views of
 the gradient, so no model-sized buffer is built per step.  It is the whole
-link when ``[cluster] data_path = false``, and the control half (register,
-heartbeat, done, status) of the TCP link.
+link when ``[cluster] transport = "grpc"``, and the control half (register,
+heartbeat, done, status) of the TCP and shared-memory links.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ straight away is otherwise paced by delayed ACKs, and a 40 MB push took
 twice as long as the pull before it (benchmarks/RESULTS.md).  Smaller
 pushes go in one message: below 4 MiB the round trip cost more than it saved.  A client may always
 send the payload without waiting; the shard reads it after its READY.
+
+A hello may ask for shared memory (``"shm": "pull"`` or ``"push"``, see :mod:`psgd.link.shm`); its reply
+then carries a JSON offer, and the connection's replies carry no tensor bytes: a pull's reply says the
+weights may be read from the shard's weights segment, and the worker answers with RELEASE (a header, no
+reply) once it has copied them; a push's header says its bytes are in the push segment.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ import grpc
 from psgd import policy
 
 DATA_MAGIC = b"PSG1"
-OP_HELLO, OP_PULL, OP_PUSH = 1, 2, 3
-OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push"}
+OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE = 1, 2, 3, 4
+OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push", OP_RELEASE: "release"}
 #: magic, op, wire dtype code, worker id, clock, base version, payload bytes
 REQUEST = struct.Struct("<4sBBxxiqqQ")
 #: magic, status (a grpc.StatusCode number), outcome code, version, next clock, staleness, payload bytes

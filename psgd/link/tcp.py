@@ -4,8 +4,8 @@ A pull is one request header and the weights received straight into the
 worker's arrays with ``recv_into``; a push is one header and the gradient's
 bytes sent from views with ``sendmsg`` (see :mod:`psgd.link.protocol`).  The
 connection is opened on first use with a hello (worker id, plan hash, token)
-and reopened after it breaks.  A shard without a data port (``data_path =
-false`` on its side) is pulled from and pushed to over gRPC.
+and reopened after it breaks.  A shard without a data port (``transport =
+"grpc"`` on its side) is pulled from and pushed to over gRPC.
 
 The worker waits :data:`REPLY_MARGIN` seconds longer than the request
 timeout for an answer: the shard bounds its own wait (a sync pull) by the
@@ -41,7 +41,7 @@ class DataConnection:
     :class:`protocol.WireError` when the connection breaks."""
 
     def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0,
-                 tls: TLSFiles = NO_TLS):
+                 tls: TLSFiles = NO_TLS, shm: str = ""):
         try:
             self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
         except OSError as exc:
@@ -57,19 +57,38 @@ class DataConnection:
                                     else grpc.StatusCode.UNAUTHENTICATED,
                                     f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout + REPLY_MARGIN)
-            body = json.dumps({"token": token, "plan_hash": plan_hash}).encode()
+            hello = {"token": token, "plan_hash": plan_hash, **({"shm": shm} if shm else {})}
+            body = json.dumps(hello).encode()
             try:
                 self._send(protocol.OP_HELLO, worker, 0, 0, 0, [body], len(body))
             except protocol.WireError as exc:
                 self._refused(host, port, exc)
             try:
-                self._reply()
+                size = self._reply()[4]
+                #: what the shard offered for a hello that asked for a shared-memory segment (psgd.link.shm)
+                self.offer = self._offer(size)
             except protocol.WireError as exc:
                 raise protocol.WireError(f"the data port {host}:{port} gave no answer to the hello: {exc}") from None
         except BaseException:  # a refused or broken hello: do not leave the socket to the garbage collector
             self.sock.close()
             raise
         self.worker = worker
+
+    def _offer(self, size: int) -> dict:
+        """The hello reply's payload: a JSON object, sent only to a hello that asked for a segment."""
+        if not size:
+            return {}
+        if size > protocol.MAX_HELLO_BYTES:
+            raise protocol.WireError("oversized answer to the hello")
+        text = bytearray(size)
+        protocol.recv_exact(self.sock, memoryview(text))
+        try:
+            offer = json.loads(text)
+        except ValueError:
+            offer = None
+        if not isinstance(offer, dict):
+            raise protocol.WireError("the answer to the hello is not a JSON object")
+        return offer
 
     def _refused(self, host: str, port: int, exc: protocol.WireError):
         """The hello could not be sent: the shard may have refused the connection (full, too late) and

@@ -122,6 +122,14 @@ class ShardCore:
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time) of the newest one written
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
+    def place_weights(self, flat: np.ndarray) -> None:
+        """Hold the weights in ``flat`` (as long as :attr:`flat`, of its dtype) from now on, with their values:
+        the data port moves them into shared memory this way (psgd.server.datapath)."""
+        with self.lock:
+            np.copyto(flat, self.flat)
+            self.store.rehome(flat)
+            self.flat, self.weights = self.store.flat, self.store.weights
+
     # -- helpers ------------------------------------------------------------
     def check_worker(self, worker: int) -> None:
         """Refuse a worker id outside the job (links check it before they read a push)."""

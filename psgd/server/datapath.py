@@ -12,20 +12,28 @@ and a connection that breaks the protocol is answered with an error and closed.
 Connections are accepted, and their hellos checked, by the gatekeeper
 (:mod:`psgd.server.gatekeeper`), which holds no thread per connection until it
 is authenticated: connections cannot be hoarded.
+
+A worker on the same host may ask in its hello for a shared-memory segment
+(:mod:`psgd.link.segment`); the connection then carries only the headers, and
+the bytes go through the segment: a pull copies the weights into it under a
+live read (no update runs meanwhile) before the reply, and a push is copied
+out of it into a receive buffer, and checked there, before it is applied.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import ssl
 import threading
+import weakref
 
 import numpy as np
 
 from psgd import status
 from psgd.codec import Codec, CodecError, by_code
-from psgd.link import protocol
+from psgd.link import protocol, segment
 from psgd.server.core import ShardCore, ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 
@@ -70,9 +78,26 @@ class DataServer:
     def __init__(self, core: ShardCore, host: str = "127.0.0.1", port: int = 0, *, token: str = "",
                  request_timeout: float = 60.0, idle_timeout: float = 600.0, max_connections: int | None = None,
                  hello_timeout: float = 2.0, max_unauthenticated: int = MAX_UNAUTHENTICATED,
-                 max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None):
+                 max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None,
+                 shm: bool = True):
         self.core = core
+        #: whether a worker on this host may pull from the weights in shared memory and push through a segment
+        #: ([cluster] transport auto or shm)
+        self.shm = shm
+        self._segments: set[segment.Segment] = set()  # push segments whose names may still exist
+        self._weights: segment.Segment | None = None
         self.receive_buffers = BufferPool(core.nbytes, limit=2)
+        if shm:
+            stale = segment.remove_stale(core.fingerprint, core.shard)
+            if stale:
+                log.info("shard %d: removed %d shared-memory segment(s) left by a shard that was killed: %s",
+                         core.shard, len(stale), ", ".join(stale))
+            try:
+                self._weights = _share_weights(core)
+            except segment.SegmentError as exc:
+                log.warning("shard %d: no shared memory for workers on this host (%s); they use the data port",
+                            core.shard, exc)
+                self.shm = False
         self.request_timeout, self.idle_timeout = request_timeout, idle_timeout
         #: authenticated connections served at once (one thread each)
         self.max_connections = max_connections or 4 * core.num_workers + 8
@@ -99,10 +124,15 @@ class DataServer:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            for seg in list(self._segments):  # names not yet removed by a first request
+                seg.unlink()
+        if self._weights is not None:
+            self._weights = None
+            _unshare_weights(self.core)
         self.gate.join(5)
 
     # -- serving an authenticated connection -----------------------------------------------------
-    def _hand_over(self, conn: socket.socket, peer, worker: int) -> tuple[str, str, str] | None:
+    def _hand_over(self, conn: socket.socket, peer, worker: int, shm: str = "") -> tuple[str, str, str] | None:
         """Serve ``conn`` (authenticated by the gatekeeper) on a thread of its own, if the cap on served
         connections allows; else the refusal (code, message, reason) to send it."""
         with self._lock:
@@ -111,7 +141,7 @@ class DataServer:
                         "connections, the most it takes (4 per worker + 8)", "too many data connections")
             self._conns.add(conn)
         try:
-            threading.Thread(target=self._serve, args=(conn, peer, worker), daemon=True,
+            threading.Thread(target=self._serve, args=(conn, peer, worker, shm), daemon=True,
                              name=f"shard{self.core.shard}-data-{peer[1]}").start()
         except RuntimeError as exc:  # no thread to be had
             with self._lock:
@@ -120,15 +150,22 @@ class DataServer:
                     "no thread for it")
         return None
 
-    def _serve(self, conn: socket.socket, peer, worker: int) -> None:
+    def _serve(self, conn: socket.socket, peer, worker: int, shm: str = "") -> None:
+        seg = None
         try:
             conn.settimeout(self.request_timeout)
-            protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0, 0)])
+            seg, offer = self._segment_for(worker, shm)
+            protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0,
+                                                             len(offer)), offer])
+            first = True
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
                 header = protocol.recv_struct(conn, protocol.REQUEST)
+                if first and shm == "push" and seg is not None:  # mapped by now (or given up): no name left
+                    seg.unlink()
+                first = False
                 conn.settimeout(self.request_timeout)
-                self._request(conn, worker, header)
+                self._request(conn, worker, header, seg, shm)
         except protocol.WireError as exc:
             log.debug("shard %d: data connection from %s ended: %s", self.core.shard, peer, exc)
         except _Fatal as exc:
@@ -136,7 +173,34 @@ class DataServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._segments.discard(seg)
+            if shm == "push" and seg is not None:
+                seg.unlink()
+                seg.close()
             conn.close()
+
+    def _segment_for(self, worker: int, shm: str) -> tuple[segment.Segment | None, bytes]:
+        """The segment a hello asked for (the weights for pulls, a new one for pushes) and the offer that names
+        it; an offer saying why not where this shard offers none (the worker then uses the connection as it
+        is, and says why); nothing for a hello that did not ask."""
+        if not shm:
+            return None, b""
+        weights = self._weights
+        if not self.shm or weights is None:
+            return None, json.dumps({"refused": f"shard {self.core.shard} offers no shared memory "
+                                                "([cluster] transport = \"tcp\" on its side)"}).encode()
+        if shm == "pull":
+            seg = weights
+        else:
+            try:
+                seg = segment.create(self.core.fingerprint, self.core.shard, "push", self.core.nbytes)
+            except segment.SegmentError as exc:
+                log.warning("shard %d: no shared-memory segment for worker %d: %s", self.core.shard, worker, exc)
+                return None, json.dumps({"refused": f"shard {self.core.shard} could not make a segment: "
+                                                    f"{exc}"}).encode()
+            with self._lock:
+                self._segments.add(seg)
+        return seg, json.dumps({"segment": seg.path.name, "nonce": seg.nonce.hex(), "bytes": seg.size}).encode()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
         protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason))])
@@ -149,29 +213,43 @@ class DataServer:
         raise _Fatal(message)
 
     # -- requests -------------------------------------------------------------------
-    def _request(self, conn: socket.socket, worker: int, header: tuple) -> None:
+    def _request(self, conn: socket.socket, worker: int, header: tuple, seg: segment.Segment | None = None,
+                 purpose: str = "") -> None:
         magic, op, dtype_code, _, clock, base_version, size = header
         if magic != protocol.DATA_MAGIC or op not in (protocol.OP_PULL, protocol.OP_PUSH):
-            self._fatal(conn, "INVALID_ARGUMENT", "not a psgd data request")
+            self._fatal(conn, "INVALID_ARGUMENT", "not a psgd data request" if op != protocol.OP_RELEASE
+                        else "a release without a pull to release")
+        if seg is not None and op != (protocol.OP_PULL if purpose == "pull" else protocol.OP_PUSH):
+            self._fatal(conn, "INVALID_ARGUMENT", f"a {protocol.OPS[op]} on a connection whose shared memory "
+                        f"is for {'pulls' if purpose == 'pull' else 'pushes'}")
         if op == protocol.OP_PULL:
             if size:
                 self._fatal(conn, "INVALID_ARGUMENT", "a pull carries no payload")
-            self._pull(conn, worker, clock)
+            self._pull(conn, worker, clock, seg)
         else:
-            self._push(conn, worker, clock, base_version, dtype_code, size)
+            self._push(conn, worker, clock, base_version, dtype_code, size, seg)
 
-    def _pull(self, conn: socket.socket, worker: int, clock: int) -> None:
+    def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None) -> None:
         try:
             snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False)
         except ShardError as err:
             self._reply_error(conn, err)
             return
         with snap:
-            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, len(snap.buffer))
-            protocol.send_buffers(conn, [head, snap.buffer])
+            n = len(snap.buffer)
+            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, n)
+            if seg is None:
+                protocol.send_buffers(conn, [head, snap.buffer])
+                return
+            # The worker copies the weights out of shared memory now; no update runs until it says it has
+            # (or the request timeout has passed, and the connection is closed).
+            protocol.send_buffers(conn, [head])
+            magic, op, *_ = protocol.recv_struct(conn, protocol.REQUEST)
+            if magic != protocol.DATA_MAGIC or op != protocol.OP_RELEASE:
+                self._fatal(conn, "INVALID_ARGUMENT", "a pull from shared memory must be answered with a release")
 
     def _push(self, conn: socket.socket, worker: int, clock: int, base_version: int, dtype_code: int,
-              size: int) -> None:
+              size: int, seg: segment.Segment | None = None) -> None:
         core = self.core
         try:
             codec = by_code(dtype_code, core.dtype)
@@ -182,15 +260,32 @@ class DataServer:
         if size != expected:
             self._fatal(conn, "INVALID_ARGUMENT", f"push of {size} bytes, shard {core.shard} expects {expected} "
                         f"({core.flat.size} values of {itemsize} bytes): wrong shape or dtype")
+        if seg is not None and not codec.compresses:
+            # Checked and applied where the worker wrote it.  Nobody else can change it meanwhile: the
+            # segment's name is gone, so only this shard and the worker that owns the connection map it, and
+            # that worker waits for this reply (a worker that raced its own push could as well push any
+            # other finite gradient).
+            try:
+                result = core.push(worker, clock, base_version, core.store.gradient_views(seg.data[:size]),
+                                   wire_bytes=size)
+            except ShardError as err:
+                self._reply_error(conn, err)
+                return
+            protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
+                                                             result.version, result.next_clock, result.staleness, 0)])
+            return
         try:
             buf = self.receive_buffers.acquire(self.request_timeout)
         except ShardError as err:
             self._fatal(conn, err.code, err.message)
         try:
-            if protocol.wants_go_ahead(size):
-                ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
-                protocol.send_buffers(conn, [ready])
-            _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
+            if seg is not None:  # compressed: decoded into a receive buffer, as from the socket
+                _decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
+            else:
+                if protocol.wants_go_ahead(size):
+                    ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
+                    protocol.send_buffers(conn, [ready])
+                _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
             try:
                 result = core.push(worker, clock, base_version, core.store.gradient_views(buf), wire_bytes=size)
             except ShardError as err:
@@ -202,11 +297,49 @@ class DataServer:
                                                          result.version, result.next_clock, result.staleness, 0)])
 
 
+#: shard core -> its weights' segment and how many data servers offer it (a core may have several servers)
+_shared: "weakref.WeakKeyDictionary[ShardCore, list]" = weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
+def _share_weights(core: ShardCore) -> segment.Segment:
+    """``core``'s weights, moved (once) into a shared-memory segment that workers on this host pull from; the
+    arrays stay there for good.  Each caller must :func:`_unshare_weights`."""
+    with _shared_lock:
+        entry = _shared.get(core)
+        if entry is None:
+            seg = segment.create(core.fingerprint, core.shard, "weights", core.nbytes)
+            core.place_weights(seg.array(core.flat.dtype, core.flat.size))
+            entry = _shared[core] = [seg, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _unshare_weights(core: ShardCore) -> None:
+    """One offer fewer; with none left the segment's name is removed (the weights stay where they are)."""
+    with _shared_lock:
+        entry = _shared.get(core)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                entry[0].unlink()
+                del _shared[core]
+
+
 class _Fatal(Exception):
     """The connection cannot go on (protocol broken); it is closed after the error reply."""
 
 
 _STAGE_ELEMS = 1 << 20
+
+
+def _decode_gradient(src: memoryview, buf: memoryview, codec: Codec, count: int) -> None:
+    """Decode ``count`` compressed gradient values, written by ``codec`` into ``src`` (a segment), into ``buf``."""
+    out = np.frombuffer(buf, dtype=np.float32, count=count)
+    wire = np.frombuffer(src, dtype=np.uint16, count=count)
+    for start in range(0, count, _STAGE_ELEMS):
+        stop = min(count, start + _STAGE_ELEMS)
+        codec.decode(wire[start:stop], out[start:stop])
 
 
 def _receive_gradient(conn: socket.socket, buf: memoryview, codec: Codec, count: int) -> None:

@@ -52,7 +52,8 @@ REFUSAL_LOG_SECONDS = 5.0
 
 #: Takes an authenticated connection ``(sock, peer, worker)``: None once it is taken, else the refusal
 #: ``(code, message, reason)`` the gatekeeper sends before closing it.
-HandOver = Callable[[socket.socket, tuple, int], "tuple[str, str, str] | None"]
+#: (connection, peer, worker id, the hello's wish for a shared-memory segment: "", "pull" or "push")
+HandOver = Callable[[socket.socket, tuple, int, str], "tuple[str, str, str] | None"]
 
 
 class Gatekeeper:
@@ -232,7 +233,7 @@ class Gatekeeper:
                                        "not a psgd hello")
                     p.worker, p.state, p.buf, p.got = worker, "body", bytearray(size), 0
                     continue
-                self._authenticated(p, self._check_hello(p.worker, p.buf))
+                self._authenticated(p, *self._check_hello(p.worker, p.buf))
                 return
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
             self._want(p, selectors.EVENT_READ)
@@ -269,10 +270,12 @@ class Gatekeeper:
             p.events = events
             self._selector.modify(p.sock, events, p)
 
-    def _check_hello(self, worker: int, body: bytearray) -> int:
+    def _check_hello(self, worker: int, body: bytearray) -> tuple[int, str]:
+        """The worker id and its wish for a shared-memory segment ("", "pull" or "push"), once checked."""
         try:
             hello = json.loads(body)
             token, plan_hash = str(hello.get("token", "")), str(hello.get("plan_hash", ""))
+            shm = str(hello.get("shm", ""))
         except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
             raise _Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
         # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
@@ -287,12 +290,15 @@ class Gatekeeper:
                 self.core.check_worker(worker)
             except ShardError as err:
                 raise _Refusal(err.code, err.message, "worker id out of range") from None
-        return worker
+        if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER):
+            raise _Refusal("INVALID_ARGUMENT", f"a hello may ask for a \"pull\" or \"push\" segment (workers "
+                           f"only), not {shm!r}", "not a psgd hello")
+        return worker, shm
 
-    def _authenticated(self, p: "_Pending", worker: int) -> None:
+    def _authenticated(self, p: "_Pending", worker: int, shm: str) -> None:
         """Hand ``p`` over to be served; refuse it if it cannot be."""
         self._forget(p)
-        refusal = self._hand_over(p.sock, p.peer, worker)
+        refusal = self._hand_over(p.sock, p.peer, worker, shm)
         if refusal is not None:
             self._refuse(p, *refusal)
 

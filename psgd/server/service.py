@@ -24,6 +24,7 @@ import numpy as np
 from psgd import status
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chunks
 from psgd.codec import Codec, CodecError, by_name
+from psgd.link import segment
 from psgd.link.protocol import as_worker
 from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
@@ -135,8 +136,9 @@ def _remaining(context: grpc.ServicerContext, cap: float) -> float:
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Maps RPCs onto the core; every ShardError becomes its status code."""
 
-    def __init__(self, core: ShardCore, incarnation: str, request_timeout: float, data_port: int = 0):
-        self.core, self.incarnation, self.data_port = core, incarnation, data_port
+    def __init__(self, core: ShardCore, incarnation: str, request_timeout: float, data_port: int = 0,
+                 host_id: str = ""):
+        self.core, self.incarnation, self.data_port, self.host_id = core, incarnation, data_port, host_id
         self.request_timeout = request_timeout
 
     def Register(self, request, context):
@@ -149,7 +151,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.lease_seconds, shard=core.shard,
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
-            incarnation=self.incarnation, version=core.version, data_port=self.data_port)
+            incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id)
 
     def Pull(self, request, context):
         try:
@@ -245,7 +247,7 @@ class ShardServer:
     """A shard served over gRPC, with health checking and a lease reaper thread."""
 
     def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, request_timeout: float = 60.0,
-                 threads: int | None = None, data_path: bool = True, data_port: int = 0,
+                 threads: int | None = None, transport: str = "auto", data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
                  tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0):
@@ -256,16 +258,21 @@ class ShardServer:
             interceptors = [TokenInterceptor(token), *interceptors]
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
+        # [cluster] transport: grpc serves no data port; tcp one without shared memory; auto and shm offer
+        # workers on this host segments of shared memory too (psgd.link.shm)
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
                                request_timeout=request_timeout, hello_timeout=hello_timeout,
-                               tls=tls.server_context() if tls.enabled else None) if data_path else None
+                               tls=tls.server_context() if tls.enabled else None,
+                               shm=transport in ("auto", "shm")) if transport != "grpc" else None
+        shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                              thread_name_prefix=f"shard{core.shard}"),
                                   options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4,
                                   interceptors=list(interceptors))
         ps_pb2_grpc.add_ParameterServerServicer_to_server(
-            ParameterServerServicer(core, self.incarnation, request_timeout, self.data.port if self.data else 0),
+            ParameterServerServicer(core, self.incarnation, request_timeout, self.data.port if self.data else 0,
+                                    segment.host_id() if shares else ""),
             self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -103,6 +103,11 @@ class WeightStore:
         self._readers = 0          # live reads sending from ``flat`` right now
         self.writers_waiting = 0   # updates waiting for those reads to finish
 
+    def rehome(self, flat: np.ndarray) -> None:
+        """Hold the weights in ``flat`` from now on (laid out like ``flat``, holding its values already): the
+        shard moves them into shared memory this way."""
+        self.flat, self.weights = flat, self.views(flat)
+
     def map(self, fn: Callable[[int], object], ids: Iterable[int]) -> list:
         """``[fn(i) for i in ids]``, spread over the store's threads when it has them."""
         if self._threads is None:

@@ -63,7 +63,7 @@ class PSClient:
     """Talks to all shards of one job on behalf of worker ``worker_id`` (``protocol.OBSERVER``: a reader)."""
 
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = OBSERVER, *,
-                 request_timeout: float = 60.0, retry_deadline: float | None = None, data_path: bool = True,
+                 request_timeout: float = 60.0, retry_deadline: float | None = None, transport: str = "auto",
                  wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
                  stop: threading.Event | None = None, job: JobConfig | None = None):
         if len(addresses) != plan.num_shards:
@@ -80,9 +80,9 @@ class PSClient:
         self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         # An observer never registers, so it never learns a data port: it reads over gRPC.
-        kind = link_kind(data_path and worker_id != OBSERVER)
+        kind = link_kind(transport if worker_id != OBSERVER else "grpc")
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
-                                               request_timeout)) for k, a in enumerate(self.addresses)]
+                                               request_timeout, transport)) for k, a in enumerate(self.addresses)]
         self.versions = [0] * plan.num_shards
         self._joins = [0] * plan.num_shards  # registrations with each shard, so far
         self.lease_seconds = 10.0

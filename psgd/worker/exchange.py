@@ -226,7 +226,7 @@ def run_worker(
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
     plan = PartitionPlan(built.model.specs(), c.shards, c.slice_bytes)
-    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, data_path=c.data_path,
+    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, transport=c.transport,
                   wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=job) as client:
         result = run_loop(built, ParameterServerExchange(built, client, plan, rank, stop), rank=rank,
                           world=c.workers, evaluate_every=evaluate_every, progress=progress, desc=f"worker {rank}",

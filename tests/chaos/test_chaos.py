@@ -39,7 +39,7 @@ from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
 #: The short run's seed: its three runs cover every fault kind, both policies and both data paths (see
-#: test_the_ci_seed_covers_every_kind_policy_and_data_path).
+#: test_the_ci_seed_covers_every_kind_policy_and_transport).
 CI_SEED = 2
 
 
@@ -146,12 +146,15 @@ def test_the_plan_is_replayed_from_its_seed_and_covers_every_kind():
     assert without.next(0).faults == [] and without.skipped == {"netcut": "not root"}
 
 
-def test_the_ci_seed_covers_every_kind_policy_and_data_path():
+def test_the_ci_seed_covers_every_kind_policy_and_transport():
     planner = Planner(CI_SEED, KINDS, None)
     specs = [planner.next(i) for i in range(3)]
     covered = {f.kind for s in specs for f in s.faults} | {"sigterm" for s in specs if s.end == "sigterm"}
     assert covered == set(KINDS)
-    assert {s.policy for s in specs} == {"sync", "async"} and {s.data_path for s in specs} == {True, False}
+    assert {s.policy for s in specs} == {"sync", "async"} and {s.transport for s in specs} == {"auto", "tcp", "grpc"}
+    more = [planner.next(i) for i in range(3, 6)]
+    assert {(s.policy, s.transport) for s in specs + more} == {(p, t) for p in ("sync", "async")
+                                                                 for t in ("auto", "tcp", "grpc")}
 
 
 def test_unknown_kinds_are_refused():
@@ -199,7 +202,7 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
     the loop also merges with max (run_worker's ``new_clock``).  The short chaos run hits that most times.
     """
     job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2",
-                   "train.epochs=1", "cluster.lease_seconds=2", "cluster.request_timeout=5", "cluster.data_path=false")
+                   "train.epochs=1", "cluster.lease_seconds=2", "cluster.request_timeout=5", "cluster.transport=grpc")
     with shards(job) as servers:
         plan = servers[0].core.plan
         grads = {s.name: np.zeros(s.shape, np.float32) for s in plan.specs}

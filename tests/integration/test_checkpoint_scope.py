@@ -85,7 +85,7 @@ def test_a_reused_folder_keeps_this_jobs_checkpoints_and_leaves_the_other_jobs_a
     theirs = plant_other_job(root, where, core.fingerprint)
     before = files(theirs)
     mine = checkpoint.shard_dir(root, 0, core.fingerprint)
-    server = ShardServer(core, "127.0.0.1:0", data_path=False, checkpoint_dir=str(root), checkpoint_seconds=3600,
+    server = ShardServer(core, "127.0.0.1:0", transport="grpc", checkpoint_dir=str(root), checkpoint_seconds=3600,
                          keep_checkpoints=2).start()
     try:
         for seed in range(4):

@@ -244,15 +244,16 @@ def token_port(hostile):
 # --- the data path gives the same results as gRPC -----------------------------------------------
 
 
-def _sync_run(job, grads, steps: int, data_path: bool):
+def _sync_run(job, grads, steps: int, transport: str):
     with shards(job) as servers:
         plan = servers[0].core.plan
-        clients = [PSClient(job.cluster.servers, plan, w, request_timeout=IO, data_path=data_path, job=job)
+        clients = [PSClient(job.cluster.servers, plan, w, request_timeout=IO, transport=transport, job=job)
                    for w in range(2)]
         try:
             assert [c.register() for c in clients] == [0, 0]
-            assert all(link.kind == ("tcp" if data_path else "grpc") for c in clients for link in c.links)
-            assert not data_path or all(link.data_port for c in clients for link in c.links)
+            assert all(link.kind == transport for c in clients for link in c.links)
+            assert transport == "grpc" or all(link.data_port for c in clients for link in c.links)
+            assert transport != "shm" or all(link.shared for c in clients for link in c.links)
 
             def loop(w: int) -> list[dict[str, np.ndarray]]:
                 host = {s.name: np.full(s.shape, np.nan, dtype=s.dtype) for s in plan.specs}
@@ -279,7 +280,7 @@ def _sync_run(job, grads, steps: int, data_path: bool):
 
 
 @pytest.mark.parametrize("go_ahead", [False, True], ids=["one-message-pushes", "pushes-wait-for-go-ahead"])
-def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc(monkeypatch, go_ahead):
+def test_sync_job_gives_bitwise_the_same_weights_over_shared_memory_the_data_path_and_grpc(monkeypatch, go_ahead):
     if go_ahead:  # every push of this small model waits for READY, as a large model's do
         monkeypatch.setattr(protocol, "GO_AHEAD_BYTES", 1)
     job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", f"optimizer.lr={LR}",
@@ -288,18 +289,23 @@ def test_sync_job_gives_bitwise_the_same_weights_over_the_data_path_and_grpc(mon
     specs = PartitionPlan(build_shard(job, 0).plan.specs, 2, 1024).specs
     rng = np.random.default_rng(2)
     grads = [[{s.name: rng.standard_normal(s.shape) for s in specs} for _ in range(steps)] for _ in range(2)]
-    tcp = _sync_run(job, grads, steps, data_path=True)
-    rpc = _sync_run(job, grads, steps, data_path=False)
+    tcp = _sync_run(job, grads, steps, "tcp")
+    rpc = _sync_run(job, grads, steps, "grpc")
+    shm = _sync_run(job, grads, steps, "shm")
 
     assert tcp["used"] == {True} and tcp["conns"] == 8  # a pull and a push connection per worker and shard
+    assert shm["used"] == {True} and shm["conns"] == 8  # the same, their bytes through shared memory
     assert rpc["used"] == {False} and rpc["conns"] == 0  # gRPC only
+    assert shm["versions"] == tcp["versions"]
+    for a, b in zip(shm["flats"], tcp["flats"]):
+        assert a.tobytes() == b.tobytes()
     assert sum(len(c.slices) for c in tcp["cores"]) > len(specs)  # tensors were cut
     assert tcp["versions"] == rpc["versions"] == [steps, steps]
     for a, b in zip(tcp["flats"], rpc["flats"]):
         assert a.tobytes() == b.tobytes()
-    # every pull, by either worker over either transport, saw bitwise the same weights
+    # every pull, by either worker over any transport, saw bitwise the same weights
     for clock in range(steps + 1):
-        views = [run["seen"][w][clock] for run in (tcp, rpc) for w in range(2)]
+        views = [run["seen"][w][clock] for run in (tcp, rpc, shm) for w in range(2)]
         for name in views[0]:
             assert all(v[name].tobytes() == views[0][name].tobytes() for v in views[1:]), (clock, name)
     # and they are sync SGD on the mean gradient, step by step
@@ -328,7 +334,7 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 ROUND = {None: lambda g: g, "float16": lambda g: g.astype(np.float16).astype(np.float32), "bfloat16": bf16_round}
 WORKER_FOR = {None: 0, "float16": 1, "bfloat16": 2}  # async: each test pushes as its own worker
-LINKS = {"tcp": True, "grpc": False}  # [cluster] data_path for each link
+LINKS = ("shm", "tcp", "grpc")  # [cluster] transport
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +383,7 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         assert rel.max() <= (2.0**-8 if wire_dtype == "bfloat16" else 2.0**-11)  # half an ulp
         assert np.all(np.abs(r[~normal] - g[~normal]) <= smallest * 2.0**-10)
     with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], request_timeout=IO,
-                  wire_dtype=wire_dtype, data_path=LINKS[link], job=job) as client:
+                  wire_dtype=wire_dtype, transport=link, job=job) as client:
         clock = client.register()
         before = [s.core.flat.copy() for s in servers]
         versions = [s.core.version for s in servers]
@@ -481,11 +487,12 @@ def test_a_pull_that_waits_out_the_request_timeout_hears_why_from_the_shard(host
 # --- reconnects ---------------------------------------------------------------------------------
 
 
-def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(async32):
+@pytest.mark.parametrize("link", ["shm", "tcp"])
+def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(async32, link):
     job, servers = async32
     plan = servers[0].core.plan
     grads = _gradients(plan, 8)
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, job=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, transport=link, job=job) as client:
         clock = client.register()
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
@@ -510,7 +517,8 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
                        for new, was in zip([link._conns[purpose] for link in client.links], old))
 
 
-def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeypatch):
+@pytest.mark.parametrize("link", ["shm", "tcp"])
+def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeypatch, link):
     job, servers = async32
     plan = servers[0].core.plan
     grads = _gradients(plan, 9)
@@ -527,7 +535,7 @@ def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeyp
 
         monkeypatch.setattr(server.core, "push", push_then_break)
         server.calls = calls
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, job=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, transport=link, job=job) as client:
         clock = client.register()
         client.pull(clock, {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs})
         before = [s.core.flat.copy() for s in servers]

@@ -37,12 +37,12 @@ def stop(servers) -> None:
         s.stop(grace=0.5)
 
 
-@pytest.mark.parametrize("data_path", [True, False])
-def test_two_shards_with_the_same_index_are_found_out_at_once(data_path):
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
     """Shards 0, 0, 2 holding the same number of bytes used to train to the end, shard 1's gradients
     stored as shard 0's slices, with no warning."""
     job = make_job("model.name=softmax", "cluster.shards=3", "cluster.workers=1", "cluster.slice_bytes=512",
-                   "train.epochs=1", "cluster.policy=async", f"cluster.data_path={str(data_path).lower()}")
+                   "train.epochs=1", "cluster.policy=async", f"cluster.transport={transport}")
     servers = serve([build_shard(job, 0), build_shard(job, 0), build_shard(job, 2)])
     try:
         job.override("cluster.servers", [s.address for s in servers])
@@ -110,8 +110,8 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
         stop(servers)
 
 
-@pytest.mark.parametrize("data_path", [True, False])
-def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(monkeypatch, data_path):
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(monkeypatch, transport):
     """The shard's message no longer says "register again": the client acts on the reason alone."""
     original = ShardCore._require_live
 
@@ -125,7 +125,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
 
     monkeypatch.setattr(ShardCore, "_require_live", reworded)
     job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async",
-                   f"cluster.data_path={str(data_path).lower()}")
+                   f"cluster.transport={transport}")
     servers = serve([build_shard(job, 0)])
     try:
         plan = plan_of(job)

@@ -56,7 +56,7 @@ def observed_shards(job):
         for k in range(job.cluster.shards):
             core = build_shard(job, k)
             m = ShardMetrics(core)
-            servers.append(ShardServer(core, "127.0.0.1:0", data_path=job.cluster.data_path,
+            servers.append(ShardServer(core, "127.0.0.1:0", transport=job.cluster.transport,
                                        interceptors=m.interceptors).start())
             m.endpoint = serve_metrics("127.0.0.1:0", m.registry)
             metrics.append(m)
@@ -69,9 +69,9 @@ def observed_shards(job):
             s.stop(grace=1.0)
 
 
-@pytest.mark.parametrize("data_path", [True, False], ids=["data-port", "grpc-only"])
-def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fills(data_path):
-    job = make_job(*SMALL, "train.epochs=3", "cluster.policy=async", f"cluster.data_path={str(data_path).lower()}")
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fills(transport):
+    job = make_job(*SMALL, "train.epochs=3", "cluster.policy=async", f"cluster.transport={transport}")
     with observed_shards(job) as (servers, metrics):
         worker = WorkerMetrics(0)
         worker.endpoint = serve_metrics("127.0.0.1:0", worker.registry)
@@ -112,7 +112,7 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
     # RPC latency from the interceptor, by method and code
     assert total(final, "psgd_shard_rpc_seconds_count", method="Register", code="OK") == 2
     assert total(final, "psgd_shard_rpc_seconds_count", method="Done", code="OK") == 2
-    if not data_path:
+    if transport == "grpc":
         assert total(late, "psgd_shard_rpc_seconds_count", method="Push", code="OK") > \
             total(early, "psgd_shard_rpc_seconds_count", method="Push", code="OK") > 0
         assert total(final, "psgd_shard_rpc_seconds_count", method="Pull") > 0
@@ -258,13 +258,13 @@ def port_pair() -> int:
 
 
 @contextlib.contextmanager
-def cli_layout_shards(job, data_path: bool = True):
+def cli_layout_shards(job, transport: str = "auto"):
     """Every shard of ``job`` as psgd-server lays it out: gRPC on a port P, the data port on P + 1."""
     servers = []
     try:
         for k in range(job.cluster.shards):
             port = port_pair()
-            servers.append(ShardServer(build_shard(job, k), f"127.0.0.1:{port}", data_path=data_path,
+            servers.append(ShardServer(build_shard(job, k), f"127.0.0.1:{port}", transport=transport,
                                        data_port=port + 1).start())
         job.override("cluster.servers", [s.address for s in servers])
         yield servers
@@ -344,17 +344,17 @@ def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
 
 def test_doctor_data_port_closed(tmp_path, capsys):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1")
-    with cli_layout_shards(job, data_path=False):  # the job wants a data port, the shard serves none
+    with cli_layout_shards(job, transport="grpc"):  # the job wants a data port, the shard serves none
         port = int(job.cluster.servers[0].rpartition(":")[2])
         code = main(["doctor", "-c", write_job(tmp_path, job), "--timeout", "2"])
     out = capsys.readouterr().out
     assert code == 1
-    assert f"data port {port + 1}: nothing listens" in out and "data_path = false" in out
+    assert f"data port {port + 1}: nothing listens" in out and 'transport = "grpc"' in out
 
 
 def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch):
-    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.data_path=false")
-    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", token="s3cret", data_path=False).start()
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
+    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", token="s3cret", transport="grpc").start()
     try:
         path = write_job(tmp_path, job, [server.address])
         monkeypatch.setenv("PSGD_TOKEN", "wrong")
@@ -388,8 +388,8 @@ def test_doctor_and_status_with_tls(tmp_path, capsys):
     garbage.write_text("not a certificate\n")
     ca, cert, key = (str(tmp_path / name) for name in ("ca.pem", "shard.pem", "shard.key"))
 
-    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.data_path=false")
-    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", data_path=False, tls=TLSFiles(cert, key)).start()
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
+    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", transport="grpc", tls=TLSFiles(cert, key)).start()
     try:
         path = write_job(tmp_path, job, [server.address])
         assert main(["doctor", "-c", path, "--tls-ca", ca]) == 0

@@ -58,7 +58,7 @@ def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
     job = make_job("model.hidden=[48]", "train.dtype=float64", f"train.device={device}", "train.epochs=2", "train.batch_size=16",
                    "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.policy=sync", "cluster.workers=2",
                    "cluster.shards=2", "cluster.slice_bytes=4096", f"cluster.overlap={str(overlap).lower()}",
-                   f"cluster.data_path={str(link == 'tcp').lower()}")
+                   f"cluster.transport={link}")
     with shards(job) as servers:
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
@@ -66,7 +66,7 @@ def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
         return fetch_weights(job.cluster.servers, plan), [r.steps for r in results]
 
 
-@pytest.mark.parametrize("link", ["tcp", "grpc"])
+@pytest.mark.parametrize("link", ["shm", "tcp", "grpc"])
 def test_overlap_on_and_off_give_identical_weights_under_sync(link, device):
     """[cluster] overlap = true (the next step's pull under way while this step's push is in flight; on a GPU
     each gradient copied off the device on a stream of its own during backward) ends a sync run with the

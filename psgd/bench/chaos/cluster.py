@@ -45,7 +45,7 @@ class Cluster:
                         "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
                         f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
                         f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
-                        f"cluster.data_path={'true' if spec.data_path else 'false'}"])
+                        f"cluster.transport={spec.transport}"])
         self.built = build_job(job)
         spe = steps_per_epoch(len(self.built.dataset.x_train), spec.workers, job.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))

@@ -32,12 +32,14 @@ class Fault:
                 f" for {self.seconds:.1f}s"
         return text
 
+#: the transports the runs take turns with ("auto": shared memory, everything runs on this machine)
+TRANSPORTS = ("auto", "tcp", "grpc")
 
 @dataclasses.dataclass
 class RunSpec:
     index: int
     policy: str
-    data_path: bool
+    transport: str           # [cluster] transport: auto (shared memory here), tcp or grpc
     model: str
     workers: int
     exit_when_done: bool
@@ -47,21 +49,22 @@ class RunSpec:
     namespaces: bool         # the run lives in network namespaces (it has a netcut)
 
     def describe(self) -> str:
-        return (f"{self.policy}, {self.model}, {self.workers} workers, data path {'on' if self.data_path else 'off'}"
+        return (f"{self.policy}, {self.model}, {self.workers} workers, transport {self.transport}"
                 + (", in namespaces" if self.namespaces else "") + (", --exit-when-done" if self.exit_when_done else "")
                 + f"; faults: {', '.join(f.describe() for f in self.faults) or 'none'}; end: {self.end}")
 
 
 class Planner:
     """Draws run after run from one seeded generator; fault kinds come from a shuffled bag (every kind once
-    before any twice), and so do the (policy, data path) pairs, so a few runs cover them all."""
+    before any twice), and the (policy, transport) pairs come six at a time, the first three runs of each six
+    covering both policies and every transport, so a few runs cover them all."""
 
     def __init__(self, seed: int, kinds: Sequence[str], namespaces: str | None):
         self.rng = random.Random(seed)
         self.kinds = list(kinds)
         self.why_no_namespaces = namespaces  # None: namespaces can be made
         self._bag: list[str] = []
-        self._pairs: list[tuple[str, bool]] = []
+        self._pairs: list[tuple[str, str]] = []
         self.skipped: dict[str, str] = {}
 
     def _draw(self) -> str:
@@ -73,9 +76,14 @@ class Planner:
     def next(self, index: int) -> RunSpec:
         rng = self.rng
         if not self._pairs:
-            self._pairs = [(p, d) for p in ("sync", "async") for d in (True, False)]
-            rng.shuffle(self._pairs)
-        policy, data_path = self._pairs.pop()
+            transports = list(TRANSPORTS)
+            rng.shuffle(transports)
+            policies = ["sync", "async", rng.choice(("sync", "async"))]
+            rng.shuffle(policies)
+            first = list(zip(policies, transports))
+            second = [("async" if p == "sync" else "sync", t) for p, t in first]
+            self._pairs = (first + second)[::-1]  # popped from the end: first comes first
+        policy, transport = self._pairs.pop()
         drawn = [self._draw() for _ in range(FAULTS_PER_RUN)]
         workers = rng.choice((2, 3))
         faults = []
@@ -106,7 +114,7 @@ class Planner:
             fault.at = round(at, 3)
         end = "sigterm" if "sigterm" in drawn else "finish"
         end_at = round(max([0.5] + [f.at + 0.1 for f in faults]) if end == "sigterm" else 1.0, 3)
-        return RunSpec(index, policy, data_path, rng.choice(("softmax", "mlp")), workers,
+        return RunSpec(index, policy, transport, rng.choice(("softmax", "mlp")), workers,
                        exit_when_done=end == "finish" and rng.random() < 0.5, faults=faults, end=end,
                        end_at=min(end_at, 0.9), namespaces=any(f.kind == "netcut" for f in faults))
 

@@ -89,7 +89,7 @@ class Run(FaultInjection):
         finally:
             self._close()
         return {"run": spec.index, "spec": spec.describe(), "policy": spec.policy, "model": spec.model,
-                "workers": spec.workers, "data_path": spec.data_path, "namespaces": spec.namespaces,
+                "workers": spec.workers, "transport": spec.transport, "namespaces": spec.namespaces,
                 "end": spec.end, "faults": self.done_faults, "seconds": round(time.monotonic() - self.started, 1),
                 "finished": self.finished, "accuracy": self.accuracy, "violations": len(self.violations),
                 "steps_per_worker": self.cluster.total if self.cluster else None}

@@ -1,0 +1,144 @@
+"""The same-host link: pulls and pushes through shared memory, requests and replies over the data port.
+
+When a worker and a shard run on one host, their bytes need not cross a socket.  The shard says at
+registration who it shares memory with (:func:`psgd.link.segment.host_id`: the boot id and the
+``/dev/shm`` mount); a worker with the same identity asks, in the hello of each of its two data
+connections (pull and push) for shared memory: its pull connection is given the shard's weights
+segment, its push connection a segment of its own (:mod:`psgd.link.segment`).  From then on:
+
+- a pull is its request header on the socket; the shard takes a live read of its weights, which live in
+  a shared segment that the worker has mapped read-only, and replies with the version; the worker
+  copies them out into its arrays and sends a release.  No update runs between the reply and the
+  release, so the copy is one version, never half of an update: the reply and the release are the
+  handshake, and there is nothing else to lock.
+- a push is the gradient, encoded by the job's codec, written into the push segment, then its header
+  on the socket; the shard copies it out into a receive buffer, checks it there (size, NaN) and applies
+  it exactly as a push over TCP: the same policies, the same exactly-once rule for a retried clock.
+
+A shard on another host, in another container or mount namespace, or one that offers no shared memory
+(``[cluster] transport = "tcp"`` on its side), is reached over the data port instead, with one log
+line saying why (a warning where the job asked for ``transport = "shm"``).  Errors, retries and
+reconnections are the TCP link's (:mod:`psgd.link.tcp`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from psgd.link import protocol, segment
+from psgd.link.base import Endpoint, PushReply
+from psgd.link.segment import copy_bytes
+from psgd.link.tcp import DataConnection, TcpLink
+from psgd.proto import ps_pb2
+
+log = logging.getLogger(__name__)
+
+
+class NoSegment(Exception):
+    """The shard gave no segment, or it cannot be mapped here: use the data port as it is."""
+
+
+class ShmConnection(DataConnection):
+    """A data connection whose bytes go through a shared-memory segment (``purpose``: pull or push)."""
+
+    def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str, timeout: float, tls,
+                 purpose: str, nbytes: int):
+        super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose)
+        try:
+            if "segment" not in self.offer:
+                raise NoSegment(str(self.offer.get("refused", "the shard offered no shared-memory segment")))
+            if self.offer.get("bytes") != nbytes:
+                raise NoSegment(f"the shard offered a segment of {self.offer.get('bytes')} bytes, its slices "
+                                f"take {nbytes}")
+            try:
+                self.seg = segment.attach(str(self.offer["segment"]), nbytes, bytes.fromhex(str(self.offer["nonce"])),
+                                          writable=purpose == "push")
+            except (segment.SegmentError, ValueError) as exc:
+                raise NoSegment(str(exc)) from None
+        except NoSegment:
+            super().close()
+            raise
+
+    def pull(self, clock: int, into: list[memoryview]) -> int:
+        """Ask for the weights of ``clock``; once the shard has replied (holding its updates back), copy them
+        out of its weights segment and release them."""
+        self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
+        _, version, _, _, size = self._reply()
+        expected = sum(v.nbytes for v in into)
+        if size != expected or size > self.seg.size:
+            raise protocol.WireError(f"the shard holds {size} bytes of weights, the plan says {expected}")
+        at = 0
+        for view in into:
+            copy_bytes(view, self.seg.data[at:at + view.nbytes])
+            at += view.nbytes
+        self._send(protocol.OP_RELEASE, self.worker, clock, 0, 0, [], 0)
+        return version
+
+    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int) -> PushReply:
+        """Write the gradient into the segment, then send its header; the reply says what the shard did."""
+        if size > self.seg.size:
+            raise protocol.WireError(f"a push of {size} bytes does not fit the segment's {self.seg.size}")
+        at = 0
+        for part in payload:
+            n = memoryview(part).nbytes
+            copy_bytes(self.seg.data[at:at + n], part)
+            at += n
+        self._send(protocol.OP_PUSH, self.worker, clock, base_version, dtype_code, [], size)
+        outcome, version, next_clock, staleness, _ = self._reply()
+        return PushReply(protocol.OUTCOMES[outcome], next_clock, version, staleness)
+
+    def close(self) -> None:
+        super().close()
+        self.seg.close()
+
+
+class ShmLink(TcpLink):
+    """Bulk transfers through shared memory where the shard shares it, else the data port (TCP)."""
+
+    kind = "shm"
+
+    def __init__(self, endpoint: Endpoint):
+        super().__init__(endpoint)
+        #: whether pulls and pushes go through shared memory (decided at registration)
+        self.shared = False
+        self._said = ""  # the reason last logged for not sharing, so that it is said once
+
+    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
+        reply = super().register(request)
+        shard = self.endpoint.shard
+        if not reply.data_port:
+            self._over_tcp("it has no data port")
+        elif not reply.host_id:
+            self._over_tcp("it offers no shared memory ([cluster] transport = \"tcp\" on its side, or no room "
+                           "for its weights in its /dev/shm)")
+        elif reply.host_id != segment.host_id():
+            self._over_tcp("it is on another host, in another network namespace, or in a container without "
+                           "this process's /dev/shm (its host id differs)")
+        else:
+            self.shared = True
+            log.debug("shard %d: pulls and pushes through shared memory", shard)
+        return reply
+
+    def _over_tcp(self, why: str) -> None:
+        self.shared = False
+        if why != self._said:
+            self._said = why
+            level = logging.WARNING if self.endpoint.transport == "shm" else logging.INFO
+            log.log(level, "shard %d at %s: not through shared memory, over its data port, since %s",
+                    self.endpoint.shard, self.endpoint.address, why)
+
+    def _connection(self, purpose: str) -> DataConnection:
+        if self.shared and self._conns[purpose] is None:
+            ep = self.endpoint
+            try:
+                self._conns[purpose] = ShmConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
+                                                     ep.request_timeout, ep.tls, purpose,
+                                                     sum(s.nbytes for s in ep.slices))
+            except NoSegment as exc:
+                self._over_tcp(str(exc))
+        return super()._connection(purpose)
+
+    @property
+    def via(self) -> str:
+        """What carries the bytes now: "shm", "tcp" or "grpc"."""
+        return "shm" if self.shared else ("tcp" if self.data_port else "grpc")
