@@ -16,7 +16,7 @@ Measured side by side:
 
 Every figure is printed as it is measured; ``--json FILE`` writes them all.
 
-    psgd bench comm --json comm.json     # everything, about 12 minutes on 2 cores
+    psgd bench comm --json comm.json     # everything, about 15 minutes on 2 cores
     psgd bench comm --quick              # 1-16 MB, under a minute
     psgd bench comm --parts sweep,latency --sizes-mb 40 --steps 20
 """

@@ -67,3 +67,19 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     assert latency["ratio"] == pytest.approx(latency["tiny_pull_push_s"] / latency["bare_grpc_unary_s"])
     assert set(result["optimizer_gbps"]) == {"sgd", "momentum", "adam"}
     assert "grid" not in result and "scale" not in result  # only the parts asked for
+
+
+def test_the_shm_part_sets_shared_memory_against_the_data_port_on_one_shard(tmp_path):
+    out = tmp_path / "comm.json"
+    done = bench("--parts", "shm", "--sizes-mb", "0.1", "--focus-mb", "0.2", "--steps", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shared memory (shm) against the data port (tcp)" in done.stdout
+    result = json.loads(out.read_text())
+    rows = result["shm"]
+    assert [(r["size_bytes"], r["workers"]) for r in rows] == [(100_000, 1), (200_000, 2), (200_000, 4)]
+    for r in rows:
+        for link in ("shm", "tcp"):
+            assert 0 < r[link]["pull_s"] < r[link]["step_s"] and 0 < r[link]["push_s"] < r[link]["step_s"]
+        assert r["shm_of_memcpy"] == pytest.approx(r["shm"]["step_gbps"] / result["memcpy_gbps"])
+        assert r["tcp_over_shm"] == pytest.approx(r["tcp"]["step_s"] / r["shm"]["step_s"])
+    assert set(result) >= {"shm", "memcpy_gbps", "tcp_loopback_gbps"} and "sweep" not in result
