@@ -3,7 +3,7 @@
 A thin script around ``psgd/bench/comm.py`` (the same as ``psgd bench comm``);
 results and their reading are in ``benchmarks/RESULTS.md``.
 
-    python benchmarks/comm.py --json benchmarks/results/comm.json   # everything, about 12 minutes on 2 cores
+    python benchmarks/comm.py --json benchmarks/results/comm.json   # everything, about 15 minutes on 2 cores
     python benchmarks/comm.py --quick                               # 1-16 MB, under a minute
     python benchmarks/comm.py --parts sweep --sizes-mb 40 --steps 20
     python benchmarks/comm.py --help
