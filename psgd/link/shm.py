@@ -1,8 +1,8 @@
 """The same-host link: pulls and pushes through shared memory, requests and replies over the data port.
 
 When a worker and a shard run on one host, their bytes need not cross a socket.  The shard says at
-registration who it shares memory with (:func:`psgd.link.segment.host_id`: the boot id and the
-``/dev/shm`` mount); a worker with the same identity asks, in the hello of each of its two data
+registration who it may share memory with (:func:`psgd.link.segment.host_id`: the boot id and the pid
+and network namespaces); a worker with the same identity asks, in the hello of each of its two data
 connections (pull and push) for shared memory: its pull connection is given the shard's weights
 segment, its push connection a segment of its own (:mod:`psgd.link.segment`).  From then on:
 
@@ -15,7 +15,7 @@ segment, its push connection a segment of its own (:mod:`psgd.link.segment`).  F
   on the socket; the shard copies it out into a receive buffer, checks it there (size, NaN) and applies
   it exactly as a push over TCP: the same policies, the same exactly-once rule for a retried clock.
 
-A shard on another host, in another container or mount namespace, or one that offers no shared memory
+A shard on another host, in another container or namespace, or one that offers no shared memory
 (``[cluster] transport = "tcp"`` on its side), is reached over the data port instead, with one log
 line saying why (a warning where the job asked for ``transport = "shm"``).  Errors, retries and
 reconnections are the TCP link's (:mod:`psgd.link.tcp`).
@@ -45,15 +45,14 @@ class ShmConnection(DataConnection):
                  purpose: str, nbytes: int):
         super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose)
         try:
-            if "segment" not in self.offer:
+            if "name" not in self.offer:
                 raise NoSegment(str(self.offer.get("refused", "the shard offered no shared-memory segment")))
             if self.offer.get("bytes") != nbytes:
                 raise NoSegment(f"the shard offered a segment of {self.offer.get('bytes')} bytes, its slices "
                                 f"take {nbytes}")
             try:
-                self.seg = segment.attach(str(self.offer["segment"]), nbytes, bytes.fromhex(str(self.offer["nonce"])),
-                                          writable=purpose == "push")
-            except (segment.SegmentError, ValueError) as exc:
+                self.seg = segment.attach(self.offer, nbytes, writable=purpose == "push")
+            except segment.SegmentError as exc:
                 raise NoSegment(str(exc)) from None
         except NoSegment:
             super().close()
@@ -109,11 +108,11 @@ class ShmLink(TcpLink):
         if not reply.data_port:
             self._over_tcp("it has no data port")
         elif not reply.host_id:
-            self._over_tcp("it offers no shared memory ([cluster] transport = \"tcp\" on its side, or no room "
-                           "for its weights in its /dev/shm)")
+            self._over_tcp("it offers no shared memory ([cluster] transport = \"tcp\" on its side, or no memory "
+                           "to spare for it)")
         elif reply.host_id != segment.host_id():
-            self._over_tcp("it is on another host, in another network namespace, or in a container without "
-                           "this process's /dev/shm (its host id differs)")
+            self._over_tcp("it is on another host, or in another network or pid namespace (a container; its host "
+                           "id differs)")
         else:
             self.shared = True
             log.debug("shard %d: pulls and pushes through shared memory", shard)

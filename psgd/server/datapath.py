@@ -84,14 +84,9 @@ class DataServer:
         #: whether a worker on this host may pull from the weights in shared memory and push through a segment
         #: ([cluster] transport auto or shm)
         self.shm = shm
-        self._segments: set[segment.Segment] = set()  # push segments whose names may still exist
         self._weights: segment.Segment | None = None
         self.receive_buffers = BufferPool(core.nbytes, limit=2)
         if shm:
-            stale = segment.remove_stale(core.fingerprint, core.shard)
-            if stale:
-                log.info("shard %d: removed %d shared-memory segment(s) left by a shard that was killed: %s",
-                         core.shard, len(stale), ", ".join(stale))
             try:
                 self._weights = _share_weights(core)
             except segment.SegmentError as exc:
@@ -124,11 +119,6 @@ class DataServer:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            for seg in list(self._segments):  # names not yet removed by a first request
-                seg.unlink()
-        if self._weights is not None:
-            self._weights = None
-            _unshare_weights(self.core)
         self.gate.join(5)
 
     # -- serving an authenticated connection -----------------------------------------------------
@@ -157,13 +147,9 @@ class DataServer:
             seg, offer = self._segment_for(worker, shm)
             protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0,
                                                              len(offer)), offer])
-            first = True
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
                 header = protocol.recv_struct(conn, protocol.REQUEST)
-                if first and shm == "push" and seg is not None:  # mapped by now (or given up): no name left
-                    seg.unlink()
-                first = False
                 conn.settimeout(self.request_timeout)
                 self._request(conn, worker, header, seg, shm)
         except protocol.WireError as exc:
@@ -173,24 +159,21 @@ class DataServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
-                self._segments.discard(seg)
-            if shm == "push" and seg is not None:
-                seg.unlink()
+            if shm == "push" and seg is not None:  # its memory goes once the worker has let go of it too
                 seg.close()
             conn.close()
 
     def _segment_for(self, worker: int, shm: str) -> tuple[segment.Segment | None, bytes]:
-        """The segment a hello asked for (the weights for pulls, a new one for pushes) and the offer that names
-        it; an offer saying why not where this shard offers none (the worker then uses the connection as it
+        """The segment a hello asked for (the weights for pulls, a new one for pushes) and the offer that says
+        how to map it; an offer saying why not where this shard offers none (the worker then uses the connection as it
         is, and says why); nothing for a hello that did not ask."""
         if not shm:
             return None, b""
-        weights = self._weights
-        if not self.shm or weights is None:
+        if not self.shm or self._weights is None:
             return None, json.dumps({"refused": f"shard {self.core.shard} offers no shared memory "
                                                 "([cluster] transport = \"tcp\" on its side)"}).encode()
         if shm == "pull":
-            seg = weights
+            seg = self._weights
         else:
             try:
                 seg = segment.create(self.core.fingerprint, self.core.shard, "push", self.core.nbytes)
@@ -198,9 +181,7 @@ class DataServer:
                 log.warning("shard %d: no shared-memory segment for worker %d: %s", self.core.shard, worker, exc)
                 return None, json.dumps({"refused": f"shard {self.core.shard} could not make a segment: "
                                                     f"{exc}"}).encode()
-            with self._lock:
-                self._segments.add(seg)
-        return seg, json.dumps({"segment": seg.path.name, "nonce": seg.nonce.hex(), "bytes": seg.size}).encode()
+        return seg, json.dumps(seg.offer()).encode()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
         protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason))])
@@ -261,10 +242,10 @@ class DataServer:
             self._fatal(conn, "INVALID_ARGUMENT", f"push of {size} bytes, shard {core.shard} expects {expected} "
                         f"({core.flat.size} values of {itemsize} bytes): wrong shape or dtype")
         if seg is not None and not codec.compresses:
-            # Checked and applied where the worker wrote it.  Nobody else can change it meanwhile: the
-            # segment's name is gone, so only this shard and the worker that owns the connection map it, and
-            # that worker waits for this reply (a worker that raced its own push could as well push any
-            # other finite gradient).
+            # Checked and applied where the worker wrote it.  Only the worker that owns the connection was
+            # given it, and it waits for this reply: a worker racing its own push could as well have pushed
+            # any other finite gradient.  (Another process of the shard's user could open it through /proc,
+            # as it could the shard's own memory.)
             try:
                 result = core.push(worker, clock, base_version, core.store.gradient_views(seg.data[:size]),
                                    wire_bytes=size)
@@ -297,33 +278,21 @@ class DataServer:
                                                          result.version, result.next_clock, result.staleness, 0)])
 
 
-#: shard core -> its weights' segment and how many data servers offer it (a core may have several servers)
-_shared: "weakref.WeakKeyDictionary[ShardCore, list]" = weakref.WeakKeyDictionary()
+#: shard core -> the segment its weights live in (a core may have several data servers; they share it)
+_shared: "weakref.WeakKeyDictionary[ShardCore, segment.Segment]" = weakref.WeakKeyDictionary()
 _shared_lock = threading.Lock()
 
 
 def _share_weights(core: ShardCore) -> segment.Segment:
     """``core``'s weights, moved (once) into a shared-memory segment that workers on this host pull from; the
-    arrays stay there for good.  Each caller must :func:`_unshare_weights`."""
+    arrays stay there for good."""
     with _shared_lock:
-        entry = _shared.get(core)
-        if entry is None:
+        seg = _shared.get(core)
+        if seg is None:
             seg = segment.create(core.fingerprint, core.shard, "weights", core.nbytes)
             core.place_weights(seg.array(core.flat.dtype, core.flat.size))
-            entry = _shared[core] = [seg, 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _unshare_weights(core: ShardCore) -> None:
-    """One offer fewer; with none left the segment's name is removed (the weights stay where they are)."""
-    with _shared_lock:
-        entry = _shared.get(core)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] <= 0:
-                entry[0].unlink()
-                del _shared[core]
+            _shared[core] = seg
+        return seg
 
 
 class _Fatal(Exception):

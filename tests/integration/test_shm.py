@@ -1,4 +1,4 @@
-"""The same-host link through shared memory: segments (names, permissions, cleanup), who gets one, hostile
+"""The same-host link through shared memory: segments (names, who may map them), who gets one, hostile
 requests over it, consistency under concurrent pushes, the fallback to TCP, and no segment left behind
 after a shard or a worker is killed.
 
@@ -39,7 +39,7 @@ from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, OK, UNAUTHEN
 
 pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning"),
-              pytest.mark.skipif(not segment.host_id(), reason="this machine has no /dev/shm")]
+              pytest.mark.skipif(not segment.host_id(), reason="this machine's /proc does not say who shares memory")]
 
 PY = sys.executable
 
@@ -57,11 +57,16 @@ def hostile():
 
 @pytest.fixture
 def shard(hostile):
-    """The hostile-input shard; after the test it must still serve, with its weights unchanged, and no
-    segment of its job but its weights may be left in /dev/shm."""
+    """The hostile-input shard; after the test it must still serve, with its weights unchanged, and hold no
+    push segment (its connections have ended)."""
     yield hostile
     assert_serves(hostile)
-    assert segment.leftovers(hostile.core.fingerprint) == [hostile.server.data._weights.path.name]
+    wait_for(lambda: not pushes_mapped(hostile.core.fingerprint), "the push segments to be closed")
+
+
+def pushes_mapped(job: str) -> list[str]:
+    """This process's mappings of job ``job``'s push segments (the in-process shards' and the test's)."""
+    return [n for n in segment.mapped(os.getpid(), job) if n.endswith("-push")]
 
 
 @contextlib.contextmanager
@@ -75,7 +80,7 @@ def with_segment(shard: Shard, purpose: str, worker: int = 0, port: int | None =
     text = bytearray(size)
     protocol.recv_exact(sock, memoryview(text))
     offer = json.loads(text)
-    seg = segment.attach(offer["segment"], offer["bytes"], bytes.fromhex(offer["nonce"]))
+    seg = segment.attach(offer, offer["bytes"], writable=purpose == "push")
     try:
         yield sock, seg, offer
     finally:
@@ -98,57 +103,51 @@ def shm_reply(sock):
 # --- segments -----------------------------------------------------------------------------------
 
 
-def test_a_segment_is_owner_only_named_by_the_scheme_and_checked_by_its_nonce():
+def test_a_segment_is_a_memory_file_named_by_the_scheme_and_checked_before_it_is_mapped():
     seg = segment.create("0123abcd", 3, "push", 4096)
     try:
-        mode = os.stat(seg.path).st_mode
-        assert stat.S_IMODE(mode) == 0o600
-        assert seg.path.parent == Path("/dev/shm")
-        assert seg.path.name.startswith(f"psgd-0123abcd-s3-{os.getpid()}-") and seg.path.name.endswith("-push")
-        assert segment.leftovers("0123abcd") == [seg.path.name]
-        with pytest.raises(segment.SegmentError, match="does not carry the nonce"):
-            segment.attach(seg.path.name, 4096, bytes(16))
+        offer = seg.offer()
+        assert offer["name"] == f"psgd-0123abcd-s3-{os.getpid()}-push" and offer["pid"] == os.getpid()
+        assert os.readlink(f"/proc/self/fd/{offer['fd']}") == f"/memfd:{offer['name']} (deleted)"
+        assert not list(Path("/dev/shm").glob("*0123abcd*"))  # no file to remove anywhere
+        for bad, words in [({**offer, "nonce": "00" * 16}, "does not carry the nonce"),
+                           ({**offer, "name": "psgd-0123abcd-s3-1-push"}, "not the name of a psgd segment of process"),
+                           ({**offer, "name": "../../etc/passwd"}, "not the name of a psgd segment"),
+                           ({**offer, "fd": 0}, "is not the memory file"),
+                           ({"pid": "x"}, "not a segment offer")]:
+            with pytest.raises(segment.SegmentError, match=words):
+                segment.attach(bad, 4096)
         with pytest.raises(segment.SegmentError, match="is not 4064 bytes long"):
-            segment.attach(seg.path.name, 4000, seg.nonce)
-        with pytest.raises(segment.SegmentError, match="not a psgd segment name"):
-            segment.attach("../etc/passwd", 4096, seg.nonce)
-        other = segment.attach(seg.path.name, 4096, seg.nonce)
+            segment.attach(offer, 4000)
+        other = segment.attach(offer, 4096)
         seg.data[:5] = b"hello"
         assert bytes(other.data[:5]) == b"hello"  # one memory
         other.close()
-        reader = segment.attach(seg.path.name, 4096, seg.nonce, writable=False)
+        reader = segment.attach(offer, 4096, writable=False)
         with pytest.raises(TypeError):
             reader.data[:1] = b"x"  # mapped read-only
         reader.close()
+        assert segment.mapped(os.getpid(), "0123abcd") == [offer["name"]]
     finally:
-        seg.unlink()
         seg.close()
-    assert segment.leftovers("0123abcd") == []
+    assert segment.mapped(os.getpid(), "0123abcd") == []  # closed and unmapped: the memory is gone
+    with pytest.raises(segment.SegmentError, match="cannot open"):
+        segment.attach(offer, 4096)
 
 
-def test_a_shard_starting_removes_its_jobs_segments_whose_process_is_gone():
-    dead = subprocess.Popen([PY, "-c", "pass"])
-    dead.wait(30)
-    job = make_job(*HOSTILE_SETS)
-    core = build_shard(job, 0)
-    names = [f"psgd-{core.fingerprint}-s0-{dead.pid}-{'ab' * 8}-weights",  # this shard's, its process gone
-             f"psgd-{core.fingerprint}-s0-{os.getpid()}-{'cd' * 8}-push",   # a live process's
-             f"psgd-{core.fingerprint}-s1-{dead.pid}-{'ef' * 8}-push",      # another shard's
-             f"psgd-0000000000000000-s0-{dead.pid}-{'01' * 8}-push"]      # another job's
-    for name in names:
-        fd = os.open(segment.SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        os.close(fd)
+def test_a_shards_weights_live_in_its_segment():
+    core = build_shard(make_job(*HOSTILE_SETS), 0)
+    before = core.flat.copy()
+    data = DataServer(core, request_timeout=IO).start()
     try:
-        data = DataServer(core, request_timeout=IO).start()
-        assert [n for n in segment.leftovers(core.fingerprint) if n.endswith("-weights")] == \
-            [data._weights.path.name]  # its own, just made
-        data.stop()
-        left = {p.name for p in segment.SHM_DIR.iterdir()}
-        assert names[0] not in left and set(names[1:]) <= left
+        assert np.shares_memory(core.flat, data._weights.array(core.flat.dtype, core.flat.size))
+        assert core.flat.tobytes() == before.tobytes()
+        assert all(np.shares_memory(w, core.flat) for w in core.weights.values())
+        second = DataServer(core, request_timeout=IO).start()  # a second data port of the same core shares them
+        assert second._weights is data._weights
+        second.stop()
     finally:
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(segment.SHM_DIR / name)
+        data.stop()
 
 
 # --- who gets a segment -----------------------------------------------------------------------------
@@ -156,7 +155,7 @@ def test_a_shard_starting_removes_its_jobs_segments_whose_process_is_gone():
 
 def test_a_pull_reads_the_shards_weights_and_holds_updates_back_until_released(shard):
     with with_segment(shard, "pull") as (sock, seg, offer):
-        assert offer["segment"].endswith("-weights") and offer["bytes"] == shard.core.nbytes
+        assert offer["name"].endswith("-weights") and offer["bytes"] == shard.core.nbytes
         request(sock, protocol.OP_PULL)
         code, _, version, size, _ = shm_reply(sock)
         assert code == OK and size == shard.core.nbytes and version == 0
@@ -164,17 +163,16 @@ def test_a_pull_reads_the_shards_weights_and_holds_updates_back_until_released(s
         assert shard.core.store._readers == 1  # a live read: an update would wait for the release
         request(sock, protocol.OP_RELEASE)
         wait_for(lambda: shard.core.store._readers == 0, "the release")
-        assert (segment.SHM_DIR / offer["segment"]).exists()  # the weights keep their name while the shard serves
 
 
-def test_a_push_segments_name_is_gone_once_the_worker_makes_its_first_request(shard):
+def test_a_push_segment_is_the_connections_and_goes_with_it(shard):
     with with_segment(shard, "push") as (sock, seg, offer):
-        assert offer["segment"].endswith("-push") and (segment.SHM_DIR / offer["segment"]).exists()
+        assert offer["name"].endswith("-push") and pushes_mapped(shard.core.fingerprint) == [offer["name"]]
         g = valid_gradient(shard.plan)
         seg.data[:g.nbytes] = g.tobytes()
         request(sock, protocol.OP_PUSH, size=g.nbytes)
         assert shm_reply(sock)[0] == OK
-        assert not (segment.SHM_DIR / offer["segment"]).exists()
+    wait_for(lambda: not pushes_mapped(shard.core.fingerprint), "the shard to close the connection's segment")
 
 
 @pytest.mark.parametrize("after", [protocol.OP_PULL, protocol.OP_PUSH, 9])
@@ -213,12 +211,11 @@ def test_a_pull_never_released_holds_updates_back_only_until_the_request_timeout
 def test_a_token_protected_shard_makes_no_segment_before_the_token_is_right(shard):
     data = DataServer(shard.core, token="s3cret", request_timeout=IO, idle_timeout=IO).start()
     try:
-        before = segment.leftovers(shard.core.fingerprint)
         with dial(data.port) as sock:
             body = json.dumps({"token": "wrong", "plan_hash": shard.plan.hash, "shm": "push"}).encode()
             send_hello(sock, shard.plan.hash, body=body)
             expect(sock, UNAUTHENTICATED, "wrong or missing token")
-        assert segment.leftovers(shard.core.fingerprint) == before == [shard.server.data._weights.path.name]  # no push one
+        assert pushes_mapped(shard.core.fingerprint) == []  # no segment made for it
         with with_segment(shard, "push", port=data.port, token="s3cret") as (sock, seg, offer):
             g = valid_gradient(shard.plan)
             seg.data[:g.nbytes] = g.tobytes()
@@ -355,8 +352,7 @@ def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
         assert [r.outcome for r in replies] == ["duplicate"] and calls == ["applied", "duplicate"]
         np.testing.assert_array_equal(server.core.flat, before - 0.1 * 0.25)
         assert server.core.version == 1
-        assert segment.leftovers(server.core.fingerprint) == [server.data._weights.path.name]  # no push segment
-    assert segment.leftovers(server.core.fingerprint) == []  # a stopped shard removes its weights' name
+        wait_for(lambda: not pushes_mapped(server.core.fingerprint), "the push segments to be closed")
 
 
 # --- falling back to the data port ---------------------------------------------------------------------
@@ -414,7 +410,7 @@ def test_a_shard_on_another_host_is_used_over_tcp(caplog, monkeypatch):
     with shards(job) as servers:  # it advertised this machine's identity; the worker now has another one
         monkeypatch.setattr(segment, "host_id", lambda: "another-host")
         assert _one_step(job, caplog) == [("tcp", False)]
-        assert servers[0].data._segments == set()
+        assert pushes_mapped(servers[0].core.fingerprint) == []  # it never asked for a segment
     lines = [r for r in caplog.records if "not through shared memory" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO  # transport = "auto": as expected, not a warning
     assert "on another host" in lines[0].getMessage()
@@ -424,7 +420,7 @@ def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monk
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
     with shards(job):
         def full(*args):
-            raise segment.SegmentError("cannot size /dev/shm/psgd-...: [Errno 28] No space left on device")
+            raise segment.SegmentError("cannot reserve 5264 bytes of shared memory: [Errno 28] No space left on device")
 
         monkeypatch.setattr(segment, "create", full)
         assert _one_step(job, caplog) == [("tcp", False)]
@@ -435,8 +431,8 @@ def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monk
 # --- killed processes leave nothing behind ----------------------------------------------------------
 
 
-def _server(job_path: Path, port_file: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(["psgd-server", "-c", str(job_path), "--shard", "0", "--bind", "127.0.0.1:0",
+def _server(job_path: Path, port_file: Path, log: Path, port: str = "127.0.0.1:0") -> subprocess.Popen:
+    return subprocess.Popen(["psgd-server", "-c", str(job_path), "--shard", "0", "--bind", port,
                              "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
                             stderr=log.open("w"), start_new_session=True)
 
@@ -466,51 +462,41 @@ def _stepping(metrics: Path, proc: subprocess.Popen, timeout: float = 60) -> Non
 
 @pytest.mark.parametrize("killed", ["shard", "worker"])
 def test_no_segment_is_left_after_the_shard_or_the_worker_is_killed(tmp_path, killed):
-    """A killed worker leaves nothing; a killed shard leaves its weights' name, which the next shard of the
-    job removes when it starts; a shard stopped with SIGTERM removes its own."""
+    """Shard and worker map the weights and the worker's push segment, memory files with no name in any
+    folder. A killed worker's push segment goes when the shard sees its connection end; a killed shard's
+    go when the worker, reconnecting to the restarted shard, lets go of them: nothing is left."""
     job = make_job("model.name=mlp", "model.hidden=[64]", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "train.epochs=200", "cluster.transport=shm")
+                   "cluster.shards=1", "train.epochs=200", "cluster.transport=shm", "cluster.request_timeout=5")
     job_path = tmp_path / "job.toml"
     job_path.write_text(to_toml(job.to_dict()))
-    fingerprint = build_shard(job, 0).fingerprint
-
-    def names_of(proc) -> list[str]:
-        return [n for n in segment.leftovers(fingerprint) if f"-s0-{proc.pid}-" in n]
-
+    fp = build_shard(job, 0).fingerprint
     shard = _server(job_path, tmp_path / "port", tmp_path / "shard.log")
     worker = again = None
+
+    def of(proc) -> list[str]:
+        return [f"psgd-{fp}-s0-{proc.pid}-{kind}" for kind in ("push", "weights")]
+
     try:
         address = _wait_file(tmp_path / "port", shard, "the shard's port file")
         worker = _worker(job_path, address, tmp_path / "m.jsonl", tmp_path / "worker.log")
         _stepping(tmp_path / "m.jsonl", worker)
         assert "through shared memory" not in (tmp_path / "worker.log").read_text()  # no fallback line
-        weights = names_of(shard)
-        assert len(weights) == 1 and weights[0].endswith("-weights")
-        assert segment.leftovers(fingerprint) == weights  # the push segment's name went with the first push
-        for proc, kinds in ((worker, {"weights", "push (deleted)"}), (shard, {"weights", "push (deleted)"})):
-            maps = Path(f"/proc/{proc.pid}/maps").read_text()  # both map both: the weights and the push segment
-            assert {k for k in ("weights", "push (deleted)")
-                    if f"/dev/shm/psgd-{fingerprint}-s0-{shard.pid}-" in maps and f"-{k}" in maps} == kinds
-        victim = shard if killed == "shard" else worker
-        os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait(30)
-        assert segment.leftovers(fingerprint) == weights  # a killed worker leaves nothing; a shard, its weights
-        again = _server(job_path, tmp_path / "port2", tmp_path / "shard2.log") if killed == "shard" else None
-        if again is not None:  # the next start removes what the killed shard left, and makes its own
+        assert segment.mapped(worker.pid, fp) == segment.mapped(shard.pid, fp) == of(shard)
+        if killed == "worker":
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(30)
+            wait_for(lambda: segment.mapped(shard.pid, fp) == [of(shard)[1]], "the shard to let go of the "
+                     "dead worker's push segment", timeout=30)
+        else:
+            os.killpg(shard.pid, signal.SIGKILL)
+            shard.wait(30)
+            again = _server(job_path, tmp_path / "port2", tmp_path / "shard2.log", port=address)
             _wait_file(tmp_path / "port2", again, "the restarted shard's port file")
-            assert segment.leftovers(fingerprint) == names_of(again) != []
-        for proc in (again, shard if killed == "worker" else None):
-            if proc is not None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                assert proc.wait(30) is not None
-        assert segment.leftovers(fingerprint) == []  # stopped: nothing left
+            wait_for(lambda: segment.mapped(worker.pid, fp) == of(again), "the worker to move to the restarted "
+                     "shard's segments and let go of the killed one's", timeout=60)
+        assert not list(Path("/dev/shm").glob(f"*{fp}*"))
     finally:
         for proc in (worker, shard, again):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
-    stale = [n for n in segment.leftovers(fingerprint)]
-    for name in stale:  # a failed run must not leave its segments to the next test
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(segment.SHM_DIR / name)
-    assert stale == []
