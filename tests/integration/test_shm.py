@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ from psgd.server import build_shard
 from psgd.server.datapath import DataServer
 from psgd.server.store import PARALLEL_BYTES
 from psgd.server.service import ShardServer
-from psgd.worker.client import PSClient, PSError
+from psgd.worker.client import PSClient
 
 from helpers import make_job, run_threads, shards
 from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, OK, UNAUTHENTICATED, Shard, assert_closed,
