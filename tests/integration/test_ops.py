@@ -104,9 +104,10 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
     assert total(final, "psgd_shard_staleness_bucket", le="+Inf") == status["counters"]["applied"]
     assert total(final, "psgd_shard_staleness_bucket", le="0.0") == status["staleness_histogram"][0]
     # workers, as the shard sees them: live while training (mid-run; under async worker 1, never slowed
-    # by these scrapes, may have finished already), done at the end
+    # by these scrapes, may have finished already, or, its thread started later, not have joined yet),
+    # done at the end, and never expired
     assert total(late, "psgd_shard_live_workers") >= 1
-    assert total(late, "psgd_shard_live_workers") + total(late, "psgd_shard_workers", state="done") == 2
+    assert sum(total(late, "psgd_shard_workers", state=s) for s in ("pending", "live", "done")) == 2
     assert total(final, "psgd_shard_workers", state="done") == 2
     assert total(late, "psgd_shard_worker_clock", worker="0") >= 30
     # RPC latency from the interceptor, by method and code
