@@ -79,6 +79,8 @@ class ClusterConfig:
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
 
 
+#: what [cluster] transport may say (psgd.link: "auto" is the shared-memory link, which falls back to TCP)
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 _CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
 _CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout", "hello_timeout")
 
@@ -212,7 +214,7 @@ class JobConfig:
         for key in ("staleness_lr", "overlap"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
-        if c.transport not in ("auto", "shm", "tcp", "grpc"):
+        if c.transport not in TRANSPORTS:
             raise ConfigError(f"{src}: [cluster] transport must be \"auto\", \"shm\", \"tcp\" or \"grpc\", "
                               f"got {c.transport!r}")
         if c.wire_dtype not in ("", "float16", "bfloat16"):

@@ -268,10 +268,8 @@ class SideStream:
         if self.stream is None:
             np.copyto(out, a)
             return
-        with _cupy.cuda.Device(self.device.index):
-            self.stream.wait_event(event)
-            with self.stream:  # any kernel the copy needs (a strided array made contiguous) runs here too
-                a.get(stream=self.stream, out=out, blocking=False)
+        with self.current(after=event):  # any kernel the copy needs (a strided array made contiguous) runs here too
+            a.get(stream=self.stream, out=out, blocking=False)
 
     @contextlib.contextmanager
     def current(self, after: Any = None) -> Iterator[None]:

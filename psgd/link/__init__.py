@@ -18,6 +18,7 @@ are the worker's client's (:mod:`psgd.worker.client`), the same for every link.
 
 from __future__ import annotations
 
+from psgd.config import TRANSPORTS  # "auto" is the shm link, which falls back to TCP off the shard's host
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
 from psgd.link.grpc import GrpcLink
 from psgd.link.shm import ShmLink
@@ -27,8 +28,6 @@ __all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS
            "open_link"]
 
 LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink, "shm": ShmLink}
-#: what ``[cluster] transport`` may say; "auto" is the shm link, which falls back to TCP off the shard's host
-TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 
 
 def link_kind(transport: str) -> str:

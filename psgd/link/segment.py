@@ -179,7 +179,7 @@ def attach(offer: dict, size: int, writable: bool = True) -> Segment:
 
 
 def mapped(pid: int, job: str) -> list[str]:
-    """The names of job ``job``'s segments that process ``pid`` maps (for tests and ``psgd doctor``)."""
+    """The names of job ``job``'s segments that process ``pid`` maps (what tests look for)."""
     try:
         lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
     except OSError:

@@ -12,8 +12,9 @@ segment, its push connection a segment of its own (:mod:`psgd.link.segment`).  F
   release, so the copy is one version, never half of an update: the reply and the release are the
   handshake, and there is nothing else to lock.
 - a push is the gradient, encoded by the job's codec, written into the push segment, then its header
-  on the socket; the shard copies it out into a receive buffer, checks it there (size, NaN) and applies
-  it exactly as a push over TCP: the same policies, the same exactly-once rule for a retried clock.
+  on the socket; the shard checks it there (size, NaN; a compressed one is first decoded into a receive
+  buffer) and applies it exactly as a push over TCP: the same policies, the same exactly-once rule for a
+  retried clock.
 
 A shard on another host, in another container or namespace, or one that offers no shared memory
 (``[cluster] transport = "tcp"`` on its side), is reached over the data port instead, with one log

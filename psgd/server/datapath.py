@@ -241,39 +241,35 @@ class DataServer:
         if size != expected:
             self._fatal(conn, "INVALID_ARGUMENT", f"push of {size} bytes, shard {core.shard} expects {expected} "
                         f"({core.flat.size} values of {itemsize} bytes): wrong shape or dtype")
-        if seg is not None and not codec.compresses:
-            # Checked and applied where the worker wrote it.  Only the worker that owns the connection was
-            # given it, and it waits for this reply: a worker racing its own push could as well have pushed
-            # any other finite gradient.  (Another process of the shard's user could open it through /proc,
-            # as it could the shard's own memory.)
+        # Over shared memory an uncompressed gradient is checked and applied where the worker wrote it.  Only
+        # the worker that owns the connection was given it, and it waits for this reply: a worker racing its
+        # own push could as well have pushed any other finite gradient.  (Another process of the shard's user
+        # could open it through /proc, as it could the shard's own memory.)  Anything else lands in a receive
+        # buffer first.
+        in_place = seg is not None and not codec.compresses
+        buf = None
+        if not in_place:
             try:
-                result = core.push(worker, clock, base_version, core.store.gradient_views(seg.data[:size]),
-                                   wire_bytes=size)
+                buf = self.receive_buffers.acquire(self.request_timeout)
             except ShardError as err:
-                self._reply_error(conn, err)
-                return
-            protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
-                                                             result.version, result.next_clock, result.staleness, 0)])
-            return
+                self._fatal(conn, err.code, err.message)
         try:
-            buf = self.receive_buffers.acquire(self.request_timeout)
-        except ShardError as err:
-            self._fatal(conn, err.code, err.message)
-        try:
-            if seg is not None:  # compressed: decoded into a receive buffer, as from the socket
+            if seg is not None and buf is not None:  # compressed: decoded into the buffer, as from the socket
                 _decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
-            else:
+            elif seg is None:
                 if protocol.wants_go_ahead(size):
                     ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
                     protocol.send_buffers(conn, [ready])
                 _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
+            grads = core.store.gradient_views(seg.data[:size] if in_place else buf)
             try:
-                result = core.push(worker, clock, base_version, core.store.gradient_views(buf), wire_bytes=size)
+                result = core.push(worker, clock, base_version, grads, wire_bytes=size)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return
         finally:
-            self.receive_buffers.release(buf)
+            if buf is not None:
+                self.receive_buffers.release(buf)
         protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
                                                          result.version, result.next_clock, result.staleness, 0)])
 

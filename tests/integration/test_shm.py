@@ -29,29 +29,18 @@ from psgd.link.shm import ShmLink
 from psgd.server import build_shard
 from psgd.server.datapath import DataServer
 from psgd.server.store import PARALLEL_BYTES
-from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient
 
 from helpers import make_job, run_threads, shards
 from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, OK, UNAUTHENTICATED, Shard, assert_closed,
                            assert_serves, dial, expect, request, send_hello, valid_gradient, wait_for)
+from test_datapath import digits64, hostile  # noqa: F401  (fixtures: test_datapath's hostile-input shard)
 
 pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning"),
               pytest.mark.skipif(not segment.host_id(), reason="this machine's /proc does not say who shares memory")]
 
 PY = sys.executable
-
-
-@pytest.fixture(scope="module")
-def hostile():
-    core = build_shard(make_job(*HOSTILE_SETS), 0)
-    core.register(0, core.plan.hash)
-    server = ShardServer(core, "127.0.0.1:0", request_timeout=IO).start()
-    try:
-        yield Shard(core, server, core.flat.tobytes())
-    finally:
-        server.stop(grace=1.0)
 
 
 @pytest.fixture
