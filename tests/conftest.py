@@ -8,6 +8,7 @@ GPU machine that silently skips its GPU tests proves nothing.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import textwrap
@@ -66,6 +67,21 @@ def _why_no_gpu() -> str:
     except backend.DeviceError as exc:
         return str(exc)
     return "unknown"
+
+
+@pytest.fixture(autouse=True)
+def _psgd_logging_restored():
+    """Give back the ``psgd`` logger as each test found it.
+
+    A CLI called in-process (``main([...])``) sets up logging as a process does
+    (``psgd.logs.setup_logging``: its own handler, no propagation). Left so, the
+    next test's ``caplog`` depends on which tests ran before it and on pytest's
+    version (9.2 also attaches its handler to non-propagating loggers).
+    """
+    logger = logging.getLogger("psgd")
+    kept = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = kept
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
