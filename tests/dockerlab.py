@@ -29,7 +29,7 @@ CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 #: Debian's Python for the psgd images; Slurm's images add their packages on top (``base_image(extra)``)
 PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "ca-certificates")
 #: what a copy of the repository needs for ``docker compose build`` (the Dockerfiles' build context)
-REPO_FILES = ("pyproject.toml", "README.md", "psgd", "deploy")
+REPO_FILES = ("pyproject.toml", "README.md", "requirements.lock", "psgd", "deploy")
 
 T = TypeVar("T")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import struct
 import threading
 import time
@@ -11,6 +12,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from psgd.bench.chaos.processes import free_port_pair  # noqa: F401  (re-exported: the one port-pair finder)
 from psgd.collective import Collective, CollectiveError
 from psgd.config import JobConfig
 from psgd.server import build_shard
@@ -57,6 +59,13 @@ def run_threads(targets, timeout: float) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` just now (for a process that must be told its port before it binds)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str):

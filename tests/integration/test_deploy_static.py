@@ -182,15 +182,15 @@ def test_images_are_pinned_small_non_root_and_health_checked(name, extra):
 
     # reproducible: every dependency (and the CUDA extra) installed under exact pins
     text = path.read_text()
-    assert "--constraint constraints.txt" in text
+    assert "--constraint requirements.lock" in text
     pins = {line.split("==")[0].strip().lower(): line.split("==")[1].strip()
-            for line in (DEPLOY / "constraints.txt").read_text().splitlines()
+            for line in (REPO / "requirements.lock").read_text().splitlines()
             if "==" in line and not line.startswith("#")}
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     wanted = [re.split(r"[<>=!~; \[]", d)[0].lower() for d in project["dependencies"]]
     wanted += [extra] if extra else []
     for dep in wanted:
-        assert dep in pins, f"deploy/constraints.txt does not pin {dep}"
+        assert dep in pins, f"requirements.lock does not pin {dep}"
 
 
 # -- docker compose --------------------------------------------------------------------------------

@@ -41,22 +41,26 @@ def command(script: str, module: str) -> list[str]:
     return [found] if found else [PY, "-m", module]
 
 
-def free_port_pair(rng: random.Random, taken: set[int]) -> int:
-    """A port p with p and p + 1 free on 127.0.0.1, below the ephemeral range (so that no outgoing
-    connection takes it while its shard is down for a restart)."""
+def free_port_pair(rng: random.Random | None = None, taken: set[int] | None = None,
+                   hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
+    """A port p with p and p + 1 free on every one of ``hosts``, below the ephemeral range (so that no
+    outgoing connection takes it while its shard is down for a restart); ``taken`` (updated) is skipped."""
+    rng = rng or random.Random()
+    taken = set() if taken is None else taken
     for _ in range(200):
         port = rng.randrange(20000, 32000)
         if port in taken or port + 1 in taken:
             continue
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
+            for host in hosts:
+                with socket.socket() as a, socket.socket() as b:
+                    a.bind((host, port))
+                    b.bind((host, port + 1))
         except OSError:
             continue
         taken.update((port, port + 1))
         return port
-    raise RuntimeError("no free pair of ports between 20000 and 32000 on 127.0.0.1")
+    raise RuntimeError(f"no free pair of ports between 20000 and 32000 on {', '.join(hosts)}")
 
 
 def tail(path: Path, lines: int = 12) -> str:
