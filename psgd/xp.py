@@ -3,13 +3,15 @@
 Models, losses and optimizers are written once against an array module
 ``xp`` (NumPy or CuPy).  This module says whether CuPy and a CUDA device are
 usable, keeps the reason when they are not, parses device names
-(``cpu``, ``cuda``, ``cuda:N``) and moves arrays between host and device.
+(``cpu``, ``cuda``, ``cuda:N``; ``cuda:0,2`` for a launch over several GPUs)
+and moves arrays between host and device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 from typing import Any, Iterator
 
@@ -141,7 +143,8 @@ def get_device(spec: str | Device | None = "cpu") -> Device:
         text = (spec or "cpu").strip().lower()
         m = _DEVICE_RE.match(text)
         if not m:
-            raise DeviceError(f"unknown device {spec!r}: use 'cpu', 'cuda' or 'cuda:N'")
+            many = " (several GPUs, such as 'cuda:0,2', are for psgd launch)" if _GPUS_RE.match(text) else ""
+            raise DeviceError(f"unknown device {spec!r}: use 'cpu', 'cuda' or 'cuda:N'{many}")
         kind = "cpu" if m.group(1) == "cpu" else "cuda"
         if kind == "cpu" and m.group(2) is not None:
             raise DeviceError(f"unknown device {spec!r}: 'cpu' takes no index")
@@ -149,6 +152,60 @@ def get_device(spec: str | Device | None = "cpu") -> Device:
     if device.is_gpu:
         check_cuda_available(device.index)
     return device
+
+
+_GPUS_RE = re.compile(r"^(?:cuda|gpu):(\d+(?:,\d+)+)$")
+
+
+def gpu_indices(spec: str) -> list[int]:
+    """The GPUs a launch spreads its processes over: every visible one for ``cuda``, one for ``cuda:N``, those
+    named for ``cuda:0,2``; none for ``cpu``.  Checks that CuPy sees them, without running a kernel (no CUDA
+    context on every GPU for the launcher: each process checks its own)."""
+    text = spec.strip().lower()
+    m = _GPUS_RE.match(text)
+    if not m:
+        device = _DEVICE_RE.match(text)
+        if not device:
+            raise DeviceError(f"unknown device {spec!r}: use 'cpu', 'cuda', 'cuda:N' or GPUs such as 'cuda:0,2'")
+        if device.group(1) == "cpu":
+            get_device(text)  # 'cpu:1' says what is wrong with it
+            return []
+    if _cupy is None:
+        check_cuda_available()  # raises, saying what is missing
+    count = cuda_device_count()
+    if count == 0:
+        check_cuda_available()
+    if m:
+        indices = [int(i) for i in m.group(1).split(",")]
+        if len(set(indices)) != len(indices):
+            raise DeviceError(f"{spec!r} names a GPU more than once")
+    elif device.group(2) is None:
+        indices = list(range(count))
+    else:
+        indices = [int(device.group(2))]
+    for index in indices:
+        if index >= count:
+            raise DeviceError(f"cuda:{index} was requested but this machine has {count} CUDA device(s) "
+                              f"(cuda:0 .. cuda:{count - 1}{_visible()})")
+    return indices
+
+
+def _visible() -> str:
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"; CUDA_VISIBLE_DEVICES={named}" if named is not None else ""
+
+
+def gpu_names() -> list[str]:
+    """One line per visible GPU (``cuda:0 NVIDIA H100 80GB HBM3, 79.1 GiB``); empty without CuPy or a GPU."""
+    out = []
+    for index in range(cuda_device_count()):
+        try:
+            props = _cupy.cuda.runtime.getDeviceProperties(index)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+            out.append(f"cuda:{index} {name}, {props['totalGlobalMem'] / 2**30:.1f} GiB")
+        except Exception as exc:  # the driver's own error, whatever its type
+            out.append(f"cuda:{index} (its properties cannot be read: {exc})")
+    return out
 
 
 def use_device(spec: str | Device | None = "cpu") -> Device:

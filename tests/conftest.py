@@ -3,6 +3,11 @@
 Tests marked ``gpu`` need CuPy and a CUDA device.  Without one they are
 skipped, unless ``PSGD_REQUIRE_GPU=1`` is set, in which case they fail: a
 GPU machine that silently skips its GPU tests proves nothing.
+
+Tests that need more of the machine than Python (network namespaces, tc, a
+tmpfs mount, openssl, /proc, MPI) are marked ``lacks(condition, reason=...)``
+or call ``helpers.skip_or_fail(why)``: skipped where the machine lacks it,
+failed instead when ``PSGD_REQUIRE_NET=1`` is set.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
+    for mark in item.iter_markers("lacks"):
+        if mark.args[0]:
+            import helpers
+
+            helpers.skip_or_fail(mark.kwargs["reason"])
     if "gpu" in item.keywords and gpu_required() and not backend.cuda_available():
         pytest.fail("PSGD_REQUIRE_GPU=1 but no usable CUDA GPU: " + _why_no_gpu(), pytrace=False)
     if "docker" in item.keywords and docker_required():

@@ -45,7 +45,12 @@ class FakeCupy(types.SimpleNamespace):
                 raise RuntimeError(fake.broken)
             return np.arange(n, dtype=dtype)
 
-        runtime = types.SimpleNamespace(getDeviceCount=get_device_count)
+        def get_device_properties(index: int) -> dict:
+            if not 0 <= index < devices:
+                raise RuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+            return {"name": b"Fake GPU", "totalGlobalMem": 80 * 2**30}
+
+        runtime = types.SimpleNamespace(getDeviceCount=get_device_count, getDeviceProperties=get_device_properties)
         super().__init__(__version__=version, broken=broken, float32=np.float32, arange=arange,
                          cuda=types.SimpleNamespace(Device=Device, runtime=runtime))
         self._local = local

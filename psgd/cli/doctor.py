@@ -254,17 +254,20 @@ class Doctor:
     def check_gpu(self) -> None:
         from psgd import xp as backend
 
+        seen = backend.gpu_names()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        listed = (f"{len(seen)} GPU(s) seen" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                  + (": " + "; ".join(seen) if seen else ""))
         device = self.job.train.device
         if device.strip().lower() == "cpu":
-            self.add("ok", "GPU", f"train.device is {device}: no GPU needed")
+            self.add("ok", "GPU", f"train.device is {device}: no GPU needed; {listed}")
             return
-        try:
-            backend.get_device(device)  # parses cuda[:N]; checks CuPy, the driver, the index and a first kernel
+        try:  # parses cuda[:N] or cuda:0,2; checks CuPy, the driver, each index and a first kernel on each
+            used = [str(backend.get_device(f"cuda:{i}")) for i in backend.gpu_indices(device)]
         except backend.DeviceError as exc:
-            self.add("FAIL", "GPU", f"train.device is {device}, but {exc}")
+            self.add("FAIL", "GPU", f"train.device is {device}, but {exc}; {listed}")
             return
-        self.add("ok", "GPU", f"{device} runs CuPy's kernels ({backend.cuda_device_count()} CUDA device(s) on this "
-                              "machine)")
+        self.add("ok", "GPU", f"{device}: {', '.join(used)} run(s) CuPy's kernels; {listed}")
 
 
 def resolve(host: str, port: int, timeout: float) -> tuple[list[str], str | None]:

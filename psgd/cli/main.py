@@ -84,7 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                "r % nnodes; node i's shards listen on hosts[i]:port, port+2, ...):\n"
                "  psgd launch --nnodes 2 --node-rank 0 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
                "  psgd launch --nnodes 2 --node-rank 1 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
-               "node 0 prints the accuracy (and saves with --save) once every worker is done.",
+               "node 0 prints the accuracy (and saves with --save) once every worker is done.\n\n"
+               "GPUs, as torchrun places local ranks: --device cuda puts worker (or rank) r of this node on GPU\n"
+               "r mod G, G the GPUs visible (CUDA_VISIBLE_DEVICES decides which); --device cuda:0,2 goes round\n"
+               "GPUs 0 and 2; --device cuda:N puts every worker on GPU N. Shards stay on the CPU. One line says\n"
+               "the placement; psgd doctor lists the GPUs.\n"
+               "  psgd launch --device cuda --workers 4\n\n"
+               "Run as root with Open MPI's mpiexec (mode allreduce), the launcher sets OMPI_ALLOW_RUN_AS_ROOT\n"
+               "and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM for the ranks, and says so.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(launch, cluster=True)
     launch.add_argument("--mode", choices=("ps", "allreduce"), default="ps",

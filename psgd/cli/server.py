@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, first_env_int,
                              ignore_stop_signals, import_from_current_folder, job_from_args, run_command,
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-port", type=int, default=None, metavar="PORT",
                         help="port of the bulk data path (plain TCP, same host) for pulls and pushes "
                              "(default: the gRPC port + 1, or a free port when that is 0)")
-    parser.add_argument("--port-file", metavar="FILE", help="write the address actually bound to FILE once serving")
+    parser.add_argument("--port-file", metavar="FILE",
+                        help="write the address actually bound to FILE once serving; removed when the shard stops")
     parser.add_argument("--exit-when-done", action="store_true",
                         help="exit once every worker has finished, or was dropped (lease expired) and has not "
                              "come back within another lease")
@@ -111,24 +114,39 @@ def serve(args: argparse.Namespace) -> int:
                              interceptors=metrics.interceptors, hello_timeout=job.cluster.hello_timeout).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
-    if args.port_file:
-        tmp = f"{args.port_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(server.address + "\n")
-        os.replace(tmp, args.port_file)
-
-    stop = _STOP
-    if stop.is_set():
-        log.info("received %s while starting: stopping", _RECEIVED[0])
-    while not stop.is_set():
-        if args.exit_when_done and server.wait_finished(timeout=0.5, settle=job.cluster.lease_seconds):
-            log.info("every worker has finished: stopping")
-            break
-        stop.wait(0.5)
-    server.stop(grace=5.0)
-    metrics.stop()
+    try:
+        if args.port_file:
+            _write_port_file(args.port_file, server.address)
+        stop = _STOP
+        if stop.is_set():
+            log.info("received %s while starting: stopping", _RECEIVED[0])
+        while not stop.is_set():
+            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=job.cluster.lease_seconds):
+                log.info("every worker has finished: stopping")
+                break
+            stop.wait(0.5)
+    finally:
+        server.stop(grace=5.0)
+        metrics.stop()
+        if args.port_file:
+            _remove_port_file(args.port_file, server.address)
     log.info("stopped at version %d", core.version)
     return 0
+
+
+def _write_port_file(path: str, address: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)  # whoever waits for the file never reads half an address
+
+
+def _remove_port_file(path: str, address: str) -> None:
+    """The port file goes with the shard (a stopped shard's address is not one to dial), unless it names
+    another address by now: a shard started since on the same file owns it."""
+    with contextlib.suppress(OSError):
+        if Path(path).read_text().strip() == address:
+            os.unlink(path)
 
 
 _STOP = threading.Event()

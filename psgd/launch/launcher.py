@@ -8,6 +8,7 @@ weights are evaluated on the test set here.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import Callable, Sequence
 
 from psgd import threads
 from psgd.config import JobConfig, to_toml
-from psgd.launch.plan import Hosts, Layout, find_mpiexec, thread_budget
+from psgd.launch.plan import Hosts, Layout, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 
@@ -65,6 +66,18 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
             raise LaunchError("emulated hosts are for one node, and for all-reduce over MPI (NCCL ranks need "
                               "GPUs of their own)")
         hosts.check(job.cluster.shards if mode == "ps" else 0, job.cluster.workers)
+    ranks = layout.workers_here(job.cluster.workers)
+    devices, placement = place_on_gpus(job.train.device, ranks, "rank" if mode == "allreduce" else "worker")
+    if mode == "allreduce" and backend == "nccl":
+        gpus = {d for d in devices.values() if d != "cpu"}
+        if len(gpus) < len(ranks):
+            raise LaunchError(f"all-reduce over NCCL needs a GPU of its own for each of its {len(ranks)} ranks, "
+                              f"and --device {job.train.device} gives {len(gpus)}: use --device cuda on a machine "
+                              "with enough GPUs, or the mpi backend")
+    if placement:
+        log.info("%s", placement)
+    job = copy.deepcopy(job)  # the job file names one device (its workers' own comes with --device)
+    job.override("train.device", devices[ranks[0]] if ranks else "cpu")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
@@ -85,14 +98,24 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
         try:
             if mode == "allreduce":
                 return _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
-                                         children, save, hosts)
+                                         children, save, hosts, devices)
             return _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor, children,
-                              save, layout, hosts)
+                              save, layout, hosts, devices)
         except LaunchInterrupted as exc:
             stopping = exc.signum
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
+            for path in _handoff_files(run, job, mode, layout):  # a stopped shard removes its own; not a killed one
+                path.unlink(missing_ok=True)
+
+
+def _handoff_files(run: Path, job: JobConfig, mode: str, layout: Layout) -> list[Path]:
+    """The files through which this launch's processes found each other: each shard's bound address
+    (``shard-K.addr``) and the NCCL ranks' rendezvous; they mean nothing once the launch has ended."""
+    if mode == "allreduce":
+        return [run / "nccl-id.json"]
+    return [run / f"shard-{k}.addr" for k in layout.shards_here(job.cluster.shards)]
 
 
 #: MPI settings for ranks on emulated hosts: they talk over their hosts' links (TCP on eth0), not through the
@@ -102,7 +125,7 @@ MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self
 
 def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
-                      save: str | None, hosts: Hosts | None) -> LaunchResult:
+                      save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
     from psgd.export import read_npz, save_weights
 
     n, py = job.cluster.workers, sys.executable
@@ -112,19 +135,26 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
               "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
     common += ["-q"] if progress else (log_flags + ["--no-progress"])
     start = time.perf_counter()
-    if backend == "mpi" and hosts is not None:  # one rank per host: mpiexec's MPMD form, rank r on host w<r>
-        argv = [find_mpiexec(), *MPI_ON_HOSTS]
-        for r in range(n):
-            argv += [":"] * (r > 0) + ["-n", "1", *hosts.prefix(f"w{r}"), py, *common]
-        children.start(f"mpiexec -n {n} on emulated hosts", argv, run / "allreduce.log", show=progress)
-    elif backend == "mpi":
-        children.start(f"mpiexec -n {n}", [find_mpiexec(), "-n", str(n), py, *common], run / "allreduce.log",
-                       show=progress)
+    on_gpu = {r: ["--device", d] if d != "cpu" else [] for r, d in devices.items()}
+    if backend == "mpi":
+        mpiexec = find_mpiexec()
+        env, said = mpi_environment(mpiexec)
+        if said:
+            log.info("%s", said)
+        if hosts is not None or any(on_gpu.values()):  # mpiexec's MPMD form: rank r on host w<r>, GPU of its own
+            argv = [mpiexec, *(MPI_ON_HOSTS if hosts else ())]
+            for r in range(n):
+                argv += [":"] * (r > 0) + ["-n", "1", *(hosts.prefix(f"w{r}") if hosts else []), py, *common,
+                                           *on_gpu[r]]
+        else:
+            argv = [mpiexec, "-n", str(n), py, *common]
+        children.start(f"mpiexec -n {n}" + " on emulated hosts" * (hosts is not None), argv, run / "allreduce.log",
+                       show=progress, env=env)
     elif backend == "nccl":
-        rendezvous = run / "nccl-id.json"
+        (rendezvous,) = _handoff_files(run, job, "allreduce", Layout())
         rendezvous.unlink(missing_ok=True)
         for r in range(n):
-            extra = ["--rank", str(r), "--device", f"cuda:{r}", "--rendezvous", f"file:{rendezvous}"]
+            extra = ["--rank", str(r), *on_gpu[r], "--rendezvous", f"file:{rendezvous}"]
             if r:
                 extra += ["--no-progress"]
             children.start(f"rank {r}", [py, *common, *extra], run / f"rank-{r}.log", show=progress and r == 0)
@@ -157,13 +187,14 @@ def _evaluate(job: JobConfig, weights: dict) -> tuple[float, float]:
 
 def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
                log_flags: list[str], monitor: Callable[[list[str], threading.Event], None] | None,
-               children: Children, save: str | None, layout: Layout, hosts: Hosts | None) -> LaunchResult:
+               children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
+               devices: dict[int, str]) -> LaunchResult:
     c = job.cluster
     job_path = run / "job.toml"
     py = sys.executable
     start = time.perf_counter()
     mine = layout.shards_here(c.shards)
-    port_files = {k: run / f"shard-{k}.addr" for k in mine}
+    port_files = dict(zip(mine, _handoff_files(run, job, "ps", layout)))
     for path in port_files.values():
         path.unlink(missing_ok=True)
     servers = []
@@ -190,6 +221,7 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
         on = hosts.prefix(f"w{r}") if hosts else []
         argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
                 "--metrics", str(run / f"worker-{r}.jsonl"), *worker_args]
+        argv += ["--device", devices[r]] if devices[r] != "cpu" else []
         argv += ["-q"] if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show))
     stop = threading.Event()

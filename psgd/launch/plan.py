@@ -4,17 +4,23 @@
 the same addresses, so one command per machine needs no other coordination);
 :class:`Hosts` puts each process on an emulated host of this machine;
 :func:`thread_budget` divides the machine's cores among the processes it starts
-(see :mod:`psgd.threads`); :func:`find_mpiexec` finds the ``mpiexec`` that
-all-reduce mode over MPI starts its ranks with.
+(see :mod:`psgd.threads`); :func:`place_on_gpus` puts each worker (or rank)
+of this node on a GPU of its own, as torchrun does with local ranks;
+:func:`find_mpiexec` finds the ``mpiexec`` that all-reduce mode over MPI starts
+its ranks with, and :func:`mpi_environment` what it needs from a launcher run
+as root.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from psgd import threads
 from psgd.config import JobConfig
@@ -102,6 +108,50 @@ def find_mpiexec() -> str:
         raise BackendUnavailable("the mpi backend needs an MPI launcher (mpiexec): install one with "
                                  "`pip install 'psgd[mpi]'` (mpi4py with MPICH)")
     return found
+
+
+#: what Open MPI's mpiexec asks of a user who runs it as root (it refuses otherwise; MPICH's does not ask)
+OPEN_MPI_AS_ROOT = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+
+def mpi_environment(mpiexec: str) -> tuple[dict[str, str], str]:
+    """What the ranks' ``mpiexec`` needs in its environment from this launcher, and the one line that says so
+    (empty when nothing): run as root with Open MPI's mpiexec, the two variables of :data:`OPEN_MPI_AS_ROOT`,
+    unless the user set them."""
+    if os.geteuid() != 0 or all(os.environ.get(v) for v in OPEN_MPI_AS_ROOT):
+        return {}, ""
+    try:
+        said = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}, ""  # starting the ranks says what is wrong with it
+    text = (said.stdout + said.stderr).lower()
+    if not any(name in text for name in ("open mpi", "openrte", "open-mpi.org")):  # 5.x, 4.x; both link their site
+        return {}, ""
+    return {v: "1" for v in OPEN_MPI_AS_ROOT}, (
+        f"running as root with Open MPI's mpiexec ({mpiexec}), which refuses root unless told: set "
+        f"{'=1 and '.join(OPEN_MPI_AS_ROOT)}=1 for its ranks")
+
+
+def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tuple[dict[int, str], str]:
+    """Where each of this node's workers (or all-reduce ranks) computes, and the one line that says so.
+
+    As torchrun places local ranks: with ``device`` ``cuda`` the i-th of ``ranks`` runs on GPU i mod G, G the
+    GPUs visible (CUDA_VISIBLE_DEVICES included); ``cuda:0,2`` names the GPUs to go round; ``cuda:N`` puts
+    every one on GPU N; ``cpu`` keeps them all on the CPU (and says nothing).  Shards never take a GPU."""
+    from psgd import xp as backend
+
+    if not ranks:
+        return {}, ""
+    try:
+        gpus = backend.gpu_indices(device)
+    except backend.DeviceError as exc:
+        raise LaunchError(f"--device {device}: {exc}") from None
+    if not gpus:
+        return {r: "cpu" for r in ranks}, ""
+    placed = {r: f"cuda:{gpus[i % len(gpus)]}" for i, r in enumerate(ranks)}
+    shared = f"; {len(ranks)} {what}s share {len(gpus)} GPU(s)" if len(ranks) > len(gpus) else ""
+    return placed, (f"{what}s on GPUs: " + ", ".join(f"{r} on {d}" for r, d in placed.items())
+                    + f" ({backend.cuda_device_count()} visible{shared}; shards on the CPU)")
 
 
 def thread_budget(job: JobConfig, processes: int) -> tuple[int, str]:

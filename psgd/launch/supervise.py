@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,12 @@ def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
 class Child:
     """One started process, its log file, and how to report and signal it."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, show: bool):
+    def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {}):
         self.name, self.log_path = name, log_path
         self.log_file = open(log_path, "w")
         stderr = None if show else self.log_file
         self.popen = subprocess.Popen(argv, stdout=self.log_file, stderr=stderr, stdin=subprocess.DEVNULL,
-                                      env=child_environment(), start_new_session=True,
+                                      env={**child_environment(), **env}, start_new_session=True,
                                       preexec_fn=_die_with_parent(os.getpid()))
 
     def failed(self) -> str:
@@ -101,9 +101,11 @@ class Children:
         self.procs: list[Child] = []
         self.received: int | None = None
 
-    def start(self, name: str, argv: list[str], log_path: Path, show: bool = False) -> Child:
+    def start(self, name: str, argv: list[str], log_path: Path, show: bool = False,
+              env: Mapping[str, str] = {}) -> Child:
+        """Start ``argv`` as child ``name`` (``env``: variables on top of :func:`child_environment`)."""
         self.check_signal()
-        proc = Child(name, argv, log_path, show)
+        proc = Child(name, argv, log_path, show, env)
         self.procs.append(proc)
         return proc
 

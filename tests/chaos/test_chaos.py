@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import make_job, run_threads, shards
+from helpers import make_job, run_threads, shards, wait_for
 from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
                                          check_no_loss, check_restore)
 from psgd.bench.chaos.plan import Planner
@@ -98,9 +98,7 @@ def _checkpoints(folder, versions, keep=10):
     for v in versions:
         checkpoint.save(shard, v, {"weights": np.full(4, float(v), np.float32)},
                         {"fingerprint": "0123456789abcdef", "shard": 0}, keep=keep)
-    port = folder / "shard0.addr"
-    port.write_text("127.0.0.1:23456\n")
-    return shard, [port]
+    return shard, [folder / "shard0.addr"]  # a stopped shard has removed its port file
 
 
 def test_a_clean_folder_passes_and_every_leak_is_detected(tmp_path):
@@ -128,9 +126,9 @@ def test_too_many_or_damaged_checkpoints_and_a_missing_last_one_are_detected(tmp
     assert "ckpt-5.npz has no manifest" in text
     assert "ckpt-2 is damaged" in text and "checksum" in text
     assert "shard 0 stopped at version 4 but its newest checkpoint is ckpt-3" in text
-    (tmp_path / "shard0.addr").write_text("garbage")
-    assert any("port file shard0.addr holds 'garbage'" in p
-               for p in check_files(tmp_path, tmp_path / "ckpt", 1, 3, ports))
+    (tmp_path / "shard0.addr").write_text("127.0.0.1:23456\n")
+    assert "port file shard0.addr left behind by a shard that stopped" in \
+        check_files(tmp_path, tmp_path / "ckpt", 1, 3, ports)
 
 
 def test_the_plan_is_replayed_from_its_seed_and_covers_every_kind():
@@ -256,7 +254,8 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
             shard.send_signal(signal.SIGSTOP)
             time.sleep(2.5)  # the pause, longer than the 1 s lease, is the fault
             shard.send_signal(signal.SIGCONT)
-            time.sleep(2.0)  # long enough for the shard to notice, and (today) to stop
+            wait_for(lambda: shard.poll() is not None or _holds_live_lease(client), 30,
+                     "the resumed shard to renew its worker's lease (or to exit)")
             code = shard.poll()
         if code is not None:
             said = [line for line in shard.stderr.read().splitlines() if "lease" in line or "stopping" in line]
@@ -265,6 +264,17 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     finally:
         shard.kill()
         shard.wait(10)
+
+
+def _holds_live_lease(client: PSClient) -> bool:
+    """The shard has seen its worker since it resumed: live, with a lease that ends in the future (renewed by
+    a heartbeat, or given anew when the worker registered again after the shard dropped it).  From then on
+    the worker is not finished, so a shard that has not exited by now keeps serving."""
+    try:
+        (reply,) = client.status()
+    except PSError:
+        return False  # the shard exited meanwhile: the caller sees it
+    return all(w.state == "live" and w.lease_left_seconds > 0 for w in reply.workers)
 
 
 def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
@@ -291,7 +301,7 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
             try:
                 for line in worker.stderr:
                     if " done: " in line:
-                        time.sleep(delay)  # into its teardown: "at any point" includes this one
+                        time.sleep(delay)  # the fault: a SIGTERM this far into its teardown ("at any point" includes this one)
                         worker.send_signal(signal.SIGTERM)
                         break
                 worker.stderr.read()

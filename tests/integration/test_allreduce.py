@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import make_job, run_threads, shards
+from helpers import make_job, run_threads, shards, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.job import build_job
@@ -23,8 +24,10 @@ from psgd.train import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 
-pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
-from psgd.launch import find_mpiexec  # noqa: E402
+from psgd.launch import find_mpiexec
+
+pytestmark = pytest.mark.lacks(importlib.util.find_spec("mpi4py") is None,
+                               reason="the mpi extra is not installed (pip install '.[mpi]')")
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -128,10 +131,8 @@ def test_a_dead_rank_stops_the_job_with_a_message(tmp_path):
                             stdout=open(out, "w"), stderr=subprocess.PIPE, text=True)
     try:
         metrics = tmp_path / "allreduce.jsonl"
-        deadline = time.monotonic() + 60
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)  # polling with a deadline
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) > 20, 60,
+                 "the job to start")
         victims = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_rank(int(p), tmp_path)]
         assert len(victims) == 2
         os.kill(max(victims), signal.SIGKILL)

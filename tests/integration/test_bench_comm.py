@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -42,8 +43,8 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
 
 
 @pytest.mark.slow
+@pytest.mark.lacks(importlib.util.find_spec("mpi4py") is None, reason="the sweep's all-reduce needs the mpi extra")
 def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
-    pytest.importorskip("mpi4py", reason="the sweep's all-reduce needs the mpi extra")
     out = tmp_path / "comm.json"
     done = bench("--parts", "headline,sweep,latency,optimizer", "--sizes-mb", "0.1", "--focus-mb", "0.2",
                  "--rounds", "2", "--steps", "2", "--json", str(out))

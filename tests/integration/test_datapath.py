@@ -44,7 +44,7 @@ from psgd.worker.client import PSClient, PSError
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 
-from helpers import make_job, run_threads, shards
+from helpers import make_job, run_threads, shards, wait_for
 
 pytestmark = [
     # an exception escaping a server thread (a connection ending without an answer) fails the test
@@ -134,14 +134,6 @@ def assert_closed(sock: socket.socket) -> None:
     except ConnectionResetError:
         return
     assert extra == b"", f"unexpected bytes after the last reply: {extra[:60]!r}"
-
-
-def wait_for(condition, what: str, timeout: float = IO) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def kill_data_connections(server: ShardServer) -> int:
@@ -895,7 +887,7 @@ def test_truncated_pushes_release_their_buffers(shard):
             assert_closed(sock)
     assert shard.state() == before
     pool = shard.server.data.receive_buffers
-    wait_for(lambda: len(pool._free) == pool._made, "every receive buffer back in the pool")
+    wait_for(lambda: len(pool._free) == pool._made, IO, "every receive buffer back in the pool")
 
 
 def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
@@ -911,8 +903,8 @@ def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
                 assert_closed(sock)
             assert time.monotonic() - started < 3.0
         pool = data.receive_buffers
-        wait_for(lambda: len(pool._free) == pool._made, "the stalled push's buffer back in the pool")
-        wait_for(lambda: not data._conns, "the connections to be forgotten")
+        wait_for(lambda: len(pool._free) == pool._made, IO, "the stalled push's buffer back in the pool")
+        wait_for(lambda: not data._conns, IO, "the connections to be forgotten")
     finally:
         data.stop()
     assert_serves(shard)
@@ -926,10 +918,10 @@ def test_connections_beyond_the_limit_are_closed_and_the_others_keep_working(hos
         for _ in range(10):  # peers that reset before their hello do not keep a slot
             with dial(data.port) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        wait_for(lambda: not data._conns, "the reset connections to be forgotten")
+        wait_for(lambda: not data._conns, IO, "the reset connections to be forgotten")
         for _ in range(3):
             socks.append(shard.hello(-1, port=data.port))
-        wait_for(lambda: len(data._conns) == 3, "three connections")
+        wait_for(lambda: len(data._conns) == 3, IO, "three connections")
         extra = [dial(data.port) for _ in range(3)]
         for sock in extra:  # the limit counts served connections: one more hello is refused, saying why
             send_hello(sock, shard.plan.hash, worker=-1)
@@ -943,7 +935,7 @@ def test_connections_beyond_the_limit_are_closed_and_the_others_keep_working(hos
             request(sock, protocol.OP_PULL)
             assert read_reply(sock, shard.core.nbytes).payload == shard.initial
         socks.pop().close()
-        wait_for(lambda: len(data._conns) == 2, "a connection to be freed")
+        wait_for(lambda: len(data._conns) == 2, IO, "a connection to be freed")
         socks.append(shard.hello(-1, port=data.port))  # there is room again
         request(socks[-1], protocol.OP_PULL)
         assert read_reply(socks[-1], shard.core.nbytes).payload == shard.initial

@@ -16,16 +16,15 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml  # the dev extra: it reads the compose file and the manifests
 
-yaml = pytest.importorskip("yaml", reason="PyYAML reads the compose file and the manifests (the dev extra)")
-
-from psgd.cli import main as psgd_main  # noqa: E402
-from psgd.cli import server as psgd_server  # noqa: E402
-from psgd.cli import worker as psgd_worker  # noqa: E402
-from psgd.cli.common import RANK_VARIABLES, job_from_args  # noqa: E402
-from psgd.config import JobConfig  # noqa: E402
-from psgd.export import job_plan  # noqa: E402
-from psgd.job import fingerprint, identity  # noqa: E402
+from psgd.cli import main as psgd_main
+from psgd.cli import server as psgd_server
+from psgd.cli import worker as psgd_worker
+from psgd.cli.common import RANK_VARIABLES, job_from_args
+from psgd.config import JobConfig
+from psgd.export import job_plan
+from psgd.job import fingerprint, identity
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -108,7 +108,7 @@ def test_export_with_a_token(tmp_path, capsys, monkeypatch):
         server.stop(grace=1.0)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+@pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_export_over_tls(tmp_path, capsys):
     def openssl(*args):
         subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)

@@ -132,7 +132,7 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
 
         def late(self, op, *args):
             if op == protocol.OP_HELLO:
-                time.sleep(1.0)  # a hello that leaves too late: the shard has already refused the connection
+                time.sleep(1.0)  # the fault: a hello that leaves too late; the shard has already refused the connection
             return send(self, op, *args)
 
         monkeypatch.setattr(DataConnection, "_send", late)
@@ -203,16 +203,18 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
 
 #: Held in a process of its own (so that its threads do not compete with the worker for this process's
 #: lock): IDLE connections that send nothing and GARBAGE ones that send 64 random bytes, each re-opened
-#: as soon as the shard closes it, until stdin closes or LIMIT seconds pass.  Prints its counts as JSON.
+#: as soon as the shard closes it, until stdin closes or LIMIT seconds pass.  Prints "flooding" once every
+#: connection has been opened and at least one re-opened, then, at the end, its counts as JSON.
 FLOOD = r"""
 import json, os, socket, sys, threading, time
 port, idle, garbage, limit = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 stop, lock = threading.Event(), threading.Lock()
 counts = {"connections": 0, "told_why": 0, "connect_errors": 0}
+opened = set()  # the holders that have had a connection
 def add(key):
     with lock:
         counts[key] += 1
-def hold(send):
+def hold(i, send):
     end = time.monotonic() + limit
     for _ in range(1_000_000):
         if stop.is_set() or time.monotonic() > end:
@@ -221,9 +223,11 @@ def hold(send):
             sock = socket.create_connection(("127.0.0.1", port), timeout=1)
         except OSError:
             add("connect_errors")
-            stop.wait(0.05)
+            stop.wait(0.05)  # a moment before connecting again
             continue
         add("connections")
+        with lock:
+            opened.add(i)
         with sock:
             got = b""
             try:
@@ -241,12 +245,19 @@ def hold(send):
                 pass
             if got[:4] == b"PSG1":
                 add("told_why")
-threads = [threading.Thread(target=hold, args=(i >= idle,), daemon=True) for i in range(idle + garbage)]
+threads = [threading.Thread(target=hold, args=(i, i >= idle), daemon=True) for i in range(idle + garbage)]
 for t in threads:
     t.start()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-print("started", flush=True)
-stop.wait(limit)
+end = time.monotonic() + limit
+while not stop.is_set() and time.monotonic() < end:
+    with lock:
+        full = len(opened) == idle + garbage and counts["connections"] > idle + garbage
+    if full:
+        print("flooding", flush=True)
+        break
+    stop.wait(0.01)  # polling with a deadline (the flood's limit)
+stop.wait(end - time.monotonic())
 stop.set()
 for t in threads:
     t.join(3)
@@ -272,8 +283,9 @@ def flood(port: int, idle: int, garbage: int, limit: float):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     counts: dict = {}
     try:
-        assert proc.stdout.readline().strip() == "started"
-        time.sleep(0.5)  # every connection opened (and the first ones already closed and re-opened)
+        # bounded by the flood's limit: every connection opened, and the first ones already closed and re-opened
+        first = proc.stdout.readline().strip()
+        assert first == "flooding", f"the flood never reached full strength: {first or 'no output'}"
         yield counts
     finally:
         proc.stdin.close()  # the flood ends

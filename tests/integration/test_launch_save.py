@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import free_port_pair
+
 PSGD = shutil.which("psgd") or "psgd"
 TANHNET = Path(__file__).resolve().parent.parent / "data" / "tanhnet.py"
 JOB = ["--epochs", "3", "--optimizer", "sgd", "--lr", "0.1"]
@@ -41,7 +43,7 @@ def has_mpiexec() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ps", pytest.param("allreduce", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("mode", ["ps", pytest.param("allreduce", marks=pytest.mark.lacks(
     not has_mpiexec(), reason="needs mpi4py and mpiexec (the mpi extra)"))])
 def test_launch_saves_weights_that_eval_scores_as_the_launch_did(tmp_path, mode):
     saved = tmp_path / "w.npz"
@@ -68,31 +70,12 @@ def test_a_model_in_the_current_folder_trains_everywhere(tmp_path):
     assert scored["test_accuracy"] == launched["test_accuracy"]
 
 
-def free_port_pair(hosts: list[str]) -> int:
-    """A port P such that P and P + 1 are free on every host (loopback addresses)."""
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(50):  # bounded
-        port = rng.randrange(20000, 60000, 2)
-        try:
-            for host in hosts:
-                for p in (port, port + 1):
-                    with socket.socket() as s:
-                        s.bind((host, p))
-        except OSError:
-            continue
-        return port
-    pytest.fail("no free port pair found")
-
-
 @pytest.mark.slow
 def test_one_launch_per_node_trains_what_one_machine_trains(tmp_path):
     """Two nodes on loopback addresses 127.0.0.1 and 127.0.0.2, one command each, as on two machines;
     sync training is deterministic, so the result is the one-node run's to the last digit."""
     hosts = ["127.0.0.1", "127.0.0.2"]
-    port = free_port_pair(hosts)
+    port = free_port_pair(hosts=tuple(hosts))
     job = [*JOB, "--shards", "2", "--workers", "2", "--no-progress", "--json"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     nodes = [subprocess.Popen([PSGD, "launch", "--nnodes", "2", "--node-rank", str(i), "--hosts", ",".join(hosts),

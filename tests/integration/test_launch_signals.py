@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import wait_for
+from helpers import free_port, wait_for
 from psgd.launch import GRACE
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc to list processes")
+pytestmark = pytest.mark.lacks(not Path("/proc/self/cmdline").exists(), reason="needs /proc to list processes")
 
 PSGD = shutil.which("psgd") or "psgd"
 SERVER = shutil.which("psgd-server") or "psgd-server"
@@ -112,12 +111,6 @@ def test_launch_under_timeout_leaves_nothing(tmp_path):
     assert processes_mentioning(str(run)) == []
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_worker_waiting_for_absent_shards_stops_at_once_on_sigterm(tmp_path):
     servers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     worker = subprocess.Popen([WORKER, "--rank", "0", "--servers", servers, "--no-progress"],
@@ -202,7 +195,7 @@ def test_launch_divides_the_cores_and_says_so(tmp_path):
     assert "threads = 0" in (run / "job.toml").read_text()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.lacks(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_child_environment_puts_the_current_folder_first(tmp_path, monkeypatch):
     from psgd.launch import child_environment
 

@@ -5,7 +5,7 @@ The topology lives entirely inside namespaces the test creates (names carry this
 runs do not collide): a hub namespace holds a bridge, and each host namespace has one end of a veth pair
 (``eth0``, an address in 10.99.0.0/24) whose other end is on the bridge. Nothing on the machine's own
 interfaces or routes is touched, and no traffic leaves the namespaces. Where namespaces cannot be made (not
-root, no CAP_SYS_ADMIN, no ``ip``), the test is skipped with the reason.
+root, no CAP_SYS_ADMIN, no ``ip``), the test is skipped with the reason (failed under PSGD_REQUIRE_NET=1).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import wait_for
+from helpers import skip_or_fail, wait_for
 from psgd.bench.netns import IP, Namespaces, NetworkError, unavailable
 from psgd.config import JobConfig, to_toml
 
@@ -70,13 +70,13 @@ class Hosts(Namespaces):
 def hosts():
     why = unavailable()
     if why:
-        pytest.skip(f"cannot create network namespaces here: {why}")
+        skip_or_fail(f"cannot create network namespaces here: {why}")
     h = Hosts()
     try:
         try:
             h.build()
         except NetworkError as exc:  # e.g. a kernel without bridge or veth support
-            pytest.skip(f"cannot build the test network: {exc}")
+            skip_or_fail(f"cannot build the test network: {exc}")
         yield h
     finally:
         h.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import make_job, run_threads, shards
+from helpers import free_port, free_port_pair, make_job, run_threads, shards
 from psgd import xp as backend
 from psgd.cli.main import main
 from psgd.cli.probe import Connect
@@ -241,30 +241,13 @@ def test_status_command_line_with_a_job_file(tmp_path):
 
 
 # -- psgd doctor ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_pair() -> int:
-    """A port P with P and P + 1 free just now (psgd-server's default layout: gRPC on P, data on P + 1)."""
-    for _ in range(50):
-        port = free_port()
-        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", port))
-            b.bind(("127.0.0.1", port + 1))
-            return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 @contextlib.contextmanager
 def cli_layout_shards(job, transport: str = "auto"):
     """Every shard of ``job`` as psgd-server lays it out: gRPC on a port P, the data port on P + 1."""
     servers = []
     try:
         for k in range(job.cluster.shards):
-            port = port_pair()
+            port = free_port_pair()  # psgd-server's default layout: gRPC on P, data on P + 1
             servers.append(ShardServer(build_shard(job, k), f"127.0.0.1:{port}", transport=transport,
                                        data_port=port + 1).start())
         job.override("cluster.servers", [s.address for s in servers])
@@ -374,7 +357,7 @@ def openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+@pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_doctor_and_status_with_tls(tmp_path, capsys):
     from psgd.tls import TLSFiles
 

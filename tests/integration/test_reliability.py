@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import make_job, shards, wait_for
+from helpers import free_port_pair, make_job, shards, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
@@ -28,23 +27,6 @@ from psgd.link.tcp import DataConnection
 from psgd.worker.exchange import run_worker
 
 PY = sys.executable
-
-
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (gRPC and the data path)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair")
 
 
 # -- authentication ---------------------------------------------------------------------
@@ -106,7 +88,8 @@ class Cluster:
 
     def __init__(self, job, tmp: Path, checkpoint_every: float = 0.3):
         self.tmp, self.job = tmp, job
-        self.ports = [free_port_pair() for _ in range(job.cluster.shards)]
+        taken: set[int] = set()  # gRPC on p, the data path on p + 1; no two shards share one
+        self.ports = [free_port_pair(taken=taken) for _ in range(job.cluster.shards)]
         job.override("cluster.servers", [f"127.0.0.1:{p}" for p in self.ports])
         self.path = tmp / "job.toml"
         self.path.write_text(to_toml(job.to_dict()))

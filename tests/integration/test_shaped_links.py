@@ -2,7 +2,7 @@
 and nothing left behind, even when the work on the network fails or its process is killed.
 
 Namespaces are made by the tests themselves, named after this process; where they cannot be made (not
-root, no ip or tc), the tests that need them are skipped with the reason.
+root, no ip or tc), the tests that need them are skipped with the reason (failed under PSGD_REQUIRE_NET=1).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from helpers import skip_or_fail
 from psgd.bench import netns
 
 HOSTS = {"a": "10.99.5.1", "b": "10.99.5.2"}
@@ -22,11 +23,18 @@ def listed() -> str:
     return subprocess.run([netns.IP, "netns", "list"], capture_output=True, text=True, timeout=20).stdout
 
 
+def needs_mpi() -> None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        skip_or_fail("the mpi extra is not installed (pip install '.[mpi]')")
+
+
 @pytest.fixture(scope="module")
 def shaping():
     why = netns.unavailable(shaping=True)
     if why:
-        pytest.skip(f"cannot shape links here: {why}")
+        skip_or_fail(f"cannot shape links here: {why}")
 
 
 @pytest.mark.parametrize("text, bits", [("1gbit", 10**9), ("10gbit", 10**10), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
@@ -219,7 +227,7 @@ def test_allreduce_against_the_parameter_server_on_a_shaped_link(shaping, tmp_pa
     of its own, each figure beside its link bound (a 2-rank ring: the buffer once over each link)."""
     import json
 
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
+    needs_mpi()
     out = tmp_path / "allreduce.json"
     done = subprocess.run([sys.executable, "-m", "psgd.bench.allreduce", "--network", "1gbit", "--sizes-mb", "2",
                            "--ranks", "2", "--repeats", "2", "--json", str(out)],
@@ -253,7 +261,7 @@ def test_scaling_runs_its_launches_on_a_shaped_link(shaping, tmp_path):
     record says so), the one-process run on this machine, the link measured first and named in the notes."""
     import json
 
-    pytest.importorskip("mpi4py", reason="the mpi extra is not installed (pip install '.[mpi]')")
+    needs_mpi()
     out = tmp_path / "scaling.json"
     done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "scaling", "--network", "1gbit",
                            "--widths", "64", "--workers", "2", "--configs", "single,sync,allreduce", "--epochs", "1",

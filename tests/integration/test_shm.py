@@ -31,14 +31,14 @@ from psgd.server.datapath import DataServer
 from psgd.server.store import PARALLEL_BYTES
 from psgd.worker.client import PSClient
 
-from helpers import make_job, run_threads, shards
+from helpers import make_job, run_threads, shards, wait_for
 from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, OK, UNAUTHENTICATED, Shard, assert_closed,
-                           assert_serves, dial, expect, request, send_hello, valid_gradient, wait_for)
+                           assert_serves, dial, expect, request, send_hello, valid_gradient)
 from test_datapath import digits64, hostile  # noqa: F401  (fixtures: test_datapath's hostile-input shard)
 
 pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning"),
-              pytest.mark.skipif(not segment.host_id(), reason="this machine's /proc does not say who shares memory")]
+              pytest.mark.lacks(not segment.host_id(), reason="this machine's /proc does not say who shares memory")]
 
 PY = sys.executable
 
@@ -49,7 +49,7 @@ def shard(hostile):
     push segment (its connections have ended)."""
     yield hostile
     assert_serves(hostile)
-    wait_for(lambda: not pushes_mapped(hostile.core.fingerprint), "the push segments to be closed")
+    wait_for(lambda: not pushes_mapped(hostile.core.fingerprint), IO, "the push segments to be closed")
 
 
 def pushes_mapped(job: str) -> list[str]:
@@ -150,7 +150,7 @@ def test_a_pull_reads_the_shards_weights_and_holds_updates_back_until_released(s
         assert bytes(seg.data[:size]) == shard.initial
         assert shard.core.store._readers == 1  # a live read: an update would wait for the release
         request(sock, protocol.OP_RELEASE)
-        wait_for(lambda: shard.core.store._readers == 0, "the release")
+        wait_for(lambda: shard.core.store._readers == 0, IO, "the release")
 
 
 def test_a_push_segment_is_the_connections_and_goes_with_it(shard):
@@ -160,7 +160,7 @@ def test_a_push_segment_is_the_connections_and_goes_with_it(shard):
         seg.data[:g.nbytes] = g.tobytes()
         request(sock, protocol.OP_PUSH, size=g.nbytes)
         assert shm_reply(sock)[0] == OK
-    wait_for(lambda: not pushes_mapped(shard.core.fingerprint), "the shard to close the connection's segment")
+    wait_for(lambda: not pushes_mapped(shard.core.fingerprint), IO, "the shard to close the connection's segment")
 
 
 @pytest.mark.parametrize("after", [protocol.OP_PULL, protocol.OP_PUSH, 9])
@@ -171,7 +171,7 @@ def test_a_pull_from_shared_memory_must_be_released_before_anything_else(shard, 
         request(sock, after)
         expect(sock, INVALID, "must be answered with a release")
         assert_closed(sock)
-    wait_for(lambda: shard.core.store._readers == 0, "the live read to end with the connection")
+    wait_for(lambda: shard.core.store._readers == 0, IO, "the live read to end with the connection")
 
 
 def test_a_release_without_a_pull_is_refused(shard):
@@ -189,7 +189,7 @@ def test_a_pull_never_released_holds_updates_back_only_until_the_request_timeout
             assert shm_reply(sock)[0] == OK
             assert shard.core.store._readers == 1
             began = time.monotonic()
-            wait_for(lambda: shard.core.store._readers == 0, "the timeout to end the read", timeout=IO)
+            wait_for(lambda: shard.core.store._readers == 0, IO, "the timeout to end the read")
             assert 0.8 <= time.monotonic() - began <= IO
             assert_closed(sock)
     finally:
@@ -340,7 +340,7 @@ def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
         assert [r.outcome for r in replies] == ["duplicate"] and calls == ["applied", "duplicate"]
         np.testing.assert_array_equal(server.core.flat, before - 0.1 * 0.25)
         assert server.core.version == 1
-        wait_for(lambda: not pushes_mapped(server.core.fingerprint), "the push segments to be closed")
+        wait_for(lambda: not pushes_mapped(server.core.fingerprint), IO, "the push segments to be closed")
 
 
 # --- falling back to the data port ---------------------------------------------------------------------
@@ -426,12 +426,11 @@ def _server(job_path: Path, port_file: Path, log: Path, port: str = "127.0.0.1:0
 
 
 def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 60) -> str:
-    end = time.monotonic() + timeout
-    while not (path.exists() and path.read_text().strip()):
+    def written() -> str:
         assert proc.poll() is None, f"{what} exited early"
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return path.read_text().strip()
+        return path.exists() and path.read_text().strip()
+
+    return wait_for(written, timeout, what)
 
 
 def _worker(job_path: Path, address: str, metrics: Path, log: Path) -> subprocess.Popen:
@@ -441,11 +440,11 @@ def _worker(job_path: Path, address: str, metrics: Path, log: Path) -> subproces
 
 
 def _stepping(metrics: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
-    end = time.monotonic() + timeout
-    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+    def stepped() -> bool:
         assert proc.poll() is None, "the worker exited before its first step"
-        assert time.monotonic() < end, "timed out waiting for the worker's first step"
-        time.sleep(0.05)
+        return metrics.exists() and '"event": "step"' in metrics.read_text()
+
+    wait_for(stepped, timeout, "the worker's first step")
 
 
 @pytest.mark.parametrize("killed", ["shard", "worker"])
@@ -473,15 +472,15 @@ def test_no_segment_is_left_after_the_shard_or_the_worker_is_killed(tmp_path, ki
         if killed == "worker":
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(30)
-            wait_for(lambda: segment.mapped(shard.pid, fp) == [of(shard)[1]], "the shard to let go of the "
-                     "dead worker's push segment", timeout=30)
+            wait_for(lambda: segment.mapped(shard.pid, fp) == [of(shard)[1]], 30,
+                     "the shard to let go of the dead worker's push segment")
         else:
             os.killpg(shard.pid, signal.SIGKILL)
             shard.wait(30)
             again = _server(job_path, tmp_path / "port2", tmp_path / "shard2.log", port=address)
             _wait_file(tmp_path / "port2", again, "the restarted shard's port file")
-            wait_for(lambda: segment.mapped(worker.pid, fp) == of(again), "the worker to move to the restarted "
-                     "shard's segments and let go of the killed one's", timeout=60)
+            wait_for(lambda: segment.mapped(worker.pid, fp) == of(again), 60,
+                     "the worker to move to the restarted shard's segments and let go of the killed one's")
         assert not list(Path("/dev/shm").glob(f"*{fp}*"))
     finally:
         for proc in (worker, shard, again):

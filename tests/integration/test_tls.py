@@ -18,7 +18,7 @@ from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+pytestmark = pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
 
 
 def openssl(*args: str, cwd: Path) -> None:

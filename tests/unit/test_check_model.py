@@ -389,7 +389,7 @@ def test_finite_differences_fit_the_budget(tanhnet, monkeypatch):
 def test_one_coordinate_per_variable_when_a_step_is_slow(tanhnet):
     class Slow(tanhnet.TanhMLP):
         def loss_and_grads(self, params, x, y):
-            time.sleep(0.02)
+            time.sleep(0.02)  # the case under test: a model whose every step is slow
             return super().loss_and_grads(params, x, y)
 
     checks = check_model(Slow(SHAPE, CLASSES), SHAPE, CLASSES, "float32", budget=0.3)  # 8 steps fit, 24 do not

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 
+from helpers import skip_or_fail
 from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
@@ -119,9 +120,10 @@ def test_a_really_full_filesystem(tmp_path):
 
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        skip_or_fail(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     try:
         big = PartitionPlan([VarSpec("w", (6000,), "float64")], 1)  # 48 KB of weights
         core = ShardCore(big, 0, {0: np.zeros(6000)}, build_optimizer("sgd", lr=0.1),

@@ -18,7 +18,7 @@ import types
 import numpy as np
 import pytest
 
-from helpers import Mirror
+from helpers import Mirror, free_port
 
 from psgd import xp as backend
 from psgd.collective import nccl as nccl_backend
@@ -28,12 +28,6 @@ from psgd.collective.rendezvous import RendezvousError, exchange
 
 ID = list(range(-64, 64))  # the shape of an NCCL unique id: 128 signed chars
 NCCL_ID = bytes(range(100, 228))  # what CuPy 14's nccl.get_unique_id() returns: 128 bytes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(params=["file", "tcp"])
@@ -60,7 +54,7 @@ def run_ranks(calls, timeout: float = 10.0) -> list:
 
 def rank_call(spec, rank, world, timeout=5.0, ident=ID, delay=0.0):
     def call():
-        time.sleep(delay)
+        time.sleep(delay)  # the case under test: a rank that arrives late
         return exchange(spec, rank, world, lambda: list(ident), timeout)
     return call
 
