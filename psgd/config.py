@@ -66,6 +66,7 @@ class ClusterConfig:
     staleness: int = 2            # ssp: how many clocks a worker may run ahead of the slowest
     backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
     staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
+    async_lr: str = "divided"     # async, ssp: each push at lr / workers ("divided") or at lr ("full")
     shards: int = 2
     workers: int = 2
     servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
@@ -81,6 +82,9 @@ class ClusterConfig:
 
 #: what [cluster] transport may say (psgd.link: "auto" is the shared-memory link, which falls back to TCP)
 TRANSPORTS = ("auto", "shm", "tcp", "grpc")
+#: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
+#: round does) or "full" (lr, each push a whole step)
+ASYNC_LR = ("divided", "full")
 _CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
 _CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout", "hello_timeout")
 
@@ -214,6 +218,9 @@ class JobConfig:
         for key in ("staleness_lr", "overlap"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
+        if c.async_lr not in ASYNC_LR:
+            raise ConfigError(f"{src}: [cluster] async_lr must be \"divided\" (each async or ssp push at lr / "
+                              f"workers) or \"full\" (at lr), got {c.async_lr!r}")
         if c.transport not in TRANSPORTS:
             raise ConfigError(f"{src}: [cluster] transport must be \"auto\", \"shm\", \"tcp\" or \"grpc\", "
                               f"got {c.transport!r}")

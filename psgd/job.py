@@ -42,6 +42,8 @@ def identity(job: JobConfig, plan_hash: str) -> dict[str, Any]:
     """What every process of ``job`` must agree on (the shard index is checked apart)."""
     c = job.cluster
     options: dict[str, Any] = {"staleness_lr": c.staleness_lr}
+    if not POLICIES[c.policy].accumulates:  # each push an update of its own: at which rate is the job's meaning
+        options["async_lr"] = c.async_lr
     options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
             "shards": c.shards, "optimizer": dict(job.optimizer), "dtype": job.train.dtype}
@@ -59,6 +61,9 @@ def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], me: str = "s
     out = []
     for key in FIELDS:
         a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):  # only the entries that differ
+            keys = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+            a, b = ({k: v for k, v in d.items() if k in keys} for d in (a, b))
         if a != b:
             out.append(f"{key}: {me} {_show(a)}, {them} {_show(b)}")
     return out

@@ -82,7 +82,7 @@ class ShardCore:
         num_workers: int,
         lease_seconds: float = 10.0,
         join_timeout: float = 120.0,
-        staleness_lr: bool = False,
+        staleness_lr: bool = False, async_lr: str = "divided",
         allow_nonfinite: bool = False,
         apply_threads: int | None = None,
         identity: Mapping[str, Any] | None = None,
@@ -107,6 +107,8 @@ class ShardCore:
         self.num_workers = num_workers
         self.lease_seconds, self.join_timeout = lease_seconds, join_timeout
         self.staleness_lr, self.allow_nonfinite = staleness_lr, allow_nonfinite
+        # async, ssp: "divided" applies each push at lr / workers, so N pushes move as one sync round
+        self._push_scale = 1.0 / num_workers if async_lr == "divided" and not policy.accumulates else 1.0
         self._now = now
         self.version = 0
         start = now()
@@ -286,7 +288,7 @@ class ShardCore:
             outcome = OUTCOMES[action]
             if action == APPLY:
                 self._record_staleness(staleness)
-                scale = 1.0 / max(1, staleness) if self.staleness_lr else 1.0
+                scale = self._push_scale / max(1, staleness) if self.staleness_lr else self._push_scale
                 self._apply(grads, scale)
                 self.changed.notify_all()
             else:

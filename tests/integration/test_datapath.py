@@ -344,7 +344,7 @@ def _expected(servers, before: list[np.ndarray], grads: dict[str, np.ndarray]) -
         flat = flat.copy()
         for i, (a, b) in server.core.offsets.items():
             sl = server.core.slices[i]
-            flat[a:b] -= np.multiply(grads[sl.var].reshape(-1)[sl.start:sl.stop], LR)
+            flat[a:b] -= np.multiply(grads[sl.var].reshape(-1)[sl.start:sl.stop], LR / 4)  # async: lr / workers
         out.append(flat)
     return out
 

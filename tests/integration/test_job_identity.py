@@ -60,15 +60,18 @@ def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
 @pytest.mark.parametrize("change, field", [
     ("cluster.policy=async", "policy: shard 0 sync, worker 0 async"),
     ("cluster.workers=3", "workers: shard 0 2, worker 0 3"),
-    ("optimizer.lr=0.5", "optimizer: shard 0 {lr=0.05, name=momentum}, worker 0 {lr=0.5, name=momentum}"),
-    ("cluster.backup_workers=1", "policy_options: shard 0 {backup_workers=0, staleness_lr=False}, worker 0 "
-                                 "{backup_workers=1, staleness_lr=False}"),
+    ("optimizer.lr=0.5", "optimizer: shard 0 {lr=0.05}, worker 0 {lr=0.5}"),  # only what differs
+    ("cluster.backup_workers=1", "policy_options: shard 0 {backup_workers=0}, worker 0 {backup_workers=1}"),
+    ("cluster.policy=async cluster.async_lr=full", "policy_options: shard 0 {async_lr=divided}, worker 0 "
+                                                  "{async_lr=full}"),
 ])
 def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_field(change, field):
-    job = make_job("cluster.shards=1", "train.epochs=1")
+    """``change``: the worker's job differs in it; with two, the first is the shard's too."""
+    *both, change = change.split()
+    job = make_job("cluster.shards=1", "train.epochs=1", *both)
     servers = serve([build_shard(job, 0)])
     try:
-        other = make_job("cluster.shards=1", "train.epochs=1", change)
+        other = make_job("cluster.shards=1", "train.epochs=1", *both, change)
         began = time.monotonic()
         with pytest.raises(PSError, match="job differs from shard 0's") as err:
             run_worker(other, 0, [servers[0].address], progress=False)
@@ -78,6 +81,14 @@ def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_fiel
         assert servers[0].core.workers[0].state == "pending"
     finally:
         stop(servers)
+
+
+def test_the_rate_of_an_async_push_is_part_of_an_async_jobs_identity_only():
+    """Under sync a round is one update whatever async_lr says: a sync job's fingerprint (and so its
+    checkpoints) does not change with it; an async or ssp job's does."""
+    for policy, differs in (("sync", False), ("async", True), ("ssp", True)):
+        a, b = (make_job(f"cluster.policy={policy}", f"cluster.async_lr={rate}") for rate in ("divided", "full"))
+        assert (build_shard(a, 0).fingerprint != build_shard(b, 0).fingerprint) == differs, policy
 
 
 def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
@@ -100,8 +111,8 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
             info = ps_pb2.ErrorInfo()
             rpc_status.from_call(err.value).details[0].Unpack(info)
             assert list(info.differences) == ["policy: shard 0 sync, worker 0 ssp",
-                                              "policy_options: shard 0 {backup_workers=0, staleness_lr=False}, "
-                                              "worker 0 {staleness=2, staleness_lr=False}"]
+                                              "policy_options: shard 0 {backup_workers=0}, worker 0 {async_lr=divided, "
+                                                                          "staleness=2}"]
             request.job_json = ""
             with pytest.raises(grpc.RpcError) as err:
                 stub.Register(request, timeout=5)

@@ -269,9 +269,10 @@ def test_a_nan_written_into_the_segment_is_refused_and_the_connection_goes_on(sh
 def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
     """Async, 2 shards of a model cut in many slices (updated by several threads): one worker pushes a
     gradient of ones, again and again, while another pulls.  Every update moves every weight by the same
-    -lr, so every pull must find weights that moved by one and the same multiple of lr everywhere, and its
-    version must say how many."""
+    step (lr / 2: async applies each of 2 workers' pushes at lr / workers), so every pull must find weights
+    that moved by one and the same multiple of that step everywhere, and its version must say how many."""
     lr = 0.5
+    step = lr / 2
     job = make_job("model.name=mlp", "model.hidden=[32768]", "train.dtype=float64", "optimizer.name=sgd",
                    f"optimizer.lr={lr}", "cluster.policy=async", "cluster.workers=2", "cluster.shards=2",
                    "cluster.transport=shm")
@@ -304,7 +305,7 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
                         moved = np.concatenate([(host[sl.var].reshape(-1)[sl.start:sl.stop]
                                                  - initial[sl.var].reshape(-1)[sl.start:sl.stop])
                                                 for sl in plan.slices_for_shard(k)])
-                        np.testing.assert_allclose(moved, -lr * versions[k], rtol=0, atol=1e-9)
+                        np.testing.assert_allclose(moved, -step * versions[k], rtol=0, atol=1e-9)
                 return pushes
 
             assert run_threads([push, pull], timeout=120) == [pushes, pushes]

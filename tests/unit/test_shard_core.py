@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 
 import numpy as np
 import pytest
 
+from helpers import wait_for
 from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
@@ -218,7 +218,7 @@ def test_a_duplicate_push_changes_the_weights_once(policy, options):
         assert_weights(core, expect((0.5, g0), (0.5, g1)))
     else:
         assert first.outcome == "applied" and core.version == 1
-        assert_weights(core, expect((1.0, g0)))
+        assert_weights(core, expect((0.5, g0)))  # lr / 2 workers
 
 
 def test_backup_worker_push_is_late_and_dropped():
@@ -256,7 +256,7 @@ def test_async_applies_every_push_and_records_staleness():
     assert (r.outcome, r.version, r.staleness) == ("applied", 3, 1)
     r = push(core, 1, 5, g[3], base=3)  # clocks may skip ahead under async
     assert (r.outcome, r.version, r.staleness, r.next_clock) == ("applied", 4, 0, 6)
-    assert_weights(core, expect(*((1.0, x) for x in g)))
+    assert_weights(core, expect(*((0.5, x) for x in g)))  # each push at lr / 2 workers
     hist = core.status()["staleness_histogram"]
     assert len(hist) == STALENESS_BUCKETS
     assert hist[:3] == [2, 2, 0] and sum(hist) == 4
@@ -277,17 +277,38 @@ def test_staleness_lr_scales_the_step_by_one_over_staleness():
     core, _ = make_core("async", 2, staleness_lr=True)
     register_all(core)
     g0, g1, g2, g3 = grad(1), grad(2), grad(3), grad(4)
-    assert push(core, 0, 0, g0, base=0).staleness == 0  # scale 1 (staleness 0 counts as 1)
-    assert push(core, 1, 0, g1, base=0).staleness == 1  # scale 1
-    assert push(core, 0, 1, g2, base=0).staleness == 2  # scale 1/2
-    assert push(core, 1, 1, g3, base=0).staleness == 3  # scale 1/3
-    assert_weights(core, expect((1.0, g0), (1.0, g1), (0.5, g2), (1.0 / 3.0, g3)))
+    assert push(core, 0, 0, g0, base=0).staleness == 0  # scale 1/2 (staleness 0 counts as 1; lr / 2 workers)
+    assert push(core, 1, 0, g1, base=0).staleness == 1  # scale 1/2
+    assert push(core, 0, 1, g2, base=0).staleness == 2  # scale 1/4
+    assert push(core, 1, 1, g3, base=0).staleness == 3  # scale 1/6
+    assert_weights(core, expect((0.5, g0), (0.5, g1), (0.25, g2), (1.0 / 6.0, g3)))
 
-    plain, _ = make_core("async", 2)
+    plain, _ = make_core("async", 2, staleness_lr=True, async_lr="full")
     register_all(plain)
     for w, c, g in ((0, 0, g0), (1, 0, g1), (0, 1, g2), (1, 1, g3)):
         push(plain, w, c, g, base=0)
-    assert_weights(plain, expect((1.0, g0), (1.0, g1), (1.0, g2), (1.0, g3)))
+    assert_weights(plain, expect((1.0, g0), (1.0, g1), (0.5, g2), (1.0 / 3.0, g3)))
+
+
+@pytest.mark.parametrize("policy, options", [("async", {}), ("ssp", {"staleness": 1})])
+def test_async_lr_divided_applies_each_push_at_lr_over_workers_and_full_at_lr(policy, options):
+    g = [grad(k) for k in range(1, 5)]
+    for async_lr, scale in (("divided", 0.25), ("full", 1.0)):
+        core, _ = make_core(policy, 4, options=options, async_lr=async_lr)
+        register_all(core)
+        for w in range(4):
+            assert push(core, w, 0, g[w], base=0).outcome == "applied"
+        assert_weights(core, expect(*((scale, x) for x in g)))
+
+
+def test_async_lr_does_not_touch_sync_whose_round_is_already_an_average():
+    g0, g1 = grad(1), grad(2)
+    for async_lr in ("divided", "full"):
+        core, _ = make_core("sync", 2, async_lr=async_lr)
+        register_all(core)
+        push(core, 0, 0, g0, base=0)
+        push(core, 1, 0, g1, base=0)
+        assert_weights(core, expect((0.5, g0), (0.5, g1)))
 
 
 def test_ssp_pull_waits_only_beyond_the_staleness_bound():
@@ -634,10 +655,8 @@ def test_updates_wait_for_zero_copy_pulls_and_new_pulls_defer_to_them():
     live = core.pull(0, 0, timeout=1, copy=False)
     before = bytes(live.buffer)
     pushed = run_in_thread(push, core, 0, 0)
-    deadline = time.monotonic() + JOIN_WAIT
-    while core.store.writers_waiting != 1:  # the update is parked behind the send
-        assert time.monotonic() < deadline, "the push never waited for the zero-copy pull"
-        time.sleep(0.001)  # polling with a deadline
+    wait_for(lambda: core.store.writers_waiting == 1, JOIN_WAIT,  # the update is parked behind the send
+             "the push to wait for the zero-copy pull")
     assert bytes(live.buffer) == before and core.version == 0  # nothing changed under the sender
     err = error(core.pull, 0, 1, timeout=0.05)  # a new pull defers to the waiting update
     assert err.code == "DEADLINE_EXCEEDED" and "update" in err.message

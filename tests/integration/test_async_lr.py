@@ -1,0 +1,40 @@
+"""One meaning of the learning rate under every policy: the job that trains under sync trains under
+async and ssp too (digits, 4 workers, 2 shards, momentum at lr 0.1, as a user launches it).
+
+Under sync a round of N pushes is averaged into one update; under async and ssp each push is an
+update of its own, so by default each is applied at lr / N: without staleness, N pushes move the
+weights as one sync round does.  At the full rate per push (``async_lr = "full"``) the same job ended
+at 0.10 to 0.92 under async, as the staleness of the moment had it, and at 0.11 and 0.18 under ssp.  The
+rate itself is checked exactly in tests/unit/test_shard_core.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+PSGD = shutil.which("psgd") or "psgd"
+JOB = ["--workers", "4", "--shards", "2", "--optimizer", "momentum", "--lr", "0.1", "--epochs", "10"]
+
+
+def launch(tmp_path: Path, *args: str) -> dict:
+    run_dir = tmp_path / "-".join(a.lstrip("-") for a in args)
+    argv = [PSGD, "launch", *JOB, *args, "--no-progress", "--json", "--run-dir", str(run_dir)]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert done.returncode == 0, f"{' '.join(argv)}: exit {done.returncode}\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_async_and_ssp_train_at_the_settings_that_train_sync(tmp_path):
+    sync = launch(tmp_path, "--policy", "sync")["test_accuracy"]
+    assert sync > 0.9
+    for policy in (["--policy", "async"], ["--policy", "ssp", "--staleness", "2"]):
+        accuracy = launch(tmp_path, *policy)["test_accuracy"]
+        assert accuracy >= sync - 0.01, f"{' '.join(policy)}: {accuracy:.3f} against sync's {sync:.3f}"
+
