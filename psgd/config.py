@@ -67,6 +67,8 @@ class ClusterConfig:
     backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
     staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
     async_lr: str = "divided"     # async, ssp: each push at lr / workers ("divided") or at lr ("full")
+    dc_lambda: float = 0.0        # async, ssp: delay compensation (DC-ASGD) of strength lambda; 0: none
+    dc_adaptive: bool = False     # async, ssp: lambda / sqrt(mean square of the gradients), per weight
     shards: int = 2
     workers: int = 2
     servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
@@ -215,7 +217,11 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
-        for key in ("staleness_lr", "overlap"):
+        if isinstance(c.dc_lambda, bool) or not isinstance(c.dc_lambda, (int, float)) \
+                or not 0 <= c.dc_lambda < float("inf"):
+            raise ConfigError(f"{src}: [cluster] dc_lambda must be a number >= 0 (0: no delay compensation), "
+                              f"got {c.dc_lambda!r}")
+        for key in ("staleness_lr", "overlap", "dc_adaptive"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
         if c.async_lr not in ASYNC_LR:

@@ -38,5 +38,6 @@ def build_shard(job, shard: int) -> ShardCore:
         optim.build_optimizer(job.optimizer["name"], **job.options("optimizer")),
         policy.policy_from_cluster(c),
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
-        staleness_lr=c.staleness_lr, async_lr=c.async_lr, identity=identity(job, plan.hash),
+        identity=identity(job, plan.hash), async_lr=c.async_lr, staleness_lr=c.staleness_lr,
+        dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive,
     )

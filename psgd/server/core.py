@@ -24,6 +24,7 @@ import numpy as np
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import Optimizer
 from psgd.server import admission, checkpoint
+from psgd.server.remedies import PushRemedies
 from psgd.server.store import LiveRead, Snapshot, WeightStore
 from psgd.partition import PartitionPlan, Slice
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
@@ -82,11 +83,11 @@ class ShardCore:
         num_workers: int,
         lease_seconds: float = 10.0,
         join_timeout: float = 120.0,
-        staleness_lr: bool = False, async_lr: str = "divided",
         allow_nonfinite: bool = False,
         apply_threads: int | None = None,
         identity: Mapping[str, Any] | None = None,
         now: Callable[[], float] = time.monotonic,
+        **remedies: Any,  # async_lr, staleness_lr, dc_lambda, dc_adaptive: see psgd.server.remedies
     ):
         self.plan, self.shard = plan, shard
         # What every process of the job must agree on (psgd.job.identity); None: only the plan is compared.
@@ -104,11 +105,9 @@ class ShardCore:
         self.flat, self.weights, self.offsets, self.nbytes = (self.store.flat, self.store.weights,
                                                               self.store.offsets, self.store.nbytes)
         self.optimizer, self.policy = optimizer, policy
-        self.num_workers = num_workers
+        self.num_workers, self.allow_nonfinite = num_workers, allow_nonfinite
         self.lease_seconds, self.join_timeout = lease_seconds, join_timeout
-        self.staleness_lr, self.allow_nonfinite = staleness_lr, allow_nonfinite
-        # async, ssp: "divided" applies each push at lr / workers, so N pushes move as one sync round
-        self._push_scale = 1.0 / num_workers if async_lr == "divided" and not policy.accumulates else 1.0
+        self.remedies = PushRemedies(num_workers, policy.accumulates, self.flat, self.store.views, **remedies)
         self._now = now
         self.version = 0
         start = now()
@@ -245,6 +244,7 @@ class ShardCore:
                 self.changed.wait(min(left, 0.5))
             self.counters["pulls"] += 1
             self.counters["bytes_out"] += self.nbytes
+            self.remedies.pulled(worker, self.version)
             return self.store.snapshot(self.version) if copy else self.store.live(self.version)
 
     def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
@@ -288,8 +288,8 @@ class ShardCore:
             outcome = OUTCOMES[action]
             if action == APPLY:
                 self._record_staleness(staleness)
-                scale = self._push_scale / max(1, staleness) if self.staleness_lr else self._push_scale
-                self._apply(grads, scale)
+                grads = self.remedies.compensate(worker, base_version, grads, self.weights)
+                self._apply(grads, self.remedies.lr_scale(staleness))
                 self.changed.notify_all()
             else:
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1

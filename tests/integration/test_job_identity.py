@@ -64,6 +64,7 @@ def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
     ("cluster.backup_workers=1", "policy_options: shard 0 {backup_workers=0}, worker 0 {backup_workers=1}"),
     ("cluster.policy=async cluster.async_lr=full", "policy_options: shard 0 {async_lr=divided}, worker 0 "
                                                   "{async_lr=full}"),
+    ("cluster.policy=ssp cluster.dc_lambda=0.5", "policy_options: shard 0 {dc_lambda=0.0}, worker 0 {dc_lambda=0.5}"),
 ])
 def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_field(change, field):
     """``change``: the worker's job differs in it; with two, the first is the shard's too."""
@@ -112,6 +113,7 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
             rpc_status.from_call(err.value).details[0].Unpack(info)
             assert list(info.differences) == ["policy: shard 0 sync, worker 0 ssp",
                                               "policy_options: shard 0 {backup_workers=0}, worker 0 {async_lr=divided, "
+                                                                          "dc_adaptive=False, dc_lambda=0.0, "
                                                                           "staleness=2}"]
             request.job_json = ""
             with pytest.raises(grpc.RpcError) as err:

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from psgd.config import ConfigError, JobConfig, parse_value
@@ -98,3 +100,15 @@ def test_job_written_as_toml_reads_back_the_same(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     assert JobConfig.load(path).to_dict() == job.to_dict()
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("async_lr", '"half"', 'async_lr must be "divided" (each async or ssp push at lr / workers) or "full"'),
+    ("dc_lambda", "-0.5", "dc_lambda must be a number >= 0 (0: no delay compensation), got -0.5"),
+    ("dc_lambda", "inf", "dc_lambda must be a number >= 0"),
+    ("dc_lambda", "true", "dc_lambda must be a number >= 0"),
+    ("dc_adaptive", "1", "dc_adaptive must be true or false, got 1"),
+])
+def test_the_async_remedies_are_checked(key, value, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        JobConfig().apply_sets([f"cluster.{key}={value}"])

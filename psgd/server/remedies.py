@@ -1,0 +1,78 @@
+"""What a shard does to an async or ssp push before it applies it: the push's learning rate, and delay
+compensation.
+
+**The rate.** Under sync a round of N workers' gradients is averaged into one update; under async and ssp
+each push is an update of its own, so by default (``async_lr = "divided"``) each is applied at lr / N:
+without staleness, N pushes move the weights as one sync round does.  ``staleness_lr`` divides it again by
+the push's staleness (Zhang et al., "Staleness-aware async-SGD for distributed deep learning", IJCAI 2016).
+
+**Delay compensation** (DC-ASGD: Zheng et al., "Asynchronous Stochastic Gradient Descent with Delay
+Compensation", ICML 2017).  A worker's gradient g was computed on the weights it pulled, w_pulled; by the
+time it arrives, other pushes have moved the weights to w_now.  The first-order Taylor correction, with
+the Hessian approximated by λ·g⊙g, applies g + λ·g⊙g⊙(w_now − w_pulled) instead.  λ is constant
+(``dc_lambda``), or adaptive (``dc_adaptive``, the paper's DC-ASGD-a): λ / √MeanSquare per weight, with
+MeanSquare ← m·MeanSquare + (1 − m)·g⊙g (m = 0.95) over every applied gradient.  To know w_pulled the shard
+copies its weights for each worker at each of its pulls: N copies of the shard's weights in memory (one
+more for MeanSquare), and one more copy of the shard per pull.  A push whose worker has no copy of the
+version it names (its pull came before a restart, or went to another process) is applied uncompensated,
+and counted.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+#: DC-ASGD-a's decay of the mean square of the gradients (Zheng et al. 2017)
+MEAN_SQUARE_DECAY = 0.95
+#: added to √MeanSquare so that a weight whose gradients were all zero gets a finite λ
+EPSILON = 1e-7
+
+
+class PushRemedies:
+    """The rate and the compensation of a shard's pushes (sync pushes, averaged into a round, get neither)."""
+
+    def __init__(self, num_workers: int, accumulates: bool, flat: np.ndarray,
+                 views: Callable[[np.ndarray], dict[int, np.ndarray]], *, async_lr: str = "divided",
+                 staleness_lr: bool = False, dc_lambda: float = 0.0, dc_adaptive: bool = False):
+        self.scale = 1.0 / num_workers if async_lr == "divided" and not accumulates else 1.0
+        self.staleness_lr = staleness_lr
+        self.dc_lambda = 0.0 if accumulates else float(dc_lambda)
+        self._flat, self._views = flat, views
+        self._pulled: dict[int, tuple[int, np.ndarray, dict[int, np.ndarray]]] = {}  # worker -> version, copy
+        self._mean_square = np.zeros_like(flat) if self.dc_lambda and dc_adaptive else None
+        self._ms = views(self._mean_square) if self._mean_square is not None else {}
+        self.uncompensated = 0  # pushes applied without a copy of the weights their worker pulled
+
+    def lr_scale(self, staleness: int) -> float:
+        """The learning rate's factor for a push applied ``staleness`` updates late."""
+        return self.scale / max(1, staleness) if self.staleness_lr else self.scale
+
+    def pulled(self, worker: int | None, version: int) -> None:
+        """``worker`` (None: an observer) has just read the weights at ``version`` (under the shard's lock)."""
+        if not self.dc_lambda or worker is None:
+            return
+        held = self._pulled.get(worker)
+        copy = held[1] if held is not None else np.empty_like(self._flat)
+        np.copyto(copy, self._flat)
+        self._pulled[worker] = (version, copy, held[2] if held is not None else self._views(copy))
+
+    def compensate(self, worker: int, base_version: int, grads: Mapping[int, np.ndarray],
+                   weights: Mapping[int, np.ndarray]) -> Mapping[int, np.ndarray]:
+        """The gradients to apply in place of ``grads`` (new arrays: the pushed ones are left as they came)."""
+        if not self.dc_lambda:
+            return grads
+        if self._mean_square is not None:
+            for i, g in grads.items():
+                self._ms[i] *= MEAN_SQUARE_DECAY
+                self._ms[i] += (1.0 - MEAN_SQUARE_DECAY) * g * g
+        held = self._pulled.get(worker)
+        if held is None or held[0] != base_version:
+            self.uncompensated += 1
+            return grads
+        out = {}
+        for i, g in grads.items():
+            lam = self.dc_lambda if self._mean_square is None else self.dc_lambda / (np.sqrt(self._ms[i]) + EPSILON)
+            out[i] = g + lam * g * g * (weights[i] - held[2][i])
+        return out
