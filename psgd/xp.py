@@ -170,11 +170,9 @@ def gpu_indices(spec: str) -> list[int]:
         if device.group(1) == "cpu":
             get_device(text)  # 'cpu:1' says what is wrong with it
             return []
-    if _cupy is None:
-        check_cuda_available()  # raises, saying what is missing
     count = cuda_device_count()
     if count == 0:
-        check_cuda_available()
+        check_cuda_available()  # raises, saying what is missing: CuPy, the driver or a visible GPU
     if m:
         indices = [int(i) for i in m.group(1).split(",")]
         if len(set(indices)) != len(indices):

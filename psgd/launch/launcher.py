@@ -106,16 +106,26 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
-            for path in _handoff_files(run, job, mode, layout):  # a stopped shard removes its own; not a killed one
+            # the files through which the processes found each other mean nothing once the launch has ended
+            # (a stopped shard removes its own port file; a killed one cannot)
+            handoff = [run / NCCL_RENDEZVOUS] if mode == "allreduce" else \
+                [_port_file(run, k) for k in layout.shards_here(job.cluster.shards)]
+            for path in handoff:
                 path.unlink(missing_ok=True)
 
 
-def _handoff_files(run: Path, job: JobConfig, mode: str, layout: Layout) -> list[Path]:
-    """The files through which this launch's processes found each other: each shard's bound address
-    (``shard-K.addr``) and the NCCL ranks' rendezvous; they mean nothing once the launch has ended."""
-    if mode == "allreduce":
-        return [run / "nccl-id.json"]
-    return [run / f"shard-{k}.addr" for k in layout.shards_here(job.cluster.shards)]
+#: where the NCCL ranks of an all-reduce launch find rank 0's unique id, in the run folder
+NCCL_RENDEZVOUS = "nccl-id.json"
+
+
+def _port_file(run: Path, shard: int) -> Path:
+    """Where shard ``shard`` of this node writes the address it bound."""
+    return run / f"shard-{shard}.addr"
+
+
+def _device_flags(device: str) -> list[str]:
+    """What tells a worker (or rank) the device :func:`place_on_gpus` chose for it (the CPU: nothing)."""
+    return [] if device == "cpu" else ["--device", device]
 
 
 #: MPI settings for ranks on emulated hosts: they talk over their hosts' links (TCP on eth0), not through the
@@ -135,7 +145,7 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
               "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
     common += ["-q"] if progress else (log_flags + ["--no-progress"])
     start = time.perf_counter()
-    on_gpu = {r: ["--device", d] if d != "cpu" else [] for r, d in devices.items()}
+    on_gpu = {r: _device_flags(d) for r, d in devices.items()}
     if backend == "mpi":
         mpiexec = find_mpiexec()
         env, said = mpi_environment(mpiexec)
@@ -151,7 +161,7 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
         children.start(f"mpiexec -n {n}" + " on emulated hosts" * (hosts is not None), argv, run / "allreduce.log",
                        show=progress, env=env)
     elif backend == "nccl":
-        (rendezvous,) = _handoff_files(run, job, "allreduce", Layout())
+        rendezvous = run / NCCL_RENDEZVOUS
         rendezvous.unlink(missing_ok=True)
         for r in range(n):
             extra = ["--rank", str(r), *on_gpu[r], "--rendezvous", f"file:{rendezvous}"]
@@ -194,7 +204,7 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
     py = sys.executable
     start = time.perf_counter()
     mine = layout.shards_here(c.shards)
-    port_files = dict(zip(mine, _handoff_files(run, job, "ps", layout)))
+    port_files = {k: _port_file(run, k) for k in mine}
     for path in port_files.values():
         path.unlink(missing_ok=True)
     servers = []
@@ -221,7 +231,7 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
         on = hosts.prefix(f"w{r}") if hosts else []
         argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
                 "--metrics", str(run / f"worker-{r}.jsonl"), *worker_args]
-        argv += ["--device", devices[r]] if devices[r] != "cpu" else []
+        argv += _device_flags(devices[r])
         argv += ["-q"] if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show))
     stop = threading.Event()

@@ -53,10 +53,12 @@ class PushRemedies:
         """``worker`` (None: an observer) has just read the weights at ``version`` (under the shard's lock)."""
         if not self.dc_lambda or worker is None:
             return
-        held = self._pulled.get(worker)
-        copy = held[1] if held is not None else np.empty_like(self._flat)
+        if worker not in self._pulled:
+            copy = np.empty_like(self._flat)
+            self._pulled[worker] = (version, copy, self._views(copy))
+        _, copy, views = self._pulled[worker]
         np.copyto(copy, self._flat)
-        self._pulled[worker] = (version, copy, held[2] if held is not None else self._views(copy))
+        self._pulled[worker] = (version, copy, views)
 
     def compensate(self, worker: int, base_version: int, grads: Mapping[int, np.ndarray],
                    weights: Mapping[int, np.ndarray]) -> Mapping[int, np.ndarray]:
