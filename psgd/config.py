@@ -69,6 +69,7 @@ class ClusterConfig:
     async_lr: str = "divided"     # async, ssp: each push at lr / workers ("divided") or at lr ("full")
     dc_lambda: float = 0.0        # async, ssp: delay compensation (DC-ASGD) of strength lambda; 0: none
     dc_adaptive: bool = False     # async, ssp: lambda / sqrt(mean square of the gradients), per weight
+    implicit_momentum: bool = False  # async, ssp: lower the optimizer's momentum by asynchrony's (1 - 1/workers)
     shards: int = 2
     workers: int = 2
     servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
@@ -221,9 +222,12 @@ class JobConfig:
                 or not 0 <= c.dc_lambda < float("inf"):
             raise ConfigError(f"{src}: [cluster] dc_lambda must be a number >= 0 (0: no delay compensation), "
                               f"got {c.dc_lambda!r}")
-        for key in ("staleness_lr", "overlap", "dc_adaptive"):
+        for key in ("staleness_lr", "overlap", "dc_adaptive", "implicit_momentum"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
+        if c.implicit_momentum and self.optimizer.get("name") not in ("momentum", "nesterov"):
+            raise ConfigError(f"{src}: [cluster] implicit_momentum lowers a momentum optimizer's momentum; "
+                              f"[optimizer] name is {self.optimizer.get('name')!r} (use momentum or nesterov)")
         if c.async_lr not in ASYNC_LR:
             raise ConfigError(f"{src}: [cluster] async_lr must be \"divided\" (each async or ssp push at lr / "
                               f"workers) or \"full\" (at lr), got {c.async_lr!r}")

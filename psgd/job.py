@@ -43,7 +43,8 @@ def identity(job: JobConfig, plan_hash: str) -> dict[str, Any]:
     c = job.cluster
     options: dict[str, Any] = {"staleness_lr": c.staleness_lr}
     if not POLICIES[c.policy].accumulates:  # each push an update of its own: at which rate is the job's meaning
-        options.update(async_lr=c.async_lr, dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive)
+        options.update(async_lr=c.async_lr, dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive,
+                       implicit_momentum=c.implicit_momentum)
     options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
             "shards": c.shards, "optimizer": dict(job.optimizer), "dtype": job.train.dtype}

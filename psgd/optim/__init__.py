@@ -23,14 +23,15 @@ Where things live:
 
 - ``validation.py``: :class:`OptimizerError` and the checks of hyperparameter values;
 - ``schedules.py``: the learning-rate schedules and :func:`build_schedule`;
-- ``base.py``: :class:`Optimizer`, the per-key state, the checked update and checkpoints;
+- ``base.py``: :class:`Optimizer`, the per-key state, the checked update and checkpoints,
+  and :class:`Share`, the part of a round one update is;
 - ``rules.py``: the update rules, :class:`SGD`, :class:`Momentum`, :class:`Adam`, :class:`AdamW`;
 - ``registry.py``: the optimizers by name and :func:`build_optimizer`.
 
 This package only re-exports their public names.
 """
 
-from psgd.optim.base import Optimizer
+from psgd.optim.base import WHOLE, Optimizer, Share
 from psgd.optim.registry import DEFAULT_LR, OPTIMIZERS, build_optimizer
 from psgd.optim.rules import SGD, Adam, AdamW, Momentum
 from psgd.optim.schedules import (SCHEDULE_OPTIONS, SCHEDULES, Constant, Cosine, Schedule, StepDecay, Warmup,
@@ -46,6 +47,8 @@ __all__ = [
     "Warmup",
     "build_schedule",
     "Optimizer",
+    "Share",
+    "WHOLE",
     "SGD",
     "Momentum",
     "Adam",

@@ -8,6 +8,7 @@ rate from the schedule, and writes and restores the state (``state_dict``).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Mapping
 
@@ -18,6 +19,31 @@ from psgd.optim.schedules import Constant, Schedule
 from psgd.optim.validation import OptimizerError, non_negative, positive
 
 SEP = "::"  # state_dict names are "<key>::<field>"; keys may themselves contain "::"
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """How many updates make one round, so that N updates of a round's 1/N train as one round does.
+
+    Under sync a round's gradients are averaged into one update (``updates = 1``).  Under async and
+    ssp each of N workers' pushes is an update of its own: applied as one of ``updates = N``, the
+    optimizer's state follows the same accounting as the learning rate.  The schedule and Adam's
+    bias correction count rounds (``t / updates``), a momentum or moment decay ``d`` acts as
+    ``d ** fraction`` per update, and a steady gradient leaves the state that whole rounds of it leave.
+    ``implicit_momentum`` is the momentum the stream of updates already carries (asynchrony's, about
+    1 - 1/N: Mitliagkas et al. 2016); a momentum optimizer lowers its own per-update momentum by it.
+    """
+
+    updates: int = 1
+    implicit_momentum: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        """The part of a round one update is."""
+        return 1.0 / self.updates
+
+
+WHOLE = Share()  # one update is one round: sync rounds, all-reduce steps, a single process
 
 
 class _Slot:
@@ -58,11 +84,12 @@ class Optimizer:
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()  # guards the key table, not the per-key arithmetic
 
-    def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: int) -> None:
+    def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: float, share: Share) -> None:
         """Update ``param`` (and ``state``) in place.
 
         ``lr`` is this update's learning rate (schedule times ``lr_scale``) and
-        ``t`` this update's number counted from 1, as in Adam's bias correction.
+        ``t`` the rounds done once this update is applied (the update's number counted
+        from 1 when each update is a round, as in Adam's bias correction).
         """
         raise NotImplementedError
 
@@ -76,16 +103,22 @@ class Optimizer:
 
     # -- the update ----------------------------------------------------------
 
-    def update(self, key: str, param: Any, grad: Any, lr_scale: float = 1.0) -> None:
+    def update(self, key: str, param: Any, grad: Any, lr_scale: float = 1.0, share: Share = WHOLE) -> None:
         """Apply one update to ``param`` in place, with ``grad``, under ``key``.
 
-        The learning rate is ``schedule(t) * lr_scale``, ``t`` being the updates
-        already applied to ``key`` (``lr_scale`` carries e.g. 1/staleness).
+        The learning rate is ``schedule(t) * lr_scale``, ``t`` being the rounds
+        already applied to ``key`` (its updates over ``share.updates``;
+        ``lr_scale`` carries e.g. 1/workers or 1/staleness).
         """
         self._check(key, param, grad, lr_scale)
+        if share is not WHOLE and not (isinstance(share.updates, int) and share.updates >= 1
+                                       and 0 <= share.implicit_momentum < 1):
+            raise OptimizerError(f"{self.name}: key {key!r}: {share!r} must have a whole number of updates "
+                                 ">= 1 and 0 <= implicit_momentum < 1")
         slot = self._slot(key, param)
-        lr = self.schedule(slot.t) * lr_scale
-        self._step(param, grad, slot.state, lr, slot.t + 1)
+        per_round = share.updates
+        lr = self.schedule(slot.t if per_round == 1 else slot.t / per_round) * lr_scale
+        self._step(param, grad, slot.state, lr, slot.t + 1 if per_round == 1 else (slot.t + 1) / per_round, share)
         slot.t += 1
 
     def _check(self, key: str, param: Any, grad: Any, lr_scale: float) -> None:

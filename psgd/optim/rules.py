@@ -30,7 +30,7 @@ class SGD(Optimizer):
     def hyperparameters(self) -> dict[str, Any]:
         return {"weight_decay": self.weight_decay}
 
-    def _step(self, param, grad, state, lr, t):
+    def _step(self, param, grad, state, lr, t, share):
         xp = backend.get_array_module(param)
         if self.weight_decay:  # the lr * wd * p part of the update
             xp.multiply(param, 1.0 - lr * self.weight_decay, out=param)
@@ -42,6 +42,12 @@ class Momentum(Optimizer):
 
     ``v = mu * v + g``; ``p -= lr * v``, or with ``nesterov``
     ``p -= lr * (g + mu * v)``; L2 weight decay adds ``wd * p`` to ``g``.
+    An update that is one of ``n`` of a round (:class:`~psgd.optim.base.Share`)
+    decays ``v`` by ``mu' = mu ** (1/n)``, less the stream's implicit momentum
+    ``i`` (Mitliagkas et al. 2016) and not below 0, and adds ``g (1 - mu') / (1 - mu)``:
+    the ``v`` of a steady ``g`` is ``g / (1 - mu)`` as after whole rounds, so that
+    ``n`` updates at ``lr / n`` take a round's step, with ``mu' ** n`` of it carried
+    into the next round.
     Sutskever, Martens, Dahl & Hinton, "On the importance of initialization and
     momentum in deep learning", ICML 2013 (after Polyak 1964 and Nesterov 1983).
     The paper scales ``g`` by ``lr`` inside ``v``; for a constant ``lr`` the two
@@ -63,19 +69,30 @@ class Momentum(Optimizer):
     def hyperparameters(self) -> dict[str, Any]:
         return {"momentum": self.momentum, "weight_decay": self.weight_decay}
 
-    def _step(self, param, grad, state, lr, t):
+    def _step(self, param, grad, state, lr, t, share):
         xp = backend.get_array_module(param)
-        v, mu, wd = state["v"], self.momentum, self.weight_decay
+        v, mu, wd, s = state["v"], self.momentum, self.weight_decay, 1.0
+        lookahead = mu  # nesterov's look ahead: a round's momentum
+        if share.updates != 1 or share.implicit_momentum:
+            # a round's decay spread over its updates, less what the stream of updates carries by itself
+            applied = max(0.0, mu**share.fraction - share.implicit_momentum)
+            lookahead = applied**share.updates
+            s = (1.0 - applied) / (1.0 - mu)  # the gradient's weight: v of a steady g is g / (1 - mu), as in a round
+            mu = applied
         tmp = xp.empty_like(param)
         v *= mu
-        v += grad
-        if wd:  # L2: the gradient is g + wd * p
-            xp.multiply(param, wd, out=tmp)
+        if s == 1.0:
+            v += grad
+        else:
+            xp.multiply(grad, s, out=tmp)
             v += tmp
-        if self.nesterov:  # p -= lr * (g + wd * p + mu * v)
+        if wd:  # L2: the gradient is g + wd * p
+            xp.multiply(param, wd * s, out=tmp)
+            v += tmp
+        if self.nesterov:  # p -= lr * (g + wd * p + mu * v), mu being this update's momentum over a round
             if wd:
                 xp.multiply(param, 1.0 - lr * wd, out=param)
-            xp.multiply(v, mu, out=tmp)
+            xp.multiply(v, lookahead, out=tmp)
             tmp += grad
             tmp *= lr
         else:  # p -= lr * v
@@ -88,6 +105,9 @@ class Adam(Optimizer):
 
     ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
     ``p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)``.
+    An update that is one of ``n`` of a round (:class:`~psgd.optim.base.Share`)
+    uses ``b1 ** (1/n)`` and ``b2 ** (1/n)``, and ``t`` counts rounds, so
+    that the bias correction divides by exactly the weight the moments have gathered.
     Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015,
     arXiv:1412.6980 (Algorithm 1).
     """
@@ -113,9 +133,12 @@ class Adam(Optimizer):
     def hyperparameters(self) -> dict[str, Any]:
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay}
 
-    def _step(self, param, grad, state, lr, t):
+    def _step(self, param, grad, state, lr, t, share):
         xp = backend.get_array_module(param)
         m, v, b1, b2, wd = state["m"], state["v"], self.beta1, self.beta2, self.weight_decay
+        b1_t, b2_t = b1**t, b2**t  # bias corrections, from the round's decays
+        if share.updates != 1:
+            b1, b2 = b1**share.fraction, b2**share.fraction
         if wd and self.decoupled:  # AdamW: p -= lr * wd * p, on the weights before this step
             xp.multiply(param, 1.0 - lr * wd, out=param)
         if wd and not self.decoupled:  # L2: g + wd * p, in the one temporary
@@ -131,10 +154,10 @@ class Adam(Optimizer):
         v *= b2
         v += tmp
         xp.sqrt(v, out=tmp)  # sqrt(v_hat) + eps
-        tmp *= 1.0 / math.sqrt(1.0 - b2**t)
+        tmp *= 1.0 / math.sqrt(1.0 - b2_t)
         tmp += self.eps
         xp.divide(m, tmp, out=tmp)
-        tmp *= lr / (1.0 - b1**t)  # m_hat = m / (1 - b1^t)
+        tmp *= lr / (1.0 - b1_t)  # m_hat = m / (1 - b1^t)
         param -= tmp
 
 

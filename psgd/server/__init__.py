@@ -39,5 +39,5 @@ def build_shard(job, shard: int) -> ShardCore:
         policy.policy_from_cluster(c),
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
         identity=identity(job, plan.hash), async_lr=c.async_lr, staleness_lr=c.staleness_lr,
-        dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive,
+        dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive, implicit_momentum=c.implicit_momentum,
     )

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from psgd.job import fingerprint as job_fingerprint
-from psgd.optim import Optimizer
+from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission, checkpoint
 from psgd.server.remedies import PushRemedies
 from psgd.server.store import LiveRead, Snapshot, WeightStore
@@ -87,7 +87,7 @@ class ShardCore:
         apply_threads: int | None = None,
         identity: Mapping[str, Any] | None = None,
         now: Callable[[], float] = time.monotonic,
-        **remedies: Any,  # async_lr, staleness_lr, dc_lambda, dc_adaptive: see psgd.server.remedies
+        **remedies: Any,  # async_lr, staleness_lr, dc_lambda, dc_adaptive, implicit_momentum: psgd.server.remedies
     ):
         self.plan, self.shard = plan, shard
         # What every process of the job must agree on (psgd.job.identity); None: only the plan is compared.
@@ -150,9 +150,9 @@ class ShardCore:
     def _record_staleness(self, staleness: int) -> None:
         self.staleness_histogram[min(max(staleness, 0), STALENESS_BUCKETS - 1)] += 1
 
-    def _apply(self, grads: Mapping[int, np.ndarray], lr_scale: float) -> None:
+    def _apply(self, grads: Mapping[int, np.ndarray], lr_scale: float, share: Share = WHOLE) -> None:
         """Update the weights (under the lock), once no live read is sending from them."""
-        self.store.apply(self.optimizer, grads, lr_scale)
+        self.store.apply(self.optimizer, grads, lr_scale, share)
         self.version += 1
         self.counters["applied"] += 1
 
@@ -289,7 +289,7 @@ class ShardCore:
             if action == APPLY:
                 self._record_staleness(staleness)
                 grads = self.remedies.compensate(worker, base_version, grads, self.weights)
-                self._apply(grads, self.remedies.lr_scale(staleness))
+                self._apply(grads, self.remedies.lr_scale(staleness), self.remedies.share)
                 self.changed.notify_all()
             else:
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1

@@ -1,10 +1,17 @@
-"""What a shard does to an async or ssp push before it applies it: the push's learning rate, and delay
-compensation.
+"""What a shard does to an async or ssp push before it applies it: the push's learning rate and share of a
+round, the momentum it leaves to asynchrony, and delay compensation.
 
 **The rate.** Under sync a round of N workers' gradients is averaged into one update; under async and ssp
-each push is an update of its own, so by default (``async_lr = "divided"``) each is applied at lr / N:
-without staleness, N pushes move the weights as one sync round does.  ``staleness_lr`` divides it again by
-the push's staleness (Zhang et al., "Staleness-aware async-SGD for distributed deep learning", IJCAI 2016).
+each push is an update of its own, so by default (``async_lr = "divided"``) each is applied at lr / N and
+counts as 1/N of a round in the optimizer's state (:class:`psgd.optim.Share`: momentum decays by mu^(1/N)
+per push, Adam's moments likewise, the schedule counts rounds): without staleness, N pushes move the weights
+as one sync round does.  ``staleness_lr`` divides the rate again by the push's staleness (Zhang et al.,
+"Staleness-aware async-SGD for distributed deep learning", IJCAI 2016).
+
+**Implicit momentum** (Mitliagkas, Zhang, Hadjis & Ré, "Asynchrony begets momentum, with an application to
+deep learning", Allerton 2016).  N asynchronous workers act on the weights like momentum of about 1 − 1/N
+per update, on top of the optimizer's own.  ``implicit_momentum`` lowers a momentum optimizer's per-push
+momentum by that much (not below 0), so that the two together come to about the momentum the job asked for.
 
 **Delay compensation** (DC-ASGD: Zheng et al., "Asynchronous Stochastic Gradient Descent with Delay
 Compensation", ICML 2017).  A worker's gradient g was computed on the weights it pulled, w_pulled; by the
@@ -24,6 +31,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from psgd.optim import Share
+
 #: DC-ASGD-a's decay of the mean square of the gradients (Zheng et al. 2017)
 MEAN_SQUARE_DECAY = 0.95
 #: added to √MeanSquare so that a weight whose gradients were all zero gets a finite λ
@@ -35,8 +44,12 @@ class PushRemedies:
 
     def __init__(self, num_workers: int, accumulates: bool, flat: np.ndarray,
                  views: Callable[[np.ndarray], dict[int, np.ndarray]], *, async_lr: str = "divided",
-                 staleness_lr: bool = False, dc_lambda: float = 0.0, dc_adaptive: bool = False):
-        self.scale = 1.0 / num_workers if async_lr == "divided" and not accumulates else 1.0
+                 staleness_lr: bool = False, dc_lambda: float = 0.0, dc_adaptive: bool = False,
+                 implicit_momentum: bool = False):
+        per_round = num_workers if async_lr == "divided" and not accumulates else 1
+        self.scale = 1.0 / per_round
+        implicit = 1.0 - 1.0 / num_workers if implicit_momentum and not accumulates else 0.0
+        self.share = Share(per_round, implicit)  # how the optimizer counts a push
         self.staleness_lr = staleness_lr
         self.dc_lambda = 0.0 if accumulates else float(dc_lambda)
         self._flat, self._views = flat, views

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from psgd.optim import Optimizer
+from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
 
 #: A shard holding at least this many bytes checks and updates its slices on several threads
@@ -163,7 +163,8 @@ class WeightStore:
             self.changed.notify_all()
 
     # -- updates -----------------------------------------------------------------------------------
-    def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float) -> None:
+    def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
+              share: Share = WHOLE) -> None:
         """Update the weights with ``optimizer``, once no live read is sending from them."""
         if self._readers:
             self.writers_waiting += 1
@@ -171,7 +172,7 @@ class WeightStore:
                 self.changed.wait_for(lambda: self._readers == 0)
             finally:
                 self.writers_waiting -= 1
-        self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale=lr_scale),
+        self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
                  grads)
 
 

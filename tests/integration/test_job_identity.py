@@ -85,11 +85,12 @@ def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_fiel
 
 
 def test_the_rate_of_an_async_push_is_part_of_an_async_jobs_identity_only():
-    """Under sync a round is one update whatever async_lr says: a sync job's fingerprint (and so its
-    checkpoints) does not change with it; an async or ssp job's does."""
+    """Under sync a round is one update whatever async_lr and implicit_momentum say: a sync job's
+    fingerprint (and so its checkpoints) does not change with them; an async or ssp job's does."""
     for policy, differs in (("sync", False), ("async", True), ("ssp", True)):
-        a, b = (make_job(f"cluster.policy={policy}", f"cluster.async_lr={rate}") for rate in ("divided", "full"))
-        assert (build_shard(a, 0).fingerprint != build_shard(b, 0).fingerprint) == differs, policy
+        for key, values in (("async_lr", ("divided", "full")), ("implicit_momentum", ("false", "true"))):
+            a, b = (make_job(f"cluster.policy={policy}", f"cluster.{key}={value}") for value in values)
+            assert (build_shard(a, 0).fingerprint != build_shard(b, 0).fingerprint) == differs, (policy, key)
 
 
 def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
@@ -111,10 +112,11 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
             assert status.reason_of(err.value) == "JOB_MISMATCH"
             info = ps_pb2.ErrorInfo()
             rpc_status.from_call(err.value).details[0].Unpack(info)
+            # each difference is cut to 160 bytes, so that twelve of them fit in the trailer beside the message
             assert list(info.differences) == ["policy: shard 0 sync, worker 0 ssp",
                                               "policy_options: shard 0 {backup_workers=0}, worker 0 {async_lr=divided, "
                                                                           "dc_adaptive=False, dc_lambda=0.0, "
-                                                                          "staleness=2}"]
+                                                                          "implicit_momen ... (23 more characters)"]
             request.job_json = ""
             with pytest.raises(grpc.RpcError) as err:
                 stub.Register(request, timeout=5)

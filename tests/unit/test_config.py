@@ -108,7 +108,15 @@ def test_job_written_as_toml_reads_back_the_same(tmp_path):
     ("dc_lambda", "inf", "dc_lambda must be a number >= 0"),
     ("dc_lambda", "true", "dc_lambda must be a number >= 0"),
     ("dc_adaptive", "1", "dc_adaptive must be true or false, got 1"),
+    ("implicit_momentum", '"yes"', "implicit_momentum must be true or false, got 'yes'"),
 ])
 def test_the_async_remedies_are_checked(key, value, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         JobConfig().apply_sets([f"cluster.{key}={value}"])
+
+
+def test_implicit_momentum_needs_a_momentum_optimizer():
+    JobConfig().apply_sets(["cluster.implicit_momentum=true", 'optimizer.name="nesterov"'])
+    with pytest.raises(ConfigError, match=re.escape("implicit_momentum lowers a momentum optimizer's momentum; "
+                                                    "[optimizer] name is 'adam' (use momentum or nesterov)")):
+        JobConfig().apply_sets(["cluster.implicit_momentum=true", 'optimizer.name="adam"'])
