@@ -11,8 +11,8 @@ next batch (the only ``loss_and_grads`` of training), then the gradient handed o
 
 Everything else is written here once: the batches of this rank's data shard, when to evaluate
 (before a step, on the weights it computes with, and once after the last step where this process
-holds the final weights), the metrics lines, the progress bar or log lines, the injected straggler
-delay, the stop event and the result.
+holds the final weights), the divergence guard, the metrics lines, the progress bar or log lines,
+the injected straggler delay, the stop event and the result.
 
 The straggler delay (``--delay``, :mod:`psgd.delay`) means the same in every mode: after a
 step's exchange the process sleeps, and ``slowdown:K`` makes the whole step (weights in, gradient,
@@ -22,7 +22,9 @@ Metrics lines (``--metrics FILE``, one JSON object a line, with ``time``, ``role
 ``step`` after every step (``clock``: the step's index from 0, ``epoch``, ``loss``, ``wall``,
 ``delay``, and what the exchange adds, e.g. ``version`` and ``staleness``); ``eval`` after every
 evaluation (``step``: the steps done, ``epoch``, ``wall``, ``train_loss``, ``test_loss``,
-``test_accuracy``); ``done`` at the end (``steps``, ``clock``, ``seconds``, the exchange's summary).
+``test_accuracy``); ``diverged`` once, when the divergence guard (:mod:`psgd.divergence`) sees the run
+is not training (``by``, ``step``, ``epoch``, ``why``, ``advice``); ``done`` at the end (``steps``,
+``clock``, ``seconds``, the exchange's summary, ``diverged``: the same record or null).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import numpy as np
 from psgd import data as datasets
 from psgd import model as models
 from psgd import xp as backend
-from psgd.progress import MetricsLog, progress_bar
 from psgd.delay import NO_DELAY, Delay
+from psgd.divergence import DivergenceGuard, advice, chance
+from psgd.progress import MetricsLog, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,8 @@ class Exchange(abc.ABC):
     role: str = "local"
     #: who logs, in words: ``local``, ``worker 0``, ``rank 1``
     name: str = "local"
+    #: the mode, for the divergence guard's advice: ``local``, ``ps`` or ``allreduce``
+    mode: str = "local"
 
     def begin(self) -> int:
         """Join the job; returns the first step to compute (a parameter-server worker resumes)."""
@@ -136,6 +141,7 @@ class LoopResult:
     history: list[dict[str, Any]]          # the evaluation records
     params: dict[str, np.ndarray] | None   # host copies of the final weights, where this process holds them
     summary: dict[str, Any]                # the exchange's: push outcomes, seconds in the collective, ...
+    divergence: dict[str, Any] | None = None  # what the divergence guard saw first (psgd.divergence)
 
 
 def run_loop(
@@ -169,6 +175,12 @@ def run_loop(
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)
     history: list[dict[str, Any]] = []
+    guard = DivergenceGuard(exchange.name, chance(ds.y_test), ds.num_classes, advice(built.config, exchange.mode))
+
+    def judged(verdict) -> None:
+        if verdict is not None:
+            log.warning("%s", verdict.line())
+            metrics.write("diverged", **verdict.record())
     slow = delay.applies_to(rank)
     delay_rng = np.random.default_rng([t.seed, rank, 7])
     loss, acc, test_loss = float("nan"), float("nan"), float("nan")
@@ -190,6 +202,7 @@ def run_loop(
                  "train_loss": float(loss), "test_loss": test_loss, "test_accuracy": acc}
         history.append(point)
         metrics.write("eval", **point)
+        judged(guard.evaluation(done, done // spe, test_loss, acc))
         if not progress:  # no bar to show it: one line per evaluation, for logs
             log.info("%s: epoch %d/%d, step %d/%d: test accuracy %.4f, train loss %.4f",
                      exchange.name, done // spe, t.epochs, done, total, acc, loss)
@@ -218,12 +231,14 @@ def run_loop(
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]), **handing)
                 computed = time.perf_counter()
+                loss = float(loss)
+                judged(guard.step(step, epoch, loss))
                 out = exchange.exchange(step, grads)
                 pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
                 if pause:
                     time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
                 steps += 1
-                point = {"clock": step, "epoch": epoch, "loss": float(loss), **out.fields,
+                point = {"clock": step, "epoch": epoch, "loss": loss, **out.fields,
                          "wall": time.perf_counter() - start, "delay": pause}
                 if exchange.overlaps:  # what ran when, on the clock of "wall": psgd bench overlap draws it
                     point["spans"] = {name: [round(a - start, 5), round(b - start, 5)] for name, (a, b) in
@@ -246,8 +261,9 @@ def run_loop(
     seconds = time.perf_counter() - start
     if final is not None and final_evaluation and not interrupted:
         evaluation(final, step)
+    diverged = guard.verdict.record() if guard.verdict else None
     metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary,
-                  **({"test_loss": test_loss, "test_accuracy": acc} if history else {}))
+                  **({"test_loss": test_loss, "test_accuracy": acc} if history else {}), diverged=diverged)
     metrics.close()
     host = {name: backend.to_host(v) for name, v in final.items()} if final is not None else None
-    return LoopResult(rank, steps, step, seconds, float(loss), test_loss, acc, history, host, summary)
+    return LoopResult(rank, steps, step, seconds, float(loss), test_loss, acc, history, host, summary, diverged)

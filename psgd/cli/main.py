@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save", metavar="FILE.npz", help="save the final weights (plain .npz, no pickle)")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     train.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_divergence_argument(train)
     add_log_arguments(train)
     train.set_defaults(func=cmd_train)
 
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 29500)")
     launch.add_argument("--no-progress", action="store_true", help="hide worker 0's progress bar")
     launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_divergence_argument(launch)
     add_log_arguments(launch)
     launch.set_defaults(func=cmd_launch)
     _add_bench(sub)
@@ -258,15 +260,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "seconds": round(result.seconds, 3), "versions": result.versions,
                           "run_dir": result.run_dir, "mode": args.mode, "saved": result.saved,
                           "node_rank": layout.node_rank,
-                          "policy": c.policy if args.mode == "ps" else args.backend}))
+                          "policy": c.policy if args.mode == "ps" else args.backend,
+                          "diverged": result.divergence is not None, "divergence": result.divergence}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
         print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {how}, "
-              f"{result.seconds:.1f}s; logs in {result.run_dir}{saved})")
-    return 0
+              f"{result.seconds:.1f}s; logs in {result.run_dir}{saved}){diverged_words(result.divergence)}")
+    return divergence_status(args, result.divergence)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -280,13 +283,33 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.save:
         save_weights(args.save, result.params)
     summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
-               "steps": result.steps, "seconds": round(result.seconds, 3)}
+               "steps": result.steps, "seconds": round(result.seconds, 3),
+               "diverged": result.divergence is not None, "divergence": result.divergence}
     if args.json:
         print(json.dumps(summary))
     else:
         print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}, "
-              f"{result.steps} steps in {result.seconds:.1f}s)")
-    return 0
+              f"{result.steps} steps in {result.seconds:.1f}s){diverged_words(result.divergence)}")
+    return divergence_status(args, result.divergence)
+
+
+def add_divergence_argument(parser: argparse.ArgumentParser) -> None:
+    from psgd.divergence import EXIT_DIVERGED
+
+    parser.add_argument("--fail-on-divergence", action="store_true",
+                        help="exit with status %d if the run diverged: a loss not finite, the test loss above its "
+                             "first value, or the accuracy at chance, for several evaluations in a row (one "
+                             "WARNING line says so either way, and --json carries \"diverged\")" % EXIT_DIVERGED)
+
+
+def diverged_words(divergence: dict | None) -> str:
+    return f"; DIVERGED: {divergence['why']} (see the warning above)" if divergence else ""
+
+
+def divergence_status(args: argparse.Namespace, divergence: dict | None) -> int:
+    from psgd.divergence import EXIT_DIVERGED
+
+    return EXIT_DIVERGED if divergence and args.fail_on_divergence else 0
 
 
 def main(argv: list[str] | None = None) -> int:

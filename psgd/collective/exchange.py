@@ -35,7 +35,7 @@ class AllReduceExchange(Exchange):
         job, ds, model, device, t = built.config, built.dataset, built.model, built.device, built.config.train
         self.collective, self.device = collective, device
         rank, world = collective.rank, collective.world_size
-        self.role, self.name = f"allreduce:{rank}", f"rank {rank}"
+        self.role, self.name, self.mode = f"allreduce:{rank}", f"rank {rank}", "allreduce"
         if world != job.cluster.workers:
             raise CollectiveError(f"rank {rank}: the job file says workers = {job.cluster.workers} but "
                                   f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "

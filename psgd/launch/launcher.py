@@ -38,6 +38,7 @@ class LaunchResult:
     run_dir: str
     versions: list[int]
     saved: str | None = None
+    divergence: dict | None = None  # the first divergence a process of this node saw (psgd.divergence), if any
 
 
 def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
@@ -54,7 +55,8 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
     this machine (one node).
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
-    stopped first).
+    stopped first).  ``divergence`` in the result is the first divergence this node's workers (ranks)
+    reported, else the launcher's own verdict on the final weights (:mod:`psgd.divergence`).
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
@@ -93,14 +95,21 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     (run / "job.toml").write_text(to_toml(spec))
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
     children = Children()
+    began = time.time()  # metrics lines from before this launch (a reused run folder) are not this run's
     with children.forwarding_signals():
         stopping = signal.SIGTERM
         try:
             if mode == "allreduce":
-                return _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
-                                         children, save, hosts, devices)
-            return _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor, children,
-                              save, layout, hosts, devices)
+                result = _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
+                                           children, save, hosts, devices)
+                metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
+            else:
+                result = _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
+                                    children, save, layout, hosts, devices)
+                metrics = [run / f"worker-{r}.jsonl" for r in ranks]
+                shown = f"worker {ranks[0]}" if progress and ranks else None
+            result.divergence = _divergence(metrics, began, result.divergence, shown)
+            return result
         except LaunchInterrupted as exc:
             stopping = exc.signum
             raise
@@ -180,19 +189,58 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
     if not weights.exists():
         raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
     params = read_npz(weights)
-    loss, acc = _evaluate(job, params)
+    loss, acc, verdict = _evaluate(job, params, "allreduce")
     if save:
         save_weights(save, params)
-    return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save)
+    return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
 
 
-def _evaluate(job: JobConfig, weights: dict) -> tuple[float, float]:
-    from psgd.loop import evaluate
+def _evaluate(job: JobConfig, weights: dict, mode: str) -> tuple[float, float, dict | None]:
+    """The test loss and accuracy of the final weights, and the divergence guard's verdict on them alone."""
+    from psgd import data as datasets
+    from psgd.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
+    from psgd.loop import evaluate
 
     built = build_job(job)
     params = params_to_device(weights, built.device)
-    return evaluate(built.model, params, built.dataset.x_test, built.dataset.y_test, built.device)
+    ds, t = built.dataset, job.train
+    loss, acc = evaluate(built.model, params, ds.x_test, ds.y_test, built.device)
+    steps = datasets.steps_per_epoch(ds.n_train, job.cluster.workers, t.batch_size) * t.epochs
+    guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(job, mode))
+    verdict = guard.final(steps, t.epochs, loss, acc)
+    return loss, acc, verdict.record() if verdict else None
+
+
+def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str | None) -> dict | None:
+    """The first ``diverged`` line this launch's processes wrote, told again in a WARNING line unless it came
+    from the process ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
+    import json
+
+    from psgd.divergence import Divergence
+
+    seen = []
+    for path in metrics:
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a killed process
+            if isinstance(record, dict) and record.get("event") == "diverged" and record.get("time", 0) >= since:
+                seen.append(record)
+    if seen:
+        first = min(seen, key=lambda r: r["time"])
+        verdict = {k: first.get(k) for k in ("by", "step", "epoch", "why", "advice")}
+        if verdict["by"] != shown:
+            log.warning("%s", Divergence(**verdict).line())
+        return verdict
+    if own:
+        log.warning("%s", Divergence(**own).line())
+    return own
 
 
 def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
@@ -307,7 +355,7 @@ def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: fl
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
     pulled = pull_from_servers(job, addresses, token=os.environ.get("PSGD_TOKEN", ""))  # children have it too
     weights, versions = pulled.weights, pulled.versions
-    loss, acc = _evaluate(job, weights)
+    loss, acc, verdict = _evaluate(job, weights, "ps")
     if save:
         save_weights(save, weights)
-    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save)
+    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict)

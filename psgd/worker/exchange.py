@@ -36,7 +36,7 @@ class ParameterServerExchange(Exchange):
     def __init__(self, built: Job, client: PSClient, plan: PartitionPlan, rank: int,
                  stop: threading.Event | None = None):
         self.built, self.client, self.plan, self.rank, self.stop = built, client, plan, rank, stop
-        self.role, self.name = f"worker:{rank}", f"worker {rank}"
+        self.role, self.name, self.mode = f"worker:{rank}", f"worker {rank}", "ps"
         # Pulled weights land in, and gradients leave from, host buffers made once: pinned on a GPU,
         # so the copies to and from the device run by DMA at the bus's rate (psgd bench gpu).
         device = built.device

@@ -32,9 +32,12 @@ def launch(tmp_path: Path, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_async_and_ssp_train_at_the_settings_that_train_sync(tmp_path):
-    sync = launch(tmp_path, "--policy", "sync")["test_accuracy"]
-    assert sync > 0.9
+    result = launch(tmp_path, "--policy", "sync")
+    sync = result["test_accuracy"]
+    assert sync > 0.9 and not result["diverged"]
     for policy in (["--policy", "async"], ["--policy", "ssp", "--staleness", "2"]):
-        accuracy = launch(tmp_path, *policy)["test_accuracy"]
+        result = launch(tmp_path, *policy)
+        accuracy = result["test_accuracy"]
         assert accuracy >= sync - 0.01, f"{' '.join(policy)}: {accuracy:.3f} against sync's {sync:.3f}"
+        assert not result["diverged"], result["divergence"]  # the divergence guard stays silent
 
