@@ -65,6 +65,7 @@ class ClusterConfig:
     policy: str = "sync"          # a consistency policy: a name in psgd.policy.POLICIES
     staleness: int = 2            # ssp: how many clocks a worker may run ahead of the slowest
     backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
+    local_steps: int = 4          # local: steps a worker takes on its own copy between pull and push
     staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
     async_lr: str = "divided"     # async, ssp: each push at lr / workers ("divided") or at lr ("full")
     dc_lambda: float = 0.0        # async, ssp: delay compensation (DC-ASGD) of strength lambda; 0: none
@@ -88,7 +89,8 @@ TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
-_CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "shards": 1, "workers": 1, "slice_bytes": 64}
+_CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "local_steps": 1, "shards": 1, "workers": 1,
+                     "slice_bytes": 64}
 _CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout", "hello_timeout")
 
 
@@ -228,6 +230,12 @@ class JobConfig:
         if c.implicit_momentum and self.optimizer.get("name") not in ("momentum", "nesterov"):
             raise ConfigError(f"{src}: [cluster] implicit_momentum lowers a momentum optimizer's momentum; "
                               f"[optimizer] name is {self.optimizer.get('name')!r} (use momentum or nesterov)")
+        if POLICIES[c.policy].local:
+            pushing = [k for k in ("dc_lambda", "implicit_momentum", "overlap") if getattr(c, k)]
+            if pushing:
+                raise ConfigError(f"{src}: [cluster] {', '.join(pushing)} cannot go with policy {c.policy!r}: its "
+                                  "workers push their progress after local steps, not a gradient of the weights "
+                                  "they pulled")
         if c.async_lr not in ASYNC_LR:
             raise ConfigError(f"{src}: [cluster] async_lr must be \"divided\" (each async or ssp push at lr / "
                               f"workers) or \"full\" (at lr), got {c.async_lr!r}")

@@ -10,10 +10,13 @@ Contenders are named by short specs (the ``policies`` of a :class:`LabConfig`):
 - ``sync``         parameter server, bulk-synchronous rounds
 - ``async``        parameter server, every push applied on arrival
 - ``ssp:S``        parameter server, bounded staleness S
+- ``local:T``      parameter server, local SGD: T steps on a worker's own copy between pull and push
 - ``backup:B``     parameter server, sync with B backup workers (a round closes after N-B pushes)
 - ``allreduce``    no servers: N MPI ranks average their gradients every step
 
-A name of :data:`psgd.policy.POLICIES` whose options all have defaults is a spec of its own.
+A name of :data:`psgd.policy.POLICIES` whose options all have defaults is a spec of its own.  A
+parameter-server spec may go on with ``+`` modifiers (:data:`MODIFIERS`): ``async+dc``, ``ssp:2+slr``,
+``async+im+bf16``.
 
 Scenarios are delay specs for ``psgd-worker --delay`` (see
 :mod:`psgd.delay`), or ``none``.
@@ -33,7 +36,7 @@ from psgd.policy import POLICIES
 class Contender:
     """One way to train (a parameter-server policy or all-reduce): how it is launched and the job keys it sets."""
 
-    spec: str                   # as given: sync | async | ssp:S | backup:B | allreduce
+    spec: str                   # as given: sync | async | ssp:S | local:T | backup:B | allreduce, + modifiers
     label: str                  # for tables and legends
     mode: str                   # ps | allreduce
     sets: tuple[str, ...] = ()  # job overrides (cluster.policy=...)
@@ -64,36 +67,53 @@ def _plain_policies() -> list[str]:
 
 #: A network of the lab that is this machine's own loopback (no emulated hosts), beside shaped ones.
 LOOPBACK = "loopback"
-#: Gradient compression a parameter-server contender may add: ``async+bf16``.
-COMPRESSION = {"bf16": "bfloat16", "fp16": "float16"}
+#: What a parameter-server contender may add after a ``+``: gradient compression on the wire (``async+bf16``),
+#: and the remedies for staleness of async, ssp and local pushes (``async+dc``), with the strengths
+#: Zheng et al. 2017 used on CIFAR-10 for delay compensation (constant 0.04, adaptive 2).
+MODIFIERS = {
+    "bf16": ("bf16 gradients", ("cluster.wire_dtype=bfloat16",)),
+    "fp16": ("fp16 gradients", ("cluster.wire_dtype=float16",)),
+    "slr": ("lr / staleness", ("cluster.staleness_lr=true",)),
+    "dc": ("delay compensation 0.04", ("cluster.dc_lambda=0.04",)),
+    "dca": ("adaptive delay compensation 2", ("cluster.dc_lambda=2.0", "cluster.dc_adaptive=true")),
+    "im": ("implicit momentum", ("cluster.implicit_momentum=true",)),
+}
 
 
 def parse_contender(spec: str) -> Contender:
-    """A :class:`Contender` from ``sync``, ``async``, ``ssp:S``, ``backup:B`` or ``allreduce``; a
-    parameter-server one may end in ``+bf16`` or ``+fp16`` (gradients compressed on the wire)."""
+    """A :class:`Contender` from ``sync``, ``async``, ``ssp:S``, ``local:T``, ``backup:B`` or ``allreduce``; a
+    parameter-server one may go on with ``+`` and any of :data:`MODIFIERS` (``async+dc+bf16``)."""
     text = spec.strip()
-    base, plus, codec = text.partition("+")
-    if plus:
-        if codec not in COMPRESSION:
-            raise ConfigError(f"policy {spec!r}: +{codec} is no compression; use +{' or +'.join(COMPRESSION)}")
-        inner = parse_contender(base)
+    base, *added = text.split("+")
+    inner = _parse_base(base, spec)
+    for name in added:
+        if name not in MODIFIERS:
+            raise ConfigError(f"policy {spec!r}: +{name} is none of +{', +'.join(MODIFIERS)}")
         if inner.mode != "ps":
-            raise ConfigError(f"policy {spec!r}: gradient compression is for parameter-server policies")
-        return Contender(text, f"{inner.label}, {codec} gradients", "ps",
-                         (*inner.sets, f"cluster.wire_dtype={COMPRESSION[codec]}"))
+            raise ConfigError(f"policy {spec!r}: +{name} is for parameter-server policies")
+        words, sets = MODIFIERS[name]
+        inner = Contender(text, f"{inner.label}, {words}", "ps", (*inner.sets, *sets))
+    return inner
+
+
+def _parse_base(text: str, spec: str) -> Contender:
     kind, _, arg = text.partition(":")
     if text == "allreduce":
         return Contender(text, "allreduce (MPI)", "allreduce")
     if kind in _plain_policies() and not arg:
         return Contender(text, kind, "ps", (f"cluster.policy={kind}",))
-    if kind in ("ssp", "backup") and arg.isdigit():
+    if kind in ("ssp", "backup", "local") and arg.isdigit():
         if kind == "ssp":
             return Contender(text, f"ssp s={int(arg)}", "ps", ("cluster.policy=ssp", f"cluster.staleness={int(arg)}"))
+        if kind == "local":
+            return Contender(text, f"local SGD \u03c4={int(arg)}", "ps",
+                             ("cluster.policy=local", f"cluster.local_steps={int(arg)}"))
         if int(arg) < 1:
             raise ConfigError(f"policy {spec!r}: backup:B needs B >= 1 (plain sync is 'sync')")
         return Contender(text, f"sync +{int(arg)} backup", "ps",
                          ("cluster.policy=sync", f"cluster.backup_workers={int(arg)}"))
-    raise ConfigError(f"unknown policy {spec!r}: use {', '.join(_plain_policies())}, ssp:S, backup:B or allreduce")
+    raise ConfigError(f"unknown policy {spec!r}: use {', '.join(_plain_policies())}, ssp:S, local:T, backup:B or "
+                      "allreduce")
 
 
 def parse_scenario(text: str) -> Scenario:

@@ -331,9 +331,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_const", const="quick", dest="preset_quick",
                         help="same as --preset quick")
     parser.add_argument("--policies", metavar="LIST",
-                        help="comma-separated: sync, async, ssp:S, backup:B (sync with B backup workers), allreduce; "
-                             "a parameter-server policy may end in +bf16 or +fp16 (gradients compressed on the "
-                             "wire), e.g. async+bf16")
+                        help="comma-separated: sync, async, ssp:S, local:T (local SGD, T steps between pushes), "
+                             "backup:B (sync with B backup workers), allreduce; a parameter-server policy may go on with "
+                             "+bf16 or +fp16 (gradients compressed on the wire) and remedies for staleness: +slr "
+                             "(lr / staleness), +dc or +dca (delay compensation, constant or adaptive), +im "
+                             "(implicit momentum), e.g. async+dc,ssp:2+slr+bf16")
     parser.add_argument("--delays", metavar="LIST",
                         help="comma-separated scenarios: none, or a --delay spec of psgd-worker such as "
                              "slowdown:4@0, fixed:0.01@1, exp:0.005 (default: none,slowdown:4@0)")

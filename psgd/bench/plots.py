@@ -53,15 +53,19 @@ def _pyplot():
 
 
 def style(spec: str, order: Sequence[str] = ()) -> dict:
-    """Colour and line style of a contender (``async+bf16``: async's colour, dashed)."""
-    base, _, codec = spec.partition("+")
+    """Colour and line style of a contender: compression on the wire keeps its policy's colour, dashed
+    (``async+bf16``); a remedy makes a contender of its own colour (``async+dc``)."""
+    def key(text: str) -> str:
+        return "+".join(part for part in text.split("+") if part not in ("bf16", "fp16"))
+
+    base = key(spec)
     color = POLICY_COLORS.get(base)
     if color is None:
         free = [c for c in OKABE_ITO if c not in POLICY_COLORS.values()]
-        others = [s.partition("+")[0] for s in order if s.partition("+")[0] not in POLICY_COLORS]
+        others = list(dict.fromkeys(key(s) for s in order if key(s) not in POLICY_COLORS))
         index = others.index(base) if base in others else len(others)
         color = free[index % len(free)]
-    return {"color": color, "linestyle": "--" if codec else "-"}
+    return {"color": color, "linestyle": "--" if base != spec else "-"}
 
 
 def _band(runs: Sequence["RunResult"], x: str, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -1,7 +1,8 @@
 """Consistency policies: pure state machines that decide when pushes apply and pulls answer.
 
 ``make_policy("sync", 4, backup_workers=1)``, ``make_policy("async", 4)``,
-``make_policy("ssp", 4, staleness=2)``; ``policy_from_cluster(job.cluster)``
+``make_policy("ssp", 4, staleness=2)``, ``make_policy("local", 4, local_steps=8)``;
+``policy_from_cluster(job.cluster)``
 builds the one a job file names.  :data:`POLICIES` is the one registry: each
 class there says what it is (``name``, ``summary``, ``options``,
 ``accumulates``), and the job file, the command line and the benchmarks read
@@ -19,16 +20,17 @@ from psgd.policy.base import (
     ACCUMULATE, ACTIONS, APPLY, DUPLICATE, LATE, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy, PolicyError,
     PolicyOption, PushDecision,
 )
+from psgd.policy.local import LocalPolicy
 from psgd.policy.ssp import SSPPolicy
 from psgd.policy.sync import SyncPolicy
 
 __all__ = [
-    "Policy", "PolicyOption", "PushDecision", "PolicyError", "SyncPolicy", "AsyncPolicy", "SSPPolicy",
+    "Policy", "PolicyOption", "PushDecision", "PolicyError", "SyncPolicy", "AsyncPolicy", "SSPPolicy", "LocalPolicy",
     "POLICIES", "make_policy", "policy_from_cluster",
     "APPLY", "ACCUMULATE", "DUPLICATE", "LATE", "REJECT", "ACTIONS", "OUTCOMES", "OUTCOME_COUNTERS",
 ]
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (SyncPolicy, AsyncPolicy, SSPPolicy)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (SyncPolicy, AsyncPolicy, SSPPolicy, LocalPolicy)}
 
 
 def make_policy(name: str, num_workers: int, **options: Any) -> Policy:

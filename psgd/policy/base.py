@@ -14,8 +14,9 @@ that never register, finish (``done``) or let their lease run out.
 
 Each policy describes itself in class attributes: its ``name``, a one-line
 ``summary``, the ``options`` it takes (:class:`PolicyOption`: type, default,
-help and the ``[cluster]`` key of a job file it is read from) and whether it
-``accumulates`` a round's pushes into a sum before one update.
+help and the ``[cluster]`` key of a job file it is read from), whether it
+``accumulates`` a round's pushes into a sum before one update, and whether its
+workers train ``local``ly between pushes (a push is then a worker's progress).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Policy(ABC):
     summary: ClassVar[str] = ""                     # one line, in words
     options: ClassVar[tuple[PolicyOption, ...]] = ()
     accumulates: ClassVar[bool] = False             # the core sums a round's pushes before one update
+    local: ClassVar[bool] = False                   # workers take local steps and push their progress, not gradients
     _COUNTERS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_workers: int):

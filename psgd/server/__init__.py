@@ -33,10 +33,13 @@ def build_shard(job, shard: int) -> ShardCore:
     mine = plan.slices_for_shard(shard)
     init = model.init(job.train.seed, names=sorted({s.var for s in mine}))
     values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
+    rule = policy.policy_from_cluster(c)
+    # a local policy's push is a worker's progress, x_pulled - x: its workers run the job's optimizer, and the
+    # shard moves the centre by the progress (SGD at rate 1, times the push's lr scale)
+    optimizer = optim.SGD(1.0) if rule.local else optim.build_optimizer(job.optimizer["name"],
+                                                                         **job.options("optimizer"))
     return ShardCore(
-        plan, shard, values,
-        optim.build_optimizer(job.optimizer["name"], **job.options("optimizer")),
-        policy.policy_from_cluster(c),
+        plan, shard, values, optimizer, rule,
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
         identity=identity(job, plan.hash), async_lr=c.async_lr, staleness_lr=c.staleness_lr,
         dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive, implicit_momentum=c.implicit_momentum,

@@ -1,7 +1,9 @@
 """A parameter-server worker: the one loop (:mod:`psgd.loop`) with the shards as its exchange.
 
 Each step pulls the weights for the worker's clock from every shard, and pushes the gradient back;
-the shards apply it under the job's policy.  The worker joins at the clock the shards hold (a
+the shards apply it under the job's policy.  Under a local policy (``local``) the worker pulls every
+``local_steps`` steps, trains its own copy with the job's optimizer in between, and pushes its
+progress (the weights it pulled less its own) at the end of each period.  The worker joins at the clock the shards hold (a
 restarted worker continues where the job is), and when the shards say a clock is already past, it
 skips ahead to the smallest clock any shard expects next.
 """
@@ -24,7 +26,8 @@ from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
 from psgd.partition import PartitionPlan
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.job import Job, build_job
+from psgd.job import Job, build_job, build_optimizer
+from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,11 @@ class ParameterServerExchange(Exchange):
         self._copied: set[str] = set()
         self.total = 0
         self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
+        # a local policy: this worker's own copy of the weights and its optimizer, between pulls
+        c = built.config.cluster
+        self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
+        self.optimizer = build_optimizer(built.config) if self.local_steps else None
+        self.own: dict[str, Any] | None = None
 
     def _stopping(self, exc: PSError) -> None:
         """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
@@ -81,6 +89,8 @@ class ParameterServerExchange(Exchange):
         return clock
 
     def weights(self, step: int) -> Mapping[str, Any]:
+        if self.own is not None and step % self.local_steps:
+            return self.own  # a local step: on this worker's own copy
         began = time.perf_counter()
         try:
             if not self._prefetched(step):
@@ -91,6 +101,9 @@ class ParameterServerExchange(Exchange):
             raise
         self.pull_seconds = time.perf_counter() - began  # with overlap: the part of the pull not hidden
         device = self.built.device
+        if self.local_steps:  # the centre stays in the host buffers until the period's push
+            self.own = {k: device.asarray(v).copy() for k, v in self.host.items()}
+            return self.own
         return {k: device.asarray(v) for k, v in self.host.items()}
 
     def _prefetched(self, step: int) -> bool:
@@ -109,6 +122,13 @@ class ParameterServerExchange(Exchange):
         return True
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
+        if self.local_steps:
+            for name, grad in grads.items():
+                self.optimizer.update(name, self.own[name], grad)
+            if (step + 1) % self.local_steps and step + 1 < self.total:
+                return Exchanged(step + 1, {"version": max(self.versions)})
+            device = self.built.device
+            grads = {k: device.asarray(self.host[k]) - v for k, v in self.own.items()}  # the period's progress
         began = time.perf_counter()
         try:
             if self.overlaps:

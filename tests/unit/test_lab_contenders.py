@@ -20,8 +20,21 @@ def test_a_parameter_server_policy_may_compress_its_gradients():
     assert c.label == "ssp s=2, fp16 gradients"
 
 
+def test_remedies_and_local_sgd_are_contenders():
+    c = parse_contender("async+dc")
+    assert c.sets == ("cluster.policy=async", "cluster.dc_lambda=0.04") and c.label == "async, delay compensation 0.04"
+    assert parse_contender("ssp:2+slr+bf16").sets == ("cluster.policy=ssp", "cluster.staleness=2",
+                                                      "cluster.staleness_lr=true", "cluster.wire_dtype=bfloat16")
+    assert parse_contender("async+dca").sets[1:] == ("cluster.dc_lambda=2.0", "cluster.dc_adaptive=true")
+    assert parse_contender("async+im").sets[1:] == ("cluster.implicit_momentum=true",)
+    c = parse_contender("local:8")
+    assert (c.mode, c.sets) == ("ps", ("cluster.policy=local", "cluster.local_steps=8"))
+    assert parse_contender("local").sets == ("cluster.policy=local",)  # its option has a default
+
+
 @pytest.mark.parametrize("spec, words", [("allreduce+bf16", "parameter-server policies"),
-                                         ("sync+int8", "use +bf16 or +fp16"), ("nope+bf16", "unknown policy")])
+                                         ("sync+int8", "+int8 is none of +bf16, +fp16, +slr"),
+                                         ("nope+bf16", "unknown policy"), ("local:x", "local:T")])
 def test_compression_is_refused_where_it_means_nothing(spec, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         parse_contender(spec)
@@ -48,6 +61,9 @@ def test_every_policy_keeps_its_colour_and_compression_is_dashed():
     mine = ["sync", "ssp:7", "backup:3"]  # not in the fixed table: the free colours, in the lab's order
     assert style("ssp:7", mine)["color"] != style("backup:3", mine)["color"]
     assert style("ssp:7", mine)["color"] in OKABE_ITO
+    remedies = ["async", "async+dc", "async+slr", "async+dc+bf16"]
+    assert len({style(s, remedies)["color"] for s in remedies[:3]}) == 3  # each remedy a colour of its own
+    assert style("async+dc+bf16", remedies) == {"color": style("async+dc", remedies)["color"], "linestyle": "--"}
 
 
 @pytest.mark.parametrize("spec, words", [("slowdown:4@0", "worker 0 four times slower"),

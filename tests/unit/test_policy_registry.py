@@ -12,7 +12,7 @@ import pytest
 from psgd.cli.common import add_job_arguments, job_from_args
 from psgd.config import ClusterConfig, ConfigError, JobConfig
 from psgd.policy import (
-    ACCUMULATE, POLICIES, AsyncPolicy, PolicyError, PolicyOption, SSPPolicy, SyncPolicy, make_policy,
+    ACCUMULATE, POLICIES, AsyncPolicy, LocalPolicy, PolicyError, PolicyOption, SSPPolicy, SyncPolicy, make_policy,
     policy_from_cluster,
 )
 
@@ -64,7 +64,21 @@ def test_accumulates_says_what_the_policy_answers_to_a_push(name):
 
 def test_only_sync_accumulates():
     assert [n for n in REGISTERED if POLICIES[n].accumulates] == ["sync"]
-    assert POLICIES == {"sync": SyncPolicy, "async": AsyncPolicy, "ssp": SSPPolicy}
+    assert POLICIES == {"sync": SyncPolicy, "async": AsyncPolicy, "ssp": SSPPolicy, "local": LocalPolicy}
+    assert [n for n in REGISTERED if POLICIES[n].local] == ["local"]
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["cluster.policy=local", "cluster.local_steps=0"], "local_steps must be an integer >= 1"),
+    (["cluster.policy=local", "cluster.dc_lambda=0.1"], "dc_lambda cannot go with policy 'local'"),
+    (["cluster.policy=local", "cluster.overlap=true", "cluster.implicit_momentum=true"],
+     "implicit_momentum, overlap cannot go with policy 'local': its workers push their progress"),
+])
+def test_local_sgd_options_are_checked(sets, words):
+    with pytest.raises(ConfigError, match=words):
+        JobConfig().apply_sets(sets)
+    with pytest.raises(PolicyError, match="local_steps must be an integer >= 1, got 0"):
+        make_policy("local", 2, local_steps=0)
 
 
 @pytest.mark.parametrize("name, options, words", [
