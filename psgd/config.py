@@ -52,6 +52,7 @@ class TrainConfig:
     dtype: str = "float32"
     eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
     eval_batch_size: int = 1024
+    eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
     threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
 
 
@@ -193,6 +194,8 @@ class JobConfig:
                 raise ConfigError(f"{src}: [{section}] needs a name (a string)")
         t = self.train
         _check_ints(src, "train", t, _INT_KEYS)
+        if not isinstance(t.eval_beside, bool):
+            raise ConfigError(f"{src}: [train] eval_beside must be true or false, got {t.eval_beside!r}")
         if isinstance(t.seed, bool) or not isinstance(t.seed, int) or t.seed < 0:
             raise ConfigError(f"{src}: [train] seed must be a non-negative integer, got {t.seed!r}")
         if t.dtype not in DTYPES:

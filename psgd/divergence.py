@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,7 @@ class DivergenceGuard:
         self.by, self.chance, self.advice = by, chance_accuracy, advice_text
         self.guess_loss = math.log(max(classes, 2))  # the cross-entropy of a uniform guess
         self.verdict: Divergence | None = None
+        self._lock = threading.Lock()  # a loop may evaluate on a thread beside its steps ([train] eval_beside)
         self._first_loss: float | None = None
         self._first_step_loss: float | None = None
         self._growing = self._at_chance = 0
@@ -105,6 +107,15 @@ class DivergenceGuard:
 
     def step(self, step: int, epoch: int, loss: float) -> Divergence | None:
         """A step's training loss; returns a new divergence, if this is one."""
+        with self._lock:
+            return self._step(step, epoch, loss)
+
+    def evaluation(self, step: int, epoch: int, test_loss: float, accuracy: float) -> Divergence | None:
+        """An evaluation after ``step`` steps; returns a new divergence, if this makes one."""
+        with self._lock:
+            return self._evaluation(step, epoch, test_loss, accuracy)
+
+    def _step(self, step: int, epoch: int, loss: float) -> Divergence | None:
         if not math.isfinite(loss):
             return self._found(step, epoch, f"the training loss is {loss}")
         if self._first_step_loss is None:
@@ -114,8 +125,7 @@ class DivergenceGuard:
                                             f"times its first value ({self._first_step_loss:.4g})")
         return None
 
-    def evaluation(self, step: int, epoch: int, test_loss: float, accuracy: float) -> Divergence | None:
-        """An evaluation after ``step`` steps; returns a new divergence, if this makes one."""
+    def _evaluation(self, step: int, epoch: int, test_loss: float, accuracy: float) -> Divergence | None:
         if not math.isfinite(test_loss):
             return self._found(step, epoch, f"the test loss is {test_loss}")
         if self._first_loss is None:

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -129,6 +130,35 @@ class Exchange(abc.ABC):
         return None
 
 
+class _Beside:
+    """Evaluations of copies of the weights, one at a time on a thread of their own (``[train] eval_beside``):
+    a step never waits for one, and an evaluation that falls due while the last is still running is skipped."""
+
+    def __init__(self, evaluation: Callable[..., None]):
+        self.evaluation, self.skipped = evaluation, 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="evaluate")
+        self._pending: Future | None = None
+
+    def submit(self, params: Mapping[str, Any], done: int, train_loss: float, wall: float) -> bool:
+        """Evaluate a copy of ``params`` (the weights after ``done`` steps, taken at ``wall``); False: skipped."""
+        if self._pending is not None and not self._pending.done():
+            self.skipped += 1
+            return False
+        if self._pending is not None:
+            self._pending.result()  # an evaluation's error is the run's
+        copy = {name: value.copy() for name, value in params.items()}
+        self._pending = self._pool.submit(self.evaluation, copy, done, train_loss, wall)
+        return True
+
+    def close(self) -> None:
+        """Wait for the evaluation under way, if any."""
+        try:
+            if self._pending is not None:
+                self._pending.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 @dataclasses.dataclass
 class LoopResult:
     rank: int
@@ -195,17 +225,19 @@ def run_loop(
                      "done (no overlap)", exchange.name)
     start = time.perf_counter()  # again once joined: wall times count from the first step
 
-    def evaluation(params: Mapping[str, Any], done: int) -> None:
+    def evaluation(params: Mapping[str, Any], done: int, train_loss: float, wall: float | None = None) -> None:
         nonlocal acc, test_loss
         test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
-        point = {"step": done, "epoch": done // spe, "wall": time.perf_counter() - start,
-                 "train_loss": float(loss), "test_loss": test_loss, "test_accuracy": acc}
+        point = {"step": done, "epoch": done // spe, "wall": time.perf_counter() - start if wall is None else wall,
+                 "train_loss": float(train_loss), "test_loss": test_loss, "test_accuracy": acc}
         history.append(point)
         metrics.write("eval", **point)
         judged(guard.evaluation(done, done // spe, test_loss, acc))
         if not progress:  # no bar to show it: one line per evaluation, for logs
             log.info("%s: epoch %d/%d, step %d/%d: test accuracy %.4f, train loss %.4f",
-                     exchange.name, done // spe, t.epochs, done, total, acc, loss)
+                     exchange.name, done // spe, t.epochs, done, total, acc, train_loss)
+
+    beside = _Beside(evaluation) if t.eval_beside else None
 
     with progress_bar(total, desc, enabled=progress) as bar:
         try:
@@ -226,8 +258,10 @@ def run_loop(
                 params = exchange.weights(step)
                 fetched = time.perf_counter()
                 evaluated = bool(evaluate_every) and step > 0 and step % evaluate_every == 0
-                if evaluated:
-                    evaluation(params, step)
+                if evaluated and beside is not None:
+                    evaluated = beside.submit(params, step, float(loss), fetched - start)
+                elif evaluated:
+                    evaluation(params, step, float(loss))
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]), **handing)
                 computed = time.perf_counter()
@@ -255,12 +289,17 @@ def run_loop(
             interrupted = True
             log.info("%s: stopping at step %d as asked (%s); the next start continues from here",
                      exchange.name, step, exc)
+        finally:
+            if beside is not None:
+                beside.close()
         summary = exchange.end(interrupted)
+        if beside is not None:
+            summary["evaluations_skipped"] = beside.skipped
     final = exchange.final_weights()
     backend.synchronize(device)
     seconds = time.perf_counter() - start
     if final is not None and final_evaluation and not interrupted:
-        evaluation(final, step)
+        evaluation(final, step, loss)
     diverged = guard.verdict.record() if guard.verdict else None
     metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary,
                   **({"test_loss": test_loss, "test_accuracy": acc} if history else {}), diverged=diverged)

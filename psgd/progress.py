@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -28,12 +29,14 @@ class MetricsLog:
     """Append one JSON object per line: ``{"time", "role", "event", ...}``.
 
     With ``path=None`` it writes nothing, so callers need no branches.  Values
-    that JSON cannot hold (NaN, inf) are written as null.
+    that JSON cannot hold (NaN, inf) are written as null.  Lines from several
+    threads (an evaluation beside training) are written whole.
     """
 
     def __init__(self, path: str | os.PathLike | None, role: str):
         self.role = role
         self._file = None
+        self._lock = threading.Lock()
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", encoding="utf-8", buffering=1)
@@ -43,12 +46,16 @@ class MetricsLog:
             return
         record = {"time": round(time.time(), 3), "role": self.role, "event": event}
         record.update({k: _jsonable(v) for k, v in fields.items()})
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def _jsonable(value: Any) -> Any:

@@ -202,14 +202,14 @@ PRESETS: dict[str, LabConfig] = {
                                 "model.hidden=[3072, 3072]", "train.epochs=2", "optimizer.name=momentum",
                                 "optimizer.lr=0.01"],
                            policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
-                           target_accuracy=0.5, eval_interval=2.0, allreduce_eval_every=4),
+                           target_accuracy=0.5, eval_interval=2.0, allreduce_eval_every=2),
     # Real data that takes minutes: a CNN (0.8M parameters) on 5,000 MNIST images (pip install 'psgd[mnist]').
     "mnist": LabConfig(name="mnist",
                        job=["cluster.workers=4", "cluster.shards=2", "data.name=mnist5k", "model.name=cnn",
                             "model.channels=[32, 64]", "model.hidden=256", "train.epochs=6",
                             "optimizer.name=momentum", "optimizer.lr=0.02"],
                        policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
-                       target_accuracy=0.95, eval_interval=1.0, allreduce_eval_every=25),
+                       target_accuracy=0.95, eval_interval=1.0, allreduce_eval_every=5),
 }
 
 

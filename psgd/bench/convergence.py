@@ -243,7 +243,9 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
     run = RunResult(f"{scenario.name}/{contender.spec}", scenario.name, scenario.delay, contender.spec,
                     contender.label, contender.mode, job.to_dict(), delay_args, [], {})
     try:
-        if contender.mode == "allreduce":
+        if contender.mode == "allreduce":  # rank 0 evaluates beside its steps: no rank waits for it
+            job.apply_sets(["train.eval_beside=true"])
+            run.job = job.to_dict()
             run.worker_args += ["--eval-every", str(config.allreduce_eval_every)]
             seconds, accuracy, train_seconds = _run_allreduce(config, evaluator, job, run, run_dir, hosts)
         else:

@@ -4,8 +4,10 @@ Parameter-server runs are watched by a :class:`ShardObserver`: while the
 workers train it pulls the shards' weights as an observer (a pull that never
 waits for a round) every ``interval`` seconds, evaluates them on the test
 split and reads each shard's status (version, counters, staleness histogram).
-All-reduce runs are read from rank 0's metrics, which evaluates every few
-steps.  Both are then put on one clock:
+All-reduce runs are read from rank 0's metrics: every few steps it evaluates
+a copy of its weights on a thread beside its steps (``[train] eval_beside``),
+so that, as with the observer, no rank waits for an evaluation (one that falls
+due while the last is running is skipped).  Both are then put on one clock:
 
 - ``wall``: seconds since the first worker (or rank) entered its training
   loop, read from the metrics JSONL (``time - wall`` of each first step line);

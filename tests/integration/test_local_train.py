@@ -50,6 +50,29 @@ def test_float64_and_adam_with_a_schedule():
     assert result.test_accuracy >= 0.95
 
 
+def test_evaluating_beside_training_leaves_the_training_alone(tmp_path):
+    """[train] eval_beside: each evaluation runs on a copy of the weights on a thread of its own; the weights
+    end the same to the bit, every evaluation due is made or counted as skipped, and each point carries the
+    step and the time its copy was taken."""
+    sets = {"train.dtype": "float64", "train.epochs": 2, "train.eval_every": 3}
+    inline = train_local(job(**sets), progress=False)
+    metrics = tmp_path / "m.jsonl"
+    beside = train_local(job(**sets, **{"train.eval_beside": "true"}), progress=False, metrics_path=str(metrics))
+    assert all(np.array_equal(inline.params[k], beside.params[k]) for k in inline.params)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evals = [r for r in records if r["event"] == "eval"]
+    done = [r for r in records if r["event"] == "done"][0]
+    due = len(range(3, beside.steps, 3))
+    assert len(evals) - 1 + done["evaluations_skipped"] == due  # and the final weights' own evaluation
+    steps = [e["step"] for e in evals]
+    assert steps == sorted(steps) and steps[-1] == beside.steps and all(s % 3 == 0 for s in steps[:-1])
+    walls = {r["clock"]: r["wall"] for r in records if r["event"] == "step"}
+    for e in evals[:-1]:  # taken before the step it was due at computed its gradient
+        assert e["wall"] <= walls[e["step"]]
+    inline_points = {p["step"]: p["test_accuracy"] for p in inline.history}
+    assert all(inline_points[e["step"]] == e["test_accuracy"] for e in evals)  # the same weights evaluated
+
+
 def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys):
     weights, metrics = tmp_path / "w.npz", tmp_path / "m.jsonl"
     code = main(["train", "--epochs", "2", "--no-progress", "-q", "--json",

@@ -120,3 +120,9 @@ def test_implicit_momentum_needs_a_momentum_optimizer():
     with pytest.raises(ConfigError, match=re.escape("implicit_momentum lowers a momentum optimizer's momentum; "
                                                     "[optimizer] name is 'adam' (use momentum or nesterov)")):
         JobConfig().apply_sets(["cluster.implicit_momentum=true", 'optimizer.name="adam"'])
+
+
+def test_eval_beside_is_true_or_false():
+    assert JobConfig().train.eval_beside is False
+    with pytest.raises(ConfigError, match=re.escape("[train] eval_beside must be true or false, got 'yes'")):
+        JobConfig().apply_sets(['train.eval_beside="yes"'])
