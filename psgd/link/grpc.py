@@ -46,6 +46,7 @@ class GrpcLink(Link):
         self.metadata = token_metadata(endpoint.token)
         self.timeout = endpoint.request_timeout
         self._streams: list = []  # pull streams in flight, cancelled by interrupt()
+        self._interrupted = False
         self._lock = threading.Lock()
 
     def wait_ready(self) -> grpc.Future:
@@ -74,6 +75,8 @@ class GrpcLink(Link):
                                 metadata=self.metadata)
         with self._lock:
             self._streams.append(stream)
+            if self._interrupted:  # the stop came while this pull was being started
+                stream.cancel()
         try:
             for chunk in self._chunks(stream):
                 target = targets.get(chunk.slice_id)
@@ -120,6 +123,7 @@ class GrpcLink(Link):
 
     def interrupt(self) -> None:
         with self._lock:
+            self._interrupted = True  # for good: the worker is stopping, no pull of this link is waited for
             streams = list(self._streams)
         for stream in streams:
             stream.cancel()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid", "clock", "job_json")
+    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid", "clock", "job_json", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class RegisterRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     JOB_JSON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     plan_hash: str
     plan_json: str
@@ -23,7 +24,8 @@ class RegisterRequest(_message.Message):
     pid: int
     clock: int
     job_json: str
-    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ..., job_json: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ..., job_json: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("reason", "differences")

@@ -9,7 +9,8 @@
 ``build_shard(job, k)`` makes the core of shard ``k`` from a job file.
 """
 
-from psgd.server.core import PushResult, ShardCore, ShardError
+from psgd.server.core import PushResult, ShardCore
+from psgd.server.errors import ShardError
 
 __all__ = ["PushResult", "ShardCore", "ShardError", "build_shard"]
 

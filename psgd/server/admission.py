@@ -1,12 +1,19 @@
-"""Who may join a shard: the partition plan and the job a registering worker brings, against the shard's."""
+"""Who may join a shard and who has: the partition plan and the job a registering worker brings, against
+the shard's (:func:`refusal`), and each worker's registration, its lease and the process holding it
+(:class:`Roster`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, Mapping
+import logging
+from typing import Any, Callable, Mapping
 
 from psgd.job import differences as job_differences
 from psgd.partition import PartitionPlan, plan_differences
+from psgd.server.errors import ShardError
+
+log = logging.getLogger(__name__)
 
 
 def refusal(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | None, worker: int, plan_hash: str,
@@ -38,3 +45,93 @@ def refusal(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | None,
         return ("FAILED_PRECONDITION", f"worker {worker}'s job differs from shard {shard}'s: {'; '.join(differ)}; "
                 "start every process from the same job file", differ)
     return None
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    state: str = "pending"  # pending (expected, not yet registered), live, done, expired
+    deadline: float = 0.0   # lease (or join) deadline, on the roster's clock
+    expired_at: float = 0.0  # when this shard dropped it (its clock), for "finished" to settle
+    clock: int = 0
+    hostname: str = ""
+    pid: int = 0
+    incarnation: str = ""  # the registering process's own random id: one process holds a rank at a time
+
+
+class Roster:
+    """The workers of one shard: who is expected, live, done or dropped, and until when.
+
+    A rank is held by one process at a time: while its lease runs, a registration from another process
+    (another incarnation) is refused with ALREADY_EXISTS, naming the holder; once the lease has run out
+    (the holder died or hangs) the rank is free again.  The caller holds the shard's lock.
+    """
+
+    def __init__(self, shard: int, num_workers: int, lease_seconds: float, join_timeout: float,
+                 now: Callable[[], float]):
+        self.shard, self.num_workers = shard, num_workers
+        self.lease_seconds, self.join_timeout, self._now = lease_seconds, join_timeout, now
+        start = now()
+        self.workers = {w: WorkerInfo(deadline=start + join_timeout) for w in range(num_workers)}
+
+    def check(self, worker: int) -> None:
+        """Refuse a worker id outside the job (links check it before they read a push)."""
+        if not 0 <= worker < self.num_workers:
+            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} is out of range: this job has "
+                             f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}")
+
+    def live(self, worker: int, renew: bool = True) -> WorkerInfo:
+        """``worker``'s registration, its lease renewed; refused unless it is live."""
+        info = self.workers[worker]
+        if info.state != "live":
+            raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
+                             f"(state: {info.state}); it must register again", reason="NOT_REGISTERED")
+        if renew:
+            info.deadline = self._now() + self.lease_seconds
+        return info
+
+    def admit(self, worker: int, hostname: str, pid: int, incarnation: str) -> WorkerInfo:
+        """Make ``worker`` live, held by the process ``incarnation``: refused while another process holds it."""
+        info, now = self.workers[worker], self._now()
+        if info.state == "live" and now <= info.deadline and incarnation != info.incarnation:
+            raise ShardError("ALREADY_EXISTS", f"worker {worker} is already registered with shard {self.shard} by "
+                             f"{info.hostname or '?'} pid {info.pid}, whose lease runs {info.deadline - now:.1f}s "
+                             f"more: is a second psgd-worker started with rank {worker}? (A worker restarted after "
+                             f"a crash rejoins once the old process's {self.lease_seconds:.0f}s lease has run out.)")
+        info.state, info.hostname, info.pid, info.incarnation = "live", hostname, pid, incarnation
+        info.deadline = now + self.lease_seconds
+        return info
+
+    def leave(self, worker: int, clock: int) -> bool:
+        """``worker`` is done at ``clock``; True when it was live until now."""
+        info = self.workers[worker]
+        if info.state != "live":
+            return False
+        info.state, info.clock = "done", max(info.clock, clock)
+        return True
+
+    def overdue(self) -> list[int]:
+        """Drop the workers whose lease (or join deadline) has passed; returns their ids."""
+        now, dropped = self._now(), []
+        for w, info in self.workers.items():
+            if info.state in ("pending", "live") and now > info.deadline:
+                was = info.state
+                info.state, info.expired_at = "expired", now
+                dropped.append(w)
+                log.warning("shard %d: worker %d %s within %.1fs: dropped from the round; it may register again",
+                            self.shard, w, "did not register" if was == "pending" else "missed its lease",
+                            self.join_timeout if was == "pending" else self.lease_seconds)
+        return dropped
+
+    def live_count(self) -> int:
+        return sum(1 for i in self.workers.values() if i.state == "live")
+
+    def finished(self, settle: float) -> bool:
+        """No worker is pending or live: each is done, or was dropped at least ``settle`` seconds ago."""
+        now = self._now()
+        return all(i.state == "done" or (i.state == "expired" and now - i.expired_at >= settle)
+                   for i in self.workers.values())
+
+    def rows(self) -> list[dict]:
+        now = self._now()
+        return [{"worker_id": w, "state": i.state, "clock": i.clock, "lease_left_seconds": i.deadline - now,
+                 "hostname": i.hostname, "pid": i.pid} for w, i in sorted(self.workers.items())]

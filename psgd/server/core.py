@@ -1,5 +1,5 @@
-"""A parameter-server shard without any transport: the workers and their leases, the policy, the
-optimizer and the weight store (:mod:`psgd.server.store`).
+"""A parameter-server shard without any transport: the policy, the optimizer, the rounds, the weight
+store (:mod:`psgd.server.store`) and the workers' roster (:class:`psgd.server.admission.Roster`).
 
 The links' server ends are thin adapters over :class:`ShardCore`: the gRPC
 servicer (:mod:`psgd.server.service`) and the TCP data path
@@ -25,6 +25,7 @@ from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission, checkpoint
 from psgd.server.remedies import PushRemedies
+from psgd.server.errors import ShardError
 from psgd.server.store import LiveRead, Snapshot, WeightStore
 from psgd.partition import PartitionPlan, Slice
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
@@ -33,28 +34,6 @@ log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS = 16  # histogram entries 0..14 exact, the last counts 15 and more
 MAX_CLOCK = 2**63 - 2  # the largest clock a push may carry: the next clock (clock + 1) must fit the wire's int64
-
-
-class ShardError(Exception):
-    """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
-    ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH."""
-
-    def __init__(self, code: str, message: str, reason: str = "", differences: Iterable[str] = ()):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.reason = reason
-        self.differences = list(differences)
-
-
-@dataclasses.dataclass
-class WorkerInfo:
-    state: str = "pending"  # pending (expected, not yet registered), live, done, expired
-    deadline: float = 0.0   # lease (or join) deadline, on the core's clock
-    expired_at: float = 0.0  # when this shard dropped it (its clock), for "finished" to settle
-    clock: int = 0
-    hostname: str = ""
-    pid: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +85,9 @@ class ShardCore:
                                                               self.store.offsets, self.store.nbytes)
         self.optimizer, self.policy = optimizer, policy
         self.num_workers, self.allow_nonfinite = num_workers, allow_nonfinite
-        self.lease_seconds, self.join_timeout = lease_seconds, join_timeout
         self.remedies = PushRemedies(num_workers, policy.accumulates, self.flat, self.store.views, **remedies)
-        self._now = now
         self.version = 0
-        start = now()
-        self.workers = {w: WorkerInfo(deadline=start + join_timeout) for w in range(num_workers)}
+        self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
         self._round_flat = np.zeros_like(self.flat) if policy.accumulates else None
         self._round_sum = self.store.views(self._round_flat) if self._round_flat is not None else {}
         self._round_bases: list[int] = []
@@ -132,21 +108,6 @@ class ShardCore:
             self.flat, self.weights = self.store.flat, self.store.weights
 
     # -- helpers ------------------------------------------------------------
-    def check_worker(self, worker: int) -> None:
-        """Refuse a worker id outside the job (links check it before they read a push)."""
-        if not 0 <= worker < self.num_workers:
-            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} is out of range: this job has "
-                             f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}")
-
-    def _require_live(self, worker: int, renew: bool = True) -> WorkerInfo:
-        info = self.workers[worker]
-        if info.state != "live":
-            raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
-                             f"(state: {info.state}); it must register again", reason="NOT_REGISTERED")
-        if renew:
-            info.deadline = self._now() + self.lease_seconds
-        return info
-
     def _record_staleness(self, staleness: int) -> None:
         self.staleness_histogram[min(max(staleness, 0), STALENESS_BUCKETS - 1)] += 1
 
@@ -171,15 +132,16 @@ class ShardCore:
 
     # -- requests -----------------------------------------------------------------
     def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
-                 clock: int = 0, job_json: str | None = None) -> int:
+                 clock: int = 0, job_json: str | None = None, incarnation: str = "") -> int:
         """(Re)join ``worker``; returns the clock it continues from.
 
         ``clock`` is where the worker is.  The first time a worker that was
         already training registers with this shard process (so the shard was
         restarted), the shard jumps ahead to it: the updates since the shard's
-        checkpoint are lost on this shard, but nobody repeats or waits.
+        checkpoint are lost on this shard, but nobody repeats or waits.  ``incarnation`` names the
+        registering process: another one is refused while this rank's lease runs (Roster.admit).
         """
-        self.check_worker(worker)
+        self.roster.check(worker)
         refusal = admission.refusal(self.shard, self.plan, self.identity, worker, plan_hash, plan_json, job_json)
         if refusal is not None:
             code, message, differ = refusal
@@ -188,7 +150,7 @@ class ShardCore:
         if clock < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
         with self.lock:
-            info = self.workers[worker]
+            info = self.roster.admit(worker, hostname, pid, incarnation)
             if worker not in self._joined:
                 self._joined.add(worker)
                 if clock > self.policy.clock_of(worker):
@@ -200,9 +162,7 @@ class ShardCore:
                     if self.policy.fast_forward(worker, clock):
                         self._round_flat.fill(0)
                         self._round_bases.clear()
-            clock = self.policy.join(worker)
-            info.state, info.clock, info.hostname, info.pid = "live", clock, hostname, pid
-            info.deadline = self._now() + self.lease_seconds
+            info.clock = clock = self.policy.join(worker)
             self.changed.notify_all()
         log.info("shard %d: worker %d registered (%s pid %d), continues at clock %d",
                  self.shard, worker, hostname or "?", pid, clock)
@@ -220,13 +180,13 @@ class ShardCore:
         pull whose caller has gone (``cancelled``) stops waiting.
         """
         if worker is not None:
-            self.check_worker(worker)
+            self.roster.check(worker)
             if clock < 0:
                 raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
         deadline = time.monotonic() + max(timeout, 0.0)
         with self.lock:
             if worker is not None:
-                self._require_live(worker)
+                self.roster.live(worker)
                 while not self.policy.pull_ready(worker, clock):
                     if self.closing:
                         raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
@@ -236,7 +196,7 @@ class ShardCore:
                     if left <= 0:
                         raise ShardError("DEADLINE_EXCEEDED", self._why_waiting(worker, clock, timeout))
                     self.changed.wait(min(left, 0.5))
-                    self._require_live(worker, renew=False)
+                    self.roster.live(worker, renew=False)
             while self.store.writers_waiting:  # an update is due first: never send half-applied weights
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -248,7 +208,7 @@ class ShardCore:
             return self.store.snapshot(self.version) if copy else self.store.live(self.version)
 
     def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
-        slow = sorted((w, i.clock) for w, i in self.workers.items()
+        slow = sorted((w, i.clock) for w, i in self.roster.workers.items()
                       if i.state in ("live", "pending") and w != worker and i.clock < clock)
         waiting = ", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none"
         return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
@@ -258,7 +218,7 @@ class ShardCore:
              wire_bytes: int | None = None) -> PushResult:
         """Apply, accumulate or drop one gradient for every slice of this shard, as the policy says.
         ``wire_bytes``: what the push took on the wire (less than the gradient when compressed)."""
-        self.check_worker(worker)
+        self.roster.check(worker)
         if clock < 0 or base_version < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
         if clock > MAX_CLOCK:
@@ -271,7 +231,7 @@ class ShardCore:
                 raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "
                                  f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
         with self.lock:
-            info = self._require_live(worker)  # first: a restarted shard asks the worker to register again
+            info = self.roster.live(worker)  # first: a restarted shard asks the worker to register again
             if base_version > self.version:
                 raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
                                  f"{self.shard}'s version {self.version}")
@@ -301,39 +261,27 @@ class ShardCore:
             return PushResult(outcome, decision.next_clock, self.version, staleness)
 
     def heartbeat(self, worker: int, clock: int) -> None:
-        self.check_worker(worker)
+        self.roster.check(worker)
         with self.lock:
-            self._require_live(worker)
+            self.roster.live(worker)
 
     def done(self, worker: int, clock: int) -> int:
         """``worker`` has finished; returns how many workers are still live."""
-        self.check_worker(worker)
+        self.roster.check(worker)
         with self.lock:
-            info = self.workers[worker]
-            if info.state == "live":
-                info.state = "done"
-                info.clock = max(info.clock, clock)
+            if self.roster.leave(worker, clock):
                 self._close_rounds(self.policy.leave(worker))
                 log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
             self.changed.notify_all()
-            return sum(1 for i in self.workers.values() if i.state == "live")
+            return self.roster.live_count()
 
     def expire_leases(self) -> list[int]:
         """Drop workers whose lease (or join deadline) has passed; returns their ids."""
-        now = self._now()
-        expired = []
         with self.lock:
-            for w, info in self.workers.items():
-                if info.state in ("pending", "live") and now > info.deadline:
-                    was = info.state
-                    info.state, info.expired_at = "expired", now
-                    self.counters["expired"] += 1
-                    expired.append(w)
-                    self._close_rounds(self.policy.leave(w))
-                    limit = self.join_timeout if was == "pending" else self.lease_seconds
-                    log.warning("shard %d: worker %d %s within %.1fs: dropped from the round; it may register "
-                                "again", self.shard, w, "did not register" if was == "pending" else
-                                "missed its lease", limit)
+            expired = self.roster.overdue()
+            for w in expired:
+                self.counters["expired"] += 1
+                self._close_rounds(self.policy.leave(w))
             if expired:
                 self.changed.notify_all()
         return expired
@@ -393,10 +341,8 @@ class ShardCore:
         """True once no worker is pending or live: each is done, or was dropped at least ``settle``
         seconds ago (a shard paused longer than the lease drops every worker at once when it resumes;
         they come back within a lease, so a dropped worker counts as gone only once that has passed)."""
-        now = self._now()
         with self.lock:
-            return all(i.state == "done" or (i.state == "expired" and now - i.expired_at >= settle)
-                       for i in self.workers.values())
+            return self.roster.finished(settle)
 
     def wait_changed(self, timeout: float) -> None:
         with self.lock:
@@ -409,15 +355,12 @@ class ShardCore:
             self.changed.notify_all()
 
     def status(self) -> dict:
-        now = self._now()
         with self.lock:
             return {
                 "shard": self.shard, "num_shards": self.plan.num_shards, "policy": self.policy.name,
                 "version": self.version, "plan_hash": self.plan.hash,
                 "bytes_held": int(sum(w.nbytes for w in self.weights.values())),
-                "workers": [{"worker_id": w, "state": i.state, "clock": i.clock,
-                             "lease_left_seconds": i.deadline - now, "hostname": i.hostname, "pid": i.pid}
-                            for w, i in sorted(self.workers.items())],
+                "workers": self.roster.rows(),
                 "counters": {**self.counters, "policy": self.policy.describe()},
                 "staleness_histogram": list(self.staleness_histogram),
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}

@@ -34,7 +34,8 @@ import numpy as np
 from psgd import status
 from psgd.codec import Codec, CodecError, by_code
 from psgd.link import protocol, segment
-from psgd.server.core import ShardCore, ShardError
+from psgd.server.core import ShardCore
+from psgd.server.errors import ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 
 log = logging.getLogger(__name__)

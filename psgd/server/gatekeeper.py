@@ -32,7 +32,8 @@ import time
 from typing import Callable
 
 from psgd.link import protocol
-from psgd.server.core import ShardCore, ShardError
+from psgd.server.core import ShardCore
+from psgd.server.errors import ShardError
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class Gatekeeper:
                            f"{self.core.shard}'s {self.core.plan.hash!r}", "another partition plan")
         if worker != protocol.OBSERVER:
             try:
-                self.core.check_worker(worker)
+                self.core.roster.check(worker)
             except ShardError as err:
                 raise _Refusal(err.code, err.message, "worker id out of range") from None
         if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER):

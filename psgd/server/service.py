@@ -29,7 +29,8 @@ from psgd.link.protocol import as_worker
 from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
-from psgd.server.core import ShardCore, ShardError
+from psgd.server.core import ShardCore
+from psgd.server.errors import ShardError
 from psgd.server.datapath import DataServer
 from psgd.tls import NO_TLS, TLSFiles
 
@@ -144,12 +145,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Register(self, request, context):
         try:
             clock = self.core.register(request.worker_id, request.plan_hash, request.plan_json,
-                                       request.hostname, request.pid, request.clock, request.job_json)
+                                       request.hostname, request.pid, request.clock, request.job_json,
+                                       request.incarnation)
         except ShardError as err:
             _abort(context, err)
         core = self.core
         return ps_pb2.RegisterReply(
-            worker_id=request.worker_id, clock=clock, lease_seconds=core.lease_seconds, shard=core.shard,
+            worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
             incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id)
 
@@ -171,7 +173,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise ShardError("INVALID_ARGUMENT", "a push must start with a header")
             header = first.header
-            self.core.check_worker(header.worker_id)
+            self.core.roster.check(header.worker_id)
             assembler = PushAssembler(self.core, header.dtype)
             for message in request_iterator:
                 if message.WhichOneof("kind") != "chunk":
@@ -190,7 +192,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.core.heartbeat(request.worker_id, request.clock)
         except ShardError as err:
             _abort(context, err)
-        return ps_pb2.HeartbeatReply(lease_seconds=self.core.lease_seconds, version=self.core.version)
+        return ps_pb2.HeartbeatReply(lease_seconds=self.core.roster.lease_seconds, version=self.core.version)
 
     def Done(self, request, context):
         try:
@@ -305,7 +307,7 @@ class ShardServer:
         return self
 
     def _reap(self) -> None:
-        period = max(0.05, min(1.0, self.core.lease_seconds / 4))
+        period = max(0.05, min(1.0, self.core.roster.lease_seconds / 4))
         while not self._stop.wait(period):
             self.core.expire_leases()
 

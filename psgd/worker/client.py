@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import socket
 import threading
 import time
@@ -52,11 +53,16 @@ class Stopped(PSError):
     """The worker was asked to stop (SIGTERM) while it waited for its shards."""
 
 
-#: Once a worker is asked to stop, calls still in hand (the last push, ``done``) are retried at
-#: most this long: shards stopped together with the worker are not coming back.
-STOP_GRACE = 2.0
 #: How often a worker waiting for its shards says which ones it is waiting for.
 WAIT_REPORT_SECONDS = 5.0
+
+_BOOT = secrets.token_hex(8)  # made once per interpreter
+
+
+def process_incarnation() -> str:
+    """What the shards know this process by when it registers: one process holds a rank at a time (a
+    forked child differs from its parent by its pid)."""
+    return f"{_BOOT}-{os.getpid()}"
 
 
 class PSClient:
@@ -95,32 +101,29 @@ class PSClient:
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(job, plan.hash) if job is not None else None
-        self._stopped_at: float | None = None
+        self.incarnation = process_incarnation()  # this process, which alone may hold its rank
         self._pulling = False
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
     def _watch_stop(self) -> None:
-        """When the worker is asked to stop, note the time and abandon a pull in progress: a sync pull
-        may wait on a round that will not close now (the other workers are stopping too)."""
+        """When the worker is asked to stop, abandon a pull in progress: a sync pull may wait on a round
+        that will not close now (the other workers are stopping too)."""
         self.stop.wait()
-        self._stopped_at = time.monotonic()
         if self._pulling:
             for link in self.links:
                 link.interrupt()
 
-    def _stop_deadline(self) -> float | None:
-        """When retries must end because the worker is stopping (None: it is not)."""
-        if self.stop is None or not self.stop.is_set():
-            return None
-        if self._stopped_at is None:
-            self._stopped_at = time.monotonic()
-        return self._stopped_at + STOP_GRACE
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
 
     # -- plumbing ------------------------------------------------------------
-    def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True) -> T:
-        """``call()``, retried on transient errors within the retry deadline; a shard that has
-        forgotten this worker (it restarted, or the lease ran out) is re-registered with first."""
+    def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
+                  also: tuple[grpc.StatusCode, ...] = ()) -> T:
+        """``call()``, retried on transient errors (and the codes in ``also``) within the retry deadline; a
+        shard that has forgotten this worker (it restarted, or the lease ran out) is re-registered with first.
+        Once the worker is asked to stop, no retry starts: a failed call ends there (the shards may be
+        stopping too, and a sync round will not close)."""
         began = time.monotonic()
         deadline, report = began + self.retry_deadline, began + WAIT_REPORT_SECONDS
         delay, attempt = 0.05, 0
@@ -132,21 +135,18 @@ class PSClient:
                 raise PSError(str(err)) from None
             except LinkError as err:
                 code, details = err.code, err.details
-                left = deadline - time.monotonic()
-                stopping = self._stop_deadline()
-                if stopping is not None:
-                    left = min(left, stopping - time.monotonic())
+                stopping = self._stopping()
+                left = 0.0 if stopping else deadline - time.monotonic()
                 if rejoin and self.worker_id != OBSERVER and err.reason == "NOT_REGISTERED" and left > 0:
                     log.warning("shard %d at %s no longer knows worker %d (restarted?): registering again",
                                 shard, self.addresses[shard], self.worker_id)
                     self._register_one(shard)
                     continue
-                if code == grpc.StatusCode.CANCELLED and stopping is not None:
-                    left = 0  # cancelled by this worker itself, to stop
-                if not err.retryable or left <= 0:
-                    tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if err.retryable else ""
-                    if err.retryable and stopping is not None:
-                        tried = f" after {attempt} attempt(s) (the worker is stopping, so it did not wait longer)"
+                retryable = err.retryable or code in also
+                if not retryable or left <= 0:
+                    tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if retryable else ""
+                    if retryable and stopping:
+                        tried = f" after {attempt} attempt(s) (the worker is stopping, so it did not retry)"
                     raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
                                   f"{code.name}: {details}", code) from None
                 pause = min(left, delay * (0.5 + random.random()))
@@ -201,11 +201,14 @@ class PSClient:
         return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
                                       plan_json=json.dumps(self.plan.description()),
                                       hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,
-                                      job_json=json.dumps(self.identity))
+                                      job_json=json.dumps(self.identity), incarnation=self.incarnation)
 
     def _register_one(self, k: int) -> ps_pb2.RegisterReply:
         request = self._register_request()
-        reply = self._retrying(k, "register", lambda: self.links[k].register(request), rejoin=False)
+        # a rank still held by another process frees itself when that one's lease runs out (it crashed and this
+        # is its restart); a second live process of the same rank keeps it and this one gives up
+        reply = self._retrying(k, "register", lambda: self.links[k].register(request), rejoin=False,
+                               also=(grpc.StatusCode.ALREADY_EXISTS,))
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
             raise PSError(f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
@@ -237,10 +240,10 @@ class PSClient:
             views = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in self.shard_slices[k]]
             return self._retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views))
 
-        if self.stop is not None and self.stop.is_set():
-            raise Stopped(f"asked to stop before the pull of clock {clock}")
-        self._pulling = True
+        self._pulling = True  # first: a stop from now on interrupts this pull (_watch_stop)
         try:
+            if self._stopping():
+                raise Stopped(f"asked to stop before the pull of clock {clock}")
             self.versions = self._on_all(one)
         finally:
             self._pulling = False

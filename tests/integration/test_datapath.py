@@ -40,7 +40,7 @@ from psgd.server import build_shard
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer
 from psgd.server.service import ShardServer
-from psgd.worker.client import PSClient, PSError
+from psgd.worker.client import PSClient, PSError, process_incarnation
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 
@@ -208,7 +208,7 @@ def assert_serves(shard: Shard) -> None:
 def hostile(digits64):
     core = build_shard(make_job(*HOSTILE_SETS), 0)
     assert [s.key for s in core.slices.values()] == ["dense0/W#0", "dense0/W#256", "dense0/W#512", "dense0/b#0"]
-    core.register(0, core.plan.hash)
+    core.register(0, core.plan.hash, incarnation=process_incarnation())  # as this process's clients do
     server = ShardServer(core, "127.0.0.1:0", request_timeout=IO).start()
     try:
         yield Shard(core, server, core.flat.tobytes())

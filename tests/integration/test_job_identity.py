@@ -16,7 +16,7 @@ from helpers import make_job, run_threads
 from psgd import status
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard
-from psgd.server.core import ShardCore
+from psgd.server.admission import Roster
 from psgd.server.service import ShardServer
 from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
@@ -79,7 +79,7 @@ def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_fiel
         assert time.monotonic() - began < 10, "a permanent refusal must not be retried"
         assert field in str(err.value)
         assert "FAILED_PRECONDITION" in str(err.value)
-        assert servers[0].core.workers[0].state == "pending"
+        assert servers[0].core.roster.workers[0].state == "pending"
     finally:
         stop(servers)
 
@@ -128,7 +128,7 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
 @pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
 def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(monkeypatch, transport):
     """The shard's message no longer says "register again": the client acts on the reason alone."""
-    original = ShardCore._require_live
+    original = Roster.live
 
     def reworded(self, worker, renew=True):
         try:
@@ -138,7 +138,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
             exc.args = (exc.message,)
             raise
 
-    monkeypatch.setattr(ShardCore, "_require_live", reworded)
+    monkeypatch.setattr(Roster, "live", reworded)
     job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async",
                    f"cluster.transport={transport}")
     servers = serve([build_shard(job, 0)])
@@ -150,10 +150,10 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
             client.push(0, grads)
             core = servers[0].core
             with core.lock:  # the shard forgets the worker, as after a restart or an expired lease
-                core.workers[0].state = "expired"
+                core.roster.workers[0].state = "expired"
             replies = client.push(1, grads)
             assert replies[0].outcome == "applied"
-            assert core.workers[0].state == "live" and core.version == 2
+            assert core.roster.workers[0].state == "live" and core.version == 2
     finally:
         stop(servers)
 
@@ -170,7 +170,7 @@ def test_the_data_path_reports_the_reason_too():
         conn = DataConnection("127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0)
         try:
             with servers[0].core.lock:
-                servers[0].core.workers[0].state = "expired"
+                servers[0].core.roster.workers[0].state = "expired"
             with pytest.raises(LinkError) as err:
                 conn.pull(0, [memoryview(bytearray(s.nbytes)) for s in plan.slices_for_shard(0)])
             assert err.value.reason == "NOT_REGISTERED" and err.value.code == grpc.StatusCode.FAILED_PRECONDITION

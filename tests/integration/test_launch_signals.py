@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 
 from helpers import free_port, wait_for
+from psgd.config import JobConfig
+from psgd.job import build_job
+from psgd.partition import PartitionPlan
+from psgd.worker.client import PSClient
 from psgd.launch import GRACE
 
 pytestmark = pytest.mark.lacks(not Path("/proc/self/cmdline").exists(), reason="needs /proc to list processes")
@@ -203,3 +207,35 @@ def test_child_environment_puts_the_current_folder_first(tmp_path, monkeypatch):
     env = child_environment({"PYTHONPATH": f"/elsewhere{os.pathsep}{tmp_path}"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
     assert env["PYTHONUNBUFFERED"] == "1"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_a_worker_waiting_in_a_sync_round_stops_within_two_seconds(tmp_path, transport):
+    """A worker whose sync round cannot close (the other worker never came) retried its interrupted pull
+    inside the stop grace, and the retry waited out the whole request_timeout: 60 s after SIGTERM."""
+    job = tmp_path / "job.toml"
+    job.write_text(f"[train]\nepochs = 5\n[cluster]\nshards = 1\nworkers = 2\npolicy = \"sync\"\n"
+                   f"transport = \"{transport}\"\n")
+    procs = []
+    try:
+        port_file = tmp_path / "shard.addr"
+        procs.append(subprocess.Popen([SERVER, "-c", str(job), "--shard", "0", "--port-file", str(port_file)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        address = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 60, "the shard to serve")
+        worker = subprocess.Popen([WORKER, "-c", str(job), "--rank", "0", "--servers", address, "--no-progress"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(worker)
+        config = JobConfig.load(job)
+        plan = PartitionPlan(build_job(config).model.specs(), 1, config.cluster.slice_bytes)
+        with PSClient([address], plan) as observer:  # worker 0 pushed clock 0: it waits for round 0 to close
+            wait_for(lambda: observer.status()[0].workers[0].clock == 1, 60, "worker 0 to push its first step")
+        began = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=90)
+        took = time.monotonic() - began
+        assert worker.returncode == 0, err[-2000:]
+        assert took < 2.0, f"took {took:.1f}s: {err[-2000:]}"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -113,6 +113,32 @@ def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_p
         assert time.monotonic() - killed_at < 60
 
 
+def test_a_second_worker_of_the_same_rank_is_refused_naming_the_first(tmp_path):
+    """Two psgd-worker --rank 0 of one job (a typo in a hosts list) both registered, the shard logging only
+    "continues at clock 46", and trained as one rank; now the second is refused and exits 1, the first
+    trains on."""
+    job = JobConfig()
+    job.apply_sets(["model.name=softmax", "train.epochs=1000", "cluster.policy=async", "cluster.workers=2",
+                    "cluster.shards=1", "cluster.request_timeout=3"])
+    with processes() as procs:
+        start_servers(job, tmp_path, procs)
+        argv = [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"]
+        first = subprocess.Popen(argv + ["--metrics", str(tmp_path / "first.jsonl")], stdout=subprocess.DEVNULL,
+                                 stderr=open(tmp_path / "first.log", "w"))
+        procs.append(first)
+        steps = tmp_path / "first.jsonl"
+        wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 5, 60, "the first worker's steps")
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert "ALREADY_EXISTS" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr[-2000:]
+        assert "second psgd-worker started with rank 0" in second.stderr and "Traceback" not in second.stderr
+        taken = len(steps.read_text().splitlines())
+        wait_for(lambda: len(steps.read_text().splitlines()) > taken + 5, 30, "the first worker to train on")
+        assert first.poll() is None
+    shard_log = (tmp_path / "shard-0.log").read_text()
+    assert shard_log.count("worker 0 registered") == 1, shard_log[-2000:]
+
+
 def test_wrong_address_fails_fast_with_a_clear_message():
     done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",
                    "--servers", "127.0.0.1:9", "--set", "cluster.join_timeout=1", "--no-progress", timeout=60)

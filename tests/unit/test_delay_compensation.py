@@ -16,7 +16,7 @@ def flat(tree: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def pull(core, worker: int) -> None:
-    snap = core.pull(worker, core.workers[worker].clock, timeout=0)
+    snap = core.pull(worker, core.roster.workers[worker].clock, timeout=0)
     snap.release()
 
 

@@ -21,7 +21,8 @@ from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore, ShardError
+from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
+from psgd.server.errors import ShardError
 from psgd.server.service import PushAssembler
 
 LR = 0.1
@@ -424,6 +425,27 @@ def test_finished_with_expired_and_done_workers():
     clock.advance(JOIN + 1)
     assert sorted(core.expire_leases()) == [1, 2]
     assert core.finished()
+
+
+def test_a_rank_is_held_by_one_process_while_its_lease_runs():
+    """Two processes registering as worker 0 (a typo in a hosts list) were both accepted, their pushes
+    mixed under one rank; now the second is refused naming the first, until the first's lease runs out."""
+    core, clock = make_core("async", 2)
+    hello = (PLAN.hash, json.dumps(PLAN.description()))
+    assert core.register(0, *hello, hostname="node-a", pid=111, incarnation="first") == 0
+    err = error(core.register, 0, *hello, hostname="node-b", pid=222, incarnation="second")
+    assert err.code == "ALREADY_EXISTS"
+    assert "node-a pid 111" in err.message and "rank 0" in err.message and f"{LEASE:.1f}s" in err.message
+    assert core.status()["workers"][0]["pid"] == 111  # the holder is untouched
+    assert core.register(0, *hello, hostname="node-a", pid=111, incarnation="first") == 0  # the holder rejoins
+    clock.advance(LEASE - 1)
+    assert error(core.register, 0, *hello, hostname="node-b", pid=222, incarnation="second").code == "ALREADY_EXISTS"
+    clock.advance(2)  # the holder is silent past its lease: it died, and this is its restart
+    assert core.register(0, *hello, hostname="node-b", pid=222, incarnation="second") == 0
+    assert core.status()["workers"][0]["pid"] == 222
+    assert error(core.register, 0, *hello, hostname="node-a", pid=111, incarnation="first").code == "ALREADY_EXISTS"
+    core.done(0, 0)  # a rank whose holder finished is free at once
+    assert core.register(0, *hello, hostname="node-c", pid=333, incarnation="third") == 0
 
 
 def test_close_wakes_a_waiting_pull_with_unavailable():

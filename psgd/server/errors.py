@@ -1,0 +1,17 @@
+"""What a shard answers when it refuses a request, whatever link carried it."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class ShardError(Exception):
+    """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
+    ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH."""
+
+    def __init__(self, code: str, message: str, reason: str = "", differences: Iterable[str] = ()):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.differences = list(differences)
