@@ -32,7 +32,8 @@ Every process of a job reads the same job file; a worker built from another
 model, dtype or shard count is refused when it registers. The shard index
 comes from --shard, else PSGD_SHARD, else 0; the shard addresses from
 --servers, PSGD_SERVERS or the job file. SIGTERM, SIGINT or SIGHUP: stop
-serving, let calls in flight finish, write a last checkpoint, exit 0.
+serving, let calls in flight finish, write a last checkpoint, exit 0 (1 if
+that checkpoint could not be written).
 
 examples:
   psgd-server -c job.toml --shard 0 --bind 127.0.0.1:50051
@@ -126,10 +127,14 @@ def serve(args: argparse.Namespace) -> int:
                 break
             stop.wait(0.5)
     finally:
-        server.stop(grace=5.0)
+        saved = server.stop(grace=5.0)
         metrics.stop()
         if args.port_file:
             _remove_port_file(args.port_file, server.address)
+    if not saved:
+        log.error("stopped at version %d, but its last checkpoint failed (above): restarted from %s it would "
+                  "lose the updates since the newest one there; exiting 1", core.version, args.checkpoint_dir)
+        return 1
     log.info("stopped at version %d", core.version)
     return 0
 

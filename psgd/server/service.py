@@ -317,18 +317,20 @@ class ShardServer:
             if last is None or time.time() - last[1] >= self.checkpoint_seconds:
                 self.save_checkpoint()
 
-    def save_checkpoint(self, force: bool = False) -> None:
-        """Write a checkpoint now (if there is a checkpoint folder); a failure is logged, not raised."""
+    def save_checkpoint(self, force: bool = False) -> bool:
+        """Write a checkpoint now (if there is a checkpoint folder); a failure is logged, not raised.
+        False when it failed."""
         if not self.checkpoint_dir:
-            return
+            return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
             path = self.core.checkpoint(folder, self.keep_checkpoints, force=force)
         except checkpoint.CheckpointError as exc:
             log.error("shard %d: %s", self.core.shard, exc)
-            return
+            return False
         if path:
             log.debug("shard %d: checkpoint %s", self.core.shard, path)
+        return True
 
     def wait_finished(self, timeout: float | None = None, settle: float = 0.0) -> bool:
         """Block until every worker is done or was dropped ``settle`` seconds ago (or ``timeout``);
@@ -343,8 +345,9 @@ class ShardServer:
             self.core.wait_changed(left)
         return True
 
-    def stop(self, grace: float = 5.0) -> None:
-        """NOT_SERVING, let in-flight calls finish (within ``grace``), write a last checkpoint, stop."""
+    def stop(self, grace: float = 5.0) -> bool:
+        """NOT_SERVING, let in-flight calls finish (within ``grace``), write a last checkpoint, stop.
+        False when that checkpoint could not be written."""
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._stop.set()
@@ -354,4 +357,4 @@ class ShardServer:
         self.server.stop(grace).wait(grace + 1)
         if self._checkpointer.is_alive():
             self._checkpointer.join(grace + 30)
-        self.save_checkpoint()
+        return self.save_checkpoint()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,6 +203,24 @@ def test_sigterm_stops_a_shard_gracefully_with_a_last_checkpoint_and_a_worker_af
         cluster.close()
     newest = max(int(p.stem[5:]) for p in cluster.shard_folder(0).glob("ckpt-*.json"))
     assert newest == status.version  # the last checkpoint holds every applied update
+
+
+def test_a_shard_whose_last_checkpoint_fails_exits_non_zero_saying_so(tmp_path):
+    """A shard whose final checkpoint could not be written (a full disk) logged it and exited 0: whoever
+    restarts it from that folder loses the updates since the last one, and nothing said so."""
+    cluster = Cluster(make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1",
+                               "cluster.shards=1", "train.epochs=3"), tmp_path, checkpoint_every=3600)
+    try:
+        shard = cluster.start_shard(0)
+        assert cluster.start_worker(0).wait(60) == 0
+        shutil.rmtree(cluster.ckpt, ignore_errors=True)
+        cluster.ckpt.write_text("not a folder")  # the checkpoint folder cannot be written any more
+        shard.send_signal(signal.SIGTERM)
+        assert shard.wait(30) == 1
+    finally:
+        cluster.close()
+    log = (tmp_path / "shard0.log").read_text()
+    assert "last checkpoint" in log and "failed" in log and "Traceback" not in log, log[-2000:]
 
 
 def test_a_killed_worker_restarts_and_continues_where_it_was(tmp_path):
