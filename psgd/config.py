@@ -56,7 +56,10 @@ class TrainConfig:
     threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
 
 
-_INT_KEYS = {"batch_size": 1, "epochs": 1, "eval_every": 0, "eval_batch_size": 1, "threads": 0}
+#: Ranges that work, (lowest, highest), of the integer keys: beyond them a job would exhaust memory or time
+#: before it did anything useful (the bounds are far past any real job).
+_INT_KEYS = {"batch_size": (1, 1 << 24), "epochs": (1, 10**7), "eval_every": (0, 10**9),
+             "eval_batch_size": (1, 1 << 24), "threads": (0, 4096), "seed": (0, 2**63 - 1)}
 
 
 @dataclasses.dataclass
@@ -90,9 +93,11 @@ TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
-_CLUSTER_INT_KEYS = {"staleness": 0, "backup_workers": 0, "local_steps": 1, "shards": 1, "workers": 1,
-                     "slice_bytes": 64}
-_CLUSTER_TIME_KEYS = ("lease_seconds", "join_timeout", "request_timeout", "hello_timeout")
+_CLUSTER_INT_KEYS = {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6),
+                     "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30)}
+#: Seconds: more than the largest of these and a call's deadline no longer fits gRPC's clock (1e10 s did not).
+_CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "request_timeout": 86400.0,
+                      "hello_timeout": 3600.0}
 
 
 @dataclasses.dataclass
@@ -196,8 +201,6 @@ class JobConfig:
         _check_ints(src, "train", t, _INT_KEYS)
         if not isinstance(t.eval_beside, bool):
             raise ConfigError(f"{src}: [train] eval_beside must be true or false, got {t.eval_beside!r}")
-        if isinstance(t.seed, bool) or not isinstance(t.seed, int) or t.seed < 0:
-            raise ConfigError(f"{src}: [train] seed must be a non-negative integer, got {t.seed!r}")
         if t.dtype not in DTYPES:
             raise ConfigError(f"{src}: [train] dtype must be one of {DTYPES}, got {t.dtype!r}")
         if not isinstance(t.device, str):
@@ -212,10 +215,11 @@ class JobConfig:
         if not isinstance(c.policy, str) or c.policy not in POLICIES:
             raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
         _check_ints(src, "cluster", c, _CLUSTER_INT_KEYS)
-        for key in _CLUSTER_TIME_KEYS:
+        for key, most in _CLUSTER_TIME_KEYS.items():
             value = getattr(c, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{src}: [cluster] {key} must be a positive number of seconds, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
+                raise ConfigError(f"{src}: [cluster] {key} must be a number of seconds > 0 and <= {most:g}, "
+                                  f"got {value!r}")
         if c.backup_workers >= c.workers:
             raise ConfigError(f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({c.workers})")
         if not isinstance(c.servers, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit()
@@ -224,9 +228,9 @@ class JobConfig:
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
         if isinstance(c.dc_lambda, bool) or not isinstance(c.dc_lambda, (int, float)) \
-                or not 0 <= c.dc_lambda < float("inf"):
-            raise ConfigError(f"{src}: [cluster] dc_lambda must be a number >= 0 (0: no delay compensation), "
-                              f"got {c.dc_lambda!r}")
+                or not 0 <= c.dc_lambda <= 1e6:
+            raise ConfigError(f"{src}: [cluster] dc_lambda must be a number from 0 (no delay compensation) to "
+                              f"1e6, got {c.dc_lambda!r}")
         for key in ("staleness_lr", "overlap", "dc_adaptive", "implicit_momentum"):
             if not isinstance(getattr(c, key), bool):
                 raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(c, key)!r}")
@@ -288,11 +292,11 @@ def _toml_value(value: Any, where: str) -> str:
     raise ConfigError(f"{where}: a {type(value).__name__} cannot be written to a job file")
 
 
-def _check_ints(source: str, section: str, values: Any, minimums: dict[str, int]) -> None:
-    for key, low in minimums.items():
+def _check_ints(source: str, section: str, values: Any, ranges: dict[str, tuple[int, int]]) -> None:
+    for key, (low, high) in ranges.items():
         value = getattr(values, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"{source}: [{section}] {key} must be an integer >= {low}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{source}: [{section}] {key} must be an integer from {low} to {high}, got {value!r}")
 
 
 def _table(value: Any, source: str, section: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
 from typing import Any, Mapping
 
@@ -29,7 +30,7 @@ from psgd import data as datasets
 from psgd import model as models
 from psgd import optim
 from psgd import xp as backend
-from psgd.config import JobConfig
+from psgd.config import ConfigError, JobConfig
 from psgd.policy import POLICIES
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
     if dataset is None:
         dataset = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
     model = build_job_model(config, dataset)
+    check_fits(model.specs(), f"model {config.model['name']!r}")  # a worker holds all of it
     if check:
         began = time.perf_counter()
         models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
@@ -118,6 +120,23 @@ def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataSha
     return models.build_model(
         config.model["name"], data.input_shape, data.num_classes, dtype=dtype, **config.options("model")
     )
+
+
+def physical_memory() -> int:
+    """Bytes of memory this machine has."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(specs: list[models.VarSpec], what: str, total: int | None = None) -> None:
+    """Refuse, in one line and before anything is allocated, variables this machine's memory cannot hold
+    while they are initialized (each is made in float64, then cast to its dtype)."""
+    total = physical_memory() if total is None else total
+    count = sum(s.size for s in specs)
+    need = sum(s.size * (8 + np.dtype(s.dtype).itemsize) for s in specs)
+    if need > total:
+        dtypes = "/".join(sorted({s.dtype for s in specs}))
+        raise ConfigError(f"{what}: its variables ({count:,} parameters of {dtypes}, {need / 2**30:.1f} GiB while "
+                          f"they are initialized) do not fit this machine's {total / 2**30:.1f} GiB of memory")
 
 
 def build_optimizer(config: JobConfig) -> optim.Optimizer:

@@ -23,7 +23,7 @@ def build_shard(job, shard: int) -> ShardCore:
     """
     from psgd import optim, policy
     from psgd.config import ConfigError
-    from psgd.job import build_job_model, identity
+    from psgd.job import build_job_model, check_fits, identity
     from psgd.partition import PartitionPlan
 
     model = build_job_model(job)
@@ -32,6 +32,8 @@ def build_shard(job, shard: int) -> ShardCore:
         raise ConfigError(f"shard index {shard} is out of range: the job has {c.shards} shard(s), 0..{c.shards - 1}")
     plan = PartitionPlan(model.specs(), c.shards, c.slice_bytes)
     mine = plan.slices_for_shard(shard)
+    held = {sl.var for sl in mine}
+    check_fits([v for v in plan.specs if v.name in held], f"shard {shard} of model {job.model['name']!r}")
     init = model.init(job.train.seed, names=sorted({s.var for s in mine}))
     values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
     rule = policy.policy_from_cluster(c)

@@ -98,7 +98,7 @@ def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys):
     (["--dataset", "npz:/no/such/file.npz"], "/no/such/file.npz"),
     (["--optimizer", "adan"], "unknown optimizer 'adan'"),
     (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--batch-size", "0"], "batch_size must be an integer >= 1"),
+    (["--batch-size", "0"], "batch_size must be an integer from 1 to 16777216"),
     (["--set", "model.hidden=[0]"], "hidden"),
 ])
 def test_cli_user_errors_are_one_line_and_exit_2(argv, words, capsys):

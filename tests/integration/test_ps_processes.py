@@ -139,6 +139,18 @@ def test_a_second_worker_of_the_same_rank_is_refused_naming_the_first(tmp_path):
     assert shard_log.count("worker 0 registered") == 1, shard_log[-2000:]
 
 
+@pytest.mark.parametrize("module", ["psgd.cli.server", "psgd.cli.worker"])
+def test_a_model_too_large_for_the_machine_is_refused_in_one_line_before_allocating(module):
+    """model.hidden=[1000000000] ended in a numpy traceback ("Unable to allocate 477. GiB") once the shard
+    began to make its variables; a model of 100 GiB would rather have started allocating."""
+    where = ["--bind", "127.0.0.1:0"] if module == "psgd.cli.server" else ["--rank", "0", "--no-progress"]
+    done = run_cli(module, *where, "--workers", "1", "--shards", "1", "--servers", "127.0.0.1:9",
+                   "--set", "model.hidden=[1000000000]", timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert "75,000,000,010 parameters of float32" in done.stderr and "GiB of memory" in done.stderr
+
+
 def test_wrong_address_fails_fast_with_a_clear_message():
     done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",
                    "--servers", "127.0.0.1:9", "--set", "cluster.join_timeout=1", "--no-progress", timeout=60)

@@ -47,7 +47,7 @@ def test_overrides_and_set(tmp_path):
     ("[model\nname='mlp'", "not valid TOML"),
     ("[modle]\nname='mlp'", "unknown section"),
     ("[train]\nbatchsize = 4", "unknown key 'batchsize'"),
-    ("[train]\nbatch_size = 0", "batch_size must be an integer >= 1"),
+    ("[train]\nbatch_size = 0", "batch_size must be an integer from 1 to 16777216, got 0"),
     ("[train]\nbatch_size = 'big'", "batch_size"),
     ("[train]\ndtype = 'float16'", "dtype"),
     ("[optimizer]\nlr = -1.0", "lr must be a positive number"),
@@ -57,7 +57,13 @@ def test_overrides_and_set(tmp_path):
     ("[cluster]\nworkers = 2\nbackup_workers = 2", "backup_workers (2) must be less than workers (2)"),
     ("[cluster]\nshards = 2\nservers = ['127.0.0.1:1']", "lists 1 server address(es) but shards = 2"),
     ("[cluster]\nservers = ['nohost']", "host:port"),
-    ("[cluster]\nlease_seconds = 0", "lease_seconds must be a positive number"),
+    ("[cluster]\nlease_seconds = 0", "lease_seconds must be a number of seconds > 0 and <= 86400"),
+    # bounds: each accepted once and then failed (a worker retrying forever, a shard at 3.1 GB in 18 s)
+    ("[cluster]\nrequest_timeout = 1e10", "request_timeout must be a number of seconds > 0 and <= 86400, got "
+                                          "10000000000.0"),
+    ("[cluster]\nworkers = 10000000", "workers must be an integer from 1 to 10000, got 10000000"),
+    ("[cluster]\nshards = 5000", "shards must be an integer from 1 to 1024"),
+    ("[train]\nseed = -1", "seed must be an integer from 0 to"),
 ])
 def test_malformed_job_files_name_file_section_and_key(tmp_path, text, words):
     path = write(tmp_path, text)
@@ -104,9 +110,9 @@ def test_job_written_as_toml_reads_back_the_same(tmp_path):
 
 @pytest.mark.parametrize("key, value, words", [
     ("async_lr", '"half"', 'async_lr must be "divided" (each async or ssp push at lr / workers) or "full"'),
-    ("dc_lambda", "-0.5", "dc_lambda must be a number >= 0 (0: no delay compensation), got -0.5"),
-    ("dc_lambda", "inf", "dc_lambda must be a number >= 0"),
-    ("dc_lambda", "true", "dc_lambda must be a number >= 0"),
+    ("dc_lambda", "-0.5", "dc_lambda must be a number from 0 (no delay compensation) to 1e6, got -0.5"),
+    ("dc_lambda", "inf", "dc_lambda must be a number from 0"),
+    ("dc_lambda", "true", "dc_lambda must be a number from 0"),
     ("dc_adaptive", "1", "dc_adaptive must be true or false, got 1"),
     ("implicit_momentum", '"yes"', "implicit_momentum must be true or false, got 'yes'"),
 ])
@@ -126,3 +132,16 @@ def test_eval_beside_is_true_or_false():
     assert JobConfig().train.eval_beside is False
     with pytest.raises(ConfigError, match=re.escape("[train] eval_beside must be true or false, got 'yes'")):
         JobConfig().apply_sets(['train.eval_beside="yes"'])
+
+
+def test_variables_that_do_not_fit_the_memory_are_refused_before_allocating():
+    """Initializing makes each variable in float64 and casts it: 8 + itemsize bytes per parameter at the peak."""
+    from psgd.job import check_fits
+    from psgd.model.base import VarSpec
+
+    specs = [VarSpec("w", (1000, 1000), "float32"), VarSpec("b", (1000,), "float32")]
+    check_fits(specs, "model 'mlp'", total=12 * 1_001_000)  # exactly fits
+    with pytest.raises(ConfigError, match=re.escape("model 'mlp': its variables (1,001,000 parameters of float32, "
+                                                    "0.0 GiB while they are initialized) do not fit this machine's "
+                                                    "0.0 GiB of memory")):
+        check_fits(specs, "model 'mlp'", total=12 * 1_001_000 - 1)

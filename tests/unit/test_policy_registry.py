@@ -69,7 +69,7 @@ def test_only_sync_accumulates():
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["cluster.policy=local", "cluster.local_steps=0"], "local_steps must be an integer >= 1"),
+    (["cluster.policy=local", "cluster.local_steps=0"], "local_steps must be an integer from 1 to 1000000"),
     (["cluster.policy=local", "cluster.dc_lambda=0.1"], "dc_lambda cannot go with policy 'local'"),
     (["cluster.policy=local", "cluster.overlap=true", "cluster.implicit_momentum=true"],
      "implicit_momentum, overlap cannot go with policy 'local': its workers push their progress"),
