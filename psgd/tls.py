@@ -93,9 +93,16 @@ class TLSFiles:
 NO_TLS = TLSFiles()
 
 
-def add_tls_arguments(parser, server: bool) -> None:
+def add_tls_arguments(parser, server: bool = False, launch: bool = False) -> None:
     group = parser.add_argument_group("TLS", "encryption and mutual authentication (see README: certificates)")
-    if server:
+    if launch:
+        group.add_argument("--tls-cert", metavar="PEM", help="the certificate every shard serves with and every "
+                           "worker (and this launcher's own reads) shows; it must name 127.0.0.1, or each "
+                           "node's address with --hosts (all three flags together: mutual TLS)")
+        group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+        group.add_argument("--tls-ca", metavar="PEM", help="the CA that signed --tls-cert: shards demand client "
+                           "certificates it signed, workers trust shards it signed")
+    elif server:
         group.add_argument("--tls-cert", metavar="PEM", help="this shard's certificate; with --tls-key: TLS only")
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
         group.add_argument("--tls-ca", metavar="PEM", help="demand client certificates signed by this CA (mutual TLS)")
@@ -107,3 +114,14 @@ def add_tls_arguments(parser, server: bool) -> None:
 
 def tls_from_args(args) -> TLSFiles:
     return TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def child_flags(tls: TLSFiles) -> list[str]:
+    """The flags that hand ``tls`` on to a psgd-server or psgd-worker (the same three for both: mutual TLS)."""
+    if not tls.enabled:
+        return []
+    if not (tls.cert and tls.key and tls.ca):
+        raise TLSError("psgd launch with TLS needs --tls-cert, --tls-key and --tls-ca together: shards serve and "
+                       "workers show the certificate, and both trust the CA (mutual TLS)")
+    return ["--tls-cert", str(Path(tls.cert).resolve()), "--tls-key", str(Path(tls.key).resolve()),
+            "--tls-ca", str(Path(tls.ca).resolve())]

@@ -14,6 +14,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int
                              job_from_args, run_command, start_process, verbosity)
 from psgd.logs import setup_logging
 from psgd.parsing import Parser
+from psgd.tls import add_tls_arguments, tls_from_args
 
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 29500)")
     launch.add_argument("--no-progress", action="store_true", help="hide worker 0's progress bar")
     launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_tls_arguments(launch, launch=True)
     add_divergence_argument(launch)
     add_log_arguments(launch)
     launch.set_defaults(func=cmd_launch)
@@ -251,7 +253,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
     result = launch(job, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout, hosts=hosts)
+                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args))
     c = job.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")

@@ -25,6 +25,7 @@ from psgd.config import JobConfig, to_toml
 from psgd.launch.plan import Hosts, Layout, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
+from psgd.tls import NO_TLS, TLSFiles, child_flags
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class LaunchResult:
 def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event], None] | None = None,
-           save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None) -> LaunchResult:
+           save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
+           tls: TLSFiles = NO_TLS) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -53,13 +55,18 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     set then); it may read the shards, e.g. to evaluate the weights over time.
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
-    this machine (one node).
+    this machine (one node).  ``tls`` (certificate, key and CA together) is mutual TLS between every shard,
+    worker and this launcher's own reads.
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
     stopped first).  ``divergence`` in the result is the first divergence this node's workers (ranks)
     reported, else the launcher's own verdict on the final weights (:mod:`psgd.divergence`).
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
+    tls_flags = child_flags(tls)
+    if tls.enabled and mode != "ps":
+        raise LaunchError("TLS protects the parameter servers' traffic: all-reduce mode has no servers (MPI and "
+                          "NCCL bring their own transport)")
     if mode == "allreduce" and layout.nnodes > 1:
         raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
     layout.check(job.cluster.shards, job.cluster.workers)
@@ -105,7 +112,7 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
                 result = _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
-                                    children, save, layout, hosts, devices)
+                                    children, save, layout, hosts, devices, tls, tls_flags)
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
             result.divergence = _divergence(metrics, began, result.divergence, shown)
@@ -246,7 +253,7 @@ def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str 
 def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
                log_flags: list[str], monitor: Callable[[list[str], threading.Event], None] | None,
                children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
-               devices: dict[int, str]) -> LaunchResult:
+               devices: dict[int, str], tls: TLSFiles, tls_flags: list[str]) -> LaunchResult:
     c = job.cluster
     job_path = run / "job.toml"
     py = sys.executable
@@ -263,7 +270,8 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
             bind = f"{hosts.addresses[f's{k}']}:0"
         servers.append(children.start(f"shard {k}", [*on, py, "-m", "psgd.cli.server", "-c", str(job_path),
                                                      "--shard", str(k), "--bind", bind,
-                                                     "--port-file", str(port_files[k]), *log_flags],
+                                                     "--port-file", str(port_files[k]), *tls_flags,
+                                                     *log_flags],
                                       run / f"shard-{k}.log"))
     bound = dict(zip(mine, wait_for_files(list(port_files.values()), servers, children,
                                           timeout=min(timeout, 120.0))))
@@ -278,7 +286,7 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
         show = progress and r == ranks[0]
         on = hosts.prefix(f"w{r}") if hosts else []
         argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
-                "--metrics", str(run / f"worker-{r}.jsonl"), *worker_args]
+                "--metrics", str(run / f"worker-{r}.jsonl"), *tls_flags, *worker_args]
         argv += _device_flags(devices[r])
         argv += ["-q"] if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show))
@@ -289,19 +297,19 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
     try:
         wait_all(workers, children.procs, children, time.monotonic() + timeout, timeout, run)
         if layout.nnodes > 1 and servers:  # shards here may still serve other nodes' workers
-            _wait_for_job(list(bound.values()), children, servers, time.monotonic() + timeout, timeout)
+            _wait_for_job(list(bound.values()), children, servers, time.monotonic() + timeout, timeout, tls)
     finally:
         stop.set()
         if watcher:
             watcher.join(60)
     if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
-        _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout)
+        _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
-    return _final_evaluation(job, addresses, run, start, save)
+    return _final_evaluation(job, addresses, run, start, save, tls)
 
 
 def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,
-                  timeout: float) -> None:
+                  timeout: float, tls: TLSFiles) -> None:
     """Wait until this node's shards say every worker of the job has finished or been dropped (every
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
     import grpc
@@ -310,7 +318,7 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
     metadata = token_metadata(os.environ.get("PSGD_TOKEN", ""))
-    channels = [open_channel(a) for a in local]
+    channels = [open_channel(a, tls) for a in local]
     try:
         stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
         while True:
@@ -332,13 +340,13 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
             ch.close()
 
 
-def _wait_until_gone(address: str, children: Children, deadline: float, timeout: float) -> None:
+def _wait_until_gone(address: str, children: Children, deadline: float, timeout: float, tls: TLSFiles) -> None:
     """Wait until the shard at ``address`` (node 0's shard 0) stops serving: node 0 has read the weights."""
     import grpc
 
     from psgd.channel import open_channel
 
-    with open_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         while time.monotonic() < deadline:
             try:
                 grpc.channel_ready_future(channel).result(timeout=0.5)
@@ -349,11 +357,11 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
 
 
 def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: float,
-                      save: str | None) -> LaunchResult:
+                      save: str | None, tls: TLSFiles) -> LaunchResult:
     from psgd.export import pull_from_servers, save_weights
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
-    pulled = pull_from_servers(job, addresses, token=os.environ.get("PSGD_TOKEN", ""))  # children have it too
+    pulled = pull_from_servers(job, addresses, token=os.environ.get("PSGD_TOKEN", ""), tls=tls)  # as the children
     weights, versions = pulled.weights, pulled.versions
     loss, acc, verdict = _evaluate(job, weights, "ps")
     if save:

@@ -299,9 +299,10 @@ class ShardServer:
             self._checkpointer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("shard %d of %d serving on %s, data port %s (policy %s, %d workers, %d slices, %.1f MB)",
+        log.info("shard %d of %d serving on %s, data port %s (%s; policy %s, %d workers, %d slices, %.1f MB)",
                  self.core.shard, self.core.plan.num_shards, self.address,
-                 self.data.port if self.data else "none", self.core.policy.name,
+                 self.data.port if self.data else "none",
+                 "mutual TLS" if self.tls.ca else "TLS" if self.tls.enabled else "plaintext", self.core.policy.name,
                  self.core.num_workers, len(self.core.slices),
                  sum(w.nbytes for w in self.core.weights.values()) / 1e6)
         return self

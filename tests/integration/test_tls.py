@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -118,3 +119,22 @@ def test_the_data_path_refuses_a_plaintext_or_untrusted_client(certs):
         ok.close()
     finally:
         server.stop(1)
+
+
+@pytest.mark.slow
+def test_launch_runs_a_whole_job_over_mutual_tls(certs, tmp_path):
+    """psgd launch knew no --tls-*: a TLS job could not be launched with one command."""
+    run = tmp_path / "run"
+    done = subprocess.run([shutil.which("psgd") or "psgd", "launch", "--epochs", "2", "--workers", "2", "--shards", "2",
+                           "--run-dir", str(run), "--no-progress", "--json", "--tls-cert", str(certs / "shard.pem"),
+                           "--tls-key", str(certs / "shard.key"), "--tls-ca", str(certs / "ca.pem")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["test_accuracy"] > 0.8
+    for k in (0, 1):
+        assert "mutual TLS; policy sync" in (run / f"shard-{k}.log").read_text()
+    for r in (0, 1):  # every worker trained to the end, over TLS (a plaintext client is refused)
+        assert json.loads((run / f"worker-{r}.jsonl").read_text().splitlines()[-1])["event"] == "done"
+    half = subprocess.run([shutil.which("psgd") or "psgd", "launch", "--epochs", "1", "--tls-cert",
+                           str(certs / "shard.pem"), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert half.returncode == 2 and "needs --tls-cert, --tls-key and --tls-ca together" in half.stderr
