@@ -121,14 +121,15 @@ class ShardObserver:
         self.error: str | None = None
         self._pulls = 0
 
-    def __call__(self, addresses: list[str], stop: threading.Event) -> None:
+    def __call__(self, addresses: list[str], stop: threading.Event, token: str = "") -> None:
         from psgd.link.protocol import OBSERVER
         from psgd.worker.client import PSClient
 
         ev = self.evaluator
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in ev.plan.specs}
         try:
-            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.job.cluster.request_timeout) as client:
+            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.job.cluster.request_timeout,
+                          token=token) as client:
                 next_at = time.monotonic()
                 while True:
                     finished = stop.is_set()  # one last sample after the workers are done: the final weights

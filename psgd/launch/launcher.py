@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -44,15 +45,17 @@ class LaunchResult:
 
 def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
-           verbose: int = 0, monitor: Callable[[list[str], threading.Event], None] | None = None,
+           verbose: int = 0, monitor: Callable[[list[str], threading.Event, str], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
            tls: TLSFiles = NO_TLS) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
-    "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop)`` runs in a
+    "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop, token)`` runs in a
     thread from the workers' start until they have all finished (``stop`` is
-    set then); it may read the shards, e.g. to evaluate the weights over time.
+    set then); it may read the shards with ``token``, e.g. to evaluate the weights over time.
+    The shards want ``$PSGD_TOKEN``; without one, a single node makes a random token for the job and
+    hands it to its children in their environment (never in the job file or a log).
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
     this machine (one node).  ``tls`` (certificate, key and CA together) is mutual TLS between every shard,
@@ -101,6 +104,16 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
     threads.apply(per_process)
     (run / "job.toml").write_text(to_toml(spec))
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
+    token = os.environ.get("PSGD_TOKEN", "")
+    if not token and mode == "ps":
+        if layout.nnodes == 1:
+            token = secrets.token_urlsafe(32)  # only this launcher's children and its own reads know it
+            log.info("the shards want a token made for this job (to watch them with psgd status, launch with "
+                     "PSGD_TOKEN set)")
+        else:
+            log.warning("no PSGD_TOKEN: the shards of this %d-node job answer anyone who reaches their ports; "
+                        "set the same PSGD_TOKEN on every node (python -c 'import secrets; "
+                        "print(secrets.token_urlsafe(32))')", layout.nnodes)
     children = Children()
     began = time.time()  # metrics lines from before this launch (a reused run folder) are not this run's
     with children.forwarding_signals():
@@ -112,7 +125,7 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
                 result = _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
-                                    children, save, layout, hosts, devices, tls, tls_flags)
+                                    children, save, layout, hosts, devices, tls, tls_flags, token)
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
             result.divergence = _divergence(metrics, began, result.divergence, shown)
@@ -251,9 +264,9 @@ def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str 
 
 
 def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
-               log_flags: list[str], monitor: Callable[[list[str], threading.Event], None] | None,
+               log_flags: list[str], monitor: Callable[[list[str], threading.Event, str], None] | None,
                children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
-               devices: dict[int, str], tls: TLSFiles, tls_flags: list[str]) -> LaunchResult:
+               devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str) -> LaunchResult:
     c = job.cluster
     job_path = run / "job.toml"
     py = sys.executable
@@ -272,7 +285,7 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
                                                      "--shard", str(k), "--bind", bind,
                                                      "--port-file", str(port_files[k]), *tls_flags,
                                                      *log_flags],
-                                      run / f"shard-{k}.log"))
+                                      run / f"shard-{k}.log", env={"PSGD_TOKEN": token}))
     bound = dict(zip(mine, wait_for_files(list(port_files.values()), servers, children,
                                           timeout=min(timeout, 120.0))))
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
@@ -289,15 +302,16 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
                 "--metrics", str(run / f"worker-{r}.jsonl"), *tls_flags, *worker_args]
         argv += _device_flags(devices[r])
         argv += ["-q"] if show else (log_flags + ["--no-progress"])
-        workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show))
+        workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show,
+                                      env={"PSGD_TOKEN": token}))
     stop = threading.Event()
-    watcher = threading.Thread(target=monitor, args=(addresses, stop), daemon=True) if monitor else None
+    watcher = threading.Thread(target=monitor, args=(addresses, stop, token), daemon=True) if monitor else None
     if watcher:
         watcher.start()
     try:
         wait_all(workers, children.procs, children, time.monotonic() + timeout, timeout, run)
         if layout.nnodes > 1 and servers:  # shards here may still serve other nodes' workers
-            _wait_for_job(list(bound.values()), children, servers, time.monotonic() + timeout, timeout, tls)
+            _wait_for_job(list(bound.values()), children, servers, time.monotonic() + timeout, timeout, tls, token)
     finally:
         stop.set()
         if watcher:
@@ -305,11 +319,11 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
     if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
         _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
-    return _final_evaluation(job, addresses, run, start, save, tls)
+    return _final_evaluation(job, addresses, run, start, save, tls, token)
 
 
 def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,
-                  timeout: float, tls: TLSFiles) -> None:
+                  timeout: float, tls: TLSFiles, token: str) -> None:
     """Wait until this node's shards say every worker of the job has finished or been dropped (every
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
     import grpc
@@ -317,7 +331,7 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
     from psgd.channel import open_channel, token_metadata
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
-    metadata = token_metadata(os.environ.get("PSGD_TOKEN", ""))
+    metadata = token_metadata(token)
     channels = [open_channel(a, tls) for a in local]
     try:
         stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
@@ -357,11 +371,11 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
 
 
 def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: float,
-                      save: str | None, tls: TLSFiles) -> LaunchResult:
+                      save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
     from psgd.export import pull_from_servers, save_weights
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
-    pulled = pull_from_servers(job, addresses, token=os.environ.get("PSGD_TOKEN", ""), tls=tls)  # as the children
+    pulled = pull_from_servers(job, addresses, token=token, tls=tls)
     weights, versions = pulled.weights, pulled.versions
     loss, acc, verdict = _evaluate(job, weights, "ps")
     if save:

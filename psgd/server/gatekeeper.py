@@ -284,8 +284,8 @@ class Gatekeeper:
                                    self.token.encode("utf-8", "surrogatepass")):
             raise _Refusal("UNAUTHENTICATED", "wrong or missing token", "wrong or missing token")
         if plan_hash != self.core.plan.hash:
-            raise _Refusal("FAILED_PRECONDITION", f"partition plan {plan_hash!r} differs from shard "
-                           f"{self.core.shard}'s {self.core.plan.hash!r}", "another partition plan")
+            raise _Refusal("FAILED_PRECONDITION", f"partition plan {plan_hash[:64]!r} is not shard "
+                           f"{self.core.shard}'s (registering over gRPC says how they differ)", "another partition plan")
         if worker != protocol.OBSERVER:
             try:
                 self.core.roster.check(worker)

@@ -591,7 +591,7 @@ def test_a_hello_with_another_plan_is_refused(shard, plan_hash):
     with dial(shard.port) as sock:
         send_hello(sock, plan_hash)
         reply = expect(sock, PRECONDITION, "partition plan")
-        assert shard.plan.hash in reply.message or len(plan_hash) > 1000  # a huge hash is cut off
+        assert shard.plan.hash not in reply.message  # a peer that does not know the job learns nothing of it
         assert len(reply.message.encode()) <= protocol.MAX_ERROR_BYTES
         assert_closed(sock)
 

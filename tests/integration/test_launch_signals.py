@@ -239,3 +239,35 @@ def test_a_worker_waiting_in_a_sync_round_stops_within_two_seconds(tmp_path, tra
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def test_launch_guards_its_shards_with_a_token_of_its_own(tmp_path):
+    """psgd launch ran its shards without a token: any local process could hold their ports or write to
+    them. Now it makes one per job and hands it to its children in their environment only."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "PSGD_TOKEN"}
+    launch = subprocess.Popen([PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(lambda: started_training(run), 60, "both workers to step")
+        address = (run / "shard-0.addr").read_text().strip()
+        shard_pid = next(pid for pid, cmd in processes_mentioning(str(run)) if "psgd.cli.server" in cmd)
+        environ = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{shard_pid}/environ").read_text().split("\0") if "=" in item)
+        token = environ["PSGD_TOKEN"]
+        assert len(token) >= 32
+        config = JobConfig.load(run / "job.toml")
+        plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.slice_bytes)
+        with PSClient([address, config.cluster.servers[1]], plan, request_timeout=5, retry_deadline=0) as stranger:
+            with pytest.raises(Exception, match="UNAUTHENTICATED"):
+                stranger.status()
+        with PSClient(config.cluster.servers, plan, request_timeout=5, token=token) as insider:
+            assert [s.shard for s in insider.status()] == [0, 1]
+        launch.send_signal(signal.SIGTERM)
+        _, err = launch.communicate(timeout=60)
+        written = [(run / "job.toml").read_text(), err] + [p.read_text() for p in run.glob("*.log")]
+        assert not any(token in text for text in written)  # never in the job file or a log
+    finally:
+        launch.kill()
+        launch.wait(10)
+        kill_leftovers(run)
