@@ -14,7 +14,10 @@ from psgd.tls import NO_TLS, TLSFiles
 
 #: Errors a caller may retry: the shard is away or slow (UNAVAILABLE, DEADLINE_EXCEEDED), or it cancelled
 #: the call while stopping to restart (CANCELLED; a worker cancels its own calls only when it stops).
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+#: what a worker retries (with backoff, within its retry deadline); RESOURCE_EXHAUSTED: the shard's receive
+#: buffers were all taken for a while, and the push was not applied
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class LinkError(Exception):

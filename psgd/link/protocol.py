@@ -31,6 +31,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import time
 
 import grpc
 
@@ -85,20 +86,32 @@ class WireError(Exception):
     """The peer broke the data-path protocol or went away."""
 
 
+class TooSlow(WireError):
+    """The peer sent too slowly: its bytes had not all come by the deadline."""
+
+
 def tune(sock: socket.socket) -> None:
     """Options for every data-path socket: no Nagle delay.  Buffer sizes are left to the kernel:
     setting SO_SNDBUF/SO_RCVBUF turns Linux's autotuning off, which made pushes slower here."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def recv_exact(sock: socket.socket, into: memoryview) -> None:
-    """Fill ``into`` from ``sock`` or raise WireError (the peer closed, or the timeout passed)."""
+def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:
+    """Fill ``into`` from ``sock`` or raise WireError (the peer closed, or the timeout passed); with a
+    ``deadline`` (time.monotonic), :class:`TooSlow` once it has passed."""
     view = into.cast("B") if into.format != "B" or into.ndim != 1 else into
     got, n = 0, len(view)
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TooSlow(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], min(n - got, 8 << 20))
         except socket.timeout:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TooSlow(f"{got} of {n} bytes by the deadline") from None
             raise WireError(f"timed out after {got} of {n} bytes") from None
         except OSError as exc:
             raise WireError(f"connection failed: {exc}") from None

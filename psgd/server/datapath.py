@@ -27,6 +27,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -41,6 +42,10 @@ from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTIC
 log = logging.getLogger(__name__)
 
 _OUTCOME_CODES = {name: i for i, name in enumerate(protocol.OUTCOMES)}
+#: A push over the socket must arrive within PUSH_GRACE seconds plus one second per MIN_PUSH_RATE bytes
+#: (and the request timeout): 100 MB has 105 s at most, a trickle of a byte every few seconds is cut off.
+MIN_PUSH_RATE = 1e6
+PUSH_GRACE = 5.0
 
 
 class BufferPool:
@@ -242,35 +247,45 @@ class DataServer:
         if size != expected:
             self._fatal(conn, "INVALID_ARGUMENT", f"push of {size} bytes, shard {core.shard} expects {expected} "
                         f"({core.flat.size} values of {itemsize} bytes): wrong shape or dtype")
-        # Over shared memory an uncompressed gradient is checked and applied where the worker wrote it.  Only
-        # the worker that owns the connection was given it, and it waits for this reply: a worker racing its
-        # own push could as well have pushed any other finite gradient.  (Another process of the shard's user
-        # could open it through /proc, as it could the shard's own memory.)  Anything else lands in a receive
-        # buffer first.
-        in_place = seg is not None and not codec.compresses
-        buf = None
-        if not in_place:
-            try:
-                buf = self.receive_buffers.acquire(self.request_timeout)
-            except ShardError as err:
-                self._fatal(conn, err.code, err.message)
+        # Every push lands in a receive buffer of the shard's own before it is checked, so what is checked is
+        # what is applied: a segment's writer could change its bytes after a check.  Only a registered worker
+        # takes a buffer (its lease renewed), and a push over the socket must arrive by its deadline, at
+        # MIN_PUSH_RATE at least: a trickled push cannot hold a buffer.
+        allowed = min(self.request_timeout, PUSH_GRACE + size / MIN_PUSH_RATE)
         try:
-            if seg is not None and buf is not None:  # compressed: decoded into the buffer, as from the socket
+            core.heartbeat(worker, clock)
+            buf = self.receive_buffers.acquire(self.request_timeout)
+        except ShardError as err:  # refused before it takes a buffer; the connection goes on
+            if seg is None and not protocol.wants_go_ahead(size):  # its payload follows the header: let it pass
+                try:
+                    _drain(conn, size, time.monotonic() + allowed)
+                except protocol.TooSlow as exc:
+                    self._fatal(conn, "DEADLINE_EXCEEDED", f"refused push of {size} bytes from worker {worker} "
+                                f"did not arrive within {allowed:.1f}s ({exc})")
+            self._reply_error(conn, err)
+            return
+        try:
+            if seg is not None and codec.compresses:  # decoded into the buffer, as from the socket
                 _decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
-            elif seg is None:
+            elif seg is not None:
+                memoryview(buf)[:size] = seg.data[:size]
+            else:
                 if protocol.wants_go_ahead(size):
                     ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
                     protocol.send_buffers(conn, [ready])
-                _receive_gradient(conn, memoryview(buf), codec, core.flat.size)
-            grads = core.store.gradient_views(seg.data[:size] if in_place else buf)
+                try:
+                    _receive_gradient(conn, memoryview(buf), codec, core.flat.size, time.monotonic() + allowed)
+                except protocol.TooSlow as exc:
+                    self._fatal(conn, "DEADLINE_EXCEEDED", f"push of {size} bytes from worker {worker} did not "
+                                f"arrive within {allowed:.1f}s ({exc}): at least {MIN_PUSH_RATE / 1e6:g} MB/s")
+            grads = core.store.gradient_views(buf)
             try:
                 result = core.push(worker, clock, base_version, grads, wire_bytes=size)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return
         finally:
-            if buf is not None:
-                self.receive_buffers.release(buf)
+            self.receive_buffers.release(buf)
         protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
                                                          result.version, result.next_clock, result.staleness, 0)])
 
@@ -308,20 +323,29 @@ def _decode_gradient(src: memoryview, buf: memoryview, codec: Codec, count: int)
         codec.decode(wire[start:stop], out[start:stop])
 
 
-def _receive_gradient(conn: socket.socket, buf: memoryview, codec: Codec, count: int) -> None:
-    """Receive ``count`` gradient values into ``buf`` as ``codec`` wrote them.
+def _drain(conn: socket.socket, size: int, deadline: float) -> None:
+    """Read and drop ``size`` bytes (a refused push's payload) by ``deadline``, holding no receive buffer."""
+    scratch = memoryview(bytearray(min(size, 1 << 16)))
+    while size > 0:
+        n = min(size, len(scratch))
+        protocol.recv_exact(conn, scratch[:n], deadline)
+        size -= n
+
+
+def _receive_gradient(conn: socket.socket, buf: memoryview, codec: Codec, count: int, deadline: float) -> None:
+    """Receive ``count`` gradient values into ``buf`` as ``codec`` wrote them, by ``deadline`` (monotonic).
 
     Compressed gradients (float16, bfloat16) are received in pieces into a
     small staging buffer and decoded into place, so they never need a second
     full-size buffer.
     """
     if not codec.compresses:
-        protocol.recv_exact(conn, buf)
+        protocol.recv_exact(conn, buf, deadline)
         return
     out = np.frombuffer(buf, dtype=np.float32, count=count)
     stage = np.empty(min(count, _STAGE_ELEMS), dtype=np.uint16)
     for start in range(0, count, _STAGE_ELEMS):
         n = min(_STAGE_ELEMS, count - start)
         piece = stage[:n]
-        protocol.recv_exact(conn, memoryview(piece))
+        protocol.recv_exact(conn, memoryview(piece), deadline)
         codec.decode(piece, out[start:start + n])

@@ -38,6 +38,7 @@ from psgd.data import datasets
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard
 from psgd.server.core import ShardCore
+from psgd.server import datapath
 from psgd.server.datapath import DataServer
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient, PSError, process_incarnation
@@ -899,12 +900,40 @@ def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
                 shard.hello(0, port=data.port) as stalled:
             request(stalled, protocol.OP_PUSH, size=shard.core.nbytes, payload=b"\0" * 100)
             expect(silent, grpc.StatusCode.DEADLINE_EXCEEDED, "no hello within 0.3 s")  # told why, then closed
+            expect(stalled, grpc.StatusCode.DEADLINE_EXCEEDED, "did not arrive within 0.3s", "at least 1 MB/s")
             for sock in (silent, stalled, idle):
                 assert_closed(sock)
             assert time.monotonic() - started < 3.0
         pool = data.receive_buffers
         wait_for(lambda: len(pool._free) == pool._made, IO, "the stalled push's buffer back in the pool")
         wait_for(lambda: not data._conns, IO, "the connections to be forgotten")
+    finally:
+        data.stop()
+    assert_serves(shard)
+
+
+def test_trickled_pushes_cannot_hold_the_receive_buffers(hostile, monkeypatch):
+    """The data port has 2 receive buffers; a connection sending a push a byte at a time kept one for good,
+    unregistered ones included, and after two a real worker failed with RESOURCE_EXHAUSTED."""
+    monkeypatch.setattr(datapath, "PUSH_GRACE", 1.0, raising=False)
+    shard = hostile
+    data = DataServer(shard.core, request_timeout=IO, idle_timeout=IO).start()
+    g = valid_gradient(shard.plan).tobytes()
+    try:
+        with shard.hello(1, port=data.port) as a, shard.hello(1, port=data.port) as b, \
+                shard.hello(0, port=data.port) as trickle, shard.hello(0, port=data.port) as real:
+            for sock in (a, b):  # worker 1 is not registered: it takes no buffer
+                request(sock, protocol.OP_PUSH, size=len(g), payload=g[:1])
+            began = time.monotonic()
+            reply = push_valid(shard, real)  # served at once, not after the request timeout
+            assert time.monotonic() - began < IO / 2, reply
+            request(trickle, protocol.OP_PUSH, size=len(g), payload=g[:1])  # registered: cut off by its deadline
+            expect(trickle, grpc.StatusCode.DEADLINE_EXCEEDED, "did not arrive within 1.0s", "at least 1 MB/s")
+            assert time.monotonic() - began < IO
+            for sock in (a, b):
+                expect(sock, grpc.StatusCode.DEADLINE_EXCEEDED, "refused push", "did not arrive")
+        pool = data.receive_buffers
+        wait_for(lambda: len(pool._free) == pool._made, IO, "every receive buffer back in the pool")
     finally:
         data.stop()
     assert_serves(shard)

@@ -28,11 +28,12 @@ from psgd.link import protocol, segment
 from psgd.link.shm import ShmLink
 from psgd.server import build_shard
 from psgd.server.datapath import DataServer
+from psgd.server.service import ShardServer
 from psgd.server.store import PARALLEL_BYTES
 from psgd.worker.client import PSClient
 
 from helpers import make_job, run_threads, shards, wait_for
-from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, OK, UNAUTHENTICATED, Shard, assert_closed,
+from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, LR, OK, UNAUTHENTICATED, Shard, assert_closed,
                            assert_serves, dial, expect, request, send_hello, valid_gradient)
 from test_datapath import digits64, hostile  # noqa: F401  (fixtures: test_datapath's hostile-input shard)
 
@@ -261,6 +262,35 @@ def test_a_nan_written_into_the_segment_is_refused_and_the_connection_goes_on(sh
         seg.data[:g.nbytes] = g.tobytes()
         request(sock, protocol.OP_PUSH, size=g.nbytes)
         assert shm_reply(sock)[0] == OK
+
+
+def test_what_is_checked_is_what_is_applied(monkeypatch):
+    """A push was checked in its segment and applied from it: its writer, holding a pull open so that the
+    apply waited, rewrote the checked gradient with NaN and the shard applied it (non-finite weights)."""
+    job = make_job(*HOSTILE_SETS, "cluster.policy=async")
+    core = build_shard(job, 0)
+    core.register(0, core.plan.hash)
+    shard = Shard(core, ShardServer(core, "127.0.0.1:0", request_timeout=IO).start(), core.flat.tobytes())
+    checked = core.store.nonfinite
+    try:
+        with with_segment(shard, "push") as (sock, seg, _):
+            g = valid_gradient(shard.plan)
+            seg.data[:g.nbytes] = g.tobytes()
+
+            def check_then_rewrite(grads):
+                found = checked(grads)
+                seg.data[:g.nbytes] = np.full_like(g, np.nan).tobytes()  # the worker writes after the check
+                return found
+
+            monkeypatch.setattr(core.store, "nonfinite", check_then_rewrite)
+            request(sock, protocol.OP_PUSH, size=g.nbytes)
+            assert shm_reply(sock)[0] == OK
+            assert core.version == 1
+    finally:
+        shard.server.stop(grace=1.0)
+    assert np.isfinite(core.flat).all()
+    initial = np.frombuffer(shard.initial, dtype=core.flat.dtype)
+    assert np.allclose(core.flat, initial - LR / 2 * g)  # the checked gradient, at lr / workers
 
 
 # --- consistency ------------------------------------------------------------------------------------

@@ -57,3 +57,24 @@ def test_permanent_errors_are_not_retried():
         with pytest.raises(PSError, match="INVALID_ARGUMENT"):
             c._retrying(0, "push (clock 1)", call)
         assert len(calls) == 1
+
+
+def test_a_push_without_a_free_receive_buffer_is_retried():
+    """A worker exited 1 on RESOURCE_EXHAUSTED ("no receive buffer free within 15.0s"): the push was not
+    applied, and a buffer frees up once the pushes ahead of it are in."""
+    with client() as c:
+        call, calls = failing(2, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert c._retrying(0, "push (clock 7)", call) == "answered"
+        assert len(calls) == 3
+
+
+def test_a_stopping_worker_retries_nothing():
+    """A worker in a sync round retried its interrupted pull after SIGTERM, and the retry waited 60 s."""
+    stop = threading.Event()
+    stop.set()
+    with client(stop) as c:
+        for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            call, calls = failing(5, code)
+            with pytest.raises(PSError, match="the worker is stopping, so it did not retry"):
+                c._retrying(0, "pull (clock 3)", call)
+            assert len(calls) == 1
