@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--no-progress", action="store_true", help="hide worker 0's progress bar")
     launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_tls_arguments(launch, launch=True)
+    launch.add_argument("--accept-lost-updates", action="store_true",
+                        help="exit 0 even if the shards ended at different versions (a shard that restarted from "
+                             "an older checkpoint lost updates; without this flag: exit status 4, and one WARNING "
+                             "line and --json's \"lost_updates\" say how many per shard)")
     add_divergence_argument(launch)
     add_log_arguments(launch)
     launch.set_defaults(func=cmd_launch)
@@ -245,7 +249,7 @@ def layout_from_args(args: argparse.Namespace, environ=None):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from psgd.launch import Hosts, launch
+    from psgd.launch import EXIT_LOST_UPDATES, Hosts, launch
 
     setup_logging("launch", verbosity(args))
     job = job_from_args(args)
@@ -263,7 +267,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "run_dir": result.run_dir, "mode": args.mode, "saved": result.saved,
                           "node_rank": layout.node_rank,
                           "policy": c.policy if args.mode == "ps" else args.backend,
-                          "diverged": result.divergence is not None, "divergence": result.divergence}))
+                          "diverged": result.divergence is not None, "divergence": result.divergence,
+                          "lost_updates": {str(k): n for k, n in result.lost.items()}}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")
@@ -271,6 +276,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
         print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {how}, "
               f"{result.seconds:.1f}s; logs in {result.run_dir}{saved}){diverged_words(result.divergence)}")
+    if result.lost and not args.accept_lost_updates:
+        return EXIT_LOST_UPDATES
     return divergence_status(args, result.divergence)
 
 

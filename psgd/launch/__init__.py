@@ -35,11 +35,11 @@ Where things live:
 This package only re-exports their public names.
 """
 
-from psgd.launch.launcher import LaunchResult, launch
+from psgd.launch.launcher import EXIT_LOST_UPDATES, LaunchResult, launch, lost_updates
 from psgd.launch.plan import Hosts, Layout, find_mpiexec, thread_budget
 from psgd.launch.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
 
 __all__ = [
-    "launch", "LaunchResult", "Hosts", "Layout", "find_mpiexec", "thread_budget",
+    "launch", "LaunchResult", "EXIT_LOST_UPDATES", "lost_updates", "Hosts", "Layout", "find_mpiexec", "thread_budget",
     "Children", "child_environment", "LaunchError", "LaunchInterrupted", "STOP_SIGNALS", "GRACE",
 ]

@@ -41,6 +41,19 @@ class LaunchResult:
     versions: list[int]
     saved: str | None = None
     divergence: dict | None = None  # the first divergence a process of this node saw (psgd.divergence), if any
+    lost: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> updates behind the most advanced
+
+
+#: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
+#: restarted from an older checkpoint), unless --accept-lost-updates
+EXIT_LOST_UPDATES = 4
+
+
+def lost_updates(versions: Sequence[int]) -> dict[int, int]:
+    """Shard -> how many updates (rounds under sync) it is behind the most advanced shard.  Every shard applies
+    every update (each holds a part of each), so a job that lost nothing ends with them all equal."""
+    top = max(versions, default=0)
+    return {k: top - v for k, v in enumerate(versions) if v < top}
 
 
 def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
@@ -377,7 +390,14 @@ def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: fl
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
     pulled = pull_from_servers(job, addresses, token=token, tls=tls)
     weights, versions = pulled.weights, pulled.versions
+    lost = lost_updates(versions)
+    if lost:
+        top = max(versions)
+        log.warning("the shards ended at different versions: %s; the updates a shard is behind were lost on it (it "
+                    "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
+                    "its part of the model missed them", "; ".join(
+                        f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
     loss, acc, verdict = _evaluate(job, weights, "ps")
     if save:
         save_weights(save, weights)
-    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict)
+    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost)
