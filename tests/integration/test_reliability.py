@@ -209,12 +209,17 @@ def test_a_shard_whose_last_checkpoint_fails_exits_non_zero_saying_so(tmp_path):
     """A shard whose final checkpoint could not be written (a full disk) logged it and exited 0: whoever
     restarts it from that folder loses the updates since the last one, and nothing said so."""
     cluster = Cluster(make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1",
-                               "cluster.shards=1", "train.epochs=3"), tmp_path, checkpoint_every=3600)
+                               "cluster.shards=1", "train.epochs=400"), tmp_path, checkpoint_every=3600)
     try:
         shard = cluster.start_shard(0)
-        assert cluster.start_worker(0).wait(60) == 0
+        worker = cluster.start_worker(0)
+        wait_for(lambda: len(cluster.steps(0)) >= 20, 60, "20 steps")
         shutil.rmtree(cluster.ckpt, ignore_errors=True)
         cluster.ckpt.write_text("not a folder")  # the checkpoint folder cannot be written any more
+        taken = len(cluster.steps(0))
+        wait_for(lambda: len(cluster.steps(0)) >= taken + 10, 60, "10 steps more")  # updates no checkpoint holds
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
         shard.send_signal(signal.SIGTERM)
         assert shard.wait(30) == 1
     finally:
