@@ -98,26 +98,32 @@ def tune(sock: socket.socket) -> None:
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:
     """Fill ``into`` from ``sock`` or raise WireError (the peer closed, or the timeout passed); with a
-    ``deadline`` (time.monotonic), :class:`TooSlow` once it has passed."""
+    ``deadline`` (time.monotonic), :class:`TooSlow` once it has passed (the socket's own timeout is
+    left as it was)."""
     view = into.cast("B") if into.format != "B" or into.ndim != 1 else into
     got, n = 0, len(view)
-    while got < n:
+    timeout = sock.gettimeout()
+    try:
+        while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TooSlow(f"{got} of {n} bytes by the deadline")
+                sock.settimeout(left)
+            try:
+                k = sock.recv_into(view[got:], min(n - got, 8 << 20))
+            except socket.timeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TooSlow(f"{got} of {n} bytes by the deadline") from None
+                raise WireError(f"timed out after {got} of {n} bytes") from None
+            except OSError as exc:
+                raise WireError(f"connection failed: {exc}") from None
+            if k == 0:
+                raise WireError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
         if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TooSlow(f"{got} of {n} bytes by the deadline")
-            sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:], min(n - got, 8 << 20))
-        except socket.timeout:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TooSlow(f"{got} of {n} bytes by the deadline") from None
-            raise WireError(f"timed out after {got} of {n} bytes") from None
-        except OSError as exc:
-            raise WireError(f"connection failed: {exc}") from None
-        if k == 0:
-            raise WireError(f"connection closed after {got} of {n} bytes")
-        got += k
+            sock.settimeout(timeout)
 
 
 def recv_struct(sock: socket.socket, fmt: struct.Struct) -> tuple:
