@@ -63,7 +63,8 @@ class Roster:
 
     A rank is held by one process at a time: while its lease runs, a registration from another process
     (another incarnation) is refused with ALREADY_EXISTS, naming the holder; once the lease has run out
-    (the holder died or hangs) the rank is free again.  The caller holds the shard's lock.
+    (the holder died or hangs) the rank is free again.  The caller holds the shard's lock (``live`` without
+    renewing only reads, and may peek without it).
     """
 
     def __init__(self, shard: int, num_workers: int, lease_seconds: float, join_timeout: float,

@@ -249,11 +249,14 @@ class DataServer:
                         f"({core.flat.size} values of {itemsize} bytes): wrong shape or dtype")
         # Every push lands in a receive buffer of the shard's own before it is checked, so what is checked is
         # what is applied: a segment's writer could change its bytes after a check.  Only a registered worker
-        # takes a buffer (its lease renewed), and a push over the socket must arrive by its deadline, at
-        # MIN_PUSH_RATE at least: a trickled push cannot hold a buffer.
+        # takes a buffer, and a push over the socket must arrive by its deadline, at MIN_PUSH_RATE at least: a
+        # trickled push cannot hold a buffer.
         allowed = min(self.request_timeout, PUSH_GRACE + size / MIN_PUSH_RATE)
         try:
-            core.heartbeat(worker, clock)
+            core.roster.check(worker)
+            # a peek without the shard's lock, which an update holds while it runs: the receive overlaps other
+            # workers' updates, and core.push checks (and renews the lease) again under the lock
+            core.roster.live(worker, renew=False)
             buf = self.receive_buffers.acquire(self.request_timeout)
         except ShardError as err:  # refused before it takes a buffer; the connection goes on
             if seg is None and not protocol.wants_go_ahead(size):  # its payload follows the header: let it pass
