@@ -101,7 +101,6 @@ class PSClient:
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(job, plan.hash) if job is not None else None
-        self.incarnation = process_incarnation()  # this process, which alone may hold its rank
         self._pulling = False
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
@@ -201,7 +200,7 @@ class PSClient:
         return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
                                       plan_json=json.dumps(self.plan.description()),
                                       hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,
-                                      job_json=json.dumps(self.identity), incarnation=self.incarnation)
+                                      job_json=json.dumps(self.identity), incarnation=process_incarnation())
 
     def _register_one(self, k: int) -> ps_pb2.RegisterReply:
         request = self._register_request()
