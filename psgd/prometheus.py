@@ -193,6 +193,12 @@ class ShardMetrics(Collector):
         yield _counter("psgd_shard_sent_bytes", "weight bytes sent in pulls", names, values, c.get("bytes_out", 0))
         yield _counter("psgd_shard_expired_workers", "workers dropped for missing their lease or join deadline",
                        names, values, c.get("expired", 0))
+        yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "
+                       "one was still being read", names, values, c.get("copied_updates", 0))
+        yield _counter("psgd_shard_revoked_reads", "pulls whose memory an update took after they were read past "
+                       "their deadline (their worker pulled again)", names, values, c.get("revoked_reads", 0))
+        yield _gauge("psgd_shard_oldest_read_seconds", "how long the oldest pull still being read has been "
+                     "(0: none)", names, values, max((r["held_seconds"] for r in s["reads"]), default=0.0))
 
         states = {state: 0 for state in WORKER_STATES}
         clocks = GaugeMetricFamily("psgd_shard_worker_clock", "each worker's clock as this shard knows it",

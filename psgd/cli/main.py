@@ -35,7 +35,9 @@ commands:
            workers and mode, as users start them; `psgd bench gpu`
            measures psgd on one GPU (training step, host<->device
            transfers, NCCL all-reduce) against bare CuPy; `psgd bench
-           overlap` measures steps/s with [cluster] overlap off and on
+           overlap` measures steps/s with [cluster] overlap off and on;
+           `psgd bench stall` the others' async steps/s while one worker
+           is stopped in the middle of a pull
   status   live view of a running cluster: shards' health, versions and
            staleness, workers' clocks and throughput (psgd status HOST:PORT...)
   doctor   preflight check of a job file: every address resolves and answers,
@@ -143,17 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(sub) -> None:
     """``psgd bench convergence`` (the convergence lab), ``psgd bench comm``, ``scaling`` and ``gpu`` (psgd.bench)."""
     from psgd.bench import comm
-    from psgd.bench import gpu, overlap
+    from psgd.bench import gpu, overlap, stall
     from psgd.bench.scaling import command as scaling
     from psgd.bench.convergence import add_arguments
 
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
                                          "comm: how fast tensors move; scaling: steps/s against model width "
                                          "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
-                                         "communication beside computation, off and on)",
+                                         "communication beside computation, off and on; stall: the others' "
+                                         "steps/s while one worker is stopped mid-pull)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
                                        "`psgd bench comm --help`, `psgd bench scaling --help`, "
-                                       "`psgd bench gpu --help` and `psgd bench overlap --help`.")
+                                       "`psgd bench gpu --help`, `psgd bench overlap --help` and "
+                                       "`psgd bench stall --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     lab = kinds.add_parser(
@@ -197,6 +201,12 @@ def _add_bench(sub) -> None:
         description=overlap.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     overlap.add_arguments(hiding)
     hiding.set_defaults(func=cmd_bench_overlap)
+    held = kinds.add_parser(
+        "stall", help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
+                      "memory and the data port)",
+        description=stall.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    stall.add_arguments(held)
+    held.set_defaults(func=cmd_bench_stall)
 
 
 def cmd_bench_convergence(args: argparse.Namespace) -> int:
@@ -230,6 +240,13 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
 
 def cmd_bench_overlap(args: argparse.Namespace) -> int:
     from psgd.bench.overlap import run_from_args
+
+    setup_logging("bench", -1)
+    return run_from_args(args)
+
+
+def cmd_bench_stall(args: argparse.Namespace) -> int:
+    from psgd.bench.stall import run_from_args
 
     setup_logging("bench", -1)
     return run_from_args(args)

@@ -7,10 +7,12 @@ connections (pull and push) for shared memory: its pull connection is given the 
 segment, its push connection a segment of its own (:mod:`psgd.link.segment`).  From then on:
 
 - a pull is its request header on the socket; the shard takes a live read of its weights, which live in
-  a shared segment that the worker has mapped read-only, and replies with the version; the worker
-  copies them out into its arrays and sends a release.  No update runs between the reply and the
-  release, so the copy is one version, never half of an update: the reply and the release are the
-  handshake, and there is nothing else to lock.
+  a shared segment that the worker has mapped read-only (two slots, :mod:`psgd.server.store`), and
+  replies with the version, the slot that holds it and the slot's sequence number; the worker copies
+  them out into its arrays, checks that the sequence number has not changed, and sends a release.  No
+  update touches the slot between the reply and the release unless the worker held it past its
+  deadline; then the changed number says the copy is torn, and the worker pulls again over a new
+  connection (the shard has closed this one).
 - a push is the gradient, encoded by the job's codec, written into the push segment, then its header
   on the socket; the shard checks it there (size, NaN; a compressed one is first decoded into a receive
   buffer) and applies it exactly as a push over TCP: the same policies, the same exactly-once rule for a
@@ -63,14 +65,18 @@ class ShmConnection(DataConnection):
         """Ask for the weights of ``clock``; once the shard has replied (holding its updates back), copy them
         out of its weights segment and release them."""
         self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
-        _, version, _, _, size = self._reply()
+        _, version, slot, seq, size = self._reply()
         expected = sum(v.nbytes for v in into)
-        if size != expected or size > self.seg.size:
-            raise protocol.WireError(f"the shard holds {size} bytes of weights, the plan says {expected}")
-        at = 0
+        if size != expected or size > self.seg.size or not 0 <= slot < self.seg.slots:
+            raise protocol.WireError(f"the shard holds {size} bytes of weights in slot {slot}, the plan says "
+                                     f"{expected} in one of {self.seg.slots}")
+        source, at = self.seg.slot(slot), 0
         for view in into:
-            copy_bytes(view, self.seg.data[at:at + view.nbytes])
+            copy_bytes(view, source[at:at + view.nbytes])
             at += view.nbytes
+        if self.seg.seq(slot) != seq:
+            raise protocol.WireError("the weights changed while they were copied out of shared memory (the pull "
+                                     "was held past its deadline): pulling again")
         self._send(protocol.OP_RELEASE, self.worker, clock, 0, 0, [], 0)
         return version
 

@@ -8,7 +8,8 @@ the gRPC status code it maps to, and a message that says what to do.
 
 Locking: one lock guards weights, policy and leases; pulls wait on a
 condition variable until the policy lets them through, never longer than their
-timeout.  Updates are applied under the lock, so a pull sees whole versions.
+timeout.  Updates are applied under the lock, so a pull sees whole versions; a read in flight keeps its
+version without holding updates back (psgd.server.store).
 """
 
 from __future__ import annotations
@@ -80,12 +81,11 @@ class ShardCore:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.store = WeightStore(self.slices, values, self.dtype, self.changed, shard, apply_threads)
-        # the store's arrays, named here too: what the checkpoint, status and tests read
-        self.flat, self.weights, self.offsets, self.nbytes = (self.store.flat, self.store.weights,
-                                                              self.store.offsets, self.store.nbytes)
+        self.offsets, self.nbytes = self.store.offsets, self.store.nbytes
         self.optimizer, self.policy = optimizer, policy
         self.num_workers, self.allow_nonfinite = num_workers, allow_nonfinite
-        self.remedies = PushRemedies(num_workers, policy.accumulates, self.flat, self.store.views, **remedies)
+        self.remedies = PushRemedies(num_workers, policy.accumulates, lambda: self.store.flat, self.store.views,
+                                     **remedies)
         self.version = 0
         self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
         self._round_flat = np.zeros_like(self.flat) if policy.accumulates else None
@@ -99,13 +99,20 @@ class ShardCore:
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time) of the newest one written
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
-    def place_weights(self, flat: np.ndarray) -> None:
-        """Hold the weights in ``flat`` (as long as :attr:`flat`, of its dtype) from now on, with their values:
-        the data port moves them into shared memory this way (psgd.server.datapath)."""
+    @property
+    def flat(self) -> np.ndarray:
+        """The weights of this version, in slice order (the store's current slot)."""
+        return self.store.flat
+
+    @property
+    def weights(self) -> dict[int, np.ndarray]:
+        return self.store.weights
+
+    def place_weights(self, slots: list[np.ndarray], seq: np.ndarray) -> None:
+        """Keep the weights in ``slots`` (each as long as :attr:`flat`, of its dtype) with their sequence numbers in
+        ``seq`` from now on: the data port moves them into shared memory this way (psgd.server.datapath)."""
         with self.lock:
-            np.copyto(flat, self.flat)
-            self.store.rehome(flat)
-            self.flat, self.weights = self.store.flat, self.store.weights
+            self.store.rehome(slots, seq)
 
     # -- helpers ------------------------------------------------------------
     def _record_staleness(self, staleness: int) -> None:
@@ -169,11 +176,12 @@ class ShardCore:
         return clock
 
     def pull(self, worker: int | None, clock: int, timeout: float,
-             cancelled: Callable[[], bool] = lambda: False, copy: bool = True) -> Snapshot | LiveRead:
+             cancelled: Callable[[], bool] = lambda: False, copy: bool = True, hold: float = float("inf"),
+             on_revoke: Callable[[], None] = lambda: None) -> Snapshot | LiveRead:
         """Wait until the policy lets ``worker`` (None: an observer, which never waits) read the weights
         for ``clock``, then return a read of them: a shared :class:`Snapshot` (``copy``), or a
-        :class:`LiveRead` of the live weights that holds updates back until released.  Release either
-        once the bytes are sent.
+        :class:`LiveRead` of the live weights, valid for ``hold`` seconds at least (psgd.server.store says
+        what happens after).  Release either once the bytes are sent.
 
         Waiting does not renew the worker's lease (its heartbeats do), so a
         worker that dies while its pull waits is still dropped on time; a
@@ -205,7 +213,8 @@ class ShardCore:
             self.counters["pulls"] += 1
             self.counters["bytes_out"] += self.nbytes
             self.remedies.pulled(worker, self.version)
-            return self.store.snapshot(self.version) if copy else self.store.live(self.version)
+            return (self.store.snapshot(self.version) if copy else
+                    self.store.live(self.version, worker, hold, on_revoke))
 
     def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
         slow = sorted((w, i.clock) for w, i in self.roster.workers.items()
@@ -235,11 +244,13 @@ class ShardCore:
             if base_version > self.version:
                 raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
                                  f"{self.shard}'s version {self.version}")
-            self.counters["pushes"] += 1
             decision = self.policy.push(worker, clock)
             staleness = self.version - base_version
             action = decision.action
+            # a push is counted with its outcome, never before it: an update may let go of the lock while it waits
+            # for a read (psgd.server.store), and a Status read meanwhile must find the counters adding up
             if action == REJECT:
+                self.counters["pushes"] += 1
                 self.counters["rejected"] += 1
                 raise ShardError("FAILED_PRECONDITION", f"push from worker {worker} at clock {clock} refused: "
                                  f"{decision.reason}", reason=decision.reason_code)
@@ -250,8 +261,10 @@ class ShardCore:
                 self._record_staleness(staleness)
                 grads = self.remedies.compensate(worker, base_version, grads, self.weights)
                 self._apply(grads, self.remedies.lr_scale(staleness), self.remedies.share)
+                self.counters["pushes"] += 1
                 self.changed.notify_all()
             else:
+                self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
             if action == ACCUMULATE:
                 for i, g in grads.items():
@@ -361,7 +374,8 @@ class ShardCore:
                 "version": self.version, "plan_hash": self.plan.hash,
                 "bytes_held": int(sum(w.nbytes for w in self.weights.values())),
                 "workers": self.roster.rows(),
-                "counters": {**self.counters, "policy": self.policy.describe()},
+                "counters": {**self.counters, **self.store.counters, "policy": self.policy.describe()},
+                "reads": self.store.reads(),
                 "staleness_histogram": list(self.staleness_histogram),
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,

@@ -15,8 +15,8 @@ is authenticated: connections cannot be hoarded.
 
 A worker on the same host may ask in its hello for a shared-memory segment
 (:mod:`psgd.link.segment`); the connection then carries only the headers, and
-the bytes go through the segment: a pull copies the weights into it under a
-live read (no update runs meanwhile) before the reply, and a push is copied
+the bytes go through the segment: the weights live there (two slots, see
+:mod:`psgd.server.store`), a pull's reply says which slot holds its version, and a push is copied
 out of it into a receive buffer, and checked there, before it is applied.
 """
 
@@ -36,16 +36,20 @@ from psgd import status
 from psgd.codec import Codec, CodecError, by_code
 from psgd.link import protocol, segment
 from psgd.server.core import ShardCore
+from psgd.server import store
 from psgd.server.errors import ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
+from psgd.server.handout import Handout, not_dumpable
 
 log = logging.getLogger(__name__)
 
 _OUTCOME_CODES = {name: i for i, name in enumerate(protocol.OUTCOMES)}
-#: A push over the socket must arrive within PUSH_GRACE seconds plus one second per MIN_PUSH_RATE bytes
-#: (and the request timeout): 100 MB has 105 s at most, a trickle of a byte every few seconds is cut off.
-MIN_PUSH_RATE = 1e6
-PUSH_GRACE = 5.0
+#: A transfer must be done within TRANSFER_GRACE seconds plus one second per MIN_TRANSFER_RATE bytes (and the
+#: request timeout): 100 MB has 105 s at most.  A push over the socket that has not arrived by then is cut off
+#: (a trickle of a byte every few seconds cannot hold a receive buffer); a pull still being read by then may
+#: lose its version to an update that needs the memory (psgd.server.store), and its connection is closed.
+MIN_TRANSFER_RATE = 1e6
+TRANSFER_GRACE = 5.0
 
 
 class BufferPool:
@@ -91,10 +95,13 @@ class DataServer:
         #: ([cluster] transport auto or shm)
         self.shm = shm
         self._weights: segment.Segment | None = None
+        self._handout: Handout | None = None
         self.receive_buffers = BufferPool(core.nbytes, limit=2)
         if shm:
             try:
+                not_dumpable()  # before any segment exists: none can be taken from this process's /proc
                 self._weights = _share_weights(core)
+                self._handout = Handout(core.fingerprint, core.shard)
             except segment.SegmentError as exc:
                 log.warning("shard %d: no shared memory for workers on this host (%s); they use the data port",
                             core.shard, exc)
@@ -113,6 +120,8 @@ class DataServer:
                                hand_over=self._hand_over)
 
     def start(self) -> "DataServer":
+        if self._handout is not None:
+            self._handout.start()
         self.gate.start()
         return self
 
@@ -126,6 +135,8 @@ class DataServer:
                 except OSError:
                     pass
         self.gate.join(5)
+        if self._handout is not None:
+            self._handout.stop()
 
     # -- serving an authenticated connection -----------------------------------------------------
     def _hand_over(self, conn: socket.socket, peer, worker: int, shm: str = "") -> tuple[str, str, str] | None:
@@ -175,7 +186,7 @@ class DataServer:
         is, and says why); nothing for a hello that did not ask."""
         if not shm:
             return None, b""
-        if not self.shm or self._weights is None:
+        if not self.shm or self._weights is None or self._handout is None:
             return None, json.dumps({"refused": f"shard {self.core.shard} offers no shared memory "
                                                 "([cluster] transport = \"tcp\" on its side)"}).encode()
         if shm == "pull":
@@ -187,7 +198,7 @@ class DataServer:
                 log.warning("shard %d: no shared-memory segment for worker %d: %s", self.core.shard, worker, exc)
                 return None, json.dumps({"refused": f"shard {self.core.shard} could not make a segment: "
                                                     f"{exc}"}).encode()
-        return seg, json.dumps(seg.offer()).encode()
+        return seg, json.dumps(self._handout.offer(seg)).encode()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
         protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason))])
@@ -216,20 +227,29 @@ class DataServer:
         else:
             self._push(conn, worker, clock, base_version, dtype_code, size, seg)
 
+    def _allowed(self, size: int) -> float:
+        """How long a transfer of ``size`` bytes may take (see MIN_TRANSFER_RATE)."""
+        return min(self.request_timeout, TRANSFER_GRACE + size / MIN_TRANSFER_RATE)
+
     def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None) -> None:
+        def revoke() -> None:  # the read is past its hold and an update needs its memory: no more of it is sent
+            conn.shutdown(socket.SHUT_RDWR)
+
         try:
-            snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False)
+            snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False,
+                                  hold=self._allowed(self.core.nbytes), on_revoke=revoke)
         except ShardError as err:
             self._reply_error(conn, err)
             return
         with snap:
             n = len(snap.buffer)
-            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, n)
             if seg is None:
+                head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, n)
                 protocol.send_buffers(conn, [head, snap.buffer])
                 return
-            # The worker copies the weights out of shared memory now; no update runs until it says it has
-            # (or the request timeout has passed, and the connection is closed).
+            # The worker copies the weights out of the reply's slot now, and checks its sequence number after;
+            # the slot stays theirs until it says it is done (or its hold has passed and an update needs it).
+            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, snap.slot, snap.seq, n)
             protocol.send_buffers(conn, [head])
             magic, op, *_ = protocol.recv_struct(conn, protocol.REQUEST)
             if magic != protocol.DATA_MAGIC or op != protocol.OP_RELEASE:
@@ -251,7 +271,7 @@ class DataServer:
         # what is applied: a segment's writer could change its bytes after a check.  Only a registered worker
         # takes a buffer, and a push over the socket must arrive by its deadline, at MIN_PUSH_RATE at least: a
         # trickled push cannot hold a buffer.
-        allowed = min(self.request_timeout, PUSH_GRACE + size / MIN_PUSH_RATE)
+        allowed = self._allowed(size)
         try:
             core.roster.check(worker)
             # a peek without the shard's lock, which an update holds while it runs: the receive overlaps other
@@ -271,7 +291,7 @@ class DataServer:
             if seg is not None and codec.compresses:  # decoded into the buffer, as from the socket
                 _decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
             elif seg is not None:
-                memoryview(buf)[:size] = seg.data[:size]
+                segment.copy_bytes(memoryview(buf)[:size], seg.data[:size])
             else:
                 if protocol.wants_go_ahead(size):
                     ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
@@ -280,7 +300,7 @@ class DataServer:
                     _receive_gradient(conn, memoryview(buf), codec, core.flat.size, time.monotonic() + allowed)
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"push of {size} bytes from worker {worker} did not "
-                                f"arrive within {allowed:.1f}s ({exc}): at least {MIN_PUSH_RATE / 1e6:g} MB/s")
+                                f"arrive within {allowed:.1f}s ({exc}): at least {MIN_TRANSFER_RATE / 1e6:g} MB/s")
             grads = core.store.gradient_views(buf)
             try:
                 result = core.push(worker, clock, base_version, grads, wire_bytes=size)
@@ -304,8 +324,8 @@ def _share_weights(core: ShardCore) -> segment.Segment:
     with _shared_lock:
         seg = _shared.get(core)
         if seg is None:
-            seg = segment.create(core.fingerprint, core.shard, "weights", core.nbytes)
-            core.place_weights(seg.array(core.flat.dtype, core.flat.size))
+            seg = segment.create(core.fingerprint, core.shard, "weights", core.nbytes, slots=store.SLOTS)
+            core.place_weights(seg.arrays(core.flat.dtype, core.flat.size), seg.seq_array())
             _shared[core] = seg
         return seg
 

@@ -42,7 +42,7 @@ EPSILON = 1e-7
 class PushRemedies:
     """The rate and the compensation of a shard's pushes (sync pushes, averaged into a round, get neither)."""
 
-    def __init__(self, num_workers: int, accumulates: bool, flat: np.ndarray,
+    def __init__(self, num_workers: int, accumulates: bool, flat: Callable[[], np.ndarray],
                  views: Callable[[np.ndarray], dict[int, np.ndarray]], *, async_lr: str = "divided",
                  staleness_lr: bool = False, dc_lambda: float = 0.0, dc_adaptive: bool = False,
                  implicit_momentum: bool = False):
@@ -54,7 +54,7 @@ class PushRemedies:
         self.dc_lambda = 0.0 if accumulates else float(dc_lambda)
         self._flat, self._views = flat, views
         self._pulled: dict[int, tuple[int, np.ndarray, dict[int, np.ndarray]]] = {}  # worker -> version, copy
-        self._mean_square = np.zeros_like(flat) if self.dc_lambda and dc_adaptive else None
+        self._mean_square = np.zeros_like(flat()) if self.dc_lambda and dc_adaptive else None
         self._ms = views(self._mean_square) if self._mean_square is not None else {}
         self.uncompensated = 0  # pushes applied without a copy of the weights their worker pulled
 
@@ -67,10 +67,10 @@ class PushRemedies:
         if not self.dc_lambda or worker is None:
             return
         if worker not in self._pulled:
-            copy = np.empty_like(self._flat)
+            copy = np.empty_like(self._flat())
             self._pulled[worker] = (version, copy, self._views(copy))
         _, copy, views = self._pulled[worker]
-        np.copyto(copy, self._flat)
+        np.copyto(copy, self._flat())
         self._pulled[worker] = (version, copy, views)
 
     def compensate(self, worker: int, base_version: int, grads: Mapping[int, np.ndarray],

@@ -7,8 +7,22 @@ every link.  A pull reads them in one of two ways:
 - a :class:`Snapshot`, a copy of one version shared by every pull of that
   version and refreshed only when the version changed (for readers that send
   slowly, piece by piece);
-- a :class:`LiveRead` of ``flat`` itself, no copy: an update waits until the
-  read is released, and new reads defer to a waiting update.
+- a :class:`LiveRead` of ``flat`` itself, no copy, for the data port's readers (a socket, or a worker
+  copying out of shared memory).
+
+A live read never holds the weights back.  The store keeps the weights in two places ("slots" of
+one array each, the second made when first needed): ``flat`` is the current one.  An update finds
+the current slot either unread, and updates it in place, or read; then it waits for those reads at
+most ``patience`` (the time a read of the weights takes at 1 GB/s, plus 50 ms), and if they are
+still going it copies the weights into the other slot, updates them there and makes that one current.
+The reads in flight keep their version, whole, for as long as they take: a stopped or slow reader
+delays no update, and a fast one is waited for rather than copied around.  Only when both slots are
+being read past patience does an update wait longer, for the first of them to be released or to pass
+its hold (the deadline its transport set, see :mod:`psgd.server.datapath`); the reads past their hold
+are then revoked (``on_revoke`` closes their connection) and their slot is taken.  Each slot has a
+sequence number (``seq``), odd while it is written: a reader that copies out of shared memory checks it
+after its copy, so a revoked read finds out that its copy is torn and pulls again.  New reads defer to
+a waiting update, so a stream of reads cannot starve one.
 
 Every method runs under the shard's lock; ``changed`` is the condition on
 that lock that the shard core waits on.
@@ -16,8 +30,10 @@ that lock that the shard core waits on.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Mapping
 
@@ -26,9 +42,17 @@ import numpy as np
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
 
+log = logging.getLogger(__name__)
+
 #: A shard holding at least this many bytes checks and updates its slices on several threads
 #: (numpy releases the GIL for large arrays); smaller ones stay on one, where threads cost latency.
 PARALLEL_BYTES = 8 << 20
+#: the places the weights are kept in: the current one, and the one the reads of the version before may be using
+SLOTS = 2
+#: how long an update waits for the reads of the current slot before it copies the weights elsewhere: PATIENCE
+#: seconds and one second per PATIENCE_RATE bytes of weights (a read at 1 GB/s)
+PATIENCE = 0.05
+PATIENCE_RATE = 1e9
 
 
 class Snapshot:
@@ -60,15 +84,20 @@ class Snapshot:
 
 
 class LiveRead:
-    """The live weights of one version as bytes (``buffer``), valid until :meth:`release`."""
+    """The weights of one version, read where they are kept (``buffer``: slot ``slot``, whose sequence number
+    was ``seq``), valid until :meth:`release`, or until ``hold_until`` (monotonic) has passed and an update
+    needs the slot: then the read is revoked (``on_revoke`` is called, ``revoked`` set)."""
 
-    def __init__(self, version: int, buffer: memoryview, owner: "WeightStore"):
-        self.version, self.buffer, self._owner, self._done = version, buffer, owner, False
+    def __init__(self, version: int, worker: int | None, slot: int, seq: int, buffer: memoryview,
+                 owner: "WeightStore", hold_until: float, on_revoke: Callable[[], None]):
+        self.version, self.worker, self.slot, self.seq, self.buffer = version, worker, slot, seq, buffer
+        self.hold_until, self.on_revoke, self.began = hold_until, on_revoke, time.monotonic()
+        self._owner, self._done, self.revoked = owner, False, False
 
     def release(self) -> None:
         if not self._done:
             self._done = True
-            self._owner._release_live()
+            self._owner._release_live(self)
 
     def __enter__(self) -> "LiveRead":
         return self
@@ -84,15 +113,18 @@ class WeightStore:
                  changed: threading.Condition, shard: int, apply_threads: int | None = None):
         if set(values) != set(slices):
             raise ValueError("initial values must cover exactly this shard's slices")
-        self.slices, self.dtype, self.changed = slices, dtype, changed
+        self.slices, self.dtype, self.changed, self.shard = slices, dtype, changed, shard
         self.order = sorted(slices)
         self.offsets, total = {}, 0
         for i in self.order:
             self.offsets[i] = (total, total + slices[i].size)
             total += slices[i].size
         self.nbytes = total * np.dtype(dtype).itemsize
-        self.flat = np.empty(total, dtype=dtype)
-        self.weights = self.views(self.flat)
+        self.patience = PATIENCE + self.nbytes / PATIENCE_RATE
+        self._slots: list[np.ndarray | None] = [np.empty(total, dtype=dtype)] + [None] * (SLOTS - 1)
+        self.seq = np.zeros(SLOTS, dtype=np.uint64)
+        self.current = 0
+        self._use(0)
         for i in self.order:
             self.weights[i][...] = np.asarray(values[i], dtype=dtype).reshape(-1)
         threads = min(4, os.cpu_count() or 1) if apply_threads is None else apply_threads
@@ -100,13 +132,24 @@ class WeightStore:
                          if threads > 1 and len(self.order) > 1 and self.nbytes >= PARALLEL_BYTES else None)
         self._snapshot: Snapshot | None = None
         self._spare: bytearray | None = None
-        self._readers = 0          # live reads sending from ``flat`` right now
-        self.writers_waiting = 0   # updates waiting for those reads to finish
+        self._reads: list[list[LiveRead]] = [[] for _ in range(SLOTS)]  # live reads of each slot
+        self.writers_waiting = 0   # updates waiting for reads to finish (new reads defer to them)
+        #: updates made in the other slot since the current one was being read; reads revoked past their hold
+        self.counters = {"copied_updates": 0, "revoked_reads": 0}
 
-    def rehome(self, flat: np.ndarray) -> None:
-        """Hold the weights in ``flat`` from now on (laid out like ``flat``, holding its values already): the
-        shard moves them into shared memory this way."""
-        self.flat, self.weights = flat, self.views(flat)
+    def _use(self, slot: int) -> None:
+        self.current, self.flat = slot, self._slots[slot]
+        self.weights = self.views(self.flat)
+
+    def rehome(self, slots: list[np.ndarray], seq: np.ndarray) -> None:
+        """Keep the weights in ``slots`` (arrays laid out like ``flat``, as many as SLOTS) from now on, with
+        their sequence numbers in ``seq``: the shard moves them into shared memory this way, before any read."""
+        if any(self._reads) or len(slots) != SLOTS:
+            raise RuntimeError("weights can move only while nothing reads them, into SLOTS places")
+        np.copyto(slots[0], self.flat)
+        seq[:] = 0
+        self._slots, self.seq = list(slots), seq
+        self._use(0)
 
     def map(self, fn: Callable[[int], object], ids: Iterable[int]) -> list:
         """``[fn(i) for i in ids]``, spread over the store's threads when it has them."""
@@ -152,28 +195,85 @@ class WeightStore:
             if snap.refs == 0 and snap is not self._snapshot and self._spare is None:
                 self._spare = snap.buffer
 
-    def live(self, version: int) -> LiveRead:
-        """A read of the live weights; updates wait until it is released."""
-        self._readers += 1
-        return LiveRead(version, memoryview(self.flat).cast("B"), self)
+    def live(self, version: int, worker: int | None = None, hold: float = float("inf"),
+             on_revoke: Callable[[], None] = lambda: None) -> LiveRead:
+        """A read of the current weights, no copy; see the module docstring for how long it may last."""
+        read = LiveRead(version, worker, self.current, int(self.seq[self.current]),
+                        memoryview(self.flat).cast("B"), self, time.monotonic() + hold, on_revoke)
+        self._reads[self.current].append(read)
+        return read
 
-    def _release_live(self) -> None:
+    def _release_live(self, read: LiveRead) -> None:
         with self.changed:
-            self._readers -= 1
-            self.changed.notify_all()
+            if read in self._reads[read.slot]:
+                self._reads[read.slot].remove(read)
+                self.changed.notify_all()
+
+    def reads(self) -> list[dict]:
+        """The live reads now, oldest first: whose, of which version, held how long."""
+        now = time.monotonic()
+        return [{"worker": r.worker, "version": r.version, "held_seconds": round(now - r.began, 3)}
+                for r in sorted((r for slot in self._reads for r in slot), key=lambda r: r.began)]
 
     # -- updates -----------------------------------------------------------------------------------
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
-        """Update the weights with ``optimizer``, once no live read is sending from them."""
-        if self._readers:
-            self.writers_waiting += 1
+        """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot."""
+        slot = self._slot_for_update()
+        self.seq[slot] += 1  # odd: being written
+        try:
+            if slot != self.current:
+                if self._slots[slot] is None:
+                    self._slots[slot] = np.empty_like(self.flat)
+                target = self.views(self._slots[slot])
+                self.map(lambda i: np.copyto(target[i], self.weights[i]), self.order)
+                self._use(slot)
+                self.counters["copied_updates"] += 1
+            self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
+                     grads)
+        finally:
+            self.seq[slot] += 1  # even: whole
+
+    def _slot_for_update(self) -> int:
+        """The slot the next update is made in: the current one once it is unread; after ``patience``, the
+        other one once it is unread; past their hold, a slot's reads are revoked.  Waits (letting go of the
+        shard's lock) only while both are read."""
+        if not self._reads[self.current]:
+            return self.current
+        patience_over = time.monotonic() + self.patience
+        self.writers_waiting += 1
+        try:
+            while True:
+                now, cur = time.monotonic(), self.current
+                other = (cur + 1) % SLOTS
+                if not self._reads[cur]:
+                    return cur
+                if now >= patience_over:
+                    if not self._reads[other]:
+                        return other
+                    for slot in (other, cur):
+                        if all(r.hold_until <= now for r in self._reads[slot]):
+                            self._revoke(slot, now)
+                            return slot
+                    wake = min(max(r.hold_until for r in self._reads[s]) for s in (other, cur))
+                else:
+                    wake = patience_over
+                self.changed.wait(min(max(wake - now, 0.001), 1.0))
+        finally:
+            self.writers_waiting -= 1
+
+    def _revoke(self, slot: int, now: float) -> None:
+        for read in self._reads[slot]:
+            read.revoked = True
+            self.counters["revoked_reads"] += 1
+            log.warning("shard %d: a pull of version %d by worker %s was still being read after %.1fs, past its "
+                        "deadline: its connection is closed (it pulls again) and an update takes its memory",
+                        self.shard, read.version, "?" if read.worker is None else read.worker, now - read.began)
             try:
-                self.changed.wait_for(lambda: self._readers == 0)
-            finally:
-                self.writers_waiting -= 1
-        self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
-                 grads)
+                read.on_revoke()
+            except OSError:
+                pass
+        self._reads[slot] = []
 
 
 def _nonfinite(g: np.ndarray) -> int:

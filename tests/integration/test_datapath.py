@@ -915,7 +915,7 @@ def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
 def test_trickled_pushes_cannot_hold_the_receive_buffers(hostile, monkeypatch):
     """The data port has 2 receive buffers; a connection sending a push a byte at a time kept one for good,
     unregistered ones included, and after two a real worker failed with RESOURCE_EXHAUSTED."""
-    monkeypatch.setattr(datapath, "PUSH_GRACE", 1.0, raising=False)
+    monkeypatch.setattr(datapath, "TRANSFER_GRACE", 1.0)
     shard = hostile
     data = DataServer(shard.core, request_timeout=IO, idle_timeout=IO).start()
     g = valid_gradient(shard.plan).tobytes()

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,11 +26,14 @@ import grpc
 import numpy as np
 import pytest
 
+import psgd
 from psgd.config import to_toml
 from psgd.link import protocol, segment
 from psgd.link.shm import ShmLink
 from psgd.server import build_shard
+from psgd.server import handout as handout_module
 from psgd.server.datapath import DataServer
+from psgd.server.handout import Handout
 from psgd.server.service import ShardServer
 from psgd.server.store import PARALLEL_BYTES
 from psgd.worker.client import PSClient
@@ -92,66 +98,189 @@ def shm_reply(sock):
 # --- segments -----------------------------------------------------------------------------------
 
 
-def test_a_segment_is_a_memory_file_named_by_the_scheme_and_checked_before_it_is_mapped():
+@pytest.fixture
+def handout():
+    h = Handout("0123abcd", 3).start()
+    yield h
+    h.stop()
+
+
+def test_a_segment_is_a_sealed_memory_file_handed_over_for_a_ticket_and_checked_before_it_is_mapped(handout,
+                                                                                                   monkeypatch):
     seg = segment.create("0123abcd", 3, "push", 4096)
+
+    def fresh(**changes) -> dict:
+        return {**handout.offer(seg), **changes}
+
     try:
-        offer = seg.offer()
-        assert offer["name"] == f"psgd-0123abcd-s3-{os.getpid()}-push" and offer["pid"] == os.getpid()
-        assert os.readlink(f"/proc/self/fd/{offer['fd']}") == f"/memfd:{offer['name']} (deleted)"
+        offer = fresh()
+        assert offer["name"] == f"psgd-0123abcd-s3-{os.getpid()}-push"
+        assert offer["socket"].startswith(f"@psgd-0123abcd-s3-{os.getpid()}-") and "fd" not in offer
         assert not list(Path("/dev/shm").glob("*0123abcd*"))  # no file to remove anywhere
-        for bad, words in [({**offer, "nonce": "00" * 16}, "does not carry the nonce"),
-                           ({**offer, "name": "psgd-0123abcd-s3-1-push"}, "not the name of a psgd segment of process"),
-                           ({**offer, "name": "../../etc/passwd"}, "not the name of a psgd segment"),
-                           ({**offer, "fd": 0}, "is not the memory file"),
-                           ({"pid": "x"}, "not a segment offer")]:
+        for bad, words in [(fresh(nonce="00" * 16), "does not carry the nonce"),
+                           (fresh(name="psgd-0123abcd-s3-1-push"), "is not the memory file"),
+                           (fresh(name="../../etc/passwd"), "not the name of a psgd segment"),
+                           (fresh(socket="@elsewhere"), "not the name of a psgd shard's socket"),
+                           (fresh(ticket="00" * 32), "handed nothing over"),
+                           ({"name": "x"}, "not a segment offer")]:
             with pytest.raises(segment.SegmentError, match=words):
                 segment.attach(bad, 4096)
         with pytest.raises(segment.SegmentError, match="is not 4064 bytes long"):
-            segment.attach(offer, 4000)
+            segment.attach(fresh(), 4000)
         other = segment.attach(offer, 4096)
+        with pytest.raises(segment.SegmentError, match="handed nothing over"):
+            segment.attach(offer, 4096)  # a ticket is good once
+        monkeypatch.setattr(handout_module, "TICKET_SECONDS", 0.0)
+        with pytest.raises(segment.SegmentError, match="handed nothing over"):
+            segment.attach(fresh(), 4096)  # and only for a while
+        monkeypatch.undo()
         seg.data[:5] = b"hello"
         assert bytes(other.data[:5]) == b"hello"  # one memory
         other.close()
-        reader = segment.attach(offer, 4096, writable=False)
+        reader = segment.attach(fresh(), 4096, writable=False)
         with pytest.raises(TypeError):
             reader.data[:1] = b"x"  # mapped read-only
         reader.close()
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 0)  # sealed: nobody can cut the memory from under the shard
         assert segment.mapped(os.getpid(), "0123abcd") == [offer["name"]]
+        stale = fresh()
     finally:
         seg.close()
-    assert segment.mapped(os.getpid(), "0123abcd") == []  # closed and unmapped: the memory is gone
-    with pytest.raises(segment.SegmentError, match="cannot open"):
-        segment.attach(offer, 4096)
+    assert segment.mapped(os.getpid(), "0123abcd") == []  # closed and unmapped
+    late = segment.attach(stale, 4096)  # a ticket hands over its own segment's file, never what took its number
+    assert late.name == offer["name"] and bytes(late.data[:5]) == b"hello"
+    late.close()
 
 
-def test_a_shards_weights_live_in_its_segment():
-    core = build_shard(make_job(*HOSTILE_SETS), 0)
-    before = core.flat.copy()
-    data = DataServer(core, request_timeout=IO).start()
+def test_the_weights_handed_over_cannot_be_written_through_any_descriptor(handout):
+    seg = segment.create("0123abcd", 3, "weights", 4096, slots=2)
     try:
-        assert np.shares_memory(core.flat, data._weights.array(core.flat.dtype, core.flat.size))
-        assert core.flat.tobytes() == before.tobytes()
-        assert all(np.shares_memory(w, core.flat) for w in core.weights.values())
-        second = DataServer(core, request_timeout=IO).start()  # a second data port of the same core shares them
-        assert second._weights is data._weights
-        second.stop()
+        seg.slot(1)[:5] = b"hello"  # the shard's own mapping, made before the seal, stays writable
+        offer = handout.offer(seg)
+        fd = segment._handed(offer["socket"], bytes.fromhex(offer["ticket"]))
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x", segment.HEADER)
+            again = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # a new description of the same file
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(again, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(again)
+            with mmap.mmap(fd, segment.HEADER + 2 * 4096, prot=mmap.PROT_READ) as view:
+                assert view[segment.HEADER + 4096:segment.HEADER + 4101] == b"hello"
+        finally:
+            os.close(fd)
     finally:
-        data.stop()
+        seg.close()
+
+
+#: what a process of the shard's own user, without the token, tries against it (prints what it got)
+ATTACK = r"""
+import json, os, socket, sys
+pid, out, opened, fds = int(sys.argv[1]), {}, [], []
+try:
+    entries = os.listdir(f"/proc/{pid}/fd")
+    out["fd_listing"] = "listed"
+except OSError as exc:
+    entries, out["fd_listing"] = [], type(exc).__name__
+for n in entries:
+    try:
+        if "memfd:psgd" in os.readlink(f"/proc/{pid}/fd/{n}"):
+            os.close(os.open(f"/proc/{pid}/fd/{n}", os.O_RDWR))
+            opened.append(n)
+    except OSError:
+        pass
+try:
+    open(f"/proc/{pid}/mem", "rb").close()
+    out["mem"] = "opened"
+except OSError as exc:
+    out["mem"] = type(exc).__name__
+names = [line.split()[-1] for line in open("/proc/net/unix").read().splitlines()[1:] if "@psgd-" in line]
+for name in names:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect("\0" + name[1:])
+        s.sendall(os.urandom(32))
+        fds += socket.recv_fds(s, 1, 4)[1]
+print(json.dumps({**out, "opened": opened, "sockets": len(names), "fds": len(fds)}))
+"""
+
+
+def _as_one_user(folder: Path) -> list[str]:
+    """What runs a command as the user the shard and the attacker share: this one, or nobody when the tests run
+    as root (who may open anything).  For nobody, a mount namespace of the command's own lays the parts of
+    /root this Python lives in (it may be under /root, which only root may enter) over an empty /root."""
+    if os.geteuid() != 0:
+        return []
+    used = {Path(p).resolve() for p in (sys.executable, sys.prefix, sys.base_prefix, Path(psgd.__file__).parent)}
+    keep = sorted({p.relative_to("/root").parts[0] for p in used if p.is_relative_to("/root") and p != Path("/root")})
+    lines = ["set -e"]
+    for i, name in enumerate(keep):
+        (folder / f"hold{i}").mkdir()
+        lines.append(f'mount --bind "/root/{name}" "{folder}/hold{i}"')
+    lines.append("mount -t tmpfs -o mode=0755,size=1m psgd-test /root")
+    for i, name in enumerate(keep):
+        lines.append(f'mkdir "/root/{name}" && mount --move "{folder}/hold{i}" "/root/{name}"')
+    lines.append('exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", "\n".join(lines), "sh"]
+
+
+def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
+    """Found: any process of the shard's user could open /proc/<shard>/fd/<n> (the weights' memory file) read-write
+    and write NaN into the live weights.  Now the shard's /proc is closed to it and the descriptors go only for
+    tickets; a worker with the token still trains through shared memory."""
+    folder = Path(tempfile.mkdtemp(prefix="psgd-shm-user-"))
+    folder.chmod(0o777)
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "train.epochs=1", "cluster.transport=shm")
+    job_path = folder / "job.toml"
+    job_path.write_text(to_toml(job.to_dict()))
+    job_path.chmod(0o644)
+    env = {**os.environ, "PSGD_TOKEN": "s3cret-token-of-the-job", "HOME": str(folder)}
+    user = _as_one_user(folder)
+    shard = subprocess.Popen([*user, PY, "-m", "psgd.cli.server", "-c", str(job_path), "--shard", "0", "--bind",
+                              "127.0.0.1:0", "--port-file", str(folder / "port")], env=env, cwd=folder,
+                             stdout=subprocess.DEVNULL, stderr=(folder / "shard.log").open("w"))
+    try:
+        address = _wait_file(folder / "port", shard, "the shard's port file")
+        worker = subprocess.run([*user, PY, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", "0", "--servers",
+                                 address, "--no-progress"], env=env, cwd=folder, capture_output=True, text=True,
+                                timeout=120)
+        assert worker.returncode == 0, worker.stderr[-2000:]
+        assert "through shared memory" not in worker.stderr  # no fallback line: it trained through it
+        attacker_env = {k: v for k, v in env.items() if k != "PSGD_TOKEN"}
+        attack = subprocess.run([*user, PY, "-c", ATTACK, str(shard.pid)], env=attacker_env, cwd=folder,
+                                capture_output=True, text=True, timeout=60)
+        assert attack.returncode == 0, attack.stderr[-2000:]
+        got = json.loads(attack.stdout)
+        assert got["fd_listing"] == "PermissionError" and got["opened"] == [] and got["mem"] == "PermissionError"
+        assert got["sockets"] >= 1 and got["fds"] == 0, got  # it found the socket; no ticket, no descriptor
+        uid = next(line.split()[1] for line in Path(f"/proc/{shard.pid}/status").read_text().splitlines()
+                   if line.startswith("Uid:"))
+        assert int(uid) == (65534 if user else os.getuid())  # the shard ran as the attacker's user, never root
+    finally:
+        shard.terminate()
+        shard.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- who gets a segment -----------------------------------------------------------------------------
 
 
-def test_a_pull_reads_the_shards_weights_and_holds_updates_back_until_released(shard):
+def test_a_pull_reads_the_shards_weights_and_keeps_its_slot_until_released(shard):
     with with_segment(shard, "pull") as (sock, seg, offer):
         assert offer["name"].endswith("-weights") and offer["bytes"] == shard.core.nbytes
         request(sock, protocol.OP_PULL)
         code, _, version, size, _ = shm_reply(sock)
         assert code == OK and size == shard.core.nbytes and version == 0
         assert bytes(seg.data[:size]) == shard.initial
-        assert shard.core.store._readers == 1  # a live read: an update would wait for the release
+        assert [r["worker"] for r in shard.core.store.reads()] == [0]  # a live read: its slot is kept for it
         request(sock, protocol.OP_RELEASE)
-        wait_for(lambda: shard.core.store._readers == 0, IO, "the release")
+        wait_for(lambda: not shard.core.store.reads(), IO, "the release")
 
 
 def test_a_push_segment_is_the_connections_and_goes_with_it(shard):
@@ -172,7 +301,7 @@ def test_a_pull_from_shared_memory_must_be_released_before_anything_else(shard, 
         request(sock, after)
         expect(sock, INVALID, "must be answered with a release")
         assert_closed(sock)
-    wait_for(lambda: shard.core.store._readers == 0, IO, "the live read to end with the connection")
+    wait_for(lambda: not shard.core.store.reads(), IO, "the live read to end with the connection")
 
 
 def test_a_release_without_a_pull_is_refused(shard):
@@ -182,15 +311,15 @@ def test_a_release_without_a_pull_is_refused(shard):
         assert_closed(sock)
 
 
-def test_a_pull_never_released_holds_updates_back_only_until_the_request_timeout(shard):
+def test_a_pull_never_released_ends_with_its_connection_at_the_request_timeout(shard):
     data = DataServer(shard.core, request_timeout=1.0, idle_timeout=IO).start()
     try:
         with with_segment(shard, "pull", port=data.port) as (sock, seg, _):
             request(sock, protocol.OP_PULL)
             assert shm_reply(sock)[0] == OK
-            assert shard.core.store._readers == 1
+            assert len(shard.core.store.reads()) == 1
             began = time.monotonic()
-            wait_for(lambda: shard.core.store._readers == 0, IO, "the timeout to end the read")
+            wait_for(lambda: not shard.core.store.reads(), IO, "the timeout to end the read")
             assert 0.8 <= time.monotonic() - began <= IO
             assert_closed(sock)
     finally:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from psgd.server.remedies import EPSILON
+from psgd.server.store import SLOTS
 from test_shard_core import INIT, LR, grad, grads_of, make_core, register_all, weights
 
 
@@ -56,6 +57,28 @@ def test_a_stale_gradient_is_compensated_as_the_paper_writes_it(lam, adaptive, p
     plain = reference(0.0, False)
     assert np.abs(want - plain).max() > 1e-3  # the compensation is not lost in the comparison
     assert core.remedies.uncompensated == 0
+
+
+@pytest.mark.parametrize("where", ["moved", "read"])
+def test_compensation_reads_the_weights_where_they_are_now(where):
+    """The shard moves its weights into shared memory when it serves, and an update made while the current
+    weights are being read goes to its other slot: the copy a pull leaves for compensation is of the weights
+    as they are then, wherever they live."""
+    core, _ = make_core("async", 2, dc_lambda=0.5)
+    core.place_weights([np.empty_like(core.flat) for _ in range(SLOTS)], np.zeros(SLOTS, dtype=np.uint64))
+    if where == "read":
+        core.store.patience = 0.0  # every update made while a read is held goes to the other slot at once
+    register_all(core)
+    held = core.pull(0, 0, timeout=1, copy=False) if where == "read" else None
+    pull(core, 0), pull(core, 1)
+    assert core.push(1, 0, 0, grads_of(*grad(2))).staleness == 0
+    assert core.push(0, 0, 0, grads_of(*grad(1))).staleness == 1
+    pull(core, 0)
+    assert core.push(0, 1, 2, grads_of(*grad(3))).staleness == 0
+    np.testing.assert_allclose(flat(weights(core)), reference(0.5, False), rtol=1e-12, atol=1e-12)
+    if held is not None:
+        assert core.store.counters["copied_updates"] >= 1
+        held.release()
 
 
 def test_compensation_goes_with_staleness_lr():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -577,7 +578,7 @@ def test_status_reports_everything():
     s = core.status()
     assert s["checkpoint"] is None and s["restored_version"] is None
     assert set(s) == {"shard", "num_shards", "policy", "version", "plan_hash", "bytes_held", "workers",
-                      "checkpoint", "restored_version",
+                      "checkpoint", "restored_version", "reads",
                       "counters", "staleness_histogram"}
     assert (s["shard"], s["num_shards"], s["policy"], s["version"]) == (0, 1, "sync", 0)
     assert s["plan_hash"] == PLAN.hash
@@ -671,23 +672,80 @@ def test_assembler_refuses_a_wrong_dtype():
         assert err.code == "INVALID_ARGUMENT" and "needs float32 variables" in err.message
 
 
-def test_updates_wait_for_zero_copy_pulls_and_new_pulls_defer_to_them():
+def test_an_update_waits_for_a_zero_copy_read_that_ends_within_the_patience_and_copies_nothing():
     core, _ = make_core("async", 1)
     register_all(core)
+    core.store.patience = JOIN_WAIT
     live = core.pull(0, 0, timeout=1, copy=False)
     before = bytes(live.buffer)
     pushed = run_in_thread(push, core, 0, 0)
-    wait_for(lambda: core.store.writers_waiting == 1, JOIN_WAIT,  # the update is parked behind the send
-             "the push to wait for the zero-copy pull")
+    wait_for(lambda: core.store.writers_waiting == 1, JOIN_WAIT, "the push to wait for the zero-copy pull")
     assert bytes(live.buffer) == before and core.version == 0  # nothing changed under the sender
     err = error(core.pull, 0, 1, timeout=0.05)  # a new pull defers to the waiting update
     assert err.code == "DEADLINE_EXCEEDED" and "update" in err.message
     live.release()
     live.release()  # idempotent
     assert pushed().outcome == "applied" and core.version == 1
+    assert core.store.counters["copied_updates"] == 0 and core.store.current == 0  # made in place
     with core.pull(0, 1, timeout=1, copy=False) as again:
         assert bytes(again.buffer) != before
-    assert core.store._readers == 0
+    assert core.store.reads() == []
+
+
+def test_a_zero_copy_read_past_the_patience_keeps_its_version_and_the_update_goes_elsewhere():
+    core, _ = make_core("async", 1)
+    register_all(core)
+    core.store.patience = 0.1
+    live = core.pull(0, 0, timeout=1, copy=False)
+    before = bytes(live.buffer)
+    began = time.monotonic()
+    assert push(core, 0, 0).outcome == "applied" and core.version == 1
+    assert 0.1 <= time.monotonic() - began < JOIN_WAIT
+    assert core.store.counters["copied_updates"] == 1 and core.store.current == 1
+    assert bytes(live.buffer) == before != core.flat.tobytes()  # the reader's version, whole
+    assert [r["worker"] for r in core.status()["reads"]] == [0]
+    began = time.monotonic()
+    assert push(core, 0, 1).outcome == "applied"  # the new slot is unread: in place, no waiting
+    assert time.monotonic() - began < 0.1 and core.store.counters["copied_updates"] == 1
+    assert bytes(live.buffer) == before
+    live.release()
+    assert core.status()["reads"] == []
+
+
+def test_the_counters_add_up_while_an_update_waits_for_a_read():
+    """Found by the chaos suite: a Status read while an update waited for a pull (letting go of the lock) counted
+    the push without its outcome."""
+    core, _ = make_core("async", 1)
+    register_all(core)
+    core.store.patience = JOIN_WAIT
+    live = core.pull(0, 0, timeout=1, copy=False)
+    pushed = run_in_thread(push, core, 0, 0)
+    wait_for(lambda: core.store.writers_waiting == 1, JOIN_WAIT, "the push to wait for the read")
+    c = core.status()["counters"]
+    assert c["pushes"] == sum(c[k] for k in ("applied", "accumulated", "duplicates", "late", "rejected")) == 0
+    live.release()
+    assert pushed().outcome == "applied"
+    c = core.status()["counters"]
+    assert c["pushes"] == c["applied"] == 1
+
+
+def test_reads_of_both_slots_past_their_hold_are_revoked_for_an_update_oldest_first():
+    core, _ = make_core("async", 1)
+    register_all(core)
+    core.store.patience = 0.0
+    revoked = []
+    a = core.pull(0, 0, timeout=1, copy=False, hold=0.2, on_revoke=lambda: revoked.append("a"))
+    push(core, 0, 0)  # no patience: made in the other slot at once
+    b = core.pull(0, 1, timeout=1, copy=False, hold=JOIN_WAIT, on_revoke=lambda: revoked.append("b"))
+    kept = bytes(b.buffer)
+    began = time.monotonic()
+    push(core, 0, 1)  # both slots read: waits for a's hold, then takes its slot
+    assert 0.1 < time.monotonic() - began < JOIN_WAIT
+    assert revoked == ["a"] and a.revoked and not b.revoked and core.store.counters["revoked_reads"] == 1
+    assert bytes(b.buffer) == kept and core.store.seq[a.slot] != a.seq and core.store.seq[b.slot] == b.seq
+    a.release()  # a revoked read's release changes nothing
+    b.release()
+    assert core.store.reads() == []
 
 
 # -- large shards check and update their slices on several threads ---------------------------------------

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from psgd.bench.chaos.cluster import Abort
-from psgd.bench.chaos.hostile import HOSTILE
+from psgd.bench.chaos.hostile import HOLD, HOSTILE
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.plan import Fault
 from psgd.bench.chaos.processes import Proc, last_error
@@ -44,6 +44,9 @@ class FaultInjection:
                 c.signal(name, signal.SIGCONT)
             else:
                 note = "skipped: every worker had finished"
+        elif fault.kind == "stop-mid-pull":
+            r = self._live_worker(fault.target)
+            note = self._stop_mid_pull(r, fault.seconds) if r is not None else "skipped: every worker had finished"
         elif fault.kind == "hostile":
             note = self._hostile(fault)
         elif fault.kind == "netcut":
@@ -148,6 +151,36 @@ class FaultInjection:
         while size() == first and time.monotonic() < deadline and proc.popen.poll() is None:
             time.sleep(0.0005)  # watching for the line, briefly, with a deadline
         time.sleep(offset)  # the aim is the fault's own timing
+
+    def _stop_mid_pull(self, r: int, seconds: float) -> str:
+        """Worker ``r`` stopped in the middle of a pull: SIGSTOPped, while a pull of its rank is asked of every
+        shard and left unfinished (over shared memory where the run has it: answered, never released) for
+        ``seconds``.  Under async the other workers must go on meanwhile."""
+        c = self.cluster
+        targets = []
+        for address in c.binds:
+            host, _, port = address.rpartition(":")
+            targets.append((host, int(port) + 1))
+        args = json.dumps({"targets": targets, "worker": r, "plan_hash": c.plan.hash, "seconds": seconds})
+        c.signal(f"worker{r}", signal.SIGSTOP)
+        try:
+            before = self._versions()
+            done = subprocess.run(c.prefix("obs") + [PY, "-c", HOLD, args], capture_output=True, text=True,
+                                  timeout=seconds + 60)
+            after = self._versions()
+        finally:
+            c.signal(f"worker{r}", signal.SIGCONT)
+        try:
+            stats = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            self.violate("harness", [f"the pull-holding client failed: {done.stderr.strip()[-500:]}"])
+            return "pull-holding client failed"
+        others = [w for w in range(self.spec.workers) if w != r and c.alive(f"worker{w}")]
+        if self.spec.policy == "async" and others and None not in before + after and sum(after) <= sum(before):
+            self.violate("starvation", [f"no shard applied an update during {seconds:.1f}s while worker {r} was "
+                                        f"stopped in the middle of a pull (versions {before} -> {after}; {stats})"])
+        return (f"{stats['unfinished']} pull(s) left unfinished ({stats['shm']} answered through shared memory and "
+                f"never released, {stats['refused']} refused), versions {before} -> {after}")
 
     def _hostile(self, fault: Fault) -> str:
         c = self.cluster

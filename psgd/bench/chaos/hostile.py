@@ -1,19 +1,30 @@
-"""The ``hostile`` fault's client: idle connections and connections sending random bytes against the shards'
-ports; :data:`HOSTILE` is the script a run starts it with (from the observer's host)."""
+"""The clients of the faults that come from outside a job's processes, started from the observer's host: the
+``hostile`` fault's idle connections and connections sending random bytes against the shards' ports
+(:data:`HOSTILE`), and the stopped worker's pull that the ``stop-mid-pull`` fault leaves unfinished
+(:data:`HOLD`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import socket
 import time
 from typing import Any, Sequence
+
+from psgd.link import protocol, segment
 
 
 HOSTILE = """
 import json, sys
 from psgd.bench.chaos.hostile import hostile
 print(json.dumps(hostile(**json.loads(sys.argv[1]))))
+"""
+
+HOLD = """
+import json, sys
+from psgd.bench.chaos.hostile import hold_pulls
+print(json.dumps(hold_pulls(**json.loads(sys.argv[1]))))
 """
 
 
@@ -69,3 +80,50 @@ def hostile(targets: Sequence[Sequence[Any]], count: int, seconds: float, seed: 
         s.close()
     return stats
 
+
+
+def hold_pulls(targets: Sequence[Sequence[Any]], worker: int, plan_hash: str, seconds: float) -> dict:
+    """Worker ``worker``'s pull from each (host, data port), asked for and left unfinished for ``seconds``, as a
+    worker stopped in the middle of it leaves it: over shared memory where the shard offers it (answered, its
+    version never released), else over TCP (a small receive window, nothing read: the shard's read of a model
+    that fits the socket buffers ends once its bytes are in them).  Returns what was left unfinished."""
+    stats = {"unfinished": 0, "shm": 0, "refused": 0}
+    held: list = []
+    try:
+        for host, port in targets:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(5.0)
+            try:
+                sock.connect((host, int(port)))
+                body = json.dumps({"token": "", "plan_hash": plan_hash, "shm": "pull"}).encode()
+                sock.sendall(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, worker, 0, 0,
+                                                   len(body)) + body)
+                _, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
+                answer = bytearray(size)
+                protocol.recv_exact(sock, memoryview(answer))
+                if status:
+                    stats["refused"] += 1
+                    continue
+                offer = json.loads(answer) if size else {}
+                seg = None
+                if "name" in offer:
+                    with contextlib.suppress(segment.SegmentError):
+                        seg = segment.attach(offer, int(offer["bytes"]), writable=False)
+                        held.append(seg)
+                sock.sendall(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_PULL, 0, worker, 0, 0, 0))
+                if seg is not None:
+                    _, status, *_ = protocol.recv_struct(sock, protocol.REPLY)  # answered: its version is held
+                    if status:
+                        stats["refused"] += 1
+                        continue
+                    stats["shm"] += 1
+                stats["unfinished"] += 1
+            except (OSError, protocol.WireError, ValueError):
+                stats["refused"] += 1
+        time.sleep(seconds)  # how long the pull stays unfinished is the fault
+    finally:
+        for thing in held:
+            thing.close()
+    return stats

@@ -21,7 +21,7 @@ class Fault:
     offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
 
     def describe(self) -> str:
-        who = {"netcut": self.role}.get(self.kind, self.kind.rpartition("-")[2])
+        who = {"netcut": self.role, "stop-mid-pull": "worker"}.get(self.kind, self.kind.rpartition("-")[2])
         text = self.kind + (f" {who} {self.target}" if who in ("shard", "worker") else "")
         if self.kind == "kill-worker":
             text += f" {self.offset * 1000:.1f} ms after a step"
@@ -96,7 +96,7 @@ class Planner:
             fault = Fault(kind, 0.0)
             if kind.endswith("-shard"):
                 fault.target = rng.randrange(SHARDS)
-            elif kind.endswith("-worker"):
+            elif kind.endswith("-worker") or kind == "stop-mid-pull":
                 fault.target = rng.randrange(workers)
                 fault.offset = round(rng.uniform(0.0, 0.012), 4)
                 if kind == "kill-worker" and rng.random() < 0.5:  # restarted after its lease ran out

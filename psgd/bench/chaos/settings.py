@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-KINDS = ("kill-shard", "restart-shard", "kill-worker", "stop-shard", "stop-worker", "hostile", "netcut", "sigterm")
+KINDS = ("kill-shard", "restart-shard", "kill-worker", "stop-shard", "stop-worker", "stop-mid-pull", "hostile",
+         "netcut", "sigterm")
 PY = sys.executable
 
 SHARDS = 2

@@ -45,6 +45,10 @@ worker reaches a drawn fraction of its steps:
   the clock the shards hold);
 - ``stop-shard``, ``stop-worker``: SIGSTOP for 0.5-3 s, then SIGCONT (longer
   than the 2 s lease: the shard drops the worker, which registers again);
+- ``stop-mid-pull``: a worker stopped in the middle of a pull for 0.5-3 s:
+  SIGSTOPped while a pull of its rank is asked of every shard and left
+  unfinished (through shared memory where the run has it: answered, never
+  released); under async the other workers must go on meanwhile;
 - ``hostile``: idle TCP connections and connections sending random bytes,
   held against every shard's gRPC and data ports for a few seconds;
 - ``netcut`` (as root, with ``ip netns``): the run's processes live in network
