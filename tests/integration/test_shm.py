@@ -212,19 +212,27 @@ print(json.dumps({**out, "opened": opened, "sockets": len(names), "fds": len(fds
 
 def _as_one_user(folder: Path) -> list[str]:
     """What runs a command as the user the shard and the attacker share: this one, or nobody when the tests run
-    as root (who may open anything).  For nobody, a mount namespace of the command's own lays the parts of
-    /root this Python lives in (it may be under /root, which only root may enter) over an empty /root."""
+    as root (who may open anything).  For nobody, a mount namespace of the command's own lays what this Python
+    and psgd need over an empty folder in place of each folder on their way that only root may enter (/root,
+    a virtual environment in a private temporary folder), at the same paths."""
     if os.geteuid() != 0:
         return []
-    used = {Path(p).resolve() for p in (sys.executable, sys.prefix, sys.base_prefix, Path(psgd.__file__).parent)}
-    keep = sorted({p.relative_to("/root").parts[0] for p in used if p.is_relative_to("/root") and p != Path("/root")})
-    lines = ["set -e"]
-    for i, name in enumerate(keep):
-        (folder / f"hold{i}").mkdir()
-        lines.append(f'mount --bind "/root/{name}" "{folder}/hold{i}"')
-    lines.append("mount -t tmpfs -o mode=0755,size=1m psgd-test /root")
-    for i, name in enumerate(keep):
-        lines.append(f'mkdir "/root/{name}" && mount --move "{folder}/hold{i}" "/root/{name}"')
+    needed = {Path(p).resolve() for p in (sys.executable, sys.prefix, sys.base_prefix, Path(psgd.__file__).parent)}
+    closed: dict[Path, set[str]] = {}  # a folder others may not enter -> its entries on the way to what is needed
+    for path in needed:
+        for parent in path.parents:
+            if parent != Path("/") and not parent.stat().st_mode & 0o001:
+                closed.setdefault(parent, set()).add(path.relative_to(parent).parts[0])
+    lines, n = ["set -e"], 0
+    for where in sorted(closed, key=lambda d: len(d.parts)):  # outer folders first
+        entries = sorted(closed[where])
+        for i, name in enumerate(entries, start=n):
+            (folder / f"hold{i}").mkdir()
+            lines.append(f'mount --bind "{where}/{name}" "{folder}/hold{i}"')
+        lines.append(f'mount -t tmpfs -o mode=0755,size=1m psgd-test "{where}"')
+        for i, name in enumerate(entries, start=n):
+            lines.append(f'mkdir "{where}/{name}" && mount --move "{folder}/hold{i}" "{where}/{name}"')
+        n += len(entries)
     lines.append('exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "$@"')
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", "\n".join(lines), "sh"]
 
@@ -246,7 +254,11 @@ def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
                               "127.0.0.1:0", "--port-file", str(folder / "port")], env=env, cwd=folder,
                              stdout=subprocess.DEVNULL, stderr=(folder / "shard.log").open("w"))
     try:
-        address = _wait_file(folder / "port", shard, "the shard's port file")
+        try:
+            address = _wait_file(folder / "port", shard, "the shard's port file")
+        except AssertionError:
+            raise AssertionError(f"the shard, run as {user or 'this user'}, did not start: "
+                                 f"{(folder / 'shard.log').read_text()[-2000:]}") from None
         worker = subprocess.run([*user, PY, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", "0", "--servers",
                                  address, "--no-progress"], env=env, cwd=folder, capture_output=True, text=True,
                                 timeout=120)
