@@ -101,6 +101,16 @@ _CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "re
 
 
 @dataclasses.dataclass
+class TLSConfig:
+    """Mutual TLS between every process of the job, from PEM files (a relative path is read from the job file's
+    folder); the same three as ``psgd launch --tls-cert/--tls-key/--tls-ca``, which take precedence."""
+
+    cert: str = ""  # the certificate every shard serves with and every worker (and observer) shows
+    key: str = ""   # its private key
+    ca: str = ""    # the CA that signed it: shards demand client certificates it signed, workers trust shards it signed
+
+
+@dataclasses.dataclass
 class JobConfig:
     """A whole job; ``model``, ``data`` and ``optimizer`` are name + free options."""
 
@@ -109,9 +119,10 @@ class JobConfig:
     optimizer: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "momentum", "lr": 0.05})
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
     source: str = "<defaults>"
 
-    SECTIONS = ("model", "data", "optimizer", "train", "cluster")
+    SECTIONS = ("model", "data", "optimizer", "train", "cluster", "tls")
 
     # -- construction -----------------------------------------------------
     @classmethod
@@ -127,9 +138,14 @@ class JobConfig:
                 table = _table(doc[section], source, section)
                 merged = dict(table) if "name" in table else {**getattr(job, section), **table}
                 setattr(job, section, merged)
-        for section in ("train", "cluster"):
+        for section in ("train", "cluster", "tls"):
             for key, value in _table(doc.get(section, {}), source, section).items():
                 job._set_field(section, key, value)
+        folder = Path(source).parent if Path(source).is_file() else None
+        for key in ("cert", "key", "ca"):  # a path in a job file is read from the job file's folder
+            value = getattr(job.tls, key)
+            if folder is not None and isinstance(value, str) and value and not Path(value).is_absolute():
+                setattr(job.tls, key, str(folder.resolve() / value))
         job.validate()
         return job
 
@@ -158,7 +174,7 @@ class JobConfig:
         section, _, key = dotted.partition(".")
         if section not in self.SECTIONS or not key:
             raise ConfigError(f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}")
-        if section in ("train", "cluster"):
+        if section in ("train", "cluster", "tls"):
             self._set_field(section, key, value)
         else:
             table = getattr(self, section)
@@ -206,6 +222,12 @@ class JobConfig:
         if not isinstance(t.device, str):
             raise ConfigError(f"{src}: [train] device must be a string such as 'cpu' or 'cuda:0', got {t.device!r}")
         self._validate_cluster()
+        files = [getattr(self.tls, k) for k in ("cert", "key", "ca")]
+        if not all(isinstance(f, str) for f in files):
+            raise ConfigError(f"{src}: [tls] cert, key and ca must be paths (strings), got {files!r}")
+        if any(files) and not all(files):
+            raise ConfigError(f"{src}: [tls] needs cert, key and ca together (mutual TLS: every shard serves with "
+                              "the certificate, every worker shows it, and both trust the CA), or none of them")
         lr = self.optimizer.get("lr")
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0):
             raise ConfigError(f"{src}: [optimizer] lr must be a positive number, got {lr!r}")
@@ -264,6 +286,7 @@ class JobConfig:
             "optimizer": copy.deepcopy(self.optimizer),
             "train": dataclasses.asdict(self.train),
             "cluster": dataclasses.asdict(self.cluster),
+            "tls": dataclasses.asdict(self.tls),
         }
 
 

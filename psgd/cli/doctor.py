@@ -310,7 +310,7 @@ def cmd_doctor(args: argparse.Namespace, out=None) -> int:
     from psgd.cli.common import job_from_args
 
     job = job_from_args(args)
-    doctor = Doctor(job, connect_from_args(args))
+    doctor = Doctor(job, connect_from_args(args, job))
     findings = doctor.run()
     failures, warnings = doctor.failures, [f for f in findings if f.level == "warn"]
     if args.json:

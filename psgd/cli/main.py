@@ -274,7 +274,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
     result = launch(job, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args))
+                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args, job))
     c = job.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")

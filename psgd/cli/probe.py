@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import grpc
 
 from psgd.channel import SERVICE_NAME, open_channel, token_metadata
-from psgd.tls import TLSFiles
+from psgd.tls import TLSFiles, tls_from_args
 
 TOKEN_ENV = "PSGD_TOKEN"
 
@@ -59,10 +59,12 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", metavar="FILE", default=None, help="client private key (PEM) for mutual TLS")
 
 
-def connect_from_args(args: argparse.Namespace) -> Connect:
+def connect_from_args(args: argparse.Namespace, job=None) -> Connect:
+    """How to reach the shards: the flags, and where they name no TLS file, ``job``'s [tls] table (if any)."""
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
-    return Connect(timeout=args.timeout, token=token, tls_ca=args.tls_ca or "", tls_cert=args.tls_cert or "",
-                   tls_key=args.tls_key or "")
+    tls = tls_from_args(args, job)
+    return Connect(timeout=args.timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "",
+                   tls_key=tls.key or "")
 
 
 def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:

@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         server = ShardServer(core, bind, request_timeout=job.cluster.request_timeout, transport=job.cluster.transport,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
-                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args),
+                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args, job),
                              interceptors=metrics.interceptors, hello_timeout=job.cluster.hello_timeout).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None

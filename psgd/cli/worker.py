@@ -114,7 +114,7 @@ def work(args: argparse.Namespace) -> int:
     with WorkerMetrics.from_args(args, args.rank) as metrics:
         result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
                             metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
-                            token=token_from_args(args), tls=tls_from_args(args), on_step=metrics.on_step)
+                            token=token_from_args(args), tls=tls_from_args(args, job), on_step=metrics.on_step)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.summary["outcomes"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -138,3 +139,24 @@ def test_launch_runs_a_whole_job_over_mutual_tls(certs, tmp_path):
     half = subprocess.run([shutil.which("psgd") or "psgd", "launch", "--epochs", "1", "--tls-cert",
                            str(certs / "shard.pem"), "--no-progress"], capture_output=True, text=True, timeout=120)
     assert half.returncode == 2 and "needs --tls-cert, --tls-key and --tls-ca together" in half.stderr
+
+
+@pytest.mark.slow
+def test_launch_takes_tls_from_the_job_file(certs, tmp_path):
+    """The certificate, key and CA may live in the job file's [tls] table (paths from the job file's folder):
+    every process of the launch uses them, as with the flags."""
+    job = tmp_path / "job.toml"
+    rel = os.path.relpath(certs, tmp_path)
+    job.write_text(f'[tls]\ncert = "{rel}/shard.pem"\nkey = "{rel}/shard.key"\nca = "{rel}/ca.pem"\n')
+    run = tmp_path / "run"
+    done = subprocess.run([shutil.which("psgd") or "psgd", "launch", "-c", str(job), "--epochs", "1", "--workers",
+                           "2", "--shards", "1", "--run-dir", str(run), "--no-progress", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mutual TLS; policy sync" in (run / "shard-0.log").read_text()
+    for r in (0, 1):
+        assert json.loads((run / f"worker-{r}.jsonl").read_text().splitlines()[-1])["event"] == "done"
+    job.write_text(f'[tls]\ncert = "{rel}/shard.pem"\n')
+    half = subprocess.run([shutil.which("psgd") or "psgd", "launch", "-c", str(job), "--epochs", "1",
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert half.returncode == 2 and "[tls] needs cert, key and ca together" in half.stderr

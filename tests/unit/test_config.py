@@ -145,3 +145,29 @@ def test_variables_that_do_not_fit_the_memory_are_refused_before_allocating():
                                                     "0.0 GiB while they are initialized) do not fit this machine's "
                                                     "0.0 GiB of memory")):
         check_fits(specs, "model 'mlp'", total=12 * 1_001_000 - 1)
+
+
+def test_tls_files_in_the_job_file_are_read_from_its_folder_and_come_together(tmp_path):
+    import argparse
+
+    from psgd.config import to_toml
+    from psgd.tls import tls_from_args
+
+    (tmp_path / "certs").mkdir()
+    job = JobConfig.load(write(tmp_path, '[tls]\ncert = "certs/a.pem"\nkey = "certs/a.key"\nca = "/etc/ca.pem"\n'))
+    assert (job.tls.cert, job.tls.key, job.tls.ca) == (str(tmp_path / "certs/a.pem"), str(tmp_path / "certs/a.key"),
+                                                      "/etc/ca.pem")
+    again = JobConfig.from_dict(__import__("tomllib").loads(to_toml(job.to_dict())))
+    assert again.tls == job.tls  # written back with the paths resolved
+    none = argparse.Namespace(tls_cert=None, tls_key=None, tls_ca=None)
+    assert tls_from_args(none, job).cert == str(tmp_path / "certs/a.pem")
+    flags = argparse.Namespace(tls_cert="f.pem", tls_key="f.key", tls_ca="f-ca.pem")
+    assert tls_from_args(flags, job).cert == "f.pem"  # flags win
+    assert not tls_from_args(none, JobConfig()).enabled
+    for text in ('[tls]\ncert = "a.pem"\n', '[tls]\ncert = "a.pem"\nkey = "a.key"\n'):
+        with pytest.raises(ConfigError, match=r"\[tls\] needs cert, key and ca together"):
+            JobConfig.load(write(tmp_path, text))
+    with pytest.raises(ConfigError, match=r"\[tls\] cert, key and ca must be paths"):
+        JobConfig.load(write(tmp_path, '[tls]\ncert = 1\nkey = "k"\nca = "c"\n'))
+    with pytest.raises(ConfigError, match=r"\[tls\] unknown key 'password'"):
+        JobConfig.load(write(tmp_path, '[tls]\npassword = "x"\n'))
