@@ -52,6 +52,11 @@ MIN_TRANSFER_RATE = 1e6
 TRANSFER_GRACE = 5.0
 
 
+def transfer_seconds(size: int, request_timeout: float) -> float:
+    """How long a transfer of ``size`` bytes may take (see MIN_TRANSFER_RATE), over any link."""
+    return min(request_timeout, TRANSFER_GRACE + size / MIN_TRANSFER_RATE)
+
+
 class BufferPool:
     """At most ``limit`` receive buffers of ``nbytes`` each, reused across pushes.
 
@@ -227,17 +232,13 @@ class DataServer:
         else:
             self._push(conn, worker, clock, base_version, dtype_code, size, seg)
 
-    def _allowed(self, size: int) -> float:
-        """How long a transfer of ``size`` bytes may take (see MIN_TRANSFER_RATE)."""
-        return min(self.request_timeout, TRANSFER_GRACE + size / MIN_TRANSFER_RATE)
-
     def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None) -> None:
         def revoke() -> None:  # the read is past its hold and an update needs its memory: no more of it is sent
             conn.shutdown(socket.SHUT_RDWR)
 
         try:
             snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False,
-                                  hold=self._allowed(self.core.nbytes), on_revoke=revoke)
+                                  hold=transfer_seconds(self.core.nbytes, self.request_timeout), on_revoke=revoke)
         except ShardError as err:
             self._reply_error(conn, err)
             return
@@ -271,7 +272,7 @@ class DataServer:
         # what is applied: a segment's writer could change its bytes after a check.  Only a registered worker
         # takes a buffer, and a push over the socket must arrive by its deadline, at MIN_PUSH_RATE at least: a
         # trickled push cannot hold a buffer.
-        allowed = self._allowed(size)
+        allowed = transfer_seconds(size, self.request_timeout)
         try:
             core.roster.check(worker)
             # a peek without the shard's lock, which an update holds while it runs: the receive overlaps other

@@ -31,10 +31,18 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
-from psgd.server.datapath import DataServer
+from psgd.server.datapath import DataServer, transfer_seconds
+from psgd.server.watchdog import Watchdog
 from psgd.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger(__name__)
+
+
+#: Control calls (register, heartbeat, done, status, health) keep this many of the server's threads: pulls and
+#: pushes past the rest are refused with RESOURCE_EXHAUSTED, which workers retry with backoff.
+CONTROL_THREADS = 4
+#: Calls at once on one connection (HTTP/2 streams): a worker's channel carries a pull, a push, a heartbeat.
+STREAMS_PER_CONNECTION = 16
 
 
 # Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB (at random
@@ -138,9 +146,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Maps RPCs onto the core; every ShardError becomes its status code."""
 
     def __init__(self, core: ShardCore, incarnation: str, request_timeout: float, data_port: int = 0,
-                 host_id: str = ""):
+                 host_id: str = "", threads: int = 16):
         self.core, self.incarnation, self.data_port, self.host_id = core, incarnation, data_port, host_id
         self.request_timeout = request_timeout
+        self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
+        self.watchdog = Watchdog(f"shard{core.shard}-watchdog")
+
+    @property
+    def transfer_seconds(self) -> float:
+        """How long a pull's bytes may take to go, or a push to arrive (psgd.server.datapath's rule)."""
+        return transfer_seconds(self.core.nbytes, self.request_timeout)
 
     def Register(self, request, context):
         try:
@@ -155,19 +170,50 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
             incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id)
 
+    def _data_call(self, context, what: str) -> int:
+        """Take one of the threads data calls may use (else RESOURCE_EXHAUSTED: the control calls keep theirs);
+        returns the call's key for the watchdog, unarmed.  :meth:`_end_call` gives both back."""
+        if not self.data_calls.acquire(blocking=False):
+            _abort(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls and "
+                                       "pushes at once as it has threads for; try again"))
+        return self.watchdog.watch(float("inf"), context, what)
+
+    def _end_call(self, key: int) -> None:
+        self.watchdog.done(key)
+        self.data_calls.release()
+
     def Pull(self, request, context):
+        what = f"shard {self.core.shard}: gRPC pull by worker {request.worker_id}"
+        key = self._data_call(context, what)
         try:
-            snap = self.core.pull(as_worker(request.worker_id), request.clock,
-                                  _remaining(context, self.request_timeout), cancelled=lambda: not context.is_active())
-        except ShardError as err:
-            _abort(context, err)
-        with snap:
-            for slice_id, payload in snap.data.items():
-                for offset, piece in chunks(payload):
-                    yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece),
-                                             version=snap.version)
+            try:
+                snap = self.core.pull(as_worker(request.worker_id), request.clock,
+                                      _remaining(context, self.request_timeout),
+                                      cancelled=lambda: not context.is_active())
+            except ShardError as err:
+                _abort(context, err)
+            self.watchdog.watch(self.transfer_seconds, context, what, key)  # its bytes must go by then
+            with snap:
+                for slice_id, payload in snap.data.items():
+                    for offset, piece in chunks(payload):
+                        yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece),
+                                                 version=snap.version)
+        finally:
+            self._end_call(key)
 
     def Push(self, request_iterator, context):
+        what = f"shard {self.core.shard}: gRPC push"
+        key = self._data_call(context, what)
+        self.watchdog.watch(self.transfer_seconds, context, what, key)  # the whole push must arrive by then
+        try:
+            return self._push(request_iterator, context)
+        except grpc.RpcError:  # cancelled by the watchdog, or by the client
+            _abort(context, ShardError("DEADLINE_EXCEEDED",
+                                       f"push did not arrive within {self.transfer_seconds:.1f}s"))
+        finally:
+            self._end_call(key)
+
+    def _push(self, request_iterator, context):
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
@@ -270,12 +316,12 @@ class ShardServer:
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                              thread_name_prefix=f"shard{core.shard}"),
-                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=threads * 4,
-                                  interceptors=list(interceptors))
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(
-            ParameterServerServicer(core, self.incarnation, request_timeout, self.data.port if self.data else 0,
-                                    segment.host_id() if shares else ""),
-            self.server)
+                                  options=[*CHANNEL_OPTIONS, ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION)],
+                                  maximum_concurrent_rpcs=threads * 4, interceptors=list(interceptors))
+        self.servicer = ParameterServerServicer(core, self.incarnation, request_timeout,
+                                                self.data.port if self.data else 0,
+                                                segment.host_id() if shares else "", threads)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.tls = tls
@@ -291,6 +337,7 @@ class ShardServer:
                                               daemon=True)
 
     def start(self) -> "ShardServer":
+        self.servicer.watchdog.start()
         self.server.start()
         if self.data:
             self.data.start()
@@ -356,6 +403,7 @@ class ShardServer:
         if self.data:
             self.data.stop()
         self.server.stop(grace).wait(grace + 1)
+        self.servicer.watchdog.stop()
         if self._checkpointer.is_alive():
             self._checkpointer.join(grace + 30)
         return self.save_checkpoint()

@@ -106,6 +106,44 @@ def assert_closed(sock: socket.socket) -> None:
         assert sock.recv(100) == b""
 
 
+def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypatch):
+    """Found: without a token, 40 idle Push streams on the gRPC port held every thread of the shard's server for
+    as long as they lived; Register, Status and heartbeats waited behind them.  Now pulls and pushes leave the
+    control calls threads of their own, and a push that has not arrived by its deadline is cancelled."""
+    from psgd.proto import ps_pb2, ps_pb2_grpc
+    from psgd.server import datapath
+
+    monkeypatch.setattr(datapath, "TRANSFER_GRACE", 3.0)  # an idle push would hold its thread 3 s: long enough to see
+    job = tiny_job()
+    server = ShardServer(build_shard(job, 0), "127.0.0.1:0").start()  # no token: anyone may call
+    never = threading.Event()
+
+    def idle():  # a push stream that sends nothing
+        never.wait(30)
+        return
+        yield
+
+    channels = [grpc.insecure_channel(server.address) for _ in range(4)]
+    try:
+        streams = [ps_pb2_grpc.ParameterServerStub(channels[i % 4]).Push.future(idle(), timeout=30)
+                   for i in range(40)]
+        stub = ps_pb2_grpc.ParameterServerStub(channels[0])
+        for _ in range(3):  # the control calls are answered at once, on the connection the idle streams crowd too
+            began = time.monotonic()
+            stub.Status(ps_pb2.StatusRequest(), timeout=5)
+            with PSClient([server.address], server.core.plan, 0, request_timeout=5, job=job) as client:
+                client.register()
+            assert time.monotonic() - began < 2.0
+        codes = [f.exception(timeout=IO).code() for f in streams]  # every one ended by the shard
+        assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    finally:
+        never.set()
+        for channel in channels:
+            channel.close()
+        server.stop(1)
+
+
 def test_a_client_refused_for_its_token_sees_why():
     job = tiny_job()
     with token_shards(job) as servers:
