@@ -155,13 +155,19 @@ class PSClient:
                     log.warning("%s on shard %d at %s: %s (%s); still retrying (%.0fs of %.0fs)", what, shard,
                                 self.addresses[shard], code.name, details.splitlines()[0] if details else "",
                                 time.monotonic() - began, self.retry_deadline)
-                time.sleep(pause)  # backoff between attempts, not synchronization
+                if self.stop is not None:
+                    self.stop.wait(pause)  # backoff between attempts, cut short by a stop
+                else:
+                    time.sleep(pause)  # backoff between attempts, not synchronization
                 delay = min(delay * 2, 2.0)
 
     def _on_all(self, fn: Callable[[int], T]) -> list[T]:
         if self.plan.num_shards == 1:  # no thread hand-off for a single shard: it costs latency
             return [fn(0)]
         jobs = [self._pool.submit(fn, k) for k in range(self.plan.num_shards)]
+        pending = set(jobs)
+        while pending:  # short waits: a stop signal's handler runs in this (the main) thread in between
+            _, pending = futures.wait(pending, timeout=0.1)
         return [j.result() for j in jobs]
 
     # -- calls --------------------------------------------------------------------

@@ -271,3 +271,39 @@ def test_launch_guards_its_shards_with_a_token_of_its_own(tmp_path):
         launch.kill()
         launch.wait(10)
         kill_leftovers(run)
+
+
+def test_a_stop_signal_caught_by_another_thread_ends_calls_being_retried(tmp_path):
+    """Found by the chaos suite (seed 11, run 1: a sync job over gRPC, SIGTERM to every process): a worker whose
+    calls to two shards were being retried on its pool's threads did not stop for 10 s.  A process's signal may be
+    caught by any of its threads, but Python runs the handler (which sets the stop) only in the main thread, which
+    waited for the pool without a timeout.  Here the signal is sent to a pool thread itself."""
+    import threading
+
+    config = JobConfig()
+    config.apply_sets(["cluster.shards=2"])
+    plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.slice_bytes)
+    gone = [f"127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there: every call fails, and is retried
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.set())
+    sent: list[float] = []
+    try:
+        with PSClient(gone, plan, request_timeout=20, stop=stop) as client:
+            host = {s.name: __import__("numpy").empty(s.shape, dtype=s.dtype) for s in plan.specs}
+
+            def signal_a_pool_thread() -> None:
+                threads = wait_for(lambda: [t for t in list(client._pool._threads) if t.ident], 10,
+                                   "the client's pool to run the calls")
+                signal.pthread_kill(threads[0].ident, signal.SIGUSR1)
+                sent.append(time.monotonic())
+
+            helper = threading.Thread(target=signal_a_pool_thread, daemon=True)
+            helper.start()
+            with pytest.raises(Exception):
+                client.pull(0, host)
+            ended = time.monotonic()
+            helper.join(10)
+        assert sent and stop.is_set()
+        assert ended - sent[0] < 1.0, f"the calls went on {ended - sent[0]:.1f}s after the stop signal"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
