@@ -144,11 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench(sub) -> None:
     """``psgd bench convergence`` (the convergence lab), ``psgd bench comm``, ``scaling`` and ``gpu`` (psgd.bench)."""
-    from psgd.bench import comm
-    from psgd.bench import gpu, overlap, stall
-    from psgd.bench.scaling import command as scaling
-    from psgd.bench.convergence import add_arguments
-
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
                                          "comm: how fast tensors move; scaling: steps/s against model width "
                                          "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
@@ -160,96 +155,60 @@ def _add_bench(sub) -> None:
                                        "`psgd bench stall --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
-    lab = kinds.add_parser(
-        "convergence", help="sync vs async vs ssp vs backup workers vs all-reduce, with and without a straggler",
-        description="Train the same model, data, seed, workers and optimizer under each consistency policy "
-                    "and all-reduce, as real processes on this machine, with and without an injected "
-                    "straggler; write lab.json (every evaluation point), table.md and PNG plots of accuracy "
-                    "and loss against wall time, updates and gradients. The default configuration (MLP on "
-                    "digits, 4 workers, 2 shards, 3 repeats) takes 3-5 minutes on 2 cores; --quick "
-                    "takes well under a minute.")
-    add_arguments(lab)
-    lab.set_defaults(func=cmd_bench_convergence)
-    speed = kinds.add_parser(
-        "comm", help="pull/push/all-reduce throughput, latency, optimizer speed and memory against raw TCP",
-        description="Measure, in one run and side by side: raw loopback TCP and memory-copy bandwidth (the "
-                    "machine's limits); a 40 MB model's pull+push in rounds, each beside TCP measured just before it; "
-                    "pull, push and pull+push through psgd-server processes for models of "
-                    "1-400 MB, over 1-4 shards and 1-4 workers, over gRPC alone and with compressed gradients; "
-                    "an MPI all-reduce of the same bytes (needs the mpi extra); a tiny model's round trip "
-                    "against a bare gRPC call; the optimizers' update throughput; peak memory of shards and "
-                    "workers; and a 100M-parameter model over 4 shards. Ratios to the limits are printed as "
-                    "each figure comes; --json writes them all. Everything takes about 12 minutes on 2 cores, "
-                    "--quick under a minute.")
-    comm.add_arguments(speed)
-    speed.set_defaults(func=cmd_bench_comm)
-    scale = kinds.add_parser(
-        "scaling", help="steps/s of the MLP (widths 64-4096) and CNN: one process, 1-4 workers under sync, async "
-                        "and all-reduce, and a 1-BLAS-thread peer",
-        description=scaling.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    scaling.add_arguments(scale)
-    scale.set_defaults(func=cmd_bench_scaling)
-    on_gpu = kinds.add_parser(
-        "gpu", help="psgd on one GPU against bare CuPy: the MLP's training step (mlp), host<->device "
-                    "transfers (transfer) and the NCCL all-reduce (nccl)",
-        description=gpu.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    gpu.add_arguments(on_gpu)
-    on_gpu.set_defaults(func=cmd_bench_gpu)
-    hiding = kinds.add_parser(
-        "overlap", help="steps/s with [cluster] overlap off and on, beside one step's compute-only and "
-                        "communication-only time (sync, async, all-reduce; the synthetic model and a quarter of it)",
-        description=overlap.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    overlap.add_arguments(hiding)
-    hiding.set_defaults(func=cmd_bench_overlap)
-    held = kinds.add_parser(
-        "stall", help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
-                      "memory and the data port)",
-        description=stall.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    stall.add_arguments(held)
-    held.set_defaults(func=cmd_bench_stall)
+    _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
+               help="sync vs async vs ssp vs backup workers vs all-reduce, with and without a straggler",
+               description="Train the same model, data, seed, workers and optimizer under each consistency "
+                           "policy and all-reduce, as real processes on this machine, with and without an injected "
+                           "straggler; write lab.json (every evaluation point), table.md and PNG plots of accuracy "
+                           "and loss against wall time, updates and gradients. The default configuration (MLP on "
+                           "digits, 4 workers, 2 shards, 3 repeats) takes 3-5 minutes on 2 cores; --quick "
+                           "takes well under a minute.")
+    _bench_command(kinds, "comm", "psgd.bench.comm",
+               help="pull/push/all-reduce throughput, latency, optimizer speed and memory against raw TCP",
+               description="Measure, in one run and side by side: raw loopback TCP and memory-copy bandwidth (the "
+                           "machine's limits); a 40 MB model's pull+push in rounds, each beside TCP measured just "
+                           "before it; pull, push and pull+push through psgd-server processes for models of "
+                           "1-400 MB, over 1-4 shards and 1-4 workers, over gRPC alone and with compressed "
+                           "gradients; an MPI all-reduce of the same bytes (needs the mpi extra); a tiny model's "
+                           "round trip against a bare gRPC call; the optimizers' update throughput; peak memory of "
+                           "shards and workers; and a 100M-parameter model over 4 shards. Ratios to the limits are "
+                           "printed as each figure comes; --json writes them all. Everything takes about 12 "
+                           "minutes on 2 cores, --quick under a minute.")
+    _bench_command(kinds, "scaling", "psgd.bench.scaling.command", raw=True,
+               help="steps/s of the MLP (widths 64-4096) and CNN: one process, 1-4 workers under sync, async "
+                    "and all-reduce, and a 1-BLAS-thread peer")
+    _bench_command(kinds, "gpu", "psgd.bench.gpu", raw=True,
+               help="psgd on one GPU against bare CuPy: the MLP's training step (mlp), host<->device "
+                    "transfers (transfer) and the NCCL all-reduce (nccl)")
+    _bench_command(kinds, "overlap", "psgd.bench.overlap", raw=True,
+               help="steps/s with [cluster] overlap off and on, beside one step's compute-only and "
+                    "communication-only time (sync, async, all-reduce; the synthetic model and a quarter of it)")
+    _bench_command(kinds, "stall", "psgd.bench.stall", raw=True,
+               help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
+                    "memory and the data port)")
 
 
-def cmd_bench_convergence(args: argparse.Namespace) -> int:
-    from psgd.bench.convergence import run_from_args
+def _bench_command(kinds, name: str, module: str, help: str, description: str | None = None, raw: bool = False,
+               logger: str = "bench") -> None:
+    """``psgd bench NAME``: ``module``'s add_arguments and run_from_args; ``raw``: its description is its
+    ``DESCRIPTION`` (or docstring), laid out as written."""
+    import importlib
 
-    setup_logging("lab", -1)
-    return run_from_args(args)
-
-
-def cmd_bench_comm(args: argparse.Namespace) -> int:
-    from psgd.bench.comm import run_from_args
-
-    setup_logging("bench", -1)
-    run_from_args(args)
-    return 0
-
-
-def cmd_bench_scaling(args: argparse.Namespace) -> int:
-    from psgd.bench.scaling.command import run_from_args
-
-    setup_logging("bench", -1)
-    return run_from_args(args)
+    mod = importlib.import_module(module)
+    if raw:
+        description = getattr(mod, "DESCRIPTION", None) or mod.__doc__
+    parser = kinds.add_parser(name, help=help, description=description,
+                              **({"formatter_class": argparse.RawDescriptionHelpFormatter} if raw else {}))
+    mod.add_arguments(parser)
+    parser.set_defaults(func=lambda args: _run_bench(module, logger, args))
 
 
-def cmd_bench_gpu(args: argparse.Namespace) -> int:
-    from psgd.bench.gpu import run_from_args
+def _run_bench(module: str, logger: str, args: argparse.Namespace) -> int:
+    import importlib
 
-    setup_logging("bench", -1)
-    return run_from_args(args)
-
-
-def cmd_bench_overlap(args: argparse.Namespace) -> int:
-    from psgd.bench.overlap import run_from_args
-
-    setup_logging("bench", -1)
-    return run_from_args(args)
-
-
-def cmd_bench_stall(args: argparse.Namespace) -> int:
-    from psgd.bench.stall import run_from_args
-
-    setup_logging("bench", -1)
-    return run_from_args(args)
+    setup_logging(logger, -1)
+    result = importlib.import_module(module).run_from_args(args)
+    return result if isinstance(result, int) else 0  # comm returns its figures: it exits 0
 
 
 def layout_from_args(args: argparse.Namespace, environ=None):
