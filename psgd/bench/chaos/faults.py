@@ -161,7 +161,9 @@ class FaultInjection:
         for address in c.binds:
             host, _, port = address.rpartition(":")
             targets.append((host, int(port) + 1))
-        args = json.dumps({"targets": targets, "worker": r, "plan_hash": c.plan.hash, "seconds": seconds})
+        sizes = [sum(s.nbytes for s in c.plan.slices_for_shard(k)) for k in range(len(c.binds))]
+        args = json.dumps({"targets": targets, "sizes": sizes, "worker": r, "plan_hash": c.plan.hash,
+                           "seconds": seconds})
         c.signal(f"worker{r}", signal.SIGSTOP)
         try:
             before = self._versions()

@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import socket
 import time
 from typing import Any, Sequence
 
-from psgd.link import protocol, segment
+from psgd.link import protocol
+from psgd.tls import NO_TLS
 
 
 HOSTILE = """
@@ -82,48 +82,38 @@ def hostile(targets: Sequence[Sequence[Any]], count: int, seconds: float, seed: 
 
 
 
-def hold_pulls(targets: Sequence[Sequence[Any]], worker: int, plan_hash: str, seconds: float) -> dict:
-    """Worker ``worker``'s pull from each (host, data port), asked for and left unfinished for ``seconds``, as a
-    worker stopped in the middle of it leaves it: over shared memory where the shard offers it (answered, its
-    version never released), else over TCP (a small receive window, nothing read: the shard's read of a model
-    that fits the socket buffers ends once its bytes are in them).  Returns what was left unfinished."""
+def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, plan_hash: str,
+               seconds: float) -> dict:
+    """Worker ``worker``'s pull from each (host, data port) whose shard holds ``sizes`` bytes of weights, asked
+    for and left unfinished for ``seconds``, as a worker stopped in the middle of it leaves it: over shared
+    memory where the shard offers it (answered, its version never released), else over TCP (a small receive
+    window, nothing read: the shard's read of a model that fits the socket buffers ends once its bytes are in
+    them).  The connections are a worker's own (psgd.link.shm, psgd.link.tcp).  Returns what was left
+    unfinished."""
+    from psgd.link import LinkError
+    from psgd.link.shm import NoSegment, ShmConnection
+    from psgd.link.tcp import DataConnection
+
     stats = {"unfinished": 0, "shm": 0, "refused": 0}
     held: list = []
     try:
-        for host, port in targets:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.settimeout(5.0)
+        for (host, port), size in zip(targets, sizes):
             try:
-                sock.connect((host, int(port)))
-                body = json.dumps({"token": "", "plan_hash": plan_hash, "shm": "pull"}).encode()
-                sock.sendall(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, worker, 0, 0,
-                                                   len(body)) + body)
-                _, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
-                answer = bytearray(size)
-                protocol.recv_exact(sock, memoryview(answer))
-                if status:
-                    stats["refused"] += 1
-                    continue
-                offer = json.loads(answer) if size else {}
-                seg = None
-                if "name" in offer:
-                    with contextlib.suppress(segment.SegmentError):
-                        seg = segment.attach(offer, int(offer["bytes"]), writable=False)
-                        held.append(seg)
-                sock.sendall(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_PULL, 0, worker, 0, 0, 0))
-                if seg is not None:
-                    _, status, *_ = protocol.recv_struct(sock, protocol.REPLY)  # answered: its version is held
-                    if status:
-                        stats["refused"] += 1
-                        continue
+                try:
+                    conn = ShmConnection(host, int(port), worker, plan_hash, "", 5.0, NO_TLS, "pull", int(size))
+                except NoSegment:  # no shared memory with this shard: its data port as it is
+                    conn = DataConnection(host, int(port), worker, plan_hash, timeout=5.0)
+                held.append(conn)
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                conn._send(protocol.OP_PULL, worker, 0, 0, 0, [], 0)
+                if isinstance(conn, ShmConnection):
+                    conn._reply()  # answered: its version is held until a release that never comes
                     stats["shm"] += 1
                 stats["unfinished"] += 1
-            except (OSError, protocol.WireError, ValueError):
+            except (OSError, protocol.WireError, LinkError):
                 stats["refused"] += 1
         time.sleep(seconds)  # how long the pull stays unfinished is the fault
     finally:
-        for thing in held:
-            thing.close()
+        for conn in held:
+            conn.close()
     return stats
