@@ -170,13 +170,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
             incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id)
 
-    def _data_call(self, context, what: str) -> int:
+    def _data_call(self, context, what: str, seconds: float = float("inf")) -> int:
         """Take one of the threads data calls may use (else RESOURCE_EXHAUSTED: the control calls keep theirs);
-        returns the call's key for the watchdog, unarmed.  :meth:`_end_call` gives both back."""
+        returns the call's key for the watchdog, which cancels it after ``seconds``.  :meth:`_end_call` gives
+        both back."""
         if not self.data_calls.acquire(blocking=False):
             _abort(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls and "
                                        "pushes at once as it has threads for; try again"))
-        return self.watchdog.watch(float("inf"), context, what)
+        return self.watchdog.watch(seconds, context, what)
 
     def _end_call(self, key: int) -> None:
         self.watchdog.done(key)
@@ -203,8 +204,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Push(self, request_iterator, context):
         what = f"shard {self.core.shard}: gRPC push"
-        key = self._data_call(context, what)
-        self.watchdog.watch(self.transfer_seconds, context, what, key)  # the whole push must arrive by then
+        key = self._data_call(context, what, self.transfer_seconds)  # the whole push must arrive by then
         try:
             return self._push(request_iterator, context)
         except grpc.RpcError:  # cancelled by the watchdog, or by the client
