@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import numpy as np
@@ -237,14 +238,14 @@ def _as_one_user(folder: Path) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", "\n".join(lines), "sh"]
 
 
-def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
-    """Found: any process of the shard's user could open /proc/<shard>/fd/<n> (the weights' memory file) read-write
-    and write NaN into the live weights.  Now the shard's /proc is closed to it and the descriptors go only for
-    tickets; a worker with the token still trains through shared memory."""
+@contextlib.contextmanager
+def _shard_as_one_user(*sets: str) -> Iterator[tuple[list[str], dict, Path, str, subprocess.Popen]]:
+    """Shard 0 of a job with token (async, shared memory) run as the user its workers and attackers share
+    (:func:`_as_one_user`): yields that prefix, the environment with the token, the job file, the shard's
+    address and its process."""
     folder = Path(tempfile.mkdtemp(prefix="psgd-shm-user-"))
     folder.chmod(0o777)
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "train.epochs=1", "cluster.transport=shm")
+    job = make_job("cluster.policy=async", "cluster.shards=1", "cluster.transport=shm", *sets)
     job_path = folder / "job.toml"
     job_path.write_text(to_toml(job.to_dict()))
     job_path.chmod(0o644)
@@ -259,18 +260,7 @@ def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
         except AssertionError:
             raise AssertionError(f"the shard, run as {user or 'this user'}, did not start: "
                                  f"{(folder / 'shard.log').read_text()[-2000:]}") from None
-        worker = subprocess.run([*user, PY, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", "0", "--servers",
-                                 address, "--no-progress"], env=env, cwd=folder, capture_output=True, text=True,
-                                timeout=120)
-        assert worker.returncode == 0, worker.stderr[-2000:]
-        assert "through shared memory" not in worker.stderr  # no fallback line: it trained through it
-        attacker_env = {k: v for k, v in env.items() if k != "PSGD_TOKEN"}
-        attack = subprocess.run([*user, PY, "-c", ATTACK, str(shard.pid)], env=attacker_env, cwd=folder,
-                                capture_output=True, text=True, timeout=60)
-        assert attack.returncode == 0, attack.stderr[-2000:]
-        got = json.loads(attack.stdout)
-        assert got["fd_listing"] == "PermissionError" and got["opened"] == [] and got["mem"] == "PermissionError"
-        assert got["sockets"] >= 1 and got["fds"] == 0, got  # it found the socket; no ticket, no descriptor
+        yield user, env, job_path, address, shard
         uid = next(line.split()[1] for line in Path(f"/proc/{shard.pid}/status").read_text().splitlines()
                    if line.startswith("Uid:"))
         assert int(uid) == (65534 if user else os.getuid())  # the shard ran as the attacker's user, never root
@@ -278,6 +268,99 @@ def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
         shard.terminate()
         shard.wait(30)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _train(user: list[str], env: dict, job_path: Path, address: str, rank: int = 0) -> subprocess.Popen:
+    """``psgd-worker --rank rank`` of the job, as ``user``."""
+    return subprocess.Popen([*user, PY, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(rank),
+                             "--servers", address, "--no-progress"], env=env, cwd=job_path.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
+    """Found: any process of the shard's user could open /proc/<shard>/fd/<n> (the weights' memory file) read-write
+    and write NaN into the live weights.  Now the shard's /proc is closed to it and the descriptors go only for
+    tickets; a worker with the token still trains through shared memory."""
+    with _shard_as_one_user("model.name=softmax", "cluster.workers=1", "train.epochs=1") as \
+            (user, env, job_path, address, shard):
+        worker = _train(user, env, job_path, address)
+        _, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err[-2000:]
+        assert "through shared memory" not in err  # no fallback line: it trained through it
+        attacker_env = {k: v for k, v in env.items() if k != "PSGD_TOKEN"}
+        attack = subprocess.run([*user, PY, "-c", ATTACK, str(shard.pid)], env=attacker_env, cwd=job_path.parent,
+                                capture_output=True, text=True, timeout=60)
+        assert attack.returncode == 0, attack.stderr[-2000:]
+        got = json.loads(attack.stdout)
+        assert got["fd_listing"] == "PermissionError" and got["opened"] == [] and got["mem"] == "PermissionError"
+        assert got["sockets"] >= 1 and got["fds"] == 0, got  # it found the socket; no ticket, no descriptor
+
+
+#: a worker of the job (rank 1, with the token) that rewrites its push segment, zeros then NaN again and again,
+#: while its pushes of zeros are read from it, then pulls the weights (prints what it got)
+REWRITE = r"""
+import json, sys, threading
+import numpy as np
+from psgd.config import JobConfig
+from psgd.job import build_job_model
+from psgd.partition import PartitionPlan
+from psgd.worker.client import PSClient, PSError
+job = JobConfig.load(sys.argv[1])
+plan = PartitionPlan(build_job_model(job).specs(), 1, job.cluster.slice_bytes)
+zeros = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
+got, stop = {"applied": 0, "refused": 0, "errors": []}, threading.Event()
+with PSClient([sys.argv[2]], plan, 1, request_timeout=10, transport="shm", job=job, token=sys.argv[4]) as client:
+    client.register()
+    client.push(0, zeros)
+    link = client.links[0]
+    seg = link._conns["push"].seg
+    got["via"] = link.via
+    values = np.frombuffer(seg.data, dtype=plan.specs[0].dtype, count=sum(s.size for s in plan.specs))
+
+    def rewrite():
+        while not stop.is_set():
+            values[:] = np.nan
+            values[:] = 0.0
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        for clock in range(1, int(sys.argv[3])):
+            try:
+                client.push(clock, zeros)
+                got["applied"] += 1
+            except PSError as exc:
+                got["refused"] += 1
+                if "non-finite" not in str(exc) and len(got["errors"]) < 3:
+                    got["errors"].append(str(exc))
+    finally:
+        stop.set()
+        writer.join()
+    weights = {s.name: np.empty(s.shape, s.dtype) for s in plan.specs}
+    client.pull(0, weights)
+    got["finite"] = all(bool(np.isfinite(w).all()) for w in weights.values())
+print(json.dumps(got))
+"""
+
+
+def test_a_push_rewritten_in_its_segment_while_the_shard_reads_it_never_reaches_the_weights():
+    """Found: a push was checked in its segment and applied from it later, so its writer (a worker with the token)
+    could rewrite the checked zeros with NaN and the weights became NaN.  Here the shard, the writer and another
+    worker run as one non-root user; the writer rewrites its segment, zeros then NaN, all the time its pushes of
+    zeros are read: each is applied as the zeros it was checked as or refused, and the other worker trains on."""
+    with _shard_as_one_user("model.name=mlp", "model.hidden=[256]", "cluster.workers=2", "optimizer.name=sgd",
+                            "train.epochs=2") as (user, env, job_path, address, shard):
+        trainer = _train(user, env, job_path, address, rank=0)
+        token_free = {k: v for k, v in env.items() if k != "PSGD_TOKEN"}
+        attack = subprocess.run([*user, PY, "-c", REWRITE, str(job_path), address, "400", env["PSGD_TOKEN"]],
+                                env=token_free, cwd=job_path.parent, capture_output=True, text=True, timeout=120)
+        out, err = trainer.communicate(timeout=120)
+        assert attack.returncode == 0, attack.stderr[-2000:]
+        got = json.loads(attack.stdout)
+        assert got["via"] == "shm" and not got["errors"], got
+        assert got["refused"] >= 1 and got["applied"] >= 1, got  # the rewrites landed while the shard read
+        assert got["finite"], got
+        assert trainer.returncode == 0, err[-2000:]
 
 
 # --- who gets a segment -----------------------------------------------------------------------------
