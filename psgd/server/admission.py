@@ -56,6 +56,7 @@ class WorkerInfo:
     hostname: str = ""
     pid: int = 0
     incarnation: str = ""  # the registering process's own random id: one process holds a rank at a time
+    kept_until: float = 0.0  # a restarted shard keeps a pending rank for its last holder until then
 
 
 class Roster:
@@ -93,14 +94,37 @@ class Roster:
     def admit(self, worker: int, hostname: str, pid: int, incarnation: str) -> WorkerInfo:
         """Make ``worker`` live, held by the process ``incarnation``: refused while another process holds it."""
         info, now = self.workers[worker], self._now()
-        if info.state == "live" and now <= info.deadline and incarnation != info.incarnation:
-            raise ShardError("ALREADY_EXISTS", f"worker {worker} is already registered with shard {self.shard} by "
-                             f"{info.hostname or '?'} pid {info.pid}, whose lease runs {info.deadline - now:.1f}s "
-                             f"more: is a second psgd-worker started with rank {worker}? (A worker restarted after "
-                             f"a crash rejoins once the old process's {self.lease_seconds:.0f}s lease has run out.)")
+        held = info.state == "live" and now <= info.deadline
+        kept = info.state == "pending" and now <= info.kept_until
+        if (held or kept) and incarnation != info.incarnation:
+            how = (f"is already registered with shard {self.shard} by {info.hostname or '?'} pid {info.pid}, whose "
+                   f"lease runs {info.deadline - now:.1f}s more" if held else
+                   f"was held by {info.hostname or '?'} pid {info.pid} when shard {self.shard}'s checkpoint was "
+                   f"written, and is kept for it {info.kept_until - now:.1f}s more since the shard restarted")
+            raise ShardError("ALREADY_EXISTS", f"worker {worker} {how}: is a second psgd-worker started with rank "
+                             f"{worker}? (A worker restarted after a crash rejoins once the old process's "
+                             f"{self.lease_seconds:.0f}s lease has run out.)")
         info.state, info.hostname, info.pid, info.incarnation = "live", hostname, pid, incarnation
         info.deadline = now + self.lease_seconds
         return info
+
+    def holders(self) -> dict[str, dict[str, Any]]:
+        """Who holds each live rank (for a checkpoint: see :meth:`keep_for`)."""
+        return {str(w): {"hostname": i.hostname, "pid": i.pid, "incarnation": i.incarnation}
+                for w, i in self.workers.items() if i.state == "live" and i.incarnation}
+
+    def keep_for(self, holders: Mapping[str, Any]) -> None:
+        """After a restart from a checkpoint: keep each rank that was live then for the process that held it,
+        for one lease, so that a second process of that rank cannot take it before the holder comes back."""
+        until = self._now() + self.lease_seconds
+        for w, h in (holders.items() if isinstance(holders, Mapping) else ()):
+            try:
+                info = self.workers.get(int(w))
+                if info is not None and info.state == "pending" and isinstance(h, Mapping):
+                    info.hostname, info.pid = str(h.get("hostname", "")), int(h.get("pid", 0))
+                    info.incarnation, info.kept_until = str(h.get("incarnation", "")), until
+            except (TypeError, ValueError):  # a manifest written otherwise: the rank is simply not kept
+                continue
 
     def leave(self, worker: int, clock: int) -> bool:
         """``worker`` is done at ``clock``; True when it was live until now."""

@@ -318,7 +318,8 @@ class ShardCore:
                         "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
                         "policy": self.policy.state_dict(), "counters": dict(self.counters),
                         "staleness_histogram": list(self.staleness_histogram),
-                        "round_bases": list(self._round_bases), "optimizer": self.optimizer.describe()}
+                        "round_bases": list(self._round_bases), "optimizer": self.optimizer.describe(),
+                        "holders": self.roster.holders()}
             try:
                 path = checkpoint.save(folder, self.version, arrays, manifest, keep)
             except checkpoint.CheckpointError:
@@ -347,6 +348,7 @@ class ShardCore:
             self.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in self.counters})
             self.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
             self.restored_version = self.version
+            self.roster.keep_for(m.get("holders", {}))
             self.last_checkpoint = (self.version, float(m.get("written_at", time.time())))
         log.info("shard %d: restored version %d from %s", self.shard, self.version, ckpt.path)
 

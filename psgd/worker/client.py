@@ -55,6 +55,9 @@ class Stopped(PSError):
 
 #: How often a worker waiting for its shards says which ones it is waiting for.
 WAIT_REPORT_SECONDS = 5.0
+#: seconds past one lease that a registration refused by a live holder of the rank is still retried (clocks, a
+#: heartbeat late under load)
+HOLDER_MARGIN = 2.0
 
 _BOOT = secrets.token_hex(8)  # made once per interpreter
 
@@ -101,6 +104,9 @@ class PSClient:
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(job, plan.hash) if job is not None else None
+        #: how long a registration refused because another process holds this rank is retried: one of the job's
+        #: leases and a margin, after which a holder that died has lost the rank and one that lives has renewed it
+        self.holder_wait = job.cluster.lease_seconds + HOLDER_MARGIN if job is not None else self.retry_deadline
         self._pulling = False
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
@@ -118,13 +124,14 @@ class PSClient:
 
     # -- plumbing ------------------------------------------------------------
     def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
-                  also: tuple[grpc.StatusCode, ...] = ()) -> T:
-        """``call()``, retried on transient errors (and the codes in ``also``) within the retry deadline; a
-        shard that has forgotten this worker (it restarted, or the lease ran out) is re-registered with first.
-        Once the worker is asked to stop, no retry starts: a failed call ends there (the shards may be
-        stopping too, and a sync round will not close)."""
+                  also: tuple[grpc.StatusCode, ...] = (), also_for: float | None = None) -> T:
+        """``call()``, retried on transient errors (and the codes in ``also``, for at most ``also_for`` seconds
+        from the first of them) within the retry deadline; a shard that has forgotten this worker (it restarted,
+        or the lease ran out) is re-registered with first.  Once the worker is asked to stop, no retry starts: a
+        failed call ends there (the shards may be stopping too, and a sync round will not close)."""
         began = time.monotonic()
         deadline, report = began + self.retry_deadline, began + WAIT_REPORT_SECONDS
+        first_also: float | None = None  # when the first error of a code in ``also`` came
         delay, attempt = 0.05, 0
         while True:
             attempt += 1
@@ -142,8 +149,11 @@ class PSClient:
                     self._register_one(shard)
                     continue
                 retryable = err.retryable or code in also
+                if code in also and not err.retryable and also_for is not None and not stopping:
+                    first_also = time.monotonic() if first_also is None else first_also
+                    left = min(left, first_also + also_for - time.monotonic())
                 if not retryable or left <= 0:
-                    tried = f" after {attempt} attempt(s) over {self.retry_deadline:.0f}s" if retryable else ""
+                    tried = f" after {attempt} attempt(s) over {time.monotonic() - began:.0f}s" if retryable else ""
                     if retryable and stopping:
                         tried = f" after {attempt} attempt(s) (the worker is stopping, so it did not retry)"
                     raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
@@ -211,9 +221,10 @@ class PSClient:
     def _register_one(self, k: int) -> ps_pb2.RegisterReply:
         request = self._register_request()
         # a rank still held by another process frees itself when that one's lease runs out (it crashed and this
-        # is its restart); a second live process of the same rank keeps it and this one gives up
+        # is its restart): within one lease of the first refusal; a second live process of the same rank keeps
+        # renewing it, and this one gives up then
         reply = self._retrying(k, "register", lambda: self.links[k].register(request), rejoin=False,
-                               also=(grpc.StatusCode.ALREADY_EXISTS,))
+                               also=(grpc.StatusCode.ALREADY_EXISTS,), also_for=self.holder_wait)
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
             raise PSError(f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "

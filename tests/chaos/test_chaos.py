@@ -2,7 +2,7 @@
 fault kind against real processes, and the product bugs it found, each reproduced deterministically.
 
 The long version is ``python benchmarks/chaos.py --minutes 10`` (not run here).  Replay a failure of the
-short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 3
+short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 4
 --seed S``.
 
 The last three tests reproduce product bugs the suite found; they fail until those are fixed, and until the
@@ -38,9 +38,10 @@ from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
-#: The short run's seed: its three runs cover every fault kind, both policies and both data paths (see
-#: test_the_ci_seed_covers_every_kind_policy_and_transport).
+#: The short run's seed and length: its four runs cover every fault kind, both policies and every data path
+#: (see test_the_ci_seed_covers_every_kind_policy_and_transport).
 CI_SEED = 2
+SHORT_RUNS = 4
 
 
 # -- the checks themselves: each can fail -----------------------------------------------------------------
@@ -146,11 +147,11 @@ def test_the_plan_is_replayed_from_its_seed_and_covers_every_kind():
 
 def test_the_ci_seed_covers_every_kind_policy_and_transport():
     planner = Planner(CI_SEED, KINDS, None)
-    specs = [planner.next(i) for i in range(3)]
+    specs = [planner.next(i) for i in range(SHORT_RUNS)]
     covered = {f.kind for s in specs for f in s.faults} | {"sigterm" for s in specs if s.end == "sigterm"}
     assert covered == set(KINDS)
     assert {s.policy for s in specs} == {"sync", "async"} and {s.transport for s in specs} == {"auto", "tcp", "grpc"}
-    more = [planner.next(i) for i in range(3, 6)]
+    more = [planner.next(i) for i in range(SHORT_RUNS, 6)]
     assert {(s.policy, s.transport) for s in specs + more} == {(p, t) for p in ("sync", "async")
                                                                  for t in ("auto", "tcp", "grpc")}
 
@@ -172,14 +173,14 @@ def _namespaces_of_this_process() -> str:
 @pytest.mark.slow
 def test_a_short_chaos_run_of_every_fault_kind_finds_no_violation(tmp_path):
     seed = int(os.environ.get("PSGD_CHAOS_SEED", CI_SEED))
-    print(f"chaos seed {seed}: replay with PSGD_CHAOS_SEED={seed} or benchmarks/chaos.py --runs 3 --seed {seed}")
-    result = run_chaos(0, seed, "all", out=tmp_path, progress=False, runs=3)
+    print(f"chaos seed {seed}: replay with PSGD_CHAOS_SEED={seed} or benchmarks/chaos.py --runs {SHORT_RUNS} --seed {seed}")
+    result = run_chaos(0, seed, "all", out=tmp_path, progress=False, runs=SHORT_RUNS)
     shown = json.dumps([{k: v for k, v in x.items() if k != "logs"} for x in result["violations"]], indent=1)
     assert result["violations"] == [], f"seed {seed}: {result['violation_count']} violation(s):\n{shown}\n" + \
         "\n\n".join(f"{name}:\n{text}" for x in result["violations"][:2] for name, text in x["logs"].items())
     for kind in KINDS:
         assert result["faults"][kind] >= 1 or kind in result["skipped"], (kind, result["faults"], result["skipped"])
-    assert result["runs"] == 3 and len(result["accuracies"]) >= 1
+    assert result["runs"] == SHORT_RUNS and len(result["accuracies"]) >= 1
     assert all(a >= MIN_ACCURACY for a in result["accuracies"]), result["accuracies"]
     if os.path.exists(IP):
         assert _namespaces_of_this_process() == ""  # every namespace made is gone

@@ -70,20 +70,23 @@ class Cluster:
 
     # -- starting and stopping ---------------------------------------------------------------------
     def _host(self, name: str) -> str:
+        if name.startswith("duplicate"):  # a second process of a worker's rank runs where the worker does
+            return "w" + name[-1]
         return name[0] + name[-1] if name.startswith(("shard", "worker")) else name
 
     def prefix(self, host: str) -> list[str]:
         """What runs a command on ``host`` (nothing on loopback)."""
         return self.net.prefix(host) if self.net else []
 
-    def _start(self, name: str, argv: list[str], metrics: Path | None = None) -> Proc:
+    def _start(self, name: str, argv: list[str], metrics: Path | None = None, current: bool = True) -> Proc:
         incarnation = sum(1 for p in self.history if p.name == name)
         log = self.folder / f"{name}.{incarnation}.log"
         with open(log, "w") as err:
             popen = subprocess.Popen(self.prefix(self._host(name)) + argv, stdout=subprocess.DEVNULL, stderr=err,
                                      stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
         proc = Proc(name, incarnation, popen, log, metrics)
-        self.procs[name] = proc
+        if current:
+            self.procs[name] = proc
         self.history.append(proc)
         return proc
 
@@ -106,13 +109,15 @@ class Cluster:
                 raise Abort(f"shard {k} did not listen within {bound:.0f}s")
             time.sleep(0.05)  # polling for the port file, with a deadline
 
-    def start_worker(self, r: int) -> Proc:
-        name = f"worker{r}"
+    def start_worker(self, r: int, duplicate: bool = False) -> Proc:
+        """Worker ``r`` (its next incarnation); ``duplicate``: a second process of rank ``r`` beside the
+        current one, which stays worker ``r``'s."""
+        name = f"{'duplicate' if duplicate else 'worker'}{r}"
         incarnation = sum(1 for p in self.history if p.name == name)
         metrics = self.folder / f"{name}.{incarnation}.jsonl"
         argv = [*self.worker, "-c", str(self.path), "--rank", str(r), "--servers", ",".join(self.binds),
                 "--no-progress", "--metrics", str(metrics), "--delay", PACE]
-        return self._start(name, argv, metrics)
+        return self._start(name, argv, metrics, current=not duplicate)
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)

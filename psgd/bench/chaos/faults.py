@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 from psgd.bench.chaos.cluster import Abort
-from psgd.bench.chaos.hostile import HOLD, HOSTILE
+from psgd.bench.chaos.hostile import HOLD, HOSTILE, TRICKLE
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.plan import Fault
 from psgd.bench.chaos.processes import Proc, last_error
-from psgd.bench.chaos.settings import PY, START_BOUND, STOP_BOUND
+from psgd.bench.chaos.settings import PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
+from psgd.server.datapath import transfer_seconds
 
 
 class FaultInjection:
@@ -47,6 +48,12 @@ class FaultInjection:
         elif fault.kind == "stop-mid-pull":
             r = self._live_worker(fault.target)
             note = self._stop_mid_pull(r, fault.seconds) if r is not None else "skipped: every worker had finished"
+        elif fault.kind == "trickled-push":
+            r = self._live_worker(fault.target)
+            note = self._trickled_push(r, fault.count) if r is not None else "skipped: every worker had finished"
+        elif fault.kind == "duplicate-rank":
+            r = self._live_worker(fault.target)
+            note = self._duplicate_rank(r) if r is not None else "skipped: every worker had finished"
         elif fault.kind == "hostile":
             note = self._hostile(fault)
         elif fault.kind == "netcut":
@@ -157,11 +164,7 @@ class FaultInjection:
         shard and left unfinished (over shared memory where the run has it: answered, never released) for
         ``seconds``.  Under async the other workers must go on meanwhile."""
         c = self.cluster
-        targets = []
-        for address in c.binds:
-            host, _, port = address.rpartition(":")
-            targets.append((host, int(port) + 1))
-        sizes = [sum(s.nbytes for s in c.plan.slices_for_shard(k)) for k in range(len(c.binds))]
+        targets, sizes = self._data_ports()
         args = json.dumps({"targets": targets, "sizes": sizes, "worker": r, "plan_hash": c.plan.hash,
                            "seconds": seconds})
         c.signal(f"worker{r}", signal.SIGSTOP)
@@ -183,6 +186,80 @@ class FaultInjection:
                                         f"stopped in the middle of a pull (versions {before} -> {after}; {stats})"])
         return (f"{stats['unfinished']} pull(s) left unfinished ({stats['shm']} answered through shared memory and "
                 f"never released, {stats['refused']} refused), versions {before} -> {after}")
+
+    def _data_ports(self) -> tuple[list[tuple[str, int]], list[int]]:
+        """Each shard's (host, data port) and the bytes of its weights."""
+        c = self.cluster
+        targets = []
+        for address in c.binds:
+            host, _, port = address.rpartition(":")
+            targets.append((host, int(port) + 1))
+        return targets, [sum(s.nbytes for s in c.plan.slices_for_shard(k)) for k in range(len(c.binds))]
+
+    def _trickled_push(self, r: int, unregistered: int) -> str:
+        """Pushes sent a byte at a time to every shard: ``unregistered`` connections per shard as no worker,
+        one as worker ``r`` (its rank is live).  The shard must close each within the transfer deadline of
+        its size (a registered one may hold a receive buffer until then; an unregistered one takes none), and
+        training must go on meanwhile."""
+        c = self.cluster
+        targets, sizes = self._data_ports()
+        allowed = max(transfer_seconds(n, REQUEST_TIMEOUT) for n in sizes)
+        args = json.dumps({"targets": targets, "sizes": sizes, "worker": r, "unregistered": unregistered,
+                           "plan_hash": c.plan.hash, "seconds": allowed + 3.0})
+        before = self._versions()
+        done = subprocess.run(c.prefix("obs") + [PY, "-c", TRICKLE, args], capture_output=True, text=True,
+                              timeout=allowed + 60)
+        after = self._versions()
+        try:
+            stats = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            self.violate("harness", [f"the trickling client failed: {done.stderr.strip()[-500:]}"])
+            return "trickling client failed"
+        if stats["open_at_end"] or stats["longest"] > allowed + 2.0:
+            self.violate("deadline", [f"a push trickled a byte every 0.25 s stayed open {stats['longest']:.1f}s, "
+                                      f"past its transfer deadline of {allowed:.1f}s ({stats})"])
+        training = any(c.alive(f"worker{w}") for w in range(self.spec.workers))
+        if training and None not in before + after and sum(after) <= sum(before):
+            self.violate("starvation", [f"no shard applied an update while pushes trickled in for "
+                                        f"{stats['longest']:.1f}s (versions {before} -> {after}; {stats})"])
+        return (f"{stats['opened']} opened ({stats['refused']} refused), {stats['closed_by_peer']} closed by the "
+                f"shards, the longest after {stats['longest']:.1f}s (deadline {allowed:.1f}s), versions "
+                f"{before} -> {after}")
+
+    def _duplicate_rank(self, r: int) -> str:
+        """A second ``psgd-worker --rank r`` while worker ``r`` trains (a typo in a hosts list).  It runs on;
+        :meth:`_check_duplicates` says, once it has ended, whether it was refused as it must be."""
+        c = self.cluster
+        holder = c.procs[f"worker{r}"].popen.pid
+        proc = c.start_worker(r, duplicate=True)
+        self.duplicates.append((r, holder, proc))
+        return f"started pid {proc.popen.pid} beside pid {holder}"
+
+    def _check_duplicates(self, bound: float, stopped: bool = False) -> None:
+        """Each duplicate worker started by the fault has exited within ``bound`` (from now), refused with
+        ALREADY_EXISTS naming the holder's pid; or, where the holder had finished first, it found nothing left
+        to train; or (``stopped``: the run ended with SIGTERM to every process) it stopped.  It never trained a
+        step beside the holder."""
+        deadline = time.monotonic() + bound
+        for r, holder, proc in self.duplicates:
+            try:
+                code = proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.violate("duplicate", [f"the duplicate of worker {r} (pid {proc.popen.pid}) had not exited "
+                                           f"{bound:.0f}s after {'SIGTERM' if stopped else 'the run ended'}"])
+                continue
+            text = proc.log.read_text(errors="replace")
+            steps = [line for line in (proc.metrics.read_text().splitlines() if proc.metrics.exists() else [])
+                     if '"event": "step"' in line]
+            if steps:
+                self.violate("duplicate", [f"the duplicate of worker {r} trained {len(steps)} step(s) beside the "
+                                           f"holder (pid {holder}); exit status {code}"])
+            elif code != 0 and not stopped and not ("ALREADY_EXISTS" in text and f"pid {holder}" in text):
+                self.violate("duplicate", [f"the duplicate of worker {r} exited with status {code} without saying "
+                                           f"that pid {holder} holds the rank: {last_error(proc.log)}"])
+            refused = "ALREADY_EXISTS" in text and f"pid {holder}" in text
+            self.say(f"  run {self.spec.index}: the duplicate of worker {r} exited with status {code}"
+                     + (f", refused: pid {holder} holds the rank" if refused else ", without a step"))
 
     def _hostile(self, fault: Fault) -> str:
         c = self.cluster

@@ -1,11 +1,12 @@
 """The clients of the faults that come from outside a job's processes, started from the observer's host: the
 ``hostile`` fault's idle connections and connections sending random bytes against the shards' ports
-(:data:`HOSTILE`), and the stopped worker's pull that the ``stop-mid-pull`` fault leaves unfinished
-(:data:`HOLD`)."""
+(:data:`HOSTILE`), the stopped worker's pull that the ``stop-mid-pull`` fault leaves unfinished
+(:data:`HOLD`), and the ``trickled-push`` fault's pushes sent a byte at a time (:data:`TRICKLE`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import time
@@ -25,6 +26,12 @@ HOLD = """
 import json, sys
 from psgd.bench.chaos.hostile import hold_pulls
 print(json.dumps(hold_pulls(**json.loads(sys.argv[1]))))
+"""
+
+TRICKLE = """
+import json, sys
+from psgd.bench.chaos.hostile import trickle_pushes
+print(json.dumps(trickle_pushes(**json.loads(sys.argv[1]))))
 """
 
 
@@ -81,7 +88,6 @@ def hostile(targets: Sequence[Sequence[Any]], count: int, seconds: float, seed: 
     return stats
 
 
-
 def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, plan_hash: str,
                seconds: float) -> dict:
     """Worker ``worker``'s pull from each (host, data port) whose shard holds ``sizes`` bytes of weights, asked
@@ -115,5 +121,63 @@ def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: i
         time.sleep(seconds)  # how long the pull stays unfinished is the fault
     finally:
         for conn in held:
+            conn.close()
+    return stats
+
+
+def trickle_pushes(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, unregistered: int,
+                   plan_hash: str, seconds: float, pace: float = 0.25) -> dict:
+    """Against each (host, data port) whose shard holds ``sizes`` bytes: ``unregistered`` connections that say
+    hello as an observer (no worker: never registered) and one as worker ``worker`` (registered, live), each
+    sending the header of a push of the shard's size and then its payload one byte every ``pace`` seconds,
+    until the shard closes it or ``seconds`` pass.  The token is the environment's, as a worker's.  Returns how
+    many were opened and refused, how many the shard closed, and the longest any stayed open (seconds)."""
+    from psgd.link import LinkError
+    from psgd.link.tcp import DataConnection
+
+    token = os.environ.get("PSGD_TOKEN", "")
+    stats = {"opened": 0, "refused": 0, "closed_by_peer": 0, "longest": 0.0, "open_at_end": 0}
+    conns: list[tuple[Any, float]] = []
+    try:
+        for (host, port), size in zip(targets, sizes):
+            for who in [protocol.OBSERVER] * unregistered + [worker]:
+                try:
+                    conn = DataConnection(host, int(port), who, plan_hash, token, timeout=5.0)
+                    conn._send(protocol.OP_PUSH, who, 1 << 30, 0, 0, [], int(size))
+                except (OSError, protocol.WireError, LinkError):
+                    stats["refused"] += 1
+                    continue
+                conn.sock.setblocking(False)
+                conns.append((conn, time.monotonic()))
+                stats["opened"] += 1
+        end = time.monotonic() + seconds
+        while conns and time.monotonic() < end:
+            for item in list(conns):
+                conn, began = item
+                try:
+                    while conn.sock.recv(4096):  # an error reply may come before the close
+                        pass
+                    closed = True
+                except BlockingIOError:
+                    try:
+                        conn.sock.send(b"\0")
+                        closed = False
+                    except BlockingIOError:
+                        closed = False
+                    except OSError:
+                        closed = True
+                except OSError:
+                    closed = True
+                if closed:
+                    stats["closed_by_peer"] += 1
+                    stats["longest"] = round(max(stats["longest"], time.monotonic() - began), 2)
+                    conns.remove(item)
+                    conn.close()
+            time.sleep(pace)  # the trickle's pace is the fault
+        stats["open_at_end"] = len(conns)
+        if conns:
+            stats["longest"] = round(max([stats["longest"]] + [time.monotonic() - b for _, b in conns]), 2)
+    finally:
+        for conn, _ in conns:
             conn.close()
     return stats

@@ -16,17 +16,20 @@ class Fault:
     at: float              # the slowest worker's progress (fraction of its steps) at which it is injected
     target: int = 0        # shard or worker index (a worker that has finished passes it on to the next)
     seconds: float = 0.0   # stop, hostile, netcut: how long
-    count: int = 0         # hostile: connections of each sort per port
+    count: int = 0         # hostile: connections of each sort per port; trickled-push: unregistered ones per shard
     role: str = ""         # netcut: whose link ("shard" or "worker")
     offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
 
     def describe(self) -> str:
-        who = {"netcut": self.role, "stop-mid-pull": "worker"}.get(self.kind, self.kind.rpartition("-")[2])
+        who = {"netcut": self.role, "stop-mid-pull": "worker", "trickled-push": "worker",
+               "duplicate-rank": "worker"}.get(self.kind, self.kind.rpartition("-")[2])
         text = self.kind + (f" {who} {self.target}" if who in ("shard", "worker") else "")
         if self.kind == "kill-worker":
             text += f" {self.offset * 1000:.1f} ms after a step"
         if self.kind == "hostile":
             text += f" {self.count}+{self.count} connection(s) per port"
+        if self.kind == "trickled-push":
+            text += f", {self.count}+1 connection(s) per shard"
         if self.seconds:
             text += f", restarted {self.seconds:.1f}s later" if self.kind == "kill-worker" else \
                 f" for {self.seconds:.1f}s"
@@ -96,7 +99,7 @@ class Planner:
             fault = Fault(kind, 0.0)
             if kind.endswith("-shard"):
                 fault.target = rng.randrange(SHARDS)
-            elif kind.endswith("-worker") or kind == "stop-mid-pull":
+            elif kind.endswith("-worker") or kind in ("stop-mid-pull", "trickled-push", "duplicate-rank"):
                 fault.target = rng.randrange(workers)
                 fault.offset = round(rng.uniform(0.0, 0.012), 4)
                 if kind == "kill-worker" and rng.random() < 0.5:  # restarted after its lease ran out
@@ -105,6 +108,8 @@ class Planner:
                 fault.seconds = round(rng.uniform(0.5, 3.0), 2)
             elif kind == "hostile":
                 fault.seconds, fault.count = round(rng.uniform(1.5, 3.0), 2), rng.randint(8, 24)
+            elif kind == "trickled-push":
+                fault.count = rng.randint(2, 4)
             elif kind == "netcut":
                 fault.role = rng.choice(("shard", "worker"))
                 fault.target = rng.randrange(SHARDS if fault.role == "shard" else workers)

@@ -21,7 +21,7 @@ from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.plan import RunSpec
 from psgd.bench.chaos.processes import last_error, processes_mentioning, tail
 from psgd.bench.chaos.settings import (JOIN_TIMEOUT, KEEP, MIN_ACCURACY, REQUEST_TIMEOUT, RUN_BOUND, SHARDS,
-                                       STALL_BOUND, STOP_BOUND, SUBNET)
+                                       STALL_BOUND, START_BOUND, STOP_BOUND, SUBNET)
 
 
 class Run(FaultInjection):
@@ -40,6 +40,7 @@ class Run(FaultInjection):
         self.accuracy: float | None = None
         self.finished = False
         self.counts: dict[str, int] = {}
+        self.duplicates: list = []  # (rank, holder's pid, Proc): second processes of a rank, see _check_duplicates
 
     # -- recording -------------------------------------------------------------------------------
     def violate(self, invariant: str, problems: Iterable[str]) -> None:
@@ -191,6 +192,7 @@ class Run(FaultInjection):
         for r in range(spec.workers):
             self.violate("exit-code", check_exit(f"worker {r}", c.wait(f"worker{r}", max(5.0, min(60.0, self.left()))),
                                                  0, "at the end of training"))
+        self._check_duplicates(REQUEST_TIMEOUT + START_BOUND)  # before the shards go: they refuse it, or admit it
         done = {r: [x for x in c.records(r) if x["event"] == "done"] for r in range(spec.workers)}
         self.finished = all(d and d[-1]["clock"] == c.total for d in done.values())
         if not self.finished:
@@ -229,10 +231,14 @@ class Run(FaultInjection):
         for name in list(c.procs):
             if c.alive(name):
                 c.signal(name, signal.SIGTERM)
+        for _, _, proc in self.duplicates:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_BOUND
         for name in c.procs:
             self.violate("exit-code", check_exit(name, c.wait(name, max(0.1, deadline - time.monotonic())), 0,
                                                  "within 10 s of SIGTERM to every process"))
+        self._check_duplicates(max(0.1, deadline - time.monotonic()), stopped=True)
         stopped = self._stopped_at()
         self.violate("files", check_files(self.folder, c.ckpt, SHARDS, KEEP, c.port_files, final_versions=stopped,
                                           at_least=before))

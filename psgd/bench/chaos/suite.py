@@ -51,6 +51,14 @@ worker reaches a drawn fraction of its steps:
   released); under async the other workers must go on meanwhile;
 - ``hostile``: idle TCP connections and connections sending random bytes,
   held against every shard's gRPC and data ports for a few seconds;
+- ``trickled-push``: pushes sent a byte every 0.25 s to every shard's data
+  port, 2-4 per shard from connections of no registered worker and one as a
+  live worker's rank; each must be closed by its transfer deadline (5 s for
+  these models) and training must go on meanwhile;
+- ``duplicate-rank``: a second ``psgd-worker`` with a live worker's rank (a
+  typo in a hosts list); it must exit, refused with ALREADY_EXISTS naming the
+  holder's pid (or, where the holder finished first, with nothing left to
+  train), and never train a step beside it;
 - ``netcut`` (as root, with ``ip netns``): the run's processes live in network
   namespaces made for it (veth pairs on a bridge, 10.99.1.x) and one host's
   link goes down for 1-3 s; skipped, with the reason, where namespaces
