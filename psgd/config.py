@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from psgd.policy import POLICIES
+from psgd.wire import TRANSPORTS
 
 DTYPES = ("float32", "float64")
 
@@ -88,8 +89,6 @@ class ClusterConfig:
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
 
 
-#: what [cluster] transport may say (psgd.link: "auto" is the shared-memory link, which falls back to TCP)
-TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
@@ -269,7 +268,7 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] async_lr must be \"divided\" (each async or ssp push at lr / "
                               f"workers) or \"full\" (at lr), got {c.async_lr!r}")
         if c.transport not in TRANSPORTS:
-            raise ConfigError(f"{src}: [cluster] transport must be \"auto\", \"shm\", \"tcp\" or \"grpc\", "
+            raise ConfigError(f"{src}: [cluster] transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
                               f"got {c.transport!r}")
         if c.wire_dtype not in ("", "float16", "bfloat16"):
             raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "

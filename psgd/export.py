@@ -88,7 +88,7 @@ def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, to
     weights are pulled as an observer.  Under async or while a sync round is
     being applied, shards may be at different versions: they are returned.
     """
-    from psgd.link.protocol import OBSERVER
+    from psgd.wire.protocol import OBSERVER
     from psgd.worker.client import PSClient
 
     addresses = list(addresses or job.cluster.servers)

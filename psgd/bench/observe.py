@@ -122,7 +122,7 @@ class ShardObserver:
         self._pulls = 0
 
     def __call__(self, addresses: list[str], stop: threading.Event, token: str = "") -> None:
-        from psgd.link.protocol import OBSERVER
+        from psgd.wire.protocol import OBSERVER
         from psgd.worker.client import PSClient
 
         ev = self.evaluator

@@ -6,10 +6,11 @@
 - :mod:`psgd.link.tcp`: pulls and pushes over the shard's plain-TCP data
   port, control calls over gRPC.
 - :mod:`psgd.link.shm`: on the shard's host, pulls and pushes through shared
-  memory (:mod:`psgd.link.segment`), their requests over the data port;
+  memory (:mod:`psgd.wire.segment`), their requests over the data port;
   elsewhere the TCP link's (the default, ``transport = "auto"``).
-- :mod:`psgd.link.protocol`: the data port's frames, shared with the shard's
-  end (:mod:`psgd.server.datapath`).
+
+What both ends share (the data port's frames, the segments, the refusals' reasons) is :mod:`psgd.wire`,
+and so is what each ``transport`` means.
 
 How a gradient is written on the wire is a codec (:mod:`psgd.codec`), the
 same for every link.  The retries, the fan-out to every shard and the leases
@@ -18,11 +19,11 @@ are the worker's client's (:mod:`psgd.worker.client`), the same for every link.
 
 from __future__ import annotations
 
-from psgd.config import TRANSPORTS  # "auto" is the shm link, which falls back to TCP off the shard's host
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
 from psgd.link.grpc import GrpcLink
 from psgd.link.shm import ShmLink
 from psgd.link.tcp import TcpLink
+from psgd.wire import TRANSPORTS, meaning
 
 __all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS", "link_kind",
            "open_link"]
@@ -32,9 +33,7 @@ LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink, "shm": ShmLink
 
 def link_kind(transport: str) -> str:
     """The link a job's ``[cluster] transport`` asks for."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
-    return "shm" if transport == "auto" else transport
+    return str(meaning(transport)["link"])
 
 
 def open_link(kind: str, endpoint: Endpoint) -> Link:

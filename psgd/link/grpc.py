@@ -16,11 +16,11 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 import numpy as np
 
-from psgd import status
 from psgd.channel import chunks, open_channel, token_metadata
 from psgd.codec import Codec
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
 from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.wire import status
 
 T = TypeVar("T")
 

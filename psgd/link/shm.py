@@ -1,10 +1,10 @@
 """The same-host link: pulls and pushes through shared memory, requests and replies over the data port.
 
 When a worker and a shard run on one host, their bytes need not cross a socket.  The shard says at
-registration who it may share memory with (:func:`psgd.link.segment.host_id`: the boot id and the pid
+registration who it may share memory with (:func:`psgd.wire.segment.host_id`: the boot id and the pid
 and network namespaces); a worker with the same identity asks, in the hello of each of its two data
 connections (pull and push) for shared memory: its pull connection is given the shard's weights
-segment, its push connection a segment of its own (:mod:`psgd.link.segment`).  From then on:
+segment, its push connection a segment of its own (:mod:`psgd.wire.segment`).  From then on:
 
 - a pull is its request header on the socket; the shard takes a live read of its weights, which live in
   a shared segment that the worker has mapped read-only (two slots, :mod:`psgd.server.store`), and
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 
-from psgd.link import protocol, segment
 from psgd.link.base import Endpoint, PushReply
-from psgd.link.segment import copy_bytes
 from psgd.link.tcp import DataConnection, TcpLink
 from psgd.proto import ps_pb2
+from psgd.wire import meaning, protocol, segment
+from psgd.wire.segment import copy_bytes
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ShmLink(TcpLink):
         self.shared = False
         if why != self._said:
             self._said = why
-            level = logging.WARNING if self.endpoint.transport == "shm" else logging.INFO
+            level = logging.WARNING if meaning(self.endpoint.transport)["insist"] else logging.INFO
             log.log(level, "shard %d at %s: not through shared memory, over its data port, since %s",
                     self.endpoint.shard, self.endpoint.address, why)
 

@@ -2,7 +2,7 @@
 
 A pull is one request header and the weights received straight into the
 worker's arrays with ``recv_into``; a push is one header and the gradient's
-bytes sent from views with ``sendmsg`` (see :mod:`psgd.link.protocol`).  The
+bytes sent from views with ``sendmsg`` (see :mod:`psgd.wire.protocol`).  The
 connection is opened on first use with a hello (worker id, plan hash, token)
 and reopened after it breaks.  A shard without a data port (``transport =
 "grpc"`` on its side) is pulled from and pushed to over gRPC.
@@ -23,12 +23,12 @@ import ssl
 import grpc
 
 from psgd.codec import Codec
-from psgd.link import protocol
 from psgd.link.base import Endpoint, LinkError, PushReply
 from psgd.link.grpc import GrpcLink
 from psgd.proto import ps_pb2
-from psgd.status import reason_name
 from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire import protocol
+from psgd.wire.status import reason_name
 
 #: Seconds a worker waits for an answer beyond the request timeout, which bounds the shard's own waits.
 REPLY_MARGIN = 2.0

@@ -14,7 +14,7 @@ Connections are accepted, and their hellos checked, by the gatekeeper
 is authenticated: connections cannot be hoarded.
 
 A worker on the same host may ask in its hello for a shared-memory segment
-(:mod:`psgd.link.segment`); the connection then carries only the headers, and
+(:mod:`psgd.wire.segment`); the connection then carries only the headers, and
 the bytes go through the segment: the weights live there (two slots, see
 :mod:`psgd.server.store`), a pull's reply says which slot holds its version, and a push is copied
 out of it into a receive buffer, and checked there, before it is applied.
@@ -32,14 +32,13 @@ import weakref
 
 import numpy as np
 
-from psgd import status
 from psgd.codec import Codec, CodecError, by_code
-from psgd.link import protocol, segment
-from psgd.server.core import ShardCore
 from psgd.server import store
+from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 from psgd.server.handout import Handout, not_dumpable
+from psgd.wire import protocol, segment, status
 
 log = logging.getLogger(__name__)
 

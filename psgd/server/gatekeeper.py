@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Callable
 
-from psgd.link import protocol
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
+from psgd.wire import protocol
 
 log = logging.getLogger(__name__)
 

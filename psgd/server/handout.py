@@ -1,6 +1,6 @@
 """How a shard hands its shared-memory segments to the workers the data port let in, and to no one else.
 
-A segment is a memory file the shard keeps open (:mod:`psgd.link.segment`).  Its descriptor goes to
+A segment is a memory file the shard keeps open (:mod:`psgd.wire.segment`).  Its descriptor goes to
 a worker over a Unix-domain socket (an abstract name, ``@psgd-<job>-s<shard>-<pid>-<random>``, so no
 file is left anywhere) with SCM_RIGHTS, in exchange for a ticket: 32 random bytes that the data port
 sends the worker in its answer to a hello that passed the token check, good once and for
@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 
-from psgd.link import segment
+from psgd.wire import segment
 
 log = logging.getLogger(__name__)
 

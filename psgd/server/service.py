@@ -21,19 +21,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import numpy as np
 
-from psgd import status
+from psgd import wire
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chunks
 from psgd.codec import Codec, CodecError, by_name
-from psgd.link import segment
-from psgd.link.protocol import as_worker
 from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore
-from psgd.server.errors import ShardError
 from psgd.server.datapath import DataServer, transfer_seconds
+from psgd.server.errors import ShardError
 from psgd.server.watchdog import Watchdog
 from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire import segment, status
+from psgd.wire.protocol import as_worker
 
 log = logging.getLogger(__name__)
 
@@ -306,12 +306,11 @@ class ShardServer:
             interceptors = [TokenInterceptor(token), *interceptors]
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
-        # [cluster] transport: grpc serves no data port; tcp one without shared memory; auto and shm offer
-        # workers on this host segments of shared memory too (psgd.link.shm)
+        means = wire.meaning(transport)  # a data port or none; shared memory for workers on this host or not
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
                                request_timeout=request_timeout, hello_timeout=hello_timeout,
                                tls=tls.server_context() if tls.enabled else None,
-                               shm=transport in ("auto", "shm")) if transport != "grpc" else None
+                               shm=bool(means["shared_memory"])) if means["data_port"] else None
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,

@@ -31,10 +31,10 @@ from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
 from psgd.job import identity as job_identity
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, link_kind, open_link
-from psgd.link.protocol import OBSERVER
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.protocol import OBSERVER
 
 log = logging.getLogger(__name__)
 

@@ -33,17 +33,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psgd.link import protocol
 from psgd.data import datasets
-from psgd.partition import PartitionPlan
-from psgd.server import build_shard
-from psgd.server.core import ShardCore
-from psgd.server import datapath
-from psgd.server.datapath import DataServer
-from psgd.server.service import ShardServer
-from psgd.worker.client import PSClient, PSError, process_incarnation
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
+from psgd.partition import PartitionPlan
+from psgd.server import build_shard
+from psgd.server import datapath
+from psgd.server.core import ShardCore
+from psgd.server.datapath import DataServer
+from psgd.server.service import ShardServer
+from psgd.wire import protocol
+from psgd.worker.client import PSClient, PSError, process_incarnation
 
 from helpers import make_job, run_threads, shards, wait_for
 

@@ -20,9 +20,9 @@ import grpc
 import numpy as np
 import pytest
 
-from psgd.link import protocol, segment
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import datapath
+from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
 
 from helpers import make_job, shards, wait_for

@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads, wait_for
-from psgd.link import protocol
 from psgd.config import to_toml
-from psgd.server import build_shard
-from psgd.server.service import ShardServer
-from psgd.worker.client import PSClient, PSError
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
+from psgd.server import build_shard
+from psgd.server.service import ShardServer
+from psgd.wire import protocol
+from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
 TOKEN = "s3cret"

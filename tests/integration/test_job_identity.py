@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads
-from psgd import status
+from psgd.job import build_job
+from psgd.link import LinkError
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard
 from psgd.server.admission import Roster
 from psgd.server.service import ShardServer
-from psgd.job import build_job
+from psgd.wire import status
 from psgd.worker.client import PSClient, PSError
-from psgd.link import LinkError
 from psgd.worker.exchange import run_worker
 
 

@@ -29,7 +29,6 @@ import pytest
 
 import psgd
 from psgd.config import to_toml
-from psgd.link import protocol, segment
 from psgd.link.shm import ShmLink
 from psgd.server import build_shard
 from psgd.server import handout as handout_module
@@ -37,6 +36,7 @@ from psgd.server.datapath import DataServer
 from psgd.server.handout import Handout
 from psgd.server.service import ShardServer
 from psgd.server.store import PARALLEL_BYTES
+from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
 
 from helpers import make_job, run_threads, shards, wait_for

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from helpers import make_job
+from psgd.job import build_job
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.tls import TLSFiles
-from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
@@ -102,7 +102,7 @@ def test_a_certificate_from_an_unknown_ca_is_refused(certs):
 
 def test_the_data_path_refuses_a_plaintext_or_untrusted_client(certs):
     from psgd.link import LinkError
-    from psgd.link.protocol import WireError
+    from psgd.wire.protocol import WireError
     from psgd.link.tcp import DataConnection
 
     j = job()

@@ -53,10 +53,44 @@ def test_the_shard_core_and_the_loop_know_no_transport(path):
     assert not found & TRANSPORTS and not any(m.startswith("psgd.link") for m in found), path
 
 
+@pytest.mark.parametrize("path", modules("server"), ids=lambda p: p.name)
+def test_the_shard_imports_the_wire_never_the_workers_links(path):
+    """Both ends share psgd/wire (frames, segments, refusals); the shard never loads a worker's links."""
+    assert not {m for m in imported(path) if m == "psgd.link" or m.startswith("psgd.link.")}, path
+
+
+@pytest.mark.parametrize("path", modules("wire"), ids=lambda p: p.name)
+def test_the_wire_imports_neither_end(path):
+    assert not {m for m in imported(path) if m.split(".")[:2] in (["psgd", "link"], ["psgd", "server"],
+                                                                   ["psgd", "worker"])}, path
+
+
+def transport_tests(tree: ast.AST) -> list[int]:
+    """Lines that compare something named ``transport`` with "auto" or "shm": a meaning spelled out again."""
+    def names_transport(node: ast.AST) -> bool:
+        return any(getattr(n, "id", getattr(n, "attr", None)) == "transport" for n in ast.walk(node))
+
+    def names_a_kind(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Constant) and n.value in ("auto", "shm") for n in ast.walk(node))
+
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare) and names_transport(n) and names_a_kind(n)]
+
+
+def test_what_a_transport_means_is_written_once():
+    """psgd/wire says what each [cluster] transport means (which link, a data port, shared memory); no other
+    module tests a transport against "auto" or "shm" (the link's and the shard's ends each did)."""
+    product = [p for p in sorted(PSGD.rglob("*.py")) if p.relative_to(PSGD).parts[0] not in ("wire", "bench")]
+    found = [f"{path.relative_to(PSGD)}:{line}" for path in product  # (a benchmark picks its own transports)
+             for line in transport_tests(ast.parse(path.read_text(), str(path)))]
+    assert found == [], found
+    before = ast.parse('shm = transport in ("auto", "shm")\nkind = "shm" if transport == "auto" else transport')
+    assert transport_tests(before) == [1, 2]  # what the two ends wrote before
+
+
 def test_the_workers_client_leaves_the_bytes_to_its_links():
     """The client decides what to retry and fans out to every shard; it never touches a socket or a stub."""
     assert not imported(PSGD / "worker" / "client.py") & {"socket.socket", "psgd.link.tcp", "psgd.link.grpc",
-                                                          "psgd.channel", "psgd.link.protocol.WireError"}
+                                                          "psgd.channel", "psgd.wire.protocol.WireError"}
     source = (PSGD / "worker" / "client.py").read_text()
     assert "Stub(" not in source and "recv_into" not in source and "sendmsg" not in source
 
@@ -81,3 +115,4 @@ def test_channels_to_shards_are_opened_in_one_place():
     server, gRPC without psgd, is its baseline."""
     opened = method_calls(("insecure_channel", "secure_channel"), outside="proto")
     assert sorted({c.split(":")[0] for c in opened}) == ["bench/comm.py", "channel.py"], opened
+

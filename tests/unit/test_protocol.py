@@ -1,4 +1,4 @@
-"""The data path's protocol (psgd.link.protocol): header layout, exact receives, gathered sends.
+"""The data path's protocol (psgd.wire.protocol): header layout, exact receives, gathered sends.
 
 Sockets here are ``socket.socketpair()`` ends with timeouts; every helper
 thread is joined with a bound, so nothing can hang.
@@ -14,8 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from psgd.link import protocol
-from psgd.link.protocol import WireError
+from psgd.wire import protocol
+from psgd.wire.protocol import WireError
 
 JOIN = 20.0  # seconds; every thread below finishes in well under one
 

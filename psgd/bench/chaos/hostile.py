@@ -12,8 +12,8 @@ import socket
 import time
 from typing import Any, Sequence
 
-from psgd.link import protocol
 from psgd.tls import NO_TLS
+from psgd.wire import protocol
 
 
 HOSTILE = """

@@ -67,7 +67,7 @@ def as_worker(worker_id: int) -> int | None:
 
 def error_reply(code: str, message: str, reason: int = 0) -> bytes:
     """An error reply: the status ``code`` (a grpc.StatusCode name), ``message`` cut to MAX_ERROR_BYTES, and
-    in the outcome byte the reason the client acts on (:func:`psgd.status.reason_number`)."""
+    in the outcome byte the reason the client acts on (:func:`psgd.wire.status.reason_number`)."""
     text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
     return REPLY.pack(DATA_MAGIC, _NUMBERS[code], reason, 0, 0, 0, len(text)) + text
 
