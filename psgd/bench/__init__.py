@@ -9,7 +9,8 @@ Markdown table and plots::
 """
 
 from psgd.bench.config import Contender, LabConfig, Scenario, parse_contender, parse_scenario, preset
-from psgd.bench.convergence import LabResult, RunResult, run_lab
+from psgd.bench.convergence import run_lab
+from psgd.bench.labresult import LabResult, RunResult
 
 __all__ = ["Contender", "LabConfig", "LabResult", "RunResult", "Scenario", "parse_contender", "parse_scenario",
            "preset", "run_lab"]

@@ -3,14 +3,10 @@ much, and at what final accuracy, derived from the lab's own table (medians over
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from psgd.bench import netns
 from psgd.bench.config import LOOPBACK
+from psgd.bench.labresult import LabResult, groups, median_summary
 from psgd.delay import parse_delay
-
-if TYPE_CHECKING:
-    from psgd.bench.convergence import LabResult
 
 
 def situation(network: str, delay: str) -> str:
@@ -21,11 +17,9 @@ def situation(network: str, delay: str) -> str:
     return f"loopback, {words}"
 
 
-def rows(result: "LabResult") -> list[tuple[str, str, str, float | None, float | None, str | None]]:
+def rows(result: LabResult) -> list[tuple[str, str, str, float | None, float | None, str | None]]:
     """(situation, contender spec, label, median seconds to target or None, median final accuracy, error)
     for every (network, scenario, contender), in the order they ran."""
-    from psgd.bench.report import groups, median_summary
-
     out = []
     for runs in groups(result):
         first = runs[0]
@@ -37,7 +31,7 @@ def rows(result: "LabResult") -> list[tuple[str, str, str, float | None, float |
     return out
 
 
-def recommend(result: "LabResult") -> str:
+def recommend(result: LabResult) -> str:
     """A few lines per situation: the fastest policy to the target, how much faster than the next and than
     sync, and the final accuracies; then which policies never reached it."""
     target = result.config.target_accuracy

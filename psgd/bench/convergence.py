@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -30,78 +28,13 @@ import time
 from pathlib import Path
 
 from psgd import threads
+from psgd.bench import hosted, plots, report
 from psgd.bench.config import LOOPBACK, PRESETS, Contender, LabConfig, Scenario, preset
-from psgd.bench.observe import (LOSS_WINDOW, Evaluator, ShardObserver, allreduce_points, initial_point, origin,
+from psgd.bench.labresult import LabResult, RunResult, load_result
+from psgd.bench.observe import (Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class RunResult:
-    """One (scenario, contender) run: what ran, its evaluation points and their summary."""
-
-    key: str                 # "<scenario>/<contender spec>"
-    scenario: str            # scenario slug
-    delay: str               # the injected delay spec ('' for none), as passed to every worker
-    policy: str              # the contender's spec (a policy, or allreduce)
-    label: str               # the contender's label
-    mode: str                # ps | allreduce
-    job: dict                # the full job configuration of the run
-    worker_args: list[str]
-    points: list[dict]
-    summary: dict
-    error: str | None = None
-    repeat: int = 0
-    network: str = ""        # the emulated links it ran on ('' or LOOPBACK: this machine's loopback, no hosts)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class LabResult:
-    config: LabConfig
-    machine: str
-    parameters: int          # model parameters
-    model_bytes: int
-    runs: list[RunResult]
-    seconds: float
-    files: dict[str, str]    # what was written: json, table, plots...
-    load_average: dict       # the machine's 1/5/15-minute load averages before and after the lab
-    gradient_seconds: float | None = None  # one minibatch gradient, computed alone in a fresh process
-    links: dict = dataclasses.field(default_factory=dict)  # network -> its rate and measured throughput
-
-    def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "machine": self.machine, "load_average": self.load_average,
-                "parameters": self.parameters, "model_bytes": self.model_bytes, "seconds": round(self.seconds, 1),
-                "gradient_seconds": self.gradient_seconds, "links": self.links,
-                "axes": AXES, "runs": [r.to_dict() for r in self.runs]}
-
-
-#: What every axis of the outputs means, recorded in lab.json.
-AXES = {
-    "wall": "seconds since the first worker (rank) entered its training loop (from the metrics JSONL)",
-    "steps": "gradients computed by all workers together",
-    "updates": "optimizer updates applied (ps: smallest shard version; allreduce: steps of rank 0)",
-    "loss": f"mean training loss of the last {LOSS_WINDOW} minibatches before the point (all workers'; "
-            "allreduce: rank 0's)",
-    "test_loss": "loss on the test split (ps runs; allreduce only where rank 0 records it)",
-    "staleness": "versions applied between a gradient's pull and its application, over all gradients so far",
-    "bytes": "ps: bytes_in + bytes_out over all shards, the observer's pulls left out (measured); "
-             "allreduce: steps x 2(N-1) x model bytes, the ring algorithm's volume (computed)",
-}
-
-
-def load_result(path: str | os.PathLike) -> LabResult:
-    """A :class:`LabResult` read back from a ``lab.json`` (to redraw its table and plots)."""
-    data = json.loads(Path(path).read_text())
-    fields = {f.name for f in dataclasses.fields(RunResult)}
-    runs = [RunResult(**{k: v for k, v in r.items() if k in fields}) for r in data["runs"]]
-    known = {f.name for f in dataclasses.fields(LabConfig)}  # files from older versions may hold more
-    return LabResult(LabConfig(**{k: v for k, v in data["config"].items() if k in known}), data["machine"], data["parameters"], data["model_bytes"], runs,
-                     data["seconds"], data.get("files", {}), data.get("load_average", {}),
-                     data.get("gradient_seconds"), data.get("links", {}))
 
 
 def machine() -> str:
@@ -128,7 +61,6 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     """
     from tqdm import tqdm
 
-    from psgd.bench import plots, report
 
     config.check()
     plots.require_matplotlib()
@@ -186,10 +118,9 @@ def _network(name: str | None, config: LabConfig):
     """The emulated hosts of one network of the lab (a context); none on loopback."""
     if name is None or name == LOOPBACK:
         return contextlib.nullcontext()
-    from psgd.bench.hosted import Network
 
     job = config.job_config()
-    return Network(name, job.cluster.shards, job.cluster.workers)
+    return hosted.Network(name, job.cluster.shards, job.cluster.workers)
 
 
 def link_step_seconds(model_bytes: int, workers: int, shards: int, bytes_per_s: float,
@@ -204,10 +135,9 @@ def link_step_seconds(model_bytes: int, workers: int, shards: int, bytes_per_s: 
 def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender, folder: Path,
                 model_bytes: int) -> RunResult:
     """One run with its shards and workers on ``net``'s hosts; a failure is reported in its row."""
-    from psgd.bench.hosted import run_on
 
     try:
-        run = run_on(net, config, scenario, contender, folder, config.run_timeout)
+        run = hosted.run_on(net, config, scenario, contender, folder, config.run_timeout)
     except Exception as exc:
         run = RunResult(f"{scenario.name}/{contender.spec}", scenario.name, scenario.delay, contender.spec,
                         contender.label, contender.mode, config.job_config().to_dict(), [], [], {},
@@ -391,7 +321,6 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the lab the flags describe (or redraw one, with --from) and print the table; 1 when a run failed."""
-    from psgd.bench import report
 
     if args.from_json:
         result = load_result(args.from_json)

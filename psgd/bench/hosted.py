@@ -8,9 +8,10 @@ shaped: it is where a run's launcher and its observer live, so watching the
 shards costs the shards' links what it would cost on a real network.
 
 :func:`run_on` runs one (scenario, contender) of the lab on such a network:
-this module is started on ``ctl`` (``python -m psgd.bench.hosted SPEC OUT``)
-and runs :func:`psgd.bench.convergence.run_one` there with the shards and
-workers on their hosts; the run's result comes back as JSON.
+:mod:`psgd.bench.hosted_run` is started on ``ctl`` (``python -m
+psgd.bench.hosted_run SPEC OUT``) and runs :func:`psgd.bench.convergence.run_one`
+there with the shards and workers on their hosts; the run's result comes back
+as JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 from psgd.bench import netns
+from psgd.bench.labresult import RunResult
 
 SUBNET = "10.99.2"
 #: A measured link is trusted within this fraction of its rate (TCP/IP headers take about 5%).
@@ -83,14 +85,12 @@ class Network:
 
 def run_on(network: Network, config, scenario, contender, run_dir: Path, timeout: float):
     """Run one (scenario, contender) of the lab ``config`` with its launcher on ``ctl``; a RunResult."""
-    from psgd.bench.convergence import RunResult
-
     run_dir.mkdir(parents=True, exist_ok=True)
     spec, out = run_dir / "hosted-spec.json", run_dir / "hosted-result.json"
     spec.write_text(json.dumps({"config": config.to_dict(), "delay": scenario.delay, "contender": contender.spec,
                                 "run_dir": str(run_dir / "run"), "hosts": network.hosts_spec()}))
     out.unlink(missing_ok=True)
-    done = subprocess.run([*network.net.prefix("ctl"), sys.executable, "-m", "psgd.bench.hosted", str(spec),
+    done = subprocess.run([*network.net.prefix("ctl"), sys.executable, "-m", "psgd.bench.hosted_run", str(spec),
                            str(out)], capture_output=True, text=True, timeout=timeout + 120)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"the run on {network.name} links failed (exit {done.returncode}): "
@@ -105,27 +105,3 @@ def launch_argv(network: Network, folder: Path, argv: list[str]) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(network.hosts_spec()))
     return [*network.net.prefix("ctl"), sys.executable, "-m", "psgd.cli.main", *argv, "--emulated-hosts", str(spec)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """On ``ctl``: run the one lab run SPEC describes, write its RunResult to OUT."""
-    argv = sys.argv[1:] if argv is None else argv
-    from psgd.bench.config import LabConfig, parse_contender, parse_scenario
-    from psgd.bench.convergence import run_one
-    from psgd.bench.observe import Evaluator
-    from psgd import threads
-    from psgd.launch import Hosts
-
-    threads.apply(1)  # this process evaluates beside the run, as the lab's own process does
-    spec_path, out_path = argv[:2]
-    spec = json.loads(Path(spec_path).read_text())
-    config = LabConfig(**spec["config"])
-    hosts = Hosts.from_spec(spec["hosts"])
-    run = run_one(config, Evaluator(config.job_config()), parse_scenario(spec["delay"] or "none"),
-                  parse_contender(spec["contender"]), Path(spec["run_dir"]), None, hosts=hosts)
-    Path(out_path).write_text(json.dumps(run.to_dict()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

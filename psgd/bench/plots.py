@@ -16,12 +16,11 @@ dashed or hatched.  Figures are written at 150 dpi.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from psgd.bench.convergence import LabResult, RunResult
+from psgd.bench.labresult import LabResult, RunResult
 
 DPI = 150
 #: Okabe & Ito's colour-blind-safe palette, in the order policies take it.
@@ -68,7 +67,7 @@ def style(spec: str, order: Sequence[str] = ()) -> dict:
     return {"color": color, "linestyle": "--" if base != spec else "-"}
 
 
-def _band(runs: Sequence["RunResult"], x: str, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _band(runs: Sequence[RunResult], x: str, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A common x grid and, on it, the median, lowest and highest of ``key`` over the runs (each run's points
     joined linearly), where every run has points."""
     series = []
@@ -88,7 +87,7 @@ def _band(runs: Sequence["RunResult"], x: str, key: str) -> tuple[np.ndarray, np
     return grid, np.median(values, axis=0), values.min(axis=0), values.max(axis=0)
 
 
-def curves(group_runs: Sequence[Sequence["RunResult"]], metric: str, path: Path, title: str,
+def curves(group_runs: Sequence[Sequence[RunResult]], metric: str, path: Path, title: str,
            target: float | None = None, order: Sequence[str] = ()) -> None:
     """One figure: ``metric`` (accuracy or loss) against wall time, updates and gradients; per policy its
     median as a line and the spread of its repeats as a band."""
@@ -132,7 +131,7 @@ def curves(group_runs: Sequence[Sequence["RunResult"]], metric: str, path: Path,
     plt.close(fig)
 
 
-def summary(result: "LabResult", rows: Sequence[tuple[str, str, str, float | None]], path: Path) -> None:
+def summary(result: LabResult, rows: Sequence[tuple[str, str, str, float | None]], path: Path) -> None:
     """Time to target per policy (bars) for each network and scenario (groups); ``rows`` are (group title,
     contender spec, label, seconds or None)."""
     plt = _pyplot()

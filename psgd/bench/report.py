@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from psgd.bench import answer, plots
-
-if TYPE_CHECKING:
-    from psgd.bench.convergence import LabResult, RunResult
+from psgd.bench.labresult import LabResult, groups, median_summary
 
 #: The table's columns: (header, function of a run's summary giving a number or text).
 COLUMNS = (
@@ -35,48 +32,7 @@ def _num(value, digits: int, missing: str = "n/a") -> str:
     return f"{value:.{digits}f}"
 
 
-_MEDIAN_KEYS = ("final_accuracy", "train_seconds", "steps_per_s", "updates_per_s", "staleness_p50",
-                "staleness_p99", "bytes", "step_seconds", "link_step_seconds")
-
-
-def groups(result: "LabResult") -> list[list["RunResult"]]:
-    """The runs of each (scenario, policy), in the order they were first run."""
-    by_key: dict[str, list] = {}
-    for run in result.runs:
-        by_key.setdefault(run.key, []).append(run)
-    return list(by_key.values())
-
-
-def _lower_median(values: list) -> object:
-    values = sorted(values)
-    return values[(len(values) - 1) // 2]
-
-
-def representative(runs: list["RunResult"]) -> "RunResult":
-    """The run whose time to target is the (lower) median of its group: the one plotted."""
-    ok = [r for r in runs if not r.error] or runs
-    def rank(r: "RunResult") -> tuple[float, float]:
-        t = r.summary.get("time_to_target")
-        return (float("inf") if t is None else t, -(r.summary.get("final_accuracy") or 0.0))
-
-    ranked = sorted(ok, key=rank)
-    return ranked[(len(ranked) - 1) // 2]
-
-
-def median_summary(runs: list["RunResult"]) -> dict:
-    """Medians over the repeats; a target counts as reached when the median run reached it."""
-    ok = [r for r in runs if not r.error]
-    rep = representative(runs)
-    out = {"reached": sum(r.summary.get("time_to_target") is not None for r in ok), "runs": len(runs)}
-    for key in ("time_to_target", "updates_to_target", "steps_to_target"):
-        out[key] = rep.summary.get(key)
-    for key in _MEDIAN_KEYS:
-        values = [r.summary[key] for r in ok if r.summary.get(key) is not None]
-        out[key] = _lower_median(values) if values else None
-    return out
-
-
-def markdown_table(result: "LabResult") -> str:
+def markdown_table(result: LabResult) -> str:
     """One row per (scenario, policy): medians over the repeats; a failed group says why."""
     columns = COLUMNS if result.links else COLUMNS[:-1]  # the link-bound step only on emulated links
     head = ["scenario", "policy", "reached", *(c[0] for c in columns)]
@@ -92,7 +48,7 @@ def markdown_table(result: "LabResult") -> str:
     return "\n".join(lines) + "\n"
 
 
-def table_notes(result: "LabResult") -> str:
+def table_notes(result: LabResult) -> str:
     c = result.config
     compute = (f" One minibatch gradient alone takes {result.gradient_seconds * 1e3:.2f} ms here (model: "
                f"{result.parameters:,} parameters, {result.model_bytes / 1e6:.2f} MB)." if result.gradient_seconds
@@ -109,7 +65,7 @@ def table_notes(result: "LabResult") -> str:
             links_note(result) + "\n")
 
 
-def links_note(result: "LabResult") -> str:
+def links_note(result: LabResult) -> str:
     """What each emulated network's links carried when measured before its runs ('' on loopback)."""
     if not result.links:
         return ""
@@ -124,7 +80,7 @@ def links_note(result: "LabResult") -> str:
             "share of that for every worker, shared by workers/shards of them).")
 
 
-def write_all(result: "LabResult", out: Path) -> dict[str, str]:
+def write_all(result: LabResult, out: Path) -> dict[str, str]:
     """Write lab.json, table.md and the plots into ``out``; returns {what: path}."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": str(out / "lab.json"), "table": str(out / "table.md")}

@@ -9,87 +9,15 @@ before training (see :mod:`psgd.model.check`).
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import re
-from typing import Any
-
 from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecError, hands_over_gradients,
                               init_variable)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
+from psgd.model.registry import MODELS, build_model, load_model_class
 
 __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
     "check_model", "run_checks", "Check", "hands_over_gradients",
 ]
-
-MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN}
-
-MODEL_METHODS = ("specs", "init", "loss_and_grads", "predict")
-_BUILT_IN_ARGS = ("input_shape", "num_classes", "dtype")
-_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: " + " ".join(str(exc).split())
-
-
-def load_model_class(name: str) -> type:
-    """The class named by a built-in name (``softmax``, ``mlp``, ``cnn``) or ``package.module:Class``."""
-    if name in MODELS:
-        return MODELS[name]
-    module_name, sep, attr = str(name).partition(":")
-    if not sep or not _DOTTED.match(module_name) or not _DOTTED.match(attr):
-        raise ModelError(f"unknown model {name!r}: use one of {', '.join(MODELS)}, "
-                         "or package.module:Class for your own model")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except BaseException as exc:  # SyntaxError, ImportError, or whatever the module raises
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ModelError(f"model {name!r}: cannot import module {module_name!r} ({_one_line(exc)})") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ModelError(f"model {name!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not inspect.isclass(obj):
-        raise ModelError(f"model {name!r}: {attr!r} is a {type(obj).__name__}, not a class")
-    missing = [m for m in MODEL_METHODS if not callable(getattr(obj, m, None))]
-    if missing:
-        raise ModelError(f"model {name!r}: class {attr!r} lacks the model method(s) {', '.join(missing)} "
-                         f"(a model needs {', '.join(MODEL_METHODS)})")
-    return obj
-
-
-def model_options(cls: type) -> list[str] | None:
-    """The options ``cls`` takes besides input_shape, num_classes and dtype (None if unknown)."""
-    try:
-        params = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    return [p.name for p in params if p.name not in _BUILT_IN_ARGS
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-
-
-def build_model(name: str, input_shape: Any, num_classes: int, dtype: str = "float32", **options: Any) -> Any:
-    """Build model ``name`` (see :func:`load_model_class`) for ``input_shape`` and ``num_classes``."""
-    cls = load_model_class(name)
-    args = dict(input_shape=input_shape, num_classes=num_classes, dtype=dtype, **options)
-    known = model_options(cls)
-    takes = ", ".join(known) if known else "none"
-    try:
-        if known is not None:
-            inspect.signature(cls).bind(**args)
-    except TypeError as exc:
-        raise ModelError(f"model {name!r}: {' '.join(str(exc).split())} (options it takes: {takes})") from None
-    try:
-        return cls(**args)
-    except VarSpecError as exc:  # a VarSpec made in the constructor: name the model too
-        raise ModelError(f"model {name!r}: {exc}") from None
-    except ModelError:
-        raise
-    except (TypeError, ValueError) as exc:  # a bad option value in a user model
-        raise ModelError(f"model {name!r}: {_one_line(exc)} (options it takes: {takes})") from exc

@@ -50,7 +50,7 @@ class FiniteDifferences:
             return self.model
         makers = []
         if self.name:
-            from psgd.model import build_model
+            from psgd.model.registry import build_model
 
             makers.append(lambda: build_model(self.name, self.input_shape, self.num_classes, dtype="float64",
                                               **self.options))

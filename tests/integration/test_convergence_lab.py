@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from psgd.bench import LabConfig, LabResult, RunResult, parse_contender, parse_scenario, preset
-from psgd.bench.convergence import load_result, summarize
+from psgd.bench.convergence import summarize
+from psgd.bench.labresult import load_result
 from psgd.bench.observe import Sample, allreduce_points, percentile, ps_points
 from psgd.bench.report import markdown_table
 from psgd.config import ConfigError
