@@ -3,6 +3,10 @@
 ``--epoch 1`` is refused instead of being taken for ``--epochs``, and the error
 says ``did you mean --epochs?``; ``psgd lauch`` says ``did you mean launch?``.
 Sub-commands made with ``add_subparsers`` are of this class too.
+
+Every flag that takes a comma-separated list (``--workers 1,2,4``,
+``--network 1gbit,none``) is read by :func:`comma_list`, with one wording for
+its errors whatever the command.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 
@@ -55,3 +59,29 @@ class Parser(argparse.ArgumentParser):
 def _nearest(word: str, options: Sequence[str]) -> str:
     found = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return f"; did you mean {found[0]}?" if found else ""
+
+
+def comma_list(text: str, flag: str = "", *, kind: Callable[[str], Any] = str, what: str = "names",
+               choices: Sequence[str] | None = None, at_least: float | None = None, empty: bool = False,
+               unique: bool = False, error: Callable[[str], Exception] = argparse.ArgumentTypeError) -> list:
+    """The items of a comma-separated value (``"1gbit, 10gbit"``): stripped, empty ones dropped, each converted
+    by ``kind``; with ``unique``, repeats dropped (the first kept).  A wrong one raises ``error`` (an argparse
+    type error by default; a command that checks its flags later passes its own), worded alike for every flag:
+    ``--flag: unknown x; choose from a, b``, ``--flag: expected WHAT separated by commas, got '...'``,
+    ``--flag: every value must be at least N, got '...'``, ``--flag: give at least one``."""
+    where = f"{flag}: " if flag else ""
+    items = [p.strip() for p in str(text).split(",") if p.strip()]
+    if choices is not None:
+        unknown = [p for p in items if p not in choices]
+        if unknown:
+            raise error(f"{where}unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+    try:
+        values = [kind(p) for p in items]
+    except ValueError:
+        raise error(f"{where}expected {what} separated by commas, got {text!r}") from None
+    if at_least is not None and not all(v >= at_least for v in values):  # NaN is not at least anything
+        raise error(f"{where}every value must be at least {at_least:g}, got {text!r}")
+    if not values and not empty:
+        raise error(f"{where}give at least one" + (f" of {', '.join(choices)}" if choices is not None else
+                                                   f" ({what} separated by commas)"))
+    return list(dict.fromkeys(values)) if unique else values

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
-from psgd.parsing import Parser
+from psgd.parsing import Parser, comma_list
 
 MB = 1_000_000
 
@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--child", choices=("mpi",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = [int(float(s) * MB) // 4 * 4 for s in args.sizes_mb.split(",")]
+    try:
+        sizes = [int(mb * MB) // 4 * 4 for mb in comma_list(args.sizes_mb, "--sizes-mb", kind=float,
+                                                            what="sizes in MB", at_least=4 / MB)]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     if args.child == "mpi":
         mpi_child(sizes, args.repeats)
         return 0

@@ -35,6 +35,7 @@ import numpy as np
 
 from psgd.bench.blob import BlobCluster, median, time_steps
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
+from psgd.parsing import comma_list
 
 MB = 1_000_000
 PY = sys.executable
@@ -148,17 +149,12 @@ def run_from_args(args: argparse.Namespace) -> dict:
     """Measure what the flags ask for, printing each figure as it comes; returns every figure."""
     from psgd.config import ConfigError
 
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise ConfigError(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    parts = comma_list(args.parts, "--parts", choices=PARTS, error=ConfigError)
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
-    try:
-        sizes = [int(float(s) * MB) // 4 * 4 for s in ("1,4,16" if args.quick else args.sizes_mb).split(",")]
-    except ValueError:
-        raise ConfigError(f"--sizes-mb: expected numbers separated by commas, got {args.sizes_mb!r}") from None
-    if not sizes or min(sizes) < 4:
+    sizes = [int(mb * MB) // 4 * 4 for mb in comma_list("1,4,16" if args.quick else args.sizes_mb, "--sizes-mb",
+                                                         kind=float, what="sizes in MB", error=ConfigError)]
+    if not min(sizes) >= 4:
         raise ConfigError("--sizes-mb: every size must be at least 0.000004 MB (one float32)")
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")

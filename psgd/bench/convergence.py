@@ -33,6 +33,8 @@ from psgd.bench.config import LOOPBACK, PRESETS, Contender, LabConfig, Scenario,
 from psgd.bench.labresult import LabResult, RunResult, load_result
 from psgd.bench.observe import (Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)
+from psgd.config import ConfigError
+from psgd.parsing import comma_list
 
 log = logging.getLogger(__name__)
 
@@ -302,11 +304,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> LabConfig:
     config = preset(args.preset_quick or args.preset)
     if args.policies:
-        config.policies = [p for p in args.policies.split(",") if p.strip()]
+        config.policies = comma_list(args.policies, "--policies", what="policies", error=ConfigError)
     if args.delays:
-        config.delays = [d for d in args.delays.split(",") if d.strip()]
+        config.delays = comma_list(args.delays, "--delays", what="delays", error=ConfigError)
     if args.network:
-        config.networks = [n.strip() for n in args.network.split(",") if n.strip()]
+        config.networks = comma_list(args.network, "--network", what="link rates", error=ConfigError)
     for flag, key in (("workers", "cluster.workers"), ("shards", "cluster.shards"), ("epochs", "train.epochs")):
         if getattr(args, flag) is not None:
             config.job.append(f"{key}={getattr(args, flag)}")

@@ -43,6 +43,7 @@ import numpy as np
 
 from psgd import xp as backend
 from psgd.bench.limits import machine
+from psgd.parsing import comma_list
 
 MB = 1_000_000
 PARTS = ("mlp", "transfer", "nccl")
@@ -75,22 +76,9 @@ def mlp_step_flops(batch: int, widths: Sequence[int]) -> int:
     return 6 * int(batch) * sum(int(a) * int(b) for a, b in zip(widths, widths[1:]))
 
 
-def _numbers(text: str, convert: Callable[[str], Any], what: str) -> list:
-    try:
-        values = [convert(p.strip()) for p in str(text).split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got nothing")
-    return values
-
-
 def positive_ints(text: str) -> tuple[int, ...]:
     """``"1024,2048"`` -> (1024, 2048); anything else is an argparse error saying what was wrong."""
-    values = _numbers(text, int, "whole numbers")
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every value must be at least 1, got {text!r}")
-    return tuple(dict.fromkeys(values))
+    return tuple(comma_list(text, kind=int, what="whole numbers", at_least=1, unique=True))
 
 
 def positive_int(text: str) -> int:
@@ -102,7 +90,7 @@ def positive_int(text: str) -> int:
 
 def sizes_mb(text: str) -> tuple[int, ...]:
     """``"1,0.5,400"`` (MB, 10^6 bytes) -> byte counts, each a whole number of float32s (at least one)."""
-    values = _numbers(text, float, "sizes in MB")
+    values = comma_list(text, kind=float, what="sizes in MB")
     if not all(math.isfinite(v) and v * MB >= 4 for v in values):
         raise argparse.ArgumentTypeError(f"every size must be a finite number of MB, at least 4 bytes, got {text!r}")
     return tuple(dict.fromkeys(int(v * MB) // 4 * 4 for v in values))
@@ -110,11 +98,7 @@ def sizes_mb(text: str) -> tuple[int, ...]:
 
 def parse_parts(text: str) -> tuple[str, ...]:
     """``"nccl,mlp"`` -> ("mlp", "nccl"): known parts only, in the order they run."""
-    asked = {p.strip() for p in str(text).split(",") if p.strip()}
-    unknown = sorted(asked - set(PARTS))
-    if unknown or not asked:
-        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; "
-                                         f"choose from {', '.join(PARTS)}")
+    asked = set(comma_list(text, choices=PARTS))
     return tuple(p for p in PARTS if p in asked)
 
 

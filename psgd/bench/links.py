@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from psgd.parsing import comma_list
+
 PY = sys.executable
 #: How long one worker process may take for its steps before the figure is given up as failed.
 WORKER_TIMEOUT = 900
@@ -89,9 +91,8 @@ def networks_from(text: str) -> list[str]:
     :class:`psgd.bench.netns.NetworkError` saying why not."""
     from psgd.bench import netns
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise netns.NetworkError("--network: name at least one rate, e.g. 1gbit,10gbit,none")
+    names = comma_list(text, "--network", what="link rates (e.g. 1gbit,10gbit,none)",
+                       error=netns.NetworkError)
     netns.check_networks(names)
     return names
 

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from psgd.parsing import comma_list
+
 MODELS = {"synthetic": 3072, "quarter": 1536}
 KINDS = ("sync", "async", "allreduce")
 DATA = ["--dataset", "synthetic", "--set", "data.input_dim=64", "--set", "data.n_train=3072", "--set",
@@ -225,21 +227,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     from psgd.bench.limits import machine
     from psgd.config import ConfigError
 
-    def listed(flag: str, text: str, known) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in known]
-        if bad or not items:
-            raise ConfigError(f"{flag}: unknown {', '.join(bad) or 'nothing'}; choose from {', '.join(known)}")
-        return items
-
-    models = listed("--models", args.models, MODELS)
-    kinds = listed("--kinds", args.kinds, KINDS)
-    try:
-        workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    except ValueError:
-        raise ConfigError(f"--workers: expected numbers separated by commas, got {args.workers!r}") from None
-    if not workers or min(workers) < 1 or args.epochs < 1:
-        raise ConfigError("--workers and --epochs must be at least 1")
+    models = comma_list(args.models, "--models", choices=MODELS, error=ConfigError)
+    kinds = comma_list(args.kinds, "--kinds", choices=KINDS, error=ConfigError)
+    workers = comma_list(args.workers, "--workers", kind=int, what="whole numbers", at_least=1, error=ConfigError)
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs must be at least 1, got {args.epochs}")
     from psgd import xp as backend
 
     try:

@@ -11,6 +11,7 @@ import json
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
                              start_process, token_from_args, verbosity)
 from psgd.logs import setup_logging
+from psgd.parsing import comma_list
 from psgd.tls import add_tls_arguments, tls_from_args
 
 EXPORT_DESCRIPTION = """\
@@ -107,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.checkpoints and (args.version is not None or args.mixed_versions):
         raise ExportError("--version and --mixed-versions choose among checkpoints: use them with --checkpoints DIR")
     if args.servers and args.shards is None:  # the addresses say how many shards there are
-        args.shards = len([a for a in args.servers.split(",") if a.strip()])
+        args.shards = len(comma_list(args.servers, "--servers", what="addresses", error=ExportError))
     job = job_from_args(args)
     start_process(job)
     if args.checkpoints:

@@ -13,7 +13,7 @@ from psgd.cli import doctor, models, status
 from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
                              job_from_args, run_command, start_process, verbosity)
 from psgd.logs import setup_logging
-from psgd.parsing import Parser
+from psgd.parsing import Parser, comma_list
 from psgd.tls import add_tls_arguments, tls_from_args
 
 DESCRIPTION = """\
@@ -221,7 +221,7 @@ def layout_from_args(args: argparse.Namespace, environ=None):
         found = first_env_int(("PSGD_NODE_RANK", "SLURM_NODEID"), environ) if args.nnodes > 1 else None
         node_rank = found[0] if found else 0
     hosts = args.hosts if args.hosts is not None else environ.get("PSGD_HOSTS", "")
-    return Layout(args.nnodes, node_rank, tuple(h.strip() for h in hosts.split(",") if h.strip()), args.port)
+    return Layout(args.nnodes, node_rank, tuple(comma_list(hosts, "--hosts", empty=True)), args.port)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

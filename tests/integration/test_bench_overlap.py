@@ -30,7 +30,7 @@ def test_a_run_of_one_async_worker_measures_both_paths_and_the_two_parts(tmp_pat
 
 @pytest.mark.parametrize("flags, said", [(["--models", "huge"], "--models: unknown huge"),
                                          (["--kinds", "bsp"], "--kinds: unknown bsp"),
-                                         (["--workers", "x"], "--workers: expected numbers"),
+                                         (["--workers", "x"], "--workers: expected whole numbers"),
                                          (["--epochs", "0"], "at least 1")])
 def test_bad_flags_are_refused_in_one_line(flags, said):
     done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "overlap", *flags],

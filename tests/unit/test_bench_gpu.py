@@ -84,15 +84,15 @@ def test_values_are_parsed_into_numbers_and_parts():
     (gpu.positive_ints, "0,1024", "at least 1"),
     (gpu.positive_ints, "-3", "at least 1"),
     (gpu.positive_ints, "1024,abc", "whole numbers"),
-    (gpu.positive_ints, " , ", "got nothing"),
+    (gpu.positive_ints, " , ", "give at least one"),
     (gpu.positive_int, "1,2", "one whole number"),
     (gpu.sizes_mb, "ten", "sizes in MB"),
     (gpu.sizes_mb, "0", "at least 4 bytes"),
     (gpu.sizes_mb, "-1", "at least 4 bytes"),
     (gpu.sizes_mb, "nan", "finite"),
     (gpu.sizes_mb, "inf", "finite"),
-    (gpu.parse_parts, "mlp,gpu", "unknown part(s) gpu; choose from mlp, transfer, nccl"),
-    (gpu.parse_parts, "", "none given"),
+    (gpu.parse_parts, "mlp,gpu", "unknown gpu; choose from mlp, transfer, nccl"),
+    (gpu.parse_parts, "", "give at least one of mlp, transfer, nccl"),
 ])
 def test_bad_values_are_refused_with_what_was_wrong(parse, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import signal
+from pathlib import Path
 
 import pytest
 
+import psgd
 from psgd.cli import main as psgd_main
 from psgd.cli import server as psgd_server
 from psgd.cli import worker as psgd_worker
 from psgd.cli.common import job_from_args
 from psgd.config import ConfigError
+from psgd.parsing import comma_list
 
 
 @pytest.fixture(autouse=True)
@@ -149,3 +152,38 @@ def test_a_multi_node_layout_puts_shards_and_workers_round_robin():
         Layout(nnodes=2, node_rank=0, hosts=("a",)).check(2, 2)
     with pytest.raises(LaunchError, match="out of range"):
         Layout(nnodes=2, node_rank=2, hosts=("a", "b")).check(2, 2)
+
+
+# -- comma-separated lists: one reader, one wording -------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, options, message", [
+    ("sync,warp", dict(choices=("sync", "async")), "--x: unknown warp; choose from sync, async"),
+    ("4,lots", dict(kind=float, what="sizes in MB"), "--x: expected sizes in MB separated by commas, got '4,lots'"),
+    ("2,0", dict(kind=int, at_least=1), "--x: every value must be at least 1, got '2,0'"),
+    ("nan", dict(kind=float, at_least=0), "--x: every value must be at least 0, got 'nan'"),
+    (" , ", dict(kind=int, what="whole numbers"), "--x: give at least one (whole numbers separated by commas)"),
+    ("", dict(choices=("a", "b")), "--x: give at least one of a, b"),
+])
+def test_a_comma_list_names_the_flag_and_what_was_wrong(text, options, message):
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        comma_list(text, "--x", **options)
+    assert str(info.value) == message
+
+
+def test_a_comma_list_strips_and_drops_empty_items_and_repeats_when_told():
+    assert comma_list(" 1gbit, ,10gbit,1gbit ") == ["1gbit", "10gbit", "1gbit"]
+    assert comma_list("a,b,a", unique=True) == ["a", "b"]
+    assert comma_list("", empty=True) == []
+    assert comma_list("2,1", kind=int, at_least=1) == [2, 1]
+    with pytest.raises(ValueError, match="^--w: unknown z"):
+        comma_list("z", "--w", choices=("y",), error=ValueError)
+
+
+def test_every_comma_separated_flag_is_read_by_the_one_reader():
+    """No command splits a flag's value on commas itself: psgd.parsing.comma_list reads every list."""
+    root = Path(psgd.__file__).parent
+    commands = [p for folder in ("cli", "bench") for p in sorted((root / folder).rglob("*.py"))]
+    found = [f"{p.relative_to(root)}:{n}" for p in commands
+             for n, line in enumerate(p.read_text().splitlines(), 1) if '.split(",")' in line]
+    assert found == [], found

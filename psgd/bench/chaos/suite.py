@@ -18,7 +18,7 @@ from psgd.bench.netns import unavailable as namespaces_unavailable
 from psgd.bench.chaos.plan import Planner
 from psgd.bench.chaos.run import Run
 from psgd.bench.chaos.settings import KINDS
-from psgd.parsing import Parser
+from psgd.parsing import Parser, comma_list
 
 #: What the suite does, faults and invariants: the command line's --help.
 DESCRIPTION = """Chaos: the shards and workers of running jobs are faulted, and invariants are checked after each fault.
@@ -86,12 +86,8 @@ def parse_kinds(text: str | Sequence[str] | None) -> list[str]:
     """``"kill-shard,hostile"`` (or a list, or None/"all" for every kind) -> kinds, checked."""
     if text is None or text == "all":
         return list(KINDS)
-    items = [k.strip() for k in (text.split(",") if isinstance(text, str) else text) if k.strip()]
-    unknown = [k for k in items if k not in KINDS]
-    if unknown or not items:
-        raise ValueError(f"unknown fault kind(s) {', '.join(unknown) or '(none given)'}: choose from "
-                         f"{', '.join(KINDS)}")
-    return list(dict.fromkeys(items))
+    return comma_list(text if isinstance(text, str) else ",".join(text), "--kinds", choices=KINDS, unique=True,
+                      error=ValueError)
 
 
 def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = None, out: str | os.PathLike | None = None,

@@ -9,6 +9,7 @@ from pathlib import Path
 from psgd.bench.scaling.plan import CONFIGS, DEFAULT_OUT, DEFAULT_TIMEOUT, DEFAULTS, QUICK, WIDTHS, Settings
 from psgd.bench.scaling.report import json_text
 from psgd.bench.scaling.runner import run_benchmark
+from psgd.parsing import comma_list
 
 #: What the benchmark runs and measures, and what it writes: the command line's --help.
 DESCRIPTION = """How training speed scales with the model's width, the workers and the mode, run as a user runs it.
@@ -55,19 +56,6 @@ gradients takes up to a minute, and the whole far longer.
 """
 
 
-def _ints(flag: str, text: str, allow_empty: bool = False) -> list[int]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise _config_error(f"{flag}: expected whole numbers separated by commas, got {text!r}") from None
-    if not values and not allow_empty:
-        raise _config_error(f"{flag}: give at least one number")
-    if any(v < 1 for v in values):
-        raise _config_error(f"{flag}: every value must be at least 1, got {text!r}")
-    return list(dict.fromkeys(values))
-
-
 def _number(flag: str, text: str, kind=int, low: float = 1):
     try:
         value = kind(text)
@@ -87,15 +75,12 @@ def _config_error(message: str) -> Exception:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The flags, checked (a bad one is a one-line :class:`ConfigError`); --quick fills what is not given."""
     base = QUICK if args.quick else DEFAULTS
-    widths = _ints("--widths", args.widths, allow_empty=True) if args.widths is not None else list(base["widths"])
-    workers = _ints("--workers", args.workers) if args.workers is not None else list(base["workers"])
-    if args.configs is not None:
-        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-        unknown = [c for c in configs if c not in CONFIGS]
-        if unknown:
-            raise _config_error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
-    else:
-        configs = list(base["configs"])
+    ints = dict(kind=int, what="whole numbers", at_least=1, unique=True, error=_config_error)
+    widths = comma_list(args.widths, "--widths", empty=True, **ints) if args.widths is not None \
+        else list(base["widths"])
+    workers = comma_list(args.workers, "--workers", **ints) if args.workers is not None else list(base["workers"])
+    configs = comma_list(args.configs, "--configs", choices=CONFIGS, empty=True, error=_config_error) \
+        if args.configs is not None else list(base["configs"])
     if not set(configs) - {"cnn"}:
         raise _config_error(f"--configs: nothing to run; name at least one of {', '.join(CONFIGS[:-1])}")
     epochs = _number("--epochs", args.epochs) if args.epochs is not None else base["epochs"]
