@@ -278,14 +278,6 @@ def nccl_module() -> Any:
     return nccl
 
 
-def current_stream_ptr(device: Device) -> int:
-    """The raw handle of ``device``'s current CUDA stream (0 on CPU)."""
-    if not device.is_gpu:
-        return 0
-    with _cupy.cuda.Device(device.index):
-        return _cupy.cuda.get_current_stream().ptr
-
-
 def synchronize(device: Device) -> None:
     """Wait for all queued work on ``device`` (no-op on CPU); use before timing GPU code."""
     if device.is_gpu:

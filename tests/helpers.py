@@ -133,3 +133,9 @@ class Mirror(Collective):
 
     def barrier(self):
         pass
+
+
+def slice_weights(core) -> Iterator[tuple]:
+    """Each slice a shard core holds, with its weights (a view of the live store)."""
+    for i, w in core.weights.items():
+        yield core.slices[i], w

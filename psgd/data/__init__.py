@@ -8,7 +8,6 @@ from psgd.data.base import DataError, Dataset, stratified_split
 from psgd.data.datasets import DataShape, describe_dataset, load_dataset, load_idx_dir, load_npz
 from psgd.data.readers import read_digits, read_idx, read_idx_header, read_npz, read_npz_headers
 from psgd.data.sharding import (
-    Batch,
     ShardedBatches,
     epoch_batch_indices,
     epoch_batches,
@@ -19,7 +18,6 @@ from psgd.data.sharding import (
 from psgd.data.synthetic import make_synthetic, synthetic_options
 
 __all__ = [
-    "Batch",
     "DataError",
     "DataShape",
     "Dataset",

@@ -18,7 +18,6 @@ gradient of the big batch.  Arrays stay on the host; callers move them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import numpy as np
 
@@ -104,16 +103,6 @@ def epoch_batches(
         yield x[idx], y[idx]
 
 
-class Batch(NamedTuple):
-    """One step's data, with where it sits in training."""
-
-    epoch: int
-    step_in_epoch: int
-    global_step: int
-    x: np.ndarray
-    y: np.ndarray
-
-
 class ShardedBatches:
     """One worker's view of the training set: its batches, epoch after epoch.
 
@@ -148,27 +137,3 @@ class ShardedBatches:
         """``(x_batch, y_batch)`` for each step of ``epoch``."""
         for idx in self.indices(epoch):
             yield self.x[idx], self.y[idx]
-
-    def iterate(
-        self, *, epochs: int | None = None, max_steps: int | None = None, start_step: int = 0
-    ) -> Iterator[Batch]:
-        """Batches across epochs, from global step ``start_step`` (to resume a run).
-
-        Stops before global step ``epochs * steps_per_epoch`` and after
-        ``max_steps`` batches in all, whichever comes first; with both None it
-        never stops.
-        """
-        start_step = _check_int("start_step", start_step, 0)
-        end: float = float("inf")
-        if epochs is not None:
-            end = _check_int("epochs", epochs, 0) * self.steps_per_epoch
-        if max_steps is not None:
-            end = min(end, start_step + _check_int("max_steps", max_steps, 0))
-        step = start_step
-        while step < end:
-            epoch, first = divmod(step, self.steps_per_epoch)
-            for t, idx in enumerate(self.indices(epoch)[first:], start=first):
-                if step >= end:
-                    return
-                yield Batch(epoch, t, step, self.x[idx], self.y[idx])
-                step += 1

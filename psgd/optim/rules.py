@@ -115,6 +115,7 @@ class Adam(Optimizer):
     name = "adam"
     state_names = ("m", "v")
     decoupled = False  # AdamW: weight decay applied to p directly, not through g
+    default_weight_decay = 0.0
 
     def __init__(
         self,
@@ -122,13 +123,14 @@ class Adam(Optimizer):
         beta1: float = 0.9,
         beta2: float = 0.999,
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = None,
     ):
         super().__init__(lr)
         self.beta1 = fraction(self.name, "beta1", beta1)
         self.beta2 = fraction(self.name, "beta2", beta2)
         self.eps = positive(self.name, "eps", eps)
-        self.weight_decay = non_negative(self.name, "weight_decay", weight_decay)
+        self.weight_decay = non_negative(self.name, "weight_decay", self.default_weight_decay if weight_decay is None
+                                         else weight_decay)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay}
@@ -170,14 +172,5 @@ class AdamW(Adam):
 
     name = "adamw"
     decoupled = True
-
-    def __init__(
-        self,
-        lr: float | Schedule = 1e-3,
-        beta1: float = 0.9,
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-    ):
-        super().__init__(lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    default_weight_decay = 0.01
 

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from psgd.server import admission, checkpoint
 from psgd.server.remedies import PushRemedies
 from psgd.server.errors import ShardError
 from psgd.server.store import LiveRead, Snapshot, WeightStore
-from psgd.partition import PartitionPlan, Slice
+from psgd.partition import PartitionPlan
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
 
 log = logging.getLogger(__name__)
@@ -383,7 +383,3 @@ class ShardCore:
                 if self.last_checkpoint else None,
                 "restored_version": self.restored_version,
             }
-
-    def weights_by_var(self) -> Iterator[tuple[Slice, np.ndarray]]:
-        for i, w in self.weights.items():
-            yield self.slices[i], w

@@ -5,8 +5,7 @@ The long version is ``python benchmarks/chaos.py --minutes 10`` (not run here). 
 short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 4
 --seed S``.
 
-The last three tests reproduce product bugs the suite found; they fail until those are fixed, and until the
-first is, the short run fails on it in most runs (its run 0 is a sync job with a network cut).
+The last tests reproduce, deterministically, product bugs the suite found; each failed before its fix.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from psgd.server.service import ShardServer
 from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError, process_incarnation
 
-from helpers import make_job, run_threads, shards, wait_for
+from helpers import make_job, run_threads, shards, slice_weights, wait_for
 
 pytestmark = [
     # an exception escaping a server thread (a connection ending without an answer) fails the test
@@ -397,7 +397,7 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
         for server in servers:
-            for sl, w in server.core.weights_by_var():
+            for sl, w in slice_weights(server.core):
                 assert host[sl.var].reshape(-1)[sl.start:sl.stop].tobytes() == w.tobytes()
 
 
@@ -498,7 +498,7 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
             if step % 2:
                 client.pull(clock, host)
                 for server in servers:
-                    for sl, w in server.core.weights_by_var():
+                    for sl, w in slice_weights(server.core):
                         assert host[sl.var].reshape(-1)[sl.start:sl.stop].tobytes() == w.tobytes()
             else:
                 assert [r.outcome for r in client.push(clock, grads)] == ["applied", "applied"]

@@ -25,7 +25,7 @@ from psgd.server import datapath
 from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
 
-from helpers import make_job, shards, wait_for
+from helpers import make_job, shards, slice_weights, wait_for
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
@@ -210,7 +210,7 @@ def test_a_worker_whose_copy_was_torn_pulls_again_and_gets_a_whole_version(big, 
         go_on.set()
         version = pulled()
         assert version == [core.version] and core.store.counters["revoked_reads"] == revoked
-        for sl, w in core.weights_by_var():
+        for sl, w in slice_weights(core):
             assert host[sl.var].reshape(-1)[sl.start:sl.stop].tobytes() == w.tobytes()
         assert len(calls) > 1  # it copied again
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import free_port_pair, make_job, shards, wait_for
+from helpers import free_port_pair, make_job, shards, slice_weights, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
@@ -78,7 +78,7 @@ def test_a_retried_push_is_applied_once():
         assert [s.core.version for s in servers] == [1, 1]
         init = model.init(job.train.seed)
         for s in servers:
-            for sl, w in s.core.weights_by_var():
+            for sl, w in slice_weights(s.core):
                 expected = init[sl.var].reshape(-1)[sl.start:sl.stop] - 0.05 * 0.5  # one momentum step, lr 0.05
                 np.testing.assert_allclose(w, expected, rtol=1e-6)
 

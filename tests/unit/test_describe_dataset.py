@@ -22,7 +22,7 @@ from psgd.job import build_job
 from psgd.partition import PartitionPlan
 from psgd.server import build_shard
 
-from helpers import idx_bytes, make_job
+from helpers import idx_bytes, make_job, slice_weights
 
 
 def assert_same(spec: str, **kwargs) -> DataShape:
@@ -325,7 +325,7 @@ def test_build_shard_does_not_load_the_dataset(sets, monkeypatch):
     for k in range(2):
         core = build_shard(job, k)
         assert core.plan.hash == want.hash
-        for s, w in core.weights_by_var():
+        for s, w in slice_weights(core):
             np.testing.assert_array_equal(w, init[s.var].reshape(-1)[s.start:s.stop])
 
 

@@ -16,7 +16,7 @@ from psgd.server import build_shard, checkpoint
 from psgd.server.core import ShardCore
 from psgd.job import build_job, fingerprint, identity
 
-from helpers import make_job
+from helpers import make_job, slice_weights
 
 # Small slices, so that every MLP tensor is cut and spread over the 3 shards.
 SETS = ("model.hidden=[24]", "cluster.shards=3", "cluster.workers=1", "cluster.policy=async",
@@ -46,7 +46,7 @@ def joined_by_hand(j, shard_cores: list[ShardCore]) -> dict[str, np.ndarray]:
     plan = shard_cores[0].plan
     out = {s.name: np.full(s.shape, np.nan, dtype=s.dtype) for s in plan.specs}
     for core in shard_cores:
-        for sl, w in core.weights_by_var():
+        for sl, w in slice_weights(core):
             out[sl.var].reshape(-1)[sl.start:sl.stop] = w
     return out
 

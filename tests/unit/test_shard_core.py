@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import wait_for
+from helpers import slice_weights, wait_for
 from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
@@ -76,7 +76,7 @@ def grad(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def weights(core: ShardCore) -> dict[str, np.ndarray]:
     out = {s.name: np.empty(s.size) for s in SPECS}
-    for sl, values in core.weights_by_var():
+    for sl, values in slice_weights(core):
         out[sl.var][sl.start:sl.stop] = values
     return out
 

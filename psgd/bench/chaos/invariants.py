@@ -11,6 +11,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from psgd.policy import POLICIES
+
 
 def check_exactly_once(policy: str, versions: Mapping[int, int], clocks: Mapping[int, int]) -> list[str]:
     """No update applied twice: every distinct (worker, clock) push makes at most one update.
@@ -19,7 +21,7 @@ def check_exactly_once(policy: str, versions: Mapping[int, int], clocks: Mapping
     have pushed.  Under sync a round is one update, so a version is at most the
     largest clock; otherwise at most the sum of the clocks.
     """
-    if policy == "sync":
+    if POLICIES[policy].accumulates:
         bound, what = max(clocks.values(), default=0), "the largest worker clock (one update per sync round)"
     else:
         bound, what = sum(clocks.values()), "the sum of the workers' clocks (one update per push)"
@@ -40,10 +42,10 @@ def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers:
     for k, v in sorted(versions.items()):
         if k in restarted:
             continue
-        if policy == "sync" and v != total:
+        if POLICIES[policy].accumulates and v != total:
             out.append(f"shard {k}: version {v} after a finished sync job of {total} rounds (it was never killed): "
                        f"{'rounds were lost' if v < total else 'rounds were applied twice'}")
-        elif policy != "sync" and v < workers * total - worker_kills:
+        elif not POLICIES[policy].accumulates and v < workers * total - worker_kills:
             out.append(f"shard {k}: version {v} after a finished async job of {workers} x {total} pushes with "
                        f"{worker_kills} worker kill(s) (it was never killed): {workers * total - worker_kills - v} "
                        "update(s) lost")
@@ -56,7 +58,7 @@ def check_counters(policy: str, shard: int, version: int, counters: Mapping[str,
     if "applied" in counters and int(counters["applied"]) != version:
         out.append(f"shard {shard}: counters say {counters['applied']} update(s) applied, its version is {version}")
     if "pushes" in counters:
-        parts = ["accumulated", "duplicates", "late", "rejected"] + ([] if policy == "sync" else ["applied"])
+        parts = ["accumulated", "duplicates", "late", "rejected"] + ([] if POLICIES[policy].accumulates else ["applied"])
         outcomes = sum(int(counters.get(k, 0)) for k in parts)
         if int(counters["pushes"]) != outcomes:
             out.append(f"shard {shard}: {counters['pushes']} push(es) counted but {outcomes} outcome(s) "
