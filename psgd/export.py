@@ -68,9 +68,9 @@ class Exported:
 
 def job_plan(job: JobConfig) -> PartitionPlan:
     """The partition plan every process of ``job`` derives (builds the model; the data is only described)."""
-    from psgd.job import build_job_model
+    from psgd.job import describe_job
 
-    return PartitionPlan(build_job_model(job).specs(), job.cluster.shards, job.cluster.slice_bytes)
+    return describe_job(job).plan
 
 
 def _describe_job(job: JobConfig, plan: PartitionPlan) -> str:

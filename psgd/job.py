@@ -1,8 +1,11 @@
-"""A job assembled from its job file (dataset, model, device, optimizer), and its identity:
-everything the processes of one job must agree on, and its fingerprint.
+"""A job assembled from its job file, once, and its identity: everything the processes of one job build
+and must agree on.
 
-:func:`build_job` is the one place that turns a :class:`~psgd.config.JobConfig` into the objects
-every process trains or serves with.
+:func:`build_job` (a trainer: the dataset loaded, a device opened, the model checked) and :func:`describe_job`
+(a shard, an export, a check: the model from the dataset's headers, no data, no device) are the one place that
+turns a :class:`~psgd.config.JobConfig` into the objects every process trains or serves with: the model, the
+partition plan, and (:class:`Job`'s methods) the optimizer and the shard's consistency policy.  No other
+module constructs a plan, a policy or an optimizer.
 
 Every shard and worker derives the same identity from its job file and the
 partition plan: the plan's hash, the consistency policy and its options, the
@@ -31,7 +34,8 @@ from psgd import model as models
 from psgd import optim
 from psgd import xp as backend
 from psgd.config import ConfigError, JobConfig
-from psgd.policy import POLICIES
+from psgd.partition import PartitionPlan
+from psgd.policy import POLICIES, Policy, policy_from_cluster
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +83,41 @@ def _show(value: Any) -> str:
 
 @dataclasses.dataclass
 class Job:
-    """Everything built from a job file: dataset, model and device."""
+    """Everything one process builds from a job file: the model, the partition plan over the job's shards and,
+    for a trainer, the dataset and the device; the optimizer and the policy are made by its methods."""
 
     config: JobConfig
-    dataset: datasets.Dataset
     model: models.Model
-    device: backend.Device
+    plan: PartitionPlan
+    dataset: datasets.Dataset | None = None  # None: a role that never sees the data (a shard, an export)
+    device: backend.Device | None = None     # None: a role that computes nothing on a device
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What every process of the job must agree on (see :func:`identity`)."""
+        return identity(self.config, self.plan.hash)
+
+    def optimizer(self) -> optim.Optimizer:
+        """A new optimizer as the job file's ``[optimizer]`` describes it (a trainer's, or a shard's)."""
+        return optim.build_optimizer(self.config.optimizer["name"], **self.config.options("optimizer"))
+
+    def policy(self) -> Policy:
+        """A new consistency policy as the job's ``[cluster]`` describes it (a shard's)."""
+        return policy_from_cluster(self.config.cluster)
+
+    def shard_optimizer(self, rule: Policy) -> optim.Optimizer:
+        """What a shard applies under ``rule``: the job's optimizer, or for a local policy, whose push is a
+        worker's progress (x_pulled - x; its workers run the job's optimizer), SGD at rate 1 (times the push's
+        lr scale) that moves the centre by it."""
+        return optim.SGD(1.0) if rule.local else self.optimizer()
+
+    def one_shard_plan(self) -> PartitionPlan:
+        """The job's variables as one shard would hold them (all-reduce ranks agree on its hash)."""
+        return PartitionPlan(self.model.specs(), 1)
 
 
 def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False) -> Job:
-    """Load the dataset and build the model a job file describes (errors are one line each).
+    """A trainer's job: the dataset loaded, the device opened, the model built (errors are one line each).
 
     With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
     (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
@@ -104,7 +133,18 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
         models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
                            name=config.model["name"], options=config.options("model"), device=device)
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
-    return Job(config=config, dataset=dataset, model=model, device=device)
+    return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device)
+
+
+def describe_job(config: JobConfig, model: models.Model | None = None) -> Job:
+    """The job of a role that never trains (a shard, an export, ``psgd doctor``, a benchmark's observer): the
+    model from the dataset's headers (or ``model``, a benchmark's own), its plan; no data, no device."""
+    model = build_job_model(config) if model is None else model
+    return Job(config=config, model=model, plan=_plan(config, model))
+
+
+def _plan(config: JobConfig, model: models.Model) -> PartitionPlan:
+    return PartitionPlan(model.specs(), config.cluster.shards, config.cluster.slice_bytes)
 
 
 def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None) -> models.Model:
@@ -137,10 +177,6 @@ def check_fits(specs: list[models.VarSpec], what: str, total: int | None = None)
         dtypes = "/".join(sorted({s.dtype for s in specs}))
         raise ConfigError(f"{what}: its variables ({count:,} parameters of {dtypes}, {need / 2**30:.1f} GiB while "
                           f"they are initialized) do not fit this machine's {total / 2**30:.1f} GiB of memory")
-
-
-def build_optimizer(config: JobConfig) -> optim.Optimizer:
-    return optim.build_optimizer(config.optimizer["name"], **config.options("optimizer"))
 
 
 def params_to_device(params: Mapping[str, np.ndarray], device: backend.Device) -> dict[str, Any]:

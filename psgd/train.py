@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from psgd import data as datasets
 from psgd.config import JobConfig
-from psgd.job import Job, build_job, build_optimizer, params_to_device
+from psgd.job import Job, build_job, params_to_device
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class LocalExchange(Exchange):
 
     def __init__(self, built: Job):
         self.params = params_to_device(built.model.init(built.config.train.seed), built.device)
-        self.optimizer = build_optimizer(built.config)
+        self.optimizer = built.optimizer()
 
     def weights(self, step: int) -> Mapping[str, Any]:
         return self.params

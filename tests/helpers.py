@@ -16,6 +16,7 @@ import pytest
 from psgd.bench.chaos.processes import free_port_pair  # noqa: F401  (re-exported: the one port-pair finder)
 from psgd.collective import Collective, CollectiveError
 from psgd.config import JobConfig
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 
@@ -32,7 +33,7 @@ def shards(job: JobConfig) -> Iterator[list[ShardServer]]:
     servers = []
     try:
         for k in range(job.cluster.shards):
-            servers.append(ShardServer(build_shard(job, k), "127.0.0.1:0", transport=job.cluster.transport).start())
+            servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport=job.cluster.transport).start())
         job.override("cluster.servers", [s.address for s in servers])
         yield servers
     finally:

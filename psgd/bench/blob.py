@@ -81,10 +81,9 @@ class BlobCluster:
                     raise SystemExit(f"psgd-server did not start: {p.stderr.read()[-2000:]}")
             time.sleep(0.05)  # polling for the port files with a deadline
         self.addresses = [f.read_text().strip() for f in files]
-        from psgd.bench.blob import Blob
-        from psgd.partition import PartitionPlan
+        from psgd.job import describe_job
 
-        self.plan = PartitionPlan(Blob((1,), 2, size=self.elems).specs(), shards, self.job.cluster.slice_bytes)
+        self.plan = describe_job(self.job, model=Blob((1,), 2, size=self.elems)).plan
 
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient

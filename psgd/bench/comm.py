@@ -72,13 +72,17 @@ def bare_grpc_rtt(repeats: int = 2000) -> float:
 
 def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     """GB/s of parameter bytes updated per second, per optimizer, on one 4 MiB-sliced tensor."""
-    from psgd.optim import build_optimizer
+    from psgd.bench.blob import Blob
+    from psgd.config import JobConfig
+    from psgd.job import describe_job
 
     out = {}
     n = nbytes // 4
     slice_elems = (4 << 20) // 4
     for name in ("sgd", "momentum", "adam"):
-        opt = build_optimizer(name)
+        config = JobConfig()
+        config.apply_sets([f"optimizer.name={name}"])
+        opt = describe_job(config, model=Blob((1,), 2, size=1)).optimizer()
         p = np.ones(n, dtype=np.float32)
         g = np.full(n, 1e-3, dtype=np.float32)
         keys = [(f"p#{a}", slice(a, min(n, a + slice_elems))) for a in range(0, n, slice_elems)]

@@ -185,13 +185,13 @@ def worker_main(spec_path: str) -> int:
     from psgd.bench.blob import Blob
     from psgd.bench.blob import pull_push_loop
     from psgd.config import JobConfig
-    from psgd.partition import PartitionPlan
+    from psgd.job import describe_job
     from psgd.worker.client import PSClient
 
     spec = json.loads(Path(spec_path).read_text())
     job = JobConfig.load(spec["job"])
     elems = int(job.model["size"])
-    plan = PartitionPlan(Blob((1,), 2, size=elems).specs(), job.cluster.shards, job.cluster.slice_bytes)
+    plan = describe_job(job, model=Blob((1,), 2, size=elems)).plan
     with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], job=job) as client:
         client.wait_ready(60)
         client.register()

@@ -63,12 +63,11 @@ class Evaluator:
     """The job's model and test split, built once in this process."""
 
     def __init__(self, job: JobConfig):
-        from psgd.partition import PartitionPlan
         from psgd.job import build_job
 
         built = build_job(job)
         self.job, self.model, self.dataset, self.device = job, built.model, built.dataset, built.device
-        self.plan = PartitionPlan(self.model.specs(), job.cluster.shards, job.cluster.slice_bytes)
+        self.plan = built.plan
         self.model_bytes = int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.plan.specs))
         self.parameters = int(sum(np.prod(s.shape) for s in self.plan.specs))
 

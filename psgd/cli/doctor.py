@@ -98,12 +98,11 @@ class Doctor:
     # -- the job -----------------------------------------------------------------------------
     def check_plan(self) -> str | None:
         """The partition plan's hash as this job file makes it (None when it cannot be built here)."""
-        from psgd.partition import PartitionPlan
-        from psgd.job import build_job_model
+        from psgd.job import describe_job
 
         c = self.job.cluster
         try:
-            plan = PartitionPlan(build_job_model(self.job).specs(), c.shards, c.slice_bytes)
+            plan = describe_job(self.job).plan
         except Exception as exc:  # data not on this machine, a model module not importable here...
             self.add("warn", "job", f"cannot build the model here to compare partition plans ({exc}); the "
                      "shards are still compared with each other")

@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from psgd.job import describe_job
     from psgd.server import build_shard
     from psgd.server.service import ShardServer
 
@@ -96,7 +97,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
     if args.checkpoint_every <= 0 or args.keep_checkpoints < 1:
         raise ConfigError("--checkpoint-every must be > 0 and --keep-checkpoints at least 1")
-    core = build_shard(job, args.shard)
+    core = build_shard(describe_job(job), args.shard)
     if args.checkpoint_dir:
         from psgd.server import checkpoint
 

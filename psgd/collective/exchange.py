@@ -22,8 +22,7 @@ from psgd.collective.base import Bucketer, Collective, CollectiveError
 from psgd.config import JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
-from psgd.partition import PartitionPlan
-from psgd.job import Job, build_job, build_optimizer, params_to_device
+from psgd.job import Job, build_job, params_to_device
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ class AllReduceExchange(Exchange):
                                   f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "
                                   f"{job.cluster.workers}) or change [cluster] workers")
         specs = model.specs()
-        plan = PartitionPlan(specs, 1)
+        plan = built.one_shard_plan()
         # overlap too: it changes the order of the collective calls, which every rank must make alike
         collective.check_agreement(json.dumps({"plan": plan.hash, "world": world, "batch": t.batch_size,
                                                "epochs": t.epochs, "seed": t.seed, "data": ds.describe(),
@@ -50,7 +49,7 @@ class AllReduceExchange(Exchange):
         self.params = params_to_device(model.init(t.seed), device)
         for name in sorted(self.params):  # one source of truth, whatever the ranks computed locally
             collective.broadcast_(self.params[name], root=0)
-        self.optimizer = build_optimizer(job)
+        self.optimizer = built.optimizer()
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
         # [cluster] overlap: each bucket is reduced while backward goes on, on a GPU on a CUDA stream of its

@@ -26,7 +26,7 @@ from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
 from psgd.partition import PartitionPlan
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.job import Job, build_job, build_optimizer
+from psgd.job import Job, build_job
 from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
 
@@ -65,7 +65,7 @@ class ParameterServerExchange(Exchange):
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
         c = built.config.cluster
         self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
-        self.optimizer = build_optimizer(built.config) if self.local_steps else None
+        self.optimizer = built.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
 
     def _stopping(self, exc: PSError) -> None:
@@ -245,7 +245,7 @@ def run_worker(
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
-    plan = PartitionPlan(built.model.specs(), c.shards, c.slice_bytes)
+    plan = built.plan
     with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, transport=c.transport,
                   wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=job) as client:
         result = run_loop(built, ParameterServerExchange(built, client, plan, rank, stop), rank=rank,

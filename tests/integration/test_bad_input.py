@@ -25,6 +25,7 @@ from psgd.config import JobConfig
 from psgd.data import datasets
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.core import MAX_CLOCK, ShardCore
 from psgd.channel import SERVICE_NAME
@@ -86,7 +87,7 @@ class Shard:
 
 
 def start_shard(digits, *sets: str) -> Shard:
-    core = build_shard(make_job(*sets), 0)
+    core = build_shard(describe_job(make_job(*sets)), 0)
     server = ShardServer(core, "127.0.0.1:0").start()
     channel = grpc.insecure_channel(server.address)  # default options: it may send more than the server takes
     return Shard(core, server, ps_pb2_grpc.ParameterServerStub(channel), health_pb2_grpc.HealthStub(channel), channel)
@@ -332,7 +333,7 @@ def test_register_with_another_plan_is_refused_with_the_difference(shard, digits
     assert other.hash in err.details() and shard.plan.hash in err.details()
     assert "slice_bytes: worker 1024 vs server 2048" in err.details() and "same job file" in err.details()
 
-    mlp = build_shard(make_job("model.name=mlp"), 0).plan
+    mlp = build_shard(describe_job(make_job("model.name=mlp")), 0).plan
     request = ps_pb2.RegisterRequest(worker_id=1, plan_hash=mlp.hash, plan_json=json.dumps(mlp.description()))
     err = refused(shard.stub.Register, request, RPC_TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION

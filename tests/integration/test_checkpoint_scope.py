@@ -26,6 +26,7 @@ from helpers import make_job, skip_or_fail, wait_for
 from psgd.cli.probe import Connect
 from psgd.cli.status import collect
 from psgd.config import to_toml
+from psgd.job import describe_job
 from psgd.server import build_shard, checkpoint
 from psgd.server.core import ShardCore
 from psgd.server.service import ShardServer
@@ -38,7 +39,7 @@ def job(*extra: str):
 
 
 def shard(j) -> ShardCore:
-    core = build_shard(j, 0)
+    core = build_shard(describe_job(j), 0)
     core.register(0, core.plan.hash)
     return core
 

@@ -37,6 +37,7 @@ from psgd.data import datasets
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server import datapath
 from psgd.server.core import ShardCore
@@ -207,7 +208,7 @@ def assert_serves(shard: Shard) -> None:
 
 @pytest.fixture(scope="module")
 def hostile(digits64):
-    core = build_shard(make_job(*HOSTILE_SETS), 0)
+    core = build_shard(describe_job(make_job(*HOSTILE_SETS)), 0)
     assert [s.key for s in core.slices.values()] == ["dense0/W#0", "dense0/W#256", "dense0/W#512", "dense0/b#0"]
     core.register(0, core.plan.hash, incarnation=process_incarnation())  # as this process's clients do
     server = ShardServer(core, "127.0.0.1:0", request_timeout=IO).start()
@@ -279,7 +280,7 @@ def test_sync_job_gives_bitwise_the_same_weights_over_shared_memory_the_data_pat
     job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", f"optimizer.lr={LR}",
                    "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "cluster.slice_bytes=1024")
     steps = 3
-    specs = PartitionPlan(build_shard(job, 0).plan.specs, 2, 1024).specs
+    specs = PartitionPlan(build_shard(describe_job(job), 0).plan.specs, 2, 1024).specs
     rng = np.random.default_rng(2)
     grads = [[{s.name: rng.standard_normal(s.shape) for s in specs} for _ in range(steps)] for _ in range(2)]
     tcp = _sync_run(job, grads, steps, "tcp")
@@ -992,7 +993,7 @@ def test_many_concurrent_connections_get_whole_snapshots(shard):
 @pytest.fixture(scope="module")
 def fuzz_shard(digits64):
     """An async shard (pulls never wait) served by a bare data server."""
-    core = build_shard(make_job(*HOSTILE_SETS, "cluster.policy=async"), 0)
+    core = build_shard(describe_job(make_job(*HOSTILE_SETS, "cluster.policy=async")), 0)
     core.register(0, core.plan.hash)
     data = DataServer(core, request_timeout=IO, idle_timeout=IO).start()
     try:

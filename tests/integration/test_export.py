@@ -12,6 +12,7 @@ import pytest
 from psgd.cli.main import main
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.tls import TLSFiles
@@ -86,7 +87,7 @@ def test_export_refuses_a_job_that_does_not_describe_the_cluster(tmp_path, capsy
         code, _, err = run(capsys, "export", "--servers", f"{a},{b}", "--set", "model.hidden=[32]",
                            "--set", "cluster.slice_bytes=512", str(tmp_path / "m.npz"))
         assert code == 2
-        assert f"holds plan {build_shard(j, 0).plan.hash}" in err and "-c job.toml, or --model" in err
+        assert f"holds plan {build_shard(describe_job(j), 0).plan.hash}" in err and "-c job.toml, or --model" in err
         code, _, err = run(capsys, "export", "--servers", f"{b},{a}", *flags(j), str(tmp_path / "m.npz"))
         assert code == 2 and f"{b} is shard 1 of 2, listed as shard 0 of 2" in err
     assert not (tmp_path / "m.npz").exists()
@@ -97,7 +98,7 @@ def test_export_refuses_a_job_that_does_not_describe_the_cluster(tmp_path, capsy
 def test_export_with_a_token(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("PSGD_TOKEN", raising=False)
     j = job("cluster.shards=1")
-    server = ShardServer(build_shard(j, 0), "127.0.0.1:0", token="s3cret").start()
+    server = ShardServer(build_shard(describe_job(j), 0), "127.0.0.1:0", token="s3cret").start()
     try:
         argv = ["export", "--servers", server.address, *flags(j), "--timeout", "2", str(tmp_path / "m.npz")]
         code, _, err = run(capsys, *argv)
@@ -121,7 +122,7 @@ def test_export_over_tls(tmp_path, capsys):
             "-extfile", "shard.ext", "-out", "shard.pem")
     j = job("cluster.shards=1")
     tls = TLSFiles(str(tmp_path / "shard.pem"), str(tmp_path / "shard.key"), None)
-    server = ShardServer(build_shard(j, 0), "127.0.0.1:0", tls=tls).start()
+    server = ShardServer(build_shard(describe_job(j), 0), "127.0.0.1:0", tls=tls).start()
     try:
         code, text, err = run(capsys, "export", "--servers", server.address, *flags(j), "--tls-ca",
                               str(tmp_path / "ca.pem"), str(tmp_path / "m.npz"))
@@ -135,7 +136,7 @@ def test_export_over_tls(tmp_path, capsys):
 def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     j = job()
     ckpt = tmp_path / "ckpt"
-    servers = [ShardServer(build_shard(j, k), "127.0.0.1:0", checkpoint_dir=str(ckpt),
+    servers = [ShardServer(build_shard(describe_job(j), k), "127.0.0.1:0", checkpoint_dir=str(ckpt),
                            checkpoint_seconds=3600).start() for k in range(2)]
     folder = ckpt / servers[0].core.fingerprint  # DIR/<the job's fingerprint>/shard-K
     try:

@@ -29,6 +29,7 @@ from helpers import make_job, run_threads, wait_for
 from psgd.config import to_toml
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.wire import protocol
@@ -54,7 +55,7 @@ def token_shards(job, **options):
     servers = []
     try:
         for k in range(job.cluster.shards):
-            servers.append(ShardServer(build_shard(job, k), "127.0.0.1:0", token=TOKEN, **options).start())
+            servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", token=TOKEN, **options).start())
         job.override("cluster.servers", [s.address for s in servers])
         yield servers
     finally:
@@ -115,7 +116,7 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
 
     monkeypatch.setattr(datapath, "TRANSFER_GRACE", 3.0)  # an idle push would hold its thread 3 s: long enough to see
     job = tiny_job()
-    server = ShardServer(build_shard(job, 0), "127.0.0.1:0").start()  # no token: anyone may call
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0").start()  # no token: anyone may call
     never = threading.Event()
 
     def idle():  # a push stream that sends nothing

@@ -16,6 +16,7 @@ from helpers import make_job, run_threads
 from psgd.job import build_job
 from psgd.link import LinkError
 from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.admission import Roster
 from psgd.server.service import ShardServer
@@ -43,7 +44,7 @@ def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
     stored as shard 0's slices, with no warning."""
     job = make_job("model.name=softmax", "cluster.shards=3", "cluster.workers=1", "cluster.slice_bytes=512",
                    "train.epochs=1", "cluster.policy=async", f"cluster.transport={transport}")
-    servers = serve([build_shard(job, 0), build_shard(job, 0), build_shard(job, 2)])
+    servers = serve([build_shard(describe_job(job), 0), build_shard(describe_job(job), 0), build_shard(describe_job(job), 2)])
     try:
         job.override("cluster.servers", [s.address for s in servers])
         assert servers[0].core.nbytes == servers[1].core.nbytes  # the case that went unnoticed
@@ -70,7 +71,7 @@ def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_fiel
     """``change``: the worker's job differs in it; with two, the first is the shard's too."""
     *both, change = change.split()
     job = make_job("cluster.shards=1", "train.epochs=1", *both)
-    servers = serve([build_shard(job, 0)])
+    servers = serve([build_shard(describe_job(job), 0)])
     try:
         other = make_job("cluster.shards=1", "train.epochs=1", *both, change)
         began = time.monotonic()
@@ -90,12 +91,12 @@ def test_the_rate_of_an_async_push_is_part_of_an_async_jobs_identity_only():
     for policy, differs in (("sync", False), ("async", True), ("ssp", True)):
         for key, values in (("async_lr", ("divided", "full")), ("implicit_momentum", ("false", "true"))):
             a, b = (make_job(f"cluster.policy={policy}", f"cluster.{key}={value}") for value in values)
-            assert (build_shard(a, 0).fingerprint != build_shard(b, 0).fingerprint) == differs, (policy, key)
+            assert (build_shard(describe_job(a), 0).fingerprint != build_shard(describe_job(b), 0).fingerprint) == differs, (policy, key)
 
 
 def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
     job = make_job("cluster.shards=1")
-    servers = serve([build_shard(job, 0)])
+    servers = serve([build_shard(describe_job(job), 0)])
     try:
         other = make_job("cluster.shards=1", "cluster.policy=ssp")
         with grpc.insecure_channel(servers[0].address) as channel:
@@ -141,7 +142,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
     monkeypatch.setattr(Roster, "live", reworded)
     job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async",
                    f"cluster.transport={transport}")
-    servers = serve([build_shard(job, 0)])
+    servers = serve([build_shard(describe_job(job), 0)])
     try:
         plan = plan_of(job)
         with PSClient([servers[0].address], plan, 0, request_timeout=5, job=job) as client:
@@ -160,7 +161,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
 
 def test_the_data_path_reports_the_reason_too():
     job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async")
-    servers = serve([build_shard(job, 0)])
+    servers = serve([build_shard(describe_job(job), 0)])
     try:
         from psgd.link.tcp import DataConnection
 
@@ -182,7 +183,7 @@ def test_the_data_path_reports_the_reason_too():
 
 def test_workers_of_one_job_still_train_together():
     job = make_job("cluster.shards=2", "cluster.workers=2", "train.epochs=1", "model.name=softmax")
-    servers = serve([build_shard(job, k) for k in range(2)])
+    servers = serve([build_shard(describe_job(job), k) for k in range(2)])
     try:
         job.override("cluster.servers", [s.address for s in servers])
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
@@ -199,7 +200,7 @@ def test_a_mismatch_echoing_huge_input_still_arrives_with_its_reason():
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
     job = make_job("cluster.shards=1")
-    servers = serve([build_shard(job, 0)])
+    servers = serve([build_shard(describe_job(job), 0)])
     try:
         core = servers[0].core
         hostile = {key: "\u20ac" * 20_000 for key in core.identity}

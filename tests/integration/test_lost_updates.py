@@ -13,6 +13,7 @@ from helpers import make_job
 from psgd.cli import main as cli
 from psgd.launch import EXIT_LOST_UPDATES, LaunchResult, lost_updates
 from psgd.launch import launcher
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.tls import NO_TLS
@@ -28,7 +29,7 @@ def test_the_final_read_finds_shards_at_different_versions(tmp_path, caplog):
     """Sync, 2 shards: shard 1 restarted from a checkpoint 24 rounds old ended at 526 against 550, and
     every process and psgd launch exited 0, the loss said in one shard's log only."""
     job = make_job("model.name=softmax", "cluster.shards=2", "cluster.workers=1", "cluster.policy=async")
-    servers = [ShardServer(build_shard(job, k), "127.0.0.1:0").start() for k in range(2)]
+    servers = [ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0").start() for k in range(2)]
     try:
         core = servers[0].core
         core.register(0, core.plan.hash)

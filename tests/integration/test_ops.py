@@ -26,6 +26,7 @@ from psgd.cli.probe import Connect
 from psgd.cli.status import collect
 from psgd.config import to_toml
 from psgd.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.worker.exchange import run_worker
@@ -54,7 +55,7 @@ def observed_shards(job):
     servers, metrics = [], []
     try:
         for k in range(job.cluster.shards):
-            core = build_shard(job, k)
+            core = build_shard(describe_job(job), k)
             m = ShardMetrics(core)
             servers.append(ShardServer(core, "127.0.0.1:0", transport=job.cluster.transport,
                                        interceptors=m.interceptors).start())
@@ -136,7 +137,7 @@ def test_checkpoint_age_and_metrics_flags(tmp_path):
     from psgd.prometheus import add_metrics_arguments
 
     job = make_job(*SMALL)
-    core = build_shard(job, 0)
+    core = build_shard(describe_job(job), 0)
     parser = argparse.ArgumentParser()
     add_metrics_arguments(parser)
     # without --metrics-port: nothing is served and nothing needs stopping
@@ -250,7 +251,7 @@ def cli_layout_shards(job, transport: str = "auto"):
     try:
         for k in range(job.cluster.shards):
             port = free_port_pair()  # psgd-server's default layout: gRPC on P, data on P + 1
-            servers.append(ShardServer(build_shard(job, k), f"127.0.0.1:{port}", transport=transport,
+            servers.append(ShardServer(build_shard(describe_job(job), k), f"127.0.0.1:{port}", transport=transport,
                                        data_port=port + 1).start())
         job.override("cluster.servers", [s.address for s in servers])
         yield servers
@@ -340,7 +341,7 @@ def test_doctor_data_port_closed(tmp_path, capsys):
 
 def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
-    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", token="s3cret", transport="grpc").start()
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret", transport="grpc").start()
     try:
         path = write_job(tmp_path, job, [server.address])
         monkeypatch.setenv("PSGD_TOKEN", "wrong")
@@ -375,7 +376,7 @@ def test_doctor_and_status_with_tls(tmp_path, capsys):
     ca, cert, key = (str(tmp_path / name) for name in ("ca.pem", "shard.pem", "shard.key"))
 
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
-    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", transport="grpc", tls=TLSFiles(cert, key)).start()
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="grpc", tls=TLSFiles(cert, key)).start()
     try:
         path = write_job(tmp_path, job, [server.address])
         assert main(["doctor", "-c", path, "--tls-ca", ca]) == 0

@@ -18,6 +18,7 @@ from helpers import free_port_pair, make_job, shards, slice_weights, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.loop import evaluate
@@ -33,7 +34,7 @@ PY = sys.executable
 # -- authentication ---------------------------------------------------------------------
 def test_calls_without_the_token_are_refused_and_change_nothing():
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=1")
-    server = ShardServer(build_shard(job, 0), "127.0.0.1:0", token="s3cret").start()
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret").start()
     try:
         before = server.core.flat.copy()
         with grpc.insecure_channel(server.address) as channel:
@@ -107,7 +108,7 @@ class Cluster:
 
     def shard_folder(self, k: int) -> Path:
         """Where shard k keeps its checkpoints: DIR/<the job's fingerprint>/shard-k."""
-        return self.ckpt / build_shard(self.job, k).fingerprint / f"shard-{k}"
+        return self.ckpt / build_shard(describe_job(self.job), k).fingerprint / f"shard-{k}"
 
     def start_worker(self, r: int, *extra: str) -> subprocess.Popen:
         p = subprocess.Popen([PY, "-m", "psgd.cli.worker", "-c", str(self.path), "--rank", str(r), "--no-progress",

@@ -30,6 +30,7 @@ import pytest
 import psgd
 from psgd.config import to_toml
 from psgd.link.shm import ShmLink
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server import handout as handout_module
 from psgd.server.datapath import DataServer
@@ -302,11 +303,10 @@ REWRITE = r"""
 import json, sys, threading
 import numpy as np
 from psgd.config import JobConfig
-from psgd.job import build_job_model
-from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.worker.client import PSClient, PSError
 job = JobConfig.load(sys.argv[1])
-plan = PartitionPlan(build_job_model(job).specs(), 1, job.cluster.slice_bytes)
+plan = describe_job(job).plan
 zeros = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
 got, stop = {"applied": 0, "refused": 0, "errors": []}, threading.Event()
 with PSClient([sys.argv[2]], plan, 1, request_timeout=10, transport="shm", job=job, token=sys.argv[4]) as client:
@@ -492,7 +492,7 @@ def test_what_is_checked_is_what_is_applied(monkeypatch):
     """A push was checked in its segment and applied from it: its writer, holding a pull open so that the
     apply waited, rewrote the checked gradient with NaN and the shard applied it (non-finite weights)."""
     job = make_job(*HOSTILE_SETS, "cluster.policy=async")
-    core = build_shard(job, 0)
+    core = build_shard(describe_job(job), 0)
     core.register(0, core.plan.hash)
     shard = Shard(core, ShardServer(core, "127.0.0.1:0", request_timeout=IO).start(), core.flat.tobytes())
     checked = core.store.nonfinite
@@ -624,7 +624,7 @@ def caplog():
 
 
 def _one_step(job, caplog, rank: int = 0) -> list:
-    plan = build_shard(job, 0).plan
+    plan = build_shard(describe_job(job), 0).plan
     with contextlib.nullcontext():
         with PSClient(job.cluster.servers, plan, rank, request_timeout=IO, transport=job.cluster.transport,
                       job=job) as client:
@@ -711,7 +711,7 @@ def test_no_segment_is_left_after_the_shard_or_the_worker_is_killed(tmp_path, ki
                    "cluster.shards=1", "train.epochs=200", "cluster.transport=shm", "cluster.request_timeout=5")
     job_path = tmp_path / "job.toml"
     job_path.write_text(to_toml(job.to_dict()))
-    fp = build_shard(job, 0).fingerprint
+    fp = build_shard(describe_job(job), 0).fingerprint
     shard = _server(job_path, tmp_path / "port", tmp_path / "shard.log")
     worker = again = None
 

@@ -14,6 +14,7 @@ import pytest
 from helpers import make_job
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
 from psgd.tls import TLSFiles
@@ -57,7 +58,7 @@ def files(d: Path, cert: str | None = None, ca: str | None = None) -> TLSFiles:
 
 
 def serve(job, tls: TLSFiles) -> ShardServer:
-    return ShardServer(build_shard(job, 0), "127.0.0.1:0", tls=tls).start()
+    return ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", tls=tls).start()
 
 
 def job():

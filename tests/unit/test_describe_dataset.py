@@ -20,6 +20,7 @@ import psgd.data.datasets
 from psgd.data import DataError, DataShape, describe_dataset, load_dataset, read_idx_header, read_npz_headers
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.server import build_shard
 
 from helpers import idx_bytes, make_job, slice_weights
@@ -323,7 +324,7 @@ def test_build_shard_does_not_load_the_dataset(sets, monkeypatch):
                          (psgd.data.datasets, "read_digits"), (psgd.data.datasets, "make_synthetic")):
         monkeypatch.setattr(module, name, refuse)
     for k in range(2):
-        core = build_shard(job, k)
+        core = build_shard(describe_job(job), k)
         assert core.plan.hash == want.hash
         for s, w in slice_weights(core):
             np.testing.assert_array_equal(w, init[s.var].reshape(-1)[s.start:s.stop])
@@ -334,5 +335,5 @@ def test_build_shard_from_idx_headers(tmp_path):
     for name in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte"):
         path = tmp_path / name
         path.write_bytes(path.read_bytes()[:16])  # images gone: only their headers are left
-    core = build_shard(make_job(f"data.name=idx:{tmp_path}", "model.hidden=[8]", "cluster.shards=1"), 0)
+    core = build_shard(describe_job(make_job(f"data.name=idx:{tmp_path}", "model.hidden=[8]", "cluster.shards=1")), 0)
     assert sum(s.size for s in core.slices.values()) == 25 * 8 + 8 + 8 * 10 + 10

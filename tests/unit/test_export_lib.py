@@ -12,6 +12,7 @@ import pytest
 from psgd import export
 from psgd.export import ExportError
 from psgd.partition import PartitionPlan
+from psgd.job import describe_job
 from psgd.server import build_shard, checkpoint
 from psgd.server.core import ShardCore
 from psgd.job import build_job, fingerprint, identity
@@ -28,7 +29,7 @@ def job(*extra: str):
 
 
 def cores(j) -> list[ShardCore]:
-    out = [build_shard(j, k) for k in range(j.cluster.shards)]
+    out = [build_shard(describe_job(j), k) for k in range(j.cluster.shards)]
     for core in out:
         core.register(0, core.plan.hash)
     return out

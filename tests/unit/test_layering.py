@@ -184,3 +184,25 @@ def test_no_import_circle():
     hide a circle).  The convergence lab's results and the model registry have modules of their own for this."""
     assert circles(import_graph()) == []
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: what builds a job's plan, policy or optimizer (the optimizers' own classes included)
+BUILDERS = {"PartitionPlan", "make_policy", "policy_from_cluster", "build_optimizer", "SGD", "Momentum", "Nesterov",
+            "Adam", "AdamW"}
+
+
+def test_a_plan_a_policy_or_an_optimizer_is_built_only_in_the_job():
+    """psgd/job.py assembles a job once (describe_job, build_job): every role takes the plan, the policy and the
+    optimizer from it.  They were built in nine places, the optimizer two ways."""
+    homes = {"job.py", "partition.py"}
+    found = []
+    for path in sorted(PSGD.rglob("*.py")):
+        rel = path.relative_to(PSGD)
+        if str(rel) in homes or rel.parts[0] in ("policy", "optim"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in BUILDERS:
+                    found.append(f"{rel}:{node.lineno} {name}")
+    assert found == [], found

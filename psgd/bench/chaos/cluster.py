@@ -36,7 +36,6 @@ class Cluster:
     def __init__(self, spec: RunSpec, folder: Path, port_rng: random.Random, net: Namespaces | None):
         from psgd.config import JobConfig, to_toml
         from psgd.data.sharding import steps_per_epoch
-        from psgd.partition import PartitionPlan
         from psgd.job import build_job
 
         self.spec, self.folder, self.net = spec, folder, net
@@ -58,7 +57,7 @@ class Cluster:
             self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
         job.override("cluster.servers", list(self.binds))
         self.job = job
-        self.plan = PartitionPlan(self.built.model.specs(), SHARDS, job.cluster.slice_bytes)
+        self.plan = self.built.plan
         self.path = folder / "job.toml"
         self.path.write_text(to_toml(job.to_dict()))
         self.ckpt = folder / "ckpt"
