@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from helpers import make_job, skip_or_fail, wait_for
-from psgd.cli.probe import Connect
-from psgd.cli.status import collect
+from psgd.ops.reach import Connect
+from psgd.ops.view import collect
 from psgd.config import to_toml
 from psgd.job import describe_job
 from psgd.server import build_shard, checkpoint

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import free_port, free_port_pair, make_job, run_threads, shards
 from psgd import xp as backend
 from psgd.cli.main import main
-from psgd.cli.probe import Connect
-from psgd.cli.status import collect
+from psgd.ops.reach import Connect
+from psgd.ops.view import collect
 from psgd.config import to_toml
 from psgd.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.job import describe_job

@@ -206,3 +206,13 @@ def test_a_plan_a_policy_or_an_optimizer_is_built_only_in_the_job():
                 if name in BUILDERS:
                     found.append(f"{rel}:{node.lineno} {name}")
     assert found == [], found
+
+
+def test_the_command_line_parses_and_calls():
+    """psgd/cli holds no class of more than 60 lines: what psgd doctor and psgd status do lives in psgd/ops."""
+    found = []
+    for path in modules("cli"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 60:
+                found.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert found == [], found

@@ -1,6 +1,5 @@
-"""Reaching shards from the command line, for ``psgd status`` and ``psgd doctor``: the connection flags
-(:class:`Connect`: deadline, token, TLS), one address's health check and Status as a :class:`ShardProbe`,
-and failed calls explained in plain words.
+"""Reaching running shards, for ``psgd status`` and ``psgd doctor``: how (:class:`Connect`: deadline, token,
+TLS), one address's health check and Status as a :class:`ShardProbe`, and failed calls explained in plain words.
 
 Every network call has a deadline (``--timeout``, default 3 s), and shards are
 asked in parallel, so an unreachable address costs seconds, not minutes.
@@ -8,18 +7,16 @@ asked in parallel, so an unreachable address costs seconds, not minutes.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import json
-import os
 import time
 from typing import Any, Sequence
 
 import grpc
 
 from psgd.channel import SERVICE_NAME, open_channel, token_metadata
-from psgd.tls import TLSFiles, tls_from_args
+from psgd.tls import TLSFiles
 
 TOKEN_ENV = "PSGD_TOKEN"
 
@@ -45,26 +42,6 @@ class Connect:
 
     def channel(self, address: str) -> grpc.Channel:
         return open_channel(address, self.tls)
-
-
-def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("connection")
-    group.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS",
-                       help="deadline for each call to a shard (default 3)")
-    group.add_argument("--token", default=None,
-                       help=f"the job's shared token (default: the {TOKEN_ENV} environment variable)")
-    group.add_argument("--tls-ca", metavar="FILE", default=None,
-                       help="CA certificate (PEM) to check the shards' certificates: talk TLS to them")
-    group.add_argument("--tls-cert", metavar="FILE", default=None, help="client certificate (PEM) for mutual TLS")
-    group.add_argument("--tls-key", metavar="FILE", default=None, help="client private key (PEM) for mutual TLS")
-
-
-def connect_from_args(args: argparse.Namespace, job=None) -> Connect:
-    """How to reach the shards: the flags, and where they name no TLS file, ``job``'s [tls] table (if any)."""
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
-    tls = tls_from_args(args, job)
-    return Connect(timeout=args.timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "",
-                   tls_key=tls.key or "")
 
 
 def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:

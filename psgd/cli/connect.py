@@ -1,0 +1,30 @@
+"""The command line's connection flags to running shards (``--timeout``, ``--token``, TLS), read into a
+:class:`psgd.ops.reach.Connect`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from psgd.ops.reach import TOKEN_ENV, Connect
+from psgd.tls import tls_from_args
+
+
+def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection")
+    group.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS",
+                       help="deadline for each call to a shard (default 3)")
+    group.add_argument("--token", default=None,
+                       help=f"the job's shared token (default: the {TOKEN_ENV} environment variable)")
+    group.add_argument("--tls-ca", metavar="FILE", default=None,
+                       help="CA certificate (PEM) to check the shards' certificates: talk TLS to them")
+    group.add_argument("--tls-cert", metavar="FILE", default=None, help="client certificate (PEM) for mutual TLS")
+    group.add_argument("--tls-key", metavar="FILE", default=None, help="client private key (PEM) for mutual TLS")
+
+
+def connect_from_args(args: argparse.Namespace, job=None) -> Connect:
+    """How to reach the shards: the flags, and where they name no TLS file, ``job``'s [tls] table (if any)."""
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    tls = tls_from_args(args, job)
+    return Connect(timeout=args.timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "",
+                   tls_key=tls.key or "")
