@@ -8,7 +8,7 @@ Markdown table and plots::
     result = run_lab(preset("quick"), "lab-out")
 """
 
-from psgd.bench.config import Contender, LabConfig, Scenario, parse_contender, parse_scenario, preset
+from psgd.bench.lab import Contender, LabConfig, Scenario, parse_contender, parse_scenario, preset
 from psgd.bench.convergence import run_lab
 from psgd.bench.labresult import LabResult, RunResult
 

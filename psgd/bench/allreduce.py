@@ -17,7 +17,7 @@ Algorithm bandwidth is size / time.
     sudo python benchmarks/allreduce.py --network 1gbit,10gbit --sizes-mb 4,40 --ranks 2
 
 With ``--network`` every rank, worker and shard runs on an emulated host of its
-own whose link is shaped to the rate (psgd.bench.links): the MPI all-reduce of
+own whose link is shaped to the rate (psgd.bench.shaped): the MPI all-reduce of
 ``--ranks`` ranks against as many workers on as many shards, gradients pushed
 as float32 and as bf16, each beside what the link's bytes alone take.
 """
@@ -141,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {machine()}", flush=True)
     if args.network:
-        from psgd.bench import links, netns
+        from psgd.bench import netns, shaped
 
         try:
-            names = links.networks_from(args.network)
+            names = shaped.networks_from(args.network)
         except netns.NetworkError as exc:
             parser.error(str(exc))
         with tempfile.TemporaryDirectory() as tmp:
-            rows = links.ps_against_allreduce_on(names, sizes, args.ranks, args.repeats, tmp,
+            rows = shaped.ps_against_allreduce_on(names, sizes, args.ranks, args.repeats, tmp,
                                                  lambda text: print(text, flush=True))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine(), "ranks": args.ranks,

@@ -4,7 +4,7 @@ much, and at what final accuracy, derived from the lab's own table (medians over
 from __future__ import annotations
 
 from psgd.bench import netns
-from psgd.bench.config import LOOPBACK
+from psgd.bench.lab import LOOPBACK
 from psgd.bench.labresult import LabResult, groups, median_summary
 from psgd.delay import parse_delay
 

@@ -173,14 +173,14 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
     say(f"machine: {result['machine']}")
     if args.network:
-        from psgd.bench import links, netns
+        from psgd.bench import netns, shaped
 
         try:
-            names = links.networks_from(args.network)
+            names = shaped.networks_from(args.network)
         except netns.NetworkError as exc:
             raise ConfigError(str(exc)) from None
         with tempfile.TemporaryDirectory() as tmp:
-            result["links"] = links.comm_on(names, sizes, steps, tmp, say)
+            result["links"] = shaped.comm_on(names, sizes, steps, tmp, say)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
         return result

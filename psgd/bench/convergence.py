@@ -29,7 +29,7 @@ from pathlib import Path
 
 from psgd import threads
 from psgd.bench import hosted, plots, report
-from psgd.bench.config import LOOPBACK, PRESETS, Contender, LabConfig, Scenario, preset
+from psgd.bench.lab import LOOPBACK, PRESETS, Contender, LabConfig, Scenario, preset
 from psgd.bench.labresult import LabResult, RunResult, load_result
 from psgd.bench.observe import (Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from psgd import threads
-from psgd.bench.config import LabConfig, parse_contender, parse_scenario
+from psgd.bench.lab import LabConfig, parse_contender, parse_scenario
 from psgd.bench.convergence import run_one
 from psgd.bench.observe import Evaluator
 from psgd.launch import Hosts

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from psgd.bench.config import LabConfig
+from psgd.bench.lab import LabConfig
 from psgd.bench.observe import LOSS_WINDOW
 
 

@@ -100,16 +100,16 @@ def model_bytes(width: int) -> int:
 def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str, network=None) -> float:
     """One step's communication alone: pull+push of the model through 2 shards by ``workers`` workers at
     once (the median step), or an all-reduce of its bytes over ``workers`` MPI ranks; 0 for one rank.
-    With ``network``, every process on a host of its own (:mod:`psgd.bench.links`)."""
+    With ``network``, every process on a host of its own (:mod:`psgd.bench.shaped`)."""
     size = model_bytes(width) // 4 * 4
     if kind == "allreduce" and workers < 2:
         return 0.0
     if network is not None:
-        from psgd.bench import links
+        from psgd.bench import shaped
 
         if kind == "allreduce":
-            return links.mpi_allreduce(network, [size], workers, steps)[size]["psgd_s"]
-        return links.ps_steps(network, size, 2, workers, steps, tmp)["step_s"]
+            return shaped.mpi_allreduce(network, [size], workers, steps)[size]["psgd_s"]
+        return shaped.ps_steps(network, size, 2, workers, steps, tmp)["step_s"]
     if kind == "allreduce":
         from psgd.bench.allreduce import run_mpi
 

@@ -36,7 +36,7 @@ This package only re-exports their public names.
 """
 
 from psgd.launch.launcher import EXIT_LOST_UPDATES, LaunchResult, launch, lost_updates
-from psgd.launch.plan import Hosts, Layout, find_mpiexec, thread_budget
+from psgd.launch.layout import Hosts, Layout, find_mpiexec, thread_budget
 from psgd.launch.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
 
 __all__ = [

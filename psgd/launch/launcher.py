@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from psgd import threads
 from psgd.config import JobConfig, to_toml
-from psgd.launch.plan import Hosts, Layout, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
+from psgd.launch.layout import Hosts, Layout, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.tls import NO_TLS, TLSFiles, child_flags

@@ -24,7 +24,7 @@ import pytest
 from helpers import make_job, run_threads, shards, wait_for
 from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
                                          check_no_loss, check_restore)
-from psgd.bench.chaos.plan import Planner
+from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.processes import command, free_port_pair
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
 from psgd.bench.chaos.suite import main as chaos_main

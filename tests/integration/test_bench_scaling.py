@@ -12,7 +12,7 @@ import pytest
 from psgd.bench.scaling.command import add_arguments, settings_from_args
 from psgd.bench.scaling.measure import (MeasureError, allreduce_rates, efficiency, ps_rates, read_steps, single_rates,
                                         span_rate, thread_report)
-from psgd.bench.scaling.plan import ALLCORES_LABEL, PEER_ENV, PEER_LABEL, RATIO_LABEL, Run
+from psgd.bench.scaling.grid import ALLCORES_LABEL, PEER_ENV, PEER_LABEL, RATIO_LABEL, Run
 from psgd.bench.scaling.report import markdown, tabulate
 from psgd.cli.main import main as psgd_main
 from psgd.threads import available_cores

@@ -19,7 +19,7 @@ from psgd.config import JobConfig
 from psgd.data import load_dataset
 from psgd.job import build_job
 from psgd.launch import launch
-from psgd.launch.plan import Layout, place_on_gpus
+from psgd.launch.layout import Layout, place_on_gpus
 from psgd.launch.supervise import Children, LaunchError, LaunchInterrupted
 
 

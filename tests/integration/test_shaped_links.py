@@ -95,7 +95,7 @@ def test_the_namespaces_of_a_killed_process_are_removed_at_the_next_start(shapin
 # -- the convergence lab on emulated links ---------------------------------------------------------------
 
 def quick_lab(**changes):
-    from psgd.bench.config import preset
+    from psgd.bench.lab import preset
 
     config = preset("quick")
     config.job += ["cluster.workers=1", "cluster.shards=1"]
@@ -245,15 +245,15 @@ def test_allreduce_against_the_parameter_server_on_a_shaped_link(shaping, tmp_pa
 
 
 def test_the_benchmarks_refuse_a_network_they_cannot_emulate(monkeypatch):
-    from psgd.bench import links
+    from psgd.bench import shaped
 
     with pytest.raises(netns.NetworkError, match="twice"):
-        links.networks_from("1gbit,1gbit")
+        shaped.networks_from("1gbit,1gbit")
     with pytest.raises(netns.NetworkError, match="e.g. 1gbit"):
-        links.networks_from("1gb")
+        shaped.networks_from("1gb")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(netns.NetworkError, match="--network needs emulated hosts.*need root"):
-        links.networks_from("1gbit")
+        shaped.networks_from("1gbit")
 
 
 def test_scaling_runs_its_launches_on_a_shaped_link(shaping, tmp_path):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from psgd.bench.config import parse_contender
+from psgd.bench.lab import parse_contender
 from psgd.bench.convergence import link_step_seconds
 from psgd.config import ConfigError
 

@@ -14,7 +14,7 @@ import pytest
 from psgd.config import JobConfig
 from psgd.launch import launch
 from psgd.launch import launcher
-from psgd.launch.plan import OPEN_MPI_AS_ROOT, mpi_environment
+from psgd.launch.layout import OPEN_MPI_AS_ROOT, mpi_environment
 from psgd.launch.supervise import LaunchError
 
 #: the first line of ``mpiexec --version`` of each (Open MPI 4.1 and 5.0, MPICH 4.2's Hydra)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from psgd.bench.netns import Namespaces
-from psgd.bench.chaos.plan import RunSpec
+from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import Proc, command, die_with_parent, free_port_pair, last_error
 from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, JOIN_TIMEOUT, KEEP, LEASE, NS_PORT, PACE, REQUEST_TIMEOUT,
                                        SHARDS, START_BOUND, STEPS_PER_WORKER)

@@ -12,7 +12,7 @@ from pathlib import Path
 from psgd.bench.chaos.cluster import Abort
 from psgd.bench.chaos.hostile import HOLD, HOSTILE, TRICKLE
 from psgd.bench.chaos.invariants import check_exit, check_restore
-from psgd.bench.chaos.plan import Fault
+from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
 from psgd.bench.chaos.settings import PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
 from psgd.server.datapath import transfer_seconds

@@ -18,7 +18,7 @@ from psgd.bench.chaos.faults import FaultInjection
 from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
                                          check_no_loss)
 from psgd.bench.netns import Namespaces
-from psgd.bench.chaos.plan import RunSpec
+from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import last_error, processes_mentioning, tail
 from psgd.bench.chaos.settings import (JOIN_TIMEOUT, KEEP, MIN_ACCURACY, REQUEST_TIMEOUT, RUN_BOUND, SHARDS,
                                        STALL_BOUND, START_BOUND, STOP_BOUND, SUBNET)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from psgd.bench.netns import unavailable as namespaces_unavailable
-from psgd.bench.chaos.plan import Planner
+from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.run import Run
 from psgd.bench.chaos.settings import KINDS
 from psgd.parsing import Parser, comma_list

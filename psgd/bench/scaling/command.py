@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from psgd.bench.scaling.plan import CONFIGS, DEFAULT_OUT, DEFAULT_TIMEOUT, DEFAULTS, QUICK, WIDTHS, Settings
+from psgd.bench.scaling.grid import CONFIGS, DEFAULT_OUT, DEFAULT_TIMEOUT, DEFAULTS, QUICK, WIDTHS, Settings
 from psgd.bench.scaling.report import json_text
 from psgd.bench.scaling.runner import run_benchmark
 from psgd.parsing import comma_list

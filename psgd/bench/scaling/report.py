@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from psgd.bench.scaling.measure import SOURCES, efficiency, median
-from psgd.bench.scaling.plan import (ALLCORES_LABEL, PEER_ENV, PEER_LABEL, PEER_TARGET, RATIO_LABEL, Settings,
+from psgd.bench.scaling.grid import (ALLCORES_LABEL, PEER_ENV, PEER_LABEL, PEER_TARGET, RATIO_LABEL, Settings,
                                      kind_name, row_label)
 
 

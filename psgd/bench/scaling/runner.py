@@ -19,7 +19,7 @@ from threadpoolctl import threadpool_info
 
 from psgd.bench.scaling.measure import (SOURCES, MeasureError, allreduce_rates, ps_rates, read_steps, single_rates,
                                         thread_report)
-from psgd.bench.scaling.plan import PEER_ENV, THREAD_VARS, Run, Settings, kind_name, row_label
+from psgd.bench.scaling.grid import PEER_ENV, THREAD_VARS, Run, Settings, kind_name, row_label
 from psgd.bench.scaling.report import tabulate, write_outputs
 
 

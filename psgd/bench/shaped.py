@@ -11,7 +11,7 @@ near 1 means the link is the limit:
 
 ``psgd bench comm --network`` (one worker, one shard, model sizes) and ``benchmarks/allreduce.py
 --network`` (N workers on N shards against N all-reduce ranks) run on it; this module is also the worker
-process they start on a host (``python -m psgd.bench.links worker SPEC``).
+process they start on a host (``python -m psgd.bench.shaped worker SPEC``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def ps_steps(network, size: int, shards: int, workers: int, steps: int, tmp: str
         for r in range(workers):
             path = cluster.tmp / f"worker-{r}.json"
             path.write_text(json.dumps({**spec, "rank": r}))
-            runs.append(subprocess.Popen([*network.net.prefix(f"w{r}"), PY, "-m", "psgd.bench.links", "worker",
+            runs.append(subprocess.Popen([*network.net.prefix(f"w{r}"), PY, "-m", "psgd.bench.shaped", "worker",
                                           str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         with futures.ThreadPoolExecutor(workers) as pool:
             outputs = list(pool.map(lambda p: p.communicate(timeout=WORKER_TIMEOUT), runs))
@@ -204,4 +204,4 @@ def worker_main(spec_path: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"] and len(sys.argv) == 3:
         sys.exit(worker_main(sys.argv[2]))
-    sys.exit("usage: python -m psgd.bench.links worker SPEC.json")
+    sys.exit("usage: python -m psgd.bench.shaped worker SPEC.json")
