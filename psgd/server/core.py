@@ -1,5 +1,6 @@
-"""A parameter-server shard without any transport: the policy, the optimizer, the rounds, the weight
-store (:mod:`psgd.server.store`) and the workers' roster (:class:`psgd.server.admission.Roster`).
+"""A parameter-server shard without any transport: the policy, the optimizer, a sync round in the making
+(:mod:`psgd.server.rounds`), the weight store (:mod:`psgd.server.store`) and the workers' roster
+(:class:`psgd.server.admission.Roster`).
 
 The links' server ends are thin adapters over :class:`ShardCore`: the gRPC
 servicer (:mod:`psgd.server.service`) and the TCP data path
@@ -25,8 +26,9 @@ import numpy as np
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission, checkpoint
-from psgd.server.remedies import PushRemedies
 from psgd.server.errors import ShardError
+from psgd.server.remedies import PushRemedies
+from psgd.server.rounds import Round
 from psgd.server.store import LiveRead, Snapshot, WeightStore
 from psgd.partition import PartitionPlan
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
@@ -88,9 +90,7 @@ class ShardCore:
                                      **remedies)
         self.version = 0
         self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
-        self._round_flat = np.zeros_like(self.flat) if policy.accumulates else None
-        self._round_sum = self.store.views(self._round_flat) if self._round_flat is not None else {}
-        self._round_bases: list[int] = []
+        self.round = Round(self.store) if policy.accumulates else None  # a sync round in the making
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
@@ -126,15 +126,13 @@ class ShardCore:
 
     def _close_rounds(self, rounds: Iterable[int]) -> None:
         for _ in rounds:
-            count = len(self._round_bases)
-            if count == 0:
+            bases = self.round.mean()
+            if not bases:
                 continue
-            self._round_flat *= 1.0 / count
-            for base in self._round_bases:
+            for base in bases:
                 self._record_staleness(self.version - base)
-            self._apply(self._round_sum, 1.0)
-            self._round_flat.fill(0)
-            self._round_bases.clear()
+            self._apply(self.round.sums, 1.0)
+            self.round.clear()
         self.changed.notify_all()
 
     # -- requests -----------------------------------------------------------------
@@ -167,8 +165,7 @@ class ShardCore:
                                 if self.restored_version is not None else
                                 "started without a checkpoint: its earlier updates are lost")
                     if self.policy.fast_forward(worker, clock):
-                        self._round_flat.fill(0)
-                        self._round_bases.clear()
+                        self.round.clear()
             info.clock = clock = self.policy.join(worker)
             self.changed.notify_all()
         log.info("shard %d: worker %d registered (%s pid %d), continues at clock %d",
@@ -267,9 +264,7 @@ class ShardCore:
                 self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
             if action == ACCUMULATE:
-                for i, g in grads.items():
-                    self._round_sum[i] += g
-                self._round_bases.append(base_version)
+                self.round.add(grads, base_version)
                 self._close_rounds(decision.closed_rounds)
             return PushResult(outcome, decision.next_clock, self.version, staleness)
 
@@ -312,13 +307,14 @@ class ShardCore:
                 return None
             arrays = {"weights": self.flat}
             arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
-            if self._round_flat is not None:
-                arrays["round_sum"] = self._round_flat
+            if self.round is not None:
+                arrays["round_sum"] = self.round.flat
             manifest = {"fingerprint": self.fingerprint, "identity": self.identity,
                         "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
                         "policy": self.policy.state_dict(), "counters": dict(self.counters),
                         "staleness_histogram": list(self.staleness_histogram),
-                        "round_bases": list(self._round_bases), "optimizer": self.optimizer.describe(),
+                        "round_bases": list(self.round.bases) if self.round else [],
+                        "optimizer": self.optimizer.describe(),
                         "holders": self.roster.holders()}
             try:
                 path = checkpoint.save(folder, self.version, arrays, manifest, keep)
@@ -341,9 +337,8 @@ class ShardCore:
             np.copyto(self.flat, weights)
             self.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
             self.policy.load_state_dict(m["policy"])
-            if self._round_flat is not None and "round_sum" in a:
-                np.copyto(self._round_flat, a["round_sum"])
-                self._round_bases[:] = [int(b) for b in m.get("round_bases", [])]
+            if self.round is not None and "round_sum" in a:
+                self.round.load(a["round_sum"], m.get("round_bases", []))
             self.version = int(m["version"])
             self.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in self.counters})
             self.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]

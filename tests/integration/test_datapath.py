@@ -172,7 +172,7 @@ class Shard:
         return sock
 
     def state(self) -> tuple:
-        return self.core.flat.tobytes(), self.core.version, self.core._round_flat.tobytes()
+        return self.core.flat.tobytes(), self.core.version, self.core.round.flat.tobytes()
 
 
 def valid_gradient(plan: PartitionPlan) -> np.ndarray:
@@ -203,7 +203,7 @@ def assert_serves(shard: Shard) -> None:
     finally:
         conn.close()
     assert shard.core.flat.tobytes() == shard.initial and shard.core.version == 0
-    assert np.array_equal(shard.core._round_flat, valid_gradient(shard.plan))
+    assert np.array_equal(shard.core.round.flat, valid_gradient(shard.plan))
 
 
 @pytest.fixture(scope="module")
