@@ -396,16 +396,16 @@ def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec]) -> dict[str,
     return arrays
 
 
-def evaluate_file(job: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
-    """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``job``."""
+def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
+    """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``config``."""
     from psgd.loop import evaluate
     from psgd.job import build_job, params_to_device
 
-    built = build_job(job)
-    weights = load_weights(path, built.model.specs())
-    params = params_to_device(weights, built.device)
-    ds = built.dataset
-    loss, accuracy = evaluate(built.model, params, ds.x_test, ds.y_test, built.device, job.train.eval_batch_size)
+    job = build_job(config)
+    weights = load_weights(path, job.model.specs())
+    params = params_to_device(weights, job.device)
+    ds = job.dataset
+    loss, accuracy = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size)
     return {"test_accuracy": accuracy, "test_loss": loss, "examples": int(len(ds.y_test)),
-            "dataset": job.data["name"], "model": job.model["name"], "variables": len(weights),
+            "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
             "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}

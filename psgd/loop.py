@@ -44,6 +44,7 @@ from psgd import model as models
 from psgd import xp as backend
 from psgd.delay import NO_DELAY, Delay
 from psgd.divergence import DivergenceGuard, advice, chance
+from psgd.job import Job
 from psgd.progress import MetricsLog, progress_bar
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class LoopResult:
 
 
 def run_loop(
-    built: Any,
+    job: Job,
     exchange: Exchange,
     *,
     rank: int = 0,
@@ -189,14 +190,14 @@ def run_loop(
     stop: threading.Event | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoopResult:
-    """Train ``built`` (a :class:`psgd.job.Job`) as ``rank`` of ``world`` through ``exchange``.
+    """Train ``job`` as ``rank`` of ``world`` through ``exchange``.
 
     ``evaluate_every`` (steps; 0: never; default: the job's ``eval_every``, else once per epoch)
     evaluates the weights before each step whose index is a multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.
     ``on_step`` gets each step's record plus the exchange's timings (e.g. to feed a metrics endpoint).
     When ``stop`` is set, the step in hand is finished (or interrupted) and the loop ends early.
     """
-    ds, model, device, t = built.dataset, built.model, built.device, built.config.train
+    ds, model, device, t = job.dataset, job.model, job.device, job.config.train
     batches = datasets.ShardedBatches(ds.x_train, ds.y_train, rank=rank, world=world,
                                       batch_size=t.batch_size, seed=t.seed)
     spe = batches.steps_per_epoch
@@ -205,7 +206,7 @@ def run_loop(
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)
     history: list[dict[str, Any]] = []
-    guard = DivergenceGuard(exchange.name, chance(ds.y_test), ds.num_classes, advice(built.config, exchange.mode))
+    guard = DivergenceGuard(exchange.name, chance(ds.y_test), ds.num_classes, advice(job.config, exchange.mode))
 
     def judged(verdict) -> None:
         if verdict is not None:

@@ -24,9 +24,9 @@ class LocalExchange(Exchange):
 
     role = name = "local"
 
-    def __init__(self, built: Job):
-        self.params = params_to_device(built.model.init(built.config.train.seed), built.device)
-        self.optimizer = built.optimizer()
+    def __init__(self, job: Job):
+        self.params = params_to_device(job.model.init(job.config.train.seed), job.device)
+        self.optimizer = job.optimizer()
 
     def weights(self, step: int) -> Mapping[str, Any]:
         return self.params
@@ -48,9 +48,9 @@ def train_local(
     metrics_path: str | None = None,
 ) -> LoopResult:
     """Train in one process; the result holds the final weights and their test accuracy."""
-    built = build_job(config, dataset, check=True)
+    job = build_job(config, dataset, check=True)
     t = config.train
-    spe = datasets.steps_per_epoch(built.dataset.n_train, 1, t.batch_size)
-    log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], built.dataset.describe(),
-             spe * t.epochs, t.batch_size, built.device)
-    return run_loop(built, LocalExchange(built), progress=progress, metrics_path=metrics_path)
+    spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
+    log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),
+             spe * t.epochs, t.batch_size, job.device)
+    return run_loop(job, LocalExchange(job), progress=progress, metrics_path=metrics_path)

@@ -159,23 +159,23 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options) -> float:
     from psgd.loop import run_loop
     from psgd.train import LocalExchange
 
-    job = JobConfig()
-    job.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
-                    "optimizer.name=sgd", f"optimizer.lr={o.lr}", f"train.batch_size={o.batch}",
-                    "train.epochs=1", f"train.device={device}", "train.dtype=float32"])
+    config = JobConfig()
+    config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
+                       "optimizer.name=sgd", f"optimizer.lr={o.lr}", f"train.batch_size={o.batch}",
+                       "train.epochs=1", f"train.device={device}", "train.dtype=float32"])
     rng = np.random.default_rng(3)
     n = o.steps * o.batch
     x = device.asarray(rng.random((n, INPUT), dtype=np.float32))
     y = device.asarray(rng.integers(0, CLASSES, n))
-    built = build_job(job, Dataset("gpu-bench", x, y, x[:o.batch], y[:o.batch], CLASSES, (INPUT,)))
-    exchange = LocalExchange(built)  # its final weights are copied to the host after each run, off the clock
+    job = build_job(config, Dataset("gpu-bench", x, y, x[:o.batch], y[:o.batch], CLASSES, (INPUT,)))
+    exchange = LocalExchange(job)  # its final weights are copied to the host after each run, off the clock
 
     def run() -> float:
         # steady state: from the end of the first step to the end of the last (each ends reading its
         # loss, which waits for the step's work), so the run's start-up stays off the clock
         walls: list[float] = []
         backend.synchronize(device)
-        run_loop(built, exchange, evaluate_every=0, final_evaluation=False, progress=False,
+        run_loop(job, exchange, evaluate_every=0, final_evaluation=False, progress=False,
                  on_step=lambda point: walls.append(point["wall"]))
         return (walls[-1] - walls[0]) / max(len(walls) - 1, 1)
 

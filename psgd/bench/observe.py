@@ -62,12 +62,12 @@ class Sample:
 class Evaluator:
     """The job's model and test split, built once in this process."""
 
-    def __init__(self, job: JobConfig):
+    def __init__(self, config: JobConfig):
         from psgd.job import build_job
 
-        built = build_job(job)
-        self.job, self.model, self.dataset, self.device = job, built.model, built.dataset, built.device
-        self.plan = built.plan
+        job = build_job(config)
+        self.config, self.model, self.dataset, self.device, self.plan = config, job.model, job.dataset, job.device, \
+            job.plan
         self.model_bytes = int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.plan.specs))
         self.parameters = int(sum(np.prod(s.shape) for s in self.plan.specs))
 
@@ -78,7 +78,7 @@ class Evaluator:
 
         params = params_to_device(weights, self.device)
         return evaluate(self.model, params, self.dataset.x_test, self.dataset.y_test, self.device,
-                        self.job.train.eval_batch_size)
+                        self.config.train.eval_batch_size)
 
     def gradient_seconds(self, tries: int = 5) -> float:
         """Median time of one minibatch gradient, computed alone in a fresh process (with the BLAS
@@ -87,14 +87,14 @@ class Evaluator:
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "job.toml"
-            path.write_text(to_toml(self.job.to_dict()))
+            path.write_text(to_toml(self.config.to_dict()))
             out = subprocess.run([sys.executable, "-c", _GRADIENT_TIMER, str(path), str(tries)], capture_output=True,
                                  text=True, timeout=300, check=True).stdout
         return float(out.split()[-1])
 
     def initial(self) -> tuple[float, float]:
         """(test loss, test accuracy) of the initial weights every run starts from."""
-        return self(self.model.init(self.job.train.seed))
+        return self(self.model.init(self.config.train.seed))
 
 
 _GRADIENT_TIMER = """
@@ -102,11 +102,11 @@ import sys
 from psgd.config import JobConfig
 from psgd.job import build_job
 from psgd.loop import gradient_seconds
-job = JobConfig.load(sys.argv[1])
-built = build_job(job)
-b = job.train.batch_size
-print(gradient_seconds(built.model, built.model.init(job.train.seed), built.dataset.x_train[:b],
-                       built.dataset.y_train[:b], int(sys.argv[2])))
+config = JobConfig.load(sys.argv[1])
+job = build_job(config)
+b = config.train.batch_size
+print(gradient_seconds(job.model, job.model.init(config.train.seed), job.dataset.x_train[:b],
+                       job.dataset.y_train[:b], int(sys.argv[2])))
 """
 
 
@@ -127,7 +127,7 @@ class ShardObserver:
         ev = self.evaluator
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in ev.plan.specs}
         try:
-            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.job.cluster.request_timeout,
+            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.config.cluster.request_timeout,
                           token=token) as client:
                 next_at = time.monotonic()
                 while True:

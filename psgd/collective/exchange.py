@@ -30,32 +30,32 @@ log = logging.getLogger(__name__)
 class AllReduceExchange(Exchange):
     """Average the gradients with the other ranks of ``collective``, then apply them here."""
 
-    def __init__(self, built: Job, collective: Collective, bucket_bytes: int = 32 << 20):
-        job, ds, model, device, t = built.config, built.dataset, built.model, built.device, built.config.train
+    def __init__(self, job: Job, collective: Collective, bucket_bytes: int = 32 << 20):
+        config, ds, model, device, t = job.config, job.dataset, job.model, job.device, job.config.train
         self.collective, self.device = collective, device
         rank, world = collective.rank, collective.world_size
         self.role, self.name, self.mode = f"allreduce:{rank}", f"rank {rank}", "allreduce"
-        if world != job.cluster.workers:
-            raise CollectiveError(f"rank {rank}: the job file says workers = {job.cluster.workers} but "
+        if world != config.cluster.workers:
+            raise CollectiveError(f"rank {rank}: the job file says workers = {config.cluster.workers} but "
                                   f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "
-                                  f"{job.cluster.workers}) or change [cluster] workers")
+                                  f"{config.cluster.workers}) or change [cluster] workers")
         specs = model.specs()
-        plan = built.one_shard_plan()
+        plan = job.one_shard_plan()
         # overlap too: it changes the order of the collective calls, which every rank must make alike
         collective.check_agreement(json.dumps({"plan": plan.hash, "world": world, "batch": t.batch_size,
                                                "epochs": t.epochs, "seed": t.seed, "data": ds.describe(),
-                                               "overlap": job.cluster.overlap}),
+                                               "overlap": config.cluster.overlap}),
                                    "the model, data, batch size, epochs, seed and overlap")
         self.params = params_to_device(model.init(t.seed), device)
         for name in sorted(self.params):  # one source of truth, whatever the ranks computed locally
             collective.broadcast_(self.params[name], root=0)
-        self.optimizer = built.optimizer()
+        self.optimizer = job.optimizer()
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
         # [cluster] overlap: each bucket is reduced while backward goes on, on a GPU on a CUDA stream of its
         # own that starts it once the kernels that filled it are done.  NCCL queues the reduction there from
         # this thread (the DDP shape); a backend that blocks (MPI) runs it on one communication thread.
-        self.overlaps = job.cluster.overlap
+        self.overlaps = config.cluster.overlap
         self._side = backend.SideStream(device) if self.overlaps else None
         self._queues = self.overlaps and device.is_gpu and collective.queues
         self._comm = ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}") \
@@ -113,7 +113,7 @@ class AllReduceExchange(Exchange):
 
 
 def run_allreduce(
-    job: JobConfig,
+    config: JobConfig,
     collective: Collective,
     *,
     dataset: datasets.Dataset | None = None,
@@ -123,11 +123,11 @@ def run_allreduce(
     bucket_bytes: int = 32 << 20,
     delay: Delay = NO_DELAY,
 ) -> LoopResult:
-    """Train ``job`` as this rank of ``collective``; the result holds the final weights (host copies)."""
-    built = build_job(job, dataset, check=True)
-    exchange = AllReduceExchange(built, collective, bucket_bytes)
+    """Train ``config``'s job as this rank of ``collective``; the result holds the final weights (host copies)."""
+    job = build_job(config, dataset, check=True)
+    exchange = AllReduceExchange(job, collective, bucket_bytes)
     rank, world = collective.rank, collective.world_size
     lead = rank == 0
-    return run_loop(built, exchange, rank=rank, world=world, evaluate_every=evaluate_every if lead else 0,
+    return run_loop(job, exchange, rank=rank, world=world, evaluate_every=evaluate_every if lead else 0,
                     final_evaluation=lead, progress=progress and lead, desc=f"allreduce rank {rank}",
                     metrics_path=metrics_path if lead else None, delay=delay)

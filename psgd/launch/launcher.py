@@ -228,19 +228,19 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
     return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
 
 
-def _evaluate(job: JobConfig, weights: dict, mode: str) -> tuple[float, float, dict | None]:
+def _evaluate(config: JobConfig, weights: dict, mode: str) -> tuple[float, float, dict | None]:
     """The test loss and accuracy of the final weights, and the divergence guard's verdict on them alone."""
     from psgd import data as datasets
     from psgd.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
     from psgd.loop import evaluate
 
-    built = build_job(job)
-    params = params_to_device(weights, built.device)
-    ds, t = built.dataset, job.train
-    loss, acc = evaluate(built.model, params, ds.x_test, ds.y_test, built.device)
-    steps = datasets.steps_per_epoch(ds.n_train, job.cluster.workers, t.batch_size) * t.epochs
-    guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(job, mode))
+    job = build_job(config)
+    params = params_to_device(weights, job.device)
+    ds, t = job.dataset, config.train
+    loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device)
+    steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
+    guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(config, mode))
     verdict = guard.final(steps, t.epochs, loss, acc)
     return loss, acc, verdict.record() if verdict else None
 

@@ -24,7 +24,6 @@ from psgd import xp as backend
 from psgd.config import JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
-from psgd.partition import PartitionPlan
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job
 from psgd.policy import POLICIES
@@ -36,15 +35,14 @@ log = logging.getLogger(__name__)
 class ParameterServerExchange(Exchange):
     """Pull from and push to every shard through ``client`` (a :class:`PSClient`, entered)."""
 
-    def __init__(self, built: Job, client: PSClient, plan: PartitionPlan, rank: int,
-                 stop: threading.Event | None = None):
-        self.built, self.client, self.plan, self.rank, self.stop = built, client, plan, rank, stop
+    def __init__(self, job: Job, client: PSClient, rank: int, stop: threading.Event | None = None):
+        self.job, self.client, self.plan, self.rank, self.stop = job, client, job.plan, rank, stop
         self.role, self.name, self.mode = f"worker:{rank}", f"worker {rank}", "ps"
         # Pulled weights land in, and gradients leave from, host buffers made once: pinned on a GPU,
         # so the copies to and from the device run by DMA at the bus's rate (psgd bench gpu).
-        device = built.device
-        self.host = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in plan.specs}
-        self.grad_host = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in plan.specs} \
+        device = job.device
+        self.host = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs}
+        self.grad_host = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
             if device.is_gpu else None
         self.outcomes: dict[str, int] = {}
         self.joined = False
@@ -52,8 +50,8 @@ class ParameterServerExchange(Exchange):
         self.pull_seconds = 0.0
         # [cluster] overlap: the next step's pull goes out while this step's push is in flight, into a second
         # set of host buffers; at most one push and one pull are under way (two threads, two buffer sets)
-        self.overlaps = built.config.cluster.overlap
-        self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in plan.specs} \
+        self.overlaps = job.config.cluster.overlap
+        self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
             if self.overlaps else None
         self._prefetch: tuple[int, Future] | None = None
         # and on a GPU each gradient leaves the device as soon as backward has produced it, on a CUDA stream
@@ -63,9 +61,9 @@ class ParameterServerExchange(Exchange):
         self.total = 0
         self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
-        c = built.config.cluster
+        c = job.config.cluster
         self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
-        self.optimizer = built.optimizer() if self.local_steps else None
+        self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
 
     def _stopping(self, exc: PSError) -> None:
@@ -74,7 +72,7 @@ class ParameterServerExchange(Exchange):
             raise Interrupted(str(exc)) from None
 
     def begin(self) -> int:
-        c, t, ds = self.built.config.cluster, self.built.config.train, self.built.dataset
+        c, t, ds = self.job.config.cluster, self.job.config.train, self.job.dataset
         try:
             self.client.wait_ready(c.join_timeout)
         except Stopped as exc:
@@ -100,7 +98,7 @@ class ParameterServerExchange(Exchange):
             self._stopping(exc)
             raise
         self.pull_seconds = time.perf_counter() - began  # with overlap: the part of the pull not hidden
-        device = self.built.device
+        device = self.job.device
         if self.local_steps:  # the centre stays in the host buffers until the period's push
             self.own = {k: device.asarray(v).copy() for k, v in self.host.items()}
             return self.own
@@ -127,7 +125,7 @@ class ParameterServerExchange(Exchange):
                 self.optimizer.update(name, self.own[name], grad)
             if (step + 1) % self.local_steps and step + 1 < self.total:
                 return Exchanged(step + 1, {"version": max(self.versions)})
-            device = self.built.device
+            device = self.job.device
             grads = {k: device.asarray(self.host[k]) - v for k, v in self.own.items()}  # the period's progress
         began = time.perf_counter()
         try:
@@ -215,7 +213,7 @@ def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
 
 
 def run_worker(
-    job: JobConfig,
+    config: JobConfig,
     rank: int,
     addresses: Sequence[str],
     *,
@@ -229,7 +227,7 @@ def run_worker(
     stop: threading.Event | None = None,
     tls: TLSFiles = NO_TLS,
 ) -> LoopResult:
-    """Train as worker ``rank`` of ``job.cluster.workers`` against the shards at ``addresses``.
+    """Train as worker ``rank`` of ``config.cluster.workers`` against the shards at ``addresses``.
 
     ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
     others) evaluates the pulled weights on the test split.  ``delay`` slows
@@ -239,16 +237,15 @@ def run_worker(
     ``token`` is the job's shared secret.  When ``stop`` is set (SIGTERM), the
     worker finishes the step in hand, pushes it, and leaves.
     """
-    built = build_job(job, dataset, check=True)
-    c = job.cluster
+    job = build_job(config, dataset, check=True)
+    c = config.cluster
     if not 0 <= rank < c.workers:
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
-    plan = built.plan
-    with PSClient(addresses, plan, rank, request_timeout=c.request_timeout, transport=c.transport,
-                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=job) as client:
-        result = run_loop(built, ParameterServerExchange(built, client, plan, rank, stop), rank=rank,
+    with PSClient(addresses, job.plan, rank, request_timeout=c.request_timeout, transport=c.transport,
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=config) as client:
+        result = run_loop(job, ParameterServerExchange(job, client, rank, stop), rank=rank,
                           world=c.workers, evaluate_every=evaluate_every, progress=progress, desc=f"worker {rank}",
                           metrics_path=metrics_path, delay=delay, stop=stop, on_step=on_step)
     log.info("worker %d done: %d steps in %.1fs (%s)", rank, result.steps, result.seconds,

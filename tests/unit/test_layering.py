@@ -216,3 +216,16 @@ def test_the_command_line_parses_and_calls():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 60:
                 found.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert found == [], found
+
+
+def test_the_assembled_job_has_one_name():
+    """A psgd.job.Job is called ``job`` and a JobConfig ``config`` wherever one is built from the other: no
+    variable or parameter named ``built`` is left (it was the Job's name beside a JobConfig called ``job``)."""
+    found = []
+    for path in sorted(PSGD.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg) else \
+                node.attr if isinstance(node, ast.Attribute) else None
+            if named == "built":
+                found.append(f"{path.relative_to(PSGD)}:{node.lineno}")
+    assert found == [], found

@@ -45,8 +45,8 @@ class Cluster:
                         f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
                         f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
                         f"cluster.transport={spec.transport}"])
-        self.built = build_job(job)
-        spe = steps_per_epoch(len(self.built.dataset.x_train), spec.workers, job.train.batch_size)
+        self.job = build_job(job)
+        spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, job.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))
         job.apply_sets([f"train.epochs={self.epochs}"])
         self.total = spe * self.epochs
@@ -56,8 +56,8 @@ class Cluster:
         else:
             self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
         job.override("cluster.servers", list(self.binds))
-        self.job = job
-        self.plan = self.built.plan
+        self.config = job
+        self.plan = self.job.plan
         self.path = folder / "job.toml"
         self.path.write_text(to_toml(job.to_dict()))
         self.ckpt = folder / "ckpt"
@@ -228,7 +228,7 @@ class Cluster:
         from psgd.loop import evaluate
         from psgd.job import params_to_device
 
-        b = self.built
+        b = self.job
         return float(evaluate(b.model, params_to_device(weights, b.device), b.dataset.x_test, b.dataset.y_test,
                               b.device)[1])
 

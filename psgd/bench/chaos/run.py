@@ -274,7 +274,7 @@ class Run(FaultInjection):
             m = checkpoint.load(folder, newest, arrays=False).manifest
             views.append(shard_view(k, int(m["version"]), "final", m.get("counters", {})))
         try:
-            return views, join_checkpoints(c.job, c.ckpt, mixed=True).weights
+            return views, join_checkpoints(c.config, c.ckpt, mixed=True).weights
         except Exception as exc:  # said as a finding: the last checkpoints should always join
             self.violate("files", [f"the last checkpoints cannot be joined: {exc}"])
             return views, None
