@@ -100,7 +100,8 @@ def add_eval_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from psgd.export import ExportError, join_checkpoints, pull_from_servers, save_weights
+    from psgd.export import ExportError, join_checkpoints, pull_from_servers
+    from psgd.weights import save_weights
 
     setup_logging("export", verbosity(args))
     if args.checkpoints and args.servers:
@@ -130,7 +131,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from psgd.export import evaluate_file
+    from psgd.weights import evaluate_file
 
     setup_logging("eval", verbosity(args))
     job = job_from_args(args)

@@ -258,7 +258,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from psgd.export import save_weights
+    from psgd.weights import save_weights
     from psgd.train import train_local
 
     setup_logging("local", verbosity(args))

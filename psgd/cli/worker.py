@@ -123,30 +123,26 @@ def work(args: argparse.Namespace) -> int:
 
 
 def allreduce(args: argparse.Namespace, job, delay) -> int:
-    from psgd import xp as backend
-    from psgd.collective import make_collective
-    from psgd.collective.exchange import run_allreduce
+    from psgd.collective.exchange import train_allreduce
 
     if args.backend == "nccl" and args.rank is None:
         raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
-    device = backend.get_device(job.train.device)
-    with make_collective(args.backend, rank=args.rank, world_size=job.cluster.workers, device=device,
-                         rendezvous=args.rendezvous, timeout=job.cluster.request_timeout) as group:
-        setup_logging(f"allreduce:{group.rank}", verbosity(args))
-        result = run_allreduce(job, group, progress=not args.no_progress, metrics_path=args.metrics,
-                               evaluate_every=args.eval_every, delay=delay)
-    if group.rank == 0:
+    result, rank, world = train_allreduce(
+        job, args.backend, rank=args.rank, rendezvous=args.rendezvous,
+        on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args)), progress=not args.no_progress,
+        metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
+    if rank == 0:
         if args.save:
-            from psgd.export import save_weights
+            from psgd.weights import save_weights
 
             save_weights(args.save, result.params)
         if args.json:
-            print(json.dumps({"rank": 0, "world_size": group.world_size, "steps": result.steps,
+            print(json.dumps({"rank": 0, "world_size": world, "steps": result.steps,
                               "seconds": round(result.seconds, 3),
                               "comm_seconds": round(result.summary["comm_seconds"], 3),
                               "test_accuracy": result.test_accuracy}))
         else:
-            print(f"final test accuracy: {result.test_accuracy:.4f} ({group.world_size} rank(s), "
+            print(f"final test accuracy: {result.test_accuracy:.4f} ({world} rank(s), "
                   f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)")
     return 0
 

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from psgd import data as datasets
 from psgd import xp as backend
@@ -131,3 +131,19 @@ def run_allreduce(
     return run_loop(job, exchange, rank=rank, world=world, evaluate_every=evaluate_every if lead else 0,
                     final_evaluation=lead, progress=progress and lead, desc=f"allreduce rank {rank}",
                     metrics_path=metrics_path if lead else None, delay=delay)
+
+
+def train_allreduce(config: JobConfig, backend_name: str, *, rank: int | None = None, rendezvous: str | None = None,
+                    on_rank: Callable[[int], None] | None = None, **options: Any) -> tuple[LoopResult, int, int]:
+    """One rank of an all-reduce job, from its collective's opening to its close: the collective of
+    ``backend_name`` (``mpi``: its rank from MPI; ``nccl``: ``rank``, met at ``rendezvous``) on the job's device,
+    ``on_rank`` told the rank once it is known, then :func:`run_allreduce` with ``options``.  Returns the result,
+    the rank and the world size."""
+    from psgd.collective import make_collective
+
+    device = backend.get_device(config.train.device)
+    with make_collective(backend_name, rank=rank, world_size=config.cluster.workers, device=device,
+                         rendezvous=rendezvous, timeout=config.cluster.request_timeout) as group:
+        if on_rank is not None:
+            on_rank(group.rank)
+        return run_allreduce(config, group, **options), group.rank, group.world_size

@@ -178,7 +178,7 @@ MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self
 def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
                       save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
-    from psgd.export import read_npz, save_weights
+    from psgd.weights import read_npz, save_weights
 
     n, py = job.cluster.workers, sys.executable
     weights = run / "weights.npz"
@@ -385,7 +385,8 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
 
 def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
-    from psgd.export import pull_from_servers, save_weights
+    from psgd.export import pull_from_servers
+    from psgd.weights import save_weights
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
     pulled = pull_from_servers(job, addresses, token=token, tls=tls)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from psgd import export
+from psgd import weights as weight_files
 from psgd.export import ExportError
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
@@ -281,7 +282,7 @@ def test_checkpoints_in_the_layout_before_fingerprints_still_join(tmp_path):
 def test_saved_weights_load_without_pickle_and_the_write_is_atomic(tmp_path, monkeypatch):
     weights = {"dense0/W": np.arange(6, dtype=np.float32).reshape(2, 3), "file": np.ones(2)}
     path = tmp_path / "w.npz"
-    size = export.save_weights(path, weights)
+    size = weight_files.save_weights(path, weights)
     assert size == path.stat().st_size
     with np.load(path, allow_pickle=False) as data:
         assert sorted(data.files) == ["dense0/W", "file"]
@@ -292,28 +293,28 @@ def test_saved_weights_load_without_pickle_and_the_write_is_atomic(tmp_path, mon
 
     monkeypatch.setattr(np.lib.format, "write_array", full)
     with pytest.raises(ExportError, match=f"cannot write {path}: No space left on device"):
-        export.save_weights(path, {"x": np.zeros(3)})
+        weight_files.save_weights(path, {"x": np.zeros(3)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.npz"]  # the old file, no temporary left
     with np.load(path, allow_pickle=False) as data:
         assert sorted(data.files) == ["dense0/W", "file"]
     with pytest.raises(ExportError, match="holds Python objects"):
-        export.save_weights(tmp_path / "o.npz", {"o": np.array([None], dtype=object)})
+        weight_files.save_weights(tmp_path / "o.npz", {"o": np.array([None], dtype=object)})
 
 
 def test_load_weights_names_each_difference():
     specs = build_job(make_job("model.hidden=[24]")).model.specs()
     good = {s.name: np.zeros(s.shape, s.dtype) for s in specs}
-    assert export.weight_differences(good, specs) == []
+    assert weight_files.weight_differences(good, specs) == []
     bad = dict(good)
     del bad["dense1/b"]
     bad["extra"] = np.zeros(1, np.float32)
     bad["dense0/W"] = np.zeros((64, 10), np.float32)
     bad["dense0/b"] = np.zeros(24, np.float64)
-    assert export.weight_differences(bad, specs) == [
+    assert weight_files.weight_differences(bad, specs) == [
         "missing dense1/b", "extra extra", "dense0/W has shape (64, 10), the model's is (64, 24)",
         "dense0/b is float64, the model's is float32"]
     doubles = {k: v.astype(np.float64) for k, v in good.items()}
-    assert export.weight_differences(doubles, specs) == ["every variable is float64, the model's are float32"]
+    assert weight_files.weight_differences(doubles, specs) == ["every variable is float64, the model's are float32"]
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -337,10 +338,10 @@ def test_files_that_are_not_plain_npz_are_refused(tmp_path, kind, message):
         with open(path, "wb") as f:
             np.save(f, np.zeros(3))
     elif kind == "truncated":
-        export.save_weights(path, {"a": np.zeros(100)})
+        weight_files.save_weights(path, {"a": np.zeros(100)})
         path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ExportError, match=message) as err:
-        export.read_npz(path)
+        weight_files.read_npz(path)
     assert "\n" not in str(err.value)
 
 

@@ -204,7 +204,7 @@ class Cluster:
             from psgd.worker.client import fetch_weights
 
             return fetch_weights(self.binds, self.plan, request_timeout=timeout)
-        from psgd.export import read_npz
+        from psgd.weights import read_npz
 
         out = self.folder / "observed.npz"
         done = subprocess.run(self.prefix("obs") + [*self.psgd, "export", "-c", str(self.path), "--timeout",

@@ -1,0 +1,118 @@
+"""A model's weights as one plain ``.npz`` file, and back: :func:`save_weights` writes ``{name: array}`` (no
+pickle; a temporary file, then a rename), :func:`load_weights` reads one back checked against the model's
+variables (:func:`weight_differences` says how they differ), and :func:`evaluate_file` scores one on the job's
+test split.  The weights come from :mod:`psgd.export` (joined from shards) or from a trainer's end."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from psgd.config import JobConfig
+from psgd.export import ExportError
+from psgd.model.base import VarSpec
+
+
+def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
+    """Write ``weights`` as a plain ``.npz`` keyed by variable name; returns its size in bytes.
+
+    Loadable with ``numpy.load(path, allow_pickle=False)``.  Written to a
+    temporary file in the same folder, fsynced, then renamed into place, so
+    ``path`` is either the old file or the whole new one.  The name is used
+    as given (no ``.npz`` is added).
+    """
+    from psgd.xp import to_host
+
+    path = Path(path)
+    arrays = {}
+    for name, value in weights.items():
+        array = np.ascontiguousarray(to_host(value))
+        if array.dtype.hasobject:
+            raise ExportError(f"variable {name} holds Python objects ({array.dtype}); only plain arrays are saved")
+        arrays[str(name)] = array
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for name, array in arrays.items():  # what numpy.savez does, without a way to pickle
+                    with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path`` (:func:`psgd.data.read_npz`: never unpickling);
+    :class:`ExportError` when it is not one."""
+    from psgd.data import DataError
+    from psgd.data.readers import read_npz as read_arrays
+
+    try:
+        return read_arrays(path)
+    except DataError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def weight_differences(arrays: Mapping[str, np.ndarray], specs: Sequence[VarSpec]) -> list[str]:
+    """How ``arrays`` differ from the variables ``specs`` describe: missing, extra, wrong shape or dtype."""
+    wanted = {s.name: s for s in specs}
+    problems = []
+    missing = [n for n in wanted if n not in arrays]
+    extra = [n for n in arrays if n not in wanted]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if extra:
+        problems.append(f"extra {', '.join(extra)}")
+    dtypes = []
+    for name, spec in wanted.items():
+        if name not in arrays:
+            continue
+        a = arrays[name]
+        if tuple(a.shape) != spec.shape:
+            problems.append(f"{name} has shape {tuple(a.shape)}, the model's is {spec.shape}")
+        if a.dtype != np.dtype(spec.dtype):
+            dtypes.append((name, str(a.dtype), spec.dtype))
+    pairs = {(got, want) for _, got, want in dtypes}
+    if len(dtypes) > 1 and len(pairs) == 1 and len(dtypes) == len(wanted):
+        got, want = pairs.pop()
+        problems.append(f"every variable is {got}, the model's are {want}")
+    else:
+        problems.extend(f"{name} is {got}, the model's is {want}" for name, got, want in dtypes)
+    return problems
+
+
+def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec]) -> dict[str, np.ndarray]:
+    """The weights saved at ``path``, checked against the model's variables ``specs``."""
+    arrays = read_npz(path)
+    problems = weight_differences(arrays, specs)
+    if problems:
+        raise ExportError(f"{path} does not fit this job's model: {'; '.join(problems)}; pass the job file or "
+                          "flags it was trained with (-c job.toml, or --model, --dtype, --set model.KEY=VALUE)")
+    return arrays
+
+
+def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
+    """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``config``."""
+    from psgd.loop import evaluate
+    from psgd.job import build_job, params_to_device
+
+    job = build_job(config)
+    weights = load_weights(path, job.model.specs())
+    params = params_to_device(weights, job.device)
+    ds = job.dataset
+    loss, accuracy = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size)
+    return {"test_accuracy": accuracy, "test_loss": loss, "examples": int(len(ds.y_test)),
+            "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
+            "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
