@@ -165,27 +165,40 @@ class FaultInjection:
         ``seconds``.  Under async the other workers must go on meanwhile."""
         c = self.cluster
         targets, sizes = self._data_ports()
-        args = json.dumps({"targets": targets, "sizes": sizes, "worker": r, "plan_hash": c.plan.hash,
-                           "seconds": seconds})
         c.signal(f"worker{r}", signal.SIGSTOP)
         try:
-            before = self._versions()
-            done = subprocess.run(c.prefix("obs") + [PY, "-c", HOLD, args], capture_output=True, text=True,
-                                  timeout=seconds + 60)
-            after = self._versions()
+            stats, before, after = self._from_outside(HOLD, {"targets": targets, "sizes": sizes, "worker": r,
+                                                             "plan_hash": c.plan.hash, "seconds": seconds},
+                                                      seconds + 60, "pull-holding")
         finally:
             c.signal(f"worker{r}", signal.SIGCONT)
-        try:
-            stats = json.loads(done.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            self.violate("harness", [f"the pull-holding client failed: {done.stderr.strip()[-500:]}"])
+        if stats is None:
             return "pull-holding client failed"
         others = [w for w in range(self.spec.workers) if w != r and c.alive(f"worker{w}")]
-        if self.spec.policy == "async" and others and None not in before + after and sum(after) <= sum(before):
+        if self.spec.policy == "async" and others and self._stood_still(before, after):
             self.violate("starvation", [f"no shard applied an update during {seconds:.1f}s while worker {r} was "
                                         f"stopped in the middle of a pull (versions {before} -> {after}; {stats})"])
         return (f"{stats['unfinished']} pull(s) left unfinished ({stats['shm']} answered through shared memory and "
                 f"never released, {stats['refused']} refused), versions {before} -> {after}")
+
+    def _from_outside(self, script: str, args: dict, timeout: float, who: str) -> tuple[dict | None, list, list]:
+        """Run one of :mod:`psgd.bench.chaos.hostile`'s clients (``script``, given ``args``) from the observer's
+        host, the shards' versions read just before and just after it: its stats (the last line it prints), or
+        None once a harness violation says that the ``who`` client failed."""
+        before = self._versions()
+        done = subprocess.run(self.cluster.prefix("obs") + [PY, "-c", script, json.dumps(args)], capture_output=True,
+                              text=True, timeout=timeout)
+        after = self._versions()
+        try:
+            return json.loads(done.stdout.strip().splitlines()[-1]), before, after
+        except (ValueError, IndexError):
+            self.violate("harness", [f"the {who} client failed: {done.stderr.strip()[-500:]}"])
+            return None, before, after
+
+    @staticmethod
+    def _stood_still(before: list, after: list) -> bool:
+        """No shard applied an update between two reads of their versions (every shard answered both)."""
+        return None not in before + after and sum(after) <= sum(before)
 
     def _data_ports(self) -> tuple[list[tuple[str, int]], list[int]]:
         """Each shard's (host, data port) and the bytes of its weights."""
@@ -204,22 +217,16 @@ class FaultInjection:
         c = self.cluster
         targets, sizes = self._data_ports()
         allowed = max(transfer_seconds(n, REQUEST_TIMEOUT) for n in sizes)
-        args = json.dumps({"targets": targets, "sizes": sizes, "worker": r, "unregistered": unregistered,
-                           "plan_hash": c.plan.hash, "seconds": allowed + 3.0})
-        before = self._versions()
-        done = subprocess.run(c.prefix("obs") + [PY, "-c", TRICKLE, args], capture_output=True, text=True,
-                              timeout=allowed + 60)
-        after = self._versions()
-        try:
-            stats = json.loads(done.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            self.violate("harness", [f"the trickling client failed: {done.stderr.strip()[-500:]}"])
+        stats, before, after = self._from_outside(TRICKLE, {"targets": targets, "sizes": sizes, "worker": r,
+                                                            "unregistered": unregistered, "plan_hash": c.plan.hash,
+                                                            "seconds": allowed + 3.0}, allowed + 60, "trickling")
+        if stats is None:
             return "trickling client failed"
         if stats["open_at_end"] or stats["longest"] > allowed + 2.0:
             self.violate("deadline", [f"a push trickled a byte every 0.25 s stayed open {stats['longest']:.1f}s, "
                                       f"past its transfer deadline of {allowed:.1f}s ({stats})"])
         training = any(c.alive(f"worker{w}") for w in range(self.spec.workers))
-        if training and None not in before + after and sum(after) <= sum(before):
+        if training and self._stood_still(before, after):
             self.violate("starvation", [f"no shard applied an update while pushes trickled in for "
                                         f"{stats['longest']:.1f}s (versions {before} -> {after}; {stats})"])
         return (f"{stats['opened']} opened ({stats['refused']} refused), {stats['closed_by_peer']} closed by the "
@@ -267,19 +274,14 @@ class FaultInjection:
         for address in c.binds:
             host, _, port = address.rpartition(":")
             targets += [(host, int(port)), (host, int(port) + 1)]
-        before = self._versions()
-        args = json.dumps({"targets": targets, "count": fault.count, "seconds": fault.seconds,
-                           "seed": self.seed * 1000 + self.spec.index})
-        done = subprocess.run(c.prefix("obs") + [PY, "-c", HOSTILE, args], capture_output=True, text=True,
-                              timeout=fault.seconds + 60)
-        after = self._versions()
-        try:
-            stats = json.loads(done.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            self.violate("harness", [f"the hostile client failed: {done.stderr.strip()[-500:]}"])
+        stats, before, after = self._from_outside(HOSTILE, {"targets": targets, "count": fault.count,
+                                                            "seconds": fault.seconds,
+                                                            "seed": self.seed * 1000 + self.spec.index},
+                                                  fault.seconds + 60, "hostile")
+        if stats is None:
             return "hostile client failed"
         training = any(c.alive(f"worker{r}") for r in range(self.spec.workers))
-        if training and None not in before + after and sum(after) <= sum(before):
+        if training and self._stood_still(before, after):
             self.violate("starvation", [f"no shard applied an update during {fault.seconds:.1f}s of hostile "
                                         f"connections (versions {before} -> {after}; {stats})"])
         return (f"{stats['opened']} opened, {stats['closed_by_peer']} closed by the shards, versions "
