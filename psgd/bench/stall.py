@@ -57,17 +57,15 @@ def _job(folder: Path, transport: str, width: int, workers: int, bind: str) -> P
 
 
 def _status(address: str) -> dict:
+    """The counters in the Status of the shard at ``address``."""
     import grpc
 
-    from psgd.channel import open_channel
-    from psgd.proto import ps_pb2, ps_pb2_grpc
+    from psgd.ops.reach import Connect, read_status
 
-    with open_channel(address) as channel:
-        try:
-            reply = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=5.0)
-        except grpc.RpcError as exc:
-            raise StallError(f"the shard at {address} did not answer Status: {exc.code().name}") from None
-    return json.loads(reply.counters_json or "{}")
+    try:
+        return read_status(address, Connect(timeout=5.0))["counters"]
+    except grpc.RpcError as exc:
+        raise StallError(f"the shard at {address} did not answer Status: {exc.code().name}") from None
 
 
 def _steps(metrics: Path) -> list[float]:

@@ -128,21 +128,28 @@ def check_health(address: str, connect: Connect) -> tuple[str, str | None, str |
     return name, None, None
 
 
-def probe(address: str, connect: Connect) -> ShardProbe:
-    """Health check and Status of one address, each within ``connect.timeout``."""
+def read_status(address: str, connect: Connect) -> dict:
+    """The Status of the shard at ``address`` (:func:`status_dict`), within ``connect.timeout``; the call's
+    ``grpc.RpcError`` when it does not answer."""
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
+    with connect.channel(address) as channel:
+        reply = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=connect.timeout,
+                                                                metadata=connect.metadata)
+    return status_dict(reply)
+
+
+def probe(address: str, connect: Connect) -> ShardProbe:
+    """Health check and Status of one address, each within ``connect.timeout``."""
     health, error, code = check_health(address, connect)
     if health == "UNREACHABLE":
         return ShardProbe(address, health, error=error, code=code, taken=time.monotonic())
-    with connect.channel(address) as channel:
-        try:
-            reply = ps_pb2_grpc.ParameterServerStub(channel).Status(
-                ps_pb2.StatusRequest(), timeout=connect.timeout, metadata=connect.metadata)
-        except grpc.RpcError as err:
-            return ShardProbe(address, health, error=explain_rpc_error(address, err, connect.timeout),
-                              code=err.code().name, taken=time.monotonic())
-    return ShardProbe(address, health, status_dict(reply), error=error, code=code, taken=time.monotonic())
+    try:
+        status = read_status(address, connect)
+    except grpc.RpcError as err:
+        return ShardProbe(address, health, error=explain_rpc_error(address, err, connect.timeout),
+                          code=err.code().name, taken=time.monotonic())
+    return ShardProbe(address, health, status, error=error, code=code, taken=time.monotonic())
 
 
 def probe_all(addresses: Sequence[str], connect: Connect) -> list[ShardProbe]:

@@ -171,19 +171,16 @@ class Cluster:
             return self._status_command(timeout)
         import grpc
 
-        from psgd.channel import open_channel
-        from psgd.proto import ps_pb2, ps_pb2_grpc
+        from psgd.ops.reach import Connect, read_status
 
         out: list[dict | None] = []
         for address in self.binds:
-            with open_channel(address) as channel:
-                try:
-                    reply = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=timeout)
-                except grpc.RpcError:
-                    out.append(None)
-                    continue
-            counters = json.loads(reply.counters_json or "{}")
-            out.append(shard_view(reply.shard, reply.version, reply.incarnation, counters))
+            try:
+                s = read_status(address, Connect(timeout=timeout))
+            except grpc.RpcError:
+                out.append(None)
+                continue
+            out.append(shard_view(s["shard"], s["version"], s["incarnation"], s["counters"]))
         return out
 
     def _status_command(self, timeout: float) -> list[dict | None]:
