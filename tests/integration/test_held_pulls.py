@@ -140,7 +140,7 @@ def test_a_stopped_shared_memory_reader_is_found_out_when_its_version_had_to_go(
     """Two stopped readers hold both versions the shard keeps: an update waits for the older one only until
     its hold has passed, then takes its memory; the reader, when it goes on, sees that its copy is torn."""
     job, server = big
-    core, plan = server.core, server.core.plan
+    plan = server.core.plan
     monkeypatch.setattr(datapath, "TRANSFER_GRACE", 0.5)
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e12)
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
