@@ -29,7 +29,7 @@ import re
 
 from psgd.config import ConfigError, JobConfig
 from psgd.delay import DelayError, parse_delay
-from psgd.policy import POLICIES
+from psgd.policy import POLICIES, PolicyOption
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,22 @@ class Scenario:
 def _plain_policies() -> list[str]:
     """The parameter-server policies named by their name alone: those that need no option."""
     return [name for name, cls in POLICIES.items() if not any(o.required for o in cls.options)]
+
+
+def _shorthands() -> dict[str, tuple[str, PolicyOption]]:
+    """The first word of each ``WORD:N`` contender, with the policy and the option its number sets."""
+    return {o.shorthand.partition(":")[0]: (name, o) for name, cls in POLICIES.items() for o in cls.options
+            if o.shorthand}
+
+
+def contender_families() -> list[str]:
+    """Every first word a contender may start with, policies first, in the order of :data:`POLICIES`."""
+    return list(dict.fromkeys([*POLICIES, *_shorthands(), "allreduce"]))
+
+
+def family(spec: str) -> str:
+    """The first word of a contender (``ssp`` of ``ssp:2+bf16``)."""
+    return spec.strip().split("+")[0].partition(":")[0]
 
 
 #: A network of the lab that is this machine's own loopback (no emulated hosts), beside shaped ones.
@@ -102,18 +118,16 @@ def _parse_base(text: str, spec: str) -> Contender:
         return Contender(text, "allreduce (MPI)", "allreduce")
     if kind in _plain_policies() and not arg:
         return Contender(text, kind, "ps", (f"cluster.policy={kind}",))
-    if kind in ("ssp", "backup", "local") and arg.isdigit():
-        if kind == "ssp":
-            return Contender(text, f"ssp s={int(arg)}", "ps", ("cluster.policy=ssp", f"cluster.staleness={int(arg)}"))
-        if kind == "local":
-            return Contender(text, f"local SGD \u03c4={int(arg)}", "ps",
-                             ("cluster.policy=local", f"cluster.local_steps={int(arg)}"))
-        if int(arg) < 1:
-            raise ConfigError(f"policy {spec!r}: backup:B needs B >= 1 (plain sync is 'sync')")
-        return Contender(text, f"sync +{int(arg)} backup", "ps",
-                         ("cluster.policy=sync", f"cluster.backup_workers={int(arg)}"))
-    raise ConfigError(f"unknown policy {spec!r}: use {', '.join(_plain_policies())}, ssp:S, local:T, backup:B or "
-                      "allreduce")
+    if kind in _shorthands() and arg.isdigit():
+        policy, option = _shorthands()[kind]
+        value = int(arg)
+        if kind != policy and value == option.default:
+            raise ConfigError(f"policy {spec!r}: {option.shorthand} needs a value other than {option.default} "
+                              f"(plain {policy} is {policy!r})")
+        return Contender(text, option.label.format(value), "ps",
+                         (f"cluster.policy={policy}", f"cluster.{option.cluster_key}={value}"))
+    forms = [o.shorthand for _, o in _shorthands().values()]
+    raise ConfigError(f"unknown policy {spec!r}: use {', '.join(_plain_policies() + forms)} or allreduce")
 
 
 def parse_scenario(text: str) -> Scenario:

@@ -20,14 +20,14 @@ from typing import Sequence
 
 import numpy as np
 
+from psgd.bench.lab import contender_families, family
 from psgd.bench.labresult import LabResult, RunResult
 
 DPI = 150
 #: Okabe & Ito's colour-blind-safe palette, in the order policies take it.
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
-#: The colour of each policy everywhere; any other takes the next free one in OKABE_ITO.
-POLICY_COLORS = {"sync": OKABE_ITO[0], "async": OKABE_ITO[1], "ssp:1": OKABE_ITO[2], "ssp:2": OKABE_ITO[2],
-                 "ssp:4": OKABE_ITO[5], "backup:1": OKABE_ITO[4], "allreduce": OKABE_ITO[3]}
+#: Each family of contenders (:func:`psgd.bench.lab.contender_families`) takes the colour at its place there.
+FAMILY_COLORS = dict(zip(contender_families(), OKABE_ITO))
 _AXES = (("wall", "wall time (s)"), ("updates", "updates applied"), ("steps", "gradients computed"))
 
 
@@ -52,18 +52,25 @@ def _pyplot():
 
 
 def style(spec: str, order: Sequence[str] = ()) -> dict:
-    """Colour and line style of a contender: compression on the wire keeps its policy's colour, dashed
-    (``async+bf16``); a remedy makes a contender of its own colour (``async+dc``)."""
+    """Colour and line style of a contender among ``order`` (the lab's contenders): compression on the wire
+    keeps its contender's colour, dashed (``async+bf16``). The first of a family (``ssp:1`` before ``ssp:4``,
+    ``async`` before ``async+dc``) takes the family's colour; the others take, in order, the colours no family
+    of ``order`` holds."""
     def key(text: str) -> str:
         return "+".join(part for part in text.split("+") if part not in ("bf16", "fp16"))
 
     base = key(spec)
-    color = POLICY_COLORS.get(base)
-    if color is None:
-        free = [c for c in OKABE_ITO if c not in POLICY_COLORS.values()]
-        others = list(dict.fromkeys(key(s) for s in order if key(s) not in POLICY_COLORS))
-        index = others.index(base) if base in others else len(others)
-        color = free[index % len(free)]
+    keys = sorted(dict.fromkeys(key(s) for s in [*order, spec]), key=lambda k: "+" in k)
+    first: dict[str, str] = {}
+    for k in keys:
+        first.setdefault(family(k), k)
+    if first[family(base)] == base and family(base) in FAMILY_COLORS:
+        color = FAMILY_COLORS[family(base)]
+    else:
+        taken = {FAMILY_COLORS.get(family(k)) for k in first.values()}
+        free = [c for c in OKABE_ITO if c not in taken] or list(OKABE_ITO)
+        others = [k for k in keys if first[family(k)] != k or family(k) not in FAMILY_COLORS]
+        color = free[others.index(base) % len(free)]
     return {"color": color, "linestyle": "--" if base != spec else "-"}
 
 

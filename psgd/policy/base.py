@@ -66,6 +66,8 @@ class PolicyOption:
     help: str          # one line, for --help
     required: bool
     cluster_key: str   # the [cluster] key (psgd.config.ClusterConfig field) it is read from
+    shorthand: str = ""  # how a benchmark contender names a value of it, as WORD:LETTER ("ssp:S"), if it may
+    label: str = ""      # that contender in words, the value at {} ("ssp s={}")
 
 
 def _is_int(value: Any) -> bool:

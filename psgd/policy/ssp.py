@@ -29,7 +29,7 @@ class SSPPolicy(AsyncPolicy):
                               "is more clocks than the staleness bound ahead of the slowest")
     options: ClassVar[tuple[PolicyOption, ...]] = (
         PolicyOption("staleness", int, None, "clocks a worker may run ahead of the slowest",
-                     required=True, cluster_key="staleness"),
+                     required=True, cluster_key="staleness", shorthand="ssp:S", label="ssp s={}"),
     )
     accumulates: ClassVar[bool] = False
 

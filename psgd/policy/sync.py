@@ -25,7 +25,7 @@ class SyncPolicy(Policy):
     summary: ClassVar[str] = "bulk-synchronous rounds: a round's pushes are averaged, then applied once"
     options: ClassVar[tuple[PolicyOption, ...]] = (
         PolicyOption("backup_workers", int, 0, "close each round without the last B workers' pushes",
-                     required=False, cluster_key="backup_workers"),
+                     required=False, cluster_key="backup_workers", shorthand="backup:B", label="sync +{} backup"),
     )
     accumulates: ClassVar[bool] = True
     _COUNTERS: ClassVar[tuple[str, ...]] = (

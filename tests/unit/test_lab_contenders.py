@@ -75,3 +75,25 @@ def test_scenarios_are_titled_in_words(spec, words):
 
     assert situation("", spec) == f"loopback, {words}"
     assert situation("1gbit", spec) == f"1 Gbit/s links, {words}"
+
+
+def test_the_lab_reads_its_contenders_and_colours_from_the_policy_registry():
+    import inspect
+
+    from psgd.bench import plots
+    from psgd.bench.lab import contender_families
+    from psgd.policy import POLICIES
+
+    for name, cls in POLICIES.items():
+        assert parse_contender(name if not any(o.required for o in cls.options) else f"{name}:2").sets[0] == \
+            f"cluster.policy={name}"
+        for option in cls.options:
+            if option.shorthand:
+                word = option.shorthand.partition(":")[0]
+                assert parse_contender(f"{word}:3").sets == (f"cluster.policy={name}",
+                                                               f"cluster.{option.cluster_key}=3")
+    families = contender_families()
+    one_each = [f if f in POLICIES or f == "allreduce" else f"{f}:1" for f in families]
+    assert len({plots.style(spec, one_each)["color"] for spec in one_each}) == len(families)
+    source = inspect.getsource(plots)
+    assert not [name for name in POLICIES if f'"{name}"' in source]  # no policy written out in the plots
