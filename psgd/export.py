@@ -63,20 +63,20 @@ class Exported:
         return sum(int(w.size) for w in self.weights.values())
 
 
-def job_plan(job: JobConfig) -> PartitionPlan:
+def job_plan(config: JobConfig) -> PartitionPlan:
     """The partition plan every process of ``job`` derives (builds the model; the data is only described)."""
     from psgd.job import describe_job
 
-    return describe_job(job).plan
+    return describe_job(config).plan
 
 
-def _describe_job(job: JobConfig, plan: PartitionPlan) -> str:
-    return (f"plan {plan.hash}: model {job.model['name']}, {job.train.dtype}, {plan.num_shards} shard(s), "
+def _describe_job(config: JobConfig, plan: PartitionPlan) -> str:
+    return (f"plan {plan.hash}: model {config.model['name']}, {config.train.dtype}, {plan.num_shards} shard(s), "
             f"slices of {plan.slice_bytes} bytes")
 
 
 # -- from a running cluster -------------------------------------------------------------------
-def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
+def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
                       tls: TLSFiles = NO_TLS, request_timeout: float | None = None) -> Exported:
     """The current weights of the running cluster at ``addresses`` (default: the job's servers).
 
@@ -88,16 +88,16 @@ def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, to
     from psgd.wire.protocol import OBSERVER
     from psgd.worker.client import PSClient
 
-    addresses = list(addresses or job.cluster.servers)
+    addresses = list(addresses or config.cluster.servers)
     if not addresses:
         raise ExportError("no shard addresses: pass --servers HOST:PORT,... in shard order, or a job file whose "
                           "[cluster] lists servers, or --checkpoints DIR to join the shards' checkpoints")
-    plan = job_plan(job)
+    plan = job_plan(config)
     if len(addresses) != plan.num_shards:
         raise ExportError(f"{len(addresses)} shard address(es) given for a job of {plan.num_shards} shard(s): "
                           "list every shard's address, or pass --shards")
     if request_timeout is None:
-        request_timeout = job.cluster.request_timeout
+        request_timeout = config.cluster.request_timeout
     with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls) as client:
         problems, statuses = [], client.status()
         for k, status in enumerate(statuses):
@@ -111,7 +111,7 @@ def pull_from_servers(job: JobConfig, addresses: Sequence[str] | None = None, to
                 and all(s.shard == k for k, s in enumerate(statuses)):
             problems = [f"every shard holds plan {theirs.pop()}"]
         if problems:
-            raise ExportError(f"the cluster does not hold the model this job describes ({_describe_job(job, plan)}): "
+            raise ExportError(f"the cluster does not hold the model this job describes ({_describe_job(config, plan)}): "
                               f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order")
         weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         versions = client.pull(0, weights)
@@ -154,7 +154,7 @@ class _ShardFolder:
         return f"{self.name}: " + ", ".join(shown) + (f" and {more} older" if more > 0 else "")
 
 
-def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | None = None,
+def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | None = None,
                      mixed: bool = False) -> Exported:
     """Whole variables joined from the job's checkpoints in ``root``/<fingerprint>/shard-K, K = 0..shards-1.
 
@@ -174,8 +174,8 @@ def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | Non
     if not root.is_dir():
         raise ExportError(f"checkpoint folder {root} does not exist (it is psgd-server's --checkpoint-dir, "
                           "holding <job fingerprint>/shard-0, shard-1, ...)")
-    plan = job_plan(job)
-    root = _job_folder(job, plan, root)
+    plan = job_plan(config)
+    root = _job_folder(config, plan, root)
     shards = [_ShardFolder(root, k) for k in range(plan.num_shards)]
 
     def inventory() -> str:
@@ -203,7 +203,7 @@ def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | Non
                                   f"{_common_versions(shards)}")
             taken[s.shard] = ckpt
 
-    _check_plans(job, plan, root, shards, taken, inventory)
+    _check_plans(config, plan, root, shards, taken, inventory)
     lacking = [s for s in shards if s.shard not in taken]
     if lacking:
         why = [f"{s.name}/ckpt-{max(s.damaged)}: {s.damaged[max(s.damaged)]}" for s in lacking if s.damaged]
@@ -225,12 +225,12 @@ def join_checkpoints(job: JobConfig, root: str | os.PathLike, version: int | Non
     return Exported(weights, versions, f"checkpoints in {root}", files, notes)
 
 
-def _job_folder(job: JobConfig, plan: PartitionPlan, root: Path) -> Path:
+def _job_folder(config: JobConfig, plan: PartitionPlan, root: Path) -> Path:
     """Where ``job``'s checkpoints are in ``root``: ``root/<fingerprint>``, or ``root`` itself when it holds
     shard-K folders; refuses, naming them and what differs, when only other jobs' checkpoints are there."""
     from psgd.job import fingerprint, identity
 
-    mine = identity(job, plan.hash)
+    mine = identity(config, plan.hash)
     name = fingerprint(mine)
     folder = root / name
     if folder.is_dir():
@@ -255,7 +255,7 @@ def _job_folder(job: JobConfig, plan: PartitionPlan, root: Path) -> Path:
     theirs = (newest.manifest or {}).get("plan")
     why = plan_differences(plan.description(), theirs, "job", "checkpoints") if isinstance(theirs, dict) else ""
     raise ExportError(f"{said}; job {newest.fingerprint}'s were written for partition plan "
-                      f"{(newest.manifest or {}).get('plan_hash')}, this job describes {_describe_job(job, plan)}"
+                      f"{(newest.manifest or {}).get('plan_hash')}, this job describes {_describe_job(config, plan)}"
                       + (f" ({why})" if why else "") + f": {JOB_HINT}")
 
 
@@ -268,7 +268,7 @@ def _common_versions(shards: Sequence[_ShardFolder]) -> str:
     return "every shard has " + ", ".join(str(v) for v in newest[:SHOWN]) + more
 
 
-def _check_plans(job: JobConfig, plan: PartitionPlan, root: Path, shards: Sequence[_ShardFolder],
+def _check_plans(config: JobConfig, plan: PartitionPlan, root: Path, shards: Sequence[_ShardFolder],
                  taken: Mapping[int, checkpoint.Checkpoint], inventory) -> None:
     """Refuse checkpoints of several plans, or of a plan other than the job's, or in the wrong folder."""
     hashes = {k: c.manifest.get("plan_hash") for k, c in taken.items()}
@@ -282,7 +282,7 @@ def _check_plans(job: JobConfig, plan: PartitionPlan, root: Path, shards: Sequen
         theirs = ckpt.manifest.get("plan")
         why = plan_differences(plan.description(), theirs, "job", "checkpoints") if isinstance(theirs, dict) else ""
         raise ExportError(f"the checkpoints in {root} were written for partition plan {hashes[k]}, this job "
-                          f"describes {_describe_job(job, plan)}" + (f" ({why})" if why else "") + f": {JOB_HINT}")
+                          f"describes {_describe_job(config, plan)}" + (f" ({why})" if why else "") + f": {JOB_HINT}")
     for k, ckpt in taken.items():
         if ckpt.manifest.get("shard", k) != k:
             raise ExportError(f"{ckpt.path} says it is shard {ckpt.manifest.get('shard')}'s, but it lies in "

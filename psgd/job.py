@@ -43,16 +43,16 @@ log = logging.getLogger(__name__)
 FIELDS = ("plan", "policy", "policy_options", "workers", "shards", "optimizer", "dtype")
 
 
-def identity(job: JobConfig, plan_hash: str) -> dict[str, Any]:
+def identity(config: JobConfig, plan_hash: str) -> dict[str, Any]:
     """What every process of ``job`` must agree on (the shard index is checked apart)."""
-    c = job.cluster
+    c = config.cluster
     options: dict[str, Any] = {"staleness_lr": c.staleness_lr}
     if not POLICIES[c.policy].accumulates:  # each push an update of its own: at which rate is the job's meaning
         options.update(async_lr=c.async_lr, dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive,
                        implicit_momentum=c.implicit_momentum)
     options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
-            "shards": c.shards, "optimizer": dict(job.optimizer), "dtype": job.train.dtype}
+            "shards": c.shards, "optimizer": dict(config.optimizer), "dtype": config.train.dtype}
 
 
 def fingerprint(ident: Mapping[str, Any]) -> str:
@@ -99,7 +99,7 @@ class Job:
 
     def optimizer(self) -> optim.Optimizer:
         """A new optimizer as the job file's ``[optimizer]`` describes it (a trainer's, or a shard's)."""
-        return optim.build_optimizer(self.config.optimizer["name"], **self.config.options("optimizer"))
+        return job_optimizer(self.config)
 
     def policy(self) -> Policy:
         """A new consistency policy as the job's ``[cluster]`` describes it (a shard's)."""
@@ -114,6 +114,12 @@ class Job:
     def one_shard_plan(self) -> PartitionPlan:
         """The job's variables as one shard would hold them (all-reduce ranks agree on its hash)."""
         return PartitionPlan(self.model.specs(), 1)
+
+
+def job_optimizer(config: JobConfig) -> optim.Optimizer:
+    """A new optimizer as ``config``'s ``[optimizer]`` describes it: what needs no model (a benchmark of the
+    update rules alone) asks here, a role with a :class:`Job` asks its :meth:`Job.optimizer`."""
+    return optim.build_optimizer(config.optimizer["name"], **config.options("optimizer"))
 
 
 def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False) -> Job:

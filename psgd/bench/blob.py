@@ -88,7 +88,7 @@ class BlobCluster:
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, job=self.job)
+        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, config=self.job)
         c.wait_ready(60)
         c.register()
         return c

@@ -72,9 +72,8 @@ def bare_grpc_rtt(repeats: int = 2000) -> float:
 
 def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     """GB/s of parameter bytes updated per second, per optimizer, on one 4 MiB-sliced tensor."""
-    from psgd.bench.blob import Blob
     from psgd.config import JobConfig
-    from psgd.job import describe_job
+    from psgd.job import job_optimizer
 
     out = {}
     n = nbytes // 4
@@ -82,7 +81,7 @@ def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     for name in ("sgd", "momentum", "adam"):
         config = JobConfig()
         config.apply_sets([f"optimizer.name={name}"])
-        opt = describe_job(config, model=Blob((1,), 2, size=1)).optimizer()
+        opt = job_optimizer(config)
         p = np.ones(n, dtype=np.float32)
         g = np.full(n, 1e-3, dtype=np.float32)
         keys = [(f"p#{a}", slice(a, min(n, a + slice_elems))) for a in range(0, n, slice_elems)]

@@ -192,7 +192,7 @@ def worker_main(spec_path: str) -> int:
     job = JobConfig.load(spec["job"])
     elems = int(job.model["size"])
     plan = describe_job(job, model=Blob((1,), 2, size=elems)).plan
-    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], job=job) as client:
+    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], config=job) as client:
         client.wait_ready(60)
         client.register()
         pulls, pushes = pull_push_loop(client, elems, spec["steps"])

@@ -150,11 +150,11 @@ def ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def start_process(job: JobConfig) -> None:
+def start_process(config: JobConfig) -> None:
     """What every psgd process does once its job is known: its BLAS/OpenMP thread budget."""
     from psgd import threads
 
-    log.debug("BLAS/OpenMP threads: %s", threads.apply(job.train.threads))
+    log.debug("BLAS/OpenMP threads: %s", threads.apply(config.train.threads))
 
 
 def add_token_argument(parser: argparse.ArgumentParser) -> None:

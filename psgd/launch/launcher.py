@@ -56,7 +56,7 @@ def lost_updates(versions: Sequence[int]) -> dict[int, int]:
     return {k: top - v for k, v in enumerate(versions) if v < top}
 
 
-def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
+def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event, str], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
@@ -85,33 +85,33 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
                           "NCCL bring their own transport)")
     if mode == "allreduce" and layout.nnodes > 1:
         raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
-    layout.check(job.cluster.shards, job.cluster.workers)
+    layout.check(config.cluster.shards, config.cluster.workers)
     if hosts is not None:
         if layout.nnodes > 1 or (mode == "allreduce" and backend != "mpi"):
             raise LaunchError("emulated hosts are for one node, and for all-reduce over MPI (NCCL ranks need "
                               "GPUs of their own)")
-        hosts.check(job.cluster.shards if mode == "ps" else 0, job.cluster.workers)
-    ranks = layout.workers_here(job.cluster.workers)
-    devices, placement = place_on_gpus(job.train.device, ranks, "rank" if mode == "allreduce" else "worker")
+        hosts.check(config.cluster.shards if mode == "ps" else 0, config.cluster.workers)
+    ranks = layout.workers_here(config.cluster.workers)
+    devices, placement = place_on_gpus(config.train.device, ranks, "rank" if mode == "allreduce" else "worker")
     if mode == "allreduce" and backend == "nccl":
         gpus = {d for d in devices.values() if d != "cpu"}
         if len(gpus) < len(ranks):
             raise LaunchError(f"all-reduce over NCCL needs a GPU of its own for each of its {len(ranks)} ranks, "
-                              f"and --device {job.train.device} gives {len(gpus)}: use --device cuda on a machine "
+                              f"and --device {config.train.device} gives {len(gpus)}: use --device cuda on a machine "
                               "with enough GPUs, or the mpi backend")
     if placement:
         log.info("%s", placement)
-    job = copy.deepcopy(job)  # the job file names one device (its workers' own comes with --device)
-    job.override("train.device", devices[ranks[0]] if ranks else "cpu")
+    config = copy.deepcopy(config)  # the job file names one device (its workers' own comes with --device)
+    config.override("train.device", devices[ranks[0]] if ranks else "cpu")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
     run.mkdir(parents=True, exist_ok=True)
-    spec = job.to_dict()
+    spec = config.to_dict()
     spec["cluster"]["servers"] = []
-    here = (len(layout.shards_here(job.cluster.shards)) if mode == "ps" else 0) + \
-        len(layout.workers_here(job.cluster.workers))
-    per_process, said = thread_budget(job, here)
+    here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
+        len(layout.workers_here(config.cluster.workers))
+    per_process, said = thread_budget(config, here)
     log.info("%s", said)
     spec["train"]["threads"] = per_process
     threads.apply(per_process)
@@ -133,11 +133,11 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
         stopping = signal.SIGTERM
         try:
             if mode == "allreduce":
-                result = _launch_allreduce(job, backend, run, progress, timeout, list(worker_args), log_flags,
+                result = _launch_allreduce(config, backend, run, progress, timeout, list(worker_args), log_flags,
                                            children, save, hosts, devices)
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
-                result = _launch_ps(job, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
+                result = _launch_ps(config, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
                                     children, save, layout, hosts, devices, tls, tls_flags, token)
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
@@ -151,7 +151,7 @@ def launch(job: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: s
             # the files through which the processes found each other mean nothing once the launch has ended
             # (a stopped shard removes its own port file; a killed one cannot)
             handoff = [run / NCCL_RENDEZVOUS] if mode == "allreduce" else \
-                [_port_file(run, k) for k in layout.shards_here(job.cluster.shards)]
+                [_port_file(run, k) for k in layout.shards_here(config.cluster.shards)]
             for path in handoff:
                 path.unlink(missing_ok=True)
 
@@ -175,12 +175,12 @@ def _device_flags(device: str) -> list[str]:
 MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0")
 
 
-def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
+def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
                       save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
     from psgd.weights import read_npz, save_weights
 
-    n, py = job.cluster.workers, sys.executable
+    n, py = config.cluster.workers, sys.executable
     weights = run / "weights.npz"
     weights.unlink(missing_ok=True)
     common = ["-m", "psgd.cli.worker", "-c", str(run / "job.toml"), "--mode", "allreduce", "--backend", backend,
@@ -222,7 +222,7 @@ def _launch_allreduce(job: JobConfig, backend: str, run: Path, progress: bool, t
     if not weights.exists():
         raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
     params = read_npz(weights)
-    loss, acc, verdict = _evaluate(job, params, "allreduce")
+    loss, acc, verdict = _evaluate(config, params, "allreduce")
     if save:
         save_weights(save, params)
     return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
@@ -276,11 +276,11 @@ def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str 
     return own
 
 
-def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
+def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
                log_flags: list[str], monitor: Callable[[list[str], threading.Event, str], None] | None,
                children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
                devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str) -> LaunchResult:
-    c = job.cluster
+    c = config.cluster
     job_path = run / "job.toml"
     py = sys.executable
     start = time.perf_counter()
@@ -332,7 +332,7 @@ def _launch_ps(job: JobConfig, spec: dict, run: Path, progress: bool, timeout: f
     if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
         _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
-    return _final_evaluation(job, addresses, run, start, save, tls, token)
+    return _final_evaluation(config, addresses, run, start, save, tls, token)
 
 
 def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,
@@ -383,13 +383,13 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
     raise LaunchError(f"node 0's shard at {address} was still serving after {timeout:.0f}s (--timeout)")
 
 
-def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: float,
+def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
     from psgd.export import pull_from_servers
     from psgd.weights import save_weights
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
-    pulled = pull_from_servers(job, addresses, token=token, tls=tls)
+    pulled = pull_from_servers(config, addresses, token=token, tls=tls)
     weights, versions = pulled.weights, pulled.versions
     lost = lost_updates(versions)
     if lost:
@@ -398,7 +398,7 @@ def _final_evaluation(job: JobConfig, addresses: list[str], run: Path, start: fl
                     "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
                     "its part of the model missed them", "; ".join(
                         f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
-    loss, acc, verdict = _evaluate(job, weights, "ps")
+    loss, acc, verdict = _evaluate(config, weights, "ps")
     if save:
         save_weights(save, weights)
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost)

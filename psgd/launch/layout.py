@@ -154,12 +154,12 @@ def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tu
                     + f" ({backend.cuda_device_count()} visible{shared}; shards on the CPU)")
 
 
-def thread_budget(job: JobConfig, processes: int) -> tuple[int, str]:
+def thread_budget(config: JobConfig, processes: int) -> tuple[int, str]:
     """Threads for each of ``processes`` psgd processes on this machine (0: left to the environment),
     and the one line that says so."""
     cores = threads.available_cores()
-    if job.train.threads:
-        return job.train.threads, f"{processes} process(es) on {cores} core(s): {job.train.threads} BLAS/OpenMP " \
+    if config.train.threads:
+        return config.train.threads, f"{processes} process(es) on {cores} core(s): {config.train.threads} BLAS/OpenMP " \
                                   "thread(s) each (--threads)"
     explicit = threads.user_setting()
     if explicit:

@@ -74,7 +74,7 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = OBSERVER, *,
                  request_timeout: float = 60.0, retry_deadline: float | None = None, transport: str = "auto",
                  wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
-                 stop: threading.Event | None = None, job: JobConfig | None = None):
+                 stop: threading.Event | None = None, config: JobConfig | None = None):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         try:
@@ -103,10 +103,10 @@ class PSClient:
         self._packed: list[np.ndarray | None] = [None] * plan.num_shards
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
-        self.identity = job_identity(job, plan.hash) if job is not None else None
+        self.identity = job_identity(config, plan.hash) if config is not None else None
         #: how long a registration refused because another process holds this rank is retried: one of the job's
         #: leases and a margin, after which a holder that died has lost the rank and one that lives has renewed it
-        self.holder_wait = job.cluster.lease_seconds + HOLDER_MARGIN if job is not None else self.retry_deadline
+        self.holder_wait = config.cluster.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline
         self._pulling = False
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
@@ -212,7 +212,7 @@ class PSClient:
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
         if self.identity is None:
-            raise PSError("a worker registers with its job (PSClient(..., job=...)); an observer cannot register")
+            raise PSError("a worker registers with its job file (PSClient(..., config=...)); an observer cannot register")
         return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
                                       plan_json=json.dumps(self.plan.description()),
                                       hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,

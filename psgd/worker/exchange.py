@@ -244,7 +244,7 @@ def run_worker(
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
     with PSClient(addresses, job.plan, rank, request_timeout=c.request_timeout, transport=c.transport,
-                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, job=config) as client:
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, config=config) as client:
         result = run_loop(job, ParameterServerExchange(job, client, rank, stop), rank=rank,
                           world=c.workers, evaluate_every=evaluate_every, progress=progress, desc=f"worker {rank}",
                           metrics_path=metrics_path, delay=delay, stop=stop, on_step=on_step)

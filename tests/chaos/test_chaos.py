@@ -204,7 +204,7 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
     with shards(job) as servers:
         plan = servers[0].core.plan
         grads = {s.name: np.zeros(s.shape, np.float32) for s in plan.specs}
-        clients = [PSClient(job.cluster.servers, plan, r, job=job, request_timeout=5) for r in range(2)]
+        clients = [PSClient(job.cluster.servers, plan, r, config=job, request_timeout=5) for r in range(2)]
         try:
             for c in clients:
                 c.register()
@@ -247,7 +247,7 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
     try:
         plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.slice_bytes)
-        with PSClient(job.cluster.servers, plan, 0, job=job, request_timeout=10) as client:
+        with PSClient(job.cluster.servers, plan, 0, config=job, request_timeout=10) as client:
             client.wait_ready(30)
             client.register()
             client.start_heartbeats()  # a live worker, renewing its lease

@@ -132,7 +132,7 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
         for _ in range(3):  # the control calls are answered at once, on the connection the idle streams crowd too
             began = time.monotonic()
             stub.Status(ps_pb2.StatusRequest(), timeout=5)
-            with PSClient([server.address], server.core.plan, 0, request_timeout=5, job=job) as client:
+            with PSClient([server.address], server.core.plan, 0, request_timeout=5, config=job) as client:
                 client.register()
             assert time.monotonic() - began < 2.0
         codes = [f.exception(timeout=IO).code() for f in streams]  # every one ended by the shard
@@ -179,7 +179,7 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO)
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.details
         # a worker retries it (a slow network may be to blame) and, when it gives up, its error says why
-        with PSClient(job.cluster.servers, core.plan, 0, request_timeout=2.0, token=TOKEN, job=job) as client:
+        with PSClient(job.cluster.servers, core.plan, 0, request_timeout=2.0, token=TOKEN, config=job) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in core.plan.specs}
             with pytest.raises(PSError, match="no hello within 0.5 s"):

@@ -104,7 +104,7 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
             from grpc_status import rpc_status
 
             stub = ps_pb2_grpc.ParameterServerStub(channel)
-            client = PSClient([servers[0].address], plan_of(other), 0, job=other)
+            client = PSClient([servers[0].address], plan_of(other), 0, config=other)
             request = client._register_request()
             client.close()
             with pytest.raises(grpc.RpcError) as err:
@@ -145,7 +145,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
     servers = serve([build_shard(describe_job(job), 0)])
     try:
         plan = plan_of(job)
-        with PSClient([servers[0].address], plan, 0, request_timeout=5, job=job) as client:
+        with PSClient([servers[0].address], plan, 0, request_timeout=5, config=job) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
             client.push(0, grads)
@@ -166,7 +166,7 @@ def test_the_data_path_reports_the_reason_too():
         from psgd.link.tcp import DataConnection
 
         plan = plan_of(job)
-        with PSClient([servers[0].address], plan, 0, request_timeout=5, job=job) as client:
+        with PSClient([servers[0].address], plan, 0, request_timeout=5, config=job) as client:
             client.register()
         conn = DataConnection("127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0)
         try:

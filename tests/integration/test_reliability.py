@@ -70,7 +70,7 @@ def test_a_retried_push_is_applied_once():
         model = build_job(job).model
         plan = PartitionPlan(model.specs(), 2, job.cluster.slice_bytes)
         grads = {s.name: np.full(s.shape, 0.5, dtype=np.float32) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, job=job) as client:
+        with PSClient(job.cluster.servers, plan, 0, config=job) as client:
             client.register()
             first = client.push(0, grads)
             again = client.push(0, grads)  # the same push delivered twice (a forced retry)

@@ -534,8 +534,8 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
         plan = servers[0].core.plan
         assert all(s.core.nbytes >= PARALLEL_BYTES and len(s.core.slices) > 2 for s in servers)
         ones = {s.name: np.ones(s.shape) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", job=job) as pusher, \
-                PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport="shm", job=job) as puller:
+        with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", config=job) as pusher, \
+                PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport="shm", config=job) as puller:
             pusher.register(), puller.register()
             assert all(isinstance(link, ShmLink) and link.shared for link in pusher.links + puller.links)
             initial = {s.name: np.empty(s.shape) for s in plan.specs}
@@ -587,7 +587,7 @@ def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
         monkeypatch.setattr(server.core, "push", push_then_break)
         plan = server.core.plan
         grads = {s.name: np.full(s.shape, 0.25) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", job=job) as client:
+        with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", config=job) as client:
             clock = client.register()
             assert client.links[0].shared
             before = server.core.flat.copy()
@@ -627,7 +627,7 @@ def _one_step(job, caplog, rank: int = 0) -> list:
     plan = build_shard(describe_job(job), 0).plan
     with contextlib.nullcontext():
         with PSClient(job.cluster.servers, plan, rank, request_timeout=IO, transport=job.cluster.transport,
-                      job=job) as client:
+                      config=job) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
             client.pull(clock, host)

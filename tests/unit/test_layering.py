@@ -219,8 +219,8 @@ def test_the_command_line_parses_and_calls():
 
 
 def test_the_assembled_job_has_one_name():
-    """A psgd.job.Job is called ``job`` and a JobConfig ``config`` wherever one is built from the other: no
-    variable or parameter named ``built`` is left (it was the Job's name beside a JobConfig called ``job``)."""
+    """A psgd.job.Job is called ``job`` and a JobConfig ``config``: every parameter typed as one is named so, and
+    no variable or parameter named ``built`` is left (it was the Job's name beside a JobConfig called ``job``)."""
     found = []
     for path in sorted(PSGD.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -228,4 +228,8 @@ def test_the_assembled_job_has_one_name():
                 node.attr if isinstance(node, ast.Attribute) else None
             if named == "built":
                 found.append(f"{path.relative_to(PSGD)}:{node.lineno}")
+            typed = ast.unparse(node.annotation) if isinstance(node, ast.arg) and node.annotation else ""
+            if "JobConfig" in typed and node.arg != "config" or typed.strip('"') in ("Job", "Job | None") \
+                    and node.arg != "job":
+                found.append(f"{path.relative_to(PSGD)}:{node.lineno} {node.arg}: {typed}")
     assert found == [], found
