@@ -56,14 +56,14 @@ class BlobCluster:
         from psgd.config import JobConfig, to_toml
 
         self.size, self.elems = size, size // 4
-        self.job = JobConfig()
-        self.job.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
+        self.config = JobConfig()
+        self.config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
                              "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
                              "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
                              f"cluster.workers={workers}"])
         self.tmp = Path(tempfile.mkdtemp(dir=tmp))
         self.path = self.tmp / "job.toml"
-        self.path.write_text(to_toml(self.job.to_dict()))
+        self.path.write_text(to_toml(self.config.to_dict()))
         self.env = dict(os.environ)
         files = [self.tmp / f"{k}.addr" for k in range(shards)]
         # with ``hosts`` (psgd.bench.netns.Namespaces), shard k runs on host s<k> and listens on its address
@@ -83,12 +83,12 @@ class BlobCluster:
         self.addresses = [f.read_text().strip() for f in files]
         from psgd.job import describe_job
 
-        self.plan = describe_job(self.job, model=Blob((1,), 2, size=self.elems)).plan
+        self.plan = describe_job(self.config, model=Blob((1,), 2, size=self.elems)).plan
 
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, config=self.job)
+        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, config=self.config)
         c.wait_ready(60)
         c.register()
         return c

@@ -106,12 +106,12 @@ def run_worker_process(cluster: BlobCluster) -> dict:
     """A real psgd-worker process training the blob model for one epoch (8 steps); its JSON summary."""
     from psgd.config import to_toml
 
-    job = cluster.job
-    job.override("cluster.servers", cluster.addresses)
-    job.override("train.batch_size", 8)
-    job.override("train.epochs", 1)
+    config = cluster.config
+    config.override("cluster.servers", cluster.addresses)
+    config.override("train.batch_size", 8)
+    config.override("train.epochs", 1)
     path = cluster.tmp / "worker.toml"
-    path.write_text(to_toml(job.to_dict()))
+    path.write_text(to_toml(config.to_dict()))
     done = subprocess.run([PY, "-m", "psgd.cli.worker", "-c", str(path), "--rank", "0", "--no-progress", "-q",
                            "--json"], env=cluster.env, capture_output=True, text=True, timeout=600)
     if done.returncode:

@@ -159,9 +159,9 @@ class LabConfig:
     networks: list[str] = dataclasses.field(default_factory=list)  # link rates (psgd.bench.netns); []: loopback
 
     def job_config(self) -> JobConfig:
-        job = JobConfig()
-        job.apply_sets(self.job)
-        return job
+        config = JobConfig()
+        config.apply_sets(self.job)
+        return config
 
     def contenders(self) -> list[Contender]:
         return [parse_contender(p) for p in self.policies]

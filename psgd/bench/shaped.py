@@ -189,10 +189,10 @@ def worker_main(spec_path: str) -> int:
     from psgd.worker.client import PSClient
 
     spec = json.loads(Path(spec_path).read_text())
-    job = JobConfig.load(spec["job"])
-    elems = int(job.model["size"])
-    plan = describe_job(job, model=Blob((1,), 2, size=elems)).plan
-    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], config=job) as client:
+    config = JobConfig.load(spec["job"])
+    elems = int(config.model["size"])
+    plan = describe_job(config, model=Blob((1,), 2, size=elems)).plan
+    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], config=config) as client:
         client.wait_ready(60)
         client.register()
         pulls, pushes = pull_push_loop(client, elems, spec["steps"])

@@ -68,14 +68,14 @@ def cmd_doctor(args: argparse.Namespace, out=None) -> int:
         return health_check(args, out)
     from psgd.cli.common import job_from_args
 
-    job = job_from_args(args)
-    doctor = Doctor(job, connect_from_args(args, job))
+    config = job_from_args(args)
+    doctor = Doctor(config, connect_from_args(args, config))
     findings = doctor.run()
     failures, warnings = doctor.failures, [f for f in findings if f.level == "warn"]
     if args.json:
         out.write(json.dumps({"ok": not failures, "findings": [dataclasses.asdict(f) for f in findings]}) + "\n")
     else:
-        out.write(f"psgd doctor: {job.source}\n" + "\n".join(f.line() for f in findings) + "\n")
+        out.write(f"psgd doctor: {config.source}\n" + "\n".join(f.line() for f in findings) + "\n")
         if failures:
             out.write(f"{len(failures)} problem(s) found" + (f", {len(warnings)} warning(s)" if warnings else "")
                       + ": fix the FAIL lines above.\n")

@@ -110,12 +110,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ExportError("--version and --mixed-versions choose among checkpoints: use them with --checkpoints DIR")
     if args.servers and args.shards is None:  # the addresses say how many shards there are
         args.shards = len(comma_list(args.servers, "--servers", what="addresses", error=ExportError))
-    job = job_from_args(args)
-    start_process(job)
+    config = job_from_args(args)
+    start_process(config)
     if args.checkpoints:
-        result = join_checkpoints(job, args.checkpoints, args.version, args.mixed_versions)
+        result = join_checkpoints(config, args.checkpoints, args.version, args.mixed_versions)
     else:
-        result = pull_from_servers(job, job.cluster.servers, token_from_args(args), tls_from_args(args),
+        result = pull_from_servers(config, config.cluster.servers, token_from_args(args), tls_from_args(args),
                                    request_timeout=args.timeout)
     size = save_weights(args.file, result.weights)
     if args.json:
@@ -134,9 +134,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from psgd.weights import evaluate_file
 
     setup_logging("eval", verbosity(args))
-    job = job_from_args(args)
-    start_process(job)
-    result = evaluate_file(job, args.file)
+    config = job_from_args(args)
+    start_process(config)
+    result = evaluate_file(config, args.file)
     if args.json:
         print(json.dumps(result))
     else:

@@ -228,13 +228,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from psgd.launch import EXIT_LOST_UPDATES, Hosts, launch
 
     setup_logging("launch", verbosity(args))
-    job = job_from_args(args)
+    config = job_from_args(args)
     layout = layout_from_args(args)
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
-    result = launch(job, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
+    result = launch(config, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args, job))
-    c = job.cluster
+                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args, config))
+    c = config.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")
     if args.json:
@@ -262,9 +262,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from psgd.train import train_local
 
     setup_logging("local", verbosity(args))
-    job = job_from_args(args)
-    start_process(job)
-    result = train_local(job, progress=not args.no_progress, metrics_path=args.metrics)
+    config = job_from_args(args)
+    start_process(config)
+    result = train_local(config, progress=not args.no_progress, metrics_path=args.metrics)
     if args.save:
         save_weights(args.save, result.params)
     summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,

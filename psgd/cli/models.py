@@ -72,10 +72,10 @@ def cmd_check_model(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_name:
             raise ConfigError(f"two models given, {args.model_name!r} and --model {args.model!r}: give one")
         args.model = args.model_name
-    job = job_from_args(args)
-    name, options, dtype = job.model["name"], job.options("model"), job.train.dtype
-    device = backend.use_device(job.train.device)
-    ds = datasets.load_dataset(job.data["name"], dtype=dtype, **job.options("data"))
+    config = job_from_args(args)
+    name, options, dtype = config.model["name"], config.options("model"), config.train.dtype
+    device = backend.use_device(config.train.device)
+    ds = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
     print(f"checking model {name} for {ds.name}: input {ds.input_shape} {dtype}, {ds.num_classes} classes, "
           f"on {device}")
     began = time.perf_counter()
@@ -90,7 +90,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
         return 2
     print(_line("ok", "build", f"{type(model).__name__}(input_shape={ds.input_shape}, "
                                f"num_classes={ds.num_classes}, dtype={dtype!r}{shown})"))
-    checks = models.run_checks(model, ds.input_shape, ds.num_classes, dtype, job.train.seed,
+    checks = models.run_checks(model, ds.input_shape, ds.num_classes, dtype, config.train.seed,
                                name=name, options=options, device=device, budget=None)
     for check in checks:
         for text in check.lines:

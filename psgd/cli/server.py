@@ -81,39 +81,39 @@ def serve(args: argparse.Namespace) -> int:
     from psgd.server import build_shard
     from psgd.server.service import ShardServer
 
-    job = job_from_args(args)
-    start_process(job)
+    config = job_from_args(args)
+    start_process(config)
     if args.shard is None:
         found = first_env_int(("PSGD_SHARD",), os.environ)
         args.shard = found[0] if found else 0
-    if not 0 <= args.shard < job.cluster.shards:
-        raise ConfigError(f"shard {args.shard} is out of range: the job has {job.cluster.shards} shard(s)")
+    if not 0 <= args.shard < config.cluster.shards:
+        raise ConfigError(f"shard {args.shard} is out of range: the job has {config.cluster.shards} shard(s)")
     setup_logging(f"server:{args.shard}", verbosity(args))
     bind = args.bind
     if bind is None:
-        bind = job.cluster.servers[args.shard] if args.shard < len(job.cluster.servers) else "127.0.0.1:0"
+        bind = config.cluster.servers[args.shard] if args.shard < len(config.cluster.servers) else "127.0.0.1:0"
     host, _, port_text = bind.rpartition(":")
     if not host or not port_text.isdigit():
         raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
     if args.checkpoint_every <= 0 or args.keep_checkpoints < 1:
         raise ConfigError("--checkpoint-every must be > 0 and --keep-checkpoints at least 1")
-    core = build_shard(describe_job(job), args.shard)
+    core = build_shard(describe_job(config), args.shard)
     if args.checkpoint_dir:
-        from psgd.server import checkpoint
+        from psgd.server import checkpoint, recovery
 
         try:
-            checkpoint.resume(core, args.checkpoint_dir, fresh=args.fresh)
+            recovery.resume(core, args.checkpoint_dir, fresh=args.fresh)
         except checkpoint.CheckpointError as exc:
             raise ConfigError(str(exc)) from None
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
-        server = ShardServer(core, bind, request_timeout=job.cluster.request_timeout, transport=job.cluster.transport,
+        server = ShardServer(core, bind, request_timeout=config.cluster.request_timeout, transport=config.cluster.transport,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
-                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args, job),
-                             interceptors=metrics.interceptors, hello_timeout=job.cluster.hello_timeout).start()
+                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args, config),
+                             interceptors=metrics.interceptors, hello_timeout=config.cluster.hello_timeout).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     try:
@@ -123,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
         if stop.is_set():
             log.info("received %s while starting: stopping", _RECEIVED[0])
         while not stop.is_set():
-            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=job.cluster.lease_seconds):
+            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=config.cluster.lease_seconds):
                 log.info("every worker has finished: stopping")
                 break
             stop.wait(0.5)

@@ -88,8 +88,8 @@ def rank_from(args: argparse.Namespace, environ=None) -> tuple[int | None, str]:
 
 
 def work(args: argparse.Namespace) -> int:
-    job = job_from_args(args, extra_env=[(name, "cluster.workers") for name in WORLD_VARIABLES])
-    start_process(job)
+    config = job_from_args(args, extra_env=[(name, "cluster.workers") for name in WORLD_VARIABLES])
+    start_process(config)
     if not (args.mode == "allreduce" and args.backend == "mpi"):  # under mpiexec, MPI says the rank
         args.rank, rank_source = rank_from(args)
     try:
@@ -97,7 +97,7 @@ def work(args: argparse.Namespace) -> int:
     except DelayError as exc:
         raise ConfigError(str(exc)) from None
     if args.mode == "allreduce":
-        return allreduce(args, job, delay)
+        return allreduce(args, config, delay)
     from psgd.worker.exchange import run_worker
 
     if args.rank is None:
@@ -105,16 +105,16 @@ def work(args: argparse.Namespace) -> int:
     setup_logging(f"worker:{args.rank}", verbosity(args))
     if rank_source != "--rank":
         logging.getLogger("psgd.cli.worker").info("rank %d from %s", args.rank, rank_source)
-    if not job.cluster.servers:
+    if not config.cluster.servers:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
-    if not 0 <= args.rank < job.cluster.workers:
+    if not 0 <= args.rank < config.cluster.workers:
         raise ConfigError(f"rank {args.rank} (from {rank_source}) is out of range: the job has "
-                          f"{job.cluster.workers} worker(s)")
+                          f"{config.cluster.workers} worker(s)")
     stop = _STOP  # set by SIGTERM, SIGINT or SIGHUP (see main): finish the step in hand, push it, leave
     with WorkerMetrics.from_args(args, args.rank) as metrics:
-        result = run_worker(job, args.rank, job.cluster.servers, progress=not args.no_progress, stop=stop,
+        result = run_worker(config, args.rank, config.cluster.servers, progress=not args.no_progress, stop=stop,
                             metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
-                            token=token_from_args(args), tls=tls_from_args(args, job), on_step=metrics.on_step)
+                            token=token_from_args(args), tls=tls_from_args(args, config), on_step=metrics.on_step)
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.summary["outcomes"],

@@ -317,32 +317,3 @@ def others(root: str | os.PathLike, shard: int, fingerprint: str) -> list[Other]
             newest = next((m for v in held if (m := _read_manifest(folder / f"ckpt-{v}.json")) is not None), None)
             found.append(Other(name, folder, held, newest))
     return found
-
-
-def resume(core, root: str | os.PathLike, fresh: bool = False) -> None:
-    """Start shard ``core`` from its newest intact checkpoint under ``root`` (``root/<fingerprint>/shard-K``),
-    or from its initial weights when it has none.  When ``root`` holds only this shard's checkpoints of
-    other jobs, refuse (:class:`CheckpointError`) unless ``fresh``: resuming them would train another job's
-    model, and starting over silently would look like a resume."""
-    folder = shard_dir(root, core.shard, core.fingerprint)
-    remove_leftovers(folder)
-    saved = load_latest(folder, core.plan.hash, core.fingerprint)
-    if saved is not None:
-        core.restore(saved)
-        return
-    if owned(folder, core.fingerprint, core.shard):
-        log.warning("no intact checkpoint in %s (each was skipped above): starting from the initial weights", folder)
-        return
-    found = others(root, core.shard, core.fingerprint)
-    if found and not fresh:
-        theirs = ", ".join(o.describe(core.identity, core.plan.hash) for o in found)
-        raise CheckpointError(
-            f"shard {core.shard}: {root} holds no checkpoint of this job (fingerprint {core.fingerprint}) but shard "
-            f"{core.shard}'s checkpoints of {'another job' if len(found) == 1 else 'other jobs'}: {theirs}; to "
-            "resume from them, start this shard with the job they were written for; to start this job from its "
-            "initial weights, pass --fresh (their files are left alone) or another --checkpoint-dir")
-    if found:
-        log.warning("--fresh: starting from the initial weights, into %s; the checkpoints of %s are left alone",
-                    folder, ", ".join(f"job {o.fingerprint}" if o.fingerprint else str(o.folder) for o in found))
-    else:
-        log.info("no checkpoint of this job in %s: starting from the initial weights", folder)

@@ -25,7 +25,7 @@ import numpy as np
 
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
-from psgd.server import admission, checkpoint
+from psgd.server import admission
 from psgd.server.errors import ShardError
 from psgd.server.remedies import PushRemedies
 from psgd.server.rounds import Round
@@ -95,8 +95,10 @@ class ShardCore:
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
         self.closing = False
-        self.restored_version: int | None = None   # the checkpoint this process started from
-        self.last_checkpoint: tuple[int, float] | None = None  # (version, time) of the newest one written
+        # psgd.server.recovery keeps these: the checkpoint this process started from, and (version, time) of
+        # the newest one it wrote
+        self.restored_version: int | None = None
+        self.last_checkpoint: tuple[int, float] | None = None
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
     @property
@@ -293,59 +295,6 @@ class ShardCore:
             if expired:
                 self.changed.notify_all()
         return expired
-
-    # -- checkpoints -------------------------------------------------------------
-    def checkpoint(self, folder, keep: int = 3, force: bool = False):
-        """Write a checkpoint of this shard into ``folder`` (nothing when unchanged since the last one).
-
-        Written under the lock, straight from the live arrays: consistent, and
-        no second copy of the weights in memory; training pauses meanwhile.
-        Raises CheckpointError when the disk refuses (the previous one stays).
-        """
-        with self.lock:
-            if not force and self.last_checkpoint and self.last_checkpoint[0] == self.version:
-                return None
-            arrays = {"weights": self.flat}
-            arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
-            if self.round is not None:
-                arrays["round_sum"] = self.round.flat
-            manifest = {"fingerprint": self.fingerprint, "identity": self.identity,
-                        "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
-                        "policy": self.policy.state_dict(), "counters": dict(self.counters),
-                        "staleness_histogram": list(self.staleness_histogram),
-                        "round_bases": list(self.round.bases) if self.round else [],
-                        "optimizer": self.optimizer.describe(),
-                        "holders": self.roster.holders()}
-            try:
-                path = checkpoint.save(folder, self.version, arrays, manifest, keep)
-            except checkpoint.CheckpointError:
-                self.counters["checkpoint_failures"] = self.counters.get("checkpoint_failures", 0) + 1
-                raise
-            self.last_checkpoint = (self.version, time.time())
-            return path
-
-    def restore(self, ckpt: "checkpoint.Checkpoint") -> None:
-        """Take the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before serving)."""
-        m, a = ckpt.manifest, ckpt.arrays
-        if m.get("fingerprint", self.fingerprint) != self.fingerprint or m.get("shard", self.shard) != self.shard:
-            raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
-                                             f"this is shard {self.shard} of job {self.fingerprint}")
-        weights = a.get("weights")
-        if weights is None or weights.shape != self.flat.shape or weights.dtype != self.flat.dtype:
-            raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {self.shard}")
-        with self.lock:
-            np.copyto(self.flat, weights)
-            self.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
-            self.policy.load_state_dict(m["policy"])
-            if self.round is not None and "round_sum" in a:
-                self.round.load(a["round_sum"], m.get("round_bases", []))
-            self.version = int(m["version"])
-            self.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in self.counters})
-            self.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
-            self.restored_version = self.version
-            self.roster.keep_for(m.get("holders", {}))
-            self.last_checkpoint = (self.version, float(m.get("written_at", time.time())))
-        log.info("shard %d: restored version %d from %s", self.shard, self.version, ckpt.path)
 
     def finished(self, settle: float = 0.0) -> bool:
         """True once no worker is pending or live: each is done, or was dropped at least ``settle``

@@ -21,8 +21,6 @@ line each.
 from __future__ import annotations
 
 import errno
-import hmac
-import json
 import logging
 import selectors
 import socket
@@ -32,7 +30,7 @@ import time
 from typing import Callable
 
 from psgd.server.core import ShardCore
-from psgd.server.errors import ShardError
+from psgd.server import hello
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -230,17 +228,19 @@ class Gatekeeper:
                 if p.state == "header":
                     magic, op, _, worker, _, _, size = protocol.REQUEST.unpack(p.buf)
                     if magic != protocol.DATA_MAGIC or op != protocol.OP_HELLO or size > protocol.MAX_HELLO_BYTES:
-                        raise _Refusal("INVALID_ARGUMENT", "a data connection must start with a psgd hello",
-                                       "not a psgd hello")
+                        raise hello.Refusal("INVALID_ARGUMENT", "a data connection must start with a psgd hello",
+                                            "not a psgd hello")
                     p.worker, p.state, p.buf, p.got = worker, "body", bytearray(size), 0
                     continue
-                self._authenticated(p, *self._check_hello(p.worker, p.buf))
+                checked = hello.check(p.buf, p.worker, token=self.token, plan_hash=self.core.plan.hash,
+                                      shard=self.core.shard, roster=self.core.roster)
+                self._authenticated(p, *checked)
                 return
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
             self._want(p, selectors.EVENT_READ)
         except ssl.SSLWantWriteError:
             self._want(p, selectors.EVENT_WRITE)
-        except _Refusal as r:
+        except hello.Refusal as r:
             self._refuse(p, r.code, str(r), r.reason)
         except (ssl.SSLError, OSError, ValueError) as exc:
             if p.state in ("tls", "handshake"):
@@ -270,31 +270,6 @@ class Gatekeeper:
         if events != p.events:
             p.events = events
             self._selector.modify(p.sock, events, p)
-
-    def _check_hello(self, worker: int, body: bytearray) -> tuple[int, str]:
-        """The worker id and its wish for a shared-memory segment ("", "pull" or "push"), once checked."""
-        try:
-            hello = json.loads(body)
-            token, plan_hash = str(hello.get("token", "")), str(hello.get("plan_hash", ""))
-            shm = str(hello.get("shm", ""))
-        except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
-            raise _Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
-        # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
-        if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
-                                   self.token.encode("utf-8", "surrogatepass")):
-            raise _Refusal("UNAUTHENTICATED", "wrong or missing token", "wrong or missing token")
-        if plan_hash != self.core.plan.hash:
-            raise _Refusal("FAILED_PRECONDITION", f"partition plan {plan_hash[:64]!r} is not shard "
-                           f"{self.core.shard}'s (registering over gRPC says how they differ)", "another partition plan")
-        if worker != protocol.OBSERVER:
-            try:
-                self.core.roster.check(worker)
-            except ShardError as err:
-                raise _Refusal(err.code, err.message, "worker id out of range") from None
-        if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER):
-            raise _Refusal("INVALID_ARGUMENT", f"a hello may ask for a \"pull\" or \"push\" segment (workers "
-                           f"only), not {shm!r}", "not a psgd hello")
-        return worker, shm
 
     def _authenticated(self, p: "_Pending", worker: int, shm: str) -> None:
         """Hand ``p`` over to be served; refuse it if it cannot be."""
@@ -326,14 +301,6 @@ class Gatekeeper:
                 self._selector.unregister(p.sock)
             except (KeyError, ValueError, OSError):
                 pass
-
-
-class _Refusal(Exception):
-    """A hello is refused: ``code`` and the message go to the peer, ``reason`` (a few words) to the log."""
-
-    def __init__(self, code: str, message: str, reason: str):
-        super().__init__(message)
-        self.code, self.reason = code, reason
 
 
 class _Pending:

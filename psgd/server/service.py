@@ -26,7 +26,7 @@ from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chun
 from psgd.codec import Codec, CodecError, by_name
 from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server import checkpoint
+from psgd.server import checkpoint, recovery
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
@@ -371,7 +371,7 @@ class ShardServer:
             return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
-            path = self.core.checkpoint(folder, self.keep_checkpoints, force=force)
+            path = recovery.write(self.core, folder, self.keep_checkpoints, force=force)
         except checkpoint.CheckpointError as exc:
             log.error("shard %d: %s", self.core.shard, exc)
             return False

@@ -27,7 +27,7 @@ from psgd.ops.reach import Connect
 from psgd.ops.view import collect
 from psgd.config import to_toml
 from psgd.job import describe_job
-from psgd.server import build_shard, checkpoint
+from psgd.server import build_shard, checkpoint, recovery
 from psgd.server.core import ShardCore
 from psgd.server.service import ShardServer
 
@@ -71,7 +71,7 @@ def plant_other_job(root: Path, where: str, mine: str) -> Path:
               "this job's folder": checkpoint.shard_dir(root, 0, mine)}[where]
     for version in (576, 578, 580):
         other.version = version
-        meta = other.checkpoint(folder, keep=3, force=True)
+        meta = recovery.write(other, folder, keep=3, force=True)
         if where == "old layout":
             manifest = json.loads(meta.read_text())
             del manifest["fingerprint"], manifest["identity"]
@@ -103,7 +103,7 @@ def test_a_reused_folder_keeps_this_jobs_checkpoints_and_leaves_the_other_jobs_a
         # a kill here: a new shard process restores this job's newest, never the other job's ckpt-580
         again = shard(job())
         saved = checkpoint.load_latest(mine, again.plan.hash, again.fingerprint)
-        again.restore(saved)
+        recovery.restore(again, saved)
         assert again.version == 4 and np.array_equal(again.flat, weights)
     finally:
         server.stop(grace=0.5)
@@ -115,10 +115,10 @@ def test_pruning_counts_only_this_jobs_checkpoints_and_keeps_the_one_just_writte
     other = shard(job("cluster.workers=2"))  # the same plan, another job
     assert other.plan.hash == core.plan.hash and other.fingerprint != core.fingerprint
     other.version = 100
-    other.checkpoint(tmp_path, keep=1, force=True)
+    recovery.write(other, tmp_path, keep=1, force=True)
     for seed in range(3):
         step(core, seed)
-        core.checkpoint(tmp_path, keep=1)
+        recovery.write(core, tmp_path, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-100.json", "ckpt-100.npz", "ckpt-3.json",
                                                           "ckpt-3.npz"]
     assert checkpoint.load_latest(tmp_path, core.plan.hash, core.fingerprint).manifest["version"] == 3
@@ -127,7 +127,7 @@ def test_pruning_counts_only_this_jobs_checkpoints_and_keeps_the_one_just_writte
     assert manifest["shard"] == 0
     with pytest.raises(checkpoint.CheckpointError, match=f"is shard 0's of job {other.fingerprint}, this is shard 0 "
                                                           f"of job {core.fingerprint}"):
-        core.restore(checkpoint.load(tmp_path, 100))
+        recovery.restore(core, checkpoint.load(tmp_path, 100))
 
 
 def leftovers(folder: Path) -> int:
@@ -143,10 +143,10 @@ def test_crash_leftovers_are_removed_and_nothing_else(tmp_path, caplog):
     core = shard(job())
     folder = checkpoint.shard_dir(tmp_path, 0, core.fingerprint)
     step(core, 0)
-    core.checkpoint(folder)
+    recovery.write(core, folder)
     other = shard(job("cluster.workers=2"))
     other.version = 9
-    other.checkpoint(folder, force=True)  # another job's, copied in: not a leftover
+    recovery.write(other, folder, force=True)  # another job's, copied in: not a leftover
     (folder / "notes.txt").write_text("mine")
     kept = files(folder)
     size = leftovers(folder)
@@ -165,7 +165,7 @@ def test_a_folder_that_cannot_be_written_says_there_is_no_earlier_checkpoint(tmp
     core = shard(job())
     (tmp_path / "a-file").write_text("")  # a folder under a file: refused even to root
     with pytest.raises(checkpoint.CheckpointError) as err:
-        core.checkpoint(tmp_path / "a-file" / "shard-0")
+        recovery.write(core, tmp_path / "a-file" / "shard-0")
     assert "no earlier checkpoint to fall back on" in str(err.value) and "intact" not in str(err.value)
     assert core.counters["checkpoint_failures"] == 1
 
@@ -174,7 +174,7 @@ def test_a_failed_checkpoint_names_the_previous_one_when_there_is_one(tmp_path, 
     core = shard(job())
     other = shard(job("cluster.workers=2"))
     other.version = 50
-    other.checkpoint(tmp_path, force=True)  # another job's is no fallback for this one
+    recovery.write(other, tmp_path, force=True)  # another job's is no fallback for this one
     step(core, 0)
 
     def full(*args, **kwargs):
@@ -183,12 +183,12 @@ def test_a_failed_checkpoint_names_the_previous_one_when_there_is_one(tmp_path, 
     with monkeypatch.context() as patch:
         patch.setattr(np, "savez", full)
         with pytest.raises(checkpoint.CheckpointError, match="no earlier checkpoint to fall back on"):
-            core.checkpoint(tmp_path)
-    core.checkpoint(tmp_path)
+            recovery.write(core, tmp_path)
+    recovery.write(core, tmp_path)
     step(core, 1)
     monkeypatch.setattr(np, "savez", full)
     with pytest.raises(checkpoint.CheckpointError, match=r"previous checkpoint is intact \(ckpt-1\)"):
-        core.checkpoint(tmp_path)
+        recovery.write(core, tmp_path)
 
 
 def test_a_read_only_folder(tmp_path):
@@ -208,7 +208,7 @@ def test_a_read_only_folder(tmp_path):
                 skip_or_fail(f"root cannot mount a tmpfs here: {done.stderr.strip()}")
             mounted = True
         with pytest.raises(checkpoint.CheckpointError) as err:
-            core.checkpoint(folder)
+            recovery.write(core, folder)
         assert "no earlier checkpoint to fall back on" in str(err.value) and "intact" not in str(err.value)
         assert checkpoint.remove_leftovers(folder) == ([], 0)  # nothing to remove, and no error either
     finally:
@@ -255,7 +255,7 @@ def test_a_shard_refuses_another_jobs_checkpoints_unless_told_fresh(tmp_path, wh
     other = shard(job("cluster.workers=2", "optimizer.lr=0.2"))  # the same model, trained as another job
     other.version = 580
     theirs = checkpoint.shard_dir(root, 0, other.fingerprint if where == "own fingerprint" else None)
-    meta = other.checkpoint(theirs, force=True)
+    meta = recovery.write(other, theirs, force=True)
     if where == "old layout":  # as an earlier psgd wrote it: no fingerprint in the manifest
         manifest = json.loads(meta.read_text())
         del manifest["fingerprint"], manifest["identity"]
@@ -302,7 +302,7 @@ def test_psgd_server_removes_leftovers_and_restores_this_jobs_newest_beside_anot
     folder = checkpoint.shard_dir(root, 0, core.fingerprint)
     for seed in range(3):
         step(core, seed)
-        core.checkpoint(folder)
+        recovery.write(core, folder)
     size = leftovers(folder)
     server = Server(tmp_path, job(), root, "--fresh")
     try:

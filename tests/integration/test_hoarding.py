@@ -135,9 +135,10 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
             with PSClient([server.address], server.core.plan, 0, request_timeout=5, config=job) as client:
                 client.register()
             assert time.monotonic() - began < 2.0
-        codes = [f.exception(timeout=IO).code() for f in streams]  # every one ended by the shard
+        codes = [f.exception(timeout=IO).code() for f in streams]  # every one ended by the shard, within IO
+        # (gRPC's client now and then reports a stream the shard cancelled as UNAVAILABLE: seen in 1 of 5 runs)
         assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                              grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+                              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, codes
     finally:
         never.set()
         for channel in channels:

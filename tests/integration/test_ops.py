@@ -27,7 +27,7 @@ from psgd.ops.view import collect
 from psgd.config import to_toml
 from psgd.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.job import describe_job
-from psgd.server import build_shard
+from psgd.server import build_shard, recovery
 from psgd.server.service import ShardServer
 from psgd.worker.exchange import run_worker
 
@@ -153,7 +153,7 @@ def test_checkpoint_age_and_metrics_flags(tmp_path):
         first = scrape(metrics.endpoint.url)
         assert "psgd_shard_checkpoint_age_seconds" not in first  # no checkpoint yet
         assert "process_cpu_seconds_total" in first or "python_info" in first
-        core.checkpoint(tmp_path, force=True)
+        recovery.write(core, tmp_path, force=True)
         then = scrape(metrics.endpoint.url)
         assert 0 <= total(then, "psgd_shard_checkpoint_age_seconds") < 30
         assert total(then, "psgd_shard_checkpoint_version") == 0
@@ -180,7 +180,7 @@ def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_pa
 
         run_threads([lambda: run_worker(job, 0, addresses, progress=False, on_step=on_step),
                      lambda: run_worker(job, 1, addresses, progress=False)], timeout=60)
-        servers[1].core.checkpoint(tmp_path, force=True)
+        recovery.write(servers[1].core, tmp_path, force=True)
         code = main(["status", *addresses, "--sample", "0"])
         after = capsys.readouterr().out
         code_json = main(["status", *addresses, "--json", "--watch", "0.05", "--count", "2"])

@@ -12,7 +12,7 @@ from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server import checkpoint
+from psgd.server import checkpoint, recovery
 from psgd.server.core import ShardCore
 
 PLAN = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float64")], 1, slice_bytes=64)
@@ -38,12 +38,12 @@ def test_restore_continues_exactly_like_an_uninterrupted_shard(tmp_path):
         a.push(0, clock, a.version, grads(clock))
         a.push(1, clock, a.version, grads(10 + clock))
     a.push(0, 3, a.version, grads(3))  # the open round 3 holds worker 0's gradient
-    path = a.checkpoint(tmp_path, keep=3)
-    assert path.name == "ckpt-3.json" and a.checkpoint(tmp_path) is None  # unchanged: nothing written
+    path = recovery.write(a, tmp_path, keep=3)
+    assert path.name == "ckpt-3.json" and recovery.write(a, tmp_path) is None  # unchanged: nothing written
 
     b = make()
     saved = checkpoint.load_latest(tmp_path, PLAN.hash)
-    b.restore(saved)
+    recovery.restore(b, saved)
     assert b.version == 3 and b.restored_version == 3 and np.array_equal(a.flat, b.flat)
     for core in (a, b):  # worker 0's earlier push is in the restored round: a retry is a duplicate
         assert core.push(0, 3, 3, grads(3)).outcome == "duplicate"
@@ -60,7 +60,7 @@ def test_only_the_newest_are_kept(tmp_path):
     core = make("async", 1)
     for clock in range(5):
         core.push(0, clock, core.version, grads(clock))
-        core.checkpoint(tmp_path, keep=2)
+        recovery.write(core, tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4.json", "ckpt-4.npz", "ckpt-5.json", "ckpt-5.npz"]
 
 
@@ -68,10 +68,10 @@ def test_only_the_newest_are_kept(tmp_path):
 def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, caplog):
     core = make("async", 1)
     core.push(0, 0, 0, grads(0))
-    core.checkpoint(tmp_path)
+    recovery.write(core, tmp_path)
     good = core.flat.copy()
     core.push(0, 1, 1, grads(1))
-    core.checkpoint(tmp_path)
+    recovery.write(core, tmp_path)
     npz, meta = tmp_path / "ckpt-2.npz", tmp_path / "ckpt-2.json"
     if damage == "truncate":
         npz.write_bytes(npz.read_bytes()[:100])
@@ -91,7 +91,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, 
 
 def test_a_checkpoint_of_another_plan_is_not_used(tmp_path):
     core = make("async", 1)
-    core.checkpoint(tmp_path, force=True)
+    recovery.write(core, tmp_path, force=True)
     assert checkpoint.load_latest(tmp_path, "another-plan") is None
     assert checkpoint.load_latest(tmp_path / "missing", PLAN.hash) is None
 
@@ -99,7 +99,7 @@ def test_a_checkpoint_of_another_plan_is_not_used(tmp_path):
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     core = make("async", 1)
     core.push(0, 0, 0, grads(0))
-    core.checkpoint(tmp_path)
+    recovery.write(core, tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
     core.push(0, 1, 1, grads(1))
 
@@ -108,7 +108,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(np, "savez", full)
     with pytest.raises(checkpoint.CheckpointError, match="No space left on device.*previous checkpoint is intact"):
-        core.checkpoint(tmp_path)
+        recovery.write(core, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no partial files left behind
     assert core.counters["checkpoint_failures"] == 1
     assert checkpoint.load_latest(tmp_path, PLAN.hash).manifest["version"] == 1
@@ -129,10 +129,10 @@ def test_a_really_full_filesystem(tmp_path):
         core = ShardCore(big, 0, {0: np.zeros(6000)}, build_optimizer("sgd", lr=0.1),
                          make_policy("async", 1), num_workers=1)
         core.register(0, big.hash)
-        core.checkpoint(mnt)  # fits once
+        recovery.write(core, mnt)  # fits once
         core.push(0, 0, 0, {0: np.ones(6000)})
         with pytest.raises(checkpoint.CheckpointError, match="previous checkpoint is intact"):
-            core.checkpoint(mnt)  # a second copy does not fit
+            recovery.write(core, mnt)  # a second copy does not fit
         saved = checkpoint.load_latest(mnt, big.hash)
         assert saved.manifest["version"] == 0 and not saved.arrays["weights"].any()
     finally:

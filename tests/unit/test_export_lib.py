@@ -14,7 +14,7 @@ from psgd import weights as weight_files
 from psgd.export import ExportError
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
-from psgd.server import build_shard, checkpoint
+from psgd.server import build_shard, checkpoint, recovery
 from psgd.server.core import ShardCore
 from psgd.job import build_job, fingerprint, identity
 
@@ -55,7 +55,7 @@ def joined_by_hand(j, shard_cores: list[ShardCore]) -> dict[str, np.ndarray]:
 
 def write(root, shard_cores, keep=3):
     for core in shard_cores:
-        core.checkpoint(checkpoint.shard_dir(root, core.shard, core.fingerprint), keep=keep, force=True)
+        recovery.write(core, checkpoint.shard_dir(root, core.shard, core.fingerprint), keep=keep, force=True)
 
 
 def home(root, j):
@@ -225,7 +225,7 @@ def test_checkpoints_of_different_plans_are_refused(tmp_path):
     for p in (home(tmp_path, job()) / "shard-1").iterdir():
         p.unlink()
     other = cores(job("model.hidden=[32]"))
-    other[1].checkpoint(home(tmp_path, job()) / "shard-1", force=True)  # copied into this job's folder
+    recovery.write(other[1], home(tmp_path, job()) / "shard-1", force=True)  # copied into this job's folder
     with pytest.raises(ExportError, match=r"different partition plans \(shard-0/ckpt-0: plan \w+, shard-1/ckpt-0: "
                                           r"plan \w+, shard-2/ckpt-0: plan \w+; this job has plan \w+\)"):
         export.join_checkpoints(job(), tmp_path)
@@ -235,8 +235,8 @@ def test_a_checkpoint_in_the_wrong_shard_folder_is_refused(tmp_path):
     j = make_job("model.name=softmax", "cluster.shards=2", "cluster.workers=1", "cluster.slice_bytes=64",
                  "cluster.policy=async")
     shard_cores = cores(j)
-    shard_cores[0].checkpoint(home(tmp_path, j) / "shard-0", force=True)
-    shard_cores[0].checkpoint(home(tmp_path, j) / "shard-1", force=True)
+    recovery.write(shard_cores[0], home(tmp_path, j) / "shard-0", force=True)
+    recovery.write(shard_cores[0], home(tmp_path, j) / "shard-1", force=True)
     with pytest.raises(ExportError, match="says it is shard 0's, but it lies in .*shard-1"):
         export.join_checkpoints(j, tmp_path)
 
@@ -274,7 +274,7 @@ def test_checkpoints_of_another_job_with_the_same_plan_are_named_with_what_diffe
 def test_checkpoints_in_the_layout_before_fingerprints_still_join(tmp_path):
     j = job()
     for core in cores(j):
-        core.checkpoint(checkpoint.shard_dir(tmp_path, core.shard), force=True)  # DIR/shard-K, as psgd wrote before
+        recovery.write(core, checkpoint.shard_dir(tmp_path, core.shard), force=True)  # DIR/shard-K, as psgd wrote before
     result = export.join_checkpoints(j, tmp_path)
     assert result.versions == [0, 0, 0] and result.source == f"checkpoints in {tmp_path}"
 
@@ -347,7 +347,7 @@ def test_files_that_are_not_plain_npz_are_refused(tmp_path, kind, message):
 
 def test_checkpoint_load_checks_without_unpickling(tmp_path):
     core = cores(job())[0]
-    core.checkpoint(tmp_path, force=True)
+    recovery.write(core, tmp_path, force=True)
     assert checkpoint.versions(tmp_path) == [0] and checkpoint.versions(tmp_path / "none") == []
     light = checkpoint.load(tmp_path, 0, arrays=False)
     assert light.arrays == {} and light.manifest["version"] == 0

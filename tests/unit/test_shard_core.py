@@ -22,7 +22,7 @@ from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server import checkpoint
+from psgd.server import checkpoint, recovery
 from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.service import PushAssembler
@@ -458,15 +458,15 @@ def test_a_restarted_shard_keeps_each_rank_for_the_process_that_held_it(tmp_path
     core, clock = make_core("async", 2)
     hello = (PLAN.hash, json.dumps(PLAN.description()))
     assert core.register(0, *hello, hostname="node-a", pid=111, incarnation="first") == 0
-    core.checkpoint(tmp_path, force=True)
+    recovery.write(core, tmp_path, force=True)
     restarted, clock = make_core("async", 2)
-    restarted.restore(checkpoint.load_latest(tmp_path, PLAN.hash, restarted.fingerprint))
+    recovery.restore(restarted, checkpoint.load_latest(tmp_path, PLAN.hash, restarted.fingerprint))
     err = error(restarted.register, 0, *hello, hostname="node-b", pid=222, incarnation="second")
     assert err.code == "ALREADY_EXISTS" and "node-a pid 111" in err.message, err.message
     assert restarted.register(0, *hello, hostname="node-a", pid=111, incarnation="first") == 0  # the holder rejoins
     assert restarted.register(1, *hello, hostname="node-c", pid=333, incarnation="other") == 0  # rank 1 was free
     again, clock = make_core("async", 2)
-    again.restore(checkpoint.load_latest(tmp_path, PLAN.hash, again.fingerprint))
+    recovery.restore(again, checkpoint.load_latest(tmp_path, PLAN.hash, again.fingerprint))
     clock.advance(LEASE + 1)  # the holder did not come back within a lease: it died with the shard
     assert again.register(0, *hello, hostname="node-b", pid=222, incarnation="second") == 0
 

@@ -39,27 +39,27 @@ class Cluster:
         from psgd.job import build_job
 
         self.spec, self.folder, self.net = spec, folder, net
-        job = JobConfig()
-        job.apply_sets([f"model.name={spec.model}", *(["model.hidden=[32]"] if spec.model == "mlp" else []),
+        config = JobConfig()
+        config.apply_sets([f"model.name={spec.model}", *(["model.hidden=[32]"] if spec.model == "mlp" else []),
                         "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
                         f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
                         f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
                         f"cluster.transport={spec.transport}"])
-        self.job = build_job(job)
-        spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, job.train.batch_size)
+        self.job = build_job(config)
+        spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, config.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))
-        job.apply_sets([f"train.epochs={self.epochs}"])
+        config.apply_sets([f"train.epochs={self.epochs}"])
         self.total = spe * self.epochs
         if net is None:
             taken: set[int] = set()
             self.binds = [f"127.0.0.1:{free_port_pair(port_rng, taken)}" for _ in range(SHARDS)]
         else:
             self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
-        job.override("cluster.servers", list(self.binds))
-        self.config = job
+        config.override("cluster.servers", list(self.binds))
+        self.config = config
         self.plan = self.job.plan
         self.path = folder / "job.toml"
-        self.path.write_text(to_toml(job.to_dict()))
+        self.path.write_text(to_toml(config.to_dict()))
         self.ckpt = folder / "ckpt"
         self.port_files = [folder / f"shard{k}.addr" for k in range(SHARDS)]
         self.procs: dict[str, Proc] = {}    # the current incarnation of each process

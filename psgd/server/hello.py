@@ -1,0 +1,52 @@
+"""What a data connection's hello must say, checked (:func:`check`), and why one is refused (:class:`Refusal`);
+:mod:`psgd.server.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
+
+A hello is a JSON object after the request header: the job's token, the partition plan's hash, and the wish for
+a shared-memory segment (``"pull"`` or ``"push"``, workers only); the header names the worker.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from psgd.server.admission import Roster
+from psgd.server.errors import ShardError
+from psgd.wire import protocol
+
+
+class Refusal(Exception):
+    """A hello is refused: ``code`` and the message go to the peer, ``reason`` (a few words) to the log."""
+
+    def __init__(self, code: str, message: str, reason: str):
+        super().__init__(message)
+        self.code, self.reason = code, reason
+
+
+
+def check(body: bytes | bytearray, worker: int, *, token: str, plan_hash: str, shard: int,
+          roster: Roster) -> tuple[int, str]:
+    """The worker id and its wish for a shared-memory segment ("", "pull" or "push") of a hello whose header
+    named ``worker`` and whose JSON body is ``body``, once checked against the shard's ``token``, its plan's
+    ``plan_hash`` and its ``roster``; a :class:`Refusal` otherwise."""
+    try:
+        said = json.loads(body)
+        given, theirs = str(said.get("token", "")), str(said.get("plan_hash", ""))
+        shm = str(said.get("shm", ""))
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
+        raise Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
+    # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
+    if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")):
+        raise Refusal("UNAUTHENTICATED", "wrong or missing token", "wrong or missing token")
+    if theirs != plan_hash:
+        raise Refusal("FAILED_PRECONDITION", f"partition plan {theirs[:64]!r} is not shard "
+                      f"{shard}'s (registering over gRPC says how they differ)", "another partition plan")
+    if worker != protocol.OBSERVER:
+        try:
+            roster.check(worker)
+        except ShardError as err:
+            raise Refusal(err.code, err.message, "worker id out of range") from None
+    if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER):
+        raise Refusal("INVALID_ARGUMENT", f"a hello may ask for a \"pull\" or \"push\" segment (workers "
+                      f"only), not {shm!r}", "not a psgd hello")
+    return worker, shm

@@ -1,0 +1,103 @@
+"""What of a shard goes into its checkpoints and how a shard comes back from them; the files themselves (their
+format, their names, writing them so a crash leaves the previous one whole) are :mod:`psgd.server.checkpoint`'s.
+
+:func:`write` takes a checkpoint of a :class:`~psgd.server.core.ShardCore` (weights, optimizer state, the policy,
+a sync round in the making, counters, who holds which rank); :func:`restore` puts one back before the shard
+serves; :func:`resume` finds the newest intact one of this job, or refuses another job's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from psgd.server import checkpoint
+from psgd.server.core import STALENESS_BUCKETS, ShardCore
+
+log = logging.getLogger(__name__)
+
+
+def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
+    """Write a checkpoint of ``core`` into ``folder`` (nothing when unchanged since the last one).
+
+    Written under the core's lock, straight from the live arrays: consistent, and
+    no second copy of the weights in memory; training pauses meanwhile.
+    Raises CheckpointError when the disk refuses (the previous one stays).
+    """
+    with core.lock:
+        if not force and core.last_checkpoint and core.last_checkpoint[0] == core.version:
+            return None
+        arrays = {"weights": core.flat}
+        arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
+        if core.round is not None:
+            arrays["round_sum"] = core.round.flat
+        manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
+                    "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
+                    "policy": core.policy.state_dict(), "counters": dict(core.counters),
+                    "staleness_histogram": list(core.staleness_histogram),
+                    "round_bases": list(core.round.bases) if core.round else [],
+                    "optimizer": core.optimizer.describe(),
+                    "holders": core.roster.holders()}
+        try:
+            path = checkpoint.save(folder, core.version, arrays, manifest, keep)
+        except checkpoint.CheckpointError:
+            core.counters["checkpoint_failures"] = core.counters.get("checkpoint_failures", 0) + 1
+            raise
+        core.last_checkpoint = (core.version, time.time())
+        return path
+
+
+def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
+    """Give ``core`` the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before it serves)."""
+    m, a = ckpt.manifest, ckpt.arrays
+    if m.get("fingerprint", core.fingerprint) != core.fingerprint or m.get("shard", core.shard) != core.shard:
+        raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
+                                         f"this is shard {core.shard} of job {core.fingerprint}")
+    weights = a.get("weights")
+    if weights is None or weights.shape != core.flat.shape or weights.dtype != core.flat.dtype:
+        raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {core.shard}")
+    with core.lock:
+        np.copyto(core.flat, weights)
+        core.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
+        core.policy.load_state_dict(m["policy"])
+        if core.round is not None and "round_sum" in a:
+            core.round.load(a["round_sum"], m.get("round_bases", []))
+        core.version = int(m["version"])
+        core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
+        core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
+        core.restored_version = core.version
+        core.roster.keep_for(m.get("holders", {}))
+        core.last_checkpoint = (core.version, float(m.get("written_at", time.time())))
+    log.info("shard %d: restored version %d from %s", core.shard, core.version, ckpt.path)
+
+
+def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False) -> None:
+    """Start shard ``core`` from its newest intact checkpoint under ``root`` (``root/<fingerprint>/shard-K``),
+    or from its initial weights when it has none.  When ``root`` holds only this shard's checkpoints of
+    other jobs, refuse (:class:`CheckpointError`) unless ``fresh``: resuming them would train another job's
+    model, and starting over silently would look like a resume."""
+    folder = checkpoint.shard_dir(root, core.shard, core.fingerprint)
+    checkpoint.remove_leftovers(folder)
+    saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint)
+    if saved is not None:
+        restore(core, saved)
+        return
+    if checkpoint.owned(folder, core.fingerprint, core.shard):
+        log.warning("no intact checkpoint in %s (each was skipped above): starting from the initial weights", folder)
+        return
+    found = checkpoint.others(root, core.shard, core.fingerprint)
+    if found and not fresh:
+        theirs = ", ".join(o.describe(core.identity, core.plan.hash) for o in found)
+        raise checkpoint.CheckpointError(
+            f"shard {core.shard}: {root} holds no checkpoint of this job (fingerprint {core.fingerprint}) but shard "
+            f"{core.shard}'s checkpoints of {'another job' if len(found) == 1 else 'other jobs'}: {theirs}; to "
+            "resume from them, start this shard with the job they were written for; to start this job from its "
+            "initial weights, pass --fresh (their files are left alone) or another --checkpoint-dir")
+    if found:
+        log.warning("--fresh: starting from the initial weights, into %s; the checkpoints of %s are left alone",
+                    folder, ", ".join(f"job {o.fingerprint}" if o.fingerprint else str(o.folder) for o in found))
+    else:
+        log.info("no checkpoint of this job in %s: starting from the initial weights", folder)
