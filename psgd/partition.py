@@ -9,6 +9,9 @@ to the lower shard index), which keeps shards within one slice of each other.
 The plan's hash is compared when a worker registers: a worker built for
 another model, dtype, shard count or slice size is refused with a message
 that says what differs (see :func:`plan_differences`).
+
+Embedding tables (:class:`psgd.model.table.TableSpec`) are not sliced: each row lives on the shard a hash of its
+id names (:meth:`PartitionPlan.shard_of_ids`), so every shard holds about the same share of any set of rows.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from psgd.model.base import VarSpec
+from psgd.model.table import TableSpec, check_ids, mix64, name_key
 
 DEFAULT_SLICE_BYTES = 4 << 20
+#: How a row's shard follows from its id, named in the plan's description (and so in its hash).
+ROW_HASH = "splitmix64(id ^ key(table)) mod shards"
 
 
 class PlanError(ValueError):
@@ -58,16 +64,20 @@ class Slice:
 class PartitionPlan:
     """Slices of every variable and their shards; immutable once made."""
 
-    def __init__(self, specs: Sequence[VarSpec], num_shards: int, slice_bytes: int = DEFAULT_SLICE_BYTES):
+    def __init__(self, specs: Sequence[VarSpec], num_shards: int, slice_bytes: int = DEFAULT_SLICE_BYTES,
+                 tables: Sequence[TableSpec] = ()):
         if num_shards < 1:
             raise PlanError(f"the number of shards must be at least 1, got {num_shards}")
         if slice_bytes < 64:
             raise PlanError(f"slice size must be at least 64 bytes, got {slice_bytes}")
-        names = [s.name for s in specs]
+        names = [s.name for s in specs] + [t.name for t in tables]
         if len(set(names)) != len(names):
-            raise PlanError(f"variable names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
+            raise PlanError(f"variable and table names must be unique: "
+                            f"{sorted(n for n in set(names) if names.count(n) > 1)}")
         if not specs:
             raise PlanError("a model needs at least one variable")
+        self.tables = tuple(tables)
+        self.table_by_name = {t.name: t for t in self.tables}
         self.specs = tuple(specs)
         self.num_shards = int(num_shards)
         self.slice_bytes = int(slice_bytes)
@@ -101,12 +111,23 @@ class PartitionPlan:
             "num_shards": self.num_shards,
             "slice_bytes": self.slice_bytes,
             "variables": [[s.name, list(s.shape), s.dtype] for s in self.specs],
+            # a plan without tables keeps the description (and the hash) it had before there were tables
+            **({"tables": [[t.name, t.dim, t.dtype, t.init, t.scale] for t in self.tables],
+                "row_hash": ROW_HASH} if self.tables else {}),
         }
 
     @property
     def hash(self) -> str:
         text = json.dumps(self.description(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def shard_of_ids(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """The shard that holds each row ``ids`` of ``table``: a hash of the id (:data:`ROW_HASH`), spread evenly
+        whatever the ids are, and independent of how dense variables are sliced."""
+        if table not in self.table_by_name:
+            raise PlanError(f"no table {table!r} in this plan (tables: {', '.join(self.table_by_name) or 'none'})")
+        mixed = mix64(check_ids(ids).view(np.uint64) ^ name_key("psgd-rows", table))
+        return (mixed % np.uint64(self.num_shards)).astype(np.int64)
 
     # -- moving between whole variables and slices -----------------------------
     def split(self, values: dict[str, Any], shard: int | None = None) -> dict[int, Any]:
@@ -165,4 +186,12 @@ def plan_differences(mine: dict[str, Any], theirs: dict[str, Any], mine_label: s
                             f"{theirs_label} shape {tuple(b[name][1])} {b[name][2]}")
     if not problems and [v[0] for v in mine.get("variables", [])] != [v[0] for v in theirs.get("variables", [])]:
         problems.append("the variables are listed in a different order")
+    ta = {t[0]: t for t in mine.get("tables", [])}
+    tb = {t[0]: t for t in theirs.get("tables", [])}
+    for name in sorted(set(ta) | set(tb)):
+        if ta.get(name) != tb.get(name):
+            show = (lambda t: "no such table" if t is None else f"dim {t[1]} {t[2]}, {t[3]} {t[4]}")
+            problems.append(f"table {name}: {mine_label} {show(ta.get(name))} vs {theirs_label} {show(tb.get(name))}")
+    if not problems and mine.get("row_hash") != theirs.get("row_hash"):
+        problems.append(f"rows spread by {mine.get('row_hash')!r} vs {theirs.get('row_hash')!r}")
     return "; ".join(problems)

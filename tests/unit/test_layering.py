@@ -189,7 +189,7 @@ def test_no_import_circle():
 
 #: what builds a job's plan, policy or optimizer (the optimizers' own classes included)
 BUILDERS = {"PartitionPlan", "make_policy", "policy_from_cluster", "build_optimizer", "SGD", "Momentum", "Nesterov",
-            "Adam", "AdamW"}
+            "Adam", "AdamW", "build_row_optimizer", "RowSGD", "RowwiseAdagrad", "LazyAdam"}
 
 
 def test_a_plan_a_policy_or_an_optimizer_is_built_only_in_the_job():
