@@ -224,6 +224,16 @@ def is_device_array(a: Any) -> bool:
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
+def scatter_add(target: Any, index: Any, values: Any) -> None:
+    """``target[index] += values`` with repeated indices summed (NumPy's ``add.at``; CuPy's ``scatter_add``)."""
+    if is_device_array(target):
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+    else:
+        np.add.at(target, index, values)
+
+
 def to_host(a: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Copy ``a`` to a NumPy array (into ``out`` when given); NumPy input is returned as is."""
     if is_device_array(a):

@@ -106,7 +106,13 @@ def hands_over_gradients(model: Any) -> bool:
 
 @runtime_checkable
 class Model(Protocol):
-    """What psgd needs from a network."""
+    """What psgd needs from a network.
+
+    A model may also hold embedding tables: ``tables()`` lists them (:class:`psgd.model.table.TableSpec`) and
+    ``lookups(ids)`` says which ids a batch's examples look up in each (``{table: int64 array}``); its
+    ``params[table]`` is then the batch's :class:`psgd.model.table.Rows` and so is its gradient
+    (:mod:`psgd.model.embed` is one).
+    """
 
     def specs(self) -> list[VarSpec]:
         """The trainable variables, in a fixed order."""
@@ -119,6 +125,12 @@ class Model(Protocol):
 
     def predict(self, params: Mapping[str, Any], x: Any) -> Any:
         """Per-class scores for a batch (argmax is the predicted class)."""
+
+
+def model_tables(model: Any) -> list:
+    """The embedding tables of ``model`` (:class:`psgd.model.table.TableSpec`); none where it declares none."""
+    tables = getattr(model, "tables", None)
+    return list(tables()) if callable(tables) else []
 
 
 class BaseModel:

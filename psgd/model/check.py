@@ -40,10 +40,11 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import xp as backend
-from psgd.model.base import VarSpec, VarSpecError
+from psgd.model.base import VarSpec, VarSpecError, model_tables
 from psgd.model.errors import ModelError
 from psgd.model.gradcheck import FD_BUDGET_SECONDS, FiniteDifferences
 from psgd.model.probe import Skip, call_loss_and_grads, kind, quoted, raised
+from psgd.model.table import Rows, initial_rows, unique_lookups
 
 OK, FAIL, SKIP = "ok", "FAIL", "skip"
 BATCH = 4
@@ -61,17 +62,18 @@ class Check:
 def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed: int = 0, *,
                 name: str | None = None, options: Mapping[str, Any] | None = None,
                 device: backend.Device | None = None, batch: int = BATCH,
-                budget: float | None = FD_BUDGET_SECONDS) -> list[Check]:
+                budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None) -> list[Check]:
     """Check ``model`` (see the module docstring); raise :class:`ModelError`, one line per failure.
 
     ``name`` and ``options`` (how the model was built, e.g. ``"mypkg.nets:Net"``
     and ``{"width": 64}``) name it in messages and let the finite-difference
     check build a float64 twin; ``device`` is where the arrays live (default CPU).
     ``budget`` bounds the finite differences' time and memory for large models
-    (None: check them in full). Returns the checks, all passed or skipped.
+    (None: check them in full); ``id_shape``, the ids each example carries (a dataset with categorical ids),
+    is what a model of embedding tables looks up. Returns the checks, all passed or skipped.
     """
     checks = run_checks(model, input_shape, num_classes, dtype, seed, name=name, options=options,
-                        device=device, batch=batch, budget=budget)
+                        device=device, batch=batch, budget=budget, id_shape=id_shape)
     label = name or _class_name(model)
     failures = [f"model {label!r}: {c.name}: {line}" for c in checks if c.status == FAIL for line in c.lines]
     if failures:
@@ -82,9 +84,10 @@ def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed
 def run_checks(model: Any, input_shape: Any, num_classes: int, dtype: str, seed: int = 0, *,
                name: str | None = None, options: Mapping[str, Any] | None = None,
                device: backend.Device | None = None, batch: int = BATCH,
-               budget: float | None = FD_BUDGET_SECONDS) -> list[Check]:
+               budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None) -> list[Check]:
     """Every check's outcome, in order: specs, init, loss_and_grads, gradients, predict, finite differences."""
-    return _Checker(model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget).run()
+    return _Checker(model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget,
+                    id_shape).run()
 
 
 def _class_name(model: Any) -> str:
@@ -95,7 +98,8 @@ def _class_name(model: Any) -> str:
 class _Checker(FiniteDifferences):
     """The state the checks share: inputs, specs and initial values once they are known good."""
 
-    def __init__(self, model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget):
+    def __init__(self, model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget,
+                 id_shape=None):
         self.model, self.name, self.options, self.budget = model, name, dict(options or {}), budget
         if isinstance(input_shape, (int, np.integer)):
             input_shape = (input_shape,)
@@ -107,6 +111,11 @@ class _Checker(FiniteDifferences):
         self.x_host = rng.standard_normal((self.batch,) + self.input_shape).astype(self.dtype)
         self.y_host = rng.integers(0, self.num_classes, size=self.batch, dtype=np.int64)
         self.x, self.y = self.device.asarray(self.x_host), self.device.asarray(self.y_host)
+        self.id_shape = tuple(id_shape) if id_shape is not None else None
+        # ids from a pool of 3 per field position: a batch of 4 looks some rows up twice (their gradients add up)
+        self.ids_host = (rng.integers(-2**62, 2**62, size=(3,) + self.id_shape)[
+            rng.integers(0, 3, size=self.batch)] if self.id_shape else None)
+        self.tables: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # name -> (ids, values, index)
         self.specs: list[VarSpec] | None = None
         self.params: dict[str, Any] | None = None
         self.result: tuple[float, Mapping[str, Any]] | None = None  # (loss, gradients) once they were returned
@@ -237,14 +246,54 @@ class _Checker(FiniteDifferences):
             return ""
         del some
         self.params = {n: self.device.asarray(values[n]) for n in names}
+        self._table_rows(fail)
+        if fail:
+            self.params = None
+            return ""
         return (f"{len(names)} array{'s' * (len(names) != 1)} with the specs' shapes and dtypes, "
                 "and only the variables asked for with names=[...]")
+
+    def _table_rows(self, fail: list[str]) -> None:
+        """The rows the random batch looks up in each of the model's tables, at their first values."""
+        try:
+            tables = model_tables(self.model)
+        except Exception as exc:
+            fail.append(raised("tables()", exc))
+            return
+        if not tables:
+            return
+        if self.ids_host is None:
+            fail.append("the model has embedding tables, but the dataset gives no ids to look up in them")
+            return
+        try:
+            lookups = self.model.lookups(self.ids_host)
+        except Exception as exc:
+            fail.append(raised("lookups(ids)", exc))
+            return
+        specs = {t.name: t for t in tables}
+        if not isinstance(lookups, Mapping) or set(lookups) - set(specs):
+            fail.append(f"lookups(ids) returned {kind(lookups)}; it must be a dict of ids by table name "
+                        f"({', '.join(specs)})")
+            return
+        for name, wanted in lookups.items():
+            ids, index = unique_lookups(wanted)
+            self.tables[name] = (ids, initial_rows(specs[name], self.seed, ids), index)
+
+    def with_rows(self, params: Mapping[str, Any], dt: str | None = None,
+                  values: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """``params`` with each table's :class:`Rows` for the batch, in ``dt`` (or the job's dtype), taking a
+        table's values from ``values`` where given."""
+        out = dict(params)
+        for name, (ids, first, index) in self.tables.items():
+            rows = values[name] if values is not None and name in values else first.astype(dt or self.dtype)
+            out[name] = Rows(ids, self.device.asarray(rows), self.device.asarray(index))
+        return out
 
     # -- loss_and_grads, gradients, predict ---------------------------------------------------------
     def check_loss(self, fail: list[str]) -> str:
         try:
             began = time.perf_counter()
-            loss, grads, problems = call_loss_and_grads(self.model, self.params, self.x, self.y)
+            loss, grads, problems = call_loss_and_grads(self.model, self.with_rows(self.params), self.x, self.y)
             self.step_seconds = time.perf_counter() - began
         except Exception as exc:
             fail.append(raised("", exc))
@@ -259,7 +308,21 @@ class _Checker(FiniteDifferences):
         return f"returns (loss, gradients); loss {loss:.4g} on a batch of {self.batch} random inputs"
 
     def check_grads(self, fail: list[str]) -> str:
-        grads = self.result[1]
+        grads = dict(self.result[1])
+        for name, (ids, first, _) in self.tables.items():  # a table's gradient: Rows of the batch's ids
+            g = grads.pop(name, None)
+            if not isinstance(g, Rows) or not np.array_equal(np.asarray(g.ids), ids):
+                fail.append(f"the gradient for table {name!r} is {kind(g)}; it must be the batch's Rows with the "
+                            "gradient of each row as values (rows.with_values(...))")
+                continue
+            values = g.values
+            if tuple(getattr(values, "shape", ())) != first.shape:
+                fail.append(f"the gradient for table {name!r} has shape {tuple(getattr(values, 'shape', ()))}, "
+                            f"but the batch looks up {first.shape[0]} rows of {first.shape[1]}")
+            elif not np.isfinite(backend.to_host(values)).all():
+                fail.append(f"the gradient for table {name!r} has non-finite values")
+            else:
+                self.good_grads.append(name)
         names = [s.name for s in self.specs]
         missing = [n for n in names if n not in grads]
         unknown = [n for n in grads if n not in names]
@@ -290,11 +353,12 @@ class _Checker(FiniteDifferences):
                     self.good_grads.append(n)
         if fail:
             return ""
-        return "one per variable, with its shape and dtype, all finite"
+        rows = ", and one per table for the rows the batch looks up" if self.tables else ""
+        return f"one per variable, with its shape and dtype, all finite{rows}"
 
     def check_predict(self, fail: list[str]) -> str:
         try:
-            scores = self.model.predict(dict(self.params), self.x)
+            scores = self.model.predict(self.with_rows(self.params), self.x)
         except Exception as exc:
             fail.append(raised("", exc))
             return ""

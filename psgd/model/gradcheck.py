@@ -41,7 +41,8 @@ class FiniteDifferences:
 
     It reads the checker's ``model``, ``name``, ``options``, ``input_shape``,
     ``num_classes``, ``dtype``, ``seed``, ``device``, ``x_host``, ``y``,
-    ``specs``, ``params``, ``good_grads``, ``step_seconds`` and ``budget``.
+    ``specs``, ``params``, ``tables`` (each table's rows of the batch, checked like variables),
+    ``with_rows``, ``good_grads``, ``step_seconds`` and ``budget``.
     """
 
     def _float64_twin(self) -> Any:
@@ -53,9 +54,10 @@ class FiniteDifferences:
             from psgd.model.registry import build_model
 
             makers.append(lambda: build_model(self.name, self.input_shape, self.num_classes, dtype="float64",
-                                              **self.options))
+                                              id_shape=self.id_shape, **self.options))
+        ids = {"id_shape": self.id_shape} if self.id_shape is not None else {}
         makers.append(lambda: type(self.model)(input_shape=self.input_shape, num_classes=self.num_classes,
-                                               dtype="float64", **self.options))
+                                               dtype="float64", **ids, **self.options))
         want = [(s.name, s.shape, "float64") for s in self.specs]
         for make in makers:
             try:
@@ -82,16 +84,17 @@ class FiniteDifferences:
         """``f(changed=None)``: loss and gradients at the weights in ``host``, of which only ``changed``
         has changed since the first call (only that one is copied to the device again)."""
         x = self.device.asarray(self.x_host.astype(dt))
-        base = {n: self.device.asarray(a) for n, a in host.items()}
+        base = {n: self.device.asarray(a) for n, a in host.items() if n not in self.tables}
 
         def f(changed: str | None = None) -> tuple[float, Any]:
             params = dict(base)
-            if changed is not None:
+            if changed is not None and changed not in self.tables:
                 params[changed] = self.device.asarray(host[changed])
+            params = self.with_rows(params, dt, host)  # a table's rows: its values in host
             loss, grads, problems = call_loss_and_grads(model, params, x, self.y)
             if loss is None or grads is None:
                 raise ModelError("; ".join(p for p in problems if "order" not in p))
-            return loss, grads
+            return loss, {n: getattr(g, "values", g) for n, g in grads.items()}
 
         return f
 
@@ -102,6 +105,7 @@ class FiniteDifferences:
         self._coordinates(self.step_seconds)  # skip before copying anything when even the job's dtype is slow
         for model, dt, trusted in self._candidates():
             host = {n: backend.to_host(v).astype(dt) for n, v in self.params.items()}
+            host.update({n: first.astype(dt) for n, (_, first, _) in self.tables.items()})
             found: list[str] = []
             try:
                 f = self._loss_function(model, dt, host)

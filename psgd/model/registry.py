@@ -10,12 +10,13 @@ from typing import Any
 
 from psgd.model.base import VarSpecError
 from psgd.model.errors import ModelError
+from psgd.model.embed import Embed
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 
-MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN}
+MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN, "embed": Embed}
 
 MODEL_METHODS = ("specs", "init", "loss_and_grads", "predict")
-_BUILT_IN_ARGS = ("input_shape", "num_classes", "dtype")
+_BUILT_IN_ARGS = ("input_shape", "num_classes", "dtype", "id_shape")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -60,10 +61,15 @@ def model_options(cls: type) -> list[str] | None:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def build_model(name: str, input_shape: Any, num_classes: int, dtype: str = "float32", **options: Any) -> Any:
-    """Build model ``name`` (see :func:`load_model_class`) for ``input_shape`` and ``num_classes``."""
+def build_model(name: str, input_shape: Any, num_classes: int, dtype: str = "float32", id_shape: Any = None,
+                **options: Any) -> Any:
+    """Build model ``name`` (see :func:`load_model_class`) for ``input_shape`` and ``num_classes``; for a dataset
+    with categorical ids (:attr:`psgd.data.Dataset.id_shape`), also ``id_shape``, which a model of embedding tables
+    takes (``embed``)."""
     cls = load_model_class(name)
     args = dict(input_shape=input_shape, num_classes=num_classes, dtype=dtype, **options)
+    if id_shape is not None:
+        args["id_shape"] = tuple(id_shape)
     known = model_options(cls)
     takes = ", ".join(known) if known else "none"
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any
 
 import numpy as np
 
@@ -110,3 +111,27 @@ def initial_rows(spec: TableSpec, seed: int, ids: np.ndarray) -> np.ndarray:
         u1, u2 = unit[:, :spec.dim], unit[:, spec.dim:]
         values = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) * spec.scale
     return values.astype(out_dtype)
+
+
+@dataclasses.dataclass
+class Rows:
+    """The rows of one table a batch looks up, as a model sees them: ``ids`` (distinct int64, a host array),
+    ``values`` ``[len(ids), dim]`` (on the model's device) and ``index`` (positions into ``values``, one per
+    lookup of the batch, in the shape of the lookups).  A model reads ``values[index]``; its gradient is the
+    same ``Rows`` with the gradient of each row as ``values`` (every lookup of a row summed)."""
+
+    ids: np.ndarray
+    values: Any
+    index: Any
+
+    def with_values(self, values: Any) -> "Rows":
+        return Rows(self.ids, values, self.index)
+
+    def copy(self) -> "Rows":
+        return Rows(self.ids, self.values.copy(), self.index)
+
+
+def unique_lookups(lookups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids of a batch's lookups, and each lookup's position among them (in the lookups' shape)."""
+    ids, index = np.unique(check_ids(np.asarray(lookups).reshape(-1), "lookups"), return_inverse=True)
+    return ids, index.reshape(np.shape(lookups))

@@ -26,7 +26,9 @@ EXPECTED_SPECS = {
 
 
 def test_registry():
-    assert MODELS == {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN}
+    from psgd.model.embed import Embed
+
+    assert MODELS == {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN, "embed": Embed}
     assert issubclass(ModelError, ValueError)
     assert all(load_model_class(name) is cls for name, cls in MODELS.items())
     assert callable(init_variable) and VarSpec

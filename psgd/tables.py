@@ -1,7 +1,9 @@
-"""A shard's rows of one embedding table: made when first needed, updated by a row rule, evicted when idle.
+"""Rows of one embedding table held in one process: made when first needed, updated by a row rule, evicted when
+idle.
 
-:class:`RowTable` keeps the rows of one :class:`~psgd.model.table.TableSpec` that this shard holds (the plan
-says which: :meth:`psgd.partition.PartitionPlan.shard_of_ids`).  A row is made the first time its id is read,
+:class:`RowTable` keeps the rows of one :class:`~psgd.model.table.TableSpec` that this process holds: a shard
+its share (the plan says which: :meth:`psgd.partition.PartitionPlan.shard_of_ids`), the reference trainer or an
+all-reduce rank all of them.  A row is made the first time its id is read,
 from (seed, table, id) alone (:func:`psgd.model.table.initial_rows`), so a table of 10^9 possible ids costs only
 the rows ever touched.  Its options (:class:`TableOptions`):
 
@@ -11,11 +13,11 @@ the rows ever touched.  Its options (:class:`TableOptions`):
   cost no memory per id; the sketch may count an id high, never low: a row may be admitted early, never late.
 - ``idle_updates = n``: rows neither read nor updated in the last n updates of the table are evicted (their
   state with them); an evicted id reads as its initial value again.
-- ``max_rows = m``: at most m rows; one more is refused with RESOURCE_EXHAUSTED (``when_full = "fail"``) or
+- ``max_rows = m``: at most m rows; one more is refused (:class:`TableFull`) (``when_full = "fail"``) or
   makes room by evicting the rows touched longest ago (``when_full = "evict"``).
 
 Storage is one array of rows, one per state field of the rule and three of bookkeeping (id, update count, last
-touch), grown by doubling; freed slots are reused.  The caller (the shard core) holds its lock around every
+touch), grown by doubling; freed slots are reused.  Not thread-safe: a shard core holds its lock around every
 call.
 """
 
@@ -28,14 +30,19 @@ import numpy as np
 
 from psgd.model.table import TableSpec, initial_rows, mix64, name_key
 from psgd.optim.rows import RowOptimizer
-from psgd.server.errors import ShardError
 
 WHEN_FULL = ("fail", "evict")
 
 
+class TableFull(Exception):
+    """A table may not hold the rows asked for (``tables.max_rows``); a shard answers RESOURCE_EXHAUSTED."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 @dataclasses.dataclass(frozen=True)
 class TableOptions:
-    """How a shard keeps a table's rows (see the module docstring); the defaults keep every row forever."""
+    """How a table keeps its rows (see the module docstring); the defaults keep every row forever."""
 
     admit_after: int = 0
     idle_updates: int = 0
@@ -79,11 +86,12 @@ class Sightings:
 
 
 class RowTable:
-    """The rows of table ``spec`` on shard ``shard``, updated by ``optimizer``; see the module docstring."""
+    """The rows of table ``spec`` held ``where`` (``shard 2``: for messages), updated by ``optimizer``; see the
+    module docstring."""
 
     def __init__(self, spec: TableSpec, seed: int, optimizer: RowOptimizer, options: TableOptions = TableOptions(),
-                 shard: int = 0):
-        self.spec, self.seed, self.optimizer, self.options, self.shard = spec, int(seed), optimizer, options, shard
+                 where: str = "this process"):
+        self.spec, self.seed, self.optimizer, self.options, self.where = spec, int(seed), optimizer, options, where
         self.dtype = np.dtype(spec.dtype)
         self.columns = optimizer.state_columns(spec.dim)
         self.slot: dict[int, int] = {}  # id -> slot
@@ -178,7 +186,7 @@ class RowTable:
         cap, n = self.options.max_rows, ids.size
         if cap and len(self.slot) + n > cap:
             if self.options.when_full == "fail" or n + keep.size > cap:
-                raise ShardError("RESOURCE_EXHAUSTED", f"table {self.spec.name!r} on shard {self.shard} holds "
+                raise TableFull(f"table {self.spec.name!r} on {self.where} holds "
                                  f"{len(self.slot):,} rows and may hold {cap:,} (tables.max_rows): {n:,} more do not "
                                  f"fit; raise max_rows, add shards, or set tables.when_full = \"evict\"")
             self._evict_oldest(len(self.slot) + n - cap, keep)
@@ -241,7 +249,7 @@ class RowTable:
         rows = np.asarray(arrays["rows"])
         if rows.shape != (ids.size, self.spec.dim) or np.unique(ids).size != ids.size:
             raise ValueError(f"table {self.spec.name!r}: {ids.size} ids with rows of shape {rows.shape} do not fit")
-        self.__init__(self.spec, self.seed, self.optimizer, self.options, self.shard)
+        self.__init__(self.spec, self.seed, self.optimizer, self.options, self.where)
         if self.options.max_rows and ids.size > self.options.max_rows:
             raise ValueError(f"table {self.spec.name!r}: {ids.size:,} rows saved, tables.max_rows is "
                              f"{self.options.max_rows:,}")
