@@ -112,12 +112,13 @@ def add_tls_arguments(parser, server: bool = False, launch: bool = False) -> Non
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
 
 
-def tls_from_args(args, job=None) -> TLSFiles:
-    """The TLS files the flags name; where they name none, those of ``job``'s [tls] table (if any)."""
+def tls_from_args(args, config=None) -> TLSFiles:
+    """The TLS files the flags name; where they name none, those of the job file ``config``'s [tls] table (if
+    any)."""
     given = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
-    if given.enabled or job is None:
+    if given.enabled or config is None:
         return given
-    return TLSFiles(job.tls.cert or None, job.tls.key or None, job.tls.ca or None)
+    return TLSFiles(config.tls.cert or None, config.tls.key or None, config.tls.ca or None)
 
 
 def child_flags(tls: TLSFiles) -> list[str]:

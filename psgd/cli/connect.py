@@ -22,9 +22,10 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", metavar="FILE", default=None, help="client private key (PEM) for mutual TLS")
 
 
-def connect_from_args(args: argparse.Namespace, job=None) -> Connect:
-    """How to reach the shards: the flags, and where they name no TLS file, ``job``'s [tls] table (if any)."""
+def connect_from_args(args: argparse.Namespace, config=None) -> Connect:
+    """How to reach the shards: the flags, and where they name no TLS file, the job file ``config``'s [tls]
+    table (if any)."""
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
-    tls = tls_from_args(args, job)
+    tls = tls_from_args(args, config)
     return Connect(timeout=args.timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "",
                    tls_key=tls.key or "")

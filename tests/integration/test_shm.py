@@ -309,7 +309,7 @@ job = JobConfig.load(sys.argv[1])
 plan = describe_job(job).plan
 zeros = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
 got, stop = {"applied": 0, "refused": 0, "errors": []}, threading.Event()
-with PSClient([sys.argv[2]], plan, 1, request_timeout=10, transport="shm", job=job, token=sys.argv[4]) as client:
+with PSClient([sys.argv[2]], plan, 1, request_timeout=10, transport="shm", config=job, token=sys.argv[4]) as client:
     client.register()
     client.push(0, zeros)
     link = client.links[0]
