@@ -16,6 +16,10 @@ lr = 0.05
 batch_size = 32
 epochs = 30
 seed = 0
+
+[tables]                # a model's embedding tables (the embed model): their update rule and how rows are kept
+optimizer = "rowwise_adagrad"
+lr = 0.05
 ```
 
 Command-line flags override the file; ``--set section.key=value`` overrides any
@@ -34,6 +38,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
+from psgd.optim.rows import ROW_OPTIMIZERS
 from psgd.policy import POLICIES
 from psgd.wire import TRANSPORTS
 
@@ -100,6 +105,25 @@ _CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "re
 
 
 @dataclasses.dataclass
+class TablesConfig:
+    """How a model's embedding tables are trained and kept (psgd.optim.rows, psgd.tables); unused without tables."""
+
+    optimizer: str = "rowwise_adagrad"  # the rule for rows: sgd, rowwise_adagrad or lazy_adam
+    lr: float = 0.05
+    eps: float = 1e-8             # rowwise_adagrad, lazy_adam
+    initial: float = 0.0          # rowwise_adagrad: each row's accumulator to start with
+    beta1: float = 0.9            # lazy_adam
+    beta2: float = 0.999          # lazy_adam
+    admit_after: int = 0          # a row is made at its id's k-th sighting (0, 1: at once)
+    idle_updates: int = 0         # rows untouched for this many updates of their table are evicted (0: never)
+    max_rows: int = 0             # rows one table may hold in one process (0: no cap)
+    when_full: str = "fail"       # at max_rows: "fail" (refuse the rows) or "evict" (the least recently touched)
+
+
+_TABLES_INT_KEYS = {"admit_after": (0, 1 << 16), "idle_updates": (0, 2**62), "max_rows": (0, 2**40)}
+
+
+@dataclasses.dataclass
 class TLSConfig:
     """Mutual TLS between every process of the job, from PEM files (a relative path is read from the job file's
     folder); the same three as ``psgd launch --tls-cert/--tls-key/--tls-ca``, which take precedence."""
@@ -119,9 +143,10 @@ class JobConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
+    tables: TablesConfig = dataclasses.field(default_factory=TablesConfig)
     source: str = "<defaults>"
 
-    SECTIONS = ("model", "data", "optimizer", "train", "cluster", "tls")
+    SECTIONS = ("model", "data", "optimizer", "train", "cluster", "tls", "tables")
 
     # -- construction -----------------------------------------------------
     @classmethod
@@ -137,7 +162,7 @@ class JobConfig:
                 table = _table(doc[section], source, section)
                 merged = dict(table) if "name" in table else {**getattr(job, section), **table}
                 setattr(job, section, merged)
-        for section in ("train", "cluster", "tls"):
+        for section in ("train", "cluster", "tls", "tables"):
             for key, value in _table(doc.get(section, {}), source, section).items():
                 job._set_field(section, key, value)
         folder = Path(source).parent if Path(source).is_file() else None
@@ -173,7 +198,7 @@ class JobConfig:
         section, _, key = dotted.partition(".")
         if section not in self.SECTIONS or not key:
             raise ConfigError(f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}")
-        if section in ("train", "cluster", "tls"):
+        if section in ("train", "cluster", "tls", "tables"):
             self._set_field(section, key, value)
         else:
             table = getattr(self, section)
@@ -227,6 +252,7 @@ class JobConfig:
         if any(files) and not all(files):
             raise ConfigError(f"{src}: [tls] needs cert, key and ca together (mutual TLS: every shard serves with "
                               "the certificate, every worker shows it, and both trust the CA), or none of them")
+        self._validate_tables()
         lr = self.optimizer.get("lr")
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0):
             raise ConfigError(f"{src}: [optimizer] lr must be a positive number, got {lr!r}")
@@ -274,6 +300,21 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "
                               f"got {c.wire_dtype!r}")
 
+    def _validate_tables(self) -> None:
+        src, t = self.source, self.tables
+        if t.optimizer not in ROW_OPTIMIZERS:
+            raise ConfigError(f"{src}: [tables] optimizer must be one of {', '.join(ROW_OPTIMIZERS)}, "
+                              f"got {t.optimizer!r}")
+        ranges = {"lr": "> 0", "eps": "> 0", "initial": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)"}
+        for key, words in ranges.items():
+            value = getattr(t, key)
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or value < 0 or (words == "> 0" and value == 0) or (words == "in [0, 1)" and value >= 1):
+                raise ConfigError(f"{src}: [tables] {key} must be a finite number {words}, got {value!r}")
+        _check_ints(src, "tables", t, _TABLES_INT_KEYS)
+        if t.when_full not in ("fail", "evict"):
+            raise ConfigError(f"{src}: [tables] when_full must be \"fail\" or \"evict\", got {t.when_full!r}")
+
     def options(self, section: str) -> dict[str, Any]:
         """A section's options without its name."""
         return {k: v for k, v in getattr(self, section).items() if k != "name"}
@@ -286,6 +327,7 @@ class JobConfig:
             "train": dataclasses.asdict(self.train),
             "cluster": dataclasses.asdict(self.cluster),
             "tls": dataclasses.asdict(self.tls),
+            "tables": dataclasses.asdict(self.tables),
         }
 
 

@@ -34,8 +34,10 @@ from psgd import model as models
 from psgd import optim
 from psgd import xp as backend
 from psgd.config import ConfigError, JobConfig
+from psgd.optim.rows import ROW_OPTIMIZERS, build_row_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import POLICIES, Policy, policy_from_cluster
+from psgd.tables import RowTable, TableOptions
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,18 @@ class Job:
 
     def one_shard_plan(self) -> PartitionPlan:
         """The job's variables as one shard would hold them (all-reduce ranks agree on its hash)."""
-        return PartitionPlan(self.model.specs(), 1)
+        return PartitionPlan(self.model.specs(), 1, tables=self.plan.tables)
+
+    def row_tables(self, where: str = "this process") -> dict[str, RowTable]:
+        """Every embedding table of the model, empty, as one process holds all of its rows (the reference
+        trainer's), updated by the rule ``[tables]`` names and kept as it says."""
+        t = self.config.tables
+        rule = ROW_OPTIMIZERS[t.optimizer]
+        options = TableOptions(t.admit_after, t.idle_updates, t.max_rows, t.when_full)
+        rule_options = {k: getattr(t, k) for k in rule.options}
+        return {spec.name: RowTable(spec, self.config.train.seed,
+                                    build_row_optimizer(t.optimizer, lr=t.lr, **rule_options), options, where)
+                for spec in self.plan.tables}
 
 
 def job_optimizer(config: JobConfig) -> optim.Optimizer:
@@ -137,7 +150,8 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
     if check:
         began = time.perf_counter()
         models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
-                           name=config.model["name"], options=config.options("model"), device=device)
+                           name=config.model["name"], options=config.options("model"), device=device,
+                           id_shape=dataset.id_shape)
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
     return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device)
 
@@ -150,7 +164,8 @@ def describe_job(config: JobConfig, model: models.Model | None = None) -> Job:
 
 
 def _plan(config: JobConfig, model: models.Model) -> PartitionPlan:
-    return PartitionPlan(model.specs(), config.cluster.shards, config.cluster.slice_bytes)
+    return PartitionPlan(model.specs(), config.cluster.shards, config.cluster.slice_bytes,
+                         tables=models.model_tables(model))
 
 
 def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None) -> models.Model:
@@ -164,7 +179,8 @@ def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataSha
     if data is None:
         data = datasets.describe_dataset(config.data["name"], dtype=dtype, **config.options("data"))
     return models.build_model(
-        config.model["name"], data.input_shape, data.num_classes, dtype=dtype, **config.options("model")
+        config.model["name"], data.input_shape, data.num_classes, dtype=dtype, id_shape=data.id_shape,
+        **config.options("model")
     )
 
 

@@ -42,9 +42,11 @@ import numpy as np
 from psgd import data as datasets
 from psgd import model as models
 from psgd import xp as backend
+from psgd.config import ConfigError
 from psgd.delay import NO_DELAY, Delay
 from psgd.divergence import DivergenceGuard, advice, chance
 from psgd.job import Job
+from psgd.model.table import Rows
 from psgd.progress import MetricsLog, progress_bar
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,17 @@ log = logging.getLogger(__name__)
 
 def evaluate(
     model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
-    device: backend.Device, batch_size: int = 1024,
+    device: backend.Device, batch_size: int = 1024, ids: np.ndarray | None = None,
+    rows: Callable[..., dict[str, Any]] | None = None,
 ) -> tuple[float, float]:
-    """Mean loss and accuracy of ``params`` on (x, y), in batches."""
+    """Mean loss and accuracy of ``params`` on (x, y), in batches; a model with embedding tables looks the ids
+    of each batch up through ``rows`` (:meth:`Exchange.rows`, reading without making rows)."""
     total_loss, correct = 0.0, 0
     for start in range(0, len(x), batch_size):
         xb = device.asarray(x[start:start + batch_size])
         yb_host = y[start:start + batch_size]
+        if rows is not None:
+            params = {**params, **rows(model.lookups(ids[start:start + batch_size]), training=False)}
         loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
         scores = backend.to_host(model.predict(params, xb))
         total_loss += float(loss) * len(yb_host)
@@ -117,6 +123,14 @@ class Exchange(abc.ABC):
 
     #: whether :meth:`gradient_ready` wants each gradient as soon as backward produces it ([cluster] overlap)
     overlaps: bool = False
+    #: whether this mode trains a model with embedding tables (:meth:`rows`)
+    trains_tables: bool = False
+
+    def rows(self, lookups: Mapping[str, np.ndarray], training: bool = True) -> dict[str, Rows]:
+        """The rows the ids ``lookups`` name in each table (a batch's, by table), on the device, as
+        :class:`~psgd.model.table.Rows`; a table's gradient comes back to :meth:`exchange` as ``Rows`` too.
+        ``training``: the step's own lookups, which make rows; an evaluation's only read them."""
+        raise NotImplementedError
 
     def gradient_ready(self, name: str, grad: Any) -> None:
         """Variable ``name``'s gradient of the step in hand, as soon as backward has produced it (only where
@@ -198,6 +212,13 @@ def run_loop(
     When ``stop`` is set, the step in hand is finished (or interrupted) and the loop ends early.
     """
     ds, model, device, t = job.dataset, job.model, job.device, job.config.train
+    if job.plan.tables and not exchange.trains_tables:
+        raise ConfigError(f"model {job.config.model['name']!r} has embedding tables, which the {exchange.mode} mode "
+                          "does not train yet; psgd train does")
+    if job.plan.tables and ds.ids_train is None:
+        raise ConfigError(f"model {job.config.model['name']!r} looks ids up in embedding tables, but dataset "
+                          f"{ds.name!r} has none (clicks has)")
+    looks_up = exchange.rows if job.plan.tables else None
     batches = datasets.ShardedBatches(ds.x_train, ds.y_train, rank=rank, world=world,
                                       batch_size=t.batch_size, seed=t.seed)
     spe = batches.steps_per_epoch
@@ -228,7 +249,8 @@ def run_loop(
 
     def evaluation(params: Mapping[str, Any], done: int, train_loss: float, wall: float | None = None) -> None:
         nonlocal acc, test_loss
-        test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size)
+        test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size, ds.ids_test,
+                                  looks_up)
         point = {"step": done, "epoch": done // spe, "wall": time.perf_counter() - start if wall is None else wall,
                  "train_loss": float(train_loss), "test_loss": test_loss, "test_accuracy": acc}
         history.append(point)
@@ -263,6 +285,8 @@ def run_loop(
                     evaluated = beside.submit(params, step, float(loss), fetched - start)
                 elif evaluated:
                     evaluation(params, step, float(loss))
+                if looks_up is not None:  # the rows of the step's ids, as of the weights it computes with
+                    params = {**params, **looks_up(model.lookups(ds.ids_train[idx]))}
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]), **handing)
                 computed = time.perf_counter()

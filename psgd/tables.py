@@ -132,6 +132,18 @@ class RowTable:
         self.counters["rows_read"] += int(ids.size)
         return out
 
+    def peek(self, ids: np.ndarray) -> np.ndarray:
+        """The rows ``ids`` as they are, without making, counting or touching any (an evaluation's read): a row
+        that does not exist reads as its initial value."""
+        get = self.slot.get
+        slots = np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, ids.size)
+        have = slots >= 0
+        out = np.empty((ids.size, self.spec.dim), self.dtype)
+        out[have] = self.rows[slots[have]]
+        if not have.all():
+            out[~have] = initial_rows(self.spec, self.seed, ids[~have])
+        return out
+
     def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float = 1.0) -> int:
         """Update the rows ``ids`` (distinct) by ``grads`` ``[len(ids), dim]``; the gradients of ids not admitted
         are dropped.  Returns how many rows were updated."""

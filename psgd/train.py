@@ -9,32 +9,59 @@ workers with batch B must end where this ends with batch N*B).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Mapping
 
+import numpy as np
+
 from psgd import data as datasets
+from psgd import xp as backend
 from psgd.config import JobConfig
 from psgd.job import Job, build_job, params_to_device
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
+from psgd.model.table import Rows, unique_lookups
 
 log = logging.getLogger(__name__)
 
 
 class LocalExchange(Exchange):
-    """The reference trainer's exchange: the optimizer applied in this process, step by step."""
+    """The reference trainer's exchange: the optimizer applied in this process, step by step; a model's
+    embedding tables held whole here, each row made when first looked up (:mod:`psgd.tables`)."""
 
     role = name = "local"
+    trains_tables = True
 
     def __init__(self, job: Job):
         self.params = params_to_device(job.model.init(job.config.train.seed), job.device)
         self.optimizer = job.optimizer()
+        self.device = job.device
+        self.tables = job.row_tables()
+        self._tables_lock = threading.Lock()  # an evaluation beside training reads them too
 
     def weights(self, step: int) -> Mapping[str, Any]:
         return self.params
 
+    def rows(self, lookups: Mapping[str, np.ndarray], training: bool = True) -> dict[str, Rows]:
+        out = {}
+        with self._tables_lock:
+            for name, wanted in lookups.items():
+                ids, index = unique_lookups(wanted)
+                table = self.tables[name]
+                values = table.read(ids) if training else table.peek(ids)
+                out[name] = Rows(ids, self.device.asarray(values), self.device.asarray(index))
+        return out
+
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         for name, grad in grads.items():
-            self.optimizer.update(name, self.params[name], grad)
+            if name in self.tables:
+                with self._tables_lock:
+                    self.tables[name].apply(grad.ids, backend.to_host(grad.values))
+            else:
+                self.optimizer.update(name, self.params[name], grad)
         return Exchanged(step + 1)
+
+    def end(self, interrupted: bool) -> dict[str, Any]:
+        return {"tables": {name: table.status() for name, table in self.tables.items()}} if self.tables else {}
 
     def final_weights(self) -> Mapping[str, Any]:
         return self.params

@@ -32,8 +32,10 @@ CLUSTER_ERRORS = (PSError, LaunchError, CollectiveError)
 
 JOB_FLAGS = {
     # flag: (dotted key, type, help)
-    "--model": ("model.name", str, "model: softmax, mlp, cnn, or package.module:Class (default mlp)"),
-    "--dataset": ("data.name", str, "dataset: digits (bundled), synthetic, idx:DIR or npz:FILE (default digits)"),
+    "--model": ("model.name", str, "model: softmax, mlp, cnn, embed (ids in a table: clicks), or "
+                                   "package.module:Class (default mlp)"),
+    "--dataset": ("data.name", str, "dataset: digits (bundled), synthetic, clicks, idx:DIR or npz:FILE "
+                                    "(default digits)"),
     "--optimizer": ("optimizer.name", str, "optimizer: sgd, momentum, nesterov, adam, adamw (default momentum)"),
     "--lr": ("optimizer.lr", float, "learning rate (default 0.05 for momentum)"),
     "--batch-size": ("train.batch_size", int, "minibatch size per process (default 32)"),

@@ -29,7 +29,7 @@ print one line per check:
 
 Every training process (psgd train, each psgd-worker, each all-reduce rank)
 runs the same checks before its first step and stops with these lines if one
-fails. MODEL is a built-in name (softmax, mlp, cnn) or package.module:Class,
+fails. MODEL is a built-in name (softmax, mlp, cnn, embed) or package.module:Class,
 imported from the current folder or the Python path. Exit status 0 when all
 checks pass, 2 when any fails.
 
@@ -50,7 +50,7 @@ def add_check_model_parser(sub: argparse._SubParsersAction) -> argparse.Argument
                             description=CHECK_MODEL_DESCRIPTION,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
-                        help="softmax, mlp, cnn or package.module:Class (default: the job's model, mlp)")
+                        help="softmax, mlp, cnn, embed or package.module:Class (default: the job's model, mlp)")
     add_job_arguments(parser)
     parser.set_defaults(func=cmd_check_model)
     return parser

@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 class AllReduceExchange(Exchange):
     """Average the gradients with the other ranks of ``collective``, then apply them here."""
 
+    mode = "allreduce"
+
     def __init__(self, job: Job, collective: Collective, bucket_bytes: int = 32 << 20):
         config, ds, model, device, t = job.config, job.dataset, job.model, job.device, job.config.train
         self.collective, self.device = collective, device
         rank, world = collective.rank, collective.world_size
-        self.role, self.name, self.mode = f"allreduce:{rank}", f"rank {rank}", "allreduce"
+        self.role, self.name = f"allreduce:{rank}", f"rank {rank}"
         if world != config.cluster.workers:
             raise CollectiveError(f"rank {rank}: the job file says workers = {config.cluster.workers} but "
                                   f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "

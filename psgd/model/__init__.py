@@ -10,7 +10,7 @@ before training (see :mod:`psgd.model.check`).
 from __future__ import annotations
 
 from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecError, hands_over_gradients,
-                              init_variable)
+                              init_variable, model_tables)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
@@ -19,5 +19,5 @@ from psgd.model.registry import MODELS, build_model, load_model_class
 __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
-    "check_model", "run_checks", "Check", "hands_over_gradients",
+    "check_model", "run_checks", "Check", "hands_over_gradients", "model_tables",
 ]

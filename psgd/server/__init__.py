@@ -4,7 +4,8 @@
 - store.py: its weights, the reads pulls are served from, updates in place;
 - service.py: the gRPC servicer and ShardServer (health, leases, checkpoints), which also starts
 - datapath.py: the TCP data path's server end, behind gatekeeper.py (accepting and checking hellos);
-- checkpoint.py: writing and reading a shard's checkpoints.
+- checkpoint.py: writing and reading a shard's checkpoints; recovery.py: what of a shard they hold;
+- hello.py: what a data connection's hello must say.
 
 ``build_shard(job, k)`` makes the core of shard ``k`` of a job (:func:`psgd.job.describe_job`).
 """
@@ -32,6 +33,9 @@ def build_shard(job: Job, shard: int) -> ShardCore:
     config, plan, c = job.config, job.plan, job.config.cluster
     if not 0 <= shard < c.shards:
         raise ConfigError(f"shard index {shard} is out of range: the job has {c.shards} shard(s), 0..{c.shards - 1}")
+    if plan.tables:
+        raise ConfigError(f"model {config.model['name']!r} has embedding tables, which the ps mode does not train "
+                          "yet; psgd train does")
     mine = plan.slices_for_shard(shard)
     held = {sl.var for sl in mine}
     check_fits([v for v in plan.specs if v.name in held], f"shard {shard} of model {config.model['name']!r}")

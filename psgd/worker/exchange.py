@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 class ParameterServerExchange(Exchange):
     """Pull from and push to every shard through ``client`` (a :class:`PSClient`, entered)."""
 
+    mode = "ps"
+
     def __init__(self, job: Job, client: PSClient, rank: int, stop: threading.Event | None = None):
         self.job, self.client, self.plan, self.rank, self.stop = job, client, job.plan, rank, stop
-        self.role, self.name, self.mode = f"worker:{rank}", f"worker {rank}", "ps"
+        self.role, self.name = f"worker:{rank}", f"worker {rank}"
         # Pulled weights land in, and gradients leave from, host buffers made once: pinned on a GPU,
         # so the copies to and from the device run by DMA at the bus's rate (psgd bench gpu).
         device = job.device
