@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from psgd.server.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
+from psgd.server.tables import ShardTables
 
 if TYPE_CHECKING:
     from psgd.job import Job
@@ -33,9 +34,6 @@ def build_shard(job: Job, shard: int) -> ShardCore:
     config, plan, c = job.config, job.plan, job.config.cluster
     if not 0 <= shard < c.shards:
         raise ConfigError(f"shard index {shard} is out of range: the job has {c.shards} shard(s), 0..{c.shards - 1}")
-    if plan.tables:
-        raise ConfigError(f"model {config.model['name']!r} has embedding tables, which the ps mode does not train "
-                          "yet; psgd train does")
     mine = plan.slices_for_shard(shard)
     held = {sl.var for sl in mine}
     check_fits([v for v in plan.specs if v.name in held], f"shard {shard} of model {config.model['name']!r}")
@@ -47,4 +45,5 @@ def build_shard(job: Job, shard: int) -> ShardCore:
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
         identity=job.identity, async_lr=c.async_lr, staleness_lr=c.staleness_lr,
         dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive, implicit_momentum=c.implicit_momentum,
+        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")),
     )

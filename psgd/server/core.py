@@ -30,6 +30,7 @@ from psgd.server.errors import ShardError
 from psgd.server.remedies import PushRemedies
 from psgd.server.rounds import Round
 from psgd.server.store import LiveRead, Snapshot, WeightStore
+from psgd.server.tables import RowsIn, ShardTables
 from psgd.partition import PartitionPlan
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
 
@@ -68,6 +69,7 @@ class ShardCore:
         allow_nonfinite: bool = False,
         apply_threads: int | None = None,
         identity: Mapping[str, Any] | None = None,
+        tables: ShardTables | None = None,
         now: Callable[[], float] = time.monotonic,
         **remedies: Any,  # async_lr, staleness_lr, dc_lambda, dc_adaptive, implicit_momentum: psgd.server.remedies
     ):
@@ -91,6 +93,7 @@ class ShardCore:
         self.version = 0
         self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
         self.round = Round(self.store) if policy.accumulates else None  # a sync round in the making
+        self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
@@ -133,6 +136,7 @@ class ShardCore:
                 continue
             for base in bases:
                 self._record_staleness(self.version - base)
+            self.tables.close_round(len(bases))  # the version the dense update below makes
             self._apply(self.round.sums, 1.0)
             self.round.clear()
         self.changed.notify_all()
@@ -168,6 +172,7 @@ class ShardCore:
                                 "started without a checkpoint: its earlier updates are lost")
                     if self.policy.fast_forward(worker, clock):
                         self.round.clear()
+                        self.tables.clear_round()
             info.clock = clock = self.policy.join(worker)
             self.changed.notify_all()
         log.info("shard %d: worker %d registered (%s pid %d), continues at clock %d",
@@ -222,9 +227,19 @@ class ShardCore:
         return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
                 f"other workers still expected: {waiting}")
 
+    def read_rows(self, worker: int | None, lookups: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The rows of each table ``lookups`` names (this shard's ids, distinct), after the pull that lets
+        ``worker`` compute: made where they do not exist yet; an observer's (None) only read."""
+        who = "an observer" if worker is None else f"worker {worker}"
+        if worker is not None:
+            self.roster.check(worker)
+        with self.lock:
+            return self.tables.read(lookups, who, make=worker is not None)
+
     def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray],
-             wire_bytes: int | None = None) -> PushResult:
-        """Apply, accumulate or drop one gradient for every slice of this shard, as the policy says.
+             wire_bytes: int | None = None, rows: RowsIn | None = None) -> PushResult:
+        """Apply, accumulate or drop one gradient for every slice of this shard, and of the rows it touched
+        (``rows``: ids and gradients by table, :mod:`psgd.server.tables`), as the policy says.
         ``wire_bytes``: what the push took on the wire (less than the gradient when compressed)."""
         self.roster.check(worker)
         if clock < 0 or base_version < 0:
@@ -238,6 +253,7 @@ class ShardCore:
             for i, bad in self.store.nonfinite(grads).items():
                 raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "
                                  f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
+        rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
             info = self.roster.live(worker)  # first: a restarted shard asks the worker to register again
             if base_version > self.version:
@@ -259,6 +275,7 @@ class ShardCore:
             if action == APPLY:
                 self._record_staleness(staleness)
                 grads = self.remedies.compensate(worker, base_version, grads, self.weights)
+                self.tables.apply(rows, self.remedies.lr_scale(staleness))
                 self._apply(grads, self.remedies.lr_scale(staleness), self.remedies.share)
                 self.counters["pushes"] += 1
                 self.changed.notify_all()
@@ -267,6 +284,7 @@ class ShardCore:
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
             if action == ACCUMULATE:
                 self.round.add(grads, base_version)
+                self.tables.add(rows)
                 self._close_rounds(decision.closed_rounds)
             return PushResult(outcome, decision.next_clock, self.version, staleness)
 
@@ -326,4 +344,5 @@ class ShardCore:
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,
                 "restored_version": self.restored_version,
+                **({"tables": self.tables.status()} if self.tables else {}),
             }

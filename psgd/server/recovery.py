@@ -34,6 +34,7 @@ def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
         arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
         if core.round is not None:
             arrays["round_sum"] = core.round.flat
+        arrays.update(core.tables.arrays())
         manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
                     "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
                     "policy": core.policy.state_dict(), "counters": dict(core.counters),
@@ -65,6 +66,8 @@ def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
         core.policy.load_state_dict(m["policy"])
         if core.round is not None and "round_sum" in a:
             core.round.load(a["round_sum"], m.get("round_bases", []))
+        if core.tables:
+            core.tables.load(a)
         core.version = int(m["version"])
         core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
         core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]

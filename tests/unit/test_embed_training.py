@@ -58,11 +58,6 @@ def test_what_cannot_train_a_table_yet_says_so_in_one_line():
     exchange = object.__new__(ParameterServerExchange)  # never connects: refused before its first step
     with pytest.raises(ConfigError, match="has embedding tables, which the ps mode does not train yet"):
         run_loop(job, exchange, progress=False)
-    from psgd.job import describe_job
-    from psgd.server import build_shard
-
-    with pytest.raises(ConfigError, match="has embedding tables, which the ps mode does not train yet"):
-        build_shard(describe_job(clicks_job()), 0)  # a shard started by hand refuses at once too
     with pytest.raises(ModelError, match="needs a dataset with one id per categorical field"):
         build_job(clicks_job("data.name=digits"))
 

@@ -1,0 +1,114 @@
+"""A shard's rows of an embedding table under every policy: a sync round's row gradients averaged over its pushes,
+async ones applied on arrival at the push's rate, a retried push applied once, hostile rows refused with every
+row unchanged, and a round in flight kept by a checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from psgd.config import JobConfig
+from psgd.job import describe_job
+from psgd.model.table import initial_rows
+from psgd.server import build_shard, checkpoint, recovery
+from psgd.server.errors import ShardError
+
+DIM = 4
+
+
+def shard(policy="sync", workers=2, **tables):
+    config = JobConfig()
+    config.apply_sets(["model.name=embed", f"model.dim={DIM}", "model.hidden=[4]", "data.name=clicks",
+                       f"cluster.policy={policy}", "cluster.shards=2", f"cluster.workers={workers}",
+                       "tables.optimizer=sgd", "tables.lr=1.0", "train.dtype=float64",
+                       *(f"tables.{k}={v}" for k, v in tables.items())])
+    job = describe_job(config)
+    core = build_shard(job, 0)
+    for w in range(workers):
+        core.register(w, job.plan.hash)
+    return job, core
+
+
+def mine(job, n=6, start=0):
+    """``n`` ids of shard 0's rows."""
+    ids = np.arange(start, start + 20 * n, dtype=np.int64)
+    return ids[job.plan.shard_of_ids("emb", ids) == 0][:n]
+
+
+def dense(core, value=0.0):
+    return {i: np.full(s.size, value) for i, s in core.slices.items()}
+
+
+def first(job, ids):
+    return initial_rows(job.plan.table_by_name["emb"], job.config.train.seed, ids)
+
+
+def test_a_sync_round_averages_its_row_gradients_over_its_pushes():
+    job, core = shard("sync")
+    ids = mine(job, 6)
+    a, b = ids[:4], ids[2:]  # rows 2 and 3 touched by both workers
+    start = core.read_rows(0, {"emb": ids})["emb"]
+    np.testing.assert_array_equal(start, first(job, ids))
+    core.push(0, 0, 0, dense(core), rows={"emb": (a, np.ones((4, DIM)))})
+    assert np.array_equal(core.read_rows(None, {"emb": ids})["emb"], start)  # nothing until the round closes
+    core.push(1, 0, 0, dense(core), rows={"emb": (b, np.full((4, DIM), 3.0))})
+    want = start.copy()
+    want[:2] -= 1.0 / 2            # worker 0's alone, over 2 pushes
+    want[2:4] -= (1.0 + 3.0) / 2   # both
+    want[4:] -= 3.0 / 2            # worker 1's alone
+    np.testing.assert_allclose(core.read_rows(None, {"emb": ids})["emb"], want)
+    assert core.version == 1 and core.status()["tables"]["emb"]["rows"] == 6
+
+
+def test_async_rows_are_applied_on_arrival_at_the_pushs_rate_and_a_retried_push_once():
+    job, core = shard("async", workers=4)
+    ids = mine(job, 3)
+    start = core.read_rows(0, {"emb": ids})["emb"]
+    for _ in range(2):  # the same (worker, clock) twice: a retry
+        core.push(0, 0, 0, dense(core), rows={"emb": (ids, np.ones((3, DIM)))})
+    np.testing.assert_allclose(core.read_rows(0, {"emb": ids})["emb"], start - 1.0 / 4)  # lr / workers, once
+
+
+@pytest.mark.parametrize("rows, words", [
+    (lambda ids: {"emb": (np.concatenate([ids[:2], ids[:1]]), np.ones((3, DIM)))}, "an id is repeated"),
+    (lambda ids: {"emb": (np.arange(40, dtype=np.int64), np.ones((40, DIM)))}, "not shard 0's"),
+    (lambda ids: {"emb": (ids, np.ones((len(ids), DIM + 1)))}, "need gradients of shape"),
+    (lambda ids: {"emb": (ids.astype(np.float64), np.ones((len(ids), DIM)))}, "must be one int64 array"),
+    (lambda ids: {"emb": (ids, np.full((len(ids), DIM), np.nan))}, "non-finite"),
+    (lambda ids: {"users": (ids, np.ones((len(ids), DIM)))}, "no table 'users'"),
+])
+def test_hostile_rows_are_refused_and_change_nothing(rows, words):
+    job, core = shard("async")
+    ids = mine(job, 3)
+    before = core.read_rows(0, {"emb": ids})["emb"]
+    with pytest.raises(ShardError, match=words) as info:
+        core.push(0, 0, 0, dense(core, 0.5), rows=rows(ids))
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert core.version == 0 and core.counters["pushes"] == 0
+    np.testing.assert_array_equal(core.read_rows(0, {"emb": ids})["emb"], before)
+
+
+def test_an_observer_reads_rows_without_making_them_and_a_full_table_says_so():
+    job, core = shard("async", max_rows=4)
+    ids = mine(job, 6)
+    np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"], first(job, ids))
+    assert core.status()["tables"]["emb"]["rows"] == 0
+    with pytest.raises(ShardError, match="tables.max_rows") as info:
+        core.read_rows(0, {"emb": ids})
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_checkpoint_keeps_the_rows_and_a_round_in_flight(tmp_path):
+    job, core = shard("sync")
+    ids = mine(job, 4)
+    core.read_rows(0, {"emb": ids})
+    core.push(0, 0, 0, dense(core), rows={"emb": (ids, np.ones((4, DIM)))})  # the round waits for worker 1
+    recovery.write(core, tmp_path, force=True)
+    again = build_shard(job, 0)
+    recovery.restore(again, checkpoint.load_latest(tmp_path, job.plan.hash, again.fingerprint))
+    for c in (core, again):
+        c.register(1, job.plan.hash)
+        c.push(1, 0, 0, dense(c), rows={"emb": (ids[:2], np.ones((2, DIM)))})
+    np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"],
+                                  again.read_rows(None, {"emb": ids})["emb"])
+    assert again.version == core.version == 1
