@@ -64,7 +64,7 @@ def evaluate(
         xb = device.asarray(x[start:start + batch_size])
         yb_host = y[start:start + batch_size]
         if rows is not None:
-            params = {**params, **rows(model.lookups(ids[start:start + batch_size]), training=False)}
+            params = {**params, **rows(model.lookups(ids[start:start + batch_size]))}
         loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
         scores = backend.to_host(model.predict(params, xb))
         total_loss += float(loss) * len(yb_host)
@@ -114,8 +114,11 @@ class Exchange(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def weights(self, step: int) -> Mapping[str, Any]:
-        """The weights (on the device) to compute step ``step``'s gradient with."""
+    def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
+        """The weights (on the device) to compute step ``step``'s gradient with; for a model with embedding
+        tables also, as :class:`~psgd.model.table.Rows`, the rows of each table the step's ``lookups`` (ids by
+        table) name, made where they do not exist yet.  A table's gradient comes back to :meth:`exchange` as
+        ``Rows`` too."""
 
     @abc.abstractmethod
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
@@ -126,10 +129,9 @@ class Exchange(abc.ABC):
     #: whether this mode trains a model with embedding tables (:meth:`rows`)
     trains_tables: bool = False
 
-    def rows(self, lookups: Mapping[str, np.ndarray], training: bool = True) -> dict[str, Rows]:
-        """The rows the ids ``lookups`` name in each table (a batch's, by table), on the device, as
-        :class:`~psgd.model.table.Rows`; a table's gradient comes back to :meth:`exchange` as ``Rows`` too.
-        ``training``: the step's own lookups, which make rows; an evaluation's only read them."""
+    def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
+        """An evaluation's read of the rows ``lookups`` names (ids by table), on the device, as
+        :class:`~psgd.model.table.Rows`: rows that do not exist read as their first values and are not made."""
         raise NotImplementedError
 
     def gradient_ready(self, name: str, grad: Any) -> None:
@@ -214,7 +216,7 @@ def run_loop(
     ds, model, device, t = job.dataset, job.model, job.device, job.config.train
     if job.plan.tables and not exchange.trains_tables:
         raise ConfigError(f"model {job.config.model['name']!r} has embedding tables, which the {exchange.mode} mode "
-                          "does not train yet; psgd train does")
+                          "does not train yet; psgd train and the parameter servers do")
     if job.plan.tables and ds.ids_train is None:
         raise ConfigError(f"model {job.config.model['name']!r} looks ids up in embedding tables, but dataset "
                           f"{ds.name!r} has none (clicks has)")
@@ -278,15 +280,13 @@ def run_loop(
                     cached_epoch, indices = epoch, batches.indices(epoch)
                 idx = indices[i]
                 began = time.perf_counter()
-                params = exchange.weights(step)
+                params = exchange.weights(step, model.lookups(ds.ids_train[idx]) if looks_up else None)
                 fetched = time.perf_counter()
                 evaluated = bool(evaluate_every) and step > 0 and step % evaluate_every == 0
                 if evaluated and beside is not None:
                     evaluated = beside.submit(params, step, float(loss), fetched - start)
                 elif evaluated:
                     evaluation(params, step, float(loss))
-                if looks_up is not None:  # the rows of the step's ids, as of the weights it computes with
-                    params = {**params, **looks_up(model.lookups(ds.ids_train[idx]))}
                 loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
                                                    device.asarray(ds.y_train[idx]), **handing)
                 computed = time.perf_counter()

@@ -38,16 +38,19 @@ class LocalExchange(Exchange):
         self.tables = job.row_tables()
         self._tables_lock = threading.Lock()  # an evaluation beside training reads them too
 
-    def weights(self, step: int) -> Mapping[str, Any]:
-        return self.params
+    def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
+        return {**self.params, **self._rows(lookups, make=True)} if lookups else self.params
 
-    def rows(self, lookups: Mapping[str, np.ndarray], training: bool = True) -> dict[str, Rows]:
+    def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
+        return self._rows(lookups, make=False)
+
+    def _rows(self, lookups: Mapping[str, np.ndarray], make: bool) -> dict[str, Rows]:
         out = {}
         with self._tables_lock:
             for name, wanted in lookups.items():
                 ids, index = unique_lookups(wanted)
                 table = self.tables[name]
-                values = table.read(ids) if training else table.peek(ids)
+                values = table.read(ids) if make else table.peek(ids)
                 out[name] = Rows(ids, self.device.asarray(values), self.device.asarray(index))
         return out
 

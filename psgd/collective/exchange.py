@@ -16,6 +16,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from psgd import data as datasets
 from psgd import xp as backend
 from psgd.collective.base import Bucketer, Collective, CollectiveError
@@ -68,7 +70,7 @@ class AllReduceExchange(Exchange):
                  collective.backend, spe * t.epochs, t.batch_size, len(self.bucketer.buffers),
                  self.bucketer.nbytes / 1e6)
 
-    def weights(self, step: int) -> Mapping[str, Any]:
+    def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
         return self.params
 
     def _submit(self, fn: Any, *args: Any) -> Future:

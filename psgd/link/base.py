@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import grpc
+import numpy as np
 
 from psgd.codec import Codec
 from psgd.partition import Slice
@@ -66,10 +67,18 @@ class Endpoint:
         return self.address.rpartition(":")[0].strip("[]")
 
 
+#: Rows of embedding tables a pull asks for: table -> (this shard's ids, the array ``[len(ids), dim]`` they fill).
+RowsOut = Mapping[str, "tuple[np.ndarray, np.ndarray]"]
+#: Rows a push sends: table -> (this shard's ids, their gradients ``[len(ids), dim]``).
+RowsIn = Mapping[str, "tuple[np.ndarray, np.ndarray]"]
+
+
 class Link:
     """Calls to one shard.  Every method raises :class:`LinkError` on failure; none retries (the
-    worker's client decides what to retry).  ``pull`` fills ``views`` (one per slice, slice order) and
-    returns the version; ``push`` sends ``parts`` (one per slice, encoded by ``codec``)."""
+    worker's client decides what to retry).  ``pull`` fills ``views`` (one per slice, slice order), and the
+    rows of ``rows`` where given, and returns the version; ``push`` sends ``parts`` (one per slice, encoded by
+    ``codec``) and the row gradients of ``rows``.  Rows travel over gRPC so far: the data port's links send a
+    pull or push with rows over gRPC whole."""
 
     kind = ""
 
@@ -83,10 +92,11 @@ class Link:
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         raise NotImplementedError
 
-    def pull(self, clock: int, views: list[memoryview]) -> int:
+    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         raise NotImplementedError
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+             rows: RowsIn | None = None) -> PushReply:
         raise NotImplementedError
 
     def heartbeat(self, clock: int, timeout: float) -> None:

@@ -18,9 +18,10 @@ import numpy as np
 
 from psgd.channel import chunks, open_channel, token_metadata
 from psgd.codec import Codec
-from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
+from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.wire import status
+from psgd.wire.rows import blocks
 
 T = TypeVar("T")
 
@@ -66,19 +67,25 @@ class GrpcLink(Link):
     def status(self) -> ps_pb2.StatusReply:
         return _call(lambda: self.stub.Status(ps_pb2.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
 
-    def pull(self, clock: int, views: list[memoryview]) -> int:
+    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         ep = self.endpoint
         targets = {sl.id: (sl, np.frombuffer(view, dtype=sl.dtype)) for sl, view in zip(ep.slices, views)}
         got = dict.fromkeys(targets, 0)
         version = 0
-        stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock), timeout=self.timeout,
-                                metadata=self.metadata)
+        rows = {t: r for t, r in (rows or {}).items() if len(r[0])}
+        filled = dict.fromkeys(rows, 0)  # rows of each table received so far, in the order asked
+        asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
+        stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked),
+                                timeout=self.timeout, metadata=self.metadata)
         with self._lock:
             self._streams.append(stream)
             if self._interrupted:  # the stop came while this pull was being started
                 stream.cancel()
         try:
             for chunk in self._chunks(stream):
+                if chunk.HasField("rows"):
+                    self._fill_rows(chunk.rows, rows, filled)
+                    continue
                 target = targets.get(chunk.slice_id)
                 if target is None:
                     raise ProtocolError(f"shard {ep.shard} at {ep.address} sent slice {chunk.slice_id}, which the "
@@ -95,9 +102,26 @@ class GrpcLink(Link):
             with self._lock:
                 self._streams.remove(stream)
         short = [targets[i][0].key for i, n in got.items() if n != targets[i][0].nbytes]
+        short += [f"table {t}" for t, n in filled.items() if n != len(rows[t][0])]
         if short:
             raise ProtocolError(f"shard {ep.shard} at {ep.address} sent incomplete slices: {', '.join(short[:3])}")
         return version
+
+    def _fill_rows(self, block: ps_pb2.RowBlock, rows: RowsOut, filled: dict[str, int]) -> None:
+        """Put a block of a pull's rows where they were asked for, once they are the ones asked for."""
+        ep = self.endpoint
+        if block.table not in rows:
+            raise ProtocolError(f"shard {ep.shard} at {ep.address} sent rows of table {block.table!r}, not asked for")
+        ids, out = rows[block.table]
+        at = filled[block.table]
+        got = np.frombuffer(block.ids, dtype="<i8")
+        values = np.frombuffer(block.values, dtype=out.dtype)
+        if at + got.size > len(ids) or not np.array_equal(got, ids[at:at + got.size]) \
+                or values.size != got.size * out.shape[1]:
+            raise ProtocolError(f"shard {ep.shard} at {ep.address} sent rows of table {block.table!r} other than "
+                                "those asked for")
+        out[at:at + got.size] = values.reshape(got.size, out.shape[1])
+        filled[block.table] = at + got.size
 
     @staticmethod
     def _chunks(stream) -> Iterator[ps_pb2.TensorChunk]:
@@ -106,7 +130,8 @@ class GrpcLink(Link):
         except grpc.RpcError as err:
             raise _link_error(err) from None
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+             rows: RowsIn | None = None) -> PushReply:
         ep = self.endpoint
         dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
 
@@ -117,6 +142,9 @@ class GrpcLink(Link):
                 for offset, piece in chunks(part):
                     yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset,
                                                                       data=bytes(piece)))
+            for table, (ids, values) in (rows or {}).items():
+                for part_ids, part_values in blocks(ids, values):
+                    yield ps_pb2.PushMessage(rows=ps_pb2.RowBlock(table=table, ids=part_ids, values=part_values))
 
         reply = _call(lambda: self.stub.Push(messages(), timeout=self.timeout, metadata=self.metadata))
         return PushReply(reply.outcome, reply.next_clock, reply.version, reply.staleness)

@@ -23,7 +23,7 @@ import ssl
 import grpc
 
 from psgd.codec import Codec
-from psgd.link.base import Endpoint, LinkError, PushReply
+from psgd.link.base import Endpoint, LinkError, PushReply, RowsIn, RowsOut
 from psgd.link.grpc import GrpcLink
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
@@ -188,14 +188,15 @@ class TcpLink(GrpcLink):
             self._drop(purpose)
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
 
-    def pull(self, clock: int, views: list[memoryview]) -> int:
-        if not self.data_port:
-            return super().pull(clock, views)
+    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
+        if not self.data_port or rows:  # rows of embedding tables travel over gRPC, with the pull's slices
+            return super().pull(clock, views, rows)
         return self._over_data("pull", lambda conn: conn.pull(clock, views))
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview]) -> PushReply:
-        if not self.data_port:
-            return super().push(clock, base_version, codec, parts)
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+             rows: RowsIn | None = None) -> PushReply:
+        if not self.data_port or rows:
+            return super().push(clock, base_version, codec, parts, rows)
         size = sum(memoryview(p).nbytes for p in parts)
         return self._over_data("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size))
 

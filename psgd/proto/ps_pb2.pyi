@@ -70,24 +70,38 @@ class RegisterReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "clock")
+    __slots__ = ("worker_id", "clock", "rows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class RowBlock(_message.Message):
+    __slots__ = ("table", "ids", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    values: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("slice_id", "offset", "data", "version")
+    __slots__ = ("slice_id", "offset", "data", "version", "rows")
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     slice_id: int
     offset: int
     data: bytes
     version: int
-    def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ...) -> None: ...
+    rows: RowBlock
+    def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker_id", "clock", "base_version", "dtype")
@@ -102,12 +116,14 @@ class PushHeader(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PushMessage(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "rows")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: TensorChunk
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    rows: RowBlock
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "next_clock", "version", "staleness")

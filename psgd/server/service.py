@@ -19,14 +19,11 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import numpy as np
-
 from psgd import wire
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chunks
-from psgd.codec import Codec, CodecError, by_name
-from psgd.partition import Slice
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint, recovery
+from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
@@ -34,6 +31,7 @@ from psgd.server.watchdog import Watchdog
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
 from psgd.wire.protocol import as_worker
+from psgd.wire.rows import RowCollector, RowsError, blocks
 
 log = logging.getLogger(__name__)
 
@@ -75,68 +73,6 @@ def _abort(context: grpc.ServicerContext, err: ShardError):
     status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences)
 
 
-class PushAssembler:
-    """Collects one gRPC push's chunks into complete, validated gradient arrays.
-
-    Chunks of a slice must arrive in order and cover it exactly, in the wire
-    format of the push's codec.  Sizes come from the plan, never from the
-    request, so a hostile push cannot make the shard allocate more than the
-    slices it holds.
-    """
-
-    def __init__(self, core: ShardCore, declared: str):
-        try:
-            self.codec: Codec = by_name(declared, core.dtype)
-        except CodecError as exc:
-            raise ShardError("INVALID_ARGUMENT", str(exc)) from None
-        self.slices: dict[int, Slice] = core.slices
-        self.dtype = core.dtype
-        self.itemsize = self.codec.wire_itemsize(core.dtype)
-        self._buffers: dict[int, bytearray] = {}
-        self._received: dict[int, int] = {}
-
-    def _nbytes(self, sl: Slice) -> int:
-        return sl.size * self.itemsize
-
-    def add(self, slice_id: int, offset: int, data: bytes) -> None:
-        sl = self.slices.get(slice_id)
-        if sl is None:
-            raise ShardError("NOT_FOUND", f"slice {slice_id} is not held by this shard: "
-                             "is the worker using the same partition plan?")
-        got, nbytes = self._received.get(slice_id, 0), self._nbytes(sl)
-        if offset != got:
-            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}): chunk at byte {offset}, "
-                             f"expected {got} (chunks must arrive in order, without gaps)")
-        end = offset + len(data)
-        if end > nbytes:
-            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}) holds {nbytes} bytes, "
-                             f"the push sent {end} or more: wrong shape or dtype")
-        buf = self._buffers.get(slice_id)
-        if buf is None:
-            buf = self._buffers[slice_id] = bytearray(nbytes)
-        buf[offset:end] = data
-        self._received[slice_id] = end
-
-    @property
-    def received(self) -> int:
-        """Bytes of gradient received so far, as they came over the wire."""
-        return sum(self._received.values())
-
-    def finish(self) -> dict[int, np.ndarray]:
-        missing = [f"{sl.key} ({self._received.get(i, 0)} of {self._nbytes(sl)} bytes)"
-                   for i, sl in self.slices.items() if self._received.get(i, 0) != self._nbytes(sl)]
-        if missing:
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise ShardError("INVALID_ARGUMENT", f"incomplete push: {', '.join(missing[:3])}{more}")
-        if not self.codec.compresses:
-            return {i: np.frombuffer(buf, dtype=self.dtype) for i, buf in self._buffers.items()}
-        out = {}
-        for i, buf in self._buffers.items():
-            out[i] = np.empty(self.slices[i].size, dtype=self.dtype)
-            self.codec.decode(np.frombuffer(buf, dtype=np.uint16), out[i])
-        return out
-
-
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
     left = context.time_remaining()
     return cap if left is None else max(0.0, min(cap, left - 0.05))
@@ -149,6 +85,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                  host_id: str = "", threads: int = 16):
         self.core, self.incarnation, self.data_port, self.host_id = core, incarnation, data_port, host_id
         self.request_timeout = request_timeout
+        self._row_shapes = {name: (t.spec.dim, t.spec.dtype) for name, t in core.tables.tables.items()}
         self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
         self.watchdog = Watchdog(f"shard{core.shard}-watchdog")
 
@@ -188,9 +125,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         key = self._data_call(context, what)
         try:
             try:
+                asked = RowCollector(self._row_shapes, False, f"pull by worker {request.worker_id}")
+                for block in request.rows:
+                    asked.add(block.table, block.ids, block.values)
                 snap = self.core.pull(as_worker(request.worker_id), request.clock,
                                       _remaining(context, self.request_timeout),
                                       cancelled=lambda: not context.is_active())
+                try:  # the rows, once the pull may go: under sync no update comes before this worker's push
+                    rows = self.core.read_rows(as_worker(request.worker_id), asked.lookups()) if request.rows else {}
+                except BaseException:
+                    snap.release()
+                    raise
+            except RowsError as err:
+                _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
             except ShardError as err:
                 _abort(context, err)
             self.watchdog.watch(self.transfer_seconds, context, what, key)  # its bytes must go by then
@@ -199,6 +146,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     for offset, piece in chunks(payload):
                         yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece),
                                                  version=snap.version)
+                ids = asked.lookups()
+                for table, values in rows.items():
+                    for part_ids, part_values in blocks(ids[table], values):
+                        yield ps_pb2.TensorChunk(version=snap.version, rows=ps_pb2.RowBlock(
+                            table=table, ids=part_ids, values=part_values))
         finally:
             self._end_call(key)
 
@@ -221,13 +173,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             header = first.header
             self.core.roster.check(header.worker_id)
             assembler = PushAssembler(self.core, header.dtype)
+            rows = RowCollector(self._row_shapes, True, f"push from worker {header.worker_id}")
             for message in request_iterator:
-                if message.WhichOneof("kind") != "chunk":
+                kind = message.WhichOneof("kind")
+                if kind == "rows":
+                    rows.add(message.rows.table, message.rows.ids, message.rows.values)
+                    continue
+                if kind != "chunk":
                     raise ShardError("INVALID_ARGUMENT", "a push has exactly one header, at the start")
                 chunk = message.chunk
                 assembler.add(chunk.slice_id, chunk.offset, chunk.data)
             result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
-                                    wire_bytes=assembler.received)
+                                    wire_bytes=assembler.received, rows=rows.rows())
+        except RowsError as err:
+            _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
             _abort(context, err)
         return ps_pb2.PushReply(outcome=result.outcome, next_clock=result.next_clock, version=result.version,

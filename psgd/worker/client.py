@@ -111,6 +111,13 @@ class PSClient:
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
+    def observer(self) -> "PSClient":
+        """A reader of the same shards with this client's token and TLS: its pulls never wait for a round and
+        make no rows (an evaluation's)."""
+        ep = self.links[0].endpoint
+        return PSClient(self.addresses, self.plan, OBSERVER, request_timeout=self.request_timeout, token=ep.token,
+                        tls=ep.tls)
+
     def _watch_stop(self) -> None:
         """When the worker is asked to stop, abandon a pull in progress: a sync pull may wait on a round
         that will not close now (the other workers are stopping too)."""
@@ -212,7 +219,8 @@ class PSClient:
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
         if self.identity is None:
-            raise PSError("a worker registers with its job file (PSClient(..., config=...)); an observer cannot register")
+            raise PSError("a worker registers with its job file (PSClient(..., config=...)); an observer cannot "
+                          "register")
         return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
                                       plan_json=json.dumps(self.plan.description()),
                                       hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,
@@ -248,13 +256,31 @@ class PSClient:
         self.clock = min(r.clock for r in replies)
         return self.clock
 
-    def pull(self, clock: int, out: Mapping[str, np.ndarray]) -> list[int]:
-        """Fill ``out`` (one host array per variable) with every shard's weights; returns shard versions."""
+    def _split_rows(self, ids_by_table: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """For each shard, the positions of the ids (by table) whose rows it holds."""
+        per_shard: list[dict[str, np.ndarray]] = [{} for _ in self.links]
+        for table, ids in ids_by_table.items():
+            owner = self.plan.shard_of_ids(table, ids)
+            for k in range(len(self.links)):
+                per_shard[k][table] = np.flatnonzero(owner == k)
+        return per_shard
+
+    def pull(self, clock: int, out: Mapping[str, np.ndarray],
+             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[int]:
+        """Fill ``out`` (one host array per variable) with every shard's weights, and each ``rows`` entry (table ->
+        (distinct ids, an array ``[len(ids), dim]``)) with those rows, from the shards that hold them; returns
+        shard versions."""
         flat = {name: a.reshape(-1) for name, a in out.items()}
+        where = self._split_rows({t: ids for t, (ids, _) in rows.items()}) if rows else [{} for _ in self.links]
 
         def one(k: int) -> int:
             views = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in self.shard_slices[k]]
-            return self._retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views))
+            mine = {t: (rows[t][0][pos], np.empty((pos.size,) + rows[t][1].shape[1:], rows[t][1].dtype))
+                    for t, pos in where[k].items()}
+            version = self._retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views, mine))
+            for t, pos in where[k].items():
+                rows[t][1][pos] = mine[t][1]
+            return version
 
         self._pulling = True  # first: a stop from now on interrupts this pull (_watch_stop)
         try:
@@ -266,10 +292,12 @@ class PSClient:
         return self.versions
 
     def push(self, clock: int, grads: Mapping[str, np.ndarray],
-             base_versions: Sequence[int] | None = None) -> list[PushReply]:
-        """Send every shard its slices of ``grads``, encoded by the job's codec; a retried push is applied
-        once by the shard.  ``base_versions`` are the shards' versions the gradient was computed from
-        (default: those of the last pull; give them when a later pull may already be under way)."""
+             base_versions: Sequence[int] | None = None,
+             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[PushReply]:
+        """Send every shard its slices of ``grads``, encoded by the job's codec, and its rows of ``rows`` (table
+        -> (distinct ids, their gradients)); a retried push is applied once by the shard.  ``base_versions``
+        are the shards' versions the gradient was computed from (default: those of the last pull; give them
+        when a later pull may already be under way)."""
         bases = list(self.versions if base_versions is None else base_versions)
         joins = list(self._joins)
         flat = {name: np.ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
@@ -278,11 +306,14 @@ class PSClient:
             if g is not None and g.dtype != np.dtype(spec.dtype):
                 raise PSError(f"gradient {spec.name} is {g.dtype}, the model's variable is {spec.dtype}")
 
+        where = self._split_rows({t: ids for t, (ids, _) in rows.items()}) if rows else [{} for _ in self.links]
+
         def one(k: int) -> PushReply:
             parts = self._encode(k, flat)
+            mine = {t: (rows[t][0][pos], rows[t][1][pos]) for t, pos in where[k].items()}
             # a shard that restarted and took this worker back meanwhile holds its own version now
             return self._retrying(k, f"push (clock {clock})", lambda: self.links[k].push(
-                clock, bases[k] if self._joins[k] == joins[k] else self.versions[k], self.codec, parts))
+                clock, bases[k] if self._joins[k] == joins[k] else self.versions[k], self.codec, parts, mine))
 
         return self._on_all(one)
 

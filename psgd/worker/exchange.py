@@ -21,11 +21,12 @@ import numpy as np
 
 from psgd import data as datasets
 from psgd import xp as backend
-from psgd.config import JobConfig
+from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job
+from psgd.model.table import Rows, unique_lookups
 from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
 
@@ -33,9 +34,11 @@ log = logging.getLogger(__name__)
 
 
 class ParameterServerExchange(Exchange):
-    """Pull from and push to every shard through ``client`` (a :class:`PSClient`, entered)."""
+    """Pull from and push to every shard through ``client`` (a :class:`PSClient`, entered); a model's embedding
+    tables travel in the same pulls and pushes: the rows of the step's ids, and their gradients."""
 
     mode = "ps"
+    trains_tables = True
 
     def __init__(self, job: Job, client: PSClient, rank: int, stop: threading.Event | None = None):
         self.job, self.client, self.plan, self.rank, self.stop = job, client, job.plan, rank, stop
@@ -67,6 +70,11 @@ class ParameterServerExchange(Exchange):
         self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
         self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
+        if self.plan.tables and (self.local_steps or self.overlaps):
+            raise ConfigError(f"model {job.config.model['name']!r} has embedding tables, which a parameter-server "
+                              f"worker trains without {'[cluster] overlap' if self.overlaps else 'the local policy'} "
+                              "so far")
+        self._reader: PSClient | None = None  # an observer, for an evaluation's rows
 
     def _stopping(self, exc: PSError) -> None:
         """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
@@ -88,13 +96,15 @@ class ParameterServerExchange(Exchange):
                  self.rank, c.workers, spe * t.epochs, t.batch_size, spe, clock, ds.describe())
         return clock
 
-    def weights(self, step: int) -> Mapping[str, Any]:
+    def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
         if self.own is not None and step % self.local_steps:
             return self.own  # a local step: on this worker's own copy
         began = time.perf_counter()
+        rows = self._asked(lookups)
         try:
             if not self._prefetched(step):
-                self.versions = self.client.pull(step, self.host)
+                self.versions = self.client.pull(step, self.host,
+                                                 {t: (ids, out) for t, (ids, _, out) in rows.items()})
                 self.spans["pull"] = (began, time.perf_counter())
         except PSError as exc:
             self._stopping(exc)
@@ -104,7 +114,28 @@ class ParameterServerExchange(Exchange):
         if self.local_steps:  # the centre stays in the host buffers until the period's push
             self.own = {k: device.asarray(v).copy() for k, v in self.host.items()}
             return self.own
-        return {k: device.asarray(v) for k, v in self.host.items()}
+        return {**{k: device.asarray(v) for k, v in self.host.items()}, **self._as_rows(rows)}
+
+    def _asked(self, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
+        """(distinct ids, index, a host array their rows are pulled into) of each table ``lookups`` names."""
+        out = {}
+        for name, wanted in (lookups or {}).items():
+            ids, index = unique_lookups(wanted)
+            spec = self.plan.table_by_name[name]
+            out[name] = (ids, index, np.empty((ids.size, spec.dim), spec.dtype))
+        return out
+
+    def _as_rows(self, rows: Mapping[str, tuple[np.ndarray, Any, np.ndarray]]) -> dict[str, Rows]:
+        device = self.job.device
+        return {t: Rows(ids, device.asarray(values), device.asarray(index)) for t, (ids, index, values) in rows.items()}
+
+    def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
+        if self._reader is None:
+            self._reader = self.client.observer()
+        rows = self._asked(lookups)
+        self._reader.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in self.plan.specs},
+                          {t: (ids, out) for t, (ids, _, out) in rows.items()})
+        return self._as_rows(rows)
 
     def _prefetched(self, step: int) -> bool:
         """Take the pull of ``step`` started during the last push, if that is the step now computed (its error,
@@ -130,11 +161,13 @@ class ParameterServerExchange(Exchange):
             device = self.job.device
             grads = {k: device.asarray(self.host[k]) - v for k, v in self.own.items()}  # the period's progress
         began = time.perf_counter()
+        rows = {name: (g.ids, backend.to_host(g.values)) for name, g in grads.items() if isinstance(g, Rows)}
+        grads = {name: g for name, g in grads.items() if name not in rows}
         try:
             if self.overlaps:
                 replies = self._push_beside_next_pull(step, self._on_host(grads))
             else:
-                replies = self.client.push(step, self._on_host(grads))
+                replies = self.client.push(step, self._on_host(grads), rows=rows)
         except PSError as exc:
             self._stopping(exc)
             raise
@@ -181,6 +214,8 @@ class ParameterServerExchange(Exchange):
             with contextlib.suppress(PSError):
                 self._prefetch[1].result()
             self._prefetch = None
+        if self._reader is not None:
+            self._reader.close()
         if self.joined:
             try:
                 self.client.done()

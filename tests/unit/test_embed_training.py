@@ -52,11 +52,11 @@ def test_admission_keeps_rare_ids_out_of_the_table():
 
 
 def test_what_cannot_train_a_table_yet_says_so_in_one_line():
-    from psgd.worker.exchange import ParameterServerExchange
+    from psgd.collective.exchange import AllReduceExchange
 
     job = build_job(clicks_job(), check=True)
-    exchange = object.__new__(ParameterServerExchange)  # never connects: refused before its first step
-    with pytest.raises(ConfigError, match="has embedding tables, which the ps mode does not train yet"):
+    exchange = object.__new__(AllReduceExchange)  # never joins: refused before its first step
+    with pytest.raises(ConfigError, match="has embedding tables, which the allreduce mode does not train yet"):
         run_loop(job, exchange, progress=False)
     with pytest.raises(ModelError, match="needs a dataset with one id per categorical field"):
         build_job(clicks_job("data.name=digits"))

@@ -25,7 +25,7 @@ from psgd.policy import make_policy
 from psgd.server import checkpoint, recovery
 from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
 from psgd.server.errors import ShardError
-from psgd.server.service import PushAssembler
+from psgd.server.assembly import PushAssembler
 
 LR = 0.1
 LEASE = 10.0
