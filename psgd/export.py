@@ -230,7 +230,7 @@ def _job_folder(config: JobConfig, plan: PartitionPlan, root: Path) -> Path:
     shard-K folders; refuses, naming them and what differs, when only other jobs' checkpoints are there."""
     from psgd.job import fingerprint, identity
 
-    mine = identity(config, plan.hash)
+    mine = identity(config, plan.hash, bool(plan.tables))
     name = fingerprint(mine)
     folder = root / name
     if folder.is_dir():

@@ -41,12 +41,18 @@ from psgd.tables import RowTable, TableOptions
 
 log = logging.getLogger(__name__)
 
-#: The fields of an identity, in the order differences are reported.
+#: The fields of an identity, in the order differences are reported; a job with embedding tables adds "tables"
+#: (so a job without keeps the fingerprint it had before there were tables).
 FIELDS = ("plan", "policy", "policy_options", "workers", "shards", "optimizer", "dtype")
 
 
-def identity(config: JobConfig, plan_hash: str) -> dict[str, Any]:
-    """What every process of ``job`` must agree on (the shard index is checked apart)."""
+def _fields(ident: Mapping[str, Any]) -> tuple[str, ...]:
+    return FIELDS + (("tables",) if "tables" in ident else ())
+
+
+def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[str, Any]:
+    """What every process of a job must agree on (the shard index is checked apart); ``tables``: the plan has
+    embedding tables, so how they are trained and kept (``[tables]``) is part of it."""
     c = config.cluster
     options: dict[str, Any] = {"staleness_lr": c.staleness_lr}
     if not POLICIES[c.policy].accumulates:  # each push an update of its own: at which rate is the job's meaning
@@ -54,12 +60,13 @@ def identity(config: JobConfig, plan_hash: str) -> dict[str, Any]:
                        implicit_momentum=c.implicit_momentum)
     options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
-            "shards": c.shards, "optimizer": dict(config.optimizer), "dtype": config.train.dtype}
+            "shards": c.shards, "optimizer": dict(config.optimizer), "dtype": config.train.dtype,
+            **({"tables": dataclasses.asdict(config.tables)} if tables else {})}
 
 
 def fingerprint(ident: Mapping[str, Any]) -> str:
     """A 16-hex-digit name of an identity (the same identity always gives the same name)."""
-    text = json.dumps({k: ident.get(k) for k in FIELDS}, sort_keys=True, separators=(",", ":"))
+    text = json.dumps({k: ident.get(k) for k in _fields(ident)}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -67,7 +74,7 @@ def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], me: str = "s
                 them: str = "worker") -> list[str]:
     """Each field on which two identities differ, in words: ``policy: shard sync, worker async``."""
     out = []
-    for key in FIELDS:
+    for key in dict.fromkeys(_fields(mine) + _fields(theirs)):
         a, b = mine.get(key), theirs.get(key)
         if isinstance(a, dict) and isinstance(b, dict):  # only the entries that differ
             keys = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
@@ -97,7 +104,7 @@ class Job:
     @property
     def identity(self) -> dict[str, Any]:
         """What every process of the job must agree on (see :func:`identity`)."""
-        return identity(self.config, self.plan.hash)
+        return identity(self.config, self.plan.hash, tables=bool(self.plan.tables))
 
     def optimizer(self) -> optim.Optimizer:
         """A new optimizer as the job file's ``[optimizer]`` describes it (a trainer's, or a shard's)."""

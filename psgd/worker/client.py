@@ -103,7 +103,7 @@ class PSClient:
         self._packed: list[np.ndarray | None] = [None] * plan.num_shards
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
-        self.identity = job_identity(config, plan.hash) if config is not None else None
+        self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
         #: how long a registration refused because another process holds this rank is retried: one of the job's
         #: leases and a margin, after which a holder that died has lost the rank and one that lives has renewed it
         self.holder_wait = config.cluster.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline

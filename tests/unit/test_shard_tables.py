@@ -112,3 +112,19 @@ def test_a_checkpoint_keeps_the_rows_and_a_round_in_flight(tmp_path):
     np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"],
                                   again.read_rows(None, {"emb": ids})["emb"])
     assert again.version == core.version == 1
+
+
+def test_a_worker_whose_tables_are_trained_otherwise_is_refused_naming_them():
+    import copy
+    import json
+
+    from psgd.job import identity
+
+    job, core = shard("sync")
+    theirs = copy.deepcopy(job.config)
+    theirs.apply_sets(["tables.lr=0.5"])
+    worker = identity(theirs, job.plan.hash, tables=True)
+    with pytest.raises(ShardError, match="tables: shard .*lr=1.0.*worker .*lr=0.5") as info:
+        core.register(0, job.plan.hash, job_json=json.dumps(worker), incarnation="other")
+    assert info.value.reason == "JOB_MISMATCH"
+    assert "tables" not in identity(JobConfig(), "abc")  # a job without tables keeps its fingerprint
