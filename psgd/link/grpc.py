@@ -21,7 +21,7 @@ from psgd.codec import Codec
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.wire import status
-from psgd.wire.rows import blocks
+from psgd.wire.rows import MAX_PULL_ROWS, blocks
 
 T = TypeVar("T")
 
@@ -73,6 +73,10 @@ class GrpcLink(Link):
         got = dict.fromkeys(targets, 0)
         version = 0
         rows = {t: r for t, r in (rows or {}).items() if len(r[0])}
+        asking = sum(len(r[0]) for r in rows.values())
+        if asking > MAX_PULL_ROWS:
+            raise ProtocolError(f"a pull may ask shard {ep.shard} for at most {MAX_PULL_ROWS:,} rows, this one asks "
+                                f"for {asking:,}: use a smaller batch, or more shards")
         filled = dict.fromkeys(rows, 0)  # rows of each table received so far, in the order asked
         asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
         stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked),

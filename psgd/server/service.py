@@ -183,6 +183,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise ShardError("INVALID_ARGUMENT", "a push has exactly one header, at the start")
                 chunk = message.chunk
                 assembler.add(chunk.slice_id, chunk.offset, chunk.data)
+            if not context.is_active():  # the stream was cut (a message over the size limit ends it quietly)
+                raise ShardError("CANCELLED", "the push was cut off before its end; nothing was applied")
             result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
                                     wire_bytes=assembler.received, rows=rows.rows())
         except RowsError as err:

@@ -13,10 +13,14 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from psgd.channel import CHUNK_BYTES
+
 BLOCK_BYTES = 1 << 20
 #: Rows one message may carry in all, per table: far past a batch's (a batch of 65,536 with 64 ids each).
 MAX_ROWS = 1 << 22
 IDS = np.dtype("<i8")
+#: Rows one pull may ask one shard for: their ids travel in one gRPC request, of at most a chunk's size.
+MAX_PULL_ROWS = CHUNK_BYTES // IDS.itemsize
 
 
 class RowsError(ValueError):

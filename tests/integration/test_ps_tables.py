@@ -79,3 +79,59 @@ def test_async_workers_train_a_table_and_rows_stay_on_their_shards():
     history = results[0].history
     assert len(history) >= 3 and history[-1]["test_accuracy"] > 0.6  # chance is 0.5
     assert status["tables"]["emb"]["rows_updated"] > 0 and status["tables"]["emb"]["rows"] > 0
+
+
+# -- hostile rows on the wire -------------------------------------------------------------------------------------
+def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
+    import grpc
+
+    from psgd.proto import ps_pb2, ps_pb2_grpc
+    from psgd.wire.rows import MAX_ROWS
+
+    job = make_job(*SMALL, "train.dtype=float64", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
+    with shards(job) as servers:
+        core = servers[0].core
+        plan = build_job(job).plan
+        core.register(0, plan.hash)
+        ids = np.arange(5, dtype=np.int64)
+        core.read_rows(0, {"emb": ids})
+        before = core.read_rows(None, {"emb": ids})["emb"].copy()
+        dense = [ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=s.id, offset=0,
+                                                              data=np.zeros(s.size).tobytes()))
+                 for s in plan.slices_for_shard(0)]
+        good = np.ones((5, 3)).tobytes()
+        bad_blocks = {
+            "ids not whole int64s": ps_pb2.RowBlock(table="emb", ids=b"\x01\x02\x03", values=b""),
+            "values of another size": ps_pb2.RowBlock(table="emb", ids=ids.tobytes(), values=good[:-8]),
+            "an unknown table": ps_pb2.RowBlock(table="users", ids=ids.tobytes(), values=good),
+            "an id twice": ps_pb2.RowBlock(table="emb", ids=np.array([1, 1, 2, 3, 4]).tobytes(), values=good),
+            "NaN rows": ps_pb2.RowBlock(table="emb", ids=ids.tobytes(), values=np.full((5, 3), np.nan).tobytes()),
+            "float32 values": ps_pb2.RowBlock(table="emb", ids=ids.tobytes(),
+                                              values=np.ones((5, 3), np.float32).tobytes()),
+            "too many ids": ps_pb2.RowBlock(table="emb", ids=np.zeros(MAX_ROWS + 1, np.int64).tobytes(),
+                                            values=b""),
+        }
+        with grpc.insecure_channel(job.cluster.servers[0], options=[("grpc.max_send_message_length", 1 << 26)]) \
+                as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            for what, block in bad_blocks.items():
+                messages = [ps_pb2.PushMessage(header=ps_pb2.PushHeader(worker_id=0, clock=0, base_version=0,
+                                                                         dtype="float64")), *dense,
+                            ps_pb2.PushMessage(rows=block)]
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Push(iter(messages), timeout=10)
+                assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                             grpc.StatusCode.RESOURCE_EXHAUSTED), (what, info.value.details())
+                if what in ("ids not whole int64s", "an unknown table", "an id twice", "too many ids"):
+                    with pytest.raises(grpc.RpcError) as info:  # asked for in a pull, the same
+                        list(stub.Pull(ps_pb2.PullRequest(worker_id=-1, clock=0, rows=[
+                            ps_pb2.RowBlock(table=block.table, ids=block.ids)]), timeout=10))
+                    assert info.value.code() == (grpc.StatusCode.RESOURCE_EXHAUSTED if what == "too many ids" else
+                                                 grpc.StatusCode.INVALID_ARGUMENT), (what, info.value.details())
+            pulled = list(stub.Pull(ps_pb2.PullRequest(worker_id=-1, clock=0, rows=[
+                ps_pb2.RowBlock(table="emb", ids=ids.tobytes())]), timeout=10))
+        assert core.version == 0 and core.counters["pushes"] == 0
+        np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"], before)
+        rows = [c.rows for c in pulled if c.HasField("rows")]
+        assert np.array_equal(np.frombuffer(rows[0].ids, "<i8"), ids)
+        np.testing.assert_array_equal(np.frombuffer(rows[0].values).reshape(5, 3), before)
