@@ -179,6 +179,18 @@ class ShardMetrics(Collector):
         yield info
         yield _gauge("psgd_shard_version", "updates applied to this shard's weights", names, values, s["version"])
         yield _gauge("psgd_shard_bytes_held", "bytes of weights this shard holds", names, values, s["bytes_held"])
+        tables = s.get("tables", {})
+        if tables:
+            for metric, kind, words in (("rows", GaugeMetricFamily, "rows of the table this shard holds"),
+                                        ("bytes", GaugeMetricFamily, "bytes this shard's rows of the table take"),
+                                        ("rows_created", CounterMetricFamily, "rows made on first use"),
+                                        ("rows_evicted", CounterMetricFamily, "rows evicted (idle, or a full table)"),
+                                        ("grads_dropped", CounterMetricFamily,
+                                         "row gradients dropped: their id was not admitted yet")):
+                family = kind(f"psgd_shard_table_{metric}", words, labels=[*names, "table"])
+                for name, t in tables.items():
+                    family.add_metric([*values, name], t.get(metric, 0))
+                yield family
         yield _counter("psgd_shard_pushes", "gradient pushes received (gRPC and data port)", names, values,
                        c.get("pushes", 0))
         yield _counter("psgd_shard_pulls", "weight pulls answered (gRPC and data port)", names, values,

@@ -160,18 +160,21 @@ class ClusterView:
         rows = []
         for r in shards:
             if "version" not in r:
-                rows.append(["?", r["address"], r["health"], *["-"] * 9])
+                rows.append(["?", r["address"], r["health"], *["-"] * 10])
                 continue
             c = r["counters"]
             dropped = sum(c.get(k, 0) for k in ("late", "duplicates", "rejected"))
             saved = "-" if "checkpoint_age_seconds" not in r else \
                 f"v{r['checkpoint_version']}, {r['checkpoint_age_seconds']:.0f}s ago"
+            tables = (c.get("tables") or {}).values()
+            held = r["bytes_held"] + sum(t.get("bytes", 0) for t in tables)
+            table_rows = f"{sum(t.get('rows', 0) for t in tables):,}" if tables else "-"
             rows.append([f"{r['shard']}/{r['num_shards']}", r["address"], r["health"], str(r["version"]),
-                         human_bytes(r["bytes_held"]), str(c.get("pushes", 0)), str(c.get("pulls", 0)),
+                         human_bytes(held), table_rows, str(c.get("pushes", 0)), str(c.get("pulls", 0)),
                          rate(r.get("pushes_per_second")), str(dropped),
                          f"{r['staleness_p50']}/{r['staleness_p99']}", saved, r["incarnation"]])
-        lines = [head, "", table(["SHARD", "ADDRESS", "HEALTH", "VERSION", "HELD", "PUSHES", "PULLS", "PUSHES/S",
-                                  "LATE/DUP/REJ", "STALENESS p50/p99", "CHECKPOINT", "INCARNATION"], rows)]
+        lines = [head, "", table(["SHARD", "ADDRESS", "HEALTH", "VERSION", "HELD", "ROWS", "PUSHES", "PULLS",
+                                  "PUSHES/S", "LATE/DUP/REJ", "STALENESS p50/p99", "CHECKPOINT", "INCARNATION"], rows)]
         if workers:
             wrows = []
             for w in workers:

@@ -214,7 +214,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             shard=s["shard"], num_shards=s["num_shards"], policy=s["policy"], version=s["version"],
             workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],
             bytes_held=s["bytes_held"],
-            counters_json=json.dumps({**s["counters"], "checkpoint": s["checkpoint"],
+            counters_json=json.dumps({**s["counters"], "checkpoint": s["checkpoint"], "tables": s.get("tables", {}),
                                       "restored_version": s["restored_version"], "reads": s["reads"]}),
             staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
             data_port=self.data_port)

@@ -10,6 +10,8 @@ import pytest
 
 from psgd.job import build_job
 from psgd.loop import run_loop
+from psgd.ops.reach import Connect, read_status
+from psgd.prometheus import ShardMetrics
 from psgd.train import LocalExchange
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
@@ -74,6 +76,14 @@ def test_async_workers_train_a_table_and_rows_stay_on_their_shards():
             assert ids.size and (plan.shard_of_ids("emb", ids) == k).all()
         status = servers[0].core.status()
         made = sum(len(s.core.tables.tables["emb"]) for s in servers)
+        seen = read_status(job.cluster.servers[0], Connect(timeout=5))["counters"]["tables"]["emb"]
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry()
+        ShardMetrics(servers[0].core, registry)
+        scraped = generate_latest(registry).decode()
+    assert seen["rows"] == status["tables"]["emb"]["rows"] > 0 and seen["bytes"] > 0  # psgd status's, over gRPC
+    assert f'psgd_shard_table_rows{{shard="0",table="emb"}} {float(seen["rows"])}' in scraped
     trained = np.unique(build_job(job).dataset.ids_train).size
     assert made == trained  # rank 0's evaluations read the test set's rows without making them
     history = results[0].history
