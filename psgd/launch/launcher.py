@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from psgd import threads
 from psgd.config import JobConfig, to_toml
@@ -228,17 +228,20 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
     return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
 
 
-def _evaluate(config: JobConfig, weights: dict, mode: str) -> tuple[float, float, dict | None]:
-    """The test loss and accuracy of the final weights, and the divergence guard's verdict on them alone."""
+def _evaluate(config: JobConfig, weights: dict, mode: str, reader: Any = None) -> tuple[float, float, dict | None]:
+    """The test loss and accuracy of the final weights (a model's embedding tables read by ``reader``, an
+    observer of the shards), and the divergence guard's verdict on them alone."""
     from psgd import data as datasets
     from psgd.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
     from psgd.loop import evaluate
+    from psgd.worker.exchange import read_rows
 
     job = build_job(config)
     params = params_to_device(weights, job.device)
     ds, t = job.dataset, config.train
-    loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device)
+    rows = (lambda lookups: read_rows(reader, lookups, job.device)) if job.plan.tables else None
+    loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows)
     steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
     guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(config, mode))
     verdict = guard.final(steps, t.epochs, loss, acc)
@@ -385,8 +388,9 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
 
 def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
-    from psgd.export import pull_from_servers
+    from psgd.export import job_plan, pull_from_servers
     from psgd.weights import save_weights
+    from psgd.worker.client import PSClient
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
     pulled = pull_from_servers(config, addresses, token=token, tls=tls)
@@ -398,7 +402,12 @@ def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start:
                     "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
                     "its part of the model missed them", "; ".join(
                         f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
-    loss, acc, verdict = _evaluate(config, weights, "ps")
+    plan = job_plan(config)
+    with PSClient(addresses, plan, token=token, tls=tls) as reader:  # an observer: reads rows, makes none
+        loss, acc, verdict = _evaluate(config, weights, "ps", reader)
     if save:
+        if plan.tables:
+            log.warning("--save %s holds the dense weights only: the rows of %s stay in the shards (and their "
+                        "checkpoints)", save, ", ".join(t.name for t in plan.tables))
         save_weights(save, weights)
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost)

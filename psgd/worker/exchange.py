@@ -117,25 +117,15 @@ class ParameterServerExchange(Exchange):
         return {**{k: device.asarray(v) for k, v in self.host.items()}, **self._as_rows(rows)}
 
     def _asked(self, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
-        """(distinct ids, index, a host array their rows are pulled into) of each table ``lookups`` names."""
-        out = {}
-        for name, wanted in (lookups or {}).items():
-            ids, index = unique_lookups(wanted)
-            spec = self.plan.table_by_name[name]
-            out[name] = (ids, index, np.empty((ids.size, spec.dim), spec.dtype))
-        return out
+        return _asked(self.plan, lookups)
 
     def _as_rows(self, rows: Mapping[str, tuple[np.ndarray, Any, np.ndarray]]) -> dict[str, Rows]:
-        device = self.job.device
-        return {t: Rows(ids, device.asarray(values), device.asarray(index)) for t, (ids, index, values) in rows.items()}
+        return _as_rows(rows, self.job.device)
 
     def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
         if self._reader is None:
             self._reader = self.client.observer()
-        rows = self._asked(lookups)
-        self._reader.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in self.plan.specs},
-                          {t: (ids, out) for t, (ids, _, out) in rows.items()})
-        return self._as_rows(rows)
+        return read_rows(self._reader, lookups, self.job.device)
 
     def _prefetched(self, step: int) -> bool:
         """Take the pull of ``step`` started during the last push, if that is the step now computed (its error,
@@ -225,6 +215,29 @@ class ParameterServerExchange(Exchange):
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
         return {"outcomes": dict(self.outcomes)}
+
+
+def _asked(plan: Any, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
+    """(distinct ids, index, a host array their rows are pulled into) of each table ``lookups`` names."""
+    out = {}
+    for name, wanted in (lookups or {}).items():
+        ids, index = unique_lookups(wanted)
+        spec = plan.table_by_name[name]
+        out[name] = (ids, index, np.empty((ids.size, spec.dim), spec.dtype))
+    return out
+
+
+def _as_rows(rows: Mapping[str, tuple[np.ndarray, Any, np.ndarray]], device: Any) -> dict[str, Rows]:
+    return {t: Rows(ids, device.asarray(values), device.asarray(index)) for t, (ids, index, values) in rows.items()}
+
+
+def read_rows(observer: PSClient, lookups: Mapping[str, np.ndarray], device: Any) -> dict[str, Rows]:
+    """The rows ``lookups`` names (ids by table), read by ``observer`` (an observer's :class:`PSClient`) from the
+    shards that hold them, as they are (none is made), on ``device``: what an evaluation looks up."""
+    rows = _asked(observer.plan, lookups)
+    observer.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in observer.plan.specs},
+                  {t: (ids, out) for t, (ids, _, out) in rows.items()})
+    return _as_rows(rows, device)
 
 
 def _spanned(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[float, float]]:

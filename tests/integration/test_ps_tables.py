@@ -145,3 +145,24 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
         rows = [c.rows for c in pulled if c.HasField("rows")]
         assert np.array_equal(np.frombuffer(rows[0].ids, "<i8"), ids)
         np.testing.assert_array_equal(np.frombuffer(rows[0].values).reshape(5, 3), before)
+
+
+def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
+    """The command the README gives, smaller: two shards, two workers, the final accuracy read with the shards'
+    rows (an observer's), near what the teacher allows."""
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from psgd.data.clicks import Generator, reachable_accuracy
+
+    argv = [shutil.which("psgd") or "psgd", "launch", "--model", "embed", "--dataset", "clicks", "--set",
+            "data.n_train=30000", "--set", "data.n_test=3000", "--epochs", "1", "--batch-size", "64", "--set",
+            "tables.lr=0.1", "--no-progress", "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    reach = reachable_accuracy(Generator(0).make("test", 0, 3000, 3000))
+    assert reach - 0.06 < result["test_accuracy"] <= reach + 0.02, (result["test_accuracy"], reach)
