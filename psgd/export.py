@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from psgd.config import JobConfig
+from psgd.model.table import TableSpec, table_keys
 from psgd.partition import PartitionPlan, plan_differences
 from psgd.server import checkpoint
 from psgd.tls import NO_TLS, TLSFiles
@@ -115,24 +116,28 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
                               f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order")
         weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         versions = client.pull(0, weights)
-    return Exported(weights, [int(v) for v in versions], f"the cluster at {','.join(addresses)}")
+    notes = [f"the rows of table {t.name!r} stay in the shards: join their checkpoints (--checkpoints DIR) to take "
+             "them too" for t in plan.tables]
+    return Exported(weights, [int(v) for v in versions], f"the cluster at {','.join(addresses)}", notes=notes)
 
 
 # -- from checkpoints -----------------------------------------------------------------------------
 class _ShardFolder:
     """One shard's checkpoint folder: which versions it has, and which of them are intact (checked lazily)."""
 
-    def __init__(self, root: Path, shard: int):
+    def __init__(self, root: Path, shard: int, tables: Sequence[str] = ()):
         self.shard = shard
+        self.arrays = ["weights", *(f"table/{t}/{k}" for t in tables for k in ("ids", "rows"))]
         self.folder = checkpoint.shard_dir(root, shard)
         self.name = f"shard-{shard}"
         self.versions = checkpoint.versions(self.folder)
         self.damaged: dict[int, str] = {}
 
     def take(self, version: int) -> checkpoint.Checkpoint | None:
-        """Checkpoint ``version`` with its weights, or None when it is damaged (the reason is kept)."""
+        """Checkpoint ``version`` with its weights and its rows of every table, or None when it is damaged (the
+        reason is kept)."""
         try:
-            return checkpoint.load(self.folder, version, arrays=["weights"])
+            return checkpoint.load(self.folder, version, arrays=self.arrays)
         except checkpoint.CheckpointError as exc:
             self.damaged[version] = str(exc)
             return None
@@ -176,7 +181,7 @@ def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | 
                           "holding <job fingerprint>/shard-0, shard-1, ...)")
     plan = job_plan(config)
     root = _job_folder(config, plan, root)
-    shards = [_ShardFolder(root, k) for k in range(plan.num_shards)]
+    shards = [_ShardFolder(root, k, [t.name for t in plan.tables]) for k in range(plan.num_shards)]
 
     def inventory() -> str:
         return "; ".join(s.inventory() for s in shards)
@@ -221,8 +226,29 @@ def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | 
     weights = {spec.name: np.empty(spec.shape, dtype=spec.dtype) for spec in plan.specs}
     for s in shards:
         _place(plan, s, taken[s.shard], weights)
+    for spec in plan.tables:
+        weights.update(_join_rows(plan, spec, shards, taken))
     files = [str(s.folder / taken[s.shard].manifest["npz"]) for s in shards]
     return Exported(weights, versions, f"checkpoints in {root}", files, notes)
+
+
+def _join_rows(plan: PartitionPlan, spec: TableSpec, shards: Sequence[_ShardFolder],
+               taken: Mapping[int, checkpoint.Checkpoint]) -> dict[str, np.ndarray]:
+    """Every shard's rows of table ``spec``, joined by increasing id (:func:`psgd.model.table.table_keys`)."""
+    ids, rows = [], []
+    for s in shards:
+        a = taken[s.shard].arrays
+        mine, values = a.get(f"table/{spec.name}/ids"), a.get(f"table/{spec.name}/rows")
+        if mine is None or values is None or mine.ndim != 1 or values.shape != (mine.size, spec.dim) \
+                or (plan.shard_of_ids(spec.name, mine) != s.shard).any():
+            raise ExportError(f"{taken[s.shard].path.with_suffix('.npz')} holds no rows of table {spec.name!r} that "
+                              f"fit the plan (ids of {s.name}'s, rows of {spec.dim} values)")
+        ids.append(mine)
+        rows.append(values)
+    joined = np.concatenate(ids)
+    order = np.argsort(joined, kind="stable")
+    key_ids, key_rows = table_keys(spec.name)
+    return {key_ids: joined[order], key_rows: np.concatenate(rows)[order].astype(spec.dtype)}
 
 
 def _job_folder(config: JobConfig, plan: PartitionPlan, root: Path) -> Path:

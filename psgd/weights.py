@@ -15,6 +15,7 @@ import numpy as np
 from psgd.config import JobConfig
 from psgd.export import ExportError
 from psgd.model.base import VarSpec
+from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
 
 
 def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
@@ -65,8 +66,26 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise ExportError(str(exc)) from None
 
 
+def table_differences(arrays: Mapping[str, np.ndarray], tables: Sequence[TableSpec]) -> list[str]:
+    """How the saved rows in ``arrays`` differ from the tables ``tables`` describe."""
+    problems = []
+    for spec in tables:
+        key_ids, key_rows = table_keys(spec.name)
+        ids, rows = arrays.get(key_ids), arrays.get(key_rows)
+        if ids is None or rows is None:
+            problems.append(f"no rows of table {spec.name}")
+        elif ids.dtype != np.int64 or ids.ndim != 1 or (ids.size > 1 and not (np.diff(ids) > 0).all()):
+            problems.append(f"the ids of table {spec.name} are not increasing int64s")
+        elif rows.shape != (ids.size, spec.dim) or rows.dtype != np.dtype(spec.dtype):
+            problems.append(f"table {spec.name} has rows of {rows.shape} {rows.dtype}, the model's are "
+                            f"({ids.size}, {spec.dim}) {spec.dtype}")
+    return problems
+
+
 def weight_differences(arrays: Mapping[str, np.ndarray], specs: Sequence[VarSpec]) -> list[str]:
-    """How ``arrays`` differ from the variables ``specs`` describe: missing, extra, wrong shape or dtype."""
+    """How ``arrays`` differ from the variables ``specs`` describe: missing, extra, wrong shape or dtype (the
+    saved rows of embedding tables, ``table:NAME:...``, are :func:`table_differences`'s)."""
+    arrays = {k: v for k, v in arrays.items() if not k.startswith("table:")}
     wanted = {s.name: s for s in specs}
     problems = []
     missing = [n for n in wanted if n not in arrays]
@@ -93,10 +112,11 @@ def weight_differences(arrays: Mapping[str, np.ndarray], specs: Sequence[VarSpec
     return problems
 
 
-def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec]) -> dict[str, np.ndarray]:
-    """The weights saved at ``path``, checked against the model's variables ``specs``."""
+def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec],
+                 tables: Sequence[TableSpec] = ()) -> dict[str, np.ndarray]:
+    """The weights saved at ``path``, checked against the model's variables ``specs`` and its ``tables``."""
     arrays = read_npz(path)
-    problems = weight_differences(arrays, specs)
+    problems = weight_differences(arrays, specs) + table_differences(arrays, tables)
     if problems:
         raise ExportError(f"{path} does not fit this job's model: {'; '.join(problems)}; pass the job file or "
                           "flags it was trained with (-c job.toml, or --model, --dtype, --set model.KEY=VALUE)")
@@ -109,10 +129,32 @@ def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     from psgd.job import build_job, params_to_device
 
     job = build_job(config)
-    weights = load_weights(path, job.model.specs())
-    params = params_to_device(weights, job.device)
+    weights = load_weights(path, job.model.specs(), job.plan.tables)
+    params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
     ds = job.dataset
-    loss, accuracy = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size)
+    saved = {t.name: SavedRows(t, config.train.seed, *(weights[k] for k in table_keys(t.name)))
+             for t in job.plan.tables}
+    rows = (lambda lookups: {name: saved[name].rows(wanted, job.device) for name, wanted in lookups.items()}) \
+        if saved else None
+    loss, accuracy = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
+                              ds.ids_test, rows)
     return {"test_accuracy": accuracy, "test_loss": loss, "examples": int(len(ds.y_test)),
             "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
             "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
+
+
+class SavedRows:
+    """A table's saved rows (``ids`` increasing, ``rows`` one per id), looked up as an evaluation reads a table:
+    an id that has no saved row reads as its first value."""
+
+    def __init__(self, spec: TableSpec, seed: int, ids: np.ndarray, rows: np.ndarray):
+        self.spec, self.seed, self.ids, self.values = spec, seed, ids, rows
+
+    def rows(self, lookups: np.ndarray, device: Any) -> Rows:
+        ids, index = unique_lookups(lookups)
+        at = np.minimum(np.searchsorted(self.ids, ids), max(self.ids.size - 1, 0))
+        have = (self.ids[at] == ids) if self.ids.size else np.zeros(ids.size, bool)
+        out = np.empty((ids.size, self.spec.dim), self.spec.dtype)
+        out[have] = self.values[at[have]]
+        out[~have] = initial_rows(self.spec, self.seed, ids[~have])
+        return Rows(ids, device.asarray(out), device.asarray(index))

@@ -131,6 +131,11 @@ class Rows:
         return Rows(self.ids, self.values.copy(), self.index)
 
 
+def table_keys(table: str) -> tuple[str, str]:
+    """The names a table's rows are saved under in a weights file: its ids (increasing) and its rows."""
+    return f"table:{table}:ids", f"table:{table}:rows"
+
+
 def unique_lookups(lookups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids of a batch's lookups, and each lookup's position among them (in the lookups' shape)."""
     ids, index = np.unique(check_ids(np.asarray(lookups).reshape(-1), "lookups"), return_inverse=True)

@@ -166,3 +166,36 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     reach = reachable_accuracy(Generator(0).make("test", 0, 3000, 3000))
     assert reach - 0.06 < result["test_accuracy"] <= reach + 0.02, (result["test_accuracy"], reach)
+
+
+def test_the_shards_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
+    from psgd.export import join_checkpoints, pull_from_servers
+    from psgd.launch.launcher import _evaluate
+    from psgd.server import checkpoint, recovery
+    from psgd.model.table import table_keys
+    from psgd.weights import evaluate_file, save_weights
+    from psgd.worker.client import PSClient
+
+    job = make_job(*SMALL, "train.epochs=1", "train.batch_size=32", "tables.lr=0.1", "cluster.policy=sync",
+                   "cluster.workers=2", "cluster.shards=2")
+    with shards(job) as servers:
+        run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)],
+                    timeout=120)
+        for s in servers:  # what psgd-server writes on its way out
+            recovery.write(s.core, checkpoint.shard_dir(tmp_path, s.core.shard, s.core.fingerprint), force=True)
+        live = pull_from_servers(job)
+        with PSClient(job.cluster.servers, build_job(job).plan) as reader:
+            _, live_accuracy, _ = _evaluate(job, live.weights, "ps", reader)
+        held = shard_rows(servers)
+    assert any("stay in the shards" in n for n in live.notes)  # a live cluster gives the dense weights only
+    joined = join_checkpoints(job, tmp_path)
+    ids_key, rows_key = table_keys("emb")
+    assert joined.weights[ids_key].tolist() == sorted(held)
+    np.testing.assert_array_equal(joined.weights[rows_key], np.stack([held[i] for i in sorted(held)]))
+    save_weights(tmp_path / "w.npz", joined.weights)
+    scored = evaluate_file(job, tmp_path / "w.npz")
+    assert scored["test_accuracy"] == live_accuracy  # the same weights and rows, read from the file
+    without = {k: v for k, v in joined.weights.items() if not k.startswith("table:")}
+    save_weights(tmp_path / "dense.npz", without)
+    with pytest.raises(ValueError, match="no rows of table emb"):
+        evaluate_file(job, tmp_path / "dense.npz")
