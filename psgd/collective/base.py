@@ -74,6 +74,22 @@ class Collective(abc.ABC):
         """All-reduce a small host array (backends that reduce device arrays only stage it)."""
         return self.allreduce_(array, op=op)
 
+    def gather_rows(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's ``ids`` and ``values`` (rows of a table's gradient: ``[len(ids), dim]``, host arrays), in
+        rank order, on every rank.  Made of all-reduces: each rank's part written at its place in a buffer of
+        zeros the size of all of them, which sums to the gathered rows (about twice the bytes of an all-gather;
+        every backend has an all-reduce)."""
+        counts = np.zeros(self.world_size, np.int64)
+        counts[self.rank] = ids.size
+        counts = self._host_allreduce(counts, op="sum")
+        start = int(counts[:self.rank].sum())
+        total = int(counts.sum())
+        all_ids = np.zeros(total, np.int64)
+        all_ids[start:start + ids.size] = ids
+        all_values = np.zeros((total,) + values.shape[1:], values.dtype)
+        all_values[start:start + ids.size] = values
+        return self._host_allreduce(all_ids, op="sum"), self._host_allreduce(all_values, op="sum")
+
     def __enter__(self) -> "Collective":
         return self
 

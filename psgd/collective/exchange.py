@@ -21,18 +21,22 @@ import numpy as np
 from psgd import data as datasets
 from psgd import xp as backend
 from psgd.collective.base import Bucketer, Collective, CollectiveError
-from psgd.config import JobConfig
+from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.job import Job, build_job, params_to_device
+from psgd.model.table import Rows, unique_lookups
 
 log = logging.getLogger(__name__)
 
 
 class AllReduceExchange(Exchange):
-    """Average the gradients with the other ranks of ``collective``, then apply them here."""
+    """Average the gradients with the other ranks of ``collective``, then apply them here.  A model's embedding
+    tables are held whole on every rank: the row gradients of a step are gathered from every rank
+    (:meth:`Collective.gather_rows`), summed per row and averaged over the ranks, and applied alike everywhere."""
 
     mode = "allreduce"
+    trains_tables = True
 
     def __init__(self, job: Job, collective: Collective, bucket_bytes: int = 32 << 20):
         config, ds, model, device, t = job.config, job.dataset, job.model, job.device, job.config.train
@@ -54,6 +58,13 @@ class AllReduceExchange(Exchange):
         for name in sorted(self.params):  # one source of truth, whatever the ranks computed locally
             collective.broadcast_(self.params[name], root=0)
         self.optimizer = job.optimizer()
+        self.tables = job.row_tables(f"rank {rank}")
+        tables = config.tables
+        if self.tables and (tables.admit_after > 1 or tables.idle_updates or tables.when_full == "evict"
+                            or config.cluster.overlap):
+            raise ConfigError(f"rank {rank}: all-reduce keeps a table alike on every rank only without admission, "
+                              "eviction and overlap ([tables] admit_after, idle_updates, when_full = \"evict\"; "
+                              "[cluster] overlap): each rank would decide them from its own batches")
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
         # [cluster] overlap: each bucket is reduced while backward goes on, on a GPU on a CUDA stream of its
@@ -71,7 +82,18 @@ class AllReduceExchange(Exchange):
                  self.bucketer.nbytes / 1e6)
 
     def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
-        return self.params
+        return {**self.params, **self._rows(lookups, make=True)} if lookups else self.params
+
+    def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
+        return self._rows(lookups, make=False)
+
+    def _rows(self, lookups: Mapping[str, np.ndarray], make: bool) -> dict[str, Rows]:
+        out = {}
+        for name, wanted in lookups.items():
+            ids, index = unique_lookups(wanted)
+            values = self.tables[name].read(ids) if make else self.tables[name].peek(ids)
+            out[name] = Rows(ids, self.device.asarray(values), self.device.asarray(index))
+        return out
 
     def _submit(self, fn: Any, *args: Any) -> Future:
         """Start a bucket's reduction ``fn(*args)``, after the kernels queued so far (those that wrote the
@@ -93,6 +115,13 @@ class AllReduceExchange(Exchange):
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         backend.synchronize(self.device)  # the gradient is computed: time the collective alone
         began = time.perf_counter()
+        rows = {name: grads.pop(name) for name in list(grads) if name in self.tables}
+        for name, grad in rows.items():  # every rank's rows, summed per row, over the ranks: as one batch's
+            ids, values = self.collective.gather_rows(grad.ids, backend.to_host(grad.values))
+            distinct, where = np.unique(ids, return_inverse=True)
+            total = np.zeros((distinct.size, values.shape[1]), values.dtype)
+            np.add.at(total, where, values)
+            self.tables[name].apply(distinct, total / self.collective.world_size)
         if self.overlaps:  # what is left of the reductions started during backward
             round_, self._round = self._round or self.bucketer.round(self.collective, self._submit), None
             mean = round_.finish(grads)

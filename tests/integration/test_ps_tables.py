@@ -4,6 +4,7 @@ batch, table included; the rows move in the same pulls and pushes; what the shar
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -199,3 +200,36 @@ def test_the_shards_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_
     save_weights(tmp_path / "dense.npz", without)
     with pytest.raises(ValueError, match="no rows of table emb"):
         evaluate_file(job, tmp_path / "dense.npz")
+
+
+@pytest.mark.lacks(__import__("importlib").util.find_spec("mpi4py") is None,
+                   reason="the mpi extra is not installed (pip install '.[mpi]')")
+def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_the_batch(tmp_path):
+    import subprocess
+    import sys
+
+    from psgd.config import to_toml
+    from psgd.launch import find_mpiexec
+
+    ranks, batch = 2, 16
+    job = make_job(*SMALL, "train.dtype=float64", "train.epochs=1", f"train.batch_size={batch}",
+                   "optimizer.name=sgd", "optimizer.lr=0.1", "tables.optimizer=rowwise_adagrad", "tables.lr=0.3",
+                   f"cluster.workers={ranks}")
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    saved = tmp_path / "w.npz"
+    done = subprocess.run([find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "psgd.cli.worker", "-c",
+                           str(path), "--mode", "allreduce", "--backend", "mpi", "--no-progress", "--json",
+                           "--save", str(saved)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lead = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    with np.load(saved, allow_pickle=False) as f:
+        allreduce = {k: f[k] for k in f.files}
+
+    reference_job = copy.deepcopy(job)
+    reference_job.train.batch_size = ranks * batch
+    reference = build_job(reference_job, check=True)
+    expected = run_loop(reference, LocalExchange(reference), progress=False)
+    for name, ref in expected.params.items():  # the dense weights moved by the rows: the tables agree too
+        np.testing.assert_allclose(allreduce[name], ref, rtol=1e-9, atol=1e-12, err_msg=name)
+    assert any(abs(r.get("test_accuracy", -1) - expected.test_accuracy) < 1e-12 for r in lead), lead

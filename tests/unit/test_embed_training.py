@@ -52,12 +52,23 @@ def test_admission_keeps_rare_ids_out_of_the_table():
 
 
 def test_what_cannot_train_a_table_yet_says_so_in_one_line():
-    from psgd.collective.exchange import AllReduceExchange
+    from psgd.loop import Exchange
+    from psgd.worker.exchange import ParameterServerExchange
+
+    class Elsewhere(Exchange):  # a mode that holds no tables
+        mode = "elsewhere"
+
+        def weights(self, step, lookups=None):
+            return {}
+
+        def exchange(self, step, grads):
+            raise AssertionError("never reached")
 
     job = build_job(clicks_job(), check=True)
-    exchange = object.__new__(AllReduceExchange)  # never joins: refused before its first step
-    with pytest.raises(ConfigError, match="has embedding tables, which the allreduce mode does not train yet"):
-        run_loop(job, exchange, progress=False)
+    with pytest.raises(ConfigError, match="has embedding tables, which the elsewhere mode does not train yet"):
+        run_loop(job, Elsewhere(), progress=False)
+    with pytest.raises(ConfigError, match="trains without \\[cluster\\] overlap so far"):
+        ParameterServerExchange(build_job(clicks_job("cluster.overlap=true")), None, 0)
     with pytest.raises(ModelError, match="needs a dataset with one id per categorical field"):
         build_job(clicks_job("data.name=digits"))
 
