@@ -11,6 +11,7 @@ skips ahead to the smallest clock any shard expects next.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -75,6 +76,7 @@ class ParameterServerExchange(Exchange):
                               f"worker trains without {'[cluster] overlap' if self.overlaps else 'the local policy'} "
                               "so far")
         self._reader: PSClient | None = None  # an observer, for an evaluation's rows
+        self.moved = {"rows": 0, "bytes": 0, "steps": 0}  # a model with tables: rows and bytes moved, in all
 
     def _stopping(self, exc: PSError) -> None:
         """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
@@ -168,10 +170,17 @@ class ParameterServerExchange(Exchange):
         # shard that is behind would leave its sync round waiting for this worker forever.
         new_clock = self.client.clock = max(step + 1, min(r.next_clock for r in replies))
         spans, self.spans = self.spans, {}
-        return Exchanged(new_clock, {"version": max(self.versions), "staleness": max(r.staleness for r in replies)},
-                         {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
-                          "bytes": 2 * self.plan.total_bytes, "outcomes": [r.outcome for r in replies],
-                          "spans": spans})
+        # what moved: the dense weights down and their gradient up, and each row of the step down and up
+        moved = 2 * (self.plan.total_bytes + sum(ids.nbytes + values.nbytes for ids, values in rows.values()))
+        fields = {"version": max(self.versions), "staleness": max(r.staleness for r in replies)}
+        if rows:
+            fields["rows"] = sum(ids.size for ids, _ in rows.values())
+            self.moved["rows"] += fields["rows"]
+            self.moved["bytes"] += moved
+            self.moved["steps"] += 1
+        return Exchanged(new_clock, fields, {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
+                                             "bytes": moved, "outcomes": [r.outcome for r in replies],
+                                             "spans": spans})
 
     def gradient_ready(self, name: str, grad: Any) -> None:
         if self._side is not None:
@@ -214,7 +223,23 @@ class ParameterServerExchange(Exchange):
                     raise
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
-        return {"outcomes": dict(self.outcomes)}
+        summary: dict[str, Any] = {"outcomes": dict(self.outcomes)}
+        if self.moved["steps"]:
+            steps = self.moved["steps"]
+            summary.update(rows_per_step=self.moved["rows"] / steps, bytes_per_step=self.moved["bytes"] / steps)
+            log.info("worker %d: %.0f rows of embedding tables and %.3f MB moved a step on average (the dense "
+                     "weights, down and up: %.3f MB; the rows the shards hold: %s)", self.rank,
+                     summary["rows_per_step"], summary["bytes_per_step"] / 1e6, 2 * self.plan.total_bytes / 1e6,
+                     self._held_rows())
+        return summary
+
+    def _held_rows(self) -> str:
+        try:
+            held = [json.loads(s.counters_json or "{}").get("tables", {}) for s in self.client.status()]
+        except (PSError, ValueError):
+            return "unknown"
+        rows = sum(t.get("rows", 0) for h in held for t in h.values())
+        return f"{rows:,} rows, {sum(t.get('bytes', 0) for h in held for t in h.values()) / 1e6:.1f} MB"
 
 
 def _asked(plan: Any, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
