@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from psgd.model.table import TableSpec, initial_rows, mix64, name_key
+from psgd.model.table import TableSpec, initial_rows, mix64, name_key, table_keys
 from psgd.optim.rows import RowOptimizer
 
 WHEN_FULL = ("fail", "evict")
@@ -277,6 +277,12 @@ class RowTable:
         if self.sightings is not None and "sightings" in arrays:
             self.sightings.counts[...] = arrays["sightings"]
         self.slot = dict(zip(ids.tolist(), slots.tolist()))
+
+    def saved(self) -> dict[str, np.ndarray]:
+        """The rows that exist, as a weights file holds them (:func:`psgd.model.table.table_keys`)."""
+        state = self.state_dict()
+        key_ids, key_rows = table_keys(self.spec.name)
+        return {key_ids: state["ids"], key_rows: state["rows"]}
 
     def status(self) -> dict[str, Any]:
         return {"rows": len(self.slot), "bytes": self.nbytes, "capacity": self.capacity, "clock": self.clock,

@@ -67,7 +67,9 @@ class LocalExchange(Exchange):
         return {"tables": {name: table.status() for name, table in self.tables.items()}} if self.tables else {}
 
     def final_weights(self) -> Mapping[str, Any]:
-        return self.params
+        """The weights, and each table's rows that exist (``table:NAME:ids``, ``table:NAME:rows``)."""
+        saved = {k: v for table in self.tables.values() for k, v in table.saved().items()}
+        return {**self.params, **saved}
 
 
 def train_local(

@@ -112,14 +112,16 @@ def weight_differences(arrays: Mapping[str, np.ndarray], specs: Sequence[VarSpec
     return problems
 
 
-def load_weights(path: str | os.PathLike, specs: Sequence[VarSpec],
-                 tables: Sequence[TableSpec] = ()) -> dict[str, np.ndarray]:
-    """The weights saved at ``path``, checked against the model's variables ``specs`` and its ``tables``."""
-    arrays = read_npz(path)
+def load_weights(path: str | os.PathLike | None, specs: Sequence[VarSpec], tables: Sequence[TableSpec] = (),
+                 arrays: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The weights saved at ``path`` (or read already: ``arrays``), checked against the model's variables
+    ``specs`` and its ``tables``."""
+    arrays = read_npz(path) if arrays is None else dict(arrays)
     problems = weight_differences(arrays, specs) + table_differences(arrays, tables)
     if problems:
-        raise ExportError(f"{path} does not fit this job's model: {'; '.join(problems)}; pass the job file or "
-                          "flags it was trained with (-c job.toml, or --model, --dtype, --set model.KEY=VALUE)")
+        raise ExportError(f"{path or 'the saved file'} does not fit this job's model: {'; '.join(problems)}; "
+                          "pass the job file or flags it was trained with (-c job.toml, or --model, --dtype, "
+                          "--set model.KEY=VALUE)")
     return arrays
 
 
@@ -132,15 +134,20 @@ def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     weights = load_weights(path, job.model.specs(), job.plan.tables)
     params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
     ds = job.dataset
-    saved = {t.name: SavedRows(t, config.train.seed, *(weights[k] for k in table_keys(t.name)))
-             for t in job.plan.tables}
-    rows = (lambda lookups: {name: saved[name].rows(wanted, job.device) for name, wanted in lookups.items()}) \
-        if saved else None
     loss, accuracy = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
-                              ds.ids_test, rows)
+                              ds.ids_test, saved_rows(job, weights))
     return {"test_accuracy": accuracy, "test_loss": loss, "examples": int(len(ds.y_test)),
             "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
             "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
+
+
+def saved_rows(job: Any, weights: Mapping[str, np.ndarray]) -> Any:
+    """How an evaluation reads the tables of ``job`` from the rows saved in ``weights`` (None: no tables)."""
+    saved = {t.name: SavedRows(t, job.config.train.seed, *(weights[k] for k in table_keys(t.name)))
+             for t in job.plan.tables}
+    if not saved:
+        return None
+    return lambda lookups: {name: saved[name].rows(wanted, job.device) for name, wanted in lookups.items()}
 
 
 class SavedRows:

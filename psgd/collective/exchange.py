@@ -142,7 +142,9 @@ class AllReduceExchange(Exchange):
         return {"comm_seconds": self.comm_seconds}
 
     def final_weights(self) -> Mapping[str, Any]:
-        return self.params
+        """The weights, and each table's rows that exist (``table:NAME:ids``, ``table:NAME:rows``)."""
+        saved = {k: v for table in self.tables.values() for k, v in table.saved().items()}
+        return {**self.params, **saved}
 
 
 def run_allreduce(

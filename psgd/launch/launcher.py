@@ -235,12 +235,17 @@ def _evaluate(config: JobConfig, weights: dict, mode: str, reader: Any = None) -
     from psgd.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
     from psgd.loop import evaluate
+    from psgd.weights import load_weights, saved_rows
     from psgd.worker.exchange import read_rows
 
     job = build_job(config)
-    params = params_to_device(weights, job.device)
     ds, t = job.dataset, config.train
-    rows = (lambda lookups: read_rows(reader, lookups, job.device)) if job.plan.tables else None
+    if reader is not None:
+        rows = (lambda lookups: read_rows(reader, lookups, job.device)) if job.plan.tables else None
+    else:  # the rows saved with the weights (an all-reduce rank's)
+        load_weights(None, job.model.specs(), job.plan.tables, arrays=weights)
+        rows = saved_rows(job, weights)
+    params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
     loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows)
     steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
     guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(config, mode))

@@ -55,8 +55,8 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
     expected = run_loop(reference, local, progress=False)
 
     assert all(r.steps == expected.steps for r in results) and min(held) > 0  # rows on both shards
-    for name, ref in expected.params.items():
-        np.testing.assert_allclose(dense[name], ref, rtol=1e-9, atol=1e-12, err_msg=name)
+    for name in dense:
+        np.testing.assert_allclose(dense[name], expected.params[name], rtol=1e-9, atol=1e-12, err_msg=name)
     want = local.tables["emb"].state_dict()
     assert sorted(rows) == sorted(want["ids"].tolist())  # the same rows made, each on its shard
     got = np.stack([rows[i] for i in want["ids"].tolist()])
@@ -230,6 +230,7 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
     reference_job.train.batch_size = ranks * batch
     reference = build_job(reference_job, check=True)
     expected = run_loop(reference, LocalExchange(reference), progress=False)
-    for name, ref in expected.params.items():  # the dense weights moved by the rows: the tables agree too
+    assert sorted(allreduce) == sorted(expected.params)  # the dense weights, and the table's rows saved with them
+    for name, ref in expected.params.items():
         np.testing.assert_allclose(allreduce[name], ref, rtol=1e-9, atol=1e-12, err_msg=name)
     assert any(abs(r.get("test_accuracy", -1) - expected.test_accuracy) < 1e-12 for r in lead), lead

@@ -93,3 +93,14 @@ def test_the_tables_section_is_checked(key, value, words):
     config = JobConfig()
     with pytest.raises(ConfigError, match=f"\\[tables\\] {words[:20]}"):
         config.apply_sets([f"tables.{key}={value!r}" if isinstance(value, str) else f"tables.{key}={value}"])
+
+
+def test_the_trained_tables_are_saved_with_the_weights_and_psgd_eval_scores_them_alike(tmp_path):
+    from psgd.train import train_local
+    from psgd.weights import evaluate_file, save_weights
+
+    config = clicks_job()
+    result = train_local(config, progress=False)
+    assert {"table:emb:ids", "table:emb:rows"} <= set(result.params)
+    save_weights(tmp_path / "w.npz", result.params)
+    assert evaluate_file(config, tmp_path / "w.npz")["test_accuracy"] == result.test_accuracy
