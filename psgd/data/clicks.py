@@ -129,18 +129,56 @@ class Generator:
         ``test``: drawn at the end of time)."""
         if split not in ("train", "test") or not 0 <= start <= stop <= total:
             raise ValueError(f"clicks: no examples {start}..{stop} of a {split!r} split of {total}")
-        key = name_key("clicks", self.seed, split)
-        parts = []
-        for a in range(start, stop, CHUNK):
-            index = np.arange(a, min(stop, a + CHUNK))
-            ids, dense, _, z = self._raw(key, index, total, at_end=split == "test")
-            p = 1.0 / (1.0 + np.exp(-z))
-            y = (_unit(key ^ np.uint64(4), index.astype(np.uint64)) < p).astype(np.int64)
-            parts.append(Clicks(ids, dense, y, p))
+        parts = [self.at(split, np.arange(a, min(stop, a + CHUNK)), total) for a in range(start, stop, CHUNK)]
         if not parts:
             return Clicks(np.zeros((0, self.fields), np.int64), np.zeros((0, self.dense), np.float32),
                           np.zeros(0, np.int64), np.zeros(0))
         return Clicks(*(np.concatenate([getattr(c, k) for c in parts]) for k in ("ids", "dense", "y", "p")))
+
+
+    def at(self, split: str, index: np.ndarray, total: int) -> Clicks:
+        """Examples ``index`` (any int array, each in ``[0, total)``) of a split of ``total``."""
+        index = np.asarray(index, dtype=np.int64)
+        if split not in ("train", "test") or (index.size and (index.min() < 0 or index.max() >= total)):
+            raise ValueError(f"clicks: no such examples of a {split!r} split of {total}")
+        key = name_key("clicks", self.seed, split)
+        ids, dense, _, z = self._raw(key, index, total, at_end=split == "test")
+        p = 1.0 / (1.0 + np.exp(-z))
+        y = (_unit(key ^ np.uint64(4), index.astype(np.uint64)) < p).astype(np.int64)
+        return Clicks(ids, dense, y, p)
+
+
+class Made:
+    """One part (``ids``, ``dense`` or ``y``) of a split's examples, made when indexed, never held: what a
+    worker's batch takes of a data set of any size costs that batch's memory only.  The three parts of one
+    split share the last batch made, so a step's ``x[idx]``, ``y[idx]`` and ``ids[idx]`` make it once."""
+
+    def __init__(self, gen: Generator, split: str, total: int, part: str, shared: dict, dtype: object = None):
+        self.gen, self.split, self.total, self.part, self.shared = gen, split, total, part, shared
+        width = {"ids": (gen.fields,), "dense": (gen.dense,), "y": ()}[part]
+        self.shape = (total, *width)
+        self.dtype = np.dtype(dtype or {"ids": np.int64, "dense": np.float32, "y": np.int64}[part])
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        rows = np.arange(*index.indices(self.total)) if isinstance(index, slice) else \
+            np.asarray(index, dtype=np.int64)
+        flat = rows.reshape(-1)
+        key = flat.tobytes()
+        if self.shared.get("key") != key:
+            self.shared.update(key=key, made=self.gen.at(self.split, flat, self.total))
+        got = getattr(self.shared["made"], self.part).astype(self.dtype, copy=False)
+        return got.reshape(rows.shape + self.shape[1:])
+
+    def astype(self, dtype: object, copy: bool = True) -> "Made":
+        return Made(self.gen, self.split, self.total, self.part, self.shared, dtype)
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return np.concatenate([self[a:min(self.total, a + CHUNK)] for a in range(0, self.total, CHUNK)]) \
+            .astype(dtype or self.dtype, copy=False)
 
 
 def reachable_accuracy(clicks: Clicks) -> float:
@@ -181,10 +219,12 @@ def clicks_options(n_train: object = 100_000, n_test: object = 10_000, fields: o
 
 
 def load_clicks(**options: object) -> Dataset:
-    """The ``clicks`` dataset: ``x`` the dense features, ``ids`` the categorical ones, two classes."""
+    """The ``clicks`` dataset: ``x`` the dense features, ``ids`` the categorical ones, two classes; the
+    training examples are made when a batch takes them (:class:`Made`), the test set is held."""
     o = clicks_options(**options)
     gen = Generator(o["data_seed"], o["fields"], o["dense"], o["alpha"], o["max_cardinality"])
-    train = gen.make("train", 0, o["n_train"], o["n_train"])
+    n, shared = o["n_train"], {}
     test = gen.make("test", 0, o["n_test"], o["n_test"])
-    return Dataset("clicks", train.dense, train.y, test.dense, test.y, 2, (o["dense"],),
-                   ids_train=train.ids, ids_test=test.ids)
+    return Dataset("clicks", Made(gen, "train", n, "dense", shared), Made(gen, "train", n, "y", shared),
+                   test.dense, test.y, 2, (o["dense"],), ids_train=Made(gen, "train", n, "ids", shared),
+                   ids_test=test.ids)

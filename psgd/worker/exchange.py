@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import resource
 import threading
 import time
 from concurrent.futures import Future
@@ -226,11 +227,13 @@ class ParameterServerExchange(Exchange):
         summary: dict[str, Any] = {"outcomes": dict(self.outcomes)}
         if self.moved["steps"]:
             steps = self.moved["steps"]
-            summary.update(rows_per_step=self.moved["rows"] / steps, bytes_per_step=self.moved["bytes"] / steps)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+            summary.update(rows_per_step=self.moved["rows"] / steps, bytes_per_step=self.moved["bytes"] / steps,
+                           peak_rss_bytes=peak)
             log.info("worker %d: %.0f rows of embedding tables and %.3f MB moved a step on average (the dense "
-                     "weights, down and up: %.3f MB; the rows the shards hold: %s)", self.rank,
-                     summary["rows_per_step"], summary["bytes_per_step"] / 1e6, 2 * self.plan.total_bytes / 1e6,
-                     self._held_rows())
+                     "weights, down and up: %.3f MB; the rows the shards hold: %s); this worker's peak RSS %.0f MB",
+                     self.rank, summary["rows_per_step"], summary["bytes_per_step"] / 1e6,
+                     2 * self.plan.total_bytes / 1e6, self._held_rows(), peak / 1e6)
         return summary
 
     def _held_rows(self) -> str:

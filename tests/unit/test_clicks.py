@@ -69,3 +69,27 @@ def test_a_split_that_cannot_be_is_refused():
         Generator().make("valid", 0, 10, 10)
     with pytest.raises(ValueError, match="alpha"):
         Generator(alpha=0.9)
+
+
+def test_the_training_examples_are_made_when_a_batch_takes_them_and_never_held():
+    import time
+    import tracemalloc
+
+    from psgd.data import load_dataset
+
+    tracemalloc.start()
+    began = time.perf_counter()
+    ds = load_dataset("clicks", n_train=10**9, n_test=100)  # a billion examples: 208 GB of ids if held
+    seconds = time.perf_counter() - began
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(ds.x_train) == 10**9 and ds.ids_train.shape == (10**9, 26) and peak < 64 << 20 and seconds < 5
+    idx = np.array([7, 10**9 - 1, 123456789])
+    want = Generator(0).at("train", idx, 10**9)
+    assert np.array_equal(ds.ids_train[idx], want.ids) and np.array_equal(ds.y_train[idx], want.y)
+    np.testing.assert_array_equal(ds.x_train[idx], want.dense)
+    assert ds.x_train[-3:].shape == (3, 13)  # a slice makes its rows only
+    small = load_dataset("clicks", n_train=500, n_test=10)
+    whole = Generator(0).make("train", 0, 500, 500)
+    assert np.array_equal(np.asarray(small.ids_train), whole.ids)
+    assert np.array_equal(small.x_train[3:9], whole.dense[3:9])
