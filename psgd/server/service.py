@@ -140,7 +140,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
             except ShardError as err:
                 _abort(context, err)
-            self.watchdog.watch(self.transfer_seconds, context, what, key)  # its bytes must go by then
+            row_bytes = sum(v.nbytes for v in rows.values())  # its bytes, the rows' too, must go by then
+            self.watchdog.watch(transfer_seconds(self.core.nbytes + row_bytes, self.request_timeout), context, what,
+                                key)
             with snap:
                 for slice_id, payload in snap.data.items():
                     for offset, piece in chunks(payload):
@@ -158,14 +160,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         what = f"shard {self.core.shard}: gRPC push"
         key = self._data_call(context, what, self.transfer_seconds)  # the whole push must arrive by then
         try:
-            return self._push(request_iterator, context)
+            return self._push(request_iterator, context, key, what)
         except grpc.RpcError:  # cancelled by the watchdog, or by the client
             _abort(context, ShardError("DEADLINE_EXCEEDED",
                                        f"push did not arrive within {self.transfer_seconds:.1f}s"))
         finally:
             self._end_call(key)
 
-    def _push(self, request_iterator, context):
+    def _push(self, request_iterator, context, key: int, what: str):
+        began, row_bytes = time.monotonic(), 0
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
@@ -178,6 +181,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 kind = message.WhichOneof("kind")
                 if kind == "rows":
                     rows.add(message.rows.table, message.rows.ids, message.rows.values)
+                    # rows come beside the slices: the deadline, counted from the start, allows for their bytes
+                    # too (at the same least rate, so a trickled push is cut off all the same)
+                    row_bytes += len(message.rows.ids) + len(message.rows.values)
+                    allowed = transfer_seconds(self.core.nbytes + row_bytes, self.request_timeout)
+                    self.watchdog.watch(began + allowed - time.monotonic(), context, what, key)
                     continue
                 if kind != "chunk":
                     raise ShardError("INVALID_ARGUMENT", "a push has exactly one header, at the start")

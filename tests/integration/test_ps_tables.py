@@ -234,3 +234,32 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
     for name, ref in expected.params.items():
         np.testing.assert_allclose(allreduce[name], ref, rtol=1e-9, atol=1e-12, err_msg=name)
     assert any(abs(r.get("test_accuracy", -1) - expected.test_accuracy) < 1e-12 for r in lead), lead
+
+
+def test_a_pull_or_push_of_rows_is_given_time_for_its_rows_bytes_too(monkeypatch):
+    """The watchdog that cuts off a stalled transfer allows a transfer the time its bytes take at the least rate
+    (psgd.server.datapath.MIN_TRANSFER_RATE): the rows' bytes count, not only the dense weights'."""
+    from psgd.server import datapath
+    from psgd.worker.client import PSClient
+
+    monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e5)  # 100 kB/s: seconds a few MB of rows are given
+    job = make_job(*SMALL, "model.dim=64", "train.dtype=float64", "cluster.policy=async", "cluster.workers=1",
+                   "cluster.shards=1", "cluster.transport=grpc")
+    with shards(job) as servers:
+        armed = []
+        watchdog = servers[0].servicer.watchdog
+        real = watchdog.watch
+        monkeypatch.setattr(watchdog, "watch",
+                            lambda seconds, *a, **k: armed.append(seconds) or real(seconds, *a, **k))
+        plan = build_job(job).plan
+        ids = np.arange(8000, dtype=np.int64)  # 8000 rows of 64 float64: 4.1 MB, 41 s at the least rate
+        with PSClient(job.cluster.servers, plan, 0, request_timeout=60, config=job) as client:
+            client.register()
+            out = np.empty((8000, 64))
+            client.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in plan.specs}, {"emb": (ids, out)})
+            pulled = armed[-1]  # re-armed once the pull may go (it waits without a deadline before)
+            armed.clear()
+            client.push(0, {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}, rows={"emb": (ids, out * 0)})
+            pushed = max(a for a in armed if a != float("inf"))
+    dense = datapath.transfer_seconds(servers[0].core.nbytes, 60)
+    assert dense < 10 < 40 < pulled <= 60 and 40 < pushed <= 60, (dense, pulled, pushed)
