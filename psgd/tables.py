@@ -24,11 +24,11 @@ call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from psgd.model.table import TableSpec, initial_rows, mix64, name_key, table_keys
+from psgd.model.table import Rows, TableSpec, initial_rows, mix64, name_key, table_keys, unique_lookups
 from psgd.optim.rows import RowOptimizer
 
 WHEN_FULL = ("fail", "evict")
@@ -287,3 +287,21 @@ class RowTable:
     def status(self) -> dict[str, Any]:
         return {"rows": len(self.slot), "bytes": self.nbytes, "capacity": self.capacity, "clock": self.clock,
                 **self.counters}
+
+
+def lookup_rows(tables: Mapping[str, RowTable], lookups: Mapping[str, Any], device: Any,
+                make: bool) -> dict[str, Rows]:
+    """The :class:`~psgd.model.table.Rows` of each table that ``lookups`` (a batch's ids, by table) names, read
+    from ``tables`` held whole in this process (the reference trainer's, an all-reduce rank's), on ``device``:
+    made where they do not exist yet (``make``: a training step), or only read (an evaluation)."""
+    out = {}
+    for name, wanted in lookups.items():
+        ids, index = unique_lookups(wanted)
+        values = tables[name].read(ids) if make else tables[name].peek(ids)
+        out[name] = Rows(ids, device.asarray(values), device.asarray(index))
+    return out
+
+
+def saved_tables(tables: Mapping[str, RowTable]) -> dict[str, np.ndarray]:
+    """Every table's rows that exist, as a weights file holds them (:meth:`RowTable.saved`)."""
+    return {k: v for table in tables.values() for k, v in table.saved().items()}

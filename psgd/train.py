@@ -19,7 +19,8 @@ from psgd import xp as backend
 from psgd.config import JobConfig
 from psgd.job import Job, build_job, params_to_device
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
-from psgd.model.table import Rows, unique_lookups
+from psgd.model.table import Rows
+from psgd.tables import lookup_rows, saved_tables
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,8 @@ class LocalExchange(Exchange):
         return self._rows(lookups, make=False)
 
     def _rows(self, lookups: Mapping[str, np.ndarray], make: bool) -> dict[str, Rows]:
-        out = {}
         with self._tables_lock:
-            for name, wanted in lookups.items():
-                ids, index = unique_lookups(wanted)
-                table = self.tables[name]
-                values = table.read(ids) if make else table.peek(ids)
-                out[name] = Rows(ids, self.device.asarray(values), self.device.asarray(index))
-        return out
+            return lookup_rows(self.tables, lookups, self.device, make)
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         for name, grad in grads.items():
@@ -68,8 +63,7 @@ class LocalExchange(Exchange):
 
     def final_weights(self) -> Mapping[str, Any]:
         """The weights, and each table's rows that exist (``table:NAME:ids``, ``table:NAME:rows``)."""
-        saved = {k: v for table in self.tables.values() for k, v in table.saved().items()}
-        return {**self.params, **saved}
+        return {**self.params, **saved_tables(self.tables)}
 
 
 def train_local(

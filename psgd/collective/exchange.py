@@ -25,7 +25,8 @@ from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.job import Job, build_job, params_to_device
-from psgd.model.table import Rows, unique_lookups
+from psgd.model.table import Rows
+from psgd.tables import lookup_rows, saved_tables
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,7 @@ class AllReduceExchange(Exchange):
         return self._rows(lookups, make=False)
 
     def _rows(self, lookups: Mapping[str, np.ndarray], make: bool) -> dict[str, Rows]:
-        out = {}
-        for name, wanted in lookups.items():
-            ids, index = unique_lookups(wanted)
-            values = self.tables[name].read(ids) if make else self.tables[name].peek(ids)
-            out[name] = Rows(ids, self.device.asarray(values), self.device.asarray(index))
-        return out
+        return lookup_rows(self.tables, lookups, self.device, make)
 
     def _submit(self, fn: Any, *args: Any) -> Future:
         """Start a bucket's reduction ``fn(*args)``, after the kernels queued so far (those that wrote the
@@ -143,8 +139,7 @@ class AllReduceExchange(Exchange):
 
     def final_weights(self) -> Mapping[str, Any]:
         """The weights, and each table's rows that exist (``table:NAME:ids``, ``table:NAME:rows``)."""
-        saved = {k: v for table in self.tables.values() for k, v in table.saved().items()}
-        return {**self.params, **saved}
+        return {**self.params, **saved_tables(self.tables)}
 
 
 def run_allreduce(

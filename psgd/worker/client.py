@@ -256,10 +256,10 @@ class PSClient:
         self.clock = min(r.clock for r in replies)
         return self.clock
 
-    def _split_rows(self, ids_by_table: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        """For each shard, the positions of the ids (by table) whose rows it holds."""
+    def _split_rows(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[dict[str, np.ndarray]]:
+        """For each shard, the positions of the ids of ``rows`` (table -> (ids, ...)) whose rows it holds."""
         per_shard: list[dict[str, np.ndarray]] = [{} for _ in self.links]
-        for table, ids in ids_by_table.items():
+        for table, (ids, _) in (rows or {}).items():
             owner = self.plan.shard_of_ids(table, ids)
             for k in range(len(self.links)):
                 per_shard[k][table] = np.flatnonzero(owner == k)
@@ -271,7 +271,7 @@ class PSClient:
         (distinct ids, an array ``[len(ids), dim]``)) with those rows, from the shards that hold them; returns
         shard versions."""
         flat = {name: a.reshape(-1) for name, a in out.items()}
-        where = self._split_rows({t: ids for t, (ids, _) in rows.items()}) if rows else [{} for _ in self.links]
+        where = self._split_rows(rows)
 
         def one(k: int) -> int:
             views = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in self.shard_slices[k]]
@@ -306,7 +306,7 @@ class PSClient:
             if g is not None and g.dtype != np.dtype(spec.dtype):
                 raise PSError(f"gradient {spec.name} is {g.dtype}, the model's variable is {spec.dtype}")
 
-        where = self._split_rows({t: ids for t, (ids, _) in rows.items()}) if rows else [{} for _ in self.links]
+        where = self._split_rows(rows)
 
         def one(k: int) -> PushReply:
             parts = self._encode(k, flat)

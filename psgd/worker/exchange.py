@@ -103,7 +103,7 @@ class ParameterServerExchange(Exchange):
         if self.own is not None and step % self.local_steps:
             return self.own  # a local step: on this worker's own copy
         began = time.perf_counter()
-        rows = self._asked(lookups)
+        rows = _asked(self.plan, lookups)
         try:
             if not self._prefetched(step):
                 self.versions = self.client.pull(step, self.host,
@@ -117,13 +117,7 @@ class ParameterServerExchange(Exchange):
         if self.local_steps:  # the centre stays in the host buffers until the period's push
             self.own = {k: device.asarray(v).copy() for k, v in self.host.items()}
             return self.own
-        return {**{k: device.asarray(v) for k, v in self.host.items()}, **self._as_rows(rows)}
-
-    def _asked(self, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
-        return _asked(self.plan, lookups)
-
-    def _as_rows(self, rows: Mapping[str, tuple[np.ndarray, Any, np.ndarray]]) -> dict[str, Rows]:
-        return _as_rows(rows, self.job.device)
+        return {**{k: device.asarray(v) for k, v in self.host.items()}, **_as_rows(rows, device)}
 
     def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
         if self._reader is None:
