@@ -140,8 +140,9 @@ class GrpcLink(Link):
         dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
 
         def messages() -> Iterator[ps_pb2.PushMessage]:
-            yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(worker_id=ep.worker_id, clock=clock,
-                                                              base_version=base_version, dtype=dtype))
+            yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
+                worker_id=ep.worker_id, clock=clock, base_version=base_version, dtype=dtype,
+                rows=sum(len(ids) for ids, _ in (rows or {}).values())))
             for sl, part in zip(ep.slices, parts):
                 for offset, piece in chunks(part):
                     yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset,

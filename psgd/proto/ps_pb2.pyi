@@ -104,16 +104,18 @@ class TensorChunk(_message.Message):
     def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "clock", "base_version", "dtype")
+    __slots__ = ("worker_id", "clock", "base_version", "dtype", "rows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
     base_version: int
     dtype: str
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    rows: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk", "rows")

@@ -132,7 +132,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                       _remaining(context, self.request_timeout),
                                       cancelled=lambda: not context.is_active())
                 try:  # the rows, once the pull may go: under sync no update comes before this worker's push
-                    rows = self.core.read_rows(as_worker(request.worker_id), asked.lookups()) if request.rows else {}
+                    ids = asked.lookups()
+                    rows = self.core.read_rows(as_worker(request.worker_id), ids) if ids else {}
                 except BaseException:
                     snap.release()
                     raise
@@ -148,7 +149,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     for offset, piece in chunks(payload):
                         yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece),
                                                  version=snap.version)
-                ids = asked.lookups()
                 for table, values in rows.items():
                     for part_ids, part_values in blocks(ids[table], values):
                         yield ps_pb2.TensorChunk(version=snap.version, rows=ps_pb2.RowBlock(
@@ -193,8 +193,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 assembler.add(chunk.slice_id, chunk.offset, chunk.data)
             if not context.is_active():  # the stream was cut (a message over the size limit ends it quietly)
                 raise ShardError("CANCELLED", "the push was cut off before its end; nothing was applied")
+            pushed = rows.rows()
+            got = sum(ids.size for ids, _ in pushed.values())
+            if got != header.rows:  # it may end quietly before the call is seen to end: count what came
+                raise ShardError("INVALID_ARGUMENT", f"the push said it carries {header.rows} rows and {got} came; "
+                                 "nothing was applied")
             result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
-                                    wire_bytes=assembler.received, rows=rows.rows())
+                                    wire_bytes=assembler.received, rows=pushed)
         except RowsError as err:
             _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:

@@ -126,8 +126,8 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
                 as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             for what, block in bad_blocks.items():
-                messages = [ps_pb2.PushMessage(header=ps_pb2.PushHeader(worker_id=0, clock=0, base_version=0,
-                                                                         dtype="float64")), *dense,
+                messages = [ps_pb2.PushMessage(header=ps_pb2.PushHeader(  # saying the rows it sends, as a worker does
+                    worker_id=0, clock=0, base_version=0, dtype="float64", rows=len(block.ids) // 8)), *dense,
                             ps_pb2.PushMessage(rows=block)]
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Push(iter(messages), timeout=10)
