@@ -32,7 +32,7 @@ def test_embed_learns_the_clicks_teacher_and_its_table_holds_only_the_rows_train
     table = exchange.tables["emb"]
     trained = np.unique(job.dataset.ids_train)
     assert len(table) == trained.size  # every id of training, once; the test set's own ids read, never made
-    assert set(table.slot) == set(trained.tolist())
+    np.testing.assert_array_equal(table.held_ids(), trained)
     assert result.summary["tables"]["emb"]["rows"] == trained.size
 
 
@@ -46,8 +46,8 @@ def test_admission_keeps_rare_ids_out_of_the_table():
     batches = ShardedBatches(ds.x_train, ds.y_train, rank=0, world=1, batch_size=t.batch_size, seed=t.seed)
     sightings = np.concatenate([np.unique(ds.ids_train[idx]) for idx in batches.indices(0)])  # once a batch
     ids, counts = np.unique(sightings, return_counts=True)
-    held = exchange.tables["emb"].slot
-    assert all(i in held for i in ids[counts >= 3].tolist())  # in 3 batches' pulls: admitted
+    held = exchange.tables["emb"].held_ids()
+    assert np.isin(ids[counts >= 3], held).all()  # in 3 batches' pulls: admitted
     assert len(held) < 0.6 * ids.size  # most ids are seen fewer times, and a sketch admits early only rarely
 
 
