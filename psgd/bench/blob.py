@@ -4,7 +4,7 @@ It isolates communication: ``loss_and_grads`` costs nothing, so a step's time
 is the time to move the weights and the gradient.  Use it as
 ``--set model.name=psgd.bench.blob:Blob --set model.size=N``.
 :class:`BlobCluster` starts psgd-server shards holding one (on emulated hosts
-too), and :func:`time_steps` times clients' pull+push against them.
+too; :class:`ShardProcesses` starts them for any job), and :func:`time_steps` times clients' pull+push against them.
 """
 
 from __future__ import annotations
@@ -47,26 +47,21 @@ class Blob(BaseModel):
         return np.zeros((len(x), self.num_classes), dtype=self.dtype)
 
 
-# -- a cluster of shard processes for a blob model ----------------------------------------
-class BlobCluster:
-    """``shards`` psgd-server processes holding a one-variable model of ``size`` bytes."""
+# -- shard processes -------------------------------------------------------------------------------------
+class ShardProcesses:
+    """psgd-server processes, one per shard of ``config``'s job (whose plan is ``plan``), each started as a user
+    starts one; with ``hosts`` (psgd.bench.netns.Namespaces) shard k runs on host s<k> and listens on its address."""
 
-    def __init__(self, size: int, shards: int = 1, workers: int = 1, optimizer: str = "sgd",
-                 policy: str = "async", tmp: str = ".", hosts=None):
-        from psgd.config import JobConfig, to_toml
+    def __init__(self, config, plan, tmp: str = ".", hosts=None):
+        from psgd.config import to_toml
 
-        self.size, self.elems = size, size // 4
-        self.config = JobConfig()
-        self.config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
-                             "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
-                             "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
-                             f"cluster.workers={workers}"])
+        self.config, self.plan = config, plan
+        shards = config.cluster.shards
         self.tmp = Path(tempfile.mkdtemp(dir=tmp))
         self.path = self.tmp / "job.toml"
-        self.path.write_text(to_toml(self.config.to_dict()))
+        self.path.write_text(to_toml(config.to_dict()))
         self.env = dict(os.environ)
         files = [self.tmp / f"{k}.addr" for k in range(shards)]
-        # with ``hosts`` (psgd.bench.netns.Namespaces), shard k runs on host s<k> and listens on its address
         on = [hosts.prefix(f"s{k}") if hosts else [] for k in range(shards)]
         bind = [f"{hosts.hosts[f's{k}']}:0" if hosts else "127.0.0.1:0" for k in range(shards)]
         self.procs = [subprocess.Popen([*on[k], PY, "-m", "psgd.cli.server", "-c", str(self.path), "--shard",
@@ -81,9 +76,6 @@ class BlobCluster:
                     raise SystemExit(f"psgd-server did not start: {p.stderr.read()[-2000:]}")
             time.sleep(0.05)  # polling for the port files with a deadline
         self.addresses = [f.read_text().strip() for f in files]
-        from psgd.job import describe_job
-
-        self.plan = describe_job(self.config, model=Blob((1,), 2, size=self.elems)).plan
 
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
@@ -93,8 +85,9 @@ class BlobCluster:
         c.register()
         return c
 
-    def peak_rss_mb(self) -> list[float]:
-        return [_peak_rss_mb(p.pid) for p in self.procs]
+    def rss_mb(self, peak: bool = True) -> list[float]:
+        """Each shard's resident memory in MB: its peak so far, or now."""
+        return [rss_mb(p.pid, peak) for p in self.procs]
 
     def close(self) -> None:
         for p in self.procs:
@@ -102,16 +95,35 @@ class BlobCluster:
         for p in self.procs:
             p.wait(30)
 
-    def __enter__(self) -> "BlobCluster":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def _peak_rss_mb(pid: int) -> float:
+class BlobCluster(ShardProcesses):
+    """``shards`` psgd-server processes holding a one-variable model of ``size`` bytes."""
+
+    def __init__(self, size: int, shards: int = 1, workers: int = 1, optimizer: str = "sgd",
+                 policy: str = "async", tmp: str = ".", hosts=None):
+        from psgd.config import JobConfig
+        from psgd.job import describe_job
+
+        self.size, self.elems = size, size // 4
+        config = JobConfig()
+        config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
+                           "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
+                           "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
+                           f"cluster.workers={workers}"])
+        super().__init__(config, describe_job(config, model=Blob((1,), 2, size=self.elems)).plan, tmp, hosts)
+
+
+def rss_mb(pid: int, peak: bool = True) -> float:
+    """A process's resident memory in MB: its peak (VmHWM) or now (VmRSS)."""
+    field = "VmHWM:" if peak else "VmRSS:"
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
     return float("nan")
 

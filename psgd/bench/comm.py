@@ -250,7 +250,7 @@ def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, t
     for size in sizes:
         with BlobCluster(size, tmp=tmp) as cluster:
             t = time_steps(cluster, 1, steps)
-            rss = cluster.peak_rss_mb()[0]
+            rss = cluster.rss_mb()[0]
         ar, ours = mpi[size]["bare_s"], mpi[size]["psgd_s"]
         budget = 2 * size / MB + 200  # 2 x (weights + SGD's empty state) + 200 MB
         rows.append({"size_bytes": size, **t, "allreduce_s": ar, "step_over_allreduce": t["step_s"] / ar,
@@ -334,7 +334,7 @@ def _memory(result: dict, sizes: list[int], tmp: str, say) -> None:
             with BlobCluster(size, optimizer=optimizer, tmp=tmp) as cluster:
                 time_steps(cluster, 1, 2)
                 worker = run_worker_process(cluster)["peak_rss_mb"] if optimizer == "sgd" else None
-                shard = cluster.peak_rss_mb()[0]
+                shard = cluster.rss_mb()[0]
             state = size if optimizer == "momentum" else 0
             row = {"size_bytes": size, "optimizer": optimizer, "shard_peak_rss_mb": shard,
                    "shard_budget_mb": 2 * (size + state) / MB + 200, "worker_peak_rss_mb": worker,
@@ -351,7 +351,7 @@ def _scale(result: dict, tmp: str, say) -> None:
     size = 400 * MB
     with BlobCluster(size, shards=4, optimizer="momentum", tmp=tmp) as cluster:
         worker = run_worker_process(cluster)
-        shards = cluster.peak_rss_mb()
+        shards = cluster.rss_mb()
     result["scale"] = {"parameters": size // 4, "shards": 4, "worker": worker, "shard_peak_rss_mb": shards}
     say(f"scale check: {size // 4 / 1e6:.0f}M parameters over 4 shards (momentum): {worker['steps']} steps "
         f"in {worker['seconds']:.1f}s, worker peak {worker['peak_rss_mb']:.0f} MB, shards peak "

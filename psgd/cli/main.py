@@ -148,11 +148,12 @@ def _add_bench(sub) -> None:
                                          "comm: how fast tensors move; scaling: steps/s against model width "
                                          "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
                                          "communication beside computation, off and on; stall: the others' "
-                                         "steps/s while one worker is stopped mid-pull)",
+                                         "steps/s while one worker is stopped mid-pull; sparse: embedding tables' "
+                                         "steps against table size, parameter server and all-reduce)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
                                        "`psgd bench comm --help`, `psgd bench scaling --help`, "
-                                       "`psgd bench gpu --help`, `psgd bench overlap --help` and "
-                                       "`psgd bench stall --help`.")
+                                       "`psgd bench gpu --help`, `psgd bench overlap --help`, "
+                                       "`psgd bench stall --help` and `psgd bench sparse --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
@@ -186,6 +187,9 @@ def _add_bench(sub) -> None:
     _bench_command(kinds, "stall", "psgd.bench.stall", raw=True,
                help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
                     "memory and the data port)")
+    _bench_command(kinds, "sparse", "psgd.bench.sparse", raw=True,
+               help="an embedding table's step time, bytes a step and memory against table size (10^5-10^8 "
+                    "rows): the parameter server, psgd's all-reduce and a dense all-reduce; the crossover")
 
 
 def _bench_command(kinds, name: str, module: str, help: str, description: str | None = None, raw: bool = False,
