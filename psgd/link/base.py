@@ -77,8 +77,8 @@ class Link:
     """Calls to one shard.  Every method raises :class:`LinkError` on failure; none retries (the
     worker's client decides what to retry).  ``pull`` fills ``views`` (one per slice, slice order), and the
     rows of ``rows`` where given, and returns the version; ``push`` sends ``parts`` (one per slice, encoded by
-    ``codec``) and the row gradients of ``rows``.  Rows travel over gRPC so far: the data port's links send a
-    pull or push with rows over gRPC whole."""
+    ``codec``) and the row gradients of ``rows``; every link carries rows with the pull or push they belong
+    to."""
 
     kind = ""
 

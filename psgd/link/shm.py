@@ -13,6 +13,7 @@ segment, its push connection a segment of its own (:mod:`psgd.wire.segment`).  F
   update touches the slot between the reply and the release unless the worker held it past its
   deadline; then the changed number says the copy is torn, and the worker pulls again over a new
   connection (the shard has closed this one).
+- rows of embedding tables go over the socket, a pull's after its reply, a push's after its header;
 - a push is the gradient, encoded by the job's codec, written into the push segment, then its header
   on the socket; the shard checks it there (size, NaN; a compressed one is first decoded into a receive
   buffer) and applies it exactly as a push over TCP: the same policies, the same exactly-once rule for a
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-from psgd.link.base import Endpoint, PushReply
+from psgd.link.base import Endpoint, PushReply, RowsIn, RowsOut
 from psgd.link.tcp import DataConnection, TcpLink
 from psgd.proto import ps_pb2
 from psgd.wire import meaning, protocol, segment
@@ -61,15 +62,15 @@ class ShmConnection(DataConnection):
             super().close()
             raise
 
-    def pull(self, clock: int, into: list[memoryview]) -> int:
-        """Ask for the weights of ``clock``; once the shard has replied (holding its updates back), copy them
-        out of its weights segment and release them."""
-        self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
-        _, version, slot, seq, size = self._reply()
-        expected = sum(v.nbytes for v in into)
-        if size != expected or size > self.seg.size or not 0 <= slot < self.seg.slots:
-            raise protocol.WireError(f"the shard holds {size} bytes of weights in slot {slot}, the plan says "
-                                     f"{expected} in one of {self.seg.slots}")
+    def pull(self, clock: int, into: list[memoryview], rows: RowsOut | None = None) -> int:
+        """Ask for the weights of ``clock`` (and the rows of ``rows``); once the shard has replied (holding its
+        updates back) with the rows' values, copy the weights out of its weights segment and release them."""
+        version, slot, seq, values = self._ask(clock, rows, into)
+        if sum(v.nbytes for v in into) > self.seg.size or not 0 <= slot < self.seg.slots:
+            raise protocol.WireError(f"the shard holds the weights in slot {slot} of {self.seg.slots}, of "
+                                     f"{self.seg.size} bytes: the plan's do not fit")
+        for view in values:  # the rows come over the connection
+            protocol.recv_exact(self.sock, view)
         source, at = self.seg.slot(slot), 0
         for view in into:
             copy_bytes(view, source[at:at + view.nbytes])
@@ -80,8 +81,10 @@ class ShmConnection(DataConnection):
         self._send(protocol.OP_RELEASE, self.worker, clock, 0, 0, [], 0)
         return version
 
-    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int) -> PushReply:
-        """Write the gradient into the segment, then send its header; the reply says what the shard did."""
+    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
+             rows: RowsIn | None = None) -> PushReply:
+        """Write the gradient into the segment, then send its header, and the rows of ``rows`` after it; the
+        reply says what the shard did."""
         if size > self.seg.size:
             raise protocol.WireError(f"a push of {size} bytes does not fit the segment's {self.seg.size}")
         at = 0
@@ -89,7 +92,8 @@ class ShmConnection(DataConnection):
             n = memoryview(part).nbytes
             copy_bytes(self.seg.data[at:at + n], part)
             at += n
-        self._send(protocol.OP_PUSH, self.worker, clock, base_version, dtype_code, [], size)
+        self._send(protocol.OP_PUSH_ROWS if rows else protocol.OP_PUSH, self.worker, clock, base_version, dtype_code,
+                   self._rows_after(rows), size)
         outcome, version, next_clock, staleness, _ = self._reply()
         return PushReply(protocol.OUTCOMES[outcome], next_clock, version, staleness)
 

@@ -2,7 +2,9 @@
 
 A pull is one request header and the weights received straight into the
 worker's arrays with ``recv_into``; a push is one header and the gradient's
-bytes sent from views with ``sendmsg`` (see :mod:`psgd.wire.protocol`).  The
+bytes sent from views with ``sendmsg`` (see :mod:`psgd.wire.protocol`).  Rows
+of embedding tables go with them: a pull's ids after its header and their
+values after the weights, a push's rows after its gradient.  The
 connection is opened on first use with a hello (worker id, plan hash, token)
 and reopened after it breaks.  A shard without a data port (``transport =
 "grpc"`` on its side) is pulled from and pushed to over gRPC.
@@ -28,6 +30,7 @@ from psgd.link.grpc import GrpcLink
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
+from psgd.wire.rows import sections
 from psgd.wire.status import reason_name
 
 #: Seconds a worker waits for an answer beyond the request timeout, which bounds the shard's own waits.
@@ -124,26 +127,49 @@ class DataConnection:
                             reason_name(outcome))  # an error reply's outcome byte is its reason
         return outcome, version, next_clock, staleness, size
 
-    def pull(self, clock: int, into: list[memoryview]) -> int:
-        """Receive the shard's weights straight into ``into`` (slice order); returns the version."""
-        self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
-        _, version, _, _, size = self._reply()
-        expected = sum(v.nbytes for v in into)
+    def _ask(self, clock: int, rows: RowsOut | None, into: list[memoryview]) -> tuple[int, int, int, list]:
+        """Send a pull (with the ids of ``rows``, by table, where given); the reply's version, slot and sequence
+        number, and the views its row values are to be received into, once its size is checked."""
+        if rows:
+            payload, n = sections({table: (ids, None) for table, (ids, _) in rows.items()})
+            self._send(protocol.OP_PULL_ROWS, self.worker, clock, 0, 0, payload, n)
+        else:
+            self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
+        _, version, slot, seq, size = self._reply()
+        values = [memoryview(out.reshape(-1)).cast("B") for _, out in (rows or {}).values() if out.size]
+        expected = sum(v.nbytes for v in into) + sum(v.nbytes for v in values)
         if size != expected:
-            raise protocol.WireError(f"the shard sent {size} bytes of weights, the plan says {expected}")
-        for view in into:
+            raise protocol.WireError(f"the shard sent {size} bytes of weights and rows, the plan and the rows "
+                                     f"asked for say {expected}")
+        return version, slot, seq, values
+
+    def pull(self, clock: int, into: list[memoryview], rows: RowsOut | None = None) -> int:
+        """Receive the shard's weights straight into ``into`` (slice order), and the rows of ``rows`` (table ->
+        (ids, the array their values fill)) after them; returns the version."""
+        version, _, _, values = self._ask(clock, rows, into)
+        for view in [*into, *values]:
             protocol.recv_exact(self.sock, view)
         return version
 
-    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int) -> PushReply:
-        """Send a gradient; a large one waits for the shard's go-ahead before its payload."""
+    def _rows_after(self, rows: RowsIn | None) -> list:
+        """What follows a push's gradient: the bytes of its rows and their sections (nothing without rows)."""
+        if not rows:
+            return []
+        payload, n = sections(rows)
+        return [protocol.ROWS_LENGTH.pack(n), *payload]
+
+    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
+             rows: RowsIn | None = None) -> PushReply:
+        """Send a gradient, and the row gradients of ``rows`` after it; a large gradient waits for the shard's
+        go-ahead before its payload."""
+        op, after = (protocol.OP_PUSH_ROWS if rows else protocol.OP_PUSH), self._rows_after(rows)
         if protocol.wants_go_ahead(size):
-            self._send(protocol.OP_PUSH, self.worker, clock, base_version, dtype_code, [], size)
+            self._send(op, self.worker, clock, base_version, dtype_code, [], size)
             if self._reply()[0] != protocol.READY:
                 raise protocol.WireError("the shard answered a push header without its go-ahead")
-            protocol.send_buffers(self.sock, payload)
+            protocol.send_buffers(self.sock, [*payload, *after])
         else:
-            self._send(protocol.OP_PUSH, self.worker, clock, base_version, dtype_code, payload, size)
+            self._send(op, self.worker, clock, base_version, dtype_code, [*payload, *after], size)
         outcome, version, next_clock, staleness, _ = self._reply()
         return PushReply(protocol.OUTCOMES[outcome], next_clock, version, staleness)
 
@@ -189,16 +215,16 @@ class TcpLink(GrpcLink):
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
-        if not self.data_port or rows:  # rows of embedding tables travel over gRPC, with the pull's slices
+        if not self.data_port:
             return super().pull(clock, views, rows)
-        return self._over_data("pull", lambda conn: conn.pull(clock, views))
+        return self._over_data("pull", lambda conn: conn.pull(clock, views, rows))
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
              rows: RowsIn | None = None) -> PushReply:
-        if not self.data_port or rows:
+        if not self.data_port:
             return super().push(clock, base_version, codec, parts, rows)
         size = sum(memoryview(p).nbytes for p in parts)
-        return self._over_data("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size))
+        return self._over_data("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size, rows))
 
     def interrupt(self) -> None:
         super().interrupt()

@@ -13,6 +13,9 @@ Connections are accepted, and their hellos checked, by the gatekeeper
 (:mod:`psgd.server.gatekeeper`), which holds no thread per connection until it
 is authenticated: connections cannot be hoarded.
 
+Rows of embedding tables go over the connection with the pull or push they belong to (OP_PULL_ROWS,
+OP_PUSH_ROWS in :mod:`psgd.wire.protocol`), through shared memory or not.
+
 A worker on the same host may ask in its hello for a shared-memory segment
 (:mod:`psgd.wire.segment`); the connection then carries only the headers, and
 the bytes go through the segment: the weights live there (two slots, see
@@ -39,6 +42,7 @@ from psgd.server.errors import ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 from psgd.server.handout import Handout, not_dumpable
 from psgd.wire import protocol, segment, status
+from psgd.wire.rows import RowCollector, RowsError, read_sections, sections_bytes
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,8 @@ class DataServer:
         self._weights: segment.Segment | None = None
         self._handout: Handout | None = None
         self.receive_buffers = BufferPool(core.nbytes, limit=2)
+        #: (dim, dtype) of each embedding table's rows: what rows on the wire are read against
+        self.row_shapes = core.tables.shapes()
         if shm:
             try:
                 not_dumpable()  # before any segment exists: none can be taken from this process's /proc
@@ -218,20 +224,60 @@ class DataServer:
     def _request(self, conn: socket.socket, worker: int, header: tuple, seg: segment.Segment | None = None,
                  purpose: str = "") -> None:
         magic, op, dtype_code, _, clock, base_version, size = header
-        if magic != protocol.DATA_MAGIC or op not in (protocol.OP_PULL, protocol.OP_PUSH):
+        if magic != protocol.DATA_MAGIC or op not in protocol.PULLS + protocol.PUSHES:
             self._fatal(conn, "INVALID_ARGUMENT", "not a psgd data request" if op != protocol.OP_RELEASE
                         else "a release without a pull to release")
-        if seg is not None and op != (protocol.OP_PULL if purpose == "pull" else protocol.OP_PUSH):
+        if seg is not None and op not in (protocol.PULLS if purpose == "pull" else protocol.PUSHES):
             self._fatal(conn, "INVALID_ARGUMENT", f"a {protocol.OPS[op]} on a connection whose shared memory "
                         f"is for {'pulls' if purpose == 'pull' else 'pushes'}")
-        if op == protocol.OP_PULL:
-            if size:
-                self._fatal(conn, "INVALID_ARGUMENT", "a pull carries no payload")
-            self._pull(conn, worker, clock, seg)
+        if op == protocol.OP_PULL and size:
+            self._fatal(conn, "INVALID_ARGUMENT", "a pull carries no payload")
+        if op in protocol.PULLS:
+            self._pull(conn, worker, clock, seg, self._asked(conn, worker, size) if op == protocol.OP_PULL_ROWS else {})
         else:
-            self._push(conn, worker, clock, base_version, dtype_code, size, seg)
+            self._push(conn, worker, clock, base_version, dtype_code, size, seg, op == protocol.OP_PUSH_ROWS)
 
-    def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None) -> None:
+    # -- rows of embedding tables --------------------------------------------------------------------------
+    def _read_rows(self, conn: socket.socket, size: int, began: float, collector: RowCollector,
+                   allowed_before: int = 0) -> None:
+        """Read ``size`` bytes of row sections into ``collector``, by the deadline of ``allowed_before`` + ``size``
+        bytes counted from ``began``; a stream out of step (rows that do not fit, too slow) is closed."""
+        limit = sections_bytes(collector.tables, collector.with_values)
+        if size > limit:
+            self._fatal(conn, "INVALID_ARGUMENT", f"{collector.what}: {size:,} bytes of rows, more than the "
+                        f"{limit:,} its tables' rows may take")
+        deadline = began + transfer_seconds(allowed_before + size, self.request_timeout)
+        try:
+            read_sections(lambda n: protocol.recv_bytes(conn, n, deadline), size, collector)
+        except RowsError as exc:
+            self._fatal(conn, "INVALID_ARGUMENT", str(exc))
+        except protocol.TooSlow as exc:
+            self._fatal(conn, "DEADLINE_EXCEEDED", f"{collector.what}: its {size:,} bytes of rows did not arrive "
+                        f"in time ({exc})")
+
+    def _asked(self, conn: socket.socket, worker: int, size: int) -> dict[str, np.ndarray]:
+        """The ids a pull asks for (OP_PULL_ROWS), by table."""
+        asked = RowCollector(self.row_shapes, False, f"pull by worker {worker}")
+        self._read_rows(conn, size, time.monotonic(), asked)
+        return asked.lookups()
+
+    def _pushed_rows(self, conn: socket.socket, worker: int, began: float, size: int, keep: bool = True):
+        """The rows that follow a push's gradient (OP_PUSH_ROWS): (ids, values) by table; a refused push's
+        (``keep`` false) are read past, unparsed and unkept."""
+        pushed = RowCollector(self.row_shapes, True, f"push from worker {worker}")
+        try:
+            (length,) = protocol.recv_struct(conn, protocol.ROWS_LENGTH,
+                                             began + transfer_seconds(size, self.request_timeout))
+            if not keep and length <= sections_bytes(pushed.tables, True):
+                _drain(conn, length, began + transfer_seconds(size + length, self.request_timeout))
+                return {}
+        except protocol.TooSlow as exc:
+            self._fatal(conn, "DEADLINE_EXCEEDED", f"push from worker {worker}: its rows did not come ({exc})")
+        self._read_rows(conn, length, began, pushed, size)
+        return pushed.rows()
+
+    def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None,
+              lookups: dict[str, np.ndarray] | None = None) -> None:
         def revoke() -> None:  # the read is past its hold and an update needs its memory: no more of it is sent
             conn.shutdown(socket.SHUT_RDWR)
 
@@ -242,22 +288,29 @@ class DataServer:
             self._reply_error(conn, err)
             return
         with snap:
+            try:  # the rows, once the pull may go: under sync no update comes before this worker's push
+                rows = self.core.read_rows(protocol.as_worker(worker), lookups) if lookups else {}
+            except ShardError as err:
+                self._reply_error(conn, err)
+                return
+            values = [rows[table] for table in lookups or {}]
             n = len(snap.buffer)
+            size = n + sum(v.nbytes for v in values)
             if seg is None:
-                head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, n)
-                protocol.send_buffers(conn, [head, snap.buffer])
+                head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, size)
+                protocol.send_buffers(conn, [head, snap.buffer, *values])
                 return
             # The worker copies the weights out of the reply's slot now, and checks its sequence number after;
             # the slot stays theirs until it says it is done (or its hold has passed and an update needs it).
-            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, snap.slot, snap.seq, n)
-            protocol.send_buffers(conn, [head])
+            head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, snap.slot, snap.seq, size)
+            protocol.send_buffers(conn, [head, *values])
             magic, op, *_ = protocol.recv_struct(conn, protocol.REQUEST)
             if magic != protocol.DATA_MAGIC or op != protocol.OP_RELEASE:
                 self._fatal(conn, "INVALID_ARGUMENT", "a pull from shared memory must be answered with a release")
 
     def _push(self, conn: socket.socket, worker: int, clock: int, base_version: int, dtype_code: int,
-              size: int, seg: segment.Segment | None = None) -> None:
-        core = self.core
+              size: int, seg: segment.Segment | None = None, with_rows: bool = False) -> None:
+        core, began = self.core, time.monotonic()
         try:
             codec = by_code(dtype_code, core.dtype)
         except CodecError as exc:
@@ -281,10 +334,12 @@ class DataServer:
         except ShardError as err:  # refused before it takes a buffer; the connection goes on
             if seg is None and not protocol.wants_go_ahead(size):  # its payload follows the header: let it pass
                 try:
-                    _drain(conn, size, time.monotonic() + allowed)
+                    _drain(conn, size, began + allowed)
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"refused push of {size} bytes from worker {worker} "
                                 f"did not arrive within {allowed:.1f}s ({exc})")
+            if with_rows and (seg is not None or not protocol.wants_go_ahead(size)):  # and its rows
+                self._pushed_rows(conn, worker, began, size, keep=False)
             self._reply_error(conn, err)
             return
         try:
@@ -297,13 +352,14 @@ class DataServer:
                     ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
                     protocol.send_buffers(conn, [ready])
                 try:
-                    _receive_gradient(conn, memoryview(buf), codec, core.flat.size, time.monotonic() + allowed)
+                    _receive_gradient(conn, memoryview(buf), codec, core.flat.size, began + allowed)
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"push of {size} bytes from worker {worker} did not "
                                 f"arrive within {allowed:.1f}s ({exc}): at least {MIN_TRANSFER_RATE / 1e6:g} MB/s")
+            rows = self._pushed_rows(conn, worker, began, size) if with_rows else None
             grads = core.store.gradient_views(buf)
             try:
-                result = core.push(worker, clock, base_version, grads, wire_bytes=size)
+                result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return

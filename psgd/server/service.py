@@ -85,7 +85,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                  host_id: str = "", threads: int = 16):
         self.core, self.incarnation, self.data_port, self.host_id = core, incarnation, data_port, host_id
         self.request_timeout = request_timeout
-        self._row_shapes = {name: (t.spec.dim, t.spec.dtype) for name, t in core.tables.tables.items()}
+        self._row_shapes = core.tables.shapes()
         self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
         self.watchdog = Watchdog(f"shard{core.shard}-watchdog")
 

@@ -37,6 +37,10 @@ class ShardTables:
     def __bool__(self) -> bool:
         return bool(self.tables)
 
+    def shapes(self) -> dict[str, tuple[int, str]]:
+        """(dim, dtype) of each table's rows, by name: what the wire's rows are read against."""
+        return {name: (t.spec.dim, t.spec.dtype) for name, t in self.tables.items()}
+
     # -- checks ----------------------------------------------------------------------------------------------
     def check_ids(self, name: str, ids: Any, who: str) -> np.ndarray:
         """``ids`` of table ``name`` as int64, once they are distinct and all this shard's."""

@@ -20,6 +20,13 @@ twice as long as the pull before it (benchmarks/RESULTS.md).  Smaller
 pushes go in one message: below 4 MiB the round trip cost more than it saved.  A client may always
 send the payload without waiting; the shard reads it after its READY.
 
+Rows of embedding tables ride with the pull or push they belong to (:mod:`psgd.wire.rows` writes and reads
+them): a pull with rows is OP_PULL_ROWS, whose payload is a section of ids per table, and whose reply carries
+the rows' values, table by table in the order asked, after the weights; a push with rows is OP_PUSH_ROWS, its
+payload followed by ROWS_LENGTH (the bytes of the rows) and a section of ids and values per table.  Their sizes
+are bounded by the tables' shapes and at most ``psgd.wire.rows.MAX_ROWS`` rows a table, and they are read block
+by block as they come.
+
 A hello may ask for shared memory (``"shm": "pull"`` or ``"push"``, see :mod:`psgd.link.shm`); its reply
 then carries a JSON offer, and the connection's replies carry no tensor bytes: a pull's reply says the
 weights may be read from the shard's weights segment, and the worker answers with RELEASE (a header, no
@@ -38,12 +45,16 @@ import grpc
 from psgd import policy
 
 DATA_MAGIC = b"PSG1"
-OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE = 1, 2, 3, 4
-OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push", OP_RELEASE: "release"}
+OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE, OP_PULL_ROWS, OP_PUSH_ROWS = 1, 2, 3, 4, 5, 6
+OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push", OP_RELEASE: "release", OP_PULL_ROWS: "pull",
+       OP_PUSH_ROWS: "push"}
+PULLS, PUSHES = (OP_PULL, OP_PULL_ROWS), (OP_PUSH, OP_PUSH_ROWS)
 #: magic, op, wire dtype code, worker id, clock, base version, payload bytes
 REQUEST = struct.Struct("<4sBBxxiqqQ")
 #: magic, status (a grpc.StatusCode number), outcome code, version, next clock, staleness, payload bytes
 REPLY = struct.Struct("<4sBBxxqqqQ")
+#: the bytes of a push's rows, after its gradient (OP_PUSH_ROWS)
+ROWS_LENGTH = struct.Struct("<Q")
 MAX_HELLO_BYTES = 64 << 10
 MAX_ERROR_BYTES = 8 << 10
 #: a push reply's outcome code indexes this
@@ -126,10 +137,15 @@ def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = N
             sock.settimeout(timeout)
 
 
-def recv_struct(sock: socket.socket, fmt: struct.Struct) -> tuple:
-    buf = bytearray(fmt.size)
-    recv_exact(sock, memoryview(buf))
-    return fmt.unpack(buf)
+def recv_struct(sock: socket.socket, fmt: struct.Struct, deadline: float | None = None) -> tuple:
+    return fmt.unpack(recv_bytes(sock, fmt.size, deadline))
+
+
+def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """The next ``n`` bytes from ``sock`` (see :func:`recv_exact`)."""
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf), deadline)
+    return buf
 
 
 def send_buffers(sock: socket.socket, buffers: list) -> None:

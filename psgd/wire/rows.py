@@ -4,12 +4,19 @@ A block is int64 little-endian ids and, where values travel, the rows' values ro
 dtype.  :func:`blocks` cuts rows into blocks of at most ``BLOCK_BYTES`` of values (so no message nears a
 transport's size limit); :class:`RowCollector` puts a message's blocks back together, refusing what does not fit
 the tables it knows (a table it does not have, ids that are not whole int64s, values that are not one row per
-id) and more rows than ``max_rows`` in all, before anything is allocated for them.
+id) and more rows than ``MAX_ROWS`` in all, before anything is allocated for them.
+
+On the data port (:mod:`psgd.wire.protocol`) rows travel as *sections*, one per table: a :data:`SECTION`
+header (the table name's length in bytes, the count of rows), the name (UTF-8), the ids, and for a push the
+values.  :func:`sections` writes them; :func:`read_sections` reads a given number of bytes of them from a
+socket, block by block, into a :class:`RowCollector`, so what is allocated grows with the bytes that came, never
+with what a header declares.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+import struct
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -21,6 +28,11 @@ MAX_ROWS = 1 << 22
 IDS = np.dtype("<i8")
 #: Rows one pull may ask one shard for: their ids travel in one gRPC request, of at most a chunk's size.
 MAX_PULL_ROWS = CHUNK_BYTES // IDS.itemsize
+
+
+#: a table's section on the data port: the length of its name in bytes, its count of rows
+SECTION = struct.Struct("<HQ")
+MAX_NAME_BYTES = 255
 
 
 class RowsError(ValueError):
@@ -53,10 +65,14 @@ class RowCollector:
         self._values: dict[str, list[np.ndarray]] = {}
         self._count: dict[str, int] = {}
 
-    def add(self, table: str, ids: bytes, values: bytes = b"") -> None:
+    def shape(self, table: str) -> tuple[int, str]:
+        """(dim, dtype) of ``table``'s rows; a :class:`RowsError` where there is no such table."""
         if table not in self.tables:
             raise RowsError(f"{self.what}: no table {table!r} (this job's tables: {', '.join(self.tables) or 'none'})")
-        dim, dtype = self.tables[table]
+        return self.tables[table]
+
+    def add(self, table: str, ids: bytes, values: bytes = b"") -> None:
+        dim, dtype = self.shape(table)
         got = read_ids(ids, f"{self.what}: table {table!r}")
         count = self._count.get(table, 0) + got.size
         if count > MAX_ROWS:
@@ -79,3 +95,50 @@ class RowCollector:
     def rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """(ids, values) by table (a push)."""
         return {t: (np.concatenate(parts), np.concatenate(self._values[t])) for t, parts in self._ids.items()}
+
+
+def sections(rows: Mapping[str, tuple[np.ndarray, np.ndarray | None]]) -> tuple[list, int]:
+    """The data port's buffers for ``rows`` (table -> (ids, values, or None for a pull's request)) and their
+    bytes in all."""
+    out: list = []
+    for table, (ids, values) in rows.items():
+        name = table.encode()
+        ids = np.ascontiguousarray(ids, dtype=IDS)
+        out += [SECTION.pack(len(name), ids.size), name, ids]
+        if values is not None:
+            out.append(np.ascontiguousarray(values))
+    return out, sum(memoryview(b).nbytes for b in out)
+
+
+def sections_bytes(tables: Mapping[str, tuple[int, str]], with_values: bool) -> int:
+    """The most bytes sections for ``tables`` may take: MAX_ROWS rows of each."""
+    return sum(SECTION.size + MAX_NAME_BYTES + MAX_ROWS * (IDS.itemsize + (dim * np.dtype(dtype).itemsize
+                                                                           if with_values else 0))
+               for dim, dtype in tables.values())
+
+
+def read_sections(recv: Callable[[int], bytes], size: int, into: RowCollector) -> None:
+    """Read ``size`` bytes of sections with ``recv(n)`` (exactly n bytes, or an exception) into ``into``; a
+    :class:`RowsError` for sections that do not fit its tables or do not add up to ``size`` (the stream is then
+    out of step: the caller closes it)."""
+    left = size
+    while left:
+        if left < SECTION.size:
+            raise RowsError(f"{into.what}: {left} bytes left of the rows, too few for a table's header")
+        length, count = SECTION.unpack(recv(SECTION.size))
+        left -= SECTION.size
+        if not 0 < length <= min(MAX_NAME_BYTES, left):
+            raise RowsError(f"{into.what}: a table name of {length} bytes")
+        table = bytes(recv(length)).decode("utf-8", "replace")
+        left -= length
+        dim, dtype = into.shape(table)
+        row = dim * np.dtype(dtype).itemsize if into.with_values else 0
+        if count > MAX_ROWS or count * (IDS.itemsize + row) > left:
+            raise RowsError(f"{into.what}: table {table!r}: {count:,} rows do not fit the {left:,} bytes left "
+                            f"(at most {MAX_ROWS:,} rows a message)")
+        per = max(1, BLOCK_BYTES // max(row, IDS.itemsize))
+        for start in range(0, count, per):
+            n = min(per, count - start)
+            ids = recv(n * IDS.itemsize)
+            into.add(table, ids, recv(n * row) if row else b"")
+        left -= count * (IDS.itemsize + row)

@@ -33,7 +33,7 @@ def shard_rows(servers, table="emb"):
     return out
 
 
-@pytest.mark.parametrize("rule, transport", [("sgd", "grpc"), ("rowwise_adagrad", "tcp")])
+@pytest.mark.parametrize("rule, transport", [("sgd", "grpc"), ("rowwise_adagrad", "tcp"), ("lazy_adam", "shm")])
 def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule, transport):
     workers, batch = 2, 16
     job = make_job(*SMALL, "train.dtype=float64", "train.epochs=1", f"train.batch_size={batch}",
@@ -146,6 +146,77 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
         rows = [c.rows for c in pulled if c.HasField("rows")]
         assert np.array_equal(np.frombuffer(rows[0].ids, "<i8"), ids)
         np.testing.assert_array_equal(np.frombuffer(rows[0].values).reshape(5, 3), before)
+
+
+def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
+    """The same refusals over the data port, where rows are sections after a pull's header or a push's gradient:
+    each with its status code, the weights and rows unchanged; a stream whose rows do not add up is closed."""
+    import struct
+
+    import grpc
+
+    from psgd.link import LinkError
+    from psgd.link.tcp import DataConnection
+    from psgd.wire import protocol
+    from psgd.wire.rows import MAX_ROWS, SECTION, sections
+
+    job = make_job(*SMALL, "train.dtype=float64", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.transport=tcp")
+    with shards(job) as servers:
+        core, port = servers[0].core, servers[0].data.port
+        plan = build_job(job).plan
+        core.register(0, plan.hash)
+        ids = np.arange(5, dtype=np.int64)
+        core.read_rows(0, {"emb": ids})
+        before = core.read_rows(None, {"emb": ids})["emb"].copy()
+        dense = np.zeros(core.flat.size).tobytes()
+
+        def section(table: str, count: int, tail: bytes) -> bytes:
+            return SECTION.pack(len(table.encode()), count) + table.encode() + tail
+
+        good = np.ones((5, 3)).tobytes()
+        pushes = {  # what follows the gradient: the rows' bytes, then the sections
+            "an unknown table": section("users", 5, ids.tobytes() + good),
+            "an id twice": section("emb", 5, np.array([1, 1, 2, 3, 4]).tobytes() + good),
+            "NaN rows": section("emb", 5, ids.tobytes() + np.full((5, 3), np.nan).tobytes()),
+            "float32 values": section("emb", 5, ids.tobytes() + np.ones((5, 3), np.float32).tobytes()),
+            "more rows than its bytes": section("emb", 50, ids.tobytes() + good),
+            "too many rows": section("emb", MAX_ROWS + 1, b""),
+            "a name of no bytes": SECTION.pack(0, 5) + ids.tobytes() + good,
+            "a torn header": b"\x03\x00",
+        }
+        for what, rows in [*pushes.items(), ("rows of an absurd length", None)]:
+            conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10)
+            try:  # the length of the rows, then the rows (the absurd length: refused before any is read)
+                after = [protocol.ROWS_LENGTH.pack(len(rows)), rows] if rows is not None else [struct.pack("<Q", 1 << 62)]
+                conn._send(protocol.OP_PUSH_ROWS, 0, 0, 0, 0, [dense, *after], len(dense))
+                with pytest.raises(LinkError) as info:
+                    conn._reply()
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, (what, info.value)
+            finally:
+                conn.close()
+        too_many = section("emb", MAX_ROWS + 1, b"")  # refused on its header, before the ids it declares come
+        for what, asked in {"an unknown table": {"users": ids}, "an id twice": {"emb": np.array([1, 1])},
+                            "too many ids": too_many}.items():
+            conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10)
+            try:
+                payload, n = sections({t: (i, None) for t, i in asked.items()}) if isinstance(asked, dict) else \
+                    ([asked], len(asked) + (MAX_ROWS + 1) * 8)
+                conn._send(protocol.OP_PULL_ROWS, 0, 0, 0, 0, payload, n)
+                with pytest.raises(LinkError) as info:
+                    conn._reply()
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, (what, info.value)
+            finally:
+                conn.close()
+        conn = DataConnection("127.0.0.1", port, -1, plan.hash, timeout=10)  # an observer reads them unchanged
+        try:
+            out = np.empty((5, 3))
+            conn.pull(0, [memoryview(np.empty(core.flat.size)).cast("B")], {"emb": (ids, out)})
+        finally:
+            conn.close()
+        assert core.version == 0 and core.counters["pushes"] == 0
+        np.testing.assert_array_equal(out, before)
+        np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"], before)
 
 
 def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
