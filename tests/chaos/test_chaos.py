@@ -155,6 +155,13 @@ def test_the_ci_seed_covers_every_kind_policy_and_transport():
                                                                  for t in ("auto", "tcp", "grpc")}
 
 
+def test_every_third_run_is_the_sparse_job():
+    planner = Planner(CI_SEED, KINDS, None)
+    models = [planner.next(i).model for i in range(9)]
+    assert [i for i, m in enumerate(models) if m == "embed"] == [2, 5, 8]
+    assert set(models) - {"embed"} <= {"softmax", "mlp"}
+
+
 def test_unknown_kinds_are_refused():
     assert parse_kinds("all") == list(KINDS) and parse_kinds("hostile, kill-shard") == ["hostile", "kill-shard"]
     with pytest.raises(ValueError, match="--kinds: unknown kill-everything; choose from kill-shard"):

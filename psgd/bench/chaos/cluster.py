@@ -18,8 +18,8 @@ import numpy as np
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import Proc, command, die_with_parent, free_port_pair, last_error
-from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, JOIN_TIMEOUT, KEEP, LEASE, NS_PORT, PACE, REQUEST_TIMEOUT,
-                                       SHARDS, START_BOUND, STEPS_PER_WORKER)
+from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY, NS_PORT, PACE,
+                                       REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
 
 
 class Abort(Exception):
@@ -28,6 +28,13 @@ class Abort(Exception):
     def __init__(self, message: str, invariant: str = "bounded"):
         super().__init__(message)
         self.invariant = invariant
+
+
+#: what each model of the runs is trained on, beside its name (the digits by default)
+MODEL_SETS = {"mlp": ("model.hidden=[32]",),
+              "embed": ("model.dim=4", "model.hidden=[16]", "data.name=clicks", "data.n_train=8000",
+                        "data.n_test=2000", "data.fields=8", "data.dense=4", "data.max_cardinality=20000",
+                        "tables.lr=0.1")}
 
 
 class Cluster:
@@ -40,7 +47,7 @@ class Cluster:
 
         self.spec, self.folder, self.net = spec, folder, net
         config = JobConfig()
-        config.apply_sets([f"model.name={spec.model}", *(["model.hidden=[32]"] if spec.model == "mlp" else []),
+        config.apply_sets([f"model.name={spec.model}", *(MODEL_SETS.get(spec.model, ())),
                         "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
                         f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
                         f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
@@ -221,13 +228,32 @@ class Cluster:
         found = [v for folder in self.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)]
         return max(found, default=None)
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the job's model has embedding tables: its rows are read from the shards' checkpoints."""
+        return bool(self.plan.tables)
+
     def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
+        """Test accuracy of ``weights`` (with a table's rows as checkpoints hold them, for a sparse job)."""
         from psgd.loop import evaluate
         from psgd.job import params_to_device
+        from psgd.weights import saved_rows
 
         b = self.job
-        return float(evaluate(b.model, params_to_device(weights, b.device), b.dataset.x_test, b.dataset.y_test,
-                              b.device)[1])
+        params = params_to_device({s.name: weights[s.name] for s in b.model.specs()}, b.device)
+        return float(evaluate(b.model, params, b.dataset.x_test, b.dataset.y_test, b.device, ids=b.dataset.ids_test,
+                              rows=saved_rows(b, weights) if self.sparse else None)[1])
+
+    def least_accuracy(self) -> float:
+        """What a finished job must reach: MIN_ACCURACY on the digits; on clicks, half the way from chance to
+        what its teacher allows."""
+        if not self.sparse:
+            return MIN_ACCURACY
+        from psgd.data.clicks import Generator, clicks_options, reachable_accuracy
+
+        o = clicks_options(**{k: v for k, v in self.config.data.items() if k != "name"})
+        gen = Generator(o["data_seed"], o["fields"], o["dense"], o["alpha"], o["max_cardinality"])
+        return 0.5 + 0.5 * (reachable_accuracy(gen.make("test", 0, o["n_test"], o["n_test"])) - 0.5)
 
 
 def shard_view(shard: int, version: int, incarnation: str, counters: Mapping[str, Any]) -> dict:

@@ -43,7 +43,7 @@ class RunSpec:
     index: int
     policy: str
     transport: str           # [cluster] transport: auto (shared memory here), tcp or grpc
-    model: str
+    model: str               # softmax or mlp (on the digits), embed (on clicks: a table's rows on the shards)
     workers: int
     exit_when_done: bool
     faults: list[Fault]
@@ -60,7 +60,8 @@ class RunSpec:
 class Planner:
     """Draws run after run from one seeded generator; fault kinds come from a shuffled bag (every kind once
     before any twice), and the (policy, transport) pairs come six at a time, the first three runs of each six
-    covering both policies and every transport, so a few runs cover them all."""
+    covering both policies and every transport, so a few runs cover them all.  The model is softmax or mlp on
+    the digits, drawn, except in every third run (2, 5, ...): embed on clicks, a job with an embedding table."""
 
     def __init__(self, seed: int, kinds: Sequence[str], namespaces: str | None):
         self.rng = random.Random(seed)
@@ -119,7 +120,10 @@ class Planner:
             fault.at = round(at, 3)
         end = "sigterm" if "sigterm" in drawn else "finish"
         end_at = round(max([0.5] + [f.at + 0.1 for f in faults]) if end == "sigterm" else 1.0, 3)
-        return RunSpec(index, policy, transport, rng.choice(("softmax", "mlp")), workers,
+        model = rng.choice(("softmax", "mlp"))
+        if index % 3 == 2:  # every third run the sparse job, with the same draws as the others
+            model = "embed"
+        return RunSpec(index, policy, transport, model, workers,
                        exit_when_done=end == "finish" and rng.random() < 0.5, faults=faults, end=end,
                        end_at=min(end_at, 0.9), namespaces=any(f.kind == "netcut" for f in faults))
 
