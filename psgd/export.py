@@ -5,8 +5,9 @@ of some variables (see :mod:`psgd.partition`), live in memory and in its
 checkpoints (``DIR/<job fingerprint>/shard-K/ckpt-V.npz``, one flat array per
 shard in slice-id order).  This module joins the pieces into whole variables:
 
-- :func:`pull_from_servers` reads the current weights of a running cluster
-  as an observer (it never joins or waits for a round);
+- :func:`pull_from_servers` reads the current weights of a running cluster,
+  and the rows of its embedding tables page by page, as an observer (it
+  never joins or waits for a round);
 - :func:`join_checkpoints` joins the newest intact checkpoint of every shard
   (or version V of every shard), each checked against its manifest's SHA-256
   as a restoring shard checks it, and refuses checkpoints that do not belong
@@ -78,13 +79,16 @@ def _describe_job(config: JobConfig, plan: PartitionPlan) -> str:
 
 # -- from a running cluster -------------------------------------------------------------------
 def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
-                      tls: TLSFiles = NO_TLS, request_timeout: float | None = None) -> Exported:
-    """The current weights of the running cluster at ``addresses`` (default: the job's servers).
+                      tls: TLSFiles = NO_TLS, request_timeout: float | None = None, rows: bool = True) -> Exported:
+    """The current weights of the running cluster at ``addresses`` (default: the job's servers), and with
+    ``rows`` every row its embedding tables hold (``table:NAME:ids``, ``table:NAME:rows``).
 
     Each shard is first asked for its status, to check that it is the shard
     the list says (order matters) and holds the job's partition plan; then the
-    weights are pulled as an observer.  Under async or while a sync round is
-    being applied, shards may be at different versions: they are returned.
+    weights are pulled, and the tables listed page by page, as an observer.
+    Under async or while a sync round is being applied, shards may be at
+    different versions: they are returned, and a shard updated while its rows
+    were listed is named in ``notes``.
     """
     from psgd.wire.protocol import OBSERVER
     from psgd.worker.client import PSClient
@@ -116,8 +120,13 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
                               f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order")
         weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         versions = client.pull(0, weights)
-    notes = [f"the rows of table {t.name!r} stay in the shards: join their checkpoints (--checkpoints DIR) to take "
-             "them too" for t in plan.tables]
+        notes = []
+        for table in plan.tables if rows else ():
+            ids, values, spans = client.list_rows(table.name)
+            weights.update(zip(table_keys(table.name), (ids, values)))
+            notes += [f"shard {k} was updated while the rows of table {table.name!r} were listed (versions {a} to "
+                      f"{b}): they may be of different versions, and a row made or evicted meanwhile may be missing"
+                      for k, (a, b) in enumerate(spans) if a != b]
     return Exported(weights, [int(v) for v in versions], f"the cluster at {','.join(addresses)}", notes=notes)
 
 

@@ -363,6 +363,22 @@ class RowTable:
             self.sightings.counts[...] = arrays["sightings"]
         self.index.add(ids, slots, self.ids)
 
+    def page(self, start: int, max_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Up to ``max_rows`` rows that exist, from slot ``start`` on: (ids, rows, the slot the next page starts
+        at, or -1 at the end).  Pages taken while no row is made or evicted list every row once."""
+        ids, rows = [], []
+        got, at = 0, max(0, int(start))
+        while got < max_rows and at < self.capacity:
+            window = slice(at, min(self.capacity, at + 2 * max_rows))
+            slots = np.flatnonzero(self.used[window])[:max_rows - got] + at
+            ids.append(self.ids[slots])
+            rows.append(self.rows[slots])
+            got += slots.size
+            at = int(slots[-1]) + 1 if got == max_rows else window.stop
+        found = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        values = np.concatenate(rows) if rows else np.zeros((0, self.spec.dim), self.dtype)
+        return found, values, (at if at < self.capacity else -1)
+
     def saved(self) -> dict[str, np.ndarray]:
         """The rows that exist, as a weights file holds them (:func:`psgd.model.table.table_keys`)."""
         state = self.state_dict()

@@ -17,13 +17,15 @@ from psgd.tls import add_tls_arguments, tls_from_args
 EXPORT_DESCRIPTION = """\
 Save the weights of a parameter-server job as one plain .npz file, keyed by
 variable name (load it with numpy.load(FILE, allow_pickle=False), or test it
-with `psgd eval FILE`). The file is written to a temporary name and renamed
-into place.
+with `psgd eval FILE`), a model's embedding tables as the rows that exist
+(table:NAME:ids, increasing, and table:NAME:rows). The file is written to a
+temporary name and renamed into place.
 
 Two sources:
 
   running shards   the current weights, pulled from every shard as an
-                   observer (no worker is disturbed, no round waited for):
+                   observer (no worker is disturbed, no round waited for),
+                   and the tables' rows, listed a page at a time:
                    --servers HOST:PORT,... in shard order, or -c job.toml
                    whose [cluster] servers lists them. --token and the TLS
                    flags as for psgd-worker.

@@ -398,7 +398,7 @@ def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start:
     from psgd.worker.client import PSClient
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
-    pulled = pull_from_servers(config, addresses, token=token, tls=tls)
+    pulled = pull_from_servers(config, addresses, token=token, tls=tls, rows=bool(save))  # a table's rows: to save
     weights, versions = pulled.weights, pulled.versions
     lost = lost_updates(versions)
     if lost:
@@ -410,9 +410,8 @@ def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start:
     plan = job_plan(config)
     with PSClient(addresses, plan, token=token, tls=tls) as reader:  # an observer: reads rows, makes none
         loss, acc, verdict = _evaluate(config, weights, "ps", reader)
+    for note in pulled.notes:
+        log.warning("--save %s: %s", save, note)
     if save:
-        if plan.tables:
-            log.warning("--save %s holds the dense weights only: the rows of %s stay in the shards (and their "
-                        "checkpoints)", save, ", ".join(t.name for t in plan.tables))
         save_weights(save, weights)
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost)

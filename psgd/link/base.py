@@ -108,6 +108,10 @@ class Link:
     def status(self) -> ps_pb2.StatusReply:
         raise NotImplementedError
 
+    def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
+        """A page of the rows of ``table`` the shard holds, from ``start`` (0, then a reply's ``next``)."""
+        raise NotImplementedError
+
     def interrupt(self) -> None:
         """End the calls in flight (from another thread): the worker is stopping."""
 

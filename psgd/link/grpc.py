@@ -67,6 +67,10 @@ class GrpcLink(Link):
     def status(self) -> ps_pb2.StatusReply:
         return _call(lambda: self.stub.Status(ps_pb2.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
 
+    def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
+        request = ps_pb2.ListRowsRequest(table=table, start=start)
+        return _call(lambda: self.stub.ListRows(request, timeout=self.timeout, metadata=self.metadata))
+
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         ep = self.endpoint
         targets = {sl.id: (sl, np.frombuffer(view, dtype=sl.dtype)) for sl, view in zip(ep.slices, views)}

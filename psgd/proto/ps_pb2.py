@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10psgd/v1/ps.proto\x12\x07psgd.v1\"\x9f\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x11\n\tplan_hash\x18\x02 \x01(\t\x12\x11\n\tplan_json\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x10\n\x08job_json\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\"\x93\x01\n\tErrorInfo\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.psgd.v1.ErrorInfo.Reason\x12\x13\n\x0b\x64ifferences\x18\x02 \x03(\t\"F\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eNOT_REGISTERED\x10\x01\x12\x10\n\x0cJOB_MISMATCH\x10\x02\"\xda\x01\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x06 \x01(\x05\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\x03\x12\x11\n\tdata_port\x18\n \x01(\r\x12\x0f\n\x07host_id\x18\x0b \x01(\t\"P\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x1f\n\x04rows\x18\x03 \x03(\x0b\x32\x11.psgd.v1.RowBlock\"6\n\x08RowBlock\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"o\n\x0bTensorChunk\x12\x10\n\x08slice_id\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x1f\n\x04rows\x18\x05 \x01(\x0b\x32\x11.psgd.v1.RowBlock\"a\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04rows\x18\x05 \x01(\x03\"\x86\x01\n\x0bPushMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.psgd.v1.PushHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.psgd.v1.TensorChunkH\x00\x12!\n\x04rows\x18\x03 \x01(\x0b\x32\x11.psgd.v1.RowBlockH\x00\x42\x06\n\x04kind\"T\n\tPushReply\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x12\n\nnext_clock\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"4\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\"8\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x0f\n\x07version\x18\x02 \x01(\x03\"/\n\x0b\x44oneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\"!\n\tDoneReply\x12\x14\n\x0clive_workers\x18\x01 \x01(\x05\"\x0f\n\rStatusRequest\"z\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12\x1a\n\x12lease_left_seconds\x18\x04 \x01(\x01\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\"\xfc\x01\n\x0bStatusReply\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12&\n\x07workers\x18\x05 \x03(\x0b\x32\x15.psgd.v1.WorkerStatus\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12\x12\n\nbytes_held\x18\x07 \x01(\x03\x12\x15\n\rcounters_json\x18\x08 \x01(\t\x12\x1b\n\x13staleness_histogram\x18\t \x03(\x03\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x11\n\tdata_port\x18\x0b \x01(\r2\xe4\x02\n\x0fParameterServer\x12<\n\x08Register\x12\x18.psgd.v1.RegisterRequest\x1a\x16.psgd.v1.RegisterReply\x12\x34\n\x04Pull\x12\x14.psgd.v1.PullRequest\x1a\x14.psgd.v1.TensorChunk0\x01\x12\x32\n\x04Push\x12\x14.psgd.v1.PushMessage\x1a\x12.psgd.v1.PushReply(\x01\x12?\n\tHeartbeat\x12\x19.psgd.v1.HeartbeatRequest\x1a\x17.psgd.v1.HeartbeatReply\x12\x30\n\x04\x44one\x12\x14.psgd.v1.DoneRequest\x1a\x12.psgd.v1.DoneReply\x12\x36\n\x06Status\x12\x16.psgd.v1.StatusRequest\x1a\x14.psgd.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10psgd/v1/ps.proto\x12\x07psgd.v1\"\x9f\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x11\n\tplan_hash\x18\x02 \x01(\t\x12\x11\n\tplan_json\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x10\n\x08job_json\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\"\x93\x01\n\tErrorInfo\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.psgd.v1.ErrorInfo.Reason\x12\x13\n\x0b\x64ifferences\x18\x02 \x03(\t\"F\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x12\n\x0eNOT_REGISTERED\x10\x01\x12\x10\n\x0cJOB_MISMATCH\x10\x02\"\xda\x01\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x06 \x01(\x05\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\x03\x12\x11\n\tdata_port\x18\n \x01(\r\x12\x0f\n\x07host_id\x18\x0b \x01(\t\"P\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x1f\n\x04rows\x18\x03 \x03(\x0b\x32\x11.psgd.v1.RowBlock\"A\n\x0fListRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x10\n\x08max_rows\x18\x03 \x01(\x03\"O\n\rListRowsReply\x12\x1f\n\x04rows\x18\x01 \x01(\x0b\x32\x11.psgd.v1.RowBlock\x12\x0c\n\x04next\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\"6\n\x08RowBlock\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"o\n\x0bTensorChunk\x12\x10\n\x08slice_id\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x1f\n\x04rows\x18\x05 \x01(\x0b\x32\x11.psgd.v1.RowBlock\"a\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04rows\x18\x05 \x01(\x03\"\x86\x01\n\x0bPushMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.psgd.v1.PushHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.psgd.v1.TensorChunkH\x00\x12!\n\x04rows\x18\x03 \x01(\x0b\x32\x11.psgd.v1.RowBlockH\x00\x42\x06\n\x04kind\"T\n\tPushReply\x12\x0f\n\x07outcome\x18\x01 \x01(\t\x12\x12\n\nnext_clock\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\"4\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\"8\n\x0eHeartbeatReply\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x0f\n\x07version\x18\x02 \x01(\x03\"/\n\x0b\x44oneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\"!\n\tDoneReply\x12\x14\n\x0clive_workers\x18\x01 \x01(\x05\"\x0f\n\rStatusRequest\"z\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12\x1a\n\x12lease_left_seconds\x18\x04 \x01(\x01\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\"\xfc\x01\n\x0bStatusReply\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\x12\n\nnum_shards\x18\x02 \x01(\x05\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12&\n\x07workers\x18\x05 \x03(\x0b\x32\x15.psgd.v1.WorkerStatus\x12\x11\n\tplan_hash\x18\x06 \x01(\t\x12\x12\n\nbytes_held\x18\x07 \x01(\x03\x12\x15\n\rcounters_json\x18\x08 \x01(\t\x12\x1b\n\x13staleness_histogram\x18\t \x03(\x03\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x11\n\tdata_port\x18\x0b \x01(\r2\xa2\x03\n\x0fParameterServer\x12<\n\x08Register\x12\x18.psgd.v1.RegisterRequest\x1a\x16.psgd.v1.RegisterReply\x12\x34\n\x04Pull\x12\x14.psgd.v1.PullRequest\x1a\x14.psgd.v1.TensorChunk0\x01\x12\x32\n\x04Push\x12\x14.psgd.v1.PushMessage\x1a\x12.psgd.v1.PushReply(\x01\x12?\n\tHeartbeat\x12\x19.psgd.v1.HeartbeatRequest\x1a\x17.psgd.v1.HeartbeatReply\x12\x30\n\x04\x44one\x12\x14.psgd.v1.DoneRequest\x1a\x12.psgd.v1.DoneReply\x12\x36\n\x06Status\x12\x16.psgd.v1.StatusRequest\x1a\x14.psgd.v1.StatusReply\x12<\n\x08ListRows\x12\x18.psgd.v1.ListRowsRequest\x1a\x16.psgd.v1.ListRowsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,30 +41,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREPLY']._serialized_end=560
   _globals['_PULLREQUEST']._serialized_start=562
   _globals['_PULLREQUEST']._serialized_end=642
-  _globals['_ROWBLOCK']._serialized_start=644
-  _globals['_ROWBLOCK']._serialized_end=698
-  _globals['_TENSORCHUNK']._serialized_start=700
-  _globals['_TENSORCHUNK']._serialized_end=811
-  _globals['_PUSHHEADER']._serialized_start=813
-  _globals['_PUSHHEADER']._serialized_end=910
-  _globals['_PUSHMESSAGE']._serialized_start=913
-  _globals['_PUSHMESSAGE']._serialized_end=1047
-  _globals['_PUSHREPLY']._serialized_start=1049
-  _globals['_PUSHREPLY']._serialized_end=1133
-  _globals['_HEARTBEATREQUEST']._serialized_start=1135
-  _globals['_HEARTBEATREQUEST']._serialized_end=1187
-  _globals['_HEARTBEATREPLY']._serialized_start=1189
-  _globals['_HEARTBEATREPLY']._serialized_end=1245
-  _globals['_DONEREQUEST']._serialized_start=1247
-  _globals['_DONEREQUEST']._serialized_end=1294
-  _globals['_DONEREPLY']._serialized_start=1296
-  _globals['_DONEREPLY']._serialized_end=1329
-  _globals['_STATUSREQUEST']._serialized_start=1331
-  _globals['_STATUSREQUEST']._serialized_end=1346
-  _globals['_WORKERSTATUS']._serialized_start=1348
-  _globals['_WORKERSTATUS']._serialized_end=1470
-  _globals['_STATUSREPLY']._serialized_start=1473
-  _globals['_STATUSREPLY']._serialized_end=1725
-  _globals['_PARAMETERSERVER']._serialized_start=1728
-  _globals['_PARAMETERSERVER']._serialized_end=2084
+  _globals['_LISTROWSREQUEST']._serialized_start=644
+  _globals['_LISTROWSREQUEST']._serialized_end=709
+  _globals['_LISTROWSREPLY']._serialized_start=711
+  _globals['_LISTROWSREPLY']._serialized_end=790
+  _globals['_ROWBLOCK']._serialized_start=792
+  _globals['_ROWBLOCK']._serialized_end=846
+  _globals['_TENSORCHUNK']._serialized_start=848
+  _globals['_TENSORCHUNK']._serialized_end=959
+  _globals['_PUSHHEADER']._serialized_start=961
+  _globals['_PUSHHEADER']._serialized_end=1058
+  _globals['_PUSHMESSAGE']._serialized_start=1061
+  _globals['_PUSHMESSAGE']._serialized_end=1195
+  _globals['_PUSHREPLY']._serialized_start=1197
+  _globals['_PUSHREPLY']._serialized_end=1281
+  _globals['_HEARTBEATREQUEST']._serialized_start=1283
+  _globals['_HEARTBEATREQUEST']._serialized_end=1335
+  _globals['_HEARTBEATREPLY']._serialized_start=1337
+  _globals['_HEARTBEATREPLY']._serialized_end=1393
+  _globals['_DONEREQUEST']._serialized_start=1395
+  _globals['_DONEREQUEST']._serialized_end=1442
+  _globals['_DONEREPLY']._serialized_start=1444
+  _globals['_DONEREPLY']._serialized_end=1477
+  _globals['_STATUSREQUEST']._serialized_start=1479
+  _globals['_STATUSREQUEST']._serialized_end=1494
+  _globals['_WORKERSTATUS']._serialized_start=1496
+  _globals['_WORKERSTATUS']._serialized_end=1618
+  _globals['_STATUSREPLY']._serialized_start=1621
+  _globals['_STATUSREPLY']._serialized_end=1873
+  _globals['_PARAMETERSERVER']._serialized_start=1876
+  _globals['_PARAMETERSERVER']._serialized_end=2294
 # @@protoc_insertion_point(module_scope)

@@ -79,6 +79,26 @@ class PullRequest(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
 
+class ListRowsRequest(_message.Message):
+    __slots__ = ("table", "start", "max_rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    start: int
+    max_rows: int
+    def __init__(self, table: _Optional[str] = ..., start: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
+
+class ListRowsReply(_message.Message):
+    __slots__ = ("rows", "next", "version")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    rows: RowBlock
+    next: int
+    version: int
+    def __init__(self, rows: _Optional[_Union[RowBlock, _Mapping]] = ..., next: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
 class RowBlock(_message.Message):
     __slots__ = ("table", "ids", "values")
     TABLE_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class ParameterServerStub:
                 request_serializer=psgd_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
                 response_deserializer=psgd_dot_v1_dot_ps__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ListRows = channel.unary_unary(
+                '/psgd.v1.ParameterServer/ListRows',
+                request_serializer=psgd_dot_v1_dot_ps__pb2.ListRowsRequest.SerializeToString,
+                response_deserializer=psgd_dot_v1_dot_ps__pb2.ListRowsReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -116,6 +121,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRows(self, request, context):
+        """A page of the rows of one embedding table the shard holds, as they are
+        (none is made): how psgd export and launch --save take a table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +161,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=psgd_dot_v1_dot_ps__pb2.StatusRequest.FromString,
                     response_serializer=psgd_dot_v1_dot_ps__pb2.StatusReply.SerializeToString,
+            ),
+            'ListRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRows,
+                    request_deserializer=psgd_dot_v1_dot_ps__pb2.ListRowsRequest.FromString,
+                    response_serializer=psgd_dot_v1_dot_ps__pb2.ListRowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +331,33 @@ class ParameterServer:
             '/psgd.v1.ParameterServer/Status',
             psgd_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
             psgd_dot_v1_dot_ps__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgd.v1.ParameterServer/ListRows',
+            psgd_dot_v1_dot_ps__pb2.ListRowsRequest.SerializeToString,
+            psgd_dot_v1_dot_ps__pb2.ListRowsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -236,6 +236,12 @@ class ShardCore:
         with self.lock:
             return self.tables.read(lookups, who, make=worker is not None)
 
+    def list_rows(self, table: str, start: int, max_rows: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """A page of ``table``'s rows as they are (:meth:`ShardTables.page`): ids, values, where the next page
+        starts (-1: none), and the version they were read at."""
+        with self.lock:
+            return (*self.tables.page(table, start, max_rows, "a listing"), self.version)
+
     def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray],
              wire_bytes: int | None = None, rows: RowsIn | None = None) -> PushResult:
         """Apply, accumulate or drop one gradient for every slice of this shard, and of the rows it touched

@@ -221,6 +221,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, err)
         return ps_pb2.DoneReply(live_workers=live)
 
+    def ListRows(self, request, context):
+        key = self._data_call(context, f"shard {self.core.shard}: a listing of table {request.table!r}")
+        try:
+            ids, values, after, version = self.core.list_rows(request.table, request.start, request.max_rows)
+        except ShardError as err:
+            _abort(context, err)
+        finally:
+            self._end_call(key)
+        return ps_pb2.ListRowsReply(rows=ps_pb2.RowBlock(table=request.table, ids=ids.astype("<i8").tobytes(),
+                                                         values=values.tobytes()),
+                                    next=after, version=version)
+
     def Status(self, request, context):
         s = self.core.status()
         return ps_pb2.StatusReply(

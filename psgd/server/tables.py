@@ -21,6 +21,7 @@ import numpy as np
 from psgd.partition import PartitionPlan
 from psgd.server.errors import ShardError
 from psgd.tables import RowTable, TableFull
+from psgd.wire.rows import BLOCK_BYTES
 
 #: What a push or pull says of a table's rows: ids, and for a push their gradients ``[len(ids), dim]``.
 RowsIn = Mapping[str, tuple[np.ndarray, np.ndarray]]
@@ -90,6 +91,20 @@ class ShardTables:
                 raise ShardError(full.code, str(full)) from None
             self.counters["rows_pulled"] += int(ids.size)
         return out
+
+    def page(self, name: str, start: int, max_rows: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """A page of table ``name``'s rows (:meth:`psgd.tables.RowTable.page`), at most ``max_rows`` and
+        BLOCK_BYTES of values."""
+        if name not in self.tables:
+            raise ShardError("INVALID_ARGUMENT", f"{who} asked for the rows of table {name!r}; this job's tables: "
+                             f"{', '.join(self.tables) or 'none'}")
+        if start < -1:
+            raise ShardError("INVALID_ARGUMENT", f"{who}: a listing starts at 0 or a reply's next, not {start}")
+        table = self.tables[name]
+        most = max(1, BLOCK_BYTES // (table.spec.dim * table.dtype.itemsize))
+        if start == -1:
+            return np.zeros(0, np.int64), np.zeros((0, table.spec.dim), table.dtype), -1
+        return table.page(start, min(most, max_rows) if max_rows > 0 else most)
 
     def apply(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], lr_scale: float) -> None:
         for name, (ids, values) in rows.items():

@@ -340,6 +340,36 @@ class PSClient:
     def status(self) -> list[ps_pb2.StatusReply]:
         return self._on_all(lambda k: self._retrying(k, "status", self.links[k].status))
 
+    def list_rows(self, table: str) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """Every row of ``table`` the shards hold, as they are: ids (increasing), values, and each shard's
+        versions at its first and last page (different: it was updated while listed, so its rows may be of
+        different versions, and a row made or evicted meanwhile may be missing)."""
+        spec = self.plan.table_by_name[table]
+
+        def one(k: int) -> tuple[list, list, tuple[int, int]]:
+            ids, values, versions, start = [], [], [], 0
+            while start != -1:
+                page = self._retrying(k, f"listing of table {table!r}", lambda: self.links[k].list_rows(table, start))
+                got = np.frombuffer(page.rows.ids, "<i8")
+                if len(page.rows.values) != got.size * spec.dim * np.dtype(spec.dtype).itemsize or \
+                        (self.plan.shard_of_ids(table, got) != k).any():
+                    raise PSError(f"shard {k} listed rows of table {table!r} that are not its own, or values that "
+                                  f"are not one row of {spec.dim} {spec.dtype} per id")
+                ids.append(got)
+                values.append(np.frombuffer(page.rows.values, spec.dtype).reshape(got.size, spec.dim))
+                versions.append(page.version)
+                if page.next != -1 and page.next <= start:
+                    raise PSError(f"shard {k} listed table {table!r} out of order (a page at {start} said the next "
+                                  f"starts at {page.next})")
+                start = page.next
+            return ids, values, (versions[0], versions[-1])
+
+        parts = self._on_all(one)
+        ids = np.concatenate([i for p in parts for i in p[0]])
+        values = np.concatenate([v for p in parts for v in p[1]]).reshape(-1, spec.dim)
+        order = np.argsort(ids, kind="stable")
+        return ids[order].astype(np.int64), values[order], [p[2] for p in parts]
+
     # -- leases ---------------------------------------------------------------------
     def start_heartbeats(self) -> None:
         """Renew the lease on every shard from a background thread, three times per lease."""

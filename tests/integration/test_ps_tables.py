@@ -231,16 +231,20 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 
     argv = [shutil.which("psgd") or "psgd", "launch", "--model", "embed", "--dataset", "clicks", "--set",
             "data.n_train=30000", "--set", "data.n_test=3000", "--epochs", "1", "--batch-size", "64", "--set",
-            "tables.lr=0.1", "--no-progress", "--json"]
+            "tables.lr=0.1", "--no-progress", "--json", "--save", "model.npz"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     reach = reachable_accuracy(Generator(0).make("test", 0, 3000, 3000))
     assert reach - 0.06 < result["test_accuracy"] <= reach + 0.02, (result["test_accuracy"], reach)
+    with np.load(tmp_path / "model.npz", allow_pickle=False) as saved:  # the table's rows saved with the weights
+        ids, rows = saved["table:emb:ids"], saved["table:emb:rows"]
+        assert ids.size > 1000 and (np.diff(ids) > 0).all() and rows.shape[0] == ids.size
+        assert np.isfinite(rows).all()
 
 
-def test_the_shards_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
+def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
     from psgd.export import join_checkpoints, pull_from_servers
     from psgd.launch.launcher import _evaluate
     from psgd.server import checkpoint, recovery
@@ -259,11 +263,12 @@ def test_the_shards_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_
         with PSClient(job.cluster.servers, build_job(job).plan) as reader:
             _, live_accuracy, _ = _evaluate(job, live.weights, "ps", reader)
         held = shard_rows(servers)
-    assert any("stay in the shards" in n for n in live.notes)  # a live cluster gives the dense weights only
+    assert live.notes == []  # nothing moved while the rows were listed
     joined = join_checkpoints(job, tmp_path)
     ids_key, rows_key = table_keys("emb")
-    assert joined.weights[ids_key].tolist() == sorted(held)
-    np.testing.assert_array_equal(joined.weights[rows_key], np.stack([held[i] for i in sorted(held)]))
+    for exported in (joined, live):  # the checkpoints' rows, and the running shards' listed page by page
+        assert exported.weights[ids_key].tolist() == sorted(held)
+        np.testing.assert_array_equal(exported.weights[rows_key], np.stack([held[i] for i in sorted(held)]))
     save_weights(tmp_path / "w.npz", joined.weights)
     scored = evaluate_file(job, tmp_path / "w.npz")
     assert scored["test_accuracy"] == live_accuracy  # the same weights and rows, read from the file
@@ -271,6 +276,42 @@ def test_the_shards_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_
     save_weights(tmp_path / "dense.npz", without)
     with pytest.raises(ValueError, match="no rows of table emb"):
         evaluate_file(job, tmp_path / "dense.npz")
+
+
+def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a_table():
+    import grpc
+
+    from psgd.link import LinkError
+    from psgd.tables import RowTable, TableOptions
+    from psgd.model.table import TableSpec
+    from psgd.optim.rows import RowSGD
+
+    t = RowTable(TableSpec("e", 2), 0, RowSGD(0.1), TableOptions(idle_updates=1))
+    t.read(np.arange(3000, dtype=np.int64) * 7)
+    t.apply(np.arange(0, 3000, 2, dtype=np.int64) * 7, np.ones((1500, 2)))
+    t.evict_idle()  # holes in the slots
+    seen, start, pages = [], 0, 0
+    while start != -1 and pages < 100:
+        ids, rows, start = t.page(start, 400)
+        assert ids.size <= 400
+        seen += ids.tolist()
+        pages += 1
+    assert sorted(seen) == t.held_ids().tolist() and pages == -(-len(t) // 400)
+
+    job = make_job(*SMALL, "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
+    with shards(job) as servers:
+        from psgd.worker.client import PSClient
+
+        with PSClient(job.cluster.servers, build_job(job).plan, request_timeout=5, retry_deadline=1) as reader:
+            with pytest.raises(LinkError) as info:
+                reader.links[0].list_rows("users", 0)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'users'" in str(info.value)
+            with pytest.raises(LinkError) as info:
+                reader.links[0].list_rows("emb", -5)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            ids, values, spans = reader.list_rows("emb")  # no row made yet: an empty table
+        assert ids.size == 0 and values.shape == (0, 3) and spans == [(0, 0)]
+        assert len(servers[0].core.tables.tables["emb"]) == 0
 
 
 @pytest.mark.lacks(__import__("importlib").util.find_spec("mpi4py") is None,
