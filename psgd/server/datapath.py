@@ -261,10 +261,10 @@ class DataServer:
         self._read_rows(conn, size, time.monotonic(), asked)
         return asked.lookups()
 
-    def _pushed_rows(self, conn: socket.socket, worker: int, began: float, size: int, keep: bool = True):
-        """The rows that follow a push's gradient (OP_PUSH_ROWS): (ids, values) by table; a refused push's
-        (``keep`` false) are read past, unparsed and unkept."""
-        pushed = RowCollector(self.row_shapes, True, f"push from worker {worker}")
+    def _pushed_rows(self, conn: socket.socket, worker: int, began: float, size: int, codec: Codec, keep=True):
+        """The rows after a push's gradient (OP_PUSH_ROWS), their values written by ``codec``: (ids, values) by
+        table; a refused push's (``keep`` false) are read past, unparsed and unkept."""
+        pushed = RowCollector(self.row_shapes, True, f"push from worker {worker}", codec)
         try:
             (length,) = protocol.recv_struct(conn, protocol.ROWS_LENGTH,
                                              began + transfer_seconds(size, self.request_timeout))
@@ -339,7 +339,7 @@ class DataServer:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"refused push of {size} bytes from worker {worker} "
                                 f"did not arrive within {allowed:.1f}s ({exc})")
             if with_rows and (seg is not None or not protocol.wants_go_ahead(size)):  # and its rows
-                self._pushed_rows(conn, worker, began, size, keep=False)
+                self._pushed_rows(conn, worker, began, size, codec, keep=False)
             self._reply_error(conn, err)
             return
         try:
@@ -356,7 +356,7 @@ class DataServer:
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"push of {size} bytes from worker {worker} did not "
                                 f"arrive within {allowed:.1f}s ({exc}): at least {MIN_TRANSFER_RATE / 1e6:g} MB/s")
-            rows = self._pushed_rows(conn, worker, began, size) if with_rows else None
+            rows = self._pushed_rows(conn, worker, began, size, codec) if with_rows else None
             grads = core.store.gradient_views(buf)
             try:
                 result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows)

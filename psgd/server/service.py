@@ -176,7 +176,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             header = first.header
             self.core.roster.check(header.worker_id)
             assembler = PushAssembler(self.core, header.dtype)
-            rows = RowCollector(self._row_shapes, True, f"push from worker {header.worker_id}")
+            rows = RowCollector(self._row_shapes, True, f"push from worker {header.worker_id}", assembler.codec)
             for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "rows":

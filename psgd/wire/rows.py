@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from psgd.channel import CHUNK_BYTES
+from psgd.codec import Codec
 
 BLOCK_BYTES = 1 << 20
 #: Rows one message may carry in all, per table: far past a batch's (a batch of 65,536 with 64 ids each).
@@ -57,10 +58,13 @@ def read_ids(data: bytes, what: str) -> np.ndarray:
 
 class RowCollector:
     """The rows of one message, table by table; ``tables`` maps each known table to (dim, dtype) of its rows,
-    ``with_values`` says whether blocks carry values (a push) or ids only (a pull's request)."""
+    ``with_values`` says whether blocks carry values (a push) or ids only (a pull's request); a push's values are
+    written by ``codec`` (float16 or bfloat16 gradients are widened back to the table's float32 here)."""
 
-    def __init__(self, tables: Mapping[str, tuple[int, str]], with_values: bool, what: str):
+    def __init__(self, tables: Mapping[str, tuple[int, str]], with_values: bool, what: str,
+                 codec: Codec | None = None):
         self.tables, self.with_values, self.what = tables, with_values, what
+        self.codec = codec if codec is not None and codec.compresses else None
         self._ids: dict[str, list[np.ndarray]] = {}
         self._values: dict[str, list[np.ndarray]] = {}
         self._count: dict[str, int] = {}
@@ -71,6 +75,13 @@ class RowCollector:
             raise RowsError(f"{self.what}: no table {table!r} (this job's tables: {', '.join(self.tables) or 'none'})")
         return self.tables[table]
 
+    def row_bytes(self, table: str) -> int:
+        """Bytes one row's values take on the wire (0 for ids only)."""
+        dim, dtype = self.shape(table)
+        if not self.with_values:
+            return 0
+        return dim * (self.codec.wire_itemsize(dtype) if self.codec else np.dtype(dtype).itemsize)
+
     def add(self, table: str, ids: bytes, values: bytes = b"") -> None:
         dim, dtype = self.shape(table)
         got = read_ids(ids, f"{self.what}: table {table!r}")
@@ -80,11 +91,17 @@ class RowCollector:
         self._count[table] = count
         self._ids.setdefault(table, []).append(got)
         if self.with_values:
-            want = got.size * dim * np.dtype(dtype).itemsize
+            want = got.size * self.row_bytes(table)
             if len(values) != want:
-                raise RowsError(f"{self.what}: table {table!r}: {got.size} rows of {dim} {dtype} take {want} bytes, "
-                                f"the block has {len(values)}")
-            self._values.setdefault(table, []).append(np.frombuffer(values, dtype=dtype).reshape(got.size, dim))
+                wire = f"{self.codec.name} " if self.codec else ""
+                raise RowsError(f"{self.what}: table {table!r}: {got.size} rows of {dim} {wire or dtype + ' '}values "
+                                f"take {want} bytes, the block has {len(values)}")
+            if self.codec:
+                wide = np.empty((got.size, dim), dtype=dtype)
+                self.codec.decode(np.frombuffer(values, dtype=np.uint16), wide.reshape(-1))
+            else:
+                wide = np.frombuffer(values, dtype=dtype).reshape(got.size, dim)
+            self._values.setdefault(table, []).append(wide)
         elif values:
             raise RowsError(f"{self.what}: table {table!r}: a request for rows carries ids only")
 
@@ -131,8 +148,7 @@ def read_sections(recv: Callable[[int], bytes], size: int, into: RowCollector) -
             raise RowsError(f"{into.what}: a table name of {length} bytes")
         table = bytes(recv(length)).decode("utf-8", "replace")
         left -= length
-        dim, dtype = into.shape(table)
-        row = dim * np.dtype(dtype).itemsize if into.with_values else 0
+        row = into.row_bytes(table)
         if count > MAX_ROWS or count * (IDS.itemsize + row) > left:
             raise RowsError(f"{into.what}: table {table!r}: {count:,} rows do not fit the {left:,} bytes left "
                             f"(at most {MAX_ROWS:,} rows a message)")

@@ -79,7 +79,7 @@ class PSClient:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         try:
             self.codec = codec_for(wire_dtype)
-            for spec in plan.specs:
+            for spec in (*plan.specs, *plan.tables):
                 self.codec.check(spec.dtype)
         except CodecError as exc:
             raise PSError(str(exc)) from None
@@ -310,7 +310,7 @@ class PSClient:
 
         def one(k: int) -> PushReply:
             parts = self._encode(k, flat)
-            mine = {t: (rows[t][0][pos], rows[t][1][pos]) for t, pos in where[k].items()}
+            mine = {t: (rows[t][0][pos], self._encode_rows(rows[t][1][pos])) for t, pos in where[k].items()}
             # a shard that restarted and took this worker back meanwhile holds its own version now
             return self._retrying(k, f"push (clock {clock})", lambda: self.links[k].push(
                 clock, bases[k] if self._joins[k] == joins[k] else self.versions[k], self.codec, parts, mine))
@@ -333,6 +333,14 @@ class PSClient:
             parts.append(memoryview(dst).cast("B"))
             at += s.size
         return parts
+
+    def _encode_rows(self, values: np.ndarray) -> np.ndarray:
+        """Row gradients as the codec writes them (16 bits a value where it compresses)."""
+        if not self.codec.compresses:
+            return values
+        out = np.empty(values.shape, dtype=np.uint16)
+        self.codec.encode(np.ascontiguousarray(values, dtype=np.float32).reshape(-1), out.reshape(-1))
+        return out
 
     def done(self) -> None:
         self._on_all(lambda k: self._retrying(k, "done", lambda: self.links[k].done(self.clock)))

@@ -278,6 +278,39 @@ def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores
         evaluate_file(job, tmp_path / "dense.npz")
 
 
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_widens_them(wire, transport):
+    from psgd.codec import codec_for
+    from psgd.worker.client import PSClient
+
+    job = make_job(*SMALL, "cluster.policy=async", "cluster.workers=1", "cluster.shards=2", "tables.optimizer=sgd",
+                   "tables.lr=1.0", f"cluster.wire_dtype={wire}", f"cluster.transport={transport}")
+    plan = build_job(job).plan
+    ids = np.arange(40, dtype=np.int64) * 1009
+    grads = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32) * 1e-2
+    with shards(job) as servers, PSClient(job.cluster.servers, plan, 0, transport=transport, wire_dtype=wire,
+                                          config=job) as client:
+        client.wait_ready(30)
+        client.register()
+        dense = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
+        before = np.empty((40, 3), np.float32)
+        client.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in plan.specs}, {"emb": (ids, before)})
+        client.push(0, dense, rows={"emb": (ids, grads)})
+        after = np.empty((40, 3), np.float32)
+        client.pull(1, {s.name: np.empty(s.shape, s.dtype) for s in plan.specs}, {"emb": (ids, after)})
+        carried = [getattr(link, "via", "tcp" if getattr(link, "data_port", 0) else "grpc") for link in client.links]
+        assert carried == [transport] * 2
+        pushed = sum(s.core.counters["pushes"] for s in servers)
+    widened = np.empty(grads.size, np.float32)
+    codec = codec_for(wire)
+    packed = np.empty(grads.size, np.uint16)
+    codec.encode(grads.reshape(-1), packed)
+    codec.decode(packed, widened)
+    assert pushed == 2 and not np.array_equal(widened, grads.reshape(-1))  # 16 bits lose some of each value
+    np.testing.assert_array_equal(after, before - widened.reshape(40, 3))  # tables.lr = 1, one worker
+
+
 def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a_table():
     import grpc
 
