@@ -17,9 +17,8 @@ the rows ever touched.  Its options (:class:`TableOptions`):
   makes room by evicting the rows touched longest ago (``when_full = "evict"``).
 
 Storage is one array of rows, one per state field of the rule and three of bookkeeping (id, update count, last
-touch), grown by doubling; freed slots are reused.  Which slot holds an id is found by :class:`IdSlots`, a hash
-table in numpy arrays probed for a whole batch of ids at once (8 bytes a place, from a quarter to three quarters
-of them filled: 11-32 bytes an id, where a Python dict took about 100, more than a row of 16 float32).  Not thread-safe: a shard core holds its
+touch), grown by doubling; freed slots are reused.  Which slot holds an id is found by
+:class:`psgd.rowindex.IdSlots`, a hash table in numpy arrays probed for a whole batch of ids at once.  Not thread-safe: a shard core holds its
 lock around every call.
 """
 
@@ -30,8 +29,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from psgd.model.table import Rows, TableSpec, initial_rows, mix64, name_key, table_keys, unique_lookups
+from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
+from psgd.optim.base import WHOLE, Share
 from psgd.optim.rows import RowOptimizer
+from psgd.rowindex import IdSlots, Sightings
 
 WHEN_FULL = ("fail", "evict")
 
@@ -58,115 +59,6 @@ class TableOptions:
                 raise ValueError(f"tables.{name} must be an integer >= 0, got {value!r}")
         if self.when_full not in WHEN_FULL:
             raise ValueError(f"tables.when_full must be one of {', '.join(WHEN_FULL)}, got {self.when_full!r}")
-
-
-class Sightings:
-    """A count-min sketch of how often each id was seen: ``depth`` rows of ``width`` saturating counters."""
-
-    def __init__(self, salt: str, depth: int = 4, width: int = 1 << 18):
-        self.width = width
-        self.keys = [name_key("psgd-sightings", salt, d) for d in range(depth)]
-        self.counts = np.zeros((depth, width), dtype=np.uint16)
-
-    def _cells(self, ids: np.ndarray) -> list[np.ndarray]:
-        return [(mix64(ids.view(np.uint64) ^ key) % np.uint64(self.width)).astype(np.int64) for key in self.keys]
-
-    def add(self, ids: np.ndarray) -> np.ndarray:
-        """Count one sighting of each of ``ids`` (distinct); how often each has been seen, this one included."""
-        cells = self._cells(ids)
-        seen = np.full(ids.size, np.iinfo(np.uint16).max, dtype=np.int64)
-        for row, cell in zip(self.counts, cells):
-            np.add.at(row, cell[row[cell] < np.iinfo(np.uint16).max], 1)
-            seen = np.minimum(seen, row[cell])
-        return seen
-
-    def count(self, ids: np.ndarray) -> np.ndarray:
-        seen = np.full(ids.size, np.iinfo(np.uint16).max, dtype=np.int64)
-        for row, cell in zip(self.counts, self._cells(ids)):
-            seen = np.minimum(seen, row[cell])
-        return seen
-
-
-class IdSlots:
-    """Which slot of a :class:`RowTable` holds each id: open addressing with linear probing, the places holding
-    slot numbers (-1 never used, -2 freed), the ids themselves read from the table's own ``keys`` array (passed to
-    every call, since the table grows it).  Every call takes a batch of distinct ids and probes them together,
-    one vector step per place along the probe sequences."""
-
-    EMPTY, FREED = -1, -2
-    MAX_LOAD = 0.75
-
-    def __init__(self):
-        self.places = np.full(1024, self.EMPTY, np.int64)
-        self.size = 0    # ids held
-        self.freed = 0   # places freed since the last rebuild (they end no probe sequence)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.places.nbytes)
-
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        return (mix64(ids.view(np.uint64)) & np.uint64(self.places.size - 1)).astype(np.int64)
-
-    def _probe(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """The place of each id, -1 where it is not held."""
-        mask = self.places.size - 1
-        where = np.full(ids.size, -1, np.int64)
-        pos = self._home(ids)
-        pending = np.arange(ids.size)
-        while pending.size:
-            slot = self.places[pos]
-            found = slot >= 0
-            found[found] = keys[slot[found]] == ids[pending[found]]
-            where[pending[found]] = pos[found]
-            going = ~found & (slot != self.EMPTY)
-            pending, pos = pending[going], (pos[going] + 1) & mask
-        return where
-
-    def find(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """The slot of each of ``ids``, -1 where it is not held."""
-        where = self._probe(ids, keys)
-        return np.where(where >= 0, self.places[np.maximum(where, 0)], -1)
-
-    def add(self, ids: np.ndarray, slots: np.ndarray, keys: np.ndarray) -> None:
-        """Hold ``ids`` (none held yet) at ``slots``; ``keys[slots]`` are already ``ids``."""
-        if (self.size + self.freed + ids.size) > self.MAX_LOAD * self.places.size:
-            self._rebuild(self.size + ids.size, keys)
-        self._place(ids, slots)
-        self.size += ids.size
-
-    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        mask = self.places.size - 1
-        pos = self._home(ids)
-        pending = np.arange(ids.size)
-        while pending.size:
-            open_ = self.places[pos] < 0
-            here, first = np.unique(pos[open_], return_index=True)  # one id per open place this round
-            winners = pending[open_][first]
-            self.freed -= int((self.places[here] == self.FREED).sum())
-            self.places[here] = slots[winners]
-            going = np.ones(pending.size, bool)
-            going[np.flatnonzero(open_)[first]] = False
-            pending = pending[going]
-            pos = np.where(open_[going], pos[going], (pos[going] + 1) & mask)  # a place just taken is not open
-        return None
-
-    def remove(self, ids: np.ndarray, keys: np.ndarray) -> None:
-        """Let go of ``ids`` (all held)."""
-        where = self._probe(ids, keys)
-        where = where[where >= 0]
-        self.places[where] = self.FREED
-        self.size -= where.size
-        self.freed += where.size
-
-    def _rebuild(self, need: int, keys: np.ndarray) -> None:
-        slots = self.places[self.places >= 0]
-        size = 1024
-        while need > self.MAX_LOAD / 1.5 * size:  # room to grow by half before the next rebuild
-            size *= 2
-        self.places = np.full(size, self.EMPTY, np.int64)
-        self.freed = 0
-        self._place(keys[slots], slots)
 
 
 class RowTable:
@@ -231,9 +123,9 @@ class RowTable:
             out[~have] = initial_rows(self.spec, self.seed, ids[~have])
         return out
 
-    def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float = 1.0) -> int:
-        """Update the rows ``ids`` (distinct) by ``grads`` ``[len(ids), dim]``; the gradients of ids not admitted
-        are dropped.  Returns how many rows were updated."""
+    def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float = 1.0, share: Share = WHOLE) -> int:
+        """Update the rows ``ids`` (distinct) by ``grads`` ``[len(ids), dim]`` as ``share`` of a round; the
+        gradients of ids not admitted are dropped.  Returns how many rows were updated."""
         slots = self._slots(ids, count=False)
         keep = slots >= 0
         self.counters["grads_dropped"] += int(ids.size - keep.sum())
@@ -243,7 +135,7 @@ class RowTable:
             rows = self.rows[s]
             state = {name: a[s] for name, a in self.state.items()}
             t = self.t[s] + 1
-            self.optimizer.step(rows, np.asarray(grads, dtype=self.dtype)[keep], state, t, lr_scale)
+            self.optimizer.step(rows, np.asarray(grads, dtype=self.dtype)[keep], state, t, lr_scale, share)
             self.rows[s] = rows
             for name, a in self.state.items():
                 a[s] = state[name]
@@ -263,6 +155,25 @@ class RowTable:
         victims = np.flatnonzero(self.used & (self.clock - self.last > idle))
         self._evict(victims)
         return int(victims.size)
+
+    # -- columns of state beside the rule's ----------------------------------------------------------------------
+    def add_column(self, name: str, width: int) -> None:
+        """Keep ``width`` more values of state per row, zero at first (a shard's delay compensation keeps each
+        row's gradients' mean square); they live and are checkpointed with the rule's state."""
+        if name not in self.state:
+            self.columns = {**self.columns, name: width}
+            self.state[name] = np.zeros((self.capacity, width), self.rows.dtype if self.dtype.itemsize >= 4
+                                        else np.float32)
+
+    def column(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``ids`` have a row, and those rows' values of state column ``name`` (a copy)."""
+        slots = self.index.find(ids, self.ids)
+        have = slots >= 0
+        return have, self.state[name][slots[have]]
+
+    def set_column(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
+        """Set state column ``name`` of the rows ``ids`` (each held)."""
+        self.state[name][self.index.find(ids, self.ids)] = values
 
     # -- slots ---------------------------------------------------------------------------------------------------
     def _slots(self, ids: np.ndarray, count: bool) -> np.ndarray:
@@ -346,7 +257,10 @@ class RowTable:
         rows = np.asarray(arrays["rows"])
         if rows.shape != (ids.size, self.spec.dim) or np.unique(ids).size != ids.size:
             raise ValueError(f"table {self.spec.name!r}: {ids.size} ids with rows of shape {rows.shape} do not fit")
+        added = {k: w for k, w in self.columns.items() if k not in self.optimizer.state_columns(self.spec.dim)}
         self.__init__(self.spec, self.seed, self.optimizer, self.options, self.where)
+        for name, width in added.items():
+            self.add_column(name, width)
         if self.options.max_rows and ids.size > self.options.max_rows:
             raise ValueError(f"table {self.spec.name!r}: {ids.size:,} rows saved, tables.max_rows is "
                              f"{self.options.max_rows:,}")
@@ -357,7 +271,8 @@ class RowTable:
         self.ids[slots], self.used[slots], self.rows[slots] = ids, True, rows
         self.t[slots], self.last[slots] = arrays["t"], arrays["last"]
         for name, a in self.state.items():
-            a[slots] = arrays[f"state/{name}"]
+            if name in self.optimizer.state_columns(self.spec.dim) or f"state/{name}" in arrays:
+                a[slots] = arrays[f"state/{name}"]  # an added column a checkpoint lacks starts at zero
         self.clock = int(np.asarray(arrays["clock"]).reshape(-1)[0])
         if self.sightings is not None and "sightings" in arrays:
             self.sightings.counts[...] = arrays["sightings"]

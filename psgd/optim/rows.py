@@ -16,7 +16,9 @@ its update count ``t``, all gathered by the table).
   Adam's (apache/mxnet#17728; TensorFlow Addons' LazyAdam does the same).  The name says so.
 
 A rule is one of ``updates`` of a round as dense rules are (:class:`psgd.optim.Share`): async and ssp pushes
-arrive with an ``lr_scale`` (lr / N by default), which multiplies the step.
+arrive with an ``lr_scale`` (lr / N by default), which multiplies the step, and as ``1/N`` of a round:
+``lazy_adam`` decays a touched row's moments by ``beta ** (1/N)`` a push and corrects their bias by the row's
+rounds (its updates / N), as dense Adam does for every weight.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from psgd.optim.base import WHOLE, Share
 from psgd.optim.validation import OptimizerError, fraction, non_negative, positive, reject_unknown
 
 
@@ -44,9 +47,10 @@ class RowOptimizer:
         return {}
 
     def step(self, rows: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray], t: np.ndarray,
-             lr_scale: float = 1.0) -> None:
+             lr_scale: float = 1.0, share: Share = WHOLE) -> None:
         """Update ``rows`` ``[k, dim]`` in place by ``grads`` ``[k, dim]``; ``state`` holds each row's state
-        ``[k, columns]`` (updated in place), ``t`` ``[k]`` the number of updates of each row, this one counted."""
+        ``[k, columns]`` (updated in place), ``t`` ``[k]`` the number of updates of each row, this one counted;
+        ``share``: the part of a round this update is."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
@@ -57,7 +61,7 @@ class RowOptimizer:
 class RowSGD(RowOptimizer):
     name = "sgd"
 
-    def step(self, rows, grads, state, t, lr_scale=1.0):
+    def step(self, rows, grads, state, t, lr_scale=1.0, share=WHOLE):
         rows -= (self.lr * lr_scale) * grads
 
 
@@ -73,7 +77,7 @@ class RowwiseAdagrad(RowOptimizer):
     def state_columns(self, dim):
         return {"sum": 1}
 
-    def step(self, rows, grads, state, t, lr_scale=1.0):
+    def step(self, rows, grads, state, t, lr_scale=1.0, share=WHOLE):
         total = state["sum"]
         fresh = t == 1
         if self.initial and fresh.any():
@@ -96,13 +100,14 @@ class LazyAdam(RowOptimizer):
     def state_columns(self, dim):
         return {"m": dim, "v": dim}
 
-    def step(self, rows, grads, state, t, lr_scale=1.0):
+    def step(self, rows, grads, state, t, lr_scale=1.0, share=WHOLE):
         m, v = state["m"], state["v"]
-        m *= self.beta1
-        m += (1.0 - self.beta1) * grads
-        v *= self.beta2
-        v += (1.0 - self.beta2) * np.square(grads)
-        tt = t.astype(np.float64)[:, None]
+        b1, b2 = self.beta1 ** share.fraction, self.beta2 ** share.fraction  # a push's part of a round's decay
+        m *= b1
+        m += (1.0 - b1) * grads
+        v *= b2
+        v += (1.0 - b2) * np.square(grads)
+        tt = t.astype(np.float64)[:, None] / share.updates  # rounds: bias corrections from the round's decays
         m_hat = m / (1.0 - self.beta1 ** tt)
         v_hat = v / (1.0 - self.beta2 ** tt)
         rows -= ((self.lr * lr_scale) * m_hat / (np.sqrt(v_hat) + self.eps)).astype(rows.dtype)

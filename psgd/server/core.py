@@ -94,6 +94,7 @@ class ShardCore:
         self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
         self.round = Round(self.store) if policy.accumulates else None  # a sync round in the making
         self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows
+        self.remedies.watch_tables(self.tables.tables)
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
@@ -234,7 +235,10 @@ class ShardCore:
         if worker is not None:
             self.roster.check(worker)
         with self.lock:
-            return self.tables.read(lookups, who, make=worker is not None)
+            rows = self.tables.read(lookups, who, make=worker is not None)
+            self.remedies.pulled_rows(worker, self.version, {n: (np.asarray(lookups[n], np.int64), v)
+                                                              for n, v in rows.items()})
+            return rows
 
     def list_rows(self, table: str, start: int, max_rows: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """A page of ``table``'s rows as they are (:meth:`ShardTables.page`): ids, values, where the next page
@@ -281,7 +285,8 @@ class ShardCore:
             if action == APPLY:
                 self._record_staleness(staleness)
                 grads = self.remedies.compensate(worker, base_version, grads, self.weights)
-                self.tables.apply(rows, self.remedies.lr_scale(staleness))
+                rows = self.remedies.compensate_rows(worker, base_version, rows, self.tables.tables)
+                self.tables.apply(rows, self.remedies.lr_scale(staleness), self.remedies.share)
                 self._apply(grads, self.remedies.lr_scale(staleness), self.remedies.share)
                 self.counters["pushes"] += 1
                 self.changed.notify_all()

@@ -23,6 +23,12 @@ copies its weights for each worker at each of its pulls: N copies of the shard's
 more for MeanSquare), and one more copy of the shard per pull.  A push whose worker has no copy of the
 version it names (its pull came before a restart, or went to another process) is applied uncompensated,
 and counted.
+
+**Rows of embedding tables** get the same remedies, row by row: the push's rate and share of a round
+(:mod:`psgd.optim.rows`), and delay compensation against the rows the worker's last pull read (the shard keeps
+those rows, not the table: a few thousand rows a worker), with DC-ASGD-a's MeanSquare kept per row in the table
+(a column of ``dim`` values beside the rule's state, checkpointed with it) and decayed at each gradient the row
+receives.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ from typing import Callable, Mapping
 import numpy as np
 
 from psgd.optim import Share
+from psgd.tables import RowTable
 
 #: DC-ASGD-a's decay of the mean square of the gradients (Zheng et al. 2017)
 MEAN_SQUARE_DECAY = 0.95
 #: added to √MeanSquare so that a weight whose gradients were all zero gets a finite λ
 EPSILON = 1e-7
+#: the state column a table keeps each row's MeanSquare in (adaptive compensation)
+MEAN_SQUARE_COLUMN = "dc_mean_square"
 
 
 class PushRemedies:
@@ -57,6 +66,8 @@ class PushRemedies:
         self._mean_square = np.zeros_like(flat()) if self.dc_lambda and dc_adaptive else None
         self._ms = views(self._mean_square) if self._mean_square is not None else {}
         self.uncompensated = 0  # pushes applied without a copy of the weights their worker pulled
+        self._pulled_rows: dict[int, tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]] = {}
+        self.uncompensated_rows = 0  # pushes whose rows were applied without the rows their worker pulled
 
     def lr_scale(self, staleness: int) -> float:
         """The learning rate's factor for a push applied ``staleness`` updates late."""
@@ -90,4 +101,45 @@ class PushRemedies:
         for i, g in grads.items():
             lam = self.dc_lambda if self._mean_square is None else self.dc_lambda / (np.sqrt(self._ms[i]) + EPSILON)
             out[i] = g + lam * g * g * (weights[i] - held[2][i])
+        return out
+
+    # -- rows of embedding tables --------------------------------------------------------------------------------
+    def watch_tables(self, tables: Mapping[str, RowTable]) -> None:
+        """With adaptive compensation, each table keeps the mean square of its rows' gradients."""
+        if self.dc_lambda and self._mean_square is not None:
+            for table in tables.values():
+                table.add_column(MEAN_SQUARE_COLUMN, table.spec.dim)
+
+    def pulled_rows(self, worker: int | None, version: int, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """``worker`` has just read ``rows`` (ids and values, by table) at ``version``: kept for its push."""
+        if self.dc_lambda and worker is not None:
+            self._pulled_rows[worker] = (version, dict(rows))
+
+    def compensate_rows(self, worker: int, base_version: int, rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                        tables: Mapping[str, RowTable]) -> Mapping[str, tuple[np.ndarray, np.ndarray]]:
+        """The row gradients to apply in place of ``rows``' (new arrays), compensated as the dense ones are."""
+        if not self.dc_lambda or not rows:
+            return rows
+        held = self._pulled_rows.get(worker)
+        if held is None or held[0] != base_version:
+            self.uncompensated_rows += 1
+            held = None
+        out = {}
+        for name, (ids, grads) in rows.items():
+            table, grads = tables[name], np.array(grads)
+            lam = np.full(grads.shape, self.dc_lambda, dtype=np.float64)
+            if self._mean_square is not None:  # each row's own MeanSquare, of the rows that exist
+                have, square = table.column(MEAN_SQUARE_COLUMN, ids)
+                square *= MEAN_SQUARE_DECAY
+                square += (1.0 - MEAN_SQUARE_DECAY) * grads[have] * grads[have]
+                table.set_column(MEAN_SQUARE_COLUMN, ids[have], square)
+                lam[have] = self.dc_lambda / (np.sqrt(square) + EPSILON)
+            pulled_ids, pulled = held[1].get(name, (None, None)) if held is not None else (None, None)
+            if pulled_ids is not None and pulled_ids.size:
+                order = np.argsort(pulled_ids, kind="stable")
+                at = np.minimum(np.searchsorted(pulled_ids, ids, sorter=order), pulled_ids.size - 1)
+                found = pulled_ids[order[at]] == ids
+                then = pulled[order[at[found]]]
+                grads[found] += lam[found] * grads[found] * grads[found] * (table.peek(ids[found]) - then)
+            out[name] = (ids, grads)
         return out

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from psgd.optim import WHOLE, Share
 from psgd.partition import PartitionPlan
 from psgd.server.errors import ShardError
 from psgd.tables import RowTable, TableFull
@@ -106,9 +107,10 @@ class ShardTables:
             return np.zeros(0, np.int64), np.zeros((0, table.spec.dim), table.dtype), -1
         return table.page(start, min(most, max_rows) if max_rows > 0 else most)
 
-    def apply(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], lr_scale: float) -> None:
+    def apply(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], lr_scale: float,
+              share: Share = WHOLE) -> None:
         for name, (ids, values) in rows.items():
-            self.tables[name].apply(ids, values, lr_scale)
+            self.tables[name].apply(ids, values, lr_scale, share)
             self.counters["rows_pushed"] += int(ids.size)
 
     def add(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:

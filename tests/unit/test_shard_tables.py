@@ -16,12 +16,12 @@ from psgd.server.errors import ShardError
 DIM = 4
 
 
-def shard(policy="sync", workers=2, **tables):
+def shard(policy="sync", workers=2, cluster=(), **tables):
     config = JobConfig()
     config.apply_sets(["model.name=embed", f"model.dim={DIM}", "model.hidden=[4]", "data.name=clicks",
                        f"cluster.policy={policy}", "cluster.shards=2", f"cluster.workers={workers}",
                        "tables.optimizer=sgd", "tables.lr=1.0", "train.dtype=float64",
-                       *(f"tables.{k}={v}" for k, v in tables.items())])
+                       *(f"tables.{k}={v}" for k, v in tables.items()), *(f"cluster.{c}" for c in cluster)])
     job = describe_job(config)
     core = build_shard(job, 0)
     for w in range(workers):
@@ -128,3 +128,58 @@ def test_a_worker_whose_tables_are_trained_otherwise_is_refused_naming_them():
         core.register(0, job.plan.hash, job_json=json.dumps(worker), incarnation="other")
     assert info.value.reason == "JOB_MISMATCH"
     assert "tables" not in identity(JobConfig(), "abc")  # a job without tables keeps its fingerprint
+
+
+def _dc_shard(lam, adaptive):
+    return shard("async", workers=2, cluster=(f"dc_lambda={lam}", f"dc_adaptive={str(adaptive).lower()}"))
+
+
+@pytest.mark.parametrize("lam, adaptive", [(0.5, False), (0.04, True)])
+def test_a_stale_row_gradient_is_compensated_against_the_rows_its_worker_pulled(lam, adaptive):
+    """DC-ASGD row by row, against the update written out by hand: both workers pull rows r; worker 1's push
+    moves them; worker 0's gradient, computed on the rows as they were, is applied as g + λ·g⊙g⊙(r_now − r_then)
+    (λ adaptive: λ0 / √MeanSquare of each row's own gradients), at lr / 2."""
+    job, core = _dc_shard(lam, adaptive)
+    ids = mine(job, 5)
+    g1, g0 = np.full((5, DIM), 0.3), np.linspace(-1, 1, 5 * DIM).reshape(5, DIM)
+    r0 = core.read_rows(0, {"emb": ids})["emb"].copy()
+    core.pull(0, 0, timeout=0).release()
+    core.read_rows(1, {"emb": ids})
+    core.pull(1, 0, timeout=0).release()
+    ms = np.zeros_like(g1)
+
+    def step(rows, g, then):
+        nonlocal ms
+        ms = 0.95 * ms + 0.05 * g * g
+        factor = lam / (np.sqrt(ms) + 1e-7) if adaptive else lam
+        return rows - 0.5 * (g + factor * g * g * (rows - then))
+
+    core.push(1, 0, 0, dense(core), rows={"emb": (ids, g1)})
+    r1 = step(r0, g1, r0)
+    core.push(0, 0, 0, dense(core), rows={"emb": (ids, g0)})  # on version 0: one update late
+    want = step(r1, g0, r0)
+    np.testing.assert_allclose(core.read_rows(None, {"emb": ids})["emb"], want, rtol=1e-12, atol=1e-12)
+    plain = r1 - 0.5 * g0
+    assert np.abs(want - plain).max() > 1e-3 and core.remedies.uncompensated_rows == 0
+
+
+def test_a_row_push_without_the_pull_it_names_is_applied_uncompensated_and_counted():
+    job, core = _dc_shard(0.5, False)
+    ids = mine(job, 3)
+    start = core.read_rows(1, {"emb": ids})["emb"].copy()
+    core.push(1, 0, 0, dense(core), rows={"emb": (ids, np.ones((3, DIM)))})
+    core.push(0, 0, 0, dense(core), rows={"emb": (ids, np.ones((3, DIM)))})  # worker 0 never pulled these rows
+    np.testing.assert_allclose(core.read_rows(None, {"emb": ids})["emb"], start - 1.0)
+    assert core.remedies.uncompensated_rows == 1
+
+
+def test_a_rows_mean_square_is_checkpointed_with_it(tmp_path):
+    job, core = _dc_shard(0.04, True)
+    ids = mine(job, 3)
+    core.read_rows(0, {"emb": ids})
+    core.push(0, 0, 0, dense(core), rows={"emb": (ids, np.full((3, DIM), 2.0))})
+    arrays = core.tables.tables["emb"].state_dict()
+    np.testing.assert_allclose(arrays["state/dc_mean_square"], 0.05 * 4.0)
+    _, again = _dc_shard(0.04, True)
+    again.tables.tables["emb"].load_state_dict(arrays)
+    np.testing.assert_allclose(again.tables.tables["emb"].column("dc_mean_square", ids)[1], 0.05 * 4.0)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,8 @@ from psgd.optim import Adam
 from psgd.optim.rows import LazyAdam, RowSGD, RowwiseAdagrad, build_row_optimizer
 from psgd.optim.validation import OptimizerError
 from psgd.partition import PartitionPlan, plan_differences
-from psgd.tables import IdSlots, RowTable, TableFull, TableOptions
+from psgd.rowindex import IdSlots
+from psgd.tables import RowTable, TableFull, TableOptions
 
 SPECS = [VarSpec("w", (4, 3), "float64", "normal")]
 HUGE = np.array([0, 1, -1, 2**62, -(2**63), 2**63 - 1, 123456789012345, 7], np.int64)
@@ -239,3 +242,21 @@ def test_a_table_of_a_million_rows_costs_its_arrays_and_eight_bytes_a_place():
     t.read(ids)
     assert len(t) == ids.size and t.index.nbytes <= 8 * (1 << 21)
     np.testing.assert_array_equal(t.peek(ids[::1000]), t.rows[t.index.find(ids[::1000], t.ids)])
+
+
+@pytest.mark.parametrize("rule", [LazyAdam(0.01), RowSGD(0.1)])
+def test_n_pushes_of_a_rounds_share_move_a_row_as_one_round_does(rule):
+    """Async's accounting, per row: N pushes of one steady gradient, each at lr / N and counted as 1/N of a
+    round (lazy Adam's decays and bias corrections), move a row as one sync round of it does."""
+    from psgd.optim import Share
+
+    g = np.array([[0.3, -0.2, 0.05]])
+    whole = RowTable(table(3), 1, rule)
+    parts = RowTable(table(3), 1, copy.deepcopy(rule))
+    ids = np.array([42], np.int64)
+    for _ in range(3):  # three rounds
+        whole.apply(ids, g)
+        for _ in range(4):
+            parts.apply(ids, g, lr_scale=1 / 4, share=Share(4))
+    np.testing.assert_allclose(parts.peek(ids), whole.peek(ids), rtol=1e-6, atol=1e-7)
+    assert not np.allclose(whole.peek(ids), initial_rows(table(3), 1, ids))
