@@ -134,6 +134,11 @@ class Exchange(abc.ABC):
         :class:`~psgd.model.table.Rows`: rows that do not exist read as their first values and are not made."""
         raise NotImplementedError
 
+    def ahead(self, step: int, lookups: Mapping[str, np.ndarray]) -> None:
+        """The ``lookups`` of step ``step``, the next, told before this step's :meth:`exchange` (only where
+        :attr:`overlaps` and the model has tables): an exchange that pulls the next step's weights beside this
+        step's push pulls their rows too."""
+
     def gradient_ready(self, name: str, grad: Any) -> None:
         """Variable ``name``'s gradient of the step in hand, as soon as backward has produced it (only where
         :attr:`overlaps` and the model hands its gradients over); :meth:`exchange` still gets them all."""
@@ -292,6 +297,10 @@ def run_loop(
                 computed = time.perf_counter()
                 loss = float(loss)
                 judged(guard.step(step, epoch, loss))
+                if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
+                    after_epoch, after = divmod(step + 1, spe)
+                    later = indices if after_epoch == epoch else batches.indices(after_epoch)
+                    exchange.ahead(step + 1, model.lookups(ds.ids_train[later[after]]))
                 out = exchange.exchange(step, grads)
                 pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
                 if pause:

@@ -61,6 +61,9 @@ class ParameterServerExchange(Exchange):
         self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
             if self.overlaps else None
         self._prefetch: tuple[int, Future] | None = None
+        self._ahead: tuple[int, dict] | None = None        # the next step's rows to pull ahead (tables)
+        self._prefetched_rows: dict = {}                      # the rows a prefetched pull filled
+        self.pulls_ahead = 0                                  # steps whose weights were pulled beside a push
         # and on a GPU each gradient leaves the device as soon as backward has produced it, on a CUDA stream
         # of its own into its pinned buffer, while backward goes on
         self._side = backend.SideStream(device) if self.overlaps and device.is_gpu else None
@@ -72,10 +75,9 @@ class ParameterServerExchange(Exchange):
         self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
         self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
-        if self.plan.tables and (self.local_steps or self.overlaps):
+        if self.plan.tables and self.local_steps:
             raise ConfigError(f"model {job.config.model['name']!r} has embedding tables, which a parameter-server "
-                              f"worker trains without {'[cluster] overlap' if self.overlaps else 'the local policy'} "
-                              "so far")
+                              "worker trains without the local policy so far")
         self._reader: PSClient | None = None  # an observer, for an evaluation's rows
         self.moved = {"rows": 0, "bytes": 0, "steps": 0}  # a model with tables: rows and bytes moved, in all
 
@@ -105,7 +107,9 @@ class ParameterServerExchange(Exchange):
         began = time.perf_counter()
         rows = _asked(self.plan, lookups)
         try:
-            if not self._prefetched(step):
+            if self._prefetched(step, rows):
+                rows = self._prefetched_rows
+            else:
                 self.versions = self.client.pull(step, self.host,
                                                  {t: (ids, out) for t, (ids, _, out) in rows.items()})
                 self.spans["pull"] = (began, time.perf_counter())
@@ -124,19 +128,24 @@ class ParameterServerExchange(Exchange):
             self._reader = self.client.observer()
         return read_rows(self._reader, lookups, self.job.device)
 
-    def _prefetched(self, step: int) -> bool:
-        """Take the pull of ``step`` started during the last push, if that is the step now computed (its error,
-        if it failed, is this step's); a pull for another step is waited for and dropped."""
+    def _prefetched(self, step: int, rows: Mapping[str, tuple] | None = None) -> bool:
+        """Take the pull of ``step`` started during the last push, if that is the step now computed and it
+        asked for the rows ``rows`` names (its error, if it failed, is this step's); a pull for another step or
+        other rows is waited for and dropped."""
         if self._prefetch is None:
             return False
         clock, pending = self._prefetch
         self._prefetch = None
-        if clock != step:
+        wanted = {t: ids for t, (ids, _, _) in (rows or {}).items()}
+        got = {t: ids for t, (ids, _, _) in self._prefetched_rows.items()}
+        if clock != step or wanted.keys() != got.keys() or \
+                not all(np.array_equal(wanted[t], got[t]) for t in wanted):
             with contextlib.suppress(PSError):  # not this step's: only let it finish off the connection
                 pending.result()
             return False
         self.versions, self.spans["pull"] = pending.result()
         self.host, self._spare = self._spare, self.host
+        self.pulls_ahead += 1
         return True
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
@@ -152,7 +161,7 @@ class ParameterServerExchange(Exchange):
         grads = {name: g for name, g in grads.items() if name not in rows}
         try:
             if self.overlaps:
-                replies = self._push_beside_next_pull(step, self._on_host(grads))
+                replies = self._push_beside_next_pull(step, self._on_host(grads), rows)
             else:
                 replies = self.client.push(step, self._on_host(grads), rows=rows)
         except PSError as exc:
@@ -182,14 +191,22 @@ class ParameterServerExchange(Exchange):
             self._side.to_host_after(self._side.mark(), grad, self.grad_host[name])
             self._copied.add(name)
 
-    def _push_beside_next_pull(self, step: int, grads: dict[str, np.ndarray]) -> list:
-        """Push ``step``'s gradient and, at the same time, pull the weights for the next step (on the link's
-        other connection; under sync that pull waits at the shards for the round this push closes)."""
+    def ahead(self, step: int, lookups: Mapping[str, np.ndarray]) -> None:
+        self._ahead = (step, lookups)
+
+    def _push_beside_next_pull(self, step: int, grads: dict[str, np.ndarray], rows: Mapping[str, tuple]) -> list:
+        """Push ``step``'s gradient (and row gradients) and, at the same time, pull the weights for the next
+        step, with the rows of its lookups where :meth:`ahead` told them (on the link's other connection; under
+        sync that pull waits at the shards for the round this push closes)."""
         push = _in_background(f"worker-{self.rank}-push", _spanned, self.client.push, step, grads,
-                              list(self.versions))
+                              list(self.versions), rows)
+        ahead, self._ahead = self._ahead, None
         if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
+            asked = _asked(self.plan, ahead[1] if ahead is not None and ahead[0] == step + 1 else None)
+            self._prefetched_rows = asked
             self._prefetch = (step + 1, _in_background(f"worker-{self.rank}-pull", _spanned, self.client.pull,
-                                                       step + 1, self._spare))
+                                                       step + 1, self._spare,
+                                                       {t: (ids, out) for t, (ids, _, out) in asked.items()}))
         replies, self.spans["push"] = push.result()  # a failed push fails this step, as without overlap
         return replies
 
@@ -218,7 +235,8 @@ class ParameterServerExchange(Exchange):
                     raise
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
-        summary: dict[str, Any] = {"outcomes": dict(self.outcomes)}
+        summary: dict[str, Any] = {"outcomes": dict(self.outcomes),
+                                   **({"pulls_ahead": self.pulls_ahead} if self.overlaps else {})}
         if self.moved["steps"]:
             steps = self.moved["steps"]
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes

@@ -33,13 +33,16 @@ def shard_rows(servers, table="emb"):
     return out
 
 
-@pytest.mark.parametrize("rule, transport", [("sgd", "grpc"), ("rowwise_adagrad", "tcp"), ("lazy_adam", "shm")])
-def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule, transport):
+@pytest.mark.parametrize("rule, transport, overlap", [("sgd", "grpc", False), ("rowwise_adagrad", "tcp", False),
+                                                     ("lazy_adam", "shm", False), ("sgd", "tcp", True)])
+def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule, transport, overlap):
+    """... with [cluster] overlap too: the next step's rows are pulled beside this step's push, and under sync
+    that pull waits for the round, so nothing changes."""
     workers, batch = 2, 16
     job = make_job(*SMALL, "train.dtype=float64", "train.epochs=1", f"train.batch_size={batch}",
                    "optimizer.name=sgd", "optimizer.lr=0.1", f"tables.optimizer={rule}", "tables.lr=0.3",
                    "cluster.policy=sync", f"cluster.workers={workers}", "cluster.shards=2",
-                   f"cluster.transport={transport}")
+                   f"cluster.transport={transport}", f"cluster.overlap={str(overlap).lower()}")
     with shards(job) as servers:
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(workers)], timeout=120)
@@ -55,6 +58,8 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
     expected = run_loop(reference, local, progress=False)
 
     assert all(r.steps == expected.steps for r in results) and min(held) > 0  # rows on both shards
+    if overlap:  # every step but the first computed on weights and rows pulled beside the push before it
+        assert [r.summary["pulls_ahead"] for r in results] == [expected.steps - 1] * workers
     for name in dense:
         np.testing.assert_allclose(dense[name], expected.params[name], rtol=1e-9, atol=1e-12, err_msg=name)
     want = local.tables["emb"].state_dict()
@@ -65,9 +70,11 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
     assert not np.allclose(got, start.peek(want["ids"]))  # training moved the rows
 
 
-def test_async_workers_train_a_table_and_rows_stay_on_their_shards():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_async_workers_train_a_table_and_rows_stay_on_their_shards(overlap):
     job = make_job(*SMALL, "train.epochs=3", "train.batch_size=32", "train.eval_every=20", "tables.lr=0.1",
-                   "cluster.policy=async", "cluster.workers=2", "cluster.shards=2")
+                   "cluster.policy=async", "cluster.workers=2", "cluster.shards=2",
+                   f"cluster.overlap={str(overlap).lower()}")
     with shards(job) as servers:
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)

@@ -67,8 +67,8 @@ def test_what_cannot_train_a_table_yet_says_so_in_one_line():
     job = build_job(clicks_job(), check=True)
     with pytest.raises(ConfigError, match="has embedding tables, which the elsewhere mode does not train yet"):
         run_loop(job, Elsewhere(), progress=False)
-    with pytest.raises(ConfigError, match="trains without \\[cluster\\] overlap so far"):
-        ParameterServerExchange(build_job(clicks_job("cluster.overlap=true")), None, 0)
+    with pytest.raises(ConfigError, match="trains without the local policy so far"):
+        ParameterServerExchange(build_job(clicks_job("cluster.policy=local")), None, 0)
     with pytest.raises(ModelError, match="needs a dataset with one id per categorical field"):
         build_job(clicks_job("data.name=digits"))
 
