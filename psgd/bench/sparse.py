@@ -13,7 +13,8 @@ For each table size N (rows that exist, as in a job that has looked up each of i
 
 A batch looks up --lookups ids per worker, drawn from a power law (exponent --alpha) over the N ids, hashed into
 int64 as click logs' ids are; duplicates are summed before a push.  Reported for each: the median step in ms,
-the bytes a step moves (a worker's pull and push; a rank's share of the buffers all-reduced), each process's
+the bytes a step moves (a worker's pull and push; the rows a rank gathers from the others, the buffer it
+all-reduces for the dense gradient, as a ring sends it), each process's
 resident memory, and rows pulled and pushed a second per shard.  The crossover is the smallest table at which
 the dense all-reduce step takes longer than the parameter server's; a size a mode cannot hold on this machine
 (its estimated memory above 85% of what is available) is said so, not run.
@@ -213,8 +214,8 @@ def allreduce_child(n: int, dim: int, lookups: int, alpha: float, steps: int, de
             exchange.exchange(step, grads)
             if step:
                 times.append(time.perf_counter() - began)
-                gathered = comm.allreduce(rows.ids.size, op=group.MPI.SUM)
-                moved.append(2 * (world - 1) / world * gathered * (8 + dim * 4))
+                others = comm.allreduce(rows.ids.size, op=group.MPI.SUM) - rows.ids.size
+                moved.append(others * (8 + dim * 4))  # an all-gather: every other rank's rows come in
         out.update(step_s=comm.allreduce(median(times), op=group.MPI.MAX), bytes_per_step=median(moved),
                    fill_s=fill_s, rank_rss_mb=comm.allreduce(rss_mb(os.getpid(), peak=False), op=group.MPI.MAX),
                    table_bytes=held.nbytes)

@@ -78,7 +78,7 @@ class Collective(abc.ABC):
         """Every rank's ``ids`` and ``values`` (rows of a table's gradient: ``[len(ids), dim]``, host arrays), in
         rank order, on every rank.  Made of all-reduces: each rank's part written at its place in a buffer of
         zeros the size of all of them, which sums to the gathered rows (about twice the bytes of an all-gather;
-        every backend has an all-reduce)."""
+        every backend has an all-reduce; the MPI backend all-gathers instead)."""
         counts = np.zeros(self.world_size, np.int64)
         counts[self.rank] = ids.size
         counts = self._host_allreduce(counts, op="sum")

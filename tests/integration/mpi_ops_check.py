@@ -36,6 +36,17 @@ for step in range(2):
         assert mean[k].shape == s
         np.testing.assert_allclose(mean[k], (n - 1) / 2 + step)
 
+# rows of a table's gradient gathered from every rank, in rank order, uneven (rank 0 sends none): MPI's
+# all-gather and the all-reduces every backend has give the same rows
+ids = np.arange(2 * r, dtype=np.int64) + 100 * r
+values = np.stack([ids * 0.5, -ids.astype(np.float64)], axis=1).astype(np.float32)
+want_ids = np.concatenate([np.arange(2 * k) + 100 * k for k in range(n)])
+for gathered_ids, gathered in (group.gather_rows(ids, values),
+                               super(MpiCollective, group).gather_rows(ids, values)):
+    np.testing.assert_array_equal(gathered_ids, want_ids)
+    np.testing.assert_array_equal(gathered, np.stack([want_ids * 0.5, -want_ids.astype(np.float64)], axis=1))
+    assert gathered.dtype == np.float32
+
 group.check_agreement("same model", "the model")
 try:
     group.check_agreement(f"model of rank {r}", "the model")
