@@ -92,12 +92,15 @@ class ClusterConfig:
     transport: str = "auto"       # pulls and pushes: auto (shared memory on a shard's host, else tcp), shm, tcp, grpc
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
+    checkpoint_rounds: int = 0    # sync: every shard checkpoints at each multiple of this many rounds, all at the
+    #                               same versions; 0: every psgd-server --checkpoint-every seconds, at any version
 
 
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
 _CLUSTER_INT_KEYS = {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6),
+                     "checkpoint_rounds": (0, 10**9),
                      "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30)}
 #: Seconds: more than the largest of these and a call's deadline no longer fits gRPC's clock (1e10 s did not).
 _CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "request_timeout": 86400.0,

@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "another job (without it, the shard refuses to start; their files are left alone). "
                              "This job's own checkpoints are still restored")
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
-                        help="seconds between checkpoints (default 30); one more is written on SIGTERM")
+                        help="seconds between checkpoints (default 30); one more is written on SIGTERM. A sync "
+                             "job whose [cluster] checkpoint_rounds is K checkpoints at every K-th round instead, "
+                             "every shard at the same versions")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                         help="how many checkpoints to keep (default 3)")
     add_token_argument(parser)

@@ -40,10 +40,13 @@ def build_shard(job: Job, shard: int) -> ShardCore:
     init = job.model.init(config.train.seed, names=sorted({s.var for s in mine}))
     values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
     rule = job.policy()
+    if c.checkpoint_rounds and not rule.accumulates:
+        raise ConfigError(f"[cluster] checkpoint_rounds = {c.checkpoint_rounds} cuts checkpoints at common rounds, "
+                          f"which only a sync policy has (this job's: {c.policy}); leave it 0")
     return ShardCore(
         plan, shard, values, job.shard_optimizer(rule), rule,
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
         identity=job.identity, async_lr=c.async_lr, staleness_lr=c.staleness_lr,
         dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive, implicit_momentum=c.implicit_momentum,
-        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")),
+        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")), cut_rounds=c.checkpoint_rounds,
     )

@@ -70,6 +70,7 @@ class ShardCore:
         apply_threads: int | None = None,
         identity: Mapping[str, Any] | None = None,
         tables: ShardTables | None = None,
+        cut_rounds: int = 0,
         now: Callable[[], float] = time.monotonic,
         **remedies: Any,  # async_lr, staleness_lr, dc_lambda, dc_adaptive, implicit_momentum: psgd.server.remedies
     ):
@@ -99,6 +100,10 @@ class ShardCore:
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
         self.closing = False
+        # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
+        # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)
+        self.cut_rounds = cut_rounds
+        self.on_cut: Callable[[], None] | None = None
         # psgd.server.recovery keeps these: the checkpoint this process started from, and (version, time) of
         # the newest one it wrote
         self.restored_version: int | None = None
@@ -140,6 +145,8 @@ class ShardCore:
             self.tables.close_round(len(bases))  # the version the dense update below makes
             self._apply(self.round.sums, 1.0)
             self.round.clear()
+            if self.cut_rounds and self.version % self.cut_rounds == 0 and self.on_cut is not None:
+                self.on_cut()
         self.changed.notify_all()
 
     # -- requests -----------------------------------------------------------------

@@ -28,27 +28,32 @@ def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
     Raises CheckpointError when the disk refuses (the previous one stays).
     """
     with core.lock:
-        if not force and core.last_checkpoint and core.last_checkpoint[0] == core.version:
-            return None
-        arrays = {"weights": core.flat}
-        arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
-        if core.round is not None:
-            arrays["round_sum"] = core.round.flat
-        arrays.update(core.tables.arrays())
-        manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
-                    "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
-                    "policy": core.policy.state_dict(), "counters": dict(core.counters),
-                    "staleness_histogram": list(core.staleness_histogram),
-                    "round_bases": list(core.round.bases) if core.round else [],
-                    "optimizer": core.optimizer.describe(),
-                    "holders": core.roster.holders()}
-        try:
-            path = checkpoint.save(folder, core.version, arrays, manifest, keep)
-        except checkpoint.CheckpointError:
-            core.counters["checkpoint_failures"] = core.counters.get("checkpoint_failures", 0) + 1
-            raise
-        core.last_checkpoint = (core.version, time.time())
-        return path
+        return write_held(core, folder, keep, force)
+
+
+def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
+    """:func:`write`, by a caller that holds the core's lock (a sync round's cut, as it closes)."""
+    if not force and core.last_checkpoint and core.last_checkpoint[0] == core.version:
+        return None
+    arrays = {"weights": core.flat}
+    arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
+    if core.round is not None:
+        arrays["round_sum"] = core.round.flat
+    arrays.update(core.tables.arrays())
+    manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
+                "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
+                "policy": core.policy.state_dict(), "counters": dict(core.counters),
+                "staleness_histogram": list(core.staleness_histogram),
+                "round_bases": list(core.round.bases) if core.round else [],
+                "optimizer": core.optimizer.describe(),
+                "holders": core.roster.holders()}
+    try:
+        path = checkpoint.save(folder, core.version, arrays, manifest, keep)
+    except checkpoint.CheckpointError:
+        core.counters["checkpoint_failures"] = core.counters.get("checkpoint_failures", 0) + 1
+        raise
+    core.last_checkpoint = (core.version, time.time())
+    return path
 
 
 def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:

@@ -327,7 +327,9 @@ class ShardServer:
         if self.data:
             self.data.start()
         self._reaper.start()
-        if self.checkpoint_dir:
+        if self.checkpoint_dir and self.core.cut_rounds:  # at each cut, in the round's closing (under the lock)
+            self.core.on_cut = lambda: self.save_checkpoint(held=True)
+        elif self.checkpoint_dir:
             self._checkpointer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -350,14 +352,15 @@ class ShardServer:
             if last is None or time.time() - last[1] >= self.checkpoint_seconds:
                 self.save_checkpoint()
 
-    def save_checkpoint(self, force: bool = False) -> bool:
-        """Write a checkpoint now (if there is a checkpoint folder); a failure is logged, not raised.
-        False when it failed."""
+    def save_checkpoint(self, force: bool = False, held: bool = False) -> bool:
+        """Write a checkpoint now (if there is a checkpoint folder; ``held``: the caller holds the core's lock);
+        a failure is logged, not raised.  False when it failed."""
         if not self.checkpoint_dir:
             return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
-            path = recovery.write(self.core, folder, self.keep_checkpoints, force=force)
+            path = (recovery.write_held if held else recovery.write)(self.core, folder, self.keep_checkpoints,
+                                                                     force=force)
         except checkpoint.CheckpointError as exc:
             log.error("shard %d: %s", self.core.shard, exc)
             return False
