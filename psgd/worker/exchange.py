@@ -60,9 +60,10 @@ class ParameterServerExchange(Exchange):
         self.overlaps = job.config.cluster.overlap
         self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
             if self.overlaps else None
-        self._prefetch: tuple[int, Future] | None = None
+        # the pull of the next step started beside a push: (its step, the lookups it asked rows for, those rows
+        # as _asked gives them, its future)
+        self._prefetch: tuple[int, Mapping[str, np.ndarray] | None, dict, Future] | None = None
         self._ahead: tuple[int, dict] | None = None        # the next step's rows to pull ahead (tables)
-        self._prefetched_rows: dict = {}                      # the rows a prefetched pull filled
         self.pulls_ahead = 0                                  # steps whose weights were pulled beside a push
         # and on a GPU each gradient leaves the device as soon as backward has produced it, on a CUDA stream
         # of its own into its pinned buffer, while backward goes on
@@ -105,11 +106,10 @@ class ParameterServerExchange(Exchange):
         if self.own is not None and step % self.local_steps:
             return self.own  # a local step: on this worker's own copy
         began = time.perf_counter()
-        rows = _asked(self.plan, lookups)
         try:
-            if self._prefetched(step, rows):
-                rows = self._prefetched_rows
-            else:
+            rows = self._prefetched(step, lookups)
+            if rows is None:
+                rows = _asked(self.plan, lookups)
                 self.versions = self.client.pull(step, self.host,
                                                  {t: (ids, out) for t, (ids, _, out) in rows.items()})
                 self.spans["pull"] = (began, time.perf_counter())
@@ -128,25 +128,25 @@ class ParameterServerExchange(Exchange):
             self._reader = self.client.observer()
         return read_rows(self._reader, lookups, self.job.device)
 
-    def _prefetched(self, step: int, rows: Mapping[str, tuple] | None = None) -> bool:
-        """Take the pull of ``step`` started during the last push, if that is the step now computed and it
-        asked for the rows ``rows`` names (its error, if it failed, is this step's); a pull for another step or
-        other rows is waited for and dropped."""
+    def _prefetched(self, step: int, lookups: Mapping[str, np.ndarray] | None) -> dict | None:
+        """Take the pull of ``step`` started during the last push, if that is the step now computed and it asked
+        for the rows of ``lookups`` (its error, if it failed, is this step's): the rows it filled (as
+        :func:`_asked` gives them).  None where there was none; a pull for another step or other lookups is
+        waited for and dropped."""
         if self._prefetch is None:
-            return False
-        clock, pending = self._prefetch
+            return None
+        clock, asked_for, rows, pending = self._prefetch
         self._prefetch = None
-        wanted = {t: ids for t, (ids, _, _) in (rows or {}).items()}
-        got = {t: ids for t, (ids, _, _) in self._prefetched_rows.items()}
-        if clock != step or wanted.keys() != got.keys() or \
-                not all(np.array_equal(wanted[t], got[t]) for t in wanted):
+        mine, theirs = lookups or {}, asked_for or {}
+        if clock != step or mine.keys() != theirs.keys() or \
+                not all(np.array_equal(mine[t], theirs[t]) for t in mine):
             with contextlib.suppress(PSError):  # not this step's: only let it finish off the connection
                 pending.result()
-            return False
+            return None
         self.versions, self.spans["pull"] = pending.result()
         self.host, self._spare = self._spare, self.host
         self.pulls_ahead += 1
-        return True
+        return rows
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         if self.local_steps:
@@ -202,11 +202,11 @@ class ParameterServerExchange(Exchange):
                               list(self.versions), rows)
         ahead, self._ahead = self._ahead, None
         if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
-            asked = _asked(self.plan, ahead[1] if ahead is not None and ahead[0] == step + 1 else None)
-            self._prefetched_rows = asked
-            self._prefetch = (step + 1, _in_background(f"worker-{self.rank}-pull", _spanned, self.client.pull,
-                                                       step + 1, self._spare,
-                                                       {t: (ids, out) for t, (ids, _, out) in asked.items()}))
+            lookups = ahead[1] if ahead is not None and ahead[0] == step + 1 else None
+            asked = _asked(self.plan, lookups)
+            self._prefetch = (step + 1, lookups, asked, _in_background(
+                f"worker-{self.rank}-pull", _spanned, self.client.pull, step + 1, self._spare,
+                {t: (ids, out) for t, (ids, _, out) in asked.items()}))
         replies, self.spans["push"] = push.result()  # a failed push fails this step, as without overlap
         return replies
 
@@ -223,7 +223,7 @@ class ParameterServerExchange(Exchange):
     def end(self, interrupted: bool) -> dict[str, Any]:
         if self._prefetch is not None:  # a pull for a step that will not be computed now
             with contextlib.suppress(PSError):
-                self._prefetch[1].result()
+                self._prefetch[3].result()
             self._prefetch = None
         if self._reader is not None:
             self._reader.close()
