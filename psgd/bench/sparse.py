@@ -4,8 +4,9 @@ For each table size N (rows that exist, as in a job that has looked up each of i
 
   parameter server   --shards psgd-server processes hold the N rows between them, made by the pulls of one
                      client as a job's first lookups make them (rows made a second, per shard, is reported);
-                     then --workers clients (threads of this process, over gRPC, async policy so no step waits
-                     for another) time --steps steps each: pull the rows a batch looks up, push their gradients;
+                     then --workers clients (threads of this process, over the data port, async policy so no
+                     step waits for another) time --steps steps each: pull the rows a batch looks up, push
+                     their gradients;
   all-reduce         --workers MPI ranks run psgd's all-reduce exchange (psgd.collective.exchange), every rank
                      holding all N rows and gathering each step's row gradients from every rank;
   dense all-reduce   the same ranks all-reduce a [N, dim] gradient, as data parallelism does with a table whose
@@ -40,6 +41,7 @@ import numpy as np
 
 from psgd.bench.blob import median, rss_mb
 from psgd.bench.limits import machine
+from psgd.data.clicks import zipf_ranks
 from psgd.model import BaseModel, VarSpec
 from psgd.model.table import Rows, TableSpec, mix64, name_key
 from psgd.parsing import comma_list
@@ -81,10 +83,7 @@ def table_ids(n: int, ranks: np.ndarray) -> np.ndarray:
 
 def draw_lookups(rng: np.random.Generator, n: int, count: int, alpha: float) -> np.ndarray:
     """``count`` ids of a table of ``n``, by rank from a power law with exponent ``alpha`` (rank 0 most often)."""
-    u = rng.random(count)
-    a = 1.0 - alpha
-    ranks = np.power(1.0 + u * (np.power(n + 1.0, a) - 1.0), 1.0 / a) - 1.0
-    return table_ids(n, np.minimum(ranks.astype(np.int64), n - 1))
+    return table_ids(n, zipf_ranks(rng.random(count), np.int64(n), alpha))
 
 
 def table_bytes(rows: int, dim: int) -> int:

@@ -70,7 +70,7 @@ def _normal(key: np.uint64, cells: np.ndarray) -> np.ndarray:
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def _zipf_ranks(u: np.ndarray, size: np.ndarray, alpha: float) -> np.ndarray:
+def zipf_ranks(u: np.ndarray, size: np.ndarray, alpha: float) -> np.ndarray:
     """Ranks 0..size-1 with P(rank r) about proportional to (r + 1)^-alpha (the continuous law's inverse)."""
     a = 1.0 - alpha
     top = np.power(size.astype(np.float64) + 1.0, a)
@@ -112,7 +112,7 @@ class Generator:
         z = np.zeros(n)
         for f in range(F):
             size = np.maximum(1, np.floor(self.cardinality[f] * (GROWTH_START + (1 - GROWTH_START) * time)))
-            ranks[:, f] = _zipf_ranks(_unit(key, base + np.uint64(f)), size.astype(np.int64), self.alpha)
+            ranks[:, f] = zipf_ranks(_unit(key, base + np.uint64(f)), size.astype(np.int64), self.alpha)
             ids[:, f] = self.ids_of(f, ranks[:, f])
             cells = (ids[:, f].view(np.uint64)[:, None] * np.uint64(TEACHER_DIM)
                      + np.arange(TEACHER_DIM, dtype=np.uint64)[None, :])
