@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from psgd.config import JobConfig
-from psgd.model.table import TableSpec, table_keys
+from psgd.model.table import TableSpec, joined_by_id, table_keys
 from psgd.partition import PartitionPlan, plan_differences
 from psgd.server import checkpoint
 from psgd.tls import NO_TLS, TLSFiles
@@ -254,10 +254,9 @@ def _join_rows(plan: PartitionPlan, spec: TableSpec, shards: Sequence[_ShardFold
                               f"fit the plan (ids of {s.name}'s, rows of {spec.dim} values)")
         ids.append(mine)
         rows.append(values)
-    joined = np.concatenate(ids)
-    order = np.argsort(joined, kind="stable")
+    joined, values = joined_by_id(ids, rows, spec.dim)
     key_ids, key_rows = table_keys(spec.name)
-    return {key_ids: joined[order], key_rows: np.concatenate(rows)[order].astype(spec.dtype)}
+    return {key_ids: joined, key_rows: values.astype(spec.dtype)}
 
 
 def _job_folder(config: JobConfig, plan: PartitionPlan, root: Path) -> Path:

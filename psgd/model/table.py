@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -134,6 +134,15 @@ class Rows:
 def table_keys(table: str) -> tuple[str, str]:
     """The names a table's rows are saved under in a weights file: its ids (increasing) and its rows."""
     return f"table:{table}:ids", f"table:{table}:rows"
+
+
+def joined_by_id(ids: Sequence[np.ndarray], rows: Sequence[np.ndarray], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parts of a table's rows (each shard's, say) joined into one: ids increasing, rows ``[n, dim]`` in their
+    order, as a weights file holds them (:func:`table_keys`)."""
+    joined = np.concatenate([np.asarray(i, np.int64) for i in ids]) if ids else np.zeros(0, np.int64)
+    order = np.argsort(joined, kind="stable")
+    values = np.concatenate([np.reshape(r, (-1, dim)) for r in rows]) if rows else np.zeros((0, dim))
+    return joined[order], values[order]
 
 
 def unique_lookups(lookups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

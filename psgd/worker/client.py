@@ -31,6 +31,7 @@ from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
 from psgd.job import identity as job_identity
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, link_kind, open_link
+from psgd.model.table import joined_by_id
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
@@ -373,10 +374,8 @@ class PSClient:
             return ids, values, (versions[0], versions[-1])
 
         parts = self._on_all(one)
-        ids = np.concatenate([i for p in parts for i in p[0]])
-        values = np.concatenate([v for p in parts for v in p[1]]).reshape(-1, spec.dim)
-        order = np.argsort(ids, kind="stable")
-        return ids[order].astype(np.int64), values[order], [p[2] for p in parts]
+        ids, values = joined_by_id([i for p in parts for i in p[0]], [v for p in parts for v in p[1]], spec.dim)
+        return ids, values, [p[2] for p in parts]
 
     # -- leases ---------------------------------------------------------------------
     def start_heartbeats(self) -> None:
