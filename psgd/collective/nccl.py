@@ -10,7 +10,12 @@ communication thread, and waits once for all of them (:meth:`NcclCollective.wait
 Every operation waits for completion under a watchdog: if it has not finished
 within ``timeout`` seconds (or NCCL reports an asynchronous error), the
 communicator is aborted and :class:`CollectiveError` is raised, so a rank that
-died or stalled never hangs the others silently.
+died or stalled never hangs the others silently.  An all-reduce's stream is
+queried once right after the call; only one still running (or failed) goes on
+to the watchdog's polling, which asks NCCL for asynchronous errors: one that
+has finished is complete, and a dead peer stops the next call from finishing.
+An all-reduce checks its array fully the first time it sees its (array type,
+dtype, reduction) and then only the array's device and contiguity.
 
 This is the only psgd module that touches the NCCL bindings; it gets them from
 :func:`psgd.xp.nccl_module` and never imports CuPy itself.
@@ -47,6 +52,7 @@ _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}
 
 CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600  # cudaStreamQuery's two answers that are not errors
 
+_MAX_CHECKED = 64  # (array type, dtype, op) triples an all-reduce remembers as checked; more empties the memo
 _FIRST_SLEEP = 20e-6  # watchdog polling: sleeps grow from this ...
 _MAX_SLEEP = 1e-3     # ... to this, so a finished operation is noticed within about a millisecond
 
@@ -116,10 +122,12 @@ def _call_with_deadline(fn: Callable[[], Any], timeout: float, on_timeout: Calla
     return outcome.get("value")
 
 
-def _stream_finished(runtime: Any, stream: Any) -> bool:
-    """Whether ``stream``'s work is done; a CUDA error on it is raised (CuPy's ``Stream.done`` is
-    ``streamQuery(...) == 0``, which reports a failed stream as merely unfinished)."""
-    status = runtime.streamQuery(stream.ptr)
+def _stream_finished(runtime: Any, stream: Any, status: int | None = None) -> bool:
+    """Whether ``stream``'s work is done (``status``: its query's answer when already asked); a CUDA error on
+    it is raised (CuPy's ``Stream.done`` is ``streamQuery(...) == 0``, which reports a failed stream as merely
+    unfinished)."""
+    if status is None:
+        status = runtime.streamQuery(stream.ptr)
     if status == CUDA_SUCCESS:
         return True
     if status == CUDA_ERROR_NOT_READY:
@@ -141,6 +149,7 @@ class NcclCollective(Collective):
         self._aborted = False
         self._queued = False
         self._barrier_buf: Any = None
+        self._checked: dict[tuple[Any, Any, Any], tuple[int, int]] = {}  # (type, dtype, op) -> NCCL constants
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise CollectiveError(f"the nccl backend needs a positive integer world size, not {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -156,6 +165,7 @@ class NcclCollective(Collective):
                                   f"{self.device}; run with --device cuda:N (one GPU per rank), or use "
                                   "--backend mpi on CPUs")
         self._cuda = self.device.xp.cuda  # CuPy's cuda namespace: Device contexts and streams
+        self._runtime, self._index = self._cuda.runtime, self.device.index
         unique = exchange(rendezvous, rank, world_size, self._nccl.get_unique_id, self.timeout)
         log.info("rank %d of %d: creating the NCCL communicator on %s", rank, world_size, self.device)
         self._comm = _call_with_deadline(lambda: self._create(unique), self.timeout, self._init_timed_out)
@@ -190,18 +200,49 @@ class NcclCollective(Collective):
     # ------------------------------------------------------------ operations
 
     def allreduce_(self, array: Any, op: str = "sum") -> Any:
+        try:  # the checks that depend only on the array's type, its dtype and op: passed once already?
+            checked = self._checked.get((type(array), getattr(array, "dtype", None), op))
+        except TypeError:  # an unhashable op, refused below
+            checked = None
+        if checked is None:  # first sight: every check, in their usual order
+            datatype, nccl_op = self._check_allreduce(array, op)
+        else:
+            datatype, nccl_op = checked
+            if array.device.id != self._index or not array.flags.c_contiguous:
+                self._datatype(array, "all-reduce")  # raises, saying which
+        comm = self._comm
+        if comm is None:
+            self._live_comm()  # raises: closed, or aborted
+        size = array.size
+        if size:
+            if self._runtime.getDevice() == self._index:  # the rank's device is current already (one per process)
+                self._allreduce_on_current(comm, array, size, datatype, nccl_op, op)
+            else:
+                with self._cuda.Device(self._index):
+                    self._allreduce_on_current(comm, array, size, datatype, nccl_op, op)
+        return array
+
+    def _check_allreduce(self, array: Any, op: str) -> tuple[int, int]:
         nccl_op = _nccl_op(op, self._nccl)
         datatype = self._datatype(array, "all-reduce")
-        comm = self._live_comm()
-        if array.size:
-            what = f"all-reduce ({op}) of {array.nbytes} bytes"
-            with self._cuda.Device(self.device.index):
-                stream = self._cuda.get_current_stream()
-                self._enqueue(lambda: comm.allReduce(array.data.ptr, array.data.ptr, array.size, datatype,
-                                                     nccl_op, stream.ptr), what)
-                if not self._queued:
-                    self._finish(stream, what)
-        return array
+        if len(self._checked) >= _MAX_CHECKED:
+            self._checked.clear()
+        self._checked[(type(array), array.dtype, op)] = datatype, nccl_op
+        return datatype, nccl_op
+
+    def _allreduce_on_current(self, comm: Any, array: Any, size: int, datatype: int, nccl_op: int, op: str) -> None:
+        """Queue the all-reduce on the current stream of the current device (the rank's), then wait unless queued:
+        a stream that has finished at the first query is done; any other answer goes to the watchdog."""
+        stream = self._cuda.get_current_stream()
+        ptr = array.data.ptr
+        try:
+            comm.allReduce(ptr, ptr, size, datatype, nccl_op, stream.ptr)
+        except Exception as exc:  # NcclError: the communicator is unusable from here on
+            self._refused(exc, f"all-reduce ({op}) of {array.nbytes} bytes")
+        if not self._queued:
+            status = self._runtime.streamQuery(stream.ptr)
+            if status != CUDA_SUCCESS:
+                self._finish(stream, f"all-reduce ({op}) of {array.nbytes} bytes", status)
 
     @contextlib.contextmanager
     def queued(self) -> Iterator[None]:
@@ -284,20 +325,24 @@ class NcclCollective(Collective):
         try:
             call()
         except Exception as exc:  # NcclError: the communicator is unusable from here on
-            self._abort()
-            raise CollectiveError(f"rank {self.rank}: NCCL refused the {what} ({exc}); the communicator was "
-                                  "aborted, restart all ranks") from exc
+            self._refused(exc, what)
 
-    def _finish(self, stream: Any, what: str) -> None:
-        """Wait for ``stream`` under the watchdog; abort the communicator on timeout or error."""
+    def _refused(self, exc: Exception, what: str) -> None:
+        self._abort()
+        raise CollectiveError(f"rank {self.rank}: NCCL refused the {what} ({exc}); the communicator was "
+                              "aborted, restart all ranks") from exc
+
+    def _finish(self, stream: Any, what: str, status: int | None = None) -> None:
+        """Wait for ``stream`` under the watchdog; abort the communicator on timeout or error.  ``status``: the
+        answer of a query of the stream made just before, taken as the first poll's (after NCCL's error check)."""
         check = self._check_async
-
-        runtime = self._cuda.runtime
+        runtime = self._runtime
+        first = [] if status is None else [status]
 
         def done() -> bool:
             if check is not None:
                 check()  # raises NcclError when NCCL saw a peer fail
-            return _stream_finished(runtime, stream)
+            return _stream_finished(runtime, stream, first.pop() if first else None)
 
         def timed_out() -> None:
             self._abort()

@@ -90,6 +90,77 @@ def test_host_arrays_and_unsupported_dtypes_are_refused(group, gpu):
 
 
 @pytest.mark.gpu
+def test_remembered_checks_reduce_several_shapes_and_dtypes_in_a_row(group, gpu, rng):
+    """After its first call, an all-reduce skips the checks of its (type, dtype, op): calls that alternate
+    shapes, dtypes and reductions, three rounds over, each still passes the right pointer, count and type."""
+    xp = gpu.xp
+    cases = [((1000,), np.float32, "sum"), ((10, 100), np.float32, "max"), ((7,), np.float64, "min"),
+             ((3, 5, 2), np.int32, "sum"), ((1 << 20,), np.float16, "sum"), ((33,), np.int64, "max"),
+             ((4 << 20,), np.float32, "sum"), ((1,), np.float64, "sum")]
+    for _ in range(3):
+        for shape, dtype, op in cases:
+            host = (rng.standard_normal(shape) * 100).astype(dtype)
+            x = xp.asarray(host) * 1  # a kernel writes it just before: the call waits for it on the stream
+            assert group.allreduce_(x, op=op) is x
+            np.testing.assert_array_equal(backend.to_host(x), host)
+
+
+@pytest.mark.gpu
+def test_a_call_after_a_remembered_one_is_still_checked(group, gpu):
+    """The same type, dtype and op as a call already made, but a strided view: refused every time; so are a
+    host array and a dtype NCCL cannot reduce, between accepted calls, and the communicator stays usable."""
+    xp = gpu.xp
+    good = xp.arange(16, dtype=np.float32).reshape(4, 4)
+    for _ in range(3):
+        assert group.allreduce_(good) is good
+        with pytest.raises(CollectiveError, match="contiguous"):
+            group.allreduce_(good[:, 1])
+        with pytest.raises(CollectiveError, match="contiguous"):
+            group.allreduce_(good.T)
+        with pytest.raises(CollectiveError, match="needs device \\(CuPy\\) arrays"):
+            group.allreduce_(np.zeros(3, dtype=np.float32))
+        with pytest.raises(CollectiveError, match="cannot reduce uint8"):
+            group.allreduce_(xp.zeros(3, dtype=np.uint8))
+        with pytest.raises(CollectiveError, match="unknown reduction"):
+            group.allreduce_(good, op="prod")
+    if xp.cuda.runtime.getDeviceCount() > 1:
+        with xp.cuda.Device(1):
+            elsewhere = xp.zeros(16, dtype=np.float32)
+        for _ in range(2):
+            with pytest.raises(CollectiveError, match="on cuda:1"):
+                group.allreduce_(elsewhere)
+    np.testing.assert_array_equal(backend.to_host(good), np.arange(16, dtype=np.float32).reshape(4, 4))
+    group.barrier()
+
+
+@pytest.mark.gpu
+def test_an_allreduce_behind_queued_work_is_waited_for(group, gpu):
+    """Work queued ahead keeps the stream busy at the call's first query: the watchdog's wait takes over and
+    returns once the stream has finished."""
+    xp = gpu.xp
+    a = xp.ones((2048, 2048), dtype=np.float32)
+    for _ in range(20):
+        a = a @ a / 2048.0
+    x = xp.arange(8, dtype=np.float32)
+    group.allreduce_(x)
+    assert xp.cuda.get_current_stream().done
+    assert float(a[0, 0]) == 1.0
+    np.testing.assert_array_equal(backend.to_host(x), np.arange(8, dtype=np.float32))
+
+
+@pytest.mark.gpu
+def test_an_allreduce_while_another_device_is_current(group, gpu):
+    xp = gpu.xp
+    if xp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs a second GPU to make current")
+    x = xp.arange(64, dtype=np.float32)
+    with xp.cuda.Device(1):
+        group.allreduce_(x)
+        assert xp.cuda.runtime.getDevice() == 1
+    np.testing.assert_array_equal(backend.to_host(x), np.arange(64, dtype=np.float32))
+
+
+@pytest.mark.gpu
 def test_bucketer_mean_over_cupy_grads(group, gpu, rng):
     xp = gpu.xp
     shapes = {"w1": (8, 16), "b1": (16,), "w2": (16, 4), "b2": (4,)}

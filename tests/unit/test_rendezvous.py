@@ -356,10 +356,12 @@ class FakeStream:
 
     def __init__(self):
         self.status, self.ptr = 0, 1234  # 0 success, 600 cudaErrorNotReady, anything else an error
+        self.queries, self.once = 0, []  # once: answers given before status, first one first
 
     def query(self, ptr):
         assert ptr == self.ptr
-        return self.status
+        self.queries += 1
+        return self.once.pop(0) if self.once else self.status
 
     @property
     def done(self):
@@ -382,6 +384,7 @@ class FakeComm:
         self.calls.append(("bcast", buf, count, datatype, root, stream))
 
     def check_async_error(self):
+        self.async_checks = getattr(self, "async_checks", 0) + 1
         if self.async_error is not None:
             raise self.async_error
 
@@ -396,11 +399,25 @@ class FakeDevice:
     is_gpu, index = True, 0
 
     def __init__(self, stream):
-        self.used = 0
-        runtime = types.SimpleNamespace(streamQuery=stream.query, CUDARuntimeError=FakeCudaRuntimeError)
-        cuda = types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(), get_current_stream=lambda: stream,
+        self.used, self.current, self.entered = 0, 0, []  # current: the thread's current device, as CuPy has it
+        runtime = types.SimpleNamespace(streamQuery=stream.query, CUDARuntimeError=FakeCudaRuntimeError,
+                                        getDevice=lambda: self.current)
+        cuda = types.SimpleNamespace(Device=self._device, get_current_stream=lambda: self._stream(stream),
                                      runtime=runtime)
         self.xp = types.SimpleNamespace(cuda=cuda)
+
+    @contextlib.contextmanager
+    def _device(self, index):  # cupy.cuda.Device(index) as a context: current inside, the previous one after
+        previous, self.current = self.current, index
+        self.entered.append(index)
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def _stream(self, stream):
+        assert self.current == self.index, "the stream is looked up on another device than the rank's"
+        return stream
 
     def use(self):
         self.used += 1
@@ -532,6 +549,114 @@ def test_queued_all_reduces_return_at_once_and_are_waited_for_under_the_watchdog
     stream.status = 0
     with pytest.raises(CollectiveError, match="aborted"):  # outside queued() again: waits, and refuses
         group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+
+
+def test_an_all_reduce_checks_its_array_every_time_after_the_first_full_check(fake_gpu, tmp_path):
+    """(type, dtype, op) is checked once; a refusal is never remembered, and device and contiguity are checked
+    on every call: what was refused the first time is refused every time after, between accepted calls."""
+    group = make_group(tmp_path)
+    comm = FakeComm.instances[0]
+    refusals = [(np.zeros(3, np.float32), "sum", "needs device \\(CuPy\\) arrays .* numpy.ndarray"),
+                (FakeArray(np.zeros(3, np.uint8)), "sum", "cannot reduce uint8"),
+                (FakeArray(np.zeros(3, np.float32), device_id=1), "sum", "all-reduce of an array on cuda:1"),
+                (FakeArray(np.zeros((4, 4), np.float32))[:, 1], "sum", "contiguous .* shape \\(4,\\)"),
+                (FakeArray(np.zeros(3, np.float32)), "prod", "unknown reduction 'prod'"),
+                (FakeArray(np.zeros(3, np.float32)), ["sum"], "unknown reduction \\['sum'\\]")]
+    for round_ in range(3):
+        good = FakeArray(np.arange(3, dtype=np.float32))
+        assert group.allreduce_(good) is good
+        assert comm.calls[-1] == ("allReduce", good.data.ptr, good.data.ptr, 3, 7, 0, 1234)
+        for array, op, message in refusals:
+            with pytest.raises(CollectiveError, match=message):
+                group.allreduce_(array, op=op)
+        assert len(comm.calls) == round_ + 1 and comm.aborted == 0
+    other = FakeArray(np.arange(5, dtype=np.float64))  # another dtype and op after the remembered ones
+    group.allreduce_(other, op="min")
+    assert comm.calls[-1] == ("allReduce", other.data.ptr, other.data.ptr, 5, 8, 3, 1234)
+
+
+def test_the_memo_of_checked_arrays_stays_bounded(fake_gpu, tmp_path, monkeypatch):
+    monkeypatch.setattr(nccl_backend, "_MAX_CHECKED", 2)
+    group = make_group(tmp_path)
+    for dtype, op in [(np.float32, "sum"), (np.float64, "max"), (np.int32, "min"), (np.float32, "sum")]:
+        group.allreduce_(FakeArray(np.zeros(2, dtype)), op=op)
+        assert len(group._checked) <= 2
+    assert [c[4:6] for c in FakeComm.instances[0].calls] == [(7, 0), (8, 2), (2, 3), (7, 0)]
+
+
+def test_an_all_reduce_that_has_finished_costs_one_stream_query_and_no_device_switch(fake_gpu, tmp_path):
+    stream, device = fake_gpu
+    group = make_group(tmp_path)
+    comm = FakeComm.instances[0]
+    checks, queries = comm.async_checks, stream.queries
+    for n in range(1, 6):
+        group.allreduce_(FakeArray(np.zeros(n, np.float32)))
+    assert stream.queries - queries == 5 and comm.async_checks == checks  # finished: no watchdog polling
+    assert device.entered == []  # the rank's device was current: no cupy.cuda.Device context
+
+
+def test_an_all_reduce_switches_to_the_ranks_device_when_another_is_current(fake_gpu, tmp_path):
+    stream, device = fake_gpu
+    group = make_group(tmp_path, timeout=0.2)
+    device.current = 1
+    a = FakeArray(np.zeros(4, np.float32))
+    group.allreduce_(a)  # the fake's stream lookup asserts that cuda:0 is current
+    assert device.entered == [0] and device.current == 1
+    stream.status = 600  # and the watchdog's wait happens there as well
+    with pytest.raises(CollectiveError, match="did not complete within 0.2 s"):
+        group.allreduce_(a)
+    assert device.entered == [0, 0] and device.current == 1
+
+
+def test_an_async_error_is_raised_by_the_first_all_reduce_that_has_not_finished(fake_gpu, tmp_path):
+    """A call whose stream has finished is complete (its peers did their part); a dead peer stops the next
+    call from finishing, and that one polls NCCL's error at once."""
+    stream, _ = fake_gpu
+    group = make_group(tmp_path, timeout=30.0)
+    comm = FakeComm.instances[0]
+    comm.async_error = RuntimeError("NCCL_ERROR_REMOTE_ERROR: remote process exited")
+    group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    stream.status = 600  # cudaErrorNotReady
+    began = time.monotonic()
+    with pytest.raises(CollectiveError, match="all-reduce \\(sum\\) of 16 bytes failed .*REMOTE") as info:
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    assert time.monotonic() - began < 1.0 and comm.aborted == 1
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_stream_error_seen_by_the_first_query_is_not_lost(fake_gpu, tmp_path):
+    """The first query's answer goes to the watchdog as its first poll, not asked again (an error a query
+    reports once must still abort)."""
+    stream, _ = fake_gpu
+    group = make_group(tmp_path, timeout=30.0)
+    stream.once = [700]  # cudaErrorIllegalAddress, then the stream looks finished
+    with pytest.raises(CollectiveError, match="all-reduce \\(sum\\) of 16 bytes failed .*illegal memory"):
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    assert FakeComm.instances[0].aborted == 1
+
+
+def test_an_all_reduce_still_running_at_the_first_query_is_waited_for(fake_gpu, tmp_path):
+    stream, _ = fake_gpu
+    group = make_group(tmp_path, timeout=30.0)
+    comm = FakeComm.instances[0]
+    checks = comm.async_checks
+    stream.once = [600, 600, 600]  # busy at the first query and two more, then finished
+    group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    # the first query's answer is the first poll's: 4 queries, 4 polls each checking NCCL's errors first
+    assert stream.queries == 4 and comm.async_checks - checks == 4 and comm.aborted == 0
+
+
+def test_a_stalled_all_reduce_after_finished_ones_is_aborted(fake_gpu, tmp_path):
+    stream, _ = fake_gpu
+    group = make_group(tmp_path, timeout=0.2)
+    for _ in range(3):
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    stream.status = 600
+    began = time.monotonic()
+    with pytest.raises(CollectiveError, match="rank 0: all-reduce \\(sum\\) of 16 bytes did not complete within "
+                                              "0.2 s: another rank has probably died or stalled"):
+        group.allreduce_(FakeArray(np.zeros(4, np.float32)))
+    assert 0.15 <= time.monotonic() - began < 2.0 and FakeComm.instances[0].aborted == 1
 
 
 def test_a_backend_that_cannot_queue_says_so():
