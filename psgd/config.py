@@ -59,6 +59,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
     eval_batch_size: int = 1024
     eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
+    graphs: bool = True  # on a GPU, a step's gradient replayed as a CUDA graph where the model allows (psgd.graphs)
     threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
 
 
@@ -242,8 +243,9 @@ class JobConfig:
                 raise ConfigError(f"{src}: [{section}] needs a name (a string)")
         t = self.train
         _check_ints(src, "train", t, _INT_KEYS)
-        if not isinstance(t.eval_beside, bool):
-            raise ConfigError(f"{src}: [train] eval_beside must be true or false, got {t.eval_beside!r}")
+        for key in ("eval_beside", "graphs"):
+            if not isinstance(getattr(t, key), bool):
+                raise ConfigError(f"{src}: [train] {key} must be true or false, got {getattr(t, key)!r}")
         if t.dtype not in DTYPES:
             raise ConfigError(f"{src}: [train] dtype must be one of {DTYPES}, got {t.dtype!r}")
         if not isinstance(t.device, str):

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from psgd import xp as backend
+
 #: evaluations in a row that make a growing loss, or accuracy at chance, a divergence
 EVALUATIONS = 3
 #: how many times its first step's loss a step's loss may reach before the run counts as blown up
@@ -55,8 +57,8 @@ class Divergence:
 
 
 def chance(labels: np.ndarray) -> float:
-    """The accuracy of always answering the commonest class of ``labels``."""
-    labels = np.asarray(labels)
+    """The accuracy of always answering the commonest class of ``labels`` (host or device arrays)."""
+    labels = backend.to_host(labels)
     if labels.size == 0:
         return 0.0
     return float(np.bincount(labels.astype(np.int64).ravel()).max() / labels.size)

@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
+from psgd import graphs
 from psgd import model as models
 from psgd import xp as backend
 from psgd.config import ConfigError
@@ -252,6 +253,10 @@ def run_loop(
         else:
             log.info("%s: the model's loss_and_grads takes no on_grad, so its gradients move once backward is "
                      "done (no overlap)", exchange.name)
+    gradient = model.loss_and_grads
+    if not handing and not job.plan.tables and graphs.can_graph(
+            model, device, t.graphs, lambda why: log.info("%s: %s", exchange.name, why)):
+        gradient = graphs.GraphedStep(model, device, exchange.name)  # the step's kernels as one launch
     start = time.perf_counter()  # again once joined: wall times count from the first step
 
     def evaluation(params: Mapping[str, Any], done: int, train_loss: float, wall: float | None = None) -> None:
@@ -292,8 +297,8 @@ def run_loop(
                     evaluated = beside.submit(params, step, float(loss), fetched - start)
                 elif evaluated:
                     evaluation(params, step, float(loss))
-                loss, grads = model.loss_and_grads(params, device.asarray(ds.x_train[idx]),
-                                                   device.asarray(ds.y_train[idx]), **handing)
+                loss, grads = gradient(params, device.asarray(ds.x_train[idx]), device.asarray(ds.y_train[idx]),
+                                       **handing)
                 computed = time.perf_counter()
                 loss = float(loss)
                 judged(guard.step(step, epoch, loss))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+from psgd import kernels
 from psgd.model.base import VarSpec
 from psgd.xp import get_array_module
 
@@ -52,24 +53,35 @@ class Dense(Layer):
         ]
 
     def forward(self, params, x):
-        return x @ params["W"] + params["b"], x
+        out = kernels.matmul(x, params["W"])
+        out += params["b"]
+        return out, x
+
+    def forward_relu(self, params, x):
+        """This layer then a ReLU, the bias and the ReLU one kernel: ``(out, cache)``, ``out`` being the ReLU's
+        output and its cache (see :class:`ReLU`)."""
+        return kernels.bias_relu_(kernels.matmul(x, params["W"]), params["b"]), x
 
     skips_dx = True
 
     def backward(self, params, cache, dout, need_dx=True):
         x = cache
-        return dout @ params["W"].T if need_dx else None, {"W": x.T @ dout, "b": dout.sum(axis=0)}
+        dx = kernels.matmul(dout, params["W"].T) if need_dx else None
+        return dx, {"W": kernels.matmul(x.T, dout), "b": dout.sum(axis=0)}
 
 
 class ReLU(Layer):
+    """``x * (x > 0)``; its cache is its output, positive exactly where the input was.  After a :class:`Dense`
+    in a :class:`Sequential`, the dense layer's bias and this are one kernel (``Dense.forward_relu``)."""
+
     kind = "relu"
 
     def forward(self, params, x):
-        mask = x > 0
-        return x * mask, mask
+        out = kernels.relu(x)
+        return out, out
 
     def backward(self, params, cache, dout):
-        return dout * cache, {}
+        return kernels.relu_grad(dout, cache), {}
 
 
 class Flatten(Layer):
@@ -200,6 +212,9 @@ class Sequential:
             counts[layer.kind] = n + 1
             self.layers.append((f"{layer.kind}{n}", layer))
         self.names = [s.name for s in self.specs()]
+        #: positions of the ReLUs that follow a dense layer, done with it in one kernel
+        self._fused = {n for n, (_, layer) in enumerate(self.layers)
+                       if n and type(layer) is ReLU and type(self.layers[n - 1][1]) is Dense}
 
     def specs(self) -> list[VarSpec]:
         return [s for prefix, layer in self.layers for s in layer.specs(prefix, self.dtype)]
@@ -209,9 +224,15 @@ class Sequential:
         return {k: params[f"{prefix}/{k}"] for k in layer.param_names}
 
     def forward(self, params: Mapping[str, Any], x: Any) -> tuple[Any, list[Any]]:
-        caches = []
-        for prefix, layer in self.layers:
-            x, cache = layer.forward(self._local(params, prefix, layer), x)
+        caches: list[Any] = []
+        for n, (prefix, layer) in enumerate(self.layers):
+            if n in self._fused:  # a ReLU done with the dense layer before it: its output is its cache
+                caches.append(x)
+                continue
+            if n + 1 in self._fused:
+                x, cache = layer.forward_relu(self._local(params, prefix, layer), x)
+            else:
+                x, cache = layer.forward(self._local(params, prefix, layer), x)
             caches.append(cache)
         return x, caches
 

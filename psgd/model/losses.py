@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psgd import kernels
 from psgd.xp import get_array_module
 
 
@@ -24,6 +25,9 @@ def softmax_cross_entropy(logits: Any, y: Any) -> tuple[float, Any]:
     batch = logits.shape[0]
     if logits.ndim != 2 or y.shape != (batch,):
         raise ValueError(f"softmax_cross_entropy: need logits (B, K) and labels (B,), got {logits.shape} and {y.shape}")
+    fused = kernels.softmax_xent(logits, y)  # on a GPU: one kernel a row, then the sum
+    if fused is not None:
+        return fused
     z = logits - logits.max(axis=1, keepdims=True)
     e = xp.exp(z)
     total = e.sum(axis=1, keepdims=True)

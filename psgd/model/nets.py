@@ -53,6 +53,8 @@ class LayeredModel(BaseModel):
 
     name = "model"
     OPTIONS: tuple[str, ...] = ()
+    #: the same kernels for the same shapes, nothing read back to the host: a step can be a CUDA graph
+    static_step = True
 
     def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
                  loss: str = "cross_entropy", unknown: Mapping[str, Any] | None = None) -> None:

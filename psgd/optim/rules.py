@@ -1,15 +1,14 @@
 """The optimizers themselves, each one ``_step`` with its paper: SGD, Momentum (and Nesterov), Adam, AdamW.
 
-Each update is written with in-place ufuncs (``out=``) against ``xp``, so it
-runs on NumPy or CuPy and allocates at most one parameter-sized temporary.
+Each update is one call of :mod:`psgd.kernels`: one fused kernel on CuPy, in-place ufuncs (``out=``) on
+NumPy that allocate at most one parameter-sized temporary, the same arithmetic either way.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from psgd import xp as backend
+from psgd import kernels
 from psgd.optim.base import Optimizer
 from psgd.optim.schedules import Schedule
 from psgd.optim.validation import OptimizerError, fraction, non_negative, positive
@@ -31,10 +30,7 @@ class SGD(Optimizer):
         return {"weight_decay": self.weight_decay}
 
     def _step(self, param, grad, state, lr, t, share):
-        xp = backend.get_array_module(param)
-        if self.weight_decay:  # the lr * wd * p part of the update
-            xp.multiply(param, 1.0 - lr * self.weight_decay, out=param)
-        param -= xp.multiply(grad, lr)
+        kernels.sgd_(param, grad, lr, self.weight_decay)
 
 
 class Momentum(Optimizer):
@@ -70,7 +66,6 @@ class Momentum(Optimizer):
         return {"momentum": self.momentum, "weight_decay": self.weight_decay}
 
     def _step(self, param, grad, state, lr, t, share):
-        xp = backend.get_array_module(param)
         v, mu, wd, s = state["v"], self.momentum, self.weight_decay, 1.0
         lookahead = mu  # nesterov's look ahead: a round's momentum
         if share.updates != 1 or share.implicit_momentum:
@@ -79,25 +74,8 @@ class Momentum(Optimizer):
             lookahead = applied**share.updates
             s = (1.0 - applied) / (1.0 - mu)  # the gradient's weight: v of a steady g is g / (1 - mu), as in a round
             mu = applied
-        tmp = xp.empty_like(param)
-        v *= mu
-        if s == 1.0:
-            v += grad
-        else:
-            xp.multiply(grad, s, out=tmp)
-            v += tmp
-        if wd:  # L2: the gradient is g + wd * p
-            xp.multiply(param, wd * s, out=tmp)
-            v += tmp
-        if self.nesterov:  # p -= lr * (g + wd * p + mu * v), mu being this update's momentum over a round
-            if wd:
-                xp.multiply(param, 1.0 - lr * wd, out=param)
-            xp.multiply(v, lookahead, out=tmp)
-            tmp += grad
-            tmp *= lr
-        else:  # p -= lr * v
-            xp.multiply(v, lr, out=tmp)
-        param -= tmp
+        kernels.momentum_(param, v, grad, lr=lr, mu=mu, s=s, weight_decay=wd, nesterov=self.nesterov,
+                          lookahead=lookahead)
 
 
 class Adam(Optimizer):
@@ -136,31 +114,12 @@ class Adam(Optimizer):
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay}
 
     def _step(self, param, grad, state, lr, t, share):
-        xp = backend.get_array_module(param)
         m, v, b1, b2, wd = state["m"], state["v"], self.beta1, self.beta2, self.weight_decay
         b1_t, b2_t = b1**t, b2**t  # bias corrections, from the round's decays
         if share.updates != 1:
             b1, b2 = b1**share.fraction, b2**share.fraction
-        if wd and self.decoupled:  # AdamW: p -= lr * wd * p, on the weights before this step
-            xp.multiply(param, 1.0 - lr * wd, out=param)
-        if wd and not self.decoupled:  # L2: g + wd * p, in the one temporary
-            g = tmp = xp.multiply(param, wd)
-            g += grad
-        else:
-            g, tmp = grad, xp.empty_like(param)
-        m -= g  # m = b1 * m + (1 - b1) * g, as b1 * (m - g) + g: no temporary
-        m *= b1
-        m += g
-        xp.multiply(g, g, out=tmp)  # v = b2 * v + (1 - b2) * g^2  (g is not needed after this)
-        tmp *= 1.0 - b2
-        v *= b2
-        v += tmp
-        xp.sqrt(v, out=tmp)  # sqrt(v_hat) + eps
-        tmp *= 1.0 / math.sqrt(1.0 - b2_t)
-        tmp += self.eps
-        xp.divide(m, tmp, out=tmp)
-        tmp *= lr / (1.0 - b1_t)  # m_hat = m / (1 - b1^t)
-        param -= tmp
+        kernels.adam_(param, m, v, grad, lr=lr, b1=b1, b2=b2, b1_t=b1_t, b2_t=b2_t, eps=self.eps, weight_decay=wd,
+                      decoupled=self.decoupled)
 
 
 class AdamW(Adam):
