@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -33,6 +34,11 @@ INSTALL_HINT = (
 CUPY_MAJOR = 14
 #: device index -> why its kernels cannot run (None: they ran), checked once per process
 _checked_devices: dict[int, str | None] = {}
+#: cudaHostRegister's flags: the default, and the one a mapping this process may only read needs
+HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY = 0, 8
+_registered: dict[int, int] = {}  # address -> bytes, of the host memory registered through register_host now
+_refusal_said = ""  # the last reason logged for a refused registration, so that it is said once
+log = logging.getLogger(__name__)
 
 
 class DeviceError(RuntimeError):
@@ -257,6 +263,69 @@ def host_empty(shape: Any, dtype: Any, device: Device = CPU) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     memory = _cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
     return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
+class HostRegistration:
+    """Host memory registered (page-locked) with a GPU's driver by :func:`register_host`, until :meth:`close`."""
+
+    def __init__(self, address: int, nbytes: int, device: Device):
+        self.address, self.nbytes, self.device = address, nbytes, device
+
+    def close(self) -> None:
+        """Unregister the memory (once; later calls do nothing).  Call it before the memory is unmapped."""
+        if _registered.pop(self.address, None) is None:
+            return
+        try:
+            with _cupy.cuda.Device(self.device.index):
+                _cupy.cuda.runtime.hostUnregister(self.address)
+        except Exception as exc:  # the driver is going away (the process exits): the memory goes with it
+            log.debug("host memory at %#x could not be unregistered from %s: %s", self.address, self.device, exc)
+
+
+def register_host(address: int, nbytes: int, device: Device, read_only: bool = False) -> HostRegistration | None:
+    """Register ``nbytes`` of host memory at ``address`` (a mapping this process holds, a shared-memory segment)
+    with ``device``'s driver (cudaHostRegister), so that copies between it and the device run by DMA, as from
+    :func:`host_empty`'s; ``read_only`` for a mapping this process may only read.  None on a CPU, and where the
+    driver refuses (the reason logged once, at INFO): copies then work as from any host memory, slower."""
+    global _refusal_said
+    if not device.is_gpu or nbytes <= 0:
+        return None
+    try:
+        with _cupy.cuda.Device(device.index):
+            _cupy.cuda.runtime.hostRegister(address, nbytes, HOST_REGISTER_READ_ONLY if read_only else 0)
+    except Exception as exc:  # CUDARuntimeError: not supported, over the locked-memory limit, ...
+        if (why := " ".join(f"{type(exc).__name__}: {exc}".split())[:300]) != _refusal_said:
+            _refusal_said = why
+            log.info("host memory could not be registered with %s's driver (%s): copies to and from it run "
+                     "unregistered, slower", device, why)
+        return None
+    _registered[address] = nbytes
+    return HostRegistration(address, nbytes, device)
+
+
+def registered_host_bytes() -> int:
+    """Bytes of host memory registered through :func:`register_host`, and not closed yet."""
+    return sum(_registered.values())
+
+
+def copy_to_device(pairs: Iterable[tuple[Any, np.ndarray]], device: Device) -> None:
+    """Copy the host array of each (device array, host array) pair into its device array on GPU ``device`` (one
+    shape and dtype, contiguous), queued on the thread's current stream, and wait for them all: the host memory
+    may change once this returns."""
+    with _cupy.cuda.Device(device.index):
+        stream = _cupy.cuda.get_current_stream()
+        for dev, host in pairs:
+            dev.set(host, stream=stream)
+        stream.synchronize()
+
+
+def copy_to_host(pairs: Iterable[tuple[Any, np.ndarray]], device: Device) -> None:
+    """Copy each pair's device array into its host array: :func:`copy_to_device` the other way, waited for too."""
+    with _cupy.cuda.Device(device.index):
+        stream = _cupy.cuda.get_current_stream()
+        for dev, host in pairs:
+            dev.get(stream=stream, out=host, blocking=False)
+        stream.synchronize()
 
 
 def to_device(a: Any, device: Device | str = CPU, dtype: Any = None) -> Any:

@@ -4,22 +4,28 @@
             10 classes, float32, batch 256, SGD) through psgd's one training loop
             (``psgd.loop.run_loop`` with the reference trainer's exchange:
             ``loss_and_grads``, then ``optimizer.update`` for every variable), the
-            training set held on the device.  ms per step and TFLOP/s, counting
+            training set held on the device; the gradient replayed as a CUDA graph
+            (psgd ms, as ``psgd train`` runs it) and launched kernel by kernel
+            (eager ms, ``[train] graphs = false``).  ms per step and TFLOP/s, counting
             6 x batch x weight elements (forward 2, backward 4), beside the same
-            matmuls written bare with CuPy (forward, backward and the first layer's
-            input gradient, which psgd computes too; psgd/bare is psgd's overhead)
+            matmuls written bare with CuPy (forward and backward, no input gradient
+            for the first layer, as in psgd; psgd/bare is psgd's overhead)
             and the peak of one 8192 x 8192 float32 ``xp.matmul``.
   transfer  the worker's host<->device path for 40 and 400 MB of float32: pull as
             the worker does (``device.asarray(host)``) and into a preallocated
             array (``dev.set(host)``), push (``to_host(dev, out=host)``), each from
             pageable and from pinned (``psgd.xp.host_empty``) memory, in GB/s
             (10^9 B/s) and against a raw pinned ``cudaMemcpy`` each way.
+  shm       a GPU worker's bytes on the shared-memory link (psgd.bench.gpu_link):
+            between a segment and the device through pinned buffers (two copies,
+            as before), straight from the segment, and straight from the segment
+            registered with the driver (cudaHostRegister), as a worker now does.
   nccl      psgd's ``NcclCollective.allreduce_`` (one rank) against a bare
             ``NcclCommunicator.allReduce`` + stream synchronize, 1-256 MB.
 
 Each time is the median of --repeats timed runs after warm-ups, the device synchronized
 before the clock is read; float32 matmuls are plain float32 unless CUPY_TF32=1.  Each
-part is a function (device, Options) -> flat dicts: mlp_part, transfer_part, nccl_part.
+part is a function (device, Options) -> flat dicts: mlp_part, transfer_part, shm_part, nccl_part.
 
     psgd bench gpu
     psgd bench gpu --parts transfer --json gpu.json
@@ -35,18 +41,18 @@ import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from psgd import xp as backend
-from psgd.bench.limits import machine
+from psgd.bench.gpu_link import shm_part
+from psgd.bench.limits import machine, seconds_per_call
 from psgd.parsing import comma_list
 
 MB = 1_000_000
-PARTS = ("mlp", "transfer", "nccl")
+PARTS = ("mlp", "transfer", "shm", "nccl")
 INPUT, CLASSES = 1024, 10
 H2D, D2H = 1, 2  # cudaMemcpyKind: host to device, device to host
 
@@ -102,23 +108,6 @@ def parse_parts(text: str) -> tuple[str, ...]:
     return tuple(p for p in PARTS if p in asked)
 
 
-def seconds_per_call(fn: Callable[[], Any], device: backend.Device, *, repeats: int, warmup: int,
-                     calls: int = 1) -> float:
-    """Median over ``repeats`` runs of (``calls`` calls of ``fn``, then a synchronize of ``device``) /
-    ``calls``, after ``warmup`` untimed calls; ``device`` is also synchronized before each clock start."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        backend.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        backend.synchronize(device)
-        times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times))
-
-
 # ---------------------------------------------------------------- part 1: psgd's training step
 
 def matmul_tflops(device: backend.Device, n: int, o: Options) -> float:
@@ -131,7 +120,7 @@ def matmul_tflops(device: backend.Device, n: int, o: Options) -> float:
 
 
 def bare_step_seconds(device: backend.Device, width: int, o: Options) -> float:
-    """One step's matmuls written bare with xp, for psgd's MLP shapes: 3 forward, 6 backward."""
+    """One step's matmuls written bare with xp, for psgd's MLP shapes: 3 forward, 5 backward."""
     rng = np.random.default_rng(2)
     x, w1, w2, w3, dout = (device.asarray(rng.random(shape, dtype=np.float32) - 0.5)
                            for shape in ((o.batch, INPUT), (INPUT, width), (width, width), (width, CLASSES),
@@ -143,16 +132,17 @@ def bare_step_seconds(device: backend.Device, width: int, o: Options) -> float:
         scores = h2 @ w3
         dh2 = dout @ w3.T
         dh1 = dh2 @ w2.T
-        # the class scores, the three weight gradients, and the input gradient psgd's Dense computes too
-        return scores, h2.T @ dout, h1.T @ dh2, x.T @ dh1, dh1 @ w1.T
+        # the class scores and the three weight gradients (no input gradient: training needs none)
+        return scores, h2.T @ dout, h1.T @ dh2, x.T @ dh1
 
     return seconds_per_call(step, device, repeats=o.repeats, warmup=o.warmup, calls=o.steps)
 
 
-def psgd_step_seconds(device: backend.Device, width: int, o: Options) -> float:
+def psgd_step_seconds(device: backend.Device, width: int, o: Options, graphs: bool = True) -> float:
     """Seconds per step of psgd's training loop (the reference trainer's: gradient, then SGD on every
     variable) for the MLP of ``width``, the data on the device: median over runs of ``o.steps`` steps,
-    the loss read at the end of every step as the loop does."""
+    the loss read at the end of every step as the loop does; the gradient replayed as a CUDA graph
+    (``[train] graphs``, the default) or launched kernel by kernel."""
     from psgd.config import JobConfig
     from psgd.data import Dataset
     from psgd.job import build_job
@@ -162,7 +152,8 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options) -> float:
     config = JobConfig()
     config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
                        "optimizer.name=sgd", f"optimizer.lr={o.lr}", f"train.batch_size={o.batch}",
-                       "train.epochs=1", f"train.device={device}", "train.dtype=float32"])
+                       "train.epochs=1", f"train.device={device}", "train.dtype=float32",
+                       f"train.graphs={str(graphs).lower()}"])
     rng = np.random.default_rng(3)
     n = o.steps * o.batch
     x = device.asarray(rng.random((n, INPUT), dtype=np.float32))
@@ -171,13 +162,15 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options) -> float:
     exchange = LocalExchange(job)  # its final weights are copied to the host after each run, off the clock
 
     def run() -> float:
-        # steady state: from the end of the first step to the end of the last (each ends reading its
-        # loss, which waits for the step's work), so the run's start-up stays off the clock
+        # steady state: from the end of the second step to the end of the last (each ends reading its
+        # loss, which waits for the step's work), so the run's start-up and the graph's capture (the
+        # first step runs kernel by kernel, the second is captured) stay off the clock
         walls: list[float] = []
         backend.synchronize(device)
         run_loop(job, exchange, evaluate_every=0, final_evaluation=False, progress=False,
                  on_step=lambda point: walls.append(point["wall"]))
-        return (walls[-1] - walls[0]) / max(len(walls) - 1, 1)
+        first = 1 if len(walls) > 2 else 0
+        return (walls[-1] - walls[first]) / max(len(walls) - 1 - first, 1)
 
     for _ in range(o.warmup):
         run()
@@ -193,8 +186,9 @@ def mlp_part(device: backend.Device, o: Options) -> list[dict]:
         flops = mlp_step_flops(o.batch, (INPUT, width, width, CLASSES))
         bare = bare_step_seconds(device, width, o)
         psgd = psgd_step_seconds(device, width, o)
+        eager = psgd_step_seconds(device, width, o, graphs=False)
         rows.append({"part": "mlp", "width": width, "batch": o.batch, "flops": flops,
-                     "psgd_ms": psgd * 1e3, "psgd_tflops": flops / psgd / 1e12,
+                     "psgd_ms": psgd * 1e3, "psgd_tflops": flops / psgd / 1e12, "eager_ms": eager * 1e3,
                      "bare_ms": bare * 1e3, "bare_tflops": flops / bare / 1e12,
                      "matmul_n": o.matmul_n, "matmul_tflops": peak,
                      "psgd_over_peak": flops / psgd / 1e12 / peak, "bare_over_peak": flops / bare / 1e12 / peak,
@@ -294,7 +288,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Options()
     mb = lambda sizes: ",".join(f"{s / MB:g}" for s in sizes)  # noqa: E731
     parser.add_argument("--parts", type=parse_parts, default=PARTS, metavar="PART,...",
-                        help="which parts to run: mlp, transfer, nccl (default all three)")
+                        help="which parts to run: mlp, transfer, shm, nccl (default all four)")
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
     parser.add_argument("--widths", type=positive_ints, default=tuple(d.widths), metavar="W,...",
                         help=f"mlp: hidden widths (default {','.join(map(str, d.widths))})")
@@ -316,17 +310,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: each part's table: (header, row key, width (negative: left-aligned), precision and type)
 COLUMNS = {
     "mlp": [("width", "width", 6, "d"), ("psgd ms", "psgd_ms", 8, ".3f"), ("TFLOP/s", "psgd_tflops", 8, ".2f"),
+            ("eager ms", "eager_ms", 8, ".3f"),
             ("/peak", "psgd_over_peak", 6, ".2f"), ("bare ms", "bare_ms", 8, ".3f"),
             ("TFLOP/s", "bare_tflops", 8, ".2f"), ("/peak", "bare_over_peak", 6, ".2f"),
             ("psgd/bare", "psgd_over_bare", 9, ".2f")],
     "transfer": [("size MB", "size_mb", 8, "g"), ("host", "host", 8, ""), ("way", "direction", 4, ""),
                  ("path", "path", -24, ""), ("ms", "ms", 8, ".2f"), ("GB/s", "gbps", 7, ".2f"),
                  ("/raw", "over_raw", 5, ".2f")],
+    "shm": [("size MB", "size_mb", 8, "g"), ("way", "direction", 4, ""), ("path", "path", -10, ""),
+            ("ms", "ms", 8, ".2f"), ("GB/s", "gbps", 7, ".2f"), ("x 2 copies", "over_two_copies", 10, ".2f")],
     "nccl": [("size MB", "size_mb", 8, "g"), ("psgd ms", "psgd_ms", 8, ".3f"), ("bare ms", "bare_ms", 8, ".3f"),
              ("psgd/bare", "psgd_over_bare", 9, ".2f"), ("psgd GB/s", "psgd_algbw_gbps", 9, ".2f"),
              ("bare GB/s", "bare_algbw_gbps", 9, ".2f")],
 }
 TITLES = {"transfer": "transfer: float32, GB/s = 10^9 bytes/s; /raw: against a raw pinned cudaMemcpy the same way",
+          "shm": "shm: float32 between a shared-memory segment and the device, GB/s = 10^9 bytes/s; "
+                 "x 2 copies: against staging through pinned buffers",
           "nccl": "nccl: one-rank all-reduce (sum) of float32, each call waited for"}
 
 
@@ -348,7 +347,7 @@ def print_table(part: str, rows: list[dict]) -> None:
         print(f"{part}: psgd's side could not be measured: {error}")
 
 
-PART_FUNCTIONS = {"mlp": mlp_part, "transfer": transfer_part, "nccl": nccl_part}
+PART_FUNCTIONS = {"mlp": mlp_part, "transfer": transfer_part, "shm": shm_part, "nccl": nccl_part}
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -1,12 +1,15 @@
-"""The machine's own limits, measured in the same run as every communication figure."""
+"""The machine's own limits, measured in the same run as every communication figure, and how a call is timed."""
 
 from __future__ import annotations
 
 import multiprocessing
 import socket
 import time
+from typing import Any, Callable
 
 import numpy as np
+
+from psgd import xp as backend
 
 CHUNK = 4 << 20
 
@@ -81,3 +84,20 @@ def machine() -> str:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
+
+
+def seconds_per_call(fn: Callable[[], Any], device: backend.Device, *, repeats: int, warmup: int,
+                     calls: int = 1) -> float:
+    """Median over ``repeats`` runs of (``calls`` calls of ``fn``, then a synchronize of ``device``) /
+    ``calls``, after ``warmup`` untimed calls; ``device`` is also synchronized before each clock start."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        backend.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        backend.synchronize(device)
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.median(times))

@@ -23,12 +23,24 @@ A shard on another host, in another container or namespace, or one that offers n
 (``[cluster] transport = "tcp"`` on its side), is reached over the data port instead, with one log
 line saying why (a warning where the job asked for ``transport = "shm"``).  Errors, retries and
 reconnections are the TCP link's (:mod:`psgd.link.tcp`).
+
+A worker on a GPU registers its mappings of both segments with the device's driver (page-locked, as pinned
+memory is: :func:`psgd.xp.register_host`) for as long as their connection lasts, and while every shard shares
+memory with it, copies its pulls from the weights segment to the device and its (uncompressed) pushes from the
+device into its push segment directly, instead of through pinned buffers on the host: one copy each way, by
+DMA.  A pull's copy to the device is waited for before the sequence number is checked again, as a copy on the
+host is.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Mapping
 
+import numpy as np
+
+from psgd import xp as backend
+from psgd.codec import Codec
 from psgd.link.base import Endpoint, PushReply, RowsIn, RowsOut
 from psgd.link.tcp import DataConnection, TcpLink
 from psgd.proto import ps_pb2
@@ -43,10 +55,11 @@ class NoSegment(Exception):
 
 
 class ShmConnection(DataConnection):
-    """A data connection whose bytes go through a shared-memory segment (``purpose``: pull or push)."""
+    """A data connection whose bytes go through a shared-memory segment (``purpose``: pull or push), registered
+    with the driver of ``device`` while the connection lasts where that is a GPU."""
 
     def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str, timeout: float, tls,
-                 purpose: str, nbytes: int):
+                 purpose: str, nbytes: int, device: backend.Device = backend.CPU):
         super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose)
         try:
             if "name" not in self.offer:
@@ -61,10 +74,18 @@ class ShmConnection(DataConnection):
         except NoSegment:
             super().close()
             raise
+        self.device = device
+        #: the segment's registration with the GPU's driver (None on a CPU, or where the driver refused it)
+        self.registered = backend.register_host(*self.seg.address(), device, read_only=purpose == "pull") \
+            if device.is_gpu else None
+        if self.registered is not None:
+            log.debug("%s registered with %s's driver (%.1f MB)", self.seg.name, device, self.registered.nbytes / 1e6)
 
-    def pull(self, clock: int, into: list[memoryview], rows: RowsOut | None = None) -> int:
+    def pull(self, clock: int, into: list[memoryview], rows: RowsOut | None = None, device: list | None = None) -> int:
         """Ask for the weights of ``clock`` (and the rows of ``rows``); once the shard has replied (holding its
-        updates back) with the rows' values, copy the weights out of its weights segment and release them."""
+        updates back) with the rows' values, copy the weights out of its weights segment and release them.
+        ``device`` (device arrays, one per view of ``into``, of its size) takes the weights instead of ``into``,
+        copied to the GPU straight from the segment, the copies finished before the sequence number is checked."""
         version, slot, seq, values = self._ask(clock, rows, into)
         if sum(v.nbytes for v in into) > self.seg.size or not 0 <= slot < self.seg.slots:
             raise protocol.WireError(f"the shard holds the weights in slot {slot} of {self.seg.slots}, of "
@@ -72,9 +93,12 @@ class ShmConnection(DataConnection):
         for view in values:  # the rows come over the connection
             protocol.recv_exact(self.sock, view)
         source, at = self.seg.slot(slot), 0
-        for view in into:
-            copy_bytes(view, source[at:at + view.nbytes])
-            at += view.nbytes
+        if device is None:
+            for view in into:
+                copy_bytes(view, source[at:at + view.nbytes])
+                at += view.nbytes
+        else:
+            backend.copy_to_device(_over(device, source), self.device)  # waited for: read before the check below
         if self.seg.seq(slot) != seq:
             raise protocol.WireError("the weights changed while they were copied out of shared memory (the pull "
                                      "was held past its deadline): pulling again")
@@ -83,15 +107,18 @@ class ShmConnection(DataConnection):
 
     def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
              rows: RowsIn | None = None) -> PushReply:
-        """Write the gradient into the segment, then send its header, and the rows of ``rows`` after it; the
-        reply says what the shard did."""
+        """Write the gradient into the segment (from the GPU where ``payload`` holds device arrays), then send its
+        header, and the rows of ``rows`` after it; the reply says what the shard did."""
         if size > self.seg.size:
             raise protocol.WireError(f"a push of {size} bytes does not fit the segment's {self.seg.size}")
-        at = 0
-        for part in payload:
-            n = memoryview(part).nbytes
-            copy_bytes(self.seg.data[at:at + n], part)
-            at += n
+        if payload and backend.is_device_array(payload[0]):
+            backend.copy_to_host(_over(payload, self.seg.data), self.device)  # waited for: written before the header
+        else:
+            at = 0
+            for part in payload:
+                n = memoryview(part).nbytes
+                copy_bytes(self.seg.data[at:at + n], part)
+                at += n
         self._send(protocol.OP_PUSH_ROWS if rows else protocol.OP_PUSH, self.worker, clock, base_version, dtype_code,
                    self._rows_after(rows), size)
         outcome, version, next_clock, staleness, _ = self._reply()
@@ -99,7 +126,23 @@ class ShmConnection(DataConnection):
 
     def close(self) -> None:
         super().close()
+        if self.registered is not None:
+            self.registered.close()  # before the mapping goes
         self.seg.close()
+
+
+def _over(arrays: list, memory: memoryview) -> list[tuple]:
+    """Each device array of ``arrays`` with the host array over its bytes in ``memory``, one after the other."""
+    pairs, at = [], 0
+    for a in arrays:
+        pairs.append((a, np.frombuffer(memory, dtype=a.dtype, count=a.size, offset=at)))
+        at += a.nbytes
+    return pairs
+
+
+def _on_host(parts: list) -> list:
+    """Device arrays (a gradient pushed from the GPU, uncompressed) as bytes on the host, for the data port."""
+    return [memoryview(backend.to_host(p)).cast("B") for p in parts]
 
 
 class ShmLink(TcpLink):
@@ -112,6 +155,8 @@ class ShmLink(TcpLink):
         #: whether pulls and pushes go through shared memory (decided at registration)
         self.shared = False
         self._said = ""  # the reason last logged for not sharing, so that it is said once
+        #: the device the worker computes on (its client sets it): on a GPU the segments are registered with it
+        self.device = backend.CPU
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = super().register(request)
@@ -129,6 +174,47 @@ class ShmLink(TcpLink):
             log.debug("shard %d: pulls and pushes through shared memory", shard)
         return reply
 
+    @property
+    def direct(self) -> bool:
+        """Whether pulls and pushes go between the GPU and shared memory now, with no staging on the host."""
+        return self.shared and self.device.is_gpu
+
+    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None,
+             device: Mapping[str, Any] | None = None) -> int:
+        """As every link's; ``device`` (a flat device array per variable) takes the weights instead of ``views``:
+        straight from the weights segment where this link has it, else through ``views``."""
+        if device is None:
+            return super().pull(clock, views, rows)
+        targets = [device[s.var][s.start:s.stop] for s in self.endpoint.slices]  # one per view, in slice order
+
+        def into_device(conn: DataConnection) -> int:
+            if isinstance(conn, ShmConnection):
+                return conn.pull(clock, views, rows, targets)
+            version = conn.pull(clock, views, rows)  # the data port, with no segment: through the host
+            backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
+            return version
+
+        if self.data_port:
+            return self._over_data("pull", into_device)
+        version = super().pull(clock, views, rows)  # over gRPC
+        backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
+        return version
+
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list, rows: RowsIn | None = None) -> PushReply:
+        """As every link's; ``parts`` may be device arrays (an uncompressed gradient on the GPU): copied straight
+        into the push segment where this link has one, else to the host first."""
+        if not parts or not backend.is_device_array(parts[0]):
+            return super().push(clock, base_version, codec, parts, rows)
+        size = sum(p.nbytes for p in parts)
+
+        def from_device(conn: DataConnection) -> PushReply:
+            mine = parts if isinstance(conn, ShmConnection) else _on_host(parts)
+            return conn.push(clock, base_version, codec.code, mine, size, rows)
+
+        if self.data_port:
+            return self._over_data("push", from_device)
+        return super().push(clock, base_version, codec, _on_host(parts), rows)  # over gRPC
+
     def _over_tcp(self, why: str) -> None:
         self.shared = False
         if why != self._said:
@@ -143,7 +229,7 @@ class ShmLink(TcpLink):
             try:
                 self._conns[purpose] = ShmConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
                                                      ep.request_timeout, ep.tls, purpose,
-                                                     sum(s.nbytes for s in ep.slices))
+                                                     sum(s.nbytes for s in ep.slices), self.device)
             except NoSegment as exc:
                 self._over_tcp(str(exc))
         return super()._connection(purpose)

@@ -128,6 +128,12 @@ class Segment:
         """Each slot's tensor bytes as ``count`` values of ``dtype``."""
         return [np.frombuffer(self.slot(i), dtype=dtype, count=count) for i in range(self.slots)]
 
+    def address(self) -> tuple[int, int]:
+        """Where the whole mapping (header and slots) starts in this process, and its length: what a GPU worker
+        registers with its driver (:func:`psgd.xp.register_host`)."""
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        return whole.ctypes.data, whole.nbytes
+
     def seq_array(self) -> np.ndarray:
         """The slots' sequence numbers, as an array over the header (the shard's side writes them)."""
         return np.frombuffer(self._map, dtype="<u8", count=self.slots, offset=SEQ_AT)

@@ -1,14 +1,11 @@
 """The worker's client to every shard: one link each, calls in parallel, bounded retries, leases.
 
-Pulls write straight into preallocated host arrays (one per variable);
-pushes go out as views of the gradient arrays, or of a reused 16-bit buffer
-when the job compresses gradients (:mod:`psgd.codec`), so no model-sized
-buffer is built per step.  How the bytes travel is the link's business
-(:mod:`psgd.link`: the TCP data path or gRPC); what is retried is decided
-here, the same for every link: transient failures (UNAVAILABLE,
-DEADLINE_EXCEEDED, CANCELLED by a restarting shard) with jittered exponential
-backoff inside one overall deadline; anything else fails at once with the
-shard's address and the server's message.
+Pulls write straight into preallocated host arrays (one per variable), or device arrays (:mod:`psgd.link.shm`);
+pushes go out as views of the gradient arrays, or of a reused 16-bit buffer when the job compresses gradients
+(:mod:`psgd.codec`): no model-sized buffer is built per step.  How the bytes travel is the link's business
+(:mod:`psgd.link`); what is retried is decided here, the same for every link: transient failures (UNAVAILABLE,
+DEADLINE_EXCEEDED, CANCELLED by a restarting shard) with jittered exponential backoff inside one overall deadline;
+anything else fails at once with the shard's address and the server's message.
 """
 
 from __future__ import annotations
@@ -27,10 +24,11 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import grpc
 import numpy as np
 
+from psgd import xp as backend
 from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
 from psgd.job import identity as job_identity
-from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, link_kind, open_link
+from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
 from psgd.model.table import joined_by_id
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
@@ -75,7 +73,8 @@ class PSClient:
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = OBSERVER, *,
                  request_timeout: float = 60.0, retry_deadline: float | None = None, transport: str = "auto",
                  wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
-                 stop: threading.Event | None = None, config: JobConfig | None = None):
+                 stop: threading.Event | None = None, config: JobConfig | None = None,
+                 device: backend.Device = backend.CPU):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         try:
@@ -84,8 +83,7 @@ class PSClient:
                 self.codec.check(spec.dtype)
         except CodecError as exc:
             raise PSError(str(exc)) from None
-        self.addresses = list(addresses)
-        self.plan, self.worker_id = plan, worker_id
+        self.addresses, self.plan, self.worker_id = list(addresses), plan, worker_id
         self.request_timeout = request_timeout
         self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
@@ -93,6 +91,8 @@ class PSClient:
         kind = link_kind(transport if worker_id != OBSERVER else "grpc")
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
                                                request_timeout, transport)) for k, a in enumerate(self.addresses)]
+        for link in (link for link in self.links if isinstance(link, ShmLink)):
+            link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
         self.versions = [0] * plan.num_shards
         self._joins = [0] * plan.num_shards  # registrations with each shard, so far
         self.lease_seconds = 10.0
@@ -267,18 +267,19 @@ class PSClient:
         return per_shard
 
     def pull(self, clock: int, out: Mapping[str, np.ndarray],
-             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[int]:
+             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, device: dict | None = None) -> list[int]:
         """Fill ``out`` (one host array per variable) with every shard's weights, and each ``rows`` entry (table ->
         (distinct ids, an array ``[len(ids), dim]``)) with those rows, from the shards that hold them; returns
-        shard versions."""
+        shard versions.  ``device`` (device arrays by variable; shm links only) takes the weights instead."""
         flat = {name: a.reshape(-1) for name, a in out.items()}
         where = self._split_rows(rows)
+        kw = {} if device is None else {"device": {k: a.reshape(-1) for k, a in device.items()}}
 
         def one(k: int) -> int:
             views = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in self.shard_slices[k]]
             mine = {t: (rows[t][0][pos], np.empty((pos.size,) + rows[t][1].shape[1:], rows[t][1].dtype))
                     for t, pos in where[k].items()}
-            version = self._retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views, mine))
+            version = self._retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views, mine, **kw))
             for t, pos in where[k].items():
                 rows[t][1][pos] = mine[t][1]
             return version
@@ -295,13 +296,13 @@ class PSClient:
     def push(self, clock: int, grads: Mapping[str, np.ndarray],
              base_versions: Sequence[int] | None = None,
              rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[PushReply]:
-        """Send every shard its slices of ``grads``, encoded by the job's codec, and its rows of ``rows`` (table
-        -> (distinct ids, their gradients)); a retried push is applied once by the shard.  ``base_versions``
-        are the shards' versions the gradient was computed from (default: those of the last pull; give them
-        when a later pull may already be under way)."""
+        """Send every shard its slices of ``grads`` (on the device: uncompressed, over direct links, see :meth:`pull`),
+        encoded by the job's codec, and its rows of ``rows`` (table -> (distinct ids, their gradients)); a retried push
+        is applied once by the shard.  ``base_versions`` are the shards' versions the gradient was computed from
+        (default: those of the last pull; give them when a later pull may already be under way)."""
         bases = list(self.versions if base_versions is None else base_versions)
         joins = list(self._joins)
-        flat = {name: np.ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
+        flat = {name: backend.get_array_module(g).ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
         for spec in self.plan.specs:
             g = flat.get(spec.name)
             if g is not None and g.dtype != np.dtype(spec.dtype):
@@ -322,8 +323,9 @@ class PSClient:
         """Shard ``k``'s slices of the gradient as the codec writes them: views of the gradient itself,
         or of a reused 16-bit buffer it was compressed into."""
         slices = self.shard_slices[k]
-        if not self.codec.compresses:
-            return [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in slices]
+        if not self.codec.compresses:  # a gradient on the device goes as it is (psgd.link.shm copies it)
+            views = [flat[s.var][s.start:s.stop] for s in slices]
+            return views if views and backend.is_device_array(views[0]) else [memoryview(v).cast("B") for v in views]
         packed = self._packed[k]
         if packed is None:
             packed = self._packed[k] = np.empty(sum(s.size for s in slices), dtype=np.uint16)

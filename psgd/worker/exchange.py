@@ -69,6 +69,9 @@ class ParameterServerExchange(Exchange):
         # of its own into its pinned buffer, while backward goes on
         self._side = backend.SideStream(device) if self.overlaps and device.is_gpu else None
         self._copied: set[str] = set()
+        # A GPU worker whose shards all share memory with it (psgd.link.shm) pulls into device arrays made for each
+        # pull, and pushes from the device, straight from and into the shards' segments: no host buffers then.
+        self.pulled: dict[str, Any] | None = None  # the weights the last pull put on the device (None: in self.host)
         self.total = 0
         self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
@@ -109,19 +112,40 @@ class ParameterServerExchange(Exchange):
         try:
             rows = self._prefetched(step, lookups)
             if rows is None:
-                rows = _asked(self.plan, lookups)
-                self.versions = self.client.pull(step, self.host,
-                                                 {t: (ids, out) for t, (ids, _, out) in rows.items()})
+                rows, self.pulled = _asked(self.plan, lookups), self._device_arrays()
+                self.versions = self.client.pull(step, self.host, {t: (ids, out) for t, (ids, _, out) in rows.items()},
+                                                 device=self.pulled)
                 self.spans["pull"] = (began, time.perf_counter())
         except PSError as exc:
             self._stopping(exc)
             raise
         self.pull_seconds = time.perf_counter() - began  # with overlap: the part of the pull not hidden
-        device = self.job.device
-        if self.local_steps:  # the centre stays in the host buffers until the period's push
-            self.own = {k: device.asarray(v).copy() for k, v in self.host.items()}
+        device, pulled = self.job.device, self._centre()
+        if self.local_steps:  # the centre stays where it was pulled to until the period's push
+            self.own = {k: device.asarray(v).copy() for k, v in pulled.items()}
             return self.own
-        return {**{k: device.asarray(v) for k, v in self.host.items()}, **_as_rows(rows, device)}
+        return {**{k: device.asarray(v) for k, v in pulled.items()}, **_as_rows(rows, device)}
+
+    def _centre(self) -> dict[str, Any]:
+        """The weights of the last pull: on the device where it went there (see _device_arrays), else on the host."""
+        return self.host if self.pulled is None else self.pulled
+
+    def _device_arrays(self) -> dict[str, Any] | None:
+        """Device arrays for a pull to fill straight from shared memory, where every shard's link can now (made
+        for each pull: what the last one filled may still be in use); None where not."""
+        if not self._direct():
+            return None
+        xp = self.job.device.xp
+        return {s.name: xp.empty(s.shape, dtype=s.dtype) for s in self.plan.specs}
+
+    def _direct(self) -> bool:
+        """Whether every shard's link goes between this worker's GPU and shared memory now (psgd.link.shm)."""
+        return self.job.device.is_gpu and all(getattr(link, "direct", False) for link in self.client.links)
+
+    def _pushes_from_device(self) -> bool:
+        """Whether a gradient goes from the device straight into shared memory now: it does uncompressed (a
+        codec encodes on the host)."""
+        return not self.client.codec.compresses and self._direct()
 
     def rows(self, lookups: Mapping[str, np.ndarray]) -> dict[str, Rows]:
         if self._reader is None:
@@ -135,7 +159,7 @@ class ParameterServerExchange(Exchange):
         waited for and dropped."""
         if self._prefetch is None:
             return None
-        clock, asked_for, rows, pending = self._prefetch
+        clock, asked_for, rows, pending, pulled = self._prefetch
         self._prefetch = None
         mine, theirs = lookups or {}, asked_for or {}
         if clock != step or mine.keys() != theirs.keys() or \
@@ -145,6 +169,7 @@ class ParameterServerExchange(Exchange):
             return None
         self.versions, self.spans["pull"] = pending.result()
         self.host, self._spare = self._spare, self.host
+        self.pulled = pulled
         self.pulls_ahead += 1
         return rows
 
@@ -155,15 +180,16 @@ class ParameterServerExchange(Exchange):
             if (step + 1) % self.local_steps and step + 1 < self.total:
                 return Exchanged(step + 1, {"version": max(self.versions)})
             device = self.job.device
-            grads = {k: device.asarray(self.host[k]) - v for k, v in self.own.items()}  # the period's progress
+            centre = self._centre()
+            grads = {k: device.asarray(centre[k]) - v for k, v in self.own.items()}  # the period's progress
         began = time.perf_counter()
         rows = {name: (g.ids, backend.to_host(g.values)) for name, g in grads.items() if isinstance(g, Rows)}
         grads = {name: g for name, g in grads.items() if name not in rows}
         try:
             if self.overlaps:
-                replies = self._push_beside_next_pull(step, self._on_host(grads), rows)
+                replies = self._push_beside_next_pull(step, self._outgoing(grads), rows)
             else:
-                replies = self.client.push(step, self._on_host(grads), rows=rows)
+                replies = self.client.push(step, self._outgoing(grads), rows=rows)
         except PSError as exc:
             self._stopping(exc)
             raise
@@ -187,7 +213,7 @@ class ParameterServerExchange(Exchange):
                                              "spans": spans})
 
     def gradient_ready(self, name: str, grad: Any) -> None:
-        if self._side is not None:
+        if self._side is not None and not self._pushes_from_device():
             self._side.to_host_after(self._side.mark(), grad, self.grad_host[name])
             self._copied.add(name)
 
@@ -203,12 +229,22 @@ class ParameterServerExchange(Exchange):
         ahead, self._ahead = self._ahead, None
         if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
             lookups = ahead[1] if ahead is not None and ahead[0] == step + 1 else None
-            asked = _asked(self.plan, lookups)
+            asked, pulled = _asked(self.plan, lookups), self._device_arrays()
             self._prefetch = (step + 1, lookups, asked, _in_background(
                 f"worker-{self.rank}-pull", _spanned, self.client.pull, step + 1, self._spare,
-                {t: (ids, out) for t, (ids, _, out) in asked.items()}))
+                {t: (ids, out) for t, (ids, _, out) in asked.items()}, pulled), pulled)
         replies, self.spans["push"] = push.result()  # a failed push fails this step, as without overlap
         return replies
+
+    def _outgoing(self, grads: dict[str, Any]) -> dict[str, Any]:
+        """The gradients as they are pushed: as they are, on the device, where they go straight into shared memory
+        (copies made during backward are then let go), else on the host (:meth:`_on_host`)."""
+        if not self._pushes_from_device():
+            return self._on_host(grads)
+        if self._copied:
+            self._copied = set()
+            self._side.synchronize()
+        return grads
 
     def _on_host(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
         """The gradients as host arrays: copied into the pinned buffers from a GPU, as they are on a CPU."""
@@ -334,7 +370,8 @@ def run_worker(
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
     with PSClient(addresses, job.plan, rank, request_timeout=c.request_timeout, transport=c.transport,
-                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, config=config) as client:
+                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, config=config,
+                  device=job.device) as client:
         result = run_loop(job, ParameterServerExchange(job, client, rank, stop), rank=rank,
                           world=c.workers, evaluate_every=evaluate_every, progress=progress, desc=f"worker {rank}",
                           metrics_path=metrics_path, delay=delay, stop=stop, on_step=on_step)

@@ -57,7 +57,7 @@ def test_help_names_the_three_parts(capsys):
 
 def test_defaults_are_the_documented_ones():
     args = bench_gpu()
-    assert args.parts == ("mlp", "transfer", "nccl") and args.device == "cuda:0"
+    assert args.parts == ("mlp", "transfer", "shm", "nccl") and args.device == "cuda:0"
     assert args.widths == (1024, 2048, 4096, 8192) and args.batch == 256
     assert args.transfer_mb == (40_000_000, 400_000_000)
     assert args.nccl_mb == (1_000_000, 16_000_000, 64_000_000, 256_000_000)
@@ -91,8 +91,8 @@ def test_values_are_parsed_into_numbers_and_parts():
     (gpu.sizes_mb, "-1", "at least 4 bytes"),
     (gpu.sizes_mb, "nan", "finite"),
     (gpu.sizes_mb, "inf", "finite"),
-    (gpu.parse_parts, "mlp,gpu", "unknown gpu; choose from mlp, transfer, nccl"),
-    (gpu.parse_parts, "", "give at least one of mlp, transfer, nccl"),
+    (gpu.parse_parts, "mlp,gpu", "unknown gpu; choose from mlp, transfer, shm, nccl"),
+    (gpu.parse_parts, "", "give at least one of mlp, transfer, shm, nccl"),
 ])
 def test_bad_values_are_refused_with_what_was_wrong(parse, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
