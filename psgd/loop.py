@@ -78,6 +78,15 @@ class Interrupted(Exception):
     """Raised by an exchange when the stop event ended a step half-way (the step is not counted)."""
 
 
+class Rewound(Exception):
+    """Raised by an exchange when the job went back to the cut at ``clock`` (a shard restarted from it): the loop
+    continues from that step, with that step's data, and the steps since are computed again."""
+
+    def __init__(self, clock: int):
+        super().__init__(f"the job went back to step {clock}")
+        self.clock = clock
+
+
 
 def gradient_seconds(model: models.Model, params: Mapping[str, Any], x: Any, y: Any, repeats: int,
                      device: backend.Device = backend.CPU) -> float:
@@ -143,6 +152,10 @@ class Exchange(abc.ABC):
     def gradient_ready(self, name: str, grad: Any) -> None:
         """Variable ``name``'s gradient of the step in hand, as soon as backward has produced it (only where
         :attr:`overlaps` and the model hands its gradients over); :meth:`exchange` still gets them all."""
+
+    def settle(self, step: int) -> None:
+        """The loop's last step is done: an exchange that may still go back (:class:`Rewound`) makes sure here that
+        every step stands before the loop ends."""
 
     def end(self, interrupted: bool) -> dict[str, Any]:
         """Leave the job (``interrupted``: the stop event ended it early); returns summary fields."""
@@ -274,56 +287,71 @@ def run_loop(
 
     beside = _Beside(evaluation) if t.eval_beside else None
 
+    def _went_back(back: Rewound, step: int) -> int:
+        metrics.write("rewound", clock=back.clock, at=step)
+        bar.update(back.clock - step)
+        return back.clock
+
     with progress_bar(total, desc, enabled=progress) as bar:
         try:
             step = exchange.begin()
             start = time.perf_counter()
             bar.update(step)
-            while step < total:
+            while True:
+                if step >= total:  # the last step: the exchange makes sure it stands before the loop ends
+                    try:
+                        exchange.settle(step)
+                        break
+                    except Rewound as back:
+                        step = _went_back(back, step)
+                        continue
                 if stop is not None and stop.is_set():
                     log.info("%s: stopping at step %d as asked; the next start continues from here",
                              exchange.name, step)
                     interrupted = True
                     break
-                epoch, i = divmod(step, spe)
-                if epoch != cached_epoch:  # the epoch's permutation, once per epoch rather than per step
-                    cached_epoch, indices = epoch, batches.indices(epoch)
-                idx = indices[i]
-                began = time.perf_counter()
-                params = exchange.weights(step, model.lookups(ds.ids_train[idx]) if looks_up else None)
-                fetched = time.perf_counter()
-                evaluated = bool(evaluate_every) and step > 0 and step % evaluate_every == 0
-                if evaluated and beside is not None:
-                    evaluated = beside.submit(params, step, float(loss), fetched - start)
-                elif evaluated:
-                    evaluation(params, step, float(loss))
-                loss, grads = gradient(params, device.asarray(ds.x_train[idx]), device.asarray(ds.y_train[idx]),
-                                       **handing)
-                computed = time.perf_counter()
-                loss = float(loss)
-                judged(guard.step(step, epoch, loss))
-                if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
-                    after_epoch, after = divmod(step + 1, spe)
-                    later = indices if after_epoch == epoch else batches.indices(after_epoch)
-                    exchange.ahead(step + 1, model.lookups(ds.ids_train[later[after]]))
-                out = exchange.exchange(step, grads)
-                pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
-                if pause:
-                    time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
-                steps += 1
-                point = {"clock": step, "epoch": epoch, "loss": loss, **out.fields,
-                         "wall": time.perf_counter() - start, "delay": pause}
-                if exchange.overlaps:  # what ran when, on the clock of "wall": psgd bench overlap draws it
-                    point["spans"] = {name: [round(a - start, 5), round(b - start, 5)] for name, (a, b) in
-                                      {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}
-                metrics.write("step", **point)
-                if on_step:
-                    on_step({**point, **({"test_accuracy": acc} if evaluated else {}),
-                             "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
-                             **out.timings})
-                bar.update(out.next_step - step)
-                bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
-                step = out.next_step
+                try:
+                    epoch, i = divmod(step, spe)
+                    if epoch != cached_epoch:  # the epoch's permutation, once per epoch rather than per step
+                        cached_epoch, indices = epoch, batches.indices(epoch)
+                    idx = indices[i]
+                    began = time.perf_counter()
+                    params = exchange.weights(step, model.lookups(ds.ids_train[idx]) if looks_up else None)
+                    fetched = time.perf_counter()
+                    evaluated = bool(evaluate_every) and step > 0 and step % evaluate_every == 0
+                    if evaluated and beside is not None:
+                        evaluated = beside.submit(params, step, float(loss), fetched - start)
+                    elif evaluated:
+                        evaluation(params, step, float(loss))
+                    loss, grads = gradient(params, device.asarray(ds.x_train[idx]), device.asarray(ds.y_train[idx]),
+                                           **handing)
+                    computed = time.perf_counter()
+                    loss = float(loss)
+                    judged(guard.step(step, epoch, loss))
+                    if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
+                        after_epoch, after = divmod(step + 1, spe)
+                        later = indices if after_epoch == epoch else batches.indices(after_epoch)
+                        exchange.ahead(step + 1, model.lookups(ds.ids_train[later[after]]))
+                    out = exchange.exchange(step, grads)
+                    pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
+                    if pause:
+                        time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
+                    steps += 1
+                    point = {"clock": step, "epoch": epoch, "loss": loss, **out.fields,
+                             "wall": time.perf_counter() - start, "delay": pause}
+                    if exchange.overlaps:  # what ran when, on the clock of "wall": psgd bench overlap draws it
+                        point["spans"] = {name: [round(a - start, 5), round(b - start, 5)] for name, (a, b) in
+                                          {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}
+                    metrics.write("step", **point)
+                    if on_step:
+                        on_step({**point, **({"test_accuracy": acc} if evaluated else {}),
+                                 "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
+                                 **out.timings})
+                    bar.update(out.next_step - step)
+                    bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
+                    step = out.next_step
+                except Rewound as back:  # a shard restarted from a cut: the steps since are taken again
+                    step = _went_back(back, step)
         except Interrupted as exc:
             interrupted = True
             log.info("%s: stopping at step %d as asked (%s); the next start continues from here",

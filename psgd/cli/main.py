@@ -248,7 +248,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "node_rank": layout.node_rank,
                           "policy": c.policy if args.mode == "ps" else args.backend,
                           "diverged": result.divergence is not None, "divergence": result.divergence,
-                          "lost_updates": {str(k): n for k, n in result.lost.items()}}))
+                          "lost_updates": {str(k): n for k, n in result.lost.items()},
+                          "went_back": {str(k): b for k, b in result.went_back.items()}}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between checkpoints (default 30); one more is written on SIGTERM. A sync "
                              "job whose [cluster] checkpoint_rounds is K checkpoints at every K-th round instead, "
-                             "every shard at the same versions")
+                             "every shard at the same versions (cuts), and the initial weights: a shard restarted "
+                             "from its cut takes the job back to it, and no round is lost")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                         help="how many checkpoints to keep (default 3)")
     add_token_argument(parser)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -42,6 +43,8 @@ class LaunchResult:
     saved: str | None = None
     divergence: dict | None = None  # the first divergence a process of this node saw (psgd.divergence), if any
     lost: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> updates behind the most advanced
+    #: shard -> {"rollbacks": times it went back to a cut, "rounds_undone": rounds it computed again}, where it did
+    went_back: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
 
 
 #: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
@@ -410,8 +413,16 @@ def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start:
     plan = job_plan(config)
     with PSClient(addresses, plan, token=token, tls=tls) as reader:  # an observer: reads rows, makes none
         loss, acc, verdict = _evaluate(config, weights, "ps", reader)
+        counters = [json.loads(s.counters_json) for s in reader.status()]
+    went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)
+                 if c.get("rollbacks")}
+    if went_back:
+        log.info("the job went back to a cut after a shard restarted, and computed the rounds since again (no update "
+                 "lost): %s", "; ".join(f"shard {k} {b['rollbacks']} time(s), {b['rounds_undone']} round(s)"
+                                       for k, b in went_back.items()))
     for note in pulled.notes:
         log.warning("--save %s: %s", save, note)
     if save:
         save_weights(save, weights)
-    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost)
+    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
+                        went_back)

@@ -23,11 +23,12 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 
 class LinkError(Exception):
     """A call to a shard failed: ``code`` is the gRPC status code (whichever link carried it),
-    ``details`` the shard's message, ``reason`` the ErrorInfo reason the caller acts on ("" for none)."""
+    ``details`` the shard's message, ``reason`` the ErrorInfo reason the caller acts on ("" for none),
+    ``rewind_to`` the clock a ROLLED_BACK refusal says to continue from."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str = ""):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "", rewind_to: int = 0):
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details, self.reason = code, details, reason
+        self.code, self.details, self.reason, self.rewind_to = code, details, reason, rewind_to
 
     @property
     def retryable(self) -> bool:
@@ -110,6 +111,10 @@ class Link:
 
     def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
         """A page of the rows of ``table`` the shard holds, from ``start`` (0, then a reply's ``next``)."""
+        raise NotImplementedError
+
+    def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
+        """Take the shard back to its cut at ``version`` (once per ``cause``), or list its cuts (``dry_run``)."""
         raise NotImplementedError
 
     def interrupt(self) -> None:

@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 
 def _link_error(err: grpc.RpcError) -> LinkError:
-    return LinkError(err.code(), err.details() or "", status.reason_of(err))
+    return LinkError(err.code(), err.details() or "", *status.error_info(err))
 
 
 def _call(fn: Callable[[], T]) -> T:
@@ -70,6 +70,11 @@ class GrpcLink(Link):
     def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
         request = ps_pb2.ListRowsRequest(table=table, start=start)
         return _call(lambda: self.stub.ListRows(request, timeout=self.timeout, metadata=self.metadata))
+
+    def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
+        request = ps_pb2.RollbackRequest(worker_id=self.endpoint.worker_id, to_version=version, cause=cause,
+                                         dry_run=dry_run)
+        return _call(lambda: self.stub.Rollback(request, timeout=self.timeout, metadata=self.metadata))
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         ep = self.endpoint

@@ -123,8 +123,8 @@ class DataConnection:
                 raise protocol.WireError("oversized error message")
             text = bytearray(size)
             protocol.recv_exact(self.sock, memoryview(text))
-            raise LinkError(protocol.status_code(status), text.decode("utf-8", "replace"),
-                            reason_name(outcome))  # an error reply's outcome byte is its reason
+            raise LinkError(protocol.status_code(status), text.decode("utf-8", "replace"),  # its outcome byte is
+                            reason_name(outcome), next_clock)  # its reason, its next clock a ROLLED_BACK's clock
         return outcome, version, next_clock, staleness, size
 
     def _ask(self, clock: int, rows: RowsOut | None, into: list[memoryview]) -> tuple[int, int, int, list]:

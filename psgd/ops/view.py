@@ -166,6 +166,8 @@ class ClusterView:
             dropped = sum(c.get(k, 0) for k in ("late", "duplicates", "rejected"))
             saved = "-" if "checkpoint_age_seconds" not in r else \
                 f"v{r['checkpoint_version']}, {r['checkpoint_age_seconds']:.0f}s ago"
+            if c.get("rollbacks"):  # went back to a cut: the rounds since were computed again
+                saved += f"; back {c['rollbacks']}x, {c.get('rounds_undone', 0)} rounds"
             tables = (c.get("tables") or {}).values()
             held = r["bytes_held"] + sum(t.get("bytes", 0) for t in tables)
             table_rows = f"{sum(t.get('rows', 0) for t in tables):,}" if tables else "-"

@@ -28,23 +28,27 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ..., job_json: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
-    __slots__ = ("reason", "differences")
+    __slots__ = ("reason", "differences", "rewind_to")
     class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         REASON_UNSPECIFIED: _ClassVar[ErrorInfo.Reason]
         NOT_REGISTERED: _ClassVar[ErrorInfo.Reason]
         JOB_MISMATCH: _ClassVar[ErrorInfo.Reason]
+        ROLLED_BACK: _ClassVar[ErrorInfo.Reason]
     REASON_UNSPECIFIED: ErrorInfo.Reason
     NOT_REGISTERED: ErrorInfo.Reason
     JOB_MISMATCH: ErrorInfo.Reason
+    ROLLED_BACK: ErrorInfo.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
+    REWIND_TO_FIELD_NUMBER: _ClassVar[int]
     reason: ErrorInfo.Reason
     differences: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reason: _Optional[_Union[ErrorInfo.Reason, str]] = ..., differences: _Optional[_Iterable[str]] = ...) -> None: ...
+    rewind_to: int
+    def __init__(self, reason: _Optional[_Union[ErrorInfo.Reason, str]] = ..., differences: _Optional[_Iterable[str]] = ..., rewind_to: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port", "host_id")
+    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port", "host_id", "rollback_to")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +60,7 @@ class RegisterReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
     lease_seconds: float
@@ -67,7 +72,30 @@ class RegisterReply(_message.Message):
     version: int
     data_port: int
     host_id: str
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+    rollback_to: int
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ..., host_id: _Optional[str] = ..., rollback_to: _Optional[int] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("worker_id", "to_version", "cause", "dry_run")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    to_version: int
+    cause: str
+    dry_run: bool
+    def __init__(self, worker_id: _Optional[int] = ..., to_version: _Optional[int] = ..., cause: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class RollbackReply(_message.Message):
+    __slots__ = ("version", "cuts", "rounds_undone")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_UNDONE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    cuts: _containers.RepeatedScalarFieldContainer[int]
+    rounds_undone: int
+    def __init__(self, version: _Optional[int] = ..., cuts: _Optional[_Iterable[int]] = ..., rounds_undone: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "clock", "rows")

@@ -70,6 +70,11 @@ class ParameterServerStub:
                 request_serializer=psgd_dot_v1_dot_ps__pb2.ListRowsRequest.SerializeToString,
                 response_deserializer=psgd_dot_v1_dot_ps__pb2.ListRowsReply.FromString,
                 _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/psgd.v1.ParameterServer/Rollback',
+                request_serializer=psgd_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=psgd_dot_v1_dot_ps__pb2.RollbackReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -129,6 +134,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollback(self, request, context):
+        """Under sync with checkpoint_rounds: return to the cut (the checkpoint all
+        shards wrote at one version) that a restarted shard came back from, so
+        that the job repeats the rounds it lost instead of going on without them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +180,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ListRows,
                     request_deserializer=psgd_dot_v1_dot_ps__pb2.ListRowsRequest.FromString,
                     response_serializer=psgd_dot_v1_dot_ps__pb2.ListRowsReply.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=psgd_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
+                    response_serializer=psgd_dot_v1_dot_ps__pb2.RollbackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +377,33 @@ class ParameterServer:
             '/psgd.v1.ParameterServer/ListRows',
             psgd_dot_v1_dot_ps__pb2.ListRowsRequest.SerializeToString,
             psgd_dot_v1_dot_ps__pb2.ListRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgd.v1.ParameterServer/Rollback',
+            psgd_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
+            psgd_dot_v1_dot_ps__pb2.RollbackReply.FromString,
             options,
             channel_credentials,
             insecure,

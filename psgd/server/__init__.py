@@ -43,6 +43,10 @@ def build_shard(job: Job, shard: int) -> ShardCore:
     if c.checkpoint_rounds and not rule.accumulates:
         raise ConfigError(f"[cluster] checkpoint_rounds = {c.checkpoint_rounds} cuts checkpoints at common rounds, "
                           f"which only a sync policy has (this job's: {c.policy}); leave it 0")
+    if c.checkpoint_rounds and c.backup_workers:
+        raise ConfigError(f"[cluster] checkpoint_rounds = {c.checkpoint_rounds} takes a job back to a cut with every "
+                          f"worker in every round, and backup_workers = {c.backup_workers} closes rounds without "
+                          "some: use one of them")
     return ShardCore(
         plan, shard, values, job.shard_optimizer(rule), rule,
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,

@@ -93,12 +93,14 @@ class ShardCore:
                                      **remedies)
         self.version = 0
         self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
-        self.round = Round(self.store) if policy.accumulates else None  # a sync round in the making
+        # a sync round in the making, its pushes added in the workers' order where the job goes back to cuts
+        self.round = Round(self.store, ordered=bool(cut_rounds)) if policy.accumulates else None
         self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows
         self.remedies.watch_tables(self.tables.tables)
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
-                         "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0}
+                         "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0,
+                         "rollbacks": 0, "rounds_undone": 0}
         self.closing = False
         # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
         # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)
@@ -108,6 +110,12 @@ class ShardCore:
         # the newest one it wrote
         self.restored_version: int | None = None
         self.last_checkpoint: tuple[int, float] | None = None
+        # a rollback to a cut (psgd.server.recovery.rollback): the version each worker must continue from (until
+        # it comes with a clock no later), the causes gone back for (each once), and for each worker that came
+        # back ahead of this shard restarted from a cut, that cut (its registration's answer)
+        self.rewinding: dict[int, int] = {}
+        self.rollback_causes: set[str] = set()
+        self.cut_asked: dict[int, int] = {}
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
 
     @property
@@ -149,6 +157,22 @@ class ShardCore:
                 self.on_cut()
         self.changed.notify_all()
 
+    def rewind_workers(self, version: int) -> None:
+        """Every worker continues from ``version`` (a cut gone back to): a request with a later clock is refused
+        with ROLLED_BACK, naming it, until the worker comes with one no later.  Under the lock."""
+        self.rewinding = {w: version for w in range(self.num_workers)}
+
+    def _check_rewound(self, worker: int, clock: int) -> None:
+        cut = self.rewinding.get(worker)
+        if cut is None:
+            return
+        if clock <= cut:
+            del self.rewinding[worker]  # it has gone back
+            return
+        raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} went back to the cut at version {cut} (a shard of "
+                         f"the job restarted from it): worker {worker} continues from clock {cut}, not {clock}",
+                         reason="ROLLED_BACK", rewind_to=cut)
+
     # -- requests -----------------------------------------------------------------
     def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
                  clock: int = 0, job_json: str | None = None, incarnation: str = "") -> int:
@@ -172,7 +196,11 @@ class ShardCore:
             info = self.roster.admit(worker, hostname, pid, incarnation)
             if worker not in self._joined:
                 self._joined.add(worker)
-                if clock > self.policy.clock_of(worker):
+                if clock > self.policy.clock_of(worker) and self.cut_rounds and self.restored_version is not None:
+                    log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard, restarted from the "
+                                "cut at version %d: the job goes back to it", self.shard, worker, clock, self.version)
+                    self.cut_asked[worker] = self.rewinding[worker] = self.version
+                elif clock > self.policy.clock_of(worker):
                     log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard (%s); "
                                 "continuing from there", self.shard, worker, clock,
                                 f"restored from the checkpoint of version {self.restored_version}"
@@ -207,7 +235,10 @@ class ShardCore:
         with self.lock:
             if worker is not None:
                 self.roster.live(worker)
-                while not self.policy.pull_ready(worker, clock):
+                self._check_rewound(worker, clock)
+                # with cuts, an earlier clock than this version is a worker gone back before this shard: it waits
+                while not self.policy.pull_ready(worker, clock) or (self.cut_rounds and clock < self.version):
+                    self._check_rewound(worker, clock)  # a rollback while it waited
                     if self.closing:
                         raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
                     if cancelled():
@@ -232,6 +263,9 @@ class ShardCore:
         slow = sorted((w, i.clock) for w, i in self.roster.workers.items()
                       if i.state in ("live", "pending") and w != worker and i.clock < clock)
         waiting = ", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none"
+        if self.cut_rounds and clock < self.version:
+            return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s for shard {self.shard}, at "
+                    f"version {self.version}, to go back to the cut at {clock} (a rollback no worker carried out)")
         return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
                 f"other workers still expected: {waiting}")
 
@@ -273,6 +307,7 @@ class ShardCore:
         rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
             info = self.roster.live(worker)  # first: a restarted shard asks the worker to register again
+            self._check_rewound(worker, clock)
             if base_version > self.version:
                 raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
                                  f"{self.shard}'s version {self.version}")
@@ -301,7 +336,7 @@ class ShardCore:
                 self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
             if action == ACCUMULATE:
-                self.round.add(grads, base_version)
+                self.round.add(grads, base_version, worker)
                 self.tables.add(rows)
                 self._close_rounds(decision.closed_rounds)
             return PushResult(outcome, decision.next_clock, self.version, staleness)
@@ -315,6 +350,7 @@ class ShardCore:
         """``worker`` has finished; returns how many workers are still live."""
         self.roster.check(worker)
         with self.lock:
+            self._check_rewound(worker, clock)
             if self.roster.leave(worker, clock):
                 self._close_rounds(self.policy.leave(worker))
                 log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
@@ -361,6 +397,6 @@ class ShardCore:
                 "staleness_histogram": list(self.staleness_histogram),
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,
-                "restored_version": self.restored_version,
+                "restored_version": self.restored_version, "rewinding": dict(self.rewinding),
                 **({"tables": self.tables.status()} if self.tables else {}),
             }

@@ -206,12 +206,12 @@ class DataServer:
                 seg = segment.create(self.core.fingerprint, self.core.shard, "push", self.core.nbytes)
             except segment.SegmentError as exc:
                 log.warning("shard %d: no shared-memory segment for worker %d: %s", self.core.shard, worker, exc)
-                return None, json.dumps({"refused": f"shard {self.core.shard} could not make a segment: "
-                                                    f"{exc}"}).encode()
+                return None, json.dumps({"refused": f"shard {self.core.shard} made no segment: {exc}"}).encode()
         return seg, json.dumps(self._handout.offer(seg)).encode()
 
     def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
-        protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason))])
+        protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason),
+                                                          err.rewind_to)])
 
     def _fatal(self, conn: socket.socket, code: str, message: str):
         try:

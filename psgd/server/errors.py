@@ -7,11 +7,14 @@ from typing import Iterable
 
 class ShardError(Exception):
     """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
-    ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH."""
+    ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH and
+    ``rewind_to`` (the clock to continue from) for ROLLED_BACK."""
 
-    def __init__(self, code: str, message: str, reason: str = "", differences: Iterable[str] = ()):
+    def __init__(self, code: str, message: str, reason: str = "", differences: Iterable[str] = (),
+                 rewind_to: int = 0):
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
         self.differences = list(differences)
+        self.rewind_to = rewind_to

@@ -3,7 +3,9 @@ format, their names, writing them so a crash leaves the previous one whole) are 
 
 :func:`write` takes a checkpoint of a :class:`~psgd.server.core.ShardCore` (weights, optimizer state, the policy,
 a sync round in the making, counters, who holds which rank); :func:`restore` puts one back before the shard
-serves; :func:`resume` finds the newest intact one of this job, or refuses another job's.
+serves; :func:`resume` finds the newest intact one of this job, or refuses another job's; :func:`rollback` takes a
+serving shard back to a cut (sync with checkpoint_rounds: every shard's checkpoint of one version), and :func:`cuts`
+lists the ones it holds.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ import logging
 import os
 import time
 
-import numpy as np
-
 from psgd.server import checkpoint
 from psgd.server.core import STALENESS_BUCKETS, ShardCore
+from psgd.server.errors import ShardError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
     arrays = {"weights": core.flat}
     arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
     if core.round is not None:
-        arrays["round_sum"] = core.round.flat
+        arrays["round_sum"] = core.round.total()
     arrays.update(core.tables.arrays())
     manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
                 "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
@@ -58,28 +59,79 @@ def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
 
 def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     """Give ``core`` the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before it serves)."""
-    m, a = ckpt.manifest, ckpt.arrays
+    m = ckpt.manifest
     if m.get("fingerprint", core.fingerprint) != core.fingerprint or m.get("shard", core.shard) != core.shard:
         raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
                                          f"this is shard {core.shard} of job {core.fingerprint}")
-    weights = a.get("weights")
-    if weights is None or weights.shape != core.flat.shape or weights.dtype != core.flat.dtype:
-        raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {core.shard}")
     with core.lock:
-        np.copyto(core.flat, weights)
-        core.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
-        core.policy.load_state_dict(m["policy"])
-        if core.round is not None and "round_sum" in a:
-            core.round.load(a["round_sum"], m.get("round_bases", []))
-        if core.tables:
-            core.tables.load(a)
-        core.version = int(m["version"])
+        _put_back(core, ckpt)
         core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
         core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
         core.restored_version = core.version
         core.roster.keep_for(m.get("holders", {}))
         core.last_checkpoint = (core.version, float(m.get("written_at", time.time())))
     log.info("shard %d: restored version %d from %s", core.shard, core.version, ckpt.path)
+
+
+def _put_back(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
+    """The training state of ``ckpt`` into ``core`` (under its lock): weights, optimizer, policy, the round in
+    the making, tables, version.  Who holds which rank, the counters and the leases stay the caller's."""
+    m, a = ckpt.manifest, ckpt.arrays
+    weights = a.get("weights")
+    if weights is None or weights.shape != core.flat.shape or weights.dtype != core.flat.dtype:
+        raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {core.shard}")
+    core.store.replace(weights)
+    core.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
+    core.policy.load_state_dict(m["policy"])
+    if core.round is not None:
+        core.round.clear()
+        if "round_sum" in a:
+            core.round.load(a["round_sum"], m.get("round_bases", []))
+    if core.tables:
+        core.tables.load(a)
+    core.version = int(m["version"])
+
+
+def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
+    """The versions ``core`` could go back to: its checkpoints in ``folder`` no later than its version (under
+    sync with checkpoint_rounds each is a cut), newest first."""
+    return [v for v in checkpoint.versions(folder) if v <= core.version]
+
+
+def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: str, worker: int) -> int:
+    """Go back to the cut at ``version`` (this shard's checkpoint of it in ``folder``) because of ``cause`` (the
+    incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
+    continues from ``version`` (:meth:`ShardCore.rewind_workers`).  Returns the rounds undone; refuses
+    (FAILED_PRECONDITION) where this shard is behind the cut or holds no intact checkpoint of it."""
+    with core.lock:
+        if cause in core.rollback_causes:
+            return 0
+        if core.version < version:
+            raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} is at version {core.version}, behind the cut "
+                             f"at {version} that worker {worker} asks it to go back to")
+        if core.version == version:  # there already (the shard that restarted, or one that never went past it)
+            core.rollback_causes.add(cause)
+            core.rewind_workers(version)
+            core.changed.notify_all()
+            return 0
+    try:  # read and checked outside the lock: the shard serves meanwhile (under sync nobody can go on)
+        ckpt = checkpoint.load(folder, version, core.plan.hash, fingerprint=core.fingerprint)
+    except checkpoint.CheckpointError as exc:
+        raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} cannot go back to the cut at version {version}: "
+                         f"{exc}") from None
+    with core.lock:
+        if cause in core.rollback_causes:
+            return 0
+        undone = core.version - version
+        _put_back(core, ckpt)
+        core.rollback_causes.add(cause)
+        core.rewind_workers(version)
+        core.counters["rollbacks"] += 1
+        core.counters["rounds_undone"] += undone
+        core.changed.notify_all()
+    log.info("shard %d: went back %d round(s) to the cut at version %d, as worker %d asked (a shard restarted "
+             "from it, incarnation %s)", core.shard, undone, version, worker, cause)
+    return undone
 
 
 def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False) -> None:

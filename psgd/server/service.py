@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -70,7 +70,8 @@ def _abort(context: grpc.ServicerContext, err: ShardError):
     # A reason travels in a second trailer that repeats the message (base64, a third larger): both must fit
     # under the clients' 8 KiB together, so the message gets less than half and the differences a little.
     differences = [_details(d, 160) for d in err.differences[:12]]
-    status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences)
+    status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences,
+                 err.rewind_to)
 
 
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
@@ -88,6 +89,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._row_shapes = core.tables.shapes()
         self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
         self.watchdog = Watchdog(f"shard{core.shard}-watchdog")
+        #: Rollback's body: its ShardServer's, which knows the checkpoint folder
+        self.rollback: Callable[[ps_pb2.RollbackRequest], ps_pb2.RollbackReply] = self._keeps_no_cuts
+
+    def _keeps_no_cuts(self, request: ps_pb2.RollbackRequest) -> ps_pb2.RollbackReply:
+        raise ShardError("FAILED_PRECONDITION", f"shard {self.core.shard} keeps no cuts to go back to")
 
     @property
     def transfer_seconds(self) -> float:
@@ -102,10 +108,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             _abort(context, err)
         core = self.core
+        cut = core.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
-            incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id)
+            incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id,
+            **({"rollback_to": cut} if cut is not None else {}))
+
+    def Rollback(self, request, context):
+        try:
+            return self.rollback(request)
+        except ShardError as err:
+            _abort(context, err)
 
     def _data_call(self, context, what: str, seconds: float = float("inf")) -> int:
         """Take one of the threads data calls may use (else RESOURCE_EXHAUSTED: the control calls keep theirs);
@@ -240,7 +254,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],
             bytes_held=s["bytes_held"],
             counters_json=json.dumps({**s["counters"], "checkpoint": s["checkpoint"], "tables": s.get("tables", {}),
-                                      "restored_version": s["restored_version"], "reads": s["reads"]}),
+                                      "restored_version": s["restored_version"], "reads": s["reads"],
+                                      "rewinding": s["rewinding"]}),
             staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
             data_port=self.data_port)
 
@@ -306,6 +321,7 @@ class ShardServer:
         self.servicer = ParameterServerServicer(core, self.incarnation, request_timeout,
                                                 self.data.port if self.data else 0,
                                                 segment.host_id() if shares else "", threads)
+        self.servicer.rollback = self._rollback
         ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -329,6 +345,8 @@ class ShardServer:
         self._reaper.start()
         if self.checkpoint_dir and self.core.cut_rounds:  # at each cut, in the round's closing (under the lock)
             self.core.on_cut = lambda: self.save_checkpoint(held=True)
+            if self.core.version == 0:
+                self.save_checkpoint()  # the initial weights are a cut too, for a shard lost before the first
         elif self.checkpoint_dir:
             self._checkpointer.start()
         for name in ("", SERVICE_NAME):
@@ -340,6 +358,18 @@ class ShardServer:
                  self.core.num_workers, len(self.core.slices),
                  sum(w.nbytes for w in self.core.weights.values()) / 1e6)
         return self
+
+    def _rollback(self, request: ps_pb2.RollbackRequest) -> ps_pb2.RollbackReply:
+        """Go back to the cut of ``request.to_version`` (psgd.server.recovery.rollback), or list the cuts held."""
+        core = self.core
+        if not (self.checkpoint_dir and core.cut_rounds):
+            raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} keeps no cuts to go back to (it needs a "
+                             "checkpoint folder and [cluster] checkpoint_rounds under sync)")
+        folder = checkpoint.shard_dir(self.checkpoint_dir, core.shard, core.fingerprint)
+        if request.dry_run:
+            return ps_pb2.RollbackReply(version=core.version, cuts=recovery.cuts(core, folder))
+        undone = recovery.rollback(core, folder, request.to_version, request.cause, request.worker_id)
+        return ps_pb2.RollbackReply(version=core.version, rounds_undone=undone)
 
     def _reap(self) -> None:
         period = max(0.05, min(1.0, self.core.roster.lease_seconds / 4))

@@ -234,6 +234,20 @@ class WeightStore:
         finally:
             self.seq[slot] += 1  # even: whole
 
+    def replace(self, values: np.ndarray) -> None:
+        """Make ``values`` (all slices, in slice order: a checkpoint's weights) the weights, written where an
+        update would be, so that no read in flight sees them change."""
+        slot = self._slot_for_update()
+        self.seq[slot] += 1  # odd: being written
+        try:
+            if slot != self.current:
+                if self._slots[slot] is None:
+                    self._slots[slot] = np.empty_like(self.flat)
+                self._use(slot)
+            np.copyto(self.flat, values)
+        finally:
+            self.seq[slot] += 1  # even: whole
+
     def _slot_for_update(self) -> int:
         """The slot the next update is made in: the current one once it is unread; after ``patience``, the
         other one once it is unread; past their hold, a slot's reads are revoked.  Waits (letting go of the

@@ -76,11 +76,12 @@ def as_worker(worker_id: int) -> int | None:
     return None if worker_id == OBSERVER else worker_id
 
 
-def error_reply(code: str, message: str, reason: int = 0) -> bytes:
-    """An error reply: the status ``code`` (a grpc.StatusCode name), ``message`` cut to MAX_ERROR_BYTES, and
-    in the outcome byte the reason the client acts on (:func:`psgd.wire.status.reason_number`)."""
+def error_reply(code: str, message: str, reason: int = 0, rewind_to: int = 0) -> bytes:
+    """An error reply: the status ``code`` (a grpc.StatusCode name), ``message`` cut to MAX_ERROR_BYTES, in
+    the outcome byte the reason the client acts on (:func:`psgd.wire.status.reason_number`), and in the next
+    clock the clock a ROLLED_BACK refusal says to continue from."""
     text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-    return REPLY.pack(DATA_MAGIC, _NUMBERS[code], reason, 0, 0, 0, len(text)) + text
+    return REPLY.pack(DATA_MAGIC, _NUMBERS[code], reason, 0, rewind_to, 0, len(text)) + text
 
 
 def status_code(number: int) -> grpc.StatusCode:

@@ -4,7 +4,8 @@ A shard that refuses a call for a reason the client must act on (register
 again, or stop: the jobs differ) attaches a :class:`ErrorInfo` message to the
 call's status, as a ``google.rpc.Status`` detail (the standard "rich error
 model", trailing metadata ``grpc-status-details-bin``).  The client reads the
-reason back with :func:`reason_of`; the message stays for people.  The data
+reason back with :func:`reason_of` (:func:`error_info`: with the clock a ROLLED_BACK refusal
+names); the message stays for people.  The data
 path carries the same reasons as numbers in its error replies.
 """
 
@@ -19,7 +20,7 @@ from grpc_status import rpc_status
 
 from psgd.proto import ps_pb2
 
-REASONS = ("NOT_REGISTERED", "JOB_MISMATCH")
+REASONS = ("NOT_REGISTERED", "JOB_MISMATCH", "ROLLED_BACK")
 
 
 def reason_number(reason: str) -> int:
@@ -37,26 +38,33 @@ def reason_name(number: int) -> str:
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, reason: str = "",
-          differences: Iterable[str] = ()) -> None:
-    """End the call with ``code`` and ``message``, and ``reason`` as a detail when there is one."""
+          differences: Iterable[str] = (), rewind_to: int = 0) -> None:
+    """End the call with ``code`` and ``message``, and ``reason`` as a detail when there is one (with the clock
+    to continue from, for ROLLED_BACK)."""
     if not reason:
         context.abort(code, message)
     detail = any_pb2.Any()
-    detail.Pack(ps_pb2.ErrorInfo(reason=reason_number(reason), differences=list(differences)))
+    detail.Pack(ps_pb2.ErrorInfo(reason=reason_number(reason), differences=list(differences), rewind_to=rewind_to))
     context.abort_with_status(rpc_status.to_status(
         status_pb2.Status(code=code.value[0], message=message, details=[detail])))
 
 
-def reason_of(err: grpc.RpcError) -> str:
-    """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read)."""
+def error_info(err: grpc.RpcError) -> tuple[str, int]:
+    """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read), and its
+    ``rewind_to`` (0 where none)."""
     try:
         status = rpc_status.from_call(err)
     except (ValueError, AttributeError, TypeError):  # a detail that does not match the code or message
-        return ""
+        return "", 0
     if status is None:
-        return ""
+        return "", 0
     for detail in status.details:
         info = ps_pb2.ErrorInfo()
         if detail.Is(ps_pb2.ErrorInfo.DESCRIPTOR) and detail.Unpack(info):
-            return reason_name(info.reason)
-    return ""
+            return reason_name(info.reason), int(info.rewind_to)
+    return "", 0
+
+
+def reason_of(err: grpc.RpcError) -> str:
+    """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read)."""
+    return error_info(err)[0]

@@ -34,22 +34,11 @@ from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire.protocol import OBSERVER
+from psgd.worker.errors import PSError, Rewind, Stopped
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class PSError(RuntimeError):
-    """A call to a shard failed for good; the message names the address and what was tried."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
-
-
-class Stopped(PSError):
-    """The worker was asked to stop (SIGTERM) while it waited for its shards."""
 
 
 #: How often a worker waiting for its shards says which ones it is waiting for.
@@ -101,6 +90,10 @@ class PSClient:
         self._beat_stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.clock = 0
+        # a shard that restarted from a cut behind this worker: (its cut, its incarnation), until the job went back;
+        # and calls still running when one of their siblings heard of a rollback (psgd.worker.rollback)
+        self.pending_rollback: tuple[int, str] | None = None
+        self.stragglers: list[futures.Future] = []
         self._packed: list[np.ndarray | None] = [None] * plan.num_shards
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
@@ -131,7 +124,7 @@ class PSClient:
         return self.stop is not None and self.stop.is_set()
 
     # -- plumbing ------------------------------------------------------------
-    def _retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
+    def retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
                   also: tuple[grpc.StatusCode, ...] = (), also_for: float | None = None) -> T:
         """``call()``, retried on transient errors (and the codes in ``also``, for at most ``also_for`` seconds
         from the first of them) within the retry deadline; a shard that has forgotten this worker (it restarted,
@@ -149,6 +142,8 @@ class PSClient:
                 raise PSError(str(err)) from None
             except LinkError as err:
                 code, details = err.code, err.details
+                if err.reason == "ROLLED_BACK":  # the job went back to a cut; this worker takes it back if it heard why
+                    raise Rewind(*self.pending_rollback) if self.pending_rollback else Rewind(err.rewind_to) from None
                 stopping = self._stopping()
                 left = 0.0 if stopping else deadline - time.monotonic()
                 if rejoin and self.worker_id != OBSERVER and err.reason == "NOT_REGISTERED" and left > 0:
@@ -179,13 +174,17 @@ class PSClient:
                     time.sleep(pause)  # backoff between attempts, not synchronization
                 delay = min(delay * 2, 2.0)
 
-    def _on_all(self, fn: Callable[[int], T]) -> list[T]:
+    def on_all(self, fn: Callable[[int], T]) -> list[T]:
         if self.plan.num_shards == 1:  # no thread hand-off for a single shard: it costs latency
             return [fn(0)]
         jobs = [self._pool.submit(fn, k) for k in range(self.plan.num_shards)]
         pending = set(jobs)
         while pending:  # short waits: a stop signal's handler runs in this (the main) thread in between
-            _, pending = futures.wait(pending, timeout=0.1)
+            done, pending = futures.wait(pending, timeout=0.1)
+            back = next((j.exception() for j in done if isinstance(j.exception(), Rewind)), None)
+            if back is not None:  # the others may wait on a round that closes only once the job went back
+                self.stragglers = list(pending)
+                raise back
         return [j.result() for j in jobs]
 
     # -- calls --------------------------------------------------------------------
@@ -232,7 +231,7 @@ class PSClient:
         # a rank still held by another process frees itself when that one's lease runs out (it crashed and this
         # is its restart): within one lease of the first refusal; a second live process of the same rank keeps
         # renewing it, and this one gives up then
-        reply = self._retrying(k, "register", lambda: self.links[k].register(request), rejoin=False,
+        reply = self.retrying(k, "register", lambda: self.links[k].register(request), rejoin=False,
                                also=(grpc.StatusCode.ALREADY_EXISTS,), also_for=self.holder_wait)
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
@@ -243,6 +242,8 @@ class PSClient:
                           grpc.StatusCode.FAILED_PRECONDITION)
         self.versions[k] = reply.version
         self._joins[k] += 1
+        if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
+            self.pending_rollback = (reply.rollback_to, reply.incarnation)  # its next call hears ROLLED_BACK
         return reply
 
     def register(self) -> int:
@@ -251,7 +252,7 @@ class PSClient:
         A worker stopped between its pushes to two shards left them a clock apart; continuing from the
         larger would leave the other (under sync) waiting for a push that never comes.  From the smaller,
         the shard that has it already counts the push again as a duplicate (applied once)."""
-        replies = self._on_all(self._register_one)
+        replies = self.on_all(self._register_one)
         self.lease_seconds = min(r.lease_seconds for r in replies)
         self.versions = [r.version for r in replies]
         self.clock = min(r.clock for r in replies)
@@ -279,7 +280,7 @@ class PSClient:
             views = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in self.shard_slices[k]]
             mine = {t: (rows[t][0][pos], np.empty((pos.size,) + rows[t][1].shape[1:], rows[t][1].dtype))
                     for t, pos in where[k].items()}
-            version = self._retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views, mine, **kw))
+            version = self.retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views, mine, **kw))
             for t, pos in where[k].items():
                 rows[t][1][pos] = mine[t][1]
             return version
@@ -288,7 +289,7 @@ class PSClient:
         try:
             if self._stopping():
                 raise Stopped(f"asked to stop before the pull of clock {clock}")
-            self.versions = self._on_all(one)
+            self.versions = self.on_all(one)
         finally:
             self._pulling = False
         return self.versions
@@ -314,14 +315,13 @@ class PSClient:
             parts = self._encode(k, flat)
             mine = {t: (rows[t][0][pos], self._encode_rows(rows[t][1][pos])) for t, pos in where[k].items()}
             # a shard that restarted and took this worker back meanwhile holds its own version now
-            return self._retrying(k, f"push (clock {clock})", lambda: self.links[k].push(
+            return self.retrying(k, f"push (clock {clock})", lambda: self.links[k].push(
                 clock, bases[k] if self._joins[k] == joins[k] else self.versions[k], self.codec, parts, mine))
 
-        return self._on_all(one)
+        return self.on_all(one)
 
     def _encode(self, k: int, flat: Mapping[str, np.ndarray]) -> list[memoryview]:
-        """Shard ``k``'s slices of the gradient as the codec writes them: views of the gradient itself,
-        or of a reused 16-bit buffer it was compressed into."""
+        """Shard ``k``'s slices of the gradient as the codec writes them: views of it, or of a reused 16-bit buffer."""
         slices = self.shard_slices[k]
         if not self.codec.compresses:  # a gradient on the device goes as it is (psgd.link.shm copies it)
             views = [flat[s.var][s.start:s.stop] for s in slices]
@@ -346,10 +346,10 @@ class PSClient:
         return out
 
     def done(self) -> None:
-        self._on_all(lambda k: self._retrying(k, "done", lambda: self.links[k].done(self.clock)))
+        self.on_all(lambda k: self.retrying(k, "done", lambda: self.links[k].done(self.clock)))
 
     def status(self) -> list[ps_pb2.StatusReply]:
-        return self._on_all(lambda k: self._retrying(k, "status", self.links[k].status))
+        return self.on_all(lambda k: self.retrying(k, "status", self.links[k].status))
 
     def list_rows(self, table: str) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
         """Every row of ``table`` the shards hold, as they are: ids (increasing), values, and each shard's
@@ -360,7 +360,7 @@ class PSClient:
         def one(k: int) -> tuple[list, list, tuple[int, int]]:
             ids, values, versions, start = [], [], [], 0
             while start != -1:
-                page = self._retrying(k, f"listing of table {table!r}", lambda: self.links[k].list_rows(table, start))
+                page = self.retrying(k, f"listing of table {table!r}", lambda: self.links[k].list_rows(table, start))
                 got = np.frombuffer(page.rows.ids, "<i8")
                 if len(page.rows.values) != got.size * spec.dim * np.dtype(spec.dtype).itemsize or \
                         (self.plan.shard_of_ids(table, got) != k).any():
@@ -375,7 +375,7 @@ class PSClient:
                 start = page.next
             return ids, values, (versions[0], versions[-1])
 
-        parts = self._on_all(one)
+        parts = self.on_all(one)
         ids, values = joined_by_id([i for p in parts for i in p[0]], [v for p in parts for v in p[1]], spec.dim)
         return ids, values, [p[2] for p in parts]
 

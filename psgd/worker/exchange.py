@@ -16,8 +16,9 @@ import logging
 import resource
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -25,12 +26,14 @@ from psgd import data as datasets
 from psgd import xp as backend
 from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
-from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, run_loop
+from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, Rewound, run_loop
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job
 from psgd.model.table import Rows, unique_lookups
 from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
+from psgd.worker.errors import Rewind
+from psgd.worker.rollback import roll_back
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +122,37 @@ class ParameterServerExchange(Exchange):
         except PSError as exc:
             self._stopping(exc)
             raise
+        except Rewind as back:
+            self._went_back(back)
         self.pull_seconds = time.perf_counter() - began  # with overlap: the part of the pull not hidden
         device, pulled = self.job.device, self._centre()
         if self.local_steps:  # the centre stays where it was pulled to until the period's push
             self.own = {k: device.asarray(v).copy() for k, v in pulled.items()}
             return self.own
         return {**{k: device.asarray(v) for k, v in pulled.items()}, **_as_rows(rows, device)}
+
+    def settle(self, step: int) -> None:
+        """With cuts (sync, checkpoint_rounds): the last round's weights pulled from every shard before this worker
+        leaves, so that a shard that restarted from a cut after its last push still brings the job back."""
+        if self.job.config.cluster.checkpoint_rounds and self.job.config.cluster.policy == "sync":
+            try:
+                self.client.pull(step, self.host)
+            except PSError as exc:
+                self._stopping(exc)
+                raise
+            except Rewind as back:
+                self._went_back(back)
+
+    def _went_back(self, back: Rewind) -> NoReturn:
+        """The job goes back to a cut (psgd.worker.rollback): taken back by this worker where it heard why; a pull
+        made ahead is dropped, and the loop continues from the cut's clock."""
+        clock = roll_back(self.client, back)
+        if self._prefetch is not None:
+            with contextlib.suppress(PSError, Rewind, futures.TimeoutError):
+                self._prefetch[3].result(timeout=self.client.request_timeout)
+            self._prefetch = None
+        self._ahead = None
+        raise Rewound(clock) from None
 
     def _centre(self) -> dict[str, Any]:
         """The weights of the last pull: on the device where it went there (see _device_arrays), else on the host."""
@@ -193,6 +221,8 @@ class ParameterServerExchange(Exchange):
         except PSError as exc:
             self._stopping(exc)
             raise
+        except Rewind as back:
+            self._went_back(back)
         pushed = time.perf_counter()
         for r in replies:
             self.outcomes[r.outcome] = self.outcomes.get(r.outcome, 0) + 1

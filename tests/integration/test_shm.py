@@ -668,7 +668,7 @@ def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monk
         monkeypatch.setattr(segment, "create", full)
         assert _one_step(job, caplog) == [("tcp", False)]
     lines = [r for r in caplog.records if "not through shared memory" in r.getMessage()]
-    assert len(lines) == 1 and "could not make a segment" in lines[0].getMessage()
+    assert len(lines) == 1 and "made no segment" in lines[0].getMessage()
 
 
 # --- killed processes leave nothing behind ----------------------------------------------------------

@@ -37,7 +37,7 @@ def test_a_call_cancelled_by_a_restarting_shard_is_retried():
     gave up with CANCELLED."""
     with client() as c:
         call, calls = failing(2, grpc.StatusCode.CANCELLED)
-        assert c._retrying(0, "push (clock 142)", call) == "answered"
+        assert c.retrying(0, "push (clock 142)", call) == "answered"
         assert len(calls) == 3
 
 
@@ -47,7 +47,7 @@ def test_a_worker_that_stops_does_not_retry_the_calls_it_cancelled():
     with client(stop) as c:
         call, calls = failing(5, grpc.StatusCode.CANCELLED)
         with pytest.raises(PSError, match="CANCELLED"):
-            c._retrying(0, "pull (clock 3)", call)
+            c.retrying(0, "pull (clock 3)", call)
         assert len(calls) == 1
 
 
@@ -55,7 +55,7 @@ def test_permanent_errors_are_not_retried():
     with client() as c:
         call, calls = failing(1, grpc.StatusCode.INVALID_ARGUMENT)
         with pytest.raises(PSError, match="INVALID_ARGUMENT"):
-            c._retrying(0, "push (clock 1)", call)
+            c.retrying(0, "push (clock 1)", call)
         assert len(calls) == 1
 
 
@@ -64,7 +64,7 @@ def test_a_push_without_a_free_receive_buffer_is_retried():
     applied, and a buffer frees up once the pushes ahead of it are in."""
     with client() as c:
         call, calls = failing(2, grpc.StatusCode.RESOURCE_EXHAUSTED)
-        assert c._retrying(0, "push (clock 7)", call) == "answered"
+        assert c.retrying(0, "push (clock 7)", call) == "answered"
         assert len(calls) == 3
 
 
@@ -76,5 +76,5 @@ def test_a_stopping_worker_retries_nothing():
         for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             call, calls = failing(5, code)
             with pytest.raises(PSError, match="the worker is stopping, so it did not retry"):
-                c._retrying(0, "pull (clock 3)", call)
+                c.retrying(0, "pull (clock 3)", call)
             assert len(calls) == 1

@@ -598,9 +598,9 @@ def test_status_reports_everything():
     push(core, 0, 0)
     clock.advance(4)
     s = core.status()
-    assert s["checkpoint"] is None and s["restored_version"] is None
+    assert s["checkpoint"] is None and s["restored_version"] is None and s["rewinding"] == {}
     assert set(s) == {"shard", "num_shards", "policy", "version", "plan_hash", "bytes_held", "workers",
-                      "checkpoint", "restored_version", "reads",
+                      "checkpoint", "restored_version", "reads", "rewinding",
                       "counters", "staleness_histogram"}
     assert (s["shard"], s["num_shards"], s["policy"], s["version"]) == (0, 1, "sync", 0)
     assert s["plan_hash"] == PLAN.hash

@@ -1,0 +1,52 @@
+"""A worker's part in going back to a cut (sync with ``[cluster] checkpoint_rounds``).
+
+A shard that restarts comes back from its newest cut: the checkpoint every shard wrote as the same round closed
+(:mod:`psgd.server.recovery`).  The first worker to register with it hears that it is behind (``rollback_to``,
+with the restarted shard's incarnation as the cause) and takes the job back: it asks every shard which cuts it
+holds, picks the newest that all of them hold (no later than the restarted one's), and asks every shard to go
+back to it (each does so once per cause, however many workers ask).  Every worker then continues from that
+clock, its data from that step on, so the rounds the restart lost are computed again, from the same weights and
+the same batches: the job ends where it would have ended undisturbed.  A worker that hears of it from a shard
+that went back (ROLLED_BACK) continues from the clock it names; a pull of an earlier clock than a shard's
+version waits until that shard has gone back too (:meth:`psgd.server.core.ShardCore.pull`).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Any
+
+from psgd.worker.errors import PSError, Rewind
+
+log = logging.getLogger(__name__)
+
+
+def roll_back(client: Any, rewind: Rewind) -> int:
+    """Go back as ``rewind`` says (every shard to the common cut, where it has a cause) with
+    :class:`psgd.worker.client.PSClient` ``client``; returns the clock this worker continues from."""
+    clock = rewind.clock
+    if rewind.cause:
+        held = client.on_all(lambda k: client.retrying(k, "listing the cuts", lambda: client.links[k].rollback(
+            rewind.clock, rewind.cause, dry_run=True)))
+        common = set(held[0].cuts).intersection(*(set(r.cuts) for r in held[1:]))
+        eligible = [v for v in common if v <= rewind.clock]
+        if not eligible:
+            listed = "; ".join(f"shard {k}: {list(r.cuts) or 'none'}" for k, r in enumerate(held))
+            raise PSError(f"worker {client.worker_id}: a shard restarted from the cut at version {rewind.clock}, and "
+                          f"no cut at or before it is held by every shard ({listed}): the job cannot go back "
+                          "without losing rounds; restart it from its checkpoints (psgd launch resumes them)")
+        clock = max(eligible)
+        undone = client.on_all(lambda k: client.retrying(k, f"going back to version {clock}", lambda: client.links[
+            k].rollback(clock, rewind.cause).rounds_undone))
+        log.info("worker %d: a shard restarted from the cut at version %d (incarnation %s): the job went back to "
+                 "version %d (rounds undone per shard: %s); repeating from clock %d", client.worker_id, rewind.clock,
+                 rewind.cause, clock, ", ".join(map(str, undone)), clock)
+    else:
+        log.info("worker %d: a shard went back to the cut at version %d: repeating from clock %d",
+                 client.worker_id, clock, clock)
+    client.pending_rollback = None
+    client.clock = clock
+    stragglers, client.stragglers = client.stragglers, []
+    futures.wait(stragglers, timeout=client.request_timeout)  # calls refused or answered once every shard is back
+    return clock

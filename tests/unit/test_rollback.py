@@ -1,0 +1,157 @@
+"""A shard going back to a cut (sync with checkpoint_rounds), driven directly: psgd.server.recovery.rollback and
+the core's refusals of workers that have not gone back yet.  Plans and helpers are test_shard_core's."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from psgd.server import checkpoint, recovery
+from psgd.server.errors import ShardError
+from psgd.server.rounds import Round
+
+from test_shard_core import PLAN, error, grads_of, make_core, push, register_all, weights
+
+K = 2  # rounds between cuts
+
+
+def cut_core(tmp_path, workers: int = 2):
+    """A sync core that writes a checkpoint (a cut) at version 0 and at every K-th round, into tmp_path."""
+    core, clock = make_core("sync", workers, cut_rounds=K)
+    folder = checkpoint.shard_dir(tmp_path, 0, core.fingerprint)
+    core.on_cut = lambda: recovery.write_held(core, folder, keep=10)
+    recovery.write(core, folder, keep=10)
+    register_all(core)
+    return core, folder
+
+
+def rounds(core, first: int, last: int) -> None:
+    """Every worker pushes clocks first..last-1, one round each."""
+    for c in range(first, last):
+        for w in range(core.num_workers):
+            push(core, w, c)
+
+
+def test_a_shard_goes_back_to_its_cut_once_per_cause_and_every_worker_is_told(tmp_path):
+    core, folder = cut_core(tmp_path)
+    rounds(core, 0, 2)
+    at_cut = weights(core)
+    rounds(core, 2, 5)
+    assert core.version == 5 and recovery.cuts(core, folder) == [4, 2, 0]
+    assert recovery.rollback(core, folder, 2, "shard1-restart", worker=0) == 3
+    assert core.version == 2 and core.counters["rollbacks"] == 1 and core.counters["rounds_undone"] == 3
+    for name, value in at_cut.items():
+        np.testing.assert_array_equal(weights(core)[name], value)
+    assert core.policy.clock_of(0) == core.policy.clock_of(1) == 2
+    # a second worker asking for the same cause changes nothing, even once the job has moved on
+    push(core, 0, 2)
+    assert recovery.rollback(core, folder, 2, "shard1-restart", worker=1) == 0
+    assert core.round.bases and core.counters["rollbacks"] == 1
+    # worker 1 has not gone back yet: its later clock is refused, naming where to continue
+    refused = error(push, core, 1, 4)
+    assert (refused.code, refused.reason, refused.rewind_to) == ("FAILED_PRECONDITION", "ROLLED_BACK", 2)
+    assert "continues from clock 2" in refused.message
+    push(core, 1, 2)  # the repeated round closes, as it closed the first time
+    assert core.version == 3 and core.rewinding == {}
+
+
+def test_the_same_rounds_after_going_back_give_the_same_bits(tmp_path):
+    """Three workers whose pushes arrive in another order the second time: the round's sum is the same."""
+    core, folder = cut_core(tmp_path, workers=3)
+    rng = np.random.default_rng(5)
+    g = {}
+    for c in range(4):  # workers 0 and 2 cancel each other: how the sum rounds shows the order it was added in
+        big, small = (rng.standard_normal(12), rng.standard_normal(3)), (rng.standard_normal(12), rng.standard_normal(3))
+        g[0, c], g[1, c], g[2, c] = tuple(1e16 * p for p in big), small, tuple(-1e16 * p for p in big)
+    for c in range(4):
+        for w in (0, 1, 2):
+            push(core, w, c, g[w, c])
+    first = weights(core)
+    recovery.rollback(core, folder, 2, "restart", worker=2)
+    for c in (2, 3):
+        for w in (2, 0, 1):
+            push(core, w, c, g[w, c])
+    for name, value in first.items():
+        np.testing.assert_array_equal(weights(core)[name], value)
+
+
+def test_an_unordered_round_depends_on_the_order_an_ordered_one_does_not():
+    core, _ = make_core("sync", 3)
+    gs = [grads_of(np.full(12, v), np.full(3, v)) for v in (1e16, 1.0, -1e16)]
+    sums = {}
+    for ordered in (False, True):
+        for order in ((0, 1, 2), (0, 2, 1)):
+            r = Round(core.store, ordered=ordered)
+            for w in order:
+                r.add(gs[w], 0, worker=w)
+            sums[ordered, order] = r.total()
+    assert not np.array_equal(sums[False, (0, 1, 2)], sums[False, (0, 2, 1)])
+    np.testing.assert_array_equal(sums[True, (0, 1, 2)], sums[True, (0, 2, 1)])
+
+
+def test_a_pull_waiting_on_a_round_hears_of_the_rollback(tmp_path):
+    core, folder = cut_core(tmp_path)
+    rounds(core, 0, 3)
+    push(core, 0, 3)
+    out: dict = {}
+
+    def pull():
+        try:
+            core.pull(0, 4, timeout=10)
+        except ShardError as err:
+            out["error"] = err
+
+    waiting = threading.Thread(target=pull)
+    waiting.start()
+    recovery.rollback(core, folder, 2, "restart", worker=1)
+    waiting.join(10)
+    assert not waiting.is_alive() and out["error"].reason == "ROLLED_BACK" and out["error"].rewind_to == 2
+
+
+def test_a_pull_of_an_earlier_clock_than_the_version_waits_for_the_shard_to_go_back(tmp_path):
+    """A worker told by another shard to go back must not read this one's later weights as the cut's."""
+    core, folder = cut_core(tmp_path)
+    rounds(core, 0, 4)
+    refused = error(core.pull, 0, 2, timeout=0.05)
+    assert refused.code == "DEADLINE_EXCEEDED" and "to go back to the cut at 2" in refused.message
+    recovery.rollback(core, folder, 2, "restart", worker=1)
+    core.pull(0, 2, timeout=1).release()
+
+
+def test_going_back_is_refused_where_the_cut_is_not_held_and_the_cuts_are_listed(tmp_path):
+    core, folder = cut_core(tmp_path)
+    rounds(core, 0, 3)
+    assert recovery.cuts(core, folder) == [2, 0]
+    missing = error(recovery.rollback, core, folder, 1, "restart", 0)
+    assert missing.code == "FAILED_PRECONDITION" and "cannot go back to the cut at version 1" in missing.message
+    ahead = error(recovery.rollback, core, folder, 6, "restart", 0)
+    assert "behind the cut at 6" in ahead.message
+    assert core.version == 3 and core.counters["rollbacks"] == 0
+
+
+def test_a_shard_restarted_from_a_cut_tells_a_worker_that_is_past_it(tmp_path):
+    core, folder = cut_core(tmp_path)
+    rounds(core, 0, 3)
+    restarted, _ = make_core("sync", 2, cut_rounds=K)
+    recovery.resume(restarted, tmp_path)
+    assert restarted.version == 2
+    hello = (PLAN.hash, json.dumps(PLAN.description()))
+    assert restarted.register(0, *hello, clock=3) == 2
+    assert restarted.cut_asked == {0: 2}
+    assert error(push, restarted, 0, 3).reason == "ROLLED_BACK"
+    assert restarted.register(1, *hello, clock=2) == 2 and 1 not in restarted.cut_asked  # not past it
+
+
+def test_a_cut_needs_every_worker_in_every_round():
+    from psgd.config import ConfigError
+    from psgd.job import describe_job
+    from psgd.server import build_shard
+
+    from helpers import make_job
+
+    with pytest.raises(ConfigError, match="backup_workers = 1 closes rounds without some"):
+        build_shard(describe_job(make_job("cluster.policy=sync", "cluster.checkpoint_rounds=4",
+                                          "cluster.backup_workers=1", "cluster.workers=2")), 0)
