@@ -149,11 +149,13 @@ def _add_bench(sub) -> None:
                                          "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
                                          "communication beside computation, off and on; stall: the others' "
                                          "steps/s while one worker is stopped mid-pull; sparse: embedding tables' "
-                                         "steps against table size, parameter server and all-reduce)",
+                                         "steps against table size, parameter server and all-reduce; rollback: "
+                                         "what a killed shard costs a sync job with cuts)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
                                        "`psgd bench comm --help`, `psgd bench scaling --help`, "
                                        "`psgd bench gpu --help`, `psgd bench overlap --help`, "
-                                       "`psgd bench stall --help` and `psgd bench sparse --help`.")
+                                       "`psgd bench stall --help`, `psgd bench sparse --help` and "
+                                       "`psgd bench rollback --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
@@ -190,6 +192,9 @@ def _add_bench(sub) -> None:
     _bench_command(kinds, "sparse", "psgd.bench.sparse", raw=True,
                help="an embedding table's step time, bytes a step and memory against table size (10^5-10^8 "
                     "rows): the parameter server, psgd's all-reduce and a dense all-reduce; the crossover")
+    _bench_command(kinds, "rollback", "psgd.bench.rollback", raw=True,
+               help="a sync job with cuts, undisturbed and with a shard SIGKILLed, against the checkpoint "
+                    "interval: the seconds and rounds a kill costs, and the final weights compared")
 
 
 def _bench_command(kinds, name: str, module: str, help: str, description: str | None = None, raw: bool = False,

@@ -128,6 +128,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
         core.rewind_workers(version)
         core.counters["rollbacks"] += 1
         core.counters["rounds_undone"] += undone
+        core.counters["applied"] -= undone  # the updates the weights hold: the version
         core.changed.notify_all()
     log.info("shard %d: went back %d round(s) to the cut at version %d, as worker %d asked (a shard restarted "
              "from it, incarnation %s)", core.shard, undone, version, worker, cause)

@@ -23,7 +23,7 @@ import pytest
 
 from helpers import make_job, run_threads, shards, wait_for
 from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
-                                         check_no_loss, check_restore)
+                                         check_no_loss, check_restore, check_same_weights)
 from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.processes import command, free_port_pair
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
@@ -74,6 +74,15 @@ def test_lost_updates_on_a_shard_that_never_restarted_are_detected():
     assert check_no_loss("sync", {0: 90, 1: 100}, 100, 2, {0}, 0) == []  # shard 0 restarted: it may lose some
     assert check_no_loss("async", {0: 199}, 100, 2, (), 1) == []  # one kill may skip one push
     assert "2 update(s) lost" in check_no_loss("async", {0: 198}, 100, 2, (), 0)[0]
+
+
+def test_weights_other_than_the_undisturbed_runs_are_detected():
+    same = {"w": np.array([1.0, 2.0]), "b": np.array([0.5])}
+    assert check_same_weights({k: v.copy() for k, v in same.items()}, same) == []
+    nudged = {"w": np.array([1.0, np.nextafter(2.0, 3.0)]), "b": np.array([0.5])}
+    (problem,) = check_same_weights(nudged, same)
+    assert "variable w differs" in problem and "1 of 2 values" in problem
+    assert "missing" in check_same_weights({"w": same["w"]}, same)[0]
 
 
 def test_a_nan_is_detected():
@@ -188,6 +197,8 @@ def test_a_short_chaos_run_of_every_fault_kind_finds_no_violation(tmp_path):
         assert result["faults"][kind] >= 1 or kind in result["skipped"], (kind, result["faults"], result["skipped"])
     assert result["runs"] == SHORT_RUNS and len(result["accuracies"]) >= 1
     assert all(a >= MIN_ACCURACY for a in result["accuracies"]), result["accuracies"]
+    if seed == CI_SEED:  # its run 1 (sync, a killed shard) ended with an undisturbed run's weights, compared
+        assert result["run_records"][1]["same_as_undisturbed"] is True, result["run_records"][1]
     if os.path.exists(IP):
         assert _namespaces_of_this_process() == ""  # every namespace made is gone
 

@@ -43,6 +43,7 @@ def test_a_shard_goes_back_to_its_cut_once_per_cause_and_every_worker_is_told(tm
     assert core.version == 5 and recovery.cuts(core, folder) == [4, 2, 0]
     assert recovery.rollback(core, folder, 2, "shard1-restart", worker=0) == 3
     assert core.version == 2 and core.counters["rollbacks"] == 1 and core.counters["rounds_undone"] == 3
+    assert core.counters["applied"] == core.version  # the updates the weights hold
     for name, value in at_cut.items():
         np.testing.assert_array_equal(weights(core)[name], value)
     assert core.policy.clock_of(0) == core.policy.clock_of(1) == 2

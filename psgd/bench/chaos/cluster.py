@@ -18,8 +18,8 @@ import numpy as np
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import Proc, command, die_with_parent, free_port_pair, last_error
-from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY, NS_PORT, PACE,
-                                       REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
+from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, CUT_ROUNDS, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY,
+                                       NS_PORT, PACE, REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
 
 
 class Abort(Exception):
@@ -51,7 +51,10 @@ class Cluster:
                         "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
                         f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
                         f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
-                        f"cluster.transport={spec.transport}"])
+                        f"cluster.transport={spec.transport}",
+                        # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
+                        *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64")
+                          if spec.policy == "sync" else ())])
         self.job = build_job(config)
         spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, config.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))

@@ -1,7 +1,8 @@
 """The invariants: pure checks on plain data, each returning its problems in words (empty: fine).
 
-No update applied twice (:func:`check_exactly_once`) or lost (:func:`check_no_loss`), counters that add up,
-restores from the newest checkpoint, finite weights, the documented exit codes, and nothing leaked on disk.
+No update applied twice (:func:`check_exactly_once`) or lost (:func:`check_no_loss`), a sync job's weights those of
+an undisturbed run (:func:`check_same_weights`), counters that add up, restores from the newest checkpoint, finite
+weights, the documented exit codes, and nothing leaked on disk.
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers:
             out.append(f"shard {k}: version {v} after a finished async job of {workers} x {total} pushes with "
                        f"{worker_kills} worker kill(s) (it was never killed): {workers * total - worker_kills - v} "
                        "update(s) lost")
+    return out
+
+
+def check_same_weights(weights: Mapping[str, np.ndarray], undisturbed: Mapping[str, np.ndarray]) -> list[str]:
+    """A sync job with cuts ends with the weights of the same job run without faults, to the bit (float64): a
+    shard that restarted cost rounds computed again, never a different result."""
+    out = []
+    for name, value in sorted(undisturbed.items()):
+        mine = weights.get(name)
+        if mine is None or mine.shape != value.shape:
+            out.append(f"variable {name} is missing or of another shape than in the undisturbed run")
+        elif not np.array_equal(mine, value):
+            out.append(f"variable {name} differs from the undisturbed run's by up to "
+                       f"{float(np.max(np.abs(mine - value))):.3g} ({int(np.sum(mine != value))} of {value.size} values)")
     return out
 
 

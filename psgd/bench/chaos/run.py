@@ -3,6 +3,7 @@ invariants after each and at the end, and records every violation with its conte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -16,7 +17,7 @@ import numpy as np
 from psgd.bench.chaos.cluster import Abort, Cluster, shard_view
 from psgd.bench.chaos.faults import FaultInjection
 from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
-                                         check_no_loss)
+                                         check_no_loss, check_same_weights)
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import last_error, processes_mentioning, tail
@@ -41,6 +42,7 @@ class Run(FaultInjection):
         self.finished = False
         self.counts: dict[str, int] = {}
         self.duplicates: list = []  # (rank, holder's pid, Proc): second processes of a rank, see _check_duplicates
+        self.compared: bool | None = None  # sync: whether the weights were those of an undisturbed run
 
     # -- recording -------------------------------------------------------------------------------
     def violate(self, invariant: str, problems: Iterable[str]) -> None:
@@ -93,6 +95,7 @@ class Run(FaultInjection):
                 "workers": spec.workers, "transport": spec.transport, "namespaces": spec.namespaces,
                 "end": spec.end, "faults": self.done_faults, "seconds": round(time.monotonic() - self.started, 1),
                 "finished": self.finished, "accuracy": self.accuracy, "violations": len(self.violations),
+                "same_as_undisturbed": self.compared,
                 "steps_per_worker": self.cluster.total if self.cluster else None}
 
     def _start(self) -> None:
@@ -160,10 +163,11 @@ class Run(FaultInjection):
         for v in views:
             self.violate("counters", check_counters(policy, v["shard"], v["version"], v["counters"]))
             seen = self.seen.get(v["shard"])
-            if seen and seen[0] == v["incarnation"] and v["version"] < seen[1]:
+            back = int(v["counters"].get("rollbacks", 0))  # a sync job's cuts: another shard's restart takes it back
+            if seen and seen[0] == v["incarnation"] and v["version"] < seen[1] and back == seen[2]:
                 self.violate("monotonic", [f"shard {v['shard']}'s version went back from {seen[1]} to "
-                                           f"{v['version']} without a restart"])
-            self.seen[v["shard"]] = (v["incarnation"], v["version"])
+                                           f"{v['version']} without a restart or a rollback"])
+            self.seen[v["shard"]] = (v["incarnation"], v["version"], back)
 
     def _check_running(self, after: str) -> None:
         """After a fault: every shard answers, the counters hold, the weights are finite."""
@@ -215,9 +219,12 @@ class Run(FaultInjection):
                 weights = self._from_checkpoints()[1]
         versions = {v["shard"]: v["version"] for v in views}
         self._check_shards(views, {r: c.total for r in range(spec.workers)})
-        if self.finished:
-            self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers, self.restarted,
+        if self.finished:  # under sync a restarted shard takes the job back to its cut: it loses nothing either
+            self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers,
+                                                      () if spec.policy == "sync" else self.restarted,
                                                       self.worker_kills))
+            if spec.policy == "sync" and weights is not None and not c.sparse:
+                self._against_undisturbed(weights, views)
         if weights is not None:
             self.violate("finite", check_finite(weights, "the final weights"))
             self.accuracy = round(c.accuracy(weights), 4)
@@ -226,6 +233,45 @@ class Run(FaultInjection):
                 self.violate("trained", [f"final test accuracy {self.accuracy:.3f} < {least:.3f}"])
         self.violate("files", check_files(self.folder, c.ckpt, SHARDS, KEEP, c.port_files,
                                           final_versions=self._stopped_at() or versions))
+
+    def _against_undisturbed(self, weights: Mapping[str, np.ndarray], views: Sequence[dict]) -> None:
+        """A finished sync job no worker was dropped from ends with the weights of the same job run without faults,
+        to the bit (float64): a restarted shard cost rounds computed again, never a different result."""
+        dropped = sum(int(v["counters"].get("expired", 0)) for v in views)
+        if dropped:
+            self.say(f"  run {self.spec.index}: {dropped} worker lease(s) ran out (its rounds closed without it), "
+                     "so the weights are not compared with an undisturbed run's")
+            return
+        undisturbed = self._undisturbed()
+        if undisturbed is None:
+            return
+        problems = check_same_weights(weights, undisturbed)
+        self.violate("undisturbed", problems)
+        self.compared = not problems
+
+    def _undisturbed(self) -> dict[str, np.ndarray] | None:
+        """The final weights of this run's job trained again without faults, on loopback (the bytes are the same
+        on every link), in a folder of its own."""
+        spec = dataclasses.replace(self.spec, faults=[], namespaces=False, end="finish", exit_when_done=False)
+        folder = self.folder / "undisturbed"
+        folder.mkdir(exist_ok=True)
+        cluster = Cluster(spec, folder, random.Random(), None)
+        try:
+            for k in range(SHARDS):
+                cluster.start_shard(k)
+            for k in range(SHARDS):
+                cluster.wait_listening(k)
+            for r in range(spec.workers):
+                cluster.start_worker(r)
+            for r in range(spec.workers):
+                code = cluster.wait(f"worker{r}", max(5.0, self.left()))
+                if code != 0:
+                    self.violate("harness", [f"the undisturbed run's worker {r} ended with status {code}: "
+                                             f"{last_error(cluster.procs[f'worker{r}'].log)}"])
+                    return None
+            return cluster.weights()
+        finally:
+            cluster.close()
 
     def _sigterm_all(self) -> None:
         """SIGTERM to every process at once: each exits 0 within 10 s; the last checkpoints hold."""

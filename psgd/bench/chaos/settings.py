@@ -13,6 +13,7 @@ FAULTS_PER_RUN = 3            # draws per run (``sigterm`` among them ends the r
 STEPS_PER_WORKER = 420        # about how many steps each worker trains (epochs are rounded from it)
 PACE = "fixed:0.02"           # psgd-worker --delay: steps of a known length, whatever the model (about 10 s a job)
 KEEP = 2                      # --keep-checkpoints
+CUT_ROUNDS = 25               # [cluster] checkpoint_rounds of a sync run: a killed shard takes the job back to a cut
 CHECKPOINT_EVERY = 0.3        # --checkpoint-every
 LEASE = 2.0                   # [cluster] lease_seconds: a dropped worker stalls a sync round this long
 REQUEST_TIMEOUT = 15.0        # [cluster] request_timeout
