@@ -337,7 +337,7 @@ class ShardCore:
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
             if action == ACCUMULATE:
                 self.round.add(grads, base_version, worker)
-                self.tables.add(rows)
+                self.tables.add(rows, worker)
                 self._close_rounds(decision.closed_rounds)
             return PushResult(outcome, decision.next_clock, self.version, staleness)
 

@@ -33,7 +33,7 @@ class ShardTables:
 
     def __init__(self, plan: PartitionPlan, shard: int, tables: Mapping[str, RowTable]):
         self.plan, self.shard, self.tables = plan, shard, dict(tables)
-        self.round: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {name: [] for name in self.tables}
+        self.round: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {name: [] for name in self.tables}
         self.counters = {"rows_pulled": 0, "rows_pushed": 0}
 
     def __bool__(self) -> bool:
@@ -113,15 +113,18 @@ class ShardTables:
             self.tables[name].apply(ids, values, lr_scale, share)
             self.counters["rows_pushed"] += int(ids.size)
 
-    def add(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Keep a sync push's rows for its round."""
+    def add(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], worker: int = 0) -> None:
+        """Keep a sync push's rows for its round (by ``worker``: the round adds them in the workers' order)."""
         for name, (ids, values) in rows.items():
-            self.round[name].append((ids, np.array(values, dtype=np.float64)))
+            self.round[name].append((ids, np.array(values, dtype=np.float64), worker))
             self.counters["rows_pushed"] += int(ids.size)
 
     def close_round(self, pushes: int, lr_scale: float = 1.0) -> None:
-        """Apply the round's row gradients averaged over its ``pushes``, then forget them."""
+        """Apply the round's row gradients averaged over its ``pushes``, then forget them.  They are added in the
+        order of their workers, not the order they came: the sum of an id's gradients is the same bits however
+        the round's pushes arrived (a job that goes back to a cut computes the same rounds again)."""
         for name, parts in self.round.items():
+            parts.sort(key=lambda p: p[2])  # stable: a round carried from a checkpoint (worker -1) first
             if parts and pushes:
                 ids = np.concatenate([p[0] for p in parts])
                 distinct, where = np.unique(ids, return_inverse=True)
@@ -151,7 +154,7 @@ class ShardTables:
             prefix = f"table/{name}/"
             table.load_state_dict({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
             ids = arrays.get(f"round_rows/{name}/ids")
-            self.round[name] = [(np.asarray(ids, np.int64), np.asarray(arrays[f"round_rows/{name}/values"]))] \
+            self.round[name] = [(np.asarray(ids, np.int64), np.asarray(arrays[f"round_rows/{name}/values"]), -1)] \
                 if ids is not None and len(ids) else []
 
     def status(self) -> dict[str, Any]:

@@ -60,6 +60,20 @@ def test_a_sync_round_averages_its_row_gradients_over_its_pushes():
     assert core.version == 1 and core.status()["tables"]["emb"]["rows"] == 6
 
 
+def test_a_sync_rounds_row_gradients_are_added_in_the_workers_order_not_the_order_they_came():
+    """Three workers' gradients of one row that cancel: how the sum rounds would show the order of the additions."""
+    rows = {}
+    for order in ((0, 1, 2), (2, 0, 1)):
+        job, core = shard("sync", workers=3)
+        ids = mine(job, 1)
+        core.read_rows(0, {"emb": ids})
+        grads = {0: np.full((1, DIM), 1e16), 1: np.full((1, DIM), 1.0), 2: np.full((1, DIM), -1e16)}
+        for w in order:
+            core.push(w, 0, 0, dense(core), rows={"emb": (ids, grads[w])})
+        rows[order] = core.read_rows(None, {"emb": ids})["emb"]
+    np.testing.assert_array_equal(rows[0, 1, 2], rows[2, 0, 1])
+
+
 def test_async_rows_are_applied_on_arrival_at_the_pushs_rate_and_a_retried_push_once():
     job, core = shard("async", workers=4)
     ids = mine(job, 3)

@@ -223,7 +223,7 @@ class Run(FaultInjection):
             self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers,
                                                       () if spec.policy == "sync" else self.restarted,
                                                       self.worker_kills))
-            if spec.policy == "sync" and weights is not None and not c.sparse:
+            if spec.policy == "sync" and weights is not None:
                 self._against_undisturbed(weights, views)
         if weights is not None:
             self.violate("finite", check_finite(weights, "the final weights"))
@@ -269,7 +269,14 @@ class Run(FaultInjection):
                     self.violate("harness", [f"the undisturbed run's worker {r} ended with status {code}: "
                                              f"{last_error(cluster.procs[f'worker{r}'].log)}"])
                     return None
-            return cluster.weights()
+            if not cluster.sparse:
+                return cluster.weights()
+            for k in range(SHARDS):  # a table's rows: from the checkpoints written at SIGTERM, as in the run
+                cluster.signal(f"shard{k}", signal.SIGTERM)
+                cluster.wait(f"shard{k}", STOP_BOUND)
+            from psgd.export import join_checkpoints
+
+            return join_checkpoints(cluster.config, cluster.ckpt, mixed=True).weights
         finally:
             cluster.close()
 
