@@ -236,8 +236,7 @@ class ShardCore:
             if worker is not None:
                 self.roster.live(worker)
                 self._check_rewound(worker, clock)
-                # with cuts, an earlier clock than this version is a worker gone back before this shard: it waits
-                while not self.policy.pull_ready(worker, clock) or (self.cut_rounds and clock < self.version):
+                while not self.policy.pull_ready(worker, clock):
                     self._check_rewound(worker, clock)  # a rollback while it waited
                     if self.closing:
                         raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
@@ -263,9 +262,6 @@ class ShardCore:
         slow = sorted((w, i.clock) for w, i in self.roster.workers.items()
                       if i.state in ("live", "pending") and w != worker and i.clock < clock)
         waiting = ", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none"
-        if self.cut_rounds and clock < self.version:
-            return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s for shard {self.shard}, at "
-                    f"version {self.version}, to go back to the cut at {clock} (a rollback no worker carried out)")
         return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
                 f"other workers still expected: {waiting}")
 

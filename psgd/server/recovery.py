@@ -38,8 +38,9 @@ def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
         return None
     arrays = {"weights": core.flat}
     arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
-    if core.round is not None:
-        arrays["round_sum"] = core.round.total()
+    if core.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
+        arrays["round_sum"] = core.round.flat
+        arrays.update({f"round_push/{w}": a for w, a in core.round.apart.items()})
     arrays.update(core.tables.arrays())
     manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
                 "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
@@ -86,7 +87,8 @@ def _put_back(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     if core.round is not None:
         core.round.clear()
         if "round_sum" in a:
-            core.round.load(a["round_sum"], m.get("round_bases", []))
+            core.round.load(a["round_sum"], m.get("round_bases", []),
+                            {int(k.split("/")[1]): v for k, v in a.items() if k.startswith("round_push/")})
     if core.tables:
         core.tables.load(a)
     core.version = int(m["version"])

@@ -46,7 +46,7 @@ class Round:
         return list(self.bases)
 
     def total(self) -> np.ndarray:
-        """The sum of the round's pushes so far (what a checkpoint keeps of a round in flight)."""
+        """The sum of the round's pushes so far."""
         out = self.flat.copy()
         for worker in sorted(self.apart):
             out += self.apart[worker]
@@ -57,7 +57,8 @@ class Round:
         self.bases.clear()
         self.apart.clear()
 
-    def load(self, flat: np.ndarray, bases: Sequence[Any]) -> None:
-        """A round in flight, from a checkpoint."""
+    def load(self, flat: np.ndarray, bases: Sequence[Any], apart: Mapping[int, np.ndarray] | None = None) -> None:
+        """A round in flight, from a checkpoint: its sum so far, and (ordered) each push kept apart."""
         np.copyto(self.flat, flat)
         self.bases[:] = [int(b) for b in bases]
+        self.apart = {int(w): np.array(a, dtype=self.flat.dtype) for w, a in (apart or {}).items()}

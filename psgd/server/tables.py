@@ -147,6 +147,8 @@ class ShardTables:
             out[f"round_rows/{name}/ids"] = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
             out[f"round_rows/{name}/values"] = (np.concatenate([p[1] for p in parts]) if parts else
                                                 np.zeros((0, table.spec.dim)))
+            out[f"round_rows/{name}/workers"] = (np.concatenate([np.full(p[0].size, p[2]) for p in parts]) if parts
+                                                 else np.zeros(0, np.int64))
         return out
 
     def load(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -154,8 +156,13 @@ class ShardTables:
             prefix = f"table/{name}/"
             table.load_state_dict({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
             ids = arrays.get(f"round_rows/{name}/ids")
-            self.round[name] = [(np.asarray(ids, np.int64), np.asarray(arrays[f"round_rows/{name}/values"]), -1)] \
-                if ids is not None and len(ids) else []
+            self.round[name] = []
+            if ids is not None and len(ids):  # each push's rows apart again, by its worker (-1: unknown)
+                values = np.asarray(arrays[f"round_rows/{name}/values"])
+                who = np.asarray(arrays.get(f"round_rows/{name}/workers", np.full(len(ids), -1)), np.int64)
+                for w in dict.fromkeys(who.tolist()):
+                    mask = who == w
+                    self.round[name].append((np.asarray(ids, np.int64)[mask], values[mask], w))
 
     def status(self) -> dict[str, Any]:
         return {name: table.status() for name, table in self.tables.items()}

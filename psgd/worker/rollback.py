@@ -7,19 +7,37 @@ holds, picks the newest that all of them hold (no later than the restarted one's
 back to it (each does so once per cause, however many workers ask).  Every worker then continues from that
 clock, its data from that step on, so the rounds the restart lost are computed again, from the same weights and
 the same batches: the job ends where it would have ended undisturbed.  A worker that hears of it from a shard
-that went back (ROLLED_BACK) continues from the clock it names; a pull of an earlier clock than a shard's
-version waits until that shard has gone back too (:meth:`psgd.server.core.ShardCore.pull`).
+that went back (ROLLED_BACK) continues from the clock it names once no shard is past it any more (the worker
+taking the job back reaches them one by one; under sync none goes on without this one).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent import futures
 from typing import Any
 
 from psgd.worker.errors import PSError, Rewind
 
 log = logging.getLogger(__name__)
+
+
+def _wait_for_every_shard(client: Any, clock: int) -> None:
+    """Until no shard is past the cut at ``clock`` (the worker that takes the job back asks them one by one);
+    under sync none goes on from it without this worker.  Bounded by the request timeout."""
+    deadline = time.monotonic() + client.request_timeout
+    while True:
+        versions = client.on_all(lambda k: client.retrying(k, "asking its version", lambda: client.links[
+            k].rollback(clock, "", dry_run=True).version))
+        if all(v <= clock for v in versions):
+            return
+        if time.monotonic() > deadline:
+            raise PSError(f"worker {client.worker_id}: the shards are at versions {versions} "
+                          f"{client.request_timeout:.0f}s after one went back to the cut at {clock}: the worker taking "
+                          "the job back to it did not reach them all (it may have died); restart the job from its "
+                          "checkpoints")
+        time.sleep(0.05)  # polling the shards' versions, with a deadline
 
 
 def roll_back(client: Any, rewind: Rewind) -> int:
@@ -43,8 +61,9 @@ def roll_back(client: Any, rewind: Rewind) -> int:
                  "version %d (rounds undone per shard: %s); repeating from clock %d", client.worker_id, rewind.clock,
                  rewind.cause, clock, ", ".join(map(str, undone)), clock)
     else:
-        log.info("worker %d: a shard went back to the cut at version %d: repeating from clock %d",
-                 client.worker_id, clock, clock)
+        log.info("worker %d: a shard went back to the cut at version %d: repeating from clock %d once every shard "
+                 "has", client.worker_id, clock, clock)
+        _wait_for_every_shard(client, clock)
     client.pending_rollback = None
     client.clock = clock
     stragglers, client.stragglers = client.stragglers, []
