@@ -116,8 +116,9 @@ def one_run(folder: Path, interval: int, epochs: int, kill_at: float | None) -> 
                                          f"{(folder / f'w{r}.log').read_text()[-1500:]}")
         ended = time.time()
         with PSClient(servers, job.plan, request_timeout=10) as client:
-            counters = [json.loads(s.counters_json) for s in client.status()]
-            versions = [s.version for s in client.status()]
+            statuses = client.status()
+        counters = [json.loads(s.counters_json) for s in statuses]
+        versions = [s.version for s in statuses]
         weights = fetch_weights(servers, job.plan)
     except subprocess.TimeoutExpired:
         raise RollbackBenchError(f"the job did not end within {BOUND:.0f}s") from None

@@ -187,18 +187,18 @@ class ShmLink(TcpLink):
             return super().pull(clock, views, rows)
         targets = [device[s.var][s.start:s.stop] for s in self.endpoint.slices]  # one per view, in slice order
 
-        def into_device(conn: DataConnection) -> int:
-            if isinstance(conn, ShmConnection):
-                return conn.pull(clock, views, rows, targets)
-            version = conn.pull(clock, views, rows)  # the data port, with no segment: through the host
+        def through_host(version: int) -> int:
             backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
             return version
 
+        def into_device(conn: DataConnection) -> int:
+            if isinstance(conn, ShmConnection):
+                return conn.pull(clock, views, rows, targets)
+            return through_host(conn.pull(clock, views, rows))  # the data port, with no segment
+
         if self.data_port:
             return self._over_data("pull", into_device)
-        version = super().pull(clock, views, rows)  # over gRPC
-        backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
-        return version
+        return through_host(super().pull(clock, views, rows))  # over gRPC
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list, rows: RowsIn | None = None) -> PushReply:
         """As every link's; ``parts`` may be device arrays (an uncompressed gradient on the GPU): copied straight

@@ -45,13 +45,6 @@ class Round:
             self.flat *= 1.0 / len(self.bases)
         return list(self.bases)
 
-    def total(self) -> np.ndarray:
-        """The sum of the round's pushes so far."""
-        out = self.flat.copy()
-        for worker in sorted(self.apart):
-            out += self.apart[worker]
-        return out
-
     def clear(self) -> None:
         self.flat.fill(0)
         self.bases.clear()

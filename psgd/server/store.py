@@ -30,12 +30,13 @@ that lock that the shard core waits on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -219,32 +220,32 @@ class WeightStore:
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
         """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot."""
-        slot = self._slot_for_update()
-        self.seq[slot] += 1  # odd: being written
-        try:
-            if slot != self.current:
-                if self._slots[slot] is None:
-                    self._slots[slot] = np.empty_like(self.flat)
-                target = self.views(self._slots[slot])
-                self.map(lambda i: np.copyto(target[i], self.weights[i]), self.order)
-                self._use(slot)
-                self.counters["copied_updates"] += 1
+        with self._writing(keep=True):
             self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
                      grads)
-        finally:
-            self.seq[slot] += 1  # even: whole
 
     def replace(self, values: np.ndarray) -> None:
         """Make ``values`` (all slices, in slice order: a checkpoint's weights) the weights, written where an
         update would be, so that no read in flight sees them change."""
+        with self._writing(keep=False):
+            np.copyto(self.flat, values)
+
+    @contextlib.contextmanager
+    def _writing(self, keep: bool) -> Iterator[None]:
+        """The weights made writable for the block: the slot an update goes to becomes the current one (with the
+        weights copied into it first where ``keep``), its sequence number odd while it is written."""
         slot = self._slot_for_update()
         self.seq[slot] += 1  # odd: being written
         try:
             if slot != self.current:
                 if self._slots[slot] is None:
                     self._slots[slot] = np.empty_like(self.flat)
+                if keep:
+                    target = self.views(self._slots[slot])
+                    self.map(lambda i: np.copyto(target[i], self.weights[i]), self.order)
+                    self.counters["copied_updates"] += 1
                 self._use(slot)
-            np.copyto(self.flat, values)
+            yield
         finally:
             self.seq[slot] += 1  # even: whole
 

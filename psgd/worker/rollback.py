@@ -28,8 +28,7 @@ def _wait_for_every_shard(client: Any, clock: int) -> None:
     under sync none goes on from it without this worker.  Bounded by the request timeout."""
     deadline = time.monotonic() + client.request_timeout
     while True:
-        versions = client.on_all(lambda k: client.retrying(k, "asking its version", lambda: client.links[
-            k].rollback(clock, "", dry_run=True).version))
+        versions = [s.version for s in client.status()]
         if all(v <= clock for v in versions):
             return
         if time.monotonic() > deadline:

@@ -107,6 +107,15 @@ class Cluster:
                 *(["--exit-when-done"] if self.spec.exit_when_done else [])]
         return self._start(f"shard{k}", argv)
 
+    def start(self) -> None:
+        """Every shard, once each listens every worker: the job as it starts."""
+        for k in range(SHARDS):
+            self.start_shard(k)
+        for k in range(SHARDS):
+            self.wait_listening(k)
+        for r in range(self.spec.workers):
+            self.start_worker(r)
+
     def wait_listening(self, k: int, bound: float = START_BOUND) -> None:
         proc = self.procs[f"shard{k}"]
         deadline = time.monotonic() + bound

@@ -73,7 +73,7 @@ class Run(FaultInjection):
                 self.net = Namespaces(hosts)
                 self.net.build()
             self.cluster = Cluster(spec, self.folder, random.Random(), self.net)
-            self._start()
+            self.cluster.start()
             for fault in spec.faults:
                 self._wait_progress(fault.at, f"progress {fault.at:.0%} before {fault.describe()}")
                 self._inject(fault)
@@ -97,15 +97,6 @@ class Run(FaultInjection):
                 "finished": self.finished, "accuracy": self.accuracy, "violations": len(self.violations),
                 "same_as_undisturbed": self.compared,
                 "steps_per_worker": self.cluster.total if self.cluster else None}
-
-    def _start(self) -> None:
-        c = self.cluster
-        for k in range(SHARDS):
-            c.start_shard(k)
-        for k in range(SHARDS):
-            c.wait_listening(k)
-        for r in range(self.spec.workers):
-            c.start_worker(r)
 
     def _wait_progress(self, fraction: float, what: str) -> None:
         """Until the slowest worker has done ``fraction`` of its steps (or every worker has exited);
@@ -257,12 +248,7 @@ class Run(FaultInjection):
         folder.mkdir(exist_ok=True)
         cluster = Cluster(spec, folder, random.Random(), None)
         try:
-            for k in range(SHARDS):
-                cluster.start_shard(k)
-            for k in range(SHARDS):
-                cluster.wait_listening(k)
-            for r in range(spec.workers):
-                cluster.start_worker(r)
+            cluster.start()
             for r in range(spec.workers):
                 code = cluster.wait(f"worker{r}", max(5.0, self.left()))
                 if code != 0:
