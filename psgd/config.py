@@ -95,13 +95,16 @@ class ClusterConfig:
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
     checkpoint_rounds: int = 0    # sync: every shard checkpoints at each multiple of this many rounds, all at the
     #                               same versions; 0: every psgd-server --checkpoint-every seconds, at any version
+    replicas: int = 0             # async, ssp: 1 runs each shard twice, a replica applying every update before the
+    #                               push is acknowledged; workers fail over to it when the primary dies
+    replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
 
 
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
 _CLUSTER_INT_KEYS = {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6),
-                     "checkpoint_rounds": (0, 10**9),
+                     "checkpoint_rounds": (0, 10**9), "replicas": (0, 1),
                      "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30)}
 #: Seconds: more than the largest of these and a call's deadline no longer fits gRPC's clock (1e10 s did not).
 _CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "request_timeout": 86400.0,
@@ -231,7 +234,7 @@ class JobConfig:
                               "shard's host), data_path = false is transport = \"grpc\"")
         if key not in fields:
             raise ConfigError(f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}")
-        if (section, key) == ("cluster", "servers") and isinstance(value, str):
+        if (section, key) in (("cluster", "servers"), ("cluster", "replica_servers")) and isinstance(value, str):
             value = [a.strip() for a in value.split(",") if a.strip()]
         setattr(target, key, value)
 
@@ -262,6 +265,19 @@ class JobConfig:
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0):
             raise ConfigError(f"{src}: [optimizer] lr must be a positive number, got {lr!r}")
 
+    def _validate_replicas(self) -> None:
+        src, c = self.source, self.cluster
+        if not isinstance(c.replica_servers, list) or not all(
+                isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in c.replica_servers):
+            raise ConfigError(f"{src}: [cluster] replica_servers must be a list of host:port strings, "
+                              f"got {c.replica_servers!r}")
+        if c.replica_servers and (len(c.replica_servers) != c.shards or not c.replicas):
+            raise ConfigError(f"{src}: [cluster] lists {len(c.replica_servers)} replica address(es); with "
+                              f"replicas = 1 it lists one per shard ({c.shards}), without replicas none")
+        if c.replicas and POLICIES[c.policy].accumulates:
+            raise ConfigError(f"{src}: [cluster] replicas = 1 keeps a copy of each shard for async and ssp; a sync "
+                              "job comes back from a killed shard without losing anything with checkpoint_rounds")
+
     def _validate_cluster(self) -> None:
         src, c = self.source, self.cluster
         if not isinstance(c.policy, str) or c.policy not in POLICIES:
@@ -279,6 +295,7 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
+        self._validate_replicas()
         if isinstance(c.dc_lambda, bool) or not isinstance(c.dc_lambda, (int, float)) \
                 or not 0 <= c.dc_lambda <= 1e6:
             raise ConfigError(f"{src}: [cluster] dc_lambda must be a number from 0 (no delay compensation) to "

@@ -103,7 +103,8 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
                           "list every shard's address, or pass --shards")
     if request_timeout is None:
         request_timeout = config.cluster.request_timeout
-    with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls) as client:
+    with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls,
+                  replicas=config.cluster.replica_servers) as client:
         problems, statuses = [], client.status()
         for k, status in enumerate(statuses):
             if status.shard != k or status.num_shards != plan.num_shards:

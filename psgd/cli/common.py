@@ -67,6 +67,10 @@ CLUSTER_FLAGS = {
     "--shards": ("cluster.shards", int, "number of parameter-server shards (default 2)"),
     "--workers": ("cluster.workers", int, "number of workers (default 2)"),
     "--servers": ("cluster.servers", str, "shard addresses host:port,host:port,... in shard order"),
+    "--replicas": ("cluster.replicas", int, "async, ssp: 1 keeps a replica of every shard, which applies each update "
+                   "before the push is acknowledged and takes over when its primary dies (default 0)"),
+    "--replica-servers": ("cluster.replica_servers", str, "with --replicas 1: the replicas' addresses "
+                          "host:port,... in shard order"),
     "--lease": ("cluster.lease_seconds", float,
                 "seconds a silent worker keeps its place in the round (default 10)"),
 }
@@ -88,7 +92,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, cluster: bool = False) ->
 
 
 #: Variables read by every command, between the job file and the flags: (variable, job key).
-ENV_OVERRIDES = (("PSGD_SERVERS", "cluster.servers"), ("PSGD_SHARDS", "cluster.shards"),
+ENV_OVERRIDES = (("PSGD_SERVERS", "cluster.servers"), ("PSGD_REPLICA_SERVERS", "cluster.replica_servers"),
+                 ("PSGD_SHARDS", "cluster.shards"),
                  ("PSGD_WORKERS", "cluster.workers"))
 #: Where psgd-worker finds its rank when --rank is not given, in this order.
 RANK_VARIABLES = ("PSGD_RANK", "RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX")

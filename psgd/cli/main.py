@@ -150,12 +150,13 @@ def _add_bench(sub) -> None:
                                          "communication beside computation, off and on; stall: the others' "
                                          "steps/s while one worker is stopped mid-pull; sparse: embedding tables' "
                                          "steps against table size, parameter server and all-reduce; rollback: "
-                                         "what a killed shard costs a sync job with cuts)",
+                                         "what a killed shard costs a sync job with cuts; replicas: what a "
+                                         "replica per shard costs async, and its failover time)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
                                        "`psgd bench comm --help`, `psgd bench scaling --help`, "
                                        "`psgd bench gpu --help`, `psgd bench overlap --help`, "
-                                       "`psgd bench stall --help`, `psgd bench sparse --help` and "
-                                       "`psgd bench rollback --help`.")
+                                       "`psgd bench stall --help`, `psgd bench sparse --help`, "
+                                       "`psgd bench rollback --help` and `psgd bench replicas --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
@@ -195,6 +196,9 @@ def _add_bench(sub) -> None:
     _bench_command(kinds, "rollback", "psgd.bench.rollback", raw=True,
                help="a sync job with cuts, undisturbed and with a shard SIGKILLed, against the checkpoint "
                     "interval: the seconds and rounds a kill costs, and the final weights compared")
+    _bench_command(kinds, "replicas", "psgd.bench.replicas", raw=True,
+               help="async steps/s with and without a replica per shard (loopback, emulated links), and the time "
+                    "from a primary's SIGKILL to the next push its replica applies")
 
 
 def _bench_command(kinds, name: str, module: str, help: str, description: str | None = None, raw: bool = False,
@@ -254,7 +258,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "policy": c.policy if args.mode == "ps" else args.backend,
                           "diverged": result.divergence is not None, "divergence": result.divergence,
                           "lost_updates": {str(k): n for k, n in result.lost.items()},
-                          "went_back": {str(k): b for k, b in result.went_back.items()}}))
+                          "went_back": {str(k): b for k, b in result.went_back.items()},
+                          "failed_over": {str(k): n for k, n in result.failed_over.items()}}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")

@@ -46,9 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shard", type=int, default=None,
                         help="which shard this process serves, 0..shards-1 (default: $PSGD_SHARD, else 0)")
+    parser.add_argument("--replica", action="store_true",
+                        help="with [cluster] replicas = 1: start as shard K's replica, which follows its primary "
+                             "(the shard's entry in [cluster] servers, or --peer) and takes over when it dies; "
+                             "without it, the process is the primary unless its peer leads already "
+                             "(default: $PSGD_REPLICA=1)")
+    parser.add_argument("--peer", metavar="HOST:PORT",
+                        help="with replicas: the other process of this shard's pair (default: its entry in "
+                             "[cluster] replica_servers for a primary, servers for a replica)")
     parser.add_argument("--bind", metavar="HOST:PORT",
-                        help="address to listen on (default: this shard's entry in [cluster] servers, "
-                             "else 127.0.0.1 with a free port); never all interfaces unless you name 0.0.0.0")
+                        help="address to listen on (default: this shard's entry in [cluster] servers, or "
+                             "replica_servers with --replica, else 127.0.0.1 with a free port); never all "
+                             "interfaces unless you name 0.0.0.0")
     parser.add_argument("--data-port", type=int, default=None, metavar="PORT",
                         help="port of the bulk data path (plain TCP, same host) for pulls and pushes "
                              "(default: the gRPC port + 1, or a free port when that is 0)")
@@ -91,10 +100,15 @@ def serve(args: argparse.Namespace) -> int:
         args.shard = found[0] if found else 0
     if not 0 <= args.shard < config.cluster.shards:
         raise ConfigError(f"shard {args.shard} is out of range: the job has {config.cluster.shards} shard(s)")
-    setup_logging(f"server:{args.shard}", verbosity(args))
+    c = config.cluster
+    args.replica = args.replica or os.environ.get("PSGD_REPLICA", "") == "1"
+    if args.replica and not c.replicas:
+        raise ConfigError("--replica starts a shard's replica, and this job keeps none: set [cluster] replicas = 1")
+    setup_logging(f"server:{args.shard}{'r' if args.replica else ''}", verbosity(args))
+    mine, theirs = (c.replica_servers, c.servers) if args.replica else (c.servers, c.replica_servers)
     bind = args.bind
     if bind is None:
-        bind = config.cluster.servers[args.shard] if args.shard < len(config.cluster.servers) else "127.0.0.1:0"
+        bind = mine[args.shard] if args.shard < len(mine) else "127.0.0.1:0"
     host, _, port_text = bind.rpartition(":")
     if not host or not port_text.isdigit():
         raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
@@ -112,13 +126,23 @@ def serve(args: argparse.Namespace) -> int:
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
-        server = ShardServer(core, bind, request_timeout=config.cluster.request_timeout, transport=config.cluster.transport,
+        server = ShardServer(core, bind, request_timeout=c.request_timeout, transport=c.transport,
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args, config),
-                             interceptors=metrics.interceptors, hello_timeout=config.cluster.hello_timeout).start()
+                             interceptors=metrics.interceptors, hello_timeout=c.hello_timeout).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
+    pair = None
+    if c.replicas:
+        from psgd.server.replica import Pair
+
+        peer = args.peer or (theirs[args.shard] if args.shard < len(theirs) else "")
+        if args.replica and not peer:
+            raise ConfigError(f"shard {args.shard}'s replica needs its primary's address: --peer, or [cluster] "
+                              "servers")
+        pair = Pair(core, server.address, peer, second=args.replica, token=token_from_args(args),
+                    tls=tls_from_args(args, config), ack_seconds=c.request_timeout).start()
     try:
         if args.port_file:
             _write_port_file(args.port_file, server.address)
@@ -126,11 +150,14 @@ def serve(args: argparse.Namespace) -> int:
         if stop.is_set():
             log.info("received %s while starting: stopping", _RECEIVED[0])
         while not stop.is_set():
-            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=config.cluster.lease_seconds):
-                log.info("every worker has finished: stopping")
+            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=c.lease_seconds):
+                log.info("every worker has finished: stopping" if core.role != "replica" else
+                         "the primary says the job is over: stopping")
                 break
             stop.wait(0.5)
     finally:
+        if pair is not None:  # the replica takes over unless the job is over
+            pair.stop(finished=core.finished())
         saved = server.stop(grace=5.0)
         metrics.stop()
         if args.port_file:

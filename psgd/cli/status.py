@@ -38,7 +38,8 @@ def add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = sub.add_parser("status", help="live view of a running cluster: shards, workers, clocks, staleness",
                             description=STATUS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("addresses", nargs="*", metavar="ADDRESS",
-                        help="shard addresses host:port (default: [cluster] servers of the job file -c)")
+                        help="shard addresses host:port (default: [cluster] servers and replica_servers of the job "
+                             "file -c)")
     parser.add_argument("--config", "-c", metavar="JOB.toml", help="take the addresses from this job file")
     parser.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                         help="refresh every SECONDS until interrupted (Ctrl-C)")
@@ -55,7 +56,7 @@ def status_addresses(args: argparse.Namespace) -> list[str]:
     from psgd.config import ConfigError, JobConfig
 
     job = JobConfig.load(args.config) if args.config else None
-    addresses = list(args.addresses) or (list(job.cluster.servers) if job else [])
+    addresses = list(args.addresses) or ([*job.cluster.servers, *job.cluster.replica_servers] if job else [])
     if not addresses:
         raise ConfigError("psgd status needs shard addresses (host:port ...) or a job file (-c) that lists them")
     for a in addresses:

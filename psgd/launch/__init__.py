@@ -35,7 +35,8 @@ Where things live:
 This package only re-exports their public names.
 """
 
-from psgd.launch.launcher import EXIT_LOST_UPDATES, LaunchResult, launch, lost_updates
+from psgd.launch.launcher import launch
+from psgd.launch.result import EXIT_LOST_UPDATES, LaunchResult, lost_updates
 from psgd.launch.layout import Hosts, Layout, find_mpiexec, thread_budget
 from psgd.launch.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
 

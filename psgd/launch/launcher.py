@@ -9,8 +9,6 @@ weights are evaluated on the test set here.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -20,43 +18,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from psgd import threads
 from psgd.config import JobConfig, to_toml
+from psgd.launch.result import LaunchResult, evaluate_weights, final_evaluation
 from psgd.launch.layout import Hosts, Layout, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.tls import NO_TLS, TLSFiles, child_flags
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class LaunchResult:
-    test_accuracy: float
-    test_loss: float
-    seconds: float
-    servers: list[str]
-    run_dir: str
-    versions: list[int]
-    saved: str | None = None
-    divergence: dict | None = None  # the first divergence a process of this node saw (psgd.divergence), if any
-    lost: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> updates behind the most advanced
-    #: shard -> {"rollbacks": times it went back to a cut, "rounds_undone": rounds it computed again}, where it did
-    went_back: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
-
-
-#: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
-#: restarted from an older checkpoint), unless --accept-lost-updates
-EXIT_LOST_UPDATES = 4
-
-
-def lost_updates(versions: Sequence[int]) -> dict[int, int]:
-    """Shard -> how many updates (rounds under sync) it is behind the most advanced shard.  Every shard applies
-    every update (each holds a part of each), so a job that lost nothing ends with them all equal."""
-    top = max(versions, default=0)
-    return {k: top - v for k, v in enumerate(versions) if v < top}
 
 
 def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
@@ -113,7 +85,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
-        len(layout.workers_here(config.cluster.workers))
+        len(layout.workers_here(config.cluster.workers)) + \
+        (len(layout.replicas_here(config.cluster.shards)) if mode == "ps" and config.cluster.replicas else 0)
     per_process, said = thread_budget(config, here)
     log.info("%s", said)
     spec["train"]["threads"] = per_process
@@ -154,7 +127,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
             # the files through which the processes found each other mean nothing once the launch has ended
             # (a stopped shard removes its own port file; a killed one cannot)
             handoff = [run / NCCL_RENDEZVOUS] if mode == "allreduce" else \
-                [_port_file(run, k) for k in layout.shards_here(config.cluster.shards)]
+                [_port_file(run, k) for k in layout.shards_here(config.cluster.shards)] + \
+                [_port_file(run, k, "replica") for k in layout.replicas_here(config.cluster.shards)]
             for path in handoff:
                 path.unlink(missing_ok=True)
 
@@ -163,9 +137,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
 NCCL_RENDEZVOUS = "nccl-id.json"
 
 
-def _port_file(run: Path, shard: int) -> Path:
-    """Where shard ``shard`` of this node writes the address it bound."""
-    return run / f"shard-{shard}.addr"
+def _port_file(run: Path, shard: int, role: str = "shard") -> Path:
+    """Where shard ``shard`` of this node (its replica: ``role`` "replica") writes the address it bound."""
+    return run / f"{role}-{shard}.addr"
 
 
 def _device_flags(device: str) -> list[str]:
@@ -225,35 +199,10 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
     if not weights.exists():
         raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
     params = read_npz(weights)
-    loss, acc, verdict = _evaluate(config, params, "allreduce")
+    loss, acc, verdict = evaluate_weights(config, params, "allreduce")
     if save:
         save_weights(save, params)
     return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
-
-
-def _evaluate(config: JobConfig, weights: dict, mode: str, reader: Any = None) -> tuple[float, float, dict | None]:
-    """The test loss and accuracy of the final weights (a model's embedding tables read by ``reader``, an
-    observer of the shards), and the divergence guard's verdict on them alone."""
-    from psgd import data as datasets
-    from psgd.divergence import DivergenceGuard, advice, chance
-    from psgd.job import build_job, params_to_device
-    from psgd.loop import evaluate
-    from psgd.weights import load_weights, saved_rows
-    from psgd.worker.exchange import read_rows
-
-    job = build_job(config)
-    ds, t = job.dataset, config.train
-    if reader is not None:
-        rows = (lambda lookups: read_rows(reader, lookups, job.device)) if job.plan.tables else None
-    else:  # the rows saved with the weights (an all-reduce rank's)
-        load_weights(None, job.model.specs(), job.plan.tables, arrays=weights)
-        rows = saved_rows(job, weights)
-    params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
-    loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows)
-    steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
-    guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(config, mode))
-    verdict = guard.final(steps, t.epochs, loss, acc)
-    return loss, acc, verdict.record() if verdict else None
 
 
 def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str | None) -> dict | None:
@@ -314,6 +263,10 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
                                           timeout=min(timeout, 120.0))))
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
     spec["cluster"]["servers"] = addresses
+    if c.replicas:  # each shard's replica, on the next node (psgd.server.replica), once its primary is up
+        config.override("cluster.replica_servers", _start_replicas(
+            config, job_path, addresses, run, layout, hosts, children, servers, tls_flags + log_flags, token, timeout))
+        spec["cluster"]["replica_servers"] = config.cluster.replica_servers
     job_path.write_text(to_toml(spec))
     ranks = layout.workers_here(c.workers)
     log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),
@@ -343,7 +296,30 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
         _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
-    return _final_evaluation(config, addresses, run, start, save, tls, token)
+    return final_evaluation(config, addresses, run, start, save, tls, token)
+
+
+def _start_replicas(config: JobConfig, job_path: Path, addresses: list[str], run: Path, layout: Layout,
+                    hosts: Hosts | None, children: Children, servers: list[Child], flags: list[str], token: str,
+                    timeout: float) -> list[str]:
+    """Start the replicas of this node's share (each follows its primary at ``addresses``); every replica's address."""
+    shards = config.cluster.shards
+    mine = layout.replicas_here(shards)
+    files = {k: _port_file(run, k, "replica") for k in mine}
+    started = []
+    for k in mine:
+        bind = "127.0.0.1:0" if layout.nnodes == 1 else layout.replica_address(k, shards)
+        host = f"s{(k + 1) % shards}"  # an emulated host other than its primary's, where there is one
+        if hosts:
+            bind = f"{hosts.addresses[host]}:0"
+        files[k].unlink(missing_ok=True)
+        started.append(children.start(f"replica {k}", [
+            *(hosts.prefix(host) if hosts else []), sys.executable, "-m", "psgd.cli.server", "-c", str(job_path),
+            "--shard", str(k), "--replica", "--peer", addresses[k], "--bind", bind, "--port-file", str(files[k]),
+            *flags], run / f"replica-{k}.log", env={"PSGD_TOKEN": token}))
+    servers.extend(started)
+    bound = dict(zip(mine, wait_for_files(list(files.values()), started, children, timeout=min(timeout, 120.0))))
+    return [bound[k] if layout.nnodes == 1 else layout.replica_address(k, shards) for k in range(shards)]
 
 
 def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,
@@ -392,37 +368,3 @@ def _wait_until_gone(address: str, children: Children, deadline: float, timeout:
                 return
             children.wait(0.5)
     raise LaunchError(f"node 0's shard at {address} was still serving after {timeout:.0f}s (--timeout)")
-
-
-def _final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
-                      save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
-    from psgd.export import job_plan, pull_from_servers
-    from psgd.weights import save_weights
-    from psgd.worker.client import PSClient
-
-    # One observer: it checks each shard is the one listed, then reads the weights and their versions.
-    pulled = pull_from_servers(config, addresses, token=token, tls=tls, rows=bool(save))  # a table's rows: to save
-    weights, versions = pulled.weights, pulled.versions
-    lost = lost_updates(versions)
-    if lost:
-        top = max(versions)
-        log.warning("the shards ended at different versions: %s; the updates a shard is behind were lost on it (it "
-                    "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
-                    "its part of the model missed them", "; ".join(
-                        f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
-    plan = job_plan(config)
-    with PSClient(addresses, plan, token=token, tls=tls) as reader:  # an observer: reads rows, makes none
-        loss, acc, verdict = _evaluate(config, weights, "ps", reader)
-        counters = [json.loads(s.counters_json) for s in reader.status()]
-    went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)
-                 if c.get("rollbacks")}
-    if went_back:
-        log.info("the job went back to a cut after a shard restarted, and computed the rounds since again (no update "
-                 "lost): %s", "; ".join(f"shard {k} {b['rollbacks']} time(s), {b['rounds_undone']} round(s)"
-                                       for k, b in went_back.items()))
-    for note in pulled.notes:
-        log.warning("--save %s: %s", save, note)
-    if save:
-        save_weights(save, weights)
-    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
-                        went_back)

@@ -45,11 +45,21 @@ class Layout:
         if self.nnodes > max(shards, workers):
             raise LaunchError(f"--nnodes {self.nnodes} is more nodes than shards ({shards}) or workers ({workers}) "
                               "to put on them")
-        if not 0 < self.port < 65536 - 2 * shards:
-            raise LaunchError(f"--port {self.port} leaves no room for {shards} shard(s) (two ports each)")
+        if not 0 < self.port < 65536 - 4 * shards:
+            raise LaunchError(f"--port {self.port} leaves no room for {shards} shard(s) (two ports each, and two "
+                              "for each replica)")
 
     def shards_here(self, shards: int) -> list[int]:
         return [k for k in range(shards) if k % self.nnodes == self.node_rank]
+
+    def replicas_here(self, shards: int) -> list[int]:
+        """The shards whose replica runs on this node: the next node's after its primary's (the same one alone)."""
+        return [k for k in range(shards) if (k + 1) % self.nnodes == self.node_rank]
+
+    def replica_address(self, shard: int, shards: int) -> str:
+        """Where shard ``shard``'s replica listens (multi-node): the ports after that node's primaries'."""
+        host = self.hosts[(shard + 1) % self.nnodes]
+        return f"{host}:{self.port + 2 * (-(-shards // self.nnodes)) + 2 * (shard // self.nnodes)}"
 
     def workers_here(self, workers: int) -> list[int]:
         return [r for r in range(workers) if r % self.nnodes == self.node_rank]

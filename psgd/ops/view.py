@@ -57,7 +57,8 @@ class ClusterView:
                 s = p.status
                 c = s["counters"]
                 row.update({k: s[k] for k in ("shard", "num_shards", "policy", "version", "plan_hash", "bytes_held",
-                                              "incarnation", "staleness_histogram", "counters")})
+                                              "incarnation", "staleness_histogram", "counters", "role",
+                                              "replica_lag")})
                 written = c.get("checkpoint") or {}
                 if written.get("written_at"):
                     row["checkpoint_version"] = written.get("version")
@@ -75,7 +76,7 @@ class ClusterView:
     def worker_rows(self) -> list[dict]:
         merged: dict[int, dict] = {}
         for p in self.probes:
-            if not p.status:
+            if not p.status or p.status["role"] in ("replica", "starting"):  # a replica's workers are its primary's
                 continue
             for w in p.status["workers"]:
                 m = merged.setdefault(w["worker_id"], {"worker_id": w["worker_id"], "states": {}, "clocks": {},
@@ -115,7 +116,8 @@ class ClusterView:
                            "not all started from the same job file")
         seen: dict[int, list[str]] = {}
         for p in self.probes:
-            if p.status:
+            # a shard kept twice answers at two addresses, one of them leading
+            if p.status and p.status["role"] not in ("replica", "starting"):
                 seen.setdefault(p.status["shard"], []).append(p.address)
         for k, where in sorted(seen.items()):
             if len(where) > 1:
@@ -158,9 +160,10 @@ class ClusterView:
                    if workers else ""))
         rate = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         rows = []
+        paired = any(r.get("role") for r in shards)
         for r in shards:
             if "version" not in r:
-                rows.append(["?", r["address"], r["health"], *["-"] * 10])
+                rows.append(["?", r["address"], *(["-"] if paired else []), r["health"], *["-"] * 10])
                 continue
             c = r["counters"]
             dropped = sum(c.get(k, 0) for k in ("late", "duplicates", "rejected"))
@@ -171,11 +174,13 @@ class ClusterView:
             tables = (c.get("tables") or {}).values()
             held = r["bytes_held"] + sum(t.get("bytes", 0) for t in tables)
             table_rows = f"{sum(t.get('rows', 0) for t in tables):,}" if tables else "-"
-            rows.append([f"{r['shard']}/{r['num_shards']}", r["address"], r["health"], str(r["version"]),
+            role = [] if not paired else [_role(r["role"], r["replica_lag"], c.get("failovers", 0))]
+            rows.append([f"{r['shard']}/{r['num_shards']}", r["address"], *role, r["health"], str(r["version"]),
                          human_bytes(held), table_rows, str(c.get("pushes", 0)), str(c.get("pulls", 0)),
                          rate(r.get("pushes_per_second")), str(dropped),
                          f"{r['staleness_p50']}/{r['staleness_p99']}", saved, r["incarnation"]])
-        lines = [head, "", table(["SHARD", "ADDRESS", "HEALTH", "VERSION", "HELD", "ROWS", "PUSHES", "PULLS",
+        lines = [head, "", table(["SHARD", "ADDRESS", *(["ROLE"] if paired else []), "HEALTH", "VERSION", "HELD",
+                                  "ROWS", "PUSHES", "PULLS",
                                   "PUSHES/S", "LATE/DUP/REJ", "STALENESS p50/p99", "CHECKPOINT", "INCARNATION"], rows)]
         if workers:
             wrows = []
@@ -189,6 +194,14 @@ class ClusterView:
         if problems:
             lines += ["", "problems:"] + [f"  - {p}" for p in problems]
         return "\n".join(lines)
+
+
+def _role(role: str, lag: int, failovers: int) -> str:
+    """A shard process's part in its pair (replicas = 1): its role, how far its replica is behind (a primary),
+    whether it follows (a replica), and how often it took over."""
+    said = {"primary": "alone" if lag < 0 else f"lag {lag}", "replica": "following" if lag == 0 else "no primary"}
+    took = f", took over {failovers}x" if failovers else ""
+    return f"{role} ({said.get(role, '?')}{took})" if role else "-"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -35,10 +35,12 @@ class ErrorInfo(_message.Message):
         NOT_REGISTERED: _ClassVar[ErrorInfo.Reason]
         JOB_MISMATCH: _ClassVar[ErrorInfo.Reason]
         ROLLED_BACK: _ClassVar[ErrorInfo.Reason]
+        NOT_PRIMARY: _ClassVar[ErrorInfo.Reason]
     REASON_UNSPECIFIED: ErrorInfo.Reason
     NOT_REGISTERED: ErrorInfo.Reason
     JOB_MISMATCH: ErrorInfo.Reason
     ROLLED_BACK: ErrorInfo.Reason
+    NOT_PRIMARY: ErrorInfo.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
     REWIND_TO_FIELD_NUMBER: _ClassVar[int]
@@ -238,7 +240,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., state: _Optional[str] = ..., clock: _Optional[int] = ..., lease_left_seconds: _Optional[float] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation", "data_port")
+    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation", "data_port", "role", "replica_lag")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,8 @@ class StatusReply(_message.Message):
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_LAG_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     policy: str
@@ -261,4 +265,56 @@ class StatusReply(_message.Message):
     staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
     incarnation: str
     data_port: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    role: str
+    replica_lag: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., data_port: _Optional[int] = ..., role: _Optional[str] = ..., replica_lag: _Optional[int] = ...) -> None: ...
+
+class ReplicaUpdate(_message.Message):
+    __slots__ = ("kind", "seq", "fingerprint", "worker_id", "clock", "staleness", "lr_scale", "json", "name", "offset", "data", "last")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[ReplicaUpdate.Kind]
+        STATE: _ClassVar[ReplicaUpdate.Kind]
+        APPLY: _ClassVar[ReplicaUpdate.Kind]
+        POLICY: _ClassVar[ReplicaUpdate.Kind]
+        KEEPALIVE: _ClassVar[ReplicaUpdate.Kind]
+        FINISHED: _ClassVar[ReplicaUpdate.Kind]
+    KIND_UNSPECIFIED: ReplicaUpdate.Kind
+    STATE: ReplicaUpdate.Kind
+    APPLY: ReplicaUpdate.Kind
+    POLICY: ReplicaUpdate.Kind
+    KEEPALIVE: ReplicaUpdate.Kind
+    FINISHED: ReplicaUpdate.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    kind: ReplicaUpdate.Kind
+    seq: int
+    fingerprint: str
+    worker_id: int
+    clock: int
+    staleness: int
+    lr_scale: float
+    json: str
+    name: str
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, kind: _Optional[_Union[ReplicaUpdate.Kind, str]] = ..., seq: _Optional[int] = ..., fingerprint: _Optional[str] = ..., worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., staleness: _Optional[int] = ..., lr_scale: _Optional[float] = ..., json: _Optional[str] = ..., name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("seq", "address")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    address: str
+    def __init__(self, seq: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...

@@ -117,6 +117,8 @@ class ShardCore:
         self.rollback_causes: set[str] = set()
         self.cut_asked: dict[int, int] = {}
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
+        # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows), and the pair (psgd.server.replica)
+        self.role, self.pair = "", None
 
     @property
     def flat(self) -> np.ndarray:
@@ -157,6 +159,15 @@ class ShardCore:
                 self.on_cut()
         self.changed.notify_all()
 
+    def _check_serving(self) -> None:
+        if self.role in ("replica", "starting"):
+            raise ShardError("UNAVAILABLE", f"this process is shard {self.shard}'s {self.role}: its primary serves "
+                             "the workers", reason="NOT_PRIMARY")
+
+    def _policy_changed(self) -> None:
+        if self.pair is not None:
+            self.pair.policy_changed()
+
     def rewind_workers(self, version: int) -> None:
         """Every worker continues from ``version`` (a cut gone back to): a request with a later clock is refused
         with ROLLED_BACK, naming it, until the worker comes with one no later.  Under the lock."""
@@ -193,6 +204,7 @@ class ShardCore:
         if clock < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
         with self.lock:
+            self._check_serving()
             info = self.roster.admit(worker, hostname, pid, incarnation)
             if worker not in self._joined:
                 self._joined.add(worker)
@@ -210,6 +222,7 @@ class ShardCore:
                         self.round.clear()
                         self.tables.clear_round()
             info.clock = clock = self.policy.join(worker)
+            self._policy_changed()
             self.changed.notify_all()
         log.info("shard %d: worker %d registered (%s pid %d), continues at clock %d",
                  self.shard, worker, hostname or "?", pid, clock)
@@ -234,10 +247,12 @@ class ShardCore:
         deadline = time.monotonic() + max(timeout, 0.0)
         with self.lock:
             if worker is not None:
+                self._check_serving()
                 self.roster.live(worker)
                 self._check_rewound(worker, clock)
                 while not self.policy.pull_ready(worker, clock):
                     self._check_rewound(worker, clock)  # a rollback while it waited
+                    self._check_serving()  # this process stepped down meanwhile
                     if self.closing:
                         raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
                     if cancelled():
@@ -302,6 +317,7 @@ class ShardCore:
                                  f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
         rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
+            self._check_serving()
             info = self.roster.live(worker)  # first: a restarted shard asks the worker to register again
             self._check_rewound(worker, clock)
             if base_version > self.version:
@@ -328,6 +344,8 @@ class ShardCore:
                 self._apply(grads, self.remedies.lr_scale(staleness), self.remedies.share)
                 self.counters["pushes"] += 1
                 self.changed.notify_all()
+                if self.pair is not None:  # the replica applies it too before the worker hears back
+                    ticket = self.pair.applied(worker, clock, staleness, self.remedies.lr_scale(staleness), grads)
             else:
                 self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
@@ -335,20 +353,26 @@ class ShardCore:
                 self.round.add(grads, base_version, worker)
                 self.tables.add(rows, worker)
                 self._close_rounds(decision.closed_rounds)
-            return PushResult(outcome, decision.next_clock, self.version, staleness)
+            result = PushResult(outcome, decision.next_clock, self.version, staleness)
+        if self.pair is not None:  # a duplicate too: the replica must hold the push before it is acknowledged
+            self.pair.confirm(ticket if action == APPLY else result.version)
+        return result
 
     def heartbeat(self, worker: int, clock: int) -> None:
         self.roster.check(worker)
         with self.lock:
+            self._check_serving()
             self.roster.live(worker)
 
     def done(self, worker: int, clock: int) -> int:
         """``worker`` has finished; returns how many workers are still live."""
         self.roster.check(worker)
         with self.lock:
+            self._check_serving()
             self._check_rewound(worker, clock)
             if self.roster.leave(worker, clock):
                 self._close_rounds(self.policy.leave(worker))
+                self._policy_changed()
                 log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
             self.changed.notify_all()
             return self.roster.live_count()
@@ -356,11 +380,13 @@ class ShardCore:
     def expire_leases(self) -> list[int]:
         """Drop workers whose lease (or join deadline) has passed; returns their ids."""
         with self.lock:
-            expired = self.roster.overdue()
+            # a replica's workers are its primary's
+            expired = self.roster.overdue() if self.role not in ("replica", "starting") else []
             for w in expired:
                 self.counters["expired"] += 1
                 self._close_rounds(self.policy.leave(w))
             if expired:
+                self._policy_changed()
                 self.changed.notify_all()
         return expired
 
@@ -369,6 +395,8 @@ class ShardCore:
         seconds ago (a shard paused longer than the lease drops every worker at once when it resumes;
         they come back within a lease, so a dropped worker counts as gone only once that has passed)."""
         with self.lock:
+            if self.role == "replica":  # a replica is done when its primary says the job is
+                return self.pair is not None and self.pair.job_over
             return self.roster.finished(settle)
 
     def wait_changed(self, timeout: float) -> None:
@@ -394,5 +422,6 @@ class ShardCore:
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,
                 "restored_version": self.restored_version, "rewinding": dict(self.rewinding),
+                "role": self.role, "replica_lag": self.pair.lag() if self.pair is not None else -1,
                 **({"tables": self.tables.status()} if self.tables else {}),
             }

@@ -36,19 +36,7 @@ def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
     """:func:`write`, by a caller that holds the core's lock (a sync round's cut, as it closes)."""
     if not force and core.last_checkpoint and core.last_checkpoint[0] == core.version:
         return None
-    arrays = {"weights": core.flat}
-    arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
-    if core.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
-        arrays["round_sum"] = core.round.flat
-        arrays.update({f"round_push/{w}": a for w, a in core.round.apart.items()})
-    arrays.update(core.tables.arrays())
-    manifest = {"fingerprint": core.fingerprint, "identity": core.identity,
-                "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
-                "policy": core.policy.state_dict(), "counters": dict(core.counters),
-                "staleness_histogram": list(core.staleness_histogram),
-                "round_bases": list(core.round.bases) if core.round else [],
-                "optimizer": core.optimizer.describe(),
-                "holders": core.roster.holders()}
+    arrays, manifest = state(core)
     try:
         path = checkpoint.save(folder, core.version, arrays, manifest, keep)
     except checkpoint.CheckpointError:
@@ -58,6 +46,25 @@ def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
     return path
 
 
+def state(core: ShardCore) -> tuple[dict, dict]:
+    """What a checkpoint of ``core`` holds (under its lock): its arrays (views of the live ones) and manifest; also
+    what a primary sends a new replica (psgd.server.replica)."""
+    arrays = {"weights": core.flat}
+    arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
+    if core.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
+        arrays["round_sum"] = core.round.flat
+        arrays.update({f"round_push/{w}": a for w, a in core.round.apart.items()})
+    arrays.update(core.tables.arrays())
+    manifest = {"fingerprint": core.fingerprint, "identity": core.identity, "version": core.version,
+                "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
+                "policy": core.policy.state_dict(), "counters": dict(core.counters),
+                "staleness_histogram": list(core.staleness_histogram),
+                "round_bases": list(core.round.bases) if core.round else [],
+                "optimizer": core.optimizer.describe(),
+                "holders": core.roster.holders()}
+    return arrays, manifest
+
+
 def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     """Give ``core`` the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before it serves)."""
     m = ckpt.manifest
@@ -65,7 +72,7 @@ def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
         raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
                                          f"this is shard {core.shard} of job {core.fingerprint}")
     with core.lock:
-        _put_back(core, ckpt)
+        put_back(core, ckpt)
         core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
         core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
         core.restored_version = core.version
@@ -74,9 +81,10 @@ def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     log.info("shard %d: restored version %d from %s", core.shard, core.version, ckpt.path)
 
 
-def _put_back(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
-    """The training state of ``ckpt`` into ``core`` (under its lock): weights, optimizer, policy, the round in
-    the making, tables, version.  Who holds which rank, the counters and the leases stay the caller's."""
+def put_back(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
+    """The training state of ``ckpt`` (or of a primary's :func:`state`) into ``core`` (under its lock): weights,
+    optimizer, policy, the round in the making, tables, version.  Who holds which rank, the counters and the leases
+    stay the caller's."""
     m, a = ckpt.manifest, ckpt.arrays
     weights = a.get("weights")
     if weights is None or weights.shape != core.flat.shape or weights.dtype != core.flat.dtype:
@@ -125,7 +133,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
         if cause in core.rollback_causes:
             return 0
         undone = core.version - version
-        _put_back(core, ckpt)
+        put_back(core, ckpt)
         core.rollback_causes.add(cause)
         core.rewind_workers(version)
         core.counters["rollbacks"] += 1

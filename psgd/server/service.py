@@ -7,7 +7,6 @@ stops within a grace period.  Tests and the ``psgd-server`` command share it.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
@@ -20,13 +19,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd import wire
-from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, TOKEN_METADATA_KEY, chunks
+from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint, recovery
 from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
+from psgd.server.tokens import TokenInterceptor
 from psgd.server.watchdog import Watchdog
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
@@ -118,6 +118,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Rollback(self, request, context):
         try:
             return self.rollback(request)
+        except ShardError as err:
+            _abort(context, err)
+
+    def Replicate(self, request_iterator, context):
+        if self.core.pair is None:
+            _abort(context, ShardError("FAILED_PRECONDITION", f"shard {self.core.shard} keeps no replica"))
+        try:
+            yield from self.core.pair.lead(request_iterator, context)
         except ShardError as err:
             _abort(context, err)
 
@@ -257,39 +265,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                       "restored_version": s["restored_version"], "reads": s["reads"],
                                       "rewinding": s["rewinding"]}),
             staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
-            data_port=self.data_port)
-
-
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without the shared token (metadata ``authorization: Bearer TOKEN``)."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-        def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass --token or set PSGD_TOKEN "
-                                                           "to the job's token")
-
-        self._refusals = {
-            (False, False): grpc.unary_unary_rpc_method_handler(refuse),
-            (False, True): grpc.unary_stream_rpc_method_handler(refuse),
-            (True, False): grpc.stream_unary_rpc_method_handler(refuse),
-            (True, True): grpc.stream_stream_rpc_method_handler(refuse),
-        }
-
-    def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(handler_call_details)  # health checks stay open, as orchestrators expect
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
-                    return continuation(handler_call_details)
-                break
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        return self._refusals[(handler.request_streaming, handler.response_streaming)]
+            data_port=self.data_port, role=s["role"], replica_lag=s["replica_lag"])
 
 
 class ShardServer:
@@ -385,7 +361,7 @@ class ShardServer:
     def save_checkpoint(self, force: bool = False, held: bool = False) -> bool:
         """Write a checkpoint now (if there is a checkpoint folder; ``held``: the caller holds the core's lock);
         a failure is logged, not raised.  False when it failed."""
-        if not self.checkpoint_dir:
+        if not self.checkpoint_dir or self.core.role in ("replica", "starting"):  # a replica's state is its primary's
             return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)

@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 
 from psgd.proto import ps_pb2
 
-REASONS = ("NOT_REGISTERED", "JOB_MISMATCH", "ROLLED_BACK")
+REASONS = ("NOT_REGISTERED", "JOB_MISMATCH", "ROLLED_BACK", "NOT_PRIMARY")
 
 
 def reason_number(reason: str) -> int:

@@ -35,6 +35,7 @@ from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire.protocol import OBSERVER
 from psgd.worker.errors import PSError, Rewind, Stopped
+from psgd.worker.failover import Failover
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class PSClient:
                  request_timeout: float = 60.0, retry_deadline: float | None = None, transport: str = "auto",
                  wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
                  stop: threading.Event | None = None, config: JobConfig | None = None,
-                 device: backend.Device = backend.CPU):
+                 device: backend.Device = backend.CPU, replicas: Sequence[str] | None = None):
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         try:
@@ -77,15 +78,17 @@ class PSClient:
         self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         # An observer never registers, so it never learns a data port: it reads over gRPC.
-        kind = link_kind(transport if worker_id != OBSERVER else "grpc")
+        kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
                                                request_timeout, transport)) for k, a in enumerate(self.addresses)]
         for link in (link for link in self.links if isinstance(link, ShmLink)):
             link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
+        # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
+        self.failover = Failover(self, config.cluster.replica_servers if replicas is None and config is not None
+                                 else replicas or ())
         self.versions = [0] * plan.num_shards
         self._joins = [0] * plan.num_shards  # registrations with each shard, so far
         self.lease_seconds = 10.0
-        # a pull and a push may be under way at once (overlap), each on every shard
         self._pool = futures.ThreadPoolExecutor(max_workers=2 * plan.num_shards, thread_name_prefix="ps-client")
         self._beat_stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -106,15 +109,14 @@ class PSClient:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
     def observer(self) -> "PSClient":
-        """A reader of the same shards with this client's token and TLS: its pulls never wait for a round and
-        make no rows (an evaluation's)."""
+        """A reader of the same shards, with this client's token and TLS (an evaluation's: it never waits)."""
         ep = self.links[0].endpoint
         return PSClient(self.addresses, self.plan, OBSERVER, request_timeout=self.request_timeout, token=ep.token,
-                        tls=ep.tls)
+                        tls=ep.tls, replicas=[b if a == s else a for s, (a, b) in
+                                              zip(self.addresses, self.failover.pairs)])
 
     def _watch_stop(self) -> None:
-        """When the worker is asked to stop, abandon a pull in progress: a sync pull may wait on a round
-        that will not close now (the other workers are stopping too)."""
+        """Asked to stop, abandon a pull in progress: a sync pull may wait on a round that will not close now."""
         self.stop.wait()
         if self._pulling:
             for link in self.links:
@@ -136,6 +138,7 @@ class PSClient:
         delay, attempt = 0.05, 0
         while True:
             attempt += 1
+            used = self.links[shard]
             try:
                 return call()
             except ProtocolError as err:
@@ -144,6 +147,7 @@ class PSClient:
                 code, details = err.code, err.details
                 if err.reason == "ROLLED_BACK":  # the job went back to a cut; this worker takes it back if it heard why
                     raise Rewind(*self.pending_rollback) if self.pending_rollback else Rewind(err.rewind_to) from None
+                self.failover.move(shard, used, err)  # the other process of the shard's pair, if it has one
                 stopping = self._stopping()
                 left = 0.0 if stopping else deadline - time.monotonic()
                 if rejoin and self.worker_id != OBSERVER and err.reason == "NOT_REGISTERED" and left > 0:
@@ -247,11 +251,9 @@ class PSClient:
         return reply
 
     def register(self) -> int:
-        """Join every shard; returns the clock to continue from: the smallest any shard reports.
-
-        A worker stopped between its pushes to two shards left them a clock apart; continuing from the
-        larger would leave the other (under sync) waiting for a push that never comes.  From the smaller,
-        the shard that has it already counts the push again as a duplicate (applied once)."""
+        """Join every shard; returns the clock to continue from: the smallest any shard reports (a worker stopped
+        between its pushes to two shards left them a clock apart; from the smaller, the shard that has it already
+        counts the push again as a duplicate, applied once)."""
         replies = self.on_all(self._register_one)
         self.lease_seconds = min(r.lease_seconds for r in replies)
         self.versions = [r.version for r in replies]
@@ -349,7 +351,7 @@ class PSClient:
         self.on_all(lambda k: self.retrying(k, "done", lambda: self.links[k].done(self.clock)))
 
     def status(self) -> list[ps_pb2.StatusReply]:
-        return self.on_all(lambda k: self.retrying(k, "status", self.links[k].status))
+        return self.on_all(lambda k: self.retrying(k, "status", lambda: self.links[k].status()))
 
     def list_rows(self, table: str) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
         """Every row of ``table`` the shards hold, as they are: ids (increasing), values, and each shard's
@@ -380,8 +382,7 @@ class PSClient:
         return ids, values, [p[2] for p in parts]
 
     # -- leases ---------------------------------------------------------------------
-    def start_heartbeats(self) -> None:
-        """Renew the lease on every shard from a background thread, three times per lease."""
+    def start_heartbeats(self) -> None:  # the lease on every shard, renewed three times per lease
         if self._beat is not None:
             return
         self._beat = threading.Thread(target=self._heartbeats, name="ps-heartbeat", daemon=True)
@@ -398,7 +399,6 @@ class PSClient:
                         self._rejoin(k)  # the lease is what heartbeats keep: a shard that dropped us hears back
 
     def _rejoin(self, k: int) -> None:
-        """Register again with shard ``k`` from the heartbeat thread (it forgot this worker)."""
         log.warning("shard %d at %s dropped worker %d (paused or cut off past the lease?): registering again",
                     k, self.addresses[k], self.worker_id)
         try:

@@ -12,7 +12,7 @@ import numpy as np
 from helpers import make_job
 from psgd.cli import main as cli
 from psgd.launch import EXIT_LOST_UPDATES, LaunchResult, lost_updates
-from psgd.launch import launcher
+from psgd.launch import result as launched
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
@@ -37,7 +37,7 @@ def test_the_final_read_finds_shards_at_different_versions(tmp_path, caplog):
         for clock in range(3):  # shard 0 applied 3 updates that shard 1 does not have
             core.push(0, clock, core.version, grads)
         caplog.set_level(logging.WARNING)
-        result = launcher._final_evaluation(job, [s.address for s in servers], tmp_path, time.perf_counter(), None,
+        result = launched.final_evaluation(job, [s.address for s in servers], tmp_path, time.perf_counter(), None,
                                             NO_TLS, "")
     finally:
         for s in servers:

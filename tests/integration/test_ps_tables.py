@@ -253,7 +253,7 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 
 def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
     from psgd.export import join_checkpoints, pull_from_servers
-    from psgd.launch.launcher import _evaluate
+    from psgd.launch.result import evaluate_weights as _evaluate
     from psgd.server import checkpoint, recovery
     from psgd.model.table import table_keys
     from psgd.weights import evaluate_file, save_weights

@@ -51,7 +51,7 @@ class Cluster:
                         "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
                         f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
                         f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
-                        f"cluster.transport={spec.transport}",
+                        f"cluster.transport={spec.transport}", f"cluster.replicas={int(spec.replicas)}",
                         # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
                         *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64")
                           if spec.policy == "sync" else ())])
@@ -63,15 +63,20 @@ class Cluster:
         if net is None:
             taken: set[int] = set()
             self.binds = [f"127.0.0.1:{free_port_pair(port_rng, taken)}" for _ in range(SHARDS)]
+            self.replica_binds = [f"127.0.0.1:{free_port_pair(port_rng, taken)}" for _ in range(SHARDS)]
         else:
             self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
+            self.replica_binds = [f"{net.hosts[f'r{k}']}:{NS_PORT}" for k in range(SHARDS) if f"r{k}" in net.hosts]
         config.override("cluster.servers", list(self.binds))
+        if spec.replicas:  # shard k's second process ("replica{k}"): on a host of its own in namespaces
+            config.override("cluster.replica_servers", list(self.replica_binds))
         self.config = config
         self.plan = self.job.plan
         self.path = folder / "job.toml"
         self.path.write_text(to_toml(config.to_dict()))
         self.ckpt = folder / "ckpt"
-        self.port_files = [folder / f"shard{k}.addr" for k in range(SHARDS)]
+        self.port_files = [folder / f"shard{k}.addr" for k in range(SHARDS)] + \
+            [folder / f"replica{k}.addr" for k in range(SHARDS) if spec.replicas]
         self.procs: dict[str, Proc] = {}    # the current incarnation of each process
         self.history: list[Proc] = []       # every incarnation
         self.server, self.worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
@@ -81,7 +86,7 @@ class Cluster:
     def _host(self, name: str) -> str:
         if name.startswith("duplicate"):  # a second process of a worker's rank runs where the worker does
             return "w" + name[-1]
-        return name[0] + name[-1] if name.startswith(("shard", "worker")) else name
+        return name[0] + name[-1] if name.startswith(("shard", "worker", "replica")) else name
 
     def prefix(self, host: str) -> list[str]:
         """What runs a command on ``host`` (nothing on loopback)."""
@@ -99,32 +104,58 @@ class Cluster:
         self.history.append(proc)
         return proc
 
-    def start_shard(self, k: int) -> Proc:
-        self.port_files[k].unlink(missing_ok=True)
-        argv = [*self.server, "-c", str(self.path), "--shard", str(k), "--bind", self.binds[k],
-                "--port-file", str(self.port_files[k]), "--checkpoint-dir", str(self.ckpt),
+    def start_shard(self, k: int, replica: bool = False) -> Proc:
+        """Shard ``k``'s process (``replica``: the second of its pair, ``replica{k}``)."""
+        name, at = (f"replica{k}", SHARDS + k) if replica else (f"shard{k}", k)
+        self.port_files[at].unlink(missing_ok=True)
+        argv = [*self.server, "-c", str(self.path), "--shard", str(k),
+                "--bind", (self.replica_binds if replica else self.binds)[k], *(["--replica"] if replica else []),
+                "--port-file", str(self.port_files[at]), "--checkpoint-dir", str(self.ckpt),
                 "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-checkpoints", str(KEEP),
                 *(["--exit-when-done"] if self.spec.exit_when_done else [])]
-        return self._start(f"shard{k}", argv)
+        return self._start(name, argv)
+
+    @property
+    def shard_names(self) -> list[str]:
+        """Every shard process's name: ``shard{k}``, and ``replica{k}`` where the job keeps replicas."""
+        return [f"shard{k}" for k in range(SHARDS)] + [f"replica{k}" for k in range(SHARDS) if self.spec.replicas]
 
     def start(self) -> None:
-        """Every shard, once each listens every worker: the job as it starts."""
+        """Every shard (and replica), once each listens every worker: the job as it starts."""
         for k in range(SHARDS):
             self.start_shard(k)
         for k in range(SHARDS):
             self.wait_listening(k)
+        if self.spec.replicas:
+            for k in range(SHARDS):
+                self.start_shard(k, replica=True)
+            for k in range(SHARDS):
+                self.wait_listening(k, replica=True)
+                self.wait_whole(k)
         for r in range(self.spec.workers):
             self.start_worker(r)
 
-    def wait_listening(self, k: int, bound: float = START_BOUND) -> None:
-        proc = self.procs[f"shard{k}"]
+    def wait_whole(self, k: int, bound: float = START_BOUND) -> dict:
+        """Until shard ``k``'s pair has a primary whose replica follows (lag 0); that primary's Status."""
         deadline = time.monotonic() + bound
-        while not self.port_files[k].exists():
+        while True:
+            for s in self._pair_status(k, 2.0):
+                if s is not None and s["role"] == "primary" and s["replica_lag"] == 0:
+                    return s
+            if time.monotonic() > deadline:
+                raise Abort(f"shard {k}'s pair had no primary with a following replica within {bound:.0f}s")
+            time.sleep(0.1)  # polling, with a deadline
+
+    def wait_listening(self, k: int, bound: float = START_BOUND, replica: bool = False) -> None:
+        name, at = (f"replica{k}", SHARDS + k) if replica else (f"shard{k}", k)
+        proc = self.procs[name]
+        deadline = time.monotonic() + bound
+        while not self.port_files[at].exists():
             if proc.popen.poll() is not None:
-                raise Abort(f"shard {k} exited with status {proc.popen.returncode} while starting: "
+                raise Abort(f"{name} exited with status {proc.popen.returncode} while starting: "
                             f"{last_error(proc.log)}", "finishes")
             if time.monotonic() > deadline:
-                raise Abort(f"shard {k} did not listen within {bound:.0f}s")
+                raise Abort(f"{name} did not listen within {bound:.0f}s")
             time.sleep(0.05)  # polling for the port file, with a deadline
 
     def start_worker(self, r: int, duplicate: bool = False) -> Proc:
@@ -185,34 +216,43 @@ class Cluster:
         return out
 
     def status(self, timeout: float = 5.0) -> list[dict | None]:
-        """Every shard's Status (None where it did not answer within ``timeout``)."""
+        """Every shard's Status (None where it did not answer within ``timeout``): its leader's, where the job keeps
+        replicas (two primaries for a moment: the later one, which took over)."""
+        raw = self._raw_status(timeout)
+        out: list[dict | None] = []
+        for k in range(SHARDS):
+            found = [s for s in raw[k::SHARDS] if s is not None and s.get("role", "") in ("primary", "")]
+            s = max(found, key=lambda s: (s["counters"].get("failovers", 0), s["version"]), default=None)
+            out.append(None if s is None else shard_view(s["shard"], s["version"], s["incarnation"], s["counters"]))
+        return out
+
+    def _pair_status(self, k: int, timeout: float) -> list[dict | None]:
+        """Status of shard ``k``'s processes: at its primary's address, and at its replica's where it has one."""
+        return self._raw_status(timeout)[k::SHARDS]
+
+    def _raw_status(self, timeout: float) -> list[dict | None]:
+        """Status of every shard process, at ``binds`` then ``replica_binds`` (with ``psgd status --json`` from the
+        observer's host in the namespaces)."""
+        addresses = [*self.binds, *(self.replica_binds if self.spec.replicas else [])]
         if self.net is not None:
-            return self._status_command(timeout)
+            try:
+                done = subprocess.run(self.prefix("obs") + [*self.psgd, "status", "--json", "--sample", "0",
+                                                             "--timeout", str(timeout), *addresses],
+                                      capture_output=True, text=True, timeout=timeout * 2 + 30)
+                return [row if "version" in row else None for row in json.loads(done.stdout)["shards"]]
+            except (subprocess.TimeoutExpired, ValueError, KeyError):
+                return [None] * len(addresses)
         import grpc
 
         from psgd.ops.reach import Connect, read_status
 
         out: list[dict | None] = []
-        for address in self.binds:
+        for address in addresses:
             try:
-                s = read_status(address, Connect(timeout=timeout))
+                out.append(read_status(address, Connect(timeout=timeout)))
             except grpc.RpcError:
                 out.append(None)
-                continue
-            out.append(shard_view(s["shard"], s["version"], s["incarnation"], s["counters"]))
         return out
-
-    def _status_command(self, timeout: float) -> list[dict | None]:
-        """``psgd status --json`` from the observer's host in the namespaces."""
-        try:
-            done = subprocess.run(self.prefix("obs") + [*self.psgd, "status", "--json", "--sample", "0", "--timeout",
-                                                         str(timeout), *self.binds],
-                                  capture_output=True, text=True, timeout=timeout * 2 + 30)
-            rows = json.loads(done.stdout)["shards"]
-        except (subprocess.TimeoutExpired, ValueError, KeyError):
-            return [None] * SHARDS
-        return [shard_view(row["shard"], row["version"], row["incarnation"], row["counters"])
-                if "version" in row else None for row in rows]
 
     def weights(self, timeout: float = 10.0) -> dict[str, np.ndarray]:
         """The current weights, pulled as an observer (``psgd export`` from the observer's host in namespaces)."""

@@ -50,10 +50,12 @@ class RunSpec:
     end: str                 # "finish" (train to the end) or "sigterm" (every process at once)
     end_at: float            # sigterm: the progress at which it is sent
     namespaces: bool         # the run lives in network namespaces (it has a netcut)
+    replicas: bool = False   # each shard kept twice ([cluster] replicas = 1): every async run on the digits
 
     def describe(self) -> str:
         return (f"{self.policy}, {self.model}, {self.workers} workers, transport {self.transport}"
                 + (", in namespaces" if self.namespaces else "") + (", --exit-when-done" if self.exit_when_done else "")
+                + (", a replica per shard" if self.replicas else "")
                 + f"; faults: {', '.join(f.describe() for f in self.faults) or 'none'}; end: {self.end}")
 
 
@@ -125,5 +127,6 @@ class Planner:
             model = "embed"
         return RunSpec(index, policy, transport, model, workers,
                        exit_when_done=end == "finish" and rng.random() < 0.5, faults=faults, end=end,
-                       end_at=min(end_at, 0.9), namespaces=any(f.kind == "netcut" for f in faults))
+                       end_at=min(end_at, 0.9), namespaces=any(f.kind == "netcut" for f in faults),
+                       replicas=policy != "sync" and model != "embed")
 

@@ -85,6 +85,8 @@ class FaultInjection:
         c.start_shard(k)
         self.restarted.add(k)
         c.wait_listening(k)
+        if self.spec.replicas:
+            return self._pair_whole(k)
         view = self._status_of(k, START_BOUND)
         self.violate("checkpoint", check_restore(k, newest, view["restored_version"], view["version"]))
         return f"newest checkpoint ckpt-{newest}, restored {view['restored_version']}, version {view['version']}"
@@ -101,6 +103,10 @@ class FaultInjection:
             c.signal(name, signal.SIGKILL)
             c.wait(name, STOP_BOUND)
             self.restarted.add(k)
+        if self.spec.replicas:  # its replica took over, or it was the replica: it comes back as the replica
+            c.start_shard(k)
+            c.wait_listening(k)
+            return self._pair_whole(k)
         stopped = self._stopped_at().get(k)
         newest = c.newest_checkpoint(k)
         if stopped is not None and newest != stopped:
@@ -112,6 +118,13 @@ class FaultInjection:
         self.violate("checkpoint", check_restore(k, stopped if stopped is not None else newest,
                                                  view["restored_version"], view["version"]))
         return f"stopped at version {stopped}, restored {view['restored_version']}"
+
+    def _pair_whole(self, k: int) -> str:
+        """After shard ``k``'s first process came back: its pair has a primary whose replica follows again (the
+        process that came back catches up from the survivor's state)."""
+        leader = self.cluster.wait_whole(k)
+        return (f"the pair is whole again: primary at version {leader['version']}, "
+                f"{leader['counters'].get('failovers', 0)} failover(s)")
 
     def _kill_worker(self, r: int, offset: float, down: float) -> str:
         c = self.cluster

@@ -32,7 +32,8 @@ def check_exactly_once(policy: str, versions: Mapping[int, int], clocks: Mapping
 
 def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers: int, restarted: Iterable[int],
                   worker_kills: int) -> list[str]:
-    """A finished job's shards that were never killed lost no update (a graceful restart loses none).
+    """A finished job's shards that were never killed lost no update (a graceful restart loses none); ``restarted``
+    names the others (none where a killed shard loses nothing: sync with cuts, a shard kept twice).
 
     Sync: every round of the ``total`` closes once, so the version is ``total``.
     Async: every push is applied, except that a worker killed between its

@@ -69,6 +69,7 @@ class Run(FaultInjection):
             if spec.namespaces:
                 hosts = {f"s{k}": f"{SUBNET}.{10 + k}" for k in range(SHARDS)}
                 hosts.update({f"w{r}": f"{SUBNET}.{20 + r}" for r in range(spec.workers)})
+                hosts.update({f"r{k}": f"{SUBNET}.{14 + k}" for k in range(SHARDS) if spec.replicas})
                 hosts["obs"] = f"{SUBNET}.30"
                 self.net = Namespaces(hosts)
                 self.net.build()
@@ -115,10 +116,10 @@ class Run(FaultInjection):
                 return
             if not any(c.alive(f"worker{r}") for r in range(self.spec.workers)):
                 return
-            for k in range(SHARDS):
-                proc = c.procs[f"shard{k}"]
+            for name in c.shard_names:
+                proc = c.procs[name]
                 if proc.popen.poll() is not None:
-                    raise Abort(f"shard {k} exited with status {proc.popen.returncode} while workers were training "
+                    raise Abort(f"{name} exited with status {proc.popen.returncode} while workers were training "
                                 f"(clocks {clocks}): {last_error(proc.log)}", "finishes")
             if clocks != last:
                 last, moved = clocks, time.monotonic()
@@ -194,25 +195,26 @@ class Run(FaultInjection):
             self.violate("finishes", [f"worker {r} ended at clock {d[-1]['clock'] if d else '?'} of {c.total}"
                                       for r, d in done.items() if not d or d[-1]["clock"] != c.total])
         if spec.exit_when_done:
-            for k in range(SHARDS):  # a restarted shard waits for the join deadline of workers that are done
-                self.violate("exit-code", check_exit(f"shard {k} (--exit-when-done)",
-                                                     c.wait(f"shard{k}", JOIN_TIMEOUT + STOP_BOUND), 0,
+            for name in c.shard_names:  # a restarted shard waits for the join deadline of workers that are done
+                self.violate("exit-code", check_exit(f"{name} (--exit-when-done)",
+                                                     c.wait(name, JOIN_TIMEOUT + STOP_BOUND), 0,
                                                      "within the join timeout + 10 s of the last worker's end"))
             views, weights = self._from_checkpoints()
         else:
             views = [self._status_of(k, REQUEST_TIMEOUT) for k in range(SHARDS)]
             weights = None if c.sparse else c.weights()  # a table's rows: from the checkpoints written at SIGTERM
-            for k in range(SHARDS):
-                c.signal(f"shard{k}", signal.SIGTERM)
-                self.violate("exit-code", check_exit(f"shard {k}", c.wait(f"shard{k}", STOP_BOUND), 0,
-                                                     "within 10 s of SIGTERM"))
+            for name in c.shard_names:
+                c.signal(name, signal.SIGTERM)
+            for name in c.shard_names:
+                self.violate("exit-code", check_exit(name, c.wait(name, STOP_BOUND), 0, "within 10 s of SIGTERM"))
             if c.sparse:
                 weights = self._from_checkpoints()[1]
         versions = {v["shard"]: v["version"] for v in views}
         self._check_shards(views, {r: c.total for r in range(spec.workers)})
-        if self.finished:  # under sync a restarted shard takes the job back to its cut: it loses nothing either
+        if self.finished:  # under sync a restarted shard takes the job back to its cut, and with replicas its
+            # replica took over: either way it loses nothing (no acknowledged push, under async)
             self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers,
-                                                      () if spec.policy == "sync" else self.restarted,
+                                                      () if spec.policy == "sync" or spec.replicas else self.restarted,
                                                       self.worker_kills))
             if spec.policy == "sync" and weights is not None:
                 self._against_undisturbed(weights, views)
@@ -294,10 +296,11 @@ class Run(FaultInjection):
     def _stopped_at(self) -> dict[int, int]:
         """The version each shard's last incarnation said it stopped at (its log's last line)."""
         out = {}
-        for k in range(SHARDS):
-            found = re.findall(r"stopped at version (\d+)", tail(self.cluster.procs[f"shard{k}"].log, 5))
+        for k in range(SHARDS):  # a pair: the later of the two (a replica is never ahead of its primary)
+            found = [int(v) for name in self.cluster.shard_names if name[-1] == str(k)
+                     for v in re.findall(r"stopped at version (\d+)", tail(self.cluster.procs[name].log, 5))[-1:]]
             if found:
-                out[k] = int(found[-1])
+                out[k] = max(found)
         return out
 
     def _from_checkpoints(self) -> tuple[list[dict], dict[str, np.ndarray] | None]:

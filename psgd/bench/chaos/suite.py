@@ -26,7 +26,8 @@ DESCRIPTION = """Chaos: the shards and workers of running jobs are faulted, and 
 ``run_chaos(minutes, seed, kinds)`` runs small jobs one after another (the
 digits, softmax or MLP, and every third run a sparse job: embed on clicks,
 an embedding table's rows made and held by the shards; 2 shards and 2-3
-workers; sync or async; tensors over the data path or over gRPC), each started the way users start them
+workers; sync or async, every async job on the digits with a replica per shard, ``replicas = 1``; tensors
+over the data path or over gRPC), each started the way users start them
 (``psgd-server -c job.toml --shard K --bind ... --checkpoint-dir D``,
 ``psgd-worker -c job.toml --rank R --metrics F``, the user's environment),
 and faults them while they train.  Everything random is drawn from one seeded
@@ -38,7 +39,9 @@ Workers are paced (``--delay fixed:0.02``) so that a job trains for about
 worker reaches a drawn fraction of its steps:
 
 - ``kill-shard``: SIGKILL a shard, restart it at the same address (it
-  restores its newest checkpoint, the workers find it again);
+  restores its newest checkpoint, the workers find it again; a shard kept
+  twice: its replica takes over, the workers fail over to it, and the
+  process that comes back follows it as its replica);
 - ``restart-shard``: SIGTERM a shard (it exits 0 with a last checkpoint),
   start it again: a graceful restart loses nothing;
 - ``kill-worker``: SIGKILL a worker a few ms into a step (mid-pull or
@@ -71,7 +74,9 @@ Invariants (the ``check_*`` functions, pure, on plain data): the job finishes
 or stops within its bounds (every wait here is bounded: a stall is a
 violation); no update is applied twice (a shard's version never exceeds the
 updates its pushes could make: the sum of the workers' clocks under async,
-the largest clock under sync; a shard that was never killed lost none); the
+the largest clock under sync; a shard that was never killed lost none, and
+neither did a shard kept twice, killed or not: every push a worker had
+acknowledged is in its survivor's version); the
 counters add up; a restarted shard restores at least its newest checkpoint;
 the weights stay finite; a job that trained to its end learned (0.8 on the
 digits, half the way from chance to what the teacher allows on clicks, its

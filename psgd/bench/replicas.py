@@ -1,0 +1,211 @@
+"""What a replica per shard costs an async job, and how soon it takes over.
+
+1. Steps/s with and without ``[cluster] replicas = 1``: ``psgd launch --mode ps --policy async --shards 2 --workers 2
+   --set model.hidden=[H]`` as a user runs it, the two kinds interleaved round by round, on this machine's loopback
+   and on emulated links (``--network 1gbit``: every shard, replica and worker a host of its own in a network
+   namespace, its link shaped to the rate; a shard's replica on the next shard's host, as ``psgd launch`` places it
+   on the next node).  The figure is the workers' aggregate steps/s while all were stepping (their metrics, as
+   ``psgd bench scaling`` reads them); the ratio is with / without, per round, then the median.
+2. Failover: two shards, each a ``psgd-server`` primary and a ``psgd-server --replica``, and two ``psgd-worker``
+   processes on loopback; once the job is under way shard 0's primary is SIGKILLed, and the seconds from the kill
+   to the first push applied after it (the replica's version, polled every 5 ms, moving past what it held at the
+   kill) are taken, with the final check that the replica applied every push the workers counted as done.
+
+    psgd bench replicas                               # loopback only: about a minute on 2 cores
+    psgd bench replicas --network loopback,1gbit --repeats 3 --json replicas.json     # as root: a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from psgd.bench.chaos.processes import command, die_with_parent, free_port_pair
+from psgd.bench.limits import machine
+from psgd.parsing import comma_list
+
+DESCRIPTION = __doc__
+SHARDS, WORKERS = 2, 2
+BOUND = 300.0  # seconds a run may take at most
+
+
+class ReplicaBenchError(Exception):
+    """A run could not be measured (a process failed, the job did not finish in time)."""
+
+
+def _argv(hidden: int, epochs: int, replicas: int, run_dir: Path) -> list[str]:
+    return ["launch", "--mode", "ps", "--policy", "async", "--shards", str(SHARDS), "--workers", str(WORKERS),
+            "--set", f"model.hidden=[{hidden}]", "--epochs", str(epochs), "--replicas", str(replicas),
+            "--no-progress", "--json", "--run-dir", str(run_dir), "--timeout", f"{BOUND:g}"]
+
+
+def steps_per_second(network: str, hidden: int, epochs: int, replicas: int, folder: Path) -> dict:
+    """One launch; its aggregate steps/s while every worker stepped, and what its --json said."""
+    from psgd.bench.hosted import Network, launch_argv
+    from psgd.bench.scaling.measure import ps_rates, read_steps
+
+    run_dir = folder / "run"
+    argv = _argv(hidden, epochs, replicas, run_dir)
+    if network == "loopback":
+        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", *argv], capture_output=True, text=True,
+                              timeout=BOUND + 60)
+    else:
+        with Network(network, SHARDS, WORKERS) as net:
+            done = subprocess.run(launch_argv(net, folder, argv), capture_output=True, text=True,
+                                  timeout=BOUND + 60)
+    if done.returncode != 0:
+        raise ReplicaBenchError(f"psgd {' '.join(argv)} exited with status {done.returncode}: "
+                                f"{done.stderr.strip()[-1500:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rates = ps_rates([read_steps(run_dir / f"worker-{r}.jsonl") for r in range(WORKERS)])
+    return {"steps_per_second": rates["steps_per_s"], "accuracy": result["test_accuracy"],
+            "versions": result["versions"], "failed_over": result.get("failed_over", {})}
+
+
+def throughput(networks: list[str], hidden: int, epochs: int, repeats: int, folder: Path, say=print) -> list[dict]:
+    """For each network: ``repeats`` rounds of (without, with) a replica; the medians and the ratio."""
+    rows = []
+    for network in networks:
+        runs: dict[int, list[dict]] = {0: [], 1: []}
+        for i in range(repeats):
+            for replicas in (0, 1):
+                runs[replicas].append(steps_per_second(network, hidden, epochs, replicas,
+                                                       folder / f"{network}-{replicas}-{i}"))
+        ratios = [b["steps_per_second"] / a["steps_per_second"] for a, b in zip(runs[0], runs[1])]
+        row = {"network": network, "hidden": hidden, "epochs": epochs,
+               "without": statistics.median(r["steps_per_second"] for r in runs[0]),
+               "with": statistics.median(r["steps_per_second"] for r in runs[1]),
+               "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
+        rows.append(row)
+        say(f"{network:>8}, MLP [{hidden}]: {row['without']:7.1f} steps/s without a replica, {row['with']:7.1f} "
+            f"with ({row['ratio']:.2f}x; rounds {', '.join(f'{r:.2f}' for r in ratios)})")
+    return rows
+
+
+def _status(address: str) -> dict | None:
+    from psgd.ops.reach import Connect, read_status
+
+    try:
+        return read_status(address, Connect(timeout=2))
+    except Exception:  # not answering (yet, or any more)
+        return None
+
+
+def failover(folder: Path, epochs: int, at: float) -> dict:
+    """One job with a replica per shard; shard 0's primary SIGKILLed at ``at`` of the pushes; the figures."""
+    from psgd.config import JobConfig, to_toml
+    from psgd.data.sharding import steps_per_epoch
+    from psgd.job import build_job
+
+    folder.mkdir(parents=True, exist_ok=True)
+    taken: set[int] = set()
+    ports = [free_port_pair(random.Random(), taken) for _ in range(2 * SHARDS)]
+    config = JobConfig()
+    config.apply_sets(["cluster.policy=async", f"cluster.shards={SHARDS}", f"cluster.workers={WORKERS}",
+                       f"train.epochs={epochs}", "train.threads=1", "cluster.replicas=1", "cluster.request_timeout=30",
+                       "cluster.servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[:SHARDS]),
+                       "cluster.replica_servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[SHARDS:])])
+    job_file = folder / "job.toml"
+    job_file.write_text(to_toml(config.to_dict()))
+    total = WORKERS * steps_per_epoch(len(build_job(config).dataset.x_train), WORKERS, config.train.batch_size) * epochs
+    server, worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, argv: list[str]) -> None:
+        with open(folder / f"{name}.log", "w") as err:
+            procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
+                                           preexec_fn=die_with_parent(os.getpid()))
+
+    primary, replica = config.cluster.servers[0], config.cluster.replica_servers[0]
+    deadline = time.monotonic() + BOUND
+    try:
+        for k in range(SHARDS):
+            start(f"shard{k}", [*server, "-c", str(job_file), "--shard", str(k)])
+            start(f"replica{k}", [*server, "-c", str(job_file), "--shard", str(k), "--replica"])
+        for k in range(SHARDS):
+            while (s := _status(config.cluster.servers[k])) is None or s["replica_lag"] != 0:
+                if time.monotonic() > deadline:
+                    raise ReplicaBenchError(f"shard {k}'s replica did not follow within {BOUND:.0f}s")
+                time.sleep(0.05)  # polling the primary's Status, with a deadline
+        for r in range(WORKERS):
+            start(f"worker{r}", [*worker, "-c", str(job_file), "--rank", str(r), "--no-progress"])
+        while (s := _status(primary)) is None or s["version"] < at * total:
+            if time.monotonic() > deadline or any(procs[f"worker{r}"].poll() is not None for r in range(WORKERS)):
+                raise ReplicaBenchError(f"the job ended or stalled before {at:.0%} of its pushes")
+            time.sleep(0.01)  # polling the primary's version, with a deadline
+        held = _status(replica)["version"]
+        killed = time.monotonic()
+        procs["shard0"].send_signal(signal.SIGKILL)
+        while (s := _status(replica)) is None or s["role"] != "primary" or s["version"] <= held:
+            if time.monotonic() > deadline:
+                raise ReplicaBenchError("no push was applied after the kill")
+            time.sleep(0.005)  # polling the replica's version, with a deadline
+        applied = time.monotonic() - killed
+        for r in range(WORKERS):
+            code = procs[f"worker{r}"].wait(max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                raise ReplicaBenchError(f"worker {r} exited with status {code}: "
+                                        f"{(folder / f'worker{r}.log').read_text()[-1500:]}")
+        final = _status(replica)
+    except subprocess.TimeoutExpired:
+        raise ReplicaBenchError(f"the job did not end within {BOUND:.0f}s") from None
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return {"pushes": total, "killed_at_version": held, "kill_to_next_push_seconds": applied,
+            "final_version": final["version"], "lost": total - final["version"],
+            "failovers": final["counters"].get("failovers", 0)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--network", default="loopback", type=lambda t: comma_list(t, what="networks"),
+                        help="where the steps/s are measured: loopback and/or emulated links such as 1gbit, 10gbit "
+                             "(namespaces: needs root and ip; default loopback)")
+    parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width (default 256)")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs of each launch (default 6)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) per network, and of the "
+                        "failover (default 2)")
+    parser.add_argument("--at", type=float, default=0.3, help="kill the primary once this part of the pushes is "
+                        "applied (default 0.3)")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.hidden < 1 or args.epochs < 1 or args.repeats < 1 or not 0 < args.at < 1:
+        print("psgd bench replicas: --hidden, --epochs and --repeats must be >= 1, --at between 0 and 1")
+        return 2
+    print(f"machine: {machine()}; async, {SHARDS} shards, {WORKERS} workers, MLP on the digits", flush=True)
+    with tempfile.TemporaryDirectory(prefix="psgd-replicas-") as tmp:
+        try:
+            rows = throughput(args.network, args.hidden, args.epochs, args.repeats, Path(tmp),
+                              say=lambda line: print(line, flush=True))
+            kills = []
+            for i in range(args.repeats):
+                kills.append(failover(Path(tmp) / f"failover-{i}", args.epochs, args.at))
+                k = kills[-1]
+                print(f"failover {i}: shard 0's primary SIGKILLed at version {k['killed_at_version']}: the next push "
+                      f"applied {k['kill_to_next_push_seconds'] * 1000:.0f} ms later, by its replica; "
+                      f"{k['final_version']} of {k['pushes']} pushes applied at the end ({k['lost']} lost)",
+                      flush=True)
+        except ReplicaBenchError as exc:
+            print(f"psgd bench replicas: {exc}")
+            return 1
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows, "failovers": kills}, indent=2))
+        print(f"written to {args.json}")
+    return 0 if all(k["lost"] == 0 for k in kills) else 1

@@ -1,0 +1,108 @@
+"""What a launch ends with: the final weights read from the shards and evaluated on the test set here, and the
+:class:`LaunchResult` that says what happened (versions, updates lost, a rollback or a failover)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from psgd.config import JobConfig
+from psgd.tls import TLSFiles
+
+log = logging.getLogger("psgd.launch.launcher")
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    test_accuracy: float
+    test_loss: float
+    seconds: float
+    servers: list[str]
+    run_dir: str
+    versions: list[int]
+    saved: str | None = None
+    divergence: dict | None = None  # the first divergence a process of this node saw (psgd.divergence), if any
+    lost: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> updates behind the most advanced
+    #: shard -> {"rollbacks": times it went back to a cut, "rounds_undone": rounds it computed again}, where it did
+    went_back: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    failed_over: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> times its replica took over
+
+
+#: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
+#: restarted from an older checkpoint), unless --accept-lost-updates
+EXIT_LOST_UPDATES = 4
+
+
+def lost_updates(versions: Sequence[int]) -> dict[int, int]:
+    """Shard -> how many updates (rounds under sync) it is behind the most advanced shard.  Every shard applies
+    every update (each holds a part of each), so a job that lost nothing ends with them all equal."""
+    top = max(versions, default=0)
+    return {k: top - v for k, v in enumerate(versions) if v < top}
+
+
+def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = None) -> tuple[float, float, dict | None]:
+    """The test loss and accuracy of the final weights (a model's embedding tables read by ``reader``, an
+    observer of the shards), and the divergence guard's verdict on them alone."""
+    from psgd import data as datasets
+    from psgd.divergence import DivergenceGuard, advice, chance
+    from psgd.job import build_job, params_to_device
+    from psgd.loop import evaluate
+    from psgd.weights import load_weights, saved_rows
+    from psgd.worker.exchange import read_rows
+
+    job = build_job(config)
+    ds, t = job.dataset, config.train
+    if reader is not None:
+        rows = (lambda lookups: read_rows(reader, lookups, job.device)) if job.plan.tables else None
+    else:  # the rows saved with the weights (an all-reduce rank's)
+        load_weights(None, job.model.specs(), job.plan.tables, arrays=weights)
+        rows = saved_rows(job, weights)
+    params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
+    loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows)
+    steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
+    guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(config, mode))
+    verdict = guard.final(steps, t.epochs, loss, acc)
+    return loss, acc, verdict.record() if verdict else None
+
+
+def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
+                      save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
+    from psgd.export import job_plan, pull_from_servers
+    from psgd.weights import save_weights
+    from psgd.worker.client import PSClient
+
+    # One observer: it checks each shard is the one listed, then reads the weights and their versions.
+    pulled = pull_from_servers(config, addresses, token=token, tls=tls, rows=bool(save))  # a table's rows: to save
+    weights, versions = pulled.weights, pulled.versions
+    lost = lost_updates(versions)
+    if lost:
+        top = max(versions)
+        log.warning("the shards ended at different versions: %s; the updates a shard is behind were lost on it (it "
+                    "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
+                    "its part of the model missed them", "; ".join(
+                        f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
+    plan = job_plan(config)
+    with PSClient(addresses, plan, token=token, tls=tls,  # an observer: reads rows, makes none
+                  replicas=config.cluster.replica_servers) as reader:
+        loss, acc, verdict = evaluate_weights(config, weights, "ps", reader)
+        counters = [json.loads(s.counters_json) for s in reader.status()]
+    went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)
+                 if c.get("rollbacks")}
+    failed_over = {k: n for k, n in enumerate(c.get("failovers", 0) for c in counters) if n}
+    if failed_over:
+        log.info("a shard's primary died and its replica took over (no acknowledged push lost): %s",
+                 "; ".join(f"shard {k} {n} time(s)" for k, n in failed_over.items()))
+    if went_back:
+        log.info("the job went back to a cut after a shard restarted, and computed the rounds since again (no update "
+                 "lost): %s", "; ".join(f"shard {k} {b['rollbacks']} time(s), {b['rounds_undone']} round(s)"
+                                       for k, b in went_back.items()))
+    for note in pulled.notes:
+        log.warning("--save %s: %s", save, note)
+    if save:
+        save_weights(save, weights)
+    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
+                        went_back, failed_over)

@@ -1,0 +1,178 @@
+"""A shard kept twice ([cluster] replicas = 1, psgd.server.replica): the replica applies every update before the push
+is acknowledged, so a primary that dies loses no acknowledged push; the workers fail over to the replica, and the
+killed process, started again, catches up from it as its replica.
+
+Without a replica a shard SIGKILLed under async comes back from its last checkpoint and the updates since are gone
+(test_reliability, test_lost_updates)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from psgd.bench.chaos.processes import free_port_pair
+from psgd.config import ConfigError, to_toml
+from psgd.job import describe_job
+from psgd.ops.reach import Connect, read_status
+from psgd.ops.view import ClusterView
+from psgd.ops.reach import probe_all
+from psgd.server import build_shard
+from psgd.server.replica import Pair
+from psgd.server.service import ShardServer
+from psgd.worker.exchange import run_worker
+
+from helpers import make_job, run_threads, wait_for
+
+PY = sys.executable
+
+
+def pair_of(job, k: int = 0):
+    """Shard ``k`` of ``job`` twice in this process, the second following the first; job's addresses filled in."""
+    d = describe_job(job)
+    primary = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport).start()
+    replica = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport).start()
+    Pair(primary.core, primary.address, replica.address, second=False).start()
+    Pair(replica.core, replica.address, primary.address, second=True).start()
+    wait_for(lambda: primary.core.pair.lag() == 0, 10, "the replica to follow")
+    job.override("cluster.servers", [primary.address])
+    job.override("cluster.replica_servers", [replica.address])
+    return primary, replica
+
+
+def close(*servers):
+    for s in servers:
+        s.core.pair.stop(finished=True)
+    for s in servers:
+        s.stop(grace=1.0)
+
+
+@pytest.mark.parametrize("policy, transport", [("async", "tcp"), ("ssp", "shm"), ("async", "grpc")])
+def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, transport):
+    job = make_job("model.hidden=[32]", "train.epochs=2", "train.batch_size=16", "optimizer.name=adam",
+                   "optimizer.lr=0.01", f"cluster.policy={policy}", "cluster.workers=2", "cluster.shards=1",
+                   "cluster.replicas=1", f"cluster.transport={transport}")
+    primary, replica = pair_of(job)
+    try:
+        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
+                               for r in range(2)], timeout=120)
+        p, q = primary.core, replica.core
+        assert p.version == q.version == sum(r.steps for r in results) == 2 * results[0].steps
+        np.testing.assert_array_equal(p.flat, q.flat)
+        for name, value in p.optimizer.state_dict().items():
+            np.testing.assert_array_equal(value, q.optimizer.state_dict()[name])
+        assert [p.policy.clock_of(w) for w in range(2)] == [q.policy.clock_of(w) for w in range(2)]
+        assert (p.role, q.role, p.pair.lag(), q.pair.lag()) == ("primary", "replica", 0, 0)
+        rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5))).render()
+        assert "primary (lag 0)" in rows and "replica (following)" in rows
+    finally:
+        close(primary, replica)
+
+
+def test_a_replica_refuses_workers_and_says_where_the_primary_is():
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    try:
+        from psgd.server.errors import ShardError
+
+        with pytest.raises(ShardError) as caught:
+            replica.core.register(0, replica.core.plan.hash)
+        assert caught.value.reason == "NOT_PRIMARY" and caught.value.code == "UNAVAILABLE"
+    finally:
+        close(primary, replica)
+
+
+@pytest.mark.parametrize("sets, error", [
+    (("cluster.policy=sync", "cluster.replicas=1"), "checkpoint_rounds"),
+    (("cluster.policy=async", "cluster.replicas=2"), "replicas must be an integer from 0 to 1"),
+    (("cluster.policy=async", "cluster.shards=2", "cluster.replicas=1", "cluster.replica_servers=h:1"),
+     "one per shard"),
+    (("cluster.policy=async", "cluster.replica_servers=h:1"), "without replicas none")])
+def test_replicas_are_checked_in_the_job_file(sets, error):
+    with pytest.raises(ConfigError, match=error):
+        make_job(*sets).validate()
+
+
+def _server(path, k: int, log, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k), *extra],
+                            stdout=subprocess.DEVNULL, stderr=log)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_replica(tmp_path):
+    """Async, 2 shards with a replica each, as processes; 2 workers. Shard 0's primary is SIGKILLed a quarter of the
+    way in: the workers fail over to its replica, and every push a worker counted as done is in the weights once (the
+    replica's version is the sum of the workers' steps). The killed process, started again, follows the replica and
+    catches up (a new replica)."""
+    taken: set[int] = set()
+    ports = [free_port_pair(taken=taken) for _ in range(4)]
+    job = make_job("model.hidden=[32]", "train.epochs=6", "cluster.policy=async", "cluster.workers=2",
+                   "cluster.shards=2", "cluster.replicas=1", "cluster.request_timeout=30",
+                   f"cluster.servers=127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                   f"cluster.replica_servers=127.0.0.1:{ports[2]},127.0.0.1:{ports[3]}")
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "p1", "r0", "r1", "p0-again")}
+    procs = {"p0": _server(path, 0, logs["p0"]), "p1": _server(path, 1, logs["p1"]),
+             "r0": _server(path, 0, logs["r0"], "--replica"), "r1": _server(path, 1, logs["r1"], "--replica")}
+    status = lambda address: read_status(address, Connect(timeout=5))  # noqa: E731
+    try:
+        for k in range(2):
+            wait_for(lambda k=k: _lag(job.cluster.servers[k]) == 0, 30, f"shard {k}'s replica to follow")
+        done = []
+        steps = 6 * (1438 // 2 // 32)
+
+        def kill_when_a_quarter_is_done():
+            wait_for(lambda: status(job.cluster.servers[0])["version"] >= steps // 2, 60, "a quarter of the pushes")
+            procs["p0"].send_signal(signal.SIGKILL)
+            procs["p0"].wait(10)
+            done.append(True)
+
+        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
+                               for r in range(2)] + [kill_when_a_quarter_is_done], timeout=180)
+        assert done and all(r.steps == steps for r in results[:2])
+        survivor = status(job.cluster.replica_servers[0])
+        assert survivor["role"] == "primary" and survivor["counters"]["failovers"] == 1
+        assert survivor["version"] == 2 * steps  # every acknowledged push once, none lost
+        assert status(job.cluster.servers[1])["version"] == 2 * steps  # the other shard saw nothing happen
+
+        procs["p0-again"] = _server(path, 0, logs["p0-again"])  # a new replica, from the survivor's state
+        wait_for(lambda: _lag(job.cluster.replica_servers[0]) == 0, 30, "the restarted process to follow")
+        again = status(job.cluster.servers[0])
+        assert again["role"] == "replica" and again["version"] == 2 * steps
+        log = (tmp_path / "r0.log").read_text()
+        assert "this replica takes over at version" in log
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in procs.items():
+            p.wait(15)
+            logs[name].close()
+    assert procs["r0"].returncode == 0 and procs["p0-again"].returncode == 0
+
+
+def _lag(address: str) -> int | None:
+    """A primary's replica lag, None while it does not answer or is no primary."""
+    try:
+        s = read_status(address, Connect(timeout=2))
+    except Exception:  # not listening yet
+        return None
+    return s["replica_lag"] if s["role"] == "primary" else None
+
+
+def test_status_json_carries_role_and_lag():
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    try:
+        rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5))).to_json()["shards"]
+        assert [(r["role"], r["replica_lag"]) for r in rows] == [("primary", 0), ("replica", 0)]
+        assert json.dumps(rows)
+    finally:
+        close(primary, replica)
