@@ -35,9 +35,16 @@ comes from --shard, else PSGD_SHARD, else 0; the shard addresses from
 serving, let calls in flight finish, write a last checkpoint, exit 0 (1 if
 that checkpoint could not be written).
 
+With [cluster] replicas = 1 (async, ssp) every shard runs twice: the first
+process (its address in [cluster] servers) is the primary, the second
+(--replica, at replica_servers) follows it, applying every update before the
+push is acknowledged, and takes over when the primary dies; a killed
+process started again follows whichever of the two leads.
+
 examples:
   psgd-server -c job.toml --shard 0 --bind 127.0.0.1:50051
   psgd-server --shards 1 --workers 4 --policy ssp --staleness 3 --bind 127.0.0.1:50051
+  psgd-server -c job.toml --shard 0 --replica     # replicas = 1: shard 0's replica, at replica_servers[0]
 """
 
 
@@ -130,7 +137,8 @@ def serve(args: argparse.Namespace) -> int:
                              data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args, config),
-                             interceptors=metrics.interceptors, hello_timeout=c.hello_timeout).start()
+                             interceptors=metrics.interceptors, hello_timeout=c.hello_timeout,
+                             replicated=bool(c.replicas)).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     pair = None
@@ -141,7 +149,8 @@ def serve(args: argparse.Namespace) -> int:
         if args.replica and not peer:
             raise ConfigError(f"shard {args.shard}'s replica needs its primary's address: --peer, or [cluster] "
                               "servers")
-        pair = Pair(core, server.address, peer, second=args.replica, token=token_from_args(args),
+        me = mine[args.shard] if args.shard < len(mine) else server.address  # as the peer reaches it, not 0.0.0.0
+        pair = Pair(core, me, peer, second=args.replica, token=token_from_args(args),
                     tls=tls_from_args(args, config), ack_seconds=c.request_timeout).start()
     try:
         if args.port_file:

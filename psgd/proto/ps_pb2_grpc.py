@@ -75,11 +75,6 @@ class ParameterServerStub:
                 request_serializer=psgd_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=psgd_dot_v1_dot_ps__pb2.RollbackReply.FromString,
                 _registered_method=True)
-        self.Replicate = channel.stream_stream(
-                '/psgd.v1.ParameterServer/Replicate',
-                request_serializer=psgd_dot_v1_dot_ps__pb2.ReplicaAck.SerializeToString,
-                response_deserializer=psgd_dot_v1_dot_ps__pb2.ReplicaUpdate.FromString,
-                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -148,17 +143,6 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Replicate(self, request_iterator, context):
-        """With [cluster] replicas = 1: a shard's replica follows its primary. The
-        primary sends its whole state, then every update it applies, in order;
-        the replica applies each and answers with its number, and the primary
-        acknowledges a push to its worker only after that answer. Called by the
-        replica on the primary.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,11 +185,6 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=psgd_dot_v1_dot_ps__pb2.RollbackRequest.FromString,
                     response_serializer=psgd_dot_v1_dot_ps__pb2.RollbackReply.SerializeToString,
-            ),
-            'Replicate': grpc.stream_stream_rpc_method_handler(
-                    servicer.Replicate,
-                    request_deserializer=psgd_dot_v1_dot_ps__pb2.ReplicaAck.FromString,
-                    response_serializer=psgd_dot_v1_dot_ps__pb2.ReplicaUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -425,33 +404,6 @@ class ParameterServer:
             '/psgd.v1.ParameterServer/Rollback',
             psgd_dot_v1_dot_ps__pb2.RollbackRequest.SerializeToString,
             psgd_dot_v1_dot_ps__pb2.RollbackReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Replicate(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/psgd.v1.ParameterServer/Replicate',
-            psgd_dot_v1_dot_ps__pb2.ReplicaAck.SerializeToString,
-            psgd_dot_v1_dot_ps__pb2.ReplicaUpdate.FromString,
             options,
             channel_credentials,
             insecure,

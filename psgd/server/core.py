@@ -117,7 +117,8 @@ class ShardCore:
         self.rollback_causes: set[str] = set()
         self.cut_asked: dict[int, int] = {}
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
-        # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows), and the pair (psgd.server.replica)
+        # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
+        # while its workers train), and the pair (psgd.server.replica)
         self.role, self.pair = "", None
 
     @property
@@ -160,9 +161,9 @@ class ShardCore:
         self.changed.notify_all()
 
     def _check_serving(self) -> None:
-        if self.role in ("replica", "starting"):
-            raise ShardError("UNAVAILABLE", f"this process is shard {self.shard}'s {self.role}: its primary serves "
-                             "the workers", reason="NOT_PRIMARY")
+        if self.role in ("replica", "starting", "stopping"):
+            raise ShardError("UNAVAILABLE", f"this process of shard {self.shard} serves no worker ({self.role}): the "
+                             "other process of its pair does", reason="NOT_PRIMARY")
 
     def _policy_changed(self) -> None:
         if self.pair is not None:

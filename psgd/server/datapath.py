@@ -1,17 +1,14 @@
 """The bulk data path: pulls and pushes over a plain TCP connection beside gRPC.
 
-gRPC costs several copies per tensor byte (protobuf messages, HTTP/2 frames,
-Python objects per chunk); here a pull is one header and one ``sendmsg`` of
-the shard's snapshot buffer, and a push is received straight into a reused
-buffer with ``recv_into``.  The shard core does all the checking, exactly as
-for gRPC, and errors come back as the same status codes.
+gRPC costs several copies per tensor byte (protobuf messages, HTTP/2 frames, Python objects per chunk); here a pull
+is one header and one ``sendmsg`` of the shard's snapshot buffer, and a push is received straight into a reused buffer
+with ``recv_into``.  The shard core does all the checking, exactly as for gRPC, and errors come back as the same codes.
 
-One thread serves one authenticated connection (a worker keeps one per
-shard).  Every read has a timeout, payload sizes come from the partition plan,
-and a connection that breaks the protocol is answered with an error and closed.
-Connections are accepted, and their hellos checked, by the gatekeeper
-(:mod:`psgd.server.gatekeeper`), which holds no thread per connection until it
-is authenticated: connections cannot be hoarded.
+One thread serves one authenticated connection (a worker keeps one per shard; a replica's goes to
+:mod:`psgd.server.replica`).  Every read has a timeout, payload sizes come from the partition plan, and a connection
+that breaks the protocol is answered with an error and closed.  Connections are accepted, and their hellos checked,
+by the gatekeeper (:mod:`psgd.server.gatekeeper`), which holds no thread per connection until it is authenticated:
+connections cannot be hoarded.
 
 Rows of embedding tables go over the connection with the pull or push they belong to (OP_PULL_ROWS,
 OP_PUSH_ROWS in :mod:`psgd.wire.protocol`), through shared memory or not.
@@ -171,6 +168,9 @@ class DataServer:
         seg = None
         try:
             conn.settimeout(self.request_timeout)
+            if shm == "follow":  # a replica of this shard (psgd.server.replica): it takes the connection over
+                return self.core.pair.lead(conn) if self.core.pair is not None else \
+                    self._fatal(conn, "FAILED_PRECONDITION", f"shard {self.core.shard} keeps no replica")
             seg, offer = self._segment_for(worker, shm)
             protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0,
                                                              len(offer)), offer])

@@ -2,7 +2,8 @@
 :mod:`psgd.server.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
 
 A hello is a JSON object after the request header: the job's token, the partition plan's hash, and the wish for
-a shared-memory segment (``"pull"`` or ``"push"``, workers only); the header names the worker.
+a shared-memory segment (``"shm"``: ``"pull"`` or ``"push"``, workers only) or to follow the shard as its replica
+(``"follow": true``, the header naming no worker: psgd.server.stream); the header names the worker.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ class Refusal(Exception):
 
 def check(body: bytes | bytearray, worker: int, *, token: str, plan_hash: str, shard: int,
           roster: Roster) -> tuple[int, str]:
-    """The worker id and its wish for a shared-memory segment ("", "pull" or "push") of a hello whose header
-    named ``worker`` and whose JSON body is ``body``, once checked against the shard's ``token``, its plan's
-    ``plan_hash`` and its ``roster``; a :class:`Refusal` otherwise."""
+    """The worker id and what the connection is for ("", "pull" or "push": a shared-memory segment; "follow": a
+    replica) of a hello whose header named ``worker`` and whose JSON body is ``body``, once checked against the
+    shard's ``token``, its plan's ``plan_hash`` and its ``roster``; a :class:`Refusal` otherwise."""
     try:
         said = json.loads(body)
         given, theirs = str(said.get("token", "")), str(said.get("plan_hash", ""))
         shm = str(said.get("shm", ""))
+        follow = said.get("follow") is True
     except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
         raise Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
     # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
@@ -46,7 +48,9 @@ def check(body: bytes | bytearray, worker: int, *, token: str, plan_hash: str, s
             roster.check(worker)
         except ShardError as err:
             raise Refusal(err.code, err.message, "worker id out of range") from None
-    if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER):
+    if follow and not shm and worker == protocol.OBSERVER:
+        return worker, "follow"
+    if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER) or follow:
         raise Refusal("INVALID_ARGUMENT", f"a hello may ask for a \"pull\" or \"push\" segment (workers "
-                      f"only), not {shm!r}", "not a psgd hello")
+                      f"only), not {shm!r}, or to follow (a replica, no worker)", "not a psgd hello")
     return worker, shm

@@ -121,14 +121,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             _abort(context, err)
 
-    def Replicate(self, request_iterator, context):
-        if self.core.pair is None:
-            _abort(context, ShardError("FAILED_PRECONDITION", f"shard {self.core.shard} keeps no replica"))
-        try:
-            yield from self.core.pair.lead(request_iterator, context)
-        except ShardError as err:
-            _abort(context, err)
-
     def _data_call(self, context, what: str, seconds: float = float("inf")) -> int:
         """Take one of the threads data calls may use (else RESOURCE_EXHAUSTED: the control calls keep theirs);
         returns the call's key for the watchdog, which cancels it after ``seconds``.  :meth:`_end_call` gives
@@ -275,7 +267,7 @@ class ShardServer:
                  threads: int | None = None, transport: str = "auto", data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
-                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0):
+                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False):
         self.core = core
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
@@ -287,7 +279,7 @@ class ShardServer:
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
                                request_timeout=request_timeout, hello_timeout=hello_timeout,
                                tls=tls.server_context() if tls.enabled else None,
-                               shm=bool(means["shared_memory"])) if means["data_port"] else None
+                               shm=bool(means["shared_memory"])) if means["data_port"] or replicated else None
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,

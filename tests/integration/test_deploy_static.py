@@ -407,10 +407,11 @@ def test_kubernetes_statefulset_shards_and_indexed_job_workers(job):
 # -- Slurm -----------------------------------------------------------------------------------------
 SLURM_SAMPLES = {"JOB_FILE": ["deploy/job.toml"], "k": ["0"], "r": ["0"], "SHARDS": ["2"], "WORKERS": ["3"],
                  "PORT": ["50051"], "DEVICE": ["cpu"], "CHECKPOINTS": ["/scratch/psgd"],
-                 "SERVERS": ["node1:50051,node2:50051"], "ADDRESSES[@]": ["node1:50051", "node2:50051"]}
+                 "SERVERS": ["node1:50051,node2:50051"], "ADDRESSES[@]": ["node1:50051", "node2:50051"],
+                 "REPLICA_PORT": ["50061"], "REPLICA_FLAGS[@]": []}
 
 
-def slurm_commands(text: str) -> list[list[str]]:
+def slurm_commands(text: str, samples: dict[str, list[str]] = SLURM_SAMPLES) -> list[list[str]]:
     """Every psgd command line of the script, variables filled in with sample values."""
     joined = re.sub(r"\\\n\s*", " ", text)
     commands = []
@@ -429,13 +430,13 @@ def slurm_commands(text: str) -> list[list[str]]:
                 break
             whole = re.fullmatch(r"\$\{(\w+\[@\])\}", t)
             if whole:  # an array: one argument per element
-                argv += SLURM_SAMPLES[whole.group(1)]
+                argv += samples[whole.group(1)]
                 continue
 
             def one(m: re.Match) -> str:
                 name = m.group(1) or m.group(2)
-                assert name in SLURM_SAMPLES, f"psgd.sbatch: no sample value for ${name}"
-                return SLURM_SAMPLES[name][0]
+                assert name in samples, f"psgd.sbatch: no sample value for ${name}"
+                return samples[name][0]
             argv.append(re.sub(r"\$\{(\w+)\}|\$(\w+)", one, t))
         commands.append(argv)
     return commands

@@ -34,8 +34,8 @@ PY = sys.executable
 def pair_of(job, k: int = 0):
     """Shard ``k`` of ``job`` twice in this process, the second following the first; job's addresses filled in."""
     d = describe_job(job)
-    primary = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport).start()
-    replica = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport).start()
+    primary = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport, replicated=True).start()
+    replica = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport, replicated=True).start()
     Pair(primary.core, primary.address, replica.address, second=False).start()
     Pair(replica.core, replica.address, primary.address, second=True).start()
     wait_for(lambda: primary.core.pair.lag() == 0, 10, "the replica to follow")

@@ -1,0 +1,197 @@
+"""The stream from a shard's primary to its replica (``[cluster] replicas = 1``, :mod:`psgd.server.replica`): what
+travels on it and how the replica applies it.
+
+The replica opens a data connection to its primary's data port whose hello asks to follow (:func:`connect`), and
+says where it listens in its first frame; the primary answers the hello and takes that (:func:`accept`), then
+sends frames (:func:`send`): a fixed header (:data:`FRAME`), JSON, then raw bytes sent from the arrays with
+``sendmsg``, as pulls are.  The replica applies each (:class:`Reader`), receiving an update straight into a reused
+buffer as a push is, and answers every frame but the job's end (:data:`ANSWER`): an update with its number as soon
+as it is here whole (it is then held, and applied in order while the next one travels), the others with the version
+the replica holds once it took them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+
+import numpy as np
+
+from psgd.policy import APPLY as APPLIED
+from psgd.server import checkpoint, recovery
+from psgd.server.core import ShardCore
+from psgd.server.errors import ShardError
+from psgd.tls import TLSFiles
+from psgd.wire import protocol
+
+log = logging.getLogger("psgd.server.replica")
+
+#: What a frame is: the primary's whole state (JSON: its manifest and where each array lies in the bytes), one
+#: applied update (the bytes: the gradient as applied, in slice order), the policy's state (JSON), a keepalive,
+#: the end of the job (the replica stops rather than take over); and the replica's first frame (JSON: its own gRPC
+#: address, where the primary asks after it).
+STATE, APPLY, POLICY, KEEPALIVE, FINISHED, FOLLOW = range(1, 7)
+MAGIC, ANSWER_MAGIC = b"PSGR", b"PSGA"
+#: magic, kind, seq (the primary's version once it is applied), worker, clock, staleness, lr_scale, JSON bytes,
+#: data bytes
+FRAME = struct.Struct("<4sBxxxqiqqdIQ")
+#: magic, the update now held (an update's number, else the version the replica holds)
+ANSWER = struct.Struct("<4sq")
+#: a frame's bytes and its answer must come at this rate at least, after SILENCE_SECONDS * 2
+MIN_RATE = 1e7
+#: a primary silent this long (a keepalive goes every 0.2 s) is taken for gone by its replica; a replica that does
+#: not answer within twice this (and the time its bytes need) is cut off by its primary
+SILENCE_SECONDS = 1.0
+
+
+def frame(kind: int, seq: int, text: str = "", data_bytes: int = 0, worker: int = 0, clock: int = 0,
+          staleness: int = 0, lr_scale: float = 0.0) -> list:
+    body = text.encode()
+    return [FRAME.pack(MAGIC, kind, seq, worker, clock, staleness, lr_scale, len(body), data_bytes), body]
+
+
+def shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+# -- the primary's end ----------------------------------------------------------------------------------------
+def accept(sock: socket.socket, version: int) -> str:
+    """Answer a follower's hello on ``sock`` and read its first frame; returns where it listens."""
+    protocol.send_buffers(sock, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, version, 0, 0, 0)])
+    magic, kind, _, _, _, _, _, size, nbytes = protocol.recv_struct(sock, FRAME)
+    if magic != MAGIC or kind != FOLLOW or size > protocol.MAX_HELLO_BYTES or nbytes:
+        raise protocol.WireError("a replica's first frame must say where it listens")
+    return protocol.recv_bytes(sock, size).decode("utf-8", "replace")
+
+
+def send(sock: socket.socket, batch: list[tuple]) -> int:
+    """Send ``batch`` ((kind, seq, body) each, in order) in one go; returns how many answers to read, and sets
+    the time they may take."""
+    buffers, nbytes = [], 0
+    for kind, seq, body in batch:
+        if kind == STATE:
+            manifest, arrays = body
+            at, places = 0, {}
+            for name, a in arrays.items():
+                places[name] = [a.dtype.str, list(a.shape), at]
+                at += a.nbytes
+            buffers += frame(STATE, seq, json.dumps({**manifest, "arrays": places}), at)
+            buffers += [np.ascontiguousarray(a) for a in arrays.values()]
+        elif kind == APPLY:
+            worker, clock, staleness, lr_scale, grads = body
+            views = [np.ascontiguousarray(grads[i]) for i in sorted(grads)]
+            buffers += frame(APPLY, seq, "", sum(v.nbytes for v in views), worker, clock, staleness, lr_scale)
+            buffers += views
+        else:
+            buffers += frame(kind, seq, body or "")
+    nbytes = sum(memoryview(b).nbytes for b in buffers)
+    sock.settimeout(2 * SILENCE_SECONDS + nbytes / MIN_RATE)
+    protocol.send_buffers(sock, buffers)
+    return sum(1 for kind, _, _ in batch if kind != FINISHED)
+
+
+def answer(sock: socket.socket) -> int:
+    """The next answer of the replica: the version it holds."""
+    try:
+        magic, seq = protocol.recv_struct(sock, ANSWER)
+    except protocol.WireError as exc:
+        raise protocol.WireError(f"no answer from the replica: {exc}") from None
+    if magic != ANSWER_MAGIC:
+        raise protocol.WireError("not a replica's answer")
+    return seq
+
+
+# -- the replica's end ------------------------------------------------------------------------------------------
+def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSFiles, timeout: float
+            ) -> socket.socket:
+    """A data connection to a primary's data port at ``host``:``port`` whose hello asks to follow, its first frame
+    saying that this replica listens at ``me``."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise protocol.WireError(f"cannot connect to {host}:{port}: {exc}") from None
+    try:
+        protocol.tune(sock)
+        if tls.enabled:
+            sock = tls.wrap_client(sock, host)
+        hello = json.dumps({"token": token, "plan_hash": plan_hash, "follow": True}).encode()
+        protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
+                                                           protocol.OBSERVER, 0, 0, len(hello)), hello])
+        magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
+        if magic != protocol.DATA_MAGIC or op != 0:
+            message = protocol.recv_bytes(sock, min(size, protocol.MAX_ERROR_BYTES)).decode("utf-8", "replace")
+            raise protocol.WireError(f"the primary's data port refused to be followed: {message}")
+        protocol.send_buffers(sock, frame(FOLLOW, 0, me))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Reader:
+    """Applies a primary's frames on its replica, each once whole."""
+
+    def __init__(self, core: ShardCore):
+        self.core = core
+        self.grad = bytearray(core.nbytes)
+        self.limit = 8 * core.nbytes + (64 << 20)  # what a state may take: the weights and optimizer state, and more
+
+    def take(self, sock: socket.socket) -> int:
+        """Read and apply the next frame from ``sock``, answering it (an update as soon as it is here whole, then
+        applied while the next comes: it is held, and applied in order); returns its kind."""
+        magic, kind, seq, worker, clock, staleness, lr_scale, size, nbytes = protocol.recv_struct(sock, FRAME)
+        if magic != MAGIC or size > self.limit or nbytes > self.limit:
+            raise protocol.WireError("not a primary's frame")
+        sock.settimeout(2 * SILENCE_SECONDS + (size + nbytes) / MIN_RATE)
+        text = protocol.recv_bytes(sock, size).decode("utf-8", "replace") if size else ""
+        core = self.core
+        if kind == STATE:
+            self._state(json.loads(text), protocol.recv_bytes(sock, nbytes))
+        elif kind == POLICY:
+            with core.lock:
+                core.policy.load_state_dict(json.loads(text))
+        elif kind == APPLY:
+            if nbytes != len(self.grad):
+                raise protocol.WireError(f"an update of {nbytes} bytes; the shard holds {len(self.grad)}")
+            protocol.recv_exact(sock, memoryview(self.grad))
+            protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, seq)])
+            grads = core.store.gradient_views(self.grad)
+            with core.lock:
+                decision = core.policy.push(worker, clock)
+                if decision.action != APPLIED or core.version + 1 != seq:
+                    raise ShardError("FAILED_PRECONDITION", f"replica of shard {core.shard} at version "
+                                     f"{core.version} cannot apply update {seq} (worker {worker}, clock {clock}): "
+                                     f"{decision.reason or 'out of order'}")
+                core._record_staleness(staleness)
+                core._apply(grads, lr_scale, core.remedies.share)
+                core.counters["pushes"] += 1
+        elif kind not in (KEEPALIVE, FINISHED):
+            raise protocol.WireError(f"a frame of unknown kind {kind}")
+        if kind not in (APPLY, FINISHED):
+            protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, core.version)])
+        return kind
+
+    def _state(self, manifest: dict, data: bytearray) -> None:
+        core = self.core
+        if manifest.get("fingerprint") != core.fingerprint:
+            raise ShardError("FAILED_PRECONDITION", f"replica of shard {core.shard} of job {core.fingerprint} was "
+                             f"sent the state of job {manifest.get('fingerprint')}")
+        arrays = {}
+        for name, (dtype, shape, at) in manifest.pop("arrays").items():
+            kind = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            if at < 0 or at + count * kind.itemsize > len(data):
+                raise protocol.WireError("a state whose arrays do not fit its bytes")
+            arrays[name] = np.frombuffer(data, dtype=kind, count=count, offset=at).reshape(shape)
+        with core.lock:
+            recovery.put_back(core, checkpoint.Checkpoint(manifest, arrays, "the primary's state"))
+            core.roster.keep_for(manifest.get("holders", {}))
+            core.counters.update({k: int(v) for k, v in manifest.get("counters", {}).items()
+                                  if k in core.counters and isinstance(v, int)})
+            core.staleness_histogram[:] = [int(v) for v in manifest["staleness_histogram"]]
+        log.info("shard %d: following the primary from version %d", core.shard, core.version)
