@@ -4,7 +4,8 @@
    --set model.hidden=[H]`` as a user runs it, the two kinds interleaved round by round, on this machine's loopback
    and on emulated links (``--network 1gbit``: every shard, replica and worker a host of its own in a network
    namespace, its link shaped to the rate; a shard's replica on the next shard's host, as ``psgd launch`` places it
-   on the next node).  The figure is the workers' aggregate steps/s while all were stepping (their metrics, as
+   on the next node); with ``--overlap``, ``[cluster] overlap = true`` (the next pull beside the push, which waits
+   for the replica).  The figure is the workers' aggregate steps/s while all were stepping (their metrics, as
    ``psgd bench scaling`` reads them); the ratio is with / without, per round, then the median.
 2. Failover: two shards, each a ``psgd-server`` primary and a ``psgd-server --replica``, and two ``psgd-worker``
    processes on loopback; once the job is under way shard 0's primary is SIGKILLed, and the seconds from the kill
@@ -42,19 +43,21 @@ class ReplicaBenchError(Exception):
     """A run could not be measured (a process failed, the job did not finish in time)."""
 
 
-def _argv(hidden: int, epochs: int, replicas: int, run_dir: Path) -> list[str]:
+def _argv(hidden: int, epochs: int, replicas: int, run_dir: Path, overlap: bool = False) -> list[str]:
     return ["launch", "--mode", "ps", "--policy", "async", "--shards", str(SHARDS), "--workers", str(WORKERS),
             "--set", f"model.hidden=[{hidden}]", "--epochs", str(epochs), "--replicas", str(replicas),
+            "--set", f"cluster.overlap={str(overlap).lower()}",
             "--no-progress", "--json", "--run-dir", str(run_dir), "--timeout", f"{BOUND:g}"]
 
 
-def steps_per_second(network: str, hidden: int, epochs: int, replicas: int, folder: Path) -> dict:
+def steps_per_second(network: str, hidden: int, epochs: int, replicas: int, folder: Path, overlap: bool = False
+                     ) -> dict:
     """One launch; its aggregate steps/s while every worker stepped, and what its --json said."""
     from psgd.bench.hosted import Network, launch_argv
     from psgd.bench.scaling.measure import ps_rates, read_steps
 
     run_dir = folder / "run"
-    argv = _argv(hidden, epochs, replicas, run_dir)
+    argv = _argv(hidden, epochs, replicas, run_dir, overlap)
     if network == "loopback":
         done = subprocess.run([sys.executable, "-m", "psgd.cli.main", *argv], capture_output=True, text=True,
                               timeout=BOUND + 60)
@@ -71,7 +74,8 @@ def steps_per_second(network: str, hidden: int, epochs: int, replicas: int, fold
             "versions": result["versions"], "failed_over": result.get("failed_over", {})}
 
 
-def throughput(networks: list[str], hidden: int, epochs: int, repeats: int, folder: Path, say=print) -> list[dict]:
+def throughput(networks: list[str], hidden: int, epochs: int, repeats: int, folder: Path, say=print,
+               overlap: bool = False) -> list[dict]:
     """For each network: ``repeats`` rounds of (without, with) a replica; the medians and the ratio."""
     rows = []
     for network in networks:
@@ -79,14 +83,14 @@ def throughput(networks: list[str], hidden: int, epochs: int, repeats: int, fold
         for i in range(repeats):
             for replicas in (0, 1):
                 runs[replicas].append(steps_per_second(network, hidden, epochs, replicas,
-                                                       folder / f"{network}-{replicas}-{i}"))
+                                                       folder / f"{network}-{replicas}-{i}", overlap))
         ratios = [b["steps_per_second"] / a["steps_per_second"] for a, b in zip(runs[0], runs[1])]
-        row = {"network": network, "hidden": hidden, "epochs": epochs,
+        row = {"network": network, "hidden": hidden, "epochs": epochs, "overlap": overlap,
                "without": statistics.median(r["steps_per_second"] for r in runs[0]),
                "with": statistics.median(r["steps_per_second"] for r in runs[1]),
                "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
         rows.append(row)
-        say(f"{network:>8}, MLP [{hidden}]: {row['without']:7.1f} steps/s without a replica, {row['with']:7.1f} "
+        say(f"{network:>8}, MLP [{hidden}]{', overlap' if overlap else ''}: {row['without']:7.1f} steps/s without a replica, {row['with']:7.1f} "
             f"with ({row['ratio']:.2f}x; rounds {', '.join(f'{r:.2f}' for r in ratios)})")
     return rows
 
@@ -180,6 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=6, help="epochs of each launch (default 6)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) per network, and of the "
                         "failover (default 2)")
+    parser.add_argument("--overlap", action="store_true", help="launch with [cluster] overlap = true: the next "
+                        "pull goes beside the push, which waits for the replica")
     parser.add_argument("--at", type=float, default=0.3, help="kill the primary once this part of the pushes is "
                         "applied (default 0.3)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
@@ -193,7 +199,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="psgd-replicas-") as tmp:
         try:
             rows = throughput(args.network, args.hidden, args.epochs, args.repeats, Path(tmp),
-                              say=lambda line: print(line, flush=True))
+                              say=lambda line: print(line, flush=True), overlap=args.overlap)
             kills = []
             for i in range(args.repeats):
                 kills.append(failover(Path(tmp) / f"failover-{i}", args.epochs, args.at))

@@ -12,8 +12,8 @@ from soak import soak  # noqa: E402
 
 @pytest.mark.slow
 def test_short_soak_with_random_worker_kills(tmp_path):
-    result = soak(30, folder=str(tmp_path), say=lambda text: None)
-    assert result["crashes"] == 0 and result["kills"] >= 4 and result["restarts"] == result["kills"]
+    result = soak(24, folder=str(tmp_path), say=lambda text: None)  # a kill every 2-5 s until 8 s before the end
+    assert result["crashes"] == 0 and result["kills"] >= 3 and result["restarts"] == result["kills"]
     assert result["loss_fell"], (result["first"], result["last"])
     assert all(code == 0 for code in result["exit_codes"].values()), result["exit_codes"]
     assert result["updates"] > 500
