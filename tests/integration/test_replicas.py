@@ -98,6 +98,14 @@ def test_replicas_are_checked_in_the_job_file(sets, error):
         make_job(*sets).validate()
 
 
+def test_a_model_with_embedding_tables_keeps_no_replica_yet():
+    """Rows are not streamed to a replica: a shard of such a job refuses to start rather than lose them."""
+    job = make_job("model.name=embed", "data.name=clicks", "data.n_train=200", "data.n_test=50",
+                   "cluster.policy=async", "cluster.replicas=1")
+    with pytest.raises(ConfigError, match="rows of embedding tables"):
+        build_shard(describe_job(job), 0)
+
+
 def _server(path, k: int, log, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k), *extra],
                             stdout=subprocess.DEVNULL, stderr=log)
