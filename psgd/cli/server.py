@@ -130,13 +130,14 @@ def serve(args: argparse.Namespace) -> int:
         except checkpoint.CheckpointError as exc:
             raise ConfigError(str(exc)) from None
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()
+    token, tls = token_from_args(args), tls_from_args(args, config)
     try:
         port = int(port_text)
         data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
         server = ShardServer(core, bind, request_timeout=c.request_timeout, transport=c.transport,
-                             data_port=data_port, token=token_from_args(args), checkpoint_dir=args.checkpoint_dir,
+                             data_port=data_port, token=token, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
-                             keep_checkpoints=args.keep_checkpoints, tls=tls_from_args(args, config),
+                             keep_checkpoints=args.keep_checkpoints, tls=tls,
                              interceptors=metrics.interceptors, hello_timeout=c.hello_timeout,
                              replicated=bool(c.replicas)).start()
     except (OSError, RuntimeError) as exc:
@@ -150,8 +151,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"shard {args.shard}'s replica needs its primary's address: --peer, or [cluster] "
                               "servers")
         me = mine[args.shard] if args.shard < len(mine) else server.address  # as the peer reaches it, not 0.0.0.0
-        pair = Pair(core, me, peer, second=args.replica, token=token_from_args(args),
-                    tls=tls_from_args(args, config), ack_seconds=c.request_timeout).start()
+        pair = Pair(core, me, peer, second=args.replica, token=token, tls=tls, ack_seconds=c.request_timeout).start()
     try:
         if args.port_file:
             _write_port_file(args.port_file, server.address)

@@ -245,27 +245,16 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     py = sys.executable
     start = time.perf_counter()
     mine = layout.shards_here(c.shards)
-    port_files = {k: _port_file(run, k) for k in mine}
-    for path in port_files.values():
-        path.unlink(missing_ok=True)
-    servers = []
-    for k in mine:
-        bind = "127.0.0.1:0" if layout.nnodes == 1 else layout.address(k)
-        on = hosts.prefix(f"s{k}") if hosts else []
-        if hosts:
-            bind = f"{hosts.addresses[f's{k}']}:0"
-        servers.append(children.start(f"shard {k}", [*on, py, "-m", "psgd.cli.server", "-c", str(job_path),
-                                                     "--shard", str(k), "--bind", bind,
-                                                     "--port-file", str(port_files[k]), *tls_flags,
-                                                     *log_flags],
-                                      run / f"shard-{k}.log", env={"PSGD_TOKEN": token}))
-    bound = dict(zip(mine, wait_for_files(list(port_files.values()), servers, children,
-                                          timeout=min(timeout, 120.0))))
+    servers, bound = _start_shards(c.shards, job_path, run, layout, hosts, children, tls_flags + log_flags, token,
+                                   timeout)
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
     spec["cluster"]["servers"] = addresses
     if c.replicas:  # each shard's replica, on the next node (psgd.server.replica), once its primary is up
-        config.override("cluster.replica_servers", _start_replicas(
-            config, job_path, addresses, run, layout, hosts, children, servers, tls_flags + log_flags, token, timeout))
+        replicas, replica_bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
+                                                tls_flags + log_flags, token, timeout, primaries=addresses)
+        servers += replicas
+        config.override("cluster.replica_servers", [replica_bound[k] if layout.nnodes == 1 else
+                                                    layout.replica_address(k, c.shards) for k in range(c.shards)])
         spec["cluster"]["replica_servers"] = config.cluster.replica_servers
     job_path.write_text(to_toml(spec))
     ranks = layout.workers_here(c.workers)
@@ -299,27 +288,29 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     return final_evaluation(config, addresses, run, start, save, tls, token)
 
 
-def _start_replicas(config: JobConfig, job_path: Path, addresses: list[str], run: Path, layout: Layout,
-                    hosts: Hosts | None, children: Children, servers: list[Child], flags: list[str], token: str,
-                    timeout: float) -> list[str]:
-    """Start the replicas of this node's share (each follows its primary at ``addresses``); every replica's address."""
-    shards = config.cluster.shards
-    mine = layout.replicas_here(shards)
-    files = {k: _port_file(run, k, "replica") for k in mine}
+def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts: Hosts | None, children: Children,
+                  flags: list[str], token: str, timeout: float, primaries: list[str] | None = None
+                  ) -> tuple[list[Child], dict[int, str]]:
+    """Start this node's shards (with ``primaries``, the shards' addresses: their replicas, each on the node after
+    its shard's, following it), and wait for the address each bound; returns the processes and those addresses."""
+    replica = primaries is not None
+    mine = layout.replicas_here(shards) if replica else layout.shards_here(shards)
+    files = {k: _port_file(run, k, "replica" if replica else "shard") for k in mine}
     started = []
     for k in mine:
-        bind = "127.0.0.1:0" if layout.nnodes == 1 else layout.replica_address(k, shards)
-        host = f"s{(k + 1) % shards}"  # an emulated host other than its primary's, where there is one
+        bind = "127.0.0.1:0" if layout.nnodes == 1 else \
+            layout.replica_address(k, shards) if replica else layout.address(k)
+        host = f"s{(k + 1) % shards}" if replica else f"s{k}"  # a replica: on another emulated host, if any
         if hosts:
             bind = f"{hosts.addresses[host]}:0"
         files[k].unlink(missing_ok=True)
-        started.append(children.start(f"replica {k}", [
+        name = f"replica {k}" if replica else f"shard {k}"
+        started.append(children.start(name, [
             *(hosts.prefix(host) if hosts else []), sys.executable, "-m", "psgd.cli.server", "-c", str(job_path),
-            "--shard", str(k), "--replica", "--peer", addresses[k], "--bind", bind, "--port-file", str(files[k]),
-            *flags], run / f"replica-{k}.log", env={"PSGD_TOKEN": token}))
-    servers.extend(started)
+            "--shard", str(k), *(["--replica", "--peer", primaries[k]] if replica else []), "--bind", bind,
+            "--port-file", str(files[k]), *flags], run / f"{name.replace(' ', '-')}.log", env={"PSGD_TOKEN": token}))
     bound = dict(zip(mine, wait_for_files(list(files.values()), started, children, timeout=min(timeout, 120.0))))
-    return [bound[k] if layout.nnodes == 1 else layout.replica_address(k, shards) for k in range(shards)]
+    return started, bound
 
 
 def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,

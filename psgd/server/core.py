@@ -341,12 +341,13 @@ class ShardCore:
                 self._record_staleness(staleness)
                 grads = self.remedies.compensate(worker, base_version, grads, self.weights)
                 rows = self.remedies.compensate_rows(worker, base_version, rows, self.tables.tables)
-                self.tables.apply(rows, self.remedies.lr_scale(staleness), self.remedies.share)
-                self._apply(grads, self.remedies.lr_scale(staleness), self.remedies.share)
+                lr_scale = self.remedies.lr_scale(staleness)
+                self.tables.apply(rows, lr_scale, self.remedies.share)
+                self._apply(grads, lr_scale, self.remedies.share)
                 self.counters["pushes"] += 1
                 self.changed.notify_all()
                 if self.pair is not None:  # the replica applies it too before the worker hears back
-                    ticket = self.pair.applied(worker, clock, staleness, self.remedies.lr_scale(staleness), grads)
+                    ticket = self.pair.applied(worker, clock, staleness, lr_scale, grads)
             else:
                 self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1

@@ -72,13 +72,20 @@ def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
         raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
                                          f"this is shard {core.shard} of job {core.fingerprint}")
     with core.lock:
-        put_back(core, ckpt)
-        core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
-        core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
+        adopt(core, ckpt)
         core.restored_version = core.version
-        core.roster.keep_for(m.get("holders", {}))
         core.last_checkpoint = (core.version, float(m.get("written_at", time.time())))
     log.info("shard %d: restored version %d from %s", core.shard, core.version, ckpt.path)
+
+
+def adopt(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
+    """Everything of ``ckpt`` (or of a primary's :func:`state`, on its replica) into ``core``, under its lock: the
+    training state (:func:`put_back`), the counters, the staleness histogram, and each rank kept for its holder."""
+    m = ckpt.manifest
+    put_back(core, ckpt)
+    core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
+    core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
+    core.roster.keep_for(m.get("holders", {}))
 
 
 def put_back(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:

@@ -72,7 +72,7 @@ def accept(sock: socket.socket, version: int) -> str:
 def send(sock: socket.socket, batch: list[tuple]) -> int:
     """Send ``batch`` ((kind, seq, body) each, in order) in one go; returns how many answers to read, and sets
     the time they may take."""
-    buffers, nbytes = [], 0
+    buffers = []
     for kind, seq, body in batch:
         if kind == STATE:
             manifest, arrays = body
@@ -189,9 +189,5 @@ class Reader:
                 raise protocol.WireError("a state whose arrays do not fit its bytes")
             arrays[name] = np.frombuffer(data, dtype=kind, count=count, offset=at).reshape(shape)
         with core.lock:
-            recovery.put_back(core, checkpoint.Checkpoint(manifest, arrays, "the primary's state"))
-            core.roster.keep_for(manifest.get("holders", {}))
-            core.counters.update({k: int(v) for k, v in manifest.get("counters", {}).items()
-                                  if k in core.counters and isinstance(v, int)})
-            core.staleness_histogram[:] = [int(v) for v in manifest["staleness_histogram"]]
+            recovery.adopt(core, checkpoint.Checkpoint(manifest, arrays, "the primary's state"))
         log.info("shard %d: following the primary from version %d", core.shard, core.version)
