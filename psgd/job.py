@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from typing import Any, Mapping
 
@@ -48,6 +49,15 @@ FIELDS = ("plan", "policy", "policy_options", "workers", "shards", "optimizer", 
 
 def _fields(ident: Mapping[str, Any]) -> tuple[str, ...]:
     return FIELDS + (("tables",) if "tables" in ident else ())
+
+
+_BOOT = secrets.token_hex(8)  # made once per interpreter
+
+
+def process_incarnation() -> str:
+    """What the shards know a worker process by when it registers: one process holds a rank at a time (a forked
+    child differs from its parent by its pid)."""
+    return f"{_BOOT}-{os.getpid()}"
 
 
 def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[str, Any]:

@@ -17,6 +17,7 @@ id names (:meth:`PartitionPlan.shard_of_ids`), so every shard holds about the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import json
@@ -100,7 +101,7 @@ class PartitionPlan:
             totals[s.shard] += s.nbytes
         return totals
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 

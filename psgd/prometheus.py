@@ -203,6 +203,11 @@ class ShardMetrics(Collector):
         yield _counter("psgd_shard_received_bytes", "gradient bytes received in accepted pushes", names, values,
                        c.get("bytes_in", 0))
         yield _counter("psgd_shard_sent_bytes", "weight bytes sent in pulls", names, values, c.get("bytes_out", 0))
+        yield _counter("psgd_shard_data_requests", "pulls and pushes served on the data port", names, values,
+                       c.get("data_requests", 0))
+        yield _counter("psgd_shard_data_request_cpu_seconds", "CPU seconds the data port's threads spent on requests, "
+                       "from a request's header in to its answer sent", names, values,
+                       c.get("data_cpu_seconds", 0.0))
         yield _counter("psgd_shard_expired_workers", "workers dropped for missing their lease or join deadline",
                        names, values, c.get("expired", 0))
         yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "

@@ -10,7 +10,8 @@ Measured side by side:
   - the same-host link (shared memory) against the data port on the same shard, 1 MB to 400 MB with one
     worker and the focus model with 2 and 4 workers, against memory-copy bandwidth;
   - an MPI all-reduce of the same bytes between 2 processes;
-  - the round trip of a tiny model's pull+push against a bare gRPC unary call;
+  - a small step's fixed cost on every link (pull then push, and one push and pull), the shard's share of it,
+    beside a bare round trip over loopback TCP and a bare gRPC call;
   - the optimizers' update throughput against memory bandwidth;
   - peak memory (RSS) of a shard and of a worker against the model size.
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from psgd.bench import latency
 from psgd.bench.blob import BlobCluster, median, time_steps
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
 from psgd.parsing import comma_list
@@ -42,34 +44,6 @@ PY = sys.executable
 
 
 # -- pieces -------------------------------------------------------------------------------------------
-def bare_grpc_rtt(repeats: int = 2000) -> float:
-    """Median seconds of a 100-byte unary call to a generic-handler echo server in another process."""
-    code = (
-        "import grpc, sys\nfrom concurrent import futures\n"
-        "h = grpc.method_handlers_generic_handler('b.Echo', {'E': grpc.unary_unary_rpc_method_handler(lambda r, c: r)})\n"
-        "s = grpc.server(futures.ThreadPoolExecutor(4)); s.add_generic_rpc_handlers((h,))\n"
-        "p = s.add_insecure_port('127.0.0.1:0'); s.start(); print(p, flush=True); sys.stdin.read()\n")
-    import grpc
-
-    proc = subprocess.Popen([PY, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(proc.stdout.readline())
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            echo = ch.unary_unary("/b.Echo/E")
-            payload = b"x" * 100
-            for _ in range(200):
-                echo(payload, timeout=10)
-            times = []
-            for _ in range(repeats):
-                a = time.perf_counter()
-                echo(payload, timeout=10)
-                times.append(time.perf_counter() - a)
-        return median(times)
-    finally:
-        proc.stdin.close()
-        proc.wait(10)
-
-
 def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     """GB/s of parameter bytes updated per second, per optimizer, on one 4 MiB-sliced tensor."""
     from psgd.config import JobConfig
@@ -313,17 +287,8 @@ def _variants(result: dict, focus: int, steps: int, tcp: float, tcp_cold: float,
 
 
 def _latency(result: dict, steps: int, tmp: str, say) -> None:
-    """A tiny model's pull+push against a bare gRPC unary round trip."""
-    repeats = max(50, 60 * steps)
-    rtt = bare_grpc_rtt(4 * repeats)
-    with BlobCluster(64, tmp=tmp) as cluster:
-        tiny = time_steps(cluster, 1, repeats)
-        tiny_grpc = time_steps(cluster, 1, repeats, transport="grpc")
-    result["latency"] = {"bare_grpc_unary_s": rtt, "tiny_pull_push_s": tiny["step_s"],
-                         "tiny_pull_push_grpc_s": tiny_grpc["step_s"], "ratio": tiny["step_s"] / rtt}
-    say(f"\ntiny model (16 floats): pull+push {tiny['step_s'] * 1e6:.0f} us on the data path, "
-        f"{tiny_grpc['step_s'] * 1e6:.0f} us over gRPC; a bare gRPC unary round trip {rtt * 1e6:.0f} us "
-        f"(ratio {tiny['step_s'] / rtt:.2f})")
+    """A small step's fixed cost on every link, beside bare round trips (:mod:`psgd.bench.latency`)."""
+    result["latency"] = latency.measure(max(200, 60 * steps), tmp, say, rounds=1 if steps < 4 else 3)
 
 
 def _memory(result: dict, sizes: list[int], tmp: str, say) -> None:

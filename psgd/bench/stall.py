@@ -92,7 +92,7 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
     from psgd.bench.chaos.processes import command, die_with_parent, free_port_pair, last_error
 
     bind = f"127.0.0.1:{free_port_pair(random.Random())}"
-    path = _job(folder, "auto" if transport == "shm" else transport, width, workers, bind)
+    path = _job(folder, transport, width, workers, bind)
     procs: list[subprocess.Popen] = []
     logs = []
 

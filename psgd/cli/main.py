@@ -173,8 +173,9 @@ def _add_bench(sub) -> None:
                            "machine's limits); a 40 MB model's pull+push in rounds, each beside TCP measured just "
                            "before it; pull, push and pull+push through psgd-server processes for models of "
                            "1-400 MB, over 1-4 shards and 1-4 workers, over gRPC alone and with compressed "
-                           "gradients; an MPI all-reduce of the same bytes (needs the mpi extra); a tiny model's "
-                           "round trip against a bare gRPC call; the optimizers' update throughput; peak memory of "
+                           "gradients; an MPI all-reduce of the same bytes (needs the mpi extra); a small step's "
+                           "fixed cost on every link (two round trips and one), the shard's share of it, beside a "
+                           "bare round trip; the optimizers' update throughput; peak memory of "
                            "shards and workers; and a 100M-parameter model over 4 shards. Ratios to the limits are "
                            "printed as each figure comes; --json writes them all. Everything takes about 12 "
                            "minutes on 2 cores, --quick under a minute.")

@@ -100,6 +100,15 @@ class Link:
              rows: RowsIn | None = None) -> PushReply:
         raise NotImplementedError
 
+    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+                  views: list[memoryview], device: Mapping | None = None) -> tuple[PushReply, int | None]:
+        """A push of ``clock`` whose answer brings the weights of ``clock + 1`` into ``views`` (into ``device``, a
+        flat device array per variable, where the link can): one round trip.  Returns the push's reply and the
+        weights' version, or None for a version where the push was applied but the weights did not come (the
+        shard could not let the pull go, or the connection broke after the push's reply): the caller pulls then.
+        A failure before the push's reply raises, as a push's does (a retried push is applied once)."""
+        raise NotImplementedError
+
     def heartbeat(self, clock: int, timeout: float) -> None:
         raise NotImplementedError
 

@@ -10,6 +10,7 @@ heartbeat, done, status) of the TCP and shared-memory links.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Iterator, TypeVar
 
@@ -78,42 +79,53 @@ class GrpcLink(Link):
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         ep = self.endpoint
-        targets = {sl.id: (sl, np.frombuffer(view, dtype=sl.dtype)) for sl, view in zip(ep.slices, views)}
-        got = dict.fromkeys(targets, 0)
-        version = 0
         rows = {t: r for t, r in (rows or {}).items() if len(r[0])}
         asking = sum(len(r[0]) for r in rows.values())
         if asking > MAX_PULL_ROWS:
             raise ProtocolError(f"a pull may ask shard {ep.shard} for at most {MAX_PULL_ROWS:,} rows, this one asks "
                                 f"for {asking:,}: use a smaller batch, or more shards")
-        filled = dict.fromkeys(rows, 0)  # rows of each table received so far, in the order asked
         asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
         stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked),
                                 timeout=self.timeout, metadata=self.metadata)
+        with self._watched(stream):
+            return self._fill(self._chunks(stream), views, rows)
+
+    @contextlib.contextmanager
+    def _watched(self, stream):
+        """While a stream of weights comes: :meth:`interrupt` cancels it."""
         with self._lock:
             self._streams.append(stream)
             if self._interrupted:  # the stop came while this pull was being started
                 stream.cancel()
         try:
-            for chunk in self._chunks(stream):
-                if chunk.HasField("rows"):
-                    self._fill_rows(chunk.rows, rows, filled)
-                    continue
-                target = targets.get(chunk.slice_id)
-                if target is None:
-                    raise ProtocolError(f"shard {ep.shard} at {ep.address} sent slice {chunk.slice_id}, which the "
-                                        "plan does not place there")
-                sl, out = target
-                values = np.frombuffer(chunk.data, dtype=sl.dtype)
-                begin, rem = divmod(chunk.offset, out.itemsize)
-                if rem or begin + len(values) > len(out):
-                    raise ProtocolError(f"shard {ep.shard} sent a malformed chunk for slice {sl.key}")
-                out[begin:begin + len(values)] = values
-                got[sl.id] += len(chunk.data)
-                version = chunk.version
+            yield stream
         finally:
             with self._lock:
                 self._streams.remove(stream)
+
+    def _fill(self, stream: Iterator[ps_pb2.TensorChunk], views: list[memoryview], rows: RowsOut) -> int:
+        """Put the chunks of ``stream`` into ``views`` (slice order) and ``rows``; the version they are of."""
+        ep = self.endpoint
+        targets = {sl.id: (sl, np.frombuffer(view, dtype=sl.dtype)) for sl, view in zip(ep.slices, views)}
+        got = dict.fromkeys(targets, 0)
+        version = 0
+        filled = dict.fromkeys(rows, 0)  # rows of each table received so far, in the order asked
+        for chunk in stream:
+            if chunk.HasField("rows"):
+                self._fill_rows(chunk.rows, rows, filled)
+                continue
+            target = targets.get(chunk.slice_id)
+            if target is None:
+                raise ProtocolError(f"shard {ep.shard} at {ep.address} sent slice {chunk.slice_id}, which the "
+                                    "plan does not place there")
+            sl, out = target
+            values = np.frombuffer(chunk.data, dtype=sl.dtype)
+            begin, rem = divmod(chunk.offset, out.itemsize)
+            if rem or begin + len(values) > len(out):
+                raise ProtocolError(f"shard {ep.shard} sent a malformed chunk for slice {sl.key}")
+            out[begin:begin + len(values)] = values
+            got[sl.id] += len(chunk.data)
+            version = chunk.version
         short = [targets[i][0].key for i, n in got.items() if n != targets[i][0].nbytes]
         short += [f"table {t}" for t, n in filled.items() if n != len(rows[t][0])]
         if short:
@@ -143,25 +155,43 @@ class GrpcLink(Link):
         except grpc.RpcError as err:
             raise _link_error(err) from None
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-             rows: RowsIn | None = None) -> PushReply:
+    def _messages(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+                  rows: RowsIn | None) -> Iterator[ps_pb2.PushMessage]:
+        """A push's stream: its header, each slice's chunks, the rows' blocks."""
         ep = self.endpoint
         dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
+        yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
+            worker_id=ep.worker_id, clock=clock, base_version=base_version, dtype=dtype,
+            rows=sum(len(ids) for ids, _ in (rows or {}).values())))
+        for sl, part in zip(ep.slices, parts):
+            for offset, piece in chunks(part):
+                yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset, data=bytes(piece)))
+        for table, (ids, values) in (rows or {}).items():
+            for part_ids, part_values in blocks(ids, values):
+                yield ps_pb2.PushMessage(rows=ps_pb2.RowBlock(table=table, ids=part_ids, values=part_values))
 
-        def messages() -> Iterator[ps_pb2.PushMessage]:
-            yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
-                worker_id=ep.worker_id, clock=clock, base_version=base_version, dtype=dtype,
-                rows=sum(len(ids) for ids, _ in (rows or {}).values())))
-            for sl, part in zip(ep.slices, parts):
-                for offset, piece in chunks(part):
-                    yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset,
-                                                                      data=bytes(piece)))
-            for table, (ids, values) in (rows or {}).items():
-                for part_ids, part_values in blocks(ids, values):
-                    yield ps_pb2.PushMessage(rows=ps_pb2.RowBlock(table=table, ids=part_ids, values=part_values))
-
-        reply = _call(lambda: self.stub.Push(messages(), timeout=self.timeout, metadata=self.metadata))
+    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+             rows: RowsIn | None = None) -> PushReply:
+        reply = _call(lambda: self.stub.Push(self._messages(clock, base_version, codec, parts, rows),
+                                             timeout=self.timeout, metadata=self.metadata))
         return PushReply(reply.outcome, reply.next_clock, reply.version, reply.staleness)
+
+    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
+                  views: list[memoryview], device=None) -> tuple[PushReply, int | None]:
+        stream = self.stub.PushPull(self._messages(clock, base_version, codec, parts, None), timeout=self.timeout,
+                                    metadata=self.metadata)
+        received = self._chunks(stream)
+        first = next(received, None)  # an error before it: the push's
+        if first is None or not first.HasField("pushed"):
+            raise ProtocolError(f"shard {self.endpoint.shard} at {self.endpoint.address} did not answer a push "
+                                "and pull with the push's reply")
+        p = first.pushed
+        reply = PushReply(p.outcome, p.next_clock, p.version, p.staleness)
+        with self._watched(stream):  # the pull half, not the push, is cut by interrupt()
+            try:
+                return reply, self._fill(received, views, {})
+            except LinkError:  # the push was applied; the weights are pulled on their own
+                return reply, None
 
     def interrupt(self) -> None:
         with self._lock:

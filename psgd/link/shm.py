@@ -49,6 +49,11 @@ from psgd.wire.segment import copy_bytes
 
 log = logging.getLogger(__name__)
 
+#: Under ``transport = "auto"``, a shard whose slices take fewer bytes is reached over its data port: a step of
+#: a small model over the socket costs less than one through shared memory, which adds the release a step and the
+#: shard's wake-up for it (78 KB: 490 against 640 us a step; 300 KB: 900 against 770; benchmarks/RESULTS.md).
+SHARED_FROM_BYTES = 128 << 10
+
 
 class NoSegment(Exception):
     """The shard gave no segment, or it cannot be mapped here: use the data port as it is."""
@@ -86,27 +91,34 @@ class ShmConnection(DataConnection):
         updates back) with the rows' values, copy the weights out of its weights segment and release them.
         ``device`` (device arrays, one per view of ``into``, of its size) takes the weights instead of ``into``,
         copied to the GPU straight from the segment, the copies finished before the sequence number is checked."""
-        version, slot, seq, values = self._ask(clock, rows, into)
-        if sum(v.nbytes for v in into) > self.seg.size or not 0 <= slot < self.seg.slots:
-            raise protocol.WireError(f"the shard holds the weights in slot {slot} of {self.seg.slots}, of "
-                                     f"{self.seg.size} bytes: the plan's do not fit")
+        return self._take(self._ask(clock, rows, into), into, device)
+
+    def _take(self, answer: tuple[int, int, int, list], into: list[memoryview], device: list | None = None,
+              weights: segment.Segment | None = None) -> int:
+        """Copy the weights of a pull's ``answer`` out of the weights segment (``weights``: that of this link's pull
+        connection, for the pull half of a push-and-pull on its push connection), and release them."""
+        version, slot, seq, values = answer
+        seg = self.seg if weights is None else weights
+        if sum(v.nbytes for v in into) > seg.size or not 0 <= slot < seg.slots:
+            raise protocol.WireError(f"the shard holds the weights in slot {slot} of {seg.slots}, of "
+                                     f"{seg.size} bytes: the plan's do not fit")
         for view in values:  # the rows come over the connection
             protocol.recv_exact(self.sock, view)
-        source, at = self.seg.slot(slot), 0
+        source, at = seg.slot(slot), 0
         if device is None:
             for view in into:
                 copy_bytes(view, source[at:at + view.nbytes])
                 at += view.nbytes
         else:
             backend.copy_to_device(_over(device, source), self.device)  # waited for: read before the check below
-        if self.seg.seq(slot) != seq:
+        if seg.seq(slot) != seq:
             raise protocol.WireError("the weights changed while they were copied out of shared memory (the pull "
                                      "was held past its deadline): pulling again")
-        self._send(protocol.OP_RELEASE, self.worker, clock, 0, 0, [], 0)
+        self._send(protocol.OP_RELEASE, self.worker, 0, 0, 0, [], 0)
         return version
 
     def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
-             rows: RowsIn | None = None) -> PushReply:
+             rows: RowsIn | None = None, op: int = protocol.OP_PUSH) -> PushReply:
         """Write the gradient into the segment (from the GPU where ``payload`` holds device arrays), then send its
         header, and the rows of ``rows`` after it; the reply says what the shard did."""
         if size > self.seg.size:
@@ -119,7 +131,7 @@ class ShmConnection(DataConnection):
                 n = memoryview(part).nbytes
                 copy_bytes(self.seg.data[at:at + n], part)
                 at += n
-        self._send(protocol.OP_PUSH_ROWS if rows else protocol.OP_PUSH, self.worker, clock, base_version, dtype_code,
+        self._send(protocol.OP_PUSH_ROWS if rows else op, self.worker, clock, base_version, dtype_code,
                    self._rows_after(rows), size)
         outcome, version, next_clock, staleness, _ = self._reply()
         return PushReply(protocol.OUTCOMES[outcome], next_clock, version, staleness)
@@ -169,6 +181,10 @@ class ShmLink(TcpLink):
         elif reply.host_id != segment.host_id():
             self._over_tcp("it is on another host, or in another network or pid namespace (a container; its host "
                            "id differs)")
+        elif sum(s.nbytes for s in self.endpoint.slices) < SHARED_FROM_BYTES and \
+                not meaning(self.endpoint.transport)["insist"]:
+            self._over_tcp(f"its slices take {sum(s.nbytes for s in self.endpoint.slices):,} bytes, fewer than the "
+                           f"{SHARED_FROM_BYTES:,} from which shared memory pays (transport = \"shm\" insists)")
         else:
             self.shared = True
             log.debug("shard %d: pulls and pushes through shared memory", shard)
@@ -214,6 +230,37 @@ class ShmLink(TcpLink):
         if self.data_port:
             return self._over_data("push", from_device)
         return super().push(clock, base_version, codec, _on_host(parts), rows)  # over gRPC
+
+    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview],
+                  device: Mapping[str, Any] | None = None) -> tuple[PushReply, int | None]:
+        """As every link's; ``parts`` may be device arrays and ``device`` take the weights, as for :meth:`push` and
+        :meth:`pull`.  Through shared memory where both of this link's connections have it: the gradient goes
+        through the push segment, the weights come out of the weights segment (mapped by the pull connection)."""
+        on_device = bool(parts) and backend.is_device_array(parts[0])
+        targets = None if device is None else [device[s.var][s.start:s.stop] for s in self.endpoint.slices]
+
+        def through_host(reply: PushReply, version: int | None) -> tuple[PushReply, int | None]:
+            if version is not None and targets is not None:  # over a socket, into the host views first
+                backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
+            return reply, version
+
+        if not self.data_port:  # over gRPC
+            return through_host(*super().push_pull(clock, base_version, codec, _on_host(parts) if on_device else parts,
+                                                   views))
+        size = sum(p.nbytes if on_device else memoryview(p).nbytes for p in parts)
+        weights = self._over_data("pull", lambda conn: conn)  # opened first: its segment holds the weights
+
+        def call(conn: DataConnection, got: dict) -> tuple[PushReply, int | None]:
+            if isinstance(conn, ShmConnection):
+                if isinstance(weights, ShmConnection):
+                    return conn.push_pull(clock, base_version, codec.code, parts, size, views, got, device=targets,
+                                          weights=weights.seg)
+                got["push"] = conn.push(clock, base_version, codec.code, parts, size)  # no weights segment here
+                return got["push"], None
+            return through_host(*conn.push_pull(clock, base_version, codec.code, _on_host(parts) if on_device
+                                                else parts, size, views, got))
+
+        return self._pushed_then(call)
 
     def _over_tcp(self, why: str) -> None:
         self.shared = False

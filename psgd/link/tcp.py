@@ -128,13 +128,17 @@ class DataConnection:
         return outcome, version, next_clock, staleness, size
 
     def _ask(self, clock: int, rows: RowsOut | None, into: list[memoryview]) -> tuple[int, int, int, list]:
-        """Send a pull (with the ids of ``rows``, by table, where given); the reply's version, slot and sequence
-        number, and the views its row values are to be received into, once its size is checked."""
+        """Send a pull (with the ids of ``rows``, by table, where given); its answer (:meth:`_answer`)."""
         if rows:
             payload, n = sections({table: (ids, None) for table, (ids, _) in rows.items()})
             self._send(protocol.OP_PULL_ROWS, self.worker, clock, 0, 0, payload, n)
         else:
             self._send(protocol.OP_PULL, self.worker, clock, 0, 0, [], 0)
+        return self._answer(rows, into)
+
+    def _answer(self, rows: RowsOut | None, into: list[memoryview]) -> tuple[int, int, int, list]:
+        """A pull's reply: its version, slot and sequence number, and the views its row values are to be received
+        into, once its size is checked."""
         _, version, slot, seq, size = self._reply()
         values = [memoryview(out.reshape(-1)).cast("B") for _, out in (rows or {}).values() if out.size]
         expected = sum(v.nbytes for v in into) + sum(v.nbytes for v in values)
@@ -146,10 +150,27 @@ class DataConnection:
     def pull(self, clock: int, into: list[memoryview], rows: RowsOut | None = None) -> int:
         """Receive the shard's weights straight into ``into`` (slice order), and the rows of ``rows`` (table ->
         (ids, the array their values fill)) after them; returns the version."""
-        version, _, _, values = self._ask(clock, rows, into)
+        return self._take(self._ask(clock, rows, into), into)
+
+    def _take(self, answer: tuple[int, int, int, list], into: list[memoryview]) -> int:
+        """Receive the weights (and rows) of a pull's ``answer``; its version."""
+        version, _, _, values = answer
         for view in [*into, *values]:
             protocol.recv_exact(self.sock, view)
         return version
+
+    def push_pull(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
+                  into: list[memoryview], got: dict, **take) -> tuple[PushReply, int | None]:
+        """Push ``clock``'s gradient and receive the weights of ``clock + 1`` into ``into`` from the same answer
+        (OP_PUSH_PULL); the push's reply goes into ``got["push"]`` once it came (a break after it is the pull's
+        alone).  None for the version where the shard said why the pull could not go."""
+        got["push"] = reply = self.push(clock, base_version, dtype_code, payload, size, op=protocol.OP_PUSH_PULL)
+        if got.get("cut"):  # the worker is stopping: it waits for no weights now (see TcpLink.interrupt)
+            raise protocol.WireError("the worker is stopping")
+        try:
+            return reply, self._take(self._answer(None, into), into, **take)
+        except LinkError:  # answered in full: the connection goes on
+            return reply, None
 
     def _rows_after(self, rows: RowsIn | None) -> list:
         """What follows a push's gradient: the bytes of its rows and their sections (nothing without rows)."""
@@ -159,10 +180,10 @@ class DataConnection:
         return [protocol.ROWS_LENGTH.pack(n), *payload]
 
     def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
-             rows: RowsIn | None = None) -> PushReply:
+             rows: RowsIn | None = None, op: int = protocol.OP_PUSH) -> PushReply:
         """Send a gradient, and the row gradients of ``rows`` after it; a large gradient waits for the shard's
         go-ahead before its payload."""
-        op, after = (protocol.OP_PUSH_ROWS if rows else protocol.OP_PUSH), self._rows_after(rows)
+        op, after = (protocol.OP_PUSH_ROWS if rows else op), self._rows_after(rows)
         if protocol.wants_go_ahead(size):
             self._send(op, self.worker, clock, base_version, dtype_code, [], size)
             if self._reply()[0] != protocol.READY:
@@ -189,6 +210,7 @@ class TcpLink(GrpcLink):
         # one connection for pulls and one for pushes, so that a pull may run while a push is in flight
         # (overlap): a connection carries one call at a time
         self._conns: dict[str, DataConnection | None] = {"pull": None, "push": None}
+        self._pending: dict | None = None  # the push and pull in flight: its push's reply once it came
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = super().register(request)
@@ -226,10 +248,35 @@ class TcpLink(GrpcLink):
         size = sum(memoryview(p).nbytes for p in parts)
         return self._over_data("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size, rows))
 
+    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview],
+                  device=None) -> tuple[PushReply, int | None]:
+        if not self.data_port:
+            return super().push_pull(clock, base_version, codec, parts, views, device)
+        size = sum(memoryview(p).nbytes for p in parts)
+        return self._pushed_then(lambda conn, got: conn.push_pull(clock, base_version, codec.code, parts, size, views,
+                                                                  got))
+
+    def _pushed_then(self, call) -> tuple[PushReply, int | None]:
+        """``call(push connection, got)`` (a push and pull); where the connection broke after the push's reply
+        came (in ``got``), that reply and no version: the weights are pulled on their own then."""
+        got: dict = {}
+        self._pending = got
+        try:
+            return self._over_data("push", lambda conn: call(conn, got))
+        except LinkError:
+            if "push" in got:
+                return got["push"], None
+            raise
+        finally:
+            self._pending = None
+
     def interrupt(self) -> None:
         super().interrupt()
-        for conn in list(self._conns.values()):
-            if conn is not None:
+        pending = self._pending
+        if pending is not None:  # a push and pull: its push goes on to its reply, its pull half is cut
+            pending["cut"] = True
+        for purpose, conn in list(self._conns.items()):
+            if conn is not None and (purpose == "pull" or pending is None or "push" in pending):
                 conn.interrupt()
 
     def _drop(self, purpose: str) -> None:

@@ -75,6 +75,9 @@ class Optimizer:
 
     name = "optimizer"
     state_names: tuple[str, ...] = ()
+    #: whether ``_step`` works value by value (no norm, no reduction): then keys laid out one after the other in
+    #: one array may be updated in one step (:meth:`update_flat`)
+    elementwise = False
 
     def __init__(self, lr: float | Schedule):
         if isinstance(lr, Schedule):
@@ -83,6 +86,7 @@ class Optimizer:
             self.schedule = Constant(positive(self.name, "lr", lr))
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()  # guards the key table, not the per-key arithmetic
+        self._fused: dict[tuple[str, ...], tuple[list[_Slot], dict[str, Any]]] = {}  # see update_flat
 
     def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: float, share: Share) -> None:
         """Update ``param`` (and ``state``) in place.
@@ -120,6 +124,50 @@ class Optimizer:
         lr = self.schedule(slot.t if per_round == 1 else slot.t / per_round) * lr_scale
         self._step(param, grad, slot.state, lr, slot.t + 1 if per_round == 1 else (slot.t + 1) / per_round, share)
         slot.t += 1
+
+    def update_flat(self, keys: tuple[str, ...], param: Any, grad: Any, bounds: tuple[tuple[int, int], ...],
+                    lr_scale: float = 1.0, share: Share = WHOLE) -> None:
+        """:meth:`update` of each key of ``keys``, whose parameter is ``param[a:b]`` and gradient ``grad[a:b]`` for
+        its ``(a, b)`` of ``bounds`` (one flat array, the keys one after the other): the same values, in one step
+        where the rule is :attr:`elementwise` and the keys have taken the same number of updates (their states
+        are then laid out the same way, in one array each), else key by key."""
+        fused = self._fused.get(keys) if self.elementwise else None
+        if fused is None or any(self._slots.get(k) is not slot for k, slot in zip(keys, fused[0])):
+            fused = self._fuse(keys, param, bounds)
+        if fused is None or len({slot.t for slot in fused[0]}) != 1 or param.size != bounds[-1][1]:
+            for key, (a, b) in zip(keys, bounds):
+                self.update(key, param[a:b], grad[a:b], lr_scale, share)
+            return
+        slots, state = fused
+        self._check(keys[0], param, grad, lr_scale)
+        if share is not WHOLE and not (isinstance(share.updates, int) and share.updates >= 1
+                                       and 0 <= share.implicit_momentum < 1):
+            raise OptimizerError(f"{self.name}: {share!r} must have a whole number of updates >= 1 and "
+                                 "0 <= implicit_momentum < 1")
+        t, per_round = slots[0].t, share.updates
+        lr = self.schedule(t if per_round == 1 else t / per_round) * lr_scale
+        self._step(param, grad, state, lr, t + 1 if per_round == 1 else (t + 1) / per_round, share)
+        for slot in slots:
+            slot.t += 1
+
+    def _fuse(self, keys: tuple[str, ...], param: Any, bounds: tuple[tuple[int, int], ...]):
+        """The slots of ``keys`` with their states moved (copied once) into one array per state buffer, laid out as
+        ``param``: (slots, whole states); None where the keys cannot be updated at once."""
+        if not self.elementwise or not keys or param.size != bounds[-1][1]:
+            return None
+        xp = backend.get_array_module(param)
+        for key, (a, b) in zip(keys, bounds):
+            self._slot(key, param[a:b])  # made, or checked against its parameter
+        slots = [self._slots[k] for k in keys]
+        if len({slot.t for slot in slots}) != 1:
+            return None
+        state = {name: xp.empty_like(param) for name in self.state_names}
+        for slot, (a, b) in zip(slots, bounds):
+            for name in self.state_names:
+                state[name][a:b] = slot.state[name]
+            slot.state = {name: state[name][a:b] for name in self.state_names}
+        self._fused[keys] = (slots, state)
+        return slots, state
 
     def _check(self, key: str, param: Any, grad: Any, lr_scale: float) -> None:
         if not isinstance(key, str):

@@ -21,6 +21,7 @@ class SGD(Optimizer):
     """
 
     name = "sgd"
+    elementwise = True
 
     def __init__(self, lr: float | Schedule, weight_decay: float = 0.0):
         super().__init__(lr)
@@ -52,6 +53,7 @@ class Momentum(Optimizer):
 
     name = "momentum"
     state_names = ("v",)
+    elementwise = True
 
     def __init__(self, lr: float | Schedule, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 0.0):
         if not isinstance(nesterov, bool):
@@ -92,6 +94,7 @@ class Adam(Optimizer):
 
     name = "adam"
     state_names = ("m", "v")
+    elementwise = True
     decoupled = False  # AdamW: weight decay applied to p directly, not through g
     default_weight_decay = 0.0
 

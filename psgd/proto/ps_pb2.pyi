@@ -140,18 +140,20 @@ class RowBlock(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("slice_id", "offset", "data", "version", "rows")
+    __slots__ = ("slice_id", "offset", "data", "version", "rows", "pushed")
     SLICE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     slice_id: int
     offset: int
     data: bytes
     version: int
     rows: RowBlock
-    def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ...) -> None: ...
+    pushed: PushReply
+    def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker_id", "clock", "base_version", "dtype", "rows")

@@ -50,6 +50,11 @@ class ParameterServerStub:
                 request_serializer=psgd_dot_v1_dot_ps__pb2.PushMessage.SerializeToString,
                 response_deserializer=psgd_dot_v1_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/psgd.v1.ParameterServer/PushPull',
+                request_serializer=psgd_dot_v1_dot_ps__pb2.PushMessage.SerializeToString,
+                response_deserializer=psgd_dot_v1_dot_ps__pb2.TensorChunk.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/psgd.v1.ParameterServer/Heartbeat',
                 request_serializer=psgd_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
@@ -100,6 +105,16 @@ class ParameterServerServicer:
     def Push(self, request_iterator, context):
         """A gradient for every slice of the shard: a header, then chunks.  A
         retried push (same worker and clock) is applied once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request_iterator, context):
+        """One round trip a step: a push (as Push's stream), answered with a chunk
+        whose pushed field is the push's reply, then the shard's slices for the
+        push's clock + 1 as Pull streams them, once the policy lets that pull go.
+        An error after the first chunk is the pull's alone: the push was applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +175,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=psgd_dot_v1_dot_ps__pb2.PushMessage.FromString,
                     response_serializer=psgd_dot_v1_dot_ps__pb2.PushReply.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=psgd_dot_v1_dot_ps__pb2.PushMessage.FromString,
+                    response_serializer=psgd_dot_v1_dot_ps__pb2.TensorChunk.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -269,6 +289,33 @@ class ParameterServer:
             '/psgd.v1.ParameterServer/Push',
             psgd_dot_v1_dot_ps__pb2.PushMessage.SerializeToString,
             psgd_dot_v1_dot_ps__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psgd.v1.ParameterServer/PushPull',
+            psgd_dot_v1_dot_ps__pb2.PushMessage.SerializeToString,
+            psgd_dot_v1_dot_ps__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,7 @@ class PushResult:
     next_clock: int
     version: int
     staleness: int
+    pull_ready: bool = True  # whether the pusher's pull of the next clock may go at once (not so in an open round)
 
 
 class ShardCore:
@@ -85,6 +86,7 @@ class ShardCore:
         self.dtype = dtypes.pop()
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
+        self.left = threading.Condition(self.lock)  # who serves changed (see wake): not notified at every update
         self.store = WeightStore(self.slices, values, self.dtype, self.changed, shard, apply_threads)
         self.offsets, self.nbytes = self.store.offsets, self.store.nbytes
         self.optimizer, self.policy = optimizer, policy
@@ -100,7 +102,7 @@ class ShardCore:
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
                          "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0,
-                         "rollbacks": 0, "rounds_undone": 0}
+                         "rollbacks": 0, "rounds_undone": 0, "data_requests": 0, "data_cpu_seconds": 0.0}
         self.closing = False
         # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
         # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)
@@ -169,21 +171,14 @@ class ShardCore:
         if self.pair is not None:
             self.pair.policy_changed()
 
-    def rewind_workers(self, version: int) -> None:
-        """Every worker continues from ``version`` (a cut gone back to): a request with a later clock is refused
-        with ROLLED_BACK, naming it, until the worker comes with one no later.  Under the lock."""
-        self.rewinding = {w: version for w in range(self.num_workers)}
-
     def _check_rewound(self, worker: int, clock: int) -> None:
         cut = self.rewinding.get(worker)
-        if cut is None:
-            return
-        if clock <= cut:
+        if cut is not None and clock <= cut:
             del self.rewinding[worker]  # it has gone back
-            return
-        raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} went back to the cut at version {cut} (a shard of "
-                         f"the job restarted from it): worker {worker} continues from clock {cut}, not {clock}",
-                         reason="ROLLED_BACK", rewind_to=cut)
+        elif cut is not None:
+            raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} went back to the cut at version {cut} (a "
+                             f"shard of the job restarted from it): worker {worker} continues from clock {cut}, not "
+                             f"{clock}", reason="ROLLED_BACK", rewind_to=cut)
 
     # -- requests -----------------------------------------------------------------
     def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
@@ -355,7 +350,8 @@ class ShardCore:
                 self.round.add(grads, base_version, worker)
                 self.tables.add(rows, worker)
                 self._close_rounds(decision.closed_rounds)
-            result = PushResult(outcome, decision.next_clock, self.version, staleness)
+            result = PushResult(outcome, decision.next_clock, self.version, staleness,
+                                self.policy.pull_ready(worker, clock + 1))
         if self.pair is not None:  # a duplicate too: the replica must hold the push before it is acknowledged
             self.pair.confirm(ticket if action == APPLY else result.version)
         return result
@@ -376,7 +372,7 @@ class ShardCore:
                 self._close_rounds(self.policy.leave(worker))
                 self._policy_changed()
                 log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
-            self.changed.notify_all()
+            self.wake()
             return self.roster.live_count()
 
     def expire_leases(self) -> list[int]:
@@ -389,7 +385,7 @@ class ShardCore:
                 self._close_rounds(self.policy.leave(w))
             if expired:
                 self._policy_changed()
-                self.changed.notify_all()
+                self.wake()
         return expired
 
     def finished(self, settle: float = 0.0) -> bool:
@@ -401,15 +397,20 @@ class ShardCore:
                 return self.pair is not None and self.pair.job_over
             return self.roster.finished(settle)
 
-    def wait_changed(self, timeout: float) -> None:
-        with self.lock:
-            self.changed.wait(timeout)
+    def wait_left(self, timeout: float) -> None:
+        with self.lock:  # a worker left, the role changed or the core closes (at most ``timeout`` seconds)
+            self.left.wait(timeout)
+
+    def wake(self) -> None:
+        """(Under the lock.)  Wake the waits on the policy (``changed``) and on who serves (``left``)."""
+        self.changed.notify_all()
+        self.left.notify_all()
 
     def close(self) -> None:
         """Wake every waiting pull so that it ends with UNAVAILABLE."""
         with self.lock:
             self.closing = True
-            self.changed.notify_all()
+            self.wake()
 
     def status(self) -> dict:
         with self.lock:

@@ -34,10 +34,11 @@ import numpy as np
 
 from psgd.codec import Codec, CodecError, by_code
 from psgd.server import store
-from psgd.server.core import ShardCore
+from psgd.server.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 from psgd.server.handout import Handout, not_dumpable
+from psgd.server.receive import BufferPool, decode_gradient, drain, receive_gradient
 from psgd.wire import protocol, segment, status
 from psgd.wire.rows import RowCollector, RowsError, read_sections, sections_bytes
 
@@ -55,36 +56,6 @@ TRANSFER_GRACE = 5.0
 def transfer_seconds(size: int, request_timeout: float) -> float:
     """How long a transfer of ``size`` bytes may take (see MIN_TRANSFER_RATE), over any link."""
     return min(request_timeout, TRANSFER_GRACE + size / MIN_TRANSFER_RATE)
-
-
-class BufferPool:
-    """At most ``limit`` receive buffers of ``nbytes`` each, reused across pushes.
-
-    Bounds the memory concurrent pushes can take: the ``limit + 1``-th push
-    waits (within its timeout) for a buffer instead of allocating one.
-    """
-
-    def __init__(self, nbytes: int, limit: int = 2):
-        self.nbytes = nbytes
-        self._free: list[bytearray] = []
-        self._made = 0
-        self._limit = limit
-        self._cond = threading.Condition()
-
-    def acquire(self, timeout: float) -> bytearray:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free or self._made < self._limit, timeout):
-                raise ShardError("RESOURCE_EXHAUSTED", f"no receive buffer free within {timeout:.1f}s: "
-                                 "too many pushes at once")
-            if self._free:
-                return self._free.pop()
-            self._made += 1
-        return bytearray(self.nbytes)
-
-    def release(self, buf: bytearray) -> None:
-        with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
 
 
 class DataServer:
@@ -122,6 +93,7 @@ class DataServer:
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()  # authenticated, each served by its thread
         self._lock = threading.Lock()
+        self._served = threading.Lock()  # the counters of requests served, and the seconds they took
         self.gate = Gatekeeper(core, sock, token=token, tls=tls, hello_timeout=hello_timeout,
                                max_unauthenticated=max_unauthenticated, max_per_peer=max_per_peer,
                                hand_over=self._hand_over)
@@ -177,8 +149,12 @@ class DataServer:
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
                 header = protocol.recv_struct(conn, protocol.REQUEST)
+                began = time.thread_time()  # this thread's CPU time: the shard's work, not its waits
                 conn.settimeout(self.request_timeout)
-                self._request(conn, worker, header, seg, shm)
+                answered = self._request(conn, worker, header, seg, shm) or time.thread_time()
+                with self._served:  # the shard's own share of a step (psgd bench comm --parts latency)
+                    self.core.counters["data_requests"] += 1
+                    self.core.counters["data_cpu_seconds"] += answered - began
         except protocol.WireError as exc:
             log.debug("shard %d: data connection from %s ended: %s", self.core.shard, peer, exc)
         except _Fatal as exc:
@@ -209,9 +185,9 @@ class DataServer:
                 return None, json.dumps({"refused": f"shard {self.core.shard} made no segment: {exc}"}).encode()
         return seg, json.dumps(self._handout.offer(seg)).encode()
 
-    def _reply_error(self, conn: socket.socket, err: ShardError) -> None:
-        protocol.send_buffers(conn, [protocol.error_reply(err.code, err.message, status.reason_number(err.reason),
-                                                          err.rewind_to)])
+    def _reply_error(self, conn: socket.socket, err: ShardError, prefix: bytes = b"") -> None:
+        protocol.send_buffers(conn, [prefix, protocol.error_reply(err.code, err.message,
+                                                                  status.reason_number(err.reason), err.rewind_to)])
 
     def _fatal(self, conn: socket.socket, code: str, message: str):
         try:
@@ -222,7 +198,9 @@ class DataServer:
 
     # -- requests -------------------------------------------------------------------
     def _request(self, conn: socket.socket, worker: int, header: tuple, seg: segment.Segment | None = None,
-                 purpose: str = "") -> None:
+                 purpose: str = "") -> float | None:
+        """Serve one request; this thread's CPU time when its answer went out where the request went on after it (a
+        pull through shared memory waits for the worker's release), else None."""
         magic, op, dtype_code, _, clock, base_version, size = header
         if magic != protocol.DATA_MAGIC or op not in protocol.PULLS + protocol.PUSHES:
             self._fatal(conn, "INVALID_ARGUMENT", "not a psgd data request" if op != protocol.OP_RELEASE
@@ -233,9 +211,20 @@ class DataServer:
         if op == protocol.OP_PULL and size:
             self._fatal(conn, "INVALID_ARGUMENT", "a pull carries no payload")
         if op in protocol.PULLS:
-            self._pull(conn, worker, clock, seg, self._asked(conn, worker, size) if op == protocol.OP_PULL_ROWS else {})
-        else:
-            self._push(conn, worker, clock, base_version, dtype_code, size, seg, op == protocol.OP_PUSH_ROWS)
+            return self._pull(conn, worker, clock, seg,
+                              self._asked(conn, worker, size) if op == protocol.OP_PULL_ROWS else {})
+        result = self._push(conn, worker, clock, base_version, dtype_code, size, seg, op == protocol.OP_PUSH_ROWS)
+        if result is None:  # refused, and answered
+            return
+        pushed = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome], result.version,
+                                     result.next_clock, result.staleness, 0)
+        if op != protocol.OP_PUSH_PULL:
+            protocol.send_buffers(conn, [pushed])
+            return None
+        if not result.pull_ready:  # the pull waits (for the round to close): the push is answered at once
+            protocol.send_buffers(conn, [pushed])
+            pushed = b""
+        return self._pull(conn, worker, clock + 1, self._weights if seg is not None else None, prefix=pushed)
 
     # -- rows of embedding tables --------------------------------------------------------------------------
     def _read_rows(self, conn: socket.socket, size: int, began: float, collector: RowCollector,
@@ -269,7 +258,7 @@ class DataServer:
             (length,) = protocol.recv_struct(conn, protocol.ROWS_LENGTH,
                                              began + transfer_seconds(size, self.request_timeout))
             if not keep and length <= sections_bytes(pushed.tables, True):
-                _drain(conn, length, began + transfer_seconds(size + length, self.request_timeout))
+                drain(conn, length, began + transfer_seconds(size + length, self.request_timeout))
                 return {}
         except protocol.TooSlow as exc:
             self._fatal(conn, "DEADLINE_EXCEEDED", f"push from worker {worker}: its rows did not come ({exc})")
@@ -277,7 +266,10 @@ class DataServer:
         return pushed.rows()
 
     def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None,
-              lookups: dict[str, np.ndarray] | None = None) -> None:
+              lookups: dict[str, np.ndarray] | None = None, prefix: bytes = b"") -> float | None:
+        """Answer a pull of ``clock`` (the weights segment ``seg``: through shared memory), its reply after
+        ``prefix`` (the reply to the push of an OP_PUSH_PULL) in the same send; through shared memory, when the
+        answer went out (the worker's release comes after)."""
         def revoke() -> None:  # the read is past its hold and an update needs its memory: no more of it is sent
             conn.shutdown(socket.SHUT_RDWR)
 
@@ -285,31 +277,34 @@ class DataServer:
             snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False,
                                   hold=transfer_seconds(self.core.nbytes, self.request_timeout), on_revoke=revoke)
         except ShardError as err:
-            self._reply_error(conn, err)
-            return
+            self._reply_error(conn, err, prefix)
+            return None
         with snap:
             try:  # the rows, once the pull may go: under sync no update comes before this worker's push
                 rows = self.core.read_rows(protocol.as_worker(worker), lookups) if lookups else {}
             except ShardError as err:
-                self._reply_error(conn, err)
-                return
+                self._reply_error(conn, err, prefix)
+                return None
             values = [rows[table] for table in lookups or {}]
             n = len(snap.buffer)
             size = n + sum(v.nbytes for v in values)
             if seg is None:
                 head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, 0, 0, size)
-                protocol.send_buffers(conn, [head, snap.buffer, *values])
-                return
+                protocol.send_buffers(conn, [prefix, head, snap.buffer, *values])
+                return None
             # The worker copies the weights out of the reply's slot now, and checks its sequence number after;
             # the slot stays theirs until it says it is done (or its hold has passed and an update needs it).
             head = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, snap.version, snap.slot, snap.seq, size)
-            protocol.send_buffers(conn, [head, *values])
+            protocol.send_buffers(conn, [prefix, head, *values])
+            answered = time.thread_time()
             magic, op, *_ = protocol.recv_struct(conn, protocol.REQUEST)
             if magic != protocol.DATA_MAGIC or op != protocol.OP_RELEASE:
                 self._fatal(conn, "INVALID_ARGUMENT", "a pull from shared memory must be answered with a release")
+            return answered
 
     def _push(self, conn: socket.socket, worker: int, clock: int, base_version: int, dtype_code: int,
-              size: int, seg: segment.Segment | None = None, with_rows: bool = False) -> None:
+              size: int, seg: segment.Segment | None = None, with_rows: bool = False) -> PushResult | None:
+        """Receive and apply a push; what it did, to answer (None: it was refused, and the refusal sent)."""
         core, began = self.core, time.monotonic()
         try:
             codec = by_code(dtype_code, core.dtype)
@@ -334,17 +329,17 @@ class DataServer:
         except ShardError as err:  # refused before it takes a buffer; the connection goes on
             if seg is None and not protocol.wants_go_ahead(size):  # its payload follows the header: let it pass
                 try:
-                    _drain(conn, size, began + allowed)
+                    drain(conn, size, began + allowed)
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"refused push of {size} bytes from worker {worker} "
                                 f"did not arrive within {allowed:.1f}s ({exc})")
             if with_rows and (seg is not None or not protocol.wants_go_ahead(size)):  # and its rows
                 self._pushed_rows(conn, worker, began, size, codec, keep=False)
             self._reply_error(conn, err)
-            return
+            return None
         try:
             if seg is not None and codec.compresses:  # decoded into the buffer, as from the socket
-                _decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
+                decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
             elif seg is not None:
                 segment.copy_bytes(memoryview(buf)[:size], seg.data[:size])
             else:
@@ -352,7 +347,7 @@ class DataServer:
                     ready = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, protocol.READY, core.version, 0, 0, 0)
                     protocol.send_buffers(conn, [ready])
                 try:
-                    _receive_gradient(conn, memoryview(buf), codec, core.flat.size, began + allowed)
+                    receive_gradient(conn, memoryview(buf), codec, core.flat.size, began + allowed)
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"push of {size} bytes from worker {worker} did not "
                                 f"arrive within {allowed:.1f}s ({exc}): at least {MIN_TRANSFER_RATE / 1e6:g} MB/s")
@@ -362,11 +357,10 @@ class DataServer:
                 result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows)
             except ShardError as err:
                 self._reply_error(conn, err)
-                return
+                return None
         finally:
             self.receive_buffers.release(buf)
-        protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome],
-                                                         result.version, result.next_clock, result.staleness, 0)])
+        return result
 
 
 #: shard core -> the segment its weights live in (a core may have several data servers; they share it)
@@ -388,43 +382,3 @@ def _share_weights(core: ShardCore) -> segment.Segment:
 
 class _Fatal(Exception):
     """The connection cannot go on (protocol broken); it is closed after the error reply."""
-
-
-_STAGE_ELEMS = 1 << 20
-
-
-def _decode_gradient(src: memoryview, buf: memoryview, codec: Codec, count: int) -> None:
-    """Decode ``count`` compressed gradient values, written by ``codec`` into ``src`` (a segment), into ``buf``."""
-    out = np.frombuffer(buf, dtype=np.float32, count=count)
-    wire = np.frombuffer(src, dtype=np.uint16, count=count)
-    for start in range(0, count, _STAGE_ELEMS):
-        stop = min(count, start + _STAGE_ELEMS)
-        codec.decode(wire[start:stop], out[start:stop])
-
-
-def _drain(conn: socket.socket, size: int, deadline: float) -> None:
-    """Read and drop ``size`` bytes (a refused push's payload) by ``deadline``, holding no receive buffer."""
-    scratch = memoryview(bytearray(min(size, 1 << 16)))
-    while size > 0:
-        n = min(size, len(scratch))
-        protocol.recv_exact(conn, scratch[:n], deadline)
-        size -= n
-
-
-def _receive_gradient(conn: socket.socket, buf: memoryview, codec: Codec, count: int, deadline: float) -> None:
-    """Receive ``count`` gradient values into ``buf`` as ``codec`` wrote them, by ``deadline`` (monotonic).
-
-    Compressed gradients (float16, bfloat16) are received in pieces into a
-    small staging buffer and decoded into place, so they never need a second
-    full-size buffer.
-    """
-    if not codec.compresses:
-        protocol.recv_exact(conn, buf, deadline)
-        return
-    out = np.frombuffer(buf, dtype=np.float32, count=count)
-    stage = np.empty(min(count, _STAGE_ELEMS), dtype=np.uint16)
-    for start in range(0, count, _STAGE_ELEMS):
-        n = min(_STAGE_ELEMS, count - start)
-        piece = stage[:n]
-        protocol.recv_exact(conn, memoryview(piece), deadline)
-        codec.decode(piece, out[start:start + n])

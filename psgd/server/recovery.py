@@ -83,7 +83,7 @@ def adopt(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     training state (:func:`put_back`), the counters, the staleness histogram, and each rank kept for its holder."""
     m = ckpt.manifest
     put_back(core, ckpt)
-    core.counters.update({k: int(v) for k, v in m.get("counters", {}).items() if k in core.counters})
+    core.counters.update({k: type(core.counters[k])(v) for k, v in m.get("counters", {}).items() if k in core.counters})
     core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
     core.roster.keep_for(m.get("holders", {}))
 
@@ -118,7 +118,7 @@ def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
 def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: str, worker: int) -> int:
     """Go back to the cut at ``version`` (this shard's checkpoint of it in ``folder``) because of ``cause`` (the
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
-    continues from ``version`` (:meth:`ShardCore.rewind_workers`).  Returns the rounds undone; refuses
+    continues from ``version`` (:func:`rewind_workers`).  Returns the rounds undone; refuses
     (FAILED_PRECONDITION) where this shard is behind the cut or holds no intact checkpoint of it."""
     with core.lock:
         if cause in core.rollback_causes:
@@ -128,7 +128,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
                              f"at {version} that worker {worker} asks it to go back to")
         if core.version == version:  # there already (the shard that restarted, or one that never went past it)
             core.rollback_causes.add(cause)
-            core.rewind_workers(version)
+            rewind_workers(core, version)
             core.changed.notify_all()
             return 0
     try:  # read and checked outside the lock: the shard serves meanwhile (under sync nobody can go on)
@@ -142,7 +142,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
         undone = core.version - version
         put_back(core, ckpt)
         core.rollback_causes.add(cause)
-        core.rewind_workers(version)
+        rewind_workers(core, version)
         core.counters["rollbacks"] += 1
         core.counters["rounds_undone"] += undone
         core.counters["applied"] -= undone  # the updates the weights hold: the version
@@ -179,3 +179,9 @@ def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False) -> Non
                     folder, ", ".join(f"job {o.fingerprint}" if o.fingerprint else str(o.folder) for o in found))
     else:
         log.info("no checkpoint of this job in %s: starting from the initial weights", folder)
+
+
+def rewind_workers(core: ShardCore, version: int) -> None:
+    """Every worker continues from ``version`` (a cut gone back to): a request with a later clock is refused with
+    ROLLED_BACK, naming it, until the worker comes with one no later.  Under the core's lock."""
+    core.rewinding = {w: version for w in range(core.num_workers)}

@@ -246,7 +246,7 @@ class Pair:
     def _step_down(self, theirs: int) -> None:
         with self.core.lock:
             self.core.role = REPLICA
-            self.core.changed.notify_all()
+            self.core.wake()
         with self._lock:
             self.alone = False
             self._lock.notify_all()
@@ -303,7 +303,7 @@ class Pair:
             if kind == stream.FINISHED:
                 self.job_over = True
                 with core.lock:
-                    core.changed.notify_all()
+                    core.wake()
                 return ""
             self._held = self._held or kind == stream.STATE
         return ""
@@ -318,7 +318,7 @@ class Pair:
         with core.lock:
             core.role = PRIMARY
             core.counters["failovers"] += 1
-            core.changed.notify_all()
+            core.wake()
         with self._lock:
             self.alone = True
         log.info("shard %d: its primary %s is gone (%s): this replica takes over at version %d", core.shard,

@@ -31,6 +31,8 @@ class Round:
             views = self.store.views(kept)
             for i, g in grads.items():
                 np.copyto(views[i], g)
+        elif getattr(grads, "flat", None) is not None:  # laid out like the sum: one addition
+            self.flat += grads.flat
         else:
             for i, g in grads.items():
                 self.sums[i] += g

@@ -138,48 +138,66 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         what = f"shard {self.core.shard}: gRPC pull by worker {request.worker_id}"
         key = self._data_call(context, what)
         try:
-            try:
-                asked = RowCollector(self._row_shapes, False, f"pull by worker {request.worker_id}")
-                for block in request.rows:
-                    asked.add(block.table, block.ids, block.values)
-                snap = self.core.pull(as_worker(request.worker_id), request.clock,
-                                      _remaining(context, self.request_timeout),
-                                      cancelled=lambda: not context.is_active())
-                try:  # the rows, once the pull may go: under sync no update comes before this worker's push
-                    ids = asked.lookups()
-                    rows = self.core.read_rows(as_worker(request.worker_id), ids) if ids else {}
-                except BaseException:
-                    snap.release()
-                    raise
-            except RowsError as err:
-                _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
-            except ShardError as err:
-                _abort(context, err)
-            row_bytes = sum(v.nbytes for v in rows.values())  # its bytes, the rows' too, must go by then
-            self.watchdog.watch(transfer_seconds(self.core.nbytes + row_bytes, self.request_timeout), context, what,
-                                key)
-            with snap:
-                for slice_id, payload in snap.data.items():
-                    for offset, piece in chunks(payload):
-                        yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece),
-                                                 version=snap.version)
-                for table, values in rows.items():
-                    for part_ids, part_values in blocks(ids[table], values):
-                        yield ps_pb2.TensorChunk(version=snap.version, rows=ps_pb2.RowBlock(
-                            table=table, ids=part_ids, values=part_values))
+            yield from self._weights(request.worker_id, request.clock, request.rows, context, key, what)
         finally:
             self._end_call(key)
+
+    def _weights(self, worker_id: int, clock: int, blocks_asked, context, key: int, what: str):
+        """The chunks of a pull of ``clock`` by ``worker_id`` (and of the rows ``blocks_asked`` names), once the
+        policy lets it go; the watchdog of call ``key`` then bounds the time its bytes take."""
+        try:
+            asked = RowCollector(self._row_shapes, False, f"pull by worker {worker_id}")
+            for block in blocks_asked:
+                asked.add(block.table, block.ids, block.values)
+            snap = self.core.pull(as_worker(worker_id), clock, _remaining(context, self.request_timeout),
+                                  cancelled=lambda: not context.is_active())
+            try:  # the rows, once the pull may go: under sync no update comes before this worker's push
+                ids = asked.lookups()
+                rows = self.core.read_rows(as_worker(worker_id), ids) if ids else {}
+            except BaseException:
+                snap.release()
+                raise
+        except RowsError as err:
+            _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
+        except ShardError as err:
+            _abort(context, err)
+        row_bytes = sum(v.nbytes for v in rows.values())  # its bytes, the rows' too, must go by then
+        self.watchdog.watch(transfer_seconds(self.core.nbytes + row_bytes, self.request_timeout), context, what, key)
+        with snap:
+            for slice_id, payload in snap.data.items():
+                for offset, piece in chunks(payload):
+                    yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece), version=snap.version)
+            for table, values in rows.items():
+                for part_ids, part_values in blocks(ids[table], values):
+                    yield ps_pb2.TensorChunk(version=snap.version, rows=ps_pb2.RowBlock(
+                        table=table, ids=part_ids, values=part_values))
 
     def Push(self, request_iterator, context):
         what = f"shard {self.core.shard}: gRPC push"
         key = self._data_call(context, what, self.transfer_seconds)  # the whole push must arrive by then
         try:
+            return self._received(request_iterator, context, key, what)[0]
+        finally:
+            self._end_call(key)
+
+    def PushPull(self, request_iterator, context):
+        what = f"shard {self.core.shard}: gRPC push and pull"
+        key = self._data_call(context, what, self.transfer_seconds)
+        try:
+            reply, header = self._received(request_iterator, context, key, what)
+            yield ps_pb2.TensorChunk(pushed=reply)
+            self.watchdog.watch(float("inf"), context, what, key)  # the pull bounds its own wait, as Pull's
+            yield from self._weights(header.worker_id, header.clock + 1, (), context, key, what)
+        finally:
+            self._end_call(key)
+
+    def _received(self, request_iterator, context, key: int, what: str):
+        """A push's stream received and applied: its reply and its header."""
+        try:
             return self._push(request_iterator, context, key, what)
         except grpc.RpcError:  # cancelled by the watchdog, or by the client
             _abort(context, ShardError("DEADLINE_EXCEEDED",
                                        f"push did not arrive within {self.transfer_seconds:.1f}s"))
-        finally:
-            self._end_call(key)
 
     def _push(self, request_iterator, context, key: int, what: str):
         began, row_bytes = time.monotonic(), 0
@@ -219,7 +237,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             _abort(context, err)
         return ps_pb2.PushReply(outcome=result.outcome, next_clock=result.next_clock, version=result.version,
-                                staleness=result.staleness)
+                                staleness=result.staleness), header
 
     def Heartbeat(self, request, context):
         try:
@@ -376,7 +394,7 @@ class ShardServer:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 return False
-            self.core.wait_changed(left)
+            self.core.wait_left(left)
         return True
 
     def stop(self, grace: float = 5.0) -> bool:

@@ -128,6 +128,8 @@ class WeightStore:
         self._use(0)
         for i in self.order:
             self.weights[i][...] = np.asarray(values[i], dtype=dtype).reshape(-1)
+        self._keys = tuple(slices[i].key for i in self.order)
+        self._bounds = tuple(self.offsets[i] for i in self.order)
         threads = min(4, os.cpu_count() or 1) if apply_threads is None else apply_threads
         self._threads = (ThreadPoolExecutor(threads, thread_name_prefix=f"shard{shard}-apply")
                          if threads > 1 and len(self.order) > 1 and self.nbytes >= PARALLEL_BYTES else None)
@@ -158,9 +160,9 @@ class WeightStore:
             return [fn(i) for i in ids]
         return list(self._threads.map(fn, ids))
 
-    def views(self, flat: np.ndarray) -> dict[int, np.ndarray]:
+    def views(self, flat: np.ndarray) -> "SliceViews":
         """Per-slice views of an array laid out like ``flat``."""
-        return {i: flat[a:b] for i, (a, b) in self.offsets.items()}
+        return SliceViews(flat, {i: flat[a:b] for i, (a, b) in self.offsets.items()})
 
     def gradient_views(self, buf: bytearray | memoryview) -> dict[int, np.ndarray]:
         """Per-slice arrays over a buffer holding a gradient for every slice, in slice order."""
@@ -168,6 +170,9 @@ class WeightStore:
 
     def nonfinite(self, grads: Mapping[int, np.ndarray]) -> dict[int, int]:
         """How many NaN/Inf values each slice's gradient holds, for the slices that hold any."""
+        whole = getattr(grads, "flat", None) if self._threads is None else None  # a large one: by slice, in threads
+        if whole is not None and not _nonfinite(whole):  # one pass over a small push, where all of it is finite
+            return {}
         counts = self.map(lambda i: _nonfinite(grads[i]), grads)
         return {i: n for i, n in zip(grads, counts) if n}
 
@@ -208,7 +213,8 @@ class WeightStore:
         with self.changed:
             if read in self._reads[read.slot]:
                 self._reads[read.slot].remove(read)
-                self.changed.notify_all()
+                if self.writers_waiting:  # only an update waits for a read to end
+                    self.changed.notify_all()
 
     def reads(self) -> list[dict]:
         """The live reads now, oldest first: whose, of which version, held how long."""
@@ -220,9 +226,13 @@ class WeightStore:
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
         """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot."""
+        whole = getattr(grads, "flat", None)
         with self._writing(keep=True):
-            self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
-                     grads)
+            if whole is not None and self._threads is None:  # a small shard: one update of all its slices at once
+                optimizer.update_flat(self._keys, self.flat, whole, self._bounds, lr_scale, share)
+            else:
+                self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
+                         grads)
 
     def replace(self, values: np.ndarray) -> None:
         """Make ``values`` (all slices, in slice order: a checkpoint's weights) the weights, written where an
@@ -289,6 +299,15 @@ class WeightStore:
             except OSError:
                 pass
         self._reads[slot] = []
+
+
+class SliceViews(dict):
+    """Views of each slice (by slice id) of one array laid out like the weights, which ``flat`` is: what is done to
+    every slice may be done to it once."""
+
+    def __init__(self, flat: np.ndarray, views: dict[int, np.ndarray]):
+        super().__init__(views)
+        self.flat = flat
 
 
 def _nonfinite(g: np.ndarray) -> int:

@@ -27,10 +27,18 @@ payload followed by ROWS_LENGTH (the bytes of the rows) and a section of ids and
 are bounded by the tables' shapes and at most ``psgd.wire.rows.MAX_ROWS`` rows a table, and they are read block
 by block as they come.
 
+One round trip a step: OP_PUSH_PULL is a push (its header and payload as OP_PUSH's) whose reply is followed by
+the reply to a pull of the next clock (its clock + 1), as OP_PULL's, once the policy lets that pull go (under sync,
+when the round the push belongs to closes).  A refused push is answered with its error alone; a pull that cannot
+go after an applied push is answered with the push's reply and then the pull's error, and the worker pulls again
+on its own.  It carries no rows: a model with embedding tables pulls the rows of each step with its weights.
+
 A hello may ask for shared memory (``"shm": "pull"`` or ``"push"``, see :mod:`psgd.link.shm`); its reply
 then carries a JSON offer, and the connection's replies carry no tensor bytes: a pull's reply says the
 weights may be read from the shard's weights segment, and the worker answers with RELEASE (a header, no
-reply) once it has copied them; a push's header says its bytes are in the push segment.
+reply) once it has copied them; a push's header says its bytes are in the push segment.  The pull half of an
+OP_PUSH_PULL on a push connection reads the weights segment the same way (the worker has it mapped through its
+pull connection), and is released on the push connection.
 """
 
 from __future__ import annotations
@@ -45,10 +53,10 @@ import grpc
 from psgd import policy
 
 DATA_MAGIC = b"PSG1"
-OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE, OP_PULL_ROWS, OP_PUSH_ROWS = 1, 2, 3, 4, 5, 6
+OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE, OP_PULL_ROWS, OP_PUSH_ROWS, OP_PUSH_PULL = 1, 2, 3, 4, 5, 6, 7
 OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push", OP_RELEASE: "release", OP_PULL_ROWS: "pull",
-       OP_PUSH_ROWS: "push"}
-PULLS, PUSHES = (OP_PULL, OP_PULL_ROWS), (OP_PUSH, OP_PUSH_ROWS)
+       OP_PUSH_ROWS: "push", OP_PUSH_PULL: "push and pull"}
+PULLS, PUSHES = (OP_PULL, OP_PULL_ROWS), (OP_PUSH, OP_PUSH_ROWS, OP_PUSH_PULL)
 #: magic, op, wire dtype code, worker id, clock, base version, payload bytes
 REQUEST = struct.Struct("<4sBBxxiqqQ")
 #: magic, status (a grpc.StatusCode number), outcome code, version, next clock, staleness, payload bytes

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import random
-import secrets
 import socket
 import threading
 import time
@@ -27,7 +26,7 @@ import numpy as np
 from psgd import xp as backend
 from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
-from psgd.job import identity as job_identity
+from psgd.job import identity as job_identity, process_incarnation
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
 from psgd.model.table import joined_by_id
 from psgd.partition import PartitionPlan
@@ -36,26 +35,17 @@ from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire.protocol import OBSERVER
 from psgd.worker.errors import PSError, Rewind, Stopped
 from psgd.worker.failover import Failover
+from psgd.worker.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
 
 #: How often a worker waiting for its shards says which ones it is waiting for.
 WAIT_REPORT_SECONDS = 5.0
 #: seconds past one lease that a registration refused by a live holder of the rank is still retried (clocks, a
 #: heartbeat late under load)
 HOLDER_MARGIN = 2.0
-
-_BOOT = secrets.token_hex(8)  # made once per interpreter
-
-
-def process_incarnation() -> str:
-    """What the shards know this process by when it registers: one process holds a rank at a time (a
-    forked child differs from its parent by its pid)."""
-    return f"{_BOOT}-{os.getpid()}"
-
 
 class PSClient:
     """Talks to all shards of one job on behalf of worker ``worker_id`` (``protocol.OBSERVER``: a reader)."""
@@ -97,7 +87,7 @@ class PSClient:
         # and calls still running when one of their siblings heard of a rollback (psgd.worker.rollback)
         self.pending_rollback: tuple[int, str] | None = None
         self.stragglers: list[futures.Future] = []
-        self._packed: list[np.ndarray | None] = [None] * plan.num_shards
+        self.outgoing = Outgoing(self.codec, self.shard_slices)  # each shard's part of a gradient, as it travels
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
@@ -303,6 +293,30 @@ class PSClient:
         encoded by the job's codec, and its rows of ``rows`` (table -> (distinct ids, their gradients)); a retried push
         is applied once by the shard.  ``base_versions`` are the shards' versions the gradient was computed from
         (default: those of the last pull; give them when a later pull may already be under way)."""
+        return [reply for reply, _ in self._pushing(clock, grads, base_versions, rows)]
+
+    def push_pull(self, clock: int, grads: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
+                  device: dict | None = None) -> tuple[list[PushReply], list[int] | None]:
+        """Push as :meth:`push` (no rows), each shard's answer bringing its weights for ``clock + 1`` into ``out``
+        (``device``, as for :meth:`pull`): one round trip a step.  The replies, and the shards' versions, or None
+        where some shard's weights did not come (the caller pulls then; the pushes stand).  A stop cuts the wait
+        for the weights, never a push."""
+        flat = {name: a.reshape(-1) for name, a in out.items()}
+        into = [[memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in slices] for slices in self.shard_slices]
+        self._pulling = True
+        try:
+            answers = self._pushing(clock, grads, None, None, into,
+                                    None if device is None else {k: a.reshape(-1) for k, a in device.items()})
+        finally:
+            self._pulling = False
+        if any(v is None for _, v in answers):
+            return [r for r, _ in answers], None
+        self.versions = [v for _, v in answers]
+        return [r for r, _ in answers], self.versions
+
+    def _pushing(self, clock: int, grads: Mapping[str, np.ndarray], base_versions: Sequence[int] | None,
+                 rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None, into: list | None = None,
+                 device: dict | None = None) -> list[tuple[PushReply, int | None]]:
         bases = list(self.versions if base_versions is None else base_versions)
         joins = list(self._joins)
         flat = {name: backend.get_array_module(g).ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
@@ -313,39 +327,17 @@ class PSClient:
 
         where = self._split_rows(rows)
 
-        def one(k: int) -> PushReply:
-            parts = self._encode(k, flat)
-            mine = {t: (rows[t][0][pos], self._encode_rows(rows[t][1][pos])) for t, pos in where[k].items()}
-            # a shard that restarted and took this worker back meanwhile holds its own version now
-            return self.retrying(k, f"push (clock {clock})", lambda: self.links[k].push(
-                clock, bases[k] if self._joins[k] == joins[k] else self.versions[k], self.codec, parts, mine))
+        def one(k: int) -> tuple[PushReply, int | None]:
+            parts = self.outgoing.slices(k, flat)
+            mine = {t: (rows[t][0][pos], self.outgoing.rows(rows[t][1][pos])) for t, pos in where[k].items()}
+            base = (lambda: bases[k] if self._joins[k] == joins[k] else self.versions[k])  # a shard that restarted
+            if into is not None:
+                return self.retrying(k, f"push and pull (clock {clock})", lambda: self.links[k].push_pull(
+                    clock, base(), self.codec, parts, into[k], device))
+            return self.retrying(k, f"push (clock {clock})", lambda: (self.links[k].push(
+                clock, base(), self.codec, parts, mine), None))
 
         return self.on_all(one)
-
-    def _encode(self, k: int, flat: Mapping[str, np.ndarray]) -> list[memoryview]:
-        """Shard ``k``'s slices of the gradient as the codec writes them: views of it, or of a reused 16-bit buffer."""
-        slices = self.shard_slices[k]
-        if not self.codec.compresses:  # a gradient on the device goes as it is (psgd.link.shm copies it)
-            views = [flat[s.var][s.start:s.stop] for s in slices]
-            return views if views and backend.is_device_array(views[0]) else [memoryview(v).cast("B") for v in views]
-        packed = self._packed[k]
-        if packed is None:
-            packed = self._packed[k] = np.empty(sum(s.size for s in slices), dtype=np.uint16)
-        parts, at = [], 0
-        for s in slices:
-            dst = packed[at:at + s.size]
-            self.codec.encode(flat[s.var][s.start:s.stop], dst)
-            parts.append(memoryview(dst).cast("B"))
-            at += s.size
-        return parts
-
-    def _encode_rows(self, values: np.ndarray) -> np.ndarray:
-        """Row gradients as the codec writes them (16 bits a value where it compresses)."""
-        if not self.codec.compresses:
-            return values
-        out = np.empty(values.shape, dtype=np.uint16)
-        self.codec.encode(np.ascontiguousarray(values, dtype=np.float32).reshape(-1), out.reshape(-1))
-        return out
 
     def done(self) -> None:
         self.on_all(lambda k: self.retrying(k, "done", lambda: self.links[k].done(self.clock)))

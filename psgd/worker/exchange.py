@@ -1,11 +1,12 @@
 """A parameter-server worker: the one loop (:mod:`psgd.loop`) with the shards as its exchange.
 
-Each step pulls the weights for the worker's clock from every shard, and pushes the gradient back;
-the shards apply it under the job's policy.  Under a local policy (``local``) the worker pulls every
-``local_steps`` steps, trains its own copy with the job's optimizer in between, and pushes its
-progress (the weights it pulled less its own) at the end of each period.  The worker joins at the clock the shards hold (a
-restarted worker continues where the job is), and when the shards say a clock is already past, it
-skips ahead to the smallest clock any shard expects next.
+Each step pushes the gradient to every shard, which apply it under the job's policy; under sync the answer brings
+the next step's weights once the round closes (one round trip a step; the first step, a rejoin and embedding
+tables pull on their own), under async and ssp the worker pulls once its push is answered: fresher weights.
+Under a local policy (``local``) the worker pulls every ``local_steps`` steps, trains its own copy with the job's
+optimizer in between, and pushes its progress (the weights it pulled less its own) at the end of each period.
+The worker joins at the clock the shards hold (a restarted worker continues where the job is), and when the shards
+say a clock is already past, it skips ahead to the smallest clock any shard expects next.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class ParameterServerExchange(Exchange):
         # as _asked gives them, its future)
         self._prefetch: tuple[int, Mapping[str, np.ndarray] | None, dict, Future] | None = None
         self._ahead: tuple[int, dict] | None = None        # the next step's rows to pull ahead (tables)
+        self._answered: tuple[int, list[int], dict | None] | None = None  # a push's answer: step, versions, arrays
         self.pulls_ahead = 0                                  # steps whose weights were pulled beside a push
         # and on a GPU each gradient leaves the device as soon as backward has produced it, on a CUDA stream
         # of its own into its pinned buffer, while backward goes on
@@ -80,6 +82,7 @@ class ParameterServerExchange(Exchange):
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
         c = job.config.cluster
         self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
+        self.rounds = POLICIES[c.policy].accumulates  # sync: a push's answer brings the next weights (_combines)
         self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
         if self.plan.tables and self.local_steps:
@@ -114,7 +117,10 @@ class ParameterServerExchange(Exchange):
         began = time.perf_counter()
         try:
             rows = self._prefetched(step, lookups)
-            if rows is None:
+            if rows is None and self._answered is not None and self._answered[0] == step:
+                _, self.versions, self.pulled = self._answered  # brought by the last push's answer
+                rows = {}
+            elif rows is None:
                 rows, self.pulled = _asked(self.plan, lookups), self._device_arrays()
                 self.versions = self.client.pull(step, self.host, {t: (ids, out) for t, (ids, _, out) in rows.items()},
                                                  device=self.pulled)
@@ -146,7 +152,7 @@ class ParameterServerExchange(Exchange):
     def _went_back(self, back: Rewind) -> NoReturn:
         """The job goes back to a cut (psgd.worker.rollback): taken back by this worker where it heard why; a pull
         made ahead is dropped, and the loop continues from the cut's clock."""
-        clock = roll_back(self.client, back)
+        clock, self._answered = roll_back(self.client, back), None
         if self._prefetch is not None:
             with contextlib.suppress(PSError, Rewind, futures.TimeoutError):
                 self._prefetch[3].result(timeout=self.client.request_timeout)
@@ -213,9 +219,16 @@ class ParameterServerExchange(Exchange):
         began = time.perf_counter()
         rows = {name: (g.ids, backend.to_host(g.values)) for name, g in grads.items() if isinstance(g, Rows)}
         grads = {name: g for name, g in grads.items() if name not in rows}
+        fields = {"version": max(self.versions)}  # the weights this step's gradient was computed from
+        self._answered = None
         try:
             if self.overlaps:
                 replies = self._push_beside_next_pull(step, self._outgoing(grads), rows)
+            elif self._combines(step, rows):
+                pulled = self._device_arrays()
+                replies, versions = self.client.push_pull(step, self._outgoing(grads), self.host, pulled)
+                if versions is not None:
+                    self._answered = (step + 1, versions, pulled)
             else:
                 replies = self.client.push(step, self._outgoing(grads), rows=rows)
         except PSError as exc:
@@ -229,10 +242,11 @@ class ParameterServerExchange(Exchange):
         # The smallest clock any shard expects next (never behind this one): skipping a clock on a
         # shard that is behind would leave its sync round waiting for this worker forever.
         new_clock = self.client.clock = max(step + 1, min(r.next_clock for r in replies))
+        self._answered = self._answered if new_clock == step + 1 else None  # else: it pulls the clock shards expect
         spans, self.spans = self.spans, {}
         # what moved: the dense weights down and their gradient up, and each row of the step down and up
         moved = 2 * (self.plan.total_bytes + sum(ids.nbytes + values.nbytes for ids, values in rows.values()))
-        fields = {"version": max(self.versions), "staleness": max(r.staleness for r in replies)}
+        fields["staleness"] = max(r.staleness for r in replies)
         if rows:
             fields["rows"] = sum(ids.size for ids, _ in rows.values())
             self.moved["rows"] += fields["rows"]
@@ -241,6 +255,12 @@ class ParameterServerExchange(Exchange):
         return Exchanged(new_clock, fields, {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
                                              "bytes": moved, "outcomes": [r.outcome for r in replies],
                                              "spans": spans})
+
+    def _combines(self, step: int, rows: Mapping) -> bool:
+        """Whether this step's push brings the next step's weights: under sync (async's pull, sent once the push is
+        answered, reads fresher weights), but for the last step, a stopping worker and rows (their own pull's)."""
+        return (self.rounds and step + 1 < self.total and not rows and not self.plan.tables
+                and not (self.stop is not None and self.stop.is_set()))
 
     def gradient_ready(self, name: str, grad: Any) -> None:
         if self._side is not None and not self._pushes_from_device():

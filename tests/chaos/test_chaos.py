@@ -158,10 +158,10 @@ def test_the_ci_seed_covers_every_kind_policy_and_transport():
     specs = [planner.next(i) for i in range(SHORT_RUNS)]
     covered = {f.kind for s in specs for f in s.faults} | {"sigterm" for s in specs if s.end == "sigterm"}
     assert covered == set(KINDS)
-    assert {s.policy for s in specs} == {"sync", "async"} and {s.transport for s in specs} == {"auto", "tcp", "grpc"}
+    assert {s.policy for s in specs} == {"sync", "async"} and {s.transport for s in specs} == {"shm", "tcp", "grpc"}
     more = [planner.next(i) for i in range(SHORT_RUNS, 6)]
     assert {(s.policy, s.transport) for s in specs + more} == {(p, t) for p in ("sync", "async")
-                                                                 for t in ("auto", "tcp", "grpc")}
+                                                                 for t in ("shm", "tcp", "grpc")}
 
 
 def test_every_third_run_is_the_sparse_job():

@@ -49,7 +49,7 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     done = bench("--parts", "headline,sweep,latency,optimizer", "--sizes-mb", "0.1", "--focus-mb", "0.2",
                  "--rounds", "2", "--steps", "2", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "limits: raw loopback TCP" in done.stdout and "tiny model" in done.stdout
+    assert "limits: raw loopback TCP" in done.stdout and "a small step's fixed cost" in done.stdout
     result = json.loads(out.read_text())
     for key in ("tcp_loopback_gbps", "tcp_model_sized_gbps", "memcpy_gbps"):
         assert math.isfinite(result[key]) and result[key] > 0, key
@@ -64,8 +64,18 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
         assert r["step_over_tcp"] == pytest.approx(r["step_gbps"] / r["tcp_loopback_gbps"])
     assert headline["median_step_over_tcp"] == pytest.approx(
         sum(r["step_over_tcp"] for r in headline["rounds"]) / 2)  # the median of two is their mean
-    latency = result["latency"]
-    assert latency["ratio"] == pytest.approx(latency["tiny_pull_push_s"] / latency["bare_grpc_unary_s"])
+    latency = result["latency"]  # a launch and one process as users run them, then each link's small step
+    assert "as users run it" in done.stdout and len(latency["launch_steps_per_s"]) == 1
+    assert latency["launch_over_single"] == pytest.approx(
+        latency["launch_steps_per_s"][0] / latency["single_steps_per_s"][0])
+    assert [(r["size_bytes"], r["link"]) for r in latency["steps"]] == [
+        (size, link) for size in (64, 19_240) for link in ("tcp", "shm", "grpc")]
+    for r in latency["steps"]:
+        assert r["one_round_trip_s"] > 0 and r["two_round_trips_s"] > 0
+        shard = r["shard_s"] or 0.0  # the shard counts the time of its data port's requests, not gRPC's
+        assert (r["shard_s"] is None) == (r["link"] == "grpc") and shard < r["one_round_trip_s"]
+        bare = latency["bare_grpc_rtt_s" if r["link"] == "grpc" else "bare_tcp_rtt_s"]
+        assert r["rest_s"] == pytest.approx(r["one_round_trip_s"] - shard - bare)
     assert set(result["optimizer_gbps"]) == {"sgd", "momentum", "adam"}
     assert "grid" not in result and "scale" not in result  # only the parts asked for
 

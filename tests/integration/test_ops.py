@@ -97,6 +97,10 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
                  "psgd_shard_sent_bytes_total", "psgd_shard_version"):
         assert 0 < total(early, name) < total(late, name) <= total(final, name), name
     assert total(final, "psgd_shard_pushes_total") == status["counters"]["pushes"]
+    served = ("psgd_shard_data_requests_total", "psgd_shard_data_request_cpu_seconds_total")
+    for name in served:  # the data port's requests and the CPU time they took (none over gRPC alone)
+        assert (transport == "grpc") == (total(final, name) == 0), name
+    assert total(final, served[0]) == status["counters"]["data_requests"]
     assert total(final, "psgd_shard_copied_updates_total") == status["counters"]["copied_updates"]
     assert total(final, "psgd_shard_revoked_reads_total") == 0 and total(final, "psgd_shard_oldest_read_seconds") == 0
     assert total(final, "psgd_shard_push_outcomes_total", outcome="applied") == status["counters"]["applied"]

@@ -29,7 +29,7 @@ import pytest
 
 import psgd
 from psgd.config import to_toml
-from psgd.link.shm import ShmLink
+from psgd.link.shm import SHARED_FROM_BYTES, ShmLink
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server import handout as handout_module
@@ -659,8 +659,26 @@ def test_a_shard_on_another_host_is_used_over_tcp(caplog, monkeypatch):
     assert "on another host" in lines[0].getMessage()
 
 
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_a_small_shard_is_used_over_tcp_unless_the_job_insists_on_shared_memory(caplog, transport):
+    """A step of a small model over shared memory costs more than over the socket (the release, and the shard's
+    wake-up for it): "auto" takes the socket for a shard of fewer than SHARED_FROM_BYTES, "shm" does not."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   f"cluster.transport={transport}")
+    with shards(job) as servers:
+        assert servers[0].core.nbytes < SHARED_FROM_BYTES
+        assert _one_step(job, caplog) == ([("tcp", False)] if transport == "auto" else [("shm", True)])
+    lines = [r for r in caplog.records if "not through shared memory" in r.getMessage()]
+    if transport == "auto":
+        assert len(lines) == 1 and lines[0].levelno == logging.INFO
+        assert f"its slices take {servers[0].core.nbytes:,} bytes" in lines[0].getMessage()
+    else:
+        assert lines == []
+
+
 def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monkeypatch, tmp_path):
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.transport=shm")
     with shards(job):
         def full(*args):
             raise segment.SegmentError("cannot reserve 5264 bytes of shared memory: [Errno 28] No space left on device")

@@ -114,10 +114,10 @@ def test_the_loop_is_the_only_training_loop():
 
 
 def test_channels_to_shards_are_opened_in_one_place():
-    """psgd/channel.py opens every gRPC channel (TLS, message limits); the comm benchmark's bare echo
+    """psgd/channel.py opens every gRPC channel (TLS, message limits); the latency benchmark's bare echo
     server, gRPC without psgd, is its baseline."""
     opened = method_calls(("insecure_channel", "secure_channel"), outside="proto")
-    assert sorted({c.split(":")[0] for c in opened}) == ["bench/comm.py", "channel.py"], opened
+    assert sorted({c.split(":")[0] for c in opened}) == ["bench/latency.py", "channel.py"], opened
 
 
 def import_graph() -> dict[str, set[str]]:

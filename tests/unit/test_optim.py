@@ -18,6 +18,7 @@ import pytest
 from psgd import xp as backend
 from psgd.optim import (
     DEFAULT_LR,
+    Share,
     SGD,
     Adam,
     AdamW,
@@ -590,3 +591,35 @@ def test_numpy_grad_for_cupy_param_is_rejected():
     device = backend.get_device("cuda")
     with pytest.raises(OptimizerError, match="param is a CuPy array but grad is a NumPy array"):
         SGD(0.1).update("w", device.asarray(np.zeros(2)), np.zeros(2))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("share", [Share(), Share(updates=4, implicit_momentum=0.25)], ids=["whole", "quarter"])
+def test_keys_laid_out_in_one_array_are_updated_at_once_to_the_same_bits(name, share):
+    """A shard updates its slices (laid out one after the other in one array) in one step: the values, the state
+    and the step counts are those of updating each key on its own, and a state restored or made key by key is
+    gathered into one array once, without a change."""
+    rng = np.random.default_rng(0)
+    bounds, keys = ((0, 5), (5, 6), (6, 17)), ("a", "b", "c")
+    flat = rng.standard_normal(17).astype(np.float32)
+    each, at_once = flat.copy(), flat.copy()
+    by_key, fused = build_optimizer(name, 0.05), build_optimizer(name, 0.05)
+    for step in range(4):
+        grad = rng.standard_normal(17).astype(np.float32)
+        for key, (a, b) in zip(keys, bounds):
+            by_key.update(key, each[a:b], grad[a:b], 0.5, share)
+        if step == 1:  # one update key by key first: its state is gathered when the keys are next updated at once
+            for key, (a, b) in zip(keys, bounds):
+                fused.update(key, at_once[a:b], grad[a:b], 0.5, share)
+        else:
+            fused.update_flat(keys, at_once, grad, bounds, 0.5, share)
+        np.testing.assert_array_equal(at_once, each)
+    for key, value in by_key.state_dict().items():
+        np.testing.assert_array_equal(fused.state_dict()[key], value)
+    restored = build_optimizer(name, 0.05)
+    restored.load_state_dict(fused.state_dict())
+    grad = rng.standard_normal(17).astype(np.float32)
+    restored.update_flat(keys, at_once, grad, bounds)
+    for key, (a, b) in zip(keys, bounds):
+        by_key.update(key, each[a:b], grad[a:b])
+    np.testing.assert_array_equal(at_once, each)

@@ -1,0 +1,114 @@
+"""One round trip a step: a push whose answer brings the weights of the next clock, on every link.
+
+The answer's weights are the shard's after the push (under sync, after the round it closes), the push is applied
+once, a sync worker's run pulls on its own only at its first step, and a stop cuts the wait for the weights, never
+the push.
+"""
+
+import threading
+from concurrent import futures
+
+import numpy as np
+import pytest
+
+from psgd.job import build_job
+from psgd.worker.client import PSClient, fetch_weights
+from psgd.worker.exchange import run_worker
+
+from helpers import make_job, shards, wait_for
+
+LINKS = ["tcp", "shm", "grpc"]
+
+
+def _job(link: str, policy: str, workers: int = 1, *more: str):
+    return make_job("model.hidden=[24]", "train.epochs=1", "optimizer.name=momentum", "optimizer.lr=0.05",
+                    f"cluster.policy={policy}", f"cluster.workers={workers}", "cluster.shards=2",
+                    "cluster.slice_bytes=2048", f"cluster.transport={link}", *more)
+
+
+def _client(job, rank: int, **kw) -> PSClient:
+    plan = build_job(job).plan
+    client = PSClient(job.cluster.servers, plan, rank, transport=job.cluster.transport, config=job, **kw)
+    client.wait_ready(30)
+    client.register()
+    return client
+
+
+def _arrays(plan, value=None) -> dict:
+    return {s.name: (np.empty(s.shape, s.dtype) if value is None else np.full(s.shape, value, s.dtype))
+            for s in plan.specs}
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_the_answer_to_a_push_is_the_next_clocks_weights_and_the_push_counts_once(link):
+    job = _job(link, "async")
+    with shards(job) as servers:
+        client = _client(job, 0)
+        try:
+            plan = client.plan
+            host, grads = _arrays(plan), _arrays(plan, 0.01)
+            client.pull(0, host)
+            before = {k: v.copy() for k, v in host.items()}
+            replies, versions = client.push_pull(0, grads, host)
+            assert [r.outcome for r in replies] == ["applied", "applied"]
+            assert versions == [s.core.version for s in servers] == [1, 1]
+            now = fetch_weights(job.cluster.servers, plan)
+            for name in host:  # what came with the answer is what the shards hold after the push
+                np.testing.assert_array_equal(host[name], now[name])
+                assert not np.array_equal(host[name], before[name])
+            replies, versions = client.push_pull(0, grads, host)  # the same clock again: a retried push
+            assert {r.outcome for r in replies} == {"duplicate"} and versions == [1, 1]
+            assert [s.core.version for s in servers] == [1, 1]
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_under_sync_the_answer_waits_for_the_round_and_a_stop_cuts_only_that_wait(link):
+    job = _job(link, "sync", 2)
+    with shards(job) as servers:
+        stop = threading.Event()
+        first, second = _client(job, 0, stop=stop), _client(job, 1)
+        try:
+            plan = first.plan
+            host, grads = _arrays(plan), _arrays(plan, 0.01)
+            first.pull(0, host)
+            with futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(first.push_pull, 0, grads, host)
+                wait_for(lambda: all(s.core.round.bases for s in servers), 30, "worker 0's push in both rounds")
+                assert not pending.done()  # the round has not closed: no weights yet
+                second.push(0, grads)
+                replies, versions = pending.result(timeout=30)
+            assert versions == [1, 1] and {r.outcome for r in replies} == {"accumulated"}
+            now = fetch_weights(job.cluster.servers, plan)
+            for name in host:
+                np.testing.assert_array_equal(host[name], now[name])
+
+            with futures.ThreadPoolExecutor(1) as pool:  # the next round waits for worker 1, which is stopping
+                pending = pool.submit(first.push_pull, 1, grads, host)
+                wait_for(lambda: all(s.core.round.bases for s in servers), 30, "worker 0's second push")
+                stop.set()
+                replies, versions = pending.result(timeout=20)
+            assert versions is None  # cut while it waited for the weights...
+            assert {r.outcome for r in replies} == {"accumulated"}  # ...after the shards had its push
+            assert [s.core.round.bases for s in servers] == [[1], [1]]
+        finally:
+            first.close()
+            second.close()
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatch):
+    """The defect: two round trips a step (a pull, then a push) where one does.  Under async a worker still pulls
+    each step once its push is answered: weights read then are fresher than those read with the push."""
+    pulls = []
+    original = PSClient.pull
+    monkeypatch.setattr(PSClient, "pull", lambda self, clock, *a, **k: pulls.append(clock) or original(
+        self, clock, *a, **k))
+    for policy in ("sync", "async"):
+        pulls.clear()
+        job = _job(link, policy, 1)
+        with shards(job) as servers:
+            result = run_worker(job, 0, job.cluster.servers, progress=False, evaluate_every=0)
+            assert result.steps > 20 and [s.core.version for s in servers] == [result.steps] * 2
+        assert pulls == ([0] if policy == "sync" else list(range(result.steps))), policy
