@@ -152,6 +152,11 @@ def _over(arrays: list, memory: memoryview) -> list[tuple]:
     return pairs
 
 
+def _to_device(targets: list, views: list[memoryview], device: backend.Device) -> None:
+    """Copy each host view (a pull's bytes) into its device array of ``targets``."""
+    backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], device)
+
+
 def _on_host(parts: list) -> list:
     """Device arrays (a gradient pushed from the GPU, uncompressed) as bytes on the host, for the data port."""
     return [memoryview(backend.to_host(p)).cast("B") for p in parts]
@@ -204,7 +209,7 @@ class ShmLink(TcpLink):
         targets = [device[s.var][s.start:s.stop] for s in self.endpoint.slices]  # one per view, in slice order
 
         def through_host(version: int) -> int:
-            backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
+            _to_device(targets, views, self.device)
             return version
 
         def into_device(conn: DataConnection) -> int:
@@ -241,7 +246,7 @@ class ShmLink(TcpLink):
 
         def through_host(reply: PushReply, version: int | None) -> tuple[PushReply, int | None]:
             if version is not None and targets is not None:  # over a socket, into the host views first
-                backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], self.device)
+                _to_device(targets, views, self.device)
             return reply, version
 
         if not self.data_port:  # over gRPC

@@ -115,15 +115,22 @@ class Optimizer:
         ``lr_scale`` carries e.g. 1/workers or 1/staleness).
         """
         self._check(key, param, grad, lr_scale)
+        self._check_share(key, share)
+        slot = self._slot(key, param)
+        self._step(param, grad, slot.state, *self._rate(slot.t, lr_scale, share), share)
+        slot.t += 1
+
+    def _check_share(self, key: str, share: Share) -> None:
         if share is not WHOLE and not (isinstance(share.updates, int) and share.updates >= 1
                                        and 0 <= share.implicit_momentum < 1):
             raise OptimizerError(f"{self.name}: key {key!r}: {share!r} must have a whole number of updates "
                                  ">= 1 and 0 <= implicit_momentum < 1")
-        slot = self._slot(key, param)
+
+    def _rate(self, t: int, lr_scale: float, share: Share) -> tuple[float, float]:
+        """The learning rate of the update after ``t`` of a key, and the rounds done once it is applied."""
         per_round = share.updates
-        lr = self.schedule(slot.t if per_round == 1 else slot.t / per_round) * lr_scale
-        self._step(param, grad, slot.state, lr, slot.t + 1 if per_round == 1 else (slot.t + 1) / per_round, share)
-        slot.t += 1
+        lr = self.schedule(t if per_round == 1 else t / per_round) * lr_scale
+        return lr, t + 1 if per_round == 1 else (t + 1) / per_round
 
     def update_flat(self, keys: tuple[str, ...], param: Any, grad: Any, bounds: tuple[tuple[int, int], ...],
                     lr_scale: float = 1.0, share: Share = WHOLE) -> None:
@@ -140,13 +147,8 @@ class Optimizer:
             return
         slots, state = fused
         self._check(keys[0], param, grad, lr_scale)
-        if share is not WHOLE and not (isinstance(share.updates, int) and share.updates >= 1
-                                       and 0 <= share.implicit_momentum < 1):
-            raise OptimizerError(f"{self.name}: {share!r} must have a whole number of updates >= 1 and "
-                                 "0 <= implicit_momentum < 1")
-        t, per_round = slots[0].t, share.updates
-        lr = self.schedule(t if per_round == 1 else t / per_round) * lr_scale
-        self._step(param, grad, state, lr, t + 1 if per_round == 1 else (t + 1) / per_round, share)
+        self._check_share(keys[0], share)
+        self._step(param, grad, state, *self._rate(slots[0].t, lr_scale, share), share)
         for slot in slots:
             slot.t += 1
 

@@ -215,7 +215,7 @@ class DataServer:
                               self._asked(conn, worker, size) if op == protocol.OP_PULL_ROWS else {})
         result = self._push(conn, worker, clock, base_version, dtype_code, size, seg, op == protocol.OP_PUSH_ROWS)
         if result is None:  # refused, and answered
-            return
+            return None
         pushed = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome], result.version,
                                      result.next_clock, result.staleness, 0)
         if op != protocol.OP_PUSH_PULL:

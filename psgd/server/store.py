@@ -168,9 +168,14 @@ class WeightStore:
         """Per-slice arrays over a buffer holding a gradient for every slice, in slice order."""
         return self.views(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size))
 
+    def _whole(self, grads: Mapping[int, np.ndarray]) -> np.ndarray | None:
+        """The one array ``grads`` are views of, where what is done to every slice is done to it at once: a small
+        shard's (a large one works slice by slice, in threads)."""
+        return getattr(grads, "flat", None) if self._threads is None else None
+
     def nonfinite(self, grads: Mapping[int, np.ndarray]) -> dict[int, int]:
         """How many NaN/Inf values each slice's gradient holds, for the slices that hold any."""
-        whole = getattr(grads, "flat", None) if self._threads is None else None  # a large one: by slice, in threads
+        whole = self._whole(grads)
         if whole is not None and not _nonfinite(whole):  # one pass over a small push, where all of it is finite
             return {}
         counts = self.map(lambda i: _nonfinite(grads[i]), grads)
@@ -226,9 +231,9 @@ class WeightStore:
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
         """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot."""
-        whole = getattr(grads, "flat", None)
+        whole = self._whole(grads)
         with self._writing(keep=True):
-            if whole is not None and self._threads is None:  # a small shard: one update of all its slices at once
+            if whole is not None:  # one update of all the slices at once
                 optimizer.update_flat(self._keys, self.flat, whole, self._bounds, lr_scale, share)
             else:
                 self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),

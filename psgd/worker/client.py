@@ -250,6 +250,11 @@ class PSClient:
         self.clock = min(r.clock for r in replies)
         return self.clock
 
+    def _into(self, out: Mapping[str, np.ndarray]) -> list[list[memoryview]]:
+        """For each shard, byte views of its slices of ``out`` (an array per variable), in slice order."""
+        flat = _flat(out)
+        return [[memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in slices] for slices in self.shard_slices]
+
     def _split_rows(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[dict[str, np.ndarray]]:
         """For each shard, the positions of the ids of ``rows`` (table -> (ids, ...)) whose rows it holds."""
         per_shard: list[dict[str, np.ndarray]] = [{} for _ in self.links]
@@ -264,15 +269,14 @@ class PSClient:
         """Fill ``out`` (one host array per variable) with every shard's weights, and each ``rows`` entry (table ->
         (distinct ids, an array ``[len(ids), dim]``)) with those rows, from the shards that hold them; returns
         shard versions.  ``device`` (device arrays by variable; shm links only) takes the weights instead."""
-        flat = {name: a.reshape(-1) for name, a in out.items()}
+        into = self._into(out)
         where = self._split_rows(rows)
-        kw = {} if device is None else {"device": {k: a.reshape(-1) for k, a in device.items()}}
+        kw = {} if device is None else {"device": _flat(device)}
 
         def one(k: int) -> int:
-            views = [memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in self.shard_slices[k]]
             mine = {t: (rows[t][0][pos], np.empty((pos.size,) + rows[t][1].shape[1:], rows[t][1].dtype))
                     for t, pos in where[k].items()}
-            version = self.retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, views, mine, **kw))
+            version = self.retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, into[k], mine, **kw))
             for t, pos in where[k].items():
                 rows[t][1][pos] = mine[t][1]
             return version
@@ -301,12 +305,10 @@ class PSClient:
         (``device``, as for :meth:`pull`): one round trip a step.  The replies, and the shards' versions, or None
         where some shard's weights did not come (the caller pulls then; the pushes stand).  A stop cuts the wait
         for the weights, never a push."""
-        flat = {name: a.reshape(-1) for name, a in out.items()}
-        into = [[memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in slices] for slices in self.shard_slices]
         self._pulling = True
         try:
-            answers = self._pushing(clock, grads, None, None, into,
-                                    None if device is None else {k: a.reshape(-1) for k, a in device.items()})
+            answers = self._pushing(clock, grads, None, None, self._into(out),
+                                    None if device is None else _flat(device))
         finally:
             self._pulling = False
         if any(v is None for _, v in answers):
@@ -411,6 +413,10 @@ class PSClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _flat(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: a.reshape(-1) for name, a in arrays.items()}
 
 
 def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, request_timeout: float = 60.0,
