@@ -90,6 +90,8 @@ class ClusterConfig:
     join_timeout: float = 120.0   # a worker that never registers within this leaves the round
     request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
     hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
+    busy_poll_us: int = -1        # µs a waiting end of a data connection watches for its answer before it sleeps;
+    #                               -1: psgd launch chooses (1000 where each process it starts has a core), else 0
     transport: str = "auto"       # pulls and pushes: auto (shared memory on a shard's host, else tcp), shm, tcp, grpc
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
@@ -100,12 +102,18 @@ class ClusterConfig:
     replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
 
 
+    @property
+    def busy_poll_seconds(self) -> float:
+        """Seconds a waiting end of a data connection watches before it sleeps (``busy_poll_us``; -1 is none)."""
+        return max(self.busy_poll_us, 0) / 1e6
+
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
 _CLUSTER_INT_KEYS = {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6),
                      "checkpoint_rounds": (0, 10**9), "replicas": (0, 1),
-                     "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30)}
+                     "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30),
+                     "busy_poll_us": (-1, 10**6)}
 #: Seconds: more than the largest of these and a call's deadline no longer fits gRPC's clock (1e10 s did not).
 _CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "request_timeout": 86400.0,
                       "hello_timeout": 3600.0}

@@ -106,7 +106,7 @@ class BlobCluster(ShardProcesses):
     """``shards`` psgd-server processes holding a one-variable model of ``size`` bytes."""
 
     def __init__(self, size: int, shards: int = 1, workers: int = 1, optimizer: str = "sgd",
-                 policy: str = "async", tmp: str = ".", hosts=None):
+                 policy: str = "async", tmp: str = ".", hosts=None, busy_poll_us: int = 0):
         from psgd.config import JobConfig
         from psgd.job import describe_job
 
@@ -115,7 +115,7 @@ class BlobCluster(ShardProcesses):
         config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
                            "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
                            "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
-                           f"cluster.workers={workers}"])
+                           f"cluster.workers={workers}", f"cluster.busy_poll_us={busy_poll_us}"])
         super().__init__(config, describe_job(config, model=Blob((1,), 2, size=self.elems)).plan, tmp, hosts)
 
 

@@ -2,14 +2,19 @@
 
 A step of a small model moves few bytes; what it costs is the round trip and the work around it.  First, as users
 run it: ``psgd train`` and ``psgd launch --policy sync --workers 1 --shards 1`` of the digits MLP with one hidden
-layer of 64, in turns, and the launch's steps/s against one process's.  Then, for a model of ``size`` bytes (one
+layer of 64, in turns, and the launch's steps/s against one process's, beside the floor (:func:`floor`: the same
+step split across two processes that share only the weights and the gradient in memory and spin for each other,
+the most any parameter server reaches on the machine).  Then, for a model of ``size`` bytes (one
 worker, one psgd-server shard process, async), on each link:
 
 - a step as two round trips (a pull, then a push) and as one (a push whose answer brings the next weights);
 - the shard's own share of a step: the CPU time its data port's thread spent from a request's header in to its
   answer sent, as the shard counts it (``data_cpu_seconds`` in its status; gRPC calls are not counted there);
 - a bare round trip of a request-sized message over loopback TCP between two processes, the floor any step over
-  a socket pays (the shared-memory link's requests and answers travel on a socket too);
+  a socket pays (the shared-memory link's requests and answers travel on a socket too), with both ends sleeping
+  in the kernel until the bytes come and with both watching for them first; the steps are measured as psgd launch
+  runs one worker and one shard on this machine (``[cluster] busy_poll_us``), and set beside the bare round trip
+  of the same kind;
 - the rest: the step less the shard's share and the bare round trip: the worker's own work, and the waits for a
   core and for wake-ups.
 
@@ -19,6 +24,7 @@ worker, one psgd-server shard process, async), on each link:
 from __future__ import annotations
 
 import json
+import mmap
 import multiprocessing
 import socket
 import subprocess
@@ -36,32 +42,33 @@ SIZES = (64, 19_240)
 LINKS = ("tcp", "shm", "grpc")
 
 
-def _echo(server: socket.socket) -> None:
+def _echo(server: socket.socket, watch: float) -> None:
     conn, _ = server.accept()
     protocol.tune(conn)
-    buf = bytearray(protocol.REQUEST.size)
+    buf, spin = bytearray(protocol.REQUEST.size), protocol.Spin(conn, watch)
     while True:
         try:
-            protocol.recv_exact(conn, memoryview(buf))
+            spin.read(lambda: protocol.recv_exact(conn, memoryview(buf)))
         except protocol.WireError:
             return
         conn.sendall(buf)
 
 
-def bare_tcp_rtt(repeats: int = 2000) -> float:
-    """Median seconds of a request-sized message to another process over loopback TCP and back."""
+def bare_tcp_rtt(repeats: int = 2000, watch: float = 0.0) -> float:
+    """Median seconds of a request-sized message to another process over loopback TCP and back, each end watching
+    for the other's bytes for up to ``watch`` seconds before it sleeps (``[cluster] busy_poll_us``)."""
     server = socket.create_server(("127.0.0.1", 0))
-    proc = multiprocessing.get_context("fork").Process(target=_echo, args=(server,), daemon=True)
+    proc = multiprocessing.get_context("fork").Process(target=_echo, args=(server, watch), daemon=True)
     proc.start()
     try:
         with socket.create_connection(("127.0.0.1", server.getsockname()[1])) as conn:
             protocol.tune(conn)
             message, back = b"x" * protocol.REQUEST.size, memoryview(bytearray(protocol.REQUEST.size))
-            times = []
+            times, spin = [], protocol.Spin(conn, watch)
             for i in range(repeats + 200):  # the first 200 warm up
                 began = time.perf_counter()
                 conn.sendall(message)
-                protocol.recv_exact(conn, back)
+                spin.read(lambda: protocol.recv_exact(conn, back))
                 if i >= 200:
                     times.append(time.perf_counter() - began)
         return median(times)
@@ -112,9 +119,10 @@ def _timed(steps: int, step: Callable[[int], None], start: int) -> list[float]:
     return times
 
 
-def step_costs(size: int, link: str, steps: int, tmp: str) -> dict:
-    """A step of a ``size``-byte model over ``link``, as two round trips and as one, with the shard's share."""
-    with BlobCluster(size, tmp=tmp) as cluster:
+def step_costs(size: int, link: str, steps: int, tmp: str, busy_poll_us: int = 0) -> dict:
+    """A step of a ``size``-byte model over ``link``, as two round trips and as one, with the shard's share; the
+    shard and the worker watch for answers as ``[cluster] busy_poll_us`` says."""
+    with BlobCluster(size, tmp=tmp, busy_poll_us=busy_poll_us) as cluster:
         client = cluster.client(0, link)
         try:
             host = {"blob": np.empty(cluster.elems, dtype=np.float32)}
@@ -147,6 +155,96 @@ def step_costs(size: int, link: str, steps: int, tmp: str) -> dict:
             "shard_s": one_shard if counted else None, "shard_two_s": two_shard if counted else None}
 
 
+def _applier(memory: mmap.mmap, n: int, lr: float, deadline: float) -> None:
+    """The floor's other process: wait (spinning) for each gradient, apply it, say so; until told to stop (a
+    negative step) or the deadline, so that it never outlives a parent that died."""
+    seq, weights, grads = _floor_arrays(memory, n)
+    last = 0
+    while True:
+        while seq[0] == last:
+            if time.monotonic() > deadline:
+                return
+        last = int(seq[0])
+        if last < 0:
+            return
+        weights -= lr * grads
+        seq[1] = last
+
+
+def _floor_arrays(memory: mmap.mmap, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step asked and the step applied, the weights and the gradient, in ``memory``."""
+    return (np.ndarray((2,), np.int64, memory, 0), np.ndarray((n,), np.float32, memory, 16),
+            np.ndarray((n,), np.float32, memory, 16 + 4 * n))
+
+
+def floor(steps: int = 4000, turns: int = 3) -> dict:
+    """What no parameter server on this machine can beat: the digits MLP 64's step (batch 32, SGD) in one process,
+    and split across two, the gradient in one and the update in the other, sharing nothing but the weights and the
+    gradient in shared memory and spinning for each other (no sockets, no checks, no framework), in ``turns``
+    alternating turns of ``steps``; their steps/s and the split's against one process's (medians)."""
+    from threadpoolctl import threadpool_limits
+
+    from psgd.model.nets import MLP
+
+    model = MLP((64,), 10, hidden=[64])
+    params = model.init(0)
+    names = list(params)
+    n = sum(params[k].size for k in names)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 64)).astype(np.float32), rng.integers(0, 10, 32)
+
+    def views(flat: np.ndarray) -> dict[str, np.ndarray]:
+        out, at = {}, 0
+        for k in names:
+            out[k] = flat[at:at + params[k].size].reshape(params[k].shape)
+            at += params[k].size
+        return out
+
+    def alone() -> float:
+        flat = np.concatenate([params[k].ravel() for k in names])
+        grads = np.empty_like(flat)
+        p, g = views(flat), views(grads)
+        began = time.perf_counter()
+        for _ in range(steps):
+            for k, v in model.loss_and_grads(p, x, y)[1].items():
+                g[k][...] = v
+            flat -= 0.01 * grads
+        return steps / (time.perf_counter() - began)
+
+    def split() -> float:
+        memory = mmap.mmap(-1, 16 + 8 * n)  # anonymous and shared: the forked process maps the same pages
+        seq, weights, grads = _floor_arrays(memory, n)
+        weights[:] = np.concatenate([params[k].ravel() for k in names])
+        other = multiprocessing.get_context("fork").Process(target=_applier, daemon=True,
+                                                              args=(memory, n, 0.01, time.monotonic() + 600))
+        other.start()
+        try:
+            local = np.empty(n, np.float32)
+            p, g = views(local), views(grads)
+            began = time.perf_counter()
+            for step in range(1, steps + 1):
+                np.copyto(local, weights)
+                for k, v in model.loss_and_grads(p, x, y)[1].items():
+                    g[k][...] = v
+                seq[0] = step
+                while seq[1] != step:
+                    pass
+            return steps / (time.perf_counter() - began)
+        finally:
+            seq[0] = -1
+            other.join(10)
+            del seq, weights, grads
+            memory.close()
+
+    rates: dict[str, list[float]] = {"alone": [], "split": []}
+    with threadpool_limits(limits=1):  # as psgd launch gives each of two processes on 2 cores
+        for _ in range(turns):
+            rates["alone"].append(alone())
+            rates["split"].append(split())
+    return {"one_process_steps_per_s": rates["alone"], "two_processes_steps_per_s": rates["split"],
+            "split_over_one": median(rates["split"]) / median(rates["alone"])}
+
+
 def as_users_run_it(rounds: int, tmp: str, say: Callable[[str], None]) -> dict:
     """``rounds`` turns of one process and a 1-worker, 1-shard launch of the digits MLP 64 (20 epochs each, as
     ``psgd bench scaling`` runs them): each one's steps/s, and the launch's against one process's (medians)."""
@@ -172,20 +270,30 @@ def as_users_run_it(rounds: int, tmp: str, say: Callable[[str], None]) -> dict:
 def measure(steps: int, tmp: str, say: Callable[[str], None], sizes=SIZES, links=LINKS, rounds: int = 3) -> dict:
     """One process and a launch as users run them, then every size and link beside the bare round trips measured in
     the same run."""
+    from psgd.launch.layout import busy_poll
+
     users = as_users_run_it(rounds, tmp, say)
-    bare = bare_tcp_rtt(max(steps, 1000))
+    limit = floor()
+    say(f"the floor: that step in one process {median(limit['one_process_steps_per_s']):,.0f} steps/s; split "
+        f"across two (the gradient in one, the update in the other) that share only the weights and the gradient "
+        f"in shared memory and spin for each other, {median(limit['two_processes_steps_per_s']):,.0f}: "
+        f"{limit['split_over_one']:.2f} of one process, the most any parameter server reaches here")
+    watch = busy_poll(2)[0]  # what psgd launch chooses for one worker and one shard on this machine
+    bare, watched = bare_tcp_rtt(max(steps, 1000)), bare_tcp_rtt(max(steps, 1000), watch / 1e6)
     bare_grpc = bare_grpc_rtt(max(steps, 1000))
-    say(f"\na small step's fixed cost: a bare round trip over loopback TCP {bare * 1e6:.0f} us, a bare gRPC call "
-        f"{bare_grpc * 1e6:.0f} us")
+    say(f"\na small step's fixed cost: a bare round trip over loopback TCP {bare * 1e6:.0f} us sleeping, "
+        f"{watched * 1e6:.0f} us watching (busy_poll_us = {watch}, as psgd launch chooses for one worker and one "
+        f"shard here), a bare gRPC call {bare_grpc * 1e6:.0f} us")
     rows = []
     for size in sizes:
         for link in links:
-            row = step_costs(size, link, steps, tmp)
-            bare_link = bare_grpc if link == "grpc" else bare
+            row = step_costs(size, link, steps, tmp, watch)
+            bare_link = row["bare_s"] = bare_grpc if link == "grpc" else watched
             row["rest_s"] = row["one_round_trip_s"] - (row["shard_s"] or 0.0) - bare_link
             rows.append(row)
             shard = f"shard CPU {row['shard_s'] * 1e6:4.0f} us, " if row["shard_s"] is not None else ""
             say(f"  {size:>7,} B over {link:4s}: pull then push {row['two_round_trips_s'] * 1e6:5.0f} us, push and "
                 f"pull {row['one_round_trip_s'] * 1e6:5.0f} us = {shard}bare round trip {bare_link * 1e6:4.0f} us, "
                 f"the rest {row['rest_s'] * 1e6:4.0f} us")
-    return {**users, "bare_tcp_rtt_s": bare, "bare_grpc_rtt_s": bare_grpc, "steps": rows}
+    return {**users, "floor": limit, "busy_poll_us": watch, "bare_tcp_rtt_s": bare, "bare_tcp_watched_rtt_s": watched,
+            "bare_grpc_rtt_s": bare_grpc, "steps": rows}

@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start K psgd-server shards and N psgd-worker processes on 127.0.0.1, show worker 0's "
                     "progress, wait for the workers to finish, then print the test accuracy of the weights "
                     "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "
-                    "bundled digits. The cores are divided among the processes (one line says how); "
+                    "bundled digits. The cores are divided among the processes (one line says how), and "
+                    "where each has a core of its own a data connection watches for its answer up to 1 ms "
+                    "before it sleeps ([cluster] busy_poll_us; one line says so); "
                     "SIGINT, SIGTERM and SIGHUP are passed on to every process, which gets 10 s to leave "
                     "before it is killed; no process outlives the launcher. Your own model in the current "
                     "folder is found, as with python -m.",

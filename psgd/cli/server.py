@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace) -> int:
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls,
                              interceptors=metrics.interceptors, hello_timeout=c.hello_timeout,
-                             replicated=bool(c.replicas)).start()
+                             replicated=bool(c.replicas), busy_poll=c.busy_poll_seconds).start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     pair = None

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from psgd import threads
 from psgd.config import JobConfig, to_toml
 from psgd.launch.result import LaunchResult, evaluate_weights, final_evaluation
-from psgd.launch.layout import Hosts, Layout, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
+from psgd.launch.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.tls import NO_TLS, TLSFiles, child_flags
@@ -90,6 +90,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     per_process, said = thread_budget(config, here)
     log.info("%s", said)
     spec["train"]["threads"] = per_process
+    if mode == "ps" and config.cluster.busy_poll_us < 0:
+        spec["cluster"]["busy_poll_us"], said = busy_poll(here)
+        log.info("%s", said)
     threads.apply(per_process)
     (run / "job.toml").write_text(to_toml(spec))
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []

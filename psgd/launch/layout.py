@@ -25,6 +25,7 @@ from typing import Sequence
 from psgd import threads
 from psgd.config import JobConfig
 from psgd.launch.supervise import LaunchError
+from psgd.wire import protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,19 @@ def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tu
     shared = f"; {len(ranks)} {what}s share {len(gpus)} GPU(s)" if len(ranks) > len(gpus) else ""
     return placed, (f"{what}s on GPUs: " + ", ".join(f"{r} on {d}" for r, d in placed.items())
                     + f" ({backend.cuda_device_count()} visible{shared}; shards on the CPU)")
+
+
+def busy_poll(processes: int) -> tuple[int, str]:
+    """``[cluster] busy_poll_us`` for ``processes`` psgd processes on this machine, and the one line that says so:
+    a waiting end watches for its answer (protocol.BUSY_POLL_US) only where each process has a core of its own, as a
+    watch takes the core a process waits on; one more process than cores and the watching cost steps (2 workers and
+    a shard on 2 cores ran at half speed, benchmarks/RESULTS.md)."""
+    cores = threads.available_cores()
+    if processes <= cores:
+        return protocol.BUSY_POLL_US, (f"{processes} process(es) on {cores} core(s): a data connection watches "
+                                       f"{protocol.BUSY_POLL_US} µs for its answer before it sleeps "
+                                       "([cluster] busy_poll_us to change)")
+    return 0, f"{processes} process(es) on {cores} core(s): data connections sleep at once ([cluster] busy_poll_us)"
 
 
 def thread_budget(config: JobConfig, processes: int) -> tuple[int, str]:

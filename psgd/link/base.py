@@ -62,6 +62,7 @@ class Endpoint:
     tls: TLSFiles = NO_TLS
     request_timeout: float = 60.0
     transport: str = "auto"  # what the job asked for ([cluster] transport), for the shm link's fallback line
+    busy_poll: float = 0.0   # seconds a data connection watches for an answer before it sleeps ([cluster] busy_poll_us)
 
     @property
     def host(self) -> str:

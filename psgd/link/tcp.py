@@ -44,7 +44,7 @@ class DataConnection:
     :class:`protocol.WireError` when the connection breaks."""
 
     def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0,
-                 tls: TLSFiles = NO_TLS, shm: str = ""):
+                 tls: TLSFiles = NO_TLS, shm: str = "", busy_poll: float = 0.0):
         try:
             self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
         except OSError as exc:
@@ -60,6 +60,7 @@ class DataConnection:
                                     else grpc.StatusCode.UNAUTHENTICATED,
                                     f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout + REPLY_MARGIN)
+            self._spin = protocol.Spin(self.sock, busy_poll)  # a reply is watched for before the read sleeps
             hello = {"token": token, "plan_hash": plan_hash, **({"shm": shm} if shm else {})}
             body = json.dumps(hello).encode()
             try:
@@ -115,7 +116,8 @@ class DataConnection:
         protocol.send_buffers(self.sock, [head, *payload])
 
     def _reply(self) -> tuple:
-        magic, status, outcome, version, next_clock, staleness, size = protocol.recv_struct(self.sock, protocol.REPLY)
+        magic, status, outcome, version, next_clock, staleness, size = self._spin.read(
+            lambda: protocol.recv_struct(self.sock, protocol.REPLY))
         if magic != protocol.DATA_MAGIC:
             raise protocol.WireError("the data port did not answer with the psgd protocol")
         if status:
@@ -224,7 +226,7 @@ class TcpLink(GrpcLink):
         if conn is None:
             ep = self.endpoint
             conn = self._conns[purpose] = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash,
-                                                         ep.token, ep.request_timeout, ep.tls)
+                                                         ep.token, ep.request_timeout, ep.tls, busy_poll=ep.busy_poll)
         return conn
 
     def _over_data(self, purpose: str, fn):

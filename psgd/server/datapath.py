@@ -65,8 +65,10 @@ class DataServer:
                  request_timeout: float = 60.0, idle_timeout: float = 600.0, max_connections: int | None = None,
                  hello_timeout: float = 2.0, max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None,
-                 shm: bool = True):
+                 shm: bool = True, busy_poll: float = 0.0):
         self.core = core
+        #: seconds a serving thread watches for a connection's next request before it sleeps ([cluster] busy_poll_us)
+        self.busy_poll = busy_poll
         #: whether a worker on this host may pull from the weights in shared memory and push through a segment
         #: ([cluster] transport auto or shm)
         self.shm = shm
@@ -146,9 +148,10 @@ class DataServer:
             seg, offer = self._segment_for(worker, shm)
             protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0,
                                                              len(offer)), offer])
+            spin = protocol.Spin(conn, self.busy_poll)  # the next request is watched for before the read sleeps
             while not self._stop.is_set():
                 conn.settimeout(self.idle_timeout)
-                header = protocol.recv_struct(conn, protocol.REQUEST)
+                header = spin.read(lambda: protocol.recv_struct(conn, protocol.REQUEST))
                 began = time.thread_time()  # this thread's CPU time: the shard's work, not its waits
                 conn.settimeout(self.request_timeout)
                 answered = self._request(conn, worker, header, seg, shm) or time.thread_time()

@@ -285,7 +285,7 @@ class ShardServer:
                  threads: int | None = None, transport: str = "auto", data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
-                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False):
+                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False, busy_poll: float = 0.0):
         self.core = core
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
@@ -297,7 +297,8 @@ class ShardServer:
         self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
                                request_timeout=request_timeout, hello_timeout=hello_timeout,
                                tls=tls.server_context() if tls.enabled else None,
-                               shm=bool(means["shared_memory"])) if means["data_port"] or replicated else None
+                               shm=bool(means["shared_memory"]), busy_poll=busy_poll) \
+            if means["data_port"] or replicated else None
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,

@@ -43,6 +43,7 @@ pull connection), and is released on the push connection.
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
@@ -114,6 +115,45 @@ def tune(sock: socket.socket) -> None:
     """Options for every data-path socket: no Nagle delay.  Buffer sizes are left to the kernel:
     setting SO_SNDBUF/SO_RCVBUF turns Linux's autotuning off, which made pushes slower here."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+#: how long a waiting end of a data connection watches for the peer's next bytes before it sleeps in the kernel,
+#: where each process has a core of its own (psgd launch's choice for [cluster] busy_poll_us = -1)
+BUSY_POLL_US = 1000
+#: after a watch that saw nothing, the reads that sleep at once before the next watch: twice as many after each
+#: miss in a row, up to this many
+MOST_SKIPPED = 64
+
+
+class Spin:
+    """A short watch for a socket's next bytes before the blocking read that follows it.
+
+    Waking a process that sleeps in the kernel costs most of a loopback round trip on a VM (64 bytes between two
+    processes here: 89 µs blocking, 15 µs watching; benchmarks/RESULTS.md), so where the answer is due within a
+    small step's time the waiting end watches first (``poll`` with no timeout, the GIL let go each time) for up to
+    ``seconds``.  A watch that saw nothing makes the next reads sleep at once, twice as many after each miss in a
+    row, so an idle or slow peer costs a watch now and then, not a core."""
+
+    def __init__(self, sock: socket.socket, seconds: float):
+        self.sock, self.ns = sock, int(seconds * 1e9)
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+        self._skip, self._after_miss = 0, 1
+
+    def read(self, read):
+        """``read()``, after watching for its bytes; what it returned."""
+        if self._skip:
+            self._skip -= 1
+        elif self.ns > 0 and not (isinstance(self.sock, ssl.SSLSocket) and self.sock.pending()):
+            poll, clock = self._poll.poll, time.perf_counter_ns
+            end = clock() + self.ns
+            while not poll(0):
+                if clock() >= end:
+                    self._skip, self._after_miss = self._after_miss, min(2 * self._after_miss, MOST_SKIPPED)
+                    break
+            else:
+                self._after_miss = 1
+        return read()
 
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = None) -> None:

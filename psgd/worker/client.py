@@ -70,7 +70,9 @@ class PSClient:
         # An observer never registers, so it never learns a data port: it reads over gRPC.
         kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
-                                               request_timeout, transport)) for k, a in enumerate(self.addresses)]
+                                               request_timeout, transport,
+                                               config.cluster.busy_poll_seconds if config is not None else 0.0))
+                      for k, a in enumerate(self.addresses)]
         for link in (link for link in self.links if isinstance(link, ShmLink)):
             link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)

@@ -68,14 +68,18 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     assert "as users run it" in done.stdout and len(latency["launch_steps_per_s"]) == 1
     assert latency["launch_over_single"] == pytest.approx(
         latency["launch_steps_per_s"][0] / latency["single_steps_per_s"][0])
+    limit = latency["floor"]  # the same step split across two processes with nothing between them but memory
+    assert len(limit["one_process_steps_per_s"]) == len(limit["two_processes_steps_per_s"]) == 3
+    assert 0 < limit["split_over_one"] < 1.5 and "the floor: that step in one process" in done.stdout
     assert [(r["size_bytes"], r["link"]) for r in latency["steps"]] == [
         (size, link) for size in (64, 19_240) for link in ("tcp", "shm", "grpc")]
     for r in latency["steps"]:
         assert r["one_round_trip_s"] > 0 and r["two_round_trips_s"] > 0
         shard = r["shard_s"] or 0.0  # the shard counts the time of its data port's requests, not gRPC's
         assert (r["shard_s"] is None) == (r["link"] == "grpc") and shard < r["one_round_trip_s"]
-        bare = latency["bare_grpc_rtt_s" if r["link"] == "grpc" else "bare_tcp_rtt_s"]
-        assert r["rest_s"] == pytest.approx(r["one_round_trip_s"] - shard - bare)
+        bare = latency["bare_grpc_rtt_s" if r["link"] == "grpc" else
+                       "bare_tcp_watched_rtt_s" if latency["busy_poll_us"] else "bare_tcp_rtt_s"]
+        assert r["bare_s"] == bare and r["rest_s"] == pytest.approx(r["one_round_trip_s"] - shard - bare)
     assert set(result["optimizer_gbps"]) == {"sgd", "momentum", "adam"}
     assert "grid" not in result and "scale" not in result  # only the parts asked for
 

@@ -189,6 +189,9 @@ def test_launch_divides_the_cores_and_says_so(tmp_path):
     share = max(1, cores // 2)
     assert f"2 process(es) on {cores} core(s): {share} BLAS/OpenMP thread(s) each" in done.stderr
     assert f"threads = {share}" in (run / "job.toml").read_text()
+    watch = 1000 if cores >= 2 else 0  # a data connection watches for its answer where each process has a core
+    assert f"busy_poll_us = {watch}" in (run / "job.toml").read_text()
+    assert ("a data connection watches 1000 µs" if watch else "data connections sleep at once") in done.stderr
 
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run([PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress",

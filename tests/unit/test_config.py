@@ -171,3 +171,23 @@ def test_tls_files_in_the_job_file_are_read_from_its_folder_and_come_together(tm
         JobConfig.load(write(tmp_path, '[tls]\ncert = 1\nkey = "k"\nca = "c"\n'))
     with pytest.raises(ConfigError, match=r"\[tls\] unknown key 'password'"):
         JobConfig.load(write(tmp_path, '[tls]\npassword = "x"\n'))
+
+
+def test_busy_poll_is_microseconds_from_minus_one():
+    """-1 (the default) is psgd launch's choice, and none for a process started by hand."""
+    assert JobConfig().cluster.busy_poll_us == -1 and JobConfig().cluster.busy_poll_seconds == 0.0
+    job = JobConfig()
+    job.apply_sets(["cluster.busy_poll_us=250"])
+    assert job.cluster.busy_poll_seconds == 250e-6
+    with pytest.raises(ConfigError, match=re.escape("busy_poll_us")):
+        JobConfig().apply_sets(["cluster.busy_poll_us=-2"])
+
+
+def test_launch_watches_only_where_each_process_has_a_core(monkeypatch):
+    from psgd import threads
+    from psgd.launch.layout import busy_poll
+    from psgd.wire import protocol
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 4)
+    assert busy_poll(4)[0] == protocol.BUSY_POLL_US and busy_poll(1)[0] == protocol.BUSY_POLL_US
+    assert busy_poll(5) == (0, "5 process(es) on 4 core(s): data connections sleep at once ([cluster] busy_poll_us)")
