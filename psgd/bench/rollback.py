@@ -165,16 +165,19 @@ def measure(intervals: list[int], epochs: int, kill_at: float, folder: Path, say
     return rows
 
 
-def _went_back(folder: Path, interval: int, epochs: int, kill_at: float, tries: int = 3) -> dict:
+def _went_back(folder: Path, interval: int, epochs: int, kill_at: float, tries: int = 5) -> dict:
     """A killed run that made the job go back: the kill is aimed half-way between two cuts from worker 0's step
     records, but a round of a small model takes about a millisecond, so it may land on a cut (nothing to repeat);
     such a run is made again, ``tries`` times at most."""
+    seen = []
     for attempt in range(tries):
         run = one_run(folder.with_name(f"{folder.name}-{attempt}" if attempt else folder.name), interval, epochs,
                       kill_at)
         if run["kill_to_next_round_seconds"] is not None:
             return run
-    raise RollbackBenchError(f"in {tries} killed runs the kill landed on a cut each time: nothing was repeated")
+        seen.append(f"restored v{run['restored_version']}, {run['rounds_undone']} round(s) undone, final versions "
+                    f"{run['versions']}")
+    raise RollbackBenchError(f"in {tries} killed runs worker 0 never went back to a cut ({'; '.join(seen)})")
 
 
 def _line(r: dict) -> str:
