@@ -153,12 +153,14 @@ def _add_bench(sub) -> None:
                                          "steps/s while one worker is stopped mid-pull; sparse: embedding tables' "
                                          "steps against table size, parameter server and all-reduce; rollback: "
                                          "what a killed shard costs a sync job with cuts; replicas: what a "
-                                         "replica per shard costs async, and its failover time)",
+                                         "replica per shard costs async, and its failover time; simulate: psgd jobs simulated from "
+                                         "costs measured here, checked against launches here)",
                            description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
                                        "`psgd bench comm --help`, `psgd bench scaling --help`, "
                                        "`psgd bench gpu --help`, `psgd bench overlap --help`, "
                                        "`psgd bench stall --help`, `psgd bench sparse --help`, "
-                                       "`psgd bench rollback --help` and `psgd bench replicas --help`.")
+                                       "`psgd bench rollback --help`, `psgd bench replicas --help` and "
+                                       "`psgd bench simulate --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
@@ -199,6 +201,9 @@ def _add_bench(sub) -> None:
     _bench_command(kinds, "rollback", "psgd.bench.rollback", raw=True,
                help="a sync job with cuts, undisturbed and with a shard SIGKILLed, against the checkpoint "
                     "interval: the seconds and rounds a kill costs, and the final weights compared")
+    _bench_command(kinds, "simulate", "psgd.bench.simulate.command", raw=True,
+               help="a simulation of psgd jobs from costs measured here, checked against launches here "
+                    "(--validate) before it predicts past this machine")
     _bench_command(kinds, "replicas", "psgd.bench.replicas", raw=True,
                help="async steps/s with and without a replica per shard (loopback, emulated links), and the time "
                     "from a primary's SIGKILL to the next push its replica applies")

@@ -34,14 +34,16 @@ class Run:
     """One configuration of one model: ``row`` is a hidden width ("64") or "cnn"."""
 
     row: str
-    kind: str                # single | sync | async | allreduce
+    kind: str                # single | sync | async | allreduce (and ssp, for psgd bench simulate)
     workers: int = 1
     peer: bool = False       # PEER_ENV in its environment (the labelled peer column)
     all_cores: bool = False  # --threads <this machine's cores> on every process: no thread budget
+    shards: int = 1          # parameter-server shards (psgd bench simulate's validation runs 2 too)
 
     @property
     def column(self) -> str:
-        return column_label(self.kind, self.workers, self.peer, self.all_cores)
+        return column_label(self.kind, self.workers, self.peer, self.all_cores) + \
+            (f" {self.shards}s" if self.shards != 1 else "")
 
     @property
     def label(self) -> str:
@@ -54,7 +56,7 @@ class Run:
         if self.kind == "single":
             return ["train", *common]
         mode = (["--mode", "allreduce"] if self.kind == "allreduce"
-                else ["--mode", "ps", "--policy", self.kind, "--shards", "1"])
+                else ["--mode", "ps", "--policy", self.kind, "--shards", str(self.shards)])
         threads = ["--threads", str(available_cores())] if self.all_cores else []
         return ["launch", *mode, "--workers", str(self.workers), *common, *threads, "--run-dir", str(run_dir),
                 "--timeout", f"{timeout:g}"]

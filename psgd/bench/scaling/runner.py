@@ -82,7 +82,7 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path, network=None) 
             record.update(allreduce_rates(read_steps(run_dir / "allreduce.jsonl"), run.workers))
         else:
             record.update(ps_rates([read_steps(run_dir / f"worker-{k}.jsonl") for k in range(run.workers)]))
-        record["source"] = "ps" if run.kind in ("sync", "async") else run.kind
+        record["source"] = "ps" if run.kind in ("sync", "async", "ssp") else run.kind
     except (MeasureError, OSError, ValueError, KeyError, IndexError) as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
     return record

@@ -1,0 +1,204 @@
+"""What a step's parts cost on this machine, measured as psgd runs them, for the simulator (:class:`Costs`).
+
+- the gradient: ``psgd train`` of the model (as ``psgd bench scaling`` starts it), one step's seconds;
+- what busy processes get from the cores: two and four ``psgd train`` at once, their steps/s against one alone's;
+- a worker's and a shard's CPU a step, from /proc, in three launches of one worker: one shard under sync, two
+  under sync, one under async (their connections sleeping, so that CPU is work), and the step's wait beyond them;
+  and the first again with its connections watching: the CPU a watch saves;
+- what a byte adds to a request: one worker and one ``psgd-server`` process
+  (:func:`psgd.bench.latency.step_costs`) at 64 bytes and at the model's size, a step as one round trip (sync's
+  push whose answer brings the weights) and as two (a push, then a pull), with the shard's own CPU counted by the
+  shard, and a bare round trip with both ends watching;
+- all-reduce: psgd's MPI all-reduce of 64 bytes and of the model's size between two ranks (when the mpi extra
+  and an ``mpiexec`` are there).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from psgd.bench.simulate.job import Costs
+from psgd.wire.protocol import BUSY_POLL_US
+
+#: sizes a request's costs are measured at: a tiny one, then the model's
+SMALL = 64
+
+
+def gradient_seconds(width: int, tmp: Path) -> float:
+    """Seconds of one step of ``psgd train`` of the digits MLP of one hidden layer of ``width``."""
+    from psgd.bench.scaling.grid import Run
+    from psgd.bench.scaling.runner import execute
+
+    record = execute(Run(str(width), "single"), 20, 300, tmp / f"train-{width}")
+    if "error" in record:
+        raise SystemExit(f"{record['command']}: {record['error']}")
+    return 1.0 / record["steps_per_s"]
+
+
+def cores_for(width: int, busy: int, epochs: int = 2000) -> float:
+    """What ``busy`` busy processes get from this machine's cores together, in cores: that many ``psgd train``
+    started at once, their steps/s summed over one alone's (2 for two on two cores that do not slow each other;
+    here, measured).  The runs are long (2,000 epochs, about 10 s here) so that their loops overlap whatever their
+    start-ups take."""
+    argv = [sys.executable, "-m", "psgd.cli.main", "train", "--optimizer", "sgd", "--lr", "0.1", "--epochs",
+            str(epochs), "--set", f"model.hidden=[{width}]", "--no-progress", "--json", "--threads", "1"]
+
+    def rate(out: str) -> float:
+        import json
+
+        done = json.loads(out.strip().splitlines()[-1])
+        return done["steps"] / done["seconds"]
+
+    alone = rate(subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True).stdout)
+    group = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(busy)]
+    together = sum(rate(p.communicate(timeout=600)[0]) for p in group)
+    return min(float(busy), together / alone)
+
+
+def _cpu_seconds(run_dir: str) -> dict[str, float]:
+    """CPU seconds so far of each psgd process of the launch writing into ``run_dir`` (its shards and workers),
+    by role and number ("worker-0", "shard-1"), from /proc."""
+    import os
+    import re
+
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                argv = f.read().split("\0")
+            if not any(run_dir in a for a in argv) or "-m" not in argv:
+                continue
+            role = argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+            number = re.search(r"--(?:rank|shard)\x00?(\d+)", "\0".join(argv))
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[f"{role}-{number.group(1) if number else pid}"] = \
+                (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def in_a_launch(width: int, shards: int, policy: str, window: float = 4.0, watching: bool = False) -> dict:
+    """A ``psgd launch`` of one worker and ``shards`` shards (its data connections sleeping, so that what the
+    processes use is their work, unless ``watching``): each process's CPU per step over ``window`` seconds of its
+    run, and the steps/s."""
+    import glob
+    import shutil
+
+    run = tempfile.mkdtemp(prefix="psgd-sim-launch-")
+    argv = [sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "1", "--shards", str(shards), "--policy",
+            policy, "--optimizer", "sgd", "--lr", "0.1", "--epochs", "2000", "--set", f"model.hidden=[{width}]",
+            "--set", f"cluster.busy_poll_us={BUSY_POLL_US if watching else 0}", "--no-progress", "--run-dir", run]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def steps() -> int:
+        return sum(sum(1 for line in open(f) if '"event": "step"' in line) for f in glob.glob(f"{run}/worker-*.jsonl"))
+
+    try:
+        deadline = time.monotonic() + 120
+        while steps() < 2000:  # the job is under way (and warm) once worker 0 has taken this many steps
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"psgd launch for the costs did not get going: {' '.join(argv)}")
+            time.sleep(0.2)  # polling the worker's step records, with a deadline
+        before, n0, t0 = _cpu_seconds(run), steps(), time.monotonic()
+        time.sleep(window)  # the measuring window
+        after, n1, t1 = _cpu_seconds(run), steps(), time.monotonic()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(run, ignore_errors=True)
+    n = n1 - n0
+    return {"steps_per_s": n / (t1 - t0), **{k: (after[k] - before[k]) / n for k in after if k in before}}
+
+
+def request_costs(model_bytes: int, tmp: str, steps: int, busy_poll_us: int) -> dict:
+    """Per-request CPU of a shard and a worker, fixed and per byte, for a push and pull of their own and for a
+    joint push and pull, and the round trip's wait, from one worker and one shard at two sizes."""
+    from psgd.bench.latency import bare_tcp_rtt, step_costs
+
+    small, big = (step_costs(size, "tcp", steps, tmp, busy_poll_us) for size in (SMALL, model_bytes))
+    wake = bare_tcp_rtt(max(steps, 1000), busy_poll_us / 1e6)
+    watched = bare_tcp_rtt(max(steps, 1000), BUSY_POLL_US / 1e6)
+    span = max(model_bytes - SMALL, 1)
+
+    def line(at_small: float, at_big: float) -> tuple[float, float]:  # fixed part and per byte, neither below 0
+        per_byte = max((at_big - at_small) / span, 0.0)
+        return max(at_small - per_byte * SMALL, 0.0), per_byte
+
+    shard = line(small["shard_two_s"] / 2, big["shard_two_s"] / 2)  # a pull and a push of their own: half each
+    joint = line(small["shard_s"], big["shard_s"])
+    # the worker's own share of a joint round trip: the step less the shard's CPU and the bare round trip
+    worker = line(small["one_round_trip_s"] - small["shard_s"] - wake, big["one_round_trip_s"] - big["shard_s"] - wake)
+    return {"shard_request": shard[0], "shard_per_byte": shard[1], "joint_request": joint[0],
+            "joint_per_byte": joint[1], "worker_request": worker[0], "worker_per_byte": worker[1], "wake": wake,
+            "wake_watching": watched, "measured": {"small": small, "big": big}}
+
+
+def ring_costs(model_bytes: int, repeats: int = 20) -> tuple[float, float] | str:
+    """(a ring step's fixed seconds, its bytes/s) from psgd's MPI all-reduce between two ranks at two sizes; or why
+    it could not be measured."""
+    from psgd.bench.allreduce import run_mpi
+    from psgd.bench.scaling.runner import allreduce_unavailable
+
+    why = allreduce_unavailable()
+    if why:
+        return why
+    timed = run_mpi([SMALL, model_bytes], 2, repeats)
+    small, big = timed[SMALL]["psgd_s"], timed[model_bytes]["psgd_s"]
+    hop = small / 2  # two ranks: two ring steps
+    return hop, model_bytes / max(big - small, 1e-9)  # two steps of half the bytes each: the bytes once
+
+
+def measure(width: int, model_bytes: int, say: Callable[[str], None], steps: int = 400) -> tuple[Costs, dict]:
+    """The costs of the digits MLP of hidden ``width`` (``model_bytes`` of weights) on this machine, and the
+    figures they came from.  What a worker and a shard spend on a step is taken from three launches of one worker
+    (1 shard under sync, 2 under sync, 1 under async; their connections sleeping, so that a process's CPU is its
+    work): the processes' CPU a step; what a byte adds, from one worker and one shard at two sizes."""
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="psgd-sim-") as tmp:
+        compute = gradient_seconds(width, Path(tmp))
+        say(f"  a gradient (psgd train, MLP {width}): {compute * 1e6:,.0f} us")
+        cores, four = cores_for(width, 2), cores_for(width, 4)
+        say(f"  busy processes get this machine's cores together: two {cores:.2f}, four {four:.2f}")
+        req = request_costs(model_bytes, tmp, steps, 0)
+        launches = {name: in_a_launch(width, shards, policy)
+                    for name, shards, policy in (("sync1", 1, "sync"), ("sync2", 2, "sync"), ("async1", 1, "async"))}
+        watched = in_a_launch(width, 1, "sync", watching=True)
+        ring = ring_costs(model_bytes)
+    m, w_byte, s_byte, j_byte = model_bytes, req["worker_per_byte"], req["shard_per_byte"], req["joint_per_byte"]
+    w1, w2, wa = (launches[n]["worker-0"] for n in ("sync1", "sync2", "async1"))
+    worker_joint = max(w2 - w1, 0.0)  # a second shard's share of a step
+    worker_step = max(w1 - compute - worker_joint - w_byte * m, 0.0)
+    worker_request = max((wa - compute - worker_step - w_byte * m) / 2, 0.0)
+    joint_request = max(launches["sync1"]["server-0"] - j_byte * m, 0.0)
+    shard_request = max((launches["async1"]["server-0"] - 2 * s_byte * m) / 2, 0.0)
+    wake = max(1 / launches["sync1"]["steps_per_s"] - launches["sync1"]["worker-0"] - launches["sync1"]["server-0"],
+               0.0)
+    say(f"  in a launch, a step's CPU: the worker {w1 * 1e6:.0f} us with one shard, {w2 * 1e6:.0f} with two, "
+        f"{wa * 1e6:.0f} under async; the shard {launches['sync1']['server-0'] * 1e6:.0f} us (sync), "
+        f"{launches['async1']['server-0'] * 1e6:.0f} (async: a push and a pull)")
+    # both ends watching, the same step takes less: what is left of the difference once the watch's own wait is paid
+    # is CPU the sleeping ends spent going to sleep and waking
+    saves = max(1 / launches["sync1"]["steps_per_s"] - 1 / watched["steps_per_s"] + req["wake_watching"] - wake, 0.0)
+    say(f"  a round trip's wait beyond the CPU: {wake * 1e6:.0f} us sleeping, {req['wake_watching'] * 1e6:.0f} us "
+        f"watching, which saves the ends {saves * 1e6:.0f} us of CPU")
+    if isinstance(ring, str):
+        say(f"  all-reduce: not measured ({ring})")
+        hop, ring_rate = 0.0, 0.0
+    else:
+        hop, ring_rate = ring
+        say(f"  a ring step: {hop * 1e6:.0f} us + its bytes at {ring_rate / 1e9:.2f} GB/s")
+    costs = Costs(compute=compute, shard_request=shard_request, shard_per_byte=s_byte, joint_request=joint_request,
+                  joint_per_byte=j_byte, worker_request=worker_request, worker_per_byte=w_byte, wake=wake,
+                  cores=cores, worker_joint=worker_joint, worker_step=worker_step, cores_four=four, watch_saves=saves,
+                  hop=hop, ring_rate=ring_rate)
+    return costs, {"requests": req["measured"], "launches": {**launches, "sync1_watching": watched},
+                   "wake_watching": req["wake_watching"], "calibrated_on": ["sync 1w 1s", "sync 1w 2s", "async 1w 1s"],
+                   "seconds": time.monotonic() - began}
