@@ -101,11 +101,11 @@ class ClusterConfig:
     #                               push is acknowledged; workers fail over to it when the primary dies
     replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
 
-
     @property
     def busy_poll_seconds(self) -> float:
         """Seconds a waiting end of a data connection watches before it sleeps (``busy_poll_us``; -1 is none)."""
         return max(self.busy_poll_us, 0) / 1e6
+
 
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)

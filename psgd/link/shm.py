@@ -177,7 +177,7 @@ class ShmLink(TcpLink):
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = super().register(request)
-        shard = self.endpoint.shard
+        shard, nbytes = self.endpoint.shard, sum(s.nbytes for s in self.endpoint.slices)
         if not reply.data_port:
             self._over_tcp("it has no data port")
         elif not reply.host_id:
@@ -186,9 +186,8 @@ class ShmLink(TcpLink):
         elif reply.host_id != segment.host_id():
             self._over_tcp("it is on another host, or in another network or pid namespace (a container; its host "
                            "id differs)")
-        elif sum(s.nbytes for s in self.endpoint.slices) < SHARED_FROM_BYTES and \
-                not meaning(self.endpoint.transport)["insist"]:
-            self._over_tcp(f"its slices take {sum(s.nbytes for s in self.endpoint.slices):,} bytes, fewer than the "
+        elif nbytes < SHARED_FROM_BYTES and not meaning(self.endpoint.transport)["insist"]:
+            self._over_tcp(f"its slices take {nbytes:,} bytes, fewer than the "
                            f"{SHARED_FROM_BYTES:,} from which shared memory pays (transport = \"shm\" insists)")
         else:
             self.shared = True

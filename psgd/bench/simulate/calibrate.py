@@ -45,14 +45,15 @@ def cores_for(width: int, busy: int, epochs: int = 2000) -> float:
     started at once, their steps/s summed over one alone's (2 for two on two cores that do not slow each other;
     here, measured).  The runs are long (2,000 epochs, about 10 s here) so that their loops overlap whatever their
     start-ups take."""
-    argv = [sys.executable, "-m", "psgd.cli.main", "train", "--optimizer", "sgd", "--lr", "0.1", "--epochs",
-            str(epochs), "--set", f"model.hidden=[{width}]", "--no-progress", "--json", "--threads", "1"]
+    import json
+
+    from psgd.bench.scaling.grid import Run
+    from psgd.bench.scaling.measure import single_rates
+
+    argv = [sys.executable, "-m", "psgd.cli.main", *Run(str(width), "single").argv(epochs), "--threads", "1"]
 
     def rate(out: str) -> float:
-        import json
-
-        done = json.loads(out.strip().splitlines()[-1])
-        return done["steps"] / done["seconds"]
+        return single_rates(json.loads(out.strip().splitlines()[-1]))["steps_per_s"]
 
     alone = rate(subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True).stdout)
     group = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -92,10 +93,11 @@ def in_a_launch(width: int, shards: int, policy: str, window: float = 4.0, watch
     import glob
     import shutil
 
+    from psgd.bench.scaling.grid import Run
+
     run = tempfile.mkdtemp(prefix="psgd-sim-launch-")
-    argv = [sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "1", "--shards", str(shards), "--policy",
-            policy, "--optimizer", "sgd", "--lr", "0.1", "--epochs", "2000", "--set", f"model.hidden=[{width}]",
-            "--set", f"cluster.busy_poll_us={BUSY_POLL_US if watching else 0}", "--no-progress", "--run-dir", run]
+    argv = [sys.executable, "-m", "psgd.cli.main", *Run(str(width), policy, 1, shards=shards).argv(2000, Path(run)),
+            "--set", f"cluster.busy_poll_us={BUSY_POLL_US if watching else 0}"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def steps() -> int:

@@ -70,10 +70,10 @@ def validation_grid(have_allreduce: bool) -> list[tuple[int, int, str]]:
 
 
 def _watching(workers: int, shards: int, policy: str) -> bool:
-    """Whether psgd launch has the job's data connections watch on this machine (a core for each process)."""
-    from psgd.threads import available_cores
+    """Whether psgd launch has the job's data connections watch on this machine (its rule, psgd.launch.layout)."""
+    from psgd.launch.layout import busy_poll
 
-    return policy != "allreduce" and workers + shards <= available_cores()
+    return policy != "allreduce" and busy_poll(workers + shards)[0] > 0
 
 
 def validate(costs: Costs, calibration: dict, width: int, repeats: int, say) -> list[dict]:

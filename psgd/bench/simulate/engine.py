@@ -45,7 +45,7 @@ class Cpu:
     """A host's cores, shared equally by the processes busy on it (processor sharing): with n of them busy and
     ``cores`` cores, each gets min(1, cores / n) of a core, split among its pieces of work (a Python process runs
     one thread at a time, whatever its threads wait for).  A process is busy while it works and
-    while it watches for an answer (``watch``: a wait that spins rather than sleeps).  ``cores`` may be fractional:
+    while it watches for an answer (``spinning``: a wait that spins rather than sleeps).  ``cores`` may be fractional:
     what two busy processes get from two virtual cores that share a physical one is measured, not assumed."""
 
     def __init__(self, sim: Sim, cores: float, four: float | None = None):
@@ -81,10 +81,10 @@ class Cpu:
             self.busy += elapsed * rate
         self._last = self.sim.now
 
-    def watch(self, owner, on: bool) -> None:
-        """``owner`` starts (``on``) or stops spinning while it waits: busy for the others' share of the cores."""
+    def spinning(self, owner) -> None:
+        """``owner`` spins while it waits from now on: busy for the others' share of the cores."""
         self._advance()
-        (self._watching.add if on else self._watching.discard)(owner)
+        self._watching.add(owner)
         self._plan()
 
     def _plan(self) -> None:

@@ -53,7 +53,6 @@ class Layout:
     backup_workers: int = 0
     rate: float | None = None
     latency: float = 25e-6
-    host_cores: float | None = None  # each host's cores (None: the costs' measured cores)
     watching: bool = False  # data connections watch for answers ([cluster] busy_poll_us): the wake's wait only
     slow: dict = dataclasses.field(default_factory=dict)  # worker -> how many times longer its gradient takes
 
@@ -64,8 +63,7 @@ class Layout:
 
 class _Host:
     def __init__(self, sim: Sim, costs: Costs, layout: Layout):
-        self.cpu = Cpu(sim, layout.host_cores) if layout.host_cores else \
-            Cpu(sim, costs.cores, costs.cores_four or None)
+        self.cpu = Cpu(sim, costs.cores, costs.cores_four or None)
         self.nic = Nic(layout.rate, layout.latency) if layout.rate else None
 
 
@@ -201,7 +199,7 @@ def _ring(job: _Job) -> None:
             step()
 
     for rank, host in enumerate(job.worker_hosts):  # MPI's ranks spin while they wait for each other
-        host.cpu.watch(rank, True)
+        host.cpu.spinning(rank)
     step()
 
 
