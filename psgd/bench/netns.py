@@ -55,6 +55,12 @@ def parse_rate(text: str) -> int | None:
     return int(float(match.group(1)) * _SCALE[(match.group(2) or "").lower() or None])
 
 
+def burst_bytes(bits_per_second: int) -> int:
+    """The token bucket of a link shaped to ``bits_per_second`` (:meth:`Namespaces.shape`): 4 ms of traffic at the
+    rate, at least 256 KiB."""
+    return max(256 << 10, bits_per_second // 8 // 250)
+
+
 def describe_rate(bits: int | None) -> str:
     """``1 Gbit/s``, ``100 Mbit/s``; ``unshaped`` for None."""
     if bits is None:
@@ -160,8 +166,8 @@ class Namespaces:
         64 KiB at once (segmentation offload), and a bucket smaller than a
         segment would drop it whole.  Queued packets wait at most 100 ms.
         """
-        burst = max(256 << 10, bits_per_second // 8 // 250)  # 4 ms of traffic at the rate, at least 256 KiB
-        spec = ["root", "tbf", "rate", f"{bits_per_second}bit", "burst", str(burst), "latency", "100ms"]
+        spec = ["root", "tbf", "rate", f"{bits_per_second}bit", "burst", str(burst_bytes(bits_per_second)),
+                "latency", "100ms"]
         _run(IP, "netns", "exec", self.ns(host), TC, "qdisc", "replace", "dev", "eth0", *spec)
         _run(IP, "netns", "exec", self.ns("hub"), TC, "qdisc", "replace", "dev", self.ports[host], *spec)
         self.rates[host] = bits_per_second

@@ -63,10 +63,10 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path, network=None) 
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _stop(proc)
+        stop(proc)
         out, err = proc.communicate()
     except BaseException:
-        _stop(proc)
+        stop(proc)
         raise
     record["process_seconds"] = round(time.perf_counter() - began, 3)
     record["returncode"] = proc.returncode
@@ -111,7 +111,7 @@ def _run_all(todo: list, settings: Settings, root: Path, records: list[dict], pr
                 bar.write(_one_line(record, repeat), file=sys.stderr)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
     """Stop the run's process group (the launcher and what it started), TERM then KILL."""
     for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         try:

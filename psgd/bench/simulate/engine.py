@@ -58,9 +58,15 @@ class Cpu:
         self._last = 0.0
         self._epoch = 0  # the completion event in flight; an older one is stale
         self.busy = 0.0  # core-seconds of work done so far
+        self._shares: dict[int, float] | None = None  # _rates() until the work on the cores changes
 
     def _rates(self) -> dict[int, float]:
         """Each piece of work's share of a core now."""
+        if self._shares is None:
+            self._shares = self._share()
+        return self._shares
+
+    def _share(self) -> dict[int, float]:
         owners: dict = {}
         for key, item in self._running.items():
             owners.setdefault(item[2] if item[2] is not None else ("work", key), []).append(key)
@@ -85,6 +91,7 @@ class Cpu:
         """``owner`` spins while it waits from now on: busy for the others' share of the cores."""
         self._advance()
         self._watching.add(owner)
+        self._shares = None
         self._plan()
 
     def _plan(self) -> None:
@@ -100,6 +107,7 @@ class Cpu:
         self._advance()
         done = [key for key, item in self._running.items() if item[0] <= 1e-12]
         thens = [self._running.pop(key)[1] for key in done]
+        self._shares = None
         self._plan()
         for then in thens:
             then()
@@ -112,6 +120,7 @@ class Cpu:
             return
         self._advance()
         self._running[next(self._ids)] = [seconds, then, owner]
+        self._shares = None
         self._plan()
 
 
@@ -138,18 +147,25 @@ class Lock:
 
 class Nic:
     """A host's link at ``rate`` bytes/s each way; a message leaves when its sender's way out and its receiver's way
-    in are both free, holds both for its bytes / rate, and arrives ``latency`` seconds after its last byte left."""
+    in are both free, holds both for its bytes / rate, and arrives ``latency`` seconds after its last byte left.
+    With a ``burst`` (bytes), each way is a token bucket as Linux's tbf shapes an emulated link: bytes the bucket
+    holds tokens for pass at once, the rest at the rate; a real link has none (0)."""
 
-    def __init__(self, rate: float, latency: float):
-        self.rate, self.latency = rate, latency
-        self.out_free = 0.0
-        self.in_free = 0.0
+    def __init__(self, rate: float, latency: float, burst: float = 0.0):
+        self.rate, self.latency, self.burst = rate, latency, burst
+        self.out_free = self.in_free = 0.0  # when each way's last message has passed
+        self.out_tokens = self.in_tokens = burst  # each way's bucket, as it was when its last message passed
 
 
 def send(sim: Sim, src: Nic, dst: Nic, nbytes: float, then: Then) -> None:
     """Move ``nbytes`` from the host of ``src`` to the host of ``dst`` over their links (full duplex, first come
     first served on each way), then ``then``."""
     start = max(sim.now, src.out_free, dst.in_free)
-    end = start + nbytes / min(src.rate, dst.rate)
+    rate = min(src.rate, dst.rate)
+    out = min(src.burst, src.out_tokens + src.rate * (start - src.out_free))
+    into = min(dst.burst, dst.in_tokens + dst.rate * (start - dst.in_free))
+    passing = max(nbytes - min(out, into), 0.0) / rate  # the bytes the buckets have no tokens for, at the rate
+    end = start + passing
+    src.out_tokens, dst.in_tokens = out + rate * passing - nbytes, into + rate * passing - nbytes
     src.out_free = dst.in_free = end
     sim.after(end - sim.now + max(src.latency, dst.latency), then)

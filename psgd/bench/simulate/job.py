@@ -35,7 +35,9 @@ class Costs:
     worker_joint: float = 0.0  # a worker's CPU for a joint push and pull to one shard (sync), beside its bytes
     worker_step: float = 0.0   # a worker's CPU a step beyond its gradient and its requests
     cores_four: float = 0.0    # what four or more busy processes get from a host's cores together (0: as cores)
-    watch_saves: float = 0.0   # CPU a round trip saves where both ends watch (no sleep, no wake-up), half each end
+    watch_saves: float = 0.0   # CPU a joint round trip saves where both ends watch (no sleep, no wake-up), half each
+    watch_saves_request: float = 0.0  # ... and a push's or a pull's round trip of its own (async, ssp)
+    wake_watching: float = 0.0  # a round trip's time beyond both ends' CPU where both watch (0: as wake)
     hop: float = 0.0       # all-reduce: one step of the ring beside its bytes
     ring_rate: float = 0.0  # all-reduce: bytes/s of a ring step between ranks of one host (0: no all-reduce)
 
@@ -43,7 +45,8 @@ class Costs:
 @dataclasses.dataclass
 class Layout:
     """A job: ``workers`` and ``shards`` (all-reduce: ``workers`` ranks) of a model of ``model_bytes``, on one host
-    (``rate`` None) or each process on a host of its own with a link of ``rate`` bytes/s and ``latency`` s."""
+    (``rate`` None) or each process on a host of its own with a link of ``rate`` bytes/s and ``latency`` s (hosts
+    emulated on one machine, sharing its cores: ``one_machine``)."""
 
     workers: int
     shards: int
@@ -53,6 +56,8 @@ class Layout:
     backup_workers: int = 0
     rate: float | None = None
     latency: float = 25e-6
+    one_machine: bool = False  # with a rate: every host's link of its own, all of them on one machine's cores
+    burst: float = 0.0  # with a rate: bytes each way of a link passes at once (an emulated link's token bucket)
     watching: bool = False  # data connections watch for answers ([cluster] busy_poll_us): the wake's wait only
     slow: dict = dataclasses.field(default_factory=dict)  # worker -> how many times longer its gradient takes
 
@@ -62,27 +67,30 @@ class Layout:
 
 
 class _Host:
-    def __init__(self, sim: Sim, costs: Costs, layout: Layout):
-        self.cpu = Cpu(sim, costs.cores, costs.cores_four or None)
-        self.nic = Nic(layout.rate, layout.latency) if layout.rate else None
+    def __init__(self, sim: Sim, costs: Costs, layout: Layout, cpu: Cpu | None = None):
+        self.cpu = cpu or Cpu(sim, costs.cores, costs.cores_four or None)
+        self.nic = Nic(layout.rate, layout.latency, layout.burst) if layout.rate else None
 
 
 class _Job:
     def __init__(self, costs: Costs, layout: Layout):
         self.sim, self.costs, self.layout = Sim(), costs, layout
         one = _Host(self.sim, costs, layout) if layout.rate is None else None
-        self.worker_hosts = [one or _Host(self.sim, costs, layout) for _ in range(layout.workers)]
-        self.shard_hosts = [one or _Host(self.sim, costs, layout) for _ in range(layout.shards)]
+        machine = Cpu(self.sim, costs.cores, costs.cores_four or None) if layout.one_machine else None
+        self.worker_hosts = [one or _Host(self.sim, costs, layout, machine) for _ in range(layout.workers)]
+        self.shard_hosts = [one or _Host(self.sim, costs, layout, machine) for _ in range(layout.shards)]
         self.part = layout.model_bytes / layout.shards
         self.steps: list[tuple[float, int]] = []  # (time, worker) of every step done
 
     def move(self, src: _Host, dst: _Host, nbytes: float, then) -> None:
         """Bytes from one process to another over both hosts' links; a round trip's wait beyond the CPU is paid
         half each way.  On one host the bytes cost the CPU of both ends (in their measured costs), not time."""
+        c = self.costs
+        wake = c.wake_watching if self.layout.watching and c.wake_watching else c.wake
         if src.nic is None:
-            self.sim.after(self.costs.wake / 2, then)
+            self.sim.after(wake / 2, then)
         else:
-            send(self.sim, src.nic, dst.nic, nbytes, lambda: self.sim.after(self.costs.wake / 2, then))
+            send(self.sim, src.nic, dst.nic, nbytes, lambda: self.sim.after(wake / 2, then))
 
 
 class _Shard:
@@ -93,16 +101,17 @@ class _Shard:
         self.closed = -1                        # sync: the last round closed
         self.held: list = []                    # ssp: pulls waiting for the slowest
 
-    def _cpu(self, seconds: float, then) -> None:
+    def _cpu(self, seconds: float, then, joint: bool = False) -> None:
         if self.job.layout.watching:
-            seconds = max(seconds - self.job.costs.watch_saves / 2, 0.0)
+            c = self.job.costs
+            seconds = max(seconds - (c.watch_saves if joint else c.watch_saves_request) / 2, 0.0)
         self.lock.acquire(lambda: self.host.cpu.work(seconds, lambda: (self.lock.release(), then()), self))
 
     def push(self, worker: "_Worker", clock: int) -> None:
         c, part = self.job.costs, self.job.part
         joint = self.job.layout.policy == "sync"
         self._cpu(c.joint_request + c.joint_per_byte * part if joint else c.shard_request + c.shard_per_byte * part,
-                  lambda: self._pushed(worker, clock))
+                  lambda: self._pushed(worker, clock), joint)
 
     def _pushed(self, worker: "_Worker", clock: int) -> None:
         layout = self.job.layout
@@ -146,9 +155,10 @@ class _Worker:
 
     def _client(self, nbytes: float, then) -> None:
         c = self.job.costs
-        fixed = c.worker_joint if self.job.layout.policy == "sync" else c.worker_request
+        joint = self.job.layout.policy == "sync"
+        fixed = c.worker_joint if joint else c.worker_request
         if self.job.layout.watching:
-            fixed = max(fixed - c.watch_saves / 2, 0.0)
+            fixed = max(fixed - (c.watch_saves if joint else c.watch_saves_request) / 2, 0.0)
         self.host.cpu.work(fixed + c.worker_per_byte * nbytes, then, self)
 
     def start(self) -> None:
@@ -174,7 +184,8 @@ class _Worker:
 
 def _ring(job: _Job) -> None:
     """Ring all-reduce: every rank's gradient, then 2(n-1) steps each moving 1/n of it to the next rank; a rank
-    waiting for the others spins (MPI's progress loop), busy for the cores' share."""
+    waiting for the others spins (MPI's progress loop), busy for the cores' share.  The ranks' hosts are alike, so
+    they move in lockstep: rank 0's chain of steps to rank 1 stands for every rank's."""
     layout, c = job.layout, job.costs
     n = layout.workers
     state = {"left": n}
@@ -187,16 +198,12 @@ def _ring(job: _Job) -> None:
     def computed() -> None:
         state["left"] -= 1
         if not state["left"]:
-            state["left"] = n
-            for rank, host in enumerate(job.worker_hosts):
-                _hops(job, host, job.worker_hosts[(rank + 1) % n], layout.model_bytes / n, 2 * (n - 1), reduced)
+            _hops(job, job.worker_hosts[0], job.worker_hosts[1], layout.model_bytes / n, 2 * (n - 1), reduced)
 
     def reduced() -> None:
-        state["left"] -= 1
-        if not state["left"]:
-            for rank in range(n):
-                job.steps.append((job.sim.now, rank))
-            step()
+        for rank in range(n):
+            job.steps.append((job.sim.now, rank))
+        step()
 
     for rank, host in enumerate(job.worker_hosts):  # MPI's ranks spin while they wait for each other
         host.cpu.spinning(rank)
