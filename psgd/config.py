@@ -85,6 +85,8 @@ class ClusterConfig:
     shards: int = 2
     workers: int = 2
     servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
+    data_ports: list = dataclasses.field(default_factory=list)  # each shard's data port, in shard order (say, to open
+    #                               in a firewall); empty: each shard takes a free one and tells workers in its hello
     slice_bytes: int = 4 << 20    # tensors larger than this are cut into slices
     lease_seconds: float = 10.0   # a worker silent this long leaves the round
     join_timeout: float = 120.0   # a worker that never registers within this leaves the round
@@ -244,6 +246,9 @@ class JobConfig:
             raise ConfigError(f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}")
         if (section, key) in (("cluster", "servers"), ("cluster", "replica_servers")) and isinstance(value, str):
             value = [a.strip() for a in value.split(",") if a.strip()]
+        if (section, key) == ("cluster", "data_ports") and isinstance(value, (str, int)) \
+                and not isinstance(value, bool):  # --set cluster.data_ports=50052,50054 or one port
+            value = [int(p) if p.strip().isdigit() else p.strip() for p in str(value).split(",") if p.strip()]
         setattr(target, key, value)
 
     def validate(self) -> None:
@@ -303,6 +308,13 @@ class JobConfig:
             raise ConfigError(f"{src}: [cluster] servers must be a list of host:port strings, got {c.servers!r}")
         if c.servers and len(c.servers) != c.shards:
             raise ConfigError(f"{src}: [cluster] lists {len(c.servers)} server address(es) but shards = {c.shards}")
+        if not isinstance(c.data_ports, list) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in c.data_ports):
+            raise ConfigError(f"{src}: [cluster] data_ports must be a list of ports (1-65535), one per shard, got "
+                              f"{c.data_ports!r}")
+        if c.data_ports and len(c.data_ports) != c.shards:
+            raise ConfigError(f"{src}: [cluster] lists {len(c.data_ports)} data port(s) but shards = {c.shards}: one "
+                              "per shard, or none (each shard takes a free one)")
         self._validate_replicas()
         if isinstance(c.dc_lambda, bool) or not isinstance(c.dc_lambda, (int, float)) \
                 or not 0 <= c.dc_lambda <= 1e6:

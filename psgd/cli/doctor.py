@@ -1,7 +1,7 @@
 """``psgd doctor``: a preflight check of a job, before (or while) it runs.
 
-``psgd doctor -c job.toml`` walks through what a job needs, address by
-address: the name resolves, the gRPC and data ports accept connections, the
+``psgd doctor -c job.toml`` walks through what a job needs: no port given
+twice on one host; then address by address: the name resolves, the gRPC and data ports accept connections, the
 shard answers the health check and Status as the shard the job file says it
 is, with the same partition plan; then the token, the TLS files and the GPU.
 Each finding is one line in plain words; the exit status is 1 when anything
@@ -27,11 +27,13 @@ DEFAULT_HEALTH_ADDRESS = "127.0.0.1:50051"
 
 # -- psgd doctor ---------------------------------------------------------------------------------
 DOCTOR_DESCRIPTION = """\
-Check that a job can run, before starting workers or while it runs: every
-shard address in the job file resolves, its gRPC port and data port accept
-connections, it answers the gRPC health check and Status as the shard the job
-file says it is, with the same partition plan, policy and worker count; the
-token is accepted; the TLS files exist and parse; the GPU asked for is
+Check that a job can run, before starting workers or while it runs: no
+port of the job file (the shards' and replicas' gRPC ports, [cluster]
+data_ports) is given to two of its processes on one host; every shard
+address resolves, its gRPC port and data port accept connections, it
+answers the gRPC health check and Status as the shard the job file says it
+is, with the same partition plan, policy and worker count; the token is
+accepted; the TLS files exist and parse; the GPU asked for is
 visible. Each finding is one line; the exit status is 1 when anything is
 wrong, 0 otherwise.
 

@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "replica_servers with --replica, else 127.0.0.1 with a free port); never all "
                              "interfaces unless you name 0.0.0.0")
     parser.add_argument("--data-port", type=int, default=None, metavar="PORT",
-                        help="port of the bulk data path (plain TCP, same host) for pulls and pushes "
-                             "(default: the gRPC port + 1, or a free port when that is 0)")
+                        help="port of the bulk data path (plain TCP, same host) for pulls and pushes (default: "
+                             "this shard's entry in [cluster] data_ports, else a free port, which workers learn "
+                             "from the shard; name one to open it in a firewall)")
     parser.add_argument("--port-file", metavar="FILE",
                         help="write the address actually bound to FILE once serving; removed when the shard stops")
     parser.add_argument("--exit-when-done", action="store_true",
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     from psgd.job import describe_job
     from psgd.server import build_shard
+    from psgd.server.listen import PortTaken
     from psgd.server.service import ShardServer
 
     config = job_from_args(args)
@@ -132,14 +134,16 @@ def serve(args: argparse.Namespace) -> int:
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()
     token, tls = token_from_args(args), tls_from_args(args, config)
     try:
-        port = int(port_text)
-        data_port = args.data_port if args.data_port is not None else (port + 1 if port else 0)
+        data_port = args.data_port if args.data_port is not None else \
+            c.data_ports[args.shard] if c.data_ports and not args.replica else 0
         server = ShardServer(core, bind, request_timeout=c.request_timeout, transport=c.transport,
                              data_port=data_port, token=token, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls,
                              interceptors=metrics.interceptors, hello_timeout=c.hello_timeout,
                              replicated=bool(c.replicas), busy_poll=c.busy_poll_seconds).start()
+    except PortTaken as exc:
+        raise ConfigError(_port_taken(args, exc)) from None
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     pair = None
@@ -177,6 +181,20 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     log.info("stopped at version %d", core.version)
     return 0
+
+
+def _port_taken(args: argparse.Namespace, exc) -> str:
+    """One line: which of the shard's ports it cannot have, whose it is, and what to write instead."""
+    from psgd.ops.ports import holder
+
+    who = f"; {holder(exc.port)} holds it" if "in use" in exc.why.lower() else ""
+    if exc.what == "data port":
+        way = ("give this shard another data port (--data-port or [cluster] data_ports), or leave both out and it "
+               "takes a free one, which workers learn from the shard")
+    else:
+        way = ("give this shard a free port on an address of this machine (its entry in [cluster] servers, or "
+               "--bind HOST:PORT)")
+    return f"shard {args.shard}: cannot listen on its {exc.what} {exc.address} ({exc.why}{who}): {way}"
 
 
 def _write_port_file(path: str, address: str) -> None:

@@ -303,6 +303,7 @@ def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts:
     for k in mine:
         bind = "127.0.0.1:0" if layout.nnodes == 1 else \
             layout.replica_address(k, shards) if replica else layout.address(k)
+        data = ["--data-port", str(int(bind.rpartition(":")[2]) + 1)] if layout.nnodes > 1 and not hosts else []
         host = f"s{(k + 1) % shards}" if replica else f"s{k}"  # a replica: on another emulated host, if any
         if hosts:
             bind = f"{hosts.addresses[host]}:0"
@@ -310,7 +311,7 @@ def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts:
         name = f"replica {k}" if replica else f"shard {k}"
         started.append(children.start(name, [
             *(hosts.prefix(host) if hosts else []), sys.executable, "-m", "psgd.cli.server", "-c", str(job_path),
-            "--shard", str(k), *(["--replica", "--peer", primaries[k]] if replica else []), "--bind", bind,
+            "--shard", str(k), *(["--replica", "--peer", primaries[k]] if replica else []), "--bind", bind, *data,
             "--port-file", str(files[k]), *flags], run / f"{name.replace(' ', '-')}.log", env={"PSGD_TOKEN": token}))
     bound = dict(zip(mine, wait_for_files(list(files.values()), started, children, timeout=min(timeout, 120.0))))
     return started, bound

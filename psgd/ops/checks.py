@@ -67,10 +67,11 @@ class Doctor:
             self.add("FAIL", "servers", "[cluster] servers is empty: list the shards' addresses (host:port), in "
                      "shard order, in the job file or with --servers")
             return
-        dupes = sorted({a for a in c.servers if c.servers.count(a) > 1})
-        if dupes:
-            self.add("FAIL", "servers", f"listed more than once: {', '.join(dupes)}; every shard needs its own "
-                     "address")
+        from psgd.ops.ports import overlaps
+
+        for overlap in overlaps(c):
+            self.add("FAIL", "ports", f"{overlap}: give each its own (a shard's data port is free by default, or "
+                     "[cluster] data_ports)")
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(c.servers))) as pool:
             results = list(pool.map(lambda k: self.check_shard(k, c.servers[k], plan_hash), range(len(c.servers))))
         statuses = [s for _, s in results if s is not None]
@@ -116,12 +117,14 @@ class Doctor:
             say("FAIL", result.error or f"health {result.health}")
         else:
             say("ok", "health check: SERVING")
-        if c.transport != "grpc":
-            data_port = (result.status or {}).get("data_port") or port + 1
-            error = tcp_check(ips[0], data_port, timeout)
+        if c.transport != "grpc" and result.status is not None:
+            data_port = result.status.get("data_port")
+            error = tcp_check(ips[0], data_port, timeout) if data_port else \
+                "the shard serves none (it was started with [cluster] transport = \"grpc\")"
             if error:
-                say("FAIL", f"data port {data_port}: {error}; workers send tensors there: open it (the default is "
-                    "the gRPC port + 1; psgd-server --data-port moves it), or set [cluster] transport = \"grpc\"")
+                which = f" {data_port}" if data_port else ""
+                say("FAIL", f"data port{which}: {error}; workers send tensors there: open it (a free port unless "
+                    "[cluster] data_ports or psgd-server --data-port names one), or set [cluster] transport = \"grpc\"")
             else:
                 say("ok", f"data port {data_port} accepts connections")
         s = result.status

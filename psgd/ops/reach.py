@@ -100,7 +100,7 @@ def status_dict(reply: Any) -> dict:
     return {
         "shard": reply.shard, "num_shards": reply.num_shards, "policy": reply.policy, "version": reply.version,
         "plan_hash": reply.plan_hash, "bytes_held": reply.bytes_held, "incarnation": reply.incarnation,
-        "data_port": getattr(reply, "data_port", 0),  # where Status reports it; else the gRPC port + 1
+        "data_port": getattr(reply, "data_port", 0),  # where Status reports it; 0: the shard serves none
         "role": getattr(reply, "role", ""), "replica_lag": getattr(reply, "replica_lag", -1),
         "counters": counters, "staleness_histogram": list(reply.staleness_histogram),
         "workers": [{"worker_id": w.worker_id, "state": w.state, "clock": w.clock,

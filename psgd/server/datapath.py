@@ -67,6 +67,9 @@ class DataServer:
                  max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None,
                  shm: bool = True, busy_poll: float = 0.0):
         self.core = core
+        sock = socket.create_server((host, port), backlog=BACKLOG)  # first: a port it cannot have leaves nothing
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
         #: seconds a serving thread watches for a connection's next request before it sleeps ([cluster] busy_poll_us)
         self.busy_poll = busy_poll
         #: whether a worker on this host may pull from the weights in shared memory and push through a segment
@@ -89,9 +92,6 @@ class DataServer:
         self.request_timeout, self.idle_timeout = request_timeout, idle_timeout
         #: authenticated connections served at once (one thread each)
         self.max_connections = max_connections or 4 * core.num_workers + 8
-        sock = socket.create_server((host, port), backlog=BACKLOG)
-        sock.setblocking(False)
-        self.port = sock.getsockname()[1]
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()  # authenticated, each served by its thread
         self._lock = threading.Lock()

@@ -91,7 +91,8 @@ class Gatekeeper:
             pass
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # a gatekeeper stopped before it started has nothing to wait for
+            self._thread.join(timeout)
 
     def _gatekeep(self) -> None:
         try:

@@ -26,6 +26,7 @@ from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
+from psgd.server.listen import PortTaken, free_to_listen
 from psgd.server.tokens import TokenInterceptor
 from psgd.server.watchdog import Watchdog
 from psgd.tls import NO_TLS, TLSFiles
@@ -294,11 +295,14 @@ class ShardServer:
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
         means = wire.meaning(transport)  # a data port or none; shared memory for workers on this host or not
-        self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
-                               request_timeout=request_timeout, hello_timeout=hello_timeout,
-                               tls=tls.server_context() if tls.enabled else None,
-                               shm=bool(means["shared_memory"]), busy_poll=busy_poll) \
-            if means["data_port"] or replicated else None
+        try:
+            self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
+                                   request_timeout=request_timeout, hello_timeout=hello_timeout,
+                                   tls=tls.server_context() if tls.enabled else None,
+                                   shm=bool(means["shared_memory"]), busy_poll=busy_poll) \
+                if means["data_port"] or replicated else None
+        except OSError as exc:
+            raise PortTaken("data port", f"{host}:{data_port}", data_port, exc.strerror or str(exc)) from None
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
@@ -313,11 +317,20 @@ class ShardServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.tls = tls
-        self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls.enabled
-                     else self.server.add_insecure_port(bind))
+        try:
+            free_to_listen(bind)
+            self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls.enabled
+                         else self.server.add_insecure_port(bind))
+        except (OSError, RuntimeError) as exc:  # grpcio raises where older versions returned 0
+            if self.data is not None:
+                self.data.stop()
+            why = exc.why if isinstance(exc, PortTaken) else "in use, or the address is not on this machine"
+            raise PortTaken("gRPC port", bind, int(bind.rpartition(":")[2]), why) from None
         if self.port == 0:
-            raise OSError(f"cannot listen on {bind}: the address is in use or not on this machine; "
-                          "pick another port or bind address")
+            if self.data is not None:
+                self.data.stop()  # its port and shared memory: nothing started yet
+            raise PortTaken("gRPC port", bind, int(bind.rpartition(":")[2]), "in use, or the address is not on "
+                            "this machine")
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name=f"shard{core.shard}-leases", daemon=True)

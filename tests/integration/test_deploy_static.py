@@ -406,9 +406,9 @@ def test_kubernetes_statefulset_shards_and_indexed_job_workers(job):
 
 # -- Slurm -----------------------------------------------------------------------------------------
 SLURM_SAMPLES = {"JOB_FILE": ["deploy/job.toml"], "k": ["0"], "r": ["0"], "SHARDS": ["2"], "WORKERS": ["3"],
-                 "PORT": ["50051"], "DEVICE": ["cpu"], "CHECKPOINTS": ["/scratch/psgd"],
+                 "PORT": ["50051"], "DATA_PORT": ["50052"], "DEVICE": ["cpu"], "CHECKPOINTS": ["/scratch/psgd"],
                  "SERVERS": ["node1:50051,node2:50051"], "ADDRESSES[@]": ["node1:50051", "node2:50051"],
-                 "REPLICA_PORT": ["50061"], "REPLICA_FLAGS[@]": []}
+                 "REPLICA_PORT": ["50061"], "REPLICA_DATA_PORT": ["50062"], "REPLICA_FLAGS[@]": []}
 
 
 def slurm_commands(text: str, samples: dict[str, list[str]] = SLURM_SAMPLES) -> list[list[str]]:

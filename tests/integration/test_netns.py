@@ -105,6 +105,7 @@ def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, 
     job.apply_sets(["cluster.policy=sync", "cluster.shards=2", "cluster.workers=2", "cluster.join_timeout=60",
                     "cluster.request_timeout=30"])
     job.override("cluster.servers", [f"{HOSTS['s0']}:{PORT}", f"{HOSTS['s1']}:{PORT}"])
+    job.override("cluster.data_ports", [PORT + 1, PORT + 1])  # named, as for a firewall between machines
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     start = time.monotonic()

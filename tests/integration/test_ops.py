@@ -250,11 +250,11 @@ def test_status_command_line_with_a_job_file(tmp_path):
 # -- psgd doctor ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def cli_layout_shards(job, transport: str = "auto"):
-    """Every shard of ``job`` as psgd-server lays it out: gRPC on a port P, the data port on P + 1."""
+    """Every shard of ``job`` with a data port named for it: gRPC on a port P, the data port on P + 1."""
     servers = []
     try:
         for k in range(job.cluster.shards):
-            port = free_port_pair()  # psgd-server's default layout: gRPC on P, data on P + 1
+            port = free_port_pair()  # gRPC on P, data on P + 1 (psgd-server --data-port)
             servers.append(ShardServer(build_shard(describe_job(job), k), f"127.0.0.1:{port}", transport=transport,
                                        data_port=port + 1).start())
         job.override("cluster.servers", [s.address for s in servers])
@@ -340,7 +340,7 @@ def test_doctor_data_port_closed(tmp_path, capsys):
         code = main(["doctor", "-c", write_job(tmp_path, job), "--timeout", "2"])
     out = capsys.readouterr().out
     assert code == 1
-    assert f"data port {port + 1}: nothing listens" in out and 'transport = "grpc"' in out
+    assert "data port: the shard serves none" in out and 'transport = "grpc"' in out
 
 
 def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch):

@@ -191,3 +191,27 @@ def test_launch_watches_only_where_each_process_has_a_core(monkeypatch):
     monkeypatch.setattr(threads, "available_cores", lambda: 4)
     assert busy_poll(4)[0] == protocol.BUSY_POLL_US and busy_poll(1)[0] == protocol.BUSY_POLL_US
     assert busy_poll(5) == (0, "5 process(es) on 4 core(s): data connections sleep at once ([cluster] busy_poll_us)")
+
+
+def test_data_ports_name_one_port_per_shard_or_none():
+    job = JobConfig()
+    job.apply_sets(["cluster.shards=2", "cluster.data_ports=50152,50154"])
+    assert job.cluster.data_ports == [50152, 50154]
+    job.apply_sets(["cluster.data_ports=[]"])
+    assert job.cluster.data_ports == []
+    for bad, words in (("cluster.data_ports=50152", "lists 1 data port(s) but shards = 2"),
+                       ("cluster.data_ports=[0, 1]", "must be a list of ports (1-65535)"),
+                       ("cluster.data_ports=[\"a\", 2]", "must be a list of ports")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            JobConfig().apply_sets(["cluster.shards=2", bad])
+
+
+def test_overlapping_ports_are_said_with_whose_they_are():
+    from psgd.ops.ports import overlaps
+
+    job = JobConfig()
+    job.apply_sets(["cluster.shards=2", "cluster.servers=localhost:50151,127.0.0.1:50152",
+                    "cluster.data_ports=50152,50153"])
+    assert overlaps(job.cluster) == ["127.0.0.1:50152 is shard 0's data port and shard 1's gRPC port"]
+    job.apply_sets(["cluster.servers=10.0.0.5:50151,10.0.0.6:50152", "cluster.data_ports=50153,50153"])
+    assert overlaps(job.cluster) == []  # the same ports on two hosts

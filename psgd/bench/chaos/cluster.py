@@ -68,6 +68,9 @@ class Cluster:
             self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
             self.replica_binds = [f"{net.hosts[f'r{k}']}:{NS_PORT}" for k in range(SHARDS) if f"r{k}" in net.hosts]
         config.override("cluster.servers", list(self.binds))
+        # each shard's data port named in the job file, next to its gRPC port: where the faults aim, and the same
+        # after a restart
+        config.override("cluster.data_ports", [int(b.rpartition(":")[2]) + 1 for b in self.binds])
         if spec.replicas:  # shard k's second process ("replica{k}"): on a host of its own in namespaces
             config.override("cluster.replica_servers", list(self.replica_binds))
         self.config = config

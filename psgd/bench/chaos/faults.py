@@ -217,9 +217,8 @@ class FaultInjection:
         """Each shard's (host, data port) and the bytes of its weights."""
         c = self.cluster
         targets = []
-        for address in c.binds:
-            host, _, port = address.rpartition(":")
-            targets.append((host, int(port) + 1))
+        for address, data_port in zip(c.binds, c.config.cluster.data_ports):
+            targets.append((address.rpartition(":")[0], data_port))
         return targets, [sum(s.nbytes for s in c.plan.slices_for_shard(k)) for k in range(len(c.binds))]
 
     def _trickled_push(self, r: int, unregistered: int) -> str:
@@ -284,9 +283,9 @@ class FaultInjection:
     def _hostile(self, fault: Fault) -> str:
         c = self.cluster
         targets = []
-        for address in c.binds:
+        for address, data_port in zip(c.binds, c.config.cluster.data_ports):
             host, _, port = address.rpartition(":")
-            targets += [(host, int(port)), (host, int(port) + 1)]
+            targets += [(host, int(port)), (host, data_port)]
         stats, before, after = self._from_outside(HOSTILE, {"targets": targets, "count": fault.count,
                                                             "seconds": fault.seconds,
                                                             "seed": self.seed * 1000 + self.spec.index},
