@@ -51,13 +51,13 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class TrainConfig:
-    batch_size: int = 32
-    epochs: int = 30
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
+    batch_size: int = 32         # examples in each process's minibatch (a sync round of N workers: N x this)
+    epochs: int = 30             # passes over the training data (each worker over its own share)
+    seed: int = 0                # initial weights and data order
+    device: str = "cpu"          # cpu, cuda or cuda:N: where each process computes
+    dtype: str = "float32"       # float32 or float64: the weights and gradients
     eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
-    eval_batch_size: int = 1024
+    eval_batch_size: int = 1024  # examples evaluated at once
     eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
     graphs: bool = True  # on a GPU, a step's gradient replayed as a CUDA graph where the model allows (psgd.graphs)
     threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
@@ -82,8 +82,8 @@ class ClusterConfig:
     dc_lambda: float = 0.0        # async, ssp: delay compensation (DC-ASGD) of strength lambda; 0: none
     dc_adaptive: bool = False     # async, ssp: lambda / sqrt(mean square of the gradients), per weight
     implicit_momentum: bool = False  # async, ssp: lower the optimizer's momentum by asynchrony's (1 - 1/workers)
-    shards: int = 2
-    workers: int = 2
+    shards: int = 2               # parameter-server shards (psgd-server processes) holding the weights
+    workers: int = 2              # workers (psgd-worker processes), each on its own share of the data
     servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
     data_ports: list = dataclasses.field(default_factory=list)  # each shard's data port, in shard order (say, to open
     #                               in a firewall); empty: each shard takes a free one and tells workers in its hello
@@ -126,7 +126,7 @@ class TablesConfig:
     """How a model's embedding tables are trained and kept (psgd.optim.rows, psgd.tables); unused without tables."""
 
     optimizer: str = "rowwise_adagrad"  # the rule for rows: sgd, rowwise_adagrad or lazy_adam
-    lr: float = 0.05
+    lr: float = 0.05              # the rows' learning rate
     eps: float = 1e-8             # rowwise_adagrad, lazy_adam
     initial: float = 0.0          # rowwise_adagrad: each row's accumulator to start with
     beta1: float = 0.9            # lazy_adam

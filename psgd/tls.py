@@ -5,7 +5,7 @@ A shard with ``--tls-cert`` and ``--tls-key`` speaks only TLS; adding
 TLS).  A worker with ``--tls-ca`` trusts shards signed by that CA, and sends
 ``--tls-cert``/``--tls-key`` as its own certificate.  The certificate must
 name the address the worker dials (a DNS name or an IP in subjectAltName).
-README.md shows how to make a CA and certificates with openssl.
+docs/howto/reliability-security.md shows how to make a CA and certificates with openssl.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ NO_TLS = TLSFiles()
 
 
 def add_tls_arguments(parser, server: bool = False, launch: bool = False) -> None:
-    group = parser.add_argument_group("TLS", "encryption and mutual authentication (see README: certificates)")
+    group = parser.add_argument_group("TLS", "encryption and mutual authentication (certificates with openssl: "
+                                             "docs/howto/reliability-security.md)")
     if launch:
         group.add_argument("--tls-cert", metavar="PEM", help="the certificate every shard serves with and every "
                            "worker (and this launcher's own reads) shows; it must name 127.0.0.1, or each "

@@ -1,6 +1,6 @@
-"""``psgd check-model``, and the README's example model: the code it shows is the code that passes.
+"""``psgd check-model``, and the documentation's example model: the code it shows is the code that passes.
 
-The README's ``tanhnet.py`` is written into a temporary folder and used from
+The page's ``tanhnet.py`` (docs/howto/your-model.md) is written into a temporary folder and used from
 there, as a user would: checked (in process and as a real ``psgd`` process run
 from that folder) and trained.
 """
@@ -41,11 +41,12 @@ class Swapped(TanhMLP):
 """
 
 
+PAGE = ROOT / "docs" / "howto" / "your-model.md"
+
+
 def readme_model() -> str:
-    """The python block of the README's Models section that holds tanhnet.py."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("\n## Models\n"):]
-    section = section[:section.index("\n## ", 1)]
+    """The python block of the documentation's page on your own model that holds tanhnet.py."""
+    section = PAGE.read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     (block,) = [b for b in blocks if b.startswith("# tanhnet.py")]
     return block
@@ -53,7 +54,7 @@ def readme_model() -> str:
 
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
-    """A working folder holding the README's tanhnet.py (and broken.py), as the current folder."""
+    """A working folder holding the page's tanhnet.py (and broken.py), as the current folder."""
     (tmp_path / "tanhnet.py").write_text(readme_model())
     (tmp_path / "broken.py").write_text(BROKEN)
     monkeypatch.chdir(tmp_path)
@@ -73,7 +74,7 @@ def run(capsys, *argv: str) -> tuple[int, list[str], str]:
 
 def test_readme_model_is_the_tested_file():
     assert readme_model() == EXAMPLE.read_text(encoding="utf-8")
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = PAGE.read_text(encoding="utf-8")
     for command in ("psgd check-model tanhnet:TanhMLP", "psgd train --model tanhnet:TanhMLP",
                     "psgd launch --model tanhnet:TanhMLP"):
         assert command in readme

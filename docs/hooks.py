@@ -1,0 +1,24 @@
+"""MkDocs hooks (mkdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
+drift (every command's flags and every job-file key, from :mod:`psgd.reference`), and benchmarks/RESULTS.md with
+the plots it shows, from where they live in the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def on_files(files, config):
+    from psgd import reference
+
+    for uri, text in (("reference/commands.md", reference.commands()), ("reference/keys.md", reference.job_file())):
+        files.append(File.generated(config, uri, content=text))
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    files.append(File.generated(config, "benchmarks/RESULTS.md", content=results))
+    for image in sorted(set(re.findall(r"\]\((results/[^)]+\.png)\)", results))):
+        files.append(File.generated(config, f"benchmarks/{image}", abs_src_path=str(ROOT / "benchmarks" / image)))
+    return files

@@ -1,0 +1,136 @@
+"""The reference pages of the documentation, generated from what the code defines, so that they cannot drift:
+every command's flags from its argparse parser (:func:`commands`), every job-file key with its default and the
+comment it is defined with in :mod:`psgd.config` (:func:`job_file`).  ``docs/hooks.py`` writes them into the site
+at build time; the tests check that every flag and key is there."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import tokenize
+from pathlib import Path
+
+#: the command-line tools and where their parsers are built
+TOOLS = (("psgd", "psgd.cli.main"), ("psgd-server", "psgd.cli.server"), ("psgd-worker", "psgd.cli.worker"))
+
+
+def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """(command, parser) of every command and subcommand, depth first: ``psgd``, ``psgd launch``, ``psgd bench
+    simulate`` ... ``psgd-server``, ``psgd-worker``."""
+    import importlib
+
+    out = []
+
+    def walk(name: str, parser: argparse.ArgumentParser) -> None:
+        out.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(f"{name} {sub}", child)
+
+    for name, module in TOOLS:
+        walk(name, importlib.import_module(module).build_parser())
+    return out
+
+
+def flags(parser: argparse.ArgumentParser, hidden: bool = True) -> list[str]:
+    """Every option string of ``parser`` (not of its subcommands); ``hidden``: those its help leaves out too."""
+    return [s for a in parser._actions for s in a.option_strings if hidden or a.help != argparse.SUPPRESS]
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _help(action: argparse.Action) -> str:
+    text = action.help or ""
+    if "%(" in text:
+        text = text % {**vars(action), "prog": ""}
+    return text
+
+
+def commands() -> str:
+    """Markdown: each command's usage, description and a table of its flags."""
+    out = ["# Commands", "", "Generated from the commands' own parsers each time the documentation is built: what "
+           "`--help` says, every flag.", ""]
+    for name, parser in parsers():
+        out += [f"## `{name}`", "", "```text", parser.format_usage().strip(), "```", ""]
+        if parser.description:
+            out += ["```text", parser.description.strip(), "```", ""]
+        rows = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
+        if rows:
+            out += ["| flag | what it does |", "|---|---|"]
+            for a in rows:
+                names = ", ".join(f"`{s}{' ' + a.metavar if isinstance(a.metavar, str) else ''}`"
+                                  for s in a.option_strings)
+                out.append(f"| {names} | {_cell(_help(a))} |")
+            out.append("")
+        positional = [a for a in parser._actions if not a.option_strings and a.help not in (None, argparse.SUPPRESS)
+                      and not isinstance(a, argparse._SubParsersAction)]
+        if positional:
+            out += ["| argument | what it is |", "|---|---|"]
+            out += [f"| `{a.metavar or a.dest}` | {_cell(_help(a))} |" for a in positional]
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _comments() -> dict[str, dict[str, str]]:
+    """{dataclass name: {field: its comment}} from psgd/config.py's source (a comment after the field and the
+    comment lines that continue it)."""
+    source = (Path(__file__).parent / "config.py").read_text(encoding="utf-8")
+    found: dict[str, dict[str, str]] = {}
+    cls, last = None, None
+    for line in source.splitlines():
+        if line.startswith("class "):
+            cls, last = line[6:].split("(")[0].split(":")[0].strip(), None
+            found[cls] = {}
+            continue
+        stripped = line.strip()
+        if cls is None or not line.startswith("    ") or line.startswith("        "):
+            continue
+        if stripped.startswith("#") and last is not None:
+            found[cls][last] += " " + stripped.lstrip("#").strip()
+            continue
+        if ":" in stripped and not stripped.startswith(("def ", "@", "\"", "#", "return")):
+            name = stripped.split(":")[0].strip()
+            if name.isidentifier():
+                tokens = list(tokenize.generate_tokens(io.StringIO(line + "\n").readline))
+                comment = next((t.string for t in tokens if t.type == tokenize.COMMENT), "")
+                found[cls][name] = comment.lstrip("#").strip()
+                last = name
+                continue
+        last = None if not stripped.startswith("#") else last
+    return found
+
+
+def sections() -> list[tuple[str, type]]:
+    """(section, dataclass) of every job-file section with fixed keys."""
+    from psgd.config import JobConfig
+
+    job = JobConfig()
+    return [(name, type(getattr(job, name))) for name in JobConfig.SECTIONS
+            if dataclasses.is_dataclass(getattr(job, name))]
+
+
+def job_file() -> str:
+    """Markdown: every key of every section with fixed keys, its default and its meaning."""
+    from psgd.config import JobConfig
+
+    comments = _comments()
+    out = ["# Job-file keys", "", "Generated from `psgd/config.py` each time the documentation is built: every key, "
+           "its default and what it means. `[model]`, `[data]` and `[optimizer]` take a `name` and that choice's own "
+           "options (see the how-to pages); every key can also be set with `--set SECTION.KEY=VALUE`.", ""]
+    defaults = JobConfig()
+    for section, cls in sections():
+        out += [f"## `[{section}]`", "", "| key | default | meaning |", "|---|---|---|"]
+        if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):  # not the dataclass's own
+            out[-4:-4] = [_cell(cls.__doc__), ""]
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section), f.name)
+            out.append(f"| `{f.name}` | `{value!r}` | {_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
+        out.append("")
+    for section in JobConfig.SECTIONS:
+        if not dataclasses.is_dataclass(getattr(defaults, section)):
+            out += [f"## `[{section}]`", "", f"Default: `{getattr(defaults, section)!r}`.", ""]
+    return "\n".join(out) + "\n"

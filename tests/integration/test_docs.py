@@ -1,0 +1,123 @@
+"""The documentation (mkdocs.yml, docs/, README.md): the site builds strictly (a broken link or a missing page
+fails it), its generated reference names every flag of every command and every job-file key, every shell example
+uses commands and flags that exist, and the examples marked as runnable on one CPU machine run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from psgd import reference
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+#: put on the line before a ```bash block whose every command runs on one CPU machine in a few seconds
+RUNNABLE = "<!-- runnable: one CPU machine -->"
+TOOLS = {"psgd", "psgd-server", "psgd-worker"}
+
+
+@pytest.mark.slow
+def test_the_site_builds_strictly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    for page in ("index.html", "reference/commands/index.html", "reference/keys/index.html",
+                 "benchmarks/RESULTS/index.html", "benchmarks/results/simulate/efficiency.png"):
+        assert (tmp_path / "site" / page).exists(), page
+
+
+def _sections(text: str) -> dict[str, str]:
+    parts = re.split(r"^## `([^`]+)`$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_the_reference_names_every_flag_of_every_command():
+    pages = _sections(reference.commands())
+    for name, parser in reference.parsers():
+        assert name in pages, f"{name} has no section"
+        missing = [f for f in reference.flags(parser, hidden=False) if f"`{f}" not in pages[name]]
+        assert missing == [], f"{name}: {missing}"
+    helped = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--help"], capture_output=True,
+                            text=True, timeout=60).stdout
+    flags = set(re.findall(r"^  (?:-\w[ \w.,]*?, )?(--[a-z][a-z0-9-]*)", helped, flags=re.M))  # its option lines
+    assert len(flags) > 20 and [f for f in sorted(flags) if f"`{f}" not in pages["psgd launch"]] == []
+
+
+def test_the_reference_names_every_job_file_key_with_its_meaning():
+    pages = _sections(reference.job_file())
+    for section, cls in reference.sections():
+        for field in dataclasses.fields(cls):
+            row = re.search(rf"^\| `{field.name}` \| .* \| (.*) \|$", pages[f"[{section}]"], flags=re.M)
+            assert row and row.group(1).strip(), f"[{section}] {field.name}: no row, or no meaning"
+
+
+def examples() -> list[tuple[str, bool, list[str]]]:
+    """(where, runnable, argv) of every psgd command in the pages' bash blocks: continuation lines joined,
+    comments, variable assignments and sudo dropped, commands split at && ; and |."""
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for match in re.finditer(r"(?:^([^\n]*)\n)?^[ \t]*```bash\n(.*?)^[ \t]*```", text, flags=re.M | re.S):
+            runnable = (match.group(1) or "").strip() == RUNNABLE
+            block = re.sub(r"\\\n\s*", " ", match.group(2))
+            for number, line in enumerate(block.splitlines()):
+                try:
+                    tokens = shlex.split(line, comments=True)
+                except ValueError:
+                    continue
+                command: list[str] = []
+                for token in tokens + [";"]:
+                    if token in ("&&", ";", "|", "||", "&"):
+                        while command and (re.match(r"^\w+=", command[0]) or command[0] == "sudo"):
+                            command.pop(0)
+                        if command and command[0] in TOOLS:
+                            found.append((f"{page.relative_to(ROOT)}: {line.strip()}", runnable, command))
+                        command = []
+                    else:
+                        command.append(token.rstrip(";"))
+    return found
+
+
+def _parser(argv: list[str]):
+    """The parser of the longest (sub)command ``argv`` starts with, and the arguments after it."""
+    parsers = dict(reference.parsers())
+    words = [argv[0]]
+    for token in argv[1:]:
+        if token.startswith("-") or " ".join(words + [token]) not in parsers:
+            break
+        words.append(token)
+    return " ".join(words), parsers[" ".join(words)], argv[len(words):]
+
+
+def test_every_example_uses_flags_that_exist():
+    commands = examples()
+    assert len(commands) > 30
+    wrong = []
+    for where, _, argv in commands:
+        name, parser, rest = _parser(argv)
+        known = set(reference.flags(parser))
+        for token in rest:
+            if token == "--":
+                break
+            if token.startswith("-") and not re.fullmatch(r"-\d.*", token) and token.split("=")[0] not in known:
+                wrong.append(f"{where}: {name} has no {token.split('=')[0]}")
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_the_runnable_examples_run(tmp_path):
+    runnable = [(where, argv) for where, runs, argv in examples() if runs]
+    assert len(runnable) >= 3
+    for where, argv in runnable:
+        done = subprocess.run([sys.executable, "-m", "psgd.cli.main" if argv[0] == "psgd" else
+                               {"psgd-server": "psgd.cli.server", "psgd-worker": "psgd.cli.worker"}[argv[0]],
+                               *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, f"{where}: exit {done.returncode}\n{done.stderr[-2000:]}"
