@@ -321,16 +321,13 @@ class ShardServer:
             free_to_listen(bind)
             self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls.enabled
                          else self.server.add_insecure_port(bind))
-        except (OSError, RuntimeError) as exc:  # grpcio raises where older versions returned 0
-            if self.data is not None:
-                self.data.stop()
-            why = exc.why if isinstance(exc, PortTaken) else "in use, or the address is not on this machine"
-            raise PortTaken("gRPC port", bind, int(bind.rpartition(":")[2]), why) from None
-        if self.port == 0:
+            if self.port == 0:  # older grpcio says so; newer raises
+                raise RuntimeError("no port added")
+        except (OSError, RuntimeError) as exc:
             if self.data is not None:
                 self.data.stop()  # its port and shared memory: nothing started yet
-            raise PortTaken("gRPC port", bind, int(bind.rpartition(":")[2]), "in use, or the address is not on "
-                            "this machine")
+            why = exc.why if isinstance(exc, PortTaken) else "in use, or the address is not on this machine"
+            raise PortTaken("gRPC port", bind, int(bind.rpartition(":")[2]), why) from None
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name=f"shard{core.shard}-leases", daemon=True)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 #: put on the line before a ```bash block whose every command runs on one CPU machine in a few seconds
 RUNNABLE = "<!-- runnable: one CPU machine -->"
-TOOLS = {"psgd", "psgd-server", "psgd-worker"}
+TOOLS = dict(reference.TOOLS)  # the command-line tools, and the module each runs
 
 
 @pytest.mark.slow
@@ -117,7 +117,6 @@ def test_the_runnable_examples_run(tmp_path):
     runnable = [(where, argv) for where, runs, argv in examples() if runs]
     assert len(runnable) >= 3
     for where, argv in runnable:
-        done = subprocess.run([sys.executable, "-m", "psgd.cli.main" if argv[0] == "psgd" else
-                               {"psgd-server": "psgd.cli.server", "psgd-worker": "psgd.cli.worker"}[argv[0]],
-                               *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        done = subprocess.run([sys.executable, "-m", TOOLS[argv[0]], *argv[1:]], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, f"{where}: exit {done.returncode}\n{done.stderr[-2000:]}"

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Callable
 
@@ -134,8 +135,6 @@ def in_a_launch(width: int, shards: int, policy: str, workers: int = 1, window: 
 
         stop(proc)  # the launch and what it started
         shutil.rmtree(run, ignore_errors=True)
-    import tomllib
-
     n = n1 - n0
     return {"steps_per_s": n / (t1 - t0), "busy_poll_us": tomllib.loads(job)["cluster"].get("busy_poll_us", 0),
             **{k: (after[k] - before[k]) / n for k in after if k in before}}

@@ -159,24 +159,24 @@ def _validation(args: argparse.Namespace, costs: Costs, result: dict, say) -> No
 
 def _prediction(args: argparse.Namespace, costs: Costs, result: dict, say) -> None:
     """One job of the user's: sync, async and ssp with their shards, ring all-reduce, the shards for 90% of it."""
-    from psgd.bench.netns import parse_rate
-    from psgd.bench.simulate.predict import efficiency, model, shards_for, steps_per_s
+    from psgd.bench.simulate.predict import MOST_SHARDS, efficiency, link_rate, model, shards_for, steps_per_s
 
     found = model(args.model, args.compute)
-    rate = parse_rate(args.network or "25gbit") / 8
+    network = args.network or "25gbit"
+    rate = link_rate(network)
     n = args.workers or 64
     k = args.shards or max(1, n // 4)
     say(f"\n{n:,} workers, {k:,} shard(s), {found.name} ({found.nbytes / 1e6:,.1f} MB, a gradient "
         f"{found.compute * 1e3:,.1f} ms: {found.source}), every process on a host of its own with a "
-        f"{args.network or '25gbit'} link:")
+        f"{network} link:")
     figures = {}
     for policy in ("sync", "async", "ssp", "allreduce"):
         figures[policy] = steps_per_s(costs, found, n, k, rate, policy)
         say(f"  {'all-reduce' if policy == 'allreduce' else policy:10s} {figures[policy]:12,.1f} steps/s, "
             f"efficiency {efficiency(figures[policy], n, found):.0%}")
-    need = shards_for(costs, found, n, rate, 0.9 * figures["allreduce"])
-    say(f"  sync reaches 90% of all-reduce's steps/s with {need if need else 'more than 64'} shard(s)")
-    result["prediction"] = {"model": found.__dict__, "workers": n, "shards": k, "network": args.network or "25gbit",
+    need = shards_for(costs, found, n, rate, 0.9 * figures["allreduce"], known={k: figures["sync"]})
+    say(f"  sync reaches 90% of all-reduce's steps/s with {need if need else f'more than {MOST_SHARDS}'} shard(s)")
+    result["prediction"] = {"model": found.__dict__, "workers": n, "shards": k, "network": network,
                             "steps_per_s": figures, "shards_for_90": need}
 
 

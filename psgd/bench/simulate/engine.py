@@ -91,10 +91,11 @@ class Cpu:
         """``owner`` spins while it waits from now on: busy for the others' share of the cores."""
         self._advance()
         self._watching.add(owner)
-        self._shares = None
         self._plan()
 
     def _plan(self) -> None:
+        """The next completion, after the work on the cores changed (each change comes here)."""
+        self._shares = None
         self._epoch += 1
         if self._running:
             epoch, rates = self._epoch, self._rates()
@@ -107,7 +108,6 @@ class Cpu:
         self._advance()
         done = [key for key, item in self._running.items() if item[0] <= 1e-12]
         thens = [self._running.pop(key)[1] for key in done]
-        self._shares = None
         self._plan()
         for then in thens:
             then()
@@ -120,7 +120,6 @@ class Cpu:
             return
         self._advance()
         self._running[next(self._ids)] = [seconds, then, owner]
-        self._shares = None
         self._plan()
 
 

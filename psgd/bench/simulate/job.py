@@ -41,6 +41,15 @@ class Costs:
     hop: float = 0.0       # all-reduce: one step of the ring beside its bytes
     ring_rate: float = 0.0  # all-reduce: bytes/s of a ring step between ranks of one host (0: no all-reduce)
 
+    def watched(self, joint: bool) -> float:
+        """The CPU one end of a round trip saves where both ends watch (a joint push and pull's, or a request's of
+        its own)."""
+        return (self.watch_saves if joint else self.watch_saves_request) / 2
+
+    def cpu(self, sim: Sim) -> Cpu:
+        """A host's cores as measured."""
+        return Cpu(sim, self.cores, self.cores_four or None)
+
 
 @dataclasses.dataclass
 class Layout:
@@ -68,7 +77,7 @@ class Layout:
 
 class _Host:
     def __init__(self, sim: Sim, costs: Costs, layout: Layout, cpu: Cpu | None = None):
-        self.cpu = cpu or Cpu(sim, costs.cores, costs.cores_four or None)
+        self.cpu = cpu or costs.cpu(sim)
         self.nic = Nic(layout.rate, layout.latency, layout.burst) if layout.rate else None
 
 
@@ -76,7 +85,7 @@ class _Job:
     def __init__(self, costs: Costs, layout: Layout):
         self.sim, self.costs, self.layout = Sim(), costs, layout
         one = _Host(self.sim, costs, layout) if layout.rate is None else None
-        machine = Cpu(self.sim, costs.cores, costs.cores_four or None) if layout.one_machine else None
+        machine = costs.cpu(self.sim) if layout.one_machine else None
         self.worker_hosts = [one or _Host(self.sim, costs, layout, machine) for _ in range(layout.workers)]
         self.shard_hosts = [one or _Host(self.sim, costs, layout, machine) for _ in range(layout.shards)]
         self.part = layout.model_bytes / layout.shards
@@ -103,8 +112,7 @@ class _Shard:
 
     def _cpu(self, seconds: float, then, joint: bool = False) -> None:
         if self.job.layout.watching:
-            c = self.job.costs
-            seconds = max(seconds - (c.watch_saves if joint else c.watch_saves_request) / 2, 0.0)
+            seconds = max(seconds - self.job.costs.watched(joint), 0.0)
         self.lock.acquire(lambda: self.host.cpu.work(seconds, lambda: (self.lock.release(), then()), self))
 
     def push(self, worker: "_Worker", clock: int) -> None:
@@ -158,7 +166,7 @@ class _Worker:
         joint = self.job.layout.policy == "sync"
         fixed = c.worker_joint if joint else c.worker_request
         if self.job.layout.watching:
-            fixed = max(fixed - (c.watch_saves if joint else c.watch_saves_request) / 2, 0.0)
+            fixed = max(fixed - c.watched(joint), 0.0)
         self.host.cpu.work(fixed + c.worker_per_byte * nbytes, then, self)
 
     def start(self) -> None:

@@ -93,6 +93,13 @@ def model(text: str, compute: float | None = None) -> Model:
     return _measured(path.stem, path, compute, f"the model of {path}")
 
 
+def link_rate(network: str) -> float:
+    """Bytes/s of a link of ``network``'s rate ("25gbit")."""
+    from psgd.bench.netns import parse_rate
+
+    return parse_rate(network) / 8
+
+
 def on_hosts(costs: Costs, model: Model) -> Costs:
     """The costs of ``model`` on hosts of their own: its gradient; each process on a core of its own."""
     return dataclasses.replace(costs, compute=model.compute, cores_four=0.0)

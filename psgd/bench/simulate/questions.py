@@ -11,9 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from psgd.bench.netns import parse_rate
 from psgd.bench.simulate.job import Costs
-from psgd.bench.simulate.predict import MOST_SHARDS, Model, efficiency, shards_for, steps_per_s
+from psgd.bench.simulate.predict import MOST_SHARDS, Model, efficiency, link_rate, shards_for, steps_per_s
 
 WORKERS = (16, 64, 256, 1024)
 SHARDS = (1, 4, 16, 64)
@@ -34,7 +33,7 @@ def answer(costs: Costs, models: list[Model], say) -> dict:
     rows, stragglers, published = [], [], []
     for model in models:
         for network in NETWORKS:
-            rate = parse_rate(network) / 8
+            rate = link_rate(network)
             for n in WORKERS:
                 ring = steps_per_s(costs, model, n, 1, rate, "allreduce")
                 known = {k: steps_per_s(costs, model, n, k, rate) for k in SHARDS}
@@ -46,14 +45,13 @@ def answer(costs: Costs, models: list[Model], say) -> dict:
                 rows.append(row)
                 say(f"  {model.name}, {network}, {n} workers: all-reduce {efficiency(ring, n, model):.0%}, sync "
                     + ", ".join(f"{k} shards {efficiency(known[k], n, model):.0%}" for k in SHARDS))
-        rate = parse_rate("25gbit") / 8
+        rate = link_rate("25gbit")  # the stragglers' network, and Horovod's published runs'
         for n in WORKERS[1:]:
             slow = {r: STRAGGLER for r in range(0, n, 64)}
             sync, free = (steps_per_s(costs, model, n, STRAGGLER_SHARDS, rate, policy, slow) for policy in
                           ("sync", "async"))
             stragglers.append({"model": model.name, "workers": n, "sync": sync, "async": free})
         # Horovod's published runs: 512 GPUs over 25 Gbit/s; BytePS's: 256 GPUs over 100 Gbit/s
-        rate = parse_rate("25gbit") / 8
         horovod = efficiency(steps_per_s(costs, model, 512, 1, rate, "allreduce"), 512, model)
         bytepss = next(r for r in rows if r["model"] == model.name and r["network"] == "100gbit"
                        and r["workers"] == 256)
