@@ -16,10 +16,18 @@ CHUNK_BYTES = 2 << 20
 #: bigger is refused by gRPC itself with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 
+#: A channel whose shard went away tries again after 0.1 s, backing off to at most 2 s (a worker's own retries
+#: back off to 2 s too), not gRPC's 1 s to 120 s: a restarted shard is rejoined as soon as it serves, where a
+#: channel in backoff would fail every call at once until its next attempt.
+RECONNECT_MS = (100, 2000)
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS[0]),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MS[1]),
 ]
 
 #: The gRPC service of a shard, as health checks name it.

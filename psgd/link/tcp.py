@@ -231,12 +231,31 @@ class TcpLink(GrpcLink):
 
     def _over_data(self, purpose: str, fn):
         """``fn(connection)`` on the ``purpose`` ("pull" or "push") connection; a broken connection is
-        dropped (reopened next time) and reported as UNAVAILABLE, which the caller may retry."""
+        dropped (reopened next time) and reported as UNAVAILABLE, which the caller may retry.  Where one cannot
+        be opened, the shard may have restarted at another data port (:meth:`_moved`)."""
         try:
-            return fn(self._connection(purpose))
+            conn = self._connection(purpose)
+        except protocol.WireError as err:
+            self._moved()
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
+        try:
+            return fn(conn)
         except protocol.WireError as err:
             self._drop(purpose)
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
+
+    def _moved(self) -> None:
+        """The data port could not be reached: ask the shard over gRPC where it listens now.  A restarted shard
+        takes a free port unless one is named, and knows this worker no more: NOT_REGISTERED then, on which the
+        worker registers again and hears the new port, rather than retrying one nobody holds until a heartbeat
+        tells it.  A shard that does not answer over gRPC either is down: the caller retries as before."""
+        try:
+            now = self.status().data_port
+        except LinkError:
+            return
+        if now != self.data_port:
+            raise LinkError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.endpoint.shard} listens on data port "
+                            f"{now or 'none'} now, not {self.data_port}: it restarted", reason="NOT_REGISTERED")
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         if not self.data_port:

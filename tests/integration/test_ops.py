@@ -336,7 +336,6 @@ def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
 def test_doctor_data_port_closed(tmp_path, capsys):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1")
     with cli_layout_shards(job, transport="grpc"):  # the job wants a data port, the shard serves none
-        port = int(job.cluster.servers[0].rpartition(":")[2])
         code = main(["doctor", "-c", write_job(tmp_path, job), "--timeout", "2"])
     out = capsys.readouterr().out
     assert code == 1

@@ -104,3 +104,43 @@ def test_doctor_flags_a_job_file_whose_shards_ports_overlap_on_one_host(tmp_path
     line = next((x for x in done.stdout.splitlines() if "ports:" in x), "")
     assert "FAIL" in line and f"127.0.0.1:{port + 1} is shard 0's data port and shard 1's gRPC port" in line, \
         done.stdout
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_worker_rejoins_a_shard_restarted_at_another_data_port_at_its_first_failed_call(transport, caplog):
+    """A restarted shard takes a new free data port (none named): the worker's next call to the old one is refused,
+    and it asks the shard over gRPC where it listens now and registers again at once, rather than retrying a port
+    nobody holds until its next heartbeat (a third of the lease: here longer than the retries)."""
+    import logging
+
+    import numpy as np
+
+    from psgd.job import describe_job
+    from psgd.server import build_shard
+    from psgd.server.service import ShardServer
+    from psgd.worker.client import PSClient
+
+    from helpers import make_job
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.lease_seconds=600", f"cluster.transport={transport}")
+    address = f"127.0.0.1:{free_port_pair()}"
+    server = ShardServer(build_shard(describe_job(job), 0), address, request_timeout=5,
+                         transport=transport).start()
+    try:
+        plan = server.core.plan
+        host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
+        with PSClient([address], plan, 0, request_timeout=5, transport=transport, config=job) as client:
+            clock = client.register()
+            client.pull(clock, host)
+            before = client.links[0].data_port
+            server.stop(grace=1.0)
+            server = ShardServer(build_shard(describe_job(job), 0), address, request_timeout=5,
+                                 transport=transport).start()
+            assert server.data.port != before
+            with caplog.at_level(logging.WARNING, logger="psgd.worker.client"):
+                client.pull(clock, host)
+            assert client.links[0].data_port == server.data.port
+            assert "no longer knows worker 0 (restarted?): registering again" in caplog.text
+    finally:
+        server.stop(grace=1.0)
