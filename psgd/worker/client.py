@@ -43,8 +43,7 @@ T = TypeVar("T")
 
 #: How often a worker waiting for its shards says which ones it is waiting for.
 WAIT_REPORT_SECONDS = 5.0
-#: seconds past one lease that a registration refused by a live holder of the rank is still retried (clocks, a
-#: heartbeat late under load)
+#: seconds past one lease that a registration refused for a live holder of the rank is retried (a late heartbeat)
 HOLDER_MARGIN = 2.0
 
 class PSClient:
@@ -67,8 +66,7 @@ class PSClient:
         self.request_timeout = request_timeout
         self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
-        # An observer never registers, so it never learns a data port: it reads over gRPC.
-        kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")
+        kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")  # observers: no data port
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
                                                request_timeout, transport,
                                                config.cluster.busy_poll_seconds if config is not None else 0.0))
@@ -93,8 +91,7 @@ class PSClient:
         self.stop = stop
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
-        #: how long a registration refused because another process holds this rank is retried: one of the job's
-        #: leases and a margin, after which a holder that died has lost the rank and one that lives has renewed it
+        #: how long a registration refused for another holder of the rank is retried: a lease (it died or renewed)
         self.holder_wait = config.cluster.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline
         self._pulling = False
         if stop is not None:
@@ -224,9 +221,8 @@ class PSClient:
 
     def _register_one(self, k: int) -> ps_pb2.RegisterReply:
         request = self._register_request()
-        # a rank still held by another process frees itself when that one's lease runs out (it crashed and this
-        # is its restart): within one lease of the first refusal; a second live process of the same rank keeps
-        # renewing it, and this one gives up then
+        # a rank still held by another process frees itself when that one's lease runs out (it crashed and this is its
+        # restart), within one lease; a second live process of the same rank keeps renewing it: this one gives up
         reply = self.retrying(k, "register", lambda: self.links[k].register(request), rejoin=False,
                                also=(grpc.StatusCode.ALREADY_EXISTS,), also_for=self.holder_wait)
         expected = (k, self.plan.num_shards, self.identity["workers"])
@@ -344,6 +340,7 @@ class PSClient:
         return self.on_all(one)
 
     def done(self) -> None:
+        self._stop_heartbeats()  # first: a done worker holds no lease; a heartbeat refused then would register it again
         self.on_all(lambda k: self.retrying(k, "done", lambda: self.links[k].done(self.clock)))
 
     def status(self) -> list[ps_pb2.StatusReply]:
@@ -402,10 +399,13 @@ class PSClient:
         except PSError as exc:
             log.warning("registering again with shard %d failed: %s", k, exc)
 
-    def close(self) -> None:
+    def _stop_heartbeats(self) -> None:
         self._beat_stop.set()
         if self._beat is not None:
             self._beat.join(timeout=5)
+
+    def close(self) -> None:
+        self._stop_heartbeats()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for link in self.links:
             link.close()

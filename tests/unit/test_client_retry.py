@@ -78,3 +78,28 @@ def test_a_stopping_worker_retries_nothing():
             with pytest.raises(PSError, match="the worker is stopping, so it did not retry"):
                 c.retrying(0, "pull (clock 3)", call)
             assert len(calls) == 1
+
+
+def test_heartbeats_stop_before_the_worker_says_it_is_done():
+    """Seen in test_ps_processes: a heartbeat sent after Done was refused (a done worker holds no lease), and the
+    worker registered again, so the shard listed it as live, not done, after it had exited."""
+    import time
+
+    with client() as c:
+        told, beats_after, rejoined = threading.Event(), [], []
+
+        def heartbeat(clock: int, timeout: float) -> None:
+            if told.is_set():
+                beats_after.append(clock)
+                raise LinkError(grpc.StatusCode.FAILED_PRECONDITION, "worker 0 is done", reason="NOT_REGISTERED")
+
+        c.links[0].heartbeat = heartbeat
+        c.links[0].done = lambda clock: told.set()
+        c._register_one = rejoined.append
+        c.lease_seconds = 0.03  # a heartbeat every 10 ms
+        c.start_heartbeats()
+        c.done()
+        deadline = time.monotonic() + 1.0
+        while not beats_after and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling for a heartbeat after Done, with a deadline: there must be none
+        assert beats_after == [] and rejoined == []
