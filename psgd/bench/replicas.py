@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
@@ -30,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from psgd.bench.chaos.processes import command, die_with_parent, free_port_pair
+from psgd.bench.chaos.processes import command, free_port_pair
+from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.parsing import comma_list
 
@@ -126,8 +126,8 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
 
     def start(name: str, argv: list[str]) -> None:
         with open(folder / f"{name}.log", "w") as err:
-            procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                           preexec_fn=die_with_parent(os.getpid()))
+            procs[name] = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL,
+                                           stderr=err, stdin=subprocess.DEVNULL)
 
     primary, replica = config.cluster.servers[0], config.cluster.replica_servers[0]
     deadline = time.monotonic() + BOUND

@@ -5,10 +5,11 @@ with ``[cluster] checkpoint_rounds = K``, on this machine, as a user starts them
 
 1. undisturbed: the job's wall time (the workers' start to their exit) and its rounds per second;
 2. killed: the same job with shard 1 SIGKILLed once ``--at`` of the rounds are done, half-way between two cuts
-   or later (on average a kill loses half an interval), and started again at once
-   (it comes back from its newest cut and the job goes back to it); the wall time, the rounds worker 0 computed
-   again (and the rounds the shards undid), the seconds from the kill to the first round worker 0 finished after
-   going back, and whether the final weights equal the undisturbed run's, to the bit.
+   or later but two rounds short of the next (a kill loses about half an interval; the workers are paused a
+   moment while shard 1's version is read, so that it lands there rather than on a cut), and started again at
+   once (it comes back from its newest cut and the job goes back to it); the wall time, the rounds
+   worker 0 computed again (and the rounds the shards undid), the seconds from the kill to the first round
+   worker 0 finished after going back, and whether the final weights equal the undisturbed run's, to the bit.
 
 The cost of a kill is the difference in wall time; the cuts' own cost shows in the undisturbed rounds per second
 against a run without cuts (``K = 0``: checkpoints by seconds, none within so short a run), which comes first.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import subprocess
@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from psgd.bench.chaos.processes import command, die_with_parent, free_port_pair
+from psgd.bench.chaos.processes import command, free_port_pair
+from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.parsing import comma_list
 
@@ -81,8 +82,8 @@ def one_run(folder: Path, interval: int, epochs: int, kill_at: float | None) -> 
 
     def start(argv: list[str], log: str) -> subprocess.Popen:
         with open(folder / log, "w") as err:
-            p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                 preexec_fn=die_with_parent(os.getpid()))
+            p = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err,
+                                 stdin=subprocess.DEVNULL)
         procs.append(p)
         return p
 
@@ -98,14 +99,7 @@ def one_run(folder: Path, interval: int, epochs: int, kill_at: float | None) -> 
         killed = None
         deadline = time.monotonic() + BOUND
         if kill_at is not None:
-            def done() -> int:
-                return len([x for x in _records(folder / "w0.jsonl") if x.get("event") == "step"])
-
-            while (n := done()) < kill_at * total or n % interval < interval // 2:  # half-way between two cuts
-                if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
-                    raise RollbackBenchError(f"the job ended or stalled before {kill_at:.0%} of its rounds")
-                time.sleep(0.01)  # polling worker 0's step records, with a deadline
-            shards[1].send_signal(signal.SIGKILL)
+            _kill_between_cuts(folder, shards[1], workers, servers, job.plan, interval, kill_at * total, deadline)
             killed = time.time()
             shards[1].wait(10)
             shards[1] = shard(1, "shard1-restarted.log")
@@ -151,7 +145,10 @@ def measure(intervals: list[int], epochs: int, kill_at: float, folder: Path, say
                "seconds": float(np.median(seconds)), "rounds_per_second": calm[0]["rounds"] / float(np.median(seconds)),
                "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in calm]}
         if interval:
-            hits = [_went_back(folder / f"k{interval}-killed-{i}", interval, epochs, kill_at) for i in range(repeats)]
+            hits = [one_run(folder / f"k{interval}-killed-{i}", interval, epochs, kill_at) for i in range(repeats)]
+            if any(h["kill_to_next_round_seconds"] is None for h in hits):
+                raise RollbackBenchError(f"K={interval}: shard 1 was killed between two cuts, yet worker 0 never went "
+                                         f"back to one ({'; '.join(_outcome(h) for h in hits)})")
             same = all(np.array_equal(h["_weights"][n], v) for h in hits for n, v in calm[0]["_weights"].items())
             median = lambda key: float(np.median([h[key] for h in hits]))  # noqa: E731
             row.update(killed_seconds=median("seconds"), cost_seconds=median("seconds") - row["seconds"],
@@ -165,19 +162,47 @@ def measure(intervals: list[int], epochs: int, kill_at: float, folder: Path, say
     return rows
 
 
-def _went_back(folder: Path, interval: int, epochs: int, kill_at: float, tries: int = 5) -> dict:
-    """A killed run that made the job go back: the kill is aimed half-way between two cuts from worker 0's step
-    records, but a round of a small model takes about a millisecond, so it may land on a cut (nothing to repeat);
-    such a run is made again, ``tries`` times at most."""
-    seen = []
-    for attempt in range(tries):
-        run = one_run(folder.with_name(f"{folder.name}-{attempt}" if attempt else folder.name), interval, epochs,
-                      kill_at)
-        if run["kill_to_next_round_seconds"] is not None:
-            return run
-        seen.append(f"restored v{run['restored_version']}, {run['rounds_undone']} round(s) undone, final versions "
-                    f"{run['versions']}")
-    raise RollbackBenchError(f"in {tries} killed runs worker 0 never went back to a cut ({'; '.join(seen)})")
+def _kill_between_cuts(folder: Path, victim: subprocess.Popen, workers: list[subprocess.Popen], servers: list[str],
+                       plan, interval: int, after: float, deadline: float) -> None:
+    """SIGKILL ``victim`` (shard 1) half-way between two cuts or later, once worker 0 has done ``after`` rounds.
+
+    A round of the small model takes a few milliseconds and a cut (every shard's checkpoint, fsynced) longer, so a
+    kill timed from worker 0's step records lands on a cut about as often as not, and a shard killed there loses
+    nothing.  So the shard's version is polled, and where it is half-way to the next cut or later but two rounds
+    short of it, the workers are paused (SIGSTOP) while it is read again: the kill is made there (the round in
+    flight may still close, not reach the cut); otherwise the workers go on and it looks again."""
+    from psgd.worker.client import PSClient
+
+    def check() -> None:
+        if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
+            raise RollbackBenchError(f"the job ended or stalled before shard 1 was between two cuts after "
+                                     f"{after:.0f} rounds")
+
+    def between(version: int) -> bool:
+        return max(1, interval // 2) <= version % interval <= interval - 2
+
+    while len([x for x in _records(folder / "w0.jsonl") if x.get("event") == "step"]) < after:
+        check()
+        time.sleep(0.01)  # polling worker 0's step records, with a deadline
+    with PSClient(servers, plan, request_timeout=10) as client:
+        while True:
+            check()
+            if between(client.links[1].status().version):
+                for w in workers:
+                    w.send_signal(signal.SIGSTOP)
+                try:
+                    if between(client.links[1].status().version):
+                        victim.send_signal(signal.SIGKILL)
+                        return
+                finally:
+                    for w in workers:
+                        w.send_signal(signal.SIGCONT)
+            time.sleep(0.001)  # polling shard 1's version, with a deadline
+
+
+def _outcome(run: dict) -> str:
+    return (f"restored v{run['restored_version']}, {run['rounds_undone']} round(s) undone, final versions "
+            f"{run['versions']}")
 
 
 def _line(r: dict) -> str:
@@ -193,8 +218,8 @@ def _line(r: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intervals", default="0,5,20,50,100", metavar="K,...",
                         type=lambda t: comma_list(t, kind=int, what="checkpoint intervals in rounds (0: none)"),
-                        help="[cluster] checkpoint_rounds values to measure; 0 runs without cuts, undisturbed only "
-                             "(default 0,5,20,50,100)")
+                        help="[cluster] checkpoint_rounds values to measure, each 0 or at least 3 (a kill goes "
+                             "between two cuts); 0 runs without cuts, undisturbed only (default 0,5,20,50,100)")
     parser.add_argument("--epochs", type=int, default=10, help="epochs of the digits job (default 10: 220 rounds)")
     parser.add_argument("--at", type=float, default=0.4, help="kill shard 1 once this part of the rounds is done "
                         "(default 0.4)")
@@ -204,8 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if any(k < 0 for k in args.intervals) or not 0 < args.at < 1 or args.epochs < 1 or args.repeats < 1:
-        print("psgd bench rollback: intervals must be >= 0, --at between 0 and 1, --epochs and --repeats >= 1")
+    if any(k < 0 or k in (1, 2) for k in args.intervals) or not 0 < args.at < 1 or args.epochs < 1 or args.repeats < 1:
+        print("psgd bench rollback: intervals must be 0 or at least 3 (a kill goes between two cuts), --at between 0 "
+              "and 1, --epochs and --repeats >= 1")
         return 2
     print(f"machine: {machine()}; sync, {SHARDS} shards, {WORKERS} workers, MLP on the digits in float64, "
           f"{args.epochs} epochs; shard 1 SIGKILLed at {args.at:.0%} of the rounds", flush=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -89,7 +88,8 @@ def _rate(metrics: list[Path], start: float, end: float) -> float:
 
 def measure(transport: str, width: int, workers: int, seconds: float, folder: Path, say) -> dict:
     """One transport's figures: the others' steps/s undisturbed and with worker 0 stopped mid-pull."""
-    from psgd.bench.chaos.processes import command, die_with_parent, free_port_pair, last_error
+    from psgd.bench.chaos.processes import command, free_port_pair, last_error
+    from psgd.launch.supervise import dying_with_parent
 
     bind = f"127.0.0.1:{free_port_pair(random.Random())}"
     path = _job(folder, transport, width, workers, bind)
@@ -100,8 +100,8 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
         log = folder / f"{name}.log"
         logs.append(log)
         with open(log, "w") as err:
-            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
-                                    preexec_fn=die_with_parent(os.getpid()))
+            proc = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err,
+                                    stdin=subprocess.DEVNULL)
         procs.append(proc)
         return proc
 

@@ -1,7 +1,7 @@
 """The launcher's children: started, watched and stopped together, never left behind.
 
 - each child runs in a session of its own and is told by the kernel to stop
-  (SIGTERM) when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``);
+  (SIGTERM) when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``, :func:`dying_with_parent`);
 - SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every child
   (:meth:`Children.forwarding_signals`), which gets ``GRACE`` seconds to leave
   cleanly before it is killed (:meth:`Children.stop_all`);
@@ -13,16 +13,15 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +29,18 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds the children get to leave after a forwarded signal (or at the end of the job) before SIGKILL.
 GRACE = 10.0
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# sets the parent-death signal (prctl PR_SET_PDEATHSIG = 1), sends it at once where the parent is gone already,
+# then becomes the command; a command that cannot be started is one line and status 127, as in a shell
+_STUB = ("import ctypes, os, sys\n"
+         "parent, signum, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]\n"
+         "ctypes.CDLL(None).prctl(1, signum, 0, 0, 0)\n"
+         "if os.getppid() != parent:\n"
+         "    os.kill(os.getpid(), signum)\n"
+         "try:\n"
+         "    os.execvp(argv[0], argv)\n"
+         "except OSError as exc:\n"
+         "    sys.stderr.write(f'cannot start {argv[0]}: {exc.strerror}\\n')\n"
+         "    os._exit(127)\n")
 
 
 class LaunchError(RuntimeError):
@@ -55,13 +64,12 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when the launcher dies, however it dies."""
-    def set_up() -> None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took hold
-            os.kill(os.getpid(), signal.SIGTERM)
-    return set_up
+def dying_with_parent(argv: Sequence[str], signum: int = signal.SIGTERM) -> list[str]:
+    """``argv`` started so that the kernel sends it ``signum`` when this process dies, however it dies: through
+    a small Python stub that sets it and then execs ``argv`` (same pid).  Not a ``preexec_fn``: one makes Popen
+    fork where it would vfork, and gRPC's fork handlers can abort a child forked while one of this process's
+    channels is active (grpc/grpc#43055), before it reaches exec."""
+    return [sys.executable, "-I", "-S", "-c", _STUB, str(os.getpid()), str(int(signum)), *argv]
 
 
 def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -80,9 +88,9 @@ class Child:
         self.name, self.log_path = name, log_path
         self.log_file = open(log_path, "w")
         stderr = None if show else self.log_file
-        self.popen = subprocess.Popen(argv, stdout=self.log_file, stderr=stderr, stdin=subprocess.DEVNULL,
-                                      env={**child_environment(), **env}, start_new_session=True,
-                                      preexec_fn=_die_with_parent(os.getpid()))
+        self.popen = subprocess.Popen(dying_with_parent(argv), stdout=self.log_file, stderr=stderr,
+                                      stdin=subprocess.DEVNULL, env={**child_environment(), **env},
+                                      start_new_session=True)
 
     def failed(self) -> str:
         return (f"{self.name} exited with status {self.popen.returncode}; the end of its log "

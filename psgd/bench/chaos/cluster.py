@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -17,7 +16,8 @@ import numpy as np
 
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
-from psgd.bench.chaos.processes import Proc, command, die_with_parent, free_port_pair, last_error
+from psgd.bench.chaos.processes import Proc, command, free_port_pair, last_error
+from psgd.launch.supervise import dying_with_parent
 from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, CUT_ROUNDS, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY,
                                        NS_PORT, PACE, REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
 
@@ -99,8 +99,8 @@ class Cluster:
         incarnation = sum(1 for p in self.history if p.name == name)
         log = self.folder / f"{name}.{incarnation}.log"
         with open(log, "w") as err:
-            popen = subprocess.Popen(self.prefix(self._host(name)) + argv, stdout=subprocess.DEVNULL, stderr=err,
-                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
+            popen = subprocess.Popen(dying_with_parent(self.prefix(self._host(name)) + argv, signal.SIGKILL),
+                                     stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
         proc = Proc(name, incarnation, popen, log, metrics)
         if current:
             self.procs[name] = proc

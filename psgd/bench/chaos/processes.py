@@ -3,32 +3,15 @@ their logs' tails, and a search for processes left behind."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 from pathlib import Path
-from typing import Callable
 
 from psgd.bench.chaos.settings import PY
-
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-
-
-def die_with_parent(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child is killed when the harness dies, however it dies (no process is left)."""
-    def set_up() -> None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return set_up
 
 
 def command(script: str, module: str) -> list[str]:
