@@ -267,7 +267,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "diverged": result.divergence is not None, "divergence": result.divergence,
                           "lost_updates": {str(k): n for k, n in result.lost.items()},
                           "went_back": {str(k): b for k, b in result.went_back.items()},
-                          "failed_over": {str(k): n for k, n in result.failed_over.items()}}))
+                          "failed_over": {str(k): n for k, n in result.failed_over.items()},
+                          "unreplicated": {str(k): n for k, n in result.unreplicated.items()}}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")

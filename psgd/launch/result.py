@@ -30,6 +30,8 @@ class LaunchResult:
     #: shard -> {"rollbacks": times it went back to a cut, "rounds_undone": rounds it computed again}, where it did
     went_back: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     failed_over: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> times its replica took over
+    #: shard -> pushes its primary acknowledged without a copy (its replica gone, or unable to apply an update)
+    unreplicated: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 #: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
@@ -96,6 +98,11 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     if failed_over:
         log.info("a shard's primary died and its replica took over (no acknowledged push lost): %s",
                  "; ".join(f"shard {k} {n} time(s)" for k, n in failed_over.items()))
+    unreplicated = {k: n for k, n in enumerate(c.get("unreplicated", 0) for c in counters) if n}
+    if unreplicated:
+        log.warning("a shard's pair held one copy for a while (its replica was gone, or could not apply an update): "
+                    "%s; had its primary died then, those pushes would have been lost", "; ".join(
+                        f"shard {k} acknowledged {n} push(es) without a copy" for k, n in unreplicated.items()))
     if went_back:
         log.info("the job went back to a cut after a shard restarted, and computed the rounds since again (no update "
                  "lost): %s", "; ".join(f"shard {k} {b['rollbacks']} time(s), {b['rounds_undone']} round(s)"
@@ -105,4 +112,4 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     if save:
         save_weights(save, weights)
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
-                        went_back, failed_over)
+                        went_back, failed_over, unreplicated)

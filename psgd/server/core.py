@@ -7,10 +7,10 @@ servicer (:mod:`psgd.server.service`) and the TCP data path
 (:mod:`psgd.server.datapath`); tests drive the core directly.  Every failure is a :class:`ShardError` carrying the name of
 the gRPC status code it maps to, and a message that says what to do.
 
-Locking: one lock guards weights, policy and leases; pulls wait on a
-condition variable until the policy lets them through, never longer than their
-timeout.  Updates are applied under the lock, so a pull sees whole versions; a read in flight keeps its
-version without holding updates back (psgd.server.store).
+Locking: one lock guards weights, policy and leases; pulls wait on a condition variable until the policy lets them
+through, never longer than their timeout.  Updates are applied under the lock, so a pull sees whole versions; a read
+in flight keeps its version without holding updates back, and what reads the whole state (a checkpoint, a replica)
+finds no update half made (psgd.server.store).
 """
 
 from __future__ import annotations
@@ -52,9 +52,8 @@ class PushResult:
 class ShardCore:
     """Shard ``shard`` of a job: its slices' weights, the policy and the optimizer.
 
-    The weights of all slices live in one contiguous array (``flat``), in
-    slice-id order, which is also the order slices travel in on the wire.
-    """
+    The weights of all slices live in one contiguous array (``flat``), in slice-id order, which is also the order
+    slices travel in on the wire."""
 
     def __init__(
         self,
@@ -168,7 +167,8 @@ class ShardCore:
                              "other process of its pair does", reason="NOT_PRIMARY")
 
     def _policy_changed(self) -> None:
-        if self.pair is not None:
+        if self.pair is not None:  # the policy's state, with no update half made (the replica applies each after it)
+            self.store.settle()
             self.pair.policy_changed()
 
     def _check_rewound(self, worker: int, clock: int) -> None:
@@ -313,6 +313,7 @@ class ShardCore:
                                  f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
         rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
+            self.store.after_settling()
             self._check_serving()
             info = self.roster.live(worker)  # first: a restarted shard asks the worker to register again
             self._check_rewound(worker, clock)
@@ -417,11 +418,9 @@ class ShardCore:
             return {
                 "shard": self.shard, "num_shards": self.plan.num_shards, "policy": self.policy.name,
                 "version": self.version, "plan_hash": self.plan.hash,
-                "bytes_held": int(sum(w.nbytes for w in self.weights.values())),
-                "workers": self.roster.rows(),
+                "bytes_held": int(sum(w.nbytes for w in self.weights.values())), "workers": self.roster.rows(),
                 "counters": {**self.counters, **self.store.counters, "policy": self.policy.describe()},
-                "reads": self.store.reads(),
-                "staleness_histogram": list(self.staleness_histogram),
+                "reads": self.store.reads(), "staleness_histogram": list(self.staleness_histogram),
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,
                 "restored_version": self.restored_version, "rewinding": dict(self.rewinding),

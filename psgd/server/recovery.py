@@ -29,11 +29,13 @@ def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
     Raises CheckpointError when the disk refuses (the previous one stays).
     """
     with core.lock:
+        core.store.settle()  # no update half made: the policy's clocks and the weights say the same
         return write_held(core, folder, keep, force)
 
 
 def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
-    """:func:`write`, by a caller that holds the core's lock (a sync round's cut, as it closes)."""
+    """:func:`write`, by a caller that holds the core's lock with no update half made (a sync round's cut, as it
+    closes)."""
     if not force and core.last_checkpoint and core.last_checkpoint[0] == core.version:
         return None
     arrays, manifest = state(core)
@@ -47,8 +49,8 @@ def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
 
 
 def state(core: ShardCore) -> tuple[dict, dict]:
-    """What a checkpoint of ``core`` holds (under its lock): its arrays (views of the live ones) and manifest; also
-    what a primary sends a new replica (psgd.server.replica)."""
+    """What a checkpoint of ``core`` holds (under its lock, no update half made: WeightStore.settle): its arrays
+    (views of the live ones) and manifest; also what a primary sends a new replica (psgd.server.replica)."""
     arrays = {"weights": core.flat}
     arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
     if core.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart

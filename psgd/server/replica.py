@@ -96,6 +96,7 @@ class Pair:
             core.pair, core.role = self, "starting"  # serving no worker until start() decides
             # times the pair's leader changed (copied with the state): the later of two leaders has the larger
             core.counters.setdefault("failovers", 0)
+            core.counters.setdefault("unreplicated", 0)  # pushes its primary acknowledged without a copy
 
     # -- roles ----------------------------------------------------------------------------------------------
     def start(self) -> "Pair":
@@ -165,18 +166,27 @@ class Pair:
         down meanwhile refuses (the worker retries on the new one), and so does one whose replica stays silent."""
         deadline = time.monotonic() + self.ack_seconds
         with self._lock:
-            while self.acked < seq and not self.alone and self.core.role != REPLICA:
-                if self._stop.is_set() or self.core.closing:
-                    raise ShardError("UNAVAILABLE", f"shard {self.core.shard} is shutting down before its replica "
-                                     f"confirmed update {seq}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ShardError("UNAVAILABLE", f"shard {self.core.shard}: its replica at {self.peer} did not "
-                                     f"confirm update {seq} within {self.ack_seconds:.0f}s; retry")
-                self._lock.wait(min(left, 0.5))
+            self._wait_for(seq, deadline)
+            copied = self.acked >= seq
+        if not copied and self.core.role != REPLICA:
+            with self.core.lock:  # acknowledged without a copy: psgd status and psgd launch say how many
+                self.core.counters["unreplicated"] += 1
         if self.core.role == REPLICA:
             raise ShardError("UNAVAILABLE", f"shard {self.core.shard} at this address stepped down: its peer "
                              f"{self.peer} leads now", reason="NOT_PRIMARY")
+
+    def _wait_for(self, seq: int, deadline: float) -> None:
+        """(Under the pair's lock.)  Wait until the replica holds update ``seq``, the primary goes on alone or it
+        stepped down; refuse where it shuts down meanwhile or the replica stays silent past ``deadline``."""
+        while self.acked < seq and not self.alone and self.core.role != REPLICA:
+            if self._stop.is_set() or self.core.closing:
+                raise ShardError("UNAVAILABLE", f"shard {self.core.shard} is shutting down before its replica "
+                                 f"confirmed update {seq}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ShardError("UNAVAILABLE", f"shard {self.core.shard}: its replica at {self.peer} did not "
+                                 f"confirm update {seq} within {self.ack_seconds:.0f}s; retry")
+            self._lock.wait(min(left, 0.5))
 
     def lead(self, sock: socket.socket) -> None:
         """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.datapath): the
@@ -185,17 +195,20 @@ class Pair:
         core = self.core
         sock.settimeout(SILENCE_SECONDS * 5)
         address = stream.accept(sock, core.version)
-        with core.lock, self._lock:
-            if core.role != PRIMARY or self.attached:
-                log.warning("shard %d: refused a replica at %s: this process is %s", core.shard, address,
-                            "led by its peer" if core.role != PRIMARY else "followed already")
-                return
-            arrays, manifest = recovery.state(core)
-            arrays = {k: np.array(v) for k, v in arrays.items()}  # a copy: the weights move on
-            batch = [(stream.STATE, core.version, (manifest, arrays))]
-            self._queue.clear()
-            self.attached, self.alone, self.sent, self.acked = True, False, core.version, -1
-            self.peer = self.peer or address  # where it said it listens, unless the job file says
+        with core.lock:
+            core.store.settle()  # the state holds every update whole; the ones after it are queued from here on
+            with self._lock:
+                if core.role != PRIMARY or self.attached:
+                    log.warning("shard %d: refused a replica at %s: this process is %s", core.shard, address,
+                                "led by its peer" if core.role != PRIMARY else "followed already")
+                    return
+                arrays, manifest = recovery.state(core)
+                arrays = {k: np.array(v) for k, v in arrays.items()}  # a copy: the weights move on
+                batch = [(stream.STATE, core.version, (manifest, arrays))]
+                self._queue.clear()
+                self.attached, self.alone, self.sent, self.acked = True, False, core.version, -1
+                self.peer = self.peer or address  # where it said it listens, unless the job file says
+        refused = ""
         try:
             while batch:
                 answers = stream.send(sock, batch)
@@ -216,6 +229,8 @@ class Pair:
                     self._queue.clear()
                     if self._stop.is_set() and batch[-1][0] != stream.FINISHED:
                         return
+        except stream.Refused as exc:  # its copy is behind for good: the pair has one, as when it is gone
+            refused = str(exc)
         except protocol.WireError as exc:
             log.warning("shard %d: the stream to its replica at %s ended: %s", core.shard, self.peer, exc)
         finally:
@@ -223,6 +238,8 @@ class Pair:
             with self._lock:
                 self.attached, self.acked = False, -1
                 self._queue.clear()
+                if refused:
+                    self._go_alone(f"is gone ({refused})")
                 self._lock.notify_all()
             if not self._stop.is_set():
                 threading.Thread(target=self._lost, daemon=True, name=f"shard{core.shard}-lost").start()
@@ -236,12 +253,20 @@ class Pair:
                 self._step_down(found.version)  # it took over from this process (it counts more failovers)
                 return
             with self._lock:
-                if found is None and not self.alone:
-                    log.warning("shard %d: its replica at %s is gone: going on alone, pushes acknowledged without "
-                                "a copy until it follows again", self.core.shard, self.peer)
-                self.alone = found is None
+                if found is None:
+                    self._go_alone("is gone")
+                else:
+                    self.alone = False  # it lives: pushes wait for it to follow again (ack_seconds at most)
                 self._lock.notify_all()
             self._stop.wait(4 * KEEPALIVE_SECONDS)
+
+    def _go_alone(self, why: str) -> None:
+        """(Under the pair's lock.)  The replica cannot hold the updates from now on (``why``): pushes are
+        acknowledged without a copy (counted: ``unreplicated``) until it follows again; one WARNING says so."""
+        if not self.alone:
+            log.warning("shard %d: its replica at %s %s: going on alone, pushes acknowledged without a copy until it "
+                        "follows again", self.core.shard, self.peer, why)
+        self.alone = True
 
     def _step_down(self, theirs: int) -> None:
         with self.core.lock:
@@ -269,8 +294,8 @@ class Pair:
                     why = self._apply_stream(self._sock)
             except protocol.WireError as exc:
                 why = str(exc)
-            except ShardError as err:  # refused by this replica: the primary sends its state again
-                log.error("shard %d: %s", core.shard, err.message)
+            except ShardError as err:  # refused by this replica (it told the primary): it follows again from its state
+                log.warning("shard %d: %s; following again from the primary's state", core.shard, err.message)
             finally:
                 self.following = False
                 if self._sock is not None:

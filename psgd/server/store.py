@@ -137,6 +137,7 @@ class WeightStore:
         self._spare: bytearray | None = None
         self._reads: list[list[LiveRead]] = [[] for _ in range(SLOTS)]  # live reads of each slot
         self.writers_waiting = 0   # updates waiting for reads to finish (new reads defer to them)
+        self.settling = 0          # readers of the whole state waiting for those updates (new updates defer to them)
         #: updates made in the other slot since the current one was being read; reads revoked past their hold
         self.counters = {"copied_updates": 0, "revoked_reads": 0}
 
@@ -291,6 +292,31 @@ class WeightStore:
                 self.changed.wait(min(max(wake - now, 0.001), 1.0))
         finally:
             self.writers_waiting -= 1
+
+    # -- the whole state, read -------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait until no update is half made: decided by the shard's policy (which counts the push) but not yet
+        written, because it waits here for reads (letting go of the lock).  What is read of the shard after this,
+        before the lock is let go (its state for a checkpoint or a new replica, its policy for the replica), holds
+        every update whole or not at all.  New updates wait meanwhile (:meth:`after_settling`), so a stream of them
+        cannot hold this back: the ones in flight end within their own bound (patience, then the reads' hold)."""
+        self.settling += 1
+        try:
+            report = time.monotonic() + 10.0
+            while self.writers_waiting:
+                self.changed.wait(1.0)
+                if time.monotonic() > report:  # a long wait says what it waits for
+                    report = time.monotonic() + 10.0
+                    log.warning("shard %d: reading its state waits for %d update(s) held by reads of the weights: "
+                                "%s", self.shard, self.writers_waiting, self.reads())
+        finally:
+            self.settling -= 1
+            self.changed.notify_all()
+
+    def after_settling(self) -> None:
+        """What a new update does before its policy decides: let a reader of the whole state go first."""
+        while self.settling:
+            self.changed.wait(1.0)
 
     def _revoke(self, slot: int, now: float) -> None:
         for read in self._reads[slot]:

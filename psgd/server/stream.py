@@ -7,7 +7,8 @@ sends frames (:func:`send`): a fixed header (:data:`FRAME`), JSON, then raw byte
 ``sendmsg``, as pulls are.  The replica applies each (:class:`Reader`), receiving an update straight into a reused
 buffer as a push is, and answers every frame but the job's end (:data:`ANSWER`): an update with its number as soon
 as it is here whole (it is then held, and applied in order while the next one travels), the others with the version
-the replica holds once it took them.
+the replica holds once it took them.  An update the replica cannot apply (out of order, or one its policy would not
+apply) is answered with a refusal that says why (:class:`Refused`) instead: the primary counts its replica gone.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ MAGIC, ANSWER_MAGIC = b"PSGR", b"PSGA"
 #: magic, kind, seq (the primary's version once it is applied), worker, clock, staleness, lr_scale, JSON bytes,
 #: data bytes
 FRAME = struct.Struct("<4sBxxxqiqqdIQ")
-#: magic, the update now held (an update's number, else the version the replica holds)
+#: magic, the update now held (an update's number, else the version the replica holds); or, with REFUSED_MAGIC, the
+#: length of the words that follow: the replica cannot apply the update it was sent, and says why
 ANSWER = struct.Struct("<4sq")
+REFUSED_MAGIC = b"PSGX"
 #: a frame's bytes and its answer must come at this rate at least, after SILENCE_SECONDS * 2
 MIN_RATE = 1e7
 #: a primary silent this long (a keepalive goes every 0.2 s) is taken for gone by its replica; a replica that does
@@ -95,10 +98,18 @@ def send(sock: socket.socket, batch: list[tuple]) -> int:
     return sum(1 for kind, _, _ in batch if kind != FINISHED)
 
 
+class Refused(protocol.WireError):
+    """The replica could not apply an update it was sent (the words say which and why): the pair has one copy."""
+
+
 def answer(sock: socket.socket) -> int:
-    """The next answer of the replica: the version it holds."""
+    """The next answer of the replica: the version it holds; :class:`Refused` where it could not apply an update."""
     try:
         magic, seq = protocol.recv_struct(sock, ANSWER)
+        if magic == REFUSED_MAGIC and 0 <= seq <= protocol.MAX_ERROR_BYTES:
+            raise Refused(protocol.recv_bytes(sock, seq).decode("utf-8", "replace"))
+    except Refused:
+        raise
     except protocol.WireError as exc:
         raise protocol.WireError(f"no answer from the replica: {exc}") from None
     if magic != ANSWER_MAGIC:
@@ -159,14 +170,17 @@ class Reader:
             if nbytes != len(self.grad):
                 raise protocol.WireError(f"an update of {nbytes} bytes; the shard holds {len(self.grad)}")
             protocol.recv_exact(sock, memoryview(self.grad))
-            protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, seq)])
             grads = core.store.gradient_views(self.grad)
             with core.lock:
-                decision = core.policy.push(worker, clock)
-                if decision.action != APPLIED or core.version + 1 != seq:
-                    raise ShardError("FAILED_PRECONDITION", f"replica of shard {core.shard} at version "
-                                     f"{core.version} cannot apply update {seq} (worker {worker}, clock {clock}): "
-                                     f"{decision.reason or 'out of order'}")
+                # checked before it is answered (the primary acknowledges the push on the answer), applied after
+                decision = core.policy.push(worker, clock) if core.version + 1 == seq else None
+                if decision is None or decision.action != APPLIED:
+                    why = (f"replica of shard {core.shard} at version {core.version} cannot apply update {seq} "
+                           f"(worker {worker}, clock {clock}): {(decision.reason or decision.action) if decision else 'out of order'}")
+                    words = why.encode()[:protocol.MAX_ERROR_BYTES]
+                    protocol.send_buffers(sock, [ANSWER.pack(REFUSED_MAGIC, len(words)), words])
+                    raise ShardError("FAILED_PRECONDITION", why)
+                protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, seq)])  # held: applied while the next comes
                 core._record_staleness(staleness)
                 core._apply(grads, lr_scale, core.remedies.share)
                 core.counters["pushes"] += 1

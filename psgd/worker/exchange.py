@@ -91,18 +91,19 @@ class ParameterServerExchange(Exchange):
         self._reader: PSClient | None = None  # an observer, for an evaluation's rows
         self.moved = {"rows": 0, "bytes": 0, "steps": 0}  # a model with tables: rows and bytes moved, in all
 
-    def _stopping(self, exc: PSError) -> None:
-        """A failed call while the worker is being stopped ends the step; otherwise it is an error."""
+    def _stopping(self, exc: PSError, then: str = "") -> None:
+        """A failed call while the worker is being stopped ends the step (``then``: what it does next), else fails."""
         if isinstance(exc, Stopped) or (self.stop is not None and self.stop.is_set()):
-            raise Interrupted(str(exc)) from None
+            raise Interrupted(f"{exc}{then}") from None
 
     def begin(self) -> int:
         c, t, ds = self.job.config.cluster, self.job.config.train, self.job.dataset
-        try:
+        try:  # asked to stop while it waits for its shards or registers: it leaves, no error
             self.client.wait_ready(c.join_timeout)
-        except Stopped as exc:
-            raise Interrupted(f"{exc}; leaving before it joined") from None
-        clock = self.client.register()
+            clock = self.client.register()
+        except PSError as exc:
+            self._stopping(exc, "; leaving before it joined")
+            raise
         self.joined = True
         self.client.start_heartbeats()
         spe = datasets.steps_per_epoch(ds.n_train, c.workers, t.batch_size)
@@ -253,8 +254,7 @@ class ParameterServerExchange(Exchange):
             self.moved["bytes"] += moved
             self.moved["steps"] += 1
         return Exchanged(new_clock, fields, {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
-                                             "bytes": moved, "outcomes": [r.outcome for r in replies],
-                                             "spans": spans})
+                                             "bytes": moved, "outcomes": [r.outcome for r in replies], "spans": spans})
 
     def _combines(self, step: int, rows: Mapping) -> bool:
         """Whether this step's push brings the next step's weights: under sync (async's pull, sent once the push is

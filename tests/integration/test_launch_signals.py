@@ -310,3 +310,45 @@ def test_a_stop_signal_caught_by_another_thread_ends_calls_being_retried(tmp_pat
         assert ended - sent[0] < 1.0, f"the calls went on {ended - sent[0]:.1f}s after the stop signal"
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_worker_stopped_while_it_registers_leaves_as_asked():
+    """Seen in test_shards_and_workers_sigtermed_together_all_exit_0: every process got SIGTERM while a worker's
+    registration was in flight; the stopping shard answered UNAVAILABLE, and the worker, asked to stop, did not retry
+    but exited 1 with an error.  Here the shard holds the registration until the worker is asked to stop and the shard
+    is stopping: the worker leaves before it joined, as a stop asked for does."""
+    import threading
+
+    from helpers import make_job, shards
+    from psgd.worker.exchange import run_worker
+
+    job = make_job("model.name=softmax", "cluster.shards=1", "cluster.workers=1")
+    entered, release, stop, ended = threading.Event(), threading.Event(), threading.Event(), {}
+    with shards(job) as (server,):
+        register = server.core.register
+
+        def held(*args, **kwargs):
+            entered.set()
+            release.wait(10)
+            return register(*args, **kwargs)
+
+        server.core.register = held
+
+        def work() -> None:
+            try:
+                ended["result"] = run_worker(job, 0, job.cluster.servers, progress=False, stop=stop)
+            except Exception as exc:  # what the test is about
+                ended["error"] = exc
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        assert entered.wait(30), "the worker did not register"
+        stop.set()
+        stopping = threading.Thread(target=server.stop, kwargs={"grace": 0.2}, daemon=True)
+        stopping.start()
+        worker.join(30)
+        release.set()
+        stopping.join(30)
+    assert not worker.is_alive(), "the worker did not stop"
+    assert "error" not in ended, f"a stop asked for ended in an error: {ended['error']}"
+    assert ended["result"].steps == 0

@@ -8,9 +8,11 @@ Without a replica a shard SIGKILLed under async comes back from its last checkpo
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -182,5 +184,104 @@ def test_status_json_carries_role_and_lag():
         rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5))).to_json()["shards"]
         assert [(r["role"], r["replica_lag"]) for r in rows] == [("primary", 0), ("replica", 0)]
         assert json.dumps(rows)
+    finally:
+        close(primary, replica)
+
+
+def _push(core, worker: int, clock: int):
+    return core.push(worker, clock, core.version, {i: np.full(s.size, 0.01 * (worker + 1), core.dtype)
+                                                    for i, s in core.slices.items()})
+
+
+def _hold_an_update(core, worker: int, clock: int):
+    """Push on ``core`` in a thread, held between the policy's decision and the weights' write: a live read that is
+    released only by the test, and an update that waits for it (its patience made longer than the test)."""
+    core.store.patience = 3600.0
+    with core.lock:
+        read = core.store.live(core.version)
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", _push(core, worker, clock)), daemon=True)
+    thread.start()
+    wait_for(lambda: core.store.writers_waiting == 1, 10, "the update to wait for the read")
+    assert core.policy.clock_of(worker) == clock + 1  # decided, not yet written
+    return read, thread
+
+
+def _same_copies(primary, replica):
+    p, q = primary.core, replica.core
+    wait_for(lambda: p.pair.lag() == 0 and q.version == p.version, 10, "the replica to hold the primary's version")
+    assert [p.policy.clock_of(w) for w in range(p.num_workers)] == [q.policy.clock_of(w) for w in range(q.num_workers)]
+    np.testing.assert_array_equal(p.flat, q.flat)
+
+
+@pytest.mark.parametrize("event", ["a worker leaves", "the replica attaches"])
+def test_an_update_held_before_its_write_reaches_the_replica_in_its_place(event, caplog):
+    """Under ssp over shared memory a replica fell one update behind and dropped out: a worker left while another's
+    update waited for a read of the weights (decided, not yet written), and the policy's state sent to the replica
+    already counted that push, so the update that followed it was refused as a duplicate.  The same holds for the
+    state a replica starts from.  Both now wait for the update to be written (WeightStore.settle)."""
+    job = make_job("model.name=softmax", "cluster.policy=ssp", "cluster.workers=2", "cluster.shards=1",
+                   "cluster.replicas=1")
+    d = describe_job(job)
+    primary = ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True).start()
+    replica = ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True).start()
+    p = primary.core
+    Pair(p, primary.address, replica.address, second=False).start()
+    try:
+        if event == "a worker leaves":
+            Pair(replica.core, replica.address, primary.address, second=True).start()
+            wait_for(lambda: p.pair.lag() == 0, 10, "the replica to follow")
+        for w in range(2):
+            p.register(w, p.plan.hash)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="psgd"):
+            read, pushing = _hold_an_update(p, 1, 0)
+            if event == "a worker leaves":
+                done = threading.Thread(target=p.done, args=(0, 0), daemon=True)
+            else:
+                done = threading.Thread(target=Pair(replica.core, replica.address, primary.address,
+                                                    second=True).start, daemon=True)
+            done.start()
+            wait_for(lambda: p.store.settling == 1 or not done.is_alive() and p.pair.attached, 10,
+                     f"{event}: to wait for the update, or to be done")
+            read.release()
+            pushing.join(10)
+            done.join(10)
+            assert pushing.is_alive() is done.is_alive() is False
+            _same_copies(primary, replica)
+        assert not [r.getMessage() for r in caplog.records], "the pair reported a failure"
+        assert p.version == 1
+        if event == "a worker leaves":  # (a replica not yet attached when the push is acknowledged holds no copy)
+            assert p.counters["unreplicated"] == 0
+    finally:
+        close(primary, replica)
+
+
+def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_copy(caplog):
+    """A replica whose copy went wrong (here: its policy told that worker 1 pushed a clock it did not) refuses the
+    next update of that worker: the primary hears why, says in one WARNING that its replica is gone, acknowledges
+    that push without a copy (counted, shown by psgd status), and the replica follows again from the primary's
+    state."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=2", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    p, q = primary.core, replica.core
+    try:
+        for w in range(2):
+            p.register(w, p.plan.hash)
+        _push(p, 0, 0)  # after the registrations on the stream: once the replica holds it, it heard of them
+        wait_for(lambda: q.version == 1, 10, "the replica to apply the first update")
+        with q.lock:
+            q.policy.fast_forward(1, 1)  # the replica's copy goes wrong
+        with caplog.at_level(logging.WARNING, logger="psgd"):
+            _push(p, 1, 0)
+        gone = [r.getMessage() for r in caplog.records if r.name == "psgd.server.replica" and "going on alone" in
+                r.getMessage()]
+        assert len(gone) == 1 and "is gone (replica of shard 0 at version 1 cannot apply update 2 (worker 1, " \
+                                  "clock 0): worker 1 already pushed clock 0" in gone[0]
+        assert p.counters["unreplicated"] == 1
+        _same_copies(primary, replica)  # it follows again, from the state
+        rows = ClusterView(probe_all([primary.address], Connect(timeout=5))).render()
+        assert "1 acknowledged without a copy" in rows
     finally:
         close(primary, replica)

@@ -815,3 +815,37 @@ def test_a_large_shard_names_the_first_bad_slice_and_changes_nothing():
 def test_small_shards_stay_on_one_thread():
     core, _ = make_core("async", 1)
     assert core.store._threads is None  # 15 values: threads would only add latency
+
+
+def hold_an_update(core: ShardCore, worker: int, clock: int):
+    """Push in a thread and hold that update between its policy's decision and its write: a live read of the weights
+    that is never released on its own, and an update that waits for it (no patience runs out).  Returns the read
+    (release it to let the update go on) and the push's join."""
+    core.store.patience = 3600.0
+    with core.lock:
+        read = core.store.live(core.version)
+    join = run_in_thread(push, core, worker, clock)
+    wait_for(lambda: core.store.writers_waiting == 1, JOIN_WAIT, "the update to wait for the read")
+    assert core.policy.clock_of(worker) == clock + 1 and core.version == 0  # decided, not yet written
+    return read, join
+
+
+@pytest.mark.parametrize("policy, options", [("async", {}), ("ssp", {"staleness": 2})])
+def test_a_checkpoint_holds_an_update_whole_or_not_at_all(tmp_path, policy, options):
+    """An update that waits for a read has been decided (the policy counts the push) but not written; a checkpoint
+    taken then held the policy's clocks without the weights, and a shard restored from it counted the worker's retry
+    as a duplicate: the push was lost.  The checkpoint now waits for the update to be written."""
+    core, _ = make_core(policy, 2, options=options)
+    register_all(core)
+    read, pushed = hold_an_update(core, 1, 0)
+    written = run_in_thread(recovery.write, core, tmp_path, force=True)
+    wait_for(lambda: core.last_checkpoint is not None or core.store.settling == 1, JOIN_WAIT,
+             "the checkpoint to be written or to wait")
+    read.release()
+    pushed()
+    written()
+    ckpt = checkpoint.load_latest(tmp_path, PLAN.hash, core.fingerprint)
+    restored, _ = make_core(policy, 2, options=options)
+    recovery.restore(restored, ckpt)
+    assert (restored.version, restored.policy.clock_of(1)) == (1, 1)
+    assert_weights(restored, expect((1.0 / 2, grad(1 + 1))))
