@@ -1,5 +1,6 @@
 """Models: the protocol, the built-in networks and loading a user model by name.
 
+A network is written as its forward pass (:class:`Network`, :mod:`psgd.model.module`): psgd derives its gradients.
 ``build_model("mlp", (784,), 10, hidden=(256,))`` builds a built-in network;
 ``build_model("mypkg.nets:ResNetish", ...)`` imports ``mypkg.nets`` and builds
 its ``ResNetish`` class.  Every failure is a one-line :class:`ModelError`.
@@ -13,6 +14,8 @@ from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecErr
                               init_variable, model_tables)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
+from psgd.model.module import (AvgPool2d, Conv2d, Flatten, Function, LayerNorm, Linear, MaxPool2d, Module, Network,
+                               Parameter, ReLU, Sequential, Table)
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 from psgd.model.registry import MODELS, build_model, load_model_class
 
@@ -20,4 +23,6 @@ __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
     "check_model", "run_checks", "Check", "hands_over_gradients", "model_tables",
+    "Network", "Module", "Parameter", "Table", "Sequential", "Function", "Linear", "Conv2d", "LayerNorm", "ReLU",
+    "Flatten", "MaxPool2d", "AvgPool2d",
 ]

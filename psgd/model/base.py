@@ -22,7 +22,7 @@ import numpy as np
 
 from psgd.model.errors import ModelError
 
-INITIALIZERS = ("zeros", "he_normal", "glorot_uniform", "normal")
+INITIALIZERS = ("zeros", "ones", "he_normal", "glorot_uniform", "normal")
 
 
 class VarSpecError(ModelError):
@@ -33,7 +33,7 @@ class VarSpecError(ModelError):
 class VarSpec:
     """One trainable variable: its name, shape, dtype and how to initialize it.
 
-    ``init`` is one of ``zeros``, ``he_normal`` (std sqrt(2/fan_in)),
+    ``init`` is one of ``zeros``, ``ones``, ``he_normal`` (std sqrt(2/fan_in)),
     ``glorot_uniform`` (limit sqrt(6/(fan_in+fan_out))) or ``normal`` (std
     ``scale``).  ``fan_in``/``fan_out`` default to the leading/trailing
     dimensions.
@@ -79,8 +79,8 @@ def variable_rng(seed: int, name: str) -> np.random.Generator:
 def init_variable(spec: VarSpec, seed: int) -> np.ndarray:
     """The initial value of one variable, a host array, deterministic in (seed, name)."""
     shape, dtype = spec.shape, np.dtype(spec.dtype)
-    if spec.init == "zeros":
-        return np.zeros(shape, dtype=dtype)
+    if spec.init in ("zeros", "ones"):
+        return (np.zeros if spec.init == "zeros" else np.ones)(shape, dtype=dtype)
     rng = variable_rng(seed, spec.name)
     fan_in = spec.fan_in or (shape[0] if len(shape) > 1 else spec.size)
     fan_out = spec.fan_out or (shape[-1] if len(shape) > 1 else spec.size)

@@ -12,23 +12,21 @@ table's gradient leaves as ``Rows`` too, one summed gradient per distinct row.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from psgd.model.base import BaseModel, VarSpec
+from psgd.autodiff import nn, ops
 from psgd.model.errors import ModelError
-from psgd.model.layers import Dense, Layer, ReLU, Sequential
-from psgd.model.losses import mean_squared_error, softmax_cross_entropy
+from psgd.model.module import Linear, Network, Table, chained
 from psgd.model.nets import LOSSES, _positive_int, _positive_ints
-from psgd.model.table import Rows, TableSpec
-from psgd.xp import get_array_module, scatter_add
+from psgd.model.table import TableSpec
 
 COMBINE = ("concat", "sum", "mean")
 TABLE = "emb"
 
 
-class Embed(BaseModel):
+class Embed(Network):
     name = "embed"
     OPTIONS = ("dim", "hidden", "combine", "scale")
 
@@ -39,37 +37,39 @@ class Embed(BaseModel):
             bad = ", ".join(repr(k) for k in sorted(unknown))
             raise ModelError(f"{self.name}: unknown option(s) {bad} (options: {', '.join(('loss',) + self.OPTIONS)})")
         shape = (input_shape,) if isinstance(input_shape, (int, np.integer)) else tuple(input_shape)
-        self.dense_dim = math.prod(_positive_int(self.name, "input_shape", d) for d in shape) if shape else 0
-        self.num_classes = _positive_int(self.name, "num_classes", num_classes)
+        dense_dim = math.prod(_positive_int(self.name, "input_shape", d) for d in shape) if shape else 0
+        classes = _positive_int(self.name, "num_classes", num_classes)
         if id_shape is None or len(tuple(id_shape)) != 1:
             raise ModelError(f"{self.name}: needs a dataset with one id per categorical field (such as clicks), "
                              f"got id_shape {id_shape!r}")
-        self.fields = _positive_int(self.name, "id_shape", tuple(id_shape)[0])
-        self.dim = _positive_int(self.name, "dim", dim)
-        self.hidden = _positive_ints(self.name, "hidden", hidden)
+        fields = _positive_int(self.name, "id_shape", tuple(id_shape)[0])
+        dim = _positive_int(self.name, "dim", dim)
+        hidden = _positive_ints(self.name, "hidden", hidden)
         if combine not in COMBINE:
             raise ModelError(f"{self.name}: option 'combine' must be one of {', '.join(COMBINE)} (got {combine!r})")
         if loss not in LOSSES:
             raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(LOSSES)} (got {loss!r})")
         if np.dtype(dtype).kind != "f":
             raise ModelError(f"{self.name}: dtype must be a float type (got {dtype!r})")
-        self.dtype, self.combine, self.loss_name = np.dtype(dtype).name, combine, loss
         try:
-            self.table = TableSpec(TABLE, self.dim, self.dtype, "normal", float(scale))
+            TableSpec(TABLE, dim, dtype, "normal", float(scale))
         except (TypeError, ValueError) as exc:
             raise ModelError(f"{self.name}: {exc}") from None
-        self.looked_up = self.fields * self.dim if combine == "concat" else self.dim
-        widths = (self.looked_up + self.dense_dim,) + self.hidden
-        layers: list[Layer] = []
-        for n_in, n_out in zip(widths, widths[1:]):
-            layers += [Dense(n_in, n_out, init="he_normal"), ReLU()]
-        self.net = Sequential(layers + [Dense(widths[-1], self.num_classes, init="glorot_uniform")], self.dtype)
+        super().__init__(dtype)
+        self.dense_dim, self.num_classes, self.fields, self.dim, self.hidden = dense_dim, classes, fields, dim, hidden
+        self.combine, self.loss_name = combine, loss
+        self.emb = Table(dim, "normal", float(scale))
+        self.looked_up = fields * dim if combine == "concat" else dim
+        widths = (self.looked_up + dense_dim,) + hidden
+        layers = [Linear(n_in, n_out, "he_normal", relu=True) for n_in, n_out in zip(widths, widths[1:])]
+        self.order = []
+        for name, module in chained(layers + [Linear(widths[-1], classes, "glorot_uniform")]):
+            setattr(self, name, module)
+            self.order.append(name)
 
-    def specs(self) -> list[VarSpec]:
-        return self.net.specs()
-
-    def tables(self) -> list[TableSpec]:
-        return [self.table]
+    @property
+    def table(self) -> TableSpec:
+        return self.tables()[0]
 
     def lookups(self, ids: Any) -> dict[str, np.ndarray]:
         """The ids each example of a batch looks up, per table: ``ids`` is ``[B, fields]``."""
@@ -79,44 +79,20 @@ class Embed(BaseModel):
                              f"{ids.shape} {ids.dtype}")
         return {TABLE: ids}
 
-    def _inputs(self, params: Mapping[str, Any], x: Any) -> tuple[Any, Any]:
-        rows = params[TABLE]
-        if not isinstance(rows, Rows):
-            raise ModelError(f"{self.name}: params[{TABLE!r}] must be the batch's Rows of the table")
-        xp = get_array_module(rows.values)
-        looked = rows.values[rows.index]  # [B, fields, dim]
+    def forward(self, x: Any) -> Any:
+        looked = self.emb()  # [B, fields, dim]
         b = looked.shape[0]
         if self.combine == "concat":
             joined = looked.reshape(b, self.looked_up)
         else:
             joined = looked.sum(axis=1) if self.combine == "sum" else looked.mean(axis=1)
-        dense = xp.asarray(x, dtype=self.dtype).reshape(b, -1)
+        dense = x.reshape(b, -1)
         if dense.shape[1] != self.dense_dim:
             raise ModelError(f"{self.name}: expected {self.dense_dim} dense features, got {dense.shape[1]}")
-        return xp.concatenate([joined, dense], axis=1), looked.shape
+        h = ops.concatenate([joined, dense], axis=1)
+        for name in self.order:
+            h = getattr(self, name)(h)
+        return h
 
-    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
-                       on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
-        rows = params[TABLE]
-        h, shape = self._inputs(params, x)
-        out, caches = self.net.forward(params, h)
-        if self.loss_name == "mse":
-            loss, dout = mean_squared_error(out, y, self.num_classes)
-        else:
-            loss, dout = softmax_cross_entropy(out, y)
-        dh, grads = self.net.backward(params, caches, dout, need_dx=True, on_grad=on_grad)
-        xp = get_array_module(dh)
-        d_looked = dh[:, :self.looked_up]
-        if self.combine == "concat":
-            d_looked = d_looked.reshape(shape)
-        else:
-            d_looked = xp.broadcast_to(d_looked[:, None, :] / (shape[1] if self.combine == "mean" else 1), shape)
-        row_grads = xp.zeros_like(rows.values)
-        scatter_add(row_grads, rows.index, d_looked)
-        grads[TABLE] = rows.with_values(row_grads)
-        if on_grad is not None:
-            on_grad(TABLE, grads[TABLE])
-        return loss, grads
-
-    def predict(self, params: Mapping[str, Any], x: Any) -> Any:
-        return self.net.forward(params, self._inputs(params, x)[0])[0]
+    def criterion(self, scores: Any, y: Any) -> Any:
+        return nn.mse(scores, y, self.num_classes) if self.loss_name == "mse" else nn.cross_entropy(scores, y)

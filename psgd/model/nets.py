@@ -1,4 +1,5 @@
-"""Built-in networks: softmax regression, an MLP and a small CNN.
+"""Built-in networks: softmax regression, an MLP and a small CNN, written as their forward pass
+(:mod:`psgd.model.module`): their gradients are derived.
 
 Each is built as ``Class(input_shape, num_classes, dtype="float32",
 loss="cross_entropy" | "mse", **options)``; an unknown option or a bad value
@@ -8,15 +9,13 @@ raises :class:`ModelError` naming the model and the option.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from psgd.model.base import BaseModel, VarSpec
+from psgd.autodiff import nn
 from psgd.model.errors import ModelError
-from psgd.model.layers import Conv2D, Dense, Flatten, Layer, MaxPool2D, ReLU, Sequential
-from psgd.model.losses import mean_squared_error, softmax_cross_entropy
-from psgd.xp import get_array_module
+from psgd.model.module import Conv2d, Flatten, Linear, MaxPool2d, Module, Network, ReLU, chained
 
 LOSSES = ("cross_entropy", "mse")
 
@@ -48,8 +47,9 @@ def _positive_ints(model: str, option: str, value: Any) -> tuple[int, ...]:
         raise ModelError(f"{model}: option {option!r} must be one or more positive integers (got {value!r})") from None
 
 
-class LayeredModel(BaseModel):
-    """A :class:`Sequential` net plus a loss; subclasses say which layers in ``layers()``."""
+class LayeredModel(Network):
+    """A chain of modules plus a loss; subclasses say which modules in ``layers()``.  Variables are named as a
+    :class:`~psgd.model.module.Sequential` names them (``dense0/W``, ``conv1/b``)."""
 
     name = "model"
     OPTIONS: tuple[str, ...] = ()
@@ -64,65 +64,50 @@ class LayeredModel(BaseModel):
         if isinstance(input_shape, (int, np.integer)):
             input_shape = (input_shape,)
         try:
-            self.input_shape = tuple(_positive_int(self.name, "input_shape", d) for d in input_shape)
+            shape = tuple(_positive_int(self.name, "input_shape", d) for d in input_shape)
         except (TypeError, ModelError):
             raise ModelError(f"{self.name}: input_shape must be positive integers (got {input_shape!r})") from None
-        if not self.input_shape:
+        if not shape:
             raise ModelError(f"{self.name}: input_shape must not be empty")
-        self.num_classes = _positive_int(self.name, "num_classes", num_classes)
-        if self.num_classes < 2:
+        classes = _positive_int(self.name, "num_classes", num_classes)
+        if classes < 2:
             raise ModelError(f"{self.name}: num_classes must be at least 2 (got {num_classes!r})")
         try:
-            self.dtype = np.dtype(dtype).name
+            kind = np.dtype(dtype).kind
         except TypeError:
-            self.dtype = None
-        if self.dtype is None or np.dtype(self.dtype).kind != "f":
+            kind = ""
+        if kind != "f":
             raise ModelError(f"{self.name}: dtype must be a float type such as float32 or float64 (got {dtype!r})")
         if loss not in LOSSES:
             raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(LOSSES)} (got {loss!r})")
-        self.loss_name = loss
-        self.net = Sequential(self.layers(), self.dtype)
-        self._first = self.net.specs()[0].name
+        super().__init__(dtype)  # (a subclass' options are set already)
+        self.input_shape, self.num_classes, self.loss_name = shape, classes, loss
+        self.order = []
+        for name, module in chained(self.layers()):
+            setattr(self, name, module)
+            self.order.append(name)
 
-    def layers(self) -> list[Layer]:
+    def layers(self) -> list[Module]:
         raise NotImplementedError(f"{type(self).__name__} must define layers()")
 
     def batch_shape(self) -> tuple[int, ...]:
         """The shape one example has inside the net (flat for dense models)."""
         return (math.prod(self.input_shape),)
 
-    def specs(self) -> list[VarSpec]:
-        return self.net.specs()
-
-    def _inputs(self, params: Mapping[str, Any], x: Any) -> Any:
-        xp = get_array_module(params[self._first])
-        x = xp.asarray(x, dtype=self.dtype)
+    def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
+        x = super().inputs(params, x)
         if x.ndim < 1 or math.prod(x.shape[1:]) != math.prod(self.input_shape):
             raise ModelError(f"{self.name}: expected inputs of shape (B, {', '.join(map(str, self.input_shape))}), "
                              f"got {tuple(x.shape)}")
         return x.reshape((x.shape[0],) + self.batch_shape())
 
-    def loss_grads_and_dx(self, params: Mapping[str, Any], x: Any, y: Any, need_dx: bool = True,
-                          on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any], Any]:
-        """Like :meth:`loss_and_grads`, plus the gradient with respect to the (reshaped) inputs."""
-        out, caches = self.net.forward(params, self._inputs(params, x))
-        if self.loss_name == "mse":
-            loss, dout = mean_squared_error(out, y, self.num_classes)
-        else:
-            loss, dout = softmax_cross_entropy(out, y)
-        dx, grads = self.net.backward(params, caches, dout, need_dx=need_dx, on_grad=on_grad)
-        return loss, grads, dx
+    def forward(self, x: Any) -> Any:
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return x
 
-    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
-                       on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
-        """The mean loss (a 0-d array on the params' device: reading it waits for the GPU, so the
-        caller does that once the step's work is queued) and the gradients; ``on_grad(name, grad)``
-        hears of each gradient as soon as backward has produced it, last layer first."""
-        loss, grads, _ = self.loss_grads_and_dx(params, x, y, need_dx=False, on_grad=on_grad)
-        return loss, grads
-
-    def predict(self, params: Mapping[str, Any], x: Any) -> Any:
-        return self.net.forward(params, self._inputs(params, x))[0]
+    def criterion(self, scores: Any, y: Any) -> Any:
+        return nn.mse(scores, y, self.num_classes) if self.loss_name == "mse" else nn.cross_entropy(scores, y)
 
 
 class SoftmaxRegression(LayeredModel):
@@ -134,8 +119,8 @@ class SoftmaxRegression(LayeredModel):
                  loss: str = "cross_entropy", **unknown: Any) -> None:
         super().__init__(input_shape, num_classes, dtype, loss, unknown)
 
-    def layers(self) -> list[Layer]:
-        return [Dense(self.batch_shape()[0], self.num_classes, init="glorot_uniform")]
+    def layers(self) -> list[Module]:
+        return [Linear(self.batch_shape()[0], self.num_classes, "glorot_uniform")]
 
 
 class MLP(LayeredModel):
@@ -146,15 +131,13 @@ class MLP(LayeredModel):
 
     def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
                  loss: str = "cross_entropy", hidden: Any = (128, 64), **unknown: Any) -> None:
-        self.hidden = _positive_ints(self.name, "hidden", hidden)
+        object.__setattr__(self, "hidden", _positive_ints(self.name, "hidden", hidden))
         super().__init__(input_shape, num_classes, dtype, loss, unknown)
 
-    def layers(self) -> list[Layer]:
+    def layers(self) -> list[Module]:
         widths = self.batch_shape() + self.hidden
-        layers: list[Layer] = []
-        for n_in, n_out in zip(widths, widths[1:]):
-            layers += [Dense(n_in, n_out, init="he_normal"), ReLU()]
-        return layers + [Dense(widths[-1], self.num_classes, init="glorot_uniform")]
+        dense: list[Module] = [Linear(n_in, n_out, "he_normal", relu=True) for n_in, n_out in zip(widths, widths[1:])]
+        return dense + [Linear(widths[-1], self.num_classes, "glorot_uniform")]
 
 
 class CNN(LayeredModel):
@@ -169,26 +152,26 @@ class CNN(LayeredModel):
     def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
                  loss: str = "cross_entropy", channels: Any = (8, 16), kernel: Any = 3, hidden: Any = 64,
                  **unknown: Any) -> None:
-        self.channels = _positive_ints(self.name, "channels", channels)
-        self.kernel = _positive_int(self.name, "kernel", kernel)
+        object.__setattr__(self, "channels", _positive_ints(self.name, "channels", channels))
+        object.__setattr__(self, "kernel", _positive_int(self.name, "kernel", kernel))
         if self.kernel % 2 == 0:
             raise ModelError(f"{self.name}: option 'kernel' must be odd for 'same' padding (got {kernel!r})")
-        self.hidden = _positive_int(self.name, "hidden", hidden)
+        object.__setattr__(self, "hidden", _positive_int(self.name, "hidden", hidden))
         super().__init__(input_shape, num_classes, dtype, loss, unknown)
 
     def batch_shape(self) -> tuple[int, ...]:
         return self.input_shape if len(self.input_shape) == 3 else (1,) + self.input_shape
 
-    def layers(self) -> list[Layer]:
+    def layers(self) -> list[Module]:
         if len(self.input_shape) not in (2, 3):
             raise ModelError(f"{self.name}: input_shape must be (C, H, W) or (H, W) (got {self.input_shape})")
         c, h, w = self.batch_shape()
         if h >> len(self.channels) < 1 or w >> len(self.channels) < 1:
             raise ModelError(f"{self.name}: input {h}x{w} is too small for {len(self.channels)} 2x2 poolings "
                              "(fewer 'channels' or a larger input)")
-        layers: list[Layer] = []
+        layers: list[Module] = []
         for c_out in self.channels:
-            layers += [Conv2D(c, c_out, self.kernel, padding="same"), ReLU(), MaxPool2D()]
+            layers += [Conv2d(c, c_out, self.kernel, padding="same"), ReLU(), MaxPool2d()]
             c, h, w = c_out, h // 2, w // 2
-        return layers + [Flatten(), Dense(c * h * w, self.hidden, init="he_normal"), ReLU(),
-                         Dense(self.hidden, self.num_classes, init="glorot_uniform")]
+        return layers + [Flatten(), Linear(c * h * w, self.hidden, "he_normal", relu=True),
+                         Linear(self.hidden, self.num_classes, "glorot_uniform")]

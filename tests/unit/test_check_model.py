@@ -1,7 +1,7 @@
 """check_model: every way a model can be wrong gives its own one-line message; good models pass, quickly.
 
-The faulty models are small variations of the README's example model
-(``tests/data/tanhnet.py``, kept identical to the README by
+The faulty models are small variations of the documentation's example model with its gradients by hand
+(``tests/data/tanhbyhand.py``, kept identical to docs/howto/your-model.md by
 ``tests/integration/test_check_model_cli.py``).
 """
 
@@ -30,20 +30,20 @@ SHAPE, CLASSES = (8, 8), 10   # the digits
 
 @pytest.fixture
 def tanhnet(monkeypatch):
-    """The README's example module, importable as ``tanhnet``."""
+    """The documentation's example module with gradients by hand, importable as ``tanhbyhand``."""
     monkeypatch.syspath_prepend(str(DATA))
-    import tanhnet
+    import tanhbyhand
 
-    yield tanhnet
-    sys.modules.pop("tanhnet", None)
+    yield tanhbyhand
+    sys.modules.pop("tanhbyhand", None)
 
 
 @pytest.fixture
 def user_module(user_module, monkeypatch):
-    """conftest's ``user_module``, with the README's example (tests/data/tanhnet.py) importable too."""
+    """conftest's ``user_module``, with the documentation's example (tests/data/tanhbyhand.py) importable too."""
     monkeypatch.syspath_prepend(str(DATA))
     yield user_module
-    sys.modules.pop("tanhnet", None)
+    sys.modules.pop("tanhbyhand", None)
 
 
 def failures(model, dtype="float32", name="net", **kwargs) -> list[str]:
@@ -68,13 +68,13 @@ def test_builtin_models_pass(name, options, dtype):
 
 def test_arrays_on_the_device(device, tanhnet):
     """The check runs where training runs: NumPy on the CPU, CuPy on a GPU (gpu-marked)."""
-    for name, options in [("cnn", {}), ("tanhnet:TanhMLP", {"width": 8})]:
+    for name, options in [("cnn", {}), ("tanhbyhand:TanhMLPByHand", {"width": 8})]:
         model = build_model(name, SHAPE, CLASSES, **options)
         checks = check_model(model, SHAPE, CLASSES, "float32", name=name, options=options, device=device,
                              budget=None)
         assert "in float64" in checks[-1].lines[0]
 
-    class HostGradients(tanhnet.TanhMLP):
+    class HostGradients(tanhnet.TanhMLPByHand):
         def loss_and_grads(self, params, x, y):
             loss, grads = super().loss_and_grads(params, x, y)
             return loss, {k: np.asarray(backend.to_host(g)) for k, g in grads.items()}
@@ -109,8 +109,8 @@ def test_builtin_models_pass_for_many_seeds_and_shapes():
 
 
 def test_readme_model_passes_by_name_and_without(tanhnet):
-    model = build_model("tanhnet:TanhMLP", SHAPE, CLASSES, width=16)
-    checks = check_model(model, SHAPE, CLASSES, "float32", name="tanhnet:TanhMLP", options={"width": 16},
+    model = build_model("tanhbyhand:TanhMLPByHand", SHAPE, CLASSES, width=16)
+    checks = check_model(model, SHAPE, CLASSES, "float32", name="tanhbyhand:TanhMLPByHand", options={"width": 16},
                          budget=None)
     assert checks[-1].status == "ok" and checks[0].lines == ["4 variables, 1,210 parameters, float32"]
     # without its name: no float64 twin with the same width, so float64 copies of the weights are used
@@ -188,7 +188,7 @@ FAULTS = {
 
 def faulty(tanhnet, change: str):
     """A TanhMLP whose loss_and_grads has ``change`` applied just before it returns."""
-    namespace = {"TanhMLP": tanhnet.TanhMLP}
+    namespace = {"TanhMLP": tanhnet.TanhMLPByHand}
     body = textwrap.indent(change if change.startswith("return") else change + "\nreturn loss, grads", " " * 8)
     code = ("class Faulty(TanhMLP):\n    def loss_and_grads(self, params, x, y):\n"
             "        x, h, scores = self.forward(params, x)\n"
@@ -215,7 +215,7 @@ def test_several_faults_give_one_line_each(tanhnet):
 def test_gradient_checks_on_float32_only_models(tanhnet):
     """A model that computes in float32 whatever it is given is checked in float32, loosely, and still caught."""
 
-    class Float32Only(tanhnet.TanhMLP):
+    class Float32Only(tanhnet.TanhMLPByHand):
         def loss_and_grads(self, params, x, y):
             loss, grads = super().loss_and_grads({k: v.astype("float32") for k, v in params.items()}, x, y)
             return loss, {k: g.astype(params[k].dtype) for k, g in grads.items()}
@@ -233,7 +233,7 @@ def test_gradient_checks_on_float32_only_models(tanhnet):
 
 
 def test_specs_and_init_faults(tanhnet):
-    TanhMLP = tanhnet.TanhMLP
+    TanhMLP = tanhnet.TanhMLPByHand
 
     class Unknown(TanhMLP):
         def specs(self):
@@ -257,7 +257,7 @@ def test_specs_and_init_faults(tanhnet):
 
     assert failures(Unknown(SHAPE, CLASSES)) == [
         "model 'net': specs: variable 'W1': unknown initializer 'he_uniform' "
-        "(use one of zeros, he_normal, glorot_uniform, normal)"]
+        "(use one of zeros, ones, he_normal, glorot_uniform, normal)"]
     assert failures(Duplicate(SHAPE, CLASSES)) == [
         "model 'net': specs: variable name 'b2' appears 2 times (names must be unique)"]
     assert failures(AlwaysFloat32(SHAPE, CLASSES, dtype="float64"), dtype="float64") == [
@@ -270,12 +270,12 @@ def test_specs_and_init_faults(tanhnet):
 
 
 def test_init_and_predict_shapes(tanhnet):
-    class InitTransposed(tanhnet.TanhMLP):
+    class InitTransposed(tanhnet.TanhMLPByHand):
         def init(self, seed, names=None):
             values = super().init(seed, names)
             return {k: (v.T if k == "W2" else v) for k, v in values.items()}
 
-    class ClassPredictor(tanhnet.TanhMLP):
+    class ClassPredictor(tanhnet.TanhMLPByHand):
         def predict(self, params, x):
             return super().predict(params, x).argmax(axis=1)
 
@@ -287,7 +287,7 @@ def test_init_and_predict_shapes(tanhnet):
 
 
 def test_later_checks_are_skipped_not_failed(tanhnet):
-    class NoSpecs(tanhnet.TanhMLP):
+    class NoSpecs(tanhnet.TanhMLPByHand):
         def specs(self):
             raise RuntimeError("not written yet")
 
@@ -301,10 +301,10 @@ def test_later_checks_are_skipped_not_failed(tanhnet):
 # -- building: unknown initializers and bad keywords are one-line ModelErrors -----------------------
 def test_unknown_initializer_in_the_constructor(user_module):
     mod = user_module("""
-        from tanhnet import TanhMLP
+        from tanhbyhand import TanhMLPByHand
         from psgd.model import VarSpec
 
-        class Eager(TanhMLP):
+        class Eager(TanhMLPByHand):
             def __init__(self, input_shape, num_classes, dtype="float32"):
                 super().__init__(input_shape, num_classes, dtype)
                 self._specs = [VarSpec("W1", (self.n_in, 8), dtype, init="xavier")]
@@ -315,21 +315,21 @@ def test_unknown_initializer_in_the_constructor(user_module):
     with pytest.raises(ModelError) as info:
         build_model(f"{mod}:Eager", SHAPE, CLASSES)
     assert str(info.value) == (f"model '{mod}:Eager': variable 'W1': unknown initializer 'xavier' "
-                               "(use one of zeros, he_normal, glorot_uniform, normal)")
+                               "(use one of zeros, ones, he_normal, glorot_uniform, normal)")
 
 
 def test_bad_constructor_keyword(tanhnet):
     with pytest.raises(ModelError) as info:
-        build_model("tanhnet:TanhMLP", SHAPE, CLASSES, widht=3)
-    assert str(info.value) == ("model 'tanhnet:TanhMLP': got an unexpected keyword argument 'widht' "
+        build_model("tanhbyhand:TanhMLPByHand", SHAPE, CLASSES, widht=3)
+    assert str(info.value) == ("model 'tanhbyhand:TanhMLPByHand': got an unexpected keyword argument 'widht' "
                                "(options it takes: width)")
 
 
 # -- every trainer checks before training; the shards do not ------------------------------------------
 NO_B2 = """
-    from tanhnet import TanhMLP
+    from tanhbyhand import TanhMLPByHand
 
-    class NoB2(TanhMLP):
+    class NoB2(TanhMLPByHand):
         def loss_and_grads(self, params, x, y):
             loss, grads = super().loss_and_grads(params, x, y)
             del grads["b2"]
@@ -374,7 +374,7 @@ def test_build_job_checks_only_when_asked(user_module):
 
 # -- large or slow models: the finite differences stay within a budget ------------------------------
 def test_finite_differences_fit_the_budget(tanhnet, monkeypatch):
-    model = tanhnet.TanhMLP(SHAPE, CLASSES)
+    model = tanhnet.TanhMLPByHand(SHAPE, CLASSES)
     assert "12 coordinates" in check_model(model, SHAPE, CLASSES, "float32", budget=None)[-1].lines[0]
     skipped = check_model(model, SHAPE, CLASSES, "float32", budget=0.0)[-1]
     assert skipped.status == "skip"
@@ -387,7 +387,7 @@ def test_finite_differences_fit_the_budget(tanhnet, monkeypatch):
 
 
 def test_one_coordinate_per_variable_when_a_step_is_slow(tanhnet):
-    class Slow(tanhnet.TanhMLP):
+    class Slow(tanhnet.TanhMLPByHand):
         def loss_and_grads(self, params, x, y):
             time.sleep(0.02)  # the case under test: a model whose every step is slow
             return super().loss_and_grads(params, x, y)
@@ -397,7 +397,7 @@ def test_one_coordinate_per_variable_when_a_step_is_slow(tanhnet):
 
 
 def test_a_model_can_opt_out_of_finite_differences(tanhnet):
-    class StandIn(tanhnet.TanhMLP):
+    class StandIn(tanhnet.TanhMLPByHand):
         check_gradients = False  # e.g. a benchmark's stand-in whose gradient is not the loss's
 
         def loss_and_grads(self, params, x, y):
@@ -409,7 +409,7 @@ def test_a_model_can_opt_out_of_finite_differences(tanhnet):
 
 
 def test_a_random_loss_skips_finite_differences(tanhnet):
-    class Dropout(tanhnet.TanhMLP):
+    class Dropout(tanhnet.TanhMLPByHand):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.rng = np.random.default_rng(0)

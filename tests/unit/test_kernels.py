@@ -14,7 +14,7 @@ import pytest
 from psgd import kernels
 from psgd import xp as backend
 from psgd.model import build_model
-from psgd.model.layers import Dense, ReLU, Sequential
+from psgd.autodiff import Tensor, backward, nn, ops
 from psgd.model.losses import softmax_cross_entropy
 from psgd.optim import SGD, Adam, AdamW, Momentum, Share
 
@@ -106,22 +106,20 @@ def test_matmul_is_the_product_for_every_layout(device, rng, dtype):
 
 
 def test_a_dense_layer_and_the_relu_after_it_are_one_step(device, rng):
-    """The fused pair gives the unfused layers' output and gradients (a ReLU after anything else is its own)."""
-    net = Sequential([Dense(7, 5), ReLU(), Dense(5, 3), ReLU(), ReLU()], dtype="float64")
-    assert net._fused == {1, 3}
-    params = {k: device.asarray(rng.standard_normal(s.shape)) for k, s in zip(net.names, net.specs())}
+    """The fused dense layer and ReLU (nn.linear(relu=True): the bias and the ReLU one kernel on a GPU, and the ReLU's
+    gradient one) gives the unfused operations' output and gradients, to the bit."""
     x = device.asarray(rng.standard_normal((11, 7)))
-    out, caches = net.forward(params, x)
-    h = x
-    for prefix, layer in net.layers:  # one layer at a time, never fused
-        h, _ = layer.forward(net._local(params, prefix, layer), h)
-    np.testing.assert_array_equal(backend.to_host(out), backend.to_host(h))
-    dout = device.asarray(rng.standard_normal(out.shape))
-    _, grads = net.backward(params, caches, dout)
-    x_host = backend.to_host(x)
-    pre = x_host @ backend.to_host(params["dense0/W"]) + backend.to_host(params["dense0/b"])
-    assert np.array_equal(backend.to_host(caches[1]), pre * (pre > 0))
-    assert set(grads) == set(net.names)
+    w, b = (device.asarray(rng.standard_normal(shape)) for shape in ((7, 5), (5,)))
+    r = device.asarray(rng.standard_normal((11, 5)))
+    fused = [Tensor(w, requires_grad=True), Tensor(b, requires_grad=True)]
+    out = nn.linear(x, *fused, relu=True)
+    backward(ops.sum(ops.mul(out, r)))
+    apart = [Tensor(w, requires_grad=True), Tensor(b, requires_grad=True)]
+    h = ops.relu(ops.add(ops.matmul(x, apart[0]), apart[1]))
+    backward(ops.sum(ops.mul(h, r)))
+    np.testing.assert_array_equal(backend.to_host(out.data), backend.to_host(h.data))
+    for one, other in zip(fused, apart):
+        np.testing.assert_array_equal(backend.to_host(one.grad), backend.to_host(other.grad))
 
 
 def mlp_batch(gpu, rng, dtype="float64"):

@@ -1,0 +1,250 @@
+"""The operations networks are made of, each forward beside its rule: dense layers (with the bias and a ReLU in
+one kernel on a GPU), softmax and the losses, convolution by im2col, pooling, layer and batch normalization,
+dropout, and the lookup of a batch's rows of an embedding table.
+
+Images are NCHW.  Every function takes tensors, arrays or numbers, and returns a tensor
+(:mod:`psgd.autodiff.tensor`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psgd import kernels
+from psgd.autodiff import ops
+from psgd.autodiff.tensor import Tensor, data_of, make
+from psgd.xp import get_array_module, scatter_add
+
+
+def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
+    """``x @ w + b`` (``x``: (B, in), ``w``: (in, out)), then a ReLU where ``relu``; on a GPU the bias and the ReLU
+    are one kernel, and no gradient is computed for an ``x`` that needs none (a model's input)."""
+    X, W = data_of(x), data_of(w)
+    out = kernels.matmul(X, W)
+    if relu:
+        out = kernels.bias_relu_(out, data_of(b)) if b is not None else kernels.relu(out)
+    elif b is not None:
+        out += data_of(b)
+
+    def rule(g):
+        if relu:
+            g = kernels.relu_grad(g, out)
+        gx = kernels.matmul(g, W.T) if isinstance(x, Tensor) and (x.requires_grad or x.node) else None
+        return gx, kernels.matmul(X.T, g), (g.sum(axis=0) if b is not None else None)
+    return make(out, (x, w, b), rule, "linear")
+
+
+# -- softmax and the losses ----------------------------------------------------------------------------------------
+def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    X = data_of(x)
+    xp = get_array_module(X)
+    z = X - X.max(axis=axis, keepdims=True)
+    out = z - xp.log(xp.exp(z).sum(axis=axis, keepdims=True))
+    return make(out, (x,), lambda g: (g - xp.exp(out) * g.sum(axis=axis, keepdims=True),), "log_softmax")
+
+
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    X = data_of(x)
+    xp = get_array_module(X)
+    e = xp.exp(X - X.max(axis=axis, keepdims=True))
+    out = e / e.sum(axis=axis, keepdims=True)
+    return make(out, (x,), lambda g: (out * (g - (g * out).sum(axis=axis, keepdims=True)),), "softmax")
+
+
+def cross_entropy(logits: Any, target: Any) -> Tensor:
+    """The mean over the batch of softmax cross-entropy: ``target`` holds integer class labels (B,), or a
+    distribution over the classes for each example (B, K: soft labels)."""
+    Z, T = data_of(logits), data_of(target)
+    xp = get_array_module(Z)
+    T = xp.asarray(T)
+    batch = Z.shape[0]
+    if Z.ndim != 2 or T.shape not in ((batch,), Z.shape):
+        raise ValueError(f"cross_entropy: need logits (B, K) and labels (B,) or targets (B, K), got {Z.shape} and "
+                         f"{T.shape}")
+    if T.ndim == 1:
+        fused = kernels.softmax_xent(Z, T)  # on a GPU: one kernel a row, then the sum
+        if fused is not None:
+            loss, grad = fused
+        else:
+            z = Z - Z.max(axis=1, keepdims=True)
+            e = xp.exp(z)
+            total = e.sum(axis=1, keepdims=True)
+            hot = xp.arange(Z.shape[1]) == T[:, None]  # a mask, not a gather: elementwise kernels only
+            loss = (xp.log(total).sum() - (z * hot).sum()) / batch
+            grad = (e / total - hot) / batch
+    else:
+        z = Z - Z.max(axis=1, keepdims=True)
+        e = xp.exp(z)
+        total = e.sum(axis=1, keepdims=True)
+        loss = -(T * (z - xp.log(total))).sum() / batch
+        grad = (e / total * T.sum(axis=1, keepdims=True) - T) / batch
+    return make(loss, (logits,), lambda g: (grad * g,), "cross_entropy")
+
+
+def sigmoid_cross_entropy(logits: Any, target: Any) -> Tensor:
+    """Multi-label: the mean over the batch of the sum over the labels of binary cross-entropy between
+    ``sigmoid(logits)`` and ``target`` (each in [0, 1], same shape), without overflow."""
+    Z, T = data_of(logits), data_of(target)
+    xp = get_array_module(Z)
+    T = xp.asarray(T, dtype=Z.dtype)
+    if T.shape != Z.shape:
+        raise ValueError(f"sigmoid_cross_entropy: logits {Z.shape} and targets {T.shape} differ")
+    batch = Z.shape[0]
+    loss = (xp.maximum(Z, 0) - Z * T + xp.log1p(xp.exp(-xp.abs(Z)))).sum() / batch
+    return make(loss, (logits,), lambda g: ((0.5 * (xp.tanh(0.5 * Z) + 1) - T) * (g / batch),),
+                "sigmoid_cross_entropy")
+
+
+def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
+    """The mean over the batch of ``sum (outputs - targets)**2``; integer ``targets`` (B,) are class labels, made
+    one-hot rows of ``num_classes`` (default: the outputs' width)."""
+    O = data_of(outputs)  # noqa: E741
+    xp = get_array_module(O)
+    T = xp.asarray(data_of(targets))
+    batch = O.shape[0]
+    if T.ndim == 1 and T.dtype.kind in "iu":
+        T = (xp.arange(num_classes or O.shape[-1]) == T[:, None]).astype(O.dtype)
+    if T.shape != O.shape:
+        raise ValueError(f"mse: outputs {O.shape} and targets {T.shape} differ")
+    diff = O - T.astype(O.dtype, copy=False)
+    return make((diff * diff).sum() / batch, (outputs,), lambda g: (diff * (2.0 * g / batch),), "mse")
+
+
+# -- convolution and pooling ---------------------------------------------------------------------------------------
+def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0) -> Tensor:
+    """2-D cross-correlation, stride 1, ``padding`` zeros each side, by im2col: ``x`` (B, C, H, W), ``w``
+    (O, C, k, k), ``b`` (O,).  im2col and col2im loop over the k*k offsets with slices (NumPy and CuPy alike)."""
+    X, W = data_of(x), data_of(w)
+    xp = get_array_module(X)
+    n, c, h, wd = X.shape
+    o, _, k, _ = W.shape
+    p = int(padding)
+    ho, wo = h + 2 * p - k + 1, wd + 2 * p - k + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"conv2d: input {h}x{wd} with padding {p} is smaller than the {k}x{k} kernel")
+    offsets = [(i, j) for i in range(k) for j in range(k)]
+    xpad = xp.pad(X, ((0, 0), (0, 0), (p, p), (p, p))) if p else X
+    cols = xp.stack([xpad[:, :, i:i + ho, j:j + wo] for i, j in offsets], axis=2).reshape(n, c * k * k, ho * wo)
+    w2 = W.reshape(o, -1)
+    out = (w2 @ cols).reshape(n, o, ho, wo)
+    if b is not None:
+        out += data_of(b).reshape(1, -1, 1, 1)
+
+    def rule(g):
+        g2 = g.reshape(n, o, ho * wo)
+        gw = xp.tensordot(g2, cols, axes=([0, 2], [0, 2])).reshape(W.shape)
+        gb = g2.sum(axis=(0, 2)) if b is not None else None
+        if not (isinstance(x, Tensor) and (x.requires_grad or x.node)):
+            return None, gw, gb
+        gcols = (w2.T @ g2).reshape(n, c, k * k, ho, wo)
+        gpad = xp.zeros((n, c, h + 2 * p, wd + 2 * p), dtype=g.dtype)
+        for m, (i, j) in enumerate(offsets):
+            gpad[:, :, i:i + ho, j:j + wo] += gcols[:, :, m]
+        return (gpad[:, :, p:p + h, p:p + wd] if p else gpad), gw, gb
+    return make(out, (x, w, b), rule, "conv2d")
+
+
+def _windows(X: Any, size: int) -> tuple[Any, tuple[int, ...]]:
+    """``X`` (B, C, H, W) cut into non-overlapping ``size`` x ``size`` windows, (B, C, H', W', size*size); an odd
+    last row or column is cropped."""
+    n, c, h, w = X.shape
+    h2, w2 = h // size, w // size
+    if h2 < 1 or w2 < 1:
+        raise ValueError(f"pooling: input {h}x{w} is smaller than the {size}x{size} window")
+    win = X[:, :, :size * h2, :size * w2].reshape(n, c, h2, size, w2, size).transpose(0, 1, 2, 4, 3, 5)
+    return win.reshape(n, c, h2, w2, size * size), (n, c, h2, w2)
+
+
+def _unwindow(gwin: Any, shape: tuple[int, ...], size: int) -> Any:
+    n, c, h, w = shape
+    h2, w2 = gwin.shape[2:4]
+    out = get_array_module(gwin).zeros(shape, dtype=gwin.dtype)
+    out[:, :, :size * h2, :size * w2] = (gwin.reshape(n, c, h2, w2, size, size).transpose(0, 1, 2, 4, 3, 5)
+                                         .reshape(n, c, size * h2, size * w2))
+    return out
+
+
+def max_pool2d(x: Any, size: int = 2) -> Tensor:
+    """The largest value of each ``size`` x ``size`` window (stride ``size``); one winner per window, the first."""
+    X = data_of(x)
+    xp = get_array_module(X)
+    win, _ = _windows(X, size)
+    mask = xp.arange(size * size) == win.argmax(axis=-1)[..., None]
+    return make(win.max(axis=-1), (x,), lambda g: (_unwindow(mask * g[..., None], X.shape, size),), "max_pool2d")
+
+
+def avg_pool2d(x: Any, size: int = 2) -> Tensor:
+    """The mean of each ``size`` x ``size`` window (stride ``size``)."""
+    X = data_of(x)
+    xp = get_array_module(X)
+    win, _ = _windows(X, size)
+    area = size * size
+    return make(win.mean(axis=-1), (x,),
+                lambda g: (_unwindow(xp.broadcast_to(g[..., None] / area, g.shape + (area,)), X.shape, size),),
+                "avg_pool2d")
+
+
+# -- normalization, dropout, lookups -------------------------------------------------------------------------------
+def _normalize(x: Any, axes: tuple[int, ...], stats: tuple[Any, Any] | None, eps: float
+               ) -> tuple[Tensor, Any, Any]:
+    """``((x - mean) / sqrt(var + eps), mean, var)``: the statistics over ``axes`` of ``x`` itself where ``stats`` is
+    None (they depend on ``x``, and the rule says how: training), else ``stats`` (constants: evaluation)."""
+    X = data_of(x)
+    xp = get_array_module(X)
+    mean, var = (X.mean(axis=axes, keepdims=True), X.var(axis=axes, keepdims=True)) if stats is None else stats
+    inv = 1.0 / xp.sqrt(var + eps)
+    out = (X - mean) * inv
+
+    def rule(g):
+        if stats is not None:
+            return (g * inv,)
+        return ((g - g.mean(axis=axes, keepdims=True) - out * (g * out).mean(axis=axes, keepdims=True)) * inv,)
+    return make(out, (x,), rule, "normalize"), mean, var
+
+
+def layer_norm(x: Any, gamma: Any, beta: Any, eps: float = 1e-5) -> Tensor:
+    """Each example normalized over its last axis, then scaled by ``gamma`` and shifted by ``beta`` (both of the last
+    axis' size): Ba, Kiros & Hinton, "Layer normalization", 2016."""
+    normal, _, _ = _normalize(x, (data_of(x).ndim - 1,), None, eps)
+    return ops.add(ops.mul(normal, gamma), beta)
+
+
+def batch_norm(x: Any, gamma: Any, beta: Any, running_mean: Any, running_var: Any, training: bool,
+               momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Batch normalization (Ioffe & Szegedy, 2015) of ``x`` (B, C) or (B, C, H, W) per channel C: in training with
+    the batch's statistics, which also move ``running_mean`` and ``running_var`` (arrays of C, updated in place:
+    ``(1 - momentum) * running + momentum * batch``, the variance unbiased, as PyTorch does); in evaluation with the
+    running statistics."""
+    X = data_of(x)
+    axes = (0,) if X.ndim == 2 else (0, 2, 3)
+    shape = (1, -1) if X.ndim == 2 else (1, -1, 1, 1)
+    if training:
+        normal, mean, var = _normalize(x, axes, None, eps)
+        count = X.size // X.shape[1]
+        running_mean *= 1 - momentum
+        running_mean += momentum * mean.reshape(-1)
+        running_var *= 1 - momentum
+        running_var += momentum * var.reshape(-1) * (count / max(count - 1, 1))
+    else:
+        normal, _, _ = _normalize(x, axes, (running_mean.reshape(shape), running_var.reshape(shape)), eps)
+    return ops.add(ops.mul(normal, ops.reshape(gamma, shape)), ops.reshape(beta, shape))
+
+
+def dropout(x: Any, rate: float, seed: int, training: bool = True) -> Tensor | Any:
+    """Each entry zeroed with probability ``rate`` and the rest scaled by ``1 / (1 - rate)`` (inverted dropout), the
+    mask drawn from ``seed`` on the array's own device; ``x`` itself in evaluation or at rate 0."""
+    if not training or rate == 0:
+        return x
+    if not 0 <= rate < 1:
+        raise ValueError(f"dropout: rate must be in [0, 1), got {rate}")
+    X = data_of(x)
+    xp = get_array_module(X)
+    keep = (xp.random.RandomState(int(seed) & 0xFFFFFFFF).random_sample(X.shape) >= rate).astype(X.dtype)
+    keep *= 1.0 / (1.0 - rate)
+    return ops.mul(x, keep)
+
+
+def lookup(values: Any, index: Any) -> Tensor:
+    """The rows ``index`` (integers, any shape: (B, fields) say) of ``values`` (rows, dim): an embedding lookup, whose
+    gradient is one summed gradient per row of ``values``."""
+    return ops.take(values, index, axis=0)

@@ -1,0 +1,332 @@
+"""Networks written as a forward pass: modules whose parameters declare the job's variables, and whose gradients
+psgd derives (:mod:`psgd.autodiff`).
+
+A :class:`Module` declares its :class:`Parameter`\\ s and child modules as attributes; a variable is named by the
+attribute path to it (``block/fc/W``; a :class:`Sequential`'s children are ``<kind><n>``: ``dense0``, ``conv1``).
+A :class:`Network` is a model (:class:`psgd.model.base.Model`): its ``specs()`` are its parameters, and
+``loss_and_grads`` runs ``forward`` on the tape with each parameter bound to its weights (inside ``forward``,
+``self.W`` is that tensor), takes ``criterion(scores, y)`` (softmax cross-entropy unless overridden) and hands
+each gradient to ``on_grad`` as soon as it is complete.  ``predict`` records nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from psgd.autodiff import Tensor, backward, nn, no_grad, ops
+from psgd.model.base import BaseModel, VarSpec
+from psgd.model.errors import ModelError
+from psgd.model.table import Rows, TableSpec
+from psgd.xp import get_array_module
+
+
+class Parameter:
+    """A trainable variable a module declares: its shape and how it starts (see :class:`VarSpec`); its dtype is its
+    network's."""
+
+    def __init__(self, shape: Sequence[int], init: str = "he_normal", fan_in: int | None = None,
+                 fan_out: int | None = None, scale: float = 0.01):
+        self.shape, self.init, self.fan_in, self.fan_out, self.scale = tuple(shape), init, fan_in, fan_out, scale
+
+    def spec(self, name: str, dtype: str) -> VarSpec:
+        return VarSpec(name, self.shape, dtype, self.init, self.fan_in, self.fan_out, self.scale)
+
+
+class Table:
+    """An embedding table a module declares (see :class:`psgd.model.table.TableSpec`): rows of ``dim`` values keyed
+    by int64 ids.  Inside ``forward``, calling it gives the batch's rows, looked up in the shape of the batch's
+    lookups (the network's ``lookups(ids)`` says which ids those are); its gradient leaves as rows."""
+
+    def __init__(self, dim: int, init: str = "normal", scale: float = 0.01):
+        self.dim, self.init, self.scale = dim, init, scale
+
+    def spec(self, name: str, dtype: str) -> TableSpec:
+        return TableSpec(name, self.dim, dtype, self.init, self.scale)
+
+
+class LookedUp:
+    """A table bound to a batch's rows (:class:`~psgd.model.table.Rows`): ``values`` on the tape; calling it looks
+    the batch's lookups up."""
+
+    def __init__(self, rows: Rows, values: Tensor):
+        self.rows, self.values = rows, values
+
+    def __call__(self) -> Tensor:
+        return nn.lookup(self.values, self.rows.index)
+
+
+class Binding:
+    """What a network's declarations stand for during one call, on the thread that makes it: each parameter's
+    tensor and each table's rows (by module and attribute), and whether it trains."""
+
+    def __init__(self, training: bool):
+        self.values: dict[tuple[int, str], Any] = {}
+        self.training = training
+
+
+_binding = threading.local()
+
+
+@contextlib.contextmanager
+def bound(binding: Binding) -> Iterator[Binding]:
+    """Inside, on this thread, each module's declarations read as ``binding`` says (see :meth:`Module.__getattr__`):
+    a network predicting on one thread and training on another each see their own weights."""
+    before = getattr(_binding, "now", None)
+    _binding.now = binding
+    try:
+        yield binding
+    finally:
+        _binding.now = before
+
+
+class Module:
+    """Parameters, tables and child modules, found by attribute in the order they were set; ``forward`` is the
+    computation, called as ``module(...)``.  Inside a call of its network, a parameter attribute reads as its
+    tensor (on the thread of that call) and ``training`` says whether the network trains or predicts."""
+
+    kind = "module"  # what a Sequential names its children after
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_declared", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        declared = self.__dict__.get("_declared")
+        if declared is None:
+            raise ModelError(f"{type(self).__name__}: call super().__init__() before setting {name!r}")
+        declared.pop(name, None)
+        if isinstance(value, (Parameter, Table)):  # read through __getattr__: what the call in hand binds
+            declared[name] = value
+            self.__dict__.pop(name, None)
+            return
+        if isinstance(value, Module):
+            declared[name] = value
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:  # only for what is not an ordinary attribute: the declarations
+        declared = self.__dict__.get("_declared", {})
+        if name not in declared:
+            raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+        now = getattr(_binding, "now", None)
+        if now is not None:
+            value = now.values.get((id(self), name))
+            if value is not None:
+                return value
+        return declared[name]
+
+    @property
+    def training(self) -> bool:
+        """Whether the network trains (True) or predicts, in the call in hand on this thread."""
+        now = getattr(_binding, "now", None)
+        return True if now is None else now.training
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - every module has its own
+        raise NotImplementedError(f"{type(self).__name__} must define forward()")
+
+    def declared(self, prefix: str = "") -> Iterator[tuple[str, "Module", str, Parameter | Table]]:
+        """(name, owning module, attribute, declaration) of every parameter and table here and below, in order."""
+        for attr, value in self._declared.items():
+            name = f"{prefix}{attr}"
+            if isinstance(value, Module):
+                yield from value.declared(f"{name}/")
+            else:
+                yield name, self, attr, value
+
+
+class Sequential(Module):
+    """Modules applied in order; the n-th of a kind is named ``<kind><n>`` (``dense0``, ``conv1``, ``relu0``)."""
+
+    kind = "sequential"
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for name, module in chained(modules):
+            setattr(self, name, module)
+        self._order = [name for name, _ in chained(modules)]
+
+    def forward(self, x: Any) -> Any:
+        for name in self._order:
+            x = getattr(self, name)(x)
+        return x
+
+
+def chained(modules: Sequence[Module]) -> list[tuple[str, Module]]:
+    """``<kind><n>`` names for a chain of modules, counted per kind."""
+    counts: dict[str, int] = {}
+    named = []
+    for module in modules:
+        n = counts.get(module.kind, 0)
+        counts[module.kind] = n + 1
+        named.append((f"{module.kind}{n}", module))
+    return named
+
+
+# -- the modules a network is made of ------------------------------------------------------------------------------
+class Linear(Module):
+    """``x @ W + b`` with ``W`` (n_in, n_out), then a ReLU where ``relu`` (on a GPU with the bias, one kernel)."""
+
+    kind = "dense"
+
+    def __init__(self, n_in: int, n_out: int, init: str = "he_normal", bias: bool = True, relu: bool = False):
+        super().__init__()
+        self.relu = relu
+        self.W = Parameter((int(n_in), int(n_out)), init)
+        self.b = Parameter((int(n_out),), "zeros") if bias else None
+
+    def forward(self, x: Any) -> Tensor:
+        return nn.linear(x, self.W, self.b, relu=self.relu)
+
+
+class Conv2d(Module):
+    """2-D convolution, stride 1: ``W`` (out, in, k, k); ``padding`` in pixels, ``"same"`` (k // 2, odd k) or
+    ``"valid"`` (0)."""
+
+    kind = "conv"
+
+    def __init__(self, c_in: int, c_out: int, kernel: int = 3, padding: int | str = "same", init: str = "he_normal",
+                 bias: bool = True):
+        super().__init__()
+        k = int(kernel)
+        if padding == "same":
+            if k % 2 == 0:
+                raise ModelError(f"Conv2d: 'same' padding needs an odd kernel (got {k})")
+            padding = k // 2
+        elif padding == "valid":
+            padding = 0
+        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+            raise ModelError(f"Conv2d: padding must be 'same', 'valid' or an int >= 0 (got {padding!r})")
+        self.padding = padding
+        self.W = Parameter((int(c_out), int(c_in), k, k), init, fan_in=c_in * k * k, fan_out=c_out * k * k)
+        self.b = Parameter((int(c_out),), "zeros") if bias else None
+
+    def forward(self, x: Any) -> Tensor:
+        return nn.conv2d(x, self.W, self.b, self.padding)
+
+
+class LayerNorm(Module):
+    """Layer normalization over the last axis (``width``), with a scale ``g`` and a shift ``b``."""
+
+    kind = "norm"
+
+    def __init__(self, width: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.g = Parameter((int(width),), "ones")
+        self.b = Parameter((int(width),), "zeros")
+
+    def forward(self, x: Any) -> Tensor:
+        return nn.layer_norm(x, self.g, self.b, self.eps)
+
+
+class Function(Module):
+    """A module without parameters: ``fn(x)`` (a ReLU, a flattening, a pooling)."""
+
+    def __init__(self, fn: Callable[[Any], Any], kind: str):
+        super().__init__()
+        self.fn, self.kind = fn, kind
+
+    def forward(self, x: Any) -> Any:
+        return self.fn(x)
+
+
+def ReLU() -> Function:  # noqa: N802 - built like a module class
+    return Function(ops.relu, "relu")
+
+
+def Flatten() -> Function:  # noqa: N802
+    return Function(lambda x: ops.reshape(x, (x.shape[0], -1)), "flatten")
+
+
+def MaxPool2d(size: int = 2) -> Function:  # noqa: N802
+    return Function(lambda x: nn.max_pool2d(x, size), "pool")
+
+
+def AvgPool2d(size: int = 2) -> Function:  # noqa: N802
+    return Function(lambda x: nn.avg_pool2d(x, size), "pool")
+
+
+# -- a network is a model --------------------------------------------------------------------------------------------
+class Network(Module, BaseModel):
+    """A model written as its forward pass.  Subclasses set their modules in ``__init__`` (after
+    ``super().__init__(dtype)``) and define ``forward(x)`` -> scores (B, num_classes); ``criterion(scores, y)`` is
+    softmax cross-entropy unless overridden.  ``static_step``: the same kernels every step, nothing read back to the
+    host (a step may then be a CUDA graph); off unless a network says so."""
+
+    kind = "network"
+    static_step = False
+
+    def __init__(self, dtype: str = "float32") -> None:
+        Module.__init__(self)
+        try:
+            kind = np.dtype(dtype).kind
+        except TypeError:
+            kind = ""
+        if kind != "f":
+            raise ModelError(f"{type(self).__name__}: dtype must be a float type such as float32 or float64 "
+                             f"(got {dtype!r})")
+        self.dtype = np.dtype(dtype).name
+
+    def specs(self) -> list[VarSpec]:
+        return [p.spec(name, self.dtype) for name, _, _, p in self.declared() if isinstance(p, Parameter)]
+
+    def tables(self) -> list[TableSpec]:
+        return [t.spec(name, self.dtype) for name, _, _, t in self.declared() if isinstance(t, Table)]
+
+    def criterion(self, scores: Any, y: Any) -> Tensor:
+        """The batch's mean loss from the scores ``forward`` gave."""
+        return nn.cross_entropy(scores, y)
+
+    def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
+        """``x`` as an array of the weights' module and the network's dtype (what ``forward`` receives)."""
+        first = next(iter(params.values()), x)
+        return get_array_module(getattr(first, "values", first)).asarray(x, dtype=self.dtype)
+
+    def _binding(self, params: Mapping[str, Any], training: bool) -> Binding:
+        """Each parameter as a tensor of the tape holding its weights, each table as the batch's rows
+        (:class:`LookedUp`)."""
+        binding = Binding(training)
+        for name, owner, attr, declared in self.declared():
+            if name not in params:
+                raise ModelError(f"{type(self).__name__}: no weights for variable {name!r}")
+            value = params[name]
+            if isinstance(declared, Table):
+                if not isinstance(value, Rows):
+                    raise ModelError(f"{type(self).__name__}: params[{name!r}] must be the batch's Rows of the table")
+                value = LookedUp(value, Tensor(value.values, requires_grad=training, name=name))
+            else:
+                value = Tensor(value, requires_grad=training, name=name)
+            binding.values[(id(owner), attr)] = value
+        return binding
+
+    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
+                       on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
+        """The mean loss (a 0-d array on the weights' device) and every variable's gradient (a table's as its
+        rows), ``on_grad(name, grad)`` called for each as soon as backward has completed it."""
+        with bound(self._binding(params, training=True)) as binding:
+            leaves = [v.values if isinstance(v, LookedUp) else v for v in binding.values.values()]
+            rows = {v.values.name: v.rows for v in binding.values.values() if isinstance(v, LookedUp)}
+
+            def gradient(name: str, g: Any) -> Any:
+                return rows[name].with_values(g) if name in rows else g
+
+            loss = self.criterion(self.forward(self.inputs(params, x)), y)
+        backward(loss, on_grad=None if on_grad is None else lambda leaf, g: on_grad(leaf.name, gradient(leaf.name, g)))
+        grads = {}
+        for leaf in leaves:
+            if leaf.grad is None:  # a variable the loss does not depend on
+                leaf.grad = get_array_module(leaf.data).zeros_like(leaf.data)
+                if on_grad is not None:
+                    on_grad(leaf.name, gradient(leaf.name, leaf.grad))
+            grads[leaf.name] = gradient(leaf.name, leaf.grad)
+        return loss.data, grads
+
+    def predict(self, params: Mapping[str, Any], x: Any) -> Any:
+        with bound(self._binding(params, training=False)), no_grad():
+            out = self.forward(self.inputs(params, x))
+        return out.data if isinstance(out, Tensor) else out
