@@ -292,12 +292,14 @@ class TcpLink(GrpcLink):
             self._pending = None
 
     def interrupt(self) -> None:
+        """End a pull in flight: on the pull connection, or the pull half of a push and pull once its push's reply
+        came.  A push is never cut: the shard may have applied it, and its worker must hear so."""
         super().interrupt()
         pending = self._pending
         if pending is not None:  # a push and pull: its push goes on to its reply, its pull half is cut
             pending["cut"] = True
         for purpose, conn in list(self._conns.items()):
-            if conn is not None and (purpose == "pull" or pending is None or "push" in pending):
+            if conn is not None and (purpose == "pull" or pending is not None and "push" in pending):
                 conn.interrupt()
 
     def _drop(self, purpose: str) -> None:

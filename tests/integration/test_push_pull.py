@@ -112,3 +112,40 @@ def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatc
             result = run_worker(job, 0, job.cluster.servers, progress=False, evaluate_every=0)
             assert result.steps > 20 and [s.core.version for s in servers] == [result.steps] * 2
         assert pulls == ([0] if policy == "sync" else list(range(result.steps))), policy
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_a_stop_never_cuts_a_push_in_flight(link):
+    """Seen in test_reliability's SIGTERMed worker (async): the worker was asked to stop just as its pull ended and
+    its next push began; the stop, meant to end a pull that may wait for ever, shut the data connection the push
+    was on, so the worker counted the push as failed although the shard had applied it.  Here the shard holds the
+    push until the stop has come."""
+    job = _job(link, "async", 1)
+    with shards(job) as servers:
+        stop, entered, release = threading.Event(), threading.Event(), threading.Event()
+        client = _client(job, 0, stop=stop)
+        core = servers[0].core
+        push = core.push
+
+        def held(*args, **kwargs):
+            entered.set()
+            release.wait(10)
+            return push(*args, **kwargs)
+
+        core.push = held
+        try:
+            plan = client.plan
+            client.pull(0, _arrays(plan))
+            with futures.ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(client.push, 0, _arrays(plan, 0.01))
+                assert entered.wait(30), "the push did not reach shard 0"
+                stop.set()
+                for one in client.links:  # what the stop does to a pull in flight, now, whatever the timing
+                    one.interrupt()
+                release.set()
+                replies = pending.result(timeout=30)
+            assert [r.outcome for r in replies] == ["applied", "applied"]
+            assert [s.core.version for s in servers] == [1, 1]
+        finally:
+            core.push = push
+            client.close()
