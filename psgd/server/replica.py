@@ -52,6 +52,8 @@ KEEPALIVE_SECONDS = 0.2
 SILENCE_SECONDS = stream.SILENCE_SECONDS
 #: how long a status call to the peer may take before the peer counts as gone
 PEER_SECONDS = 0.5
+#: how long a primary that ends the job waits for a replica that lives but is connecting again, to tell it
+FINISH_SECONDS = 5 * SILENCE_SECONDS
 
 def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:
     """The Status of the shard process at ``address``, or None when it does not answer in time."""
@@ -116,13 +118,19 @@ class Pair:
         return self
 
     def stop(self, finished: bool) -> None:
-        """Stop; ``finished``: a primary tells its replica the job is over (it stops rather than take over); else
-        it stops leading at once (the workers go to the replica, which takes over)."""
+        """Stop; ``finished``: a primary tells its replica the job is over (it stops rather than take over), also
+        one that was connecting again (FINISH_SECONDS at most); else it stops leading at once (the workers go to the
+        replica, which takes over)."""
+        if self._stop.is_set():
+            return  # stopped already
         if not finished:
             with self.core.lock:
                 if self.core.role == PRIMARY:
                     self.core.role = "stopping"
         with self._lock:
+            deadline = time.monotonic() + FINISH_SECONDS
+            while finished and not self.attached and not self.alone and time.monotonic() < deadline:
+                self._lock.wait(0.1)  # a replica that lives, between two connections: it hears of the end too
             if finished and self.attached:
                 self._queue.append((stream.FINISHED, self.core.version, None))
             self._lock.notify_all()

@@ -24,6 +24,7 @@ from psgd.ops.reach import Connect, read_status
 from psgd.ops.view import ClusterView
 from psgd.ops.reach import probe_all
 from psgd.server import build_shard
+from psgd.server import stream
 from psgd.server.replica import Pair
 from psgd.server.service import ShardServer
 from psgd.worker.exchange import run_worker
@@ -283,5 +284,35 @@ def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_c
         _same_copies(primary, replica)  # it follows again, from the state
         rows = ClusterView(probe_all([primary.address], Connect(timeout=5))).render()
         assert "1 acknowledged without a copy" in rows
+    finally:
+        close(primary, replica)
+
+
+def test_a_replica_between_two_connections_when_the_job_ends_hears_that_it_ended():
+    """Seen in the chaos suite (seed 2, run 3, under load): a replica's stream broke (its primary silent for a
+    second on a crowded machine) and it was connecting again when its primary finished; the primary told only an
+    attached replica that the job was over, so the replica found its primary gone, took over a finished job and
+    waited for workers that had left.  Here the replica's next connection is held until the primary is stopping."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    p, q = primary.core.pair, replica.core.pair
+    connect, release = q._connect, threading.Event()
+
+    def held():
+        release.wait(10)
+        return connect()
+
+    q._connect = held
+    try:
+        stream.shut(q._sock)  # the stream breaks; the replica connects again, held
+        wait_for(lambda: not p.attached, 10, "the primary to see its stream end")
+        stopping = threading.Thread(target=p.stop, args=(True,), daemon=True)
+        stopping.start()
+        release.set()
+        stopping.join(15)
+        assert not stopping.is_alive()
+        wait_for(lambda: q.job_over, 10, "the replica to hear that the job is over")
+        assert replica.core.role == "replica"
     finally:
         close(primary, replica)
