@@ -12,7 +12,7 @@ from typing import Any
 
 from psgd import kernels
 from psgd.autodiff import ops
-from psgd.autodiff.tensor import Tensor, data_of, make
+from psgd.autodiff.tensor import Tensor, data_of, make, scaled
 from psgd.xp import get_array_module, scatter_add
 
 
@@ -78,7 +78,7 @@ def cross_entropy(logits: Any, target: Any) -> Tensor:
         total = e.sum(axis=1, keepdims=True)
         loss = -(T * (z - xp.log(total))).sum() / batch
         grad = (e / total * T.sum(axis=1, keepdims=True) - T) / batch
-    return make(loss, (logits,), lambda g: (grad * g,), "cross_entropy")
+    return make(loss, (logits,), lambda g: (scaled(grad, g),), "cross_entropy")
 
 
 def sigmoid_cross_entropy(logits: Any, target: Any) -> Tensor:
@@ -107,7 +107,7 @@ def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
     if T.shape != O.shape:
         raise ValueError(f"mse: outputs {O.shape} and targets {T.shape} differ")
     diff = O - T.astype(O.dtype, copy=False)
-    return make((diff * diff).sum() / batch, (outputs,), lambda g: (diff * (2.0 * g / batch),), "mse")
+    return make((diff * diff).sum() / batch, (outputs,), lambda g: (scaled(diff * (2.0 / batch), g),), "mse")
 
 
 # -- convolution and pooling ---------------------------------------------------------------------------------------

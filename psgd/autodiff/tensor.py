@@ -92,9 +92,11 @@ def data_of(x: Any) -> Any:
 def make(data: Any, inputs: Sequence[Any], rule: Callable[[Any], Sequence[Any]], name: str) -> Tensor:
     """The result of an operation: ``data``, recorded with ``rule`` where one of ``inputs`` (tensors, arrays or
     numbers; the rule returns a gradient for each, in order) needs a gradient and recording is on."""
-    if recording() and any(isinstance(x, Tensor) and (x.requires_grad or x.node is not None) for x in inputs):
-        tensors = tuple(x if isinstance(x, Tensor) else None for x in inputs)
-        return Tensor(data, node=Node(tensors, rule, name))
+    for x in inputs:
+        if type(x) is Tensor and (x.requires_grad or x.node is not None):
+            if not getattr(_state, "recording", True):
+                break
+            return Tensor(data, False, "", Node(tuple([x if type(x) is Tensor else None for x in inputs]), rule, name))
     return Tensor(data)
 
 
@@ -113,24 +115,44 @@ def backward(loss: Tensor, grad: Any = None,
     """Gradients of ``loss`` (``grad``: the gradient of something with respect to it; 1 for a scalar loss) for every
     leaf tensor that requires one, added to its ``grad``.  ``on_grad(leaf, grad)`` is called for each such leaf as
     soon as its gradient is complete.  Every node on the way is released once its rule has run."""
-    first = grad if grad is not None else _ones_like(loss.data)
+    first = grad if grad is not None else _seed(loss.data)
     if loss.node is None:
         _deliver(loss, first, on_grad)
         return
     order, uses = _topological(loss)
     grads: dict[int, Any] = {id(loss): first}
-    for tensor in order:  # the loss first, each tensor after every node that uses it
+    while order:  # the loss first, each tensor after every node that uses it; none kept once done
+        tensor = order.pop()
         node, tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
         g = grads.pop(id(tensor), None)
-        for x, gx in zip(node.inputs, node.rule(g) if g is not None else [None] * len(node.inputs)):
+        out = node.rule(g) if g is not None else None
+        for i, x in enumerate(node.inputs):
             if x is None:
                 continue
             key = id(x)
+            gx = out[i] if out is not None else None
             if gx is not None:
-                grads[key] = gx if key not in grads else grads[key] + gx
-            uses[key] -= 1
-            if x.node is None and uses[key] == 0 and key in grads:  # a leaf: nothing still to run adds to it
-                _deliver(x, grads.pop(key), on_grad)
+                had = grads.get(key)
+                grads[key] = gx if had is None else had + gx
+            left = uses[key] - 1
+            uses[key] = left
+            if not left and x.node is None:  # a leaf: nothing still to run adds to it
+                got = grads.pop(key, None)
+                if got is not None:
+                    _deliver(x, got, on_grad)
+
+
+def _seed(a: Any) -> Any:
+    """The gradient of a loss with respect to itself: ones, marked (:func:`scaled` knows it)."""
+    seed = np.array(1, a.dtype) if type(a) is np.ndarray and a.ndim == 0 else get_array_module(a).ones_like(a)
+    _state.seed = seed
+    return seed
+
+
+def scaled(grad: Any, g: Any) -> Any:
+    """``grad * g``: a rule's gradient times its output's; ``grad`` itself where ``g`` is the loss' own ones (a
+    loss that is the root of backward, its rule spared a pass over its gradient)."""
+    return grad if g is getattr(_state, "seed", None) else grad * g
 
 
 def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None) -> None:
@@ -141,31 +163,31 @@ def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None
         on_grad(leaf, leaf.grad)
 
 
-def _ones_like(a: Any) -> Any:
-    return get_array_module(a).ones_like(a)
-
-
 def _topological(loss: Tensor) -> tuple[list[Tensor], dict[int, int]]:
-    """The tensors made by nodes that ``loss`` depends on, each before the tensors its node uses, and how many
-    uses of each tensor (leaves too) their nodes make."""
+    """The tensors made by nodes that ``loss`` depends on, each after the tensors its node uses (the loss last), and
+    how many uses of each tensor (leaves too) their nodes make."""
     uses: dict[int, int] = {}
     order: list[Tensor] = []
-    visited: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(loss, False)]
-    while stack:  # depth first, iteratively: a deep chain of layers needs no recursion
-        tensor, done = stack.pop()
-        if done:
-            order.append(tensor)
+    stack: list[Any] = [loss]
+    while stack:  # depth first, iteratively (a deep chain of layers needs no recursion); a list marks "done"
+        tensor = stack.pop()
+        if type(tensor) is list:
+            order.append(tensor[0])
             continue
-        if id(tensor) in visited:
-            continue
-        visited.add(id(tensor))
-        stack.append((tensor, True))
+        key = id(tensor)
+        if key in uses and uses[key] < 0:
+            continue  # visited already
+        uses[key] = -1 - uses.get(key, 0)  # negative while visited: -1 - its uses so far
+        stack.append([tensor])
         for x in tensor.node.inputs:
             if x is None:
                 continue
-            uses[id(x)] = uses.get(id(x), 0) + 1
-            if x.node is not None and id(x) not in visited:
-                stack.append((x, False))
-    order.reverse()
+            k = id(x)
+            n = uses.get(k, 0)
+            uses[k] = n - 1 if n < 0 else n + 1
+            if x.node is not None and n >= 0:
+                stack.append(x)
+    for k, n in uses.items():
+        if n < 0:
+            uses[k] = -1 - n
     return order, uses

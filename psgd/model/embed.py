@@ -62,10 +62,10 @@ class Embed(Network):
         self.looked_up = fields * dim if combine == "concat" else dim
         widths = (self.looked_up + dense_dim,) + hidden
         layers = [Linear(n_in, n_out, "he_normal", relu=True) for n_in, n_out in zip(widths, widths[1:])]
-        self.order = []
+        self.chain = []
         for name, module in chained(layers + [Linear(widths[-1], classes, "glorot_uniform")]):
             setattr(self, name, module)
-            self.order.append(name)
+            self.chain.append(module)
 
     @property
     def table(self) -> TableSpec:
@@ -90,8 +90,8 @@ class Embed(Network):
         if dense.shape[1] != self.dense_dim:
             raise ModelError(f"{self.name}: expected {self.dense_dim} dense features, got {dense.shape[1]}")
         h = ops.concatenate([joined, dense], axis=1)
-        for name in self.order:
-            h = getattr(self, name)(h)
+        for module in self.chain:
+            h = module.forward(h)
         return h
 
     def criterion(self, scores: Any, y: Any) -> Any:

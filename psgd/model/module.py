@@ -11,7 +11,6 @@ each gradient to ``on_grad`` as soon as it is complete.  ``predict`` records not
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -61,26 +60,27 @@ class LookedUp:
 
 class Binding:
     """What a network's declarations stand for during one call, on the thread that makes it: each parameter's
-    tensor and each table's rows (by module and attribute), and whether it trains."""
+    tensor and each table's rows (by module and attribute), and whether it trains.  Inside ``with binding:``, on
+    that thread, modules read their declarations from it (see :meth:`Module.__getattr__`): a network predicting on
+    one thread and training on another each see their own weights."""
 
     def __init__(self, training: bool):
         self.values: dict[tuple[int, str], Any] = {}
         self.training = training
+        self.leaves: list[Tensor] = []           # the tensors whose gradients the call wants, in declaration order
+        self.rows: dict[str, Rows] = {}          # a table's name -> the batch's rows
+
+    def __enter__(self) -> "Binding":
+        self._before = getattr(_binding, "now", None)
+        _binding.now = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _binding.now = self._before
 
 
 _binding = threading.local()
-
-
-@contextlib.contextmanager
-def bound(binding: Binding) -> Iterator[Binding]:
-    """Inside, on this thread, each module's declarations read as ``binding`` says (see :meth:`Module.__getattr__`):
-    a network predicting on one thread and training on another each see their own weights."""
-    before = getattr(_binding, "now", None)
-    _binding.now = binding
-    try:
-        yield binding
-    finally:
-        _binding.now = before
+_layout = 0  # counts changes to any module's declarations
 
 
 class Module:
@@ -94,9 +94,12 @@ class Module:
         object.__setattr__(self, "_declared", {})
 
     def __setattr__(self, name: str, value: Any) -> None:
+        global _layout
         declared = self.__dict__.get("_declared")
         if declared is None:
             raise ModelError(f"{type(self).__name__}: call super().__init__() before setting {name!r}")
+        if name in declared or isinstance(value, (Parameter, Table, Module)):
+            _layout += 1  # what networks declare changed: their cached lists are stale (Network._declarations)
         declared.pop(name, None)
         if isinstance(value, (Parameter, Table)):  # read through __getattr__: what the call in hand binds
             declared[name] = value
@@ -107,14 +110,14 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:  # only for what is not an ordinary attribute: the declarations
-        declared = self.__dict__.get("_declared", {})
-        if name not in declared:
-            raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
         now = getattr(_binding, "now", None)
         if now is not None:
             value = now.values.get((id(self), name))
             if value is not None:
                 return value
+        declared = self.__dict__.get("_declared", {})
+        if name not in declared:
+            raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
         return declared[name]
 
     @property
@@ -287,46 +290,62 @@ class Network(Module, BaseModel):
         first = next(iter(params.values()), x)
         return get_array_module(getattr(first, "values", first)).asarray(x, dtype=self.dtype)
 
+    def _declarations(self) -> list[tuple[str, tuple[int, str], bool]]:
+        """(name, (owning module's id, attribute), is a table) of every declaration, made again only once a module's
+        declarations changed."""
+        cached = self.__dict__.get("_cached")
+        if cached is None or cached[0] != _layout:
+            cached = (_layout, [(name, (id(owner), attr), isinstance(d, Table))
+                                for name, owner, attr, d in self.declared()])
+            object.__setattr__(self, "_cached", cached)
+        return cached[1]
+
     def _binding(self, params: Mapping[str, Any], training: bool) -> Binding:
         """Each parameter as a tensor of the tape holding its weights, each table as the batch's rows
         (:class:`LookedUp`)."""
         binding = Binding(training)
-        for name, owner, attr, declared in self.declared():
-            if name not in params:
+        values, leaves = binding.values, binding.leaves
+        for name, key, table in self._declarations():
+            value = params.get(name)
+            if value is None:
                 raise ModelError(f"{type(self).__name__}: no weights for variable {name!r}")
-            value = params[name]
-            if isinstance(declared, Table):
+            if table:
                 if not isinstance(value, Rows):
                     raise ModelError(f"{type(self).__name__}: params[{name!r}] must be the batch's Rows of the table")
-                value = LookedUp(value, Tensor(value.values, requires_grad=training, name=name))
+                binding.rows[name] = value
+                leaf = Tensor(value.values, training, name)
+                values[key] = LookedUp(value, leaf)
             else:
-                value = Tensor(value, requires_grad=training, name=name)
-            binding.values[(id(owner), attr)] = value
+                leaf = values[key] = Tensor(value, training, name)
+            leaves.append(leaf)
         return binding
 
     def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
                        on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
         """The mean loss (a 0-d array on the weights' device) and every variable's gradient (a table's as its
         rows), ``on_grad(name, grad)`` called for each as soon as backward has completed it."""
-        with bound(self._binding(params, training=True)) as binding:
-            leaves = [v.values if isinstance(v, LookedUp) else v for v in binding.values.values()]
-            rows = {v.values.name: v.rows for v in binding.values.values() if isinstance(v, LookedUp)}
-
-            def gradient(name: str, g: Any) -> Any:
-                return rows[name].with_values(g) if name in rows else g
-
+        with self._binding(params, training=True) as binding:
             loss = self.criterion(self.forward(self.inputs(params, x)), y)
-        backward(loss, on_grad=None if on_grad is None else lambda leaf, g: on_grad(leaf.name, gradient(leaf.name, g)))
+        rows = binding.rows
+        if on_grad is None:
+            heard = None
+        elif rows:
+            def heard(leaf: Tensor, g: Any) -> None:
+                on_grad(leaf.name, rows[leaf.name].with_values(g) if leaf.name in rows else g)
+        else:
+            def heard(leaf: Tensor, g: Any) -> None:
+                on_grad(leaf.name, g)
+        backward(loss, on_grad=heard)
         grads = {}
-        for leaf in leaves:
+        for leaf in binding.leaves:
             if leaf.grad is None:  # a variable the loss does not depend on
                 leaf.grad = get_array_module(leaf.data).zeros_like(leaf.data)
-                if on_grad is not None:
-                    on_grad(leaf.name, gradient(leaf.name, leaf.grad))
-            grads[leaf.name] = gradient(leaf.name, leaf.grad)
+                if heard is not None:
+                    heard(leaf, leaf.grad)
+            grads[leaf.name] = rows[leaf.name].with_values(leaf.grad) if leaf.name in rows else leaf.grad
         return loss.data, grads
 
     def predict(self, params: Mapping[str, Any], x: Any) -> Any:
-        with bound(self._binding(params, training=False)), no_grad():
+        with self._binding(params, training=False), no_grad():
             out = self.forward(self.inputs(params, x))
         return out.data if isinstance(out, Tensor) else out

@@ -82,10 +82,10 @@ class LayeredModel(Network):
             raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(LOSSES)} (got {loss!r})")
         super().__init__(dtype)  # (a subclass' options are set already)
         self.input_shape, self.num_classes, self.loss_name = shape, classes, loss
-        self.order = []
+        self.chain = []
         for name, module in chained(self.layers()):
             setattr(self, name, module)
-            self.order.append(name)
+            self.chain.append(module)
 
     def layers(self) -> list[Module]:
         raise NotImplementedError(f"{type(self).__name__} must define layers()")
@@ -102,8 +102,8 @@ class LayeredModel(Network):
         return x.reshape((x.shape[0],) + self.batch_shape())
 
     def forward(self, x: Any) -> Any:
-        for name in self.order:
-            x = getattr(self, name)(x)
+        for module in self.chain:
+            x = module.forward(x)
         return x
 
     def criterion(self, scores: Any, y: Any) -> Any:

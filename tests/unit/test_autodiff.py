@@ -330,3 +330,39 @@ def test_the_reference_names_every_operation_and_module():
     assert len(public) > 40
     missing = [name for name in public if f"`{name}(" not in page and f"`{name}`" not in page]
     assert missing == [], missing
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_built_in_mlp_derives_the_gradients_its_hand_written_backward_gave(dtype):
+    """The MLP is written as its forward pass now; its loss and gradients are those of the backward written by hand
+    before (the same arithmetic, in the same order), to the bit."""
+    from psgd.model import build_model
+
+    model = build_model("mlp", (8, 8), 10, dtype=dtype, hidden=[16, 12])
+    p = model.init(3)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((9, 8, 8)).astype(dtype).reshape(9, 64)
+    y = rng.integers(0, 10, 9)
+    loss, grads = model.loss_and_grads(p, x, y)
+
+    hs = [x]
+    for k in range(2):  # dense + ReLU, the bias and the ReLU in place
+        h = hs[-1] @ p[f"dense{k}/W"]
+        h += p[f"dense{k}/b"]
+        h *= h > 0
+        hs.append(h)
+    z = hs[-1] @ p["dense2/W"]
+    z += p["dense2/b"]
+    shifted = z - z.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    total = e.sum(axis=1, keepdims=True)
+    hot = np.arange(10) == y[:, None]
+    want = {"loss": (np.log(total).sum() - (shifted * hot).sum()) / 9}
+    d = (e / total - hot) / 9
+    for k in (2, 1, 0):
+        want[f"dense{k}/W"], want[f"dense{k}/b"] = hs[k].T @ d, d.sum(axis=0)
+        if k:
+            d = (d @ p[f"dense{k}/W"].T) * (hs[k] > 0)
+    np.testing.assert_array_equal(loss, want.pop("loss"))
+    for name, g in want.items():
+        np.testing.assert_array_equal(grads[name], g, err_msg=name)

@@ -13,7 +13,7 @@ from psgd import xp as backend
 from psgd.autodiff import Tensor, backward, no_grad, ops
 from psgd.model import build_model
 from psgd.model.losses import mean_squared_error, softmax_cross_entropy
-from psgd.model.module import Binding, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential, bound
+from psgd.model.module import Binding, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
 
 EPS = 1e-6
 TOL = 1e-7  # observed errors are about 1e-9
@@ -64,7 +64,7 @@ def check_module(device, module, x, rng):
         leaves = {k: Tensor(device.asarray(v), requires_grad=tape) for k, v in arrays.items()}
         binding = Binding(training=tape)
         binding.values.update({(id(owner), attr): leaves[name] for name, owner, attr, _ in declared})
-        with bound(binding):
+        with binding:
             return module(leaves["x"]), leaves
 
     out, _ = run(host, False)
