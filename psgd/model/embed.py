@@ -18,7 +18,7 @@ import numpy as np
 
 from psgd.autodiff import nn, ops
 from psgd.model.errors import ModelError
-from psgd.model.module import Linear, Network, Table, chained
+from psgd.model.module import Linear, Network, Table, chain
 from psgd.model.nets import LOSSES, _positive_int, _positive_ints
 from psgd.model.table import TableSpec
 
@@ -62,10 +62,7 @@ class Embed(Network):
         self.looked_up = fields * dim if combine == "concat" else dim
         widths = (self.looked_up + dense_dim,) + hidden
         layers = [Linear(n_in, n_out, "he_normal", relu=True) for n_in, n_out in zip(widths, widths[1:])]
-        self.chain = []
-        for name, module in chained(layers + [Linear(widths[-1], classes, "glorot_uniform")]):
-            setattr(self, name, module)
-            self.chain.append(module)
+        self.chain = chain(self, layers + [Linear(widths[-1], classes, "glorot_uniform")])
 
     @property
     def table(self) -> TableSpec:

@@ -149,25 +149,22 @@ class Sequential(Module):
 
     def __init__(self, *modules: Module) -> None:
         super().__init__()
-        for name, module in chained(modules):
-            setattr(self, name, module)
-        self._order = [name for name, _ in chained(modules)]
+        self.chain = chain(self, modules)
 
     def forward(self, x: Any) -> Any:
-        for name in self._order:
-            x = getattr(self, name)(x)
+        for module in self.chain:
+            x = module.forward(x)
         return x
 
 
-def chained(modules: Sequence[Module]) -> list[tuple[str, Module]]:
-    """``<kind><n>`` names for a chain of modules, counted per kind."""
+def chain(owner: Module, modules: Sequence[Module]) -> list[Module]:
+    """``modules`` set on ``owner`` as ``<kind><n>`` (counted per kind), in order; returns them."""
     counts: dict[str, int] = {}
-    named = []
     for module in modules:
         n = counts.get(module.kind, 0)
         counts[module.kind] = n + 1
-        named.append((f"{module.kind}{n}", module))
-    return named
+        setattr(owner, f"{module.kind}{n}", module)
+    return list(modules)
 
 
 # -- the modules a network is made of ------------------------------------------------------------------------------

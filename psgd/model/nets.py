@@ -15,7 +15,7 @@ import numpy as np
 
 from psgd.autodiff import nn
 from psgd.model.errors import ModelError
-from psgd.model.module import Conv2d, Flatten, Linear, MaxPool2d, Module, Network, ReLU, chained
+from psgd.model.module import Conv2d, Flatten, Linear, MaxPool2d, Module, Network, ReLU, chain
 
 LOSSES = ("cross_entropy", "mse")
 
@@ -82,10 +82,7 @@ class LayeredModel(Network):
             raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(LOSSES)} (got {loss!r})")
         super().__init__(dtype)  # (a subclass' options are set already)
         self.input_shape, self.num_classes, self.loss_name = shape, classes, loss
-        self.chain = []
-        for name, module in chained(self.layers()):
-            setattr(self, name, module)
-            self.chain.append(module)
+        self.chain = chain(self, self.layers())
 
     def layers(self) -> list[Module]:
         raise NotImplementedError(f"{type(self).__name__} must define layers()")
