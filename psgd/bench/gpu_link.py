@@ -5,7 +5,7 @@ the device and its gradient from the device into its push segment.  For each siz
 of float32), each way, three paths, in GB/s (10^9 B/s):
 
   two copies   the path through pinned buffers (``psgd.xp.host_empty``): segment -> pinned on the host
-               (``copy_bytes``), then ``device.asarray``; ``to_host(dev, out=pinned)``, then pinned -> segment
+               (``psgd.link.shm.copy_views``), then ``device.asarray``; ``to_host(dev, out=pinned)``, then pinned -> segment
   direct       straight between the segment and the device (``copy_to_device`` / ``copy_to_host``), unregistered
   registered   the same with the segment's mapping registered with the driver (``psgd.xp.register_host``),
                what a GPU worker does on the shm link
@@ -26,6 +26,7 @@ import numpy as np
 
 from psgd import xp as backend
 from psgd.bench.limits import seconds_per_call
+from psgd.link.shm import copy_views
 from psgd.wire import segment
 
 MB = 1_000_000
@@ -60,12 +61,12 @@ def _measure(device: backend.Device, o: Any, size: int, readonly: mmap.mmap, seg
     pinned = backend.host_empty((n,), np.float32, device)
 
     def pull_twice() -> None:
-        segment.copy_bytes(pinned, read)
+        copy_views([(pinned, read)])
         device.asarray(pinned)
 
     def push_twice() -> None:
         backend.to_host(dev, out=pinned)
-        segment.copy_bytes(written, pinned)
+        copy_views([(written, pinned)])
 
     def pull_direct() -> None:
         backend.copy_to_device([(xp.empty(n, dtype=np.float32), read)], device)

@@ -45,7 +45,7 @@ from psgd.link.base import Endpoint, PushReply, RowsIn, RowsOut
 from psgd.link.tcp import DataConnection, TcpLink
 from psgd.proto import ps_pb2
 from psgd.wire import meaning, protocol, segment
-from psgd.wire.segment import copy_bytes
+from psgd.wire.sweep import PARALLEL_BYTES, Sweep
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,11 @@ class ShmConnection(DataConnection):
             protocol.recv_exact(self.sock, view)
         source, at = seg.slot(slot), 0
         if device is None:
+            pairs = []
             for view in into:
-                copy_bytes(view, source[at:at + view.nbytes])
+                pairs.append((view, source[at:at + view.nbytes]))
                 at += view.nbytes
+            copy_views(pairs)
         else:
             backend.copy_to_device(_over(device, source), self.device)  # waited for: read before the check below
         if seg.seq(slot) != seq:
@@ -126,11 +128,12 @@ class ShmConnection(DataConnection):
         if payload and backend.is_device_array(payload[0]):
             backend.copy_to_host(_over(payload, self.seg.data), self.device)  # waited for: written before the header
         else:
-            at = 0
+            pairs, at = [], 0
             for part in payload:
                 n = memoryview(part).nbytes
-                copy_bytes(self.seg.data[at:at + n], part)
+                pairs.append((self.seg.data[at:at + n], part))
                 at += n
+            copy_views(pairs)
         self._send(protocol.OP_PUSH_ROWS if rows else op, self.worker, clock, base_version, dtype_code,
                    self._rows_after(rows), size)
         outcome, version, next_clock, staleness, _ = self._reply()
@@ -141,6 +144,15 @@ class ShmConnection(DataConnection):
         if self.registered is not None:
             self.registered.close()  # before the mapping goes
         self.seg.close()
+
+
+#: a worker's copies into and out of its segments: a step's views in one pass, over this machine's cores
+_copies = Sweep(PARALLEL_BYTES, "psgd-copy")
+
+
+def copy_views(pairs: list) -> None:
+    """Copy the bytes of each ``(dst, src)`` of ``pairs`` (buffers, each pair of one length), all as one pass."""
+    _copies.copy([(np.frombuffer(d, dtype=np.uint8), np.frombuffer(s, dtype=np.uint8)) for d, s in pairs])
 
 
 def _over(arrays: list, memory: memoryview) -> list[tuple]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -133,11 +133,14 @@ class Optimizer:
         return lr, t + 1 if per_round == 1 else (t + 1) / per_round
 
     def update_flat(self, keys: tuple[str, ...], param: Any, grad: Any, bounds: tuple[tuple[int, int], ...],
-                    lr_scale: float = 1.0, share: Share = WHOLE) -> None:
+                    lr_scale: float = 1.0, share: Share = WHOLE,
+                    over: Callable[[Callable[[int, int], None]], None] | None = None) -> None:
         """:meth:`update` of each key of ``keys``, whose parameter is ``param[a:b]`` and gradient ``grad[a:b]`` for
         its ``(a, b)`` of ``bounds`` (one flat array, the keys one after the other): the same values, in one step
         where the rule is :attr:`elementwise` and the keys have taken the same number of updates (their states
-        are then laid out the same way, in one array each), else key by key."""
+        are then laid out the same way, in one array each), else key by key.  ``over``, where given, makes that one
+        step piece by piece: it calls the function it is given with ``(a, b)`` for pieces covering the array, each
+        once (a shard's sweep, :mod:`psgd.wire.sweep`); an elementwise rule's values are the same either way."""
         fused = self._fused.get(keys) if self.elementwise else None
         if fused is None or any(self._slots.get(k) is not slot for k, slot in zip(keys, fused[0])):
             fused = self._fuse(keys, param, bounds)
@@ -148,7 +151,11 @@ class Optimizer:
         slots, state = fused
         self._check(keys[0], param, grad, lr_scale)
         self._check_share(keys[0], share)
-        self._step(param, grad, state, *self._rate(slots[0].t, lr_scale, share), share)
+        rate = self._rate(slots[0].t, lr_scale, share)
+        if over is None:
+            self._step(param, grad, state, *rate, share)
+        else:
+            over(lambda a, b: self._step(param[a:b], grad[a:b], {k: s[a:b] for k, s in state.items()}, *rate, share))
         for slot in slots:
             slot.t += 1
 

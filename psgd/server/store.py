@@ -32,22 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
+from psgd.wire.sweep import Sweep
 
 log = logging.getLogger(__name__)
 
-#: A shard holding at least this many bytes checks and updates its slices on several threads
-#: (numpy releases the GIL for large arrays); smaller ones stay on one, where threads cost latency.
-PARALLEL_BYTES = 8 << 20
 #: the places the weights are kept in: the current one, and the one the reads of the version before may be using
 SLOTS = 2
 #: how long an update waits for the reads of the current slot before it copies the weights elsewhere: PATIENCE
@@ -130,9 +126,8 @@ class WeightStore:
             self.weights[i][...] = np.asarray(values[i], dtype=dtype).reshape(-1)
         self._keys = tuple(slices[i].key for i in self.order)
         self._bounds = tuple(self.offsets[i] for i in self.order)
-        threads = min(4, os.cpu_count() or 1) if apply_threads is None else apply_threads
-        self._threads = (ThreadPoolExecutor(threads, thread_name_prefix=f"shard{shard}-apply")
-                         if threads > 1 and len(self.order) > 1 and self.nbytes >= PARALLEL_BYTES else None)
+        #: the passes over the weights (copy, check, update), in cache-sized pieces over threads
+        self.sweep = Sweep(self.nbytes, f"shard{shard}-sweep", apply_threads)
         self._snapshot: Snapshot | None = None
         self._spare: bytearray | None = None
         self._reads: list[list[LiveRead]] = [[] for _ in range(SLOTS)]  # live reads of each slot
@@ -155,12 +150,6 @@ class WeightStore:
         self._slots, self.seq = list(slots), seq
         self._use(0)
 
-    def map(self, fn: Callable[[int], object], ids: Iterable[int]) -> list:
-        """``[fn(i) for i in ids]``, spread over the store's threads when it has them."""
-        if self._threads is None:
-            return [fn(i) for i in ids]
-        return list(self._threads.map(fn, ids))
-
     def views(self, flat: np.ndarray) -> "SliceViews":
         """Per-slice views of an array laid out like ``flat``."""
         return SliceViews(flat, {i: flat[a:b] for i, (a, b) in self.offsets.items()})
@@ -169,17 +158,12 @@ class WeightStore:
         """Per-slice arrays over a buffer holding a gradient for every slice, in slice order."""
         return self.views(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size))
 
-    def _whole(self, grads: Mapping[int, np.ndarray]) -> np.ndarray | None:
-        """The one array ``grads`` are views of, where what is done to every slice is done to it at once: a small
-        shard's (a large one works slice by slice, in threads)."""
-        return getattr(grads, "flat", None) if self._threads is None else None
-
     def nonfinite(self, grads: Mapping[int, np.ndarray]) -> dict[int, int]:
         """How many NaN/Inf values each slice's gradient holds, for the slices that hold any."""
-        whole = self._whole(grads)
-        if whole is not None and not _nonfinite(whole):  # one pass over a small push, where all of it is finite
+        whole = getattr(grads, "flat", None)  # the one array the slices' gradients are views of, if they are
+        if whole is not None and self.sweep.finite(whole):  # one pass, where all of it is finite
             return {}
-        counts = self.map(lambda i: _nonfinite(grads[i]), grads)
+        counts = self.sweep.map(lambda i: _nonfinite(grads[i]), grads)
         return {i: n for i, n in zip(grads, counts) if n}
 
     # -- reads --------------------------------------------------------------------------------------
@@ -231,14 +215,16 @@ class WeightStore:
     # -- updates -----------------------------------------------------------------------------------
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
-        """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot."""
-        whole = self._whole(grads)
+        """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot.  An
+        elementwise rule updates all the slices at once, swept piece by piece (:mod:`psgd.wire.sweep`)."""
+        whole = getattr(grads, "flat", None)
         with self._writing(keep=True):
-            if whole is not None:  # one update of all the slices at once
-                optimizer.update_flat(self._keys, self.flat, whole, self._bounds, lr_scale, share)
+            if whole is not None and optimizer.elementwise:
+                optimizer.update_flat(self._keys, self.flat, whole, self._bounds, lr_scale, share,
+                                      over=lambda step: self.sweep.run(self.flat.size, self.flat.itemsize, step))
             else:
-                self.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale, share),
-                         grads)
+                self.sweep.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale,
+                                                          share), grads)
 
     def replace(self, values: np.ndarray) -> None:
         """Make ``values`` (all slices, in slice order: a checkpoint's weights) the weights, written where an
@@ -257,8 +243,8 @@ class WeightStore:
                 if self._slots[slot] is None:
                     self._slots[slot] = np.empty_like(self.flat)
                 if keep:
-                    target = self.views(self._slots[slot])
-                    self.map(lambda i: np.copyto(target[i], self.weights[i]), self.order)
+                    target, source = self._slots[slot], self.flat
+                    self.sweep.run(source.size, source.itemsize, lambda a, b: np.copyto(target[a:b], source[a:b]))
                     self.counters["copied_updates"] += 1
                 self._use(slot)
             yield

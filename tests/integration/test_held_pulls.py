@@ -185,16 +185,16 @@ def test_a_worker_whose_copy_was_torn_pulls_again_and_gets_a_whole_version(big, 
     monkeypatch.setattr(datapath, "TRANSFER_GRACE", 0.5)
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e12)
     copying, go_on, calls = threading.Event(), threading.Event(), []
-    real_copy = shm.copy_bytes
+    real_copy = shm.copy_views
 
-    def stopped_copy(dst, src):
+    def stopped_copy(pairs):
         calls.append(1)
         if len(calls) == 1:  # the first copy of the first pull
             copying.set()
             assert go_on.wait(IO)
-        real_copy(dst, src)
+        real_copy(pairs)
 
-    monkeypatch.setattr(shm, "copy_bytes", stopped_copy)
+    monkeypatch.setattr(shm, "copy_views", stopped_copy)
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
     host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
     with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", config=job) as stopped, \

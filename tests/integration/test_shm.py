@@ -36,7 +36,7 @@ from psgd.server import handout as handout_module
 from psgd.server.datapath import DataServer
 from psgd.server.handout import Handout
 from psgd.server.service import ShardServer
-from psgd.server.store import PARALLEL_BYTES
+from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
 

@@ -775,7 +775,7 @@ def test_reads_of_both_slots_past_their_hold_are_revoked_for_an_update_oldest_fi
 
 
 def _big_core(threads: int, optimizer: str) -> ShardCore:
-    from psgd.server.store import PARALLEL_BYTES
+    from psgd.wire.sweep import PARALLEL_BYTES
 
     specs = [VarSpec("w", (PARALLEL_BYTES // 8 + 1000,), "float64"), VarSpec("b", (7,), "float64")]
     plan = PartitionPlan(specs, num_shards=1, slice_bytes=1 << 20)
@@ -787,10 +787,10 @@ def _big_core(threads: int, optimizer: str) -> ShardCore:
     return core
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 def test_a_large_shard_updates_on_threads_bitwise_as_on_one(optimizer):
     one, many = _big_core(1, optimizer), _big_core(3, optimizer)
-    assert one.store._threads is None and many.store._threads is not None and len(many.slices) > 8
+    assert one.store.sweep.threads == 1 and many.store.sweep.threads == 3 and len(many.slices) > 8
     rng = np.random.default_rng(6)
     for clock in range(3):
         grads = {i: rng.standard_normal(s.size) for i, s in one.slices.items()}
@@ -814,7 +814,7 @@ def test_a_large_shard_names_the_first_bad_slice_and_changes_nothing():
 
 def test_small_shards_stay_on_one_thread():
     core, _ = make_core("async", 1)
-    assert core.store._threads is None  # 15 values: threads would only add latency
+    assert core.store.sweep.threads == 1  # 15 values: threads would only add latency
 
 
 def hold_an_update(core: ShardCore, worker: int, clock: int):

@@ -1,0 +1,121 @@
+"""Passes over memory, in pieces that stay in a core's cache, spread over threads: a shard's and a worker's.
+
+A push costs a shard passes over memory the size of its weights: a gradient through shared memory is copied
+into a buffer of the shard's own (so that what is checked is what is applied), checked for NaN and Inf, and
+applied by the optimizer, whose rule on NumPy writes temporaries as large as the weights (SGD's ``p -= lr * g``
+writes ``lr * g`` and reads it back).  Made one after the other over the whole array, each of these reads and
+writes all of it from memory: the copy and the check three times the gradient's bytes, SGD five.  Made piece by
+piece, a piece of PIECE_BYTES stays in the cache from one pass to the next: the check reads what the copy has just
+written, an update's temporaries are a piece's size, and a push costs the update's own traffic (read the
+gradient and the weights, write the weights) plus the copy.
+
+A worker's copies into and out of a segment (:mod:`psgd.link.shm`) are one pass each, over all of its views at once.
+
+The pieces of a large array are spread over a pool of threads (NumPy lets go of the GIL inside a copy, a sum or an
+arithmetic loop), each thread taking one run of them, the calling thread the first; a small array is swept on the
+calling thread alone, where a thread's wake-up would cost more than the pass.  Elementwise work gives the same bits in any piece order: the
+same operations on the same values.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from psgd.threads import available_cores
+
+#: the bytes of one piece: what one pass leaves in a core's cache for the next
+PIECE_BYTES = 1 << 20
+#: below this many bytes an array is swept on the calling thread
+PARALLEL_BYTES = 8 << 20
+#: the most threads a sweep uses: memory bandwidth, not cores, bounds a pass, and it is reached well before 8
+MAX_THREADS = 8
+
+
+class Sweep:
+    """Runs a piece function over arrays of up to ``nbytes`` bytes: on ``threads`` threads (default: this
+    machine's cores, at most MAX_THREADS) where the array holds PARALLEL_BYTES or more, else inline."""
+
+    def __init__(self, nbytes: int, name: str, threads: int | None = None):
+        threads = min(MAX_THREADS, available_cores()) if threads is None else threads
+        self.threads = threads if threads > 1 and nbytes >= PARALLEL_BYTES else 1
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=name) if self.threads > 1 else None
+
+    def run(self, size: int, itemsize: int, fn: Callable[[int, int], object]) -> None:
+        """``fn(a, b)`` for consecutive pieces ``[a, b)`` covering ``range(size)`` (elements of ``itemsize``
+        bytes), every piece once; returns when all are done (the first error raised, after that)."""
+        step = max(1, PIECE_BYTES // itemsize)
+        if self._pool is None or size * itemsize < PARALLEL_BYTES:
+            for a in range(0, size, step):
+                fn(a, min(size, a + step))
+            return
+        per = -(-size // self.threads // step) * step  # each thread's run: whole pieces
+
+        def run_of(lo: int) -> None:
+            hi = min(size, lo + per)
+            for a in range(lo, hi, step):
+                fn(a, min(hi, a + step))
+
+        self._spread([lambda lo=lo: run_of(lo) for lo in range(0, size, per)])
+
+    def _spread(self, runs: list[Callable[[], object]]) -> None:
+        """Each of ``runs``: the first on this thread, the others on the pool; returns once all are done."""
+        others = [self._pool.submit(run) for run in runs[1:]]
+        try:
+            runs[0]()
+        finally:
+            for other in others:
+                other.result()
+
+    def copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Copy each ``(dst, src)`` of ``pairs`` (byte arrays, each pair of one length) as one pass over all of
+        them, spread over the threads where they hold PARALLEL_BYTES or more."""
+        total = sum(d.size for d, _ in pairs)
+        if self._pool is None or total < PARALLEL_BYTES:
+            for d, s in pairs:
+                np.copyto(d, s)
+            return
+        per = -(-total // self.threads)
+        runs: list[list] = [[] for _ in range(self.threads)]
+        at = 0
+        for d, s in pairs:  # cut into one run of about ``per`` bytes a thread, across the pairs
+            lo = 0
+            while lo < d.size:
+                k = at // per
+                take = min(d.size - lo, (k + 1) * per - at)
+                runs[k].append((d[lo:lo + take], s[lo:lo + take]))
+                lo, at = lo + take, at + take
+        self._spread([lambda run=run: [np.copyto(d, s) for d, s in run] for run in runs if run])
+
+    def map(self, fn: Callable, items) -> list:
+        """``fn`` of each item (a slice id, say), on the pool where there is one."""
+        if self._pool is None:
+            return [fn(i) for i in items]
+        return list(self._pool.map(fn, items))
+
+    def finite(self, a: np.ndarray) -> bool:
+        """Whether every value of the float array ``a`` is finite (False where a piece's sum overflows: the caller
+        counts exactly)."""
+        bad = []
+        self.run(a.size, a.itemsize, lambda lo, hi: np.isfinite(np.add.reduce(a[lo:hi])) or bad.append(lo))
+        return not bad
+
+    def copy_checked(self, dst: np.ndarray, src: np.ndarray) -> bool:
+        """Copy ``src`` into ``dst`` (float arrays of one size) and say whether every value copied is finite:
+        each piece summed where the copy left it, in the cache (a finite sum has no NaN or Inf in it; one that
+        overflows says False, and the caller counts exactly)."""
+        bad = []
+
+        def piece(a: int, b: int) -> None:
+            np.copyto(dst[a:b], src[a:b])
+            if not np.isfinite(np.add.reduce(dst[a:b])):
+                bad.append(a)
+
+        self.run(dst.size, dst.itemsize, piece)
+        return not bad
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
