@@ -326,19 +326,23 @@ def run_loop(
                     loss, grads = gradient(params, device.asarray(ds.x_train[idx]), device.asarray(ds.y_train[idx]),
                                            **handing)
                     computed = time.perf_counter()
-                    loss = float(loss)
+                    loss = float(loss)  # on a GPU: waits for the step's kernels
+                    synced = time.perf_counter()
                     judged(guard.step(step, epoch, loss))
                     if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
                         after_epoch, after = divmod(step + 1, spe)
                         later = indices if after_epoch == epoch else batches.indices(after_epoch)
                         exchange.ahead(step + 1, model.lookups(ds.ids_train[later[after]]))
                     out = exchange.exchange(step, grads)
+                    exchanged = time.perf_counter()
                     pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
                     if pause:
                         time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
                     steps += 1
                     point = {"clock": step, "epoch": epoch, "loss": loss, **out.fields,
-                             "wall": time.perf_counter() - start, "delay": pause}
+                             "wall": time.perf_counter() - start, "delay": pause,
+                             "seconds": {"weights": round(fetched - began, 6), "compute": round(synced - fetched, 6),
+                                         "exchange": round(exchanged - synced, 6)}}
                     if exchange.overlaps:  # what ran when, on the clock of "wall": psgd bench overlap draws it
                         point["spans"] = {name: [round(a - start, 5), round(b - start, 5)] for name, (a, b) in
                                           {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}

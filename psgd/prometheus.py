@@ -208,6 +208,10 @@ class ShardMetrics(Collector):
         yield _counter("psgd_shard_data_request_cpu_seconds", "CPU seconds the data port's threads spent on requests, "
                        "from a request's header in to its answer sent", names, values,
                        c.get("data_cpu_seconds", 0.0))
+        yield _counter("psgd_shard_receive_seconds", "seconds pushes took to be received (off the socket, or copied "
+                       "out of shared memory) and checked", names, values, c.get("receive_seconds", 0.0))
+        yield _counter("psgd_shard_apply_seconds", "seconds updates took to be applied to the weights (their wait for "
+                       "reads included)", names, values, c.get("apply_seconds", 0.0))
         yield _counter("psgd_shard_expired_workers", "workers dropped for missing their lease or join deadline",
                        names, values, c.get("expired", 0))
         yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "

@@ -159,7 +159,8 @@ def _add_bench(sub) -> None:
                                        "`psgd bench comm --help`, `psgd bench scaling --help`, "
                                        "`psgd bench gpu --help`, `psgd bench overlap --help`, "
                                        "`psgd bench stall --help`, `psgd bench sparse --help`, "
-                                       "`psgd bench rollback --help`, `psgd bench replicas --help` and "
+                                       "`psgd bench rollback --help`, `psgd bench replicas --help`, "
+                                       "`psgd bench step --help` and "
                                        "`psgd bench simulate --help`.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
@@ -189,6 +190,9 @@ def _add_bench(sub) -> None:
     _bench_command(kinds, "gpu", "psgd.bench.gpu", raw=True,
                help="psgd on one GPU against bare CuPy: the MLP's training step (mlp), host<->device "
                     "transfers (transfer) and the NCCL all-reduce (nccl)")
+    _bench_command(kinds, "step", "psgd.bench.step", raw=True,
+               help="a worker's step behind a shard (psgd launch, shared memory and the data port, 1 and 2 workers) "
+                    "against psgd train on the same device, where it goes, beside its floor")
     _bench_command(kinds, "overlap", "psgd.bench.overlap", raw=True,
                help="steps/s with [cluster] overlap off and on, beside one step's compute-only and "
                     "communication-only time (sync, async, all-reduce; the synthetic model and a quarter of it)")
@@ -268,7 +272,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "lost_updates": {str(k): n for k, n in result.lost.items()},
                           "went_back": {str(k): b for k, b in result.went_back.items()},
                           "failed_over": {str(k): n for k, n in result.failed_over.items()},
-                          "unreplicated": {str(k): n for k, n in result.unreplicated.items()}}))
+                          "unreplicated": {str(k): n for k, n in result.unreplicated.items()},
+                          "shard_seconds": {str(k): t for k, t in result.shard_seconds.items()}}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")

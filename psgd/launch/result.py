@@ -32,6 +32,8 @@ class LaunchResult:
     failed_over: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> times its replica took over
     #: shard -> pushes its primary acknowledged without a copy (its replica gone, or unable to apply an update)
     unreplicated: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: shard -> where its pushes' time went: seconds receiving and checking them, applying them, and how many
+    shard_seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 #: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
@@ -111,5 +113,7 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
         log.warning("--save %s: %s", save, note)
     if save:
         save_weights(save, weights)
+    spent = {k: {"receive": round(c.get("receive_seconds", 0.0), 6), "apply": round(c.get("apply_seconds", 0.0), 6),
+                 "pushes": c.get("pushes", 0)} for k, c in enumerate(counters)}
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
-                        went_back, failed_over, unreplicated)
+                        went_back, failed_over, unreplicated, spent)

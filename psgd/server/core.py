@@ -99,9 +99,9 @@ class ShardCore:
         self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows
         self.remedies.watch_tables(self.tables.tables)
         self.staleness_histogram = [0] * STALENESS_BUCKETS
-        self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0,
-                         "late": 0, "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0,
-                         "rollbacks": 0, "rounds_undone": 0, "data_requests": 0, "data_cpu_seconds": 0.0}
+        self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0, "late": 0,
+                         "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0, "rollbacks": 0, "rounds_undone": 0,
+                         "data_requests": 0, "data_cpu_seconds": 0.0, "receive_seconds": 0.0}
         self.closing = False
         # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
         # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)

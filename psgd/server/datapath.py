@@ -356,6 +356,8 @@ class DataServer:
                 except protocol.TooSlow as exc:
                     self._fatal(conn, "DEADLINE_EXCEEDED", f"push of {size} bytes from worker {worker} did not "
                                 f"arrive within {allowed:.1f}s ({exc}): at least {MIN_TRANSFER_RATE / 1e6:g} MB/s")
+            with self._served:  # the push's receive: off the socket, or copied out of the segment, and checked
+                core.counters["receive_seconds"] += time.monotonic() - began
             rows = self._pushed_rows(conn, worker, began, size, codec) if with_rows else None
             grads = core.store.gradient_views(buf)
             try:

@@ -54,7 +54,7 @@ def state(core: ShardCore) -> tuple[dict, dict]:
     arrays = {"weights": core.flat}
     arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
     if core.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
-        arrays["round_sum"] = core.round.flat
+        arrays["round_sum"] = core.round.so_far()
         arrays.update({f"round_push/{w}": a for w, a in core.round.apart.items()})
     arrays.update(core.tables.arrays())
     manifest = {"fingerprint": core.fingerprint, "identity": core.identity, "version": core.version,

@@ -16,7 +16,9 @@ import numpy as np
 
 class Round:
     """The sum of a round's pushes (one buffer, viewed per slice as the store views its weights) and the base
-    version of each push."""
+    version of each push.  Its passes over the sum are swept as the store's are (:mod:`psgd.wire.sweep`): the
+    round's first push is copied in rather than added to zeros, a round of one push is its own mean, and a round
+    that ends leaves its buffer as it is (its content counts only while it has pushes: :meth:`so_far`)."""
 
     def __init__(self, store: Any, ordered: bool = False):
         self.store, self.ordered = store, ordered
@@ -25,32 +27,49 @@ class Round:
         self.bases: list[int] = []
         self.apart: dict[int, np.ndarray] = {}  # ordered: each worker's push, by worker
 
+    def _sweep(self, fn) -> None:
+        self.store.sweep.run(self.flat.size, self.flat.itemsize, fn)
+
     def add(self, grads: Mapping[int, np.ndarray], base_version: int, worker: int = 0) -> None:
+        whole, flat = getattr(grads, "flat", None), self.flat
         if self.ordered:
             kept = self.apart[worker] = np.empty_like(self.flat)
             views = self.store.views(kept)
             for i, g in grads.items():
                 np.copyto(views[i], g)
-        elif getattr(grads, "flat", None) is not None:  # laid out like the sum: one addition
-            self.flat += grads.flat
+        elif whole is not None:  # laid out like the sum: one pass
+            first = not self.bases
+            self._sweep(lambda a, b: np.copyto(flat[a:b], whole[a:b]) if first else
+                        np.add(flat[a:b], whole[a:b], out=flat[a:b]))
         else:
             for i, g in grads.items():
-                self.sums[i] += g
+                if self.bases:
+                    self.sums[i] += g
+                else:
+                    np.copyto(self.sums[i], g)
         self.bases.append(base_version)
 
     def mean(self) -> list[int]:
         """Turn the sum into the mean of its pushes; returns their base versions (none: nothing was pushed)."""
-        for worker in sorted(self.apart):
-            self.flat += self.apart[worker]
+        flat = self.flat
+        for k, worker in enumerate(sorted(self.apart)):
+            kept = self.apart[worker]
+            self._sweep(lambda a, b: np.add(flat[a:b], kept[a:b], out=flat[a:b]) if k else
+                        np.copyto(flat[a:b], kept[a:b]))
         self.apart.clear()
-        if self.bases:
-            self.flat *= 1.0 / len(self.bases)
+        if len(self.bases) > 1:  # one push is its own mean (x * 1.0 is x, to the bit)
+            scale = 1.0 / len(self.bases)
+            self._sweep(lambda a, b: np.multiply(flat[a:b], scale, out=flat[a:b]))
         return list(self.bases)
 
     def clear(self) -> None:
-        self.flat.fill(0)
         self.bases.clear()
         self.apart.clear()
+
+    def so_far(self) -> np.ndarray:
+        """The sum of the pushes added so far: zeros before the first, and in an ordered round (its pushes are
+        kept apart, and added only as it closes)."""
+        return self.flat if self.bases and not self.ordered else np.zeros_like(self.flat)
 
     def load(self, flat: np.ndarray, bases: Sequence[Any], apart: Mapping[int, np.ndarray] | None = None) -> None:
         """A round in flight, from a checkpoint: its sum so far, and (ordered) each push kept apart."""

@@ -133,8 +133,9 @@ class WeightStore:
         self._reads: list[list[LiveRead]] = [[] for _ in range(SLOTS)]  # live reads of each slot
         self.writers_waiting = 0   # updates waiting for reads to finish (new reads defer to them)
         self.settling = 0          # readers of the whole state waiting for those updates (new updates defer to them)
-        #: updates made in the other slot since the current one was being read; reads revoked past their hold
-        self.counters = {"copied_updates": 0, "revoked_reads": 0}
+        #: updates made in the other slot since the current one was being read; reads revoked past their hold; the
+        #: seconds updates took (their wait for reads included)
+        self.counters = {"copied_updates": 0, "revoked_reads": 0, "apply_seconds": 0.0}
 
     def _use(self, slot: int) -> None:
         self.current, self.flat = slot, self._slots[slot]
@@ -217,7 +218,7 @@ class WeightStore:
               share: Share = WHOLE) -> None:
         """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot.  An
         elementwise rule updates all the slices at once, swept piece by piece (:mod:`psgd.wire.sweep`)."""
-        whole = getattr(grads, "flat", None)
+        whole, began = getattr(grads, "flat", None), time.perf_counter()
         with self._writing(keep=True):
             if whole is not None and optimizer.elementwise:
                 optimizer.update_flat(self._keys, self.flat, whole, self._bounds, lr_scale, share,
@@ -225,6 +226,7 @@ class WeightStore:
             else:
                 self.sweep.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale,
                                                           share), grads)
+        self.counters["apply_seconds"] += time.perf_counter() - began
 
     def replace(self, values: np.ndarray) -> None:
         """Make ``values`` (all slices, in slice order: a checkpoint's weights) the weights, written where an
