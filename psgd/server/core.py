@@ -155,7 +155,7 @@ class ShardCore:
             for base in bases:
                 self._record_staleness(self.version - base)
             self.tables.close_round(len(bases))  # the version the dense update below makes
-            self._apply(self.round.sums, 1.0)
+            self._apply(self.round.total(), 1.0)
             self.round.clear()
             if self.cut_rounds and self.version % self.cut_rounds == 0 and self.on_cut is not None:
                 self.on_cut()
@@ -349,7 +349,7 @@ class ShardCore:
                 self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
             if action == ACCUMULATE:
-                self.round.add(grads, base_version, worker)
+                self.round.add(grads, base_version, worker, closes=bool(decision.closed_rounds))
                 self.tables.add(rows, worker)
                 self._close_rounds(decision.closed_rounds)
             result = PushResult(outcome, decision.next_clock, self.version, staleness,

@@ -17,8 +17,9 @@ import numpy as np
 class Round:
     """The sum of a round's pushes (one buffer, viewed per slice as the store views its weights) and the base
     version of each push.  Its passes over the sum are swept as the store's are (:mod:`psgd.wire.sweep`): the
-    round's first push is copied in rather than added to zeros, a round of one push is its own mean, and a round
-    that ends leaves its buffer as it is (its content counts only while it has pushes: :meth:`so_far`)."""
+    round's first push is copied in rather than added to zeros, a round of one push is its own mean (and, where it
+    closes the round as it comes, is not even copied), and a round that ends leaves its buffer as it is (its content
+    counts only while it has pushes: :meth:`so_far`)."""
 
     def __init__(self, store: Any, ordered: bool = False):
         self.store, self.ordered = store, ordered
@@ -26,13 +27,18 @@ class Round:
         self.sums: dict[int, np.ndarray] = store.views(self.flat)
         self.bases: list[int] = []
         self.apart: dict[int, np.ndarray] = {}  # ordered: each worker's push, by worker
+        self._lone: Mapping[int, np.ndarray] | None = None  # a round's only push, closing it: its own mean, uncopied
 
     def _sweep(self, fn) -> None:
         self.store.sweep.run(self.flat.size, self.flat.itemsize, fn)
 
-    def add(self, grads: Mapping[int, np.ndarray], base_version: int, worker: int = 0) -> None:
+    def add(self, grads: Mapping[int, np.ndarray], base_version: int, worker: int = 0, closes: bool = False) -> None:
+        """Add a push computed from ``base_version``; ``closes``: the round closes with it, before its buffer is
+        used again (a round's only push is then its mean as it is, neither copied nor added)."""
         whole, flat = getattr(grads, "flat", None), self.flat
-        if self.ordered:
+        if closes and not self.bases and whole is not None:
+            self._lone = grads
+        elif self.ordered:
             kept = self.apart[worker] = np.empty_like(self.flat)
             views = self.store.views(kept)
             for i, g in grads.items():
@@ -52,6 +58,8 @@ class Round:
     def mean(self) -> list[int]:
         """Turn the sum into the mean of its pushes; returns their base versions (none: nothing was pushed)."""
         flat = self.flat
+        if self._lone is not None:
+            return list(self.bases)
         for k, worker in enumerate(sorted(self.apart)):
             kept = self.apart[worker]
             self._sweep(lambda a, b: np.add(flat[a:b], kept[a:b], out=flat[a:b]) if k else
@@ -62,13 +70,20 @@ class Round:
             self._sweep(lambda a, b: np.multiply(flat[a:b], scale, out=flat[a:b]))
         return list(self.bases)
 
+    def total(self) -> Mapping[int, np.ndarray]:
+        """What the round applies once :meth:`mean` has made it: its mean, per slice."""
+        return self.sums if self._lone is None else self._lone
+
     def clear(self) -> None:
+        self._lone = None
         self.bases.clear()
         self.apart.clear()
 
     def so_far(self) -> np.ndarray:
         """The sum of the pushes added so far: zeros before the first, and in an ordered round (its pushes are
         kept apart, and added only as it closes)."""
+        if self._lone is not None:
+            return self._lone.flat
         return self.flat if self.bases and not self.ordered else np.zeros_like(self.flat)
 
     def load(self, flat: np.ndarray, bases: Sequence[Any], apart: Mapping[int, np.ndarray] | None = None) -> None:

@@ -9,7 +9,7 @@ import pytest
 from psgd.server.rounds import Round
 from psgd.wire.sweep import PARALLEL_BYTES
 
-from test_shard_core import grads_of, make_core
+from test_shard_core import grads_of, make_core, register_all
 
 
 def pushes(n: int, seed: int = 0) -> list:
@@ -75,3 +75,29 @@ def test_a_large_rounds_passes_are_swept_on_threads_with_the_same_bits():
         r.add(g, 0)
     r.mean()
     assert r.flat.tobytes() == ((gs[0].flat + gs[1].flat + gs[2].flat) * (1.0 / 3)).tobytes()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_push_that_closes_its_round_alone_is_applied_as_it_came(ordered):
+    core, _ = make_core("sync", 3)
+    r = Round(core.store, ordered=ordered)
+    r.flat.fill(7.0)  # whatever a round before left
+    (g,) = [core.store.gradient_views(np.arange(15, dtype=np.float64).tobytes())]
+    r.add(g, 4, worker=1, closes=True)
+    assert r.so_far() is g.flat  # what a checkpoint would keep meanwhile
+    assert r.mean() == [4] and r.total() is g and not r.apart
+    assert (r.flat == 7.0).all()  # neither copied nor added
+    r.clear()
+    assert r.total() is r.sums and not r.so_far().any()
+
+
+def test_a_sync_shard_of_one_worker_applies_each_push_as_a_round_of_its_own():
+    one, _ = make_core("sync", 1)
+    ref, _ = make_core("async", 1)
+    register_all(one), register_all(ref)
+    rng = np.random.default_rng(8)
+    for clock in range(3):
+        payload = rng.standard_normal(one.flat.size).tobytes()
+        for core in (one, ref):
+            core.push(0, clock, core.version, core.store.gradient_views(payload))
+    assert one.version == ref.version == 3 and one.flat.tobytes() == ref.flat.tobytes()
