@@ -40,7 +40,7 @@ import numpy as np
 
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
-from psgd.wire.sweep import Sweep
+from psgd.wire.sweep import Sweep, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +330,6 @@ class SliceViews(dict):
 
 
 def _nonfinite(g: np.ndarray) -> int:
-    if np.isfinite(np.add.reduce(g)):
-        return 0  # a finite sum has no NaN or Inf in it; a sum that overflows is counted exactly below
+    if all_finite(g):
+        return 0
     return int(g.size - np.count_nonzero(np.isfinite(g)))

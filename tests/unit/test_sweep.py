@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from psgd.optim import build_optimizer
-from psgd.wire.sweep import PARALLEL_BYTES, PIECE_BYTES, Sweep
+from psgd.wire.sweep import PARALLEL_BYTES, PIECE_BYTES, Sweep, all_finite
 
 SIZES = [1, PIECE_BYTES // 4 - 1, PIECE_BYTES // 4 + 1, PARALLEL_BYTES // 4 + 12_345]
 
@@ -62,9 +62,16 @@ def test_copy_checked_copies_and_finds_a_bad_value_wherever_it_is(threads, where
     assert not sweep.finite(src)
 
 
-def test_a_sum_that_overflows_says_not_finite_and_the_caller_counts():
-    big = np.full(PIECE_BYTES // 4, 3e38, dtype=np.float32)
-    assert np.isfinite(big).all() and not Sweep(big.nbytes, "t", 1).finite(big)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_all_finite_is_exact_where_a_sum_would_overflow(dtype):
+    big = np.full(PIECE_BYTES // 8, np.finfo(dtype).max, dtype=dtype)
+    assert all_finite(big) and Sweep(big.nbytes, "t", 1).finite(big)  # a sum of these would be infinite
+    rng = np.random.default_rng(5)
+    for special in (np.nan, np.inf, -np.inf, -0.0, np.finfo(dtype).tiny / 2, -np.finfo(dtype).max):
+        a = rng.standard_normal(1000).astype(dtype)
+        a[rng.integers(0, 1000)] = special
+        assert all_finite(a) == bool(np.isfinite(a).all()), special
+    assert all_finite(np.empty(0, dtype=dtype))
 
 
 OPTIMIZERS = [("sgd", {}), ("sgd", {"weight_decay": 0.01}), ("momentum", {"weight_decay": 0.01}),
