@@ -8,6 +8,7 @@ Specs:
 - ``synthetic``: teacher-network data of any size (see :mod:`psgd.data.synthetic`).
 - ``clicks``: click logs in Criteo's shape, of any size: categorical ids for an embedding table, dense
   features, labels from a teacher whose reachable accuracy is known (see :mod:`psgd.data.clicks`).
+- ``sequences``: sequence tasks of tokens made here, for sequence models (see :mod:`psgd.data.sequences`).
 - ``idx:DIR``: MNIST-format IDX files in ``DIR``.
 - ``npz:PATH``, or any spec ending in ``.npz``: arrays in an ``.npz`` archive.
 
@@ -35,6 +36,7 @@ from psgd.data.base import (
 from psgd.data.readers import (mnist5k_path, read_digits, read_idx, read_idx_header, read_mnist5k, read_npz,
                                read_npz_headers)
 from psgd.data.clicks import CLICKS_OPTIONS, clicks_options, load_clicks
+from psgd.data.sequences import SEQUENCES_OPTIONS, make_sequences, sequences_options
 from psgd.data.synthetic import make_synthetic, synthetic_options
 
 ACCEPTED_SPECS = (
@@ -44,12 +46,14 @@ ACCEPTED_SPECS = (
     "teacher_hidden, data_seed), "
     "'clicks' (click logs with categorical ids, for the embed model; options n_train, n_test, fields, dense, "
     "alpha, max_cardinality, data_seed), "
+    "'sequences' (tokens, for sequence models; options n_train, n_test, length, vocab, task = majority | lookup, "
+    "data_seed), "
     "'idx:DIR' (MNIST-format IDX files in DIR), "
     "'npz:PATH' or 'PATH.npz' (arrays x_train, y_train, x_test, y_test, or x, y)"
 )
 
 SYNTHETIC_OPTIONS = ("n_train", "n_test", "input_dim", "num_classes", "teacher_hidden", "data_seed")
-OPTIONS = {"synthetic": SYNTHETIC_OPTIONS, "clicks": CLICKS_OPTIONS}
+OPTIONS = {"synthetic": SYNTHETIC_OPTIONS, "clicks": CLICKS_OPTIONS, "sequences": SEQUENCES_OPTIONS}
 
 # The bundled digits, as read_digits gives them.
 DIGITS_INPUT_SHAPE = (8, 8)
@@ -97,6 +101,9 @@ def load_dataset(
         ds = _load_synthetic(**options)
     elif kind == "clicks":
         ds = load_clicks(**options)
+    elif kind == "sequences":
+        o = sequences_options(**options)
+        ds = Dataset("sequences", *make_sequences(**o), o["vocab"], (o["length"],))
     elif kind == "idx":
         ds = load_idx_dir(path)
     else:
@@ -146,6 +153,9 @@ def describe_dataset(
     if kind == "clicks":
         o = clicks_options(**options)
         return DataShape("clicks", (o["dense"],), 2, (o["fields"],))
+    if kind == "sequences":
+        o = sequences_options(**options)
+        return DataShape("sequences", (o["length"],), o["vocab"])
     if kind == "idx":
         return describe_idx_dir(path)
     return describe_npz(path, test_fraction=test_fraction)
@@ -173,7 +183,7 @@ def _check_request(spec: str, seed: int, dtype: Any, options: dict[str, Any]) ->
 
 def _parse_spec(spec: str) -> tuple[str, str]:
     name = spec.lower()
-    if name in ("digits", "synthetic", "mnist5k", "clicks"):
+    if name in ("digits", "synthetic", "mnist5k", "clicks", "sequences"):
         return name, ""
     for prefix in ("idx", "npz"):
         if name.startswith(prefix + ":"):
