@@ -36,6 +36,10 @@ def can_graph(model: Any, device: backend.Device, enabled: bool, reason: Callabl
         reason(f"the model {type(model).__name__} does not declare static_step = True (the same kernels for the "
                "same shapes, nothing read back), so its steps run kernel by kernel")
         return False
+    if getattr(model, "random_step", False):
+        reason(f"the model {type(model).__name__} draws random masks each step (dropout), which a captured step "
+               "would replay unchanged, so its steps run kernel by kernel")
+        return False
     return True
 
 

@@ -119,8 +119,11 @@ class Job:
         return identity(self.config, self.plan.hash, tables=bool(self.plan.tables))
 
     def optimizer(self) -> optim.Optimizer:
-        """A new optimizer as the job file's ``[optimizer]`` describes it (a trainer's, or a shard's)."""
-        return job_optimizer(self.config)
+        """A new optimizer as the job file's ``[optimizer]`` describes it (a trainer's, or a shard's), which moves
+        the model's state variables (batch norm's running statistics) by their change instead of training them."""
+        opt = job_optimizer(self.config)
+        opt.state_vars = frozenset(s.name for s in self.plan.specs if s.state)
+        return opt
 
     def policy(self) -> Policy:
         """A new consistency policy as the job's ``[cluster]`` describes it (a shard's)."""
@@ -128,8 +131,8 @@ class Job:
 
     def shard_optimizer(self, rule: Policy) -> optim.Optimizer:
         """What a shard applies under ``rule``: the job's optimizer, or for a local policy, whose push is a
-        worker's progress (x_pulled - x; its workers run the job's optimizer), SGD at rate 1 (times the push's
-        lr scale) that moves the centre by it."""
+        worker's progress (x_pulled - x; its workers run the job's optimizer, state included), SGD at rate 1 (times
+        the push's lr scale) that moves the centre by it."""
         return optim.SGD(1.0) if rule.local else self.optimizer()
 
     def one_shard_plan(self) -> PartitionPlan:

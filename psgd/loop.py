@@ -267,6 +267,8 @@ def run_loop(
             log.info("%s: the model's loss_and_grads takes no on_grad, so its gradients move once backward is "
                      "done (no overlap)", exchange.name)
     gradient = model.loss_and_grads
+    # a model whose steps draw random masks is given a seed a step, from the job's seed, this rank and the step
+    draws = (t.seed * 1_000_003 + rank + 1) if getattr(model, "random_step", False) else 0
     if not handing and not job.plan.tables and graphs.can_graph(
             model, device, t.graphs, lambda why: log.info("%s: %s", exchange.name, why)):
         gradient = graphs.GraphedStep(model, device, exchange.name)  # the step's kernels as one launch
@@ -323,6 +325,8 @@ def run_loop(
                         evaluated = beside.submit(params, step, float(loss), fetched - start)
                     elif evaluated:
                         evaluation(params, step, float(loss))
+                    if draws:  # a step of random masks (dropout): its own seed, the same again for the same step
+                        handing["seed"] = (draws * 1_000_033 + step) & 0x7FFFFFFF
                     loss, grads = gradient(params, device.asarray(ds.x_train[idx]), device.asarray(ds.y_train[idx]),
                                            **handing)
                     computed = time.perf_counter()

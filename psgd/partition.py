@@ -111,7 +111,8 @@ class PartitionPlan:
         return {
             "num_shards": self.num_shards,
             "slice_bytes": self.slice_bytes,
-            "variables": [[s.name, list(s.shape), s.dtype] for s in self.specs],
+            # a state variable (VarSpec.state) says so; the others keep the description they had before
+            "variables": [[s.name, list(s.shape), s.dtype, *(["state"] if s.state else [])] for s in self.specs],
             # a plan without tables keeps the description (and the hash) it had before there were tables
             **({"tables": [[t.name, t.dim, t.dtype, t.init, t.scale] for t in self.tables],
                 "row_hash": ROW_HASH} if self.tables else {}),

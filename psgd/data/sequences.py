@@ -5,7 +5,7 @@ embedding), and its class is one of the tokens, so there are ``vocab`` classes:
 
 - ``majority`` (the default): the commonest token of the sequence (the smallest of those tied). A model must
   compare every token with every other: attention does it; an MLP over the token values reaches 0.27 on the
-  default sequences where a one-block transformer reaches 0.98 (docs/howto/sequence-models.md).
+  default sequences where a one-block transformer reaches 0.98 (docs/howto/examples.md).
 - ``lookup``: the first token is a position p, 1 to length - 1, and the class is the token at p (a model reads
   one token and, by it, looks at another).
 

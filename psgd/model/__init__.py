@@ -14,8 +14,9 @@ from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecErr
                               init_variable, model_tables)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
-from psgd.model.module import (AvgPool2d, Conv2d, Flatten, Function, LayerNorm, Linear, MaxPool2d, Module, Network,
-                               Parameter, ReLU, Sequential, Table)
+from psgd.model.blocks import (AvgPool2d, BatchNorm, Conv2d, Dropout, Flatten, Function, LayerNorm, Linear, MaxPool2d,
+                               ReLU)
+from psgd.model.module import Module, Network, Parameter, Sequential, State, Table
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 from psgd.model.registry import MODELS, build_model, load_model_class
 
@@ -23,6 +24,7 @@ __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
     "check_model", "run_checks", "Check", "hands_over_gradients", "model_tables",
-    "Network", "Module", "Parameter", "Table", "Sequential", "Function", "Linear", "Conv2d", "LayerNorm", "ReLU",
+    "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv2d", "LayerNorm",
+    "BatchNorm", "Dropout", "ReLU",
     "Flatten", "MaxPool2d", "AvgPool2d",
 ]

@@ -31,12 +31,14 @@ class VarSpecError(ModelError):
 
 @dataclasses.dataclass(frozen=True)
 class VarSpec:
-    """One trainable variable: its name, shape, dtype and how to initialize it.
+    """One variable: its name, shape, dtype and how to initialize it.
 
     ``init`` is one of ``zeros``, ``ones``, ``he_normal`` (std sqrt(2/fan_in)),
     ``glorot_uniform`` (limit sqrt(6/(fan_in+fan_out))) or ``normal`` (std
     ``scale``).  ``fan_in``/``fan_out`` default to the leading/trailing
-    dimensions.
+    dimensions.  ``state``: a value training moves but does not train (batch
+    norm's running statistics): its "gradient" is the change a step made to it,
+    added as it is (averaged over workers), never given to the optimizer.
     """
 
     name: str
@@ -46,6 +48,7 @@ class VarSpec:
     fan_in: int | None = None
     fan_out: int | None = None
     scale: float = 0.01
+    state: bool = False
 
     def __post_init__(self) -> None:
         try:

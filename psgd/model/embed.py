@@ -18,7 +18,8 @@ import numpy as np
 
 from psgd.autodiff import nn, ops
 from psgd.model.errors import ModelError
-from psgd.model.module import Linear, Network, Table, chain
+from psgd.model.blocks import Linear
+from psgd.model.module import Network, Table, chain
 from psgd.model.nets import LOSSES, _positive_int, _positive_ints
 from psgd.model.table import TableSpec
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from psgd.autodiff import Tensor, backward, nn, no_grad, ops
+from psgd.autodiff import Tensor, backward, nn, no_grad
 from psgd.model.base import BaseModel, VarSpec
 from psgd.model.errors import ModelError
 from psgd.model.table import Rows, TableSpec
@@ -33,6 +33,18 @@ class Parameter:
 
     def spec(self, name: str, dtype: str) -> VarSpec:
         return VarSpec(name, self.shape, dtype, self.init, self.fan_in, self.fan_out, self.scale)
+
+
+class State(Parameter):
+    """A value a module keeps that training moves but does not train (batch norm's running statistics): a variable of
+    the model all the same (shards hold it, pulls bring it, checkpoints and exports keep it), whose "gradient" is the
+    change a training step made to it (:meth:`Module.move`), added as it is, averaged over the workers."""
+
+    def __init__(self, shape: Sequence[int], init: str = "zeros"):
+        super().__init__(shape, init)
+
+    def spec(self, name: str, dtype: str) -> VarSpec:
+        return VarSpec(name, self.shape, dtype, self.init, state=True)
 
 
 class Table:
@@ -64,11 +76,19 @@ class Binding:
     that thread, modules read their declarations from it (see :meth:`Module.__getattr__`): a network predicting on
     one thread and training on another each see their own weights."""
 
-    def __init__(self, training: bool):
+    def __init__(self, training: bool, seed: int = 0):
         self.values: dict[tuple[int, str], Any] = {}
         self.training = training
         self.leaves: list[Tensor] = []           # the tensors whose gradients the call wants, in declaration order
         self.rows: dict[str, Rows] = {}          # a table's name -> the batch's rows
+        self.states: list[tuple[str, tuple[int, str]]] = []  # each state variable: (name, (module id, attribute))
+        self.moved: dict[tuple[int, str], Any] = {}           # a state's new value, where the call moved it
+        self.seed, self.draws = int(seed), 0
+
+    def draw(self) -> int:
+        """A seed for the next random mask of this call: the call's seed and how many were drawn before it."""
+        self.draws += 1
+        return (self.seed * 1_000_003 + self.draws) & 0xFFFFFFFF
 
     def __enter__(self) -> "Binding":
         self._before = getattr(_binding, "now", None)
@@ -126,6 +146,28 @@ class Module:
         now = getattr(_binding, "now", None)
         return True if now is None else now.training
 
+    def move(self, name: str, value: Any) -> None:
+        """Give the state variable ``name`` (a :class:`State` of this module) its new value, in the training call in
+        hand: what the step hands over for it is the change."""
+        now = getattr(_binding, "now", None)
+        if not isinstance(self._declared.get(name), State):
+            raise ModelError(f"{type(self).__name__}.move({name!r}): {name!r} is not a State of this module")
+        if now is not None and now.training:
+            now.moved[(id(self), name)] = value
+
+    def draw(self) -> int:
+        """A seed for a random mask (dropout): new for each draw of a training step, the same for the same step of
+        the same worker (psgd's loop seeds each step from the job's seed, the worker and the step)."""
+        now = getattr(_binding, "now", None)
+        return 0 if now is None else now.draw()
+
+    def modules(self) -> Iterator["Module"]:
+        """This module and every module below it."""
+        yield self
+        for value in self._declared.values():
+            if isinstance(value, Module):
+                yield from value.modules()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
@@ -167,90 +209,6 @@ def chain(owner: Module, modules: Sequence[Module]) -> list[Module]:
     return list(modules)
 
 
-# -- the modules a network is made of ------------------------------------------------------------------------------
-class Linear(Module):
-    """``x @ W + b`` with ``W`` (n_in, n_out), then a ReLU where ``relu`` (on a GPU with the bias, one kernel)."""
-
-    kind = "dense"
-
-    def __init__(self, n_in: int, n_out: int, init: str = "he_normal", bias: bool = True, relu: bool = False):
-        super().__init__()
-        self.relu = relu
-        self.W = Parameter((int(n_in), int(n_out)), init)
-        self.b = Parameter((int(n_out),), "zeros") if bias else None
-
-    def forward(self, x: Any) -> Tensor:
-        return nn.linear(x, self.W, self.b, relu=self.relu)
-
-
-class Conv2d(Module):
-    """2-D convolution, stride 1: ``W`` (out, in, k, k); ``padding`` in pixels, ``"same"`` (k // 2, odd k) or
-    ``"valid"`` (0)."""
-
-    kind = "conv"
-
-    def __init__(self, c_in: int, c_out: int, kernel: int = 3, padding: int | str = "same", init: str = "he_normal",
-                 bias: bool = True):
-        super().__init__()
-        k = int(kernel)
-        if padding == "same":
-            if k % 2 == 0:
-                raise ModelError(f"Conv2d: 'same' padding needs an odd kernel (got {k})")
-            padding = k // 2
-        elif padding == "valid":
-            padding = 0
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ModelError(f"Conv2d: padding must be 'same', 'valid' or an int >= 0 (got {padding!r})")
-        self.padding = padding
-        self.W = Parameter((int(c_out), int(c_in), k, k), init, fan_in=c_in * k * k, fan_out=c_out * k * k)
-        self.b = Parameter((int(c_out),), "zeros") if bias else None
-
-    def forward(self, x: Any) -> Tensor:
-        return nn.conv2d(x, self.W, self.b, self.padding)
-
-
-class LayerNorm(Module):
-    """Layer normalization over the last axis (``width``), with a scale ``g`` and a shift ``b``."""
-
-    kind = "norm"
-
-    def __init__(self, width: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.g = Parameter((int(width),), "ones")
-        self.b = Parameter((int(width),), "zeros")
-
-    def forward(self, x: Any) -> Tensor:
-        return nn.layer_norm(x, self.g, self.b, self.eps)
-
-
-class Function(Module):
-    """A module without parameters: ``fn(x)`` (a ReLU, a flattening, a pooling)."""
-
-    def __init__(self, fn: Callable[[Any], Any], kind: str):
-        super().__init__()
-        self.fn, self.kind = fn, kind
-
-    def forward(self, x: Any) -> Any:
-        return self.fn(x)
-
-
-def ReLU() -> Function:  # noqa: N802 - built like a module class
-    return Function(ops.relu, "relu")
-
-
-def Flatten() -> Function:  # noqa: N802
-    return Function(lambda x: ops.reshape(x, (x.shape[0], -1)), "flatten")
-
-
-def MaxPool2d(size: int = 2) -> Function:  # noqa: N802
-    return Function(lambda x: nn.max_pool2d(x, size), "pool")
-
-
-def AvgPool2d(size: int = 2) -> Function:  # noqa: N802
-    return Function(lambda x: nn.avg_pool2d(x, size), "pool")
-
-
 # -- a network is a model --------------------------------------------------------------------------------------------
 class Network(Module, BaseModel):
     """A model written as its forward pass.  Subclasses set their modules in ``__init__`` (after
@@ -287,26 +245,37 @@ class Network(Module, BaseModel):
         first = next(iter(params.values()), x)
         return get_array_module(getattr(first, "values", first)).asarray(x, dtype=self.dtype)
 
-    def _declarations(self) -> list[tuple[str, tuple[int, str], bool]]:
-        """(name, (owning module's id, attribute), is a table) of every declaration, made again only once a module's
-        declarations changed."""
+    @property
+    def random_step(self) -> bool:
+        """Whether a training step draws random numbers (a :class:`Dropout` in it): psgd's loop then seeds each step,
+        and never captures one as a CUDA graph."""
+        return any(getattr(m, "random", False) for m in self.modules())
+
+    def _declarations(self) -> list[tuple[str, tuple[int, str], str]]:
+        """(name, (owning module's id, attribute), "table" | "state" | "parameter") of every declaration, made again
+        only once a module's declarations changed."""
         cached = self.__dict__.get("_cached")
         if cached is None or cached[0] != _layout:
-            cached = (_layout, [(name, (id(owner), attr), isinstance(d, Table))
+            cached = (_layout, [(name, (id(owner), attr), "table" if isinstance(d, Table) else
+                                 "state" if isinstance(d, State) else "parameter")
                                 for name, owner, attr, d in self.declared()])
             object.__setattr__(self, "_cached", cached)
         return cached[1]
 
-    def _binding(self, params: Mapping[str, Any], training: bool) -> Binding:
+    def _binding(self, params: Mapping[str, Any], training: bool, seed: int = 0) -> Binding:
         """Each parameter as a tensor of the tape holding its weights, each table as the batch's rows
-        (:class:`LookedUp`)."""
-        binding = Binding(training)
+        (:class:`LookedUp`), each state as its array (off the tape)."""
+        binding = Binding(training, seed)
         values, leaves = binding.values, binding.leaves
-        for name, key, table in self._declarations():
+        for name, key, kind in self._declarations():
             value = params.get(name)
             if value is None:
                 raise ModelError(f"{type(self).__name__}: no weights for variable {name!r}")
-            if table:
+            if kind == "state":
+                values[key] = value
+                binding.states.append((name, key))
+                continue
+            if kind == "table":
                 if not isinstance(value, Rows):
                     raise ModelError(f"{type(self).__name__}: params[{name!r}] must be the batch's Rows of the table")
                 binding.rows[name] = value
@@ -318,10 +287,11 @@ class Network(Module, BaseModel):
         return binding
 
     def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
-                       on_grad: Callable[[str, Any], None] | None = None) -> tuple[Any, dict[str, Any]]:
+                       on_grad: Callable[[str, Any], None] | None = None, seed: int = 0) -> tuple[Any, dict[str, Any]]:
         """The mean loss (a 0-d array on the weights' device) and every variable's gradient (a table's as its
-        rows), ``on_grad(name, grad)`` called for each as soon as backward has completed it."""
-        with self._binding(params, training=True) as binding:
+        rows, a state's as the change the step made to it), ``on_grad(name, grad)`` called for each as soon as
+        backward has completed it.  ``seed``: the step's, for its random masks (:meth:`Module.draw`)."""
+        with self._binding(params, training=True, seed=seed) as binding:
             loss = self.criterion(self.forward(self.inputs(params, x)), y)
         rows = binding.rows
         if on_grad is None:
@@ -340,6 +310,12 @@ class Network(Module, BaseModel):
                 if heard is not None:
                     heard(leaf, leaf.grad)
             grads[leaf.name] = rows[leaf.name].with_values(leaf.grad) if leaf.name in rows else leaf.grad
+        for name, key in binding.states:  # what the step moved each state by (nothing: zeros)
+            old = binding.values[key]
+            new = binding.moved.get(key)
+            grads[name] = get_array_module(old).zeros_like(old) if new is None else new - old
+            if on_grad is not None:
+                on_grad(name, grads[name])
         return loss.data, grads
 
     def predict(self, params: Mapping[str, Any], x: Any) -> Any:

@@ -15,7 +15,8 @@ import numpy as np
 
 from psgd.autodiff import nn
 from psgd.model.errors import ModelError
-from psgd.model.module import Conv2d, Flatten, Linear, MaxPool2d, Module, Network, ReLU, chain
+from psgd.model.blocks import Conv2d, Flatten, Linear, MaxPool2d, ReLU
+from psgd.model.module import Module, Network, chain
 
 LOSSES = ("cross_entropy", "mse")
 

@@ -64,6 +64,15 @@ def _where(a: Any) -> str:
     return "a CuPy array" if backend.is_device_array(a) else "a NumPy array"
 
 
+def _move(param: Any, grad: Any, lr_scale: float) -> None:
+    """A state variable moved by the change a step made to it (scaled as a gradient would be: 1 / workers under
+    async, say): ``param += grad * lr_scale``."""
+    if lr_scale == 1.0:
+        param += grad
+    else:
+        param += grad * lr_scale
+
+
 class Optimizer:
     """Per-key optimizer state and the update loop around one ``_step`` hook.
 
@@ -87,6 +96,9 @@ class Optimizer:
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()  # guards the key table, not the per-key arithmetic
         self._fused: dict[tuple[str, ...], tuple[list[_Slot], dict[str, Any]]] = {}  # see update_flat
+        #: the variables that are state, not trained (VarSpec.state): a key of one (its name, or a slice's
+        #: ``var#start``) takes its "gradient", the change a step made to it, as it is: ``p += g * lr_scale``
+        self.state_vars: frozenset[str] = frozenset()
 
     def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: float, share: Share) -> None:
         """Update ``param`` (and ``state``) in place.
@@ -112,13 +124,20 @@ class Optimizer:
 
         The learning rate is ``schedule(t) * lr_scale``, ``t`` being the rounds
         already applied to ``key`` (its updates over ``share.updates``;
-        ``lr_scale`` carries e.g. 1/workers or 1/staleness).
+        ``lr_scale`` carries e.g. 1/workers or 1/staleness).  A key of :attr:`state_vars` is moved by its change.
         """
         self._check(key, param, grad, lr_scale)
+        if self.is_state(key):
+            _move(param, grad, lr_scale)
+            return
         self._check_share(key, share)
         slot = self._slot(key, param)
         self._step(param, grad, slot.state, *self._rate(slot.t, lr_scale, share), share)
         slot.t += 1
+
+    def is_state(self, key: str) -> bool:
+        """Whether ``key`` (a variable's name, or a slice's ``var#start``) is of a state variable."""
+        return bool(self.state_vars) and (key in self.state_vars or key.rsplit("#", 1)[0] in self.state_vars)
 
     def _check_share(self, key: str, share: Share) -> None:
         if share is not WHOLE and not (isinstance(share.updates, int) and share.updates >= 1
@@ -141,6 +160,19 @@ class Optimizer:
         are then laid out the same way, in one array each), else key by key.  ``over``, where given, makes that one
         step piece by piece: it calls the function it is given with ``(a, b)`` for pieces covering the array, each
         once (a shard's sweep, :mod:`psgd.wire.sweep`); an elementwise rule's values are the same either way."""
+        if self.state_vars and any(self.is_state(k) for k in keys):  # each run of keys of one kind apart
+            start = 0
+            for end in range(1, len(keys) + 1):
+                if end == len(keys) or self.is_state(keys[end]) != self.is_state(keys[start]):
+                    a, b = bounds[start][0], bounds[end - 1][1]
+                    if self.is_state(keys[start]):
+                        self._check(keys[start], param[a:b], grad[a:b], lr_scale)
+                        _move(param[a:b], grad[a:b], lr_scale)
+                    else:
+                        self.update_flat(keys[start:end], param[a:b], grad[a:b],
+                                         tuple((x - a, y - a) for x, y in bounds[start:end]), lr_scale, share)
+                    start = end
+            return
         fused = self._fused.get(keys) if self.elementwise else None
         if fused is None or any(self._slots.get(k) is not slot for k, slot in zip(keys, fused[0])):
             fused = self._fuse(keys, param, bounds)

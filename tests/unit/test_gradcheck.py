@@ -13,7 +13,8 @@ from psgd import xp as backend
 from psgd.autodiff import Tensor, backward, no_grad, ops
 from psgd.model import build_model
 from psgd.model.losses import mean_squared_error, softmax_cross_entropy
-from psgd.model.module import Binding, Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
+from psgd.model.blocks import Conv2d, Flatten, Linear, MaxPool2d, ReLU
+from psgd.model.module import Binding, Sequential
 
 EPS = 1e-6
 TOL = 1e-7  # observed errors are about 1e-9
