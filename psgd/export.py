@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -44,6 +45,8 @@ JOB_HINT = ("pass the job file or flags the model was trained with (-c job.toml,
 
 #: How many checkpoints of a shard a message lists (newest first).
 SHOWN = 5
+#: how long an export from running shards takes their weights again while they give different versions
+SAME_VERSION_SECONDS = 2.0
 
 
 class ExportError(ValueError):
@@ -79,7 +82,8 @@ def _describe_job(config: JobConfig, plan: PartitionPlan) -> str:
 
 # -- from a running cluster -------------------------------------------------------------------
 def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
-                      tls: TLSFiles = NO_TLS, request_timeout: float | None = None, rows: bool = True) -> Exported:
+                      tls: TLSFiles = NO_TLS, request_timeout: float | None = None, rows: bool = True,
+                      mixed: bool = False) -> Exported:
     """The current weights of the running cluster at ``addresses`` (default: the job's servers), and with
     ``rows`` every row its embedding tables hold (``table:NAME:ids``, ``table:NAME:rows``).
 
@@ -87,8 +91,11 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
     the list says (order matters) and holds the job's partition plan; then the
     weights are pulled, and the tables listed page by page, as an observer.
     Under async or while a sync round is being applied, shards may be at
-    different versions: they are returned, and a shard updated while its rows
-    were listed is named in ``notes``.
+    different versions: the weights are pulled again, for up to
+    SAME_VERSION_SECONDS, until every shard gives one version; shards that stay
+    apart (one restarted, or missed pushes) are an :class:`ExportError` naming
+    each version, unless ``mixed``: then they are returned as they are.  A shard
+    updated while its rows were listed is named in ``notes``.
     """
     from psgd.wire.protocol import OBSERVER
     from psgd.worker.client import PSClient
@@ -120,7 +127,17 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
             raise ExportError(f"the cluster does not hold the model this job describes ({_describe_job(config, plan)}): "
                               f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order")
         weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
+        deadline = time.monotonic() + SAME_VERSION_SECONDS
         versions = client.pull(0, weights)
+        while len(set(versions)) > 1 and not mixed and time.monotonic() < deadline:
+            versions = client.pull(0, weights)  # a round or a push between two shards: taken again
+        if len(set(versions)) > 1 and not mixed:
+            each = ", ".join(f"shard {k}: {v}" for k, v in enumerate(versions))
+            raise ExportError(f"the running shards are at different versions ({each}) and stayed so for "
+                              f"{SAME_VERSION_SECONDS:g}s (a shard that restarted from an older checkpoint, or missed "
+                              "pushes a worker made to the others): their weights would join different moments of "
+                              "training; export from --checkpoints DIR --version V, or pass --mixed-versions to join "
+                              "them as they are")
         notes = []
         for table in plan.tables if rows else ():
             ids, values, spans = client.list_rows(table.name)

@@ -28,7 +28,9 @@ Two sources:
                    and the tables' rows, listed a page at a time:
                    --servers HOST:PORT,... in shard order, or -c job.toml
                    whose [cluster] servers lists them. --token and the TLS
-                   flags as for psgd-worker.
+                   flags as for psgd-worker. The shards must be at one
+                   version (a sync job between rounds, any job once it has
+                   finished); --mixed-versions joins them as they are.
   checkpoints      --checkpoints DIR (psgd-server's --checkpoint-dir): the
                    newest intact checkpoint of each shard of this job
                    (DIR/<job fingerprint>/shard-K), each
@@ -78,7 +80,8 @@ def add_export_parser(sub) -> None:
                       help="take checkpoint V (ckpt-V) of every shard (default: the newest intact of each, "
                            "which must be of one version)")
     pick.add_argument("--mixed-versions", action="store_true",
-                      help="join the newest intact checkpoint of each shard even when their versions differ")
+                      help="join the shards' weights (the newest intact checkpoint of each, or what running shards "
+                           "hold) even when their versions differ")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="running shards: give up on a shard after this long (default: the job's "
                              "request_timeout, 60)")
@@ -108,8 +111,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     setup_logging("export", verbosity(args))
     if args.checkpoints and args.servers:
         raise ExportError("give either --servers (running shards) or --checkpoints DIR, not both")
-    if not args.checkpoints and (args.version is not None or args.mixed_versions):
-        raise ExportError("--version and --mixed-versions choose among checkpoints: use them with --checkpoints DIR")
+    if not args.checkpoints and args.version is not None:
+        raise ExportError("--version chooses among checkpoints: use it with --checkpoints DIR")
     if args.servers and args.shards is None:  # the addresses say how many shards there are
         args.shards = len(comma_list(args.servers, "--servers", what="addresses", error=ExportError))
     config = job_from_args(args)
@@ -118,7 +121,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         result = join_checkpoints(config, args.checkpoints, args.version, args.mixed_versions)
     else:
         result = pull_from_servers(config, config.cluster.servers, token_from_args(args), tls_from_args(args),
-                                   request_timeout=args.timeout)
+                                   request_timeout=args.timeout, mixed=args.mixed_versions)
     size = save_weights(args.file, result.weights)
     if args.json:
         print(json.dumps({"file": args.file, "variables": len(result.weights), "parameters": result.parameters,

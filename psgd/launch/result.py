@@ -80,7 +80,8 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     from psgd.worker.client import PSClient
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
-    pulled = pull_from_servers(config, addresses, token=token, tls=tls, rows=bool(save))  # a table's rows: to save
+    # a table's rows: to save; shards at different versions are reported below (updates lost), not refused
+    pulled = pull_from_servers(config, addresses, token=token, tls=tls, rows=bool(save), mixed=True)
     weights, versions = pulled.weights, pulled.versions
     lost = lost_updates(versions)
     if lost:

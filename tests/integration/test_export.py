@@ -174,7 +174,7 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     assert code == 2 and "written for partition plan" in err and "this job describes plan" in err
     assert "no checkpoints of this job (fingerprint" in err and f"only of another job: job {folder.name}" in err
     code, _, err = run(capsys, "export", "--version", "3", str(out))
-    assert code == 2 and "use them with --checkpoints DIR" in err
+    assert code == 2 and "use it with --checkpoints DIR" in err
 
 
 def test_eval_of_a_file_saved_by_train_gives_the_accuracy_train_printed(tmp_path, capsys):
@@ -207,3 +207,23 @@ def test_eval_of_a_file_saved_by_train_gives_the_accuracy_train_printed(tmp_path
     code, _, err = run(capsys, "eval", str(tmp_path / "junk.npz"))
     assert code == 2 and err.strip().startswith(f"psgd: error: {tmp_path / 'junk.npz'}: not a readable .npz archive")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_export_from_running_shards_refuses_different_versions_as_from_checkpoints(tmp_path, capsys):
+    """A shard a push reached and one it did not (a shard killed and restarted, a worker that died between its
+    pushes): export from running shards used to join versions 132 and 130 silently.  It refuses, naming each, and
+    joins them only when told to (--mixed-versions), as export from checkpoints does."""
+    j = job()
+    out = tmp_path / "model.npz"
+    with shards(j) as servers:
+        plan = PartitionPlan(build_job(j).model.specs(), 2, 512)
+        core = servers[0].core  # a push that reached shard 0 only
+        core.register(0, plan.hash)
+        core.push(0, 0, 0, {i: np.full(s.size, 1e-3, dtype=core.dtype) for i, s in core.slices.items()})
+        assert [s.core.version for s in servers] == [1, 0]
+        code, _, err = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j), str(out))
+        assert code == 2 and "different versions (shard 0: 1, shard 1: 0)" in err and "--mixed-versions" in err, err
+        assert not out.exists()
+        code, text, _ = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j), "--mixed-versions",
+                            "--json", str(out))
+        assert code == 0 and json.loads(text)["versions"] == [1, 0]
