@@ -116,9 +116,10 @@ _CLUSTER_INT_KEYS = {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "loc
                      "checkpoint_rounds": (0, 10**9), "replicas": (0, 1),
                      "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30),
                      "busy_poll_us": (-1, 10**6)}
-#: Seconds: more than the largest of these and a call's deadline no longer fits gRPC's clock (1e10 s did not).
-_CLUSTER_TIME_KEYS = {"lease_seconds": 86400.0, "join_timeout": 7 * 86400.0, "request_timeout": 86400.0,
-                      "hello_timeout": 3600.0}
+#: Seconds, (least, most): more than the most and a call's deadline no longer fits gRPC's clock (1e10 s did not);
+#: less than the least and no heartbeat or answer can come in time (a lease of 1e-9 s expired every worker at once).
+_CLUSTER_TIME_KEYS = {"lease_seconds": (0.1, 86400.0), "join_timeout": (0.1, 7 * 86400.0),
+                      "request_timeout": (0.01, 86400.0), "hello_timeout": (0.01, 3600.0)}
 
 
 @dataclasses.dataclass
@@ -296,10 +297,10 @@ class JobConfig:
         if not isinstance(c.policy, str) or c.policy not in POLICIES:
             raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
         _check_ints(src, "cluster", c, _CLUSTER_INT_KEYS)
-        for key, most in _CLUSTER_TIME_KEYS.items():
+        for key, (least, most) in _CLUSTER_TIME_KEYS.items():
             value = getattr(c, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
-                raise ConfigError(f"{src}: [cluster] {key} must be a number of seconds > 0 and <= {most:g}, "
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= most:
+                raise ConfigError(f"{src}: [cluster] {key} must be a number of seconds from {least:g} to {most:g}, "
                                   f"got {value!r}")
         if c.backup_workers >= c.workers:
             raise ConfigError(f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({c.workers})")

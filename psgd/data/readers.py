@@ -221,11 +221,14 @@ def _open_npz(path: str) -> np.lib.npyio.NpzFile:
         raise DataError(f"{path}: is a directory, expected an .npz file")
     try:
         with open(path, "rb") as f:
-            head = f.read(2)
+            head = f.read(6)
     except OSError as exc:
         raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     if head.startswith(b"\x80"):
         raise DataError(f"{path}: is a Python pickle, which psgd never loads; save plain arrays with numpy.savez")
+    if not head.startswith((b"PK", b"\x93NUMPY")):  # neither a zip archive (.npz) nor one .npy array
+        raise DataError(f"{path}: not an .npz archive (it starts with {head!r}, an .npz with a zip header 'PK'); "
+                        "save the arrays with numpy.savez")
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:

@@ -33,6 +33,36 @@ def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
         return write_held(core, folder, keep, force)
 
 
+#: seconds between two lines saying that checkpoints go on failing
+FAILURES_SAID_EVERY = 60.0
+
+
+class Failures:
+    """How a shard says that its checkpoints fail (a full disk): the first failure at once, then at most one line a
+    minute with how many more (the core counts each: checkpoint_failures), and once when one is written again."""
+
+    def __init__(self, shard: int):
+        self.shard = shard
+        self.in_a_row = 0                    # failures since the last checkpoint written
+        self._unsaid, self._quiet_until = 0, 0.0
+
+    def failed(self, exc: Exception) -> None:
+        self.in_a_row += 1
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._unsaid += 1
+            return
+        more = f" ({self._unsaid} more failed since the last line)" if self._unsaid else ""
+        log.error("shard %d: %s%s; the failures that follow are said at most once a minute", self.shard, exc, more)
+        self._unsaid, self._quiet_until = 0, now + FAILURES_SAID_EVERY
+
+    def written(self, path: object) -> None:
+        if self.in_a_row:
+            log.warning("shard %d: checkpoints are written again (%s), after %d failed in a row", self.shard,
+                        path or "none needed", self.in_a_row)
+        self.in_a_row, self._unsaid, self._quiet_until = 0, 0, 0.0
+
+
 def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
     """:func:`write`, by a caller that holds the core's lock with no update half made (a sync round's cut, as it
     closes)."""

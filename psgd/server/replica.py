@@ -50,6 +50,8 @@ PRIMARY, REPLICA = "primary", "replica"
 KEEPALIVE_SECONDS = 0.2
 #: a replica whose primary has sent nothing for this long takes it for dead (if it does not answer either)
 SILENCE_SECONDS = stream.SILENCE_SECONDS
+#: seconds between two lines saying that followers were refused (one that retries without end is said once a minute)
+REFUSALS_SAID_EVERY = 60.0
 #: how long a status call to the peer may take before the peer counts as gone
 PEER_SECONDS = 0.5
 #: how long a primary that ends the job waits for a replica that lives but is connecting again, to tell it
@@ -91,6 +93,7 @@ class Pair:
         self.job_over = False    # a replica told by its primary that the job is over
         self.following = False   # a replica with its primary's stream open
         self._held = False       # this process held the job's state (it followed a primary, or led)
+        self._refused = [0, 0.0]  # followers refused since the last line that said so, and when the next may
         self._stop = threading.Event()
         self._sock: socket.socket | None = None  # a replica's connection to its primary
         self._follower = threading.Thread(target=self._follow, name=f"shard{core.shard}-follow", daemon=True)
@@ -196,6 +199,18 @@ class Pair:
                                  f"confirm update {seq} within {self.ack_seconds:.0f}s; retry")
             self._lock.wait(min(left, 0.5))
 
+    def _refuse(self, address: str, why: str) -> None:
+        """A follower refused: said at once, then at most once a minute with how many more (one that retries
+        without end logs two lines a minute, not thousands)."""
+        now, (count, quiet_until) = time.monotonic(), self._refused
+        if now < quiet_until:
+            self._refused[0] = count + 1
+            return
+        more = f" ({count} more refused since the last line)" if count else ""
+        log.warning("shard %d: refused a replica at %s: this process is %s%s; further refusals are said at most once "
+                    "a minute", self.core.shard, address, why, more)
+        self._refused[:] = [0, now + REFUSALS_SAID_EVERY]
+
     def lead(self, sock: socket.socket) -> None:
         """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.datapath): the
         state, then what is queued, in batches, each batch's answers read before the next goes (one thread uses
@@ -207,8 +222,7 @@ class Pair:
             core.store.settle()  # the state holds every update whole; the ones after it are queued from here on
             with self._lock:
                 if core.role != PRIMARY or self.attached:
-                    log.warning("shard %d: refused a replica at %s: this process is %s", core.shard, address,
-                                "led by its peer" if core.role != PRIMARY else "followed already")
+                    self._refuse(address, "led by its peer" if core.role != PRIMARY else "followed already")
                     return
                 arrays, manifest = recovery.state(core)
                 arrays = {k: np.array(v) for k, v in arrays.items()}  # a copy: the weights move on

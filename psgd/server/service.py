@@ -289,6 +289,7 @@ class ShardServer:
                  tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False, busy_poll: float = 0.0):
         self.core = core
         self.checkpoint_dir = checkpoint_dir
+        self._failures = recovery.Failures(core.shard)
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
         if token:
             interceptors = [TokenInterceptor(token), *interceptors]
@@ -389,8 +390,9 @@ class ShardServer:
             path = (recovery.write_held if held else recovery.write)(self.core, folder, self.keep_checkpoints,
                                                                      force=force)
         except checkpoint.CheckpointError as exc:
-            log.error("shard %d: %s", self.core.shard, exc)
+            self._failures.failed(exc)
             return False
+        self._failures.written(path)
         if path:
             log.debug("shard %d: checkpoint %s", self.core.shard, path)
         return True

@@ -14,6 +14,7 @@ apply) is answered with a refusal that says why (:class:`Refused`) instead: the 
 from __future__ import annotations
 
 import json
+import re
 import logging
 import socket
 import struct
@@ -49,6 +50,10 @@ MIN_RATE = 1e7
 SILENCE_SECONDS = 1.0
 
 
+#: where a replica may say it listens: a host name, an IPv4 address or a bracketed IPv6 one, and a port
+ADDRESS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+
+
 def frame(kind: int, seq: int, text: str = "", data_bytes: int = 0, worker: int = 0, clock: int = 0,
           staleness: int = 0, lr_scale: float = 0.0) -> list:
     body = text.encode()
@@ -69,7 +74,10 @@ def accept(sock: socket.socket, version: int) -> str:
     magic, kind, _, _, _, _, _, size, nbytes = protocol.recv_struct(sock, FRAME)
     if magic != MAGIC or kind != FOLLOW or size > protocol.MAX_HELLO_BYTES or nbytes:
         raise protocol.WireError("a replica's first frame must say where it listens")
-    return protocol.recv_bytes(sock, size).decode("utf-8", "replace")
+    address = protocol.recv_bytes(sock, size).decode("utf-8", "replace")
+    if not ADDRESS.fullmatch(address):  # it is logged and dialled: nothing but a host and a port
+        raise protocol.WireError(f"a replica must listen at HOST:PORT, not {address[:80]!r}")
+    return address
 
 
 def send(sock: socket.socket, batch: list[tuple]) -> int:

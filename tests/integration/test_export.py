@@ -205,7 +205,7 @@ def test_eval_of_a_file_saved_by_train_gives_the_accuracy_train_printed(tmp_path
     assert code == 2 and "does not fit this job's model: missing dense2/b; pass the job file" in err
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     code, _, err = run(capsys, "eval", str(tmp_path / "junk.npz"))
-    assert code == 2 and err.strip().startswith(f"psgd: error: {tmp_path / 'junk.npz'}: not a readable .npz archive")
+    assert code == 2 and err.strip().startswith(f"psgd: error: {tmp_path / 'junk.npz'}: not an .npz archive")
     assert len(err.strip().splitlines()) == 1
 
 

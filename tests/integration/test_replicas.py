@@ -27,6 +27,7 @@ from psgd.server import build_shard
 from psgd.server import stream
 from psgd.server.replica import Pair
 from psgd.server.service import ShardServer
+from psgd.tls import NO_TLS
 from psgd.worker.exchange import run_worker
 
 from helpers import make_job, run_threads, wait_for
@@ -314,5 +315,43 @@ def test_a_replica_between_two_connections_when_the_job_ends_hears_that_it_ended
         assert not stopping.is_alive()
         wait_for(lambda: q.job_over, 10, "the replica to hear that the job is over")
         assert replica.core.role == "replica"
+    finally:
+        close(primary, replica)
+
+
+def test_a_follower_that_is_refused_is_said_once_and_its_claimed_address_cannot_forge_a_log_line(caplog):
+    """An outsider at a followed primary: its claimed address ("where it listens") was logged as given, so a newline
+    in it forged a log line, and each of its attempts logged "refused a replica" (2,142 lines in 24 s)."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    host = primary.address.rsplit(":", 1)[0]
+    data_port = primary.data.port
+    try:
+        caplog.set_level(logging.DEBUG, logger="psgd.server")
+
+        def follow(claimed: str) -> None:
+            sock = stream.connect(host, data_port, claimed, "", primary.core.plan.hash, NO_TLS, timeout=5)
+            try:  # refused: the primary closes it, after its answer to the hello
+                sock.settimeout(5)
+                while sock.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
+            finally:
+                sock.close()
+
+        for _ in range(30):
+            follow("10.0.0.9:1")
+        wait_for(lambda: any("refused a replica" in r.getMessage() for r in caplog.records), 10, "the refusal's line")
+        for _ in range(3):
+            follow("10.0.0.9:1\n12:00:00 shard[1] WARNING forged")
+        wait_for(lambda: sum("listen at HOST:PORT" in r.getMessage() for r in caplog.records) == 3, 10,
+                 "the forged addresses' refusals")
+        lines = [r.getMessage() for r in caplog.records]
+        assert not any("\n" in line for line in lines), lines
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([m for m in said if "refused a replica at 10.0.0.9:1" in m]) == 1, said
+        assert primary.core.pair.lag() == 0 and primary.core.role == "primary"
     finally:
         close(primary, replica)

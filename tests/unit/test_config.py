@@ -57,9 +57,12 @@ def test_overrides_and_set(tmp_path):
     ("[cluster]\nworkers = 2\nbackup_workers = 2", "backup_workers (2) must be less than workers (2)"),
     ("[cluster]\nshards = 2\nservers = ['127.0.0.1:1']", "lists 1 server address(es) but shards = 2"),
     ("[cluster]\nservers = ['nohost']", "host:port"),
-    ("[cluster]\nlease_seconds = 0", "lease_seconds must be a number of seconds > 0 and <= 86400"),
+    ("[cluster]\nlease_seconds = 0", "lease_seconds must be a number of seconds from 0.1 to 86400"),
+    # a lease of 1e-9 s was accepted: every worker expired at once, again and again
+    ("[cluster]\nlease_seconds = 1e-9", "lease_seconds must be a number of seconds from 0.1 to 86400, got 1e-09"),
+    ("[cluster]\nhello_timeout = 1e-6", "hello_timeout must be a number of seconds from 0.01 to 3600"),
     # bounds: each accepted once and then failed (a worker retrying forever, a shard at 3.1 GB in 18 s)
-    ("[cluster]\nrequest_timeout = 1e10", "request_timeout must be a number of seconds > 0 and <= 86400, got "
+    ("[cluster]\nrequest_timeout = 1e10", "request_timeout must be a number of seconds from 0.01 to 86400, got "
                                           "10000000000.0"),
     ("[cluster]\nworkers = 10000000", "workers must be an integer from 1 to 10000, got 10000000"),
     ("[cluster]\nshards = 5000", "shards must be an integer from 1 to 1024"),

@@ -365,7 +365,7 @@ def test_npz_bad_labels_and_files(tmp_path):
     with pytest.raises(DataError, match=">= 0"):
         load_dataset(str(tmp_path / "neg.npz"))
     (tmp_path / "junk.npz").write_bytes(b"this is not a zip archive at all")
-    with pytest.raises(DataError, match="junk.npz: not a readable .npz archive"):
+    with pytest.raises(DataError, match="junk.npz: not an .npz archive"):
         load_dataset(str(tmp_path / "junk.npz"))
     np.save(tmp_path / "single.npy", np.zeros(3))
     with pytest.raises(DataError, match="single .npy array"):
@@ -429,3 +429,14 @@ def test_mnist5k_is_read_as_text_and_checked(monkeypatch, tmp_path):
     monkeypatch.setattr(readers, "mnist5k_path", lambda: str(bad))
     with pytest.raises(DataError, match="expected 5000 rows of 785 values"):
         readers.read_mnist5k()
+
+
+@pytest.mark.parametrize("where", ["/dev/zero", "zeros.bin"])
+def test_a_file_that_is_not_an_archive_is_said_so_without_a_hint_to_unpickle(tmp_path, where):
+    """npz:/dev/zero's error used to say "Cannot load file containing pickled data when allow_pickle=False"."""
+    path = where if where.startswith("/") else str(tmp_path / where)
+    if not where.startswith("/"):
+        Path(path).write_bytes(bytes(64))
+    with pytest.raises(DataError) as info:
+        load_dataset(f"npz:{path}")
+    assert "not an .npz archive" in str(info.value) and "pickle" not in str(info.value), info.value

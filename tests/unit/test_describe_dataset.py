@@ -285,7 +285,7 @@ def test_npz_errors_are_the_same(tmp_path):
                                 x_test=np.zeros((0, 2)), y_test=np.zeros(0, int)),
     }
     (tmp_path / "junk.npz").write_bytes(b"this is not a zip archive at all")
-    cases["not a readable .npz archive"] = str(tmp_path / "junk.npz")
+    cases["not an .npz archive"] = str(tmp_path / "junk.npz")
     np.save(tmp_path / "single.npy", np.zeros(3))
     cases["single .npy array"] = f"npz:{tmp_path / 'single.npy'}"
     cases["absent.npz: no such file"] = str(tmp_path / "absent.npz")

@@ -318,7 +318,7 @@ def test_load_weights_names_each_difference():
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("text", "not a readable .npz archive"),
+    ("text", "not an .npz archive"),
     ("pickle", "is a Python pickle, which psgd never loads"),
     ("object", "array 'a' is an object array; psgd never unpickles data"),
     ("npy", "is a single .npy array, expected an .npz archive"),
