@@ -134,11 +134,11 @@ class TablesConfig:
     beta2: float = 0.999          # lazy_adam
     admit_after: int = 0          # a row is made at its id's k-th sighting (0, 1: at once)
     idle_updates: int = 0         # rows untouched for this many updates of their table are evicted (0: never)
-    max_rows: int = 0             # rows one table may hold in one process (0: no cap)
+    max_rows: int = 0             # rows one table may hold in one process (0: from a quarter of its memory; -1: no cap)
     when_full: str = "fail"       # at max_rows: "fail" (refuse the rows) or "evict" (the least recently touched)
 
 
-_TABLES_INT_KEYS = {"admit_after": (0, 1 << 16), "idle_updates": (0, 2**62), "max_rows": (0, 2**40)}
+_TABLES_INT_KEYS = {"admit_after": (0, 1 << 16), "idle_updates": (0, 2**62), "max_rows": (-1, 2**40)}
 
 
 @dataclasses.dataclass

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 #: The fields of an identity, in the order differences are reported; a job with embedding tables adds "tables"
 #: (so a job without keeps the fingerprint it had before there were tables).
+#: the share of this machine's memory the embedding tables of one process may hold by default ([tables] max_rows =
+#: 0), divided among the tables; each row counted twice, as a table grows by doubling
+TABLE_MEMORY_SHARE = 0.25
 FIELDS = ("plan", "policy", "policy_options", "workers", "shards", "optimizer", "dtype")
 
 
@@ -144,11 +147,16 @@ class Job:
         trainer's), updated by the rule ``[tables]`` names and kept as it says."""
         t = self.config.tables
         rule = ROW_OPTIMIZERS[t.optimizer]
-        options = TableOptions(t.admit_after, t.idle_updates, t.max_rows, t.when_full)
         rule_options = {k: getattr(t, k) for k in rule.options}
-        return {spec.name: RowTable(spec, self.config.train.seed,
-                                    build_row_optimizer(t.optimizer, lr=t.lr, **rule_options), options, where)
-                for spec in self.plan.tables}
+        tables = {}
+        for spec in self.plan.tables:
+            table = RowTable(spec, self.config.train.seed, build_row_optimizer(t.optimizer, lr=t.lr, **rule_options),
+                             TableOptions(t.admit_after, t.idle_updates, max(t.max_rows, 0), t.when_full), where)
+            if t.max_rows == 0:  # bounded from the memory this process may use: rows pulled cannot grow without end
+                cap = int(physical_memory() * TABLE_MEMORY_SHARE) // len(self.plan.tables) // (2 * table.row_bytes())
+                table.options = dataclasses.replace(table.options, max_rows=max(1, cap))
+            tables[spec.name] = table
+        return tables
 
 
 def job_optimizer(config: JobConfig) -> optim.Optimizer:

@@ -48,6 +48,8 @@ class IdSlots:
 
     EMPTY, FREED = -1, -2
     MAX_LOAD = 0.75
+    #: the most bytes one id takes: an int64 place, the places at least half free after a rebuild, twice while grown
+    BYTES_PER_ID = 8 * 2 * 2
 
     def __init__(self):
         self.places = np.full(1024, self.EMPTY, np.int64)

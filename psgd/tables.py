@@ -92,6 +92,12 @@ class RowTable:
         """The ids of the rows that exist, increasing."""
         return np.sort(self.ids[self.used])
 
+    def row_bytes(self) -> int:
+        """Bytes one row takes: its values, its rule's state, its bookkeeping (id, use, updates, last touch) and its
+        place in the index."""
+        state = sum(cols * a.dtype.itemsize for cols, a in zip(self.columns.values(), self.state.values()))
+        return self.spec.dim * self.dtype.itemsize + state + 8 + 1 + 8 + 8 + IdSlots.BYTES_PER_ID
+
     @property
     def nbytes(self) -> int:
         """Bytes this table's storage takes (every slot allocated, used or free, and the index)."""

@@ -88,7 +88,7 @@ def test_clicks_is_a_dataset_with_ids_and_checked_options():
                                                ("beta1", 1.0, "beta1 must be a finite number in [0, 1)"),
                                                ("lr", 0, "lr must be a finite number > 0"),
                                                ("when_full", "drop", 'when_full must be "fail" or "evict"'),
-                                               ("max_rows", -1, "max_rows must be an integer")])
+                                               ("max_rows", -2, "max_rows must be an integer")])
 def test_the_tables_section_is_checked(key, value, words):
     config = JobConfig()
     with pytest.raises(ConfigError, match=f"\\[tables\\] {words[:20]}"):
