@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "newest intact one on start (default: no checkpoints)")
     parser.add_argument("--fresh", action="store_true",
                         help="start from the initial weights even though DIR holds this shard's checkpoints of "
-                             "another job (without it, the shard refuses to start; their files are left alone). "
-                             "This job's own checkpoints are still restored")
+                             "another job, or only checkpoints of this job that do not pass their checks (without "
+                             "it, the shard refuses to start; the files are left alone). This job's own "
+                             "checkpoints that pass are still restored")
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between checkpoints (default 30); one more is written on SIGTERM. A sync "
                              "job whose [cluster] checkpoint_rounds is K checkpoints at every K-th round instead, "

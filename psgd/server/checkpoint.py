@@ -258,12 +258,17 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
         raise CheckpointError(f"{type(exc).__name__}: {reason}") from None
 
 
-def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | None = None) -> Checkpoint | None:
+def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | None = None,
+                check: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
     """The newest intact checkpoint in ``folder`` for ``plan_hash`` (and the job ``fingerprint``, when
-    given), or None when there is none."""
+    given) that ``check`` passes (it raises :class:`CheckpointError` saying why not), or None when there is
+    none."""
     for version in versions(folder):
         try:
-            return load(folder, version, plan_hash, fingerprint=fingerprint)
+            ckpt = load(folder, version, plan_hash, fingerprint=fingerprint)
+            if check is not None:
+                check(ckpt)
+            return ckpt
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s; trying the one before", Path(folder) / f"ckpt-{version}.json",
                         exc)

@@ -17,6 +17,7 @@ import time
 from psgd.server import checkpoint
 from psgd.server.core import STALENESS_BUCKETS, ShardCore
 from psgd.server.errors import ShardError
+from psgd.wire.sweep import all_finite
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
         return write_held(core, folder, keep, force)
 
 
+#: the largest version a checkpoint may say (a shard's counters and the wire's int64 hold it)
+MAX_VERSION = 2**62
 #: seconds between two lines saying that checkpoints go on failing
 FAILURES_SAID_EVERY = 60.0
 
@@ -97,12 +100,47 @@ def state(core: ShardCore) -> tuple[dict, dict]:
     return arrays, manifest
 
 
-def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
-    """Give ``core`` the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before it serves)."""
-    m = ckpt.manifest
+def check(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
+    """Whether ``ckpt`` may be given to ``core``: its job and shard, its version (a whole number, the one its file
+    is named for), the shapes of its weights, optimizer state and round in flight, and every value finite.  Raises
+    :class:`CheckpointError` saying what does not hold (a file edited and hashed again passes every checksum)."""
+    m, a = ckpt.manifest, ckpt.arrays
     if m.get("fingerprint", core.fingerprint) != core.fingerprint or m.get("shard", core.shard) != core.shard:
-        raise checkpoint.CheckpointError(f"{ckpt.path} is shard {m.get('shard')}'s of job {m.get('fingerprint')}, "
-                                         f"this is shard {core.shard} of job {core.fingerprint}")
+        raise checkpoint.CheckpointError(f"it is shard {m.get('shard')}'s of job {m.get('fingerprint')}, this is "
+                                         f"shard {core.shard} of job {core.fingerprint}")
+    version = m.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise checkpoint.CheckpointError(f"its version {version!r} is not a whole number from 0 to 2^62")
+    if ckpt.path.name != f"ckpt-{version}.json":
+        raise checkpoint.CheckpointError(f"its manifest says version {version}, its file is {ckpt.path.name}")
+    weights = a.get("weights")
+    if weights is None or weights.shape != core.flat.shape or weights.dtype != core.flat.dtype:
+        raise checkpoint.CheckpointError(f"its weights do not fit shard {core.shard} ({core.flat.size} values of "
+                                         f"{core.flat.dtype})")
+    sizes = {s.key: s.size for s in core.slices.values()}
+    for name, array in a.items():
+        if name.startswith("opt/"):
+            key, _, field = name[4:].rpartition("::")
+            if key not in sizes or (field != "t" and array.shape != (sizes[key],)):
+                raise checkpoint.CheckpointError(f"its optimizer state {name!r} ({array.shape}) does not fit a "
+                                                 f"slice of shard {core.shard}")
+        elif name == "round_sum" or name.startswith("round_push/"):
+            if array.shape != core.flat.shape:
+                raise checkpoint.CheckpointError(f"its round in flight {name!r} does not fit shard {core.shard}")
+        if array.dtype.kind == "f" and not all_finite(array.reshape(-1)):
+            raise checkpoint.CheckpointError(f"its {name!r} holds non-finite values (NaN or infinity)")
+    if not all(isinstance(b, int) and 0 <= b <= version for b in m.get("round_bases", [])):
+        raise checkpoint.CheckpointError("its round in flight has a base version outside 0 to its version")
+
+
+def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
+    """Give ``core`` the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before it serves), once
+    :func:`check` passes it."""
+    m = ckpt.manifest
+    try:
+        check(core, ckpt)
+    except checkpoint.CheckpointError as exc:
+        raise checkpoint.CheckpointError(f"{ckpt.path}: {exc}") from None
     with core.lock:
         adopt(core, ckpt)
         core.restored_version = core.version
@@ -165,6 +203,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
             return 0
     try:  # read and checked outside the lock: the shard serves meanwhile (under sync nobody can go on)
         ckpt = checkpoint.load(folder, version, core.plan.hash, fingerprint=core.fingerprint)
+        check(core, ckpt)
     except checkpoint.CheckpointError as exc:
         raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} cannot go back to the cut at version {version}: "
                          f"{exc}") from None
@@ -191,12 +230,19 @@ def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False) -> Non
     model, and starting over silently would look like a resume."""
     folder = checkpoint.shard_dir(root, core.shard, core.fingerprint)
     checkpoint.remove_leftovers(folder)
-    saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint)
+    saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint, check=lambda c: check(core, c))
     if saved is not None:
         restore(core, saved)
         return
-    if checkpoint.owned(folder, core.fingerprint, core.shard):
-        log.warning("no intact checkpoint in %s (each was skipped above): starting from the initial weights", folder)
+    mine = checkpoint.owned(folder, core.fingerprint, core.shard)
+    if mine and not fresh:
+        raise checkpoint.CheckpointError(
+            f"shard {core.shard}: none of its {len(mine)} checkpoint(s) in {folder} passed (each said above why): "
+            "starting from the initial weights would look like a resume; pass --fresh to start from them (the files "
+            "are left alone), or restore an intact checkpoint there")
+    if mine:
+        log.warning("--fresh: none of the %d checkpoint(s) in %s passed (above): starting from the initial weights",
+                    len(mine), folder)
         return
     found = checkpoint.others(root, core.shard, core.fingerprint)
     if found and not fresh:

@@ -137,3 +137,61 @@ def test_a_really_full_filesystem(tmp_path):
         assert saved.manifest["version"] == 0 and not saved.arrays["weights"].any()
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def tampered(core, tmp_path, version, change):
+    """A checkpoint of ``core``'s state as ``version``, changed by ``change(arrays, manifest)`` and written with its
+    hashes made again (what an editor of the files can do); a changed manifest is edited into its file after."""
+    arrays, manifest = recovery.state(core)
+    arrays = {k: np.array(v) for k, v in arrays.items()}
+    manifest = json.loads(json.dumps(manifest))
+    edits: dict = {}
+    change(arrays, edits)
+    path = checkpoint.save(checkpoint.shard_dir(tmp_path, 0, core.fingerprint), version, arrays, manifest, keep=9)
+    if edits:
+        path.write_text(json.dumps({**json.loads(path.read_text()), **edits}))
+    return path
+
+
+def set_nan(arrays, manifest):
+    arrays["weights"][0] = np.nan
+
+
+def set_version(value):
+    def change(arrays, manifest):
+        manifest["version"] = value
+    return change
+
+
+def bad_optimizer(arrays, manifest):
+    key = next(k for k in arrays if k.startswith("opt/") and not k.endswith("::t"))
+    arrays[key] = np.zeros(arrays[key].size + 5)
+
+
+@pytest.mark.parametrize("change, why", [(set_nan, "non-finite"), (set_version(-5), "version"),
+                                         (set_version(2**70), "version"), (bad_optimizer, "optimizer")])
+def test_a_checkpoint_that_does_not_pass_is_skipped_for_the_newest_that_does(tmp_path, caplog, change, why):
+    """Checkpoints were believed: an edited one (hashes made again) restored NaN weights, version -5 or 2^70, and
+    one with a bad optimizer shape was refused without falling back to an older intact one."""
+    a = make("async", 1)
+    a.push(0, 0, 0, grads(0))
+    a.push(0, 1, 1, grads(1))
+    recovery.write(a, checkpoint.shard_dir(tmp_path, 0, a.fingerprint))  # intact: version 2
+    a.push(0, 2, 2, grads(2))
+    tampered(a, tmp_path, 3, change)
+    b = make("async", 1)
+    with caplog.at_level(logging.WARNING):
+        recovery.resume(b, tmp_path)
+    assert b.version == 2 and np.isfinite(b.flat).all()
+    assert any("ckpt-3" in r.getMessage() and why in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_shard_whose_checkpoints_all_fail_refuses_to_start_unless_fresh(tmp_path):
+    a = make("async", 1)
+    a.push(0, 0, 0, grads(0))
+    tampered(a, tmp_path, 1, set_nan)
+    with pytest.raises(checkpoint.CheckpointError, match="none of its 1 checkpoint.*passed.*--fresh"):
+        recovery.resume(make("async", 1), tmp_path)
+    fresh = make("async", 1)
+    recovery.resume(fresh, tmp_path, fresh=True)
+    assert fresh.version == 0
