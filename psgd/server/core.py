@@ -295,11 +295,11 @@ class ShardCore:
             return (*self.tables.page(table, start, max_rows, "a listing"), self.version)
 
     def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray],
-             wire_bytes: int | None = None, rows: RowsIn | None = None, finite: bool = False) -> PushResult:
+             wire_bytes: int | None = None, rows: RowsIn | None = None, largest: float | None = None) -> PushResult:
         """Apply, accumulate or drop one gradient for every slice of this shard, and of the rows it touched
         (``rows``: ids and gradients by table, :mod:`psgd.server.tables`), as the policy says.
-        ``wire_bytes``: what the push took on the wire (less than the gradient when compressed); ``finite``: every
-        value of ``grads`` was checked finite as it was received (not checked again)."""
+        ``wire_bytes``: what the push took on the wire (less than the gradient when compressed); ``largest``: the
+        largest magnitude in ``grads``, where the receive measured it (not measured again)."""
         self.roster.check(worker)
         if clock < 0 or base_version < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
@@ -308,10 +308,10 @@ class ShardCore:
                              f"{MAX_CLOCK}")
         if set(grads) != set(self.slices):
             raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
-        if not self.allow_nonfinite and not finite:
-            for i, bad in self.store.nonfinite(grads).items():
-                raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[i].key} from worker {worker} "
-                                 f"has {bad} non-finite value(s) (NaN/Inf); lower the learning rate or check the data")
+        unfit = None if self.allow_nonfinite else self.store.unfit(grads, largest)
+        if unfit is not None:  # before the policy counts it: refused whole, the weights as they were
+            raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[unfit[0]].key} from worker {worker} "
+                             f"{unfit[1]}; lower the learning rate or check the data")
         rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
             self.store.after_settling()

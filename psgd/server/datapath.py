@@ -340,12 +340,12 @@ class DataServer:
                 self._pushed_rows(conn, worker, began, size, codec, keep=False)
             self._reply_error(conn, err)
             return None
-        finite = False  # whether every value is known to be finite already
+        largest = None  # the largest magnitude of the gradient, where the receive measured it
         try:
             if seg is not None and codec.compresses:  # decoded into the buffer, as from the socket
                 decode_gradient(seg.data[:size], memoryview(buf), codec, core.flat.size)
-            elif seg is not None:  # copied and checked in one pass (a check that fails is made again, exactly)
-                finite = core.store.sweep.copy_checked(np.frombuffer(buf, core.dtype, core.flat.size),
+            elif seg is not None:  # copied and measured in one pass (the check made on it is the core's)
+                largest = core.store.sweep.copy_checked(np.frombuffer(buf, core.dtype, core.flat.size),
                                                        np.frombuffer(seg.data, core.dtype, core.flat.size))
             else:
                 if protocol.wants_go_ahead(size):
@@ -361,7 +361,7 @@ class DataServer:
             rows = self._pushed_rows(conn, worker, began, size, codec) if with_rows else None
             grads = core.store.gradient_views(buf)
             try:
-                result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows, finite=finite)
+                result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows, largest=largest)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return None

@@ -40,7 +40,7 @@ import numpy as np
 
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
-from psgd.wire.sweep import Sweep, all_finite
+from psgd.wire.sweep import Sweep, extent
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class WeightStore:
         self._bounds = tuple(self.offsets[i] for i in self.order)
         #: the passes over the weights (copy, check, update), in cache-sized pieces over threads
         self.sweep = Sweep(self.nbytes, f"shard{shard}-sweep", apply_threads)
+        #: the largest gradient value applied: a 16th of the square root of the dtype's largest (1.15e18 in float32)
+        self.max_gradient = float(np.sqrt(np.finfo(dtype).max)) / 16
         self._snapshot: Snapshot | None = None
         self._spare: bytearray | None = None
         self._reads: list[list[LiveRead]] = [[] for _ in range(SLOTS)]  # live reads of each slot
@@ -159,13 +161,25 @@ class WeightStore:
         """Per-slice arrays over a buffer holding a gradient for every slice, in slice order."""
         return self.views(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size))
 
-    def nonfinite(self, grads: Mapping[int, np.ndarray]) -> dict[int, int]:
-        """How many NaN/Inf values each slice's gradient holds, for the slices that hold any."""
-        whole = getattr(grads, "flat", None)  # the one array the slices' gradients are views of, if they are
-        if whole is not None and self.sweep.finite(whole):  # one pass, where all of it is finite
-            return {}
-        counts = self.sweep.map(lambda i: _nonfinite(grads[i]), grads)
-        return {i: n for i, n in zip(grads, counts) if n}
+    def unfit(self, grads: Mapping[int, np.ndarray], largest: float | None = None) -> tuple[int, str] | None:
+        """Why the gradient ``grads`` may not be applied, as (a slice id, what it holds), or None: a NaN or an
+        infinity, or a value beyond :attr:`max_gradient`, which no update rule keeps finite for long (Adam squares
+        it; SGD's weights would grow without bound).  ``largest``: its largest magnitude, where the receive measured
+        it; else measured here, in one pass."""
+        if largest is None:
+            whole = getattr(grads, "flat", None)
+            largest = self.sweep.largest(whole) if whole is not None else max(
+                (self.sweep.largest(g) for g in grads.values()), key=lambda e: (e != e, e), default=0.0)
+        if largest <= self.max_gradient:
+            return None
+        if largest == float("inf") or largest != largest:
+            counts = self.sweep.map(lambda i: _nonfinite(grads[i]), grads)
+            for i, n in zip(grads, counts):
+                if n:
+                    return i, f"has {n} non-finite value(s) (NaN/Inf)"
+        i = next(i for i in grads if grads[i].size and extent(grads[i]) > self.max_gradient)
+        return i, (f"has values up to {extent(grads[i]):.3g}, beyond the {self.max_gradient:.3g} a {self.dtype} "
+                   "gradient may hold: no update rule keeps the weights finite under it")
 
     # -- reads --------------------------------------------------------------------------------------
     def snapshot(self, version: int) -> Snapshot:
@@ -330,6 +344,4 @@ class SliceViews(dict):
 
 
 def _nonfinite(g: np.ndarray) -> int:
-    if all_finite(g):
-        return 0
     return int(g.size - np.count_nonzero(np.isfinite(g)))

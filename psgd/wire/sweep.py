@@ -19,6 +19,7 @@ same operations on the same values.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -97,31 +98,47 @@ class Sweep:
             return [fn(i) for i in items]
         return list(self._pool.map(fn, items))
 
-    def finite(self, a: np.ndarray) -> bool:
-        """Whether every value of the float array ``a`` is finite."""
-        bad = []
-        self.run(a.size, a.itemsize, lambda lo, hi: all_finite(a[lo:hi]) or bad.append(lo))
-        return not bad
+    def largest(self, a: np.ndarray) -> float:
+        """The largest magnitude in the float array ``a``: NaN where it holds one, infinity where an infinity."""
+        found: list[float] = []
+        self.run(a.size, a.itemsize, lambda lo, hi: found.append(extent(a[lo:hi])))
+        return _combined(found)
 
-    def copy_checked(self, dst: np.ndarray, src: np.ndarray) -> bool:
-        """Copy ``src`` into ``dst`` (float arrays of one size) and say whether every value copied is finite: each
-        piece checked where the copy left it, in the cache."""
-        bad = []
+    def copy_checked(self, dst: np.ndarray, src: np.ndarray) -> float:
+        """Copy ``src`` into ``dst`` (float arrays of one size) and return the largest magnitude copied (NaN or
+        infinity where one was): each piece measured where the copy left it, in the cache."""
+        found: list[float] = []
 
         def piece(a: int, b: int) -> None:
             np.copyto(dst[a:b], src[a:b])
-            if not all_finite(dst[a:b]):
-                bad.append(a)
+            found.append(extent(dst[a:b]))
 
         self.run(dst.size, dst.itemsize, piece)
-        return not bad
+        return _combined(found)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
 
+def extent(a: np.ndarray) -> float:
+    """The largest magnitude in the float array ``a`` from its largest and smallest values: NaN where it holds one
+    (a NaN makes both NaN), infinity where an infinity; 0 for an empty array."""
+    if a.size == 0:
+        return 0.0
+    high, low = float(np.maximum.reduce(a)), float(np.minimum.reduce(a))
+    if high != high or low != low:
+        return float("nan")
+    return max(abs(high), abs(low))
+
+
 def all_finite(a: np.ndarray) -> bool:
-    """Whether the float array ``a`` holds no NaN and no infinity: its largest and smallest values are finite (a
-    NaN makes both NaN).  Exact, and faster than a sum, whose overflow would need a count after it."""
-    return a.size == 0 or bool(np.isfinite(np.maximum.reduce(a)) and np.isfinite(np.minimum.reduce(a)))
+    """Whether the float array ``a`` holds no NaN and no infinity (exact, and faster than a sum, whose overflow
+    would need a count after it)."""
+    return math.isfinite(extent(a))
+
+
+def _combined(extents: list[float]) -> float:
+    if any(e != e for e in extents):
+        return float("nan")
+    return max(extents, default=0.0)

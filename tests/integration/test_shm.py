@@ -495,18 +495,18 @@ def test_what_is_checked_is_what_is_applied(monkeypatch):
     core = build_shard(describe_job(job), 0)
     core.register(0, core.plan.hash)
     shard = Shard(core, ShardServer(core, "127.0.0.1:0", request_timeout=IO).start(), core.flat.tobytes())
-    checked = core.store.nonfinite
+    checked = core.store.unfit
     try:
         with with_segment(shard, "push") as (sock, seg, _):
             g = valid_gradient(shard.plan)
             seg.data[:g.nbytes] = g.tobytes()
 
-            def check_then_rewrite(grads):
-                found = checked(grads)
+            def check_then_rewrite(grads, largest=None):
+                found = checked(grads, largest)
                 seg.data[:g.nbytes] = np.full_like(g, np.nan).tobytes()  # the worker writes after the check
                 return found
 
-            monkeypatch.setattr(core.store, "nonfinite", check_then_rewrite)
+            monkeypatch.setattr(core.store, "unfit", check_then_rewrite)
             request(sock, protocol.OP_PUSH, size=g.nbytes)
             assert shm_reply(sock)[0] == OK
             assert core.version == 1

@@ -849,3 +849,22 @@ def test_a_checkpoint_holds_an_update_whole_or_not_at_all(tmp_path, policy, opti
     recovery.restore(restored, ckpt)
     assert (restored.version, restored.policy.clock_of(1)) == (1, 1)
     assert_weights(restored, expect((1.0 / 2, grad(1 + 1))))
+
+
+@pytest.mark.parametrize("policy", ["async", "sync"])
+def test_a_gradient_too_large_for_finite_weights_is_refused_and_leaves_them_as_they_were(policy):
+    """Three pushes of 3e38 (finite) were applied: then 4,810 weights were infinite, with no log line."""
+    core, _ = make_core(policy, 1)
+    register_all(core)
+    before = core.flat.copy()
+    # float64 here: 3e38 is float32's; beyond the bound (8.4e152 in float64, 1.15e18 in float32) either way
+    huge = {i: np.full(s.size, core.store.max_gradient * 4) for i, s in core.slices.items()}
+    for clock in range(3):
+        with pytest.raises(ShardError, match="beyond the .* gradient may hold") as info:
+            core.push(0, 0, 0, huge)
+        assert info.value.code == "INVALID_ARGUMENT"
+    assert core.version == 0 and core.flat.tobytes() == before.tobytes() and np.isfinite(core.flat).all()
+    assert core.policy.clock_of(0) == 0  # not counted: the worker's push at clock 0 is still to come
+    fine = {i: np.full(s.size, 1e3) for i, s in core.slices.items()}
+    assert core.push(0, 0, 0, fine).outcome in ("applied", "accumulated") and core.version == 1
+    assert np.isfinite(core.flat).all() and core.flat.tobytes() != before.tobytes()

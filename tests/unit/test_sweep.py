@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from psgd.optim import build_optimizer
-from psgd.wire.sweep import PARALLEL_BYTES, PIECE_BYTES, Sweep, all_finite
+from psgd.wire.sweep import PARALLEL_BYTES, PIECE_BYTES, Sweep, all_finite, extent
 
 SIZES = [1, PIECE_BYTES // 4 - 1, PIECE_BYTES // 4 + 1, PARALLEL_BYTES // 4 + 12_345]
 
@@ -48,30 +48,32 @@ def test_an_error_in_a_piece_reaches_the_caller():
 
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("where", [0, PIECE_BYTES // 4, PARALLEL_BYTES // 4 - 1])
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_copy_checked_copies_and_finds_a_bad_value_wherever_it_is(threads, where, bad):
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -3e30])
+def test_copy_checked_copies_and_finds_the_largest_value_wherever_it_is(threads, where, bad):
     n = PARALLEL_BYTES // 4
     sweep = Sweep(n * 4, "t", threads)
-    src = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    src = np.random.default_rng(1).uniform(-1, 1, n).astype(np.float32)
     dst = np.empty_like(src)
-    assert sweep.copy_checked(dst, src) and dst.tobytes() == src.tobytes()
-    assert sweep.finite(src)
+    assert sweep.copy_checked(dst, src) == sweep.largest(src) == np.abs(src).max() and dst.tobytes() == src.tobytes()
     src[where] = bad
-    assert not sweep.copy_checked(dst, src)
-    assert dst.tobytes() == src.tobytes()  # copied whole all the same: the caller counts and refuses
-    assert not sweep.finite(src)
+    found = sweep.copy_checked(dst, src)
+    assert dst.tobytes() == src.tobytes()  # copied whole all the same: the caller refuses
+    if np.isnan(bad):
+        assert np.isnan(found) and np.isnan(sweep.largest(src))
+    else:
+        assert found == sweep.largest(src) == abs(np.float32(bad))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_all_finite_is_exact_where_a_sum_would_overflow(dtype):
     big = np.full(PIECE_BYTES // 8, np.finfo(dtype).max, dtype=dtype)
-    assert all_finite(big) and Sweep(big.nbytes, "t", 1).finite(big)  # a sum of these would be infinite
+    assert all_finite(big) and extent(big) == np.finfo(dtype).max  # a sum of these would be infinite
     rng = np.random.default_rng(5)
     for special in (np.nan, np.inf, -np.inf, -0.0, np.finfo(dtype).tiny / 2, -np.finfo(dtype).max):
         a = rng.standard_normal(1000).astype(dtype)
         a[rng.integers(0, 1000)] = special
         assert all_finite(a) == bool(np.isfinite(a).all()), special
-    assert all_finite(np.empty(0, dtype=dtype))
+    assert all_finite(np.empty(0, dtype=dtype)) and extent(np.empty(0, dtype=dtype)) == 0
 
 
 OPTIMIZERS = [("sgd", {}), ("sgd", {"weight_decay": 0.01}), ("momentum", {"weight_decay": 0.01}),
