@@ -34,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
