@@ -1,10 +1,12 @@
-"""Logging set-up: every line names the process (role and rank) that wrote it."""
+"""Logging set-up: every line names the process (role and rank) that wrote it; a line that repeats is said at most
+once a while (:class:`Quieted`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -33,3 +35,25 @@ def setup_logging(role: str, verbose: int = 0) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+class Quieted:
+    """A line that may repeat without end (a refused follower, a failing checkpoint): said the first time, then at
+    most once every ``seconds`` while it goes on, with how many were not said since."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.unsaid, self._quiet_until = 0, 0.0
+
+    def due(self) -> int | None:
+        """None while quiet (this one counted, not said); else how many were not said before it, to say so."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self.unsaid += 1
+            return None
+        unsaid, self.unsaid, self._quiet_until = self.unsaid, 0, now + self.seconds
+        return unsaid
+
+    def reset(self) -> None:
+        """It stopped: the next one is said at once."""
+        self.unsaid, self._quiet_until = 0, 0.0

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+from psgd.logs import Quieted
 from psgd.server import checkpoint
 from psgd.server.core import STALENESS_BUCKETS, ShardCore
 from psgd.server.errors import ShardError
@@ -47,23 +48,22 @@ class Failures:
     def __init__(self, shard: int):
         self.shard = shard
         self.in_a_row = 0                    # failures since the last checkpoint written
-        self._unsaid, self._quiet_until = 0, 0.0
+        self._said = Quieted(FAILURES_SAID_EVERY)
 
     def failed(self, exc: Exception) -> None:
         self.in_a_row += 1
-        now = time.monotonic()
-        if now < self._quiet_until:
-            self._unsaid += 1
-            return
-        more = f" ({self._unsaid} more failed since the last line)" if self._unsaid else ""
-        log.error("shard %d: %s%s; the failures that follow are said at most once a minute", self.shard, exc, more)
-        self._unsaid, self._quiet_until = 0, now + FAILURES_SAID_EVERY
+        unsaid = self._said.due()
+        if unsaid is not None:
+            more = f" ({unsaid} more failed since the last line)" if unsaid else ""
+            log.error("shard %d: %s%s; the failures that follow are said at most once a minute", self.shard, exc,
+                      more)
 
     def written(self, path: object) -> None:
         if self.in_a_row:
             log.warning("shard %d: checkpoints are written again (%s), after %d failed in a row", self.shard,
                         path or "none needed", self.in_a_row)
-        self.in_a_row, self._unsaid, self._quiet_until = 0, 0, 0.0
+        self.in_a_row = 0
+        self._said.reset()
 
 
 def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):

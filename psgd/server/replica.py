@@ -36,6 +36,7 @@ import grpc
 import numpy as np
 
 from psgd.channel import open_channel, token_metadata
+from psgd.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import recovery, stream
 from psgd.server.core import ShardCore
@@ -93,7 +94,7 @@ class Pair:
         self.job_over = False    # a replica told by its primary that the job is over
         self.following = False   # a replica with its primary's stream open
         self._held = False       # this process held the job's state (it followed a primary, or led)
-        self._refused = [0, 0.0]  # followers refused since the last line that said so, and when the next may
+        self._refused = Quieted(REFUSALS_SAID_EVERY)  # followers refused: said once a minute at most
         self._stop = threading.Event()
         self._sock: socket.socket | None = None  # a replica's connection to its primary
         self._follower = threading.Thread(target=self._follow, name=f"shard{core.shard}-follow", daemon=True)
@@ -202,14 +203,11 @@ class Pair:
     def _refuse(self, address: str, why: str) -> None:
         """A follower refused: said at once, then at most once a minute with how many more (one that retries
         without end logs two lines a minute, not thousands)."""
-        now, (count, quiet_until) = time.monotonic(), self._refused
-        if now < quiet_until:
-            self._refused[0] = count + 1
-            return
-        more = f" ({count} more refused since the last line)" if count else ""
-        log.warning("shard %d: refused a replica at %s: this process is %s%s; further refusals are said at most once "
-                    "a minute", self.core.shard, address, why, more)
-        self._refused[:] = [0, now + REFUSALS_SAID_EVERY]
+        unsaid = self._refused.due()
+        if unsaid is not None:
+            more = f" ({unsaid} more refused since the last line)" if unsaid else ""
+            log.warning("shard %d: refused a replica at %s: this process is %s%s; further refusals are said at most "
+                        "once a minute", self.core.shard, address, why, more)
 
     def lead(self, sock: socket.socket) -> None:
         """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.datapath): the
