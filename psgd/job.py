@@ -42,11 +42,11 @@ from psgd.tables import RowTable, TableOptions
 
 log = logging.getLogger(__name__)
 
-#: The fields of an identity, in the order differences are reported; a job with embedding tables adds "tables"
-#: (so a job without keeps the fingerprint it had before there were tables).
 #: the share of this machine's memory the embedding tables of one process may hold by default ([tables] max_rows =
 #: 0), divided among the tables; each row counted twice, as a table grows by doubling
 TABLE_MEMORY_SHARE = 0.25
+#: The fields of an identity, in the order differences are reported; a job with embedding tables adds "tables"
+#: (so a job without keeps the fingerprint it had before there were tables).
 FIELDS = ("plan", "policy", "policy_options", "workers", "shards", "optimizer", "dtype")
 
 

@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from psgd.bench.limits import machine
+from psgd.bench.scaling.measure import read_steps
 from psgd.parsing import comma_list
 
 DESCRIPTION = __doc__
@@ -148,17 +149,11 @@ def _psgd(argv: list[str], folder: Path) -> str:
     return done.stdout
 
 
-def _records(path: Path) -> list[dict]:
-    from psgd.bench.scaling.measure import read_steps
-
-    return read_steps(path)
-
-
 def alone(width: int, o: Options, folder: Path) -> dict:
     metrics = folder / f"alone-{width}.jsonl"
     _psgd(["train", "--device", o.device, "--epochs", str(-(-o.steps // per_epoch(o))), "--metrics",
            str(metrics), "--no-progress", "-q", *(f for s in sets(width, o) for f in ("--set", s))], folder)
-    return steady(_records(metrics))
+    return steady(read_steps(metrics))
 
 
 def launched(width: int, run: str, o: Options, folder: Path) -> dict:
@@ -169,7 +164,7 @@ def launched(width: int, run: str, o: Options, folder: Path) -> dict:
                             "--policy", policy, "--epochs", str(epochs), "--set", f"cluster.transport={transport}",
                             "--run-dir", str(run_dir), "--no-progress", "--json",
                             *(f for s in sets(width, o) for f in ("--set", s))], folder).strip().splitlines()[-1])
-    result = steady(_records(run_dir / "worker-0.jsonl"))
+    result = steady(read_steps(run_dir / "worker-0.jsonl"))
     result["test_accuracy"] = out["test_accuracy"]
     spent = out.get("shard_seconds", {}).get("0")
     if spent and spent["pushes"]:

@@ -32,10 +32,16 @@ class Round:
     def _sweep(self, fn) -> None:
         self.store.sweep.run(self.flat.size, self.flat.itemsize, fn)
 
+    def _fold(self, push: np.ndarray, first: bool) -> None:
+        """``push`` (laid out like the sum) into the sum: copied in as the round's first, else added, in one pass."""
+        flat = self.flat
+        self._sweep(lambda a, b: np.copyto(flat[a:b], push[a:b]) if first else
+                    np.add(flat[a:b], push[a:b], out=flat[a:b]))
+
     def add(self, grads: Mapping[int, np.ndarray], base_version: int, worker: int = 0, closes: bool = False) -> None:
         """Add a push computed from ``base_version``; ``closes``: the round closes with it, before its buffer is
         used again (a round's only push is then its mean as it is, neither copied nor added)."""
-        whole, flat = getattr(grads, "flat", None), self.flat
+        whole = getattr(grads, "flat", None)
         if closes and not self.bases and whole is not None:
             self._lone = grads
         elif self.ordered:
@@ -44,9 +50,7 @@ class Round:
             for i, g in grads.items():
                 np.copyto(views[i], g)
         elif whole is not None:  # laid out like the sum: one pass
-            first = not self.bases
-            self._sweep(lambda a, b: np.copyto(flat[a:b], whole[a:b]) if first else
-                        np.add(flat[a:b], whole[a:b], out=flat[a:b]))
+            self._fold(whole, first=not self.bases)
         else:
             for i, g in grads.items():
                 if self.bases:
@@ -57,16 +61,13 @@ class Round:
 
     def mean(self) -> list[int]:
         """Turn the sum into the mean of its pushes; returns their base versions (none: nothing was pushed)."""
-        flat = self.flat
         if self._lone is not None:
             return list(self.bases)
         for k, worker in enumerate(sorted(self.apart)):
-            kept = self.apart[worker]
-            self._sweep(lambda a, b: np.add(flat[a:b], kept[a:b], out=flat[a:b]) if k else
-                        np.copyto(flat[a:b], kept[a:b]))
+            self._fold(self.apart[worker], first=k == 0)
         self.apart.clear()
         if len(self.bases) > 1:  # one push is its own mean (x * 1.0 is x, to the bit)
-            scale = 1.0 / len(self.bases)
+            flat, scale = self.flat, 1.0 / len(self.bases)
             self._sweep(lambda a, b: np.multiply(flat[a:b], scale, out=flat[a:b]))
         return list(self.bases)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from typing import Callable, Iterator, Mapping
@@ -166,20 +167,20 @@ class WeightStore:
         infinity, or a value beyond :attr:`max_gradient`, which no update rule keeps finite for long (Adam squares
         it; SGD's weights would grow without bound).  ``largest``: its largest magnitude, where the receive measured
         it; else measured here, in one pass."""
-        if largest is None:
-            whole = getattr(grads, "flat", None)
-            largest = self.sweep.largest(whole) if whole is not None else max(
-                (self.sweep.largest(g) for g in grads.values()), key=lambda e: (e != e, e), default=0.0)
-        if largest <= self.max_gradient:
+        whole = getattr(grads, "flat", None)
+        if largest is None and whole is not None:
+            largest = self.sweep.largest(whole)
+        if largest is not None and largest <= self.max_gradient:
             return None
-        if largest == float("inf") or largest != largest:
-            counts = self.sweep.map(lambda i: _nonfinite(grads[i]), grads)
-            for i, n in zip(grads, counts):
-                if n:
-                    return i, f"has {n} non-finite value(s) (NaN/Inf)"
-        i = next(i for i in grads if grads[i].size and extent(grads[i]) > self.max_gradient)
-        return i, (f"has values up to {extent(grads[i]):.3g}, beyond the {self.max_gradient:.3g} a {self.dtype} "
-                   "gradient may hold: no update rule keeps the weights finite under it")
+        extents = dict(zip(grads, self.sweep.map(lambda i: extent(grads[i]), grads)))  # slice by slice: which
+        for i, e in extents.items():
+            if not math.isfinite(e):
+                return i, f"has {_nonfinite(grads[i])} non-finite value(s) (NaN/Inf)"
+        for i, e in extents.items():
+            if e > self.max_gradient:
+                return i, (f"has values up to {e:.3g}, beyond the {self.max_gradient:.3g} a {self.dtype} gradient may "
+                           "hold: no update rule keeps the weights finite under it")
+        return None
 
     # -- reads --------------------------------------------------------------------------------------
     def snapshot(self, version: int) -> Snapshot:
