@@ -19,12 +19,17 @@ from psgd.xp import get_array_module, scatter_add
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
     """``x @ w + b`` (``x``: (B, in), ``w``: (in, out)), then a ReLU where ``relu``; on a GPU the bias and the ReLU
     are one kernel, and no gradient is computed for an ``x`` that needs none (a model's input)."""
-    X, W = data_of(x), data_of(w)
+    X = x.data if type(x) is Tensor else x
+    W = w.data if type(w) is Tensor else w
     out = kernels.matmul(X, W)
-    if relu:
-        out = kernels.bias_relu_(out, data_of(b)) if b is not None else kernels.relu(out)
-    elif b is not None:
-        out += data_of(b)
+    if b is not None:
+        B = b.data if type(b) is Tensor else b
+        if relu:
+            out = kernels.bias_relu_(out, B)
+        else:
+            out += B
+    elif relu:
+        out = kernels.relu(out)
 
     def rule(g):
         if relu:

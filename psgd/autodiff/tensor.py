@@ -15,6 +15,7 @@ Nothing is recorded under :func:`no_grad` (evaluation, ``predict``) or where no 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -22,12 +23,21 @@ import numpy as np
 
 from psgd.xp import get_array_module, to_host
 
-_state = threading.local()
+class _State(threading.local):
+    """This thread's: whether operations record (off inside :func:`no_grad`), and the seed of the backward in hand
+    (:func:`scaled`).  Defaults on the class: reading them costs no failed lookup."""
+
+    recording = True
+    seed: Any = None
+
+
+_state = _State()
+_sequence = itertools.count()  # nodes in the order they were made: a node's inputs were all made before it
 
 
 def recording() -> bool:
     """Whether operations record their rules now (not inside :func:`no_grad`)."""
-    return getattr(_state, "recording", True)
+    return _state.recording
 
 
 @contextlib.contextmanager
@@ -42,13 +52,14 @@ def no_grad() -> Iterator[None]:
 
 
 class Node:
-    """How a tensor was made: its ``inputs`` (tensors) and ``rule``, which maps the gradient of the output to a
-    sequence with one gradient (or None: nothing flows there) per input."""
+    """How a tensor was made: its ``inputs`` (tensors, or None for an input that is not one) and ``rule``, which
+    maps the gradient of the output to a sequence with one gradient (or None: nothing flows there) per input;
+    ``seq`` counts the nodes made before it (so a node's inputs' nodes all have smaller ones)."""
 
-    __slots__ = ("inputs", "rule", "name")
+    __slots__ = ("inputs", "rule", "name", "seq")
 
-    def __init__(self, inputs: tuple["Tensor", ...], rule: Callable[[Any], Sequence[Any]], name: str):
-        self.inputs, self.rule, self.name = inputs, rule, name
+    def __init__(self, inputs: tuple["Tensor | None", ...], rule: Callable[[Any], Sequence[Any]], name: str):
+        self.inputs, self.rule, self.name, self.seq = inputs, rule, name, next(_sequence)
 
 
 class Tensor:
@@ -94,9 +105,12 @@ def make(data: Any, inputs: Sequence[Any], rule: Callable[[Any], Sequence[Any]],
     numbers; the rule returns a gradient for each, in order) needs a gradient and recording is on."""
     for x in inputs:
         if type(x) is Tensor and (x.requires_grad or x.node is not None):
-            if not getattr(_state, "recording", True):
+            if not _state.recording:
                 break
-            return Tensor(data, False, "", Node(tuple([x if type(x) is Tensor else None for x in inputs]), rule, name))
+            kept = []  # the tensors among the inputs (an array or a number is not kept alive by the node)
+            for x in inputs:
+                kept.append(x if type(x) is Tensor else None)
+            return Tensor(data, False, "", Node(tuple(kept), rule, name))
     return Tensor(data)
 
 
@@ -119,32 +133,37 @@ def backward(loss: Tensor, grad: Any = None,
     if loss.node is None:
         _deliver(loss, first, on_grad)
         return
-    order, uses = _topological(loss)
+    order, uses = _reached(loss)
     grads: dict[int, Any] = {id(loss): first}
+    pop, get = grads.pop, grads.get
     while order:  # the loss first, each tensor after every node that uses it; none kept once done
         tensor = order.pop()
         node, tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
-        g = grads.pop(id(tensor), None)
-        out = node.rule(g) if g is not None else None
-        for i, x in enumerate(node.inputs):
+        g = pop(id(tensor), None)
+        out = node.rule(g) if g is not None else (None,) * len(node.inputs)
+        for x, gx in zip(node.inputs, out):
             if x is None:
                 continue
             key = id(x)
-            gx = out[i] if out is not None else None
             if gx is not None:
-                had = grads.get(key)
+                had = get(key)
                 grads[key] = gx if had is None else had + gx
-            left = uses[key] - 1
-            uses[key] = left
-            if not left and x.node is None:  # a leaf: nothing still to run adds to it
-                got = grads.pop(key, None)
-                if got is not None:
-                    _deliver(x, got, on_grad)
+            if x.node is None:  # a leaf (a tensor still to run has its node): is this its last use?
+                left = uses[key] - 1
+                uses[key] = left
+                if not left and key in grads and x.requires_grad:
+                    got = pop(key)
+                    x.grad = got if x.grad is None else x.grad + got
+                    if on_grad is not None:
+                        on_grad(x, x.grad)
 
 
 def _seed(a: Any) -> Any:
     """The gradient of a loss with respect to itself: ones, marked (:func:`scaled` knows it)."""
-    seed = np.array(1, a.dtype) if type(a) is np.ndarray and a.ndim == 0 else get_array_module(a).ones_like(a)
+    if isinstance(a, np.generic) or (type(a) is np.ndarray and a.ndim == 0):  # a NumPy scalar loss: no ones_like
+        seed = np.array(1, a.dtype)
+    else:
+        seed = get_array_module(a).ones_like(a)
     _state.seed = seed
     return seed
 
@@ -152,7 +171,7 @@ def _seed(a: Any) -> Any:
 def scaled(grad: Any, g: Any) -> Any:
     """``grad * g``: a rule's gradient times its output's; ``grad`` itself where ``g`` is the loss' own ones (a
     loss that is the root of backward, its rule spared a pass over its gradient)."""
-    return grad if g is getattr(_state, "seed", None) else grad * g
+    return grad if g is _state.seed else grad * g
 
 
 def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None) -> None:
@@ -163,31 +182,24 @@ def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None
         on_grad(leaf, leaf.grad)
 
 
-def _topological(loss: Tensor) -> tuple[list[Tensor], dict[int, int]]:
-    """The tensors made by nodes that ``loss`` depends on, each after the tensors its node uses (the loss last), and
-    how many uses of each tensor (leaves too) their nodes make."""
-    uses: dict[int, int] = {}
-    order: list[Tensor] = []
-    stack: list[Any] = [loss]
-    while stack:  # depth first, iteratively (a deep chain of layers needs no recursion); a list marks "done"
-        tensor = stack.pop()
-        if type(tensor) is list:
-            order.append(tensor[0])
-            continue
-        key = id(tensor)
-        if key in uses and uses[key] < 0:
-            continue  # visited already
-        uses[key] = -1 - uses.get(key, 0)  # negative while visited: -1 - its uses so far
-        stack.append([tensor])
+def _reached(loss: Tensor) -> tuple[list[Tensor], dict[int, int]]:
+    """The tensors made by nodes that ``loss`` depends on, latest made last (the loss, then each only after every
+    node that uses it, popped from the end: a node is made after its inputs), and how many uses of each leaf those
+    nodes make."""
+    order, uses, seen = [loss], {}, {id(loss)}
+    for tensor in order:  # grows as it goes: breadth first, no recursion however deep the chain
         for x in tensor.node.inputs:
             if x is None:
                 continue
-            k = id(x)
-            n = uses.get(k, 0)
-            uses[k] = n - 1 if n < 0 else n + 1
-            if x.node is not None and n >= 0:
-                stack.append(x)
-    for k, n in uses.items():
-        if n < 0:
-            uses[k] = -1 - n
+            key = id(x)
+            if x.node is None:
+                uses[key] = uses.get(key, 0) + 1
+            elif key not in seen:
+                seen.add(key)
+                order.append(x)
+    order.sort(key=_made)
     return order, uses
+
+
+def _made(tensor: Tensor) -> int:
+    return tensor.node.seq

@@ -91,7 +91,7 @@ class Binding:
         return (self.seed * 1_000_003 + self.draws) & 0xFFFFFFFF
 
     def __enter__(self) -> "Binding":
-        self._before = getattr(_binding, "now", None)
+        self._before = _binding.now
         _binding.now = self
         return self
 
@@ -99,7 +99,14 @@ class Binding:
         _binding.now = self._before
 
 
-_binding = threading.local()
+class _Now(threading.local):
+    """This thread's binding (:class:`Binding`), None outside a call; a default on the class, so that reading it
+    costs no failed lookup."""
+
+    now: "Binding | None" = None
+
+
+_binding = _Now()
 _layout = 0  # counts changes to any module's declarations
 
 
@@ -130,7 +137,7 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:  # only for what is not an ordinary attribute: the declarations
-        now = getattr(_binding, "now", None)
+        now = _binding.now
         if now is not None:
             value = now.values.get((id(self), name))
             if value is not None:
@@ -143,13 +150,13 @@ class Module:
     @property
     def training(self) -> bool:
         """Whether the network trains (True) or predicts, in the call in hand on this thread."""
-        now = getattr(_binding, "now", None)
+        now = _binding.now
         return True if now is None else now.training
 
     def move(self, name: str, value: Any) -> None:
         """Give the state variable ``name`` (a :class:`State` of this module) its new value, in the training call in
         hand: what the step hands over for it is the change."""
-        now = getattr(_binding, "now", None)
+        now = _binding.now
         if not isinstance(self._declared.get(name), State):
             raise ModelError(f"{type(self).__name__}.move({name!r}): {name!r} is not a State of this module")
         if now is not None and now.training:
@@ -158,7 +165,7 @@ class Module:
     def draw(self) -> int:
         """A seed for a random mask (dropout): new for each draw of a training step, the same for the same step of
         the same worker (psgd's loop seeds each step from the job's seed, the worker and the step)."""
-        now = getattr(_binding, "now", None)
+        now = _binding.now
         return 0 if now is None else now.draw()
 
     def modules(self) -> Iterator["Module"]:

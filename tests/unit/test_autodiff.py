@@ -5,6 +5,7 @@ made slightly wrong is caught, for every operation."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numpy as np
 import pytest
@@ -259,6 +260,17 @@ def test_backward_releases_every_node_and_no_grad_records_nothing():
     with no_grad():
         assert ops.exp(ops.matmul(w, w)).node is None
     assert ops.exp(values((2,), 1)).node is None  # nothing needs a gradient
+
+
+def test_backward_lets_go_of_each_tensor_once_its_rule_has_run():
+    w = Tensor(values((4, 4), 1), requires_grad=True)
+    middle = ops.exp(ops.tanh(w))
+    gone = weakref.ref(middle)
+    loss = ops.sum(ops.exp(middle))
+    del middle
+    alive_when_w_was_done = []
+    backward(loss, on_grad=lambda leaf, g: alive_when_w_was_done.append(gone() is not None))
+    assert alive_when_w_was_done == [False]  # tanh's rule (the last to run) came after exp(middle)'s let it go
 
 
 # -- the check, checked: a wrong rule is caught, for every operation ---------------------------------------------------
