@@ -214,6 +214,8 @@ class ShardMetrics(Collector):
                        "reads included)", names, values, c.get("apply_seconds", 0.0))
         yield _counter("psgd_shard_expired_workers", "workers dropped for missing their lease or join deadline",
                        names, values, c.get("expired", 0))
+        yield _counter("psgd_shard_impostor_calls", "calls as a registered worker without its registration's key "
+                       "(refused)", names, values, c.get("impostors", 0))
         yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "
                        "one was still being read", names, values, c.get("copied_updates", 0))
         yield _counter("psgd_shard_revoked_reads", "pulls whose memory an update took after they were read past "

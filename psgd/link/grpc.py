@@ -47,6 +47,7 @@ class GrpcLink(Link):
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
         self.metadata = token_metadata(endpoint.token)
         self.timeout = endpoint.request_timeout
+        self.registration = ""  # the key of this worker's registration with the shard: every later call carries it
         self._streams: list = []  # pull streams in flight, cancelled by interrupt()
         self._interrupted = False
         self._lock = threading.Lock()
@@ -55,14 +56,17 @@ class GrpcLink(Link):
         return grpc.channel_ready_future(self.channel)
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
-        return _call(lambda: self.stub.Register(request, timeout=self.timeout, metadata=self.metadata))
+        reply = _call(lambda: self.stub.Register(request, timeout=self.timeout, metadata=self.metadata))
+        self.registration = reply.registration
+        return reply
 
     def heartbeat(self, clock: int, timeout: float) -> None:
-        request = ps_pb2.HeartbeatRequest(worker_id=self.endpoint.worker_id, clock=clock)
+        request = ps_pb2.HeartbeatRequest(worker_id=self.endpoint.worker_id, clock=clock,
+                                          registration=self.registration)
         _call(lambda: self.stub.Heartbeat(request, timeout=timeout, metadata=self.metadata))
 
     def done(self, clock: int) -> None:
-        request = ps_pb2.DoneRequest(worker_id=self.endpoint.worker_id, clock=clock)
+        request = ps_pb2.DoneRequest(worker_id=self.endpoint.worker_id, clock=clock, registration=self.registration)
         _call(lambda: self.stub.Done(request, timeout=self.timeout, metadata=self.metadata))
 
     def status(self) -> ps_pb2.StatusReply:
@@ -74,7 +78,7 @@ class GrpcLink(Link):
 
     def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
         request = ps_pb2.RollbackRequest(worker_id=self.endpoint.worker_id, to_version=version, cause=cause,
-                                         dry_run=dry_run)
+                                         dry_run=dry_run, registration=self.registration)
         return _call(lambda: self.stub.Rollback(request, timeout=self.timeout, metadata=self.metadata))
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
@@ -85,7 +89,8 @@ class GrpcLink(Link):
             raise ProtocolError(f"a pull may ask shard {ep.shard} for at most {MAX_PULL_ROWS:,} rows, this one asks "
                                 f"for {asking:,}: use a smaller batch, or more shards")
         asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
-        stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked),
+        stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked,
+                                                   registration=self.registration),
                                 timeout=self.timeout, metadata=self.metadata)
         with self._watched(stream):
             return self._fill(self._chunks(stream), views, rows)
@@ -162,7 +167,7 @@ class GrpcLink(Link):
         dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
         yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
             worker_id=ep.worker_id, clock=clock, base_version=base_version, dtype=dtype,
-            rows=sum(len(ids) for ids, _ in (rows or {}).values())))
+            rows=sum(len(ids) for ids, _ in (rows or {}).values()), registration=self.registration))
         for sl, part in zip(ep.slices, parts):
             for offset, piece in chunks(part):
                 yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset, data=bytes(piece)))

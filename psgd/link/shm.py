@@ -64,8 +64,10 @@ class ShmConnection(DataConnection):
     with the driver of ``device`` while the connection lasts where that is a GPU."""
 
     def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str, timeout: float, tls,
-                 purpose: str, nbytes: int, device: backend.Device = backend.CPU, busy_poll: float = 0.0):
-        super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose, busy_poll=busy_poll)
+                 purpose: str, nbytes: int, device: backend.Device = backend.CPU, busy_poll: float = 0.0,
+                 key: str = ""):
+        super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose, busy_poll=busy_poll,
+                         key=key)
         try:
             if "name" not in self.offer:
                 raise NoSegment(str(self.offer.get("refused", "the shard offered no shared-memory segment")))
@@ -292,7 +294,8 @@ class ShmLink(TcpLink):
             try:
                 self._conns[purpose] = ShmConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
                                                      ep.request_timeout, ep.tls, purpose,
-                                                     sum(s.nbytes for s in ep.slices), self.device, ep.busy_poll)
+                                                     sum(s.nbytes for s in ep.slices), self.device, ep.busy_poll,
+                                                     self.registration)
             except NoSegment as exc:
                 self._over_tcp(str(exc))
         return super()._connection(purpose)

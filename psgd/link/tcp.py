@@ -38,13 +38,14 @@ REPLY_MARGIN = 2.0
 
 
 class DataConnection:
-    """One data-path connection to one shard, opened with a hello (worker id, plan hash, token).
+    """One data-path connection to one shard, opened with a hello (worker id, plan hash, token, the worker's
+    registration key).
 
     Raises :class:`LinkError` with the shard's status when it refuses, and
     :class:`protocol.WireError` when the connection breaks."""
 
     def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0,
-                 tls: TLSFiles = NO_TLS, shm: str = "", busy_poll: float = 0.0):
+                 tls: TLSFiles = NO_TLS, shm: str = "", busy_poll: float = 0.0, key: str = ""):
         try:
             self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
         except OSError as exc:
@@ -61,7 +62,8 @@ class DataConnection:
                                     f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout + REPLY_MARGIN)
             self._spin = protocol.Spin(self.sock, busy_poll)  # a reply is watched for before the read sleeps
-            hello = {"token": token, "plan_hash": plan_hash, **({"shm": shm} if shm else {})}
+            hello = {"token": token, "plan_hash": plan_hash, **({"key": key} if key else {}),
+                     **({"shm": shm} if shm else {})}
             body = json.dumps(hello).encode()
             try:
                 self._send(protocol.OP_HELLO, worker, 0, 0, 0, [body], len(body))
@@ -215,9 +217,10 @@ class TcpLink(GrpcLink):
         self._pending: dict | None = None  # the push and pull in flight: its push's reply once it came
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
+        had = self.registration
         reply = super().register(request)
-        if reply.data_port != self.data_port:  # a restarted shard may listen elsewhere
-            self.reset()
+        if reply.data_port != self.data_port or reply.registration != had:  # a restarted shard may listen elsewhere
+            self.reset()  # (and the connections' hellos gave the old key)
         self.data_port = reply.data_port
         return reply
 
@@ -226,7 +229,8 @@ class TcpLink(GrpcLink):
         if conn is None:
             ep = self.endpoint
             conn = self._conns[purpose] = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash,
-                                                         ep.token, ep.request_timeout, ep.tls, busy_poll=ep.busy_poll)
+                                                         ep.token, ep.request_timeout, ep.tls, busy_poll=ep.busy_poll,
+                                                         key=self.registration)
         return conn
 
     def _over_data(self, purpose: str, fn):

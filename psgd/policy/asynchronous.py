@@ -22,7 +22,8 @@ class AsyncPolicy(Policy):
 
     def __init__(self, num_workers: int):
         super().__init__(num_workers)
-        self._clocks = [0] * self.num_workers
+        self._clocks = [0] * self.num_workers  # the clock each worker pushes next
+        self.gap = 0  # how many clocks a worker may skip between pushes (local SGD: its local steps)
 
     def join(self, worker: int) -> int:
         worker = self._check_worker(worker)
@@ -38,6 +39,10 @@ class AsyncPolicy(Policy):
         if problem is not None:
             return problem
         worker, clock = int(worker), int(clock)
+        if clock > self._clocks[worker] + self.gap:
+            return self._reject(f"clock {clock} is beyond what worker {worker} can have reached: it pushes clock "
+                                f"{self._clocks[worker]} next" + (f" (or up to {self.gap} later)" if self.gap else ""),
+                                self._clocks[worker])
         if clock < self._clocks[worker]:
             self._counters["duplicates"] += 1
             return PushDecision(DUPLICATE, next_clock=self._clocks[worker],

@@ -39,4 +39,4 @@ class LocalPolicy(AsyncPolicy):
         super().__init__(num_workers)
         if not _is_int(local_steps) or local_steps < 1:
             raise PolicyError(f"policy 'local': local_steps must be an integer >= 1, got {_show(local_steps)}")
-        self.local_steps = int(local_steps)
+        self.local_steps = self.gap = int(local_steps)

@@ -50,7 +50,7 @@ class ErrorInfo(_message.Message):
     def __init__(self, reason: _Optional[_Union[ErrorInfo.Reason, str]] = ..., differences: _Optional[_Iterable[str]] = ..., rewind_to: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port", "host_id", "rollback_to")
+    __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port", "host_id", "rollback_to", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class RegisterReply(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
     lease_seconds: float
@@ -75,19 +76,22 @@ class RegisterReply(_message.Message):
     data_port: int
     host_id: str
     rollback_to: int
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ..., host_id: _Optional[str] = ..., rollback_to: _Optional[int] = ...) -> None: ...
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ..., host_id: _Optional[str] = ..., rollback_to: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
-    __slots__ = ("worker_id", "to_version", "cause", "dry_run")
+    __slots__ = ("worker_id", "to_version", "cause", "dry_run", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     to_version: int
     cause: str
     dry_run: bool
-    def __init__(self, worker_id: _Optional[int] = ..., to_version: _Optional[int] = ..., cause: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., to_version: _Optional[int] = ..., cause: _Optional[str] = ..., dry_run: _Optional[bool] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class RollbackReply(_message.Message):
     __slots__ = ("version", "cuts", "rounds_undone")
@@ -100,14 +104,16 @@ class RollbackReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., cuts: _Optional[_Iterable[int]] = ..., rounds_undone: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "clock", "rows")
+    __slots__ = ("worker_id", "clock", "rows", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
     rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class ListRowsRequest(_message.Message):
     __slots__ = ("table", "start", "max_rows")
@@ -156,18 +162,20 @@ class TensorChunk(_message.Message):
     def __init__(self, slice_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., version: _Optional[int] = ..., rows: _Optional[_Union[RowBlock, _Mapping]] = ..., pushed: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "clock", "base_version", "dtype", "rows")
+    __slots__ = ("worker_id", "clock", "base_version", "dtype", "rows", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
     base_version: int
     dtype: str
     rows: int
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., rows: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk", "rows")
@@ -192,12 +200,14 @@ class PushReply(_message.Message):
     def __init__(self, outcome: _Optional[str] = ..., next_clock: _Optional[int] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "clock")
+    __slots__ = ("worker_id", "clock", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("lease_seconds", "version")
@@ -208,12 +218,14 @@ class HeartbeatReply(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ..., version: _Optional[int] = ...) -> None: ...
 
 class DoneRequest(_message.Message):
-    __slots__ = ("worker_id", "clock")
+    __slots__ = ("worker_id", "clock", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     clock: int
-    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class DoneReply(_message.Message):
     __slots__ = ("live_workers",)

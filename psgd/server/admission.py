@@ -5,8 +5,10 @@ the shard's (:func:`refusal`), and each worker's registration, its lease and the
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
+import secrets
 from typing import Any, Callable, Mapping
 
 from psgd.job import differences as job_differences
@@ -56,6 +58,7 @@ class WorkerInfo:
     hostname: str = ""
     pid: int = 0
     incarnation: str = ""  # the registering process's own random id: one process holds a rank at a time
+    key: str = ""  # the registration's key, made by the shard for that process: every call as this worker carries it
     kept_until: float = 0.0  # a restarted shard keeps a pending rank for its last holder until then
 
 
@@ -64,8 +67,10 @@ class Roster:
 
     A rank is held by one process at a time: while its lease runs, a registration from another process
     (another incarnation) is refused with ALREADY_EXISTS, naming the holder; once the lease has run out
-    (the holder died or hangs) the rank is free again.  The caller holds the shard's lock (``live`` without
-    renewing only reads, and may peek without it).
+    (the holder died or hangs) the rank is free again.  A registration gets a key, random, which the process keeps
+    while it re-registers; a call as the worker that does not carry it (another process, or one that never
+    registered) is refused with PERMISSION_DENIED and counted (``impostors``).  The caller holds the shard's lock
+    (``live`` without renewing only reads, and may peek without it).
     """
 
     def __init__(self, shard: int, num_workers: int, lease_seconds: float, join_timeout: float,
@@ -74,6 +79,7 @@ class Roster:
         self.lease_seconds, self.join_timeout, self._now = lease_seconds, join_timeout, now
         start = now()
         self.workers = {w: WorkerInfo(deadline=start + join_timeout) for w in range(num_workers)}
+        self.impostors = 0  # calls refused for a key that is not the registration's
 
     def check(self, worker: int) -> None:
         """Refuse a worker id outside the job (links check it before they read a push)."""
@@ -81,12 +87,18 @@ class Roster:
             raise ShardError("INVALID_ARGUMENT", f"worker id {worker} is out of range: this job has "
                              f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}")
 
-    def live(self, worker: int, renew: bool = True) -> WorkerInfo:
-        """``worker``'s registration, its lease renewed; refused unless it is live."""
+    def live(self, worker: int, key: str | None, renew: bool = True) -> WorkerInfo:
+        """``worker``'s registration, its lease renewed; refused unless it is live and ``key`` is its key (None: the
+        caller is in this process and vouches for it; a call that came over the network always has a str)."""
         info = self.workers[worker]
         if info.state != "live":
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
                              f"(state: {info.state}); it must register again", reason="NOT_REGISTERED")
+        if key is not None and not hmac.compare_digest(key.encode("utf-8", "surrogatepass"), info.key.encode()):
+            self.impostors += 1
+            raise ShardError("PERMISSION_DENIED", f"worker {worker} is registered with shard {self.shard} by "
+                             f"{info.hostname or '?'} pid {info.pid}: a call as worker {worker} must carry the key "
+                             "that process's registration got; this one does not")
         if renew:
             info.deadline = self._now() + self.lease_seconds
         return info
@@ -104,6 +116,8 @@ class Roster:
             raise ShardError("ALREADY_EXISTS", f"worker {worker} {how}: is a second psgd-worker started with rank "
                              f"{worker}? (A worker restarted after a crash rejoins once the old process's "
                              f"{self.lease_seconds:.0f}s lease has run out.)")
+        if incarnation != info.incarnation or not info.key:  # the same process keeps its key (its calls in flight)
+            info.key = secrets.token_hex(16)
         info.state, info.hostname, info.pid, info.incarnation = "live", hostname, pid, incarnation
         info.deadline = now + self.lease_seconds
         return info
@@ -126,11 +140,13 @@ class Roster:
             except (TypeError, ValueError):  # a manifest written otherwise: the rank is simply not kept
                 continue
 
-    def leave(self, worker: int, clock: int) -> bool:
-        """``worker`` is done at ``clock``; True when it was live until now."""
+    def leave(self, worker: int, clock: int, key: str | None) -> bool:
+        """``worker`` (``key``: its registration's, see :meth:`live`) is done at ``clock``; True when it was live
+        until now (a worker that was not changes nothing)."""
         info = self.workers[worker]
         if info.state != "live":
             return False
+        self.live(worker, key, renew=False)
         info.state, info.clock = "done", max(info.clock, clock)
         return True
 
@@ -146,6 +162,12 @@ class Roster:
                             self.shard, w, "did not register" if was == "pending" else "missed its lease",
                             self.join_timeout if was == "pending" else self.lease_seconds)
         return dropped
+
+    def behind(self, worker: int, clock: int) -> str:
+        """Which other workers a pull of ``worker`` for ``clock`` waits for, in words."""
+        slow = sorted((w, i.clock) for w, i in self.workers.items()
+                      if i.state in ("live", "pending") and w != worker and i.clock < clock)
+        return "other workers still expected: " + (", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none")
 
     def live_count(self) -> int:
         return sum(1 for i in self.workers.values() if i.state == "live")

@@ -112,10 +112,10 @@ class ShardCore:
         self.restored_version: int | None = None
         self.last_checkpoint: tuple[int, float] | None = None
         # a rollback to a cut (psgd.server.recovery.rollback): the version each worker must continue from (until
-        # it comes with a clock no later), the causes gone back for (each once), and for each worker that came
+        # it comes with a clock no later), the causes gone back for (each once; when), and for each worker that came
         # back ahead of this shard restarted from a cut, that cut (its registration's answer)
         self.rewinding: dict[int, int] = {}
-        self.rollback_causes: set[str] = set()
+        self.rollback_causes: dict[str, float] = {}
         self.cut_asked: dict[int, int] = {}
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
@@ -226,11 +226,12 @@ class ShardCore:
 
     def pull(self, worker: int | None, clock: int, timeout: float,
              cancelled: Callable[[], bool] = lambda: False, copy: bool = True, hold: float = float("inf"),
-             on_revoke: Callable[[], None] = lambda: None) -> Snapshot | LiveRead:
+             on_revoke: Callable[[], None] = lambda: None, key: str | None = None) -> Snapshot | LiveRead:
         """Wait until the policy lets ``worker`` (None: an observer, which never waits) read the weights
         for ``clock``, then return a read of them: a shared :class:`Snapshot` (``copy``), or a
         :class:`LiveRead` of the live weights, valid for ``hold`` seconds at least (psgd.server.store says
-        what happens after).  Release either once the bytes are sent.
+        what happens after).  Release either once the bytes are sent.  ``key``: the worker's registration's (see
+        :meth:`Roster.live`: None only for a caller in this process).
 
         Waiting does not renew the worker's lease (its heartbeats do), so a
         worker that dies while its pull waits is still dropped on time; a
@@ -244,7 +245,7 @@ class ShardCore:
         with self.lock:
             if worker is not None:
                 self._check_serving()
-                self.roster.live(worker)
+                self.roster.live(worker, key)
                 self._check_rewound(worker, clock)
                 while not self.policy.pull_ready(worker, clock):
                     self._check_rewound(worker, clock)  # a rollback while it waited
@@ -255,9 +256,11 @@ class ShardCore:
                         raise ShardError("CANCELLED", f"worker {worker} went away while its pull waited")
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ShardError("DEADLINE_EXCEEDED", self._why_waiting(worker, clock, timeout))
+                        raise ShardError("DEADLINE_EXCEEDED", f"pull for clock {clock} by worker {worker} waited "
+                                         f"{timeout:.1f}s under {self.policy.name}; "
+                                         f"{self.roster.behind(worker, clock)}")
                     self.changed.wait(min(left, 0.5))
-                    self.roster.live(worker, renew=False)
+                    self.roster.live(worker, key, renew=False)
             while self.store.writers_waiting:  # an update is due first: never send half-applied weights
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -268,13 +271,6 @@ class ShardCore:
             self.remedies.pulled(worker, self.version)
             return (self.store.snapshot(self.version) if copy else
                     self.store.live(self.version, worker, hold, on_revoke))
-
-    def _why_waiting(self, worker: int, clock: int, timeout: float) -> str:
-        slow = sorted((w, i.clock) for w, i in self.roster.workers.items()
-                      if i.state in ("live", "pending") and w != worker and i.clock < clock)
-        waiting = ", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none"
-        return (f"pull for clock {clock} by worker {worker} waited {timeout:.1f}s under {self.policy.name}; "
-                f"other workers still expected: {waiting}")
 
     def read_rows(self, worker: int | None, lookups: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The rows of each table ``lookups`` names (this shard's ids, distinct), after the pull that lets
@@ -295,11 +291,13 @@ class ShardCore:
             return (*self.tables.page(table, start, max_rows, "a listing"), self.version)
 
     def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray],
-             wire_bytes: int | None = None, rows: RowsIn | None = None, largest: float | None = None) -> PushResult:
+             wire_bytes: int | None = None, rows: RowsIn | None = None, largest: float | None = None,
+             key: str | None = None) -> PushResult:
         """Apply, accumulate or drop one gradient for every slice of this shard, and of the rows it touched
         (``rows``: ids and gradients by table, :mod:`psgd.server.tables`), as the policy says.
         ``wire_bytes``: what the push took on the wire (less than the gradient when compressed); ``largest``: the
-        largest magnitude in ``grads``, where the receive measured it (not measured again)."""
+        largest magnitude in ``grads``, where the receive measured it (not measured again); ``key``: the worker's
+        registration's."""
         self.roster.check(worker)
         if clock < 0 or base_version < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
@@ -316,7 +314,7 @@ class ShardCore:
         with self.lock:
             self.store.after_settling()
             self._check_serving()
-            info = self.roster.live(worker)  # first: a restarted shard asks the worker to register again
+            info = self.roster.live(worker, key)  # first: a restarted shard asks the worker to register again
             self._check_rewound(worker, clock)
             if base_version > self.version:
                 raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
@@ -358,19 +356,19 @@ class ShardCore:
             self.pair.confirm(ticket if action == APPLY else result.version)
         return result
 
-    def heartbeat(self, worker: int, clock: int) -> None:
+    def heartbeat(self, worker: int, clock: int, key: str | None = None) -> None:
         self.roster.check(worker)
         with self.lock:
             self._check_serving()
-            self.roster.live(worker)
+            self.roster.live(worker, key)
 
-    def done(self, worker: int, clock: int) -> int:
-        """``worker`` has finished; returns how many workers are still live."""
+    def done(self, worker: int, clock: int, key: str | None = None) -> int:
+        """``worker`` (its registration's ``key``) has finished; returns how many workers are still live."""
         self.roster.check(worker)
         with self.lock:
             self._check_serving()
             self._check_rewound(worker, clock)
-            if self.roster.leave(worker, clock):
+            if self.roster.leave(worker, clock, key):
                 self._close_rounds(self.policy.leave(worker))
                 self._policy_changed()
                 log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
@@ -420,7 +418,8 @@ class ShardCore:
                 "shard": self.shard, "num_shards": self.plan.num_shards, "policy": self.policy.name,
                 "version": self.version, "plan_hash": self.plan.hash,
                 "bytes_held": int(sum(w.nbytes for w in self.weights.values())), "workers": self.roster.rows(),
-                "counters": {**self.counters, **self.store.counters, "policy": self.policy.describe()},
+                "counters": {**self.counters, **self.store.counters, "impostors": self.roster.impostors,
+                             "policy": self.policy.describe()},
                 "reads": self.store.reads(), "staleness_histogram": list(self.staleness_histogram),
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,

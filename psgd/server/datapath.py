@@ -120,7 +120,8 @@ class DataServer:
             self._handout.stop()
 
     # -- serving an authenticated connection -----------------------------------------------------
-    def _hand_over(self, conn: socket.socket, peer, worker: int, shm: str = "") -> tuple[str, str, str] | None:
+    def _hand_over(self, conn: socket.socket, peer, worker: int, shm: str = "",
+                   key: str = "") -> tuple[str, str, str] | None:
         """Serve ``conn`` (authenticated by the gatekeeper) on a thread of its own, if the cap on served
         connections allows; else the refusal (code, message, reason) to send it."""
         with self._lock:
@@ -129,7 +130,7 @@ class DataServer:
                         "connections, the most it takes (4 per worker + 8)", "too many data connections")
             self._conns.add(conn)
         try:
-            threading.Thread(target=self._serve, args=(conn, peer, worker, shm), daemon=True,
+            threading.Thread(target=self._serve, args=(conn, peer, worker, shm, key), daemon=True,
                              name=f"shard{self.core.shard}-data-{peer[1]}").start()
         except RuntimeError as exc:  # no thread to be had
             with self._lock:
@@ -138,7 +139,7 @@ class DataServer:
                     "no thread for it")
         return None
 
-    def _serve(self, conn: socket.socket, peer, worker: int, shm: str = "") -> None:
+    def _serve(self, conn: socket.socket, peer, worker: int, shm: str = "", key: str = "") -> None:
         seg = None
         try:
             conn.settimeout(self.request_timeout)
@@ -154,7 +155,7 @@ class DataServer:
                 header = spin.read(lambda: protocol.recv_struct(conn, protocol.REQUEST))
                 began = time.thread_time()  # this thread's CPU time: the shard's work, not its waits
                 conn.settimeout(self.request_timeout)
-                answered = self._request(conn, worker, header, seg, shm) or time.thread_time()
+                answered = self._request(conn, worker, header, seg, shm, key) or time.thread_time()
                 with self._served:  # the shard's own share of a step (psgd bench comm --parts latency)
                     self.core.counters["data_requests"] += 1
                     self.core.counters["data_cpu_seconds"] += answered - began
@@ -201,9 +202,10 @@ class DataServer:
 
     # -- requests -------------------------------------------------------------------
     def _request(self, conn: socket.socket, worker: int, header: tuple, seg: segment.Segment | None = None,
-                 purpose: str = "") -> float | None:
-        """Serve one request; this thread's CPU time when its answer went out where the request went on after it (a
-        pull through shared memory waits for the worker's release), else None."""
+                 purpose: str = "", key: str = "") -> float | None:
+        """Serve one request of ``worker`` (``key``: its registration's, from the hello); this thread's CPU time
+        when its answer went out where the request went on after it (a pull through shared memory waits for the
+        worker's release), else None."""
         magic, op, dtype_code, _, clock, base_version, size = header
         if magic != protocol.DATA_MAGIC or op not in protocol.PULLS + protocol.PUSHES:
             self._fatal(conn, "INVALID_ARGUMENT", "not a psgd data request" if op != protocol.OP_RELEASE
@@ -215,8 +217,9 @@ class DataServer:
             self._fatal(conn, "INVALID_ARGUMENT", "a pull carries no payload")
         if op in protocol.PULLS:
             return self._pull(conn, worker, clock, seg,
-                              self._asked(conn, worker, size) if op == protocol.OP_PULL_ROWS else {})
-        result = self._push(conn, worker, clock, base_version, dtype_code, size, seg, op == protocol.OP_PUSH_ROWS)
+                              self._asked(conn, worker, size) if op == protocol.OP_PULL_ROWS else {}, key=key)
+        result = self._push(conn, worker, clock, base_version, dtype_code, size, seg, op == protocol.OP_PUSH_ROWS,
+                            key)
         if result is None:  # refused, and answered
             return None
         pushed = protocol.REPLY.pack(protocol.DATA_MAGIC, 0, _OUTCOME_CODES[result.outcome], result.version,
@@ -227,7 +230,7 @@ class DataServer:
         if not result.pull_ready:  # the pull waits (for the round to close): the push is answered at once
             protocol.send_buffers(conn, [pushed])
             pushed = b""
-        return self._pull(conn, worker, clock + 1, self._weights if seg is not None else None, prefix=pushed)
+        return self._pull(conn, worker, clock + 1, self._weights if seg is not None else None, prefix=pushed, key=key)
 
     # -- rows of embedding tables --------------------------------------------------------------------------
     def _read_rows(self, conn: socket.socket, size: int, began: float, collector: RowCollector,
@@ -269,16 +272,17 @@ class DataServer:
         return pushed.rows()
 
     def _pull(self, conn: socket.socket, worker: int, clock: int, seg: segment.Segment | None = None,
-              lookups: dict[str, np.ndarray] | None = None, prefix: bytes = b"") -> float | None:
-        """Answer a pull of ``clock`` (the weights segment ``seg``: through shared memory), its reply after
-        ``prefix`` (the reply to the push of an OP_PUSH_PULL) in the same send; through shared memory, when the
-        answer went out (the worker's release comes after)."""
+              lookups: dict[str, np.ndarray] | None = None, prefix: bytes = b"", key: str = "") -> float | None:
+        """Answer a pull of ``clock`` by ``worker`` (``key``: its registration's; the weights segment ``seg``:
+        through shared memory), its reply after ``prefix`` (the reply to the push of an OP_PUSH_PULL) in the same
+        send; through shared memory, when the answer went out (the worker's release comes after)."""
         def revoke() -> None:  # the read is past its hold and an update needs its memory: no more of it is sent
             conn.shutdown(socket.SHUT_RDWR)
 
         try:
             snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False,
-                                  hold=transfer_seconds(self.core.nbytes, self.request_timeout), on_revoke=revoke)
+                                  hold=transfer_seconds(self.core.nbytes, self.request_timeout), on_revoke=revoke,
+                                  key=key)
         except ShardError as err:
             self._reply_error(conn, err, prefix)
             return None
@@ -306,8 +310,10 @@ class DataServer:
             return answered
 
     def _push(self, conn: socket.socket, worker: int, clock: int, base_version: int, dtype_code: int,
-              size: int, seg: segment.Segment | None = None, with_rows: bool = False) -> PushResult | None:
-        """Receive and apply a push; what it did, to answer (None: it was refused, and the refusal sent)."""
+              size: int, seg: segment.Segment | None = None, with_rows: bool = False,
+              key: str = "") -> PushResult | None:
+        """Receive and apply a push of ``worker`` (``key``: its registration's); what it did, to answer (None: it
+        was refused, and the refusal sent)."""
         core, began = self.core, time.monotonic()
         try:
             codec = by_code(dtype_code, core.dtype)
@@ -327,7 +333,7 @@ class DataServer:
             core.roster.check(worker)
             # a peek without the shard's lock, which an update holds while it runs: the receive overlaps other
             # workers' updates, and core.push checks (and renews the lease) again under the lock
-            core.roster.live(worker, renew=False)
+            core.roster.live(worker, key, renew=False)
             buf = self.receive_buffers.acquire(self.request_timeout)
         except ShardError as err:  # refused before it takes a buffer; the connection goes on
             if seg is None and not protocol.wants_go_ahead(size):  # its payload follows the header: let it pass
@@ -361,7 +367,8 @@ class DataServer:
             rows = self._pushed_rows(conn, worker, began, size, codec) if with_rows else None
             grads = core.store.gradient_views(buf)
             try:
-                result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows, largest=largest)
+                result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows, largest=largest,
+                                   key=key)
             except ShardError as err:
                 self._reply_error(conn, err)
                 return None

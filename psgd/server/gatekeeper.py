@@ -51,8 +51,9 @@ REFUSAL_LOG_SECONDS = 5.0
 
 #: Takes an authenticated connection ``(sock, peer, worker)``: None once it is taken, else the refusal
 #: ``(code, message, reason)`` the gatekeeper sends before closing it.
-#: (connection, peer, worker id, the hello's wish for a shared-memory segment: "", "pull" or "push")
-HandOver = Callable[[socket.socket, tuple, int, str], "tuple[str, str, str] | None"]
+#: (connection, peer, worker id, the hello's wish for a shared-memory segment: "", "pull" or "push", the worker's
+#: registration key)
+HandOver = Callable[[socket.socket, tuple, int, str, str], "tuple[str, str, str] | None"]
 
 
 class Gatekeeper:
@@ -272,10 +273,10 @@ class Gatekeeper:
             p.events = events
             self._selector.modify(p.sock, events, p)
 
-    def _authenticated(self, p: "_Pending", worker: int, shm: str) -> None:
+    def _authenticated(self, p: "_Pending", worker: int, shm: str, key: str) -> None:
         """Hand ``p`` over to be served; refuse it if it cannot be."""
         self._forget(p)
-        refusal = self._hand_over(p.sock, p.peer, worker, shm)
+        refusal = self._hand_over(p.sock, p.peer, worker, shm, key)
         if refusal is not None:
             self._refuse(p, *refusal)
 

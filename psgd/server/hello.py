@@ -1,9 +1,12 @@
 """What a data connection's hello must say, checked (:func:`check`), and why one is refused (:class:`Refusal`);
 :mod:`psgd.server.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
 
-A hello is a JSON object after the request header: the job's token, the partition plan's hash, and the wish for
-a shared-memory segment (``"shm"``: ``"pull"`` or ``"push"``, workers only) or to follow the shard as its replica
-(``"follow": true``, the header naming no worker: psgd.server.stream); the header names the worker.
+A hello is a JSON object after the request header: the job's token, the partition plan's hash, a worker's
+registration key (``"key"``: what its registration over gRPC got), and the wish for a shared-memory segment
+(``"shm"``: ``"pull"`` or ``"push"``, workers only) or to follow the shard as its replica (``"follow": true``, the
+header naming no worker: psgd.server.stream); the header names the worker.  A hello as a registered worker without
+that registration's key is refused; every request on the connection is checked against the key again (a
+connection of a worker that was not registered yet is served, and its requests are refused until it is).
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ class Refusal(Exception):
 
 
 def check(body: bytes | bytearray, worker: int, *, token: str, plan_hash: str, shard: int,
-          roster: Roster) -> tuple[int, str]:
-    """The worker id and what the connection is for ("", "pull" or "push": a shared-memory segment; "follow": a
-    replica) of a hello whose header named ``worker`` and whose JSON body is ``body``, once checked against the
-    shard's ``token``, its plan's ``plan_hash`` and its ``roster``; a :class:`Refusal` otherwise."""
+          roster: Roster) -> tuple[int, str, str]:
+    """The worker id, what the connection is for ("", "pull" or "push": a shared-memory segment; "follow": a
+    replica) and the registration key it gave, of a hello whose header named ``worker`` and whose JSON body is
+    ``body``, once checked against the shard's ``token``, its plan's ``plan_hash`` and its ``roster``; a
+    :class:`Refusal` otherwise."""
     try:
         said = json.loads(body)
-        given, theirs = str(said.get("token", "")), str(said.get("plan_hash", ""))
+        given, theirs, key = str(said.get("token", "")), str(said.get("plan_hash", "")), str(said.get("key", ""))
         shm = str(said.get("shm", ""))
         follow = said.get("follow") is True
     except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
@@ -49,8 +53,13 @@ def check(body: bytes | bytearray, worker: int, *, token: str, plan_hash: str, s
         except ShardError as err:
             raise Refusal(err.code, err.message, "worker id out of range") from None
     if follow and not shm and worker == protocol.OBSERVER:
-        return worker, "follow"
+        return worker, "follow", ""
     if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER) or follow:
         raise Refusal("INVALID_ARGUMENT", f"a hello may ask for a \"pull\" or \"push\" segment (workers "
                       f"only), not {shm!r}, or to follow (a replica, no worker)", "not a psgd hello")
-    return worker, shm
+    try:  # a peek, without the shard's lock: each request checks again under it
+        if worker != protocol.OBSERVER and roster.workers[worker].state == "live":
+            roster.live(worker, key, renew=False)
+    except ShardError as err:
+        raise Refusal(err.code, err.message, "not the worker's registration") from None
+    return worker, shm, key

@@ -37,6 +37,11 @@ def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
 
 #: the largest version a checkpoint may say (a shard's counters and the wire's int64 hold it)
 MAX_VERSION = 2**62
+#: A shard goes back for a new cause at most once in this many seconds (a worker asked to wait retries): a shard
+#: restarts from a cut in seconds, and a storm of made-up causes cannot hold the job at one version.
+ROLLBACK_SPACING = 1.0
+#: The longest cause a rollback may give (a shard's incarnation is 12 characters).
+MAX_CAUSE = 64
 #: seconds between two lines saying that checkpoints go on failing
 FAILURES_SAID_EVERY = 60.0
 
@@ -190,14 +195,21 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
     continues from ``version`` (:func:`rewind_workers`).  Returns the rounds undone; refuses
     (FAILED_PRECONDITION) where this shard is behind the cut or holds no intact checkpoint of it."""
+    if not cause or len(cause) > MAX_CAUSE or not cause.isprintable():
+        raise ShardError("INVALID_ARGUMENT", f"a rollback must give its cause, the incarnation of the shard that "
+                         f"restarted (at most {MAX_CAUSE} printable characters)")
     with core.lock:
         if cause in core.rollback_causes:
             return 0
+        last = max(core.rollback_causes.values(), default=None)
+        if last is not None and time.monotonic() - last < ROLLBACK_SPACING:
+            raise ShardError("UNAVAILABLE", f"shard {core.shard} went back for another cause "
+                             f"{time.monotonic() - last:.2f}s ago; it goes back at most once a {ROLLBACK_SPACING:g}s")
         if core.version < version:
             raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} is at version {core.version}, behind the cut "
                              f"at {version} that worker {worker} asks it to go back to")
         if core.version == version:  # there already (the shard that restarted, or one that never went past it)
-            core.rollback_causes.add(cause)
+            core.rollback_causes[cause] = time.monotonic()
             rewind_workers(core, version)
             core.changed.notify_all()
             return 0
@@ -212,7 +224,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
             return 0
         undone = core.version - version
         put_back(core, ckpt)
-        core.rollback_causes.add(cause)
+        core.rollback_causes[cause] = time.monotonic()
         rewind_workers(core, version)
         core.counters["rollbacks"] += 1
         core.counters["rounds_undone"] += undone

@@ -109,12 +109,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             _abort(context, err)
         core = self.core
+        held = core.roster.workers[request.worker_id]
+        if held.incarnation != request.incarnation:  # another process took the rank since: its key is not ours
+            _abort(context, ShardError("ABORTED", "the registration was taken over as it was answered; register again"))
         cut = core.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
             incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id,
-            **({"rollback_to": cut} if cut is not None else {}))
+            registration=held.key, **({"rollback_to": cut} if cut is not None else {}))
 
     def Rollback(self, request, context):
         try:
@@ -139,22 +142,22 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         what = f"shard {self.core.shard}: gRPC pull by worker {request.worker_id}"
         key = self._data_call(context, what)
         try:
-            yield from self._weights(request.worker_id, request.clock, request.rows, context, key, what)
+            yield from self._weights(request, request.clock, request.rows, context, key, what)
         finally:
             self._end_call(key)
 
-    def _weights(self, worker_id: int, clock: int, blocks_asked, context, key: int, what: str):
-        """The chunks of a pull of ``clock`` by ``worker_id`` (and of the rows ``blocks_asked`` names), once the
-        policy lets it go; the watchdog of call ``key`` then bounds the time its bytes take."""
+    def _weights(self, asker, clock: int, blocks_asked, context, key: int, what: str):
+        """The chunks of a pull of ``clock`` by ``asker`` (its worker_id and registration; and of the rows
+        ``blocks_asked`` names), once the policy lets it go; the watchdog of call ``key`` bounds the time they take."""
         try:
-            asked = RowCollector(self._row_shapes, False, f"pull by worker {worker_id}")
+            asked = RowCollector(self._row_shapes, False, f"pull by worker {asker.worker_id}")
             for block in blocks_asked:
                 asked.add(block.table, block.ids, block.values)
-            snap = self.core.pull(as_worker(worker_id), clock, _remaining(context, self.request_timeout),
-                                  cancelled=lambda: not context.is_active())
+            snap = self.core.pull(as_worker(asker.worker_id), clock, _remaining(context, self.request_timeout),
+                                  cancelled=lambda: not context.is_active(), key=asker.registration)
             try:  # the rows, once the pull may go: under sync no update comes before this worker's push
                 ids = asked.lookups()
-                rows = self.core.read_rows(as_worker(worker_id), ids) if ids else {}
+                rows = self.core.read_rows(as_worker(asker.worker_id), ids) if ids else {}
             except BaseException:
                 snap.release()
                 raise
@@ -188,7 +191,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             reply, header = self._received(request_iterator, context, key, what)
             yield ps_pb2.TensorChunk(pushed=reply)
             self.watchdog.watch(float("inf"), context, what, key)  # the pull bounds its own wait, as Pull's
-            yield from self._weights(header.worker_id, header.clock + 1, (), context, key, what)
+            yield from self._weights(header, header.clock + 1, (), context, key, what)
         finally:
             self._end_call(key)
 
@@ -207,7 +210,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise ShardError("INVALID_ARGUMENT", "a push must start with a header")
             header = first.header
-            self.core.roster.check(header.worker_id)
+            self.core.roster.check(header.worker_id)  # and a peek: a push as another's registration is not received
+            self.core.roster.live(header.worker_id, header.registration, renew=False)
             assembler = PushAssembler(self.core, header.dtype)
             rows = RowCollector(self._row_shapes, True, f"push from worker {header.worker_id}", assembler.codec)
             for message in request_iterator:
@@ -232,7 +236,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 raise ShardError("INVALID_ARGUMENT", f"the push said it carries {header.rows} rows and {got} came; "
                                  "nothing was applied")
             result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
-                                    wire_bytes=assembler.received, rows=pushed)
+                                    wire_bytes=assembler.received, rows=pushed, key=header.registration)
         except RowsError as err:
             _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
@@ -242,14 +246,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request, context):
         try:
-            self.core.heartbeat(request.worker_id, request.clock)
+            self.core.heartbeat(request.worker_id, request.clock, request.registration)
         except ShardError as err:
             _abort(context, err)
         return ps_pb2.HeartbeatReply(lease_seconds=self.core.roster.lease_seconds, version=self.core.version)
 
     def Done(self, request, context):
         try:
-            live = self.core.done(request.worker_id, request.clock)
+            live = self.core.done(request.worker_id, request.clock, request.registration)
         except ShardError as err:
             _abort(context, err)
         return ps_pb2.DoneReply(live_workers=live)
@@ -350,16 +354,16 @@ class ShardServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("shard %d of %d serving on %s, data port %s (%s; policy %s, %d workers, %d slices, %.1f MB)",
-                 self.core.shard, self.core.plan.num_shards, self.address,
-                 self.data.port if self.data else "none",
+                 self.core.shard, self.core.plan.num_shards, self.address, self.data.port if self.data else "none",
                  "mutual TLS" if self.tls.ca else "TLS" if self.tls.enabled else "plaintext", self.core.policy.name,
-                 self.core.num_workers, len(self.core.slices),
-                 sum(w.nbytes for w in self.core.weights.values()) / 1e6)
+                 self.core.num_workers, len(self.core.slices), sum(w.nbytes for w in self.core.weights.values()) / 1e6)
         return self
 
     def _rollback(self, request: ps_pb2.RollbackRequest) -> ps_pb2.RollbackReply:
         """Go back to the cut of ``request.to_version`` (psgd.server.recovery.rollback), or list the cuts held."""
         core = self.core
+        core.roster.check(request.worker_id)  # only a registered worker, by its registration's key (a peek):
+        core.roster.live(request.worker_id, request.registration, renew=False)
         if not (self.checkpoint_dir and core.cut_rounds):
             raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} keeps no cuts to go back to (it needs a "
                              "checkpoint folder and [cluster] checkpoint_rounds under sync)")

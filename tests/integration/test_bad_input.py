@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -62,6 +62,7 @@ class Shard:
     stub: ps_pb2_grpc.ParameterServerStub
     health: health_pb2_grpc.HealthStub
     channel: grpc.Channel
+    keys: dict = field(default_factory=dict)  # each registered worker's registration key
 
     @property
     def plan(self) -> PartitionPlan:
@@ -74,12 +75,18 @@ class Shard:
     def weights(self) -> dict[str, np.ndarray]:
         return fetch_weights(self.addresses, self.plan, request_timeout=RPC_TIMEOUT)
 
-    def register(self, worker: int) -> ps_pb2.RegisterReply:
-        return self.stub.Register(ps_pb2.RegisterRequest(
+    def register(self, worker: int, clock: int = 0) -> ps_pb2.RegisterReply:
+        reply = self.stub.Register(ps_pb2.RegisterRequest(
             worker_id=worker, plan_hash=self.plan.hash, plan_json=json.dumps(self.plan.description()),
-            hostname="test", pid=1, job_json=json.dumps(self.core.identity)), timeout=RPC_TIMEOUT)
+            hostname="test", pid=1, job_json=json.dumps(self.core.identity), clock=clock), timeout=RPC_TIMEOUT)
+        self.keys[worker] = reply.registration
+        return reply
 
     def push(self, messages: list[ps_pb2.PushMessage]) -> ps_pb2.PushReply:
+        """The push, its header given the registration key of the worker it names (as a worker's client does)."""
+        messages = list(messages)
+        if messages and messages[0].WhichOneof("kind") == "header" and not messages[0].header.registration:
+            messages[0].header.registration = self.keys.get(messages[0].header.worker_id, "")
         return self.stub.Push(iter(messages), timeout=RPC_TIMEOUT)
 
     def status(self) -> ps_pb2.StatusReply:
@@ -288,7 +295,8 @@ def test_an_oversized_message_is_refused_by_grpc_and_the_server_stays_healthy(sh
 
 
 def pull(shard: Shard, worker: int, clock: int, timeout: float = RPC_TIMEOUT) -> list[ps_pb2.TensorChunk]:
-    return list(shard.stub.Pull(ps_pb2.PullRequest(worker_id=worker, clock=clock), timeout=timeout))
+    return list(shard.stub.Pull(ps_pb2.PullRequest(worker_id=worker, clock=clock,
+                                                   registration=shard.keys.get(worker, "")), timeout=timeout))
 
 
 @pytest.mark.parametrize("worker,clock,code,words", [
@@ -382,17 +390,18 @@ def test_messages_echoing_huge_or_odd_input_stay_readable(shard):
 
 
 def test_async_push_clocks_stop_where_the_next_clock_no_longer_fits_int64(async_shard):
-    """Async applies a push with any clock >= the worker's; the largest int64 clock would leave a next
-    clock (2**63) that no reply and no Status can carry, so it is refused."""
+    """Async applies a push at the worker's clock; the largest int64 clock would leave a next clock (2**63) that
+    no reply and no Status can carry, so it is refused, even from a worker that is there already."""
     shard = async_shard
+    shard.register(1, clock=MAX_CLOCK)  # first seen at that clock (the shard started again without a checkpoint)
     before = shard.weights()
-    err = refused(shard.push, valid_push(shard.plan, clock=2**63 - 1))
+    err = refused(shard.push, valid_push(shard.plan, clock=2**63 - 1, worker=1))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "too large" in err.details()
     assert_unchanged(shard, before)
     assert_healthy(shard)
-    reply = shard.push(valid_push(shard.plan, clock=MAX_CLOCK))
+    reply = shard.push(valid_push(shard.plan, clock=MAX_CLOCK, worker=1))
     assert (reply.outcome, reply.next_clock, reply.version) == ("applied", 2**63 - 1, 1)
-    assert shard.status().workers[0].clock == 2**63 - 1
+    assert shard.status().workers[1].clock == 2**63 - 1
     assert_healthy(shard)
 
 

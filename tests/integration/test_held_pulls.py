@@ -43,12 +43,12 @@ def big():
         yield job, servers[0]
 
 
-def _hello(port: int, plan_hash: str, shm: str = "") -> tuple[socket.socket, dict]:
+def _hello(port: int, plan_hash: str, shm: str = "", key: str = "") -> tuple[socket.socket, dict]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
     sock.settimeout(IO)
     sock.connect(("127.0.0.1", port))
-    body = {"token": "", "plan_hash": plan_hash, **({"shm": shm} if shm else {})}
+    body = {"token": "", "plan_hash": plan_hash, "key": key, **({"shm": shm} if shm else {})}
     payload = json.dumps(body).encode()
     sock.sendall(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(payload)) + payload)
     magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
@@ -69,8 +69,8 @@ def stopped_reader(link: str, server):
     core = server.core
     if link == "grpc":
         channel = grpc.insecure_channel(server.address)
-        stream = ps_pb2_grpc.ParameterServerStub(channel).Pull(ps_pb2.PullRequest(worker_id=0, clock=0),
-                                                                timeout=60)
+        stream = ps_pb2_grpc.ParameterServerStub(channel).Pull(ps_pb2.PullRequest(
+            worker_id=0, clock=0, registration=core.roster.workers[0].key), timeout=60)
         first = next(stream)
 
         def finish() -> bytes:
@@ -86,7 +86,8 @@ def stopped_reader(link: str, server):
             stream.cancel()
             channel.close()
         return
-    sock, offer = _hello(server.data.port, core.plan.hash, shm="pull" if link == "shm" else "")
+    sock, offer = _hello(server.data.port, core.plan.hash, shm="pull" if link == "shm" else "",
+                         key=core.roster.workers[0].key)
     seg = segment.attach(offer, offer["bytes"], writable=False) if link == "shm" else None
     try:
         _pull_request(sock)
@@ -148,7 +149,7 @@ def test_a_stopped_shared_memory_reader_is_found_out_when_its_version_had_to_go(
             PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport="tcp", config=job) as other:
         holder.register()
         clock = other.register()
-        first, offer = _hello(server.data.port, plan.hash, shm="pull")
+        first, offer = _hello(server.data.port, plan.hash, shm="pull", key=server.core.roster.workers[0].key)
         seg = segment.attach(offer, offer["bytes"], writable=False)
         try:
             _pull_request(first)

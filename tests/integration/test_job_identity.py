@@ -131,9 +131,9 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
     """The shard's message no longer says "register again": the client acts on the reason alone."""
     original = Roster.live
 
-    def reworded(self, worker, renew=True):
+    def reworded(self, worker, key, renew=True):
         try:
-            return original(self, worker, renew)
+            return original(self, worker, key, renew)
         except Exception as exc:
             exc.message = "this shard has no record of you"  # what people read; the client must not care
             exc.args = (exc.message,)
@@ -168,7 +168,8 @@ def test_the_data_path_reports_the_reason_too():
         plan = plan_of(job)
         with PSClient([servers[0].address], plan, 0, request_timeout=5, config=job) as client:
             client.register()
-        conn = DataConnection("127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0)
+        conn = DataConnection("127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0,
+                              key=servers[0].core.roster.workers[0].key)
         try:
             with servers[0].core.lock:
                 servers[0].core.roster.workers[0].state = "expired"

@@ -134,7 +134,8 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             for what, block in bad_blocks.items():
                 messages = [ps_pb2.PushMessage(header=ps_pb2.PushHeader(  # saying the rows it sends, as a worker does
-                    worker_id=0, clock=0, base_version=0, dtype="float64", rows=len(block.ids) // 8)), *dense,
+                    worker_id=0, clock=0, base_version=0, dtype="float64", rows=len(block.ids) // 8,
+                    registration=core.roster.workers[0].key)), *dense,
                             ps_pb2.PushMessage(rows=block)]
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Push(iter(messages), timeout=10)
@@ -193,7 +194,7 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
             "a torn header": b"\x03\x00",
         }
         for what, rows in [*pushes.items(), ("rows of an absurd length", None)]:
-            conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10)
+            conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10, key=core.roster.workers[0].key)
             try:  # the length of the rows, then the rows (the absurd length: refused before any is read)
                 after = [protocol.ROWS_LENGTH.pack(len(rows)), rows] if rows is not None else [struct.pack("<Q", 1 << 62)]
                 conn._send(protocol.OP_PUSH_ROWS, 0, 0, 0, 0, [dense, *after], len(dense))
@@ -205,7 +206,7 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
         too_many = section("emb", MAX_ROWS + 1, b"")  # refused on its header, before the ids it declares come
         for what, asked in {"an unknown table": {"users": ids}, "an id twice": {"emb": np.array([1, 1])},
                             "too many ids": too_many}.items():
-            conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10)
+            conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10, key=core.roster.workers[0].key)
             try:
                 payload, n = sections({t: (i, None) for t, i in asked.items()}) if isinstance(asked, dict) else \
                     ([asked], len(asked) + (MAX_ROWS + 1) * 8)

@@ -64,6 +64,62 @@ def test_calls_without_the_token_are_refused_and_change_nothing():
         server.stop(1)
 
 
+def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
+    """The token lets a process into the job, not into another process's registration: a push, pull, heartbeat,
+    Done or Rollback as worker 0 without the key worker 0's registration got is refused, counted, and changes
+    nothing; so is a data connection claiming worker 0."""
+    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.policy=async",
+                   "train.epochs=1")
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret").start()
+    try:
+        plan = server.core.plan
+        grads = {s.name: np.full(s.shape, 0.5, dtype=np.float32) for s in plan.specs}
+        with PSClient([server.address], plan, 0, config=job, token="s3cret") as real:
+            real.register()
+            assert [r.outcome for r in real.push(0, grads)] == ["applied"]
+            before, version = server.core.flat.copy(), server.core.version
+            meta = (("authorization", "Bearer s3cret"),)
+            with grpc.insecure_channel(server.address) as channel:
+                stub = ps_pb2_grpc.ParameterServerStub(channel)
+                calls = {
+                    "push": lambda key: stub.Push(iter([ps_pb2.PushMessage(header=ps_pb2.PushHeader(
+                        worker_id=0, clock=1, base_version=version, dtype="float32", registration=key))]),
+                        timeout=5, metadata=meta),
+                    "pull": lambda key: list(stub.Pull(ps_pb2.PullRequest(worker_id=0, clock=1, registration=key),
+                                                       timeout=5, metadata=meta)),
+                    "heartbeat": lambda key: stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=0, registration=key),
+                                                            timeout=5, metadata=meta),
+                    "done": lambda key: stub.Done(ps_pb2.DoneRequest(worker_id=0, clock=1, registration=key),
+                                                  timeout=5, metadata=meta),
+                    "rollback": lambda key: stub.Rollback(ps_pb2.RollbackRequest(
+                        worker_id=0, to_version=0, cause="x", registration=key), timeout=5, metadata=meta),
+                }
+                for name, call in calls.items():
+                    for key in ("", "0" * 32):  # none, and a made-up one
+                        with pytest.raises(grpc.RpcError) as info:
+                            call(key)
+                        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (name, info.value.details())
+                        assert "must carry the key" in info.value.details()
+                for worker_id in (99, -7):  # a rollback by a worker the job does not have
+                    with pytest.raises(grpc.RpcError) as info:
+                        stub.Rollback(ps_pb2.RollbackRequest(worker_id=worker_id, cause="x"), timeout=5, metadata=meta)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(LinkError) as info:  # the data port: a hello claiming worker 0
+                DataConnection("127.0.0.1", server.data.port, 0, plan.hash, token="s3cret", timeout=5)
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(LinkError) as info:
+                DataConnection("127.0.0.1", server.data.port, 0, plan.hash, token="s3cret", timeout=5, key="f" * 32)
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert np.array_equal(server.core.flat, before) and server.core.version == version
+            status = server.core.status()
+            assert status["workers"][0]["state"] == "live"  # the Done changed nothing
+            assert status["counters"]["impostors"] == 2 * len(calls) + 2
+            assert [r.outcome for r in real.push(1, grads)] == ["applied"]  # the real worker goes on
+            real.done()
+    finally:
+        server.stop(1)
+
+
 def test_a_retried_push_is_applied_once():
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=2", "cluster.policy=async")
     with shards(job) as servers:

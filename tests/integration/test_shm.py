@@ -70,7 +70,7 @@ def pushes_mapped(job: str) -> list[str]:
 def with_segment(shard: Shard, purpose: str, worker: int = 0, port: int | None = None, token: str = ""):
     """A raw data connection that asked for a ``purpose`` segment, and the segment, mapped."""
     sock = dial(shard.port if port is None else port)
-    body = json.dumps({"token": token, "plan_hash": shard.plan.hash, "shm": purpose}).encode()
+    body = json.dumps({"token": token, "plan_hash": shard.plan.hash, "shm": purpose, "key": shard.key(worker)}).encode()
     send_hello(sock, shard.plan.hash, worker=worker, body=body)
     magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
     assert magic == protocol.DATA_MAGIC and status == 0
@@ -325,10 +325,12 @@ with PSClient([sys.argv[2]], plan, 1, request_timeout=10, transport="shm", confi
     writer = threading.Thread(target=rewrite)
     writer.start()
     try:
-        for clock in range(1, int(sys.argv[3])):
+        clock = 1
+        for _ in range(1, int(sys.argv[3])):
             try:
                 client.push(clock, zeros)
                 got["applied"] += 1
+                clock += 1  # a refused push leaves the worker's clock where it was
             except PSError as exc:
                 got["refused"] += 1
                 if "non-finite" not in str(exc) and len(got["errors"]) < 3:

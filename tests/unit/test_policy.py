@@ -157,12 +157,23 @@ def test_async_applies_every_new_push_and_never_waits():
     assert [policy.push(0, c).action for c in range(3)] == [APPLY] * 3
     assert policy.clock_of(0) == 3 and policy.clock_of(1) == 0
     assert policy.pull_ready(0, 100) and policy.pull_ready(1, 0)
-    gap = policy.push(1, 5)  # gaps are allowed
-    assert gap.action == APPLY and gap.next_clock == 6
+    beyond = policy.push(1, 5)  # worker 1 pushes clock 0 next: it cannot have reached 5
+    assert beyond.action == REJECT and beyond.next_clock == 0
+    assert "beyond what worker 1 can have reached" in beyond.reason
+    assert policy.push(1, 10**12).action == REJECT
+    for c in range(6):
+        assert policy.push(1, c).action == APPLY
     old = policy.push(1, 2)
     assert old.action == DUPLICATE and old.next_clock == 6
     assert policy.min_live_clock() == 3
-    assert policy.describe()["counters"] == {"pushes_applied": 4, "duplicates": 1, "late": 0, "rejected": 0}
+    assert policy.describe()["counters"] == {"pushes_applied": 9, "duplicates": 1, "late": 0, "rejected": 2}
+
+
+def test_local_sgd_may_skip_its_local_steps_and_no_more():
+    policy = make_policy("local", 1, local_steps=4)
+    assert policy.push(0, 3).action == APPLY  # the first period's push, after its 4 local steps
+    assert policy.push(0, 7).action == APPLY
+    assert policy.push(0, 13).action == REJECT  # 12 is the furthest one period can take it
 
 
 @pytest.mark.parametrize("name, options", [("async", {}), ("ssp", {"staleness": 1})])
@@ -251,7 +262,7 @@ EVENT = st.tuples(st.sampled_from(["push", "push", "push", "pull", "leave", "joi
 
 def _model_push(clocks: list[int], live: set[int], w: int, clock: int) -> str:
     """The async/ssp push rule, on the test's own model of the clocks."""
-    if w not in live:
+    if w not in live or clock > clocks[w]:  # left, or a clock it cannot have reached
         return REJECT
     if clock < clocks[w]:
         return DUPLICATE

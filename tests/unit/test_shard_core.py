@@ -257,8 +257,8 @@ def test_async_applies_every_push_and_records_staleness():
     assert (r.outcome, r.version, r.staleness) == ("applied", 2, 1)
     r = push(core, 0, 1, g[2], base=1)
     assert (r.outcome, r.version, r.staleness) == ("applied", 3, 1)
-    r = push(core, 1, 5, g[3], base=3)  # clocks may skip ahead under async
-    assert (r.outcome, r.version, r.staleness, r.next_clock) == ("applied", 4, 0, 6)
+    r = push(core, 1, 1, g[3], base=3)
+    assert (r.outcome, r.version, r.staleness, r.next_clock) == ("applied", 4, 0, 2)
     assert_weights(core, expect(*((0.5, x) for x in g)))  # each push at lr / 2 workers
     hist = core.status()["staleness_histogram"]
     assert len(hist) == STALENESS_BUCKETS
@@ -568,14 +568,28 @@ def test_malformed_pushes_are_refused():
 @pytest.mark.parametrize("policy,options", [("async", {}), ("ssp", {"staleness": 1})])
 def test_a_push_clock_must_leave_room_for_the_next_clock_in_int64(policy, options):
     core, _ = make_core(policy, 2, options=options)
-    register_all(core)
+    register_all(core, [0])
     err = error(push, core, 0, MAX_CLOCK + 1)
     assert err.code == "INVALID_ARGUMENT" and "too large" in err.message
     assert core.version == 0
     assert_weights(core, INIT)
-    r = push(core, 0, MAX_CLOCK)  # gaps are allowed: the largest clock is still applied
+    core.register(1, PLAN.hash, clock=MAX_CLOCK)  # first seen there (a shard that started again without a checkpoint)
+    r = push(core, 1, MAX_CLOCK)  # the largest clock is still applied
     assert (r.outcome, r.next_clock) == ("applied", 2**63 - 1)
-    assert core.status()["workers"][0]["clock"] == 2**63 - 1
+    assert core.status()["workers"][1]["clock"] == 2**63 - 1
+
+
+@pytest.mark.parametrize("policy,options", [("async", {}), ("ssp", {"staleness": 1}), ("local", {"local_steps": 2})])
+def test_a_push_with_a_clock_the_worker_cannot_have_reached_is_refused_and_counted(policy, options):
+    core, _ = make_core(policy, 2, options=options)
+    register_all(core)
+    push(core, 0, 0)
+    before = {k: v.copy() for k, v in core.weights.items()}
+    err = error(push, core, 0, 10**12)
+    assert err.code == "FAILED_PRECONDITION" and "beyond what worker 0 can have reached" in err.message
+    assert core.version == 1 and all(np.array_equal(core.weights[k], v) for k, v in before.items())
+    assert core.status()["counters"]["rejected"] == 1
+    assert push(core, 0, 1).outcome == "applied"  # its own next clock goes on
 
 
 def test_pull_and_push_from_a_worker_that_has_not_registered():

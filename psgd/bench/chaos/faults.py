@@ -223,7 +223,7 @@ class FaultInjection:
 
     def _trickled_push(self, r: int, unregistered: int) -> str:
         """Pushes sent a byte at a time to every shard: ``unregistered`` connections per shard as no worker,
-        one as worker ``r`` (its rank is live).  The shard must close each within the transfer deadline of
+        one as worker ``r`` (its rank is live; without its registration's key, so refused at its hello).  The shard must close each within the transfer deadline of
         its size (a registered one may hold a receive buffer until then; an unregistered one takes none), and
         training must go on meanwhile."""
         c = self.cluster

@@ -91,7 +91,9 @@ def hostile(targets: Sequence[Sequence[Any]], count: int, seconds: float, seed: 
 def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, plan_hash: str,
                seconds: float) -> dict:
     """Worker ``worker``'s pull from each (host, data port) whose shard holds ``sizes`` bytes of weights, asked
-    for and left unfinished for ``seconds``, as a worker stopped in the middle of it leaves it: over shared
+    for and left unfinished for ``seconds``, as a worker stopped in the middle of it leaves it.  Made from outside
+    the worker's process, it lacks the key of the worker's registration: a shard refuses its hello while the rank
+    is live (counted as refused), and serves it as a stranger's only once the rank is not.  Over shared
     memory where the shard offers it (answered, its version never released), else over TCP (a small receive
     window, nothing read: the shard's read of a model that fits the socket buffers ends once its bytes are in
     them).  The connections are a worker's own (psgd.link.shm, psgd.link.tcp).  Returns what was left
@@ -128,7 +130,8 @@ def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: i
 def trickle_pushes(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, unregistered: int,
                    plan_hash: str, seconds: float, pace: float = 0.25) -> dict:
     """Against each (host, data port) whose shard holds ``sizes`` bytes: ``unregistered`` connections that say
-    hello as an observer (no worker: never registered) and one as worker ``worker`` (registered, live), each
+    hello as an observer (no worker: never registered) and one as worker ``worker`` (live, but this process has
+    not its registration's key: refused at its hello while the rank is live), each
     sending the header of a push of the shard's size and then its payload one byte every ``pace`` seconds,
     until the shard closes it or ``seconds`` pass.  The token is the environment's, as a worker's.  Returns how
     many were opened and refused, how many the shard closed, and the longest any stayed open (seconds)."""
