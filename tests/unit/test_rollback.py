@@ -188,3 +188,23 @@ def test_a_cut_needs_every_worker_in_every_round():
     with pytest.raises(ConfigError, match="backup_workers = 1 closes rounds without some"):
         build_shard(describe_job(make_job("cluster.policy=sync", "cluster.checkpoint_rounds=4",
                                           "cluster.backup_workers=1", "cluster.workers=2")), 0)
+
+
+def test_a_rollback_names_its_cause_and_a_storm_of_causes_goes_back_once_a_second(tmp_path):
+    """Found: an empty cause was accepted, and 141 rollbacks with made-up causes held a job at one version for
+    30 s.  A shard goes back for a new cause at most once a ROLLBACK_SPACING; a worker told to wait retries."""
+    core, folder = cut_core(tmp_path)
+    rounds(core, 0, 5)
+    for cause in ("", "x" * 65, "line\nbreak"):
+        err = error(recovery.rollback, core, folder, 2, cause, worker=0)
+        assert err.code == "INVALID_ARGUMENT" and "cause" in err.message
+    assert core.version == 5
+    assert recovery.rollback(core, folder, 4, "restart-1", worker=0) == 1
+    rounds(core, 4, 5)
+    for n in range(20):  # made-up causes, at once: refused, the job goes on from where it is
+        err = error(recovery.rollback, core, folder, 2, f"made-up-{n}", worker=1)
+        assert err.code == "UNAVAILABLE" and "at most once a" in err.message
+    assert core.version == 5 and core.counters["rollbacks"] == 1
+    assert recovery.rollback(core, folder, 4, "restart-1", worker=1) == 0  # the same cause again: nothing to do
+    core.rollback_causes["restart-1"] -= recovery.ROLLBACK_SPACING  # a second later
+    assert recovery.rollback(core, folder, 4, "restart-2", worker=1) == 1
