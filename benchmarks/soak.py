@@ -32,8 +32,10 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
     from psgd.partition import PartitionPlan
     from psgd.loop import evaluate
     from psgd.job import build_job, params_to_device
+    from psgd.bench.chaos.processes import job_token
     from psgd.worker.client import PSClient, fetch_weights
 
+    token = job_token()  # the job's token, in the environment every process started here inherits
     run = Path(folder or tempfile.mkdtemp(prefix="psgd-soak-"))
     job = JobConfig()
     job.apply_sets(["cluster.policy=async", f"cluster.workers={workers}", f"cluster.shards={shards}",
@@ -75,7 +77,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
                     counts["crashes"] += 1
                     raise RuntimeError(f"{name} exited by itself with status {p.returncode}; "
                                        f"see {run / (name + '.log')}")
-            with PSClient(job.cluster.servers, plan, request_timeout=10) as client:
+            with PSClient(job.cluster.servers, plan, request_timeout=10, token=token) as client:
                 now = [s.version for s in client.status()]
             counts["checks"] += 1
             if versions and now == versions[-1]:
@@ -86,7 +88,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
             else:
                 still = 0
             versions.append(now)
-            weights = fetch_weights(job.cluster.servers, plan, request_timeout=10)
+            weights = fetch_weights(job.cluster.servers, plan, request_timeout=10, token=token)
             loss, acc = evaluate(built.model, params_to_device(weights, built.device), built.dataset.x_test,
                                  built.dataset.y_test, built.device)
             losses.append((round(time.monotonic() - (end - seconds), 1), loss, acc))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -19,6 +20,16 @@ from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
+
+
+#: The job's token, as a user's shell holds it for the processes of a job they start by hand (psgd-server refuses
+#: to start without one): the same for every process a test starts.
+TOKEN = secrets.token_urlsafe(16)
+
+
+def by_hand_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a user starts by hand: theirs, with the job's token (and ``extra``)."""
+    return {**os.environ, "PSGD_TOKEN": TOKEN, **extra}
 
 
 def make_job(*sets: str) -> JobConfig:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from psgd.bench.chaos.processes import job_token
 from psgd.model import BaseModel, VarSpec
 
 MB = 1_000_000
@@ -60,6 +61,7 @@ class ShardProcesses:
         self.tmp = Path(tempfile.mkdtemp(dir=tmp))
         self.path = self.tmp / "job.toml"
         self.path.write_text(to_toml(config.to_dict()))
+        self.token = job_token()  # the job's token, in the environment every process started from here inherits
         self.env = dict(os.environ)
         files = [self.tmp / f"{k}.addr" for k in range(shards)]
         on = [hosts.prefix(f"s{k}") if hosts else [] for k in range(shards)]
@@ -80,7 +82,8 @@ class ShardProcesses:
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, config=self.config)
+        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, config=self.config,
+                     token=self.token)
         c.wait_ready(60)
         c.register()
         return c

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from psgd.bench.chaos.processes import command, free_port_pair
+from psgd.bench.chaos.processes import command, free_port_pair, job_token
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.parsing import comma_list
@@ -99,7 +99,7 @@ def _status(address: str) -> dict | None:
     from psgd.ops.reach import Connect, read_status
 
     try:
-        return read_status(address, Connect(timeout=2))
+        return read_status(address, Connect(timeout=2, token=job_token()))
     except Exception:  # not answering (yet, or any more)
         return None
 
@@ -122,6 +122,7 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
     job_file.write_text(to_toml(config.to_dict()))
     total = WORKERS * steps_per_epoch(len(build_job(config).dataset.x_train), WORKERS, config.train.batch_size) * epochs
     server, worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
+    job_token()  # the job's token, in the environment every process started here inherits
     procs: dict[str, subprocess.Popen] = {}
 
     def start(name: str, argv: list[str]) -> None:

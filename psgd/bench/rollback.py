@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from psgd.bench.chaos.processes import command, free_port_pair
+from psgd.bench.chaos.processes import command, free_port_pair, job_token
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.parsing import comma_list
@@ -76,6 +76,7 @@ def one_run(folder: Path, interval: int, epochs: int, kill_at: float | None) -> 
     folder.mkdir(parents=True, exist_ok=True)
     ckpt = folder / "ckpt"
     job_file, servers, job = _config(ckpt, interval, epochs)
+    token = job_token()  # every process started here inherits it
     total = steps_per_epoch(len(job.dataset.x_train), WORKERS, job.config.train.batch_size) * epochs
     server, worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
     procs: list[subprocess.Popen] = []
@@ -109,11 +110,11 @@ def one_run(folder: Path, interval: int, epochs: int, kill_at: float | None) -> 
                 raise RollbackBenchError(f"worker {r} exited with status {code}: "
                                          f"{(folder / f'w{r}.log').read_text()[-1500:]}")
         ended = time.time()
-        with PSClient(servers, job.plan, request_timeout=10) as client:
+        with PSClient(servers, job.plan, request_timeout=10, token=token) as client:
             statuses = client.status()
         counters = [json.loads(s.counters_json) for s in statuses]
         versions = [s.version for s in statuses]
-        weights = fetch_weights(servers, job.plan)
+        weights = fetch_weights(servers, job.plan, token=token)
     except subprocess.TimeoutExpired:
         raise RollbackBenchError(f"the job did not end within {BOUND:.0f}s") from None
     finally:
@@ -184,7 +185,7 @@ def _kill_between_cuts(folder: Path, victim: subprocess.Popen, workers: list[sub
     while len([x for x in _records(folder / "w0.jsonl") if x.get("event") == "step"]) < after:
         check()
         time.sleep(0.01)  # polling worker 0's step records, with a deadline
-    with PSClient(servers, plan, request_timeout=10) as client:
+    with PSClient(servers, plan, request_timeout=10, token=job_token()) as client:
         while True:
             check()
             if between(client.links[1].status().version):

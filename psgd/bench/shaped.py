@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from concurrent import futures
@@ -55,7 +56,8 @@ def ps_steps(network, size: int, shards: int, workers: int, steps: int, tmp: str
             path = cluster.tmp / f"worker-{r}.json"
             path.write_text(json.dumps({**spec, "rank": r}))
             runs.append(subprocess.Popen([*network.net.prefix(f"w{r}"), PY, "-m", "psgd.bench.shaped", "worker",
-                                          str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                          str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         env=cluster.env))
         with futures.ThreadPoolExecutor(workers) as pool:
             outputs = list(pool.map(lambda p: p.communicate(timeout=WORKER_TIMEOUT), runs))
     for proc, (out, err) in zip(runs, outputs):
@@ -192,7 +194,8 @@ def worker_main(spec_path: str) -> int:
     config = JobConfig.load(spec["job"])
     elems = int(config.model["size"])
     plan = describe_job(config, model=Blob((1,), 2, size=elems)).plan
-    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], config=config) as client:
+    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], config=config,
+                  token=os.environ.get("PSGD_TOKEN", "")) as client:
         client.wait_ready(60)
         client.register()
         pulls, pushes = pull_push_loop(client, elems, spec["steps"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -62,7 +63,7 @@ def _status(address: str) -> dict:
     from psgd.ops.reach import Connect, read_status
 
     try:
-        return read_status(address, Connect(timeout=5.0))["counters"]
+        return read_status(address, Connect(timeout=5.0, token=os.environ.get("PSGD_TOKEN", "")))["counters"]
     except grpc.RpcError as exc:
         raise StallError(f"the shard at {address} did not answer Status: {exc.code().name}") from None
 
@@ -88,9 +89,10 @@ def _rate(metrics: list[Path], start: float, end: float) -> float:
 
 def measure(transport: str, width: int, workers: int, seconds: float, folder: Path, say) -> dict:
     """One transport's figures: the others' steps/s undisturbed and with worker 0 stopped mid-pull."""
-    from psgd.bench.chaos.processes import command, free_port_pair, last_error
+    from psgd.bench.chaos.processes import command, free_port_pair, job_token, last_error
     from psgd.launch.supervise import dying_with_parent
 
+    job_token()  # the job's token, in the environment every process started here inherits
     bind = f"127.0.0.1:{free_port_pair(random.Random())}"
     path = _job(folder, transport, width, workers, bind)
     procs: list[subprocess.Popen] = []

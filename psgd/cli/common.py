@@ -166,7 +166,7 @@ def start_process(config: JobConfig) -> None:
 
 def add_token_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=None, metavar="TOKEN",
-                        help="shared secret every call must carry (default: $PSGD_TOKEN; none: no check). "
+                        help="the job's shared secret, which every call carries (default: $PSGD_TOKEN). "
                              "Make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
 
 

@@ -31,7 +31,11 @@ job's consistency policy (sync, async or ssp).
 Every process of a job reads the same job file; a worker built from another
 model, dtype or shard count is refused when it registers. The shard index
 comes from --shard, else PSGD_SHARD, else 0; the shard addresses from
---servers, PSGD_SERVERS or the job file. SIGTERM, SIGINT or SIGHUP: stop
+--servers, PSGD_SERVERS or the job file. A shard needs the job's token
+(--token or PSGD_TOKEN, the same on every process of the job) and refuses to
+start without one: anyone who reaches its ports could otherwise read the
+weights, push and stop the job. --no-token serves without one, saying so.
+SIGTERM, SIGINT or SIGHUP: stop
 serving, let calls in flight finish, write a last checkpoint, exit 0 (1 if
 that checkpoint could not be written).
 
@@ -42,6 +46,7 @@ push is acknowledged, and takes over when the primary dies; a killed
 process started again follows whichever of the two leads.
 
 examples:
+  export PSGD_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')   # once, for every process
   psgd-server -c job.toml --shard 0 --bind 127.0.0.1:50051
   psgd-server --shards 1 --workers 4 --policy ssp --staleness 3 --bind 127.0.0.1:50051
   psgd-server -c job.toml --shard 0 --replica     # replicas = 1: shard 0's replica, at replica_servers[0]
@@ -90,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                         help="how many checkpoints to keep (default 3)")
     add_token_argument(parser)
+    parser.add_argument("--no-token", action="store_true",
+                        help="serve without a token: anyone who reaches this shard's ports can read the weights, "
+                             "push and stop the job (without it, a shard with no token refuses to start)")
     add_tls_arguments(parser, server=True)
     add_metrics_arguments(parser)
     add_job_arguments(parser, cluster=True)
@@ -125,6 +133,14 @@ def serve(args: argparse.Namespace) -> int:
     if args.checkpoint_every <= 0 or args.keep_checkpoints < 1:
         raise ConfigError("--checkpoint-every must be > 0 and --keep-checkpoints at least 1")
     core = build_shard(describe_job(config), args.shard)
+    token = token_from_args(args)
+    if not token and not args.no_token:
+        raise ConfigError("psgd-server needs the job's token, so that only the job's own processes can read or "
+                          "change it: pass --token or set PSGD_TOKEN, the same on every process of the job (make "
+                          "one: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'); or --no-token to "
+                          "serve anyone who can reach this shard's ports")
+    if token and args.no_token:
+        raise ConfigError("--no-token and a token (--token or PSGD_TOKEN) together: give one or the other")
     if args.checkpoint_dir:
         from psgd.server import checkpoint, recovery
 
@@ -133,7 +149,10 @@ def serve(args: argparse.Namespace) -> int:
         except checkpoint.CheckpointError as exc:
             raise ConfigError(str(exc)) from None
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()
-    token, tls = token_from_args(args), tls_from_args(args, config)
+    tls = tls_from_args(args, config)
+    if not token:
+        log.warning("serving WITHOUT a token (--no-token): anyone who can reach %s and its data port can read the "
+                    "weights, push gradients and stop the job", bind)
     try:
         data_port = args.data_port if args.data_port is not None else \
             c.data_ports[args.shard] if c.data_ports and not args.replica else 0

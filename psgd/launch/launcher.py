@@ -43,7 +43,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     thread from the workers' start until they have all finished (``stop`` is
     set then); it may read the shards with ``token``, e.g. to evaluate the weights over time.
     The shards want ``$PSGD_TOKEN``; without one, a single node makes a random token for the job and
-    hands it to its children in their environment (never in the job file or a log).
+    hands it to its children in their environment (never in the job file or a log), and a node of several
+    refuses to start (every node must know the same token).
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
     this machine (one node).  ``tls`` (certificate, key and CA together) is mutual TLS between every shard,
@@ -102,10 +103,10 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
             token = secrets.token_urlsafe(32)  # only this launcher's children and its own reads know it
             log.info("the shards want a token made for this job (to watch them with psgd status, launch with "
                      "PSGD_TOKEN set)")
-        else:
-            log.warning("no PSGD_TOKEN: the shards of this %d-node job answer anyone who reaches their ports; "
-                        "set the same PSGD_TOKEN on every node (python -c 'import secrets; "
-                        "print(secrets.token_urlsafe(32))')", layout.nnodes)
+        else:  # every node must know the same one: none is made here
+            raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
+                              "on each before psgd launch (make one: python3 -c 'import secrets; "
+                              "print(secrets.token_urlsafe(32))')")
     children = Children()
     began = time.time()  # metrics lines from before this launch (a reused run folder) are not this run's
     with children.forwarding_signals():

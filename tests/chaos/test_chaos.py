@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import make_job, run_threads, shards, wait_for
+from helpers import TOKEN, by_hand_env, make_job, run_threads, shards, wait_for
 from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
                                          check_no_loss, check_restore, check_same_weights)
 from psgd.bench.chaos.draws import Planner
@@ -247,7 +247,7 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
 def _shard_process(job_path, port, *extra):
     return subprocess.Popen([*command("psgd-server", "psgd.cli.server"), "-c", str(job_path), "--shard", "0",
                              "--bind", f"127.0.0.1:{port}", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=by_hand_env())
 
 
 def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_path):
@@ -265,7 +265,7 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
     try:
         plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.slice_bytes)
-        with PSClient(job.cluster.servers, plan, 0, config=job, request_timeout=10) as client:
+        with PSClient(job.cluster.servers, plan, 0, config=job, request_timeout=10, token=TOKEN) as client:
             client.wait_ready(30)
             client.register()
             client.start_heartbeats()  # a live worker, renewing its lease
@@ -313,7 +313,7 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
         for delay in (0.005, 0.015, 0.03):
             worker = subprocess.Popen([*command("psgd-worker", "psgd.cli.worker"), "-c",
                                        str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=by_hand_env())
             guard = threading.Timer(60, worker.kill)  # bounds the read below, should the worker hang
             guard.start()
             try:

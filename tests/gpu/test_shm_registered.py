@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import make_job, shards, wait_for
+from helpers import TOKEN, by_hand_env, make_job, shards, wait_for
 from psgd import xp as backend
 from psgd.config import to_toml
 from psgd.job import build_job
@@ -92,7 +92,7 @@ def _job(transport: str, overlap: bool):
 def _server(job_path: Path, port_file: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "psgd.cli.server", "-c", str(job_path), "--shard", "0",
                              "--bind", "127.0.0.1:0", "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True)
+                            stderr=log.open("w"), start_new_session=True, env=by_hand_env())
 
 
 @pytest.mark.gpu
@@ -110,9 +110,9 @@ def test_a_gpu_worker_over_registered_shared_memory_ends_where_tcp_and_one_cpu_p
             return (tmp_path / "port").exists() and (tmp_path / "port").read_text().strip()
 
         servers = [wait_for(address, 60, "the shard's port file")]
-        result = run_worker(job, 0, servers, progress=False,
+        result = run_worker(job, 0, servers, progress=False, token=TOKEN,
                             on_step=lambda point: held.append(backend.registered_host_bytes()))
-        over_shm = fetch_weights(servers, plan)
+        over_shm = fetch_weights(servers, plan, token=TOKEN)
     finally:
         os.killpg(shard.pid, signal.SIGKILL)
         shard.wait(30)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import make_job, skip_or_fail, wait_for
+from helpers import TOKEN, by_hand_env, make_job, skip_or_fail, wait_for
 from psgd.ops.reach import Connect
 from psgd.ops.view import collect
 from psgd.config import to_toml
@@ -229,7 +229,7 @@ class Server:
         argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "psgd.cli.server"]
         self.proc = subprocess.Popen([*argv, "-c", str(path), "--shard", "0", "--bind", "127.0.0.1:0",
                                       "--port-file", str(self.port_file), "--checkpoint-dir", str(root), *extra],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "w"), env=by_hand_env())
 
     def text(self) -> str:
         return self.log.read_text()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import wait_for
+from helpers import by_hand_env, wait_for
 
 PSGD = shutil.which("psgd") or "psgd"
 SERVER = shutil.which("psgd-server") or "psgd-server"
@@ -23,7 +23,8 @@ SERVER = shutil.which("psgd-server") or "psgd-server"
 def start_server(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     port_file = tmp_path / "shard.addr"
     proc = subprocess.Popen([SERVER, "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--workers", "1",
-                             "-q", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "-q", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=by_hand_env())
     wait_for(lambda: proc.poll() is not None or (port_file.exists() and port_file.read_text().strip()), 60,
              "the shard's port file")
     assert proc.poll() is None, proc.stderr.read()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import free_port_pair
+from helpers import TOKEN, free_port_pair
 
 PSGD = shutil.which("psgd") or "psgd"
 TANHNET = Path(__file__).resolve().parent.parent / "data" / "tanhnet.py"
@@ -78,6 +78,7 @@ def test_one_launch_per_node_trains_what_one_machine_trains(tmp_path):
     port = free_port_pair(hosts=tuple(hosts))
     job = [*JOB, "--shards", "2", "--workers", "2", "--no-progress", "--json"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PSGD_TOKEN"] = TOKEN  # the job's token, the same on every node
     nodes = [subprocess.Popen([PSGD, "launch", "--nnodes", "2", "--node-rank", str(i), "--hosts", ",".join(hosts),
                                "--port", str(port), "--run-dir", str(tmp_path / f"node{i}"), *job],
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, wait_for
+from helpers import TOKEN, by_hand_env, free_port, wait_for
 from psgd.config import JobConfig
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
@@ -155,13 +155,15 @@ def test_shards_and_workers_sigtermed_together_all_exit_0(tmp_path):
         files = [tmp_path / f"shard-{k}.addr" for k in (0, 1)]
         for k in (0, 1):
             procs.append(subprocess.Popen([SERVER, "-c", str(job), "--shard", str(k), "--port-file", str(files[k])],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          env=by_hand_env()))
         wait_for(lambda: all(f.exists() for f in files), 60, "both shards to serve")
         servers = ",".join(f.read_text().strip() for f in files)
         for r in (0, 1):
             procs.append(subprocess.Popen([WORKER, "-c", str(job), "--rank", str(r), "--servers", servers,
                                            "--no-progress", "--metrics", str(tmp_path / f"w{r}.jsonl")],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          env=by_hand_env()))
         wait_for(lambda: all((tmp_path / f"w{r}.jsonl").exists() for r in (0, 1)), 60, "both workers to step")
         began = time.monotonic()
         for p in procs:
@@ -223,14 +225,16 @@ def test_a_worker_waiting_in_a_sync_round_stops_within_two_seconds(tmp_path, tra
     try:
         port_file = tmp_path / "shard.addr"
         procs.append(subprocess.Popen([SERVER, "-c", str(job), "--shard", "0", "--port-file", str(port_file)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      env=by_hand_env()))
         address = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 60, "the shard to serve")
         worker = subprocess.Popen([WORKER, "-c", str(job), "--rank", "0", "--servers", address, "--no-progress"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=by_hand_env())
         procs.append(worker)
         config = JobConfig.load(job)
         plan = PartitionPlan(build_job(config).model.specs(), 1, config.cluster.slice_bytes)
-        with PSClient([address], plan) as observer:  # worker 0 pushed clock 0: it waits for round 0 to close
+        # worker 0 pushed clock 0: it waits for round 0 to close
+        with PSClient([address], plan, token=TOKEN) as observer:
             wait_for(lambda: observer.status()[0].workers[0].clock == 1, 60, "worker 0 to push its first step")
         began = time.monotonic()
         worker.send_signal(signal.SIGTERM)

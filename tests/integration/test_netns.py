@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import skip_or_fail, wait_for
+from helpers import by_hand_env, skip_or_fail, wait_for
 from psgd.bench.netns import IP, Namespaces, NetworkError, unavailable
 from psgd.config import JobConfig, to_toml
 
@@ -45,13 +45,13 @@ class Hosts(Namespaces):
 
     def run(self, host: str, argv: list[str], log: Path) -> subprocess.Popen:
         proc = subprocess.Popen([*self.prefix(host), *argv], stdout=subprocess.PIPE, stderr=open(log, "w"),
-                                stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                stdin=subprocess.DEVNULL, text=True, env=by_hand_env(PYTHONUNBUFFERED="1"))
         self.procs.append(proc)
         return proc
 
     def call(self, host: str, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix(host), *argv], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              env=by_hand_env(PYTHONUNBUFFERED="1"))
 
     def rx_bytes(self, host: str) -> int:
         stats = json.loads(ip("-n", self.ns(host), "-s", "-j", "link", "show", "eth0").stdout)
@@ -85,7 +85,7 @@ def hosts():
 
 
 EVALUATE = """
-import json, sys
+import json, os, sys
 from psgd.config import JobConfig
 from psgd.partition import PartitionPlan
 from psgd.loop import evaluate
@@ -94,7 +94,7 @@ from psgd.worker.client import fetch_weights
 job = JobConfig.load(sys.argv[1])
 built = build_job(job)
 plan = PartitionPlan(built.model.specs(), job.cluster.shards, job.cluster.slice_bytes)
-weights = fetch_weights(job.cluster.servers, plan, request_timeout=30)
+weights = fetch_weights(job.cluster.servers, plan, request_timeout=30, token=os.environ["PSGD_TOKEN"])
 loss, acc = evaluate(built.model, weights, built.dataset.x_test, built.dataset.y_test, built.device)
 print(json.dumps({"test_accuracy": acc, "test_loss": loss}))
 """

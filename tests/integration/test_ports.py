@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import by_hand_env
 from psgd.bench.chaos.processes import free_port_pair
 from psgd.config import JobConfig, to_toml
 
 PY = sys.executable
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = by_hand_env(PYTHONUNBUFFERED="1")
 
 
 def write_job(tmp_path: Path, *sets: str) -> Path:

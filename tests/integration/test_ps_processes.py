@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import wait_for
+from helpers import TOKEN, by_hand_env, wait_for
 
 from psgd.config import JobConfig, to_toml
 from psgd.partition import PartitionPlan
@@ -25,7 +25,7 @@ PY = sys.executable
 
 def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env=by_hand_env(PYTHONUNBUFFERED="1"))
 
 
 @pytest.mark.slow
@@ -71,7 +71,7 @@ def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
     for k in range(job.cluster.shards):
         files.append(tmp_path / f"shard-{k}.addr")
         procs.append(subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k),
-                                       "--bind", "127.0.0.1:0", "--port-file", str(files[-1])],
+                                       "--bind", "127.0.0.1:0", "--port-file", str(files[-1])], env=by_hand_env(),
                                       stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"shard-{k}.log", "w")))
     addresses = wait_for(lambda: all(f.exists() for f in files) and [f.read_text().strip() for f in files],
                          60, "servers to start")
@@ -90,7 +90,7 @@ def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_p
         for r in range(3):
             workers.append(subprocess.Popen(
                 [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", str(r), "--no-progress",
-                 "--metrics", str(tmp_path / f"w{r}.jsonl")],
+                 "--metrics", str(tmp_path / f"w{r}.jsonl")], env=by_hand_env(),
                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"w{r}.log", "w")))
         procs += workers
         victim_log = tmp_path / "w2.jsonl"
@@ -105,7 +105,7 @@ def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_p
             last = json.loads((tmp_path / f"w{r}.jsonl").read_text().splitlines()[-1])
             assert last["event"] == "done" and last["clock"] == total
         plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.slice_bytes)
-        with PSClient(addresses, plan) as client:
+        with PSClient(addresses, plan, token=TOKEN) as client:
             for status in client.status():
                 states = {w.worker_id: w.state for w in status.workers}
                 assert states == {0: "done", 1: "done", 2: "expired"}
@@ -126,12 +126,12 @@ def test_a_second_worker_of_the_same_rank_is_refused_naming_the_first(tmp_path):
         start_servers(job, tmp_path, procs)
         argv = [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"]
         first = subprocess.Popen(argv + ["--metrics", str(tmp_path / "first.jsonl")], stdout=subprocess.DEVNULL,
-                                 stderr=open(tmp_path / "first.log", "w"))
+                                 stderr=open(tmp_path / "first.log", "w"), env=by_hand_env())
         procs.append(first)
         steps = tmp_path / "first.jsonl"
         wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 5, 60, "the first worker's steps")
         began = time.monotonic()
-        second = subprocess.run(argv, capture_output=True, text=True, timeout=90)
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=by_hand_env())
         took = time.monotonic() - began
         assert second.returncode == 1, second.stderr[-2000:]
         assert took < 30, f"the second worker gave up after {took:.0f}s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import free_port_pair, make_job, shards, slice_weights, wait_for
+from helpers import TOKEN, by_hand_env, free_port_pair, make_job, shards, slice_weights, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
@@ -62,6 +63,31 @@ def test_calls_without_the_token_are_refused_and_change_nothing():
         assert result.steps > 0 and server.core.version == result.steps
     finally:
         server.stop(1)
+
+
+def test_a_shard_started_by_hand_without_a_token_refuses_to_start_unless_told(tmp_path):
+    """Found: psgd-server's token defaulted to none, so a job started by hand answered anyone who knew an address.
+    Now no job is open by default: without a token the shard refuses to start, saying how to make one; serving
+    without one is --no-token, said in a WARNING line."""
+    bare = {k: v for k, v in os.environ.items() if k != "PSGD_TOKEN"}
+    argv = [PY, "-m", "psgd.cli.server", "--workers", "1", "--shards", "1", "--bind", "127.0.0.1:0"]
+    refused = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "needs the job's token" in refused.stderr and "PSGD_TOKEN" in refused.stderr
+    assert "--no-token" in refused.stderr and "Traceback" not in refused.stderr
+    both = subprocess.run([*argv, "--no-token"], env=by_hand_env(), capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "--no-token and a token" in both.stderr, both.stderr[-2000:]
+    port_file = tmp_path / "port"
+    with open(tmp_path / "shard.log", "w") as log:
+        open_shard = subprocess.Popen([*argv, "--no-token", "--port-file", str(port_file)], env=bare,
+                                      stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_for(lambda: port_file.exists() or open_shard.poll() is not None, 60, "the shard to serve")
+        assert open_shard.poll() is None, (tmp_path / "shard.log").read_text()
+        assert "serving WITHOUT a token (--no-token)" in (tmp_path / "shard.log").read_text()
+    finally:
+        open_shard.send_signal(signal.SIGTERM)
+        assert open_shard.wait(30) == 0
 
 
 def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
@@ -158,7 +184,8 @@ class Cluster:
     def start_shard(self, k: int, log_name: str | None = None) -> subprocess.Popen:
         p = subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(self.path), "--shard", str(k),
                               "--checkpoint-dir", str(self.ckpt), "--checkpoint-every", str(self.every)],
-                             stdout=subprocess.DEVNULL, stderr=open(self.tmp / (log_name or f"shard{k}.log"), "w"))
+                             stdout=subprocess.DEVNULL, stderr=open(self.tmp / (log_name or f"shard{k}.log"), "w"),
+                             env=by_hand_env())
         self.procs.append(p)
         return p
 
@@ -169,7 +196,7 @@ class Cluster:
     def start_worker(self, r: int, *extra: str) -> subprocess.Popen:
         p = subprocess.Popen([PY, "-m", "psgd.cli.worker", "-c", str(self.path), "--rank", str(r), "--no-progress",
                               "--metrics", str(self.tmp / f"w{r}.jsonl"), *extra],
-                             stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"w{r}.log", "a"))
+                             stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"w{r}.log", "a"), env=by_hand_env())
         self.procs.append(p)
         return p
 
@@ -181,9 +208,9 @@ class Cluster:
 
     def status(self):
         plan = PartitionPlan(build_job(self.job).model.specs(), self.job.cluster.shards, self.job.cluster.slice_bytes)
-        with PSClient(self.job.cluster.servers, plan, request_timeout=10) as client:
+        with PSClient(self.job.cluster.servers, plan, request_timeout=10, token=TOKEN) as client:
             client.wait_ready(30)
-            return client.status(), fetch_weights(self.job.cluster.servers, plan)
+            return client.status(), fetch_weights(self.job.cluster.servers, plan, token=TOKEN)
 
     def close(self):
         for p in self.procs:
@@ -238,7 +265,8 @@ def test_a_sigkilled_shard_restarts_from_its_checkpoint_and_training_completes(t
 
 def _status_of_shard(cluster: Cluster, k: int):
     with grpc.insecure_channel(cluster.job.cluster.servers[k]) as channel:
-        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=10), None
+        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=10,
+                                                               metadata=(("authorization", f"Bearer {TOKEN}"),)), None
 
 
 def test_sigterm_stops_a_shard_gracefully_with_a_last_checkpoint_and_a_worker_after_its_step(tmp_path):

@@ -30,7 +30,7 @@ from psgd.server.service import ShardServer
 from psgd.tls import NO_TLS
 from psgd.worker.exchange import run_worker
 
-from helpers import make_job, run_threads, wait_for
+from helpers import TOKEN, by_hand_env, make_job, run_threads, wait_for
 
 PY = sys.executable
 
@@ -71,7 +71,7 @@ def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, tr
             np.testing.assert_array_equal(value, q.optimizer.state_dict()[name])
         assert [p.policy.clock_of(w) for w in range(2)] == [q.policy.clock_of(w) for w in range(2)]
         assert (p.role, q.role, p.pair.lag(), q.pair.lag()) == ("primary", "replica", 0, 0)
-        rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5))).render()
+        rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5, token=TOKEN))).render()
         assert "primary (lag 0)" in rows and "replica (following)" in rows
     finally:
         close(primary, replica)
@@ -112,7 +112,7 @@ def test_a_model_with_embedding_tables_keeps_no_replica_yet():
 
 def _server(path, k: int, log, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k), *extra],
-                            stdout=subprocess.DEVNULL, stderr=log)
+                            stdout=subprocess.DEVNULL, stderr=log, env=by_hand_env())
 
 
 @pytest.mark.slow
@@ -132,7 +132,7 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "p1", "r0", "r1", "p0-again")}
     procs = {"p0": _server(path, 0, logs["p0"]), "p1": _server(path, 1, logs["p1"]),
              "r0": _server(path, 0, logs["r0"], "--replica"), "r1": _server(path, 1, logs["r1"], "--replica")}
-    status = lambda address: read_status(address, Connect(timeout=5))  # noqa: E731
+    status = lambda address: read_status(address, Connect(timeout=5, token=TOKEN))  # noqa: E731
     try:
         for k in range(2):
             wait_for(lambda k=k: _lag(job.cluster.servers[k]) == 0, 30, f"shard {k}'s replica to follow")
@@ -145,7 +145,7 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
             procs["p0"].wait(10)
             done.append(True)
 
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
+        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False, token=TOKEN)
                                for r in range(2)] + [kill_when_a_quarter_is_done], timeout=180)
         assert done and all(r.steps == steps for r in results[:2])
         survivor = status(job.cluster.replica_servers[0])
@@ -172,7 +172,7 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
 def _lag(address: str) -> int | None:
     """A primary's replica lag, None while it does not answer or is no primary."""
     try:
-        s = read_status(address, Connect(timeout=2))
+        s = read_status(address, Connect(timeout=2, token=TOKEN))
     except Exception:  # not listening yet
         return None
     return s["replica_lag"] if s["role"] == "primary" else None
@@ -183,7 +183,8 @@ def test_status_json_carries_role_and_lag():
                    "cluster.replicas=1")
     primary, replica = pair_of(job)
     try:
-        rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5))).to_json()["shards"]
+        rows = ClusterView(probe_all([primary.address, replica.address],
+                                     Connect(timeout=5, token=TOKEN))).to_json()["shards"]
         assert [(r["role"], r["replica_lag"]) for r in rows] == [("primary", 0), ("replica", 0)]
         assert json.dumps(rows)
     finally:
@@ -283,7 +284,7 @@ def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_c
                                   "clock 0): worker 1 already pushed clock 0" in gone[0]
         assert p.counters["unreplicated"] == 1
         _same_copies(primary, replica)  # it follows again, from the state
-        rows = ClusterView(probe_all([primary.address], Connect(timeout=5))).render()
+        rows = ClusterView(probe_all([primary.address], Connect(timeout=5, token=TOKEN))).render()
         assert "1 acknowledged without a copy" in rows
     finally:
         close(primary, replica)

@@ -40,7 +40,7 @@ from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
 
-from helpers import make_job, run_threads, shards, wait_for
+from helpers import by_hand_env, make_job, run_threads, shards, wait_for
 from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, LR, OK, UNAUTHENTICATED, Shard, assert_closed,
                            assert_serves, dial, expect, request, send_hello, valid_gradient)
 from test_datapath import digits64, hostile  # noqa: F401  (fixtures: test_datapath's hostile-input shard)
@@ -697,7 +697,7 @@ def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monk
 def _server(job_path: Path, port_file: Path, log: Path, port: str = "127.0.0.1:0") -> subprocess.Popen:
     return subprocess.Popen(["psgd-server", "-c", str(job_path), "--shard", "0", "--bind", port,
                              "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True)
+                            stderr=log.open("w"), start_new_session=True, env=by_hand_env())
 
 
 def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 60) -> str:
@@ -711,7 +711,7 @@ def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 6
 def _worker(job_path: Path, address: str, metrics: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen(["psgd-worker", "-c", str(job_path), "--rank", "0", "--servers", address,
                              "--no-progress", "--metrics", str(metrics)], stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True)
+                            stderr=log.open("w"), start_new_session=True, env=by_hand_env())
 
 
 def _stepping(metrics: Path, proc: subprocess.Popen, timeout: float = 60) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
-from psgd.bench.chaos.processes import Proc, command, free_port_pair, last_error
+from psgd.bench.chaos.processes import Proc, command, free_port_pair, job_token, last_error
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, CUT_ROUNDS, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY,
                                        NS_PORT, PACE, REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
@@ -83,6 +83,7 @@ class Cluster:
         self.procs: dict[str, Proc] = {}    # the current incarnation of each process
         self.history: list[Proc] = []       # every incarnation
         self.server, self.worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
+        self.token = job_token()  # in the environment: every process of the job inherits it
         self.psgd = command("psgd", "psgd.cli.main")
 
     # -- starting and stopping ---------------------------------------------------------------------
@@ -252,7 +253,7 @@ class Cluster:
         out: list[dict | None] = []
         for address in addresses:
             try:
-                out.append(read_status(address, Connect(timeout=timeout)))
+                out.append(read_status(address, Connect(timeout=timeout, token=self.token)))
             except grpc.RpcError:
                 out.append(None)
         return out
@@ -262,7 +263,7 @@ class Cluster:
         if self.net is None:
             from psgd.worker.client import fetch_weights
 
-            return fetch_weights(self.binds, self.plan, request_timeout=timeout)
+            return fetch_weights(self.binds, self.plan, request_timeout=timeout, token=self.token)
         from psgd.weights import read_npz
 
         out = self.folder / "observed.npz"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,14 @@ def command(script: str, module: str) -> list[str]:
         return [str(beside)]
     found = shutil.which(script)
     return [found] if found else [PY, "-m", module]
+
+
+def job_token() -> str:
+    """The job's token, as a user's shell holds it for every process it starts: ``PSGD_TOKEN``, set in this
+    process's environment to a new one where it is not set yet (the processes it starts then inherit it)."""
+    token = os.environ.get("PSGD_TOKEN") or secrets.token_urlsafe(32)
+    os.environ["PSGD_TOKEN"] = token
+    return token
 
 
 def free_port_pair(rng: random.Random | None = None, taken: set[int] | None = None,
