@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import TOKEN, by_hand_env, make_job, skip_or_fail, wait_for
+from helpers import by_hand_env, make_job, skip_or_fail, wait_for
 from psgd.ops.reach import Connect
 from psgd.ops.view import collect
 from psgd.config import to_toml
