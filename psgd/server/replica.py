@@ -92,6 +92,7 @@ class Pair:
         self.acked = -1          # the newest update the replica answered for
         self.sent = -1           # the newest update queued for it
         self.job_over = False    # a replica told by its primary that the job is over
+        self._told = False       # a primary that told its replica so
         self.following = False   # a replica with its primary's stream open
         self._held = False       # this process held the job's state (it followed a primary, or led)
         self._refused = Quieted(REFUSALS_SAID_EVERY)  # followers refused: said once a minute at most
@@ -131,16 +132,13 @@ class Pair:
             with self.core.lock:
                 if self.core.role == PRIMARY:
                     self.core.role = "stopping"
-        with self._lock:
-            deadline = time.monotonic() + FINISH_SECONDS
-            while finished and not self.attached and not self.alone and time.monotonic() < deadline:
-                self._lock.wait(0.1)  # a replica that lives, between two connections: it hears of the end too
-            if finished and self.attached:
-                self._queue.append((stream.FINISHED, self.core.version, None))
-            self._lock.notify_all()
-            deadline = time.monotonic() + 2.0
-            while finished and self.attached and self._queue and time.monotonic() < deadline:
-                self._lock.wait(0.1)  # the replica hears of the end before this process goes
+        with self._lock:  # the replica hears of the end before this process goes: also one between two connections,
+            deadline = time.monotonic() + FINISH_SECONDS  # or whose stream broke as the end was sent (told again)
+            while finished and not self._told and (self.attached or not self.alone) and time.monotonic() < deadline:
+                if self.attached and not any(kind == stream.FINISHED for kind, _, _ in self._queue):
+                    self._queue.append((stream.FINISHED, self.core.version, None))
+                    self._lock.notify_all()
+                self._lock.wait(0.1)
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
@@ -241,6 +239,9 @@ class Pair:
                         self.acked = max(self.acked, seq)
                         self._lock.notify_all()
                 if batch[-1][0] == stream.FINISHED:
+                    with self._lock:
+                        self._told = True
+                        self._lock.notify_all()
                     return
                 with self._lock:
                     if not self._queue and not self._stop.is_set():

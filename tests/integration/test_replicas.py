@@ -28,6 +28,7 @@ from psgd.server import stream
 from psgd.server.replica import Pair
 from psgd.server.service import ShardServer
 from psgd.tls import NO_TLS
+from psgd.wire import protocol
 from psgd.worker.exchange import run_worker
 
 from helpers import TOKEN, by_hand_env, make_job, run_threads, wait_for
@@ -354,5 +355,31 @@ def test_a_follower_that_is_refused_is_said_once_and_its_claimed_address_cannot_
         said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len([m for m in said if "refused a replica at 10.0.0.9:1" in m]) == 1, said
         assert primary.core.pair.lag() == 0 and primary.core.role == "primary"
+    finally:
+        close(primary, replica)
+
+
+def test_a_replica_whose_stream_breaks_as_it_is_told_the_job_is_over_is_told_again(monkeypatch):
+    """Found by the chaos suite (CI seed, run 3): a primary's last frame, the job's end, met a broken pipe; the primary
+    stopped, and its replica, which never heard, neither took over nor stopped (--exit-when-done: it never exited).
+    Now the primary tells it again once it follows again (FINISH_SECONDS at most)."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    send, broken = stream.send, []
+
+    def breaking(sock, batch):  # the first end of the job sent: the stream breaks under it
+        if batch and batch[-1][0] == stream.FINISHED and not broken:
+            broken.append(True)
+            stream.shut(sock)
+            raise protocol.WireError("connection failed: [Errno 32] Broken pipe")
+        return send(sock, batch)
+
+    monkeypatch.setattr(stream, "send", breaking)
+    try:
+        primary.core.pair.stop(finished=True)
+        assert broken, "the end of the job was never sent"
+        wait_for(lambda: replica.core.pair.job_over, 10, "the replica to hear that the job is over")
+        assert replica.core.role == "replica"
     finally:
         close(primary, replica)
