@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import statistics
@@ -99,7 +100,7 @@ def _status(address: str) -> dict | None:
     from psgd.ops.reach import Connect, read_status
 
     try:
-        return read_status(address, Connect(timeout=2, token=job_token()))
+        return read_status(address, Connect(timeout=2, token=os.environ.get("PSGD_TOKEN", "")))
     except Exception:  # not answering (yet, or any more)
         return None
 
