@@ -11,8 +11,16 @@
    processes on loopback; once the job is under way shard 0's primary is SIGKILLed, and the seconds from the kill
    to the first push applied after it (the replica's version, polled every 5 ms, moving past what it held at the
    kill) are taken, with the final check that the replica applied every push the workers counted as done.
+3. A replica that does not keep up: one ``psgd-server`` primary and one ``psgd-worker`` (async), and at the
+   replica's address a follower of the job's own (the token, the replica's claimed address) that answers every
+   frame half a second late (slow) or never (silent), connecting again whenever it is cut off; the primary's
+   versions/s over ``--window`` seconds from the moment the bound had passed (the follower cut off and timed out:
+   the primary's log says when it may follow again), against the same job with no follower at all, from its first
+   push acknowledged alone (``--parts follow``; the cost, 1 - rate / the alone rate, is what such a follower takes
+   from the job once found out, its come-backs after each time out included).
 
     psgd bench replicas                               # loopback only: about a minute on 2 cores
+    psgd bench replicas --parts follow --window 40    # a slow and a silent follower: about 3 minutes
     psgd bench replicas --network loopback,1gbit --repeats 3 --json replicas.json     # as root: a few minutes
 """
 
@@ -178,6 +186,98 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
             "failovers": final["counters"].get("failovers", 0)}
 
 
+#: a follower of the job's own that answers late ("slow") or never ("silent"): argv job file, kind, host, data port,
+#: the address it claims; it connects again whenever it is cut off or refused
+FOLLOWER = r"""
+import os, socket, sys, time
+from psgd.config import JobConfig
+from psgd.job import describe_job
+from psgd.server import build_shard, stream
+from psgd.tls import NO_TLS
+from psgd.wire import protocol
+job = JobConfig.load(sys.argv[1])
+kind, host, port, me = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+core = build_shard(describe_job(job), 0)
+while True:
+    try:
+        sock = stream.connect(host, port, me, os.environ["PSGD_TOKEN"], core.plan.hash, NO_TLS, 5.0)
+        if kind == "silent":
+            sock.settimeout(None)
+            while sock.recv(1 << 20):
+                pass
+        else:
+            reader = stream.Reader(core)
+            while True:
+                time.sleep(0.5)
+                reader.take(sock)
+    except Exception:
+        pass
+    time.sleep(0.5)
+"""
+
+
+def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
+    """The primary's versions/s over ``window`` seconds once the bound had passed, with a follower of ``kind``
+    ("slow", "silent") at its replica's address, or none ("none")."""
+    from psgd.config import JobConfig, to_toml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    taken: set[int] = set()
+    primary_port, replica_port = (free_port_pair(random.Random(), taken) for _ in range(2))
+    config = JobConfig()
+    config.apply_sets(["cluster.policy=async", "cluster.shards=1", "cluster.workers=1", "train.epochs=100000",
+                       "train.threads=1", f"model.hidden=[{hidden}]", "cluster.replicas=1",
+                       f"cluster.servers=127.0.0.1:{primary_port}", f"cluster.replica_servers=127.0.0.1:{replica_port}"])
+    job_file = folder / "job.toml"
+    job_file.write_text(to_toml(config.to_dict()))
+    server, worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
+    job_token()  # the job's token, in the environment every process started here inherits
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, argv: list[str]) -> None:
+        with open(folder / f"{name}.log", "w") as err:
+            procs.append(subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL,
+                                          stderr=err, stdin=subprocess.DEVNULL))
+
+    address = config.cluster.servers[0]
+    deadline = time.monotonic() + BOUND
+    try:
+        start("primary", [*server, "-c", str(job_file), "--shard", "0"])
+        while (s := _status(address)) is None or not s.get("data_port"):
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise ReplicaBenchError(f"the primary did not start: {(folder / 'primary.log').read_text()[-800:]}")
+            time.sleep(0.05)  # polling the primary's Status, with a deadline
+        if kind != "none":
+            start("follower", [sys.executable, "-c", FOLLOWER, str(job_file), kind, "127.0.0.1",
+                               str(s["data_port"]), config.cluster.replica_servers[0]])
+        start("worker", [*worker, "-c", str(job_file), "--rank", "0", "--no-progress"])
+        # from the moment the bound has passed: the primary first acknowledges a push without a copy (no follower),
+        # or it has found the follower unable to keep up and timed it out (its log says when it may follow again)
+        log = folder / "primary.log"
+        while (s := _status(address)) is None or not s["counters"].get("unreplicated") or \
+                (kind != "none" and "may follow again in" not in log.read_text()):
+            if time.monotonic() > deadline or procs[-1].poll() is not None:
+                raise ReplicaBenchError(f"the primary never went on alone ({kind} follower)")
+            time.sleep(0.05)  # polling the primary's counters and log, with a deadline
+        began, first = time.monotonic(), s["version"]
+        time.sleep(window)  # the window measured: the job runs meanwhile
+        s = _status(address)
+        if s is None:
+            raise ReplicaBenchError("the primary stopped answering")
+        rate = (s["version"] - first) / (time.monotonic() - began)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    cut = (folder / "primary.log").read_text().count("did not keep up")
+    return {"follower": kind, "versions_per_second": rate, "window_seconds": window, "cut_off": cut,
+            "unreplicated": s["counters"].get("unreplicated", 0)}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", default="loopback", type=lambda t: comma_list(t, what="networks"),
                         help="where the steps/s are measured: loopback and/or emulated links such as 1gbit, 10gbit "
@@ -190,30 +290,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "pull goes beside the push, which waits for the replica")
     parser.add_argument("--at", type=float, default=0.3, help="kill the primary once this part of the pushes is "
                         "applied (default 0.3)")
+    parser.add_argument("--parts", default="throughput,failover", type=lambda t: comma_list(t, what="parts"),
+                        help="which parts to run: throughput, failover, follow (default throughput,failover)")
+    parser.add_argument("--window", type=float, default=40.0, help="follow: seconds measured once the primary "
+                        "went on alone (default 40: one come-back of the follower after its 30 s time out)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if args.hidden < 1 or args.epochs < 1 or args.repeats < 1 or not 0 < args.at < 1:
-        print("psgd bench replicas: --hidden, --epochs and --repeats must be >= 1, --at between 0 and 1")
+    if args.hidden < 1 or args.epochs < 1 or args.repeats < 1 or not 0 < args.at < 1 or args.window <= 0:
+        print("psgd bench replicas: --hidden, --epochs and --repeats must be >= 1, --at between 0 and 1, --window > 0")
         return 2
-    print(f"machine: {machine()}; async, {SHARDS} shards, {WORKERS} workers, MLP on the digits", flush=True)
+    unknown = sorted(set(args.parts) - {"throughput", "failover", "follow"})
+    if unknown:
+        print(f"psgd bench replicas: unknown part(s) {', '.join(unknown)} (parts: throughput, failover, follow)")
+        return 2
+    print(f"machine: {machine()}; async, MLP [{args.hidden}] on the digits: {SHARDS} shards and {WORKERS} workers "
+          "(throughput, failover), 1 shard and 1 worker (follow)", flush=True)
+    rows, kills, follows = [], [], []
     with tempfile.TemporaryDirectory(prefix="psgd-replicas-") as tmp:
         try:
-            rows = throughput(args.network, args.hidden, args.epochs, args.repeats, Path(tmp),
-                              say=lambda line: print(line, flush=True), overlap=args.overlap)
-            kills = []
-            for i in range(args.repeats):
+            if "throughput" in args.parts:
+                rows = throughput(args.network, args.hidden, args.epochs, args.repeats, Path(tmp),
+                                  say=lambda line: print(line, flush=True), overlap=args.overlap)
+            for i in range(args.repeats if "failover" in args.parts else 0):
                 kills.append(failover(Path(tmp) / f"failover-{i}", args.epochs, args.at))
                 k = kills[-1]
                 print(f"failover {i}: shard 0's primary SIGKILLed at version {k['killed_at_version']}: the next push "
                       f"applied {k['kill_to_next_push_seconds'] * 1000:.0f} ms later, by its replica; "
                       f"{k['final_version']} of {k['pushes']} pushes applied at the end ({k['lost']} lost)",
                       flush=True)
+            for kind in ("none", "slow", "silent") if "follow" in args.parts else ():
+                follows.append(lagging(Path(tmp) / f"follow-{kind}", kind, args.window, args.hidden))
+                f, alone = follows[-1], follows[0]["versions_per_second"]
+                print(f"follower {kind}: {f['versions_per_second']:.1f} versions/s over {args.window:g}s once the "
+                      f"bound had passed (cut off {f['cut_off']} time(s) in all)" +
+                      (f"; {1 - f['versions_per_second'] / alone:.1%} below no follower at all" if kind != "none"
+                       else ""), flush=True)
         except ReplicaBenchError as exc:
             print(f"psgd bench replicas: {exc}")
             return 1
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows, "failovers": kills}, indent=2))
+        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows, "failovers": kills,
+                                               "followers": follows}, indent=2))
         print(f"written to {args.json}")
     return 0 if all(k["lost"] == 0 for k in kills) else 1

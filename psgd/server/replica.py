@@ -19,7 +19,14 @@ silent for :data:`SILENCE_SECONDS`, and only once the primary does not answer a 
 whose replica cannot be reached at all goes on alone (acknowledging pushes the replica does not hold: the trade-off
 that keeps a job running when the replica dies; it catches up when it comes back), and keeps asking after it: one
 whose peer took over (a later count of failovers) steps down, and its pushes not yet acknowledged are retried by
-their workers on the new primary.
+their workers on the new primary.  Only the pair's own replica follows (the address the job file gives it, or the
+first to follow a primary that knew none).  A replica that does not keep up is cut off as Kafka drops a follower from
+its in-sync set: silent (an update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window
+of as long, updates waited for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average,
+beyond the time their bytes need at :data:`psgd.server.stream.MIN_RATE`).  The primary says so in one line and goes
+on alone; one cut off again without having kept up in between is taken back only after :data:`BENCH_SECONDS`
+(doubled each time), so that a follower that cannot keep up costs the job a few seconds now and then, not its pace,
+while one that kept up and stalled once (a paused process) follows again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -57,6 +64,14 @@ REFUSALS_SAID_EVERY = 60.0
 PEER_SECONDS = 0.5
 #: how long a primary that ends the job waits for a replica that lives but is connecting again, to tell it
 FINISH_SECONDS = 5 * SILENCE_SECONDS
+#: the longest an update may wait for its replica's answer (from when it was queued) before the replica is cut off
+KEEP_UP_SECONDS = 2 * SILENCE_SECONDS
+#: a replica is slow when, over a window of KEEP_UP_SECONDS, updates waited for it more than half the time and its
+#: answers took this long on average (beyond the time their bytes need): a healthy one answers in milliseconds
+SLOW_ANSWER_SECONDS = 0.1
+#: how long a replica cut off for not keeping up is refused before it may follow again: the first time, and the most
+#: (doubled each time it is cut off again)
+BENCH_SECONDS = (30.0, 300.0)
 
 def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:
     """The Status of the shard process at ``address``, or None when it does not answer in time."""
@@ -96,6 +111,10 @@ class Pair:
         self.following = False   # a replica with its primary's stream open
         self._held = False       # this process held the job's state (it followed a primary, or led)
         self._refused = Quieted(REFUSALS_SAID_EVERY)  # followers refused: said once a minute at most
+        # a replica cut off twice without keeping up in between waits (doubling) before it may follow again
+        self._benched_until, self._bench, self._strikes = 0.0, BENCH_SECONDS[0], 0
+        self._lagged = False  # the last replica was cut off for not keeping up (until one follows again)
+        self._queued_at = 0.0    # when the oldest update in the queue was queued (0: none)
         self._stop = threading.Event()
         self._sock: socket.socket | None = None  # a replica's connection to its primary
         self._follower = threading.Thread(target=self._follow, name=f"shard{core.shard}-follow", daemon=True)
@@ -160,6 +179,7 @@ class Pair:
         seq = self.core.version
         with self._lock:
             if self.attached:
+                self._queued_at = self._queued_at or time.monotonic()
                 self._queue.append((stream.APPLY, seq, (worker, clock, staleness, lr_scale, grads)))
                 self.sent = seq
                 self._lock.notify_all()
@@ -168,6 +188,7 @@ class Pair:
     def policy_changed(self) -> None:
         with self._lock:
             if self.attached:
+                self._queued_at = self._queued_at or time.monotonic()
                 self._queue.append((stream.POLICY, self.core.version, json.dumps(self.core.policy.state_dict())))
                 self._lock.notify_all()
 
@@ -217,21 +238,32 @@ class Pair:
         with core.lock:
             core.store.settle()  # the state holds every update whole; the ones after it are queued from here on
             with self._lock:
-                if core.role != PRIMARY or self.attached:
-                    self._refuse(address, "led by its peer" if core.role != PRIMARY else "followed already")
+                benched = self._benched_until - time.monotonic()
+                if core.role != PRIMARY or self.attached or benched > 0 or address != (self.peer or address):
+                    self._refuse(address, "led by its peer" if core.role != PRIMARY else
+                                 "followed already" if self.attached else
+                                 f"the pair of {self.peer}, not of {address}" if address != (self.peer or address)
+                                 else f"taking its replica back only in {benched:.0f}s (cut off)")
                     return
                 arrays, manifest = recovery.state(core)
                 arrays = {k: np.array(v) for k, v in arrays.items()}  # a copy: the weights move on
                 batch = [(stream.STATE, core.version, (manifest, arrays))]
                 self._queue.clear()
                 self.attached, self.alone, self.sent, self.acked = True, False, core.version, -1
+                self._queued_at, self._lagged = 0.0, False
                 self.peer = self.peer or address  # where it said it listens, unless the job file says
-        refused = ""
+        refused, lagging, oldest = "", "", time.monotonic()
+        window, waited, batches = oldest, 0.0, 0  # how long updates waited for the replica, in windows
+        kept_up = False  # a whole window passed with the replica keeping up
         try:
             while batch:
                 answers = stream.send(sock, batch)
+                # every frame must be answered within KEEP_UP_SECONDS of being queued, and the time its bytes need
+                updates = sum(1 for kind, _, _ in batch if kind == stream.APPLY)
+                state = sum(a.nbytes for a in batch[0][2][1].values()) if batch[0][0] == stream.STATE else 0
+                deadline = oldest + KEEP_UP_SECONDS + (updates * core.nbytes + state) / stream.MIN_RATE
                 for _ in range(answers):  # the replica answers every frame but the end of the job
-                    seq = stream.answer(sock)
+                    seq = stream.answer(sock, deadline)
                     with self._lock:
                         if self.acked < 0:
                             log.info("shard %d: replica at %s holds version %d and follows", core.shard, self.peer,
@@ -243,15 +275,29 @@ class Pair:
                         self._told = True
                         self._lock.notify_all()
                     return
+                if not state:  # slow: past a window, updates waited for it more than half of it
+                    now = time.monotonic()
+                    waited += max(0.0, now - oldest - updates * core.nbytes / stream.MIN_RATE)
+                    batches += 1
+                    if now - window >= KEEP_UP_SECONDS:
+                        if waited > (now - window) / 2 and waited / batches > SLOW_ANSWER_SECONDS:
+                            lagging = (f"did not keep up (updates waited {waited:.1f}s of the last "
+                                       f"{now - window:.1f}s for its answers, {waited / batches:.2f}s each)")
+                            return
+                        window, waited, batches, kept_up = now, 0.0, 0, True
                 with self._lock:
                     if not self._queue and not self._stop.is_set():
                         self._lock.wait(KEEPALIVE_SECONDS)
                     batch = list(self._queue) or [(stream.KEEPALIVE, self.sent, None)]
+                    oldest, self._queued_at = self._queued_at or time.monotonic(), 0.0
                     self._queue.clear()
                     if self._stop.is_set() and batch[-1][0] != stream.FINISHED:
                         return
         except stream.Refused as exc:  # its copy is behind for good: the pair has one, as when it is gone
             refused = str(exc)
+        except protocol.TooSlow:  # silent: cut off, as a follower that leaves the in-sync set
+            lagging = (f"did not keep up (an update waited {time.monotonic() - oldest:.1f}s for its answer, more "
+                       f"than {KEEP_UP_SECONDS:g}s and the time its bytes need)")
         except protocol.WireError as exc:
             log.warning("shard %d: the stream to its replica at %s ended: %s", core.shard, self.peer, exc)
         finally:
@@ -261,6 +307,18 @@ class Pair:
                 self._queue.clear()
                 if refused:
                     self._go_alone(f"is gone ({refused})")
+                if lagging:  # a replica that kept up before (paused, say) may follow again at once; else it waits
+                    self._strikes, wait = (1 if kept_up else self._strikes + 1), 0.0
+                    if kept_up:
+                        self._bench = BENCH_SECONDS[0]
+                    if self._strikes >= 2:
+                        self._benched_until, wait = time.monotonic() + self._bench, self._bench
+                        self._bench = min(2 * self._bench, BENCH_SECONDS[1])
+                    if not self.alone:
+                        log.warning("shard %d: its replica at %s %s: cut off; going on alone, pushes acknowledged "
+                                    "without a copy; it may follow again %s", core.shard, self.peer, lagging,
+                                    f"in {wait:.0f}s" if wait else "at once")
+                    self.alone = self._lagged = True
                 self._lock.notify_all()
             if not self._stop.is_set():
                 threading.Thread(target=self._lost, daemon=True, name=f"shard{core.shard}-lost").start()
@@ -276,7 +334,7 @@ class Pair:
             with self._lock:
                 if found is None:
                     self._go_alone("is gone")
-                else:
+                elif not self._lagged:  # (one cut off for not keeping up: pushes go on alone until it follows)
                     self.alone = False  # it lives: pushes wait for it to follow again (ack_seconds at most)
                 self._lock.notify_all()
             self._stop.wait(4 * KEEPALIVE_SECONDS)

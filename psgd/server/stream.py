@@ -110,13 +110,14 @@ class Refused(protocol.WireError):
     """The replica could not apply an update it was sent (the words say which and why): the pair has one copy."""
 
 
-def answer(sock: socket.socket) -> int:
-    """The next answer of the replica: the version it holds; :class:`Refused` where it could not apply an update."""
+def answer(sock: socket.socket, deadline: float | None = None) -> int:
+    """The next answer of the replica: the version it holds; :class:`Refused` where it could not apply an update,
+    :class:`protocol.TooSlow` where it did not come by ``deadline`` (time.monotonic)."""
     try:
-        magic, seq = protocol.recv_struct(sock, ANSWER)
+        magic, seq = protocol.recv_struct(sock, ANSWER, deadline)
         if magic == REFUSED_MAGIC and 0 <= seq <= protocol.MAX_ERROR_BYTES:
             raise Refused(protocol.recv_bytes(sock, seq).decode("utf-8", "replace"))
-    except Refused:
+    except (Refused, protocol.TooSlow):
         raise
     except protocol.WireError as exc:
         raise protocol.WireError(f"no answer from the replica: {exc}") from None

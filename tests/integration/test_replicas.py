@@ -7,12 +7,14 @@ Without a replica a shard SIGKILLed under async comes back from its last checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -381,5 +383,103 @@ def test_a_replica_whose_stream_breaks_as_it_is_told_the_job_is_over_is_told_aga
         assert broken, "the end of the job was never sent"
         wait_for(lambda: replica.core.pair.job_over, 10, "the replica to hear that the job is over")
         assert replica.core.role == "replica"
+    finally:
+        close(primary, replica)
+
+
+@pytest.mark.parametrize("how", ["slow", "silent"])
+def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_goes_on(how, caplog, monkeypatch):
+    """Found: a follower that never answered held its primary at 1 version/s for as long as it connected again, and
+    a slow one (answering each update late) at 0.5, never cut off or warned about.  Now a replica that does not
+    keep up is cut off in one WARNING line each time, the primary going on alone at its own pace; cut off again
+    without having kept up in between, it is taken back only after BENCH_SECONDS."""
+    from psgd.server import replica as replica_module
+    from psgd.worker.client import PSClient
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    monkeypatch.setattr(replica_module, "BENCH_SECONDS", (3.0, 6.0))  # a time out of 30 s, shortened here
+    primary, replica = pair_of(job)
+    plan = primary.core.plan
+    grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
+    released = threading.Event()
+    take = stream.Reader.take
+
+    def lagging(self, sock):  # the replica's side: each frame read late, or not at all until released
+        if how == "slow":
+            released.wait(0.5)
+        else:
+            released.wait(30)
+        return take(self, sock)
+
+    try:
+        caplog.set_level(logging.INFO, logger="psgd.server")
+        with PSClient(job.cluster.servers, plan, 0, request_timeout=30, config=job) as client:
+            client.register()
+            monkeypatch.setattr(stream.Reader, "take", lagging)
+            took, clock = [], 0
+            deadline = time.monotonic() + 30
+
+            def cuts() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "did not keep up" in r.getMessage()]
+            # slow: cut off at once, back at once (it kept up before), cut off again and then timed out; silent: its
+            # stream hangs, so it is cut off once and comes back only when it answers again
+            until = "follow again in 3s" if how == "slow" else "follow again at once"
+            while not any(until in line for line in cuts()) and time.monotonic() < deadline:
+                began = time.monotonic()
+                client.push(clock, grads)
+                took.append(time.monotonic() - began)
+                clock += 1
+            cut = cuts()  # once maybe without a time out (a replica that kept up before), then with one
+            assert len(cut) == (2 if how == "slow" else 1) and until in cut[-1], cut
+            assert all("cut off; going on alone" in line for line in cut), cut
+            assert primary.core.pair.alone
+            stalled = sum(took)  # what the lagging replica cost before its time out: at most two bounds
+            assert stalled < 2 * (replica_module.KEEP_UP_SECONDS + 3), took
+            after = []
+            for _ in range(20):  # alone, the primary goes at its own pace
+                began = time.monotonic()
+                client.push(clock, grads)
+                after.append(time.monotonic() - began)
+                clock += 1
+            assert max(after) < 0.5, after  # (within the time out, 3 s here: 20 pushes take far less)
+            assert primary.core.counters["unreplicated"] >= 20
+            released.set()
+            monkeypatch.setattr(stream.Reader, "take", take)
+            # once its time out is over, it follows again from the primary's state and holds every update
+            wait_for(lambda: primary.core.pair.lag() == 0 and not primary.core.pair.alone, 30,
+                     "the replica to follow again")
+            assert [r.outcome for r in client.push(clock, grads)] == ["applied"]
+            wait_for(lambda: replica.core.version == primary.core.version, 10, "the replica to hold the last update")
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "did not keep up" in
+                  r.getMessage()]
+        assert warned == cut, warned  # one line a cut, nothing more once it keeps up again
+    finally:
+        released.set()
+        close(primary, replica)
+
+
+def test_only_the_pairs_own_replica_follows(caplog):
+    """Found: the follow hello accepted any follower, first come: an outsider took the place of a replica that was
+    away, and the primary acknowledged pushes that only the outsider held.  Now a follower that says it listens
+    anywhere but the pair's replica address is refused, whether or not the replica follows."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    try:
+        caplog.set_level(logging.INFO, logger="psgd.server")
+        replica.core.pair.stop(finished=False)  # the replica is away
+        wait_for(lambda: not primary.core.pair.attached, 10, "the primary to see its replica go")
+        host, port = primary.address.rsplit(":", 1)[0], primary.data.port
+        sock = stream.connect(host, port, "10.0.0.9:1", "", primary.core.plan.hash, NO_TLS, timeout=5)
+        try:
+            sock.settimeout(5)
+            with contextlib.suppress(OSError):
+                while sock.recv(1 << 16):  # refused: closed after the answer to the hello
+                    pass
+        finally:
+            sock.close()
+        wait_for(lambda: any("not of 10.0.0.9:1" in r.getMessage() for r in caplog.records), 10, "the refusal")
+        assert not primary.core.pair.attached
     finally:
         close(primary, replica)
