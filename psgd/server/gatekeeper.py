@@ -31,6 +31,7 @@ from typing import Callable
 
 from psgd.server.core import ShardCore
 from psgd.server import hello
+from psgd.server.tokens import Proofs
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class Gatekeeper:
 
     def __init__(self, core: ShardCore, sock: socket.socket, *, token: str, tls: ssl.SSLContext | None,
                  hello_timeout: float, max_unauthenticated: int, max_per_peer: int, hand_over: HandOver):
-        self.core, self.sock, self.token, self.tls = core, sock, token, tls
+        self.core, self.sock, self.tls = core, sock, tls
+        self.proofs = Proofs(token)  # the token; a follower's hello proves it, each proof good once
         self.hello_timeout = hello_timeout
         self.max_unauthenticated = max(1, max_unauthenticated)
         self.max_per_peer = max(1, min(max_per_peer, self.max_unauthenticated))
@@ -234,7 +236,7 @@ class Gatekeeper:
                                             "not a psgd hello")
                     p.worker, p.state, p.buf, p.got = worker, "body", bytearray(size), 0
                     continue
-                checked = hello.check(p.buf, p.worker, token=self.token, plan_hash=self.core.plan.hash,
+                checked = hello.check(p.buf, p.worker, proofs=self.proofs, plan_hash=self.core.plan.hash,
                                       shard=self.core.shard, roster=self.core.roster)
                 self._authenticated(p, *checked)
                 return

@@ -1,10 +1,11 @@
 """What a data connection's hello must say, checked (:func:`check`), and why one is refused (:class:`Refusal`);
 :mod:`psgd.server.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
 
-A hello is a JSON object after the request header: the job's token, the partition plan's hash, a worker's
-registration key (``"key"``: what its registration over gRPC got), and the wish for a shared-memory segment
-(``"shm"``: ``"pull"`` or ``"push"``, workers only) or to follow the shard as its replica (``"follow": true``, the
-header naming no worker: psgd.server.stream); the header names the worker.  A hello as a registered worker without
+A hello is a JSON object after the request header: the job's token (a replica's: a proof that it holds it,
+``"proof"``, psgd.server.tokens), the partition plan's hash, a worker's registration key (``"key"``: what its
+registration over gRPC got), and the wish for a shared-memory segment (``"shm"``: ``"pull"`` or ``"push"``, workers
+only) or to follow the shard as its replica (``"follow": true``, the header naming no worker: psgd.server.stream);
+the header names the worker.  A hello as a registered worker without
 that registration's key is refused; every request on the connection is checked against the key again (a
 connection of a worker that was not registered yet is served, and its requests are refused until it is).
 """
@@ -16,6 +17,7 @@ import json
 
 from psgd.server.admission import Roster
 from psgd.server.errors import ShardError
+from psgd.server.tokens import Proofs
 from psgd.wire import protocol
 
 
@@ -28,21 +30,26 @@ class Refusal(Exception):
 
 
 
-def check(body: bytes | bytearray, worker: int, *, token: str, plan_hash: str, shard: int,
+def check(body: bytes | bytearray, worker: int, *, proofs: Proofs, plan_hash: str, shard: int,
           roster: Roster) -> tuple[int, str, str]:
     """The worker id, what the connection is for ("", "pull" or "push": a shared-memory segment; "follow": a
     replica) and the registration key it gave, of a hello whose header named ``worker`` and whose JSON body is
-    ``body``, once checked against the shard's ``token``, its plan's ``plan_hash`` and its ``roster``; a
-    :class:`Refusal` otherwise."""
+    ``body``, once checked against the shard's token (``proofs.token``; a follower proves it holds it, with
+    ``proofs``), its plan's ``plan_hash`` and its ``roster``; a :class:`Refusal` otherwise."""
     try:
         said = json.loads(body)
         given, theirs, key = str(said.get("token", "")), str(said.get("plan_hash", "")), str(said.get("key", ""))
         shm = str(said.get("shm", ""))
-        follow = said.get("follow") is True
+        follow, proof = said.get("follow") is True, str(said.get("proof", ""))
     except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
         raise Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
     # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
-    if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")):
+    token = proofs.token
+    if follow and token:  # a replica proves that it holds the token, never sending it (psgd.server.peers)
+        if not proofs.check(proof, "follow"):
+            raise Refusal("UNAUTHENTICATED", "a follower must prove that it holds the job's token (a fresh proof, "
+                          "psgd.server.tokens)", "no proof of the token")
+    elif not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")):
         raise Refusal("UNAUTHENTICATED", "wrong or missing token", "wrong or missing token")
     if theirs != plan_hash:
         raise Refusal("FAILED_PRECONDITION", f"partition plan {theirs[:64]!r} is not shard "

@@ -20,7 +20,9 @@ whose replica cannot be reached at all goes on alone (acknowledging pushes the r
 that keeps a job running when the replica dies; it catches up when it comes back), and keeps asking after it: one
 whose peer took over (a later count of failovers) steps down, and its pushes not yet acknowledged are retried by
 their workers on the new primary.  Only the pair's own replica follows (the address the job file gives it, or the
-first to follow a primary that knew none).  A replica that does not keep up is cut off as Kafka drops a follower from
+first to follow a primary that knew none), and the two processes prove to each other that they hold the job's
+token without sending it (:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is not
+believed.  A replica that does not keep up is cut off as Kafka drops a follower from
 its in-sync set: silent (an update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window
 of as long, updates waited for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average,
 beyond the time their bytes need at :data:`psgd.server.stream.MIN_RATE`).  The primary says so in one line and goes
@@ -39,15 +41,13 @@ import time
 from collections import deque
 from typing import Mapping
 
-import grpc
 import numpy as np
 
-from psgd.channel import open_channel, token_metadata
 from psgd.logs import Quieted
-from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import recovery, stream
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
+from psgd.server.peers import failovers, peer_status
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 
@@ -60,8 +60,6 @@ KEEPALIVE_SECONDS = 0.2
 SILENCE_SECONDS = stream.SILENCE_SECONDS
 #: seconds between two lines saying that followers were refused (one that retries without end is said once a minute)
 REFUSALS_SAID_EVERY = 60.0
-#: how long a status call to the peer may take before the peer counts as gone
-PEER_SECONDS = 0.5
 #: how long a primary that ends the job waits for a replica that lives but is connecting again, to tell it
 FINISH_SECONDS = 5 * SILENCE_SECONDS
 #: the longest an update may wait for its replica's answer (from when it was queued) before the replica is cut off
@@ -72,23 +70,6 @@ SLOW_ANSWER_SECONDS = 0.1
 #: how long a replica cut off for not keeping up is refused before it may follow again: the first time, and the most
 #: (doubled each time it is cut off again)
 BENCH_SECONDS = (30.0, 300.0)
-
-def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:
-    """The Status of the shard process at ``address``, or None when it does not answer in time."""
-    try:
-        with open_channel(address, tls) as channel:
-            return ps_pb2_grpc.ParameterServerStub(channel).Status(
-                ps_pb2.StatusRequest(), timeout=PEER_SECONDS, metadata=token_metadata(token))
-    except grpc.RpcError:
-        return None
-
-
-def failovers(reply: ps_pb2.StatusReply) -> int:
-    """How many times the pair of the process that sent ``reply`` changed leader, as it counts."""
-    try:
-        return int(json.loads(reply.counters_json or "{}").get("failovers", 0))
-    except (ValueError, TypeError, AttributeError):
-        return 0
 
 
 class Pair:

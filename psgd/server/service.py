@@ -21,13 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psgd import wire
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server import checkpoint, recovery
+from psgd.server import checkpoint, recovery, tokens
 from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
 from psgd.server.listen import PortTaken, free_to_listen
-from psgd.server.tokens import TokenInterceptor
 from psgd.server.watchdog import Watchdog
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
@@ -50,11 +49,8 @@ MAX_DETAILS_BYTES = 6000
 
 
 def _details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
-    """``message`` as a client will accept it: valid UTF-8, cut to MAX_DETAILS_BYTES once encoded.
-
-    Messages may echo what a request sent (a dtype, a plan description), so their size and characters
-    are the sender's choice.
-    """
+    """``message`` as a client will accept it: valid UTF-8, cut to MAX_DETAILS_BYTES once encoded.  Messages may echo
+    what a request sent (a dtype, a plan description), so their size and characters are the sender's choice."""
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     size = 0
     for i, ch in enumerate(message):
@@ -84,8 +80,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Maps RPCs onto the core; every ShardError becomes its status code."""
 
     def __init__(self, core: ShardCore, incarnation: str, request_timeout: float, data_port: int = 0,
-                 host_id: str = "", threads: int = 16):
-        self.core, self.incarnation, self.data_port, self.host_id = core, incarnation, data_port, host_id
+                 host_id: str = "", threads: int = 16, token: str = ""):
+        self.core, self.incarnation, self.data_port, self.host_id, self.token = (core, incarnation, data_port,
+                                                                                 host_id, token)  # token: Status' proof
         self.request_timeout = request_timeout
         self._row_shapes = core.tables.shapes()
         self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
@@ -272,15 +269,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Status(self, request, context):
         s = self.core.status()
-        return ps_pb2.StatusReply(
+        counters = {**s["counters"], "tables": s.get("tables", {}),
+                    **{k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding")}}
+        reply = ps_pb2.StatusReply(
             shard=s["shard"], num_shards=s["num_shards"], policy=s["policy"], version=s["version"],
             workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],
-            bytes_held=s["bytes_held"],
-            counters_json=json.dumps({**s["counters"], "checkpoint": s["checkpoint"], "tables": s.get("tables", {}),
-                                      "restored_version": s["restored_version"], "reads": s["reads"],
-                                      "rewinding": s["rewinding"]}),
+            bytes_held=s["bytes_held"], counters_json=json.dumps(counters),
             staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
             data_port=self.data_port, role=s["role"], replica_lag=s["replica_lag"])
+        reply.proof = tokens.answer(self.token, request.challenge, *tokens.status_said(reply))
+        return reply
 
 
 class ShardServer:
@@ -296,7 +294,7 @@ class ShardServer:
         self._failures = recovery.Failures(core.shard)
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
         if token:
-            interceptors = [TokenInterceptor(token), *interceptors]
+            interceptors = [tokens.TokenInterceptor(token), *interceptors]
         self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
         means = wire.meaning(transport)  # a data port or none; shared memory for workers on this host or not
@@ -316,7 +314,7 @@ class ShardServer:
                                   maximum_concurrent_rpcs=threads * 4, interceptors=list(interceptors))
         self.servicer = ParameterServerServicer(core, self.incarnation, request_timeout,
                                                 self.data.port if self.data else 0,
-                                                segment.host_id() if shares else "", threads)
+                                                segment.host_id() if shares else "", threads, token)
         self.servicer.rollback = self._rollback
         ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()

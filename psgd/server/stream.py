@@ -22,7 +22,7 @@ import struct
 import numpy as np
 
 from psgd.policy import APPLY as APPLIED
-from psgd.server import checkpoint, recovery
+from psgd.server import checkpoint, recovery, tokens
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.tls import TLSFiles
@@ -139,7 +139,8 @@ def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSF
         protocol.tune(sock)
         if tls.enabled:
             sock = tls.wrap_client(sock, host)
-        hello = json.dumps({"token": token, "plan_hash": plan_hash, "follow": True}).encode()
+        hello = json.dumps({"proof": tokens.prove(token, "follow") if token else "", "plan_hash": plan_hash,
+                            "follow": True}).encode()  # the token itself never travels to a peer
         protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
                                                            protocol.OBSERVER, 0, 0, len(hello)), hello])
         magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)

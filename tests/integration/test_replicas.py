@@ -38,13 +38,13 @@ from helpers import TOKEN, by_hand_env, make_job, run_threads, wait_for
 PY = sys.executable
 
 
-def pair_of(job, k: int = 0):
+def pair_of(job, k: int = 0, token: str = ""):
     """Shard ``k`` of ``job`` twice in this process, the second following the first; job's addresses filled in."""
     d = describe_job(job)
-    primary = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport, replicated=True).start()
-    replica = ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport, replicated=True).start()
-    Pair(primary.core, primary.address, replica.address, second=False).start()
-    Pair(replica.core, replica.address, primary.address, second=True).start()
+    primary, replica = (ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport,
+                                    replicated=True, token=token).start() for _ in range(2))
+    Pair(primary.core, primary.address, replica.address, second=False, token=token).start()
+    Pair(replica.core, replica.address, primary.address, second=True, token=token).start()
     wait_for(lambda: primary.core.pair.lag() == 0, 10, "the replica to follow")
     job.override("cluster.servers", [primary.address])
     job.override("cluster.replica_servers", [replica.address])
@@ -481,5 +481,72 @@ def test_only_the_pairs_own_replica_follows(caplog):
             sock.close()
         wait_for(lambda: any("not of 10.0.0.9:1" in r.getMessage() for r in caplog.records), 10, "the refusal")
         assert not primary.core.pair.attached
+    finally:
+        close(primary, replica)
+
+
+def test_a_stranger_at_a_dead_replicas_address_learns_no_token_and_is_not_believed(caplog):
+    """Found: after the replica crashed, a process without the token bound its port and answered Status "primary,
+    failovers 99"; the real primary stepped down within a second and sent it the bearer token 16 times in clear
+    text.  Now the pair's processes prove that they hold the token without sending it, and an answer that does not
+    prove it is not believed: the primary goes on alone, and the stranger hears no token."""
+    from concurrent import futures
+
+    import grpc
+
+    from psgd.proto import ps_pb2, ps_pb2_grpc
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job, token=TOKEN)
+    heard: list[dict] = []
+
+    class Stranger(ps_pb2_grpc.ParameterServerServicer):
+        def Status(self, request, context):
+            heard.append(dict(context.invocation_metadata()))
+            return ps_pb2.StatusReply(shard=0, role="primary", version=10**6, data_port=1,
+                                      counters_json=json.dumps({"failovers": 99}))
+
+    stranger = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    try:
+        caplog.set_level(logging.INFO, logger="psgd.server")
+        address = replica.address
+        replica.core.pair.stop(finished=False)
+        replica.stop(grace=0)  # the replica is gone
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(Stranger(), stranger)
+        assert stranger.add_insecure_port(address) == int(address.rsplit(":", 1)[1])
+        stranger.start()
+        wait_for(lambda: len(heard) >= 3, 20, "the primary to ask the stranger three times")
+        assert primary.core.role == "primary" and primary.core.pair.alone
+        said = " ".join(str(v) for m in heard for v in m.values())
+        assert TOKEN not in said and "Proof " in said, heard
+        assert any("without proving that it holds the job's token" in r.getMessage() for r in caplog.records)
+    finally:
+        stranger.stop(0)
+        primary.core.pair.stop(finished=True)
+        primary.stop(grace=1.0)
+
+
+@pytest.mark.parametrize("hello", ["the token", "a replayed proof", "no proof"])
+def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
+    """A follower proves that it holds the token (psgd.server.tokens); one that sends the token itself, a proof
+    already used, or nothing is refused, so that no process of a pair ever needs to send the token to a peer."""
+    from psgd.server import tokens
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job, token=TOKEN)
+    try:
+        used = tokens.prove(TOKEN, "follow")
+        assert primary.data.gate.proofs.check(used, "follow")  # (as the replica's was)
+        said = {"the token": {"token": TOKEN}, "a replayed proof": {"proof": used}, "no proof": {}}[hello]
+        body = json.dumps({**said, "plan_hash": primary.core.plan.hash, "follow": True}).encode()
+        with contextlib.closing(stream.socket.create_connection(("127.0.0.1", primary.data.port), timeout=5)) as sock:
+            protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
+                                                               protocol.OBSERVER, 0, 0, len(body)), body])
+            magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
+            refusal = protocol.recv_bytes(sock, size).decode()
+        assert op != 0 and "must prove that it holds the job's token" in refusal, refusal
+        assert primary.core.pair.lag() == 0  # its own replica follows on
     finally:
         close(primary, replica)

@@ -1,0 +1,55 @@
+"""What one process of a shard's pair asks the other (:mod:`psgd.server.replica`), and how it checks the answer.
+
+Whatever answers at the peer's address may be a stranger's process once the peer died, so the question proves that
+the asker holds the job's token without sending it, and an answer counts only when it proves the same of its sender
+(:mod:`psgd.server.tokens`): a claim to lead from a process without the token is not believed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+
+import grpc
+
+from psgd.channel import SERVICE_NAME, open_channel
+from psgd.logs import Quieted
+from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.server import tokens
+from psgd.tls import NO_TLS, TLSFiles
+
+log = logging.getLogger("psgd.server.replica")
+
+#: how long a status call to the peer may take before the peer counts as gone
+PEER_SECONDS = 0.5
+#: seconds between two lines saying that an answer was not believed (a squatter answers every few tenths)
+UNPROVEN_SAID_EVERY = 60.0
+_unproven = Quieted(UNPROVEN_SAID_EVERY)
+
+
+def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:
+    """The Status of the shard process at ``address``; None when it does not answer in time, or its answer does not
+    prove that it holds ``token`` (psgd.server.tokens: the call proves it too, the token itself is never sent)."""
+    challenge = secrets.token_hex(16) if token else ""
+    try:
+        with open_channel(address, tls) as channel:
+            reply = ps_pb2_grpc.ParameterServerStub(channel).Status(
+                ps_pb2.StatusRequest(challenge=challenge), timeout=PEER_SECONDS,
+                metadata=tokens.proof_metadata(token, f"/{SERVICE_NAME}/Status"))
+    except grpc.RpcError:
+        return None
+    if tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply)):
+        return reply
+    if _unproven.due() is not None:  # said once a minute at most, as refused followers are
+        log.warning("the process at %s answered as shard %d's %s without proving that it holds the job's token: "
+                    "not believed (taken for gone)", address, reply.shard, reply.role or "peer")
+    return None
+
+
+def failovers(reply: ps_pb2.StatusReply) -> int:
+    """How many times the pair of the process that sent ``reply`` changed leader, as it counts."""
+    try:
+        return int(json.loads(reply.counters_json or "{}").get("failovers", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
