@@ -10,6 +10,7 @@ The last tests reproduce, deterministically, product bugs the suite found; each 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -39,7 +40,7 @@ from psgd.worker.exchange import run_worker
 
 #: The short run's seed and length: its four runs cover every fault kind, both policies and every data path
 #: (see test_the_ci_seed_covers_every_kind_policy_and_transport).
-CI_SEED = 2
+CI_SEED = 60
 SHORT_RUNS = 4
 
 
@@ -177,6 +178,37 @@ def test_unknown_kinds_are_refused():
         parse_kinds("kill-everything")
     with pytest.raises(SystemExit):
         chaos_main(["--kinds", "nope"])
+
+
+def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
+    """The ``outsider`` fault's client (a process with the token that never registered), against a shard whose
+    worker 0 is live: each of its calls is refused, and the weights, the version and the worker's clock are as
+    they were; the worker goes on."""
+    from psgd.bench.chaos.hostile import outsider
+    from psgd.job import describe_job
+    from psgd.server import build_shard
+    from psgd.server.service import ShardServer
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.transport=tcp")
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN).start()
+    monkeypatch.setenv("PSGD_TOKEN", TOKEN)
+    plan, core = server.core.plan, server.core
+    try:
+        job.override("cluster.servers", [server.address])
+        with PSClient([server.address], plan, 0, request_timeout=10, token=TOKEN, config=job) as client:
+            client.register()
+            grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
+            client.push(0, grads)
+            before = (core.version, core.flat.copy(), core.policy.clock_of(0))
+            slices = [[dataclasses.asdict(s) for s in plan.slices_for_shard(0)]]
+            stats = outsider([(server.address, server.data.port)], slices, 0, plan.hash)
+            assert stats["accepted"] == [] and stats["refused"] == stats["tried"] == 6, stats
+            assert (core.version, core.policy.clock_of(0)) == (before[0], before[2])
+            np.testing.assert_array_equal(core.flat, before[1])
+            assert [r.outcome for r in client.push(1, grads)] == ["applied"]  # worker 0 goes on
+    finally:
+        server.stop(grace=1.0)
 
 
 # -- the short run ------------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ from typing import Sequence
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, LEASE, SHARDS
 
 
+#: the kinds aimed at a worker whose names do not end in "-worker"
+AT_A_WORKER = ("stop-mid-pull", "trickled-push", "duplicate-rank", "outsider")
+
+
 @dataclasses.dataclass
 class Fault:
     kind: str
@@ -21,8 +25,8 @@ class Fault:
     offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
 
     def describe(self) -> str:
-        who = {"netcut": self.role, "stop-mid-pull": "worker", "trickled-push": "worker",
-               "duplicate-rank": "worker"}.get(self.kind, self.kind.rpartition("-")[2])
+        who = self.role if self.kind == "netcut" else "worker" if self.kind in AT_A_WORKER else \
+            self.kind.rpartition("-")[2]
         text = self.kind + (f" {who} {self.target}" if who in ("shard", "worker") else "")
         if self.kind == "kill-worker":
             text += f" {self.offset * 1000:.1f} ms after a step"
@@ -103,7 +107,7 @@ class Planner:
             fault = Fault(kind, 0.0)
             if kind.endswith("-shard"):
                 fault.target = rng.randrange(SHARDS)
-            elif kind.endswith("-worker") or kind in ("stop-mid-pull", "trickled-push", "duplicate-rank"):
+            elif kind.endswith("-worker") or kind in AT_A_WORKER:
                 fault.target = rng.randrange(workers)
                 fault.offset = round(rng.uniform(0.0, 0.012), 4)
                 if kind == "kill-worker" and rng.random() < 0.5:  # restarted after its lease ran out

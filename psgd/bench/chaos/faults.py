@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 from psgd.bench.chaos.cluster import Abort
-from psgd.bench.chaos.hostile import HOLD, HOSTILE, TRICKLE
+from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, TRICKLE
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
@@ -54,6 +55,9 @@ class FaultInjection:
         elif fault.kind == "duplicate-rank":
             r = self._live_worker(fault.target)
             note = self._duplicate_rank(r) if r is not None else "skipped: every worker had finished"
+        elif fault.kind == "outsider":
+            r = self._live_worker(fault.target)
+            note = self._outsider(r) if r is not None else "skipped: every worker had finished"
         elif fault.kind == "hostile":
             note = self._hostile(fault)
         elif fault.kind == "netcut":
@@ -244,6 +248,21 @@ class FaultInjection:
         return (f"{stats['opened']} opened ({stats['refused']} refused), {stats['closed_by_peer']} closed by the "
                 f"shards, the longest after {stats['longest']:.1f}s (deadline {allowed:.1f}s), versions "
                 f"{before} -> {after}")
+
+    def _outsider(self, r: int) -> str:
+        """A process with the job's token that never registered calls every shard in worker ``r``'s name (a push at
+        a clock no worker reaches, a pull, Done, Rollback), asks to follow each, and calls Status without the token:
+        every call must be refused, and the job must go on as if nothing was tried."""
+        c = self.cluster
+        targets, _ = self._data_ports()
+        slices = [[dataclasses.asdict(s) for s in c.plan.slices_for_shard(k)] for k in range(len(c.binds))]
+        asked = {"targets": [(a, port) for a, (_, port) in zip(c.binds, targets)], "slices": slices, "worker": r,
+                 "plan_hash": c.plan.hash}
+        stats, before, after = self._from_outside(OUTSIDER, asked, 120, "outsider")
+        if stats is None:
+            return "outsider client failed"
+        self.violate("outsider", [f"an outsider's call was accepted: {what}" for what in stats["accepted"]])
+        return f"{stats['refused']} of {stats['tried']} calls refused, versions {before} -> {after}"
 
     def _duplicate_rank(self, r: int) -> str:
         """A second ``psgd-worker --rank r`` while worker ``r`` trains (a typo in a hosts list).  It runs on;

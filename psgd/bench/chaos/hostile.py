@@ -1,11 +1,13 @@
 """The clients of the faults that come from outside a job's processes, started from the observer's host: the
 ``hostile`` fault's idle connections and connections sending random bytes against the shards' ports
 (:data:`HOSTILE`), the stopped worker's pull that the ``stop-mid-pull`` fault leaves unfinished
-(:data:`HOLD`), and the ``trickled-push`` fault's pushes sent a byte at a time (:data:`TRICKLE`)."""
+(:data:`HOLD`), the ``trickled-push`` fault's pushes sent a byte at a time (:data:`TRICKLE`), and the
+``outsider``'s calls in a live worker's name without its registration (:data:`OUTSIDER`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import socket
@@ -32,6 +34,12 @@ TRICKLE = """
 import json, sys
 from psgd.bench.chaos.hostile import trickle_pushes
 print(json.dumps(trickle_pushes(**json.loads(sys.argv[1]))))
+"""
+
+OUTSIDER = """
+import json, sys
+from psgd.bench.chaos.hostile import outsider
+print(json.dumps(outsider(**json.loads(sys.argv[1]))))
 """
 
 
@@ -184,3 +192,63 @@ def trickle_pushes(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worke
         for conn, _ in conns:
             conn.close()
     return stats
+
+
+def outsider(targets: Sequence[Sequence[Any]], slices: Sequence[Sequence[dict]], worker: int, plan_hash: str) -> dict:
+    """What a process that holds the job's token (the environment's) but never registered tries against each shard
+    (gRPC address, data port; its slices as dicts): a push in live worker ``worker``'s name at a clock no worker
+    reaches, a pull, Done and Rollback in its name (with a registration key it guessed), following the shard with
+    the token in its hello, and a Status without the token.  Every one must be refused.  Returns how many were
+    tried and refused, and what was accepted."""
+    import secrets
+    from dataclasses import replace
+
+    from psgd.codec import codec_for
+    from psgd.link import LinkError
+    from psgd.link.base import Endpoint, ProtocolError
+    from psgd.link.grpc import GrpcLink
+    from psgd.partition import Slice
+
+    token = os.environ.get("PSGD_TOKEN", "")
+    stats: dict[str, Any] = {"tried": 0, "refused": 0, "accepted": []}
+    for k, ((address, data_port), held) in enumerate(zip(targets, slices)):
+        ours = [Slice(**d) for d in held]
+        ep = Endpoint(address, k, ours, worker, plan_hash, token, request_timeout=10.0)
+        link, bare = GrpcLink(ep), GrpcLink(replace(ep, token=""))
+        link.registration = secrets.token_hex(16)  # a guess at the worker's key
+        buffers = [bytearray(sl.nbytes) for sl in ours]
+        host = address.rpartition(":")[0].strip("[]")
+        tries = {
+            f"a push as worker {worker} at clock 10^12": lambda: link.push(
+                10**12, 0, codec_for(None), [memoryview(b) for b in buffers]),
+            f"a pull as worker {worker}": lambda: link.pull(0, [memoryview(b) for b in buffers]),
+            f"Done as worker {worker}": lambda: link.done(10**12),
+            f"Rollback in worker {worker}'s name": lambda: link.rollback(0, "an outsider's cause"),
+            "Status without the token": bare.status,
+            "following with the token in its hello": lambda: _follow_in_clear(host, int(data_port), token, plan_hash),
+        }
+        try:
+            for what, call in tries.items():
+                stats["tried"] += 1
+                try:
+                    call()
+                except (LinkError, ProtocolError, protocol.WireError, OSError):
+                    stats["refused"] += 1
+                else:
+                    stats["accepted"].append(f"shard {k}: {what}")
+        finally:
+            link.close()
+            bare.close()
+    return stats
+
+
+def _follow_in_clear(host: str, port: int, token: str, plan_hash: str) -> None:
+    """A hello that asks to follow the shard and sends the token itself (a peer proves it instead); returns when
+    it is accepted, raises WireError when it is refused."""
+    body = json.dumps({"token": token, "plan_hash": plan_hash, "follow": True}).encode()
+    with contextlib.closing(socket.create_connection((host, port), timeout=5.0)) as sock:
+        protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
+                                                           protocol.OBSERVER, 0, 0, len(body)), body])
+        magic, op, _, _, _, _, _ = protocol.recv_struct(sock, protocol.REPLY)
+        if magic != protocol.DATA_MAGIC or op != 0:
+            raise protocol.WireError("refused")
