@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import time
 from typing import Any, Mapping
 
@@ -61,6 +62,20 @@ def process_incarnation() -> str:
     """What the shards know a worker process by when it registers: one process holds a rank at a time (a forked
     child differs from its parent by its pid)."""
     return f"{_BOOT}-{os.getpid()}"
+
+
+def alive_here(host: str, pid: int) -> bool:
+    """Whether the process ``pid`` of ``host`` (as it registered: socket.gethostname()) is another one alive on
+    this machine."""
+    if host != socket.gethostname() or pid in (0, os.getpid()):
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # it exists, another user's
+    except OSError:
+        return False
+    return True
 
 
 def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[str, Any]:

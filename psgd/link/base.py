@@ -24,11 +24,13 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 class LinkError(Exception):
     """A call to a shard failed: ``code`` is the gRPC status code (whichever link carried it),
     ``details`` the shard's message, ``reason`` the ErrorInfo reason the caller acts on ("" for none),
-    ``rewind_to`` the clock a ROLLED_BACK refusal says to continue from."""
+    ``rewind_to`` the clock a ROLLED_BACK refusal says to continue from, ``holder`` (host, pid) the process that
+    holds the rank, of a RANK_HELD."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "", rewind_to: int = 0):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "", rewind_to: int = 0,
+                 holder: tuple[str, int] | None = None):
         super().__init__(f"{code.name}: {details}")
-        self.code, self.details, self.reason, self.rewind_to = code, details, reason, rewind_to
+        self.code, self.details, self.reason, self.rewind_to, self.holder = code, details, reason, rewind_to, holder
 
     @property
     def retryable(self) -> bool:

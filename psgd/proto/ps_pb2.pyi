@@ -28,7 +28,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ..., job_json: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
-    __slots__ = ("reason", "differences", "rewind_to")
+    __slots__ = ("reason", "differences", "rewind_to", "holder_host", "holder_pid")
     class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         REASON_UNSPECIFIED: _ClassVar[ErrorInfo.Reason]
@@ -36,18 +36,24 @@ class ErrorInfo(_message.Message):
         JOB_MISMATCH: _ClassVar[ErrorInfo.Reason]
         ROLLED_BACK: _ClassVar[ErrorInfo.Reason]
         NOT_PRIMARY: _ClassVar[ErrorInfo.Reason]
+        RANK_HELD: _ClassVar[ErrorInfo.Reason]
     REASON_UNSPECIFIED: ErrorInfo.Reason
     NOT_REGISTERED: ErrorInfo.Reason
     JOB_MISMATCH: ErrorInfo.Reason
     ROLLED_BACK: ErrorInfo.Reason
     NOT_PRIMARY: ErrorInfo.Reason
+    RANK_HELD: ErrorInfo.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
     REWIND_TO_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_PID_FIELD_NUMBER: _ClassVar[int]
     reason: ErrorInfo.Reason
     differences: _containers.RepeatedScalarFieldContainer[str]
     rewind_to: int
-    def __init__(self, reason: _Optional[_Union[ErrorInfo.Reason, str]] = ..., differences: _Optional[_Iterable[str]] = ..., rewind_to: _Optional[int] = ...) -> None: ...
+    holder_host: str
+    holder_pid: int
+    def __init__(self, reason: _Optional[_Union[ErrorInfo.Reason, str]] = ..., differences: _Optional[_Iterable[str]] = ..., rewind_to: _Optional[int] = ..., holder_host: _Optional[str] = ..., holder_pid: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("worker_id", "clock", "lease_seconds", "shard", "num_shards", "num_workers", "policy", "incarnation", "version", "data_port", "host_id", "rollback_to", "registration")

@@ -115,7 +115,8 @@ class Roster:
                    f"written, and is kept for it {info.kept_until - now:.1f}s more since the shard restarted")
             raise ShardError("ALREADY_EXISTS", f"worker {worker} {how}: is a second psgd-worker started with rank "
                              f"{worker}? (A worker restarted after a crash rejoins once the old process's "
-                             f"{self.lease_seconds:.0f}s lease has run out.)")
+                             f"{self.lease_seconds:.0f}s lease has run out.)", reason="RANK_HELD",
+                             holder=(info.hostname, info.pid))
         if incarnation != info.incarnation or not info.key:  # the same process keeps its key (its calls in flight)
             info.key = secrets.token_hex(16)
         info.state, info.hostname, info.pid, info.incarnation = "live", hostname, pid, incarnation

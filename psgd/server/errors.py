@@ -8,13 +8,14 @@ from typing import Iterable
 class ShardError(Exception):
     """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
     ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH and
-    ``rewind_to`` (the clock to continue from) for ROLLED_BACK."""
+    ``rewind_to`` (the clock to continue from) for ROLLED_BACK, ``holder`` (host, pid) for RANK_HELD."""
 
     def __init__(self, code: str, message: str, reason: str = "", differences: Iterable[str] = (),
-                 rewind_to: int = 0):
+                 rewind_to: int = 0, holder: tuple[str, int] | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
         self.differences = list(differences)
         self.rewind_to = rewind_to
+        self.holder = holder

@@ -68,7 +68,7 @@ def _abort(context: grpc.ServicerContext, err: ShardError):
     # under the clients' 8 KiB together, so the message gets less than half and the differences a little.
     differences = [_details(d, 160) for d in err.differences[:12]]
     status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences,
-                 err.rewind_to)
+                 err.rewind_to, err.holder)
 
 
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:

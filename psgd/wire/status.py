@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 
 from psgd.proto import ps_pb2
 
-REASONS = ("NOT_REGISTERED", "JOB_MISMATCH", "ROLLED_BACK", "NOT_PRIMARY")
+REASONS = ("NOT_REGISTERED", "JOB_MISMATCH", "ROLLED_BACK", "NOT_PRIMARY", "RANK_HELD")
 
 
 def reason_number(reason: str) -> int:
@@ -38,31 +38,34 @@ def reason_name(number: int) -> str:
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, reason: str = "",
-          differences: Iterable[str] = (), rewind_to: int = 0) -> None:
+          differences: Iterable[str] = (), rewind_to: int = 0, holder: tuple[str, int] | None = None) -> None:
     """End the call with ``code`` and ``message``, and ``reason`` as a detail when there is one (with the clock
-    to continue from, for ROLLED_BACK)."""
+    to continue from, for ROLLED_BACK; with the holder's host and pid, for RANK_HELD)."""
     if not reason:
         context.abort(code, message)
     detail = any_pb2.Any()
-    detail.Pack(ps_pb2.ErrorInfo(reason=reason_number(reason), differences=list(differences), rewind_to=rewind_to))
+    host, pid = holder or ("", 0)
+    detail.Pack(ps_pb2.ErrorInfo(reason=reason_number(reason), differences=list(differences), rewind_to=rewind_to,
+                                 holder_host=host, holder_pid=pid))
     context.abort_with_status(rpc_status.to_status(
         status_pb2.Status(code=code.value[0], message=message, details=[detail])))
 
 
-def error_info(err: grpc.RpcError) -> tuple[str, int]:
-    """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read), and its
-    ``rewind_to`` (0 where none)."""
+def error_info(err: grpc.RpcError) -> tuple[str, int, tuple[str, int] | None]:
+    """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read), its
+    ``rewind_to`` (0 where none) and the rank's holder (host, pid) of a RANK_HELD (None where none)."""
     try:
         status = rpc_status.from_call(err)
     except (ValueError, AttributeError, TypeError):  # a detail that does not match the code or message
-        return "", 0
+        return "", 0, None
     if status is None:
-        return "", 0
+        return "", 0, None
     for detail in status.details:
         info = ps_pb2.ErrorInfo()
         if detail.Is(ps_pb2.ErrorInfo.DESCRIPTOR) and detail.Unpack(info):
-            return reason_name(info.reason), int(info.rewind_to)
-    return "", 0
+            holder = (info.holder_host, int(info.holder_pid)) if info.holder_pid else None
+            return reason_name(info.reason), int(info.rewind_to), holder
+    return "", 0, None
 
 
 def reason_of(err: grpc.RpcError) -> str:

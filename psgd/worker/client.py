@@ -26,7 +26,7 @@ import numpy as np
 from psgd import xp as backend
 from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
-from psgd.job import identity as job_identity, process_incarnation
+from psgd.job import alive_here, identity as job_identity, process_incarnation
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
 from psgd.model.table import joined_by_id
 from psgd.partition import PartitionPlan
@@ -63,8 +63,8 @@ class PSClient:
         except CodecError as exc:
             raise PSError(str(exc)) from None
         self.addresses, self.plan, self.worker_id = list(addresses), plan, worker_id
-        self.request_timeout = request_timeout
-        self.retry_deadline = request_timeout if retry_deadline is None else retry_deadline
+        self.request_timeout, self.retry_deadline = request_timeout, request_timeout if retry_deadline is None else \
+            retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")  # observers: no data port
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
@@ -76,13 +76,10 @@ class PSClient:
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
         self.failover = Failover(self, config.cluster.replica_servers if replicas is None and config is not None
                                  else replicas or ())
-        self.versions = [0] * plan.num_shards
-        self._joins = [0] * plan.num_shards  # registrations with each shard, so far
+        self.versions, self._joins = [0] * plan.num_shards, [0] * plan.num_shards  # _joins: registrations, so far
         self.lease_seconds = 10.0
         self._pool = futures.ThreadPoolExecutor(max_workers=2 * plan.num_shards, thread_name_prefix="ps-client")
-        self._beat_stop = threading.Event()
-        self._beat: threading.Thread | None = None
-        self.clock = 0
+        self._beat_stop, self._beat, self.clock, self._pulling = threading.Event(), None, 0, False
         # a shard that restarted from a cut behind this worker: (its cut, its incarnation), until the job went back;
         # and calls still running when one of their siblings heard of a rollback (psgd.worker.rollback)
         self.pending_rollback: tuple[int, str] | None = None
@@ -93,7 +90,6 @@ class PSClient:
         self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
         #: how long a registration refused for another holder of the rank is retried: a lease (it died or renewed)
         self.holder_wait = config.cluster.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline
-        self._pulling = False
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
@@ -221,10 +217,17 @@ class PSClient:
 
     def _register_one(self, k: int) -> ps_pb2.RegisterReply:
         request = self._register_request()
-        # a rank still held by another process frees itself when that one's lease runs out (it crashed and this is its
-        # restart), within one lease; a second live process of the same rank keeps renewing it: this one gives up
-        reply = self.retrying(k, "register", lambda: self.links[k].register(request), rejoin=False,
-                               also=(grpc.StatusCode.ALREADY_EXISTS,), also_for=self.holder_wait)
+
+        def register() -> ps_pb2.RegisterReply:
+            try:
+                return self.links[k].register(request)
+            except LinkError as err:  # a holder alive on this host is a second process of the rank, not our past
+                held = err.reason == "RANK_HELD" and err.holder is not None and alive_here(*err.holder)
+                raise PSError(f"register on shard {k} at {self.addresses[k]} failed: {err.code.name}: {err.details} "
+                              f"It is: pid {err.holder[1]} runs on this host.", err.code) if held else err from None
+        # a rank held by another process frees itself within a lease (it crashed: this is its restart), else it gives up
+        reply = self.retrying(k, "register", register, rejoin=False, also=(grpc.StatusCode.ALREADY_EXISTS,),
+                              also_for=self.holder_wait)
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
             raise PSError(f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
@@ -232,8 +235,7 @@ class PSClient:
                           f"worker(s), this worker expects {expected[2]}): each address must be that of its shard, "
                           "in shard order; is a psgd-server started with the wrong --shard?",
                           grpc.StatusCode.FAILED_PRECONDITION)
-        self.versions[k] = reply.version
-        self._joins[k] += 1
+        self.versions[k], self._joins[k] = reply.version, self._joins[k] + 1
         if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
             self.pending_rollback = (reply.rollback_to, reply.incarnation)  # its next call hears ROLLED_BACK
         return reply
@@ -244,8 +246,7 @@ class PSClient:
         counts the push again as a duplicate, applied once)."""
         replies = self.on_all(self._register_one)
         self.lease_seconds = min(r.lease_seconds for r in replies)
-        self.versions = [r.version for r in replies]
-        self.clock = min(r.clock for r in replies)
+        self.versions, self.clock = [r.version for r in replies], min(r.clock for r in replies)
         return self.clock
 
     def _into(self, out: Mapping[str, np.ndarray]) -> list[list[memoryview]]:
@@ -317,8 +318,7 @@ class PSClient:
     def _pushing(self, clock: int, grads: Mapping[str, np.ndarray], base_versions: Sequence[int] | None,
                  rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None, into: list | None = None,
                  device: dict | None = None) -> list[tuple[PushReply, int | None]]:
-        bases = list(self.versions if base_versions is None else base_versions)
-        joins = list(self._joins)
+        bases, joins = list(self.versions if base_versions is None else base_versions), list(self._joins)
         flat = {name: backend.get_array_module(g).ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
         for spec in self.plan.specs:
             g = flat.get(spec.name)
