@@ -424,6 +424,7 @@ class ShardCore:
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,
                 "restored_version": self.restored_version, "rewinding": dict(self.rewinding),
+                "last_cause": max(self.rollback_causes, key=self.rollback_causes.__getitem__, default=""),
                 "role": self.role, "replica_lag": self.pair.lag() if self.pair is not None else -1,
                 **({"tables": self.tables.status()} if self.tables else {}),
             }

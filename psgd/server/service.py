@@ -270,7 +270,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Status(self, request, context):
         s = self.core.status()
         counters = {**s["counters"], "tables": s.get("tables", {}),
-                    **{k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding")}}
+                    **{k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding", "last_cause")}}
         reply = ps_pb2.StatusReply(
             shard=s["shard"], num_shards=s["num_shards"], policy=s["policy"], version=s["version"],
             workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],

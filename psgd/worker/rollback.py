@@ -8,11 +8,14 @@ back to it (each does so once per cause, however many workers ask).  Every worke
 clock, its data from that step on, so the rounds the restart lost are computed again, from the same weights and
 the same batches: the job ends where it would have ended undisturbed.  A worker that hears of it from a shard
 that went back (ROLLED_BACK) continues from the clock it names once no shard is past it any more (the worker
-taking the job back reaches them one by one; under sync none goes on without this one).
+taking the job back reaches them one by one; under sync none goes on without this one); where some shards are
+still past it after :data:`FINISH_AFTER_SECONDS` (the worker taking the job back died on the way), it takes them
+back itself, for the cause the shards that went back name: every shard goes back, or the job stops saying why.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent import futures
@@ -23,20 +26,48 @@ from psgd.worker.errors import PSError, Rewind
 log = logging.getLogger(__name__)
 
 
+#: how long a worker told that the job went back waits for the shards still past the cut before it takes them back
+#: itself (the worker taking the job back reaches them within milliseconds, unless it died on the way)
+FINISH_AFTER_SECONDS = 2.0
+
+
 def _wait_for_every_shard(client: Any, clock: int) -> None:
-    """Until no shard is past the cut at ``clock`` (the worker that takes the job back asks them one by one);
-    under sync none goes on from it without this worker.  Bounded by the request timeout."""
-    deadline = time.monotonic() + client.request_timeout
+    """Until no shard is past the cut at ``clock`` (the worker that takes the job back asks them one by one, and
+    this one takes those left behind back after FINISH_AFTER_SECONDS); under sync none goes on from it without this
+    worker.  Bounded by the request timeout."""
+    began = time.monotonic()
+    deadline, finished = began + client.request_timeout, False
     while True:
-        versions = [s.version for s in client.status()]
+        replies = client.status()
+        versions = [s.version for s in replies]
         if all(v <= clock for v in versions):
             return
+        if not finished and time.monotonic() - began > FINISH_AFTER_SECONDS:
+            finished = _finish(client, clock, replies)
         if time.monotonic() > deadline:
             raise PSError(f"worker {client.worker_id}: the shards are at versions {versions} "
                           f"{client.request_timeout:.0f}s after one went back to the cut at {clock}: the worker taking "
                           "the job back to it did not reach them all (it may have died); restart the job from its "
                           "checkpoints")
         time.sleep(0.05)  # polling the shards' versions, with a deadline
+
+
+def _finish(client: Any, clock: int, replies: list) -> bool:
+    """Take the shards still past the cut at ``clock`` back to it, for the cause the shards at the cut name (each
+    shard goes back once per cause, so a worker that was only slow changes nothing); False where they name no one
+    cause."""
+    causes = {json.loads(r.counters_json or "{}").get("last_cause", "") for r in replies if r.version == clock}
+    causes.discard("")
+    if len(causes) != 1:
+        return False
+    cause = causes.pop()
+    behind = [k for k, r in enumerate(replies) if r.version > clock]
+    log.warning("worker %d: shard(s) %s are still past the cut at version %d %.0fs after the job went back to it "
+                "(cause %s; the worker taking the job back may have died): taking them back", client.worker_id,
+                behind, clock, FINISH_AFTER_SECONDS, cause)
+    for k in behind:
+        client.retrying(k, f"going back to version {clock}", lambda k=k: client.links[k].rollback(clock, cause))
+    return True
 
 
 def roll_back(client: Any, rewind: Rewind) -> int:

@@ -612,10 +612,10 @@ def test_status_reports_everything():
     push(core, 0, 0)
     clock.advance(4)
     s = core.status()
-    assert s["checkpoint"] is None and s["restored_version"] is None and s["rewinding"] == {}
+    assert s["checkpoint"] is None and s["restored_version"] is None and s["rewinding"] == {} and s["last_cause"] == ""
     assert (s["role"], s["replica_lag"]) == ("", -1)  # no replica
     assert set(s) == {"shard", "num_shards", "policy", "version", "plan_hash", "bytes_held", "workers",
-                      "checkpoint", "restored_version", "reads", "rewinding", "role", "replica_lag",
+                      "checkpoint", "restored_version", "reads", "rewinding", "last_cause", "role", "replica_lag",
                       "counters", "staleness_histogram"}
     assert (s["shard"], s["num_shards"], s["policy"], s["version"]) == (0, 1, "sync", 0)
     assert s["plan_hash"] == PLAN.hash
