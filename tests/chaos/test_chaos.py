@@ -38,10 +38,10 @@ from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
-#: The short run's seed and length: its four runs cover every fault kind, both policies and every data path
+#: The short run's seed and length: its five runs cover every fault kind, both policies and every data path
 #: (see test_the_ci_seed_covers_every_kind_policy_and_transport).
-CI_SEED = 60
-SHORT_RUNS = 4
+CI_SEED = 162
+SHORT_RUNS = 5
 
 
 # -- the checks themselves: each can fail -----------------------------------------------------------------
@@ -120,6 +120,17 @@ def test_a_clean_folder_passes_and_every_leak_is_detected(tmp_path):
     found = check_files(tmp_path, tmp_path / "ckpt", 1, 2, ports, final_versions={0: 7})
     assert any("temporary file left behind" in p and ".ckpt-9.npz.tmp" in p for p in found), found
     assert any("temporary file left behind: shard0.addr.tmp" in p for p in found), found
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "manifest"])
+def test_each_damage_of_the_corrupt_checkpoint_fault_makes_the_checkpoint_fail_its_check(tmp_path, damage):
+    from psgd.bench.chaos.faults import damage_checkpoint
+
+    shard, _ = _checkpoints(tmp_path, [3, 7])
+    assert damage_checkpoint(tmp_path / "ckpt", 0, 7, damage) == f"damaged ckpt-7 ({damage})"
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(shard, 7)
+    assert checkpoint.load_latest(shard, None).path.name == "ckpt-3.json"  # the one before it passes
 
 
 def test_too_many_or_damaged_checkpoints_and_a_missing_last_one_are_detected(tmp_path):

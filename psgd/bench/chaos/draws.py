@@ -12,6 +12,8 @@ from psgd.bench.chaos.settings import FAULTS_PER_RUN, LEASE, SHARDS
 
 #: the kinds aimed at a worker whose names do not end in "-worker"
 AT_A_WORKER = ("stop-mid-pull", "trickled-push", "duplicate-rank", "outsider")
+#: the kinds aimed at a shard whose names do not end in "-shard"
+AT_A_SHARD = ("corrupt-checkpoint", "squatter")
 
 
 @dataclasses.dataclass
@@ -23,13 +25,17 @@ class Fault:
     count: int = 0         # hostile: connections of each sort per port; trickled-push: unregistered ones per shard
     role: str = ""         # netcut: whose link ("shard" or "worker")
     offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
+    damage: str = ""       # corrupt-checkpoint: what is done to the newest checkpoint ("flipped", "truncated",
+    #                        "manifest"; psgd.bench.chaos.faults.damage_checkpoint)
 
     def describe(self) -> str:
         who = self.role if self.kind == "netcut" else "worker" if self.kind in AT_A_WORKER else \
-            self.kind.rpartition("-")[2]
+            "shard" if self.kind in AT_A_SHARD else self.kind.rpartition("-")[2]
         text = self.kind + (f" {who} {self.target}" if who in ("shard", "worker") else "")
         if self.kind == "kill-worker":
             text += f" {self.offset * 1000:.1f} ms after a step"
+        if self.damage:
+            text += f", its newest checkpoint {self.damage}"
         if self.kind == "hostile":
             text += f" {self.count}+{self.count} connection(s) per port"
         if self.kind == "trickled-push":
@@ -105,8 +111,10 @@ class Planner:
                 self.skipped["netcut"] = self.why_no_namespaces
                 continue
             fault = Fault(kind, 0.0)
-            if kind.endswith("-shard"):
+            if kind.endswith("-shard") or kind in AT_A_SHARD:
                 fault.target = rng.randrange(SHARDS)
+                if kind == "corrupt-checkpoint":
+                    fault.damage = rng.choice(("flipped", "truncated", "manifest"))
             elif kind.endswith("-worker") or kind in AT_A_WORKER:
                 fault.target = rng.randrange(workers)
                 fault.offset = round(rng.uniform(0.0, 0.012), 4)
@@ -114,6 +122,8 @@ class Planner:
                     fault.seconds = round(rng.uniform(LEASE + 0.5, LEASE + 2.0), 2)
             if kind.startswith("stop-"):
                 fault.seconds = round(rng.uniform(0.5, 3.0), 2)
+            elif kind == "squatter":
+                fault.seconds = round(rng.uniform(1.5, 3.0), 2)
             elif kind == "hostile":
                 fault.seconds, fault.count = round(rng.uniform(1.5, 3.0), 2), rng.randint(8, 24)
             elif kind == "trickled-push":

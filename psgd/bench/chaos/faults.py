@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 from psgd.bench.chaos.cluster import Abort
-from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, TRICKLE
+from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, SQUATTER, TRICKLE
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
 from psgd.bench.chaos.settings import PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
+from psgd.server import checkpoint
 from psgd.server.datapath import transfer_seconds
 
 
@@ -26,8 +27,8 @@ class FaultInjection:
         c = self.cluster
         began = time.monotonic()
         note = ""
-        if fault.kind == "kill-shard":
-            note = self._kill_shard(fault.target)
+        if fault.kind in ("kill-shard", "corrupt-checkpoint"):
+            note = self._kill_shard(fault.target, fault.damage)
         elif fault.kind == "restart-shard":
             note = self._restart_shard(fault.target)
         elif fault.kind == "kill-worker":
@@ -58,6 +59,9 @@ class FaultInjection:
         elif fault.kind == "outsider":
             r = self._live_worker(fault.target)
             note = self._outsider(r) if r is not None else "skipped: every worker had finished"
+        elif fault.kind == "squatter":
+            note = self._squatter(fault.target, fault.seconds) if self.spec.replicas else \
+                "skipped: the run keeps no replicas"
         elif fault.kind == "hostile":
             note = self._hostile(fault)
         elif fault.kind == "netcut":
@@ -79,21 +83,38 @@ class FaultInjection:
                 return r
         return None
 
-    def _kill_shard(self, k: int) -> str:
+    def _kill_shard(self, k: int, damage: str = "") -> str:
+        """SIGKILL, then start again: it restores its newest checkpoint.  ``damage`` (corrupt-checkpoint): that
+        checkpoint is damaged first ("flipped": bytes of its arrays overwritten, "truncated": its arrays cut in
+        half, "manifest": its manifest not JSON); it must say so, skip it and restore the one before."""
         c = self.cluster
         name = f"shard{k}"
         c.signal(name, signal.SIGKILL)
         self.violate("exit-code", check_exit(f"shard {k} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
                                              "after SIGKILL"))
         newest = c.newest_checkpoint(k)  # what was on disk when it died
-        c.start_shard(k)
+        damaged = ""
+        if damage:
+            held = sorted({v for folder in c.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)})
+            if len(held) < 2:  # nothing to fall back on: the shard would rightly refuse to start
+                damaged = f"not damaged: shard {k} held {len(held)} checkpoint(s)"
+            else:
+                damaged = damage_checkpoint(c.ckpt, k, held[-1], damage)
+                newest = held[-2]
+        proc = c.start_shard(k)
         self.restarted.add(k)
         c.wait_listening(k)
+        if damaged.startswith("damaged") and "skipping checkpoint" not in proc.log.read_text(errors="replace"):
+            self.violate("checkpoint", [f"shard {k} did not say that it skipped its {damaged[8:]}"])
         if self.spec.replicas:
-            return self._pair_whole(k)
+            return "; ".join(filter(None, [damaged, self._pair_whole(k)]))
         view = self._status_of(k, START_BOUND)
         self.violate("checkpoint", check_restore(k, newest, view["restored_version"], view["version"]))
-        return f"newest checkpoint ckpt-{newest}, restored {view['restored_version']}, version {view['version']}"
+        restored = view["restored_version"]
+        if damaged.startswith("damaged") and restored is not None and restored > newest:
+            self.violate("checkpoint", [f"shard {k} restored version {restored}, its {damaged[8:]}"])
+        return "; ".join(filter(None, [damaged, f"newest checkpoint ckpt-{newest}, restored {restored}, version "
+                                                f"{view['version']}"]))
 
     def _restart_shard(self, k: int) -> str:
         """SIGTERM: it exits 0 within 10 s with a last checkpoint of its last version; started again, it
@@ -264,6 +285,39 @@ class FaultInjection:
         self.violate("outsider", [f"an outsider's call was accepted: {what}" for what in stats["accepted"]])
         return f"{stats['refused']} of {stats['tried']} calls refused, versions {before} -> {after}"
 
+    def _squatter(self, k: int, seconds: float) -> str:
+        """Shard ``k``'s replica SIGKILLed, and a process without the token bound at its address for ``seconds``,
+        claiming to lead: the primary must not believe it (it goes on leading), nor send it the token; then the
+        replica comes back and the pair is whole again."""
+        c = self.cluster
+        roles = [s["role"] if s else "" for s in c._pair_status(k, 2.0)]
+        if "replica" not in roles or "primary" not in roles:
+            return f"skipped: shard {k}'s pair is not whole ({roles})"
+        second = roles.index("replica") == 1
+        name, address = (f"replica{k}", c.replica_binds[k]) if second else (f"shard{k}", c.binds[k])
+        c.signal(name, signal.SIGKILL)
+        self.violate("exit-code", check_exit(f"{name} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
+                                             "after SIGKILL"))
+        done = subprocess.run(c.prefix(c._host(name)) + [PY, "-c", SQUATTER, json.dumps(
+            {"address": address, "shard": k, "seconds": seconds})], capture_output=True, text=True,
+            timeout=seconds + 60)
+        try:
+            stats = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            self.violate("harness", [f"the squatter failed: {done.stderr.strip()[-500:]}"])
+            stats = None
+        leaders = [s["role"] if s else "" for s in c._pair_status(k, 2.0)]
+        if stats is not None and stats["token_heard"]:
+            self.violate("token", [f"a process without the token at {address} was sent the job's token"])
+        if leaders[1 - int(second)] != "primary":
+            self.violate("squatter", [f"shard {k}'s primary stopped leading while a process without the token at "
+                                      f"its replica's address claimed to lead (roles now {leaders})"])
+        c.start_shard(k, replica=second)
+        self.restarted.add(k)
+        c.wait_listening(k, replica=second)
+        heard = f"{stats['calls']} call(s) heard" if stats and stats["bound"] else "could not bind"
+        return f"{name} at {address}: squatter {heard}; {self._pair_whole(k)}"
+
     def _duplicate_rank(self, r: int) -> str:
         """A second ``psgd-worker --rank r`` while worker ``r`` trains (a typo in a hosts list).  It runs on;
         :meth:`_check_duplicates` says, once it has ended, whether it was refused as it must be."""
@@ -329,3 +383,24 @@ def _first_step(metrics: Path) -> dict | None:
             if record.get("event") == "step":
                 return record
     return None
+
+
+def damage_checkpoint(root: Path, k: int, version: int, damage: str) -> str:
+    """Damage shard ``k``'s checkpoint ``version`` under ``root`` as ``damage`` says; says what was done."""
+    for folder in root.glob(f"*/shard-{k}"):
+        arrays, manifest = folder / f"ckpt-{version}.npz", folder / f"ckpt-{version}.json"
+        if not manifest.exists():
+            continue
+        if damage == "manifest":
+            manifest.write_text("{not json")
+        elif damage == "truncated":
+            data = arrays.read_bytes()
+            arrays.write_bytes(data[:len(data) // 2])
+        else:  # flipped
+            with open(arrays, "r+b") as f:
+                f.seek(arrays.stat().st_size // 2)
+                chunk = bytearray(f.read(64))
+                f.seek(-len(chunk), 1)
+                f.write(bytes(b ^ 0xFF for b in chunk))
+        return f"damaged ckpt-{version} ({damage})"
+    return f"not damaged: no ckpt-{version} of shard {k}"

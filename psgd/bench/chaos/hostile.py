@@ -2,7 +2,8 @@
 ``hostile`` fault's idle connections and connections sending random bytes against the shards' ports
 (:data:`HOSTILE`), the stopped worker's pull that the ``stop-mid-pull`` fault leaves unfinished
 (:data:`HOLD`), the ``trickled-push`` fault's pushes sent a byte at a time (:data:`TRICKLE`), and the
-``outsider``'s calls in a live worker's name without its registration (:data:`OUTSIDER`)."""
+``outsider``'s calls in a live worker's name without its registration (:data:`OUTSIDER`), and the ``squatter``
+at a dead shard process's address (:data:`SQUATTER`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ OUTSIDER = """
 import json, sys
 from psgd.bench.chaos.hostile import outsider
 print(json.dumps(outsider(**json.loads(sys.argv[1]))))
+"""
+
+SQUATTER = """
+import json, sys
+from psgd.bench.chaos.hostile import squat
+print(json.dumps(squat(**json.loads(sys.argv[1]))))
 """
 
 
@@ -252,3 +259,36 @@ def _follow_in_clear(host: str, port: int, token: str, plan_hash: str) -> None:
         magic, op, _, _, _, _, _ = protocol.recv_struct(sock, protocol.REPLY)
         if magic != protocol.DATA_MAGIC or op != 0:
             raise protocol.WireError("refused")
+
+
+def squat(address: str, shard: int, seconds: float) -> dict:
+    """A process without the job's token at the gRPC address of shard ``shard``'s dead process, for ``seconds``: it
+    answers every Status as the shard's primary that took over 99 times (a claim to lead), and keeps what each
+    caller sent.  Returns whether it could bind the address, how many calls came, and whether any carried the
+    job's token (the environment's: this process knows it only to look for it)."""
+    from concurrent import futures
+
+    import grpc
+
+    from psgd.proto import ps_pb2, ps_pb2_grpc
+
+    token = os.environ.get("PSGD_TOKEN", "")
+    heard: list[str] = []
+
+    class Squatter(ps_pb2_grpc.ParameterServerServicer):
+        def Status(self, request, context):
+            heard.append(" ".join(str(v) for _, v in context.invocation_metadata()))
+            return ps_pb2.StatusReply(shard=shard, role="primary", version=10**9, data_port=1,
+                                      counters_json=json.dumps({"failovers": 99}))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(Squatter(), server)
+    try:
+        bound = bool(server.add_insecure_port(address))
+    except RuntimeError:
+        bound = False
+    if bound:
+        server.start()
+        time.sleep(seconds)  # how long it squats is the fault
+        server.stop(0)
+    return {"bound": bound, "calls": len(heard), "token_heard": bool(token) and any(token in h for h in heard)}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 KINDS = ("kill-shard", "restart-shard", "kill-worker", "stop-shard", "stop-worker", "stop-mid-pull", "hostile",
-         "trickled-push", "duplicate-rank", "outsider", "netcut", "sigterm")
+         "trickled-push", "duplicate-rank", "outsider", "corrupt-checkpoint", "squatter", "netcut",
+         "sigterm")
 PY = sys.executable
 
 SHARDS = 2
