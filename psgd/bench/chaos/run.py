@@ -170,6 +170,8 @@ class Run(FaultInjection):
                 raise Abort(f"{name} exited with status {code} after {after}: {last_error(proc.log)}", "finishes")
         if not any(c.alive(f"worker{r}") for r in range(self.spec.workers)):
             return  # training is over: the final checks follow
+        if self.spec.exit_when_done and any(c.procs[n].popen.poll() == 0 for n in c.shard_names):
+            return  # a shard left by itself: every worker had said it was done (the final checks see that they were)
         views = [self._status_of(k, REQUEST_TIMEOUT + 5) for k in range(SHARDS)]
         clocks = {r: last + 2 for r, last in c.clocks().items()}  # read after Status: + the push in flight
         self._check_shards(views, clocks)
