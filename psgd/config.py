@@ -99,6 +99,8 @@ class ClusterConfig:
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
     checkpoint_rounds: int = 0    # sync: every shard checkpoints at each multiple of this many rounds, all at the
     #                               same versions; 0: every psgd-server --checkpoint-every seconds, at any version
+    on_cut_failure: str = "stop"  # a shard that cannot write a cut: "stop" (every call refused, saying why) or
+    #                               "continue" (the job goes on without the guarantee that a restart loses nothing)
     replicas: int = 0             # async, ssp: 1 runs each shard twice, a replica applying every update before the
     #                               push is acknowledged; workers fail over to it when the primary dies
     replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
@@ -339,6 +341,9 @@ class JobConfig:
         if c.transport not in TRANSPORTS:
             raise ConfigError(f"{src}: [cluster] transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
                               f"got {c.transport!r}")
+        if c.on_cut_failure not in ("stop", "continue"):
+            raise ConfigError(f"{src}: [cluster] on_cut_failure must be \"stop\" or \"continue\", got "
+                              f"{c.on_cut_failure!r}")
         if c.wire_dtype not in ("", "float16", "bfloat16"):
             raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "
                               f"got {c.wire_dtype!r}")

@@ -161,7 +161,8 @@ def serve(args: argparse.Namespace) -> int:
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls,
                              interceptors=metrics.interceptors, hello_timeout=c.hello_timeout,
-                             replicated=bool(c.replicas), busy_poll=c.busy_poll_seconds).start()
+                             replicated=bool(c.replicas), busy_poll=c.busy_poll_seconds,
+                             on_cut_failure=c.on_cut_failure).start()
     except PortTaken as exc:
         raise ConfigError(_port_taken(args, exc)) from None
     except (OSError, RuntimeError) as exc:

@@ -56,12 +56,7 @@ class ShardCore:
     slices travel in on the wire."""
 
     def __init__(
-        self,
-        plan: PartitionPlan,
-        shard: int,
-        values: Mapping[int, np.ndarray],
-        optimizer: Optimizer,
-        policy: Policy,
+        self, plan: PartitionPlan, shard: int, values: Mapping[int, np.ndarray], optimizer: Optimizer, policy: Policy,
         *,
         num_workers: int,
         lease_seconds: float = 10.0,
@@ -103,6 +98,7 @@ class ShardCore:
                          "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0, "rollbacks": 0, "rounds_undone": 0,
                          "data_requests": 0, "data_cpu_seconds": 0.0, "receive_seconds": 0.0}
         self.closing = False
+        self.halted = ""  # why this shard refuses every call (a cut it could not write: psgd.server.recovery.Failures)
         # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
         # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)
         self.cut_rounds = cut_rounds
@@ -162,6 +158,8 @@ class ShardCore:
         self.changed.notify_all()
 
     def _check_serving(self) -> None:
+        if self.halted:
+            raise ShardError("FAILED_PRECONDITION", self.halted)
         if self.role in ("replica", "starting", "stopping"):
             raise ShardError("UNAVAILABLE", f"this process of shard {self.shard} serves no worker ({self.role}): the "
                              "other process of its pair does", reason="NOT_PRIMARY")

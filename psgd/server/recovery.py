@@ -48,15 +48,32 @@ FAILURES_SAID_EVERY = 60.0
 
 class Failures:
     """How a shard says that its checkpoints fail (a full disk): the first failure at once, then at most one line a
-    minute with how many more (the core counts each: checkpoint_failures), and once when one is written again."""
+    minute with how many more (the core counts each: checkpoint_failures), and once when one is written again.  A
+    cut that fails ([cluster] checkpoint_rounds) stops the job where ``stop`` ([cluster] on_cut_failure = "stop"):
+    the shard refuses every call from then on, saying why; else the job goes on, said once, without the guarantee
+    that a restarted shard loses nothing."""
 
-    def __init__(self, shard: int):
-        self.shard = shard
+    def __init__(self, core: ShardCore, stop: bool = True):
+        self.core, self.shard, self.stop = core, core.shard, stop
         self.in_a_row = 0                    # failures since the last checkpoint written
         self._said = Quieted(FAILURES_SAID_EVERY)
+        self._went_on = False                # a failed cut was said to be gone on from
 
-    def failed(self, exc: Exception) -> None:
+    def failed(self, exc: Exception, cut: bool = False) -> None:
+        """``cut``: the checkpoint was a cut (a shard that halts refuses the calls that come next)."""
         self.in_a_row += 1
+        if cut and self.stop and not self.core.halted:
+            self.core.halted = (f"shard {self.shard} could not write its cut at version {self.core.version} ({exc}), "
+                                "so the job stops ([cluster] on_cut_failure = \"stop\"): make room and start it again "
+                                "(it resumes from the cuts), or set on_cut_failure = \"continue\" to go on without "
+                                "them")
+            log.error("%s", self.core.halted)
+            return
+        if cut and not self.stop and not self._went_on:
+            self._went_on = True
+            log.warning("shard %d: a cut failed and the job goes on ([cluster] on_cut_failure = \"continue\"): a "
+                        "shard that restarts now may not find a cut every shard holds, and the rounds since the last "
+                        "one would be lost", self.shard)
         unsaid = self._said.due()
         if unsaid is not None:
             more = f" ({unsaid} more failed since the last line)" if unsaid else ""

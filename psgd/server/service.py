@@ -288,10 +288,11 @@ class ShardServer:
                  threads: int | None = None, transport: str = "auto", data_port: int = 0,
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
-                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False, busy_poll: float = 0.0):
+                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False, busy_poll: float = 0.0,
+                 on_cut_failure: str = "stop"):
         self.core = core
         self.checkpoint_dir = checkpoint_dir
-        self._failures = recovery.Failures(core.shard)
+        self._failures = recovery.Failures(core, stop=on_cut_failure == "stop")
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
         if token:
             interceptors = [tokens.TokenInterceptor(token), *interceptors]
@@ -392,7 +393,7 @@ class ShardServer:
             path = (recovery.write_held if held else recovery.write)(self.core, folder, self.keep_checkpoints,
                                                                      force=force)
         except checkpoint.CheckpointError as exc:
-            self._failures.failed(exc)
+            self._failures.failed(exc, cut=bool(self.core.cut_rounds))  # each one a cut, then
             return False
         self._failures.written(path)
         if path:
