@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from psgd.errors import InputError
 
-class CodecError(ValueError):
+
+class CodecError(InputError):
     """A codec that does not exist, or cannot carry the variables' dtype."""
 
 

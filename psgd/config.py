@@ -38,6 +38,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
+from psgd.errors import InputError
 from psgd.optim.rows import ROW_OPTIMIZERS
 from psgd.policy import POLICIES
 from psgd.wire import TRANSPORTS
@@ -45,7 +46,7 @@ from psgd.wire import TRANSPORTS
 DTYPES = ("float32", "float64")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A malformed or inconsistent job file or override."""
 
 

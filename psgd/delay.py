@@ -17,10 +17,12 @@ import dataclasses
 
 import numpy as np
 
+from psgd.errors import InputError
+
 KINDS = ("fixed", "exp", "uniform", "slowdown")
 
 
-class DelayError(ValueError):
+class DelayError(InputError):
     """A malformed delay spec."""
 
 

@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from psgd.config import JobConfig
+from psgd.errors import InputError
 from psgd.model.table import TableSpec, joined_by_id, table_keys
 from psgd.partition import PartitionPlan, plan_differences
 from psgd.server import checkpoint
@@ -49,7 +50,7 @@ SHOWN = 5
 SAME_VERSION_SECONDS = 2.0
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """Weights that cannot be exported, joined, written or loaded; the message is one line that says why."""
 
 

@@ -46,6 +46,7 @@ from psgd import xp as backend
 from psgd.config import ConfigError
 from psgd.delay import NO_DELAY, Delay
 from psgd.divergence import DivergenceGuard, advice, chance
+from psgd.errors import PsgdError
 from psgd.job import Job
 from psgd.model.table import Rows
 from psgd.progress import MetricsLog, progress_bar
@@ -74,11 +75,11 @@ def evaluate(
     return total_loss / n, correct / n
 
 
-class Interrupted(Exception):
+class Interrupted(PsgdError):
     """Raised by an exchange when the stop event ended a step half-way (the step is not counted)."""
 
 
-class Rewound(Exception):
+class Rewound(PsgdError):
     """Raised by an exchange when the job went back to the cut at ``clock`` (a shard restarted from it): the loop
     continues from that step, with that step's data, and the steps since are computed again."""
 

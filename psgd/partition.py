@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from psgd.errors import InputError
 from psgd.model.base import VarSpec
 from psgd.model.table import TableSpec, check_ids, mix64, name_key
 
@@ -33,7 +34,7 @@ DEFAULT_SLICE_BYTES = 4 << 20
 ROW_HASH = "splitmix64(id ^ key(table)) mod shards"
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A plan that cannot be made, or two plans that do not match."""
 
 

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from psgd.errors import ClusterError
 from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
 from psgd.optim.base import WHOLE, Share
 from psgd.optim.rows import RowOptimizer
@@ -37,7 +38,7 @@ from psgd.rowindex import IdSlots, Sightings
 WHEN_FULL = ("fail", "evict")
 
 
-class TableFull(Exception):
+class TableFull(ClusterError):
     """A table may not hold the rows asked for (``tables.max_rows``); a shard answers RESOURCE_EXHAUSTED."""
 
     code = "RESOURCE_EXHAUSTED"

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import grpc
 
+from psgd.errors import InputError
 
-class TLSError(ValueError):
+
+class TLSError(InputError):
     """A certificate file is missing or unreadable."""
 
 

@@ -1,10 +1,8 @@
 """The array backend: the only module in psgd that imports CuPy.
 
-Models, losses and optimizers are written once against an array module
-``xp`` (NumPy or CuPy).  This module says whether CuPy and a CUDA device are
-usable, keeps the reason when they are not, parses device names
-(``cpu``, ``cuda``, ``cuda:N``; ``cuda:0,2`` for a launch over several GPUs)
-and moves arrays between host and device.
+Models, losses and optimizers are written once against an array module ``xp`` (NumPy or CuPy).  This module says
+whether CuPy and a CUDA device are usable, keeps the reason when they are not, parses device names (``cpu``,
+``cuda``, ``cuda:N``; ``cuda:0,2`` for a launch over several GPUs) and moves arrays between host and device.
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ import re
 from typing import Any, Iterable, Iterator
 
 import numpy as np
+
+from psgd.errors import InputError
 
 try:  # pragma: no cover - depends on the machine
     import cupy as _cupy
@@ -41,7 +41,7 @@ _refusal_said = ""  # the last reason logged for a refused registration, so that
 log = logging.getLogger(__name__)
 
 
-class DeviceError(RuntimeError):
+class DeviceError(InputError):
     """A device was asked for that this machine cannot provide."""
 
 

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from typing import Mapping
 
+from psgd.errors import ClusterError
+
 IP = shutil.which("ip") or "/usr/sbin/ip"
 TC = shutil.which("tc") or "/usr/sbin/tc"
 #: Every namespace made here is named ``psgdnet<pid>x<tag>-<host>``.
@@ -34,7 +36,7 @@ _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|m|g)?bit\s*$", re.IGNORECASE)
 _SCALE = {None: 1, "k": 10**3, "m": 10**6, "g": 10**9}
 
 
-class NetworkError(RuntimeError):
+class NetworkError(ClusterError):
     """Namespaces or shaping cannot be set up here, or a rate cannot be read."""
 
 

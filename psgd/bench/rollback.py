@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.chaos.processes import command, free_port_pair, job_token
+from psgd.errors import ClusterError
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.parsing import comma_list
@@ -41,7 +42,7 @@ SHARDS, WORKERS = 2, 2
 BOUND = 300.0  # seconds a run may take at most
 
 
-class RollbackBenchError(Exception):
+class RollbackBenchError(ClusterError):
     """A run could not be measured (a process failed, the job did not finish in time)."""
 
 

@@ -32,12 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from psgd.errors import ClusterError
+
 TRANSPORTS = ("shm", "tcp")
 CATCH_TRIES = 200
 START_BOUND = 120.0  # seconds for the shard to listen and every worker to step
 
 
-class StallError(Exception):
+class StallError(ClusterError):
     """The measurement could not be taken (a process failed, nothing was caught)."""
 
 

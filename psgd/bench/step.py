@@ -41,6 +41,7 @@ import numpy as np
 
 from psgd.bench.limits import machine
 from psgd.bench.scaling.measure import read_steps
+from psgd.errors import ClusterError
 from psgd.parsing import comma_list
 
 DESCRIPTION = __doc__
@@ -51,7 +52,7 @@ RUNS = {"shm": (1, 1, "sync", "shm"), "tcp": (1, 1, "sync", "tcp"), "sync2": (2,
 BOUND = 900.0  # seconds any one run may take
 
 
-class StepBenchError(RuntimeError):
+class StepBenchError(ClusterError):
     """A run failed or left too little to measure."""
 
 

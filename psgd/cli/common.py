@@ -9,26 +9,17 @@ import signal
 import sys
 from typing import Callable, Mapping, Sequence
 
+from psgd.collective import BackendUnavailable
 from psgd.config import ClusterConfig, ConfigError, JobConfig
-from psgd.data import DataError
-from psgd.export import ExportError
-from psgd.model import ModelError
-from psgd.optim import OptimizerError
-from psgd.partition import PlanError
-from psgd.policy import POLICIES, PolicyError
-from psgd.launch import STOP_SIGNALS, LaunchError, LaunchInterrupted
-from psgd.collective import BackendUnavailable, CollectiveError
-from psgd.worker.client import PSError
-from psgd.tls import TLSError
-from psgd.xp import DeviceError
+from psgd.errors import InputError, PsgdError
+from psgd.launch import STOP_SIGNALS, LaunchInterrupted
+from psgd.policy import POLICIES
 
 log = logging.getLogger("psgd.cli")
 
-#: Errors that are the user's to fix: printed as one line, exit status 2.
-USER_ERRORS = (ConfigError, DataError, ModelError, OptimizerError, DeviceError, PlanError, PolicyError,
-               BackendUnavailable, TLSError, ExportError)
-#: Errors of a running cluster (unreachable shard, refused request): one line, exit status 1.
-CLUSTER_ERRORS = (PSError, LaunchError, CollectiveError)
+#: Errors that are the user's to fix (psgd.errors.InputError; and an all-reduce backend this machine lacks): printed
+#: as one line, exit status 2.  Every other error psgd raises (psgd.errors.PsgdError): one line, exit status 1.
+USER_ERRORS = (InputError, BackendUnavailable)
 
 JOB_FLAGS = {
     # flag: (dotted key, type, help)
@@ -193,7 +184,7 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except LaunchInterrupted as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except CLUSTER_ERRORS as exc:
+    except PsgdError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

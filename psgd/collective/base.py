@@ -14,11 +14,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from psgd.errors import ClusterError
 
 OPS = ("sum", "max", "min")
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(ClusterError):
     """A collective operation failed: a rank died, timed out, or the ranks disagree."""
 
 

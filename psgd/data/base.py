@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from psgd.errors import InputError
+
 # Seed of the permutation behind every held-out split.  Changing it changes
 # which examples are held out, for every dataset: do not.
 SPLIT_SEED = 0x5EED_5E7
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A dataset could not be loaded or sharded; the message names the file or name."""
 
 

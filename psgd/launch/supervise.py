@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+from psgd.errors import ClusterError
+
 log = logging.getLogger(__name__)
 
 #: The stop signals: the launcher forwards them to its children; every psgd process leaves cleanly on them.
@@ -43,7 +45,7 @@ _STUB = ("import ctypes, os, sys\n"
          "    os._exit(127)\n")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(ClusterError):
     """A process of the job failed or ran past the time limit."""
 
 

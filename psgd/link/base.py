@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from psgd.codec import Codec
+from psgd.errors import TransportError
 from psgd.partition import Slice
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
@@ -21,7 +22,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-class LinkError(Exception):
+class LinkError(TransportError):
     """A call to a shard failed: ``code`` is the gRPC status code (whichever link carried it),
     ``details`` the shard's message, ``reason`` the ErrorInfo reason the caller acts on ("" for none),
     ``rewind_to`` the clock a ROLLED_BACK refusal says to continue from, ``holder`` (host, pid) the process that
@@ -37,7 +38,7 @@ class LinkError(Exception):
         return self.code in RETRYABLE
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(TransportError):
     """The shard sent what the partition plan does not allow (a slice it does not hold, a short one)."""
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from psgd import xp as backend
 from psgd.codec import Codec
+from psgd.errors import TransportError
 from psgd.link.base import Endpoint, PushReply, RowsIn, RowsOut
 from psgd.link.tcp import DataConnection, TcpLink
 from psgd.proto import ps_pb2
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 SHARED_FROM_BYTES = 128 << 10
 
 
-class NoSegment(Exception):
+class NoSegment(TransportError):
     """The shard gave no segment, or it cannot be mapped here: use the data port as it is."""
 
 

@@ -1,5 +1,7 @@
 """The one error type of the model package."""
 
+from psgd.errors import InputError
 
-class ModelError(ValueError):
+
+class ModelError(InputError):
     """A model could not be found, loaded or built; the message is one line that says why."""

@@ -15,13 +15,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from psgd import xp as backend
+from psgd.errors import PsgdError
 
 #: The checks' own files: a traceback's frames in them are not the model's.
 _CHECK_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                          for name in ("check.py", "gradcheck.py", "probe.py"))
 
 
-class Skip(Exception):
+class Skip(PsgdError):
     """A check that cannot run here; its message says why."""
 
 

@@ -10,8 +10,10 @@ import math
 import numbers
 from typing import Any, Mapping
 
+from psgd.errors import InputError
 
-class OptimizerError(ValueError):
+
+class OptimizerError(InputError):
     """A bad optimizer or schedule name, option or value, or a bad update."""
 
 

@@ -26,6 +26,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from psgd.errors import InputError
+
 APPLY = "apply"            # apply this gradient now
 ACCUMULATE = "accumulate"  # add it to the open sync round
 DUPLICATE = "duplicate"    # already applied: drop it, acknowledge OK
@@ -40,7 +42,7 @@ OUTCOME_COUNTERS = {"applied": "applied", "accumulated": "accumulated", "duplica
 STATE_FORMAT = 1
 
 
-class PolicyError(ValueError):
+class PolicyError(InputError):
     """A policy was misconfigured or misused; the message is one line that says why."""
 
 

@@ -36,12 +36,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from psgd.errors import ClusterError
+
 log = logging.getLogger(__name__)
 
 FORMAT = "psgd-checkpoint-1"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ClusterError):
     """A checkpoint could not be written (the previous one is intact) or read."""
 
 

@@ -33,6 +33,7 @@ import weakref
 import numpy as np
 
 from psgd.codec import Codec, CodecError, by_code
+from psgd.errors import PsgdError
 from psgd.server import store
 from psgd.server.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
@@ -394,5 +395,5 @@ def _share_weights(core: ShardCore) -> segment.Segment:
         return seg
 
 
-class _Fatal(Exception):
+class _Fatal(PsgdError):
     """The connection cannot go on (protocol broken); it is closed after the error reply."""

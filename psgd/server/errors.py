@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from psgd.errors import PsgdError
 
-class ShardError(Exception):
+
+class ShardError(PsgdError):
     """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
     ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH and
     ``rewind_to`` (the clock to continue from) for ROLLED_BACK, ``holder`` (host, pid) for RANK_HELD."""

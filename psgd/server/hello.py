@@ -15,13 +15,14 @@ from __future__ import annotations
 import hmac
 import json
 
+from psgd.errors import PsgdError
 from psgd.server.admission import Roster
 from psgd.server.errors import ShardError
 from psgd.server.tokens import Proofs
 from psgd.wire import protocol
 
 
-class Refusal(Exception):
+class Refusal(PsgdError):
     """A hello is refused: ``code`` and the message go to the peer, ``reason`` (a few words) to the log."""
 
     def __init__(self, code: str, message: str, reason: str):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import socket
 
+from psgd.errors import ClusterError
 
-class PortTaken(OSError):
+
+class PortTaken(ClusterError):
     """A port a shard was to listen on that it cannot have: which of its ports (``what``: "gRPC port" or "data
     port"), its address and number, and why."""
 

@@ -52,6 +52,7 @@ import time
 import grpc
 
 from psgd import policy
+from psgd.errors import TransportError
 
 DATA_MAGIC = b"PSG1"
 OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE, OP_PULL_ROWS, OP_PUSH_ROWS, OP_PUSH_PULL = 1, 2, 3, 4, 5, 6, 7
@@ -103,7 +104,7 @@ def wants_go_ahead(payload_bytes: int) -> bool:
     return payload_bytes >= GO_AHEAD_BYTES
 
 
-class WireError(Exception):
+class WireError(TransportError):
     """The peer broke the data-path protocol or went away."""
 
 

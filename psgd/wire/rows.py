@@ -22,6 +22,7 @@ import numpy as np
 
 from psgd.channel import CHUNK_BYTES
 from psgd.codec import Codec
+from psgd.errors import InputError
 
 BLOCK_BYTES = 1 << 20
 #: Rows one message may carry in all, per table: far past a batch's (a batch of 65,536 with 64 ids each).
@@ -36,7 +37,7 @@ SECTION = struct.Struct("<HQ")
 MAX_NAME_BYTES = 255
 
 
-class RowsError(ValueError):
+class RowsError(InputError):
     """Rows that do not fit the tables: the message says why (INVALID_ARGUMENT)."""
 
 

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from psgd.errors import TransportError
+
 MAGIC = b"PSGDSHM1"
 HEADER = 64  # magic, nonce, sequence numbers, padding: the tensor bytes start cache-line aligned
 SEQ_AT = 32  # where the slots' sequence numbers (uint64, little-endian) start in the header
@@ -55,7 +57,7 @@ HANDOUT_SECONDS = 5.0  # how long a worker waits for the shard to hand a segment
 PURPOSES = ("weights", "push")
 NAME = re.compile(r"^psgd-(?P<job>[0-9a-zA-Z]+)-s(?P<shard>\d+)-(?P<pid>\d+)-(?P<purpose>weights|push)$")
 
-class SegmentError(Exception):
+class SegmentError(TransportError):
     """A segment could not be made or mapped here (no memory for it, another pid namespace, another user)."""
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import grpc
 
+from psgd.errors import ClusterError, PsgdError
 
-class PSError(RuntimeError):
+
+class PSError(ClusterError):
     """A call to a shard failed for good; the message names the address and what was tried."""
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
@@ -18,7 +20,7 @@ class Stopped(PSError):
     """The worker was asked to stop (SIGTERM) while it waited for its shards."""
 
 
-class Rewind(Exception):
+class Rewind(PsgdError):
     """The job goes back to the cut at version ``clock`` (sync with checkpoint_rounds: a shard restarted from it),
     and this worker continues from that clock.  ``cause`` is the restarted shard's incarnation where this worker
     heard of the restart itself and takes every shard back (:func:`psgd.worker.rollback.roll_back`); "" where

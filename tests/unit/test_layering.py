@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -251,3 +252,24 @@ def test_the_readme_layout_names_every_module():
                    str(path.relative_to(PSGD.parent)) == n or n.endswith("/") and
                    str(path.relative_to(PSGD.parent)).startswith(n) for n in named)]
     assert missing == [], missing
+
+
+#: Python's own exception classes
+BUILTIN_ERRORS = {name for name, value in vars(builtins).items()
+                  if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def test_psgd_errors_have_one_root():
+    """Every error class psgd defines derives from psgd.errors' root through its kinds: only the root and two kinds
+    derive straight from Python's own (InputError is a ValueError, ClusterError a RuntimeError), so that the commands
+    can print any error psgd raises on purpose as one line, and a caller can act on its kind."""
+    straight = []
+    for path in sorted(PSGD.rglob("*.py")):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue  # generated code
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & BUILTIN_ERRORS:
+                    straight.append(f"{path.relative_to(PSGD)}:{node.name}")
+    assert straight == ["errors.py:PsgdError", "errors.py:InputError", "errors.py:ClusterError"], straight

@@ -17,12 +17,13 @@ import numpy as np
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import Proc, command, free_port_pair, job_token, last_error
+from psgd.errors import PsgdError
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, CUT_ROUNDS, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY,
                                        NS_PORT, PACE, REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
 
 
-class Abort(Exception):
+class Abort(PsgdError):
     """The run cannot go on (a hang, a failed process); recorded as a violation of ``invariant``."""
 
     def __init__(self, message: str, invariant: str = "bounded"):

@@ -9,6 +9,8 @@ import re
 import statistics
 from typing import Iterable, Sequence
 
+from psgd.errors import ClusterError
+
 #: Where each kind of run's figure comes from.
 SOURCES = {
     "single": "psgd train --json: steps / seconds of its training loop (first step and per-epoch evaluation "
@@ -22,7 +24,7 @@ SOURCES = {
 }
 
 
-class MeasureError(RuntimeError):
+class MeasureError(ClusterError):
     """A run finished but left too little behind to measure."""
 
 

@@ -1,0 +1,32 @@
+"""psgd's errors: one root, :class:`PsgdError`, and the three kinds a caller acts on.
+
+- :class:`InputError`: what the user gave is wrong (a job file, a flag, a model, data, a device that is not
+  there): fix it and run again.  The commands exit 2, with the one line.
+- :class:`ClusterError`: the cluster refused or failed (a shard, a checkpoint, a launch, a collective): look at
+  its processes, then retry or restart.  The commands exit 1, with the one line.
+- :class:`TransportError`: a message could not travel whole (a connection, a frame, a shared-memory segment):
+  the worker's client retries where a retry is safe, and says so where it gives up.
+
+Each module's own errors derive from one of these (ConfigError is an InputError, PSError a ClusterError,
+WireError a TransportError ...), so that ``except PsgdError`` catches whatever psgd raises on purpose and
+nothing else.  InputError is also a ValueError and ClusterError a RuntimeError, as Python's own errors of those
+kinds are.
+"""
+
+from __future__ import annotations
+
+
+class PsgdError(Exception):
+    """Whatever psgd raises on purpose."""
+
+
+class InputError(PsgdError, ValueError):
+    """What the user gave is wrong: fix it and run again (the commands exit 2)."""
+
+
+class ClusterError(PsgdError, RuntimeError):
+    """The cluster refused or failed: look at its processes, retry or restart (the commands exit 1)."""
+
+
+class TransportError(PsgdError):
+    """A message could not travel whole; retried where that is safe."""
