@@ -22,10 +22,9 @@ optimizer = "rowwise_adagrad"
 lr = 0.05
 ```
 
-Command-line flags override the file; ``--set section.key=value`` overrides any
-key (the value is read as TOML, so ``--set model.hidden=[256,128]`` works).
-Every mistake is a :class:`ConfigError` whose message names the file, the
-section and the key.
+Command-line flags override the file; ``--set section.key=value`` overrides any key (the value is read as TOML, so
+``--set model.hidden=[256,128]`` works).  Every mistake, the rules across keys included (which every command, psgd
+doctor and a starting shard share), is a :class:`ConfigError` whose message names the file, the section and the key.
 """
 
 from __future__ import annotations
@@ -86,8 +85,7 @@ class ClusterConfig:
     shards: int = 2               # parameter-server shards (psgd-server processes) holding the weights
     workers: int = 2              # workers (psgd-worker processes), each on its own share of the data
     servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
-    data_ports: list = dataclasses.field(default_factory=list)  # each shard's data port, in shard order (say, to open
-    #                               in a firewall); empty: each shard takes a free one and tells workers in its hello
+    data_ports: list = dataclasses.field(default_factory=list)  # each shard's data port, in shard order; empty: free ones
     slice_bytes: int = 4 << 20    # tensors larger than this are cut into slices
     lease_seconds: float = 10.0   # a worker silent this long leaves the round
     join_timeout: float = 120.0   # a worker that never registers within this leaves the round
@@ -100,8 +98,7 @@ class ClusterConfig:
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
     checkpoint_rounds: int = 0    # sync: every shard checkpoints at each multiple of this many rounds, all at the
     #                               same versions; 0: every psgd-server --checkpoint-every seconds, at any version
-    on_cut_failure: str = "stop"  # a shard that cannot write a cut: "stop" (every call refused, saying why) or
-    #                               "continue" (the job goes on without the guarantee that a restart loses nothing)
+    on_cut_failure: str = "stop"  # a shard that cannot write a cut: "stop" (it refuses every call) or "continue"
     replicas: int = 0             # async, ssp: 1 runs each shard twice, a replica applying every update before the
     #                               push is acknowledged; workers fail over to it when the primary dies
     replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
@@ -291,6 +288,13 @@ class JobConfig:
         if c.replica_servers and (len(c.replica_servers) != c.shards or not c.replicas):
             raise ConfigError(f"{src}: [cluster] lists {len(c.replica_servers)} replica address(es); with "
                               f"replicas = 1 it lists one per shard ({c.shards}), without replicas none")
+        if c.checkpoint_rounds and not POLICIES[c.policy].accumulates:
+            raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {c.checkpoint_rounds} cuts checkpoints at common "
+                              f"rounds, which only a sync policy has (this job's: {c.policy}); leave it 0")
+        if c.checkpoint_rounds and c.backup_workers:
+            raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {c.checkpoint_rounds} takes a job back to a cut "
+                              f"with every worker in every round, and backup_workers = {c.backup_workers} closes "
+                              "rounds without some: use one of them")
         if c.replicas and POLICIES[c.policy].accumulates:
             raise ConfigError(f"{src}: [cluster] replicas = 1 keeps a copy of each shard for async and ssp; a sync "
                               "job comes back from a killed shard without losing anything with checkpoint_rounds")

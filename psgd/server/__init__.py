@@ -40,16 +40,9 @@ def build_shard(job: Job, shard: int) -> ShardCore:
     init = job.model.init(config.train.seed, names=sorted({s.var for s in mine}))
     values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
     rule = job.policy()
-    if c.checkpoint_rounds and not rule.accumulates:
-        raise ConfigError(f"[cluster] checkpoint_rounds = {c.checkpoint_rounds} cuts checkpoints at common rounds, "
-                          f"which only a sync policy has (this job's: {c.policy}); leave it 0")
     if c.replicas and plan.tables:
         raise ConfigError(f"[cluster] replicas = 1 copies a shard's dense variables to its replica, not the rows of "
                           f"embedding tables ({', '.join(t.name for t in plan.tables)}) yet: leave it 0 for this model")
-    if c.checkpoint_rounds and c.backup_workers:
-        raise ConfigError(f"[cluster] checkpoint_rounds = {c.checkpoint_rounds} takes a job back to a cut with every "
-                          f"worker in every round, and backup_workers = {c.backup_workers} closes rounds without "
-                          "some: use one of them")
     return ShardCore(
         plan, shard, values, job.shard_optimizer(rule), rule,
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,

@@ -41,7 +41,7 @@ def test_sync_shards_checkpoint_at_the_same_rounds_and_each_cut_joins(tmp_path):
 def test_a_cut_needs_a_sync_policy_and_names_the_job_only_where_it_is_set():
     with pytest.raises(ConfigError, match="checkpoint_rounds = 4 cuts checkpoints at common rounds, which only a "
                                           "sync policy has"):
-        build_shard(describe_job(make_job("cluster.policy=async", "cluster.checkpoint_rounds=4")), 0)
+        make_job("cluster.policy=async", "cluster.checkpoint_rounds=4")  # the job file itself
     plain, cut = (build_job(make_job("cluster.policy=sync", *extra)) for extra in ((), ("cluster.checkpoint_rounds=4",)))
     assert plain.identity == build_job(make_job("cluster.policy=sync", "cluster.checkpoint_rounds=0")).identity
     assert cut.identity["policy_options"]["checkpoint_rounds"] == 4 and "checkpoint_rounds" not in \

@@ -294,6 +294,25 @@ def test_doctor_passes_a_healthy_cluster(tmp_path, capsys, monkeypatch):
     assert "token: none set" in out and "GPU: train.device is cpu" in out
 
 
+@pytest.mark.parametrize("sets, said", [
+    (("cluster.policy=async", "cluster.checkpoint_rounds=4"), "which only a sync policy has (this job's: async)"),
+    (("cluster.checkpoint_rounds=4", "cluster.backup_workers=1"), "closes rounds without some: use one of them"),
+])
+def test_doctor_refuses_what_a_starting_shard_would(tmp_path, capsys, sets, said):
+    """The rules across [cluster] keys live in the job file's validation (psgd.config), which psgd doctor, every
+    command and a starting shard share: doctor used to pass a job whose shards would refuse to start."""
+    path = tmp_path / "job.toml"
+    spec = make_job("model.name=softmax", "cluster.workers=2").to_dict()
+    for item in sets:
+        dotted, _, value = item.partition("=")
+        section, key = dotted.split(".")
+        spec[section][key] = value if not value.isdigit() else int(value)
+    path.write_text(to_toml(spec))
+    assert main(["doctor", "-c", str(path), "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and str(path) in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
     job = make_job(*SMALL)
     other = make_job("model.name=mlp", "cluster.workers=3", "cluster.shards=2", "cluster.policy=async")

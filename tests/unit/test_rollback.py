@@ -180,14 +180,11 @@ def test_a_shard_restarted_from_a_cut_tells_a_worker_that_is_past_it(tmp_path):
 
 def test_a_cut_needs_every_worker_in_every_round():
     from psgd.config import ConfigError
-    from psgd.job import describe_job
-    from psgd.server import build_shard
 
     from helpers import make_job
 
     with pytest.raises(ConfigError, match="backup_workers = 1 closes rounds without some"):
-        build_shard(describe_job(make_job("cluster.policy=sync", "cluster.checkpoint_rounds=4",
-                                          "cluster.backup_workers=1", "cluster.workers=2")), 0)
+        make_job("cluster.policy=sync", "cluster.checkpoint_rounds=4", "cluster.backup_workers=1", "cluster.workers=2")
 
 
 def test_a_rollback_names_its_cause_and_a_storm_of_causes_goes_back_once_a_second(tmp_path):
