@@ -1,6 +1,6 @@
-"""A gRPC channel to a shard, the token every call to it carries, and the size of the messages on it:
-one place for every caller (a worker's links, ``psgd status``/``doctor``/``export``, the launcher, the
-benchmarks) and for the shard's gRPC server."""
+"""A gRPC channel to a shard, its TLS and the shard's, the token every call to it carries, and the size of the
+messages on it: one place for every caller (a worker's links, ``psgd status``/``doctor``/``export``, the launcher,
+the benchmarks) and for the shard's gRPC server."""
 
 from __future__ import annotations
 
@@ -40,8 +40,19 @@ def open_channel(address: str, tls: TLSFiles = NO_TLS) -> grpc.Channel:
     """A channel to ``address`` with psgd's message limits: TLS when ``tls`` names files (mutual TLS
     with a client certificate), plaintext otherwise."""
     if tls.enabled:
-        return grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+        tls.check_client()
+        credentials = grpc.ssl_channel_credentials(root_certificates=tls.pem("ca"), private_key=tls.pem("key"),
+                                                   certificate_chain=tls.pem("cert"))
+        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
+    """A shard's gRPC port's TLS (mutual where ``tls`` names a CA: clients must show a certificate it signed)."""
+    tls.check_server()
+    ca = tls.pem("ca")
+    return grpc.ssl_server_credentials([(tls.pem("key"), tls.pem("cert"))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:

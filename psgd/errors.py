@@ -15,6 +15,8 @@ kinds are.
 
 from __future__ import annotations
 
+import enum
+
 
 class PsgdError(Exception):
     """Whatever psgd raises on purpose."""
@@ -30,3 +32,35 @@ class ClusterError(PsgdError, RuntimeError):
 
 class TransportError(PsgdError):
     """A message could not travel whole; retried where that is safe."""
+
+
+class Code(enum.Enum):
+    """Why a call to a shard failed, in psgd's words, whatever carried it: the codes of gRPC's status, with their
+    names and numbers (so that a data-path reply carries the number, and the gRPC edge maps them one to one), without
+    gRPC itself."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+    @classmethod
+    def of(cls, number: int) -> "Code":
+        """The code numbered ``number`` (UNKNOWN for a number that is none)."""
+        try:
+            return cls(number)
+        except ValueError:
+            return cls.UNKNOWN

@@ -28,7 +28,6 @@ import threading
 import time
 from typing import Any, Iterable, Iterator
 
-import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector, start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -139,7 +138,7 @@ class ShardMetrics(Collector):
         self.registry.register(self)
 
     @property
-    def interceptors(self) -> list[grpc.ServerInterceptor]:
+    def interceptors(self) -> list[LatencyInterceptor]:
         """Pass to ``ShardServer(..., interceptors=...)``."""
         return [self.interceptor]
 

@@ -15,8 +15,6 @@ import socket
 import ssl
 from pathlib import Path
 
-import grpc
-
 from psgd.errors import InputError
 
 
@@ -34,7 +32,8 @@ class TLSFiles:
     def enabled(self) -> bool:
         return bool(self.cert or self.key or self.ca)
 
-    def _read(self, which: str) -> bytes | None:
+    def pem(self, which: str) -> bytes | None:
+        """The bytes of the ``which`` file ("cert", "key" or "ca"); None where none is named."""
         path = getattr(self, which)
         if not path:
             return None
@@ -47,18 +46,9 @@ class TLSFiles:
         if not (self.cert and self.key):
             raise TLSError("a TLS server needs both --tls-cert and --tls-key (and --tls-ca for mutual TLS)")
 
-    # -- gRPC --------------------------------------------------------------------------
-    def server_credentials(self) -> grpc.ServerCredentials:
-        self.check_server()
-        ca = self._read("ca")
-        return grpc.ssl_server_credentials([(self._read("key"), self._read("cert"))], root_certificates=ca,
-                                           require_client_auth=ca is not None)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
+    def check_client(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise TLSError("a client certificate needs both --tls-cert and --tls-key")
-        return grpc.ssl_channel_credentials(root_certificates=self._read("ca"), private_key=self._read("key"),
-                                            certificate_chain=self._read("cert"))
 
     # -- the data path -------------------------------------------------------------------
     def server_context(self) -> ssl.SSLContext:

@@ -322,45 +322,37 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
                   timeout: float, tls: TLSFiles, token: str) -> None:
     """Wait until this node's shards say every worker of the job has finished or been dropped (every
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
-    import grpc
+    from psgd.ops.reach import probe_all
 
-    from psgd.channel import open_channel, token_metadata
-    from psgd.proto import ps_pb2, ps_pb2_grpc
+    connect = _connect(tls, token, 2.0)
+    while True:
+        for p in servers:
+            if p.popen.poll() is not None:
+                raise LaunchError(p.failed())
+        probes = probe_all(local, connect)
+        if all(p.status is not None and all(w["state"] in ("done", "expired") for w in p.status["workers"])
+               for p in probes):
+            return
+        log.debug("waiting for the job's workers: %s", "; ".join(p.error or "training" for p in probes))
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the job's workers did not finish within {timeout:.0f}s (--timeout)")
+        children.wait(0.5)
 
-    metadata = token_metadata(token)
-    channels = [open_channel(a, tls) for a in local]
-    try:
-        stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
-        while True:
-            for p in servers:
-                if p.popen.poll() is not None:
-                    raise LaunchError(p.failed())
-            try:
-                if all(w.state in ("done", "expired")
-                       for stub in stubs for w in stub.Status(ps_pb2.StatusRequest(), timeout=2.0,
-                                                              metadata=metadata).workers):
-                    return
-            except grpc.RpcError as exc:
-                log.debug("waiting for the job's workers: %s", exc.code().name)
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the job's workers did not finish within {timeout:.0f}s (--timeout)")
-            children.wait(0.5)
-    finally:
-        for ch in channels:
-            ch.close()
+
+def _connect(tls: TLSFiles, token: str, timeout: float):
+    """How this launcher reaches its shards (psgd.ops.reach)."""
+    from psgd.ops.reach import Connect
+
+    return Connect(timeout=timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "", tls_key=tls.key or "")
 
 
 def _wait_until_gone(address: str, children: Children, deadline: float, timeout: float, tls: TLSFiles) -> None:
     """Wait until the shard at ``address`` (node 0's shard 0) stops serving: node 0 has read the weights."""
-    import grpc
+    from psgd.ops.reach import check_health
 
-    from psgd.channel import open_channel
-
-    with open_channel(address, tls) as channel:
-        while time.monotonic() < deadline:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=0.5)
-            except grpc.FutureTimeoutError:
-                return
-            children.wait(0.5)
+    connect = _connect(tls, "", 0.5)
+    while time.monotonic() < deadline:
+        if check_health(address, connect)[0] == "UNREACHABLE":
+            return
+        children.wait(0.5)
     raise LaunchError(f"node 0's shard at {address} was still serving after {timeout:.0f}s (--timeout)")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import grpc
 import numpy as np
 
 from psgd.codec import Codec
-from psgd.errors import TransportError
+from psgd.errors import Code, TransportError
 from psgd.partition import Slice
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
@@ -18,17 +17,16 @@ from psgd.tls import NO_TLS, TLSFiles
 #: the call while stopping to restart (CANCELLED; a worker cancels its own calls only when it stops).
 #: what a worker retries (with backoff, within its retry deadline); RESOURCE_EXHAUSTED: the shard's receive
 #: buffers were all taken for a while, and the push was not applied
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.RESOURCE_EXHAUSTED)
+RETRYABLE = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED, Code.RESOURCE_EXHAUSTED)
 
 
 class LinkError(TransportError):
-    """A call to a shard failed: ``code`` is the gRPC status code (whichever link carried it),
+    """A call to a shard failed: ``code`` is the status code (psgd.errors.Code, whichever link carried it),
     ``details`` the shard's message, ``reason`` the ErrorInfo reason the caller acts on ("" for none),
     ``rewind_to`` the clock a ROLLED_BACK refusal says to continue from, ``holder`` (host, pid) the process that
     holds the rank, of a RANK_HELD."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "", rewind_to: int = 0,
+    def __init__(self, code: Code, details: str, reason: str = "", rewind_to: int = 0,
                  holder: tuple[str, int] | None = None):
         super().__init__(f"{code.name}: {details}")
         self.code, self.details, self.reason, self.rewind_to, self.holder = code, details, reason, rewind_to, holder
@@ -90,8 +88,8 @@ class Link:
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
 
-    def wait_ready(self) -> "grpc.Future":
-        """A future that completes once the shard accepts connections."""
+    def wait_ready(self) -> Any:
+        """A future (its ``done()``) that completes once the shard accepts connections."""
         raise NotImplementedError
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:

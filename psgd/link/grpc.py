@@ -19,6 +19,7 @@ import numpy as np
 
 from psgd.channel import chunks, open_channel, token_metadata
 from psgd.codec import Codec
+from psgd.errors import Code
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.wire import status
@@ -28,7 +29,7 @@ T = TypeVar("T")
 
 
 def _link_error(err: grpc.RpcError) -> LinkError:
-    return LinkError(err.code(), err.details() or "", *status.error_info(err))
+    return LinkError(Code[err.code().name], err.details() or "", *status.error_info(err))
 
 
 def _call(fn: Callable[[], T]) -> T:

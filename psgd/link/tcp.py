@@ -22,9 +22,9 @@ import json
 import socket
 import ssl
 
-import grpc
 
 from psgd.codec import Codec
+from psgd.errors import Code
 from psgd.link.base import Endpoint, LinkError, PushReply, RowsIn, RowsOut
 from psgd.link.grpc import GrpcLink
 from psgd.proto import ps_pb2
@@ -57,8 +57,8 @@ class DataConnection:
                     self.sock.settimeout(min(timeout, 10.0))
                     self.sock = tls.wrap_client(self.sock, host)
                 except (ssl.SSLError, OSError) as exc:
-                    raise LinkError(grpc.StatusCode.UNAVAILABLE if isinstance(exc, socket.timeout)
-                                    else grpc.StatusCode.UNAUTHENTICATED,
+                    raise LinkError(Code.UNAVAILABLE if isinstance(exc, socket.timeout)
+                                    else Code.UNAUTHENTICATED,
                                     f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout + REPLY_MARGIN)
             self._spin = protocol.Spin(self.sock, busy_poll)  # a reply is watched for before the read sleeps
@@ -241,12 +241,12 @@ class TcpLink(GrpcLink):
             conn = self._connection(purpose)
         except protocol.WireError as err:
             self._moved()
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
+            raise LinkError(Code.UNAVAILABLE, f"data connection: {err}") from None
         try:
             return fn(conn)
         except protocol.WireError as err:
             self._drop(purpose)
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"data connection: {err}") from None
+            raise LinkError(Code.UNAVAILABLE, f"data connection: {err}") from None
 
     def _moved(self) -> None:
         """The data port could not be reached: ask the shard over gRPC where it listens now.  A restarted shard
@@ -258,7 +258,7 @@ class TcpLink(GrpcLink):
         except LinkError:
             return
         if now != self.data_port:
-            raise LinkError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.endpoint.shard} listens on data port "
+            raise LinkError(Code.FAILED_PRECONDITION, f"shard {self.endpoint.shard} listens on data port "
                             f"{now or 'none'} now, not {self.data_port}: it restarted", reason="NOT_REGISTERED")
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd import wire
-from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks
+from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint, recovery, tokens
 from psgd.server.assembly import PushAssembler
@@ -323,7 +323,7 @@ class ShardServer:
         self.tls = tls
         try:
             free_to_listen(bind)
-            self.port = (self.server.add_secure_port(bind, tls.server_credentials()) if tls.enabled
+            self.port = (self.server.add_secure_port(bind, server_credentials(tls)) if tls.enabled
                          else self.server.add_insecure_port(bind))
             if self.port == 0:  # older grpcio says so; newer raises
                 raise RuntimeError("no port added")

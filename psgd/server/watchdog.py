@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-
-import grpc
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +17,7 @@ class Watchdog:
     One thread for every call of a server."""
 
     def __init__(self, name: str):
-        self._calls: dict[int, tuple[float, grpc.ServicerContext, str]] = {}
+        self._calls: dict[int, tuple[float, Any, str]] = {}  # key -> (deadline, the call's gRPC context, what)
         self._next = 0
         self._cond = threading.Condition()
         self._stopped = False
@@ -34,7 +33,7 @@ class Watchdog:
         if self._thread.ident is not None:
             self._thread.join(5)
 
-    def watch(self, seconds: float, context: grpc.ServicerContext, what: str, key: int | None = None) -> int:
+    def watch(self, seconds: float, context: Any, what: str, key: int | None = None) -> int:
         """Cancel ``context`` unless :meth:`done` is called within ``seconds`` (``key``: re-arm that call)."""
         with self._cond:
             if key is None:

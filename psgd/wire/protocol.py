@@ -49,10 +49,8 @@ import ssl
 import struct
 import time
 
-import grpc
-
 from psgd import policy
-from psgd.errors import TransportError
+from psgd.errors import Code, TransportError
 
 DATA_MAGIC = b"PSG1"
 OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE, OP_PULL_ROWS, OP_PUSH_ROWS, OP_PUSH_PULL = 1, 2, 3, 4, 5, 6, 7
@@ -61,7 +59,7 @@ OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push", OP_RELEASE: "release
 PULLS, PUSHES = (OP_PULL, OP_PULL_ROWS), (OP_PUSH, OP_PUSH_ROWS, OP_PUSH_PULL)
 #: magic, op, wire dtype code, worker id, clock, base version, payload bytes
 REQUEST = struct.Struct("<4sBBxxiqqQ")
-#: magic, status (a grpc.StatusCode number), outcome code, version, next clock, staleness, payload bytes
+#: magic, status (a psgd.errors.Code number), outcome code, version, next clock, staleness, payload bytes
 REPLY = struct.Struct("<4sBBxxqqqQ")
 #: the bytes of a push's rows, after its gradient (OP_PUSH_ROWS)
 ROWS_LENGTH = struct.Struct("<Q")
@@ -76,9 +74,6 @@ READY = 255
 GO_AHEAD_BYTES = 4 << 20
 
 
-#: gRPC status codes by name and by number: an error reply carries the number
-_NUMBERS = {code.name: code.value[0] for code in grpc.StatusCode}
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def as_worker(worker_id: int) -> int | None:
@@ -87,16 +82,16 @@ def as_worker(worker_id: int) -> int | None:
 
 
 def error_reply(code: str, message: str, reason: int = 0, rewind_to: int = 0) -> bytes:
-    """An error reply: the status ``code`` (a grpc.StatusCode name), ``message`` cut to MAX_ERROR_BYTES, in
+    """An error reply: the status ``code`` (a psgd.errors.Code name), ``message`` cut to MAX_ERROR_BYTES, in
     the outcome byte the reason the client acts on (:func:`psgd.wire.status.reason_number`), and in the next
     clock the clock a ROLLED_BACK refusal says to continue from."""
     text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-    return REPLY.pack(DATA_MAGIC, _NUMBERS[code], reason, 0, rewind_to, 0, len(text)) + text
+    return REPLY.pack(DATA_MAGIC, Code[code].value, reason, 0, rewind_to, 0, len(text)) + text
 
 
-def status_code(number: int) -> grpc.StatusCode:
-    """The gRPC status code an error reply's status number names (UNKNOWN for a number gRPC has not)."""
-    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+def status_code(number: int) -> Code:
+    """The status code an error reply's status number names (UNKNOWN for a number that is none)."""
+    return Code.of(number)
 
 
 def wants_go_ahead(payload_bytes: int) -> bool:

@@ -20,12 +20,12 @@ import time
 from concurrent import futures
 from typing import Callable, Mapping, Sequence, TypeVar
 
-import grpc
 import numpy as np
 
 from psgd import xp as backend
 from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
+from psgd.errors import Code
 from psgd.job import alive_here, identity as job_identity, process_incarnation
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
 from psgd.model.table import joined_by_id
@@ -112,7 +112,7 @@ class PSClient:
 
     # -- plumbing ------------------------------------------------------------
     def retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
-                  also: tuple[grpc.StatusCode, ...] = (), also_for: float | None = None) -> T:
+                  also: tuple[Code, ...] = (), also_for: float | None = None) -> T:
         """``call()``, retried on transient errors (and the codes in ``also``, for at most ``also_for`` seconds
         from the first of them) within the retry deadline; a shard that has forgotten this worker (it restarted,
         or the lease ran out) is re-registered with first.  Once the worker is asked to stop, no retry starts: a
@@ -195,7 +195,7 @@ class PSClient:
                 if now >= deadline:
                     raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is "
                                   "psgd-server running there, and is the address and port right?",
-                                  grpc.StatusCode.UNAVAILABLE)
+                                  Code.UNAVAILABLE)
                 if now >= report:
                     log.warning("waiting for shard(s) at %s (%.0fs of %.0fs)", ", ".join(missing), now - start,
                                 timeout)
@@ -226,7 +226,7 @@ class PSClient:
                 raise PSError(f"register on shard {k} at {self.addresses[k]} failed: {err.code.name}: {err.details} "
                               f"It is: pid {err.holder[1]} runs on this host.", err.code) if held else err from None
         # a rank held by another process frees itself within a lease (it crashed: this is its restart), else it gives up
-        reply = self.retrying(k, "register", register, rejoin=False, also=(grpc.StatusCode.ALREADY_EXISTS,),
+        reply = self.retrying(k, "register", register, rejoin=False, also=(Code.ALREADY_EXISTS,),
                               also_for=self.holder_wait)
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
@@ -234,7 +234,7 @@ class PSClient:
                           f"answered as shard {reply.shard} of {reply.num_shards} (with {reply.num_workers} "
                           f"worker(s), this worker expects {expected[2]}): each address must be that of its shard, "
                           "in shard order; is a psgd-server started with the wrong --shard?",
-                          grpc.StatusCode.FAILED_PRECONDITION)
+                          Code.FAILED_PRECONDITION)
         self.versions[k], self._joins[k] = reply.version, self._joins[k] + 1
         if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
             self.pending_rollback = (reply.rollback_to, reply.incarnation)  # its next call hears ROLLED_BACK

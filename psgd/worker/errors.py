@@ -3,15 +3,13 @@ asked for (:class:`Stopped`), or the job going back to a cut (:class:`Rewind`)."
 
 from __future__ import annotations
 
-import grpc
-
-from psgd.errors import ClusterError, PsgdError
+from psgd.errors import ClusterError, Code, PsgdError
 
 
 class PSError(ClusterError):
     """A call to a shard failed for good; the message names the address and what was tried."""
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: Code | None = None):
         super().__init__(message)
         self.code = code
 

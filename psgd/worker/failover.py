@@ -15,8 +15,7 @@ import logging
 import threading
 from typing import Any, Sequence
 
-import grpc
-
+from psgd.errors import Code
 from psgd.link import Link, LinkError, ShmLink, open_link
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ class Failover:
     def move(self, k: int, used: Link, err: LinkError) -> None:
         """After ``err`` from shard ``k`` over link ``used``: where the pair's other process may serve it, call that
         one from now on (unless another call has moved already)."""
-        if not self.pairs or not (err.reason == "NOT_PRIMARY" or err.code == grpc.StatusCode.UNAVAILABLE):
+        if not self.pairs or not (err.reason == "NOT_PRIMARY" or err.code == Code.UNAVAILABLE):
             return
         c = self.client
         with self._lock:

@@ -27,7 +27,6 @@ import tracemalloc
 import warnings
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -47,6 +46,7 @@ from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError, process_incarnation
 
 from helpers import make_job, run_threads, shards, slice_weights, wait_for
+from psgd.errors import Code
 
 pytestmark = [
     # an exception escaping a server thread (a connection ending without an answer) fails the test
@@ -60,10 +60,10 @@ LR = 0.1
 HOSTILE_SETS = ["model.name=softmax", "cluster.workers=2", "cluster.shards=1", "train.dtype=float64",
                 "optimizer.name=sgd", f"optimizer.lr={LR}", "cluster.slice_bytes=2048",
                 "cluster.lease_seconds=600", "cluster.join_timeout=600"]
-CODE = {c.value[0]: c for c in grpc.StatusCode}
-OK = grpc.StatusCode.OK
-INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
-UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+CODE = {c.value: c for c in Code}
+OK = Code.OK
+INVALID, PRECONDITION = Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION
+UNAUTHENTICATED = Code.UNAUTHENTICATED
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def digits64():
 
 @dataclass
 class Reply:
-    code: grpc.StatusCode
+    code: Code
     outcome: int
     version: int
     next_clock: int
@@ -120,7 +120,7 @@ def read_reply(sock: socket.socket, pull_bytes: int = 0) -> Reply:
     return reply
 
 
-def expect(sock: socket.socket, code: grpc.StatusCode, *words: str) -> Reply:
+def expect(sock: socket.socket, code: Code, *words: str) -> Reply:
     reply = read_reply(sock)
     assert reply.code == code, reply
     for word in words:
@@ -478,7 +478,7 @@ def test_a_pull_that_waits_out_the_request_timeout_hears_why_from_the_shard(host
                 client.pull(1, host)  # round 0 never closes: worker 1 never comes
     finally:
         server.stop(grace=1.0)
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+    assert info.value.code == Code.DEADLINE_EXCEEDED, info.value
     assert "other workers still expected: worker 1" in str(info.value)
 
 
@@ -904,8 +904,8 @@ def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
         with dial(data.port) as silent, shard.hello(0, port=data.port) as idle, \
                 shard.hello(0, port=data.port) as stalled:
             request(stalled, protocol.OP_PUSH, size=shard.core.nbytes, payload=b"\0" * 100)
-            expect(silent, grpc.StatusCode.DEADLINE_EXCEEDED, "no hello within 0.3 s")  # told why, then closed
-            expect(stalled, grpc.StatusCode.DEADLINE_EXCEEDED, "did not arrive within 0.3s", "at least 1 MB/s")
+            expect(silent, Code.DEADLINE_EXCEEDED, "no hello within 0.3 s")  # told why, then closed
+            expect(stalled, Code.DEADLINE_EXCEEDED, "did not arrive within 0.3s", "at least 1 MB/s")
             for sock in (silent, stalled, idle):
                 assert_closed(sock)
             assert time.monotonic() - started < 3.0
@@ -933,10 +933,10 @@ def test_trickled_pushes_cannot_hold_the_receive_buffers(hostile, monkeypatch):
             reply = push_valid(shard, real)  # served at once, not after the request timeout
             assert time.monotonic() - began < IO / 2, reply
             request(trickle, protocol.OP_PUSH, size=len(g), payload=g[:1])  # registered: cut off by its deadline
-            expect(trickle, grpc.StatusCode.DEADLINE_EXCEEDED, "did not arrive within 1.0s", "at least 1 MB/s")
+            expect(trickle, Code.DEADLINE_EXCEEDED, "did not arrive within 1.0s", "at least 1 MB/s")
             assert time.monotonic() - began < IO
             for sock in (a, b):
-                expect(sock, grpc.StatusCode.DEADLINE_EXCEEDED, "refused push", "did not arrive")
+                expect(sock, Code.DEADLINE_EXCEEDED, "refused push", "did not arrive")
         pool = data.receive_buffers
         wait_for(lambda: len(pool._free) == pool._made, IO, "every receive buffer back in the pool")
     finally:
@@ -959,12 +959,12 @@ def test_connections_beyond_the_limit_are_closed_and_the_others_keep_working(hos
         extra = [dial(data.port) for _ in range(3)]
         for sock in extra:  # the limit counts served connections: one more hello is refused, saying why
             send_hello(sock, shard.plan.hash, worker=-1)
-            expect(sock, grpc.StatusCode.UNAVAILABLE, "already serves 3 data connections")
+            expect(sock, Code.UNAVAILABLE, "already serves 3 data connections")
             assert_closed(sock)
             sock.close()
         with pytest.raises(LinkError, match="already serves 3 data connections") as info:
             DataConnection("127.0.0.1", data.port, -1, shard.plan.hash, timeout=IO)
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE  # retried by the client, like a lost connection
+        assert info.value.code == Code.UNAVAILABLE  # retried by the client, like a lost connection
         for sock in socks:
             request(sock, protocol.OP_PULL)
             assert read_reply(sock, shard.core.nbytes).payload == shard.initial
@@ -1055,7 +1055,7 @@ def test_random_bytes_get_answers_or_a_closed_connection_never_a_change(fuzz_sha
     while at + protocol.REPLY.size <= len(received):
         magic, status, _, _, _, _, size = protocol.REPLY.unpack_from(received, at)
         assert magic == protocol.DATA_MAGIC
-        assert CODE[status] in (OK, INVALID, PRECONDITION, grpc.StatusCode.PERMISSION_DENIED), \
+        assert CODE[status] in (OK, INVALID, PRECONDITION, Code.PERMISSION_DENIED), \
             (CODE[status], bytes(received[at + 40:at + 200]))  # (a hello as worker 0 without its key)
         assert size in (0, core.nbytes) if status == 0 else size <= protocol.MAX_ERROR_BYTES
         at += protocol.REPLY.size + size

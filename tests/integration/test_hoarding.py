@@ -35,10 +35,11 @@ from psgd.server.service import ShardServer
 from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
+from psgd.errors import Code
 
 TOKEN = "s3cret"
 IO = 10.0  # seconds: every socket's timeout here
-CODES = {c.value[0]: c for c in grpc.StatusCode}
+CODES = {c.value: c for c in Code}
 
 
 def tiny_job(*sets: str):
@@ -93,7 +94,7 @@ def test_idle_connections_do_not_lock_the_workers_out():
         assert took < 20, f"the workers took {took:.1f}s"
 
 
-def read_refusal(sock: socket.socket) -> tuple[grpc.StatusCode, str]:
+def read_refusal(sock: socket.socket) -> tuple[Code, str]:
     """The error reply a refused connection gets before the shard closes it."""
     magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
     assert magic == protocol.DATA_MAGIC and status != 0 and size <= protocol.MAX_ERROR_BYTES
@@ -152,7 +153,7 @@ def test_a_client_refused_for_its_token_sees_why():
         core, port = servers[0].core, servers[0].data.port
         with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token="nope", timeout=IO)
-        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED and "wrong or missing token" in info.value.details
+        assert info.value.code == Code.UNAUTHENTICATED and "wrong or missing token" in info.value.details
         DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO).close()  # the right one
 
 
@@ -165,7 +166,7 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
             code, message = read_refusal(sock)
             waited = time.monotonic() - started
             assert_closed(sock)
-        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello within 0.5 s" in message, message
+        assert code == Code.DEADLINE_EXCEEDED and "no hello within 0.5 s" in message, message
         assert 0.3 < waited < 3, f"refused after {waited:.2f}s"
 
         send = DataConnection._send
@@ -178,7 +179,7 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
         monkeypatch.setattr(DataConnection, "_send", late)
         with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO)
-        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.details
+        assert info.value.code == Code.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.details
         # a worker retries it (a slow network may be to blame) and, when it gives up, its error says why
         with PSClient(job.cluster.servers, core.plan, 0, request_timeout=2.0, token=TOKEN, config=job) as client:
             clock = client.register()
@@ -200,7 +201,7 @@ def test_idle_connections_beyond_the_cap_evict_the_oldest_and_hold_no_thread():
             evicted = socks[:60 - cap]
             for sock in evicted[:5]:
                 code, message = read_refusal(sock)
-                assert code == grpc.StatusCode.UNAVAILABLE and "to make room" in message, message
+                assert code == Code.UNAVAILABLE and "to make room" in message, message
             wait_for(lambda: len(data.gate._pending) == cap, 5, f"{cap} connections left waiting for their hello")
             assert threading.active_count() <= threads_before + 2  # no thread per socket (2: slack for gRPC's own)
             started = time.monotonic()
@@ -227,7 +228,7 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
             for _ in range(150):
                 with dial(port) as sock:
                     sock.sendall(hello)
-                    assert read_refusal(sock)[0] == grpc.StatusCode.UNAUTHENTICATED
+                    assert read_refusal(sock)[0] == Code.UNAUTHENTICATED
             servers[0].data.stop()  # writes what is still counted
         finally:
             logger.removeHandler(keep)

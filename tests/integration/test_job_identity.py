@@ -23,6 +23,7 @@ from psgd.server.service import ShardServer
 from psgd.wire import status
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
+from psgd.errors import Code
 
 
 def plan_of(job) -> PartitionPlan:
@@ -175,7 +176,7 @@ def test_the_data_path_reports_the_reason_too():
                 servers[0].core.roster.workers[0].state = "expired"
             with pytest.raises(LinkError) as err:
                 conn.pull(0, [memoryview(bytearray(s.nbytes)) for s in plan.slices_for_shard(0)])
-            assert err.value.reason == "NOT_REGISTERED" and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert err.value.reason == "NOT_REGISTERED" and err.value.code == Code.FAILED_PRECONDITION
         finally:
             conn.close()
     finally:

@@ -18,6 +18,7 @@ from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 
 from helpers import make_job, run_threads, shards
+from psgd.errors import Code
 
 SMALL = ("model.name=embed", "model.dim=3", "model.hidden=[8]", "data.name=clicks", "data.n_train=1536",
          "data.n_test=256", "data.fields=5", "data.dense=3", "data.max_cardinality=2000")
@@ -200,7 +201,7 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
                 conn._send(protocol.OP_PUSH_ROWS, 0, 0, 0, 0, [dense, *after], len(dense))
                 with pytest.raises(LinkError) as info:
                     conn._reply()
-                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, (what, info.value)
+                assert info.value.code == Code.INVALID_ARGUMENT, (what, info.value)
             finally:
                 conn.close()
         too_many = section("emb", MAX_ROWS + 1, b"")  # refused on its header, before the ids it declares come
@@ -213,7 +214,7 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
                 conn._send(protocol.OP_PULL_ROWS, 0, 0, 0, 0, payload, n)
                 with pytest.raises(LinkError) as info:
                     conn._reply()
-                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, (what, info.value)
+                assert info.value.code == Code.INVALID_ARGUMENT, (what, info.value)
             finally:
                 conn.close()
         conn = DataConnection("127.0.0.1", port, -1, plan.hash, timeout=10)  # an observer reads them unchanged
@@ -346,10 +347,10 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
         with PSClient(job.cluster.servers, build_job(job).plan, request_timeout=5, retry_deadline=1) as reader:
             with pytest.raises(LinkError) as info:
                 reader.links[0].list_rows("users", 0)
-            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'users'" in str(info.value)
+            assert info.value.code == Code.INVALID_ARGUMENT and "'users'" in str(info.value)
             with pytest.raises(LinkError) as info:
                 reader.links[0].list_rows("emb", -5)
-            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.code == Code.INVALID_ARGUMENT
             ids, values, spans = reader.list_rows("emb")  # no row made yet: an empty table
         assert ids.size == 0 and values.shape == (0, 3) and spans == [(0, 0)]
         assert len(servers[0].core.tables.tables["emb"]) == 0

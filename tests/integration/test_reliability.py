@@ -28,6 +28,7 @@ from psgd.worker.client import PSClient, PSError, fetch_weights
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 from psgd.worker.exchange import run_worker
+from psgd.errors import Code
 
 PY = sys.executable
 
@@ -54,7 +55,7 @@ def test_calls_without_the_token_are_refused_and_change_nothing():
             assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
         with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", server.data.port, 0, server.core.plan.hash, token="wrong", timeout=5)
-        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert info.value.code == Code.UNAUTHENTICATED
         plan = server.core.plan
         with pytest.raises(PSError, match="UNAUTHENTICATED"):
             fetch_weights([server.address], plan, request_timeout=5)
@@ -132,10 +133,10 @@ def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
                     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(LinkError) as info:  # the data port: a hello claiming worker 0
                 DataConnection("127.0.0.1", server.data.port, 0, plan.hash, token="s3cret", timeout=5)
-            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert info.value.code == Code.PERMISSION_DENIED
             with pytest.raises(LinkError) as info:
                 DataConnection("127.0.0.1", server.data.port, 0, plan.hash, token="s3cret", timeout=5, key="f" * 32)
-            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert info.value.code == Code.PERMISSION_DENIED
             assert np.array_equal(server.core.flat, before) and server.core.version == version
             status = server.core.status()
             assert status["workers"][0]["state"] == "live"  # the Done changed nothing

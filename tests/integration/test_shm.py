@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import grpc
 import numpy as np
 import pytest
 
@@ -39,6 +38,7 @@ from psgd.server.service import ShardServer
 from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
+from psgd.errors import Code
 
 from helpers import by_hand_env, make_job, run_threads, shards, wait_for
 from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, LR, OK, UNAUTHENTICATED, Shard, assert_closed,
@@ -94,7 +94,7 @@ def shm_reply(sock):
         text = bytearray(size)
         protocol.recv_exact(sock, memoryview(text))
         message = text.decode()
-    return grpc.StatusCode.OK if not status else status, outcome, version, size, message
+    return Code.of(status), outcome, version, size, message
 
 
 # --- segments -----------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
 from helpers import make_job
@@ -13,6 +12,7 @@ from psgd.partition import PartitionPlan
 from psgd.job import build_job
 from psgd.link import LinkError
 from psgd.worker.client import PSClient, PSError
+from psgd.errors import Code
 
 
 def client(stop: threading.Event | None = None) -> PSClient:
@@ -21,7 +21,7 @@ def client(stop: threading.Event | None = None) -> PSClient:
     return PSClient(["127.0.0.1:1"], plan, 0, request_timeout=5, config=job, stop=stop)
 
 
-def failing(times: int, code: grpc.StatusCode):
+def failing(times: int, code: Code):
     calls = []
 
     def call():
@@ -36,7 +36,7 @@ def test_a_call_cancelled_by_a_restarting_shard_is_retried():
     """Seen in the chaos suite: SIGTERM to a shard (to restart it) cancelled a push in flight, and the worker
     gave up with CANCELLED."""
     with client() as c:
-        call, calls = failing(2, grpc.StatusCode.CANCELLED)
+        call, calls = failing(2, Code.CANCELLED)
         assert c.retrying(0, "push (clock 142)", call) == "answered"
         assert len(calls) == 3
 
@@ -45,7 +45,7 @@ def test_a_worker_that_stops_does_not_retry_the_calls_it_cancelled():
     stop = threading.Event()
     stop.set()
     with client(stop) as c:
-        call, calls = failing(5, grpc.StatusCode.CANCELLED)
+        call, calls = failing(5, Code.CANCELLED)
         with pytest.raises(PSError, match="CANCELLED"):
             c.retrying(0, "pull (clock 3)", call)
         assert len(calls) == 1
@@ -53,7 +53,7 @@ def test_a_worker_that_stops_does_not_retry_the_calls_it_cancelled():
 
 def test_permanent_errors_are_not_retried():
     with client() as c:
-        call, calls = failing(1, grpc.StatusCode.INVALID_ARGUMENT)
+        call, calls = failing(1, Code.INVALID_ARGUMENT)
         with pytest.raises(PSError, match="INVALID_ARGUMENT"):
             c.retrying(0, "push (clock 1)", call)
         assert len(calls) == 1
@@ -63,7 +63,7 @@ def test_a_push_without_a_free_receive_buffer_is_retried():
     """A worker exited 1 on RESOURCE_EXHAUSTED ("no receive buffer free within 15.0s"): the push was not
     applied, and a buffer frees up once the pushes ahead of it are in."""
     with client() as c:
-        call, calls = failing(2, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        call, calls = failing(2, Code.RESOURCE_EXHAUSTED)
         assert c.retrying(0, "push (clock 7)", call) == "answered"
         assert len(calls) == 3
 
@@ -73,7 +73,7 @@ def test_a_stopping_worker_retries_nothing():
     stop = threading.Event()
     stop.set()
     with client(stop) as c:
-        for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        for code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
             call, calls = failing(5, code)
             with pytest.raises(PSError, match="the worker is stopping, so it did not retry"):
                 c.retrying(0, "pull (clock 3)", call)
@@ -91,7 +91,7 @@ def test_heartbeats_stop_before_the_worker_says_it_is_done():
         def heartbeat(clock: int, timeout: float) -> None:
             if told.is_set():
                 beats_after.append(clock)
-                raise LinkError(grpc.StatusCode.FAILED_PRECONDITION, "worker 0 is done", reason="NOT_REGISTERED")
+                raise LinkError(Code.FAILED_PRECONDITION, "worker 0 is done", reason="NOT_REGISTERED")
 
         c.links[0].heartbeat = heartbeat
         c.links[0].done = lambda clock: told.set()

@@ -273,3 +273,21 @@ def test_psgd_errors_have_one_root():
                 if bases & BUILTIN_ERRORS:
                     straight.append(f"{path.relative_to(PSGD)}:{node.name}")
     assert straight == ["errors.py:PsgdError", "errors.py:InputError", "errors.py:ClusterError"], straight
+
+
+#: The modules that speak gRPC: the channel and its TLS, the worker's gRPC link, the shard's servicer with its
+#: token check and the peer's questions, the latency interceptor, the rich status both ends read, and the
+#: operators' probes.  Everything else speaks psgd's own codes (psgd.errors.Code).
+GRPC_EDGE = {"channel.py", "link/grpc.py", "server/service.py", "server/tokens.py", "server/peers.py",
+             "rpc_latency.py", "wire/status.py", "ops/reach.py"}
+
+
+def test_grpc_is_spoken_only_at_its_edge():
+    speaking = set()
+    for path in sorted(PSGD.rglob("*.py")):
+        name = str(path.relative_to(PSGD))
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")) or name.startswith("bench/"):
+            continue
+        if any(m == "grpc" or m.startswith("grpc.") for m in imported(path)):
+            speaking.add(name)
+    assert speaking == GRPC_EDGE, sorted(speaking ^ GRPC_EDGE)
