@@ -27,5 +27,4 @@ def connect_from_args(args: argparse.Namespace, config=None) -> Connect:
     table (if any)."""
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
     tls = tls_from_args(args, config)
-    return Connect(timeout=args.timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "",
-                   tls_key=tls.key or "")
+    return Connect.using(tls, token, args.timeout)

@@ -322,35 +322,28 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
                   timeout: float, tls: TLSFiles, token: str) -> None:
     """Wait until this node's shards say every worker of the job has finished or been dropped (every
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
-    from psgd.ops.reach import probe_all
+    from psgd.ops.reach import Connect, try_status
 
-    connect = _connect(tls, token, 2.0)
+    connect = Connect.using(tls, token, 2.0)
     while True:
         for p in servers:
             if p.popen.poll() is not None:
                 raise LaunchError(p.failed())
-        probes = probe_all(local, connect)
-        if all(p.status is not None and all(w["state"] in ("done", "expired") for w in p.status["workers"])
-               for p in probes):
+        answers = [try_status(address, connect) for address in local]
+        if all(status is not None and all(w["state"] in ("done", "expired") for w in status["workers"])
+               for status, _, _ in answers):
             return
-        log.debug("waiting for the job's workers: %s", "; ".join(p.error or "training" for p in probes))
+        log.debug("waiting for the job's workers: %s", "; ".join(why or "training" for _, why, _ in answers))
         if time.monotonic() > deadline:
             raise LaunchError(f"the job's workers did not finish within {timeout:.0f}s (--timeout)")
         children.wait(0.5)
 
 
-def _connect(tls: TLSFiles, token: str, timeout: float):
-    """How this launcher reaches its shards (psgd.ops.reach)."""
-    from psgd.ops.reach import Connect
-
-    return Connect(timeout=timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "", tls_key=tls.key or "")
-
-
 def _wait_until_gone(address: str, children: Children, deadline: float, timeout: float, tls: TLSFiles) -> None:
     """Wait until the shard at ``address`` (node 0's shard 0) stops serving: node 0 has read the weights."""
-    from psgd.ops.reach import check_health
+    from psgd.ops.reach import Connect, check_health
 
-    connect = _connect(tls, "", 0.5)
+    connect = Connect.using(tls, "", 0.5)
     while time.monotonic() < deadline:
         if check_health(address, connect)[0] == "UNREACHABLE":
             return

@@ -32,6 +32,11 @@ class Connect:
     tls_cert: str = ""
     tls_key: str = ""
 
+    @classmethod
+    def using(cls, tls: TLSFiles, token: str, timeout: float) -> "Connect":
+        """How to reach shards with the files of ``tls`` and ``token``, each call within ``timeout``."""
+        return cls(timeout=timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "", tls_key=tls.key or "")
+
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return token_metadata(self.token)
@@ -140,16 +145,23 @@ def read_status(address: str, connect: Connect) -> dict:
     return status_dict(reply)
 
 
+def try_status(address: str, connect: Connect) -> tuple[dict | None, str, str]:
+    """The Status of the shard at ``address`` (:func:`read_status`); or None, why it did not answer and the call's
+    status code."""
+    try:
+        return read_status(address, connect), "", ""
+    except grpc.RpcError as err:
+        return None, explain_rpc_error(address, err, connect.timeout), err.code().name
+
+
 def probe(address: str, connect: Connect) -> ShardProbe:
     """Health check and Status of one address, each within ``connect.timeout``."""
     health, error, code = check_health(address, connect)
     if health == "UNREACHABLE":
         return ShardProbe(address, health, error=error, code=code, taken=time.monotonic())
-    try:
-        status = read_status(address, connect)
-    except grpc.RpcError as err:
-        return ShardProbe(address, health, error=explain_rpc_error(address, err, connect.timeout),
-                          code=err.code().name, taken=time.monotonic())
+    status, why, failed = try_status(address, connect)
+    if status is None:
+        return ShardProbe(address, health, error=why, code=failed, taken=time.monotonic())
     return ShardProbe(address, health, status, error=error, code=code, taken=time.monotonic())
 
 

@@ -8,7 +8,7 @@ from psgd.errors import PsgdError
 
 
 class ShardError(PsgdError):
-    """A request the shard refuses: ``code`` names a ``grpc.StatusCode``; ``reason`` names an
+    """A request the shard refuses: ``code`` names a status code (psgd.errors.Code, gRPC's at the gRPC edge); ``reason`` names an
     ``ErrorInfo.Reason`` the client acts on ("" for none), with ``differences`` for JOB_MISMATCH and
     ``rewind_to`` (the clock to continue from) for ROLLED_BACK, ``holder`` (host, pid) for RANK_HELD."""
 

@@ -5,9 +5,9 @@ A hello is a JSON object after the request header: the job's token (a replica's:
 ``"proof"``, psgd.server.tokens), the partition plan's hash, a worker's registration key (``"key"``: what its
 registration over gRPC got), and the wish for a shared-memory segment (``"shm"``: ``"pull"`` or ``"push"``, workers
 only) or to follow the shard as its replica (``"follow": true``, the header naming no worker: psgd.server.stream);
-the header names the worker.  A hello as a registered worker without
-that registration's key is refused; every request on the connection is checked against the key again (a
-connection of a worker that was not registered yet is served, and its requests are refused until it is).
+the header names the worker.  A hello as a registered worker without that registration's key is refused; every
+request on the connection is checked against the key again (a connection of a worker that was not registered yet
+is served, and its requests are refused until it is).
 """
 
 from __future__ import annotations

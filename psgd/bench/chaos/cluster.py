@@ -278,12 +278,16 @@ class Cluster:
         finally:
             out.unlink(missing_ok=True)
 
-    def newest_checkpoint(self, k: int) -> int | None:
-        """The newest checkpoint (with its manifest) shard ``k`` has written, whatever the job folder."""
+    def checkpoints(self, k: int) -> list[int]:
+        """The versions of the checkpoints (with their manifests) shard ``k`` holds, whatever the job folder, oldest
+        first."""
         from psgd.server import checkpoint
 
-        found = [v for folder in self.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)]
-        return max(found, default=None)
+        return sorted({v for folder in self.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)})
+
+    def newest_checkpoint(self, k: int) -> int | None:
+        """The newest checkpoint shard ``k`` has written (None: none)."""
+        return max(self.checkpoints(k), default=None)
 
     @property
     def sparse(self) -> bool:

@@ -16,7 +16,6 @@ from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
 from psgd.bench.chaos.settings import PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
-from psgd.server import checkpoint
 from psgd.server.datapath import transfer_seconds
 
 
@@ -95,7 +94,7 @@ class FaultInjection:
         newest = c.newest_checkpoint(k)  # what was on disk when it died
         damaged = ""
         if damage:
-            held = sorted({v for folder in c.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)})
+            held = c.checkpoints(k)
             if len(held) < 2:  # nothing to fall back on: the shard would rightly refuse to start
                 damaged = f"not damaged: shard {k} held {len(held)} checkpoint(s)"
             else:
