@@ -59,7 +59,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
     eval_batch_size: int = 1024  # examples evaluated at once
     eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
-    graphs: bool = True  # on a GPU, a step's gradient replayed as a CUDA graph where the model allows (psgd.graphs)
+    graphs: bool = True  # on a GPU, steps replayed as a CUDA graph where the model allows (psgd train: updates too)
     threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
 
 

@@ -22,7 +22,6 @@ it, as CuPy's own do.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import threading
 from typing import Any
@@ -129,18 +128,22 @@ def softmax_xent(logits: Any, y: Any) -> tuple[Any, Any] | None:
 
 # ---------------------------------------------------------------- optimizer updates
 
-def sgd_(param: Any, grad: Any, lr: float, weight_decay: float) -> None:
-    """``p = p * (1 - lr * wd)`` (where ``wd``), then ``p -= lr * g``, in place."""
+def sgd_(param: Any, grad: Any, lr: Any, keep: Any | None) -> None:
+    """``p = p * keep`` (weight decay: ``keep`` is ``1 - lr * wd``; None for none), then ``p -= lr * g``, in place.
+
+    Here and in the other updates, a value that changes from step to step (``lr``, ``keep``; Adam's ``rate`` and
+    ``unbias2``) may be a number or, on a GPU, a 0-d device array of the parameter's dtype that the kernel reads
+    when it runs: a step captured as a graph (:mod:`psgd.graphs`) writes the next step's values there."""
     cp = _fused(param)
     if cp is None:
         xp = backend.get_array_module(param)
-        if weight_decay:
-            xp.multiply(param, 1.0 - lr * weight_decay, out=param)
+        if keep is not None:
+            xp.multiply(param, keep, out=param)
         param -= xp.multiply(grad, lr)
         return
     _elementwise(cp, "sgd", "T g, T keep, T lr, int32 decays", "T p",
-                 "T q = decays ? p * keep : p; p = q - g * lr;")(grad, 1.0 - lr * weight_decay, lr,
-                                                                 int(bool(weight_decay)), param)
+                 "T q = decays ? p * keep : p; p = q - g * lr;")(grad, 1.0 if keep is None else keep, lr,
+                                                                 int(keep is not None), param)
 
 
 _MOMENTUM = """
@@ -161,10 +164,10 @@ p = p - step;
 """
 
 
-def momentum_(param: Any, v: Any, grad: Any, *, lr: float, mu: float, s: float, weight_decay: float,
+def momentum_(param: Any, v: Any, grad: Any, *, lr: Any, keep: Any, mu: float, s: float, weight_decay: float,
               nesterov: bool, lookahead: float) -> None:
-    """``v = mu v + s g (+ wd s p)``; then ``p -= lr v``, or with ``nesterov`` ``p = p (1 - lr wd)`` and
-    ``p -= lr (g + lookahead v)``: :class:`psgd.optim.rules.Momentum`'s update, in place."""
+    """``v = mu v + s g (+ wd s p)``; then ``p -= lr v``, or with ``nesterov`` ``p = p keep`` (``keep`` is
+    ``1 - lr wd``) and ``p -= lr (g + lookahead v)``: :class:`psgd.optim.rules.Momentum`'s update, in place."""
     cp = _fused(param)
     if cp is None:
         xp = backend.get_array_module(param)
@@ -180,7 +183,7 @@ def momentum_(param: Any, v: Any, grad: Any, *, lr: float, mu: float, s: float, 
             v += tmp
         if nesterov:
             if weight_decay:
-                xp.multiply(param, 1.0 - lr * weight_decay, out=param)
+                xp.multiply(param, keep, out=param)
             xp.multiply(v, lookahead, out=tmp)
             tmp += grad
             tmp *= lr
@@ -190,7 +193,7 @@ def momentum_(param: Any, v: Any, grad: Any, *, lr: float, mu: float, s: float, 
         return
     kernel = _elementwise(cp, "momentum", "T g, T mu, T s, T wds, T keep, T look, T lr, "
                           "int32 scaled, int32 decays, int32 nesterov", "T p, T v", _MOMENTUM)
-    kernel(grad, mu, s, weight_decay * s, 1.0 - lr * weight_decay, lookahead, lr, int(s != 1.0),
+    kernel(grad, mu, s, weight_decay * s, keep, lookahead, lr, int(s != 1.0),
            int(bool(weight_decay)), int(nesterov), param, v)
 
 
@@ -215,16 +218,16 @@ p = p - step;
 """
 
 
-def adam_(param: Any, m: Any, v: Any, grad: Any, *, lr: float, b1: float, b2: float, b1_t: float, b2_t: float,
+def adam_(param: Any, m: Any, v: Any, grad: Any, *, keep: Any, rate: Any, unbias2: Any, b1: float, b2: float,
           eps: float, weight_decay: float, decoupled: bool) -> None:
-    """:class:`psgd.optim.rules.Adam`'s update in place: ``b1``, ``b2`` this update's decays, ``b1_t``,
-    ``b2_t`` the bias corrections' powers; weight decay through the gradient, or ``decoupled`` (AdamW)."""
+    """:class:`psgd.optim.rules.Adam`'s update in place: ``b1``, ``b2`` this update's decays, ``rate`` the learning
+    rate over ``1 - b1^t`` and ``unbias2`` ``1 / sqrt(1 - b2^t)`` (the bias corrections), ``keep`` ``1 - lr wd``;
+    weight decay through the gradient, or ``decoupled`` (AdamW)."""
     cp = _fused(param)
-    unbias2, rate = 1.0 / math.sqrt(1.0 - b2_t), lr / (1.0 - b1_t)
     if cp is None:
         xp = backend.get_array_module(param)
         if weight_decay and decoupled:  # AdamW: p -= lr * wd * p, on the weights before this step
-            xp.multiply(param, 1.0 - lr * weight_decay, out=param)
+            xp.multiply(param, keep, out=param)
         if weight_decay and not decoupled:  # L2: g + wd * p, in the one temporary
             g = tmp = xp.multiply(param, weight_decay)
             g += grad
@@ -247,7 +250,7 @@ def adam_(param: Any, m: Any, v: Any, grad: Any, *, lr: float, b1: float, b2: fl
     kernel = _elementwise(cp, "adam", "T g, T keep, T wd, T b1, T rest2, T b2, T unbias2, T eps, T rate, "
                           "int32 decoupled, int32 coupled", "T p, T m, T v", _ADAM)
     decays = bool(weight_decay)
-    kernel(grad, 1.0 - lr * weight_decay, weight_decay, b1, 1.0 - b2, b2, unbias2, eps, rate,
+    kernel(grad, keep, weight_decay, b1, 1.0 - b2, b2, unbias2, eps, rate,
            int(decays and decoupled), int(decays and not decoupled), param, m, v)
 
 

@@ -145,6 +145,12 @@ class Exchange(abc.ABC):
         :class:`~psgd.model.table.Rows`: rows that do not exist read as their first values and are not made."""
         raise NotImplementedError
 
+    def updates_in_graph(self) -> Callable[[], graphs.InGraph] | None:
+        """Where this exchange applies its optimizer to the very arrays :meth:`weights` hands out, in place: a maker
+        of the updates a step captured as a graph may hold (the exchange is then handed no gradients for the steps
+        whose graph applied them).  None where the weights come from elsewhere."""
+        return None
+
     def ahead(self, step: int, lookups: Mapping[str, np.ndarray]) -> None:
         """The ``lookups`` of step ``step``, the next, told before this step's :meth:`exchange` (only where
         :attr:`overlaps` and the model has tables): an exchange that pulls the next step's weights beside this
@@ -272,7 +278,8 @@ def run_loop(
     draws = (t.seed * 1_000_003 + rank + 1) if getattr(model, "random_step", False) else 0
     if not handing and not job.plan.tables and graphs.can_graph(
             model, device, t.graphs, lambda why: log.info("%s: %s", exchange.name, why)):
-        gradient = graphs.GraphedStep(model, device, exchange.name)  # the step's kernels as one launch
+        # the step's kernels as one launch, the optimizer's among them where the exchange updates in place
+        gradient = graphs.GraphedStep(model, device, exchange.name, exchange.updates_in_graph())
     start = time.perf_counter()  # again once joined: wall times count from the first step
 
     def evaluation(params: Mapping[str, Any], done: int, train_loss: float, wall: float | None = None) -> None:

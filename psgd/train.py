@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from psgd.config import JobConfig
 from psgd.job import Job, build_job, params_to_device
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.model.table import Rows
+from psgd.optim.ingraph import InGraph
 from psgd.tables import lookup_rows, saved_tables
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,11 @@ class LocalExchange(Exchange):
     def _rows(self, lookups: Mapping[str, np.ndarray], make: bool) -> dict[str, Rows]:
         with self._tables_lock:
             return lookup_rows(self.tables, lookups, self.device, make)
+
+    def updates_in_graph(self) -> Callable[[], InGraph] | None:
+        if self.tables:
+            return None
+        return lambda: InGraph(self.optimizer, self.params, self.device)
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         for name, grad in grads.items():

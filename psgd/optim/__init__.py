@@ -6,9 +6,11 @@ call :meth:`Optimizer.update` with a parameter and its gradient, NumPy or CuPy
 arrays, and the parameter is changed in place.  Per-key state (moment buffers
 and the step count ``t``) is created on a key's first update.
 
-Every optimizer implements one hook, ``_step(param, grad, state, lr, t)``.
-Updates are written with in-place ufuncs (``out=``), so a step allocates at
-most one parameter-sized temporary (NumPy has no fused ``axpy``).
+Every optimizer implements two hooks: ``_scalars(lr, t, share)``, the values
+of an update that change from update to update (worked out on the host), and
+``_apply(param, grad, state, scalars, share)``, the update itself: one fused
+kernel on CuPy, in-place ufuncs (``out=``) on NumPy that allocate at most one
+parameter-sized temporary (NumPy has no fused ``axpy``).
 
 Learning rates come from a schedule, a callable ``schedule(t) -> float`` where
 ``t`` is the number of updates already applied to the key (0-based).
@@ -26,6 +28,7 @@ Where things live:
 - ``base.py``: :class:`Optimizer`, the per-key state, the checked update and checkpoints,
   and :class:`Share`, the part of a round one update is;
 - ``rules.py``: the update rules, :class:`SGD`, :class:`Momentum`, :class:`Adam`, :class:`AdamW`;
+- ``ingraph.py``: :class:`~psgd.optim.ingraph.InGraph`, the updates of a step captured as a CUDA graph;
 - ``registry.py``: the optimizers by name and :func:`build_optimizer`.
 
 This package only re-exports their public names.

@@ -1,7 +1,7 @@
-"""The optimizer base class: per-key state, the checked update around one ``_step`` hook, checkpoints.
+"""The optimizer base class: per-key state, the checked update around two hooks (``_scalars``, ``_apply``), checkpoints.
 
 A subclass (see :mod:`psgd.optim.rules`) sets ``name`` and ``state_names`` and
-implements ``_step``; :class:`Optimizer` creates each key's buffers on its
+implements ``_scalars`` and ``_apply``; :class:`Optimizer` creates each key's buffers on its
 first update, checks every update's arrays, counts ``t`` and takes the learning
 rate from the schedule, and writes and restores the state (``state_dict``).
 """
@@ -74,17 +74,17 @@ def _move(param: Any, grad: Any, lr_scale: float) -> None:
 
 
 class Optimizer:
-    """Per-key optimizer state and the update loop around one ``_step`` hook.
+    """Per-key optimizer state and the update loop around two hooks, ``_scalars`` and ``_apply``.
 
     ``lr`` is a positive number (a constant rate) or a :class:`Schedule`.
     Subclasses set ``name`` and ``state_names`` (buffers created as
     ``zeros_like(param)`` on a key's first update), validate their
-    hyperparameters, list them in ``hyperparameters()`` and implement ``_step``.
+    hyperparameters, list them in ``hyperparameters()`` and implement ``_scalars`` and ``_apply``.
     """
 
     name = "optimizer"
     state_names: tuple[str, ...] = ()
-    #: whether ``_step`` works value by value (no norm, no reduction): then keys laid out one after the other in
+    #: whether ``_apply`` works value by value (no norm, no reduction): then keys laid out one after the other in
     #: one array may be updated in one step (:meth:`update_flat`)
     elementwise = False
 
@@ -100,14 +100,22 @@ class Optimizer:
         #: ``var#start``) takes its "gradient", the change a step made to it, as it is: ``p += g * lr_scale``
         self.state_vars: frozenset[str] = frozenset()
 
-    def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: float, share: Share) -> None:
-        """Update ``param`` (and ``state``) in place.
+    def _scalars(self, lr: float, t: float, share: Share) -> tuple[float, ...]:
+        """The values of one update that change from update to update, worked out on the host in float64.
 
-        ``lr`` is this update's learning rate (schedule times ``lr_scale``) and
-        ``t`` the rounds done once this update is applied (the update's number counted
-        from 1 when each update is a round, as in Adam's bias correction).
+        ``lr`` is this update's learning rate (schedule times ``lr_scale``) and ``t`` the rounds done once this
+        update is applied (the update's number counted from 1 when each update is a round, as in Adam's bias
+        correction).  A step captured as a graph writes them where its kernels read them (:class:`InGraph`).
         """
         raise NotImplementedError
+
+    def _apply(self, param: Any, grad: Any, state: dict[str, Any], scalars: tuple, share: Share) -> None:
+        """Update ``param`` (and ``state``) in place with ``scalars``, as :meth:`_scalars` made them (numbers, or
+        on a GPU 0-d device arrays holding them)."""
+        raise NotImplementedError
+
+    def _step(self, param: Any, grad: Any, state: dict[str, Any], lr: float, t: float, share: Share) -> None:
+        self._apply(param, grad, state, self._scalars(lr, t, share), share)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {}

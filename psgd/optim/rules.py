@@ -1,4 +1,7 @@
-"""The optimizers themselves, each one ``_step`` with its paper: SGD, Momentum (and Nesterov), Adam, AdamW.
+"""The optimizers themselves, each its update with its paper: SGD, Momentum (and Nesterov), Adam, AdamW.
+
+Each rule says which of its values change from update to update (``_scalars``: the learning rate, and what is
+made of it and of the update's count, in float64 on the host) and applies one update with them (``_apply``).
 
 Each update is one call of :mod:`psgd.kernels`: one fused kernel on CuPy, in-place ufuncs (``out=``) on
 NumPy that allocate at most one parameter-sized temporary, the same arithmetic either way.
@@ -6,6 +9,7 @@ NumPy that allocate at most one parameter-sized temporary, the same arithmetic e
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from psgd import kernels
@@ -30,8 +34,12 @@ class SGD(Optimizer):
     def hyperparameters(self) -> dict[str, Any]:
         return {"weight_decay": self.weight_decay}
 
-    def _step(self, param, grad, state, lr, t, share):
-        kernels.sgd_(param, grad, lr, self.weight_decay)
+    def _scalars(self, lr, t, share):
+        return lr, 1.0 - lr * self.weight_decay
+
+    def _apply(self, param, grad, state, scalars, share):
+        lr, keep = scalars
+        kernels.sgd_(param, grad, lr, keep if self.weight_decay else None)
 
 
 class Momentum(Optimizer):
@@ -67,8 +75,11 @@ class Momentum(Optimizer):
     def hyperparameters(self) -> dict[str, Any]:
         return {"momentum": self.momentum, "weight_decay": self.weight_decay}
 
-    def _step(self, param, grad, state, lr, t, share):
-        v, mu, wd, s = state["v"], self.momentum, self.weight_decay, 1.0
+    def _scalars(self, lr, t, share):
+        return lr, 1.0 - lr * self.weight_decay
+
+    def _apply(self, param, grad, state, scalars, share):
+        (lr, keep), v, mu, wd, s = scalars, state["v"], self.momentum, self.weight_decay, 1.0
         lookahead = mu  # nesterov's look ahead: a round's momentum
         if share.updates != 1 or share.implicit_momentum:
             # a round's decay spread over its updates, less what the stream of updates carries by itself
@@ -76,7 +87,7 @@ class Momentum(Optimizer):
             lookahead = applied**share.updates
             s = (1.0 - applied) / (1.0 - mu)  # the gradient's weight: v of a steady g is g / (1 - mu), as in a round
             mu = applied
-        kernels.momentum_(param, v, grad, lr=lr, mu=mu, s=s, weight_decay=wd, nesterov=self.nesterov,
+        kernels.momentum_(param, v, grad, lr=lr, keep=keep, mu=mu, s=s, weight_decay=wd, nesterov=self.nesterov,
                           lookahead=lookahead)
 
 
@@ -116,13 +127,16 @@ class Adam(Optimizer):
     def hyperparameters(self) -> dict[str, Any]:
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay}
 
-    def _step(self, param, grad, state, lr, t, share):
-        m, v, b1, b2, wd = state["m"], state["v"], self.beta1, self.beta2, self.weight_decay
-        b1_t, b2_t = b1**t, b2**t  # bias corrections, from the round's decays
+    def _scalars(self, lr, t, share):
+        # the weights kept by decay, and the bias corrections from the round's decays: rate and 1 / sqrt(1 - b2^t)
+        return 1.0 - lr * self.weight_decay, lr / (1.0 - self.beta1**t), 1.0 / math.sqrt(1.0 - self.beta2**t)
+
+    def _apply(self, param, grad, state, scalars, share):
+        (keep, rate, unbias2), b1, b2 = scalars, self.beta1, self.beta2
         if share.updates != 1:
             b1, b2 = b1**share.fraction, b2**share.fraction
-        kernels.adam_(param, m, v, grad, lr=lr, b1=b1, b2=b2, b1_t=b1_t, b2_t=b2_t, eps=self.eps, weight_decay=wd,
-                      decoupled=self.decoupled)
+        kernels.adam_(param, state["m"], state["v"], grad, keep=keep, rate=rate, unbias2=unbias2, b1=b1, b2=b2,
+                      eps=self.eps, weight_decay=self.weight_decay, decoupled=self.decoupled)
 
 
 class AdamW(Adam):

@@ -183,9 +183,10 @@ def test_a_step_that_reads_back_is_run_kernel_by_kernel(rng, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "nesterov", "adam", "adamw"])
 def test_training_with_graphs_ends_where_training_without_ends(optimizer, caplog):
-    """psgd train on the GPU in float64, its steps replayed as a graph or not: the same final weights."""
+    """psgd train on the GPU in float64, its steps (the optimizer's update inside) replayed as a graph or not: the
+    same final weights to the bit, under a schedule that changes the rate every step and with weight decay."""
     import logging
 
     from psgd.config import JobConfig
@@ -196,14 +197,61 @@ def test_training_with_graphs_ends_where_training_without_ends(optimizer, caplog
     for graphs in ("true", "false"):
         config = JobConfig()
         config.apply_sets(["model.name=mlp", "model.hidden=[48, 32]", "data.name=digits", f"optimizer.name={optimizer}",
-                           "train.epochs=2", "train.batch_size=64", "train.device=cuda", "train.dtype=float64",
-                           f"train.graphs={graphs}"])
+                           "optimizer.weight_decay=0.001", "optimizer.schedule=cosine", "optimizer.warmup_steps=5",
+                           "optimizer.total_steps=60", "train.epochs=2", "train.batch_size=64", "train.device=cuda",
+                           "train.dtype=float64", f"train.graphs={graphs}"])
         results.append(train_local(config, progress=False))
-    assert "captured as a CUDA graph" in caplog.text
+    assert "captured as a CUDA graph" in caplog.text and "the optimizer's update inside" in caplog.text
     graphed, eager = results
     assert graphed.steps == eager.steps > 10
     for name, value in eager.params.items():
         np.testing.assert_array_equal(graphed.params[name], value, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_an_update_reading_its_changing_values_on_the_device_gives_the_same_bits(rng, dtype, rule):
+    """What a captured step's update does: the values that change each step (rate, decay, bias corrections) read
+    from a device array by the kernel, against the same update given them as numbers."""
+    gpu = backend.get_device("cuda")
+    for share in SHARES:
+        as_numbers, on_device = RULES[rule](), RULES[rule]()
+        p = gpu.asarray(rng.standard_normal((65, 33)).astype(dtype))
+        numbers, device = p.copy(), p.copy()
+        states = [{f: gpu.xp.zeros_like(p) for f in opt.state_names} for opt in (as_numbers, on_device)]
+        for t in range(3):
+            g = gpu.asarray(rng.standard_normal(p.shape).astype(dtype))
+            values = as_numbers._scalars(*as_numbers._rate(t, 1.0, share), share)
+            as_numbers._apply(numbers, g, states[0], values, share)
+            held = gpu.asarray(np.array(values, dtype=dtype))
+            on_device._apply(device, g, states[1], tuple(held[i] for i in range(len(values))), share)
+        np.testing.assert_array_equal(backend.to_host(device), backend.to_host(numbers), err_msg=f"{rule} {share}")
+        for field in as_numbers.state_names:
+            np.testing.assert_array_equal(backend.to_host(states[1][field]), backend.to_host(states[0][field]))
+
+
+@pytest.mark.gpu
+def test_a_graph_holding_the_update_is_captured_again_once_the_optimizer_state_is_replaced(rng):
+    """A graph holds the state buffers it was captured with: once a restore replaces them, the step runs eagerly
+    (its gradients returned, for the caller to apply) and the next is captured with the new buffers."""
+    from psgd.graphs import GraphedStep
+    from psgd.optim.ingraph import InGraph
+
+    gpu = backend.get_device("cuda")
+    model, params, batch = mlp_batch(gpu, rng)
+    opt = Adam(0.01)
+    step = GraphedStep(model, gpu, update=lambda: InGraph(opt, params, gpu))
+    handed = []
+    for n in range(6):
+        if n == 3:
+            opt.load_state_dict(opt.state_dict(), device=gpu)
+        loss, grads = step(params, *batch())
+        handed.append(sorted(grads))
+        for k, g in grads.items():
+            opt.update(k, params[k], g)
+    assert handed[0] == handed[3] == sorted(params) and handed[1] == handed[2] == handed[4] == handed[5] == []
+    assert {opt.step_count(k) for k in params} == {6} and step.replays == 4 and step.failed is None
 
 
 def test_graphs_is_a_train_option_of_true_or_false():
