@@ -12,6 +12,7 @@ say a clock is already past, it skips ahead to the smallest clock any shard expe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import resource
@@ -30,13 +31,25 @@ from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, Rewound, run_loop
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job
-from psgd.model.table import Rows, unique_lookups
+from psgd.model.table import Rows
 from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
 from psgd.worker.errors import Rewind
+from psgd.worker.lookups import as_rows, asked_rows, read_rows
 from psgd.worker.rollback import roll_back
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefetch:
+    """The pull of the next step, started beside a push ([cluster] overlap)."""
+
+    step: int                                   # the step it pulls the weights for
+    lookups: Mapping[str, np.ndarray] | None    # the ids it asked each table's rows for
+    rows: dict                                  # those rows, as asked_rows gives them
+    pending: Future                             # the pull itself: (versions, its span)
+    pulled: dict[str, Any] | None               # the device arrays it fills, where it goes straight there
 
 
 class ParameterServerExchange(Exchange):
@@ -64,9 +77,7 @@ class ParameterServerExchange(Exchange):
         self.overlaps = job.config.cluster.overlap
         self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
             if self.overlaps else None
-        # the pull of the next step started beside a push: (its step, the lookups it asked rows for, those rows
-        # as _asked gives them, its future)
-        self._prefetch: tuple[int, Mapping[str, np.ndarray] | None, dict, Future] | None = None
+        self._prefetch: _Prefetch | None = None  # the pull of the next step, started beside a push
         self._ahead: tuple[int, dict] | None = None        # the next step's rows to pull ahead (tables)
         self._answered: tuple[int, list[int], dict | None] | None = None  # a push's answer: step, versions, arrays
         self.pulls_ahead = 0                                  # steps whose weights were pulled beside a push
@@ -122,7 +133,7 @@ class ParameterServerExchange(Exchange):
                 _, self.versions, self.pulled = self._answered  # brought by the last push's answer
                 rows = {}
             elif rows is None:
-                rows, self.pulled = _asked(self.plan, lookups), self._device_arrays()
+                rows, self.pulled = asked_rows(self.plan, lookups), self._device_arrays()
                 self.versions = self.client.pull(step, self.host, {t: (ids, out) for t, (ids, _, out) in rows.items()},
                                                  device=self.pulled)
                 self.spans["pull"] = (began, time.perf_counter())
@@ -136,7 +147,7 @@ class ParameterServerExchange(Exchange):
         if self.local_steps:  # the centre stays where it was pulled to until the period's push
             self.own = {k: device.asarray(v).copy() for k, v in pulled.items()}
             return self.own
-        return {**{k: device.asarray(v) for k, v in pulled.items()}, **_as_rows(rows, device)}
+        return {**{k: device.asarray(v) for k, v in pulled.items()}, **as_rows(rows, device)}
 
     def settle(self, step: int) -> None:
         """With cuts (sync, checkpoint_rounds): the last round's weights pulled from every shard before this worker
@@ -156,7 +167,7 @@ class ParameterServerExchange(Exchange):
         clock, self._answered = roll_back(self.client, back), None
         if self._prefetch is not None:
             with contextlib.suppress(PSError, Rewind, futures.TimeoutError):
-                self._prefetch[3].result(timeout=self.client.request_timeout)
+                self._prefetch.pending.result(timeout=self.client.request_timeout)
             self._prefetch = None
         self._ahead = None
         raise Rewound(clock) from None
@@ -194,19 +205,18 @@ class ParameterServerExchange(Exchange):
         waited for and dropped."""
         if self._prefetch is None:
             return None
-        clock, asked_for, rows, pending, pulled = self._prefetch
-        self._prefetch = None
-        mine, theirs = lookups or {}, asked_for or {}
-        if clock != step or mine.keys() != theirs.keys() or \
+        ahead, self._prefetch = self._prefetch, None
+        mine, theirs = lookups or {}, ahead.lookups or {}
+        if ahead.step != step or mine.keys() != theirs.keys() or \
                 not all(np.array_equal(mine[t], theirs[t]) for t in mine):
             with contextlib.suppress(PSError):  # not this step's: only let it finish off the connection
-                pending.result()
+                ahead.pending.result()
             return None
-        self.versions, self.spans["pull"] = pending.result()
+        self.versions, self.spans["pull"] = ahead.pending.result()
         self.host, self._spare = self._spare, self.host
-        self.pulled = pulled
+        self.pulled = ahead.pulled
         self.pulls_ahead += 1
-        return rows
+        return ahead.rows
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
         if self.local_steps:
@@ -279,8 +289,8 @@ class ParameterServerExchange(Exchange):
         ahead, self._ahead = self._ahead, None
         if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
             lookups = ahead[1] if ahead is not None and ahead[0] == step + 1 else None
-            asked, pulled = _asked(self.plan, lookups), self._device_arrays()
-            self._prefetch = (step + 1, lookups, asked, _in_background(
+            asked, pulled = asked_rows(self.plan, lookups), self._device_arrays()
+            self._prefetch = _Prefetch(step + 1, lookups, asked, _in_background(
                 f"worker-{self.rank}-pull", _spanned, self.client.pull, step + 1, self._spare,
                 {t: (ids, out) for t, (ids, _, out) in asked.items()}, pulled), pulled)
         replies, self.spans["push"] = push.result()  # a failed push fails this step, as without overlap
@@ -309,7 +319,7 @@ class ParameterServerExchange(Exchange):
     def end(self, interrupted: bool) -> dict[str, Any]:
         if self._prefetch is not None:  # a pull for a step that will not be computed now
             with contextlib.suppress(PSError):
-                self._prefetch[3].result()
+                self._prefetch.pending.result()
             self._prefetch = None
         if self._reader is not None:
             self._reader.close()
@@ -341,29 +351,6 @@ class ParameterServerExchange(Exchange):
             return "unknown"
         rows = sum(t.get("rows", 0) for h in held for t in h.values())
         return f"{rows:,} rows, {sum(t.get('bytes', 0) for h in held for t in h.values()) / 1e6:.1f} MB"
-
-
-def _asked(plan: Any, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
-    """(distinct ids, index, a host array their rows are pulled into) of each table ``lookups`` names."""
-    out = {}
-    for name, wanted in (lookups or {}).items():
-        ids, index = unique_lookups(wanted)
-        spec = plan.table_by_name[name]
-        out[name] = (ids, index, np.empty((ids.size, spec.dim), spec.dtype))
-    return out
-
-
-def _as_rows(rows: Mapping[str, tuple[np.ndarray, Any, np.ndarray]], device: Any) -> dict[str, Rows]:
-    return {t: Rows(ids, device.asarray(values), device.asarray(index)) for t, (ids, index, values) in rows.items()}
-
-
-def read_rows(observer: PSClient, lookups: Mapping[str, np.ndarray], device: Any) -> dict[str, Rows]:
-    """The rows ``lookups`` names (ids by table), read by ``observer`` (an observer's :class:`PSClient`) from the
-    shards that hold them, as they are (none is made), on ``device``: what an evaluation looks up."""
-    rows = _asked(observer.plan, lookups)
-    observer.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in observer.plan.specs},
-                  {t: (ids, out) for t, (ids, _, out) in rows.items()})
-    return _as_rows(rows, device)
 
 
 def _spanned(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[float, float]]:
