@@ -180,12 +180,19 @@ def job_optimizer(config: JobConfig) -> optim.Optimizer:
     return optim.build_optimizer(config.optimizer["name"], **config.options("optimizer"))
 
 
+def check_optimizer(config: JobConfig) -> None:
+    """The job's ``[optimizer]`` made once and dropped: a name or an option no optimizer takes fails here in one
+    line, before anything starts (a trainer, the launcher), not later in a shard's log."""
+    job_optimizer(config)
+
+
 def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False) -> Job:
     """A trainer's job: the dataset loaded, the device opened, the model built (errors are one line each).
 
     With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
     (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
     """
+    check_optimizer(config)
     device = backend.use_device(config.train.device)  # current before any array, kernel or buffer is made
     dtype = config.train.dtype
     if dataset is None:

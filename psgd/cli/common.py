@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Callable, Mapping, Sequence
@@ -115,21 +116,41 @@ def first_env_int(names: Sequence[str], environ: Mapping[str, str]) -> tuple[int
 def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
                   extra_env: Sequence[tuple[str, str]] = ()) -> JobConfig:
     """The job: its file, then ``PSGD_*`` variables (and ``extra_env``: (variable, key) pairs read
-    only when the key's own ``PSGD_`` variable is unset), then flags and ``--set``; validated once."""
+    only when the key's own ``PSGD_`` variable is unset), then flags and ``--set``; validated once.  A value
+    refused is blamed on what gave it: the flag, the variable or the ``--set``, else the job file."""
     environ = os.environ if environ is None else environ
     job = JobConfig.load(args.config) if args.config else JobConfig()
-    for name, dotted in (*ENV_OVERRIDES, *extra_env):
-        own = [n for n, d in ENV_OVERRIDES if d == dotted and n != name]
-        if environ.get(name, "").strip() and not any(environ.get(n, "").strip() for n in own):
-            raw = environ[name].strip()
-            job.override(dotted, raw if dotted == "cluster.servers" else env_int(name, environ))
-    for flag, (dotted, _, _) in {**JOB_FLAGS, **CLUSTER_FLAGS}.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            job.override(dotted, value)
-    job.apply_sets(args.set, validate=False)
-    job.validate()
+    given: dict[str, str] = {}  # section.key -> the flag, variable or --set that gave its value
+    try:
+        for name, dotted in (*ENV_OVERRIDES, *extra_env):
+            own = [n for n, d in ENV_OVERRIDES if d == dotted and n != name]
+            if environ.get(name, "").strip() and not any(environ.get(n, "").strip() for n in own):
+                raw = environ[name].strip()
+                given[dotted] = f"{name}={raw}"
+                job.override(dotted, raw if dotted == "cluster.servers" else env_int(name, environ))
+        for flag, (dotted, _, _) in {**JOB_FLAGS, **CLUSTER_FLAGS}.items():
+            value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+            if value is not None:
+                given[dotted] = f"{flag} {value}"
+                job.override(dotted, value)
+        for item in args.set:
+            given[item.partition("=")[0].strip()] = f"--set {item}"
+        job.apply_sets(args.set, validate=False)
+        job.validate()
+    except ConfigError as exc:
+        raise blamed(exc, job.source, given) from None
     return job
+
+
+def blamed(exc: ConfigError, source: str, given: Mapping[str, str]) -> ConfigError:
+    """``exc`` (``SOURCE: [section] key ...``) said of the flag, variable or ``--set`` in ``given`` that set that
+    key, where one did; as it is otherwise."""
+    text = str(exc)
+    key = re.search(r"^[^:]*: \[(\w+)\] (?:unknown key '(\w+)'|(\w+))", text)
+    origin = given.get(f"{key[1]}.{key[2] or key[3]}") if key else None
+    if origin is None or not text.startswith(f"{source}: "):
+        return exc
+    return ConfigError(f"{origin}: {text[len(source) + 2:]}")
 
 
 def import_from_current_folder() -> None:

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from psgd import threads
 from psgd.config import JobConfig, to_toml
+from psgd.job import check_optimizer
 from psgd.launch.result import LaunchResult, evaluate_weights, final_evaluation
 from psgd.launch.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
@@ -55,6 +56,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
+    check_optimizer(config)
     tls_flags = child_flags(tls)
     if tls.enabled and mode != "ps":
         raise LaunchError("TLS protects the parameter servers' traffic: all-reduce mode has no servers (MPI and "

@@ -187,3 +187,39 @@ def test_every_comma_separated_flag_is_read_by_the_one_reader():
     found = [f"{p.relative_to(root)}:{n}" for p in commands
              for n, line in enumerate(p.read_text().splitlines(), 1) if '.split(",")' in line]
     assert found == [], found
+
+
+@pytest.mark.parametrize("command, argv, env, said", [
+    (psgd_main.main, ["launch", "--policy", "asynch"], {}, "--policy asynch: [cluster] policy must be one of"),
+    (psgd_main.main, ["launch", "--workers", "0"], {}, "--workers 0: [cluster] workers must be an integer"),
+    (psgd_main.main, ["train", "--set", "cluster.polcy=x"], {}, "--set cluster.polcy=x: [cluster] unknown key"),
+    (psgd_main.main, ["launch"], {"PSGD_WORKERS": "0"}, "PSGD_WORKERS=0: [cluster] workers must be an integer"),
+    (psgd_worker.main, ["--rank", "0", "--servers", "a:1", "--policy", "asynch"], {},
+     "--policy asynch: [cluster] policy must be one of"),
+])
+def test_a_value_refused_is_blamed_on_the_flag_or_variable_that_gave_it(command, argv, env, said, monkeypatch,
+                                                                        capsys):
+    """Not on "<defaults>", which the user never wrote; a job file's own mistake still names the file."""
+    for name in ("PSGD_WORKERS", "PSGD_SHARDS", "PSGD_SERVERS", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert command(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: {said}" in err and "<defaults>" not in err
+
+
+def test_a_job_files_own_mistake_still_names_the_file(tmp_path, capsys):
+    job_file = tmp_path / "job.toml"
+    job_file.write_text('[cluster]\nworkers = 0\n')
+    assert psgd_main.main(["launch", "-c", str(job_file)]) == 2
+    assert f"error: {job_file}: [cluster] workers must be an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["train", "--optimizer", "adamm"], ["launch", "--optimizer", "adamm"]])
+def test_an_unknown_optimizer_is_refused_before_anything_starts(argv, capsys):
+    """Not after a "training ..." line (psgd train), nor in a shard's log once the shards are up (psgd launch)."""
+    assert psgd_main.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: unknown optimizer 'adamm': choose sgd, momentum" in err
+    assert "training" not in err and "shard" not in err
