@@ -26,9 +26,10 @@ except Exception as exc:  # ImportError, or a CUDA library that fails to load
     _cupy = None
     _import_error = exc
 
-INSTALL_HINT = (
-    "install CuPy with CUDA's libraries and NCCL for your CUDA version with `pip install 'psgd[cuda12]'` "
-    "(CUDA 12) or `pip install 'psgd[cuda13]'` (CUDA 13), or run with --device cpu"
+INSTALL_HINT = (  # the packages of pyproject.toml's cuda12 and cuda13 extras (psgd itself installs from its folder)
+    "install CuPy with CUDA's libraries and NCCL for your CUDA version: `pip install 'cupy-cuda12x[ctk]' "
+    "nvidia-nccl-cu12` (CUDA 12) or `pip install 'cupy-cuda13x[ctk]' nvidia-nccl-cu13` (CUDA 13), or run with "
+    "--device cpu"
 )
 #: the CuPy major version psgd is written against (NCCL ids are bytes from 14 on)
 CUPY_MAJOR = 14

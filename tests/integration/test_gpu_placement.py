@@ -69,7 +69,7 @@ def test_without_cupy_the_refusal_says_what_to_install(monkeypatch):
 
     monkeypatch.setattr(backend, "_cupy", None)
     monkeypatch.setattr(backend, "_import_error", ImportError("No module named 'cupy'"))
-    with pytest.raises(LaunchError, match=r"--device cuda: .*psgd\[cuda12\]"):
+    with pytest.raises(LaunchError, match=r"--device cuda: .*pip install 'cupy-cuda12x\[ctk\]' nvidia-nccl-cu12"):
         place_on_gpus("cuda", [0])
 
 

@@ -75,7 +75,24 @@ def test_a_gpu_whose_kernels_cannot_be_built_is_not_available(monkeypatch):
     with pytest.raises(backend.DeviceError) as info:
         backend.get_device("cuda:0")
     text = str(info.value)
-    assert "libnvrtc.so.12" in text and "psgd[cuda12]" in text and "--device cpu" in text
+    assert "libnvrtc.so.12" in text and "pip install 'cupy-cuda12x[ctk]' nvidia-nccl-cu12" in text
+    assert "--device cpu" in text
+
+
+def test_the_cuda_hint_names_packages_that_exist():
+    """The packages of pyproject.toml's cuda12 and cuda13 extras, which the package index has; not psgd[cuda12],
+    a name psgd does not have there (it installs from its folder)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("cuda12", "cuda13"):
+        names = [re.match(r"[\w.\[\]-]+", requirement)[0] for requirement in extras[extra]]
+        command = "pip install " + " ".join(f"'{n}'" if "[" in n else n for n in names)
+        assert command in backend.INSTALL_HINT, (command, backend.INSTALL_HINT)
+    assert "psgd[" not in backend.INSTALL_HINT
 
 
 def test_a_working_fake_gpu_is_available(monkeypatch):
@@ -85,7 +102,7 @@ def test_a_working_fake_gpu_is_available(monkeypatch):
 
 def test_nccl_needs_cupy_14(monkeypatch):
     fake_cupy.install(monkeypatch, fake_cupy.FakeCupy(devices=1, version="13.6.0"))
-    with pytest.raises(backend.DeviceError, match="needs CuPy 14 or later.*13.6.0.*psgd\\[cuda12\\]"):
+    with pytest.raises(backend.DeviceError, match="needs CuPy 14 or later.*13.6.0.*cupy-cuda12x"):
         backend.nccl_module()
 
 
