@@ -103,8 +103,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     if not token and mode == "ps":
         if layout.nnodes == 1:
             token = secrets.token_urlsafe(32)  # only this launcher's children and its own reads know it
-            log.info("the shards want a token made for this job (to watch them with psgd status, launch with "
-                     "PSGD_TOKEN set)")
+            log.info("made a token for this job's shards, which only its own processes know; to watch them with "
+                     "psgd status, set PSGD_TOKEN before psgd launch")
         else:  # every node must know the same one: none is made here
             raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
                               "on each before psgd launch (make one: python3 -c 'import secrets; "

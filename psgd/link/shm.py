@@ -203,7 +203,8 @@ class ShmLink(TcpLink):
                            "id differs)")
         elif nbytes < SHARED_FROM_BYTES and not meaning(self.endpoint.transport)["insist"]:
             self._over_tcp(f"its slices take {nbytes:,} bytes, fewer than the "
-                           f"{SHARED_FROM_BYTES:,} from which shared memory pays (transport = \"shm\" insists)")
+                           f"{SHARED_FROM_BYTES:,} from which shared memory pays ([cluster] transport = \"shm\" "
+                           "uses it anyway)")
         else:
             self.shared = True
             log.debug("shard %d: pulls and pushes through shared memory", shard)

@@ -674,6 +674,7 @@ def test_a_small_shard_is_used_over_tcp_unless_the_job_insists_on_shared_memory(
     if transport == "auto":
         assert len(lines) == 1 and lines[0].levelno == logging.INFO
         assert f"its slices take {servers[0].core.nbytes:,} bytes" in lines[0].getMessage()
+        assert 'transport = "shm" uses it anyway' in lines[0].getMessage()  # the way to it, not what the job said
     else:
         assert lines == []
 
