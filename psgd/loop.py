@@ -306,7 +306,8 @@ def run_loop(
         try:
             step = exchange.begin()
             start = time.perf_counter()
-            bar.update(step)
+            bar.initial = bar.n = step  # resumed there: the steps before are not this run's, nor is their rate
+            bar.refresh()
             while True:
                 if step >= total:  # the last step: the exchange makes sure it stands before the loop ends
                     try:

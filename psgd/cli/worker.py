@@ -115,11 +115,33 @@ def work(args: argparse.Namespace) -> int:
         result = run_worker(config, args.rank, config.cluster.servers, progress=not args.no_progress, stop=stop,
                             metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
                             token=token_from_args(args), tls=tls_from_args(args, config), on_step=metrics.on_step)
+    logging.getLogger("psgd.cli.worker").info("%s", last_line(result, config.cluster.shards))
     if args.json:
         print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
                           "seconds": round(result.seconds, 3), "outcomes": result.summary["outcomes"],
                           "peak_rss_mb": round(peak_rss_mb(), 1)}))
     return 0
+
+
+#: what a shard did with a push, in words (psgd.policy's outcomes)
+DID = {"applied": "applied", "accumulated": "added to a round", "duplicate": "already had (a retry)",
+       "late": "too late for its round", "rejected": "refused"}
+
+
+def last_line(result, shards: int) -> str:
+    """A parameter-server worker's last line, in plain words: what it did, and the test accuracy of the weights its
+    last step left where it evaluated them."""
+    summary, total = result.summary, result.summary.get("job_steps", 0)
+    if result.steps == 0 and result.final_clock >= total:
+        return (f"worker {result.rank}: nothing to do, the job is already finished (its shards are past its last "
+                f"step, {total})")
+    done = ", ".join(f"{n} {DID.get(k, k)}" for k, n in sorted(summary["outcomes"].items()))
+    line = (f"worker {result.rank} done: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at each "
+            f"of {shards} shard(s): {done or 'none'})")
+    if "final_versions" in summary:
+        line += (f"; test accuracy {result.test_accuracy:.4f} of the weights its last step left (versions "
+                 f"{', '.join(map(str, summary['final_versions']))})")
+    return line
 
 
 def allreduce(args: argparse.Namespace, job, delay) -> int:

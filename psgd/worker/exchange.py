@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import resource
 import threading
@@ -30,12 +29,12 @@ from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, Rewound, run_loop
 from psgd.tls import NO_TLS, TLSFiles
-from psgd.job import Job, build_job
+from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
 from psgd.worker.errors import Rewind
-from psgd.worker.lookups import as_rows, asked_rows, read_rows
+from psgd.worker.lookups import as_rows, asked_rows, held_rows, read_rows
 from psgd.worker.rollback import roll_back
 
 log = logging.getLogger(__name__)
@@ -70,6 +69,9 @@ class ParameterServerExchange(Exchange):
             if device.is_gpu else None
         self.outcomes: dict[str, int] = {}
         self.joined = False
+        #: whether this worker evaluates the weights its last step left (the one that evaluates, rank 0 by default)
+        self.reads_final = False
+        self._final: dict[str, Any] | None = None
         self.versions: list[int] = []
         self.pull_seconds = 0.0
         # [cluster] overlap: the next step's pull goes out while this step's push is in flight, into a second
@@ -316,6 +318,20 @@ class ParameterServerExchange(Exchange):
         return {k: self.grad_host[k] if k in copied else backend.to_host(g, out=self.grad_host[k])
                 for k, g in grads.items()}
 
+    def _read_final(self) -> dict[str, Any] | None:
+        """The weights the shards hold once this worker's last push is in (under sync, its last round's), for the
+        loop to evaluate as the final ones; None, said in a line, where they cannot be read."""
+        try:
+            self.versions = self.client.pull(self.total, self.host, {}, None)
+        except (PSError, Rewind) as exc:
+            log.warning("worker %d: could not read the weights its last step left, to evaluate them (%s)",
+                        self.rank, exc)
+            return None
+        return params_to_device(self.host, self.job.device)
+
+    def final_weights(self) -> Mapping[str, Any] | None:
+        return self._final
+
     def end(self, interrupted: bool) -> dict[str, Any]:
         if self._prefetch is not None:  # a pull for a step that will not be computed now
             with contextlib.suppress(PSError):
@@ -324,6 +340,8 @@ class ParameterServerExchange(Exchange):
         if self._reader is not None:
             self._reader.close()
         if self.joined:
+            if self.reads_final and not interrupted:  # before it leaves: the job's last shards may leave with it
+                self._final = self._read_final()
             try:
                 self.client.done()
             except PSError as exc:
@@ -331,8 +349,9 @@ class ParameterServerExchange(Exchange):
                     raise
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
-        summary: dict[str, Any] = {"outcomes": dict(self.outcomes),
-                                   **({"pulls_ahead": self.pulls_ahead} if self.overlaps else {})}
+        summary: dict[str, Any] = {"outcomes": dict(self.outcomes), "job_steps": self.total,
+                                   **({"pulls_ahead": self.pulls_ahead} if self.overlaps else {}),
+                                   **({"final_versions": list(self.versions)} if self._final is not None else {})}
         if self.moved["steps"]:
             steps = self.moved["steps"]
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
@@ -341,16 +360,8 @@ class ParameterServerExchange(Exchange):
             log.info("worker %d: %.0f rows of embedding tables and %.3f MB moved a step on average (the dense "
                      "weights, down and up: %.3f MB; the rows the shards hold: %s); this worker's peak RSS %.0f MB",
                      self.rank, summary["rows_per_step"], summary["bytes_per_step"] / 1e6,
-                     2 * self.plan.total_bytes / 1e6, self._held_rows(), peak / 1e6)
+                     2 * self.plan.total_bytes / 1e6, held_rows(self.client), peak / 1e6)
         return summary
-
-    def _held_rows(self) -> str:
-        try:
-            held = [json.loads(s.counters_json or "{}").get("tables", {}) for s in self.client.status()]
-        except (PSError, ValueError):
-            return "unknown"
-        rows = sum(t.get("rows", 0) for h in held for t in h.values())
-        return f"{rows:,} rows, {sum(t.get('bytes', 0) for h in held for t in h.values()) / 1e6:.1f} MB"
 
 
 def _spanned(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[float, float]]:
@@ -393,7 +404,9 @@ def run_worker(
     """Train as worker ``rank`` of ``config.cluster.workers`` against the shards at ``addresses``.
 
     ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
-    others) evaluates the pulled weights on the test split.  ``delay`` slows
+    others) evaluates the pulled weights on the test split, and at the end the
+    weights its last step left (read from the shards before it leaves; not for a
+    model with embedding tables, whose rows it would read after).  ``delay`` slows
     this worker down, to play a straggler in experiments.  ``on_step`` is
     called with each step's record (the JSONL fields plus ``pull_seconds``,
     ``push_seconds`` and ``bytes``), e.g. to feed a metrics endpoint.
@@ -409,9 +422,9 @@ def run_worker(
     with PSClient(addresses, job.plan, rank, request_timeout=c.request_timeout, transport=c.transport,
                   wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, config=config,
                   device=job.device) as client:
-        result = run_loop(job, ParameterServerExchange(job, client, rank, stop), rank=rank,
-                          world=c.workers, evaluate_every=evaluate_every, progress=progress, desc=f"worker {rank}",
-                          metrics_path=metrics_path, delay=delay, stop=stop, on_step=on_step)
-    log.info("worker %d done: %d steps in %.1fs (%s)", rank, result.steps, result.seconds,
-             ", ".join(f"{k} {v}" for k, v in sorted(result.summary["outcomes"].items())))
+        exchange = ParameterServerExchange(job, client, rank, stop)
+        exchange.reads_final = evaluate_every != 0 and not job.plan.tables  # tables: rows read after it left
+        result = run_loop(job, exchange, rank=rank, world=c.workers, evaluate_every=evaluate_every,
+                          progress=progress, desc=f"worker {rank}", metrics_path=metrics_path, delay=delay, stop=stop,
+                          on_step=on_step)
     return result

@@ -3,11 +3,13 @@ are pulled into, and those rows as the model reads them (:class:`~psgd.model.tab
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 import numpy as np
 
 from psgd.model.table import Rows, unique_lookups
+from psgd.worker.client import PSError
 
 
 def asked_rows(plan: Any, lookups: Mapping[str, np.ndarray] | None) -> dict[str, tuple[np.ndarray, Any, np.ndarray]]:
@@ -31,3 +33,13 @@ def read_rows(observer: Any, lookups: Mapping[str, np.ndarray], device: Any) -> 
     observer.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in observer.plan.specs},
                   {t: (ids, out) for t, (ids, _, out) in rows.items()})
     return as_rows(rows, device)
+
+
+def held_rows(client: Any) -> str:
+    """How many rows (and MB) the shards ``client`` reaches hold, in words; "unknown" where they do not say."""
+    try:
+        held = [json.loads(s.counters_json or "{}").get("tables", {}) for s in client.status()]
+    except (PSError, ValueError):
+        return "unknown"
+    rows = sum(t.get("rows", 0) for h in held for t in h.values())
+    return f"{rows:,} rows, {sum(t.get('bytes', 0) for h in held for t in h.values()) / 1e6:.1f} MB"

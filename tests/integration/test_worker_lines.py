@@ -1,0 +1,57 @@
+"""What a worker says last, as a user reads it: what it did in plain words, the test accuracy of the weights its last
+step left where it evaluates, and a plain line (and no racing bar) when it is started again for a finished job."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import make_job, run_threads, shards
+from psgd.cli import worker as psgd_worker
+from psgd.worker.exchange import run_worker
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """psgd-worker's main() takes over the stop signals; give them back to pytest."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_workers_last_line_says_what_it_did_and_the_accuracy_its_last_step_left(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "2", "--shards", "2",
+                          "--epochs", "2", "--no-progress", "--run-dir", str(run)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    final = re.search(r"final test accuracy: (\d\.\d{4})", out.stdout + out.stderr)[1]
+    first, second = ([line for line in (run / f"worker-{r}.log").read_text().splitlines() if " done: " in line]
+                     for r in (0, 1))
+    assert len(first) == len(second) == 1
+    # sync: the weights worker 0 read after its last push are the job's final ones, which the launcher evaluates
+    assert re.search(r"worker 0 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
+                     rf"a round\); test accuracy {final} of the weights its last step left \(versions 44, 44\)$",
+                     first[0]), first
+    assert re.search(r"worker 1 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
+                     r"a round\)$", second[0]), second
+    assert "accumulated" not in first[0] + second[0]
+
+
+def test_a_worker_started_again_for_a_finished_job_says_so(capsys):
+    sets = ("model.name=softmax", "cluster.workers=2", "cluster.shards=2", "cluster.policy=sync", "train.epochs=1")
+    job = make_job(*sets)
+    with shards(job):
+        run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in (0, 1)], 120)
+        capsys.readouterr()
+        argv = ["--rank", "0", "--servers", ",".join(job.cluster.servers), *(a for s in sets for a in ("--set", s))]
+        assert psgd_worker.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "worker 0: nothing to do, the job is already finished (its shards are past its last step, 22)" in err
+    assert " done: 0 steps" not in err
+    assert not re.search(r"\d+(\.\d+)?step/s", err), err  # the bar shows no rate for steps it did not take
