@@ -290,15 +290,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between rank 0's evaluations in all-reduce runs")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="fail a run that takes longer (default 600)")
     parser.add_argument("--out", metavar="DIR",
-                        help="where lab.json, table.md and the plots go "
-                             "(default benchmarks/results/convergence/PRESET)")
+                        help="where lab.json, table.md and the plots go (default runs/convergence/PRESET under the "
+                             "current folder, as psgd launch keeps its runs)")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep every run's logs and metrics under DIR")
     parser.add_argument("--repeats", type=int, metavar="N",
                         help="run every (scenario, policy) N times; the table shows medians (default 3, quick 1)")
     parser.add_argument("--from", dest="from_json", metavar="LAB.json",
                         help="run nothing: redraw the table and plots of an earlier lab (into --out, default "
-                             "beside the file)")
+                             "runs/convergence/PRESET-redrawn: the lab's own files are left as they are)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+#: where a lab writes by default: a folder of the current one, beside psgd launch's runs
+RUNS = Path("runs") / "convergence"
 
 
 def config_from_args(args: argparse.Namespace) -> LabConfig:
@@ -326,12 +330,18 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     if args.from_json:
         result = load_result(args.from_json)
-        result.files = report.write_all(result, Path(args.out or Path(args.from_json).parent))
+        out = Path(args.out or RUNS / f"{result.config.name}-redrawn")
+        if out.resolve() == Path(args.from_json).resolve().parent:
+            raise ConfigError(f"--out {out} is where {args.from_json} is: redrawing there would replace the lab's own "
+                              "table and plots; give another --out")
+        result.files = report.write_all(result, out)
+        done = f"{len(result.runs)} runs read from {args.from_json} (they took {result.seconds:.0f}s), none run"
     else:
         config = config_from_args(args)
-        out = args.out or str(Path("benchmarks/results/convergence") / config.name)
-        result = run_lab(config, out, progress=not args.no_progress, keep_runs=args.keep_runs)
+        result = run_lab(config, args.out or str(RUNS / config.name), progress=not args.no_progress,
+                         keep_runs=args.keep_runs)
+        done = f"{len(result.runs)} runs in {result.seconds:.0f}s"
     print(Path(result.files["table"]).read_text())
     print(Path(result.files["summary"]).read_text())
-    print(f"{len(result.runs)} runs in {result.seconds:.0f}s; wrote {', '.join(sorted(result.files.values()))}")
+    print(f"{done}; wrote {', '.join(sorted(result.files.values()))}")
     return 1 if any(r.error for r in result.runs) else 0

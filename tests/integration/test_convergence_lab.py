@@ -203,3 +203,22 @@ def test_quick_lab_can_be_redrawn_from_its_json(quick_lab, tmp_path):
     assert redo.returncode == 0, redo.stderr[-3000:]
     assert (tmp_path / "table.md").read_text() == (out / "table.md").read_text()
     assert (tmp_path / "accuracy-no-straggler.png").exists()
+
+
+@pytest.mark.slow
+def test_a_redrawn_lab_leaves_the_labs_own_files_and_says_it_ran_nothing(quick_lab, tmp_path):
+    """--from without --out writes under runs/convergence/ of the current folder, not beside the lab (which, in a
+    checkout, rewrote the committed results); --out naming the lab's own folder is refused."""
+    out, proc = quick_lab
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    redo = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--from",
+                           str(out / "lab.json")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert redo.returncode == 0, redo.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert (tmp_path / "runs" / "convergence" / "quick-redrawn" / "table.md").exists()
+    assert f"6 runs read from {out / 'lab.json'} (they took" in redo.stdout and "none run" in redo.stdout
+    same = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--from",
+                           str(out / "lab.json"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 2 and "would replace the lab's own table and plots" in same.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
