@@ -17,9 +17,10 @@ def situation(network: str, delay: str) -> str:
     return f"loopback, {words}"
 
 
-def rows(result: LabResult) -> list[tuple[str, str, str, float | None, float | None, str | None]]:
-    """(situation, contender spec, label, median seconds to target or None, median final accuracy, error)
-    for every (network, scenario, contender), in the order they ran."""
+def rows(result: LabResult) -> list[tuple]:
+    """(situation, contender spec, label, median seconds to target or None, median final accuracy, error, the
+    least and most seconds to target over the repeats or None) for every (network, scenario, contender), in the
+    order they ran."""
     out = []
     for runs in groups(result):
         first = runs[0]
@@ -27,7 +28,7 @@ def rows(result: LabResult) -> list[tuple[str, str, str, float | None, float | N
         failed = all(r.error for r in runs)
         out.append((situation(first.network, first.delay), first.policy, first.label,
                     None if failed else m["time_to_target"], None if failed else m["final_accuracy"],
-                    first.error if failed else None))
+                    first.error if failed else None, m["spread"].get("time_to_target")))
     return out
 
 
@@ -43,23 +44,41 @@ def recommend(result: LabResult) -> str:
     for where in dict.fromkeys(r[0] for r in table):
         mine = [r for r in table if r[0] == where]
         reached = sorted((r for r in mine if r[3] is not None), key=lambda r: r[3])
-        lines.append(f"**{where}**: " + _verdict(reached, mine, target))
+        lines.append(f"**{where}**: " + _verdict(reached, mine, target, result.config.eval_interval))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _verdict(reached: list, mine: list, target: float) -> str:
+def as_long(seconds: float, best: float, interval: float) -> str:
+    """``seconds`` against the ``best`` time in words, no finer than times measured ``interval`` s apart can tell: a
+    tie within one interval; the difference where the interval is a tenth of the best time or more (a ratio would
+    be noise); else the ratio, to the digit its error (about ``interval / best``) leaves standing."""
+    if seconds - best <= interval:
+        return f"as long, to within the {interval:g} s between evaluations"
+    if interval / best >= 0.1:
+        return f"{seconds - best:.2f} s later"
+    return f"{seconds / best:.{2 if interval / best < 0.005 else 1}f}x as long"
+
+
+def _over(row: tuple) -> str:
+    """`` (least-most s over the repeats)`` of a row's time to target, where they differ."""
+    low, high = (f"{v:.2f}" for v in row[6] or (0, 0))
+    return "" if low == high else f" ({low}-{high} s over the repeats)"
+
+
+def _verdict(reached: list, mine: list, target: float, interval: float) -> str:
     if not reached:
         failed = [f"{r[2]} ({r[5].splitlines()[0][:80]})" for r in mine if r[5]]
         return (f"no policy reached {target:g}." + (f" Failed: {'; '.join(failed)}." if failed else ""))
     best = reached[0]
-    text = f"{best[2]} reached it first, in {best[3]:.2f} s (final accuracy {best[4]:.3f})"
+    text = f"{best[2]} reached it first, in {best[3]:.2f} s{_over(best)} (final accuracy {best[4]:.3f})"
     if len(reached) > 1:
         second = reached[1]
-        text += f"; {second[2]} next, {second[3] / best[3]:.2f}x as long ({second[3]:.2f} s, final {second[4]:.3f})"
+        text += (f"; {second[2]} next, {as_long(second[3], best[3], interval)} ({second[3]:.2f} s{_over(second)}, "
+                 f"final {second[4]:.3f})")
     sync = next((r for r in reached if r[1] == "sync"), None)
     if sync is not None and sync not in reached[:2]:
-        text += f"; sync took {sync[3] / best[3]:.2f}x as long"
+        text += f"; sync: {as_long(sync[3], best[3], interval)}"
     text += "."
     missing = [r for r in mine if r[3] is None]
     if missing:

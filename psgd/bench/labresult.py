@@ -109,13 +109,18 @@ def representative(runs: list[RunResult]) -> RunResult:
 
 
 def median_summary(runs: list[RunResult]) -> dict:
-    """Medians over the repeats; a target counts as reached when the median run reached it."""
+    """Medians over the repeats, and in ``spread`` each figure's least and most over them (time to target: over the
+    runs that reached it); a target counts as reached when the median run reached it."""
     ok = [r for r in runs if not r.error]
     rep = representative(runs)
     out = {"reached": sum(r.summary.get("time_to_target") is not None for r in ok), "runs": len(runs)}
     for key in ("time_to_target", "updates_to_target", "steps_to_target"):
         out[key] = rep.summary.get(key)
-    for key in _MEDIAN_KEYS:
+    out["spread"] = {}  # key -> (least, most) over the repeats that have it, where two or more do
+    for key in ("time_to_target", *_MEDIAN_KEYS):
         values = [r.summary[key] for r in ok if r.summary.get(key) is not None]
-        out[key] = _lower_median(values) if values else None
+        if key != "time_to_target":
+            out[key] = _lower_median(values) if values else None
+        if len(values) > 1:
+            out["spread"][key] = (min(values), max(values))
     return out

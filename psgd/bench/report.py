@@ -11,12 +11,12 @@ from psgd.bench.labresult import LabResult, groups, median_summary
 
 #: The table's columns: (header, function of a run's summary giving a number or text).
 COLUMNS = (
-    ("time to target s", lambda s: _num(s["time_to_target"], 2, "not reached")),
+    ("time to target s", lambda s: _num(s["time_to_target"], 2, "not reached", _spread(s, "time_to_target", 2))),
     ("updates to target", lambda s: _num(s["updates_to_target"], 0, "not reached")),
     ("gradients to target", lambda s: _num(s["steps_to_target"], 0, "not reached")),
-    ("final accuracy", lambda s: _num(s["final_accuracy"], 3)),
+    ("final accuracy", lambda s: _num(s["final_accuracy"], 3, spread=_spread(s, "final_accuracy", 3))),
     ("train s", lambda s: _num(s["train_seconds"], 2)),
-    ("steps/s", lambda s: _num(s["steps_per_s"], 1)),
+    ("steps/s", lambda s: _num(s["steps_per_s"], 1, spread=_spread(s, "steps_per_s", 1))),
     ("updates/s", lambda s: _num(s["updates_per_s"], 1)),
     ("staleness p50", lambda s: _num(s["staleness_p50"], 0)),
     ("staleness p99", lambda s: _num(s["staleness_p99"], 0)),
@@ -26,10 +26,17 @@ COLUMNS = (
 )
 
 
-def _num(value, digits: int, missing: str = "n/a") -> str:
+def _spread(summary: dict, key: str, digits: int) -> str:
+    """`` (least-most)`` over the repeats, where two or more differ at ``digits``; '' otherwise."""
+    low, high = (f"{v:.{digits}f}" for v in summary.get("spread", {}).get(key, (0, 0)))
+    return "" if low == high else f" ({low}-{high})"
+
+
+def _num(value, digits: int, missing: str = "n/a", spread: str = "") -> str:
+    """``value`` to ``digits`` places (``missing`` where there is none), then its ``spread`` over the repeats."""
     if value is None:
         return missing
-    return f"{value:.{digits}f}"
+    return f"{value:.{digits}f}{spread}"
 
 
 def markdown_table(result: LabResult) -> str:
@@ -54,7 +61,8 @@ def table_notes(result: LabResult) -> str:
                f"{result.parameters:,} parameters, {result.model_bytes / 1e6:.2f} MB)." if result.gradient_seconds
                else "")
     repeats = (f"Each row: the median of {c.repeats} runs (to target: the run with the median time to target; "
-               f"reached: runs that reached it). " if c.repeats > 1 else "")
+               f"reached: runs that reached it), with the least and most of them in brackets where they differ. "
+               if c.repeats > 1 else "")
     return (repeats + f"Target test accuracy {c.target_accuracy:g}. Time is wall time since the first worker "
             f"entered its training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
             f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "

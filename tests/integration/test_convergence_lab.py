@@ -101,8 +101,31 @@ def test_table_has_one_row_per_policy_with_medians():
     rows = [line.split("|")[1:-1] for line in table.splitlines()]
     assert len(rows) == 4 and set(rows[1]) == {"---"}
     sync, asyn = ([c.strip() for c in r] for r in rows[2:])
-    assert sync[:4] == ["s", "sync", "3/3", "2.00"] and sync[8] == "101.0"
+    assert sync[:4] == ["s", "sync", "3/3", "2.00 (1.00-3.00)"] and sync[8] == "101.0 (100.0-102.0)"
+    assert sync[6] == "0.900"  # the same in every repeat: no spread shown
     assert asyn[2:4] == ["1/3", "not reached"]  # the median run did not reach the target
+
+
+def test_the_answer_shows_the_spread_and_is_no_finer_than_the_evaluation_interval():
+    """A median's least and most over the repeats beside it; a ratio of times to target measured 0.05 s apart is
+    a tie within that, and otherwise has the digits its error leaves standing (it said 2.17x for 0.09 s against
+    0.04)."""
+    from psgd.bench.answer import as_long, recommend
+
+    assert as_long(0.09, 0.04, 0.05) == "as long, to within the 0.05 s between evaluations"
+    assert as_long(2.0, 1.0, 0.05) == "2.0x as long"
+    assert as_long(0.3, 0.1, 0.05) == "0.20 s later"  # 0.1 s measured 0.05 s apart: no ratio to speak of
+    assert as_long(30.0, 10.0, 0.02) == "3.00x as long"
+
+    def run(policy, repeat, ttt):
+        summary = {"time_to_target": ttt, "final_accuracy": 0.9, "steps_per_s": 100.0}
+        return RunResult(f"s/{policy}", "s", "", policy, policy, "ps", {}, [], [{}, {}], summary, None, repeat)
+
+    runs = [run("sync", r, t) for r, t in enumerate((1.0, 3.0, 2.0))] + \
+        [run("async", r, t) for r, t in enumerate((0.5, 0.6, 0.7))]
+    text = recommend(LabResult(LabConfig(repeats=3, eval_interval=0.05), "m", 1, 4, runs, 1.0, {}, {}))
+    assert "async reached it first, in 0.60 s (0.50-0.70 s over the repeats)" in text
+    assert "sync next, 3.3x as long (2.00 s (1.00-3.00 s over the repeats), final 0.900)" in text
 
 
 # -- the whole lab, --quick, as a user runs it ------------------------------------------------
