@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--save", metavar="FILE.npz",
                         help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
     launch.add_argument("--run-dir", metavar="DIR",
-                        help="folder for the job file, logs and metrics (default: a new temporary folder)")
+                        help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
+                             "current folder, runs/DATE-TIME-MODE, said in the last line)")
     launch.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop everything and fail if the job runs longer (default 900)")
     launch.add_argument("--emulated-hosts", metavar="FILE.json",

@@ -14,7 +14,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,7 +82,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     config.override("train.device", devices[ranks[0]] if ranks else "cpu")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
-    run = Path(run_dir or tempfile.mkdtemp(prefix="psgd-run-"))
+    run = Path(run_dir) if run_dir else new_run_folder(mode)
     run.mkdir(parents=True, exist_ok=True)
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
@@ -156,6 +155,24 @@ def _device_flags(device: str) -> list[str]:
 #: MPI settings for ranks on emulated hosts: they talk over their hosts' links (TCP on eth0), not through the
 #: shared memory of the one machine they all run on.
 MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0")
+
+
+#: where a launch keeps its job file, logs and metrics unless told (--run-dir): as TensorBoard and Hydra keep runs
+RUNS = Path("runs")
+
+
+def new_run_folder(mode: str, now: float | None = None) -> Path:
+    """``runs/YYYYmmdd-HHMMSS-MODE`` under the current folder, made (``-2``, ``-3``... where one of that second
+    exists already)."""
+    stem = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{mode}"
+    for n in range(1, 1000):
+        folder = RUNS / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:
+            continue
+    raise LaunchError(f"{RUNS}/{stem}: a thousand runs started in the same second; give --run-dir")
 
 
 def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,

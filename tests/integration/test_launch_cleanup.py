@@ -99,3 +99,19 @@ def test_launch_leaves_no_address_files_however_it_ends(tmp_path, how):
             launch.kill()
             launch.wait(10)
     assert handoff_files(run) == []
+
+
+def test_a_launch_keeps_its_run_where_the_user_sees_it_and_says_where(tmp_path):
+    """Without --run-dir: runs/DATE-TIME-MODE under the current folder (as TensorBoard and Hydra keep runs), named
+    in the last line, where every launch left a /tmp/psgd-run-* folder nobody was told about."""
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("psgd-run-*"))
+    done = subprocess.run([PSGD, "launch", "--epochs", "1", "--no-progress"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.endswith("-ps") and len(run.name) == len("20261127-134512-ps")
+    assert f"logs in runs/{run.name})" in done.stdout
+    assert (run / "job.toml").exists() and (run / "worker-1.log").read_text()
+    assert set(Path(tempfile.gettempdir()).glob("psgd-run-*")) == before
