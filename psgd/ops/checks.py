@@ -11,6 +11,7 @@ import socket
 import ssl
 from typing import Any
 
+from psgd.ops.ports import on_loopback
 from psgd.ops.reach import TOKEN_ENV, Connect, probe
 
 
@@ -101,8 +102,12 @@ class Doctor:
             say("FAIL", error)
             return found, None
         loopback = all(ip.startswith("127.") or ip == "::1" for ip in ips)
-        say("warn" if loopback else "ok", f"resolves to {', '.join(ips)}" +
-            (" (loopback: only processes on this machine can reach it)" if loopback else ""))
+        # on loopback with every other shard: the one-machine job the pages describe; beside shards elsewhere, a
+        # worker on another machine cannot reach it
+        alone = loopback and any(not on_loopback(a) for a in c.servers)
+        say("warn" if alone else "ok", f"resolves to {', '.join(ips)}" +
+            (" (loopback: only processes on this machine can reach it, and other shards are elsewhere)" if alone
+             else " (loopback: a job on this machine)" if loopback else ""))
         error = tcp_check(ips[0], port, timeout)
         if error:
             say("FAIL", f"gRPC port {port}: {error}")

@@ -16,6 +16,12 @@ def _host(address: str) -> tuple[str, int]:
     return ("127.0.0.1" if host in _LOOPBACK else host), int(port)
 
 
+def on_loopback(address: str) -> bool:
+    """Whether ``host:port`` names this machine's loopback (by name or address)."""
+    host = address.rpartition(":")[0].strip("[]")
+    return host in _LOOPBACK or host.startswith("127.")
+
+
 def overlaps(cluster: Any) -> list[str]:
     """Each port a job's ``[cluster]`` gives two of its processes on one host: the shards' gRPC ports
     (``servers``), their data ports (``data_ports``, on their shard's host) and the replicas' gRPC ports

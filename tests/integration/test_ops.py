@@ -290,8 +290,18 @@ def test_doctor_passes_a_healthy_cluster(tmp_path, capsys, monkeypatch):
         assert f"shard {k} at {address}: health check: SERVING" in out
         assert f"shard {k} at {address}: answers as shard {k} of 2, policy sync" in out
         assert "same partition plan" in out
-    assert "loopback: only processes on this machine can reach it" in out
+    assert "resolves to 127.0.0.1 (loopback: a job on this machine)" in out  # the pages' one-machine job: no warning
+    assert not [line for line in out.splitlines() if line.split()[:2] == ["warn", "shard"]], out
     assert "token: none set" in out and "GPU: train.device is cpu" in out
+
+
+def test_doctor_warns_of_a_shard_on_loopback_beside_shards_elsewhere():
+    from psgd.ops.checks import Doctor
+
+    job = make_job(*SMALL)
+    job.override("cluster.servers", ["127.0.0.1:1", "192.0.2.1:2"])  # 192.0.2.0/24: documentation, unreachable
+    found, _ = Doctor(job, Connect(timeout=0.5)).check_shard(0, "127.0.0.1:1", None)
+    assert found[0].level == "warn" and "other shards are elsewhere" in found[0].message
 
 
 @pytest.mark.parametrize("sets, said", [
