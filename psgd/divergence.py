@@ -7,7 +7,10 @@ that process sees: the loss of each of its steps, and the evaluations it makes. 
 - a step's loss is more than :data:`BLOWUP` times this process's first step's loss and than the loss of a
   uniform guess, ln(classes) (a worker that joins late may start from a small loss: minibatch losses that
   small vary by more than that);
-- the test loss has been above its first value for :data:`EVALUATIONS` evaluations in a row;
+- the test loss has been above its first value for :data:`EVALUATIONS` evaluations in a row, unless the run is
+  overfitting: its training loss has fallen to under half its first value and its test accuracy stays within
+  :data:`ACCURACY_FALL` of the best it reached (a model that learns its training set by heart, not one that has
+  stopped training);
 - the test accuracy has stayed at chance (at most the commonest class's share of the test set, plus
   :data:`CHANCE_MARGIN`) for :data:`EVALUATIONS` evaluations in a row.
 
@@ -35,6 +38,8 @@ EVALUATIONS = 3
 BLOWUP = 10.0
 #: how far above the commonest class's share an accuracy still counts as chance
 CHANCE_MARGIN = 0.02
+#: how far below its best a test accuracy may be and the run still be overfitting, not diverging
+ACCURACY_FALL = 0.05
 #: the exit status of ``psgd launch --fail-on-divergence`` (and ``psgd train``'s) for a run that diverged
 EXIT_DIVERGED = 3
 
@@ -99,6 +104,8 @@ class DivergenceGuard:
         self._lock = threading.Lock()  # a loop may evaluate on a thread beside its steps ([train] eval_beside)
         self._first_loss: float | None = None
         self._first_step_loss: float | None = None
+        self._trend: float | None = None  # the training loss, smoothed over steps
+        self._best_accuracy = 0.0
         self._growing = self._at_chance = 0
 
     def _found(self, step: int, epoch: int, why: str) -> Divergence | None:
@@ -120,6 +127,7 @@ class DivergenceGuard:
     def _step(self, step: int, epoch: int, loss: float) -> Divergence | None:
         if not math.isfinite(loss):
             return self._found(step, epoch, f"the training loss is {loss}")
+        self._trend = loss if self._trend is None else 0.95 * self._trend + 0.05 * loss
         if self._first_step_loss is None:
             self._first_step_loss = loss
         elif loss > BLOWUP * max(self._first_step_loss, self.guess_loss):
@@ -132,7 +140,8 @@ class DivergenceGuard:
             return self._found(step, epoch, f"the test loss is {test_loss}")
         if self._first_loss is None:
             self._first_loss = test_loss
-        self._growing = self._growing + 1 if test_loss > self._first_loss else 0
+        self._best_accuracy = max(self._best_accuracy, accuracy)
+        self._growing = self._growing + 1 if test_loss > self._first_loss and not self._overfitting(accuracy) else 0
         self._at_chance = self._at_chance + 1 if accuracy <= self.chance + CHANCE_MARGIN else 0
         if self._growing >= EVALUATIONS:
             return self._found(step, epoch, f"the test loss ({test_loss:.4g}) has been above its first value "
@@ -142,6 +151,12 @@ class DivergenceGuard:
                                             f"({self.chance:.3f}, the commonest class) for {self._at_chance} "
                                             "evaluations")
         return None
+
+    def _overfitting(self, accuracy: float) -> bool:
+        """Whether a rising test loss is the training set learnt by heart: the training loss well down, the
+        accuracy near its best."""
+        return (self._trend is not None and self._first_step_loss is not None
+                and self._trend < 0.5 * self._first_step_loss and accuracy >= self._best_accuracy - ACCURACY_FALL)
 
     def final(self, step: int, epoch: int, test_loss: float, accuracy: float) -> Divergence | None:
         """The weights a run ended with, judged on their own (one evaluation, so no trend)."""

@@ -120,3 +120,18 @@ def test_the_advice_fits_the_mode_and_policy(mode, sets, words, absent):
         assert w in said
     for w in absent:
         assert w not in said
+
+
+def test_overfitting_is_not_divergence():
+    """The test loss rising above its first value while the training loss falls and the accuracy stays near its
+    best (MNIST-1D's MLP at its paper's settings: 68%, yet told 'training diverged at step 920') is not a
+    divergence; the same rise with the accuracy falling away is."""
+    g = guard()
+    for step in range(300):
+        g.step(step, 0, 2.3 * math.exp(-step / 50))  # the training set learnt by heart
+    for i, (loss, acc) in enumerate([(1.0, 0.60), (1.2, 0.66), (1.4, 0.68), (1.7, 0.67), (2.1, 0.66)]):
+        assert g.evaluation(300 + 10 * i, i, loss, acc) is None
+    assert g.verdict is None
+    for i, acc in enumerate([0.55, 0.5, 0.45]):  # now the accuracy falls with it
+        verdict = g.evaluation(400 + 10 * i, 9 + i, 2.5 + i, acc)
+    assert verdict is not None and "above its first value" in verdict.why
