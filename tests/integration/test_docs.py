@@ -112,6 +112,17 @@ def test_every_example_uses_flags_that_exist():
     assert wrong == [], "\n".join(wrong)
 
 
+def test_every_page_installs_psgd_the_same_way():
+    """Editable from its folder, the extras added to it: a page that installed "." after one that installed "-e ."
+    swapped the install under the other (the README's, the docs', the lab's and the GPU page's lines each did)."""
+    lines = [(page.relative_to(ROOT), line) for page in [*PAGES, ROOT / ".ci" / "run"]
+             for line in page.read_text().splitlines() if re.search(r"pip install\b.*\s['\"]?\.(\[|['\"\s]|$)", line)]
+    assert len(lines) >= 6
+    assert [(where, line) for where, line in lines if not re.search(r"\s-e\s+['\"]?\.", line)] == []
+    extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["all"] == ["psgd[bench,docs,mnist,mpi]"]
+
+
 @pytest.mark.slow
 def test_the_runnable_examples_run(tmp_path):
     runnable = [(where, argv) for where, runs, argv in examples() if runs]
