@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from psgd import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
-from psgd.launch.result import LaunchResult, evaluate_weights, final_evaluation
+from psgd.launch.result import LaunchResult, evaluate_weights, exchange_bound, final_evaluation
 from psgd.launch.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
@@ -308,7 +308,11 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
         _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
-    return final_evaluation(config, addresses, run, start, save, tls, token)
+    result = final_evaluation(config, addresses, run, start, save, tls, token)
+    bound = exchange_bound(run)
+    if bound:
+        log.info("%s", bound)
+    return result
 
 
 def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts: Hosts | None, children: Children,

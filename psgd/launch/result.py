@@ -48,6 +48,28 @@ def lost_updates(versions: Sequence[int]) -> dict[int, int]:
     return {k: top - v for k, v in enumerate(versions) if v < top}
 
 
+def exchange_bound(run: Path) -> str | None:
+    """A line where this run's workers spent more of a step getting weights and handing their gradients on than
+    computing them (their step records, ``worker-*.jsonl``): what a step cost and the ways out; None where the
+    compute bounds it, or no step was recorded."""
+    compute = moving = 0.0
+    steps = 0
+    for path in sorted(run.glob("worker-*.jsonl")):
+        with path.open() as lines:
+            for line in lines:
+                if '"event": "step"' in line:
+                    seconds = json.loads(line).get("seconds") or {}
+                    compute += seconds.get("compute", 0.0)
+                    moving += seconds.get("weights", 0.0) + seconds.get("exchange", 0.0)
+                    steps += 1
+    if not steps or moving <= compute:
+        return None
+    return (f"the exchange, not the compute, bounds this job's step: a worker's step took "
+            f"{1e3 * (compute + moving) / steps:.2f} ms, {1e3 * compute / steps:.2f} of them computing its gradient and "
+            f"{1e3 * moving / steps:.2f} getting weights and handing the gradient on; for a model this small, train "
+            "in one process (psgd train) or with --mode allreduce, or give each step more work (--batch-size)")
+
+
 def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = None) -> tuple[float, float, dict | None]:
     """The test loss and accuracy of the final weights (a model's embedding tables read by ``reader``, an
     observer of the shards), and the divergence guard's verdict on them alone."""

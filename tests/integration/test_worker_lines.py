@@ -41,6 +41,26 @@ def test_a_workers_last_line_says_what_it_did_and_the_accuracy_its_last_step_lef
     assert re.search(r"worker 1 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
                      r"a round\)$", second[0]), second
     assert "accumulated" not in first[0] + second[0]
+    # digits' MLP: a step's gradient takes a fraction of its exchange, and the launch says so with the ways out
+    assert "the exchange, not the compute, bounds this job's step" in out.stderr and "--mode allreduce" in out.stderr
+
+
+def test_the_bound_is_said_only_where_the_exchange_takes_longer_than_the_compute(tmp_path):
+    import json
+
+    from psgd.launch.result import exchange_bound
+
+    def steps(path, compute, moving):
+        path.write_text("".join(json.dumps({"event": "step", "seconds": {"weights": moving / 2, "compute": compute,
+                                                                        "exchange": moving / 2}}) + "\n"
+                                for _ in range(4)) + json.dumps({"event": "done"}) + "\n")
+
+    steps(tmp_path / "worker-0.jsonl", 0.004, 0.001)
+    steps(tmp_path / "worker-1.jsonl", 0.004, 0.002)
+    assert exchange_bound(tmp_path) is None
+    steps(tmp_path / "worker-1.jsonl", 0.001, 0.009)
+    assert exchange_bound(tmp_path).startswith("the exchange, not the compute, bounds this job's step: a worker's "
+                                               "step took 7.50 ms, 2.50 of them computing its gradient and 5.00")
 
 
 def test_a_worker_started_again_for_a_finished_job_says_so(capsys):
