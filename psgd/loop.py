@@ -365,7 +365,7 @@ def run_loop(
                                  "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
                                  **out.timings})
                     bar.update(out.next_step - step)
-                    bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", refresh=False)
+                    bar.set_postfix(loss=f"{loss:.4f}", **({"acc": f"{acc:.3f}"} if history else {}), refresh=False)
                     step = out.next_step
                 except Rewound as back:  # a shard restarted from a cut: the steps since are taken again
                     step = _went_back(back, step)

@@ -75,3 +75,14 @@ def test_a_worker_started_again_for_a_finished_job_says_so(capsys):
     assert "worker 0: nothing to do, the job is already finished (its shards are past its last step, 22)" in err
     assert " done: 0 steps" not in err
     assert not re.search(r"\d+(\.\d+)?step/s", err), err  # the bar shows no rate for steps it did not take
+
+
+def test_a_worker_that_does_not_evaluate_shows_no_accuracy_on_its_bar(capsys):
+    """Worker 1 evaluates nothing (rank 0 does): its bar showed acc=nan all run long."""
+    job = make_job("model.name=softmax", "cluster.workers=2", "cluster.shards=1", "cluster.policy=async",
+                   "train.epochs=2")
+    with shards(job):
+        run_threads([lambda: run_worker(job, 0, job.cluster.servers, progress=False),
+                     lambda: run_worker(job, 1, job.cluster.servers, progress=True)], 120)
+    err = capsys.readouterr().err
+    assert "worker 1" in err and "loss=" in err and "acc=" not in err
