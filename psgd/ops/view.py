@@ -4,6 +4,7 @@ rates against the poll before, the problems it shows, as JSON and as text (what 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from typing import Any, Sequence
 
@@ -155,9 +156,11 @@ class ClusterView:
             states[w["state"]] = states.get(w["state"], 0) + 1
         head = (f"psgd status at {time.strftime('%H:%M:%S', time.localtime(self.when))}: "
                 f"{len(answered)} of {len(shards)} shard(s) answering"
-                + (f", policy {'/'.join(policies)}" if policies else "")
-                + (f"; {len(workers)} worker(s): " + ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
-                   if workers else ""))
+                + (f", policy {'/'.join(policies)}" if policies else ""))
+        if workers:
+            said = f"{len(workers)} worker(s): " + ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+            fits = len(head) + 2 + len(said) <= shutil.get_terminal_size((80, 24)).columns
+            head += ("; " if fits else "\n") + said
         rate = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         rows = []
         paired = any(r.get("role") for r in shards)
@@ -207,10 +210,25 @@ def _role(role: str, lag: int, failovers: int, unreplicated: int = 0) -> str:
     return f"{role} ({said.get(role, '?')}{took}{single})" if role else "-"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int | None = None) -> str:
+    """Columns padded to their widest cell.  Where the whole is wider than ``width`` (the terminal's; 80 where there
+    is none), the columns after the first go into blocks that fit, one under the other, each led by the first
+    column again."""
+    width = width or shutil.get_terminal_size((80, 24)).columns
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(headers), *(fmt(r) for r in rows)])
+    blocks: list[list[int]] = [[]]
+    used = widths[0]
+    for i in range(1, len(headers)):
+        if blocks[-1] and used + 2 + widths[i] > width:
+            blocks.append([])
+            used = widths[0]
+        blocks[-1].append(i)
+        used += 2 + widths[i]
+    out = []
+    for block in blocks:
+        fmt = lambda cells: "  ".join(cells[i].ljust(widths[i]) for i in [0, *block]).rstrip()  # noqa: E731
+        out.append("\n".join([fmt(headers), *(fmt(r) for r in rows)]))
+    return "\n\n".join(out)
 
 
 def collect(addresses: Sequence[str], connect: Connect, previous: ClusterView | None = None) -> ClusterView:

@@ -200,7 +200,7 @@ def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_pa
         assert address in text
     lines = text.splitlines()
     assert lines[0].startswith("psgd status at ") and "2 of 2 shard(s) answering, policy sync" in lines[0]
-    assert "2 live" in lines[0]
+    assert "2 live" in "\n".join(lines[:2])
     assert any(line.startswith("0/2 ") and "SERVING" in line for line in lines)
     assert any(line.startswith("1/2 ") and "SERVING" in line for line in lines)
     worker_lines = [line for line in lines if line.split()[:2] in (["0", "live"], ["1", "live"])]
@@ -209,7 +209,11 @@ def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_pa
     assert code == 0
     for address in addresses:
         assert address in after
-    rows = {line.split()[0]: line for line in after.splitlines() if line[:4] in ("0/2 ", "1/2 ")}
+    rows: dict[str, str] = {}  # a shard's cells, from every block of columns (80 wide: the table wraps)
+    for line in after.splitlines():
+        if line[:4] in ("0/2 ", "1/2 "):
+            rows[line.split()[0]] = rows.get(line.split()[0], "") + line
+    assert max(map(len, after.splitlines())) <= 80
     assert f"v{versions[1]}, 0s ago" in rows["1/2"] and ", 0s ago" not in rows["0/2"]
     done = [line.split() for line in after.splitlines() if line.split()[:2] in (["0", "done"], ["1", "done"])]
     assert len(done) == 2 and all(row[2] == str(4 * (1438 // 2 // 32)) for row in done)
