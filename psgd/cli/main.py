@@ -6,10 +6,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from psgd import __version__
 from psgd.cli import export as export_cli
 from psgd.cli import doctor, models, status
+from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
                              job_from_args, run_command, start_process, verbosity)
 from psgd.logs import setup_logging
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default mpi)")
     launch.add_argument("--save", metavar="FILE.npz",
                         help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
+    launch.add_argument("--resume", metavar="RUN",
+                        help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
+                             "its shards' checkpoints in RUN/checkpoints, its logs): each worker goes on from the "
+                             "step its shards hold")
     launch.add_argument("--run-dir", metavar="DIR",
                         help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
                              "current folder, runs/DATE-TIME-MODE, said in the last line)")
@@ -254,12 +260,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from psgd.launch import EXIT_LOST_UPDATES, Hosts, launch
 
     setup_logging("launch", verbosity(args))
+    if args.resume:
+        if args.config or args.run_dir:
+            raise ConfigError("--resume RUN takes the job file and the run folder from RUN: drop -c and --run-dir")
+        if not (Path(args.resume) / "job.toml").is_file():
+            raise ConfigError(f"--resume {args.resume}: no job.toml there (not the run folder of a psgd launch)")
+        args.config, args.run_dir = str(Path(args.resume) / "job.toml"), args.resume
     config = job_from_args(args)
     layout = layout_from_args(args)
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
     result = launch(config, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args, config))
+                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args, config),
+                    resume=bool(args.resume))
     c = config.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")

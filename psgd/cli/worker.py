@@ -136,8 +136,9 @@ def last_line(result, shards: int) -> str:
         return (f"worker {result.rank}: nothing to do, the job is already finished (its shards are past its last "
                 f"step, {total})")
     done = ", ".join(f"{n} {DID.get(k, k)}" for k, n in sorted(summary["outcomes"].items()))
-    line = (f"worker {result.rank} done: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at each "
-            f"of {shards} shard(s): {done or 'none'})")
+    ended = "done" if result.final_clock >= total else f"stopped at step {result.final_clock} of {total}"
+    line = (f"worker {result.rank} {ended}: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at "
+            f"each of {shards} shard(s): {done or 'none'})")
     if "final_versions" in summary:
         line += (f"; test accuracy {result.test_accuracy:.4f} of the weights its last step left (versions "
                  f"{', '.join(map(str, summary['final_versions']))})")
@@ -182,14 +183,26 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-_STOP = threading.Event()
+class Stop(threading.Event):
+    """Set by a stop signal: the worker finishes the step in hand, pushes it and leaves.  ``pausing`` (SIGINT,
+    Ctrl-C: the whole job is being paused) leaves without telling the shards it left, so that no round closes
+    without it and the job goes on from here exactly (psgd launch --resume); SIGTERM and SIGHUP say it left."""
+
+    pausing = False
+
+    def signalled(self, signum: int) -> None:
+        self.pausing = self.pausing or signum == signal.SIGINT
+        self.set()
+
+
+_STOP = Stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     import_from_current_folder()
     # First thing: a stop signal that arrives while the worker is still starting ends it cleanly too.
     for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda signum, frame: _STOP.set())
+        signal.signal(signum, lambda signum, frame: _STOP.signalled(signum))
     args = build_parser().parse_args(argv)
     if args.mode == "allreduce":  # ranks stop together: MPI and the launcher end them with a signal
         for signum in STOP_SIGNALS:

@@ -35,7 +35,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event, str], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
-           tls: TLSFiles = NO_TLS) -> LaunchResult:
+           tls: TLSFiles = NO_TLS, resume: bool = False) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -46,6 +46,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     hands it to its children in their environment (never in the job file or a log), and a node of several
     refuses to start (every node must know the same token).
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
+    In ps mode the shards write checkpoints into ``RUN/checkpoints`` (and a last one when stopped); ``resume``
+    continues the job of ``run_dir`` from them, where a launch into a folder that holds them is refused.
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
     this machine (one node).  ``tls`` (certificate, key and CA together) is mutual TLS between every shard,
     worker and this launcher's own reads.
@@ -84,6 +86,13 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     run = Path(run_dir) if run_dir else new_run_folder(mode)
     run.mkdir(parents=True, exist_ok=True)
+    checkpoints = run / CHECKPOINTS
+    if mode == "ps" and not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise LaunchError(f"{run} holds the checkpoints of an earlier launch ({checkpoints}): continue it with "
+                          f"psgd launch --resume {run}, or give another --run-dir")
+    if resume and mode != "ps":
+        raise LaunchError("--resume continues a parameter-server job from its shards' checkpoints; all-reduce "
+                          "ranks keep none")
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
@@ -126,6 +135,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
             return result
         except LaunchInterrupted as exc:
             stopping = exc.signum
+            if mode == "ps" and layout.node_rank == 0:  # the shards write their last checkpoints as they stop
+                exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with psgd launch "
+                            f"--resume {run}",)
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
@@ -140,6 +152,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
 
 #: where the NCCL ranks of an all-reduce launch find rank 0's unique id, in the run folder
 NCCL_RENDEZVOUS = "nccl-id.json"
+#: where a launch's shards write their checkpoints, in the run folder (psgd launch --resume reads them)
+CHECKPOINTS = "checkpoints"
 
 
 def _port_file(run: Path, shard: int, role: str = "shard") -> Path:
@@ -268,8 +282,8 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     py = sys.executable
     start = time.perf_counter()
     mine = layout.shards_here(c.shards)
-    servers, bound = _start_shards(c.shards, job_path, run, layout, hosts, children, tls_flags + log_flags, token,
-                                   timeout)
+    servers, bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
+                                   tls_flags + log_flags + ["--checkpoint-dir", str(run / CHECKPOINTS)], token, timeout)
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
     spec["cluster"]["servers"] = addresses
     if c.replicas:  # each shard's replica, on the next node (psgd.server.replica), once its primary is up

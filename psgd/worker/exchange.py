@@ -339,7 +339,10 @@ class ParameterServerExchange(Exchange):
             self._prefetch = None
         if self._reader is not None:
             self._reader.close()
-        if self.joined:
+        if self.joined and interrupted and getattr(self.stop, "pausing", False):
+            log.info("worker %d: paused, the shards not told it left (their rounds wait for it): psgd launch "
+                     "--resume, or this worker started again, goes on from here", self.rank)
+        elif self.joined:
             if self.reads_final and not interrupted:  # before it leaves: the job's last shards may leave with it
                 self._final = self._read_final()
             try:
@@ -403,15 +406,12 @@ def run_worker(
 ) -> LoopResult:
     """Train as worker ``rank`` of ``config.cluster.workers`` against the shards at ``addresses``.
 
-    ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the
-    others) evaluates the pulled weights on the test split, and at the end the
-    weights its last step left (read from the shards before it leaves; not for a
-    model with embedding tables, whose rows it would read after).  ``delay`` slows
-    this worker down, to play a straggler in experiments.  ``on_step`` is
-    called with each step's record (the JSONL fields plus ``pull_seconds``,
-    ``push_seconds`` and ``bytes``), e.g. to feed a metrics endpoint.
-    ``token`` is the job's shared secret.  When ``stop`` is set (SIGTERM), the
-    worker finishes the step in hand, pushes it, and leaves.
+    ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the others) evaluates the pulled weights
+    on the test split, and at the end the weights its last step left (read from the shards before it leaves; not
+    for a model with embedding tables, whose rows it would read after).  ``delay`` slows this worker down, to play
+    a straggler.  ``on_step`` gets each step's record (the JSONL fields plus ``pull_seconds``, ``push_seconds`` and
+    ``bytes``), e.g. to feed a metrics endpoint.  ``token`` is the job's shared secret.  When ``stop`` is set (a stop
+    signal), the worker finishes the step in hand, pushes it, and leaves (paused, where ``stop.pausing``).
     """
     job = build_job(config, dataset, check=True)
     c = config.cluster

@@ -82,9 +82,10 @@ def test_a_signal_to_launch_is_forwarded_and_leaves_no_process(tmp_path, signum)
         assert took < 5.0, f"the job took {took:.1f}s to stop"  # each process left cleanly, none was killed
         assert f"stopped by {signal.Signals(signum).name}" in err
         assert processes_mentioning(str(run)) == []
-        for r in (0, 1):  # each worker left cleanly: asked to stop, then done
+        for r in (0, 1):  # each worker left cleanly: asked to stop, then stopped (paused, by Ctrl-C)
             log = (run / f"worker-{r}.log").read_text()
-            assert f"worker {r}: stopping at step" in log and f"worker {r} done" in log, log
+            assert f"worker {r}: stopping at step" in log and f"worker {r} stopped at step" in log, log
+            assert ("paused, the shards not told it left" in log) == (signum == signal.SIGINT), log
         for k in (0, 1):
             assert "stopped at version" in (run / f"shard-{k}.log").read_text()
     finally:
@@ -196,12 +197,13 @@ def test_launch_divides_the_cores_and_says_so(tmp_path):
     assert ("a data connection watches 1000 µs" if watch else "data connections sleep at once") in done.stderr
 
     env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress",
+    again = tmp_path / "again"  # a run folder holding a launch's checkpoints is for --resume only
+    done = subprocess.run([PSGD, "launch", "--run-dir", str(again), "--epochs", "1", "--no-progress",
                            "--shards", "1", "--workers", "1"], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "BLAS/OpenMP threads as OMP_NUM_THREADS=1 says" in done.stderr
-    assert "threads = 0" in (run / "job.toml").read_text()
+    assert "threads = 0" in (again / "job.toml").read_text()
 
 
 @pytest.mark.lacks(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")

@@ -1,0 +1,61 @@
+"""A stopped psgd launch resumes: Ctrl-C stops every process, the shards write their last checkpoints in the run
+folder and the launcher says how to continue; psgd launch --resume RUN goes on from them and ends where the same
+job run without a stop ends, to the bit (sync, float64)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from helpers import wait_for
+
+PSGD = shutil.which("psgd") or "psgd"
+JOB = ["--epochs", "150", "--set", "train.dtype=float64", "--no-progress"]
+
+
+def steps_done(run) -> int:
+    path = run / "worker-0.jsonl"
+    return path.read_text().count('"event": "step"') if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_ends(tmp_path):
+    whole = subprocess.run([PSGD, "launch", *JOB, "--run-dir", str(tmp_path / "whole"), "--save",
+                            str(tmp_path / "whole.npz")], capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+
+    run = tmp_path / "run"
+    launch = subprocess.Popen([PSGD, "launch", *JOB, "--run-dir", str(run)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: steps_done(run) > 300 or launch.poll() is not None, 120, "300 steps of worker 0")
+        assert launch.poll() is None, "the job ended before it could be stopped"
+        launch.send_signal(signal.SIGINT)
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 128 + signal.SIGINT, err
+    assert f"continue with psgd launch --resume {run}" in err
+    stopped_at = steps_done(run)
+    assert 300 < stopped_at < 150 * 22  # stopped halfway, not at the end
+
+    again = subprocess.run([PSGD, "launch", *JOB, "--run-dir", str(run)], capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode != 0 and f"continue it with psgd launch --resume {run}" in again.stderr
+
+    began = time.monotonic()
+    resumed = subprocess.run([PSGD, "launch", "--resume", str(run), "--no-progress", "--save",
+                              str(tmp_path / "resumed.npz")], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert time.monotonic() - began < 300
+    assert "restored version" in (run / "shard-0.log").read_text()
+    whole_weights, resumed_weights = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
+    assert sorted(whole_weights.files) == sorted(resumed_weights.files)
+    for name in whole_weights.files:
+        np.testing.assert_array_equal(resumed_weights[name], whole_weights[name], err_msg=name)
