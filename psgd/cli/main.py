@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "where each has a core of its own a data connection watches for its answer up to 1 ms "
                     "before it sleeps ([cluster] busy_poll_us; one line says so); "
                     "SIGINT, SIGTERM and SIGHUP are passed on to every process, which gets 10 s to leave "
-                    "before it is killed; no process outlives the launcher. Your own model in the current "
+                    "before it is killed; no process outlives the launcher. Ctrl-C pauses the job: "
+                    "psgd launch --resume RUN goes on from its shards' checkpoints in the run folder "
+                    "(runs/DATE-TIME-MODE unless --run-dir). Your own model in the current "
                     "folder is found, as with python -m.",
         epilog="many machines, one command on each (shard k and worker r run on node k % nnodes and "
                "r % nnodes; node i's shards listen on hosts[i]:port, port+2, ...):\n"

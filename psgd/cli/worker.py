@@ -38,7 +38,9 @@ Where things come from, first found wins: the rank from --rank, PSGD_RANK,
 RANK, SLURM_PROCID or JOB_COMPLETION_INDEX; the shard addresses from
 --servers, PSGD_SERVERS or the job file; the number of workers from
 --workers, PSGD_WORKERS, WORLD_SIZE or the job file (PSGD_SHARDS likewise).
-SIGTERM, SIGINT or SIGHUP: finish the step in hand, push it, leave, exit 0.
+SIGTERM or SIGHUP: finish the step in hand, push it, leave the job, exit 0.
+SIGINT (Ctrl-C): the same, but paused: the shards are not told it left (their
+sync rounds wait for it), and started again it goes on from there.
 
 examples:
   psgd-worker -c job.toml --rank 0

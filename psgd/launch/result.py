@@ -65,9 +65,9 @@ def exchange_bound(run: Path) -> str | None:
     if not steps or moving <= compute:
         return None
     return (f"the exchange, not the compute, bounds this job's step: a worker's step took "
-            f"{1e3 * (compute + moving) / steps:.2f} ms, {1e3 * compute / steps:.2f} of them computing its gradient and "
-            f"{1e3 * moving / steps:.2f} getting weights and handing the gradient on; for a model this small, train "
-            "in one process (psgd train) or with --mode allreduce, or give each step more work (--batch-size)")
+            f"{1e3 * (compute + moving) / steps:.2f} ms, {1e3 * compute / steps:.2f} of them computing its gradient "
+            f"and {1e3 * moving / steps:.2f} getting weights and handing the gradient on; for a model this small, "
+            "train in one process (psgd train) or with --mode allreduce, or give each step more work (--batch-size)")
 
 
 def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = None) -> tuple[float, float, dict | None]:

@@ -6,7 +6,8 @@ model's step.  :class:`InGraph` puts the updates into the graph too.  What chang
 schedule gives, what is made of it, Adam's bias corrections) cannot be a number baked into the graph: the rule works
 it out on the host in float64 each step (``Optimizer._scalars``), as an update outside a graph does, and it is
 copied from a small page-locked buffer to the device just before each launch (CuPy allows no copy from the host
-inside a capture), where every update's kernel reads its values.  A replayed update so gives the bits of the same update launched kernel by kernel.
+inside a capture), where every update's kernel reads its values.  A replayed update so gives the bits of the same
+update launched kernel by kernel.
 
 Each key's count ``t`` moves on the host after each replay, as :meth:`Optimizer.update` moves it, so a checkpoint
 or a later update outside the graph sees the same state either way.  The graph holds the state buffers it was
