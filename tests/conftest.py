@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 import textwrap
 import uuid
@@ -77,6 +78,15 @@ def _why_no_gpu() -> str:
     except backend.DeviceError as exc:
         return str(exc)
     return "unknown"
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """Give back the stop signals' handlers: psgd-worker's and psgd-server's main() take them over in-process."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture(autouse=True)

@@ -131,7 +131,11 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                                     children, save, layout, hosts, devices, tls, tls_flags, token)
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
-            result.divergence = _divergence(metrics, began, result.divergence, shown)
+            records = _records(metrics, began)
+            result.divergence = _divergence(records, result.divergence, shown)
+            bound = exchange_bound(records) if mode == "ps" and layout.node_rank == 0 else None
+            if bound:
+                log.info("%s", bound)
             return result
         except LaunchInterrupted as exc:
             stopping = exc.signum
@@ -242,14 +246,12 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
     return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
 
 
-def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str | None) -> dict | None:
-    """The first ``diverged`` line this launch's processes wrote, told again in a WARNING line unless it came
-    from the process ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
+def _records(metrics: list[Path], since: float) -> list[dict]:
+    """The metrics lines this launch's processes wrote (from ``since`` on: a run folder may hold an earlier
+    launch's), each a dict; a line cut short by a killed process is left out."""
     import json
 
-    from psgd.divergence import Divergence
-
-    seen = []
+    out = []
     for path in metrics:
         try:
             lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -259,9 +261,18 @@ def _divergence(metrics: list[Path], since: float, own: dict | None, shown: str 
             try:
                 record = json.loads(line)
             except ValueError:
-                continue  # a line cut short by a killed process
-            if isinstance(record, dict) and record.get("event") == "diverged" and record.get("time", 0) >= since:
-                seen.append(record)
+                continue
+            if isinstance(record, dict) and record.get("time", 0) >= since:
+                out.append(record)
+    return out
+
+
+def _divergence(records: list[dict], own: dict | None, shown: str | None) -> dict | None:
+    """The first ``diverged`` line of ``records``, told again in a WARNING line unless it came from the process
+    ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
+    from psgd.divergence import Divergence
+
+    seen = [r for r in records if r.get("event") == "diverged"]
     if seen:
         first = min(seen, key=lambda r: r["time"])
         verdict = {k: first.get(k) for k in ("by", "step", "epoch", "why", "advice")}
@@ -322,11 +333,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     if layout.node_rank > 0:  # node 0 evaluates (and saves) once every worker is done; then this node ends
         _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
-    result = final_evaluation(config, addresses, run, start, save, tls, token)
-    bound = exchange_bound(run)
-    if bound:
-        log.info("%s", bound)
-    return result
+    return final_evaluation(config, addresses, run, start, save, tls, token)
 
 
 def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts: Hosts | None, children: Children,

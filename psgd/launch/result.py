@@ -48,20 +48,18 @@ def lost_updates(versions: Sequence[int]) -> dict[int, int]:
     return {k: top - v for k, v in enumerate(versions) if v < top}
 
 
-def exchange_bound(run: Path) -> str | None:
+def exchange_bound(records: Sequence[dict]) -> str | None:
     """A line where this run's workers spent more of a step getting weights and handing their gradients on than
-    computing them (their step records, ``worker-*.jsonl``): what a step cost and the ways out; None where the
+    computing them (the ``step`` records of their metrics): what a step cost and the ways out; None where the
     compute bounds it, or no step was recorded."""
     compute = moving = 0.0
     steps = 0
-    for path in sorted(run.glob("worker-*.jsonl")):
-        with path.open() as lines:
-            for line in lines:
-                if '"event": "step"' in line:
-                    seconds = json.loads(line).get("seconds") or {}
-                    compute += seconds.get("compute", 0.0)
-                    moving += seconds.get("weights", 0.0) + seconds.get("exchange", 0.0)
-                    steps += 1
+    for record in records:
+        if record.get("event") == "step":
+            seconds = record.get("seconds") or {}
+            compute += seconds.get("compute", 0.0)
+            moving += seconds.get("weights", 0.0) + seconds.get("exchange", 0.0)
+            steps += 1
     if not steps or moving <= compute:
         return None
     return (f"the exchange, not the compute, bounds this job's step: a worker's step took "

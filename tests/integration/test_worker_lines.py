@@ -4,7 +4,6 @@ step left where it evaluates, and a plain line (and no racing bar) when it is st
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 
@@ -15,13 +14,7 @@ from psgd.cli import worker as psgd_worker
 from psgd.worker.exchange import run_worker
 
 
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """psgd-worker's main() takes over the stop signals; give them back to pytest."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd-worker's main() takes the stop signals
 
 
 def test_a_workers_last_line_says_what_it_did_and_the_accuracy_its_last_step_left(tmp_path):
@@ -45,22 +38,18 @@ def test_a_workers_last_line_says_what_it_did_and_the_accuracy_its_last_step_lef
     assert "the exchange, not the compute, bounds this job's step" in out.stderr and "--mode allreduce" in out.stderr
 
 
-def test_the_bound_is_said_only_where_the_exchange_takes_longer_than_the_compute(tmp_path):
-    import json
-
+def test_the_bound_is_said_only_where_the_exchange_takes_longer_than_the_compute():
     from psgd.launch.result import exchange_bound
 
-    def steps(path, compute, moving):
-        path.write_text("".join(json.dumps({"event": "step", "seconds": {"weights": moving / 2, "compute": compute,
-                                                                        "exchange": moving / 2}}) + "\n"
-                                for _ in range(4)) + json.dumps({"event": "done"}) + "\n")
+    def steps(compute, moving):
+        return [{"event": "step", "seconds": {"weights": moving / 2, "compute": compute, "exchange": moving / 2}}
+                for _ in range(4)] + [{"event": "done"}]
 
-    steps(tmp_path / "worker-0.jsonl", 0.004, 0.001)
-    steps(tmp_path / "worker-1.jsonl", 0.004, 0.002)
-    assert exchange_bound(tmp_path) is None
-    steps(tmp_path / "worker-1.jsonl", 0.001, 0.009)
-    assert exchange_bound(tmp_path).startswith("the exchange, not the compute, bounds this job's step: a worker's "
-                                               "step took 7.50 ms, 2.50 of them computing its gradient and 5.00")
+    first = steps(0.004, 0.001)
+    assert exchange_bound(first + steps(0.004, 0.002)) is None
+    assert exchange_bound(first + steps(0.001, 0.009)).startswith(
+        "the exchange, not the compute, bounds this job's step: a worker's step took 7.50 ms, 2.50 of them computing "
+        "its gradient and 5.00")
 
 
 def test_a_worker_started_again_for_a_finished_job_says_so(capsys):

@@ -4,7 +4,6 @@ ranks, addresses and counts from PSGD_* variables and the schedulers' own."""
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,7 @@ from psgd.config import ConfigError
 from psgd.parsing import comma_list
 
 
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """psgd-worker's and psgd-server's main() take over the stop signals; give them back to pytest."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd-worker's and psgd-server's main()
 
 
 def worker_args(*argv: str) -> argparse.Namespace:
