@@ -36,6 +36,7 @@ class InGraph:
         self._buffers: dict[str, list] = {}  # by key: the state arrays captured
         self._host: dict[str, Any] = {}  # dtype -> page-locked scalars, written before each launch
         self._device: dict[str, Any] = {}  # dtype -> the same on the device, copied before each launch
+        self._values: dict[str, tuple] = {}  # dtype -> those on the device, one 0-d view each
         self._copied: Any = None  # an event after the last launch: the page-locked buffer is free again
 
     def why_not(self, grads: Mapping[str, Any]) -> str | None:
@@ -62,31 +63,21 @@ class InGraph:
         for name in {self.params[k].dtype.name for k in trained}:
             self._host[name] = backend.host_empty((count,), name, self.device)
             self._device[name] = xp.zeros(count, dtype=name)
+            self._values[name] = tuple(self._device[name][i] for i in range(count))  # 0-d views the kernels read
         self._slots = {k: opt._slots[k] for k in trained}
         self._buffers = {k: list(slot.state.values()) for k, slot in self._slots.items()}
-        self._warm(xp, trained)
+        for name, values in self._values.items():  # each kernel compiled off the graph, on two values of scratch
+            scratch = {field: xp.zeros(2, dtype=name) for field in opt.state_names}
+            opt._apply(xp.zeros(2, dtype=name), xp.zeros(2, dtype=name), scratch, values, WHOLE)
 
     def capture(self, grads: Mapping[str, Any]) -> None:
         """Launch every update of ``grads`` into the capture in progress, their changing values read on the device."""
-        opt = self.optimizer
-        count = len(opt._scalars(*opt._rate(0, 1.0, WHOLE), WHOLE))
         for key, grad in grads.items():
             if key in self._slots:
-                device = self._device[self.params[key].dtype.name]
-                opt._apply(self.params[key], grad, self._slots[key].state, tuple(device[i] for i in range(count)),
-                           WHOLE)
+                self.optimizer._apply(self.params[key], grad, self._slots[key].state,
+                                      self._values[self.params[key].dtype.name], WHOLE)
             else:
                 _move(self.params[key], grad, 1.0)
-
-    def _warm(self, xp: Any, trained: list[str]) -> None:
-        """Each rule's kernel run once, off the graph, on arrays of two values with the values read on the device:
-        compiled before the capture, which only records launches."""
-        opt = self.optimizer
-        for name, device in self._device.items():
-            if any(self.params[k].dtype.name == name for k in trained):
-                scratch = {field: xp.zeros(2, dtype=name) for field in opt.state_names}
-                opt._apply(xp.zeros(2, dtype=name), xp.zeros(2, dtype=name), scratch,
-                           tuple(device[i] for i in range(len(device))), WHOLE)
 
     def current(self) -> bool:
         """Whether the state the graph was captured with is still the optimizer's, all keys at one count."""
