@@ -3,6 +3,8 @@ much, and at what final accuracy, derived from the lab's own table (medians over
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from psgd.bench import netns
 from psgd.bench.lab import LOOPBACK
 from psgd.bench.labresult import LabResult, groups, median_summary
@@ -17,18 +19,28 @@ def situation(network: str, delay: str) -> str:
     return f"loopback, {words}"
 
 
-def rows(result: LabResult) -> list[tuple]:
-    """(situation, contender spec, label, median seconds to target or None, median final accuracy, error, the
-    least and most seconds to target over the repeats or None) for every (network, scenario, contender), in the
-    order they ran."""
+class Row(NamedTuple):
+    """One (network, scenario, contender) of the lab, as its answer reads it."""
+
+    situation: str                         # the network and scenario, in words
+    policy: str                            # the contender's spec, e.g. "sync"
+    label: str                             # the contender, in words
+    seconds: float | None                  # the median time to target; None: not reached (or failed)
+    accuracy: float | None                 # the median final accuracy
+    error: str | None                      # why every run failed, where they did
+    spread: tuple[float, float] | None     # the least and most times to target over the repeats
+
+
+def rows(result: LabResult) -> list[Row]:
+    """A :class:`Row` for every (network, scenario, contender), in the order they ran."""
     out = []
     for runs in groups(result):
         first = runs[0]
         m = median_summary(runs)
         failed = all(r.error for r in runs)
-        out.append((situation(first.network, first.delay), first.policy, first.label,
-                    None if failed else m["time_to_target"], None if failed else m["final_accuracy"],
-                    first.error if failed else None, m["spread"].get("time_to_target")))
+        out.append(Row(situation(first.network, first.delay), first.policy, first.label,
+                       None if failed else m["time_to_target"], None if failed else m["final_accuracy"],
+                       first.error if failed else None, m["spread"].get("time_to_target")))
     return out
 
 
@@ -41,9 +53,9 @@ def recommend(result: LabResult) -> str:
              f"Time to test accuracy {target:g} (median of {result.config.repeats} run(s)), from this lab's table.",
              ""]
     table = rows(result)
-    for where in dict.fromkeys(r[0] for r in table):
-        mine = [r for r in table if r[0] == where]
-        reached = sorted((r for r in mine if r[3] is not None), key=lambda r: r[3])
+    for where in dict.fromkeys(r.situation for r in table):
+        mine = [r for r in table if r.situation == where]
+        reached = sorted((r for r in mine if r.seconds is not None), key=lambda r: r.seconds)
         lines.append(f"**{where}**: " + _verdict(reached, mine, target, result.config.eval_interval))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
@@ -60,29 +72,29 @@ def as_long(seconds: float, best: float, interval: float) -> str:
     return f"{seconds / best:.{2 if interval / best < 0.005 else 1}f}x as long"
 
 
-def _over(row: tuple) -> str:
+def _over(row: Row) -> str:
     """`` (least-most s over the repeats)`` of a row's time to target, where they differ."""
-    low, high = (f"{v:.2f}" for v in row[6] or (0, 0))
+    low, high = (f"{v:.2f}" for v in row.spread or (0, 0))
     return "" if low == high else f" ({low}-{high} s over the repeats)"
 
 
-def _verdict(reached: list, mine: list, target: float, interval: float) -> str:
+def _verdict(reached: list[Row], mine: list[Row], target: float, interval: float) -> str:
     if not reached:
-        failed = [f"{r[2]} ({r[5].splitlines()[0][:80]})" for r in mine if r[5]]
+        failed = [f"{r.label} ({r.error.splitlines()[0][:80]})" for r in mine if r.error]
         return (f"no policy reached {target:g}." + (f" Failed: {'; '.join(failed)}." if failed else ""))
     best = reached[0]
-    text = f"{best[2]} reached it first, in {best[3]:.2f} s{_over(best)} (final accuracy {best[4]:.3f})"
+    text = f"{best.label} reached it first, in {best.seconds:.2f} s{_over(best)} (final accuracy {best.accuracy:.3f})"
     if len(reached) > 1:
         second = reached[1]
-        text += (f"; {second[2]} next, {as_long(second[3], best[3], interval)} ({second[3]:.2f} s{_over(second)}, "
-                 f"final {second[4]:.3f})")
-    sync = next((r for r in reached if r[1] == "sync"), None)
+        text += (f"; {second.label} next, {as_long(second.seconds, best.seconds, interval)} "
+                 f"({second.seconds:.2f} s{_over(second)}, final {second.accuracy:.3f})")
+    sync = next((r for r in reached if r.policy == "sync"), None)
     if sync is not None and sync not in reached[:2]:
-        text += f"; sync: {as_long(sync[3], best[3], interval)}"
+        text += f"; sync: {as_long(sync.seconds, best.seconds, interval)}"
     text += "."
-    missing = [r for r in mine if r[3] is None]
+    missing = [r for r in mine if r.seconds is None]
     if missing:
-        parts = [f"{r[2]} (failed: {r[5].splitlines()[0][:80]})" if r[5] else
-                 f"{r[2]} (final {r[4]:.3f})" if r[4] is not None else r[2] for r in missing]
+        parts = [f"{r.label} (failed: {r.error.splitlines()[0][:80]})" if r.error else
+                 f"{r.label} (final {r.accuracy:.3f})" if r.accuracy is not None else r.label for r in missing]
         text += " Never reached it: " + ", ".join(parts) + "."
     return text
