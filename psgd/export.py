@@ -100,6 +100,7 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
     """
     from psgd.wire.protocol import OBSERVER
     from psgd.worker.client import PSClient
+    from psgd.worker.lookups import list_rows
 
     addresses = list(addresses or config.cluster.servers)
     if not addresses:
@@ -141,7 +142,7 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
                               "them as they are")
         notes = []
         for table in plan.tables if rows else ():
-            ids, values, spans = client.list_rows(table.name)
+            ids, values, spans = list_rows(client, table.name)
             weights.update(zip(table_keys(table.name), (ids, values)))
             notes += [f"shard {k} was updated while the rows of table {table.name!r} were listed (versions {a} to "
                       f"{b}): they may be of different versions, and a row made or evicted meanwhile may be missing"

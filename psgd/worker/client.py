@@ -28,7 +28,6 @@ from psgd.config import JobConfig
 from psgd.errors import Code
 from psgd.job import alive_here, identity as job_identity, process_incarnation
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
-from psgd.model.table import joined_by_id
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
@@ -76,7 +75,8 @@ class PSClient:
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
         self.failover = Failover(self, config.cluster.replica_servers if replicas is None and config is not None
                                  else replicas or ())
-        self.versions, self._joins = [0] * plan.num_shards, [0] * plan.num_shards  # _joins: registrations, so far
+        n = plan.num_shards  # this process's registrations with each shard: made so far, and on the way
+        self.versions, self._joins, self._registering, self._joining = [0] * n, [0] * n, [0] * n, threading.Lock()
         self.lease_seconds = 10.0
         self._pool = futures.ThreadPoolExecutor(max_workers=2 * plan.num_shards, thread_name_prefix="ps-client")
         self._beat_stop, self._beat, self.clock, self._pulling = threading.Event(), None, 0, False
@@ -122,8 +122,7 @@ class PSClient:
         first_also: float | None = None  # when the first error of a code in ``also`` came
         delay, attempt = 0.05, 0
         while True:
-            attempt += 1
-            used = self.links[shard]
+            attempt, used, joins = attempt + 1, self.links[shard], self._joins[shard]
             try:
                 return call()
             except ProtocolError as err:
@@ -140,7 +139,10 @@ class PSClient:
                                 shard, self.addresses[shard], self.worker_id)
                     self._register_one(shard)
                     continue
-                retryable = err.retryable or code in also
+                # refused for the key of this process's earlier registration (a heartbeat registered again while
+                # the call was on the way): the call changed nothing, and sent again it carries the new key
+                rekeyed = code == Code.PERMISSION_DENIED and (self._joins[shard] != joins or self._registering[shard])
+                retryable = err.retryable or code in also or rekeyed
                 if code in also and not err.retryable and also_for is not None and not stopping:
                     first_also = time.monotonic() if first_also is None else first_also
                     left = min(left, first_also + also_for - time.monotonic())
@@ -225,9 +227,16 @@ class PSClient:
                 held = err.reason == "RANK_HELD" and err.holder is not None and alive_here(*err.holder)
                 raise PSError(f"register on shard {k} at {self.addresses[k]} failed: {err.code.name}: {err.details} "
                               f"It is: pid {err.holder[1]} runs on this host.", err.code) if held else err from None
-        # a rank held by another process frees itself within a lease (it crashed: this is its restart), else it gives up
-        reply = self.retrying(k, "register", register, rejoin=False, also=(Code.ALREADY_EXISTS,),
-                              also_for=self.holder_wait)
+        with self._joining:
+            self._registering[k] += 1
+        try:  # a rank held by another process frees itself within a lease (it crashed: this is its restart)
+            reply = self.retrying(k, "register", register, rejoin=False, also=(Code.ALREADY_EXISTS,),
+                                  also_for=self.holder_wait)
+            with self._joining:
+                self._joins[k] += 1
+        finally:
+            with self._joining:
+                self._registering[k] -= 1
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
             raise PSError(f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
@@ -235,7 +244,7 @@ class PSClient:
                           f"worker(s), this worker expects {expected[2]}): each address must be that of its shard, "
                           "in shard order; is a psgd-server started with the wrong --shard?",
                           Code.FAILED_PRECONDITION)
-        self.versions[k], self._joins[k] = reply.version, self._joins[k] + 1
+        self.versions[k] = reply.version
         if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
             self.pending_rollback = (reply.rollback_to, reply.incarnation)  # its next call hears ROLLED_BACK
         return reply
@@ -345,34 +354,6 @@ class PSClient:
 
     def status(self) -> list[ps_pb2.StatusReply]:
         return self.on_all(lambda k: self.retrying(k, "status", lambda: self.links[k].status()))
-
-    def list_rows(self, table: str) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-        """Every row of ``table`` the shards hold, as they are: ids (increasing), values, and each shard's
-        versions at its first and last page (different: it was updated while listed, so its rows may be of
-        different versions, and a row made or evicted meanwhile may be missing)."""
-        spec = self.plan.table_by_name[table]
-
-        def one(k: int) -> tuple[list, list, tuple[int, int]]:
-            ids, values, versions, start = [], [], [], 0
-            while start != -1:
-                page = self.retrying(k, f"listing of table {table!r}", lambda: self.links[k].list_rows(table, start))
-                got = np.frombuffer(page.rows.ids, "<i8")
-                if len(page.rows.values) != got.size * spec.dim * np.dtype(spec.dtype).itemsize or \
-                        (self.plan.shard_of_ids(table, got) != k).any():
-                    raise PSError(f"shard {k} listed rows of table {table!r} that are not its own, or values that "
-                                  f"are not one row of {spec.dim} {spec.dtype} per id")
-                ids.append(got)
-                values.append(np.frombuffer(page.rows.values, spec.dtype).reshape(got.size, spec.dim))
-                versions.append(page.version)
-                if page.next != -1 and page.next <= start:
-                    raise PSError(f"shard {k} listed table {table!r} out of order (a page at {start} said the next "
-                                  f"starts at {page.next})")
-                start = page.next
-            return ids, values, (versions[0], versions[-1])
-
-        parts = self.on_all(one)
-        ids, values = joined_by_id([i for p in parts for i in p[0]], [v for p in parts for v in p[1]], spec.dim)
-        return ids, values, [p[2] for p in parts]
 
     # -- leases ---------------------------------------------------------------------
     def start_heartbeats(self) -> None:  # the lease on every shard, renewed three times per lease

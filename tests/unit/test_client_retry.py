@@ -4,6 +4,7 @@ retry the calls it cancelled itself."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -103,3 +104,82 @@ def test_heartbeats_stop_before_the_worker_says_it_is_done():
         while not beats_after and time.monotonic() < deadline:
             time.sleep(0.01)  # polling for a heartbeat after Done, with a deadline: there must be none
         assert beats_after == [] and rejoined == []
+
+
+def registering(c: PSClient, gate: threading.Event | None = None) -> list[int]:
+    """Make ``c``'s link to shard 0 answer registrations as the shard would (after ``gate``, when given)."""
+    from psgd.proto import ps_pb2
+
+    keys: list[int] = []
+
+    def register(request) -> ps_pb2.RegisterReply:
+        if gate is not None:
+            assert gate.wait(5), "the test never let the registration through"
+        keys.append(len(keys) + 1)  # each registration of a restarted shard makes a new key
+        return ps_pb2.RegisterReply(shard=0, num_shards=1, num_workers=c.identity["workers"], version=30,
+                                    lease_seconds=10.0, clock=30)
+    c.links[0].register = register
+    return keys
+
+
+def denied() -> LinkError:
+    return LinkError(Code.PERMISSION_DENIED, "worker 0 is registered with shard 0 by host pid 1: a call as worker "
+                     "0 must carry the key that process's registration got; this one does not")
+
+
+def test_a_call_refused_because_the_heartbeat_registered_meanwhile_is_retried():
+    """Seen in the chaos suite (seed 162): a shard restarted from a checkpoint; the worker's heartbeat registered
+    again (a new key) while its push-and-pull, carrying the old key, was on the way; the shard refused the push
+    with PERMISSION_DENIED and the worker exited 1.  The refused call changed nothing: sent again, with the new
+    key, it is applied once."""
+    with client() as c:
+        keys = registering(c)
+        calls = []
+
+        def call():
+            calls.append(1)
+            if len(calls) == 1:  # on the way: the heartbeat thread hears NOT_REGISTERED and registers again
+                beat = threading.Thread(target=c._rejoin, args=(0,))
+                beat.start()
+                beat.join(5)
+                raise denied()
+            return "answered"
+        assert c.retrying(0, "push and pull (clock 31)", call) == "answered"
+        assert len(calls) == 2 and keys == [1]
+
+
+def test_a_call_refused_while_a_registration_is_on_the_way_is_retried():
+    """The same race, with the new registration admitted by the shard but its answer not yet back."""
+    with client() as c:
+        gate = threading.Event()
+        keys = registering(c, gate)
+        beat = threading.Thread(target=c._rejoin, args=(0,))
+        calls = []
+
+        def call():
+            calls.append(1)
+            if len(calls) == 1:
+                beat.start()
+                deadline = time.monotonic() + 5
+                while not c._registering[0] and time.monotonic() < deadline:
+                    time.sleep(0.001)  # polling, with a deadline, until the registration is on the way
+                raise denied()
+            gate.set()
+            beat.join(5)
+            return "answered"
+        assert c.retrying(0, "push (clock 31)", call) == "answered"
+        assert len(calls) == 2 and keys == [1]
+
+
+def test_a_call_refused_for_another_processs_key_is_not_retried():
+    """No registration of this process changed: the rank is someone else's, and retrying would not help."""
+    with client() as c:
+        registering(c)
+        calls = []
+
+        def call():
+            calls.append(1)
+            raise denied()
+        with pytest.raises(PSError, match="PERMISSION_DENIED"):
+            c.retrying(0, "push (clock 31)", call)
+        assert len(calls) == 1
