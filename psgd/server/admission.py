@@ -5,6 +5,7 @@ the shard's (:func:`refusal`), and each worker's registration, its lease and the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -49,6 +50,13 @@ def refusal(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | None,
     return None
 
 
+def holder_id(incarnation: str) -> str:
+    """What a shard keeps of a registering process's incarnation (its own random id, which only that process
+    sends): a digest, so that what the shard writes or says of a holder (a checkpoint's manifest) cannot be sent
+    back to pass for that process and get its key."""
+    return hashlib.sha256(b"psgd-holder\0" + incarnation.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 @dataclasses.dataclass
 class WorkerInfo:
     state: str = "pending"  # pending (expected, not yet registered), live, done, expired
@@ -57,7 +65,7 @@ class WorkerInfo:
     clock: int = 0
     hostname: str = ""
     pid: int = 0
-    incarnation: str = ""  # the registering process's own random id: one process holds a rank at a time
+    incarnation: str = ""  # a digest of the registering process's own random id (:func:`holder_id`)
     key: str = ""  # the registration's key, made by the shard for that process: every call as this worker carries it
     kept_until: float = 0.0  # a restarted shard keeps a pending rank for its last holder until then
 
@@ -105,7 +113,7 @@ class Roster:
 
     def admit(self, worker: int, hostname: str, pid: int, incarnation: str) -> WorkerInfo:
         """Make ``worker`` live, held by the process ``incarnation``: refused while another process holds it."""
-        info, now = self.workers[worker], self._now()
+        info, now, incarnation = self.workers[worker], self._now(), holder_id(incarnation)
         held = info.state == "live" and now <= info.deadline
         kept = info.state == "pending" and now <= info.kept_until
         if (held or kept) and incarnation != info.incarnation:

@@ -22,6 +22,7 @@ from psgd import wire
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint, recovery, tokens
+from psgd.server.admission import holder_id
 from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
@@ -107,7 +108,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, err)
         core = self.core
         held = core.roster.workers[request.worker_id]
-        if held.incarnation != request.incarnation:  # another process took the rank since: its key is not ours
+        if held.incarnation != holder_id(request.incarnation):  # another process took the rank since: not our key
             _abort(context, ShardError("ABORTED", "the registration was taken over as it was answered; register again"))
         cut = core.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(

@@ -882,3 +882,31 @@ def test_a_gradient_too_large_for_finite_weights_is_refused_and_leaves_them_as_t
     fine = {i: np.full(s.size, 1e3) for i, s in core.slices.items()}
     assert core.push(0, 0, 0, fine).outcome in ("applied", "accumulated") and core.version == 1
     assert np.isfinite(core.flat).all() and core.flat.tobytes() != before.tobytes()
+
+
+def test_what_a_checkpoint_says_of_a_rank_holder_does_not_get_its_registration_key(tmp_path):
+    """A worker's registration key could be had through its incarnation string: the checkpoint's manifest wrote it
+    as the worker sent it, and a registration with the same incarnation is the same process keeping its key; a
+    reader of the manifest registered with it and received the live worker's key (then pushed as the worker)."""
+    core, _ = make_core("async", 1)
+    secret = "f00dfeedbeef0123-4242"  # the worker's own (psgd.job.process_incarnation)
+    core.register(0, PLAN.hash, json.dumps(PLAN.description()), "host", 4242, 0, incarnation=secret)
+    key = core.roster.workers[0].key
+    recovery.write(core, tmp_path, force=True)
+    manifest = checkpoint.load_latest(tmp_path, PLAN.hash, core.fingerprint).manifest
+    written = json.dumps(manifest)
+    assert secret not in written and key not in written
+    said = manifest["holders"]["0"]["incarnation"]
+    with pytest.raises(ShardError) as info:  # held by another process: refused, not handed the key
+        core.register(0, PLAN.hash, json.dumps(PLAN.description()), "elsewhere", 1, 0, incarnation=said)
+    assert info.value.code == "ALREADY_EXISTS" and core.roster.workers[0].key == key
+    core.register(0, PLAN.hash, json.dumps(PLAN.description()), "host", 4242, 0, incarnation=secret)
+    assert core.roster.workers[0].key == key  # the holder itself registering again keeps its key
+
+    restored, _ = make_core("async", 1)  # restarted from the checkpoint: the rank is kept for its holder only
+    recovery.restore(restored, checkpoint.load_latest(tmp_path, PLAN.hash, core.fingerprint))
+    with pytest.raises(ShardError) as info:
+        restored.register(0, PLAN.hash, json.dumps(PLAN.description()), "elsewhere", 1, 0, incarnation=said)
+    assert info.value.code == "ALREADY_EXISTS"
+    restored.register(0, PLAN.hash, json.dumps(PLAN.description()), "host", 4242, 0, incarnation=secret)
+    assert restored.roster.workers[0].state == "live"
