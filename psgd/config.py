@@ -1,26 +1,8 @@
 """The job file: one TOML document that every psgd process reads.
 
-```toml
-[model]                 # name + options for psgd.model.build_model
-name = "mlp"
-hidden = [128, 64]
-
-[data]                  # name + options for psgd.data.load_dataset
-name = "digits"
-
-[optimizer]             # name + options for psgd.optim.build_optimizer
-name = "momentum"
-lr = 0.05
-
-[train]                 # the training loop
-batch_size = 32
-epochs = 30
-seed = 0
-
-[tables]                # a model's embedding tables (the embed model): their update rule and how rows are kept
-optimizer = "rowwise_adagrad"
-lr = 0.05
-```
+Sections: ``[model]`` and ``[data]`` (a name and its options), ``[optimizer]``, ``[train]`` (the loop),
+``[cluster]`` (shards, workers, policy and how they talk), ``[tables]`` (embedding tables' rules) and ``[tls]``;
+every key, its default and its meaning: docs/reference/job-file.md.
 
 Command-line flags override the file; ``--set section.key=value`` overrides any key (the value is read as TOML, so
 ``--set model.hidden=[256,128]`` works).  Every mistake, the rules across keys included (which every command, psgd
@@ -96,12 +78,22 @@ class ClusterConfig:
     transport: str = "auto"       # pulls and pushes: auto (shared memory on a shard's host, else tcp), shm, tcp, grpc
     wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
     overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
-    checkpoint_rounds: int = 0    # sync: every shard checkpoints at each multiple of this many rounds, all at the
-    #                               same versions; 0: every psgd-server --checkpoint-every seconds, at any version
+    checkpoint_rounds: int = -1   # sync: every shard checkpoints at each multiple of this many rounds, all at the
+    #                               same versions (cuts); 0: every psgd-server --checkpoint-every seconds, at any
+    #                               version; -1: 100 under sync without backup workers, else 0 (a shard without
+    #                               a checkpoint folder has no cuts then)
     on_cut_failure: str = "stop"  # a shard that cannot write a cut: "stop" (it refuses every call) or "continue"
     replicas: int = 0             # async, ssp: 1 runs each shard twice, a replica applying every update before the
     #                               push is acknowledged; workers fail over to it when the primary dies
     replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
+
+    @property
+    def cut_rounds(self) -> int:
+        """Rounds between cuts (0: none): ``checkpoint_rounds``, or where it is -1, :data:`CUT_ROUNDS` under sync
+        without backup workers (a killed shard then changes nothing) and none under the other policies."""
+        if self.checkpoint_rounds >= 0:
+            return self.checkpoint_rounds
+        return CUT_ROUNDS if POLICIES[self.policy].accumulates and not self.backup_workers else 0
 
     @property
     def busy_poll_seconds(self) -> float:
@@ -109,11 +101,13 @@ class ClusterConfig:
         return max(self.busy_poll_us, 0) / 1e6
 
 
+#: [cluster] checkpoint_rounds of a sync job that does not set it: a cut every this many rounds
+CUT_ROUNDS = 100
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
 _CLUSTER_INT_KEYS = {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6),
-                     "checkpoint_rounds": (0, 10**9), "replicas": (0, 1),
+                     "checkpoint_rounds": (-1, 10**9), "replicas": (0, 1),
                      "shards": (1, 1024), "workers": (1, 10**4), "slice_bytes": (64, 1 << 30),
                      "busy_poll_us": (-1, 10**6)}
 #: Seconds, (least, most): more than the most and a call's deadline no longer fits gRPC's clock (1e10 s did not);
@@ -288,10 +282,10 @@ class JobConfig:
         if c.replica_servers and (len(c.replica_servers) != c.shards or not c.replicas):
             raise ConfigError(f"{src}: [cluster] lists {len(c.replica_servers)} replica address(es); with "
                               f"replicas = 1 it lists one per shard ({c.shards}), without replicas none")
-        if c.checkpoint_rounds and not POLICIES[c.policy].accumulates:
+        if c.checkpoint_rounds > 0 and not POLICIES[c.policy].accumulates:
             raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {c.checkpoint_rounds} cuts checkpoints at common "
                               f"rounds, which only a sync policy has (this job's: {c.policy}); leave it 0")
-        if c.checkpoint_rounds and c.backup_workers:
+        if c.checkpoint_rounds > 0 and c.backup_workers:
             raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {c.checkpoint_rounds} takes a job back to a cut "
                               f"with every worker in every round, and backup_workers = {c.backup_workers} closes "
                               "rounds without some: use one of them")

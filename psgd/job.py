@@ -87,8 +87,8 @@ def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[st
         options.update(async_lr=c.async_lr, dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive,
                        implicit_momentum=c.implicit_momentum)
     options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
-    if c.checkpoint_rounds:  # every shard must cut at the same rounds (a job without keeps its fingerprint)
-        options["checkpoint_rounds"] = c.checkpoint_rounds
+    if c.cut_rounds:  # every shard must cut at the same rounds (a job without keeps its fingerprint)
+        options["checkpoint_rounds"] = c.cut_rounds
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
             "shards": c.shards, "optimizer": dict(config.optimizer), "dtype": config.train.dtype,
             **({"tables": dataclasses.asdict(config.tables)} if tables else {})}

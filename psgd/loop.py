@@ -304,14 +304,15 @@ def run_loop(
 
     with progress_bar(total, desc, enabled=progress) as bar:
         try:
-            step = exchange.begin()
+            step = first = exchange.begin()
             start = time.perf_counter()
             bar.initial = bar.n = step  # resumed there: the steps before are not this run's, nor is their rate
             bar.refresh()
             while True:
                 if step >= total:  # the last step: the exchange makes sure it stands before the loop ends
                     try:
-                        exchange.settle(step)
+                        if step > first:  # (a worker with nothing to do pushed nothing that could need it)
+                            exchange.settle(step)
                         break
                     except Rewound as back:
                         step = _went_back(back, step)

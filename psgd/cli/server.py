@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoints that pass are still restored")
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
                         help="seconds between checkpoints (default 30); one more is written on SIGTERM. A sync "
-                             "job whose [cluster] checkpoint_rounds is K checkpoints at every K-th round instead, "
-                             "every shard at the same versions (cuts), and the initial weights: a shard restarted "
-                             "from its cut takes the job back to it, and no round is lost")
+                             "job checkpoints at every K-th round instead ([cluster] checkpoint_rounds, 100 unless "
+                             "set; 0: by seconds), every shard at the same versions (cuts), and the initial weights: "
+                             "a shard restarted from its cut takes the job back to it, and no round is lost")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                         help="how many checkpoints to keep (default 3)")
     add_token_argument(parser)
@@ -132,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bind {bind!r}: expected HOST:PORT")
     if args.checkpoint_every <= 0 or args.keep_checkpoints < 1:
         raise ConfigError("--checkpoint-every must be > 0 and --keep-checkpoints at least 1")
-    core = build_shard(describe_job(config), args.shard)
+    core = build_shard(describe_job(config), args.shard, checkpoints=bool(args.checkpoint_dir))
     token = token_from_args(args)
     if not token and not args.no_token:
         raise ConfigError("psgd-server needs the job's token, so that only the job's own processes can read or "

@@ -154,7 +154,7 @@ class ParameterServerExchange(Exchange):
     def settle(self, step: int) -> None:
         """With cuts (sync, checkpoint_rounds): the last round's weights pulled from every shard before this worker
         leaves, so that a shard that restarted from a cut after its last push still brings the job back."""
-        if self.job.config.cluster.checkpoint_rounds and self.job.config.cluster.policy == "sync":
+        if self.job.config.cluster.cut_rounds:
             try:
                 self.client.pull(step, self.host)
             except PSError as exc:

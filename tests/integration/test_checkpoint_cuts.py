@@ -42,9 +42,14 @@ def test_a_cut_needs_a_sync_policy_and_names_the_job_only_where_it_is_set():
     with pytest.raises(ConfigError, match="checkpoint_rounds = 4 cuts checkpoints at common rounds, which only a "
                                           "sync policy has"):
         make_job("cluster.policy=async", "cluster.checkpoint_rounds=4")  # the job file itself
-    plain, cut = (build_job(make_job("cluster.policy=sync", *extra)) for extra in ((), ("cluster.checkpoint_rounds=4",)))
-    assert plain.identity == build_job(make_job("cluster.policy=sync", "cluster.checkpoint_rounds=0")).identity
+    plain, cut, unset = (build_job(make_job("cluster.policy=sync", *extra)) for extra in (
+        ("cluster.checkpoint_rounds=0",), ("cluster.checkpoint_rounds=4",), ()))
     assert cut.identity["policy_options"]["checkpoint_rounds"] == 4 and "checkpoint_rounds" not in \
         plain.identity["policy_options"]
+    # unset: cuts every 100 rounds under sync, none where rounds close without some workers or under async
+    assert unset.identity["policy_options"]["checkpoint_rounds"] == 100
+    for other in (("cluster.policy=async",), ("cluster.policy=sync", "cluster.backup_workers=1")):
+        assert make_job(*other).cluster.cut_rounds == 0
+    assert make_job("cluster.policy=async", "cluster.policy=sync").cluster.cut_rounds == 100  # asked, not stored
     with pytest.raises(ConfigError, match="checkpoint_rounds"):
-        make_job("cluster.checkpoint_rounds=-1")
+        make_job("cluster.checkpoint_rounds=-2")

@@ -32,7 +32,7 @@ def replica_job_of(args, where: str) -> JobConfig:
 def test_the_replicas_job_is_the_deploy_job_kept_twice_under_async():
     base, job = JobConfig.load(JOB_FILE), JobConfig.load(REPLICA_JOB)
     c = job.cluster
-    assert (c.policy, c.replicas, c.checkpoint_rounds) == ("async", 1, 0)
+    assert (c.policy, c.replicas, c.cut_rounds) == ("async", 1, 0)
     assert len(c.replica_servers) == c.shards and not set(c.replica_servers) & set(c.servers)
     assert (job.model, job.data, job.optimizer, job.train) == (base.model, base.data, base.optimizer, base.train)
     assert c.servers == base.cluster.servers and (c.shards, c.workers) == (base.cluster.shards, base.cluster.workers)

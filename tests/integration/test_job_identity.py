@@ -63,7 +63,8 @@ def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
     ("cluster.policy=async", "policy: shard 0 sync, worker 0 async"),
     ("cluster.workers=3", "workers: shard 0 2, worker 0 3"),
     ("optimizer.lr=0.5", "optimizer: shard 0 {lr=0.05}, worker 0 {lr=0.5}"),  # only what differs
-    ("cluster.backup_workers=1", "policy_options: shard 0 {backup_workers=0}, worker 0 {backup_workers=1}"),
+    ("cluster.backup_workers=1", "policy_options: shard 0 {backup_workers=0, checkpoint_rounds=100}, worker 0 "
+                                 "{backup_workers=1}"),  # sync without backup workers has cuts, with them none
     ("cluster.policy=async cluster.async_lr=full", "policy_options: shard 0 {async_lr=divided}, worker 0 "
                                                   "{async_lr=full}"),
     ("cluster.policy=ssp cluster.dc_lambda=0.5", "policy_options: shard 0 {dc_lambda=0.0}, worker 0 {dc_lambda=0.5}"),
@@ -116,9 +117,9 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
             rpc_status.from_call(err.value).details[0].Unpack(info)
             # each difference is cut to 160 bytes, so that twelve of them fit in the trailer beside the message
             assert list(info.differences) == ["policy: shard 0 sync, worker 0 ssp",
-                                              "policy_options: shard 0 {backup_workers=0}, worker 0 {async_lr=divided, "
-                                                                          "dc_adaptive=False, dc_lambda=0.0, "
-                                                                          "implicit_momen ... (23 more characters)"]
+                                              "policy_options: shard 0 {backup_workers=0, checkpoint_rounds=100}, "
+                                              "worker 0 {async_lr=divided, dc_adaptive=False, dc_lam ... (46 more "
+                                              "characters)"]
             request.job_json = ""
             with pytest.raises(grpc.RpcError) as err:
                 stub.Register(request, timeout=5)

@@ -16,23 +16,24 @@ from helpers import make_job, wait_for
 from test_reliability import Cluster
 
 K = 10  # rounds between cuts
-SETS = ("cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "train.epochs=8", "train.dtype=float64",
-        f"cluster.checkpoint_rounds={K}", "cluster.request_timeout=30")
+BASE = ("cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "train.epochs=8", "train.dtype=float64",
+        "cluster.request_timeout=30")
+SETS = (*BASE, f"cluster.checkpoint_rounds={K}")
+TOTAL = 8 * (1438 // 2 // 32)  # rounds
 
 
-def run(tmp, kill: bool):
-    """Train SETS with shard and worker processes; with ``kill``, SIGKILL shard 1 half-way between two cuts a
-    third of the way in and start it again.  Returns (each shard's status, the final weights, worker 0's steps)."""
+def run(tmp, kill: bool, sets=SETS, at=lambda step: step >= TOTAL // 3 and step % K in (K // 2, K // 2 + 1)):
+    """Train ``sets`` with shard and worker processes; with ``kill``, SIGKILL shard 1 once worker 0's step is ``at``
+    (by default half-way between two cuts a third of the way in) and start it again.  Returns (each shard's status,
+    the final weights, worker 0's steps)."""
     tmp.mkdir()
-    cluster = Cluster(make_job(*SETS), tmp)
-    total = 8 * (1438 // 2 // 32)
+    cluster = Cluster(make_job(*sets), tmp)
     try:
         cluster.start_shard(0)
         shard1 = cluster.start_shard(1)
         workers = [cluster.start_worker(r, "--delay", "fixed:0.02") for r in range(2)]  # rounds a kill can land between
         if kill:
-            wait_for(lambda: len(cluster.steps(0)) >= total // 3 and len(cluster.steps(0)) % K in (K // 2, K // 2 + 1),
-                     60, "a third of the run, half-way between two cuts")
+            wait_for(lambda: at(len(cluster.steps(0))), 60, "the step to kill shard 1 at")
             shard1.send_signal(signal.SIGKILL)
             shard1.wait(10)
             cluster.start_shard(1, "shard1-restarted.log")
@@ -44,10 +45,16 @@ def run(tmp, kill: bool):
     return statuses, weights, cluster.steps(0)
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """The final weights of the job undisturbed (with cuts every K rounds or every 100, the same sums: each round
+    adds its pushes in the order of the workers)."""
+    return run(tmp_path_factory.mktemp("rollback") / "undisturbed", kill=False)[1]
+
+
 @pytest.mark.slow
-def test_a_sigkilled_shard_costs_rounds_again_never_the_result(tmp_path):
-    total = 8 * (1438 // 2 // 32)
-    _, undisturbed, _ = run(tmp_path / "undisturbed", kill=False)
+def test_a_sigkilled_shard_costs_rounds_again_never_the_result(tmp_path, undisturbed):
+    total = TOTAL
     statuses, weights, steps = run(tmp_path / "killed", kill=True)
     assert [s.version for s in statuses] == [total, total]  # no round lost on either shard
     counters = [json.loads(s.counters_json) for s in statuses]
@@ -62,3 +69,14 @@ def test_a_sigkilled_shard_costs_rounds_again_never_the_result(tmp_path):
     assert "the job went back to version" in logs["w0.log"] + logs["w1.log"]
     assert f"to the cut at version {restored}" in logs["shard0.log"]
     assert "comes back at clock" in (tmp_path / "killed" / "shard1-restarted.log").read_text()
+
+
+@pytest.mark.slow
+def test_sync_with_a_checkpoint_folder_has_cuts_without_being_asked(tmp_path, undisturbed):
+    """A sync job with a checkpoint folder but no checkpoint_rounds lost 24 rounds of 550 when a shard was killed,
+    and ended with exit 0 and a warning: cuts are the default under sync (every 100 rounds)."""
+    statuses, weights, _ = run(tmp_path / "killed", kill=True, sets=BASE, at=lambda step: step >= 120)
+    assert [s.version for s in statuses] == [TOTAL, TOTAL]
+    assert json.loads(statuses[1].counters_json)["restored_version"] == 100
+    for name, value in undisturbed.items():
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
