@@ -1,4 +1,5 @@
-"""What one process of a shard's pair asks the other (:mod:`psgd.server.replica`), and how it checks the answer.
+"""What one process of a shard's pair asks the other (:mod:`psgd.server.replica`), and how it checks the answer;
+whether a shard that a rollback names as its cause restarted (:func:`restart_of`).
 
 Whatever answers at the peer's address may be a stranger's process once the peer died, so the question proves that
 the asker holds the job's token without sending it, and an answer counts only when it proves the same of its sender
@@ -45,6 +46,29 @@ def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2
         log.warning("the process at %s answered as shard %d's %s without proving that it holds the job's token: "
                     "not believed (taken for gone)", address, reply.shard, reply.role or "peer")
     return None
+
+
+def restart_of(address: str, cause: str, version: int, shard: int, token: str = "", tls: TLSFiles = NO_TLS) -> str:
+    """Why shard ``shard`` cannot believe that the job goes back to the cut at ``version`` because of ``cause`` ("":
+    it can).  The shard process at ``address`` (asked as :func:`peer_status` asks: the question and its answer each
+    prove the job's token) must be another shard of this job, of incarnation ``cause``, restarted from a cut at
+    ``version`` or later."""
+    if not address:
+        return "the rollback names no address of the shard that restarted"
+    reply = peer_status(address, token, tls)
+    if reply is None:
+        return f"nothing at {address[:100]!r} answered in time as a shard of this job"
+    if reply.incarnation != cause or reply.shard == shard:
+        return (f"the process at {address} is shard {reply.shard}, incarnation {reply.incarnation}: not another "
+                f"shard of incarnation {cause[:40]!r}")
+    try:
+        restored = json.loads(reply.counters_json or "{}").get("restored_version")
+    except (ValueError, AttributeError):
+        restored = None
+    if not isinstance(restored, int) or restored < version:
+        return (f"shard {reply.shard} at {address} did not restart from a cut at version {version} or later (it "
+                f"restarted from {'none' if restored is None else f'the cut at {restored}'})")
+    return ""
 
 
 def failovers(reply: ps_pb2.StatusReply) -> int:

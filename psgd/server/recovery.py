@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 from psgd.logs import Quieted
 from psgd.server import checkpoint
@@ -207,14 +208,24 @@ def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
     return [v for v in checkpoint.versions(folder) if v <= core.version]
 
 
-def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: str, worker: int) -> int:
+def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: str, worker: int,
+             unproven: Callable[[], str] = lambda: "") -> int:
     """Go back to the cut at ``version`` (this shard's checkpoint of it in ``folder``) because of ``cause`` (the
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
     continues from ``version`` (:func:`rewind_workers`).  Returns the rounds undone; refuses
-    (FAILED_PRECONDITION) where this shard is behind the cut or holds no intact checkpoint of it."""
+    (FAILED_PRECONDITION) where ``unproven()`` says why the cause cannot be believed (a new cause is checked, with
+    the shard that restarted: :func:`psgd.server.peers.restart_of`), or this shard is behind the cut or holds no
+    intact checkpoint of it."""
     if not cause or len(cause) > MAX_CAUSE or not cause.isprintable():
         raise ShardError("INVALID_ARGUMENT", f"a rollback must give its cause, the incarnation of the shard that "
                          f"restarted (at most {MAX_CAUSE} printable characters)")
+    with core.lock:
+        if cause in core.rollback_causes:
+            return 0
+    why = unproven()  # outside the lock: it may ask another shard
+    if why:
+        raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} does not go back to version {version} for a "
+                         f"restart it cannot check: {why}")
     with core.lock:
         if cause in core.rollback_causes:
             return 0

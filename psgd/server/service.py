@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psgd import wire
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server import checkpoint, recovery, tokens
+from psgd.server import checkpoint, peers, recovery, tokens
 from psgd.server.admission import holder_id
 from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
@@ -42,34 +42,6 @@ log = logging.getLogger(__name__)
 CONTROL_THREADS = 4
 #: Calls at once on one connection (HTTP/2 streams): a worker's channel carries a pull, a push, a heartbeat.
 STREAMS_PER_CONNECTION = 16
-
-
-# Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB (at random
-# above that, always above 16 KiB) with a RESOURCE_EXHAUSTED that hides the real status: stay well under.
-MAX_DETAILS_BYTES = 6000
-
-
-def _details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
-    """``message`` as a client will accept it: valid UTF-8, cut to MAX_DETAILS_BYTES once encoded.  Messages may echo
-    what a request sent (a dtype, a plan description), so their size and characters are the sender's choice."""
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    size = 0
-    for i, ch in enumerate(message):
-        size += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8"))
-        if size > limit - 40:
-            return f"{message[:i]} ... ({len(message) - i} more characters)"
-    return message
-
-
-def _abort(context: grpc.ServicerContext, err: ShardError):
-    code = getattr(grpc.StatusCode, err.code)
-    if not err.reason:
-        status.abort(context, code, _details(err.message))
-    # A reason travels in a second trailer that repeats the message (base64, a third larger): both must fit
-    # under the clients' 8 KiB together, so the message gets less than half and the differences a little.
-    differences = [_details(d, 160) for d in err.differences[:12]]
-    status.abort(context, code, _details(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences,
-                 err.rewind_to, err.holder)
 
 
 def _remaining(context: grpc.ServicerContext, cap: float) -> float:
@@ -105,11 +77,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                        request.hostname, request.pid, request.clock, request.job_json,
                                        request.incarnation)
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
         core = self.core
         held = core.roster.workers[request.worker_id]
         if held.incarnation != holder_id(request.incarnation):  # another process took the rank since: not our key
-            _abort(context, ShardError("ABORTED", "the registration was taken over as it was answered; register again"))
+            status.refuse(context, ShardError("ABORTED", "the registration was taken over as it was answered; register again"))
         cut = core.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
@@ -121,14 +93,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             return self.rollback(request)
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
 
     def _data_call(self, context, what: str, seconds: float = float("inf")) -> int:
         """Take one of the threads data calls may use (else RESOURCE_EXHAUSTED: the control calls keep theirs);
         returns the call's key for the watchdog, which cancels it after ``seconds``.  :meth:`_end_call` gives
         both back."""
         if not self.data_calls.acquire(blocking=False):
-            _abort(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls and "
+            status.refuse(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls and "
                                        "pushes at once as it has threads for; try again"))
         return self.watchdog.watch(seconds, context, what)
 
@@ -160,9 +132,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 snap.release()
                 raise
         except RowsError as err:
-            _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
+            status.refuse(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
         row_bytes = sum(v.nbytes for v in rows.values())  # its bytes, the rows' too, must go by then
         self.watchdog.watch(transfer_seconds(self.core.nbytes + row_bytes, self.request_timeout), context, what, key)
         with snap:
@@ -198,7 +170,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             return self._push(request_iterator, context, key, what)
         except grpc.RpcError:  # cancelled by the watchdog, or by the client
-            _abort(context, ShardError("DEADLINE_EXCEEDED",
+            status.refuse(context, ShardError("DEADLINE_EXCEEDED",
                                        f"push did not arrive within {self.transfer_seconds:.1f}s"))
 
     def _push(self, request_iterator, context, key: int, what: str):
@@ -236,9 +208,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
                                     wire_bytes=assembler.received, rows=pushed, key=header.registration)
         except RowsError as err:
-            _abort(context, ShardError("INVALID_ARGUMENT", str(err)))
+            status.refuse(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
         return ps_pb2.PushReply(outcome=result.outcome, next_clock=result.next_clock, version=result.version,
                                 staleness=result.staleness), header
 
@@ -246,14 +218,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             self.core.heartbeat(request.worker_id, request.clock, request.registration)
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
         return ps_pb2.HeartbeatReply(lease_seconds=self.core.roster.lease_seconds, version=self.core.version)
 
     def Done(self, request, context):
         try:
             live = self.core.done(request.worker_id, request.clock, request.registration)
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
         return ps_pb2.DoneReply(live_workers=live)
 
     def ListRows(self, request, context):
@@ -261,7 +233,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             ids, values, after, version = self.core.list_rows(request.table, request.start, request.max_rows)
         except ShardError as err:
-            _abort(context, err)
+            status.refuse(context, err)
         finally:
             self._end_call(key)
         return ps_pb2.ListRowsReply(rows=ps_pb2.RowBlock(table=request.table, ids=ids.astype("<i8").tobytes(),
@@ -370,7 +342,9 @@ class ShardServer:
         folder = checkpoint.shard_dir(self.checkpoint_dir, core.shard, core.fingerprint)
         if request.dry_run:
             return ps_pb2.RollbackReply(version=core.version, cuts=recovery.cuts(core, folder))
-        undone = recovery.rollback(core, folder, request.to_version, request.cause, request.worker_id)
+        undone = recovery.rollback(core, folder, request.to_version, request.cause, request.worker_id, unproven=lambda: (
+            "" if request.cause == self.incarnation else peers.restart_of(  # this shard restarted: nothing to ask
+                request.restarted, request.cause, request.to_version, core.shard, self.servicer.token, self.tls)))
         return ps_pb2.RollbackReply(version=core.version, rounds_undone=undone)
 
     def _reap(self) -> None:

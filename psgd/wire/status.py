@@ -6,7 +6,8 @@ call's status, as a ``google.rpc.Status`` detail (the standard "rich error
 model", trailing metadata ``grpc-status-details-bin``).  The client reads the
 reason back with :func:`reason_of` (:func:`error_info`: with the clock a ROLLED_BACK refusal
 names); the message stays for people.  The data
-path carries the same reasons as numbers in its error replies.
+path carries the same reasons as numbers in its error replies.  A shard's refusal (:func:`refuse`) is cut to
+what a client accepts (:func:`fit`).
 """
 
 from __future__ import annotations
@@ -71,3 +72,33 @@ def error_info(err: grpc.RpcError) -> tuple[str, int, tuple[str, int] | None]:
 def reason_of(err: grpc.RpcError) -> str:
     """The ``ErrorInfo`` reason a failed call carries ("" when it carries none, or cannot be read)."""
     return error_info(err)[0]
+
+
+# Status details travel percent-encoded in a trailer, and clients drop trailers over 8 KiB (at random
+# above that, always above 16 KiB) with a RESOURCE_EXHAUSTED that hides the real status: stay well under.
+MAX_DETAILS_BYTES = 6000
+
+
+def fit(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """``message`` as a client will accept it: valid UTF-8, cut to MAX_DETAILS_BYTES once encoded.  Messages may echo
+    what a request sent (a dtype, a plan description), so their size and characters are the sender's choice."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    size = 0
+    for i, ch in enumerate(message):
+        size += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8"))
+        if size > limit - 40:
+            return f"{message[:i]} ... ({len(message) - i} more characters)"
+    return message
+
+
+def refuse(context: grpc.ServicerContext, err) -> None:
+    """End the call with ``err``'s status (a :class:`psgd.server.errors.ShardError`: its code's name, message,
+    reason and what comes with it), its message made to fit (:func:`fit`)."""
+    code = getattr(grpc.StatusCode, err.code)
+    if not err.reason:
+        abort(context, code, fit(err.message))
+    # A reason travels in a second trailer that repeats the message (base64, a third larger): both must fit
+    # under the clients' 8 KiB together, so the message gets less than half and the differences a little.
+    differences = [fit(d, 160) for d in err.differences[:12]]
+    abort(context, code, fit(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences, err.rewind_to,
+          err.holder)

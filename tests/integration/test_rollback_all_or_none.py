@@ -1,45 +1,112 @@
-"""Going back to a cut reaches every shard or none: a worker that takes the job back and dies after reaching some
-of the shards leaves the job split ([30, 57] in the finding); a worker told by a shard that it went back finishes
-the job's way back itself, for the same cause (each shard goes back once per cause), instead of waiting for it."""
+"""Going back to a cut reaches every shard or none, and only for a restart the shard can check.
+
+A worker that takes the job back and dies after reaching some of the shards leaves the job split ([30, 57] in the
+finding); a worker told by a shard that it went back finishes the job's way back itself, for the same cause (each
+shard goes back once per cause), instead of waiting for it.  A rollback names its cause, the incarnation of the
+shard that restarted, and that shard's address: the shard asked checks there, with a question that proves the
+job's token and an answer that must prove it too, that a shard of this job restarted from a cut at or past the
+one asked for (a made-up cause from a registered worker took a shard back before)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from helpers import TOKEN, make_job, run_threads
 from psgd.job import describe_job
-from psgd.server import build_shard
+from psgd.link import LinkError
+from psgd.server import build_shard, recovery
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient
 from psgd.worker.errors import Rewind
 from psgd.worker.rollback import roll_back
 
+SHARDS = 3
 
-def test_a_worker_told_that_the_job_went_back_takes_the_shards_left_behind_back_too(tmp_path):
-    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2",
-                   "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
-    d = describe_job(job)
-    servers = [ShardServer(build_shard(d, k), "127.0.0.1:0", transport="tcp", token=TOKEN,
-                           checkpoint_dir=str(tmp_path), keep_checkpoints=10).start() for k in range(2)]
-    job.override("cluster.servers", [s.address for s in servers])
-    plan = servers[0].core.plan
-    clients = [PSClient(job.cluster.servers, plan, r, request_timeout=6, token=TOKEN, config=job) for r in range(2)]
-    try:
-        for c in clients:
+
+class Job:
+    """SHARDS in-process shards with cuts every 2 rounds, and two registered workers, after five rounds."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.job = tmp_path, make_job(
+            "model.name=softmax", "cluster.policy=sync", "cluster.workers=2", f"cluster.shards={SHARDS}",
+            "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
+        self.servers = [self.shard(k) for k in range(SHARDS)]
+        self.job.override("cluster.servers", [s.address for s in self.servers])
+        self.plan = self.servers[0].core.plan
+        self.clients = [PSClient(self.job.cluster.servers, self.plan, r, request_timeout=6, token=TOKEN,
+                                 config=self.job) for r in range(2)]
+        for c in self.clients:
             c.register()
-        grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
+        grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in self.plan.specs}
         for clock in range(5):  # five rounds: cuts at 0, 2 and 4
-            run_threads([lambda c=c: c.push(clock, grads) for c in clients], 30)
-        assert [s.core.version for s in servers] == [5, 5]
-        # worker 1 takes the job back to the cut at 4 for a restart (cause "restart-abc") and dies after shard 0
-        clients[1].links[0].rollback(4, "restart-abc")
-        assert [s.core.version for s in servers] == [4, 5]
-        # worker 0 hears that shard 0 went back (ROLLED_BACK names the cut): it finishes the way back itself
-        assert roll_back(clients[0], Rewind(4)) == 4
-        assert [s.core.version for s in servers] == [4, 4]
-        np.testing.assert_array_equal(*(s.core.counters["rollbacks"] for s in servers))
-    finally:
-        for c in clients:
+            run_threads([lambda c=c: c.push(clock, grads) for c in self.clients], 30)
+        assert self.versions() == [5] * SHARDS
+
+    def shard(self, k: int, bind: str = "127.0.0.1:0") -> ShardServer:
+        core = build_shard(describe_job(self.job), k)
+        recovery.resume(core, str(self.tmp))
+        return ShardServer(core, bind, transport="tcp", token=TOKEN, checkpoint_dir=str(self.tmp),
+                           keep_checkpoints=10).start()
+
+    def restart(self, k: int) -> ShardServer:
+        """Shard ``k`` stopped without a last checkpoint (as if killed) and started again at its address."""
+        old = self.servers[k]
+        old.checkpoint_dir = None  # killed: no checkpoint on the way out
+        old.stop(grace=0.1)
+        self.servers[k] = self.shard(k, old.address)
+        return self.servers[k]
+
+    def versions(self) -> list[int]:
+        return [s.core.version for s in self.servers]
+
+    def close(self) -> None:
+        for c in self.clients:
             c.close()
-        for s in servers:
+        for s in self.servers:
             s.stop(grace=1.0)
+
+
+@pytest.fixture
+def job(tmp_path):
+    made = Job(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_worker_told_that_the_job_went_back_takes_the_shards_left_behind_back_too(job):
+    restarted = job.restart(2)
+    assert job.versions() == [5, 5, 4]  # from its cut at 4
+    # worker 1 takes the job back to the cut at 4 for that restart and dies after shard 0
+    job.clients[1].links[0].rollback(4, restarted.incarnation, restarted.address)
+    assert job.versions() == [4, 5, 4]
+    # worker 0 hears that shard 0 went back (ROLLED_BACK names the cut): it finishes the way back itself
+    assert roll_back(job.clients[0], Rewind(4)) == 4
+    assert job.versions() == [4, 4, 4]
+    assert [s.core.counters["rollbacks"] for s in job.servers[:2]] == [1, 1]
+
+
+def test_a_rollback_for_a_restart_the_shard_cannot_check_is_refused_and_changes_nothing(job):
+    """A registered worker's rollback for a made-up cause, for a shard that did not restart, or naming no address
+    or one where nothing answers: refused with FAILED_PRECONDITION, every shard where it was."""
+    other = job.servers[1]
+    for cause, where in (("restart-abc", other.address), (other.incarnation, other.address),
+                         (other.incarnation, ""), ("restart-abc", "127.0.0.1:1")):
+        with pytest.raises(LinkError) as info:
+            job.clients[1].links[0].rollback(4, cause, where)
+        assert info.value.code.name == "FAILED_PRECONDITION" and "restart" in info.value.details, info.value.details
+    assert job.versions() == [5, 5, 5]
+    restarted = job.restart(2)  # from its cut at 4: now a cause the shard can check
+    assert job.clients[1].links[0].rollback(4, restarted.incarnation, restarted.address).rounds_undone == 1
+    assert job.versions() == [4, 5, 4]
+
+
+def test_the_cause_is_checked_with_the_token_proved_not_sent(job, monkeypatch):
+    """The shard asks the restarted shard's address with a question that proves the job's token: what answers
+    there without proving it in turn (a process that is not of this job) is not believed."""
+    restarted = job.restart(2)
+    monkeypatch.setattr(restarted.servicer, "token", "not-the-jobs")  # its answers no longer prove the job's token
+    with pytest.raises(LinkError) as info:
+        job.clients[1].links[0].rollback(4, restarted.incarnation, restarted.address)
+    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert job.versions() == [5, 5, 4]
