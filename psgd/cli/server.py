@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "set; 0: by seconds), every shard at the same versions (cuts), and the initial weights: "
                              "a shard restarted from its cut takes the job back to it, and no round is lost")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
-                        help="how many checkpoints to keep (default 3)")
+                        help="how many checkpoints to keep (default 3; a shard with cuts keeps at least 2: "
+                             "another shard killed before it wrote the newest comes back from the one before)")
     add_token_argument(parser)
     parser.add_argument("--no-token", action="store_true",
                         help="serve without a token: anyone who reaches this shard's ports can read the weights, "

@@ -319,6 +319,8 @@ class ShardServer:
         self._reaper.start()
         if self.checkpoint_dir and self.core.cut_rounds:  # at each cut, in the round's closing (under the lock)
             self.core.on_cut = lambda: self.save_checkpoint(held=True)
+            # and the cut before the newest: another shard killed before it wrote the newest comes back from that
+            self.keep_checkpoints = max(2, self.keep_checkpoints)
             if self.core.version == 0:
                 self.save_checkpoint()  # the initial weights are a cut too, for a shard lost before the first
         elif self.checkpoint_dir:

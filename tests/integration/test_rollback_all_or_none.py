@@ -15,7 +15,7 @@ import pytest
 from helpers import TOKEN, make_job, run_threads
 from psgd.job import describe_job
 from psgd.link import LinkError
-from psgd.server import build_shard, recovery
+from psgd.server import build_shard, checkpoint, recovery
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient
 from psgd.worker.errors import Rewind
@@ -27,8 +27,8 @@ SHARDS = 3
 class Job:
     """SHARDS in-process shards with cuts every 2 rounds, and two registered workers, after five rounds."""
 
-    def __init__(self, tmp_path):
-        self.tmp, self.job = tmp_path, make_job(
+    def __init__(self, tmp_path, keep: int = 10):
+        self.tmp, self.keep, self.job = tmp_path, keep, make_job(
             "model.name=softmax", "cluster.policy=sync", "cluster.workers=2", f"cluster.shards={SHARDS}",
             "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
         self.servers = [self.shard(k) for k in range(SHARDS)]
@@ -47,7 +47,7 @@ class Job:
         core = build_shard(describe_job(self.job), k)
         recovery.resume(core, str(self.tmp))
         return ShardServer(core, bind, transport="tcp", token=TOKEN, checkpoint_dir=str(self.tmp),
-                           keep_checkpoints=10).start()
+                           keep_checkpoints=self.keep).start()
 
     def restart(self, k: int) -> ShardServer:
         """Shard ``k`` stopped without a last checkpoint (as if killed) and started again at its address."""
@@ -110,3 +110,21 @@ def test_the_cause_is_checked_with_the_token_proved_not_sent(job, monkeypatch):
         job.clients[1].links[0].rollback(4, restarted.incarnation, restarted.address)
     assert info.value.code.name == "FAILED_PRECONDITION"
     assert job.versions() == [5, 5, 4]
+
+
+def test_the_newest_common_cut_outlives_a_shards_newest_however_few_checkpoints_it_keeps(tmp_path):
+    """With --keep-checkpoints 1 shard 0 pruned its cut at 2 as it wrote the one at 4; shard 2, killed before it
+    wrote its own cut at 4, came back from 2, and no shard but it held that cut: the job could not go back
+    without losing rounds.  A shard with cuts keeps the one before its newest too."""
+    job = Job(tmp_path, keep=1)
+    try:
+        folders = [checkpoint.shard_dir(tmp_path, k, s.core.fingerprint) for k, s in enumerate(job.servers)]
+        assert [sorted(checkpoint.versions(f)) for f in folders] == [[2, 4]] * SHARDS
+        for written in folders[2].glob("ckpt-4.*"):  # killed before it wrote its cut at 4
+            written.unlink()
+        restarted = job.restart(2)
+        assert restarted.core.version == 2
+        assert roll_back(job.clients[0], Rewind(2, restarted.incarnation, restarted.address)) == 2
+        assert job.versions() == [2, 2, 2]
+    finally:
+        job.close()
