@@ -377,3 +377,21 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
     bad = {f"{d * 1000:.0f} ms": c for d, c in codes.items() if c != 0}
     assert not bad, f"violation [exit-code]: psgd-worker exited with status {bad} on a SIGTERM that arrived that " \
                     "long after it logged that it was done; expected 0"
+
+
+def test_the_full_disk_fault_refuses_writes_and_leaves_the_folder_as_it_was(tmp_path):
+    """The ``full-disk`` fault's disk: the folder's files are still there, a new file cannot be written (ENOSPC, as
+    a shard's checkpoint meets it), and once it ends the folder is the one it was, the files written to it gone."""
+    from psgd.bench.chaos.disk import full
+
+    from helpers import skip_or_fail
+
+    (tmp_path / "ckpt-3.npz").write_bytes(b"x" * 10000)
+    with full(tmp_path) as why:
+        if why:
+            skip_or_fail(why)
+        assert (tmp_path / "ckpt-3.npz").read_bytes() == b"x" * 10000
+        with pytest.raises(OSError) as info:
+            (tmp_path / "ckpt-4.npz").write_bytes(b"y" * 10000)
+        assert info.value.errno == 28  # ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3.npz"]

@@ -55,7 +55,10 @@ class Cluster:
                         f"cluster.transport={spec.transport}", f"cluster.replicas={int(spec.replicas)}",
                         # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
                         *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64")
-                          if spec.policy == "sync" else ())])
+                          if spec.policy == "sync" else ()),
+                        # a full disk fails a cut: the job goes on (psgd.bench.chaos.disk), instead of stopping
+                        *(("cluster.on_cut_failure=continue",) if any(f.kind == "full-disk" for f in spec.faults)
+                          else ())])
         self.job = build_job(config)
         spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, config.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))

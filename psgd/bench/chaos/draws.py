@@ -13,7 +13,7 @@ from psgd.bench.chaos.settings import FAULTS_PER_RUN, LEASE, SHARDS
 #: the kinds aimed at a worker whose names do not end in "-worker"
 AT_A_WORKER = ("stop-mid-pull", "trickled-push", "duplicate-rank", "outsider")
 #: the kinds aimed at a shard whose names do not end in "-shard"
-AT_A_SHARD = ("corrupt-checkpoint", "squatter")
+AT_A_SHARD = ("corrupt-checkpoint", "squatter", "full-disk")
 
 
 @dataclasses.dataclass
@@ -21,7 +21,7 @@ class Fault:
     kind: str
     at: float              # the slowest worker's progress (fraction of its steps) at which it is injected
     target: int = 0        # shard or worker index (a worker that has finished passes it on to the next)
-    seconds: float = 0.0   # stop, hostile, netcut: how long
+    seconds: float = 0.0   # stop, hostile, netcut, squatter, full-disk: how long
     count: int = 0         # hostile: connections of each sort per port; trickled-push: unregistered ones per shard
     role: str = ""         # netcut: whose link ("shard" or "worker")
     offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
@@ -122,7 +122,7 @@ class Planner:
                     fault.seconds = round(rng.uniform(LEASE + 0.5, LEASE + 2.0), 2)
             if kind.startswith("stop-"):
                 fault.seconds = round(rng.uniform(0.5, 3.0), 2)
-            elif kind == "squatter":
+            elif kind in ("squatter", "full-disk"):
                 fault.seconds = round(rng.uniform(1.5, 3.0), 2)
             elif kind == "hostile":
                 fault.seconds, fault.count = round(rng.uniform(1.5, 3.0), 2), rng.randint(8, 24)

@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from psgd.bench.chaos import disk
 from psgd.bench.chaos.cluster import Abort
 from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, SQUATTER, TRICKLE
 from psgd.bench.chaos.invariants import check_exit, check_restore
@@ -61,6 +62,8 @@ class FaultInjection:
         elif fault.kind == "squatter":
             note = self._squatter(fault.target, fault.seconds) if self.spec.replicas else \
                 "skipped: the run keeps no replicas"
+        elif fault.kind == "full-disk":
+            note = disk.inject(self, fault.target, fault.seconds)
         elif fault.kind == "hostile":
             note = self._hostile(fault)
         elif fault.kind == "netcut":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 KINDS = ("kill-shard", "restart-shard", "kill-worker", "stop-shard", "stop-worker", "stop-mid-pull", "hostile",
-         "trickled-push", "duplicate-rank", "outsider", "corrupt-checkpoint", "squatter", "netcut",
+         "trickled-push", "duplicate-rank", "outsider", "corrupt-checkpoint", "squatter", "full-disk", "netcut",
          "sigterm")
 PY = sys.executable
 

@@ -63,6 +63,19 @@ worker reaches a drawn fraction of its steps:
   typo in a hosts list); it must exit, refused with ALREADY_EXISTS naming the
   holder's pid (or, where the holder finished first, with nothing left to
   train), and never train a step beside it;
+- ``outsider``: a process with the token that never registered calls every
+  door in a live worker's name (push, pull, heartbeat, Done, Rollback, the
+  data port's hello, follow): every call must be refused, nothing changed;
+- ``corrupt-checkpoint``: a shard SIGKILLed and its newest checkpoint damaged
+  (bytes flipped, arrays cut short, a manifest that is not JSON) before it
+  starts again: it must say so, skip it and restore the one before;
+- ``squatter`` (runs with replicas): a replica SIGKILLed and its address taken
+  by a process without the token that claims to lead: the primary must not
+  believe it nor send it the token, and the pair is whole again after;
+- ``full-disk`` (as root): a shard's checkpoint folder on a tmpfs with no room
+  left for 1.5-3 s (psgd.bench.chaos.disk): its checkpoints (cuts) fail, said
+  once, the job goes on (a sync run drawing it sets ``on_cut_failure =
+  "continue"``), and it says that it writes them again once there is room;
 - ``netcut`` (as root, with ``ip netns``): the run's processes live in network
   namespaces made for it (veth pairs on a bridge, 10.99.1.x) and one host's
   link goes down for 1-3 s; skipped, with the reason, where namespaces
