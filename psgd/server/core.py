@@ -26,6 +26,7 @@ import numpy as np
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission
+from psgd.server.core_state import STALENESS_BUCKETS, CoreState
 from psgd.server.errors import ShardError
 from psgd.server.remedies import PushRemedies
 from psgd.server.rounds import Round
@@ -36,7 +37,6 @@ from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, P
 
 log = logging.getLogger(__name__)
 
-STALENESS_BUCKETS = 16  # histogram entries 0..14 exact, the last counts 15 and more
 MAX_CLOCK = 2**63 - 2  # the largest clock a push may carry: the next clock (clock + 1) must fit the wire's int64
 
 
@@ -49,7 +49,7 @@ class PushResult:
     pull_ready: bool = True  # whether the pusher's pull of the next clock may go at once (not so in an open round)
 
 
-class ShardCore:
+class ShardCore(CoreState):
     """Shard ``shard`` of a job: its slices' weights, the policy and the optimizer.
 
     The weights of all slices live in one contiguous array (``flat``), in slice-id order, which is also the order

@@ -12,35 +12,28 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Callable
 
 from psgd.logs import Quieted
 from psgd.server import checkpoint
-from psgd.server.core import STALENESS_BUCKETS, ShardCore
+from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.wire.sweep import all_finite
 
 log = logging.getLogger(__name__)
 
 
-def write(core: ShardCore, folder, keep: int = 3, force: bool = False):
-    """Write a checkpoint of ``core`` into ``folder`` (nothing when unchanged since the last one).
-
-    Written under the core's lock, straight from the live arrays: consistent, and
-    no second copy of the weights in memory; training pauses meanwhile.
-    Raises CheckpointError when the disk refuses (the previous one stays).
-    """
-    with core.lock:
-        core.store.settle()  # no update half made: the policy's clocks and the weights say the same
-        return write_held(core, folder, keep, force)
+def write(core: ShardCore, folder, keep: int = 3, force: bool = False, held: bool = False):
+    """Write a checkpoint of ``core`` into ``folder`` (nothing when unchanged since the last one), keeping the
+    newest ``keep`` (:meth:`ShardCore.write_checkpoint`: under the core's lock, which ``held`` says the caller holds
+    already: a sync round's cut, as it closes).  Raises CheckpointError when the disk refuses (the previous one
+    stays)."""
+    return core.write_checkpoint(lambda version, arrays, manifest: checkpoint.save(folder, version, arrays, manifest,
+                                                                                   keep), held=held, force=force)
 
 
 #: the largest version a checkpoint may say (a shard's counters and the wire's int64 hold it)
 MAX_VERSION = 2**62
-#: A shard goes back for a new cause at most once in this many seconds (a worker asked to wait retries): a shard
-#: restarts from a cut in seconds, and a storm of made-up causes cannot hold the job at one version.
-ROLLBACK_SPACING = 1.0
 #: The longest cause a rollback may give (a shard's incarnation is 12 characters).
 MAX_CAUSE = 64
 #: seconds between two lines saying that checkpoints go on failing
@@ -89,40 +82,6 @@ class Failures:
         self._said.reset()
 
 
-def write_held(core: ShardCore, folder, keep: int = 3, force: bool = False):
-    """:func:`write`, by a caller that holds the core's lock with no update half made (a sync round's cut, as it
-    closes)."""
-    if not force and core.last_checkpoint and core.last_checkpoint[0] == core.version:
-        return None
-    arrays, manifest = state(core)
-    try:
-        path = checkpoint.save(folder, core.version, arrays, manifest, keep)
-    except checkpoint.CheckpointError:
-        core.counters["checkpoint_failures"] = core.counters.get("checkpoint_failures", 0) + 1
-        raise
-    core.last_checkpoint = (core.version, time.time())
-    return path
-
-
-def state(core: ShardCore) -> tuple[dict, dict]:
-    """What a checkpoint of ``core`` holds (under its lock, no update half made: WeightStore.settle): its arrays
-    (views of the live ones) and manifest; also what a primary sends a new replica (psgd.server.replica)."""
-    arrays = {"weights": core.flat}
-    arrays.update({f"opt/{k}": v for k, v in core.optimizer.state_dict().items()})
-    if core.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
-        arrays["round_sum"] = core.round.so_far()
-        arrays.update({f"round_push/{w}": a for w, a in core.round.apart.items()})
-    arrays.update(core.tables.arrays())
-    manifest = {"fingerprint": core.fingerprint, "identity": core.identity, "version": core.version,
-                "shard": core.shard, "plan_hash": core.plan.hash, "plan": core.plan.description(),
-                "policy": core.policy.state_dict(), "counters": dict(core.counters),
-                "staleness_histogram": list(core.staleness_histogram),
-                "round_bases": list(core.round.bases) if core.round else [],
-                "optimizer": core.optimizer.describe(),
-                "holders": core.roster.holders()}
-    return arrays, manifest
-
-
 def check(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     """Whether ``ckpt`` may be given to ``core``: its job and shard, its version (a whole number, the one its file
     is named for), the shapes of its weights, optimizer state and round in flight, and every value finite.  Raises
@@ -159,47 +118,12 @@ def check(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
 def restore(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
     """Give ``core`` the state of a checkpoint loaded by :func:`checkpoint.load_latest` (before it serves), once
     :func:`check` passes it."""
-    m = ckpt.manifest
     try:
         check(core, ckpt)
     except checkpoint.CheckpointError as exc:
         raise checkpoint.CheckpointError(f"{ckpt.path}: {exc}") from None
-    with core.lock:
-        adopt(core, ckpt)
-        core.restored_version = core.version
-        core.last_checkpoint = (core.version, float(m.get("written_at", time.time())))
+    core.adopt(ckpt, restored=True)
     log.info("shard %d: restored version %d from %s", core.shard, core.version, ckpt.path)
-
-
-def adopt(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
-    """Everything of ``ckpt`` (or of a primary's :func:`state`, on its replica) into ``core``, under its lock: the
-    training state (:func:`put_back`), the counters, the staleness histogram, and each rank kept for its holder."""
-    m = ckpt.manifest
-    put_back(core, ckpt)
-    core.counters.update({k: type(core.counters[k])(v) for k, v in m.get("counters", {}).items() if k in core.counters})
-    core.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
-    core.roster.keep_for(m.get("holders", {}))
-
-
-def put_back(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
-    """The training state of ``ckpt`` (or of a primary's :func:`state`) into ``core`` (under its lock): weights,
-    optimizer, policy, the round in the making, tables, version.  Who holds which rank, the counters and the leases
-    stay the caller's."""
-    m, a = ckpt.manifest, ckpt.arrays
-    weights = a.get("weights")
-    if weights is None or weights.shape != core.flat.shape or weights.dtype != core.flat.dtype:
-        raise checkpoint.CheckpointError(f"{ckpt.path}: its weights do not fit shard {core.shard}")
-    core.store.replace(weights)
-    core.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
-    core.policy.load_state_dict(m["policy"])
-    if core.round is not None:
-        core.round.clear()
-        if "round_sum" in a:
-            core.round.load(a["round_sum"], m.get("round_bases", []),
-                            {int(k.split("/")[1]): v for k, v in a.items() if k.startswith("round_push/")})
-    if core.tables:
-        core.tables.load(a)
-    core.version = int(m["version"])
 
 
 def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
@@ -212,52 +136,31 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
              unproven: Callable[[], str] = lambda: "") -> int:
     """Go back to the cut at ``version`` (this shard's checkpoint of it in ``folder``) because of ``cause`` (the
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
-    continues from ``version`` (:func:`rewind_workers`).  Returns the rounds undone; refuses
+    continues from ``version`` (:meth:`ShardCore.go_back`).  Returns the rounds undone; refuses
     (FAILED_PRECONDITION) where ``unproven()`` says why the cause cannot be believed (a new cause is checked, with
     the shard that restarted: :func:`psgd.server.peers.restart_of`), or this shard is behind the cut or holds no
     intact checkpoint of it."""
     if not cause or len(cause) > MAX_CAUSE or not cause.isprintable():
         raise ShardError("INVALID_ARGUMENT", f"a rollback must give its cause, the incarnation of the shard that "
                          f"restarted (at most {MAX_CAUSE} printable characters)")
-    with core.lock:
-        if cause in core.rollback_causes:
-            return 0
-    why = unproven()  # outside the lock: it may ask another shard
+    if core.went_back_for(cause):
+        return 0
+    why = unproven()  # it may ask another shard
     if why:
         raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} does not go back to version {version} for a "
                          f"restart it cannot check: {why}")
-    with core.lock:
-        if cause in core.rollback_causes:
-            return 0
-        last = max(core.rollback_causes.values(), default=None)
-        if last is not None and time.monotonic() - last < ROLLBACK_SPACING:
-            raise ShardError("UNAVAILABLE", f"shard {core.shard} went back for another cause "
-                             f"{time.monotonic() - last:.2f}s ago; it goes back at most once a {ROLLBACK_SPACING:g}s")
-        if core.version < version:
-            raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} is at version {core.version}, behind the cut "
-                             f"at {version} that worker {worker} asks it to go back to")
-        if core.version == version:  # there already (the shard that restarted, or one that never went past it)
-            core.rollback_causes[cause] = time.monotonic()
-            rewind_workers(core, version)
-            core.changed.notify_all()
-            return 0
-    try:  # read and checked outside the lock: the shard serves meanwhile (under sync nobody can go on)
-        ckpt = checkpoint.load(folder, version, core.plan.hash, fingerprint=core.fingerprint)
-        check(core, ckpt)
-    except checkpoint.CheckpointError as exc:
-        raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} cannot go back to the cut at version {version}: "
-                         f"{exc}") from None
-    with core.lock:
-        if cause in core.rollback_causes:
-            return 0
-        undone = core.version - version
-        put_back(core, ckpt)
-        core.rollback_causes[cause] = time.monotonic()
-        rewind_workers(core, version)
-        core.counters["rollbacks"] += 1
-        core.counters["rounds_undone"] += undone
-        core.counters["applied"] -= undone  # the updates the weights hold: the version
-        core.changed.notify_all()
+
+    def load() -> checkpoint.Checkpoint:
+        try:
+            ckpt = checkpoint.load(folder, version, core.plan.hash, fingerprint=core.fingerprint)
+            check(core, ckpt)
+        except checkpoint.CheckpointError as exc:
+            raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} cannot go back to the cut at version "
+                             f"{version}: {exc}") from None
+        return ckpt
+    undone = core.go_back(version, cause, worker, load)
+    if not undone:
+        return 0
     log.info("shard %d: went back %d round(s) to the cut at version %d, as worker %d asked (a shard restarted "
              "from it, incarnation %s)", core.shard, undone, version, worker, cause)
     return undone
@@ -297,9 +200,3 @@ def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False) -> Non
                     folder, ", ".join(f"job {o.fingerprint}" if o.fingerprint else str(o.folder) for o in found))
     else:
         log.info("no checkpoint of this job in %s: starting from the initial weights", folder)
-
-
-def rewind_workers(core: ShardCore, version: int) -> None:
-    """Every worker continues from ``version`` (a cut gone back to): a request with a later clock is refused with
-    ROLLED_BACK, naming it, until the worker comes with one no later.  Under the core's lock."""
-    core.rewinding = {w: version for w in range(core.num_workers)}

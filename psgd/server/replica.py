@@ -2,7 +2,7 @@
 process (or host) that applies every update the primary applies, before the primary acknowledges the push.
 
 The replica connects to its primary's data port (a hello that asks to follow) and the primary streams to it over
-that connection: first its whole state (the arrays and manifest of a checkpoint, :func:`psgd.server.recovery.state`),
+that connection: first its whole state (the arrays and manifest of a checkpoint, :meth:`ShardCore.hand_over`),
 then each update as it applied it (the gradient after any delay compensation, its learning-rate scale, whose push at
 which clock), and the policy's state when a worker joins or leaves.  The replica applies each in the same order,
 with the same optimizer, so it holds the primary's weights, optimizer state and clocks, and answers with the
@@ -44,7 +44,7 @@ from typing import Mapping
 import numpy as np
 
 from psgd.logs import Quieted
-from psgd.server import recovery, stream
+from psgd.server import stream
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.peers import failovers, peer_status
@@ -99,11 +99,7 @@ class Pair:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None  # a replica's connection to its primary
         self._follower = threading.Thread(target=self._follow, name=f"shard{core.shard}-follow", daemon=True)
-        with core.lock:
-            core.pair, core.role = self, "starting"  # serving no worker until start() decides
-            # times the pair's leader changed (copied with the state): the later of two leaders has the larger
-            core.counters.setdefault("failovers", 0)
-            core.counters.setdefault("unreplicated", 0)  # pushes its primary acknowledged without a copy
+        core.join_pair(self)  # serving no worker until start() decides
 
     # -- roles ----------------------------------------------------------------------------------------------
     def start(self) -> "Pair":
@@ -114,8 +110,7 @@ class Pair:
         ahead = found is not None and (found.role == PRIMARY or found.version > self.core.version)
         role = REPLICA if self.second or ahead else PRIMARY
         self._held = role == PRIMARY
-        with self.core.lock:
-            self.core.role = role
+        self.core.take_role(role)
         log.info("shard %d: %s of the pair (peer %s: %s)", self.core.shard, role, self.peer or "not known yet",
                  f"{found.role or 'no role yet'} at version {found.version}" if found else "not answering")
         if role == REPLICA:
@@ -129,9 +124,7 @@ class Pair:
         if self._stop.is_set():
             return  # stopped already
         if not finished:
-            with self.core.lock:
-                if self.core.role == PRIMARY:
-                    self.core.role = "stopping"
+            self.core.take_role("stopping", only_from=PRIMARY)
         with self._lock:  # the replica hears of the end before this process goes: also one between two connections,
             deadline = time.monotonic() + FINISH_SECONDS  # or whose stream broke as the end was sent (told again)
             while finished and not self._told and (self.attached or not self.alone) and time.monotonic() < deadline:
@@ -181,8 +174,7 @@ class Pair:
             self._wait_for(seq, deadline)
             copied = self.acked >= seq
         if not copied and self.core.role != REPLICA:
-            with self.core.lock:  # acknowledged without a copy: psgd status and psgd launch say how many
-                self.core.counters["unreplicated"] += 1
+            self.core.count("unreplicated")  # acknowledged without a copy: psgd status and psgd launch say how many
         if self.core.role == REPLICA:
             raise ShardError("UNAVAILABLE", f"shard {self.core.shard} at this address stepped down: its peer "
                              f"{self.peer} leads now", reason="NOT_PRIMARY")
@@ -216,8 +208,7 @@ class Pair:
         core = self.core
         sock.settimeout(SILENCE_SECONDS * 5)
         address = stream.accept(sock, core.version)
-        with core.lock:
-            core.store.settle()  # the state holds every update whole; the ones after it are queued from here on
+        def attach(version: int) -> bool:  # asked under the core's lock: the updates after the state are queued
             with self._lock:
                 benched = self._benched_until - time.monotonic()
                 if core.role != PRIMARY or self.attached or benched > 0 or address != (self.peer or address):
@@ -225,14 +216,17 @@ class Pair:
                                  "followed already" if self.attached else
                                  f"the pair of {self.peer}, not of {address}" if address != (self.peer or address)
                                  else f"taking its replica back only in {benched:.0f}s (cut off)")
-                    return
-                arrays, manifest = recovery.state(core)
-                arrays = {k: np.array(v) for k, v in arrays.items()}  # a copy: the weights move on
-                batch = [(stream.STATE, core.version, (manifest, arrays))]
+                    return False
                 self._queue.clear()
-                self.attached, self.alone, self.sent, self.acked = True, False, core.version, -1
+                self.attached, self.alone, self.sent, self.acked = True, False, version, -1
                 self._queued_at, self._lagged = 0.0, False
                 self.peer = self.peer or address  # where it said it listens, unless the job file says
+                return True
+        handed = core.hand_over(attach)
+        if handed is None:
+            return
+        version, arrays, manifest = handed
+        batch = [(stream.STATE, version, (manifest, arrays))]
         refused, lagging, oldest = "", "", time.monotonic()
         window, waited, batches = oldest, 0.0, 0  # how long updates waited for the replica, in windows
         kept_up = False  # a whole window passed with the replica keeping up
@@ -329,9 +323,7 @@ class Pair:
         self.alone = True
 
     def _step_down(self, theirs: int) -> None:
-        with self.core.lock:
-            self.core.role = REPLICA
-            self.core.wake()
+        self.core.take_role(REPLICA)
         with self._lock:
             self.alone = False
             self._lock.notify_all()
@@ -387,8 +379,7 @@ class Pair:
             self.following = True
             if kind == stream.FINISHED:
                 self.job_over = True
-                with core.lock:
-                    core.wake()
+                core.notify()
                 return ""
             self._held = self._held or kind == stream.STATE
         return ""
@@ -400,10 +391,7 @@ class Pair:
         if not self._held or (found is not None and found.role == PRIMARY):
             return False
         core = self.core
-        with core.lock:
-            core.role = PRIMARY
-            core.counters["failovers"] += 1
-            core.wake()
+        core.take_role(PRIMARY, failover=True)
         with self._lock:
             self.alone = True
         log.info("shard %d: its primary %s is gone (%s): this replica takes over at version %d", core.shard,

@@ -367,8 +367,7 @@ class ShardServer:
             return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
-            path = (recovery.write_held if held else recovery.write)(self.core, folder, self.keep_checkpoints,
-                                                                     force=force)
+            path = recovery.write(self.core, folder, self.keep_checkpoints, force=force, held=held)
         except checkpoint.CheckpointError as exc:
             self._failures.failed(exc, cut=bool(self.core.cut_rounds))  # each one a cut, then
             return False

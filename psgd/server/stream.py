@@ -21,8 +21,7 @@ import struct
 
 import numpy as np
 
-from psgd.policy import APPLY as APPLIED
-from psgd.server import checkpoint, recovery, tokens
+from psgd.server import checkpoint, tokens
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.tls import TLSFiles
@@ -174,26 +173,20 @@ class Reader:
         if kind == STATE:
             self._state(json.loads(text), protocol.recv_bytes(sock, nbytes))
         elif kind == POLICY:
-            with core.lock:
-                core.policy.load_state_dict(json.loads(text))
+            core.adopt_policy(json.loads(text))
         elif kind == APPLY:
             if nbytes != len(self.grad):
                 raise protocol.WireError(f"an update of {nbytes} bytes; the shard holds {len(self.grad)}")
             protocol.recv_exact(sock, memoryview(self.grad))
             grads = core.store.gradient_views(self.grad)
-            with core.lock:
-                # checked before it is answered (the primary acknowledges the push on the answer), applied after
-                decision = core.policy.push(worker, clock) if core.version + 1 == seq else None
-                if decision is None or decision.action != APPLIED:
-                    why = (f"replica of shard {core.shard} at version {core.version} cannot apply update {seq} "
-                           f"(worker {worker}, clock {clock}): {(decision.reason or decision.action) if decision else 'out of order'}")
+
+            def answer(why: str) -> None:  # before it is applied: the primary acknowledges the push on it
+                if why:
                     words = why.encode()[:protocol.MAX_ERROR_BYTES]
                     protocol.send_buffers(sock, [ANSWER.pack(REFUSED_MAGIC, len(words)), words])
-                    raise ShardError("FAILED_PRECONDITION", why)
-                protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, seq)])  # held: applied while the next comes
-                core._record_staleness(staleness)
-                core._apply(grads, lr_scale, core.remedies.share)
-                core.counters["pushes"] += 1
+                else:
+                    protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, seq)])
+            core.apply_replicated(seq, worker, clock, staleness, lr_scale, grads, answer)
         elif kind not in (KEEPALIVE, FINISHED):
             raise protocol.WireError(f"a frame of unknown kind {kind}")
         if kind not in (APPLY, FINISHED):
@@ -212,6 +205,5 @@ class Reader:
             if at < 0 or at + count * kind.itemsize > len(data):
                 raise protocol.WireError("a state whose arrays do not fit its bytes")
             arrays[name] = np.frombuffer(data, dtype=kind, count=count, offset=at).reshape(shape)
-        with core.lock:
-            recovery.adopt(core, checkpoint.Checkpoint(manifest, arrays, "the primary's state"))
+        core.adopt(checkpoint.Checkpoint(manifest, arrays, "the primary's state"))
         log.info("shard %d: following the primary from version %d", core.shard, core.version)

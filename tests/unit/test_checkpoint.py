@@ -142,8 +142,7 @@ def test_a_really_full_filesystem(tmp_path):
 def tampered(core, tmp_path, version, change):
     """A checkpoint of ``core``'s state as ``version``, changed by ``change(arrays, manifest)`` and written with its
     hashes made again (what an editor of the files can do); a changed manifest is edited into its file after."""
-    arrays, manifest = recovery.state(core)
-    arrays = {k: np.array(v) for k, v in arrays.items()}
+    _, arrays, manifest = core.hand_over(lambda version: True)  # a copy of its whole state
     manifest = json.loads(json.dumps(manifest))
     edits: dict = {}
     change(arrays, edits)

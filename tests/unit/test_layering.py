@@ -104,6 +104,29 @@ def test_no_module_is_longer_than_a_sitting(path):
     assert len(path.read_text().splitlines()) <= 430, path
 
 
+#: the shard core: the only modules that take its lock, wait on its conditions or touch its private members
+CORE = {PSGD / "server" / "core.py", PSGD / "server" / "core_state.py"}
+
+
+def _is_a_core(node: ast.AST) -> bool:
+    """``core`` or ``<anything>.core``: how the modules name a shard core they hold."""
+    return isinstance(node, ast.Name) and node.id == "core" or isinstance(node, ast.Attribute) and node.attr == "core"
+
+
+def test_no_module_but_the_shard_core_takes_its_lock_or_touches_its_private_members():
+    """Recovery, the pair and the replica's stream took the core's lock and called its private members (16 places):
+    what they need are the core's own locked methods (psgd/server/core_state.py)."""
+    found = []
+    for path in sorted(PSGD.rglob("*.py")):
+        if path in CORE or "proto" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and _is_a_core(node.value) and (
+                    node.attr in ("lock", "changed", "left") or node.attr.startswith("_")):
+                found.append(f"{path.relative_to(PSGD)}:{node.lineno}: core.{node.attr}")
+    assert found == [], found
+
+
 def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/loop.py, whose step may be
     replayed as a CUDA graph (psgd/graphs.py)."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from psgd.server import checkpoint, recovery
+from psgd.server.core_state import ROLLBACK_SPACING
 from psgd.server.errors import ShardError
 from psgd.server.rounds import Round
 
@@ -22,7 +23,7 @@ def cut_core(tmp_path, workers: int = 2):
     """A sync core that writes a checkpoint (a cut) at version 0 and at every K-th round, into tmp_path."""
     core, clock = make_core("sync", workers, cut_rounds=K)
     folder = checkpoint.shard_dir(tmp_path, 0, core.fingerprint)
-    core.on_cut = lambda: recovery.write_held(core, folder, keep=10)
+    core.on_cut = lambda: recovery.write(core, folder, keep=10, held=True)
     recovery.write(core, folder, keep=10)
     register_all(core)
     return core, folder
@@ -203,5 +204,5 @@ def test_a_rollback_names_its_cause_and_a_storm_of_causes_goes_back_once_a_secon
         assert err.code == "UNAVAILABLE" and "at most once a" in err.message
     assert core.version == 5 and core.counters["rollbacks"] == 1
     assert recovery.rollback(core, folder, 4, "restart-1", worker=1) == 0  # the same cause again: nothing to do
-    core.rollback_causes["restart-1"] -= recovery.ROLLBACK_SPACING  # a second later
+    core.rollback_causes["restart-1"] -= ROLLBACK_SPACING  # a second later
     assert recovery.rollback(core, folder, 4, "restart-2", worker=1) == 1
