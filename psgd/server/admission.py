@@ -151,11 +151,15 @@ class Roster:
 
     def leave(self, worker: int, clock: int, key: str | None) -> bool:
         """``worker`` (``key``: its registration's, see :meth:`live`) is done at ``clock``; True when it was live
-        until now (a worker that was not changes nothing)."""
+        until now, False when it was done already; refused (:meth:`live`) where it is neither."""
         info = self.workers[worker]
-        if info.state != "live":
+        if info.state == "done":  # said again (its answer was lost): by the same registration only
+            if key is not None and not hmac.compare_digest(key.encode("utf-8", "surrogatepass"), info.key.encode()):
+                self.impostors += 1
+                raise ShardError("PERMISSION_DENIED", f"worker {worker} is done on shard {self.shard}: a Done as "
+                                 f"worker {worker} must carry the key of the registration that was done")
             return False
-        self.live(worker, key, renew=False)
+        self.live(worker, key, renew=False)  # not live here: refused, the caller registers again
         info.state, info.clock = "done", max(info.clock, clock)
         return True
 

@@ -910,3 +910,24 @@ def test_what_a_checkpoint_says_of_a_rank_holder_does_not_get_its_registration_k
     assert info.value.code == "ALREADY_EXISTS"
     restored.register(0, PLAN.hash, json.dumps(PLAN.description()), "host", 4242, 0, incarnation=secret)
     assert restored.roster.workers[0].state == "live"
+
+
+def test_done_from_a_caller_that_does_not_hold_the_rank_is_refused_whatever_the_ranks_state(tmp_path):
+    """Found by the chaos suite's outsider: right after a shard restarted from a checkpoint, Done as worker 0 without
+    its key was answered as if it had been accepted (worker 0 was not live there yet, so nothing changed, but the
+    caller was told nothing was wrong).  Done as a rank not live here is refused as every other call is (register
+    again), and once a rank is done a repeated Done must carry its key."""
+    core, _ = make_core("async", 1)
+    core.register(0, PLAN.hash, json.dumps(PLAN.description()), "host", 1, 0, incarnation="real")
+    key = core.roster.workers[0].key
+    recovery.write(core, tmp_path, force=True)
+    restarted, _ = make_core("async", 1)
+    recovery.restore(restarted, checkpoint.load_latest(tmp_path, PLAN.hash, core.fingerprint))
+    for who in ("", "0" * 32):  # no key, a made-up one: the rank is kept for its holder, not live
+        err = error(restarted.done, 0, 0, key=who)
+        assert (err.code, err.reason) == ("FAILED_PRECONDITION", "NOT_REGISTERED")
+    assert restarted.roster.workers[0].state == "pending"
+    assert core.done(0, 0, key=key) == 0 and core.roster.workers[0].state == "done"
+    assert core.done(0, 0, key=key) == 0  # said again (its answer was lost): nothing more to do
+    err = error(core.done, 0, 0, key="")
+    assert err.code == "PERMISSION_DENIED" and core.roster.impostors == 1
