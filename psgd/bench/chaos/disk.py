@@ -4,7 +4,9 @@ The folder gets a tmpfs of its own mounted over it (root only), holding a copy o
 up to the last page; then the tmpfs goes and the folder is as it was.  Meanwhile the shard's checkpoints (a sync
 run's cuts) fail: it must say so once, go on serving, and once there is room again say that it writes them again
 (a sync run that draws this fault sets ``on_cut_failure = "continue"``; "stop", which ends the job, is
-tests/integration/test_cut_failure.py's).
+tests/integration/test_cut_failure.py's).  The next fault waits until the shard holds two checkpoints written after
+the disk had room again: until then a shard that restarts may find no cut that every shard holds, which "continue"
+accepts, saying so.
 """
 
 from __future__ import annotations
@@ -65,19 +67,21 @@ def inject(run: Any, k: int, seconds: float) -> str:
     if len(folders) != 1:
         return f"skipped: shard {k} has {len(folders)} checkpoint folders"
     log = c.procs[f"shard{k}"].log
-    start = log.stat().st_size
+    start, before = log.stat().st_size, max(c.checkpoints(k), default=-1)
     with full(folders[0]) as why:
         if why:
             return f"skipped: {why}"
         time.sleep(seconds)  # how long the disk stays full is the fault
     deadline = time.monotonic() + REQUEST_TIMEOUT
-    while True:  # room again: the shard must say that it writes its checkpoints again, before the next fault
+    while True:  # room again: the shard must say that it writes its checkpoints again; and before the next fault
+        # (a kill, a damaged checkpoint) it holds two written since, as every shard does: the guarantee is back
         said = log.read_bytes()[start:].decode(errors="replace")
         failed, again = said.count(FAILED), said.count(AGAIN)
         training = any(c.alive(f"worker{r}") for r in range(run.spec.workers))
-        if again or not failed or not training or time.monotonic() > deadline:
+        since = [v for v in c.checkpoints(k) if v > before]
+        if (again or not failed) and len(since) >= 2 or not training or time.monotonic() > deadline:
             break
-        time.sleep(0.1)  # polling the shard's log, with a deadline
+        time.sleep(0.1)  # polling the shard's log and folder, with a deadline
     if failed > 1:
         run.violate("full-disk", [f"shard {k} said {failed} times in {seconds:.1f}s that its checkpoints failed "
                                   "(once, then at most once a minute)"])
