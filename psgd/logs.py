@@ -21,19 +21,30 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def setup_logging(role: str, verbose: int = 0) -> None:
-    """Send psgd's log to stderr as ``time role[pid] LEVEL message``.
+def setup_logging(role: str, verbose: int = 0, log_file: str | None = None) -> None:
+    """Send psgd's log to stderr as ``time role[pid] LEVEL message``, and to ``log_file`` too where one is given.
 
     ``role`` is e.g. ``local``, ``server:1`` or ``worker:3``; ``verbose`` 0 is
-    INFO, 1 or more is DEBUG, and -1 is WARNING only.
+    INFO, 1 or more is DEBUG, and -1 is WARNING only on stderr (the file still
+    gets INFO: a worker whose terminal shows its bar keeps its whole log there).
     """
     level = logging.DEBUG if verbose > 0 else logging.WARNING if verbose < 0 else logging.INFO
+    form = logging.Formatter(f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    handler.setFormatter(form)
+    handler.setLevel(level)
+    handlers: list[logging.Handler] = [handler]
+    if log_file:
+        kept = logging.FileHandler(log_file, encoding="utf-8")  # appended to: another writer may share the file
+        kept.setFormatter(form)
+        kept.setLevel(min(level, logging.INFO))
+        handlers.append(kept)
     root = logging.getLogger("psgd")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    for old in root.handlers:
+        if isinstance(old, logging.FileHandler):
+            old.close()
+    root.handlers[:] = handlers
+    root.setLevel(min(h.level for h in handlers))
     root.propagate = False
 
 

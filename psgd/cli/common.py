@@ -189,6 +189,9 @@ def token_from_args(args: argparse.Namespace) -> str:
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-v: debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+    parser.add_argument("--log-file", metavar="PATH", default=None,
+                        help="also append the log to PATH, at INFO (DEBUG with -v) whatever -q says: psgd launch "
+                             "gives it to the worker whose progress bar the terminal shows")
 
 
 def verbosity(args: argparse.Namespace) -> int:

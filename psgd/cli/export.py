@@ -108,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from psgd.export import ExportError, join_checkpoints, pull_from_servers
     from psgd.weights import save_weights
 
-    setup_logging("export", verbosity(args))
+    setup_logging("export", verbosity(args), args.log_file)
     if args.checkpoints and args.servers:
         raise ExportError("give either --servers (running shards) or --checkpoints DIR, not both")
     if not args.checkpoints and args.version is not None:
@@ -138,7 +138,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from psgd.weights import evaluate_file
 
-    setup_logging("eval", verbosity(args))
+    setup_logging("eval", verbosity(args), args.log_file)
     config = job_from_args(args)
     start_process(config)
     result = evaluate_file(config, args.file)

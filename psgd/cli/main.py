@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--port", type=int, default=29500,
                        help="first gRPC port of each node's shards; each data port is its gRPC port + 1 "
                             "(default 29500)")
-    launch.add_argument("--no-progress", action="store_true", help="hide worker 0's progress bar")
+    launch.add_argument("--no-progress", action="store_true",
+                        help="hide worker 0's progress bar (shown where stderr is a terminal; elsewhere worker 0's "
+                             "log lines take its place)")
     launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_tls_arguments(launch, launch=True)
     launch.add_argument("--accept-lost-updates", action="store_true",
@@ -261,7 +263,7 @@ def layout_from_args(args: argparse.Namespace, environ=None):
 def cmd_launch(args: argparse.Namespace) -> int:
     from psgd.launch import EXIT_LOST_UPDATES, Hosts, launch
 
-    setup_logging("launch", verbosity(args))
+    setup_logging("launch", verbosity(args), args.log_file)
     if args.resume:
         if args.config or args.run_dir:
             raise ConfigError("--resume RUN takes the job file and the run folder from RUN: drop -c and --run-dir")
@@ -306,7 +308,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from psgd.weights import save_weights
     from psgd.train import train_local
 
-    setup_logging("local", verbosity(args))
+    setup_logging("local", verbosity(args), args.log_file)
     config = job_from_args(args)
     start_process(config)
     result = train_local(config, progress=not args.no_progress, metrics_path=args.metrics)

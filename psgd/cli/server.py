@@ -123,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     args.replica = args.replica or os.environ.get("PSGD_REPLICA", "") == "1"
     if args.replica and not c.replicas:
         raise ConfigError("--replica starts a shard's replica, and this job keeps none: set [cluster] replicas = 1")
-    setup_logging(f"server:{args.shard}{'r' if args.replica else ''}", verbosity(args))
+    setup_logging(f"server:{args.shard}{'r' if args.replica else ''}", verbosity(args), args.log_file)
     mine, theirs = (c.replica_servers, c.servers) if args.replica else (c.servers, c.replica_servers)
     bind = args.bind
     if bind is None:

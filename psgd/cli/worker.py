@@ -104,7 +104,7 @@ def work(args: argparse.Namespace) -> int:
 
     if args.rank is None:
         raise ConfigError(f"no rank: pass --rank, or set one of {', '.join(RANK_VARIABLES)}")
-    setup_logging(f"worker:{args.rank}", verbosity(args))
+    setup_logging(f"worker:{args.rank}", verbosity(args), args.log_file)
     if rank_source != "--rank":
         logging.getLogger("psgd.cli.worker").info("rank %d from %s", args.rank, rank_source)
     if not config.cluster.servers:
@@ -154,7 +154,7 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
         raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
     result, rank, world = train_allreduce(
         job, args.backend, rank=args.rank, rendezvous=args.rendezvous,
-        on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args)), progress=not args.no_progress,
+        on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args), args.log_file), progress=not args.no_progress,
         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if rank == 0:
         if args.save:

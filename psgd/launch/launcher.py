@@ -203,7 +203,8 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
     weights.unlink(missing_ok=True)
     common = ["-m", "psgd.cli.worker", "-c", str(run / "job.toml"), "--mode", "allreduce", "--backend", backend,
               "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
-    common += ["-q"] if progress else (log_flags + ["--no-progress"])
+    if backend == "mpi":  # every rank: mpiexec shows each one's stderr
+        common += _shown_flags(run / "allreduce.log", log_flags) if progress else (log_flags + ["--no-progress"])
     start = time.perf_counter()
     on_gpu = {r: _device_flags(d) for r, d in devices.items()}
     if backend == "mpi":
@@ -225,8 +226,8 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
         rendezvous.unlink(missing_ok=True)
         for r in range(n):
             extra = ["--rank", str(r), *on_gpu[r], "--rendezvous", f"file:{rendezvous}"]
-            if r:
-                extra += ["--no-progress"]
+            extra += _shown_flags(run / f"rank-{r}.log", log_flags) if progress and not r else \
+                (log_flags + ["--no-progress"])
             children.start(f"rank {r}", [py, *common, *extra], run / f"rank-{r}.log", show=progress and r == 0)
     else:
         raise LaunchError(f"unknown all-reduce backend {backend!r}: use mpi or nccl")
@@ -265,6 +266,13 @@ def _records(metrics: list[Path], since: float) -> list[dict]:
             if isinstance(record, dict) and record.get("time", 0) >= since:
                 out.append(record)
     return out
+
+
+def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
+    """The flags of the process whose output the terminal shows: its bar and its warnings where stderr is a
+    terminal, else its log lines (a bar's redraws would litter a file or a pipe); its whole log goes to ``log``
+    either way (the file its stdout goes to)."""
+    return ["--log-file", str(log), *(["-q"] if sys.stderr.isatty() else [*log_flags, "--no-progress"])]
 
 
 def _divergence(records: list[dict], own: dict | None, shown: str | None) -> dict | None:
@@ -315,7 +323,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
                 "--metrics", str(run / f"worker-{r}.jsonl"), *tls_flags, *worker_args]
         argv += _device_flags(devices[r])
-        argv += ["-q"] if show else (log_flags + ["--no-progress"])
+        argv += _shown_flags(run / f"worker-{r}.log", log_flags) if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show,
                                       env={"PSGD_TOKEN": token}))
     stop = threading.Event()

@@ -88,7 +88,8 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {}):
         self.name, self.log_path = name, log_path
-        self.log_file = open(log_path, "w")
+        open(log_path, "w").close()  # a new log; then appended to, as the child may write to it itself (--log-file)
+        self.log_file = open(log_path, "a")
         stderr = None if show else self.log_file
         self.popen = subprocess.Popen(dying_with_parent(argv), stdout=self.log_file, stderr=stderr,
                                       stdin=subprocess.DEVNULL, env={**child_environment(), **env},

@@ -75,3 +75,30 @@ def test_a_worker_that_does_not_evaluate_shows_no_accuracy_on_its_bar(capsys):
                      lambda: run_worker(job, 1, job.cluster.servers, progress=True)], 120)
     err = capsys.readouterr().err
     assert "worker 1" in err and "loss=" in err and "acc=" not in err
+
+
+def _launch(run, *extra: str, terminal: bool = False) -> str:
+    """``psgd launch`` with its progress shown, its stderr a pipe or (``terminal``) a pseudo-terminal; its output."""
+    argv = [sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "2", "--shards", "1", "--epochs", "2",
+            "--run-dir", str(run), *extra]
+    if terminal:  # script(1) gives the command a terminal (of 120 columns) and copies what it writes there
+        argv = ["script", "-qec", "stty cols 120 rows 40; " + " ".join(argv), "/dev/null"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_the_shown_workers_log_file_holds_its_whole_log_and_a_pipe_gets_its_lines_not_a_bar(tmp_path):
+    """Worker 0's log file stayed empty while the terminal showed its bar; and where the launch's output went to a
+    file or a pipe, the bar's redraws littered it and worker 0's lines were nowhere."""
+    piped = _launch(tmp_path / "piped")
+    assert "\r" not in piped and "step/s" not in piped  # no bar redrawn into a pipe ...
+    assert re.search(r"worker:0\[\d+\] INFO worker 0 of 2: ", piped)  # ... worker 0's lines instead
+    kept = (tmp_path / "piped" / "worker-0.log").read_text()
+    assert "INFO worker 0 of 2: " in kept and " done: " in kept, kept
+    if subprocess.run(["script", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("script(1) is not here to give psgd launch a terminal")
+    shown = _launch(tmp_path / "shown", terminal=True)
+    assert "step/s" in shown and not re.search(r"worker:0\[\d+\] INFO", shown)  # a bar and warnings only
+    kept = (tmp_path / "shown" / "worker-0.log").read_text()
+    assert "INFO worker 0 of 2: " in kept and " done: " in kept, kept  # and the whole log in its file
