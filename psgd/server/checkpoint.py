@@ -133,8 +133,9 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
 
     Then the job's older checkpoints beyond the newest ``keep`` are removed:
     only those whose manifest carries the same ``fingerprint`` and ``shard``
-    as ``manifest`` (files of other jobs are never touched), and never the
-    one just written.  Raises :class:`CheckpointError` (with the OS's reason,
+    as ``manifest`` (files of other jobs are never touched), and in the job's
+    own folder (``shard_dir``) those older still whose manifest cannot be read
+    (damaged, skipped at a restore); never the one just written.  Raises :class:`CheckpointError` (with the OS's reason,
     e.g. a full disk) if it cannot be written, saying whether an earlier
     checkpoint is there to fall back on; the previous checkpoints are left as
     they were.
@@ -156,7 +157,10 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
         raise CheckpointError(f"checkpoint of version {version} in {folder} failed ({exc.strerror or exc}); "
                               + fallback(folder, job, shard, version)) from None
     older = [v for v in owned(folder, job, shard) if v != version]
-    for old in older[keep - 1:] if keep > 0 else []:
+    gone = older[keep - 1:] if keep > 0 else []
+    if gone and folder.parent.name == job:  # the job's own folder: a manifest that cannot be read is its own too
+        gone += [v for v in versions(folder) if v < gone[0] and _read_manifest(folder / f"ckpt-{v}.json") is None]
+    for old in gone:
         for suffix in (".json", ".npz"):
             if not _remove(folder / f"ckpt-{old}{suffix}"):
                 log.warning("could not remove the old checkpoint %s", folder / f"ckpt-{old}{suffix}")

@@ -64,6 +64,24 @@ def test_only_the_newest_are_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-4.json", "ckpt-4.npz", "ckpt-5.json", "ckpt-5.npz"]
 
 
+def test_a_damaged_manifest_older_than_the_kept_checkpoints_goes_with_them_in_the_jobs_own_folder(tmp_path):
+    """Found by the chaos suite (a replica pair, seed 7 run 4 and seed 8 run 9): a checkpoint whose manifest was made
+    unreadable, skipped at a restore, was never pruned (pruning removed only manifests that name the job), so the
+    folder held one checkpoint more than --keep-checkpoints for ever.  In the job's own folder it goes as the
+    checkpoints after it do; in a folder that jobs share, nothing unreadable is touched."""
+    own = checkpoint.shard_dir(tmp_path / "ckpt", 0, make("async", 1).fingerprint)
+    shared = tmp_path / "shared" / "shard-0"
+    for folder in (own, shared):
+        core = make("async", 1)
+        recovery.write(core, folder, keep=2, force=True)  # version 0, its manifest then damaged
+        (folder / "ckpt-0.json").write_text("{not json")
+        for clock in range(3):
+            core.push(0, clock, core.version, grads(clock))
+            recovery.write(core, folder, keep=2)
+    assert checkpoint.versions(own) == [3, 2]
+    assert checkpoint.versions(shared) == [3, 2, 0]  # another job's, for all it can tell
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
 def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, caplog):
     core = make("async", 1)
