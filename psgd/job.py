@@ -75,7 +75,11 @@ def alive_here(host: str, pid: int) -> bool:
         return True  # it exists, another user's
     except OSError:
         return False
-    return True
+    try:  # a process killed but not yet reaped by its parent (a zombie) still answers kill(0): it is dead
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[str, Any]:

@@ -183,3 +183,28 @@ def test_a_call_refused_for_another_processs_key_is_not_retried():
         with pytest.raises(PSError, match="PERMISSION_DENIED"):
             c.retrying(0, "push (clock 31)", call)
         assert len(calls) == 1
+
+
+def test_a_killed_holder_not_yet_reaped_is_not_taken_for_alive():
+    """Found by the chaos suite (seed 8, run 19): a worker SIGKILLed and started again at once gave up, refused for
+    "pid N runs on this host": the killed process was a zombie its parent had not reaped yet, which still answers
+    kill(pid, 0)."""
+    import signal
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    from psgd.job import alive_here
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert alive_here(socket.gethostname(), child.pid)
+        child.send_signal(signal.SIGKILL)
+        stat = Path(f"/proc/{child.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_bytes().rpartition(b")")[2].split()[0] != b"Z" and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling until it is a zombie, with a deadline
+        assert not alive_here(socket.gethostname(), child.pid)
+    finally:
+        child.kill()
+        child.wait()

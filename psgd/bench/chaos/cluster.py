@@ -272,7 +272,7 @@ class Cluster:
 
         out = self.folder / "observed.npz"
         done = subprocess.run(self.prefix("obs") + [*self.psgd, "export", "-c", str(self.path), "--timeout",
-                                                     str(timeout), str(out)],
+                                                     str(timeout), "--mixed-versions", str(out)],  # as they are
                               capture_output=True, text=True, timeout=timeout * 3 + 30)
         if done.returncode != 0:
             raise RuntimeError(f"psgd export exited with status {done.returncode}: {done.stderr.strip()[-500:]}")
