@@ -178,8 +178,10 @@ class Run(FaultInjection):
         try:
             self.violate("finite", check_finite(c.weights(), f"weights after {after}"))
         except Exception as exc:  # a pull that fails after a fault is a finding too ...
-            ended = self.spec.exit_when_done and not any(c.alive(f"worker{r}") for r in range(self.spec.workers))
-            if not ended:  # ... unless training ended meanwhile and the shards left by themselves
+            ended = self.spec.exit_when_done and (not any(c.alive(f"worker{r}") for r in range(self.spec.workers))
+                                                  or any(c.procs[n].popen.poll() == 0 for n in c.shard_names))
+            if not ended:  # ... unless training ended meanwhile and the shards left by themselves (the workers
+                # may still be on their way out)
                 self.violate("observe", [f"the weights could not be pulled after {after}: {exc}"])
 
     def _finish(self) -> None:
