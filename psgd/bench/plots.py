@@ -16,7 +16,7 @@ dashed or hatched.  Figures are written at 150 dpi.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -138,20 +138,21 @@ def curves(group_runs: Sequence[Sequence[RunResult]], metric: str, path: Path, t
     plt.close(fig)
 
 
-def summary(result: LabResult, rows: Sequence[tuple[str, str, str, float | None]], path: Path) -> None:
-    """Time to target per policy (bars) for each network and scenario (groups); ``rows`` are (group title,
-    contender spec, label, seconds or None)."""
+def summary(result: LabResult, rows: Sequence[Any], path: Path) -> None:
+    """Time to target per policy (bars: the median run; whiskers: the least and most of the repeats) for each
+    network and scenario (groups); ``rows`` are :class:`psgd.bench.answer.Row`."""
     plt = _pyplot()
     from matplotlib.patches import Patch
 
-    groups = list(dict.fromkeys(r[0] for r in rows))
-    specs = list(dict.fromkeys(r[1] for r in rows))
-    labels = {r[1]: r[2] for r in rows}
-    seconds = {(r[0], r[1]): r[3] for r in rows}
+    groups = list(dict.fromkeys(r.situation for r in rows))
+    specs = list(dict.fromkeys(r.policy for r in rows))
+    labels = {r.policy: r.label for r in rows}
+    seconds = {(r.situation, r.policy): r.seconds for r in rows}
+    spread = {(r.situation, r.policy): r.spread for r in rows if r.seconds is not None and r.spread}
     width = 0.8 / max(1, len(specs))
     handles = []  # drawn by hand: a policy that never reached the target has no bar to take its colour from
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) * max(1, len(specs)) / 3), 4.8))
-    top = max([s for s in seconds.values() if s is not None], default=1.0)
+    top = max([s for s in seconds.values() if s is not None] + [hi for _, hi in spread.values()], default=1.0)
     for i, spec in enumerate(specs):
         look = style(spec, result.config.policies)
         xs = [g + (i - (len(specs) - 1) / 2) * width for g in range(len(groups))]
@@ -159,13 +160,20 @@ def summary(result: LabResult, rows: Sequence[tuple[str, str, str, float | None]
         hatch = "//" if look["linestyle"] == "--" else None
         ax.bar([x for x, h in zip(xs, heights) if h is not None], [h for h in heights if h is not None], width,
                color=look["color"], hatch=hatch, edgecolor="white")
+        whiskers = [(x, h, spread[group, spec]) for group, x, h in zip(groups, xs, heights) if (group, spec) in spread]
+        if whiskers:  # the least and most times of the repeats, around the median's bar
+            ax.errorbar([x for x, _, _ in whiskers], [h for _, h, _ in whiskers],
+                        yerr=[[max(0.0, h - lo) for _, h, (lo, _) in whiskers],
+                              [max(0.0, hi - h) for _, h, (_, hi) in whiskers]],
+                        fmt="none", ecolor="black", elinewidth=1.0, capsize=3)
         handles.append(Patch(facecolor=look["color"], hatch=hatch, edgecolor="white", label=labels[spec]))
         for group, x, h in zip(groups, xs, heights):
             if h is None and (group, spec) in seconds:
                 ax.text(x, top * 0.02, "not reached", rotation=90, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, fontsize=9)
-    ax.set_ylabel(f"seconds to test accuracy {result.config.target_accuracy:g} (median run)")
+    ax.set_ylabel(f"seconds to test accuracy {result.config.target_accuracy:g}" +
+                  (" (median run; whiskers: least to most)" if spread else " (median run)"))
     ax.grid(True, axis="y", alpha=0.3)
     fig.legend(handles=handles, loc="lower center", ncol=min(5, len(specs)), fontsize=9, frameon=False)
     ax.set_title(f"{result.config.name}: time to target accuracy, by policy (lower is better)")

@@ -104,7 +104,7 @@ def write_all(result: LabResult, out: Path) -> dict[str, str]:
                          result.config.policies)
             files[f"{metric}-{scenario}"] = str(path)
     files["summary-plot"] = str(out / "summary.png")
-    plots.summary(result, [r[:4] for r in answer.rows(result)], Path(files["summary-plot"]))
+    plots.summary(result, answer.rows(result), Path(files["summary-plot"]))
     files["summary"] = str(out / "summary.md")
     Path(files["summary"]).write_text(answer.recommend(result))
     result.files = files

@@ -97,3 +97,28 @@ def test_the_lab_reads_its_contenders_and_colours_from_the_policy_registry():
     assert len({plots.style(spec, one_each)["color"] for spec in one_each}) == len(families)
     source = inspect.getsource(plots)
     assert not [name for name in POLICIES if f'"{name}"' in source]  # no policy written out in the plots
+
+
+def test_the_summary_plot_draws_the_spread_of_the_repeats(tmp_path, monkeypatch):
+    """summary.png showed each policy's median time to target only; the repeats' least and most are whiskers."""
+    import types
+
+    import matplotlib.pyplot as plt
+
+    from psgd.bench import plots
+    from psgd.bench.answer import Row
+
+    drawn = []
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.append(fig))  # kept to be read, not closed
+    result = types.SimpleNamespace(config=types.SimpleNamespace(policies=["sync", "async"], target_accuracy=0.95,
+                                                                name="digits"))
+    rows = [Row("loopback", "sync", "sync", 4.0, 0.96, None, (3.0, 6.0)),
+            Row("loopback", "async", "async", 2.0, 0.95, None, (1.5, 2.5)),
+            Row("1 Gbit/s", "sync", "sync", None, 0.5, None, None),  # not reached: no bar, no whisker
+            Row("1 Gbit/s", "async", "async", 5.0, 0.95, None, (5.0, 5.0))]
+    plots.summary(result, rows, tmp_path / "summary.png")
+    ax = drawn[0].axes[0]
+    whiskers = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    spans = sorted(tuple(round(v, 6) for v in seg[:, 1]) for c in whiskers for seg in c.lines[2][0].get_segments())
+    assert spans == [(1.5, 2.5), (3.0, 6.0), (5.0, 5.0)]
+    assert "least to most" in ax.get_ylabel() and (tmp_path / "summary.png").stat().st_size > 10_000
