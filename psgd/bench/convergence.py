@@ -341,7 +341,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         result = run_lab(config, args.out or str(RUNS / config.name), progress=not args.no_progress,
                          keep_runs=args.keep_runs)
         done = f"{len(result.runs)} runs in {result.seconds:.0f}s"
-    print(Path(result.files["table"]).read_text())
-    print(Path(result.files["summary"]).read_text())
-    print(f"{done}; wrote {', '.join(sorted(result.files.values()))}")
+    print(report.terminal_text(result))
+    folders = sorted({str(Path(f).parent) for f in result.files.values()})
+    print(f"{done}; wrote {len(result.files)} files in {', '.join(folders)} (table.md: the whole table)")
     return 1 if any(r.error for r in result.runs) else 0

@@ -1,13 +1,16 @@
 """The lab's outputs: lab.json, a Markdown table, the figures (:mod:`psgd.bench.plots`) and the answer in
-words (:mod:`psgd.bench.answer`, summary.md)."""
+words (:mod:`psgd.bench.answer`, summary.md); what it prints, made to fit the terminal (:func:`terminal_text`)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 from pathlib import Path
 
 from psgd.bench import answer, plots
 from psgd.bench.labresult import LabResult, groups, median_summary
+from psgd.ops import view
 
 #: The table's columns: (header, function of a run's summary giving a number or text).
 COLUMNS = (
@@ -39,11 +42,11 @@ def _num(value, digits: int, missing: str = "n/a", spread: str = "") -> str:
     return f"{value:.{digits}f}{spread}"
 
 
-def markdown_table(result: LabResult) -> str:
-    """One row per (scenario, policy): medians over the repeats; a failed group says why."""
+def _cells(result: LabResult) -> tuple[list[str], list[list[str]]]:
+    """The table's head and one row per (scenario, policy): medians over the repeats; a failed group says why."""
     columns = COLUMNS if result.links else COLUMNS[:-1]  # the link-bound step only on emulated links
     head = ["scenario", "policy", "reached", *(c[0] for c in columns)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for runs in groups(result):
         first = runs[0]
         if all(r.error and len(r.points) < 2 for r in runs):
@@ -51,8 +54,28 @@ def markdown_table(result: LabResult) -> str:
         else:
             summary = median_summary(runs)
             cells = [f"{summary['reached']}/{summary['runs']}", *(fn(summary) for _, fn in columns)]
-        lines.append("| " + " | ".join([first.scenario, first.label, *cells]) + " |")
+        rows.append([first.scenario, first.label, *cells])
+    return head, rows
+
+
+def markdown_table(result: LabResult) -> str:
+    """table.md's table: one row per (scenario, policy), every column side by side."""
+    head, rows = _cells(result)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def terminal_text(result: LabResult, width: int | None = None) -> str:
+    """What the lab prints: its table in blocks of columns that fit ``width`` (the terminal's; 80 where there is
+    none), each led by the scenario and policy, then the table's notes and the answer, wrapped to it too."""
+    width = width or shutil.get_terminal_size((80, 24)).columns
+    head, rows = _cells(result)
+    table = view.table(["scenario, policy", *head[2:]], [[f"{r[0]}, {r[1]}", *r[2:]] for r in rows], width)
+    prose = table_notes(result) + "\n" + Path(result.files["summary"]).read_text() if result.files else \
+        table_notes(result)
+    wrapped = "\n".join(textwrap.fill(p, width) if p.strip() else "" for p in prose.splitlines())
+    return table + "\n\n" + wrapped
 
 
 def table_notes(result: LabResult) -> str:
