@@ -323,6 +323,7 @@ class Pair:
         self.alone = True
 
     def _step_down(self, theirs: int) -> None:
+        ahead = self.core.version - theirs
         self.core.take_role(REPLICA)
         with self._lock:
             self.alone = False
@@ -330,6 +331,10 @@ class Pair:
         log.warning("shard %d: its peer %s leads now (at version %d, this process at %d): stepping down to "
                     "replica; pushes not yet acknowledged here are retried there", self.core.shard, self.peer,
                     theirs, self.core.version)
+        if ahead > 0:  # applied here and not there: the pushes among them acknowledged without a copy are gone
+            log.error("shard %d: %d update(s) applied here are not at its peer, which took over while this process "
+                      "went on alone (a cut link looks like a dead peer to both): pushes acknowledged for them "
+                      "without a copy are lost", self.core.shard, ahead)
         self._follower = threading.Thread(target=self._follow, name=f"shard{self.core.shard}-follow", daemon=True)
         self._follower.start()
 

@@ -75,6 +75,9 @@ def test_lost_updates_on_a_shard_that_never_restarted_are_detected():
     assert check_no_loss("sync", {0: 90, 1: 100}, 100, 2, {0}, 0) == []  # shard 0 restarted: it may lose some
     assert check_no_loss("async", {0: 199}, 100, 2, (), 1) == []  # one kill may skip one push
     assert "2 update(s) lost" in check_no_loss("async", {0: 198}, 100, 2, (), 0)[0]
+    # a pair split by a cut link: its stepped-down primary said one update was lost; one more is a finding
+    assert check_no_loss("async", {0: 199}, 100, 2, (), 0, {0: 1}) == []
+    assert "2 update(s) lost" in check_no_loss("async", {0: 198}, 100, 2, (), 0, {0: 1})[0]
 
 
 def test_weights_other_than_the_undisturbed_runs_are_detected():

@@ -31,9 +31,10 @@ def check_exactly_once(policy: str, versions: Mapping[int, int], clocks: Mapping
 
 
 def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers: int, restarted: Iterable[int],
-                  worker_kills: int) -> list[str]:
+                  worker_kills: int, said_lost: Mapping[int, int] | None = None) -> list[str]:
     """A finished job's shards that were never killed lost no update (a graceful restart loses none); ``restarted``
-    names the others (none where a killed shard loses nothing: sync with cuts, a shard kept twice).
+    names the others (none where a killed shard loses nothing: sync with cuts, a shard kept twice); ``said_lost``:
+    updates a process of a pair said were lost as it stepped down (it had gone on alone: said, not silent).
 
     Sync: every round of the ``total`` closes once, so the version is ``total``.
     Async: every push is applied, except that a worker killed between its
@@ -47,7 +48,7 @@ def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers:
         if POLICIES[policy].accumulates and v != total:
             out.append(f"shard {k}: version {v} after a finished sync job of {total} rounds (it was never killed): "
                        f"{'rounds were lost' if v < total else 'rounds were applied twice'}")
-        elif not POLICIES[policy].accumulates and v < workers * total - worker_kills:
+        elif not POLICIES[policy].accumulates and v < workers * total - worker_kills - (said_lost or {}).get(k, 0):
             out.append(f"shard {k}: version {v} after a finished async job of {workers} x {total} pushes with "
                        f"{worker_kills} worker kill(s) (it was never killed): {workers * total - worker_kills - v} "
                        "update(s) lost")

@@ -219,7 +219,7 @@ class Run(FaultInjection):
             # replica took over: either way it loses nothing (no acknowledged push, under async)
             self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers,
                                                       () if spec.policy == "sync" or spec.replicas else self.restarted,
-                                                      self.worker_kills))
+                                                      self.worker_kills, self._said_lost()))
             if spec.policy == "sync" and weights is not None:
                 self._against_undisturbed(weights, views)
         if weights is not None:
@@ -296,6 +296,16 @@ class Run(FaultInjection):
         if weights is not None:
             self.violate("finite", check_finite(weights, "the last checkpoints"))
             self.accuracy = round(c.accuracy(weights), 4)
+
+    def _said_lost(self) -> dict[int, int]:
+        """Per shard, the updates a process of its pair said were lost as it stepped down (psgd.server.replica:
+        the pair split by a cut link, the primary having gone on alone), over every process it ran."""
+        out: dict[int, int] = {}
+        for proc in self.cluster.history:
+            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            for k, n in re.findall(r"shard (\d+): (\d+) update\(s\) applied here are not at its peer", text):
+                out[int(k)] = out.get(int(k), 0) + int(n)
+        return out
 
     def _stopped_at(self) -> dict[int, int]:
         """The version each shard's last incarnation said it stopped at (its log's last line)."""
