@@ -29,9 +29,9 @@ UNPROVEN_SAID_EVERY = 60.0
 _unproven = Quieted(UNPROVEN_SAID_EVERY)
 
 
-def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:
-    """The Status of the shard process at ``address``; None when it does not answer in time, or its answer does not
-    prove that it holds ``token`` (psgd.server.tokens: the call proves it too, the token itself is never sent)."""
+def _ask(address: str, token: str, tls: TLSFiles) -> tuple[ps_pb2.StatusReply | None, bool]:
+    """The Status answer of the shard process at ``address`` (None: none in time) and whether it proves that its
+    sender holds ``token`` (psgd.server.tokens: the call proves it too, the token itself is never sent)."""
     challenge = secrets.token_hex(16) if token else ""
     try:
         with open_channel(address, tls) as channel:
@@ -39,8 +39,15 @@ def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2
                 ps_pb2.StatusRequest(challenge=challenge), timeout=PEER_SECONDS,
                 metadata=tokens.proof_metadata(token, f"/{SERVICE_NAME}/Status"))
     except grpc.RpcError:
-        return None
-    if tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply)):
+        return None, False
+    return reply, tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply))
+
+
+def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:
+    """The Status of the other process of the pair, at ``address``; None when it does not answer in time, or its
+    answer does not prove that it holds ``token`` (said in a WARNING line)."""
+    reply, proven = _ask(address, token, tls)
+    if reply is None or proven:
         return reply
     if _unproven.due() is not None:  # said once a minute at most, as refused followers are
         log.warning("the process at %s answered as shard %d's %s without proving that it holds the job's token: "
@@ -50,30 +57,38 @@ def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2
 
 def restart_of(address: str, cause: str, version: int, shard: int, token: str = "", tls: TLSFiles = NO_TLS) -> str:
     """Why shard ``shard`` cannot believe that the job goes back to the cut at ``version`` because of ``cause`` ("":
-    it can).  The shard process at ``address`` (asked as :func:`peer_status` asks: the question and its answer each
+    it can).  The shard process at ``address`` (asked as the pair asks its peer: the question and its answer each
     prove the job's token) must be another shard of this job, of incarnation ``cause``, restarted from a cut at
     ``version`` or later."""
     if not address:
         return "the rollback names no address of the shard that restarted"
-    reply = peer_status(address, token, tls)
+    reply, proven = _ask(address, token, tls)
     if reply is None:
-        return f"nothing at {address[:100]!r} answered in time as a shard of this job"
+        return f"nothing at {address[:100]!r} answered in time"
+    if not proven:  # (said in the refusal: not in the pair's line about its peer)
+        return f"the process at {address[:100]!r} answered without proving that it holds the job's token"
     if reply.incarnation != cause or reply.shard == shard:
         return (f"the process at {address} is shard {reply.shard}, incarnation {reply.incarnation}: not another "
                 f"shard of incarnation {cause[:40]!r}")
-    try:
-        restored = json.loads(reply.counters_json or "{}").get("restored_version")
-    except (ValueError, AttributeError):
-        restored = None
+    restored = _counters(reply).get("restored_version")
     if not isinstance(restored, int) or restored < version:
         return (f"shard {reply.shard} at {address} did not restart from a cut at version {version} or later (it "
                 f"restarted from {'none' if restored is None else f'the cut at {restored}'})")
     return ""
 
 
+def _counters(reply: ps_pb2.StatusReply) -> dict:
+    """The counters a Status answer carries ({} where they are not a JSON object)."""
+    try:
+        counters = json.loads(reply.counters_json or "{}")
+    except ValueError:
+        return {}
+    return counters if isinstance(counters, dict) else {}
+
+
 def failovers(reply: ps_pb2.StatusReply) -> int:
     """How many times the pair of the process that sent ``reply`` changed leader, as it counts."""
     try:
-        return int(json.loads(reply.counters_json or "{}").get("failovers", 0))
-    except (ValueError, TypeError, AttributeError):
+        return int(_counters(reply).get("failovers", 0))
+    except (ValueError, TypeError):
         return 0

@@ -108,7 +108,7 @@ def test_the_cause_is_checked_with_the_token_proved_not_sent(job, monkeypatch):
     monkeypatch.setattr(restarted.servicer, "token", "not-the-jobs")  # its answers no longer prove the job's token
     with pytest.raises(LinkError) as info:
         job.clients[1].links[0].rollback(4, restarted.incarnation, restarted.address)
-    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert info.value.code.name == "FAILED_PRECONDITION" and "without proving" in info.value.details
     assert job.versions() == [5, 5, 4]
 
 
