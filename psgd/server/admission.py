@@ -102,14 +102,25 @@ class Roster:
         if info.state != "live":
             raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
                              f"(state: {info.state}); it must register again", reason="NOT_REGISTERED")
-        if key is not None and not hmac.compare_digest(key.encode("utf-8", "surrogatepass"), info.key.encode()):
-            self.impostors += 1
+        if not self._carries(info, key):
             raise ShardError("PERMISSION_DENIED", f"worker {worker} is registered with shard {self.shard} by "
                              f"{info.hostname or '?'} pid {info.pid}: a call as worker {worker} must carry the key "
                              "that process's registration got; this one does not")
         if renew:
             info.deadline = self._now() + self.lease_seconds
         return info
+
+    def _carries(self, info: WorkerInfo, key: str | None) -> bool:
+        """Whether a call with ``key`` is the registration's of ``info`` (None: a caller in this process, which
+        vouches for it); one that is not is counted (``impostors``)."""
+        if key is None or hmac.compare_digest(key.encode("utf-8", "surrogatepass"), info.key.encode()):
+            return True
+        self.impostors += 1
+        return False
+
+    def held_by(self, worker: int, incarnation: str) -> bool:
+        """Whether ``worker``'s rank is held by the process ``incarnation`` (what it sent when it registered)."""
+        return self.workers[worker].incarnation == holder_id(incarnation)
 
     def admit(self, worker: int, hostname: str, pid: int, incarnation: str) -> WorkerInfo:
         """Make ``worker`` live, held by the process ``incarnation``: refused while another process holds it."""
@@ -154,8 +165,7 @@ class Roster:
         until now, False when it was done already; refused (:meth:`live`) where it is neither."""
         info = self.workers[worker]
         if info.state == "done":  # said again (its answer was lost): by the same registration only
-            if key is not None and not hmac.compare_digest(key.encode("utf-8", "surrogatepass"), info.key.encode()):
-                self.impostors += 1
+            if not self._carries(info, key):
                 raise ShardError("PERMISSION_DENIED", f"worker {worker} is done on shard {self.shard}: a Done as "
                                  f"worker {worker} must carry the key of the registration that was done")
             return False

@@ -22,7 +22,6 @@ from psgd import wire
 from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint, peers, recovery, tokens
-from psgd.server.admission import holder_id
 from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
@@ -79,9 +78,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             status.refuse(context, err)
         core = self.core
+        if not core.roster.held_by(request.worker_id, request.incarnation):  # another process took it since
+            status.refuse(context, ShardError("ABORTED", "the registration was taken over as it was answered; "
+                                                         "register again"))
         held = core.roster.workers[request.worker_id]
-        if held.incarnation != holder_id(request.incarnation):  # another process took the rank since: not our key
-            status.refuse(context, ShardError("ABORTED", "the registration was taken over as it was answered; register again"))
         cut = core.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
@@ -100,8 +100,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         returns the call's key for the watchdog, which cancels it after ``seconds``.  :meth:`_end_call` gives
         both back."""
         if not self.data_calls.acquire(blocking=False):
-            status.refuse(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls and "
-                                       "pushes at once as it has threads for; try again"))
+            status.refuse(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls "
+                                              "and pushes at once as it has threads for; try again"))
         return self.watchdog.watch(seconds, context, what)
 
     def _end_call(self, key: int) -> None:
@@ -171,7 +171,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return self._push(request_iterator, context, key, what)
         except grpc.RpcError:  # cancelled by the watchdog, or by the client
             status.refuse(context, ShardError("DEADLINE_EXCEEDED",
-                                       f"push did not arrive within {self.transfer_seconds:.1f}s"))
+                                              f"push did not arrive within {self.transfer_seconds:.1f}s"))
 
     def _push(self, request_iterator, context, key: int, what: str):
         began, row_bytes = time.monotonic(), 0
@@ -344,9 +344,10 @@ class ShardServer:
         folder = checkpoint.shard_dir(self.checkpoint_dir, core.shard, core.fingerprint)
         if request.dry_run:
             return ps_pb2.RollbackReply(version=core.version, cuts=recovery.cuts(core, folder))
-        undone = recovery.rollback(core, folder, request.to_version, request.cause, request.worker_id, unproven=lambda: (
-            "" if request.cause == self.incarnation else peers.restart_of(  # this shard restarted: nothing to ask
-                request.restarted, request.cause, request.to_version, core.shard, self.servicer.token, self.tls)))
+        undone = recovery.rollback(
+            core, folder, request.to_version, request.cause, request.worker_id,
+            unproven=lambda: "" if request.cause == self.incarnation else peers.restart_of(  # restarted here: no ask
+                request.restarted, request.cause, request.to_version, core.shard, self.servicer.token, self.tls))
         return ps_pb2.RollbackReply(version=core.version, rounds_undone=undone)
 
     def _reap(self) -> None:
