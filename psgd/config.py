@@ -95,6 +95,11 @@ class ClusterConfig:
             return self.checkpoint_rounds
         return CUT_ROUNDS if POLICIES[self.policy].accumulates and not self.backup_workers else 0
 
+    def shard_cut_rounds(self, checkpoints: bool) -> int:
+        """A shard's rounds between cuts: a checkpoint_rounds that is set holds for every shard; the default's only
+        for one that keeps checkpoints (``checkpoints``: it has a folder to write them to)."""
+        return self.cut_rounds if checkpoints or self.checkpoint_rounds > 0 else 0
+
     @property
     def busy_poll_seconds(self) -> float:
         """Seconds a waiting end of a data connection watches before it sleeps (``busy_poll_us``; -1 is none)."""

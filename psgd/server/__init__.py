@@ -28,7 +28,7 @@ def build_shard(job: Job, shard: int, checkpoints: bool = False) -> ShardCore:
     """The core of shard ``shard`` of ``job`` (:func:`psgd.job.describe_job`: a shard learns the input shape and
     class count from the dataset's headers and labels, and never loads the inputs), its slices initialized from
     the job's seed.  ``checkpoints``: the shard keeps checkpoints, so a sync job that does not set checkpoint_rounds
-    cuts them every CUT_ROUNDS rounds (psgd.config.ClusterConfig.cut_rounds); one that sets it cuts them anyway."""
+    cuts them too (psgd.config.ClusterConfig.shard_cut_rounds)."""
     from psgd.config import ConfigError
     from psgd.job import check_fits
 
@@ -49,5 +49,5 @@ def build_shard(job: Job, shard: int, checkpoints: bool = False) -> ShardCore:
         num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
         identity=job.identity, async_lr=c.async_lr, staleness_lr=c.staleness_lr,
         dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive, implicit_momentum=c.implicit_momentum,
-        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")), cut_rounds=c.cut_rounds if checkpoints or c.checkpoint_rounds > 0 else 0,
+        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")), cut_rounds=c.shard_cut_rounds(checkpoints),
     )
