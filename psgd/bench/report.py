@@ -72,8 +72,7 @@ def terminal_text(result: LabResult, width: int | None = None) -> str:
     width = width or shutil.get_terminal_size((80, 24)).columns
     head, rows = _cells(result)
     table = view.table(["scenario, policy", *head[2:]], [[f"{r[0]}, {r[1]}", *r[2:]] for r in rows], width)
-    prose = table_notes(result) + "\n" + Path(result.files["summary"]).read_text() if result.files else \
-        table_notes(result)
+    prose = table_notes(result) + "\n" + Path(result.files["summary"]).read_text()  # (written by write_all)
     wrapped = "\n".join(textwrap.fill(p, width) if p.strip() else "" for p in prose.splitlines())
     return table + "\n\n" + wrapped
 

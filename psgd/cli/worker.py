@@ -154,7 +154,8 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
         raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
     result, rank, world = train_allreduce(
         job, args.backend, rank=args.rank, rendezvous=args.rendezvous,
-        on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args), args.log_file), progress=not args.no_progress,
+        on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args), args.log_file),
+        progress=not args.no_progress,
         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if rank == 0:
         if args.save:
