@@ -12,11 +12,11 @@ arithmetic; on CuPy the kernel is compiled without contracting a multiply and an
 the CPU give the same bits for the same inputs.  Kernels are made on first use, for float32 and float64;
 another dtype takes the ufunc path on the device too.
 
-:func:`matmul` is ``a @ b``; on a GPU it calls cuBLAS's gemm itself (through ``ctypes``, on the library CuPy
-has loaded), because CuPy refuses every cuBLAS call while a stream is being captured into a graph
-(:mod:`psgd.graphs`).  Each thread has a handle and a workspace of its own; the handle is told the current
-stream before each product, as CuPy does, and float32 products use TF32 only where ``CUPY_TF32=1`` asks for
-it, as CuPy's own do.
+:func:`matmul` is ``a @ b`` of matrices or stacks of them; on a GPU it calls cuBLAS's gemm itself (through
+``ctypes``, on the library CuPy has loaded), because CuPy refuses every cuBLAS call while a stream is being
+captured into a graph (:mod:`psgd.graphs`).  Each thread has a handle and a workspace of its own; the handle is
+told the current stream before each product, as CuPy does, and float32 products use TF32 only where
+``CUPY_TF32=1`` asks for it, as CuPy's own do.
 """
 
 from __future__ import annotations
@@ -261,6 +261,7 @@ _OP_N, _OP_T, _TF32_MATH = 0, 1, 3
 _ONE = {"float32": ctypes.c_float(1.0), "float64": ctypes.c_double(1.0)}
 _ZERO = {"float32": ctypes.c_float(0.0), "float64": ctypes.c_double(0.0)}
 _GEMM = {"float32": "cublasSgemm_v2", "float64": "cublasDgemm_v2"}
+_GEMM_BATCHED = {"float32": "cublasSgemmStridedBatched", "float64": "cublasDgemmStridedBatched"}
 _blas: dict[str, Any] = {}  # "lib": the cuBLAS CuPy loaded (ctypes), or "error": why it could not be found
 _threads = threading.local()  # .handles: device id -> (handle, workspace)
 
@@ -279,6 +280,9 @@ def _cublas(cp: Any) -> Any:
     p, i = ctypes.c_void_p, ctypes.c_int
     for name in _GEMM.values():
         getattr(lib, name).argtypes = [p, i, i, i, i, i, p, p, i, p, i, p, p, i]
+    q = ctypes.c_longlong
+    for name in _GEMM_BATCHED.values():
+        getattr(lib, name).argtypes = [p, i, i, i, i, i, p, p, i, q, p, i, q, p, p, i, q, i]
     lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
     lib.cublasSetStream_v2.argtypes = [p, p]
     lib.cublasSetWorkspace_v2.argtypes = [p, p, ctypes.c_size_t]
@@ -308,38 +312,51 @@ def _handle(cp: Any, lib: Any) -> tuple[int, Any]:
     return made
 
 
-def _operand(a: Any) -> tuple[int, int] | None:
-    """(cuBLAS op, leading dimension) giving ``a.T`` in cuBLAS's column-major terms; None if strided."""
-    if a.flags.c_contiguous:
-        return _OP_N, max(a.shape[1], 1)
-    if a.flags.f_contiguous:
-        return _OP_T, max(a.shape[0], 1)
-    return None
+def _operand(cp: Any, a: Any) -> tuple[Any, int, int, int]:
+    """``(a, cuBLAS op, leading dimension, stride between matrices)`` giving each of ``a``'s matrices transposed in
+    cuBLAS's column-major terms (``a`` a matrix or a stack of them); a copy of ``a`` where its matrices are strided."""
+    rows, cols = a.shape[-2:]
+    item = a.itemsize
+    step = a.strides[0] // item if a.ndim == 3 else 0
+    if step < 0:
+        a = cp.ascontiguousarray(a)
+        return a, _OP_N, max(cols, 1), rows * cols
+    if a.strides[-1] == item and (rows == 1 or a.strides[-2] == cols * item):
+        return a, _OP_N, max(cols, 1), step
+    if a.strides[-2] == item and (cols == 1 or a.strides[-1] == rows * item):
+        return a, _OP_T, max(rows, 1), step
+    a = cp.ascontiguousarray(a)
+    return a, _OP_N, max(cols, 1), rows * cols if a.ndim == 3 else 0
 
 
 def matmul(a: Any, b: Any) -> Any:
-    """``a @ b`` of two matrices, a new C-ordered array; on a GPU one cuBLAS gemm called here (see above)."""
+    """``a @ b`` of two matrices, or where one or both are stacks of matrices (3-D, the same number where both
+    are), a new C-ordered array; on a GPU one cuBLAS gemm (strided and batched for stacks) called here (see above)."""
     cp = _fused(a)
-    if cp is None or a.ndim != 2 or b.ndim != 2 or b.dtype != a.dtype or 0 in a.shape + b.shape[1:]:
+    if (cp is None or not (2 <= a.ndim <= 3 and 2 <= b.ndim <= 3) or b.dtype != a.dtype or 0 in a.shape + b.shape
+            or (a.ndim == b.ndim == 3 and a.shape[0] != b.shape[0])):
         return a @ b
     lib = _cublas(cp)
     if lib is None:
         return a @ b
-    (m, k), n = a.shape, b.shape[1]
-    if b.shape[0] != k:
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    if b.shape[-2] != k:
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not fit")
-    a_op, b_op = _operand(a), _operand(b)
-    if a_op is None:
-        a, a_op = cp.ascontiguousarray(a), (_OP_N, k)
-    if b_op is None:
-        b, b_op = cp.ascontiguousarray(b), (_OP_N, n)
-    out = cp.empty((m, n), dtype=a.dtype)
+    batch = a.shape[0] if a.ndim == 3 else b.shape[0] if b.ndim == 3 else 0
+    a, a_op, a_ld, a_step = _operand(cp, a)
+    b, b_op, b_ld, b_step = _operand(cp, b)
+    out = cp.empty(((batch,) if batch else ()) + (m, n), dtype=a.dtype)
     handle, workspace = _handle(cp, lib)
     _checked(lib.cublasSetStream_v2(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
     _checked(lib.cublasSetWorkspace_v2(handle, workspace.data.ptr, WORKSPACE_BYTES), "cublasSetWorkspace")
     # row-major out = a @ b is column-major out.T = b.T @ a.T
     dtype = a.dtype.name
-    _checked(getattr(lib, _GEMM[dtype])(handle, b_op[0], a_op[0], n, m, k, ctypes.addressof(_ONE[dtype]),
-                                        b.data.ptr, b_op[1], a.data.ptr, a_op[1], ctypes.addressof(_ZERO[dtype]),
-                                        out.data.ptr, n), _GEMM[dtype])
+    one, zero = ctypes.addressof(_ONE[dtype]), ctypes.addressof(_ZERO[dtype])
+    if not batch:
+        _checked(getattr(lib, _GEMM[dtype])(handle, b_op, a_op, n, m, k, one, b.data.ptr, b_ld, a.data.ptr, a_ld,
+                                            zero, out.data.ptr, n), _GEMM[dtype])
+        return out
+    name = _GEMM_BATCHED[dtype]
+    _checked(getattr(lib, name)(handle, b_op, a_op, n, m, k, one, b.data.ptr, b_ld, b_step, a.data.ptr, a_ld, a_step,
+                                zero, out.data.ptr, n, m * n, batch), name)
     return out

@@ -118,7 +118,9 @@ def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
 # -- convolution and pooling ---------------------------------------------------------------------------------------
 def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0) -> Tensor:
     """2-D cross-correlation, stride 1, ``padding`` zeros each side, by im2col: ``x`` (B, C, H, W), ``w``
-    (O, C, k, k), ``b`` (O,).  im2col and col2im loop over the k*k offsets with slices (NumPy and CuPy alike)."""
+    (O, C, k, k), ``b`` (O,).  im2col is one copy of a strided view of every window; the products are
+    :func:`psgd.kernels.matmul`'s (so that on a GPU the step can be captured as a CUDA graph); col2im adds the k*k
+    offsets' slices back."""
     X, W = data_of(x), data_of(w)
     xp = get_array_module(X)
     n, c, h, wd = X.shape
@@ -127,23 +129,25 @@ def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0) -> Tensor:
     ho, wo = h + 2 * p - k + 1, wd + 2 * p - k + 1
     if ho < 1 or wo < 1:
         raise ValueError(f"conv2d: input {h}x{wd} with padding {p} is smaller than the {k}x{k} kernel")
-    offsets = [(i, j) for i in range(k) for j in range(k)]
     xpad = xp.pad(X, ((0, 0), (0, 0), (p, p), (p, p))) if p else X
-    cols = xp.stack([xpad[:, :, i:i + ho, j:j + wo] for i, j in offsets], axis=2).reshape(n, c * k * k, ho * wo)
+    sn, sc, sh, sw = xpad.strides
+    cols = xp.lib.stride_tricks.as_strided(xpad, (n, c, k, k, ho, wo), (sn, sc, sh, sw, sh, sw)).reshape(
+        n, c * k * k, ho * wo)
     w2 = W.reshape(o, -1)
-    out = (w2 @ cols).reshape(n, o, ho, wo)
+    out = kernels.matmul(w2, cols).reshape(n, o, ho, wo)
     if b is not None:
         out += data_of(b).reshape(1, -1, 1, 1)
 
     def rule(g):
         g2 = g.reshape(n, o, ho * wo)
-        gw = xp.tensordot(g2, cols, axes=([0, 2], [0, 2])).reshape(W.shape)
+        gw = kernels.matmul(g2, cols.transpose(0, 2, 1)).sum(axis=0).reshape(W.shape)
         gb = g2.sum(axis=(0, 2)) if b is not None else None
         if not (isinstance(x, Tensor) and (x.requires_grad or x.node)):
             return None, gw, gb
-        gcols = (w2.T @ g2).reshape(n, c, k * k, ho, wo)
+        gcols = kernels.matmul(w2.T, g2).reshape(n, c, k * k, ho, wo)
         gpad = xp.zeros((n, c, h + 2 * p, wd + 2 * p), dtype=g.dtype)
-        for m, (i, j) in enumerate(offsets):
+        for m in range(k * k):
+            i, j = divmod(m, k)
             gpad[:, :, i:i + ho, j:j + wo] += gcols[:, :, m]
         return (gpad[:, :, p:p + h, p:p + wd] if p else gpad), gw, gb
     return make(out, (x, w, b), rule, "conv2d")

@@ -8,6 +8,8 @@ graph must give the eager step's loss and gradients for new batches and new weig
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -105,6 +107,24 @@ def test_matmul_is_the_product_for_every_layout(device, rng, dtype):
                                        atol=1e-5 if dtype == np.float32 else 1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_is_the_product_for_stacks_of_matrices(device, rng, dtype):
+    """A stack times a matrix, a matrix times a stack, and two stacks; each stack C-ordered, its matrices transposed,
+    strided, or reversed; a stack of one."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-12)
+    for s, m, k, n in ((5, 7, 3, 4), (1, 6, 9, 2), (3, 1, 4, 1)):
+        a3, b3 = rng.standard_normal((s, m, k)).astype(dtype), rng.standard_normal((s, k, n)).astype(dtype)
+        a2, b2 = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+        views = {"as is": lambda x: x, "transposed": lambda x: x.transpose(0, 2, 1).copy().transpose(0, 2, 1),
+                 "strided": lambda x: x.repeat(2, axis=2)[:, :, ::2], "reversed": lambda x: x[::-1]}
+        for (left, right), view in itertools.product(((a3, b2), (a2, b3), (a3, b3)), views):
+            on = [views[view](device.asarray(v)) if v.ndim == 3 else device.asarray(v) for v in (left, right)]
+            got = kernels.matmul(*on)
+            want = backend.to_host(on[0]) @ backend.to_host(on[1])
+            assert got.shape == want.shape and got.dtype == dtype
+            np.testing.assert_allclose(backend.to_host(got), want, **tol)
+
+
 def test_a_dense_layer_and_the_relu_after_it_are_one_step(device, rng):
     """The fused dense layer and ReLU (nn.linear(relu=True): the bias and the ReLU one kernel on a GPU, and the ReLU's
     gradient one) gives the unfused operations' output and gradients, to the bit."""
@@ -122,20 +142,22 @@ def test_a_dense_layer_and_the_relu_after_it_are_one_step(device, rng):
         np.testing.assert_array_equal(backend.to_host(one.grad), backend.to_host(other.grad))
 
 
-def mlp_batch(gpu, rng, dtype="float64"):
-    model = build_model("mlp", input_shape=(16,), num_classes=5, dtype=dtype, hidden=[32, 32])
+def mlp_batch(gpu, rng, dtype="float64", name="mlp"):
+    shape, options = ((16,), {"hidden": [32, 32]}) if name == "mlp" else ((1, 8, 8), {})
+    model = build_model(name, input_shape=shape, num_classes=5, dtype=dtype, **options)
     params = {k: gpu.asarray(v) for k, v in model.init(3).items()}
-    return model, params, lambda: (gpu.asarray(rng.standard_normal((64, 16))), gpu.asarray(rng.integers(0, 5, 64)))
+    return model, params, lambda: (gpu.asarray(rng.standard_normal((64,) + shape)), gpu.asarray(rng.integers(0, 5, 64)))
 
 
 @pytest.mark.gpu
-def test_a_graphed_step_gives_the_eager_step(rng):
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_a_graphed_step_gives_the_eager_step(rng, name):
     """Weights updated in place (read by the graph in place) and new weight arrays each step (copied in):
     every step's loss and gradients equal the eager step's on the same batch and weights."""
     from psgd.graphs import GraphedStep
 
     gpu = backend.get_device("cuda")
-    model, params, batch = mlp_batch(gpu, rng)
+    model, params, batch = mlp_batch(gpu, rng, name=name)
     for fresh in (False, True):
         step = GraphedStep(model, gpu)
         for n in range(5):
