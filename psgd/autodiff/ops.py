@@ -64,13 +64,13 @@ def neg(a: Any) -> Tensor:
 
 
 def matmul(a: Any, b: Any) -> Tensor:
-    """``a @ b`` as NumPy's matmul: vectors, matrices, and stacks of matrices broadcast over their leading axes."""
+    """``a @ b`` as NumPy's matmul: vectors, matrices, and stacks of matrices broadcast over their leading axes (the
+    products of matrices and 3-D stacks :func:`psgd.kernels.matmul`'s, so that a GPU step can be captured)."""
     A, B = data_of(a), data_of(b)
-    plain = A.ndim == 2 and B.ndim == 2
-    out = kernels.matmul(A, B) if plain else A @ B
+    out = kernels.matmul(A, B) if A.ndim > 1 and B.ndim > 1 else A @ B
 
     def rule(g):
-        if plain:
+        if A.ndim == 2 and B.ndim == 2:
             return (kernels.matmul(g, B.T) if isinstance(a, Tensor) else None,
                     kernels.matmul(A.T, g) if isinstance(b, Tensor) else None)
         xp = get_array_module(g)
@@ -81,8 +81,10 @@ def matmul(a: Any, b: Any) -> Tensor:
             g2 = xp.expand_dims(g2, -2)
         if B.ndim == 1:
             g2 = xp.expand_dims(g2, -1)
-        ga = unbroadcast(g2 @ xp.swapaxes(b2, -1, -2), a2.shape).reshape(A.shape) if isinstance(a, Tensor) else None
-        gb = unbroadcast(xp.swapaxes(a2, -1, -2) @ g2, b2.shape).reshape(B.shape) if isinstance(b, Tensor) else None
+        ga = (unbroadcast(kernels.matmul(g2, xp.swapaxes(b2, -1, -2)), a2.shape).reshape(A.shape)
+              if isinstance(a, Tensor) else None)
+        gb = (unbroadcast(kernels.matmul(xp.swapaxes(a2, -1, -2), g2), b2.shape).reshape(B.shape)
+              if isinstance(b, Tensor) else None)
         return ga, gb
     return make(out, (a, b), rule, "matmul")
 

@@ -176,6 +176,49 @@ def test_a_graphed_step_gives_the_eager_step(rng, name):
         assert step._graphs and next(iter(step._graphs.values())).shared is (not fresh)
 
 
+def attention_network():
+    """A network of one's own with products of stacks of matrices (an attention's scores and mixing)."""
+    from psgd.model.blocks import Linear
+    from psgd.model.module import Network
+
+    class Attend(Network):
+        static_step = True
+
+        def __init__(self):
+            super().__init__("float64")
+            self.q, self.k, self.out = Linear(4, 4), Linear(4, 4), Linear(4, 3)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            flat = ops.reshape(x, (b * t, d))
+            q, k = (ops.reshape(m.forward(flat), (b, t, d)) for m in (self.q, self.k))
+            mixed = nn.softmax(q @ ops.transpose(k, (0, 2, 1))) @ x
+            return self.out.forward(ops.mean(mixed, axis=1))
+
+    return Attend()
+
+
+@pytest.mark.gpu
+def test_a_network_with_products_of_stacks_is_captured(rng):
+    """Products of 3-D stacks (attention) go through psgd.kernels.matmul, so the step can be captured; each replay
+    gives the eager step's loss and gradients."""
+    from psgd.graphs import GraphedStep
+
+    gpu = backend.get_device("cuda")
+    model = attention_network()
+    params = {k: gpu.asarray(v) for k, v in model.init(3).items()}
+    step = GraphedStep(model, gpu)
+    for n in range(4):
+        x, y = gpu.asarray(rng.standard_normal((6, 5, 4))), gpu.asarray(rng.integers(0, 3, 6))
+        loss, grads = step(params, x, y)
+        got = float(loss), {k: backend.to_host(g).copy() for k, g in grads.items()}
+        want_loss, want = model.loss_and_grads(params, x, y)
+        assert got[0] == float(want_loss)
+        for k in want:
+            np.testing.assert_array_equal(got[1][k], backend.to_host(want[k]), err_msg=f"step {n} {k}")
+    assert step.failed is None and step.replays == 3
+
+
 @pytest.mark.gpu
 def test_a_step_that_reads_back_is_run_kernel_by_kernel(rng, caplog):
     import logging
