@@ -139,8 +139,9 @@ def backward(loss: Tensor, grad: Any = None,
     while order:  # the loss first, each tensor after every node that uses it; none kept once done
         tensor = order.pop()
         node, tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
-        g = pop(id(tensor), None)
-        out = node.rule(g) if g is not None else (None,) * len(node.inputs)
+        key = id(tensor)
+        # the rule holds the only reference to its output's gradient, so that it can let go of it as it goes
+        out = node.rule(pop(key)) if key in grads else (None,) * len(node.inputs)
         for x, gx in zip(node.inputs, out):
             if x is None:
                 continue
@@ -156,6 +157,7 @@ def backward(loss: Tensor, grad: Any = None,
                     x.grad = got if x.grad is None else x.grad + got
                     if on_grad is not None:
                         on_grad(x, x.grad)
+        out = gx = None  # the next rule runs without this one's gradients held here
 
 
 def _seed(a: Any) -> Any:

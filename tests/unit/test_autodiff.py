@@ -273,6 +273,26 @@ def test_backward_lets_go_of_each_tensor_once_its_rule_has_run():
     assert alive_when_w_was_done == [False]  # tanh's rule (the last to run) came after exp(middle)'s let it go
 
 
+
+def test_a_rule_that_replaces_its_gradient_lets_go_of_the_one_it_was_given():
+    """As a fused ReLU's rule does (``g = relu_grad(g, out)``): backward holds no reference to the gradient it handed
+    the rule, nor to the gradients of the rule before, so the old one is freed as the rule replaces it (the peak of a
+    dense network's backward is then the hand-written code's)."""
+    freed = []
+
+    def doubled(a):
+        def rule(g):
+            given = weakref.ref(g)
+            g = g * 2.0
+            freed.append(given() is None)
+            return (g,)
+        return tensor.make(a.data * 2.0, (a,), rule, "doubled")
+
+    w = Tensor(values((3, 4), 1), requires_grad=True)
+    backward(ops.sum(ops.mul(doubled(doubled(w)), values((3, 4), 2))))
+    assert freed == [True, True]
+    np.testing.assert_allclose(w.grad, 4 * values((3, 4), 2))
+
 # -- the check, checked: a wrong rule is caught, for every operation ---------------------------------------------------
 CASES = {
     **{name: (fn, [(2, 3), (1, 3)]) for name, fn in BINARY.items()},
