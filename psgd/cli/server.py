@@ -146,7 +146,7 @@ def serve(args: argparse.Namespace) -> int:
         from psgd.server import checkpoint, recovery
 
         try:
-            recovery.resume(core, args.checkpoint_dir, fresh=args.fresh)
+            recovery.resume(core, args.checkpoint_dir, fresh=args.fresh, key=checkpoint.signing_key(token))
         except checkpoint.CheckpointError as exc:
             raise ConfigError(str(exc)) from None
     metrics = ShardMetrics.from_args(core, args, default_host=host).start()

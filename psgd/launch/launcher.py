@@ -42,9 +42,10 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop, token)`` runs in a
     thread from the workers' start until they have all finished (``stop`` is
     set then); it may read the shards with ``token``, e.g. to evaluate the weights over time.
-    The shards want ``$PSGD_TOKEN``; without one, a single node makes a random token for the job and
-    hands it to its children in their environment (never in the job file or a log), and a node of several
-    refuses to start (every node must know the same token).
+    The shards want ``$PSGD_TOKEN``; without one, a single node makes a random token for the job
+    (:func:`made_token`, kept in ``RUN/.token``, readable by its user alone) and hands it to its children in
+    their environment (never in the job file or a log), and a node of several refuses to start (every node must
+    know the same token).
     ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
     In ps mode the shards write checkpoints into ``RUN/checkpoints`` (and a last one when stopped); ``resume``
     continues the job of ``run_dir`` from them, where a launch into a folder that holds them is refused.
@@ -110,9 +111,10 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     token = os.environ.get("PSGD_TOKEN", "")
     if not token and mode == "ps":
         if layout.nnodes == 1:
-            token = secrets.token_urlsafe(32)  # only this launcher's children and its own reads know it
-            log.info("made a token for this job's shards, which only its own processes know; to watch them with "
-                     "psgd status, set PSGD_TOKEN before psgd launch")
+            token = made_token(run)
+            log.info("the job's token is in %s (readable by you alone; psgd launch --resume reads it, the shards sign "
+                     "their checkpoints with it); to watch the shards with psgd status, set PSGD_TOKEN=$(cat %s)",
+                     run / TOKEN_FILE, run / TOKEN_FILE)
         else:  # every node must know the same one: none is made here
             raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
                               "on each before psgd launch (make one: python3 -c 'import secrets; "
@@ -158,6 +160,25 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
 NCCL_RENDEZVOUS = "nccl-id.json"
 #: where a launch's shards write their checkpoints, in the run folder (psgd launch --resume reads them)
 CHECKPOINTS = "checkpoints"
+#: where a single-node launch keeps the token it made for its job, in the run folder
+TOKEN_FILE = ".token"
+
+
+def made_token(run: Path) -> str:
+    """The token of the job in ``run`` where the user gave none: the one an earlier launch of it kept there (so
+    that ``--resume`` gives the shards the token their checkpoints were signed with), else a new one, kept there
+    readable by this user alone."""
+    path = run / TOKEN_FILE
+    try:
+        kept = path.read_text().strip()
+    except FileNotFoundError:
+        kept = ""
+    if kept:
+        return kept
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(token + "\n")
+    return token
 
 
 def _port_file(run: Path, shard: int, role: str = "shard") -> Path:

@@ -9,7 +9,12 @@ other's files):
   and, for sync, the open round's partial sum (``round_sum``);
 - ``ckpt-V.json``: the manifest: version, the job's fingerprint and identity,
   the shard, plan hash and description, policy state, counters, the open
-  round's base versions, and the npz file's size and SHA-256.
+  round's base versions, and the npz file's size and SHA-256; in a job with a
+  token, its ``signature``: a keyed hash (HMAC-SHA256, with a key derived from
+  the token: :func:`signing_key`) of everything else it says, the npz's checksum
+  among it, which a shard of the job checks before it restores it, so that
+  whoever can write the folder but does not hold the token cannot have a shard
+  resume weights of their making.
 
 Each file is written to a temporary name, flushed and fsynced, then renamed
 into place, the manifest last, so a crash at any moment leaves the previous
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -127,9 +133,22 @@ def owned(folder: Path, fingerprint: Any, shard: Any) -> list[int]:
             and m.get("fingerprint") == fingerprint and m.get("shard") == shard]
 
 
+def signing_key(token: str) -> bytes | None:
+    """The key a job's checkpoints are signed with, derived from its token (None without a token: not signed)."""
+    if not token:
+        return None
+    return hmac.new(token.encode("utf-8", "surrogatepass"), b"psgd checkpoint signature", hashlib.sha256).digest()
+
+
+def _signature(key: bytes, manifest: Mapping[str, Any]) -> str:
+    said = json.dumps({k: v for k, v in manifest.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, said.encode(), hashlib.sha256).hexdigest()
+
+
 def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray], manifest: dict[str, Any],
-         keep: int = 3) -> Path:
-    """Write checkpoint ``version`` into ``folder``; returns the manifest's path.
+         keep: int = 3, key: bytes | None = None) -> Path:
+    """Write checkpoint ``version`` into ``folder``; returns the manifest's path.  ``key``: the job's
+    :func:`signing_key`, with which the manifest is signed (None: not signed).
 
     Then the job's older checkpoints beyond the newest ``keep`` are removed:
     only those whose manifest carries the same ``fingerprint`` and ``shard``
@@ -149,6 +168,8 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
         _write_atomically(npz, lambda f: np.savez(f, **arrays))
         manifest = {**manifest, "format": FORMAT, "version": version, "npz": npz.name,
                     "npz_bytes": npz.stat().st_size, "sha256": _sha256(npz), "written_at": time.time()}
+        if key is not None:
+            manifest["signature"] = _signature(key, manifest)
         _write_atomically(meta, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         _fsync_dir(folder)
     except OSError as exc:
@@ -227,11 +248,11 @@ def versions(folder: str | os.PathLike) -> list[int]:
 
 
 def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
-         arrays: bool | Sequence[str] = True, fingerprint: str | None = None) -> Checkpoint:
+         arrays: bool | Sequence[str] = True, fingerprint: str | None = None, key: bytes | None = None) -> Checkpoint:
     """Checkpoint ``version`` of ``folder``, checked against its manifest's size and SHA-256 (and
-    against ``plan_hash`` and the job's ``fingerprint`` when given); never unpickles.  ``arrays``:
-    True loads every array, a list of names loads those (e.g. ``["weights"]``), False only checks.
-    Raises :class:`CheckpointError` saying what is wrong."""
+    against ``plan_hash``, the job's ``fingerprint`` and the manifest's signature with ``key`` when given);
+    never unpickles.  ``arrays``: True loads every array, a list of names loads those (e.g. ``["weights"]``),
+    False only checks.  Raises :class:`CheckpointError` saying what is wrong."""
     folder = Path(folder)
     meta = folder / f"ckpt-{version}.json"
     try:
@@ -243,6 +264,14 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
         if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
             raise CheckpointError(f"it was written by job {manifest.get('fingerprint') or '(unnamed)'}, "
                                   f"this is job {fingerprint}")
+        if key is not None:
+            signed = manifest.get("signature")
+            if not isinstance(signed, str) or not signed:
+                raise CheckpointError("it is not signed, and this job has a token: it was written by a shard without "
+                                      "one (--no-token), or not by a shard of this job")
+            if not hmac.compare_digest(signed.encode("ascii", "replace"), _signature(key, manifest).encode()):
+                raise CheckpointError("its signature does not match this job's token: it was written under another "
+                                      "token, or changed since")
         npz = folder / manifest["npz"]
         if npz.parent != folder or not npz.exists():
             raise CheckpointError(f"{npz.name} is missing")
@@ -265,13 +294,13 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
 
 
 def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | None = None,
-                check: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
-    """The newest intact checkpoint in ``folder`` for ``plan_hash`` (and the job ``fingerprint``, when
-    given) that ``check`` passes (it raises :class:`CheckpointError` saying why not), or None when there is
-    none."""
+                check: Callable[[Checkpoint], None] | None = None, key: bytes | None = None) -> Checkpoint | None:
+    """The newest intact checkpoint in ``folder`` for ``plan_hash`` (and the job ``fingerprint``, and signed with
+    ``key``, when given) that ``check`` passes (it raises :class:`CheckpointError` saying why not), or None when
+    there is none."""
     for version in versions(folder):
         try:
-            ckpt = load(folder, version, plan_hash, fingerprint=fingerprint)
+            ckpt = load(folder, version, plan_hash, fingerprint=fingerprint, key=key)
             if check is not None:
                 check(ckpt)
             return ckpt

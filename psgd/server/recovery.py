@@ -23,13 +23,13 @@ from psgd.wire.sweep import all_finite
 log = logging.getLogger(__name__)
 
 
-def write(core: ShardCore, folder, keep: int = 3, force: bool = False, held: bool = False):
+def write(core: ShardCore, folder, keep: int = 3, force: bool = False, held: bool = False, key: bytes | None = None):
     """Write a checkpoint of ``core`` into ``folder`` (nothing when unchanged since the last one), keeping the
     newest ``keep`` (:meth:`ShardCore.write_checkpoint`: under the core's lock, which ``held`` says the caller holds
-    already: a sync round's cut, as it closes).  Raises CheckpointError when the disk refuses (the previous one
-    stays)."""
+    already: a sync round's cut, as it closes), signed with ``key`` (:func:`checkpoint.signing_key`).  Raises
+    CheckpointError when the disk refuses (the previous one stays)."""
     return core.write_checkpoint(lambda version, arrays, manifest: checkpoint.save(folder, version, arrays, manifest,
-                                                                                   keep), held=held, force=force)
+                                                                                   keep, key), held=held, force=force)
 
 
 #: the largest version a checkpoint may say (a shard's counters and the wire's int64 hold it)
@@ -133,13 +133,13 @@ def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
 
 
 def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: str, worker: int,
-             unproven: Callable[[], str] = lambda: "") -> int:
+             unproven: Callable[[], str] = lambda: "", key: bytes | None = None) -> int:
     """Go back to the cut at ``version`` (this shard's checkpoint of it in ``folder``) because of ``cause`` (the
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
     continues from ``version`` (:meth:`ShardCore.go_back`).  Returns the rounds undone; refuses
     (FAILED_PRECONDITION) where ``unproven()`` says why the cause cannot be believed (a new cause is checked, with
     the shard that restarted: :func:`psgd.server.peers.restart_of`), or this shard is behind the cut or holds no
-    intact checkpoint of it."""
+    intact checkpoint of it (signed with ``key``, where given)."""
     if not cause or len(cause) > MAX_CAUSE or not cause.isprintable():
         raise ShardError("INVALID_ARGUMENT", f"a rollback must give its cause, the incarnation of the shard that "
                          f"restarted (at most {MAX_CAUSE} printable characters)")
@@ -152,7 +152,7 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
 
     def load() -> checkpoint.Checkpoint:
         try:
-            ckpt = checkpoint.load(folder, version, core.plan.hash, fingerprint=core.fingerprint)
+            ckpt = checkpoint.load(folder, version, core.plan.hash, fingerprint=core.fingerprint, key=key)
             check(core, ckpt)
         except checkpoint.CheckpointError as exc:
             raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} cannot go back to the cut at version "
@@ -166,14 +166,15 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
     return undone
 
 
-def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False) -> None:
+def resume(core: ShardCore, root: str | os.PathLike, fresh: bool = False, key: bytes | None = None) -> None:
     """Start shard ``core`` from its newest intact checkpoint under ``root`` (``root/<fingerprint>/shard-K``),
-    or from its initial weights when it has none.  When ``root`` holds only this shard's checkpoints of
+    signed with ``key`` where given (:func:`checkpoint.signing_key`), or from its initial weights when it has
+    none.  When ``root`` holds only this shard's checkpoints of
     other jobs, refuse (:class:`CheckpointError`) unless ``fresh``: resuming them would train another job's
     model, and starting over silently would look like a resume."""
     folder = checkpoint.shard_dir(root, core.shard, core.fingerprint)
     checkpoint.remove_leftovers(folder)
-    saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint, check=lambda c: check(core, c))
+    saved = checkpoint.load_latest(folder, core.plan.hash, core.fingerprint, check=lambda c: check(core, c), key=key)
     if saved is not None:
         restore(core, saved)
         return

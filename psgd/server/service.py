@@ -347,7 +347,8 @@ class ShardServer:
         undone = recovery.rollback(
             core, folder, request.to_version, request.cause, request.worker_id,
             unproven=lambda: "" if request.cause == self.incarnation else peers.restart_of(  # restarted here: no ask
-                request.restarted, request.cause, request.to_version, core.shard, self.servicer.token, self.tls))
+                request.restarted, request.cause, request.to_version, core.shard, self.servicer.token, self.tls),
+            key=checkpoint.signing_key(self.servicer.token))
         return ps_pb2.RollbackReply(version=core.version, rounds_undone=undone)
 
     def _reap(self) -> None:
@@ -368,7 +369,8 @@ class ShardServer:
             return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
-            path = recovery.write(self.core, folder, self.keep_checkpoints, force=force, held=held)
+            path = recovery.write(self.core, folder, self.keep_checkpoints, force=force, held=held,
+                                  key=checkpoint.signing_key(self.servicer.token))
         except checkpoint.CheckpointError as exc:
             self._failures.failed(exc, cut=bool(self.core.cut_rounds))  # each one a cut, then
             return False

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import by_hand_env, make_job, skip_or_fail, wait_for
+from helpers import TOKEN, by_hand_env, make_job, skip_or_fail, wait_for
 from psgd.ops.reach import Connect
 from psgd.ops.view import collect
 from psgd.config import to_toml
@@ -293,8 +293,8 @@ def test_a_shard_refuses_another_jobs_checkpoints_unless_told_fresh(tmp_path, wh
 
 def test_psgd_server_removes_leftovers_and_restores_this_jobs_newest_beside_another_jobs(tmp_path):
     """The compose case after a kill: the volume holds an older model's ckpt-576..580 (old layout) and this
-    job's checkpoints with what the kill left; ``--fresh`` stays in the command line, as it would in a
-    compose file, and still resumes this job."""
+    job's checkpoints with what the kill left (signed with the job's token, as its shard wrote them); ``--fresh``
+    stays in the command line, as it would in a compose file, and still resumes this job."""
     root = tmp_path / "ckpt"
     theirs = plant_other_job(root, "old layout", "")
     before = files(theirs)
@@ -302,7 +302,7 @@ def test_psgd_server_removes_leftovers_and_restores_this_jobs_newest_beside_anot
     folder = checkpoint.shard_dir(root, 0, core.fingerprint)
     for seed in range(3):
         step(core, seed)
-        recovery.write(core, folder)
+        recovery.write(core, folder, key=checkpoint.signing_key(TOKEN))
     size = leftovers(folder)
     server = Server(tmp_path, job(), root, "--fresh")
     try:

@@ -212,3 +212,54 @@ def test_a_shard_whose_checkpoints_all_fail_refuses_to_start_unless_fresh(tmp_pa
     fresh = make("async", 1)
     recovery.resume(fresh, tmp_path, fresh=True)
     assert fresh.version == 0
+
+
+KEY, OTHER_KEY = checkpoint.signing_key("the job's token"), checkpoint.signing_key("another job's token")
+
+
+def replaced_weights(path):
+    """The checkpoint at ``path`` (a manifest) given weights of someone else's making, its npz's size and checksum in
+    the manifest made again: what whoever can write the folder can do without the token."""
+    manifest = json.loads(path.read_text())
+    npz = path.parent / manifest["npz"]
+    with np.load(npz) as data:
+        arrays = {k: data[k] for k in data.files}
+    arrays["weights"][:] = 250.8
+    with open(npz, "wb") as f:
+        np.savez(f, **arrays)
+    manifest.update(npz_bytes=npz.stat().st_size, sha256=checkpoint._sha256(npz))
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("written", ["unsigned", "another token", "weights replaced"])
+def test_a_job_with_a_token_restores_only_checkpoints_signed_with_it(tmp_path, caplog, written):
+    """The checksums are in the manifest, which anyone who can write the folder can write again: a shard of a job with
+    a token restores only a checkpoint whose manifest is signed with a key derived from the token, falling back to
+    the newest that is."""
+    a = make("async", 1)
+    a.push(0, 0, 0, grads(0))
+    folder = checkpoint.shard_dir(tmp_path, 0, a.fingerprint)
+    recovery.write(a, folder, key=KEY)  # version 1, signed
+    a.push(0, 1, 1, grads(1))
+    path = recovery.write(a, folder, key={"unsigned": None, "another token": OTHER_KEY}.get(written, KEY))
+    if written == "weights replaced":
+        replaced_weights(path)
+    b = make("async", 1)
+    with caplog.at_level(logging.WARNING):
+        recovery.resume(b, tmp_path, key=KEY)
+    assert b.version == 1 and not (b.flat == 250.8).any()
+    why = "not signed" if written == "unsigned" else "signature does not match this job's token"
+    assert any("ckpt-2" in r.getMessage() and why in r.getMessage() for r in caplog.records), caplog.text
+    unchecked = make("async", 1)  # a job without a token checks no signature: it believes the replaced weights
+    recovery.resume(unchecked, tmp_path)
+    assert unchecked.version == 2 and (unchecked.flat == 250.8).all() == (written == "weights replaced")
+
+
+def test_a_signed_checkpoint_is_restored_whole_with_its_key(tmp_path):
+    a = make("async", 1)
+    a.push(0, 0, 0, grads(0))
+    recovery.write(a, checkpoint.shard_dir(tmp_path, 0, a.fingerprint), key=KEY)
+    b = make("async", 1)
+    recovery.resume(b, tmp_path, key=KEY)
+    assert b.version == 1 and np.array_equal(b.flat, a.flat)
+    assert checkpoint.signing_key("") is None
