@@ -161,6 +161,8 @@ class ShardCore(CoreState):
         if self.halted:
             raise ShardError("FAILED_PRECONDITION", self.halted)
         if self.role in ("replica", "starting", "stopping"):
+            if self.role == "replica" and self.pair is not None:
+                self.pair.asked()  # a worker that cannot reach the primary: leave to lead for a replica that lost it
             raise ShardError("UNAVAILABLE", f"this process of shard {self.shard} serves no worker ({self.role}): the "
                              "other process of its pair does", reason="NOT_PRIMARY")
 

@@ -14,21 +14,23 @@ as pulls and pushes are; each answer is one :data:`ANSWER`.
 
 Roles: the first process of a pair (``[cluster] servers``) starts as the primary, the second (``replica_servers``)
 as the replica, unless its peer already leads or holds more (a restarted primary becomes its old replica's replica
-and catches up from its state).  A replica takes over when its primary's stream ends (the process died) or stays
-silent for :data:`SILENCE_SECONDS`, and only once the primary does not answer a status call either.  A primary
+and catches up from its state). A replica takes for lost a primary whose stream ends or stays silent for
+:data:`SILENCE_SECONDS` and that does not answer a status call either, and takes over once a worker comes to it (a
+worker calls a replica only when it cannot reach the primary): a primary cut off from its replica alone, which looks
+the same from there, goes on serving the workers, and the replica follows it again when the cut heals. A primary
 whose replica cannot be reached at all goes on alone (acknowledging pushes the replica does not hold: the trade-off
 that keeps a job running when the replica dies; it catches up when it comes back), and keeps asking after it: one
 whose peer took over (a later count of failovers) steps down, and its pushes not yet acknowledged are retried by
-their workers on the new primary.  Only the pair's own replica follows (the address the job file gives it, or the
-first to follow a primary that knew none), and the two processes prove to each other that they hold the job's
-token without sending it (:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is not
-believed.  A replica that does not keep up is cut off as Kafka drops a follower from
-its in-sync set: silent (an update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window
-of as long, updates waited for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average,
-beyond the time their bytes need at :data:`psgd.server.stream.MIN_RATE`).  The primary says so in one line and goes
-on alone; one cut off again without having kept up in between is taken back only after :data:`BENCH_SECONDS`
-(doubled each time), so that a follower that cannot keep up costs the job a few seconds now and then, not its pace,
-while one that kept up and stalled once (a paused process) follows again as soon as it answers.
+their workers on the new primary. Only the pair's own replica follows (the address the job file gives it, or the
+first to follow a primary that knew none), and the two processes prove to each other that they hold the job's token
+without sending it (:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is not
+believed. A replica that does not keep up is cut off as Kafka drops a follower from its in-sync set: silent (an
+update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited
+for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average, beyond the time their bytes
+need at :data:`psgd.server.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off again
+without having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a
+follower that cannot keep up costs the job a few seconds now and then, not its pace, while one that kept up and
+stalled once (a paused process) follows again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ KEEP_UP_SECONDS = 2 * SILENCE_SECONDS
 #: a replica is slow when, over a window of KEEP_UP_SECONDS, updates waited for it more than half the time and its
 #: answers took this long on average (beyond the time their bytes need): a healthy one answers in milliseconds
 SLOW_ANSWER_SECONDS = 0.1
+#: a worker that came this long before its replica lost the primary counts too (it may find the primary gone first)
+WORKERS_SECONDS = 2 * SILENCE_SECONDS
 #: how long a replica cut off for not keeping up is refused before it may follow again: the first time, and the most
 #: (doubled each time it is cut off again)
 BENCH_SECONDS = (30.0, 300.0)
@@ -90,6 +94,9 @@ class Pair:
         self.job_over = False    # a replica told by its primary that the job is over
         self._told = False       # a primary that told its replica so
         self.following = False   # a replica with its primary's stream open
+        self.orphaned = ""       # why a replica lost its primary, while it waits for a worker to come (then leads)
+        self._orphaned_at = 0.0  # since when (monotonic)
+        self._asked_at = -1e9    # when a worker last came to this process while it was a replica (monotonic)
         self._held = False       # this process held the job's state (it followed a primary, or led)
         self._refused = Quieted(REFUSALS_SAID_EVERY)  # followers refused: said once a minute at most
         # a replica cut off twice without keeping up in between waits (doubling) before it may follow again
@@ -359,9 +366,25 @@ class Pair:
                     stream.shut(self._sock)
                     self._sock.close()
                     self._sock = None
-            if why and not self.job_over and not self._stop.is_set() and self._take_over(why):
+            if why and not self.job_over and not self._stop.is_set():
+                self._orphan(why)
+            if self.orphaned and self._asked_at >= self._orphaned_at - WORKERS_SECONDS and self._take_over(why):
                 return
             self._stop.wait(0.2)
+
+    def asked(self) -> None:
+        """A worker came to this replica (so it cannot reach the primary): leave to lead once the primary is lost."""
+        self._asked_at = time.monotonic()
+
+    def _orphan(self, why: str) -> None:
+        """The primary's stream ended (``why``) and it does not answer: gone, or cut off from this process alone (the
+        module's docstring says what follows)."""
+        found = peer_status(self.peer, self.token, self.tls)
+        if not self._held or (found is not None and found.role == PRIMARY) or self.orphaned:
+            return
+        self.orphaned, self._orphaned_at = why, time.monotonic()
+        log.warning("shard %d: its primary %s does not answer (%s): gone, or cut off from this process alone; this "
+                    "replica takes over as soon as a worker comes to it", self.core.shard, self.peer, why)
 
     def _connect(self) -> socket.socket | None:
         """A data connection to the peer whose hello asks to follow; None where the peer does not lead now."""
@@ -382,6 +405,9 @@ class Pair:
             except protocol.WireError as exc:
                 return f"its stream ended ({exc})"
             self.following = True
+            if self.orphaned:
+                log.info("shard %d: its primary %s answers again: following it", core.shard, self.peer)
+                self.orphaned = ""
             if kind == stream.FINISHED:
                 self.job_over = True
                 core.notify()
@@ -398,7 +424,7 @@ class Pair:
         core = self.core
         core.take_role(PRIMARY, failover=True)
         with self._lock:
-            self.alone = True
+            self.alone, why, self.orphaned = True, self.orphaned or why, ""
         log.info("shard %d: its primary %s is gone (%s): this replica takes over at version %d", core.shard,
                  self.peer, why, core.version)
         return True

@@ -550,3 +550,68 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
         assert primary.core.pair.lag() == 0  # its own replica follows on
     finally:
         close(primary, replica)
+
+
+def _cut_between(monkeypatch, cut: threading.Event):
+    """While ``cut`` is set, neither process of a pair reaches the other (a network cut between them): their status
+    calls to each other go unanswered."""
+    from psgd.server import replica as replica_module
+
+    real = replica_module.peer_status
+    monkeypatch.setattr(replica_module, "peer_status",
+                        lambda address, *args, **kwargs: None if cut.is_set() else real(address, *args, **kwargs))
+
+
+def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_and_loses_nothing(monkeypatch, caplog):
+    """Found by the chaos suite: a network cut between a shard's two processes looked like a dead peer to both, so the
+    primary went on alone (acknowledging pushes without a copy) and the replica took over; once the cut healed the
+    primary stepped down, and the pushes it had acknowledged alone were lost.  Now a replica that has lost its
+    primary takes over only once a worker comes to it (a worker comes only when it cannot reach the primary): cut
+    apart from a primary the workers still reach, it waits, and follows again when the cut heals."""
+    caplog.set_level(logging.INFO, logger="psgd")
+    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
+                   "cluster.shards=1", "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    p, q = primary.core.pair, replica.core.pair
+    cut = threading.Event()
+    _cut_between(monkeypatch, cut)
+    try:
+        cut.set()
+        stream.shut(q._sock)  # the link between them breaks
+        wait_for(lambda: p.alone and (getattr(q, "orphaned", "") or replica.core.role == "primary"), 10,
+                 "the primary to go on alone and the replica to decide (wait, or lead)")
+        result = run_worker(job, 0, job.cluster.servers, progress=False)  # acknowledged by the primary alone
+        assert result.steps > 0 and primary.core.version == result.steps
+        assert replica.core.role == "replica" and primary.core.role == "primary"
+        cut.clear()
+        wait_for(lambda: p.attached and p.lag() == 0 and not q.orphaned, 15, "the replica to follow again")
+        assert replica.core.version == primary.core.version == result.steps
+        np.testing.assert_array_equal(replica.core.flat, primary.core.flat)
+        assert replica.core.counters["failovers"] == 0
+        assert not any(r.levelno >= logging.ERROR for r in caplog.records), caplog.text
+        assert any("takes over as soon as a worker comes to it" in r.getMessage() for r in caplog.records)
+    finally:
+        cut.clear()
+        close(primary, replica)
+
+
+def test_a_replica_that_lost_its_primary_takes_over_when_a_worker_comes_to_it(monkeypatch):
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    primary, replica = pair_of(job)
+    q = replica.core.pair
+    from psgd.server.errors import ShardError
+
+    try:
+        primary.core.pair.stop(finished=False)
+        primary.stop(grace=0)  # the primary is gone, for the workers too
+        wait_for(lambda: q.orphaned, 10, "the replica to miss its primary")
+        with pytest.raises(ShardError) as caught:  # the first worker to come is sent on (it retries) ...
+            replica.core.register(0, replica.core.plan.hash)
+        assert caught.value.reason == "NOT_PRIMARY"
+        wait_for(lambda: replica.core.role == "primary", 10, "the replica to take over")  # ... and finds it leading
+        assert replica.core.register(0, replica.core.plan.hash) is not None
+        assert replica.core.counters["failovers"] == 1
+    finally:
+        replica.core.pair.stop(finished=True)
+        replica.stop(grace=1.0)
