@@ -103,7 +103,7 @@ class Pair:
         self._benched_until, self._bench, self._strikes = 0.0, BENCH_SECONDS[0], 0
         self._lagged = False  # the last replica was cut off for not keeping up (until one follows again)
         self._queued_at = 0.0    # when the oldest update in the queue was queued (0: none)
-        self._stop = threading.Event()
+        self._stop, self._woken = threading.Event(), threading.Event()  # _woken: a worker came
         self._sock: socket.socket | None = None  # a replica's connection to its primary
         self._follower = threading.Thread(target=self._follow, name=f"shard{core.shard}-follow", daemon=True)
         core.join_pair(self)  # serving no worker until start() decides
@@ -370,15 +370,16 @@ class Pair:
                 self._orphan(why)
             if self.orphaned and self._asked_at >= self._orphaned_at - WORKERS_SECONDS and self._take_over(why):
                 return
-            self._stop.wait(0.2)
+            self._woken.wait(0.2)
+            self._woken.clear()
 
     def asked(self) -> None:
         """A worker came to this replica (so it cannot reach the primary): leave to lead once the primary is lost."""
         self._asked_at = time.monotonic()
+        self._woken.set()
 
     def _orphan(self, why: str) -> None:
-        """The primary's stream ended (``why``) and it does not answer: gone, or cut off from this process alone (the
-        module's docstring says what follows)."""
+        """The primary's stream ended (``why``) and it does not answer: gone, or cut off from this process alone."""
         found = peer_status(self.peer, self.token, self.tls)
         if not self._held or (found is not None and found.role == PRIMARY) or self.orphaned:
             return
@@ -416,8 +417,7 @@ class Pair:
         return ""
 
     def _take_over(self, why: str) -> bool:
-        """Lead (True) where the peer does not lead, after following it (``why``: how its stream ended); a replica
-        that never held its primary's state has nothing to lead with, and does not."""
+        """Lead (True) where the peer does not lead and this process held the job's state (``why``: how it was lost)."""
         found = peer_status(self.peer, self.token, self.tls)
         if not self._held or (found is not None and found.role == PRIMARY):
             return False
