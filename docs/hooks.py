@@ -1,4 +1,4 @@
-"""MkDocs hooks (mkdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
+"""ProperDocs hooks (properdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
 drift (every command's flags and every job-file key, from :mod:`psgd.reference`), and benchmarks/RESULTS.md with
 the plots it shows, from where they live in the repository."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mkdocs.structure.files import File
+from properdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parent.parent
 
