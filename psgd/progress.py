@@ -1,4 +1,4 @@
-"""Progress bars and the JSONL metrics log shared by every trainer."""
+"""Progress bars and the metrics log shared by every trainer: JSON lines, and TensorBoard's event files beside them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def progress_bar(total: int, desc: str, *, enabled: bool = True, position: int |
 
 
 class MetricsLog:
-    """Append one JSON object per line: ``{"time", "role", "event", ...}``.
+    """Append one JSON object per line: ``{"time", "role", "event", ...}``; and the same run's curves as TensorBoard
+    event files in ``tensorboard/ROLE`` beside the file (:class:`Board`: ``tensorboard --logdir RUN`` shows them).
 
     With ``path=None`` it writes nothing, so callers need no branches.  Values
     that JSON cannot hold (NaN, inf) are written as null.  Lines from several
@@ -36,10 +37,13 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike | None, role: str):
         self.role = role
         self._file = None
+        self._board: Board | None = None
         self._lock = threading.Lock()
         if path is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8", buffering=1)
+            self._board = Board(os.path.join(folder, "tensorboard", role.replace(":", "-")))
 
     def write(self, event: str, **fields: Any) -> None:
         if self._file is None:
@@ -50,12 +54,51 @@ class MetricsLog:
         with self._lock:
             if self._file is not None:
                 self._file.write(line)
+                self._board.add(event, record)
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+                self._board.close()
+
+
+class Board:
+    """A run's curves as TensorBoard event files in ``folder`` (tensorboardX's writer: TensorBoard's format, with
+    neither PyTorch nor TensorFlow): every evaluation (``eval/``: test accuracy and loss, training loss), and a step's
+    loss, staleness and where its time went (``train/``, ``seconds/``) at most every :data:`STEP_SECONDS`, so that
+    writing them costs a fast trainer nothing it would notice.  The x axis is the steps done."""
+
+    #: the shortest time between two steps written (a writer's scalar costs about 60 µs)
+    STEP_SECONDS = 0.1
+
+    def __init__(self, folder: str):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(folder, flush_secs=5)
+        self._last = -math.inf
+
+    def add(self, event: str, record: dict) -> None:
+        if event == "step":
+            now = time.monotonic()
+            if now - self._last < self.STEP_SECONDS:
+                return
+            self._last = now
+            step = record.get("clock", 0) + 1
+            scalars = {"train/loss": record.get("loss"), "train/staleness": record.get("staleness"),
+                       **{f"seconds/{k}": v for k, v in (record.get("seconds") or {}).items()}}
+        elif event == "eval":
+            step = record.get("step", 0)
+            scalars = {f"eval/{k}": record.get(k) for k in ("test_accuracy", "test_loss", "train_loss")}
+        else:
+            return
+        for tag, value in scalars.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step, walltime=record["time"])
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _jsonable(value: Any) -> Any:

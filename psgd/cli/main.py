@@ -10,6 +10,7 @@ from pathlib import Path
 
 from psgd import __version__
 from psgd.cli import export as export_cli
+from psgd.cli import report as report_cli
 from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
@@ -51,6 +52,8 @@ commands:
            shards, or joined from their checkpoints (--checkpoints DIR)
   eval     test accuracy and loss of weights saved in an .npz (psgd export,
            psgd train --save)
+  report   a run's summary (steps/s, accuracy, staleness, where a step's
+           time went) and its curves as a PNG (psgd report RUN)
 
 Across machines: `psgd launch --nnodes N --node-rank R --hosts ...` on each,
 or start psgd-server (one per shard) and psgd-worker (one per rank) yourself
@@ -152,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_check_model_parser(sub)
     export_cli.add_export_parser(sub)
     export_cli.add_eval_parser(sub)
+    report_cli.add_report_parser(sub)
     return parser
 
 

@@ -1,0 +1,46 @@
+"""``psgd report RUN``: a run's summary in lines, and its curves as a PNG (:mod:`psgd.ops.report`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from psgd.cli.common import add_log_arguments, verbosity
+from psgd.logs import setup_logging
+
+DESCRIPTION = """\
+A run read back from its folder (psgd launch --run-dir RUN, or the folder its last line names): one line for the
+job, one per worker with the steps it took and its steps/s, the last test accuracy it measured, the staleness of its
+updates and where a step's time went (fetching weights, computing, the exchange); and the training loss of every
+worker and the test accuracy against the steps done, drawn into RUN/report.png (needs matplotlib: pip install -e
+".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard.
+"""
+
+
+def add_report_parser(sub) -> None:
+    parser = sub.add_parser("report", help="a run's summary and its curves as a PNG (psgd report RUN)",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", metavar="RUN", help="the run folder")
+    parser.add_argument("--png", metavar="FILE", help="where to draw the curves (default: RUN/report.png)")
+    parser.add_argument("--no-png", action="store_true", help="print the summary only")
+    add_log_arguments(parser)
+    parser.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from psgd.ops.report import draw, summarise
+
+    setup_logging("report", verbosity(args), args.log_file)
+    report = summarise(args.run)
+    for line in report.lines():
+        print(line)
+    if args.no_png:
+        return 0
+    try:
+        path = draw(report, args.png or report.folder / "report.png")
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        print('the curves are not drawn: matplotlib is not installed (pip install -e ".[bench]")')
+        return 0
+    print(f"curves: {path}")
+    return 0

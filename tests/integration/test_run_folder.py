@@ -1,0 +1,67 @@
+"""What a run folder gives a user to look at: TensorBoard's event files beside the JSON lines (read back here with
+TensorBoard's own reader), and ``psgd report RUN``, a run's summary in lines and its curves as a PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A two-worker sync launch of the digits' MLP for two epochs, as a user starts it."""
+    folder = tmp_path_factory.mktemp("launch") / "run"
+    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "2", "--shards", "2",
+                          "--epochs", "2", "--no-progress", "--run-dir", str(folder)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return folder
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_worker_writes_its_curves_as_tensorboard_event_files(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for rank in (0, 1):
+        board = EventAccumulator(str(run / "tensorboard" / f"worker-{rank}"))
+        board.Reload()
+        tags = board.Tags()["scalars"]
+        assert {"train/loss", "seconds/compute", "seconds/exchange"} <= set(tags), tags
+        losses = board.Scalars("train/loss")
+        steps = [rec for rec in _lines(run / f"worker-{rank}.jsonl") if rec["event"] == "step"]
+        assert losses and losses[0].step == steps[0]["clock"] + 1 and losses[-1].step <= len(steps)
+        first = steps[0]["loss"]
+        assert losses[0].value == pytest.approx(first, rel=1e-6)
+    evals = [rec for rec in _lines(run / "worker-0.jsonl") if rec["event"] == "eval"]
+    board = EventAccumulator(str(run / "tensorboard" / "worker-0"))
+    board.Reload()
+    accuracy = board.Scalars("eval/test_accuracy")
+    assert [(a.step, round(a.value, 6)) for a in accuracy] == [(e["step"], round(e["test_accuracy"], 6))
+                                                                for e in evals]
+
+
+def test_psgd_report_says_what_each_worker_did_and_draws_the_curves(run, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(run), "--png", str(tmp_path / "r.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"run {run}: mlp on digits, sync, 2 worker(s), 2 shard(s)"
+    done = [rec for rec in _lines(run / "worker-0.jsonl") if rec["event"] == "done"][0]
+    assert lines[1].startswith(f"  worker-0: 44 steps in {done['seconds']:.1f}s (")
+    assert f"test accuracy {done['test_accuracy']:.4f}" in lines[1] and "staleness median 0, max 0" in lines[1]
+    assert "a step: weights " in lines[1] and "exchange " in lines[1]
+    assert lines[2].startswith("  worker-1: 44 steps in ") and "test accuracy" not in lines[2]
+    assert lines[3] == f"curves: {tmp_path / 'r.png'}"
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_psgd_report_of_a_folder_that_is_not_a_run_says_so(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "holds no metrics lines (worker-R.jsonl)" in out.stderr, out.stderr
