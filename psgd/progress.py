@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import math
 import os
@@ -25,9 +26,15 @@ def progress_bar(total: int, desc: str, *, enabled: bool = True, position: int |
         bar.close()
 
 
+#: the columns of the CSV file beside the JSON lines: a row per step and per evaluation (``step``: the steps done)
+CSV_COLUMNS = ("time", "event", "step", "epoch", "loss", "staleness", "weights_seconds", "compute_seconds",
+               "exchange_seconds", "train_loss", "test_loss", "test_accuracy")
+
+
 class MetricsLog:
-    """Append one JSON object per line: ``{"time", "role", "event", ...}``; and the same run's curves as TensorBoard
-    event files in ``tensorboard/ROLE`` beside the file (:class:`Board`: ``tensorboard --logdir RUN`` shows them).
+    """Append one JSON object per line: ``{"time", "role", "event", ...}``; the steps and evaluations as CSV rows in
+    a file of the same name ending in ``.csv`` (:data:`CSV_COLUMNS`); and the same run's curves as TensorBoard event
+    files in ``tensorboard/ROLE`` beside them (:class:`Board`: ``tensorboard --logdir RUN`` shows them).
 
     With ``path=None`` it writes nothing, so callers need no branches.  Values
     that JSON cannot hold (NaN, inf) are written as null.  Lines from several
@@ -43,6 +50,12 @@ class MetricsLog:
             folder = os.path.dirname(os.path.abspath(path))
             os.makedirs(folder, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8", buffering=1)
+            table = os.path.splitext(path)[0] + ".csv"
+            fresh = not os.path.exists(table) or os.path.getsize(table) == 0
+            self._csv_file = open(table, "a", encoding="utf-8", newline="", buffering=1)
+            self._csv = csv.writer(self._csv_file)
+            if fresh:
+                self._csv.writerow(CSV_COLUMNS)
             self._board = Board(os.path.join(folder, "tensorboard", role.replace(":", "-")))
 
     def write(self, event: str, **fields: Any) -> None:
@@ -55,13 +68,24 @@ class MetricsLog:
             if self._file is not None:
                 self._file.write(line)
                 self._board.add(event, record)
+                if event in ("step", "eval"):
+                    self._csv.writerow(_row(event, record))
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+                self._csv_file.close()
                 self._board.close()
+
+
+def _row(event: str, record: dict) -> list:
+    """A step's or an evaluation's row of the CSV file (:data:`CSV_COLUMNS`); a value it does not have is empty."""
+    seconds = record.get("seconds") or {}
+    step = record.get("clock", 0) + 1 if event == "step" else record.get("step")
+    values = {**record, "step": step, **{f"{k}_seconds": v for k, v in seconds.items()}}
+    return ["" if values.get(c) is None else values[c] for c in CSV_COLUMNS]
 
 
 class Board:

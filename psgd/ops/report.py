@@ -51,19 +51,21 @@ class Report:
     workers: list[Worker]
 
     def lines(self) -> list[str]:
-        """The summary as a user reads it: one line for the run, one per worker."""
+        """The summary as a user reads it: one line for the run, a few per worker."""
         out = [f"run {self.folder}: {self.job}"]
         for w in self.workers:
             said = [f"{w.steps} steps in {w.seconds:.1f}s ({w.rate:,.0f} steps/s)" if w.finished else
                     f"{w.steps} steps, stopped before its end"]
             if w.accuracy is not None:
                 said.append(f"test accuracy {w.accuracy:.4f}")
+            more = []
             if w.staleness:
-                said.append(f"staleness median {statistics.median(w.staleness):g}, max {max(w.staleness):g}")
+                more.append(f"staleness median {statistics.median(w.staleness):g}, max {max(w.staleness):g}")
             if w.parts:
                 total = sum(w.parts.values()) or 1.0
-                said.append("a step: " + ", ".join(f"{p} {100 * s / total:.0f}%" for p, s in w.parts.items()))
+                more.append("a step: " + ", ".join(f"{p} {100 * s / total:.0f}%" for p, s in w.parts.items()))
             out.append(f"  {w.name}: " + "; ".join(said))
+            out.extend(f"    {fact}" for fact in more)  # a line each, so that every line fits 80 columns
         return out
 
 

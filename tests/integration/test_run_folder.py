@@ -1,8 +1,10 @@
-"""What a run folder gives a user to look at: TensorBoard's event files beside the JSON lines (read back here with
-TensorBoard's own reader), and ``psgd report RUN``, a run's summary in lines and its curves as a PNG."""
+"""What a run folder gives a user to look at: CSV rows and TensorBoard's event files beside the JSON lines (the event
+files read back here with TensorBoard's own reader), and ``psgd report RUN``, a run's summary in lines and its curves
+as a PNG."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -46,6 +48,21 @@ def test_every_worker_writes_its_curves_as_tensorboard_event_files(run):
                                                                 for e in evals]
 
 
+def test_every_worker_writes_its_steps_and_evaluations_as_csv_rows(run):
+    for rank in (0, 1):
+        lines = _lines(run / f"worker-{rank}.jsonl")
+        with open(run / f"worker-{rank}.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        wanted = [rec for rec in lines if rec["event"] in ("step", "eval")]
+        assert [r["event"] for r in rows] == [rec["event"] for rec in wanted]
+        for row, rec in zip(rows, wanted):
+            if rec["event"] == "step":
+                assert int(row["step"]) == rec["clock"] + 1 and float(row["loss"]) == rec["loss"]
+                assert float(row["exchange_seconds"]) == rec["seconds"]["exchange"] and row["test_accuracy"] == ""
+            else:
+                assert int(row["step"]) == rec["step"] and float(row["test_accuracy"]) == rec["test_accuracy"]
+
+
 def test_psgd_report_says_what_each_worker_did_and_draws_the_curves(run, tmp_path):
     out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(run), "--png", str(tmp_path / "r.png")],
                          capture_output=True, text=True, timeout=120)
@@ -54,10 +71,12 @@ def test_psgd_report_says_what_each_worker_did_and_draws_the_curves(run, tmp_pat
     assert lines[0] == f"run {run}: mlp on digits, sync, 2 worker(s), 2 shard(s)"
     done = [rec for rec in _lines(run / "worker-0.jsonl") if rec["event"] == "done"][0]
     assert lines[1].startswith(f"  worker-0: 44 steps in {done['seconds']:.1f}s (")
-    assert f"test accuracy {done['test_accuracy']:.4f}" in lines[1] and "staleness median 0, max 0" in lines[1]
-    assert "a step: weights " in lines[1] and "exchange " in lines[1]
-    assert lines[2].startswith("  worker-1: 44 steps in ") and "test accuracy" not in lines[2]
-    assert lines[3] == f"curves: {tmp_path / 'r.png'}"
+    assert lines[1].endswith(f"; test accuracy {done['test_accuracy']:.4f}")
+    assert lines[2] == "    staleness median 0, max 0"
+    assert lines[3].startswith("    a step: weights ") and ", exchange " in lines[3]
+    assert lines[4].startswith("  worker-1: 44 steps in ") and "test accuracy" not in lines[4]
+    assert lines[7] == f"curves: {tmp_path / 'r.png'}"
+    assert max(len(line) for line in lines[1:7]) <= 80, lines
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
