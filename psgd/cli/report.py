@@ -8,11 +8,12 @@ from psgd.cli.common import add_log_arguments, verbosity
 from psgd.logs import setup_logging
 
 DESCRIPTION = """\
-A run read back from its folder (psgd launch --run-dir RUN, or the folder its last line names): one line for the
-job, one per worker with the steps it took and its steps/s, the last test accuracy it measured, the staleness of its
-updates and where a step's time went (fetching weights, computing, the exchange); and the training loss of every
-worker and the test accuracy against the steps done, drawn into RUN/report.png (needs matplotlib: pip install -e
-".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard.
+A run read back from its folder (psgd launch --run-dir RUN, or the folder its last line names): a line for the
+job, then for each worker the steps it took, its steps/s and the last test accuracy it measured, the staleness of
+its updates and where a step's time went (fetching weights, computing, the exchange), each on a line of its own;
+and the training loss of every worker and the test accuracy against the steps done, drawn into RUN/report.png
+(needs matplotlib: pip install -e ".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard; the
+same figures as rows: RUN/worker-R.csv.
 """
 
 
