@@ -80,11 +80,16 @@ class MetricsLog:
                 self._board.close()
 
 
+def steps_done(record: dict) -> int:
+    """The steps done at a ``step`` line (its clock counts from 0) or an ``eval`` line (it says them): the x axis of
+    every curve drawn from the metrics lines."""
+    return record.get("clock", 0) + 1 if record.get("event") == "step" else record.get("step", 0)
+
+
 def _row(event: str, record: dict) -> list:
     """A step's or an evaluation's row of the CSV file (:data:`CSV_COLUMNS`); a value it does not have is empty."""
     seconds = record.get("seconds") or {}
-    step = record.get("clock", 0) + 1 if event == "step" else record.get("step")
-    values = {**record, "step": step, **{f"{k}_seconds": v for k, v in seconds.items()}}
+    values = {**record, "step": steps_done(record), **{f"{k}_seconds": v for k, v in seconds.items()}}
     return ["" if values.get(c) is None else values[c] for c in CSV_COLUMNS]
 
 
@@ -109,17 +114,15 @@ class Board:
             if now - self._last < self.STEP_SECONDS:
                 return
             self._last = now
-            step = record.get("clock", 0) + 1
             scalars = {"train/loss": record.get("loss"), "train/staleness": record.get("staleness"),
                        **{f"seconds/{k}": v for k, v in (record.get("seconds") or {}).items()}}
         elif event == "eval":
-            step = record.get("step", 0)
             scalars = {f"eval/{k}": record.get(k) for k in ("test_accuracy", "test_loss", "train_loss")}
         else:
             return
         for tag, value in scalars.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(tag, value, step, walltime=record["time"])
+                self.writer.add_scalar(tag, value, steps_done(record), walltime=record["time"])
 
     def close(self) -> None:
         self.writer.close()

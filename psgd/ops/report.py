@@ -1,6 +1,6 @@
 """A finished (or stopped) run, read back from its folder: ``psgd report RUN``.
 
-A run folder (``psgd launch --run-dir``, or ``/tmp/psgd-run-*`` as its last line says) holds each worker's metrics
+A run folder (``psgd launch --run-dir``, or the one under ``runs/`` its last line names) holds each worker's metrics
 lines (``worker-R.jsonl``; ``allreduce.jsonl`` for all-reduce), its job file and its logs.  :func:`summarise`
 reads the lines into one :class:`Report`: per worker, the steps it took, its steps/s, the last test accuracy it
 measured, the staleness of its updates, and where a step's time went (fetching weights, computing, the exchange);
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from psgd.errors import InputError
+from psgd.progress import steps_done
 
 #: the parts of a step the metrics lines time, in the order a step takes them
 PARTS = ("weights", "compute", "exchange")
@@ -107,13 +108,13 @@ def _worker(path: Path) -> Worker:
         if event == "step":
             worker.steps += 1
             if rec.get("loss") is not None:
-                worker.losses.append((rec.get("clock", 0) + 1, rec["loss"]))
+                worker.losses.append((steps_done(rec), rec["loss"]))
             if rec.get("staleness") is not None:
                 worker.staleness.append(rec["staleness"])
             for part, seconds in (rec.get("seconds") or {}).items():
                 parts.setdefault(part, []).append(seconds)
         elif event == "eval" and rec.get("test_accuracy") is not None:
-            worker.evals.append((rec.get("step", 0), rec["test_accuracy"]))
+            worker.evals.append((steps_done(rec), rec["test_accuracy"]))
             worker.accuracy = rec["test_accuracy"]
         elif event == "done":
             worker.finished, worker.seconds = True, rec.get("seconds") or 0.0
