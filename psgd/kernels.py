@@ -318,13 +318,11 @@ def _operand(cp: Any, a: Any) -> tuple[Any, int, int, int]:
     rows, cols = a.shape[-2:]
     item = a.itemsize
     step = a.strides[0] // item if a.ndim == 3 else 0
-    if step < 0:
-        a = cp.ascontiguousarray(a)
-        return a, _OP_N, max(cols, 1), rows * cols
-    if a.strides[-1] == item and (rows == 1 or a.strides[-2] == cols * item):
-        return a, _OP_N, max(cols, 1), step
-    if a.strides[-2] == item and (cols == 1 or a.strides[-1] == rows * item):
-        return a, _OP_T, max(rows, 1), step
+    if step >= 0:  # (a stack read backwards is copied)
+        if a.strides[-1] == item and (rows == 1 or a.strides[-2] == cols * item):
+            return a, _OP_N, max(cols, 1), step
+        if a.strides[-2] == item and (cols == 1 or a.strides[-1] == rows * item):
+            return a, _OP_T, max(rows, 1), step
     a = cp.ascontiguousarray(a)
     return a, _OP_N, max(cols, 1), rows * cols if a.ndim == 3 else 0
 
