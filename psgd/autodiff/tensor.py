@@ -4,7 +4,7 @@ vector-Jacobian rule in reverse, once, from the loss to the tensors that asked f
 Define-by-run, as Chainer and PyTorch: the forward pass is ordinary Python over NumPy or CuPy arrays, so a model's
 own control flow (a loop over layers, a branch on a shape) needs nothing special, and the same code runs on either
 array module.  A tensor holds its array (``data``, of the module its inputs were of) and, when it was made by an
-operation on tensors that need gradients, a :class:`Node`: the inputs and the rule that maps the gradient of the
+operation on tensors that need gradients, a node: the inputs and the rule that maps the gradient of the
 output to theirs.  A rule keeps only what it needs (Chainer's ``retain_inputs``); :func:`backward` drops each node's
 rule and inputs once it has run, so the intermediate values are released as backward consumes them, and calls
 ``on_grad(tensor, grad)`` for each leaf as soon as no node that is still to run can add to its gradient.
@@ -51,15 +51,11 @@ def no_grad() -> Iterator[None]:
         _state.recording = before
 
 
-class Node:
-    """How a tensor was made: its ``inputs`` (tensors, or None for an input that is not one) and ``rule``, which
-    maps the gradient of the output to a sequence with one gradient (or None: nothing flows there) per input;
-    ``seq`` counts the nodes made before it (so a node's inputs' nodes all have smaller ones)."""
-
-    __slots__ = ("inputs", "rule", "name", "seq")
-
-    def __init__(self, inputs: tuple["Tensor | None", ...], rule: Callable[[Any], Sequence[Any]], name: str):
-        self.inputs, self.rule, self.name, self.seq = inputs, rule, name, next(_sequence)
+# How a tensor was made, its node: the tuple (inputs, rule, name, seq).  ``inputs`` are the operation's (tensors,
+# arrays or numbers); ``rule`` maps the gradient of the output to a sequence with one gradient (or None: nothing
+# flows there) per input; ``seq`` counts the nodes made before it (a node's inputs' nodes all have smaller ones).
+# A plain tuple: an operation records itself at the cost of one.
+Node = tuple
 
 
 class Tensor:
@@ -83,7 +79,7 @@ class Tensor:
         return len(self.data)
 
     def __repr__(self) -> str:
-        made = f", made by {self.node.name}" if self.node is not None else ""
+        made = f", made by {self.node[2]}" if self.node is not None else ""
         return f"Tensor({self.name or 'unnamed'}, shape {tuple(self.shape)}, {self.dtype}{made})"
 
     def numpy(self) -> np.ndarray:
@@ -103,14 +99,10 @@ def data_of(x: Any) -> Any:
 def make(data: Any, inputs: Sequence[Any], rule: Callable[[Any], Sequence[Any]], name: str) -> Tensor:
     """The result of an operation: ``data``, recorded with ``rule`` where one of ``inputs`` (tensors, arrays or
     numbers; the rule returns a gradient for each, in order) needs a gradient and recording is on."""
-    for x in inputs:
-        if type(x) is Tensor and (x.requires_grad or x.node is not None):
-            if not _state.recording:
-                break
-            kept = []  # the tensors among the inputs (an array or a number is not kept alive by the node)
-            for x in inputs:
-                kept.append(x if type(x) is Tensor else None)
-            return Tensor(data, False, "", Node(tuple(kept), rule, name))
+    if _state.recording:
+        for x in inputs:
+            if type(x) is Tensor and (x.requires_grad or x.node is not None):
+                return Tensor(data, False, "", (inputs, rule, name, next(_sequence)))
     return Tensor(data)
 
 
@@ -138,12 +130,13 @@ def backward(loss: Tensor, grad: Any = None,
     pop, get = grads.pop, grads.get
     while order:  # the loss first, each tensor after every node that uses it; none kept once done
         tensor = order.pop()
-        node, tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
+        (inputs, rule, _, _), tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
         key = id(tensor)
         # the rule holds the only reference to its output's gradient, so that it can let go of it as it goes
-        out = node.rule(pop(key)) if key in grads else (None,) * len(node.inputs)
-        for x, gx in zip(node.inputs, out):
-            if x is None:
+        out = rule(pop(key)) if key in grads else (None,) * len(inputs)
+        rule = None
+        for x, gx in zip(inputs, out):
+            if type(x) is not Tensor:
                 continue
             key = id(x)
             if gx is not None:
@@ -157,7 +150,7 @@ def backward(loss: Tensor, grad: Any = None,
                     x.grad = got if x.grad is None else x.grad + got
                     if on_grad is not None:
                         on_grad(x, x.grad)
-        out = gx = None  # the next rule runs without this one's gradients held here
+        inputs = out = gx = None  # the next rule runs without this one's gradients held here
 
 
 def _seed(a: Any) -> Any:
@@ -190,8 +183,8 @@ def _reached(loss: Tensor) -> tuple[list[Tensor], dict[int, int]]:
     nodes make."""
     order, uses, seen = [loss], {}, {id(loss)}
     for tensor in order:  # grows as it goes: breadth first, no recursion however deep the chain
-        for x in tensor.node.inputs:
-            if x is None:
+        for x in tensor.node[0]:
+            if type(x) is not Tensor:
                 continue
             key = id(x)
             if x.node is None:
@@ -204,4 +197,4 @@ def _reached(loss: Tensor) -> tuple[list[Tensor], dict[int, int]]:
 
 
 def _made(tensor: Tensor) -> int:
-    return tensor.node.seq
+    return tensor.node[3]

@@ -73,7 +73,7 @@ class LookedUp:
 class Binding:
     """What a network's declarations stand for during one call, on the thread that makes it: each parameter's
     tensor and each table's rows (by module and attribute), and whether it trains.  Inside ``with binding:``, on
-    that thread, modules read their declarations from it (see :meth:`Module.__getattr__`): a network predicting on
+    that thread, modules read their declarations from it (see :class:`_Declared`): a network predicting on
     one thread and training on another each see their own weights."""
 
     def __init__(self, training: bool, seed: int = 0):
@@ -110,6 +110,53 @@ _binding = _Now()
 _layout = 0  # counts changes to any module's declarations
 
 
+class _Declared:
+    """What a parameter or table attribute reads as, set on the module's class under the attribute's name: inside a
+    call, on the thread that makes it, the binding's tensor (or rows) for this module; outside one, the declaration;
+    an instance that set an ordinary value under the name (``self.b = None``) has that value.  A data descriptor, so
+    that reading a bound parameter costs one call and no failed lookup."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, module: Any, owner: Any = None) -> Any:
+        if module is None:
+            return self
+        name = self.name
+        now = _binding.now
+        if now is not None:
+            value = now.values.get((id(module), name))
+            if value is not None:
+                return value
+        found = module.__dict__
+        value = found["_declared"].get(name, found.get(name, _NOTHING))
+        if value is _NOTHING:
+            raise AttributeError(f"{type(module).__name__!r} has no attribute {name!r}")
+        return value
+
+    def __set__(self, module: Any, value: Any) -> None:  # an ordinary value under a name other instances declared
+        module.__dict__[self.name] = value
+
+    def __delete__(self, module: Any) -> None:
+        module.__dict__.pop(self.name, None)
+
+
+_NOTHING = object()
+
+
+def _declare(cls: type, name: str) -> None:
+    """``cls.<name>`` a :class:`_Declared` (once): refused where the class has an attribute of that name already."""
+    for klass in cls.__mro__:
+        found = klass.__dict__.get(name)
+        if isinstance(found, _Declared):
+            return
+        if found is not None:
+            raise ModelError(f"{cls.__name__}: cannot declare {name!r}, the class has an attribute of that name")
+    setattr(cls, name, _Declared(name))
+
+
 class Module:
     """Parameters, tables and child modules, found by attribute in the order they were set; ``forward`` is the
     computation, called as ``module(...)``.  Inside a call of its network, a parameter attribute reads as its
@@ -128,24 +175,14 @@ class Module:
         if name in declared or isinstance(value, (Parameter, Table, Module)):
             _layout += 1  # what networks declare changed: their cached lists are stale (Network._declarations)
         declared.pop(name, None)
-        if isinstance(value, (Parameter, Table)):  # read through __getattr__: what the call in hand binds
+        if isinstance(value, (Parameter, Table)):  # read through the class' _Declared: what the call in hand binds
+            _declare(type(self), name)
             declared[name] = value
             self.__dict__.pop(name, None)
             return
         if isinstance(value, Module):
             declared[name] = value
         object.__setattr__(self, name, value)
-
-    def __getattr__(self, name: str) -> Any:  # only for what is not an ordinary attribute: the declarations
-        now = _binding.now
-        if now is not None:
-            value = now.values.get((id(self), name))
-            if value is not None:
-                return value
-        declared = self.__dict__.get("_declared", {})
-        if name not in declared:
-            raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
-        return declared[name]
 
     @property
     def training(self) -> bool:
@@ -278,19 +315,18 @@ class Network(Module, BaseModel):
             value = params.get(name)
             if value is None:
                 raise ModelError(f"{type(self).__name__}: no weights for variable {name!r}")
-            if kind == "state":
+            if kind == "parameter":
+                leaves.append(Tensor(value, training, name))
+                values[key] = leaves[-1]
+            elif kind == "state":
                 values[key] = value
                 binding.states.append((name, key))
-                continue
-            if kind == "table":
+            else:  # a table
                 if not isinstance(value, Rows):
                     raise ModelError(f"{type(self).__name__}: params[{name!r}] must be the batch's Rows of the table")
                 binding.rows[name] = value
-                leaf = Tensor(value.values, training, name)
-                values[key] = LookedUp(value, leaf)
-            else:
-                leaf = values[key] = Tensor(value, training, name)
-            leaves.append(leaf)
+                leaves.append(Tensor(value.values, training, name))
+                values[key] = LookedUp(value, leaves[-1])
         return binding
 
     def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
