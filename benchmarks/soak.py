@@ -66,7 +66,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
         path.write_text(to_toml(job.to_dict()))
         for r in range(workers):
             start(f"worker{r}", ["psgd.cli.worker", "-c", str(path), "--rank", str(r), "--no-progress"])
-        plan = PartitionPlan(built.model.specs(), shards, job.cluster.slice_bytes)
+        plan = PartitionPlan(built.model.specs(), shards, job.cluster.links.slice_bytes)
         losses, versions = [], []
         end = time.monotonic() + seconds
         next_kill = time.monotonic() + rng.uniform(2, 5)

@@ -78,19 +78,19 @@ def advice(config: Any, mode: str) -> str:
     c = config.cluster
     if mode != "ps" or c.policy not in ("async", "ssp"):
         return f"{lower}, {warm}"
-    if c.async_lr == "full":
+    if c.remedies.async_lr == "full":
         return (f"under {c.policy} each push is applied at the full learning rate, so {c.workers} workers move "
                 f"the weights {c.workers} times as far per round as sync: set [cluster] async_lr = \"divided\" "
                 f"(the default), or {lower}")
     remedies = []
-    if not c.staleness_lr:
+    if not c.remedies.staleness_lr:
         remedies.append("staleness_lr = true")
-    if not c.dc_lambda:
+    if not c.remedies.dc_lambda:
         remedies.append("dc_lambda = 0.04 (delay compensation)")
-    if opt.get("name") in ("momentum", "nesterov") and not c.implicit_momentum:
+    if opt.get("name") in ("momentum", "nesterov") and not c.remedies.implicit_momentum:
         remedies.append("implicit_momentum = true")
     tried = f", or try [cluster] {', '.join(remedies)}" if remedies else ""
-    smaller = f", or a smaller staleness bound (now {c.staleness})" if c.policy == "ssp" else ""
+    smaller = f", or a smaller staleness bound (now {c.consistency.staleness})" if c.policy == "ssp" else ""
     return f"under {c.policy} stale gradients add to the step: {lower}{tried}{smaller}"
 
 

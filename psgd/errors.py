@@ -26,6 +26,10 @@ class InputError(PsgdError, ValueError):
     """What the user gave is wrong: fix it and run again (the commands exit 2)."""
 
 
+class ConfigError(InputError):
+    """A malformed or inconsistent job file or override (psgd.config)."""
+
+
 class ClusterError(PsgdError, RuntimeError):
     """The cluster refused or failed: look at its processes, retry or restart (the commands exit 1)."""
 

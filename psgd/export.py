@@ -111,9 +111,9 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
         raise ExportError(f"{len(addresses)} shard address(es) given for a job of {plan.num_shards} shard(s): "
                           "list every shard's address, or pass --shards")
     if request_timeout is None:
-        request_timeout = config.cluster.request_timeout
+        request_timeout = config.cluster.deadlines.request_timeout
     with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls,
-                  replicas=config.cluster.replica_servers) as client:
+                  replicas=config.cluster.recovery.replica_servers) as client:
         problems, statuses = [], client.status()
         for k, status in enumerate(statuses):
             if status.shard != k or status.num_shards != plan.num_shards:

@@ -86,11 +86,11 @@ def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[st
     """What every process of a job must agree on (the shard index is checked apart); ``tables``: the plan has
     embedding tables, so how they are trained and kept (``[tables]``) is part of it."""
     c = config.cluster
-    options: dict[str, Any] = {"staleness_lr": c.staleness_lr}
+    options: dict[str, Any] = {"staleness_lr": c.remedies.staleness_lr}
     if not POLICIES[c.policy].accumulates:  # each push an update of its own: at which rate is the job's meaning
-        options.update(async_lr=c.async_lr, dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive,
-                       implicit_momentum=c.implicit_momentum)
-    options.update({o.name: getattr(c, o.cluster_key) for o in POLICIES[c.policy].options})
+        options.update(async_lr=c.remedies.async_lr, dc_lambda=c.remedies.dc_lambda, dc_adaptive=c.remedies.dc_adaptive,
+                       implicit_momentum=c.remedies.implicit_momentum)
+    options.update({o.name: getattr(c.consistency, o.cluster_key) for o in POLICIES[c.policy].options})
     if c.cut_rounds:  # every shard must cut at the same rounds (a job without keeps its fingerprint)
         options["checkpoint_rounds"] = c.cut_rounds
     return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
@@ -220,7 +220,7 @@ def describe_job(config: JobConfig, model: models.Model | None = None) -> Job:
 
 
 def _plan(config: JobConfig, model: models.Model) -> PartitionPlan:
-    return PartitionPlan(model.specs(), config.cluster.shards, config.cluster.slice_bytes,
+    return PartitionPlan(model.specs(), config.cluster.shards, config.cluster.links.slice_bytes,
                          tables=models.model_tables(model))
 
 

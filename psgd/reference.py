@@ -76,9 +76,9 @@ def commands() -> str:
 
 
 def _comments() -> dict[str, dict[str, str]]:
-    """{dataclass name: {field: its comment}} from psgd/config.py's source (a comment after the field and the
+    """{dataclass name: {field: its comment}} from psgd/config/'s source (a comment after the field and the
     comment lines that continue it)."""
-    source = (Path(__file__).parent / "config.py").read_text(encoding="utf-8")
+    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted((Path(__file__).parent / "config").glob("*.py")))
     found: dict[str, dict[str, str]] = {}
     cls, last = None, None
     for line in source.splitlines():
@@ -113,23 +113,43 @@ def sections() -> list[tuple[str, type]]:
             if dataclasses.is_dataclass(getattr(job, name))]
 
 
+def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
+    """``[cluster]``'s keys that belong to a part (written flat in the file all the same), a table for each part."""
+    from psgd.config import PARTS
+
+    out = []
+    for part, cls in PARTS.items():
+        out += [f"### {part.capitalize()}", "", _cell(f"{cls.__doc__} Written under `[cluster]` like the keys above; "
+                                                      f"in psgd, `ClusterConfig.{part}`."), "",
+                "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(cluster, part), f.name)
+            out.append(f"| `{f.name}` | `{value!r}` | {_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
+        out.append("")
+    return out
+
+
 def job_file() -> str:
     """Markdown: every key of every section with fixed keys, its default and its meaning."""
-    from psgd.config import JobConfig
+    from psgd.config import PARTS, JobConfig
 
     comments = _comments()
-    out = ["# Job-file keys", "", "Generated from `psgd/config.py` each time the documentation is built: every key, "
+    out = ["# Job-file keys", "", "Generated from `psgd/config/` each time the documentation is built: every key, "
            "its default and what it means. `[model]`, `[data]` and `[optimizer]` take a `name` and that choice's own "
            "options (see the how-to pages); every key can also be set with `--set SECTION.KEY=VALUE`.", ""]
     defaults = JobConfig()
     for section, cls in sections():
         out += [f"## `[{section}]`", "", "| key | default | meaning |", "|---|---|---|"]
         if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):  # not the dataclass's own
-            out[-4:-4] = [_cell(cls.__doc__), ""]
+            out[-2:-2] = [_cell(cls.__doc__), ""]
         for f in dataclasses.fields(cls):
+            if section == "cluster" and f.name in PARTS:
+                continue
             value = getattr(getattr(defaults, section), f.name)
             out.append(f"| `{f.name}` | `{value!r}` | {_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
         out.append("")
+        if section == "cluster":
+            out += _parts(defaults.cluster, comments)
     for section in JobConfig.SECTIONS:
         if not dataclasses.is_dataclass(getattr(defaults, section)):
             out += [f"## `[{section}]`", "", f"Default: `{getattr(defaults, section)!r}`.", ""]

@@ -44,7 +44,7 @@ def shards(job: JobConfig) -> Iterator[list[ShardServer]]:
     servers = []
     try:
         for k in range(job.cluster.shards):
-            servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport=job.cluster.transport).start())
+            servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport=job.cluster.links.transport).start())
         job.override("cluster.servers", [s.address for s in servers])
         yield servers
     finally:

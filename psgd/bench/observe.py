@@ -127,7 +127,7 @@ class ShardObserver:
         ev = self.evaluator
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in ev.plan.specs}
         try:
-            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.config.cluster.request_timeout,
+            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.config.cluster.deadlines.request_timeout,
                           token=token) as client:
                 next_at = time.monotonic()
                 while True:

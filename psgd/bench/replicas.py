@@ -140,7 +140,7 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
             procs[name] = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL,
                                            stderr=err, stdin=subprocess.DEVNULL)
 
-    primary, replica = config.cluster.servers[0], config.cluster.replica_servers[0]
+    primary, replica = config.cluster.servers[0], config.cluster.recovery.replica_servers[0]
     deadline = time.monotonic() + BOUND
     try:
         for k in range(SHARDS):
@@ -250,7 +250,7 @@ def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
             time.sleep(0.05)  # polling the primary's Status, with a deadline
         if kind != "none":
             start("follower", [sys.executable, "-c", FOLLOWER, str(job_file), kind, "127.0.0.1",
-                               str(s["data_port"]), config.cluster.replica_servers[0]])
+                               str(s["data_port"]), config.cluster.recovery.replica_servers[0]])
         start("worker", [*worker, "-c", str(job_file), "--rank", "0", "--no-progress"])
         # from the moment the bound has passed: the primary first acknowledges a push without a copy (no follower),
         # or it has found the follower unable to keep up and timed it out (its log says when it may follow again)

@@ -50,7 +50,7 @@ def _policy_flags() -> dict[str, tuple[str, type, str]]:
         for option in cls.options:
             key = option.cluster_key
             flags["--" + key.replace("_", "-")] = (f"cluster.{key}", option.type,
-                                                   f"{name}: {option.help} (default {getattr(defaults, key)})")
+                                                   f"{name}: {option.help} (default {getattr(defaults.consistency, key)})")
     return flags
 
 

@@ -121,10 +121,10 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"shard {args.shard} is out of range: the job has {config.cluster.shards} shard(s)")
     c = config.cluster
     args.replica = args.replica or os.environ.get("PSGD_REPLICA", "") == "1"
-    if args.replica and not c.replicas:
+    if args.replica and not c.recovery.replicas:
         raise ConfigError("--replica starts a shard's replica, and this job keeps none: set [cluster] replicas = 1")
     setup_logging(f"server:{args.shard}{'r' if args.replica else ''}", verbosity(args), args.log_file)
-    mine, theirs = (c.replica_servers, c.servers) if args.replica else (c.servers, c.replica_servers)
+    mine, theirs = (c.recovery.replica_servers, c.servers) if args.replica else (c.servers, c.recovery.replica_servers)
     bind = args.bind
     if bind is None:
         bind = mine[args.shard] if args.shard < len(mine) else "127.0.0.1:0"
@@ -156,20 +156,20 @@ def serve(args: argparse.Namespace) -> int:
                     "weights, push gradients and stop the job", bind)
     try:
         data_port = args.data_port if args.data_port is not None else \
-            c.data_ports[args.shard] if c.data_ports and not args.replica else 0
-        server = ShardServer(core, bind, request_timeout=c.request_timeout, transport=c.transport,
+            c.links.data_ports[args.shard] if c.links.data_ports and not args.replica else 0
+        server = ShardServer(core, bind, request_timeout=c.deadlines.request_timeout, transport=c.links.transport,
                              data_port=data_port, token=token, checkpoint_dir=args.checkpoint_dir,
                              checkpoint_seconds=args.checkpoint_every,
                              keep_checkpoints=args.keep_checkpoints, tls=tls,
-                             interceptors=metrics.interceptors, hello_timeout=c.hello_timeout,
-                             replicated=bool(c.replicas), busy_poll=c.busy_poll_seconds,
-                             on_cut_failure=c.on_cut_failure).start()
+                             interceptors=metrics.interceptors, hello_timeout=c.links.hello_timeout,
+                             replicated=bool(c.recovery.replicas), busy_poll=c.links.busy_poll_seconds,
+                             on_cut_failure=c.recovery.on_cut_failure).start()
     except PortTaken as exc:
         raise ConfigError(_port_taken(args, exc)) from None
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     pair = None
-    if c.replicas:
+    if c.recovery.replicas:
         from psgd.server.replica import Pair
 
         peer = args.peer or (theirs[args.shard] if args.shard < len(theirs) else "")
@@ -177,7 +177,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"shard {args.shard}'s replica needs its primary's address: --peer, or [cluster] "
                               "servers")
         me = mine[args.shard] if args.shard < len(mine) else server.address  # as the peer reaches it, not 0.0.0.0
-        pair = Pair(core, me, peer, second=args.replica, token=token, tls=tls, ack_seconds=c.request_timeout).start()
+        pair = Pair(core, me, peer, second=args.replica, token=token, tls=tls, ack_seconds=c.deadlines.request_timeout).start()
     try:
         if args.port_file:
             _write_port_file(args.port_file, server.address)
@@ -185,7 +185,7 @@ def serve(args: argparse.Namespace) -> int:
         if stop.is_set():
             log.info("received %s while starting: stopping", _RECEIVED[0])
         while not stop.is_set():
-            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=c.lease_seconds):
+            if args.exit_when_done and server.wait_finished(timeout=0.5, settle=c.deadlines.lease_seconds):
                 log.info("every worker has finished: stopping" if core.role != "replica" else
                          "the primary says the job is over: stopping")
                 break

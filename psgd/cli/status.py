@@ -56,7 +56,7 @@ def status_addresses(args: argparse.Namespace) -> list[str]:
     from psgd.config import ConfigError, JobConfig
 
     job = JobConfig.load(args.config) if args.config else None
-    addresses = list(args.addresses) or ([*job.cluster.servers, *job.cluster.replica_servers] if job else [])
+    addresses = list(args.addresses) or ([*job.cluster.servers, *job.cluster.recovery.replica_servers] if job else [])
     if not addresses:
         raise ConfigError("psgd status needs shard addresses (host:port ...) or a job file (-c) that lists them")
     for a in addresses:

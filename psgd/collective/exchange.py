@@ -173,7 +173,7 @@ def train_allreduce(config: JobConfig, backend_name: str, *, rank: int | None = 
 
     device = backend.get_device(config.train.device)
     with make_collective(backend_name, rank=rank, world_size=config.cluster.workers, device=device,
-                         rendezvous=rendezvous, timeout=config.cluster.request_timeout) as group:
+                         rendezvous=rendezvous, timeout=config.cluster.deadlines.request_timeout) as group:
         if on_rank is not None:
             on_rank(group.rank)
         return run_allreduce(config, group, **options), group.rank, group.world_size

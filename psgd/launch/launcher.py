@@ -98,11 +98,11 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     spec["cluster"]["servers"] = []
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
         len(layout.workers_here(config.cluster.workers)) + \
-        (len(layout.replicas_here(config.cluster.shards)) if mode == "ps" and config.cluster.replicas else 0)
+        (len(layout.replicas_here(config.cluster.shards)) if mode == "ps" and config.cluster.recovery.replicas else 0)
     per_process, said = thread_budget(config, here)
     log.info("%s", said)
     spec["train"]["threads"] = per_process
-    if mode == "ps" and config.cluster.busy_poll_us < 0:
+    if mode == "ps" and config.cluster.links.busy_poll_us < 0:
         spec["cluster"]["busy_poll_us"], said = busy_poll(here)
         log.info("%s", said)
     threads.apply(per_process)
@@ -326,13 +326,13 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
                                    tls_flags + log_flags + ["--checkpoint-dir", str(run / CHECKPOINTS)], token, timeout)
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
     spec["cluster"]["servers"] = addresses
-    if c.replicas:  # each shard's replica, on the next node (psgd.server.replica), once its primary is up
+    if c.recovery.replicas:  # each shard's replica, on the next node (psgd.server.replica), once its primary is up
         replicas, replica_bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
                                                 tls_flags + log_flags, token, timeout, primaries=addresses)
         servers += replicas
         config.override("cluster.replica_servers", [replica_bound[k] if layout.nnodes == 1 else
                                                     layout.replica_address(k, c.shards) for k in range(c.shards)])
-        spec["cluster"]["replica_servers"] = config.cluster.replica_servers
+        spec["cluster"]["replica_servers"] = config.cluster.recovery.replica_servers
     job_path.write_text(to_toml(spec))
     ranks = layout.workers_here(c.workers)
     log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),

@@ -122,7 +122,7 @@ class Doctor:
             say("FAIL", result.error or f"health {result.health}")
         else:
             say("ok", "health check: SERVING")
-        if c.transport != "grpc" and result.status is not None:
+        if c.links.transport != "grpc" and result.status is not None:
             data_port = result.status.get("data_port")
             error = tcp_check(ips[0], data_port, timeout) if data_port else \
                 "the shard serves none (it was started with [cluster] transport = \"grpc\")"

@@ -30,9 +30,9 @@ def overlaps(cluster: Any) -> list[str]:
     for k, address in enumerate(cluster.servers):
         host, port = _host(address)
         owners.setdefault((host, port), []).append(f"shard {k}'s gRPC port")
-        if k < len(cluster.data_ports):
-            owners.setdefault((host, cluster.data_ports[k]), []).append(f"shard {k}'s data port")
-    for k, address in enumerate(cluster.replica_servers):
+        if k < len(cluster.links.data_ports):
+            owners.setdefault((host, cluster.links.data_ports[k]), []).append(f"shard {k}'s data port")
+    for k, address in enumerate(cluster.recovery.replica_servers):
         owners.setdefault(_host(address), []).append(f"replica {k}'s gRPC port")
     return [f"{host}:{port} is {' and '.join(names)}" for (host, port), names in owners.items() if len(names) > 1]
 

@@ -50,7 +50,7 @@ def make_policy(name: str, num_workers: int, **options: Any) -> Policy:
 
 def policy_from_cluster(cluster: Any) -> Policy:
     """The policy a job's ``[cluster]`` section names (``cluster.policy``), for ``cluster.workers``
-    workers, each option read from its ``cluster_key`` (any object with those attributes will do)."""
+    workers, each option read from its ``cluster_key`` in ``cluster.consistency``."""
     cls = POLICIES.get(cluster.policy) if isinstance(cluster.policy, str) else None
-    options = {o.name: getattr(cluster, o.cluster_key) for o in cls.options} if cls else {}
+    options = {o.name: getattr(cluster.consistency, o.cluster_key) for o in cls.options} if cls else {}
     return make_policy(cluster.policy, cluster.workers, **options)

@@ -67,7 +67,7 @@ class PolicyOption:
     default: Any       # None when required
     help: str          # one line, for --help
     required: bool
-    cluster_key: str   # the [cluster] key (psgd.config.ClusterConfig field) it is read from
+    cluster_key: str   # the [cluster] key it is read from (a field of psgd.config.Consistency)
     shorthand: str = ""  # how a benchmark contender names a value of it, as WORD:LETTER ("ssp:S"), if it may
     label: str = ""      # that contender in words, the value at {} ("ssp s={}")
 

@@ -41,13 +41,12 @@ def build_shard(job: Job, shard: int, checkpoints: bool = False) -> ShardCore:
     init = job.model.init(config.train.seed, names=sorted({s.var for s in mine}))
     values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
     rule = job.policy()
-    if c.replicas and plan.tables:
+    if c.recovery.replicas and plan.tables:
         raise ConfigError(f"[cluster] replicas = 1 copies a shard's dense variables to its replica, not the rows of "
                           f"embedding tables ({', '.join(t.name for t in plan.tables)}) yet: leave it 0 for this model")
     return ShardCore(
         plan, shard, values, job.shard_optimizer(rule), rule,
-        num_workers=c.workers, lease_seconds=c.lease_seconds, join_timeout=c.join_timeout,
-        identity=job.identity, async_lr=c.async_lr, staleness_lr=c.staleness_lr,
-        dc_lambda=c.dc_lambda, dc_adaptive=c.dc_adaptive, implicit_momentum=c.implicit_momentum,
+        num_workers=c.workers, deadlines=c.deadlines,
+        identity=job.identity, remedies=c.remedies,
         tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")), cut_rounds=c.shard_cut_rounds(checkpoints),
     )

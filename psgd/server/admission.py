@@ -12,6 +12,7 @@ import logging
 import secrets
 from typing import Any, Callable, Mapping
 
+from psgd.config import Deadlines
 from psgd.job import differences as job_differences
 from psgd.partition import PartitionPlan, plan_differences
 from psgd.server.errors import ShardError
@@ -81,12 +82,11 @@ class Roster:
     (``live`` without renewing only reads, and may peek without it).
     """
 
-    def __init__(self, shard: int, num_workers: int, lease_seconds: float, join_timeout: float,
-                 now: Callable[[], float]):
+    def __init__(self, shard: int, num_workers: int, deadlines: Deadlines, now: Callable[[], float]):
         self.shard, self.num_workers = shard, num_workers
-        self.lease_seconds, self.join_timeout, self._now = lease_seconds, join_timeout, now
+        self.lease_seconds, self.join_timeout, self._now = deadlines.lease_seconds, deadlines.join_timeout, now
         start = now()
-        self.workers = {w: WorkerInfo(deadline=start + join_timeout) for w in range(num_workers)}
+        self.workers = {w: WorkerInfo(deadline=start + self.join_timeout) for w in range(num_workers)}
         self.impostors = 0  # calls refused for a key that is not the registration's
 
     def check(self, worker: int) -> None:

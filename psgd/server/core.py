@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from psgd.config import Deadlines, Remedies
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission
@@ -59,15 +60,14 @@ class ShardCore(CoreState):
         self, plan: PartitionPlan, shard: int, values: Mapping[int, np.ndarray], optimizer: Optimizer, policy: Policy,
         *,
         num_workers: int,
-        lease_seconds: float = 10.0,
-        join_timeout: float = 120.0,
+        deadlines: Deadlines | None = None,  # how long a silent or missing worker keeps its place ([cluster]'s part)
         allow_nonfinite: bool = False,
         apply_threads: int | None = None,
         identity: Mapping[str, Any] | None = None,
         tables: ShardTables | None = None,
         cut_rounds: int = 0,
         now: Callable[[], float] = time.monotonic,
-        **remedies: Any,  # async_lr, staleness_lr, dc_lambda, dc_adaptive, implicit_momentum: psgd.server.remedies
+        remedies: Remedies | None = None,  # what the shard does to a stale async push ([cluster]'s part)
     ):
         self.plan, self.shard = plan, shard
         # What every process of the job must agree on (psgd.job.identity); None: only the plan is compared.
@@ -86,9 +86,9 @@ class ShardCore(CoreState):
         self.optimizer, self.policy = optimizer, policy
         self.num_workers, self.allow_nonfinite = num_workers, allow_nonfinite
         self.remedies = PushRemedies(num_workers, policy.accumulates, lambda: self.store.flat, self.store.views,
-                                     **remedies)
+                                     remedies or Remedies())
         self.version = 0
-        self.roster = admission.Roster(shard, num_workers, lease_seconds, join_timeout, now)
+        self.roster = admission.Roster(shard, num_workers, deadlines or Deadlines(), now)
         # a sync round in the making, its pushes added in the workers' order where the job goes back to cuts
         self.round = Round(self.store, ordered=bool(cut_rounds)) if policy.accumulates else None
         self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows

@@ -37,6 +37,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from psgd.config import Remedies
 from psgd.optim import Share
 from psgd.tables import RowTable
 
@@ -52,18 +53,16 @@ class PushRemedies:
     """The rate and the compensation of a shard's pushes (sync pushes, averaged into a round, get neither)."""
 
     def __init__(self, num_workers: int, accumulates: bool, flat: Callable[[], np.ndarray],
-                 views: Callable[[np.ndarray], dict[int, np.ndarray]], *, async_lr: str = "divided",
-                 staleness_lr: bool = False, dc_lambda: float = 0.0, dc_adaptive: bool = False,
-                 implicit_momentum: bool = False):
-        per_round = num_workers if async_lr == "divided" and not accumulates else 1
+                 views: Callable[[np.ndarray], dict[int, np.ndarray]], settings: Remedies):
+        per_round = num_workers if settings.async_lr == "divided" and not accumulates else 1
         self.scale = 1.0 / per_round
-        implicit = 1.0 - 1.0 / num_workers if implicit_momentum and not accumulates else 0.0
+        implicit = 1.0 - 1.0 / num_workers if settings.implicit_momentum and not accumulates else 0.0
         self.share = Share(per_round, implicit)  # how the optimizer counts a push
-        self.staleness_lr = staleness_lr
-        self.dc_lambda = 0.0 if accumulates else float(dc_lambda)
+        self.staleness_lr = settings.staleness_lr
+        self.dc_lambda = 0.0 if accumulates else float(settings.dc_lambda)
         self._flat, self._views = flat, views
         self._pulled: dict[int, tuple[int, np.ndarray, dict[int, np.ndarray]]] = {}  # worker -> version, copy
-        self._mean_square = np.zeros_like(flat()) if self.dc_lambda and dc_adaptive else None
+        self._mean_square = np.zeros_like(flat()) if self.dc_lambda and settings.dc_adaptive else None
         self._ms = views(self._mean_square) if self._mean_square is not None else {}
         self.uncompensated = 0  # pushes applied without a copy of the weights their worker pulled
         self._pulled_rows: dict[int, tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]] = {}

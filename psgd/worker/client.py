@@ -68,12 +68,12 @@ class PSClient:
         kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")  # observers: no data port
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
                                                request_timeout, transport,
-                                               config.cluster.busy_poll_seconds if config is not None else 0.0))
+                                               config.cluster.links.busy_poll_seconds if config is not None else 0.0))
                       for k, a in enumerate(self.addresses)]
         for link in (link for link in self.links if isinstance(link, ShmLink)):
             link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
-        self.failover = Failover(self, config.cluster.replica_servers if replicas is None and config is not None
+        self.failover = Failover(self, config.cluster.recovery.replica_servers if replicas is None and config is not None
                                  else replicas or ())
         n = plan.num_shards  # this process's registrations with each shard: made so far, and on the way
         self.versions, self._joins, self._registering, self._joining = [0] * n, [0] * n, [0] * n, threading.Lock()
@@ -89,7 +89,7 @@ class PSClient:
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
         #: how long a registration refused for another holder of the rank is retried: a lease (it died or renewed)
-        self.holder_wait = config.cluster.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline
+        self.holder_wait = config.cluster.deadlines.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 

@@ -94,7 +94,7 @@ class ParameterServerExchange(Exchange):
         self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
         c = job.config.cluster
-        self.local_steps = c.local_steps if POLICIES[c.policy].local else 0
+        self.local_steps = c.consistency.local_steps if POLICIES[c.policy].local else 0
         self.rounds = POLICIES[c.policy].accumulates  # sync: a push's answer brings the next weights (_combines)
         self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
@@ -112,7 +112,7 @@ class ParameterServerExchange(Exchange):
     def begin(self) -> int:
         c, t, ds = self.job.config.cluster, self.job.config.train, self.job.dataset
         try:  # asked to stop while it waits for its shards or registers: it leaves, no error
-            self.client.wait_ready(c.join_timeout)
+            self.client.wait_ready(c.deadlines.join_timeout)
             clock = self.client.register()
         except PSError as exc:
             self._stopping(exc, "; leaving before it joined")
@@ -419,8 +419,8 @@ def run_worker(
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
-    with PSClient(addresses, job.plan, rank, request_timeout=c.request_timeout, transport=c.transport,
-                  wire_dtype=c.wire_dtype or None, token=token, tls=tls, stop=stop, config=config,
+    with PSClient(addresses, job.plan, rank, request_timeout=c.deadlines.request_timeout, transport=c.links.transport,
+                  wire_dtype=c.links.wire_dtype or None, token=token, tls=tls, stop=stop, config=config,
                   device=job.device) as client:
         exchange = ParameterServerExchange(job, client, rank, stop)
         exchange.reads_final = evaluate_every != 0 and not job.plan.tables  # tables: rows read after it left

@@ -310,7 +310,7 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
     try:
-        plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.links.slice_bytes)
         with PSClient(job.cluster.servers, plan, 0, config=job, request_timeout=10, token=TOKEN) as client:
             client.wait_ready(30)
             client.register()

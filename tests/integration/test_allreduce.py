@@ -69,7 +69,7 @@ def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path, device):
     with shards(job):
         run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                      for r in range(ranks)], timeout=120)
-        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)
         ps = fetch_weights(job.cluster.servers, plan)
 
     for name, ref in reference.items():

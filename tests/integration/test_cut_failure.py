@@ -24,7 +24,7 @@ def test_a_cut_that_cannot_be_written_stops_the_job_or_is_said_once(tmp_path, se
                    "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=5",
                    f"cluster.on_cut_failure={setting}")
     server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN,
-                         checkpoint_dir=str(tmp_path), on_cut_failure=job.cluster.on_cut_failure).start()
+                         checkpoint_dir=str(tmp_path), on_cut_failure=job.cluster.recovery.on_cut_failure).start()
     job.override("cluster.servers", [server.address])
     plan = server.core.plan
     caplog.set_level(logging.INFO, logger="psgd.server")

@@ -467,9 +467,9 @@ def test_a_pull_that_waits_out_the_request_timeout_hears_why_from_the_shard(host
     worker's end waits a little longer than that, so it hears the shard's answer instead of timing out
     on its own at the same moment with nothing to say."""
     job = make_job(*HOSTILE_SETS, "cluster.request_timeout=1")
-    server = ShardServer(hostile.core, "127.0.0.1:0", request_timeout=job.cluster.request_timeout).start()
+    server = ShardServer(hostile.core, "127.0.0.1:0", request_timeout=job.cluster.deadlines.request_timeout).start()
     try:
-        client = PSClient([server.address], hostile.plan, 0, request_timeout=job.cluster.request_timeout,
+        client = PSClient([server.address], hostile.plan, 0, request_timeout=job.cluster.deadlines.request_timeout,
                           retry_deadline=0.0, config=job)
         with client:
             client.register()

@@ -32,8 +32,8 @@ def replica_job_of(args, where: str) -> JobConfig:
 def test_the_replicas_job_is_the_deploy_job_kept_twice_under_async():
     base, job = JobConfig.load(JOB_FILE), JobConfig.load(REPLICA_JOB)
     c = job.cluster
-    assert (c.policy, c.replicas, c.cut_rounds) == ("async", 1, 0)
-    assert len(c.replica_servers) == c.shards and not set(c.replica_servers) & set(c.servers)
+    assert (c.policy, c.recovery.replicas, c.cut_rounds) == ("async", 1, 0)
+    assert len(c.recovery.replica_servers) == c.shards and not set(c.recovery.replica_servers) & set(c.servers)
     assert (job.model, job.data, job.optimizer, job.train) == (base.model, base.data, base.optimizer, base.train)
     assert c.servers == base.cluster.servers and (c.shards, c.workers) == (base.cluster.shards, base.cluster.workers)
 
@@ -45,14 +45,14 @@ def test_compose_overlay_runs_a_replica_of_every_shard():
     for name, svc in base.items():  # every process that reads the job reads the replicas' job
         if any(m.endswith(f":{CONTAINER_JOB}:ro") for m in svc.get("volumes", [])):
             assert f"./replicas/job.toml:{CONTAINER_JOB}:ro" in over[name]["volumes"], name
-    for k, address in enumerate(job.cluster.replica_servers):
+    for k, address in enumerate(job.cluster.recovery.replica_servers):
         svc = over[f"replica-{k}"]
         where = f"replicas/compose.yaml replica-{k}"
         args = parse_cli(svc["command"], where)
         ran = replica_job_of(args, where)
         port = int(address.rsplit(":", 1)[1])
         assert (args.shard, args.replica, args.bind) == (k, True, f"0.0.0.0:{port}"), where
-        assert address.startswith(f"replica-{k}:") and ran.cluster.replicas == 1
+        assert address.startswith(f"replica-{k}:") and ran.cluster.recovery.replicas == 1
         published = {p.rsplit(":", 1)[1] for p in svc["ports"]}
         assert published == {str(port), str(port + 1)}, f"{where}: its gRPC and data ports"
         assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{port}"
@@ -77,7 +77,7 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
     (container,) = pod["containers"]
     args = parse_cli(container_argv(container, "StatefulSet replica"), "StatefulSet replica")
     ran = replica_job_of(args, "StatefulSet replica")
-    assert args.replica and ran.cluster.replica_servers == [f"replica-{k}.psgd-replicas:50051"
+    assert args.replica and ran.cluster.recovery.replica_servers == [f"replica-{k}.psgd-replicas:50051"
                                                             for k in range(job.cluster.shards)]
     assert ran.cluster.servers == [f"shard-{k}.psgd-shards:50051" for k in range(job.cluster.shards)]
     (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
@@ -86,7 +86,7 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
     assert generator["behavior"] == "replace" and generator["files"] == ["job.toml"]
     patched = {p["target"]["name"]: [op["value"] for op in yaml.safe_load(p["patch"])] for p in component["patches"]}
     for target in ("shard", "psgd-workers"):
-        assert flag(patched[target], "--replica-servers") == ",".join(ran.cluster.replica_servers), target
+        assert flag(patched[target], "--replica-servers") == ",".join(ran.cluster.recovery.replica_servers), target
     if shutil.which("kubectl") is None:
         return
     # the real build, with the component switched on, in a copy (kustomize reads the token file too)
@@ -116,6 +116,6 @@ def test_slurm_replicas_run_beside_the_next_shard_with_one_job_fingerprint():
         args = parse_cli(argv, "psgd.sbatch")
         if argv[0] in ("psgd-server", "psgd-worker"):
             ran = replica_job_of(args, "psgd.sbatch")
-            assert ran.cluster.replica_servers == ["node2:50061", "node1:50061"], argv
+            assert ran.cluster.recovery.replica_servers == ["node2:50061", "node1:50061"], argv
             prints.add(fingerprint(identity(ran, job_plan(ran).hash)))
     assert len(prints) == 1

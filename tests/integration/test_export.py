@@ -36,7 +36,7 @@ def flags(j) -> list[str]:
 
 
 def push_steps(j, steps: int) -> None:
-    plan = PartitionPlan(build_job(j).model.specs(), j.cluster.shards, j.cluster.slice_bytes)
+    plan = PartitionPlan(build_job(j).model.specs(), j.cluster.shards, j.cluster.links.slice_bytes)
     rng = np.random.default_rng(7)
     with PSClient(j.cluster.servers, plan, 0, request_timeout=5, config=j) as client:
         client.register()

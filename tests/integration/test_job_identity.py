@@ -27,7 +27,7 @@ from psgd.errors import Code
 
 
 def plan_of(job) -> PartitionPlan:
-    return PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.slice_bytes)
+    return PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.links.slice_bytes)
 
 
 def serve(cores) -> list[ShardServer]:

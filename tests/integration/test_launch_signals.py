@@ -234,7 +234,7 @@ def test_a_worker_waiting_in_a_sync_round_stops_within_two_seconds(tmp_path, tra
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=by_hand_env())
         procs.append(worker)
         config = JobConfig.load(job)
-        plan = PartitionPlan(build_job(config).model.specs(), 1, config.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(config).model.specs(), 1, config.cluster.links.slice_bytes)
         # worker 0 pushed clock 0: it waits for round 0 to close
         with PSClient([address], plan, token=TOKEN) as observer:
             wait_for(lambda: observer.status()[0].workers[0].clock == 1, 60, "worker 0 to push its first step")
@@ -266,7 +266,7 @@ def test_launch_guards_its_shards_with_a_token_of_its_own(tmp_path):
         token = environ["PSGD_TOKEN"]
         assert len(token) >= 32
         config = JobConfig.load(run / "job.toml")
-        plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.links.slice_bytes)
         with PSClient([address, config.cluster.servers[1]], plan, request_timeout=5, retry_deadline=0) as stranger:
             with pytest.raises(Exception, match="UNAUTHENTICATED"):
                 stranger.status()
@@ -291,7 +291,7 @@ def test_a_stop_signal_caught_by_another_thread_ends_calls_being_retried(tmp_pat
 
     config = JobConfig()
     config.apply_sets(["cluster.shards=2"])
-    plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.slice_bytes)
+    plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.links.slice_bytes)
     gone = [f"127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there: every call fails, and is retried
     stop = threading.Event()
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.set())

@@ -34,7 +34,7 @@ def trained(job, pushes_after_pulls: int = 0) -> tuple[dict, list, set]:
                 hold(server.core, pushes_after_pulls)
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(job.cluster.workers)], timeout=120)
-        plan = PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.links.slice_bytes)
         return fetch_weights(job.cluster.servers, plan), results, {s.core.version for s in servers}
 
 
@@ -76,7 +76,7 @@ def test_one_worker_is_the_single_process_trainer(local_steps):
 def test_two_workers_pushing_once_leave_the_average_of_their_models():
     job = make_job(*COMMON, "cluster.local_steps=1000", "cluster.workers=2", "cluster.shards=1")
     steps = datasets.steps_per_epoch(build_job(job).dataset.n_train, 2, 16) * 2
-    assert steps < job.cluster.local_steps  # one period longer than the run: one push each, at the end
+    assert steps < job.cluster.consistency.local_steps  # one period longer than the run: one push each, at the end
     weights, results, versions = trained(job, pushes_after_pulls=2)
     assert versions == {2} and all(r.steps == steps for r in results)
     alone = []

@@ -93,7 +93,7 @@ from psgd.job import build_job
 from psgd.worker.client import fetch_weights
 job = JobConfig.load(sys.argv[1])
 built = build_job(job)
-plan = PartitionPlan(built.model.specs(), job.cluster.shards, job.cluster.slice_bytes)
+plan = PartitionPlan(built.model.specs(), job.cluster.shards, job.cluster.links.slice_bytes)
 weights = fetch_weights(job.cluster.servers, plan, request_timeout=30, token=os.environ["PSGD_TOKEN"])
 loss, acc = evaluate(built.model, weights, built.dataset.x_test, built.dataset.y_test, built.device)
 print(json.dumps({"test_accuracy": acc, "test_loss": loss}))

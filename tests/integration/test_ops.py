@@ -57,7 +57,7 @@ def observed_shards(job):
         for k in range(job.cluster.shards):
             core = build_shard(describe_job(job), k)
             m = ShardMetrics(core)
-            servers.append(ShardServer(core, "127.0.0.1:0", transport=job.cluster.transport,
+            servers.append(ShardServer(core, "127.0.0.1:0", transport=job.cluster.links.transport,
                                        interceptors=m.interceptors).start())
             m.endpoint = serve_metrics("127.0.0.1:0", m.registry)
             metrics.append(m)

@@ -34,7 +34,7 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
         assert sum(len(s.core.slices) for s in servers) > len(build_job(job).model.specs())  # tensors were cut
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(workers)], timeout=120)
-        plan = PartitionPlan(build_job(job).model.specs(), num_shards, job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(job).model.specs(), num_shards, job.cluster.links.slice_bytes)
         distributed = fetch_weights(job.cluster.servers, plan)
         versions = {s.core.version for s in servers}
 
@@ -62,7 +62,7 @@ def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
     with shards(job) as servers:
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
-        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)
         return fetch_weights(job.cluster.servers, plan), [r.steps for r in results]
 
 

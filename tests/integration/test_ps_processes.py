@@ -104,7 +104,7 @@ def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_p
         for r in range(2):
             last = json.loads((tmp_path / f"w{r}.jsonl").read_text().splitlines()[-1])
             assert last["event"] == "done" and last["clock"] == total
-        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)
         with PSClient(addresses, plan, token=TOKEN) as client:
             for status in client.status():
                 states = {w.worker_id: w.state for w in status.workers}
@@ -122,7 +122,7 @@ def test_a_second_worker_of_the_same_rank_is_refused_naming_the_first(tmp_path):
     job = JobConfig()
     job.apply_sets(["model.name=softmax", "train.epochs=20000", "cluster.policy=async", "cluster.workers=2",
                     "cluster.shards=1", "cluster.lease_seconds=30"])
-    assert job.cluster.request_timeout == 60
+    assert job.cluster.deadlines.request_timeout == 60
     with processes() as procs:
         start_servers(job, tmp_path, procs)
         argv = [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"]

@@ -28,7 +28,7 @@ def _job(link: str, policy: str, workers: int = 1, *more: str):
 
 def _client(job, rank: int, **kw) -> PSClient:
     plan = build_job(job).plan
-    client = PSClient(job.cluster.servers, plan, rank, transport=job.cluster.transport, config=job, **kw)
+    client = PSClient(job.cluster.servers, plan, rank, transport=job.cluster.links.transport, config=job, **kw)
     client.wait_ready(30)
     client.register()
     return client

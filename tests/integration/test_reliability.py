@@ -151,7 +151,7 @@ def test_a_retried_push_is_applied_once():
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=2", "cluster.policy=async")
     with shards(job) as servers:
         model = build_job(job).model
-        plan = PartitionPlan(model.specs(), 2, job.cluster.slice_bytes)
+        plan = PartitionPlan(model.specs(), 2, job.cluster.links.slice_bytes)
         grads = {s.name: np.full(s.shape, 0.5, dtype=np.float32) for s in plan.specs}
         with PSClient(job.cluster.servers, plan, 0, config=job) as client:
             client.register()
@@ -208,7 +208,7 @@ class Cluster:
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
     def status(self):
-        plan = PartitionPlan(build_job(self.job).model.specs(), self.job.cluster.shards, self.job.cluster.slice_bytes)
+        plan = PartitionPlan(build_job(self.job).model.specs(), self.job.cluster.shards, self.job.cluster.links.slice_bytes)
         with PSClient(self.job.cluster.servers, plan, request_timeout=10, token=TOKEN) as client:
             client.wait_ready(30)
             return client.status(), fetch_weights(self.job.cluster.servers, plan, token=TOKEN)

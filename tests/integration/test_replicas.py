@@ -41,7 +41,7 @@ PY = sys.executable
 def pair_of(job, k: int = 0, token: str = ""):
     """Shard ``k`` of ``job`` twice in this process, the second following the first; job's addresses filled in."""
     d = describe_job(job)
-    primary, replica = (ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.transport,
+    primary, replica = (ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.links.transport,
                                     replicated=True, token=token).start() for _ in range(2))
     Pair(primary.core, primary.address, replica.address, second=False, token=token).start()
     Pair(replica.core, replica.address, primary.address, second=True, token=token).start()
@@ -151,13 +151,13 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False, token=TOKEN)
                                for r in range(2)] + [kill_when_a_quarter_is_done], timeout=180)
         assert done and all(r.steps == steps for r in results[:2])
-        survivor = status(job.cluster.replica_servers[0])
+        survivor = status(job.cluster.recovery.replica_servers[0])
         assert survivor["role"] == "primary" and survivor["counters"]["failovers"] == 1
         assert survivor["version"] == 2 * steps  # every acknowledged push once, none lost
         assert status(job.cluster.servers[1])["version"] == 2 * steps  # the other shard saw nothing happen
 
         procs["p0-again"] = _server(path, 0, logs["p0-again"])  # a new replica, from the survivor's state
-        wait_for(lambda: _lag(job.cluster.replica_servers[0]) == 0, 30, "the restarted process to follow")
+        wait_for(lambda: _lag(job.cluster.recovery.replica_servers[0]) == 0, 30, "the restarted process to follow")
         again = status(job.cluster.servers[0])
         assert again["role"] == "replica" and again["version"] == 2 * steps
         log = (tmp_path / "r0.log").read_text()

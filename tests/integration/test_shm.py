@@ -628,7 +628,7 @@ def caplog():
 def _one_step(job, caplog, rank: int = 0) -> list:
     plan = build_shard(describe_job(job), 0).plan
     with contextlib.nullcontext():
-        with PSClient(job.cluster.servers, plan, rank, request_timeout=IO, transport=job.cluster.transport,
+        with PSClient(job.cluster.servers, plan, rank, request_timeout=IO, transport=job.cluster.links.transport,
                       config=job) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}

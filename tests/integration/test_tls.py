@@ -67,7 +67,7 @@ def job():
 
 
 def plan_of(j):
-    return PartitionPlan(build_job(j).model.specs(), 1, j.cluster.slice_bytes)
+    return PartitionPlan(build_job(j).model.specs(), 1, j.cluster.links.slice_bytes)
 
 
 @pytest.mark.parametrize("mutual", [False, True])

@@ -32,7 +32,7 @@ def test_overrides_are_validated_together_whatever_their_order(tmp_path):
     assert job.cluster.shards == 3 and job.cluster.servers == ["a:1", "b:2", "c:3"]
 
     job = job_from_args(worker_args("--workers", "4", "--backup-workers", "3"), environ={})
-    assert (job.cluster.workers, job.cluster.backup_workers) == (4, 3)
+    assert (job.cluster.workers, job.cluster.consistency.backup_workers) == (4, 3)
 
 
 def test_an_inconsistent_job_is_still_refused_once_everything_is_in(tmp_path):

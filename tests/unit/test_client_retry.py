@@ -18,7 +18,7 @@ from psgd.errors import Code
 
 def client(stop: threading.Event | None = None) -> PSClient:
     job = make_job("cluster.shards=1")
-    plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.slice_bytes)
+    plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.links.slice_bytes)
     return PSClient(["127.0.0.1:1"], plan, 0, request_timeout=5, config=job, stop=stop)
 
 

@@ -93,10 +93,39 @@ staleness = 3
 shards = 2
 servers = ["127.0.0.1:5000", "127.0.0.1:5001"]
 """))
-    assert job.cluster.policy == "ssp" and job.cluster.staleness == 3
+    assert job.cluster.policy == "ssp" and job.cluster.consistency.staleness == 3
     job.override("cluster.servers", "10.0.0.1:1,10.0.0.2:2")
     assert job.cluster.servers == ["10.0.0.1:1", "10.0.0.2:2"]
     assert job.to_dict()["cluster"]["shards"] == 2
+
+
+def test_the_cluster_section_is_a_few_keys_and_parts_that_say_what_they_are_about(tmp_path):
+    """[cluster] was 25 flat fields checked in several places: now at most 12 direct fields, the rest in parts; a job
+    file still writes every key flat, and each lands in its part."""
+    import dataclasses
+
+    from psgd.config import PARTS, ClusterConfig
+
+    assert len(dataclasses.fields(ClusterConfig)) <= 12
+    flat = JobConfig().cluster.keys()
+    assert len(flat) == len(set(flat)) and {f.name for part in PARTS.values() for f in dataclasses.fields(part)} <= \
+        set(flat)
+    job = JobConfig.load(write(tmp_path, """
+[cluster]
+policy = "async"
+dc_lambda = 0.5
+transport = "tcp"
+request_timeout = 5.0
+replicas = 1
+local_steps = 7
+"""))
+    c = job.cluster
+    assert (c.remedies.dc_lambda, c.links.transport, c.deadlines.request_timeout, c.recovery.replicas,
+            c.consistency.local_steps) == (0.5, "tcp", 5.0, 1, 7)
+    assert {k: job.to_dict()["cluster"][k] for k in ("dc_lambda", "transport", "replicas")} == \
+        {"dc_lambda": 0.5, "transport": "tcp", "replicas": 1}
+    with pytest.raises(ConfigError, match=r"\[cluster\] unknown key 'remedies'"):
+        job.override("cluster.remedies", {})  # a part is not a key of the file
 
 
 def test_job_written_as_toml_reads_back_the_same(tmp_path):
@@ -178,10 +207,10 @@ def test_tls_files_in_the_job_file_are_read_from_its_folder_and_come_together(tm
 
 def test_busy_poll_is_microseconds_from_minus_one():
     """-1 (the default) is psgd launch's choice, and none for a process started by hand."""
-    assert JobConfig().cluster.busy_poll_us == -1 and JobConfig().cluster.busy_poll_seconds == 0.0
+    assert JobConfig().cluster.links.busy_poll_us == -1 and JobConfig().cluster.links.busy_poll_seconds == 0.0
     job = JobConfig()
     job.apply_sets(["cluster.busy_poll_us=250"])
-    assert job.cluster.busy_poll_seconds == 250e-6
+    assert job.cluster.links.busy_poll_seconds == 250e-6
     with pytest.raises(ConfigError, match=re.escape("busy_poll_us")):
         JobConfig().apply_sets(["cluster.busy_poll_us=-2"])
 
@@ -199,9 +228,9 @@ def test_launch_watches_only_where_each_process_has_a_core(monkeypatch):
 def test_data_ports_name_one_port_per_shard_or_none():
     job = JobConfig()
     job.apply_sets(["cluster.shards=2", "cluster.data_ports=50152,50154"])
-    assert job.cluster.data_ports == [50152, 50154]
+    assert job.cluster.links.data_ports == [50152, 50154]
     job.apply_sets(["cluster.data_ports=[]"])
-    assert job.cluster.data_ports == []
+    assert job.cluster.links.data_ports == []
     for bad, words in (("cluster.data_ports=50152", "lists 1 data port(s) but shards = 2"),
                        ("cluster.data_ports=[0, 1]", "must be a list of ports (1-65535)"),
                        ("cluster.data_ports=[\"a\", 2]", "must be a list of ports")):

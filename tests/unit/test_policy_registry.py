@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 from psgd.cli.common import add_job_arguments, job_from_args
-from psgd.config import ClusterConfig, ConfigError, JobConfig
+from psgd.config import ClusterConfig, ConfigError, Consistency, JobConfig
 from psgd.policy import (
     ACCUMULATE, POLICIES, AsyncPolicy, LocalPolicy, PolicyError, PolicyOption, SSPPolicy, SyncPolicy, make_policy,
     policy_from_cluster,
@@ -41,7 +41,7 @@ def test_every_policy_declares_what_it_is(name):
 def test_options_match_the_constructor_and_the_cluster_section(name):
     cls = POLICIES[name]
     parameters = inspect.signature(cls.__init__).parameters
-    cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)}
+    cluster_keys = {f.name for f in dataclasses.fields(Consistency)}  # a policy's own settings
     assert [o.name for o in cls.options] == [p for p in parameters if p not in ("self", "num_workers")]
     for option in cls.options:
         default = parameters[option.name].default
@@ -128,7 +128,7 @@ def test_policy_from_cluster_reads_each_option_from_its_cluster_key(argv, name, 
 
 
 def test_policy_from_cluster_takes_any_object_with_the_keys():
-    cluster = ClusterConfig(policy="ssp", staleness=0, workers=2)
+    cluster = ClusterConfig(policy="ssp", workers=2, consistency=Consistency(staleness=0))
     assert policy_from_cluster(cluster).staleness == 0
     with pytest.raises(PolicyError, match="unknown policy 'bsp'"):
         policy_from_cluster(ClusterConfig(policy="bsp"))

@@ -9,6 +9,7 @@ time but tiny (0 or a few ms); every thread is joined with a bounded timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import slice_weights, wait_for
+from psgd.config import Deadlines, Remedies
 from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
@@ -49,12 +51,17 @@ class FakeClock:
         self.t += seconds
 
 
+REMEDIES = {f.name for f in dataclasses.fields(Remedies)}
+
+
 def make_core(policy: str = "sync", workers: int = 2, *, clock: FakeClock | None = None,
               options: dict | None = None, **kwargs) -> tuple[ShardCore, FakeClock]:
     clock = clock or FakeClock()
     values = PLAN.split(INIT, shard=0)
+    remedies = Remedies(**{k: kwargs.pop(k) for k in list(kwargs) if k in REMEDIES})
     core = ShardCore(PLAN, 0, values, build_optimizer("sgd", lr=LR), make_policy(policy, workers, **(options or {})),
-                     num_workers=workers, lease_seconds=LEASE, join_timeout=JOIN, now=clock, **kwargs)
+                     num_workers=workers, deadlines=Deadlines(lease_seconds=LEASE, join_timeout=JOIN), now=clock,
+                     remedies=remedies, **kwargs)
     return core, clock
 
 

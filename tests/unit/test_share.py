@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from psgd.optim import WHOLE, Adam, Momentum, OptimizerError, SGD, Share, StepDecay
+from psgd.config import Remedies
 from psgd.server.remedies import PushRemedies
 
 P0 = np.array([1.0, -2.0])
@@ -166,7 +167,7 @@ def test_a_bad_share_is_refused_and_changes_nothing(share):
 ])
 def test_a_shard_counts_a_push_as_its_policy_says(accumulates, async_lr, implicit, want_scale, want):
     flat = np.zeros(3)
-    remedies = PushRemedies(4, accumulates, flat, lambda a: {0: a}, async_lr=async_lr,
-                            implicit_momentum=implicit)
+    remedies = PushRemedies(4, accumulates, flat, lambda a: {0: a},
+                            Remedies(async_lr=async_lr, implicit_momentum=implicit))
     assert remedies.scale == want_scale and remedies.share == want
     assert math.isclose(remedies.lr_scale(0), want_scale)

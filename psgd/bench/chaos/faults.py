@@ -244,7 +244,7 @@ class FaultInjection:
         """Each shard's (host, data port) and the bytes of its weights."""
         c = self.cluster
         targets = []
-        for address, data_port in zip(c.binds, c.config.cluster.data_ports):
+        for address, data_port in zip(c.binds, c.config.cluster.links.data_ports):
             targets.append((address.rpartition(":")[0], data_port))
         return targets, [sum(s.nbytes for s in c.plan.slices_for_shard(k)) for k in range(len(c.binds))]
 
@@ -358,7 +358,7 @@ class FaultInjection:
     def _hostile(self, fault: Fault) -> str:
         c = self.cluster
         targets = []
-        for address, data_port in zip(c.binds, c.config.cluster.data_ports):
+        for address, data_port in zip(c.binds, c.config.cluster.links.data_ports):
             host, _, port = address.rpartition(":")
             targets += [(host, int(port)), (host, data_port)]
         stats, before, after = self._from_outside(HOSTILE, {"targets": targets, "count": fault.count,

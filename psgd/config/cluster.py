@@ -1,0 +1,255 @@
+"""``[cluster]``: how the parameter-server job is laid out and how its shards apply updates, in parts that say what
+they are about.
+
+A job file writes every key of the section flat (``[cluster] staleness = 3``, ``--set cluster.staleness=3``); in
+memory each key belongs to one part: :class:`Consistency` (a policy's own settings), :class:`Remedies` (what shards
+do to a stale async push), :class:`Links` (how pulls and pushes travel), :class:`Deadlines` and :class:`Recovery`
+(checkpoint cuts and replicas).  Each part checks its own keys (:meth:`check`); the rules across keys, between parts
+or with the optimizer, are :meth:`ClusterConfig.check`, the one place every command, ``psgd doctor`` and a starting
+shard share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from psgd.errors import ConfigError
+from psgd.policy import POLICIES
+from psgd.wire import TRANSPORTS
+
+#: [cluster] checkpoint_rounds of a sync job that does not set it: a cut every this many rounds
+CUT_ROUNDS = 100
+#: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
+#: round does) or "full" (lr, each push a whole step)
+ASYNC_LR = ("divided", "full")
+
+
+@dataclasses.dataclass
+class Consistency:
+    """A policy's own settings (each read only by the policies named)."""
+
+    staleness: int = 2            # ssp: how many clocks a worker may run ahead of the slowest
+    backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
+    local_steps: int = 4          # local: steps a worker takes on its own copy between pull and push
+
+    def check(self, src: str) -> None:
+        _check_ints(src, self, {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6)})
+
+
+@dataclasses.dataclass
+class Remedies:
+    """What a shard does to an async or ssp push computed on old weights (psgd.server.remedies)."""
+
+    staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
+    async_lr: str = "divided"     # async, ssp: each push at lr / workers ("divided") or at lr ("full")
+    dc_lambda: float = 0.0        # async, ssp: delay compensation (DC-ASGD) of strength lambda; 0: none
+    dc_adaptive: bool = False     # async, ssp: lambda / sqrt(mean square of the gradients), per weight
+    implicit_momentum: bool = False  # async, ssp: lower the optimizer's momentum by asynchrony's (1 - 1/workers)
+
+    def check(self, src: str) -> None:
+        _check_bools(src, self, ("staleness_lr", "dc_adaptive", "implicit_momentum"))
+        if isinstance(self.dc_lambda, bool) or not isinstance(self.dc_lambda, (int, float)) \
+                or not 0 <= self.dc_lambda <= 1e6:
+            raise ConfigError(f"{src}: [cluster] dc_lambda must be a number from 0 (no delay compensation) to "
+                              f"1e6, got {self.dc_lambda!r}")
+        if self.async_lr not in ASYNC_LR:
+            raise ConfigError(f"{src}: [cluster] async_lr must be \"divided\" (each async or ssp push at lr / "
+                              f"workers) or \"full\" (at lr), got {self.async_lr!r}")
+
+
+@dataclasses.dataclass
+class Links:
+    """How pulls and pushes travel between workers and shards."""
+
+    transport: str = "auto"       # pulls and pushes: auto (shared memory on a shard's host, else tcp), shm, tcp, grpc
+    wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
+    slice_bytes: int = 4 << 20    # tensors larger than this are cut into slices
+    data_ports: list = dataclasses.field(default_factory=list)  # each shard's data port, in shard order; empty: free ones
+    hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
+    busy_poll_us: int = -1        # µs a waiting end of a data connection watches for its answer before it sleeps;
+    #                               -1: psgd launch chooses (1000 where each process it starts has a core), else 0
+
+    @property
+    def busy_poll_seconds(self) -> float:
+        """Seconds a waiting end of a data connection watches before it sleeps (``busy_poll_us``; -1 is none)."""
+        return max(self.busy_poll_us, 0) / 1e6
+
+    def check(self, src: str) -> None:
+        _check_ints(src, self, {"slice_bytes": (64, 1 << 30), "busy_poll_us": (-1, 10**6)})
+        _check_seconds(src, self, {"hello_timeout": (0.01, 3600.0)})
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"{src}: [cluster] transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
+                              f"got {self.transport!r}")
+        if self.wire_dtype not in ("", "float16", "bfloat16"):
+            raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "
+                              f"got {self.wire_dtype!r}")
+        if not isinstance(self.data_ports, list) or not all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in self.data_ports):
+            raise ConfigError(f"{src}: [cluster] data_ports must be a list of ports (1-65535), one per shard, got "
+                              f"{self.data_ports!r}")
+
+
+@dataclasses.dataclass
+class Deadlines:
+    """How long anything waits for a worker or an answer."""
+
+    lease_seconds: float = 10.0   # a worker silent this long leaves the round
+    join_timeout: float = 120.0   # a worker that never registers within this leaves the round
+    request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
+
+    def check(self, src: str) -> None:
+        # more than the most and a call's deadline no longer fits gRPC's clock (1e10 s did not); less than the least
+        # and no heartbeat or answer can come in time (a lease of 1e-9 s expired every worker at once)
+        _check_seconds(src, self, {"lease_seconds": (0.1, 86400.0), "join_timeout": (0.1, 7 * 86400.0),
+                                   "request_timeout": (0.01, 86400.0)})
+
+
+@dataclasses.dataclass
+class Recovery:
+    """How a job comes back from a killed shard: checkpoint cuts (sync) or a replica of each shard (async, ssp)."""
+
+    checkpoint_rounds: int = -1   # sync: every shard checkpoints at each multiple of this many rounds, all at the
+    #                               same versions (cuts); 0: every psgd-server --checkpoint-every seconds, at any
+    #                               version; -1: 100 under sync without backup workers, else 0 (a shard without
+    #                               a checkpoint folder has no cuts then)
+    on_cut_failure: str = "stop"  # a shard that cannot write a cut: "stop" (it refuses every call) or "continue"
+    replicas: int = 0             # async, ssp: 1 runs each shard twice, a replica applying every update before the
+    #                               push is acknowledged; workers fail over to it when the primary dies
+    replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
+
+    def check(self, src: str) -> None:
+        _check_ints(src, self, {"checkpoint_rounds": (-1, 10**9), "replicas": (0, 1)})
+        if self.on_cut_failure not in ("stop", "continue"):
+            raise ConfigError(f"{src}: [cluster] on_cut_failure must be \"stop\" or \"continue\", got "
+                              f"{self.on_cut_failure!r}")
+        _check_addresses(src, "replica_servers", self.replica_servers)
+
+
+PARTS = {"consistency": Consistency, "remedies": Remedies, "links": Links, "deadlines": Deadlines,
+         "recovery": Recovery}
+#: each key a job file writes under [cluster] that belongs to a part -> that part's name
+PART_OF = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    """How the parameter-server job is laid out and how shards apply updates."""
+
+    policy: str = "sync"          # a consistency policy: a name in psgd.policy.POLICIES
+    shards: int = 2               # parameter-server shards (psgd-server processes) holding the weights
+    workers: int = 2              # workers (psgd-worker processes), each on its own share of the data
+    servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
+    overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
+    consistency: Consistency = dataclasses.field(default_factory=Consistency)
+    remedies: Remedies = dataclasses.field(default_factory=Remedies)
+    links: Links = dataclasses.field(default_factory=Links)
+    deadlines: Deadlines = dataclasses.field(default_factory=Deadlines)
+    recovery: Recovery = dataclasses.field(default_factory=Recovery)
+
+    # -- the job file's flat keys ---------------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Every key the section takes, as a job file writes it."""
+        return [f.name for f in dataclasses.fields(self) if f.name not in PARTS] + list(PART_OF)
+
+    def get(self, key: str) -> Any:
+        """The value of a job file's key (``staleness`` is ``consistency.staleness``)."""
+        part = PART_OF.get(key)
+        return getattr(self if part is None else getattr(self, part), key)
+
+    def set(self, key: str, value: Any) -> None:
+        part = PART_OF.get(key)
+        setattr(self if part is None else getattr(self, part), key, value)
+
+    def flat(self) -> dict[str, Any]:
+        """The section as a job file writes it: every key, flat."""
+        return {key: self.get(key) for key in self.keys()}
+
+    # -- what it means ---------------------------------------------------------------------------------------------
+    @property
+    def cut_rounds(self) -> int:
+        """Rounds between cuts (0: none): ``checkpoint_rounds``, or where it is -1, :data:`CUT_ROUNDS` under sync
+        without backup workers (a killed shard then changes nothing) and none under the other policies."""
+        if self.recovery.checkpoint_rounds >= 0:
+            return self.recovery.checkpoint_rounds
+        return CUT_ROUNDS if POLICIES[self.policy].accumulates and not self.consistency.backup_workers else 0
+
+    def shard_cut_rounds(self, checkpoints: bool) -> int:
+        """A shard's rounds between cuts: a checkpoint_rounds that is set holds for every shard; the default's only
+        for one that keeps checkpoints (``checkpoints``: it has a folder to write them to)."""
+        return self.cut_rounds if checkpoints or self.recovery.checkpoint_rounds > 0 else 0
+
+    # -- checks ----------------------------------------------------------------------------------------------------
+    def check(self, src: str, optimizer: str | None) -> None:
+        """Each part's own keys, then every rule across keys (``optimizer``: the job's optimizer's name)."""
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
+            raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _check_ints(src, self, {"shards": (1, 1024), "workers": (1, 10**4)})
+        _check_bools(src, self, ("overlap",))
+        _check_addresses(src, "servers", self.servers)
+        for part in PARTS:
+            getattr(self, part).check(src)
+        self._check_across(src, optimizer)
+
+    def _check_across(self, src: str, optimizer: str | None) -> None:
+        c, r, rec = self.consistency, self.remedies, self.recovery
+        policy = POLICIES[self.policy]
+        if c.backup_workers >= self.workers:
+            raise ConfigError(f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers "
+                              f"({self.workers})")
+        if self.servers and len(self.servers) != self.shards:
+            raise ConfigError(f"{src}: [cluster] lists {len(self.servers)} server address(es) but shards = "
+                              f"{self.shards}")
+        if self.links.data_ports and len(self.links.data_ports) != self.shards:
+            raise ConfigError(f"{src}: [cluster] lists {len(self.links.data_ports)} data port(s) but shards = "
+                              f"{self.shards}: one per shard, or none (each shard takes a free one)")
+        if rec.replica_servers and (len(rec.replica_servers) != self.shards or not rec.replicas):
+            raise ConfigError(f"{src}: [cluster] lists {len(rec.replica_servers)} replica address(es); with "
+                              f"replicas = 1 it lists one per shard ({self.shards}), without replicas none")
+        if rec.checkpoint_rounds > 0 and not policy.accumulates:
+            raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {rec.checkpoint_rounds} cuts checkpoints at "
+                              f"common rounds, which only a sync policy has (this job's: {self.policy}); leave it 0")
+        if rec.checkpoint_rounds > 0 and c.backup_workers:
+            raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {rec.checkpoint_rounds} takes a job back to a "
+                              f"cut with every worker in every round, and backup_workers = {c.backup_workers} "
+                              "closes rounds without some: use one of them")
+        if rec.replicas and policy.accumulates:
+            raise ConfigError(f"{src}: [cluster] replicas = 1 keeps a copy of each shard for async and ssp; a sync "
+                              "job comes back from a killed shard without losing anything with checkpoint_rounds")
+        if r.implicit_momentum and optimizer not in ("momentum", "nesterov"):
+            raise ConfigError(f"{src}: [cluster] implicit_momentum lowers a momentum optimizer's momentum; "
+                              f"[optimizer] name is {optimizer!r} (use momentum or nesterov)")
+        if policy.local:
+            pushing = [k for k, on in (("dc_lambda", r.dc_lambda), ("implicit_momentum", r.implicit_momentum),
+                                       ("overlap", self.overlap)) if on]
+            if pushing:
+                raise ConfigError(f"{src}: [cluster] {', '.join(pushing)} cannot go with policy {self.policy!r}: "
+                                  "its workers push their progress after local steps, not a gradient of the weights "
+                                  "they pulled")
+
+
+def _check_ints(src: str, values: Any, ranges: dict[str, tuple[int, int]], section: str = "cluster") -> None:
+    for key, (low, high) in ranges.items():
+        value = getattr(values, key)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{src}: [{section}] {key} must be an integer from {low} to {high}, got {value!r}")
+
+
+def _check_seconds(src: str, values: Any, ranges: dict[str, tuple[float, float]]) -> None:
+    for key, (least, most) in ranges.items():
+        value = getattr(values, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= most:
+            raise ConfigError(f"{src}: [cluster] {key} must be a number of seconds from {least:g} to {most:g}, "
+                              f"got {value!r}")
+
+
+def _check_bools(src: str, values: Any, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if not isinstance(getattr(values, key), bool):
+            raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(values, key)!r}")
+
+
+def _check_addresses(src: str, key: str, addresses: Any) -> None:
+    if not isinstance(addresses, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit()
+                                                  for a in addresses):
+        raise ConfigError(f"{src}: [cluster] {key} must be a list of host:port strings, got {addresses!r}")
