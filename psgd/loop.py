@@ -79,7 +79,7 @@ class Interrupted(PsgdError):
     """Raised by an exchange when the stop event ended a step half-way (the step is not counted)."""
 
 
-class Rewound(PsgdError):
+class ResumeFromStep(PsgdError):
     """Raised by an exchange when the job went back to the cut at ``clock`` (a shard restarted from it): the loop
     continues from that step, with that step's data, and the steps since are computed again."""
 
@@ -161,8 +161,8 @@ class Exchange(abc.ABC):
         :attr:`overlaps` and the model hands its gradients over); :meth:`exchange` still gets them all."""
 
     def settle(self, step: int) -> None:
-        """The loop's last step is done: an exchange that may still go back (:class:`Rewound`) makes sure here that
-        every step stands before the loop ends."""
+        """The loop's last step is done: an exchange that may still go back (:class:`ResumeFromStep`) makes sure here
+        that every step stands before the loop ends."""
 
     def end(self, interrupted: bool) -> dict[str, Any]:
         """Leave the job (``interrupted``: the stop event ended it early); returns summary fields."""
@@ -173,7 +173,7 @@ class Exchange(abc.ABC):
         return None
 
 
-class _Beside:
+class _BackgroundEvaluator:
     """Evaluations of copies of the weights, one at a time on a thread of their own (``[train] eval_beside``):
     a step never waits for one, and an evaluation that falls due while the last is still running is skipped."""
 
@@ -295,9 +295,9 @@ def run_loop(
             log.info("%s: epoch %d/%d, step %d/%d: test accuracy %.4f, train loss %.4f",
                      exchange.name, done // spe, t.epochs, done, total, acc, train_loss)
 
-    beside = _Beside(evaluation) if t.eval_beside else None
+    beside = _BackgroundEvaluator(evaluation) if t.eval_beside else None
 
-    def _went_back(back: Rewound, step: int) -> int:
+    def _went_back(back: ResumeFromStep, step: int) -> int:
         metrics.write("rewound", clock=back.clock, at=step)
         bar.update(back.clock - step)
         return back.clock
@@ -314,7 +314,7 @@ def run_loop(
                         if step > first:  # (a worker with nothing to do pushed nothing that could need it)
                             exchange.settle(step)
                         break
-                    except Rewound as back:
+                    except ResumeFromStep as back:
                         step = _went_back(back, step)
                         continue
                 if stop is not None and stop.is_set():
@@ -368,7 +368,7 @@ def run_loop(
                     bar.update(out.next_step - step)
                     bar.set_postfix(loss=f"{loss:.4f}", **({"acc": f"{acc:.3f}"} if history else {}), refresh=False)
                     step = out.next_step
-                except Rewound as back:  # a shard restarted from a cut: the steps since are taken again
+                except ResumeFromStep as back:  # a shard restarted from a cut: the steps since are taken again
                     step = _went_back(back, step)
         except Interrupted as exc:
             interrupted = True

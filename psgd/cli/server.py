@@ -170,14 +170,15 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     pair = None
     if c.recovery.replicas:
-        from psgd.server.replica import Pair
+        from psgd.server.replica import Replication
 
         peer = args.peer or (theirs[args.shard] if args.shard < len(theirs) else "")
         if args.replica and not peer:
             raise ConfigError(f"shard {args.shard}'s replica needs its primary's address: --peer, or [cluster] "
                               "servers")
         me = mine[args.shard] if args.shard < len(mine) else server.address  # as the peer reaches it, not 0.0.0.0
-        pair = Pair(core, me, peer, second=args.replica, token=token, tls=tls, ack_seconds=c.deadlines.request_timeout).start()
+        pair = Replication(core, me, peer, second=args.replica, token=token, tls=tls,
+                           ack_seconds=c.deadlines.request_timeout).start()
     try:
         if args.port_file:
             _write_port_file(args.port_file, server.address)

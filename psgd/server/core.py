@@ -80,7 +80,7 @@ class ShardCore(CoreState):
         self.dtype = dtypes.pop()
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.left = threading.Condition(self.lock)  # who serves changed (see wake): not notified at every update
+        self.serving_changed = threading.Condition(self.lock)  # who serves changed (see wake); not at every update
         self.store = WeightStore(self.slices, values, self.dtype, self.changed, shard, apply_threads)
         self.offsets, self.nbytes = self.store.offsets, self.store.nbytes
         self.optimizer, self.policy = optimizer, policy
@@ -116,7 +116,7 @@ class ShardCore(CoreState):
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
         # while its workers train), and the pair (psgd.server.replica)
-        self.role, self.pair = "", None
+        self.role, self.replication = "", None
 
     @property
     def flat(self) -> np.ndarray:
@@ -161,15 +161,15 @@ class ShardCore(CoreState):
         if self.halted:
             raise ShardError("FAILED_PRECONDITION", self.halted)
         if self.role in ("replica", "starting", "stopping"):
-            if self.role == "replica" and self.pair is not None:
-                self.pair.asked()  # a worker that cannot reach the primary: leave to lead for a replica that lost it
+            if self.role == "replica" and self.replication is not None:
+                self.replication.asked()  # a worker that cannot reach the primary: a replica that lost it may lead
             raise ShardError("UNAVAILABLE", f"this process of shard {self.shard} serves no worker ({self.role}): the "
                              "other process of its pair does", reason="NOT_PRIMARY")
 
     def _policy_changed(self) -> None:
-        if self.pair is not None:  # the policy's state, with no update half made (the replica applies each after it)
+        if self.replication is not None:  # the policy's state, no update half made (the replica applies each after)
             self.store.settle()
-            self.pair.policy_changed()
+            self.replication.policy_changed()
 
     def _check_rewound(self, worker: int, clock: int) -> None:
         cut = self.rewinding.get(worker)
@@ -341,8 +341,8 @@ class ShardCore(CoreState):
                 self._apply(grads, lr_scale, self.remedies.share)
                 self.counters["pushes"] += 1
                 self.changed.notify_all()
-                if self.pair is not None:  # the replica applies it too before the worker hears back
-                    ticket = self.pair.applied(worker, clock, staleness, lr_scale, grads)
+                if self.replication is not None:  # the replica applies it too before the worker hears back
+                    ticket = self.replication.applied(worker, clock, staleness, lr_scale, grads)
             else:
                 self.counters["pushes"] += 1
                 self.counters[OUTCOME_COUNTERS[outcome]] += 1
@@ -352,8 +352,8 @@ class ShardCore(CoreState):
                 self._close_rounds(decision.closed_rounds)
             result = PushResult(outcome, decision.next_clock, self.version, staleness,
                                 self.policy.pull_ready(worker, clock + 1))
-        if self.pair is not None:  # a duplicate too: the replica must hold the push before it is acknowledged
-            self.pair.confirm(ticket if action == APPLY else result.version)
+        if self.replication is not None:  # a duplicate too: the replica must hold the push before it is acknowledged
+            self.replication.confirm(ticket if action == APPLY else result.version)
         return result
 
     def heartbeat(self, worker: int, clock: int, key: str | None = None) -> None:
@@ -394,17 +394,17 @@ class ShardCore(CoreState):
         they come back within a lease, so a dropped worker counts as gone only once that has passed)."""
         with self.lock:
             if self.role == "replica":  # a replica is done when its primary says the job is
-                return self.pair is not None and self.pair.job_over
+                return self.replication is not None and self.replication.job_over
             return self.roster.finished(settle)
 
-    def wait_left(self, timeout: float) -> None:
+    def wait_serving_changed(self, timeout: float) -> None:
         with self.lock:  # a worker left, the role changed or the core closes (at most ``timeout`` seconds)
-            self.left.wait(timeout)
+            self.serving_changed.wait(timeout)
 
     def wake(self) -> None:
-        """(Under the lock.)  Wake the waits on the policy (``changed``) and on who serves (``left``)."""
+        """(Under the lock.)  Wake the waits on the policy (``changed``) and on who serves (``serving_changed``)."""
         self.changed.notify_all()
-        self.left.notify_all()
+        self.serving_changed.notify_all()
 
     def close(self) -> None:
         """Wake every waiting pull so that it ends with UNAVAILABLE."""
@@ -425,6 +425,6 @@ class ShardCore(CoreState):
                 if self.last_checkpoint else None,
                 "restored_version": self.restored_version, "rewinding": dict(self.rewinding),
                 "last_cause": max(self.rollback_causes, key=self.rollback_causes.__getitem__, default=""),
-                "role": self.role, "replica_lag": self.pair.lag() if self.pair is not None else -1,
+                "role": self.role, "replica_lag": self.replication.lag() if self.replication is not None else -1,
                 **({"tables": self.tables.status()} if self.tables else {}),
             }

@@ -149,9 +149,10 @@ class CoreState:
 
     # -- a pair of processes ---------------------------------------------------------------------------------------
     def join_pair(self, pair: Any) -> None:
-        """This process is one of a pair (psgd.server.replica.Pair): it serves no worker until it takes a role."""
+        """This process is one of a pair (psgd.server.replica.Replication): it serves no worker until it takes a
+        role."""
         with self.lock:
-            self.pair, self.role = pair, "starting"
+            self.replication, self.role = pair, "starting"
             # times the pair's leader changed (copied with the state): the later of two leaders has the larger
             self.counters.setdefault("failovers", 0)
             self.counters.setdefault("unreplicated", 0)  # pushes its primary acknowledged without a copy

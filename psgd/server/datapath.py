@@ -145,7 +145,7 @@ class DataServer:
         try:
             conn.settimeout(self.request_timeout)
             if shm == "follow":  # a replica of this shard (psgd.server.replica): it takes the connection over
-                return self.core.pair.lead(conn) if self.core.pair is not None else \
+                return self.core.replication.serve_follower(conn) if self.core.replication is not None else \
                     self._fatal(conn, "FAILED_PRECONDITION", f"shard {self.core.shard} keeps no replica")
             seg, offer = self._segment_for(worker, shm)
             protocol.send_buffers(conn, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, self.core.version, 0, 0,

@@ -6,7 +6,7 @@ that connection: first its whole state (the arrays and manifest of a checkpoint,
 then each update as it applied it (the gradient after any delay compensation, its learning-rate scale, whose push at
 which clock), and the policy's state when a worker joins or leaves.  The replica applies each in the same order,
 with the same optimizer, so it holds the primary's weights, optimizer state and clocks, and answers with the
-update's number; a push waits for that answer before its worker hears back (:meth:`Pair.confirm`).  A killed
+update's number; a push waits for that answer before its worker hears back (:meth:`Replication.confirm`).  A killed
 primary therefore loses no acknowledged push: its replica takes over, the workers fail over to it
 (psgd.worker.failover), and a push they retry there is counted as the duplicate it is.  Frames are a fixed header
 (:data:`FRAME`) then JSON then raw bytes, sent from the arrays with ``sendmsg`` and received into a reused buffer,
@@ -76,10 +76,10 @@ WORKERS_SECONDS = 2 * SILENCE_SECONDS
 BENCH_SECONDS = (30.0, 300.0)
 
 
-class Pair:
-    """This process's half of shard ``core.shard``'s pair.  ``peer``: the other process's gRPC address (a primary
-    started without one learns it from its replica); ``me``: this one's, as the peer reaches it; ``second``: this
-    is the pair's second process (a replica at the start)."""
+class Replication:
+    """This process's end of shard ``core.shard``'s replication (a pair: a primary and its replica).  ``peer``: the
+    other process's gRPC address (a primary started without one learns it from its replica); ``me``: this one's, as
+    the peer reaches it; ``second``: this is the pair's second process (a replica at the start)."""
 
     def __init__(self, core: ShardCore, me: str, peer: str = "", *, second: bool, token: str = "",
                  tls: TLSFiles = NO_TLS, ack_seconds: float = 60.0):
@@ -109,7 +109,7 @@ class Pair:
         core.join_pair(self)  # serving no worker until start() decides
 
     # -- roles ----------------------------------------------------------------------------------------------
-    def start(self) -> "Pair":
+    def start(self) -> "Replication":
         """Take this process's role: replica where this is the pair's second or the peer already leads or holds
         more (it follows the peer from now on), else primary."""
         found = peer_status(self.peer, self.token, self.tls) if self.peer else None
@@ -208,7 +208,7 @@ class Pair:
             log.warning("shard %d: refused a replica at %s: this process is %s%s; further refusals are said at most "
                         "once a minute", self.core.shard, address, why, more)
 
-    def lead(self, sock: socket.socket) -> None:
+    def serve_follower(self, sock: socket.socket) -> None:
         """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.datapath): the
         state, then what is queued, in batches, each batch's answers read before the next goes (one thread uses
         the connection: a TLS one too); a keepalive when nothing is queued."""

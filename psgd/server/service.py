@@ -389,7 +389,7 @@ class ShardServer:
             left = 1.0 if end is None else min(1.0, end - time.monotonic())
             if left <= 0:
                 return False
-            self.core.wait_left(left)
+            self.core.wait_serving_changed(left)
         return True
 
     def stop(self, grace: float = 5.0) -> bool:

@@ -32,7 +32,7 @@ from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.wire.protocol import OBSERVER
-from psgd.worker.errors import PSError, Rewind, Stopped
+from psgd.worker.errors import PSError, ShardWentBack, Stopped
 from psgd.worker.failover import Failover
 from psgd.worker.outgoing import Outgoing
 
@@ -73,8 +73,8 @@ class PSClient:
         for link in (link for link in self.links if isinstance(link, ShmLink)):
             link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
-        self.failover = Failover(self, config.cluster.recovery.replica_servers if replicas is None and config is not None
-                                 else replicas or ())
+        self.failover = Failover(self, config.cluster.recovery.replica_servers
+                                 if replicas is None and config is not None else replicas or ())
         n = plan.num_shards  # this process's registrations with each shard: made so far, and on the way
         self.versions, self._joins, self._registering, self._joining = [0] * n, [0] * n, [0] * n, threading.Lock()
         self.lease_seconds = 10.0
@@ -89,7 +89,8 @@ class PSClient:
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
         #: how long a registration refused for another holder of the rank is retried: a lease (it died or renewed)
-        self.holder_wait = config.cluster.deadlines.lease_seconds + HOLDER_MARGIN if config is not None else self.retry_deadline
+        self.holder_wait = (config.cluster.deadlines.lease_seconds + HOLDER_MARGIN if config is not None
+                            else self.retry_deadline)
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
@@ -130,7 +131,8 @@ class PSClient:
             except LinkError as err:
                 code, details = err.code, err.details
                 if err.reason == "ROLLED_BACK":  # the job went back to a cut; this worker takes it back if it heard why
-                    raise Rewind(*self.pending_rollback) if self.pending_rollback else Rewind(err.rewind_to) from None
+                    raise (ShardWentBack(*self.pending_rollback) if self.pending_rollback else
+                           ShardWentBack(err.rewind_to)) from None
                 self.failover.move(shard, used, err)  # the other process of the shard's pair, if it has one
                 stopping = self._stopping()
                 left = 0.0 if stopping else deadline - time.monotonic()
@@ -172,7 +174,7 @@ class PSClient:
         pending = set(jobs)
         while pending:  # short waits: a stop signal's handler runs in this (the main) thread in between
             done, pending = futures.wait(pending, timeout=0.1)
-            back = next((j.exception() for j in done if isinstance(j.exception(), Rewind)), None)
+            back = next((j.exception() for j in done if isinstance(j.exception(), ShardWentBack)), None)
             if back is not None:  # the others may wait on a round that closes only once the job went back
                 self.stragglers = list(pending)
                 raise back

@@ -1,5 +1,5 @@
 """What a worker's calls to its shards end in, other than an answer: a failure for good (:class:`PSError`), a stop
-asked for (:class:`Stopped`), or the job going back to a cut (:class:`Rewind`)."""
+asked for (:class:`Stopped`), or the job going back to a cut (:class:`ShardWentBack`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Stopped(PSError):
     """The worker was asked to stop (SIGTERM) while it waited for its shards."""
 
 
-class Rewind(PsgdError):
+class ShardWentBack(PsgdError):
     """The job goes back to the cut at version ``clock`` (sync with checkpoint_rounds: a shard restarted from it),
     and this worker continues from that clock.  ``cause`` is the restarted shard's incarnation (``restarted``: its
     address) where this worker heard of the restart itself and takes every shard back

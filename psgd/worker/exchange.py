@@ -27,13 +27,13 @@ from psgd import data as datasets
 from psgd import xp as backend
 from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
-from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, Rewound, run_loop
+from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, ResumeFromStep, run_loop
 from psgd.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.policy import POLICIES
 from psgd.worker.client import PSClient, PSError, Stopped
-from psgd.worker.errors import Rewind
+from psgd.worker.errors import ShardWentBack
 from psgd.worker.lookups import as_rows, asked_rows, held_rows, read_rows
 from psgd.worker.rollback import roll_back
 
@@ -95,7 +95,7 @@ class ParameterServerExchange(Exchange):
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
         c = job.config.cluster
         self.local_steps = c.consistency.local_steps if POLICIES[c.policy].local else 0
-        self.rounds = POLICIES[c.policy].accumulates  # sync: a push's answer brings the next weights (_combines)
+        self.accumulates = POLICIES[c.policy].accumulates  # sync: a push's answer brings the next weights (_combines)
         self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
         if self.plan.tables and self.local_steps:
@@ -142,7 +142,7 @@ class ParameterServerExchange(Exchange):
         except PSError as exc:
             self._stopping(exc)
             raise
-        except Rewind as back:
+        except ShardWentBack as back:
             self._went_back(back)
         self.pull_seconds = time.perf_counter() - began  # with overlap: the part of the pull not hidden
         device, pulled = self.job.device, self._centre()
@@ -160,19 +160,19 @@ class ParameterServerExchange(Exchange):
             except PSError as exc:
                 self._stopping(exc)
                 raise
-            except Rewind as back:
+            except ShardWentBack as back:
                 self._went_back(back)
 
-    def _went_back(self, back: Rewind) -> NoReturn:
+    def _went_back(self, back: ShardWentBack) -> NoReturn:
         """The job goes back to a cut (psgd.worker.rollback): taken back by this worker where it heard why; a pull
         made ahead is dropped, and the loop continues from the cut's clock."""
         clock, self._answered = roll_back(self.client, back), None
         if self._prefetch is not None:
-            with contextlib.suppress(PSError, Rewind, futures.TimeoutError):
+            with contextlib.suppress(PSError, ShardWentBack, futures.TimeoutError):
                 self._prefetch.pending.result(timeout=self.client.request_timeout)
             self._prefetch = None
         self._ahead = None
-        raise Rewound(clock) from None
+        raise ResumeFromStep(clock) from None
 
     def _centre(self) -> dict[str, Any]:
         """The weights of the last pull: on the device where it went there (see _device_arrays), else on the host."""
@@ -247,7 +247,7 @@ class ParameterServerExchange(Exchange):
         except PSError as exc:
             self._stopping(exc)
             raise
-        except Rewind as back:
+        except ShardWentBack as back:
             self._went_back(back)
         pushed = time.perf_counter()
         for r in replies:
@@ -271,7 +271,7 @@ class ParameterServerExchange(Exchange):
     def _combines(self, step: int, rows: Mapping) -> bool:
         """Whether this step's push brings the next step's weights: under sync (async's pull, sent once the push is
         answered, reads fresher weights), but for the last step, a stopping worker and rows (their own pull's)."""
-        return (self.rounds and step + 1 < self.total and not rows and not self.plan.tables
+        return (self.accumulates and step + 1 < self.total and not rows and not self.plan.tables
                 and not (self.stop is not None and self.stop.is_set()))
 
     def gradient_ready(self, name: str, grad: Any) -> None:
@@ -323,7 +323,7 @@ class ParameterServerExchange(Exchange):
         loop to evaluate as the final ones; None, said in a line, where they cannot be read."""
         try:
             self.versions = self.client.pull(self.total, self.host, {}, None)
-        except (PSError, Rewind) as exc:
+        except (PSError, ShardWentBack) as exc:
             log.warning("worker %d: could not read the weights its last step left, to evaluate them (%s)",
                         self.rank, exc)
             return None

@@ -21,7 +21,7 @@ import time
 from concurrent import futures
 from typing import Any
 
-from psgd.worker.errors import PSError, Rewind
+from psgd.worker.errors import PSError, ShardWentBack
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _finish(client: Any, clock: int, replies: list) -> bool:
     return True
 
 
-def roll_back(client: Any, rewind: Rewind) -> int:
+def roll_back(client: Any, rewind: ShardWentBack) -> int:
     """Go back as ``rewind`` says (every shard to the common cut, where it has a cause) with
     :class:`psgd.worker.client.PSClient` ``client``; returns the clock this worker continues from."""
     clock = rewind.clock

@@ -27,7 +27,7 @@ from psgd.ops.view import ClusterView
 from psgd.ops.reach import probe_all
 from psgd.server import build_shard
 from psgd.server import stream
-from psgd.server.replica import Pair
+from psgd.server.replica import Replication
 from psgd.server.service import ShardServer
 from psgd.tls import NO_TLS
 from psgd.wire import protocol
@@ -43,9 +43,9 @@ def pair_of(job, k: int = 0, token: str = ""):
     d = describe_job(job)
     primary, replica = (ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.links.transport,
                                     replicated=True, token=token).start() for _ in range(2))
-    Pair(primary.core, primary.address, replica.address, second=False, token=token).start()
-    Pair(replica.core, replica.address, primary.address, second=True, token=token).start()
-    wait_for(lambda: primary.core.pair.lag() == 0, 10, "the replica to follow")
+    Replication(primary.core, primary.address, replica.address, second=False, token=token).start()
+    Replication(replica.core, replica.address, primary.address, second=True, token=token).start()
+    wait_for(lambda: primary.core.replication.lag() == 0, 10, "the replica to follow")
     job.override("cluster.servers", [primary.address])
     job.override("cluster.replica_servers", [replica.address])
     return primary, replica
@@ -53,7 +53,7 @@ def pair_of(job, k: int = 0, token: str = ""):
 
 def close(*servers):
     for s in servers:
-        s.core.pair.stop(finished=True)
+        s.core.replication.stop(finished=True)
     for s in servers:
         s.stop(grace=1.0)
 
@@ -73,7 +73,7 @@ def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, tr
         for name, value in p.optimizer.state_dict().items():
             np.testing.assert_array_equal(value, q.optimizer.state_dict()[name])
         assert [p.policy.clock_of(w) for w in range(2)] == [q.policy.clock_of(w) for w in range(2)]
-        assert (p.role, q.role, p.pair.lag(), q.pair.lag()) == ("primary", "replica", 0, 0)
+        assert (p.role, q.role, p.replication.lag(), q.replication.lag()) == ("primary", "replica", 0, 0)
         rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5, token=TOKEN))).render()
         assert "primary (lag 0)" in rows and "replica (following)" in rows
     finally:
@@ -215,7 +215,8 @@ def _hold_an_update(core, worker: int, clock: int):
 
 def _same_copies(primary, replica):
     p, q = primary.core, replica.core
-    wait_for(lambda: p.pair.lag() == 0 and q.version == p.version, 10, "the replica to hold the primary's version")
+    wait_for(lambda: p.replication.lag() == 0 and q.version == p.version, 10,
+             "the replica to hold the primary's version")
     assert [p.policy.clock_of(w) for w in range(p.num_workers)] == [q.policy.clock_of(w) for w in range(q.num_workers)]
     np.testing.assert_array_equal(p.flat, q.flat)
 
@@ -232,11 +233,11 @@ def test_an_update_held_before_its_write_reaches_the_replica_in_its_place(event,
     primary = ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True).start()
     replica = ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True).start()
     p = primary.core
-    Pair(p, primary.address, replica.address, second=False).start()
+    Replication(p, primary.address, replica.address, second=False).start()
     try:
         if event == "a worker leaves":
-            Pair(replica.core, replica.address, primary.address, second=True).start()
-            wait_for(lambda: p.pair.lag() == 0, 10, "the replica to follow")
+            Replication(replica.core, replica.address, primary.address, second=True).start()
+            wait_for(lambda: p.replication.lag() == 0, 10, "the replica to follow")
         for w in range(2):
             p.register(w, p.plan.hash)
         caplog.clear()
@@ -245,10 +246,10 @@ def test_an_update_held_before_its_write_reaches_the_replica_in_its_place(event,
             if event == "a worker leaves":
                 done = threading.Thread(target=p.done, args=(0, 0), daemon=True)
             else:
-                done = threading.Thread(target=Pair(replica.core, replica.address, primary.address,
+                done = threading.Thread(target=Replication(replica.core, replica.address, primary.address,
                                                     second=True).start, daemon=True)
             done.start()
-            wait_for(lambda: p.store.settling == 1 or not done.is_alive() and p.pair.attached, 10,
+            wait_for(lambda: p.store.settling == 1 or not done.is_alive() and p.replication.attached, 10,
                      f"{event}: to wait for the update, or to be done")
             read.release()
             pushing.join(10)
@@ -301,7 +302,7 @@ def test_a_replica_between_two_connections_when_the_job_ends_hears_that_it_ended
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
     primary, replica = pair_of(job)
-    p, q = primary.core.pair, replica.core.pair
+    p, q = primary.core.replication, replica.core.replication
     connect, release = q._connect, threading.Event()
 
     def held():
@@ -356,7 +357,7 @@ def test_a_follower_that_is_refused_is_said_once_and_its_claimed_address_cannot_
         assert not any("\n" in line for line in lines), lines
         said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len([m for m in said if "refused a replica at 10.0.0.9:1" in m]) == 1, said
-        assert primary.core.pair.lag() == 0 and primary.core.role == "primary"
+        assert primary.core.replication.lag() == 0 and primary.core.role == "primary"
     finally:
         close(primary, replica)
 
@@ -379,9 +380,9 @@ def test_a_replica_whose_stream_breaks_as_it_is_told_the_job_is_over_is_told_aga
 
     monkeypatch.setattr(stream, "send", breaking)
     try:
-        primary.core.pair.stop(finished=True)
+        primary.core.replication.stop(finished=True)
         assert broken, "the end of the job was never sent"
-        wait_for(lambda: replica.core.pair.job_over, 10, "the replica to hear that the job is over")
+        wait_for(lambda: replica.core.replication.job_over, 10, "the replica to hear that the job is over")
         assert replica.core.role == "replica"
     finally:
         close(primary, replica)
@@ -433,7 +434,7 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
             cut = cuts()  # once maybe without a time out (a replica that kept up before), then with one
             assert len(cut) == (2 if how == "slow" else 1) and until in cut[-1], cut
             assert all("cut off; going on alone" in line for line in cut), cut
-            assert primary.core.pair.alone
+            assert primary.core.replication.alone
             stalled = sum(took)  # what the lagging replica cost before its time out: at most two bounds
             assert stalled < 2 * (replica_module.KEEP_UP_SECONDS + 3), took
             after = []
@@ -447,7 +448,7 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
             released.set()
             monkeypatch.setattr(stream.Reader, "take", take)
             # once its time out is over, it follows again from the primary's state and holds every update
-            wait_for(lambda: primary.core.pair.lag() == 0 and not primary.core.pair.alone, 30,
+            wait_for(lambda: primary.core.replication.lag() == 0 and not primary.core.replication.alone, 30,
                      "the replica to follow again")
             assert [r.outcome for r in client.push(clock, grads)] == ["applied"]
             wait_for(lambda: replica.core.version == primary.core.version, 10, "the replica to hold the last update")
@@ -468,8 +469,8 @@ def test_only_the_pairs_own_replica_follows(caplog):
     primary, replica = pair_of(job)
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")
-        replica.core.pair.stop(finished=False)  # the replica is away
-        wait_for(lambda: not primary.core.pair.attached, 10, "the primary to see its replica go")
+        replica.core.replication.stop(finished=False)  # the replica is away
+        wait_for(lambda: not primary.core.replication.attached, 10, "the primary to see its replica go")
         host, port = primary.address.rsplit(":", 1)[0], primary.data.port
         sock = stream.connect(host, port, "10.0.0.9:1", "", primary.core.plan.hash, NO_TLS, timeout=5)
         try:
@@ -480,7 +481,7 @@ def test_only_the_pairs_own_replica_follows(caplog):
         finally:
             sock.close()
         wait_for(lambda: any("not of 10.0.0.9:1" in r.getMessage() for r in caplog.records), 10, "the refusal")
-        assert not primary.core.pair.attached
+        assert not primary.core.replication.attached
     finally:
         close(primary, replica)
 
@@ -511,19 +512,19 @@ def test_a_stranger_at_a_dead_replicas_address_learns_no_token_and_is_not_believ
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")
         address = replica.address
-        replica.core.pair.stop(finished=False)
+        replica.core.replication.stop(finished=False)
         replica.stop(grace=0)  # the replica is gone
         ps_pb2_grpc.add_ParameterServerServicer_to_server(Stranger(), stranger)
         assert stranger.add_insecure_port(address) == int(address.rsplit(":", 1)[1])
         stranger.start()
         wait_for(lambda: len(heard) >= 3, 20, "the primary to ask the stranger three times")
-        assert primary.core.role == "primary" and primary.core.pair.alone
+        assert primary.core.role == "primary" and primary.core.replication.alone
         said = " ".join(str(v) for m in heard for v in m.values())
         assert TOKEN not in said and "Proof " in said, heard
         assert any("without proving that it holds the job's token" in r.getMessage() for r in caplog.records)
     finally:
         stranger.stop(0)
-        primary.core.pair.stop(finished=True)
+        primary.core.replication.stop(finished=True)
         primary.stop(grace=1.0)
 
 
@@ -547,7 +548,7 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
             magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
             refusal = protocol.recv_bytes(sock, size).decode()
         assert op != 0 and "must prove that it holds the job's token" in refusal, refusal
-        assert primary.core.pair.lag() == 0  # its own replica follows on
+        assert primary.core.replication.lag() == 0  # its own replica follows on
     finally:
         close(primary, replica)
 
@@ -572,7 +573,7 @@ def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_a
     job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
                    "cluster.shards=1", "cluster.replicas=1")
     primary, replica = pair_of(job)
-    p, q = primary.core.pair, replica.core.pair
+    p, q = primary.core.replication, replica.core.replication
     cut = threading.Event()
     _cut_between(monkeypatch, cut)
     try:
@@ -599,11 +600,11 @@ def test_a_replica_that_lost_its_primary_takes_over_when_a_worker_comes_to_it(mo
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
     primary, replica = pair_of(job)
-    q = replica.core.pair
+    q = replica.core.replication
     from psgd.server.errors import ShardError
 
     try:
-        primary.core.pair.stop(finished=False)
+        primary.core.replication.stop(finished=False)
         primary.stop(grace=0)  # the primary is gone, for the workers too
         wait_for(lambda: q.orphaned, 10, "the replica to miss its primary")
         with pytest.raises(ShardError) as caught:  # the first worker to come is sent on (it retries) ...
@@ -613,5 +614,5 @@ def test_a_replica_that_lost_its_primary_takes_over_when_a_worker_comes_to_it(mo
         assert replica.core.register(0, replica.core.plan.hash) is not None
         assert replica.core.counters["failovers"] == 1
     finally:
-        replica.core.pair.stop(finished=True)
+        replica.core.replication.stop(finished=True)
         replica.stop(grace=1.0)

@@ -18,7 +18,7 @@ from psgd.link import LinkError
 from psgd.server import build_shard, checkpoint, recovery
 from psgd.server.service import ShardServer
 from psgd.worker.client import PSClient
-from psgd.worker.errors import Rewind
+from psgd.worker.errors import ShardWentBack
 from psgd.worker.rollback import roll_back
 
 SHARDS = 3
@@ -81,7 +81,7 @@ def test_a_worker_told_that_the_job_went_back_takes_the_shards_left_behind_back_
     job.clients[1].links[0].rollback(4, restarted.incarnation, restarted.address)
     assert job.versions() == [4, 5, 4]
     # worker 0 hears that shard 0 went back (ROLLED_BACK names the cut): it finishes the way back itself
-    assert roll_back(job.clients[0], Rewind(4)) == 4
+    assert roll_back(job.clients[0], ShardWentBack(4)) == 4
     assert job.versions() == [4, 4, 4]
     assert [s.core.counters["rollbacks"] for s in job.servers[:2]] == [1, 1]
 
@@ -124,7 +124,7 @@ def test_the_newest_common_cut_outlives_a_shards_newest_however_few_checkpoints_
             written.unlink()
         restarted = job.restart(2)
         assert restarted.core.version == 2
-        assert roll_back(job.clients[0], Rewind(2, restarted.incarnation, restarted.address)) == 2
+        assert roll_back(job.clients[0], ShardWentBack(2, restarted.incarnation, restarted.address)) == 2
         assert job.versions() == [2, 2, 2]
     finally:
         job.close()

@@ -14,7 +14,7 @@ from psgd.model import Linear, ModelError, Network, Parameter
 from psgd.model.module import Module
 
 
-class Pair(Network):
+class TwoLayers(Network):
     def __init__(self, dtype="float64"):
         super().__init__(dtype)
         self.with_bias = Linear(3, 2)
@@ -25,7 +25,7 @@ class Pair(Network):
 
 
 def test_a_parameter_reads_as_its_declaration_outside_a_call_and_as_the_calls_tensor_inside():
-    net = Pair()
+    net = TwoLayers()
     assert isinstance(net.with_bias.W, Parameter) and net.with_bias.W.shape == (3, 2)
     assert net.without.b is None  # an ordinary value under a name the other instance declared
     params = net.init(0)
@@ -33,7 +33,7 @@ def test_a_parameter_reads_as_its_declaration_outside_a_call_and_as_the_calls_te
 
     def forward(x):
         seen["W"], seen["b"], seen["none"] = net.with_bias.W, net.with_bias.b, net.without.b
-        return Pair.forward(net, x)
+        return TwoLayers.forward(net, x)
 
     net.forward = forward
     net.loss_and_grads(params, np.ones((4, 3)), np.zeros(4, dtype=int))
@@ -43,7 +43,7 @@ def test_a_parameter_reads_as_its_declaration_outside_a_call_and_as_the_calls_te
 
 
 def test_two_threads_calling_one_network_each_see_their_own_weights():
-    net = Pair()
+    net = TwoLayers()
     first, second = net.init(0), net.init(1)
     x = np.random.default_rng(0).standard_normal((5, 3))
     alone = [net.predict(first, x), net.predict(second, x)]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import logging
 
-from psgd.server.replica import Pair
+from psgd.server.replica import Replication
 from test_shard_core import make_core
 
 
 def test_a_primary_that_steps_down_ahead_of_its_peer_says_how_many_updates_are_lost(caplog, monkeypatch):
     core, _ = make_core("async", 1)
     core.version = 419
-    pair = Pair(core, "127.0.0.1:1", "127.0.0.1:2", second=False)
+    pair = Replication(core, "127.0.0.1:1", "127.0.0.1:2", second=False)
     monkeypatch.setattr(pair, "_follow", lambda: None)  # no peer to follow here
     with caplog.at_level(logging.WARNING, logger="psgd.server.replica"):
         pair._step_down(418)
