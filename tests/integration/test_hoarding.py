@@ -125,7 +125,11 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
         return
         yield
 
-    channels = [grpc.insecure_channel(server.address) for _ in range(4)]
+    # four connections of ten idle streams each (a channel of its own each: gRPC's channels to one address share
+    # one connection otherwise, and 40 streams opened on it before the shard's limit of 16 (STREAMS_PER_CONNECTION)
+    # had reached the client were refused, the Status call among them, in 1 of 15 runs)
+    channels = [grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(4)]
     try:
         streams = [ps_pb2_grpc.ParameterServerStub(channels[i % 4]).Push.future(idle(), timeout=30)
                    for i in range(40)]
@@ -221,7 +225,7 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
         hello = protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(body)) + body
         records: list[logging.LogRecord] = []
         keep = logging.Handler(logging.WARNING)
-        keep.emit = records.append  # on the logger itself: psgd's loggers may not propagate (psgd.logs)
+        keep.emit = records.append  # on the logger itself: psgd's loggers may not propagate (psgd.observe.logs)
         logger = logging.getLogger("psgd.server.gatekeeper")
         logger.addHandler(keep)
         try:
