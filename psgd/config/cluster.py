@@ -2,7 +2,7 @@
 they are about.
 
 A job file writes every key of the section flat (``[cluster] staleness = 3``, ``--set cluster.staleness=3``); in
-memory each key belongs to one part: :class:`Consistency` (a policy's own settings), :class:`Remedies` (what shards
+memory each key belongs to one part, frozen: :class:`Consistency` (a policy's own settings), :class:`Remedies` (what shards
 do to a stale async push), :class:`Links` (how pulls and pushes travel), :class:`Deadlines` and :class:`Recovery`
 (checkpoint cuts and replicas).  Each part checks its own keys (:meth:`check`); the rules across keys, between parts
 or with the optimizer, are :meth:`ClusterConfig.check`, the one place every command, ``psgd doctor`` and a starting
@@ -25,7 +25,7 @@ CUT_ROUNDS = 100
 ASYNC_LR = ("divided", "full")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Consistency:
     """A policy's own settings (each read only by the policies named)."""
 
@@ -37,7 +37,7 @@ class Consistency:
         _check_ints(src, self, {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6)})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Remedies:
     """What a shard does to an async or ssp push computed on old weights (psgd.server.remedies)."""
 
@@ -58,7 +58,7 @@ class Remedies:
                               f"workers) or \"full\" (at lr), got {self.async_lr!r}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Links:
     """How pulls and pushes travel between workers and shards."""
 
@@ -90,7 +90,7 @@ class Links:
                               f"{self.data_ports!r}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Deadlines:
     """How long anything waits for a worker or an answer."""
 
@@ -105,7 +105,7 @@ class Deadlines:
                                    "request_timeout": (0.01, 86400.0)})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Recovery:
     """How a job comes back from a killed shard: checkpoint cuts (sync) or a replica of each shard (async, ssp)."""
 
@@ -158,8 +158,13 @@ class ClusterConfig:
         return getattr(self if part is None else getattr(self, part), key)
 
     def set(self, key: str, value: Any) -> None:
+        """Give a job file's key a value: a part is frozen (a shard or a worker takes it whole, and it does not change
+        under them), so the part is replaced by one with the new value."""
         part = PART_OF.get(key)
-        setattr(self if part is None else getattr(self, part), key, value)
+        if part is None:
+            setattr(self, key, value)
+        else:
+            setattr(self, part, dataclasses.replace(getattr(self, part), **{key: value}))
 
     def flat(self) -> dict[str, Any]:
         """The section as a job file writes it: every key, flat."""

@@ -126,6 +126,11 @@ local_steps = 7
         {"dc_lambda": 0.5, "transport": "tcp", "replicas": 1}
     with pytest.raises(ConfigError, match=r"\[cluster\] unknown key 'remedies'"):
         job.override("cluster.remedies", {})  # a part is not a key of the file
+    taken = c.remedies  # a part is frozen: what a shard took whole does not change under it
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        taken.dc_lambda = 1.0
+    job.override("cluster.dc_lambda", 0.25)
+    assert (taken.dc_lambda, job.cluster.remedies.dc_lambda) == (0.5, 0.25)
 
 
 def test_job_written_as_toml_reads_back_the_same(tmp_path):
@@ -216,7 +221,7 @@ def test_busy_poll_is_microseconds_from_minus_one():
 
 
 def test_launch_watches_only_where_each_process_has_a_core(monkeypatch):
-    from psgd import threads
+    from psgd.compute import threads
     from psgd.launch.layout import busy_poll
     from psgd.wire import protocol
 
