@@ -8,7 +8,7 @@ and the peak of the memory NumPy allocates during one step (tracemalloc), on the
 classes, batch 32 as psgd launch's default).  Results and their reading: ``benchmarks/RESULTS.md``.
 
 With ``--device cuda`` a turn times the step on the GPU twice, kernel by kernel and captured as a CUDA graph
-(``psgd.graphs.GraphedStep``, as psgd train and psgd-worker run a static step), each the median over chunks of 50
+(``psgd.compute.graphs.GraphedStep``, as psgd train and psgd-worker run a static step), each the median over chunks of 50
 steps ended by a synchronization; the ratio is the graphed one's.  Memory there: what the CUDA memory pool grew by
 during one eager step from an empty pool, and the pool a captured graph keeps.
 
@@ -64,8 +64,8 @@ def measure_gpu(model_key: str, steps: int, batch: int) -> dict:
     import cupy
     import numpy as np
 
-    from psgd import xp as backend
-    from psgd.graphs import GraphedStep
+    from psgd.compute import xp as backend
+    from psgd.compute.graphs import GraphedStep
     from psgd.model import build_model
 
     gpu = backend.get_device("cuda")
@@ -104,7 +104,7 @@ def measure_gpu(model_key: str, steps: int, batch: int) -> dict:
 
 
 def _gpu_name() -> str:
-    from psgd import xp as backend
+    from psgd.compute import xp as backend
 
     return ", ".join(backend.gpu_names())
 

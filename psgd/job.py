@@ -34,12 +34,12 @@ import numpy as np
 from psgd import data as datasets
 from psgd import model as models
 from psgd import optim
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.config import ConfigError, JobConfig
-from psgd.optim.rows import ROW_OPTIMIZERS, build_row_optimizer
+from psgd.tables.rules import ROW_OPTIMIZERS, build_row_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import POLICIES, Policy, policy_from_cluster
-from psgd.tables import RowTable, TableOptions
+from psgd.tables.held import RowTable, TableOptions
 
 log = logging.getLogger(__name__)
 

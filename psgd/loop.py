@@ -40,16 +40,16 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd import graphs
+from psgd.compute import graphs
 from psgd import model as models
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.config import ConfigError
 from psgd.delay import NO_DELAY, Delay
 from psgd.divergence import DivergenceGuard, advice, chance
 from psgd.errors import PsgdError
 from psgd.job import Job
 from psgd.model.table import Rows
-from psgd.progress import MetricsLog, progress_bar
+from psgd.observe.progress import MetricsLog, progress_bar
 
 log = logging.getLogger(__name__)
 

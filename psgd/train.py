@@ -15,20 +15,20 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.config import JobConfig
 from psgd.job import Job, build_job, params_to_device
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.model.table import Rows
 from psgd.optim.ingraph import InGraph
-from psgd.tables import lookup_rows, saved_tables
+from psgd.tables.held import lookup_rows, saved_tables
 
 log = logging.getLogger(__name__)
 
 
 class LocalExchange(Exchange):
     """The reference trainer's exchange: the optimizer applied in this process, step by step; a model's
-    embedding tables held whole here, each row made when first looked up (:mod:`psgd.tables`)."""
+    embedding tables held whole here, each row made when first looked up (:mod:`psgd.tables.held`)."""
 
     role = name = "local"
     trains_tables = True

@@ -26,7 +26,7 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
     ``path`` is either the old file or the whole new one.  The name is used
     as given (no ``.npz`` is added).
     """
-    from psgd.xp import to_host
+    from psgd.compute.xp import to_host
 
     path = Path(path)
     arrays = {}

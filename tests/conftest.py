@@ -23,7 +23,7 @@ import uuid
 import numpy as np
 import pytest
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 
 
 def gpu_required() -> bool:
@@ -94,7 +94,7 @@ def _psgd_logging_restored():
     """Give back the ``psgd`` logger as each test found it.
 
     A CLI called in-process (``main([...])``) sets up logging as a process does
-    (``psgd.logs.setup_logging``: its own handler, no propagation). Left so, the
+    (``psgd.observe.logs.setup_logging``: its own handler, no propagation). Left so, the
     next test's ``caplog`` depends on which tests ran before it and on pytest's
     version (9.2 also attaches its handler to non-propagating loggers).
     """

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from psgd import kernels
+from psgd.compute import kernels
 from psgd.autodiff import ops
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
-from psgd.xp import get_array_module
+from psgd.compute.xp import get_array_module
 
 
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
@@ -119,7 +119,7 @@ def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
 def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0) -> Tensor:
     """2-D cross-correlation, stride 1, ``padding`` zeros each side, by im2col: ``x`` (B, C, H, W), ``w``
     (O, C, k, k), ``b`` (O,).  im2col is one copy of a strided view of every window; the products are
-    :func:`psgd.kernels.matmul`'s (so that on a GPU the step can be captured as a CUDA graph); col2im adds the k*k
+    :func:`psgd.compute.kernels.matmul`'s (so that on a GPU the step can be captured as a CUDA graph); col2im adds the k*k
     offsets' slices back."""
     X, W = data_of(x), data_of(w)
     xp = get_array_module(X)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from psgd import kernels
+from psgd.compute import kernels
 from psgd.autodiff.tensor import Tensor, data_of, make, unbroadcast
-from psgd.xp import get_array_module, scatter_add
+from psgd.compute.xp import get_array_module, scatter_add
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -65,7 +65,7 @@ def neg(a: Any) -> Tensor:
 
 def matmul(a: Any, b: Any) -> Tensor:
     """``a @ b`` as NumPy's matmul: vectors, matrices, and stacks of matrices broadcast over their leading axes (the
-    products of matrices and 3-D stacks :func:`psgd.kernels.matmul`'s, so that a GPU step can be captured)."""
+    products of matrices and 3-D stacks :func:`psgd.compute.kernels.matmul`'s, so that a GPU step can be captured)."""
     A, B = data_of(a), data_of(b)
     out = kernels.matmul(A, B) if A.ndim > 1 and B.ndim > 1 else A @ B
 

@@ -93,7 +93,7 @@ def run_mpi(sizes: list[int], ranks: int, repeats: int) -> dict[int, dict]:
 
 # -- NCCL, one rank ------------------------------------------------------------------
 def run_nccl(sizes: list[int], repeats: int, rendezvous_dir: str) -> dict[int, float] | str:
-    from psgd import xp as backend
+    from psgd.compute import xp as backend
 
     if not backend.cuda_available():
         return "no CUDA GPU with CuPy here"

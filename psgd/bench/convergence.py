@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from psgd import threads
+from psgd.compute import threads
 from psgd.bench import hosted, plots, report
 from psgd.bench.lab import LOOPBACK, PRESETS, Contender, LabConfig, Scenario, preset
 from psgd.bench.labresult import LabResult, RunResult, load_result

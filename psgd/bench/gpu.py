@@ -14,7 +14,7 @@
   transfer  the worker's host<->device path for 40 and 400 MB of float32: pull as
             the worker does (``device.asarray(host)``) and into a preallocated
             array (``dev.set(host)``), push (``to_host(dev, out=host)``), each from
-            pageable and from pinned (``psgd.xp.host_empty``) memory, in GB/s
+            pageable and from pinned (``psgd.compute.xp.host_empty``) memory, in GB/s
             (10^9 B/s) and against a raw pinned ``cudaMemcpy`` each way.
   shm       a GPU worker's bytes on the shared-memory link (psgd.bench.gpu_link):
             between a segment and the device through pinned buffers (two copies,
@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.bench.gpu_link import shm_part
 from psgd.bench.limits import machine, seconds_per_call
 from psgd.parsing import comma_list

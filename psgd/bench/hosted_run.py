@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from psgd import threads
+from psgd.compute import threads
 from psgd.bench.lab import LabConfig, parse_contender, parse_scenario
 from psgd.bench.convergence import run_one
 from psgd.bench.observe import Evaluator

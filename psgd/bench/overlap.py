@@ -80,7 +80,7 @@ def compute_seconds(width: int, repeats: int = 10, device: str = "cpu") -> float
     import numpy as np
     from threadpoolctl import threadpool_limits
 
-    from psgd import xp as backend
+    from psgd.compute import xp as backend
     from psgd.loop import gradient_seconds
     from psgd.model import build_model
 
@@ -232,7 +232,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     workers = comma_list(args.workers, "--workers", kind=int, what="whole numbers", at_least=1, error=ConfigError)
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {args.epochs}")
-    from psgd import xp as backend
+    from psgd.compute import xp as backend
 
     try:
         backend.get_device(args.device)

@@ -125,7 +125,7 @@ def host_copy_gbps(nbytes: int, repeats: int = 5) -> float:
 def link_gbps(nbytes: int, device: str) -> tuple[float, float, float]:
     """(to the shard, from the shard, host memory copy) in GB/s: on a GPU, device to a registered segment and back
     (psgd bench gpu's shm part); on a CPU, the memory copy both ways."""
-    from psgd import xp as backend
+    from psgd.compute import xp as backend
 
     copy = host_copy_gbps(nbytes)
     dev = backend.get_device(device)

@@ -171,7 +171,7 @@ def ignore_stop_signals() -> None:
 
 def start_process(config: JobConfig) -> None:
     """What every psgd process does once its job is known: its BLAS/OpenMP thread budget."""
-    from psgd import threads
+    from psgd.compute import threads
 
     log.debug("BLAS/OpenMP threads: %s", threads.apply(config.train.threads))
 

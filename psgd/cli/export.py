@@ -10,7 +10,7 @@ import json
 
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
                              start_process, token_from_args, verbosity)
-from psgd.logs import setup_logging
+from psgd.observe.logs import setup_logging
 from psgd.parsing import comma_list
 from psgd.tls import add_tls_arguments, tls_from_args
 

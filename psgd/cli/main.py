@@ -15,7 +15,7 @@ from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
                              job_from_args, run_command, start_process, verbosity)
-from psgd.logs import setup_logging
+from psgd.observe.logs import setup_logging
 from psgd.parsing import Parser, comma_list
 from psgd.tls import add_tls_arguments, tls_from_args
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from psgd.cli.common import add_log_arguments, verbosity
-from psgd.logs import setup_logging
+from psgd.observe.logs import setup_logging
 
 DESCRIPTION = """\
 A run read back from its folder (psgd launch --run-dir RUN, or the folder its last line names): a line for the

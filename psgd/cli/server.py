@@ -16,8 +16,8 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
-from psgd.logs import setup_logging
-from psgd.prometheus import ShardMetrics, add_metrics_arguments
+from psgd.observe.logs import setup_logging
+from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
 from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
 

@@ -15,8 +15,8 @@ from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments,
                              job_from_args, run_command, start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
-from psgd.logs import setup_logging
-from psgd.prometheus import WorkerMetrics, add_metrics_arguments
+from psgd.observe.logs import setup_logging
+from psgd.observe.prometheus import WorkerMetrics, add_metrics_arguments
 from psgd.parsing import Parser
 from psgd.tls import add_tls_arguments, tls_from_args
 from psgd.delay import DelayError, parse_delay

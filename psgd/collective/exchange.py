@@ -19,14 +19,14 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.collective.base import Bucketer, Collective, CollectiveError
 from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
-from psgd.tables import lookup_rows, saved_tables
+from psgd.tables.held import lookup_rows, saved_tables
 
 log = logging.getLogger(__name__)
 

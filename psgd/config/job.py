@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from psgd.config.cluster import ClusterConfig
 from psgd.errors import ConfigError
-from psgd.optim.rows import ROW_OPTIMIZERS
+from psgd.tables.rules import ROW_OPTIMIZERS
 
 DTYPES = ("float32", "float64")
 
@@ -29,7 +29,7 @@ class TrainConfig:
     eval_batch_size: int = 1024  # examples evaluated at once
     eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
     graphs: bool = True  # on a GPU, steps replayed as a CUDA graph where the model allows (psgd train: updates too)
-    threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.threads)
+    threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.compute.threads)
 
 
 #: Ranges that work, (lowest, highest), of the integer keys: beyond them a job would exhaust memory or time
@@ -40,7 +40,7 @@ _INT_KEYS = {"batch_size": (1, 1 << 24), "epochs": (1, 10**7), "eval_every": (0,
 
 @dataclasses.dataclass
 class TablesConfig:
-    """How a model's embedding tables are trained and kept (psgd.optim.rows, psgd.tables); unused without tables."""
+    """How a model's embedding tables are trained and kept (psgd.tables.rules, psgd.tables.held); unused without tables."""
 
     optimizer: str = "rowwise_adagrad"  # the rule for rows: sgd, rowwise_adagrad or lazy_adam
     lr: float = 0.05              # the rows' learning rate

@@ -14,7 +14,7 @@ The launcher owns its children, as torchrun does:
 - SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every child,
   which gets ``GRACE`` seconds to leave cleanly before it is killed;
 - the BLAS/OpenMP threads of the machine's cores are divided among the
-  processes it starts (see :mod:`psgd.threads`), said in one line;
+  processes it starts (see :mod:`psgd.compute.threads`), said in one line;
 - the current folder is on every child's import path and its own, as with
   ``python -m``, so ``--model mymodule:MyNet`` finds ``./mymodule.py``.
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from psgd import threads
+from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
 from psgd.launch.result import LaunchResult, evaluate_weights, exchange_bound, final_evaluation

@@ -4,7 +4,7 @@
 the same addresses, so one command per machine needs no other coordination);
 :class:`Hosts` puts each process on an emulated host of this machine;
 :func:`thread_budget` divides the machine's cores among the processes it starts
-(see :mod:`psgd.threads`); :func:`place_on_gpus` puts each worker (or rank)
+(see :mod:`psgd.compute.threads`); :func:`place_on_gpus` puts each worker (or rank)
 of this node on a GPU of its own, as torchrun does with local ranks;
 :func:`find_mpiexec` finds the ``mpiexec`` that all-reduce mode over MPI starts
 its ranks with, and :func:`mpi_environment` what it needs from a launcher run
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from psgd import threads
+from psgd.compute import threads
 from psgd.config import JobConfig
 from psgd.launch.supervise import LaunchError
 from psgd.wire import protocol
@@ -149,7 +149,7 @@ def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tu
     As torchrun places local ranks: with ``device`` ``cuda`` the i-th of ``ranks`` runs on GPU i mod G, G the
     GPUs visible (CUDA_VISIBLE_DEVICES included); ``cuda:0,2`` names the GPUs to go round; ``cuda:N`` puts
     every one on GPU N; ``cpu`` keeps them all on the CPU (and says nothing).  Shards never take a GPU."""
-    from psgd import xp as backend
+    from psgd.compute import xp as backend
 
     if not ranks:
         return {}, ""

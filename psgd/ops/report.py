@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from psgd.errors import InputError
-from psgd.progress import steps_done
+from psgd.observe.progress import steps_done
 
 #: the parts of a step the metrics lines time, in the order a step takes them
 PARTS = ("weights", "compute", "exchange")

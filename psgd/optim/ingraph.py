@@ -1,6 +1,6 @@
 """An optimizer's updates inside a step captured as a CUDA graph: the values that change each step read on the device.
 
-``psgd train`` on a GPU captures its step as a graph (:mod:`psgd.graphs`).  With the gradient alone in the graph,
+``psgd train`` on a GPU captures its step as a graph (:mod:`psgd.compute.graphs`).  With the gradient alone in the graph,
 each step's updates ran after it from Python, one launch and its checks a variable: the largest part of a small
 model's step.  :class:`InGraph` puts the updates into the graph too.  What changes from step to step (the rate the
 schedule gives, what is made of it, Adam's bias corrections) cannot be a number baked into the graph: the rule works
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.optim.base import WHOLE, Optimizer, _move
 
 

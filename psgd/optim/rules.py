@@ -3,7 +3,7 @@
 Each rule says which of its values change from update to update (``_scalars``: the learning rate, and what is
 made of it and of the update's count, in float64 on the host) and applies one update with them (``_apply``).
 
-Each update is one call of :mod:`psgd.kernels`: one fused kernel on CuPy, in-place ufuncs (``out=``) on
+Each update is one call of :mod:`psgd.compute.kernels`: one fused kernel on CuPy, in-place ufuncs (``out=``) on
 NumPy that allocate at most one parameter-sized temporary, the same arithmetic either way.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from psgd import kernels
+from psgd.compute import kernels
 from psgd.optim.base import Optimizer
 from psgd.optim.schedules import Schedule
 from psgd.optim.validation import OptimizerError, fraction, non_negative, positive

@@ -15,7 +15,7 @@ import secrets
 import grpc
 
 from psgd.channel import SERVICE_NAME, open_channel
-from psgd.logs import Quieted
+from psgd.observe.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import tokens
 from psgd.tls import NO_TLS, TLSFiles

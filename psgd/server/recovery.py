@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Callable
 
-from psgd.logs import Quieted
+from psgd.observe.logs import Quieted
 from psgd.server import checkpoint
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError

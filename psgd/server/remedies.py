@@ -25,7 +25,7 @@ version it names (its pull came before a restart, or went to another process) is
 and counted.
 
 **Rows of embedding tables** get the same remedies, row by row: the push's rate and share of a round
-(:mod:`psgd.optim.rows`), and delay compensation against the rows the worker's last pull read (the shard keeps
+(:mod:`psgd.tables.rules`), and delay compensation against the rows the worker's last pull read (the shard keeps
 those rows, not the table: a few thousand rows a worker), with DC-ASGD-a's MeanSquare kept per row in the table
 (a column of ``dim`` values beside the rule's state, checkpointed with it) and decayed at each gradient the row
 receives.
@@ -39,7 +39,7 @@ import numpy as np
 
 from psgd.config import Remedies
 from psgd.optim import Share
-from psgd.tables import RowTable
+from psgd.tables.held import RowTable
 
 #: DC-ASGD-a's decay of the mean square of the gradients (Zheng et al. 2017)
 MEAN_SQUARE_DECAY = 0.95

@@ -45,7 +45,7 @@ from typing import Mapping
 
 import numpy as np
 
-from psgd.logs import Quieted
+from psgd.observe.logs import Quieted
 from psgd.server import stream
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError

@@ -1,7 +1,7 @@
 """A shard's share of every embedding table: the rows a pull asks for, a push's row gradients checked and applied,
 and a sync round's row gradients summed until the round closes.
 
-:class:`ShardTables` holds one :class:`psgd.tables.RowTable` per table of the plan, with the rows whose id hashes
+:class:`ShardTables` holds one :class:`psgd.tables.held.RowTable` per table of the plan, with the rows whose id hashes
 to this shard (:meth:`psgd.partition.PartitionPlan.shard_of_ids`).  A push carries, beside its dense slices,
 ``(ids, values)`` per table: the distinct ids of this shard's rows its batch touched and each one's gradient
 (duplicates summed by the worker).  :meth:`check` refuses what the shard must not apply (ids repeated or not this
@@ -21,7 +21,7 @@ import numpy as np
 from psgd.optim import WHOLE, Share
 from psgd.partition import PartitionPlan
 from psgd.server.errors import ShardError
-from psgd.tables import RowTable, TableFull
+from psgd.tables.held import RowTable, TableFull
 from psgd.wire.rows import BLOCK_BYTES
 
 #: What a push or pull says of a table's rows: ids, and for a push their gradients ``[len(ids), dim]``.
@@ -94,7 +94,7 @@ class ShardTables:
         return out
 
     def page(self, name: str, start: int, max_rows: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
-        """A page of table ``name``'s rows (:meth:`psgd.tables.RowTable.page`), at most ``max_rows`` and
+        """A page of table ``name``'s rows (:meth:`psgd.tables.held.RowTable.page`), at most ``max_rows`` and
         BLOCK_BYTES of values."""
         if name not in self.tables:
             raise ShardError("INVALID_ARGUMENT", f"{who} asked for the rows of table {name!r}; this job's tables: "

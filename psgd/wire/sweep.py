@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from psgd.threads import available_cores
+from psgd.compute.threads import available_cores
 
 #: the bytes of one piece: what one pass leaves in the cache for the next (4 MiB: the fastest of 0.25-16 MiB for the
 #: copy-and-check and SGD on a 16-core Xeon, level with 1 MiB on 2 EPYC cores; benchmarks/results/step/)

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.codec import CodecError, codec_for
 from psgd.config import JobConfig
 from psgd.errors import Code

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 import numpy as np
 
 from psgd import data as datasets
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.config import ConfigError, JobConfig
 from psgd.delay import NO_DELAY, Delay
 from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, ResumeFromStep, run_loop

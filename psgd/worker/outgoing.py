@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.codec import Codec
 from psgd.partition import Slice
 

@@ -2,7 +2,7 @@
 
 With one rank every reduction returns its input, so these tests check the
 plumbing (pointers, counts, dtypes, streams, the watchdog) against real NCCL.
-CuPy is reached only through ``psgd.xp``.
+CuPy is reached only through ``psgd.compute.xp``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.collective.base import Bucketer, CollectiveError
 
 

@@ -15,7 +15,7 @@ from psgd.bench.scaling.measure import (MeasureError, allreduce_rates, efficienc
 from psgd.bench.scaling.grid import ALLCORES_LABEL, PEER_ENV, PEER_LABEL, RATIO_LABEL, Run
 from psgd.bench.scaling.report import markdown, tabulate
 from psgd.cli.main import main as psgd_main
-from psgd.threads import available_cores
+from psgd.compute.threads import available_cores
 
 PY = sys.executable
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scaling.py"

@@ -20,12 +20,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import free_port, free_port_pair, make_job, run_threads, shards
-from psgd import xp as backend
+from psgd.compute import xp as backend
 from psgd.cli.main import main
 from psgd.ops.reach import Connect
 from psgd.ops.view import collect
 from psgd.config import to_toml
-from psgd.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
+from psgd.observe.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.job import describe_job
 from psgd.server import build_shard, recovery
 from psgd.server.service import ShardServer
@@ -138,7 +138,7 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
 def test_checkpoint_age_and_metrics_flags(tmp_path):
     import argparse
 
-    from psgd.prometheus import add_metrics_arguments
+    from psgd.observe.prometheus import add_metrics_arguments
 
     job = make_job(*SMALL)
     core = build_shard(describe_job(job), 0)

@@ -12,7 +12,7 @@ import pytest
 from psgd.job import build_job
 from psgd.loop import run_loop
 from psgd.ops.reach import Connect, read_status
-from psgd.prometheus import ShardMetrics
+from psgd.observe.prometheus import ShardMetrics
 from psgd.train import LocalExchange
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
@@ -324,9 +324,9 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
     import grpc
 
     from psgd.link import LinkError
-    from psgd.tables import RowTable, TableOptions
+    from psgd.tables.held import RowTable, TableOptions
     from psgd.model.table import TableSpec
-    from psgd.optim.rows import RowSGD
+    from psgd.tables.rules import RowSGD
 
     t = RowTable(TableSpec("e", 2), 0, RowSGD(0.1), TableOptions(idle_updates=1))
     t.read(np.arange(3000, dtype=np.int64) * 7)

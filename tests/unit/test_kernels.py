@@ -1,4 +1,4 @@
-"""The fused steps (psgd.kernels) and the graphed step (psgd.graphs).
+"""The fused steps (psgd.compute.kernels) and the graphed step (psgd.compute.graphs).
 
 On NumPy the fused steps are the ufuncs they replace; on a GPU (tests marked ``gpu``) each kernel must give
 what NumPy gives for the same inputs: the optimizer updates and the ReLU steps to the bit (their kernels are
@@ -13,8 +13,8 @@ import itertools
 import numpy as np
 import pytest
 
-from psgd import kernels
-from psgd import xp as backend
+from psgd.compute import kernels
+from psgd.compute import xp as backend
 from psgd.model import build_model
 from psgd.autodiff import Tensor, backward, nn, ops
 from psgd.model.losses import softmax_cross_entropy
@@ -182,8 +182,8 @@ def mlp_batch(gpu, rng, dtype="float64", name="mlp"):
 def test_a_graphed_step_gives_the_eager_step(rng, name):
     """Weights updated in place (read by the graph in place) and new weight arrays each step (copied in):
     every step's loss and gradients equal the eager step's on the same batch and weights.  The CNN's convolutions and
-    the attention's products of 3-D stacks go through psgd.kernels.matmul, so their steps are captured too."""
-    from psgd.graphs import GraphedStep
+    the attention's products of 3-D stacks go through psgd.compute.kernels.matmul, so their steps are captured too."""
+    from psgd.compute.graphs import GraphedStep
 
     gpu = backend.get_device("cuda")
     model, params, batch = mlp_batch(gpu, rng, name=name)
@@ -209,7 +209,7 @@ def test_a_graphed_step_gives_the_eager_step(rng, name):
 def test_a_step_that_reads_back_is_run_kernel_by_kernel(rng, caplog):
     import logging
 
-    from psgd.graphs import GraphedStep
+    from psgd.compute.graphs import GraphedStep
 
     caplog.set_level(logging.INFO, logger="psgd")
     gpu = backend.get_device("cuda")
@@ -286,7 +286,7 @@ def test_an_update_reading_its_changing_values_on_the_device_gives_the_same_bits
 def test_a_graph_holding_the_update_is_captured_again_once_the_optimizer_state_is_replaced(rng):
     """A graph holds the state buffers it was captured with: once a restore replaces them, the step runs eagerly
     (its gradients returned, for the caller to apply) and the next is captured with the new buffers."""
-    from psgd.graphs import GraphedStep
+    from psgd.compute.graphs import GraphedStep
     from psgd.optim.ingraph import InGraph
 
     gpu = backend.get_device("cuda")

@@ -129,13 +129,13 @@ def test_no_module_but_the_shard_core_takes_its_lock_or_touches_its_private_memb
 
 def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/loop.py, whose step may be
-    replayed as a CUDA graph (psgd/graphs.py)."""
+    replayed as a CUDA graph (psgd/compute/graphs.py)."""
     calls = method_calls(("loss_and_grads", "loss_grads_and_dx"), outside="model")
     # the loss of an evaluation (evaluate) and the time a gradient takes (gradient_seconds, for the lab); the
     # step of the one loop (run_loop) is the model's loss_and_grads or the graph of it, captured and run there;
     # and the floor a small step is measured against (psgd.bench.latency.floor): a bare gradient in one process and
     # split across two, with no loop around it, twice
-    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "graphs.py", "loop.py"], calls
+    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "compute/graphs.py", "loop.py"], calls
     assert [c.split(":")[0] for c in calls].count("bench/latency.py") == 2, calls
     assert [c.split(":")[0] for c in calls].count("loop.py") == 2, calls
 
@@ -224,7 +224,7 @@ BUILDERS = {"PartitionPlan", "make_policy", "policy_from_cluster", "build_optimi
 def test_a_plan_a_policy_or_an_optimizer_is_built_only_in_the_job():
     """psgd/job.py assembles a job once (describe_job, build_job): every role takes the plan, the policy and the
     optimizer from it.  They were built in nine places, the optimizer two ways."""
-    homes = {"job.py", "partition.py"}
+    homes = {"job.py", "partition.py", "tables/rules.py"}  # the row rules: the optimizers of tables
     found = []
     for path in sorted(PSGD.rglob("*.py")):
         rel = path.relative_to(PSGD)
@@ -302,7 +302,7 @@ def test_psgd_errors_have_one_root():
 #: token check and the peer's questions, the latency interceptor, the rich status both ends read, and the
 #: operators' probes.  Everything else speaks psgd's own codes (psgd.errors.Code).
 GRPC_EDGE = {"channel.py", "link/grpc.py", "server/service.py", "server/tokens.py", "server/peers.py",
-             "rpc_latency.py", "wire/status.py", "ops/reach.py"}
+             "observe/rpc_latency.py", "wire/status.py", "ops/reach.py"}
 
 
 def test_grpc_is_spoken_only_at_its_edge():

@@ -9,7 +9,7 @@ import pytest
 
 from psgd.autodiff import ops
 from psgd.config import JobConfig
-from psgd.graphs import can_graph
+from psgd.compute.graphs import can_graph
 from psgd.job import describe_job
 from psgd.model import BatchNorm, Dropout, Linear, ModelError, Network, State, check_model
 from psgd.optim import build_optimizer

@@ -11,11 +11,11 @@ import pytest
 from psgd.model import VarSpec
 from psgd.model.table import TableSpec, TableSpecError, initial_rows
 from psgd.optim import Adam
-from psgd.optim.rows import LazyAdam, RowSGD, RowwiseAdagrad, build_row_optimizer
+from psgd.tables.rules import LazyAdam, RowSGD, RowwiseAdagrad, build_row_optimizer
 from psgd.optim.validation import OptimizerError
 from psgd.partition import PartitionPlan, plan_differences
-from psgd.rowindex import IdSlots
-from psgd.tables import RowTable, TableFull, TableOptions
+from psgd.tables.index import IdSlots
+from psgd.tables.held import RowTable, TableFull, TableOptions
 
 SPECS = [VarSpec("w", (4, 3), "float64", "normal")]
 HUGE = np.array([0, 1, -1, 2**62, -(2**63), 2**63 - 1, 123456789012345, 7], np.int64)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from psgd import xp as backend
+from psgd.compute import xp as backend
 
 
 def test_cpu_device_parses_and_uses_numpy():

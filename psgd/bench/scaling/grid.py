@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from psgd.threads import THREAD_VARIABLES, available_cores
+from psgd.compute.threads import THREAD_VARIABLES, available_cores
 
 WIDTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 WORKERS = (1, 2, 4)

@@ -108,7 +108,7 @@ def efficiency(aggregate: float | None, workers: int, single: float | None) -> f
 
 
 _THREADS = re.compile(r"(\d+)\s+BLAS", re.IGNORECASE)
-_LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \S+\[\d+\] [A-Z]+ ")  # psgd.logs: "21:35:19 launch[15901] INFO "
+_LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \S+\[\d+\] [A-Z]+ ")  # psgd.observe.logs: "21:35:19 launch[15901] INFO "
 _THREAD_VARIABLE = re.compile(r"_(?:NUM|MAXIMUM)_THREADS=(\d+)")
 
 
