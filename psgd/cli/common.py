@@ -186,6 +186,17 @@ def token_from_args(args: argparse.Namespace) -> str:
     return args.token if args.token is not None else os.environ.get("PSGD_TOKEN", "")
 
 
+def add_progress_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-progress", action="store_true",
+                        help="hide the progress bar (shown only where stderr is a terminal; elsewhere, as in a file "
+                             "or a pipe, a line each epoch takes its place)")
+
+
+def shows_progress(args: argparse.Namespace) -> bool:
+    """Whether to draw a progress bar: not asked away, and stderr a terminal (a file or a pipe gets lines)."""
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-v: debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")

@@ -13,8 +13,9 @@ from psgd.cli import export as export_cli
 from psgd.cli import report as report_cli
 from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
-from psgd.cli.common import (add_job_arguments, add_log_arguments, first_env_int, import_from_current_folder,
-                             job_from_args, run_command, start_process, verbosity)
+from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, first_env_int,
+                             import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
+                             verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.parsing import Parser, comma_list
 from psgd.tls import add_tls_arguments, tls_from_args
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_arguments(train)
     train.add_argument("--metrics", metavar="FILE.jsonl", help="append evaluation points as JSON lines to FILE")
     train.add_argument("--save", metavar="FILE.npz", help="save the final weights (plain .npz, no pickle)")
-    train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_argument(train)
     train.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_divergence_argument(train)
     add_log_arguments(train)
@@ -315,7 +316,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     setup_logging("local", verbosity(args), args.log_file)
     config = job_from_args(args)
     start_process(config)
-    result = train_local(config, progress=not args.no_progress, metrics_path=args.metrics)
+    result = train_local(config, progress=shows_progress(args), metrics_path=args.metrics)
     if args.save:
         save_weights(args.save, result.params)
     summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,

@@ -11,8 +11,9 @@ import sys
 import threading
 
 from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments, add_log_arguments,
-                             add_token_argument, first_env_int, ignore_stop_signals, import_from_current_folder,
-                             job_from_args, run_command, start_process, token_from_args, verbosity)
+                             add_progress_argument, add_token_argument, first_env_int, ignore_stop_signals,
+                             import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
+                             token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
 from psgd.observe.logs import setup_logging
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--delay", metavar="SPEC",
                         help="slow steps down, to play a straggler: fixed:S, exp:MEAN, uniform:LO:HI or "
                              "slowdown:K (each step K times as long), optionally @RANKS (e.g. slowdown:4@0)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
     add_token_argument(parser)
     add_tls_arguments(parser, server=False)
@@ -114,7 +115,7 @@ def work(args: argparse.Namespace) -> int:
                           f"{config.cluster.workers} worker(s)")
     stop = _STOP  # set by SIGTERM, SIGINT or SIGHUP (see main): finish the step in hand, push it, leave
     with WorkerMetrics.from_args(args, args.rank) as metrics:
-        result = run_worker(config, args.rank, config.cluster.servers, progress=not args.no_progress, stop=stop,
+        result = run_worker(config, args.rank, config.cluster.servers, progress=shows_progress(args), stop=stop,
                             metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
                             token=token_from_args(args), tls=tls_from_args(args, config), on_step=metrics.on_step)
     logging.getLogger("psgd.cli.worker").info("%s", last_line(result, config.cluster.shards))
@@ -155,7 +156,7 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
     result, rank, world = train_allreduce(
         job, args.backend, rank=args.rank, rendezvous=args.rendezvous,
         on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args), args.log_file),
-        progress=not args.no_progress,
+        progress=shows_progress(args),
         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if rank == 0:
         if args.save:

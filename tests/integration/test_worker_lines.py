@@ -102,3 +102,18 @@ def test_the_shown_workers_log_file_holds_its_whole_log_and_a_pipe_gets_its_line
     assert "step/s" in shown and not re.search(r"worker:0\[\d+\] INFO", shown)  # a bar and warnings only
     kept = (tmp_path / "shown" / "worker-0.log").read_text()
     assert "INFO worker 0 of 2: " in kept and " done: " in kept, kept  # and the whole log in its file
+
+
+def test_a_worker_started_by_hand_with_its_output_in_a_file_writes_its_lines_not_a_bar(capsys):
+    """psgd-worker started by hand with its output sent to a file drew its bar there, redraw after redraw, and wrote
+    no epoch lines (psgd launch already gave its workers --no-progress where its own output was no terminal)."""
+    sets = ("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=2")
+    job = make_job(*sets)
+    with shards(job):
+        capsys.readouterr()
+        argv = ["--rank", "0", "--servers", ",".join(job.cluster.servers), *(a for s in sets for a in ("--set", s))]
+        assert psgd_worker.main(argv) == 0  # its stderr is no terminal here
+    err = capsys.readouterr().err
+    assert "\r" not in err and not re.search(r"step/s|\d+%\|", err), err
+    assert re.search(r"worker 0: epoch 2/2, step \d+/\d+: test accuracy 0\.\d{4}", err), err
+    assert "worker 0 done: " in err
