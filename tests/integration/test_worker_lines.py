@@ -104,9 +104,12 @@ def test_the_shown_workers_log_file_holds_its_whole_log_and_a_pipe_gets_its_line
     assert "INFO worker 0 of 2: " in kept and " done: " in kept, kept  # and the whole log in its file
 
 
-def test_a_worker_started_by_hand_with_its_output_in_a_file_writes_its_lines_not_a_bar(capsys):
+def test_a_worker_started_by_hand_with_its_output_in_a_file_writes_its_lines_not_a_bar(capsys, monkeypatch):
     """psgd-worker started by hand with its output sent to a file drew its bar there, redraw after redraw, and wrote
     no epoch lines (psgd launch already gave its workers --no-progress where its own output was no terminal)."""
+    # these shards keep no token: neither does this worker, whatever a benchmark run earlier in this process left in
+    # PSGD_TOKEN (psgd.bench.chaos.processes.job_token sets it for the processes a benchmark starts)
+    monkeypatch.delenv("PSGD_TOKEN", raising=False)
     sets = ("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=2")
     job = make_job(*sets)
     with shards(job):
