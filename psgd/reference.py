@@ -78,7 +78,8 @@ def commands() -> str:
 def _comments() -> dict[str, dict[str, str]]:
     """{dataclass name: {field: its comment}} from psgd/config/'s source (a comment after the field and the
     comment lines that continue it)."""
-    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted((Path(__file__).parent / "config").glob("*.py")))
+    folder = Path(__file__).parent / "config"
+    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.py")))
     found: dict[str, dict[str, str]] = {}
     cls, last = None, None
     for line in source.splitlines():
@@ -113,6 +114,16 @@ def sections() -> list[tuple[str, type]]:
             if dataclasses.is_dataclass(getattr(job, name))]
 
 
+def _rows(cls: type, values: Any, comments: dict[str, dict[str, str]], skip: Any = ()) -> list[str]:
+    """A table of ``cls``'s keys (but those in ``skip``): each key, its value in ``values`` and its comment."""
+    out = ["| key | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.name not in skip:
+            out.append(f"| `{f.name}` | `{getattr(values, f.name)!r}` | "
+                       f"{_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
+    return out + [""]
+
+
 def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
     """``[cluster]``'s keys that belong to a part (written flat in the file all the same), a table for each part."""
     from psgd.config import PARTS
@@ -120,12 +131,8 @@ def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
     out = []
     for part, cls in PARTS.items():
         out += [f"### {part.capitalize()}", "", _cell(f"{cls.__doc__} Written under `[cluster]` like the keys above; "
-                                                      f"in psgd, `ClusterConfig.{part}`."), "",
-                "| key | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            value = getattr(getattr(cluster, part), f.name)
-            out.append(f"| `{f.name}` | `{value!r}` | {_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
-        out.append("")
+                                                      f"in psgd, `ClusterConfig.{part}`."), ""]
+        out += _rows(cls, getattr(cluster, part), comments)
     return out
 
 
@@ -139,15 +146,10 @@ def job_file() -> str:
            "options (see the how-to pages); every key can also be set with `--set SECTION.KEY=VALUE`.", ""]
     defaults = JobConfig()
     for section, cls in sections():
-        out += [f"## `[{section}]`", "", "| key | default | meaning |", "|---|---|---|"]
+        out += [f"## `[{section}]`", ""]
         if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):  # not the dataclass's own
-            out[-2:-2] = [_cell(cls.__doc__), ""]
-        for f in dataclasses.fields(cls):
-            if section == "cluster" and f.name in PARTS:
-                continue
-            value = getattr(getattr(defaults, section), f.name)
-            out.append(f"| `{f.name}` | `{value!r}` | {_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
-        out.append("")
+            out += [_cell(cls.__doc__), ""]
+        out += _rows(cls, getattr(defaults, section), comments, skip=PARTS if section == "cluster" else ())
         if section == "cluster":
             out += _parts(defaults.cluster, comments)
     for section in JobConfig.SECTIONS:

@@ -2,9 +2,9 @@
 they are about.
 
 A job file writes every key of the section flat (``[cluster] staleness = 3``, ``--set cluster.staleness=3``); in
-memory each key belongs to one part, frozen: :class:`Consistency` (a policy's own settings), :class:`Remedies` (what shards
-do to a stale async push), :class:`Links` (how pulls and pushes travel), :class:`Deadlines` and :class:`Recovery`
-(checkpoint cuts and replicas).  Each part checks its own keys (:meth:`check`); the rules across keys, between parts
+memory each key belongs to one part, frozen: :class:`Consistency` (a policy's own settings), :class:`Remedies`
+(what shards do to a stale async push), :class:`Links` (how pulls and pushes travel), :class:`Deadlines` and
+:class:`Recovery` (checkpoint cuts and replicas).  Each part checks its own keys (:meth:`check`); the rules across keys, between parts
 or with the optimizer, are :meth:`ClusterConfig.check`, the one place every command, ``psgd doctor`` and a starting
 shard share.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from psgd.config.checks import check_addresses, check_bools, check_ints, check_seconds
 from psgd.errors import ConfigError
 from psgd.policy import POLICIES
 from psgd.wire import TRANSPORTS
@@ -34,7 +35,8 @@ class Consistency:
     local_steps: int = 4          # local: steps a worker takes on its own copy between pull and push
 
     def check(self, src: str) -> None:
-        _check_ints(src, self, {"staleness": (0, 10**6), "backup_workers": (0, 10**4), "local_steps": (1, 10**6)})
+        check_ints(src, "cluster", self, {"staleness": (0, 10**6), "backup_workers": (0, 10**4),
+                                          "local_steps": (1, 10**6)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Remedies:
     implicit_momentum: bool = False  # async, ssp: lower the optimizer's momentum by asynchrony's (1 - 1/workers)
 
     def check(self, src: str) -> None:
-        _check_bools(src, self, ("staleness_lr", "dc_adaptive", "implicit_momentum"))
+        check_bools(src, "cluster", self, ("staleness_lr", "dc_adaptive", "implicit_momentum"))
         if isinstance(self.dc_lambda, bool) or not isinstance(self.dc_lambda, (int, float)) \
                 or not 0 <= self.dc_lambda <= 1e6:
             raise ConfigError(f"{src}: [cluster] dc_lambda must be a number from 0 (no delay compensation) to "
@@ -76,8 +78,8 @@ class Links:
         return max(self.busy_poll_us, 0) / 1e6
 
     def check(self, src: str) -> None:
-        _check_ints(src, self, {"slice_bytes": (64, 1 << 30), "busy_poll_us": (-1, 10**6)})
-        _check_seconds(src, self, {"hello_timeout": (0.01, 3600.0)})
+        check_ints(src, "cluster", self, {"slice_bytes": (64, 1 << 30), "busy_poll_us": (-1, 10**6)})
+        check_seconds(src, "cluster", self, {"hello_timeout": (0.01, 3600.0)})
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"{src}: [cluster] transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
                               f"got {self.transport!r}")
@@ -101,8 +103,8 @@ class Deadlines:
     def check(self, src: str) -> None:
         # more than the most and a call's deadline no longer fits gRPC's clock (1e10 s did not); less than the least
         # and no heartbeat or answer can come in time (a lease of 1e-9 s expired every worker at once)
-        _check_seconds(src, self, {"lease_seconds": (0.1, 86400.0), "join_timeout": (0.1, 7 * 86400.0),
-                                   "request_timeout": (0.01, 86400.0)})
+        check_seconds(src, "cluster", self, {"lease_seconds": (0.1, 86400.0), "join_timeout": (0.1, 7 * 86400.0),
+                                             "request_timeout": (0.01, 86400.0)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +121,11 @@ class Recovery:
     replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
 
     def check(self, src: str) -> None:
-        _check_ints(src, self, {"checkpoint_rounds": (-1, 10**9), "replicas": (0, 1)})
+        check_ints(src, "cluster", self, {"checkpoint_rounds": (-1, 10**9), "replicas": (0, 1)})
         if self.on_cut_failure not in ("stop", "continue"):
             raise ConfigError(f"{src}: [cluster] on_cut_failure must be \"stop\" or \"continue\", got "
                               f"{self.on_cut_failure!r}")
-        _check_addresses(src, "replica_servers", self.replica_servers)
+        check_addresses(src, "cluster", "replica_servers", self.replica_servers)
 
 
 PARTS = {"consistency": Consistency, "remedies": Remedies, "links": Links, "deadlines": Deadlines,
@@ -189,9 +191,9 @@ class ClusterConfig:
         """Each part's own keys, then every rule across keys (``optimizer``: the job's optimizer's name)."""
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        _check_ints(src, self, {"shards": (1, 1024), "workers": (1, 10**4)})
-        _check_bools(src, self, ("overlap",))
-        _check_addresses(src, "servers", self.servers)
+        check_ints(src, "cluster", self, {"shards": (1, 1024), "workers": (1, 10**4)})
+        check_bools(src, "cluster", self, ("overlap",))
+        check_addresses(src, "cluster", "servers", self.servers)
         for part in PARTS:
             getattr(self, part).check(src)
         self._check_across(src, optimizer)
@@ -232,29 +234,3 @@ class ClusterConfig:
                                   "its workers push their progress after local steps, not a gradient of the weights "
                                   "they pulled")
 
-
-def _check_ints(src: str, values: Any, ranges: dict[str, tuple[int, int]], section: str = "cluster") -> None:
-    for key, (low, high) in ranges.items():
-        value = getattr(values, key)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ConfigError(f"{src}: [{section}] {key} must be an integer from {low} to {high}, got {value!r}")
-
-
-def _check_seconds(src: str, values: Any, ranges: dict[str, tuple[float, float]]) -> None:
-    for key, (least, most) in ranges.items():
-        value = getattr(values, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= most:
-            raise ConfigError(f"{src}: [cluster] {key} must be a number of seconds from {least:g} to {most:g}, "
-                              f"got {value!r}")
-
-
-def _check_bools(src: str, values: Any, keys: tuple[str, ...]) -> None:
-    for key in keys:
-        if not isinstance(getattr(values, key), bool):
-            raise ConfigError(f"{src}: [cluster] {key} must be true or false, got {getattr(values, key)!r}")
-
-
-def _check_addresses(src: str, key: str, addresses: Any) -> None:
-    if not isinstance(addresses, list) or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit()
-                                                  for a in addresses):
-        raise ConfigError(f"{src}: [cluster] {key} must be a list of host:port strings, got {addresses!r}")

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
+from psgd.config.checks import check_bools, check_ints
 from psgd.config.cluster import ClusterConfig
 from psgd.errors import ConfigError
 from psgd.tables.rules import ROW_OPTIMIZERS
@@ -40,7 +41,8 @@ _INT_KEYS = {"batch_size": (1, 1 << 24), "epochs": (1, 10**7), "eval_every": (0,
 
 @dataclasses.dataclass
 class TablesConfig:
-    """How a model's embedding tables are trained and kept (psgd.tables.rules, psgd.tables.held); unused without tables."""
+    """How a model's embedding tables are trained and kept (psgd.tables.rules, psgd.tables.held); unused without
+    tables."""
 
     optimizer: str = "rowwise_adagrad"  # the rule for rows: sgd, rowwise_adagrad or lazy_adam
     lr: float = 0.05              # the rows' learning rate
@@ -178,10 +180,8 @@ class JobConfig:
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{src}: [{section}] needs a name (a string)")
         t = self.train
-        _check_ints(src, "train", t, _INT_KEYS)
-        for key in ("eval_beside", "graphs"):
-            if not isinstance(getattr(t, key), bool):
-                raise ConfigError(f"{src}: [train] {key} must be true or false, got {getattr(t, key)!r}")
+        check_ints(src, "train", t, _INT_KEYS)
+        check_bools(src, "train", t, ("eval_beside", "graphs"))
         if t.dtype not in DTYPES:
             raise ConfigError(f"{src}: [train] dtype must be one of {DTYPES}, got {t.dtype!r}")
         if not isinstance(t.device, str):
@@ -209,7 +209,7 @@ class JobConfig:
             number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             if not number or value < 0 or (words == "> 0" and value == 0) or (words == "in [0, 1)" and value >= 1):
                 raise ConfigError(f"{src}: [tables] {key} must be a finite number {words}, got {value!r}")
-        _check_ints(src, "tables", t, _TABLES_INT_KEYS)
+        check_ints(src, "tables", t, _TABLES_INT_KEYS)
         if t.when_full not in ("fail", "evict"):
             raise ConfigError(f"{src}: [tables] when_full must be \"fail\" or \"evict\", got {t.when_full!r}")
 
@@ -252,13 +252,6 @@ def _toml_value(value: Any, where: str) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v, where) for v in value) + "]"
     raise ConfigError(f"{where}: a {type(value).__name__} cannot be written to a job file")
-
-
-def _check_ints(source: str, section: str, values: Any, ranges: dict[str, tuple[int, int]]) -> None:
-    for key, (low, high) in ranges.items():
-        value = getattr(values, key)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ConfigError(f"{source}: [{section}] {key} must be an integer from {low} to {high}, got {value!r}")
 
 
 def _table(value: Any, source: str, section: str) -> dict[str, Any]:
