@@ -64,7 +64,7 @@ def measure_gpu(model_key: str, steps: int, batch: int) -> dict:
     import cupy
     import numpy as np
 
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
     from psgd.compute.graphs import GraphedStep
     from psgd.model import build_model
 
@@ -104,7 +104,7 @@ def measure_gpu(model_key: str, steps: int, batch: int) -> dict:
 
 
 def _gpu_name() -> str:
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     return ", ".join(backend.gpu_names())
 

@@ -1,5 +1,5 @@
 """ProperDocs hooks (properdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
-drift (every command's flags and every job-file key, from :mod:`psgd.reference`), and benchmarks/RESULTS.md with
+drift (every command's flags and every job-file key, from :mod:`psgd.cli.reference`), and benchmarks/RESULTS.md with
 the plots it shows, from where they live in the repository."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def on_files(files, config):
-    from psgd import reference
+    from psgd.cli import reference
 
     for uri, text in (("reference/commands.md", reference.commands()), ("reference/keys.md", reference.job_file())):
         files.append(File.generated(config, uri, content=text))

@@ -34,7 +34,7 @@ import numpy as np
 from psgd import data as datasets
 from psgd import model as models
 from psgd import optim
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
 from psgd.tables.rules import ROW_OPTIMIZERS, build_row_optimizer
 from psgd.partition import PartitionPlan

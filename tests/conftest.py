@@ -23,7 +23,7 @@ import uuid
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 
 
 def gpu_required() -> bool:

@@ -1,4 +1,4 @@
-"""A stand-in for the parts of CuPy 14 that psgd.compute.xp touches, so device handling is tested without a GPU.
+"""A stand-in for the parts of CuPy 14 that psgd.compute.backend touches, so device handling is tested without a GPU.
 
 It follows CuPy 14's real behaviour where psgd depends on it: ``cuda.Device(i)`` as a context manager
 restores the previous device on exit, ``Device(i).use()`` makes ``i`` current for the calling thread,
@@ -60,8 +60,8 @@ class FakeCupy(types.SimpleNamespace):
 
 
 def install(monkeypatch, fake: FakeCupy) -> FakeCupy:
-    """Make ``fake`` psgd.compute.xp's CuPy for one test, with an empty cache of device checks."""
-    from psgd.compute import xp as backend
+    """Make ``fake`` psgd.compute.backend's CuPy for one test, with an empty cache of device checks."""
+    from psgd.compute import backend
 
     monkeypatch.setattr(backend, "_cupy", fake)
     monkeypatch.setattr(backend, "_import_error", None)

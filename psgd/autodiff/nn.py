@@ -13,7 +13,7 @@ from typing import Any
 from psgd.compute import kernels
 from psgd.autodiff import ops
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
-from psgd.compute.xp import get_array_module
+from psgd.compute.backend import get_array_module
 
 
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from psgd.compute import kernels
 from psgd.autodiff.tensor import Tensor, data_of, make, unbroadcast
-from psgd.compute.xp import get_array_module, scatter_add
+from psgd.compute.backend import get_array_module, scatter_add
 
 
 def _shape(x: Any) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from psgd.compute.xp import get_array_module, to_host
+from psgd.compute.backend import get_array_module, to_host
 
 class _State(threading.local):
     """This thread's: whether operations record (off inside :func:`no_grad`), and the seed of the backward in hand

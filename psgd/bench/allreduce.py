@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
-from psgd.parsing import Parser, comma_list
+from psgd.config.parsing import Parser, comma_list
 
 MB = 1_000_000
 
@@ -93,7 +93,7 @@ def run_mpi(sizes: list[int], ranks: int, repeats: int) -> dict[int, dict]:
 
 # -- NCCL, one rank ------------------------------------------------------------------
 def run_nccl(sizes: list[int], repeats: int, rendezvous_dir: str) -> dict[int, float] | str:
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     if not backend.cuda_available():
         return "no CUDA GPU with CuPy here"

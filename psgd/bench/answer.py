@@ -8,7 +8,7 @@ from typing import NamedTuple
 from psgd.bench import netns
 from psgd.bench.lab import LOOPBACK
 from psgd.bench.labresult import LabResult, groups, median_summary
-from psgd.delay import parse_delay
+from psgd.training.delay import parse_delay
 
 
 def situation(network: str, delay: str) -> str:

@@ -38,7 +38,7 @@ from psgd.bench import latency
 from psgd.bench.blob import BlobCluster, median, time_steps
 from psgd.bench.limits import machine, memcpy_gbps, tcp_loopback_gbps
 from psgd.bench.step import host_copy_gbps
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 MB = 1_000_000
 PY = sys.executable

@@ -34,7 +34,7 @@ from psgd.bench.labresult import LabResult, RunResult, load_result
 from psgd.bench.observe import (Evaluator, ShardObserver, allreduce_points, initial_point, origin,
                                 ps_points, read_jsonl, start_skew, step_lines)
 from psgd.config import ConfigError
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 log = logging.getLogger(__name__)
 

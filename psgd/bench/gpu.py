@@ -2,7 +2,7 @@
 
   mlp       psgd's own training step: the built-in MLP (input 1024, hidden (w, w),
             10 classes, float32, batch 256, SGD) through psgd's one training loop
-            (``psgd.loop.run_loop`` with the reference trainer's exchange:
+            (``psgd.training.loop.run_loop`` with the reference trainer's exchange:
             ``loss_and_grads``, then ``optimizer.update`` for every variable), the
             training set held on the device; the gradient replayed as a CUDA graph
             (psgd ms, as ``psgd train`` runs it) and launched kernel by kernel
@@ -14,7 +14,7 @@
   transfer  the worker's host<->device path for 40 and 400 MB of float32: pull as
             the worker does (``device.asarray(host)``) and into a preallocated
             array (``dev.set(host)``), push (``to_host(dev, out=host)``), each from
-            pageable and from pinned (``psgd.compute.xp.host_empty``) memory, in GB/s
+            pageable and from pinned (``psgd.compute.backend.host_empty``) memory, in GB/s
             (10^9 B/s) and against a raw pinned ``cudaMemcpy`` each way.
   shm       a GPU worker's bytes on the shared-memory link (psgd.bench.gpu_link):
             between a segment and the device through pinned buffers (two copies,
@@ -46,10 +46,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.bench.gpu_link import shm_part
 from psgd.bench.limits import machine, seconds_per_call
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 MB = 1_000_000
 PARTS = ("mlp", "transfer", "shm", "nccl")
@@ -146,8 +146,8 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options, graphs: bo
     from psgd.config import JobConfig
     from psgd.data import Dataset
     from psgd.job import build_job
-    from psgd.loop import run_loop
-    from psgd.train import LocalExchange
+    from psgd.training.loop import run_loop
+    from psgd.training.local import LocalExchange
 
     config = JobConfig()
     config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",

@@ -4,10 +4,10 @@ A GPU worker whose shard shares memory with it (:mod:`psgd.link.shm`) moves the 
 the device and its gradient from the device into its push segment.  For each size (``Options.transfer_sizes``, bytes
 of float32), each way, three paths, in GB/s (10^9 B/s):
 
-  two copies   the path through pinned buffers (``psgd.compute.xp.host_empty``): segment -> pinned on the host
+  two copies   the path through pinned buffers (``psgd.compute.backend.host_empty``): segment -> pinned on the host
                (``psgd.link.shm.copy_views``), then ``device.asarray``; ``to_host(dev, out=pinned)``, then pinned -> segment
   direct       straight between the segment and the device (``copy_to_device`` / ``copy_to_host``), unregistered
-  registered   the same with the segment's mapping registered with the driver (``psgd.compute.xp.register_host``),
+  registered   the same with the segment's mapping registered with the driver (``psgd.compute.backend.register_host``),
                what a GPU worker does on the shm link
 
 The segment is a real one (``psgd.wire.segment.create``, a sealed memory file); pulls read it through a second,
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.bench.limits import seconds_per_call
 from psgd.link.shm import copy_views
 from psgd.wire import segment
@@ -101,7 +101,7 @@ def _row(size: int, way: str, path: str, seconds: float | None, twice: float) ->
     row = {"part": "shm", "size_bytes": size, "size_mb": size / MB, "direction": way, "path": path,
            "ms": None, "gbps": None, "over_two_copies": None}
     if seconds is None:
-        row["error"] = "the driver refused to register the segment (psgd.compute.xp logged why)"
+        row["error"] = "the driver refused to register the segment (psgd.compute.backend logged why)"
     else:
         row.update(ms=seconds * 1e3, gbps=size / seconds / 1e9, over_two_copies=twice / seconds)
     return row

@@ -19,7 +19,7 @@ parameter-server spec may go on with ``+`` modifiers (:data:`MODIFIERS`): ``asyn
 ``async+im+bf16``.
 
 Scenarios are delay specs for ``psgd-worker --delay`` (see
-:mod:`psgd.delay`), or ``none``.
+:mod:`psgd.training.delay`), or ``none``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import dataclasses
 import re
 
 from psgd.config import ConfigError, JobConfig
-from psgd.delay import DelayError, parse_delay
+from psgd.training.delay import DelayError, parse_delay
 from psgd.policy import POLICIES, PolicyOption
 
 

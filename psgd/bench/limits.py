@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 
 CHUNK = 4 << 20
 

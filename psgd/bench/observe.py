@@ -73,7 +73,7 @@ class Evaluator:
 
     def __call__(self, weights: dict) -> tuple[float, float]:
         """(test loss, test accuracy) of ``weights``."""
-        from psgd.loop import evaluate
+        from psgd.training.loop import evaluate
         from psgd.job import params_to_device
 
         params = params_to_device(weights, self.device)
@@ -101,7 +101,7 @@ _GRADIENT_TIMER = """
 import sys
 from psgd.config import JobConfig
 from psgd.job import build_job
-from psgd.loop import gradient_seconds
+from psgd.training.loop import gradient_seconds
 config = JobConfig.load(sys.argv[1])
 job = build_job(config)
 b = config.train.batch_size

@@ -6,7 +6,7 @@ For the synthetic preset's model (an MLP 64-3072-3072-10, 38.7 MB) and one a qua
   - steps/s of ``psgd launch`` with ``[cluster] overlap`` false and true, read from the processes' own
     step records, as ``psgd bench scaling`` reads them;
   - one step's compute alone: a gradient in one process with one BLAS thread, as the launcher gives each
-    process here (:func:`psgd.loop.gradient_seconds`);
+    process here (:func:`psgd.training.loop.gradient_seconds`);
   - one step's communication alone: the model's bytes pulled and pushed through 2 shard processes by as
     many workers at once (a free gradient), or all-reduced over MPI by as many ranks;
   - step / max(compute, communication): 1 when a step costs only its larger part.
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 MODELS = {"synthetic": 3072, "quarter": 1536}
 KINDS = ("sync", "async", "allreduce")
@@ -80,8 +80,8 @@ def compute_seconds(width: int, repeats: int = 10, device: str = "cpu") -> float
     import numpy as np
     from threadpoolctl import threadpool_limits
 
-    from psgd.compute import xp as backend
-    from psgd.loop import gradient_seconds
+    from psgd.compute import backend
+    from psgd.training.loop import gradient_seconds
     from psgd.model import build_model
 
     where = backend.use_device(device)
@@ -232,7 +232,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     workers = comma_list(args.workers, "--workers", kind=int, what="whole numbers", at_least=1, error=ConfigError)
     if args.epochs < 1:
         raise ConfigError(f"--epochs must be at least 1, got {args.epochs}")
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     try:
         backend.get_device(args.device)

@@ -42,7 +42,7 @@ from psgd.bench.chaos.processes import command, free_port_pair, job_token
 from psgd.errors import ClusterError
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 DESCRIPTION = __doc__
 SHARDS, WORKERS = 2, 2
@@ -194,7 +194,7 @@ import os, socket, sys, time
 from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.server import build_shard, stream
-from psgd.tls import NO_TLS
+from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
 job = JobConfig.load(sys.argv[1])
 kind, host, port, me = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]

@@ -35,7 +35,7 @@ from psgd.bench.chaos.processes import command, free_port_pair, job_token
 from psgd.errors import ClusterError
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 DESCRIPTION = __doc__
 SHARDS, WORKERS = 2, 2

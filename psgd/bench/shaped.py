@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 PY = sys.executable
 #: How long one worker process may take for its steps before the figure is given up as failed.

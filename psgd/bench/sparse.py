@@ -44,7 +44,7 @@ from psgd.bench.limits import machine
 from psgd.data.clicks import zipf_ranks
 from psgd.model import BaseModel, VarSpec
 from psgd.model.table import Rows, TableSpec, mix64, name_key
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 PY = sys.executable
 TABLE = "emb"
@@ -417,7 +417,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """An all-reduce rank's part (``--child``, under mpiexec); users run ``psgd bench sparse``."""
-    from psgd.parsing import Parser
+    from psgd.config.parsing import Parser
 
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

@@ -42,7 +42,7 @@ import numpy as np
 from psgd.bench.limits import machine
 from psgd.bench.scaling.measure import read_steps
 from psgd.errors import ClusterError
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 DESCRIPTION = __doc__
 INPUT, CLASSES, STEPS_PER_EPOCH = 1024, 10, 64
@@ -125,7 +125,7 @@ def host_copy_gbps(nbytes: int, repeats: int = 5) -> float:
 def link_gbps(nbytes: int, device: str) -> tuple[float, float, float]:
     """(to the shard, from the shard, host memory copy) in GB/s: on a GPU, device to a registered segment and back
     (psgd bench gpu's shm part); on a CPU, the memory copy both ways."""
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     copy = host_copy_gbps(nbytes)
     dev = backend.get_device(device)

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from psgd.ops.reach import TOKEN_ENV, Connect
-from psgd.tls import tls_from_args
+from psgd.wire.tls import tls_from_args
 
 
 def add_connect_arguments(parser: argparse.ArgumentParser) -> None:

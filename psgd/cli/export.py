@@ -1,6 +1,6 @@
 """``psgd export`` and ``psgd eval``: keep a job's trained model as one plain .npz, and test it.
 
-Parsing and printing only; the work is in :mod:`psgd.export`.
+Parsing and printing only; the work is in :mod:`psgd.export.shards`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
                              start_process, token_from_args, verbosity)
 from psgd.observe.logs import setup_logging
-from psgd.parsing import comma_list
-from psgd.tls import add_tls_arguments, tls_from_args
+from psgd.config.parsing import comma_list
+from psgd.wire.tls import add_tls_arguments, tls_from_args
 
 EXPORT_DESCRIPTION = """\
 Save the weights of a parameter-server job as one plain .npz file, keyed by
@@ -105,8 +105,8 @@ def add_eval_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from psgd.export import ExportError, join_checkpoints, pull_from_servers
-    from psgd.weights import save_weights
+    from psgd.export.shards import ExportError, join_checkpoints, pull_from_servers
+    from psgd.export.weights import save_weights
 
     setup_logging("export", verbosity(args), args.log_file)
     if args.checkpoints and args.servers:
@@ -136,7 +136,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from psgd.weights import evaluate_file
+    from psgd.export.weights import evaluate_file
 
     setup_logging("eval", verbosity(args), args.log_file)
     config = job_from_args(args)

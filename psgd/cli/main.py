@@ -17,8 +17,8 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_
                              import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
                              verbosity)
 from psgd.observe.logs import setup_logging
-from psgd.parsing import Parser, comma_list
-from psgd.tls import add_tls_arguments, tls_from_args
+from psgd.config.parsing import Parser, comma_list
+from psgd.wire.tls import add_tls_arguments, tls_from_args
 
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
@@ -310,8 +310,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from psgd.weights import save_weights
-    from psgd.train import train_local
+    from psgd.export.weights import save_weights
+    from psgd.training.local import train_local
 
     setup_logging("local", verbosity(args), args.log_file)
     config = job_from_args(args)
@@ -331,7 +331,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_divergence_argument(parser: argparse.ArgumentParser) -> None:
-    from psgd.divergence import EXIT_DIVERGED
+    from psgd.training.divergence import EXIT_DIVERGED
 
     parser.add_argument("--fail-on-divergence", action="store_true",
                         help="exit with status %d if the run diverged: a loss not finite, the test loss above its "
@@ -344,7 +344,7 @@ def diverged_words(divergence: dict | None) -> str:
 
 
 def divergence_status(args: argparse.Namespace, divergence: dict | None) -> int:
-    from psgd.divergence import EXIT_DIVERGED
+    from psgd.training.divergence import EXIT_DIVERGED
 
     return EXIT_DIVERGED if divergence and args.fail_on_divergence else 0
 

@@ -63,7 +63,7 @@ def _line(status: str, name: str, text: str) -> str:
 def cmd_check_model(args: argparse.Namespace) -> int:
     from psgd import data as datasets
     from psgd import model as models
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
     from psgd.cli.common import job_from_args
     from psgd.config import ConfigError
     from psgd.model.check import FAIL

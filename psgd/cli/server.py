@@ -18,8 +18,8 @@ from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
-from psgd.parsing import Parser
-from psgd.tls import add_tls_arguments, tls_from_args
+from psgd.config.parsing import Parser
+from psgd.wire.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("psgd.cli.server")
 

@@ -18,9 +18,9 @@ from psgd.config import ConfigError
 from psgd.launch import STOP_SIGNALS
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import WorkerMetrics, add_metrics_arguments
-from psgd.parsing import Parser
-from psgd.tls import add_tls_arguments, tls_from_args
-from psgd.delay import DelayError, parse_delay
+from psgd.config.parsing import Parser
+from psgd.wire.tls import add_tls_arguments, tls_from_args
+from psgd.training.delay import DelayError, parse_delay
 
 DESCRIPTION = """\
 Train as one worker of a job.
@@ -160,7 +160,7 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if rank == 0:
         if args.save:
-            from psgd.weights import save_weights
+            from psgd.export.weights import save_weights
 
             save_weights(args.save, result.params)
         if args.json:

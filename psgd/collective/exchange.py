@@ -1,4 +1,4 @@
-"""The all-reduce mode: the one loop (:mod:`psgd.loop`) with a collective as its exchange.
+"""The all-reduce mode: the one loop (:mod:`psgd.training.loop`) with a collective as its exchange.
 
 Every rank computes a gradient on its data shard, the gradients are averaged by the collective (in
 buckets), and every rank applies the same update with the same optimizer code the shards use.
@@ -19,11 +19,11 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.collective.base import Bucketer, Collective, CollectiveError
 from psgd.config import ConfigError, JobConfig
-from psgd.delay import NO_DELAY, Delay
-from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
+from psgd.training.delay import NO_DELAY, Delay
+from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.tables.held import lookup_rows, saved_tables

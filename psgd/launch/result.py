@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from psgd.config import JobConfig
-from psgd.tls import TLSFiles
+from psgd.wire.tls import TLSFiles
 
 log = logging.getLogger("psgd.launch.launcher")
 
@@ -25,7 +25,7 @@ class LaunchResult:
     run_dir: str
     versions: list[int]
     saved: str | None = None
-    divergence: dict | None = None  # the first divergence a process of this node saw (psgd.divergence), if any
+    divergence: dict | None = None  # the first divergence a process of this node saw (psgd.training.divergence), if any
     lost: dict[int, int] = dataclasses.field(default_factory=dict)  # shard -> updates behind the most advanced
     #: shard -> {"rollbacks": times it went back to a cut, "rounds_undone": rounds it computed again}, where it did
     went_back: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -72,10 +72,10 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = 
     """The test loss and accuracy of the final weights (a model's embedding tables read by ``reader``, an
     observer of the shards), and the divergence guard's verdict on them alone."""
     from psgd import data as datasets
-    from psgd.divergence import DivergenceGuard, advice, chance
+    from psgd.training.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
-    from psgd.loop import evaluate
-    from psgd.weights import load_weights, saved_rows
+    from psgd.training.loop import evaluate
+    from psgd.export.weights import load_weights, saved_rows
     from psgd.worker.exchange import read_rows
 
     job = build_job(config)
@@ -95,8 +95,8 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = 
 
 def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
-    from psgd.export import job_plan, pull_from_servers
-    from psgd.weights import save_weights
+    from psgd.export.shards import job_plan, pull_from_servers
+    from psgd.export.weights import save_weights
     from psgd.worker.client import PSClient
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.

@@ -12,7 +12,7 @@
 What both ends share (the data port's frames, the segments, the refusals' reasons) is :mod:`psgd.wire`,
 and so is what each ``transport`` means.
 
-How a gradient is written on the wire is a codec (:mod:`psgd.codec`), the
+How a gradient is written on the wire is a codec (:mod:`psgd.wire.codec`), the
 same for every link.  The retries, the fan-out to every shard and the leases
 are the worker's client's (:mod:`psgd.worker.client`), the same for every link.
 """

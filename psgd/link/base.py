@@ -7,11 +7,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from psgd.codec import Codec
+from psgd.wire.codec import Codec
 from psgd.errors import Code, TransportError
 from psgd.partition import Slice
 from psgd.proto import ps_pb2
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 #: Errors a caller may retry: the shard is away or slow (UNAVAILABLE, DEADLINE_EXCEEDED), or it cancelled
 #: the call while stopping to restart (CANCELLED; a worker cancels its own calls only when it stops).

@@ -2,7 +2,7 @@
 
 A pull streams :class:`TensorChunk` messages straight into the worker's
 arrays; a push streams a header and then each slice's bytes (encoded by the
-push's codec) in chunks of :data:`psgd.channel.CHUNK_BYTES`, from views of
+push's codec) in chunks of :data:`psgd.wire.channel.CHUNK_BYTES`, from views of
 the gradient, so no model-sized buffer is built per step.  It is the whole
 link when ``[cluster] transport = "grpc"``, and the control half (register,
 heartbeat, done, status) of the TCP and shared-memory links.
@@ -17,8 +17,8 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 import numpy as np
 
-from psgd.channel import chunks, open_channel, token_metadata
-from psgd.codec import Codec
+from psgd.wire.channel import chunks, open_channel, token_metadata
+from psgd.wire.codec import Codec
 from psgd.errors import Code
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
 from psgd.proto import ps_pb2, ps_pb2_grpc

@@ -25,7 +25,7 @@ line saying why (a warning where the job asked for ``transport = "shm"``).  Erro
 reconnections are the TCP link's (:mod:`psgd.link.tcp`).
 
 A worker on a GPU registers its mappings of both segments with the device's driver (page-locked, as pinned
-memory is: :func:`psgd.compute.xp.register_host`) for as long as their connection lasts, and while every shard shares
+memory is: :func:`psgd.compute.backend.register_host`) for as long as their connection lasts, and while every shard shares
 memory with it, copies its pulls from the weights segment to the device and its (uncompressed) pushes from the
 device into its push segment directly, instead of through pinned buffers on the host: one copy each way, by
 DMA.  A pull's copy to the device is waited for before the sequence number is checked again, as a copy on the
@@ -39,8 +39,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from psgd.compute import xp as backend
-from psgd.codec import Codec
+from psgd.compute import backend
+from psgd.wire.codec import Codec
 from psgd.errors import TransportError
 from psgd.link.base import Endpoint, PushReply, RowsIn, RowsOut
 from psgd.link.tcp import DataConnection, TcpLink

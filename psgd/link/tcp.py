@@ -23,12 +23,12 @@ import socket
 import ssl
 
 
-from psgd.codec import Codec
+from psgd.wire.codec import Codec
 from psgd.errors import Code
 from psgd.link.base import Endpoint, LinkError, PushReply, RowsIn, RowsOut
 from psgd.link.grpc import GrpcLink
 from psgd.proto import ps_pb2
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 from psgd.wire.rows import sections
 from psgd.wire.status import reason_name

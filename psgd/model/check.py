@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.model.base import VarSpec, VarSpecError, model_tables
 from psgd.model.errors import ModelError
 from psgd.model.gradcheck import FD_BUDGET_SECONDS, FiniteDifferences

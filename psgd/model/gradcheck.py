@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.model.errors import ModelError
 from psgd.model.probe import Skip, call_loss_and_grads, raised
 

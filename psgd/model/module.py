@@ -20,7 +20,7 @@ from psgd.autodiff import Tensor, backward, nn, no_grad
 from psgd.model.base import BaseModel, VarSpec
 from psgd.model.errors import ModelError
 from psgd.model.table import Rows, TableSpec
-from psgd.compute.xp import get_array_module
+from psgd.compute.backend import get_array_module
 
 
 class Parameter:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.errors import PsgdError
 
 #: The checks' own files: a traceback's frames in them are not the model's.

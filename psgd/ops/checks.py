@@ -209,7 +209,7 @@ class Doctor:
             self.add("ok", "TLS", "files parse: " + ", ".join(what))
 
     def check_gpu(self) -> None:
-        from psgd.compute import xp as backend
+        from psgd.compute import backend
 
         seen = backend.gpu_names()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import grpc
 
-from psgd.channel import SERVICE_NAME, open_channel, token_metadata
-from psgd.tls import TLSFiles
+from psgd.wire.channel import SERVICE_NAME, open_channel, token_metadata
+from psgd.wire.tls import TLSFiles
 
 TOKEN_ENV = "PSGD_TOKEN"
 

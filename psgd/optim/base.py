@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.optim.schedules import Constant, Schedule
 from psgd.optim.validation import OptimizerError, non_negative, positive
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.optim.base import WHOLE, Optimizer, _move
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from psgd.codec import Codec, CodecError, by_name
+from psgd.wire.codec import Codec, CodecError, by_name
 from psgd.partition import Slice
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError

@@ -32,7 +32,7 @@ import weakref
 
 import numpy as np
 
-from psgd.codec import Codec, CodecError, by_code
+from psgd.wire.codec import Codec, CodecError, by_code
 from psgd.errors import PsgdError
 from psgd.server import store
 from psgd.server.core import PushResult, ShardCore

@@ -14,11 +14,11 @@ import secrets
 
 import grpc
 
-from psgd.channel import SERVICE_NAME, open_channel
+from psgd.wire.channel import SERVICE_NAME, open_channel
 from psgd.observe.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import tokens
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger("psgd.server.replica")
 

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from psgd.codec import Codec
+from psgd.wire.codec import Codec
 from psgd.server.errors import ShardError
 from psgd.wire import protocol
 

@@ -50,7 +50,7 @@ from psgd.server import stream
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.peers import failovers, peer_status
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)

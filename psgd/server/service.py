@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd import wire
-from psgd.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
+from psgd.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import checkpoint, peers, recovery, tokens
 from psgd.server.assembly import PushAssembler
@@ -28,7 +28,7 @@ from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
 from psgd.server.listen import PortTaken, free_to_listen
 from psgd.server.watchdog import Watchdog
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
 from psgd.wire.protocol import as_worker
 from psgd.wire.rows import RowCollector, RowsError, blocks

@@ -24,7 +24,7 @@ import numpy as np
 from psgd.server import checkpoint, tokens
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
-from psgd.tls import TLSFiles
+from psgd.wire.tls import TLSFiles
 from psgd.wire import protocol
 
 log = logging.getLogger("psgd.server.replica")

@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from psgd.channel import TOKEN_METADATA_KEY
+from psgd.wire.channel import TOKEN_METADATA_KEY
 
 #: how far a proof's time may be from the checking shard's clock (the machines' clocks may differ by less)
 PROOF_SECONDS = 300.0

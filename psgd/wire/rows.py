@@ -20,8 +20,8 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from psgd.channel import CHUNK_BYTES
-from psgd.codec import Codec
+from psgd.wire.channel import CHUNK_BYTES
+from psgd.wire.codec import Codec
 from psgd.errors import InputError
 
 BLOCK_BYTES = 1 << 20

@@ -107,7 +107,7 @@ class Segment:
 
     def address(self) -> tuple[int, int]:
         """Where the whole mapping (header and slots) starts in this process, and its length: what a GPU worker
-        registers with its driver (:func:`psgd.compute.xp.register_host`)."""
+        registers with its driver (:func:`psgd.compute.backend.register_host`)."""
         whole = np.frombuffer(self._map, dtype=np.uint8)
         return whole.ctypes.data, whole.nbytes
 

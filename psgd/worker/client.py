@@ -2,7 +2,7 @@
 
 Pulls write straight into preallocated host arrays (one per variable), or device arrays (:mod:`psgd.link.shm`);
 pushes go out as views of the gradient arrays, or of a reused 16-bit buffer when the job compresses gradients
-(:mod:`psgd.codec`): no model-sized buffer is built per step.  How the bytes travel is the link's business
+(:mod:`psgd.wire.codec`): no model-sized buffer is built per step.  How the bytes travel is the link's business
 (:mod:`psgd.link`); what is retried is decided here, the same for every link: transient failures (UNAVAILABLE,
 DEADLINE_EXCEEDED, CANCELLED by a restarting shard) with jittered exponential backoff inside one overall deadline;
 anything else fails at once with the shard's address and the server's message.
@@ -22,15 +22,15 @@ from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from psgd.compute import xp as backend
-from psgd.codec import CodecError, codec_for
+from psgd.compute import backend
+from psgd.wire.codec import CodecError, codec_for
 from psgd.config import JobConfig
 from psgd.errors import Code
 from psgd.job import alive_here, identity as job_identity, process_incarnation
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire.protocol import OBSERVER
 from psgd.worker.errors import PSError, ShardWentBack, Stopped
 from psgd.worker.failover import Failover

@@ -1,4 +1,4 @@
-"""A parameter-server worker: the one loop (:mod:`psgd.loop`) with the shards as its exchange.
+"""A parameter-server worker: the one loop (:mod:`psgd.training.loop`) with the shards as its exchange.
 
 Each step pushes the gradient to every shard, which apply it under the job's policy; under sync the answer brings
 the next step's weights once the round closes (one round trip a step; the first step, a rejoin and embedding
@@ -24,11 +24,11 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 import numpy as np
 
 from psgd import data as datasets
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
-from psgd.delay import NO_DELAY, Delay
-from psgd.loop import Exchange, Exchanged, Interrupted, LoopResult, ResumeFromStep, run_loop
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.training.delay import NO_DELAY, Delay
+from psgd.training.loop import Exchange, Exchanged, Interrupted, LoopResult, ResumeFromStep, run_loop
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.policy import POLICIES

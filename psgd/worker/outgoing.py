@@ -1,4 +1,4 @@
-"""A gradient as it leaves a worker: each shard's slices, encoded by the job's codec (:mod:`psgd.codec`).
+"""A gradient as it leaves a worker: each shard's slices, encoded by the job's codec (:mod:`psgd.wire.codec`).
 
 Uncompressed, a shard's part is views of the gradient arrays (on the device too: :mod:`psgd.link.shm` copies it
 from there); compressed, it is written into a 16-bit buffer made once per shard and reused every step, so no
@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from psgd.compute import xp as backend
-from psgd.codec import Codec
+from psgd.compute import backend
+from psgd.wire.codec import Codec
 from psgd.partition import Slice
 
 

@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.autodiff import Tensor, backward, no_grad, ops
 
 pytestmark = pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 With one rank every reduction returns its input, so these tests check the
 plumbing (pointers, counts, dtypes, streams, the watchdog) against real NCCL.
-CuPy is reached only through ``psgd.compute.xp``.
+CuPy is reached only through ``psgd.compute.backend``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.collective.base import Bucketer, CollectiveError
 
 
@@ -217,7 +217,7 @@ def test_one_nccl_rank_trains_as_one_process_on_the_cpu(tmp_path):
 
     from helpers import make_job
     from psgd.config import to_toml
-    from psgd.train import train_local
+    from psgd.training.local import train_local
 
     job = make_job("model.hidden=[32]", "train.dtype=float64", "train.epochs=2", "train.batch_size=16",
                    "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=1", "train.device=cuda:0")

@@ -1,4 +1,4 @@
-"""The same-host link on a real GPU: host memory registered with the driver (psgd.compute.xp.register_host), and a GPU
+"""The same-host link on a real GPU: host memory registered with the driver (psgd.compute.backend.register_host), and a GPU
 worker pulling from and pushing to a real ``psgd-server`` shard through registered shared memory, straight
 between the segments and the device, ending where the same job ends over TCP and in one CPU process.
 
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from helpers import TOKEN, by_hand_env, make_job, shards, wait_for
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.config import to_toml
 from psgd.job import build_job
-from psgd.train import train_local
+from psgd.training.local import train_local
 from psgd.wire import segment
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker

@@ -20,7 +20,7 @@ from helpers import make_job, run_threads, shards, wait_for
 from psgd.config import to_toml
 from psgd.partition import PartitionPlan
 from psgd.job import build_job
-from psgd.train import train_local
+from psgd.training.local import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 

@@ -28,9 +28,9 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.core import MAX_CLOCK, ShardCore
-from psgd.channel import SERVICE_NAME
+from psgd.wire.channel import SERVICE_NAME
 from psgd.server.service import ShardServer
-from psgd.channel import MAX_MESSAGE_BYTES
+from psgd.wire.channel import MAX_MESSAGE_BYTES
 from psgd.worker.client import fetch_weights
 
 RPC_TIMEOUT = 5.0  # seconds; every call here is answered in milliseconds

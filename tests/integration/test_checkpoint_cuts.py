@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from psgd.config import ConfigError
-from psgd.export import join_checkpoints
+from psgd.export.shards import join_checkpoints
 from psgd.job import build_job, describe_job
 from psgd.server import build_shard, checkpoint
 from psgd.server.service import ShardServer

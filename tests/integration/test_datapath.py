@@ -323,7 +323,7 @@ def test_sync_job_gives_bitwise_the_same_weights_over_shared_memory_the_data_pat
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
     """Finite float32 ``x`` rounded to bfloat16 (nearest, ties to even) and widened back, independently of
-    psgd.codec: integer arithmetic on the bit patterns."""
+    psgd.wire.codec: integer arithmetic on the bit patterns."""
     bits = x.astype(np.float32).view(np.uint32).astype(np.int64)
     low, high = bits & 0xFFFF, bits >> 16
     up = (low > 0x8000) | ((low == 0x8000) & (high & 1 == 1))

@@ -12,7 +12,7 @@ import yaml
 
 from psgd.cli.common import job_from_args
 from psgd.config import JobConfig
-from psgd.export import job_plan
+from psgd.export.shards import job_plan
 from psgd.job import fingerprint, identity
 
 from test_deploy_static import (CONTAINER_JOB, DEPLOY, JOB_FILE, SLURM_SAMPLES, compose, container_argv, flag,

@@ -23,7 +23,7 @@ from psgd.cli import server as psgd_server
 from psgd.cli import worker as psgd_worker
 from psgd.cli.common import RANK_VARIABLES, job_from_args
 from psgd.config import JobConfig
-from psgd.export import job_plan
+from psgd.export.shards import job_plan
 from psgd.job import fingerprint, identity
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from psgd import reference
+from psgd.cli import reference
 from psgd.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]

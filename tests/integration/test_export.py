@@ -15,7 +15,7 @@ from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
-from psgd.tls import TLSFiles
+from psgd.wire.tls import TLSFiles
 from psgd.job import build_job
 from psgd.worker.client import PSClient, fetch_weights
 
@@ -164,7 +164,7 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     code, text, _ = run(capsys, "eval", "-c", str(job_file), str(out), "--json")
     result = json.loads(text)
     built = build_job(j)
-    from psgd.loop import evaluate
+    from psgd.training.loop import evaluate
     from psgd.job import params_to_device
     loss, acc = evaluate(built.model, params_to_device(live, built.device), built.dataset.x_test,
                          built.dataset.y_test, built.device, j.train.eval_batch_size)

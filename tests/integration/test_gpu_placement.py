@@ -65,7 +65,7 @@ def test_gpus_that_are_not_there_are_refused_before_anything_starts(four_gpus, d
 
 
 def test_without_cupy_the_refusal_says_what_to_install(monkeypatch):
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     monkeypatch.setattr(backend, "_cupy", None)
     monkeypatch.setattr(backend, "_import_error", ImportError("No module named 'cupy'"))
@@ -74,7 +74,7 @@ def test_without_cupy_the_refusal_says_what_to_install(monkeypatch):
 
 
 def test_a_list_of_gpus_is_for_launch_only(four_gpus):
-    from psgd.compute import xp as backend
+    from psgd.compute import backend
 
     with pytest.raises(backend.DeviceError, match="several GPUs, such as 'cuda:0,2', are for psgd launch"):
         backend.get_device("cuda:0,2")

@@ -13,9 +13,9 @@ import pytest
 
 from psgd import data as datasets
 from psgd.job import build_job
-from psgd.loop import run_loop
+from psgd.training.loop import run_loop
 from psgd.partition import PartitionPlan
-from psgd.train import LocalExchange, train_local
+from psgd.training.local import LocalExchange, train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 

@@ -9,7 +9,7 @@ import pytest
 
 from psgd.cli.main import main
 from psgd.config import JobConfig
-from psgd.train import train_local
+from psgd.training.local import train_local
 
 
 def job(**sets):

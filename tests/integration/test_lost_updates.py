@@ -16,7 +16,7 @@ from psgd.launch import result as launched
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
-from psgd.tls import NO_TLS
+from psgd.wire.tls import NO_TLS
 
 
 def test_lost_updates_count_what_each_shard_is_behind():

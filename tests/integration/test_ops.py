@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import free_port, free_port_pair, make_job, run_threads, shards
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.cli.main import main
 from psgd.ops.reach import Connect
 from psgd.ops.view import collect
@@ -398,7 +398,7 @@ def openssl(*args: str, cwd: Path) -> None:
 
 @pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_doctor_and_status_with_tls(tmp_path, capsys):
-    from psgd.tls import TLSFiles
+    from psgd.wire.tls import TLSFiles
 
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca", "-keyout", "ca.key",
             "-out", "ca.pem", cwd=tmp_path)

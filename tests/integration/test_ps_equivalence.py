@@ -13,7 +13,7 @@ import pytest
 from psgd.partition import PartitionPlan
 from psgd.server.core import ShardCore
 from psgd.job import build_job
-from psgd.train import train_local
+from psgd.training.local import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 

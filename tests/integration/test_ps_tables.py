@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from psgd.job import build_job
-from psgd.loop import run_loop
+from psgd.training.loop import run_loop
 from psgd.ops.reach import Connect, read_status
 from psgd.observe.prometheus import ShardMetrics
-from psgd.train import LocalExchange
+from psgd.training.local import LocalExchange
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 
@@ -254,11 +254,11 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 
 
 def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
-    from psgd.export import join_checkpoints, pull_from_servers
+    from psgd.export.shards import join_checkpoints, pull_from_servers
     from psgd.launch.result import evaluate_weights as _evaluate
     from psgd.server import checkpoint, recovery
     from psgd.model.table import table_keys
-    from psgd.weights import evaluate_file, save_weights
+    from psgd.export.weights import evaluate_file, save_weights
     from psgd.worker.client import PSClient
 
     job = make_job(*SMALL, "train.epochs=1", "train.batch_size=32", "tables.lr=0.1", "cluster.policy=sync",
@@ -290,7 +290,7 @@ def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
 def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_widens_them(wire, transport):
-    from psgd.codec import codec_for
+    from psgd.wire.codec import codec_for
     from psgd.worker.client import PSClient
 
     job = make_job(*SMALL, "cluster.policy=async", "cluster.workers=1", "cluster.shards=2", "tables.optimizer=sgd",

@@ -29,7 +29,7 @@ from psgd.server import build_shard
 from psgd.server import stream
 from psgd.server.replica import Replication
 from psgd.server.service import ShardServer
-from psgd.tls import NO_TLS
+from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
 from psgd.worker.exchange import run_worker
 

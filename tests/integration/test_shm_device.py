@@ -1,4 +1,4 @@
-"""A GPU worker's same-host link without a GPU: host memory registration (psgd.compute.xp.register_host) and the shm
+"""A GPU worker's same-host link without a GPU: host memory registration (psgd.compute.backend.register_host) and the shm
 link's copies straight between device arrays and the segments, against a fake CuPy whose device arrays are NumPy
 arrays of their own type (tests/fake_cupy.py, with what these copies use added here).  The real thing is
 tests/gpu/test_shm_registered.py."""
@@ -13,7 +13,7 @@ import pytest
 
 import fake_cupy
 from helpers import make_job, shards
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.job import build_job
 from psgd.wire import segment
 from psgd.worker.client import PSClient
@@ -75,7 +75,7 @@ def test_a_registration_is_undone_once_and_a_refusal_is_said_once(gpu, caplog):
     done.close()
     assert gpu.calls[1:] == [("unregister", buf.ctypes.data)] and backend.registered_host_bytes() == 0
     gpu.refuse = "cudaErrorNotSupported: operation not supported"
-    with caplog.at_level(logging.INFO, logger="psgd.compute.xp"):
+    with caplog.at_level(logging.INFO, logger="psgd.compute.backend"):
         assert backend.register_host(buf.ctypes.data, 4096, GPU) is None
         assert backend.register_host(buf.ctypes.data, 4096, GPU) is None
     said = [r for r in caplog.records if "could not be registered" in r.getMessage()]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.bench import gpu
 from psgd.cli import main as psgd_main
 

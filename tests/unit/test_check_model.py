@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.config import JobConfig
 from psgd.model import BaseModel, ModelError, VarSpec, build_model, check_model, run_checks
 from psgd.model.losses import softmax_cross_entropy
 from psgd.job import build_job
-from psgd.train import train_local
-from psgd.compute.xp import get_array_module
+from psgd.training.local import train_local
+from psgd.compute.backend import get_array_module
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SHAPE, CLASSES = (8, 8), 10   # the digits

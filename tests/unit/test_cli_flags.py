@@ -14,7 +14,7 @@ from psgd.cli import server as psgd_server
 from psgd.cli import worker as psgd_worker
 from psgd.cli.common import job_from_args
 from psgd.config import ConfigError
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd-worker's and psgd-server's main()
@@ -174,7 +174,7 @@ def test_a_comma_list_strips_and_drops_empty_items_and_repeats_when_told():
 
 
 def test_every_comma_separated_flag_is_read_by_the_one_reader():
-    """No command splits a flag's value on commas itself: psgd.parsing.comma_list reads every list."""
+    """No command splits a flag's value on commas itself: psgd.config.parsing.comma_list reads every list."""
     root = Path(psgd.__file__).parent
     commands = [p for folder in ("cli", "bench") for p in sorted((root / folder).rglob("*.py"))]
     found = [f"{p.relative_to(root)}:{n}" for p in commands

@@ -1,11 +1,11 @@
-"""Gradient codecs (psgd.codec): bfloat16 and float16 rounding, and how each end finds a push's codec."""
+"""Gradient codecs (psgd.wire.codec): bfloat16 and float16 rounding, and how each end finds a push's codec."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psgd import codec
+from psgd.wire import codec
 
 
 # --- bfloat16 ----------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ def from_bf16(b: np.ndarray) -> np.ndarray:
 
 
 def reference_bf16(x: np.ndarray) -> np.ndarray:
-    """Round finite float32 ``x`` to the nearest bfloat16 (ties to even), written independently of psgd.codec:
+    """Round finite float32 ``x`` to the nearest bfloat16 (ties to even), written independently of psgd.wire.codec:
     pick between the truncated value and the next one up in magnitude by comparing distances in float64."""
     bits = x.view(np.uint32).astype(np.uint64)
     lo = (bits >> 16).astype(np.uint64)

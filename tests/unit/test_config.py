@@ -188,7 +188,7 @@ def test_tls_files_in_the_job_file_are_read_from_its_folder_and_come_together(tm
     import argparse
 
     from psgd.config import to_toml
-    from psgd.tls import tls_from_args
+    from psgd.wire.tls import tls_from_args
 
     (tmp_path / "certs").mkdir()
     job = JobConfig.load(write(tmp_path, '[tls]\ncert = "certs/a.pem"\nkey = "certs/a.key"\nca = "/etc/ca.pem"\n'))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from psgd.delay import DelayError, parse_delay
+from psgd.training.delay import DelayError, parse_delay
 
 
 def test_kinds_and_ranks():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from psgd.config import JobConfig
-from psgd.divergence import BLOWUP, CHANCE_MARGIN, EVALUATIONS, DivergenceGuard, advice, chance
+from psgd.training.divergence import BLOWUP, CHANCE_MARGIN, EVALUATIONS, DivergenceGuard, advice, chance
 
 GUESS = math.log(10)
 

@@ -10,9 +10,9 @@ from psgd.config import ConfigError, JobConfig
 from psgd.data import DataError, describe_dataset, load_dataset
 from psgd.data.clicks import Generator, reachable_accuracy
 from psgd.job import build_job
-from psgd.loop import run_loop
+from psgd.training.loop import run_loop
 from psgd.model import ModelError
-from psgd.train import LocalExchange
+from psgd.training.local import LocalExchange
 
 
 def clicks_job(*sets: str) -> JobConfig:
@@ -52,7 +52,7 @@ def test_admission_keeps_rare_ids_out_of_the_table():
 
 
 def test_what_cannot_train_a_table_yet_says_so_in_one_line():
-    from psgd.loop import Exchange
+    from psgd.training.loop import Exchange
     from psgd.worker.exchange import ParameterServerExchange
 
     class Elsewhere(Exchange):  # a mode that holds no tables
@@ -96,8 +96,8 @@ def test_the_tables_section_is_checked(key, value, words):
 
 
 def test_the_trained_tables_are_saved_with_the_weights_and_psgd_eval_scores_them_alike(tmp_path):
-    from psgd.train import train_local
-    from psgd.weights import evaluate_file, save_weights
+    from psgd.training.local import train_local
+    from psgd.export.weights import evaluate_file, save_weights
 
     config = clicks_job()
     result = train_local(config, progress=False)

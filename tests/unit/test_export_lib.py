@@ -9,9 +9,9 @@ import pickle
 import numpy as np
 import pytest
 
-from psgd import export
-from psgd import weights as weight_files
-from psgd.export import ExportError
+from psgd.export import shards as export
+from psgd.export import weights as weight_files
+from psgd.export.shards import ExportError
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard, checkpoint, recovery
@@ -44,7 +44,7 @@ def step(core: ShardCore, seed: int) -> None:
 
 
 def joined_by_hand(j, shard_cores: list[ShardCore]) -> dict[str, np.ndarray]:
-    """What the shards hold, put together slice by slice (independently of psgd.export)."""
+    """What the shards hold, put together slice by slice (independently of psgd.export.shards)."""
     plan = shard_cores[0].plan
     out = {s.name: np.full(s.shape, np.nan, dtype=s.dtype) for s in plan.specs}
     for core in shard_cores:

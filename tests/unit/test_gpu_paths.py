@@ -12,7 +12,7 @@ import pytest
 
 import fake_cupy
 from helpers import Mirror
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.collective.base import Bucketer
 from psgd.config import JobConfig
 from psgd.data import load_dataset

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.autodiff import Tensor, backward, no_grad, ops
 from psgd.model import build_model
 from psgd.model.losses import mean_squared_error, softmax_cross_entropy

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from psgd.compute import kernels
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.model import build_model
 from psgd.autodiff import Tensor, backward, nn, ops
 from psgd.model.losses import softmax_cross_entropy
@@ -241,7 +241,7 @@ def test_training_with_graphs_ends_where_training_without_ends(optimizer, caplog
     import logging
 
     from psgd.config import JobConfig
-    from psgd.train import train_local
+    from psgd.training.local import train_local
 
     caplog.set_level(logging.INFO, logger="psgd")
     results = []

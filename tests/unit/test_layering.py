@@ -45,10 +45,10 @@ def test_benchmarks_do_not_import_the_command_line(path):
     assert not {m for m in imported(path) if m == "psgd.cli" or m.startswith("psgd.cli.")}, path
 
 
-TRANSPORTS = {"grpc", "socket", "ssl", "selectors", "psgd.proto", "psgd.channel", "psgd.worker.client"}
+TRANSPORTS = {"grpc", "socket", "ssl", "selectors", "psgd.proto", "psgd.wire.channel", "psgd.worker.client"}
 
 
-@pytest.mark.parametrize("path", [PSGD / "server" / "core.py", PSGD / "server" / "store.py", PSGD / "loop.py"],
+@pytest.mark.parametrize("path", [PSGD / "server" / "core.py", PSGD / "server" / "store.py", PSGD / "training" / "loop.py"],
                          ids=lambda p: p.name)
 def test_the_shard_core_and_the_loop_know_no_transport(path):
     found = imported(path)
@@ -92,7 +92,7 @@ def test_what_a_transport_means_is_written_once():
 def test_the_workers_client_leaves_the_bytes_to_its_links():
     """The client decides what to retry and fans out to every shard; it never touches a socket or a stub."""
     assert not imported(PSGD / "worker" / "client.py") & {"socket.socket", "psgd.link.tcp", "psgd.link.grpc",
-                                                          "psgd.channel", "psgd.wire.protocol.WireError"}
+                                                          "psgd.wire.channel", "psgd.wire.protocol.WireError"}
     source = (PSGD / "worker" / "client.py").read_text()
     assert "Stub(" not in source and "recv_into" not in source and "sendmsg" not in source
 
@@ -128,23 +128,23 @@ def test_no_module_but_the_shard_core_takes_its_lock_or_touches_its_private_memb
 
 
 def test_the_loop_is_the_only_training_loop():
-    """One place outside the models computes a training step's gradient: psgd/loop.py, whose step may be
+    """One place outside the models computes a training step's gradient: psgd/training/loop.py, whose step may be
     replayed as a CUDA graph (psgd/compute/graphs.py)."""
     calls = method_calls(("loss_and_grads", "loss_grads_and_dx"), outside="model")
     # the loss of an evaluation (evaluate) and the time a gradient takes (gradient_seconds, for the lab); the
     # step of the one loop (run_loop) is the model's loss_and_grads or the graph of it, captured and run there;
     # and the floor a small step is measured against (psgd.bench.latency.floor): a bare gradient in one process and
     # split across two, with no loop around it, twice
-    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "compute/graphs.py", "loop.py"], calls
+    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "compute/graphs.py", "training/loop.py"], calls
     assert [c.split(":")[0] for c in calls].count("bench/latency.py") == 2, calls
-    assert [c.split(":")[0] for c in calls].count("loop.py") == 2, calls
+    assert [c.split(":")[0] for c in calls].count("training/loop.py") == 2, calls
 
 
 def test_channels_to_shards_are_opened_in_one_place():
-    """psgd/channel.py opens every gRPC channel (TLS, message limits); the latency benchmark's bare echo
+    """psgd/wire/channel.py opens every gRPC channel (TLS, message limits); the latency benchmark's bare echo
     server, gRPC without psgd, is its baseline."""
     opened = method_calls(("insecure_channel", "secure_channel"), outside="proto")
-    assert sorted({c.split(":")[0] for c in opened}) == ["bench/latency.py", "channel.py"], opened
+    assert sorted({c.split(":")[0] for c in opened}) == ["bench/latency.py", "wire/channel.py"], opened
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -301,7 +301,7 @@ def test_psgd_errors_have_one_root():
 #: The modules that speak gRPC: the channel and its TLS, the worker's gRPC link, the shard's servicer with its
 #: token check and the peer's questions, the latency interceptor, the rich status both ends read, and the
 #: operators' probes.  Everything else speaks psgd's own codes (psgd.errors.Code).
-GRPC_EDGE = {"channel.py", "link/grpc.py", "server/service.py", "server/tokens.py", "server/peers.py",
+GRPC_EDGE = {"wire/channel.py", "link/grpc.py", "server/service.py", "server/tokens.py", "server/peers.py",
              "observe/rpc_latency.py", "wire/status.py", "ops/reach.py"}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.model import (
     MODELS, BaseModel, Model, ModelError, VarSpec, build_model, init_variable, load_model_class,
 )
@@ -197,7 +197,7 @@ GOOD_MODULE = """
     from psgd.model import BaseModel, VarSpec
     from psgd.model.losses import softmax_cross_entropy
     from psgd.model.nets import MLP
-    from psgd.compute.xp import get_array_module
+    from psgd.compute.backend import get_array_module
 
     class TinyLinear(BaseModel):
         '''A user model written from scratch: logits = scale * x @ W.'''

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.optim import (
     DEFAULT_LR,
     Share,

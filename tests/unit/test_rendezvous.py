@@ -20,7 +20,7 @@ import pytest
 
 from helpers import Mirror, free_port
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.collective import nccl as nccl_backend
 from psgd.collective.base import CollectiveError
 from psgd.collective.nccl import NcclCollective, _call_with_deadline, _nccl_dtype, _nccl_op, _wait

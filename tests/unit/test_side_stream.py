@@ -1,4 +1,4 @@
-"""psgd.compute.xp.SideStream: transfers and collectives on a CUDA stream of their own, ordered after the compute
+"""psgd.compute.backend.SideStream: transfers and collectives on a CUDA stream of their own, ordered after the compute
 stream's work by events (run on NumPy, and on CuPy where a GPU is present)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 
 
 def slow_fill(device, value: float, n: int = 2048):

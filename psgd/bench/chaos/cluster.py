@@ -268,7 +268,7 @@ class Cluster:
             from psgd.worker.client import fetch_weights
 
             return fetch_weights(self.binds, self.plan, request_timeout=timeout, token=self.token)
-        from psgd.weights import read_npz
+        from psgd.export.weights import read_npz
 
         out = self.folder / "observed.npz"
         done = subprocess.run(self.prefix("obs") + [*self.psgd, "export", "-c", str(self.path), "--timeout",
@@ -299,9 +299,9 @@ class Cluster:
 
     def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
         """Test accuracy of ``weights`` (with a table's rows as checkpoints hold them, for a sparse job)."""
-        from psgd.loop import evaluate
+        from psgd.training.loop import evaluate
         from psgd.job import params_to_device
-        from psgd.weights import saved_rows
+        from psgd.export.weights import saved_rows
 
         b = self.job
         params = params_to_device({s.name: weights[s.name] for s in b.model.specs()}, b.device)

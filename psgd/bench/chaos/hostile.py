@@ -15,7 +15,7 @@ import socket
 import time
 from typing import Any, Sequence
 
-from psgd.tls import NO_TLS
+from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
 
 
@@ -210,7 +210,7 @@ def outsider(targets: Sequence[Sequence[Any]], slices: Sequence[Sequence[dict]],
     import secrets
     from dataclasses import replace
 
-    from psgd.codec import codec_for
+    from psgd.wire.codec import codec_for
     from psgd.link import LinkError
     from psgd.link.base import Endpoint, ProtocolError
     from psgd.link.grpc import GrpcLink

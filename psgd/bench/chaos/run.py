@@ -266,7 +266,7 @@ class Run(FaultInjection):
             for k in range(SHARDS):  # a table's rows: from the checkpoints written at SIGTERM, as in the run
                 cluster.signal(f"shard{k}", signal.SIGTERM)
                 cluster.wait(f"shard{k}", STOP_BOUND)
-            from psgd.export import join_checkpoints
+            from psgd.export.shards import join_checkpoints
 
             return join_checkpoints(cluster.config, cluster.ckpt, mixed=True).weights
         finally:
@@ -319,7 +319,7 @@ class Run(FaultInjection):
 
     def _from_checkpoints(self) -> tuple[list[dict], dict[str, np.ndarray] | None]:
         """The shards' views (version, counters) and the joined weights, from their newest checkpoints."""
-        from psgd.export import join_checkpoints
+        from psgd.export.shards import join_checkpoints
         from psgd.server import checkpoint
 
         c = self.cluster

@@ -18,7 +18,7 @@ from psgd.bench.netns import unavailable as namespaces_unavailable
 from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.run import Run
 from psgd.bench.chaos.settings import KINDS
-from psgd.parsing import Parser, comma_list
+from psgd.config.parsing import Parser, comma_list
 
 #: What the suite does, faults and invariants: the command line's --help.
 DESCRIPTION = """Chaos: the shards and workers of running jobs are faulted, and invariants are checked after each fault.

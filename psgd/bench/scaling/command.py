@@ -9,7 +9,7 @@ from pathlib import Path
 from psgd.bench.scaling.grid import CONFIGS, DEFAULT_OUT, DEFAULT_TIMEOUT, DEFAULTS, QUICK, WIDTHS, Settings
 from psgd.bench.scaling.report import json_text
 from psgd.bench.scaling.runner import run_benchmark
-from psgd.parsing import comma_list
+from psgd.config.parsing import comma_list
 
 #: What the benchmark runs and measures, and what it writes: the command line's --help.
 DESCRIPTION = """How training speed scales with the model's width, the workers and the mode, run as a user runs it.

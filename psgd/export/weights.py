@@ -1,7 +1,7 @@
 """A model's weights as one plain ``.npz`` file, and back: :func:`save_weights` writes ``{name: array}`` (no
 pickle; a temporary file, then a rename), :func:`load_weights` reads one back checked against the model's
 variables (:func:`weight_differences` says how they differ), and :func:`evaluate_file` scores one on the job's
-test split.  The weights come from :mod:`psgd.export` (joined from shards) or from a trainer's end."""
+test split.  The weights come from :mod:`psgd.export.shards` (joined from shards) or from a trainer's end."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from psgd.config import JobConfig
-from psgd.export import ExportError
+from psgd.export.shards import ExportError
 from psgd.model.base import VarSpec
 from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
 
@@ -26,7 +26,7 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
     ``path`` is either the old file or the whole new one.  The name is used
     as given (no ``.npz`` is added).
     """
-    from psgd.compute.xp import to_host
+    from psgd.compute.backend import to_host
 
     path = Path(path)
     arrays = {}
@@ -127,7 +127,7 @@ def load_weights(path: str | os.PathLike | None, specs: Sequence[VarSpec], table
 
 def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``config``."""
-    from psgd.loop import evaluate
+    from psgd.training.loop import evaluate
     from psgd.job import build_job, params_to_device
 
     job = build_job(config)

@@ -1,7 +1,7 @@
 """The single-process reference trainer.
 
 ``train_local(job)`` is plain minibatch training in one process (the one loop,
-:mod:`psgd.loop`, with :class:`LocalExchange`): the yardstick that the
+:mod:`psgd.training.loop`, with :class:`LocalExchange`): the yardstick that the
 parameter-server and all-reduce modes are checked against (a sync run of N
 workers with batch B must end where this ends with batch N*B).
 """
@@ -15,10 +15,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.config import JobConfig
 from psgd.job import Job, build_job, params_to_device
-from psgd.loop import Exchange, Exchanged, LoopResult, run_loop
+from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.model.table import Rows
 from psgd.optim.ingraph import InGraph
 from psgd.tables.held import lookup_rows, saved_tables

@@ -4,7 +4,7 @@ Each step: the weights to compute with (:meth:`Exchange.weights`), the gradient 
 next batch (the only ``loss_and_grads`` of training), then the gradient handed on
 (:meth:`Exchange.exchange`).  What an exchange does with it is the mode:
 
-- :class:`psgd.train.LocalExchange`: applies the optimizer in this process (the reference trainer);
+- :class:`psgd.training.local.LocalExchange`: applies the optimizer in this process (the reference trainer);
 - :class:`psgd.worker.exchange.ParameterServerExchange`: pulls from and pushes to the shards;
 - :class:`psgd.collective.exchange.AllReduceExchange`: averages with the other ranks, then applies
   the optimizer on every rank.
@@ -14,7 +14,7 @@ Everything else is written here once: the batches of this rank's data shard, whe
 holds the final weights), the divergence guard, the metrics lines, the progress bar or log lines,
 the injected straggler delay, the stop event and the result.
 
-The straggler delay (``--delay``, :mod:`psgd.delay`) means the same in every mode: after a
+The straggler delay (``--delay``, :mod:`psgd.training.delay`) means the same in every mode: after a
 step's exchange the process sleeps, and ``slowdown:K`` makes the whole step (weights in, gradient,
 exchange out, with any waiting for the others) take K times as long as it did.
 
@@ -22,7 +22,7 @@ Metrics lines (``--metrics FILE``, one JSON object a line, with ``time``, ``role
 ``step`` after every step (``clock``: the step's index from 0, ``epoch``, ``loss``, ``wall``,
 ``delay``, and what the exchange adds, e.g. ``version`` and ``staleness``); ``eval`` after every
 evaluation (``step``: the steps done, ``epoch``, ``wall``, ``train_loss``, ``test_loss``,
-``test_accuracy``); ``diverged`` once, when the divergence guard (:mod:`psgd.divergence`) sees the run
+``test_accuracy``); ``diverged`` once, when the divergence guard (:mod:`psgd.training.divergence`) sees the run
 is not training (``by``, ``step``, ``epoch``, ``why``, ``advice``); ``done`` at the end (``steps``,
 ``clock``, ``seconds``, the exchange's summary, ``diverged``: the same record or null).
 """
@@ -42,10 +42,10 @@ import numpy as np
 from psgd import data as datasets
 from psgd.compute import graphs
 from psgd import model as models
-from psgd.compute import xp as backend
+from psgd.compute import backend
 from psgd.config import ConfigError
-from psgd.delay import NO_DELAY, Delay
-from psgd.divergence import DivergenceGuard, advice, chance
+from psgd.training.delay import NO_DELAY, Delay
+from psgd.training.divergence import DivergenceGuard, advice, chance
 from psgd.errors import PsgdError
 from psgd.job import Job
 from psgd.model.table import Rows
@@ -214,7 +214,7 @@ class LoopResult:
     history: list[dict[str, Any]]          # the evaluation records
     params: dict[str, np.ndarray] | None   # host copies of the final weights, where this process holds them
     summary: dict[str, Any]                # the exchange's: push outcomes, seconds in the collective, ...
-    divergence: dict[str, Any] | None = None  # what the divergence guard saw first (psgd.divergence)
+    divergence: dict[str, Any] | None = None  # what the divergence guard saw first (psgd.training.divergence)
 
 
 def run_loop(

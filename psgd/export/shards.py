@@ -13,7 +13,7 @@ shard in slice-id order).  This module joins the pieces into whole variables:
   as a restoring shard checks it, and refuses checkpoints that do not belong
   together (other plans, other versions) with a message that says what each
   shard has;
-and :mod:`psgd.weights` writes the joined variables as a plain ``.npz`` and reads
+and :mod:`psgd.export.weights` writes the joined variables as a plain ``.npz`` and reads
 one back.
 
 Both sources derive the partition plan from the job (model, dtype, shards,
@@ -36,7 +36,7 @@ from psgd.errors import InputError
 from psgd.model.table import TableSpec, joined_by_id, table_keys
 from psgd.partition import PartitionPlan, plan_differences
 from psgd.server import checkpoint
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 
 #: What to pass when the job does not describe the model that was trained.

@@ -78,7 +78,7 @@ def commands() -> str:
 def _comments() -> dict[str, dict[str, str]]:
     """{dataclass name: {field: its comment}} from psgd/config/'s source (a comment after the field and the
     comment lines that continue it)."""
-    folder = Path(__file__).parent / "config"
+    folder = Path(__file__).parent.parent / "config"
     source = "\n".join(path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.py")))
     found: dict[str, dict[str, str]] = {}
     cls, last = None, None

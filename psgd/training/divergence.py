@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from psgd.compute import xp as backend
+from psgd.compute import backend
 
 #: evaluations in a row that make a growing loss, or accuracy at chance, a divergence
 EVALUATIONS = 3

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import grpc
 
-from psgd.tls import NO_TLS, TLSFiles
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 #: Tensors travel over gRPC in chunks of this many bytes (a pull's TensorChunk, a push's).
 CHUNK_BYTES = 2 << 20
