@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from psgd.config import Deadlines
 from psgd.config.parsing import Parser
 
 PY = sys.executable
@@ -77,7 +78,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
                     counts["crashes"] += 1
                     raise RuntimeError(f"{name} exited by itself with status {p.returncode}; "
                                        f"see {run / (name + '.log')}")
-            with PSClient(job.cluster.servers, plan, request_timeout=10, token=token) as client:
+            with PSClient(job.cluster.servers, plan, deadlines=Deadlines(request_timeout=10), token=token) as client:
                 now = [s.version for s in client.status()]
             counts["checks"] += 1
             if versions and now == versions[-1]:

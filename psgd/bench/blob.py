@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.chaos.processes import job_token
+from psgd.config import Links
 from psgd.model import BaseModel, VarSpec
 
 MB = 1_000_000
@@ -82,7 +83,8 @@ class ShardProcesses:
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, transport=transport, wire_dtype=wire_dtype, config=self.config,
+        c = PSClient(self.addresses, self.plan, worker, links=Links(transport=transport, wire_dtype=wire_dtype),
+                     config=self.config,
                      token=self.token)
         c.wait_ready(60)
         c.register()

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from psgd.config import JobConfig
+from psgd.config import Deadlines, JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ShardObserver:
         ev = self.evaluator
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in ev.plan.specs}
         try:
-            with PSClient(addresses, ev.plan, OBSERVER, request_timeout=ev.config.cluster.deadlines.request_timeout,
+            with PSClient(addresses, ev.plan, OBSERVER, deadlines=ev.config.cluster.deadlines,
                           token=token) as client:
                 next_at = time.monotonic()
                 while True:

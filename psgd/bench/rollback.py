@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from psgd.bench.chaos.processes import command, free_port_pair, job_token
+from psgd.config import Deadlines
 from psgd.errors import ClusterError
 from psgd.launch.supervise import dying_with_parent
 from psgd.bench.limits import machine
@@ -111,7 +112,7 @@ def one_run(folder: Path, interval: int, epochs: int, kill_at: float | None) -> 
                 raise RollbackBenchError(f"worker {r} exited with status {code}: "
                                          f"{(folder / f'w{r}.log').read_text()[-1500:]}")
         ended = time.time()
-        with PSClient(servers, job.plan, request_timeout=10, token=token) as client:
+        with PSClient(servers, job.plan, deadlines=Deadlines(request_timeout=10), token=token) as client:
             statuses = client.status()
         counters = [json.loads(s.counters_json) for s in statuses]
         versions = [s.version for s in statuses]
@@ -186,7 +187,7 @@ def _kill_between_cuts(folder: Path, victim: subprocess.Popen, workers: list[sub
     while len([x for x in _records(folder / "w0.jsonl") if x.get("event") == "step"]) < after:
         check()
         time.sleep(0.01)  # polling worker 0's step records, with a deadline
-    with PSClient(servers, plan, request_timeout=10, token=job_token()) as client:
+    with PSClient(servers, plan, deadlines=Deadlines(request_timeout=10), token=job_token()) as client:
         while True:
             check()
             if between(client.links[1].status().version):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from psgd.config import Links
 from psgd.config.parsing import comma_list
 
 PY = sys.executable
@@ -194,7 +195,7 @@ def worker_main(spec_path: str) -> int:
     config = JobConfig.load(spec["job"])
     elems = int(config.model["size"])
     plan = describe_job(config, model=Blob((1,), 2, size=elems)).plan
-    with PSClient(spec["addresses"], plan, spec["rank"], wire_dtype=spec["wire_dtype"], config=config,
+    with PSClient(spec["addresses"], plan, spec["rank"], links=Links(wire_dtype=spec["wire_dtype"]), config=config,
                   token=os.environ.get("PSGD_TOKEN", "")) as client:
         client.wait_ready(60)
         client.register()

@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from psgd.config import JobConfig
+from psgd.config import Deadlines, JobConfig
 from psgd.errors import InputError
 from psgd.model.table import TableSpec, joined_by_id, table_keys
 from psgd.partition import PartitionPlan, plan_differences
@@ -112,8 +112,8 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
                           "list every shard's address, or pass --shards")
     if request_timeout is None:
         request_timeout = config.cluster.deadlines.request_timeout
-    with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls,
-                  replicas=config.cluster.recovery.replica_servers) as client:
+    with PSClient(addresses, plan, OBSERVER, deadlines=Deadlines(request_timeout=request_timeout), token=token, tls=tls,
+                  recovery=config.cluster.recovery) as client:
         problems, statuses = [], client.status()
         for k, status in enumerate(statuses):
             if status.shard != k or status.num_shards != plan.num_shards:

@@ -112,7 +112,7 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
                         f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
     plan = job_plan(config)
     with PSClient(addresses, plan, token=token, tls=tls,  # an observer: reads rows, makes none
-                  replicas=config.cluster.recovery.replica_servers) as reader:
+                  recovery=config.cluster.recovery) as reader:
         loss, acc, verdict = evaluate_weights(config, weights, "ps", reader)
         counters = [json.loads(s.counters_json) for s in reader.status()]
     went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)

@@ -10,6 +10,7 @@ anything else fails at once with the shard's address and the server's message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import numpy as np
 
 from psgd.compute import backend
 from psgd.wire.codec import CodecError, codec_for
-from psgd.config import JobConfig
+from psgd.config import Deadlines, JobConfig, Links, Recovery
 from psgd.errors import Code
 from psgd.job import alive_here, identity as job_identity, process_incarnation
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
@@ -49,32 +50,35 @@ class PSClient:
     """Talks to all shards of one job on behalf of worker ``worker_id`` (``protocol.OBSERVER``: a reader)."""
 
     def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = OBSERVER, *,
-                 request_timeout: float = 60.0, retry_deadline: float | None = None, transport: str = "auto",
-                 wire_dtype: str | None = None, token: str = "", tls: TLSFiles = NO_TLS,
-                 stop: threading.Event | None = None, config: JobConfig | None = None,
-                 device: backend.Device = backend.CPU, replicas: Sequence[str] | None = None):
+                 links: Links = Links(), deadlines: Deadlines = Deadlines(), retry_deadline: float | None = None,
+                 token: str = "", tls: TLSFiles = NO_TLS, stop: threading.Event | None = None,
+                 config: JobConfig | None = None, device: backend.Device = backend.CPU,
+                 recovery: Recovery = Recovery()):
+        """``links`` and ``deadlines``: the job's (``[cluster]``), taken whole, and ``recovery`` (its
+        ``replica_servers``: where each shard's other process is); an observer's are the defaults
+        (gRPC whatever ``links`` says: it has no data port).  ``retry_deadline``: how long a call is retried, the
+        request timeout unless given.  ``config``: a worker's job file, which its registration sends."""
         if len(addresses) != plan.num_shards:
             raise PSError(f"{len(addresses)} server address(es) given for a plan with {plan.num_shards} shard(s)")
         try:
-            self.codec = codec_for(wire_dtype)
+            self.codec = codec_for(links.wire_dtype)
             for spec in (*plan.specs, *plan.tables):
                 self.codec.check(spec.dtype)
         except CodecError as exc:
             raise PSError(str(exc)) from None
         self.addresses, self.plan, self.worker_id = list(addresses), plan, worker_id
-        self.request_timeout, self.retry_deadline = request_timeout, request_timeout if retry_deadline is None else \
-            retry_deadline
+        self.deadlines = deadlines
+        self.retry_deadline = deadlines.request_timeout if retry_deadline is None else retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
-        kind = self.link_kind = link_kind(transport if worker_id != OBSERVER else "grpc")  # observers: no data port
+        kind = self.link_kind = link_kind(links.transport if worker_id != OBSERVER else "grpc")  # no data port
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
-                                               request_timeout, transport,
-                                               config.cluster.links.busy_poll_seconds if config is not None else 0.0))
+                                               deadlines.request_timeout, links.transport, links.busy_poll_seconds))
                       for k, a in enumerate(self.addresses)]
         for link in (link for link in self.links if isinstance(link, ShmLink)):
             link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
-        self.failover = Failover(self, config.cluster.recovery.replica_servers
-                                 if replicas is None and config is not None else replicas or ())
+        self.recovery = recovery
+        self.failover = Failover(self, recovery.replica_servers)
         n = plan.num_shards  # this process's registrations with each shard: made so far, and on the way
         self.versions, self._joins, self._registering, self._joining = [0] * n, [0] * n, [0] * n, threading.Lock()
         self.lease_seconds = 10.0
@@ -89,17 +93,16 @@ class PSClient:
         # What this worker's job is, sent when it registers (psgd.job.identity); observers need none.
         self.identity = job_identity(config, plan.hash, bool(plan.tables)) if config is not None else None
         #: how long a registration refused for another holder of the rank is retried: a lease (it died or renewed)
-        self.holder_wait = (config.cluster.deadlines.lease_seconds + HOLDER_MARGIN if config is not None
-                            else self.retry_deadline)
+        self.holder_wait = deadlines.lease_seconds + HOLDER_MARGIN
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
     def observer(self) -> "PSClient":
         """A reader of the same shards, with this client's token and TLS (an evaluation's: it never waits)."""
         ep = self.links[0].endpoint
-        return PSClient(self.addresses, self.plan, OBSERVER, request_timeout=self.request_timeout, token=ep.token,
-                        tls=ep.tls, replicas=[b if a == s else a for s, (a, b) in
-                                              zip(self.addresses, self.failover.pairs)])
+        return PSClient(self.addresses, self.plan, OBSERVER, deadlines=self.deadlines, token=ep.token,
+                        tls=ep.tls, recovery=dataclasses.replace(self.recovery, replica_servers=[
+                            b if a == s else a for s, (a, b) in zip(self.addresses, self.failover.pairs)]))
 
     def _watch_stop(self) -> None:
         """Asked to stop, abandon a pull in progress: a sync pull may wait on a round that will not close now."""
@@ -408,6 +411,7 @@ def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, request_timeout
                   token: str = "", tls: TLSFiles = NO_TLS) -> dict[str, np.ndarray]:
     """The current weights of a running job, read as an observer (never waits for a round)."""
     out = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(addresses, plan, OBSERVER, request_timeout=request_timeout, token=token, tls=tls) as client:
+    with PSClient(addresses, plan, OBSERVER, deadlines=Deadlines(request_timeout=request_timeout), token=token,
+                  tls=tls) as client:
         client.pull(0, out)
     return out

@@ -419,9 +419,8 @@ def run_worker(
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
-    with PSClient(addresses, job.plan, rank, request_timeout=c.deadlines.request_timeout, transport=c.links.transport,
-                  wire_dtype=c.links.wire_dtype or None, token=token, tls=tls, stop=stop, config=config,
-                  device=job.device) as client:
+    with PSClient(addresses, job.plan, rank, links=c.links, deadlines=c.deadlines, recovery=c.recovery, token=token,
+                  tls=tls, stop=stop, config=config, device=job.device) as client:
         exchange = ParameterServerExchange(job, client, rank, stop)
         exchange.reads_final = evaluate_every != 0 and not job.plan.tables  # tables: rows read after it left
         result = run_loop(job, exchange, rank=rank, world=c.workers, evaluate_every=evaluate_every,

@@ -31,7 +31,7 @@ from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
 from psgd.bench.chaos.suite import main as chaos_main
 from psgd.bench.chaos.suite import parse_kinds, run_chaos
 from psgd.bench.netns import IP, PREFIX
-from psgd.config import to_toml
+from psgd.config import Deadlines, to_toml
 from psgd.partition import PartitionPlan
 from psgd.server import checkpoint
 from psgd.job import build_job
@@ -210,7 +210,8 @@ def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
     plan, core = server.core.plan, server.core
     try:
         job.override("cluster.servers", [server.address])
-        with PSClient([server.address], plan, 0, request_timeout=10, token=TOKEN, config=job) as client:
+        with PSClient([server.address], plan, 0, deadlines=Deadlines(request_timeout=10), token=TOKEN,
+                      config=job) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
             client.push(0, grads)
@@ -268,7 +269,8 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
     with shards(job) as servers:
         plan = servers[0].core.plan
         grads = {s.name: np.zeros(s.shape, np.float32) for s in plan.specs}
-        clients = [PSClient(job.cluster.servers, plan, r, config=job, request_timeout=5) for r in range(2)]
+        clients = [PSClient(job.cluster.servers, plan, r, config=job,
+                            deadlines=Deadlines(request_timeout=5)) for r in range(2)]
         try:
             for c in clients:
                 c.register()
@@ -311,7 +313,8 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
     try:
         plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.links.slice_bytes)
-        with PSClient(job.cluster.servers, plan, 0, config=job, request_timeout=10, token=TOKEN) as client:
+        with PSClient(job.cluster.servers, plan, 0, config=job, deadlines=Deadlines(request_timeout=10),
+                      token=TOKEN) as client:
             client.wait_ready(30)
             client.register()
             client.start_heartbeats()  # a live worker, renewing its lease

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import TOKEN, make_job
+from psgd.config import Deadlines
 from psgd.job import describe_job
 from psgd.server import build_shard, checkpoint
 from psgd.server.service import ShardServer
@@ -29,7 +30,8 @@ def test_a_cut_that_cannot_be_written_stops_the_job_or_is_said_once(tmp_path, se
     plan = server.core.plan
     caplog.set_level(logging.INFO, logger="psgd.server")
     try:
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=5, token=TOKEN, config=job) as client:
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN,
+                      config=job) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
             for clock in range(2):

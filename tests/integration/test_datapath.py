@@ -32,6 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from psgd.config import Deadlines, Links
 from psgd.data import datasets
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
@@ -245,7 +246,8 @@ def token_port(hostile):
 def _sync_run(job, grads, steps: int, transport: str):
     with shards(job) as servers:
         plan = servers[0].core.plan
-        clients = [PSClient(job.cluster.servers, plan, w, request_timeout=IO, transport=transport, config=job)
+        clients = [PSClient(job.cluster.servers, plan, w, deadlines=Deadlines(request_timeout=IO),
+                            links=Links(transport=transport), config=job)
                    for w in range(2)]
         try:
             assert [c.register() for c in clients] == [0, 0]
@@ -380,8 +382,8 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         rel = np.abs(r[normal] - g[normal]) / np.abs(g[normal])
         assert rel.max() <= (2.0**-8 if wire_dtype == "bfloat16" else 2.0**-11)  # half an ulp
         assert np.all(np.abs(r[~normal] - g[~normal]) <= smallest * 2.0**-10)
-    with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], request_timeout=IO,
-                  wire_dtype=wire_dtype, transport=link, config=job) as client:
+    with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], deadlines=Deadlines(request_timeout=IO),
+                  links=Links(transport=link, wire_dtype=wire_dtype), config=job) as client:
         clock = client.register()
         before = [s.core.flat.copy() for s in servers]
         versions = [s.core.version for s in servers]
@@ -423,7 +425,8 @@ def test_nan_and_inf_gradients_are_refused_whatever_the_wire_dtype(async32, wire
     grads = _gradients(plan, 6)
     _poison(servers, grads, bits)
     before = [(s.core.flat.tobytes(), s.core.version) for s in servers]
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype=wire_dtype, config=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
+                  links=Links(wire_dtype=wire_dtype), config=job) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -438,7 +441,8 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
     grads = _gradients(plan, 7)
     _poison(servers, grads, int(np.array([1.0e5], dtype=np.float32).view(np.uint32)[0]))
     before = [s.core.flat.tobytes() for s in servers]
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype="float16", config=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
+                  links=Links(wire_dtype="float16"), config=job) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -446,7 +450,8 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
     assert [s.core.flat.tobytes() for s in servers] == before
     # bfloat16 has float32's range: the same gradient goes through.  (A new client: the failed push may
     # still be running on the other shard when PSClient.push raises.)
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, wire_dtype="bfloat16", config=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
+                  links=Links(wire_dtype="bfloat16"), config=job) as client:
         assert client.register() == clock
         assert [r.outcome for r in client.push(clock, grads)] == ["applied", "applied"]
 
@@ -454,9 +459,9 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
 def test_compression_of_float64_variables_is_refused_by_the_client(hostile):
     for wire_dtype in ("float16", "bfloat16"):
         with pytest.raises(PSError, match="needs float32 variables"):
-            PSClient(["127.0.0.1:1"], hostile.plan, 0, wire_dtype=wire_dtype)
+            PSClient(["127.0.0.1:1"], hostile.plan, 0, links=Links(wire_dtype=wire_dtype))
     with pytest.raises(PSError, match="use none, float16, bfloat16"):
-        PSClient(["127.0.0.1:1"], hostile.plan, 0, wire_dtype="int8")
+        PSClient(["127.0.0.1:1"], hostile.plan, 0, links=Links(wire_dtype="int8"))
 
 
 # --- timeouts -----------------------------------------------------------------------------------
@@ -469,7 +474,8 @@ def test_a_pull_that_waits_out_the_request_timeout_hears_why_from_the_shard(host
     job = make_job(*HOSTILE_SETS, "cluster.request_timeout=1")
     server = ShardServer(hostile.core, "127.0.0.1:0", request_timeout=job.cluster.deadlines.request_timeout).start()
     try:
-        client = PSClient([server.address], hostile.plan, 0, request_timeout=job.cluster.deadlines.request_timeout,
+        client = PSClient([server.address], hostile.plan, 0,
+                          deadlines=Deadlines(request_timeout=job.cluster.deadlines.request_timeout),
                           retry_deadline=0.0, config=job)
         with client:
             client.register()
@@ -490,7 +496,8 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
     job, servers = async32
     plan = servers[0].core.plan
     grads = _gradients(plan, 8)
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, transport=link, config=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO), links=Links(transport=link),
+                  config=job) as client:
         clock = client.register()
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
@@ -533,7 +540,8 @@ def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeyp
 
         monkeypatch.setattr(server.core, "push", push_then_break)
         server.calls = calls
-    with PSClient(job.cluster.servers, plan, 3, request_timeout=IO, transport=link, config=job) as client:
+    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO), links=Links(transport=link),
+                  config=job) as client:
         clock = client.register()
         client.pull(clock, {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs})
         before = [s.core.flat.copy() for s in servers]

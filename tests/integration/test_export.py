@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from psgd.cli.main import main
-from psgd.config import to_toml
+from psgd.config import Deadlines, to_toml
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard
@@ -38,7 +38,7 @@ def flags(j) -> list[str]:
 def push_steps(j, steps: int) -> None:
     plan = PartitionPlan(build_job(j).model.specs(), j.cluster.shards, j.cluster.links.slice_bytes)
     rng = np.random.default_rng(7)
-    with PSClient(j.cluster.servers, plan, 0, request_timeout=5, config=j) as client:
+    with PSClient(j.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), config=j) as client:
         client.register()
         for clock in range(steps):
             client.pull(clock, {s.name: np.empty(s.shape, s.dtype) for s in plan.specs})

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
+from psgd.config import Deadlines, Links
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import datapath
 from psgd.wire import protocol, segment
@@ -119,8 +120,9 @@ def test_a_stopped_reader_delays_no_other_worker_and_keeps_its_version_whole(big
     core, plan = server.core, server.core.plan
     host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, config=job) as holder, \
-            PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport=link, config=job) as other:
+    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), config=job) as holder, \
+            PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
+                     links=Links(transport=link), config=job) as other:
         holder.register()
         clock = other.register()
         before, version = core.flat.tobytes(), core.version
@@ -145,8 +147,9 @@ def test_a_stopped_shared_memory_reader_is_found_out_when_its_version_had_to_go(
     monkeypatch.setattr(datapath, "TRANSFER_GRACE", 0.5)
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e12)
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, config=job) as holder, \
-            PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport="tcp", config=job) as other:
+    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), config=job) as holder, \
+            PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
+                     links=Links(transport="tcp"), config=job) as other:
         holder.register()
         clock = other.register()
         first, offer = _hello(server.data.port, plan.hash, shm="pull", key=server.core.roster.workers[0].key)
@@ -198,8 +201,10 @@ def test_a_worker_whose_copy_was_torn_pulls_again_and_gets_a_whole_version(big, 
     monkeypatch.setattr(shm, "copy_views", stopped_copy)
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
     host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", config=job) as stopped, \
-            PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport="tcp", config=job) as other:
+    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), links=Links(transport="shm"),
+                  config=job) as stopped, \
+            PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
+                     links=Links(transport="tcp"), config=job) as other:
         clock0, clock1 = stopped.register(), other.register()
         assert stopped.links[0].shared
         pulled = run_in_thread(lambda: stopped.pull(clock0, host))

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads, wait_for
-from psgd.config import to_toml
+from psgd.config import Deadlines, to_toml
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 from psgd.job import describe_job
@@ -137,7 +137,8 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
         for _ in range(3):  # the control calls are answered at once, on the connection the idle streams crowd too
             began = time.monotonic()
             stub.Status(ps_pb2.StatusRequest(), timeout=5)
-            with PSClient([server.address], server.core.plan, 0, request_timeout=5, config=job) as client:
+            with PSClient([server.address], server.core.plan, 0, deadlines=Deadlines(request_timeout=5),
+                          config=job) as client:
                 client.register()
             assert time.monotonic() - began < 2.0
         codes = [f.exception(timeout=IO).code() for f in streams]  # every one ended by the shard, within IO
@@ -185,7 +186,8 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO)
         assert info.value.code == Code.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.details
         # a worker retries it (a slow network may be to blame) and, when it gives up, its error says why
-        with PSClient(job.cluster.servers, core.plan, 0, request_timeout=2.0, token=TOKEN, config=job) as client:
+        with PSClient(job.cluster.servers, core.plan, 0, deadlines=Deadlines(request_timeout=2.0), token=TOKEN,
+                      config=job) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in core.plan.specs}
             with pytest.raises(PSError, match="no hello within 0.5 s"):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads
+from psgd.config import Deadlines
 from psgd.job import build_job
 from psgd.link import LinkError
 from psgd.partition import PartitionPlan
@@ -147,7 +148,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
     servers = serve([build_shard(describe_job(job), 0)])
     try:
         plan = plan_of(job)
-        with PSClient([servers[0].address], plan, 0, request_timeout=5, config=job) as client:
+        with PSClient([servers[0].address], plan, 0, deadlines=Deadlines(request_timeout=5), config=job) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
             client.push(0, grads)
@@ -168,7 +169,7 @@ def test_the_data_path_reports_the_reason_too():
         from psgd.link.tcp import DataConnection
 
         plan = plan_of(job)
-        with PSClient([servers[0].address], plan, 0, request_timeout=5, config=job) as client:
+        with PSClient([servers[0].address], plan, 0, deadlines=Deadlines(request_timeout=5), config=job) as client:
             client.register()
         conn = DataConnection("127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0,
                               key=servers[0].core.roster.workers[0].key)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TOKEN, by_hand_env, free_port, wait_for
-from psgd.config import JobConfig
+from psgd.config import Deadlines, JobConfig
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
 from psgd.worker.client import PSClient
@@ -267,10 +267,11 @@ def test_launch_guards_its_shards_with_a_token_of_its_own(tmp_path):
         assert len(token) >= 32
         config = JobConfig.load(run / "job.toml")
         plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.links.slice_bytes)
-        with PSClient([address, config.cluster.servers[1]], plan, request_timeout=5, retry_deadline=0) as stranger:
+        with PSClient([address, config.cluster.servers[1]], plan, deadlines=Deadlines(request_timeout=5),
+                      retry_deadline=0) as stranger:
             with pytest.raises(Exception, match="UNAUTHENTICATED"):
                 stranger.status()
-        with PSClient(config.cluster.servers, plan, request_timeout=5, token=token) as insider:
+        with PSClient(config.cluster.servers, plan, deadlines=Deadlines(request_timeout=5), token=token) as insider:
             assert [s.shard for s in insider.status()] == [0, 1]
         launch.send_signal(signal.SIGTERM)
         _, err = launch.communicate(timeout=60)
@@ -297,7 +298,7 @@ def test_a_stop_signal_caught_by_another_thread_ends_calls_being_retried(tmp_pat
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.set())
     sent: list[float] = []
     try:
-        with PSClient(gone, plan, request_timeout=20, stop=stop) as client:
+        with PSClient(gone, plan, deadlines=Deadlines(request_timeout=20), stop=stop) as client:
             host = {s.name: __import__("numpy").empty(s.shape, dtype=s.dtype) for s in plan.specs}
 
             def signal_a_pool_thread() -> None:

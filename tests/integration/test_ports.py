@@ -14,7 +14,7 @@ import pytest
 
 from helpers import by_hand_env
 from psgd.bench.chaos.processes import free_port_pair
-from psgd.config import JobConfig, to_toml
+from psgd.config import Deadlines, JobConfig, Links, to_toml
 
 PY = sys.executable
 ENV = by_hand_env(PYTHONUNBUFFERED="1")
@@ -131,7 +131,8 @@ def test_a_worker_rejoins_a_shard_restarted_at_another_data_port_at_its_first_fa
     try:
         plan = server.core.plan
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-        with PSClient([address], plan, 0, request_timeout=5, transport=transport, config=job) as client:
+        with PSClient([address], plan, 0, deadlines=Deadlines(request_timeout=5), links=Links(transport=transport),
+                      config=job) as client:
             clock = client.register()
             client.pull(clock, host)
             before = client.links[0].data_port

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from psgd.config import Deadlines, Links
 from psgd.job import build_job
 from psgd.training.loop import run_loop
 from psgd.ops.reach import Connect, read_status
@@ -298,7 +299,8 @@ def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_wide
     plan = build_job(job).plan
     ids = np.arange(40, dtype=np.int64) * 1009
     grads = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32) * 1e-2
-    with shards(job) as servers, PSClient(job.cluster.servers, plan, 0, transport=transport, wire_dtype=wire,
+    with shards(job) as servers, PSClient(job.cluster.servers, plan, 0,
+                                          links=Links(transport=transport, wire_dtype=wire),
                                           config=job) as client:
         client.wait_ready(30)
         client.register()
@@ -345,7 +347,8 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
         from psgd.worker.client import PSClient
         from psgd.worker.lookups import list_rows
 
-        with PSClient(job.cluster.servers, build_job(job).plan, request_timeout=5, retry_deadline=1) as reader:
+        with PSClient(job.cluster.servers, build_job(job).plan, deadlines=Deadlines(request_timeout=5),
+                      retry_deadline=1) as reader:
             with pytest.raises(LinkError) as info:
                 reader.links[0].list_rows("users", 0)
             assert info.value.code == Code.INVALID_ARGUMENT and "'users'" in str(info.value)
@@ -408,7 +411,7 @@ def test_a_pull_or_push_of_rows_is_given_time_for_its_rows_bytes_too(monkeypatch
                             lambda seconds, *a, **k: armed.append(seconds) or real(seconds, *a, **k))
         plan = build_job(job).plan
         ids = np.arange(8000, dtype=np.int64)  # 8000 rows of 64 float64: 4.1 MB, 41 s at the least rate
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=60, config=job) as client:
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=60), config=job) as client:
             client.register()
             out = np.empty((8000, 64))
             client.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in plan.specs}, {"emb": (ids, out)})

@@ -11,6 +11,7 @@ from concurrent import futures
 import numpy as np
 import pytest
 
+from psgd.config import Links
 from psgd.job import build_job
 from psgd.worker.client import PSClient, fetch_weights
 from psgd.worker.exchange import run_worker
@@ -28,7 +29,8 @@ def _job(link: str, policy: str, workers: int = 1, *more: str):
 
 def _client(job, rank: int, **kw) -> PSClient:
     plan = build_job(job).plan
-    client = PSClient(job.cluster.servers, plan, rank, transport=job.cluster.links.transport, config=job, **kw)
+    client = PSClient(job.cluster.servers, plan, rank, links=job.cluster.links, config=job,
+                      **kw)
     client.wait_ready(30)
     client.register()
     return client

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from helpers import TOKEN, by_hand_env, free_port_pair, make_job, shards, slice_weights, wait_for
-from psgd.config import to_toml
+from psgd.config import Deadlines, to_toml
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.job import describe_job
@@ -209,7 +209,7 @@ class Cluster:
 
     def status(self):
         plan = PartitionPlan(build_job(self.job).model.specs(), self.job.cluster.shards, self.job.cluster.links.slice_bytes)
-        with PSClient(self.job.cluster.servers, plan, request_timeout=10, token=TOKEN) as client:
+        with PSClient(self.job.cluster.servers, plan, deadlines=Deadlines(request_timeout=10), token=TOKEN) as client:
             client.wait_ready(30)
             return client.status(), fetch_weights(self.job.cluster.servers, plan, token=TOKEN)
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from psgd.bench.chaos.processes import free_port_pair
-from psgd.config import ConfigError, to_toml
+from psgd.config import ConfigError, Deadlines, to_toml
 from psgd.job import describe_job
 from psgd.ops.reach import Connect, read_status
 from psgd.ops.view import ClusterView
@@ -415,7 +415,8 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
 
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=30, config=job) as client:
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
+                      recovery=job.cluster.recovery, config=job) as client:
             client.register()
             monkeypatch.setattr(stream.Reader, "take", lagging)
             took, clock = [], 0

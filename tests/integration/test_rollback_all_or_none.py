@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import TOKEN, make_job, run_threads
+from psgd.config import Deadlines
 from psgd.job import describe_job
 from psgd.link import LinkError
 from psgd.server import build_shard, checkpoint, recovery
@@ -34,7 +35,8 @@ class Job:
         self.servers = [self.shard(k) for k in range(SHARDS)]
         self.job.override("cluster.servers", [s.address for s in self.servers])
         self.plan = self.servers[0].core.plan
-        self.clients = [PSClient(self.job.cluster.servers, self.plan, r, request_timeout=6, token=TOKEN,
+        self.clients = [PSClient(self.job.cluster.servers, self.plan, r, deadlines=Deadlines(request_timeout=6),
+                                 token=TOKEN,
                                  config=self.job) for r in range(2)]
         for c in self.clients:
             c.register()

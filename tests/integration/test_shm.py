@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import psgd
-from psgd.config import to_toml
+from psgd.config import Deadlines, Links, to_toml
 from psgd.link.shm import SHARED_FROM_BYTES, ShmLink
 from psgd.job import describe_job
 from psgd.server import build_shard
@@ -536,8 +536,10 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
         plan = servers[0].core.plan
         assert all(s.core.nbytes >= PARALLEL_BYTES and len(s.core.slices) > 2 for s in servers)
         ones = {s.name: np.ones(s.shape) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", config=job) as pusher, \
-                PSClient(job.cluster.servers, plan, 1, request_timeout=IO, transport="shm", config=job) as puller:
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO),
+                      links=Links(transport="shm"), config=job) as pusher, \
+                PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
+                         links=Links(transport="shm"), config=job) as puller:
             pusher.register(), puller.register()
             assert all(isinstance(link, ShmLink) and link.shared for link in pusher.links + puller.links)
             initial = {s.name: np.empty(s.shape) for s in plan.specs}
@@ -589,7 +591,8 @@ def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
         monkeypatch.setattr(server.core, "push", push_then_break)
         plan = server.core.plan
         grads = {s.name: np.full(s.shape, 0.25) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, request_timeout=IO, transport="shm", config=job) as client:
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO),
+                      links=Links(transport="shm"), config=job) as client:
             clock = client.register()
             assert client.links[0].shared
             before = server.core.flat.copy()
@@ -628,7 +631,8 @@ def caplog():
 def _one_step(job, caplog, rank: int = 0) -> list:
     plan = build_shard(describe_job(job), 0).plan
     with contextlib.nullcontext():
-        with PSClient(job.cluster.servers, plan, rank, request_timeout=IO, transport=job.cluster.links.transport,
+        with PSClient(job.cluster.servers, plan, rank, deadlines=Deadlines(request_timeout=IO),
+                      links=job.cluster.links,
                       config=job) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}

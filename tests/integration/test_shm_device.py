@@ -14,6 +14,7 @@ import pytest
 import fake_cupy
 from helpers import make_job, shards
 from psgd.compute import backend
+from psgd.config import Deadlines, Links
 from psgd.job import build_job
 from psgd.wire import segment
 from psgd.worker.client import PSClient
@@ -90,7 +91,8 @@ def test_a_gpu_worker_pulls_into_and_pushes_from_device_arrays_through_registere
     gpu.refuse = "cudaErrorHostMemoryAlreadyRegistered" if refused else None
     plan = build_job(job).plan
     with shards(job):
-        client = PSClient(job.cluster.servers, plan, 0, request_timeout=10, transport="shm", config=job, device=GPU)
+        client = PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=10),
+                          links=Links(transport="shm"), config=job, device=GPU)
         with client:
             clock = client.register()
             host = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}

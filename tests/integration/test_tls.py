@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import make_job
+from psgd.config import Deadlines
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
@@ -90,10 +91,12 @@ def test_a_certificate_from_an_unknown_ca_is_refused(certs):
         for client_tls in (files(certs, "stranger", "ca"),        # client cert from another CA
                            files(certs, None, "ca"),              # no client cert at all
                            files(certs, "worker", "stranger-ca")):  # does not trust the shard's CA
-            with PSClient([server.address], plan_of(j), 0, request_timeout=0.5, tls=client_tls, config=j) as client:
+            with PSClient([server.address], plan_of(j), 0, deadlines=Deadlines(request_timeout=0.5), tls=client_tls,
+                          config=j) as client:
                 with pytest.raises(PSError, match="UNAVAILABLE"):
                     client.register()
-        with PSClient([server.address], plan_of(j), 0, request_timeout=0.5, config=j) as plain:  # no TLS at all
+        with PSClient([server.address], plan_of(j), 0, deadlines=Deadlines(request_timeout=0.5),
+                      config=j) as plain:  # no TLS at all
             with pytest.raises(PSError):
                 plain.register()
         assert np.array_equal(server.core.flat, before) and server.core.version == 0

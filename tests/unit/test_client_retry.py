@@ -9,6 +9,7 @@ import time
 import pytest
 
 from helpers import make_job
+from psgd.config import Deadlines
 from psgd.partition import PartitionPlan
 from psgd.job import build_job
 from psgd.link import LinkError
@@ -19,7 +20,7 @@ from psgd.errors import Code
 def client(stop: threading.Event | None = None) -> PSClient:
     job = make_job("cluster.shards=1")
     plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.links.slice_bytes)
-    return PSClient(["127.0.0.1:1"], plan, 0, request_timeout=5, config=job, stop=stop)
+    return PSClient(["127.0.0.1:1"], plan, 0, deadlines=Deadlines(request_timeout=5), config=job, stop=stop)
 
 
 def failing(times: int, code: Code):

@@ -252,3 +252,20 @@ def test_overlapping_ports_are_said_with_whose_they_are():
     assert overlaps(job.cluster) == ["127.0.0.1:50152 is shard 0's data port and shard 1's gRPC port"]
     job.apply_sets(["cluster.servers=10.0.0.5:50151,10.0.0.6:50152", "cluster.data_ports=50153,50153"])
     assert overlaps(job.cluster) == []  # the same ports on two hosts
+
+
+def test_the_shard_and_the_workers_client_take_the_settings_whole():
+    """A role takes [cluster]'s parts as the job built them, never their keys one by one (which could drift apart
+    from the part a job file validated)."""
+    import dataclasses
+    import inspect
+
+    from psgd.config import PARTS
+    from psgd.server.core import ShardCore
+    from psgd.worker.client import PSClient
+
+    keys = {f.name for part in PARTS.values() for f in dataclasses.fields(part)}
+    for role, parts in ((ShardCore, {"deadlines", "remedies"}), (PSClient, {"links", "deadlines"})):
+        taken = set(inspect.signature(role).parameters)
+        assert parts <= taken, role
+        assert not taken & keys, (role, sorted(taken & keys))
