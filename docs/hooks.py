@@ -1,5 +1,5 @@
 """ProperDocs hooks (properdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
-drift (every command's flags and every job-file key, from :mod:`psgd.cli.reference`), and benchmarks/RESULTS.md with
+drift (every command's flags, every job-file key and the Python API, from :mod:`psgd.cli.reference`), and benchmarks/RESULTS.md with
 the plots it shows, from where they live in the repository."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def on_files(files, config):
     from psgd.cli import reference
 
-    for uri, text in (("reference/commands.md", reference.commands()), ("reference/keys.md", reference.job_file())):
+    for uri, text in (("reference/commands.md", reference.commands()), ("reference/keys.md", reference.job_file()),
+                      ("reference/python.md", reference.python_api())):
         files.append(File.generated(config, uri, content=text))
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
     files.append(File.generated(config, "benchmarks/RESULTS.md", content=results))

@@ -1,3 +1,31 @@
-"""psgd: parameter-server and all-reduce training for networks written in NumPy/CuPy."""
+"""psgd: parameter-server and all-reduce training for networks written in NumPy/CuPy.
+
+From Python (:mod:`psgd.api`): :func:`train` in this process, :func:`launch` over shards and workers, each
+returning a :class:`Result`; :class:`JobConfig` and :func:`job_config`, the job's settings as objects.  Loaded
+when first used, so that ``import psgd`` stays quick for the commands.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+#: the public names, and the module each comes from
+PUBLIC = {"train": "psgd.api", "launch": "psgd.api", "Result": "psgd.api", "job_config": "psgd.api",
+          "JobConfig": "psgd.config", "ConfigError": "psgd.config", "PsgdError": "psgd.errors",
+          "Dataset": "psgd.data", "dataset_from": "psgd.data"}
+
+__all__ = ["__version__", *PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    if name in PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'psgd' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(PUBLIC))

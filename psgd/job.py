@@ -190,8 +190,11 @@ def check_optimizer(config: JobConfig) -> None:
     job_optimizer(config)
 
 
-def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False) -> Job:
+def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False,
+              model: Any = None) -> Job:
     """A trainer's job: the dataset loaded, the device opened, the model built (errors are one line each).
+    ``dataset`` and ``model`` (a model, or its class built here with the job's options): a caller's own objects
+    instead of the ones the job file names (:func:`psgd.train`).
 
     With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
     (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
@@ -201,7 +204,7 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
     dtype = config.train.dtype
     if dataset is None:
         dataset = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
-    model = build_job_model(config, dataset)
+    model = build_job_model(config, dataset, model)
     check_fits(model.specs(), f"model {config.model['name']!r}")  # a worker holds all of it
     if check:
         began = time.perf_counter()
@@ -224,18 +227,21 @@ def _plan(config: JobConfig, model: models.Model) -> PartitionPlan:
                          tables=models.model_tables(model))
 
 
-def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None) -> models.Model:
+def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None,
+                    model: Any = None) -> models.Model:
     """The model a job file describes, for ``data``'s input shape and class count.
 
     Without ``data`` they come from :func:`psgd.data.describe_dataset`, which reads headers and labels
     but not the inputs: what a shard needs, which holds parameters and never sees the data.  No device
     is opened and the model is not checked.
     """
+    if model is not None and not isinstance(model, type):
+        return model
     dtype = config.train.dtype
     if data is None:
         data = datasets.describe_dataset(config.data["name"], dtype=dtype, **config.options("data"))
     return models.build_model(
-        config.model["name"], data.input_shape, data.num_classes, dtype=dtype, id_shape=data.id_shape,
+        config.model["name"] if model is None else model, data.input_shape, data.num_classes, dtype=dtype, id_shape=data.id_shape,
         **config.options("model")
     )
 

@@ -80,7 +80,7 @@ def mpi_child(sizes: list[int], repeats: int) -> None:
 
 
 def run_mpi(sizes: list[int], ranks: int, repeats: int) -> dict[int, dict]:
-    from psgd.launch import find_mpiexec
+    from psgd.launcher import find_mpiexec
 
     argv = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "psgd.bench.allreduce", "--child", "mpi",
             "--sizes-mb", ",".join(str(s / MB) for s in sizes), "--repeats", str(repeats)]

@@ -1,7 +1,7 @@
 """The convergence lab: the same job under every consistency policy, with and without stragglers.
 
 ``run_lab(config, out_dir)`` launches each (scenario, contender) pair as real
-processes on this machine (``psgd.launch.launch``: shards and workers, or
+processes on this machine (``psgd.launcher.launch``: shards and workers, or
 MPI ranks), records every evaluation point, and writes into ``out_dir``:
 
 - ``lab.json``: the lab's configuration, the machine, and per run its job,
@@ -195,7 +195,7 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
 
 def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, hosts=None):
     """N MPI ranks; the points are rank 0's evaluations.  Returns (launch s, final accuracy, train s)."""
-    from psgd.launch import launch
+    from psgd.launcher import launch
 
     result = launch(job, mode="allreduce", backend="mpi", run_dir=str(run_dir), progress=False,
                     timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1, hosts=hosts)
@@ -207,7 +207,7 @@ def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult,
 
 def _run_ps(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_dir: Path, bar, hosts=None):
     """Shards and workers, watched by a :class:`ShardObserver`.  Returns (launch s, final accuracy, train s)."""
-    from psgd.launch import launch
+    from psgd.launcher import launch
 
     observer = ShardObserver(evaluator, config.eval_interval, _postfix(bar))
     result = launch(job, mode="ps", run_dir=str(run_dir), progress=False, timeout=config.run_timeout,

@@ -12,7 +12,7 @@ from psgd.compute import threads
 from psgd.bench.lab import LabConfig, parse_contender, parse_scenario
 from psgd.bench.convergence import run_one
 from psgd.bench.observe import Evaluator
-from psgd.launch import Hosts
+from psgd.launcher import Hosts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -270,7 +270,7 @@ def as_users_run_it(rounds: int, tmp: str, say: Callable[[str], None]) -> dict:
 def measure(steps: int, tmp: str, say: Callable[[str], None], sizes=SIZES, links=LINKS, rounds: int = 3) -> dict:
     """One process and a launch as users run them, then every size and link beside the bare round trips measured in
     the same run."""
-    from psgd.launch.layout import busy_poll
+    from psgd.launcher.layout import busy_poll
 
     users = as_users_run_it(rounds, tmp, say)
     limit = floor()

@@ -34,7 +34,7 @@ import numpy as np
 from psgd.bench.chaos.processes import command, free_port_pair, job_token
 from psgd.config import Deadlines
 from psgd.errors import ClusterError
-from psgd.launch.supervise import dying_with_parent
+from psgd.launcher.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.config.parsing import comma_list
 

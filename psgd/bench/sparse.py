@@ -224,7 +224,7 @@ def allreduce_child(n: int, dim: int, lookups: int, alpha: float, steps: int, de
 
 def run_allreduce(n: int, dim: int, ranks: int, lookups: int, alpha: float, steps: int, dense: bool,
                   table: bool) -> dict:
-    from psgd.launch import find_mpiexec
+    from psgd.launcher import find_mpiexec
 
     argv = [find_mpiexec(), "-n", str(ranks), PY, "-m", __name__, "--child", "--rows", str(n), "--dim", str(dim),
             "--lookups", str(lookups), "--alpha", str(alpha), "--steps", str(steps),

@@ -92,7 +92,7 @@ def _rate(metrics: list[Path], start: float, end: float) -> float:
 def measure(transport: str, width: int, workers: int, seconds: float, folder: Path, say) -> dict:
     """One transport's figures: the others' steps/s undisturbed and with worker 0 stopped mid-pull."""
     from psgd.bench.chaos.processes import command, free_port_pair, job_token, last_error
-    from psgd.launch.supervise import dying_with_parent
+    from psgd.launcher.supervise import dying_with_parent
 
     job_token()  # the job's token, in the environment every process started here inherits
     bind = f"127.0.0.1:{free_port_pair(random.Random())}"

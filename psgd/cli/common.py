@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 from psgd.collective import BackendUnavailable
 from psgd.config import ClusterConfig, ConfigError, JobConfig
 from psgd.errors import InputError, PsgdError
-from psgd.launch import STOP_SIGNALS, LaunchInterrupted
+from psgd.launcher import STOP_SIGNALS, LaunchInterrupted
 from psgd.policy import POLICIES
 
 log = logging.getLogger("psgd.cli")

@@ -254,7 +254,7 @@ def _run_bench(module: str, logger: str, args: argparse.Namespace) -> int:
 
 def layout_from_args(args: argparse.Namespace, environ=None):
     """Where this node stands in a multi-node launch: flags first, then PSGD_NODE_RANK/SLURM_NODEID, PSGD_HOSTS."""
-    from psgd.launch import Layout
+    from psgd.launcher import Layout
 
     environ = os.environ if environ is None else environ
     node_rank = args.node_rank
@@ -266,7 +266,7 @@ def layout_from_args(args: argparse.Namespace, environ=None):
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from psgd.launch import EXIT_LOST_UPDATES, Hosts, launch
+    from psgd.launcher import EXIT_LOST_UPDATES, Hosts, launch
 
     setup_logging("launch", verbosity(args), args.log_file)
     if args.resume:
@@ -310,15 +310,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from psgd.export.weights import save_weights
-    from psgd.training.local import train_local
+    import psgd
 
     setup_logging("local", verbosity(args), args.log_file)
     config = job_from_args(args)
     start_process(config)
-    result = train_local(config, progress=shows_progress(args), metrics_path=args.metrics)
-    if args.save:
-        save_weights(args.save, result.params)
+    result = psgd.train(job=config, progress=shows_progress(args), metrics=args.metrics, save=args.save)
     summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
                "steps": result.steps, "seconds": round(result.seconds, 3),
                "diverged": result.divergence is not None, "divergence": result.divergence}

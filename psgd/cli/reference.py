@@ -156,3 +156,51 @@ def job_file() -> str:
         if not dataclasses.is_dataclass(getattr(defaults, section)):
             out += [f"## `[{section}]`", "", f"Default: `{getattr(defaults, section)!r}`.", ""]
     return "\n".join(out) + "\n"
+
+
+def python_api() -> str:
+    """The reference of psgd's Python API: each public name (``psgd.PUBLIC``) with its signature and docstring."""
+    import inspect
+    import re
+
+    import psgd
+
+    out = ["# The Python API", "", "Generated from the code's docstrings. Each name is `psgd.NAME`; "
+           "[psgd from Python](../howto/python.md) shows them at work.", ""]
+    for name in psgd.PUBLIC:
+        obj = getattr(psgd, name)
+        fields: list[str] = []
+        if inspect.isclass(obj):
+            head = f"class {name}"
+            if dataclasses.is_dataclass(obj):
+                fields = [f"- `{f.name}`: `{_annotation(f.type)}`" for f in dataclasses.fields(obj)]
+        else:
+            head = f"{name}(\n" + "".join(f"    {p},\n" for p in _parameters(obj)) + ")"
+        doc = inspect.cleandoc(obj.__doc__ or "").replace("``", "`")
+        doc = re.sub(r":(?:class|func|mod|meth|attr):`~?([^`]+)`", r"`\1`", doc)
+        out += [f"## {name}", "", "```python", head, "```", "", doc, ""]
+        if fields:
+            out += ["Fields:", "", *fields, ""]
+    return "\n".join(out)
+
+
+def _parameters(function: Any) -> list[str]:
+    """Each parameter of ``function`` as its signature writes it, with ``*`` before the keyword-only ones."""
+    import inspect
+
+    out, starred = [], False
+    for p in inspect.signature(function).parameters.values():
+        if p.kind == p.KEYWORD_ONLY and not starred:
+            out.append("*")
+        starred = starred or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        if p.annotation is not p.empty:
+            text += f": {_annotation(p.annotation)}"
+        if p.default is not p.empty:
+            text += f" = {p.default!r}"
+        out.append(text)
+    return out
+
+
+def _annotation(kind: Any) -> str:
+    return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))

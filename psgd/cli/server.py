@@ -15,7 +15,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              ignore_stop_signals, import_from_current_folder, job_from_args, run_command,
                              start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
-from psgd.launch import STOP_SIGNALS
+from psgd.launcher import STOP_SIGNALS
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
 from psgd.config.parsing import Parser

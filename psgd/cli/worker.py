@@ -15,7 +15,7 @@ from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments,
                              import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
                              token_from_args, verbosity)
 from psgd.config import ConfigError
-from psgd.launch import STOP_SIGNALS
+from psgd.launcher import STOP_SIGNALS
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import WorkerMetrics, add_metrics_arguments
 from psgd.config.parsing import Parser

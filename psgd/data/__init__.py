@@ -6,6 +6,7 @@ This module only re-exports the public API; the work lives in ``base``,
 
 from psgd.data.base import DataError, Dataset, stratified_split
 from psgd.data.datasets import DataShape, describe_dataset, load_dataset, load_idx_dir, load_npz
+from psgd.data.own import dataset_from
 from psgd.data.readers import read_digits, read_idx, read_idx_header, read_npz, read_npz_headers
 from psgd.data.sharding import (
     ShardedBatches,
@@ -21,6 +22,7 @@ __all__ = [
     "DataError",
     "DataShape",
     "Dataset",
+    "dataset_from",
     "ShardedBatches",
     "describe_dataset",
     "epoch_batch_indices",

@@ -24,8 +24,11 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: " + " ".join(str(exc).split())
 
 
-def load_model_class(name: str) -> type:
-    """The class named by a built-in name (``softmax``, ``mlp``, ``cnn``) or ``package.module:Class``."""
+def load_model_class(name: str | type) -> type:
+    """The class named by a built-in name (``softmax``, ``mlp``, ``cnn``) or ``package.module:Class``, or the
+    class itself (checked as one named would be)."""
+    if inspect.isclass(name):
+        return _with_methods(name, class_name(name), name.__qualname__)
     if name in MODELS:
         return MODELS[name]
     module_name, sep, attr = str(name).partition(":")
@@ -44,11 +47,20 @@ def load_model_class(name: str) -> type:
         obj = getattr(obj, part)
     if not inspect.isclass(obj):
         raise ModelError(f"model {name!r}: {attr!r} is a {type(obj).__name__}, not a class")
-    missing = [m for m in MODEL_METHODS if not callable(getattr(obj, m, None))]
+    return _with_methods(obj, name, attr)
+
+
+def class_name(cls: type) -> str:
+    """``package.module:Class``: how a job file names ``cls``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _with_methods(cls: type, name: str, attr: str) -> type:
+    missing = [m for m in MODEL_METHODS if not callable(getattr(cls, m, None))]
     if missing:
         raise ModelError(f"model {name!r}: class {attr!r} lacks the model method(s) {', '.join(missing)} "
                          f"(a model needs {', '.join(MODEL_METHODS)})")
-    return obj
+    return cls
 
 
 def model_options(cls: type) -> list[str] | None:
@@ -61,12 +73,13 @@ def model_options(cls: type) -> list[str] | None:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def build_model(name: str, input_shape: Any, num_classes: int, dtype: str = "float32", id_shape: Any = None,
-                **options: Any) -> Any:
+def build_model(name: str | type, input_shape: Any, num_classes: int, dtype: str = "float32",
+                id_shape: Any = None, **options: Any) -> Any:
     """Build model ``name`` (see :func:`load_model_class`) for ``input_shape`` and ``num_classes``; for a dataset
     with categorical ids (:attr:`psgd.data.Dataset.id_shape`), also ``id_shape``, which a model of embedding tables
     takes (``embed``)."""
     cls = load_model_class(name)
+    name = class_name(cls) if name is cls else name
     args = dict(input_shape=input_shape, num_classes=num_classes, dtype=dtype, **options)
     if id_shape is not None:
         args["id_shape"] = tuple(id_shape)

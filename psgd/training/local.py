@@ -76,13 +76,17 @@ def train_local(
     config: JobConfig,
     *,
     dataset: datasets.Dataset | None = None,
+    model: Any = None,
     progress: bool = True,
     metrics_path: str | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoopResult:
-    """Train in one process; the result holds the final weights and their test accuracy."""
-    job = build_job(config, dataset, check=True)
+    """Train in one process; the result holds the final weights and their test accuracy.  ``dataset`` and
+    ``model`` (a model or its class): a caller's own, instead of the job file's; ``on_step`` hears of every step
+    (see :func:`psgd.training.loop.run_loop`)."""
+    job = build_job(config, dataset, check=True, model=model)
     t = config.train
     spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
     log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),
              spe * t.epochs, t.batch_size, job.device)
-    return run_loop(job, LocalExchange(job), progress=progress, metrics_path=metrics_path)
+    return run_loop(job, LocalExchange(job), progress=progress, metrics_path=metrics_path, on_step=on_step)

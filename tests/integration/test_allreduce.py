@@ -24,7 +24,7 @@ from psgd.training.local import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 
-from psgd.launch import find_mpiexec
+from psgd.launcher import find_mpiexec
 
 pytestmark = pytest.mark.lacks(importlib.util.find_spec("mpi4py") is None,
                                reason="the mpi extra is not installed (pip install '.[mpi]')")

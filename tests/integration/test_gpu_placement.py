@@ -18,9 +18,9 @@ from psgd.cli.common import job_from_args
 from psgd.config import JobConfig
 from psgd.data import load_dataset
 from psgd.job import build_job
-from psgd.launch import launch
-from psgd.launch.layout import Layout, place_on_gpus
-from psgd.launch.supervise import Children, LaunchError, LaunchInterrupted
+from psgd.launcher import launch
+from psgd.launcher.layout import Layout, place_on_gpus
+from psgd.launcher.supervise import Children, LaunchError, LaunchInterrupted
 
 
 @pytest.fixture

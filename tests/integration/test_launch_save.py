@@ -32,7 +32,7 @@ def run(argv: list[str], cwd: Path, timeout: float = 240) -> dict:
 
 def has_mpiexec() -> bool:
     from psgd.collective import BackendUnavailable
-    from psgd.launch import find_mpiexec
+    from psgd.launcher import find_mpiexec
 
     try:
         find_mpiexec()

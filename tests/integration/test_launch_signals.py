@@ -21,7 +21,7 @@ from psgd.config import Deadlines, JobConfig
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
 from psgd.worker.client import PSClient
-from psgd.launch import GRACE
+from psgd.launcher import GRACE
 
 pytestmark = pytest.mark.lacks(not Path("/proc/self/cmdline").exists(), reason="needs /proc to list processes")
 
@@ -208,7 +208,7 @@ def test_launch_divides_the_cores_and_says_so(tmp_path):
 
 @pytest.mark.lacks(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_child_environment_puts_the_current_folder_first(tmp_path, monkeypatch):
-    from psgd.launch import child_environment
+    from psgd.launcher import child_environment
 
     monkeypatch.chdir(tmp_path)
     env = child_environment({"PYTHONPATH": f"/elsewhere{os.pathsep}{tmp_path}"})

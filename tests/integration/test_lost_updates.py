@@ -11,8 +11,8 @@ import numpy as np
 
 from helpers import make_job
 from psgd.cli import main as cli
-from psgd.launch import EXIT_LOST_UPDATES, LaunchResult, lost_updates
-from psgd.launch import result as launched
+from psgd.launcher import EXIT_LOST_UPDATES, LaunchResult, lost_updates
+from psgd.launcher import result as launched
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
@@ -48,7 +48,7 @@ def test_the_final_read_finds_shards_at_different_versions(tmp_path, caplog):
 
 def test_launch_exits_non_zero_on_lost_updates_unless_told_to_accept_them(monkeypatch, capsys):
     found = LaunchResult(0.9, 0.3, 1.0, ["127.0.0.1:1", "127.0.0.1:3"], "/tmp/run", [550, 526], lost={1: 24})
-    monkeypatch.setattr("psgd.launch.launch", lambda *a, **k: found)
+    monkeypatch.setattr("psgd.launcher.launch", lambda *a, **k: found)
     assert cli.main(["launch", "--epochs", "1", "--json"]) == EXIT_LOST_UPDATES
     assert json.loads(capsys.readouterr().out)["lost_updates"] == {"1": 24}
     assert cli.main(["launch", "--epochs", "1", "--accept-lost-updates"]) == 0

@@ -256,7 +256,7 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 
 def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
     from psgd.export.shards import join_checkpoints, pull_from_servers
-    from psgd.launch.result import evaluate_weights as _evaluate
+    from psgd.launcher.result import evaluate_weights as _evaluate
     from psgd.server import checkpoint, recovery
     from psgd.model.table import table_keys
     from psgd.export.weights import evaluate_file, save_weights
@@ -367,7 +367,7 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
     import sys
 
     from psgd.config import to_toml
-    from psgd.launch import find_mpiexec
+    from psgd.launcher import find_mpiexec
 
     ranks, batch = 2, 16
     job = make_job(*SMALL, "train.dtype=float64", "train.epochs=1", f"train.batch_size={batch}",

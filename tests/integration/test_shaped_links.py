@@ -168,7 +168,7 @@ def test_all_reduce_ranks_on_emulated_hosts_talk_over_their_links(shaping, tmp_p
     import json
 
     hosts = {"ctl": "10.99.5.2", "w0": "10.99.5.10", "w1": "10.99.5.11"}
-    script = ("import json, sys; from psgd.config import JobConfig; from psgd.launch import Hosts, launch; "
+    script = ("import json, sys; from psgd.config import JobConfig; from psgd.launcher import Hosts, launch; "
               "spec = json.loads(sys.argv[1]); job = JobConfig(); "
               "job.apply_sets(['cluster.workers=2', 'train.epochs=1', 'model.hidden=[256]']); "
               "r = launch(job, mode='allreduce', hosts=Hosts({h: tuple(p) for h, p in spec['prefixes'].items()}, "
@@ -280,8 +280,8 @@ def test_scaling_runs_its_launches_on_a_shaped_link(shaping, tmp_path):
 
 
 def test_an_emulated_hosts_file_psgd_launch_cannot_read_is_a_clear_error(tmp_path):
-    from psgd.launch import Hosts
-    from psgd.launch.supervise import LaunchError
+    from psgd.launcher import Hosts
+    from psgd.launcher.supervise import LaunchError
 
     with pytest.raises(LaunchError, match="--emulated-hosts .*missing.json"):
         Hosts.load(str(tmp_path / "missing.json"))

@@ -39,7 +39,7 @@ def test_a_workers_last_line_says_what_it_did_and_the_accuracy_its_last_step_lef
 
 
 def test_the_bound_is_said_only_where_the_exchange_takes_longer_than_the_compute():
-    from psgd.launch.result import exchange_bound
+    from psgd.launcher.result import exchange_bound
 
     def steps(compute, moving):
         return [{"event": "step", "seconds": {"weights": moving / 2, "compute": compute, "exchange": moving / 2}}

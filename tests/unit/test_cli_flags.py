@@ -135,7 +135,7 @@ def test_launch_layout_comes_from_flags_then_environment():
 
 
 def test_a_multi_node_layout_puts_shards_and_workers_round_robin():
-    from psgd.launch import LaunchError, Layout
+    from psgd.launcher import LaunchError, Layout
 
     layout = Layout(nnodes=2, node_rank=1, hosts=("10.0.0.5", "10.0.0.6"), port=50051)
     layout.check(shards=3, workers=4)

@@ -222,7 +222,7 @@ def test_busy_poll_is_microseconds_from_minus_one():
 
 def test_launch_watches_only_where_each_process_has_a_core(monkeypatch):
     from psgd.compute import threads
-    from psgd.launch.layout import busy_poll
+    from psgd.launcher.layout import busy_poll
     from psgd.wire import protocol
 
     monkeypatch.setattr(threads, "available_cores", lambda: 4)

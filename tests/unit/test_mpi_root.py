@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from psgd.config import JobConfig
-from psgd.launch import launch
-from psgd.launch import launcher
-from psgd.launch.layout import OPEN_MPI_AS_ROOT, mpi_environment
-from psgd.launch.supervise import LaunchError
+from psgd.launcher import launch
+from psgd.launcher import run as launcher
+from psgd.launcher.layout import OPEN_MPI_AS_ROOT, mpi_environment
+from psgd.launcher.supervise import LaunchError
 
 #: the first line of ``mpiexec --version`` of each (Open MPI 4.1 and 5.0, MPICH 4.2's Hydra)
 VERSIONS = {"open mpi 4": "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/",

@@ -18,7 +18,7 @@ from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.processes import Proc, command, free_port_pair, job_token, last_error
 from psgd.errors import PsgdError
-from psgd.launch.supervise import dying_with_parent
+from psgd.launcher.supervise import dying_with_parent
 from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, CUT_ROUNDS, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY,
                                        NS_PORT, PACE, REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
 

@@ -28,7 +28,7 @@ def allreduce_unavailable() -> str | None:
     import importlib.util
 
     from psgd.collective import BackendUnavailable
-    from psgd.launch import find_mpiexec
+    from psgd.launcher import find_mpiexec
 
     if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install 'psgd[mpi]')"

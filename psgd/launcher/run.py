@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
-from psgd.launch.result import LaunchResult, evaluate_weights, exchange_bound, final_evaluation
-from psgd.launch.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
-from psgd.launch.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
+from psgd.launcher.result import LaunchResult, evaluate_weights, exchange_bound, final_evaluation
+from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
+from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.wire.tls import NO_TLS, TLSFiles, child_flags
 

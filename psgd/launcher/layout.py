@@ -24,7 +24,7 @@ from typing import Sequence
 
 from psgd.compute import threads
 from psgd.config import JobConfig
-from psgd.launch.supervise import LaunchError
+from psgd.launcher.supervise import LaunchError
 from psgd.wire import protocol
 
 

@@ -26,8 +26,9 @@ addresses, so one command per machine needs no other coordination.
 
 Where things live:
 
-- ``launcher.py``: :func:`launch` and its two modes, up to the final evaluation;
-- ``plan.py``: :class:`Layout` (which shards and workers run here), the thread
+- ``run.py``: :func:`launch` and its two modes;
+- ``result.py``: what a launch ends with, the final evaluation of the weights;
+- ``layout.py``: :class:`Layout` (which shards and workers run here), the thread
   budget and :func:`find_mpiexec`;
 - ``supervise.py``: the children (:class:`Children`), signal forwarding, the
   stop signals and ``GRACE``, and the errors of a launch.
@@ -35,10 +36,10 @@ Where things live:
 This package only re-exports their public names.
 """
 
-from psgd.launch.launcher import launch
-from psgd.launch.result import EXIT_LOST_UPDATES, LaunchResult, lost_updates
-from psgd.launch.layout import Hosts, Layout, find_mpiexec, thread_budget
-from psgd.launch.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
+from psgd.launcher.run import launch
+from psgd.launcher.result import EXIT_LOST_UPDATES, LaunchResult, lost_updates
+from psgd.launcher.layout import Hosts, Layout, find_mpiexec, thread_budget
+from psgd.launcher.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
 
 __all__ = [
     "launch", "LaunchResult", "EXIT_LOST_UPDATES", "lost_updates", "Hosts", "Layout", "find_mpiexec", "thread_budget",

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from psgd.config import JobConfig
 from psgd.wire.tls import TLSFiles
 
-log = logging.getLogger("psgd.launch.launcher")
+log = logging.getLogger("psgd.launcher.run")
 
 
 @dataclasses.dataclass

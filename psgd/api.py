@@ -1,0 +1,260 @@
+"""psgd from Python: :func:`train` in this process (``psgd train``) and :func:`launch` over shards and workers
+(``psgd launch``), each taking the model and the data as names or as your own objects, and returning a
+:class:`Result`.
+
+    import psgd
+    result = psgd.train("mlp", "digits", epochs=5)
+    print(result.test_accuracy)
+
+The job's settings, in this order, validated once (a :class:`~psgd.config.ConfigError` names the key):
+
+- ``job``: a job file's path, a :class:`~psgd.config.JobConfig`, or a dict of its sections;
+- any ``[train]`` or ``[cluster]`` key by its name (``epochs=5``, ``batch_size=64``, ``workers=4``,
+  ``policy="async"``), and ``optimizer`` and ``lr`` for ``[optimizer]``;
+- ``settings``: any key of any section, as ``{"section.key": value}`` (``psgd ... --set``).
+
+A launch runs other processes: each imports the model's class by its name (``package.module:Class``, so a
+class defined in the script being run, or inside a function, is refused with a line that says what to do), and
+reads your data from a ``.npz`` file written into the run folder.  Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import site
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from psgd.config import ConfigError, JobConfig, TrainConfig
+from psgd.model.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Result", "train", "launch", "job_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What a run ended with: ``test_accuracy`` and ``test_loss`` of the final weights on the held-out split;
+    ``seconds`` of training; ``history``, each evaluation (step, epoch, wall, train_loss, test_loss,
+    test_accuracy); ``weights``, the final weights on the host by variable name; ``steps``, the steps psgd.train
+    made (None from a launch, whose workers made theirs each); ``run_dir``, a launch's run folder (logs, metrics,
+    TensorBoard files, checkpoints); ``saved``, the ``.npz`` file the weights were written to; ``divergence``,
+    what the divergence guard saw where it saw a run that was not training."""
+
+    test_accuracy: float
+    test_loss: float
+    seconds: float
+    history: list[dict[str, Any]]
+    weights: dict[str, np.ndarray]
+    steps: int | None = None
+    run_dir: str | None = None
+    saved: str | None = None
+    divergence: dict | None = None
+
+
+def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings: Mapping[str, Any] | None = None,
+               **keys: Any) -> JobConfig:
+    """The job :func:`train` and :func:`launch` run (see this module for ``job``, ``keys`` and ``settings``);
+    ``model`` and ``data`` here are names (``"mlp"``, ``"mypkg.nets:Net"``; ``"digits"``, ``"npz:FILE"``)."""
+    if job is None:
+        config = JobConfig()
+    elif isinstance(job, JobConfig):
+        config = copy.deepcopy(job)
+    elif isinstance(job, Mapping):
+        config = JobConfig.from_dict(dict(job))
+    elif isinstance(job, (str, os.PathLike)):
+        config = JobConfig.load(job)
+    else:
+        raise ConfigError(f"job: give a job file's path, a JobConfig or a dict of sections, not a {type(job).__name__}")
+    if model is not None:
+        config.override("model.name", model)
+    if data is not None:
+        config.override("data.name", data)
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key, value in sorted(keys.items(), key=lambda kv: kv[0] != "optimizer"):  # a name replaces its options
+        if key in ("optimizer", "lr"):
+            dotted = "optimizer.name" if key == "optimizer" else "optimizer.lr"
+        elif key in train_keys:
+            dotted = f"train.{key}"
+        elif key in config.cluster.keys():
+            dotted = f"cluster.{key}"
+        else:
+            raise ConfigError(f"unknown setting {key}=: name a [train] or [cluster] key (epochs, batch_size, "
+                              "workers, policy, ...), optimizer or lr; any other key as settings={'section.key': "
+                              "value}")
+        config.override(dotted, value)
+    for dotted, value in (settings or {}).items():
+        config.override(dotted, value)
+    config.validate()
+    return config
+
+
+def train(model: Any = "mlp", data: Any = "digits", *, job: Any = None, model_options: Mapping[str, Any] | None = None,
+          test: Any = None, settings: Mapping[str, Any] | None = None, progress: bool | None = None,
+          metrics: str | None = None, save: str | None = None,
+          on_step: Callable[[dict[str, Any]], None] | None = None, **keys: Any) -> Result:
+    """Train in this process, as ``psgd train``: the reference every other mode is measured against.
+
+    ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
+    ``model_options``), or a model itself.  ``data``: a dataset's name (``"digits"``, ``"npz:FILE"``), a
+    :class:`psgd.data.Dataset`, a pair of arrays ``(x, y)``, or any map-style dataset (``len(d)``, ``d[i]`` ->
+    ``(x, y)``); ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
+    ``progress``: a progress bar on stderr (by default where stderr is a terminal); ``metrics``: a JSON-lines
+    file of every step and evaluation; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with
+    each step's record."""
+    config, own_model, dataset = _resolve(job, model, data, model_options, test, settings, keys)
+    from psgd.training.local import train_local
+
+    result = train_local(config, dataset=dataset, model=own_model, progress=_bar(progress), metrics_path=metrics,
+                         on_step=on_step)
+    if save:
+        from psgd.export.weights import save_weights
+
+        save_weights(save, result.params)
+    return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
+                  result.steps, saved=save or None, divergence=result.divergence)
+
+
+def launch(model: Any = "mlp", data: Any = "digits", *, job: Any = None,
+           model_options: Mapping[str, Any] | None = None, test: Any = None,
+           settings: Mapping[str, Any] | None = None, mode: str = "ps", backend: str = "mpi",
+           run_dir: str | os.PathLike | None = None, progress: bool | None = None, timeout: float = 900.0,
+           save: str | None = None, resume: bool = False, **keys: Any) -> Result:
+    """Run the job over processes of its own on this machine, as ``psgd launch``: shards and workers (``mode``
+    ``"ps"``), or all-reduce ranks (``"allreduce"``, over ``backend`` ``"mpi"`` or ``"nccl"``).
+
+    ``model``: a name, or a class its processes can import by name (``model_options`` go to it).  ``data``: as
+    :func:`train` takes it; your own is written to ``RUN/data.npz`` for the workers to read.  ``run_dir``: the
+    run folder (else a new ``runs/DATE-TIME-MODE``); ``resume``: continue the job in ``run_dir`` from its
+    checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds the
+    whole run may take."""
+    from psgd.export.weights import read_npz
+    from psgd.launcher.run import launch as run_job, new_run_folder
+
+    if model is not None and not isinstance(model, (str, type)):
+        raise ModelError(f"psgd.launch: its processes build the model themselves, each from its class: pass the "
+                         f"class ({type(model).__qualname__}) and its options as model_options=, not an instance")
+    if isinstance(model, type):
+        model = _importable(model)
+    own = data is not None and not isinstance(data, str)
+    if test is not None and not own:
+        raise ConfigError("test=: give it with your own data; a dataset named by its name has its own split")
+    config, _, _ = _resolve(job, model, None if own else data, model_options, None, settings, keys)
+    run = Path(run_dir) if run_dir else new_run_folder(mode)
+    if own:
+        config.override("data.name", _written(data, test, run, config.train.dtype))
+        config.validate()
+    save = save or str(run / "final.npz")
+    done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=_bar(progress),
+                   timeout=timeout, save=save, resume=resume)
+    return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(save),
+                  run_dir=str(run), saved=save, divergence=done.divergence)
+
+
+def _bar(progress: bool | None) -> bool:
+    """A progress bar: where asked for, by default where stderr is a terminal (not a file or a notebook's pipe)."""
+    return sys.stderr.isatty() if progress is None else bool(progress)
+
+
+def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,
+             settings: Mapping[str, Any] | None, keys: Mapping[str, Any]) -> tuple[JobConfig, Any, Any]:
+    """The job, the model object train takes beside it (None: the job file's), and the dataset (None: the job's)."""
+    from psgd.model.registry import MODEL_METHODS, class_name
+
+    own_model = None
+    if isinstance(model, str) or model is None:
+        name = model
+    elif isinstance(model, type):
+        name, own_model = class_name(model), model
+    elif all(callable(getattr(model, m, None)) for m in MODEL_METHODS):
+        if model_options:
+            raise ModelError("model_options= are for a model's class or name; this model is built already")
+        name, own_model = class_name(type(model)), model
+    else:
+        raise ModelError(f"model: give a name, a model class or a model (with {', '.join(MODEL_METHODS)}), "
+                         f"not a {type(model).__name__}")
+    dataset, data_name = None, data
+    if not isinstance(data, str) and data is not None:
+        dataset, data_name = data, None
+    elif test is not None:
+        raise ConfigError("test=: give it with your own data; a dataset named by its name has its own split")
+    config = job_config(job, model=name, data=data_name, settings=settings, **keys)
+    if model_options:
+        for key, value in model_options.items():
+            config.override(f"model.{key}", value)
+        config.validate()
+    if dataset is not None:
+        from psgd.data import dataset_from
+
+        dataset = dataset_from(dataset, test, dtype=config.train.dtype)
+        config.override("data.name", f"own:{dataset.name}")
+    return config, own_model, dataset
+
+
+def _importable(cls: type) -> str:
+    """``cls`` as ``package.module:Class``, checked to be what a process started in this folder imports."""
+    from psgd.model.registry import class_name, load_model_class
+
+    name = class_name(cls)
+    if cls.__module__ == "__main__":
+        raise ModelError(f"psgd.launch: {cls.__qualname__} is defined in the script being run (__main__), and the "
+                         "job's processes import their model by name: put the class in a module of its own beside "
+                         "the script and import it from there")
+    if "<locals>" in cls.__qualname__:
+        raise ModelError(f"psgd.launch: {cls.__qualname__} is defined inside a function, and the job's processes "
+                         "import their model by name: define it at the top level of a module")
+    if load_model_class(name) is not cls:
+        raise ModelError(f"psgd.launch: {name} does not import as the class given")
+    module = sys.modules[cls.__module__]
+    where = getattr(module, "__file__", None)
+    if where:
+        root = Path(where).resolve().parents[cls.__module__.count(".")]
+        if cls.__module__.count(".") == 0 and Path(where).name == "__init__.py":
+            root = root.parent
+        reach = [Path.cwd(), *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
+                 *(Path(p) for p in site.getsitepackages() + [site.getusersitepackages()])]
+        if not any(root == r.resolve() for r in reach if r.exists()):
+            raise ModelError(f"psgd.launch: the job's processes start in {Path.cwd()} and import {name} by name, "
+                             f"but its module is in {root}: run from that folder, or add it to PYTHONPATH")
+    return name
+
+
+def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
+    """Your data as ``RUN/data.npz`` (arrays only, no pickle), named as a job file names it."""
+    from psgd.data import dataset_from
+
+    dataset = dataset_from(data, test, dtype=dtype)
+    if dataset.ids_train is not None:
+        raise ConfigError(f"{dataset.name}: a dataset with categorical ids goes to psgd.launch as a file "
+                          "(npz) or a built-in name")
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "data.npz"
+    np.savez(path, x_train=dataset.x_train, y_train=dataset.y_train, x_test=dataset.x_test, y_test=dataset.y_test,
+             num_classes=np.int64(dataset.num_classes))
+    log.info("%s written to %s for the job's workers", dataset.describe(), path)
+    return f"npz:{path.resolve()}"
+
+
+def _history(run: Path, mode: str) -> list[dict[str, Any]]:
+    """The evaluations the run's first worker (or rank 0) made, from its metrics lines."""
+    path = run / ("worker-0.jsonl" if mode == "ps" else "allreduce.jsonl")
+    out = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == "eval":
+                out.append({k: record[k] for k in ("step", "epoch", "wall", "train_loss", "test_loss",
+                                                   "test_accuracy") if k in record})
+    return out

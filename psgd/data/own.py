@@ -1,0 +1,83 @@
+"""A user's own data as a :class:`~psgd.data.Dataset`: arrays, or any map-style dataset (``len(d)`` examples,
+``d[i]`` the i-th as ``(x, y)``), as PyTorch's ``Dataset`` is.
+
+The examples are read once, in order, into arrays on the host: the whole of it must fit in memory.  Inputs become
+the job's float dtype; labels are integer classes from 0.  Without a held-out part of its own, a fixed share of
+each class is held out by the fixed permutation every psgd dataset uses (:func:`psgd.data.stratified_split`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from psgd.data.base import DataError, Dataset, check_test_fraction, float_dtype, labels_to_int64, stratified_split
+
+
+def dataset_from(data: Any, test: Any = None, *, test_fraction: float = 0.2, num_classes: int | None = None,
+                 dtype: Any = "float32", name: str | None = None) -> Dataset:
+    """``data`` as a :class:`Dataset`: a ``Dataset`` as it is; a pair of arrays ``(x, y)``; a map-style dataset.
+
+    ``test``: the held-out examples, in the same forms (else ``test_fraction`` of ``data`` is held out).
+    ``num_classes``: the number of classes (else the largest label + 1).  ``name``: what logs call it (else the
+    class of ``data``)."""
+    if isinstance(data, Dataset):
+        if test is not None:
+            raise DataError(f"{data.name}: a Dataset holds its own held-out split; give no test= beside it")
+        return data
+    label = name or _name_of(data)
+    dtype = float_dtype(dtype, label)
+    x, y = _arrays(data, label, dtype)
+    if test is None:
+        train, held = stratified_split(y, check_test_fraction(test_fraction, label))
+        x_train, y_train, x_test, y_test = x[train], y[train], x[held], y[held]
+    else:
+        x_train, y_train = x, y
+        x_test, y_test = _arrays(test, f"{label} (test)", dtype)
+        if x_test.shape[1:] != x_train.shape[1:]:
+            raise DataError(f"{label}: the test examples have shape {x_test.shape[1:]}, the training examples "
+                            f"{x_train.shape[1:]}")
+    top = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
+    if num_classes is None:
+        num_classes = top
+    elif int(num_classes) < top:
+        raise DataError(f"{label}: num_classes={num_classes}, but a label is {top - 1}")
+    if num_classes < 2:
+        raise DataError(f"{label}: needs at least two classes, its labels are all {top - 1}")
+    return Dataset(label, x_train, y_train, x_test, y_test, int(num_classes), x_train.shape[1:])
+
+
+def _name_of(data: Any) -> str:
+    return "arrays" if isinstance(data, (tuple, list)) else type(data).__name__
+
+
+def _arrays(data: Any, label: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, labels) of ``data``: a pair of arrays, or a map-style dataset read example by example."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(a, "shape") for a in data):
+        x, y = np.asarray(data[0]), np.asarray(data[1])
+    elif hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        n = len(data)
+        if n == 0:
+            raise DataError(f"{label}: has no examples")
+        xs, ys = [], []
+        for i in range(n):
+            example = data[i]
+            if not (isinstance(example, (tuple, list)) and len(example) == 2):
+                raise DataError(f"{label}[{i}] must be a pair (x, y), got {type(example).__name__}")
+            xs.append(np.asarray(example[0]))
+            ys.append(example[1])
+            if xs[-1].shape != xs[0].shape:
+                raise DataError(f"{label}[{i}]: x has shape {xs[-1].shape}, the first example's is {xs[0].shape}")
+        x, y = np.stack(xs), np.asarray(ys)
+    else:
+        raise DataError(f"{label}: give a pair of arrays (x, y), or a dataset with __len__ and __getitem__ giving "
+                        f"(x, y); got a {type(data).__name__}")
+    if x.ndim < 2:
+        raise DataError(f"{label}: inputs must have shape (n, features...), got {x.shape}")
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{label}: inputs must be numbers, got {x.dtype}")
+    y = labels_to_int64(y, label)
+    if len(y) != len(x):
+        raise DataError(f"{label}: {len(x)} inputs but {len(y)} labels")
+    return np.ascontiguousarray(x, dtype=dtype), y

@@ -1,0 +1,129 @@
+"""psgd from Python (psgd.api): the job's settings from keywords, your own model and data in psgd.train, and what
+psgd.launch refuses before it starts anything."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import psgd
+from psgd.autodiff import ops
+from psgd.config import ConfigError
+from psgd.data import DataError, dataset_from
+from psgd.model import Linear, Network
+from psgd.model.errors import ModelError
+
+
+class Blobs:
+    """A map-style dataset: three clouds of points."""
+
+    def __init__(self, n=300, seed=1):
+        rng = np.random.default_rng(seed)
+        self.y = rng.integers(0, 3, n)
+        self.x = rng.normal(size=(n, 4)) + 3.0 * np.eye(3, 4)[self.y]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Small(Network):
+    def __init__(self, input_shape, num_classes, dtype="float32", width=8):
+        super().__init__(dtype)
+        self.hidden = Linear(input_shape[0], width)
+        self.out = Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.out(ops.relu(self.hidden(x)))
+
+
+def test_settings_are_the_job_files_keys_by_name():
+    job = psgd.job_config(epochs=3, batch_size=16, workers=4, policy="ssp", staleness=2, lr=0.2,
+                          optimizer="sgd", settings={"tables.lr": 0.5})
+    assert (job.train.epochs, job.train.batch_size, job.cluster.workers, job.cluster.policy) == (3, 16, 4, "ssp")
+    assert job.cluster.consistency.staleness == 2 and job.optimizer == {"name": "sgd", "lr": 0.2}
+    assert job.tables.lr == 0.5
+    with pytest.raises(ConfigError, match="unknown setting colour="):
+        psgd.job_config(colour="red")
+    with pytest.raises(ConfigError, match="epochs"):
+        psgd.job_config(epochs=0)
+
+
+def test_a_class_and_a_map_style_dataset_of_ones_own_train_in_this_process():
+    heard = []
+    result = psgd.train(Small, Blobs(), epochs=4, lr=0.1, dtype="float64", model_options={"width": 12},
+                        on_step=heard.append)
+    assert result.test_accuracy > 0.9
+    assert [p["epoch"] for p in result.history] == [1, 2, 3, 4]
+    assert result.weights["hidden/W"].shape == (4, 12) and result.weights["hidden/W"].dtype == np.float64
+    assert len(heard) == result.steps == 4 * (240 // 32)
+
+
+def test_a_model_built_already_and_arrays_with_a_test_split_of_their_own():
+    train, held = Blobs(240, seed=2), Blobs(60, seed=3)
+    net = Small((4,), 3, width=8)
+    result = psgd.train(net, (train.x, train.y), test=(held.x, held.y), epochs=2)
+    assert result.steps == 2 * (240 // 32)
+    assert result.history[-1]["test_accuracy"] == result.test_accuracy
+    same = psgd.train(Small, (train.x, train.y), test=(held.x, held.y), epochs=2)
+    for name, w in same.weights.items():  # a class built here is the same network, from the same seed
+        np.testing.assert_array_equal(w, result.weights[name])
+
+
+def test_own_data_is_checked_with_a_line_that_names_it():
+    class Broken(Blobs):
+        def __getitem__(self, i):
+            return self.x[i]
+
+    with pytest.raises(DataError, match=r"Broken\[0\] must be a pair \(x, y\)"):
+        dataset_from(Broken())
+    with pytest.raises(DataError, match="300 inputs but 299 labels"):
+        dataset_from((np.zeros((300, 4)), np.zeros(299)))
+    with pytest.raises(DataError, match="num_classes=2, but a label is 2"):
+        dataset_from(Blobs(), num_classes=2)
+
+
+def test_launch_refuses_a_model_its_processes_could_not_import_before_it_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="pass the class .* not an instance"):
+        psgd.launch(Small((4,), 3), Blobs())
+
+    def local():
+        class Inside(Small):
+            pass
+        return Inside
+
+    with pytest.raises(ModelError, match="defined inside a function"):
+        psgd.launch(local(), Blobs())
+    script = type("Script", (Small,), {"__module__": "__main__"})
+    with pytest.raises(ModelError, match="defined in the script being run"):
+        psgd.launch(script, Blobs())
+    with pytest.raises(ModelError, match="add it to PYTHONPATH"):  # this test module: not under tmp_path
+        psgd.launch(Small, Blobs())
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_reference_shows_every_public_name_from_its_docstring():
+    import inspect
+
+    from psgd.cli import reference
+
+    page = reference.python_api()
+    for name in psgd.PUBLIC:
+        obj = getattr(psgd, name)
+        assert f"## {name}\n" in page
+        assert inspect.cleandoc(obj.__doc__).splitlines()[0].replace("``", "`").split(":")[0] in page
+    for word in ("model_options", "settings", "on_step", "resume", "**keys"):
+        assert word in page
+
+
+def test_import_psgd_loads_the_api_only_when_it_is_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, psgd; before = 'psgd.api' in sys.modules or 'numpy' in sys.modules; "
+            "psgd.train; print(before, 'psgd.api' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True"], done.stderr
