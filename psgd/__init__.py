@@ -1,7 +1,8 @@
 """psgd: parameter-server and all-reduce training for networks written in NumPy/CuPy.
 
 From Python (:mod:`psgd.api`): :func:`train` in this process, :func:`launch` over shards and workers, each
-returning a :class:`Result`; :class:`JobConfig` and :func:`job_config`, the job's settings as objects.  Loaded
+returning a :class:`Result`; :class:`JobConfig` and :func:`job_config`, the job's settings as objects;
+:func:`join`, in a script ``psgd run`` started: this worker's place in the job, for a loop of its own.  Loaded
 when first used, so that ``import psgd`` stays quick for the commands.
 """
 
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 #: the public names, and the module each comes from
 PUBLIC = {"train": "psgd.api", "launch": "psgd.api", "Result": "psgd.api", "job_config": "psgd.api",
+          "join": "psgd.worker.script", "Worker": "psgd.worker.script",
           "JobConfig": "psgd.config", "ConfigError": "psgd.config", "PsgdError": "psgd.errors",
           "Dataset": "psgd.data", "dataset_from": "psgd.data"}
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 import logging
 import os

@@ -150,6 +150,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_divergence_argument(launch)
     add_log_arguments(launch)
     launch.set_defaults(func=cmd_launch)
+
+    run = sub.add_parser(
+        "run", help="your own training loop: the shards, and a copy of your script for every worker",
+        description="Start K psgd-server shards on 127.0.0.1 and, for each of the N workers, a copy of SCRIPT "
+                    "(python SCRIPT ARGS...), as torchrun does; then print the test accuracy of the weights the "
+                    "shards hold. In the script, psgd.join() joins the job (its file, the worker's rank, its "
+                    "device and token come in the environment psgd run sets): pull, push, this worker's batches "
+                    "and share of the data, the policy's clock, a clean stop. The loop is the script's own. "
+                    "Worker 0's output is shown; every worker's is in its log in the run folder. Signals, the "
+                    "timeout and the run folder are as psgd launch's.",
+        epilog="example (docs/howto/python.md has the script):\n"
+               "  psgd run --workers 2 --shards 1 --epochs 5 hardest.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_arguments(run, cluster=True)
+    run.add_argument("--save", metavar="FILE.npz",
+                     help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
+    run.add_argument("--run-dir", metavar="DIR",
+                     help="folder for the job file, logs and metrics (default: a new one, runs/DATE-TIME-ps)")
+    run.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                     help="stop everything and fail if the job runs longer (default 900)")
+    run.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_log_arguments(run)
+    run.add_argument("script", metavar="SCRIPT", help="the Python file each worker runs")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
+    run.set_defaults(func=cmd_run)
     _add_bench(sub)
     status.add_status_parser(sub)
     doctor.add_doctor_parser(sub)
@@ -307,6 +332,28 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if result.lost and not args.accept_lost_updates:
         return EXIT_LOST_UPDATES
     return divergence_status(args, result.divergence)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from psgd.launcher import launch
+
+    setup_logging("run", verbosity(args), args.log_file)
+    if not Path(args.script).is_file():
+        raise ConfigError(f"{args.script}: no such file (the Python script each worker runs)")
+    config = job_from_args(args)
+    result = launch(config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
+                    script=[str(Path(args.script).resolve()), *args.script_args])
+    c = config.cluster
+    if args.json:
+        print(json.dumps({"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
+                          "seconds": round(result.seconds, 3), "versions": result.versions,
+                          "run_dir": result.run_dir, "saved": result.saved}))
+    else:
+        saved = f"; weights saved to {result.saved}" if result.saved else ""
+        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {c.policy}, "
+              f"{c.shards} shard(s), {c.workers} copies of {args.script}, {result.seconds:.1f}s; logs in "
+              f"{result.run_dir}{saved})")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:

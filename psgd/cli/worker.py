@@ -8,14 +8,13 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments, add_log_arguments,
                              add_progress_argument, add_token_argument, first_env_int, ignore_stop_signals,
                              import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
                              token_from_args, verbosity)
 from psgd.config import ConfigError
-from psgd.launcher import STOP_SIGNALS
+from psgd.worker.stop import STOP_SIGNALS, Stop
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import WorkerMetrics, add_metrics_arguments
 from psgd.config.parsing import Parser
@@ -185,18 +184,6 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return float("nan")
-
-
-class Stop(threading.Event):
-    """Set by a stop signal: the worker finishes the step in hand, pushes it and leaves.  ``pausing`` (SIGINT,
-    Ctrl-C: the whole job is being paused) leaves without telling the shards it left, so that no round closes
-    without it and the job goes on from here exactly (psgd launch --resume); SIGTERM and SIGHUP say it left."""
-
-    pausing = False
-
-    def signalled(self, signum: int) -> None:
-        self.pausing = self.pausing or signum == signal.SIGINT
-        self.set()
 
 
 _STOP = Stop()

@@ -138,3 +138,39 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
                  "pushes": c.get("pushes", 0)} for k, c in enumerate(counters)}
     return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
                         went_back, failed_over, unreplicated, spent)
+
+
+def read_records(metrics: list[Path], since: float) -> list[dict]:
+    """The metrics lines this launch's processes wrote (from ``since`` on: a run folder may hold an earlier
+    launch's), each a dict; a line cut short by a killed process is left out."""
+    out = []
+    for path in metrics:
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("time", 0) >= since:
+                out.append(record)
+    return out
+
+
+def first_divergence(records: list[dict], own: dict | None, shown: str | None) -> dict | None:
+    """The first ``diverged`` line of ``records``, told again in a WARNING line unless it came from the process
+    ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
+    from psgd.training.divergence import Divergence
+
+    seen = [r for r in records if r.get("event") == "diverged"]
+    if seen:
+        first = min(seen, key=lambda r: r["time"])
+        verdict = {k: first.get(k) for k in ("by", "step", "epoch", "why", "advice")}
+        if verdict["by"] != shown:
+            log.warning("%s", Divergence(**verdict).line())
+        return verdict
+    if own:
+        log.warning("%s", Divergence(**own).line())
+    return own

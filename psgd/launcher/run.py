@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
-from psgd.launcher.result import LaunchResult, evaluate_weights, exchange_bound, final_evaluation
+from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
+                                  first_divergence, read_records)
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
@@ -35,7 +36,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event, str], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
-           tls: TLSFiles = NO_TLS, resume: bool = False) -> LaunchResult:
+           tls: TLSFiles = NO_TLS, resume: bool = False, script: Sequence[str] = ()) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -55,9 +56,14 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
     stopped first).  ``divergence`` in the result is the first divergence this node's workers (ranks)
     reported, else the launcher's own verdict on the final weights (:mod:`psgd.training.divergence`).
+    ``script`` (``psgd run``: a Python file and its arguments) is each worker's program instead of psgd-worker:
+    its loop is its own, through :func:`psgd.join` (ps mode only).
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
+    if script and (mode != "ps" or tls.enabled or worker_args):
+        raise LaunchError("psgd run starts a script per parameter-server worker: not in all-reduce mode, and not "
+                          "with TLS or worker flags yet")
     check_optimizer(config)
     tls_flags = child_flags(tls)
     if tls.enabled and mode != "ps":
@@ -130,11 +136,11 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
                 result = _launch_ps(config, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
-                                    children, save, layout, hosts, devices, tls, tls_flags, token)
+                                    children, save, layout, hosts, devices, tls, tls_flags, token, tuple(script))
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
-            records = _records(metrics, began)
-            result.divergence = _divergence(records, result.divergence, shown)
+            records = read_records(metrics, began)
+            result.divergence = first_divergence(records, result.divergence, shown)
             bound = exchange_bound(records) if mode == "ps" and layout.node_rank == 0 else None
             if bound:
                 log.info("%s", bound)
@@ -268,27 +274,6 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
     return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
 
 
-def _records(metrics: list[Path], since: float) -> list[dict]:
-    """The metrics lines this launch's processes wrote (from ``since`` on: a run folder may hold an earlier
-    launch's), each a dict; a line cut short by a killed process is left out."""
-    import json
-
-    out = []
-    for path in metrics:
-        try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("time", 0) >= since:
-                out.append(record)
-    return out
-
-
 def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
     """The flags of the process whose output the terminal shows: its bar and its warnings where stderr is a
     terminal, else its log lines (a bar's redraws would litter a file or a pipe); its whole log goes to ``log``
@@ -296,27 +281,11 @@ def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
     return ["--log-file", str(log), *(["-q"] if sys.stderr.isatty() else [*log_flags, "--no-progress"])]
 
 
-def _divergence(records: list[dict], own: dict | None, shown: str | None) -> dict | None:
-    """The first ``diverged`` line of ``records``, told again in a WARNING line unless it came from the process
-    ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
-    from psgd.training.divergence import Divergence
-
-    seen = [r for r in records if r.get("event") == "diverged"]
-    if seen:
-        first = min(seen, key=lambda r: r["time"])
-        verdict = {k: first.get(k) for k in ("by", "step", "epoch", "why", "advice")}
-        if verdict["by"] != shown:
-            log.warning("%s", Divergence(**verdict).line())
-        return verdict
-    if own:
-        log.warning("%s", Divergence(**own).line())
-    return own
-
-
 def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
                log_flags: list[str], monitor: Callable[[list[str], threading.Event, str], None] | None,
                children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
-               devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str) -> LaunchResult:
+               devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str,
+               script: tuple[str, ...] = ()) -> LaunchResult:
     c = config.cluster
     job_path = run / "job.toml"
     py = sys.executable
@@ -341,6 +310,14 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     for r in ranks:
         show = progress and r == ranks[0]
         on = hosts.prefix(f"w{r}") if hosts else []
+        if script:  # psgd run: the user's program, told its job, rank and device in its environment
+            from psgd.worker import script as own
+
+            env = {own.JOB_FILE: str(job_path), own.RANK: str(r), own.METRICS: str(run / f"worker-{r}.jsonl"),
+                   **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {})}
+            workers.append(children.start(f"worker {r}", [*on, py, *script], run / f"worker-{r}.log",
+                                          show=r == ranks[0], env={"PSGD_TOKEN": token, **env}, show_stdout=True))
+            continue
         argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
                 "--metrics", str(run / f"worker-{r}.jsonl"), *tls_flags, *worker_args]
         argv += _device_flags(devices[r])

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from psgd.errors import ClusterError
+from psgd.worker.stop import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
-#: The stop signals: the launcher forwards them to its children; every psgd process leaves cleanly on them.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds the children get to leave after a forwarded signal (or at the end of the job) before SIGKILL.
 GRACE = 10.0
 # sets the parent-death signal (prctl PR_SET_PDEATHSIG = 1), sends it at once where the parent is gone already,
@@ -86,12 +85,14 @@ def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
 class Child:
     """One started process, its log file, and how to report and signal it."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {}):
+    def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {},
+                 show_stdout: bool = False):
         self.name, self.log_path = name, log_path
         open(log_path, "w").close()  # a new log; then appended to, as the child may write to it itself (--log-file)
         self.log_file = open(log_path, "a")
         stderr = None if show else self.log_file
-        self.popen = subprocess.Popen(dying_with_parent(argv), stdout=self.log_file, stderr=stderr,
+        stdout = None if show and show_stdout else self.log_file  # a script's first copy: its prints shown too
+        self.popen = subprocess.Popen(dying_with_parent(argv), stdout=stdout, stderr=stderr,
                                       stdin=subprocess.DEVNULL, env={**child_environment(), **env},
                                       start_new_session=True)
 
@@ -113,10 +114,11 @@ class Children:
         self.received: int | None = None
 
     def start(self, name: str, argv: list[str], log_path: Path, show: bool = False,
-              env: Mapping[str, str] = {}) -> Child:
-        """Start ``argv`` as child ``name`` (``env``: variables on top of :func:`child_environment`)."""
+              env: Mapping[str, str] = {}, show_stdout: bool = False) -> Child:
+        """Start ``argv`` as child ``name`` (``env``: variables on top of :func:`child_environment`); ``show``: its
+        stderr (with ``show_stdout``, its stdout too) on the launcher's, else in its log."""
         self.check_signal()
-        proc = Child(name, argv, log_path, show, env)
+        proc = Child(name, argv, log_path, show, env, show_stdout)
         self.procs.append(proc)
         return proc
 

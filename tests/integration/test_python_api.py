@@ -1,12 +1,16 @@
 """The documentation's Python examples (docs/howto/python.md) run as a user runs them: ``python train_blobs.py``
 trains a network and a dataset class of its own in the script's process; ``python launch_blobs.py`` launches shards
-and workers on a class they import by name, with the script's arrays handed to them as a file."""
+and workers on a class they import by name, with the script's arrays handed to them as a file; ``psgd run ...
+hardest.py`` runs a loop psgd's own cannot express on every worker, and stops it cleanly on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +34,7 @@ def run(script: str, folder: Path) -> subprocess.CompletedProcess:
 def test_the_page_runs_each_command_it_shows():
     commands = re.findall(r"^python (\S+)$", PAGE.read_text(encoding="utf-8"), flags=re.M)
     assert commands == ["train_blobs.py", "launch_blobs.py"]
+    assert re.findall(r"^psgd run .* (\S+)$", PAGE.read_text(encoding="utf-8"), flags=re.M) == ["hardest.py"]
 
 
 def test_a_network_and_a_dataset_class_of_ones_own_train_from_a_script(tmp_path):
@@ -55,3 +60,55 @@ def test_launch_from_a_script_hands_the_workers_its_class_by_name_and_its_arrays
     with np.load(folder / "final.npz", allow_pickle=False) as weights:
         assert weights["hidden/W"].shape == (4, 16)
     assert 'name = "nets:TwoLayers"' in (folder / "job.toml").read_text()
+
+
+def psgd_run(folder: Path, *argv: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "psgd.cli.main", "run", *argv], cwd=folder, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_psgd_run_runs_the_pages_script_as_every_worker_with_a_loop_of_its_own(tmp_path):
+    page_files(tmp_path)
+    (command,) = re.findall(r"^psgd run (.*)$", PAGE.read_text(encoding="utf-8"), flags=re.M)
+    done = psgd_run(tmp_path, "--run-dir", "run", *command.split())
+    out, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err[-3000:]
+    assert "worker 0: 110 steps, each on the hardest 32 of 128 candidates" in out  # worker 0's own print
+    accuracy = float(re.search(r"^final test accuracy: ([\d.]+) \(.*2 copies of hardest.py", out, re.M).group(1))
+    assert accuracy > 0.9, out
+    for r in (0, 1):
+        records = [json.loads(line) for line in (tmp_path / "run" / f"worker-{r}.jsonl").read_text().splitlines()]
+        steps = [x for x in records if x["event"] == "step"]
+        assert [x["clock"] for x in steps] == list(range(110)) and all(x["loss"] > 0 for x in steps)
+        assert records[-1]["event"] == "done" and records[-1]["clock"] == 110
+
+
+def test_a_script_that_is_not_started_by_psgd_run_is_told_how_to_start_it(tmp_path):
+    page_files(tmp_path)
+    done = run("hardest.py", tmp_path)
+    assert done.returncode != 0
+    assert "PSGD_JOB_FILE, PSGD_RANK not set: start this script with psgd run" in done.stderr
+
+
+def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
+    page_files(tmp_path)
+    launcher = psgd_run(tmp_path, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", "400",
+                        "hardest.py")
+    try:
+        metrics = [tmp_path / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.stat().st_size for p in metrics):  # both workers have pushed a step
+            assert time.monotonic() < deadline and launcher.poll() is None, "the workers never pushed a step"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + signal.SIGTERM, err
+        for path in metrics:  # each left between steps: its last line says so, no step was cut short
+            last = json.loads(path.read_text().splitlines()[-1])
+            assert last["event"] == "done" and 0 < last["clock"] < 400 * 11, last
+        for r in (0, 1):
+            assert "Traceback" not in (tmp_path / "run" / f"worker-{r}.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)

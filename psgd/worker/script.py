@@ -1,0 +1,169 @@
+"""A worker whose training loop is the user's own script: ``psgd run SCRIPT`` starts the shards and one copy of
+the script per worker, as torchrun does, and in the script :func:`join` joins the job.
+
+    with psgd.join() as w:
+        while w.clock < w.steps and not w.stopping:
+            params = w.pull()
+            x, y = w.batch()
+            loss, grads = w.model.loss_and_grads(params, x, y)
+            w.push(grads, loss=loss)
+
+The loop is the script's: its own batches, losses, schedules and several pulls or pushes a step are all its to
+choose.  What psgd keeps is the rest of a worker: the policy's clock (a push is its step's; a sync pull waits for
+its round), retries, leases, a shard that went back to a cut (the clock goes back with it), the metrics lines of
+``psgd report``, and a clean stop (SIGTERM, SIGINT and SIGHUP set :attr:`Worker.stopping`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from psgd import data as datasets
+from psgd.config import JobConfig
+from psgd.errors import InputError
+from psgd.job import Job, build_job
+from psgd.observe.progress import MetricsLog
+from psgd.training.loop import ResumeFromStep
+from psgd.worker.client import PSClient
+from psgd.worker.exchange import ParameterServerExchange
+from psgd.worker.stop import STOP_SIGNALS, Stop
+
+#: what psgd run tells each copy of the script: the job file, the worker's rank, where its metrics lines go and
+#: the device it computes on (the job's token travels as PSGD_TOKEN)
+JOB_FILE, RANK, METRICS, DEVICE = "PSGD_JOB_FILE", "PSGD_RANK", "PSGD_METRICS", "PSGD_DEVICE"
+
+class Worker:
+    """This process's place in a job: the job (:attr:`job`, with its model, data and device), this worker's
+    :attr:`rank` of :attr:`workers`, and the calls of a step (:meth:`pull`, :meth:`batch`, :meth:`push`).  Made
+    by :func:`join`; leaves the job when closed (``with``)."""
+
+    def __init__(self, job: Job, client: PSClient, rank: int, stop: Stop, metrics_path: str | None = None):
+        self.job, self.rank, self.stop = job, rank, stop
+        c, t = job.config.cluster, job.config.train
+        self.workers, self.batch_size = c.workers, t.batch_size
+        self.model, self.device = job.model, job.device
+        self._client = client
+        self._exchange = ParameterServerExchange(job, client, rank, stop)
+        self._batches = datasets.ShardedBatches(job.dataset.x_train, job.dataset.y_train, rank=rank, world=c.workers,
+                                                batch_size=t.batch_size, seed=t.seed)
+        #: the steps the job's epochs make for this worker (its share of the data, the job's batch size)
+        self.steps = self._batches.steps_per_epoch * t.epochs
+        self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
+        self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
+        self.clock = self._exchange.begin()
+        self._began, self._closed = time.perf_counter(), False
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the worker was asked to stop (a stop signal): end the loop, then leave (close)."""
+        return self.stop.is_set()
+
+    def share(self, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """This worker's examples of ``epoch`` (default: the step in hand's), as arrays on the host: the job's
+        training data dealt among its workers anew each epoch, as psgd's own loop deals it."""
+        x, y = self.job.dataset.x_train, self.job.dataset.y_train
+        epoch = self.clock // self._batches.steps_per_epoch if epoch is None else epoch
+        mine = datasets.shard_indices(len(x), self.rank, self.workers, epoch, self.job.config.train.seed)
+        return x[mine], y[mine]
+
+    def batch(self, step: int | None = None) -> tuple[Any, Any]:
+        """Step ``step``'s batch (default: the step in hand, :attr:`clock`) of this worker's share, in the order
+        psgd's own loop takes them, on the job's device."""
+        step = self.clock if step is None else step
+        epoch, i = divmod(step, self._batches.steps_per_epoch)
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, self._batches.indices(epoch))
+        idx = self._epoch[1][i]
+        ds = self.job.dataset
+        return self.device.asarray(ds.x_train[idx]), self.device.asarray(ds.y_train[idx])
+
+    def pull(self) -> Mapping[str, Any]:
+        """The weights to compute the step in hand with (on the job's device), as the policy gives them: under
+        sync, once its round has closed."""
+        while True:
+            try:
+                return self._exchange.weights(self.clock)
+            except ResumeFromStep as back:  # a shard restarted from a cut: the job goes on from there
+                self._went_back(back)
+
+    def push(self, grads: Mapping[str, Any], loss: float | None = None) -> None:
+        """Hand on the step in hand's gradients (by variable name, every variable of the model): the shards apply
+        them under the job's policy and optimizer.  ``loss``, where given, goes into the metrics lines."""
+        try:
+            out = self._exchange.exchange(self.clock, dict(grads))
+        except ResumeFromStep as back:
+            self._went_back(back)
+            return
+        record = {"clock": self.clock, **out.fields, "wall": time.perf_counter() - self._began}
+        if loss is not None:
+            record["loss"] = float(loss)
+        self._metrics.write("step", **record)
+        self.clock = out.next_step
+
+    def _went_back(self, back: ResumeFromStep) -> None:
+        self._metrics.write("rewound", clock=back.clock, at=self.clock)
+        self.clock = back.clock
+
+    def close(self) -> None:
+        """Leave the job: every step stands (a sync worker waits for its last round), the shards are told (not
+        when pausing: Ctrl-C), the metrics lines end."""
+        if self._closed:
+            return
+        self._closed = True
+        interrupted = self.stopping or self.clock < self.steps
+        try:
+            if not interrupted:
+                while True:
+                    try:
+                        self._exchange.settle(self.clock)
+                        break
+                    except ResumeFromStep as back:  # the steps since the cut are the script's to take again
+                        self._went_back(back)
+                        interrupted = True
+                        break
+            summary = self._exchange.end(interrupted)
+            self._metrics.write("done", clock=self.clock, seconds=time.perf_counter() - self._began, **summary)
+        finally:
+            self._metrics.close()
+            self._client.close()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def join(environ: Mapping[str, str] | None = None) -> Worker:
+    """Join the job ``psgd run`` started this script for: the job file, rank, device and token from the
+    environment it set.  Stop signals set :attr:`Worker.stopping` from here on (the main thread only)."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in (JOB_FILE, RANK) if not environ.get(name)]
+    if missing:
+        raise InputError(f"psgd.join(): {', '.join(missing)} not set: start this script with psgd run "
+                         "(psgd run --help), which starts the shards and one copy of it per worker")
+    stop = Stop()
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda signum, frame: stop.signalled(signum))
+    config = JobConfig.load(environ[JOB_FILE])
+    if environ.get(DEVICE):
+        config.override("train.device", environ[DEVICE])
+    rank, workers = int(environ[RANK]), config.cluster.workers
+    if not 0 <= rank < workers:
+        raise InputError(f"{RANK}={rank}: the job has {workers} worker(s), 0..{workers - 1}")
+    job = build_job(config, check=True)
+    c = config.cluster
+    client = PSClient(c.servers, job.plan, rank, links=c.links, deadlines=c.deadlines, recovery=c.recovery,
+                      token=environ.get("PSGD_TOKEN", ""), stop=stop, config=config, device=job.device)
+    try:
+        return Worker(job, client, rank, stop, environ.get(METRICS) or None)
+    except BaseException:
+        client.close()
+        raise
