@@ -97,16 +97,16 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
     return config
 
 
-def train(model: Any = "mlp", data: Any = "digits", *, job: Any = None, model_options: Mapping[str, Any] | None = None,
+def train(model: Any = None, data: Any = None, *, job: Any = None, model_options: Mapping[str, Any] | None = None,
           test: Any = None, settings: Mapping[str, Any] | None = None, progress: bool | None = None,
           metrics: str | None = None, save: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, **keys: Any) -> Result:
     """Train in this process, as ``psgd train``: the reference every other mode is measured against.
 
     ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
-    ``model_options``), or a model itself.  ``data``: a dataset's name (``"digits"``, ``"npz:FILE"``), a
+    ``model_options``), or a model itself; by default the job's (``mlp`` without a job file).  ``data``: a dataset's name (``"digits"``, ``"npz:FILE"``), a
     :class:`psgd.data.Dataset`, a pair of arrays ``(x, y)``, or any map-style dataset (``len(d)``, ``d[i]`` ->
-    ``(x, y)``); ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
+    ``(x, y)``), by default the job's (``digits`` without a job file); ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
     ``progress``: a progress bar on stderr (by default where stderr is a terminal); ``metrics``: a JSON-lines
     file of every step and evaluation; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with
     each step's record."""
@@ -123,7 +123,7 @@ def train(model: Any = "mlp", data: Any = "digits", *, job: Any = None, model_op
                   result.steps, saved=save or None, divergence=result.divergence)
 
 
-def launch(model: Any = "mlp", data: Any = "digits", *, job: Any = None,
+def launch(model: Any = None, data: Any = None, *, job: Any = None,
            model_options: Mapping[str, Any] | None = None, test: Any = None,
            settings: Mapping[str, Any] | None = None, mode: str = "ps", backend: str = "mpi",
            run_dir: str | os.PathLike | None = None, progress: bool | None = None, timeout: float = 900.0,
@@ -131,8 +131,8 @@ def launch(model: Any = "mlp", data: Any = "digits", *, job: Any = None,
     """Run the job over processes of its own on this machine, as ``psgd launch``: shards and workers (``mode``
     ``"ps"``), or all-reduce ranks (``"allreduce"``, over ``backend`` ``"mpi"`` or ``"nccl"``).
 
-    ``model``: a name, or a class its processes can import by name (``model_options`` go to it).  ``data``: as
-    :func:`train` takes it; your own is written to ``RUN/data.npz`` for the workers to read.  ``run_dir``: the
+    ``model``: a name, or a class its processes can import by name (``model_options`` go to it); by default the
+    job's.  ``data``: as :func:`train` takes it; your own is written to ``RUN/data.npz`` for the workers to read.  ``run_dir``: the
     run folder (else a new ``runs/DATE-TIME-MODE``); ``resume``: continue the job in ``run_dir`` from its
     checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds the
     whole run may take."""

@@ -127,3 +127,13 @@ def test_import_psgd_loads_the_api_only_when_it_is_used():
             "psgd.train; print(before, 'psgd.api' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["False", "True"], done.stderr
+
+
+def test_the_job_files_model_and_data_hold_unless_others_are_given(tmp_path):
+    job = {"model": {"name": "softmax"}, "data": {"name": "synthetic", "n_train": 200, "n_test": 50}}
+    config = psgd.job_config(job)
+    assert (config.model["name"], config.data["name"]) == ("softmax", "synthetic")
+    result = psgd.train(job=job, epochs=1)
+    assert sorted(result.weights) == ["dense0/W", "dense0/b"] and result.steps == 200 // 32
+    assert sorted(psgd.train("mlp", job=job, epochs=1, model_options={"hidden": [4]}).weights) == [
+        "dense0/W", "dense0/b", "dense1/W", "dense1/b"]
