@@ -26,7 +26,7 @@ JOB_FLAGS = {
     # flag: (dotted key, type, help)
     "--model": ("model.name", str, "model: softmax, mlp, cnn, embed (ids in a table: clicks), or "
                                    "package.module:Class (default mlp)"),
-    "--dataset": ("data.name", str, "dataset: digits (bundled), synthetic, clicks, idx:DIR or npz:FILE "
+    "--dataset": ("data.name", str, "dataset: digits (bundled), synthetic, clicks, idx:DIR, npz:FILE or npy:DIR "
                                     "(default digits)"),
     "--optimizer": ("optimizer.name", str, "optimizer: sgd, momentum, nesterov, adam, adamw (default momentum)"),
     "--lr": ("optimizer.lr", float, "learning rate (default 0.05 for momentum)"),

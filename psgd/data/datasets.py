@@ -11,6 +11,8 @@ Specs:
 - ``sequences``: sequence tasks of tokens made here, for sequence models (see :mod:`psgd.data.sequences`).
 - ``idx:DIR``: MNIST-format IDX files in ``DIR``.
 - ``npz:PATH``, or any spec ending in ``.npz``: arrays in an ``.npz`` archive.
+- ``npy:DIR``: ``.npy`` files in ``DIR``, memory-mapped: a worker reads the rows of its batches as it takes them
+  (see :mod:`psgd.data.stream`).
 
 ``describe_dataset(spec)`` tells what a model needs to know (input shape and
 class count) from the same spec without loading the bulk data: headers, and
@@ -37,6 +39,7 @@ from psgd.data.readers import (mnist5k_path, read_digits, read_idx, read_idx_hea
                                read_npz_headers)
 from psgd.data.clicks import CLICKS_OPTIONS, clicks_options, load_clicks
 from psgd.data.sequences import SEQUENCES_OPTIONS, make_sequences, sequences_options
+from psgd.data.stream import describe_npy_dir, load_npy_dir
 from psgd.data.synthetic import make_synthetic, synthetic_options
 
 ACCEPTED_SPECS = (
@@ -49,7 +52,9 @@ ACCEPTED_SPECS = (
     "'sequences' (tokens, for sequence models; options n_train, n_test, length, vocab, task = majority | lookup, "
     "data_seed), "
     "'idx:DIR' (MNIST-format IDX files in DIR), "
-    "'npz:PATH' or 'PATH.npz' (arrays x_train, y_train, x_test, y_test, or x, y)"
+    "'npz:PATH' or 'PATH.npz' (arrays x_train, y_train, x_test, y_test, or x, y), "
+    "'npy:DIR' (x_train.npy, y_train.npy, x_test.npy, y_test.npy in DIR, or each in pieces -0.npy, -1.npy...: "
+    "memory-mapped, read as batches are taken)"
 )
 
 SYNTHETIC_OPTIONS = ("n_train", "n_test", "input_dim", "num_classes", "teacher_hidden", "data_seed")
@@ -106,6 +111,8 @@ def load_dataset(
         ds = Dataset("sequences", *make_sequences(**o), o["vocab"], (o["length"],))
     elif kind == "idx":
         ds = load_idx_dir(path)
+    elif kind == "npy":
+        return load_npy_dir(path, dt)  # already of the job's dtype: nothing read whole
     else:
         ds = load_npz(path, test_fraction=test_fraction)
     return ds.astype(dt)
@@ -158,6 +165,8 @@ def describe_dataset(
         return DataShape("sequences", (o["length"],), o["vocab"])
     if kind == "idx":
         return describe_idx_dir(path)
+    if kind == "npy":
+        return DataShape(*describe_npy_dir(path))
     return describe_npz(path, test_fraction=test_fraction)
 
 
@@ -185,7 +194,7 @@ def _parse_spec(spec: str) -> tuple[str, str]:
     name = spec.lower()
     if name in ("digits", "synthetic", "mnist5k", "clicks", "sequences"):
         return name, ""
-    for prefix in ("idx", "npz"):
+    for prefix in ("idx", "npz", "npy"):
         if name.startswith(prefix + ":"):
             path = spec[len(prefix) + 1 :].strip()
             if not path:
