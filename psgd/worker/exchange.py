@@ -169,7 +169,7 @@ class ParameterServerExchange(Exchange):
         clock, self._answered = roll_back(self.client, back), None
         if self._prefetch is not None:
             with contextlib.suppress(PSError, ShardWentBack, futures.TimeoutError):
-                self._prefetch.pending.result(timeout=self.client.request_timeout)
+                self._prefetch.pending.result(timeout=self.client.deadlines.request_timeout)
             self._prefetch = None
         self._ahead = None
         raise ResumeFromStep(clock) from None

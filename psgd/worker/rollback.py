@@ -36,7 +36,8 @@ def _wait_for_every_shard(client: Any, clock: int) -> None:
     this one takes those left behind back after FINISH_AFTER_SECONDS); under sync none goes on from it without this
     worker.  Bounded by the request timeout."""
     began = time.monotonic()
-    deadline, finished = began + client.request_timeout, False
+    waits = client.deadlines.request_timeout
+    deadline, finished = began + waits, False
     while True:
         replies = client.status()
         versions = [s.version for s in replies]
@@ -46,7 +47,7 @@ def _wait_for_every_shard(client: Any, clock: int) -> None:
             finished = _finish(client, clock, replies)
         if time.monotonic() > deadline:
             raise PSError(f"worker {client.worker_id}: the shards are at versions {versions} "
-                          f"{client.request_timeout:.0f}s after one went back to the cut at {clock}: the worker taking "
+                          f"{waits:.0f}s after one went back to the cut at {clock}: the worker taking "
                           "the job back to it did not reach them all (it may have died); restart the job from its "
                           "checkpoints")
         time.sleep(0.05)  # polling the shards' versions, with a deadline
@@ -99,5 +100,6 @@ def roll_back(client: Any, rewind: ShardWentBack) -> int:
     client.pending_rollback = None
     client.clock = clock
     stragglers, client.stragglers = client.stragglers, []
-    futures.wait(stragglers, timeout=client.request_timeout)  # calls refused or answered once every shard is back
+    # calls refused or answered once every shard is back
+    futures.wait(stragglers, timeout=client.deadlines.request_timeout)
     return clock
