@@ -79,7 +79,8 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
     if data is not None:
         config.override("data.name", data)
     train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
-    for key, value in sorted(keys.items(), key=lambda kv: kv[0] != "optimizer"):  # a name replaces its options
+    given = {k: v for k, v in keys.items() if v is not None}  # None: not given, the job's value holds
+    for key, value in sorted(given.items(), key=lambda kv: kv[0] != "optimizer"):  # a name replaces its options
         if key in ("optimizer", "lr"):
             dotted = "optimizer.name" if key == "optimizer" else "optimizer.lr"
         elif key in train_keys:
@@ -104,17 +105,20 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     """Train in this process, as ``psgd train``: the reference every other mode is measured against.
 
     ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
-    ``model_options``), or a model itself; by default the job's (``mlp`` without a job file).  ``data``: a dataset's name (``"digits"``, ``"npz:FILE"``), a
-    :class:`psgd.data.Dataset`, a pair of arrays ``(x, y)``, or any map-style dataset (``len(d)``, ``d[i]`` ->
-    ``(x, y)``), by default the job's (``digits`` without a job file); ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
+    ``model_options``), or a model itself; by default the job's (``mlp`` without a job file).  ``data``: a
+    dataset's name (``"digits"``, ``"npz:FILE"``), a :class:`psgd.data.Dataset`, a pair of arrays ``(x, y)``, or
+    any map-style dataset (``len(d)``, ``d[i]`` -> ``(x, y)``); by default the job's (``digits`` without a job
+    file).  ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
     ``progress``: a progress bar on stderr (by default where stderr is a terminal); ``metrics``: a JSON-lines
     file of every step and evaluation; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with
-    each step's record."""
+    each step's record.  ``augment=f``: each training batch goes through ``f(x, y, rng) -> (x, y)`` on the host
+    (a function, or its name as ``package.module:function``; psgd.launch's processes import it by name)."""
+    augment = keys.pop("augment") if callable(keys.get("augment")) else None  # a function: this process's own
     config, own_model, dataset = _resolve(job, model, data, model_options, test, settings, keys)
     from psgd.training.local import train_local
 
-    result = train_local(config, dataset=dataset, model=own_model, progress=_bar(progress), metrics_path=metrics,
-                         on_step=on_step)
+    result = train_local(config, dataset=dataset, model=own_model, augment=augment, progress=_bar(progress),
+                         metrics_path=metrics, on_step=on_step)
     if save:
         from psgd.export.weights import save_weights
 
@@ -132,10 +136,10 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     ``"ps"``), or all-reduce ranks (``"allreduce"``, over ``backend`` ``"mpi"`` or ``"nccl"``).
 
     ``model``: a name, or a class its processes can import by name (``model_options`` go to it); by default the
-    job's.  ``data``: as :func:`train` takes it; your own is written to ``RUN/data.npz`` for the workers to read.  ``run_dir``: the
-    run folder (else a new ``runs/DATE-TIME-MODE``); ``resume``: continue the job in ``run_dir`` from its
-    checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds the
-    whole run may take."""
+    job's.  ``data``: as :func:`train` takes it; your own is written to ``RUN/data.npz`` for the workers to read.
+    ``run_dir``: the run folder (else a new ``runs/DATE-TIME-MODE``); ``resume``: continue the job in ``run_dir``
+    from its checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds
+    the whole run may take.  ``augment``: a function its processes can import by name, or that name."""
     from psgd.export.weights import read_npz
     from psgd.launcher.run import launch as run_job, new_run_folder
 
@@ -143,7 +147,14 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
         raise ModelError(f"psgd.launch: its processes build the model themselves, each from its class: pass the "
                          f"class ({type(model).__qualname__}) and its options as model_options=, not an instance")
     if isinstance(model, type):
-        model = _importable(model)
+        from psgd.model.registry import load_model_class
+
+        model = _importable(model, "model", load_model_class, ModelError)
+    if callable(keys.get("augment")):
+        from psgd.data import DataError
+        from psgd.data.ahead import load_augment
+
+        keys["augment"] = _importable(keys["augment"], "augmentation", load_augment, DataError)
     own = data is not None and not isinstance(data, str)
     if test is not None and not own:
         raise ConfigError("test=: give it with your own data; a dataset named by its name has its own split")
@@ -199,31 +210,28 @@ def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] |
     return config, own_model, dataset
 
 
-def _importable(cls: type) -> str:
-    """``cls`` as ``package.module:Class``, checked to be what a process started in this folder imports."""
-    from psgd.model.registry import class_name, load_model_class
-
-    name = class_name(cls)
-    if cls.__module__ == "__main__":
-        raise ModelError(f"psgd.launch: {cls.__qualname__} is defined in the script being run (__main__), and the "
-                         "job's processes import their model by name: put the class in a module of its own beside "
-                         "the script and import it from there")
-    if "<locals>" in cls.__qualname__:
-        raise ModelError(f"psgd.launch: {cls.__qualname__} is defined inside a function, and the job's processes "
-                         "import their model by name: define it at the top level of a module")
-    if load_model_class(name) is not cls:
-        raise ModelError(f"psgd.launch: {name} does not import as the class given")
-    module = sys.modules[cls.__module__]
-    where = getattr(module, "__file__", None)
+def _importable(obj: Any, what: str, load: Callable[[str], Any], error: type[Exception]) -> str:
+    """``obj`` (the ``what``: a class or a function) as ``package.module:name``, checked to be what ``load`` gives
+    a process started in this folder."""
+    name = f"{obj.__module__}:{obj.__qualname__}"
+    if obj.__module__ == "__main__":
+        raise error(f"psgd.launch: {obj.__qualname__} is defined in the script being run (__main__), and the job's "
+                    f"processes import their {what} by name: put it in a module of its own beside the script and "
+                    "import it from there")
+    if "<locals>" in obj.__qualname__:
+        raise error(f"psgd.launch: {obj.__qualname__} is defined inside a function, and the job's processes import "
+                    f"their {what} by name: define it at the top level of a module")
+    if load(name) is not obj:
+        raise error(f"psgd.launch: {name} does not import as the {what} given")
+    where = getattr(sys.modules[obj.__module__], "__file__", None)
     if where:
-        root = Path(where).resolve().parents[cls.__module__.count(".")]
-        if cls.__module__.count(".") == 0 and Path(where).name == "__init__.py":
-            root = root.parent
+        depth = obj.__module__.count(".") + (Path(where).name == "__init__.py")
+        root = Path(where).resolve().parents[depth]
         reach = [Path.cwd(), *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
                  *(Path(p) for p in site.getsitepackages() + [site.getusersitepackages()])]
         if not any(root == r.resolve() for r in reach if r.exists()):
-            raise ModelError(f"psgd.launch: the job's processes start in {Path.cwd()} and import {name} by name, "
-                             f"but its module is in {root}: run from that folder, or add it to PYTHONPATH")
+            raise error(f"psgd.launch: the job's processes start in {Path.cwd()} and import {name} by name, but its "
+                        f"module is in {root}: run from that folder, or add it to PYTHONPATH")
     return name
 
 

@@ -134,6 +134,7 @@ class Job:
     plan: PartitionPlan
     dataset: datasets.Dataset | None = None  # None: a role that never sees the data (a shard, an export)
     device: backend.Device | None = None     # None: a role that computes nothing on a device
+    augment: Any = None                      # what each training batch goes through ([train] augment), if anything
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -191,10 +192,10 @@ def check_optimizer(config: JobConfig) -> None:
 
 
 def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False,
-              model: Any = None) -> Job:
+              model: Any = None, augment: Any = None) -> Job:
     """A trainer's job: the dataset loaded, the device opened, the model built (errors are one line each).
-    ``dataset`` and ``model`` (a model, or its class built here with the job's options): a caller's own objects
-    instead of the ones the job file names (:func:`psgd.train`).
+    ``dataset``, ``model`` (a model, or its class built here with the job's options) and ``augment`` (a function):
+    a caller's own objects instead of the ones the job file names (:func:`psgd.train`).
 
     With ``check`` (every trainer, not the shards), the model is first checked on a small random batch
     (:func:`psgd.model.check_model`): a model that would fail mid-training fails here, one line per fault.
@@ -212,7 +213,12 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
                            name=config.model["name"], options=config.options("model"), device=device,
                            id_shape=dataset.id_shape)
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
-    return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device)
+    if augment is None and config.train.augment:
+        from psgd.data.ahead import load_augment
+
+        augment = load_augment(config.train.augment)
+    return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device,
+               augment=augment)
 
 
 def describe_job(config: JobConfig, model: models.Model | None = None) -> Job:

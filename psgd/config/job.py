@@ -31,6 +31,8 @@ class TrainConfig:
     eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
     graphs: bool = True  # on a GPU, steps replayed as a CUDA graph where the model allows (psgd train: updates too)
     threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.compute.threads)
+    prefetch: bool = True  # rows read from disk (npy:DIR): the next batch gathered on a thread while a step computes
+    augment: str = ""  # package.module:function called on each training batch on the host, f(x, y, rng) -> (x, y)
 
 
 #: Ranges that work, (lowest, highest), of the integer keys: beyond them a job would exhaust memory or time
@@ -181,7 +183,10 @@ class JobConfig:
                 raise ConfigError(f"{src}: [{section}] needs a name (a string)")
         t = self.train
         check_ints(src, "train", t, _INT_KEYS)
-        check_bools(src, "train", t, ("eval_beside", "graphs"))
+        check_bools(src, "train", t, ("eval_beside", "graphs", "prefetch"))
+        if not isinstance(t.augment, str) or t.augment and ":" not in t.augment:
+            raise ConfigError(f"{src}: [train] augment must name a function as package.module:function, got "
+                              f"{t.augment!r}")
         if t.dtype not in DTYPES:
             raise ConfigError(f"{src}: [train] dtype must be one of {DTYPES}, got {t.dtype!r}")
         if not isinstance(t.device, str):

@@ -77,14 +77,15 @@ def train_local(
     *,
     dataset: datasets.Dataset | None = None,
     model: Any = None,
+    augment: Any = None,
     progress: bool = True,
     metrics_path: str | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoopResult:
-    """Train in one process; the result holds the final weights and their test accuracy.  ``dataset`` and
-    ``model`` (a model or its class): a caller's own, instead of the job file's; ``on_step`` hears of every step
-    (see :func:`psgd.training.loop.run_loop`)."""
-    job = build_job(config, dataset, check=True, model=model)
+    """Train in one process; the result holds the final weights and their test accuracy.  ``dataset``, ``model``
+    (a model or its class) and ``augment`` (a function): a caller's own, instead of the job file's; ``on_step``
+    hears of every step (see :func:`psgd.training.loop.run_loop`)."""
+    job = build_job(config, dataset, check=True, model=model, augment=augment)
     t = config.train
     spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
     log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),

@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
+from psgd.data.ahead import Ahead
 from psgd.compute import graphs
 from psgd import model as models
 from psgd.compute import backend
@@ -251,6 +252,9 @@ def run_loop(
                                       batch_size=t.batch_size, seed=t.seed)
     spe = batches.steps_per_epoch
     total = spe * t.epochs
+    # rows read from disk (npy:DIR): the next batch's gathered on a thread while a step computes
+    rows = Ahead(ds.x_train, ds.y_train, on=t.prefetch and type(ds.x_train) is not np.ndarray, augment=job.augment,
+                 seed=(t.seed, rank))
     if evaluate_every is None:
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)
@@ -297,6 +301,11 @@ def run_loop(
 
     beside = _BackgroundEvaluator(evaluation) if t.eval_beside else None
 
+    def rows_of(later: int) -> np.ndarray:
+        """The rows of step ``later``'s batch (this epoch's, or the next's)."""
+        epoch, i = divmod(later, spe)
+        return (indices if epoch == cached_epoch else batches.indices(epoch))[i]
+
     def _went_back(back: ResumeFromStep, step: int) -> int:
         metrics.write("rewound", clock=back.clock, at=step)
         bar.update(back.clock - step)
@@ -327,6 +336,9 @@ def run_loop(
                     if epoch != cached_epoch:  # the epoch's permutation, once per epoch rather than per step
                         cached_epoch, indices = epoch, batches.indices(epoch)
                     idx = indices[i]
+                    x, y = rows.take(step, idx)  # (gathered ahead, or now: in none of the step's parts below)
+                    if rows.on and step + 1 < total:
+                        rows.ahead(step + 1, rows_of(step + 1))
                     began = time.perf_counter()
                     params = exchange.weights(step, model.lookups(ds.ids_train[idx]) if looks_up else None)
                     fetched = time.perf_counter()
@@ -337,16 +349,13 @@ def run_loop(
                         evaluation(params, step, float(loss))
                     if draws:  # a step of random masks (dropout): its own seed, the same again for the same step
                         handing["seed"] = (draws * 1_000_033 + step) & 0x7FFFFFFF
-                    loss, grads = gradient(params, device.asarray(ds.x_train[idx]), device.asarray(ds.y_train[idx]),
-                                           **handing)
+                    loss, grads = gradient(params, device.asarray(x), device.asarray(y), **handing)
                     computed = time.perf_counter()
                     loss = float(loss)  # on a GPU: waits for the step's kernels
                     synced = time.perf_counter()
                     judged(guard.step(step, epoch, loss))
                     if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
-                        after_epoch, after = divmod(step + 1, spe)
-                        later = indices if after_epoch == epoch else batches.indices(after_epoch)
-                        exchange.ahead(step + 1, model.lookups(ds.ids_train[later[after]]))
+                        exchange.ahead(step + 1, model.lookups(ds.ids_train[rows_of(step + 1)]))
                     out = exchange.exchange(step, grads)
                     exchanged = time.perf_counter()
                     pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0
@@ -375,6 +384,7 @@ def run_loop(
             log.info("%s: stopping at step %d as asked (%s); the next start continues from here",
                      exchange.name, step, exc)
         finally:
+            rows.close()
             if beside is not None:
                 beside.close()
         summary = exchange.end(interrupted)

@@ -26,6 +26,7 @@ import numpy as np
 
 from psgd import data as datasets
 from psgd.config import JobConfig
+from psgd.data.ahead import Ahead
 from psgd.errors import InputError
 from psgd.job import Job, build_job
 from psgd.observe.progress import MetricsLog
@@ -56,6 +57,7 @@ class Worker:
         self.steps = self._batches.steps_per_epoch * t.epochs
         self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
         self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
+        self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment, seed=(t.seed, rank))
         self.clock = self._exchange.begin()
         self._began, self._closed = time.perf_counter(), False
 
@@ -79,9 +81,8 @@ class Worker:
         epoch, i = divmod(step, self._batches.steps_per_epoch)
         if self._epoch[0] != epoch:
             self._epoch = (epoch, self._batches.indices(epoch))
-        idx = self._epoch[1][i]
-        ds = self.job.dataset
-        return self.device.asarray(ds.x_train[idx]), self.device.asarray(ds.y_train[idx])
+        x, y = self._rows.take(step, self._epoch[1][i])  # augmented as the job says, as psgd's own loop does
+        return self.device.asarray(x), self.device.asarray(y)
 
     def pull(self) -> Mapping[str, Any]:
         """The weights to compute the step in hand with (on the job's device), as the policy gives them: under

@@ -137,3 +137,34 @@ def test_the_job_files_model_and_data_hold_unless_others_are_given(tmp_path):
     assert sorted(result.weights) == ["dense0/W", "dense0/b"] and result.steps == 200 // 32
     assert sorted(psgd.train("mlp", job=job, epochs=1, model_options={"hidden": [4]}).weights) == [
         "dense0/W", "dense0/b", "dense1/W", "dense1/b"]
+
+
+def flip(x, y, rng):
+    """An augmentation: each example's features reversed, where a coin says so."""
+    flips = rng.random(len(x)) < 0.5
+    x = x.copy()
+    x[flips] = x[flips, ::-1]
+    return x, y
+
+
+def test_an_augmentation_sees_every_training_batch_seeded_by_the_step(monkeypatch):
+    seen = []
+
+    def counted(x, y, rng):
+        seen.append((x.shape, rng.bit_generator.state["state"]["state"]))  # (its seed, not a draw from it)
+        return flip(x, y, rng)
+
+    data = Blobs(300)
+    runs = [psgd.train(Small, data, epochs=2, dtype="float64", augment=f) for f in (counted, flip, None)]
+    assert len(seen) == runs[0].steps == 2 * (240 // 32) and {shape for shape, _ in seen} == {(32, 4)}
+    assert len({draw for _, draw in seen}) == len(seen)  # a generator of its own for each step
+    for name, w in runs[0].weights.items():  # the same step augmented the same way again
+        np.testing.assert_array_equal(w, runs[1].weights[name])
+    assert any(not np.array_equal(w, runs[2].weights[name]) for name, w in runs[0].weights.items())
+    by_name = psgd.train(Small, data, epochs=2, dtype="float64", augment="test_api:flip")
+    for name, w in runs[0].weights.items():
+        np.testing.assert_array_equal(w, by_name.weights[name])
+    with pytest.raises(DataError, match="must return \\(x, y\\) of the shapes it was given"):
+        psgd.train(Small, data, epochs=1, augment=lambda x, y, rng: (x[:1], y))
+    with pytest.raises(ConfigError, match="augment must name a function as package.module:function"):
+        psgd.train(Small, data, epochs=1, augment="flip")

@@ -55,3 +55,29 @@ def test_what_npy_folders_refuse(tmp_path):
         load_dataset(f"npy:{tmp_path}", dtype="float64")
     with pytest.raises(DataError, match="not a folder"):
         load_dataset(f"npy:{tmp_path / 'nowhere'}")
+
+
+def test_batches_gathered_ahead_train_exactly_as_batches_gathered_in_the_step(tmp_path):
+    import psgd
+
+    folder_of(tmp_path, pieces=2, dtype=np.float64)
+    runs = [psgd.train("mlp", f"npy:{tmp_path}", epochs=2, dtype="float64", batch_size=16, prefetch=on,
+                       model_options={"hidden": [8]}) for on in (True, False)]
+    assert runs[0].steps == 2 * (70 // 16)
+    for name, w in runs[0].weights.items():
+        np.testing.assert_array_equal(w, runs[1].weights[name])
+
+
+def test_a_batch_gathered_ahead_is_taken_by_its_own_step_only():
+    from psgd.data.ahead import Ahead
+
+    x, y = np.arange(20.0).reshape(10, 2), np.arange(10)
+    rows = Ahead(x, y, on=True)
+    try:
+        rows.ahead(5, np.array([1, 2]))
+        got = rows.take(4, np.array([7, 8]))  # a step that went back: its own rows, not the ones gathered ahead
+        np.testing.assert_array_equal(got[1], [7, 8])
+        rows.ahead(6, np.array([3, 9]))
+        np.testing.assert_array_equal(rows.take(6, np.array([3, 9]))[0], x[[3, 9]])
+    finally:
+        rows.close()
