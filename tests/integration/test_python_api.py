@@ -112,3 +112,18 @@ def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
+
+
+def test_the_data_pages_augmentation_runs_by_name_in_a_launchs_workers(tmp_path):
+    page = (ROOT / "docs" / "howto" / "your-data.md").read_text(encoding="utf-8")
+    (tmp_path / "augment.py").write_text(re.search(r"```python\n(# augment.py.*?)```", page, re.S).group(1))
+    (command,) = re.findall(r"^psgd launch (--set train.augment=.*)$", page, flags=re.M)
+    common = ["--epochs", "2", "--workers", "2", "--shards", "1", "--json"]
+    losses = []
+    for run, flags in (("shifted", command.split()), ("plain", [])):
+        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", *flags, *common, "--run-dir", run],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(json.loads(done.stdout.splitlines()[-1])["test_loss"])
+    assert 'augment = "augment:shift"' in (tmp_path / "shifted" / "job.toml").read_text()
+    assert losses[0] != losses[1]  # sync is deterministic: the workers' batches were shifted
