@@ -107,7 +107,8 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
     ``model_options``), or a model itself; by default the job's (``mlp`` without a job file).  ``data``: a
     dataset's name (``"digits"``, ``"npz:FILE"``), a :class:`psgd.data.Dataset`, a pair of arrays ``(x, y)``, or
-    any map-style dataset (``len(d)``, ``d[i]`` -> ``(x, y)``); by default the job's (``digits`` without a job
+    any map-style dataset (``len(d)``, ``d[i]`` -> ``(x, y)``) or iterable factory (a function returning an
+    iterator of ``(x, y)``); by default the job's (``digits`` without a job
     file).  ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
     ``progress``: a progress bar on stderr (by default where stderr is a terminal); ``metrics``: a JSON-lines
     file of every step and evaluation; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with

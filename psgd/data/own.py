@@ -1,5 +1,6 @@
-"""A user's own data as a :class:`~psgd.data.Dataset`: arrays, or any map-style dataset (``len(d)`` examples,
-``d[i]`` the i-th as ``(x, y)``), as PyTorch's ``Dataset`` is.
+"""A user's own data as a :class:`~psgd.data.Dataset`: arrays, any map-style dataset (``len(d)`` examples,
+``d[i]`` the i-th as ``(x, y)``), as PyTorch's ``Dataset`` is, or an iterable factory (a function that returns a
+new iterator over the ``(x, y)`` pairs each time it is called, as a generator function does).
 
 The examples are read once, in order, into arrays on the host: the whole of it must fit in memory.  Inputs become
 the job's float dtype; labels are integer classes from 0.  Without a held-out part of its own, a fixed share of
@@ -17,7 +18,8 @@ from psgd.data.base import DataError, Dataset, check_test_fraction, float_dtype,
 
 def dataset_from(data: Any, test: Any = None, *, test_fraction: float = 0.2, num_classes: int | None = None,
                  dtype: Any = "float32", name: str | None = None) -> Dataset:
-    """``data`` as a :class:`Dataset`: a ``Dataset`` as it is; a pair of arrays ``(x, y)``; a map-style dataset.
+    """``data`` as a :class:`Dataset`: a ``Dataset`` as it is; a pair of arrays ``(x, y)``; a map-style dataset;
+    an iterable factory.
 
     ``test``: the held-out examples, in the same forms (else ``test_fraction`` of ``data`` is held out).
     ``num_classes``: the number of classes (else the largest label + 1).  ``name``: what logs call it (else the
@@ -49,30 +51,31 @@ def dataset_from(data: Any, test: Any = None, *, test_fraction: float = 0.2, num
 
 
 def _name_of(data: Any) -> str:
-    return "arrays" if isinstance(data, (tuple, list)) else type(data).__name__
+    if isinstance(data, (tuple, list)):
+        return "arrays"
+    return getattr(data, "__name__", None) or type(data).__name__
 
 
 def _arrays(data: Any, label: str, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, labels) of ``data``: a pair of arrays, or a map-style dataset read example by example."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(a, "shape") for a in data):
         x, y = np.asarray(data[0]), np.asarray(data[1])
-    elif hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        n = len(data)
-        if n == 0:
-            raise DataError(f"{label}: has no examples")
+    elif (hasattr(data, "__len__") and hasattr(data, "__getitem__")) or callable(data):
+        examples = (data[i] for i in range(len(data))) if hasattr(data, "__getitem__") else iter(data())
         xs, ys = [], []
-        for i in range(n):
-            example = data[i]
+        for i, example in enumerate(examples):
             if not (isinstance(example, (tuple, list)) and len(example) == 2):
                 raise DataError(f"{label}[{i}] must be a pair (x, y), got {type(example).__name__}")
             xs.append(np.asarray(example[0]))
             ys.append(example[1])
             if xs[-1].shape != xs[0].shape:
                 raise DataError(f"{label}[{i}]: x has shape {xs[-1].shape}, the first example's is {xs[0].shape}")
+        if not xs:
+            raise DataError(f"{label}: has no examples")
         x, y = np.stack(xs), np.asarray(ys)
     else:
-        raise DataError(f"{label}: give a pair of arrays (x, y), or a dataset with __len__ and __getitem__ giving "
-                        f"(x, y); got a {type(data).__name__}")
+        raise DataError(f"{label}: give a pair of arrays (x, y), a dataset with __len__ and __getitem__ giving "
+                        f"(x, y), or a function returning an iterator of (x, y); got a {type(data).__name__}")
     if x.ndim < 2:
         raise DataError(f"{label}: inputs must have shape (n, features...), got {x.shape}")
     if x.dtype.kind not in "biuf":

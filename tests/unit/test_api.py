@@ -168,3 +168,18 @@ def test_an_augmentation_sees_every_training_batch_seeded_by_the_step(monkeypatc
         psgd.train(Small, data, epochs=1, augment=lambda x, y, rng: (x[:1], y))
     with pytest.raises(ConfigError, match="augment must name a function as package.module:function"):
         psgd.train(Small, data, epochs=1, augment="flip")
+
+
+def test_an_iterable_factory_is_read_as_the_examples_it_yields():
+    blobs = Blobs(300)
+
+    def examples():
+        for i in range(len(blobs)):
+            yield blobs.x[i], blobs.y[i]
+
+    from_factory, from_map = dataset_from(examples), dataset_from(blobs)
+    assert from_factory.name == "examples" and from_factory.n_train == 240
+    np.testing.assert_array_equal(from_factory.x_train, from_map.x_train)
+    np.testing.assert_array_equal(from_factory.y_test, from_map.y_test)
+    with pytest.raises(DataError, match="nothing: has no examples"):
+        dataset_from(lambda: iter(()), name="nothing")
