@@ -27,6 +27,7 @@ import logging
 import os
 import site
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -47,7 +48,8 @@ class Result:
     test_accuracy); ``weights``, the final weights on the host by variable name; ``steps``, the steps psgd.train
     made (None from a launch, whose workers made theirs each); ``run_dir``, a launch's run folder (logs, metrics,
     TensorBoard files, checkpoints); ``saved``, the ``.npz`` file the weights were written to; ``divergence``,
-    what the divergence guard saw where it saw a run that was not training."""
+    what the divergence guard saw where it saw a run that was not training; ``checkpoint``, where a stopped
+    psgd.train left its state (None: it ran to its end)."""
 
     test_accuracy: float
     test_loss: float
@@ -58,6 +60,7 @@ class Result:
     run_dir: str | None = None
     saved: str | None = None
     divergence: dict | None = None
+    checkpoint: str | None = None
 
 
 def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings: Mapping[str, Any] | None = None,
@@ -101,31 +104,36 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
 def train(model: Any = None, data: Any = None, *, job: Any = None, model_options: Mapping[str, Any] | None = None,
           test: Any = None, settings: Mapping[str, Any] | None = None, progress: bool | None = None,
           metrics: str | None = None, save: str | None = None,
-          on_step: Callable[[dict[str, Any]], None] | None = None, **keys: Any) -> Result:
+          on_step: Callable[[dict[str, Any]], None] | None = None, checkpoint: str | None = None,
+          resume: str | None = None, stop: threading.Event | None = None, **keys: Any) -> Result:
     """Train in this process, as ``psgd train``: the reference every other mode is measured against.
 
     ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
     ``model_options``), or a model itself; by default the job's (``mlp`` without a job file).  ``data``: a
     dataset's name (``"digits"``, ``"npz:FILE"``), a :class:`psgd.data.Dataset`, a pair of arrays ``(x, y)``, or
     any map-style dataset (``len(d)``, ``d[i]`` -> ``(x, y)``) or iterable factory (a function returning an
-    iterator of ``(x, y)``); by default the job's (``digits`` without a job
-    file).  ``test``: its held-out examples, in the same forms (else a fixed fifth of each class).
+    iterator of ``(x, y)``); by default the job's (``digits`` without a job file).  ``test``: its held-out
+    examples, in the same forms (else a fixed fifth of each class).
     ``progress``: a progress bar on stderr (by default where stderr is a terminal); ``metrics``: a JSON-lines
     file of every step and evaluation; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with
     each step's record.  ``augment=f``: each training batch goes through ``f(x, y, rng) -> (x, y)`` on the host
-    (a function, or its name as ``package.module:function``; psgd.launch's processes import it by name)."""
+    (a function, or its name as ``package.module:function``; psgd.launch's processes import it by name).
+    ``stop`` (an event another thread may set): the step in hand is finished and the run ends early; its state
+    (weights, optimizer, step) is then written to ``checkpoint`` (a ``.npz`` file), and ``resume=`` that file goes
+    on from there, ending with the weights an unstopped run ends with."""
     augment = keys.pop("augment") if callable(keys.get("augment")) else None  # a function: this process's own
     config, own_model, dataset = _resolve(job, model, data, model_options, test, settings, keys)
     from psgd.training.local import train_local
 
     result = train_local(config, dataset=dataset, model=own_model, augment=augment, progress=_bar(progress),
-                         metrics_path=metrics, on_step=on_step)
+                         metrics_path=metrics, on_step=on_step, keep=checkpoint, resume=resume, stop=stop)
     if save:
         from psgd.export.weights import save_weights
 
         save_weights(save, result.params)
     return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
-                  result.steps, saved=save or None, divergence=result.divergence)
+                  result.steps, saved=save or None, divergence=result.divergence,
+                  checkpoint=result.summary.get("kept"))
 
 
 def launch(model: Any = None, data: Any = None, *, job: Any = None,

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_arguments(train)
     train.add_argument("--metrics", metavar="FILE.jsonl", help="append evaluation points as JSON lines to FILE")
     train.add_argument("--save", metavar="FILE.npz", help="save the final weights (plain .npz, no pickle)")
+    train.add_argument("--checkpoint", metavar="FILE.npz",
+                       help="where a run stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP leaves its state: weights, "
+                            "optimizer and step (plain .npz); it says where as it stops (default: nowhere)")
+    train.add_argument("--resume", metavar="FILE.npz",
+                       help="go on from the state a stopped run left in FILE (the same job: model, data, "
+                            "optimizer, dtype, batch size and seed), ending with the weights an unstopped run ends "
+                            "with; stopped again, it leaves its state there (or in --checkpoint)")
     add_progress_argument(train)
     train.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_divergence_argument(train)
@@ -359,10 +366,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import psgd
 
+    import signal
+    import threading
+
+    from psgd.worker.stop import STOP_SIGNALS
+
     setup_logging("local", verbosity(args), args.log_file)
     config = job_from_args(args)
     start_process(config)
-    result = psgd.train(job=config, progress=shows_progress(args), metrics=args.metrics, save=args.save)
+    stop, heard = threading.Event(), []
+    for signum in STOP_SIGNALS:  # the step in hand is finished, the state kept (--checkpoint), then the end
+        signal.signal(signum, lambda signum, frame: (heard.append(signum), stop.set()))
+    result = psgd.train(job=config, progress=shows_progress(args), metrics=args.metrics, save=args.save,
+                        checkpoint=args.checkpoint, resume=args.resume, stop=stop)
+    if heard:
+        name = signal.Signals(heard[0]).name
+        kept = (f"its state is in {result.checkpoint}: psgd train --resume {result.checkpoint} goes on from there"
+                if result.checkpoint else "its state is not kept (--checkpoint FILE keeps it)")
+        print(f"psgd train: stopped by {name} after {result.steps} step(s); {kept}", file=sys.stderr)
+        return 128 + heard[0]
     summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
                "steps": result.steps, "seconds": round(result.seconds, 3),
                "diverged": result.divergence is not None, "divergence": result.divergence}

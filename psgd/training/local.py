@@ -8,7 +8,10 @@ workers with batch B must end where this ends with batch N*B).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import threading
 from typing import Any, Callable, Mapping
 
@@ -16,7 +19,7 @@ import numpy as np
 
 from psgd import data as datasets
 from psgd.compute import backend
-from psgd.config import JobConfig
+from psgd.config import ConfigError, JobConfig
 from psgd.job import Job, build_job, params_to_device
 from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.model.table import Rows
@@ -33,12 +36,56 @@ class LocalExchange(Exchange):
     role = name = "local"
     trains_tables = True
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, keep: str | None = None, resume: str | None = None):
         self.params = params_to_device(job.model.init(job.config.train.seed), job.device)
         self.optimizer = job.optimizer()
         self.device = job.device
         self.tables = job.row_tables()
         self._tables_lock = threading.Lock()  # an evaluation beside training reads them too
+        #: where a stopped run leaves its state (None: nowhere), and the state it goes on from (None: the start)
+        self.keep, self.resume, self.step = keep, resume, 0
+        if (keep or resume) and self.tables:
+            raise ConfigError("psgd train keeps no state of a model's embedding tables yet: run it without "
+                              "--checkpoint and --resume, or with psgd launch (its shards keep them)")
+        self.job_name = hashlib.sha256(json.dumps(
+            {"plan": job.plan.hash, "optimizer": job.config.optimizer, "dtype": job.config.train.dtype,
+             "batch_size": job.config.train.batch_size, "seed": job.config.train.seed, "model": job.config.model,
+             "data": job.config.data}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def begin(self) -> int:
+        self.step = self._restore(self.resume) if self.resume else 0  # (each run of the loop starts afresh)
+        if self.resume:
+            log.info("going on from step %d, as %s left it", self.step, self.resume)
+        return self.step
+
+    def _restore(self, path: str) -> int:
+        """The weights, the optimizer's state and the step of the checkpoint at ``path``, checked to be this job's."""
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                arrays = {k: saved[k] for k in saved.files}
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--resume {path}: cannot be read as psgd train's checkpoint ({exc})") from None
+        made_by = str(arrays.get("job", ""))
+        if made_by != self.job_name:
+            raise ConfigError(f"--resume {path}: it is the state of another job (made by {made_by or 'no job'}, "
+                              f"this job is {self.job_name}): the model, data, optimizer, dtype, batch size and "
+                              "seed must be the ones it was made with")
+        for name, value in self.params.items():
+            self.params[name][...] = self.device.asarray(arrays[f"w:{name}"])
+        self.optimizer.load_state_dict({k[2:]: v for k, v in arrays.items() if k.startswith("o:")}, self.device)
+        return int(arrays["step"])
+
+    def _save(self, path: str) -> None:
+        """This run's state at ``path``, whole or not at all (written aside, synced, then renamed)."""
+        arrays = {f"w:{name}": backend.to_host(value) for name, value in self.params.items()}
+        arrays.update({f"o:{k}": v for k, v in self.optimizer.state_dict().items()})
+        arrays.update(step=np.array(self.step, dtype=np.int64), job=np.array(self.job_name))
+        aside = f"{path}.writing"
+        with open(aside, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(aside, path)
 
     def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
         return {**self.params, **self._rows(lookups, make=True)} if lookups else self.params
@@ -62,9 +109,15 @@ class LocalExchange(Exchange):
                     self.tables[name].apply(grad.ids, backend.to_host(grad.values))
             else:
                 self.optimizer.update(name, self.params[name], grad)
+        self.step = step + 1
         return Exchanged(step + 1)
 
     def end(self, interrupted: bool) -> dict[str, Any]:
+        if interrupted and self.keep:
+            self._save(self.keep)
+            log.info("stopped at step %d; its state is in %s (psgd train --resume %s goes on from there)",
+                     self.step, self.keep, self.keep)
+            return {"kept": self.keep}
         return {"tables": {name: table.status() for name, table in self.tables.items()}} if self.tables else {}
 
     def final_weights(self) -> Mapping[str, Any]:
@@ -81,13 +134,19 @@ def train_local(
     progress: bool = True,
     metrics_path: str | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    keep: str | None = None,
+    resume: str | None = None,
+    stop: threading.Event | None = None,
 ) -> LoopResult:
     """Train in one process; the result holds the final weights and their test accuracy.  ``dataset``, ``model``
     (a model or its class) and ``augment`` (a function): a caller's own, instead of the job file's; ``on_step``
-    hears of every step (see :func:`psgd.training.loop.run_loop`)."""
+    hears of every step (see :func:`psgd.training.loop.run_loop`).  ``stop`` set: the step in hand is finished and
+    the run ends, its state (weights, optimizer, step) written to ``keep`` where given, which ``resume`` (a path)
+    goes on from; the result's ``summary["kept"]`` says where it is."""
     job = build_job(config, dataset, check=True, model=model, augment=augment)
     t = config.train
     spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
     log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),
              spe * t.epochs, t.batch_size, job.device)
-    return run_loop(job, LocalExchange(job), progress=progress, metrics_path=metrics_path, on_step=on_step)
+    exchange = LocalExchange(job, keep=keep or resume, resume=resume)
+    return run_loop(job, exchange, progress=progress, metrics_path=metrics_path, on_step=on_step, stop=stop)

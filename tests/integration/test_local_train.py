@@ -117,3 +117,30 @@ def test_cli_job_file_and_help(tmp_path):
                                capture_output=True, text=True, timeout=60, check=True).stdout
     for flag in ("--config", "--model", "--dataset", "--set", "--device", "--metrics"):
         assert flag in help_text
+
+
+def test_ctrl_c_leaves_psgd_trains_state_where_it_says_and_resume_ends_where_an_unstopped_run_ends(tmp_path):
+    import signal
+    import time
+
+    argv = [sys.executable, "-m", "psgd.cli.main", "train", "--epochs", "60", "--dtype", "float64", "--json"]
+    whole = subprocess.run([*argv, "--save", "whole.npz"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    stopped = subprocess.Popen([*argv, "--checkpoint", "state.npz", "--metrics", "m.jsonl"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text().count('"step"') > 20):
+        assert time.monotonic() < deadline and stopped.poll() is None, "psgd train took no step"
+        time.sleep(0.02)
+    stopped.send_signal(signal.SIGINT)
+    _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 128 + signal.SIGINT, err
+    assert "psgd train: stopped by SIGINT after" in err and "its state is in state.npz: psgd train --resume " \
+        "state.npz goes on from there" in err
+    resumed = subprocess.run([*argv, "--resume", "state.npz", "--save", "resumed.npz"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    with np.load(tmp_path / "whole.npz") as a, np.load(tmp_path / "resumed.npz") as b:
+        for name in a.files:
+            np.testing.assert_array_equal(a[name], b[name])  # bitwise

@@ -183,3 +183,22 @@ def test_an_iterable_factory_is_read_as_the_examples_it_yields():
     np.testing.assert_array_equal(from_factory.y_test, from_map.y_test)
     with pytest.raises(DataError, match="nothing: has no examples"):
         dataset_from(lambda: iter(()), name="nothing")
+
+
+def test_a_run_stopped_halfway_and_resumed_ends_with_the_weights_of_one_never_stopped(tmp_path):
+    import threading
+
+    job = dict(epochs=4, dtype="float64", optimizer="adam", lr=0.01, model_options={"hidden": [8]})
+    whole = psgd.train("mlp", Blobs(), **job)
+    stop, kept = threading.Event(), tmp_path / "state.npz"
+    halted = psgd.train("mlp", Blobs(), **job, checkpoint=str(kept), stop=stop,
+                        on_step=lambda point: point["clock"] == 12 and stop.set())
+    assert halted.checkpoint == str(kept) and halted.steps == 13 < whole.steps
+    with np.load(kept, allow_pickle=False) as saved:
+        assert int(saved["step"]) == 13
+    resumed = psgd.train("mlp", Blobs(), **job, resume=str(kept))
+    assert resumed.steps == whole.steps - 13 and resumed.checkpoint is None
+    for name, w in whole.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], w)  # bitwise
+    with pytest.raises(ConfigError, match="it is the state of another job"):
+        psgd.train("mlp", Blobs(), **{**job, "lr": 0.02}, resume=str(kept))
