@@ -302,14 +302,15 @@ def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
 REWRITE = r"""
 import json, sys, threading
 import numpy as np
-from psgd.config import JobConfig
+from psgd.config import Deadlines, JobConfig, Links
 from psgd.job import describe_job
 from psgd.worker.client import PSClient, PSError
 job = JobConfig.load(sys.argv[1])
 plan = describe_job(job).plan
 zeros = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
 got, stop = {"applied": 0, "refused": 0, "errors": []}, threading.Event()
-with PSClient([sys.argv[2]], plan, 1, request_timeout=10, transport="shm", config=job, token=sys.argv[4]) as client:
+with PSClient([sys.argv[2]], plan, 1, deadlines=Deadlines(request_timeout=10), links=Links(transport="shm"),
+              config=job, token=sys.argv[4]) as client:
     client.register()
     client.push(0, zeros)
     link = client.links[0]
