@@ -3,7 +3,9 @@ the step in hand computes where the rows are read from disk (``npy:DIR``), so th
 nothing unless it takes longer than the step.
 
 Rows held in memory are gathered in the step itself: a thread's hand-over would cost a small step more than the
-gathering does.  An augmentation (``[train] augment``, ``package.module:function``) is called on each training
+gathering does.  While rows are gathered ahead, the interpreter offers the reading thread its turn every
+``SWITCH`` seconds (``sys.setswitchinterval``, put back after): at its default of 5 ms, a step's own Python kept
+the reader from starting its read until the step waited for it, and hid almost nothing (benchmarks/prefetch.py).  An augmentation (``[train] augment``, ``package.module:function``) is called on each training
 batch on the host, ``f(x, y, rng) -> (x, y)``, with a generator seeded by the job's seed, the worker's rank and the
 step: the same step is augmented the same way again, gathered ahead or not.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from concurrent import futures
 from typing import Any, Callable
 
@@ -20,6 +23,8 @@ import numpy as np
 from psgd.data.base import DataError
 
 Augment = Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]]
+#: seconds between the interpreter's offers of another thread's turn, while batches are gathered ahead
+SWITCH = 0.0005
 _NAMED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -47,6 +52,9 @@ class Ahead:
         self.x, self.y, self.augment, self.seed = x, y, augment, tuple(seed)
         self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="batch-ahead") if on else None
         self._next: tuple[int, futures.Future] | None = None  # (its step, its batch)
+        self._interval = sys.getswitchinterval()
+        if on:
+            sys.setswitchinterval(min(SWITCH, self._interval))
 
     @property
     def on(self) -> bool:
@@ -78,3 +86,4 @@ class Ahead:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            sys.setswitchinterval(self._interval)
