@@ -1,6 +1,6 @@
 """ProperDocs hooks (properdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
-drift (every command's flags, every job-file key and the Python API, from :mod:`psgd.cli.reference`), and benchmarks/RESULTS.md with
-the plots it shows, from where they live in the repository."""
+drift (every command's flags, every job-file key and the Python API, from :mod:`psgd.cli.reference`), and
+benchmarks/RESULTS.md with the plots it shows, from where they live in the repository."""
 
 from __future__ import annotations
 

@@ -247,7 +247,8 @@ def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataSha
     if data is None:
         data = datasets.describe_dataset(config.data["name"], dtype=dtype, **config.options("data"))
     return models.build_model(
-        config.model["name"] if model is None else model, data.input_shape, data.num_classes, dtype=dtype, id_shape=data.id_shape,
+        config.model["name"] if model is None else model, data.input_shape, data.num_classes, dtype=dtype,
+        id_shape=data.id_shape,
         **config.options("model")
     )
 

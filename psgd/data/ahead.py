@@ -5,9 +5,11 @@ nothing unless it takes longer than the step.
 Rows held in memory are gathered in the step itself: a thread's hand-over would cost a small step more than the
 gathering does.  While rows are gathered ahead, the interpreter offers the reading thread its turn every
 ``SWITCH`` seconds (``sys.setswitchinterval``, put back after): at its default of 5 ms, a step's own Python kept
-the reader from starting its read until the step waited for it, and hid almost nothing (benchmarks/prefetch.py).  An augmentation (``[train] augment``, ``package.module:function``) is called on each training
-batch on the host, ``f(x, y, rng) -> (x, y)``, with a generator seeded by the job's seed, the worker's rank and the
-step: the same step is augmented the same way again, gathered ahead or not.
+the reader from starting its read until the step waited for it, and hid almost nothing (benchmarks/prefetch.py).
+
+An augmentation (``[train] augment``, ``package.module:function``) is called on each training batch on the host,
+``f(x, y, rng) -> (x, y)``, with a generator seeded by the job's seed, the worker's rank and the step: the same
+step is augmented the same way again, gathered ahead or not.
 """
 
 from __future__ import annotations
