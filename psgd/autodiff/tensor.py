@@ -62,12 +62,13 @@ class Tensor:
     """An array on the tape.  ``requires_grad`` marks a leaf whose gradient :func:`backward` computes (a model's
     parameter); a tensor made by an operation needs a gradient when one of its inputs does."""
 
-    __slots__ = ("data", "node", "requires_grad", "grad", "name", "__weakref__")
+    __slots__ = ("data", "node", "requires_grad", "grad", "name", "pending", "__weakref__")
     __array_priority__ = 1000  # ndarray (op) Tensor goes to the tensor's reflected operator
 
     def __init__(self, data: Any, requires_grad: bool = False, name: str = "", node: Node | None = None):
         self.data, self.requires_grad, self.name, self.node = data, requires_grad, name, node
         self.grad: Any = None
+        self.pending: Any = None  # during backward: the gradient gathered so far
 
     # -- what the array is -----------------------------------------------------------------------------------
     shape = property(lambda self: self.data.shape)
@@ -125,32 +126,51 @@ def backward(loss: Tensor, grad: Any = None,
     if loss.node is None:
         _deliver(loss, first, on_grad)
         return
-    order, uses = _reached(loss)
-    grads: dict[int, Any] = {id(loss): first}
-    pop, get = grads.pop, grads.get
+    order, uses = _reached(loss, on_grad is not None)
+    loss.pending = first
+    reached: list[Tensor] = []  # the leaves a gradient reached, each once (the first time one did)
     while order:  # the loss first, each tensor after every node that uses it; none kept once done
         tensor = order.pop()
         (inputs, rule, _, _), tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
-        key = id(tensor)
         # the rule holds the only reference to its output's gradient, so that it can let go of it as it goes
-        out = rule(pop(key)) if key in grads else (None,) * len(inputs)
+        out = rule(_taken(tensor)) if tensor.pending is not None else (None,) * len(inputs)
         rule = None
         for x, gx in zip(inputs, out):
             if type(x) is not Tensor:
                 continue
-            key = id(x)
             if gx is not None:
-                had = get(key)
-                grads[key] = gx if had is None else had + gx
-            if x.node is None:  # a leaf (a tensor still to run has its node): is this its last use?
+                had = x.pending
+                if had is None:
+                    x.pending = gx
+                    if x.node is None:
+                        reached.append(x)
+                else:
+                    x.pending = had + gx
+            if uses is not None and x.node is None:  # on_grad: is this the leaf's last use?
+                key = id(x)
                 left = uses[key] - 1
                 uses[key] = left
-                if not left and key in grads and x.requires_grad:
-                    got = pop(key)
-                    x.grad = got if x.grad is None else x.grad + got
-                    if on_grad is not None:
-                        on_grad(x, x.grad)
+                if not left and x.pending is not None:
+                    _settle(x, on_grad)
         inputs = out = gx = None  # the next rule runs without this one's gradients held here
+    for leaf in reached:
+        if leaf.pending is not None:
+            _settle(leaf, None)
+
+
+def _taken(tensor: Tensor) -> Any:
+    """The gradient gathered for ``tensor``, which no longer holds it."""
+    got, tensor.pending = tensor.pending, None
+    return got
+
+
+def _settle(leaf: Tensor, on_grad: Callable[[Tensor, Any], None] | None) -> None:
+    """A leaf's gradient is complete: added to its ``grad`` where it requires one, and heard of."""
+    got, leaf.pending = leaf.pending, None
+    if leaf.requires_grad:
+        leaf.grad = got if leaf.grad is None else leaf.grad + got
+        if on_grad is not None:
+            on_grad(leaf, leaf.grad)
 
 
 def _seed(a: Any) -> Any:
@@ -177,22 +197,24 @@ def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None
         on_grad(leaf, leaf.grad)
 
 
-def _reached(loss: Tensor) -> tuple[list[Tensor], dict[int, int]]:
+def _reached(loss: Tensor, counted: bool) -> tuple[list[Tensor], dict[int, int] | None]:
     """The tensors made by nodes that ``loss`` depends on, latest made last (the loss, then each only after every
-    node that uses it, popped from the end: a node is made after its inputs), and how many uses of each leaf those
-    nodes make."""
-    order, uses, seen = [loss], {}, {id(loss)}
+    node that uses it, popped from the end: a node is made after its inputs), and, where ``counted``, how many uses
+    of each leaf those nodes make."""
+    order, seen = [loss], {id(loss)}
+    uses: dict[int, int] | None = {} if counted else None
     for tensor in order:  # grows as it goes: breadth first, no recursion however deep the chain
         for x in tensor.node[0]:
             if type(x) is not Tensor:
                 continue
-            key = id(x)
             if x.node is None:
-                uses[key] = uses.get(key, 0) + 1
-            elif key not in seen:
-                seen.add(key)
+                if uses is not None:
+                    uses[id(x)] = uses.get(id(x), 0) + 1
+            elif id(x) not in seen:
+                seen.add(id(x))
                 order.append(x)
-    order.sort(key=_made)
+    if len(order) > 1:
+        order.sort(key=_made)
     return order, uses
 
 

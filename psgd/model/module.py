@@ -76,6 +76,8 @@ class Binding:
     that thread, modules read their declarations from it (see :class:`_Declared`): a network predicting on
     one thread and training on another each see their own weights."""
 
+    __slots__ = ("values", "training", "leaves", "rows", "states", "moved", "seed", "draws", "_before")
+
     def __init__(self, training: bool, seed: int = 0):
         self.values: dict[tuple[int, str], Any] = {}
         self.training = training
@@ -273,6 +275,7 @@ class Network(Module, BaseModel):
             raise ModelError(f"{type(self).__name__}: dtype must be a float type such as float32 or float64 "
                              f"(got {dtype!r})")
         self.dtype = np.dtype(dtype).name
+        object.__setattr__(self, "_dtype", np.dtype(dtype))  # what inputs() casts to, parsed once
 
     def specs(self) -> list[VarSpec]:
         return [p.spec(name, self.dtype) for name, _, _, p in self.declared() if isinstance(p, Parameter)]
@@ -287,7 +290,7 @@ class Network(Module, BaseModel):
     def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
         """``x`` as an array of the weights' module and the network's dtype (what ``forward`` receives)."""
         first = next(iter(params.values()), x)
-        return get_array_module(getattr(first, "values", first)).asarray(x, dtype=self.dtype)
+        return get_array_module(getattr(first, "values", first)).asarray(x, dtype=self._dtype)
 
     @property
     def random_step(self) -> bool:
@@ -352,7 +355,7 @@ class Network(Module, BaseModel):
                 leaf.grad = get_array_module(leaf.data).zeros_like(leaf.data)
                 if heard is not None:
                     heard(leaf, leaf.grad)
-            grads[leaf.name] = rows[leaf.name].with_values(leaf.grad) if leaf.name in rows else leaf.grad
+            grads[leaf.name] = rows[leaf.name].with_values(leaf.grad) if rows and leaf.name in rows else leaf.grad
         for name, key in binding.states:  # what the step moved each state by (nothing: zeros)
             old = binding.values[key]
             new = binding.moved.get(key)

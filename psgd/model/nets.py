@@ -94,10 +94,17 @@ class LayeredModel(Network):
 
     def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
         x = super().inputs(params, x)
-        if x.ndim < 1 or math.prod(x.shape[1:]) != math.prod(self.input_shape):
+        shape = self.__dict__.get("_shape") or self._shape_of()
+        if x.ndim < 1 or math.prod(x.shape[1:]) != shape[0]:
             raise ModelError(f"{self.name}: expected inputs of shape (B, {', '.join(map(str, self.input_shape))}), "
                              f"got {tuple(x.shape)}")
-        return x.reshape((x.shape[0],) + self.batch_shape())
+        return x.reshape((x.shape[0],) + shape[1])
+
+    def _shape_of(self) -> tuple[int, tuple[int, ...]]:
+        """(values in one input, its shape inside the net), worked out once."""
+        shape = (math.prod(self.input_shape), tuple(self.batch_shape()))
+        object.__setattr__(self, "_shape", shape)
+        return shape
 
     def forward(self, x: Any) -> Any:
         for module in self.chain:
