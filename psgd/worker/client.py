@@ -318,8 +318,10 @@ class PSClient:
         (``device``, as for :meth:`pull`): one round trip a step.  The replies, and the shards' versions, or None
         where some shard's weights did not come (the caller pulls then; the pushes stand).  A stop cuts the wait
         for the weights, never a push."""
-        self._pulling = True
+        self._pulling = True  # first: a stop from now on cuts the wait for the weights (_watch_stop)
         try:
+            if self._stopping():  # asked before (the watcher found nothing to cut): the push alone
+                return self.push(clock, grads), None
             answers = self._pushing(clock, grads, None, None, self._into(out),
                                     None if device is None else _flat(device))
         finally:

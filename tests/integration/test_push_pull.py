@@ -100,6 +100,32 @@ def test_under_sync_the_answer_waits_for_the_round_and_a_stop_cuts_only_that_wai
 
 
 @pytest.mark.parametrize("link", LINKS)
+def test_a_stop_that_came_while_the_worker_computed_cuts_its_next_wait_for_the_weights(link):
+    """The defect: a sync worker asked to stop while it computed (its client's watcher found no pull to cut) then
+    pushed its step and waited for a round its paused peer would never close, until the launcher killed it (a
+    launch stopped by SIGINT took 6.9 s, and lost that worker's clean exit).  Worker 1 keeps its place in the
+    round here (a long lease), so only a cut wait lets the push's call return."""
+    job = _job(link, "sync", 2, "cluster.lease_seconds=120")
+    with shards(job) as servers:
+        stop = threading.Event()
+        first, second = _client(job, 0, stop=stop), _client(job, 1)
+        try:
+            plan = first.plan
+            host, grads = _arrays(plan), _arrays(plan, 0.01)
+            first.pull(0, host)
+            stop.set()  # ... while it computes its step: nothing to cut yet
+            wait_for(lambda: not any(t.name == "ps-stop" for t in threading.enumerate()), 10,
+                     "the client's stop watcher to have looked for a pull")
+            with futures.ThreadPoolExecutor(1) as pool:
+                replies, versions = pool.submit(first.push_pull, 0, grads, host).result(timeout=20)
+            assert versions is None and {r.outcome for r in replies} == {"accumulated"}  # pushed, not waited
+            assert [s.core.round.bases for s in servers] == [[0], [0]]
+        finally:
+            first.close()
+            second.close()
+
+
+@pytest.mark.parametrize("link", LINKS)
 def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatch):
     """The defect: two round trips a step (a pull, then a push) where one does.  Under async a worker still pulls
     each step once its push is answered: weights read then are fresher than those read with the push."""
