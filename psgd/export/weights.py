@@ -31,7 +31,7 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
     path = Path(path)
     arrays = {}
     for name, value in weights.items():
-        array = np.ascontiguousarray(to_host(value))
+        array = np.asarray(to_host(value), order="C")  # (a 0-d array stays one: ascontiguousarray makes it 1-d)
         if array.dtype.hasobject:
             raise ExportError(f"variable {name} holds Python objects ({array.dtype}); only plain arrays are saved")
         arrays[str(name)] = array

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from typing import Any, Callable, Mapping
 
@@ -60,10 +59,12 @@ class LocalExchange(Exchange):
 
     def _restore(self, path: str) -> int:
         """The weights, the optimizer's state and the step of the checkpoint at ``path``, checked to be this job's."""
+        from psgd.export.shards import ExportError
+        from psgd.export.weights import read_npz
+
         try:
-            with np.load(path, allow_pickle=False) as saved:
-                arrays = {k: saved[k] for k in saved.files}
-        except (OSError, ValueError) as exc:
+            arrays = read_npz(path)
+        except ExportError as exc:
             raise ConfigError(f"--resume {path}: cannot be read as psgd train's checkpoint ({exc})") from None
         made_by = str(arrays.get("job", ""))
         if made_by != self.job_name:
@@ -76,16 +77,14 @@ class LocalExchange(Exchange):
         return int(arrays["step"])
 
     def _save(self, path: str) -> None:
-        """This run's state at ``path``, whole or not at all (written aside, synced, then renamed)."""
-        arrays = {f"w:{name}": backend.to_host(value) for name, value in self.params.items()}
+        """This run's state at ``path``, whole or not at all (as the weights are saved: written aside, synced, then
+        renamed)."""
+        from psgd.export.weights import save_weights
+
+        arrays = {f"w:{name}": value for name, value in self.params.items()}
         arrays.update({f"o:{k}": v for k, v in self.optimizer.state_dict().items()})
         arrays.update(step=np.array(self.step, dtype=np.int64), job=np.array(self.job_name))
-        aside = f"{path}.writing"
-        with open(aside, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(aside, path)
+        save_weights(path, arrays)
 
     def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
         return {**self.params, **self._rows(lookups, make=True)} if lookups else self.params
