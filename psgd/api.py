@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import os
 import site
@@ -164,9 +163,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
         from psgd.data.ahead import load_augment
 
         keys["augment"] = _importable(keys["augment"], "augmentation", load_augment, DataError)
-    own = data is not None and not isinstance(data, str)
-    if test is not None and not own:
-        raise ConfigError("test=: give it with your own data; a dataset named by its name has its own split")
+    own = _own_data(data, test)
     config, _, _ = _resolve(job, model, None if own else data, model_options, None, settings, keys)
     run = Path(run_dir) if run_dir else new_run_folder(mode)
     if own:
@@ -201,22 +198,24 @@ def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] |
     else:
         raise ModelError(f"model: give a name, a model class or a model (with {', '.join(MODEL_METHODS)}), "
                          f"not a {type(model).__name__}")
-    dataset, data_name = None, data
-    if not isinstance(data, str) and data is not None:
-        dataset, data_name = data, None
-    elif test is not None:
-        raise ConfigError("test=: give it with your own data; a dataset named by its name has its own split")
-    config = job_config(job, model=name, data=data_name, settings=settings, **keys)
-    if model_options:
-        for key, value in model_options.items():
-            config.override(f"model.{key}", value)
-        config.validate()
+    own = _own_data(data, test)
+    dataset, data_name = (data, None) if own else (None, data)
+    options = {f"model.{key}": value for key, value in (model_options or {}).items()}  # after the model's name
+    config = job_config(job, model=name, data=data_name, settings={**options, **(settings or {})}, **keys)
     if dataset is not None:
         from psgd.data import dataset_from
 
         dataset = dataset_from(dataset, test, dtype=config.train.dtype)
         config.override("data.name", f"own:{dataset.name}")
     return config, own_model, dataset
+
+
+def _own_data(data: Any, test: Any) -> bool:
+    """Whether ``data`` is the caller's own (not a dataset's name); ``test`` goes only with one's own."""
+    own = data is not None and not isinstance(data, str)
+    if test is not None and not own:
+        raise ConfigError("test=: give it with your own data; a dataset named by its name has its own split")
+    return own
 
 
 def _importable(obj: Any, what: str, load: Callable[[str], Any], error: type[Exception]) -> str:
@@ -262,15 +261,8 @@ def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
 
 def _history(run: Path, mode: str) -> list[dict[str, Any]]:
     """The evaluations the run's first worker (or rank 0) made, from its metrics lines."""
+    from psgd.launcher.result import read_records
+
     path = run / ("worker-0.jsonl" if mode == "ps" else "allreduce.jsonl")
-    out = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == "eval":
-                out.append({k: record[k] for k in ("step", "epoch", "wall", "train_loss", "test_loss",
-                                                   "test_accuracy") if k in record})
-    return out
+    return [{k: record[k] for k in ("step", "epoch", "wall", "train_loss", "test_loss", "test_accuracy") if k in record}
+            for record in read_records([path], 0.0) if record.get("event") == "eval"]
