@@ -57,7 +57,8 @@ class Worker:
         self.steps = self._batches.steps_per_epoch * t.epochs
         self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
         self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
-        self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment, seed=(t.seed, rank))
+        self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment,
+                           seed=(t.seed, rank))
         self.clock = self._exchange.begin()
         self._began, self._closed = time.perf_counter(), False
 
@@ -120,14 +121,11 @@ class Worker:
         interrupted = self.stopping or self.clock < self.steps
         try:
             if not interrupted:
-                while True:
-                    try:
-                        self._exchange.settle(self.clock)
-                        break
-                    except ResumeFromStep as back:  # the steps since the cut are the script's to take again
-                        self._went_back(back)
-                        interrupted = True
-                        break
+                try:
+                    self._exchange.settle(self.clock)
+                except ResumeFromStep as back:  # the steps since the cut are the script's to take again
+                    self._went_back(back)
+                    interrupted = True
             summary = self._exchange.end(interrupted)
             self._metrics.write("done", clock=self.clock, seconds=time.perf_counter() - self._began, **summary)
         finally:
