@@ -34,6 +34,7 @@ import numpy as np
 
 from psgd.config import ConfigError, JobConfig, TrainConfig
 from psgd.model.errors import ModelError
+from psgd.observe.progress import bar_wanted
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     config, own_model, dataset = _resolve(job, model, data, model_options, test, settings, keys)
     from psgd.training.local import train_local
 
-    result = train_local(config, dataset=dataset, model=own_model, augment=augment, progress=_bar(progress),
+    result = train_local(config, dataset=dataset, model=own_model, augment=augment, progress=bar_wanted(progress),
                          metrics_path=metrics, on_step=on_step, keep=checkpoint, resume=resume, stop=stop)
     if save:
         from psgd.export.weights import save_weights
@@ -170,15 +171,10 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
         config.override("data.name", _written(data, test, run, config.train.dtype))
         config.validate()
     save = save or str(run / "final.npz")
-    done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=_bar(progress),
+    done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
                    timeout=timeout, save=save, resume=resume)
     return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(save),
                   run_dir=str(run), saved=save, divergence=done.divergence)
-
-
-def _bar(progress: bool | None) -> bool:
-    """A progress bar: where asked for, by default where stderr is a terminal (not a file or a notebook's pipe)."""
-    return sys.stderr.isatty() if progress is None else bool(progress)
 
 
 def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,

@@ -194,7 +194,9 @@ def add_progress_argument(parser: argparse.ArgumentParser) -> None:
 
 def shows_progress(args: argparse.Namespace) -> bool:
     """Whether to draw a progress bar: not asked away, and stderr a terminal (a file or a pipe gets lines)."""
-    return not args.no_progress and sys.stderr.isatty()
+    from psgd.observe.progress import bar_wanted
+
+    return bar_wanted(False if args.no_progress else None)
 
 
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:

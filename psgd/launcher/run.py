@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
+from psgd.observe.progress import bar_wanted
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
                                   first_divergence, read_records)
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
@@ -278,7 +279,7 @@ def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
     """The flags of the process whose output the terminal shows: its bar and its warnings where stderr is a
     terminal, else its log lines (a bar's redraws would litter a file or a pipe); its whole log goes to ``log``
     either way (the file its stdout goes to)."""
-    return ["--log-file", str(log), *(["-q"] if sys.stderr.isatty() else [*log_flags, "--no-progress"])]
+    return ["--log-file", str(log), *(["-q"] if bar_wanted(None) else [*log_flags, "--no-progress"])]
 
 
 def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],

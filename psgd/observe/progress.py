@@ -15,6 +15,12 @@ from typing import Any, Iterator
 from tqdm import tqdm
 
 
+def bar_wanted(asked: bool | None) -> bool:
+    """Whether to draw a progress bar: as ``asked``, or (None) where stderr is a terminal (a file, a pipe or a
+    notebook's stream gets log lines instead)."""
+    return sys.stderr.isatty() if asked is None else bool(asked)
+
+
 @contextlib.contextmanager
 def progress_bar(total: int, desc: str, *, enabled: bool = True, position: int | None = None) -> Iterator[tqdm]:
     """A tqdm bar on stderr (a silent one when ``enabled`` is false)."""

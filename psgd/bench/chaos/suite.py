@@ -19,6 +19,7 @@ from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.run import Run
 from psgd.bench.chaos.settings import KINDS
 from psgd.config.parsing import Parser, comma_list
+from psgd.observe.progress import bar_wanted
 
 #: What the suite does, faults and invariants: the command line's --help.
 DESCRIPTION = """Chaos: the shards and workers of running jobs are faulted, and invariants are checked after each fault.
@@ -129,7 +130,7 @@ def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = Non
     began = time.monotonic()
     by_runs = runs is not None
     bar = tqdm(total=runs if by_runs else round(budget), unit="run" if by_runs else "s", desc="chaos",
-               file=sys.stderr, disable=not (progress and sys.stderr.isatty()), leave=False, dynamic_ncols=True,
+               file=sys.stderr, disable=not bar_wanted(None if progress else False), leave=False, dynamic_ncols=True,
                bar_format="{desc}: {n_fmt}/{total_fmt}" + (" runs" if by_runs else "s") + " |{bar}|")
 
     def say(line: str) -> None:
