@@ -5,6 +5,7 @@ once, a sync worker's run pulls on its own only at its first step, and a stop cu
 the push.
 """
 
+import contextlib
 import threading
 from concurrent import futures
 
@@ -65,38 +66,45 @@ def test_the_answer_to_a_push_is_the_next_clocks_weights_and_the_push_counts_onc
             client.close()
 
 
-@pytest.mark.parametrize("link", LINKS)
-def test_under_sync_the_answer_waits_for_the_round_and_a_stop_cuts_only_that_wait(link):
-    job = _job(link, "sync", 2)
+@contextlib.contextmanager
+def _two_sync_workers(link: str, *more: str):
+    """Two workers of a sync job on two shards, worker 0 with a stop event and clock 0's weights pulled:
+    (the shards, the stop, worker 0, worker 1, worker 0's host arrays, a gradient)."""
+    job = _job(link, "sync", 2, *more)
     with shards(job) as servers:
         stop = threading.Event()
         first, second = _client(job, 0, stop=stop), _client(job, 1)
         try:
-            plan = first.plan
-            host, grads = _arrays(plan), _arrays(plan, 0.01)
+            host, grads = _arrays(first.plan), _arrays(first.plan, 0.01)
             first.pull(0, host)
-            with futures.ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(first.push_pull, 0, grads, host)
-                wait_for(lambda: all(s.core.round.bases for s in servers), 30, "worker 0's push in both rounds")
-                assert not pending.done()  # the round has not closed: no weights yet
-                second.push(0, grads)
-                replies, versions = pending.result(timeout=30)
-            assert versions == [1, 1] and {r.outcome for r in replies} == {"accumulated"}
-            now = fetch_weights(job.cluster.servers, plan)
-            for name in host:
-                np.testing.assert_array_equal(host[name], now[name])
-
-            with futures.ThreadPoolExecutor(1) as pool:  # the next round waits for worker 1, which is stopping
-                pending = pool.submit(first.push_pull, 1, grads, host)
-                wait_for(lambda: all(s.core.round.bases for s in servers), 30, "worker 0's second push")
-                stop.set()
-                replies, versions = pending.result(timeout=20)
-            assert versions is None  # cut while it waited for the weights...
-            assert {r.outcome for r in replies} == {"accumulated"}  # ...after the shards had its push
-            assert [s.core.round.bases for s in servers] == [[1], [1]]
+            yield servers, stop, first, second, host, grads
         finally:
             first.close()
             second.close()
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_under_sync_the_answer_waits_for_the_round_and_a_stop_cuts_only_that_wait(link):
+    with _two_sync_workers(link) as (servers, stop, first, second, host, grads):
+        with futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(first.push_pull, 0, grads, host)
+            wait_for(lambda: all(s.core.round.bases for s in servers), 30, "worker 0's push in both rounds")
+            assert not pending.done()  # the round has not closed: no weights yet
+            second.push(0, grads)
+            replies, versions = pending.result(timeout=30)
+        assert versions == [1, 1] and {r.outcome for r in replies} == {"accumulated"}
+        now = fetch_weights(first.addresses, first.plan)
+        for name in host:
+            np.testing.assert_array_equal(host[name], now[name])
+
+        with futures.ThreadPoolExecutor(1) as pool:  # the next round waits for worker 1, which is stopping
+            pending = pool.submit(first.push_pull, 1, grads, host)
+            wait_for(lambda: all(s.core.round.bases for s in servers), 30, "worker 0's second push")
+            stop.set()
+            replies, versions = pending.result(timeout=20)
+        assert versions is None  # cut while it waited for the weights...
+        assert {r.outcome for r in replies} == {"accumulated"}  # ...after the shards had its push
+        assert [s.core.round.bases for s in servers] == [[1], [1]]
 
 
 @pytest.mark.parametrize("link", LINKS)
@@ -105,24 +113,14 @@ def test_a_stop_that_came_while_the_worker_computed_cuts_its_next_wait_for_the_w
     pushed its step and waited for a round its paused peer would never close, until the launcher killed it (a
     launch stopped by SIGINT took 6.9 s, and lost that worker's clean exit).  Worker 1 keeps its place in the
     round here (a long lease), so only a cut wait lets the push's call return."""
-    job = _job(link, "sync", 2, "cluster.lease_seconds=120")
-    with shards(job) as servers:
-        stop = threading.Event()
-        first, second = _client(job, 0, stop=stop), _client(job, 1)
-        try:
-            plan = first.plan
-            host, grads = _arrays(plan), _arrays(plan, 0.01)
-            first.pull(0, host)
-            stop.set()  # ... while it computes its step: nothing to cut yet
-            wait_for(lambda: not any(t.name == "ps-stop" for t in threading.enumerate()), 10,
-                     "the client's stop watcher to have looked for a pull")
-            with futures.ThreadPoolExecutor(1) as pool:
-                replies, versions = pool.submit(first.push_pull, 0, grads, host).result(timeout=20)
-            assert versions is None and {r.outcome for r in replies} == {"accumulated"}  # pushed, not waited
-            assert [s.core.round.bases for s in servers] == [[0], [0]]
-        finally:
-            first.close()
-            second.close()
+    with _two_sync_workers(link, "cluster.lease_seconds=120") as (servers, stop, first, second, host, grads):
+        stop.set()  # ... while it computes its step: nothing to cut yet
+        wait_for(lambda: not any(t.name == "ps-stop" for t in threading.enumerate()), 10,
+                 "the client's stop watcher to have looked for a pull")
+        with futures.ThreadPoolExecutor(1) as pool:
+            replies, versions = pool.submit(first.push_pull, 0, grads, host).result(timeout=20)
+        assert versions is None and {r.outcome for r in replies} == {"accumulated"}  # pushed, not waited
+        assert [s.core.round.bases for s in servers] == [[0], [0]]
 
 
 @pytest.mark.parametrize("link", LINKS)
