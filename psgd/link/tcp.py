@@ -286,6 +286,8 @@ class TcpLink(GrpcLink):
         came (in ``got``), that reply and no version: the weights are pulled on their own then."""
         got: dict = {}
         self._pending = got
+        if self._interrupted:  # cut before this began (it stays cut: the worker is stopping), after its push
+            got["cut"] = True
         try:
             return self._over_data("push", lambda conn: call(conn, got))
         except LinkError:

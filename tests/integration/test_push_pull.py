@@ -124,6 +124,20 @@ def test_a_stop_that_came_while_the_worker_computed_cuts_its_next_wait_for_the_w
 
 
 @pytest.mark.parametrize("link", LINKS)
+def test_links_cut_a_moment_before_a_push_and_pull_began_cut_its_wait_for_the_weights(link):
+    """The defect: the stop came after the client had looked at it and before the link began the push and pull;
+    the watcher cut the links, which had nothing in flight yet and forgot it, and the push then waited for a round
+    the paused peer would never close (psgd launch stopped by SIGINT took 7 s in about one run of fifteen)."""
+    with _two_sync_workers(link, "cluster.lease_seconds=120") as (servers, stop, first, second, host, grads):
+        for each in first.links:  # what the watcher does, the client's own look at its stop behind it
+            each.interrupt()
+        with futures.ThreadPoolExecutor(1) as pool:
+            replies, versions = pool.submit(first.push_pull, 0, grads, host).result(timeout=20)
+        assert versions is None and {r.outcome for r in replies} == {"accumulated"}
+        assert [s.core.round.bases for s in servers] == [[0], [0]]
+
+
+@pytest.mark.parametrize("link", LINKS)
 def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatch):
     """The defect: two round trips a step (a pull, then a push) where one does.  Under async a worker still pulls
     each step once its push is answered: weights read then are fresher than those read with the push."""
