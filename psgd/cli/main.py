@@ -121,17 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
                         help="allreduce mode: mpi (CPU, needs the mpi extra) or nccl (one rank per GPU) "
                              "(default mpi)")
-    launch.add_argument("--save", metavar="FILE.npz",
-                        help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
+    add_run_arguments(launch)
     launch.add_argument("--resume", metavar="RUN",
                         help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
                              "its shards' checkpoints in RUN/checkpoints, its logs): each worker goes on from the "
                              "step its shards hold")
-    launch.add_argument("--run-dir", metavar="DIR",
-                        help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
-                             "current folder, runs/DATE-TIME-MODE, said in the last line)")
-    launch.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
-                        help="stop everything and fail if the job runs longer (default 900)")
     launch.add_argument("--emulated-hosts", metavar="FILE.json",
                         help="run shard k on emulated host s<k> and worker (or rank) r on w<r>, as FILE says "
                              "(each host's command prefix and address; psgd bench's --network writes such files)")
@@ -148,7 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--no-progress", action="store_true",
                         help="hide worker 0's progress bar (shown where stderr is a terminal; elsewhere worker 0's "
                              "log lines take its place)")
-    launch.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_tls_arguments(launch, launch=True)
     launch.add_argument("--accept-lost-updates", action="store_true",
                         help="exit 0 even if the shards ended at different versions (a shard that restarted from "
@@ -171,13 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  psgd run --workers 2 --shards 1 --epochs 5 hardest.py",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(run, cluster=True)
-    run.add_argument("--save", metavar="FILE.npz",
-                     help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
-    run.add_argument("--run-dir", metavar="DIR",
-                     help="folder for the job file, logs and metrics (default: a new one, runs/DATE-TIME-ps)")
-    run.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
-                     help="stop everything and fail if the job runs longer (default 900)")
-    run.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    add_run_arguments(run)
     add_log_arguments(run)
     run.add_argument("script", metavar="SCRIPT", help="the Python file each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
@@ -190,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     export_cli.add_eval_parser(sub)
     report_cli.add_report_parser(sub)
     return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What psgd launch and psgd run share: the weights saved, the run folder, the time limit, the JSON result."""
+    parser.add_argument("--save", metavar="FILE.npz",
+                        help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
+    parser.add_argument("--run-dir", metavar="DIR",
+                        help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
+                             "current folder, runs/DATE-TIME-MODE, said in the last line)")
+    parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                        help="stop everything and fail if the job runs longer (default 900)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
 
 
 def _add_bench(sub) -> None:
