@@ -12,7 +12,6 @@ from concurrent import futures
 import numpy as np
 import pytest
 
-from psgd.config import Links
 from psgd.job import build_job
 from psgd.worker.client import PSClient, fetch_weights
 from psgd.worker.exchange import run_worker
