@@ -24,7 +24,7 @@ from __future__ import annotations
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 from psgd.errors import InputError
 
@@ -174,11 +174,14 @@ class Policy(ABC):
             **self._state(),
         }
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
+    def load_state_dict(self, d: dict[str, Any], live_now: Iterable[int] | None = None) -> None:
         """Restore :meth:`state_dict`'s output (all or nothing: a bad dict changes nothing).
 
         The policy name and the number of workers must match; the options are
         this policy's own (a restart may change them: clocks do not depend on them).
+        ``live_now``: the workers expected now, where the caller knows better than the state (a shard's roster: the
+        workers of a stopped job left before its last checkpoint, and come back to the restored shard); default
+        the state's own.
         """
         if not isinstance(d, dict):
             raise PolicyError(f"policy state must be a dict, got {type(d).__name__}")
@@ -190,12 +193,13 @@ class Policy(ABC):
             raise PolicyError(f"policy state is for {_show(d.get('num_workers'))} workers, "
                               f"this server has {self.num_workers}")
         live = self._worker_list(d, "live")
+        expected = None if live_now is None else {self._check_worker(w) for w in live_now}
         counters = d.get("counters")
         if (not isinstance(counters, dict) or set(counters) != set(self._COUNTERS)
                 or not all(_is_int(v) and v >= 0 for v in counters.values())):
             raise PolicyError(f"policy state: 'counters' must map {', '.join(self._COUNTERS)} to integers >= 0")
         restore = self._check_state(d)  # validates everything before anything changes
-        self._live = set(live)
+        self._live = set(live) if expected is None else expected
         self._counters = {k: int(counters[k]) for k in self._COUNTERS}
         restore()
 

@@ -192,6 +192,10 @@ class Roster:
                       if i.state in ("live", "pending") and w != worker and i.clock < clock)
         return "other workers still expected: " + (", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none")
 
+    def expected(self) -> list[int]:
+        """The workers this process waits for: live, or yet to register (a new process expects them all)."""
+        return [w for w, info in self.workers.items() if info.state in ("pending", "live")]
+
     def live_count(self) -> int:
         return sum(1 for i in self.workers.values() if i.state == "live")
 

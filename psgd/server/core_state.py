@@ -88,14 +88,15 @@ class CoreState:
 
     def _put_back(self, ckpt: Checkpoint) -> None:
         """(Under the lock.)  The training state of ``ckpt``: weights, optimizer, policy, the round in the making,
-        tables, version.  Who holds which rank, the counters and the leases stay as they are."""
+        tables, version.  Who holds which rank, the counters and the leases stay as they are, and the policy expects the
+        workers the roster does (not those live when the checkpoint was written: a stopped job's had all left)."""
         m, a = ckpt.manifest, ckpt.arrays
         weights = a.get("weights")
         if weights is None or weights.shape != self.flat.shape or weights.dtype != self.flat.dtype:
             raise CheckpointError(f"{ckpt.path}: its weights do not fit shard {self.shard}")
         self.store.replace(weights)
         self.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
-        self.policy.load_state_dict(m["policy"])
+        self.policy.load_state_dict(m["policy"], live_now=self.roster.expected())
         if self.round is not None:
             self.round.clear()
             if "round_sum" in a:

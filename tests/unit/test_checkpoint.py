@@ -18,11 +18,12 @@ from psgd.server.core import ShardCore
 PLAN = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float64")], 1, slice_bytes=64)
 
 
-def make(policy="sync", workers=2):
+def make(policy="sync", workers=2, registered=None):
+    """A shard core of ``workers`` workers, the first ``registered`` of them (all) registered."""
     values = {s.id: np.arange(s.start, s.stop, dtype=np.float64) for s in PLAN.slices}
     core = ShardCore(PLAN, 0, values, build_optimizer("momentum", lr=0.1), make_policy(policy, workers),
                      num_workers=workers)
-    for w in range(workers):
+    for w in range(workers if registered is None else registered):
         core.register(w, PLAN.hash)
     return core
 
@@ -54,6 +55,29 @@ def test_restore_continues_exactly_like_an_uninterrupted_shard(tmp_path):
     np.testing.assert_array_equal(a.flat, b.flat)  # momentum state and round sum came back exactly
     manifest = json.loads(path.read_text())
     assert manifest["plan_hash"] == PLAN.hash and manifest["policy"]["applied_rounds"] == 3
+
+
+def test_a_shard_restored_after_its_workers_left_waits_for_each_of_them_again(tmp_path):
+    """A stopped job's workers leave before the shards write their last checkpoint, which then names no worker live.
+    A shard restored from it (psgd launch --resume, psgd run --resume) closed each sync round with the workers
+    that had registered so far: the first to come back trained alone until the other joined, which then skipped
+    the rounds between (worker 0 came back at clock 20 after worker 1 at 3).  Like a new shard, it expects them
+    all until they register or their join deadline passes."""
+    a = make()
+    for clock in range(3):
+        a.push(0, clock, a.version, grads(clock))
+        a.push(1, clock, a.version, grads(10 + clock))
+    a.done(0, 3)
+    a.done(1, 3)
+    recovery.write(a, tmp_path, keep=3)
+    b = make(registered=0)
+    recovery.restore(b, checkpoint.load_latest(tmp_path, PLAN.hash))
+    assert b.register(1, PLAN.hash, clock=3) == 3
+    b.push(1, 3, 3, grads(13))
+    assert b.version == 3  # round 3 waits for worker 0
+    assert b.register(0, PLAN.hash, clock=3) == 3
+    b.push(0, 3, 3, grads(3))
+    assert b.version == 4
 
 
 def test_only_the_newest_are_kept(tmp_path):
