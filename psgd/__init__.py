@@ -16,6 +16,10 @@ PUBLIC = {"train": "psgd.api", "launch": "psgd.api", "Result": "psgd.api", "job_
           "JobConfig": "psgd.config", "ConfigError": "psgd.config", "PsgdError": "psgd.errors",
           "Dataset": "psgd.data", "dataset_from": "psgd.data"}
 
+#: the modules a user imports from, whose names (their ``__all__``) keep their meaning from release to release: these
+#: and the names above are psgd's public API; every other module is psgd's own and may change without notice
+PUBLIC_MODULES = ("psgd", "psgd.autodiff", "psgd.autodiff.nn", "psgd.autodiff.ops", "psgd.model", "psgd.model.losses")
+
 __all__ = ["__version__", *PUBLIC]
 
 

@@ -43,15 +43,16 @@ __all__ = ["Result", "train", "launch", "job_config"]
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """What a run ended with: ``test_accuracy`` and ``test_loss`` of the final weights on the held-out split;
-    ``seconds`` of training; ``history``, each evaluation (step, epoch, wall, train_loss, test_loss,
-    test_accuracy); ``weights``, the final weights on the host by variable name; ``steps``, the steps psgd.train
-    made (None from a launch, whose workers made theirs each); ``run_dir``, a launch's run folder (logs, metrics,
-    TensorBoard files, checkpoints); ``saved``, the ``.npz`` file the weights were written to; ``divergence``,
-    what the divergence guard saw where it saw a run that was not training; ``checkpoint``, where a stopped
-    psgd.train left its state (None: it ran to its end)."""
+    """What a run ended with: ``test_accuracy`` and ``test_loss`` of the final weights on the held-out split
+    (``test_r2`` instead of the accuracy where the targets are values: regression); ``seconds`` of training;
+    ``history``, each evaluation (step, epoch, wall, train_loss, test_loss, test_accuracy or test_r2); ``weights``,
+    the final weights on the host by variable name; ``steps``, the steps psgd.train made (None from a launch, whose
+    workers made theirs each); ``run_dir``, a launch's run folder (logs, metrics, TensorBoard files, checkpoints);
+    ``saved``, the ``.npz`` file the weights were written to; ``divergence``, what the divergence guard saw where it
+    saw a run that was not training; ``checkpoint``, where a stopped psgd.train left its state (None: it ran to its
+    end)."""
 
-    test_accuracy: float
+    test_accuracy: float | None
     test_loss: float
     seconds: float
     history: list[dict[str, Any]]
@@ -61,6 +62,7 @@ class Result:
     saved: str | None = None
     divergence: dict | None = None
     checkpoint: str | None = None
+    test_r2: float | None = None
 
 
 def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings: Mapping[str, Any] | None = None,
@@ -133,7 +135,7 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
         save_weights(save, result.params)
     return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
                   result.steps, saved=save or None, divergence=result.divergence,
-                  checkpoint=result.summary.get("kept"))
+                  checkpoint=result.summary.get("kept"), test_r2=result.test_r2)
 
 
 def launch(model: Any = None, data: Any = None, *, job: Any = None,
@@ -174,7 +176,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
                    timeout=timeout, save=save, resume=resume)
     return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(save),
-                  run_dir=str(run), saved=save, divergence=done.divergence)
+                  run_dir=str(run), saved=save, divergence=done.divergence, test_r2=done.test_r2)
 
 
 def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,
@@ -250,7 +252,7 @@ def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
     run.mkdir(parents=True, exist_ok=True)
     path = run / "data.npz"
     np.savez(path, x_train=dataset.x_train, y_train=dataset.y_train, x_test=dataset.x_test, y_test=dataset.y_test,
-             num_classes=np.int64(dataset.num_classes))
+             num_classes=np.int64(dataset.num_classes), target=np.array(dataset.target))
     log.info("%s written to %s for the job's workers", dataset.describe(), path)
     return f"npz:{path.resolve()}"
 
@@ -260,5 +262,6 @@ def _history(run: Path, mode: str) -> list[dict[str, Any]]:
     from psgd.launcher.result import read_records
 
     path = run / ("worker-0.jsonl" if mode == "ps" else "allreduce.jsonl")
-    return [{k: record[k] for k in ("step", "epoch", "wall", "train_loss", "test_loss", "test_accuracy") if k in record}
+    keys = ("step", "epoch", "wall", "train_loss", "test_loss", "test_accuracy", "test_r2")
+    return [{k: record[k] for k in keys if k in record}
             for record in read_records([path], 0.0) if record.get("event") == "eval"]

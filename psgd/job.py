@@ -211,7 +211,7 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
         began = time.perf_counter()
         models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
                            name=config.model["name"], options=config.options("model"), device=device,
-                           id_shape=dataset.id_shape)
+                           id_shape=dataset.id_shape, target=dataset.target, target_shape=dataset.target_shape)
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
     if augment is None and config.train.augment:
         from psgd.data.ahead import load_augment
@@ -246,11 +246,14 @@ def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataSha
     dtype = config.train.dtype
     if data is None:
         data = datasets.describe_dataset(config.data["name"], dtype=dtype, **config.options("data"))
-    return models.build_model(
+    made = models.build_model(
         config.model["name"] if model is None else model, data.input_shape, data.num_classes, dtype=dtype,
-        id_shape=data.id_shape,
-        **config.options("model")
-    )
+        id_shape=data.id_shape, target=data.target, **config.options("model"))
+    if data.target == "classes" and data.target_shape and getattr(made, "target", None) == "classes":
+        raise ConfigError(f"model {config.model['name']!r} gives one class per example, but {data.name}'s targets "
+                          f"are a class per position {data.target_shape}: write a model whose scores are "
+                          "(batch, *positions, classes) (docs/howto/your-model.md)")
+    return made
 
 
 def physical_memory() -> int:

@@ -15,6 +15,9 @@ from psgd.autodiff import ops
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
 from psgd.compute.backend import get_array_module
 
+__all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv2d", "max_pool2d",
+           "avg_pool2d", "layer_norm", "batch_norm", "dropout", "lookup"]
+
 
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
     """``x @ w + b`` (``x``: (B, in), ``w``: (in, out)), then a ReLU where ``relu``; on a GPU the bias and the ReLU
@@ -58,14 +61,18 @@ def softmax(x: Any, axis: int = -1) -> Tensor:
 
 def cross_entropy(logits: Any, target: Any) -> Tensor:
     """The mean over the batch of softmax cross-entropy: ``target`` holds integer class labels (B,), or a
-    distribution over the classes for each example (B, K: soft labels)."""
+    distribution over the classes for each example (B, K: soft labels).  Logits with more axes, (B, T, ..., K),
+    take a class label per position (B, T, ...): the mean is then over every position of every example."""
     Z, T = data_of(logits), data_of(target)
     xp = get_array_module(Z)
     T = xp.asarray(T)
+    shape = Z.shape
+    if Z.ndim > 2 and T.shape == shape[:-1]:  # a class per position: each position one row
+        Z, T = Z.reshape(-1, shape[-1]), T.reshape(-1)
     batch = Z.shape[0]
     if Z.ndim != 2 or T.shape not in ((batch,), Z.shape):
-        raise ValueError(f"cross_entropy: need logits (B, K) and labels (B,) or targets (B, K), got {Z.shape} and "
-                         f"{T.shape}")
+        raise ValueError(f"cross_entropy: need logits (B, K) and labels (B,) or targets (B, K), or logits "
+                         f"(B, T, K) and labels (B, T), got {shape} and {T.shape}")
     if T.ndim == 1:
         fused = kernels.softmax_xent(Z, T)  # on a GPU: one kernel a row, then the sum
         if fused is not None:
@@ -83,6 +90,8 @@ def cross_entropy(logits: Any, target: Any) -> Tensor:
         total = e.sum(axis=1, keepdims=True)
         loss = -(T * (z - xp.log(total))).sum() / batch
         grad = (e / total * T.sum(axis=1, keepdims=True) - T) / batch
+    if grad.shape != shape:
+        grad = grad.reshape(shape)
     return make(loss, (logits,), lambda g: (scaled(grad, g),), "cross_entropy")
 
 

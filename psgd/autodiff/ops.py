@@ -16,6 +16,10 @@ from psgd.compute import kernels
 from psgd.autodiff.tensor import Tensor, data_of, make, unbroadcast
 from psgd.compute.backend import get_array_module, scatter_add
 
+__all__ = ["add", "sub", "mul", "div", "power", "neg", "matmul", "sum", "mean", "max", "reshape", "transpose",
+           "concatenate", "stack", "getitem", "take", "where", "maximum", "exp", "log", "sqrt", "abs", "tanh",
+           "sigmoid", "relu", "softplus", "gelu"]
+
 
 def _shape(x: Any) -> tuple[int, ...]:
     return tuple(getattr(data_of(x), "shape", ()))

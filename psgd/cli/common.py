@@ -8,7 +8,8 @@ import os
 import re
 import signal
 import sys
-from typing import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 from psgd.collective import BackendUnavailable
 from psgd.config import ClusterConfig, ConfigError, JobConfig
@@ -227,3 +228,25 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def score_fields(result: Any) -> dict[str, float | None]:
+    """A result's score for a JSON line: ``test_accuracy``, and ``test_r2`` where the targets are values."""
+    r2 = getattr(result, "test_r2", None)
+    return {"test_accuracy": result.test_accuracy, **({"test_r2": r2} if r2 is not None else {})}
+
+
+def score_said(accuracy: float | None, r2: float | None = None) -> str:
+    """``test accuracy: 0.9731``, or ``test R²: 0.9120`` where the targets are values (``r2`` set)."""
+    return f"test R²: {r2:.4f}" if r2 is not None else f"test accuracy: {accuracy:.4f}"
+
+
+def resumed_from(args: argparse.Namespace) -> None:
+    """``--resume RUN``: the job file and the run folder are RUN's (psgd launch, psgd run)."""
+    if args.resume:
+        if args.config or args.run_dir:
+            raise ConfigError("--resume RUN takes the job file and the run folder from RUN: drop -c and --run-dir")
+        if not (Path(args.resume) / "job.toml").is_file():
+            raise ConfigError(f"--resume {args.resume}: no job.toml there (not the run folder of a psgd launch or "
+                              "psgd run)")
+        args.config, args.run_dir = str(Path(args.resume) / "job.toml"), args.resume

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
+from psgd.cli.common import (score_said, add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
                              start_process, token_from_args, verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import comma_list
@@ -145,7 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"test accuracy: {result['test_accuracy']:.4f} (loss {result['test_loss']:.4f}) of {args.file}: "
+        print(f"{score_said(result.get('test_accuracy'), result.get('test_r2'))}"
+              f" (loss {result['test_loss']:.4f}) of {args.file}: "
               f"{result['variables']} variables, {result['parameters']} parameters; model {result['model']} on "
               f"{result['examples']} test examples of {result['dataset']}")
     return 0

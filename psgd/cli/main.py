@@ -14,8 +14,8 @@ from psgd.cli import report as report_cli
 from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, first_env_int,
-                             import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
-                             verbosity)
+                             import_from_current_folder, job_from_args, run_command, resumed_from, score_fields,
+                             score_said, shows_progress, start_process, verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
 from psgd.wire.tls import add_tls_arguments, tls_from_args
@@ -122,10 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="allreduce mode: mpi (CPU, needs the mpi extra) or nccl (one rank per GPU) "
                              "(default mpi)")
     add_run_arguments(launch)
-    launch.add_argument("--resume", metavar="RUN",
-                        help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
-                             "its shards' checkpoints in RUN/checkpoints, its logs): each worker goes on from the "
-                             "step its shards hold")
     launch.add_argument("--emulated-hosts", metavar="FILE.json",
                         help="run shard k on emulated host s<k> and worker (or rank) r on w<r>, as FILE says "
                              "(each host's command prefix and address; psgd bench's --network writes such files)")
@@ -165,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_arguments(run, cluster=True)
     add_run_arguments(run)
+    add_tls_arguments(run, launch=True)
     add_log_arguments(run)
     run.add_argument("script", metavar="SCRIPT", help="the Python file each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
@@ -180,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """What psgd launch and psgd run share: the weights saved, the run folder, the time limit, the JSON result."""
+    """What psgd launch and psgd run share: the weights saved, the run folder, the time limit, the JSON result,
+    going on from a run folder."""
     parser.add_argument("--save", metavar="FILE.npz",
                         help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
     parser.add_argument("--run-dir", metavar="DIR",
@@ -189,6 +187,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop everything and fail if the job runs longer (default 900)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    parser.add_argument("--resume", metavar="RUN",
+                        help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
+                             "its shards' checkpoints in RUN/checkpoints, its logs): each worker goes on from the "
+                             "step its shards hold")
 
 
 def _add_bench(sub) -> None:
@@ -300,12 +302,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from psgd.launcher import EXIT_LOST_UPDATES, Hosts, launch
 
     setup_logging("launch", verbosity(args), args.log_file)
-    if args.resume:
-        if args.config or args.run_dir:
-            raise ConfigError("--resume RUN takes the job file and the run folder from RUN: drop -c and --run-dir")
-        if not (Path(args.resume) / "job.toml").is_file():
-            raise ConfigError(f"--resume {args.resume}: no job.toml there (not the run folder of a psgd launch)")
-        args.config, args.run_dir = str(Path(args.resume) / "job.toml"), args.resume
+    resumed_from(args)
     config = job_from_args(args)
     layout = layout_from_args(args)
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
@@ -317,7 +314,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")
     if args.json:
-        print(json.dumps({"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
+        print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
                           "run_dir": result.run_dir, "mode": args.mode, "saved": result.saved,
                           "node_rank": layout.node_rank,
@@ -333,7 +330,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
               f"{result.run_dir}); node 0 prints the final accuracy")
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
-        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {how}, "
+        print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {how}, "
               f"{result.seconds:.1f}s; logs in {result.run_dir}{saved}){diverged_words(result.divergence)}")
     if result.lost and not args.accept_lost_updates:
         return EXIT_LOST_UPDATES
@@ -346,17 +343,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging("run", verbosity(args), args.log_file)
     if not Path(args.script).is_file():
         raise ConfigError(f"{args.script}: no such file (the Python script each worker runs)")
+    resumed_from(args)
     config = job_from_args(args)
     result = launch(config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
+                    tls=tls_from_args(args, config), resume=bool(args.resume),
                     script=[str(Path(args.script).resolve()), *args.script_args])
     c = config.cluster
     if args.json:
-        print(json.dumps({"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
+        print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
                           "run_dir": result.run_dir, "saved": result.saved}))
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
-        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}; {c.policy}, "
+        print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {c.policy}, "
               f"{c.shards} shard(s), {c.workers} copies of {args.script}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}{saved})")
     return 0
@@ -384,13 +383,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                 if result.checkpoint else "its state is not kept (--checkpoint FILE keeps it)")
         print(f"psgd train: stopped by {name} after {result.steps} step(s); {kept}", file=sys.stderr)
         return 128 + heard[0]
-    summary = {"test_accuracy": result.test_accuracy, "test_loss": result.test_loss,
+    summary = {**score_fields(result), "test_loss": result.test_loss,
                "steps": result.steps, "seconds": round(result.seconds, 3),
                "diverged": result.divergence is not None, "divergence": result.divergence}
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"final test accuracy: {result.test_accuracy:.4f} (loss {result.test_loss:.4f}, "
+        print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}, "
               f"{result.steps} steps in {result.seconds:.1f}s){diverged_words(result.divergence)}")
     return divergence_status(args, result.divergence)
 

@@ -76,12 +76,13 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     name, options, dtype = config.model["name"], config.options("model"), config.train.dtype
     device = backend.use_device(config.train.device)
     ds = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
-    print(f"checking model {name} for {ds.name}: input {ds.input_shape} {dtype}, {ds.num_classes} classes, "
+    print(f"checking model {name} for {ds.name}: input {ds.input_shape} {dtype}, {ds.targets_said()}, "
           f"on {device}")
     began = time.perf_counter()
     shown = "".join(f", {k}={v!r}" for k, v in options.items())
     try:
-        model = models.build_model(name, ds.input_shape, ds.num_classes, dtype=dtype, **options)
+        model = models.build_model(name, ds.input_shape, ds.num_classes, dtype=dtype, id_shape=ds.id_shape,
+                                   target=ds.target, **options)
     except Exception as exc:  # a ModelError says it in one line; anything else a user's constructor raises
         text = str(exc) if isinstance(exc, models.ModelError) else \
             f"model {name!r}: the constructor raised {type(exc).__name__}: {' '.join(str(exc).split())}"
@@ -91,7 +92,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     print(_line("ok", "build", f"{type(model).__name__}(input_shape={ds.input_shape}, "
                                f"num_classes={ds.num_classes}, dtype={dtype!r}{shown})"))
     checks = models.run_checks(model, ds.input_shape, ds.num_classes, dtype, config.train.seed,
-                               name=name, options=options, device=device, budget=None)
+                               name=name, options=options, device=device, budget=None, id_shape=ds.id_shape,
+                               target=ds.target, target_shape=ds.target_shape)
     for check in checks:
         for text in check.lines:
             print(_line(check.status, check.name, text))

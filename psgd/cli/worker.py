@@ -11,8 +11,8 @@ import sys
 
 from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments, add_log_arguments,
                              add_progress_argument, add_token_argument, first_env_int, ignore_stop_signals,
-                             import_from_current_folder, job_from_args, run_command, shows_progress, start_process,
-                             token_from_args, verbosity)
+                             import_from_current_folder, job_from_args, run_command, score_fields, score_said,
+                             shows_progress, start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.worker.stop import STOP_SIGNALS, Stop
 from psgd.observe.logs import setup_logging
@@ -142,7 +142,8 @@ def last_line(result, shards: int) -> str:
     line = (f"worker {result.rank} {ended}: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at "
             f"each of {shards} shard(s): {done or 'none'})")
     if "final_versions" in summary:
-        line += (f"; test accuracy {result.test_accuracy:.4f} of the weights its last step left (versions "
+        score = score_said(result.test_accuracy, result.test_r2).replace(":", "")
+        line += (f"; {score} of the weights its last step left (versions "
                  f"{', '.join(map(str, summary['final_versions']))})")
     return line
 
@@ -166,9 +167,9 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
             print(json.dumps({"rank": 0, "world_size": world, "steps": result.steps,
                               "seconds": round(result.seconds, 3),
                               "comm_seconds": round(result.summary["comm_seconds"], 3),
-                              "test_accuracy": result.test_accuracy}))
+                              **score_fields(result)}))
         else:
-            print(f"final test accuracy: {result.test_accuracy:.4f} ({world} rank(s), "
+            print(f"final {score_said(result.test_accuracy, result.test_r2)} ({world} rank(s), "
                   f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)")
     return 0
 

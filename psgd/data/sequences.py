@@ -8,6 +8,8 @@ embedding), and its class is one of the tokens, so there are ``vocab`` classes:
   default sequences where a one-block transformer reaches 0.98 (docs/howto/examples.md).
 - ``lookup``: the first token is a position p, 1 to length - 1, and the class is the token at p (a model reads
   one token and, by it, looks at another).
+- ``sort``: the target is a sequence, the tokens in order: a class per position (``length`` of them), so a model
+  gives scores of shape (batch, length, vocab).
 
 Training and test examples come from one seeded generator (``data_seed``), in streams apart: every process of a
 job makes the same data.
@@ -21,7 +23,7 @@ import numpy as np
 
 from psgd.data.base import DataError
 
-TASKS = ("majority", "lookup")
+TASKS = ("majority", "lookup", "sort")
 SEQUENCES_OPTIONS = ("n_train", "n_test", "length", "vocab", "task", "data_seed")
 _TRAIN, _TEST = 1, 2  # the generator's streams
 
@@ -42,7 +44,8 @@ def sequences_options(n_train: Any = 8000, n_test: Any = 2000, length: Any = 16,
 
 
 def make_sequences(**options: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(x_train, y_train, x_test, y_test)``: float32 tokens (n, length), int64 classes."""
+    """``(x_train, y_train, x_test, y_test)``: float32 tokens (n, length), int64 classes (n,), or (n, length) for
+    ``sort``."""
     o = sequences_options(**options)
     return (*_sample(o, o["n_train"], _TRAIN), *_sample(o, o["n_test"], _TEST))
 
@@ -54,6 +57,8 @@ def _sample(o: dict[str, Any], n: int, stream: int) -> tuple[np.ndarray, np.ndar
     if o["task"] == "lookup":
         tokens[:, 0] = rng.integers(1, length, size=n)
         labels = tokens[np.arange(n), tokens[:, 0]]
+    elif o["task"] == "sort":
+        labels = np.sort(tokens, axis=1)
     else:
         counts = np.stack([(tokens == t).sum(axis=1) for t in range(vocab)], axis=1)
         labels = counts.argmax(axis=1)  # the first of the largest: the smallest token tied

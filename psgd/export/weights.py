@@ -126,7 +126,8 @@ def load_weights(path: str | os.PathLike | None, specs: Sequence[VarSpec], table
 
 
 def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
-    """Test loss and accuracy of the weights saved at ``path``, for the model and data of ``config``."""
+    """Test loss and score (``test_accuracy``, or ``test_r2`` for values) of the weights saved at ``path``, for the
+    model and data of ``config``."""
     from psgd.training.loop import evaluate
     from psgd.job import build_job, params_to_device
 
@@ -134,9 +135,9 @@ def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     weights = load_weights(path, job.model.specs(), job.plan.tables)
     params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
     ds = job.dataset
-    loss, accuracy = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
-                              ds.ids_test, saved_rows(job, weights))
-    return {"test_accuracy": accuracy, "test_loss": loss, "examples": int(len(ds.y_test)),
+    loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
+                           ds.ids_test, saved_rows(job, weights), ds.target)
+    return {ds.score_key: score, "test_loss": loss, "examples": int(len(ds.y_test)),
             "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
             "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
 

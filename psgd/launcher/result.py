@@ -18,7 +18,7 @@ log = logging.getLogger("psgd.launcher.run")
 
 @dataclasses.dataclass
 class LaunchResult:
-    test_accuracy: float
+    test_accuracy: float | None  # for classes and labels; None where the targets are values
     test_loss: float
     seconds: float
     servers: list[str]
@@ -34,6 +34,7 @@ class LaunchResult:
     unreplicated: dict[int, int] = dataclasses.field(default_factory=dict)
     #: shard -> where its pushes' time went: seconds receiving and checking them, applying them, and how many
     shard_seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    test_r2: float | None = None  # for values (regression) targets
 
 
 #: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
@@ -68,9 +69,11 @@ def exchange_bound(records: Sequence[dict]) -> str | None:
             "train in one process (psgd train) or with --mode allreduce, or give each step more work (--batch-size)")
 
 
-def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = None) -> tuple[float, float, dict | None]:
-    """The test loss and accuracy of the final weights (a model's embedding tables read by ``reader``, an
-    observer of the shards), and the divergence guard's verdict on them alone."""
+def evaluate_weights(config: JobConfig, weights: dict, mode: str,
+                     reader: Any = None) -> tuple[float, dict[str, float | None], dict | None]:
+    """The test loss and score of the final weights (a model's embedding tables read by ``reader``, an
+    observer of the shards) as ``{"test_accuracy": ..., "test_r2": ...}`` (the one the targets are scored by set,
+    the other None), and the divergence guard's verdict on them alone."""
     from psgd import data as datasets
     from psgd.training.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
@@ -86,11 +89,13 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str, reader: Any = 
         load_weights(None, job.model.specs(), job.plan.tables, arrays=weights)
         rows = saved_rows(job, weights)
     params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
-    loss, acc = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows)
+    loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows,
+                           target=ds.target)
     steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
-    guard = DivergenceGuard("launcher", chance(ds.y_test), ds.num_classes, advice(config, mode))
-    verdict = guard.final(steps, t.epochs, loss, acc)
-    return loss, acc, verdict.record() if verdict else None
+    guard = DivergenceGuard("launcher", chance(ds.y_test, ds.target), ds.num_classes, advice(config, mode),
+                            ds.metric)
+    verdict = guard.final(steps, t.epochs, loss, score)
+    return loss, {"test_accuracy": None, "test_r2": None, ds.score_key: score}, verdict.record() if verdict else None
 
 
 def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
@@ -113,7 +118,7 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     plan = job_plan(config)
     with PSClient(addresses, plan, token=token, tls=tls,  # an observer: reads rows, makes none
                   recovery=config.cluster.recovery) as reader:
-        loss, acc, verdict = evaluate_weights(config, weights, "ps", reader)
+        loss, scores, verdict = evaluate_weights(config, weights, "ps", reader)
         counters = [json.loads(s.counters_json) for s in reader.status()]
     went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)
                  if c.get("rollbacks")}
@@ -136,8 +141,8 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
         save_weights(save, weights)
     spent = {k: {"receive": round(c.get("receive_seconds", 0.0), 6), "apply": round(c.get("apply_seconds", 0.0), 6),
                  "pushes": c.get("pushes", 0)} for k, c in enumerate(counters)}
-    return LaunchResult(acc, loss, time.perf_counter() - start, addresses, str(run), versions, save, verdict, lost,
-                        went_back, failed_over, unreplicated, spent)
+    return LaunchResult(scores["test_accuracy"], loss, time.perf_counter() - start, addresses, str(run), versions,
+                        save, verdict, lost, went_back, failed_over, unreplicated, spent, scores["test_r2"])
 
 
 def read_records(metrics: list[Path], since: float) -> list[dict]:

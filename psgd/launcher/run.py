@@ -62,9 +62,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
-    if script and (mode != "ps" or tls.enabled or worker_args):
+    if script and (mode != "ps" or worker_args):
         raise LaunchError("psgd run starts a script per parameter-server worker: not in all-reduce mode, and not "
-                          "with TLS or worker flags yet")
+                          "with worker flags")
     check_optimizer(config)
     tls_flags = child_flags(tls)
     if tls.enabled and mode != "ps":
@@ -149,8 +149,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         except LaunchInterrupted as exc:
             stopping = exc.signum
             if mode == "ps" and layout.node_rank == 0:  # the shards write their last checkpoints as they stop
-                exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with psgd launch "
-                            f"--resume {run}",)
+                again = f"psgd run --resume {run} {script[0]}" if script else f"psgd launch --resume {run}"
+                exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with {again}",)
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
@@ -269,10 +269,11 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
     if not weights.exists():
         raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
     params = read_npz(weights)
-    loss, acc, verdict = evaluate_weights(config, params, "allreduce")
+    loss, scores, verdict = evaluate_weights(config, params, "allreduce")
     if save:
         save_weights(save, params)
-    return LaunchResult(acc, loss, time.perf_counter() - start, [], str(run), [], save, verdict)
+    return LaunchResult(scores["test_accuracy"], loss, time.perf_counter() - start, [], str(run), [], save, verdict,
+                        test_r2=scores["test_r2"])
 
 
 def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
@@ -315,7 +316,9 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
             from psgd.worker import script as own
 
             env = {own.JOB_FILE: str(job_path), own.RANK: str(r), own.METRICS: str(run / f"worker-{r}.jsonl"),
-                   **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {})}
+                   **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {}),
+                   **{name: str(Path(path).resolve()) for name, path in zip(own.TLS, (tls.cert, tls.key, tls.ca))
+                      if path}}
             workers.append(children.start(f"worker {r}", [*on, py, *script], run / f"worker-{r}.log",
                                           show=r == ranks[0], env={"PSGD_TOKEN": token, **env}, show_stdout=True))
             continue

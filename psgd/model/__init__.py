@@ -19,6 +19,7 @@ from psgd.model.blocks import (AvgPool2d, BatchNorm, Conv2d, Dropout, Flatten, F
 from psgd.model.module import Module, Network, Parameter, Sequential, State, Table
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 from psgd.model.registry import MODELS, build_model, load_model_class
+from psgd.compute.backend import get_array_module
 
 __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
@@ -26,5 +27,5 @@ __all__ = [
     "check_model", "run_checks", "Check", "hands_over_gradients", "model_tables",
     "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv2d", "LayerNorm",
     "BatchNorm", "Dropout", "ReLU",
-    "Flatten", "MaxPool2d", "AvgPool2d",
+    "Flatten", "MaxPool2d", "AvgPool2d", "get_array_module",
 ]

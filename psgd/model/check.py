@@ -11,7 +11,8 @@ raises :class:`ModelError` with one line per failure:
 - ``loss_and_grads(params, x, y)``: a ``(loss, gradients)`` tuple in that
   order, a finite scalar loss, one finite gradient per variable with the
   variable's shape and dtype, and no gradient for an unknown name;
-- ``predict(params, x)``: scores of shape ``(batch, num_classes)``;
+- ``predict(params, x)``: scores of shape ``(batch, num_classes)`` (``(batch, *positions, num_classes)`` for a
+  class per position; for values, predictions of the targets' shape);
 - finite differences: a few coordinates of each gradient against central
   differences of the loss, in float64.
 
@@ -62,7 +63,8 @@ class Check:
 def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed: int = 0, *,
                 name: str | None = None, options: Mapping[str, Any] | None = None,
                 device: backend.Device | None = None, batch: int = BATCH,
-                budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None) -> list[Check]:
+                budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None, target: str = "classes",
+                target_shape: Any = ()) -> list[Check]:
     """Check ``model`` (see the module docstring); raise :class:`ModelError`, one line per failure.
 
     ``name`` and ``options`` (how the model was built, e.g. ``"mypkg.nets:Net"``
@@ -70,10 +72,13 @@ def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed
     check build a float64 twin; ``device`` is where the arrays live (default CPU).
     ``budget`` bounds the finite differences' time and memory for large models
     (None: check them in full); ``id_shape``, the ids each example carries (a dataset with categorical ids),
-    is what a model of embedding tables looks up. Returns the checks, all passed or skipped.
+    is what a model of embedding tables looks up; ``target`` and ``target_shape`` what the dataset's targets are
+    (:attr:`psgd.data.Dataset.target`): the batch's targets are made so. Returns the checks, all passed or
+    skipped.
     """
     checks = run_checks(model, input_shape, num_classes, dtype, seed, name=name, options=options,
-                        device=device, batch=batch, budget=budget, id_shape=id_shape)
+                        device=device, batch=batch, budget=budget, id_shape=id_shape, target=target,
+                        target_shape=target_shape)
     label = name or _class_name(model)
     failures = [f"model {label!r}: {c.name}: {line}" for c in checks if c.status == FAIL for line in c.lines]
     if failures:
@@ -84,10 +89,11 @@ def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed
 def run_checks(model: Any, input_shape: Any, num_classes: int, dtype: str, seed: int = 0, *,
                name: str | None = None, options: Mapping[str, Any] | None = None,
                device: backend.Device | None = None, batch: int = BATCH,
-               budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None) -> list[Check]:
+               budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None, target: str = "classes",
+               target_shape: Any = ()) -> list[Check]:
     """Every check's outcome, in order: specs, init, loss_and_grads, gradients, predict, finite differences."""
     return _Checker(model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget,
-                    id_shape).run()
+                    id_shape, target, target_shape).run()
 
 
 def _class_name(model: Any) -> str:
@@ -99,7 +105,7 @@ class _Checker(FiniteDifferences):
     """The state the checks share: inputs, specs and initial values once they are known good."""
 
     def __init__(self, model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget,
-                 id_shape=None):
+                 id_shape=None, target="classes", target_shape=()):
         self.model, self.name, self.options, self.budget = model, name, dict(options or {}), budget
         if isinstance(input_shape, (int, np.integer)):
             input_shape = (input_shape,)
@@ -109,7 +115,11 @@ class _Checker(FiniteDifferences):
         self.device = device or backend.CPU
         rng = np.random.default_rng([self.seed & 0xFFFFFFFF, 1])
         self.x_host = rng.standard_normal((self.batch,) + self.input_shape).astype(self.dtype)
-        self.y_host = rng.integers(0, self.num_classes, size=self.batch, dtype=np.int64)
+        self.target, self.target_shape = target, tuple(int(d) for d in target_shape)
+        rows = (self.batch,) + self.target_shape
+        self.y_host = (rng.integers(0, self.num_classes, size=rows, dtype=np.int64) if target == "classes" else
+                       rng.integers(0, 2, size=rows).astype(self.dtype) if target == "labels" else
+                       rng.standard_normal(rows).astype(self.dtype))
         self.x, self.y = self.device.asarray(self.x_host), self.device.asarray(self.y_host)
         self.id_shape = tuple(id_shape) if id_shape is not None else None
         # ids from a pool of 3 per field position: a batch of 4 looks some rows up twice (their gradients add up)
@@ -356,18 +366,29 @@ class _Checker(FiniteDifferences):
         rows = ", and one per table for the rows the batch looks up" if self.tables else ""
         return f"one per variable, with its shape and dtype, all finite{rows}"
 
+    def scores_shape(self) -> tuple[tuple[int, ...], str]:
+        """The shape ``predict`` must return for this target, and the words for it."""
+        if self.target == "classes" and self.target_shape:
+            want = (self.batch, *self.target_shape, self.num_classes)
+            return want, f"scores of shape (batch, *positions, num_classes) = {want}, a row per position"
+        if self.target == "values":
+            want = (self.batch, *self.target_shape)
+            return want, f"predictions of the targets' shape (batch, *values) = {want}"
+        want = (self.batch, self.num_classes)
+        return want, f"scores of shape (batch, num_classes) = {want}, one row per example"
+
     def check_predict(self, fail: list[str]) -> str:
         try:
             scores = self.model.predict(self.with_rows(self.params), self.x)
         except Exception as exc:
             fail.append(raised("", exc))
             return ""
-        want = (self.batch, self.num_classes)
+        want, said = self.scores_shape()
         if getattr(scores, "shape", None) is None:
             fail.append(f"returned {kind(scores)}, not an array of scores")
-        elif tuple(scores.shape) != want:
-            fail.append(f"returned shape {tuple(scores.shape)}; it must return scores of shape "
-                        f"(batch, num_classes) = {want}, one row per example")
+        elif tuple(scores.shape) != want and not (self.target == "values" and len(scores.shape) >= 1 and
+                                                  scores.shape[0] == self.batch and scores.size == math.prod(want)):
+            fail.append(f"returned shape {tuple(scores.shape)}; it must return {said}")
         elif backend.get_array_module(scores) is not self.device.xp:
             fail.append(f"returned a {type(scores).__module__}.{type(scores).__name__}, but the weights "
                         f"are on {self.device}")

@@ -54,7 +54,7 @@ class FiniteDifferences:
             from psgd.model.registry import build_model
 
             makers.append(lambda: build_model(self.name, self.input_shape, self.num_classes, dtype="float64",
-                                              id_shape=self.id_shape, **self.options))
+                                              id_shape=self.id_shape, target=self.target, **self.options))
         ids = {"id_shape": self.id_shape} if self.id_shape is not None else {}
         makers.append(lambda: type(self.model)(input_shape=self.input_shape, num_classes=self.num_classes,
                                                dtype="float64", **ids, **self.options))

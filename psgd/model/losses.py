@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 from psgd.autodiff import Tensor, backward, nn
 
+__all__ = ["softmax_cross_entropy", "mean_squared_error"]
+
 
 def _with_gradient(loss_of: Callable[[Tensor], Tensor], outputs: Any) -> tuple[Any, Any]:
     leaf = Tensor(outputs, requires_grad=True)

@@ -1,9 +1,10 @@
 """Built-in networks: softmax regression, an MLP and a small CNN, written as their forward pass
 (:mod:`psgd.model.module`): their gradients are derived.
 
-Each is built as ``Class(input_shape, num_classes, dtype="float32",
-loss="cross_entropy" | "mse", **options)``; an unknown option or a bad value
-raises :class:`ModelError` naming the model and the option.
+Each is built as ``Class(input_shape, num_classes, dtype="float32", target="classes",
+loss=None, **options)``: ``num_classes`` is the width of its output, ``target`` what the dataset's targets are
+(:data:`psgd.data.base.TARGETS`) and the loss by default the one that matches them (:data:`LOSS_FOR`).  An
+unknown option or a bad value raises :class:`ModelError` naming the model and the option.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from psgd.model.errors import ModelError
 from psgd.model.blocks import Conv2d, Flatten, Linear, MaxPool2d, ReLU
 from psgd.model.module import Module, Network, chain
 
-LOSSES = ("cross_entropy", "mse")
+LOSSES = ("cross_entropy", "sigmoid_cross_entropy", "mse")
+#: the loss a built-in model takes for each kind of target, unless told another; and the losses each kind allows
+LOSS_FOR = {"classes": "cross_entropy", "labels": "sigmoid_cross_entropy", "values": "mse"}
+ALLOWED = {"classes": ("cross_entropy", "mse"), "labels": ("sigmoid_cross_entropy", "mse"), "values": ("mse",)}
 
 
 def _positive_int(model: str, option: str, value: Any) -> int:
@@ -57,11 +61,13 @@ class LayeredModel(Network):
     #: the same kernels for the same shapes, nothing read back to the host: a step can be a CUDA graph
     static_step = True
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
-                 loss: str = "cross_entropy", unknown: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
+                 unknown: Mapping[str, Any] | None = None, target: str = "classes") -> None:
         if unknown:
             bad = ", ".join(repr(k) for k in sorted(unknown))
             raise ModelError(f"{self.name}: unknown option(s) {bad} (options: {', '.join(('loss',) + self.OPTIONS)})")
+        if target not in ALLOWED:
+            raise ModelError(f"{self.name}: target must be one of {', '.join(ALLOWED)} (got {target!r})")
         if isinstance(input_shape, (int, np.integer)):
             input_shape = (input_shape,)
         try:
@@ -71,7 +77,7 @@ class LayeredModel(Network):
         if not shape:
             raise ModelError(f"{self.name}: input_shape must not be empty")
         classes = _positive_int(self.name, "num_classes", num_classes)
-        if classes < 2:
+        if classes < 2 and target == "classes":
             raise ModelError(f"{self.name}: num_classes must be at least 2 (got {num_classes!r})")
         try:
             kind = np.dtype(dtype).kind
@@ -79,10 +85,12 @@ class LayeredModel(Network):
             kind = ""
         if kind != "f":
             raise ModelError(f"{self.name}: dtype must be a float type such as float32 or float64 (got {dtype!r})")
-        if loss not in LOSSES:
-            raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(LOSSES)} (got {loss!r})")
+        loss = LOSS_FOR[target] if loss is None else loss
+        if loss not in ALLOWED[target]:
+            raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(ALLOWED[target])} for targets "
+                             f"that are {target} (got {loss!r})")
         super().__init__(dtype)  # (a subclass' options are set already)
-        self.input_shape, self.num_classes, self.loss_name = shape, classes, loss
+        self.input_shape, self.num_classes, self.loss_name, self.target = shape, classes, loss, target
         self.chain = chain(self, self.layers())
 
     def layers(self) -> list[Module]:
@@ -112,7 +120,12 @@ class LayeredModel(Network):
         return x
 
     def criterion(self, scores: Any, y: Any) -> Any:
-        return nn.mse(scores, y, self.num_classes) if self.loss_name == "mse" else nn.cross_entropy(scores, y)
+        loss = self.loss_name
+        if loss == "cross_entropy":
+            return nn.cross_entropy(scores, y)
+        if loss == "sigmoid_cross_entropy":
+            return nn.sigmoid_cross_entropy(scores, y)
+        return nn.mse(scores, y if self.target == "classes" else y.reshape(scores.shape), self.num_classes)
 
 
 class SoftmaxRegression(LayeredModel):
@@ -120,9 +133,9 @@ class SoftmaxRegression(LayeredModel):
 
     name = "softmax"
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
-                 loss: str = "cross_entropy", **unknown: Any) -> None:
-        super().__init__(input_shape, num_classes, dtype, loss, unknown)
+    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
+                 target: str = "classes", **unknown: Any) -> None:
+        super().__init__(input_shape, num_classes, dtype, loss, unknown, target)
 
     def layers(self) -> list[Module]:
         return [Linear(self.batch_shape()[0], self.num_classes, "glorot_uniform")]
@@ -134,10 +147,10 @@ class MLP(LayeredModel):
     name = "mlp"
     OPTIONS = ("hidden",)
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
-                 loss: str = "cross_entropy", hidden: Any = (128, 64), **unknown: Any) -> None:
+    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
+                 hidden: Any = (128, 64), target: str = "classes", **unknown: Any) -> None:
         object.__setattr__(self, "hidden", _positive_ints(self.name, "hidden", hidden))
-        super().__init__(input_shape, num_classes, dtype, loss, unknown)
+        super().__init__(input_shape, num_classes, dtype, loss, unknown, target)
 
     def layers(self) -> list[Module]:
         widths = self.batch_shape() + self.hidden
@@ -154,15 +167,15 @@ class CNN(LayeredModel):
     name = "cnn"
     OPTIONS = ("channels", "kernel", "hidden")
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32",
-                 loss: str = "cross_entropy", channels: Any = (8, 16), kernel: Any = 3, hidden: Any = 64,
+    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
+                 channels: Any = (8, 16), kernel: Any = 3, hidden: Any = 64, target: str = "classes",
                  **unknown: Any) -> None:
         object.__setattr__(self, "channels", _positive_ints(self.name, "channels", channels))
         object.__setattr__(self, "kernel", _positive_int(self.name, "kernel", kernel))
         if self.kernel % 2 == 0:
             raise ModelError(f"{self.name}: option 'kernel' must be odd for 'same' padding (got {kernel!r})")
         object.__setattr__(self, "hidden", _positive_int(self.name, "hidden", hidden))
-        super().__init__(input_shape, num_classes, dtype, loss, unknown)
+        super().__init__(input_shape, num_classes, dtype, loss, unknown, target)
 
     def batch_shape(self) -> tuple[int, ...]:
         return self.input_shape if len(self.input_shape) == 3 else (1,) + self.input_shape

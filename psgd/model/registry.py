@@ -16,7 +16,7 @@ from psgd.model.nets import CNN, MLP, SoftmaxRegression
 MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN, "embed": Embed}
 
 MODEL_METHODS = ("specs", "init", "loss_and_grads", "predict")
-_BUILT_IN_ARGS = ("input_shape", "num_classes", "dtype", "id_shape")
+_BUILT_IN_ARGS = ("input_shape", "num_classes", "dtype", "id_shape", "target")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -73,17 +73,27 @@ def model_options(cls: type) -> list[str] | None:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
+def _takes(cls: type, name: str) -> bool:
+    try:
+        return name in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def build_model(name: str | type, input_shape: Any, num_classes: int, dtype: str = "float32",
-                id_shape: Any = None, **options: Any) -> Any:
+                id_shape: Any = None, target: str = "classes", **options: Any) -> Any:
     """Build model ``name`` (see :func:`load_model_class`) for ``input_shape`` and ``num_classes``; for a dataset
     with categorical ids (:attr:`psgd.data.Dataset.id_shape`), also ``id_shape``, which a model of embedding tables
-    takes (``embed``)."""
+    takes (``embed``); and ``target`` (:attr:`psgd.data.Dataset.target`) to a model that takes it by name (the
+    built-in ones, which choose their loss by it)."""
     cls = load_model_class(name)
     name = class_name(cls) if name is cls else name
     args = dict(input_shape=input_shape, num_classes=num_classes, dtype=dtype, **options)
     if id_shape is not None:
         args["id_shape"] = tuple(id_shape)
     known = model_options(cls)
+    if _takes(cls, "target"):
+        args["target"] = target
     takes = ", ".join(known) if known else "none"
     try:
         if known is not None:

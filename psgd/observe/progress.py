@@ -34,7 +34,7 @@ def progress_bar(total: int, desc: str, *, enabled: bool = True, position: int |
 
 #: the columns of the CSV file beside the JSON lines: a row per step and per evaluation (``step``: the steps done)
 CSV_COLUMNS = ("time", "event", "step", "epoch", "loss", "staleness", "weights_seconds", "compute_seconds",
-               "exchange_seconds", "train_loss", "test_loss", "test_accuracy")
+               "exchange_seconds", "train_loss", "test_loss", "test_accuracy", "test_r2")
 
 
 class MetricsLog:
@@ -123,7 +123,7 @@ class Board:
             scalars = {"train/loss": record.get("loss"), "train/staleness": record.get("staleness"),
                        **{f"seconds/{k}": v for k, v in (record.get("seconds") or {}).items()}}
         elif event == "eval":
-            scalars = {f"eval/{k}": record.get(k) for k in ("test_accuracy", "test_loss", "train_loss")}
+            scalars = {f"eval/{k}": record.get(k) for k in ("test_accuracy", "test_r2", "test_loss", "train_loss")}
         else:
             return
         for tag, value in scalars.items():

@@ -317,6 +317,7 @@ class WorkerMetrics:
         self.version = Gauge("psgd_worker_version", "the newest shard version this worker pulled", registry=r)
         self.loss = Gauge("psgd_worker_loss", "training loss of the last batch", registry=r)
         self.accuracy = Gauge("psgd_worker_test_accuracy", "test accuracy at the last evaluation", registry=r)
+        self.r2 = Gauge("psgd_worker_test_r2", "test R² at the last evaluation (values: regression)", registry=r)
         self.delay = Counter("psgd_worker_injected_delay_seconds", "seconds of injected slowdown (--delay)",
                              registry=r)
         self.staleness = Histogram("psgd_worker_staleness", "staleness of this worker's pushes as the shards "
@@ -373,6 +374,8 @@ class WorkerMetrics:
                 self.loss.set(loss)
             if point.get("test_accuracy") is not None:
                 self.accuracy.set(point["test_accuracy"])
+            if point.get("test_r2") is not None:
+                self.r2.set(point["test_r2"])
             self.delay.inc(point.get("delay", 0.0) or 0.0)
             self.staleness.observe(max(0, point.get("staleness", 0)))
             if "pull_seconds" in point:

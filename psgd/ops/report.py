@@ -33,11 +33,12 @@ class Worker:
     name: str
     steps: int = 0
     seconds: float = 0.0
-    accuracy: float | None = None
+    accuracy: float | None = None   # the last test score: accuracy, or R² where the targets are values
+    score_words: str = "test accuracy"
     staleness: list[float] = dataclasses.field(default_factory=list)
     parts: dict[str, float] = dataclasses.field(default_factory=dict)  # median seconds of each part of a step
     losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)   # (steps done, loss)
-    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)    # (steps done, test accuracy)
+    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)    # (steps done, test score)
     finished: bool = False
 
     @property
@@ -58,7 +59,7 @@ class Report:
             said = [f"{w.steps} steps in {w.seconds:.1f}s ({w.rate:,.0f} steps/s)" if w.finished else
                     f"{w.steps} steps, stopped before its end"]
             if w.accuracy is not None:
-                said.append(f"test accuracy {w.accuracy:.4f}")
+                said.append(f"{w.score_words} {w.accuracy:.4f}")
             more = []
             if w.staleness:
                 more.append(f"staleness median {statistics.median(w.staleness):g}, max {max(w.staleness):g}")
@@ -113,16 +114,25 @@ def _worker(path: Path) -> Worker:
                 worker.staleness.append(rec["staleness"])
             for part, seconds in (rec.get("seconds") or {}).items():
                 parts.setdefault(part, []).append(seconds)
-        elif event == "eval" and rec.get("test_accuracy") is not None:
-            worker.evals.append((steps_done(rec), rec["test_accuracy"]))
-            worker.accuracy = rec["test_accuracy"]
+        elif event == "eval" and _score(rec, worker) is not None:
+            worker.evals.append((steps_done(rec), _score(rec, worker)))
+            worker.accuracy = _score(rec, worker)
         elif event == "done":
             worker.finished, worker.seconds = True, rec.get("seconds") or 0.0
             worker.steps = rec.get("steps", worker.steps)
-            if rec.get("test_accuracy") is not None:
-                worker.accuracy = rec["test_accuracy"]
+            if _score(rec, worker) is not None:
+                worker.accuracy = _score(rec, worker)
     worker.parts = {p: statistics.median(v) for p, v in parts.items() if v}
     return worker
+
+
+def _score(record: dict, worker: Worker) -> float | None:
+    """The test score a record holds (accuracy, or R² where the targets are values), naming it on ``worker``."""
+    for key, words in (("test_accuracy", "test accuracy"), ("test_r2", "test R²")):
+        if record.get(key) is not None:
+            worker.score_words = words
+            return record[key]
+    return None
 
 
 def draw(report: Report, path: str | Path) -> Path:
@@ -139,7 +149,8 @@ def draw(report: Report, path: str | Path) -> Path:
         if w.evals:
             accuracy.plot(*zip(*w.evals), marker="o", ms=3, label=w.name)
     loss.set(xlabel="steps done", ylabel="training loss (each step's batch)", title="loss", yscale="log")
-    accuracy.set(xlabel="steps done", ylabel="test accuracy", title="accuracy")
+    words = report.workers[0].score_words if report.workers else "test accuracy"
+    accuracy.set(xlabel="steps done", ylabel=words, title=words.removeprefix("test "))
     for ax in (loss, accuracy):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

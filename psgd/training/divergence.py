@@ -61,12 +61,22 @@ class Divergence:
         return f"{self.by}: training diverged at step {self.step} (epoch {self.epoch}): {self.why}; {self.advice}"
 
 
-def chance(labels: np.ndarray) -> float:
-    """The accuracy of always answering the commonest class of ``labels`` (host or device arrays)."""
+def chance(labels: np.ndarray, target: str = "classes") -> float:
+    """The score of a guess that ignores the inputs: the accuracy of always answering the commonest class of
+    ``labels`` (host or device arrays), or the commonest answer of each label; for values, R² 0 (their mean)."""
+    if target == "values":
+        return 0.0
     labels = backend.to_host(labels)
     if labels.size == 0:
         return 0.0
+    if target == "labels":
+        yes = (labels > 0.5).mean(axis=0)
+        return float(np.maximum(yes, 1 - yes).mean())
     return float(np.bincount(labels.astype(np.int64).ravel()).max() / labels.size)
+
+
+#: how the guard speaks of each score and of its chance level
+_WORDS = {"accuracy": ("test accuracy", "the commonest class"), "r2": ("test R²", "the targets' mean")}
 
 
 def advice(config: Any, mode: str) -> str:
@@ -97,8 +107,9 @@ def advice(config: Any, mode: str) -> str:
 class DivergenceGuard:
     """Watches one process's losses and evaluations; :attr:`verdict` is the first divergence it saw."""
 
-    def __init__(self, by: str, chance_accuracy: float, classes: int, advice_text: str):
+    def __init__(self, by: str, chance_accuracy: float, classes: int, advice_text: str, metric: str = "accuracy"):
         self.by, self.chance, self.advice = by, chance_accuracy, advice_text
+        self.score_words, self.chance_words = _WORDS[metric]
         self.guess_loss = math.log(max(classes, 2))  # the cross-entropy of a uniform guess
         self.verdict: Divergence | None = None
         self._lock = threading.Lock()  # a loop may evaluate on a thread beside its steps ([train] eval_beside)
@@ -147,8 +158,8 @@ class DivergenceGuard:
             return self._found(step, epoch, f"the test loss ({test_loss:.4g}) has been above its first value "
                                             f"({self._first_loss:.4g}) for {self._growing} evaluations")
         if self._at_chance >= EVALUATIONS:
-            return self._found(step, epoch, f"the test accuracy ({accuracy:.3f}) has stayed at chance "
-                                            f"({self.chance:.3f}, the commonest class) for {self._at_chance} "
+            return self._found(step, epoch, f"the {self.score_words} ({accuracy:.3f}) has stayed at chance "
+                                            f"({self.chance:.3f}, {self.chance_words}) for {self._at_chance} "
                                             "evaluations")
         return None
 
@@ -163,6 +174,6 @@ class DivergenceGuard:
         if not math.isfinite(test_loss):
             return self._found(step, epoch, f"the final weights' test loss is {test_loss}")
         if accuracy <= self.chance + CHANCE_MARGIN:
-            return self._found(step, epoch, f"the final test accuracy ({accuracy:.3f}) is at chance "
-                                            f"({self.chance:.3f}, the commonest class)")
+            return self._found(step, epoch, f"the final {self.score_words} ({accuracy:.3f}) is at chance "
+                                            f"({self.chance:.3f}, {self.chance_words})")
         return None

@@ -41,6 +41,7 @@ import numpy as np
 
 from psgd import data as datasets
 from psgd.data.ahead import Ahead
+from psgd.data.base import SCORE_WORDS
 from psgd.compute import graphs
 from psgd import model as models
 from psgd.compute import backend
@@ -58,22 +59,31 @@ log = logging.getLogger(__name__)
 def evaluate(
     model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
     device: backend.Device, batch_size: int = 1024, ids: np.ndarray | None = None,
-    rows: Callable[..., dict[str, Any]] | None = None,
+    rows: Callable[..., dict[str, Any]] | None = None, target: str = "classes",
 ) -> tuple[float, float]:
-    """Mean loss and accuracy of ``params`` on (x, y), in batches; a model with embedding tables looks the ids
-    of each batch up through ``rows`` (:meth:`Exchange.rows`, reading without making rows)."""
-    total_loss, correct = 0.0, 0
+    """Mean loss and score of ``params`` on (x, y), in batches: the score is the accuracy for classes (of every
+    position, for a class per position) and for labels (of every label, a score above 0 saying yes), R² for values
+    (1 - the squared error over the targets' variance: 0 is guessing their mean).  A model with embedding tables
+    looks the ids of each batch up through ``rows`` (:meth:`Exchange.rows`, reading without making rows)."""
+    total_loss, right, squared, n = 0.0, 0, 0.0, max(len(x), 1)
     for start in range(0, len(x), batch_size):
         xb = device.asarray(x[start:start + batch_size])
-        yb_host = y[start:start + batch_size]
+        yb_host = np.asarray(y[start:start + batch_size])
         if rows is not None:
             params = {**params, **rows(model.lookups(ids[start:start + batch_size]))}
         loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
         scores = backend.to_host(model.predict(params, xb))
         total_loss += float(loss) * len(yb_host)
-        correct += int((scores.argmax(axis=1) == yb_host).sum())
-    n = max(len(x), 1)
-    return total_loss / n, correct / n
+        if target == "values":
+            squared += float(((scores.reshape(yb_host.shape) - yb_host) ** 2).sum())
+        elif target == "labels":
+            right += int(((scores > 0) == (yb_host > 0.5)).sum())
+        else:
+            right += int((scores.argmax(axis=-1) == yb_host).sum())
+    if target == "values":
+        spread = float(((np.asarray(y) - np.asarray(y).mean(axis=0)) ** 2).sum())
+        return total_loss / n, 1.0 - squared / spread if spread > 0 else float(squared == 0)
+    return total_loss / n, right / max(np.asarray(y[:1]).size * len(x), 1)
 
 
 class Interrupted(PsgdError):
@@ -211,11 +221,12 @@ class LoopResult:
     seconds: float
     last_loss: float
     test_loss: float            # of the final weights, where evaluated; NaN otherwise
-    test_accuracy: float
+    test_accuracy: float | None  # of the final weights, for classes and labels (None for values)
     history: list[dict[str, Any]]          # the evaluation records
     params: dict[str, np.ndarray] | None   # host copies of the final weights, where this process holds them
     summary: dict[str, Any]                # the exchange's: push outcomes, seconds in the collective, ...
     divergence: dict[str, Any] | None = None  # what the divergence guard saw first (psgd.training.divergence)
+    test_r2: float | None = None           # of the final weights, for values (regression) targets
 
 
 def run_loop(
@@ -259,7 +270,9 @@ def run_loop(
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)
     history: list[dict[str, Any]] = []
-    guard = DivergenceGuard(exchange.name, chance(ds.y_test), ds.num_classes, advice(job.config, exchange.mode))
+    guard = DivergenceGuard(exchange.name, chance(ds.y_test, ds.target), ds.num_classes,
+                            advice(job.config, exchange.mode), ds.metric)
+    score_key, score_words, short = ds.score_key, SCORE_WORDS[ds.metric], {"accuracy": "acc", "r2": "r2"}[ds.metric]
 
     def judged(verdict) -> None:
         if verdict is not None:
@@ -289,15 +302,15 @@ def run_loop(
     def evaluation(params: Mapping[str, Any], done: int, train_loss: float, wall: float | None = None) -> None:
         nonlocal acc, test_loss
         test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size, ds.ids_test,
-                                  looks_up)
+                                  looks_up, ds.target)
         point = {"step": done, "epoch": done // spe, "wall": time.perf_counter() - start if wall is None else wall,
-                 "train_loss": float(train_loss), "test_loss": test_loss, "test_accuracy": acc}
+                 "train_loss": float(train_loss), "test_loss": test_loss, score_key: acc}
         history.append(point)
         metrics.write("eval", **point)
         judged(guard.evaluation(done, done // spe, test_loss, acc))
         if not progress:  # no bar to show it: one line per evaluation, for logs
-            log.info("%s: epoch %d/%d, step %d/%d: test accuracy %.4f, train loss %.4f",
-                     exchange.name, done // spe, t.epochs, done, total, acc, train_loss)
+            log.info("%s: epoch %d/%d, step %d/%d: %s %.4f, train loss %.4f",
+                     exchange.name, done // spe, t.epochs, done, total, score_words, acc, train_loss)
 
     beside = _BackgroundEvaluator(evaluation) if t.eval_beside else None
 
@@ -371,11 +384,12 @@ def run_loop(
                                           {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}
                     metrics.write("step", **point)
                     if on_step:
-                        on_step({**point, **({"test_accuracy": acc} if evaluated else {}),
+                        on_step({**point, **({score_key: acc} if evaluated else {}),
                                  "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
                                  **out.timings})
                     bar.update(out.next_step - step)
-                    bar.set_postfix(loss=f"{loss:.4f}", **({"acc": f"{acc:.3f}"} if history else {}), refresh=False)
+                    bar.set_postfix(loss=f"{loss:.4f}", **({short: f"{acc:.3f}"} if history else {}),
+                                   refresh=False)
                     step = out.next_step
                 except ResumeFromStep as back:  # a shard restarted from a cut: the steps since are taken again
                     step = _went_back(back, step)
@@ -397,7 +411,9 @@ def run_loop(
         evaluation(final, step, loss)
     diverged = guard.verdict.record() if guard.verdict else None
     metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary,
-                  **({"test_loss": test_loss, "test_accuracy": acc} if history else {}), diverged=diverged)
+                  **({"test_loss": test_loss, score_key: acc} if history else {}), diverged=diverged)
     metrics.close()
     host = {name: backend.to_host(v) for name, v in final.items()} if final is not None else None
-    return LoopResult(rank, steps, step, seconds, float(loss), test_loss, acc, history, host, summary, diverged)
+    scores = {"test_accuracy": None, "test_r2": None, score_key: acc}
+    return LoopResult(rank, steps, step, seconds, float(loss), test_loss, scores["test_accuracy"], history, host,
+                      summary, diverged, scores["test_r2"])

@@ -34,10 +34,13 @@ from psgd.training.loop import ResumeFromStep
 from psgd.worker.client import PSClient
 from psgd.worker.exchange import ParameterServerExchange
 from psgd.worker.stop import STOP_SIGNALS, Stop
+from psgd.wire.tls import TLSFiles
 
 #: what psgd run tells each copy of the script: the job file, the worker's rank, where its metrics lines go and
 #: the device it computes on (the job's token travels as PSGD_TOKEN)
 JOB_FILE, RANK, METRICS, DEVICE = "PSGD_JOB_FILE", "PSGD_RANK", "PSGD_METRICS", "PSGD_DEVICE"
+#: and, where the job runs over TLS, the certificate, key and CA it shows and trusts (psgd run --tls-*)
+TLS = ("PSGD_TLS_CERT", "PSGD_TLS_KEY", "PSGD_TLS_CA")
 
 class Worker:
     """This process's place in a job: the job (:attr:`job`, with its model, data and device), this worker's
@@ -140,7 +143,7 @@ class Worker:
 
 
 def join(environ: Mapping[str, str] | None = None) -> Worker:
-    """Join the job ``psgd run`` started this script for: the job file, rank, device and token from the
+    """Join the job ``psgd run`` started this script for: the job file, rank, device, token and TLS files from the
     environment it set.  Stop signals set :attr:`Worker.stopping` from here on (the main thread only)."""
     environ = os.environ if environ is None else environ
     missing = [name for name in (JOB_FILE, RANK) if not environ.get(name)]
@@ -160,7 +163,8 @@ def join(environ: Mapping[str, str] | None = None) -> Worker:
     job = build_job(config, check=True)
     c = config.cluster
     client = PSClient(c.servers, job.plan, rank, links=c.links, deadlines=c.deadlines, recovery=c.recovery,
-                      token=environ.get("PSGD_TOKEN", ""), stop=stop, config=config, device=job.device)
+                      token=environ.get("PSGD_TOKEN", ""), tls=TLSFiles(*(environ.get(name) for name in TLS)),
+                      stop=stop, config=config, device=job.device)
     try:
         return Worker(job, client, rank, stop, environ.get(METRICS) or None)
     except BaseException:

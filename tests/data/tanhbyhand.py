@@ -3,7 +3,7 @@ import numpy as np
 
 from psgd.model import BaseModel, VarSpec
 from psgd.model.losses import softmax_cross_entropy
-from psgd.compute.backend import get_array_module
+from psgd.model import get_array_module
 
 
 class TanhMLPByHand(BaseModel):

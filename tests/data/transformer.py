@@ -40,10 +40,13 @@ class Block(Module):
 
 
 class Transformer(Network):
-    """Tokens (batch, length) -> embeddings + positions -> blocks -> the first position's scores."""
+    """Tokens (batch, length) -> embeddings + positions -> blocks -> the first position's scores (head="first"),
+    or every position's (head="each": a class per position, shape (batch, length, classes))."""
 
-    def __init__(self, input_shape, num_classes, dtype="float32", dim=32, heads=2, hidden=64, depth=1, vocab=None):
+    def __init__(self, input_shape, num_classes, dtype="float32", dim=32, heads=2, hidden=64, depth=1, vocab=None,
+                 head="first"):
         super().__init__(dtype)
+        self.every = {"first": False, "each": True}[head]
         (length,) = input_shape
         self.tokens = Parameter((int(vocab or num_classes), dim), init="normal", scale=0.5)
         self.positions = Parameter((length, dim), init="normal", scale=0.5)
@@ -56,4 +59,7 @@ class Transformer(Network):
         x = ops.take(self.tokens, x.astype("int64"), axis=0) + self.positions  # (batch, length, dim)
         for i in range(self.depth):
             x = getattr(self, f"block{i}")(x)
+        if self.every:  # a class per position
+            b, n, d = x.shape
+            return self.head(self.norm(x).reshape(b * n, d)).reshape(b, n, -1)
         return self.head(self.norm(x[:, 0]))  # what the first position gathered

@@ -271,7 +271,7 @@ def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores
             recovery.write(s.core, checkpoint.shard_dir(tmp_path, s.core.shard, s.core.fingerprint), force=True)
         live = pull_from_servers(job)
         with PSClient(job.cluster.servers, build_job(job).plan) as reader:
-            _, live_accuracy, _ = _evaluate(job, live.weights, "ps", reader)
+            _, live_scores, _ = _evaluate(job, live.weights, "ps", reader)
         held = shard_rows(servers)
     assert live.notes == []  # nothing moved while the rows were listed
     joined = join_checkpoints(job, tmp_path)
@@ -281,7 +281,7 @@ def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores
         np.testing.assert_array_equal(exported.weights[rows_key], np.stack([held[i] for i in sorted(held)]))
     save_weights(tmp_path / "w.npz", joined.weights)
     scored = evaluate_file(job, tmp_path / "w.npz")
-    assert scored["test_accuracy"] == live_accuracy  # the same weights and rows, read from the file
+    assert scored["test_accuracy"] == live_scores["test_accuracy"]  # the same weights and rows, read from the file
     without = {k: v for k, v in joined.weights.items() if not k.startswith("table:")}
     save_weights(tmp_path / "dense.npz", without)
     with pytest.raises(ValueError, match="no rows of table emb"):

@@ -33,7 +33,7 @@ def run(script: str, folder: Path) -> subprocess.CompletedProcess:
 
 def test_the_page_runs_each_command_it_shows():
     commands = re.findall(r"^python (\S+)$", PAGE.read_text(encoding="utf-8"), flags=re.M)
-    assert commands == ["train_blobs.py", "launch_blobs.py"]
+    assert commands == ["train_blobs.py", "launch_blobs.py", "regress.py"]
     assert re.findall(r"^psgd run .* (\S+)$", PAGE.read_text(encoding="utf-8"), flags=re.M) == ["hardest.py"]
 
 
@@ -55,11 +55,33 @@ def test_launch_from_a_script_hands_the_workers_its_class_by_name_and_its_arrays
     assert float(said.group(1)) > 0.8, done.stdout
     folder = tmp_path / said.group(2)
     with np.load(folder / "data.npz", allow_pickle=False) as data:
-        assert sorted(data.files) == ["num_classes", "x_test", "x_train", "y_test", "y_train"]
+        assert sorted(data.files) == ["num_classes", "target", "x_test", "x_train", "y_test", "y_train"]
+        assert str(data["target"]) == "classes"
         assert len(data["x_train"]) + len(data["x_test"]) == 900
     with np.load(folder / "final.npz", allow_pickle=False) as weights:
         assert weights["hidden/W"].shape == (4, 16)
     assert 'name = "nets:TwoLayers"' in (folder / "job.toml").read_text()
+
+
+def test_regression_from_a_script_is_launched_trained_and_scored_by_r2(tmp_path):
+    """Float targets are values: the built-in MLP takes the squared error, the workers read them from RUN/data.npz
+    as values, and the run is scored by R² (its metrics lines and psgd report say so)."""
+    page_files(tmp_path)
+    done = run("regress.py", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 values per example of shape (2,)" in done.stdout
+    said = re.search(r"^test R² ([\d.-]+), test loss ([\d.]+); run folder (\S+)$", done.stdout, re.M)
+    assert said and float(said.group(1)) > 0.9, done.stdout
+    folder = tmp_path / said.group(3)
+    with np.load(folder / "data.npz", allow_pickle=False) as data:
+        assert str(data["target"]) == "values" and data["y_train"].shape[1:] == (2,)
+    evals = [json.loads(line) for line in (folder / "worker-0.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert evals and all("test_r2" in e and "test_accuracy" not in e for e in evals)
+    assert evals[-1]["test_r2"] > evals[0]["test_r2"]
+    report = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(folder)], capture_output=True,
+                            text=True, timeout=120)
+    assert re.search(r"worker-0: .*test R² 0\.9", report.stdout), report.stdout + report.stderr
 
 
 def psgd_run(folder: Path, *argv: str, **popen) -> subprocess.Popen:
@@ -112,6 +134,38 @@ def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
+
+
+def test_psgd_run_stopped_goes_on_from_its_shards_checkpoints_with_resume(tmp_path):
+    page_files(tmp_path)
+    launcher = psgd_run(tmp_path, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", "15",
+                        "hardest.py")
+    try:
+        metrics = [tmp_path / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() and p.stat().st_size for p in metrics):  # both workers have pushed a step
+            assert time.monotonic() < deadline and launcher.poll() is None, "the workers never pushed a step"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert f"continue with psgd run --resume run {tmp_path / 'hardest.py'}" in err
+    stopped = [json.loads(p.read_text().splitlines()[-1])["clock"] for p in metrics]
+    assert stopped[0] == stopped[1] and 0 < stopped[0] < 330, stopped
+    again = psgd_run(tmp_path, "--resume", "run", "hardest.py")
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert re.search(r"^final test accuracy: 0\.9", out, re.M), out
+    for path in metrics:  # the second part began where the first had stopped, and went on to the job's end
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        ends = [i for i, x in enumerate(records) if x["event"] == "done"]
+        assert len(ends) == 2 and records[ends[0] + 1]["clock"] == stopped[0] and records[-1]["clock"] == 330
+        clocks = [x["clock"] for x in records if x["event"] == "step"]
+        assert clocks == list(range(330)), path.name
 
 
 def test_the_data_pages_augmentation_runs_by_name_in_a_launchs_workers(tmp_path):

@@ -145,6 +145,31 @@ def test_launch_runs_a_whole_job_over_mutual_tls(certs, tmp_path):
     assert half.returncode == 2 and "needs --tls-cert, --tls-key and --tls-ca together" in half.stderr
 
 
+LOOP = """import psgd
+
+with psgd.join() as w:
+    while w.clock < w.steps and not w.stopping:
+        params = w.pull()
+        x, y = w.batch()
+        loss, grads = w.model.loss_and_grads(params, x, y)
+        w.push(grads, loss=loss)
+"""
+
+
+def test_psgd_run_runs_its_scripts_over_mutual_tls(certs, tmp_path):
+    """psgd run refused TLS: a script's worker could not join a job whose shards demand client certificates."""
+    (tmp_path / "loop.py").write_text(LOOP)
+    done = subprocess.run([shutil.which("psgd") or "psgd", "run", "--epochs", "1", "--workers", "2", "--shards", "1",
+                           "--run-dir", "run", "--json", "--tls-cert", str(certs / "shard.pem"), "--tls-key",
+                           str(certs / "shard.key"), "--tls-ca", str(certs / "ca.pem"), "loop.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["test_accuracy"] > 0.5
+    assert "mutual TLS; policy sync" in (tmp_path / "run" / "shard-0.log").read_text()
+    for r in (0, 1):  # each script's worker trained to the end, over mutual TLS
+        assert json.loads((tmp_path / "run" / f"worker-{r}.jsonl").read_text().splitlines()[-1])["event"] == "done"
+
+
 @pytest.mark.slow
 def test_launch_takes_tls_from_the_job_file(certs, tmp_path):
     """The certificate, key and CA may live in the job file's [tls] table (paths from the job file's folder):

@@ -89,3 +89,17 @@ def test_the_running_statistics_travel_through_all_reduce_and_the_export(folder)
     evaluated = psgd("eval", str(saved), "--model", model, "--json", cwd=folder)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["test_accuracy"] == pytest.approx(accuracy)
+
+
+def test_the_transformer_sorts_a_class_per_position_as_the_page_says(folder):
+    """The sort task's targets are a class per position (batch, 16): the page's command scores every position of
+    the transformer (head=each) and reaches what the page says; the built-in MLP is refused in one line."""
+    (command,) = [c for c in re.findall(r"^psgd launch .*$", PAGE.read_text(encoding="utf-8"), flags=re.M)
+                  if "data.task=sort" in c]
+    done = psgd(*command.split()[1:], "--no-progress", "--json", cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["test_accuracy"] >= 0.95 and not result["diverged"], result  # 0.994 on this machine
+    refused = psgd("train", "--model", "mlp", "--dataset", "sequences", "--set", "data.task=sort", cwd=folder)
+    assert refused.returncode != 0 and "gives one class per example" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr

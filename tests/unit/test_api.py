@@ -79,7 +79,7 @@ def test_own_data_is_checked_with_a_line_that_names_it():
 
     with pytest.raises(DataError, match=r"Broken\[0\] must be a pair \(x, y\)"):
         dataset_from(Broken())
-    with pytest.raises(DataError, match="300 inputs but 299 labels"):
+    with pytest.raises(DataError, match="300 inputs but 299 targets"):
         dataset_from((np.zeros((300, 4)), np.zeros(299)))
     with pytest.raises(DataError, match="num_classes=2, but a label is 2"):
         dataset_from(Blobs(), num_classes=2)
@@ -202,3 +202,31 @@ def test_a_run_stopped_halfway_and_resumed_ends_with_the_weights_of_one_never_st
         np.testing.assert_array_equal(resumed.weights[name], w)  # bitwise
     with pytest.raises(ConfigError, match="it is the state of another job"):
         psgd.train("mlp", Blobs(), **{**job, "lr": 0.02}, resume=str(kept))
+
+
+def test_the_documentation_imports_only_what_is_public():
+    """Every ``import psgd...`` and ``from psgd... import`` in the documentation's Python (the README, docs/, the
+    examples the pages show) names a public module (``psgd.PUBLIC_MODULES``) and, from it, names its ``__all__``
+    holds: what a user is shown to import is what psgd keeps stable."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md")),
+             *sorted((root / "tests" / "data").glob("*.py"))]
+    seen = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        blocks = [text] if page.suffix == ".py" else re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        for block in blocks:
+            for module, names in re.findall(r"^\s*from (psgd[\w.]*) import ([\w, ]+)$", block, flags=re.M):
+                assert module in psgd.PUBLIC_MODULES, f"{page.name}: from {module} import {names}"
+                public = importlib.import_module(module).__all__
+                assert all(n.strip() in public for n in names.split(",")), f"{page.name}: {module}: {names}"
+                seen.append(module)
+            for module in re.findall(r"^\s*import (psgd[\w.]*)", block, flags=re.M):
+                assert module in psgd.PUBLIC_MODULES, f"{page.name}: import {module}"
+                seen.append(module)
+    assert {"psgd", "psgd.autodiff", "psgd.model", "psgd.model.losses"} <= set(seen)
+    assert "## What is public" in __import__("psgd.cli.reference", fromlist=["x"]).python_api()

@@ -347,19 +347,22 @@ def test_npz_missing_key_and_length_mismatch(tmp_path):
     with pytest.raises(DataError, match="needs arrays x_train.*found: images"):
         load_dataset(str(tmp_path / "n.npz"))
     np.savez(tmp_path / "l.npz", x=np.zeros((5, 2)), y=np.zeros(4, int))
-    with pytest.raises(DataError, match="l.npz: x has 5 rows but y has 4 labels"):
+    with pytest.raises(DataError, match="l.npz: x has 5 rows but y has 4 targets"):
         load_dataset(str(tmp_path / "l.npz"))
 
 
 def test_npz_bad_labels_and_files(tmp_path):
-    np.savez(tmp_path / "f.npz", x=np.zeros((4, 2)), y=np.array([0.0, 1.5, 1.0, 0.0]))
-    with pytest.raises(DataError, match="labels must be integers"):
+    np.savez(tmp_path / "f.npz", x=np.zeros((4, 2)), y=np.array([0.0, 1.5, 1.0, 0.0]), target=np.array("classes"))
+    with pytest.raises(DataError, match="class labels must be integers"):
         load_dataset(str(tmp_path / "f.npz"))
+    np.savez(tmp_path / "t.npz", x=np.zeros((4, 2)), y=np.zeros(4), target=np.array("value"))
+    with pytest.raises(DataError, match="target must be one of classes, labels, values, got 'value'"):
+        load_dataset(str(tmp_path / "t.npz"))
     np.savez(tmp_path / "s.npz", x=np.zeros((2, 2)), y=np.array(["a", "b"]))
-    with pytest.raises(DataError, match="labels must be integers"):
+    with pytest.raises(DataError, match="targets must be numbers"):
         load_dataset(str(tmp_path / "s.npz"))
     np.savez(tmp_path / "o.npz", x=np.zeros((2, 2)), y=np.eye(2))
-    with pytest.raises(DataError, match="not one-hot"):
+    with pytest.raises(DataError, match="look like one-hot rows; give class indices"):
         load_dataset(str(tmp_path / "o.npz"))
     np.savez(tmp_path / "neg.npz", x=np.zeros((2, 2)), y=np.array([0, -1]))
     with pytest.raises(DataError, match=">= 0"):

@@ -17,6 +17,7 @@ import pytest
 
 import psgd.data
 import psgd.data.datasets
+import psgd.data.files
 from psgd.data import DataError, DataShape, describe_dataset, load_dataset, read_idx_header, read_npz_headers
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
@@ -132,13 +133,13 @@ def test_idx_images_are_not_read(tmp_path, gz):
 
 def test_idx_reads_images_only_through_the_header(tmp_path, monkeypatch):
     root = mnist_dir(tmp_path, gz=True)
-    real = psgd.data.datasets.read_idx
+    real = psgd.data.files.read_idx
 
     def labels_only(path):
         assert "labels" in str(path), f"describe_dataset read the images {path}"
         return real(path)
 
-    monkeypatch.setattr(psgd.data.datasets, "read_idx", labels_only)
+    monkeypatch.setattr(psgd.data.files, "read_idx", labels_only)
     assert describe_dataset(f"idx:{root}").input_shape == (4, 3)
 
 
@@ -269,10 +270,12 @@ def test_npz_errors_are_the_same(tmp_path):
         "missing key(s) y_test": npz("m.npz", x_train=np.zeros((3, 2)), y_train=np.zeros(3, int),
                                      x_test=np.zeros((1, 2))),
         "found: images": npz("n.npz", images=np.zeros((3, 2))),
-        "x has 5 rows but y has 4 labels": npz("l.npz", x=np.zeros((5, 2)), y=np.zeros(4, int)),
+        "x has 5 rows but y has 4 targets": npz("l.npz", x=np.zeros((5, 2)), y=np.zeros(4, int)),
         "must have shape (n, features...)": npz("v.npz", x=np.zeros(5), y=np.zeros(5, int)),
-        "labels must be integers": npz("f.npz", x=np.zeros((4, 2)), y=np.array([0.0, 1.5, 1.0, 0.0])),
-        "not one-hot": npz("o.npz", x=np.zeros((2, 2)), y=np.eye(2)),
+        "class labels must be integers": npz("f.npz", x=np.zeros((4, 2)), y=np.array([0.0, 1.5, 1.0, 0.0]),
+                                             target=np.array("classes")),
+        "look like one-hot rows": npz("o.npz", x=np.zeros((2, 2)), y=np.eye(2)),
+        "target must be a string": npz("t.npz", x=np.zeros((2, 2)), y=np.zeros(2), target=np.int64(1)),
         "inputs must be numeric": npz("b.npz", x=np.zeros((2, 2), bool), y=np.array([0, 1])),
         "x_train rows have shape (2,) but x_test rows (3,)": npz(
             "r.npz", x_train=np.zeros((3, 2)), y_train=np.zeros(3, int), x_test=np.zeros((1, 3)),

@@ -39,7 +39,7 @@ def test_the_dataset_spec_loads_and_describes_alike():
     assert ds.x_train.shape == (64, 10)
 
 
-@pytest.mark.parametrize("options, said", [({"task": "sort"}, "task must be one of majority, lookup"),
+@pytest.mark.parametrize("options, said", [({"task": "sorted"}, "task must be one of majority, lookup, sort"),
                                            ({"length": 1}, "length must be a whole number of at least 2"),
                                            ({"vocab": "x"}, "vocab must be a whole number"),
                                            ({"task": "lookup", "length": 9, "vocab": 8}, "vocab must be at least"),
