@@ -112,46 +112,39 @@ def test_a_script_that_is_not_started_by_psgd_run_is_told_how_to_start_it(tmp_pa
     assert "PSGD_JOB_FILE, PSGD_RANK not set: start this script with psgd run" in done.stderr
 
 
-def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
-    page_files(tmp_path)
-    launcher = psgd_run(tmp_path, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", "400",
+def stopped_by_sigterm(folder: Path, epochs: int) -> tuple[subprocess.Popen, str, list[Path]]:
+    """psgd run of the page's hardest.py (2 workers, 1 shard) into RUN=run, sent SIGTERM once both workers have
+    pushed a step: the launcher (ended), its stderr and the workers' metrics files."""
+    page_files(folder)
+    launcher = psgd_run(folder, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", str(epochs),
                         "hardest.py")
     try:
-        metrics = [tmp_path / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
+        metrics = [folder / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
         deadline = time.monotonic() + 60
         while not all(p.exists() and p.stat().st_size for p in metrics):  # both workers have pushed a step
             assert time.monotonic() < deadline and launcher.poll() is None, "the workers never pushed a step"
             time.sleep(0.05)
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=30)
-        assert launcher.returncode == 128 + signal.SIGTERM, err
-        for path in metrics:  # each left between steps: its last line says so, no step was cut short
-            last = json.loads(path.read_text().splitlines()[-1])
-            assert last["event"] == "done" and 0 < last["clock"] < 400 * 11, last
-        for r in (0, 1):
-            assert "Traceback" not in (tmp_path / "run" / f"worker-{r}.log").read_text()
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
+    return launcher, err, metrics
+
+
+def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
+    launcher, err, metrics = stopped_by_sigterm(tmp_path, 400)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    for path in metrics:  # each left between steps: its last line says so, no step was cut short
+        last = json.loads(path.read_text().splitlines()[-1])
+        assert last["event"] == "done" and 0 < last["clock"] < 400 * 11, last
+    for r in (0, 1):
+        assert "Traceback" not in (tmp_path / "run" / f"worker-{r}.log").read_text()
 
 
 def test_psgd_run_stopped_goes_on_from_its_shards_checkpoints_with_resume(tmp_path):
-    page_files(tmp_path)
-    launcher = psgd_run(tmp_path, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", "15",
-                        "hardest.py")
-    try:
-        metrics = [tmp_path / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
-        deadline = time.monotonic() + 60
-        while not all(p.exists() and p.stat().st_size for p in metrics):  # both workers have pushed a step
-            assert time.monotonic() < deadline and launcher.poll() is None, "the workers never pushed a step"
-            time.sleep(0.05)
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(10)
+    launcher, err, metrics = stopped_by_sigterm(tmp_path, 15)
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert f"continue with psgd run --resume run {tmp_path / 'hardest.py'}" in err
     stopped = [json.loads(p.read_text().splitlines()[-1])["clock"] for p in metrics]
