@@ -236,9 +236,12 @@ def score_fields(result: Any) -> dict[str, float | None]:
     return {"test_accuracy": result.test_accuracy, **({"test_r2": r2} if r2 is not None else {})}
 
 
-def score_said(accuracy: float | None, r2: float | None = None) -> str:
+def score_said(accuracy: float | None, r2: float | None = None, sep: str = ": ") -> str:
     """``test accuracy: 0.9731``, or ``test R²: 0.9120`` where the targets are values (``r2`` set)."""
-    return f"test R²: {r2:.4f}" if r2 is not None else f"test accuracy: {accuracy:.4f}"
+    from psgd.data.base import SCORE_WORDS
+
+    metric, value = ("r2", r2) if r2 is not None else ("accuracy", accuracy)
+    return f"{SCORE_WORDS[metric]}{sep}{value:.4f}"
 
 
 def resumed_from(args: argparse.Namespace) -> None:

@@ -142,9 +142,8 @@ def last_line(result, shards: int) -> str:
     line = (f"worker {result.rank} {ended}: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at "
             f"each of {shards} shard(s): {done or 'none'})")
     if "final_versions" in summary:
-        score = score_said(result.test_accuracy, result.test_r2).replace(":", "")
-        line += (f"; {score} of the weights its last step left (versions "
-                 f"{', '.join(map(str, summary['final_versions']))})")
+        line += (f"; {score_said(result.test_accuracy, result.test_r2, ' ')} of the weights its last step left "
+                 f"(versions {', '.join(map(str, summary['final_versions']))})")
     return line
 
 

@@ -31,6 +31,11 @@ SCORE_WORDS = {"accuracy": "test accuracy", "r2": "test R²"}
 SCORE_KEYS = {"accuracy": "test_accuracy", "r2": "test_r2"}
 
 
+def scores_of(metric: str, value: float) -> dict[str, float | None]:
+    """Every score's key (:data:`SCORE_KEYS`): ``value`` under the one ``metric`` names, None under the others."""
+    return {**dict.fromkeys(SCORE_KEYS.values()), SCORE_KEYS[metric]: value}
+
+
 class DataError(InputError):
     """A dataset could not be loaded or sharded; the message names the file or name."""
 

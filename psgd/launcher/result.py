@@ -75,6 +75,7 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     observer of the shards) as ``{"test_accuracy": ..., "test_r2": ...}`` (the one the targets are scored by set,
     the other None), and the divergence guard's verdict on them alone."""
     from psgd import data as datasets
+    from psgd.data.base import scores_of
     from psgd.training.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
     from psgd.training.loop import evaluate
@@ -95,7 +96,7 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     guard = DivergenceGuard("launcher", chance(ds.y_test, ds.target), ds.num_classes, advice(config, mode),
                             ds.metric)
     verdict = guard.final(steps, t.epochs, loss, score)
-    return loss, {"test_accuracy": None, "test_r2": None, ds.score_key: score}, verdict.record() if verdict else None
+    return loss, scores_of(ds.metric, score), verdict.record() if verdict else None
 
 
 def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,

@@ -91,6 +91,8 @@ class LayeredModel(Network):
                              f"that are {target} (got {loss!r})")
         super().__init__(dtype)  # (a subclass' options are set already)
         self.input_shape, self.num_classes, self.loss_name, self.target = shape, classes, loss, target
+        # (values in one input, its shape inside the net): what inputs() checks and reshapes to, worked out once
+        object.__setattr__(self, "_shape", (math.prod(shape), tuple(self.batch_shape())))
         self.chain = chain(self, self.layers())
 
     def layers(self) -> list[Module]:
@@ -102,17 +104,11 @@ class LayeredModel(Network):
 
     def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
         x = super().inputs(params, x)
-        shape = self.__dict__.get("_shape") or self._shape_of()
+        shape = self._shape
         if x.ndim < 1 or math.prod(x.shape[1:]) != shape[0]:
             raise ModelError(f"{self.name}: expected inputs of shape (B, {', '.join(map(str, self.input_shape))}), "
                              f"got {tuple(x.shape)}")
         return x.reshape((x.shape[0],) + shape[1])
-
-    def _shape_of(self) -> tuple[int, tuple[int, ...]]:
-        """(values in one input, its shape inside the net), worked out once."""
-        shape = (math.prod(self.input_shape), tuple(self.batch_shape()))
-        object.__setattr__(self, "_shape", shape)
-        return shape
 
     def forward(self, x: Any) -> Any:
         for module in self.chain:

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from psgd.data.base import SCORE_KEYS, SCORE_WORDS
 from psgd.errors import InputError
 from psgd.observe.progress import steps_done
 
@@ -114,23 +115,26 @@ def _worker(path: Path) -> Worker:
                 worker.staleness.append(rec["staleness"])
             for part, seconds in (rec.get("seconds") or {}).items():
                 parts.setdefault(part, []).append(seconds)
-        elif event == "eval" and _score(rec, worker) is not None:
-            worker.evals.append((steps_done(rec), _score(rec, worker)))
-            worker.accuracy = _score(rec, worker)
+        elif event == "eval":
+            score = _score(rec, worker)
+            if score is not None:
+                worker.evals.append((steps_done(rec), score))
+                worker.accuracy = score
         elif event == "done":
             worker.finished, worker.seconds = True, rec.get("seconds") or 0.0
             worker.steps = rec.get("steps", worker.steps)
-            if _score(rec, worker) is not None:
-                worker.accuracy = _score(rec, worker)
+            score = _score(rec, worker)
+            if score is not None:
+                worker.accuracy = score
     worker.parts = {p: statistics.median(v) for p, v in parts.items() if v}
     return worker
 
 
 def _score(record: dict, worker: Worker) -> float | None:
     """The test score a record holds (accuracy, or R² where the targets are values), naming it on ``worker``."""
-    for key, words in (("test_accuracy", "test accuracy"), ("test_r2", "test R²")):
+    for metric, key in SCORE_KEYS.items():
         if record.get(key) is not None:
-            worker.score_words = words
+            worker.score_words = SCORE_WORDS[metric]
             return record[key]
     return None
 

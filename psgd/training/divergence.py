@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from psgd.compute import backend
+from psgd.data.base import SCORE_WORDS
 
 #: evaluations in a row that make a growing loss, or accuracy at chance, a divergence
 EVALUATIONS = 3
@@ -75,8 +76,8 @@ def chance(labels: np.ndarray, target: str = "classes") -> float:
     return float(np.bincount(labels.astype(np.int64).ravel()).max() / labels.size)
 
 
-#: how the guard speaks of each score and of its chance level
-_WORDS = {"accuracy": ("test accuracy", "the commonest class"), "r2": ("test R²", "the targets' mean")}
+#: how the guard speaks of each score's chance level
+_CHANCE_WORDS = {"accuracy": "the commonest class", "r2": "the targets' mean"}
 
 
 def advice(config: Any, mode: str) -> str:
@@ -109,7 +110,7 @@ class DivergenceGuard:
 
     def __init__(self, by: str, chance_accuracy: float, classes: int, advice_text: str, metric: str = "accuracy"):
         self.by, self.chance, self.advice = by, chance_accuracy, advice_text
-        self.score_words, self.chance_words = _WORDS[metric]
+        self.score_words, self.chance_words = SCORE_WORDS[metric], _CHANCE_WORDS[metric]
         self.guess_loss = math.log(max(classes, 2))  # the cross-entropy of a uniform guess
         self.verdict: Divergence | None = None
         self._lock = threading.Lock()  # a loop may evaluate on a thread beside its steps ([train] eval_beside)

@@ -41,7 +41,7 @@ import numpy as np
 
 from psgd import data as datasets
 from psgd.data.ahead import Ahead
-from psgd.data.base import SCORE_WORDS
+from psgd.data.base import SCORE_WORDS, scores_of
 from psgd.compute import graphs
 from psgd import model as models
 from psgd.compute import backend
@@ -65,7 +65,7 @@ def evaluate(
     position, for a class per position) and for labels (of every label, a score above 0 saying yes), R² for values
     (1 - the squared error over the targets' variance: 0 is guessing their mean).  A model with embedding tables
     looks the ids of each batch up through ``rows`` (:meth:`Exchange.rows`, reading without making rows)."""
-    total_loss, right, squared, n = 0.0, 0, 0.0, max(len(x), 1)
+    total_loss, right, targets, squared, n = 0.0, 0, 0, 0.0, max(len(x), 1)
     for start in range(0, len(x), batch_size):
         xb = device.asarray(x[start:start + batch_size])
         yb_host = np.asarray(y[start:start + batch_size])
@@ -74,6 +74,7 @@ def evaluate(
         loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
         scores = backend.to_host(model.predict(params, xb))
         total_loss += float(loss) * len(yb_host)
+        targets += yb_host.size
         if target == "values":
             squared += float(((scores.reshape(yb_host.shape) - yb_host) ** 2).sum())
         elif target == "labels":
@@ -81,9 +82,10 @@ def evaluate(
         else:
             right += int((scores.argmax(axis=-1) == yb_host).sum())
     if target == "values":
-        spread = float(((np.asarray(y) - np.asarray(y).mean(axis=0)) ** 2).sum())
+        y = np.asarray(y)
+        spread = float(((y - y.mean(axis=0)) ** 2).sum())
         return total_loss / n, 1.0 - squared / spread if spread > 0 else float(squared == 0)
-    return total_loss / n, right / max(np.asarray(y[:1]).size * len(x), 1)
+    return total_loss / n, right / max(targets, 1)
 
 
 class Interrupted(PsgdError):
@@ -414,6 +416,6 @@ def run_loop(
                   **({"test_loss": test_loss, score_key: acc} if history else {}), diverged=diverged)
     metrics.close()
     host = {name: backend.to_host(v) for name, v in final.items()} if final is not None else None
-    scores = {"test_accuracy": None, "test_r2": None, score_key: acc}
+    scores = scores_of(ds.metric, acc)
     return LoopResult(rank, steps, step, seconds, float(loss), test_loss, scores["test_accuracy"], history, host,
                       summary, diverged, scores["test_r2"])
