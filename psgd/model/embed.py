@@ -20,7 +20,7 @@ from psgd.autodiff import nn, ops
 from psgd.model.errors import ModelError
 from psgd.model.blocks import Linear
 from psgd.model.module import Network, Table, chain
-from psgd.model.nets import LOSSES, _positive_int, _positive_ints
+from psgd.model.nets import ALLOWED, _positive_int, _positive_ints
 from psgd.model.table import TableSpec
 
 COMBINE = ("concat", "sum", "mean")
@@ -48,8 +48,9 @@ class Embed(Network):
         hidden = _positive_ints(self.name, "hidden", hidden)
         if combine not in COMBINE:
             raise ModelError(f"{self.name}: option 'combine' must be one of {', '.join(COMBINE)} (got {combine!r})")
-        if loss not in LOSSES:
-            raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(LOSSES)} (got {loss!r})")
+        if loss not in ALLOWED["classes"]:  # its targets are classes (a click or not)
+            raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(ALLOWED['classes'])} "
+                             f"(got {loss!r})")
         if np.dtype(dtype).kind != "f":
             raise ModelError(f"{self.name}: dtype must be a float type (got {dtype!r})")
         try:

@@ -19,7 +19,6 @@ from psgd.model.errors import ModelError
 from psgd.model.blocks import Conv2d, Flatten, Linear, MaxPool2d, ReLU
 from psgd.model.module import Module, Network, chain
 
-LOSSES = ("cross_entropy", "sigmoid_cross_entropy", "mse")
 #: the loss a built-in model takes for each kind of target, unless told another; and the losses each kind allows
 LOSS_FOR = {"classes": "cross_entropy", "labels": "sigmoid_cross_entropy", "values": "mse"}
 ALLOWED = {"classes": ("cross_entropy", "mse"), "labels": ("sigmoid_cross_entropy", "mse"), "values": ("mse",)}

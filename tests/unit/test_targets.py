@@ -169,3 +169,12 @@ def test_a_built_in_model_refuses_a_class_per_position_in_one_line():
     with pytest.raises(ConfigError, match=r"gives one class per example, but sequences's targets are a class per "
                                           r"position \(16,\)"):
         psgd.train("mlp", "sequences", settings={"data.task": "sort"}, epochs=1, progress=False)
+
+
+def test_the_embedding_model_refuses_a_loss_it_would_not_compute():
+    """The built-in losses grew sigmoid cross-entropy; the embedding model (classes only) took it from the same list
+    and would have trained with softmax cross-entropy instead."""
+    from psgd.model.embed import Embed
+
+    with pytest.raises(ModelError, match="option 'loss' must be one of cross_entropy, mse"):
+        Embed((4,), 2, id_shape=(3,), loss="sigmoid_cross_entropy")
