@@ -2,15 +2,18 @@
 step with the hand-written backward code it replaced, in one interleaved run.
 
 The hand-written code is the commit before the change, checked out beside (``git worktree add DIR COMMIT``) and
-named with ``--before DIR``; each measurement runs in a process of its own, the two versions taking turns, so that
-the machine's drift falls on both alike.  A measurement: the median time of ``--steps`` steps after a warm-up,
-and the peak of the memory NumPy allocates during one step (tracemalloc), on the digits' shapes (8x8 inputs, 10
-classes, batch 32 as psgd launch's default).  Results and their reading: ``benchmarks/RESULTS.md``.
+named with ``--before DIR``.  Each version runs in a process of its own that stays up for the whole model; the two
+take turns timing a chunk of ``--steps`` steps, ``--rounds`` times each, the first to go swapping every round, so
+that a change in the machine's speed (a shared machine can run at half speed for seconds at a time) falls on both
+halves of a pair alike.  The step's time: the median over the chunks of each chunk's mean; the ratio: the median
+of each pair's ratio.  Memory: the peak of what NumPy allocates during one step (tracemalloc), on the digits'
+shapes (8x8 inputs, 10 classes, batch 32 as psgd launch's default).  Results and their reading:
+``benchmarks/RESULTS.md``.
 
-With ``--device cuda`` a turn times the step on the GPU twice, kernel by kernel and captured as a CUDA graph
-(``psgd.compute.graphs.GraphedStep``, as psgd train and psgd-worker run a static step), each the median over chunks of 50
-steps ended by a synchronization; the ratio is the graphed one's.  Memory there: what the CUDA memory pool grew by
-during one eager step from an empty pool, and the pool a captured graph keeps.
+With ``--device cuda`` the steps are timed on the GPU twice, kernel by kernel and captured as a CUDA graph
+(``psgd.compute.graphs.GraphedStep``, as psgd train and psgd-worker run a static step), each chunk ended by a
+synchronization; the ratio is the graphed one's.  Memory there: what the CUDA memory pool grew by during one eager
+step from an empty pool, and the pool a captured graph keeps.
 
     git worktree add /tmp/before 0123abc
     python benchmarks/autodiff_step.py --before /tmp/before --json autodiff.json
@@ -22,19 +25,22 @@ import argparse
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 
 MODELS = {"mlp-64": ("mlp", {"hidden": [64]}), "mlp-256": ("mlp", {"hidden": [256]}),
           "mlp-1024": ("mlp", {"hidden": [1024]}), "cnn": ("cnn", {})}
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ANSWER_S = 300  # the longest a child may take to answer (a chunk of steps, or building its model)
 
 
-def measure(model_key: str, steps: int, batch: int) -> dict:
-    """One process's figures for ``model_key`` (psgd imported from whichever tree is first on the path)."""
+def _cpu_steps(model_key: str, batch: int) -> tuple[dict, dict, object]:
+    """The step on NumPy, and its memory figure (psgd imported from whichever tree is first on the path)."""
     import numpy as np
 
     from psgd.model import build_model
@@ -45,22 +51,19 @@ def measure(model_key: str, steps: int, batch: int) -> dict:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, 8, 8)).astype("float32")
     y = rng.integers(0, 10, batch)
-    for _ in range(20):
+
+    def step() -> None:
         model.loss_and_grads(params, x, y)
-    times = []
-    for _ in range(steps):
-        began = time.perf_counter()
-        model.loss_and_grads(params, x, y)
-        times.append(time.perf_counter() - began)
+    step()
     tracemalloc.start()
-    model.loss_and_grads(params, x, y)
+    step()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return {"step_us": statistics.median(times) * 1e6, "peak_bytes": peak}
+    return {"step": step}, {"peak_bytes": peak}, lambda: None
 
 
-def measure_gpu(model_key: str, steps: int, batch: int) -> dict:
-    """One process's figures for ``model_key`` on the GPU: graphed and kernel by kernel."""
+def _gpu_steps(model_key: str, batch: int) -> tuple[dict, dict, object]:
+    """The step on the GPU, kernel by kernel ("eager") and captured ("step"), and the memory figures."""
     import cupy
     import numpy as np
 
@@ -80,27 +83,86 @@ def measure_gpu(model_key: str, steps: int, batch: int) -> dict:
     with cupy.cuda.using_allocator(pool.malloc):
         model.loss_and_grads(params, x, y)
         stream.synchronize()
-    peak = pool.total_bytes()
-
-    def timed(step) -> float:
-        for _ in range(20):
-            step(params, x, y)
-        stream.synchronize()
-        chunks = []
-        for _ in range(max(1, steps // 50)):
-            began = time.perf_counter()
-            for _ in range(50):
-                step(params, x, y)
-            stream.synchronize()
-            chunks.append((time.perf_counter() - began) / 50)
-        return statistics.median(chunks) * 1e6
-
-    eager = timed(model.loss_and_grads)
     graphed = GraphedStep(model, gpu, name=model_key)
-    graphed_us = timed(graphed)
-    return {"step_us": graphed_us, "eager_us": eager, "peak_bytes": peak,
-            "graph_bytes": sum(c.pool.total_bytes() for c in graphed._graphs.values()),
-            "captured": graphed.failed is None and graphed.replays > 0, "failed": graphed.failed}
+    for _ in range(3):  # an eager first step, then the capture
+        graphed(params, x, y)
+    stream.synchronize()
+    facts = {"peak_bytes": pool.total_bytes(), "captured": graphed.failed is None and graphed.replays > 0,
+             "graph_bytes": sum(c.pool.total_bytes() for c in graphed._graphs.values()), "failed": graphed.failed}
+    return ({"step": lambda: graphed(params, x, y), "eager": lambda: model.loss_and_grads(params, x, y)}, facts,
+            stream.synchronize)
+
+
+def serve(model_key: str, batch: int, device: str) -> None:
+    """A child: says its memory figures (one JSON line), then for each line ``KIND N`` on stdin runs N steps of that
+    kind and says how many seconds they took, until stdin closes."""
+    steps, facts, sync = (_gpu_steps if device == "cuda" else _cpu_steps)(model_key, batch)
+    print(json.dumps({**facts, "kinds": sorted(steps)}), flush=True)
+    for line in sys.stdin:
+        kind, n = line.split()
+        step = steps[kind]
+        sync()
+        began = time.perf_counter()
+        for _ in range(int(n)):
+            step()
+        sync()
+        print(time.perf_counter() - began, flush=True)
+
+
+class Child:
+    """One version's process for one model, answering within ``ANSWER_S`` or failing with what it wrote."""
+
+    def __init__(self, label: str, tree: str, model_key: str, batch: int, device: str):
+        path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        self.label = label
+        self.errors = tempfile.TemporaryFile(mode="w+")  # what it says on stderr, read back where it fails
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--before", tree, "--child",
+                                      model_key, str(batch), device], env=env, cwd=tree, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
+        self.facts = json.loads(self._answer("its model built"))
+
+    def _answer(self, what: str) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            self.proc.wait(timeout=ANSWER_S)
+            self.errors.seek(0)
+            raise RuntimeError(f"the {self.label} process gave no answer ({what}) within {ANSWER_S} s: "
+                               f"{self.errors.read()[-2000:]}")
+        return line
+
+    def seconds(self, kind: str, n: int) -> float:
+        self.proc.stdin.write(f"{kind} {n}\n")
+        self.proc.stdin.flush()
+        return float(self._answer(f"{n} {kind} steps"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=ANSWER_S)
+        self.errors.close()
+
+
+def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batch: int, device: str) -> dict:
+    """Both versions' figures for one model: per kind of step, each chunk's mean step (us) in turn, and the facts."""
+    children = {label: Child(label, tree, model_key, batch, device) for label, tree in trees.items()}
+    try:
+        kinds = children["autodiff"].facts["kinds"]
+        for child in children.values():  # warmed up alike
+            for kind in kinds:
+                child.seconds(kind, max(20, steps // 5))
+        chunks: dict = {kind: {label: [] for label in trees} for kind in kinds}
+        for turn in range(rounds):
+            for kind in kinds:
+                order = list(trees) if turn % 2 == 0 else list(reversed(trees))
+                for label in order:
+                    chunks[kind][label].append(children[label].seconds(kind, steps) / steps * 1e6)
+        return {"chunks_us": chunks, "facts": {label: c.facts for label, c in children.items()}}
+    finally:
+        for child in children.values():
+            child.close()
 
 
 def _gpu_name() -> str:
@@ -112,42 +174,36 @@ def _gpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="a checkout of the commit with the hand-written backward")
-    parser.add_argument("--rounds", type=int, default=5, help="turns each version takes per model (default 5)")
-    parser.add_argument("--steps", type=int, default=300, help="steps timed per turn (default 300)")
+    parser.add_argument("--rounds", type=int, default=40, help="chunks each version times per model (default 40)")
+    parser.add_argument("--steps", type=int, default=100, help="steps in a chunk (default 100)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu (NumPy, one thread) or cuda (CuPy: kernel by kernel and graphed)")
-    parser.add_argument("--json", help="write every turn's figures here")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="write every chunk's figures here")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        how = measure_gpu if args.child[3] == "cuda" else measure
-        print(json.dumps(how(args.child[0], int(args.child[1]), int(args.child[2]))))
+        serve(args.child[0], int(args.child[1]), args.child[2])
         return 0
+    if not os.path.isdir(os.path.join(args.before, "psgd")):
+        parser.error(f"--before {args.before}: not a checkout of psgd (no psgd/ in it)")
     trees = {"hand-written": os.path.abspath(args.before), "autodiff": HERE}
-    turns: dict = {k: {t: [] for t in trees} for k in MODELS}
-    for _ in range(args.rounds):
-        for key in MODELS:
-            for label, tree in trees.items():
-                path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
-                env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-                child = [key, str(args.steps), str(args.batch), args.device]
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--before", tree, "--child", *child],
-                                     env=env, capture_output=True, text=True, check=True, cwd=tree)
-                turns[key][label].append(json.loads(out.stdout))
     print(f"{'model':10} {'hand-written us':>16} {'autodiff us':>12} {'ratio':>6} {'peak KB before':>15} "
           f"{'after':>8}")
-    summary = {}
-    for key, by in turns.items():
-        t = {label: statistics.median(r["step_us"] for r in rows) for label, rows in by.items()}
-        m = {label: max(r["peak_bytes"] for r in rows) for label, rows in by.items()}
-        summary[key] = {"step_us": t, "peak_bytes": m, "ratio": t["autodiff"] / t["hand-written"]}
+    summary, runs = {}, {}
+    for key in MODELS:
+        run = runs[key] = compare(trees, key, args.rounds, args.steps, args.batch, args.device)
+        chunks, facts = run["chunks_us"], run["facts"]
+        pairs = zip(chunks["step"]["autodiff"], chunks["step"]["hand-written"])
+        t = {label: statistics.median(c) for label, c in chunks["step"].items()}
+        m = {label: f["peak_bytes"] for label, f in facts.items()}
+        summary[key] = {"step_us": t, "peak_bytes": m, "ratio": statistics.median(a / b for a, b in pairs)}
         print(f"{key:10} {t['hand-written']:16.1f} {t['autodiff']:12.1f} {summary[key]['ratio']:6.3f} "
               f"{m['hand-written'] / 1e3:15.1f} {m['autodiff'] / 1e3:8.1f}")
         if args.device == "cuda":
-            e = summary[key]["eager_us"] = {label: statistics.median(r["eager_us"] for r in rows)
-                                            for label, rows in by.items()}
-            summary[key]["captured"] = {label: all(r["captured"] for r in rows) for label, rows in by.items()}
+            e = summary[key]["eager_us"] = {label: statistics.median(c) for label, c in chunks["eager"].items()}
+            summary[key]["captured"] = {label: f["captured"] for label, f in facts.items()}
+            summary[key]["graph_bytes"] = {label: f["graph_bytes"] for label, f in facts.items()}
             print(f"{'':10} kernel by kernel: {e['hand-written']:.1f} against {e['autodiff']:.1f} us; captured: "
                   f"{summary[key]['captured']}")
     if args.json:
@@ -155,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                        "device": args.device, "gpu": _gpu_name() if args.device == "cuda" else None,
                        "rounds": args.rounds, "steps": args.steps, "batch": args.batch, "summary": summary,
-                       "turns": turns}, f, indent=1)
+                       "runs": runs}, f, indent=1)
     return 0
 
 

@@ -290,6 +290,8 @@ class Network(Module, BaseModel):
     def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
         """``x`` as an array of the weights' module and the network's dtype (what ``forward`` receives)."""
         first = next(iter(params.values()), x)
+        if type(first) is np.ndarray:  # weights on the host (the array module known without asking)
+            return np.asarray(x, dtype=self._dtype)
         return get_array_module(getattr(first, "values", first)).asarray(x, dtype=self._dtype)
 
     @property

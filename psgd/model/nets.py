@@ -102,12 +102,15 @@ class LayeredModel(Network):
         return (math.prod(self.input_shape),)
 
     def inputs(self, params: Mapping[str, Any], x: Any) -> Any:
-        x = super().inputs(params, x)
-        shape = self._shape
-        if x.ndim < 1 or math.prod(x.shape[1:]) != shape[0]:
+        x = Network.inputs(self, params, x)
+        size, shape = self._shape
+        each = x.shape[1:]
+        if each == shape:  # already the shape the net takes
+            return x
+        if x.ndim < 1 or (each != self.input_shape and math.prod(each) != size):
             raise ModelError(f"{self.name}: expected inputs of shape (B, {', '.join(map(str, self.input_shape))}), "
                              f"got {tuple(x.shape)}")
-        return x.reshape((x.shape[0],) + shape[1])
+        return x.reshape((x.shape[0],) + shape)
 
     def forward(self, x: Any) -> Any:
         for module in self.chain:
