@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from psgd.config import Deadlines, JobConfig
+from psgd.config import JobConfig
 
 log = logging.getLogger(__name__)
 

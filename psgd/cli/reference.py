@@ -10,6 +10,7 @@ import dataclasses
 import io
 import tokenize
 from pathlib import Path
+from typing import Any
 
 #: the command-line tools and where their parsers are built
 TOOLS = (("psgd", "psgd.cli.main"), ("psgd-server", "psgd.cli.server"), ("psgd-worker", "psgd.cli.worker"))

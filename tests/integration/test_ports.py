@@ -4,7 +4,6 @@ flags a job file that gives one port to two of its processes.  Every wait is bou
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

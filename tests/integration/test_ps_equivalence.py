@@ -59,7 +59,7 @@ def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
                    "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.policy=sync", "cluster.workers=2",
                    "cluster.shards=2", "cluster.slice_bytes=4096", f"cluster.overlap={str(overlap).lower()}",
                    f"cluster.transport={link}")
-    with shards(job) as servers:
+    with shards(job):
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
         plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)

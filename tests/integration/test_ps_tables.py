@@ -163,8 +163,6 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
     each with its status code, the weights and rows unchanged; a stream whose rows do not add up is closed."""
     import struct
 
-    import grpc
-
     from psgd.link import LinkError
     from psgd.link.tcp import DataConnection
     from psgd.wire import protocol
@@ -323,8 +321,6 @@ def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_wide
 
 
 def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a_table():
-    import grpc
-
     from psgd.link import LinkError
     from psgd.tables.held import RowTable, TableOptions
     from psgd.model.table import TableSpec
