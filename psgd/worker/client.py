@@ -185,9 +185,12 @@ class PSClient:
 
     # -- calls --------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> None:
-        """Wait until every shard accepts connections, saying every few seconds which ones it waits
-        for; fail naming the missing ones after ``timeout``, or raise :class:`Stopped` when asked to stop."""
+        """Wait until every shard accepts connections (where the job keeps replicas, either process of its pair:
+        registering then finds the one that leads), saying every few seconds which ones it waits for; fail naming
+        the missing ones after ``timeout``, or raise :class:`Stopped` when asked to stop."""
         ready = [link.wait_ready() for link in self.links]
+        others = self.failover.others()
+        either = [other.wait_ready() if other is not None else None for other in others]
         log.info("joining %d shard(s) at %s (waiting up to %.0fs)", len(self.addresses), ", ".join(self.addresses),
                  timeout)
         start = time.monotonic()
@@ -195,8 +198,13 @@ class PSClient:
         stop = self.stop if self.stop is not None else threading.Event()
         try:
             while True:
-                missing = [self.addresses[k] for k, f in enumerate(ready) if not f.done()]
+                missing = [self.addresses[k] for k, f in enumerate(ready)
+                           if not f.done() and not (either[k] is not None and either[k].done())]
                 if not missing:
+                    for k, f in enumerate(ready):
+                        if not f.done():
+                            log.info("shard %d: %s does not accept connections, the other process of its pair, %s, "
+                                     "does: joining there", k, self.addresses[k], others[k].endpoint.address)
                     return
                 now = time.monotonic()
                 if now >= deadline:
@@ -210,8 +218,11 @@ class PSClient:
                 if stop.wait(min(0.1, deadline - now)):
                     raise Stopped(f"asked to stop while waiting for shard(s) at {', '.join(missing)}")
         finally:
-            for f in ready:
+            for f in ready + [f for f in either if f is not None]:
                 f.cancel()
+            for other in others:
+                if other is not None:
+                    other.close()
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
         if self.identity is None:

@@ -32,6 +32,19 @@ class Failover:
         self.moves = 0
         self._lock = threading.Lock()
 
+    def others(self) -> list[Link | None]:
+        """A link to the other process of each shard's pair, to see whether it accepts connections (None for a shard
+        kept once); the caller closes them."""
+        c = self.client
+        if not self.pairs:
+            return [None] * len(c.links)
+        return [open_link("grpc", dataclasses.replace(link.endpoint, address=self._other(k)))
+                for k, link in enumerate(c.links)]
+
+    def _other(self, k: int) -> str:
+        first, second = self.pairs[k]
+        return second if self.client.addresses[k] == first else first
+
     def move(self, k: int, used: Link, err: LinkError) -> None:
         """After ``err`` from shard ``k`` over link ``used``: where the pair's other process may serve it, call that
         one from now on (unless another call has moved already)."""
@@ -41,8 +54,7 @@ class Failover:
         with self._lock:
             if c.links[k] is not used:
                 return
-            first, second = self.pairs[k]
-            other = second if c.addresses[k] == first else first
+            other = self._other(k)
             link = open_link(c.link_kind, dataclasses.replace(used.endpoint, address=other))
             if isinstance(link, ShmLink):
                 link.device = getattr(used, "device", link.device)

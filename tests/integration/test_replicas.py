@@ -617,3 +617,27 @@ def test_a_replica_that_lost_its_primary_takes_over_when_a_worker_comes_to_it(mo
     finally:
         replica.core.replication.stop(finished=True)
         replica.stop(grace=1.0)
+
+
+def test_a_worker_that_starts_after_the_primary_died_joins_through_the_replica():
+    """Found by psgd bench replicas on a slow machine: worker 1 started after worker 0 had made 30% of the pushes
+    and the primary had been killed; it waited for the dead primary until its join deadline and failed, since a
+    worker waited for each shard's listed address to accept connections before it would call the other process of
+    the pair.  Now a shard counts as there when either process of its pair accepts connections, and registering
+    moves to the one that leads (the replica, which takes over as the worker comes)."""
+    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
+                   "cluster.shards=1", "cluster.replicas=1", "cluster.join_timeout=20")
+    primary, replica = pair_of(job)
+    q = replica.core.replication
+    try:
+        primary.core.replication.stop(finished=False)
+        primary.stop(grace=0)  # gone before the worker starts
+        wait_for(lambda: q.orphaned, 10, "the replica to miss its primary")
+        began = time.monotonic()
+        result = run_worker(job, 0, job.cluster.servers, progress=False)
+        assert time.monotonic() - began < 20  # not the join deadline's wait for the dead primary
+        assert result.steps > 0 and replica.core.version == result.steps
+        assert replica.core.role == "primary" and replica.core.counters["failovers"] == 1
+    finally:
+        replica.core.replication.stop(finished=True)
+        replica.stop(grace=1.0)
