@@ -2,13 +2,17 @@
 step with the hand-written backward code it replaced, in one interleaved run.
 
 The hand-written code is the commit before the change, checked out beside (``git worktree add DIR COMMIT``) and
-named with ``--before DIR``.  Each version runs in a process of its own that stays up for the whole model; the two
-take turns timing a chunk of ``--steps`` steps, ``--rounds`` times each, the first to go swapping every round, so
-that a change in the machine's speed (a shared machine can run at half speed for seconds at a time) falls on both
-halves of a pair alike.  The step's time: the median over the chunks of each chunk's mean; the ratio: the median
-of each pair's ratio.  Memory: the peak of what NumPy allocates during one step (tracemalloc), on the digits'
-shapes (8x8 inputs, 10 classes, batch 32 as psgd launch's default).  Results and their reading:
-``benchmarks/RESULTS.md``.
+named with ``--before DIR``.  Each version runs in a process of its own; the two take turns timing a chunk of
+``--steps`` steps, the first to go swapping every round, so that a change in the machine's speed (a shared machine
+can run at half speed for seconds at a time) falls on both halves of a pair alike.  A model's ``--rounds`` are
+shared among ``--processes`` such pairs of processes, started one pair after the other: a process that runs slow
+all along biases one pair's ratio, not the result.  Every process runs on one CPU (``--cpu``): left to the system,
+a process that is moved between cores or shares one can run a third slower than its twin throughout (the ratios
+of ten pairs of processes at width 64 spread from 0.90 to 1.57 on a two-core machine; from 1.16 to 1.26 on one).
+The step's time: the median over the chunks of each chunk's mean; the ratio: the median over the pairs of
+processes of each one's median ratio of its chunks.  Memory: the peak of what NumPy allocates during one step
+(tracemalloc), on the digits' shapes (8x8 inputs, 10 classes, batch 32 as psgd launch's default).  Results and
+their reading: ``benchmarks/RESULTS.md``.
 
 With ``--device cuda`` the steps are timed on the GPU twice, kernel by kernel and captured as a CUDA graph
 (``psgd.compute.graphs.GraphedStep``, as psgd train and psgd-worker run a static step), each chunk ended by a
@@ -145,24 +149,37 @@ class Child:
         self.errors.close()
 
 
-def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batch: int, device: str) -> dict:
-    """Both versions' figures for one model: per kind of step, each chunk's mean step (us) in turn, and the facts."""
-    children = {label: Child(label, tree, model_key, batch, device) for label, tree in trees.items()}
-    try:
-        kinds = children["autodiff"].facts["kinds"]
-        for child in children.values():  # warmed up alike
-            for kind in kinds:
-                child.seconds(kind, max(20, steps // 5))
-        chunks: dict = {kind: {label: [] for label in trees} for kind in kinds}
-        for turn in range(rounds):
-            for kind in kinds:
-                order = list(trees) if turn % 2 == 0 else list(reversed(trees))
-                for label in order:
-                    chunks[kind][label].append(children[label].seconds(kind, steps) / steps * 1e6)
-        return {"chunks_us": chunks, "facts": {label: c.facts for label, c in children.items()}}
-    finally:
-        for child in children.values():
-            child.close()
+def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batch: int, device: str,
+            processes: int) -> dict:
+    """Both versions' figures for one model: per kind of step, each chunk's mean step (us) in turn, the facts, and
+    per pair of processes the median of its chunks' ratios (``rounds`` shared among ``processes`` pairs started in
+    turn: a process that runs slow throughout, on a core shared with something else, weighs as one of them)."""
+    chunks: dict = {}
+    each: list[float] = []
+    facts: dict = {}
+    processes = max(1, min(processes, rounds))
+    for p in range(processes):
+        children = {label: Child(label, tree, model_key, batch, device) for label, tree in trees.items()}
+        try:
+            kinds = children["autodiff"].facts["kinds"]
+            for child in children.values():  # warmed up alike
+                for kind in kinds:
+                    child.seconds(kind, max(20, steps // 5))
+            mine: dict = {kind: {label: [] for label in trees} for kind in kinds}
+            for turn in range(p * rounds // processes, (p + 1) * rounds // processes):
+                for kind in kinds:
+                    order = list(trees) if turn % 2 == 0 else list(reversed(trees))
+                    for label in order:
+                        mine[kind][label].append(children[label].seconds(kind, steps) / steps * 1e6)
+            facts = {label: c.facts for label, c in children.items()}
+        finally:
+            for child in children.values():
+                child.close()
+        each.append(statistics.median(a / b for a, b in zip(mine["step"]["autodiff"], mine["step"]["hand-written"])))
+        for kind, by_label in mine.items():
+            for label, values in by_label.items():
+                chunks.setdefault(kind, {}).setdefault(label, []).extend(values)
+    return {"chunks_us": chunks, "facts": facts, "process_ratios": each}
 
 
 def _gpu_name() -> str:
@@ -174,11 +191,17 @@ def _gpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="a checkout of the commit with the hand-written backward")
-    parser.add_argument("--rounds", type=int, default=40, help="chunks each version times per model (default 40)")
-    parser.add_argument("--steps", type=int, default=100, help="steps in a chunk (default 100)")
+    parser.add_argument("--rounds", type=int, default=400, help="chunks each version times per model (default 400)")
+    parser.add_argument("--steps", type=int, default=20, help="steps in a chunk (default 20)")
+    parser.add_argument("--processes", type=int, default=10,
+                        help="pairs of processes per model, started in turn, the rounds shared among them (default 10;"
+                             " at most one per round)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu (NumPy, one thread) or cuda (CuPy: kernel by kernel and graphed)")
+    parser.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)),
+                        help="the CPU both versions' processes run on, one at a time (default: the highest this "
+                             "process may use); -1 lets the system place and move them")
     parser.add_argument("--json", help="write every chunk's figures here")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -188,18 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(os.path.join(args.before, "psgd")):
         parser.error(f"--before {args.before}: not a checkout of psgd (no psgd/ in it)")
     trees = {"hand-written": os.path.abspath(args.before), "autodiff": HERE}
+    if args.cpu >= 0:  # the children are started from here: they inherit it
+        os.sched_setaffinity(0, {args.cpu})
     print(f"{'model':10} {'hand-written us':>16} {'autodiff us':>12} {'ratio':>6} {'peak KB before':>15} "
-          f"{'after':>8}")
+          f"{'after':>8}  each pair of processes' ratio")
     summary, runs = {}, {}
     for key in MODELS:
-        run = runs[key] = compare(trees, key, args.rounds, args.steps, args.batch, args.device)
+        run = runs[key] = compare(trees, key, args.rounds, args.steps, args.batch, args.device, args.processes)
         chunks, facts = run["chunks_us"], run["facts"]
-        pairs = zip(chunks["step"]["autodiff"], chunks["step"]["hand-written"])
         t = {label: statistics.median(c) for label, c in chunks["step"].items()}
         m = {label: f["peak_bytes"] for label, f in facts.items()}
-        summary[key] = {"step_us": t, "peak_bytes": m, "ratio": statistics.median(a / b for a, b in pairs)}
+        each = run["process_ratios"]
+        summary[key] = {"step_us": t, "peak_bytes": m, "ratio": statistics.median(each), "process_ratios": each}
         print(f"{key:10} {t['hand-written']:16.1f} {t['autodiff']:12.1f} {summary[key]['ratio']:6.3f} "
-              f"{m['hand-written'] / 1e3:15.1f} {m['autodiff'] / 1e3:8.1f}")
+              f"{m['hand-written'] / 1e3:15.1f} {m['autodiff'] / 1e3:8.1f}  "
+              f"{' '.join(f'{r:.3f}' for r in each)}")
         if args.device == "cuda":
             e = summary[key]["eager_us"] = {label: statistics.median(c) for label, c in chunks["eager"].items()}
             summary[key]["captured"] = {label: f["captured"] for label, f in facts.items()}
@@ -209,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "device": args.device, "gpu": _gpu_name() if args.device == "cuda" else None,
+                       "pinned_to_cpu": args.cpu, "processes": args.processes, "device": args.device,
+                       "gpu": _gpu_name() if args.device == "cuda" else None,
                        "rounds": args.rounds, "steps": args.steps, "batch": args.batch, "summary": summary,
                        "runs": runs}, f, indent=1)
     return 0

@@ -63,9 +63,9 @@ def cross_entropy(logits: Any, target: Any) -> Tensor:
     """The mean over the batch of softmax cross-entropy: ``target`` holds integer class labels (B,), or a
     distribution over the classes for each example (B, K: soft labels).  Logits with more axes, (B, T, ..., K),
     take a class label per position (B, T, ...): the mean is then over every position of every example."""
-    Z = logits.data if type(logits) is Tensor else logits
+    Z, T = data_of(logits), data_of(target)
     xp = get_array_module(Z)
-    T = xp.asarray(target.data if type(target) is Tensor else target)
+    T = xp.asarray(T)
     shape = Z.shape
     if Z.ndim > 2 and T.shape == shape[:-1]:  # a class per position: each position one row
         Z, T = Z.reshape(-1, shape[-1]), T.reshape(-1)

@@ -153,12 +153,9 @@ def backward(loss: Tensor, grad: Any = None,
                 if not left and x.pending is not None:
                     _settle(x, on_grad)
         inputs = out = gx = None  # the next rule runs without this one's gradients held here
-    for leaf in reached:  # every leaf's gradient is complete now (each one's own settling, without a call)
-        got = leaf.pending
-        if got is not None:
-            leaf.pending = None
-            if leaf.requires_grad:
-                leaf.grad = got if leaf.grad is None else leaf.grad + got
+    for leaf in reached:
+        if leaf.pending is not None:
+            _settle(leaf, None)
 
 
 def _taken(tensor: Tensor) -> Any:
@@ -206,23 +203,17 @@ def _reached(loss: Tensor, counted: bool) -> tuple[list[Tensor], dict[int, int] 
     of each leaf those nodes make."""
     order, seen = [loss], {id(loss)}
     uses: dict[int, int] | None = {} if counted else None
-    last, descending = loss.node[3], True  # whether each tensor found was made before the one found before it
     for tensor in order:  # grows as it goes: breadth first, no recursion however deep the chain
         for x in tensor.node[0]:
             if type(x) is not Tensor:
                 continue
-            node = x.node
-            if node is None:
+            if x.node is None:
                 if uses is not None:
                     uses[id(x)] = uses.get(id(x), 0) + 1
             elif id(x) not in seen:
                 seen.add(id(x))
                 order.append(x)
-                descending = descending and node[3] < last
-                last = node[3]
-    if descending:  # a chain: found latest made first, so the order is the search's, reversed
-        order.reverse()
-    else:
+    if len(order) > 1:
         order.sort(key=_made)
     return order, uses
 

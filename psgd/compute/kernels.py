@@ -38,8 +38,9 @@ _made: dict[str, Any] = {}  # kernel name -> CuPy kernel (ElementwiseKernel, or 
 
 
 def _fused(a: Any) -> Any:
-    """The CuPy module when ``a`` is a device array of a dtype with kernels here, else None.  (A function of a
-    step's inner loop tests ``type(a) is np.ndarray`` itself first: a host array's ufuncs then cost no call here.)"""
+    """The CuPy module when ``a`` is a device array of a dtype with kernels here, else None."""
+    if type(a) is np.ndarray:  # a host array, known without asking the backend
+        return None
     if not backend.is_device_array(a) or a.dtype.name not in FUSED_DTYPES:
         return None
     return backend.get_array_module(a)
@@ -59,7 +60,7 @@ _RELU = "h = h * (T)(h > (T)0);"  # x * (x > 0): NaN stays NaN, as a mask produc
 
 def relu(x: Any) -> Any:
     """``x * (x > 0)``, a new array."""
-    cp = None if type(x) is np.ndarray else _fused(x)
+    cp = _fused(x)
     if cp is None:
         return x * (x > 0)
     return _elementwise(cp, "relu", "T x", "T h", "h = x; " + _RELU)(x)
@@ -67,7 +68,7 @@ def relu(x: Any) -> Any:
 
 def bias_relu_(h: Any, b: Any) -> Any:
     """``h = (h + b) * ((h + b) > 0)`` in place, ``b`` broadcast over rows; returns ``h``."""
-    cp = None if type(h) is np.ndarray else _fused(h)
+    cp = _fused(h)
     if cp is None or b.dtype != h.dtype:
         h += b
         h *= h > 0
@@ -77,7 +78,7 @@ def bias_relu_(h: Any, b: Any) -> Any:
 
 def relu_grad(dout: Any, out: Any) -> Any:
     """``dout * (out > 0)``, a new array, ``out`` being the ReLU's output (positive where its input was)."""
-    cp = None if type(dout) is np.ndarray else _fused(dout)
+    cp = _fused(dout)
     if cp is None or out.dtype != dout.dtype:
         return dout * (out > 0)
     return _elementwise(cp, "relu_grad", "T d, T out", "T dx", "dx = d * (T)(out > (T)0);")(dout, out)
@@ -107,7 +108,7 @@ extern "C" __global__ void psgd_xent_DTYPE(const DTYPE* z, const long long* y, D
 def softmax_xent(logits: Any, y: Any) -> tuple[Any, Any] | None:
     """(mean loss as a 0-d array, its gradient) of softmax cross-entropy as two kernels (one per row, one
     sum), or None where there is no kernel for these arrays (the caller computes it with ufuncs)."""
-    cp = None if type(logits) is np.ndarray else _fused(logits)
+    cp = _fused(logits)
     if cp is None or logits.ndim != 2 or not logits.flags.c_contiguous:
         return None
     dtype = "float" if logits.dtype.name == "float32" else "double"
@@ -331,8 +332,6 @@ def _operand(cp: Any, a: Any) -> tuple[Any, int, int, int]:
 def matmul(a: Any, b: Any) -> Any:
     """``a @ b`` of two matrices, or where one or both are stacks of matrices (3-D, the same number where both
     are), a new C-ordered array; on a GPU one cuBLAS gemm (strided and batched for stacks) called here (see above)."""
-    if type(a) is np.ndarray:
-        return a @ b
     cp = _fused(a)
     if (cp is None or not (2 <= a.ndim <= 3 and 2 <= b.ndim <= 3) or b.dtype != a.dtype or 0 in a.shape + b.shape
             or (a.ndim == b.ndim == 3 and a.shape[0] != b.shape[0])):
