@@ -116,13 +116,13 @@ class PSClient:
 
     # -- plumbing ------------------------------------------------------------
     def retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
-                  also: tuple[Code, ...] = (), also_for: float | None = None) -> T:
+                  also: tuple[Code, ...] = (), also_for: float | None = None, within: float | None = None) -> T:
         """``call()``, retried on transient errors (and the codes in ``also``, for at most ``also_for`` seconds
-        from the first of them) within the retry deadline; a shard that has forgotten this worker (it restarted,
-        or the lease ran out) is re-registered with first.  Once the worker is asked to stop, no retry starts: a
-        failed call ends there (the shards may be stopping too, and a sync round will not close)."""
+        from the first of them) for ``within`` seconds (the retry deadline unless given); a shard that has forgotten
+        this worker (it restarted, or the lease ran out) is re-registered with first.  Once the worker is asked to
+        stop, no retry starts: a failed call ends there (the shards may be stopping too, a sync round will not close)."""
         began = time.monotonic()
-        deadline, report = began + self.retry_deadline, began + WAIT_REPORT_SECONDS
+        deadline, report = began + (self.retry_deadline if within is None else within), began + WAIT_REPORT_SECONDS
         first_also: float | None = None  # when the first error of a code in ``also`` came
         delay, attempt = 0.05, 0
         while True:
@@ -155,15 +155,15 @@ class PSClient:
                     tried = f" after {attempt} attempt(s) over {time.monotonic() - began:.0f}s" if retryable else ""
                     if retryable and stopping:
                         tried = f" after {attempt} attempt(s) (the worker is stopping, so it did not retry)"
-                    raise PSError(f"{what} on shard {shard} at {self.addresses[shard]} failed{tried}: "
+                    raise PSError(f"{what} on shard {shard} at {used.endpoint.address} failed{tried}: "
                                   f"{code.name}: {details}", code) from None
                 pause = min(left, delay * (0.5 + random.random()))
                 log.debug("%s on shard %d: %s, retrying in %.2fs", what, shard, code.name, pause)
                 if time.monotonic() >= report:  # a long wait says what it waits for
                     report = time.monotonic() + WAIT_REPORT_SECONDS
                     log.warning("%s on shard %d at %s: %s (%s); still retrying (%.0fs of %.0fs)", what, shard,
-                                self.addresses[shard], code.name, details.splitlines()[0] if details else "",
-                                time.monotonic() - began, self.retry_deadline)
+                                used.endpoint.address, code.name, details.splitlines()[0] if details else "",
+                                time.monotonic() - began, deadline - began)
                 if self.stop is not None:
                     self.stop.wait(pause)  # backoff between attempts, cut short by a stop
                 else:
@@ -233,7 +233,7 @@ class PSClient:
                                       hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,
                                       job_json=json.dumps(self.identity), incarnation=process_incarnation())
 
-    def _register_one(self, k: int) -> ps_pb2.RegisterReply:
+    def _register_one(self, k: int, within: float | None = None) -> ps_pb2.RegisterReply:
         request = self._register_request()
 
         def register() -> ps_pb2.RegisterReply:
@@ -247,7 +247,7 @@ class PSClient:
             self._registering[k] += 1
         try:  # a rank held by another process frees itself within a lease (it crashed: this is its restart)
             reply = self.retrying(k, "register", register, rejoin=False, also=(Code.ALREADY_EXISTS,),
-                                  also_for=self.holder_wait)
+                                  also_for=self.holder_wait, within=within)
             with self._joining:
                 self._joins[k] += 1
         finally:
@@ -265,11 +265,11 @@ class PSClient:
             self.pending_rollback = (reply.rollback_to, reply.incarnation, self.addresses[k])  # then ROLLED_BACK
         return reply
 
-    def register(self) -> int:
-        """Join every shard; returns the clock to continue from: the smallest any shard reports (a worker stopped
-        between its pushes to two shards left them a clock apart; from the smaller, the shard that has it already
-        counts the push again as a duplicate, applied once)."""
-        replies = self.on_all(self._register_one)
+    def register(self, within: float | None = None) -> int:
+        """Join every shard, retrying each for ``within`` seconds (the retry deadline unless given); returns the clock
+        to go on from, the smallest any shard reports (a worker stopped between its pushes to two shards left them a
+        clock apart; from the smaller, the shard that has it counts the push again as a duplicate, applied once)."""
+        replies = self.on_all(lambda k: self._register_one(k, within))
         self.lease_seconds = min(r.lease_seconds for r in replies)
         self.versions, self.clock = [r.version for r in replies], min(r.clock for r in replies)
         return self.clock

@@ -112,8 +112,9 @@ class ParameterServerExchange(Exchange):
     def begin(self) -> int:
         c, t, ds = self.job.config.cluster, self.job.config.train, self.job.dataset
         try:  # asked to stop while it waits for its shards or registers: it leaves, no error
-            self.client.wait_ready(c.deadlines.join_timeout)
-            clock = self.client.register()
+            join, began = c.deadlines.join_timeout, time.monotonic()  # to reach the shards, then to register (a
+            self.client.wait_ready(join)  # pair's replica may accept connections before its primary is up to lead)
+            clock = self.client.register(max(c.deadlines.request_timeout, join - (time.monotonic() - began)))
         except PSError as exc:
             self._stopping(exc, "; leaving before it joined")
             raise

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -31,9 +32,10 @@ from psgd.server.replica import Replication
 from psgd.server.service import ShardServer
 from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
+from psgd.worker.client import WAIT_REPORT_SECONDS
 from psgd.worker.exchange import run_worker
 
-from helpers import TOKEN, by_hand_env, make_job, run_threads, wait_for
+from helpers import TOKEN, by_hand_env, free_port, make_job, run_threads, wait_for
 
 PY = sys.executable
 
@@ -641,3 +643,45 @@ def test_a_worker_that_starts_after_the_primary_died_joins_through_the_replica()
     finally:
         replica.core.replication.stop(finished=True)
         replica.stop(grace=1.0)
+
+
+def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_replica(caplog):
+    """The way in for a worker that starts after a primary died (above) must not cost one whose pair is still
+    starting: a fresh replica accepts connections but does not lead (it held no job state), and its primary comes
+    up later than the worker's request timeout.  The worker waited up to its join deadline for the primary before;
+    with either process of the pair counted as there, registering gave up after the request timeout instead
+    (NOT_PRIMARY from the replica, UNAVAILABLE from the primary, back and forth).  It waits its join deadline."""
+    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
+                   "cluster.shards=1", "cluster.replicas=1", "cluster.join_timeout=30", "cluster.request_timeout=2")
+    d = describe_job(job)
+    primary_address = f"127.0.0.1:{free_port()}"
+    replica = ShardServer(build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport,
+                          replicated=True).start()
+    Replication(replica.core, replica.address, primary_address, second=True).start()
+    job.override("cluster.servers", [primary_address])
+    job.override("cluster.replica_servers", [replica.address])
+    caplog.set_level(logging.INFO, logger="psgd.worker")
+
+    def waits() -> list[str]:  # what the worker said while it waited: one line every WAIT_REPORT_SECONDS
+        return [r.getMessage() for r in caplog.records if "still retrying" in r.getMessage()]
+    primary = None
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            worker = pool.submit(run_worker, job, 0, job.cluster.servers, progress=False)
+            # the worker has gone back and forth between the two for longer than its request timeout: it said so
+            assert WAIT_REPORT_SECONDS > job.cluster.deadlines.request_timeout
+            wait_for(lambda: worker.done() or waits(), 30, "the worker to say it still waits to register")
+            assert not worker.done(), f"the worker gave up before its primary started: {worker.exception()!r}"
+            primary = ShardServer(build_shard(d, 0), primary_address, transport=job.cluster.links.transport,
+                                  replicated=True).start()
+            Replication(primary.core, primary.address, replica.address, second=False).start()
+            result = worker.result(timeout=60)
+        assert result.steps > 0 and primary.core.version == result.steps
+        assert primary.core.role == "primary" and replica.core.role != "primary"
+        # each line of the wait names the process that answered so: the primary refused connections, the replica
+        # said it serves no worker (after each, the worker calls the other one, which the line must not name)
+        said = waits()
+        assert said and not [line for line in said if f"at {replica.address}: UNAVAILABLE (failed to connect" in line
+                             or f"at {primary_address}: UNAVAILABLE (this process" in line], said
+    finally:
+        close(*[s for s in (primary, replica) if s is not None])
