@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from heapq import heappop, heappush
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -121,41 +122,47 @@ def backward(loss: Tensor, grad: Any = None,
              on_grad: Callable[[Tensor, Any], None] | None = None) -> None:
     """Gradients of ``loss`` (``grad``: the gradient of something with respect to it; 1 for a scalar loss) for every
     leaf tensor that requires one, added to its ``grad``.  ``on_grad(leaf, grad)`` is called for each such leaf as
-    soon as its gradient is complete.  Every node on the way is released once its rule has run."""
+    soon as its gradient is complete.  Every node a gradient reaches is released once its rule has run."""
     first = grad if grad is not None else _seed(loss.data)
     if loss.node is None:
         _deliver(loss, first, on_grad)
         return
-    order, uses = _reached(loss, on_grad is not None)
+    uses = _uses(loss) if on_grad is not None else None
     loss.pending = first
+    # the tensors a gradient reached whose nodes are still to run, latest made first: a node runs after every node
+    # that uses it (those were made after it), each once, reached or not by the time it would run
+    due = [(-loss.node[3], loss)]
     reached: list[Tensor] = []  # the leaves a gradient reached, each once (the first time one did)
-    while order:  # the loss first, each tensor after every node that uses it; none kept once done
-        tensor = order.pop()
+    while due:
+        tensor = heappop(due)[1]
         (inputs, rule, _, _), tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
         # the rule holds the only reference to its output's gradient, so that it can let go of it as it goes
-        out = rule(_taken(tensor)) if tensor.pending is not None else (None,) * len(inputs)
+        out = rule(_taken(tensor))
         rule = None
         for x, gx in zip(inputs, out):
             if type(x) is not Tensor:
                 continue
+            node = x.node
             if gx is not None:
                 had = x.pending
                 if had is None:
                     x.pending = gx
-                    if x.node is None:
+                    if node is None:
                         reached.append(x)
+                    else:
+                        heappush(due, (-node[3], x))
                 else:
                     x.pending = had + gx
-            if uses is not None and x.node is None:  # on_grad: is this the leaf's last use?
+            if uses is not None and node is None:  # on_grad: is this the leaf's last use?
                 key = id(x)
                 left = uses[key] - 1
                 uses[key] = left
                 if not left and x.pending is not None:
                     _settle(x, on_grad)
         inputs = out = gx = None  # the next rule runs without this one's gradients held here
-    for leaf in reached:
+    for leaf in reached:  # (with on_grad, those whose every use was on a node no gradient reached)
         if leaf.pending is not None:
-            _settle(leaf, None)
+            _settle(leaf, on_grad)
 
 
 def _taken(tensor: Tensor) -> Any:
@@ -197,26 +204,16 @@ def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None
         on_grad(leaf, leaf.grad)
 
 
-def _reached(loss: Tensor, counted: bool) -> tuple[list[Tensor], dict[int, int] | None]:
-    """The tensors made by nodes that ``loss`` depends on, latest made last (the loss, then each only after every
-    node that uses it, popped from the end: a node is made after its inputs), and, where ``counted``, how many uses
-    of each leaf those nodes make."""
-    order, seen = [loss], {id(loss)}
-    uses: dict[int, int] | None = {} if counted else None
-    for tensor in order:  # grows as it goes: breadth first, no recursion however deep the chain
+def _uses(loss: Tensor) -> dict[int, int]:
+    """How many uses of each leaf the nodes ``loss`` depends on make (by the leaf's id)."""
+    todo, seen, uses = [loss], {id(loss)}, {}
+    for tensor in todo:  # grows as it goes: breadth first, no recursion however deep the chain
         for x in tensor.node[0]:
             if type(x) is not Tensor:
                 continue
             if x.node is None:
-                if uses is not None:
-                    uses[id(x)] = uses.get(id(x), 0) + 1
+                uses[id(x)] = uses.get(id(x), 0) + 1
             elif id(x) not in seen:
                 seen.add(id(x))
-                order.append(x)
-    if len(order) > 1:
-        order.sort(key=_made)
-    return order, uses
-
-
-def _made(tensor: Tensor) -> int:
-    return tensor.node[3]
+                todo.append(x)
+    return uses
