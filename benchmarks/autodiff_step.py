@@ -165,20 +165,19 @@ def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batc
             for child in children.values():  # warmed up alike
                 for kind in kinds:
                     child.seconds(kind, max(20, steps // 5))
-            mine: dict = {kind: {label: [] for label in trees} for kind in kinds}
+            chunks = chunks or {kind: {label: [] for label in trees} for kind in kinds}
+            first = len(chunks["step"]["autodiff"])  # this pair's chunks follow
             for turn in range(p * rounds // processes, (p + 1) * rounds // processes):
                 for kind in kinds:
                     order = list(trees) if turn % 2 == 0 else list(reversed(trees))
                     for label in order:
-                        mine[kind][label].append(children[label].seconds(kind, steps) / steps * 1e6)
+                        chunks[kind][label].append(children[label].seconds(kind, steps) / steps * 1e6)
             facts = {label: c.facts for label, c in children.items()}
         finally:
             for child in children.values():
                 child.close()
-        each.append(statistics.median(a / b for a, b in zip(mine["step"]["autodiff"], mine["step"]["hand-written"])))
-        for kind, by_label in mine.items():
-            for label, values in by_label.items():
-                chunks.setdefault(kind, {}).setdefault(label, []).extend(values)
+        step = chunks["step"]
+        each.append(statistics.median(a / b for a, b in zip(step["autodiff"][first:], step["hand-written"][first:])))
     return {"chunks_us": chunks, "facts": facts, "process_ratios": each}
 
 
