@@ -129,8 +129,8 @@ def backward(loss: Tensor, grad: Any = None,
         return
     uses = _uses(loss) if on_grad is not None else None
     loss.pending = first
-    # the tensors a gradient reached whose nodes are still to run, latest made first: a node runs after every node
-    # that uses it (those were made after it), each once, reached or not by the time it would run
+    # the tensors a gradient has reached whose nodes are still to run, latest made first: each node runs once, after
+    # every node that uses it (those were made after it)
     due = [(-loss.node[3], loss)]
     reached: list[Tensor] = []  # the leaves a gradient reached, each once (the first time one did)
     while due:

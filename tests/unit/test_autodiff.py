@@ -249,6 +249,7 @@ def test_a_tensor_used_twice_gets_both_gradients_and_on_grad_fires_once_each_whe
     for name, g in heard:
         np.testing.assert_array_equal(g, {"v": v, "w": w}[name].grad)
 
+
 def test_on_grad_hears_of_a_leaf_whose_uses_include_a_node_no_gradient_reaches():
     """A rule may send nothing to an input (as ``where`` to its condition): the nodes below it never run, and a leaf
     they use is heard of once, with the gradient the other uses gave it, when backward ends."""
@@ -261,7 +262,6 @@ def test_on_grad_hears_of_a_leaf_whose_uses_include_a_node_no_gradient_reaches()
     assert [name for name, _ in heard] == ["w"]
     np.testing.assert_array_equal(heard[0][1], np.full(3, 3.0))
     assert v.grad is None
-
 
 
 def test_backward_releases_every_node_and_no_grad_records_nothing():
