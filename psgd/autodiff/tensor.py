@@ -123,12 +123,11 @@ def backward(loss: Tensor, grad: Any = None,
     """Gradients of ``loss`` (``grad``: the gradient of something with respect to it; 1 for a scalar loss) for every
     leaf tensor that requires one, added to its ``grad``.  ``on_grad(leaf, grad)`` is called for each such leaf as
     soon as its gradient is complete.  Every node a gradient reaches is released once its rule has run."""
-    first = grad if grad is not None else _seed(loss.data)
-    if loss.node is None:
-        _deliver(loss, first, on_grad)
+    loss.pending = grad if grad is not None else _seed(loss.data)
+    if loss.node is None:  # a leaf: its gradient is the one given
+        _settle(loss, on_grad)
         return
     uses = _uses(loss) if on_grad is not None else None
-    loss.pending = first
     # the tensors a gradient has reached whose nodes are still to run, latest made first: each node runs once, after
     # every node that uses it (those were made after it)
     due = [(-loss.node[3], loss)]
@@ -194,14 +193,6 @@ def scaled(grad: Any, g: Any) -> Any:
     """``grad * g``: a rule's gradient times its output's; ``grad`` itself where ``g`` is the loss' own ones (a
     loss that is the root of backward, its rule spared a pass over its gradient)."""
     return grad if g is _state.seed else grad * g
-
-
-def _deliver(leaf: Tensor, g: Any, on_grad: Callable[[Tensor, Any], None] | None) -> None:
-    if not leaf.requires_grad:
-        return
-    leaf.grad = g if leaf.grad is None else leaf.grad + g
-    if on_grad is not None:
-        on_grad(leaf, leaf.grad)
 
 
 def _uses(loss: Tensor) -> dict[int, int]:
