@@ -18,7 +18,8 @@ other's files):
 
 Each file is written to a temporary name, flushed and fsynced, then renamed
 into place, the manifest last, so a crash at any moment leaves the previous
-checkpoint whole.  On start the newest checkpoint whose npz matches its
+checkpoint whole; all of it in the folder opened when the checkpoint began
+(by its handle), even if a disk is mounted over its path meanwhile.  On start the newest checkpoint whose npz matches its
 manifest's checksum (and whose plan matches) is restored; a corrupt or
 truncated one is skipped with a warning.  The newest ``keep`` of this job's
 checkpoints are kept: pruning only ever removes files whose manifest carries
@@ -29,6 +30,7 @@ without their manifest) is removed by :func:`remove_leftovers` at start.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -74,47 +76,39 @@ def is_fingerprint(name: str) -> bool:
     return re.fullmatch(r"[0-9a-f]{16}", name) is not None
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
+def _sha256(path: str | Path, dir_fd: int | None = None) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(os.open(path, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
         for block in iter(lambda: f.read(8 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
-def _write_atomically(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+def _write_atomically(dir_fd: int, name: str, write: Callable[[Any], Any]) -> None:
+    """``name`` in the folder open as ``dir_fd``, made by ``write(file)`` under a temporary name, flushed, synced
+    and renamed into place: all in that folder, whatever its path has come to name meanwhile."""
+    tmp = f".{name}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=dir_fd), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        _remove(tmp)
+        _remove(tmp, dir_fd)
         raise
 
 
-def _remove(path: Path) -> bool:
-    """Delete ``path`` if it is there; False when the OS refuses (e.g. a read-only folder)."""
+def _remove(path: str | Path, dir_fd: int | None = None) -> bool:
+    """Delete ``path`` (a name in the folder open as ``dir_fd`` where given) if it is there; False when the OS
+    refuses (e.g. a read-only folder)."""
     try:
-        path.unlink(missing_ok=True)
-        return True
+        os.unlink(path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
     except OSError:
         return False
+    return True
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
@@ -160,23 +154,31 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
     they were.
     """
     folder = Path(folder)
-    npz = folder / f"ckpt-{version}.npz"
-    meta = folder / f"ckpt-{version}.json"
+    npz, meta = f"ckpt-{version}.npz", f"ckpt-{version}.json"
     job, shard = manifest.get("fingerprint"), manifest.get("shard")
+    fd = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(npz, lambda f: np.savez(f, **arrays))
-        manifest = {**manifest, "format": FORMAT, "version": version, "npz": npz.name,
-                    "npz_bytes": npz.stat().st_size, "sha256": _sha256(npz), "written_at": time.time()}
+        # every file of the checkpoint is made, renamed and checked in this folder, by its handle: a disk mounted
+        # over its path (or a folder moved aside and made again) meanwhile cannot split the checkpoint between two
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        _write_atomically(fd, npz, lambda f: np.savez(f, **arrays))
+        manifest = {**manifest, "format": FORMAT, "version": version, "npz": npz,
+                    "npz_bytes": os.stat(npz, dir_fd=fd).st_size, "sha256": _sha256(npz, fd),
+                    "written_at": time.time()}
         if key is not None:
             manifest["signature"] = _signature(key, manifest)
-        _write_atomically(meta, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        _fsync_dir(folder)
+        _write_atomically(fd, meta, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        with contextlib.suppress(OSError):  # the renames made durable (a file system may not sync a folder)
+            os.fsync(fd)
     except OSError as exc:
-        if not meta.exists():
-            _remove(npz)
+        if fd is not None and not os.access(meta, os.F_OK, dir_fd=fd):
+            _remove(npz, fd)
         raise CheckpointError(f"checkpoint of version {version} in {folder} failed ({exc.strerror or exc}); "
                               + fallback(folder, job, shard, version)) from None
+    finally:
+        if fd is not None:
+            os.close(fd)
     older = [v for v in owned(folder, job, shard) if v != version]
     gone = older[keep - 1:] if keep > 0 else []
     if gone and folder.parent.name == job:  # the job's own folder: a manifest that cannot be read is its own too
@@ -185,7 +187,7 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
         for suffix in (".json", ".npz"):
             if not _remove(folder / f"ckpt-{old}{suffix}"):
                 log.warning("could not remove the old checkpoint %s", folder / f"ckpt-{old}{suffix}")
-    return meta
+    return folder / meta
 
 
 def fallback(folder: str | os.PathLike, fingerprint: Any, shard: Any, failed: int | None = None) -> str:

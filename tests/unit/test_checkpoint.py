@@ -3,6 +3,7 @@
 import errno
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -154,6 +155,31 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no partial files left behind
     assert core.counters["checkpoint_failures"] == 1
     assert checkpoint.load_latest(tmp_path, PLAN.hash).manifest["version"] == 1
+
+
+def test_a_checkpoint_is_written_whole_into_the_folder_it_began_in(tmp_path, monkeypatch):
+    """A folder that another comes to stand for while a checkpoint is written (a disk mounted over it, as the chaos
+    run's full-disk fault does; a folder moved aside and made again): the checkpoint used to be split between the
+    two, its manifest's temporary file and its weights left behind without a manifest in the first, as in one CI
+    run.  Each of its files is now written, renamed and checked in the folder it began in."""
+    folder, aside = tmp_path / "shard-0", tmp_path / "aside"
+    folder.mkdir()
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        real_fsync(fd)
+        synced.append(fd)
+        if len(synced) == 2:  # the manifest's temporary file written and synced, not yet renamed into place
+            folder.rename(aside)
+            folder.mkdir()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    checkpoint.save(folder, 7, {"weights": np.arange(4.0)}, {"fingerprint": "0123456789abcdef", "shard": 0})
+    assert len(synced) >= 2, "the swap never happened: the test no longer reaches the manifest's rename"
+    assert sorted(p.name for p in aside.iterdir()) == ["ckpt-7.json", "ckpt-7.npz"]
+    assert list(folder.iterdir()) == []
+    np.testing.assert_array_equal(checkpoint.load(aside, 7).arrays["weights"], np.arange(4.0))
 
 
 def test_a_really_full_filesystem(tmp_path):
