@@ -18,14 +18,15 @@ other's files):
 
 Each file is written to a temporary name, flushed and fsynced, then renamed
 into place, the manifest last, so a crash at any moment leaves the previous
-checkpoint whole; all of it in the folder opened when the checkpoint began
-(by its handle), even if a disk is mounted over its path meanwhile.  On start the newest checkpoint whose npz matches its
-manifest's checksum (and whose plan matches) is restored; a corrupt or
-truncated one is skipped with a warning.  The newest ``keep`` of this job's
-checkpoints are kept: pruning only ever removes files whose manifest carries
-the same fingerprint and shard, and never the checkpoint just written.  What
-a crash in the middle of a checkpoint leaves (temporary files, weights
-without their manifest) is removed by :func:`remove_leftovers` at start.
+checkpoint whole; all of it in the folder opened when the checkpoint began (by
+its handle), even if a disk is mounted over its path meanwhile.  On start the
+newest checkpoint whose npz matches its manifest's checksum (and whose plan
+matches) is restored; a corrupt or truncated one is skipped with a warning.
+The newest ``keep`` of this job's checkpoints are kept: pruning only ever
+removes files whose manifest carries the same fingerprint and shard, and never
+the checkpoint just written.  What a crash in the middle of a checkpoint
+leaves (temporary files, weights without their manifest) is removed by
+:func:`remove_leftovers` at start.
 """
 
 from __future__ import annotations
