@@ -1,4 +1,5 @@
-"""Links: how a worker talks to one shard, one class per transport, chosen by configuration.
+"""Links: how a worker talks to one shard, one class per transport, chosen by configuration, and whether a shard
+is there to be talked to (:func:`accepts_connections`).
 
 - :mod:`psgd.link.base`: the interface every link has (register, pull into
   arrays, push, heartbeat, done, status), its one error type and reply.
@@ -24,9 +25,10 @@ from psgd.link.grpc import GrpcLink
 from psgd.link.shm import ShmLink
 from psgd.link.tcp import TcpLink
 from psgd.wire import TRANSPORTS, meaning
+from psgd.wire.channel import accepts_connections
 
-__all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS", "link_kind",
-           "open_link"]
+__all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS",
+           "accepts_connections", "link_kind", "open_link"]
 
 LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink, "shm": ShmLink}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -87,10 +87,6 @@ class Link:
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
-
-    def wait_ready(self) -> Any:
-        """A future (its ``done()``) that completes once the shard accepts connections."""
-        raise NotImplementedError
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         raise NotImplementedError

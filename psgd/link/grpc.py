@@ -53,9 +53,6 @@ class GrpcLink(Link):
         self._interrupted = False
         self._lock = threading.Lock()
 
-    def wait_ready(self) -> grpc.Future:
-        return grpc.channel_ready_future(self.channel)
-
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = _call(lambda: self.stub.Register(request, timeout=self.timeout, metadata=self.metadata))
         self.registration = reply.registration

@@ -4,6 +4,7 @@ the benchmarks) and for the shard's gRPC server."""
 
 from __future__ import annotations
 
+import socket
 from typing import Iterator
 
 import grpc
@@ -45,6 +46,18 @@ def open_channel(address: str, tls: TLSFiles = NO_TLS) -> grpc.Channel:
                                                    certificate_chain=tls.pem("cert"))
         return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def accepts_connections(address: str, timeout: float) -> bool:
+    """Whether a process at ``address`` (``host:port``) accepts a TCP connection within ``timeout`` seconds.  A plain
+    connection, closed at once: no gRPC channel is left watching its own state from a thread of gRPC's (one that
+    outlived its closed channel died with "Cannot monitor channel state")."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:

@@ -28,7 +28,8 @@ from psgd.wire.codec import CodecError, codec_for
 from psgd.config import Deadlines, JobConfig, Links, Recovery
 from psgd.errors import Code
 from psgd.job import alive_here, identity as job_identity, process_incarnation
-from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, ShmLink, link_kind, open_link
+from psgd.link import (Endpoint, LinkError, ProtocolError, PushReply, ShmLink, accepts_connections, link_kind,
+                       open_link)
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.wire.tls import NO_TLS, TLSFiles
@@ -43,6 +44,8 @@ T = TypeVar("T")
 
 #: How often a worker waiting for its shards says which ones it is waiting for.
 WAIT_REPORT_SECONDS = 5.0
+#: How long one look at whether a shard accepts connections may take (a host that drops them, not refuses).
+PROBE_SECONDS = 0.5
 #: seconds past one lease that a registration refused for a live holder of the rank is retried (a late heartbeat)
 HOLDER_MARGIN = 2.0
 
@@ -188,41 +191,33 @@ class PSClient:
         """Wait until every shard accepts connections (where the job keeps replicas, either process of its pair:
         registering then finds the one that leads), saying every few seconds which ones it waits for; fail naming
         the missing ones after ``timeout``, or raise :class:`Stopped` when asked to stop."""
-        ready = [link.wait_ready() for link in self.links]
         others = self.failover.others()
-        either = [other.wait_ready() if other is not None else None for other in others]
+        up: list[str | None] = [None] * len(self.addresses)  # the process of each shard's pair that accepts
         log.info("joining %d shard(s) at %s (waiting up to %.0fs)", len(self.addresses), ", ".join(self.addresses),
                  timeout)
         start = time.monotonic()
         deadline, report = start + timeout, start + WAIT_REPORT_SECONDS
         stop = self.stop if self.stop is not None else threading.Event()
-        try:
-            while True:
-                missing = [self.addresses[k] for k, f in enumerate(ready)
-                           if not f.done() and not (either[k] is not None and either[k].done())]
-                if not missing:
-                    for k, f in enumerate(ready):
-                        if not f.done():
-                            log.info("shard %d: %s does not accept connections, the other process of its pair, %s, "
-                                     "does: joining there", k, self.addresses[k], others[k].endpoint.address)
-                    return
-                now = time.monotonic()
-                if now >= deadline:
-                    raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is "
-                                  "psgd-server running there, and is the address and port right?",
-                                  Code.UNAVAILABLE)
-                if now >= report:
-                    log.warning("waiting for shard(s) at %s (%.0fs of %.0fs)", ", ".join(missing), now - start,
-                                timeout)
-                    report = now + WAIT_REPORT_SECONDS
-                if stop.wait(min(0.1, deadline - now)):
-                    raise Stopped(f"asked to stop while waiting for shard(s) at {', '.join(missing)}")
-        finally:
-            for f in ready + [f for f in either if f is not None]:
-                f.cancel()
-            for other in others:
-                if other is not None:
-                    other.close()
+        while True:
+            for k, pair in enumerate(zip(self.addresses, others)):
+                if up[k] is None and not stop.is_set():  # (a stop is heard between two looks)
+                    up[k] = next((a for a in pair if a is not None and accepts_connections(a, PROBE_SECONDS)), None)
+            missing = [a for a, there in zip(self.addresses, up) if there is None]
+            if not missing:
+                for k, (a, there) in enumerate(zip(self.addresses, up)):
+                    if there != a:
+                        log.info("shard %d: %s does not accept connections, the other process of its pair, %s, "
+                                 "does: joining there", k, a, there)
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is "
+                              "psgd-server running there, and is the address and port right?", Code.UNAVAILABLE)
+            if now >= report:
+                log.warning("waiting for shard(s) at %s (%.0fs of %.0fs)", ", ".join(missing), now - start, timeout)
+                report = now + WAIT_REPORT_SECONDS
+            if stop.wait(min(0.1, deadline - now)):
+                raise Stopped(f"asked to stop while waiting for shard(s) at {', '.join(missing)}")
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
         if self.identity is None:

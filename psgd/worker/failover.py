@@ -32,14 +32,9 @@ class Failover:
         self.moves = 0
         self._lock = threading.Lock()
 
-    def others(self) -> list[Link | None]:
-        """A link to the other process of each shard's pair, to see whether it accepts connections (None for a shard
-        kept once); the caller closes them."""
-        c = self.client
-        if not self.pairs:
-            return [None] * len(c.links)
-        return [open_link("grpc", dataclasses.replace(link.endpoint, address=self._other(k)))
-                for k, link in enumerate(c.links)]
+    def others(self) -> list[str | None]:
+        """The address of the other process of each shard's pair (None for a shard kept once)."""
+        return [self._other(k) if self.pairs else None for k in range(len(self.client.links))]
 
     def _other(self, k: int) -> str:
         first, second = self.pairs[k]

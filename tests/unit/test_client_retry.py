@@ -209,3 +209,59 @@ def test_a_killed_holder_not_yet_reaped_is_not_taken_for_alive():
     finally:
         child.kill()
         child.wait()
+
+
+def test_waiting_for_a_shard_pair_leaves_no_thread_watching_a_channel(monkeypatch):
+    """Seen as PytestUnhandledThreadExceptionWarning in a replica test: the wait for each shard pair watched every
+    channel's state from a thread of gRPC's (channel_ready_future) and closed the replica's channel as soon as one
+    of the pair answered.  That thread lives on for up to 0.2 s; one that looked at the closed channel then died
+    with "ValueError: Cannot monitor channel state: Channel closed!".  Made to happen: each watching thread's next
+    look, once its channel is ready, waits until the wait for the shards has returned.  The wait now asks with
+    plain connections, so no thread of gRPC's watches any of its channels."""
+    import grpc
+    import grpc._channel as grpc_channel
+    from concurrent import futures as cf
+
+    from psgd.config import Recovery
+
+    returned, died, watchers = threading.Event(), [], []
+    real_poll = grpc_channel._poll_connectivity
+    ready = grpc_channel.cygrpc.ConnectivityState.ready
+
+    class Held:  # a channel as the watching thread sees it: its look after "ready" waits for the wait to return
+        def __init__(self, channel):
+            self.channel = channel
+
+        def check_connectivity_state(self, try_to_connect):
+            return self.channel.check_connectivity_state(try_to_connect)
+
+        def watch_connectivity_state(self, last, deadline):
+            if last == ready:
+                returned.wait(10)
+            return self.channel.watch_connectivity_state(last, deadline)
+
+    def poll(state, channel, try_to_connect):
+        watchers.append(threading.current_thread())
+        real_poll(state, Held(channel), try_to_connect)
+
+    monkeypatch.setattr(grpc_channel, "_poll_connectivity", poll)
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(repr(args.exc_value)))
+    servers, addresses = [], []
+    for _ in range(2):  # a pair: either may answer first
+        server = grpc.server(cf.ThreadPoolExecutor(max_workers=1))
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    job = make_job("cluster.shards=1")
+    plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.links.slice_bytes)
+    try:
+        with PSClient(addresses[:1], plan, 0, config=job, recovery=Recovery(replica_servers=addresses[1:])) as c:
+            c.wait_ready(10)
+            returned.set()
+            for thread in watchers:
+                thread.join(10)
+        assert died == [] and watchers == [], died
+    finally:
+        returned.set()
+        for server in servers:
+            server.stop(None)
