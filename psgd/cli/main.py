@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "bundled digits. The cores are divided among the processes (one line says how), and "
                     "where each has a core of its own a data connection watches for its answer up to 1 ms "
                     "before it sleeps ([cluster] busy_poll_us; one line says so); "
-                    "SIGINT, SIGTERM and SIGHUP are passed on to every process, which gets 10 s to leave "
-                    "before it is killed; no process outlives the launcher. Ctrl-C pauses the job: "
+                    "SIGINT, SIGTERM and SIGHUP stop every process, which gets 10 s to leave "
+                    "before it is killed; no process outlives the launcher. A stop pauses the job (the workers "
+                    "are told with SIGINT, so that no round closes without them): "
                     "psgd launch --resume RUN goes on from its shards' checkpoints in the run folder "
                     "(runs/DATE-TIME-MODE unless --run-dir). Your own model in the current "
                     "folder is found, as with python -m.",

@@ -11,7 +11,8 @@ The launcher owns its children, as torchrun does:
 
 - each child runs in a session of its own and is told by the kernel to stop
   (SIGTERM) when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``);
-- SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every child,
+- SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every child (to a parameter-server job's
+  workers as SIGINT: the job pauses),
   which gets ``GRACE`` seconds to leave cleanly before it is killed;
 - the BLAS/OpenMP threads of the machine's cores are divided among the
   processes it starts (see :mod:`psgd.compute.threads`), said in one line;

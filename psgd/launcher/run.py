@@ -153,7 +153,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                 exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with {again}",)
             raise
         finally:
-            children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM)
+            children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM, pause_workers=mode == "ps")
             # the files through which the processes found each other mean nothing once the launch has ended
             # (a stopped shard removes its own port file; a killed one cannot)
             handoff = [run / NCCL_RENDEZVOUS] if mode == "allreduce" else \

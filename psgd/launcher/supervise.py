@@ -3,8 +3,8 @@
 - each child runs in a session of its own and is told by the kernel to stop
   (SIGTERM) when the launcher dies, even by SIGKILL (``PR_SET_PDEATHSIG``, :func:`dying_with_parent`);
 - SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to every child
-  (:meth:`Children.forwarding_signals`), which gets ``GRACE`` seconds to leave
-  cleanly before it is killed (:meth:`Children.stop_all`);
+  (:meth:`Children.forwarding_signals`; a parameter-server job's workers get SIGINT: the job pauses), which
+  gets ``GRACE`` seconds to leave cleanly before it is killed (:meth:`Children.stop_all`);
 - the current folder is first on every child's import path (:func:`child_environment`);
 - :func:`wait_all` and :func:`wait_for_files` wait on children with a deadline
   and fail, with the end of its log, as soon as one of them fails.
@@ -132,16 +132,21 @@ class Children:
         _SIGNALLED.wait(seconds)
         self.check_signal()
 
-    def stop_all(self, signum: int = signal.SIGTERM, grace: float = GRACE) -> None:
+    def stop_all(self, signum: int = signal.SIGTERM, grace: float = GRACE, pause_workers: bool = False) -> None:
         """Stop every child within ``grace`` seconds, then kill what is left.
 
         Workers (and ranks) get ``signum`` first and up to two thirds of the grace to push their
-        last step and say they are done; then the shards get it and write their last checkpoint.
+        last step and leave; then the shards get it and write their last checkpoint.  ``pause_workers``
+        (a parameter-server job, stopped whole): the workers get SIGINT whatever ``signum`` is, so that none
+        tells its shards it left.  Each worker hears its signal at its own moment, and a sync worker may push
+        one step more than its peer; a peer that said it left would close that round without its own push,
+        and skip that step when the job goes on.  Paused, no round closes short: the shards' last checkpoints
+        keep it open, and the job resumes it whole.
         """
         deadline = time.monotonic() + grace
         workers = [p for p in self.procs if not p.name.startswith("shard")]
         shards = [p for p in self.procs if p.name.startswith("shard")]
-        self._signal_and_wait(workers, signum, time.monotonic() + grace * 2 / 3)
+        self._signal_and_wait(workers, signal.SIGINT if pause_workers else signum, time.monotonic() + grace * 2 / 3)
         self._signal_and_wait(shards, signum, deadline)
         for p in self.procs:
             if p.popen.poll() is None:

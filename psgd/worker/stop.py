@@ -13,7 +13,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class Stop(threading.Event):
     """Set by a stop signal: the worker finishes the step in hand, pushes it and leaves.  ``pausing`` (SIGINT,
     Ctrl-C: the whole job is being paused) leaves without telling the shards it left, so that no round closes
-    without it and the job goes on from here exactly (psgd launch --resume); SIGTERM and SIGHUP say it left."""
+    without it and the job goes on from here exactly (psgd launch --resume, whose launcher stops its workers so);
+    SIGTERM and SIGHUP say it left."""
 
     pausing = False
 
