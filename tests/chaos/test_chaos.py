@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -194,6 +195,13 @@ def test_unknown_kinds_are_refused():
         chaos_main(["--kinds", "nope"])
 
 
+def test_the_suites_command_refuses_an_unknown_kind_with_status_2():
+    done = subprocess.run([sys.executable, "-m", "psgd.bench.chaos", "--kinds", "nope"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "chaos: error: --kinds: unknown nope; choose from kill-shard" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
     """The ``outsider`` fault's client (a process with the token that never registered), against a shard whose
     worker 0 is live: each of its calls is refused, and the weights, the version and the worker's clock are as
@@ -298,6 +306,7 @@ def _shard_process(job_path, port, *extra):
                             text=True, env=by_hand_env())
 
 
+@pytest.mark.slow
 def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_path):
     """Found with ``benchmarks/chaos.py --runs 4 --seed 5 --kinds stop-shard,stop-worker`` (run 2).
 

@@ -44,6 +44,7 @@ def test_collectives_across_three_ranks():
     assert sorted(re.findall(r"ok rank \d", done.stdout)) == ["ok rank 0", "ok rank 1", "ok rank 2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path, device):
     """Ranks and workers on ``device`` (on a GPU, MPI stages the device arrays through host buffers)
@@ -155,6 +156,7 @@ def _is_rank(pid: int, run_dir: Path) -> bool:
     return cmd[:1] == [PY.encode()] and b"psgd.cli.worker" in cmd and str(run_dir / "job.toml").encode() in cmd
 
 
+@pytest.mark.slow
 def test_overlap_on_and_off_give_identical_weights(tmp_path, device):
     """[cluster] overlap = true (buckets reduced by a communication thread during backward, on a GPU on a
     stream of its own) ends with the weights of overlap = false, to the bit, over 2 MPI ranks in float64;

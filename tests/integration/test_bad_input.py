@@ -497,6 +497,7 @@ def _check_after_refusal(shard: Shard, initial: dict[int, bytes], err: grpc.RpcE
     assert status.version == 0
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(data=st.data())
 def test_random_push_streams_get_a_status_and_never_change_the_weights(shard, data):

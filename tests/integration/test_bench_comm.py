@@ -84,6 +84,7 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     assert "grid" not in result and "scale" not in result  # only the parts asked for
 
 
+@pytest.mark.slow
 def test_the_shm_part_sets_shared_memory_against_the_data_port_on_one_shard(tmp_path):
     out = tmp_path / "comm.json"
     done = bench("--parts", "shm", "--sizes-mb", "0.1", "--focus-mb", "0.2", "--steps", "2", "--json", str(out))
@@ -98,3 +99,19 @@ def test_the_shm_part_sets_shared_memory_against_the_data_port_on_one_shard(tmp_
         assert r["shm_of_memcpy"] == pytest.approx(r["shm"]["step_gbps"] / result["memcpy_gbps"])
         assert r["tcp_over_shm"] == pytest.approx(r["tcp"]["step_s"] / r["shm"]["step_s"])
     assert set(result) >= {"shm", "memcpy_gbps", "tcp_loopback_gbps"} and "sweep" not in result
+
+
+@pytest.mark.lacks(importlib.util.find_spec("mpi4py") is None, reason="the all-reduce benchmark needs the mpi extra")
+def test_the_allreduce_benchmark_sets_mpi_beside_the_parameter_server_for_the_same_bytes(tmp_path):
+    """benchmarks/allreduce.py, as small as it goes: one 100 kB gradient, two MPI ranks against one worker and one
+    shard, beside the machine's loopback and memory copy."""
+    out = tmp_path / "allreduce.json"
+    done = subprocess.run([PY, "-m", "psgd.bench.allreduce", "--sizes-mb", "0.1", "--ranks", "2", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ranks"] == 2 and result["tcp_loopback_gbps"] > 0 and result["memcpy_gbps"] > 0
+    (row,) = result["rows"]
+    assert row["size_bytes"] == 100_000 and row["mpi_allreduce_s"] > 0 and row["ps_pull_push_s"] > 0
+    assert row["ps_over_mpi"] == pytest.approx(row["ps_pull_push_s"] / row["mpi_allreduce_s"])
+    assert "raw loopback TCP" in done.stdout and "PS/mpi" in done.stdout

@@ -11,6 +11,7 @@ import pytest
 from psgd.bench import overlap
 
 
+@pytest.mark.slow
 def test_a_run_of_one_async_worker_measures_both_paths_and_the_two_parts(tmp_path):
     out, picture = tmp_path / "overlap.json", tmp_path / "timeline.png"
     done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "overlap", "--models", "quarter",

@@ -10,7 +10,6 @@ import pytest
 from psgd.bench import replicas
 
 
-@pytest.mark.slow
 def test_a_round_measures_both_kinds_and_a_kill_loses_no_push(tmp_path):
     (row,) = replicas.throughput(["loopback"], hidden=32, epochs=2, repeats=1, folder=tmp_path, say=lambda line: None)
     assert row["without"] > 0 and row["with"] > 0 and row["ratio"] == pytest.approx(row["with"] / row["without"])

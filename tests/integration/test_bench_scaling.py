@@ -203,7 +203,6 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words, tmp_pat
 
 # -- a real run ------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_a_quick_run_writes_the_table_json_and_plot(tmp_path):
     out, extra = tmp_path / "out", tmp_path / "all.json"
     done = subprocess.run([PY, "-m", "psgd.cli.main", "bench", "scaling", "--quick", "--widths", "64",
@@ -241,7 +240,6 @@ def test_a_quick_run_writes_the_table_json_and_plot(tmp_path):
     assert t["peer_ratio"]["64"] == pytest.approx(cells["sync 2w"] / cells[PEER_LABEL])
 
 
-@pytest.mark.slow
 def test_the_script_is_the_same_command():
     done = subprocess.run([PY, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "psgd bench scaling" in done.stdout and "estimate" in done.stdout

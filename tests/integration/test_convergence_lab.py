@@ -138,7 +138,6 @@ def quick_lab(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, proc
 
 
-@pytest.mark.slow
 def test_quick_lab_runs_every_policy_and_scenario(quick_lab):
     out, proc = quick_lab
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,7 +166,6 @@ def test_quick_lab_runs_every_policy_and_scenario(quick_lab):
         assert points[-1]["updates"] == (gradients if run["policy"] == "async" else gradients // 2)
 
 
-@pytest.mark.slow
 def test_quick_lab_table_is_well_formed(quick_lab):
     out, proc = quick_lab
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -186,7 +184,6 @@ def test_quick_lab_table_is_well_formed(quick_lab):
             float(cell)  # every figure is a number
 
 
-@pytest.mark.slow
 def test_quick_lab_plots_are_pngs_with_a_line_per_policy(quick_lab):
     import matplotlib.image
 
@@ -204,7 +201,6 @@ def test_quick_lab_plots_are_pngs_with_a_line_per_policy(quick_lab):
     assert image.shape[2] == 4 and image[..., :3].std() > 0.05
 
 
-@pytest.mark.slow
 def test_quick_lab_ends_with_an_answer_in_words(quick_lab):
     out, proc = quick_lab
     summary = (out / "summary.md").read_text()
@@ -216,7 +212,6 @@ def test_quick_lab_ends_with_an_answer_in_words(quick_lab):
         assert "reached it first, in" in line and "final accuracy" in line
 
 
-@pytest.mark.slow
 def test_quick_lab_can_be_redrawn_from_its_json(quick_lab, tmp_path):
     out, proc = quick_lab
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 PSGD = shutil.which("psgd") or "psgd"
 
 
@@ -39,6 +41,7 @@ def test_a_run_that_trains_is_left_alone(tmp_path):
     assert result["test_accuracy"] > 0.8 and not warnings_of(stderr)
 
 
+@pytest.mark.slow
 def test_an_async_job_at_the_full_rate_per_push_is_told_why(tmp_path):
     """Four async workers each applying momentum 0.9 at lr 0.5: the weights blow up.  The launcher repeats the
     worker's line (the worker's own went to its log) and names the async remedy."""

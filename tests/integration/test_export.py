@@ -209,6 +209,7 @@ def test_eval_of_a_file_saved_by_train_gives_the_accuracy_train_printed(tmp_path
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_export_from_running_shards_refuses_different_versions_as_from_checkpoints(tmp_path, capsys):
     """A shard a push reached and one it did not (a shard killed and restarted, a worker that died between its
     pushes): export from running shards used to join versions 132 and 130 silently.  It refuses, naming each, and

@@ -108,6 +108,7 @@ def assert_closed(sock: socket.socket) -> None:
         assert sock.recv(100) == b""
 
 
+@pytest.mark.slow
 def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypatch):
     """Found: without a token, 40 idle Push streams on the gRPC port held every thread of the shard's server for
     as long as they lived; Register, Status and heartbeats waited behind them.  Now pulls and pushes leave the
@@ -162,6 +163,7 @@ def test_a_client_refused_for_its_token_sees_why():
         DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO).close()  # the right one
 
 
+@pytest.mark.slow
 def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
     job = tiny_job()
     with token_shards(job, hello_timeout=0.5) as servers:

@@ -119,6 +119,7 @@ def test_cli_job_file_and_help(tmp_path):
         assert flag in help_text
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_psgd_trains_state_where_it_says_and_resume_ends_where_an_unstopped_run_ends(tmp_path):
     import signal
     import time

@@ -99,6 +99,7 @@ print(json.dumps({"test_accuracy": acc, "test_loss": loss}))
 """
 
 
+@pytest.mark.slow
 def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, tmp_path):
     job = JobConfig()  # the MLP on the bundled digits, 30 epochs, momentum SGD
     job.apply_sets(["cluster.policy=sync", "cluster.shards=2", "cluster.workers=2", "cluster.join_timeout=60",

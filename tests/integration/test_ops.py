@@ -70,7 +70,8 @@ def observed_shards(job):
             s.stop(grace=1.0)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+@pytest.mark.parametrize("transport", [pytest.param("shm", marks=pytest.mark.slow), "tcp",
+                                       pytest.param("grpc", marks=pytest.mark.slow)])
 def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fills(transport):
     job = make_job(*SMALL, "train.epochs=3", "cluster.policy=async", f"cluster.transport={transport}")
     with observed_shards(job) as (servers, metrics):

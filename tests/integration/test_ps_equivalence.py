@@ -66,6 +66,7 @@ def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
         return fetch_weights(job.cluster.servers, plan), [r.steps for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link", ["shm", "tcp", "grpc"])
 def test_overlap_on_and_off_give_identical_weights_under_sync(link, device):
     """[cluster] overlap = true (the next step's pull under way while this step's push is in flight; on a GPU
@@ -78,6 +79,7 @@ def test_overlap_on_and_off_give_identical_weights_under_sync(link, device):
         np.testing.assert_array_equal(on[name], off[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_async_and_ssp_runs_apply_every_push(overlap):
     for policy in ("async", "ssp"):

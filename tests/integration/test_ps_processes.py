@@ -79,6 +79,7 @@ def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
     return addresses
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_path):
     job = JobConfig()
     job.apply_sets(["model.name=softmax", "train.epochs=40", "cluster.policy=sync", "cluster.workers=3",

@@ -227,6 +227,7 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
         np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"], before)
 
 
+@pytest.mark.slow
 def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
     """The command the README gives, smaller: two shards, two workers, the final accuracy read with the shards'
     rows (an observer's), near what the teacher allows."""

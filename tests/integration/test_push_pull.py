@@ -136,6 +136,7 @@ def test_links_cut_a_moment_before_a_push_and_pull_began_cut_its_wait_for_the_we
         assert [s.core.round.bases for s in servers] == [[0], [0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("link", LINKS)
 def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatch):
     """The defect: two round trips a step (a pull, then a push) where one does.  Under async a worker still pulls

@@ -314,6 +314,7 @@ def test_a_shard_whose_last_checkpoint_fails_exits_non_zero_saying_so(tmp_path):
     assert "last checkpoint" in log and "failed" in log and "Traceback" not in log, log[-2000:]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_restarts_and_continues_where_it_was(tmp_path):
     cluster = Cluster(make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=2",
                                "cluster.shards=1", "train.epochs=20", "cluster.lease_seconds=2"), tmp_path)

@@ -60,6 +60,7 @@ def close(*servers):
         s.stop(grace=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, transport", [("async", "tcp"), ("ssp", "shm"), ("async", "grpc")])
 def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, transport):
     job = make_job("model.hidden=[32]", "train.epochs=2", "train.batch_size=16", "optimizer.name=adam",
@@ -390,6 +391,7 @@ def test_a_replica_whose_stream_breaks_as_it_is_told_the_job_is_over_is_told_aga
         close(primary, replica)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["slow", "silent"])
 def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_goes_on(how, caplog, monkeypatch):
     """Found: a follower that never answered held its primary at 1 version/s for as long as it connected again, and
@@ -463,6 +465,7 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
         close(primary, replica)
 
 
+@pytest.mark.slow
 def test_only_the_pairs_own_replica_follows(caplog):
     """Found: the follow hello accepted any follower, first come: an outsider took the place of a replica that was
     away, and the primary acknowledged pushes that only the outsider held.  Now a follower that says it listens
@@ -489,6 +492,7 @@ def test_only_the_pairs_own_replica_follows(caplog):
         close(primary, replica)
 
 
+@pytest.mark.slow
 def test_a_stranger_at_a_dead_replicas_address_learns_no_token_and_is_not_believed(caplog):
     """Found: after the replica crashed, a process without the token bound its port and answered Status "primary,
     failovers 99"; the real primary stepped down within a second and sent it the bearer token 16 times in clear
@@ -645,6 +649,7 @@ def test_a_worker_that_starts_after_the_primary_died_joins_through_the_replica()
         replica.stop(grace=1.0)
 
 
+@pytest.mark.slow
 def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_replica(caplog):
     """The way in for a worker that starts after a primary died (above) must not cost one whose pair is still
     starting: a fresh replica accepts connections but does not lead (it held no job state), and its primary comes

@@ -76,6 +76,7 @@ def job(tmp_path):
     made.close()
 
 
+@pytest.mark.slow
 def test_a_worker_told_that_the_job_went_back_takes_the_shards_left_behind_back_too(job):
     restarted = job.restart(2)
     assert job.versions() == [5, 5, 4]  # from its cut at 4

@@ -27,6 +27,7 @@ def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_every_worker_writes_its_curves_as_tensorboard_event_files(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

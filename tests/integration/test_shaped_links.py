@@ -125,6 +125,7 @@ def test_a_quick_lab_runs_on_two_hosts_over_one_shaped_link_and_leaves_nothing(s
     assert not ours()
 
 
+@pytest.mark.slow
 def test_a_lab_stopped_in_the_middle_leaves_no_namespace_behind(shaping, tmp_path, monkeypatch):
     from psgd.bench import hosted
     from psgd.bench.convergence import run_lab
@@ -188,6 +189,7 @@ def test_all_reduce_ranks_on_emulated_hosts_talk_over_their_links(shaping, tmp_p
     assert stats[0]["stats64"]["rx"]["bytes"] >= steps * model_bytes / 2, (stats, steps)
 
 
+@pytest.mark.slow
 def test_loopback_runs_beside_a_shaped_network_in_one_lab(shaping, tmp_path):
     from psgd.bench.convergence import run_lab
 
@@ -200,6 +202,7 @@ def test_loopback_runs_beside_a_shaped_network_in_one_lab(shaping, tmp_path):
     assert not ours()
 
 
+@pytest.mark.slow
 def test_comm_on_a_shaped_link_sets_each_step_beside_the_link_bound(shaping, tmp_path):
     """psgd bench comm --network: a worker and a shard on hosts of their own, float32 and bf16 pushes,
     each step set beside what the measured link takes for its bytes; nothing left behind."""
@@ -222,6 +225,7 @@ def test_comm_on_a_shaped_link_sets_each_step_beside_the_link_bound(shaping, tmp
     assert netns.PREFIX not in listed()
 
 
+@pytest.mark.slow
 def test_allreduce_against_the_parameter_server_on_a_shaped_link(shaping, tmp_path):
     """benchmarks/allreduce.py --network: 2 MPI ranks against 2 workers on 2 shards, every process on a host
     of its own, each figure beside its link bound (a 2-rank ring: the buffer once over each link)."""
@@ -256,6 +260,7 @@ def test_the_benchmarks_refuse_a_network_they_cannot_emulate(monkeypatch):
         shaped.networks_from("1gbit")
 
 
+@pytest.mark.slow
 def test_scaling_runs_its_launches_on_a_shaped_link(shaping, tmp_path):
     """psgd bench scaling --network: each launch's shard, workers and ranks on hosts of their own (its
     record says so), the one-process run on this machine, the link measured first and named in the notes."""

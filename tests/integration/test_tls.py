@@ -83,6 +83,7 @@ def test_training_over_tls_and_mutual_tls(certs, mutual):
         server.stop(1)
 
 
+@pytest.mark.slow
 def test_a_certificate_from_an_unknown_ca_is_refused(certs):
     j = job()
     server = serve(j, files(certs, "shard", "ca"))

@@ -60,6 +60,7 @@ def test_check_model_passes_on_each(folder, name):
     assert "all 7 checks passed" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, policy", [("resnet", "sync"), ("resnet", "async"), ("transformer", "sync"),
                                           ("transformer", "async")])
 def test_launch_trains_each_under_each_policy(folder, name, policy):
@@ -71,6 +72,7 @@ def test_launch_trains_each_under_each_policy(folder, name, policy):
     assert result["test_accuracy"] >= 0.95, result  # 0.98 on this machine (the transformer's data: the MLP 0.27)
 
 
+@pytest.mark.slow
 def test_the_running_statistics_travel_through_all_reduce_and_the_export(folder):
     model, flags = EXAMPLES["resnet"]
     saved = folder / "resnet.npz"
@@ -91,6 +93,7 @@ def test_the_running_statistics_travel_through_all_reduce_and_the_export(folder)
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["test_accuracy"] == pytest.approx(accuracy)
 
 
+@pytest.mark.slow
 def test_the_transformer_sorts_a_class_per_position_as_the_page_says(folder):
     """The sort task's targets are a class per position (batch, 16): the page's command scores every position of
     the transformer (head=each) and reaches what the page says; the built-in MLP is refused in one line."""

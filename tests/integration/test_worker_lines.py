@@ -88,6 +88,7 @@ def _launch(run, *extra: str, terminal: bool = False) -> str:
     return out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_the_shown_workers_log_file_holds_its_whole_log_and_a_pipe_gets_its_lines_not_a_bar(tmp_path):
     """Worker 0's log file stayed empty while the terminal showed its bar; and where the launch's output went to a
     file or a pipe, the bar's redraws littered it and worker 0's lines were nowhere."""
