@@ -195,23 +195,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub) -> None:
-    """``psgd bench convergence`` (the convergence lab), ``psgd bench comm``, ``scaling`` and ``gpu`` (psgd.bench)."""
+    """``psgd bench KIND``: the benchmarks of psgd.bench."""
     bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
                                          "comm: how fast tensors move; scaling: steps/s against model width "
                                          "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
                                          "communication beside computation, off and on; stall: the others' "
-                                         "steps/s while one worker is stopped mid-pull; sparse: embedding tables' "
+                                         "steps/s while one worker is stopped mid-pull; flood: a shard under a "
+                                         "flood of connections without the token; sparse: embedding tables' "
                                          "steps against table size, parameter server and all-reduce; rollback: "
                                          "what a killed shard costs a sync job with cuts; replicas: what a "
-                                         "replica per shard costs async, and its failover time; simulate: psgd jobs simulated from "
-                                         "costs measured here, checked against launches here)",
-                           description="Benchmarks of psgd itself. See `psgd bench convergence --help`, "
-                                       "`psgd bench comm --help`, `psgd bench scaling --help`, "
-                                       "`psgd bench gpu --help`, `psgd bench overlap --help`, "
-                                       "`psgd bench stall --help`, `psgd bench sparse --help`, "
-                                       "`psgd bench rollback --help`, `psgd bench replicas --help`, "
-                                       "`psgd bench step --help` and "
-                                       "`psgd bench simulate --help`.")
+                                         "replica per shard costs async, and its failover time; simulate: psgd "
+                                         "jobs simulated from costs measured here, checked against launches here)",
+                           description="Benchmarks of psgd itself. See `psgd bench KIND --help` for each: convergence, "
+                                       "comm, scaling, gpu, overlap, stall, flood, sparse, rollback, replicas, "
+                                       "step and simulate.")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
     _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
@@ -246,6 +243,8 @@ def _add_bench(sub) -> None:
     _bench_command(kinds, "overlap", "psgd.bench.overlap", raw=True,
                help="steps/s with [cluster] overlap off and on, beside one step's compute-only and "
                     "communication-only time (sync, async, all-reduce; the synthetic model and a quarter of it)")
+    _bench_command(kinds, "flood", "psgd.bench.flood", raw=True, help="a shard's versions/s, Status and "
+                   "checkpoints under a flood of connections without the token, beside the job undisturbed")
     _bench_command(kinds, "stall", "psgd.bench.stall", raw=True,
                help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
                     "memory and the data port)")

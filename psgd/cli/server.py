@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     from psgd.job import describe_job
     from psgd.server import build_shard
-    from psgd.server.listen import PortTaken
+    from psgd.server.listen import PortTaken, raise_descriptor_limit
     from psgd.server.service import ShardServer
 
+    raise_descriptor_limit()  # a flood of connections meets the gRPC port's cap (listen.py), not this limit
     config = job_from_args(args)
     start_process(config)
     if args.shard is None:

@@ -259,6 +259,9 @@ class ShardMetrics(Collector):
         if "checkpoint_failures" in c:
             yield _counter("psgd_shard_checkpoint_failures", "checkpoints that could not be written", names,
                            values, c["checkpoint_failures"])
+        if "background_errors" in c:
+            yield _counter("psgd_shard_background_errors", "errors in a shard's background loops (checkpoints, "
+                           "leases), each of which goes on", names, values, c["background_errors"])
 
 
 class _NoMetrics:

@@ -11,7 +11,7 @@ import concurrent.futures
 import dataclasses
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 
@@ -48,6 +48,32 @@ class Connect:
     def channel(self, address: str) -> grpc.Channel:
         return open_channel(address, self.tls)
 
+    def call(self, address: str, ask: Callable[[grpc.Channel, float, bool], Any]) -> Any:
+        """``ask(channel, timeout, wait_for_ready)`` on a channel to ``address``, within ``self.timeout`` in all.  A
+        shard that closes the connection as it comes (its gRPC port is full: psgd.server.listen bounds it, and
+        closes connections that never prove themselves within seconds) is asked again, waiting for a connection to
+        be taken, until the deadline; one that refuses it fails at once.  Where the deadline passes, the first
+        error is raised: it says most (a plaintext client at a TLS port is closed as it comes too)."""
+        end = time.monotonic() + self.timeout
+        with self.channel(address) as channel:
+            try:
+                return ask(channel, self.timeout, False)
+            except grpc.RpcError as err:
+                details = ((err.details() if hasattr(err, "details") else "") or "").lower()
+                if err.code() != grpc.StatusCode.UNAVAILABLE or not any(w in details for w in CLOSED):
+                    raise
+                first = err
+            try:
+                return ask(channel, max(0.01, end - time.monotonic()), True)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise first from None
+                raise
+
+
+#: What gRPC says of a connection the other end closed as it came (a full port).
+CLOSED = ("socket closed", "connection reset", "broken pipe")
+
 
 def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:
     """A failed call to ``address`` in plain words."""
@@ -66,7 +92,8 @@ def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:
         if "timeout" in low or "timed out" in low or "deadline" in low:
             return f"no answer from {address} within {timeout:g}s: a firewall may drop the packets, or the host is down"
         return (f"cannot talk to {address}: {details or 'unavailable'} (if the shards use TLS, pass --tls-ca; if "
-                "not, check that the address is a psgd-server's gRPC port)")
+                "not, check that the address is a psgd-server's gRPC port, and that its connections are not all "
+                "taken)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"no answer from {address} within {timeout:g}s: a firewall may drop the packets, or the host is down"
     if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -118,16 +145,15 @@ def check_health(address: str, connect: Connect) -> tuple[str, str | None, str |
     """``(health, error, code)`` of ``address`` from the standard gRPC health service."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with connect.channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=connect.timeout,
-                metadata=connect.metadata)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                return "SERVICE_UNKNOWN", (f"{address} runs a gRPC health service but not for {SERVICE_NAME}: "
-                                           "is it a psgd shard?"), err.code().name
-            return "UNREACHABLE", explain_rpc_error(address, err, connect.timeout), err.code().name
+    try:
+        reply = connect.call(address, lambda channel, timeout, wait: health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout, metadata=connect.metadata,
+            wait_for_ready=wait))
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:
+            return "SERVICE_UNKNOWN", (f"{address} runs a gRPC health service but not for {SERVICE_NAME}: "
+                                       "is it a psgd shard?"), err.code().name
+        return "UNREACHABLE", explain_rpc_error(address, err, connect.timeout), err.code().name
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     if name != "SERVING":
         return name, f"{address} reports {name}: the shard is starting, shutting down or unwell", None
@@ -139,9 +165,8 @@ def read_status(address: str, connect: Connect) -> dict:
     ``grpc.RpcError`` when it does not answer."""
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
-    with connect.channel(address) as channel:
-        reply = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=connect.timeout,
-                                                                metadata=connect.metadata)
+    reply = connect.call(address, lambda channel, timeout, wait: ps_pb2_grpc.ParameterServerStub(channel).Status(
+        ps_pb2.StatusRequest(), timeout=timeout, metadata=connect.metadata, wait_for_ready=wait))
     return status_dict(reply)
 
 

@@ -180,6 +180,17 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
     finally:
         if fd is not None:
             os.close(fd)
+    try:
+        _prune(folder, job, shard, version, keep)
+    except OSError as exc:  # the checkpoint is written; the old ones go at the next (no descriptor left, say)
+        log.warning("checkpoint %s is written, but the older ones could not be looked through to remove those "
+                    "beyond the newest %d (%s); the next checkpoint tries again", folder / meta, keep,
+                    exc.strerror or exc)
+    return folder / meta
+
+
+def _prune(folder: Path, job: Any, shard: Any, version: int, keep: int) -> None:
+    """Remove the job's checkpoints in ``folder`` older than the newest ``keep`` (see :func:`save`)."""
     older = [v for v in owned(folder, job, shard) if v != version]
     gone = older[keep - 1:] if keep > 0 else []
     if gone and folder.parent.name == job:  # the job's own folder: a manifest that cannot be read is its own too
@@ -188,12 +199,14 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
         for suffix in (".json", ".npz"):
             if not _remove(folder / f"ckpt-{old}{suffix}"):
                 log.warning("could not remove the old checkpoint %s", folder / f"ckpt-{old}{suffix}")
-    return folder / meta
 
 
 def fallback(folder: str | os.PathLike, fingerprint: Any, shard: Any, failed: int | None = None) -> str:
     """What is left to restore after checkpoint ``failed`` could not be written, in words."""
-    left = [v for v in owned(Path(folder), fingerprint, shard) if v != failed]
+    try:
+        left = [v for v in owned(Path(folder), fingerprint, shard) if v != failed]
+    except OSError as exc:  # the reason the checkpoint failed, often (no descriptor left)
+        return f"the earlier checkpoints could not be looked through either ({exc.strerror or exc})"
     if not left:
         return "there is no earlier checkpoint to fall back on"
     return f"the previous checkpoint is intact (ckpt-{left[0]})"

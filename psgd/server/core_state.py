@@ -170,8 +170,8 @@ class CoreState:
             self.wake()
 
     def count(self, counter: str) -> None:
-        with self.lock:
-            self.counters[counter] += 1
+        with self.lock:  # one a checkpoint written before it was counted lacks starts at 0
+            self.counters[counter] = self.counters.get(counter, 0) + 1
 
     def notify(self) -> None:
         """Wake whatever waits on the policy or on who serves (:meth:`wake`, taking the lock)."""

@@ -101,6 +101,11 @@ class DataServer:
                                max_unauthenticated=max_unauthenticated, max_per_peer=max_per_peer,
                                hand_over=self._hand_over)
 
+    @property
+    def descriptors(self) -> int:
+        """The most descriptors this port's connections take at once: those served and those not yet checked."""
+        return self.max_connections + self.gate.max_unauthenticated
+
     def start(self) -> "DataServer":
         if self._handout is not None:
             self._handout.start()

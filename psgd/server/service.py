@@ -26,8 +26,8 @@ from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
-from psgd.server.listen import PortTaken, free_to_listen
-from psgd.server.watchdog import Watchdog
+from psgd.server.listen import GRPC_IDLE_SECONDS, PortTaken, free_to_listen, grpc_connection_cap
+from psgd.server.watchdog import Turns, Watchdog
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
 from psgd.wire.protocol import as_worker
@@ -282,9 +282,18 @@ class ShardServer:
             raise PortTaken("data port", f"{host}:{data_port}", data_port, exc.strerror or str(exc)) from None
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
+        # connections that have not proven the token are bounded: in number, and by the hello deadline to finish
+        # their handshake (psgd.server.listen)
+        self.connection_cap, short = grpc_connection_cap(self.data.descriptors if self.data else 0,
+                                                         core.num_workers)
+        if short:
+            log.warning("shard %d: %s", core.shard, short)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
                                                              thread_name_prefix=f"shard{core.shard}"),
-                                  options=[*CHANNEL_OPTIONS, ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION)],
+                                  options=[*CHANNEL_OPTIONS, ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                                           ("grpc.max_allowed_incoming_connections", self.connection_cap),
+                                           ("grpc.server_handshake_timeout_ms", max(1, int(hello_timeout * 1000))),
+                                           ("grpc.max_connection_idle_ms", int(GRPC_IDLE_SECONDS * 1000))],
                                   maximum_concurrent_rpcs=threads * 4, interceptors=list(interceptors))
         self.servicer = ParameterServerServicer(core, self.incarnation, request_timeout,
                                                 self.data.port if self.data else 0,
@@ -307,6 +316,7 @@ class ShardServer:
             raise PortTaken("gRPC port", bind, int(bind.rpartition(":")[2]), why) from None
         self.address = f"{host}:{self.port}"
         self._stop = threading.Event()
+        self._survive = Turns(core, "background_errors")
         self._reaper = threading.Thread(target=self._reap, name=f"shard{core.shard}-leases", daemon=True)
         self._checkpointer = threading.Thread(target=self._checkpoints, name=f"shard{core.shard}-checkpoints",
                                               daemon=True)
@@ -354,13 +364,15 @@ class ShardServer:
     def _reap(self) -> None:
         period = max(0.05, min(1.0, self.core.roster.lease_seconds / 4))
         while not self._stop.wait(period):
-            self.core.expire_leases()
+            self._survive("the lease reaper", self.core.expire_leases)
 
     def _checkpoints(self) -> None:
-        while not self._stop.wait(min(1.0, self.checkpoint_seconds)):
+        def turn() -> None:
             last = self.core.last_checkpoint
             if last is None or time.time() - last[1] >= self.checkpoint_seconds:
                 self.save_checkpoint()
+        while not self._stop.wait(min(1.0, self.checkpoint_seconds)):
+            self._survive("the checkpoint loop", turn)
 
     def save_checkpoint(self, force: bool = False, held: bool = False) -> bool:
         """Write a checkpoint now (if there is a checkpoint folder; ``held``: the caller holds the core's lock);

@@ -1,14 +1,39 @@
 """Deadlines for gRPC calls that have none of their own: :class:`Watchdog` cancels a shard's data calls that
-run past theirs (psgd.server.service)."""
+run past theirs (psgd.server.service); and :class:`Turns`, by which a shard's background loops never die."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
+
+from psgd.observe.logs import Quieted
 
 log = logging.getLogger(__name__)
+
+
+class Turns:
+    """The turns of the background loops of the shard whose core is ``core`` (its checkpoints, its lease reaper),
+    none of which dies of an error: an error is counted (the core's ``counter``: Status, Prometheus), said at once
+    with its traceback and then at most once a minute with how many more, and the loop goes on to its next turn."""
+
+    def __init__(self, core: Any, counter: str, said_every: float = 60.0):
+        self.core, self.shard, self.counter = core, core.shard, counter
+        self._said, self._traced = Quieted(said_every), False
+
+    def __call__(self, what: str, turn: Callable[[], object]) -> None:
+        try:
+            turn()
+        except Exception as exc:  # noqa: BLE001  (whatever it was, the loop goes on: it is said and counted)
+            self.core.count(self.counter)
+            unsaid = self._said.due()
+            if unsaid is not None:
+                log.error("shard %d: %s failed (%s: %s)%s; it goes on, and says so again at most once a minute",
+                          self.shard, what, type(exc).__name__, exc,
+                          f" ({unsaid} more errors since the last line)" if unsaid else "",
+                          exc_info=not self._traced)  # the first with its traceback
+                self._traced = True
 
 
 class Watchdog:

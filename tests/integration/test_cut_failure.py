@@ -4,6 +4,7 @@ job never goes on without the cuts that make a restart lose nothing; "continue" 
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 
@@ -54,4 +55,36 @@ def test_a_cut_that_cannot_be_written_stops_the_job_or_is_said_once(tmp_path, se
                 assert len(said) == 1 and "on_cut_failure" in said[0], said
                 assert server.core.version == 8
     finally:
+        server.stop(grace=1.0)
+
+
+def test_a_cut_that_fails_for_want_of_descriptors_stops_the_job(tmp_path, monkeypatch):
+    """A cut whose write fails while the process has no descriptor left (a flood of connections took them): the
+    failure is the cut's, and on_cut_failure = "stop" stops the job.  Before, saying which checkpoint was left to
+    fall back on listed the folder, failed again, and that OSError escaped the round's closing: the job went on."""
+    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=5")
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN,
+                         checkpoint_dir=str(tmp_path)).start()
+    job.override("cluster.servers", [server.address])
+    plan = server.core.plan
+    try:
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN,
+                      config=job) as client:
+            client.register()
+            grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
+            for clock in range(2):
+                client.push(clock, grads)
+
+            def no_descriptor(*args, **kwargs):
+                raise OSError(errno.EMFILE, "Too many open files")
+            monkeypatch.setattr(checkpoint, "_write_atomically", no_descriptor)
+            monkeypatch.setattr(checkpoint, "_versions", no_descriptor)
+            for clock in range(2, 4):
+                client.push(clock, grads)  # the round of clock 3 closes at version 4: its cut fails
+            with pytest.raises(PSError, match="could not write its cut at version 4"):
+                client.push(4, grads)
+            assert server.core.version == 4
+    finally:
+        monkeypatch.undo()
         server.stop(grace=1.0)

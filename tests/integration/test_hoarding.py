@@ -416,3 +416,70 @@ def test_a_worker_trains_at_full_speed_under_a_flood_of_idle_and_garbage_connect
             shard.wait(5)
     refusals = [line for line in log_path.read_text().splitlines() if "refused" in line]
     assert len(refusals) <= 60, f"{len(refusals)} log lines about refusals"
+
+
+# -- the gRPC port ------------------------------------------------------------------------------------------
+#: The shard's descriptors, as ``ulimit -n`` in the shell of the user who starts it sets them.
+DESCRIPTORS = 256
+
+
+def checkpointed(root: Path) -> int:
+    """The newest version checkpointed under ``root`` (-1: none)."""
+    found = [int(p.stem.split("-")[1]) for p in root.glob("**/ckpt-*.json")]
+    return max(found, default=-1)
+
+
+@pytest.mark.slow
+def test_idle_connections_to_the_grpc_port_up_to_the_descriptor_limit_leave_a_shard_working(tmp_path):
+    """More idle connections to a shard's gRPC port than the shard has descriptors, none with the token: the shard
+    still answers Status, a worker that comes then joins and trains, and checkpoints go on being written, with no
+    thread of the shard dead.  Before the bound, every descriptor went to the flood: Status timed out, the worker
+    never joined, and the checkpoint thread died of "Too many open files", never to write again."""
+    job = tiny_job("cluster.workers=1")
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    root, log_path = tmp_path / "ckpt", tmp_path / "shard.log"
+    exe = Path(sys.executable).with_name("psgd-server")
+    argv = " ".join([str(exe) if exe.exists() else f"{sys.executable} -m psgd.cli.server", "-c", str(path),
+                     "--shard", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir", str(root),
+                     "--checkpoint-every", "0.2"])
+    with open(log_path, "w") as log_file:  # started as a user with `ulimit -n` in their shell starts it
+        shard = subprocess.Popen(["bash", "-c", f"ulimit -n {DESCRIPTORS} && exec {argv} --token {TOKEN}"],
+                                 stdout=subprocess.DEVNULL, stderr=log_file)
+    held: list[socket.socket] = []
+    try:
+        found = wait_for(lambda: re.search(r"serving on (\S+),", log_path.read_text()), 60, "the shard to start")
+        address = found.group(1)
+        port = int(address.rpartition(":")[2])
+        job.override("cluster.servers", [address])
+        wait_for(lambda: checkpointed(root) >= 0, 30, "the shard's first checkpoint")
+        for _ in range(DESCRIPTORS + 64):  # more than the shard has descriptors, all held, none sending a byte
+            try:
+                held.append(dial(port, timeout=1.0))
+            except OSError:  # the listen backlog is full: the shard accepts no more just now
+                break
+        assert len(held) > DESCRIPTORS / 2, f"only {len(held)} connections opened"
+
+        def status() -> subprocess.CompletedProcess:
+            psgd = Path(sys.executable).with_name("psgd")
+            return subprocess.run([str(psgd), "status", "--sample", "0", "--timeout", "10",
+                                   "--token", TOKEN, "--json", address], capture_output=True, text=True, timeout=60)
+        asked = status()
+        assert asked.returncode == 0, asked.stdout + asked.stderr
+        results = train_all(job, timeout=90)  # a worker that comes now joins and trains
+        assert results[0].steps > 0
+        wait_for(lambda: checkpointed(root) >= results[0].steps, 30,
+                 f"a checkpoint of version {results[0].steps} (the newest is {checkpointed(root)})")
+        asked = status()
+        assert asked.returncode == 0, asked.stdout + asked.stderr
+    finally:
+        for sock in held:
+            sock.close()
+        shard.terminate()
+        try:
+            shard.wait(15)
+        except subprocess.TimeoutExpired:
+            shard.kill()
+            shard.wait(5)
+    text = log_path.read_text()
+    assert "Exception in thread" not in text and "Traceback" not in text, text[-3000:]
