@@ -215,6 +215,8 @@ class ShardMetrics(Collector):
                        names, values, c.get("expired", 0))
         yield _counter("psgd_shard_impostor_calls", "calls as a registered worker without its registration's key "
                        "(refused)", names, values, c.get("impostors", 0))
+        yield _counter("psgd_shard_unreplicated_pushes", "pushes acknowledged without a copy on the shard's replica "
+                       "(replicas = 1: it did not follow then)", names, values, c.get("unreplicated", 0))
         yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "
                        "one was still being read", names, values, c.get("copied_updates", 0))
         yield _counter("psgd_shard_revoked_reads", "pulls whose memory an update took after they were read past "

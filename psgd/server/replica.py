@@ -14,23 +14,25 @@ as pulls and pushes are; each answer is one :data:`ANSWER`.
 
 Roles: the first process of a pair (``[cluster] servers``) starts as the primary, the second (``replica_servers``)
 as the replica, unless its peer already leads or holds more (a restarted primary becomes its old replica's replica
-and catches up from its state). A replica takes for lost a primary whose stream ends or stays silent for
-:data:`SILENCE_SECONDS` and that does not answer a status call either, and takes over once a worker comes to it (a
-worker calls a replica only when it cannot reach the primary): a primary cut off from its replica alone, which looks
-the same from there, goes on serving the workers, and the replica follows it again when the cut heals. A primary
-whose replica cannot be reached at all goes on alone (acknowledging pushes the replica does not hold: the trade-off
-that keeps a job running when the replica dies; it catches up when it comes back), and keeps asking after it: one
-whose peer took over (a later count of failovers) steps down, and its pushes not yet acknowledged are retried by
-their workers on the new primary. Only the pair's own replica follows (the address the job file gives it, or the
-first to follow a primary that knew none), and the two processes prove to each other that they hold the job's token
-without sending it (:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is not
-believed. A replica that does not keep up is cut off as Kafka drops a follower from its in-sync set: silent (an
-update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited
-for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average, beyond the time their bytes
-need at :data:`psgd.server.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off again
-without having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a
-follower that cannot keep up costs the job a few seconds now and then, not its pace, while one that kept up and
-stalled once (a paused process) follows again as soon as it answers.
+and catches up from its state; a replica follows a restarted primary again, also one told that the job was over). A
+replica takes for lost a primary whose stream ends or stays silent for :data:`SILENCE_SECONDS` and that does not
+answer a status call either, and takes over once a worker comes to it (a worker calls a replica only when it cannot
+reach the primary): a primary cut off from its replica alone, which looks the same from there, goes on serving the
+workers, and the replica follows it again when the cut heals. A primary whose replica cannot be reached at all goes
+on alone (acknowledging pushes the replica does not hold: the trade-off that keeps a job running when the replica
+dies; it catches up when it comes back), and keeps asking after it (from its start: a replica that lives is waited
+for; the first push acknowledged without a copy is said in a WARNING line and each is counted): one whose peer took
+over (a later count of failovers) steps down, and its pushes not yet acknowledged are retried by their workers on
+the new primary. Only the pair's own replica follows (the address the job file gives it, or the first to follow a
+primary that knew none), and the two processes prove to each other that they hold the job's token without sending it
+(:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is not believed. A replica that
+does not keep up is cut off as Kafka drops a follower from its in-sync set: silent (an update waits longer than
+:data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited for its answers more than
+half the time, :data:`SLOW_ANSWER_SECONDS` each on average, beyond the time their bytes need at
+:data:`psgd.server.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off again without
+having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a follower
+that cannot keep up costs the job a few seconds now and then, not its pace, while one that kept up and stalled once
+(a paused process) follows again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -49,13 +51,13 @@ from psgd.observe.logs import Quieted
 from psgd.server import stream
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
+from psgd.server.following import PRIMARY, REPLICA, Following
 from psgd.server.peers import failovers, peer_status
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)
 
-PRIMARY, REPLICA = "primary", "replica"
 #: a primary with nothing to send says it is alive this often
 KEEPALIVE_SECONDS = 0.2
 #: a replica whose primary has sent nothing for this long takes it for dead (if it does not answer either)
@@ -69,14 +71,12 @@ KEEP_UP_SECONDS = 2 * SILENCE_SECONDS
 #: a replica is slow when, over a window of KEEP_UP_SECONDS, updates waited for it more than half the time and its
 #: answers took this long on average (beyond the time their bytes need): a healthy one answers in milliseconds
 SLOW_ANSWER_SECONDS = 0.1
-#: a worker that came this long before its replica lost the primary counts too (it may find the primary gone first)
-WORKERS_SECONDS = 2 * SILENCE_SECONDS
 #: how long a replica cut off for not keeping up is refused before it may follow again: the first time, and the most
 #: (doubled each time it is cut off again)
 BENCH_SECONDS = (30.0, 300.0)
 
 
-class Replication:
+class Replication(Following):
     """This process's end of shard ``core.shard``'s replication (a pair: a primary and its replica).  ``peer``: the
     other process's gRPC address (a primary started without one learns it from its replica); ``me``: this one's, as
     the peer reaches it; ``second``: this is the pair's second process (a replica at the start)."""
@@ -89,9 +89,11 @@ class Replication:
         self._queue: deque = deque()
         self.attached = False    # a primary with a replica that follows (its stream open)
         self.alone = True        # a primary whose replica is gone: pushes are acknowledged without a copy
+        self._said_alone = False  # ... which a WARNING said since its replica last followed (once, not per push)
         self.acked = -1          # the newest update the replica answered for
         self.sent = -1           # the newest update queued for it
         self.job_over = False    # a replica told by its primary that the job is over
+        self._leader = self._ended_by = ""  # the incarnation of the primary followed, of the one that said so
         self._told = False       # a primary that told its replica so
         self.following = False   # a replica with its primary's stream open
         self.orphaned = ""       # why a replica lost its primary, while it waits for a worker to come (then leads)
@@ -182,6 +184,12 @@ class Replication:
             copied = self.acked >= seq
         if not copied and self.core.role != REPLICA:
             self.core.count("unreplicated")  # acknowledged without a copy: psgd status and psgd launch say how many
+            with self._lock:
+                if not self._said_alone and self.acked < seq:
+                    self._said_alone = True
+                    log.warning("shard %d: acknowledging pushes without a copy: its replica%s does not follow; "
+                                "counted (unreplicated) until it follows again", self.core.shard,
+                                f" at {self.peer}" if self.peer else "")
         if self.core.role == REPLICA:
             raise ShardError("UNAVAILABLE", f"shard {self.core.shard} at this address stepped down: its peer "
                              f"{self.peer} leads now", reason="NOT_PRIMARY")
@@ -226,6 +234,7 @@ class Replication:
                     return False
                 self._queue.clear()
                 self.attached, self.alone, self.sent, self.acked = True, False, version, -1
+                self._said_alone = False
                 self._queued_at, self._lagged = 0.0, False
                 self.peer = self.peer or address  # where it said it listens, unless the job file says
                 return True
@@ -300,21 +309,23 @@ class Replication:
                         log.warning("shard %d: its replica at %s %s: cut off; going on alone, pushes acknowledged "
                                     "without a copy; it may follow again %s", core.shard, self.peer, lagging,
                                     f"in {wait:.0f}s" if wait else "at once")
+                        self._said_alone = True
                     self.alone = self._lagged = True
                 self._lock.notify_all()
             if not self._stop.is_set():
                 threading.Thread(target=self._lost, daemon=True, name=f"shard{core.shard}-lost").start()
 
-    def _lost(self) -> None:
-        """The replica's stream ended: find out whether the peer leads (step down), lives as a replica (wait for it
-        to follow again) or is gone (go on alone, and keep asking: a peer cut off for a while may have taken over)."""
+    def _lost(self, followed: bool = True) -> None:
+        """The replica's stream ended (``followed``; else this primary just started): find out whether the peer
+        leads (step down), lives as a replica (wait for it to follow again) or is gone (go on alone, and keep asking:
+        a peer cut off for a while may have taken over)."""
         while not self._stop.is_set() and self.core.role == PRIMARY and not self.attached:
             found = peer_status(self.peer, self.token, self.tls) if self.peer else None
             if found is not None and found.role == PRIMARY and failovers(found) > self.core.counters["failovers"]:
                 self._step_down(found.version)  # it took over from this process (it counts more failovers)
                 return
             with self._lock:
-                if found is None:
+                if found is None and (followed or not self.alone):  # (a replica not up yet at the start: no line)
                     self._go_alone("is gone")
                 elif not self._lagged:  # (one cut off for not keeping up: pushes go on alone until it follows)
                     self.alone = False  # it lives: pushes wait for it to follow again (ack_seconds at most)
@@ -327,6 +338,7 @@ class Replication:
         if not self.alone:
             log.warning("shard %d: its replica at %s %s: going on alone, pushes acknowledged without a copy until it "
                         "follows again", self.core.shard, self.peer, why)
+            self._said_alone = True
         self.alone = True
 
     def _step_down(self, theirs: int) -> None:
@@ -344,87 +356,3 @@ class Replication:
                       "without a copy are lost", self.core.shard, ahead)
         self._follower = threading.Thread(target=self._follow, name=f"shard{self.core.shard}-follow", daemon=True)
         self._follower.start()
-
-    # -- the replica's side ---------------------------------------------------------------------------------------
-    def _follow(self) -> None:
-        """Follow the peer while this process is a replica: apply its stream, answering for each update; take
-        over when the stream ends without the job's end and the peer does not lead."""
-        core = self.core
-        while not self._stop.is_set() and core.role == REPLICA and not self.job_over:
-            why = ""
-            try:
-                self._sock = self._connect()
-                if self._sock is not None:
-                    why = self._apply_stream(self._sock)
-            except protocol.WireError as exc:
-                why = str(exc)
-            except ShardError as err:  # refused by this replica (it told the primary): it follows again from its state
-                log.warning("shard %d: %s; following again from the primary's state", core.shard, err.message)
-            finally:
-                self.following = False
-                if self._sock is not None:
-                    stream.shut(self._sock)
-                    self._sock.close()
-                    self._sock = None
-            if why and not self.job_over and not self._stop.is_set():
-                self._orphan(why)
-            if self.orphaned and self._asked_at >= self._orphaned_at - WORKERS_SECONDS and self._take_over(why):
-                return
-            self._woken.wait(0.2)
-            self._woken.clear()
-
-    def asked(self) -> None:
-        """A worker came to this replica (so it cannot reach the primary): leave to lead once the primary is lost."""
-        self._asked_at = time.monotonic()
-        self._woken.set()
-
-    def _orphan(self, why: str) -> None:
-        """The primary's stream ended (``why``) and it does not answer: gone, or cut off from this process alone."""
-        found = peer_status(self.peer, self.token, self.tls)
-        if not self._held or (found is not None and found.role == PRIMARY) or self.orphaned:
-            return
-        self.orphaned, self._orphaned_at = why, time.monotonic()
-        log.warning("shard %d: its primary %s does not answer (%s): gone, or cut off from this process alone; this "
-                    "replica takes over as soon as a worker comes to it", self.core.shard, self.peer, why)
-
-    def _connect(self) -> socket.socket | None:
-        """A data connection to the peer whose hello asks to follow; None where the peer does not lead now."""
-        found = peer_status(self.peer, self.token, self.tls)
-        if found is None or found.role != PRIMARY or not found.data_port:
-            return None
-        return stream.connect(self.peer.rpartition(":")[0].strip("[]"), found.data_port, self.me, self.token,
-                              self.core.plan.hash, self.tls, SILENCE_SECONDS * 5)
-
-    def _apply_stream(self, sock: socket.socket) -> str:
-        """Apply frames from ``sock`` until it ends; returns why it ended ("" for the job's end)."""
-        core = self.core
-        reader = stream.Reader(core)
-        while not self._stop.is_set():
-            sock.settimeout(SILENCE_SECONDS)  # a primary silent this long is taken for gone
-            try:
-                kind = reader.take(sock)
-            except protocol.WireError as exc:
-                return f"its stream ended ({exc})"
-            self.following = True
-            if self.orphaned:
-                log.info("shard %d: its primary %s answers again: following it", core.shard, self.peer)
-                self.orphaned = ""
-            if kind == stream.FINISHED:
-                self.job_over = True
-                core.notify()
-                return ""
-            self._held = self._held or kind == stream.STATE
-        return ""
-
-    def _take_over(self, why: str) -> bool:
-        """Lead (True) where the peer does not lead and this process held the job's state (``why``: how it was lost)."""
-        found = peer_status(self.peer, self.token, self.tls)
-        if not self._held or (found is not None and found.role == PRIMARY):
-            return False
-        core = self.core
-        core.take_role(PRIMARY, failover=True)
-        with self._lock:
-            self.alone, why, self.orphaned = True, self.orphaned or why, ""
-        log.info("shard %d: its primary %s is gone (%s): this replica takes over at version %d", core.shard,
-                 self.peer, why, core.version)
-        return True

@@ -259,10 +259,13 @@ def test_an_update_held_before_its_write_reaches_the_replica_in_its_place(event,
             done.join(10)
             assert pushing.is_alive() is done.is_alive() is False
             _same_copies(primary, replica)
-        assert not [r.getMessage() for r in caplog.records], "the pair reported a failure"
+        said = [r.getMessage() for r in caplog.records]
         assert p.version == 1
         if event == "a worker leaves":  # (a replica not yet attached when the push is acknowledged holds no copy)
             assert p.counters["unreplicated"] == 0
+        if p.counters["unreplicated"]:  # (which is said, once)
+            assert len(said) == 1 and "acknowledging pushes without a copy" in said.pop(), said
+        assert not said, "the pair reported a failure"
     finally:
         close(primary, replica)
 
@@ -563,11 +566,12 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
 def _cut_between(monkeypatch, cut: threading.Event):
     """While ``cut`` is set, neither process of a pair reaches the other (a network cut between them): their status
     calls to each other go unanswered."""
-    from psgd.server import replica as replica_module
+    from psgd.server import following, replica as replica_module
 
     real = replica_module.peer_status
-    monkeypatch.setattr(replica_module, "peer_status",
-                        lambda address, *args, **kwargs: None if cut.is_set() else real(address, *args, **kwargs))
+    for side in (replica_module, following):  # the primary's side of the pair, and the replica's
+        monkeypatch.setattr(side, "peer_status",
+                            lambda address, *args, **kwargs: None if cut.is_set() else real(address, *args, **kwargs))
 
 
 def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_and_loses_nothing(monkeypatch, caplog):
@@ -690,3 +694,82 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
                              or f"at {primary_address}: UNAVAILABLE (this process" in line], said
     finally:
         close(*[s for s in (primary, replica) if s is not None])
+
+
+@pytest.mark.slow
+def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_jobs_end(tmp_path):
+    """Found by the chaos suite: async with a replica; the workers finished; the primary was SIGTERMed and started
+    again (same address, same checkpoint folder).  The replica, told that the job was over, never followed it again,
+    so that the restarted primary acknowledged every push without a copy while the pair still looked whole.  Now a
+    replica follows its primary again after any restart, and a push acknowledged here is copied."""
+    from psgd.worker.client import PSClient
+
+    taken: set[int] = set()
+    ports = [free_port_pair(taken=taken) for _ in range(2)]
+    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
+                   "cluster.shards=1", "cluster.replicas=1", f"cluster.servers=127.0.0.1:{ports[0]}",
+                   f"cluster.replica_servers=127.0.0.1:{ports[1]}")
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    primary = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "r0", "p0-again")}
+    procs = {"p0": _server(path, 0, logs["p0"], *primary), "r0": _server(path, 0, logs["r0"], "--replica")}
+    status = lambda address: read_status(address, Connect(timeout=5, token=TOKEN))  # noqa: E731
+    try:
+        wait_for(lambda: _lag(job.cluster.servers[0]) == 0, 30, "the replica to follow")
+        result = run_worker(job, 0, job.cluster.servers, progress=False, token=TOKEN)
+        assert result.steps > 0
+        procs["p0"].send_signal(signal.SIGTERM)
+        assert procs["p0"].wait(30) == 0
+        procs["p0-again"] = _server(path, 0, logs["p0-again"], *primary)
+        wait_for(lambda: _lag(job.cluster.servers[0]) == 0, 30, "the replica to follow the restarted primary")
+        assert status(job.cluster.recovery.replica_servers[0])["replica_lag"] == 0  # it says it follows
+        plan = describe_job(job).plan
+        grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
+                      recovery=job.cluster.recovery, config=job, token=TOKEN) as client:
+            client.register()
+            client.push(0, grads)
+        again = status(job.cluster.servers[0])
+        assert again["role"] == "primary" and again["counters"]["unreplicated"] == 0
+        wait_for(lambda: status(job.cluster.recovery.replica_servers[0])["version"] == again["version"], 10,
+                 "the replica to hold the push")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in procs.items():
+            p.wait(15)
+            logs[name].close()
+
+
+def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):
+    """A primary whose replica never follows (started alone, its replica's address silent) acknowledged pushes
+    without a copy and counted them, but said nothing.  Now the first such push is said in one WARNING line (not one
+    a push), and the count shows in psgd status and the Prometheus metrics."""
+    from psgd.observe.prometheus import ShardMetrics
+    from psgd.worker.client import PSClient
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    d = describe_job(job)
+    primary = ShardServer(build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport,
+                          replicated=True).start()
+    Replication(primary.core, primary.address, f"127.0.0.1:{free_port()}", second=False).start()
+    job.override("cluster.servers", [primary.address])
+    grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in d.plan.specs}
+    try:
+        caplog.set_level(logging.INFO, logger="psgd.server")
+        with PSClient(job.cluster.servers, d.plan, 0, deadlines=Deadlines(request_timeout=30), config=job) as client:
+            client.register()
+            for clock in range(5):
+                client.push(clock, grads)
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "without a copy" in
+                r.getMessage()]
+        assert len(said) == 1, said
+        assert primary.core.counters["unreplicated"] == 5
+        scraped = {m.name: m for m in ShardMetrics(primary.core).collect()}
+        assert scraped["psgd_shard_unreplicated_pushes"].samples[0].value == 5
+    finally:
+        primary.core.replication.stop(finished=True)
+        primary.stop(grace=1.0)
