@@ -188,20 +188,27 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
 
 
 #: a follower of the job's own that answers late ("slow") or never ("silent"): argv job file, kind, host, data port,
-#: the address it claims; it connects again whenever it is cut off or refused
+#: the address it listens at (the replica's, where it answers for its ticket); it connects again whenever it is cut
+#: off or refused
 FOLLOWER = r"""
-import os, socket, sys, time
+import os, secrets, socket, sys, time
 from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.server import build_shard, stream
+from psgd.server.replica import Replication
+from psgd.server.service import ShardServer
 from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
 job = JobConfig.load(sys.argv[1])
 kind, host, port, me = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 core = build_shard(describe_job(job), 0)
+token = os.environ["PSGD_TOKEN"]
+pair = Replication(core, me, f"{host}:0", second=True, token=token)  # never started: its ticket is set here
+ShardServer(core, me, replicated=True, token=token).start()
 while True:
     try:
-        sock = stream.connect(host, port, me, os.environ["PSGD_TOKEN"], core.plan.hash, NO_TLS, 5.0)
+        pair.ticket = secrets.token_hex(16)
+        sock = stream.connect(host, port, me, token, core.plan.hash, NO_TLS, 5.0, pair.ticket)
         if kind == "silent":
             sock.settimeout(None)
             while sock.recv(1 << 20):

@@ -134,6 +134,7 @@ def status_dict(reply: Any) -> dict:
         "plan_hash": reply.plan_hash, "bytes_held": reply.bytes_held, "incarnation": reply.incarnation,
         "data_port": getattr(reply, "data_port", 0),  # where Status reports it; 0: the shard serves none
         "role": getattr(reply, "role", ""), "replica_lag": getattr(reply, "replica_lag", -1),
+        "follower": getattr(reply, "follower", ""),
         "counters": counters, "staleness_histogram": list(reply.staleness_histogram),
         "workers": [{"worker_id": w.worker_id, "state": w.state, "clock": w.clock,
                      "lease_left_seconds": w.lease_left_seconds, "hostname": w.hostname, "pid": w.pid}

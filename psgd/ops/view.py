@@ -59,7 +59,7 @@ class ClusterView:
                 c = s["counters"]
                 row.update({k: s[k] for k in ("shard", "num_shards", "policy", "version", "plan_hash", "bytes_held",
                                               "incarnation", "staleness_histogram", "counters", "role",
-                                              "replica_lag")})
+                                              "replica_lag", "follower")})
                 written = c.get("checkpoint") or {}
                 if written.get("written_at"):
                     row["checkpoint_version"] = written.get("version")
@@ -178,7 +178,7 @@ class ClusterView:
             held = r["bytes_held"] + sum(t.get("bytes", 0) for t in tables)
             table_rows = f"{sum(t.get('rows', 0) for t in tables):,}" if tables else "-"
             role = [] if not paired else [_role(r["role"], r["replica_lag"], c.get("failovers", 0),
-                                                c.get("unreplicated", 0))]
+                                                c.get("unreplicated", 0), r.get("follower", ""))]
             rows.append([f"{r['shard']}/{r['num_shards']}", r["address"], *role, r["health"], str(r["version"]),
                          human_bytes(held), table_rows, str(c.get("pushes", 0)), str(c.get("pulls", 0)),
                          rate(r.get("pushes_per_second")), str(dropped),
@@ -200,11 +200,12 @@ class ClusterView:
         return "\n".join(lines)
 
 
-def _role(role: str, lag: int, failovers: int, unreplicated: int = 0) -> str:
-    """A shard process's part in its pair (replicas = 1): its role, how far its replica is behind (a primary),
-    whether it follows (a replica), how often it took over, and how many pushes its pair acknowledged without a
-    copy (its replica gone or unable to apply one: lost, had the primary died then)."""
-    said = {"primary": "alone" if lag < 0 else f"lag {lag}", "replica": "following" if lag == 0 else "no primary"}
+def _role(role: str, lag: int, failovers: int, unreplicated: int = 0, follower: str = "") -> str:
+    """A shard process's part in its pair (replicas = 1): its role, how far its replica is behind and who it is,
+    from where (a primary), whether it follows (a replica), how often it took over, and how many pushes its pair
+    acknowledged without a copy (its replica gone or unable to apply one: lost, had the primary died then)."""
+    by = f", followed by {follower}" if follower else ""
+    said = {"primary": "alone" if lag < 0 else f"lag {lag}{by}", "replica": "following" if lag == 0 else "no primary"}
     took = f", took over {failovers}x" if failovers else ""
     single = f", {unreplicated} acknowledged without a copy" if unreplicated else ""
     return f"{role} ({said.get(role, '?')}{took}{single})" if role else "-"

@@ -242,10 +242,12 @@ class DoneReply(_message.Message):
     def __init__(self, live_workers: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("challenge",)
+    __slots__ = ("challenge", "ticket")
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     challenge: str
-    def __init__(self, challenge: _Optional[str] = ...) -> None: ...
+    ticket: str
+    def __init__(self, challenge: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "state", "clock", "lease_left_seconds", "hostname", "pid")
@@ -264,7 +266,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., state: _Optional[str] = ..., clock: _Optional[int] = ..., lease_left_seconds: _Optional[float] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation", "data_port", "role", "replica_lag", "proof")
+    __slots__ = ("shard", "num_shards", "policy", "version", "workers", "plan_hash", "bytes_held", "counters_json", "staleness_histogram", "incarnation", "data_port", "role", "replica_lag", "proof", "follower")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +281,7 @@ class StatusReply(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LAG_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     policy: str
@@ -293,4 +296,5 @@ class StatusReply(_message.Message):
     role: str
     replica_lag: int
     proof: str
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., data_port: _Optional[int] = ..., role: _Optional[str] = ..., replica_lag: _Optional[int] = ..., proof: _Optional[str] = ...) -> None: ...
+    follower: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., plan_hash: _Optional[str] = ..., bytes_held: _Optional[int] = ..., counters_json: _Optional[str] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., data_port: _Optional[int] = ..., role: _Optional[str] = ..., replica_lag: _Optional[int] = ..., proof: _Optional[str] = ..., follower: _Optional[str] = ...) -> None: ...

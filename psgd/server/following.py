@@ -5,6 +5,7 @@ the primary's stream (:mod:`psgd.server.stream`), and takes over once its primar
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import time
 
@@ -71,8 +72,9 @@ class Following:
         if found is None or found.role != PRIMARY or not found.data_port or found.incarnation == self._ended_by:
             return None  # (the primary that said the job is over is followed again only once it restarted)
         self._leader = found.incarnation
+        self.ticket = secrets.token_hex(16)  # the primary asks at this process's address who holds it
         return stream.connect(self.peer.rpartition(":")[0].strip("[]"), found.data_port, self.me, self.token,
-                              self.core.plan.hash, self.tls, stream.SILENCE_SECONDS * 5)
+                              self.core.plan.hash, self.tls, stream.SILENCE_SECONDS * 5, self.ticket)
 
     def _apply_stream(self, sock: socket.socket) -> str:
         """Apply frames from ``sock`` until it ends; returns why it ended ("" for the job's end)."""

@@ -29,18 +29,27 @@ UNPROVEN_SAID_EVERY = 60.0
 _unproven = Quieted(UNPROVEN_SAID_EVERY)
 
 
-def _ask(address: str, token: str, tls: TLSFiles) -> tuple[ps_pb2.StatusReply | None, bool]:
+def _ask(address: str, token: str, tls: TLSFiles, ticket: str = "") -> tuple[ps_pb2.StatusReply | None, bool]:
     """The Status answer of the shard process at ``address`` (None: none in time) and whether it proves that its
-    sender holds ``token`` (psgd.server.tokens: the call proves it too, the token itself is never sent)."""
+    sender holds ``token`` (psgd.server.tokens: the call proves it too, the token itself is never sent), and, with
+    a ``ticket``, that it follows this process with that ticket."""
     challenge = secrets.token_hex(16) if token else ""
     try:
         with open_channel(address, tls) as channel:
             reply = ps_pb2_grpc.ParameterServerStub(channel).Status(
-                ps_pb2.StatusRequest(challenge=challenge), timeout=PEER_SECONDS,
+                ps_pb2.StatusRequest(challenge=challenge, ticket=ticket), timeout=PEER_SECONDS,
                 metadata=tokens.proof_metadata(token, f"/{SERVICE_NAME}/Status"))
     except grpc.RpcError:
         return None, False
-    return reply, tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply))
+    return reply, tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply), *filter(None, [ticket]))
+
+
+def confirms(address: str, ticket: str, token: str = "", tls: TLSFiles = NO_TLS) -> bool:
+    """Whether the process at ``address`` (a replica's, as the job gives it) proves that it follows this one with
+    the connection that gave ``ticket``: another holder of the token, elsewhere, cannot (without a token, nothing
+    is proven: whatever answers there confirms)."""
+    reply, proven = _ask(address, token, tls, ticket)
+    return reply is not None and proven and (not token or bool(ticket))
 
 
 def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2.StatusReply | None:

@@ -24,15 +24,16 @@ dies; it catches up when it comes back), and keeps asking after it (from its sta
 for; the first push acknowledged without a copy is said in a WARNING line and each is counted): one whose peer took
 over (a later count of failovers) steps down, and its pushes not yet acknowledged are retried by their workers on
 the new primary. Only the pair's own replica follows (the address the job file gives it, or the first to follow a
-primary that knew none), and the two processes prove to each other that they hold the job's token without sending it
-(:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is not believed. A replica that
-does not keep up is cut off as Kafka drops a follower from its in-sync set: silent (an update waits longer than
-:data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited for its answers more than
-half the time, :data:`SLOW_ANSWER_SECONDS` each on average, beyond the time their bytes need at
-:data:`psgd.server.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off again without
-having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a follower
-that cannot keep up costs the job a few seconds now and then, not its pace, while one that kept up and stalled once
-(a paused process) follows again as soon as it answers.
+primary that knew none; the primary asks at that address whether it follows with the connection's ticket, so that
+another holder of the token cannot take its place), and the two processes prove to each other that they hold the
+job's token without sending it (:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is
+not believed. A replica that does not keep up is cut off as Kafka drops a follower from its in-sync set: silent (an
+update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited
+for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average, beyond the time their bytes
+need at :data:`psgd.server.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off again
+without having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a
+follower that cannot keep up costs the job a few seconds now and then, not its pace, while one that kept up and
+stalled once (a paused process) follows again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from psgd.server import stream
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.following import PRIMARY, REPLICA, Following
-from psgd.server.peers import failovers, peer_status
+from psgd.server.peers import confirms, failovers, peer_status
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 
@@ -94,6 +95,8 @@ class Replication(Following):
         self.sent = -1           # the newest update queued for it
         self.job_over = False    # a replica told by its primary that the job is over
         self._leader = self._ended_by = ""  # the incarnation of the primary followed, of the one that said so
+        self.ticket = ""    # a replica's last connection to its primary: it says so when the primary asks
+        self.follower = ""  # a primary's replica that follows: where it listens, from where it connected
         self._told = False       # a primary that told its replica so
         self.following = False   # a replica with its primary's stream open
         self.orphaned = ""       # why a replica lost its primary, while it waits for a worker to come (then leads)
@@ -222,14 +225,20 @@ class Replication(Following):
         the connection: a TLS one too); a keepalive when nothing is queued."""
         core = self.core
         sock.settimeout(SILENCE_SECONDS * 5)
-        address = stream.accept(sock, core.version)
+        address, ticket = stream.accept(sock, core.version)
+        # the pair's replica proves that it is the process at its address (the job's): a token holder elsewhere
+        # that says it listens there cannot
+        proven = (address == (self.peer or address) and core.role == PRIMARY and not self.attached
+                  and confirms(address, ticket, self.token, self.tls))  # (asked only of one that may follow)
+
         def attach(version: int) -> bool:  # asked under the core's lock: the updates after the state are queued
             with self._lock:
                 benched = self._benched_until - time.monotonic()
-                if core.role != PRIMARY or self.attached or benched > 0 or address != (self.peer or address):
+                if core.role != PRIMARY or self.attached or benched > 0 or not proven:
                     self._refuse(address, "led by its peer" if core.role != PRIMARY else
                                  "followed already" if self.attached else
                                  f"the pair of {self.peer}, not of {address}" if address != (self.peer or address)
+                                 else f"not followed by the process at {address} (it does not say so)" if not proven
                                  else f"taking its replica back only in {benched:.0f}s (cut off)")
                     return False
                 self._queue.clear()
@@ -237,6 +246,7 @@ class Replication(Following):
                 self._said_alone = False
                 self._queued_at, self._lagged = 0.0, False
                 self.peer = self.peer or address  # where it said it listens, unless the job file says
+                self.follower = f"{address} from {_far_end(sock)}"
                 return True
         handed = core.hand_over(attach)
         if handed is None:
@@ -294,7 +304,7 @@ class Replication(Following):
         finally:
             stream.shut(sock)
             with self._lock:
-                self.attached, self.acked = False, -1
+                self.attached, self.acked, self.follower = False, -1, ""
                 self._queue.clear()
                 if refused:
                     self._go_alone(f"is gone ({refused})")
@@ -356,3 +366,12 @@ class Replication(Following):
                       "without a copy are lost", self.core.shard, ahead)
         self._follower = threading.Thread(target=self._follow, name=f"shard{self.core.shard}-follow", daemon=True)
         self._follower.start()
+
+
+def _far_end(sock: socket.socket) -> str:
+    """HOST:PORT of the far end of ``sock`` ("?" once it is gone)."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -250,7 +250,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             bytes_held=s["bytes_held"], counters_json=json.dumps(counters),
             staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
             data_port=self.data_port, role=s["role"], replica_lag=s["replica_lag"])
-        reply.proof = tokens.answer(self.token, request.challenge, *tokens.status_said(reply))
+        pair = self.core.replication
+        reply.follower = pair.follower if pair is not None else ""
+        mine = request.ticket if pair is not None and request.ticket and request.ticket == pair.ticket else ""
+        reply.proof = tokens.answer(self.token, request.challenge, *tokens.status_said(reply), *filter(None, [mine]))
         return reply
 
 

@@ -51,6 +51,8 @@ SILENCE_SECONDS = 1.0
 
 #: where a replica may say it listens: a host name, an IPv4 address or a bracketed IPv6 one, and a port
 ADDRESS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+#: the ticket a follower gives after its address: a fresh random one per connection (or none)
+TICKET = re.compile(r"(?:[0-9a-f]{32})?")
 
 
 def frame(kind: int, seq: int, text: str = "", data_bytes: int = 0, worker: int = 0, clock: int = 0,
@@ -67,16 +69,17 @@ def shut(sock: socket.socket) -> None:
 
 
 # -- the primary's end ----------------------------------------------------------------------------------------
-def accept(sock: socket.socket, version: int) -> str:
-    """Answer a follower's hello on ``sock`` and read its first frame; returns where it listens."""
+def accept(sock: socket.socket, version: int) -> tuple[str, str]:
+    """Answer a follower's hello on ``sock`` and read its first frame; returns where it listens, and the ticket
+    with which it says so at that address (psgd.server.peers.confirms)."""
     protocol.send_buffers(sock, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, version, 0, 0, 0)])
     magic, kind, _, _, _, _, _, size, nbytes = protocol.recv_struct(sock, FRAME)
     if magic != MAGIC or kind != FOLLOW or size > protocol.MAX_HELLO_BYTES or nbytes:
         raise protocol.WireError("a replica's first frame must say where it listens")
-    address = protocol.recv_bytes(sock, size).decode("utf-8", "replace")
-    if not ADDRESS.fullmatch(address):  # it is logged and dialled: nothing but a host and a port
+    address, _, ticket = protocol.recv_bytes(sock, size).decode("utf-8", "replace").partition(" ")
+    if not ADDRESS.fullmatch(address) or not TICKET.fullmatch(ticket):  # it is logged and dialled: nothing but a host and a port
         raise protocol.WireError(f"a replica must listen at HOST:PORT, not {address[:80]!r}")
-    return address
+    return address, ticket
 
 
 def send(sock: socket.socket, batch: list[tuple]) -> int:
@@ -126,10 +129,10 @@ def answer(sock: socket.socket, deadline: float | None = None) -> int:
 
 
 # -- the replica's end ------------------------------------------------------------------------------------------
-def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSFiles, timeout: float
-            ) -> socket.socket:
+def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSFiles, timeout: float,
+            ticket: str = "") -> socket.socket:
     """A data connection to a primary's data port at ``host``:``port`` whose hello asks to follow, its first frame
-    saying that this replica listens at ``me``."""
+    saying that this replica listens at ``me`` (where it answers for ``ticket``: psgd.server.peers.confirms)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
@@ -146,7 +149,7 @@ def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSF
         if magic != protocol.DATA_MAGIC or op != 0:
             message = protocol.recv_bytes(sock, min(size, protocol.MAX_ERROR_BYTES)).decode("utf-8", "replace")
             raise protocol.WireError(f"the primary's data port refused to be followed: {message}")
-        protocol.send_buffers(sock, frame(FOLLOW, 0, me))
+        protocol.send_buffers(sock, frame(FOLLOW, 0, f"{me} {ticket}" if ticket else me))
     except BaseException:
         sock.close()
         raise

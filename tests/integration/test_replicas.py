@@ -78,7 +78,7 @@ def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, tr
         assert [p.policy.clock_of(w) for w in range(2)] == [q.policy.clock_of(w) for w in range(2)]
         assert (p.role, q.role, p.replication.lag(), q.replication.lag()) == ("primary", "replica", 0, 0)
         rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5, token=TOKEN))).render()
-        assert "primary (lag 0)" in rows and "replica (following)" in rows
+        assert f"primary (lag 0, followed by {replica.address} from" in rows and "replica (following)" in rows
     finally:
         close(primary, replica)
 
@@ -773,3 +773,30 @@ def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):
     finally:
         primary.core.replication.stop(finished=True)
         primary.stop(grace=1.0)
+
+
+def test_a_token_holder_that_follows_first_does_not_take_the_replicas_place(caplog):
+    """Found: a token holder that followed a primary first, saying it listens at the replica's address, held the
+    follow slot; the real replica was refused ("followed already") and would have had nothing to take over from.
+    Now a follower proves that it is the process at the replica's address (the primary asks there, with a ticket
+    only that follower knows), so the insider is refused and the real replica follows; psgd status says who
+    follows, from where."""
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    d = describe_job(job)
+    primary, replica, insider = (ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True, token=TOKEN).start()
+                                 for _ in range(3))
+    p = Replication(primary.core, primary.address, replica.address, second=False, token=TOKEN).start()
+    caplog.set_level(logging.INFO, logger="psgd.server")
+    try:  # the insider follows first, saying it is at the replica's address
+        Replication(insider.core, replica.address, primary.address, second=True, token=TOKEN).start()
+        wait_for(lambda: p.attached or "refused a replica" in caplog.text, 10, "the insider to follow, or be refused")
+        Replication(replica.core, replica.address, primary.address, second=True, token=TOKEN).start()
+        wait_for(lambda: p.lag() == 0 and replica.core.replication.following, 10, "the real replica to follow")
+        assert not insider.core.replication.following
+        row = read_status(primary.address, Connect(timeout=5, token=TOKEN))
+        assert row["follower"].startswith(f"{replica.address} from 127.0.0.1:"), row
+        view = ClusterView(probe_all([primary.address], Connect(timeout=5, token=TOKEN))).render()
+        assert f"followed by {replica.address} from 127.0.0.1:" in view, view
+    finally:
+        close(primary, replica, insider)
