@@ -19,9 +19,11 @@ import numpy as np
 from psgd import data as datasets
 from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
+from psgd.errors import InputError
 from psgd.job import Job, build_job, params_to_device
 from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.model.table import Rows
+from psgd.optim.base import SEP
 from psgd.optim.ingraph import InGraph
 from psgd.tables.held import lookup_rows, saved_tables
 
@@ -46,6 +48,9 @@ class LocalExchange(Exchange):
         if (keep or resume) and self.tables:
             raise ConfigError("psgd train keeps no state of a model's embedding tables yet: run it without "
                               "--checkpoint and --resume, or with psgd launch (its shards keep them)")
+        self.specs = job.plan.specs
+        t = job.config.train
+        self.total = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size) * t.epochs
         self.job_name = hashlib.sha256(json.dumps(
             {"plan": job.plan.hash, "optimizer": job.config.optimizer, "dtype": job.config.train.dtype,
              "batch_size": job.config.train.batch_size, "seed": job.config.train.seed, "model": job.config.model,
@@ -58,9 +63,10 @@ class LocalExchange(Exchange):
         return self.step
 
     def _restore(self, path: str) -> int:
-        """The weights, the optimizer's state and the step of the checkpoint at ``path``, checked to be this job's."""
+        """The weights, the optimizer's state and the step of the checkpoint at ``path``, checked to be this job's
+        (names, shapes, dtypes, finite values, a step of this run) before any of them is installed."""
         from psgd.export.shards import ExportError
-        from psgd.export.weights import read_npz
+        from psgd.export.weights import read_npz, weight_differences
 
         try:
             arrays = read_npz(path)
@@ -71,10 +77,32 @@ class LocalExchange(Exchange):
             raise ConfigError(f"--resume {path}: it is the state of another job (made by {made_by or 'no job'}, "
                               f"this job is {self.job_name}): the model, data, optimizer, dtype, batch size and "
                               "seed must be the ones it was made with")
-        for name, value in self.params.items():
-            self.params[name][...] = self.device.asarray(arrays[f"w:{name}"])
-        self.optimizer.load_state_dict({k[2:]: v for k, v in arrays.items() if k.startswith("o:")}, self.device)
-        return int(arrays["step"])
+        weights = {k[2:]: v for k, v in arrays.items() if k.startswith("w:")}
+        state = {k[2:]: v for k, v in arrays.items() if k.startswith("o:")}
+        problems = weight_differences(weights, self.specs)
+        problems += [f"{name} holds NaN or infinite values" for name, v in {**weights, **state}.items()
+                     if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        for key, value in state.items():  # a buffer the shape of its variable (the optimizer checks the rest)
+            name, _, field = key.rpartition(SEP)
+            if field != "t" and getattr(self.params.get(name), "shape", None) != value.shape:
+                problems.append(f"the optimizer's state {key} is {value.shape}, not its variable's")
+        step = arrays.get("step")
+        if step is None:
+            problems.append("no step")
+        elif step.shape != () or step.dtype.kind not in "iu":
+            problems.append(f"step must be an integer, got {step.dtype} {step.shape}")
+        elif not 0 <= int(step) <= self.total:
+            problems.append(f"step {int(step)} is not in 0..{self.total}, the steps of this run")
+        if problems:
+            raise ConfigError(f"--resume {path}: not a state this job can go on from: {'; '.join(problems)}")
+        try:  # the optimizer checks its own state whole before it takes any of it
+            self.optimizer.load_state_dict(state, self.device)
+        except InputError as exc:
+            raise ConfigError(f"--resume {path}: not a state this job can go on from: the optimizer's state ({exc})"
+                              ) from None
+        for name, value in weights.items():
+            self.params[name][...] = self.device.asarray(value)
+        return int(step)
 
     def _save(self, path: str) -> None:
         """This run's state at ``path``, whole or not at all (as the weights are saved: written aside, synced, then

@@ -204,6 +204,47 @@ def test_a_run_stopped_halfway_and_resumed_ends_with_the_weights_of_one_never_st
         psgd.train("mlp", Blobs(), **{**job, "lr": 0.02}, resume=str(kept))
 
 
+TAMPERED = {  # name: (what is done to the arrays, the words of the refusal)
+    "one element for a weight": (lambda a: a.update({"w:dense0/W": np.array([0.5])}),
+                                 "dense0/W has shape \\(1,\\), the model's is \\(4, 8\\)"),
+    "a NaN weight": (lambda a: a["w:dense1/b"].__setitem__(0, np.nan), "dense1/b holds NaN or infinite values"),
+    "an infinite optimizer state": (
+        lambda a: a[next(k for k in a if k.startswith("o:") and not k.endswith("::t"))].flat.__setitem__(0, np.inf),
+        "holds NaN or infinite values"),
+    "a step past the run's": (lambda a: a.update(step=np.array(10**15)), "step 1000000000000000 is not in 0..28"),
+    "a negative step": (lambda a: a.update(step=np.array(-1)), "step -1 is not in 0..28"),
+    "a step that is no integer": (lambda a: a.update(step=np.array(1.5)), "step must be an integer"),
+    "no step": (lambda a: a.pop("step"), "no step"),
+    "a weight missing": (lambda a: a.pop("w:dense0/b"), "missing dense0/b"),
+    "a weight of another dtype": (lambda a: a.update({"w:dense0/b": a["w:dense0/b"].astype(np.float32)}),
+                                  "dense0/b is float32, the model's is float64"),
+    "an optimizer state of another shape": (
+        lambda a: a.update({k: np.zeros(3) for k in a if k.startswith("o:") and not k.endswith("::t")}),
+        "the optimizer's state"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_a_tampered_state_file_is_refused_before_anything_is_installed(tmp_path, case):
+    """A state file kept under its job's name but changed: each change refused in one line naming the file (a
+    1-element array was spread over every weight, NaNs and step 10^15 went in, a missing key was a KeyError)."""
+    import threading
+
+    from psgd.export.weights import save_weights
+
+    job = dict(epochs=4, dtype="float64", optimizer="adam", lr=0.01, model_options={"hidden": [8]})
+    stop, kept = threading.Event(), tmp_path / "state.npz"
+    psgd.train("mlp", Blobs(), **job, checkpoint=str(kept), stop=stop,
+               on_step=lambda point: point["clock"] == 12 and stop.set())
+    with np.load(kept, allow_pickle=False) as saved:
+        arrays = {k: saved[k].copy() for k in saved.files}
+    change, words = TAMPERED[case]
+    change(arrays)
+    save_weights(kept, arrays)
+    with pytest.raises(ConfigError, match=f"^--resume {kept}: .*{words}"):
+        psgd.train("mlp", Blobs(), **job, resume=str(kept))
+
+
 def test_the_documentation_imports_only_what_is_public():
     """Every ``import psgd...`` and ``from psgd... import`` in the documentation's Python (the README, docs/, the
     examples the pages show) names a public module (``psgd.PUBLIC_MODULES``) and, from it, names its ``__all__``
