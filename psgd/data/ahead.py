@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from psgd.data.base import DataError
+from psgd.data.base import DataError, read_targets
 
 Augment = Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]]
 #: seconds between the interpreter's offers of another thread's turn, while batches are gathered ahead
@@ -41,6 +41,8 @@ def load_augment(name: str) -> Augment:
             found = getattr(found, part)
     except (ImportError, AttributeError) as exc:
         raise DataError(f"augment {name!r}: cannot import it ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # the module's own code failed as it ran: the user's to fix, said in one line
+        raise DataError(f"augment {name!r}: importing it raised {type(exc).__name__}: {exc}") from None
     if not callable(found):
         raise DataError(f"augment {name!r}: is a {type(found).__name__}, not a function")
     return found
@@ -50,8 +52,10 @@ class Ahead:
     """Batches of ``x`` and ``y`` by their rows, augmented by ``augment`` (seeded by ``seed`` and the step), the
     next one gathered ahead where ``on``."""
 
-    def __init__(self, x: Any, y: Any, on: bool, augment: Augment | None = None, seed: tuple[int, ...] = (0,)):
+    def __init__(self, x: Any, y: Any, on: bool, augment: Augment | None = None, seed: tuple[int, ...] = (0,),
+                 target: str = "classes", classes: int | None = None):
         self.x, self.y, self.augment, self.seed = x, y, augment, tuple(seed)
+        self.target, self.classes = target, classes  # what an augmentation's targets must be (classes: 0..classes-1)
         self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="batch-ahead") if on else None
         self._next: tuple[int, futures.Future] | None = None  # (its step, its batch)
         self._interval = sys.getswitchinterval()
@@ -79,11 +83,27 @@ class Ahead:
         if self.augment is None:
             return x, y
         out = self.augment(x, y, np.random.default_rng([*self.seed, step]))
+        name = getattr(self.augment, '__qualname__', self.augment)
         if not (isinstance(out, tuple) and len(out) == 2 and getattr(out[0], "shape", None) == x.shape
                 and getattr(out[1], "shape", None) == y.shape):
-            raise DataError(f"augment {getattr(self.augment, '__qualname__', self.augment)!r} must return (x, y) "
-                            f"of the shapes it was given, {x.shape} and {y.shape}")
+            raise DataError(f"augment {name!r} must return (x, y) of the shapes it was given, {x.shape} and {y.shape}")
+        self._check_targets(name, np.asarray(out[1]))
         return out
+
+    def _check_targets(self, name: str, y: np.ndarray) -> None:
+        """The targets an augmentation returned, checked as the data's own were when read: a class out of range
+        trained on to a NaN loss."""
+        if self.target != "classes":
+            read_targets(y, f"augment {name!r} returned targets that", self.target)
+            return
+        if y.dtype.kind not in "iu":
+            raise DataError(f"augment {name!r} returned labels of {y.dtype}: class labels are integers")
+        if self.classes is None or not y.size:
+            return
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= self.classes:
+            raise DataError(f"augment {name!r} returned label {low if low < 0 else high} for a job of "
+                            f"{self.classes} classes (0..{self.classes - 1})")
 
     def close(self) -> None:
         if self._pool is not None:

@@ -267,7 +267,7 @@ def run_loop(
     total = spe * t.epochs
     # rows read from disk (npy:DIR): the next batch's gathered on a thread while a step computes
     rows = Ahead(ds.x_train, ds.y_train, on=t.prefetch and type(ds.x_train) is not np.ndarray, augment=job.augment,
-                 seed=(t.seed, rank))
+                 seed=(t.seed, rank), target=ds.target, classes=ds.num_classes)
     if evaluate_every is None:
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)

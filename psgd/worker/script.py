@@ -61,7 +61,7 @@ class Worker:
         self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
         self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
         self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment,
-                           seed=(t.seed, rank))
+                           seed=(t.seed, rank), target=job.dataset.target, classes=job.dataset.num_classes)
         self.clock = self._exchange.begin()
         self._began, self._closed = time.perf_counter(), False
 

@@ -170,6 +170,24 @@ def test_an_augmentation_sees_every_training_batch_seeded_by_the_step(monkeypatc
         psgd.train(Small, data, epochs=1, augment="flip")
 
 
+@pytest.mark.parametrize("labels,words", [
+    (lambda y: y + 3, "label 5 for a job of 3 classes"),  # trained to a NaN loss, and exit 0
+    (lambda y: y - 3, "label -3 for a job of 3 classes"),
+    (lambda y: y + 0.5, "labels of float64: class labels are integers"),
+])
+def test_labels_an_augmentation_returns_are_checked_as_the_datas_own_are(labels, words):
+    with pytest.raises(DataError, match=f"augment .*returned {words}"):
+        psgd.train(Small, Blobs(300), epochs=1, augment=lambda x, y, rng: (x, labels(y)))
+
+
+def test_an_augmentation_whose_module_fails_to_import_is_one_error(tmp_path, monkeypatch):
+    (tmp_path / "broken_augment.py").write_text("raise RuntimeError('no GPU here')\n\ndef f(x, y, rng):\n"
+                                                "    return x, y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(DataError, match="augment 'broken_augment:f': importing it raised RuntimeError: no GPU here"):
+        psgd.train(Small, Blobs(300), epochs=1, augment="broken_augment:f")
+
+
 def test_an_iterable_factory_is_read_as_the_examples_it_yields():
     blobs = Blobs(300)
 
