@@ -219,6 +219,8 @@ def _open_npz(path: str) -> np.lib.npyio.NpzFile:
         raise DataError(f"{path}: no such file")
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, expected an .npz file")
+    if not os.path.isfile(path):  # (a FIFO's open for reading would wait for a writer; a device may never end)
+        raise DataError(f"{path}: not a regular file, expected an .npz file")
     try:
         with open(path, "rb") as f:
             head = f.read(6)

@@ -89,6 +89,8 @@ def _open(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
                             f"{x.shape}")
         if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
             raise DataError(f"npy:{folder}: y_{part} must be {len(x)} integer labels, got {y.dtype} {y.shape}")
+        if not len(x):
+            raise DataError(f"npy:{folder}: x_{part} has no rows: each split needs examples")
     if arrays["x_test"].shape[1:] != arrays["x_train"].shape[1:]:
         raise DataError(f"npy:{folder}: x_test's rows are {arrays['x_test'].shape[1:]}, x_train's "
                         f"{arrays['x_train'].shape[1:]}")
@@ -107,6 +109,8 @@ def _split(folder: Path, split: str) -> Any:
         raise DataError(f"npy:{folder}: no {split}.npy (nor {split}-0.npy, {split}-1.npy, ...)")
     parts = []
     for path in paths:
+        if not path.is_file():  # (a FIFO's open for reading would wait for a writer; a device may never end)
+            raise DataError(f"npy:{path}: not a regular file; npy:DIR reads .npy files")
         try:
             parts.append(np.load(path, mmap_mode="r", allow_pickle=False))
         except (ValueError, OSError) as exc:

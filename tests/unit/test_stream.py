@@ -81,3 +81,34 @@ def test_a_batch_gathered_ahead_is_taken_by_its_own_step_only():
         np.testing.assert_array_equal(rows.take(6, np.array([3, 9]))[0], x[[3, 9]])
     finally:
         rows.close()
+
+
+@pytest.mark.parametrize("split", ["test", "train"])
+def test_an_npy_folder_with_an_empty_split_is_refused(tmp_path, split):
+    folder_of(tmp_path)
+    np.save(tmp_path / f"x_{split}.npy", np.zeros((0, 3, 2), np.float32))
+    np.save(tmp_path / f"y_{split}.npy", np.zeros(0, np.int64))
+    with pytest.raises(DataError, match=f"npy:{tmp_path}: x_{split} has no rows"):  # was a ValueError from min()
+        load_dataset(f"npy:{tmp_path}")
+    with pytest.raises(DataError, match=f"x_{split} has no rows"):
+        describe_dataset(f"npy:{tmp_path}")
+
+
+def test_an_npy_file_that_is_not_a_regular_file_is_refused_without_being_opened(tmp_path):
+    """A FIFO named x_train.npy: its open for reading waited for a writer that never came."""
+    import os
+    import threading
+
+    folder_of(tmp_path)
+    (tmp_path / "x_train.npy").unlink()
+    os.mkfifo(tmp_path / "x_train.npy")
+    said: list[BaseException] = []
+    reader = threading.Thread(target=lambda: said.append(pytest.raises(DataError, load_dataset, f"npy:{tmp_path}")
+                                                         .value), daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # open the other end, so that the reader's open returns and the thread ends
+        os.close(os.open(tmp_path / "x_train.npy", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("npy:DIR opened a FIFO and waited on it")
+    assert "x_train.npy: not a regular file" in str(said[0])
