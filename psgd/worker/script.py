@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Mapping
@@ -27,7 +28,7 @@ import numpy as np
 from psgd import data as datasets
 from psgd.config import JobConfig
 from psgd.data.ahead import Ahead
-from psgd.errors import InputError
+from psgd.errors import InputError, PsgdError
 from psgd.job import Job, build_job
 from psgd.observe.progress import MetricsLog
 from psgd.training.loop import ResumeFromStep
@@ -144,11 +145,22 @@ class Worker:
 
 def join(environ: Mapping[str, str] | None = None) -> Worker:
     """Join the job ``psgd run`` started this script for: the job file, rank, device, token and TLS files from the
-    environment it set.  Stop signals set :attr:`Worker.stopping` from here on (the main thread only)."""
-    environ = os.environ if environ is None else environ
+    environment it set.  Stop signals set :attr:`Worker.stopping` from here on (the main thread only).
+
+    The script is a psgd process like a command: an error psgd raises on purpose ends it with one line and the
+    commands' exit status (2: what the user gave is wrong, as outside ``psgd run``; 1: the cluster's), not a
+    traceback in its log."""
+    try:
+        return _join(os.environ if environ is None else environ)
+    except PsgdError as exc:
+        print(f"psgd.join(): error: {exc}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(exc, InputError) else 1) from None
+
+
+def _join(environ: Mapping[str, str]) -> Worker:
     missing = [name for name in (JOB_FILE, RANK) if not environ.get(name)]
     if missing:
-        raise InputError(f"psgd.join(): {', '.join(missing)} not set: start this script with psgd run "
+        raise InputError(f"{', '.join(missing)} not set: start this script with psgd run "
                          "(psgd run --help), which starts the shards and one copy of it per worker")
     stop = Stop()
     if threading.current_thread() is threading.main_thread():
@@ -157,7 +169,10 @@ def join(environ: Mapping[str, str] | None = None) -> Worker:
     config = JobConfig.load(environ[JOB_FILE])
     if environ.get(DEVICE):
         config.override("train.device", environ[DEVICE])
-    rank, workers = int(environ[RANK]), config.cluster.workers
+    try:
+        rank, workers = int(environ[RANK]), config.cluster.workers
+    except ValueError:
+        raise InputError(f"{RANK}={environ[RANK]!r} is not an integer (the worker's rank)") from None
     if not 0 <= rank < workers:
         raise InputError(f"{RANK}={rank}: the job has {workers} worker(s), 0..{workers - 1}")
     job = build_job(config, check=True)
