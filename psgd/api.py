@@ -152,7 +152,8 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     from its checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds
     the whole run may take.  ``augment``: a function its processes can import by name, or that name."""
     from psgd.export.weights import read_npz
-    from psgd.launcher.run import launch as run_job, new_run_folder
+    from psgd.launcher.folder import claim, new_run_folder
+    from psgd.launcher.run import launch as run_job
 
     if model is not None and not isinstance(model, (str, type)):
         raise ModelError(f"psgd.launch: its processes build the model themselves, each from its class: pass the "
@@ -169,6 +170,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     own = _own_data(data, test)
     config, _, _ = _resolve(job, model, None if own else data, model_options, None, settings, keys)
     run = Path(run_dir) if run_dir else new_run_folder(mode)
+    claim(run, resume, mode)  # before your data goes into it
     if own:
         config.override("data.name", _written(data, test, run, config.train.dtype))
         config.validate()
@@ -249,10 +251,13 @@ def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
     if dataset.ids_train is not None:
         raise ConfigError(f"{dataset.name}: a dataset with categorical ids goes to psgd.launch as a file "
                           "(npz) or a built-in name")
+    from psgd.observe.files import open_own
+
     run.mkdir(parents=True, exist_ok=True)
     path = run / "data.npz"
-    np.savez(path, x_train=dataset.x_train, y_train=dataset.y_train, x_test=dataset.x_test, y_test=dataset.y_test,
-             num_classes=np.int64(dataset.num_classes), target=np.array(dataset.target))
+    with open_own(path, "w", private=True, binary=True) as f:  # your data: yours alone to read
+        np.savez(f, x_train=dataset.x_train, y_train=dataset.y_train, x_test=dataset.x_test, y_test=dataset.y_test,
+                 num_classes=np.int64(dataset.num_classes), target=np.array(dataset.target))
     log.info("%s written to %s for the job's workers", dataset.describe(), path)
     return f"npz:{path.resolve()}"
 

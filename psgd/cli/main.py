@@ -184,7 +184,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
-                             "current folder, runs/DATE-TIME-MODE, said in the last line)")
+                             "current folder, runs/DATE-TIME-MODE, said in the last line); one that holds another "
+                             "run's files is refused (continue that run with --resume)")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop everything and fail if the job runs longer (default 900)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")

@@ -16,6 +16,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
 from psgd.launcher import STOP_SIGNALS
+from psgd.observe.files import open_own
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
 from psgd.config.parsing import Parser
@@ -223,7 +224,7 @@ def _port_taken(args: argparse.Namespace, exc) -> str:
 
 def _write_port_file(path: str, address: str) -> None:
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with open_own(tmp, "w") as f:  # (a run folder's file: never through a link planted there)
         f.write(address + "\n")
     os.replace(tmp, path)  # whoever waits for the file never reads half an address
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -22,7 +21,10 @@ from typing import Callable, Sequence
 from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
+from psgd.observe.files import open_own
 from psgd.observe.progress import bar_wanted
+from psgd.launcher.folder import (CHECKPOINTS, TOKEN_FILE, claim, made_token, new_run_folder,
+                                  resume_command)
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
                                   first_divergence, read_records)
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
@@ -92,15 +94,12 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     config.override("train.device", devices[ranks[0]] if ranks else "cpu")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
-    run = Path(run_dir) if run_dir else new_run_folder(mode)
-    run.mkdir(parents=True, exist_ok=True)
-    checkpoints = run / CHECKPOINTS
-    if mode == "ps" and not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
-        raise LaunchError(f"{run} holds the checkpoints of an earlier launch ({checkpoints}): continue it with "
-                          f"psgd launch --resume {run}, or give another --run-dir")
     if resume and mode != "ps":
         raise LaunchError("--resume continues a parameter-server job from its shards' checkpoints; all-reduce "
                           "ranks keep none")
+    run = Path(run_dir) if run_dir else new_run_folder(mode)
+    claim(run, resume, mode, script)
+    checkpoints = run / CHECKPOINTS
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
@@ -113,7 +112,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         spec["cluster"]["busy_poll_us"], said = busy_poll(here)
         log.info("%s", said)
     threads.apply(per_process)
-    (run / "job.toml").write_text(to_toml(spec))
+    _write_job(run / "job.toml", spec)
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
     token = os.environ.get("PSGD_TOKEN", "")
     if not token and mode == "ps":
@@ -149,8 +148,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         except LaunchInterrupted as exc:
             stopping = exc.signum
             if mode == "ps" and layout.node_rank == 0:  # the shards write their last checkpoints as they stop
-                again = f"psgd run --resume {run} {script[0]}" if script else f"psgd launch --resume {run}"
-                exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with {again}",)
+                exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with "
+                            f"{resume_command(run, script)}",)
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM, pause_workers=mode == "ps")
@@ -165,27 +164,10 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
 
 #: where the NCCL ranks of an all-reduce launch find rank 0's unique id, in the run folder
 NCCL_RENDEZVOUS = "nccl-id.json"
-#: where a launch's shards write their checkpoints, in the run folder (psgd launch --resume reads them)
-CHECKPOINTS = "checkpoints"
-#: where a single-node launch keeps the token it made for its job, in the run folder
-TOKEN_FILE = ".token"
-
-
-def made_token(run: Path) -> str:
-    """The token of the job in ``run`` where the user gave none: the one an earlier launch of it kept there (so
-    that ``--resume`` gives the shards the token their checkpoints were signed with), else a new one, kept there
-    readable by this user alone."""
-    path = run / TOKEN_FILE
-    try:
-        kept = path.read_text().strip()
-    except FileNotFoundError:
-        kept = ""
-    if kept:
-        return kept
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(token + "\n")
-    return token
+def _write_job(path: Path, spec: dict) -> None:
+    """The job file every process of the launch reads, written as psgd's own (psgd.observe.files)."""
+    with open_own(path, "w", encoding="utf-8") as f:
+        f.write(to_toml(spec))
 
 
 def _port_file(run: Path, shard: int, role: str = "shard") -> Path:
@@ -201,24 +183,6 @@ def _device_flags(device: str) -> list[str]:
 #: MPI settings for ranks on emulated hosts: they talk over their hosts' links (TCP on eth0), not through the
 #: shared memory of the one machine they all run on.
 MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0")
-
-
-#: where a launch keeps its job file, logs and metrics unless told (--run-dir): as TensorBoard and Hydra keep runs
-RUNS = Path("runs")
-
-
-def new_run_folder(mode: str, now: float | None = None) -> Path:
-    """``runs/YYYYmmdd-HHMMSS-MODE`` under the current folder, made (``-2``, ``-3``... where one of that second
-    exists already)."""
-    stem = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{mode}"
-    for n in range(1, 1000):
-        folder = RUNS / (stem if n == 1 else f"{stem}-{n}")
-        try:
-            folder.mkdir(parents=True)
-            return folder
-        except FileExistsError:
-            continue
-    raise LaunchError(f"{RUNS}/{stem}: a thousand runs started in the same second; give --run-dir")
 
 
 def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
@@ -304,7 +268,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         config.override("cluster.replica_servers", [replica_bound[k] if layout.nnodes == 1 else
                                                     layout.replica_address(k, c.shards) for k in range(c.shards)])
         spec["cluster"]["replica_servers"] = config.cluster.recovery.replica_servers
-    job_path.write_text(to_toml(spec))
+    _write_job(job_path, spec)
     ranks = layout.workers_here(c.workers)
     log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),
              ", ".join(bound.values()) or "none", ", ".join(map(str, ranks)) or "none", run)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from psgd.errors import ClusterError
+from psgd.observe.files import open_own
 from psgd.worker.stop import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,8 @@ class Child:
     def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {},
                  show_stdout: bool = False):
         self.name, self.log_path = name, log_path
-        open(log_path, "w").close()  # a new log; then appended to, as the child may write to it itself (--log-file)
-        self.log_file = open(log_path, "a")
+        open_own(log_path, "w").close()  # a new log; then appended to, as the child may write to it itself (--log-file)
+        self.log_file = open_own(log_path, "a")
         stderr = None if show else self.log_file
         stdout = None if show and show_stdout else self.log_file  # a script's first copy: its prints shown too
         self.popen = subprocess.Popen(dying_with_parent(argv), stdout=stdout, stderr=stderr,

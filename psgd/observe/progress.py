@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 from tqdm import tqdm
 
+from psgd.observe.files import open_own
+
 
 def bar_wanted(asked: bool | None) -> bool:
     """Whether to draw a progress bar: as ``asked``, or (None) where stderr is a terminal (a file, a pipe or a
@@ -55,12 +57,15 @@ class MetricsLog:
         if path is not None:
             folder = os.path.dirname(os.path.abspath(path))
             os.makedirs(folder, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8", buffering=1)
+            self._file = open_own(path, "a", encoding="utf-8", buffering=1)
             table = os.path.splitext(path)[0] + ".csv"
-            fresh = not os.path.exists(table) or os.path.getsize(table) == 0
-            self._csv_file = open(table, "a", encoding="utf-8", newline="", buffering=1)
+            try:
+                self._csv_file = open_own(table, "a", encoding="utf-8", newline="", buffering=1)
+            except BaseException:
+                self._file.close()
+                raise
             self._csv = csv.writer(self._csv_file)
-            if fresh:
+            if os.fstat(self._csv_file.fileno()).st_size == 0:
                 self._csv.writerow(CSV_COLUMNS)
             self._board = Board(os.path.join(folder, "tensorboard", role.replace(":", "-")))
 

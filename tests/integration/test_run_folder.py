@@ -85,3 +85,27 @@ def test_psgd_report_of_a_folder_that_is_not_a_run_says_so(tmp_path):
     out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(tmp_path)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "holds no metrics lines (worker-R.jsonl)" in out.stderr, out.stderr
+
+
+def test_a_launch_never_writes_through_links_planted_in_its_run_folder(tmp_path):
+    """A link named shard-0.log had its target emptied, one named worker-0.csv had rows appended to its target; a
+    folder of an earlier run is refused unless resumed, and a resumed one is written without following links."""
+    run = tmp_path / "run"
+    run.mkdir()
+    victims = {name: tmp_path / f"victim-{name}" for name in ("shard-0.log", "worker-0.csv")}
+    for name, victim in victims.items():
+        victim.write_text("precious\n")
+        (run / name).symlink_to(victim)
+    launch = [sys.executable, "-m", "psgd.cli.main", "launch", "--no-progress"]
+    small = ["--workers", "1", "--shards", "1", "--epochs", "1"]
+    done = subprocess.run([*launch, *small, "--run-dir", str(run)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == (f"psgd: error: {run} holds the files of an earlier run "
+                                            f"(shard-0.log): continue it with psgd launch --resume {run}, or give "
+                                            "another --run-dir")
+    (run / "job.toml").write_text("[train]\nepochs = 1\n[cluster]\nworkers = 1\nshards = 1\n")
+    done = subprocess.run([*launch, "--resume", str(run)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(f"psgd: error: {run / 'shard-0.log'}: a symbolic link "
+                                                   "where psgd writes its own file")
+    assert all(victim.read_text() == "precious\n" for victim in victims.values())

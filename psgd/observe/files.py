@@ -1,0 +1,71 @@
+"""The files a run leaves in its folder (logs, metrics lines and rows, its job file, token and data), opened as
+psgd's own: never through a symbolic link planted where one of them goes (``O_NOFOLLOW``: a link named
+``shard-0.log`` had its target emptied, one named ``worker-0.csv`` had rows appended to its target), never a FIFO
+or a device (opened without waiting, then checked to be a regular file), and readable by their user alone where
+they hold the job's secrets or data (``private``).  Each refusal is one line naming the file (an InputError).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import IO, Any
+
+from psgd.errors import InputError
+
+#: how a file is opened: "w" emptied, then written where it is told (a zip archive goes back to its headers); "a"
+#: kept, each write at its end (a child's log is written by the launcher, through the child's stdout, and by the
+#: child itself)
+HOW = {"w": os.O_TRUNC, "a": os.O_APPEND}
+
+
+def open_own(path: str | os.PathLike, how: str = "w", *, private: bool = False, binary: bool = False,
+             **options: Any) -> IO:
+    """``path`` opened for writing as :data:`HOW` says, as psgd's own file (see the module); ``private``: mode 0600,
+    a file that was there included.  ``options`` go to :func:`open` (encoding, newline, buffering)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | HOW[how]
+    fd = _opened(path, flags, 0o600 if private else 0o666)
+    try:
+        if private:
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, how + "b" * binary, **options)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_own(path: str | os.PathLike) -> str | None:
+    """The text of psgd's own file ``path`` (never through a link, never from a FIFO), or None where there is none."""
+    try:
+        fd = _opened(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, encoding="utf-8") as f:
+        return f.read()
+
+
+def _opened(path: str | os.PathLike, flags: int, mode: int) -> int:
+    """The descriptor of ``path`` opened with ``flags``, checked to be a regular file and made blocking again."""
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"{path}: a symbolic link where psgd writes its own file; psgd never writes through "
+                             "one: remove it, or give the run another folder") from None
+        if exc.errno == errno.ENXIO:  # a FIFO opened for writing where none reads it
+            raise _not_regular(path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_regular(path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(path: str | os.PathLike) -> InputError:
+    return InputError(f"{path}: not a regular file, where psgd writes its own file: remove it, or give the run "
+                      "another folder")
