@@ -16,6 +16,7 @@ from psgd.config import ClusterConfig, ConfigError, JobConfig
 from psgd.errors import InputError, PsgdError
 from psgd.launcher import STOP_SIGNALS, LaunchInterrupted
 from psgd.policy import POLICIES
+from psgd.wire.channel import MAKE_TOKEN, SHORTEST_TOKEN, read_token
 
 log = logging.getLogger("psgd.cli")
 
@@ -179,12 +180,13 @@ def start_process(config: JobConfig) -> None:
 
 def add_token_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=None, metavar="TOKEN",
-                        help="the job's shared secret, which every call carries (default: $PSGD_TOKEN). "
-                             "Make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+                        help="the job's shared secret, which every call carries (default: $PSGD_TOKEN), at "
+                             f"least {SHORTEST_TOKEN} characters. Make one with: {MAKE_TOKEN}")
 
 
 def token_from_args(args: argparse.Namespace) -> str:
-    return args.token if args.token is not None else os.environ.get("PSGD_TOKEN", "")
+    """The token --token or $PSGD_TOKEN gives; "" for none; a weak one refused (:func:`read_token`)."""
+    return read_token(args.token)
 
 
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:

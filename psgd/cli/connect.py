@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from psgd.ops.reach import TOKEN_ENV, Connect
+from psgd.ops.reach import Connect
+from psgd.wire.channel import TOKEN_ENV, read_token
 from psgd.wire.tls import tls_from_args
 
 
@@ -25,6 +25,4 @@ def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
 def connect_from_args(args: argparse.Namespace, config=None) -> Connect:
     """How to reach the shards: the flags, and where they name no TLS file, the job file ``config``'s [tls]
     table (if any)."""
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
-    tls = tls_from_args(args, config)
-    return Connect.using(tls, token, args.timeout)
+    return Connect.using(tls_from_args(args, config), read_token(args.token), args.timeout)

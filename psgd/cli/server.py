@@ -20,6 +20,7 @@ from psgd.observe.files import open_own
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
 from psgd.config.parsing import Parser
+from psgd.wire.channel import MAKE_TOKEN
 from psgd.wire.tls import add_tls_arguments, tls_from_args
 
 log = logging.getLogger("psgd.cli.server")
@@ -140,7 +141,7 @@ def serve(args: argparse.Namespace) -> int:
     if not token and not args.no_token:
         raise ConfigError("psgd-server needs the job's token, so that only the job's own processes can read or "
                           "change it: pass --token or set PSGD_TOKEN, the same on every process of the job (make "
-                          "one: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'); or --no-token to "
+                          f"one: {MAKE_TOKEN}); or --no-token to "
                           "serve anyone who can reach this shard's ports")
     if token and args.no_token:
         raise ConfigError("--no-token and a token (--token or PSGD_TOKEN) together: give one or the other")

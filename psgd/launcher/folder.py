@@ -14,6 +14,7 @@ from typing import Sequence
 from psgd.errors import InputError
 from psgd.launcher.supervise import LaunchError
 from psgd.observe.files import open_own, read_own
+from psgd.wire.channel import read_token
 
 #: where a launch keeps its job file, logs and metrics unless told (--run-dir): as TensorBoard and Hydra keep runs
 RUNS = Path("runs")
@@ -70,7 +71,7 @@ def made_token(run: Path) -> str:
     path = run / TOKEN_FILE
     kept = (read_own(path) or "").strip()
     if kept:
-        return kept
+        return read_token(kept, source=str(path))
     token = secrets.token_urlsafe(32)
     with open_own(path, "w", private=True) as f:
         f.write(token + "\n")

@@ -30,6 +30,7 @@ from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
+from psgd.wire.channel import MAKE_TOKEN, read_token
 from psgd.wire.tls import NO_TLS, TLSFiles, child_flags
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,19 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     if resume and mode != "ps":
         raise LaunchError("--resume continues a parameter-server job from its shards' checkpoints; all-reduce "
                           "ranks keep none")
+    token = read_token()  # a weak one is refused before anything is written
     run = Path(run_dir) if run_dir else new_run_folder(mode)
     claim(run, resume, mode, script)
     checkpoints = run / CHECKPOINTS
+    if not token and mode == "ps":
+        if layout.nnodes == 1:
+            token = made_token(run)
+            log.info("the job's token is in %s (readable by you alone; psgd launch --resume reads it, the shards sign "
+                     "their checkpoints with it); to watch the shards with psgd status, set PSGD_TOKEN=$(cat %s)",
+                     run / TOKEN_FILE, run / TOKEN_FILE)
+        else:  # every node must know the same one: none is made here
+            raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
+                              f"on each before psgd launch (make one: {MAKE_TOKEN})")
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
@@ -114,17 +125,6 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     threads.apply(per_process)
     _write_job(run / "job.toml", spec)
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
-    token = os.environ.get("PSGD_TOKEN", "")
-    if not token and mode == "ps":
-        if layout.nnodes == 1:
-            token = made_token(run)
-            log.info("the job's token is in %s (readable by you alone; psgd launch --resume reads it, the shards sign "
-                     "their checkpoints with it); to watch the shards with psgd status, set PSGD_TOKEN=$(cat %s)",
-                     run / TOKEN_FILE, run / TOKEN_FILE)
-        else:  # every node must know the same one: none is made here
-            raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
-                              "on each before psgd launch (make one: python3 -c 'import secrets; "
-                              "print(secrets.token_urlsafe(32))')")
     children = Children()
     began = time.time()  # metrics lines from before this launch (a reused run folder) are not this run's
     with children.forwarding_signals():

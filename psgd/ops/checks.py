@@ -159,9 +159,6 @@ class Doctor:
 
     def check_token(self, statuses: list[dict], total: int) -> None:
         token = self.connect.token
-        if token.startswith("replace-me"):
-            self.add("warn", "token", "is the placeholder from deploy/psgd.env.example: generate a real one (python3 -c "
-                     "\"import secrets; print(secrets.token_urlsafe(32))\")")
         if token and token != token.strip():
             self.add("warn", "token", "has leading or trailing whitespace (quotes or a trailing space in an env "
                      "file?); every process must use exactly the same token")

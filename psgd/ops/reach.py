@@ -15,10 +15,8 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
-from psgd.wire.channel import SERVICE_NAME, open_channel, token_metadata
+from psgd.wire.channel import SERVICE_NAME, TOKEN_ENV, open_channel, token_metadata
 from psgd.wire.tls import TLSFiles
-
-TOKEN_ENV = "PSGD_TOKEN"
 
 
 # -- connecting ----------------------------------------------------------------------------------

@@ -4,11 +4,13 @@ the benchmarks) and for the shard's gRPC server."""
 
 from __future__ import annotations
 
+import os
 import socket
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import grpc
 
+from psgd.errors import ConfigError
 from psgd.wire.tls import NO_TLS, TLSFiles
 
 #: Tensors travel over gRPC in chunks of this many bytes (a pull's TensorChunk, a push's).
@@ -35,6 +37,11 @@ CHANNEL_OPTIONS = [
 SERVICE_NAME = "psgd.v1.ParameterServer"
 #: The gRPC metadata key that carries the job's shared token, as ``Bearer TOKEN``.
 TOKEN_METADATA_KEY = "authorization"
+#: Where every process of a job finds its token when no --token flag gives one.
+TOKEN_ENV = "PSGD_TOKEN"
+#: The fewest characters a token may have, and the example deploy/psgd.env.example shows: both anyone could guess.
+SHORTEST_TOKEN, EXAMPLE_TOKEN = 16, "replace-me-with-a-generated-token"
+MAKE_TOKEN = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
 def open_channel(address: str, tls: TLSFiles = NO_TLS) -> grpc.Channel:
@@ -66,6 +73,23 @@ def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
     ca = tls.pem("ca")
     return grpc.ssl_server_credentials([(tls.pem("key"), tls.pem("cert"))], root_certificates=ca,
                                        require_client_auth=ca is not None)
+
+
+def read_token(given: str | None = None, environ: Mapping[str, str] = os.environ, source: str = "") -> str:
+    """The job's token: ``given`` (a --token flag's, or what ``source`` names) if any, else $PSGD_TOKEN; "" for none
+    (whether a process may go without one is its own to say).  Every token enters here, so that one anyone could
+    guess is refused wherever it comes from: :class:`ConfigError`, which says how to make a good one."""
+    source = source or ("--token" if given is not None else TOKEN_ENV)
+    token = given if given is not None else environ.get(TOKEN_ENV, "")
+    if token == EXAMPLE_TOKEN:
+        raise ConfigError(f"the token in {source} is the example the docs show: {_MAKE_ONE}")
+    if 0 < len(token) < SHORTEST_TOKEN:
+        raise ConfigError(f"the token in {source} has {len(token)} character(s), fewer than {SHORTEST_TOKEN}: "
+                          f"{_MAKE_ONE}")
+    return token
+
+
+_MAKE_ONE = f"anyone could guess it; make one: {MAKE_TOKEN}"
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -35,6 +35,7 @@ from psgd.training.loop import ResumeFromStep
 from psgd.worker.client import PSClient
 from psgd.worker.exchange import ParameterServerExchange
 from psgd.worker.stop import STOP_SIGNALS, Stop
+from psgd.wire.channel import read_token
 from psgd.wire.tls import TLSFiles
 
 #: what psgd run tells each copy of the script: the job file, the worker's rank, where its metrics lines go and
@@ -178,7 +179,7 @@ def _join(environ: Mapping[str, str]) -> Worker:
     job = build_job(config, check=True)
     c = config.cluster
     client = PSClient(c.servers, job.plan, rank, links=c.links, deadlines=c.deadlines, recovery=c.recovery,
-                      token=environ.get("PSGD_TOKEN", ""), tls=TLSFiles(*(environ.get(name) for name in TLS)),
+                      token=read_token(environ=environ), tls=TLSFiles(*(environ.get(name) for name in TLS)),
                       stop=stop, config=config, device=job.device)
     try:
         return Worker(job, client, rank, stop, environ.get(METRICS) or None)

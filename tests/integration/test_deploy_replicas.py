@@ -91,7 +91,7 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
         return
     # the real build, with the component switched on, in a copy (kustomize reads the token file too)
     copy = Path(shutil.copytree(DEPLOY, tmp_path / "deploy"))
-    (copy / "psgd.env").write_text("PSGD_TOKEN=sample\n")
+    (copy / "psgd.env").write_text("PSGD_TOKEN=sample-token-of-the-job\n")
     base = copy / "kustomization.yaml"
     base.write_text(base.read_text().replace("# components: [replicas]", "components: [replicas]"))
     done = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60)

@@ -98,12 +98,12 @@ def test_export_refuses_a_job_that_does_not_describe_the_cluster(tmp_path, capsy
 def test_export_with_a_token(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("PSGD_TOKEN", raising=False)
     j = job("cluster.shards=1")
-    server = ShardServer(build_shard(describe_job(j), 0), "127.0.0.1:0", token="s3cret").start()
+    server = ShardServer(build_shard(describe_job(j), 0), "127.0.0.1:0", token="s3cret-of-this-job").start()
     try:
         argv = ["export", "--servers", server.address, *flags(j), "--timeout", "2", str(tmp_path / "m.npz")]
         code, _, err = run(capsys, *argv)
         assert code == 1 and "UNAUTHENTICATED" in err
-        code, text, _ = run(capsys, *argv, "--token", "s3cret")
+        code, text, _ = run(capsys, *argv, "--token", "s3cret-of-this-job")
         assert code == 0 and "versions shard 0: 0" in text
     finally:
         server.stop(grace=1.0)

@@ -37,7 +37,7 @@ from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 from psgd.errors import Code
 
-TOKEN = "s3cret"
+TOKEN = "s3cret-of-this-job"
 IO = 10.0  # seconds: every socket's timeout here
 CODES = {c.value: c for c in Code}
 

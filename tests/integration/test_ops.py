@@ -378,16 +378,17 @@ def test_doctor_data_port_closed(tmp_path, capsys):
 
 def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
-    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret", transport="grpc").start()
+    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret-of-this-job",
+                         transport="grpc").start()
     try:
         path = write_job(tmp_path, job, [server.address])
-        monkeypatch.setenv("PSGD_TOKEN", "wrong")
+        monkeypatch.setenv("PSGD_TOKEN", "wrong-but-long-enough")
         assert main(["doctor", "-c", path]) == 1
         out = capsys.readouterr().out
         assert "refused the token (UNAUTHENTICATED): set PSGD_TOKEN or --token" in out
         assert main(["status", server.address, "--sample", "0"]) == 1
         assert "refused the token" in capsys.readouterr().out
-        assert main(["doctor", "-c", path, "--token", "s3cret"]) == 0
+        assert main(["doctor", "-c", path, "--token", "s3cret-of-this-job"]) == 0
         assert "token: accepted by every shard" in capsys.readouterr().out
     finally:
         server.stop(grace=1.0)
