@@ -163,6 +163,14 @@ def import_from_current_folder() -> None:
         sys.path.insert(0, here)
 
 
+def import_nothing_from_current_folder() -> None:
+    """For a command that runs no code of the user's (psgd report, which reads a folder someone else may have
+    written): the current folder off the import path, where ``python -m`` put it, so that a module planted there (a
+    ``matplotlib.py``) is never run."""
+    here = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", here)]
+
+
 def ignore_stop_signals() -> None:
     """Once a command's work is done: SIGTERM, SIGINT and SIGHUP change nothing any more. (CPython puts
     back the default handlers early in its shutdown; a signal after that would kill the process and

@@ -14,8 +14,9 @@ from psgd.cli import report as report_cli
 from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, first_env_int,
-                             import_from_current_folder, job_from_args, run_command, resumed_from, score_fields,
-                             score_said, shows_progress, start_process, verbosity)
+                             import_from_current_folder, import_nothing_from_current_folder, job_from_args,
+                             run_command, resumed_from, score_fields, score_said, shows_progress, start_process,
+                             verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
 from psgd.wire.tls import add_tls_arguments, tls_from_args
@@ -415,9 +416,9 @@ def divergence_status(args: argparse.Namespace, divergence: dict | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import_from_current_folder()
     parser = build_parser()
     args = parser.parse_args(argv)
+    (import_from_current_folder if getattr(args, "user_code", True) else import_nothing_from_current_folder)()
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

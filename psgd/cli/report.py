@@ -14,6 +14,10 @@ its updates and where a step's time went (fetching weights, computing, the excha
 and the training loss of every worker and the test accuracy against the steps done, drawn into RUN/report.png
 (needs matplotlib: pip install -e ".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard; the
 same figures as rows: RUN/worker-R.csv.
+
+Nothing in the folder is trusted: only regular files are read, a line over 1 MiB or one that is no metrics record
+is skipped and counted, the PNG is never written through a symbolic link, and nothing is imported from the current
+folder.
 """
 
 
@@ -24,7 +28,7 @@ def add_report_parser(sub) -> None:
     parser.add_argument("--png", metavar="FILE", help="where to draw the curves (default: RUN/report.png)")
     parser.add_argument("--no-png", action="store_true", help="print the summary only")
     add_log_arguments(parser)
-    parser.set_defaults(func=cmd_report)
+    parser.set_defaults(func=cmd_report, user_code=False)  # the folder is read, nothing in it (nor here) is run
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -5,15 +5,25 @@ lines (``worker-R.jsonl``; ``allreduce.jsonl`` for all-reduce), its job file and
 reads the lines into one :class:`Report`: per worker, the steps it took, its steps/s, the last test accuracy it
 measured, the staleness of its updates, and where a step's time went (fetching weights, computing, the exchange);
 :func:`draw` plots the training loss of every worker and the test accuracy against the steps done, as one PNG.
+
+The folder may have been written by someone else, so nothing in it is trusted: only regular files are read (a FIFO
+would wait for ever, a device such as /dev/zero never ends), a line longer than :data:`LONGEST_LINE` is read through
+in pieces and skipped, a line that is not a metrics record is skipped, both counted; the PNG is written to a new
+file beside it and renamed into place, never through a symbolic link.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import re
+import stat
 import statistics
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 from psgd.data.base import SCORE_KEYS, SCORE_WORDS
 from psgd.errors import InputError
@@ -21,6 +31,11 @@ from psgd.observe.progress import steps_done
 
 #: the parts of a step the metrics lines time, in the order a step takes them
 PARTS = ("weights", "compute", "exchange")
+#: the longest metrics line read (a step's line is a few hundred bytes): a longer one is skipped, never read whole
+LONGEST_LINE = 1 << 20
+#: what a record's numbers and counts may be (a bool is an int to Python, never to a metrics line)
+_NUMBERS, _COUNTS = ("loss", "staleness", *SCORE_KEYS.values()), ("clock", "step", "steps")
+_WORKER_FILE = re.compile(r"worker-(\d+)\.jsonl")
 
 
 class ReportError(InputError):
@@ -41,6 +56,8 @@ class Worker:
     losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)   # (steps done, loss)
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)    # (steps done, test score)
     finished: bool = False
+    malformed: int = 0   # lines skipped: not a metrics record
+    too_long: int = 0    # lines skipped: longer than LONGEST_LINE
 
     @property
     def rate(self) -> float:
@@ -67,6 +84,10 @@ class Report:
             if w.parts:
                 total = sum(w.parts.values()) or 1.0
                 more.append("a step: " + ", ".join(f"{p} {100 * s / total:.0f}%" for p, s in w.parts.items()))
+            skipped = [f"{n} {what}" for n, what in ((w.malformed, "malformed line(s)"),
+                                                     (w.too_long, "line(s) longer than 1 MiB")) if n]
+            if skipped:
+                more.append("skipped: " + ", ".join(skipped))
             out.append(f"  {w.name}: " + "; ".join(said))
             out.extend(f"    {fact}" for fact in more)  # a line each, so that every line fits 80 columns
         return out
@@ -77,8 +98,8 @@ def summarise(folder: str | Path) -> Report:
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder: give the run folder psgd launch printed (--run-dir)")
-    files = sorted(folder.glob("worker-*.jsonl"), key=lambda p: int(p.stem.split("-")[1])) or \
-        sorted(folder.glob("*.jsonl"))
+    ranks = {path: _WORKER_FILE.fullmatch(path.name) for path in folder.glob("worker-*.jsonl")}
+    files = sorted((p for p, m in ranks.items() if m), key=lambda p: int(ranks[p][1])) or sorted(folder.glob("*.jsonl"))
     if not files:
         raise ReportError(f"{folder} holds no metrics lines (worker-R.jsonl): is it a psgd launch run folder?")
     return Report(folder, _job(folder / "job.toml"), [_worker(path) for path in files])
@@ -88,8 +109,9 @@ def _job(path: Path) -> str:
     """One line saying what the job was, from its job file."""
     from psgd.config import JobConfig
 
-    if not path.exists():
+    if not os.path.lexists(path):
         return "no job file"
+    _regular(path).close()
     try:
         job = JobConfig.load(path)
     except InputError as exc:
@@ -101,33 +123,82 @@ def _job(path: Path) -> str:
 def _worker(path: Path) -> Worker:
     worker = Worker(path.stem)
     parts: dict[str, list[float]] = {p: [] for p in PARTS}
-    for line in path.read_text().splitlines():
-        try:
-            rec: dict[str, Any] = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        event = rec.get("event")
-        if event == "step":
-            worker.steps += 1
-            if rec.get("loss") is not None:
-                worker.losses.append((steps_done(rec), rec["loss"]))
-            if rec.get("staleness") is not None:
-                worker.staleness.append(rec["staleness"])
-            for part, seconds in (rec.get("seconds") or {}).items():
-                parts.setdefault(part, []).append(seconds)
-        elif event == "eval":
-            score = _score(rec, worker)
-            if score is not None:
-                worker.evals.append((steps_done(rec), score))
-                worker.accuracy = score
-        elif event == "done":
-            worker.finished, worker.seconds = True, rec.get("seconds") or 0.0
-            worker.steps = rec.get("steps", worker.steps)
-            score = _score(rec, worker)
-            if score is not None:
-                worker.accuracy = score
+    with _regular(path) as f:
+        for rec in _records(f, worker):
+            _add(worker, rec, parts)
     worker.parts = {p: statistics.median(v) for p, v in parts.items() if v}
     return worker
+
+
+def _regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading; :class:`ReportError` unless it is a regular file (a FIFO is opened without
+    waiting for a writer, and refused)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ReportError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ReportError(f"{path} is not a regular file: a run folder holds plain files only")
+    return os.fdopen(fd, "rb")
+
+
+def _records(f: BinaryIO, worker: Worker) -> Iterator[dict[str, Any]]:
+    """The metrics records of ``f``, each line read up to LONGEST_LINE; what is skipped is counted on ``worker``."""
+    while line := f.readline(LONGEST_LINE + 1):
+        if len(line) > LONGEST_LINE and not line.endswith(b"\n"):
+            while (rest := f.readline(LONGEST_LINE)) and not rest.endswith(b"\n"):
+                pass  # read through, a piece at a time
+            worker.too_long += 1
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a crash, or no JSON (nor UTF-8) at all
+            rec = None
+        if line.strip() and not _is_record(rec):
+            worker.malformed += 1
+        elif line.strip():
+            yield rec
+
+
+def _is_record(rec: Any) -> bool:
+    """Whether ``rec`` is a metrics record whose numbers are numbers: what :func:`_add` reads without a doubt."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not isinstance(rec, dict) or not isinstance(rec.get("event"), str):
+        return False
+    if not all(rec.get(k) is None or number(rec[k]) for k in _NUMBERS) or \
+            not all(rec.get(k) is None or number(rec[k]) and isinstance(rec[k], int) for k in _COUNTS):
+        return False
+    seconds = rec.get("seconds")
+    if rec["event"] == "step":
+        return seconds is None or isinstance(seconds, dict) and all(number(v) for v in seconds.values())
+    return seconds is None or number(seconds)
+
+
+def _add(worker: Worker, rec: dict[str, Any], parts: dict[str, list[float]]) -> None:
+    """One record's facts, added to ``worker``'s."""
+    event = rec.get("event")
+    if event == "step":
+        worker.steps += 1
+        if rec.get("loss") is not None:
+            worker.losses.append((steps_done(rec), rec["loss"]))
+        if rec.get("staleness") is not None:
+            worker.staleness.append(rec["staleness"])
+        for part, seconds in (rec.get("seconds") or {}).items():
+            parts.setdefault(part, []).append(seconds)
+    elif event == "eval":
+        score = _score(rec, worker)
+        if score is not None:
+            worker.evals.append((steps_done(rec), score))
+            worker.accuracy = score
+    elif event == "done":
+        worker.finished, worker.seconds = True, rec.get("seconds") or 0.0
+        worker.steps = rec.get("steps", worker.steps)
+        score = _score(rec, worker)
+        if score is not None:
+            worker.accuracy = score
 
 
 def _score(record: dict, worker: Worker) -> float | None:
@@ -141,6 +212,10 @@ def _score(record: dict, worker: Worker) -> float | None:
 
 def draw(report: Report, path: str | Path) -> Path:
     """The training loss of each worker and the test accuracy against the steps done, one PNG at ``path``."""
+    path = Path(path)
+    if path.is_symlink():
+        raise ReportError(f"{path} is a symbolic link: a report is not written through one (remove it, or give "
+                          "--png FILE)")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,7 +235,27 @@ def draw(report: Report, path: str | Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(f"{report.folder.name}: {report.job}", fontsize=10)
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        _replace(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path
+
+
+def _replace(path: Path, write) -> None:
+    """``path`` replaced whole by what ``write`` writes into a new file beside it: a link planted there, before the
+    check or after it, is replaced, its target never written."""
+    try:
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(temp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        if isinstance(exc, OSError):
+            raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise
