@@ -11,7 +11,6 @@ import pytest
 
 from psgd.cli import main as psgd_main
 from psgd.cli import worker as psgd_worker
-from psgd.config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd-worker's and psgd-server's main()
 
@@ -74,24 +73,30 @@ def test_a_weak_psgd_token_is_refused_by_every_command(entry, token, capsys, tmp
 
 
 def test_a_weak_token_kept_in_a_run_folder_is_refused(capsys, tmp_path, monkeypatch):
-    """psgd launch reads the token an earlier launch of the run folder kept there: one planted there is no better."""
+    """psgd launch --resume reads the token an earlier launch of the run folder kept there: one planted there is no
+    better."""
     monkeypatch.delenv("PSGD_TOKEN", raising=False)
     run = tmp_path / "run"
     run.mkdir()
+    (run / "job.toml").write_text("[cluster]\nworkers = 1\nshards = 1\n")  # as an earlier launch left it
     (run / ".token").write_text("a\n")
     command, argv = ENTRIES["psgd launch"]
-    assert command([*argv, "--run-dir", str(run)]) == 2
+    assert command([*argv, "--resume", str(run)]) == 2
     refused_in_one_line(capsys, str(run / ".token"))
 
 
 @pytest.mark.parametrize("token", WEAK, ids=repr)
-def test_psgd_join_refuses_a_weak_token(token, tmp_path):
+def test_psgd_join_refuses_a_weak_token(token, tmp_path, capsys):
+    """The script ends as argparse ends one given bad arguments: one line, exit status 2."""
     import psgd
 
     (tmp_path / "job.toml").write_text('[cluster]\nservers = ["127.0.0.1:1"]\nworkers = 1\nshards = 1\n')
     environ = {"PSGD_JOB_FILE": str(tmp_path / "job.toml"), "PSGD_RANK": "0", "PSGD_TOKEN": token}
-    with pytest.raises(ConfigError, match="token in PSGD_TOKEN"):
+    with pytest.raises(SystemExit) as ended:
         psgd.join(environ)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "token in PSGD_TOKEN" in err, err
 
 
 @pytest.mark.parametrize("token", ["", "0123456789abcdef", "replace-me-with-a-generated-token-not"])
