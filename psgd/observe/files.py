@@ -45,6 +45,16 @@ def read_own(path: str | os.PathLike) -> str | None:
         return f.read()
 
 
+def open_regular(path: str | os.PathLike) -> IO[bytes]:
+    """``path`` opened for reading, in binary, where it is a regular file (through a link or not: one that someone
+    else wrote, read, never written); a FIFO is never waited on and a device never read (InputError)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    return os.fdopen(_regular(path, fd), "rb")
+
+
 def _opened(path: str | os.PathLike, flags: int, mode: int) -> int:
     """The descriptor of ``path`` opened with ``flags``, checked to be a regular file and made blocking again."""
     try:
@@ -56,6 +66,12 @@ def _opened(path: str | os.PathLike, flags: int, mode: int) -> int:
         if exc.errno == errno.ENXIO:  # a FIFO opened for writing where none reads it
             raise _not_regular(path) from None
         raise
+    return _regular(path, fd)
+
+
+def _regular(path: str | os.PathLike, fd: int) -> int:
+    """``fd`` (``path`` opened without waiting), made blocking again where it is a regular file; else closed and
+    refused."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _not_regular(path)
@@ -67,5 +83,5 @@ def _opened(path: str | os.PathLike, flags: int, mode: int) -> int:
 
 
 def _not_regular(path: str | os.PathLike) -> InputError:
-    return InputError(f"{path}: not a regular file, where psgd writes its own file: remove it, or give the run "
-                      "another folder")
+    return InputError(f"{path}: not a regular file (a FIFO, a device or a folder), where a run folder holds plain "
+                      "files only: remove it, or give the run another folder")

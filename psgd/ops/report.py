@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import re
-import stat
 import statistics
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any, BinaryIO, Iterator
 
 from psgd.data.base import SCORE_KEYS, SCORE_WORDS
 from psgd.errors import InputError
+from psgd.observe.files import open_regular
 from psgd.observe.progress import steps_done
 
 #: the parts of a step the metrics lines time, in the order a step takes them
@@ -131,16 +131,11 @@ def _worker(path: Path) -> Worker:
 
 
 def _regular(path: Path) -> BinaryIO:
-    """``path`` opened for reading; :class:`ReportError` unless it is a regular file (a FIFO is opened without
-    waiting for a writer, and refused)."""
+    """``path`` opened for reading; :class:`ReportError` unless it is a regular file (psgd.observe.files)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ReportError(f"{path} cannot be read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ReportError(f"{path} is not a regular file: a run folder holds plain files only")
-    return os.fdopen(fd, "rb")
+        return open_regular(path)
+    except InputError as exc:
+        raise ReportError(str(exc)) from None
 
 
 def _records(f: BinaryIO, worker: Worker) -> Iterator[dict[str, Any]]:

@@ -67,14 +67,14 @@ def test_a_metrics_file_that_is_not_a_regular_file_is_refused(kind, tmp_path, ca
         metrics.mkdir()
     assert main(["report", str(run), "--no-png"]) == 2
     err = capsys.readouterr().err
-    assert "worker-0.jsonl is not a regular file" in err and len(err.strip().splitlines()) == 1, err
+    assert "worker-0.jsonl: not a regular file" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_job_file_that_is_not_a_regular_file_is_refused(tmp_path, capsys, own_path):
     run = run_folder(tmp_path / "run")
     os.mkfifo(run / "job.toml")
     assert main(["report", str(run), "--no-png"]) == 2
-    assert "job.toml is not a regular file" in capsys.readouterr().err
+    assert "job.toml: not a regular file" in capsys.readouterr().err
 
 
 def test_malformed_lines_are_skipped_and_counted_in_one_line(tmp_path, capsys, own_path):
