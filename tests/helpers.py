@@ -151,3 +151,19 @@ def slice_weights(core) -> Iterator[tuple]:
     """Each slice a shard core holds, with its weights (a view of the live store)."""
     for i, w in core.weights.items():
         yield core.slices[i], w
+
+
+def refused_at_a_fifo(fifo, call, error: type) -> BaseException:
+    """The ``error`` that ``call()`` raised, run in a thread, meeting the FIFO ``fifo``; the test fails where the call
+    waited on the FIFO instead (its other end is then opened, so that the thread ends)."""
+    said: list[BaseException] = []
+    thread = threading.Thread(target=lambda: said.append(pytest.raises(error, call).value), daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        for other in (os.O_RDONLY, os.O_WRONLY):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, other | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail(f"{fifo}: the call opened the FIFO and waited on it")
+    return said[0]

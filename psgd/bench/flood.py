@@ -184,7 +184,7 @@ def _checkpoints(folder: Path) -> list[int]:
 def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
     """The figures of every window (see the module's doc); ``connections``: how many a flood opens (0: the
     shard's own limit on open files and a tenth more)."""
-    from psgd.bench.chaos.processes import command, free_port_pair, job_token, last_error
+    from psgd.bench.chaos.processes import command, end_all, free_port_pair, job_token, last_error
     from psgd.launcher.supervise import dying_with_parent
 
     token = job_token()
@@ -282,15 +282,7 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
                 f"{figures['new_worker_first_step_s']:.1f}s; the flood {stats}")
         return result
     finally:
-        for proc, _ in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc, _ in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        end_all([proc for proc, _ in procs])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,6 @@ memory, ``tcp``: the data port):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -91,7 +90,7 @@ def _rate(metrics: list[Path], start: float, end: float) -> float:
 
 def measure(transport: str, width: int, workers: int, seconds: float, folder: Path, say) -> dict:
     """One transport's figures: the others' steps/s undisturbed and with worker 0 stopped mid-pull."""
-    from psgd.bench.chaos.processes import command, free_port_pair, job_token, last_error
+    from psgd.bench.chaos.processes import command, end_all, free_port_pair, job_token, last_error
     from psgd.launcher.supervise import dying_with_parent
 
     job_token()  # the job's token, in the environment every process started here inherits
@@ -175,16 +174,7 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
                 "held_seconds_at_end": max(r["held_seconds"] for r in held),
                 "copied_updates": status.get("copied_updates"), "revoked_reads": status.get("revoked_reads")}
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        end_all(procs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

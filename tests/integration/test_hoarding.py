@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from helpers import make_job, run_threads, wait_for
+from psgd.bench.chaos.processes import end_all
 from psgd.config import Deadlines, to_toml
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
@@ -408,12 +409,7 @@ def test_a_worker_trains_at_full_speed_under_a_flood_of_idle_and_garbage_connect
         assert disturbed >= 0.5 * undisturbed, rates
         assert after["VmHWM"] - peak["VmHWM"] <= 50, (peak, after)
     finally:
-        shard.terminate()
-        try:
-            shard.wait(15)
-        except subprocess.TimeoutExpired:
-            shard.kill()
-            shard.wait(5)
+        end_all([shard])
     refusals = [line for line in log_path.read_text().splitlines() if "refused" in line]
     assert len(refusals) <= 60, f"{len(refusals)} log lines about refusals"
 
@@ -475,11 +471,6 @@ def test_idle_connections_to_the_grpc_port_up_to_the_descriptor_limit_leave_a_sh
     finally:
         for sock in held:
             sock.close()
-        shard.terminate()
-        try:
-            shard.wait(15)
-        except subprocess.TimeoutExpired:
-            shard.kill()
-            shard.wait(5)
+        end_all([shard])
     text = log_path.read_text()
     assert "Exception in thread" not in text and "Traceback" not in text, text[-3000:]

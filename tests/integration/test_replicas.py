@@ -166,13 +166,18 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
         log = (tmp_path / "r0.log").read_text()
         assert "this replica takes over at version" in log
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p in procs.items():
-            p.wait(15)
-            logs[name].close()
+        _stop(procs, logs)
     assert procs["r0"].returncode == 0 and procs["p0-again"].returncode == 0
+
+
+def _stop(procs: dict, logs: dict) -> None:
+    """SIGTERM each process of ``procs`` still running, wait for it and close its log."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for name, p in procs.items():
+        p.wait(15)
+        logs[name].close()
 
 
 def _lag(address: str) -> int | None:
@@ -735,12 +740,7 @@ def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_j
         wait_for(lambda: status(job.cluster.recovery.replica_servers[0])["version"] == again["version"], 10,
                  "the replica to hold the push")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p in procs.items():
-            p.wait(15)
-            logs[name].close()
+        _stop(procs, logs)
 
 
 def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 
 import numpy as np
 import pytest
 
+from helpers import refused_at_a_fifo
 from psgd.errors import InputError
 
 
@@ -39,17 +39,9 @@ def test_a_run_file_that_is_a_fifo_is_refused_without_waiting_for_a_reader(tmp_p
     from psgd.observe.files import open_own
 
     os.mkfifo(tmp_path / "worker-0.jsonl")
-    said: list[BaseException] = []
-    writer = threading.Thread(target=lambda: said.append(pytest.raises(InputError, open_own,
-                                                                       tmp_path / "worker-0.jsonl", "a").value),
-                              daemon=True)
-    writer.start()
-    writer.join(10)
-    if writer.is_alive():  # open the other end, so that the writer's open returns and the thread ends
-        os.close(os.open(tmp_path / "worker-0.jsonl", os.O_RDONLY | os.O_NONBLOCK))
-        writer.join(10)
-        pytest.fail("a run file's open waited on a FIFO")
-    assert "not a regular file" in str(said[0])
+    said = refused_at_a_fifo(tmp_path / "worker-0.jsonl", lambda: open_own(tmp_path / "worker-0.jsonl", "a"),
+                             InputError)
+    assert "not a regular file" in str(said)
 
 
 def test_a_private_file_is_its_users_alone_even_where_one_was_there(tmp_path):

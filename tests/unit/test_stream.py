@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import refused_at_a_fifo
 from psgd.data import DataError, describe_dataset, load_dataset
 from psgd.data.stream import Stacked
 
@@ -97,18 +98,8 @@ def test_an_npy_folder_with_an_empty_split_is_refused(tmp_path, split):
 def test_an_npy_file_that_is_not_a_regular_file_is_refused_without_being_opened(tmp_path):
     """A FIFO named x_train.npy: its open for reading waited for a writer that never came."""
     import os
-    import threading
-
     folder_of(tmp_path)
     (tmp_path / "x_train.npy").unlink()
     os.mkfifo(tmp_path / "x_train.npy")
-    said: list[BaseException] = []
-    reader = threading.Thread(target=lambda: said.append(pytest.raises(DataError, load_dataset, f"npy:{tmp_path}")
-                                                         .value), daemon=True)
-    reader.start()
-    reader.join(10)
-    if reader.is_alive():  # open the other end, so that the reader's open returns and the thread ends
-        os.close(os.open(tmp_path / "x_train.npy", os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(10)
-        pytest.fail("npy:DIR opened a FIFO and waited on it")
-    assert "x_train.npy: not a regular file" in str(said[0])
+    said = refused_at_a_fifo(tmp_path / "x_train.npy", lambda: load_dataset(f"npy:{tmp_path}"), DataError)
+    assert "x_train.npy: not a regular file" in str(said)

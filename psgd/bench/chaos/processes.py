@@ -93,3 +93,21 @@ class Proc:
     log: Path
     metrics: Path | None = None  # a worker's --metrics file
 
+
+
+def end_all(procs: "list[subprocess.Popen]", grace: float = 15.0) -> None:
+    """SIGTERM (after SIGCONT, for a stopped one) every process of ``procs``, then wait ``grace`` seconds for each
+    and SIGKILL what is left."""
+    import contextlib
+    import signal
+
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
