@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_argument, first_env_int,
                              ignore_stop_signals, import_from_current_folder, job_from_args, run_command,
@@ -166,7 +167,8 @@ def serve(args: argparse.Namespace) -> int:
                              keep_checkpoints=args.keep_checkpoints, tls=tls,
                              interceptors=metrics.interceptors, hello_timeout=c.links.hello_timeout,
                              replicated=bool(c.recovery.replicas), busy_poll=c.links.busy_poll_seconds,
-                             on_cut_failure=c.recovery.on_cut_failure).start()
+                             on_cut_failure=c.recovery.on_cut_failure,
+                             job_shards=_job_shards(args, config)).start()
     except PortTaken as exc:
         raise ConfigError(_port_taken(args, exc)) from None
     except (OSError, RuntimeError) as exc:
@@ -207,6 +209,27 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     log.info("stopped at version %d", core.version)
     return 0
+
+
+def _job_shards(args: argparse.Namespace, config) -> Callable[[], list[str]]:
+    """The addresses of the job's shards and replicas ([cluster] servers and replica_servers), where a shard checks
+    the cause of a rollback.  ``psgd launch`` writes them into the job file once every shard has bound its port,
+    after this one started: where the job gave none at the start, the file is read again each time (a rollback's
+    check, seldom)."""
+    def of(job) -> list[str]:
+        return [*job.cluster.servers, *job.cluster.recovery.replica_servers]
+
+    known = of(config)
+    if config.cluster.servers:
+        return lambda: known
+
+    def now() -> list[str]:
+        try:
+            return of(job_from_args(args))
+        except ConfigError as exc:  # the rollback is refused for want of them, saying so
+            log.warning("cannot read the job's shard addresses again: %s", exc)
+            return []
+    return now
 
 
 def _port_taken(args: argparse.Namespace, exc) -> str:

@@ -120,9 +120,9 @@ class Link:
         """A page of the rows of ``table`` the shard holds, from ``start`` (0, then a reply's ``next``)."""
         raise NotImplementedError
 
-    def rollback(self, version: int, cause: str, restarted: str = "", dry_run: bool = False) -> ps_pb2.RollbackReply:
-        """Take the shard back to its cut at ``version`` (once per ``cause``: the incarnation of the shard at
-        ``restarted``, which restarted from a cut), or list its cuts (``dry_run``)."""
+    def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
+        """Take the shard back to its cut at ``version`` (once per ``cause``: the incarnation of the shard of the job
+        that restarted from a cut), or list its cuts (``dry_run``)."""
         raise NotImplementedError
 
     def interrupt(self) -> None:

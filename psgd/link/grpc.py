@@ -74,9 +74,9 @@ class GrpcLink(Link):
         request = ps_pb2.ListRowsRequest(table=table, start=start)
         return _call(lambda: self.stub.ListRows(request, timeout=self.timeout, metadata=self.metadata))
 
-    def rollback(self, version: int, cause: str, restarted: str = "", dry_run: bool = False) -> ps_pb2.RollbackReply:
+    def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
         request = ps_pb2.RollbackRequest(worker_id=self.endpoint.worker_id, to_version=version, cause=cause,
-                                         dry_run=dry_run, registration=self.registration, restarted=restarted)
+                                         dry_run=dry_run, registration=self.registration)
         return _call(lambda: self.stub.Rollback(request, timeout=self.timeout, metadata=self.metadata))
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:

@@ -86,20 +86,18 @@ class RegisterReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., num_workers: _Optional[int] = ..., policy: _Optional[str] = ..., incarnation: _Optional[str] = ..., version: _Optional[int] = ..., data_port: _Optional[int] = ..., host_id: _Optional[str] = ..., rollback_to: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
-    __slots__ = ("worker_id", "to_version", "cause", "dry_run", "registration", "restarted")
+    __slots__ = ("worker_id", "to_version", "cause", "dry_run", "registration")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TO_VERSION_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
-    RESTARTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     to_version: int
     cause: str
     dry_run: bool
     registration: str
-    restarted: str
-    def __init__(self, worker_id: _Optional[int] = ..., to_version: _Optional[int] = ..., cause: _Optional[str] = ..., dry_run: _Optional[bool] = ..., registration: _Optional[str] = ..., restarted: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., to_version: _Optional[int] = ..., cause: _Optional[str] = ..., dry_run: _Optional[bool] = ..., registration: _Optional[str] = ...) -> None: ...
 
 class RollbackReply(_message.Message):
     __slots__ = ("version", "cuts", "rounds_undone")

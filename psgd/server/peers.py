@@ -1,5 +1,5 @@
 """What one process of a shard's pair asks the other (:mod:`psgd.server.replica`), and how it checks the answer;
-whether a shard that a rollback names as its cause restarted (:func:`restart_of`).
+whether a shard of the job that a rollback names as its cause restarted (:func:`restart_of`).
 
 Whatever answers at the peer's address may be a stranger's process once the peer died, so the question proves that
 the asker holds the job's token without sending it, and an answer counts only when it proves the same of its sender
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from concurrent import futures
+from typing import Sequence
 
 import grpc
 
@@ -64,21 +66,27 @@ def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2
     return None
 
 
-def restart_of(address: str, cause: str, version: int, shard: int, token: str = "", tls: TLSFiles = NO_TLS) -> str:
+def restart_of(job: Sequence[str], cause: str, version: int, shard: int, token: str = "",
+               tls: TLSFiles = NO_TLS) -> str:
     """Why shard ``shard`` cannot believe that the job goes back to the cut at ``version`` because of ``cause`` ("":
-    it can).  The shard process at ``address`` (asked as the pair asks its peer: the question and its answer each
-    prove the job's token) must be another shard of this job, of incarnation ``cause``, restarted from a cut at
-    ``version`` or later."""
-    if not address:
-        return "the rollback names no address of the shard that restarted"
-    reply, proven = _ask(address, token, tls)
-    if reply is None:
-        return f"nothing at {address[:100]!r} answered in time"
-    if not proven:  # (said in the refusal: not in the pair's line about its peer)
-        return f"the process at {address[:100]!r} answered without proving that it holds the job's token"
-    if reply.incarnation != cause or reply.shard == shard:
-        return (f"the process at {address} is shard {reply.shard}, incarnation {reply.incarnation}: not another "
-                f"shard of incarnation {cause[:40]!r}")
+    it can).  The cause is looked for only at ``job``, the addresses of the job's own shards and replicas (its
+    [cluster] servers and replica_servers), never at one a request names: a registered worker may run a shard of
+    this job of its own anywhere.  Each is asked as the pair asks its peer (the question and its answer each prove
+    the job's token); the one of incarnation ``cause`` must be another shard, restarted from a cut at ``version``
+    or later."""
+    if not job:
+        return "this shard knows no address of the job's shards ([cluster] servers) to check the cause at"
+    with futures.ThreadPoolExecutor(max_workers=len(job), thread_name_prefix=f"shard{shard}-restart") as pool:
+        answers = list(zip(job, pool.map(lambda address: _ask(address, token, tls), job)))
+    found = [(address, reply) for address, (reply, proven) in answers if proven and reply.incarnation == cause]
+    if not found:
+        unproven = [address for address, (reply, proven) in answers if reply is not None and not proven]
+        return (f"no shard of the job at its addresses ({', '.join(job)}) is of incarnation {cause[:40]!r}" +
+                (f"; {', '.join(unproven)} answered without proving that it holds the job's token" if unproven
+                 else ""))
+    address, reply = found[0]
+    if reply.shard == shard:
+        return f"the process at {address} is shard {shard}'s own, not another shard's"
     restored = _counters(reply).get("restored_version")
     if not isinstance(restored, int) or restored < version:
         return (f"shard {reply.shard} at {address} did not restart from a cut at version {version} or later (it "

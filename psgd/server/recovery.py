@@ -38,6 +38,8 @@ MAX_VERSION = 2**62
 MAX_CAUSE = 64
 #: seconds between two lines saying that checkpoints go on failing
 FAILURES_SAID_EVERY = 60.0
+#: seconds between two lines saying that rollbacks for restarts nobody proved go on being refused
+REFUSALS_SAID_EVERY = 60.0
 
 
 class Failures:
@@ -80,6 +82,27 @@ class Failures:
                         path or "none needed", self.in_a_row)
         self.in_a_row = 0
         self._said.reset()
+
+
+class Refusals:
+    """How a shard says that it refused to go back for a restart it could not check (:func:`rollback`): one ERROR
+    line naming the worker that asked, where it called from and what it claimed, the first at once, then at most
+    one a minute with how many more (the core counts each: rollbacks_refused).  A restart of the job's own proves
+    itself (unless the shard that restarted does not answer in time): the worker named made up what it claimed,
+    as a storm of them would take the whole job back once a second."""
+
+    def __init__(self, core: ShardCore):
+        self.core = core
+        self._said = Quieted(REFUSALS_SAID_EVERY)
+
+    def refused(self, worker: int, peer: str, version: int, cause: str, why: str) -> None:
+        self.core.count("rollbacks_refused")
+        unsaid = self._said.due()
+        if unsaid is not None:
+            more = f" ({unsaid} more refused since the last line)" if unsaid else ""
+            log.error("shard %d: refused worker %d (calling from %s) a rollback to version %d for the restart of "
+                      "incarnation %r: %s%s; further refusals are said at most once a minute", self.core.shard,
+                      worker, peer[:100] or "?", version, cause[:MAX_CAUSE], why, more)
 
 
 def check(core: ShardCore, ckpt: checkpoint.Checkpoint) -> None:
@@ -132,21 +155,36 @@ def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
     return [v for v in checkpoint.versions(folder) if v <= core.version]
 
 
+def own_restart(core: ShardCore, version: int) -> str:
+    """Why ``core`` cannot go back to the cut at ``version`` for its own incarnation ("": it restarted from a cut
+    at ``version`` or later)."""
+    restored = core.restored_version
+    if restored is not None and restored >= version:
+        return ""
+    return (f"the cause is shard {core.shard}'s own incarnation, and it did not restart from a cut at version "
+            f"{version} or later (it started from {'none' if restored is None else f'the cut at {restored}'})")
+
+
 def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: str, worker: int,
-             unproven: Callable[[], str] = lambda: "", key: bytes | None = None) -> int:
+             unproven: Callable[[], str] = lambda: "", key: bytes | None = None, refusals: Refusals | None = None,
+             peer: str = "") -> int:
     """Go back to the cut at ``version`` (this shard's checkpoint of it in ``folder``) because of ``cause`` (the
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
     continues from ``version`` (:meth:`ShardCore.go_back`).  Returns the rounds undone; refuses
-    (FAILED_PRECONDITION) where ``unproven()`` says why the cause cannot be believed (a new cause is checked, with
-    the shard that restarted: :func:`psgd.server.peers.restart_of`), or this shard is behind the cut or holds no
-    intact checkpoint of it (signed with ``key``, where given)."""
+    (FAILED_PRECONDITION) where ``unproven()`` says why the cause cannot be believed (a new cause is checked: this
+    shard's own restart, :func:`own_restart`, or another shard's of the job, :func:`psgd.server.peers.restart_of`),
+    said by ``refusals`` naming worker ``worker`` calling from ``peer``; or where this shard is behind the cut or
+    holds no intact checkpoint of it (signed with ``key``, where given).  An incarnation justifies one rollback: it
+    is never gone back for twice."""
     if not cause or len(cause) > MAX_CAUSE or not cause.isprintable():
         raise ShardError("INVALID_ARGUMENT", f"a rollback must give its cause, the incarnation of the shard that "
                          f"restarted (at most {MAX_CAUSE} printable characters)")
     if core.went_back_for(cause):
         return 0
-    why = unproven()  # it may ask another shard
+    why = unproven()  # it may ask the job's other shards
     if why:
+        if refusals is not None:
+            refusals.refused(worker, peer, version, cause, why)
         raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} does not go back to version {version} for a "
                          f"restart it cannot check: {why}")
 

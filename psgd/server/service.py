@@ -59,10 +59,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._row_shapes = core.tables.shapes()
         self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
         self.watchdog = Watchdog(f"shard{core.shard}-watchdog")
-        #: Rollback's body: its ShardServer's, which knows the checkpoint folder
-        self.rollback: Callable[[ps_pb2.RollbackRequest], ps_pb2.RollbackReply] = self._keeps_no_cuts
+        #: Rollback's body (the request, and where it came from): its ShardServer's, which knows the checkpoint
+        #: folder and the job's shards
+        self.rollback: Callable[[ps_pb2.RollbackRequest, str], ps_pb2.RollbackReply] = self._keeps_no_cuts
 
-    def _keeps_no_cuts(self, request: ps_pb2.RollbackRequest) -> ps_pb2.RollbackReply:
+    def _keeps_no_cuts(self, request: ps_pb2.RollbackRequest, peer: str) -> ps_pb2.RollbackReply:
         raise ShardError("FAILED_PRECONDITION", f"shard {self.core.shard} keeps no cuts to go back to")
 
     @property
@@ -91,7 +92,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Rollback(self, request, context):
         try:
-            return self.rollback(request)
+            return self.rollback(request, context.peer())
         except ShardError as err:
             status.refuse(context, err)
 
@@ -265,8 +266,12 @@ class ShardServer:
                  interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
                  checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
                  tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False, busy_poll: float = 0.0,
-                 on_cut_failure: str = "stop"):
+                 on_cut_failure: str = "stop", job_shards: Callable[[], Sequence[str]] = tuple):
         self.core = core
+        #: the addresses of the job's shards and replicas now ([cluster] servers, replica_servers): where the cause
+        #: of a rollback is checked
+        self.job_shards = job_shards
+        self._refusals = recovery.Refusals(core)
         self.checkpoint_dir = checkpoint_dir
         self._failures = recovery.Failures(core, stop=on_cut_failure == "stop")
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
@@ -346,7 +351,7 @@ class ShardServer:
                  self.core.num_workers, len(self.core.slices), sum(w.nbytes for w in self.core.weights.values()) / 1e6)
         return self
 
-    def _rollback(self, request: ps_pb2.RollbackRequest) -> ps_pb2.RollbackReply:
+    def _rollback(self, request: ps_pb2.RollbackRequest, peer: str) -> ps_pb2.RollbackReply:
         """Go back to the cut of ``request.to_version`` (psgd.server.recovery.rollback), or list the cuts held."""
         core = self.core
         core.roster.check(request.worker_id)  # only a registered worker, by its registration's key (a peek):
@@ -359,9 +364,10 @@ class ShardServer:
             return ps_pb2.RollbackReply(version=core.version, cuts=recovery.cuts(core, folder))
         undone = recovery.rollback(
             core, folder, request.to_version, request.cause, request.worker_id,
-            unproven=lambda: "" if request.cause == self.incarnation else peers.restart_of(  # restarted here: no ask
-                request.restarted, request.cause, request.to_version, core.shard, self.servicer.token, self.tls),
-            key=checkpoint.signing_key(self.servicer.token))
+            unproven=lambda: recovery.own_restart(core, request.to_version) if request.cause == self.incarnation
+            else peers.restart_of(list(self.job_shards()), request.cause, request.to_version, core.shard,
+                                  self.servicer.token, self.tls),
+            key=checkpoint.signing_key(self.servicer.token), refusals=self._refusals, peer=peer)
         return ps_pb2.RollbackReply(version=core.version, rounds_undone=undone)
 
     def _reap(self) -> None:

@@ -89,7 +89,7 @@ class PSClient:
         self._beat_stop, self._beat, self.clock, self._pulling = threading.Event(), None, 0, False
         # a shard that restarted from a cut behind this worker, until the job went back;
         # and calls still running when one of their siblings heard of a rollback (psgd.worker.rollback)
-        self.pending_rollback: tuple[int, str, str] | None = None  # (its cut, its incarnation, its address)
+        self.pending_rollback: tuple[int, str] | None = None  # (its cut, its incarnation)
         self.stragglers: list[futures.Future] = []
         self.outgoing = Outgoing(self.codec, self.shard_slices)  # each shard's part of a gradient, as it travels
         self.stop = stop
@@ -257,7 +257,7 @@ class PSClient:
                           Code.FAILED_PRECONDITION)
         self.versions[k] = reply.version
         if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
-            self.pending_rollback = (reply.rollback_to, reply.incarnation, self.addresses[k])  # then ROLLED_BACK
+            self.pending_rollback = (reply.rollback_to, reply.incarnation)  # then ROLLED_BACK
         return reply
 
     def register(self, within: float | None = None) -> int:

@@ -20,10 +20,10 @@ class Stopped(PSError):
 
 class ShardWentBack(PsgdError):
     """The job goes back to the cut at version ``clock`` (sync with checkpoint_rounds: a shard restarted from it),
-    and this worker continues from that clock.  ``cause`` is the restarted shard's incarnation (``restarted``: its
-    address) where this worker heard of the restart itself and takes every shard back
-    (:func:`psgd.worker.rollback.roll_back`); "" where a shard had gone back already."""
+    and this worker continues from that clock.  ``cause`` is the restarted shard's incarnation where this worker
+    heard of the restart itself and takes every shard back (:func:`psgd.worker.rollback.roll_back`); "" where a
+    shard had gone back already."""
 
-    def __init__(self, clock: int, cause: str = "", restarted: str = ""):
+    def __init__(self, clock: int, cause: str = ""):
         super().__init__(f"the job goes back to the cut at version {clock}")
-        self.clock, self.cause, self.restarted = clock, cause, restarted
+        self.clock, self.cause = clock, cause

@@ -62,14 +62,12 @@ def _finish(client: Any, clock: int, replies: list) -> bool:
     if len(causes) != 1:
         return False
     cause = causes.pop()
-    restarted = next((client.addresses[k] for k, r in enumerate(replies) if r.incarnation == cause), "")
     behind = [k for k, r in enumerate(replies) if r.version > clock]
     log.warning("worker %d: shard(s) %s are still past the cut at version %d %.0fs after the job went back to it "
                 "(cause %s; the worker taking the job back may have died): taking them back", client.worker_id,
                 behind, clock, FINISH_AFTER_SECONDS, cause)
     for k in behind:
-        client.retrying(k, f"going back to version {clock}", lambda k=k: client.links[k].rollback(clock, cause,
-                                                                                                  restarted))
+        client.retrying(k, f"going back to version {clock}", lambda k=k: client.links[k].rollback(clock, cause))
     return True
 
 
@@ -89,7 +87,7 @@ def roll_back(client: Any, rewind: ShardWentBack) -> int:
                           "without losing rounds; restart it from its checkpoints (psgd launch resumes them)")
         clock = max(eligible)
         undone = client.on_all(lambda k: client.retrying(k, f"going back to version {clock}", lambda: client.links[
-            k].rollback(clock, rewind.cause, rewind.restarted).rounds_undone))
+            k].rollback(clock, rewind.cause).rounds_undone))
         log.info("worker %d: a shard restarted from the cut at version %d (incarnation %s): the job went back to "
                  "version %d (rounds undone per shard: %s); repeating from clock %d", client.worker_id, rewind.clock,
                  rewind.cause, clock, ", ".join(map(str, undone)), clock)

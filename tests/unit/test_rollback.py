@@ -206,3 +206,25 @@ def test_a_rollback_names_its_cause_and_a_storm_of_causes_goes_back_once_a_secon
     assert recovery.rollback(core, folder, 4, "restart-1", worker=1) == 0  # the same cause again: nothing to do
     core.rollback_causes["restart-1"] -= ROLLBACK_SPACING  # a second later
     assert recovery.rollback(core, folder, 4, "restart-2", worker=1) == 1
+
+
+def test_a_shard_reads_the_jobs_addresses_where_the_launch_writes_them_after_it_started(tmp_path, monkeypatch):
+    """psgd launch starts each shard on a port of its choosing and writes the job's addresses into the job file once
+    all are bound: a shard that found none there at its start reads them again when it checks a rollback's cause
+    (only there: never at an address the rollback names)."""
+    from helpers import make_job
+    from psgd.cli.common import job_from_args
+    from psgd.cli.server import _job_shards, build_parser
+    from psgd.config import to_toml
+
+    monkeypatch.delenv("PSGD_SERVERS", raising=False)
+    monkeypatch.delenv("PSGD_REPLICA_SERVERS", raising=False)
+    job, path = make_job("cluster.policy=async", "cluster.shards=2", "cluster.replicas=1"), tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    args = build_parser().parse_args(["-c", str(path), "--shard", "1"])
+    addresses = _job_shards(args, job_from_args(args))
+    assert addresses() == []
+    job.override("cluster.servers", ["127.0.0.1:7001", "127.0.0.1:7002"])
+    job.override("cluster.replica_servers", ["127.0.0.1:7101", "127.0.0.1:7102"])
+    path.write_text(to_toml(job.to_dict()))
+    assert addresses() == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7101", "127.0.0.1:7102"]
