@@ -215,6 +215,8 @@ class ShardMetrics(Collector):
                        names, values, c.get("expired", 0))
         yield _counter("psgd_shard_impostor_calls", "calls as a registered worker without its registration's key "
                        "(refused)", names, values, c.get("impostors", 0))
+        yield _counter("psgd_shard_rollbacks_refused", "rollbacks asked for a restart the shard could not prove at "
+                       "the job's own shards (refused)", names, values, c.get("rollbacks_refused", 0))
         yield _counter("psgd_shard_unreplicated_pushes", "pushes acknowledged without a copy on the shard's replica "
                        "(replicas = 1: it did not follow then)", names, values, c.get("unreplicated", 0))
         yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "
@@ -261,9 +263,8 @@ class ShardMetrics(Collector):
         if "checkpoint_failures" in c:
             yield _counter("psgd_shard_checkpoint_failures", "checkpoints that could not be written", names,
                            values, c["checkpoint_failures"])
-        if "background_errors" in c:
-            yield _counter("psgd_shard_background_errors", "errors in a shard's background loops (checkpoints, "
-                           "leases), each of which goes on", names, values, c["background_errors"])
+        yield _counter("psgd_shard_background_errors", "errors in a shard's background loops (checkpoints, leases), "
+                       "each of which goes on", names, values, c.get("background_errors", 0))
 
 
 class _NoMetrics:

@@ -10,6 +10,7 @@ import numpy as np
 
 from psgd.config import Deadlines
 from psgd.job import describe_job
+from psgd.observe.prometheus import ShardMetrics
 from psgd.server import build_shard, checkpoint
 from psgd.server.service import ShardServer
 
@@ -97,6 +98,8 @@ def test_a_background_loop_that_meets_an_error_says_it_counts_it_and_goes_on(tmp
     try:
         wait_for(lambda: len(turns) >= 8, 10, "the lease reaper to go on after its errors")
         assert server.core.counters["background_errors"] == 5
+        scraped = {m.name: m for m in ShardMetrics(server.core).collect()}
+        assert scraped["psgd_shard_background_errors"].samples[0].value == 5
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(errors) == 1 and "the lease reaper failed" in errors[0].getMessage(), errors
         assert errors[0].exc_info is not None

@@ -18,6 +18,7 @@ import pytest
 from helpers import TOKEN, make_job, run_threads
 from psgd.config import Deadlines
 from psgd.job import describe_job
+from psgd.observe.prometheus import ShardMetrics
 from psgd.link import LinkError
 from psgd.server import build_shard, checkpoint, recovery
 from psgd.server.service import ShardServer
@@ -130,6 +131,8 @@ def test_a_registered_worker_cannot_take_the_job_back_for_a_shard_it_runs_itself
         assert info.value.code.name == "FAILED_PRECONDITION", info.value.details
     assert job.versions() == [5, 5, 5]
     assert job.servers[0].core.counters["rollbacks_refused"] == 3
+    scraped = {m.name: m for m in ShardMetrics(job.servers[0].core).collect()}
+    assert scraped["psgd_shard_rollbacks_refused"].samples[0].value == 3
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(said) == 1, said  # then at most once a minute, with how many more
     assert all(part in said[0] for part in ("worker 1", "127.0.0.1", claimed[0], "version 4")), said[0]
