@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 from helpers import TOKEN, by_hand_env, make_job, run_threads, shards, wait_for
-from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
-                                         check_no_loss, check_restore, check_same_weights)
+from psgd.bench.chaos.invariants import (check_background, check_counters, check_exactly_once, check_exit,
+                                         check_files, check_finite, check_follows, check_no_loss, check_restore,
+                                         check_same_weights)
 from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.processes import command, free_port_pair
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
@@ -105,6 +106,26 @@ def test_wrong_exit_codes_are_detected():
     assert check_exit("shard 0", -9, 0, "after SIGTERM") == \
         ["shard 0 exited with status -9, expected 0 (after SIGTERM)"]
     assert check_exit("shard 0", None, 0, "within 10 s of SIGTERM") == ["shard 0 had not exited within 10 s of SIGTERM"]
+
+
+def test_a_pair_without_its_follower_is_detected():
+    leader = {"role": "primary", "replica_lag": 0, "follower": "127.0.0.1:2002 from 127.0.0.1:40112"}
+    follows = {"role": "replica", "replica_lag": 0, "follower": ""}
+    assert check_follows(0, leader, follows, "127.0.0.1:2002") == []
+    (stranger,) = check_follows(0, {**leader, "follower": "127.0.0.1:9 from 127.0.0.1:9"}, follows, "127.0.0.1:2002")
+    assert "followed by 127.0.0.1:9 from 127.0.0.1:9, not by its replica at 127.0.0.1:2002" in stranger
+    (alone,) = check_follows(1, {**leader, "replica_lag": -1, "follower": ""}, follows, "127.0.0.1:2002")
+    assert "shard 1's primary says it is followed by no one" in alone
+    (claimed,) = check_follows(0, leader, {**follows, "replica_lag": -1}, "127.0.0.1:2002")  # a follower it has not
+    assert "its replica at 127.0.0.1:2002 does not follow (role replica, lag -1)" in claimed
+    assert "no primary answered" in check_follows(0, None, follows, "127.0.0.1:2002")[0]
+
+
+def test_a_background_loop_that_failed_is_detected():
+    assert check_background("shard0", "INFO ... checkpoint ckpt-40 written\n", 0) == []
+    (died,) = check_background("shard0", 'Exception in thread shard0-checkpoints:\nOSError: [Errno 24]\n', 0)
+    assert "shard0 logged an exception that ended a thread: Exception in thread shard0-checkpoints:" in died
+    assert "replica1 counted 2 error(s) in its background loops" in check_background("replica1", "", 2)[0]
 
 
 def _checkpoints(folder, versions, keep=10):
@@ -232,6 +253,38 @@ def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
             assert [r.outcome for r in client.push(1, grads)] == ["applied"]  # worker 0 goes on
     finally:
         server.stop(grace=1.0)
+
+
+def test_an_insider_claiming_the_replicas_place_is_refused_and_the_replica_keeps_following(monkeypatch):
+    """The ``insider-follower`` fault's client (a process with the token), against a primary whose replica follows:
+    asking to follow as the replica (from elsewhere) and as a replica of its own address is refused both times, and
+    the primary is followed by its replica still; the client would tell an acceptance (the state sent)."""
+    from psgd.bench.chaos.hostile import follow_as
+    from psgd.job import describe_job
+    from psgd.server import build_shard
+    from psgd.server.replica import Replication
+    from psgd.server.service import ShardServer
+
+    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
+                   "cluster.replicas=1")
+    d = describe_job(job)
+    primary, replica = (ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True, token=TOKEN).start()
+                        for _ in range(2))
+    monkeypatch.setenv("PSGD_TOKEN", TOKEN)
+    try:
+        Replication(primary.core, primary.address, replica.address, second=False, token=TOKEN).start()
+        Replication(replica.core, replica.address, primary.address, second=True, token=TOKEN).start()
+        wait_for(lambda: primary.core.replication.lag() == 0, 10, "the replica to follow")
+        stats = follow_as("127.0.0.1", primary.data.port, [replica.address, "127.0.0.1:1"], d.plan.hash)
+        assert stats == {"tried": 2, "refused": 2, "accepted": []}, stats
+        pair = primary.core.replication
+        assert pair.attached and pair.follower.startswith(f"{replica.address} from "), pair.follower
+        assert replica.core.replication.following
+    finally:
+        for s in (primary, replica):
+            s.core.replication.stop(finished=True)
+        for s in (primary, replica):
+            s.stop(grace=1.0)
 
 
 # -- the short run ------------------------------------------------------------------------------------------

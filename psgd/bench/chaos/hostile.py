@@ -2,8 +2,10 @@
 ``hostile`` fault's idle connections and connections sending random bytes against the shards' ports
 (:data:`HOSTILE`), the stopped worker's pull that the ``stop-mid-pull`` fault leaves unfinished
 (:data:`HOLD`), the ``trickled-push`` fault's pushes sent a byte at a time (:data:`TRICKLE`), and the
-``outsider``'s calls in a live worker's name without its registration (:data:`OUTSIDER`), and the ``squatter``
-at a dead shard process's address (:data:`SQUATTER`)."""
+``outsider``'s calls in a live worker's name without its registration (:data:`OUTSIDER`), the ``squatter``
+at a dead shard process's address (:data:`SQUATTER`), the ``insider-follower``'s claims to be a primary's replica
+(:data:`FOLLOW_AS`), and the push made after a primary restarted at the job's end (:data:`PUSH_ONCE`).  The
+``flood``'s idle connections are ``psgd bench flood``'s (:data:`psgd.bench.flood.FLOOD`)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,18 @@ SQUATTER = """
 import json, sys
 from psgd.bench.chaos.hostile import squat
 print(json.dumps(squat(**json.loads(sys.argv[1]))))
+"""
+
+FOLLOW_AS = """
+import json, sys
+from psgd.bench.chaos.hostile import follow_as
+print(json.dumps(follow_as(**json.loads(sys.argv[1]))))
+"""
+
+PUSH_ONCE = """
+import json, sys
+from psgd.bench.chaos.hostile import push_once
+print(json.dumps(push_once(**json.loads(sys.argv[1]))))
 """
 
 
@@ -292,3 +306,53 @@ def squat(address: str, shard: int, seconds: float) -> dict:
         time.sleep(seconds)  # how long it squats is the fault
         server.stop(0)
     return {"bound": bound, "calls": len(heard), "token_heard": bool(token) and any(token in h for h in heard)}
+
+
+def follow_as(host: str, port: int, claims: Sequence[str], plan_hash: str) -> dict:
+    """A holder of the job's token (the environment's) asks to follow the primary whose data port is ``host``:``port``
+    once per address of ``claims``, saying each time that it is the replica listening there (with a ticket of its
+    own, which the process at that address does not hold).  Each must be refused: the connection closed instead of
+    the primary's state sent.  Returns how many were tried and refused, and which were accepted."""
+    import secrets
+
+    from psgd.server import stream
+
+    token = os.environ.get("PSGD_TOKEN", "")
+    stats: dict[str, Any] = {"tried": 0, "refused": 0, "accepted": []}
+    for claim in claims:
+        stats["tried"] += 1
+        try:
+            sock = stream.connect(host, int(port), claim, token, plan_hash, NO_TLS, 10.0, secrets.token_hex(16))
+        except protocol.WireError:
+            stats["refused"] += 1
+            continue
+        try:  # the primary asks at the claimed address first (a Status call): then it sends its state, or closes
+            magic, kind = protocol.recv_struct(sock, stream.FRAME)[:2]
+            if magic == stream.MAGIC and kind == stream.STATE:
+                stats["accepted"].append(f"following as the replica at {claim}")
+            else:
+                stats["refused"] += 1
+        except (protocol.WireError, OSError):
+            stats["refused"] += 1
+        finally:
+            sock.close()
+    return stats
+
+
+def push_once(config: str, worker: int, timeout: float) -> dict:
+    """Worker ``worker`` of the job file ``config`` registers again (with the environment's token) and pushes one
+    gradient of zeros at the clock the shards give it, as a worker that comes back after the job's end does; returns
+    that clock and each shard's outcome."""
+    import numpy as np
+
+    from psgd.config import Deadlines, JobConfig
+    from psgd.job import describe_job
+    from psgd.worker.client import PSClient
+
+    job = JobConfig.load(config)
+    plan = describe_job(job).plan
+    zeros = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in plan.specs}
+    with PSClient(job.cluster.servers, plan, worker, deadlines=Deadlines(request_timeout=timeout),
+                  recovery=job.cluster.recovery, config=job, token=os.environ.get("PSGD_TOKEN", "")) as client:
+        clock = client.register()
+        return {"clock": clock, "outcomes": [r.outcome for r in client.push(clock, zeros)]}

@@ -2,7 +2,8 @@
 
 No update applied twice (:func:`check_exactly_once`) or lost (:func:`check_no_loss`), a sync job's weights those of
 an undisturbed run (:func:`check_same_weights`), counters that add up, restores from the newest checkpoint, finite
-weights, the documented exit codes, and nothing leaked on disk.
+weights, the documented exit codes, a pair whose replica follows (:func:`check_follows`), background loops that
+never fail (:func:`check_background`), and nothing leaked on disk.
 """
 
 from __future__ import annotations
@@ -118,6 +119,35 @@ def check_exit(name: str, code: int | None, expected: int, why: str) -> list[str
     if code != expected:
         return [f"{name} exited with status {code}, expected {expected} ({why})"]
     return []
+
+
+def check_follows(shard: int, leader: Mapping[str, Any] | None, follower: Mapping[str, Any] | None,
+                  address: str) -> list[str]:
+    """Shard ``shard``'s pair is whole: its primary (``leader``, its Status) says that it is followed by its replica at
+    ``address``, and that replica (``follower``, its Status) says that it follows; a pair never reports a follower
+    it does not have (None: did not answer)."""
+    if leader is None or leader.get("role") != "primary":
+        return [f"shard {shard}: no primary answered ({leader and leader.get('role')})"]
+    out = []
+    said = leader.get("follower") or ""
+    if not said.startswith(f"{address} ") or leader.get("replica_lag", -1) < 0:
+        out.append(f"shard {shard}'s primary says it is followed by {said or 'no one'}, not by its replica at "
+                   f"{address} (lag {leader.get('replica_lag')})")
+    if follower is None or follower.get("role") != "replica" or follower.get("replica_lag") != 0:
+        out.append(f"shard {shard}: its replica at {address} does not follow (role "
+                   f"{follower and follower.get('role')}, lag {follower and follower.get('replica_lag')})")
+    return out
+
+
+def check_background(name: str, said: str, errors: int) -> list[str]:
+    """A shard process's background loops (checkpoints, leases, its replica) never die silently: its log
+    (``said``) holds no exception that ended a thread, and it counted no error of theirs (``errors``:
+    background_errors, each logged and retried)."""
+    out = [f"{name} logged an exception that ended a thread: {line.strip()}" for line in said.splitlines()
+           if line.startswith("Exception in thread")]
+    if errors:
+        out.append(f"{name} counted {errors} error(s) in its background loops (background_errors)")
+    return out
 
 
 def check_files(folder: Path, ckpt_root: Path, shards: int, keep: int, port_files: Sequence[Path],
