@@ -2,7 +2,7 @@
 fault kind against real processes, and the product bugs it found, each reproduced deterministically.
 
 The long version is ``python benchmarks/chaos.py --minutes 10`` (not run here).  Replay a failure of the
-short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 4
+short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 6
 --seed S``.
 
 The last tests reproduce, deterministically, product bugs the suite found; each failed before its fix.
@@ -27,7 +27,7 @@ from helpers import TOKEN, by_hand_env, make_job, run_threads, shards, wait_for
 from psgd.bench.chaos.invariants import (check_background, check_counters, check_exactly_once, check_exit,
                                          check_files, check_finite, check_follows, check_no_loss, check_restore,
                                          check_same_weights)
-from psgd.bench.chaos.draws import Planner
+from psgd.bench.chaos.draws import AT_THE_END, WITH_REPLICAS, Planner
 from psgd.bench.chaos.processes import command, free_port_pair
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
 from psgd.bench.chaos.suite import main as chaos_main
@@ -40,10 +40,10 @@ from psgd.job import build_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
-#: The short run's seed and length: its five runs cover every fault kind, both policies and every data path
+#: The short run's seed and length: its six runs cover every fault kind, both policies and every data path
 #: (see test_the_ci_seed_covers_every_kind_policy_and_transport).
-CI_SEED = 162
-SHORT_RUNS = 5
+CI_SEED = 452
+SHORT_RUNS = 6
 
 
 # -- the checks themselves: each can fail -----------------------------------------------------------------
@@ -181,13 +181,31 @@ def test_the_plan_is_replayed_from_its_seed_and_covers_every_kind():
     first = [Planner(5, KINDS, None).next(i).describe() for i in range(1)]
     again = [Planner(5, KINDS, None).next(i).describe() for i in range(1)]
     assert first == again
-    planner = Planner(5, KINDS, None)
-    specs = [planner.next(i) for i in range(-(-len(KINDS) // FAULTS_PER_RUN))]
+    planner = Planner(5, KINDS, None)  # (a kind that does not fit a run waits for one it fits: a few runs more)
+    specs = [planner.next(i) for i in range(2 * -(-len(KINDS) // FAULTS_PER_RUN))]
     covered = {f.kind for s in specs for f in s.faults} | {"sigterm" for s in specs if s.end == "sigterm"}
     assert covered == set(KINDS)
     assert all(s.namespaces == any(f.kind == "netcut" for f in s.faults) for s in specs)
     without = Planner(5, ["netcut"], "not root")
     assert without.next(0).faults == [] and without.skipped == {"netcut": "not root"}
+
+
+def test_pair_kinds_are_drawn_only_for_runs_with_replicas_and_end_kinds_only_at_the_end():
+    planner = Planner(5, KINDS, None)
+    specs = [planner.next(i) for i in range(40)]
+    drawn = [(s, f) for s in specs for f in s.faults]
+    assert {f.kind for _, f in drawn} >= set(WITH_REPLICAS) | set(AT_THE_END) | {"flood"}
+    assert all(s.replicas for s, f in drawn if f.kind in WITH_REPLICAS)
+    for s in specs:
+        ends = [f for f in s.faults if f.kind in AT_THE_END]
+        if ends:  # after every other fault, once the workers have finished; the shards do not leave by themselves
+            assert s.faults[-len(ends):] == ends and all(f.at == 1.0 for f in ends), s.describe()
+            assert s.end == "finish" and not s.exit_when_done, s.describe()
+    floods = [f for _, f in drawn if f.kind == "flood"]  # more connections than a gRPC port takes
+    assert all(1200 <= f.count <= 2000 and 2.0 <= f.seconds <= 4.0 for f in floods)
+    only = Planner(5, ["insider-follower"], None)  # a run without replicas draws none of them
+    assert all((s.replicas, [f.kind for f in s.faults]) in ((False, []), (True, ["insider-follower"] * 3))
+               for s in (only.next(i) for i in range(6)))
 
 
 def test_the_ci_seed_covers_every_kind_policy_and_transport():

@@ -12,11 +12,14 @@ Which file holds what:
 
 - ``settings.py``: the fault kinds (``KINDS``), the shape and pace of a job, every time bound;
 - ``invariants.py``: the ``check_*`` functions, pure, on plain data;
-- ``plan.py``: ``Fault``, ``RunSpec`` and the seeded ``Planner`` that draws them;
+- ``draws.py``: ``Fault``, ``RunSpec`` and the seeded ``Planner`` that draws them;
 - ``processes.py``: starting processes as users do, free ports, log tails, leftover processes;
-- ``hostile.py``: the client behind the ``hostile`` fault;
+- ``hostile.py``: the clients of the faults that come from outside the job's processes;
 - ``cluster.py``: ``Cluster``, one job's shards and workers, and ``Abort``;
-- ``faults.py``: ``FaultInjection``, how each fault kind is injected (the fault half of ``Run``);
+- ``faults.py``: ``FaultInjection``, how each fault kind is injected (the fault half of ``Run``), the kinds
+  below aside;
+- ``disk.py``: the ``full-disk`` fault; ``flooding.py``: the ``flood``; ``insiders.py``: the faults of members
+  of the job (``insider-follower``); ``pairs.py``: ``restart-primary-at-end``;
 - ``run.py``: ``Run``, one job from start to its final checks;
 - ``suite.py``: ``run_chaos``, ``summary`` and the command line ``main`` (also ``python -m psgd.bench.chaos``).
 """

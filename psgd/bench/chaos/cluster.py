@@ -16,6 +16,7 @@ import numpy as np
 
 from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
+from psgd.bench.chaos.invariants import check_follows
 from psgd.bench.chaos.processes import Proc, command, free_port_pair, job_token, last_error
 from psgd.errors import PsgdError
 from psgd.launcher.supervise import dying_with_parent
@@ -153,6 +154,18 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise Abort(f"shard {k}'s pair had no primary with a following replica within {bound:.0f}s")
             time.sleep(0.1)  # polling, with a deadline
+
+    def wait_followed(self, k: int, bound: float = START_BOUND) -> list[str]:
+        """Until shard ``k``'s primary says that the other process of its pair follows it, and that process says so
+        too (``bound`` seconds at most): the problems left then (:func:`check_follows`)."""
+        deadline = time.monotonic() + bound
+        while True:
+            pair = self._pair_status(k, 2.0)
+            first = 1 if pair[1] is not None and pair[1]["role"] == "primary" else 0
+            problems = check_follows(k, pair[first], pair[1 - first], (self.replica_binds, self.binds)[first][k])
+            if not problems or time.monotonic() > deadline:
+                return problems
+            time.sleep(0.2)  # polling, with a deadline
 
     def wait_listening(self, k: int, bound: float = START_BOUND, replica: bool = False) -> None:
         name, at = (f"replica{k}", SHARDS + k) if replica else (f"shard{k}", k)

@@ -10,9 +10,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from psgd.bench.chaos import disk
+from psgd.bench.chaos import disk, flooding
 from psgd.bench.chaos.cluster import Abort
 from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, SQUATTER, TRICKLE
+from psgd.bench.chaos.insiders import insider_follower
+from psgd.bench.chaos.pairs import restart_primary_at_end
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
@@ -66,6 +68,12 @@ class FaultInjection:
             note = disk.inject(self, fault.target, fault.seconds)
         elif fault.kind == "hostile":
             note = self._hostile(fault)
+        elif fault.kind == "flood":
+            note = flooding.inject(self, fault)
+        elif fault.kind == "insider-follower":
+            note = insider_follower(self, fault.target)
+        elif fault.kind == "restart-primary-at-end":
+            note = restart_primary_at_end(self, fault.target)
         elif fault.kind == "netcut":
             host = ("s" if fault.role == "shard" else "w") + str(fault.target)
             self.net.link(host, up=False)

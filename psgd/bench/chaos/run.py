@@ -34,6 +34,7 @@ class Run(FaultInjection):
         self.done_faults: list[str] = []
         self.restarted: set[int] = set()
         self.worker_kills = 0
+        self.pushed_after: dict[int, int] = {}  # worker -> pushes made in its name after it finished (pairs.py)
         self.seen: dict[int, tuple[str, int]] = {}  # shard -> (incarnation, version) last seen
         self.started = time.monotonic()
         self.cluster: Cluster | None = None
@@ -214,7 +215,7 @@ class Run(FaultInjection):
             if c.sparse:
                 weights = self._from_checkpoints()[1]
         versions = {v["shard"]: v["version"] for v in views}
-        self._check_shards(views, {r: c.total for r in range(spec.workers)})
+        self._check_shards(views, {r: c.total + self.pushed_after.get(r, 0) for r in range(spec.workers)})
         if self.finished:  # under sync a restarted shard takes the job back to its cut, and with replicas its
             # replica took over: either way it loses nothing (no acknowledged push, under async)
             self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers,

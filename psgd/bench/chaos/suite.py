@@ -77,12 +77,31 @@ worker reaches a drawn fraction of its steps:
   left for 1.5-3 s (psgd.bench.chaos.disk): its checkpoints (cuts) fail, said
   once, the job goes on (a sync run drawing it sets ``on_cut_failure =
   "continue"``), and it says that it writes them again once there is room;
+- ``flood``: 1,200-2,000 idle TCP connections against every shard process's
+  gRPC port (more than it takes: psgd.server.listen), opened at once from
+  the observer's host and held for 2-4 s, those a shard closes not opened
+  again: every shard answers Status within the request timeout meanwhile,
+  training goes on, and no shard logs an exception that ended a thread or
+  counts ``background_errors``;
+- ``insider-follower`` (runs with replicas): a process with the token asks
+  to follow a primary as its replica, from an address that is not the
+  replica's (and as a replica of its own address): it must be refused, and
+  the real replica keeps following (both say so in Status);
+- ``restart-primary-at-end`` (runs with replicas, drawn only for runs that
+  train to their end without --exit-when-done): once every worker has
+  finished, a primary is SIGTERMed (it exits 0) and started again at its
+  address with its checkpoint folder: its replica must follow it again
+  within 45 s, and a push made then (worker 0's, of zeros) must be copied
+  (no ``unreplicated`` push counted, the replica at the primary's version);
 - ``netcut`` (as root, with ``ip netns``): the run's processes live in network
   namespaces made for it (veth pairs on a bridge, 10.99.1.x) and one host's
   link goes down for 1-3 s; skipped, with the reason, where namespaces
   cannot be made;
 - ``sigterm``: the run ends by SIGTERM to every process at once (each must
   exit 0 within 10 s) instead of training to the end.
+
+A kind a run cannot take (one "with replicas" in a run without them) waits
+in the draws for a later run that can.
 
 Invariants (the ``check_*`` functions, pure, on plain data): the job finishes
 or stops within its bounds (every wait here is bounded: a stall is a
