@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -177,6 +178,12 @@ def _steps(metrics: Path, start: float, end: float) -> int:
     return count
 
 
+def _ready(flood: subprocess.Popen) -> None:
+    """Wait (START_BOUND at most) for a flood process to say it opened its connections."""
+    if not select.select([flood.stdout], [], [], START_BOUND)[0] or flood.stdout.readline().strip() != "ready":
+        raise FloodError(f"a flood process did not open its connections within {START_BOUND:.0f}s")
+
+
 def _checkpoints(folder: Path) -> list[int]:
     return [int(p.stem.split("-")[1]) for p in folder.glob("**/ckpt-*.json")]
 
@@ -248,8 +255,7 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
             try:
                 figures = _window(shard, seconds, ckpt, shard_proc.pid, metrics)  # from the flood's first connection
                 for f in floods:
-                    if f.stdout.readline().strip() != "ready":
-                        raise FloodError("a flood process did not open its connections")
+                    _ready(f)
                 joiner, joined = worker(rank)
                 figures["new_worker_first_step_s"] = stepped(joined, joiner, f"worker {rank}")
                 joiner.terminate()
