@@ -31,6 +31,7 @@ Where things live:
 - ``result.py``: what a launch ends with, the final evaluation of the weights;
 - ``layout.py``: :class:`Layout` (which shards and workers run here), the thread
   budget and :func:`find_mpiexec`;
+- ``folder.py``: the run folder; ``certs.py``: the CA and certificate a single node makes for its job's TLS;
 - ``supervise.py``: the children (:class:`Children`), signal forwarding, the
   stop signals and ``GRACE``, and the errors of a launch.
 
