@@ -142,7 +142,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
            model_options: Mapping[str, Any] | None = None, test: Any = None,
            settings: Mapping[str, Any] | None = None, mode: str = "ps", backend: str = "mpi",
            run_dir: str | os.PathLike | None = None, progress: bool | None = None, timeout: float = 900.0,
-           save: str | None = None, resume: bool = False, **keys: Any) -> Result:
+           save: str | None = None, resume: bool = False, tls: bool = True, **keys: Any) -> Result:
     """Run the job over processes of its own on this machine, as ``psgd launch``: shards and workers (``mode``
     ``"ps"``), or all-reduce ranks (``"allreduce"``, over ``backend`` ``"mpi"`` or ``"nccl"``).
 
@@ -150,10 +150,13 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     job's.  ``data``: as :func:`train` takes it; your own is written to ``RUN/data.npz`` for the workers to read.
     ``run_dir``: the run folder (else a new ``runs/DATE-TIME-MODE``); ``resume``: continue the job in ``run_dir``
     from its checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds
-    the whole run may take.  ``augment``: a function its processes can import by name, or that name."""
+    the whole run may take.  ``tls``: mutual TLS between its processes, with a CA made for the job in ``RUN/tls``
+    (or the job's ``[tls]`` files); False: plaintext.  ``augment``: a function its processes can import by name,
+    or that name."""
     from psgd.export.weights import read_npz
     from psgd.launcher.folder import claim, new_run_folder
     from psgd.launcher.run import launch as run_job
+    from psgd.wire.tls import NO_TLS
 
     if model is not None and not isinstance(model, (str, type)):
         raise ModelError(f"psgd.launch: its processes build the model themselves, each from its class: pass the "
@@ -176,7 +179,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
         config.validate()
     save = save or str(run / "final.npz")
     done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
-                   timeout=timeout, save=save, resume=resume)
+                   timeout=timeout, save=save, resume=resume, tls=None if tls else NO_TLS)
     return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(save),
                   run_dir=str(run), saved=save, divergence=done.divergence, test_r2=done.test_r2)
 

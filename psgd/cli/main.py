@@ -19,7 +19,7 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_
                              verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
-from psgd.wire.tls import add_tls_arguments, tls_from_args
+from psgd.wire.tls import add_tls_arguments, launch_tls
 
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
@@ -310,7 +310,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
     result = launch(config, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout, hosts=hosts, tls=tls_from_args(args, config),
+                    save=args.save, layout=layout, hosts=hosts, tls=launch_tls(args),
                     resume=bool(args.resume))
     c = config.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
@@ -348,7 +348,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     resumed_from(args)
     config = job_from_args(args)
     result = launch(config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
-                    tls=tls_from_args(args, config), resume=bool(args.resume),
+                    tls=launch_tls(args), resume=bool(args.resume),
                     script=[str(Path(args.script).resolve()), *args.script_args])
     c = config.cluster
     if args.json:

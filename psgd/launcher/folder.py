@@ -24,7 +24,7 @@ CHECKPOINTS = "checkpoints"
 TOKEN_FILE = ".token"
 #: what a run leaves in its folder (a name, or a pattern of names), beside its checkpoints: another run's, where
 #: a launch finds one (a link or a FIFO planted under such a name included)
-RUN_FILES = ("job.toml", TOKEN_FILE, "*.log", "*.jsonl", "*.csv", "*.addr", "tensorboard", "nccl-id.json")
+RUN_FILES = ("job.toml", TOKEN_FILE, "tls", "*.log", "*.jsonl", "*.csv", "*.addr", "tensorboard", "nccl-id.json")
 
 
 def new_run_folder(mode: str, now: float | None = None) -> Path:

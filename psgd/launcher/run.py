@@ -23,6 +23,7 @@ from psgd.config import JobConfig, to_toml
 from psgd.job import check_optimizer
 from psgd.observe.files import open_own
 from psgd.observe.progress import bar_wanted
+from psgd.launcher.certs import job_tls
 from psgd.launcher.folder import (CHECKPOINTS, TOKEN_FILE, claim, made_token, new_run_folder,
                                   resume_command)
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
@@ -31,7 +32,7 @@ from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_env
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.wire.channel import MAKE_TOKEN, read_token
-from psgd.wire.tls import NO_TLS, TLSFiles, child_flags
+from psgd.wire.tls import TLSFiles, child_flags
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event, str], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
-           tls: TLSFiles = NO_TLS, resume: bool = False, script: Sequence[str] = ()) -> LaunchResult:
+           tls: TLSFiles | None = None, resume: bool = False, script: Sequence[str] = ()) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -56,7 +57,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     continues the job of ``run_dir`` from them, where a launch into a folder that holds them is refused.
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
     this machine (one node).  ``tls`` (certificate, key and CA together) is mutual TLS between every shard,
-    worker and this launcher's own reads.
+    worker and this launcher's own reads; by default (None) those of the job's ``[tls]`` table, else, for a
+    parameter-server job on one node, a CA made for the job and kept in ``RUN/tls`` (:func:`job_tls`); ``NO_TLS``:
+    plaintext.
     Raises :class:`LaunchInterrupted` when a stop signal arrived (every child
     stopped first).  ``divergence`` in the result is the first divergence this node's workers (ranks)
     reported, else the launcher's own verdict on the final weights (:mod:`psgd.training.divergence`).
@@ -69,6 +72,10 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         raise LaunchError("psgd run starts a script per parameter-server worker: not in all-reduce mode, and not "
                           "with worker flags")
     check_optimizer(config)
+    made_tls = False
+    if tls is None:  # the default: the job file's certificates, else (ps mode, one node) a CA made for the job
+        tls = TLSFiles(config.tls.cert or None, config.tls.key or None, config.tls.ca or None)
+        made_tls = not tls.enabled and mode == "ps" and layout.nnodes == 1
     tls_flags = child_flags(tls)
     if tls.enabled and mode != "ps":
         raise LaunchError("TLS protects the parameter servers' traffic: all-reduce mode has no servers (MPI and "
@@ -111,6 +118,14 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         else:  # every node must know the same one: none is made here
             raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
                               f"on each before psgd launch (make one: {MAKE_TOKEN})")
+    if made_tls:
+        tls = job_tls(run, [*layout.hosts, *(hosts.addresses.values() if hosts else ())])
+        tls_flags = child_flags(tls)
+        log.info("TLS on (mutual; a CA made for this job): to watch the shards, psgd status --tls-ca %s --tls-cert %s "
+                 "--tls-key %s", tls.ca, tls.cert, tls.key)
+    elif mode == "ps" and layout.nnodes > 1 and not tls.enabled:
+        log.warning("no TLS: the token and the gradients and weights travel in the clear between nodes; give every "
+                    "node the same --tls-cert, --tls-key and --tls-ca (docs/howto/reliability-security.md)")
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \

@@ -5,7 +5,8 @@ A shard with ``--tls-cert`` and ``--tls-key`` speaks only TLS; adding
 TLS).  A worker with ``--tls-ca`` trusts shards signed by that CA, and sends
 ``--tls-cert``/``--tls-key`` as its own certificate.  The certificate must
 name the address the worker dials (a DNS name or an IP in subjectAltName).
-docs/howto/reliability-security.md shows how to make a CA and certificates with openssl.
+docs/howto/reliability-security.md shows how to make a CA and certificates with openssl; ``psgd launch`` makes
+its own on one node where it is given none (psgd/launcher/certs.py).
 """
 
 from __future__ import annotations
@@ -87,14 +88,21 @@ NO_TLS = TLSFiles()
 
 def add_tls_arguments(parser, server: bool = False, launch: bool = False) -> None:
     group = parser.add_argument_group("TLS", "encryption and mutual authentication (certificates with openssl: "
-                                             "docs/howto/reliability-security.md)")
+                                             "docs/howto/reliability-security.md)" if not launch else
+                                      "encryption and mutual authentication, on by default on one node with a CA "
+                                      "made for the job in RUN/tls/ (your own certificates, made with openssl: "
+                                      "docs/howto/reliability-security.md)")
     if launch:
         group.add_argument("--tls-cert", metavar="PEM", help="the certificate every shard serves with and every "
                            "worker (and this launcher's own reads) shows; it must name 127.0.0.1, or each "
                            "node's address with --hosts (all three flags together: mutual TLS)")
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
         group.add_argument("--tls-ca", metavar="PEM", help="the CA that signed --tls-cert: shards demand client "
-                           "certificates it signed, workers trust shards it signed")
+                           "certificates it signed, workers trust shards it signed. Without these three (here or in "
+                           "the job file's [tls]), one node makes a CA for the job and keeps it in RUN/tls/")
+        group.add_argument("--no-tls", action="store_true", help="plaintext: the token, registration keys, "
+                           "gradients and weights travel in the clear (the default with --nnodes > 1 and no "
+                           "certificates)")
     elif server:
         group.add_argument("--tls-cert", metavar="PEM", help="this shard's certificate; with --tls-key: TLS only")
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -112,6 +120,17 @@ def tls_from_args(args, config=None) -> TLSFiles:
     if given.enabled or config is None:
         return given
     return TLSFiles(config.tls.cert or None, config.tls.key or None, config.tls.ca or None)
+
+
+def launch_tls(args) -> TLSFiles | None:
+    """``psgd launch``'s TLS: the files its flags name, plaintext with ``--no-tls``, else None (the job file's
+    ``[tls]``, else a CA made for the job: :func:`psgd.launcher.run.launch`)."""
+    given = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    if args.no_tls:
+        if given.enabled:
+            raise TLSError("--no-tls with --tls-cert/--tls-key/--tls-ca: give one or the other")
+        return NO_TLS
+    return given if given.enabled else None
 
 
 def child_flags(tls: TLSFiles) -> list[str]:

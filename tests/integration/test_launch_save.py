@@ -90,6 +90,8 @@ def test_one_launch_per_node_trains_what_one_machine_trains(tmp_path):
             p.kill()
             p.wait(10)
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(err[-2000:] for _, err in outputs)
+    for _, err in outputs:  # several nodes without certificates: plaintext, said once on each
+        assert sum("WARNING no TLS: the token" in line for line in err.splitlines()) == 1, err[-2000:]
     node1, node0 = (json.loads(out.strip().splitlines()[-1]) for out, _ in outputs)
     assert node0["node_rank"] == 0 and node1["node_rank"] == 1
     assert (tmp_path / "node0" / "worker-0.jsonl").exists() and not (tmp_path / "node0" / "worker-1.jsonl").exists()

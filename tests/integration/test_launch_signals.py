@@ -20,6 +20,7 @@ from helpers import TOKEN, by_hand_env, free_port, wait_for
 from psgd.config import Deadlines, JobConfig
 from psgd.job import build_job
 from psgd.partition import PartitionPlan
+from psgd.wire.tls import TLSFiles
 from psgd.worker.client import PSClient
 from psgd.launcher import GRACE
 
@@ -268,11 +269,13 @@ def test_launch_guards_its_shards_with_a_token_of_its_own(tmp_path):
         assert len(token) >= 32
         config = JobConfig.load(run / "job.toml")
         plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.links.slice_bytes)
+        tls = TLSFiles(*(str(run / "tls" / name) for name in ("job.pem", "job.key", "ca.pem")))  # the run's own
         with PSClient([address, config.cluster.servers[1]], plan, deadlines=Deadlines(request_timeout=5),
-                      retry_deadline=0) as stranger:
+                      retry_deadline=0, tls=tls) as stranger:  # its certificate, not its token
             with pytest.raises(Exception, match="UNAUTHENTICATED"):
                 stranger.status()
-        with PSClient(config.cluster.servers, plan, deadlines=Deadlines(request_timeout=5), token=token) as insider:
+        with PSClient(config.cluster.servers, plan, deadlines=Deadlines(request_timeout=5), token=token,
+                      tls=tls) as insider:
             assert [s.shard for s in insider.status()] == [0, 1]
         launch.send_signal(signal.SIGTERM)
         _, err = launch.communicate(timeout=60)

@@ -106,6 +106,17 @@ def test_a_folder_holding_another_runs_files_is_refused_unless_resumed(tmp_path,
     claim(tmp_path, resume=True)
 
 
+def test_a_folder_holding_another_runs_ca_is_refused_unless_resumed(tmp_path):
+    """A launch into it would sign its certificate with that run's CA key, kept there by someone else."""
+    from psgd.launcher.certs import job_tls
+    from psgd.launcher.folder import claim
+
+    job_tls(tmp_path)
+    with pytest.raises(InputError, match=f"^{tmp_path} holds the files of an earlier run \\(tls\\)"):
+        claim(tmp_path, resume=False)
+    claim(tmp_path, resume=True)
+
+
 def test_a_new_or_unrelated_folder_is_a_run_folder(tmp_path):
     from psgd.launcher.folder import claim
 
