@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from psgd.config import JobConfig
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class ShardObserver:
         self.error: str | None = None
         self._pulls = 0
 
-    def __call__(self, addresses: list[str], stop: threading.Event, token: str = "") -> None:
+    def __call__(self, addresses: list[str], stop: threading.Event, token: str = "", tls: TLSFiles = NO_TLS) -> None:
         from psgd.wire.protocol import OBSERVER
         from psgd.worker.client import PSClient
 
@@ -128,7 +129,7 @@ class ShardObserver:
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in ev.plan.specs}
         try:
             with PSClient(addresses, ev.plan, OBSERVER, deadlines=ev.config.cluster.deadlines,
-                          token=token) as client:
+                          token=token, tls=tls) as client:
                 next_at = time.monotonic()
                 while True:
                     finished = stop.is_set()  # one last sample after the workers are done: the final weights

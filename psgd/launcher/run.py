@@ -39,15 +39,16 @@ log = logging.getLogger(__name__)
 
 def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
-           verbose: int = 0, monitor: Callable[[list[str], threading.Event, str], None] | None = None,
+           verbose: int = 0, monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
            tls: TLSFiles | None = None, resume: bool = False, script: Sequence[str] = ()) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
-    "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop, token)`` runs in a
+    "slowdown:4@0"]``.  In ps mode, ``monitor(addresses, stop, token, tls)`` runs in a
     thread from the workers' start until they have all finished (``stop`` is
-    set then); it may read the shards with ``token``, e.g. to evaluate the weights over time.
+    set then); it may read the shards with ``token`` and the TLS files ``tls`` (the job's own by default), e.g. to
+    evaluate the weights over time.
     The shards want ``$PSGD_TOKEN``; without one, a single node makes a random token for the job
     (:func:`made_token`, kept in ``RUN/.token``, readable by its user alone) and hands it to its children in
     their environment (never in the job file or a log), and a node of several refuses to start (every node must
@@ -263,7 +264,7 @@ def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
 
 
 def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
-               log_flags: list[str], monitor: Callable[[list[str], threading.Event, str], None] | None,
+               log_flags: list[str], monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None,
                children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
                devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str,
                script: tuple[str, ...] = ()) -> LaunchResult:
@@ -308,7 +309,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show,
                                       env={"PSGD_TOKEN": token}))
     stop = threading.Event()
-    watcher = threading.Thread(target=monitor, args=(addresses, stop, token), daemon=True) if monitor else None
+    watcher = threading.Thread(target=monitor, args=(addresses, stop, token, tls), daemon=True) if monitor else None
     if watcher:
         watcher.start()
     try:

@@ -20,8 +20,9 @@ PSGD = shutil.which("psgd") or "psgd"
 
 def _probe(run, seen: dict):
     """A launch monitor: the shards' Status read without TLS, and with the run's own files, as a user would."""
-    def monitor(addresses: list[str], stop: threading.Event, token: str) -> None:
+    def monitor(addresses: list[str], stop: threading.Event, token: str, tls: TLSFiles) -> None:
         made = TLSFiles(str(run / "tls" / "job.pem"), str(run / "tls" / "job.key"), str(run / "tls" / "ca.pem"))
+        seen["given"] = tls  # what the launch hands its monitor: the files of the job's own CA
         seen["plain"] = [try_status(a, Connect.using(NO_TLS, token, 3.0)) for a in addresses]
         seen["tls"] = [try_status(a, Connect.using(made, token, 3.0)) for a in addresses]
     return monitor
@@ -37,6 +38,7 @@ def test_a_launch_serves_mutual_tls_by_default(tmp_path):
     for status, why, code in seen["plain"]:  # a client without TLS gets no answer
         assert status is None and code == "UNAVAILABLE", why
     assert all(status is not None for status, _, _ in seen["tls"]), seen["tls"]
+    assert seen["given"] == TLSFiles(*(str(run / "tls" / n) for n in ("job.pem", "job.key", "ca.pem")))
     for k in (0, 1):
         assert "(mutual TLS; policy sync" in (run / f"shard-{k}.log").read_text()
     for r in (0, 1):  # both workers trained to the end over it
