@@ -2,7 +2,7 @@
 fault kind against real processes, and the product bugs it found, each reproduced deterministically.
 
 The long version is ``python benchmarks/chaos.py --minutes 10`` (not run here).  Replay a failure of the
-short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 6
+short run with its seed: ``PSGD_CHAOS_SEED=S pytest tests/chaos`` or ``python benchmarks/chaos.py --runs 7
 --seed S``.
 
 The last tests reproduce, deterministically, product bugs the suite found; each failed before its fix.
@@ -27,7 +27,7 @@ from helpers import TOKEN, by_hand_env, make_job, run_threads, shards, wait_for
 from psgd.bench.chaos.invariants import (check_background, check_counters, check_exactly_once, check_exit,
                                          check_files, check_finite, check_follows, check_no_loss, check_restore,
                                          check_same_weights)
-from psgd.bench.chaos.draws import AT_THE_END, WITH_REPLICAS, Planner
+from psgd.bench.chaos.draws import AT_THE_END, WITH_CUTS, WITH_REPLICAS, Planner
 from psgd.bench.chaos.processes import command, free_port_pair
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
 from psgd.bench.chaos.suite import main as chaos_main
@@ -36,14 +36,14 @@ from psgd.bench.netns import IP, PREFIX
 from psgd.config import Deadlines, to_toml
 from psgd.partition import PartitionPlan
 from psgd.server import checkpoint
-from psgd.job import build_job
+from psgd.job import build_job, describe_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
-#: The short run's seed and length: its six runs cover every fault kind, both policies and every data path
+#: The short run's seed and length: its seven runs cover every fault kind, both policies and every data path
 #: (see test_the_ci_seed_covers_every_kind_policy_and_transport).
-CI_SEED = 452
-SHORT_RUNS = 6
+CI_SEED = 1521
+SHORT_RUNS = 7
 
 
 # -- the checks themselves: each can fail -----------------------------------------------------------------
@@ -194,8 +194,9 @@ def test_pair_kinds_are_drawn_only_for_runs_with_replicas_and_end_kinds_only_at_
     planner = Planner(5, KINDS, None)
     specs = [planner.next(i) for i in range(40)]
     drawn = [(s, f) for s in specs for f in s.faults]
-    assert {f.kind for _, f in drawn} >= set(WITH_REPLICAS) | set(AT_THE_END) | {"flood"}
+    assert {f.kind for _, f in drawn} >= set(WITH_REPLICAS) | set(WITH_CUTS) | set(AT_THE_END) | {"flood"}
     assert all(s.replicas for s, f in drawn if f.kind in WITH_REPLICAS)
+    assert all(s.policy == "sync" for s, f in drawn if f.kind in WITH_CUTS)  # cuts to go back to
     for s in specs:
         ends = [f for f in s.faults if f.kind in AT_THE_END]
         if ends:  # after every other fault, once the workers have finished; the shards do not leave by themselves
@@ -203,6 +204,8 @@ def test_pair_kinds_are_drawn_only_for_runs_with_replicas_and_end_kinds_only_at_
             assert s.end == "finish" and not s.exit_when_done, s.describe()
     floods = [f for _, f in drawn if f.kind == "flood"]  # more connections than a gRPC port takes
     assert all(1200 <= f.count <= 2000 and 2.0 <= f.seconds <= 4.0 for f in floods)
+    storms = [(s, f) for s, f in drawn if f.kind == "rollback-storm"]  # as one of the run's ranks
+    assert all(20 <= f.count <= 50 and 0 <= f.target < s.workers for s, f in storms)
     only = Planner(5, ["insider-follower"], None)  # a run without replicas draws none of them
     assert all((s.replicas, [f.kind for f in s.faults]) in ((False, []), (True, ["insider-follower"] * 3))
                for s in (only.next(i) for i in range(6)))
@@ -305,6 +308,52 @@ def test_an_insider_claiming_the_replicas_place_is_refused_and_the_replica_keeps
             s.stop(grace=1.0)
 
 
+def test_a_rollback_storm_from_a_finished_rank_is_refused_every_time_and_told_when_it_is_not(tmp_path, monkeypatch):
+    """The ``rollback-storm`` fault's client (a token holder that registers as a worker that has finished), against
+    two sync shards with cuts: every rollback it asks for a restart it cannot prove is refused with
+    FAILED_PRECONDITION and counted, no version goes back, and it says Done; against shards that believe any cause it
+    tells each one accepted (so the fault's checks can fail)."""
+    from psgd.bench.chaos.insiders import storm
+    from psgd.server import build_shard, peers, recovery
+    from psgd.server.service import ShardServer
+
+    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=2",
+                   "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
+    servers = []
+    for k in range(2):
+        servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport="tcp", token=TOKEN,
+                                   checkpoint_dir=str(tmp_path / "ckpt"),
+                                   job_shards=lambda: job.cluster.servers).start())
+    job.override("cluster.servers", [s.address for s in servers])
+    (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
+    monkeypatch.setenv("PSGD_TOKEN", TOKEN)
+    try:
+        plan = servers[0].core.plan
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=6), token=TOKEN,
+                      config=job) as client:
+            client.register()
+            grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
+            for clock in range(5):  # cuts at 0, 2 and 4
+                client.push(clock, grads)
+            client.done()
+        asked = dict(config=str(tmp_path / "job.toml"), worker=0, rounds=6, bind="127.0.0.1:0", seed=3, timeout=6.0)
+        stats = storm(**asked)
+        assert stats["accepted"] == [] and stats["cuts"] == [4, 4] and stats["done"] == "", stats
+        assert stats["tried"] == stats["refused"] == [6, 6] and stats["codes"] == {"FAILED_PRECONDITION": 12}, stats
+        assert [s.core.version for s in servers] == [5, 5]
+        assert [s.core.counters["rollbacks_refused"] for s in servers] == [6, 6]
+        assert all(s.core.roster.workers[0].state == "done" for s in servers)  # it said Done: no lease runs out
+        monkeypatch.setattr(peers, "restart_of", lambda *_, **__: "")  # shards that believe any cause
+        monkeypatch.setattr(recovery, "own_restart", lambda *_: "")
+        believed = storm(**{**asked, "rounds": 2})
+        assert [a.startswith(f"shard {k} went back to the cut at 4") for k, a in enumerate(believed["accepted"])] \
+            == [True, True], believed  # (then each refuses this worker until it goes back too)
+        assert "goes back to the cut at version 4" in believed["done"], believed
+    finally:
+        for s in servers:
+            s.stop(grace=1.0)
+
+
 # -- the short run ------------------------------------------------------------------------------------------
 def _namespaces_of_this_process() -> str:
     done = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=20)
@@ -323,7 +372,7 @@ def test_a_short_chaos_run_of_every_fault_kind_finds_no_violation(tmp_path):
         assert result["faults"][kind] >= 1 or kind in result["skipped"], (kind, result["faults"], result["skipped"])
     assert result["runs"] == SHORT_RUNS and len(result["accuracies"]) >= 1
     assert all(a >= MIN_ACCURACY for a in result["accuracies"]), result["accuracies"]
-    if seed == CI_SEED:  # its run 1 (sync, a killed shard) ended with an undisturbed run's weights, compared
+    if seed == CI_SEED:  # its run 1 (sync: a shard restarted, killed; a rollback storm) matched an undisturbed run
         assert result["run_records"][1]["same_as_undisturbed"] is True, result["run_records"][1]
     if os.path.exists(IP):
         assert _namespaces_of_this_process() == ""  # every namespace made is gone

@@ -11,14 +11,16 @@ from psgd.bench.chaos.settings import FAULTS_PER_RUN, LEASE, SHARDS
 
 
 #: the kinds aimed at a worker whose names do not end in "-worker"
-AT_A_WORKER = ("stop-mid-pull", "trickled-push", "duplicate-rank", "outsider")
+AT_A_WORKER = ("stop-mid-pull", "trickled-push", "duplicate-rank", "outsider", "rollback-storm")
 #: the kinds aimed at a shard whose names do not end in "-shard"
 AT_A_SHARD = ("corrupt-checkpoint", "squatter", "full-disk", "insider-follower", "restart-primary-at-end")
 #: the kinds that need each shard kept twice: drawn only for runs with replicas (an async run on the digits)
 WITH_REPLICAS = ("squatter", "insider-follower", "restart-primary-at-end")
+#: the kinds that need cuts to go back to: drawn only for sync runs ([cluster] checkpoint_rounds)
+WITH_CUTS = ("rollback-storm",)
 #: the kinds injected once every worker has finished: drawn only for runs that train to their end (not with
 #: ``sigterm``), whose shards do not leave by themselves (no --exit-when-done)
-AT_THE_END = ("restart-primary-at-end",)
+AT_THE_END = ("restart-primary-at-end", "rollback-storm")
 
 
 @dataclasses.dataclass
@@ -28,7 +30,7 @@ class Fault:
     target: int = 0        # shard or worker index (a worker that has finished passes it on to the next)
     seconds: float = 0.0   # stop, hostile, netcut, squatter, full-disk, flood: how long
     count: int = 0         # hostile: connections of each sort per port; trickled-push: unregistered ones per shard;
-    #                        flood: idle connections per gRPC port
+    #                        flood: idle connections per gRPC port; rollback-storm: rollbacks asked of each shard
     role: str = ""         # netcut: whose link ("shard" or "worker")
     offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
     damage: str = ""       # corrupt-checkpoint: what is done to the newest checkpoint ("flipped", "truncated",
@@ -48,6 +50,8 @@ class Fault:
             text += f", {self.count}+1 connection(s) per shard"
         if self.kind == "flood":
             text += f" {self.count} idle connection(s) per gRPC port"
+        if self.kind == "rollback-storm":
+            text += f", {self.count} rollback(s) asked of each shard"
         if self.seconds:
             text += f", restarted {self.seconds:.1f}s later" if self.kind == "kill-worker" else \
                 f" for {self.seconds:.1f}s"
@@ -83,7 +87,7 @@ class Planner:
     before any twice), and the (policy, transport) pairs come six at a time, the first three runs of each six
     covering both policies and every transport, so a few runs cover them all.  The model is softmax or mlp on
     the digits, drawn, except in every third run (2, 5, ...): embed on clicks, a job with an embedding table.  A
-    kind that does not fit a run (WITH_REPLICAS, AT_THE_END) stays in the bag for a later run."""
+    kind that does not fit a run (WITH_REPLICAS, WITH_CUTS, AT_THE_END) stays in the bag for a later run."""
 
     def __init__(self, seed: int, kinds: Sequence[str], namespaces: str | None):
         self.rng = random.Random(seed)
@@ -124,7 +128,7 @@ class Planner:
         drawn: list[str] = []
 
         def fits(kind: str) -> bool:
-            if kind in WITH_REPLICAS and not replicas:
+            if kind in WITH_REPLICAS and not replicas or kind in WITH_CUTS and policy != "sync":
                 return False
             return not (kind == "sigterm" and any(k in AT_THE_END for k in drawn)
                         or kind in AT_THE_END and "sigterm" in drawn)
@@ -158,6 +162,8 @@ class Planner:
                 fault.seconds, fault.count = round(rng.uniform(2.0, 4.0), 2), rng.randint(1200, 2000)
             elif kind == "trickled-push":
                 fault.count = rng.randint(2, 4)
+            elif kind == "rollback-storm":
+                fault.count = rng.randint(20, 50)
             elif kind == "netcut":
                 fault.role = rng.choice(("shard", "worker"))
                 fault.target = rng.randrange(SHARDS if fault.role == "shard" else workers)

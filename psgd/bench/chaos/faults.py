@@ -13,7 +13,7 @@ from pathlib import Path
 from psgd.bench.chaos import disk, flooding
 from psgd.bench.chaos.cluster import Abort
 from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, SQUATTER, TRICKLE
-from psgd.bench.chaos.insiders import insider_follower
+from psgd.bench.chaos.insiders import insider_follower, rollback_storm
 from psgd.bench.chaos.pairs import restart_primary_at_end
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
@@ -74,6 +74,8 @@ class FaultInjection:
             note = insider_follower(self, fault.target)
         elif fault.kind == "restart-primary-at-end":
             note = restart_primary_at_end(self, fault.target)
+        elif fault.kind == "rollback-storm":
+            note = rollback_storm(self, fault.target, fault.count)
         elif fault.kind == "netcut":
             host = ("s" if fault.role == "shard" else "w") + str(fault.target)
             self.net.link(host, up=False)

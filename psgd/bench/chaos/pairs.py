@@ -20,9 +20,7 @@ def restart_primary_at_end(run: Any, k: int) -> str:
     c = run.cluster
     if not run.spec.replicas:
         return "skipped: the run keeps no replicas"
-    for r in range(run.spec.workers):  # after the workers finish (their exit codes are checked at the end)
-        c.wait(f"worker{r}", max(5.0, min(60.0, run.left())))
-    if any(c.alive(f"worker{r}") for r in range(run.spec.workers)):
+    if not run.workers_finished():
         return "skipped: a worker was still training"
     roles = [s["role"] if s else "" for s in c._pair_status(k, 2.0)]
     if sorted(roles) != ["primary", "replica"]:

@@ -63,6 +63,13 @@ class Run(FaultInjection):
     def left(self) -> float:
         return self.started + RUN_BOUND - time.monotonic()
 
+    def workers_finished(self) -> bool:
+        """Wait (bounded by the run's) for every worker to exit; whether each has (their exit codes are checked at
+        the end).  The faults injected at the job's end begin with it."""
+        for r in range(self.spec.workers):
+            self.cluster.wait(f"worker{r}", max(5.0, min(60.0, self.left())))
+        return not any(self.cluster.alive(f"worker{r}") for r in range(self.spec.workers))
+
     # -- the run -------------------------------------------------------------------------------------
     def execute(self) -> dict:
         spec = self.spec

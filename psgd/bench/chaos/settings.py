@@ -6,7 +6,7 @@ import sys
 
 KINDS = ("kill-shard", "restart-shard", "kill-worker", "stop-shard", "stop-worker", "stop-mid-pull", "hostile",
          "trickled-push", "duplicate-rank", "outsider", "corrupt-checkpoint", "squatter", "full-disk", "netcut",
-         "flood", "insider-follower", "restart-primary-at-end", "sigterm")
+         "flood", "insider-follower", "restart-primary-at-end", "rollback-storm", "sigterm")
 PY = sys.executable
 
 SHARDS = 2

@@ -93,6 +93,15 @@ worker reaches a drawn fraction of its steps:
   address with its checkpoint folder: its replica must follow it again
   within 45 s, and a push made then (worker 0's, of zeros) must be copied
   (no ``unreplicated`` push counted, the replica at the primary's version);
+- ``rollback-storm`` (sync runs, drawn only for runs that train to their end
+  without --exit-when-done): once every worker has finished, a process with
+  the token registers as one of them and asks every shard for 20-50
+  rollbacks in a row to its newest cut, each for a restart it cannot prove
+  (a made-up incarnation, a shard's that never restarted, a shard of the
+  job of its own at another address), then says Done: every
+  request must be refused with FAILED_PRECONDITION and counted
+  (``rollbacks_refused``), no version may go back, and each shard says so in
+  one ERROR line (at most two), not one per request;
 - ``netcut`` (as root, with ``ip netns``): the run's processes live in network
   namespaces made for it (veth pairs on a bridge, 10.99.1.x) and one host's
   link goes down for 1-3 s; skipped, with the reason, where namespaces
@@ -100,8 +109,8 @@ worker reaches a drawn fraction of its steps:
 - ``sigterm``: the run ends by SIGTERM to every process at once (each must
   exit 0 within 10 s) instead of training to the end.
 
-A kind a run cannot take (one "with replicas" in a run without them) waits
-in the draws for a later run that can.
+A kind a run cannot take (one "with replicas" in a run without them, one
+for "sync runs" in an async run) waits in the draws for a later run that can.
 
 Invariants (the ``check_*`` functions, pure, on plain data): the job finishes
 or stops within its bounds (every wait here is bounded: a stall is a
