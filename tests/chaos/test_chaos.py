@@ -530,3 +530,16 @@ def test_the_full_disk_fault_refuses_writes_and_leaves_the_folder_as_it_was(tmp_
             (tmp_path / "ckpt-4.npz").write_bytes(b"y" * 10000)
         assert info.value.errno == 28  # ENOSPC
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3.npz"]
+
+
+def test_a_finished_run_without_a_measured_accuracy_leaves_it_out_of_the_figures():
+    """A run stopped by a violation in its last checks finished with no accuracy measured: the summary of a
+    10-minute run (seed 7474) ended in a TypeError, and its JSON was never written."""
+    from psgd.bench.chaos.suite import accuracies, summary
+
+    records = [{"finished": True, "accuracy": 0.95}, {"finished": True, "accuracy": None},
+               {"finished": False, "accuracy": None}]
+    assert accuracies(records) == [0.95]
+    result = {"seed": 1, "runs": 3, "seconds": 1.0, "faults": {}, "faults_total": 0, "violation_count": 0,
+              "durations": [1.0], "accuracies": accuracies(records), "skipped": {}, "violations": []}
+    assert "final accuracies: 0.950" in summary(result)

@@ -205,8 +205,14 @@ def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = Non
             "runs": len(records), "faults": faults, "faults_total": sum(faults.values()),
             "skipped": dict(planner.skipped), "violations": violations, "violation_count": len(violations),
             "durations": [r["seconds"] for r in records],
-            "accuracies": [r["accuracy"] for r in records if r["finished"]], "run_records": records,
+            "accuracies": accuracies(records), "run_records": records,
             "folder": str(root) if keep_all or violations else None}
+
+
+def accuracies(records: Sequence[Mapping[str, Any]]) -> list[float]:
+    """The final accuracies of the runs that finished and were measured (one stopped by a violation in its last
+    checks finished without one)."""
+    return [r["accuracy"] for r in records if r["finished"] and r["accuracy"] is not None]
 
 
 def summary(result: Mapping[str, Any]) -> str:
@@ -243,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     result = run_chaos(args.minutes, seed, kinds, out=args.out, progress=not args.no_progress, runs=args.runs)
-    print(summary(result))
-    if args.json:
+    if args.json:  # first: the figures are kept whatever the summary meets
         Path(args.json).write_text(json.dumps(result, indent=1))
+    print(summary(result))
     return 0 if not result["violations"] else 1
 
 
