@@ -115,12 +115,17 @@ class Replication(Following):
 
     # -- roles ----------------------------------------------------------------------------------------------
     def start(self) -> "Replication":
-        """Take this process's role: replica where this is the pair's second or the peer already leads or holds
-        more (it follows the peer from now on), else primary."""
+        """Take this process's role: replica where the peer already leads or holds more (it follows the peer from
+        now on), or where this is the pair's second and its peer is not a replica that follows no one; else
+        primary."""
         found = peer_status(self.peer, self.token, self.tls) if self.peer else None
         # a restarted primary whose replica holds more than it does (it will take over) follows it too
         ahead = found is not None and (found.role == PRIMARY or found.version > self.core.version)
-        role = REPLICA if self.second or ahead else PRIMARY
+        # a peer that is a replica no further on than this process follows no one (its primary was this process,
+        # gone): this one leads, whichever of the pair it is, and the peer follows it (one told that the job was
+        # over stood by, and the second process, a replica by its flag, did too: neither led)
+        idle = found is not None and found.role == REPLICA and not ahead
+        role = REPLICA if ahead or (self.second and not idle) else PRIMARY
         self._held = role == PRIMARY
         self.core.take_role(role)
         log.info("shard %d: %s of the pair (peer %s: %s)", self.core.shard, role, self.peer or "not known yet",

@@ -743,6 +743,52 @@ def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_j
         _stop(procs, logs)
 
 
+@pytest.mark.slow
+def test_a_replica_that_took_over_and_restarts_at_the_jobs_end_leads_again(tmp_path):
+    """Found by the chaos suite (seed 7474, run 18): the pair's first process was killed, its replica took over, and
+    the first came back as the replica; after the workers finished, the primary (the process started --replica) was
+    SIGTERMed and started again.  It took the replica's role, as a --replica process does, and its peer, told that
+    the job was over, did not lead: neither did, and Status found no primary.  A process whose peer is a replica no
+    further on than itself now leads, whichever of the pair it is, and its peer follows it."""
+    from psgd.worker.client import PSClient
+
+    taken: set[int] = set()
+    ports = [free_port_pair(taken=taken) for _ in range(2)]
+    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
+                   "cluster.shards=1", "cluster.replicas=1", f"cluster.servers=127.0.0.1:{ports[0]}",
+                   f"cluster.replica_servers=127.0.0.1:{ports[1]}")
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job.to_dict()))
+    first, second = ("--checkpoint-dir", str(tmp_path / "ckpt")), ("--replica", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "r0", "p0-again", "r0-again")}
+    procs = {"p0": _server(path, 0, logs["p0"], *first), "r0": _server(path, 0, logs["r0"], *second)}
+    status = lambda address: read_status(address, Connect(timeout=5, token=TOKEN))  # noqa: E731
+    p0, r0 = job.cluster.servers[0], job.cluster.recovery.replica_servers[0]
+    try:
+        wait_for(lambda: _lag(p0) == 0, 30, "the replica to follow")
+        procs["p0"].kill()
+        procs["p0"].wait(10)
+        result = run_worker(job, 0, job.cluster.servers, progress=False, token=TOKEN)  # the replica takes over
+        assert result.steps > 0 and status(r0)["role"] == "primary"
+        procs["p0-again"] = _server(path, 0, logs["p0-again"], *first)  # the first process, now the replica
+        wait_for(lambda: _lag(r0) == 0, 30, "the first process to follow the one that took over")
+        procs["r0"].send_signal(signal.SIGTERM)  # the primary, at the job's end: it tells its replica so
+        assert procs["r0"].wait(30) == 0
+        procs["r0-again"] = _server(path, 0, logs["r0-again"], *second)
+        wait_for(lambda: _lag(r0) == 0, 30, "one of the pair to lead and the other to follow it")
+        plan = describe_job(job).plan
+        grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
+        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
+                      recovery=job.cluster.recovery, config=job, token=TOKEN) as client:
+            client.register()
+            client.push(0, grads)
+        lead = status(r0)
+        assert lead["role"] == "primary" and lead["counters"]["unreplicated"] == 0
+        wait_for(lambda: status(p0)["version"] == lead["version"], 10, "the replica to hold the push")
+    finally:
+        _stop(procs, logs)
+
+
 def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):
     """A primary whose replica never follows (started alone, its replica's address silent) acknowledged pushes
     without a copy and counted them, but said nothing.  Now the first such push is said in one WARNING line (not one
