@@ -701,14 +701,20 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
         close(*[s for s in (primary, replica) if s is not None])
 
 
-@pytest.mark.slow
-def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_jobs_end(tmp_path):
-    """Found by the chaos suite: async with a replica; the workers finished; the primary was SIGTERMed and started
-    again (same address, same checkpoint folder).  The replica, told that the job was over, never followed it again,
-    so that the restarted primary acknowledged every push without a copy while the pair still looked whole.  Now a
-    replica follows its primary again after any restart, and a push acknowledged here is copied."""
+def _push_once(job) -> None:
+    """Worker 0 of ``job`` registers again (it finished) and pushes once, failing over as a worker does."""
     from psgd.worker.client import PSClient
 
+    plan = describe_job(job).plan
+    grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
+    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
+                  recovery=job.cluster.recovery, config=job, token=TOKEN) as client:
+        client.register()
+        client.push(0, grads)
+
+
+def _one_pair(tmp_path):
+    """An async job of one shard kept twice, one worker, its processes' ports free; its job file."""
     taken: set[int] = set()
     ports = [free_port_pair(taken=taken) for _ in range(2)]
     job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
@@ -716,6 +722,16 @@ def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_j
                    f"cluster.replica_servers=127.0.0.1:{ports[1]}")
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
+    return job, path
+
+
+@pytest.mark.slow
+def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_jobs_end(tmp_path):
+    """Found by the chaos suite: async with a replica; the workers finished; the primary was SIGTERMed and started
+    again (same address, same checkpoint folder).  The replica, told that the job was over, never followed it again,
+    so that the restarted primary acknowledged every push without a copy while the pair still looked whole.  Now a
+    replica follows its primary again after any restart, and a push acknowledged here is copied."""
+    job, path = _one_pair(tmp_path)
     primary = ("--checkpoint-dir", str(tmp_path / "ckpt"))
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "r0", "p0-again")}
     procs = {"p0": _server(path, 0, logs["p0"], *primary), "r0": _server(path, 0, logs["r0"], "--replica")}
@@ -729,12 +745,7 @@ def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_j
         procs["p0-again"] = _server(path, 0, logs["p0-again"], *primary)
         wait_for(lambda: _lag(job.cluster.servers[0]) == 0, 30, "the replica to follow the restarted primary")
         assert status(job.cluster.recovery.replica_servers[0])["replica_lag"] == 0  # it says it follows
-        plan = describe_job(job).plan
-        grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
-                      recovery=job.cluster.recovery, config=job, token=TOKEN) as client:
-            client.register()
-            client.push(0, grads)
+        _push_once(job)
         again = status(job.cluster.servers[0])
         assert again["role"] == "primary" and again["counters"]["unreplicated"] == 0
         wait_for(lambda: status(job.cluster.recovery.replica_servers[0])["version"] == again["version"], 10,
@@ -750,15 +761,7 @@ def test_a_replica_that_took_over_and_restarts_at_the_jobs_end_leads_again(tmp_p
     SIGTERMed and started again.  It took the replica's role, as a --replica process does, and its peer, told that
     the job was over, did not lead: neither did, and Status found no primary.  A process whose peer is a replica no
     further on than itself now leads, whichever of the pair it is, and its peer follows it."""
-    from psgd.worker.client import PSClient
-
-    taken: set[int] = set()
-    ports = [free_port_pair(taken=taken) for _ in range(2)]
-    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "cluster.replicas=1", f"cluster.servers=127.0.0.1:{ports[0]}",
-                   f"cluster.replica_servers=127.0.0.1:{ports[1]}")
-    path = tmp_path / "job.toml"
-    path.write_text(to_toml(job.to_dict()))
+    job, path = _one_pair(tmp_path)
     first, second = ("--checkpoint-dir", str(tmp_path / "ckpt")), ("--replica", "--checkpoint-dir", str(tmp_path / "ckpt"))
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "r0", "p0-again", "r0-again")}
     procs = {"p0": _server(path, 0, logs["p0"], *first), "r0": _server(path, 0, logs["r0"], *second)}
@@ -776,12 +779,7 @@ def test_a_replica_that_took_over_and_restarts_at_the_jobs_end_leads_again(tmp_p
         assert procs["r0"].wait(30) == 0
         procs["r0-again"] = _server(path, 0, logs["r0-again"], *second)
         wait_for(lambda: _lag(r0) == 0, 30, "one of the pair to lead and the other to follow it")
-        plan = describe_job(job).plan
-        grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
-                      recovery=job.cluster.recovery, config=job, token=TOKEN) as client:
-            client.register()
-            client.push(0, grads)
+        _push_once(job)
         lead = status(r0)
         assert lead["role"] == "primary" and lead["counters"]["unreplicated"] == 0
         wait_for(lambda: status(p0)["version"] == lead["version"], 10, "the replica to hold the push")
