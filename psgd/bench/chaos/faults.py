@@ -18,7 +18,7 @@ from psgd.bench.chaos.pairs import restart_primary_at_end
 from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
-from psgd.bench.chaos.settings import PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
+from psgd.bench.chaos.settings import LEASE, PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
 from psgd.server.datapath import transfer_seconds
 
 
@@ -172,6 +172,8 @@ class FaultInjection:
                                              "after SIGKILL"))
         self.worker_kills += 1
         before = c.clocks()[r]
+        if self.spec.exit_when_done:  # there a lapsed lease, once the others are done, ends the job by design (the
+            down = min(down, LEASE / 2)  # shards leave, and the worker finds none: seed 1521 run 0): back before it
         time.sleep(down)  # how long it stays dead is part of the fault
         proc = c.start_worker(r)
         deadline = time.monotonic() + START_BOUND

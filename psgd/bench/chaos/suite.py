@@ -47,7 +47,8 @@ worker reaches a drawn fraction of its steps:
   start it again: a graceful restart loses nothing;
 - ``kill-worker``: SIGKILL a worker a few ms into a step (mid-pull or
   mid-push), restart it at once or after its lease ran out (it continues from
-  the clock the shards hold);
+  the clock the shards hold; where the shards exit when done, before it runs
+  out: a lapsed lease, the others done, ends such a job by design);
 - ``stop-shard``, ``stop-worker``: SIGSTOP for 0.5-3 s, then SIGCONT (longer
   than the 2 s lease: the shard drops the worker, which registers again);
 - ``stop-mid-pull``: a worker stopped in the middle of a pull for 0.5-3 s:
