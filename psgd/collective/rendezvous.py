@@ -34,12 +34,12 @@ import logging
 import os
 import socket
 import struct
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from psgd.collective.base import CollectiveError
+from psgd.observe.files import replace_whole
 
 log = logging.getLogger(__name__)
 
@@ -134,17 +134,7 @@ def _parse_payload(payload: Any, spec: str) -> tuple[int, list[int]]:
 
 def _write_atomic(path: Path, payload: dict) -> None:
     """Write ``payload`` as JSON to ``path`` so readers see the whole file or none of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    replace_whole(path, lambda f: f.write(json.dumps(payload).encode()))
 
 
 def _ack_path(path: Path, rank: int) -> Path:

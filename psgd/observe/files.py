@@ -7,10 +7,13 @@ they hold the job's secrets or data (``private``).  Each refusal is one line nam
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from typing import IO, Any
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Callable
 
 from psgd.errors import InputError
 
@@ -32,6 +35,25 @@ def open_own(path: str | os.PathLike, how: str = "w", *, private: bool = False, 
         return os.fdopen(fd, how + "b" * binary, **options)
     except BaseException:
         os.close(fd)
+        raise
+
+
+def replace_whole(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
+    """``path`` replaced whole by what ``write`` writes into a new file beside it (made with a name no one can take
+    first), synced, then renamed over it: a reader sees the old file or the new one, never half of it, and a link
+    planted at ``path`` is replaced, its target never written.  What is left of the new file on a failure goes; the
+    failure (an OSError, or whatever ``write`` raised) is raised."""
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
         raise
 
 

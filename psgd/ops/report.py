@@ -14,19 +14,17 @@ file beside it and renamed into place, never through a symbolic link.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 from psgd.data.base import SCORE_KEYS, SCORE_WORDS
 from psgd.errors import InputError
-from psgd.observe.files import open_regular
+from psgd.observe.files import open_regular, replace_whole
 from psgd.observe.progress import steps_done
 
 #: the parts of a step the metrics lines time, in the order a step takes them
@@ -238,19 +236,9 @@ def draw(report: Report, path: str | Path) -> Path:
 
 
 def _replace(path: Path, write) -> None:
-    """``path`` replaced whole by what ``write`` writes into a new file beside it: a link planted there, before the
-    check or after it, is replaced, its target never written."""
+    """``path`` replaced whole by what ``write`` writes (psgd.observe.files.replace_whole: a link planted there,
+    before the check or after it, is replaced, its target never written)."""
     try:
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        replace_whole(path, write)
     except OSError as exc:
         raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(temp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        if isinstance(exc, OSError):
-            raise ReportError(f"cannot write {path}: {exc.strerror or exc}") from None
-        raise
