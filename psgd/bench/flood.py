@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 from psgd.errors import ClusterError
 
@@ -178,10 +179,44 @@ def _steps(metrics: Path, start: float, end: float) -> int:
     return count
 
 
-def _ready(flood: subprocess.Popen) -> None:
-    """Wait (START_BOUND at most) for a flood process to say it opened its connections."""
-    if not select.select([flood.stdout], [], [], START_BOUND)[0] or flood.stdout.readline().strip() != "ready":
-        raise FloodError(f"a flood process did not open its connections within {START_BOUND:.0f}s")
+def start_flood(host: str, port: str, count: int, seconds: float, reopen: bool,
+                prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """A process of :data:`FLOOD`'s holding ``count`` idle connections to ``host``:``port`` for ``seconds`` at most
+    (``reopen``: each one closed is opened again), run after ``prefix`` (a network namespace's ``ip netns exec``)."""
+    return subprocess.Popen([*prefix, sys.executable, "-c", FLOOD, host, port, str(count), str(seconds),
+                             "1" if reopen else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def ready(flood: subprocess.Popen, bound: float = START_BOUND) -> None:
+    """Wait (``bound`` seconds at most) for a flood process to say it opened its connections; FloodError, with what
+    it said on stderr, where it did not (it is killed then)."""
+    if select.select([flood.stdout], [], [], bound)[0] and flood.stdout.readline().strip() == "ready":
+        return
+    flood.kill()
+    flood.wait(5)
+    raise FloodError(f"a flood process did not open its connections within {bound:.0f}s: "
+                     f"{flood.stderr.read().strip()[-500:]}")
+
+
+def end_floods(floods: Sequence[subprocess.Popen]) -> tuple[dict[str, int], int]:
+    """End each flood process (its stdin closed) and sum what they say they did: opened, failed, closed by the
+    shard; second, how many said nothing (they are killed)."""
+    stats, unread = {"opened": 0, "failed": 0, "closed_by_shard": 0}, 0
+    for f in floods:
+        with contextlib.suppress(OSError):
+            f.stdin.close()
+    for f in floods:
+        try:
+            f.wait(30)
+            said = json.loads(f.stdout.read().strip().splitlines()[-1])
+            stats = {k: stats[k] + said[k] for k in stats}
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            unread += 1
+        if f.poll() is None:
+            f.kill()
+            f.wait(5)
+    return stats, unread
 
 
 def _checkpoints(folder: Path) -> list[int]:
@@ -247,15 +282,13 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
         for rank, kind in enumerate(KINDS, start=1):
             count = connections or limit + limit // 10
             per = max(1000, _limit(os.getpid()) - 200)  # connections a flood process may hold (its own limit)
-            floods = [subprocess.Popen([sys.executable, "-c", FLOOD, host, port, str(min(per, count - i)),
-                                        str(seconds + START_BOUND), "1" if kind == "reopened" else "0"],
-                                       stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+            floods = [start_flood(host, port, min(per, count - i), seconds + START_BOUND, kind == "reopened")
                       for i in range(0, count, per)]
             figures: dict = {}
             try:
                 figures = _window(shard, seconds, ckpt, shard_proc.pid, metrics)  # from the flood's first connection
                 for f in floods:
-                    _ready(f)
+                    ready(f)
                 joiner, joined = worker(rank)
                 figures["new_worker_first_step_s"] = stepped(joined, joiner, f"worker {rank}")
                 joiner.terminate()
@@ -263,16 +296,7 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
             except FloodError as exc:  # this kind's figures are missing; said, and the next kind goes on
                 figures["error"] = str(exc)
             finally:
-                stats = {"opened": 0, "failed": 0, "closed_by_shard": 0}
-                for f in floods:
-                    f.stdin.close()  # the flood ends
-                    with contextlib.suppress(subprocess.TimeoutExpired, ValueError, IndexError):
-                        f.wait(30)
-                        said = json.loads(f.stdout.read().strip().splitlines()[-1])
-                        stats = {k: stats[k] + said[k] for k in stats}
-                    if f.poll() is None:
-                        f.kill()
-                        f.wait(5)
+                stats = end_floods(floods)[0]
             figures["connections"], figures["flood"] = count, stats
             result[kind] = figures
             if "error" in figures:

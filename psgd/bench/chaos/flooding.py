@@ -1,6 +1,6 @@
 """The ``flood`` fault: idle TCP connections against every shard process's gRPC port, more than one port takes
 (:data:`psgd.server.listen.GRPC_CONNECTIONS`), opened at once and held for a few seconds; those a shard closes are
-not opened again.  The connections are ``psgd bench flood``'s (:data:`psgd.bench.flood.FLOOD`): a process of their
+not opened again.  The connections are ``psgd bench flood``'s (:func:`psgd.bench.flood.start_flood`): a process of their
 own per port, on the observer's host, which raises its own limit on open files to its hard limit.
 
 Meanwhile every shard process must answer Status within the request timeout (its port bounds what connections that
@@ -9,16 +9,13 @@ shard may fail: no "Exception in thread" in its log, no ``background_errors`` co
 
 from __future__ import annotations
 
-import json
-import subprocess
-import threading
 import time
 from typing import Any
 
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.invariants import check_background
-from psgd.bench.chaos.settings import PY, REQUEST_TIMEOUT, START_BOUND
-from psgd.bench.flood import FLOOD
+from psgd.bench.chaos.settings import REQUEST_TIMEOUT, START_BOUND
+from psgd.bench.flood import FloodError, end_floods, ready, start_flood
 
 
 def inject(run: Any, fault: Fault) -> str:
@@ -28,43 +25,20 @@ def inject(run: Any, fault: Fault) -> str:
     logs = {name: (c.procs[name].log, c.procs[name].log.stat().st_size) for name in c.shard_names}
     errors = _background_errors(c)
     before = run._versions()
-    floods = []
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        floods.append(subprocess.Popen(c.prefix("obs") + [PY, "-c", FLOOD, host.strip("[]"), port, str(fault.count),
-                                                          str(fault.seconds + START_BOUND), "0"],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True))
-    stats = {"opened": 0, "failed": 0, "closed_by_shard": 0}
+    floods = [start_flood(address.rpartition(":")[0].strip("[]"), address.rpartition(":")[2], fault.count,
+                          fault.seconds + START_BOUND, False, c.prefix("obs")) for address in addresses]
     unanswered: list[str] = []
-    unread = 0  # flood clients whose figures could not be read
     try:
-        for f in floods:  # each says "ready" once its connections are open (killed, it says nothing)
-            guard = threading.Timer(START_BOUND, f.kill)
-            guard.start()
-            try:
-                if f.stdout.readline().strip() != "ready":
-                    run.violate("harness", [f"a flood client did not open its connections: "
-                                            f"{f.stderr.read().strip()[-500:]}"])
-                    return "flood client failed"
-            finally:
-                guard.cancel()
+        for f in floods:  # each says "ready" once its connections are open
+            ready(f)
         held = time.monotonic()
         unanswered = _status_during(c, addresses)
         time.sleep(max(0.0, fault.seconds - (time.monotonic() - held)))  # how long the flood is held is the fault
+    except FloodError as exc:
+        run.violate("harness", [f"a flood client did not open its connections: {exc}"])
+        return "flood client failed"
     finally:
-        for f in floods:
-            f.stdin.close()  # the flood ends
-        for f in floods:
-            try:
-                f.wait(30)
-                said = json.loads(f.stdout.read().strip().splitlines()[-1])
-                stats = {k: stats[k] + said[k] for k in stats}
-            except (subprocess.TimeoutExpired, ValueError, IndexError):
-                unread += 1
-            if f.poll() is None:
-                f.kill()
-                f.wait(5)
+        stats, unread = end_floods(floods)  # unread: flood clients whose figures could not be read
     after = run._versions()
     if unread:
         run.violate("harness", [f"{unread} flood client(s) did not say what they opened"])

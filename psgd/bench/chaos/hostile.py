@@ -5,7 +5,7 @@
 ``outsider``'s calls in a live worker's name without its registration (:data:`OUTSIDER`), the ``squatter``
 at a dead shard process's address (:data:`SQUATTER`), the ``insider-follower``'s claims to be a primary's replica
 (:data:`FOLLOW_AS`), and the push made after a primary restarted at the job's end (:data:`PUSH_ONCE`).  The
-``flood``'s idle connections are ``psgd bench flood``'s (:data:`psgd.bench.flood.FLOOD`)."""
+``flood``'s idle connections are ``psgd bench flood``'s (:func:`psgd.bench.flood.start_flood`)."""
 
 from __future__ import annotations
 
