@@ -12,7 +12,6 @@ checked itself (psgd.server.peers.restart_of): every request must be refused wit
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -160,4 +159,6 @@ def storm(config: str, worker: int, rounds: int, bind: str, seed: int, timeout: 
 def _restarted(reply: Any) -> bool:
     """Whether the shard that sent the Status ``reply`` restarted from a checkpoint: the job may have gone back for
     it (a shard answers a cause it went back for already as done), so it is no cause that it cannot prove."""
-    return json.loads(reply.counters_json or "{}").get("restored_version") is not None
+    from psgd.ops.reach import status_dict
+
+    return status_dict(reply)["counters"].get("restored_version") is not None
