@@ -17,7 +17,7 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 import numpy as np
 
-from psgd.wire.channel import chunks, open_channel, token_metadata
+from psgd.wire.channel import chunks, open_channel
 from psgd.wire.codec import Codec
 from psgd.errors import Code
 from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
@@ -44,9 +44,8 @@ class GrpcLink(Link):
 
     def __init__(self, endpoint: Endpoint):
         super().__init__(endpoint)
-        self.channel = open_channel(endpoint.address, endpoint.tls)
+        self.channel = open_channel(endpoint.address, endpoint.tls, endpoint.token)  # each call proves the token
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
-        self.metadata = token_metadata(endpoint.token)
         self.timeout = endpoint.request_timeout
         self.registration = ""  # the key of this worker's registration with the shard: every later call carries it
         self._streams: list = []  # pull streams in flight, cancelled by interrupt()
@@ -54,30 +53,30 @@ class GrpcLink(Link):
         self._lock = threading.Lock()
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
-        reply = _call(lambda: self.stub.Register(request, timeout=self.timeout, metadata=self.metadata))
+        reply = _call(lambda: self.stub.Register(request, timeout=self.timeout))
         self.registration = reply.registration
         return reply
 
     def heartbeat(self, clock: int, timeout: float) -> None:
         request = ps_pb2.HeartbeatRequest(worker_id=self.endpoint.worker_id, clock=clock,
                                           registration=self.registration)
-        _call(lambda: self.stub.Heartbeat(request, timeout=timeout, metadata=self.metadata))
+        _call(lambda: self.stub.Heartbeat(request, timeout=timeout))
 
     def done(self, clock: int) -> None:
         request = ps_pb2.DoneRequest(worker_id=self.endpoint.worker_id, clock=clock, registration=self.registration)
-        _call(lambda: self.stub.Done(request, timeout=self.timeout, metadata=self.metadata))
+        _call(lambda: self.stub.Done(request, timeout=self.timeout))
 
     def status(self) -> ps_pb2.StatusReply:
-        return _call(lambda: self.stub.Status(ps_pb2.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
+        return _call(lambda: self.stub.Status(ps_pb2.StatusRequest(), timeout=self.timeout))
 
     def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
         request = ps_pb2.ListRowsRequest(table=table, start=start)
-        return _call(lambda: self.stub.ListRows(request, timeout=self.timeout, metadata=self.metadata))
+        return _call(lambda: self.stub.ListRows(request, timeout=self.timeout))
 
     def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
         request = ps_pb2.RollbackRequest(worker_id=self.endpoint.worker_id, to_version=version, cause=cause,
                                          dry_run=dry_run, registration=self.registration)
-        return _call(lambda: self.stub.Rollback(request, timeout=self.timeout, metadata=self.metadata))
+        return _call(lambda: self.stub.Rollback(request, timeout=self.timeout))
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         ep = self.endpoint
@@ -89,7 +88,7 @@ class GrpcLink(Link):
         asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
         stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked,
                                                    registration=self.registration),
-                                timeout=self.timeout, metadata=self.metadata)
+                                timeout=self.timeout)
         with self._watched(stream):
             return self._fill(self._chunks(stream), views, rows)
 
@@ -176,13 +175,12 @@ class GrpcLink(Link):
     def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
              rows: RowsIn | None = None) -> PushReply:
         reply = _call(lambda: self.stub.Push(self._messages(clock, base_version, codec, parts, rows),
-                                             timeout=self.timeout, metadata=self.metadata))
+                                             timeout=self.timeout))
         return PushReply(reply.outcome, reply.next_clock, reply.version, reply.staleness)
 
     def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
                   views: list[memoryview], device=None) -> tuple[PushReply, int | None]:
-        stream = self.stub.PushPull(self._messages(clock, base_version, codec, parts, None), timeout=self.timeout,
-                                    metadata=self.metadata)
+        stream = self.stub.PushPull(self._messages(clock, base_version, codec, parts, None), timeout=self.timeout)
         received = self._chunks(stream)
         first = next(received, None)  # an error before it: the push's
         if first is None or not first.HasField("pushed"):

@@ -5,7 +5,7 @@ worker's arrays with ``recv_into``; a push is one header and the gradient's
 bytes sent from views with ``sendmsg`` (see :mod:`psgd.wire.protocol`).  Rows
 of embedding tables go with them: a pull's ids after its header and their
 values after the weights, a push's rows after its gradient.  The
-connection is opened on first use with a hello (worker id, plan hash, token)
+connection is opened on first use with a hello (worker id, plan hash, a proof of the token: psgd.wire.proofs)
 and reopened after it breaks.  A shard without a data port (``transport =
 "grpc"`` on its side) is pulled from and pushed to over gRPC.
 
@@ -28,6 +28,7 @@ from psgd.errors import Code
 from psgd.link.base import Endpoint, LinkError, PushReply, RowsIn, RowsOut
 from psgd.link.grpc import GrpcLink
 from psgd.proto import ps_pb2
+from psgd.wire.proofs import Prover
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 from psgd.wire.rows import sections
@@ -38,8 +39,8 @@ REPLY_MARGIN = 2.0
 
 
 class DataConnection:
-    """One data-path connection to one shard, opened with a hello (worker id, plan hash, token, the worker's
-    registration key).
+    """One data-path connection to one shard, opened with a hello (worker id, plan hash, a fresh proof of the token
+    made for this port, the worker's registration key).
 
     Raises :class:`LinkError` with the shard's status when it refuses, and
     :class:`protocol.WireError` when the connection breaks."""
@@ -62,8 +63,8 @@ class DataConnection:
                                     f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
             self.sock.settimeout(timeout + REPLY_MARGIN)
             self._spin = protocol.Spin(self.sock, busy_poll)  # a reply is watched for before the read sleeps
-            hello = {"token": token, "plan_hash": plan_hash, **({"key": key} if key else {}),
-                     **({"shm": shm} if shm else {})}
+            hello = {"proof": Prover(token, f"{host}:{port}").prove("hello"), "plan_hash": plan_hash,
+                     **({"key": key} if key else {}), **({"shm": shm} if shm else {})}
             body = json.dumps(hello).encode()
             try:
                 self._send(protocol.OP_HELLO, worker, 0, 0, 0, [body], len(body))

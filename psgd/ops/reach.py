@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
-from psgd.wire.channel import SERVICE_NAME, TOKEN_ENV, open_channel, token_metadata
+from psgd.wire.channel import SERVICE_NAME, TOKEN_ENV, open_channel
 from psgd.wire.tls import TLSFiles
 
 
@@ -36,15 +36,11 @@ class Connect:
         return cls(timeout=timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "", tls_key=tls.key or "")
 
     @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return token_metadata(self.token)
-
-    @property
     def tls(self) -> TLSFiles:
         return TLSFiles(self.tls_cert or None, self.tls_key or None, self.tls_ca or None)
 
     def channel(self, address: str) -> grpc.Channel:
-        return open_channel(address, self.tls)
+        return open_channel(address, self.tls, self.token)
 
     def call(self, address: str, ask: Callable[[grpc.Channel, float, bool], Any]) -> Any:
         """``ask(channel, timeout, wait_for_ready)`` on a channel to ``address``, within ``self.timeout`` in all.  A
@@ -146,7 +142,7 @@ def check_health(address: str, connect: Connect) -> tuple[str, str | None, str |
 
     try:
         reply = connect.call(address, lambda channel, timeout, wait: health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout, metadata=connect.metadata,
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout,
             wait_for_ready=wait))
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.NOT_FOUND:
@@ -165,7 +161,7 @@ def read_status(address: str, connect: Connect) -> dict:
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
     reply = connect.call(address, lambda channel, timeout, wait: ps_pb2_grpc.ParameterServerStub(channel).Status(
-        ps_pb2.StatusRequest(), timeout=timeout, metadata=connect.metadata, wait_for_ready=wait))
+        ps_pb2.StatusRequest(), timeout=timeout, wait_for_ready=wait))
     return status_dict(reply)
 
 

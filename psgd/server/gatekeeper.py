@@ -31,7 +31,7 @@ from typing import Callable
 
 from psgd.server.core import ShardCore
 from psgd.server import hello
-from psgd.server.tokens import Proofs
+from psgd.server.tokens import Here, Proofs
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class Gatekeeper:
     def __init__(self, core: ShardCore, sock: socket.socket, *, token: str, tls: ssl.SSLContext | None,
                  hello_timeout: float, max_unauthenticated: int, max_per_peer: int, hand_over: HandOver):
         self.core, self.sock, self.tls = core, sock, tls
-        self.proofs = Proofs(token)  # the token; a follower's hello proves it, each proof good once
+        host, port = sock.getsockname()[:2]
+        self.proofs = Proofs(token, Here(host), lambda: port)  # the token, which a hello proves: once, made for here
         self.hello_timeout = hello_timeout
         self.max_unauthenticated = max(1, max_unauthenticated)
         self.max_per_peer = max(1, min(max_per_peer, self.max_unauthenticated))

@@ -1,18 +1,17 @@
 """What a data connection's hello must say, checked (:func:`check`), and why one is refused (:class:`Refusal`);
 :mod:`psgd.server.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
 
-A hello is a JSON object after the request header: the job's token (a replica's: a proof that it holds it,
-``"proof"``, psgd.server.tokens), the partition plan's hash, a worker's registration key (``"key"``: what its
-registration over gRPC got), and the wish for a shared-memory segment (``"shm"``: ``"pull"`` or ``"push"``, workers
-only) or to follow the shard as its replica (``"follow": true``, the header naming no worker: psgd.server.stream);
-the header names the worker.  A hello as a registered worker without that registration's key is refused; every
-request on the connection is checked against the key again (a connection of a worker that was not registered yet
-is served, and its requests are refused until it is).
+A hello is a JSON object after the request header: a proof that its sender holds the job's token (``"proof"``,
+made for this port and good once: psgd.wire.proofs; the token itself is never sent), the partition plan's hash, a
+worker's registration key (``"key"``: what its registration over gRPC got), and the wish for a shared-memory
+segment (``"shm"``: ``"pull"`` or ``"push"``, workers only) or to follow the shard as its replica (``"follow":
+true``, the header naming no worker: psgd.server.stream); the header names the worker.  A hello as a registered
+worker without that registration's key is refused; every request on the connection is checked against the key
+again (a connection of a worker that was not registered yet is served, and its requests are refused until it is).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 
 from psgd.errors import PsgdError
@@ -39,19 +38,14 @@ def check(body: bytes | bytearray, worker: int, *, proofs: Proofs, plan_hash: st
     ``proofs``), its plan's ``plan_hash`` and its ``roster``; a :class:`Refusal` otherwise."""
     try:
         said = json.loads(body)
-        given, theirs, key = str(said.get("token", "")), str(said.get("plan_hash", "")), str(said.get("key", ""))
-        shm = str(said.get("shm", ""))
+        theirs, key, shm = str(said.get("plan_hash", "")), str(said.get("key", "")), str(said.get("shm", ""))
         follow, proof = said.get("follow") is True, str(said.get("proof", ""))
     except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
         raise Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
-    # surrogatepass: JSON may carry lone surrogates ("\ud800"), which plain UTF-8 cannot encode
-    token = proofs.token
-    if follow and token:  # a replica proves that it holds the token, never sending it (psgd.server.peers)
-        if not proofs.check(proof, "follow"):
-            raise Refusal("UNAUTHENTICATED", "a follower must prove that it holds the job's token (a fresh proof, "
-                          "psgd.server.tokens)", "no proof of the token")
-    elif not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass")):
-        raise Refusal("UNAUTHENTICATED", "wrong or missing token", "wrong or missing token")
+    if proofs.token and not proofs.check(proof, "follow" if follow else "hello"):
+        raise Refusal("UNAUTHENTICATED", "missing, wrong or replayed proof of the token: a hello proves that its "
+                      "sender holds the job's token with a fresh proof made for this port (psgd.wire.proofs)",
+                      "no proof of the token")
     if theirs != plan_hash:
         raise Refusal("FAILED_PRECONDITION", f"partition plan {theirs[:64]!r} is not shard "
                       f"{shard}'s (registering over gRPC says how they differ)", "another partition plan")

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import grpc
 
-from psgd.wire.channel import SERVICE_NAME, open_channel
+from psgd.wire.channel import open_channel
 from psgd.observe.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import tokens
@@ -37,10 +37,9 @@ def _ask(address: str, token: str, tls: TLSFiles, ticket: str = "") -> tuple[ps_
     a ``ticket``, that it follows this process with that ticket."""
     challenge = secrets.token_hex(16) if token else ""
     try:
-        with open_channel(address, tls) as channel:
+        with open_channel(address, tls, token) as channel:  # each call proves the token, made for this address
             reply = ps_pb2_grpc.ParameterServerStub(channel).Status(
-                ps_pb2.StatusRequest(challenge=challenge, ticket=ticket), timeout=PEER_SECONDS,
-                metadata=tokens.proof_metadata(token, f"/{SERVICE_NAME}/Status"))
+                ps_pb2.StatusRequest(challenge=challenge, ticket=ticket), timeout=PEER_SECONDS)
     except grpc.RpcError:
         return None, False
     return reply, tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply), *filter(None, [ticket]))

@@ -275,10 +275,10 @@ class ShardServer:
         self.checkpoint_dir = checkpoint_dir
         self._failures = recovery.Failures(core, stop=on_cut_failure == "stop")
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
-        if token:
-            interceptors = [tokens.TokenInterceptor(token), *interceptors]
-        self.incarnation = uuid.uuid4().hex[:12]
         host = bind.rpartition(":")[0]
+        if token:  # a proof is good only at the port it names: this one's, known once it is bound
+            interceptors = [tokens.TokenInterceptor(token, tokens.Here(host), lambda: self.port), *interceptors]
+        self.incarnation = uuid.uuid4().hex[:12]
         means = wire.meaning(transport)  # a data port or none; shared memory for workers on this host or not
         try:
             self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,

@@ -21,7 +21,8 @@ import struct
 
 import numpy as np
 
-from psgd.server import checkpoint, tokens
+from psgd.server import checkpoint
+from psgd.wire.proofs import Prover
 from psgd.server.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.wire.tls import TLSFiles
@@ -141,7 +142,7 @@ def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSF
         protocol.tune(sock)
         if tls.enabled:
             sock = tls.wrap_client(sock, host)
-        hello = json.dumps({"proof": tokens.prove(token, "follow") if token else "", "plan_hash": plan_hash,
+        hello = json.dumps({"proof": Prover(token, f"{host}:{port}").prove("follow"), "plan_hash": plan_hash,
                             "follow": True}).encode()  # the token itself never travels to a peer
         protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
                                                            protocol.OBSERVER, 0, 0, len(hello)), hello])

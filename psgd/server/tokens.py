@@ -1,51 +1,133 @@
-"""The token check of a shard's gRPC calls (the data port's is its hello's: psgd.server.gatekeeper), and the proofs
-with which the two processes of a pair show each other that they hold the job's token without sending it.
+"""The token check of a shard's calls: the proofs that a caller holds the job's token (psgd.wire.proofs), each
+accepted once, at the address it names only if that is this process's (:class:`Here`); and the proofs with which
+the processes of a pair show each other that an answer comes from a holder of the token.
 
-A worker sends the token itself (``authorization: Bearer TOKEN``) to the addresses its job file names.  A pair's
-processes also talk to whatever answers at the other's address, which may be a stranger's after the other died,
-so they never send the token: a call carries ``authorization: Proof TIME.NONCE.MAC``, a keyed hash (HMAC-SHA256,
-with a key derived from the token) of what it is for, when it was made and a random nonce, which a shard accepts
-once within :data:`PROOF_SECONDS` of its own clock; and a Status answer carries a keyed hash of the caller's fresh
-challenge and of what the answer says (:func:`answer`), so that a claim to lead made by a process without the token
-is not believed.  Without a token (``--no-token``) there is nothing to prove, and nothing is checked.
+No call sends the token: a gRPC call carries ``authorization: Proof WHEN SESSION COUNT TO MAC`` and a data-port
+hello its ``"proof"`` (psgd.server.hello).  A shard accepts a proof when its time is within :data:`PROOF_SECONDS`
+of its own clock, it names this process's port and an address of this machine, and its
+count was not used before in its session (each session's counts are remembered in a window of :data:`WINDOW`).  A
+Status answer carries a keyed hash of the caller's fresh challenge and of what the answer says (:func:`answer`), so
+that a claim to lead made by a process without the token is not believed.  Without a token (``--no-token``) there
+is nothing to prove, and nothing is checked.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
+import socket
 import threading
 import time
+from typing import Callable
 
 import grpc
 
-from psgd.wire.channel import TOKEN_METADATA_KEY
+from psgd.wire.proofs import PROOF_METADATA_KEY, PROOF_SECONDS, mac, parse
 
-#: how far a proof's time may be from the checking shard's clock (the machines' clocks may differ by less)
-PROOF_SECONDS = 300.0
-#: the most proofs remembered at once (each accepted once): beyond it, proofs are refused until old ones expire
-MOST_REMEMBERED = 100_000
-
-
-def _key(token: str) -> bytes:
-    return hmac.new(token.encode("utf-8", "surrogatepass"), b"psgd peer proof", hashlib.sha256).digest()
-
-
-def _mac(token: str, *words: object) -> str:
-    said = "\x1f".join(str(w) for w in words).encode("utf-8", "surrogatepass")
-    return hmac.new(_key(token), said, hashlib.sha256).hexdigest()
+#: the most sessions remembered at once (a session is a caller's run of proofs): beyond it, proofs of new sessions
+#: are refused until old ones expire
+MOST_SESSIONS = 20_000
+#: how many counts below a session's highest are still told apart (calls in flight at once, arriving in any order);
+#: a proof further behind is refused
+WINDOW = 4096
+#: the most host names whose being this machine's is remembered
+_MOST_NAMES = 256
 
 
-def prove(token: str, purpose: str) -> str:
-    """A proof that the caller holds ``token``, for ``purpose`` (a gRPC method, or "follow"), good once."""
-    when, nonce = int(time.time()), secrets.token_hex(16)
-    return f"{when}.{nonce}.{_mac(token, 'call', purpose, when, nonce)}"
+class Here:
+    """Where this process listens (``host``).  A proof names the address its call was made to; it is accepted only
+    at that port, on a machine that address names (:meth:`answers_to`), so that a proof received by another process
+    (whoever holds a dead shard's port) is no good here."""
+
+    def __init__(self, host: str = ""):
+        self.host = host.strip("[]")
+        self._local: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def answers_to(self, to: str, port: int) -> bool:
+        """Whether a call made to ``to`` (host:port) reached this process, listening on ``port``."""
+        host, _, number = to.rpartition(":")
+        host = host.strip("[]")
+        if not number.isdigit() or int(number) != port or not host:
+            return False
+        return (host == self.host and host not in ("0.0.0.0", "::")) or self._is_local(host)
+
+    def _is_local(self, host: str) -> bool:
+        """Whether ``host`` names this machine: one of its addresses can be bound here."""
+        with self._lock:
+            known = self._local.get(host)
+        if known is not None:
+            return known
+        try:
+            found = {info[4][0]: info[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)}
+        except (OSError, UnicodeError, ValueError):
+            found = {}
+        local = False
+        for address, family in found.items():
+            try:
+                with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                    probe.bind((address, 0))
+                local = True
+                break
+            except OSError:
+                continue
+        with self._lock:
+            if len(self._local) < _MOST_NAMES:
+                self._local[host] = local
+        return local
+
+
+class Proofs:
+    """Checks proofs (psgd.wire.proofs) made for this process (``here``, listening on ``port()``), each accepted
+    once while its time is within PROOF_SECONDS."""
+
+    def __init__(self, token: str, here: Here | None = None, port: Callable[[], int] = lambda: 0):
+        self.token, self.here, self.port = token, here or Here(), port
+        self._lock = threading.Lock()
+        self._sessions: dict[str, list[int]] = {}  # session -> [highest count, window of counts seen, latest time]
+
+    def check(self, proof: str, purpose: str) -> bool:
+        parsed = parse(proof)
+        if parsed is None:
+            return False
+        when, session, count, to, given = parsed
+        now = time.time()
+        if abs(now - when) > PROOF_SECONDS or count < 1:
+            return False
+        if not hmac.compare_digest(given.encode("ascii", "replace"),
+                                   mac(self.token, "call", purpose, to, when, session, count).encode()):
+            return False
+        if not self.here.answers_to(to, self.port()):
+            return False  # made for another process: received by whoever held that address
+        return self._first(session, count, when, now)
+
+    def _first(self, session: str, count: int, when: int, now: float) -> bool:
+        """Whether ``count`` is new in ``session`` (then remembered)."""
+        with self._lock:
+            seen = self._sessions.get(session)
+            if seen is None:
+                if len(self._sessions) >= MOST_SESSIONS:
+                    self._sessions = {s: v for s, v in self._sessions.items() if now - v[2] <= PROOF_SECONDS}
+                if len(self._sessions) >= MOST_SESSIONS:
+                    return False  # too many sessions within their time to remember another
+                self._sessions[session] = [count, 1, when]
+                return True
+            highest, window, latest = seen
+            if count > highest:
+                window = ((window << min(count - highest, WINDOW)) | 1) & ((1 << WINDOW) - 1)
+                highest = count
+            else:
+                bit = 1 << (highest - count) if highest - count < WINDOW else 0
+                if not bit or window & bit:
+                    return False  # replayed, or too far behind to tell
+                window |= bit
+            # a session is forgotten only once every proof it accepted is too old to be accepted again
+            seen[:] = [highest, window, max(latest, when)]
+            return True
 
 
 def answer(token: str, challenge: str, *said: object) -> str:
     """The proof that an answer saying ``said`` to the fresh ``challenge`` comes from a holder of ``token``."""
-    return _mac(token, "answer", challenge, *said) if token and challenge else ""
+    return mac(token, "answer", challenge, *said) if token and challenge else ""
 
 
 def answered(token: str, challenge: str, proof: str, *said: object) -> bool:
@@ -54,48 +136,16 @@ def answered(token: str, challenge: str, proof: str, *said: object) -> bool:
                                             answer(token, challenge, *said).encode())
 
 
-class Proofs:
-    """Checks proofs made with :func:`prove`, each accepted once while its time is within PROOF_SECONDS."""
-
-    def __init__(self, token: str):
-        self.token = token
-        self._lock = threading.Lock()
-        self._seen: dict[str, float] = {}  # nonce -> the proof's time, forgotten once it is too old to be accepted
-
-    def check(self, proof: str, purpose: str) -> bool:
-        when, _, rest = proof.partition(".")
-        nonce, _, mac = rest.partition(".")
-        now = time.time()
-        if not (when.isdigit() and len(nonce) == 32 and abs(now - int(when)) <= PROOF_SECONDS):
-            return False
-        if not hmac.compare_digest(mac.encode("ascii", "replace"),
-                                   _mac(self.token, "call", purpose, int(when), nonce).encode()):
-            return False
-        with self._lock:
-            if len(self._seen) >= MOST_REMEMBERED:
-                self._seen = {n: t for n, t in self._seen.items() if now - t <= PROOF_SECONDS}
-            if nonce in self._seen or len(self._seen) >= MOST_REMEMBERED:
-                return False  # replayed (or too many at once to remember)
-            self._seen[nonce] = int(when)
-        return True
-
-
-def proof_metadata(token: str, method: str) -> tuple[tuple[str, str], ...]:
-    """The metadata of a call to ``method`` (``/psgd.v1.ParameterServer/Status``) that proves the token."""
-    return ((TOKEN_METADATA_KEY, f"Proof {prove(token, method)}"),) if token else ()
-
-
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without the shared token (metadata ``authorization: Bearer TOKEN``) or a proof of it
-    (``authorization: Proof ...``, :func:`prove`)."""
+    """Refuses every call without a proof of the shared token made for this process (metadata
+    ``authorization: Proof ...``, :class:`Proofs`)."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-        self._proofs = Proofs(token)
+    def __init__(self, token: str, here: Here | None = None, port: Callable[[], int] = lambda: 0):
+        self._proofs = Proofs(token, here, port)
 
         def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass --token or set PSGD_TOKEN "
-                                                           "to the job's token")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing, wrong or replayed proof of the token: pass "
+                                                           "--token or set PSGD_TOKEN to the job's token")
 
         self._refusals = {
             (False, False): grpc.unary_unary_rpc_method_handler(refuse),
@@ -109,11 +159,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if method.startswith("/grpc.health.v1.Health/"):
             return continuation(handler_call_details)  # health checks stay open, as orchestrators expect
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected) or (
-                        given.startswith(b"Proof ") and self._proofs.check(given[6:].decode("ascii", "replace"),
-                                                                           method)):
+            if key == PROOF_METADATA_KEY:
+                given = value if isinstance(value, str) else value.decode("ascii", "replace")
+                if given.startswith("Proof ") and self._proofs.check(given[6:], method):
                     return continuation(handler_call_details)
                 break
         handler = continuation(handler_call_details)

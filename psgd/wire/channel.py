@@ -1,6 +1,6 @@
-"""A gRPC channel to a shard, its TLS and the shard's, the token every call to it carries, and the size of the
-messages on it: one place for every caller (a worker's links, ``psgd status``/``doctor``/``export``, the launcher,
-the benchmarks) and for the shard's gRPC server."""
+"""A gRPC channel to a shard, its TLS and the shard's, the proof of the token every call on it carries
+(:mod:`psgd.wire.proofs`), and the size of the messages on it: one place for every caller (a worker's links,
+``psgd status``/``doctor``/``export``, the launcher, the benchmarks) and for the shard's gRPC server."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Iterator, Mapping
 import grpc
 
 from psgd.errors import ConfigError
+from psgd.wire.proofs import PROOF_METADATA_KEY, Prover
 from psgd.wire.tls import NO_TLS, TLSFiles
 
 #: Tensors travel over gRPC in chunks of this many bytes (a pull's TensorChunk, a push's).
@@ -35,8 +36,6 @@ CHANNEL_OPTIONS = [
 
 #: The gRPC service of a shard, as health checks name it.
 SERVICE_NAME = "psgd.v1.ParameterServer"
-#: The gRPC metadata key that carries the job's shared token, as ``Bearer TOKEN``.
-TOKEN_METADATA_KEY = "authorization"
 #: Where every process of a job finds its token when no --token flag gives one.
 TOKEN_ENV = "PSGD_TOKEN"
 #: The fewest characters a token may have, and the example deploy/psgd.env.example shows: both anyone could guess.
@@ -44,15 +43,15 @@ SHORTEST_TOKEN, EXAMPLE_TOKEN = 16, "replace-me-with-a-generated-token"
 MAKE_TOKEN = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
-def open_channel(address: str, tls: TLSFiles = NO_TLS) -> grpc.Channel:
+def open_channel(address: str, tls: TLSFiles = NO_TLS, token: str = "") -> grpc.Channel:
     """A channel to ``address`` with psgd's message limits: TLS when ``tls`` names files (mutual TLS
-    with a client certificate), plaintext otherwise."""
+    with a client certificate), plaintext otherwise; each call on it proves ``token`` (never sends it)."""
     if tls.enabled:
         tls.check_client()
         credentials = grpc.ssl_channel_credentials(root_certificates=tls.pem("ca"), private_key=tls.pem("key"),
                                                    certificate_chain=tls.pem("cert"))
-        return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return _proving(grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS), token, address)
+    return _proving(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), token, address)
 
 
 def accepts_connections(address: str, timeout: float) -> bool:
@@ -92,11 +91,6 @@ def read_token(given: str | None = None, environ: Mapping[str, str] = os.environ
 _MAKE_ONE = f"anyone could guess it; make one: {MAKE_TOKEN}"
 
 
-def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """The call metadata that carries ``token`` (none without one)."""
-    return ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
-
-
 def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[tuple[int, memoryview]]:
     """(offset, piece) pairs covering ``data``; an empty buffer still yields one empty piece."""
     view = memoryview(data).cast("B")
@@ -105,3 +99,32 @@ def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[tuple[
         return
     for offset in range(0, len(view), size):
         yield offset, view[offset:offset + size]
+
+
+class _Proving(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Puts a fresh proof for its method into every call's metadata."""
+
+    def __init__(self, prover: Prover):
+        self.prover = prover
+
+    def _proven(self, details):
+        metadata = [*(details.metadata or ()), (PROOF_METADATA_KEY, "Proof " + self.prover.prove(details.method))]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._proven(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._proven(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._proven(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._proven(details), requests)
+
+
+def _proving(channel: grpc.Channel, token: str, to: str) -> grpc.Channel:
+    """``channel`` (to ``to``), each call on it proving ``token``; unchanged without a token."""
+    return grpc.intercept_channel(channel, _Proving(Prover(token, to))) if token else channel

@@ -44,6 +44,7 @@ from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer
 from psgd.server.service import ShardServer
 from psgd.wire import protocol
+from psgd.wire.proofs import Prover
 from psgd.worker.client import PSClient, PSError, process_incarnation
 
 from helpers import make_job, run_threads, shards, slice_weights, wait_for
@@ -100,7 +101,8 @@ def request(sock: socket.socket, op: int, *, worker: int = 0, clock: int = 0, ba
 def send_hello(sock: socket.socket, plan_hash: str, *, worker: int = 0, token="", body: bytes | None = None,
                size: int | None = None, key: str = "") -> None:
     if body is None:
-        body = json.dumps({"token": token, "plan_hash": plan_hash, **({"key": key} if key else {})}).encode()
+        proof = Prover(token, "127.0.0.1:%d" % sock.getpeername()[1]).prove("hello")
+        body = json.dumps({"proof": proof, "plan_hash": plan_hash, **({"key": key} if key else {})}).encode()
     request(sock, protocol.OP_HELLO, worker=worker, size=size, payload=body if size is None else b"")
 
 
@@ -625,8 +627,8 @@ def test_an_oversized_hello_is_refused_without_allocating_it(shard, size):
 
 
 def test_a_hello_of_exactly_the_largest_size_is_read(shard):
-    empty = json.dumps({"token": "", "plan_hash": shard.plan.hash, "key": shard.key(0), "pad": ""}).encode()
-    body = json.dumps({"token": "", "plan_hash": shard.plan.hash, "key": shard.key(0),
+    empty = json.dumps({"plan_hash": shard.plan.hash, "key": shard.key(0), "pad": ""}).encode()
+    body = json.dumps({"plan_hash": shard.plan.hash, "key": shard.key(0),
                        "pad": "x" * (protocol.MAX_HELLO_BYTES - len(empty))}).encode()
     assert len(body) == protocol.MAX_HELLO_BYTES
     with dial(shard.port) as sock:
@@ -645,23 +647,18 @@ def test_a_hello_that_is_not_a_json_object_is_refused(shard, body):
         assert_closed(sock)
 
 
-def test_a_token_that_utf8_cannot_encode_is_just_a_wrong_token(shard):
-    body = b'{"token": "' + b"\\ud800" * 10 + b'", "plan_hash": "' + shard.plan.hash.encode() + b'"}'
-    with dial(shard.port) as sock:
-        send_hello(sock, shard.plan.hash, body=body)
-        expect(sock, UNAUTHENTICATED, "token")
-        assert_closed(sock)
-
-
 @pytest.mark.parametrize("hello", [
-    {"plan_hash": "HASH"}, {"token": "", "plan_hash": "HASH"}, {"token": "wrong", "plan_hash": "HASH"},
-    {"token": "s3cre", "plan_hash": "HASH"}, {"token": "s3cret ", "plan_hash": "HASH"},
-    {"token": "S3CRET", "plan_hash": "HASH"}, {"token": None, "plan_hash": "HASH"},
-    {"token": 123, "plan_hash": "HASH"}, {"token": "\ud800", "plan_hash": "HASH"},
-    {"token": "wrong", "plan_hash": "another plan"},
-], ids=lambda h: repr(h.get("token", "(none)")) + ("" if h["plan_hash"] == "HASH" else "+plan"))
-def test_a_hello_without_the_right_token_is_unauthenticated(shard, token_port, hello):
-    body = json.dumps({k: (shard.plan.hash if v == "HASH" else v) for k, v in hello.items()}).encode()
+    {"plan_hash": "HASH"}, {"proof": "", "plan_hash": "HASH"}, {"proof": "wrong", "plan_hash": "HASH"},
+    {"token": "s3cret", "plan_hash": "HASH"}, {"proof": "s3cret", "plan_hash": "HASH"},
+    {"proof": "ANOTHER", "plan_hash": "HASH"}, {"proof": "ELSEWHERE", "plan_hash": "HASH"},
+    {"proof": None, "plan_hash": "HASH"}, {"proof": 123, "plan_hash": "HASH"},
+    {"proof": "\ud800", "plan_hash": "HASH"}, {"proof": "wrong", "plan_hash": "another plan"},
+], ids=lambda h: repr(h.get("proof", h.get("token", "(none)"))) + ("" if h["plan_hash"] == "HASH" else "+plan"))
+def test_a_hello_without_a_right_proof_of_the_token_is_unauthenticated(shard, token_port, hello):
+    """Neither the token itself nor a proof made with another token or for another address opens a connection."""
+    made = {"ANOTHER": Prover("another", f"127.0.0.1:{token_port}").prove("hello"),
+            "ELSEWHERE": Prover("s3cret", f"127.0.0.1:{token_port + 1}").prove("hello")}
+    body = json.dumps({k: (shard.plan.hash if v == "HASH" else made.get(v, v)) for k, v in hello.items()}).encode()
     with dial(token_port) as sock:
         send_hello(sock, shard.plan.hash, body=body)
         reply = expect(sock, UNAUTHENTICATED, "token")
@@ -1024,7 +1021,7 @@ def sessions(draw, plan_hash: str) -> bytes:
     5200 bytes of any push this shard applies, so none can change the weights."""
     parts = []
     if draw(st.booleans()):
-        body = json.dumps({"token": "", "plan_hash": plan_hash}).encode()
+        body = json.dumps({"plan_hash": plan_hash}).encode()
         parts.append(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, draw(st.sampled_from([-1, 0, 1, 2])),
                                        0, 0, len(body)) + body)
     for _ in range(draw(st.integers(0, 4))):

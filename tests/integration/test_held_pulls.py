@@ -49,7 +49,7 @@ def _hello(port: int, plan_hash: str, shm: str = "", key: str = "") -> tuple[soc
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
     sock.settimeout(IO)
     sock.connect(("127.0.0.1", port))
-    body = {"token": "", "plan_hash": plan_hash, "key": key, **({"shm": shm} if shm else {})}
+    body = {"plan_hash": plan_hash, "key": key, **({"shm": shm} if shm else {})}
     payload = json.dumps(body).encode()
     sock.sendall(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(payload)) + payload)
     magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)

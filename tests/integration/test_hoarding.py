@@ -160,7 +160,7 @@ def test_a_client_refused_for_its_token_sees_why():
         core, port = servers[0].core, servers[0].data.port
         with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token="nope", timeout=IO)
-        assert info.value.code == Code.UNAUTHENTICATED and "wrong or missing token" in info.value.details
+        assert info.value.code == Code.UNAUTHENTICATED and "wrong or replayed proof of the token" in info.value.details
         DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO).close()  # the right one
 
 
@@ -226,7 +226,7 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
     job = tiny_job()
     with token_shards(job) as servers:
         core, port = servers[0].core, servers[0].data.port
-        body = json.dumps({"token": "wrong", "plan_hash": core.plan.hash}).encode()
+        body = json.dumps({"proof": "wrong", "plan_hash": core.plan.hash}).encode()
         hello = protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(body)) + body
         records: list[logging.LogRecord] = []
         keep = logging.Handler(logging.WARNING)
@@ -244,7 +244,7 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
         lines = [r.getMessage() for r in records]
         assert 1 <= len(lines) <= 3, lines
         assert any(re.search(r"refused \d+ data connection\(s\) from 127\.0\.0\.1 in the last \d+s "
-                             r"\(wrong or missing token\)", line) for line in lines), lines
+                             r"\(no proof of the token\)", line) for line in lines), lines
         counted = sum(int(m.group(1)) for line in lines if (m := re.search(r"refused (\d+) ", line)))
         assert counted + sum("refused a data connection" in line for line in lines) == 150, lines
 

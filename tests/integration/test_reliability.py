@@ -29,6 +29,7 @@ from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 from psgd.worker.exchange import run_worker
 from psgd.errors import Code
+from psgd.wire.channel import open_channel
 
 PY = sys.executable
 
@@ -41,7 +42,8 @@ def test_calls_without_the_token_are_refused_and_change_nothing():
         before = server.core.flat.copy()
         with grpc.insecure_channel(server.address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
-            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),),
+                             (("authorization", "Bearer s3cret"),)):  # the token itself proves nothing: it is sent
                 for call in (lambda: stub.Status(ps_pb2.StatusRequest(), timeout=5, metadata=metadata),
                              lambda: stub.Register(ps_pb2.RegisterRequest(worker_id=0), timeout=5, metadata=metadata),
                              lambda: list(stub.Pull(ps_pb2.PullRequest(worker_id=-1), timeout=5, metadata=metadata)),
@@ -105,8 +107,8 @@ def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
             real.register()
             assert [r.outcome for r in real.push(0, grads)] == ["applied"]
             before, version = server.core.flat.copy(), server.core.version
-            meta = (("authorization", "Bearer s3cret"),)
-            with grpc.insecure_channel(server.address) as channel:
+            meta = ()  # the channel proves the token: what is missing is the registration's key
+            with open_channel(server.address, token="s3cret") as channel:
                 stub = ps_pb2_grpc.ParameterServerStub(channel)
                 calls = {
                     "push": lambda key: stub.Push(iter([ps_pb2.PushMessage(header=ps_pb2.PushHeader(
@@ -265,9 +267,8 @@ def test_a_sigkilled_shard_restarts_from_its_checkpoint_and_training_completes(t
 
 
 def _status_of_shard(cluster: Cluster, k: int):
-    with grpc.insecure_channel(cluster.job.cluster.servers[k]) as channel:
-        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=10,
-                                                               metadata=(("authorization", f"Bearer {TOKEN}"),)), None
+    with open_channel(cluster.job.cluster.servers[k], token=TOKEN) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=10), None
 
 
 def test_sigterm_stops_a_shard_gracefully_with_a_last_checkpoint_and_a_worker_after_its_step(tmp_path):

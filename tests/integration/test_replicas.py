@@ -545,15 +545,15 @@ def test_a_stranger_at_a_dead_replicas_address_learns_no_token_and_is_not_believ
 
 @pytest.mark.parametrize("hello", ["the token", "a replayed proof", "no proof"])
 def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
-    """A follower proves that it holds the token (psgd.server.tokens); one that sends the token itself, a proof
+    """A follower proves that it holds the token (psgd.wire.proofs); one that sends the token itself, a proof
     already used, or nothing is refused, so that no process of a pair ever needs to send the token to a peer."""
-    from psgd.server import tokens
+    from psgd.wire.proofs import Prover
 
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
     primary, replica = pair_of(job, token=TOKEN)
     try:
-        used = tokens.prove(TOKEN, "follow")
+        used = Prover(TOKEN, f"127.0.0.1:{primary.data.port}").prove("follow")
         assert primary.data.gate.proofs.check(used, "follow")  # (as the replica's was)
         said = {"the token": {"token": TOKEN}, "a replayed proof": {"proof": used}, "no proof": {}}[hello]
         body = json.dumps({**said, "plan_hash": primary.core.plan.hash, "follow": True}).encode()
@@ -562,7 +562,7 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
                                                                protocol.OBSERVER, 0, 0, len(body)), body])
             magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
             refusal = protocol.recv_bytes(sock, size).decode()
-        assert op != 0 and "must prove that it holds the job's token" in refusal, refusal
+        assert op != 0 and "wrong or replayed proof of the token" in refusal, refusal
         assert primary.core.replication.lag() == 0  # its own replica follows on
     finally:
         close(primary, replica)

@@ -37,6 +37,7 @@ from psgd.server.handout import Handout
 from psgd.server.service import ShardServer
 from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.wire import protocol, segment
+from psgd.wire.proofs import Prover
 from psgd.worker.client import PSClient
 from psgd.errors import Code
 
@@ -70,7 +71,8 @@ def pushes_mapped(job: str) -> list[str]:
 def with_segment(shard: Shard, purpose: str, worker: int = 0, port: int | None = None, token: str = ""):
     """A raw data connection that asked for a ``purpose`` segment, and the segment, mapped."""
     sock = dial(shard.port if port is None else port)
-    body = json.dumps({"token": token, "plan_hash": shard.plan.hash, "shm": purpose, "key": shard.key(worker)}).encode()
+    proof = Prover(token, "127.0.0.1:%d" % sock.getpeername()[1]).prove("hello")
+    body = json.dumps({"proof": proof, "plan_hash": shard.plan.hash, "shm": purpose, "key": shard.key(worker)}).encode()
     send_hello(sock, shard.plan.hash, worker=worker, body=body)
     magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
     assert magic == protocol.DATA_MAGIC and status == 0
@@ -428,9 +430,9 @@ def test_a_token_protected_shard_makes_no_segment_before_the_token_is_right(shar
     data = DataServer(shard.core, token="s3cret", request_timeout=IO, idle_timeout=IO).start()
     try:
         with dial(data.port) as sock:
-            body = json.dumps({"token": "wrong", "plan_hash": shard.plan.hash, "shm": "push"}).encode()
+            body = json.dumps({"proof": "wrong", "plan_hash": shard.plan.hash, "shm": "push"}).encode()
             send_hello(sock, shard.plan.hash, body=body)
-            expect(sock, UNAUTHENTICATED, "wrong or missing token")
+            expect(sock, UNAUTHENTICATED, "wrong or replayed proof of the token")
         assert pushes_mapped(shard.core.fingerprint) == []  # no segment made for it
         with with_segment(shard, "push", port=data.port, token="s3cret") as (sock, seg, offer):
             g = valid_gradient(shard.plan)
@@ -446,7 +448,7 @@ def test_a_token_protected_shard_makes_no_segment_before_the_token_is_right(shar
                                                 (0, "../x", "not '../x'")])
 def test_an_observer_or_an_unknown_purpose_gets_no_segment(shard, worker, shm, words):
     with dial(shard.port) as sock:
-        body = json.dumps({"token": "", "plan_hash": shard.plan.hash, "shm": shm}).encode()
+        body = json.dumps({"plan_hash": shard.plan.hash, "shm": shm}).encode()
         send_hello(sock, shard.plan.hash, worker=worker, body=body)
         expect(sock, INVALID, words)
 

@@ -301,8 +301,8 @@ class FaultInjection:
 
     def _squatter(self, k: int, seconds: float) -> str:
         """Shard ``k``'s replica SIGKILLed, and a process without the token bound at its address for ``seconds``,
-        claiming to lead: the primary must not believe it (it goes on leading), nor send it the token; then the
-        replica comes back and the pair is whole again."""
+        claiming to lead: the primary must not believe it (it goes on leading), nor send it the token, nor accept
+        what it heard when the squatter replays it; then the replica comes back and the pair is whole again."""
         c = self.cluster
         roles = [s["role"] if s else "" for s in c._pair_status(k, 2.0)]
         if "replica" not in roles or "primary" not in roles:
@@ -313,7 +313,8 @@ class FaultInjection:
         self.violate("exit-code", check_exit(f"{name} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
                                              "after SIGKILL"))
         done = subprocess.run(c.prefix(c._host(name)) + [PY, "-c", SQUATTER, json.dumps(
-            {"address": address, "shard": k, "seconds": seconds})], capture_output=True, text=True,
+            {"address": address, "shard": k, "seconds": seconds,
+             "replay_to": (c.binds if second else c.replica_binds)[k]})], capture_output=True, text=True,
             timeout=seconds + 60)
         try:
             stats = json.loads(done.stdout.strip().splitlines()[-1])
@@ -323,6 +324,9 @@ class FaultInjection:
         leaders = [s["role"] if s else "" for s in c._pair_status(k, 2.0)]
         if stats is not None and stats["token_heard"]:
             self.violate("token", [f"a process without the token at {address} was sent the job's token"])
+        if stats is not None and stats.get("replays_answered"):
+            self.violate("token", [f"shard {k}'s primary answered {stats['replays_answered']} call(s) that a process "
+                                   f"without the token heard at {address} and replayed"])
         if leaders[1 - int(second)] != "primary":
             self.violate("squatter", [f"shard {k}'s primary stopped leading while a process without the token at "
                                       f"its replica's address claimed to lead (roles now {leaders})"])

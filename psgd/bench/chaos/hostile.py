@@ -275,23 +275,25 @@ def _follow_in_clear(host: str, port: int, token: str, plan_hash: str) -> None:
             raise protocol.WireError("refused")
 
 
-def squat(address: str, shard: int, seconds: float) -> dict:
+def squat(address: str, shard: int, seconds: float, replay_to: str = "") -> dict:
     """A process without the job's token at the gRPC address of shard ``shard``'s dead process, for ``seconds``: it
     answers every Status as the shard's primary that took over 99 times (a claim to lead), and keeps what each
-    caller sent.  Returns whether it could bind the address, how many calls came, and whether any carried the
-    job's token (the environment's: this process knows it only to look for it)."""
+    caller sent; then it replays each call it heard, as it heard it, to ``replay_to`` (the live process of the
+    pair).  Returns whether it could bind the address, how many calls came, whether any carried the job's token
+    (the environment's: this process knows it only to look for it), and how many replays were answered."""
     from concurrent import futures
 
     import grpc
 
     from psgd.proto import ps_pb2, ps_pb2_grpc
+    from psgd.wire.channel import open_channel
 
     token = os.environ.get("PSGD_TOKEN", "")
-    heard: list[str] = []
+    heard: list[tuple] = []
 
     class Squatter(ps_pb2_grpc.ParameterServerServicer):
         def Status(self, request, context):
-            heard.append(" ".join(str(v) for _, v in context.invocation_metadata()))
+            heard.append(tuple((m.key, m.value) for m in context.invocation_metadata() if m.key == "authorization"))
             return ps_pb2.StatusReply(shard=shard, role="primary", version=10**9, data_port=1,
                                       counters_json=json.dumps({"failovers": 99}))
 
@@ -305,7 +307,19 @@ def squat(address: str, shard: int, seconds: float) -> dict:
         server.start()
         time.sleep(seconds)  # how long it squats is the fault
         server.stop(0)
-    return {"bound": bound, "calls": len(heard), "token_heard": bool(token) and any(token in h for h in heard)}
+    answered = 0
+    if replay_to:
+        with open_channel(replay_to) as channel:  # no token of its own: only what it heard
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            for metadata in heard[:20]:
+                try:
+                    stub.Status(ps_pb2.StatusRequest(), timeout=2.0, metadata=metadata)
+                    answered += 1
+                except grpc.RpcError:
+                    pass
+    said = [" ".join(str(v) for _, v in h) for h in heard]
+    return {"bound": bound, "calls": len(heard), "token_heard": bool(token) and any(token in s for s in said),
+            "replays_answered": answered}
 
 
 def follow_as(host: str, port: int, claims: Sequence[str], plan_hash: str) -> dict:

@@ -73,7 +73,8 @@ worker reaches a drawn fraction of its steps:
   starts again: it must say so, skip it and restore the one before;
 - ``squatter`` (runs with replicas): a replica SIGKILLed and its address taken
   by a process without the token that claims to lead: the primary must not
-  believe it nor send it the token, and the pair is whole again after;
+  believe it nor send it the token nor answer what it heard when replayed,
+  and the pair is whole again after;
 - ``full-disk`` (as root): a shard's checkpoint folder on a tmpfs with no room
   left for 1.5-3 s (psgd.bench.chaos.disk): its checkpoints (cuts) fail, said
   once, the job goes on (a sync run drawing it sets ``on_cut_failure =
