@@ -10,10 +10,11 @@ where not.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 from psgd.compute import kernels
-from psgd.autodiff.tensor import Tensor, data_of, make, unbroadcast
+from psgd.autodiff.tensor import Part, Tensor, data_of, make, unbroadcast
 from psgd.compute.backend import get_array_module, scatter_add
 
 __all__ = ["add", "sub", "mul", "div", "power", "neg", "matmul", "sum", "mean", "max", "reshape", "transpose",
@@ -168,15 +169,27 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
 def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
     arrays = [data_of(x) for x in xs]
     out = get_array_module(*arrays).stack(arrays, axis=axis)
-    at = axis % out.ndim
-    return make(out, tuple(xs), lambda g: [g.take(i, axis=at) for i in range(len(arrays))], "stack")
+    before = (slice(None),) * (axis % out.ndim)
+    return make(out, tuple(xs), lambda g: [g[before + (i,)] for i in range(len(arrays))], "stack")  # views
+
+
+def _basic(index: Any) -> bool:
+    """Whether ``index`` is basic indexing (integers, slices, ``...``, None): each entry taken at most once."""
+    for i in (index if type(index) is tuple else (index,)):
+        if not (i is None or i is Ellipsis or type(i) is slice or
+                (isinstance(i, numbers.Integral) and not isinstance(i, bool))):
+            return False
+    return True
 
 
 def getitem(a: Any, index: Any) -> Tensor:
     """``a[index]``: slices, integers, and integer arrays (a gather: each row's gradient is the sum over every place
-    it was taken to)."""
+    it was taken to).  By slices and integers the gradient is added into the input's in place
+    (:class:`~psgd.autodiff.tensor.Part`); only a gather scatters."""
     A = data_of(a)
     index = tuple(data_of(i) for i in index) if isinstance(index, tuple) else data_of(index)
+    if _basic(index):
+        return make(A[index], (a,), lambda g: (Part(A.shape, A.dtype, index, g),), "getitem")
 
     def rule(g):
         out = get_array_module(g).zeros_like(A)

@@ -9,6 +9,9 @@ output to theirs.  A rule keeps only what it needs (Chainer's ``retain_inputs``)
 rule and inputs once it has run, so the intermediate values are released as backward consumes them, and calls
 ``on_grad(tensor, grad)`` for each leaf as soon as no node that is still to run can add to its gradient.
 
+A rule may hand back a :class:`Part` (indexing by slices does): its gradient at an index of a zero array, which
+backward adds into the gradient gathered so far in place, as it does any gradient into an array of its own making.
+
 Nothing is recorded under :func:`no_grad` (evaluation, ``predict``) or where no input needs a gradient.
 """
 
@@ -108,6 +111,43 @@ def make(data: Any, inputs: Sequence[Any], rule: Callable[[Any], Sequence[Any]],
     return Tensor(data)
 
 
+class Part:
+    """A gradient zero but for ``grad`` at ``index`` (basic indexing: integers, slices) of an array of ``shape`` and
+    ``dtype``: what indexing by slices hands back.  Backward adds it into the gradient gathered so far in place
+    (``gathered[index] += grad``), so that k slices of one array cost k slice additions into one zero array, never
+    a zero array and a pass over it each."""
+
+    __slots__ = ("shape", "dtype", "index", "grad")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, index: Any, grad: Any):
+        self.shape, self.dtype, self.index, self.grad = shape, dtype, index, grad
+
+    def whole(self) -> Any:
+        """The gradient as an array of its own."""
+        out = get_array_module(self.grad).zeros(self.shape, dtype=self.dtype)
+        out[self.index] = self.grad
+        return out
+
+    def __mul__(self, factor: Any) -> "Part":
+        return Part(self.shape, self.dtype, self.index, self.grad * factor)
+
+
+def _gathered(had: Any, gx: Any, owned: set[int]) -> Any:
+    """``had + gx``, in place where ``had`` is an array backward made (``owned``: no one else holds it)."""
+    if type(gx) is Part:
+        if id(had) not in owned:
+            had = had.astype(np.result_type(had.dtype, gx.dtype), copy=True)
+            owned.add(id(had))
+        had[gx.index] += gx.grad
+        return had
+    if id(had) in owned and gx.shape == had.shape and gx.dtype == had.dtype:
+        had += gx
+        return had
+    had = had + gx
+    owned.add(id(had))
+    return had
+
+
 def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
     """``grad`` summed over the axes broadcasting added to or stretched in an operand of ``shape``."""
     if grad.shape == tuple(shape):
@@ -125,18 +165,19 @@ def backward(loss: Tensor, grad: Any = None,
     soon as its gradient is complete.  Every node a gradient reaches is released once its rule has run."""
     loss.pending = grad if grad is not None else _seed(loss.data)
     if loss.node is None:  # a leaf: its gradient is the one given
-        _settle(loss, on_grad)
+        _settle(loss, on_grad, set())
         return
     uses = _uses(loss) if on_grad is not None else None
     # the tensors a gradient has reached whose nodes are still to run, latest made first: each node runs once, after
     # every node that uses it (those were made after it)
     due = [(-loss.node[3], loss)]
     reached: list[Tensor] = []  # the leaves a gradient reached, each once (the first time one did)
+    owned: set[int] = set()  # the ids of the gathered gradients backward made itself: added to in place
     while due:
         tensor = heappop(due)[1]
         (inputs, rule, _, _), tensor.node = tensor.node, None  # released: its inputs and whatever the rule kept
         # the rule holds the only reference to its output's gradient, so that it can let go of it as it goes
-        out = rule(_taken(tensor))
+        out = rule(_taken(tensor, owned))
         rule = None
         for x, gx in zip(inputs, out):
             if type(x) is not Tensor:
@@ -145,34 +186,38 @@ def backward(loss: Tensor, grad: Any = None,
             if gx is not None:
                 had = x.pending
                 if had is None:
+                    if type(gx) is Part:
+                        gx = gx.whole()
+                        owned.add(id(gx))
                     x.pending = gx
                     if node is None:
                         reached.append(x)
                     else:
                         heappush(due, (-node[3], x))
                 else:
-                    x.pending = had + gx
+                    x.pending = _gathered(had, gx, owned)
             if uses is not None and node is None:  # on_grad: is this the leaf's last use?
                 key = id(x)
                 left = uses[key] - 1
                 uses[key] = left
                 if not left and x.pending is not None:
-                    _settle(x, on_grad)
+                    _settle(x, on_grad, owned)
         inputs = out = gx = None  # the next rule runs without this one's gradients held here
     for leaf in reached:  # (with on_grad, those whose every use was on a node no gradient reached)
         if leaf.pending is not None:
-            _settle(leaf, on_grad)
+            _settle(leaf, on_grad, owned)
 
 
-def _taken(tensor: Tensor) -> Any:
-    """The gradient gathered for ``tensor``, which no longer holds it."""
+def _taken(tensor: Tensor, owned: set[int]) -> Any:
+    """The gradient gathered for ``tensor``, which no longer holds it (nor backward: its id may be another's next)."""
     got, tensor.pending = tensor.pending, None
+    owned.discard(id(got))
     return got
 
 
-def _settle(leaf: Tensor, on_grad: Callable[[Tensor, Any], None] | None) -> None:
+def _settle(leaf: Tensor, on_grad: Callable[[Tensor, Any], None] | None, owned: set[int]) -> None:
     """A leaf's gradient is complete: added to its ``grad`` where it requires one, and heard of."""
-    got, leaf.pending = leaf.pending, None
+    got = _taken(leaf, owned)
     if leaf.requires_grad:
         leaf.grad = got if leaf.grad is None else leaf.grad + got
         if on_grad is not None:

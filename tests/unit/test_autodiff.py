@@ -149,6 +149,9 @@ def test_shapes_and_indexing(shape, seed, data):
     check(lambda a: nn.lookup(a, index), x)
     check(lambda a, b: ops.concatenate([a, b, a], axis=-1), x, values(shape, seed + 1))
     check(lambda a, b: ops.stack([a, b], axis=1), x, values(shape, seed + 1))
+    check(lambda a: ops.stack([a[:-1], a[1:], a[:-1]], axis=-1), x)  # overlapping slices: their gradients add up
+    check(lambda a: ops.concatenate([a[0], a[-1, ::-1], a[np.int64(0)]]), x)
+    check(lambda a: a[..., None, 0] + a[..., None, -1], x)
     mask = values(shape, seed + 2) > 0
     check(lambda a, b: ops.where(mask, a, b), x, values(shape, seed + 1))
     check(lambda a: ops.where(mask, a, 0.0), x)
@@ -235,6 +238,25 @@ def test_dropout_is_seeded_scaled_and_off_in_evaluation():
     assert set(np.unique(a)) == {0.0, 1 / 0.75} and abs((a == 0).mean() - 0.25) < 0.02
     assert nn.dropout(x, 0.25, 7, training=False) is x
     check(lambda t: nn.dropout(t, 0.25, 7), values((20, 5), 3))  # the same mask on every call
+
+
+def test_slices_add_their_gradients_in_place_and_stack_and_concatenate_hand_back_views(monkeypatch):
+    """Indexing by slices and integers scatters nothing: k slices of one array add into one gradient in place; the
+    gradients stack and concatenate hand back are views of theirs, not copies."""
+    def refuse(*args):
+        raise AssertionError("a scatter for a plain slice")
+    monkeypatch.setattr(ops, "scatter_add", refuse)
+    x = Tensor(values((4, 6), 1), requires_grad=True)
+    r = values((3, 4, 4), 2)
+    backward(ops.sum(ops.mul(ops.stack([x[:, i:i + 4] for i in range(3)]), r)))
+    want = np.zeros((4, 6))
+    for i in range(3):
+        want[:, i:i + 4] += r[i]
+    np.testing.assert_allclose(x.grad, want, rtol=1e-15)
+    a, b, c = (Tensor(values((2, 3), n), requires_grad=True) for n in range(3))
+    backward(ops.sum(ops.mul(ops.stack([a, b], axis=1), values((2, 2, 3), 4))))
+    backward(ops.sum(ops.mul(ops.concatenate([a, c], axis=1), values((2, 6), 5))))
+    assert b.grad.base is not None and c.grad.base is not None
 
 
 # -- the engine ------------------------------------------------------------------------------------------------------
