@@ -8,6 +8,8 @@ Images are NCHW.  Every function takes tensors, arrays or numbers, and returns a
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 from psgd.compute import kernels
@@ -15,7 +17,7 @@ from psgd.autodiff import ops
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
 from psgd.compute.backend import get_array_module
 
-__all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv2d", "max_pool2d",
+__all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv1d", "conv2d", "max_pool2d",
            "avg_pool2d", "layer_norm", "batch_norm", "dropout", "lookup"]
 
 
@@ -128,81 +130,133 @@ def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
 
 
 # -- convolution and pooling ---------------------------------------------------------------------------------------
-def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0) -> Tensor:
-    """2-D cross-correlation, stride 1, ``padding`` zeros each side, by im2col: ``x`` (B, C, H, W), ``w``
-    (O, C, k, k), ``b`` (O,).  im2col is one copy of a strided view of every window; the products are
-    :func:`psgd.compute.kernels.matmul`'s (so that on a GPU the step can be captured as a CUDA graph); col2im adds the k*k
-    offsets' slices back."""
+def conv1d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0, dilation: int = 1,
+           groups: int = 1) -> Tensor:
+    """1-D cross-correlation: ``x`` (B, C, L), ``w`` (O, C // groups, k), ``b`` (O,); ``padding`` zeros each side,
+    taps ``dilation`` apart, every ``stride``-th position, the channels in ``groups`` of their own (as PyTorch's
+    ``conv1d``).  By strided windows and one matmul each way (see :func:`conv2d`)."""
+    return _convolution(x, w, b, stride, padding, dilation, groups, "conv1d")
+
+
+def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0, stride: int = 1, dilation: int = 1,
+           groups: int = 1) -> Tensor:
+    """2-D cross-correlation: ``x`` (B, C, H, W), ``w`` (O, C // groups, kh, kw), ``b`` (O,); ``padding`` zeros each
+    side, taps ``dilation`` apart, every ``stride``-th position, the channels in ``groups``.  Every window is one
+    copy of a strided view (im2col), and each way is one matmul (:func:`psgd.compute.kernels.matmul`'s, so that on
+    a GPU the step can be captured as a CUDA graph); col2im adds each tap's slice back, one strided addition a tap
+    (cheaper than the windows of the output's gradient, whose rows are as short as an image's)."""
+    return _convolution(x, w, b, stride, padding, dilation, groups, "conv2d")
+
+
+def _convolution(x: Any, w: Any, b: Any, stride: int, padding: int, dilation: int, groups: int, name: str) -> Tensor:
     X, W = data_of(x), data_of(w)
     xp = get_array_module(X)
-    n, c, h, wd = X.shape
-    o, _, k, _ = W.shape
-    p = int(padding)
-    ho, wo = h + 2 * p - k + 1, wd + 2 * p - k + 1
-    if ho < 1 or wo < 1:
-        raise ValueError(f"conv2d: input {h}x{wd} with padding {p} is smaller than the {k}x{k} kernel")
-    xpad = xp.pad(X, ((0, 0), (0, 0), (p, p), (p, p))) if p else X
-    sn, sc, sh, sw = xpad.strides
-    cols = xp.lib.stride_tricks.as_strided(xpad, (n, c, k, k, ho, wo), (sn, sc, sh, sw, sh, sw)).reshape(
-        n, c * k * k, ho * wo)
-    w2 = W.reshape(o, -1)
-    out = kernels.matmul(w2, cols).reshape(n, o, ho, wo)
+    nd = X.ndim - 2
+    s, p, d, groups = int(stride), int(padding), int(dilation), int(groups)
+    if W.ndim != X.ndim or nd < 1:
+        raise ValueError(f"{name}: input {X.shape} and weights {W.shape} do not fit")
+    n, c, size = X.shape[0], X.shape[1], X.shape[2:]
+    o, k = W.shape[0], W.shape[2:]
+    if s < 1 or d < 1 or p < 0 or groups < 1 or c % groups or o % groups or W.shape[1] != c // groups:
+        raise ValueError(f"{name}: input {X.shape}, weights {W.shape}, stride {s}, padding {p}, dilation {d} and "
+                         f"groups {groups} do not fit")
+    out = tuple((size[i] + 2 * p - d * (k[i] - 1) - 1) // s + 1 for i in range(nd))
+    if min(out) < 1:
+        raise ValueError(f"{name}: input {size} with padding {p} is smaller than the kernel {k} at dilation {d}")
+    cols = _windows(xp.pad(X, ((0, 0), (0, 0)) + ((p, p),) * nd) if p else X, k, d, s, out, groups)  # (B, G, C/G * K, positions)
+    og = o // groups
+    w3 = W.reshape(groups, og, -1)
+    y = (kernels.matmul(w3[0], cols[:, 0]) if groups == 1 else xp.matmul(w3, cols)).reshape((n, o) + out)
     if b is not None:
-        out += data_of(b).reshape(1, -1, 1, 1)
+        y += data_of(b).reshape((1, -1) + (1,) * nd)
 
     def rule(g):
-        g2 = g.reshape(n, o, ho * wo)
-        gw = kernels.matmul(g2, cols.transpose(0, 2, 1)).sum(axis=0).reshape(W.shape)
-        gb = g2.sum(axis=(0, 2)) if b is not None else None
+        g4 = g.reshape(n, groups, og, -1)
+        if groups == 1:
+            gw = kernels.matmul(g4[:, 0], cols[:, 0].transpose(0, 2, 1)).sum(axis=0)
+        else:
+            gw = xp.matmul(g4, cols.transpose(0, 1, 3, 2)).sum(axis=0)
+        gb = g4.sum(axis=(0, 3)).reshape(-1) if b is not None else None
         if not (isinstance(x, Tensor) and (x.requires_grad or x.node)):
-            return None, gw, gb
-        gcols = kernels.matmul(w2.T, g2).reshape(n, c, k * k, ho, wo)
-        gpad = xp.zeros((n, c, h + 2 * p, wd + 2 * p), dtype=g.dtype)
-        for m in range(k * k):
-            i, j = divmod(m, k)
-            gpad[:, :, i:i + ho, j:j + wo] += gcols[:, :, m]
-        return (gpad[:, :, p:p + h, p:p + wd] if p else gpad), gw, gb
-    return make(out, (x, w, b), rule, "conv2d")
+            return None, gw.reshape(W.shape), gb
+        gcols = (kernels.matmul(w3[0].T, g4[:, 0]) if groups == 1 else xp.matmul(w3.transpose(0, 2, 1), g4))
+        gcols = gcols.reshape((n, c) + tuple(k) + out)
+        # col2im: each tap's slice of every window added back where it was taken from, one strided addition a tap
+        gpad = xp.zeros((n, c) + tuple(m + 2 * p for m in size), dtype=g.dtype)
+        for tap in itertools.product(*(range(m) for m in k)):
+            gpad[(slice(None), slice(None)) + tuple(slice(t * d, t * d + s * (m - 1) + 1, s) for t, m in zip(tap, out))
+                 ] += gcols[(slice(None), slice(None)) + tap]
+        gx = gpad[(slice(None), slice(None)) + tuple(slice(p, p + m) for m in size)] if p else gpad
+        return gx, gw.reshape(W.shape), gb
+    return make(y, (x, w, b), rule, name)
 
 
-def _windows(X: Any, size: int) -> tuple[Any, tuple[int, ...]]:
-    """``X`` (B, C, H, W) cut into non-overlapping ``size`` x ``size`` windows, (B, C, H', W', size*size); an odd
-    last row or column is cropped."""
-    n, c, h, w = X.shape
+def _windows(A: Any, k: tuple[int, ...], dilation: int, stride: int, out: tuple[int, ...], groups: int) -> Any:
+    """im2col: every window of ``A`` (B, C, ...) with ``k`` taps ``dilation`` apart, ``stride`` apart, one copy of
+    a strided view, (B, groups, C / groups * prod(k), prod(out))."""
+    n, c = A.shape[:2]
+    step = A.strides[2:]
+    view = get_array_module(A).lib.stride_tricks.as_strided(
+        A, (n, groups, c // groups) + tuple(k) + tuple(out),
+        A.strides[:1] + (c // groups * A.strides[1], A.strides[1]) + tuple(t * dilation for t in step)
+        + tuple(t * stride for t in step))
+    return view.reshape(n, groups, -1, math.prod(out))
+
+
+def _taps(X: Any, size: int) -> list[tuple[Any, Any]]:
+    """The ``size`` x ``size`` offsets of non-overlapping windows of ``X`` (B, C, H, W), each ``(index, X[index])``:
+    a strided view (B, C, H // size, W // size) of the entries at that offset in every window (an odd last row or
+    column is cropped).  Pooling is size * size elementwise passes over these views: no copy, no reshuffle."""
+    h, w = X.shape[2:]
     h2, w2 = h // size, w // size
     if h2 < 1 or w2 < 1:
         raise ValueError(f"pooling: input {h}x{w} is smaller than the {size}x{size} window")
-    win = X[:, :, :size * h2, :size * w2].reshape(n, c, h2, size, w2, size).transpose(0, 1, 2, 4, 3, 5)
-    return win.reshape(n, c, h2, w2, size * size), (n, c, h2, w2)
-
-
-def _unwindow(gwin: Any, shape: tuple[int, ...], size: int) -> Any:
-    n, c, h, w = shape
-    h2, w2 = gwin.shape[2:4]
-    out = get_array_module(gwin).zeros(shape, dtype=gwin.dtype)
-    out[:, :, :size * h2, :size * w2] = (gwin.reshape(n, c, h2, w2, size, size).transpose(0, 1, 2, 4, 3, 5)
-                                         .reshape(n, c, size * h2, size * w2))
-    return out
+    taps = []
+    for i in range(size):
+        for j in range(size):
+            index = (slice(None), slice(None), slice(i, size * h2, size), slice(j, size * w2, size))
+            taps.append((index, X[index]))
+    return taps
 
 
 def max_pool2d(x: Any, size: int = 2) -> Tensor:
     """The largest value of each ``size`` x ``size`` window (stride ``size``); one winner per window, the first."""
     X = data_of(x)
     xp = get_array_module(X)
-    win, _ = _windows(X, size)
-    mask = xp.arange(size * size) == win.argmax(axis=-1)[..., None]
-    return make(win.max(axis=-1), (x,), lambda g: (_unwindow(mask * g[..., None], X.shape, size),), "max_pool2d")
+    taps = _taps(X, size)
+    out = taps[0][1].copy()
+    for _, view in taps[1:]:
+        xp.maximum(out, view, out=out)
+
+    def rule(g):
+        gx = xp.zeros(X.shape, dtype=g.dtype)
+        rest = g.copy()  # what is still to go to a window's first winner
+        for t, (index, view) in enumerate(taps):
+            won = gx[index]  # (a view: written in place)
+            xp.multiply(rest, view == out, out=won)
+            if t < len(taps) - 1:
+                rest -= won  # (exact: rest or 0)
+        return (gx,)
+    return make(out, (x,), rule, "max_pool2d")
 
 
 def avg_pool2d(x: Any, size: int = 2) -> Tensor:
     """The mean of each ``size`` x ``size`` window (stride ``size``)."""
     X = data_of(x)
     xp = get_array_module(X)
-    win, _ = _windows(X, size)
-    area = size * size
-    return make(win.mean(axis=-1), (x,),
-                lambda g: (_unwindow(xp.broadcast_to(g[..., None] / area, g.shape + (area,)), X.shape, size),),
-                "avg_pool2d")
+    taps = _taps(X, size)
+    out = taps[0][1].copy()
+    for _, view in taps[1:]:
+        out += view
+    out *= 1.0 / (size * size)
+
+    def rule(g):
+        gx = xp.zeros(X.shape, dtype=g.dtype)
+        share = g * (1.0 / (size * size))
+        for index, _ in taps:
+            gx[index] = share
+        return (gx,)
+    return make(out, (x,), rule, "avg_pool2d")
 
 
 # -- normalization, dropout, lookups -------------------------------------------------------------------------------

@@ -195,6 +195,19 @@ def test_convolution(b, c, o, hw, k, pad, seed):
           values((o,), seed + 2))
 
 
+@QUICK
+@given(b=st.integers(1, 2), groups=st.integers(1, 2), c=st.integers(1, 2), o=st.integers(1, 2), n=st.integers(4, 9),
+       k=st.integers(1, 3), stride=st.integers(1, 3), pad=st.integers(0, 2), dilation=st.integers(1, 2), seed=SEEDS)
+def test_convolution_with_stride_dilation_and_groups(b, groups, c, o, n, k, stride, pad, dilation, seed):
+    c, o = c * groups, o * groups
+    if n + 2 * pad < dilation * (k - 1) + 1:
+        n = dilation * (k - 1) + 1
+    x1, w1 = values((b, c, n), seed), values((o, c // groups, k), seed + 1)
+    check(lambda x, w, bias: nn.conv1d(x, w, bias, stride, pad, dilation, groups), x1, w1, values((o,), seed + 2))
+    x2, w2 = values((b, c, n, n - 1 + k), seed + 3), values((o, c // groups, k, 2), seed + 4)
+    check(lambda x, w: nn.conv2d(x, w, None, pad, stride, dilation, groups), x2, w2)
+
+
 @pytest.mark.parametrize("pool", ["max", "avg"])
 @QUICK
 @given(b=st.integers(1, 2), c=st.integers(1, 2), h=st.integers(2, 5), w=st.integers(2, 5), seed=SEEDS)
@@ -347,6 +360,7 @@ CASES = {
     "sigmoid_cross_entropy": (lambda a: nn.sigmoid_cross_entropy(a, np.ones((2, 3))), [(2, 3)]),
     "mse": (lambda a: nn.mse(a, np.array([0, 2])), [(2, 3)]),
     "conv2d": (lambda a, b: nn.conv2d(a, b, None, 1), [(1, 2, 3, 3), (2, 2, 3, 3)]),
+    "conv1d": (lambda a, b, c: nn.conv1d(a, b, c, 2, 1, 2, 2), [(2, 4, 7), (2, 2, 3), (2,)]),
     "max_pool2d": (nn.max_pool2d, [(1, 1, 4, 4)]), "avg_pool2d": (nn.avg_pool2d, [(1, 1, 4, 4)]),
     "layer_norm": (nn.layer_norm, [(2, 3), (3,), (3,)]),
 }
