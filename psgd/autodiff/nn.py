@@ -17,8 +17,9 @@ from psgd.autodiff import ops
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
 from psgd.compute.backend import get_array_module
 
-__all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv1d", "conv2d", "max_pool2d",
-           "avg_pool2d", "layer_norm", "batch_norm", "dropout", "lookup"]
+__all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv1d", "conv2d",
+           "max_pool2d", "avg_pool2d", "gru_cell", "lstm_cell", "attention", "layer_norm", "batch_norm", "dropout",
+           "lookup"]
 
 
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
@@ -163,7 +164,8 @@ def _convolution(x: Any, w: Any, b: Any, stride: int, padding: int, dilation: in
     out = tuple((size[i] + 2 * p - d * (k[i] - 1) - 1) // s + 1 for i in range(nd))
     if min(out) < 1:
         raise ValueError(f"{name}: input {size} with padding {p} is smaller than the kernel {k} at dilation {d}")
-    cols = _windows(xp.pad(X, ((0, 0), (0, 0)) + ((p, p),) * nd) if p else X, k, d, s, out, groups)  # (B, G, C/G * K, positions)
+    xpad = xp.pad(X, ((0, 0), (0, 0)) + ((p, p),) * nd) if p else X
+    cols = _windows(xpad, k, d, s, out, groups)  # (B, G, C/G * K, positions)
     og = o // groups
     w3 = W.reshape(groups, og, -1)
     y = (kernels.matmul(w3[0], cols[:, 0]) if groups == 1 else xp.matmul(w3, cols)).reshape((n, o) + out)
@@ -257,6 +259,108 @@ def avg_pool2d(x: Any, size: int = 2) -> Tensor:
             gx[index] = share
         return (gx,)
     return make(out, (x,), rule, "avg_pool2d")
+
+
+# -- recurrent cells and attention -----------------------------------------------------------------------------------
+def _gates(X: Any, H: Any, W_ih: Any, W_hh: Any, b_ih: Any, b_hh: Any) -> tuple[Any, Any]:
+    """``x @ w_ih + b_ih`` and ``h @ w_hh + b_hh`` (a missing bias: none)."""
+    gi = kernels.matmul(X, W_ih)
+    gh = kernels.matmul(H, W_hh)
+    if b_ih is not None:
+        gi += data_of(b_ih)
+    if b_hh is not None:
+        gh += data_of(b_hh)
+    return gi, gh
+
+
+def _cell_grads(da: Any, dgh: Any, x: Any, h: Any, X: Any, H: Any, W_ih: Any, W_hh: Any, b_ih: Any,
+                b_hh: Any) -> tuple[Any, ...]:
+    """The gradients of a cell's x, h, w_ih, w_hh, b_ih, b_hh from those of its two products' outputs."""
+    gx = kernels.matmul(da, W_ih.T) if isinstance(x, Tensor) else None
+    gh = kernels.matmul(dgh, W_hh.T) if isinstance(h, Tensor) else None
+    return (gx, gh, kernels.matmul(X.T, da), kernels.matmul(H.T, dgh),
+            da.sum(axis=0) if b_ih is not None else None, dgh.sum(axis=0) if b_hh is not None else None)
+
+
+def gru_cell(x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None) -> Tensor:
+    """One step of a GRU (Cho et al., 2014, as PyTorch's ``GRUCell``): ``x`` (B, in), ``h`` (B, H), ``w_ih``
+    (in, 3H), ``w_hh`` (H, 3H), ``b_ih`` and ``b_hh`` (3H,), the gates in the order reset, update, new:
+    ``r = sigmoid(.. r), z = sigmoid(.. z), n = tanh(xn + r * hn), h' = (1 - z) * n + z * h``.  One node, its rule
+    written out: two matmuls forward, four back."""
+    X, H, W_ih, W_hh = data_of(x), data_of(h), data_of(w_ih), data_of(w_hh)
+    xp = get_array_module(X)
+    gi, gh = _gates(X, H, W_ih, W_hh, b_ih, b_hh)
+    size = H.shape[-1]
+    rz = gi[:, :2 * size] + gh[:, :2 * size]
+    rz = 0.5 * (xp.tanh(0.5 * rz) + 1)  # the sigmoid, without overflow
+    r, z = rz[:, :size], rz[:, size:]
+    hn = gh[:, 2 * size:]
+    n = xp.tanh(gi[:, 2 * size:] + r * hn)
+    out = n + z * (H - n)
+
+    def rule(g):
+        da = xp.empty_like(gi)
+        dn = g * (1 - z) * (1 - n * n)  # at n's input
+        da[:, :size] = dn * hn * r * (1 - r)
+        da[:, size:2 * size] = g * (H - n) * z * (1 - z)
+        da[:, 2 * size:] = dn
+        dgh = da.copy()
+        dgh[:, 2 * size:] *= r
+        grads = _cell_grads(da, dgh, x, h, X, H, W_ih, W_hh, b_ih, b_hh)
+        if grads[1] is not None:
+            grads[1][...] += g * z
+        return grads
+    return make(out, (x, h, w_ih, w_hh, b_ih, b_hh), rule, "gru_cell")
+
+
+def lstm_cell(x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
+              ) -> tuple[Tensor, Tensor]:
+    """One step of an LSTM (Hochreiter & Schmidhuber, 1997, as PyTorch's ``LSTMCell``): ``x`` (B, in), the state
+    ``h`` and ``c`` (B, H), ``w_ih`` (in, 4H), ``w_hh`` (H, 4H), ``b_ih`` and ``b_hh`` (4H,), the gates in the order
+    input, forget, cell, output: ``c' = f * c + i * g, h' = o * tanh(c')``.  Returns ``(h', c')``, views of one
+    node whose rule is written out."""
+    X, H, C, W_ih, W_hh = data_of(x), data_of(h), data_of(c), data_of(w_ih), data_of(w_hh)
+    xp = get_array_module(X)
+    gi, gh = _gates(X, H, W_ih, W_hh, b_ih, b_hh)
+    size = H.shape[-1]
+    a = gi + gh
+    a[:, 2 * size:3 * size] = xp.tanh(a[:, 2 * size:3 * size])
+    for lo, hi in ((0, 2 * size), (3 * size, 4 * size)):
+        a[:, lo:hi] = 0.5 * (xp.tanh(0.5 * a[:, lo:hi]) + 1)
+    i, f, gg, o = (a[:, k * size:(k + 1) * size] for k in range(4))
+    state = xp.empty((2,) + H.shape, dtype=a.dtype)
+    state[1] = f * C + i * gg
+    tc = xp.tanh(state[1])
+    state[0] = o * tc
+
+    def rule(g):
+        dh, dc = g[0], g[1]
+        dc = dc + dh * o * (1 - tc * tc)
+        da = xp.empty_like(a)
+        da[:, :size] = dc * gg * i * (1 - i)
+        da[:, size:2 * size] = dc * C * f * (1 - f)
+        da[:, 2 * size:3 * size] = dc * i * (1 - gg * gg)
+        da[:, 3 * size:] = dh * tc * o * (1 - o)
+        gx, gh_, gw_ih, gw_hh, gb_ih, gb_hh = _cell_grads(da, da, x, h, X, H, W_ih, W_hh, b_ih, b_hh)
+        return gx, gh_, dc * f if isinstance(c, Tensor) else None, gw_ih, gw_hh, gb_ih, gb_hh
+    both = make(state, (x, h, c, w_ih, w_hh, b_ih, b_hh), rule, "lstm_cell")
+    return ops.getitem(both, 0), ops.getitem(both, 1)
+
+
+def attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
+    """Scaled dot-product attention (Vaswani et al., 2017): ``softmax(q @ k^T / sqrt(d)) @ v`` over the last two
+    axes, ``q`` (..., Tq, d), ``k`` (..., Tk, d), ``v`` (..., Tk, dv); ``causal``: query i sees keys up to i
+    only (Tq == Tk)."""
+    Q, K = data_of(q), data_of(k)
+    scores = ops.mul(ops.matmul(q, ops.transpose(k, tuple(range(K.ndim - 2)) + (K.ndim - 1, K.ndim - 2))),
+                     1.0 / math.sqrt(Q.shape[-1]))
+    if causal:
+        tq, tk = Q.shape[-2], K.shape[-2]
+        if tq != tk:
+            raise ValueError(f"attention: a causal mask needs as many queries as keys, got {tq} and {tk}")
+        xp = get_array_module(Q)
+        scores = ops.where(xp.tril(xp.ones((tq, tk), dtype=bool)), scores, -math.inf)
+    return ops.matmul(softmax(scores, axis=-1), v)
 
 
 # -- normalization, dropout, lookups -------------------------------------------------------------------------------

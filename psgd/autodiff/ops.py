@@ -13,12 +13,14 @@ import math
 import numbers
 from typing import Any, Sequence
 
+import numpy as np
+
 from psgd.compute import kernels
-from psgd.autodiff.tensor import Part, Tensor, data_of, make, unbroadcast
+from psgd.autodiff.tensor import Part, Tensor, array_module, data_of, make, unbroadcast
 from psgd.compute.backend import get_array_module, scatter_add
 
 __all__ = ["add", "sub", "mul", "div", "power", "neg", "matmul", "sum", "mean", "max", "reshape", "transpose",
-           "concatenate", "stack", "getitem", "take", "where", "maximum", "exp", "log", "sqrt", "abs", "tanh",
+           "concatenate", "pad", "stack", "getitem", "take", "where", "maximum", "exp", "log", "sqrt", "abs", "tanh",
            "sigmoid", "relu", "softplus", "gelu"]
 
 
@@ -26,9 +28,7 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(getattr(data_of(x), "shape", ()))
 
 
-def _xp(*xs: Any) -> Any:
-    return get_array_module(*(data_of(x) for x in xs))
-
+_xp = array_module
 
 # -- arithmetic, with broadcasting ---------------------------------------------------------------------------------
 def add(a: Any, b: Any) -> Tensor:
@@ -164,6 +164,20 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
             parts.append(g[tuple(index)])
         return parts
     return make(out, tuple(xs), rule, "concatenate")
+
+
+def pad(a: Any, widths: Any, value: float = 0.0) -> Tensor:
+    """``a`` with ``value`` added before and after each axis, as NumPy's constant ``pad``: ``widths`` is one
+    ``(before, after)`` per axis, or one pair (or one number) for every axis.  Its gradient is a slice (a view) of the
+    output's."""
+    A = data_of(a)
+    xp = get_array_module(A)
+    spans = [(int(before), int(after)) for before, after in np.broadcast_to(np.asarray(widths, dtype=np.int64),
+                                                                              (A.ndim, 2)).tolist()]
+    if any(before < 0 or after < 0 for before, after in spans):
+        raise ValueError(f"pad: widths must be >= 0, got {widths!r}")
+    inner = tuple(slice(before, before + n) for (before, _), n in zip(spans, A.shape))
+    return make(xp.pad(A, spans, constant_values=value), (a,), lambda g: (g[inner],), "pad")
 
 
 def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:

@@ -101,6 +101,11 @@ def data_of(x: Any) -> Any:
     return x.data if isinstance(x, Tensor) else x
 
 
+def array_module(*xs: Any) -> Any:
+    """``cupy`` where any of ``xs`` (tensors, arrays or numbers) is or holds a CuPy array, else ``numpy``."""
+    return get_array_module(*(x.data if isinstance(x, Tensor) else x for x in xs))
+
+
 def make(data: Any, inputs: Sequence[Any], rule: Callable[[Any], Sequence[Any]], name: str) -> Tensor:
     """The result of an operation: ``data``, recorded with ``rule`` where one of ``inputs`` (tensors, arrays or
     numbers; the rule returns a gradient for each, in order) needs a gradient and recording is on."""

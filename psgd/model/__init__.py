@@ -14,18 +14,19 @@ from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecErr
                               init_variable, model_tables)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
-from psgd.model.blocks import (AvgPool2d, BatchNorm, Conv2d, Dropout, Flatten, Function, LayerNorm, Linear, MaxPool2d,
-                               ReLU)
+from psgd.model.blocks import (RNN, AvgPool2d, BatchNorm, Conv1d, Conv2d, Dropout, Flatten, Function, GRUCell,
+                               LayerNorm, Linear, LSTMCell, MaxPool2d, MultiHeadAttention, ReLU)
 from psgd.model.module import Module, Network, Parameter, Sequential, State, Table
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 from psgd.model.registry import MODELS, build_model, load_model_class
-from psgd.compute.backend import get_array_module
+from psgd.autodiff.tensor import array_module as get_array_module
 
 __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
     "check_model", "run_checks", "Check", "hands_over_gradients", "model_tables",
-    "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv2d", "LayerNorm",
+    "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv1d", "Conv2d", "GRUCell", "LSTMCell",
+    "RNN", "MultiHeadAttention", "LayerNorm",
     "BatchNorm", "Dropout", "ReLU",
     "Flatten", "MaxPool2d", "AvgPool2d", "get_array_module",
 ]

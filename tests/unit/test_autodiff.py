@@ -216,6 +216,35 @@ def test_pooling(pool, b, c, h, w, seed):
 
 
 @QUICK
+@given(shape=shapes, seed=SEEDS, data=st.data())
+def test_padding(shape, seed, data):
+    widths = [data.draw(st.tuples(st.integers(0, 2), st.integers(0, 2))) for _ in shape]
+    check(lambda a: ops.pad(a, widths), values(shape, seed))
+    check(lambda a: ops.pad(a, 1, value=2.5), values(shape, seed))
+
+
+@QUICK
+@given(b=dims, n_in=dims, size=dims, bias=st.booleans(), seed=SEEDS)
+def test_recurrent_cells(b, n_in, size, bias, seed):
+    x, h, c = values((b, n_in), seed), values((b, size), seed + 1), values((b, size), seed + 2)
+    for cell, gates in ((nn.gru_cell, 3), (nn.lstm_cell, 4)):
+        state = (h,) if cell is nn.gru_cell else (h, c)
+        weights = [values((n_in, gates * size), seed + 3), values((size, gates * size), seed + 4)]
+        if bias:
+            weights += [values((gates * size,), seed + 5), values((gates * size,), seed + 6)]
+        check(lambda *a: ops.concatenate(cell(*a), axis=-1) if cell is nn.lstm_cell else cell(*a), x, *state,
+              *weights)
+
+
+@QUICK
+@given(lead=st.lists(dims, max_size=2).map(tuple), tq=dims, tk=dims, d=dims, causal=st.booleans(), seed=SEEDS)
+def test_attention(lead, tq, tk, d, causal, seed):
+    tk = tq if causal else tk
+    check(lambda q, k, v: nn.attention(q, k, v, causal), values(lead + (tq, d), seed), values(lead + (tk, d), seed + 1),
+          values(lead + (tk, d + 1), seed + 2))
+
+
+@QUICK
 @given(shape=st.sampled_from([(3, 4), (2, 3, 5)]), seed=SEEDS)
 def test_layer_norm(shape, seed):
     check(nn.layer_norm, values(shape, seed), values(shape[-1:], seed + 1), values(shape[-1:], seed + 2))
@@ -363,10 +392,15 @@ CASES = {
     "conv1d": (lambda a, b, c: nn.conv1d(a, b, c, 2, 1, 2, 2), [(2, 4, 7), (2, 2, 3), (2,)]),
     "max_pool2d": (nn.max_pool2d, [(1, 1, 4, 4)]), "avg_pool2d": (nn.avg_pool2d, [(1, 1, 4, 4)]),
     "layer_norm": (nn.layer_norm, [(2, 3), (3,), (3,)]),
+    "pad": (lambda a: ops.pad(a, [(1, 0), (0, 2)]), [(2, 3)]),
+    "gru_cell": (nn.gru_cell, [(2, 3), (2, 2), (3, 6), (2, 6), (6,), (6,)]),
+    "lstm_cell": (lambda *a: ops.concatenate(nn.lstm_cell(*a), axis=-1), [(2, 3), (2, 2), (2, 2), (3, 8), (2, 8),
+                                                                          (8,), (8,)]),
+    "attention": (lambda q, k, v: nn.attention(q, k, v, causal=True), [(2, 3, 2), (2, 3, 2), (2, 3, 4)]),
 }
 
 
-NODES = {"layer_norm": "normalize"}  # the node a composite operation's own rule makes
+NODES = {"layer_norm": "normalize", "attention": "softmax"}  # the node a composite operation's own rule makes
 
 
 @contextlib.contextmanager
