@@ -101,6 +101,15 @@ class Binding:
         _binding.now = self._before
 
 
+def step_seed(seed: int, rank: int, step: int, call: int = 0) -> int:
+    """The seed of the random masks (dropout) of worker ``rank``'s step ``step`` in a job seeded ``seed``: psgd's
+    loop and a loop of one's own under ``psgd.join()`` both seed a step with it, so that no two steps share a mask
+    and the same run draws the same ones again.  ``call``: the step's n-th training call, where a loop makes
+    several (0: the first, the one psgd's loop makes)."""
+    first = ((seed * 1_000_003 + rank + 1) * 1_000_033 + step) & 0x7FFFFFFF
+    return first if call == 0 else (first * 1_000_037 + call) & 0x7FFFFFFF
+
+
 class _Now(threading.local):
     """This thread's binding (:class:`Binding`), None outside a call; a default on the class, so that reading it
     costs no failed lookup."""
@@ -203,7 +212,7 @@ class Module:
 
     def draw(self) -> int:
         """A seed for a random mask (dropout): new for each draw of a training step, the same for the same step of
-        the same worker (psgd's loop seeds each step from the job's seed, the worker and the step)."""
+        the same worker (each step is seeded from the job's seed, the worker and the step: :func:`step_seed`)."""
         now = _binding.now
         return 0 if now is None else now.draw()
 
@@ -264,6 +273,9 @@ class Network(Module, BaseModel):
 
     kind = "network"
     static_step = False
+    #: where ``loss_and_grads`` without a ``seed`` takes one: ``psgd.join()``'s worker sets it to hand out the step
+    #: in hand's (:func:`step_seed`); None: seed 0, the same masks each call (as check-model's checks need)
+    step_seeds: Callable[[], int] | None = None
 
     def __init__(self, dtype: str = "float32") -> None:
         Module.__init__(self)
@@ -335,10 +347,14 @@ class Network(Module, BaseModel):
         return binding
 
     def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
-                       on_grad: Callable[[str, Any], None] | None = None, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+                       on_grad: Callable[[str, Any], None] | None = None,
+                       seed: int | None = None) -> tuple[Any, dict[str, Any]]:
         """The mean loss (a 0-d array on the weights' device) and every variable's gradient (a table's as its
         rows, a state's as the change the step made to it), ``on_grad(name, grad)`` called for each as soon as
-        backward has completed it.  ``seed``: the step's, for its random masks (:meth:`Module.draw`)."""
+        backward has completed it.  ``seed``: the step's, for its random masks (:meth:`Module.draw`); by default
+        the one :attr:`step_seeds` hands out (under ``psgd.join()``: the step in hand's), else 0."""
+        if seed is None:
+            seed = 0 if self.step_seeds is None else self.step_seeds()
         with self._binding(params, training=True, seed=seed) as binding:
             loss = self.criterion(self.forward(self.inputs(params, x)), y)
         rows = binding.rows

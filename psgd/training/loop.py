@@ -50,6 +50,7 @@ from psgd.training.delay import NO_DELAY, Delay
 from psgd.training.divergence import DivergenceGuard, advice, chance
 from psgd.errors import PsgdError
 from psgd.job import Job
+from psgd.model.module import step_seed
 from psgd.model.table import Rows
 from psgd.observe.progress import MetricsLog, progress_bar
 
@@ -294,7 +295,7 @@ def run_loop(
                      "done (no overlap)", exchange.name)
     gradient = model.loss_and_grads
     # a model whose steps draw random masks is given a seed a step, from the job's seed, this rank and the step
-    draws = (t.seed * 1_000_003 + rank + 1) if getattr(model, "random_step", False) else 0
+    draws = getattr(model, "random_step", False)
     if not handing and not job.plan.tables and graphs.can_graph(
             model, device, t.graphs, lambda why: log.info("%s: %s", exchange.name, why)):
         # the step's kernels as one launch, the optimizer's among them where the exchange updates in place
@@ -363,7 +364,7 @@ def run_loop(
                     elif evaluated:
                         evaluation(params, step, float(loss))
                     if draws:  # a step of random masks (dropout): its own seed, the same again for the same step
-                        handing["seed"] = (draws * 1_000_033 + step) & 0x7FFFFFFF
+                        handing["seed"] = step_seed(t.seed, rank, step)
                     loss, grads = gradient(params, device.asarray(x), device.asarray(y), **handing)
                     computed = time.perf_counter()
                     loss = float(loss)  # on a GPU: waits for the step's kernels

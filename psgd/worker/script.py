@@ -11,7 +11,9 @@ the script per worker, as torchrun does, and in the script :func:`join` joins th
 The loop is the script's: its own batches, losses, schedules and several pulls or pushes a step are all its to
 choose.  What psgd keeps is the rest of a worker: the policy's clock (a push is its step's; a sync pull waits for
 its round), retries, leases, a shard that went back to a cut (the clock goes back with it), the metrics lines of
-``psgd report``, and a clean stop (SIGTERM, SIGINT and SIGHUP set :attr:`Worker.stopping`).
+``psgd report``, a clean stop (SIGTERM, SIGINT and SIGHUP set :attr:`Worker.stopping`), and the step's seed:
+the network's random masks (dropout) are drawn from the job's seed, the worker and the step, as psgd's own loop
+draws them, without a ``seed=`` of the script's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from psgd.config import JobConfig
 from psgd.data.ahead import Ahead
 from psgd.errors import InputError, PsgdError
 from psgd.job import Job, build_job
+from psgd.model.module import step_seed
 from psgd.observe.progress import MetricsLog
 from psgd.training.loop import ResumeFromStep
 from psgd.worker.client import PSClient
@@ -66,6 +69,16 @@ class Worker:
                            seed=(t.seed, rank), target=job.dataset.target, classes=job.dataset.num_classes)
         self.clock = self._exchange.begin()
         self._began, self._closed = time.perf_counter(), False
+        self._calls = (-1, 0)  # (a step, the training calls made in it): what the model's next masks are seeded by
+        if hasattr(self.model, "step_seeds"):  # a network: its loss_and_grads draws the step in hand's masks
+            self.model.step_seeds = self._step_seed
+
+    def _step_seed(self) -> int:
+        """The seed of a training call's random masks (dropout): the step in hand's, as psgd's own loop seeds it
+        (the job's seed, this worker and the step); a further call in the same step gets a seed of its own."""
+        step, calls = self._calls
+        self._calls = (self.clock, calls + 1 if step == self.clock else 0)
+        return step_seed(self.job.config.train.seed, self.rank, self.clock, self._calls[1])
 
     @property
     def stopping(self) -> bool:
@@ -115,7 +128,7 @@ class Worker:
 
     def _went_back(self, back: ResumeFromStep) -> None:
         self._metrics.write("rewound", clock=back.clock, at=self.clock)
-        self.clock = back.clock
+        self.clock, self._calls = back.clock, (-1, 0)  # a step taken again draws its masks again
 
     def close(self) -> None:
         """Leave the job: every step stands (a sync worker waits for its last round), the shards are told (not
@@ -134,6 +147,8 @@ class Worker:
             summary = self._exchange.end(interrupted)
             self._metrics.write("done", clock=self.clock, seconds=time.perf_counter() - self._began, **summary)
         finally:
+            if getattr(self.model, "step_seeds", None) == self._step_seed:
+                self.model.step_seeds = None
             self._metrics.close()
             self._client.close()
 
