@@ -180,7 +180,8 @@ def ignore_stop_signals() -> None:
 
 
 def start_process(config: JobConfig) -> None:
-    """What every psgd process does once its job is known: its BLAS/OpenMP thread budget."""
+    """What every psgd process does once its job is known: its BLAS/OpenMP thread budget (psgd train's own is
+    picked, and said, by the training in one process: :func:`psgd.training.local.train_local`)."""
     from psgd.compute import threads
 
     log.debug("BLAS/OpenMP threads: %s", threads.apply(config.train.threads))

@@ -15,8 +15,7 @@ from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, first_env_int,
                              import_from_current_folder, import_nothing_from_current_folder, job_from_args,
-                             run_command, resumed_from, score_fields, score_said, shows_progress, start_process,
-                             verbosity)
+                             run_command, resumed_from, score_fields, score_said, shows_progress, verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
 from psgd.wire.tls import add_tls_arguments, launch_tls
@@ -372,8 +371,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from psgd.worker.stop import STOP_SIGNALS
 
     setup_logging("local", verbosity(args), args.log_file)
-    config = job_from_args(args)
-    start_process(config)
+    config = job_from_args(args)  # (its threads: psgd.train picks them, and says so)
     stop, heard = threading.Event(), []
     for signum in STOP_SIGNALS:  # the step in hand is finished, the state kept (--checkpoint), then the end
         signal.signal(signum, lambda signum, frame: (heard.append(signum), stop.set()))

@@ -14,6 +14,9 @@ as long.  So every psgd process limits its own pools with ``threadpoolctl``
   cores of the machine among the processes it starts on it (torchrun sets
   ``OMP_NUM_THREADS=1`` in the same situation), writing its choice into the job
   file of the run.
+
+:func:`budget` makes that choice, and the one line that says it, both for
+``psgd launch`` and for training in one process (``psgd train``, ``psgd.train``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,21 @@ def share_of_cores(processes: int, cores: int | None = None) -> int:
     """Threads per process when ``processes`` psgd processes share this machine's cores."""
     cores = available_cores() if cores is None else cores
     return max(1, cores // max(1, processes))
+
+
+def budget(threads: int, processes: int) -> tuple[int, str]:
+    """Threads for each of ``processes`` psgd processes on this machine (``threads``: the job's ``[train]
+    threads``, 0 for automatic; 0 back: left to the environment), and the one line that says so: what
+    ``psgd launch`` picks for the processes it starts, and training in one process for itself."""
+    cores = available_cores()
+    if threads:
+        return threads, f"{processes} process(es) on {cores} core(s): {threads} BLAS/OpenMP thread(s) each (--threads)"
+    explicit = user_setting()
+    if explicit:
+        return 0, f"{processes} process(es) on {cores} core(s): BLAS/OpenMP threads as {explicit} says"
+    share = share_of_cores(processes, cores)
+    return share, (f"{processes} process(es) on {cores} core(s): {share} BLAS/OpenMP thread(s) each "
+                   "(--threads N or OMP_NUM_THREADS to change)")
 
 
 def apply(threads: int) -> str:

@@ -3,9 +3,8 @@
 :class:`Layout` lays a job out over ``nnodes`` machines (every node computes
 the same addresses, so one command per machine needs no other coordination);
 :class:`Hosts` puts each process on an emulated host of this machine;
-:func:`thread_budget` divides the machine's cores among the processes it starts
-(see :mod:`psgd.compute.threads`); :func:`place_on_gpus` puts each worker (or rank)
-of this node on a GPU of its own, as torchrun does with local ranks;
+:func:`place_on_gpus` puts each worker (or rank) of this node on a GPU of its
+own, as torchrun does with local ranks;
 :func:`find_mpiexec` finds the ``mpiexec`` that all-reduce mode over MPI starts
 its ranks with, and :func:`mpi_environment` what it needs from a launcher run
 as root.
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Sequence
 
 from psgd.compute import threads
-from psgd.config import JobConfig
 from psgd.launcher.supervise import LaunchError
 from psgd.wire import protocol
 
@@ -176,18 +174,3 @@ def busy_poll(processes: int) -> tuple[int, str]:
                                        f"{protocol.BUSY_POLL_US} µs for its answer before it sleeps "
                                        "([cluster] busy_poll_us to change)")
     return 0, f"{processes} process(es) on {cores} core(s): data connections sleep at once ([cluster] busy_poll_us)"
-
-
-def thread_budget(config: JobConfig, processes: int) -> tuple[int, str]:
-    """Threads for each of ``processes`` psgd processes on this machine (0: left to the environment),
-    and the one line that says so."""
-    cores = threads.available_cores()
-    if config.train.threads:
-        return config.train.threads, f"{processes} process(es) on {cores} core(s): {config.train.threads} BLAS/OpenMP " \
-                                  "thread(s) each (--threads)"
-    explicit = threads.user_setting()
-    if explicit:
-        return 0, f"{processes} process(es) on {cores} core(s): BLAS/OpenMP threads as {explicit} says"
-    share = threads.share_of_cores(processes, cores)
-    return share, (f"{processes} process(es) on {cores} core(s): {share} BLAS/OpenMP thread(s) each "
-                   "(--threads N or OMP_NUM_THREADS to change)")

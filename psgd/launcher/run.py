@@ -28,7 +28,7 @@ from psgd.launcher.folder import (CHECKPOINTS, TOKEN_FILE, claim, made_token, ne
                                   resume_command)
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
                                   first_divergence, read_records)
-from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus, thread_budget
+from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.wire.channel import MAKE_TOKEN, read_token
@@ -132,7 +132,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
         len(layout.workers_here(config.cluster.workers)) + \
         (len(layout.replicas_here(config.cluster.shards)) if mode == "ps" and config.cluster.recovery.replicas else 0)
-    per_process, said = thread_budget(config, here)
+    per_process, said = threads.budget(config.train.threads, here)
     log.info("%s", said)
     spec["train"]["threads"] = per_process
     if mode == "ps" and config.cluster.links.busy_poll_us < 0:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd.compute import backend
+from psgd.compute import backend, threads
 from psgd.config import ConfigError, JobConfig
 from psgd.errors import InputError
 from psgd.job import Job, build_job, params_to_device
@@ -170,6 +170,9 @@ def train_local(
     hears of every step (see :func:`psgd.training.loop.run_loop`).  ``stop`` set: the step in hand is finished and
     the run ends, its state (weights, optimizer, step) written to ``keep`` where given, which ``resume`` (a path)
     goes on from; the result's ``summary["kept"]`` says where it is."""
+    per_process, said = threads.budget(config.train.threads, 1)  # as psgd launch picks them, for one process
+    log.info("%s", said)
+    threads.apply(per_process)
     job = build_job(config, dataset, check=True, model=model, augment=augment)
     t = config.train
     spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
