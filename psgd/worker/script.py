@@ -128,7 +128,7 @@ class Worker:
 
     def _went_back(self, back: ResumeFromStep) -> None:
         self._metrics.write("rewound", clock=back.clock, at=self.clock)
-        self.clock, self._calls = back.clock, (-1, 0)  # a step taken again draws its masks again
+        self.clock, self._calls = back.clock, (-1, 0)  # a step taken again draws the same masks again
 
     def close(self) -> None:
         """Leave the job: every step stands (a sync worker waits for its last round), the shards are told (not

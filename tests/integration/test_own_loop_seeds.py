@@ -53,6 +53,7 @@ def own_loop(tmp_path, module: str, steps: int) -> tuple[list[float], list[float
                 second.append(float(w.model.loss_and_grads(fixed, x, y)[0]))
                 derived.append(float(w.model.loss_and_grads(fixed, x, y, seed=step_seed(5, 0, w.clock))[0]))
                 w.push(grads, loss=loss)
+        w.stop.set()  # ends its client's stop watcher, which outlives the client (a thread of this process)
     return own, second, derived
 
 
