@@ -8,6 +8,7 @@ import inspect
 import re
 from typing import Any
 
+from psgd import moved
 from psgd.model.base import VarSpecError
 from psgd.model.errors import ModelError
 from psgd.model.embed import Embed
@@ -36,7 +37,8 @@ def load_model_class(name: str | type) -> type:
         raise ModelError(f"unknown model {name!r}: use one of {', '.join(MODELS)}, "
                          "or package.module:Class for your own model")
     try:
-        obj: Any = importlib.import_module(module_name)
+        with moved.shown():  # an old name the module imports says where it went
+            obj: Any = importlib.import_module(module_name)
     except BaseException as exc:  # SyntaxError, ImportError, or whatever the module raises
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
