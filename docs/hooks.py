@@ -1,6 +1,6 @@
 """ProperDocs hooks (properdocs.yml ``hooks:``): the pages generated from the code at each build, so that they cannot
 drift (every command's flags, every job-file key and the Python API, from :mod:`psgd.cli.reference`), and
-benchmarks/RESULTS.md with the plots it shows, from where they live in the repository."""
+benchmarks/RESULTS.md with the plots it shows and CHANGELOG.md, from where they live in the repository."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def on_files(files, config):
     for uri, text in (("reference/commands.md", reference.commands()), ("reference/keys.md", reference.job_file()),
                       ("reference/python.md", reference.python_api())):
         files.append(File.generated(config, uri, content=text))
+    changes = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    files.append(File.generated(config, "changelog.md", content=changes))
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
     files.append(File.generated(config, "benchmarks/RESULTS.md", content=results))
     for image in sorted(set(re.findall(r"\]\((results/[^)]+\.png)\)", results))):

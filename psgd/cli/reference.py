@@ -185,8 +185,8 @@ def python_api() -> str:
     modules = ", ".join(f"`{m}`" for m in psgd.PUBLIC_MODULES[1:])
     out += ["## What is public", "", "The names above and the modules a network is written with, " + modules
             + " (each module's `__all__`), are psgd's public API: they keep their names and their meaning from one "
-            "release to the next, and a change to one is announced first. Every other module of psgd is its own "
-            "and may change without notice.", ""]
+            "release to the next, and a change to one is announced first, in the [changelog](../changelog.md). "
+            "Every other module of psgd is its own and may change without notice.", ""]
     return "\n".join(out)
 
 

@@ -1,5 +1,5 @@
 """Names the documentation once showed users and psgd has since moved keep working for a while: each answers from
-its new home with a DeprecationWarning that names that home (psgd.moved.MOVED)."""
+its new home with a DeprecationWarning that names that home (psgd.moved.MOVED), and CHANGELOG.md lists it."""
 
 from __future__ import annotations
 
@@ -61,3 +61,13 @@ def test_a_model_written_for_the_old_name_loads_and_its_user_is_told(tmp_path):
     assert done.returncode == 0 and done.stdout == "OldNet\n", done.stderr
     assert re.search(r"oldnet\.py:2: DeprecationWarning: psgd\.xp\.get_array_module has moved: import it from "
                      r"psgd\.model", done.stderr), done.stderr
+
+
+def test_the_changelog_lists_every_moved_name():
+    from psgd.moved import MOVED
+
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|", text, flags=re.M)
+    assert sorted(listed) == sorted((f"{old}.{name}", f"{new}.{name}") for old, names in MOVED.items()
+                                    for name, new in names.items())
+    assert {old for old in MOVED} >= set(SHOWN)
