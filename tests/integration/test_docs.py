@@ -23,16 +23,43 @@ RUNNABLE = "<!-- runnable: one CPU machine -->"
 TOOLS = dict(reference.TOOLS)  # the command-line tools, and the module each runs
 
 
-@pytest.mark.slow
-def test_the_site_builds_strictly(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "properdocs", "build", "--strict", "--site-dir",
-                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once strictly: what the build said, and its folder."""
+    folder = tmp_path_factory.mktemp("site") / "site"
+    done = subprocess.run([sys.executable, "-m", "properdocs", "build", "--strict", "--site-dir", str(folder)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    said = done.stdout + done.stderr  # a build says what it did, and no banner (a theme's end of life, say)
+    return done.stdout + done.stderr, folder
+
+
+@pytest.mark.slow
+def test_the_site_builds_strictly(site):
+    said, folder = site  # a build says what it did, and no banner (a theme's end of life, say)
     assert "end of life" not in said.lower() and "│" not in said, said
     for page in ("index.html", "reference/commands/index.html", "reference/keys/index.html",
-                 "benchmarks/RESULTS/index.html", "benchmarks/results/simulate/efficiency.png"):
-        assert (tmp_path / "site" / page).exists(), page
+                 "benchmarks/RESULTS/index.html", "benchmarks/results/simulate/efficiency.png", "changelog/index.html"):
+        assert (folder / page).exists(), page
+
+
+@pytest.mark.slow
+def test_code_is_highlighted_offline(site):
+    """Every code block is highlighted by Pygments when the site is built, and colored by a stylesheet of the site's
+    own: the theme's highlighter comes from a CDN, which the build turns off, and the tokens had no colors."""
+    _, folder = site
+    page = (folder / "howto" / "your-model" / "index.html").read_text(encoding="utf-8")
+    assert re.search(r'<div class="highlight"><pre>(<span></span>)?<code>\s*<span class="c1">#[^<]*</span>\s*'
+                     r'<span class="kn">import</span>', page), "your-model's first block is not highlighted"
+    sheets = [re.search(r'href="([^"]+)"', link).group(1) for link in re.findall(r"<link\b[^>]*>", page)
+              if 'rel="stylesheet"' in link]
+    rules = "".join((folder / "howto" / "your-model" / href).resolve().read_text(encoding="utf-8")
+                    for href in sheets if not re.match(r"(\w+:)?//", href))
+    for token in ("kn", "c1", "s2", "nb"):  # a keyword, a comment, a string, a builtin: each its color
+        assert re.search(rf"\.highlight \.{token} \{{[^}}]*color: #[0-9A-Fa-f]{{3,6}}", rules), token
+    for html in sorted(folder.rglob("*.html")):  # nothing of a page comes from another host
+        fetched = re.findall(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="((?:\w+:)?//[^"]*)"',
+                             html.read_text(encoding="utf-8"))
+        assert fetched == [], f"{html.relative_to(folder)}: {fetched}"
 
 
 def _sections(text: str) -> dict[str, str]:
