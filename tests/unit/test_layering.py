@@ -45,6 +45,13 @@ def test_benchmarks_do_not_import_the_command_line(path):
     assert not {m for m in imported(path) if m == "psgd.cli" or m.startswith("psgd.cli.")}, path
 
 
+def test_psgd_never_imports_pytorch():
+    """PyTorch is a peer a benchmark measures against (benchmarks/torch_step.py), in an environment of its own."""
+    found = [str(path.relative_to(PSGD)) for path in sorted(PSGD.rglob("*.py"))
+             if any(m == "torch" or m.startswith("torch.") for m in imported(path))]
+    assert found == []
+
+
 TRANSPORTS = {"grpc", "socket", "ssl", "selectors", "psgd.proto", "psgd.wire.channel", "psgd.worker.client"}
 
 
