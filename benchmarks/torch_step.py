@@ -47,8 +47,8 @@ import time
 import numpy as np
 
 from psgd.autodiff import ops
-from psgd.model import (RNN, Conv1d, Dropout, GRUCell, LayerNorm, Linear, Module, MultiHeadAttention, Network,
-                        build_model)
+from psgd.model import (RNN, Conv1d, Dropout, GRUCell, LayerNorm, Linear, MaxPool1d, Module, MultiHeadAttention,
+                        Network, build_model)
 from psgd.optim.rules import SGD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,12 +61,6 @@ ANSWER_S = 300  # the longest a child may take to answer (a chunk of steps, or b
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
-def max_pool1d(x, size: int = 2):
-    """The largest of each ``size`` positions of (B, C, L), L a multiple of ``size``."""
-    b, c, n = x.shape
-    return ops.max(ops.reshape(x, (b, c, n // size, size)), axis=3)
-
-
 class Residual(Module):
     """x + conv(dropout(relu(conv(norm(x))))), the norm over the channels; then a max-pool by 2."""
 
@@ -74,12 +68,12 @@ class Residual(Module):
         super().__init__()
         self.norm = LayerNorm(channels)
         self.conv1, self.conv2 = Conv1d(channels, channels, 3), Conv1d(channels, channels, 3)
-        self.drop = Dropout(rate)
+        self.drop, self.pool = Dropout(rate), MaxPool1d(2)
 
     def forward(self, x):
         h = ops.transpose(self.norm(ops.transpose(x, (0, 2, 1))), (0, 2, 1))
         h = self.conv2(self.drop(ops.relu(self.conv1(h))))
-        return max_pool1d(ops.add(x, h))
+        return self.pool(ops.add(x, h))
 
 
 class ConvNet(Network):

@@ -14,12 +14,13 @@ from typing import Any
 
 from psgd.compute import kernels
 from psgd.autodiff import ops
+from psgd.autodiff.pool import avg_pool1d, avg_pool2d, max_pool1d, max_pool2d  # (nn's operations: pool.py's code)
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
 from psgd.compute.backend import get_array_module
 
 __all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv1d", "conv2d",
-           "max_pool2d", "avg_pool2d", "gru_cell", "lstm_cell", "attention", "layer_norm", "batch_norm", "dropout",
-           "lookup"]
+           "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "gru_cell", "lstm_cell", "attention", "layer_norm",
+           "batch_norm", "dropout", "lookup"]
 
 
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
@@ -203,62 +204,6 @@ def _windows(A: Any, k: tuple[int, ...], dilation: int, stride: int, out: tuple[
         A.strides[:1] + (c // groups * A.strides[1], A.strides[1]) + tuple(t * dilation for t in step)
         + tuple(t * stride for t in step))
     return view.reshape(n, groups, -1, math.prod(out))
-
-
-def _taps(X: Any, size: int) -> list[tuple[Any, Any]]:
-    """The ``size`` x ``size`` offsets of non-overlapping windows of ``X`` (B, C, H, W), each ``(index, X[index])``:
-    a strided view (B, C, H // size, W // size) of the entries at that offset in every window (an odd last row or
-    column is cropped).  Pooling is size * size elementwise passes over these views: no copy, no reshuffle."""
-    h, w = X.shape[2:]
-    h2, w2 = h // size, w // size
-    if h2 < 1 or w2 < 1:
-        raise ValueError(f"pooling: input {h}x{w} is smaller than the {size}x{size} window")
-    taps = []
-    for i in range(size):
-        for j in range(size):
-            index = (slice(None), slice(None), slice(i, size * h2, size), slice(j, size * w2, size))
-            taps.append((index, X[index]))
-    return taps
-
-
-def max_pool2d(x: Any, size: int = 2) -> Tensor:
-    """The largest value of each ``size`` x ``size`` window (stride ``size``); one winner per window, the first."""
-    X = data_of(x)
-    xp = get_array_module(X)
-    taps = _taps(X, size)
-    out = taps[0][1].copy()
-    for _, view in taps[1:]:
-        xp.maximum(out, view, out=out)
-
-    def rule(g):
-        gx = xp.zeros(X.shape, dtype=g.dtype)
-        rest = g.copy()  # what is still to go to a window's first winner
-        for t, (index, view) in enumerate(taps):
-            won = gx[index]  # (a view: written in place)
-            xp.multiply(rest, view == out, out=won)
-            if t < len(taps) - 1:
-                rest -= won  # (exact: rest or 0)
-        return (gx,)
-    return make(out, (x,), rule, "max_pool2d")
-
-
-def avg_pool2d(x: Any, size: int = 2) -> Tensor:
-    """The mean of each ``size`` x ``size`` window (stride ``size``)."""
-    X = data_of(x)
-    xp = get_array_module(X)
-    taps = _taps(X, size)
-    out = taps[0][1].copy()
-    for _, view in taps[1:]:
-        out += view
-    out *= 1.0 / (size * size)
-
-    def rule(g):
-        gx = xp.zeros(X.shape, dtype=g.dtype)
-        share = g * (1.0 / (size * size))
-        for index, _ in taps:
-            gx[index] = share
-        return (gx,)
-    return make(out, (x,), rule, "avg_pool2d")
 
 
 # -- recurrent cells and attention -----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from psgd.model.base import (INITIALIZERS, BaseModel, Model, VarSpec, VarSpecErr
                               init_variable, model_tables)
 from psgd.model.check import Check, check_model, run_checks
 from psgd.model.errors import ModelError
-from psgd.model.blocks import (RNN, AvgPool2d, BatchNorm, Conv1d, Conv2d, Dropout, Flatten, Function, GRUCell,
-                               LayerNorm, Linear, LSTMCell, MaxPool2d, MultiHeadAttention, ReLU)
+from psgd.model.blocks import (RNN, AvgPool1d, AvgPool2d, BatchNorm, Conv1d, Conv2d, Dropout, Flatten, Function,
+                               GRUCell, LayerNorm, Linear, LSTMCell, MaxPool1d, MaxPool2d, MultiHeadAttention, ReLU)
 from psgd.model.module import Module, Network, Parameter, Sequential, State, Table
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 from psgd.model.registry import MODELS, build_model, load_model_class
@@ -28,5 +28,5 @@ __all__ = [
     "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv1d", "Conv2d", "GRUCell", "LSTMCell",
     "RNN", "MultiHeadAttention", "LayerNorm",
     "BatchNorm", "Dropout", "ReLU",
-    "Flatten", "MaxPool2d", "AvgPool2d", "get_array_module",
+    "Flatten", "MaxPool1d", "AvgPool1d", "MaxPool2d", "AvgPool2d", "get_array_module",
 ]

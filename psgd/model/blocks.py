@@ -268,6 +268,14 @@ def Flatten() -> Function:  # noqa: N802
     return Function(lambda x: ops.reshape(x, (x.shape[0], -1)), "flatten")
 
 
+def MaxPool1d(size: int = 2) -> Function:  # noqa: N802
+    return Function(lambda x: nn.max_pool1d(x, size), "pool")
+
+
+def AvgPool1d(size: int = 2) -> Function:  # noqa: N802
+    return Function(lambda x: nn.avg_pool1d(x, size), "pool")
+
+
 def MaxPool2d(size: int = 2) -> Function:  # noqa: N802
     return Function(lambda x: nn.max_pool2d(x, size), "pool")
 

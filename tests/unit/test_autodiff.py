@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psgd.autodiff import Tensor, backward, no_grad, nn, ops, tensor
+from psgd.autodiff import Tensor, backward, no_grad, nn, ops, pool, tensor
 
 EPS, RTOL, ATOL = 1e-6, 1e-5, 1e-7
 
@@ -213,6 +213,8 @@ def test_convolution_with_stride_dilation_and_groups(b, groups, c, o, n, k, stri
 @given(b=st.integers(1, 2), c=st.integers(1, 2), h=st.integers(2, 5), w=st.integers(2, 5), seed=SEEDS)
 def test_pooling(pool, b, c, h, w, seed):
     check(getattr(nn, f"{pool}_pool2d"), values((b, c, h, w), seed))
+    check(getattr(nn, f"{pool}_pool1d"), values((b, c, h + w), seed + 1))
+    check(lambda x: getattr(nn, f"{pool}_pool1d")(x, 3), values((b, c, h + w), seed + 2))
 
 
 @QUICK
@@ -391,6 +393,7 @@ CASES = {
     "conv2d": (lambda a, b: nn.conv2d(a, b, None, 1), [(1, 2, 3, 3), (2, 2, 3, 3)]),
     "conv1d": (lambda a, b, c: nn.conv1d(a, b, c, 2, 1, 2, 2), [(2, 4, 7), (2, 2, 3), (2,)]),
     "max_pool2d": (nn.max_pool2d, [(1, 1, 4, 4)]), "avg_pool2d": (nn.avg_pool2d, [(1, 1, 4, 4)]),
+    "max_pool1d": (nn.max_pool1d, [(2, 2, 5)]), "avg_pool1d": (nn.avg_pool1d, [(2, 2, 5)]),
     "layer_norm": (nn.layer_norm, [(2, 3), (3,), (3,)]),
     "pad": (lambda a: ops.pad(a, [(1, 0), (0, 2)]), [(2, 3)]),
     "gru_cell": (nn.gru_cell, [(2, 3), (2, 2), (3, 6), (2, 6), (6,), (6,)]),
@@ -412,12 +415,12 @@ def rule_off_by(op: str, factor: float):
         if name != op:
             return made(data, inputs, rule, name)
         return made(data, inputs, lambda g: [None if gx is None else gx * factor for gx in rule(g)], name)
-    for module in (ops, nn):
+    for module in (ops, nn, pool):
         module.make = wrong
     try:
         yield
     finally:
-        for module in (ops, nn):
+        for module in (ops, nn, pool):
             module.make = made
 
 
@@ -439,7 +442,7 @@ def test_the_reference_names_every_operation_and_module():
     from psgd.model import blocks, module
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "autodiff.md").read_text()
-    public = [name for source in (ops, nn) for name, f in vars(source).items()
+    public = [name for source in (ops, nn, pool) for name, f in vars(source).items()
               if inspect.isfunction(f) and f.__module__ == source.__name__ and not name.startswith("_")]
     public += [name for name in psgd.model.__all__ if getattr(getattr(psgd.model, name), "__module__", "") in
                (module.__name__, blocks.__name__)]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from psgd.autodiff import Tensor, nn, ops
-from psgd.model import (RNN, Conv1d, GRUCell, LSTMCell, ModelError, MultiHeadAttention, Network, check_model,
-                        get_array_module)
+from psgd.model import (RNN, AvgPool1d, Conv1d, GRUCell, LSTMCell, MaxPool1d, ModelError, MultiHeadAttention,
+                        Network, check_model, get_array_module)
 
 T, FEATURES, CLASSES = 6, 4, 3
 
@@ -58,6 +58,9 @@ def test_the_modules_shapes_and_conventions():
         changed[:, -1] += 1.0  # causal: the last step changes nothing before it
         np.testing.assert_array_equal(net.attend(changed).data[:, :-1], out[:, :-1])
     assert params["gru/cell/w_ih"].shape == (7, 9) and params["lstm/cell/w_hh"].shape == (2, 8)
+    windows = x[:, :, :6].reshape(2, 5, 3, 2)  # pooled by 2 along the last axis, the odd last position cropped
+    np.testing.assert_array_equal(MaxPool1d(2)(x).data, windows.max(axis=-1))
+    np.testing.assert_allclose(AvgPool1d(2)(x).data, windows.mean(axis=-1))
     with pytest.raises(ModelError, match="odd kernel"):
         Conv1d(2, 2, kernel=2)
     with pytest.raises(ModelError, match="heads must divide"):
