@@ -1,7 +1,7 @@
-"""The documentation's worked examples (docs/howto/examples.md; tests/data/resnet.py and transformer.py): the page
-shows each file as it is, psgd check-model passes on it, and psgd launch trains it under sync and under async (and
-the residual CNN under all-reduce) as the page says; batch norm's running statistics travel through the shards
-and the export."""
+"""The documentation's worked examples (docs/howto/examples.md; tests/data/resnet.py, transformer.py and
+rowgru.py): the page shows each file as it is, psgd check-model passes on it, and psgd launch trains it under sync
+and under async (and the residual CNN under all-reduce) as the page says; batch norm's running statistics travel
+through the shards and the export; the recurrent network trains alone in seconds."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ EXAMPLES = {
     "resnet": ("resnet:ResNet", ["--epochs", "20"]),
     "transformer": ("transformer:Transformer",
                     ["--dataset", "sequences", "--optimizer", "adam", "--lr", "0.003", "--epochs", "8"]),
+    "rowgru": ("rowgru:RowGRU", ["--epochs", "20"]),
 }
 
 
@@ -62,7 +63,7 @@ def test_check_model_passes_on_each(folder, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, policy", [("resnet", "sync"), ("resnet", "async"), ("transformer", "sync"),
-                                          ("transformer", "async")])
+                                          ("transformer", "async"), ("rowgru", "sync"), ("rowgru", "async")])
 def test_launch_trains_each_under_each_policy(folder, name, policy):
     model, flags = EXAMPLES[name]
     done = psgd("launch", "--model", model, *flags, "--policy", policy, "--no-progress", "--json", cwd=folder)
@@ -70,6 +71,17 @@ def test_launch_trains_each_under_each_policy(folder, name, policy):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["policy"] == policy and not result["diverged"]
     assert result["test_accuracy"] >= 0.95, result  # 0.98 on this machine (the transformer's data: the MLP 0.27)
+
+
+@pytest.mark.slow
+def test_the_recurrent_network_trains_alone_in_seconds_as_the_page_says(folder):
+    (command,) = [c for c in re.findall(r"^psgd train .*$", PAGE.read_text(encoding="utf-8"), flags=re.M)
+                  if "rowgru" in c]
+    done = psgd(*command.split()[1:], "--no-progress", "--json", cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["test_accuracy"] >= 0.96 and not result["diverged"], result  # 0.972 on this machine
+    assert result["seconds"] < 60, result  # 2-3 s on this machine
 
 
 @pytest.mark.slow
