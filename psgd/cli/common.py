@@ -255,6 +255,26 @@ def score_said(accuracy: float | None, r2: float | None = None, sep: str = ": ")
     return f"{SCORE_WORDS[metric]}{sep}{value:.4f}"
 
 
+#: what a run folder keeps of the command that started it (its job file holds the job; the folder is --resume's)
+KEPT_IN_RUN = frozenset({"--config", "--set", "--run-dir", "--resume", *JOB_FLAGS, *CLUSTER_FLAGS})
+
+
+def flags_not_kept(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The options ``args`` gives that the run folder does not keep (:data:`KEPT_IN_RUN`), as they are typed, in
+    the parser's order: what the command that continues the run says again (psgd launch, psgd run)."""
+    flags: list[str] = []
+    for action in parser._actions:
+        name = action.option_strings[0] if action.option_strings else None
+        value = getattr(args, action.dest, None)
+        if name is None or set(action.option_strings) & KEPT_IN_RUN or value in (None, False, action.default):
+            continue
+        if action.nargs == 0:  # a switch, or one counted (-v -v)
+            flags += [name] * (1 if value is True else int(value))
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
 def resumed_from(args: argparse.Namespace) -> None:
     """``--resume RUN``: the job file and the run folder are RUN's (psgd launch, psgd run)."""
     if args.resume:

@@ -14,8 +14,9 @@ from psgd.cli import report as report_cli
 from psgd.cli import doctor, models, status
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, first_env_int,
-                             import_from_current_folder, import_nothing_from_current_folder, job_from_args,
-                             run_command, resumed_from, score_fields, score_said, shows_progress, verbosity)
+                             flags_not_kept, import_from_current_folder, import_nothing_from_current_folder,
+                             job_from_args, run_command, resumed_from, score_fields, score_said, shows_progress,
+                             verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
 from psgd.wire.tls import add_tls_arguments, launch_tls
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "line and --json's \"lost_updates\" say how many per shard)")
     add_divergence_argument(launch)
     add_log_arguments(launch)
-    launch.set_defaults(func=cmd_launch)
+    launch.set_defaults(func=cmd_launch, parser=launch)
 
     run = sub.add_parser(
         "run", help="your own training loop: the shards, and a copy of your script for every worker",
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_arguments(run)
     run.add_argument("script", metavar="SCRIPT", help="the Python file each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_run, parser=run)
     _add_bench(sub)
     status.add_status_parser(sub)
     doctor.add_doctor_parser(sub)
@@ -310,7 +311,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     result = launch(config, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
                     progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
                     save=args.save, layout=layout, hosts=hosts, tls=launch_tls(args),
-                    resume=bool(args.resume))
+                    resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args))
     c = config.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")
@@ -347,7 +348,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     resumed_from(args)
     config = job_from_args(args)
     result = launch(config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
-                    tls=launch_tls(args), resume=bool(args.resume),
+                    tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args),
                     script=[str(Path(args.script).resolve()), *args.script_args])
     c = config.cluster
     if args.json:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import secrets
+import shlex
 import time
 from pathlib import Path
 from typing import Sequence
@@ -41,9 +42,12 @@ def new_run_folder(mode: str, now: float | None = None) -> Path:
     raise LaunchError(f"{RUNS}/{stem}: a thousand runs started in the same second; give --run-dir")
 
 
-def resume_command(run: Path, script: Sequence[str] = ()) -> str:
-    """The command that continues the run in ``run`` (``script``: psgd run's)."""
-    return f"psgd run --resume {run} {script[0]}" if script else f"psgd launch --resume {run}"
+def resume_command(run: Path, script: Sequence[str] = (), flags: Sequence[str] = ()) -> str:
+    """The command that continues the run in ``run``, shell-quoted, to be typed again as it is: ``script`` (psgd
+    run's: the Python file and its own arguments) and ``flags``, the command's own that the run folder does not
+    keep (its job file keeps the job's)."""
+    command = ["psgd", "run" if script else "launch", *flags, "--resume", str(run), *script]
+    return shlex.join(command)
 
 
 def claim(run: Path, resume: bool, mode: str = "ps", script: Sequence[str] = ()) -> None:

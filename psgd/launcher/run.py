@@ -41,7 +41,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
            progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
            verbose: int = 0, monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
-           tls: TLSFiles | None = None, resume: bool = False, script: Sequence[str] = ()) -> LaunchResult:
+           tls: TLSFiles | None = None, resume: bool = False, script: Sequence[str] = (),
+           resume_flags: Sequence[str] = ()) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -66,6 +67,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     reported, else the launcher's own verdict on the final weights (:mod:`psgd.training.divergence`).
     ``script`` (``psgd run``: a Python file and its arguments) is each worker's program instead of psgd-worker:
     its loop is its own, through :func:`psgd.join` (ps mode only).
+    ``resume_flags``: the flags of the command that started the launch which its run folder does not keep, said
+    again in the command a stopped launch says continues it (:func:`~psgd.launcher.folder.resume_command`).
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
@@ -165,7 +168,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
             stopping = exc.signum
             if mode == "ps" and layout.node_rank == 0:  # the shards write their last checkpoints as they stop
                 exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with "
-                            f"{resume_command(run, script)}",)
+                            f"{resume_command(run, script, resume_flags)}",)
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM, pause_workers=mode == "ps")

@@ -41,7 +41,7 @@ def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_en
         if launch.poll() is None:
             launch.kill()
     assert launch.returncode == 128 + signal.SIGINT, err
-    assert f"continue with psgd launch --resume {run}" in err
+    assert f"continue with psgd launch --no-progress --resume {run}" in err  # the flags RUN/job.toml does not keep
     stopped_at = steps_done(run)
     assert 300 < stopped_at < 150 * 22  # stopped halfway, not at the end
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -117,16 +118,21 @@ def test_a_script_that_is_not_started_by_psgd_run_is_told_how_to_start_it(tmp_pa
     assert line.startswith("psgd.join(): error: PSGD_JOB_FILE, PSGD_RANK not set: start this script with psgd run")
 
 
-def stopped_by_sigterm(folder: Path, epochs: int) -> tuple[subprocess.Popen, str, list[Path]]:
-    """psgd run of the page's hardest.py (2 workers, 1 shard) into RUN=run, sent SIGTERM once both workers have
-    pushed a step: the launcher (ended), its stderr and the workers' metrics files."""
+def stopped_by_sigterm(folder: Path, epochs: int, *flags: str) -> tuple[subprocess.Popen, str, list[Path]]:
+    """psgd run (``flags`` its own) of the page's hardest.py (2 workers, 1 shard; arguments it ignores) into
+    RUN=run, sent SIGTERM once both workers have pushed a step: the launcher (ended), its stderr and the workers'
+    metrics files."""
     page_files(folder)
     launcher = psgd_run(folder, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", str(epochs),
-                        "hardest.py")
+                        *flags, "hardest.py", *SCRIPT_ARGS)
     metrics = [folder / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
     err = sigterm_once(launcher, lambda: all(p.exists() and p.stat().st_size for p in metrics),
                        "both workers' first push")
     return launcher, err, metrics
+
+
+#: the script's own arguments, which the command that continues the run repeats
+SCRIPT_ARGS = ("--warmup", "100", "--note", "a b")
 
 
 def sigterm_once(launcher: subprocess.Popen, ready: Callable[[], bool], what: str) -> str:
@@ -146,8 +152,10 @@ def sigterm_once(launcher: subprocess.Popen, ready: Callable[[], bool], what: st
 
 
 def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
-    launcher, err, metrics = stopped_by_sigterm(tmp_path, 400)
+    launcher, err, metrics = stopped_by_sigterm(tmp_path, 400, "--timeout", "120")
     assert launcher.returncode == 128 + signal.SIGTERM, err
+    again = ["psgd", "run", "--timeout", "120.0", "--resume", "run", str(tmp_path / "hardest.py"), *SCRIPT_ARGS]
+    assert f"continue with {shlex.join(again)}" in err
     for path in metrics:  # each left between steps: its last line says so, no step was cut short
         last = json.loads(path.read_text().splitlines()[-1])
         assert last["event"] == "done" and 0 < last["clock"] < 400 * 11, last
@@ -159,11 +167,11 @@ def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
 def test_psgd_run_stopped_goes_on_from_its_shards_checkpoints_with_resume(tmp_path):
     launcher, err, metrics = stopped_by_sigterm(tmp_path, 15)
     assert launcher.returncode == 128 + signal.SIGTERM, err
-    assert f"continue with psgd run --resume run {tmp_path / 'hardest.py'}" in err
+    assert f"continue with psgd run --resume run {tmp_path / 'hardest.py'} --warmup 100 --note 'a b'" in err
     stopped = [json.loads(p.read_text().splitlines()[-1])["clock"] for p in metrics]
     # each worker hears the stop at its own moment: one may have pushed a step more than the other
     assert abs(stopped[0] - stopped[1]) <= 1 and 0 < min(stopped) <= max(stopped) < 330, stopped
-    again = psgd_run(tmp_path, "--resume", "run", "hardest.py")
+    again = psgd_run(tmp_path, "--resume", "run", "hardest.py", *SCRIPT_ARGS)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
     assert re.search(r"^final test accuracy: 0\.9", out, re.M), out
