@@ -46,8 +46,10 @@ class Result:
     """What a run ended with: ``test_accuracy`` and ``test_loss`` of the final weights on the held-out split
     (``test_r2`` instead of the accuracy where the targets are values: regression); ``seconds`` of training;
     ``history``, each evaluation (step, epoch, wall, train_loss, test_loss, test_accuracy or test_r2); ``weights``,
-    the final weights on the host by variable name; ``steps``, the steps psgd.train made (None from a launch, whose
-    workers made theirs each); ``run_dir``, a launch's run folder (logs, metrics, TensorBoard files, checkpoints);
+    the final weights on the host by variable name; ``worker_steps``, the steps each worker made, in rank order
+    (psgd.train's one: the steps it made; a launch's: counted from the job's start, a resumed job's before its stop
+    included), and ``steps``, their sum; ``run_dir``, a launch's run folder (logs, metrics, TensorBoard files,
+    checkpoints);
     ``saved``, the ``.npz`` file the weights were written to; ``divergence``, what the divergence guard saw where it
     saw a run that was not training; ``checkpoint``, where a stopped psgd.train left its state (None: it ran to its
     end)."""
@@ -63,6 +65,7 @@ class Result:
     divergence: dict | None = None
     checkpoint: str | None = None
     test_r2: float | None = None
+    worker_steps: tuple[int, ...] = ()
 
 
 def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings: Mapping[str, Any] | None = None,
@@ -135,7 +138,7 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
         save_weights(save, result.params)
     return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
                   result.steps, saved=save or None, divergence=result.divergence,
-                  checkpoint=result.summary.get("kept"), test_r2=result.test_r2)
+                  checkpoint=result.summary.get("kept"), test_r2=result.test_r2, worker_steps=(result.steps,))
 
 
 def launch(model: Any = None, data: Any = None, *, job: Any = None,
@@ -181,7 +184,8 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
                    timeout=timeout, save=save, resume=resume, tls=None if tls else NO_TLS)
     return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(save),
-                  run_dir=str(run), saved=save, divergence=done.divergence, test_r2=done.test_r2)
+                  sum(done.worker_steps), run_dir=str(run), saved=save, divergence=done.divergence,
+                  test_r2=done.test_r2, worker_steps=tuple(done.worker_steps))
 
 
 def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,

@@ -318,6 +318,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
+                          "steps": sum(result.worker_steps), "worker_steps": result.worker_steps,
                           "run_dir": result.run_dir, "mode": args.mode, "saved": result.saved,
                           "node_rank": layout.node_rank,
                           "policy": c.policy if args.mode == "ps" else args.backend,
@@ -354,6 +355,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
+                          "steps": sum(result.worker_steps), "worker_steps": result.worker_steps,
                           "run_dir": result.run_dir, "saved": result.saved}))
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""

@@ -35,6 +35,9 @@ class LaunchResult:
     #: shard -> where its pushes' time went: seconds receiving and checking them, applying them, and how many
     shard_seconds: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     test_r2: float | None = None  # for values (regression) targets
+    #: each worker's (rank's) steps, in rank order, counted from the job's start (a resumed job's before its stop
+    #: included); empty on a node that does not read the shards (node_rank > 0)
+    worker_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 #: psgd launch's exit status when its shards ended at different versions (updates lost on a shard that
@@ -120,7 +123,13 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     with PSClient(addresses, plan, token=token, tls=tls,  # an observer: reads rows, makes none
                   recovery=config.cluster.recovery) as reader:
         loss, scores, verdict = evaluate_weights(config, weights, "ps", reader)
-        counters = [json.loads(s.counters_json) for s in reader.status()]
+        statuses = reader.status()
+    counters = [json.loads(s.counters_json) for s in statuses]
+    # a worker's clock is the steps it pushed; one stopped between two shards' pushes is a step ahead on one
+    steps = {}
+    for s in statuses:
+        for w in s.workers:
+            steps[w.worker_id] = max(steps.get(w.worker_id, 0), w.clock)
     went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)
                  if c.get("rollbacks")}
     failed_over = {k: n for k, n in enumerate(c.get("failovers", 0) for c in counters) if n}
@@ -143,7 +152,15 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     spent = {k: {"receive": round(c.get("receive_seconds", 0.0), 6), "apply": round(c.get("apply_seconds", 0.0), 6),
                  "pushes": c.get("pushes", 0)} for k, c in enumerate(counters)}
     return LaunchResult(scores["test_accuracy"], loss, time.perf_counter() - start, addresses, str(run), versions,
-                        save, verdict, lost, went_back, failed_over, unreplicated, spent, scores["test_r2"])
+                        save, verdict, lost, went_back, failed_over, unreplicated, spent, scores["test_r2"],
+                        [steps.get(r, 0) for r in range(config.cluster.workers)])
+
+
+def lockstep_steps(records: list[dict], ranks: int) -> list[int]:
+    """Each all-reduce rank's steps: rank 0's (its ``done`` line in ``records``, its metrics), for the ranks
+    reduce every step together."""
+    done = [r for r in records if r.get("event") == "done"]
+    return [int(done[-1].get("clock", 0))] * ranks if done else []
 
 
 def read_records(metrics: list[Path], since: float) -> list[dict]:

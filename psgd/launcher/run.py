@@ -27,7 +27,7 @@ from psgd.launcher.certs import job_tls
 from psgd.launcher.folder import (CHECKPOINTS, TOKEN_FILE, claim, made_token, new_run_folder,
                                   resume_command)
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
-                                  first_divergence, read_records)
+                                  first_divergence, lockstep_steps, read_records)
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
@@ -159,6 +159,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
             records = read_records(metrics, began)
+            if mode == "allreduce":
+                result.worker_steps = lockstep_steps(records, config.cluster.workers)
             result.divergence = first_divergence(records, result.divergence, shown)
             bound = exchange_bound(records) if mode == "ps" and layout.node_rank == 0 else None
             if bound:

@@ -46,6 +46,8 @@ def test_launch_trains_digits_with_every_policy(policy, extra, target, tmp_path)
     for r in range(2):
         steps = [json.loads(line) for line in (tmp_path / f"worker-{r}.jsonl").read_text().splitlines()]
         assert steps[-1]["event"] == "done" and steps[-1]["steps"] > 0
+        assert result["worker_steps"][r] == steps[-1]["clock"]
+    assert result["steps"] == sum(result["worker_steps"])
     assert 'servers = ["127.0.0.1:' in (tmp_path / "job.toml").read_text()  # the job file all processes read
 
 

@@ -54,9 +54,14 @@ def test_launch_from_a_script_hands_the_workers_its_class_by_name_and_its_arrays
     page_files(tmp_path)
     done = run("launch_blobs.py", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    said = re.search(r"^test accuracy ([\d.]+); run folder (\S+)$", done.stdout, re.M)
-    assert float(said.group(1)) > 0.8, done.stdout
-    folder = tmp_path / said.group(2)
+    said = re.search(r"^test accuracy ([\d.]+) after (\d+) steps \((\d+) \+ (\d+), worker by worker\); run folder "
+                     r"(\S+)$", done.stdout, re.M)
+    assert said and float(said.group(1)) > 0.8, done.stdout
+    folder = tmp_path / said.group(5)
+    each = [int(said.group(3)), int(said.group(4))]  # each worker's steps, as its own metrics lines end
+    assert each == [json.loads(path.read_text().splitlines()[-1])["clock"]
+                    for path in (folder / "worker-0.jsonl", folder / "worker-1.jsonl")]
+    assert int(said.group(2)) == sum(each) and each[0] > 0
     with np.load(folder / "data.npz", allow_pickle=False) as data:
         assert sorted(data.files) == ["num_classes", "target", "x_test", "x_train", "y_test", "y_train"]
         assert str(data["target"]) == "classes"
