@@ -58,10 +58,17 @@ def _fields(ident: Mapping[str, Any]) -> tuple[str, ...]:
 _BOOT = secrets.token_hex(8)  # made once per interpreter
 
 
+#: the environment variable through which a launch gives each worker a claim on its rank that outlives the
+#: process (psgd.launcher.run.rank_claim): a resumed launch's worker takes the rank kept for its stopped one
+RANK_CLAIM = "PSGD_RANK_CLAIM"
+
+
 def process_incarnation() -> str:
     """What the shards know a worker process by when it registers: one process holds a rank at a time (a forked
-    child differs from its parent by its pid)."""
-    return f"{_BOOT}-{os.getpid()}"
+    child differs from its parent by its pid), ``CLAIM/`` before it where a launch gave it a claim on its rank
+    (:data:`RANK_CLAIM`)."""
+    claim = os.environ.get(RANK_CLAIM, "").strip()
+    return f"{claim}/{_BOOT}-{os.getpid()}" if claim else f"{_BOOT}-{os.getpid()}"
 
 
 def alive_here(host: str, pid: int) -> bool:

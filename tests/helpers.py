@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import socket
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import Iterator, NoReturn
 
 import numpy as np
@@ -167,3 +169,16 @@ def refused_at_a_fifo(fifo, call, error: type) -> BaseException:
         thread.join(10)
         pytest.fail(f"{fifo}: the call opened the FIFO and waited on it")
     return said[0]
+
+
+def assert_rejoined_at_once(run: Path, err: str) -> None:
+    """The resumed launch's workers took the ranks their shards kept for the stopped ones at once: no refusal for
+    "a second psgd-worker", and each registered within 3 s of the shard's restart by its log lines' seconds,
+    its process's start included (they waited out a 10 s lease)."""
+    logs = err + "".join(p.read_text() for p in sorted(run.glob("worker-*.log")))
+    assert "ALREADY_EXISTS" not in logs and "WARNING register" not in logs, logs[-3000:]
+    shard = (run / "shard-0.log").read_text()
+    restored = re.findall(r"^(\d\d):(\d\d):(\d\d) .*restored version", shard, re.M)[-1]
+    joined = re.findall(r"^(\d\d):(\d\d):(\d\d) .*worker \d registered", shard, re.M)[-2:]
+    seconds = [(int(h) * 60 + int(m)) * 60 + int(s) for h, m, s in (restored, *joined)]
+    assert all(0 <= t - seconds[0] <= 3 for t in seconds[1:]), (restored, joined)

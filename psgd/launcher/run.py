@@ -9,6 +9,8 @@ weights are evaluated on the test set here.
 from __future__ import annotations
 
 import copy
+import hashlib
+import hmac
 import logging
 import os
 import signal
@@ -20,7 +22,7 @@ from typing import Callable, Sequence
 
 from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
-from psgd.job import check_optimizer
+from psgd.job import RANK_CLAIM, check_optimizer
 from psgd.observe.files import open_own
 from psgd.observe.progress import bar_wanted
 from psgd.launcher.certs import job_tls
@@ -301,6 +303,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
             from psgd.worker import script as own
 
             env = {own.JOB_FILE: str(job_path), own.RANK: str(r), own.METRICS: str(run / f"worker-{r}.jsonl"),
+                   RANK_CLAIM: rank_claim(token, r),
                    **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {}),
                    **{name: str(Path(path).resolve()) for name, path in zip(own.TLS, (tls.cert, tls.key, tls.ca))
                       if path}}
@@ -312,7 +315,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         argv += _device_flags(devices[r])
         argv += _shown_flags(run / f"worker-{r}.log", log_flags) if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show,
-                                      env={"PSGD_TOKEN": token}))
+                                      env={"PSGD_TOKEN": token, RANK_CLAIM: rank_claim(token, r)}))
     stop = threading.Event()
     watcher = threading.Thread(target=monitor, args=(addresses, stop, token, tls), daemon=True) if monitor else None
     if watcher:
@@ -329,6 +332,14 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         _wait_until_gone(addresses[0], children, time.monotonic() + timeout, timeout, tls)
         return LaunchResult(float("nan"), float("nan"), time.perf_counter() - start, addresses, str(run), [], None)
     return final_evaluation(config, addresses, run, start, save, tls, token)
+
+
+def rank_claim(token: str, rank: int) -> str:
+    """The claim on rank ``rank`` this job's launches give its worker (:data:`psgd.job.RANK_CLAIM`): the same for
+    every launch of the job (``--resume`` included: the job's token is its run folder's), so a resumed launch's
+    worker takes at once the rank its shards kept for the stopped one; a process the launch did not start has
+    none, and waits for the rank as before.  Keyed by the token: only the job's own processes can make it."""
+    return hmac.new(token.encode(), f"psgd-rank-claim\0{rank}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts: Hosts | None, children: Children,

@@ -58,6 +58,15 @@ def holder_id(incarnation: str) -> str:
     return hashlib.sha256(b"psgd-holder\0" + incarnation.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def claim_id(incarnation: str) -> str:
+    """What a shard keeps of the claim on its rank that a launch gave a registering process, which outlives the
+    process (``CLAIM/PROCESS``: :func:`psgd.job.process_incarnation`): a digest, as :func:`holder_id`; "" where the
+    process has none (one started by hand)."""
+    claim, mark, _ = incarnation.partition("/")
+    return hashlib.sha256(b"psgd-claim\0" + claim.encode("utf-8", "surrogatepass")).hexdigest()[:32] \
+        if mark and claim else ""
+
+
 @dataclasses.dataclass
 class WorkerInfo:
     state: str = "pending"  # pending (expected, not yet registered), live, done, expired
@@ -67,6 +76,7 @@ class WorkerInfo:
     hostname: str = ""
     pid: int = 0
     incarnation: str = ""  # a digest of the registering process's own random id (:func:`holder_id`)
+    claim: str = ""  # a digest of the claim on the rank its launch gave that process (:func:`claim_id`), if any
     key: str = ""  # the registration's key, made by the shard for that process: every call as this worker carries it
     kept_until: float = 0.0  # a restarted shard keeps a pending rank for its last holder until then
 
@@ -76,7 +86,9 @@ class Roster:
 
     A rank is held by one process at a time: while its lease runs, a registration from another process
     (another incarnation) is refused with ALREADY_EXISTS, naming the holder; once the lease has run out
-    (the holder died or hangs) the rank is free again.  A registration gets a key, random, which the process keeps
+    (the holder died or hangs) the rank is free again.  A rank kept after a restart from a checkpoint for the
+    process that held it (:meth:`keep_for`) goes at once to a process of the same claim: the same launch's worker
+    of that rank, started again by ``--resume``.  A registration gets a key, random, which the process keeps
     while it re-registers; a call as the worker that does not carry it (another process, or one that never
     registered) is refused with PERMISSION_DENIED and counted (``impostors``).  The caller holds the shard's lock
     (``live`` without renewing only reads, and may peek without it).
@@ -124,9 +136,9 @@ class Roster:
 
     def admit(self, worker: int, hostname: str, pid: int, incarnation: str) -> WorkerInfo:
         """Make ``worker`` live, held by the process ``incarnation``: refused while another process holds it."""
-        info, now, incarnation = self.workers[worker], self._now(), holder_id(incarnation)
+        info, now, claim, incarnation = self.workers[worker], self._now(), claim_id(incarnation), holder_id(incarnation)
         held = info.state == "live" and now <= info.deadline
-        kept = info.state == "pending" and now <= info.kept_until
+        kept = info.state == "pending" and now <= info.kept_until and not (claim and claim == info.claim)
         if (held or kept) and incarnation != info.incarnation:
             how = (f"is already registered with shard {self.shard} by {info.hostname or '?'} pid {info.pid}, whose "
                    f"lease runs {info.deadline - now:.1f}s more" if held else
@@ -138,18 +150,19 @@ class Roster:
                              holder=(info.hostname, info.pid))
         if incarnation != info.incarnation or not info.key:  # the same process keeps its key (its calls in flight)
             info.key = secrets.token_hex(16)
-        info.state, info.hostname, info.pid, info.incarnation = "live", hostname, pid, incarnation
+        info.state, info.hostname, info.pid, info.incarnation, info.claim = "live", hostname, pid, incarnation, claim
         info.deadline = now + self.lease_seconds
         return info
 
     def holders(self) -> dict[str, dict[str, Any]]:
         """Who holds each live rank (for a checkpoint: see :meth:`keep_for`)."""
-        return {str(w): {"hostname": i.hostname, "pid": i.pid, "incarnation": i.incarnation}
+        return {str(w): {"hostname": i.hostname, "pid": i.pid, "incarnation": i.incarnation, "claim": i.claim}
                 for w, i in self.workers.items() if i.state == "live" and i.incarnation}
 
     def keep_for(self, holders: Mapping[str, Any]) -> None:
-        """After a restart from a checkpoint: keep each rank that was live then for the process that held it,
-        for one lease, so that a second process of that rank cannot take it before the holder comes back."""
+        """After a restart from a checkpoint: keep each rank that was live then for the process that held it (or
+        one of its claim), for one lease, so that a second process of that rank cannot take it before the holder
+        comes back."""
         until = self._now() + self.lease_seconds
         for w, h in (holders.items() if isinstance(holders, Mapping) else ()):
             try:
@@ -157,6 +170,7 @@ class Roster:
                 if info is not None and info.state == "pending" and isinstance(h, Mapping):
                     info.hostname, info.pid = str(h.get("hostname", "")), int(h.get("pid", 0))
                     info.incarnation, info.kept_until = str(h.get("incarnation", "")), until
+                    info.claim = str(h.get("claim", ""))
             except (TypeError, ValueError):  # a manifest written otherwise: the rank is simply not kept
                 continue
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import wait_for
+from helpers import assert_rejoined_at_once, wait_for
 
 PSGD = shutil.which("psgd") or "psgd"
 JOB = ["--epochs", "150", "--set", "train.dtype=float64", "--no-progress"]
@@ -55,6 +55,7 @@ def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_en
     assert resumed.returncode == 0, resumed.stderr
     assert time.monotonic() - began < 300
     assert "restored version" in (run / "shard-0.log").read_text()
+    assert_rejoined_at_once(run, resumed.stderr)  # not taken for "a second psgd-worker": no WARNING, no wait
     whole_weights, resumed_weights = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
     assert sorted(whole_weights.files) == sorted(resumed_weights.files)
     for name in whole_weights.files:

@@ -18,6 +18,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from helpers import assert_rejoined_at_once
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "howto" / "python.md"
 
@@ -180,6 +182,7 @@ def test_psgd_run_stopped_goes_on_from_its_shards_checkpoints_with_resume(tmp_pa
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
     assert re.search(r"^final test accuracy: 0\.9", out, re.M), out
+    assert_rejoined_at_once(tmp_path / "run", err)
     assert_each_step_once(metrics, stopped, 330)
 
 

@@ -919,6 +919,49 @@ def test_what_a_checkpoint_says_of_a_rank_holder_does_not_get_its_registration_k
     assert restored.roster.workers[0].state == "live"
 
 
+def test_a_resumed_launchs_worker_takes_its_kept_rank_at_once_and_no_other_process_does(tmp_path):
+    """A launch resumed after Ctrl-C: its new worker processes waited a lease (10 s) with a WARNING that asked
+    whether each was 'a second psgd-worker started with rank 0', as the rank was kept for the process that held it
+    when the checkpoint was written.  The launcher gives each rank a claim that outlives its process
+    (psgd.job.process_incarnation sends it): a process with the rank's claim takes the kept rank at once; one
+    without it (started by hand), or with another rank's or another job's, is refused as before."""
+    claim, other = "c1aa" * 8, "0dd5" * 8
+    core, _ = make_core("async", 2)
+    plan = (PLAN.hash, json.dumps(PLAN.description()))
+    core.register(0, *plan, "host", 100, 0, incarnation=f"{claim}/b00t1-100")
+    core.register(1, *plan, "host", 101, 0, incarnation=f"{other}/b00t1-101")
+    recovery.write(core, tmp_path, force=True)
+    written = json.dumps(checkpoint.load_latest(tmp_path, PLAN.hash, core.fingerprint).manifest)
+    assert claim not in written and other not in written  # what a manifest says of a claim cannot be sent back
+
+    restored, _ = make_core("async", 2)
+    recovery.restore(restored, checkpoint.load_latest(tmp_path, PLAN.hash, core.fingerprint))
+    said = json.loads(written)["holders"]["0"]
+    for stranger in ("b00t2-300", f"{other}/b00t2-301", f"{said.get('claim')}/b00t2-302", f"/{said['incarnation']}"):
+        with pytest.raises(ShardError) as info:
+            restored.register(0, *plan, "elsewhere", 300, 0, incarnation=stranger)
+        assert info.value.code == "ALREADY_EXISTS", stranger
+    restored.register(0, *plan, "host", 200, 0, incarnation=f"{claim}/b00t2-200")  # the launch's own, resumed
+    assert restored.roster.workers[0].state == "live" and restored.roster.workers[0].pid == 200
+    with pytest.raises(ShardError) as info:  # live: the same claim from another process is a second process
+        restored.register(0, *plan, "host", 201, 0, incarnation=f"{claim}/b00t2-201")
+    assert info.value.code == "ALREADY_EXISTS"
+
+
+def test_a_launchs_claim_on_a_rank_outlives_its_process_and_only_its_job_can_make_it(monkeypatch):
+    from psgd.job import RANK_CLAIM, process_incarnation
+    from psgd.launcher.run import rank_claim
+
+    token = "t" * 43
+    assert rank_claim(token, 0) == rank_claim(token, 0)  # the resumed launch's worker: the same claim
+    assert len({rank_claim(token, 0), rank_claim(token, 1), rank_claim("u" * 43, 0)}) == 3
+    monkeypatch.delenv(RANK_CLAIM, raising=False)
+    alone = process_incarnation()  # started by hand: no claim
+    assert "/" not in alone
+    monkeypatch.setenv(RANK_CLAIM, rank_claim(token, 0))
+    assert process_incarnation() == f"{rank_claim(token, 0)}/{alone}"
+
+
 def test_done_from_a_caller_that_does_not_hold_the_rank_is_refused_whatever_the_ranks_state(tmp_path):
     """Found by the chaos suite's outsider: right after a shard restarted from a checkpoint, Done as worker 0 without
     its key was answered as if it had been accepted (worker 0 was not live there yet, so nothing changed, but the
