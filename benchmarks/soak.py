@@ -31,7 +31,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
          say=print) -> dict:
     from psgd.config import JobConfig, to_toml
     from psgd.partition import PartitionPlan
-    from psgd.training.loop import evaluate
+    from psgd.training.evaluation import evaluate
     from psgd.job import build_job, params_to_device
     from psgd.bench.chaos.processes import job_token
     from psgd.worker.client import PSClient, fetch_weights

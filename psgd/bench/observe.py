@@ -74,7 +74,7 @@ class Evaluator:
 
     def __call__(self, weights: dict) -> tuple[float, float]:
         """(test loss, test accuracy) of ``weights``."""
-        from psgd.training.loop import evaluate
+        from psgd.training.evaluation import evaluate
         from psgd.job import params_to_device
 
         params = params_to_device(weights, self.device)

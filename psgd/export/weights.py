@@ -128,7 +128,7 @@ def load_weights(path: str | os.PathLike | None, specs: Sequence[VarSpec], table
 def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     """Test loss and score (``test_accuracy``, or ``test_r2`` for values) of the weights saved at ``path``, for the
     model and data of ``config``."""
-    from psgd.training.loop import evaluate
+    from psgd.training.evaluation import evaluate
     from psgd.job import build_job, params_to_device
 
     job = build_job(config)

@@ -81,7 +81,7 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     from psgd.data.base import scores_of
     from psgd.training.divergence import DivergenceGuard, advice, chance
     from psgd.job import build_job, params_to_device
-    from psgd.training.loop import evaluate
+    from psgd.training.evaluation import evaluate
     from psgd.export.weights import load_weights, saved_rows
     from psgd.worker.exchange import read_rows
 

@@ -34,20 +34,20 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from psgd import data as datasets
 from psgd.data.ahead import Ahead
-from psgd.data.base import SCORE_WORDS, scores_of
+from psgd.data.base import scores_of
 from psgd.compute import graphs
 from psgd import model as models
 from psgd.compute import backend
 from psgd.config import ConfigError
 from psgd.training.delay import NO_DELAY, Delay
 from psgd.training.divergence import DivergenceGuard, advice, chance
+from psgd.training.evaluation import BackgroundEvaluator, Evaluations, judged
 from psgd.errors import PsgdError
 from psgd.job import Job
 from psgd.model.module import step_seed
@@ -55,38 +55,6 @@ from psgd.model.table import Rows
 from psgd.observe.progress import MetricsLog, progress_bar
 
 log = logging.getLogger(__name__)
-
-
-def evaluate(
-    model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
-    device: backend.Device, batch_size: int = 1024, ids: np.ndarray | None = None,
-    rows: Callable[..., dict[str, Any]] | None = None, target: str = "classes",
-) -> tuple[float, float]:
-    """Mean loss and score of ``params`` on (x, y), in batches: the score is the accuracy for classes (of every
-    position, for a class per position) and for labels (of every label, a score above 0 saying yes), R² for values
-    (1 - the squared error over the targets' variance: 0 is guessing their mean).  A model with embedding tables
-    looks the ids of each batch up through ``rows`` (:meth:`Exchange.rows`, reading without making rows)."""
-    total_loss, right, targets, squared, n = 0.0, 0, 0, 0.0, max(len(x), 1)
-    for start in range(0, len(x), batch_size):
-        xb = device.asarray(x[start:start + batch_size])
-        yb_host = np.asarray(y[start:start + batch_size])
-        if rows is not None:
-            params = {**params, **rows(model.lookups(ids[start:start + batch_size]))}
-        loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
-        scores = backend.to_host(model.predict(params, xb))
-        total_loss += float(loss) * len(yb_host)
-        targets += yb_host.size
-        if target == "values":
-            squared += float(((scores.reshape(yb_host.shape) - yb_host) ** 2).sum())
-        elif target == "labels":
-            right += int(((scores > 0) == (yb_host > 0.5)).sum())
-        else:
-            right += int((scores.argmax(axis=-1) == yb_host).sum())
-    if target == "values":
-        y = np.asarray(y)
-        spread = float(((y - y.mean(axis=0)) ** 2).sum())
-        return total_loss / n, 1.0 - squared / spread if spread > 0 else float(squared == 0)
-    return total_loss / n, right / max(targets, 1)
 
 
 class Interrupted(PsgdError):
@@ -187,34 +155,6 @@ class Exchange(abc.ABC):
         return None
 
 
-class _BackgroundEvaluator:
-    """Evaluations of copies of the weights, one at a time on a thread of their own (``[train] eval_beside``):
-    a step never waits for one, and an evaluation that falls due while the last is still running is skipped."""
-
-    def __init__(self, evaluation: Callable[..., None]):
-        self.evaluation, self.skipped = evaluation, 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="evaluate")
-        self._pending: Future | None = None
-
-    def submit(self, params: Mapping[str, Any], done: int, train_loss: float, wall: float) -> bool:
-        """Evaluate a copy of ``params`` (the weights after ``done`` steps, taken at ``wall``); False: skipped."""
-        if self._pending is not None and not self._pending.done():
-            self.skipped += 1
-            return False
-        if self._pending is not None:
-            self._pending.result()  # an evaluation's error is the run's
-        copy = {name: value.copy() for name, value in params.items()}
-        self._pending = self._pool.submit(self.evaluation, copy, done, train_loss, wall)
-        return True
-
-    def close(self) -> None:
-        """Wait for the evaluation under way, if any."""
-        try:
-            if self._pending is not None:
-                self._pending.result()
-        finally:
-            self._pool.shutdown(wait=True)
-
 
 @dataclasses.dataclass
 class LoopResult:
@@ -272,18 +212,14 @@ def run_loop(
     if evaluate_every is None:
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role)
-    history: list[dict[str, Any]] = []
     guard = DivergenceGuard(exchange.name, chance(ds.y_test, ds.target), ds.num_classes,
                             advice(job.config, exchange.mode), ds.metric)
-    score_key, score_words, short = ds.score_key, SCORE_WORDS[ds.metric], {"accuracy": "acc", "r2": "r2"}[ds.metric]
-
-    def judged(verdict) -> None:
-        if verdict is not None:
-            log.warning("%s", verdict.line())
-            metrics.write("diverged", **verdict.record())
+    # (no bar to show an evaluation: a log line each, for logs)
+    evaluations = Evaluations(job, metrics, guard, exchange.name, spe, total, looks_up, says=not progress)
+    history, score_key, short = evaluations.history, ds.score_key, {"accuracy": "acc", "r2": "r2"}[ds.metric]
     slow = delay.applies_to(rank)
     delay_rng = np.random.default_rng([t.seed, rank, 7])
-    loss, acc, test_loss = float("nan"), float("nan"), float("nan")
+    loss = float("nan")
     steps, step, interrupted = 0, 0, False
     cached_epoch, indices = -1, np.empty((0, t.batch_size), dtype=np.int64)  # this rank's batches of one epoch
     handing = {}  # the model's loss_and_grads keyword that hands each gradient on as backward produces it
@@ -302,20 +238,7 @@ def run_loop(
         gradient = graphs.GraphedStep(model, device, exchange.name, exchange.updates_in_graph())
     start = time.perf_counter()  # again once joined: wall times count from the first step
 
-    def evaluation(params: Mapping[str, Any], done: int, train_loss: float, wall: float | None = None) -> None:
-        nonlocal acc, test_loss
-        test_loss, acc = evaluate(model, params, ds.x_test, ds.y_test, device, t.eval_batch_size, ds.ids_test,
-                                  looks_up, ds.target)
-        point = {"step": done, "epoch": done // spe, "wall": time.perf_counter() - start if wall is None else wall,
-                 "train_loss": float(train_loss), "test_loss": test_loss, score_key: acc}
-        history.append(point)
-        metrics.write("eval", **point)
-        judged(guard.evaluation(done, done // spe, test_loss, acc))
-        if not progress:  # no bar to show it: one line per evaluation, for logs
-            log.info("%s: epoch %d/%d, step %d/%d: %s %.4f, train loss %.4f",
-                     exchange.name, done // spe, t.epochs, done, total, score_words, acc, train_loss)
-
-    beside = _BackgroundEvaluator(evaluation) if t.eval_beside else None
+    beside = BackgroundEvaluator(evaluations) if t.eval_beside else None
 
     def rows_of(later: int) -> np.ndarray:
         """The rows of step ``later``'s batch (this epoch's, or the next's)."""
@@ -362,14 +285,14 @@ def run_loop(
                     if evaluated and beside is not None:
                         evaluated = beside.submit(params, step, float(loss), fetched - start)
                     elif evaluated:
-                        evaluation(params, step, float(loss))
+                        evaluations(params, step, float(loss), fetched - start)
                     if draws:  # a step of random masks (dropout): its own seed, the same again for the same step
                         handing["seed"] = step_seed(t.seed, rank, step)
                     loss, grads = gradient(params, device.asarray(x), device.asarray(y), **handing)
                     computed = time.perf_counter()
                     loss = float(loss)  # on a GPU: waits for the step's kernels
                     synced = time.perf_counter()
-                    judged(guard.step(step, epoch, loss))
+                    judged(guard.step(step, epoch, loss), metrics)
                     if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
                         exchange.ahead(step + 1, model.lookups(ds.ids_train[rows_of(step + 1)]))
                     out = exchange.exchange(step, grads)
@@ -387,11 +310,11 @@ def run_loop(
                                           {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}
                     metrics.write("step", **point)
                     if on_step:
-                        on_step({**point, **({score_key: acc} if evaluated else {}),
+                        on_step({**point, **({score_key: evaluations.score} if evaluated else {}),
                                  "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
                                  **out.timings})
                     bar.update(out.next_step - step)
-                    bar.set_postfix(loss=f"{loss:.4f}", **({short: f"{acc:.3f}"} if history else {}),
+                    bar.set_postfix(loss=f"{loss:.4f}", **({short: f"{evaluations.score:.3f}"} if history else {}),
                                    refresh=False)
                     step = out.next_step
                 except ResumeFromStep as back:  # a shard restarted from a cut: the steps since are taken again
@@ -411,12 +334,12 @@ def run_loop(
     backend.synchronize(device)
     seconds = time.perf_counter() - start
     if final is not None and final_evaluation and not interrupted:
-        evaluation(final, step, loss)
+        evaluations(final, step, loss, time.perf_counter() - start)
     diverged = guard.verdict.record() if guard.verdict else None
-    metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary,
-                  **({"test_loss": test_loss, score_key: acc} if history else {}), diverged=diverged)
+    metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary, **evaluations.scores(),
+                  diverged=diverged)
     metrics.close()
     host = {name: backend.to_host(v) for name, v in final.items()} if final is not None else None
-    scores = scores_of(ds.metric, acc)
-    return LoopResult(rank, steps, step, seconds, float(loss), test_loss, scores["test_accuracy"], history, host,
-                      summary, diverged, scores["test_r2"])
+    scores = scores_of(ds.metric, evaluations.score)
+    return LoopResult(rank, steps, step, seconds, float(loss), evaluations.test_loss, scores["test_accuracy"],
+                      history, host, summary, diverged, scores["test_r2"])

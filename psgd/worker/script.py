@@ -10,10 +10,11 @@ the script per worker, as torchrun does, and in the script :func:`join` joins th
 
 The loop is the script's: its own batches, losses, schedules and several pulls or pushes a step are all its to
 choose.  What psgd keeps is the rest of a worker: the policy's clock (a push is its step's; a sync pull waits for
-its round), retries, leases, a shard that went back to a cut (the clock goes back with it), the metrics lines of
-``psgd report``, a clean stop (SIGTERM, SIGINT and SIGHUP set :attr:`Worker.stopping`), and the step's seed:
-the network's random masks (dropout) are drawn from the job's seed, the worker and the step, as psgd's own loop
-draws them, without a ``seed=`` of the script's.
+its round), retries, leases, a shard that went back to a cut (the clock goes back with it), the records of
+``psgd report`` and TensorBoard (worker 0 evaluates the weights a pull gives at the start of each epoch, and those
+its last step left, as psgd launch's workers do), the divergence guard, a clean stop (SIGTERM, SIGINT and SIGHUP
+set :attr:`Worker.stopping`), and the step's seed: the network's random masks (dropout) are drawn from the job's
+seed, the worker and the step, as psgd's own loop draws them, without a ``seed=`` of the script's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from psgd.errors import InputError, PsgdError
 from psgd.job import Job, build_job
 from psgd.model.module import step_seed
 from psgd.observe.progress import MetricsLog
+from psgd.training.divergence import DivergenceGuard, advice, chance
+from psgd.training.evaluation import Evaluations, judged
 from psgd.training.loop import ResumeFromStep
 from psgd.worker.client import PSClient
 from psgd.worker.exchange import ParameterServerExchange
@@ -64,6 +67,17 @@ class Worker:
         #: the steps the job's epochs make for this worker (its share of the data, the job's batch size)
         self.steps = self._batches.steps_per_epoch * t.epochs
         self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
+        ds = job.dataset
+        self._guard = DivergenceGuard(f"worker {rank}", chance(ds.y_test, ds.target), ds.num_classes,
+                                      advice(job.config, "ps"), ds.metric)
+        # evaluated as psgd launch's workers are: on worker 0, before each epoch's first step (or every
+        # [train] eval_every steps), and the weights its last step left (read before it leaves)
+        self._every = 0 if rank else t.eval_every or self._batches.steps_per_epoch
+        self._evaluations = Evaluations(job, self._metrics, self._guard, f"worker {rank}",
+                                        self._batches.steps_per_epoch, self.steps,
+                                        self._exchange.rows if job.plan.tables else None, says=True)
+        self._exchange.reads_final = bool(self._every) and not job.plan.tables  # (rows: read after it left)
+        self._evaluated, self._loss = -1, float("nan")  # the step last evaluated at; the last loss pushed
         self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
         self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment,
                            seed=(t.seed, rank), target=job.dataset.target, classes=job.dataset.num_classes)
@@ -108,9 +122,14 @@ class Worker:
         sync, once its round has closed."""
         while True:
             try:
-                return self._exchange.weights(self.clock)
+                params = self._exchange.weights(self.clock)
+                break
             except ResumeFromStep as back:  # a shard restarted from a cut: the job goes on from there
                 self._went_back(back)
+        if self._every and self.clock > 0 and self.clock % self._every == 0 and self._evaluated != self.clock:
+            self._evaluated = self.clock  # (once a step, however many pulls the script makes in it)
+            self._evaluations(params, self.clock, self._loss, time.perf_counter() - self._began)
+        return params
 
     def push(self, grads: Mapping[str, Any], loss: float | None = None) -> None:
         """Hand on the step in hand's gradients (by variable name, every variable of the model): the shards apply
@@ -122,7 +141,9 @@ class Worker:
             return
         record = {"clock": self.clock, **out.fields, "wall": time.perf_counter() - self._began}
         if loss is not None:
-            record["loss"] = float(loss)
+            record["loss"] = self._loss = float(loss)
+            judged(self._guard.step(self.clock, self.clock // self._batches.steps_per_epoch, self._loss),
+                   self._metrics)
         self._metrics.write("step", **record)
         self.clock = out.next_step
 
@@ -145,7 +166,12 @@ class Worker:
                     self._went_back(back)
                     interrupted = True
             summary = self._exchange.end(interrupted)
-            self._metrics.write("done", clock=self.clock, seconds=time.perf_counter() - self._began, **summary)
+            seconds, final = time.perf_counter() - self._began, self._exchange.final_weights()
+            if final is not None:
+                self._evaluations(final, self.clock, self._loss, seconds)
+            diverged = self._guard.verdict.record() if self._guard.verdict else None
+            self._metrics.write("done", clock=self.clock, seconds=seconds, **summary, **self._evaluations.scores(),
+                                diverged=diverged)
         finally:
             if getattr(self.model, "step_seeds", None) == self._step_seed:
                 self.model.step_seeds = None

@@ -164,7 +164,7 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     code, text, _ = run(capsys, "eval", "-c", str(job_file), str(out), "--json")
     result = json.loads(text)
     built = build_job(j)
-    from psgd.training.loop import evaluate
+    from psgd.training.evaluation import evaluate
     from psgd.job import params_to_device
     loss, acc = evaluate(built.model, params_to_device(live, built.device), built.dataset.x_test,
                          built.dataset.y_test, built.device, j.train.eval_batch_size)

@@ -87,7 +87,7 @@ EVALUATE = """
 import json, os, sys
 from psgd.config import JobConfig
 from psgd.partition import PartitionPlan
-from psgd.training.loop import evaluate
+from psgd.training.evaluation import evaluate
 from psgd.job import build_job
 from psgd.worker.client import fetch_weights
 job = JobConfig.load(sys.argv[1])

@@ -22,7 +22,7 @@ from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.service import ShardServer
-from psgd.training.loop import evaluate
+from psgd.training.evaluation import evaluate
 from psgd.job import build_job, params_to_device
 from psgd.worker.client import PSClient, PSError, fetch_weights
 from psgd.link import LinkError

@@ -138,13 +138,15 @@ def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/training/loop.py, whose step may be
     replayed as a CUDA graph (psgd/compute/graphs.py)."""
     calls = method_calls(("loss_and_grads", "loss_grads_and_dx"), outside="model")
-    # the loss of an evaluation (evaluate) and the time a gradient takes (gradient_seconds, for the lab); the
-    # step of the one loop (run_loop) is the model's loss_and_grads or the graph of it, captured and run there;
-    # and the floor a small step is measured against (psgd.bench.latency.floor): a bare gradient in one process and
-    # split across two, with no loop around it, twice
-    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "compute/graphs.py", "training/loop.py"], calls
+    # the loss of an evaluation (evaluate, in training/evaluation.py) and the time a gradient takes
+    # (gradient_seconds, for the lab); the step of the one loop (run_loop) is the model's loss_and_grads or the graph
+    # of it, captured and run there; and the floor a small step is measured against (psgd.bench.latency.floor): a
+    # bare gradient in one process and split across two, with no loop around it, twice
+    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "compute/graphs.py",
+                                                        "training/evaluation.py", "training/loop.py"], calls
     assert [c.split(":")[0] for c in calls].count("bench/latency.py") == 2, calls
-    assert [c.split(":")[0] for c in calls].count("training/loop.py") == 2, calls
+    assert [c.split(":")[0] for c in calls].count("training/loop.py") == 1, calls
+    assert [c.split(":")[0] for c in calls].count("training/evaluation.py") == 1, calls
 
 
 def test_channels_to_shards_are_opened_in_one_place():

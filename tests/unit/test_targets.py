@@ -18,7 +18,7 @@ from psgd.data.base import held_out, read_targets
 from psgd.model import ModelError, check_model
 from psgd.model.nets import MLP
 from psgd.training.divergence import DivergenceGuard, chance
-from psgd.training.loop import evaluate
+from psgd.training.evaluation import evaluate
 
 
 def test_the_kind_is_worked_out_from_the_targets_or_taken_as_said():

@@ -312,7 +312,7 @@ class Cluster:
 
     def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
         """Test accuracy of ``weights`` (with a table's rows as checkpoints hold them, for a sparse job)."""
-        from psgd.training.loop import evaluate
+        from psgd.training.evaluation import evaluate
         from psgd.job import params_to_device
         from psgd.export.weights import saved_rows
 

@@ -1,0 +1,123 @@
+"""The evaluations of a training process: the weights scored on the job's test split (:func:`evaluate`), and each
+evaluation kept as every psgd worker keeps it (:class:`Evaluations`: the history, an ``eval`` metrics line, the
+divergence guard's judgement, a log line), in the loop or beside it (:class:`BackgroundEvaluator`), in psgd's own
+loop (:mod:`psgd.training.loop`) and in a loop of one's own (:mod:`psgd.worker.script`)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from psgd import model as models
+from psgd.compute import backend
+from psgd.data.base import SCORE_WORDS
+from psgd.job import Job
+from psgd.observe.progress import MetricsLog
+from psgd.training.divergence import Divergence, DivergenceGuard
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(
+    model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
+    device: backend.Device, batch_size: int = 1024, ids: np.ndarray | None = None,
+    rows: Callable[..., dict[str, Any]] | None = None, target: str = "classes",
+) -> tuple[float, float]:
+    """Mean loss and score of ``params`` on (x, y), in batches: the score is the accuracy for classes (of every
+    position, for a class per position) and for labels (of every label, a score above 0 saying yes), R² for values
+    (1 - the squared error over the targets' variance: 0 is guessing their mean).  A model with embedding tables
+    looks the ids of each batch up through ``rows`` (:meth:`psgd.training.loop.Exchange.rows`, reading without
+    making rows)."""
+    total_loss, right, targets, squared, n = 0.0, 0, 0, 0.0, max(len(x), 1)
+    for start in range(0, len(x), batch_size):
+        xb = device.asarray(x[start:start + batch_size])
+        yb_host = np.asarray(y[start:start + batch_size])
+        if rows is not None:
+            params = {**params, **rows(model.lookups(ids[start:start + batch_size]))}
+        loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
+        scores = backend.to_host(model.predict(params, xb))
+        total_loss += float(loss) * len(yb_host)
+        targets += yb_host.size
+        if target == "values":
+            squared += float(((scores.reshape(yb_host.shape) - yb_host) ** 2).sum())
+        elif target == "labels":
+            right += int(((scores > 0) == (yb_host > 0.5)).sum())
+        else:
+            right += int((scores.argmax(axis=-1) == yb_host).sum())
+    if target == "values":
+        y = np.asarray(y)
+        spread = float(((y - y.mean(axis=0)) ** 2).sum())
+        return total_loss / n, 1.0 - squared / spread if spread > 0 else float(squared == 0)
+    return total_loss / n, right / max(targets, 1)
+
+
+def judged(verdict: Divergence | None, metrics: MetricsLog) -> None:
+    """The divergence guard's verdict, where it has one: a WARNING line and a ``diverged`` metrics line."""
+    if verdict is not None:
+        log.warning("%s", verdict.line())
+        metrics.write("diverged", **verdict.record())
+
+
+class Evaluations:
+    """A process's evaluations of the weights on the job's test split, each kept as every psgd worker keeps them:
+    in :attr:`history`, as an ``eval`` metrics line, judged by the divergence ``guard``, and (``says``: no progress
+    bar shows them) as a log line.  ``rows`` reads a model's embedding rows
+    (:meth:`psgd.training.loop.Exchange.rows`)."""
+
+    def __init__(self, job: Job, metrics: MetricsLog, guard: DivergenceGuard, name: str, per_epoch: int,
+                 total: int, rows: Callable[..., dict[str, Any]] | None = None, says: bool = False):
+        self.job, self.metrics, self.guard, self.name, self.rows, self.says = job, metrics, guard, name, rows, says
+        self.per_epoch, self.total = per_epoch, total
+        self.history: list[dict[str, Any]] = []
+        self.test_loss, self.score = float("nan"), float("nan")  # of the last evaluation
+
+    def __call__(self, params: Mapping[str, Any], done: int, train_loss: float, wall: float) -> None:
+        """Evaluate ``params``, the weights after ``done`` steps (``wall`` seconds into the run)."""
+        ds, t = self.job.dataset, self.job.config.train
+        self.test_loss, self.score = evaluate(self.job.model, params, ds.x_test, ds.y_test, self.job.device,
+                                              t.eval_batch_size, ds.ids_test, self.rows, ds.target)
+        epoch = done // self.per_epoch
+        point = {"step": done, "epoch": epoch, "wall": wall, "train_loss": float(train_loss),
+                 "test_loss": self.test_loss, ds.score_key: self.score}
+        self.history.append(point)
+        self.metrics.write("eval", **point)
+        judged(self.guard.evaluation(done, epoch, self.test_loss, self.score), self.metrics)
+        if self.says:
+            log.info("%s: epoch %d/%d, step %d/%d: %s %.4f, train loss %.4f", self.name, epoch, t.epochs, done,
+                     self.total, SCORE_WORDS[ds.metric], self.score, train_loss)
+
+    def scores(self) -> dict[str, Any]:
+        """The last evaluation's test loss and score, for a ``done`` line (none where nothing was evaluated)."""
+        return {"test_loss": self.test_loss, self.job.dataset.score_key: self.score} if self.history else {}
+
+
+class BackgroundEvaluator:
+    """Evaluations of copies of the weights, one at a time on a thread of their own (``[train] eval_beside``):
+    a step never waits for one, and an evaluation that falls due while the last is still running is skipped."""
+
+    def __init__(self, evaluation: Callable[..., None]):
+        self.evaluation, self.skipped = evaluation, 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="evaluate")
+        self._pending: Future | None = None
+
+    def submit(self, params: Mapping[str, Any], done: int, train_loss: float, wall: float) -> bool:
+        """Evaluate a copy of ``params`` (the weights after ``done`` steps, taken at ``wall``); False: skipped."""
+        if self._pending is not None and not self._pending.done():
+            self.skipped += 1
+            return False
+        if self._pending is not None:
+            self._pending.result()  # an evaluation's error is the run's
+        copy = {name: value.copy() for name, value in params.items()}
+        self._pending = self._pool.submit(self.evaluation, copy, done, train_loss, wall)
+        return True
+
+    def close(self) -> None:
+        """Wait for the evaluation under way, if any."""
+        try:
+            if self._pending is not None:
+                self._pending.result()
+        finally:
+            self._pool.shutdown(wait=True)
