@@ -180,11 +180,10 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     if own:
         config.override("data.name", _written(data, test, run, config.train.dtype))
         config.validate()
-    save = save or str(run / "final.npz")
     done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
                    timeout=timeout, save=save, resume=resume, tls=None if tls else NO_TLS)
-    return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(save),
-                  sum(done.worker_steps), run_dir=str(run), saved=save, divergence=done.divergence,
+    return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(done.saved),
+                  sum(done.worker_steps), run_dir=str(run), saved=done.saved, divergence=done.divergence,
                   test_r2=done.test_r2, worker_steps=tuple(done.worker_steps))
 
 

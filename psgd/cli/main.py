@@ -27,8 +27,8 @@ psgd trains networks written in NumPy/CuPy across processes and machines.
 commands:
   launch   run a whole job on this machine: K shards and N workers on
            127.0.0.1 (or all-reduce ranks), progress shown, final test
-           accuracy printed, --save keeps the model; with --nnodes, one
-           command per machine runs a job across machines
+           accuracy printed, the trained model kept in the run folder;
+           with --nnodes, one command per machine runs a job across machines
   train    train in a single process: the reference the distributed modes are
            checked against (bundled digits + MLP by default, ~98% in seconds)
   bench    benchmarks: `psgd bench convergence` trains one job under sync,
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                "r % nnodes; node i's shards listen on hosts[i]:port, port+2, ...):\n"
                "  psgd launch --nnodes 2 --node-rank 0 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
                "  psgd launch --nnodes 2 --node-rank 1 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
-               "node 0 prints the accuracy (and saves with --save) once every worker is done.\n\n"
+               "node 0 prints the accuracy and keeps the weights once every worker is done.\n\n"
                "GPUs, as torchrun places local ranks: --device cuda puts worker (or rank) r of this node on GPU\n"
                "r mod G, G the GPUs visible (CUDA_VISIBLE_DEVICES decides which); --device cuda:0,2 goes round\n"
                "GPUs 0 and 2; --device cuda:N puts every worker on GPU N. Shards stay on the CPU. One line says\n"
@@ -182,7 +182,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What psgd launch and psgd run share: the weights saved, the run folder, the time limit, the JSON result,
     going on from a run folder."""
     parser.add_argument("--save", metavar="FILE.npz",
-                        help="save the trained weights: a plain .npz keyed by variable name (see psgd eval)")
+                        help="where to keep the trained weights, a plain .npz keyed by variable name (see psgd "
+                             "eval) (default: RUN/final.npz, in the run folder)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
                              "current folder, runs/DATE-TIME-MODE, said in the last line); one that holds another "

@@ -21,6 +21,8 @@ from psgd.wire.channel import read_token
 RUNS = Path("runs")
 #: where a launch's shards write their checkpoints, in the run folder (psgd launch --resume reads them)
 CHECKPOINTS = "checkpoints"
+#: where a launch keeps the trained weights, in the run folder, unless told where (--save)
+FINAL = "final.npz"
 #: where a single-node launch keeps the token it made for its job, in the run folder
 TOKEN_FILE = ".token"
 #: what a run leaves in its folder (a name, or a pattern of names), beside its checkpoints: another run's, where

@@ -26,7 +26,7 @@ from psgd.job import RANK_CLAIM, check_optimizer
 from psgd.observe.files import open_own
 from psgd.observe.progress import bar_wanted
 from psgd.launcher.certs import job_tls
-from psgd.launcher.folder import (CHECKPOINTS, TOKEN_FILE, claim, made_token, new_run_folder,
+from psgd.launcher.folder import (CHECKPOINTS, FINAL, TOKEN_FILE, claim, made_token, new_run_folder,
                                   resume_command)
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
                                   first_divergence, lockstep_steps, read_records)
@@ -56,7 +56,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     (:func:`made_token`, kept in ``RUN/.token``, readable by its user alone) and hands it to its children in
     their environment (never in the job file or a log), and a node of several refuses to start (every node must
     know the same token).
-    ``save`` writes the final weights to a ``.npz`` file keyed by variable name.
+    The final weights are kept (node 0's) in a ``.npz`` file keyed by variable name: ``save``, else
+    ``RUN/final.npz``.
     In ps mode the shards write checkpoints into ``RUN/checkpoints`` (and a last one when stopped); ``resume``
     continues the job of ``run_dir`` from them, where a launch into a folder that holds them is refused.
     ``hosts`` puts every shard and worker (or MPI rank) on an emulated host of
@@ -115,6 +116,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     run = Path(run_dir) if run_dir else new_run_folder(mode)
     claim(run, resume, mode, script)
     checkpoints = run / CHECKPOINTS
+    save = save or str(run / FINAL)  # a trained model is kept, as psgd.launch keeps it
     if not token and mode == "ps":
         if layout.nnodes == 1:
             token = made_token(run)

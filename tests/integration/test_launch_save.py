@@ -1,4 +1,4 @@
-"""``psgd launch --save`` keeps the trained model in both modes; ``psgd eval`` scores it as the launch did;
+"""``psgd launch`` keeps the trained model in both modes (in its run folder, or where --save says); ``psgd eval`` scores it as the launch did;
 a user's model in the current folder trains under ``psgd launch`` and ``psgd train``.
 
 Every command runs as a user types it: the console scripts, in the user's folder, with the user's
@@ -56,6 +56,18 @@ def test_launch_saves_weights_that_eval_scores_as_the_launch_did(tmp_path, mode)
     assert scored["test_accuracy"] == launched["test_accuracy"]
     assert scored["test_loss"] == pytest.approx(launched["test_loss"], rel=1e-6)
     assert launched["test_accuracy"] > 0.7  # trained: chance is 0.1
+
+
+@pytest.mark.slow
+def test_launch_keeps_the_trained_model_in_its_run_folder_unless_told_where(tmp_path):
+    """As psgd.launch does: a launch without --save still keeps its final weights, in RUN/final.npz."""
+    launched = run([PSGD, "launch", "--no-progress", "--json", "--run-dir", "run", *JOB], tmp_path)
+    saved = tmp_path / "run" / "final.npz"
+    assert launched["saved"] == str(Path("run") / "final.npz") and saved.is_file()
+    scored = run([PSGD, "eval", str(saved), "--json", *JOB], tmp_path)
+    assert scored["test_accuracy"] == launched["test_accuracy"]
+    said = subprocess.run([PSGD, "launch", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "(default: RUN/final.npz" in " ".join(said.split())
 
 
 @pytest.mark.slow
