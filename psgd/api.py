@@ -48,8 +48,8 @@ class Result:
     ``history``, each evaluation (step, epoch, wall, train_loss, test_loss, test_accuracy or test_r2); ``weights``,
     the final weights on the host by variable name; ``worker_steps``, the steps each worker made, in rank order
     (psgd.train's one: the steps it made; a launch's: counted from the job's start, a resumed job's before its stop
-    included), and ``steps``, their sum; ``run_dir``, a launch's run folder (logs, metrics, TensorBoard files,
-    checkpoints);
+    included), and ``steps``, their sum; ``run_dir``, the run folder (a launch's: logs, metrics, TensorBoard files,
+    checkpoints; psgd.train's: its metrics' CSV and TensorBoard files, None where it kept no records);
     ``saved``, the ``.npz`` file the weights were written to; ``divergence``, what the divergence guard saw where it
     saw a run that was not training; ``checkpoint``, where a stopped psgd.train left its state (None: it ran to its
     end)."""
@@ -110,7 +110,8 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
           test: Any = None, settings: Mapping[str, Any] | None = None, progress: bool | None = None,
           metrics: str | None = None, save: str | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None, checkpoint: str | None = None,
-          resume: str | None = None, stop: threading.Event | None = None, **keys: Any) -> Result:
+          resume: str | None = None, stop: threading.Event | None = None, run_dir: str | os.PathLike | None = None,
+          **keys: Any) -> Result:
     """Train in this process, as ``psgd train``: the reference every other mode is measured against.
 
     ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
@@ -120,9 +121,12 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     iterator of ``(x, y)``); by default the job's (``digits`` without a job file).  ``test``: its held-out
     examples, in the same forms (else a fixed fifth of each class).
     ``progress``: a progress bar on stderr (by default where stderr is a terminal); ``metrics``: a JSON-lines
-    file of every step and evaluation; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with
-    each step's record.  ``augment=f``: each training batch goes through ``f(x, y, rng) -> (x, y)`` on the host
-    (a function, or its name as ``package.module:function``; psgd.launch's processes import it by name).
+    file of every step and evaluation, its CSV and TensorBoard files in the run folder; ``run_dir``: the run folder
+    (with it, the JSON lines are ``RUN/local.jsonl`` unless ``metrics`` says where), else a new
+    ``runs/DATE-TIME-local`` where there are records to keep, named in the last line logged and in the result's
+    ``run_dir``; ``save``: a ``.npz`` file for the final weights; ``on_step``: called with each step's record.
+    ``augment=f``: each training batch goes through ``f(x, y, rng) -> (x, y)`` on the host (a function, or its name
+    as ``package.module:function``; psgd.launch's processes import it by name).
     ``stop`` (an event another thread may set): the step in hand is finished and the run ends early; its state
     (weights, optimizer, step) is then written to ``checkpoint`` (a ``.npz`` file), and ``resume=`` that file goes
     on from there, ending with the weights an unstopped run ends with."""
@@ -130,14 +134,20 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     config, own_model, dataset = _resolve(job, model, data, model_options, test, settings, keys)
     from psgd.training.local import train_local
 
+    run = _records_folder(run_dir) if metrics or run_dir else None
+    if run is not None and not metrics:
+        metrics = str(run / "local.jsonl")
     result = train_local(config, dataset=dataset, model=own_model, augment=augment, progress=bar_wanted(progress),
-                         metrics_path=metrics, on_step=on_step, keep=checkpoint, resume=resume, stop=stop)
+                         metrics_path=metrics, run_dir=run and str(run), on_step=on_step, keep=checkpoint,
+                         resume=resume, stop=stop)
+    if run is not None:
+        log.info("the metrics lines are in %s; their CSV and TensorBoard files in %s", metrics, run)
     if save:
         from psgd.export.weights import save_weights
 
         save_weights(save, result.params)
     return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
-                  result.steps, saved=save or None, divergence=result.divergence,
+                  result.steps, run_dir=run and str(run), saved=save or None, divergence=result.divergence,
                   checkpoint=result.summary.get("kept"), test_r2=result.test_r2, worker_steps=(result.steps,))
 
 
@@ -185,6 +195,16 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(done.saved),
                   sum(done.worker_steps), run_dir=str(run), saved=done.saved, divergence=done.divergence,
                   test_r2=done.test_r2, worker_steps=tuple(done.worker_steps))
+
+
+def _records_folder(run_dir: str | os.PathLike | None) -> Path:
+    """The folder of a psgd.train run's records: ``run_dir``, refused where it holds another run's, else a new
+    ``runs/DATE-TIME-local``, as psgd launch makes its own, so that no two runs mix their files."""
+    from psgd.launcher.folder import claim, new_run_folder
+
+    run = Path(run_dir) if run_dir else new_run_folder("local")
+    claim(run, False, "local")
+    return run
 
 
 def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,

@@ -151,10 +151,10 @@ def _psgd(argv: list[str], folder: Path) -> str:
 
 
 def alone(width: int, o: Options, folder: Path) -> dict:
-    metrics = folder / f"alone-{width}.jsonl"
-    _psgd(["train", "--device", o.device, "--epochs", str(-(-o.steps // per_epoch(o))), "--metrics",
-           str(metrics), "--no-progress", "-q", *(f for s in sets(width, o) for f in ("--set", s))], folder)
-    return steady(read_steps(metrics))
+    run_dir = folder / f"alone-{width}"  # its metrics lines are RUN/local.jsonl, as a launch's are RUN/worker-0.jsonl
+    _psgd(["train", "--device", o.device, "--epochs", str(-(-o.steps // per_epoch(o))), "--run-dir",
+           str(run_dir), "--no-progress", "-q", *(f for s in sets(width, o) for f in ("--set", s))], folder)
+    return steady(read_steps(run_dir / "local.jsonl"))
 
 
 def launched(width: int, run: str, o: Options, folder: Path) -> dict:

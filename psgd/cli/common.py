@@ -198,6 +198,17 @@ def token_from_args(args: argparse.Namespace) -> str:
     return read_token(args.token)
 
 
+def add_records_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a single process keeps its records (psgd train): the JSON lines, and the run folder of their CSV and
+    TensorBoard files, of this run alone (psgd.train's ``metrics`` and ``run_dir``)."""
+    parser.add_argument("--metrics", metavar="FILE.jsonl",
+                        help="append each step and evaluation as JSON lines to FILE (CSV and TensorBoard: --run-dir)")
+    parser.add_argument("--run-dir", metavar="DIR",
+                        help="the run folder, of this run alone: its metrics' CSV and TensorBoard files, and "
+                             "DIR/local.jsonl without --metrics; one that holds another run's files is refused "
+                             "(default with --metrics: a new runs/DATE-TIME-local, said in the last line)")
+
+
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="hide the progress bar (shown only where stderr is a terminal; elsewhere, as in a file "

@@ -9,14 +9,12 @@ import sys
 from pathlib import Path
 
 from psgd import __version__
-from psgd.cli import export as export_cli
-from psgd.cli import report as report_cli
-from psgd.cli import doctor, models, status
+from psgd.cli import doctor, models, status, export as export_cli, report as report_cli
 from psgd.config import ConfigError
-from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, first_env_int,
-                             flags_not_kept, import_from_current_folder, import_nothing_from_current_folder,
-                             job_from_args, run_command, resumed_from, score_fields, score_said, shows_progress,
-                             verbosity)
+from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, add_records_arguments,
+                             first_env_int, flags_not_kept, import_from_current_folder,
+                             import_nothing_from_current_folder, job_from_args, run_command, resumed_from,
+                             score_fields, score_said, shows_progress, verbosity)
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
 from psgd.wire.tls import add_tls_arguments, launch_tls
@@ -74,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model in one process and print the final test accuracy. "
                     "With no arguments: the MLP on the bundled UCI digits, momentum SGD, 30 epochs.")
     add_job_arguments(train)
-    train.add_argument("--metrics", metavar="FILE.jsonl", help="append evaluation points as JSON lines to FILE")
+    add_records_arguments(train)
     train.add_argument("--save", metavar="FILE.npz", help="save the final weights (plain .npz, no pickle)")
     train.add_argument("--checkpoint", metavar="FILE.npz",
                        help="where a run stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP leaves its state: weights, "
@@ -182,8 +180,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What psgd launch and psgd run share: the weights saved, the run folder, the time limit, the JSON result,
     going on from a run folder."""
     parser.add_argument("--save", metavar="FILE.npz",
-                        help="where to keep the trained weights, a plain .npz keyed by variable name (see psgd "
-                             "eval) (default: RUN/final.npz, in the run folder)")
+                        help="where to keep the trained weights, a plain .npz keyed by variable name, see psgd eval "
+                             "(default: RUN/final.npz)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
                              "current folder, runs/DATE-TIME-MODE, said in the last line); one that holds another "
@@ -380,7 +378,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for signum in STOP_SIGNALS:  # the step in hand is finished, the state kept (--checkpoint), then the end
         signal.signal(signum, lambda signum, frame: (heard.append(signum), stop.set()))
     result = psgd.train(job=config, progress=shows_progress(args), metrics=args.metrics, save=args.save,
-                        checkpoint=args.checkpoint, resume=args.resume, stop=stop)
+                        checkpoint=args.checkpoint, resume=args.resume, stop=stop, run_dir=args.run_dir)
     if heard:
         name = signal.Signals(heard[0]).name
         kept = (f"its state is in {result.checkpoint}: psgd train --resume {result.checkpoint} goes on from there"
@@ -388,13 +386,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"psgd train: stopped by {name} after {result.steps} step(s); {kept}", file=sys.stderr)
         return 128 + heard[0]
     summary = {**score_fields(result), "test_loss": result.test_loss,
-               "steps": result.steps, "seconds": round(result.seconds, 3),
+               "steps": result.steps, "seconds": round(result.seconds, 3), "run_dir": result.run_dir,
                "diverged": result.divergence is not None, "divergence": result.divergence}
     if args.json:
         print(json.dumps(summary))
     else:
+        records = f"; records in {result.run_dir}" if result.run_dir else ""
         print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}, "
-              f"{result.steps} steps in {result.seconds:.1f}s){diverged_words(result.divergence)}")
+              f"{result.steps} steps in {result.seconds:.1f}s{records}){diverged_words(result.divergence)}")
     return divergence_status(args, result.divergence)
 
 

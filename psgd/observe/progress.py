@@ -42,23 +42,25 @@ CSV_COLUMNS = ("time", "event", "step", "epoch", "loss", "staleness", "weights_s
 class MetricsLog:
     """Append one JSON object per line: ``{"time", "role", "event", ...}``; the steps and evaluations as CSV rows in
     a file of the same name ending in ``.csv`` (:data:`CSV_COLUMNS`); and the same run's curves as TensorBoard event
-    files in ``tensorboard/ROLE`` beside them (:class:`Board`: ``tensorboard --logdir RUN`` shows them).
+    files in ``tensorboard/ROLE`` (:class:`Board`: ``tensorboard --logdir RUN`` shows them).  The CSV and
+    TensorBoard files go into ``folder``, the run's own (default: the JSON lines' folder).
 
     With ``path=None`` it writes nothing, so callers need no branches.  Values
     that JSON cannot hold (NaN, inf) are written as null.  Lines from several
     threads (an evaluation beside training) are written whole.
     """
 
-    def __init__(self, path: str | os.PathLike | None, role: str):
+    def __init__(self, path: str | os.PathLike | None, role: str, folder: str | os.PathLike | None = None):
         self.role = role
         self._file = None
         self._board: Board | None = None
         self._lock = threading.Lock()
         if path is not None:
-            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            folder = os.path.dirname(os.path.abspath(path)) if folder is None else os.fspath(folder)
             os.makedirs(folder, exist_ok=True)
             self._file = open_own(path, "a", encoding="utf-8", buffering=1)
-            table = os.path.splitext(path)[0] + ".csv"
+            table = os.path.join(folder, os.path.splitext(os.path.basename(path))[0] + ".csv")
             try:
                 self._csv_file = open_own(table, "a", encoding="utf-8", newline="", buffering=1)
             except BaseException:

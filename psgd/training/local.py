@@ -160,6 +160,7 @@ def train_local(
     augment: Any = None,
     progress: bool = True,
     metrics_path: str | None = None,
+    run_dir: str | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     keep: str | None = None,
     resume: str | None = None,
@@ -169,7 +170,8 @@ def train_local(
     (a model or its class) and ``augment`` (a function): a caller's own, instead of the job file's; ``on_step``
     hears of every step (see :func:`psgd.training.loop.run_loop`).  ``stop`` set: the step in hand is finished and
     the run ends, its state (weights, optimizer, step) written to ``keep`` where given, which ``resume`` (a path)
-    goes on from; the result's ``summary["kept"]`` says where it is."""
+    goes on from; the result's ``summary["kept"]`` says where it is.  ``run_dir``: the metrics' CSV and
+    TensorBoard files' folder (default: beside ``metrics_path``)."""
     per_process, said = threads.budget(config.train.threads, 1)  # as psgd launch picks them, for one process
     log.info("%s", said)
     threads.apply(per_process)
@@ -179,4 +181,5 @@ def train_local(
     log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),
              spe * t.epochs, t.batch_size, job.device)
     exchange = LocalExchange(job, keep=keep or resume, resume=resume)
-    return run_loop(job, exchange, progress=progress, metrics_path=metrics_path, on_step=on_step, stop=stop)
+    return run_loop(job, exchange, progress=progress, metrics_path=metrics_path, run_dir=run_dir, on_step=on_step,
+                    stop=stop)

@@ -183,6 +183,7 @@ def run_loop(
     progress: bool = True,
     desc: str = "train",
     metrics_path: str | None = None,
+    run_dir: str | None = None,
     delay: Delay = NO_DELAY,
     stop: threading.Event | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -192,6 +193,7 @@ def run_loop(
     ``evaluate_every`` (steps; 0: never; default: the job's ``eval_every``, else once per epoch)
     evaluates the weights before each step whose index is a multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.
     ``on_step`` gets each step's record plus the exchange's timings (e.g. to feed a metrics endpoint).
+    ``run_dir``: where the metrics' CSV and TensorBoard files go (default: beside ``metrics_path``).
     When ``stop`` is set, the step in hand is finished (or interrupted) and the loop ends early.
     """
     ds, model, device, t = job.dataset, job.model, job.device, job.config.train
@@ -211,7 +213,7 @@ def run_loop(
                  seed=(t.seed, rank), target=ds.target, classes=ds.num_classes)
     if evaluate_every is None:
         evaluate_every = t.eval_every or spe
-    metrics = MetricsLog(metrics_path, role=exchange.role)
+    metrics = MetricsLog(metrics_path, role=exchange.role, folder=run_dir)
     guard = DivergenceGuard(exchange.name, chance(ds.y_test, ds.target), ds.num_classes,
                             advice(job.config, exchange.mode), ds.metric)
     # (no bar to show an evaluation: a log line each, for logs)

@@ -73,12 +73,14 @@ def test_evaluating_beside_training_leaves_the_training_alone(tmp_path):
     assert all(inline_points[e["step"]] == e["test_accuracy"] for e in evals)  # the same weights evaluated
 
 
-def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys):
+def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the run's folder is made (runs/DATE-TIME-local)
     weights, metrics = tmp_path / "w.npz", tmp_path / "m.jsonl"
     code = main(["train", "--epochs", "2", "--no-progress", "-q", "--json",
                  "--save", str(weights), "--metrics", str(metrics)])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
+    assert (tmp_path / summary["run_dir"] / "m.csv").is_file() and not (tmp_path / "m.csv").exists()
     assert 0.8 < summary["test_accuracy"] <= 1.0
     with np.load(weights, allow_pickle=False) as saved:
         assert set(saved.files) == {"dense0/W", "dense0/b", "dense1/W", "dense1/b", "dense2/W", "dense2/b"}

@@ -3,6 +3,9 @@ psgd.launch refuses before it starts anything."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -289,3 +292,21 @@ def test_the_documentation_imports_only_what_is_public():
                 seen.append(module)
     assert {"psgd", "psgd.autodiff", "psgd.model", "psgd.model.losses"} <= set(seen)
     assert "## What is public" in __import__("psgd.cli.reference", fromlist=["x"]).python_api()
+
+
+def test_each_psgd_train_keeps_its_csv_and_tensorboard_files_in_a_run_folder_of_its_own(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """The metrics lines go where ``metrics=`` says; their CSV and TensorBoard files go into the run's own folder
+    (a new one under runs/, as psgd launch makes), never into the current folder, so two runs never mix."""
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="psgd")
+    runs = [psgd.train("softmax", "digits", epochs=1, metrics="train_one.jsonl", progress=False) for _ in range(2)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "train_one.jsonl"]
+    folders = [Path(r.run_dir) for r in runs]
+    assert folders[0] != folders[1] and all(f.parent == Path("runs") and "-local" in f.name for f in folders)
+    for folder in folders:
+        assert (folder / "train_one.csv").is_file()
+        assert len(list((folder / "tensorboard" / "local").iterdir())) == 1  # one event file: this run's
+    assert f"in {folders[1]}" in caplog.records[-1].getMessage()  # the last line names the folder
+    given = psgd.train("softmax", "digits", epochs=1, run_dir="mine", progress=False)  # a run folder, as launch's
+    assert given.run_dir == "mine" and {"local.jsonl", "local.csv", "tensorboard"} <= set(os.listdir("mine"))
