@@ -172,10 +172,10 @@ def train_local(
     the run ends, its state (weights, optimizer, step) written to ``keep`` where given, which ``resume`` (a path)
     goes on from; the result's ``summary["kept"]`` says where it is.  ``run_dir``: the metrics' CSV and
     TensorBoard files' folder (default: beside ``metrics_path``)."""
+    job = build_job(config, dataset, check=True, model=model, augment=augment)  # first: a refusal is one line
     per_process, said = threads.budget(config.train.threads, 1)  # as psgd launch picks them, for one process
     log.info("%s", said)
     threads.apply(per_process)
-    job = build_job(config, dataset, check=True, model=model, augment=augment)
     t = config.train
     spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
     log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),
