@@ -39,6 +39,7 @@ from psgd.server.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 from psgd.server.handout import Handout, not_dumpable
+from psgd.server.tokens import Here
 from psgd.server.receive import BufferPool, decode_gradient, drain, receive_gradient
 from psgd.wire import protocol, segment, status
 from psgd.wire.rows import RowCollector, RowsError, read_sections, sections_bytes
@@ -66,7 +67,7 @@ class DataServer:
                  request_timeout: float = 60.0, idle_timeout: float = 600.0, max_connections: int | None = None,
                  hello_timeout: float = 2.0, max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None,
-                 shm: bool = True, busy_poll: float = 0.0):
+                 shm: bool = True, busy_poll: float = 0.0, here: Here | None = None):
         self.core = core
         sock = socket.create_server((host, port), backlog=BACKLOG)  # first: a port it cannot have leaves nothing
         sock.setblocking(False)
@@ -97,7 +98,7 @@ class DataServer:
         self._conns: set[socket.socket] = set()  # authenticated, each served by its thread
         self._lock = threading.Lock()
         self._served = threading.Lock()  # the counters of requests served, and the seconds they took
-        self.gate = Gatekeeper(core, sock, token=token, tls=tls, hello_timeout=hello_timeout,
+        self.gate = Gatekeeper(core, sock, token=token, here=here, tls=tls, hello_timeout=hello_timeout,
                                max_unauthenticated=max_unauthenticated, max_per_peer=max_per_peer,
                                hand_over=self._hand_over)
 

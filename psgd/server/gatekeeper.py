@@ -62,10 +62,11 @@ class Gatekeeper:
     :meth:`stop`) and passes each one whose hello checks out to ``hand_over``."""
 
     def __init__(self, core: ShardCore, sock: socket.socket, *, token: str, tls: ssl.SSLContext | None,
-                 hello_timeout: float, max_unauthenticated: int, max_per_peer: int, hand_over: HandOver):
+                 hello_timeout: float, max_unauthenticated: int, max_per_peer: int, hand_over: HandOver,
+                 here: Here | None = None):
         self.core, self.sock, self.tls = core, sock, tls
-        host, port = sock.getsockname()[:2]
-        self.proofs = Proofs(token, Here(host), lambda: port)  # the token, which a hello proves: once, made for here
+        host, port = sock.getsockname()[:2]  # the token, which a hello proves: once, made for this port
+        self.proofs = Proofs(token, here or Here(host), lambda: port)
         self.hello_timeout = hello_timeout
         self.max_unauthenticated = max(1, max_unauthenticated)
         self.max_per_peer = max(1, min(max_per_peer, self.max_unauthenticated))

@@ -276,12 +276,13 @@ class ShardServer:
         self._failures = recovery.Failures(core, stop=on_cut_failure == "stop")
         self.checkpoint_seconds, self.keep_checkpoints = checkpoint_seconds, keep_checkpoints
         host = bind.rpartition(":")[0]
-        if token:  # a proof is good only at the port it names: this one's, known once it is bound
-            interceptors = [tokens.TokenInterceptor(token, tokens.Here(host), lambda: self.port), *interceptors]
+        here = tokens.Here(host, job_shards)  # a proof is good only at the port it names: this one's, once bound
+        if token:
+            interceptors = [tokens.TokenInterceptor(token, here, lambda: self.port), *interceptors]
         self.incarnation = uuid.uuid4().hex[:12]
         means = wire.meaning(transport)  # a data port or none; shared memory for workers on this host or not
         try:
-            self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token,
+            self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token, here=here,
                                    request_timeout=request_timeout, hello_timeout=hello_timeout,
                                    tls=tls.server_context() if tls.enabled else None,
                                    shm=bool(means["shared_memory"]), busy_poll=busy_poll) \

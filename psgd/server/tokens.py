@@ -4,7 +4,7 @@ the processes of a pair show each other that an answer comes from a holder of th
 
 No call sends the token: a gRPC call carries ``authorization: Proof WHEN SESSION COUNT TO MAC`` and a data-port
 hello its ``"proof"`` (psgd.server.hello).  A shard accepts a proof when its time is within :data:`PROOF_SECONDS`
-of its own clock, it names this process's port and an address of this machine, and its
+of its own clock, it names this process's port and no other machine of the job, and its
 count was not used before in its session (each session's counts are remembered in a window of :data:`WINDOW`).  A
 Status answer carries a keyed hash of the caller's fresh challenge and of what the answer says (:func:`answer`), so
 that a claim to lead made by a process without the token is not believed.  Without a token (``--no-token``) there
@@ -17,7 +17,7 @@ import hmac
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 
@@ -31,25 +31,44 @@ MOST_SESSIONS = 20_000
 WINDOW = 4096
 #: the most host names whose being this machine's is remembered
 _MOST_NAMES = 256
+#: seconds the job's addresses are kept before they are read again
+JOB_SECONDS = 10.0
 
 
 class Here:
-    """Where this process listens (``host``).  A proof names the address its call was made to; it is accepted only
-    at that port, on a machine that address names (:meth:`answers_to`), so that a proof received by another process
-    (whoever holds a dead shard's port) is no good here."""
+    """Where this process listens (``host``), and the addresses of its job's shard processes now (``job()``: [cluster]
+    servers and replica_servers).  A proof names the address its call was made to; it is accepted only at that
+    port, and not where it names another machine of the job (:meth:`answers_to`): what a process at a dead shard's
+    address heard is no good at the live one, on this machine or another.  An address that is neither this
+    machine's nor the job's is one this port is reached through (a published or forwarded port, a load balancer)."""
 
-    def __init__(self, host: str = ""):
-        self.host = host.strip("[]")
+    def __init__(self, host: str = "", job: Callable[[], Sequence[str]] = tuple):
+        self.host, self.job = host.strip("[]"), job
         self._local: dict[str, bool] = {}
         self._lock = threading.Lock()
+        self._hosts: tuple[float, set[str]] = (-float("inf"), set())  # the job's hosts, and when they were read
 
     def answers_to(self, to: str, port: int) -> bool:
-        """Whether a call made to ``to`` (host:port) reached this process, listening on ``port``."""
+        """Whether a call made to ``to`` (host:port) may have reached this process, listening on ``port``."""
         host, _, number = to.rpartition(":")
         host = host.strip("[]")
         if not number.isdigit() or int(number) != port or not host:
             return False
-        return (host == self.host and host not in ("0.0.0.0", "::")) or self._is_local(host)
+        if (host == self.host and host not in ("0.0.0.0", "::")) or self._is_local(host):
+            return True
+        return host not in self._job_hosts()  # else another machine of the job's
+
+    def _job_hosts(self) -> set[str]:
+        """The hosts of the job's addresses, read again at most every JOB_SECONDS (a launch writes them into the
+        job file once every shard has bound its port, and ``job()`` may read that file)."""
+        now = time.monotonic()
+        with self._lock:
+            read, hosts = self._hosts
+        if now - read > JOB_SECONDS:
+            hosts = {a.rpartition(":")[0].strip("[]") for a in self.job()}
+            with self._lock:
+                self._hosts = (now, hosts)
+        return hosts
 
     def _is_local(self, host: str) -> bool:
         """Whether ``host`` names this machine: one of its addresses can be bound here."""

@@ -31,11 +31,23 @@ def test_a_proof_is_good_once_for_its_purpose_and_token():
     assert proofs.check(prover.prove("follow"), "follow")  # a fresh one
 
 
-@pytest.mark.parametrize("to", ["127.0.0.1:5001", "192.0.2.1:5000", "example.invalid:5000", ":5000", "127.0.0.1"])
-def test_a_proof_made_for_another_address_is_refused(to):
-    """What a stranger at another address heard (a dead shard's port) is no good here: not at another port, nor at
-    a host that is not this machine."""
-    assert not _proofs().check(Prover("s3cret", to).prove("follow"), "follow")
+JOB = ["127.0.0.1:5000", "192.0.2.7:5000", "192.0.2.8:5002"]  # this process, and two others of its job
+
+
+@pytest.mark.parametrize("to", ["127.0.0.1:5001", "192.0.2.7:5000", "192.0.2.8:5000", ":5000", "127.0.0.1"])
+def test_a_proof_made_for_another_process_of_the_job_is_refused(to):
+    """What a stranger heard at another process's address (a dead shard's port taken) is no good here: not at
+    another port, nor at the same port of another machine of the job."""
+    here = Proofs("s3cret", Here("127.0.0.1", lambda: JOB), lambda: 5000)
+    assert not here.check(Prover("s3cret", to).prove("follow"), "follow")
+
+
+@pytest.mark.parametrize("to", ["192.0.2.1:5000", "gateway.example:5000"])
+def test_a_proof_made_for_a_forwarded_address_of_this_port_is_good(to):
+    """A shard reached through a published or forwarded port (Docker, a load balancer) is called at an address
+    that is neither its machine's nor another process's of the job: the proof names its port, and is good."""
+    here = Proofs("s3cret", Here("127.0.0.1", lambda: JOB), lambda: 5000)
+    assert here.check(Prover("s3cret", to).prove("follow"), "follow")
 
 
 @pytest.mark.parametrize("to", ["localhost:5000", "[::1]:5000", "127.0.0.2:5000"])
