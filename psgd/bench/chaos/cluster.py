@@ -129,6 +129,10 @@ class Cluster:
         """Every shard process's name: ``shard{k}``, and ``replica{k}`` where the job keeps replicas."""
         return [f"shard{k}" for k in range(SHARDS)] + [f"replica{k}" for k in range(SHARDS) if self.spec.replicas]
 
+    def left_by_itself(self) -> bool:
+        """Whether a shard of an --exit-when-done run exited 0: every worker had said it was done."""
+        return self.spec.exit_when_done and any(self.procs[n].popen.poll() == 0 for n in self.shard_names)
+
     def start(self) -> None:
         """Every shard (and replica), once each listens every worker: the job as it starts."""
         for k in range(SHARDS):

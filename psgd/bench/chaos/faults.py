@@ -322,18 +322,22 @@ class FaultInjection:
             self.violate("harness", [f"the squatter failed: {done.stderr.strip()[-500:]}"])
             stats = None
         leaders = [s["role"] if s else "" for s in c._pair_status(k, 2.0)]
-        if stats is not None and stats["token_heard"]:
-            self.violate("token", [f"a process without the token at {address} was sent the job's token"])
-        if stats is not None and stats.get("replays_answered"):
-            self.violate("token", [f"shard {k}'s primary answered {stats['replays_answered']} call(s) that a process "
-                                   f"without the token heard at {address} and replayed"])
-        if leaders[1 - int(second)] != "primary":
+        self.violate("token", stats["problems"] if stats else [])  # the token sent to it, or what it heard answered
+        leader = leaders[1 - int(second)]
+        if leader == "" and self.spec.exit_when_done:  # no answer: the job may be ending, its primary on its way out
+            c.wait(f"shard{k}" if second else f"replica{k}", STOP_BOUND)
+        if leader != "primary" and not self.cluster.left_by_itself():  # (not: the job ended meanwhile)
             self.violate("squatter", [f"shard {k}'s primary stopped leading while a process without the token at "
                                       f"its replica's address claimed to lead (roles now {leaders})"])
+        heard = f"{stats['calls']} call(s) heard" if stats and stats["bound"] else "could not bind"
         c.start_shard(k, replica=second)
         self.restarted.add(k)
         c.wait_listening(k, replica=second)
-        heard = f"{stats['calls']} call(s) heard" if stats and stats["bound"] else "could not bind"
+        if self.cluster.left_by_itself():  # no pair to be whole again, nor a primary to follow: it is stopped as a user
+            c.signal(name, signal.SIGTERM)  # would stop it, and must leave as SIGTERM says
+            self.violate("exit-code", check_exit(f"{name} (restarted after the job's end)", c.wait(name, STOP_BOUND),
+                                                 0, "within 10 s of SIGTERM"))
+            return f"{name} at {address}: squatter {heard}; the job ended meanwhile"
         return f"{name} at {address}: squatter {heard}; {self._pair_whole(k)}"
 
     def _duplicate_rank(self, r: int) -> str:
@@ -365,7 +369,7 @@ class FaultInjection:
                 self.violate("duplicate", [f"the duplicate of worker {r} trained {len(steps)} step(s) beside the "
                                            f"holder (pid {holder}); exit status {code}"])
             elif code != 0 and not stopped and not ("ALREADY_EXISTS" in text and f"pid {holder}" in text) \
-                    and not (self._left_by_itself() and "cannot reach shard" in text):  # it came after the end
+                    and not (self.cluster.left_by_itself() and "cannot reach shard" in text):  # it came after the end
                 self.violate("duplicate", [f"the duplicate of worker {r} exited with status {code} without saying "
                                            f"that pid {holder} holds the rank: {last_error(proc.log)}"])
             refused = "ALREADY_EXISTS" in text and f"pid {holder}" in text

@@ -280,7 +280,7 @@ def squat(address: str, shard: int, seconds: float, replay_to: str = "") -> dict
     answers every Status as the shard's primary that took over 99 times (a claim to lead), and keeps what each
     caller sent; then it replays each call it heard, as it heard it, to ``replay_to`` (the live process of the
     pair).  Returns whether it could bind the address, how many calls came, whether any carried the job's token
-    (the environment's: this process knows it only to look for it), and how many replays were answered."""
+    (the environment's: this process knows it only to look for it) or any replay was answered ("problems")."""
     from concurrent import futures
 
     import grpc
@@ -318,8 +318,12 @@ def squat(address: str, shard: int, seconds: float, replay_to: str = "") -> dict
                 except grpc.RpcError:
                     pass
     said = [" ".join(str(v) for _, v in h) for h in heard]
-    return {"bound": bound, "calls": len(heard), "token_heard": bool(token) and any(token in s for s in said),
-            "replays_answered": answered}
+    problems = [f"a process without the token at {address} was sent the job's token"] * (
+        bool(token) and any(token in s for s in said))
+    if answered:
+        problems.append(f"the process at {replay_to} answered {answered} call(s) that a process without the token "
+                        f"heard at {address} and replayed")
+    return {"bound": bound, "calls": len(heard), "problems": problems}
 
 
 def follow_as(host: str, port: int, claims: Sequence[str], plan_hash: str) -> dict:

@@ -138,11 +138,6 @@ class Run(FaultInjection):
                 raise Abort(f"the run took longer than {RUN_BOUND:.0f}s waiting for {what} (clocks {clocks})")
             time.sleep(0.1)  # polling the workers' metrics, with a deadline
 
-    def _left_by_itself(self) -> bool:
-        """Whether a shard of an --exit-when-done run exited 0: every worker had said it was done."""
-        return self.spec.exit_when_done and any(self.cluster.procs[n].popen.poll() == 0
-                                                for n in self.cluster.shard_names)
-
     # -- checks ----------------------------------------------------------------------------------
     def _status_of(self, k: int, bound: float) -> dict:
         deadline = time.monotonic() + bound
@@ -183,12 +178,12 @@ class Run(FaultInjection):
                 raise Abort(f"{name} exited with status {code} after {after}: {last_error(proc.log)}", "finishes")
         if not any(c.alive(f"worker{r}") for r in range(self.spec.workers)):
             return  # training is over: the final checks follow
-        if self._left_by_itself():
+        if self.cluster.left_by_itself():
             return  # a shard left by itself: every worker had said it was done (the final checks see that they were)
         try:
             views = [self._status_of(k, REQUEST_TIMEOUT + 5) for k in range(SHARDS)]
         except Abort:
-            if self._left_by_itself():  # the last worker said it was done since the look above (seed 7474 runs 20, 26)
+            if self.cluster.left_by_itself():  # the last worker said it was done since (seed 7474 runs 20, 26)
                 return
             raise
         clocks = {r: last + 2 for r, last in c.clocks().items()}  # read after Status: + the push in flight
