@@ -191,8 +191,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     parser.add_argument("--resume", metavar="RUN",
                         help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
-                             "its shards' checkpoints in RUN/checkpoints, its logs): each worker goes on from the "
-                             "step its shards hold")
+                             "its shards' checkpoints in RUN/checkpoints, its logs, appended to): each worker goes on "
+                             "from the step its shards hold")
 
 
 def _add_bench(sub) -> None:

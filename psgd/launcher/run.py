@@ -148,7 +148,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     threads.apply(per_process)
     _write_job(run / "job.toml", spec)
     log_flags = ["-v"] if verbose > 0 else ["-q"] if verbose < 0 else []
-    children = Children()
+    children = Children(resumed=resume)  # a resumed run keeps its logs
     began = time.time()  # metrics lines from before this launch (a reused run folder) are not this run's
     with children.forwarding_signals():
         stopping = signal.SIGTERM

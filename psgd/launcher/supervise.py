@@ -6,6 +6,8 @@
   (:meth:`Children.forwarding_signals`; a parameter-server job's workers get SIGINT: the job pauses), which
   gets ``GRACE`` seconds to leave cleanly before it is killed (:meth:`Children.stop_all`);
 - the current folder is first on every child's import path (:func:`child_environment`);
+- each child's log is new, but a resumed run's (:class:`Children` ``resumed``): appended to, after a line that
+  says the run resumed there;
 - :func:`wait_all` and :func:`wait_for_files` wait on children with a deadline
   and fail, with the end of its log, as soon as one of them fails.
 """
@@ -87,10 +89,15 @@ class Child:
     """One started process, its log file, and how to report and signal it."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {},
-                 show_stdout: bool = False):
+                 show_stdout: bool = False, resumed: bool = False):
         self.name, self.log_path = name, log_path
-        open_own(log_path, "w").close()  # a new log; then appended to, as the child may write to it itself (--log-file)
+        if not resumed:
+            open_own(log_path, "w").close()  # a new log; then appended to, as the child may write to it (--log-file)
         self.log_file = open_own(log_path, "a")
+        if resumed and self.log_file.tell():  # the stopped part's lines stay, and say where they end
+            self.log_file.write(f"---- resumed at {time.strftime('%Y-%m-%d %H:%M:%S')}: the lines above are "
+                                "from the run's earlier part ----\n")
+            self.log_file.flush()
         stderr = None if show else self.log_file
         stdout = None if show and show_stdout else self.log_file  # a script's first copy: its prints shown too
         self.popen = subprocess.Popen(dying_with_parent(argv), stdout=stdout, stderr=stderr,
@@ -110,16 +117,17 @@ class Child:
 class Children:
     """The processes of one launch: started, watched, and stopped together, never left behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, resumed: bool = False) -> None:
         self.procs: list[Child] = []
         self.received: int | None = None
+        self.resumed = resumed  # a resumed run's: each log is appended to, after a line that says so
 
     def start(self, name: str, argv: list[str], log_path: Path, show: bool = False,
               env: Mapping[str, str] = {}, show_stdout: bool = False) -> Child:
         """Start ``argv`` as child ``name`` (``env``: variables on top of :func:`child_environment`); ``show``: its
         stderr (with ``show_stdout``, its stdout too) on the launcher's, else in its log."""
         self.check_signal()
-        proc = Child(name, argv, log_path, show, env, show_stdout)
+        proc = Child(name, argv, log_path, show, env, show_stdout, self.resumed)
         self.procs.append(proc)
         return proc
 

@@ -60,3 +60,29 @@ def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_en
     assert sorted(whole_weights.files) == sorted(resumed_weights.files)
     for name in whole_weights.files:
         np.testing.assert_array_equal(resumed_weights[name], whole_weights[name], err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["psgd launch", "psgd.launch"])
+def test_a_resumed_launch_keeps_its_earlier_logs(tmp_path, how):
+    """A finished job resumed (nothing left to do): each log keeps the first part's lines, a line says where the
+    run resumed."""
+    run = tmp_path / "run"
+    if how == "psgd launch":
+        for again in ([], ["--resume", str(run)]):
+            done = subprocess.run([PSGD, "launch", "--no-progress", *(again or ["--epochs", "2", "--run-dir",
+                                                                              str(run)])],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+    else:
+        import psgd
+
+        for resume in (False, True):
+            psgd.launch("mlp", "digits", epochs=2, run_dir=run, resume=resume, progress=False, timeout=120)
+    for name in ("worker-0", "worker-1", "shard-0"):
+        text = (run / f"{name}.log").read_text()
+        assert text.count("---- resumed at ") == 1, text
+        first, resumed = text.split("---- resumed at ")
+        assert "joining" in first and "joining" in resumed or name.startswith("shard"), text
+    first = (run / "worker-0.log").read_text().split("---- resumed at ")[0]
+    assert "worker 0 done: 44 steps" in first  # the first part's lines, kept

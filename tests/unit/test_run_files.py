@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 
 import numpy as np
 import pytest
@@ -127,3 +128,22 @@ def test_a_new_or_unrelated_folder_is_a_run_folder(tmp_path):
     with pytest.raises(InputError, match="continue it with psgd run --resume .* train.py"):
         (tmp_path / "job.toml").write_text("")
         claim(tmp_path, resume=False, script=("train.py",))
+
+
+def test_a_resumed_launch_keeps_the_logs_of_its_stopped_part_and_a_fresh_one_starts_them_anew(tmp_path):
+    from psgd.launcher.supervise import Children
+
+    log = tmp_path / "worker-0.log"
+    log.write_text("worker 0: stopping at step 128 as asked\n")
+    said = [sys.executable, "-c", "print('worker 0: starting at clock 128')"]
+    children = Children(resumed=True)
+    children.start("worker 0", said, log).popen.wait(30)
+    children.stop_all(grace=1.0)
+    lines = log.read_text().splitlines()
+    assert lines[0] == "worker 0: stopping at step 128 as asked" and lines[-1] == "worker 0: starting at clock 128"
+    assert len(lines) == 3 and lines[1].startswith("---- resumed at ") and "the run's earlier part" in lines[1], lines
+
+    children = Children()
+    children.start("worker 0", said, log).popen.wait(30)
+    children.stop_all(grace=1.0)
+    assert log.read_text().splitlines() == ["worker 0: starting at clock 128"]  # a fresh run's log is its own
