@@ -9,8 +9,9 @@ from psgd.observe.logs import setup_logging
 
 DESCRIPTION = """\
 A run read back from its folder (psgd launch --run-dir RUN, or the folder its last line names): a line for the
-job, then for each worker the steps it took, its steps/s and the last test accuracy it measured, the staleness of
-its updates and where a step's time went (fetching weights, computing, the exchange), each on a line of its own;
+job, then for each worker the steps it took (a resumed run's: of every part), its steps/s and the last test
+accuracy it measured, the staleness of its updates and where a step's time went (fetching weights, computing, the
+exchange), each on a line of its own;
 and the training loss of every worker and the test accuracy against the steps done, drawn into RUN/report.png
 (needs matplotlib: pip install -e ".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard; the
 same figures as rows: RUN/worker-R.csv.

@@ -3,8 +3,10 @@
 A run folder (``psgd launch --run-dir``, or the one under ``runs/`` its last line names) holds each worker's metrics
 lines (``worker-R.jsonl``; ``allreduce.jsonl`` for all-reduce), its job file and its logs.  :func:`summarise`
 reads the lines into one :class:`Report`: per worker, the steps it took, its steps/s, the last test accuracy it
-measured, the staleness of its updates, and where a step's time went (fetching weights, computing, the exchange);
-:func:`draw` plots the training loss of every worker and the test accuracy against the steps done, as one PNG.
+measured, the staleness of its updates, and where a step's time went (fetching weights, computing, the exchange).
+A run stopped and resumed (``--resume``) appends each part's lines to the same files: each part ends with a
+``done`` line, or, killed, where the next part's clock starts again; the steps and the seconds are those of every
+part, summed.  :func:`draw` plots the training loss of every worker and the test accuracy against the steps done, as one PNG.
 
 The folder may have been written by someone else, so nothing in it is trusted: only regular files are read (a FIFO
 would wait for ever, a device such as /dev/zero never ends), a line longer than :data:`LONGEST_LINE` is read through
@@ -32,7 +34,7 @@ PARTS = ("weights", "compute", "exchange")
 #: the longest metrics line read (a step's line is a few hundred bytes): a longer one is skipped, never read whole
 LONGEST_LINE = 1 << 20
 #: what a record's numbers and counts may be (a bool is an int to Python, never to a metrics line)
-_NUMBERS, _COUNTS = ("loss", "staleness", *SCORE_KEYS.values()), ("clock", "step", "steps")
+_NUMBERS, _COUNTS = ("loss", "staleness", "wall", *SCORE_KEYS.values()), ("clock", "step", "steps")
 _WORKER_FILE = re.compile(r"worker-(\d+)\.jsonl")
 
 
@@ -45,21 +47,31 @@ class Worker:
     """One worker's (or rank's) run, from its metrics lines."""
 
     name: str
-    steps: int = 0
-    seconds: float = 0.0
+    steps: int = 0       # over every part of the run (a resumed run's before its stop included)
+    seconds: float = 0.0  # the training time of every part, summed
+    runs: int = 0        # the parts: more than one where the run was stopped and resumed
     accuracy: float | None = None   # the last test score: accuracy, or R² where the targets are values
     score_words: str = "test accuracy"
     staleness: list[float] = dataclasses.field(default_factory=list)
     parts: dict[str, float] = dataclasses.field(default_factory=dict)  # median seconds of each part of a step
     losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)   # (steps done, loss)
     evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)    # (steps done, test score)
-    finished: bool = False
+    finished: bool = False  # its last part ended with a done line
     malformed: int = 0   # lines skipped: not a metrics record
     too_long: int = 0    # lines skipped: longer than LONGEST_LINE
 
     @property
     def rate(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+    def said(self) -> str:
+        """Its steps and their rate, in words."""
+        if not self.finished:
+            return f"{self.steps} steps, stopped before its end"
+        if not self.steps:
+            return "no steps"
+        over = f" over {self.runs} parts" if self.runs > 1 else ""
+        return f"{self.steps} steps in {self.seconds:.1f}s{over} ({self.rate:,.0f} steps/s)"
 
 
 @dataclasses.dataclass
@@ -72,8 +84,7 @@ class Report:
         """The summary as a user reads it: one line for the run, a few per worker."""
         out = [f"run {self.folder}: {self.job}"]
         for w in self.workers:
-            said = [f"{w.steps} steps in {w.seconds:.1f}s ({w.rate:,.0f} steps/s)" if w.finished else
-                    f"{w.steps} steps, stopped before its end"]
+            said = [w.said()]
             if w.accuracy is not None:
                 said.append(f"{w.score_words} {w.accuracy:.4f}")
             more = []
@@ -121,11 +132,32 @@ def _job(path: Path) -> str:
 def _worker(path: Path) -> Worker:
     worker = Worker(path.stem)
     parts: dict[str, list[float]] = {p: [] for p in PARTS}
+    run = _Part()
     with _regular(path) as f:
         for rec in _records(f, worker):
-            _add(worker, rec, parts)
+            _add(worker, rec, parts, run)
+    if run.steps:  # the last part has no done line: it was killed before its end
+        _ended(worker, run, None)
     worker.parts = {p: statistics.median(v) for p, v in parts.items() if v}
     return worker
+
+
+@dataclasses.dataclass
+class _Part:
+    """The part of a run being read: a run stopped and resumed appends each part's lines to the same file."""
+
+    steps: int = 0      # its step lines so far
+    wall: float = 0.0   # the seconds into the part of its last step
+
+
+def _ended(worker: Worker, part: _Part, done: dict[str, Any] | None) -> None:
+    """``part`` ended, with its ``done`` line (None: killed before it wrote one); its steps and seconds added to
+    ``worker``'s: the done line's, else its step lines and the time of its last one."""
+    worker.steps += done.get("steps", part.steps) if done else part.steps
+    worker.seconds += (done.get("seconds") or 0.0) if done else part.wall
+    worker.runs += 1
+    worker.finished = done is not None
+    part.steps, part.wall = 0, 0.0
 
 
 def _regular(path: Path) -> BinaryIO:
@@ -170,11 +202,15 @@ def _is_record(rec: Any) -> bool:
     return seconds is None or number(seconds)
 
 
-def _add(worker: Worker, rec: dict[str, Any], parts: dict[str, list[float]]) -> None:
-    """One record's facts, added to ``worker``'s."""
+def _add(worker: Worker, rec: dict[str, Any], parts: dict[str, list[float]], part: _Part) -> None:
+    """One record's facts, added to ``worker``'s (``part``: the part of the run being read)."""
     event = rec.get("event")
     if event == "step":
-        worker.steps += 1
+        wall = rec.get("wall")
+        if wall is not None and wall < part.wall:  # the clock started again: a part that was killed, then resumed
+            _ended(worker, part, None)
+        part.steps += 1
+        part.wall = part.wall if wall is None else wall
         if rec.get("loss") is not None:
             worker.losses.append((steps_done(rec), rec["loss"]))
         if rec.get("staleness") is not None:
@@ -187,8 +223,7 @@ def _add(worker: Worker, rec: dict[str, Any], parts: dict[str, list[float]]) -> 
             worker.evals.append((steps_done(rec), score))
             worker.accuracy = score
     elif event == "done":
-        worker.finished, worker.seconds = True, rec.get("seconds") or 0.0
-        worker.steps = rec.get("steps", worker.steps)
+        _ended(worker, part, rec)
         score = _score(rec, worker)
         if score is not None:
             worker.accuracy = score

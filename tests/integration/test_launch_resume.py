@@ -4,6 +4,7 @@ job run without a stop ends, to the bit (sync, float64)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -64,9 +65,9 @@ def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_en
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["psgd launch", "psgd.launch"])
-def test_a_resumed_launch_keeps_its_earlier_logs(tmp_path, how):
+def test_a_resumed_launch_keeps_its_earlier_logs_and_its_report_counts_the_whole_run(tmp_path, how):
     """A finished job resumed (nothing left to do): each log keeps the first part's lines, a line says where the
-    run resumed."""
+    run resumed, and psgd report counts the steps of the whole run, not the no steps of its last part."""
     run = tmp_path / "run"
     if how == "psgd launch":
         for again in ([], ["--resume", str(run)]):
@@ -86,3 +87,8 @@ def test_a_resumed_launch_keeps_its_earlier_logs(tmp_path, how):
         assert "joining" in first and "joining" in resumed or name.startswith("shard"), text
     first = (run / "worker-0.log").read_text().split("---- resumed at ")[0]
     assert "worker 0 done: 44 steps" in first  # the first part's lines, kept
+    said = subprocess.run([PSGD, "report", str(run), "--no-png"], capture_output=True, text=True, timeout=60)
+    assert said.returncode == 0, said.stderr
+    for rank in (0, 1):  # (was "0 steps in 0.0s (0 steps/s)": the last part's count)
+        assert re.search(rf"\n  worker-{rank}: 44 steps in [0-9.]+s over 2 parts \([0-9,]+ steps/s\)", said.stdout), \
+            said.stdout
