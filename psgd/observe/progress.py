@@ -10,11 +10,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from tqdm import tqdm
 
-from psgd.observe.files import open_own
+from psgd.errors import InputError
+from psgd.observe.files import open_own, open_regular
 
 
 def bar_wanted(asked: bool | None) -> bool:
@@ -91,6 +92,32 @@ class MetricsLog:
                 self._file = None
                 self._csv_file.close()
                 self._board.close()
+
+
+def first_values(path: str | os.PathLike, role: str, wanted: Mapping[str, str]) -> dict[str, float]:
+    """The first number ``role`` wrote under each ``event: key`` of ``wanted`` in the metrics lines at ``path``:
+    a resumed run's, from its earlier part (its lines are appended to the same file); read until each is found.
+    A line that is no such record is skipped; a file that is not there, or not a regular file, holds none."""
+    found: dict[str, float] = {}
+    try:
+        f = open_regular(path)
+    except InputError:
+        return found
+    with f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a kill
+                continue
+            if not isinstance(record, dict) or record.get("role") != role:
+                continue
+            event = record.get("event")
+            value = record.get(wanted.get(event, "")) if event not in found else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                found[event] = float(value)
+                if len(found) == len(wanted):
+                    break
+    return found
 
 
 def steps_done(record: dict) -> int:

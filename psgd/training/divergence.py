@@ -7,7 +7,8 @@ that process sees: the loss of each of its steps, and the evaluations it makes. 
 - a step's loss is more than :data:`BLOWUP` times this process's first step's loss and than the loss of a
   uniform guess, ln(classes) (a worker that joins late may start from a small loss: minibatch losses that
   small vary by more than that);
-- the test loss has been above its first value for :data:`EVALUATIONS` evaluations in a row, unless the run is
+- the test loss has been above its first value (a resumed run's: the first of its earlier part,
+  :meth:`DivergenceGuard.resumed`) for :data:`EVALUATIONS` evaluations in a row, unless the run is
   overfitting: its training loss has fallen to under half its first value and its test accuracy stays within
   :data:`ACCURACY_FALL` of the best it reached (a model that learns its training set by heart, not one that has
   stopped training);
@@ -119,6 +120,15 @@ class DivergenceGuard:
         self._trend: float | None = None  # the training loss, smoothed over steps
         self._best_accuracy = 0.0
         self._growing = self._at_chance = 0
+
+    def resumed(self, first_step_loss: float | None, first_test_loss: float | None) -> None:
+        """A resumed run's baselines, where its earlier part had them: its first step's loss and its first test loss
+        (not the resumed part's first, or a run training fine is judged against where it resumed)."""
+        with self._lock:
+            if first_step_loss is not None:
+                self._first_step_loss = first_step_loss
+            if first_test_loss is not None:
+                self._first_loss = first_test_loss
 
     def _found(self, step: int, epoch: int, why: str) -> Divergence | None:
         if self.verdict is not None:

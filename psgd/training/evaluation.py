@@ -15,7 +15,7 @@ from psgd import model as models
 from psgd.compute import backend
 from psgd.data.base import SCORE_WORDS
 from psgd.job import Job
-from psgd.observe.progress import MetricsLog
+from psgd.observe.progress import MetricsLog, first_values
 from psgd.training.divergence import Divergence, DivergenceGuard
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,14 @@ def judged(verdict: Divergence | None, metrics: MetricsLog) -> None:
     if verdict is not None:
         log.warning("%s", verdict.line())
         metrics.write("diverged", **verdict.record())
+
+
+def resumed(guard: DivergenceGuard, metrics_path: str | None, role: str) -> None:
+    """A resumed process's divergence guard given the run's baselines: the first step's loss and the first test loss
+    ``role`` wrote in its metrics lines at ``metrics_path``, in the run's earlier part."""
+    if metrics_path is not None:
+        first = first_values(metrics_path, role, {"step": "loss", "eval": "test_loss"})
+        guard.resumed(first.get("step"), first.get("eval"))
 
 
 class Evaluations:

@@ -47,7 +47,7 @@ from psgd.compute import backend
 from psgd.config import ConfigError
 from psgd.training.delay import NO_DELAY, Delay
 from psgd.training.divergence import DivergenceGuard, advice, chance
-from psgd.training.evaluation import BackgroundEvaluator, Evaluations, judged
+from psgd.training.evaluation import BackgroundEvaluator, Evaluations, judged, resumed
 from psgd.errors import PsgdError
 from psgd.job import Job
 from psgd.model.module import step_seed
@@ -255,6 +255,8 @@ def run_loop(
     with progress_bar(total, desc, enabled=progress) as bar:
         try:
             step = first = exchange.begin()
+            if first > 0:  # a resumed run: judged against its own start, in its earlier part's records
+                resumed(guard, metrics_path, exchange.role)
             start = time.perf_counter()
             bar.initial = bar.n = step  # resumed there: the steps before are not this run's, nor is their rate
             bar.refresh()

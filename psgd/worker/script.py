@@ -36,7 +36,7 @@ from psgd.job import Job, build_job
 from psgd.model.module import step_seed
 from psgd.observe.progress import MetricsLog
 from psgd.training.divergence import DivergenceGuard, advice, chance
-from psgd.training.evaluation import Evaluations, judged
+from psgd.training.evaluation import Evaluations, judged, resumed
 from psgd.training.loop import ResumeFromStep
 from psgd.worker.client import PSClient
 from psgd.worker.exchange import ParameterServerExchange
@@ -82,6 +82,8 @@ class Worker:
         self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment,
                            seed=(t.seed, rank), target=job.dataset.target, classes=job.dataset.num_classes)
         self.clock = self._exchange.begin()
+        if self.clock > 0:  # a resumed run: judged against its own start, in its earlier part's records
+            resumed(self._guard, metrics_path, self._metrics.role)
         self._began, self._closed = time.perf_counter(), False
         self._calls = (-1, 0)  # (a step, the training calls made in it): what the model's next masks are seeded by
         if hasattr(self.model, "step_seeds"):  # a network: its loss_and_grads draws the step in hand's masks

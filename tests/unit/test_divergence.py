@@ -10,6 +10,7 @@ import pytest
 
 from psgd.config import JobConfig
 from psgd.training.divergence import BLOWUP, CHANCE_MARGIN, EVALUATIONS, DivergenceGuard, advice, chance
+from psgd.training.loop import Exchange, Exchanged
 
 GUESS = math.log(10)
 
@@ -135,3 +136,57 @@ def test_overfitting_is_not_divergence():
     for i, acc in enumerate([0.55, 0.5, 0.45]):  # now the accuracy falls with it
         verdict = g.evaluation(400 + 10 * i, 9 + i, 2.5 + i, acc)
     assert verdict is not None and "above its first value" in verdict.why
+
+
+class Worsening(Exchange):
+    """A resumed part whose weights drift a little further from ``params`` each step (the test loss creeps up, the
+    accuracy stays): a run still training, as far as the first test loss of the whole run goes."""
+
+    def __init__(self, params, resumed_at: int):
+        self.params, self.resumed_at, self.rng = params, resumed_at, np.random.default_rng(0)
+        self.noise = {name: self.rng.normal(size=v.shape) for name, v in params.items()}
+
+    def begin(self) -> int:
+        return self.resumed_at
+
+    def weights(self, step, lookups=None):
+        far = 0.005 * (step - self.resumed_at)
+        return {name: v + far * self.noise[name] for name, v in self.params.items()}
+
+    def exchange(self, step, grads):
+        return Exchanged(step + 1)
+
+
+def test_a_resumed_run_is_judged_against_the_first_test_loss_of_the_whole_run(tmp_path):
+    """The stopped part's metrics lines hold the run's first test loss; the resumed part's first evaluation is not
+    the run's (it was the baseline, and a test loss creeping up from it made a false "training diverged")."""
+    from helpers import make_job
+    from psgd.job import build_job
+    from psgd.training.local import LocalExchange
+    from psgd.training.loop import run_loop
+
+    job = build_job(make_job("model.name=softmax", "train.epochs=2", "train.batch_size=64"))
+    metrics = str(tmp_path / "local.jsonl")
+    stopped = run_loop(job, LocalExchange(job), progress=False, metrics_path=metrics, final_evaluation=False)
+    assert stopped.history and stopped.divergence is None
+    job.config.override("train.epochs", 3)
+    resumed = run_loop(job, Worsening(stopped.params, stopped.final_clock), progress=False, metrics_path=metrics,
+                       evaluate_every=1, final_evaluation=False)
+    losses = [e["test_loss"] for e in resumed.history]
+    assert losses[-1] > losses[0] and losses[-1] < stopped.history[0]["test_loss"], losses  # creeping, but below
+    assert resumed.divergence is None, resumed.divergence
+
+
+def test_a_resumed_runs_first_values_skip_other_roles_cut_lines_and_what_is_not_a_file(tmp_path):
+    from psgd.observe.progress import first_values
+
+    wanted = {"step": "loss", "eval": "test_loss"}
+    path = tmp_path / "worker-0.jsonl"
+    path.write_text('{"role": "worker:1", "event": "eval", "test_loss": 5.0}\n{"role": "worker:0", "ev\n'
+                    '[1, 2]\n{"role": "worker:0", "event": "step", "loss": null}\n'
+                    '{"role": "worker:0", "event": "step", "loss": 2.5}\n'
+                    '{"role": "worker:0", "event": "eval", "test_loss": 0.9}\n'
+                    '{"role": "worker:0", "event": "eval", "test_loss": 0.5}\n')
+    assert first_values(path, "worker:0", wanted) == {"step": 2.5, "eval": 0.9}
+    assert first_values(tmp_path / "none.jsonl", "worker:0", wanted) == {}
+    assert first_values(tmp_path, "worker:0", wanted) == {}  # a folder
