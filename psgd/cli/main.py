@@ -22,39 +22,6 @@ from psgd.wire.tls import add_tls_arguments, launch_tls
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
 
-commands:
-  launch   run a whole job on this machine: K shards and N workers on
-           127.0.0.1 (or all-reduce ranks), progress shown, final test
-           accuracy printed, the trained model kept in the run folder;
-           with --nnodes, one command per machine runs a job across machines
-  train    train in a single process: the reference the distributed modes are
-           checked against (bundled digits + MLP by default, ~98% in seconds)
-  bench    benchmarks: `psgd bench convergence` trains one job under sync,
-           async, ssp, sync with backup workers and all-reduce, with and
-           without a straggler, and writes a table, plots and JSON;
-           `psgd bench comm` measures pull/push/all-reduce throughput,
-           latency, optimizer speed and memory against raw loopback TCP;
-           `psgd bench scaling` measures steps/s against model width,
-           workers and mode, as users start them; `psgd bench gpu`
-           measures psgd on one GPU (training step, host<->device
-           transfers, NCCL all-reduce) against bare CuPy; `psgd bench
-           overlap` measures steps/s with [cluster] overlap off and on;
-           `psgd bench stall` the others' async steps/s while one worker
-           is stopped in the middle of a pull
-  status   live view of a running cluster: shards' health, versions and
-           staleness, workers' clocks and throughput (psgd status HOST:PORT...)
-  doctor   preflight check of a job file: every address resolves and answers,
-           ports, plan, token, TLS files and GPU, said in plain words
-  check-model
-           check your model before training it: specs, init, gradients
-           against finite differences, predict (psgd check-model mod:Class)
-  export   save a job's weights as one plain .npz: pulled from its running
-           shards, or joined from their checkpoints (--checkpoints DIR)
-  eval     test accuracy and loss of weights saved in an .npz (psgd export,
-           psgd train --save)
-  report   a run's summary (steps/s, accuracy, staleness, where a step's
-           time went) and its curves as a PNG (psgd report RUN)
-
 Across machines: `psgd launch --nnodes N --node-rank R --hosts ...` on each,
 or start psgd-server (one per shard) and psgd-worker (one per rank) yourself
 with the same job file; see their --help. Flags are never abbreviated.
@@ -65,10 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="psgd", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"psgd {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     train = sub.add_parser(
-        "train", help="single-process reference trainer",
+        "train", help="train in one process: the reference the other modes are checked against",
         description="Train a model in one process and print the final test accuracy. "
                     "With no arguments: the MLP on the bundled UCI digits, momentum SGD, 30 epochs.")
     add_job_arguments(train)
@@ -88,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     launch = sub.add_parser(
-        "launch", help="run a job: shards + workers on 127.0.0.1, or this node's share of a multi-node job",
+        "launch", help="run a job: shards + workers (or all-reduce ranks) on 127.0.0.1 to its final test accuracy, "
+                       "or this node's share of a multi-node job",
         description="Start K psgd-server shards and N psgd-worker processes on 127.0.0.1, show worker 0's "
                     "progress, wait for the workers to finish, then print the test accuracy of the weights "
                     "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "

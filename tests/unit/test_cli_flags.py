@@ -216,3 +216,15 @@ def test_an_unknown_optimizer_is_refused_before_anything_starts(argv, capsys):
     err = capsys.readouterr().err
     assert "error: unknown optimizer 'adamm': choose sgd, momentum" in err
     assert "training" not in err and "shard" not in err
+
+
+def test_psgd_help_lists_every_command_once(capsys):
+    """psgd --help listed its commands twice, once in its own words without psgd run."""
+    parser = psgd_main.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    listed = [line.split()[0] for line in lines if line.startswith("  ") and line.split()[0] in commands]
+    assert sorted(listed) == sorted(commands), listed
+    assert {"run", "launch", "train", "report"} <= set(commands)
