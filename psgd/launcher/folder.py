@@ -1,6 +1,6 @@
 """A launch's run folder: a new one under ``runs/`` unless told (:func:`new_run_folder`), claimed for this run
 only where it holds no other run's files unless the run is resumed (:func:`claim`), and the token a single-node
-launch keeps there (:func:`made_token`).  Every file of it is written as psgd's own (:mod:`psgd.observe.files`)."""
+launch keeps there (:func:`made_token`); the commands a launch says continue it and watch it.  Every file of it is written as psgd's own (:mod:`psgd.observe.files`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from psgd.errors import InputError
 from psgd.launcher.supervise import LaunchError
 from psgd.observe.files import open_own, read_own
 from psgd.wire.channel import read_token
+from psgd.wire.tls import TLSFiles
 
 #: where a launch keeps its job file, logs and metrics unless told (--run-dir): as TensorBoard and Hydra keep runs
 RUNS = Path("runs")
@@ -50,6 +51,15 @@ def resume_command(run: Path, script: Sequence[str] = (), flags: Sequence[str] =
     keep (its job file keeps the job's)."""
     command = ["psgd", "run" if script else "launch", *flags, "--resume", str(run), *script]
     return shlex.join(command)
+
+
+def status_command(run: Path, tls: TLSFiles, token_kept: bool) -> str:
+    """The command that shows the running shards of the launch in ``run``, to be typed as it is: psgd status with
+    the run's job file (which names the shards once they serve) and ``tls``, the files its workers show; the
+    token from the file the launch keeps it in where ``token_kept``, else from the user's own $PSGD_TOKEN."""
+    files = ["--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls.enabled else []
+    command = shlex.join(["psgd", "status", "-c", str(run / "job.toml"), *map(str, files)])
+    return f"PSGD_TOKEN=$(cat {shlex.quote(str(run / TOKEN_FILE))}) {command}" if token_kept else command
 
 
 def claim(run: Path, resume: bool, mode: str = "ps", script: Sequence[str] = ()) -> None:

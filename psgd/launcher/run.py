@@ -27,7 +27,7 @@ from psgd.observe.files import open_own
 from psgd.observe.progress import bar_wanted
 from psgd.launcher.certs import job_tls
 from psgd.launcher.folder import (CHECKPOINTS, FINAL, TOKEN_FILE, claim, made_token, new_run_folder,
-                                  resume_command)
+                                  resume_command, status_command)
 from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
                                   first_divergence, lockstep_steps, read_records)
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus
@@ -117,20 +117,19 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     claim(run, resume, mode, script)
     checkpoints = run / CHECKPOINTS
     save = save or str(run / FINAL)  # a trained model is kept, as psgd.launch keeps it
-    if not token and mode == "ps":
+    kept_token = not token and mode == "ps"
+    if kept_token:
         if layout.nnodes == 1:
             token = made_token(run)
             log.info("the job's token is in %s (readable by you alone; psgd launch --resume reads it, the shards sign "
-                     "their checkpoints with it); to watch the shards with psgd status, set PSGD_TOKEN=$(cat %s)",
-                     run / TOKEN_FILE, run / TOKEN_FILE)
+                     "their checkpoints with it)", run / TOKEN_FILE)
         else:  # every node must know the same one: none is made here
             raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
                               f"on each before psgd launch (make one: {MAKE_TOKEN})")
     if made_tls:
         tls = job_tls(run, [*layout.hosts, *(hosts.addresses.values() if hosts else ())])
         tls_flags = child_flags(tls)
-        log.info("TLS on (mutual; a CA made for this job): to watch the shards, psgd status --tls-ca %s --tls-cert %s "
-                 "--tls-key %s", tls.ca, tls.cert, tls.key)
+        log.info("TLS on (mutual; a CA made for this job, kept in %s)", Path(tls.ca).parent)
     elif mode == "ps" and layout.nnodes > 1 and not tls.enabled:
         log.warning("no TLS: the token and the gradients and weights travel in the clear between nodes; give every "
                     "node the same --tls-cert, --tls-key and --tls-ca (docs/howto/reliability-security.md)")
@@ -158,8 +157,10 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                                            children, save, hosts, devices)
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
+                watch = status_command(run, tls, token_kept=kept_token)
                 result = _launch_ps(config, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
-                                    children, save, layout, hosts, devices, tls, tls_flags, token, tuple(script))
+                                    children, save, layout, hosts, devices, tls, tls_flags, token, tuple(script),
+                                    watch)
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
             records = read_records(metrics, began)
@@ -276,7 +277,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
                log_flags: list[str], monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None,
                children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
                devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str,
-               script: tuple[str, ...] = ()) -> LaunchResult:
+               script: tuple[str, ...] = (), watch: str = "") -> LaunchResult:
     c = config.cluster
     job_path = run / "job.toml"
     py = sys.executable
@@ -297,6 +298,8 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
     ranks = layout.workers_here(c.workers)
     log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),
              ", ".join(bound.values()) or "none", ", ".join(map(str, ranks)) or "none", run)
+    if watch:  # once the job file names the shards
+        log.info("to watch the shards: %s", watch)
     workers = []
     for r in ranks:
         show = progress and r == ranks[0]

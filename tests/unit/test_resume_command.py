@@ -13,7 +13,8 @@ import pytest
 import psgd.launcher
 from psgd.cli import main as psgd_main
 from psgd.launcher import LaunchInterrupted
-from psgd.launcher.folder import resume_command
+from psgd.launcher.folder import resume_command, status_command
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 
 def test_psgd_runs_line_keeps_the_scripts_own_arguments_shell_quoted():
@@ -26,6 +27,20 @@ def test_psgd_runs_line_keeps_the_scripts_own_arguments_shell_quoted():
 def test_the_flags_a_run_folder_does_not_keep_are_said_again():
     line = resume_command(Path("runs/a b"), (), ["--timeout", "60.0", "--save", "w.npz"])
     assert shlex.split(line) == ["psgd", "launch", "--timeout", "60.0", "--save", "w.npz", "--resume", "runs/a b"]
+
+
+def test_the_watch_command_parses_as_psgd_status_with_the_job_file_token_and_tls():
+    run = Path("runs/a b")
+    tls = TLSFiles(str(run / "tls/job.pem"), str(run / "tls/job.key"), str(run / "tls/ca.pem"))
+    line = status_command(run, tls, token_kept=True)
+    token = "PSGD_TOKEN=$(cat 'runs/a b/.token') "
+    assert line.startswith(token), line
+    argv = shlex.split(line[len(token):])
+    args = psgd_main.build_parser().parse_args(argv[1:])
+    assert argv[0] == "psgd" and (args.command, args.config, args.tls_ca, args.tls_cert, args.tls_key) == \
+        ("status", "runs/a b/job.toml", "runs/a b/tls/ca.pem", "runs/a b/tls/job.pem", "runs/a b/tls/job.key")
+    # the user's own token (in $PSGD_TOKEN) and no TLS: the job file alone
+    assert shlex.split(status_command(run, NO_TLS, token_kept=False)) == ["psgd", "status", "-c", "runs/a b/job.toml"]
 
 
 @pytest.fixture
