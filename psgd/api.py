@@ -165,10 +165,14 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     from its checkpoints.  ``save``: where the final weights go (else ``RUN/final.npz``).  ``timeout``: seconds
     the whole run may take.  ``tls``: mutual TLS between its processes, with a CA made for the job in ``RUN/tls``
     (or the job's ``[tls]`` files); False: plaintext.  ``augment``: a function its processes can import by name,
-    or that name."""
+    or that name.
+    A stop signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) stops every process of the job and raises
+    :class:`LaunchInterrupted`, a KeyboardInterrupt whose message says how to go on from the shards' checkpoints:
+    ``psgd.launch(..., run_dir=RUN, resume=True)``."""
     from psgd.export.weights import read_npz
-    from psgd.launcher.folder import claim, new_run_folder
+    from psgd.launcher.folder import claim, new_run_folder, resume_command
     from psgd.launcher.run import launch as run_job
+    from psgd.launcher.supervise import LaunchInterrupted
     from psgd.wire.tls import NO_TLS
 
     if model is not None and not isinstance(model, (str, type)):
@@ -190,8 +194,13 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     if own:
         config.override("data.name", _written(data, test, run, config.train.dtype))
         config.validate()
-    done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
-                   timeout=timeout, save=save, resume=resume, tls=None if tls else NO_TLS)
+    again = (f"psgd.launch(..., run_dir={str(run)!r}, resume=True) from Python, or "
+             f"{resume_command(run, flags=[] if tls else ['--no-tls'])}")
+    try:
+        done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
+                       timeout=timeout, save=save, resume=resume, tls=None if tls else NO_TLS, continue_with=again)
+    except LaunchInterrupted as exc:  # Ctrl-C: where the launcher was waiting is no news to the caller
+        raise exc.with_traceback(None) from None
     return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(done.saved),
                   sum(done.worker_steps), run_dir=str(run), saved=done.saved, divergence=done.divergence,
                   test_r2=done.test_r2, worker_steps=tuple(done.worker_steps))

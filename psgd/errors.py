@@ -1,4 +1,4 @@
-"""psgd's errors: one root, :class:`PsgdError`, and the three kinds a caller acts on.
+"""psgd's errors: one root, :class:`PsgdError`, and the four kinds a caller acts on.
 
 - :class:`InputError`: what the user gave is wrong (a job file, a flag, a model, data, a device that is not
   there): fix it and run again.  The commands exit 2, with the one line.
@@ -6,11 +6,13 @@
   its processes, then retry or restart.  The commands exit 1, with the one line.
 - :class:`TransportError`: a message could not travel whole (a connection, a frame, a shared-memory segment):
   the worker's client retries where a retry is safe, and says so where it gives up.
+- :class:`Interrupted`: a stop signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) ended the work, and what it started is
+  stopped: go on where its message says.  The commands exit 128 + the signal's number.
 
 Each module's own errors derive from one of these (ConfigError is an InputError, PSError a ClusterError,
 WireError a TransportError ...), so that ``except PsgdError`` catches whatever psgd raises on purpose and
-nothing else.  InputError is also a ValueError and ClusterError a RuntimeError, as Python's own errors of those
-kinds are.
+nothing else.  InputError is also a ValueError, ClusterError a RuntimeError and Interrupted a KeyboardInterrupt
+(what Ctrl-C raises in Python), as Python's own errors of those kinds are.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class ClusterError(PsgdError, RuntimeError):
 
 class TransportError(PsgdError):
     """A message could not travel whole; retried where that is safe."""
+
+
+class Interrupted(PsgdError, KeyboardInterrupt):
+    """A stop signal ended the work, and what it started is stopped: go on where the message says."""
 
 
 class Code(enum.Enum):

@@ -44,7 +44,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
            verbose: int = 0, monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None = None,
            save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
            tls: TLSFiles | None = None, resume: bool = False, script: Sequence[str] = (),
-           resume_flags: Sequence[str] = ()) -> LaunchResult:
+           resume_flags: Sequence[str] = (), continue_with: str = "") -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -71,7 +71,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     ``script`` (``psgd run``: a Python file and its arguments) is each worker's program instead of psgd-worker:
     its loop is its own, through :func:`psgd.join` (ps mode only).
     ``resume_flags``: the flags of the command that started the launch which its run folder does not keep, said
-    again in the command a stopped launch says continues it (:func:`~psgd.launcher.folder.resume_command`).
+    again in the command a stopped launch says continues it (:func:`~psgd.launcher.folder.resume_command`);
+    ``continue_with``: what it says instead (psgd.launch's own call).
     """
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
@@ -175,7 +176,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
             stopping = exc.signum
             if mode == "ps" and layout.node_rank == 0:  # the shards write their last checkpoints as they stop
                 exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with "
-                            f"{resume_command(run, script, resume_flags)}",)
+                            f"{continue_with or resume_command(run, script, resume_flags)}",)
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM, pause_workers=mode == "ps")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from psgd.errors import ClusterError
+from psgd.errors import ClusterError, Interrupted
 from psgd.observe.files import open_own
 from psgd.worker.stop import STOP_SIGNALS
 
@@ -51,8 +51,10 @@ class LaunchError(ClusterError):
     """A process of the job failed or ran past the time limit."""
 
 
-class LaunchInterrupted(LaunchError):
-    """The launcher was sent a stop signal; every child has been stopped."""
+class LaunchInterrupted(Interrupted):
+    """The launch was stopped by a signal (SIGINT, as Ctrl-C sends it; SIGTERM or SIGHUP) and stopped every process
+    it started; a parameter-server job can go on from its shards' checkpoints, as the message says.  A
+    KeyboardInterrupt, as Ctrl-C is in Python, and a :class:`~psgd.PsgdError`."""
 
     def __init__(self, signum: int, children: int):
         self.signum = signum

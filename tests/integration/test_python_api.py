@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from helpers import assert_rejoined_at_once
+from helpers import assert_rejoined_at_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "howto" / "python.md"
@@ -255,3 +255,37 @@ def test_the_data_pages_augmentation_runs_by_name_in_a_launchs_workers(tmp_path)
         losses.append(json.loads(done.stdout.splitlines()[-1])["test_loss"])
     assert 'augment = "augment:shift"' in (tmp_path / "shifted" / "job.toml").read_text()
     assert losses[0] != losses[1]  # sync is deterministic: the workers' batches were shifted
+
+
+STOPPED = """\
+import psgd
+try:
+    psgd.launch(epochs=3000, run_dir="run", progress=False, timeout=120)
+except KeyboardInterrupt as exc:
+    print(type(exc).__name__, isinstance(exc, psgd.LaunchInterrupted), isinstance(exc, psgd.PsgdError))
+    raise
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_psgd_launch_is_a_keyboard_interrupt_that_says_how_to_go_on(tmp_path):
+    """Ctrl-C under psgd.launch ended in a long traceback of the launcher's own RuntimeError, which psgd did not
+    export, and which said to go on with psgd launch --resume alone."""
+    (tmp_path / "stopped.py").write_text(STOPPED)
+    launcher = subprocess.Popen([sys.executable, "stopped.py"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "worker-0.jsonl"
+    try:
+        wait_for(lambda: launcher.poll() is not None or (metrics.exists() and metrics.stat().st_size), 60,
+                 "worker 0's first step")
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    assert out.split() == ["LaunchInterrupted", "True", "True"], (out, err[-3000:])
+    assert launcher.returncode != 0 and err.count('  File "') <= 2, err  # the script's line and psgd.launch's
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGINT" in last and "continue with psgd.launch(..., run_dir='run', resume=True) from " \
+        "Python, or psgd launch --resume run" in last, last

@@ -310,3 +310,9 @@ def test_each_psgd_train_keeps_its_csv_and_tensorboard_files_in_a_run_folder_of_
     assert f"in {folders[1]}" in caplog.records[-1].getMessage()  # the last line names the folder
     given = psgd.train("softmax", "digits", epochs=1, run_dir="mine", progress=False)  # a run folder, as launch's
     assert given.run_dir == "mine" and {"local.jsonl", "local.csv", "tensorboard"} <= set(os.listdir("mine"))
+
+
+def test_a_stopped_launch_is_a_keyboard_interrupt_psgd_exports():
+    """Ctrl-C under psgd.launch raised the launcher's own RuntimeError, which psgd did not export."""
+    assert issubclass(psgd.LaunchInterrupted, KeyboardInterrupt) and issubclass(psgd.LaunchInterrupted, psgd.PsgdError)
+    assert "LaunchInterrupted" in dir(psgd)

@@ -292,9 +292,10 @@ BUILTIN_ERRORS = {name for name, value in vars(builtins).items()
 
 
 def test_psgd_errors_have_one_root():
-    """Every error class psgd defines derives from psgd.errors' root through its kinds: only the root and two kinds
-    derive straight from Python's own (InputError is a ValueError, ClusterError a RuntimeError), so that the commands
-    can print any error psgd raises on purpose as one line, and a caller can act on its kind."""
+    """Every error class psgd defines derives from psgd.errors' root through its kinds: only the root and three kinds
+    derive straight from Python's own (InputError is a ValueError, ClusterError a RuntimeError, Interrupted a
+    KeyboardInterrupt), so that the commands can print any error psgd raises on purpose as one line, and a caller
+    can act on its kind."""
     straight = []
     for path in sorted(PSGD.rglob("*.py")):
         if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
@@ -304,7 +305,8 @@ def test_psgd_errors_have_one_root():
                 bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
                 if bases & BUILTIN_ERRORS:
                     straight.append(f"{path.relative_to(PSGD)}:{node.name}")
-    assert straight == ["errors.py:PsgdError", "errors.py:InputError", "errors.py:ClusterError"], straight
+    assert straight == ["errors.py:PsgdError", "errors.py:InputError", "errors.py:ClusterError",
+                        "errors.py:Interrupted"], straight
 
 
 #: The modules that speak gRPC: the channel and its TLS, the worker's gRPC link, the shard's servicer with its
