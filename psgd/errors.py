@@ -44,6 +44,13 @@ class Interrupted(PsgdError, KeyboardInterrupt):
     """A stop signal ended the work, and what it started is stopped: go on where the message says."""
 
 
+def install_extra(extra: str) -> str:
+    """How to install psgd's extra ``extra`` (``mpi``, ``bench``, ...), said one way in every message and page: in
+    psgd's folder, editable and held to the tested versions, as the README installs psgd (psgd is on no package
+    index)."""
+    return f'python3 -m pip install -c requirements.lock -e ".[{extra}]"'
+
+
 class Code(enum.Enum):
     """Why a call to a shard failed, in psgd's words, whatever carried it: the codes of gRPC's status, with their
     names and numbers (so that a data-path reply carries the number, and the gRPC edge maps them one to one), without

@@ -261,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="starting configuration: default (MLP on digits, 4 workers, 2 shards, every policy, "
                              "no straggler and worker 0 4x slower), quick (a few seconds a run, for CI) or "
                              "synthetic (a ~10M-parameter MLP: communication dominates) or mnist (a CNN on 5,000 MNIST "
-                             "images, minutes a run; needs pip install 'psgd[mnist]') (default: default)")
+                             "images, minutes a run; needs the mnist extra) (default: default)")
     parser.add_argument("--quick", action="store_const", const="quick", dest="preset_quick",
                         help="same as --preset quick")
     parser.add_argument("--policies", metavar="LIST",

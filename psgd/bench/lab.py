@@ -217,7 +217,7 @@ PRESETS: dict[str, LabConfig] = {
                                 "optimizer.lr=0.01"],
                            policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
                            target_accuracy=0.5, eval_interval=2.0, allreduce_eval_every=2),
-    # Real data that takes minutes: a CNN (0.8M parameters) on 5,000 MNIST images (pip install 'psgd[mnist]').
+    # Real data that takes minutes: a CNN (0.8M parameters) on 5,000 MNIST images (the mnist extra).
     "mnist": LabConfig(name="mnist",
                        job=["cluster.workers=4", "cluster.shards=2", "data.name=mnist5k", "model.name=cnn",
                             "model.channels=[32, 64]", "model.hidden=256", "train.epochs=6",

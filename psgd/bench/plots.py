@@ -38,7 +38,9 @@ def require_matplotlib(who: str = "the convergence lab") -> None:
     except ImportError:
         from psgd.config import ConfigError
 
-        raise ConfigError(f"{who}'s plots need matplotlib: pip install 'psgd[bench]'") from None
+        from psgd.errors import install_extra
+
+        raise ConfigError(f"{who}'s plots need matplotlib: in psgd's folder, {install_extra('bench')}") from None
 
 
 def _pyplot():

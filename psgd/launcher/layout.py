@@ -108,14 +108,14 @@ class Hosts:
 
 
 def find_mpiexec() -> str:
-    """The mpiexec beside this Python (where ``pip install 'psgd[mpi]'`` puts MPICH's), else on PATH."""
+    """The mpiexec beside this Python (where ``python3 -m pip install -c requirements.lock -e ".[mpi]"`` puts MPICH's), else on PATH."""
     from psgd.collective import BackendUnavailable
 
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if not found:
-        raise BackendUnavailable("the mpi backend needs an MPI launcher (mpiexec): install one with "
-                                 "`pip install 'psgd[mpi]'` (mpi4py with MPICH)")
+        raise BackendUnavailable("the mpi backend needs an MPI launcher (mpiexec): install one in psgd's folder "
+                                 f"with `{install_extra('mpi')}` (mpi4py with MPICH)")
     return found
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from helpers import make_job, run_threads, shards, wait_for
 from psgd.config import to_toml
+from psgd.errors import install_extra
 from psgd.partition import PartitionPlan
 from psgd.job import build_job
 from psgd.training.local import train_local
@@ -27,7 +28,7 @@ from psgd.worker.exchange import run_worker
 from psgd.launcher import find_mpiexec
 
 pytestmark = pytest.mark.lacks(importlib.util.find_spec("mpi4py") is None,
-                               reason="the mpi extra is not installed (pip install '.[mpi]')")
+                               reason=f"the mpi extra is not installed ({install_extra('mpi')})")
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from psgd.config import Deadlines, Links
+from psgd.errors import install_extra
 from psgd.job import build_job
 from psgd.training.loop import run_loop
 from psgd.ops.reach import Connect, read_status
@@ -358,7 +359,7 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
 
 
 @pytest.mark.lacks(__import__("importlib").util.find_spec("mpi4py") is None,
-                   reason="the mpi extra is not installed (pip install '.[mpi]')")
+                   reason=f"the mpi extra is not installed ({install_extra('mpi')})")
 def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_the_batch(tmp_path):
     import subprocess
     import sys

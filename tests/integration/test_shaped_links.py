@@ -15,6 +15,7 @@ import pytest
 
 from helpers import skip_or_fail
 from psgd.bench import netns
+from psgd.errors import install_extra
 
 HOSTS = {"a": "10.99.5.1", "b": "10.99.5.2"}
 
@@ -27,7 +28,7 @@ def needs_mpi() -> None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        skip_or_fail("the mpi extra is not installed (pip install '.[mpi]')")
+        skip_or_fail(f"the mpi extra is not installed ({install_extra('mpi')})")
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,4 @@
+import re
 import sys
 
 import numpy as np
@@ -5,6 +6,7 @@ import pytest
 
 from helpers import Mirror
 from psgd.collective import BackendUnavailable, Bucketer, CollectiveError, make_collective
+from psgd.errors import install_extra
 
 
 def test_bucketer_packs_gradients_into_few_reused_buffers():
@@ -37,7 +39,7 @@ def test_agreement_check_detects_a_different_text():
 
 def test_missing_mpi_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
-    with pytest.raises(BackendUnavailable, match=r"pip install 'psgd\[mpi\]'"):
+    with pytest.raises(BackendUnavailable, match=re.escape(install_extra("mpi"))):
         make_collective("mpi")
 
 

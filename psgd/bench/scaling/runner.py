@@ -31,7 +31,9 @@ def allreduce_unavailable() -> str | None:
     from psgd.launcher import find_mpiexec
 
     if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not installed (pip install 'psgd[mpi]')"
+        from psgd.errors import install_extra
+
+        return f"mpi4py is not installed (in psgd's folder: {install_extra('mpi')})"
     try:
         find_mpiexec()
     except BackendUnavailable as exc:
