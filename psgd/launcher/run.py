@@ -122,8 +122,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     if kept_token:
         if layout.nnodes == 1:
             token = made_token(run)
-            log.info("the job's token is in %s (readable by you alone; psgd launch --resume reads it, the shards sign "
-                     "their checkpoints with it)", run / TOKEN_FILE)
+            log.info("the job's token is in %s (readable by you alone; psgd %s --resume reads it, the shards sign "
+                     "their checkpoints with it)", run / TOKEN_FILE, "run" if script else "launch")
         else:  # every node must know the same one: none is made here
             raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
                               f"on each before psgd launch (make one: {MAKE_TOKEN})")

@@ -82,20 +82,23 @@ class Evaluations:
         self.history: list[dict[str, Any]] = []
         self.test_loss, self.score = float("nan"), float("nan")  # of the last evaluation
 
-    def __call__(self, params: Mapping[str, Any], done: int, train_loss: float, wall: float) -> None:
-        """Evaluate ``params``, the weights after ``done`` steps (``wall`` seconds into the run)."""
+    def __call__(self, params: Mapping[str, Any], done: int, train_loss: float | None, wall: float) -> None:
+        """Evaluate ``params``, the weights after ``done`` steps (``wall`` seconds into the run); ``train_loss``:
+        the last step's, None where this process took none (a resumed job that had ended: no loss to say)."""
         ds, t = self.job.dataset, self.job.config.train
         self.test_loss, self.score = evaluate(self.job.model, params, ds.x_test, ds.y_test, self.job.device,
                                               t.eval_batch_size, ds.ids_test, self.rows, ds.target)
         epoch = done // self.per_epoch
-        point = {"step": done, "epoch": epoch, "wall": wall, "train_loss": float(train_loss),
+        point = {"step": done, "epoch": epoch, "wall": wall,
+                 "train_loss": float("nan") if train_loss is None else float(train_loss),
                  "test_loss": self.test_loss, ds.score_key: self.score}
         self.history.append(point)
         self.metrics.write("eval", **point)
         judged(self.guard.evaluation(done, epoch, self.test_loss, self.score), self.metrics)
         if self.says:
-            log.info("%s: epoch %d/%d, step %d/%d: %s %.4f, train loss %.4f", self.name, epoch, t.epochs, done,
-                     self.total, SCORE_WORDS[ds.metric], self.score, train_loss)
+            trained = "" if train_loss is None else f", train loss {train_loss:.4f}"
+            log.info("%s: epoch %d/%d, step %d/%d: %s %.4f%s", self.name, epoch, t.epochs, done, self.total,
+                     SCORE_WORDS[ds.metric], self.score, trained)
 
     def scores(self) -> dict[str, Any]:
         """The last evaluation's test loss and score, for a ``done`` line (none where nothing was evaluated)."""

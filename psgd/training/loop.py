@@ -338,7 +338,7 @@ def run_loop(
     backend.synchronize(device)
     seconds = time.perf_counter() - start
     if final is not None and final_evaluation and not interrupted:
-        evaluations(final, step, loss, time.perf_counter() - start)
+        evaluations(final, step, loss if steps else None, time.perf_counter() - start)
     diverged = guard.verdict.record() if guard.verdict else None
     metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary, **evaluations.scores(),
                   diverged=diverged)

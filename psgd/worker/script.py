@@ -77,7 +77,7 @@ class Worker:
                                         self._batches.steps_per_epoch, self.steps,
                                         self._exchange.rows if job.plan.tables else None, says=True)
         self._exchange.reads_final = bool(self._every) and not job.plan.tables  # (rows: read after it left)
-        self._evaluated, self._loss = -1, float("nan")  # the step last evaluated at; the last loss pushed
+        self._evaluated, self._loss = -1, None  # the step last evaluated at; the last loss pushed (None: none yet)
         self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
         self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment,
                            seed=(t.seed, rank), target=job.dataset.target, classes=job.dataset.num_classes)

@@ -85,6 +85,16 @@ def test_no_tls_is_plaintext_and_a_resumed_launch_keeps_its_ca(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert (run / "tls" / "ca.pem").read_bytes() == ca  # psgd status pointed at it still reaches the shards
     assert "(mutual TLS; policy sync" in (run / "shard-0.log").read_text()
+    # the resumed launch says its threads as the first did (it read "(--threads)"), and its token's command
+    threads = [re.search(r"BLAS/OpenMP thread\(s\) each (\(.*\))$", e, flags=re.M).group(1)
+               for e in (first.stderr, again.stderr)]
+    assert threads == ["(--threads N or OMP_NUM_THREADS to change)", "(--threads N to change)"], threads
+    assert "psgd launch --resume reads it" in again.stderr
+    done = subprocess.run([PSGD, "launch", "--resume", str(run), "--no-progress"], capture_output=True, text=True,
+                          timeout=240)  # a job that has ended: no step left, and no train loss to say
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = [line for line in (run / "worker-0.log").read_text().splitlines() if re.search(r"step (\d+)/\1:", line)]
+    assert last and "train loss" not in last[-1], last
 
     plain = tmp_path / "plain"
     off = subprocess.run([PSGD, "launch", "--epochs", "1", "--workers", "1", "--shards", "1", "--run-dir",

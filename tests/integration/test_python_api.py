@@ -163,6 +163,7 @@ def test_sigterm_to_psgd_run_stops_every_script_worker_cleanly(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM, err
     again = ["psgd", "run", "--timeout", "120.0", "--resume", "run", str(tmp_path / "hardest.py"), *SCRIPT_ARGS]
     assert f"continue with {shlex.join(again)}" in err
+    assert "psgd run --resume reads it" in err  # the token's line names the command that continues the run
     for path in metrics:  # each left between steps: its last line says so, no step was cut short
         last = json.loads(path.read_text().splitlines()[-1])
         assert last["event"] == "done" and 0 < last["clock"] < 400 * 11, last

@@ -42,7 +42,8 @@ def test_psgd_train_from_python_picks_its_threads_as_launch_does_and_says_so(thr
     caplog.clear()
     psgd.train("softmax", blobs(), epochs=1, progress=False, threads=2)
     assert three_cores == [3, 2]
-    assert said(caplog.records) == ["1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each (--threads)"]
+    assert said(caplog.records) == ["1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each (--threads N to "
+                                    "change)"]  # as a resumed launch, whose job file holds its count, says it
     caplog.clear()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     psgd.train("softmax", blobs(), epochs=1, progress=False)
@@ -55,4 +56,4 @@ def test_psgd_train_picks_its_threads_once_and_says_so_in_one_line(three_cores, 
     assert three_cores == [2]
     lines = [line for line in capsys.readouterr().err.splitlines() if "BLAS" in line]
     assert len(lines) == 1 and lines[0].endswith(" INFO 1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each "
-                                                 "(--threads)"), lines
+                                                 "(--threads N to change)"), lines
