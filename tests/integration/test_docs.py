@@ -141,6 +141,24 @@ def test_every_example_uses_flags_that_exist():
     assert wrong == [], "\n".join(wrong)
 
 
+#: the characters of a code block's line that the theme shows without scrolling at 1280 px (its theme.css): the
+#: content column is 800 px wide, less 52 px of padding either side and the block's own 12 px, and a character of
+#: its 12 px monospace font takes about 7.2 px: 93, less a margin
+FITS = 90
+
+
+def test_getting_starteds_commands_fit_without_scrolling():
+    """At 1280 px the install-and-run line of Getting started (README's, which the page includes) ran past the
+    theme's column, and its ``&& psgd launch`` hid behind a scrollbar."""
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name in re.findall(r'^--8<-- "README\.md:([\w-]+)"$', page, flags=re.M):  # what the page includes
+        page += readme.split(f"[start:{name}]")[1].split(f"[end:{name}]")[0]
+    lines = [line for block in re.findall(r"^```bash\n(.*?)^```", page, flags=re.M | re.S)
+             for line in block.splitlines()]
+    assert len(lines) >= 3 and [line for line in lines if len(line) > FITS] == []
+
+
 def test_every_page_installs_psgd_the_same_way():
     """Editable from its folder, the extras added to it: a page that installed "." after one that installed "-e ."
     swapped the install under the other (the README's, the docs', the lab's and the GPU page's lines each did)."""
