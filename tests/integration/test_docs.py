@@ -170,11 +170,27 @@ def test_every_page_installs_psgd_the_same_way():
     assert extras["all"] == ["psgd[bench,docs,mnist,mpi]"]
 
 
+def _shape(line: str) -> str:
+    """A line of output with its numbers and run folders masked: what a page's sample of it must keep."""
+    return re.sub(r"\d+(\.\d+)?", "N", re.sub(r"runs/[\w-]+", "RUN", line))
+
+
 @pytest.mark.slow
 def test_the_runnable_examples_run(tmp_path):
+    """Each runs; and the final line a page shows as its sample output is the one its commands print (numbers and
+    the run folder aside): getting-started's had drifted from what psgd launch prints."""
     runnable = [(where, argv) for where, runs, argv in examples() if runs]
     assert len(runnable) >= 3
+    printed: dict[str, set[str]] = {}
     for where, argv in runnable:
         done = subprocess.run([sys.executable, "-m", TOOLS[argv[0]], *argv[1:]], cwd=tmp_path,
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, f"{where}: exit {done.returncode}\n{done.stderr[-2000:]}"
+        printed.setdefault(where.split(": ")[0], set()).update(map(_shape, done.stdout.splitlines()))
+    samples = 0
+    for page, lines in printed.items():
+        blocks = re.findall(r"^```text\n(.*?)^```", (ROOT / page).read_text(encoding="utf-8"), flags=re.M | re.S)
+        for sample in [line for block in blocks for line in block.splitlines() if line.startswith("final ")]:
+            samples += 1
+            assert _shape(sample) in lines, f"{page} shows {sample!r}; its commands print {sorted(lines)}"
+    assert samples >= 1
