@@ -29,18 +29,14 @@ import argparse
 import json
 import os
 import platform
-import select
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 
 MODELS = {"mlp-64": ("mlp", {"hidden": [64]}), "mlp-256": ("mlp", {"hidden": [256]}),
           "mlp-1024": ("mlp", {"hidden": [1024]}), "cnn": ("cnn", {})}
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ANSWER_S = 300  # the longest a child may take to answer (a chunk of steps, or building its model)
 
 
 def _cpu_steps(model_key: str, batch: int) -> tuple[dict, dict, object]:
@@ -113,40 +109,15 @@ def serve(model_key: str, batch: int, device: str) -> None:
         print(time.perf_counter() - began, flush=True)
 
 
-class Child:
-    """One version's process for one model, answering within ``ANSWER_S`` or failing with what it wrote."""
+def start_child(label: str, tree: str, model_key: str, batch: int, device: str):
+    """One version's process for one model (a psgd.bench.turns.Side, from this tree: the child imports psgd from
+    the tree it times)."""
+    from psgd.bench.turns import Side
 
-    def __init__(self, label: str, tree: str, model_key: str, batch: int, device: str):
-        path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        self.label = label
-        self.errors = tempfile.TemporaryFile(mode="w+")  # what it says on stderr, read back where it fails
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--before", tree, "--child",
-                                      model_key, str(batch), device], env=env, cwd=tree, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
-        self.facts = json.loads(self._answer("its model built"))
-
-    def _answer(self, what: str) -> str:
-        ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            self.proc.wait(timeout=ANSWER_S)
-            self.errors.seek(0)
-            raise RuntimeError(f"the {self.label} process gave no answer ({what}) within {ANSWER_S} s: "
-                               f"{self.errors.read()[-2000:]}")
-        return line
-
-    def seconds(self, kind: str, n: int) -> float:
-        self.proc.stdin.write(f"{kind} {n}\n")
-        self.proc.stdin.flush()
-        return float(self._answer(f"{n} {kind} steps"))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=ANSWER_S)
-        self.errors.close()
+    path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    return Side(label, [sys.executable, os.path.abspath(__file__), "--before", tree, "--child", model_key, str(batch),
+                        device], env, tree)
 
 
 def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batch: int, device: str,
@@ -159,19 +130,20 @@ def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batc
     facts: dict = {}
     processes = max(1, min(processes, rounds))
     for p in range(processes):
-        children = {label: Child(label, tree, model_key, batch, device) for label, tree in trees.items()}
+        children = {label: start_child(label, tree, model_key, batch, device) for label, tree in trees.items()}
         try:
             kinds = children["autodiff"].facts["kinds"]
             for child in children.values():  # warmed up alike
                 for kind in kinds:
-                    child.seconds(kind, max(20, steps // 5))
+                    child.seconds(f"{kind} {max(20, steps // 5)}", f"{kind} steps")
             chunks = chunks or {kind: {label: [] for label in trees} for kind in kinds}
             first = len(chunks["step"]["autodiff"])  # this pair's chunks follow
             for turn in range(p * rounds // processes, (p + 1) * rounds // processes):
                 for kind in kinds:
                     order = list(trees) if turn % 2 == 0 else list(reversed(trees))
                     for label in order:
-                        chunks[kind][label].append(children[label].seconds(kind, steps) / steps * 1e6)
+                        took = children[label].seconds(f"{kind} {steps}", f"{steps} {kind} steps")
+                        chunks[kind][label].append(took / steps * 1e6)
             facts = {label: c.facts for label, c in children.items()}
         finally:
             for child in children.values():

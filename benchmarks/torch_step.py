@@ -37,16 +37,15 @@ import json
 import os
 import platform
 import pstats
-import select
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 from psgd.autodiff import ops
+from psgd.bench.turns import ANSWER_S, Side
 from psgd.model import (RNN, Conv1d, Dropout, GRUCell, LayerNorm, Linear, MaxPool1d, Module, MultiHeadAttention,
                         Network, build_model)
 from psgd.optim.rules import SGD
@@ -57,7 +56,6 @@ PEER = os.path.join(HERE, "torch_peer.py")
 INPUTS = {"mlp-64": (8, 8), "mlp-256": (8, 8), "mlp-1024": (8, 8), "cnn": (8, 8), "convnet": (8, 64),
           "gru": (16, 16), "transformer": (16, 64)}
 GOALS = {"mlp-64": 0.5, "mlp-256": 0.5, "mlp-1024": 0.5, "cnn": 1.2, "convnet": 1.2, "gru": 1.2, "transformer": 1.2}
-ANSWER_S = 300  # the longest a child may take to answer (a chunk of steps, or building its network)
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
@@ -163,40 +161,6 @@ def serve(key: str, batch: int) -> None:
         print(time.perf_counter() - began, flush=True)
 
 
-class Child:
-    """One side's long-lived process for one network, answering within ``ANSWER_S`` or failing with what it
-    wrote."""
-
-    def __init__(self, label: str, argv: list[str]):
-        self.label = label
-        self.errors = tempfile.TemporaryFile(mode="w+")  # what it says on stderr, read back where it fails
-        self.proc = subprocess.Popen(argv, env={**os.environ, **THREADS}, cwd=os.path.dirname(HERE), text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
-        self.facts = json.loads(self._answer("its network built"))
-
-    def _answer(self, what: str) -> str:
-        ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            self.proc.wait(timeout=ANSWER_S)
-            self.errors.seek(0)
-            raise RuntimeError(f"the {self.label} process gave no answer ({what}) within {ANSWER_S} s: "
-                               f"{self.errors.read()[-2000:]}")
-        return line
-
-    def seconds(self, n: int) -> float:
-        self.proc.stdin.write(f"{n}\n")
-        self.proc.stdin.flush()
-        return float(self._answer(f"{n} steps"))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=ANSWER_S)
-        self.errors.close()
-
-
 def compare(key: str, torch_python: str, rounds: int, steps: int, batch: int, processes: int) -> dict:
     """Both sides' chunks (each chunk's mean step, us, in turn), their facts, and each pair's median ratio."""
     argv = {"psgd": [sys.executable, os.path.abspath(__file__), "--child", key, str(batch)],
@@ -206,18 +170,19 @@ def compare(key: str, torch_python: str, rounds: int, steps: int, batch: int, pr
     facts: dict = {}
     processes = max(1, min(processes, rounds))
     for p in range(processes):
-        children = {label: Child(label, command) for label, command in argv.items()}
+        children = {label: Side(label, command, {**os.environ, **THREADS}, os.path.dirname(HERE), "its network")
+                    for label, command in argv.items()}
         try:
             facts = {label: c.facts for label, c in children.items()}
             if facts["psgd"]["parameters"] != facts["torch"]["parameters"]:
                 raise RuntimeError(f"{key}: psgd's network has {facts['psgd']['parameters']} parameters and "
                                    f"PyTorch's {facts['torch']['parameters']}: not the same network")
             for child in children.values():  # warmed up alike
-                child.seconds(max(5, steps // 2))
+                child.seconds(str(max(5, steps // 2)), "steps")
             first = len(chunks["psgd"])
             for turn in range(p * rounds // processes, (p + 1) * rounds // processes):
                 for label in (("psgd", "torch") if turn % 2 == 0 else ("torch", "psgd")):
-                    chunks[label].append(children[label].seconds(steps) / steps * 1e6)
+                    chunks[label].append(children[label].seconds(str(steps), f"{steps} steps") / steps * 1e6)
         finally:
             for child in children.values():
                 child.close()

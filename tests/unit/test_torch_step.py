@@ -4,12 +4,15 @@ with exit 2 in one line; psgd itself never imports torch."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from psgd.bench.turns import Side
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -30,11 +33,11 @@ def test_each_network_trains_in_psgd_with_pytorchs_parameter_count(key):
 
 
 def test_a_child_answers_its_chunks_in_seconds():
-    child = torch_step.Child("psgd", [sys.executable, str(ROOT / "benchmarks" / "torch_step.py"), "--child",
-                                      "mlp-64", "4"])
+    child = Side("psgd", [sys.executable, str(ROOT / "benchmarks" / "torch_step.py"), "--child", "mlp-64", "4"],
+                 {**os.environ, **torch_step.THREADS}, str(ROOT))
     try:
         assert child.facts["parameters"] == TORCH_PARAMETERS["mlp-64"]
-        assert 0 < child.seconds(3) < 60
+        assert 0 < child.seconds("3", "3 steps") < 60
     finally:
         child.close()
     assert child.proc.returncode == 0
