@@ -24,11 +24,7 @@ def max_pool2d(x: Any, size: int = 2) -> Tensor:
 
 
 def _max_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
-    X = data_of(x)
-    if X.ndim != nd + 2:
-        raise ValueError(f"{name}: needs an input of {nd + 2} axes, got {X.shape}")
-    xp = get_array_module(X)
-    taps = _taps(X, size)
+    X, xp, taps = _windows(x, size, nd, name)
     out = taps[0][1].copy()
     for _, view in taps[1:]:
         xp.maximum(out, view, out=out)
@@ -56,11 +52,7 @@ def avg_pool2d(x: Any, size: int = 2) -> Tensor:
 
 
 def _avg_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
-    X = data_of(x)
-    if X.ndim != nd + 2:
-        raise ValueError(f"{name}: needs an input of {nd + 2} axes, got {X.shape}")
-    xp = get_array_module(X)
-    taps = _taps(X, size)
+    X, xp, taps = _windows(x, size, nd, name)
     scale = 1.0 / size ** nd
     out = taps[0][1].copy()
     for _, view in taps[1:]:
@@ -74,6 +66,15 @@ def _avg_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
             gx[index] = share
         return (gx,)
     return make(out, (x,), rule, name)
+
+
+def _windows(x: Any, size: int, nd: int, name: str) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+    """The array of ``x``, its array module and its taps (:func:`_taps`), once ``x`` is checked to have ``nd``
+    axes after batch and channels."""
+    X = data_of(x)
+    if X.ndim != nd + 2:
+        raise ValueError(f"{name}: needs an input of {nd + 2} axes, got {X.shape}")
+    return X, get_array_module(X), _taps(X, size)
 
 
 def _taps(X: Any, size: int) -> list[tuple[Any, Any]]:
