@@ -104,6 +104,20 @@ def _psgd_logging_restored():
     logger.handlers[:], logger.level, logger.propagate = kept
 
 
+@pytest.fixture(autouse=True)
+def _job_token_restored():
+    """Give back ``PSGD_TOKEN`` as each test found it: a benchmark run in-process sets it, as a user's shell holds
+    it, for the processes it starts (psgd.bench.chaos.processes.job_token).  Left so, a later test's ``psgd run`` or
+    ``psgd launch`` takes it for the user's own and keeps no token of its own (seen: the SIGTERM test of psgd run,
+    after the benchmarks' quick runs in the default tier, found no line naming ``RUN/.token``)."""
+    kept = os.environ.get("PSGD_TOKEN")
+    yield
+    if kept is None:
+        os.environ.pop("PSGD_TOKEN", None)
+    else:
+        os.environ["PSGD_TOKEN"] = kept
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
     """Run a test once on NumPy and once on CuPy (the latter marked ``gpu``)."""

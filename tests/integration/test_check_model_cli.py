@@ -154,7 +154,7 @@ def test_help_has_an_example(capsys):
     assert "psgd check-model tanhnet:TanhMLP" in out and "finite differences" in out
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "\n  check-model\n" in capsys.readouterr().out  # listed among the commands
+    assert "\n    check-model\n" in capsys.readouterr().out  # listed among the commands
 
 
 def test_real_psgd_process_from_the_models_folder(tmp_path):

@@ -112,6 +112,6 @@ def test_a_launch_keeps_its_run_where_the_user_sees_it_and_says_where(tmp_path):
     assert done.returncode == 0, done.stderr
     (run,) = (tmp_path / "runs").iterdir()
     assert run.name.endswith("-ps") and len(run.name) == len("20261127-134512-ps")
-    assert f"logs in runs/{run.name})" in done.stdout
+    assert f"logs in runs/{run.name}; weights saved to runs/{run.name}/final.npz)" in done.stdout
     assert (run / "job.toml").exists() and (run / "worker-1.log").read_text()
     assert set(Path(tempfile.gettempdir()).glob("psgd-run-*")) == before
