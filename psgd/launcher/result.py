@@ -79,7 +79,7 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     the other None), and the divergence guard's verdict on them alone."""
     from psgd import data as datasets
     from psgd.data.base import scores_of
-    from psgd.training.divergence import DivergenceGuard, advice, chance
+    from psgd.training.divergence import DivergenceGuard
     from psgd.job import build_job, params_to_device
     from psgd.training.evaluation import evaluate
     from psgd.export.weights import load_weights, saved_rows
@@ -96,8 +96,7 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows,
                            target=ds.target)
     steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
-    guard = DivergenceGuard("launcher", chance(ds.y_test, ds.target), ds.num_classes, advice(config, mode),
-                            ds.metric)
+    guard = DivergenceGuard.of_job("launcher", ds, config, mode)
     verdict = guard.final(steps, t.epochs, loss, score)
     return loss, scores_of(ds.metric, score), verdict.record() if verdict else None
 

@@ -121,6 +121,13 @@ class DivergenceGuard:
         self._best_accuracy = 0.0
         self._growing = self._at_chance = 0
 
+    @classmethod
+    def of_job(cls, by: str, dataset: Any, config: Any, mode: str) -> "DivergenceGuard":
+        """The guard of a process of a job (``mode``: "ps" or "allreduce") that trains on ``dataset``: its chance
+        score, classes and metric from the dataset's test split, its advice from the job's ``config``."""
+        return cls(by, chance(dataset.y_test, dataset.target), dataset.num_classes, advice(config, mode),
+                   dataset.metric)
+
     def resumed(self, first_step_loss: float | None, first_test_loss: float | None) -> None:
         """A resumed run's baselines, where its earlier part had them: its first step's loss and its first test loss
         (not the resumed part's first, or a run training fine is judged against where it resumed)."""

@@ -46,7 +46,7 @@ from psgd import model as models
 from psgd.compute import backend
 from psgd.config import ConfigError
 from psgd.training.delay import NO_DELAY, Delay
-from psgd.training.divergence import DivergenceGuard, advice, chance
+from psgd.training.divergence import DivergenceGuard
 from psgd.training.evaluation import BackgroundEvaluator, Evaluations, judged, resumed
 from psgd.errors import PsgdError
 from psgd.job import Job
@@ -214,8 +214,7 @@ def run_loop(
     if evaluate_every is None:
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role, folder=run_dir)
-    guard = DivergenceGuard(exchange.name, chance(ds.y_test, ds.target), ds.num_classes,
-                            advice(job.config, exchange.mode), ds.metric)
+    guard = DivergenceGuard.of_job(exchange.name, ds, job.config, exchange.mode)
     # (no bar to show an evaluation: a log line each, for logs)
     evaluations = Evaluations(job, metrics, guard, exchange.name, spe, total, looks_up, says=not progress)
     history, score_key, short = evaluations.history, ds.score_key, {"accuracy": "acc", "r2": "r2"}[ds.metric]

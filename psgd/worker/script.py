@@ -35,7 +35,7 @@ from psgd.errors import InputError, PsgdError
 from psgd.job import Job, build_job
 from psgd.model.module import step_seed
 from psgd.observe.progress import MetricsLog
-from psgd.training.divergence import DivergenceGuard, advice, chance
+from psgd.training.divergence import DivergenceGuard
 from psgd.training.evaluation import Evaluations, judged, resumed
 from psgd.training.loop import ResumeFromStep
 from psgd.worker.client import PSClient
@@ -68,8 +68,7 @@ class Worker:
         self.steps = self._batches.steps_per_epoch * t.epochs
         self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
         ds = job.dataset
-        self._guard = DivergenceGuard(f"worker {rank}", chance(ds.y_test, ds.target), ds.num_classes,
-                                      advice(job.config, "ps"), ds.metric)
+        self._guard = DivergenceGuard.of_job(f"worker {rank}", ds, job.config, "ps")
         # evaluated as psgd launch's workers are: on worker 0, before each epoch's first step (or every
         # [train] eval_every steps), and the weights its last step left (read before it leaves)
         self._every = 0 if rank else t.eval_every or self._batches.steps_per_epoch
