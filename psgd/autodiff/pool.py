@@ -24,7 +24,7 @@ def max_pool2d(x: Any, size: int = 2) -> Tensor:
 
 
 def _max_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
-    X, xp, taps = _windows(x, size, nd, name)
+    X, xp, taps = _checked_taps(x, size, nd, name)
     out = taps[0][1].copy()
     for _, view in taps[1:]:
         xp.maximum(out, view, out=out)
@@ -52,7 +52,7 @@ def avg_pool2d(x: Any, size: int = 2) -> Tensor:
 
 
 def _avg_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
-    X, xp, taps = _windows(x, size, nd, name)
+    X, xp, taps = _checked_taps(x, size, nd, name)
     scale = 1.0 / size ** nd
     out = taps[0][1].copy()
     for _, view in taps[1:]:
@@ -68,7 +68,7 @@ def _avg_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
     return make(out, (x,), rule, name)
 
 
-def _windows(x: Any, size: int, nd: int, name: str) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+def _checked_taps(x: Any, size: int, nd: int, name: str) -> tuple[Any, Any, list[tuple[Any, Any]]]:
     """The array of ``x``, its array module and its taps (:func:`_taps`), once ``x`` is checked to have ``nd``
     axes after batch and channels."""
     X = data_of(x)
