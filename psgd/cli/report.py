@@ -14,8 +14,8 @@ job, then for each worker the steps it took (a resumed run's: of every part), it
 accuracy it measured, the staleness of its updates and where a step's time went (fetching weights, computing, the
 exchange), each on a line of its own;
 and the training loss of every worker and the test accuracy against the steps done, drawn into RUN/report.png
-(needs matplotlib: python3 -m pip install -c requirements.lock -e ".[bench]").  The same curves, live: tensorboard --logdir RUN/tensorboard; the
-same figures as rows: RUN/worker-R.csv.
+(needs matplotlib: python3 -m pip install -c requirements.lock -e ".[bench]").  The same curves, live:
+tensorboard --logdir RUN/tensorboard; the same figures as rows: RUN/worker-R.csv.
 
 Nothing in the folder is trusted: only regular files are read, a line over 1 MiB or one that is no metrics record
 is skipped and counted, the PNG is never written through a symbolic link, and nothing is imported from the current

@@ -62,7 +62,8 @@ def budget(threads: int, processes: int) -> tuple[int, str]:
     ``psgd launch`` picks for the processes it starts, and training in one process for itself."""
     cores = available_cores()
     if threads:
-        return threads, f"{processes} process(es) on {cores} core(s): {threads} BLAS/OpenMP thread(s) each (--threads N to change)"
+        return threads, (f"{processes} process(es) on {cores} core(s): {threads} BLAS/OpenMP thread(s) each "
+                         "(--threads N to change)")
     explicit = user_setting()
     if explicit:
         return 0, f"{processes} process(es) on {cores} core(s): BLAS/OpenMP threads as {explicit} says"

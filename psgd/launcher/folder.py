@@ -1,6 +1,7 @@
 """A launch's run folder: a new one under ``runs/`` unless told (:func:`new_run_folder`), claimed for this run
 only where it holds no other run's files unless the run is resumed (:func:`claim`), and the token a single-node
-launch keeps there (:func:`made_token`); the commands a launch says continue it and watch it.  Every file of it is written as psgd's own (:mod:`psgd.observe.files`)."""
+launch keeps there (:func:`made_token`); the commands a launch says continue it and watch it.  Every file of it
+is written as psgd's own (:mod:`psgd.observe.files`)."""
 
 from __future__ import annotations
 

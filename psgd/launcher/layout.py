@@ -71,8 +71,9 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Hosts:
     """Emulated hosts on this one machine (network namespaces, :mod:`psgd.bench.netns`): shard ``k`` runs
-    on host ``s<k>`` and listens on its address, worker (or all-reduce rank) ``r`` runs on host ``w<r>``.  ``prefixes`` give the
-    argv that runs a command on a host; the launcher itself must run where it reaches every address."""
+    on host ``s<k>`` and listens on its address, worker (or all-reduce rank) ``r`` runs on host ``w<r>``.
+    ``prefixes`` give the argv that runs a command on a host; the launcher itself must run where it reaches every
+    address."""
 
     prefixes: dict[str, tuple[str, ...]]
     addresses: dict[str, str]
@@ -108,7 +109,8 @@ class Hosts:
 
 
 def find_mpiexec() -> str:
-    """The mpiexec beside this Python (where ``python3 -m pip install -c requirements.lock -e ".[mpi]"`` puts MPICH's), else on PATH."""
+    """The mpiexec beside this Python (where ``python3 -m pip install -c requirements.lock -e ".[mpi]"`` puts
+    MPICH's), else on PATH."""
     from psgd.collective import BackendUnavailable
 
     beside = Path(sys.executable).parent / "mpiexec"

@@ -25,8 +25,8 @@ __all__ = [
     "VarSpec", "Model", "BaseModel", "init_variable", "ModelError", "VarSpecError", "INITIALIZERS",
     "build_model", "MODELS", "load_model_class", "SoftmaxRegression", "MLP", "CNN",
     "check_model", "run_checks", "Check", "hands_over_gradients", "model_tables",
-    "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv1d", "Conv2d", "GRUCell", "LSTMCell",
-    "RNN", "MultiHeadAttention", "LayerNorm",
+    "Network", "Module", "Parameter", "State", "Table", "Sequential", "Function", "Linear", "Conv1d", "Conv2d",
+    "GRUCell", "LSTMCell", "RNN", "MultiHeadAttention", "LayerNorm",
     "BatchNorm", "Dropout", "ReLU",
     "Flatten", "MaxPool1d", "AvgPool1d", "MaxPool2d", "AvgPool2d", "get_array_module",
 ]

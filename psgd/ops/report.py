@@ -6,7 +6,8 @@ reads the lines into one :class:`Report`: per worker, the steps it took, its ste
 measured, the staleness of its updates, and where a step's time went (fetching weights, computing, the exchange).
 A run stopped and resumed (``--resume``) appends each part's lines to the same files: each part ends with a
 ``done`` line, or, killed, where the next part's clock starts again; the steps and the seconds are those of every
-part, summed.  :func:`draw` plots the training loss of every worker and the test accuracy against the steps done, as one PNG.
+part, summed.  :func:`draw` plots the training loss of every worker and the test accuracy against the steps done,
+as one PNG.
 
 The folder may have been written by someone else, so nothing in it is trusted: only regular files are read (a FIFO
 would wait for ever, a device such as /dev/zero never ends), a line longer than :data:`LONGEST_LINE` is read through

@@ -78,7 +78,7 @@ def accept(sock: socket.socket, version: int) -> tuple[str, str]:
     if magic != MAGIC or kind != FOLLOW or size > protocol.MAX_HELLO_BYTES or nbytes:
         raise protocol.WireError("a replica's first frame must say where it listens")
     address, _, ticket = protocol.recv_bytes(sock, size).decode("utf-8", "replace").partition(" ")
-    if not ADDRESS.fullmatch(address) or not TICKET.fullmatch(ticket):  # it is logged and dialled: nothing but a host and a port
+    if not ADDRESS.fullmatch(address) or not TICKET.fullmatch(ticket):  # logged and dialled: only a host and a port
         raise protocol.WireError(f"a replica must listen at HOST:PORT, not {address[:80]!r}")
     return address, ticket
 

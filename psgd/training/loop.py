@@ -191,7 +191,8 @@ def run_loop(
     """Train ``job`` as ``rank`` of ``world`` through ``exchange``.
 
     ``evaluate_every`` (steps; 0: never; default: the job's ``eval_every``, else once per epoch)
-    evaluates the weights before each step whose index is a multiple of it; ``final_evaluation`` evaluates the final weights when the exchange holds them.
+    evaluates the weights before each step whose index is a multiple of it; ``final_evaluation`` evaluates the final
+    weights when the exchange holds them.
     ``on_step`` gets each step's record plus the exchange's timings (e.g. to feed a metrics endpoint).
     ``run_dir``: where the metrics' CSV and TensorBoard files go (default: beside ``metrics_path``).
     When ``stop`` is set, the step in hand is finished (or interrupted) and the loop ends early.

@@ -262,8 +262,9 @@ class FaultInjection:
 
     def _trickled_push(self, r: int, unregistered: int) -> str:
         """Pushes sent a byte at a time to every shard: ``unregistered`` connections per shard as no worker,
-        one as worker ``r`` (its rank is live; without its registration's key, so refused at its hello).  The shard must close each within the transfer deadline of
-        its size (a registered one may hold a receive buffer until then; an unregistered one takes none), and
+        one as worker ``r`` (its rank is live; without its registration's key, so refused at its hello).  The shard
+        must close each within the transfer deadline of its size (a registered one may hold a receive buffer until
+        then; an unregistered one takes none), and
         training must go on meanwhile."""
         c = self.cluster
         targets, sizes = self._data_ports()
@@ -352,8 +353,8 @@ class FaultInjection:
     def _check_duplicates(self, bound: float, stopped: bool = False) -> None:
         """Each duplicate worker started by the fault has exited within ``bound`` (from now), refused with
         ALREADY_EXISTS naming the holder's pid; or, where the holder had finished first, it found nothing left
-        to train, or no shard left to reach (--exit-when-done: seed 7474 run 2); or (``stopped``: the run ended with SIGTERM to every process) it stopped.  It never trained a
-        step beside the holder."""
+        to train, or no shard left to reach (--exit-when-done: seed 7474 run 2); or (``stopped``: the run ended
+        with SIGTERM to every process) it stopped.  It never trained a step beside the holder."""
         deadline = time.monotonic() + bound
         for r, holder, proc in self.duplicates:
             try:
