@@ -37,15 +37,7 @@ class Conv2d(Module):
                  bias: bool = True):
         super().__init__()
         k = int(kernel)
-        if padding == "same":
-            if k % 2 == 0:
-                raise ModelError(f"Conv2d: 'same' padding needs an odd kernel (got {k})")
-            padding = k // 2
-        elif padding == "valid":
-            padding = 0
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ModelError(f"Conv2d: padding must be 'same', 'valid' or an int >= 0 (got {padding!r})")
-        self.padding = padding
+        self.padding = _padding("Conv2d", padding, k, 1, 1)
         self.W = Parameter((int(c_out), int(c_in), k, k), init, fan_in=c_in * k * k, fan_out=c_out * k * k)
         self.b = Parameter((int(c_out),), "zeros") if bias else None
 
