@@ -107,8 +107,9 @@ def test_the_workers_client_leaves_the_bytes_to_its_links():
 @pytest.mark.parametrize("path", sorted(p for p in PSGD.rglob("*.py") if "proto" not in p.parts),
                          ids=lambda p: str(p.relative_to(PSGD)))
 def test_no_module_is_longer_than_a_sitting(path):
-    """Modules of psgd/ stay under about 400 lines (generated code aside): split by meaning beyond that."""
-    assert len(path.read_text().splitlines()) <= 430, path
+    """A module is one idea, split where the meaning splits, never to fit a count: this is only a smoke alarm for
+    one that has grown several ideas (generated code aside)."""
+    assert len(path.read_text().splitlines()) <= 600, path
 
 
 #: the shard core: the only modules that take its lock, wait on its conditions or touch its private members
