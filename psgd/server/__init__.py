@@ -2,6 +2,7 @@
 
 - core.py: the shard without any transport (workers, leases, the policy, the optimizer);
 - store.py: its weights, the reads pulls are served from, updates in place;
+- handler.py: the one request handler a worker's pull or push reaches, whichever transport carried it;
 - service.py: the gRPC servicer and ShardServer (health, leases, checkpoints), which also starts
 - datapath.py: the TCP data path's server end, behind gatekeeper.py (accepting and checking hellos);
 - checkpoint.py: writing and reading a shard's checkpoints; recovery.py: what of a shard they hold;

@@ -2,7 +2,7 @@
 (:mod:`psgd.server.rounds`), the weight store (:mod:`psgd.server.store`) and the workers' roster
 (:class:`psgd.server.admission.Roster`).
 
-The links' server ends are thin adapters over :class:`ShardCore`: the gRPC
+A worker's requests reach it through one handler (:mod:`psgd.server.handler`), behind both transports: the gRPC
 servicer (:mod:`psgd.server.service`) and the TCP data path
 (:mod:`psgd.server.datapath`); tests drive the core directly.  Every failure is a :class:`ShardError` carrying the name of
 the gRPC status code it maps to, and a message that says what to do.

@@ -2,7 +2,8 @@
 
 gRPC costs several copies per tensor byte (protobuf messages, HTTP/2 frames, Python objects per chunk); here a pull
 is one header and one ``sendmsg`` of the shard's snapshot buffer, and a push is received straight into a reused buffer
-with ``recv_into``.  The shard core does all the checking, exactly as for gRPC, and errors come back as the same codes.
+with ``recv_into``.  A push or pull received here goes to the same request handler as gRPC's (:mod:`psgd.server.handler`): the
+same checks, and errors come back as the same codes.
 
 One thread serves one authenticated connection (a worker keeps one per shard; a replica's goes to
 :mod:`psgd.server.replica`).  Every read has a timeout, payload sizes come from the partition plan, and a connection
@@ -37,6 +38,7 @@ from psgd.errors import PsgdError
 from psgd.server import store
 from psgd.server.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
+from psgd.server.handler import PullRequest, PushRequest, RequestHandler
 from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
 from psgd.server.handout import Handout, not_dumpable
 from psgd.server.tokens import Here
@@ -68,7 +70,7 @@ class DataServer:
                  hello_timeout: float = 2.0, max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  max_per_peer: int = MAX_UNAUTHENTICATED_PER_PEER, tls: ssl.SSLContext | None = None,
                  shm: bool = True, busy_poll: float = 0.0, here: Here | None = None):
-        self.core = core
+        self.core, self.requests = core, RequestHandler(core)
         sock = socket.create_server((host, port), backlog=BACKLOG)  # first: a port it cannot have leaves nothing
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
@@ -287,19 +289,15 @@ class DataServer:
             conn.shutdown(socket.SHUT_RDWR)
 
         try:
-            snap = self.core.pull(protocol.as_worker(worker), clock, self.request_timeout, copy=False,
-                                  hold=transfer_seconds(self.core.nbytes, self.request_timeout), on_revoke=revoke,
-                                  key=key)
+            pulled = self.requests.pull(PullRequest(worker, clock, self.request_timeout, key, lookups or {},
+                                                    live=True, on_revoke=revoke,
+                                                    hold=transfer_seconds(self.core.nbytes, self.request_timeout)))
         except ShardError as err:
             self._reply_error(conn, err, prefix)
             return None
-        with snap:
-            try:  # the rows, once the pull may go: under sync no update comes before this worker's push
-                rows = self.core.read_rows(protocol.as_worker(worker), lookups) if lookups else {}
-            except ShardError as err:
-                self._reply_error(conn, err, prefix)
-                return None
-            values = [rows[table] for table in lookups or {}]
+        with pulled:
+            snap = pulled.read
+            values = [pulled.rows[table] for table in lookups or {}]
             n = len(snap.buffer)
             size = n + sum(v.nbytes for v in values)
             if seg is None:
@@ -337,10 +335,7 @@ class DataServer:
         # trickled push cannot hold a buffer.
         allowed = transfer_seconds(size, self.request_timeout)
         try:
-            core.roster.check(worker)
-            # a peek without the shard's lock, which an update holds while it runs: the receive overlaps other
-            # workers' updates, and core.push checks (and renews the lease) again under the lock
-            core.roster.live(worker, key, renew=False)
+            self.requests.admit(worker, key)
             buf = self.receive_buffers.acquire(self.request_timeout)
         except ShardError as err:  # refused before it takes a buffer; the connection goes on
             if seg is None and not protocol.wants_go_ahead(size):  # its payload follows the header: let it pass
@@ -374,8 +369,7 @@ class DataServer:
             rows = self._pushed_rows(conn, worker, began, size, codec) if with_rows else None
             grads = core.store.gradient_views(buf)
             try:
-                result = core.push(worker, clock, base_version, grads, wire_bytes=size, rows=rows, largest=largest,
-                                   key=key)
+                result = self.requests.push(PushRequest(worker, clock, base_version, grads, size, key, rows, largest))
             except ShardError as err:
                 self._reply_error(conn, err)
                 return None

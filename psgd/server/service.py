@@ -26,11 +26,11 @@ from psgd.server.assembly import PushAssembler
 from psgd.server.core import ShardCore
 from psgd.server.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
+from psgd.server.handler import PullRequest, PushRequest, RequestHandler
 from psgd.server.listen import GRPC_IDLE_SECONDS, PortTaken, free_to_listen, grpc_connection_cap
 from psgd.server.watchdog import Turns, Watchdog
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
-from psgd.wire.protocol import as_worker
 from psgd.wire.rows import RowCollector, RowsError, blocks
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.core, self.incarnation, self.data_port, self.host_id, self.token = (core, incarnation, data_port,
                                                                                  host_id, token)  # token: Status' proof
         self.request_timeout = request_timeout
+        self.requests = RequestHandler(core)
         self._row_shapes = core.tables.shapes()
         self.data_calls = threading.BoundedSemaphore(max(1, threads - CONTROL_THREADS))  # pulls and pushes at once
         self.watchdog = Watchdog(f"shard{core.shard}-watchdog")
@@ -124,21 +125,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             asked = RowCollector(self._row_shapes, False, f"pull by worker {asker.worker_id}")
             for block in blocks_asked:
                 asked.add(block.table, block.ids, block.values)
-            snap = self.core.pull(as_worker(asker.worker_id), clock, _remaining(context, self.request_timeout),
-                                  cancelled=lambda: not context.is_active(), key=asker.registration)
-            try:  # the rows, once the pull may go: under sync no update comes before this worker's push
-                ids = asked.lookups()
-                rows = self.core.read_rows(as_worker(asker.worker_id), ids) if ids else {}
-            except BaseException:
-                snap.release()
-                raise
+            ids = asked.lookups()
+            pulled = self.requests.pull(PullRequest(asker.worker_id, clock, _remaining(context, self.request_timeout),
+                                                    asker.registration, ids,
+                                                    cancelled=lambda: not context.is_active()))
         except RowsError as err:
             status.refuse(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
             status.refuse(context, err)
+        snap, rows = pulled.read, pulled.rows
         row_bytes = sum(v.nbytes for v in rows.values())  # its bytes, the rows' too, must go by then
         self.watchdog.watch(transfer_seconds(self.core.nbytes + row_bytes, self.request_timeout), context, what, key)
-        with snap:
+        with pulled:
             for slice_id, payload in snap.data.items():
                 for offset, piece in chunks(payload):
                     yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece), version=snap.version)
@@ -181,8 +179,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise ShardError("INVALID_ARGUMENT", "a push must start with a header")
             header = first.header
-            self.core.roster.check(header.worker_id)  # and a peek: a push as another's registration is not received
-            self.core.roster.live(header.worker_id, header.registration, renew=False)
+            self.requests.admit(header.worker_id, header.registration)  # a push as another's is not received
             assembler = PushAssembler(self.core, header.dtype)
             rows = RowCollector(self._row_shapes, True, f"push from worker {header.worker_id}", assembler.codec)
             for message in request_iterator:
@@ -206,8 +203,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if got != header.rows:  # it may end quietly before the call is seen to end: count what came
                 raise ShardError("INVALID_ARGUMENT", f"the push said it carries {header.rows} rows and {got} came; "
                                  "nothing was applied")
-            result = self.core.push(header.worker_id, header.clock, header.base_version, assembler.finish(),
-                                    wire_bytes=assembler.received, rows=pushed, key=header.registration)
+            result = self.requests.push(PushRequest(header.worker_id, header.clock, header.base_version,
+                                                    assembler.finish(), assembler.received, header.registration,
+                                                    pushed))
         except RowsError as err:
             status.refuse(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
@@ -355,8 +353,7 @@ class ShardServer:
     def _rollback(self, request: ps_pb2.RollbackRequest, peer: str) -> ps_pb2.RollbackReply:
         """Go back to the cut of ``request.to_version`` (psgd.server.recovery.rollback), or list the cuts held."""
         core = self.core
-        core.roster.check(request.worker_id)  # only a registered worker, by its registration's key (a peek):
-        core.roster.live(request.worker_id, request.registration, renew=False)
+        self.servicer.requests.admit(request.worker_id, request.registration)  # only a registered worker
         if not (self.checkpoint_dir and core.cut_rounds):
             raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} keeps no cuts to go back to (it needs a "
                              "checkpoint folder and [cluster] checkpoint_rounds under sync)")

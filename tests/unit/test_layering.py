@@ -135,6 +135,27 @@ def test_no_module_but_the_shard_core_takes_its_lock_or_touches_its_private_memb
     assert found == [], found
 
 
+#: what a worker's request does to a shard: its pull and push, the rows a pull reads, the peek at its registration
+REQUESTS = ("pull", "push", "read_rows", "check", "live")
+
+
+def test_a_request_reaches_the_core_through_one_handler():
+    """A pull or a push reaches the shard core through psgd/server/handler.py, whichever transport carried it: the
+    gRPC servicer and the data port each called the core's pull and push, and peeked at the roster, with code of
+    their own (7 places)."""
+    found = []
+    for path in modules("server"):
+        if path in CORE or path.name == "handler.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in REQUESTS:
+                held = node.func.value  # core.push, or core.roster.live
+                if _is_a_core(held) or isinstance(held, ast.Attribute) and held.attr == "roster" and \
+                        _is_a_core(held.value):
+                    found.append(f"{path.name}:{node.lineno} {node.func.attr}")
+    assert found == [], found
+
+
 def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/training/loop.py, whose step may be
     replayed as a CUDA graph (psgd/compute/graphs.py)."""
