@@ -3,9 +3,9 @@
 (:class:`psgd.server.admission.Roster`).
 
 A worker's requests reach it through one handler (:mod:`psgd.server.handler`), behind both transports: the gRPC
-servicer (:mod:`psgd.server.service`) and the TCP data path
-(:mod:`psgd.server.datapath`); tests drive the core directly.  Every failure is a :class:`ShardError` carrying the name of
-the gRPC status code it maps to, and a message that says what to do.
+servicer (:mod:`psgd.server.service`) and the TCP data path (:mod:`psgd.server.datapath`); tests drive the core
+directly.  Every failure is a :class:`ShardError` carrying the name of the gRPC status code it maps to, and a
+message that says what to do.
 
 Locking: one lock guards weights, policy and leases; pulls wait on a condition variable until the policy lets them
 through, never longer than their timeout.  Updates are applied under the lock, so a pull sees whole versions; a read

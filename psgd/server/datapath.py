@@ -2,8 +2,8 @@
 
 gRPC costs several copies per tensor byte (protobuf messages, HTTP/2 frames, Python objects per chunk); here a pull
 is one header and one ``sendmsg`` of the shard's snapshot buffer, and a push is received straight into a reused buffer
-with ``recv_into``.  A push or pull received here goes to the same request handler as gRPC's (:mod:`psgd.server.handler`): the
-same checks, and errors come back as the same codes.
+with ``recv_into``.  A push or pull received here goes to the request handler gRPC's go to
+(:mod:`psgd.server.handler`): the same checks, and errors come back as the same codes.
 
 One thread serves one authenticated connection (a worker keeps one per shard; a replica's goes to
 :mod:`psgd.server.replica`).  Every read has a timeout, payload sizes come from the partition plan, and a connection

@@ -41,6 +41,7 @@ import numpy as np
 
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
+from psgd.server.update import UpdatePass
 from psgd.wire.sweep import Sweep, extent
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,9 @@ class WeightStore:
         self._use(0)
         for i in self.order:
             self.weights[i][...] = np.asarray(values[i], dtype=dtype).reshape(-1)
-        self._keys = tuple(slices[i].key for i in self.order)
-        self._bounds = tuple(self.offsets[i] for i in self.order)
         #: the passes over the weights (copy, check, update), in cache-sized pieces over threads
         self.sweep = Sweep(self.nbytes, f"shard{shard}-sweep", apply_threads)
+        self.update_pass = UpdatePass(slices, self.offsets, self.sweep)
         #: the largest gradient value applied: a 16th of the square root of the dtype's largest (1.15e18 in float32)
         self.max_gradient = float(np.sqrt(np.finfo(dtype).max)) / 16
         self._snapshot: Snapshot | None = None
@@ -231,16 +231,11 @@ class WeightStore:
     # -- updates -----------------------------------------------------------------------------------
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
-        """Update the weights with ``optimizer``: in place where nothing reads them, else in the other slot.  An
-        elementwise rule updates all the slices at once, swept piece by piece (:mod:`psgd.wire.sweep`)."""
-        whole, began = getattr(grads, "flat", None), time.perf_counter()
+        """Update the weights with ``optimizer`` (:mod:`psgd.server.update`): in place where nothing reads them,
+        else in the other slot."""
+        began = time.perf_counter()
         with self._writing(keep=True):
-            if whole is not None and optimizer.elementwise:
-                optimizer.update_flat(self._keys, self.flat, whole, self._bounds, lr_scale, share,
-                                      over=lambda step: self.sweep.run(self.flat.size, self.flat.itemsize, step))
-            else:
-                self.sweep.map(lambda i: optimizer.update(self.slices[i].key, self.weights[i], grads[i], lr_scale,
-                                                          share), grads)
+            self.update_pass.apply(optimizer, self.flat, self.weights, grads, lr_scale, share)
         self.counters["apply_seconds"] += time.perf_counter() - began
 
     def replace(self, values: np.ndarray) -> None:

@@ -1,13 +1,11 @@
 """Passes over memory, in pieces that stay in a core's cache, spread over threads: a shard's and a worker's.
 
-A push costs a shard passes over memory the size of its weights: a gradient through shared memory is copied
-into a buffer of the shard's own (so that what is checked is what is applied), checked (no NaN, no infinity,
-nothing too large to apply: its largest magnitude), and applied by the optimizer, whose rule on NumPy writes
-temporaries as large as the weights (SGD's ``p -= lr * g`` writes ``lr * g`` and reads it back).  Made one after
-the other over the whole array, each of these reads and writes all of it from memory: the copy and the check three
-times the gradient's bytes, SGD five.  Made piece by piece, a piece of PIECE_BYTES stays in the cache from one pass
-to the next: the check reads what the copy has just written, an update's temporaries are a piece's size, and a
-push costs the update's own traffic (read the gradient and the weights, write the weights) plus the copy.
+A gradient through shared memory is copied into a buffer of the shard's own (so that what is checked is what is
+applied) and checked (no NaN, no infinity, nothing too large to apply: its largest magnitude).  Made one after the
+other over the whole array, the copy and the check read and write three times the gradient's bytes from memory;
+made piece by piece (:meth:`Sweep.copy_checked`), a piece of PIECE_BYTES stays in the cache from one pass to the
+next: the check reads what the copy has just written.  The shard's update pass runs its optimizer piece by piece
+the same way (:mod:`psgd.server.update`).
 
 A worker's copies into and out of a segment (:mod:`psgd.link.shm`) are one pass each, over all of its views at once.
 

@@ -156,6 +156,13 @@ def test_a_request_reaches_the_core_through_one_handler():
     assert found == [], found
 
 
+def test_the_update_pass_lives_beside_the_store():
+    """The shard's update pass (an optimizer over the store's weights) is psgd/server/update.py: the store handed a
+    lambda through psgd/wire/sweep.py, whose passes both ends share, to run the optimizer in."""
+    assert [c.split(":")[0] for c in method_calls(("update_flat",), outside="optim")] == ["server/update.py"]
+    assert not {m for m in imported(PSGD / "wire" / "sweep.py") if m.startswith("psgd.optim")}
+
+
 def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/training/loop.py, whose step may be
     replayed as a CUDA graph (psgd/compute/graphs.py)."""

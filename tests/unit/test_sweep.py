@@ -1,12 +1,11 @@
-"""A shard's passes in pieces over threads (psgd.wire.sweep): every element once, a bad value found wherever
-it is, and an update swept piece by piece equal to the update made at once, to the bit."""
+"""Passes in pieces over threads (psgd.wire.sweep): every element once, a bad value found wherever it is, and a
+copy of many pairs each copied whole (the update swept piece by piece: test_update_pass.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psgd.optim import build_optimizer
 from psgd.wire.sweep import PARALLEL_BYTES, PIECE_BYTES, Sweep, all_finite, extent
 
 SIZES = [1, PIECE_BYTES // 4 - 1, PIECE_BYTES // 4 + 1, PARALLEL_BYTES // 4 + 12_345]
@@ -74,32 +73,6 @@ def test_all_finite_is_exact_where_a_sum_would_overflow(dtype):
         a[rng.integers(0, 1000)] = special
         assert all_finite(a) == bool(np.isfinite(a).all()), special
     assert all_finite(np.empty(0, dtype=dtype)) and extent(np.empty(0, dtype=dtype)) == 0
-
-
-OPTIMIZERS = [("sgd", {}), ("sgd", {"weight_decay": 0.01}), ("momentum", {"weight_decay": 0.01}),
-              ("nesterov", {}), ("adam", {"weight_decay": 0.01}), ("adamw", {"weight_decay": 0.01})]
-
-
-@pytest.mark.parametrize("name,options", OPTIMIZERS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_an_update_swept_in_pieces_is_the_update_made_at_once(name, options, dtype):
-    n = PARALLEL_BYTES // np.dtype(dtype).itemsize + 777
-    bounds = ((0, n // 3), (n // 3, n))
-    keys = ("a", "b")
-    rng = np.random.default_rng(3)
-    start = rng.standard_normal(n).astype(dtype)
-    at_once, swept = build_optimizer(name, lr=0.05, **options), build_optimizer(name, lr=0.05, **options)
-    p1, p2 = start.copy(), start.copy()
-    sweep = Sweep(n * p1.itemsize, "t", 3)
-    for _ in range(3):
-        g = rng.standard_normal(n).astype(dtype)
-        at_once.update_flat(keys, p1, g, bounds, 0.5)
-        swept.update_flat(keys, p2, g, bounds, 0.5, over=lambda step: sweep.run(n, p2.itemsize, step))
-    assert p1.tobytes() == p2.tobytes()
-    for k in keys:
-        assert at_once.step_count(k) == swept.step_count(k) == 3
-        for state in at_once.state(k):
-            assert at_once.state(k)[state].tobytes() == swept.state(k)[state].tobytes()
 
 
 @pytest.mark.parametrize("threads", [1, 3])
