@@ -13,14 +13,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from psgd.config import ConfigError
+from psgd.job import Job, check_fits
 from psgd.server.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.tables import ShardTables
-
-if TYPE_CHECKING:
-    from psgd.job import Job
 
 __all__ = ["PushResult", "ShardCore", "ShardError", "build_shard"]
 
@@ -30,9 +27,6 @@ def build_shard(job: Job, shard: int, checkpoints: bool = False) -> ShardCore:
     class count from the dataset's headers and labels, and never loads the inputs), its slices initialized from
     the job's seed.  ``checkpoints``: the shard keeps checkpoints, so a sync job that does not set checkpoint_rounds
     cuts them too (psgd.config.ClusterConfig.shard_cut_rounds)."""
-    from psgd.config import ConfigError
-    from psgd.job import check_fits
-
     config, plan, c = job.config, job.plan, job.config.cluster
     if not 0 <= shard < c.shards:
         raise ConfigError(f"shard index {shard} is out of range: the job has {c.shards} shard(s), 0..{c.shards - 1}")

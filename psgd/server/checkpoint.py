@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from psgd.errors import ClusterError
+from psgd.job import differences
 
 log = logging.getLogger(__name__)
 
@@ -337,8 +338,6 @@ class Other:
 
     def describe(self, mine: Mapping[str, Any] | None, plan_hash: str) -> str:
         """``fingerprint (ckpt-V; differs in field: this job a, checkpoint b; ...)``, one line."""
-        from psgd.job import differences
-
         m = self.manifest or {}
         theirs = m.get("identity")
         if not m:

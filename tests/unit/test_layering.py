@@ -163,6 +163,15 @@ def test_the_update_pass_lives_beside_the_store():
     assert not {m for m in imported(PSGD / "wire" / "sweep.py") if m.startswith("psgd.optim")}
 
 
+@pytest.mark.parametrize("path", modules("server"), ids=lambda p: p.name)
+def test_the_shard_imports_psgd_at_the_top(path):
+    """An import inside a function hides what a module needs (and any circle: see test_no_import_circle)."""
+    tree = ast.parse(path.read_text(), str(path))
+    inner = [node.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(f) if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("psgd")]
+    assert inner == [], path
+
+
 def test_the_loop_is_the_only_training_loop():
     """One place outside the models computes a training step's gradient: psgd/training/loop.py, whose step may be
     replayed as a CUDA graph (psgd/compute/graphs.py)."""
