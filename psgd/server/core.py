@@ -2,10 +2,11 @@
 (:mod:`psgd.server.rounds`), the weight store (:mod:`psgd.server.store`) and the workers' roster
 (:class:`psgd.server.admission.Roster`).
 
-A worker's requests reach it through one handler (:mod:`psgd.server.handler`), behind both transports: the gRPC
-servicer (:mod:`psgd.server.service`) and the TCP data path (:mod:`psgd.server.datapath`); tests drive the core
-directly.  Every failure is a :class:`ShardError` carrying the name of the gRPC status code it maps to, and a
-message that says what to do.
+A worker's requests reach it through one handler (:mod:`psgd.server.handler`) behind both transports (gRPC,
+the data path); tests drive the core directly.  Its state is taken and given whole by its own methods too (a
+checkpoint written or adopted, a cut gone back to: :mod:`psgd.server.rewind`; a replica's hand-over and updates),
+so that no other module takes its lock or touches its private members.  Every failure is a :class:`ShardError`
+carrying the name of the gRPC status code it maps to, and a message that says what to do.
 
 Locking: one lock guards weights, policy and leases; pulls wait on a condition variable until the policy lets them
 through, never longer than their timeout.  Updates are applied under the lock, so a pull sees whole versions; a read
@@ -15,11 +16,12 @@ finds no update half made (psgd.server.store).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import numpy as np
 
@@ -27,9 +29,10 @@ from psgd.config import Deadlines, Remedies
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission
-from psgd.server.core_state import STALENESS_BUCKETS, CoreState
+from psgd.server.checkpoint import Checkpoint, CheckpointError
 from psgd.server.errors import ShardError
 from psgd.server.remedies import PushRemedies
+from psgd.server.rewind import Rewind
 from psgd.server.rounds import Round
 from psgd.server.store import LiveRead, Snapshot, WeightStore
 from psgd.server.tables import RowsIn, ShardTables
@@ -39,6 +42,9 @@ from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, P
 log = logging.getLogger(__name__)
 
 MAX_CLOCK = 2**63 - 2  # the largest clock a push may carry: the next clock (clock + 1) must fit the wire's int64
+STALENESS_BUCKETS = 16  # histogram entries 0..14 exact, the last counts 15 and more
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +56,7 @@ class PushResult:
     pull_ready: bool = True  # whether the pusher's pull of the next clock may go at once (not so in an open round)
 
 
-class ShardCore(CoreState):
+class ShardCore:
     """Shard ``shard`` of a job: its slices' weights, the policy and the optimizer.
 
     The weights of all slices live in one contiguous array (``flat``), in slice-id order, which is also the order
@@ -107,12 +113,7 @@ class ShardCore(CoreState):
         # the newest one it wrote
         self.restored_version: int | None = None
         self.last_checkpoint: tuple[int, float] | None = None
-        # a rollback to a cut (psgd.server.recovery.rollback): the version each worker must continue from (until
-        # it comes with a clock no later), the causes gone back for (each once; when), and for each worker that came
-        # back ahead of this shard restarted from a cut, that cut (its registration's answer)
-        self.rewinding: dict[int, int] = {}
-        self.rollback_causes: dict[str, float] = {}
-        self.cut_asked: dict[int, int] = {}
+        self.rewind = Rewind(shard, num_workers)  # what its rollbacks to a cut leave (psgd.server.recovery.rollback)
         self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
         # while its workers train), and the pair (psgd.server.replica)
@@ -171,15 +172,6 @@ class ShardCore(CoreState):
             self.store.settle()
             self.replication.policy_changed()
 
-    def _check_rewound(self, worker: int, clock: int) -> None:
-        cut = self.rewinding.get(worker)
-        if cut is not None and clock <= cut:
-            del self.rewinding[worker]  # it has gone back
-        elif cut is not None:
-            raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} went back to the cut at version {cut} (a "
-                             f"shard of the job restarted from it): worker {worker} continues from clock {cut}, not "
-                             f"{clock}", reason="ROLLED_BACK", rewind_to=cut)
-
     # -- requests -----------------------------------------------------------------
     def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
                  clock: int = 0, job_json: str | None = None, incarnation: str = "") -> int:
@@ -207,7 +199,7 @@ class ShardCore(CoreState):
                 if clock > self.policy.clock_of(worker) and self.cut_rounds and self.restored_version is not None:
                     log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard, restarted from the "
                                 "cut at version %d: the job goes back to it", self.shard, worker, clock, self.version)
-                    self.cut_asked[worker] = self.rewinding[worker] = self.version
+                    self.rewind.ask(worker, self.version)
                 elif clock > self.policy.clock_of(worker):
                     log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard (%s); "
                                 "continuing from there", self.shard, worker, clock,
@@ -246,9 +238,9 @@ class ShardCore(CoreState):
             if worker is not None:
                 self._check_serving()
                 self.roster.live(worker, key)
-                self._check_rewound(worker, clock)
+                self.rewind.check(worker, clock)
                 while not self.policy.pull_ready(worker, clock):
-                    self._check_rewound(worker, clock)  # a rollback while it waited
+                    self.rewind.check(worker, clock)  # a rollback while it waited
                     self._check_serving()  # this process stepped down meanwhile
                     if self.closing:
                         raise ShardError("UNAVAILABLE", f"shard {self.shard} is shutting down")
@@ -315,7 +307,7 @@ class ShardCore(CoreState):
             self.store.after_settling()
             self._check_serving()
             info = self.roster.live(worker, key)  # first: a restarted shard asks the worker to register again
-            self._check_rewound(worker, clock)
+            self.rewind.check(worker, clock)
             if base_version > self.version:
                 raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
                                  f"{self.shard}'s version {self.version}")
@@ -367,7 +359,7 @@ class ShardCore(CoreState):
         self.roster.check(worker)
         with self.lock:
             self._check_serving()
-            self._check_rewound(worker, clock)
+            self.rewind.check(worker, clock)
             if self.roster.leave(worker, clock, key):
                 self._close_rounds(self.policy.leave(worker))
                 self._policy_changed()
@@ -423,8 +415,184 @@ class ShardCore(CoreState):
                 "reads": self.store.reads(), "staleness_histogram": list(self.staleness_histogram),
                 "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
                 if self.last_checkpoint else None,
-                "restored_version": self.restored_version, "rewinding": dict(self.rewinding),
-                "last_cause": max(self.rollback_causes, key=self.rollback_causes.__getitem__, default=""),
+                "restored_version": self.restored_version, "rewinding": dict(self.rewind.rewinding),
+                "last_cause": self.rewind.last_cause(),
                 "role": self.role, "replica_lag": self.replication.lag() if self.replication is not None else -1,
                 **({"tables": self.tables.status()} if self.tables else {}),
             }
+
+    # -- a checkpoint's worth ------------------------------------------------------------------------------------
+    def _state(self) -> tuple[dict, dict]:
+        """(Under the lock, no update half made.)  What a checkpoint of this core holds: its arrays (views of the
+        live ones) and manifest; also what a primary sends a new replica."""
+        arrays = {"weights": self.flat}
+        arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
+        if self.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
+            arrays["round_sum"] = self.round.so_far()
+            arrays.update({f"round_push/{w}": a for w, a in self.round.apart.items()})
+        arrays.update(self.tables.arrays())
+        manifest = {"fingerprint": self.fingerprint, "identity": self.identity, "version": self.version,
+                    "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
+                    "policy": self.policy.state_dict(), "counters": dict(self.counters),
+                    "staleness_histogram": list(self.staleness_histogram),
+                    "round_bases": list(self.round.bases) if self.round else [],
+                    "optimizer": self.optimizer.describe(),
+                    "holders": self.roster.holders()}
+        return arrays, manifest
+
+    def write_checkpoint(self, save: Callable[[int, dict, dict], T], held: bool = False,
+                         force: bool = False) -> T | None:
+        """``save(version, arrays, manifest)`` of this core's whole state (what it returns: the file's path), or
+        nothing where the state is the one last saved (unless ``force``).  Under the lock, straight from the live
+        arrays with no update half made: consistent, and no second copy of the weights; training pauses meanwhile.
+        ``held``: the caller holds the lock already (a sync round's cut, as it closes).  A failure is counted
+        (``checkpoint_failures``) and raised (CheckpointError)."""
+        with contextlib.nullcontext() if held else self.lock:
+            if not held:
+                self.store.settle()  # the policy's clocks and the weights say the same
+            if not force and self.last_checkpoint and self.last_checkpoint[0] == self.version:
+                return None
+            arrays, manifest = self._state()
+            try:
+                path = save(self.version, arrays, manifest)
+            except CheckpointError:
+                self.counters["checkpoint_failures"] = self.counters.get("checkpoint_failures", 0) + 1
+                raise
+            self.last_checkpoint = (self.version, time.time())
+            return path
+
+    def adopt(self, ckpt: Checkpoint, restored: bool = False) -> None:
+        """Everything of ``ckpt`` (checked: psgd.server.recovery.check), or of a primary's state on its replica:
+        the training state, the counters, the staleness histogram, and each rank kept for its holder.
+        ``restored``: the shard starts from it (it says so in Status, and it is its last checkpoint)."""
+        m = ckpt.manifest
+        with self.lock:
+            self._put_back(ckpt)
+            self.counters.update({k: type(self.counters[k])(v) for k, v in m.get("counters", {}).items()
+                                  if k in self.counters})
+            self.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
+            self.roster.keep_for(m.get("holders", {}))
+            if restored:
+                self.restored_version = self.version
+                self.last_checkpoint = (self.version, float(m.get("written_at", time.time())))
+
+    def _put_back(self, ckpt: Checkpoint) -> None:
+        """(Under the lock.)  The training state of ``ckpt``: weights, optimizer, policy, the round in the making,
+        tables, version.  Who holds which rank, the counters and the leases stay as they are, and the policy expects the
+        workers the roster does (not those live when the checkpoint was written: a stopped job's had all left)."""
+        m, a = ckpt.manifest, ckpt.arrays
+        weights = a.get("weights")
+        if weights is None or weights.shape != self.flat.shape or weights.dtype != self.flat.dtype:
+            raise CheckpointError(f"{ckpt.path}: its weights do not fit shard {self.shard}")
+        self.store.replace(weights)
+        self.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
+        self.policy.load_state_dict(m["policy"], live_now=self.roster.expected())
+        if self.round is not None:
+            self.round.clear()
+            if "round_sum" in a:
+                self.round.load(a["round_sum"], m.get("round_bases", []),
+                                {int(k.split("/")[1]): v for k, v in a.items() if k.startswith("round_push/")})
+        if self.tables:
+            self.tables.load(a)
+        self.version = int(m["version"])
+
+    # -- going back to a cut ---------------------------------------------------------------------------------------
+    def went_back_for(self, cause: str) -> bool:
+        """Whether this shard went back for ``cause`` already (it goes back once per cause)."""
+        with self.lock:
+            return cause in self.rewind.causes
+
+    def go_back(self, version: int, cause: str, worker: int, load: Callable[[], Checkpoint]) -> int:
+        """Go back to the cut at ``version`` for ``cause`` (once per cause), as ``worker`` asks; ``load()`` reads and
+        checks this shard's checkpoint of it, outside the lock (the shard serves meanwhile; under sync nobody can go
+        on).  Every worker then continues from ``version``: a request with a later clock is refused with
+        ROLLED_BACK, naming it, until the worker comes with one no later.  Returns the rounds undone."""
+        with self.lock:
+            if cause in self.rewind.causes:
+                return 0
+            self.rewind.may_go_back()
+            if self.version < version:
+                raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} is at version {self.version}, behind "
+                                 f"the cut at {version} that worker {worker} asks it to go back to")
+            if self.version == version:  # there already (the shard that restarted, or one that never went past it)
+                self._went_back(cause, version)
+                return 0
+        ckpt = load()
+        with self.lock:
+            if cause in self.rewind.causes:
+                return 0
+            undone = self.version - version
+            self._put_back(ckpt)
+            self._went_back(cause, version)
+            self.counters["rollbacks"] += 1
+            self.counters["rounds_undone"] += undone
+            self.counters["applied"] -= undone  # the updates the weights hold: the version
+        return undone
+
+    def _went_back(self, cause: str, version: int) -> None:
+        self.rewind.went_back(cause, version)
+        self.changed.notify_all()
+
+    # -- a pair of processes ---------------------------------------------------------------------------------------
+    def join_pair(self, pair: Any) -> None:
+        """This process is one of a pair (psgd.server.replica.Replication): it serves no worker until it takes a
+        role."""
+        with self.lock:
+            self.replication, self.role = pair, "starting"
+            # times the pair's leader changed (copied with the state): the later of two leaders has the larger
+            self.counters.setdefault("failovers", 0)
+            self.counters.setdefault("unreplicated", 0)  # pushes its primary acknowledged without a copy
+
+    def take_role(self, role: str, only_from: str | None = None, failover: bool = False) -> None:
+        """Serve as ``role`` (where it was ``only_from``, when given), waking whatever waits on who serves;
+        ``failover``: a replica taking over (counted)."""
+        with self.lock:
+            if only_from is not None and self.role != only_from:
+                return
+            self.role = role
+            if failover:
+                self.counters["failovers"] += 1
+            self.wake()
+
+    def count(self, counter: str) -> None:
+        with self.lock:  # one a checkpoint written before it was counted lacks starts at 0
+            self.counters[counter] = self.counters.get(counter, 0) + 1
+
+    def notify(self) -> None:
+        """Wake whatever waits on the policy or on who serves (:meth:`wake`, taking the lock)."""
+        with self.lock:
+            self.wake()
+
+    def hand_over(self, attach: Callable[[int], bool]) -> tuple[int, dict, dict] | None:
+        """The whole state a new follower starts from, copied (the weights move on): (version, arrays, manifest),
+        where ``attach(version)`` says yes; asked under the lock with no update half made, so that the updates after
+        it are the ones the pair queues from then on.  None where it says no."""
+        with self.lock:
+            self.store.settle()
+            if not attach(self.version):
+                return None
+            arrays, manifest = self._state()
+            return self.version, {k: np.array(v) for k, v in arrays.items()}, manifest
+
+    def adopt_policy(self, state: Mapping[str, Any]) -> None:
+        """The primary's policy state (its clocks), on its replica."""
+        with self.lock:
+            self.policy.load_state_dict(dict(state))
+
+    def apply_replicated(self, seq: int, worker: int, clock: int, staleness: int, lr_scale: float,
+                         grads: Mapping[int, np.ndarray], answer: Callable[[str], None]) -> None:
+        """On a replica: the primary's update ``seq`` (worker ``worker``'s push at ``clock``), checked against this
+        process's policy before ``answer`` is called with "" (the primary acknowledges the push on it) or why not
+        (then refused: FAILED_PRECONDITION), and applied after."""
+        with self.lock:
+            decision = self.policy.push(worker, clock) if self.version + 1 == seq else None
+            if decision is None or decision.action != APPLY:
+                why = (f"replica of shard {self.shard} at version {self.version} cannot apply update {seq} (worker "
+                       f"{worker}, clock {clock}): "
+                       f"{(decision.reason or decision.action) if decision else 'out of order'}")
+                answer(why)
+                raise ShardError("FAILED_PRECONDITION", why)
+            answer("")  # held: applied while the next comes
+            self._record_staleness(staleness)
+            self._apply(grads, lr_scale, self.remedies.share)
+            self.counters["pushes"] += 1

@@ -84,7 +84,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             status.refuse(context, ShardError("ABORTED", "the registration was taken over as it was answered; "
                                                          "register again"))
         held = core.roster.workers[request.worker_id]
-        cut = core.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
+        cut = core.rewind.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
             worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
             num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,

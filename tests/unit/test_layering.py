@@ -112,8 +112,16 @@ def test_no_module_is_longer_than_a_sitting(path):
     assert len(path.read_text().splitlines()) <= 600, path
 
 
-#: the shard core: the only modules that take its lock, wait on its conditions or touch its private members
-CORE = {PSGD / "server" / "core.py", PSGD / "server" / "core_state.py"}
+#: the shard core: the only module that takes its lock, waits on its conditions or touches its private members
+CORE = {PSGD / "server" / "core.py"}
+
+
+def test_the_shard_core_is_one_class_with_its_fields():
+    """ShardCore's whole-state methods were a mixin (CoreState) whose fields only ShardCore set: a class now keeps
+    the fields it uses, and the core is split only into parts with state of their own, which it holds."""
+    tree = ast.parse((PSGD / "server" / "core.py").read_text())
+    (core,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ShardCore"]
+    assert core.bases == [] and not (PSGD / "server" / "core_state.py").exists()
 
 
 def _is_a_core(node: ast.AST) -> bool:
@@ -123,7 +131,7 @@ def _is_a_core(node: ast.AST) -> bool:
 
 def test_no_module_but_the_shard_core_takes_its_lock_or_touches_its_private_members():
     """Recovery, the pair and the replica's stream took the core's lock and called its private members (16 places):
-    what they need are the core's own locked methods (psgd/server/core_state.py)."""
+    what they need are the core's own locked methods."""
     found = []
     for path in sorted(PSGD.rglob("*.py")):
         if path in CORE or "proto" in path.parts:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from psgd.server import checkpoint, recovery
-from psgd.server.core_state import ROLLBACK_SPACING
+from psgd.server.rewind import ROLLBACK_SPACING
 from psgd.server.errors import ShardError
 from psgd.server.rounds import Round
 
@@ -57,7 +57,7 @@ def test_a_shard_goes_back_to_its_cut_once_per_cause_and_every_worker_is_told(tm
     assert (refused.code, refused.reason, refused.rewind_to) == ("FAILED_PRECONDITION", "ROLLED_BACK", 2)
     assert "continues from clock 2" in refused.message
     push(core, 1, 2)  # the repeated round closes, as it closed the first time
-    assert core.version == 3 and core.rewinding == {}
+    assert core.version == 3 and core.rewind.rewinding == {}
 
 
 def test_the_same_rounds_after_going_back_give_the_same_bits(tmp_path):
@@ -174,9 +174,9 @@ def test_a_shard_restarted_from_a_cut_tells_a_worker_that_is_past_it(tmp_path):
     assert restarted.version == 2
     hello = (PLAN.hash, json.dumps(PLAN.description()))
     assert restarted.register(0, *hello, clock=3) == 2
-    assert restarted.cut_asked == {0: 2}
+    assert restarted.rewind.cut_asked == {0: 2}
     assert error(push, restarted, 0, 3).reason == "ROLLED_BACK"
-    assert restarted.register(1, *hello, clock=2) == 2 and 1 not in restarted.cut_asked  # not past it
+    assert restarted.register(1, *hello, clock=2) == 2 and 1 not in restarted.rewind.cut_asked  # not past it
 
 
 def test_a_cut_needs_every_worker_in_every_round():
@@ -204,7 +204,7 @@ def test_a_rollback_names_its_cause_and_a_storm_of_causes_goes_back_once_a_secon
         assert err.code == "UNAVAILABLE" and "at most once a" in err.message
     assert core.version == 5 and core.counters["rollbacks"] == 1
     assert recovery.rollback(core, folder, 4, "restart-1", worker=1) == 0  # the same cause again: nothing to do
-    core.rollback_causes["restart-1"] -= ROLLBACK_SPACING  # a second later
+    core.rewind.causes["restart-1"] -= ROLLBACK_SPACING  # a second later
     assert recovery.rollback(core, folder, 4, "restart-2", worker=1) == 1
 
 
