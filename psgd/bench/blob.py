@@ -83,7 +83,7 @@ class ShardProcesses:
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, links=Links(transport=transport, wire_dtype=wire_dtype),
+        c = PSClient(self.addresses, self.plan, worker, links=Links(transport=transport, wire_dtype=wire_dtype or ""),
                      config=self.config,
                      token=self.token)
         c.wait_ready(60)

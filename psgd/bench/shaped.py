@@ -195,8 +195,8 @@ def worker_main(spec_path: str) -> int:
     config = JobConfig.load(spec["job"])
     elems = int(config.model["size"])
     plan = describe_job(config, model=Blob((1,), 2, size=elems)).plan
-    with PSClient(spec["addresses"], plan, spec["rank"], links=Links(wire_dtype=spec["wire_dtype"]), config=config,
-                  token=os.environ.get("PSGD_TOKEN", "")) as client:
+    with PSClient(spec["addresses"], plan, spec["rank"], links=Links(wire_dtype=spec["wire_dtype"] or ""),
+                  config=config, token=os.environ.get("PSGD_TOKEN", "")) as client:
         client.wait_ready(60)
         client.register()
         pulls, pushes = pull_push_loop(client, elems, spec["steps"])

@@ -4,8 +4,9 @@ they are about.
 A job file writes every key of the section flat (``[cluster] staleness = 3``, ``--set cluster.staleness=3``); in
 memory each key belongs to one part, frozen: :class:`Consistency` (a policy's own settings), :class:`Remedies`
 (what shards do to a stale async push), :class:`Links` (how pulls and pushes travel), :class:`Deadlines` and
-:class:`Recovery` (checkpoint cuts and replicas).  Each part checks its own keys (:meth:`check`); the rules across keys, between parts
-or with the optimizer, are :meth:`ClusterConfig.check`, the one place every command, ``psgd doctor`` and a starting
+:class:`Recovery` (checkpoint cuts and replicas).  Each key says beside its field what it may be, and a part (and
+:class:`ClusterConfig`, frozen too) refuses a bad value when it is made; the rules across keys, between parts or with
+the optimizer, are :meth:`ClusterConfig.check_across`, the one place every command, ``psgd doctor`` and a starting
 shard share.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from psgd.config.checks import check_addresses, check_bools, check_ints, check_seconds
+from psgd.config.checks import addresses, flag, integer, number, one_of, ports, refuse_bad, seconds
 from psgd.errors import ConfigError
 from psgd.policy import POLICIES
 from psgd.wire import TRANSPORTS
@@ -24,108 +25,93 @@ CUT_ROUNDS = 100
 #: how an async or ssp push is scaled: "divided" (lr / workers, so N pushes move the weights as one sync
 #: round does) or "full" (lr, each push a whole step)
 ASYNC_LR = ("divided", "full")
+_ASYNC_LR_SAID = '"divided" (each async or ssp push at lr / workers) or "full" (at lr)'
 
 
 @dataclasses.dataclass(frozen=True)
 class Consistency:
     """A policy's own settings (each read only by the policies named)."""
 
-    staleness: int = 2            # ssp: how many clocks a worker may run ahead of the slowest
-    backup_workers: int = 0       # sync: close a round after workers - backup_workers pushes
-    local_steps: int = 4          # local: steps a worker takes on its own copy between pull and push
+    staleness: int = integer(2, 0, 10**6)  # ssp: how many clocks a worker may run ahead of the slowest
+    backup_workers: int = integer(0, 0, 10**4)  # sync: close a round after workers - backup_workers pushes
+    local_steps: int = integer(4, 1, 10**6)  # local: steps a worker takes on its own copy between pull and push
 
-    def check(self, src: str) -> None:
-        check_ints(src, "cluster", self, {"staleness": (0, 10**6), "backup_workers": (0, 10**4),
-                                          "local_steps": (1, 10**6)})
+    def __post_init__(self) -> None:
+        refuse_bad(self, "cluster")
 
 
 @dataclasses.dataclass(frozen=True)
 class Remedies:
     """What a shard does to an async or ssp push computed on old weights (psgd.server.remedies)."""
 
-    staleness_lr: bool = False    # scale each gradient's learning rate by 1/staleness
-    async_lr: str = "divided"     # async, ssp: each push at lr / workers ("divided") or at lr ("full")
-    dc_lambda: float = 0.0        # async, ssp: delay compensation (DC-ASGD) of strength lambda; 0: none
-    dc_adaptive: bool = False     # async, ssp: lambda / sqrt(mean square of the gradients), per weight
-    implicit_momentum: bool = False  # async, ssp: lower the optimizer's momentum by asynchrony's (1 - 1/workers)
+    staleness_lr: bool = flag(False)  # scale each gradient's learning rate by 1/staleness
+    async_lr: str = one_of("divided", ASYNC_LR, _ASYNC_LR_SAID)  # async, ssp: each push at lr / workers ("divided")
+    #                               or at lr ("full")
+    dc_lambda: float = number(0.0, "a number from 0 (no delay compensation) to 1e6", 0, 1e6)  # async, ssp: delay
+    #                               compensation (DC-ASGD) of strength lambda; 0: none
+    dc_adaptive: bool = flag(False)  # async, ssp: lambda / sqrt(mean square of the gradients), per weight
+    implicit_momentum: bool = flag(False)  # async, ssp: lower the optimizer's momentum by asynchrony's (1 - 1/workers)
 
-    def check(self, src: str) -> None:
-        check_bools(src, "cluster", self, ("staleness_lr", "dc_adaptive", "implicit_momentum"))
-        if isinstance(self.dc_lambda, bool) or not isinstance(self.dc_lambda, (int, float)) \
-                or not 0 <= self.dc_lambda <= 1e6:
-            raise ConfigError(f"{src}: [cluster] dc_lambda must be a number from 0 (no delay compensation) to "
-                              f"1e6, got {self.dc_lambda!r}")
-        if self.async_lr not in ASYNC_LR:
-            raise ConfigError(f"{src}: [cluster] async_lr must be \"divided\" (each async or ssp push at lr / "
-                              f"workers) or \"full\" (at lr), got {self.async_lr!r}")
+    def __post_init__(self) -> None:
+        refuse_bad(self, "cluster")
 
 
 @dataclasses.dataclass(frozen=True)
 class Links:
     """How pulls and pushes travel between workers and shards."""
 
-    transport: str = "auto"       # pulls and pushes: auto (shared memory on a shard's host, else tcp), shm, tcp, grpc
-    wire_dtype: str = ""          # "float16" or "bfloat16": compress pushed float32 gradients on the wire
-    slice_bytes: int = 4 << 20    # tensors larger than this are cut into slices
-    data_ports: list = dataclasses.field(default_factory=list)  # each shard's data port, in shard order; empty: free ones
-    hello_timeout: float = 2.0    # a data-port connection that has not sent its hello by then is closed
-    busy_poll_us: int = -1        # µs a waiting end of a data connection watches for its answer before it sleeps;
+    transport: str = one_of("auto", TRANSPORTS, quoted=True)  # pulls and pushes: auto (shared memory on a shard's
+    #                               host, else tcp), shm, tcp, grpc
+    wire_dtype: str = one_of("", ("", "float16", "bfloat16"), quoted=True)  # "float16" or "bfloat16": compress
+    #                               pushed float32 gradients on the wire
+    slice_bytes: int = integer(4 << 20, 64, 1 << 30)  # tensors larger than this are cut into slices
+    data_ports: list = ports()    # each shard's data port, in shard order; empty: free ones
+    hello_timeout: float = seconds(2.0, 0.01, 3600.0)  # a data-port connection that has not sent its hello by then is
+    #                               closed
+    busy_poll_us: int = integer(-1, -1, 10**6)  # µs a waiting end of a data connection watches for its answer
+    #                               before it sleeps;
     #                               -1: psgd launch chooses (1000 where each process it starts has a core), else 0
+
+    def __post_init__(self) -> None:
+        refuse_bad(self, "cluster")
 
     @property
     def busy_poll_seconds(self) -> float:
         """Seconds a waiting end of a data connection watches before it sleeps (``busy_poll_us``; -1 is none)."""
         return max(self.busy_poll_us, 0) / 1e6
 
-    def check(self, src: str) -> None:
-        check_ints(src, "cluster", self, {"slice_bytes": (64, 1 << 30), "busy_poll_us": (-1, 10**6)})
-        check_seconds(src, "cluster", self, {"hello_timeout": (0.01, 3600.0)})
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"{src}: [cluster] transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
-                              f"got {self.transport!r}")
-        if self.wire_dtype not in ("", "float16", "bfloat16"):
-            raise ConfigError(f"{src}: [cluster] wire_dtype must be \"\", \"float16\" or \"bfloat16\", "
-                              f"got {self.wire_dtype!r}")
-        if not isinstance(self.data_ports, list) or not all(
-                isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in self.data_ports):
-            raise ConfigError(f"{src}: [cluster] data_ports must be a list of ports (1-65535), one per shard, got "
-                              f"{self.data_ports!r}")
-
 
 @dataclasses.dataclass(frozen=True)
 class Deadlines:
     """How long anything waits for a worker or an answer."""
 
-    lease_seconds: float = 10.0   # a worker silent this long leaves the round
-    join_timeout: float = 120.0   # a worker that never registers within this leaves the round
-    request_timeout: float = 60.0  # longest wait for any one call (a sync pull included)
+    # more than the most and a call's deadline no longer fits gRPC's clock (1e10 s did not); less than the least
+    # and no heartbeat or answer can come in time (a lease of 1e-9 s expired every worker at once)
+    lease_seconds: float = seconds(10.0, 0.1, 86400.0)  # a worker silent this long leaves the round
+    join_timeout: float = seconds(120.0, 0.1, 7 * 86400.0)  # a worker that never registers within this leaves the
+    #                               round
+    request_timeout: float = seconds(60.0, 0.01, 86400.0)  # longest wait for any one call (a sync pull included)
 
-    def check(self, src: str) -> None:
-        # more than the most and a call's deadline no longer fits gRPC's clock (1e10 s did not); less than the least
-        # and no heartbeat or answer can come in time (a lease of 1e-9 s expired every worker at once)
-        check_seconds(src, "cluster", self, {"lease_seconds": (0.1, 86400.0), "join_timeout": (0.1, 7 * 86400.0),
-                                             "request_timeout": (0.01, 86400.0)})
+    def __post_init__(self) -> None:
+        refuse_bad(self, "cluster")
 
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
     """How a job comes back from a killed shard: checkpoint cuts (sync) or a replica of each shard (async, ssp)."""
 
-    checkpoint_rounds: int = -1   # sync: every shard checkpoints at each multiple of this many rounds, all at the
-    #                               same versions (cuts); 0: every psgd-server --checkpoint-every seconds, at any
-    #                               version; -1: 100 under sync without backup workers, else 0 (a shard without
-    #                               a checkpoint folder has no cuts then)
-    on_cut_failure: str = "stop"  # a shard that cannot write a cut: "stop" (it refuses every call) or "continue"
-    replicas: int = 0             # async, ssp: 1 runs each shard twice, a replica applying every update before the
-    #                               push is acknowledged; workers fail over to it when the primary dies
-    replica_servers: list = dataclasses.field(default_factory=list)  # the replicas' addresses, in shard order
+    checkpoint_rounds: int = integer(-1, -1, 10**9)  # sync: every shard checkpoints at each multiple of this many
+    #                               rounds, all at the same versions (cuts); 0: every psgd-server --checkpoint-every
+    #                               seconds, at any version; -1: 100 under sync without backup workers, else 0 (a
+    #                               shard without a checkpoint folder has no cuts then)
+    on_cut_failure: str = one_of("stop", ("stop", "continue"), quoted=True)  # a shard that cannot write a cut:
+    #                               "stop" (it refuses every call) or "continue"
+    replicas: int = integer(0, 0, 1)  # async, ssp: 1 runs each shard twice, a replica applying every update before
+    #                               the push is acknowledged; workers fail over to it when the primary dies
+    replica_servers: list = addresses()  # the replicas' addresses, in shard order
 
-    def check(self, src: str) -> None:
-        check_ints(src, "cluster", self, {"checkpoint_rounds": (-1, 10**9), "replicas": (0, 1)})
-        if self.on_cut_failure not in ("stop", "continue"):
-            raise ConfigError(f"{src}: [cluster] on_cut_failure must be \"stop\" or \"continue\", got "
-                              f"{self.on_cut_failure!r}")
-        check_addresses(src, "cluster", "replica_servers", self.replica_servers)
+    def __post_init__(self) -> None:
+        refuse_bad(self, "cluster")
 
 
 PARTS = {"consistency": Consistency, "remedies": Remedies, "links": Links, "deadlines": Deadlines,
@@ -134,20 +120,23 @@ PARTS = {"consistency": Consistency, "remedies": Remedies, "links": Links, "dead
 PART_OF = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """How the parameter-server job is laid out and how shards apply updates."""
 
-    policy: str = "sync"          # a consistency policy: a name in psgd.policy.POLICIES
-    shards: int = 2               # parameter-server shards (psgd-server processes) holding the weights
-    workers: int = 2              # workers (psgd-worker processes), each on its own share of the data
-    servers: list = dataclasses.field(default_factory=list)  # shard addresses, host:port, in shard order
-    overlap: bool = False         # all-reduce: buckets reduced during backward; PS: next pull beside this push
+    policy: str = one_of("sync", POLICIES)  # a consistency policy: a name in psgd.policy.POLICIES
+    shards: int = integer(2, 1, 1024)  # parameter-server shards (psgd-server processes) holding the weights
+    workers: int = integer(2, 1, 10**4)  # workers (psgd-worker processes), each on its own share of the data
+    servers: list = addresses()   # shard addresses, host:port, in shard order
+    overlap: bool = flag(False)   # all-reduce: buckets reduced during backward; PS: next pull beside this push
     consistency: Consistency = dataclasses.field(default_factory=Consistency)
     remedies: Remedies = dataclasses.field(default_factory=Remedies)
     links: Links = dataclasses.field(default_factory=Links)
     deadlines: Deadlines = dataclasses.field(default_factory=Deadlines)
     recovery: Recovery = dataclasses.field(default_factory=Recovery)
+
+    def __post_init__(self) -> None:
+        refuse_bad(self, "cluster")
 
     # -- the job file's flat keys ---------------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -159,14 +148,13 @@ class ClusterConfig:
         part = PART_OF.get(key)
         return getattr(self if part is None else getattr(self, part), key)
 
-    def set(self, key: str, value: Any) -> None:
-        """Give a job file's key a value: a part is frozen (a shard or a worker takes it whole, and it does not change
-        under them), so the part is replaced by one with the new value."""
+    def with_value(self, key: str, value: Any) -> ClusterConfig:
+        """A new section with a job file's key given a value (and its part made anew): the section and its parts are
+        frozen, as a shard or a worker takes them whole and they do not change under it."""
         part = PART_OF.get(key)
         if part is None:
-            setattr(self, key, value)
-        else:
-            setattr(self, part, dataclasses.replace(getattr(self, part), **{key: value}))
+            return dataclasses.replace(self, **{key: value})
+        return dataclasses.replace(self, **{part: dataclasses.replace(getattr(self, part), **{key: value})})
 
     def flat(self) -> dict[str, Any]:
         """The section as a job file writes it: every key, flat."""
@@ -186,19 +174,10 @@ class ClusterConfig:
         for one that keeps checkpoints (``checkpoints``: it has a folder to write them to)."""
         return self.cut_rounds if checkpoints or self.recovery.checkpoint_rounds > 0 else 0
 
-    # -- checks ----------------------------------------------------------------------------------------------------
-    def check(self, src: str, optimizer: str | None) -> None:
-        """Each part's own keys, then every rule across keys (``optimizer``: the job's optimizer's name)."""
-        if not isinstance(self.policy, str) or self.policy not in POLICIES:
-            raise ConfigError(f"{src}: [cluster] policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        check_ints(src, "cluster", self, {"shards": (1, 1024), "workers": (1, 10**4)})
-        check_bools(src, "cluster", self, ("overlap",))
-        check_addresses(src, "cluster", "servers", self.servers)
-        for part in PARTS:
-            getattr(self, part).check(src)
-        self._check_across(src, optimizer)
-
-    def _check_across(self, src: str, optimizer: str | None) -> None:
+    # -- the rules across keys --------------------------------------------------------------------------------------
+    def check_across(self, src: str, optimizer: str | None) -> None:
+        """Every rule across keys (each key's own was kept when the section was made; ``optimizer``: the job's
+        optimizer's name).  Apart from making, as a job's overrides may pass through a section that breaks one."""
         c, r, rec = self.consistency, self.remedies, self.recovery
         policy = POLICIES[self.policy]
         if c.backup_workers >= self.workers:

@@ -1,5 +1,8 @@
-"""The job file as a whole: its sections, read from TOML and overridden from the command line, and the checks of
-each section but ``[cluster]``'s (:mod:`psgd.config.cluster`)."""
+"""The job file as a whole: its sections, read from TOML and overridden from the command line.
+
+``[train]``, ``[tables]`` and ``[tls]`` (and ``[cluster]``, :mod:`psgd.config.cluster`) are frozen parts that refuse
+a bad value when made, each key's range beside its field; a :class:`JobConfig` changes a key by making its section
+anew, and :meth:`JobConfig.validate` keeps the rules across keys and sections."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
-from psgd.config.checks import check_bools, check_ints
+from psgd.config.checks import flag, integer, number, one_of, refuse_bad, text
 from psgd.config.cluster import ClusterConfig
 from psgd.errors import ConfigError
 from psgd.tables.rules import ROW_OPTIMIZERS
@@ -19,56 +22,76 @@ from psgd.tables.rules import ROW_OPTIMIZERS
 DTYPES = ("float32", "float64")
 
 
-@dataclasses.dataclass
+def _named(function: str) -> bool:  # [train] augment: none, or package.module:function
+    return not function or ":" in function
+
+
+# The integer keys' ranges (lowest, highest) are those that work: beyond them a job would exhaust memory or time
+# before it did anything useful (the bounds are far past any real job).
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    batch_size: int = 32         # examples in each process's minibatch (a sync round of N workers: N x this)
-    epochs: int = 30             # passes over the training data (each worker over its own share)
-    seed: int = 0                # initial weights and data order
-    device: str = "cpu"          # cpu, cuda or cuda:N: where each process computes
-    dtype: str = "float32"       # float32 or float64: the weights and gradients
-    eval_every: int = 0  # steps between evaluations on the test split; 0 = once per epoch
-    eval_batch_size: int = 1024  # examples evaluated at once
-    eval_beside: bool = False  # evaluate a copy of the weights on a thread beside training: steps never wait for it
-    graphs: bool = True  # on a GPU, steps replayed as a CUDA graph where the model allows (psgd train: updates too)
-    threads: int = 0  # BLAS/OpenMP threads of each process; 0 = automatic (see psgd.compute.threads)
-    prefetch: bool = True  # rows read from disk (npy:DIR): the next batch gathered on a thread while a step computes
-    augment: str = ""  # package.module:function called on each training batch on the host, f(x, y, rng) -> (x, y)
+    batch_size: int = integer(32, 1, 1 << 24)  # examples in each process's minibatch (a sync round of N workers: N x
+    #                              this)
+    epochs: int = integer(30, 1, 10**7)  # passes over the training data (each worker over its own share)
+    seed: int = integer(0, 0, 2**63 - 1)  # initial weights and data order
+    device: str = text("cpu", "must be a string such as 'cpu' or 'cuda:0'")  # cpu, cuda or cuda:N: where each
+    #                              process computes
+    dtype: str = one_of("float32", DTYPES)  # float32 or float64: the weights and gradients
+    eval_every: int = integer(0, 0, 10**9)  # steps between evaluations on the test split; 0 = once per epoch
+    eval_batch_size: int = integer(1024, 1, 1 << 24)  # examples evaluated at once
+    eval_beside: bool = flag(False)  # evaluate a copy of the weights on a thread beside training: steps never wait
+    #                              for it
+    graphs: bool = flag(True)  # on a GPU, steps replayed as a CUDA graph where the model allows (psgd train: updates
+    #                              too)
+    threads: int = integer(0, 0, 4096)  # BLAS/OpenMP threads of each process; 0 = automatic (see
+    #                              psgd.compute.threads)
+    prefetch: bool = flag(True)  # rows read from disk (npy:DIR): the next batch gathered on a thread while a step
+    #                              computes
+    augment: str = text("", "must name a function as package.module:function", _named)  # package.module:function
+    #                              called on each training batch on the host, f(x, y, rng) -> (x, y)
+
+    def __post_init__(self) -> None:
+        refuse_bad(self, "train")
 
 
-#: Ranges that work, (lowest, highest), of the integer keys: beyond them a job would exhaust memory or time
-#: before it did anything useful (the bounds are far past any real job).
-_INT_KEYS = {"batch_size": (1, 1 << 24), "epochs": (1, 10**7), "eval_every": (0, 10**9),
-             "eval_batch_size": (1, 1 << 24), "threads": (0, 4096), "seed": (0, 2**63 - 1)}
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TablesConfig:
     """How a model's embedding tables are trained and kept (psgd.tables.rules, psgd.tables.held); unused without
     tables."""
 
-    optimizer: str = "rowwise_adagrad"  # the rule for rows: sgd, rowwise_adagrad or lazy_adam
-    lr: float = 0.05              # the rows' learning rate
-    eps: float = 1e-8             # rowwise_adagrad, lazy_adam
-    initial: float = 0.0          # rowwise_adagrad: each row's accumulator to start with
-    beta1: float = 0.9            # lazy_adam
-    beta2: float = 0.999          # lazy_adam
-    admit_after: int = 0          # a row is made at its id's k-th sighting (0, 1: at once)
-    idle_updates: int = 0         # rows untouched for this many updates of their table are evicted (0: never)
-    max_rows: int = 0             # rows one table may hold in one process (0: from a quarter of its memory; -1: no cap)
-    when_full: str = "fail"       # at max_rows: "fail" (refuse the rows) or "evict" (the least recently touched)
+    optimizer: str = one_of("rowwise_adagrad", ROW_OPTIMIZERS)  # the rule for rows: sgd, rowwise_adagrad or lazy_adam
+    lr: float = number(0.05, "a finite number > 0", 0, above=True)  # the rows' learning rate
+    eps: float = number(1e-8, "a finite number > 0", 0, above=True)  # rowwise_adagrad, lazy_adam
+    initial: float = number(0.0, "a finite number >= 0", 0)  # rowwise_adagrad: each row's accumulator to start with
+    beta1: float = number(0.9, "a finite number in [0, 1)", 0, 1, below=True)  # lazy_adam
+    beta2: float = number(0.999, "a finite number in [0, 1)", 0, 1, below=True)  # lazy_adam
+    admit_after: int = integer(0, 0, 1 << 16)  # a row is made at its id's k-th sighting (0, 1: at once)
+    idle_updates: int = integer(0, 0, 2**62)  # rows untouched for this many updates of their table are evicted (0:
+    #                               never)
+    max_rows: int = integer(0, -1, 2**40)  # rows one table may hold in one process (0: from a quarter of its memory;
+    #                               -1: no cap)
+    when_full: str = one_of("fail", ("fail", "evict"), quoted=True)  # at max_rows: "fail" (refuse the rows) or
+    #                               "evict" (the least recently touched)
+
+    def __post_init__(self) -> None:
+        refuse_bad(self, "tables")
 
 
-_TABLES_INT_KEYS = {"admit_after": (0, 1 << 16), "idle_updates": (0, 2**62), "max_rows": (-1, 2**40)}
+_PATH = "must be a path (a string)"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TLSConfig:
     """Mutual TLS between every process of the job, from PEM files (a relative path is read from the job file's
     folder); the same three as ``psgd launch --tls-cert/--tls-key/--tls-ca``, which take precedence."""
 
-    cert: str = ""  # the certificate every shard serves with and every worker (and observer) shows
-    key: str = ""   # its private key
-    ca: str = ""    # the CA that signed it: shards demand client certificates it signed, workers trust shards it signed
+    cert: str = text("", _PATH)  # the certificate every shard serves with and every worker (and observer) shows
+    key: str = text("", _PATH)   # its private key
+    ca: str = text("", _PATH)    # the CA that signed it: shards demand client certificates it signed, workers trust
+    #                              shards it signed
+
+    def __post_init__(self) -> None:
+        refuse_bad(self, "tls")
 
 
 @dataclasses.dataclass
@@ -106,8 +129,8 @@ class JobConfig:
         folder = Path(source).parent if Path(source).is_file() else None
         for key in ("cert", "key", "ca"):  # a path in a job file is read from the job file's folder
             value = getattr(job.tls, key)
-            if folder is not None and isinstance(value, str) and value and not Path(value).is_absolute():
-                setattr(job.tls, key, str(folder.resolve() / value))
+            if folder is not None and value and not Path(value).is_absolute():
+                job._set_field("tls", key, str(folder.resolve() / value))
         job.validate()
         return job
 
@@ -128,7 +151,8 @@ class JobConfig:
 
     # -- overrides --------------------------------------------------------
     def override(self, dotted: str, value: Any) -> None:
-        """Set ``section.key`` to ``value`` (``model.name`` replaces the model's options).
+        """Set ``section.key`` to ``value`` (``model.name`` replaces the model's options): a fixed section is made
+        anew, refusing a bad value.
 
         Only the key is checked here; call :meth:`validate` once every override is in, so
         that values which must agree (servers and shards, workers and backup workers) are
@@ -170,53 +194,29 @@ class JobConfig:
         if (section, key) == ("cluster", "data_ports") and isinstance(value, (str, int)) \
                 and not isinstance(value, bool):  # --set cluster.data_ports=50052,50054 or one port
             value = [int(p) if p.strip().isdigit() else p.strip() for p in str(value).split(",") if p.strip()]
-        if section == "cluster":
-            target.set(key, value)
-        else:
-            setattr(target, key, value)
+        try:
+            made = (target.with_value(key, value) if section == "cluster"
+                    else dataclasses.replace(target, **{key: value}))
+        except ConfigError as exc:  # the part names the section and the key; the job, where they were given
+            raise ConfigError(f"{self.source}: {exc}") from None
+        setattr(self, section, made)
 
     def validate(self) -> None:
+        """The rules across keys and sections, and the free sections' names (each fixed key was checked when its
+        section was made)."""
         src = self.source
         for section in ("model", "data", "optimizer"):
             name = getattr(self, section).get("name")
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{src}: [{section}] needs a name (a string)")
-        t = self.train
-        check_ints(src, "train", t, _INT_KEYS)
-        check_bools(src, "train", t, ("eval_beside", "graphs", "prefetch"))
-        if not isinstance(t.augment, str) or t.augment and ":" not in t.augment:
-            raise ConfigError(f"{src}: [train] augment must name a function as package.module:function, got "
-                              f"{t.augment!r}")
-        if t.dtype not in DTYPES:
-            raise ConfigError(f"{src}: [train] dtype must be one of {DTYPES}, got {t.dtype!r}")
-        if not isinstance(t.device, str):
-            raise ConfigError(f"{src}: [train] device must be a string such as 'cpu' or 'cuda:0', got {t.device!r}")
-        self.cluster.check(src, self.optimizer.get("name"))
+        self.cluster.check_across(src, self.optimizer.get("name"))
         files = [getattr(self.tls, k) for k in ("cert", "key", "ca")]
-        if not all(isinstance(f, str) for f in files):
-            raise ConfigError(f"{src}: [tls] cert, key and ca must be paths (strings), got {files!r}")
         if any(files) and not all(files):
             raise ConfigError(f"{src}: [tls] needs cert, key and ca together (mutual TLS: every shard serves with "
                               "the certificate, every worker shows it, and both trust the CA), or none of them")
-        self._validate_tables()
         lr = self.optimizer.get("lr")
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0):
             raise ConfigError(f"{src}: [optimizer] lr must be a positive number, got {lr!r}")
-
-    def _validate_tables(self) -> None:
-        src, t = self.source, self.tables
-        if t.optimizer not in ROW_OPTIMIZERS:
-            raise ConfigError(f"{src}: [tables] optimizer must be one of {', '.join(ROW_OPTIMIZERS)}, "
-                              f"got {t.optimizer!r}")
-        ranges = {"lr": "> 0", "eps": "> 0", "initial": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)"}
-        for key, words in ranges.items():
-            value = getattr(t, key)
-            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            if not number or value < 0 or (words == "> 0" and value == 0) or (words == "in [0, 1)" and value >= 1):
-                raise ConfigError(f"{src}: [tables] {key} must be a finite number {words}, got {value!r}")
-        check_ints(src, "tables", t, _TABLES_INT_KEYS)
-        if t.when_full not in ("fail", "evict"):
-            raise ConfigError(f"{src}: [tables] when_full must be \"fail\" or \"evict\", got {t.when_full!r}")
 
     def options(self, section: str) -> dict[str, Any]:
         """A section's options without its name."""

@@ -8,6 +8,7 @@ between the segments and the device, ending where the same job ends over TCP and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import mmap
 import os
 import signal
@@ -126,7 +127,7 @@ def test_a_gpu_worker_over_registered_shared_memory_ends_where_tcp_and_one_cpu_p
         run_worker(tcp, 0, tcp.cluster.servers, progress=False)
         over_tcp = fetch_weights(tcp.cluster.servers, plan)
     one = copy.deepcopy(job)
-    one.train.device = "cpu"
+    one.train = dataclasses.replace(one.train, device="cpu")
     reference = train_local(one, progress=False).params
     for name, ref in reference.items():
         assert over_shm[name].dtype == np.float64

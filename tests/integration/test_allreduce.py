@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -64,8 +65,7 @@ def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path, device):
         allreduce = {k: f[k] for k in f.files}
 
     reference_job = copy.deepcopy(job)
-    reference_job.train.batch_size = ranks * batch
-    reference_job.train.device = "cpu"
+    reference_job.train = dataclasses.replace(reference_job.train, batch_size=ranks * batch, device="cpu")
     reference = train_local(reference_job, progress=False).params
 
     with shards(job):

@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import gc
 import json
+import re
 import socket
 import struct
 import time
@@ -32,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psgd.config import Deadlines, Links
+from psgd.config import ConfigError, Deadlines, Links
 from psgd.data import datasets
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
@@ -385,7 +386,7 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
         assert rel.max() <= (2.0**-8 if wire_dtype == "bfloat16" else 2.0**-11)  # half an ulp
         assert np.all(np.abs(r[~normal] - g[~normal]) <= smallest * 2.0**-10)
     with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], deadlines=Deadlines(request_timeout=IO),
-                  links=Links(transport=link, wire_dtype=wire_dtype), config=job) as client:
+                  links=Links(transport=link, wire_dtype=wire_dtype or ""), config=job) as client:
         clock = client.register()
         before = [s.core.flat.copy() for s in servers]
         versions = [s.core.version for s in servers]
@@ -428,7 +429,7 @@ def test_nan_and_inf_gradients_are_refused_whatever_the_wire_dtype(async32, wire
     _poison(servers, grads, bits)
     before = [(s.core.flat.tobytes(), s.core.version) for s in servers]
     with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
-                  links=Links(wire_dtype=wire_dtype), config=job) as client:
+                  links=Links(wire_dtype=wire_dtype or ""), config=job) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -462,8 +463,8 @@ def test_compression_of_float64_variables_is_refused_by_the_client(hostile):
     for wire_dtype in ("float16", "bfloat16"):
         with pytest.raises(PSError, match="needs float32 variables"):
             PSClient(["127.0.0.1:1"], hostile.plan, 0, links=Links(wire_dtype=wire_dtype))
-    with pytest.raises(PSError, match="use none, float16, bfloat16"):
-        PSClient(["127.0.0.1:1"], hostile.plan, 0, links=Links(wire_dtype="int8"))
+    with pytest.raises(ConfigError, match=re.escape('[cluster] wire_dtype must be "", "float16" or "bfloat16"')):
+        Links(wire_dtype="int8")  # refused before any client takes it
 
 
 # --- timeouts -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ examples per step, one averaged update per clock.
 """
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -39,8 +40,7 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
         versions = {s.core.version for s in servers}
 
     reference_job = copy.deepcopy(job)  # the [cluster] section plays no part in a single process
-    reference_job.train.batch_size = workers * batch
-    reference_job.train.device = "cpu"
+    reference_job.train = dataclasses.replace(reference_job.train, batch_size=workers * batch, device="cpu")
     reference = train_local(reference_job, progress=False)
 
     assert versions == {reference.steps}  # one update per clock on every shard

@@ -4,6 +4,7 @@ batch, table included; the rows move in the same pulls and pushes; what the shar
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -55,7 +56,7 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
         held = [len(s.core.tables.tables["emb"]) for s in servers]
 
     reference_job = copy.deepcopy(job)
-    reference_job.train.batch_size = workers * batch
+    reference_job.train = dataclasses.replace(reference_job.train, batch_size=workers * batch)
     reference = build_job(reference_job, check=True)
     local = LocalExchange(reference)
     expected = run_loop(reference, local, progress=False)
@@ -383,7 +384,7 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
         allreduce = {k: f[k] for k in f.files}
 
     reference_job = copy.deepcopy(job)
-    reference_job.train.batch_size = ranks * batch
+    reference_job.train = dataclasses.replace(reference_job.train, batch_size=ranks * batch)
     reference = build_job(reference_job, check=True)
     expected = run_loop(reference, LocalExchange(reference), progress=False)
     assert sorted(allreduce) == sorted(expected.params)  # the dense weights, and the table's rows saved with them

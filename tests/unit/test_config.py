@@ -204,7 +204,7 @@ def test_tls_files_in_the_job_file_are_read_from_its_folder_and_come_together(tm
     for text in ('[tls]\ncert = "a.pem"\n', '[tls]\ncert = "a.pem"\nkey = "a.key"\n'):
         with pytest.raises(ConfigError, match=r"\[tls\] needs cert, key and ca together"):
             JobConfig.load(write(tmp_path, text))
-    with pytest.raises(ConfigError, match=r"\[tls\] cert, key and ca must be paths"):
+    with pytest.raises(ConfigError, match=r"\[tls\] cert must be a path \(a string\), got 1"):
         JobConfig.load(write(tmp_path, '[tls]\ncert = 1\nkey = "k"\nca = "c"\n'))
     with pytest.raises(ConfigError, match=r"\[tls\] unknown key 'password'"):
         JobConfig.load(write(tmp_path, '[tls]\npassword = "x"\n'))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import types
 
 import pytest
 
@@ -131,4 +132,4 @@ def test_policy_from_cluster_takes_any_object_with_the_keys():
     cluster = ClusterConfig(policy="ssp", workers=2, consistency=Consistency(staleness=0))
     assert policy_from_cluster(cluster).staleness == 0
     with pytest.raises(PolicyError, match="unknown policy 'bsp'"):
-        policy_from_cluster(ClusterConfig(policy="bsp"))
+        policy_from_cluster(types.SimpleNamespace(policy="bsp", workers=2, consistency=Consistency()))
