@@ -1,7 +1,7 @@
 """The reference pages of the documentation, generated from what the code defines, so that they cannot drift:
-every command's flags from its argparse parser (:func:`commands`), every job-file key with its default and the
-comment it is defined with in :mod:`psgd.config` (:func:`job_file`).  ``docs/hooks.py`` writes them into the site
-at build time; the tests check that every flag and key is there."""
+every command's flags from its argparse parser (:func:`commands`), every job-file key with its default, what it
+may be and the comment it is defined with in :mod:`psgd.config` (:func:`job_file`).  ``docs/hooks.py`` writes them
+into the site at build time; the tests check that every flag and key is there."""
 
 from __future__ import annotations
 
@@ -116,11 +116,14 @@ def sections() -> list[tuple[str, type]]:
 
 
 def _rows(cls: type, values: Any, comments: dict[str, dict[str, str]], skip: Any = ()) -> list[str]:
-    """A table of ``cls``'s keys (but those in ``skip``): each key, its value in ``values`` and its comment."""
-    out = ["| key | default | meaning |", "|---|---|---|"]
+    """A table of ``cls``'s keys (but those in ``skip``): each key, its value in ``values``, what it may be (the rule
+    its field is made with, which refuses any other value) and its comment."""
+    out = ["| key | default | may be | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.name not in skip:
-            out.append(f"| `{f.name}` | `{getattr(values, f.name)!r}` | "
+            rule = f.metadata.get("rule")
+            may = rule.words.removeprefix("must be ").removeprefix("must ") if rule else ""
+            out.append(f"| `{f.name}` | `{getattr(values, f.name)!r}` | {_cell(may)} | "
                        f"{_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
     return out + [""]
 
@@ -138,13 +141,14 @@ def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
 
 
 def job_file() -> str:
-    """Markdown: every key of every section with fixed keys, its default and its meaning."""
+    """Markdown: every key of every section with fixed keys, its default, what it may be and its meaning."""
     from psgd.config import PARTS, JobConfig
 
     comments = _comments()
     out = ["# Job-file keys", "", "Generated from `psgd/config/` each time the documentation is built: every key, "
-           "its default and what it means. `[model]`, `[data]` and `[optimizer]` take a `name` and that choice's own "
-           "options (see the how-to pages); every key can also be set with `--set SECTION.KEY=VALUE`.", ""]
+           "its default, what it may be (any other value is refused) and what it means. `[model]`, `[data]` and "
+           "`[optimizer]` take a `name` and that choice's own options (see the how-to pages); every key can also be "
+           "set with `--set SECTION.KEY=VALUE`.", ""]
     defaults = JobConfig()
     for section, cls in sections():
         out += [f"## `[{section}]`", ""]
