@@ -1,14 +1,15 @@
-"""Links: how a worker talks to one shard, one class per transport, chosen by configuration, and whether a shard
-is there to be talked to (:func:`accepts_connections`).
+"""Links: how a worker talks to one shard, a control link and a data link composed (:mod:`psgd.link.compose`),
+the data link chosen by configuration, and whether a shard is there to be talked to (:func:`accepts_connections`).
 
-- :mod:`psgd.link.base`: the interface every link has (register, pull into
-  arrays, push, heartbeat, done, status), its one error type and reply.
-- :mod:`psgd.link.grpc`: everything over gRPC, tensors in protobuf chunks.
-- :mod:`psgd.link.tcp`: pulls and pushes over the shard's plain-TCP data
-  port, control calls over gRPC.
-- :mod:`psgd.link.shm`: on the shard's host, pulls and pushes through shared
-  memory (:mod:`psgd.wire.segment`), their requests over the data port;
-  elsewhere the TCP link's (the default, ``transport = "auto"``).
+- :mod:`psgd.link.base`: what a link is made from (the shard's endpoint), the interface every data link has
+  (pull into arrays, push, push and pull), its one error type and reply.
+- :mod:`psgd.link.grpc`: the control link (register, heartbeat, done, status, rows, rollback), and the data link
+  over gRPC, tensors in protobuf chunks.
+- :mod:`psgd.link.tcp`: the data link over the shard's plain-TCP data port.
+- :mod:`psgd.link.shm`: on the shard's host, the data link through shared memory (:mod:`psgd.wire.segment`),
+  its requests over the data port; elsewhere over the data port as it is (the default, ``transport = "auto"``).
+- :mod:`psgd.link.compose`: the link the worker's client holds for each shard: its control link, and the data
+  link of its kind where the shard gives a data port, else the one over gRPC.
 
 What both ends share (the data port's frames, the segments, the refusals' reasons) is :mod:`psgd.wire`,
 and so is what each ``transport`` means.
@@ -20,17 +21,20 @@ are the worker's client's (:mod:`psgd.worker.client`), the same for every link.
 
 from __future__ import annotations
 
-from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply
-from psgd.link.grpc import GrpcLink
-from psgd.link.shm import ShmLink
-from psgd.link.tcp import TcpLink
+from psgd.compute import backend
+from psgd.link.base import DataLink, Endpoint, LinkError, ProtocolError, PushReply
+from psgd.link.compose import Link
+from psgd.link.grpc import GrpcData
+from psgd.link.shm import ShmData
+from psgd.link.tcp import TcpData
 from psgd.wire import TRANSPORTS, meaning
 from psgd.wire.channel import accepts_connections
 
-__all__ = ["Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS",
+__all__ = ["DataLink", "Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS",
            "accepts_connections", "link_kind", "open_link"]
 
-LINKS: dict[str, type[Link]] = {"grpc": GrpcLink, "tcp": TcpLink, "shm": ShmLink}
+#: Each kind of link by name: the data link its tensors go over where the shard gives a data port.
+LINKS: dict[str, type[DataLink]] = {"grpc": GrpcData, "tcp": TcpData, "shm": ShmData}
 
 
 def link_kind(transport: str) -> str:
@@ -38,10 +42,11 @@ def link_kind(transport: str) -> str:
     return str(meaning(transport)["link"])
 
 
-def open_link(kind: str, endpoint: Endpoint) -> Link:
-    """A link of ``kind`` (a key of :data:`LINKS`) to the shard at ``endpoint``."""
+def open_link(kind: str, endpoint: Endpoint, device: backend.Device = backend.CPU) -> Link:
+    """A link of ``kind`` (a key of :data:`LINKS`) to the shard at ``endpoint``, for a worker computing on
+    ``device`` (a GPU worker's shared-memory link registers its segments with it, and may take device arrays)."""
     try:
-        cls = LINKS[kind]
+        data = LINKS[kind]
     except KeyError:
         raise ValueError(f"unknown link {kind!r}: use one of {', '.join(LINKS)}") from None
-    return cls(endpoint)
+    return Link(kind, data, endpoint, device)

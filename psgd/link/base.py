@@ -1,12 +1,14 @@
-"""What a link to one shard does, whatever carries the bytes: the interface and its one error type."""
+"""What a link to one shard is made from, whatever carries the bytes: its endpoint, the interface of a data link,
+its one error type."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from psgd.compute import backend
 from psgd.wire.codec import Codec
 from psgd.errors import Code, TransportError
 from psgd.partition import Slice
@@ -76,20 +78,31 @@ RowsOut = Mapping[str, "tuple[np.ndarray, np.ndarray]"]
 RowsIn = Mapping[str, "tuple[np.ndarray, np.ndarray]"]
 
 
-class Link:
-    """Calls to one shard.  Every method raises :class:`LinkError` on failure; none retries (the
-    worker's client decides what to retry).  ``pull`` fills ``views`` (one per slice, slice order), and the
+class DataLink:
+    """How the tensors of one shard's pulls and pushes travel: over gRPC, the shard's data port or shared memory.
+    Made from the control link (:class:`psgd.link.grpc.ControlLink`: the endpoint, the registration key its calls
+    carry) and the device the worker computes on.  Every method raises :class:`LinkError` on failure; none retries
+    (the worker's client decides what to retry).  ``pull`` fills ``views`` (one per slice, slice order), and the
     rows of ``rows`` where given, and returns the version; ``push`` sends ``parts`` (one per slice, encoded by
-    ``codec``) and the row gradients of ``rows``; every link carries rows with the pull or push they belong
-    to."""
+    ``codec``) and the row gradients of ``rows``; every data link carries rows with the pull or push they belong
+    to.  Host buffers only, unless :attr:`takes_device`: then ``device`` (device arrays, one per view) takes the
+    weights, and ``parts`` may be device arrays."""
 
-    kind = ""
+    #: what carries the bytes now: "grpc", "tcp" or "shm"
+    via = ""
+    #: whether it goes to and from device arrays itself (else its link stages them through the host)
+    takes_device = False
+    #: whether pulls and pushes go through shared memory now, and between it and the GPU with no staging
+    shared = direct = False
+    #: the shard's data port it uses (0: none)
+    data_port = 0
 
-    def __init__(self, endpoint: Endpoint):
-        self.endpoint = endpoint
+    def __init__(self, control: Any, device: backend.Device):  # a psgd.link.grpc.ControlLink
+        self.control, self.endpoint, self.device = control, control.endpoint, device
 
-    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
-        raise NotImplementedError
+    def registered(self, reply: ps_pb2.RegisterReply) -> bool:
+        """Told the shard's answer to a registration: whether this data link can carry its tensors now."""
+        return True
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         raise NotImplementedError
@@ -99,34 +112,26 @@ class Link:
         raise NotImplementedError
 
     def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-                  views: list[memoryview], device: Mapping | None = None) -> tuple[PushReply, int | None]:
-        """A push of ``clock`` whose answer brings the weights of ``clock + 1`` into ``views`` (into ``device``, a
-        flat device array per variable, where the link can): one round trip.  Returns the push's reply and the
-        weights' version, or None for a version where the push was applied but the weights did not come (the
-        shard could not let the pull go, or the connection broke after the push's reply): the caller pulls then.
-        A failure before the push's reply raises, as a push's does (a retried push is applied once)."""
-        raise NotImplementedError
-
-    def heartbeat(self, clock: int, timeout: float) -> None:
-        raise NotImplementedError
-
-    def done(self, clock: int) -> None:
-        raise NotImplementedError
-
-    def status(self) -> ps_pb2.StatusReply:
-        raise NotImplementedError
-
-    def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
-        """A page of the rows of ``table`` the shard holds, from ``start`` (0, then a reply's ``next``)."""
-        raise NotImplementedError
-
-    def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
-        """Take the shard back to its cut at ``version`` (once per ``cause``: the incarnation of the shard of the job
-        that restarted from a cut), or list its cuts (``dry_run``)."""
+                  views: list[memoryview]) -> tuple[PushReply, int | None]:
+        """A push of ``clock`` whose answer brings the weights of ``clock + 1`` into ``views``: one round trip.
+        Returns the push's reply and the weights' version, or None for a version where the push was applied but
+        the weights did not come (the shard could not let the pull go, or the connection broke after the push's
+        reply): the caller pulls then.  A failure before the push's reply raises, as a push's does (a retried push
+        is applied once)."""
         raise NotImplementedError
 
     def interrupt(self) -> None:
-        """End the calls in flight (from another thread): the worker is stopping."""
+        """End the pulls in flight, for good (from another thread): the worker is stopping."""
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Close what this data link opened (the control link closes its channel)."""
+
+
+def to_device(targets: list, views: list[memoryview], device: backend.Device) -> None:
+    """Copy each host view (a pull's bytes) into its device array of ``targets``."""
+    backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], device)
+
+
+def on_host(parts: list) -> list:
+    """Device arrays (a gradient pushed from the GPU, uncompressed) as bytes on the host."""
+    return [memoryview(backend.to_host(p)).cast("B") for p in parts]

@@ -1,11 +1,12 @@
-"""The gRPC link: every call to a shard over its gRPC port, tensors in protobuf chunks.
+"""A shard's gRPC port: the control link every worker's link holds, and the data link over gRPC.
 
-A pull streams :class:`TensorChunk` messages straight into the worker's
-arrays; a push streams a header and then each slice's bytes (encoded by the
-push's codec) in chunks of :data:`psgd.wire.channel.CHUNK_BYTES`, from views of
-the gradient, so no model-sized buffer is built per step.  It is the whole
-link when ``[cluster] transport = "grpc"``, and the control half (register,
-heartbeat, done, status) of the TCP and shared-memory links.
+The control link (:class:`ControlLink`) makes every call that is not a tensor's: register, heartbeat, done,
+status, the listing of rows, rollback; each proves the token, and each after the registration carries its key.
+The data link over gRPC (:class:`GrpcData`) carries the tensors through the control link's channel: a pull
+streams :class:`TensorChunk` messages straight into the worker's arrays; a push streams a header and then each
+slice's bytes (encoded by the push's codec) in chunks of :data:`psgd.wire.channel.CHUNK_BYTES`, from views of the
+gradient, so no model-sized buffer is built per step.  It is the data link of ``[cluster] transport = "grpc"``,
+and of every link to a shard that gives no data port.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 import numpy as np
 
+from psgd.compute.backend import Device
 from psgd.wire.channel import chunks, open_channel
 from psgd.wire.codec import Codec
 from psgd.errors import Code
-from psgd.link.base import Endpoint, Link, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
+from psgd.link.base import DataLink, Endpoint, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.wire import status
 from psgd.wire.rows import MAX_PULL_ROWS, blocks
@@ -39,18 +41,15 @@ def _call(fn: Callable[[], T]) -> T:
         raise _link_error(err) from None
 
 
-class GrpcLink(Link):
-    kind = "grpc"
+class ControlLink:
+    """The calls to one shard that go over gRPC whatever carries the tensors; its channel is the gRPC data link's."""
 
     def __init__(self, endpoint: Endpoint):
-        super().__init__(endpoint)
+        self.endpoint = endpoint
         self.channel = open_channel(endpoint.address, endpoint.tls, endpoint.token)  # each call proves the token
         self.stub = ps_pb2_grpc.ParameterServerStub(self.channel)
         self.timeout = endpoint.request_timeout
         self.registration = ""  # the key of this worker's registration with the shard: every later call carries it
-        self._streams: list = []  # pull streams in flight, cancelled by interrupt()
-        self._interrupted = False
-        self._lock = threading.Lock()
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
         reply = _call(lambda: self.stub.Register(request, timeout=self.timeout))
@@ -70,13 +69,31 @@ class GrpcLink(Link):
         return _call(lambda: self.stub.Status(ps_pb2.StatusRequest(), timeout=self.timeout))
 
     def list_rows(self, table: str, start: int) -> ps_pb2.ListRowsReply:
+        """A page of the rows of ``table`` the shard holds, from ``start`` (0, then a reply's ``next``)."""
         request = ps_pb2.ListRowsRequest(table=table, start=start)
         return _call(lambda: self.stub.ListRows(request, timeout=self.timeout))
 
     def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
+        """Take the shard back to its cut at ``version`` (once per ``cause``: the incarnation of the shard of the job
+        that restarted from a cut), or list its cuts (``dry_run``)."""
         request = ps_pb2.RollbackRequest(worker_id=self.endpoint.worker_id, to_version=version, cause=cause,
                                          dry_run=dry_run, registration=self.registration)
         return _call(lambda: self.stub.Rollback(request, timeout=self.timeout))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class GrpcData(DataLink):
+    """Tensors in protobuf chunks, over the control link's channel."""
+
+    via = "grpc"
+
+    def __init__(self, control: ControlLink, device: Device):
+        super().__init__(control, device)
+        self._streams: list = []  # pull streams in flight, cancelled by interrupt()
+        self._interrupted = False
+        self._lock = threading.Lock()
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         ep = self.endpoint
@@ -86,9 +103,10 @@ class GrpcLink(Link):
             raise ProtocolError(f"a pull may ask shard {ep.shard} for at most {MAX_PULL_ROWS:,} rows, this one asks "
                                 f"for {asking:,}: use a smaller batch, or more shards")
         asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
-        stream = self.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked,
-                                                   registration=self.registration),
-                                timeout=self.timeout)
+        control = self.control
+        stream = control.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked,
+                                                      registration=control.registration),
+                                   timeout=control.timeout)
         with self._watched(stream):
             return self._fill(self._chunks(stream), views, rows)
 
@@ -164,7 +182,7 @@ class GrpcLink(Link):
         dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
         yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
             worker_id=ep.worker_id, clock=clock, base_version=base_version, dtype=dtype,
-            rows=sum(len(ids) for ids, _ in (rows or {}).values()), registration=self.registration))
+            rows=sum(len(ids) for ids, _ in (rows or {}).values()), registration=self.control.registration))
         for sl, part in zip(ep.slices, parts):
             for offset, piece in chunks(part):
                 yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset, data=bytes(piece)))
@@ -174,13 +192,16 @@ class GrpcLink(Link):
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
              rows: RowsIn | None = None) -> PushReply:
-        reply = _call(lambda: self.stub.Push(self._messages(clock, base_version, codec, parts, rows),
-                                             timeout=self.timeout))
+        control = self.control
+        reply = _call(lambda: control.stub.Push(self._messages(clock, base_version, codec, parts, rows),
+                                                timeout=control.timeout))
         return PushReply(reply.outcome, reply.next_clock, reply.version, reply.staleness)
 
     def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-                  views: list[memoryview], device=None) -> tuple[PushReply, int | None]:
-        stream = self.stub.PushPull(self._messages(clock, base_version, codec, parts, None), timeout=self.timeout)
+                  views: list[memoryview]) -> tuple[PushReply, int | None]:
+        control = self.control
+        stream = control.stub.PushPull(self._messages(clock, base_version, codec, parts, None),
+                                       timeout=control.timeout)
         received = self._chunks(stream)
         first = next(received, None)  # an error before it: the push's
         if first is None or not first.HasField("pushed"):
@@ -200,6 +221,3 @@ class GrpcLink(Link):
             streams = list(self._streams)
         for stream in streams:
             stream.cancel()
-
-    def close(self) -> None:
-        self.channel.close()

@@ -22,7 +22,7 @@ segment, its push connection a segment of its own (:mod:`psgd.wire.segment`).  F
 A shard on another host, in another container or namespace, or one that offers no shared memory
 (``[cluster] transport = "tcp"`` on its side), is reached over the data port instead, with one log
 line saying why (a warning where the job asked for ``transport = "shm"``).  Errors, retries and
-reconnections are the TCP link's (:mod:`psgd.link.tcp`).
+reconnections are the TCP data link's (:mod:`psgd.link.tcp`), whose connections this one opens.
 
 A worker on a GPU registers its mappings of both segments with the device's driver (page-locked, as pinned
 memory is: :func:`psgd.compute.backend.register_host`) for as long as their connection lasts, and while every shard shares
@@ -35,15 +35,14 @@ host is.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
-
 import numpy as np
 
 from psgd.compute import backend
 from psgd.wire.codec import Codec
 from psgd.errors import TransportError
-from psgd.link.base import Endpoint, PushReply, RowsIn, RowsOut
-from psgd.link.tcp import DataConnection, TcpLink
+from psgd.link.base import DataLink, PushReply, RowsIn, RowsOut, on_host, to_device
+from psgd.link.grpc import ControlLink
+from psgd.link.tcp import DataConnection, TcpData
 from psgd.proto import ps_pb2
 from psgd.wire import meaning, protocol, segment
 from psgd.wire.sweep import PARALLEL_BYTES, Sweep
@@ -167,31 +166,35 @@ def _over(arrays: list, memory: memoryview) -> list[tuple]:
     return pairs
 
 
-def _to_device(targets: list, views: list[memoryview], device: backend.Device) -> None:
-    """Copy each host view (a pull's bytes) into its device array of ``targets``."""
-    backend.copy_to_device([(t, np.frombuffer(v, t.dtype)) for t, v in zip(targets, views)], device)
+class ShmData(DataLink):
+    """Pulls and pushes through shared memory where the shard shares it, their requests on the data port's
+    connections (:class:`psgd.link.tcp.TcpData`, whose connections this link opens); else on those connections as
+    they are.  Takes device arrays: between the GPU and the segments directly where it has them."""
 
+    takes_device = True
 
-def _on_host(parts: list) -> list:
-    """Device arrays (a gradient pushed from the GPU, uncompressed) as bytes on the host, for the data port."""
-    return [memoryview(backend.to_host(p)).cast("B") for p in parts]
-
-
-class ShmLink(TcpLink):
-    """Bulk transfers through shared memory where the shard shares it, else the data port (TCP)."""
-
-    kind = "shm"
-
-    def __init__(self, endpoint: Endpoint):
-        super().__init__(endpoint)
+    def __init__(self, control: ControlLink, device: backend.Device):
+        super().__init__(control, device)
+        self.tcp = TcpData(control, device, opener=self._open)
         #: whether pulls and pushes go through shared memory (decided at registration)
         self.shared = False
         self._said = ""  # the reason last logged for not sharing, so that it is said once
-        #: the device the worker computes on (its client sets it): on a GPU the segments are registered with it
-        self.device = backend.CPU
 
-    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
-        reply = super().register(request)
+    @property
+    def via(self) -> str:
+        return "shm" if self.shared else "tcp"
+
+    @property
+    def data_port(self) -> int:
+        return self.tcp.data_port
+
+    @property
+    def direct(self) -> bool:
+        """Whether pulls and pushes go between the GPU and shared memory now, with no staging on the host."""
+        return self.shared and self.device.is_gpu
+
+    def registered(self, reply: ps_pb2.RegisterReply) -> bool:
+        self.tcp.registered(reply)
         shard, nbytes = self.endpoint.shard, sum(s.nbytes for s in self.endpoint.slices)
         if not reply.data_port:
             self._over_tcp("it has no data port")
@@ -208,79 +211,60 @@ class ShmLink(TcpLink):
         else:
             self.shared = True
             log.debug("shard %d: pulls and pushes through shared memory", shard)
-        return reply
-
-    @property
-    def direct(self) -> bool:
-        """Whether pulls and pushes go between the GPU and shared memory now, with no staging on the host."""
-        return self.shared and self.device.is_gpu
+        return bool(reply.data_port)
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None,
-             device: Mapping[str, Any] | None = None) -> int:
-        """As every link's; ``device`` (a flat device array per variable) takes the weights instead of ``views``:
+             device: list | None = None) -> int:
+        """As every data link's; ``device`` (a device array per view) takes the weights instead of ``views``:
         straight from the weights segment where this link has it, else through ``views``."""
         if device is None:
-            return super().pull(clock, views, rows)
-        targets = [device[s.var][s.start:s.stop] for s in self.endpoint.slices]  # one per view, in slice order
-
-        def through_host(version: int) -> int:
-            _to_device(targets, views, self.device)
-            return version
+            return self.tcp.pull(clock, views, rows)
 
         def into_device(conn: DataConnection) -> int:
             if isinstance(conn, ShmConnection):
-                return conn.pull(clock, views, rows, targets)
-            return through_host(conn.pull(clock, views, rows))  # the data port, with no segment
+                return conn.pull(clock, views, rows, device)
+            version = conn.pull(clock, views, rows)  # the data port, with no segment
+            to_device(device, views, self.device)
+            return version
 
-        if self.data_port:
-            return self._over_data("pull", into_device)
-        return through_host(super().pull(clock, views, rows))  # over gRPC
+        return self.tcp.over("pull", into_device)
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list, rows: RowsIn | None = None) -> PushReply:
-        """As every link's; ``parts`` may be device arrays (an uncompressed gradient on the GPU): copied straight
-        into the push segment where this link has one, else to the host first."""
+        """As every data link's; ``parts`` may be device arrays (an uncompressed gradient on the GPU): copied
+        straight into the push segment where this link has one, else to the host first."""
         if not parts or not backend.is_device_array(parts[0]):
-            return super().push(clock, base_version, codec, parts, rows)
+            return self.tcp.push(clock, base_version, codec, parts, rows)
         size = sum(p.nbytes for p in parts)
 
         def from_device(conn: DataConnection) -> PushReply:
-            mine = parts if isinstance(conn, ShmConnection) else _on_host(parts)
+            mine = parts if isinstance(conn, ShmConnection) else on_host(parts)
             return conn.push(clock, base_version, codec.code, mine, size, rows)
 
-        if self.data_port:
-            return self._over_data("push", from_device)
-        return super().push(clock, base_version, codec, _on_host(parts), rows)  # over gRPC
+        return self.tcp.over("push", from_device)
 
     def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview],
-                  device: Mapping[str, Any] | None = None) -> tuple[PushReply, int | None]:
-        """As every link's; ``parts`` may be device arrays and ``device`` take the weights, as for :meth:`push` and
-        :meth:`pull`.  Through shared memory where both of this link's connections have it: the gradient goes
+                  device: list | None = None) -> tuple[PushReply, int | None]:
+        """As every data link's; ``parts`` may be device arrays and ``device`` take the weights, as for :meth:`push`
+        and :meth:`pull`.  Through shared memory where both of this link's connections have it: the gradient goes
         through the push segment, the weights come out of the weights segment (mapped by the pull connection)."""
         on_device = bool(parts) and backend.is_device_array(parts[0])
-        targets = None if device is None else [device[s.var][s.start:s.stop] for s in self.endpoint.slices]
-
-        def through_host(reply: PushReply, version: int | None) -> tuple[PushReply, int | None]:
-            if version is not None and targets is not None:  # over a socket, into the host views first
-                _to_device(targets, views, self.device)
-            return reply, version
-
-        if not self.data_port:  # over gRPC
-            return through_host(*super().push_pull(clock, base_version, codec, _on_host(parts) if on_device else parts,
-                                                   views))
         size = sum(p.nbytes if on_device else memoryview(p).nbytes for p in parts)
-        weights = self._over_data("pull", lambda conn: conn)  # opened first: its segment holds the weights
+        weights = self.tcp.over("pull", lambda conn: conn)  # opened first: its segment holds the weights
 
         def call(conn: DataConnection, got: dict) -> tuple[PushReply, int | None]:
             if isinstance(conn, ShmConnection):
                 if isinstance(weights, ShmConnection):
-                    return conn.push_pull(clock, base_version, codec.code, parts, size, views, got, device=targets,
+                    return conn.push_pull(clock, base_version, codec.code, parts, size, views, got, device=device,
                                           weights=weights.seg)
                 got["push"] = conn.push(clock, base_version, codec.code, parts, size)  # no weights segment here
                 return got["push"], None
-            return through_host(*conn.push_pull(clock, base_version, codec.code, _on_host(parts) if on_device
-                                                else parts, size, views, got))
+            reply, version = conn.push_pull(clock, base_version, codec.code, on_host(parts) if on_device else parts,
+                                            size, views, got)
+            if version is not None and device is not None:  # over a socket, into the host views first
+                to_device(device, views, self.device)
+            return reply, version
 
-        return self._pushed_then(call)
+        return self.tcp.pushed_then(call)
 
     def _over_tcp(self, why: str) -> None:
         self.shared = False
@@ -290,19 +274,21 @@ class ShmLink(TcpLink):
             log.log(level, "shard %d at %s: not through shared memory, over its data port, since %s",
                     self.endpoint.shard, self.endpoint.address, why)
 
-    def _connection(self, purpose: str) -> DataConnection:
-        if self.shared and self._conns[purpose] is None:
-            ep = self.endpoint
-            try:
-                self._conns[purpose] = ShmConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
-                                                     ep.request_timeout, ep.tls, purpose,
-                                                     sum(s.nbytes for s in ep.slices), self.device, ep.busy_poll,
-                                                     self.registration)
-            except NoSegment as exc:
-                self._over_tcp(str(exc))
-        return super()._connection(purpose)
+    def _open(self, purpose: str) -> ShmConnection | None:
+        """The ``purpose`` connection through a segment, where the shard shares memory; None for a plain one."""
+        if not self.shared:
+            return None
+        ep = self.endpoint
+        try:
+            return ShmConnection(ep.host, self.tcp.data_port, ep.worker_id, ep.plan_hash, ep.token,
+                                 ep.request_timeout, ep.tls, purpose, sum(s.nbytes for s in ep.slices), self.device,
+                                 ep.busy_poll, self.control.registration)
+        except NoSegment as exc:
+            self._over_tcp(str(exc))
+            return None
 
-    @property
-    def via(self) -> str:
-        """What carries the bytes now: "shm", "tcp" or "grpc"."""
-        return "shm" if self.shared else ("tcp" if self.data_port else "grpc")
+    def interrupt(self) -> None:
+        self.tcp.interrupt()
+
+    def close(self) -> None:
+        self.tcp.close()

@@ -1,4 +1,4 @@
-"""The TCP link: pulls and pushes over the shard's plain-TCP data port, the rest over gRPC.
+"""The data link over TCP: pulls and pushes on the shard's plain-TCP data port.
 
 A pull is one request header and the weights received straight into the
 worker's arrays with ``recv_into``; a push is one header and the gradient's
@@ -6,8 +6,8 @@ bytes sent from views with ``sendmsg`` (see :mod:`psgd.wire.protocol`).  Rows
 of embedding tables go with them: a pull's ids after its header and their
 values after the weights, a push's rows after its gradient.  The
 connection is opened on first use with a hello (worker id, plan hash, a proof of the token: psgd.wire.proofs)
-and reopened after it breaks.  A shard without a data port (``transport =
-"grpc"`` on its side) is pulled from and pushed to over gRPC.
+and reopened after it breaks.  The rest goes over gRPC (the control link, :mod:`psgd.link.grpc`), and so do the
+tensors of a shard without a data port (``transport = "grpc"`` on its side).
 
 The worker waits :data:`REPLY_MARGIN` seconds longer than the request
 timeout for an answer: the shard bounds its own wait (a sync pull) by the
@@ -21,12 +21,13 @@ import contextlib
 import json
 import socket
 import ssl
-
+from typing import Callable, TypeVar
 
 from psgd.wire.codec import Codec
 from psgd.errors import Code
-from psgd.link.base import Endpoint, LinkError, PushReply, RowsIn, RowsOut
-from psgd.link.grpc import GrpcLink
+from psgd.compute.backend import Device
+from psgd.link.base import DataLink, LinkError, PushReply, RowsIn, RowsOut
+from psgd.link.grpc import ControlLink
 from psgd.proto import ps_pb2
 from psgd.wire.proofs import Prover
 from psgd.wire.tls import NO_TLS, TLSFiles
@@ -36,6 +37,8 @@ from psgd.wire.status import reason_name
 
 #: Seconds a worker waits for an answer beyond the request timeout, which bounds the shard's own waits.
 REPLY_MARGIN = 2.0
+
+T = TypeVar("T")
 
 
 class DataConnection:
@@ -170,7 +173,7 @@ class DataConnection:
         (OP_PUSH_PULL); the push's reply goes into ``got["push"]`` once it came (a break after it is the pull's
         alone).  None for the version where the shard said why the pull could not go."""
         got["push"] = reply = self.push(clock, base_version, dtype_code, payload, size, op=protocol.OP_PUSH_PULL)
-        if got.get("cut"):  # the worker is stopping: it waits for no weights now (see TcpLink.interrupt)
+        if got.get("cut"):  # the worker is stopping: it waits for no weights now (see TcpData.interrupt)
             raise protocol.WireError("the worker is stopping")
         try:
             return reply, self._take(self._answer(None, into), into, **take)
@@ -204,37 +207,43 @@ class DataConnection:
             self.sock.close()
 
 
-class TcpLink(GrpcLink):
-    """Bulk transfers on the data port the shard gave at registration; control calls over gRPC."""
+class TcpData(DataLink):
+    """Pulls and pushes on the data port the shard gave at registration, each on a connection of its own, opened
+    by ``opener`` where it gives one (the shared-memory data link's: :mod:`psgd.link.shm`), else a plain one."""
 
-    kind = "tcp"
+    via = "tcp"
 
-    def __init__(self, endpoint: Endpoint):
-        super().__init__(endpoint)
+    def __init__(self, control: ControlLink, device: Device,
+                 opener: Callable[[str], DataConnection | None] | None = None):
+        super().__init__(control, device)
+        self.opener = opener
         self.data_port = 0
+        self._key = ""  # the registration the connections' hellos give
         # one connection for pulls and one for pushes, so that a pull may run while a push is in flight
         # (overlap): a connection carries one call at a time
         self._conns: dict[str, DataConnection | None] = {"pull": None, "push": None}
         self._pending: dict | None = None  # the push and pull in flight: its push's reply once it came
+        self._interrupted = False
 
-    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterReply:
-        had = self.registration
-        reply = super().register(request)
-        if reply.data_port != self.data_port or reply.registration != had:  # a restarted shard may listen elsewhere
-            self.reset()  # (and the connections' hellos gave the old key)
-        self.data_port = reply.data_port
-        return reply
+    def registered(self, reply: ps_pb2.RegisterReply) -> bool:
+        if reply.data_port != self.data_port or reply.registration != self._key:  # a restarted shard may listen
+            self.reset()  # elsewhere (and the connections' hellos gave the old key)
+        self.data_port, self._key = reply.data_port, reply.registration
+        return bool(self.data_port)
 
     def _connection(self, purpose: str) -> DataConnection:
         conn = self._conns[purpose]
         if conn is None:
             ep = self.endpoint
-            conn = self._conns[purpose] = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash,
-                                                         ep.token, ep.request_timeout, ep.tls, busy_poll=ep.busy_poll,
-                                                         key=self.registration)
+            conn = self.opener(purpose) if self.opener is not None else None
+            if conn is None:
+                conn = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
+                                      ep.request_timeout, ep.tls, busy_poll=ep.busy_poll,
+                                      key=self.control.registration)
+            self._conns[purpose] = conn
         return conn
 
-    def _over_data(self, purpose: str, fn):
+    def over(self, purpose: str, fn: Callable[[DataConnection], T]) -> T:
         """``fn(connection)`` on the ``purpose`` ("pull" or "push") connection; a broken connection is
         dropped (reopened next time) and reported as UNAVAILABLE, which the caller may retry.  Where one cannot
         be opened, the shard may have restarted at another data port (:meth:`_moved`)."""
@@ -255,7 +264,7 @@ class TcpLink(GrpcLink):
         worker registers again and hears the new port, rather than retrying one nobody holds until a heartbeat
         tells it.  A shard that does not answer over gRPC either is down: the caller retries as before."""
         try:
-            now = self.status().data_port
+            now = self.control.status().data_port
         except LinkError:
             return
         if now != self.data_port:
@@ -263,26 +272,20 @@ class TcpLink(GrpcLink):
                             f"{now or 'none'} now, not {self.data_port}: it restarted", reason="NOT_REGISTERED")
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
-        if not self.data_port:
-            return super().pull(clock, views, rows)
-        return self._over_data("pull", lambda conn: conn.pull(clock, views, rows))
+        return self.over("pull", lambda conn: conn.pull(clock, views, rows))
 
     def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
              rows: RowsIn | None = None) -> PushReply:
-        if not self.data_port:
-            return super().push(clock, base_version, codec, parts, rows)
         size = sum(memoryview(p).nbytes for p in parts)
-        return self._over_data("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size, rows))
+        return self.over("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size, rows))
 
-    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview],
-                  device=None) -> tuple[PushReply, int | None]:
-        if not self.data_port:
-            return super().push_pull(clock, base_version, codec, parts, views, device)
+    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list,
+                  views: list[memoryview]) -> tuple[PushReply, int | None]:
         size = sum(memoryview(p).nbytes for p in parts)
-        return self._pushed_then(lambda conn, got: conn.push_pull(clock, base_version, codec.code, parts, size, views,
-                                                                  got))
+        return self.pushed_then(lambda conn, got: conn.push_pull(clock, base_version, codec.code, parts, size, views,
+                                                                 got))
 
-    def _pushed_then(self, call) -> tuple[PushReply, int | None]:
+    def pushed_then(self, call) -> tuple[PushReply, int | None]:
         """``call(push connection, got)`` (a push and pull); where the connection broke after the push's reply
         came (in ``got``), that reply and no version: the weights are pulled on their own then."""
         got: dict = {}
@@ -290,7 +293,7 @@ class TcpLink(GrpcLink):
         if self._interrupted:  # cut before this began (it stays cut: the worker is stopping), after its push
             got["cut"] = True
         try:
-            return self._over_data("push", lambda conn: call(conn, got))
+            return self.over("push", lambda conn: call(conn, got))
         except LinkError:
             if "push" in got:
                 return got["push"], None
@@ -301,7 +304,7 @@ class TcpLink(GrpcLink):
     def interrupt(self) -> None:
         """End a pull in flight: on the pull connection, or the pull half of a push and pull once its push's reply
         came.  A push is never cut: the shard may have applied it, and its worker must hear so."""
-        super().interrupt()
+        self._interrupted = True  # for good: the worker is stopping
         pending = self._pending
         if pending is not None:  # a push and pull: its push goes on to its reply, its pull half is cut
             pending["cut"] = True
@@ -321,4 +324,3 @@ class TcpLink(GrpcLink):
 
     def close(self) -> None:
         self.reset()
-        super().close()

@@ -28,8 +28,7 @@ from psgd.wire.codec import CodecError, codec_for
 from psgd.config import Deadlines, JobConfig, Links, Recovery
 from psgd.errors import Code
 from psgd.job import alive_here, identity as job_identity, process_incarnation
-from psgd.link import (Endpoint, LinkError, ProtocolError, PushReply, ShmLink, accepts_connections, link_kind,
-                       open_link)
+from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, accepts_connections, link_kind, open_link
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
 from psgd.wire.tls import NO_TLS, TLSFiles
@@ -75,10 +74,9 @@ class PSClient:
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         kind = self.link_kind = link_kind(links.transport if worker_id != OBSERVER else "grpc")  # no data port
         self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
-                                               deadlines.request_timeout, links.transport, links.busy_poll_seconds))
+                                               deadlines.request_timeout, links.transport, links.busy_poll_seconds),
+                                device)  # a GPU worker's: it registers its segments, and may take device arrays
                       for k, a in enumerate(self.addresses)]
-        for link in (link for link in self.links if isinstance(link, ShmLink)):
-            link.device = device  # a GPU worker's: it registers its segments, and may take device arrays (direct)
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
         self.recovery = recovery
         self.failover = Failover(self, recovery.replica_servers)

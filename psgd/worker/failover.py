@@ -16,7 +16,7 @@ import threading
 from typing import Any, Sequence
 
 from psgd.errors import Code
-from psgd.link import Link, LinkError, ShmLink, open_link
+from psgd.link import Link, LinkError, open_link
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,7 @@ class Failover:
             if c.links[k] is not used:
                 return
             other = self._other(k)
-            link = open_link(c.link_kind, dataclasses.replace(used.endpoint, address=other))
-            if isinstance(link, ShmLink):
-                link.device = getattr(used, "device", link.device)
+            link = open_link(c.link_kind, dataclasses.replace(used.endpoint, address=other), used.device)
             c.links[k], c.addresses[k] = link, other
             self.moves += 1
         used.close()

@@ -28,7 +28,7 @@ import pytest
 
 import psgd
 from psgd.config import Deadlines, Links, to_toml
-from psgd.link.shm import SHARED_FROM_BYTES, ShmLink
+from psgd.link.shm import SHARED_FROM_BYTES, ShmData
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server import handout as handout_module
@@ -316,7 +316,7 @@ with PSClient([sys.argv[2]], plan, 1, deadlines=Deadlines(request_timeout=10), l
     client.register()
     client.push(0, zeros)
     link = client.links[0]
-    seg = link._conns["push"].seg
+    seg = link.data.tcp._conns["push"].seg
     got["via"] = link.via
     values = np.frombuffer(seg.data, dtype=plan.specs[0].dtype, count=sum(s.size for s in plan.specs))
 
@@ -544,7 +544,7 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
                 PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
                          links=Links(transport="shm"), config=job) as puller:
             pusher.register(), puller.register()
-            assert all(isinstance(link, ShmLink) and link.shared for link in pusher.links + puller.links)
+            assert all(isinstance(link.data, ShmData) and link.shared for link in pusher.links + puller.links)
             initial = {s.name: np.empty(s.shape) for s in plan.specs}
             puller.pull(0, initial)
             pushes, done, seen = 60, threading.Event(), []

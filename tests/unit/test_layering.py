@@ -104,6 +104,19 @@ def test_the_workers_client_leaves_the_bytes_to_its_links():
     assert "Stub(" not in source and "recv_into" not in source and "sendmsg" not in source
 
 
+def test_links_are_composed_not_inherited():
+    """A worker's link to a shard holds a control link (gRPC) and a data link (gRPC, TCP or shared memory): no link
+    extends another, so none falls back to what it inherited.  A data link takes only the interface (DataLink); a
+    connection may extend the connection it carries bytes for (a segment's requests go over the data port's)."""
+    classes = {node.name: (path.name, [b.id for b in node.bases if isinstance(b, ast.Name)])
+               for path in modules("link") for node in ast.walk(ast.parse(path.read_text(), str(path)))
+               if isinstance(node, ast.ClassDef)}
+    extended = {f"{where}:{name}({', '.join(bases)})" for name, (where, bases) in classes.items()
+                for base in bases if base in classes and base != "DataLink"
+                and not (name.endswith("Connection") and base.endswith("Connection"))}
+    assert extended == set(), sorted(extended)
+
+
 @pytest.mark.parametrize("path", sorted(p for p in PSGD.rglob("*.py") if "proto" not in p.parts),
                          ids=lambda p: str(p.relative_to(PSGD)))
 def test_no_module_is_longer_than_a_sitting(path):

@@ -225,9 +225,8 @@ def outsider(targets: Sequence[Sequence[Any]], slices: Sequence[Sequence[dict]],
     from dataclasses import replace
 
     from psgd.wire.codec import codec_for
-    from psgd.link import LinkError
+    from psgd.link import LinkError, open_link
     from psgd.link.base import Endpoint, ProtocolError
-    from psgd.link.grpc import GrpcLink
     from psgd.partition import Slice
 
     token = os.environ.get("PSGD_TOKEN", "")
@@ -235,8 +234,8 @@ def outsider(targets: Sequence[Sequence[Any]], slices: Sequence[Sequence[dict]],
     for k, ((address, data_port), held) in enumerate(zip(targets, slices)):
         ours = [Slice(**d) for d in held]
         ep = Endpoint(address, k, ours, worker, plan_hash, token, request_timeout=10.0)
-        link, bare = GrpcLink(ep), GrpcLink(replace(ep, token=""))
-        link.registration = secrets.token_hex(16)  # a guess at the worker's key
+        link, bare = open_link("grpc", ep), open_link("grpc", replace(ep, token=""))
+        link.control.registration = secrets.token_hex(16)  # a guess at the worker's key
         buffers = [bytearray(sl.nbytes) for sl in ours]
         host = address.rpartition(":")[0].strip("[]")
         tries = {
