@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 PUBLIC = {"train": "psgd.api", "launch": "psgd.api", "Result": "psgd.api", "job_config": "psgd.api",
           "join": "psgd.worker.script", "Worker": "psgd.worker.script",
           "JobConfig": "psgd.config", "ConfigError": "psgd.config", "PsgdError": "psgd.errors",
-          "LaunchInterrupted": "psgd.launcher",
+          "LaunchInterrupted": "psgd.launcher", "LaunchError": "psgd.launcher",
           "Dataset": "psgd.data", "dataset_from": "psgd.data"}
 
 #: the modules a user imports from, whose names (their ``__all__``) keep their meaning from release to release: these

@@ -168,7 +168,10 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     or that name.
     A stop signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) stops every process of the job and raises
     :class:`LaunchInterrupted`, a KeyboardInterrupt whose message says how to go on from the shards' checkpoints:
-    ``psgd.launch(..., run_dir=RUN, resume=True)``."""
+    ``psgd.launch(..., run_dir=RUN, resume=True)``.  A process of the job that fails ends the launch with
+    :class:`LaunchError`, whose ``failures`` are a record of each that did
+    (:class:`~psgd.launcher.failures.ChildFailure`: its role, rank, pid, exit code or signal, when, its log and
+    the log's last lines)."""
     from psgd.export.weights import read_npz
     from psgd.launcher.folder import claim, new_run_folder, resume_command
     from psgd.launcher.run import launch as run_job

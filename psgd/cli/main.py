@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from psgd import __version__
 from psgd.cli import doctor, models, status, export as export_cli, report as report_cli
@@ -18,6 +19,9 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_
 from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
 from psgd.wire.tls import add_tls_arguments, launch_tls
+
+if TYPE_CHECKING:
+    from psgd.launcher import LaunchResult
 
 DESCRIPTION = """\
 psgd trains networks written in NumPy/CuPy across processes and machines.
@@ -156,7 +160,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "run's files is refused (continue that run with --resume)")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="stop everything and fail if the job runs longer (default 900)")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as one JSON object on stdout; a launch that failed prints its error "
+                             "and a record of each process that failed (\"failures\")")
     parser.add_argument("--resume", metavar="RUN",
                         help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
                              "its shards' checkpoints in RUN/checkpoints, its logs, appended to): each worker goes on "
@@ -275,10 +281,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     config = job_from_args(args)
     layout = layout_from_args(args)
     hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
-    result = launch(config, mode=args.mode, backend=args.backend, run_dir=args.run_dir,
-                    progress=not args.no_progress, timeout=args.timeout, verbose=verbosity(args),
-                    save=args.save, layout=layout, hosts=hosts, tls=launch_tls(args),
-                    resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args))
+    result = launched(args, lambda: launch(
+        config, mode=args.mode, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
+        timeout=args.timeout, verbose=verbosity(args), save=args.save, layout=layout, hosts=hosts,
+        tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args)))
     c = config.cluster
     how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
            else f"all-reduce over {args.backend}, {c.workers} rank(s)")
@@ -294,7 +300,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           "went_back": {str(k): b for k, b in result.went_back.items()},
                           "failed_over": {str(k): n for k, n in result.failed_over.items()},
                           "unreplicated": {str(k): n for k, n in result.unreplicated.items()},
-                          "shard_seconds": {str(k): t for k, t in result.shard_seconds.items()}}))
+                          "shard_seconds": {str(k): t for k, t in result.shard_seconds.items()},
+                          "failures": []}))
     elif layout.node_rank > 0:
         print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
               f"{result.run_dir}); node 0 prints the final accuracy")
@@ -307,6 +314,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return divergence_status(args, result.divergence)
 
 
+def launched(args: argparse.Namespace, start: Callable[[], LaunchResult]) -> LaunchResult:
+    """The result of the launch ``start`` makes.  One that fails (exit status 1, its error on stderr) prints first,
+    with --json, ``{"error": ..., "failures": [...]}`` on stdout: its error's first line and a record of each
+    process of the job that failed (:class:`~psgd.launcher.failures.ChildFailure`); a launch that finished has
+    none (any failure ends a launch), and its result says ``"failures": []``."""
+    from psgd.launcher import LaunchError
+
+    try:
+        return start()
+    except LaunchError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc).splitlines()[0], "failures": [f.record() for f in exc.failures]}))
+        raise
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from psgd.launcher import launch
 
@@ -315,15 +337,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.script}: no such file (the Python script each worker runs)")
     resumed_from(args)
     config = job_from_args(args)
-    result = launch(config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
-                    tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args),
-                    script=[str(Path(args.script).resolve()), *args.script_args])
+    result = launched(args, lambda: launch(
+        config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
+        tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args),
+        script=[str(Path(args.script).resolve()), *args.script_args]))
     c = config.cluster
     if args.json:
         print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
                           "seconds": round(result.seconds, 3), "versions": result.versions,
                           "steps": sum(result.worker_steps), "worker_steps": result.worker_steps,
-                          "run_dir": result.run_dir, "saved": result.saved}))
+                          "run_dir": result.run_dir, "saved": result.saved, "failures": []}))
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
         print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {c.policy}, "

@@ -29,6 +29,7 @@ Where things live:
 
 - ``run.py``: :func:`launch` and its two modes;
 - ``result.py``: what a launch ends with, the final evaluation of the weights;
+- ``failures.py``: the record of each process of a launch that failed (:class:`ChildFailure`);
 - ``layout.py``: :class:`Layout` (which shards and workers run here), the thread
   budget and :func:`find_mpiexec`;
 - ``folder.py``: the run folder; ``certs.py``: the CA and certificate a single node makes for its job's TLS;

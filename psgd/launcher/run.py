@@ -256,7 +256,7 @@ def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool
         raise
     except LaunchError as exc:
         raise LaunchError(f"a rank of the all-reduce job failed, so the job was stopped (one rank cannot "
-                          f"go on without the others): {exc}") from None
+                          f"go on without the others): {exc}", exc.failures) from None
     if not weights.exists():
         raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
     params = read_npz(weights)
@@ -382,9 +382,9 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
 
     connect = Connect.using(tls, token, 2.0)
     while True:
-        for p in servers:
-            if p.popen.poll() is not None:
-                raise LaunchError(p.failed())
+        ended = [p for p in servers if p.popen.poll() is not None]
+        if ended:
+            raise children.failed(ended)
         answers = [try_status(address, connect) for address in local]
         if all(status is not None and all(w["state"] in ("done", "expired") for w in status["workers"])
                for status, _, _ in answers):

@@ -9,7 +9,8 @@
 - each child's log is new, but a resumed run's (:class:`Children` ``resumed``): appended to, after a line that
   says the run resumed there;
 - :func:`wait_all` and :func:`wait_for_files` wait on children with a deadline
-  and fail, with the end of its log, as soon as one of them fails.
+  and fail, with the end of its log, as soon as one of them fails: the error carries a record of each child seen
+  failed (:class:`~psgd.launcher.failures.ChildFailure`), and its last lines say them, one line each.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from psgd.errors import ClusterError, Interrupted
+from psgd.launcher.failures import ChildFailure, failure
 from psgd.observe.files import open_own
 from psgd.worker.stop import STOP_SIGNALS
 
@@ -48,7 +50,12 @@ _STUB = ("import ctypes, os, sys\n"
 
 
 class LaunchError(ClusterError):
-    """A process of the job failed or ran past the time limit."""
+    """A process of the job failed or ran past the time limit; ``failures``: a record of each child the launch saw
+    fail (none where it ran out of time or refused to start)."""
+
+    def __init__(self, message: str, failures: Sequence[ChildFailure] = ()):
+        super().__init__(message)
+        self.failures = tuple(failures)
 
 
 class LaunchInterrupted(Interrupted):
@@ -60,14 +67,6 @@ class LaunchInterrupted(Interrupted):
         self.signum = signum
         name = signal.Signals(signum).name
         super().__init__(f"stopped by {name}: forwarded it to {children} process(es); none is left running")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").rstrip().splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join("    " + line for line in text[-lines:])
 
 
 def dying_with_parent(argv: Sequence[str], signum: int = signal.SIGTERM) -> list[str]:
@@ -88,7 +87,8 @@ def child_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Child:
-    """One started process, its log file, and how to report and signal it."""
+    """One started process, its log file, and how to report and signal it.  Its ``name`` is its role and, where it
+    has one, its number: ``shard 0``, ``replica 0``, ``worker 1``, ``rank 1``; ``mpiexec -n 4`` runs every rank."""
 
     def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {},
                  show_stdout: bool = False, resumed: bool = False):
@@ -106,9 +106,11 @@ class Child:
                                       stdin=subprocess.DEVNULL, env={**child_environment(), **env},
                                       start_new_session=True)
 
-    def failed(self) -> str:
-        return (f"{self.name} exited with status {self.popen.returncode}; the end of its log "
-                f"({self.log_path}):\n{_tail(self.log_path)}")
+    def failure(self, began: float) -> ChildFailure:
+        """The record of this child, ended (``began``: when its launch began, by time.monotonic)."""
+        role, _, number = self.name.partition(" ")
+        return failure(role, int(number) if number.isdigit() else None, self.popen.pid, self.popen.returncode,
+                       self.log_path, began)
 
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the child's whole process group (mpiexec's ranks included)."""
@@ -122,6 +124,7 @@ class Children:
     def __init__(self, resumed: bool = False) -> None:
         self.procs: list[Child] = []
         self.received: int | None = None
+        self.began = time.monotonic()  # the failures' "seconds into the launch" count from here
         self.resumed = resumed  # a resumed run's: each log is appended to, after a line that says so
 
     def start(self, name: str, argv: list[str], log_path: Path, show: bool = False,
@@ -132,6 +135,16 @@ class Children:
         proc = Child(name, argv, log_path, show, env, show_stdout, self.resumed)
         self.procs.append(proc)
         return proc
+
+    def failed(self, ended: Sequence[Child]) -> LaunchError:
+        """The error that ends the launch because the children ``ended`` failed: the end of the first one's log,
+        then one line per failure, each with its record."""
+        failures = [p.failure(self.began) for p in ended]
+        first = failures[0]
+        tail = "\n".join("    " + line for line in first.last_lines) or "    (its log is empty)"
+        how = f"was killed by {first.signal}" if first.signal else f"exited with status {first.exit_code}"
+        return LaunchError(f"{first.name} {how}; the end of its log ({first.log}):\n{tail}\n"
+                           f"the processes that failed:\n" + "\n".join(f.line() for f in failures), failures)
 
     def check_signal(self) -> None:
         if self.received is not None:
@@ -205,9 +218,9 @@ def wait_for_files(paths: Sequence[Path], procs: Sequence[Child], children: Chil
     """The contents of ``paths`` (the shards' port files) once all exist; fail at once when one of ``procs`` exits."""
     deadline = time.monotonic() + timeout
     while True:
-        for p in procs:
-            if p.popen.poll() is not None:
-                raise LaunchError(p.failed())
+        ended = [p for p in procs if p.popen.poll() is not None]
+        if ended:
+            raise children.failed(ended)
         if all(path.exists() for path in paths):
             return [path.read_text().strip() for path in paths]
         if time.monotonic() > deadline:
@@ -222,9 +235,9 @@ def wait_all(pending: list[Child], watched: Sequence[Child], children: Children,
     """Wait until every process in ``pending`` exits 0; fail at once when any of ``watched`` fails."""
     pending = list(pending)
     while pending:
-        for p in watched:
-            if p.popen.poll() is not None and p.popen.returncode != 0:
-                raise LaunchError(p.failed())
+        failed = [p for p in watched if p.popen.poll() is not None and p.popen.returncode != 0]
+        if failed:
+            raise children.failed(failed)
         pending = [p for p in pending if p.popen.poll() is None]
         if time.monotonic() > deadline:
             raise LaunchError(f"the job did not finish within {timeout:.0f}s (--timeout); still running: "
