@@ -21,12 +21,24 @@ holds the optimizer's updates too (:mod:`psgd.optim.ingraph`): the whole step is
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from psgd.compute import backend
-from psgd.optim.ingraph import InGraph
 
 log = logging.getLogger(__name__)
+
+
+class GraphUpdate(Protocol):
+    """What a graph needs of the updates it holds after the gradient (an optimizer's own:
+    :class:`psgd.optim.ingraph.InGraph`, which the optimizers' package builds on this package)."""
+
+    def why_not(self, grads: Mapping[str, Any]) -> str | None: ...
+    def prepare(self, grads: Mapping[str, Any]) -> None: ...
+    def capture(self, grads: Mapping[str, Any]) -> None: ...
+    def before(self, stream: Any) -> None: ...
+    def after(self, stream: Any) -> None: ...
+    def current(self) -> bool: ...
+
 
 #: shapes of batch captured at most (a graph each); further shapes run kernel by kernel
 MAX_GRAPHS = 4
@@ -52,7 +64,7 @@ class _Captured:
     optimizer's updates it holds, if it does."""
 
     def __init__(self, graph: Any, x: Any, y: Any, params: dict[str, Any], shared: bool, outputs: tuple,
-                 pool: Any, stream: Any, update: InGraph | None):
+                 pool: Any, stream: Any, update: GraphUpdate | None):
         self.graph, self.x, self.y, self.params, self.shared = graph, x, y, params, shared
         self.loss, self.grads = outputs
         self.pool, self.stream = pool, stream  # kept alive as long as the graph
@@ -90,7 +102,7 @@ class GraphedStep:
     """
 
     def __init__(self, model: Any, device: backend.Device, name: str = "train",
-                 update: Callable[[], InGraph] | None = None):
+                 update: Callable[[], GraphUpdate] | None = None):
         self.model, self.device, self.name, self.update = model, device, name, update
         self._graphs: dict[tuple, _Captured] = {}
         self._last: dict[str, Any] | None = None  # the weights of the eager first step, to see if they persist
@@ -156,7 +168,7 @@ class GraphedStep:
                     graph = stream.end_capture()
         return _Captured(graph, x_in, y_in, held, shared, outputs, pool, stream, update)
 
-    def _update(self, grads: Mapping[str, Any]) -> InGraph | None:
+    def _update(self, grads: Mapping[str, Any]) -> GraphUpdate | None:
         """The updates of ``grads`` to capture after the gradient, made ready; None (said once) where they cannot be."""
         if self.update is None:
             return None

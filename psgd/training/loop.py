@@ -127,7 +127,7 @@ class Exchange(abc.ABC):
         :class:`~psgd.model.table.Rows`: rows that do not exist read as their first values and are not made."""
         raise NotImplementedError
 
-    def updates_in_graph(self) -> Callable[[], graphs.InGraph] | None:
+    def updates_in_graph(self) -> Callable[[], graphs.GraphUpdate] | None:
         """Where this exchange applies its optimizer to the very arrays :meth:`weights` hands out, in place: a maker
         of the updates a step captured as a graph may hold (the exchange is then handed no gradients for the steps
         whose graph applied them).  None where the weights come from elsewhere."""
