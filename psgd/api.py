@@ -143,7 +143,7 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     if run is not None:
         log.info("the metrics lines are in %s; their CSV and TensorBoard files in %s", metrics, run)
     if save:
-        from psgd.export.weights import save_weights
+        from psgd.weights import save_weights
 
         save_weights(save, result.params)
     return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
@@ -172,7 +172,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     :class:`LaunchError`, whose ``failures`` are a record of each that did
     (:class:`~psgd.launcher.failures.ChildFailure`: its role, rank, pid, exit code or signal, when, its log and
     the log's last lines)."""
-    from psgd.export.weights import read_npz
+    from psgd.weights import read_npz
     from psgd.launcher.folder import claim, new_run_folder, resume_command
     from psgd.launcher.run import launch as run_job
     from psgd.launcher.supervise import LaunchInterrupted

@@ -105,8 +105,9 @@ def add_eval_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from psgd.export.shards import ExportError, join_checkpoints, pull_from_servers
-    from psgd.export.weights import save_weights
+    from psgd.export.shards import join_checkpoints, pull_from_servers
+    from psgd.weights import ExportError
+    from psgd.weights import save_weights
 
     setup_logging("export", verbosity(args), args.log_file)
     if args.checkpoints and args.servers:
@@ -136,7 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from psgd.export.weights import evaluate_file
+    from psgd.training.evaluation import evaluate_file
 
     setup_logging("eval", verbosity(args), args.log_file)
     config = job_from_args(args)

@@ -159,7 +159,7 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if rank == 0:
         if args.save:
-            from psgd.export.weights import save_weights
+            from psgd.weights import save_weights
 
             save_weights(args.save, result.params)
         if args.json:

@@ -13,7 +13,7 @@ shard in slice-id order).  This module joins the pieces into whole variables:
   as a restoring shard checks it, and refuses checkpoints that do not belong
   together (other plans, other versions) with a message that says what each
   shard has;
-and :mod:`psgd.export.weights` writes the joined variables as a plain ``.npz`` and reads
+and :mod:`psgd.weights` writes the joined variables as a plain ``.npz`` and reads
 one back.
 
 Both sources derive the partition plan from the job (model, dtype, shards,
@@ -32,11 +32,15 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from psgd.config import Deadlines, JobConfig
-from psgd.errors import InputError
+from psgd.job import describe_job, fingerprint, identity
 from psgd.model.table import TableSpec, joined_by_id, table_keys
 from psgd.partition import PartitionPlan, plan_differences
 from psgd.server import checkpoint
+from psgd.weights import ExportError
+from psgd.wire.protocol import OBSERVER
 from psgd.wire.tls import NO_TLS, TLSFiles
+from psgd.worker.client import PSClient
+from psgd.worker.lookups import list_rows
 
 
 #: What to pass when the job does not describe the model that was trained.
@@ -48,10 +52,6 @@ JOB_HINT = ("pass the job file or flags the model was trained with (-c job.toml,
 SHOWN = 5
 #: how long an export from running shards takes their weights again while they give different versions
 SAME_VERSION_SECONDS = 2.0
-
-
-class ExportError(InputError):
-    """Weights that cannot be exported, joined, written or loaded; the message is one line that says why."""
 
 
 @dataclasses.dataclass
@@ -71,8 +71,6 @@ class Exported:
 
 def job_plan(config: JobConfig) -> PartitionPlan:
     """The partition plan every process of ``job`` derives (builds the model; the data is only described)."""
-    from psgd.job import describe_job
-
     return describe_job(config).plan
 
 
@@ -98,10 +96,6 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
     each version, unless ``mixed``: then they are returned as they are.  A shard
     updated while its rows were listed is named in ``notes``.
     """
-    from psgd.wire.protocol import OBSERVER
-    from psgd.worker.client import PSClient
-    from psgd.worker.lookups import list_rows
-
     addresses = list(addresses or config.cluster.servers)
     if not addresses:
         raise ExportError("no shard addresses: pass --servers HOST:PORT,... in shard order, or a job file whose "
@@ -282,8 +276,6 @@ def _join_rows(plan: PartitionPlan, spec: TableSpec, shards: Sequence[_ShardFold
 def _job_folder(config: JobConfig, plan: PartitionPlan, root: Path) -> Path:
     """Where ``job``'s checkpoints are in ``root``: ``root/<fingerprint>``, or ``root`` itself when it holds
     shard-K folders; refuses, naming them and what differs, when only other jobs' checkpoints are there."""
-    from psgd.job import fingerprint, identity
-
     mine = identity(config, plan.hash, bool(plan.tables))
     name = fingerprint(mine)
     folder = root / name

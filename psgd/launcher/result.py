@@ -82,7 +82,8 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     from psgd.training.divergence import DivergenceGuard
     from psgd.job import build_job, params_to_device
     from psgd.training.evaluation import evaluate
-    from psgd.export.weights import load_weights, saved_rows
+    from psgd.training.evaluation import saved_rows
+    from psgd.weights import load_weights
     from psgd.worker.exchange import read_rows
 
     job = build_job(config)
@@ -104,7 +105,7 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
 def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
     from psgd.export.shards import job_plan, pull_from_servers
-    from psgd.export.weights import save_weights
+    from psgd.weights import save_weights
     from psgd.worker.client import PSClient
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.

@@ -215,7 +215,7 @@ MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self
 def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
                       save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
-    from psgd.export.weights import read_npz, save_weights
+    from psgd.weights import read_npz, save_weights
 
     n, py = config.cluster.workers, sys.executable
     weights = run / "weights.npz"

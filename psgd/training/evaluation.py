@@ -1,4 +1,5 @@
-"""The evaluations of a training process: the weights scored on the job's test split (:func:`evaluate`), and each
+"""The evaluations of a training process: the weights scored on the job's test split (:func:`evaluate`; those saved
+in a file, :func:`evaluate_file`, their tables' rows read as :func:`saved_rows` says), and each
 evaluation kept as every psgd worker keeps it (:class:`Evaluations`: the history, an ``eval`` metrics line, the
 divergence guard's judgement, a log line), in the loop or beside it (:class:`BackgroundEvaluator`), in psgd's own
 loop (:mod:`psgd.training.loop`) and in a loop of one's own (:mod:`psgd.worker.script`)."""
@@ -7,16 +8,20 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+import os
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from psgd import model as models
 from psgd.compute import backend
+from psgd.config import JobConfig
 from psgd.data.base import SCORE_WORDS
-from psgd.job import Job
+from psgd.job import Job, build_job, params_to_device
+from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
 from psgd.observe.progress import MetricsLog, first_values
 from psgd.training.divergence import Divergence, DivergenceGuard
+from psgd.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,46 @@ def evaluate(
         spread = float(((y - y.mean(axis=0)) ** 2).sum())
         return total_loss / n, 1.0 - squared / spread if spread > 0 else float(squared == 0)
     return total_loss / n, right / max(targets, 1)
+
+
+def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
+    """Test loss and score (``test_accuracy``, or ``test_r2`` for values) of the weights saved at ``path``, for the
+    model and data of ``config``."""
+    job = build_job(config)
+    weights = load_weights(path, job.model.specs(), job.plan.tables)
+    params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
+    ds = job.dataset
+    loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
+                           ds.ids_test, saved_rows(job, weights), ds.target)
+    return {ds.score_key: score, "test_loss": loss, "examples": int(len(ds.y_test)),
+            "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
+            "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
+
+
+def saved_rows(job: Any, weights: Mapping[str, np.ndarray]) -> Any:
+    """How an evaluation reads the tables of ``job`` from the rows saved in ``weights`` (None: no tables)."""
+    saved = {t.name: SavedRows(t, job.config.train.seed, *(weights[k] for k in table_keys(t.name)))
+             for t in job.plan.tables}
+    if not saved:
+        return None
+    return lambda lookups: {name: saved[name].rows(wanted, job.device) for name, wanted in lookups.items()}
+
+
+class SavedRows:
+    """A table's saved rows (``ids`` increasing, ``rows`` one per id), looked up as an evaluation reads a table:
+    an id that has no saved row reads as its first value."""
+
+    def __init__(self, spec: TableSpec, seed: int, ids: np.ndarray, rows: np.ndarray):
+        self.spec, self.seed, self.ids, self.values = spec, seed, ids, rows
+
+    def rows(self, lookups: np.ndarray, device: Any) -> Rows:
+        ids, index = unique_lookups(lookups)
+        at = np.minimum(np.searchsorted(self.ids, ids), max(self.ids.size - 1, 0))
+        have = (self.ids[at] == ids) if self.ids.size else np.zeros(ids.size, bool)
+        out = np.empty((ids.size, self.spec.dim), self.spec.dtype)
+        out[have] = self.values[at[have]]
+        out[~have] = initial_rows(self.spec, self.seed, ids[~have])
+        return Rows(ids, device.asarray(out), device.asarray(index))
 
 
 def judged(verdict: Divergence | None, metrics: MetricsLog) -> None:

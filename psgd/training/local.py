@@ -26,6 +26,7 @@ from psgd.model.table import Rows
 from psgd.optim.base import SEP
 from psgd.optim.ingraph import InGraph
 from psgd.tables.held import lookup_rows, saved_tables
+from psgd.weights import ExportError, read_npz, save_weights, weight_differences
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,6 @@ class LocalExchange(Exchange):
     def _restore(self, path: str) -> int:
         """The weights, the optimizer's state and the step of the checkpoint at ``path``, checked to be this job's
         (names, shapes, dtypes, finite values, a step of this run) before any of them is installed."""
-        from psgd.export.shards import ExportError
-        from psgd.export.weights import read_npz, weight_differences
-
         try:
             arrays = read_npz(path)
         except ExportError as exc:
@@ -107,8 +105,6 @@ class LocalExchange(Exchange):
     def _save(self, path: str) -> None:
         """This run's state at ``path``, whole or not at all (as the weights are saved: written aside, synced, then
         renamed)."""
-        from psgd.export.weights import save_weights
-
         arrays = {f"w:{name}": value for name, value in self.params.items()}
         arrays.update({f"o:{k}": v for k, v in self.optimizer.state_dict().items()})
         arrays.update(step=np.array(self.step, dtype=np.int64), job=np.array(self.job_name))

@@ -260,7 +260,8 @@ def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores
     from psgd.launcher.result import evaluate_weights as _evaluate
     from psgd.server import checkpoint, recovery
     from psgd.model.table import table_keys
-    from psgd.export.weights import evaluate_file, save_weights
+    from psgd.training.evaluation import evaluate_file
+    from psgd.weights import save_weights
     from psgd.worker.client import PSClient
 
     job = make_job(*SMALL, "train.epochs=1", "train.batch_size=32", "tables.lr=0.1", "cluster.policy=sync",

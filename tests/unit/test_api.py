@@ -251,7 +251,7 @@ def test_a_tampered_state_file_is_refused_before_anything_is_installed(tmp_path,
     1-element array was spread over every weight, NaNs and step 10^15 went in, a missing key was a KeyError)."""
     import threading
 
-    from psgd.export.weights import save_weights
+    from psgd.weights import save_weights
 
     job = dict(epochs=4, dtype="float64", optimizer="adam", lr=0.01, model_options={"hidden": [8]})
     stop, kept = threading.Event(), tmp_path / "state.npz"

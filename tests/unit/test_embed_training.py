@@ -97,7 +97,8 @@ def test_the_tables_section_is_checked(key, value, words):
 
 def test_the_trained_tables_are_saved_with_the_weights_and_psgd_eval_scores_them_alike(tmp_path):
     from psgd.training.local import train_local
-    from psgd.export.weights import evaluate_file, save_weights
+    from psgd.training.evaluation import evaluate_file
+    from psgd.weights import save_weights
 
     config = clicks_job()
     result = train_local(config, progress=False)

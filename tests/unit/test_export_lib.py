@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from psgd.export import shards as export
-from psgd.export import weights as weight_files
-from psgd.export.shards import ExportError
+from psgd import weights as weight_files
+from psgd.weights import ExportError
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard, checkpoint, recovery

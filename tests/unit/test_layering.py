@@ -384,3 +384,57 @@ def test_grpc_is_spoken_only_at_its_edge():
         if any(m == "grpc" or m.startswith("grpc.") for m in imported(path)):
             speaking.add(name)
     assert speaking == GRPC_EDGE, sorted(speaking ^ GRPC_EDGE)
+
+
+#: psgd's packages (and its top-level modules), from the command line down.  A package imports only packages of the
+#: layers below its own, never another of its own layer, at any depth (imports inside functions count).  The loop
+#: states its exchanges' contract (psgd/training/loop.py) and each mode's exchange implements it, so the modes sit
+#: above the loop; the worker's links and the shard share psgd/wire and never import each other.
+LAYERS = [
+    {"cli"},                                # the commands: they parse, then call
+    {"api", "bench", "psgd"},               # psgd.train / launch / run; the benchmarks; the package's face
+    {"launcher"},                           # a job's processes started, watched, and its result read
+    {"ops", "export"},                      # status, doctor and report; a model kept from its shards
+    {"worker", "collective"},               # the modes' exchanges: a worker's client and links; all-reduce
+    {"training", "link", "server"},         # the one loop and its contract; a worker's links; the shard
+    {"job", "observe", "weights"},          # a job assembled; what it tells its user; a model's weights as a file
+    {"config", "data", "partition"},        # the job file; datasets; the partition plan
+    {"wire", "tables"},                     # what both ends share; embedding rows as a process holds them
+    {"model", "optim", "policy", "proto", "xp"},  # networks; optimizers; policies; the generated wire code
+    {"autodiff"},                           # the tape
+    {"compute"},                            # the step's arithmetic: NumPy or CuPy
+    {"errors", "moved"},                    # psgd's errors; the moved names' forwarding
+]
+
+
+def package(module: str) -> str:
+    """``psgd.worker.client`` -> ``worker``; ``psgd`` (the package's face) -> ``psgd``."""
+    return module.split(".")[1] if "." in module else module
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Every package of psgd and the other packages its modules import, at any depth."""
+    graph: dict[str, set[str]] = {}
+    for name, arrows in import_graph().items():
+        graph.setdefault(package(name), set()).update(package(a) for a in arrows)
+    return {p: arrows - {p} for p, arrows in graph.items()}
+
+
+def test_every_package_has_its_layer():
+    placed = [p for layer in LAYERS for p in layer]
+    assert len(placed) == len(set(placed)), "a package in two layers"
+    assert set(package_graph()) == set(placed), sorted(set(package_graph()) ^ set(placed))
+
+
+def test_packages_import_only_the_layers_below_their_own():
+    layer_of = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    graph = package_graph()
+    upward = sorted(f"{p} -> {a}" for p, arrows in graph.items() for a in arrows if layer_of[a] <= layer_of[p])
+    assert upward == [], upward
+
+
+def test_no_import_circle_between_packages():
+    """Modules may form no circle, and neither may packages: ``a.x`` importing ``b.y`` while ``b.z`` imports
+    ``a.w`` ties the two packages together as surely."""
+    assert circles(package_graph()) == []
+

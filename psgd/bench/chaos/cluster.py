@@ -285,7 +285,7 @@ class Cluster:
             from psgd.worker.client import fetch_weights
 
             return fetch_weights(self.binds, self.plan, request_timeout=timeout, token=self.token)
-        from psgd.export.weights import read_npz
+        from psgd.weights import read_npz
 
         out = self.folder / "observed.npz"
         done = subprocess.run(self.prefix("obs") + [*self.psgd, "export", "-c", str(self.path), "--timeout",
@@ -318,7 +318,7 @@ class Cluster:
         """Test accuracy of ``weights`` (with a table's rows as checkpoints hold them, for a sparse job)."""
         from psgd.training.evaluation import evaluate
         from psgd.job import params_to_device
-        from psgd.export.weights import saved_rows
+        from psgd.training.evaluation import saved_rows
 
         b = self.job
         params = params_to_device({s.name: weights[s.name] for s in b.model.specs()}, b.device)

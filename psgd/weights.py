@@ -1,7 +1,8 @@
 """A model's weights as one plain ``.npz`` file, and back: :func:`save_weights` writes ``{name: array}`` (no
 pickle; a temporary file, then a rename), :func:`load_weights` reads one back checked against the model's
-variables (:func:`weight_differences` says how they differ), and :func:`evaluate_file` scores one on the job's
-test split.  The weights come from :mod:`psgd.export.shards` (joined from shards) or from a trainer's end."""
+variables (:func:`weight_differences` says how they differ).  The weights come from :mod:`psgd.export.shards`
+(joined from shards) or from a trainer's end, and psgd train keeps its state in one
+(:mod:`psgd.training.local`); :func:`psgd.training.evaluation.evaluate_file` scores one on the job's test split."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from psgd.config import JobConfig
-from psgd.export.shards import ExportError
+from psgd.compute.backend import to_host
+from psgd.data import DataError
+from psgd.data.readers import read_npz as read_arrays
+from psgd.errors import InputError
 from psgd.model.base import VarSpec
-from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
+from psgd.model.table import TableSpec, table_keys
+
+
+class ExportError(InputError):
+    """Weights that cannot be exported, joined, written or loaded; the message is one line that says why."""
 
 
 def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
@@ -26,8 +33,6 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
     ``path`` is either the old file or the whole new one.  The name is used
     as given (no ``.npz`` is added).
     """
-    from psgd.compute.backend import to_host
-
     path = Path(path)
     arrays = {}
     for name, value in weights.items():
@@ -57,9 +62,6 @@ def save_weights(path: str | os.PathLike, weights: Mapping[str, Any]) -> int:
 def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every array of the ``.npz`` at ``path`` (:func:`psgd.data.read_npz`: never unpickling);
     :class:`ExportError` when it is not one."""
-    from psgd.data import DataError
-    from psgd.data.readers import read_npz as read_arrays
-
     try:
         return read_arrays(path)
     except DataError as exc:
@@ -123,46 +125,3 @@ def load_weights(path: str | os.PathLike | None, specs: Sequence[VarSpec], table
                           "pass the job file or flags it was trained with (-c job.toml, or --model, --dtype, "
                           "--set model.KEY=VALUE)")
     return arrays
-
-
-def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
-    """Test loss and score (``test_accuracy``, or ``test_r2`` for values) of the weights saved at ``path``, for the
-    model and data of ``config``."""
-    from psgd.training.evaluation import evaluate
-    from psgd.job import build_job, params_to_device
-
-    job = build_job(config)
-    weights = load_weights(path, job.model.specs(), job.plan.tables)
-    params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
-    ds = job.dataset
-    loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
-                           ds.ids_test, saved_rows(job, weights), ds.target)
-    return {ds.score_key: score, "test_loss": loss, "examples": int(len(ds.y_test)),
-            "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
-            "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
-
-
-def saved_rows(job: Any, weights: Mapping[str, np.ndarray]) -> Any:
-    """How an evaluation reads the tables of ``job`` from the rows saved in ``weights`` (None: no tables)."""
-    saved = {t.name: SavedRows(t, job.config.train.seed, *(weights[k] for k in table_keys(t.name)))
-             for t in job.plan.tables}
-    if not saved:
-        return None
-    return lambda lookups: {name: saved[name].rows(wanted, job.device) for name, wanted in lookups.items()}
-
-
-class SavedRows:
-    """A table's saved rows (``ids`` increasing, ``rows`` one per id), looked up as an evaluation reads a table:
-    an id that has no saved row reads as its first value."""
-
-    def __init__(self, spec: TableSpec, seed: int, ids: np.ndarray, rows: np.ndarray):
-        self.spec, self.seed, self.ids, self.values = spec, seed, ids, rows
-
-    def rows(self, lookups: np.ndarray, device: Any) -> Rows:
-        ids, index = unique_lookups(lookups)
-        at = np.minimum(np.searchsorted(self.ids, ids), max(self.ids.size - 1, 0))
-        have = (self.ids[at] == ids) if self.ids.size else np.zeros(ids.size, bool)
-        out = np.empty((ids.size, self.spec.dim), self.spec.dtype)
-        out[have] = self.values[at[have]]
-        out[~have] = initial_rows(self.spec, self.seed, ids[~have])
-        return Rows(ids, device.asarray(out), device.asarray(index))
