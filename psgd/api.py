@@ -33,8 +33,19 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd.config import ConfigError, JobConfig, TrainConfig
+from psgd.data import DataError, dataset_from
+from psgd.data.ahead import load_augment
+from psgd.launcher.folder import claim, new_run_folder, resume_command
+from psgd.launcher.result import read_records
+from psgd.launcher.run import launch as run_job
+from psgd.launcher.supervise import LaunchInterrupted
 from psgd.model.errors import ModelError
+from psgd.model.registry import MODEL_METHODS, class_name, load_model_class
+from psgd.observe.files import open_own
 from psgd.observe.progress import bar_wanted
+from psgd.training.local import train_local
+from psgd.weights import read_npz, save_weights
+from psgd.wire.tls import NO_TLS
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +143,6 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     on from there, ending with the weights an unstopped run ends with."""
     augment = keys.pop("augment") if callable(keys.get("augment")) else None  # a function: this process's own
     config, own_model, dataset = _resolve(job, model, data, model_options, test, settings, keys)
-    from psgd.training.local import train_local
 
     run = _records_folder(run_dir) if metrics or run_dir else None
     if run is not None and not metrics:
@@ -143,8 +153,6 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     if run is not None:
         log.info("the metrics lines are in %s; their CSV and TensorBoard files in %s", metrics, run)
     if save:
-        from psgd.weights import save_weights
-
         save_weights(save, result.params)
     return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
                   result.steps, run_dir=run and str(run), saved=save or None, divergence=result.divergence,
@@ -172,23 +180,12 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     :class:`LaunchError`, whose ``failures`` are a record of each that did
     (:class:`~psgd.launcher.failures.ChildFailure`: its role, rank, pid, exit code or signal, when, its log and
     the log's last lines)."""
-    from psgd.weights import read_npz
-    from psgd.launcher.folder import claim, new_run_folder, resume_command
-    from psgd.launcher.run import launch as run_job
-    from psgd.launcher.supervise import LaunchInterrupted
-    from psgd.wire.tls import NO_TLS
-
     if model is not None and not isinstance(model, (str, type)):
         raise ModelError(f"psgd.launch: its processes build the model themselves, each from its class: pass the "
                          f"class ({type(model).__qualname__}) and its options as model_options=, not an instance")
     if isinstance(model, type):
-        from psgd.model.registry import load_model_class
-
         model = _importable(model, "model", load_model_class, ModelError)
     if callable(keys.get("augment")):
-        from psgd.data import DataError
-        from psgd.data.ahead import load_augment
-
         keys["augment"] = _importable(keys["augment"], "augmentation", load_augment, DataError)
     own = _own_data(data, test)
     config, _, _ = _resolve(job, model, None if own else data, model_options, None, settings, keys)
@@ -212,8 +209,6 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
 def _records_folder(run_dir: str | os.PathLike | None) -> Path:
     """The folder of a psgd.train run's records: ``run_dir``, refused where it holds another run's, else a new
     ``runs/DATE-TIME-local``, as psgd launch makes its own, so that no two runs mix their files."""
-    from psgd.launcher.folder import claim, new_run_folder
-
     run = Path(run_dir) if run_dir else new_run_folder("local")
     claim(run, False, "local")
     return run
@@ -222,8 +217,6 @@ def _records_folder(run_dir: str | os.PathLike | None) -> Path:
 def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,
              settings: Mapping[str, Any] | None, keys: Mapping[str, Any]) -> tuple[JobConfig, Any, Any]:
     """The job, the model object train takes beside it (None: the job file's), and the dataset (None: the job's)."""
-    from psgd.model.registry import MODEL_METHODS, class_name
-
     own_model = None
     if isinstance(model, str) or model is None:
         name = model
@@ -241,8 +234,6 @@ def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] |
     options = {f"model.{key}": value for key, value in (model_options or {}).items()}  # after the model's name
     config = job_config(job, model=name, data=data_name, settings={**options, **(settings or {})}, **keys)
     if dataset is not None:
-        from psgd.data import dataset_from
-
         dataset = dataset_from(dataset, test, dtype=config.train.dtype)
         config.override("data.name", f"own:{dataset.name}")
     return config, own_model, dataset
@@ -283,13 +274,10 @@ def _importable(obj: Any, what: str, load: Callable[[str], Any], error: type[Exc
 
 def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
     """Your data as ``RUN/data.npz`` (arrays only, no pickle), named as a job file names it."""
-    from psgd.data import dataset_from
-
     dataset = dataset_from(data, test, dtype=dtype)
     if dataset.ids_train is not None:
         raise ConfigError(f"{dataset.name}: a dataset with categorical ids goes to psgd.launch as a file "
                           "(npz) or a built-in name")
-    from psgd.observe.files import open_own
 
     run.mkdir(parents=True, exist_ok=True)
     path = run / "data.npz"
@@ -302,8 +290,6 @@ def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
 
 def _history(run: Path, mode: str) -> list[dict[str, Any]]:
     """The evaluations the run's first worker (or rank 0) made, from its metrics lines."""
-    from psgd.launcher.result import read_records
-
     path = run / ("worker-0.jsonl" if mode == "ps" else "allreduce.jsonl")
     keys = ("step", "epoch", "wall", "train_loss", "test_loss", "test_accuracy", "test_r2")
     return [{k: record[k] for k in keys if k in record}

@@ -36,10 +36,10 @@ from psgd import model as models
 from psgd import optim
 from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
-from psgd.tables.rules import ROW_OPTIMIZERS, build_row_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import POLICIES, Policy, policy_from_cluster
 from psgd.tables.held import RowTable, TableOptions
+from psgd.tables.rules import ROW_OPTIMIZERS, build_row_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
                            id_shape=dataset.id_shape, target=dataset.target, target_shape=dataset.target_shape)
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
     if augment is None and config.train.augment:
-        from psgd.data.ahead import load_augment
+        from psgd.data.ahead import load_augment  # (numpy.random: loaded for a job that augments)
 
         augment = load_augment(config.train.augment)
     return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device,

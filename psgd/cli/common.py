@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from psgd.collective import BackendUnavailable
+from psgd.compute import threads
 from psgd.config import ClusterConfig, ConfigError, JobConfig
+from psgd.data.base import SCORE_WORDS
 from psgd.errors import InputError, PsgdError
 from psgd.launcher import STOP_SIGNALS, LaunchInterrupted
+from psgd.observe.progress import bar_wanted
 from psgd.policy import POLICIES
 from psgd.wire.channel import MAKE_TOKEN, SHORTEST_TOKEN, read_token
 
@@ -182,8 +185,6 @@ def ignore_stop_signals() -> None:
 def start_process(config: JobConfig) -> None:
     """What every psgd process does once its job is known: its BLAS/OpenMP thread budget (psgd train's own is
     picked, and said, by the training in one process: :func:`psgd.training.local.train_local`)."""
-    from psgd.compute import threads
-
     log.debug("BLAS/OpenMP threads: %s", threads.apply(config.train.threads))
 
 
@@ -217,8 +218,6 @@ def add_progress_argument(parser: argparse.ArgumentParser) -> None:
 
 def shows_progress(args: argparse.Namespace) -> bool:
     """Whether to draw a progress bar: not asked away, and stderr a terminal (a file or a pipe gets lines)."""
-    from psgd.observe.progress import bar_wanted
-
     return bar_wanted(False if args.no_progress else None)
 
 
@@ -260,8 +259,6 @@ def score_fields(result: Any) -> dict[str, float | None]:
 
 def score_said(accuracy: float | None, r2: float | None = None, sep: str = ": ") -> str:
     """``test accuracy: 0.9731``, or ``test R²: 0.9120`` where the targets are values (``r2`` set)."""
-    from psgd.data.base import SCORE_WORDS
-
     metric, value = ("r2", r2) if r2 is not None else ("accuracy", accuracy)
     return f"{SCORE_WORDS[metric]}{sep}{value:.4f}"
 

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from psgd.cli.common import add_job_arguments, job_from_args
 from psgd.cli.connect import add_connect_arguments, connect_from_args
 from psgd.ops.checks import Doctor
 from psgd.ops.reach import check_health
@@ -49,8 +50,6 @@ examples:
 
 
 def add_doctor_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from psgd.cli.common import add_job_arguments
-
     parser = sub.add_parser("doctor", help="preflight check of a job: addresses, ports, health, plan, token, "
                                            "TLS, GPU", description=DOCTOR_DESCRIPTION,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,7 +67,6 @@ def cmd_doctor(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
     if args.health is not None:
         return health_check(args, out)
-    from psgd.cli.common import job_from_args
 
     config = job_from_args(args)
     doctor = Doctor(config, connect_from_args(args, config))

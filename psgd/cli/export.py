@@ -10,8 +10,10 @@ import json
 
 from psgd.cli.common import (score_said, add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
                              start_process, token_from_args, verbosity)
-from psgd.observe.logs import setup_logging
 from psgd.config.parsing import comma_list
+from psgd.observe.logs import setup_logging
+from psgd.training.evaluation import evaluate_file
+from psgd.weights import ExportError, save_weights
 from psgd.wire.tls import add_tls_arguments, tls_from_args
 
 EXPORT_DESCRIPTION = """\
@@ -106,8 +108,6 @@ def add_eval_parser(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from psgd.export.shards import join_checkpoints, pull_from_servers
-    from psgd.weights import ExportError
-    from psgd.weights import save_weights
 
     setup_logging("export", verbosity(args), args.log_file)
     if args.checkpoints and args.servers:
@@ -137,8 +137,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from psgd.training.evaluation import evaluate_file
-
     setup_logging("eval", verbosity(args), args.log_file)
     config = job_from_args(args)
     start_process(config)

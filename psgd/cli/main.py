@@ -9,16 +9,19 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from psgd import __version__
+import psgd
+from psgd import __version__, launcher
 from psgd.cli import doctor, models, status, export as export_cli, report as report_cli
 from psgd.config import ConfigError
 from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, add_records_arguments,
                              first_env_int, flags_not_kept, import_from_current_folder,
                              import_nothing_from_current_folder, job_from_args, run_command, resumed_from,
                              score_fields, score_said, shows_progress, verbosity)
-from psgd.observe.logs import setup_logging
 from psgd.config.parsing import Parser, comma_list
+from psgd.observe.logs import setup_logging
+from psgd.training.divergence import EXIT_DIVERGED
 from psgd.wire.tls import add_tls_arguments, launch_tls
+from psgd.worker.stop import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from psgd.launcher import LaunchResult
@@ -262,26 +265,22 @@ def _run_bench(module: str, logger: str, args: argparse.Namespace) -> int:
 
 def layout_from_args(args: argparse.Namespace, environ=None):
     """Where this node stands in a multi-node launch: flags first, then PSGD_NODE_RANK/SLURM_NODEID, PSGD_HOSTS."""
-    from psgd.launcher import Layout
-
     environ = os.environ if environ is None else environ
     node_rank = args.node_rank
     if node_rank is None:
         found = first_env_int(("PSGD_NODE_RANK", "SLURM_NODEID"), environ) if args.nnodes > 1 else None
         node_rank = found[0] if found else 0
     hosts = args.hosts if args.hosts is not None else environ.get("PSGD_HOSTS", "")
-    return Layout(args.nnodes, node_rank, tuple(comma_list(hosts, "--hosts", empty=True)), args.port)
+    return launcher.Layout(args.nnodes, node_rank, tuple(comma_list(hosts, "--hosts", empty=True)), args.port)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from psgd.launcher import EXIT_LOST_UPDATES, Hosts, launch
-
     setup_logging("launch", verbosity(args), args.log_file)
     resumed_from(args)
     config = job_from_args(args)
     layout = layout_from_args(args)
-    hosts = Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
-    result = launched(args, lambda: launch(
+    hosts = launcher.Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
+    result = launched(args, lambda: launcher.launch(
         config, mode=args.mode, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
         timeout=args.timeout, verbose=verbosity(args), save=args.save, layout=layout, hosts=hosts,
         tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args)))
@@ -310,7 +309,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {how}, "
               f"{result.seconds:.1f}s; logs in {result.run_dir}{saved}){diverged_words(result.divergence)}")
     if result.lost and not args.accept_lost_updates:
-        return EXIT_LOST_UPDATES
+        return launcher.EXIT_LOST_UPDATES
     return divergence_status(args, result.divergence)
 
 
@@ -319,25 +318,21 @@ def launched(args: argparse.Namespace, start: Callable[[], LaunchResult]) -> Lau
     with --json, ``{"error": ..., "failures": [...]}`` on stdout: its error's first line and a record of each
     process of the job that failed (:class:`~psgd.launcher.failures.ChildFailure`); a launch that finished has
     none (any failure ends a launch), and its result says ``"failures": []``."""
-    from psgd.launcher import LaunchError
-
     try:
         return start()
-    except LaunchError as exc:
+    except launcher.LaunchError as exc:
         if args.json:
             print(json.dumps({"error": str(exc).splitlines()[0], "failures": [f.record() for f in exc.failures]}))
         raise
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from psgd.launcher import launch
-
     setup_logging("run", verbosity(args), args.log_file)
     if not Path(args.script).is_file():
         raise ConfigError(f"{args.script}: no such file (the Python script each worker runs)")
     resumed_from(args)
     config = job_from_args(args)
-    result = launched(args, lambda: launch(
+    result = launched(args, lambda: launcher.launch(
         config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
         tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args),
         script=[str(Path(args.script).resolve()), *args.script_args]))
@@ -356,12 +351,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import psgd
-
     import signal
     import threading
-
-    from psgd.worker.stop import STOP_SIGNALS
 
     setup_logging("local", verbosity(args), args.log_file)
     config = job_from_args(args)  # (its threads: psgd.train picks them, and says so)
@@ -389,8 +380,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_divergence_argument(parser: argparse.ArgumentParser) -> None:
-    from psgd.training.divergence import EXIT_DIVERGED
-
     parser.add_argument("--fail-on-divergence", action="store_true",
                         help="exit with status %d if the run diverged: a loss not finite, the test loss above its "
                              "first value, or the accuracy at chance, for several evaluations in a row (one "
@@ -402,8 +391,6 @@ def diverged_words(divergence: dict | None) -> str:
 
 
 def divergence_status(args: argparse.Namespace, divergence: dict | None) -> int:
-    from psgd.training.divergence import EXIT_DIVERGED
-
     return EXIT_DIVERGED if divergence and args.fail_on_divergence else 0
 
 

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from psgd import data as datasets
+from psgd import model as models
+from psgd.cli.common import add_job_arguments, job_from_args
+from psgd.compute import backend
+from psgd.config import ConfigError
+from psgd.model.check import FAIL
 
 CHECK_MODEL_DESCRIPTION = """\
 Check a model before training it: build it for the job's dataset and dtype,
@@ -43,8 +49,6 @@ examples:
 
 def add_check_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """``psgd check-model MODEL [job flags]``."""
-    from psgd.cli.common import add_job_arguments
-
     parser = sub.add_parser("check-model", help="check a model before training: specs, init, gradients "
                                                 "(against finite differences), predict",
                             description=CHECK_MODEL_DESCRIPTION,
@@ -61,13 +65,6 @@ def _line(status: str, name: str, text: str) -> str:
 
 
 def cmd_check_model(args: argparse.Namespace) -> int:
-    from psgd import data as datasets
-    from psgd import model as models
-    from psgd.compute import backend
-    from psgd.cli.common import job_from_args
-    from psgd.config import ConfigError
-    from psgd.model.check import FAIL
-
     if args.model_name is not None:
         if args.model is not None and args.model != args.model_name:
             raise ConfigError(f"two models given, {args.model_name!r} and --model {args.model!r}: give one")

@@ -11,6 +11,8 @@ import io
 import tokenize
 from pathlib import Path
 from typing import Any
+import psgd
+from psgd.config import PARTS, JobConfig
 
 #: the command-line tools and where their parsers are built
 TOOLS = (("psgd", "psgd.cli.main"), ("psgd-server", "psgd.cli.server"), ("psgd-worker", "psgd.cli.worker"))
@@ -108,8 +110,6 @@ def _comments() -> dict[str, dict[str, str]]:
 
 def sections() -> list[tuple[str, type]]:
     """(section, dataclass) of every job-file section with fixed keys."""
-    from psgd.config import JobConfig
-
     job = JobConfig()
     return [(name, type(getattr(job, name))) for name in JobConfig.SECTIONS
             if dataclasses.is_dataclass(getattr(job, name))]
@@ -130,8 +130,6 @@ def _rows(cls: type, values: Any, comments: dict[str, dict[str, str]], skip: Any
 
 def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
     """``[cluster]``'s keys that belong to a part (written flat in the file all the same), a table for each part."""
-    from psgd.config import PARTS
-
     out = []
     for part, cls in PARTS.items():
         out += [f"### {part.capitalize()}", "", _cell(f"{cls.__doc__} Written under `[cluster]` like the keys above; "
@@ -142,8 +140,6 @@ def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
 
 def job_file() -> str:
     """Markdown: every key of every section with fixed keys, its default, what it may be and its meaning."""
-    from psgd.config import PARTS, JobConfig
-
     comments = _comments()
     out = ["# Job-file keys", "", "Generated from `psgd/config/` each time the documentation is built: every key, "
            "its default, what it may be (any other value is refused) and what it means. `[model]`, `[data]` and "
@@ -167,8 +163,6 @@ def python_api() -> str:
     """The reference of psgd's Python API: each public name (``psgd.PUBLIC``) with its signature and docstring."""
     import inspect
     import re
-
-    import psgd
 
     out = ["# The Python API", "", "Generated from the code's docstrings. Each name is `psgd.NAME`; "
            "[psgd from Python](../howto/python.md) shows them at work.", ""]

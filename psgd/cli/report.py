@@ -7,6 +7,7 @@ import argparse
 from psgd.cli.common import add_log_arguments, verbosity
 from psgd.errors import install_extra
 from psgd.observe.logs import setup_logging
+from psgd.ops.report import draw, summarise
 
 DESCRIPTION = """\
 A run read back from its folder (psgd launch --run-dir RUN, or the folder its last line names): a line for the
@@ -34,8 +35,6 @@ def add_report_parser(sub) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from psgd.ops.report import draw, summarise
-
     setup_logging("report", verbosity(args), args.log_file)
     report = summarise(args.run)
     for line in report.lines():

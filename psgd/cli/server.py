@@ -16,11 +16,17 @@ from psgd.cli.common import (add_job_arguments, add_log_arguments, add_token_arg
                              ignore_stop_signals, import_from_current_folder, job_from_args, run_command,
                              start_process, token_from_args, verbosity)
 from psgd.config import ConfigError
+from psgd.config.parsing import Parser
+from psgd.job import describe_job
 from psgd.launcher import STOP_SIGNALS
 from psgd.observe.files import open_own
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
-from psgd.config.parsing import Parser
+from psgd.ops.ports import holder
+from psgd.server import build_shard, checkpoint, recovery
+from psgd.server.listen import PortTaken, raise_descriptor_limit
+from psgd.server.replica import Replication
+from psgd.server.service import ShardServer
 from psgd.wire.channel import MAKE_TOKEN
 from psgd.wire.tls import add_tls_arguments, tls_from_args
 
@@ -110,11 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from psgd.job import describe_job
-    from psgd.server import build_shard
-    from psgd.server.listen import PortTaken, raise_descriptor_limit
-    from psgd.server.service import ShardServer
-
     raise_descriptor_limit()  # a flood of connections meets the gRPC port's cap (listen.py), not this limit
     config = job_from_args(args)
     start_process(config)
@@ -147,8 +148,6 @@ def serve(args: argparse.Namespace) -> int:
     if token and args.no_token:
         raise ConfigError("--no-token and a token (--token or PSGD_TOKEN) together: give one or the other")
     if args.checkpoint_dir:
-        from psgd.server import checkpoint, recovery
-
         try:
             recovery.resume(core, args.checkpoint_dir, fresh=args.fresh, key=checkpoint.signing_key(token))
         except checkpoint.CheckpointError as exc:
@@ -175,8 +174,6 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"shard {args.shard}: cannot listen on {bind}: {exc}") from None
     pair = None
     if c.recovery.replicas:
-        from psgd.server.replica import Replication
-
         peer = args.peer or (theirs[args.shard] if args.shard < len(theirs) else "")
         if args.replica and not peer:
             raise ConfigError(f"shard {args.shard}'s replica needs its primary's address: --peer, or [cluster] "
@@ -234,8 +231,6 @@ def _job_shards(args: argparse.Namespace, config) -> Callable[[], list[str]]:
 
 def _port_taken(args: argparse.Namespace, exc) -> str:
     """One line: which of the shard's ports it cannot have, whose it is, and what to write instead."""
-    from psgd.ops.ports import holder
-
     who = f"; {holder(exc.port)} holds it" if "in use" in exc.why.lower() else ""
     if exc.what == "data port":
         way = ("give this shard another data port (--data-port or [cluster] data_ports), or leave both out and it "

@@ -16,6 +16,7 @@ import sys
 import time
 
 from psgd.cli.connect import add_connect_arguments, connect_from_args
+from psgd.config import ConfigError, JobConfig
 from psgd.ops.view import ClusterView, collect
 
 
@@ -53,8 +54,6 @@ def add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def status_addresses(args: argparse.Namespace) -> list[str]:
-    from psgd.config import ConfigError, JobConfig
-
     job = JobConfig.load(args.config) if args.config else None
     addresses = list(args.addresses) or ([*job.cluster.servers, *job.cluster.recovery.replica_servers] if job else [])
     if not addresses:
@@ -78,8 +77,6 @@ def cmd_status(args: argparse.Namespace, out=None) -> int:
         _show(view, args.json, out, clear=False)
         return 0 if view.healthy() else 1
     if args.watch <= 0:
-        from psgd.config import ConfigError
-
         raise ConfigError("--watch needs a positive number of seconds")
     clear = hasattr(out, "isatty") and out.isatty() and not args.json
     view, shown = None, 0

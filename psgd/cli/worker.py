@@ -13,13 +13,16 @@ from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments,
                              add_progress_argument, add_token_argument, first_env_int, ignore_stop_signals,
                              import_from_current_folder, job_from_args, run_command, score_fields, score_said,
                              shows_progress, start_process, token_from_args, verbosity)
+from psgd.collective.exchange import train_allreduce
 from psgd.config import ConfigError
-from psgd.worker.stop import STOP_SIGNALS, Stop
+from psgd.config.parsing import Parser
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import WorkerMetrics, add_metrics_arguments
-from psgd.config.parsing import Parser
-from psgd.wire.tls import add_tls_arguments, tls_from_args
 from psgd.training.delay import DelayError, parse_delay
+from psgd.weights import save_weights
+from psgd.wire.tls import add_tls_arguments, tls_from_args
+from psgd.worker.exchange import run_worker
+from psgd.worker.stop import STOP_SIGNALS, Stop
 
 DESCRIPTION = """\
 Train as one worker of a job.
@@ -100,7 +103,6 @@ def work(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if args.mode == "allreduce":
         return allreduce(args, config, delay)
-    from psgd.worker.exchange import run_worker
 
     if args.rank is None:
         raise ConfigError(f"no rank: pass --rank, or set one of {', '.join(RANK_VARIABLES)}")
@@ -148,8 +150,6 @@ def last_line(result, shards: int) -> str:
 
 
 def allreduce(args: argparse.Namespace, job, delay) -> int:
-    from psgd.collective.exchange import train_allreduce
-
     if args.backend == "nccl" and args.rank is None:
         raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
     result, rank, world = train_allreduce(
@@ -159,8 +159,6 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
         metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
     if rank == 0:
         if args.save:
-            from psgd.weights import save_weights
-
             save_weights(args.save, result.params)
         if args.json:
             print(json.dumps({"rank": 0, "world_size": world, "steps": result.steps,

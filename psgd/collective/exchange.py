@@ -19,14 +19,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from psgd import data as datasets
-from psgd.compute import backend
+from psgd.collective import make_collective
 from psgd.collective.base import Bucketer, Collective, CollectiveError
+from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
-from psgd.training.delay import NO_DELAY, Delay
-from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.tables.held import lookup_rows, saved_tables
+from psgd.training.delay import NO_DELAY, Delay
+from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,6 @@ def train_allreduce(config: JobConfig, backend_name: str, *, rank: int | None = 
     ``backend_name`` (``mpi``: its rank from MPI; ``nccl``: ``rank``, met at ``rendezvous``) on the job's device,
     ``on_rank`` told the rank once it is known, then :func:`run_allreduce` with ``options``.  Returns the result,
     the rank and the world size."""
-    from psgd.collective import make_collective
-
     device = backend.get_device(config.train.device)
     with make_collective(backend_name, rank=rank, world_size=config.cluster.workers, device=device,
                          rendezvous=rendezvous, timeout=config.cluster.deadlines.request_timeout) as group:

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from psgd.compute import threads
+from psgd.collective import BackendUnavailable
+from psgd.compute import backend, threads
 from psgd.launcher.supervise import LaunchError
 from psgd.wire import protocol
 
@@ -111,8 +112,6 @@ class Hosts:
 def find_mpiexec() -> str:
     """The mpiexec beside this Python (where ``python3 -m pip install -c requirements.lock -e ".[mpi]"`` puts
     MPICH's), else on PATH."""
-    from psgd.collective import BackendUnavailable
-
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if not found:
@@ -149,8 +148,6 @@ def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tu
     As torchrun places local ranks: with ``device`` ``cuda`` the i-th of ``ranks`` runs on GPU i mod G, G the
     GPUs visible (CUDA_VISIBLE_DEVICES included); ``cuda:0,2`` names the GPUs to go round; ``cuda:N`` puts
     every one on GPU N; ``cpu`` keeps them all on the CPU (and says nothing).  Shards never take a GPU."""
-    from psgd.compute import backend
-
     if not ranks:
         return {}, ""
     try:

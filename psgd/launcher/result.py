@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from psgd import data as datasets
 from psgd.config import JobConfig
+from psgd.data.base import scores_of
+from psgd.job import build_job, params_to_device
+from psgd.training.divergence import Divergence, DivergenceGuard
+from psgd.training.evaluation import evaluate, saved_rows
+from psgd.weights import load_weights, save_weights
 from psgd.wire.tls import TLSFiles
 
 log = logging.getLogger("psgd.launcher.run")
@@ -77,13 +83,6 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
     """The test loss and score of the final weights (a model's embedding tables read by ``reader``, an
     observer of the shards) as ``{"test_accuracy": ..., "test_r2": ...}`` (the one the targets are scored by set,
     the other None), and the divergence guard's verdict on them alone."""
-    from psgd import data as datasets
-    from psgd.data.base import scores_of
-    from psgd.training.divergence import DivergenceGuard
-    from psgd.job import build_job, params_to_device
-    from psgd.training.evaluation import evaluate
-    from psgd.training.evaluation import saved_rows
-    from psgd.weights import load_weights
     from psgd.worker.exchange import read_rows
 
     job = build_job(config)
@@ -105,7 +104,6 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
 def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
                       save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
     from psgd.export.shards import job_plan, pull_from_servers
-    from psgd.weights import save_weights
     from psgd.worker.client import PSClient
 
     # One observer: it checks each shard is the one listed, then reads the weights and their versions.
@@ -185,8 +183,6 @@ def read_records(metrics: list[Path], since: float) -> list[dict]:
 def first_divergence(records: list[dict], own: dict | None, shown: str | None) -> dict | None:
     """The first ``diverged`` line of ``records``, told again in a WARNING line unless it came from the process
     ``shown`` on the terminal; else the launcher's ``own`` verdict on the final weights."""
-    from psgd.training.divergence import Divergence
-
     seen = [r for r in records if r.get("event") == "diverged"]
     if seen:
         first = min(seen, key=lambda r: r["time"])

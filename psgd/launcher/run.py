@@ -33,6 +33,8 @@ from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound
 from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
+from psgd.ops.reach import Connect, check_health, try_status
+from psgd.weights import read_npz, save_weights
 from psgd.wire.channel import MAKE_TOKEN, read_token
 from psgd.wire.tls import TLSFiles, child_flags
 
@@ -215,8 +217,6 @@ MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self
 def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
                       worker_args: list[str], log_flags: list[str], children: Children,
                       save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
-    from psgd.weights import read_npz, save_weights
-
     n, py = config.cluster.workers, sys.executable
     weights = run / "weights.npz"
     weights.unlink(missing_ok=True)
@@ -378,8 +378,6 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
                   timeout: float, tls: TLSFiles, token: str) -> None:
     """Wait until this node's shards say every worker of the job has finished or been dropped (every
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
-    from psgd.ops.reach import Connect, try_status
-
     connect = Connect.using(tls, token, 2.0)
     while True:
         ended = [p for p in servers if p.popen.poll() is not None]
@@ -397,8 +395,6 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
 
 def _wait_until_gone(address: str, children: Children, deadline: float, timeout: float, tls: TLSFiles) -> None:
     """Wait until the shard at ``address`` (node 0's shard 0) stops serving: node 0 has read the weights."""
-    from psgd.ops.reach import Connect, check_health
-
     connect = Connect.using(tls, "", 0.5)
     while time.monotonic() < deadline:
         if check_health(address, connect)[0] == "UNREACHABLE":

@@ -24,6 +24,7 @@ import numpy as np
 from psgd.compute import backend
 from psgd.model.errors import ModelError
 from psgd.model.probe import Skip, call_loss_and_grads, raised
+from psgd.model.registry import build_model
 
 FD_COORDINATES = 3         # coordinates checked per variable
 FD_EPS = 1e-6              # central-difference step in float64
@@ -51,8 +52,6 @@ class FiniteDifferences:
             return self.model
         makers = []
         if self.name:
-            from psgd.model.registry import build_model
-
             makers.append(lambda: build_model(self.name, self.input_shape, self.num_classes, dtype="float64",
                                               id_shape=self.id_shape, target=self.target, **self.options))
         ids = {"id_shape": self.id_shape} if self.id_shape is not None else {}

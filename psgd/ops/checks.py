@@ -11,7 +11,10 @@ import socket
 import ssl
 from typing import Any
 
-from psgd.ops.ports import on_loopback
+from psgd.compute import backend
+from psgd.config import ConfigError
+from psgd.job import describe_job
+from psgd.ops.ports import on_loopback, overlaps
 from psgd.ops.reach import TOKEN_ENV, Connect, probe
 
 
@@ -49,8 +52,6 @@ class Doctor:
     # -- the job -----------------------------------------------------------------------------
     def check_plan(self) -> str | None:
         """The partition plan's hash as this job file makes it (None when it cannot be built here)."""
-        from psgd.job import describe_job
-
         c = self.job.cluster
         try:
             plan = describe_job(self.job).plan
@@ -68,7 +69,6 @@ class Doctor:
             self.add("FAIL", "servers", "[cluster] servers is empty: list the shards' addresses (host:port), in "
                      "shard order, in the job file or with --servers")
             return
-        from psgd.ops.ports import overlaps
 
         for overlap in overlaps(c):
             self.add("FAIL", "ports", f"{overlap}: give each its own (a shard's data port is free by default, or "
@@ -85,8 +85,6 @@ class Doctor:
         self.check_token(statuses, len(c.servers))
 
     def check_shard(self, k: int, address: str, plan_hash: str | None) -> tuple[list[Finding], dict | None]:
-        from psgd.config import ConfigError
-
         found: list[Finding] = []
         say = lambda level, message: found.append(Finding(level, f"shard {k} at {address}", message))  # noqa: E731
         c, timeout = self.job.cluster, self.connect.timeout
@@ -206,8 +204,6 @@ class Doctor:
             self.add("ok", "TLS", "files parse: " + ", ".join(what))
 
     def check_gpu(self) -> None:
-        from psgd.compute import backend
-
         seen = backend.gpu_names()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         listed = (f"{len(seen)} GPU(s) seen" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")

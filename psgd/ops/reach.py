@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
+from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.wire.channel import SERVICE_NAME, TOKEN_ENV, open_channel
 from psgd.wire.tls import TLSFiles
 
@@ -158,8 +159,6 @@ def check_health(address: str, connect: Connect) -> tuple[str, str | None, str |
 def read_status(address: str, connect: Connect) -> dict:
     """The Status of the shard at ``address`` (:func:`status_dict`), within ``connect.timeout``; the call's
     ``grpc.RpcError`` when it does not answer."""
-    from psgd.proto import ps_pb2, ps_pb2_grpc
-
     reply = connect.call(address, lambda channel, timeout, wait: ps_pb2_grpc.ParameterServerStub(channel).Status(
         ps_pb2.StatusRequest(), timeout=timeout, wait_for_ready=wait))
     return status_dict(reply)

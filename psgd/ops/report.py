@@ -25,6 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from psgd.config import JobConfig
 from psgd.data.base import SCORE_KEYS, SCORE_WORDS
 from psgd.errors import InputError
 from psgd.observe.files import open_regular, replace_whole
@@ -117,8 +118,6 @@ def summarise(folder: str | Path) -> Report:
 
 def _job(path: Path) -> str:
     """One line saying what the job was, from its job file."""
-    from psgd.config import JobConfig
-
     if not os.path.lexists(path):
         return "no job file"
     _regular(path).close()

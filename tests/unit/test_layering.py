@@ -438,3 +438,58 @@ def test_no_import_circle_between_packages():
     ``a.w`` ties the two packages together as surely."""
     assert circles(package_graph()) == []
 
+
+def function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every psgd import inside a function of ``path``."""
+    return function_level_imports_of(ast.parse(path.read_text(), str(path)))
+
+
+def function_level_imports_of(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    found += [(inner.lineno, a.name) for a in inner.names if a.name.split(".")[0] == "psgd"]
+                elif isinstance(inner, ast.ImportFrom) and inner.module and inner.module.split(".")[0] == "psgd":
+                    found.append((inner.lineno, inner.module))
+    return sorted(set(found))  # (a function inside a function is walked twice)
+
+
+#: the psgd imports a product module makes inside a function, each with its reason: everything else is imported at
+#: the top of its module, where a reader sees what the module depends on
+LATE_IMPORTS = {
+    ("collective/__init__.py", "psgd.collective.mpi"): "mpi4py loads only where the MPI backend is asked for",
+    ("collective/__init__.py", "psgd.collective.nccl"): "CuPy's NCCL loads only where a GPU is asked for",
+    # `psgd --help` builds every command's parser, so it loads psgd.job and psgd.launcher: what only a command's
+    # run needs stays out of it (numpy.random, the shard's core and the worker's exchange, 35 modules)
+    ("job.py", "psgd.data.ahead"): "keeps psgd --help quick: numpy.random loads for a job that augments",
+    ("cli/export.py", "psgd.export.shards"): "keeps psgd --help quick: the shard's checkpoints load for an export",
+    ("launcher/result.py", "psgd.export.shards"): "keeps psgd --help quick: loaded once a launch has ended",
+    ("launcher/result.py", "psgd.worker.client"): "keeps psgd --help quick: loaded once a launch has ended",
+    ("launcher/result.py", "psgd.worker.exchange"): "keeps psgd --help quick: loaded once a launch has ended",
+    ("launcher/run.py", "psgd.worker"): "keeps psgd --help quick: the worker's script, for psgd run alone",
+}
+#: at most this many, each with a reason
+MOST_LATE_IMPORTS = 25
+#: the benchmarks load what each measures only when ``psgd bench KIND`` runs it: no more of them than now
+MOST_LATE_IMPORTS_IN_BENCH = 180
+
+
+def test_imports_inside_functions_are_few_and_each_has_a_reason():
+    """An import inside a function hides what a module depends on (and hid circles the module check missed)."""
+    product = [p for p in sorted(PSGD.rglob("*.py")) if p.relative_to(PSGD).parts[0] not in ("bench", "proto")]
+    found = [(str(path.relative_to(PSGD)), line, module) for path in product
+             for line, module in function_level_imports(path)]
+    unexplained = [f"{path}:{line} {module}" for path, line, module in found if (path, module) not in LATE_IMPORTS]
+    assert unexplained == [], unexplained
+    assert {(path, module) for path, _, module in found} == set(LATE_IMPORTS), "a reason for an import gone"
+    assert len(found) <= MOST_LATE_IMPORTS, len(found)
+    inner = ast.parse("def f():\n    from psgd.job import build_job\n    def g():\n        import psgd.api\n")
+    assert function_level_imports_of(inner) == [(2, "psgd.job"), (4, "psgd.api")]
+
+
+def test_the_benchmarks_late_imports_do_not_grow():
+    found = [f"{path.relative_to(PSGD)}:{line} {module}" for path in modules("bench")
+             for line, module in function_level_imports(path)]
+    assert len(found) <= MOST_LATE_IMPORTS_IN_BENCH, len(found)
