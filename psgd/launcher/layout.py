@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from psgd.collective import BackendUnavailable
+from psgd.errors import install_extra
 from psgd.compute import backend, threads
 from psgd.launcher.supervise import LaunchError
 from psgd.wire import protocol

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from psgd.collective import BackendUnavailable
 from psgd.config import JobConfig
-from psgd.launcher import launch
+from psgd.launcher import launch, layout
 from psgd.launcher import run as launcher
 from psgd.launcher.layout import OPEN_MPI_AS_ROOT, mpi_environment
 from psgd.launcher.supervise import LaunchError
@@ -81,3 +82,11 @@ def test_launch_gives_open_mpis_ranks_the_variables_and_says_so(tmp_path, monkey
     assert all(got.get(name) == "1" for name in OPEN_MPI_AS_ROOT) == told
     notices = [r.getMessage() for r in caplog.records if "Open MPI" in r.getMessage()]
     assert len(notices) == told
+
+
+def test_a_machine_without_mpiexec_is_told_how_to_install_one(tmp_path, monkeypatch):
+    """No mpiexec beside this Python nor on PATH: a one-line error naming the install command, not a NameError."""
+    monkeypatch.setattr(layout.sys, "executable", str(tmp_path / "python3"))
+    monkeypatch.setattr(layout.shutil, "which", lambda name: None)
+    with pytest.raises(BackendUnavailable, match=r"install one in psgd's folder with `.*\[mpi\]"):
+        layout.find_mpiexec()
