@@ -197,7 +197,7 @@ class ShmData(DataLink):
         self.tcp.registered(reply)
         shard, nbytes = self.endpoint.shard, sum(s.nbytes for s in self.endpoint.slices)
         if not reply.data_port:
-            self._over_tcp("it has no data port")
+            self._over_tcp("it has no data port", over="gRPC")
         elif not reply.host_id:
             self._over_tcp("it offers no shared memory ([cluster] transport = \"tcp\" on its side, or no memory "
                            "to spare for it)")
@@ -266,13 +266,13 @@ class ShmData(DataLink):
 
         return self.tcp.pushed_then(call)
 
-    def _over_tcp(self, why: str) -> None:
+    def _over_tcp(self, why: str, over: str = "its data port") -> None:
         self.shared = False
         if why != self._said:
             self._said = why
             level = logging.WARNING if meaning(self.endpoint.transport)["insist"] else logging.INFO
-            log.log(level, "shard %d at %s: not through shared memory, over its data port, since %s",
-                    self.endpoint.shard, self.endpoint.address, why)
+            log.log(level, "shard %d at %s: not through shared memory, over %s, since %s",
+                    self.endpoint.shard, self.endpoint.address, over, why)
 
     def _open(self, purpose: str) -> ShmConnection | None:
         """The ``purpose`` connection through a segment, where the shard shares memory; None for a plain one."""

@@ -70,3 +70,14 @@ def test_a_shard_that_restarts_without_a_data_port_is_reached_over_grpc_again():
         assert (link.via, link.data_port) == ("grpc", 0)
     finally:
         link.close()
+
+
+def test_a_shm_link_to_a_shard_without_a_data_port_says_its_tensors_go_over_grpc(caplog):
+    with caplog.at_level(logging.INFO, logger="psgd.link.shm"):
+        link = registered("shm")
+    try:
+        assert link.via == "grpc"
+        lines = [r.getMessage() for r in caplog.records if "not through shared memory" in r.getMessage()]
+        assert len(lines) == 1 and "over gRPC, since it has no data port" in lines[0], lines
+    finally:
+        link.close()
