@@ -39,8 +39,8 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
     token = job_token()  # the job's token, in the environment every process started here inherits
     run = Path(folder or tempfile.mkdtemp(prefix="psgd-soak-"))
     job = JobConfig()
-    job.apply_sets(["cluster.policy=async", f"cluster.workers={workers}", f"cluster.shards={shards}",
-                    "cluster.lease_seconds=2", "train.epochs=100000", "optimizer.lr=0.01"])
+    job = job.apply_sets(["cluster.policy=async", f"cluster.workers={workers}", f"cluster.shards={shards}",
+                          "cluster.lease_seconds=2", "train.epochs=100000", "optimizer.lr=0.01"])
     path = run / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     rng = random.Random(seed)
@@ -63,7 +63,7 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
             if time.monotonic() > deadline:
                 raise RuntimeError("shards did not start")
             time.sleep(0.05)  # polling for the port files with a deadline
-        job.override("cluster.servers", [f.read_text().strip() for f in files])
+        job = job.override("cluster.servers", [f.read_text().strip() for f in files])
         path.write_text(to_toml(job.to_dict()))
         for r in range(workers):
             start(f"worker{r}", ["psgd.cli.worker", "-c", str(path), "--rank", str(r), "--no-progress"])

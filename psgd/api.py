@@ -20,7 +20,6 @@ reads your data from a ``.npz`` file written into the run folder.  Nothing is pi
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -86,7 +85,7 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
     if job is None:
         config = JobConfig()
     elif isinstance(job, JobConfig):
-        config = copy.deepcopy(job)
+        config = job  # frozen: each override below makes a new job, yours stays as it was
     elif isinstance(job, Mapping):
         config = JobConfig.from_dict(dict(job))
     elif isinstance(job, (str, os.PathLike)):
@@ -94,9 +93,9 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
     else:
         raise ConfigError(f"job: give a job file's path, a JobConfig or a dict of sections, not a {type(job).__name__}")
     if model is not None:
-        config.override("model.name", model)
+        config = config.override("model.name", model)
     if data is not None:
-        config.override("data.name", data)
+        config = config.override("data.name", data)
     train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in keys.items() if v is not None}  # None: not given, the job's value holds
     for key, value in sorted(given.items(), key=lambda kv: kv[0] != "optimizer"):  # a name replaces its options
@@ -110,9 +109,9 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
             raise ConfigError(f"unknown setting {key}=: name a [train] or [cluster] key (epochs, batch_size, "
                               "workers, policy, ...), optimizer or lr; any other key as settings={'section.key': "
                               "value}")
-        config.override(dotted, value)
+        config = config.override(dotted, value)
     for dotted, value in (settings or {}).items():
-        config.override(dotted, value)
+        config = config.override(dotted, value)
     config.validate()
     return config
 
@@ -192,7 +191,7 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     run = Path(run_dir) if run_dir else new_run_folder(mode)
     claim(run, resume, mode)  # before your data goes into it
     if own:
-        config.override("data.name", _written(data, test, run, config.train.dtype))
+        config = config.override("data.name", _written(data, test, run, config.train.dtype))
         config.validate()
     again = (f"psgd.launch(..., run_dir={str(run)!r}, resume=True) from Python, or "
              f"{resume_command(run, flags=[] if tls else ['--no-tls'])}")
@@ -235,7 +234,7 @@ def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] |
     config = job_config(job, model=name, data=data_name, settings={**options, **(settings or {})}, **keys)
     if dataset is not None:
         dataset = dataset_from(dataset, test, dtype=config.train.dtype)
-        config.override("data.name", f"own:{dataset.name}")
+        config = config.override("data.name", f"own:{dataset.name}")
     return config, own_model, dataset
 
 

@@ -35,20 +35,18 @@ def by_hand_env(**extra: str) -> dict[str, str]:
 
 
 def make_job(*sets: str) -> JobConfig:
-    job = JobConfig()
-    job.apply_sets(sets)
-    return job
+    return JobConfig().apply_sets(sets)
 
 
 @contextlib.contextmanager
-def shards(job: JobConfig) -> Iterator[list[ShardServer]]:
-    """Every shard of ``job`` served on 127.0.0.1 (free ports); ``job.cluster.servers`` is filled in."""
+def shards(job: JobConfig) -> Iterator[tuple[JobConfig, list[ShardServer]]]:
+    """Every shard of ``job`` served on 127.0.0.1 (free ports); yields the job with its ``cluster.servers`` filled
+    in, and the shards."""
     servers = []
     try:
         for k in range(job.cluster.shards):
             servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport=job.cluster.links.transport).start())
-        job.override("cluster.servers", [s.address for s in servers])
-        yield servers
+        yield job.override("cluster.servers", [s.address for s in servers]), servers
     finally:
         for s in servers:
             s.stop(grace=1.0)

@@ -117,10 +117,11 @@ class BlobCluster(ShardProcesses):
 
         self.size, self.elems = size, size // 4
         config = JobConfig()
-        config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}", "data.name=synthetic",
-                           "data.n_train=64", "data.n_test=16", f"optimizer.name={optimizer}",
-                           "optimizer.lr=0.001", f"cluster.policy={policy}", f"cluster.shards={shards}",
-                           f"cluster.workers={workers}", f"cluster.busy_poll_us={busy_poll_us}"])
+        config = config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}",
+                                    "data.name=synthetic", "data.n_train=64", "data.n_test=16",
+                                    f"optimizer.name={optimizer}", "optimizer.lr=0.001", f"cluster.policy={policy}",
+                                    f"cluster.shards={shards}", f"cluster.workers={workers}",
+                                    f"cluster.busy_poll_us={busy_poll_us}"])
         super().__init__(config, describe_job(config, model=Blob((1,), 2, size=self.elems)).plan, tmp, hosts)
 
 

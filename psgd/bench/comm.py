@@ -58,8 +58,8 @@ def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     gradient = np.full(n, 1e-3, dtype=np.float32).tobytes()
     for name in ("sgd", "momentum", "adam"):
         config = JobConfig()
-        config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={n}", "data.name=synthetic",
-                           f"optimizer.name={name}", "cluster.policy=async", "cluster.workers=1"])
+        config = config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={n}", "data.name=synthetic",
+                                    f"optimizer.name={name}", "cluster.policy=async", "cluster.workers=1"])
         core = build_shard(describe_job(config, model=Blob((1,), 2, size=n)), 0)
         grads = core.store.gradient_views(gradient)
 
@@ -84,9 +84,9 @@ def run_worker_process(cluster: BlobCluster) -> dict:
     from psgd.config import to_toml
 
     config = cluster.config
-    config.override("cluster.servers", cluster.addresses)
-    config.override("train.batch_size", 8)
-    config.override("train.epochs", 1)
+    config = config.override("cluster.servers", cluster.addresses)
+    config = config.override("train.batch_size", 8)
+    config = config.override("train.epochs", 1)
     path = cluster.tmp / "worker.toml"
     path.write_text(to_toml(config.to_dict()))
     done = subprocess.run([PY, "-m", "psgd.cli.worker", "-c", str(path), "--rank", "0", "--no-progress", "-q",

@@ -168,7 +168,7 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
             bar=None, hosts=None) -> RunResult:
     """Launch one run and turn what it recorded into evaluation points and a summary."""
     job = config.job_config()
-    job.apply_sets(list(contender.sets))
+    job = job.apply_sets(list(contender.sets))
     if run_dir.exists():
         shutil.rmtree(run_dir)  # the metrics logs append
     delay_args = ["--delay", scenario.delay] if scenario.delay else []
@@ -176,7 +176,7 @@ def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contend
                     contender.label, contender.mode, job.to_dict(), delay_args, [], {})
     try:
         if contender.mode == "allreduce":  # rank 0 evaluates beside its steps: no rank waits for it
-            job.apply_sets(["train.eval_beside=true"])
+            job = job.apply_sets(["train.eval_beside=true"])
             run.job = job.to_dict()
             run.worker_args += ["--eval-every", str(config.allreduce_eval_every)]
             seconds, accuracy, train_seconds = _run_allreduce(config, evaluator, job, run, run_dir, hosts)

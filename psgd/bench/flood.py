@@ -94,10 +94,10 @@ def _job(folder: Path, bind: str) -> Path:
     from psgd.config import JobConfig, to_toml
 
     config = JobConfig()
-    config.apply_sets(["model.name=softmax", "data.name=digits", "train.epochs=100000", "train.batch_size=16",
-                       "train.eval_every=0", "train.threads=1", "cluster.policy=async", "cluster.shards=1",
-                       "cluster.workers=3", "cluster.lease_seconds=60", "cluster.transport=tcp"])
-    config.override("cluster.servers", [bind])
+    config = config.apply_sets(["model.name=softmax", "data.name=digits", "train.epochs=100000", "train.batch_size=16",
+                                "train.eval_every=0", "train.threads=1", "cluster.policy=async", "cluster.shards=1",
+                                "cluster.workers=3", "cluster.lease_seconds=60", "cluster.transport=tcp"])
+    config = config.override("cluster.servers", [bind])
     path = folder / "job.toml"
     path.write_text(to_toml(config.to_dict()))
     return path

@@ -150,10 +150,10 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options, graphs: bo
     from psgd.training.local import LocalExchange
 
     config = JobConfig()
-    config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
-                       "optimizer.name=sgd", f"optimizer.lr={o.lr}", f"train.batch_size={o.batch}",
-                       "train.epochs=1", f"train.device={device}", "train.dtype=float32",
-                       f"train.graphs={str(graphs).lower()}"])
+    config = config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
+                                "optimizer.name=sgd", f"optimizer.lr={o.lr}", f"train.batch_size={o.batch}",
+                                "train.epochs=1", f"train.device={device}", "train.dtype=float32",
+                                f"train.graphs={str(graphs).lower()}"])
     rng = np.random.default_rng(3)
     n = o.steps * o.batch
     x = device.asarray(rng.random((n, INPUT), dtype=np.float32))

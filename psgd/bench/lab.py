@@ -160,7 +160,7 @@ class LabConfig:
 
     def job_config(self) -> JobConfig:
         config = JobConfig()
-        config.apply_sets(self.job)
+        config = config.apply_sets(self.job)
         return config
 
     def contenders(self) -> list[Contender]:

@@ -124,10 +124,11 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
     taken: set[int] = set()
     ports = [free_port_pair(random.Random(), taken) for _ in range(2 * SHARDS)]
     config = JobConfig()
-    config.apply_sets(["cluster.policy=async", f"cluster.shards={SHARDS}", f"cluster.workers={WORKERS}",
-                       f"train.epochs={epochs}", "train.threads=1", "cluster.replicas=1", "cluster.request_timeout=30",
-                       "cluster.servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[:SHARDS]),
-                       "cluster.replica_servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[SHARDS:])])
+    config = config.apply_sets(["cluster.policy=async", f"cluster.shards={SHARDS}", f"cluster.workers={WORKERS}",
+                                f"train.epochs={epochs}", "train.threads=1", "cluster.replicas=1",
+                                "cluster.request_timeout=30",
+                                "cluster.servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[:SHARDS]),
+                                "cluster.replica_servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[SHARDS:])])
     job_file = folder / "job.toml"
     job_file.write_text(to_toml(config.to_dict()))
     total = WORKERS * steps_per_epoch(len(build_job(config).dataset.x_train), WORKERS, config.train.batch_size) * epochs
@@ -233,9 +234,10 @@ def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
     taken: set[int] = set()
     primary_port, replica_port = (free_port_pair(random.Random(), taken) for _ in range(2))
     config = JobConfig()
-    config.apply_sets(["cluster.policy=async", "cluster.shards=1", "cluster.workers=1", "train.epochs=100000",
-                       "train.threads=1", f"model.hidden=[{hidden}]", "cluster.replicas=1",
-                       f"cluster.servers=127.0.0.1:{primary_port}", f"cluster.replica_servers=127.0.0.1:{replica_port}"])
+    config = config.apply_sets(["cluster.policy=async", "cluster.shards=1", "cluster.workers=1", "train.epochs=100000",
+                                "train.threads=1", f"model.hidden=[{hidden}]", "cluster.replicas=1",
+                                f"cluster.servers=127.0.0.1:{primary_port}",
+                                f"cluster.replica_servers=127.0.0.1:{replica_port}"])
     job_file = folder / "job.toml"
     job_file.write_text(to_toml(config.to_dict()))
     server, worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")

@@ -53,12 +53,12 @@ def _config(ckpt: Path, interval: int, epochs: int):
     from psgd.job import build_job
 
     config = JobConfig()
-    config.apply_sets(["cluster.policy=sync", f"cluster.shards={SHARDS}", f"cluster.workers={WORKERS}",
-                       f"train.epochs={epochs}", "train.dtype=float64", "train.threads=1",
-                       f"cluster.checkpoint_rounds={interval}", "cluster.request_timeout=30"])
+    config = config.apply_sets(["cluster.policy=sync", f"cluster.shards={SHARDS}", f"cluster.workers={WORKERS}",
+                                f"train.epochs={epochs}", "train.dtype=float64", "train.threads=1",
+                                f"cluster.checkpoint_rounds={interval}", "cluster.request_timeout=30"])
     taken: set[int] = set()
     servers = [f"127.0.0.1:{free_port_pair(random.Random(), taken)}" for _ in range(SHARDS)]
-    config.override("cluster.servers", servers)
+    config = config.override("cluster.servers", servers)
     path = ckpt.parent / "job.toml"
     path.write_text(to_toml(config.to_dict()))
     return path, servers, build_job(config)

@@ -105,10 +105,10 @@ def job_config(dim: int, shards: int, workers: int, policy: str = "async"):
     from psgd.config import JobConfig
 
     config = JobConfig()
-    config.apply_sets([f"model.name={__name__}:Rowed", f"model.dim={dim}", "data.name=synthetic",
-                       "data.n_train=64", "data.n_test=16", "optimizer.name=sgd", "optimizer.lr=0.001",
-                       "tables.optimizer=sgd", "tables.lr=0.001", f"cluster.policy={policy}",
-                       f"cluster.shards={shards}", f"cluster.workers={workers}"])
+    config = config.apply_sets([f"model.name={__name__}:Rowed", f"model.dim={dim}", "data.name=synthetic",
+                                "data.n_train=64", "data.n_test=16", "optimizer.name=sgd", "optimizer.lr=0.001",
+                                "tables.optimizer=sgd", "tables.lr=0.001", f"cluster.policy={policy}",
+                                f"cluster.shards={shards}", f"cluster.workers={workers}"])
     return config
 
 

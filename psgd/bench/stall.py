@@ -46,12 +46,12 @@ def _job(folder: Path, transport: str, width: int, workers: int, bind: str) -> P
     from psgd.config import JobConfig, to_toml
 
     config = JobConfig()
-    config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
-                    "data.input_dim=64", "data.n_train=4096", "data.n_test=256", "train.epochs=1000",
-                    "train.threads=1", "optimizer.name=sgd", "optimizer.lr=0.01", "cluster.policy=async",
-                    "cluster.shards=1", f"cluster.workers={workers}", f"cluster.transport={transport}",
-                    "cluster.lease_seconds=120"])
-    config.override("cluster.servers", [bind])
+    config = config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
+                             "data.input_dim=64", "data.n_train=4096", "data.n_test=256", "train.epochs=1000",
+                             "train.threads=1", "optimizer.name=sgd", "optimizer.lr=0.01", "cluster.policy=async",
+                             "cluster.shards=1", f"cluster.workers={workers}", f"cluster.transport={transport}",
+                             "cluster.lease_seconds=120"])
+    config = config.override("cluster.servers", [bind])
     path = folder / "job.toml"
     path.write_text(to_toml(config.to_dict()))
     return path

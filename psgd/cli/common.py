@@ -132,15 +132,15 @@ def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = 
             if environ.get(name, "").strip() and not any(environ.get(n, "").strip() for n in own):
                 raw = environ[name].strip()
                 given[dotted] = f"{name}={raw}"
-                job.override(dotted, raw if dotted == "cluster.servers" else env_int(name, environ))
+                job = job.override(dotted, raw if dotted == "cluster.servers" else env_int(name, environ))
         for flag, (dotted, _, _) in {**JOB_FLAGS, **CLUSTER_FLAGS}.items():
             value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
             if value is not None:
                 given[dotted] = f"{flag} {value}"
-                job.override(dotted, value)
+                job = job.override(dotted, value)
         for item in args.set:
             given[item.partition("=")[0].strip()] = f"--set {item}"
-        job.apply_sets(args.set, validate=False)
+        job = job.apply_sets(args.set, validate=False)
         job.validate()
     except ConfigError as exc:
         raise blamed(exc, job.source, given) from None

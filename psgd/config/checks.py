@@ -32,8 +32,6 @@ def _number(value: Any) -> bool:
 
 
 def _field(default: Any, rule: Rule) -> Any:
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"rule": rule})
     return dataclasses.field(default=default, metadata={"rule": rule})
 
 
@@ -80,20 +78,23 @@ def text(default: str, words: str, accepts: Callable[[str], bool] = lambda v: Tr
 
 
 def addresses() -> Any:
-    """A list of host:port strings (empty by default)."""
-    return _field([], Rule("must be a list of host:port strings", lambda v: isinstance(v, list) and all(
+    """A list of host:port strings (empty by default), kept as a tuple."""
+    return _field((), Rule("must be a list of host:port strings", lambda v: isinstance(v, (list, tuple)) and all(
         isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in v)))
 
 
 def ports() -> Any:
-    """A list of TCP ports, one per shard (empty by default)."""
-    return _field([], Rule("must be a list of ports (1-65535), one per shard", lambda v: isinstance(v, list) and all(
-        isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in v)))
+    """A list of TCP ports, one per shard (empty by default), kept as a tuple."""
+    return _field((), Rule("must be a list of ports (1-65535), one per shard", lambda v: isinstance(v, (list, tuple))
+                           and all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in v)))
 
 
 def refuse_bad(settings: Any, section: str) -> None:
-    """Raise the ConfigError of the first key of ``settings`` whose value its rule refuses."""
+    """Raise the ConfigError of the first key of ``settings`` whose value its rule refuses; then keep each list (a
+    job file's, a flag's) as a tuple, so that a frozen part cannot be changed through one of its keys either."""
     for f in dataclasses.fields(settings):
         rule, value = f.metadata.get("rule"), getattr(settings, f.name)
         if rule is not None and not rule.accepts(value):
             raise ConfigError(f"[{section}] {f.name} {rule.words}, got {value!r}")
+        if isinstance(value, list):
+            object.__setattr__(settings, f.name, tuple(value))  # a frozen dataclass's own way to set a field

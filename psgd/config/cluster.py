@@ -65,7 +65,7 @@ class Links:
     wire_dtype: str = one_of("", ("", "float16", "bfloat16"), quoted=True)  # "float16" or "bfloat16": compress
     #                               pushed float32 gradients on the wire
     slice_bytes: int = integer(4 << 20, 64, 1 << 30)  # tensors larger than this are cut into slices
-    data_ports: list = ports()    # each shard's data port, in shard order; empty: free ones
+    data_ports: tuple = ports()   # each shard's data port, in shard order; empty: free ones
     hello_timeout: float = seconds(2.0, 0.01, 3600.0)  # a data-port connection that has not sent its hello by then is
     #                               closed
     busy_poll_us: int = integer(-1, -1, 10**6)  # µs a waiting end of a data connection watches for its answer
@@ -108,7 +108,7 @@ class Recovery:
     #                               "stop" (it refuses every call) or "continue"
     replicas: int = integer(0, 0, 1)  # async, ssp: 1 runs each shard twice, a replica applying every update before
     #                               the push is acknowledged; workers fail over to it when the primary dies
-    replica_servers: list = addresses()  # the replicas' addresses, in shard order
+    replica_servers: tuple = addresses()  # the replicas' addresses, in shard order
 
     def __post_init__(self) -> None:
         refuse_bad(self, "cluster")
@@ -127,7 +127,7 @@ class ClusterConfig:
     policy: str = one_of("sync", POLICIES)  # a consistency policy: a name in psgd.policy.POLICIES
     shards: int = integer(2, 1, 1024)  # parameter-server shards (psgd-server processes) holding the weights
     workers: int = integer(2, 1, 10**4)  # workers (psgd-worker processes), each on its own share of the data
-    servers: list = addresses()   # shard addresses, host:port, in shard order
+    servers: tuple = addresses()  # shard addresses, host:port, in shard order
     overlap: bool = flag(False)   # all-reduce: buckets reduced during backward; PS: next pull beside this push
     consistency: Consistency = dataclasses.field(default_factory=Consistency)
     remedies: Remedies = dataclasses.field(default_factory=Remedies)
@@ -157,8 +157,9 @@ class ClusterConfig:
         return dataclasses.replace(self, **{part: dataclasses.replace(getattr(self, part), **{key: value})})
 
     def flat(self) -> dict[str, Any]:
-        """The section as a job file writes it: every key, flat."""
-        return {key: self.get(key) for key in self.keys()}
+        """The section as a job file writes it: every key, flat (a list as a list, as the file had it)."""
+        return {key: list(value) if isinstance(value, tuple) else value
+                for key, value in ((key, self.get(key)) for key in self.keys())}
 
     # -- what it means ---------------------------------------------------------------------------------------------
     @property

@@ -1,8 +1,9 @@
 """The job file as a whole: its sections, read from TOML and overridden from the command line.
 
 ``[train]``, ``[tables]`` and ``[tls]`` (and ``[cluster]``, :mod:`psgd.config.cluster`) are frozen parts that refuse
-a bad value when made, each key's range beside its field; a :class:`JobConfig` changes a key by making its section
-anew, and :meth:`JobConfig.validate` keeps the rules across keys and sections."""
+a bad value when made, each key's range beside its field; a :class:`JobConfig` is frozen too, its free sections
+read-only: :meth:`JobConfig.override` returns a new job with the key's section made anew, and
+:meth:`JobConfig.validate` keeps the rules across keys and sections."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import dataclasses
 import json
 import math
 import tomllib
+import types
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from psgd.config.checks import flag, integer, number, one_of, refuse_bad, text
 from psgd.config.cluster import ClusterConfig
@@ -94,13 +96,14 @@ class TLSConfig:
         refuse_bad(self, "tls")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
-    """A whole job; ``model``, ``data`` and ``optimizer`` are name + free options."""
+    """A whole job; ``model``, ``data`` and ``optimizer`` are name + free options, read-only (a copy of the table
+    given), as a shard, a worker and a job's fingerprint take the job whole and it must not change under them."""
 
-    model: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "mlp"})
-    data: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "digits"})
-    optimizer: dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "momentum", "lr": 0.05})
+    model: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"name": "mlp"})
+    data: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"name": "digits"})
+    optimizer: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"name": "momentum", "lr": 0.05})
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     tls: TLSConfig = dataclasses.field(default_factory=TLSConfig)
@@ -108,6 +111,10 @@ class JobConfig:
     source: str = "<defaults>"
 
     SECTIONS = ("model", "data", "optimizer", "train", "cluster", "tls", "tables")
+
+    def __post_init__(self) -> None:
+        for section in ("model", "data", "optimizer"):
+            object.__setattr__(self, section, types.MappingProxyType(copy.deepcopy(dict(getattr(self, section)))))
 
     # -- construction -----------------------------------------------------
     @classmethod
@@ -122,15 +129,15 @@ class JobConfig:
             if section in doc:
                 table = _table(doc[section], source, section)
                 merged = dict(table) if "name" in table else {**getattr(job, section), **table}
-                setattr(job, section, merged)
+                job = dataclasses.replace(job, **{section: merged})
         for section in ("train", "cluster", "tls", "tables"):
             for key, value in _table(doc.get(section, {}), source, section).items():
-                job._set_field(section, key, value)
+                job = job._with_field(section, key, value)
         folder = Path(source).parent if Path(source).is_file() else None
         for key in ("cert", "key", "ca"):  # a path in a job file is read from the job file's folder
             value = getattr(job.tls, key)
             if folder is not None and value and not Path(value).is_absolute():
-                job._set_field("tls", key, str(folder.resolve() / value))
+                job = job._with_field("tls", key, str(folder.resolve() / value))
         job.validate()
         return job
 
@@ -150,9 +157,9 @@ class JobConfig:
         return cls.from_dict(doc, source=str(path))
 
     # -- overrides --------------------------------------------------------
-    def override(self, dotted: str, value: Any) -> None:
-        """Set ``section.key`` to ``value`` (``model.name`` replaces the model's options): a fixed section is made
-        anew, refusing a bad value.
+    def override(self, dotted: str, value: Any) -> "JobConfig":
+        """A new job with ``section.key`` set to ``value`` (``model.name`` replaces the model's options), this one
+        unchanged: a fixed section is made anew, refusing a bad value.
 
         Only the key is checked here; call :meth:`validate` once every override is in, so
         that values which must agree (servers and shards, workers and backup workers) are
@@ -161,26 +168,26 @@ class JobConfig:
         if section not in self.SECTIONS or not key:
             raise ConfigError(f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}")
         if section in ("train", "cluster", "tls", "tables"):
-            self._set_field(section, key, value)
-        else:
-            table = getattr(self, section)
-            if key == "name" and value != table.get("name"):
-                table.clear()
-            table[key] = value
+            return self._with_field(section, key, value)
+        table = getattr(self, section)
+        kept = {} if key == "name" and value != table.get("name") else table
+        return dataclasses.replace(self, **{section: {**kept, key: value}})
 
-    def apply_sets(self, assignments: Iterable[str], validate: bool = True) -> None:
-        """Apply ``--set section.key=value`` strings (values parsed as TOML, bare words as strings),
-        then validate the job once (unless ``validate`` is false: more overrides are coming)."""
+    def apply_sets(self, assignments: Iterable[str], validate: bool = True) -> "JobConfig":
+        """A new job with ``--set section.key=value`` strings applied (values parsed as TOML, bare words as
+        strings), validated once (unless ``validate`` is false: more overrides are coming)."""
+        job = self
         for item in assignments:
             dotted, sep, raw = item.partition("=")
             if not sep:
                 raise ConfigError(f"--set {item!r}: expected section.key=value")
-            self.override(dotted.strip(), parse_value(raw.strip()))
+            job = job.override(dotted.strip(), parse_value(raw.strip()))
         if validate:
-            self.validate()
+            job.validate()
+        return job
 
     # -- checks -----------------------------------------------------------
-    def _set_field(self, section: str, key: str, value: Any) -> None:
+    def _with_field(self, section: str, key: str, value: Any) -> "JobConfig":
         target = getattr(self, section)
         fields = target.keys() if section == "cluster" else [f.name for f in dataclasses.fields(target)]
         if (section, key) == ("cluster", "data_path"):
@@ -199,7 +206,7 @@ class JobConfig:
                     else dataclasses.replace(target, **{key: value}))
         except ConfigError as exc:  # the part names the section and the key; the job, where they were given
             raise ConfigError(f"{self.source}: {exc}") from None
-        setattr(self, section, made)
+        return dataclasses.replace(self, **{section: made})
 
     def validate(self) -> None:
         """The rules across keys and sections, and the free sections' names (each fixed key was checked when its
@@ -224,9 +231,9 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": copy.deepcopy(self.model),
-            "data": copy.deepcopy(self.data),
-            "optimizer": copy.deepcopy(self.optimizer),
+            "model": copy.deepcopy(dict(self.model)),
+            "data": copy.deepcopy(dict(self.data)),
+            "optimizer": copy.deepcopy(dict(self.optimizer)),
             "train": dataclasses.asdict(self.train),
             "cluster": self.cluster.flat(),
             "tls": dataclasses.asdict(self.tls),

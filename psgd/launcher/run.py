@@ -8,7 +8,6 @@ weights are evaluated on the test set here.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import hmac
 import logging
@@ -108,8 +107,8 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                               "with enough GPUs, or the mpi backend")
     if placement:
         log.info("%s", placement)
-    config = copy.deepcopy(config)  # the job file names one device (its workers' own comes with --device)
-    config.override("train.device", devices[ranks[0]] if ranks else "cpu")
+    # the job file names one device (its workers' own comes with --device)
+    config = config.override("train.device", devices[ranks[0]] if ranks else "cpu")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     if resume and mode != "ps":
@@ -292,9 +291,10 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         replicas, replica_bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
                                                 tls_flags + log_flags, token, timeout, primaries=addresses)
         servers += replicas
-        config.override("cluster.replica_servers", [replica_bound[k] if layout.nnodes == 1 else
-                                                    layout.replica_address(k, c.shards) for k in range(c.shards)])
-        spec["cluster"]["replica_servers"] = config.cluster.recovery.replica_servers
+        config = config.override("cluster.replica_servers", [replica_bound[k] if layout.nnodes == 1 else
+                                                             layout.replica_address(k, c.shards)
+                                                             for k in range(c.shards)])
+        spec["cluster"]["replica_servers"] = list(config.cluster.recovery.replica_servers)
     _write_job(job_path, spec)
     ranks = layout.workers_here(c.workers)
     log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),

@@ -53,9 +53,9 @@ class LocalExchange(Exchange):
         t = job.config.train
         self.total = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size) * t.epochs
         self.job_name = hashlib.sha256(json.dumps(
-            {"plan": job.plan.hash, "optimizer": job.config.optimizer, "dtype": job.config.train.dtype,
-             "batch_size": job.config.train.batch_size, "seed": job.config.train.seed, "model": job.config.model,
-             "data": job.config.data}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            {"plan": job.plan.hash, "optimizer": dict(job.config.optimizer), "dtype": job.config.train.dtype,
+             "batch_size": job.config.train.batch_size, "seed": job.config.train.seed, "model": dict(job.config.model),
+             "data": dict(job.config.data)}, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def begin(self) -> int:
         self.step = self._restore(self.resume) if self.resume else 0  # (each run of the loop starts afresh)

@@ -211,7 +211,7 @@ def _join(environ: Mapping[str, str]) -> Worker:
             signal.signal(signum, lambda signum, frame: stop.signalled(signum))
     config = JobConfig.load(environ[JOB_FILE])
     if environ.get(DEVICE):
-        config.override("train.device", environ[DEVICE])
+        config = config.override("train.device", environ[DEVICE])
     try:
         rank, workers = int(environ[RANK]), config.cluster.workers
     except ValueError:

@@ -259,7 +259,7 @@ def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
     monkeypatch.setenv("PSGD_TOKEN", TOKEN)
     plan, core = server.core.plan, server.core
     try:
-        job.override("cluster.servers", [server.address])
+        job = job.override("cluster.servers", [server.address])
         with PSClient([server.address], plan, 0, deadlines=Deadlines(request_timeout=10), token=TOKEN,
                       config=job) as client:
             client.register()
@@ -324,7 +324,7 @@ def test_a_rollback_storm_from_a_finished_rank_is_refused_every_time_and_told_wh
         servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport="tcp", token=TOKEN,
                                    checkpoint_dir=str(tmp_path / "ckpt"),
                                    job_shards=lambda: job.cluster.servers).start())
-    job.override("cluster.servers", [s.address for s in servers])
+    job = job.override("cluster.servers", [s.address for s in servers])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     monkeypatch.setenv("PSGD_TOKEN", TOKEN)
     try:
@@ -394,7 +394,7 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
     """
     job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2",
                    "train.epochs=1", "cluster.lease_seconds=2", "cluster.request_timeout=5", "cluster.transport=grpc")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         plan = servers[0].core.plan
         grads = {s.name: np.zeros(s.shape, np.float32) for s in plan.specs}
         clients = [PSClient(job.cluster.servers, plan, r, config=job,
@@ -437,7 +437,7 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1",
                    "cluster.lease_seconds=1")
     port = free_port_pair(random.Random(), set())
-    job.override("cluster.servers", [f"127.0.0.1:{port}"])
+    job = job.override("cluster.servers", [f"127.0.0.1:{port}"])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
     try:
@@ -483,7 +483,7 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
     """
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=1")
     port = free_port_pair(random.Random(), set())
-    job.override("cluster.servers", [f"127.0.0.1:{port}"])
+    job = job.override("cluster.servers", [f"127.0.0.1:{port}"])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     shard = _shard_process(tmp_path / "job.toml", port)
     codes = {}

@@ -7,7 +7,6 @@ CuPy is reached only through ``psgd.compute.backend``.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -229,7 +228,7 @@ def test_one_nccl_rank_trains_as_one_process_on_the_cpu(tmp_path):
                            "--backend", "nccl", "--rank", "0", "--rendezvous", f"file:{tmp_path / 'id.json'}",
                            "--no-progress", "-q", "--save", str(saved)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    job.train = dataclasses.replace(job.train, device="cpu")
+    job = job.override("train.device", "cpu")
     reference = train_local(job, progress=False).params
     with np.load(saved, allow_pickle=False) as f:
         for name, ref in reference.items():

@@ -7,8 +7,6 @@ between the segments and the device, ending where the same job ends over TCP and
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import mmap
 import os
 import signal
@@ -123,11 +121,10 @@ def test_a_gpu_worker_over_registered_shared_memory_ends_where_tcp_and_one_cpu_p
     assert backend.registered_host_bytes() == 0  # unregistered with the connections
 
     tcp = _job("tcp", overlap)
-    with shards(tcp):
+    with shards(tcp) as (tcp, _):
         run_worker(tcp, 0, tcp.cluster.servers, progress=False)
         over_tcp = fetch_weights(tcp.cluster.servers, plan)
-    one = copy.deepcopy(job)
-    one.train = dataclasses.replace(one.train, device="cpu")
+    one = job.override("train.device", "cpu")
     reference = train_local(one, progress=False).params
     for name, ref in reference.items():
         assert over_shm[name].dtype == np.float64

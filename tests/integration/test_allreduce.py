@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import importlib.util
 import json
 import os
@@ -64,11 +62,10 @@ def test_allreduce_equals_sync_ps_and_single_process(ranks, tmp_path, device):
     with np.load(saved, allow_pickle=False) as f:
         allreduce = {k: f[k] for k in f.files}
 
-    reference_job = copy.deepcopy(job)
-    reference_job.train = dataclasses.replace(reference_job.train, batch_size=ranks * batch, device="cpu")
+    reference_job = job.override("train.batch_size", ranks * batch).override("train.device", "cpu")
     reference = train_local(reference_job, progress=False).params
 
-    with shards(job):
+    with shards(job) as (job, _):
         run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                      for r in range(ranks)], timeout=120)
         plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)

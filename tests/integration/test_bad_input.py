@@ -46,7 +46,7 @@ PROPERTY = settings(max_examples=80, deadline=None, database=None,
 
 def make_job(*extra: str) -> JobConfig:
     job = JobConfig()
-    job.apply_sets(JOB_SETS + list(extra))
+    job = job.apply_sets(JOB_SETS + list(extra))
     return job
 
 

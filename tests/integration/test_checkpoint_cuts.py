@@ -22,7 +22,7 @@ def test_sync_shards_checkpoint_at_the_same_rounds_and_each_cut_joins(tmp_path):
     servers = [ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", checkpoint_dir=str(tmp_path),
                            checkpoint_seconds=0.01, keep_checkpoints=1000).start() for k in range(2)]
     try:
-        job.override("cluster.servers", [s.address for s in servers])
+        job = job.override("cluster.servers", [s.address for s in servers])
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
         rounds = results[0].steps

@@ -56,7 +56,7 @@ def test_a_checkpoint_loop_that_runs_out_of_descriptors_goes_on_and_writes_again
                    "cluster.transport=tcp", "cluster.request_timeout=5")
     server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN,
                          checkpoint_dir=str(tmp_path), checkpoint_seconds=0.05).start()
-    job.override("cluster.servers", [server.address])
+    job = job.override("cluster.servers", [server.address])
     plan = server.core.plan
     folder = checkpoint.shard_dir(tmp_path, 0, server.core.fingerprint)
     caplog.set_level(logging.INFO, logger="psgd.server")

@@ -30,7 +30,7 @@ def pushing(tmp_path, setting: str = "stop"):
                    f"cluster.on_cut_failure={setting}")
     server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN,
                          checkpoint_dir=str(tmp_path), on_cut_failure=job.cluster.recovery.on_cut_failure).start()
-    job.override("cluster.servers", [server.address])
+    job = job.override("cluster.servers", [server.address])
     plan = server.core.plan
     try:
         with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN,

@@ -253,7 +253,7 @@ def connections(link) -> dict:
 
 
 def _sync_run(job, grads, steps: int, transport: str):
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         plan = servers[0].core.plan
         clients = [PSClient(job.cluster.servers, plan, w, deadlines=Deadlines(request_timeout=IO),
                             links=Links(transport=transport), config=job)
@@ -351,7 +351,7 @@ def async32():
     job = make_job("model.name=softmax", "train.dtype=float32", "optimizer.name=sgd", f"optimizer.lr={LR}",
                    "cluster.policy=async", "cluster.workers=4", "cluster.shards=2", "cluster.slice_bytes=1024",
                    "cluster.lease_seconds=600", "cluster.join_timeout=600")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         yield job, servers
 
 

@@ -77,9 +77,9 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
     (container,) = pod["containers"]
     args = parse_cli(container_argv(container, "StatefulSet replica"), "StatefulSet replica")
     ran = replica_job_of(args, "StatefulSet replica")
-    assert args.replica and ran.cluster.recovery.replica_servers == [f"replica-{k}.psgd-replicas:50051"
+    assert args.replica and list(ran.cluster.recovery.replica_servers) == [f"replica-{k}.psgd-replicas:50051"
                                                             for k in range(job.cluster.shards)]
-    assert ran.cluster.servers == [f"shard-{k}.psgd-shards:50051" for k in range(job.cluster.shards)]
+    assert list(ran.cluster.servers) == [f"shard-{k}.psgd-shards:50051" for k in range(job.cluster.shards)]
     (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {"app.kubernetes.io/component": "shard"}
     (generator,) = component["configMapGenerator"]
@@ -116,6 +116,6 @@ def test_slurm_replicas_run_beside_the_next_shard_with_one_job_fingerprint():
         args = parse_cli(argv, "psgd.sbatch")
         if argv[0] in ("psgd-server", "psgd-worker"):
             ran = replica_job_of(args, "psgd.sbatch")
-            assert ran.cluster.recovery.replica_servers == ["node2:50061", "node1:50061"], argv
+            assert list(ran.cluster.recovery.replica_servers) == ["node2:50061", "node1:50061"], argv
             prints.add(fingerprint(identity(ran, job_plan(ran).hash)))
     assert len(prints) == 1

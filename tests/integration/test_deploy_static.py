@@ -458,7 +458,7 @@ def test_slurm_script_is_valid_bash_and_runs_real_commands(job):
         if getattr(args, "config", None):
             ran = job_of(args, "psgd.sbatch")
             if "--servers" in argv:
-                assert ran.cluster.servers == ["node1:50051", "node2:50051"], f"{kind}: {ran.cluster.servers}"
+                assert list(ran.cluster.servers) == ["node1:50051", "node2:50051"], f"{kind}: {ran.cluster.servers}"
             if kind != "psgd eval":  # the one command that reads only the model and the data
                 assert ran.cluster.workers == 3, f"{kind}: {ran.cluster.workers} workers, not $WORKERS"
                 fingerprints[kind] = fingerprint(identity(ran, job_plan(ran).hash))

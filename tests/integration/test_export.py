@@ -54,7 +54,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_export_from_a_running_cluster_gives_its_weights_exactly(tmp_path, capsys):
     j = job()
     out = tmp_path / "model.npz"
-    with shards(j) as servers:
+    with shards(j) as (j, servers):
         code, text, _ = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j)[:2],
                             "--set", "cluster.slice_bytes=512", str(out))
         assert code == 0, text
@@ -82,7 +82,7 @@ def test_export_from_a_running_cluster_gives_its_weights_exactly(tmp_path, capsy
 
 def test_export_refuses_a_job_that_does_not_describe_the_cluster(tmp_path, capsys):
     j = job()
-    with shards(j):
+    with shards(j) as (j, _):
         a, b = j.cluster.servers
         code, _, err = run(capsys, "export", "--servers", f"{a},{b}", "--set", "model.hidden=[32]",
                            "--set", "cluster.slice_bytes=512", str(tmp_path / "m.npz"))
@@ -140,7 +140,7 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
                            checkpoint_seconds=3600).start() for k in range(2)]
     folder = ckpt / servers[0].core.fingerprint  # DIR/<the job's fingerprint>/shard-K
     try:
-        j.override("cluster.servers", [s.address for s in servers])
+        j = j.override("cluster.servers", [s.address for s in servers])
         push_steps(j, 4)
         live = fetch_weights(j.cluster.servers, PartitionPlan(build_job(j).model.specs(), 2, 512))
     finally:
@@ -216,7 +216,7 @@ def test_export_from_running_shards_refuses_different_versions_as_from_checkpoin
     joins them only when told to (--mixed-versions), as export from checkpoints does."""
     j = job()
     out = tmp_path / "model.npz"
-    with shards(j) as servers:
+    with shards(j) as (j, servers):
         plan = PartitionPlan(build_job(j).model.specs(), 2, 512)
         core = servers[0].core  # a push that reached shard 0 only
         core.register(0, plan.hash)

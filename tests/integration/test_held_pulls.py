@@ -40,7 +40,7 @@ def big():
     job = make_job("model.name=mlp", "model.hidden=[2048,2048]", "train.dtype=float32", "optimizer.name=sgd",
                    "optimizer.lr=0.01", "cluster.policy=async", "cluster.workers=2", "cluster.shards=1",
                    "cluster.request_timeout=30", "cluster.lease_seconds=600", "cluster.join_timeout=600")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         yield job, servers[0]
 
 

@@ -53,13 +53,13 @@ def tiny_job(*sets: str):
 
 @contextlib.contextmanager
 def token_shards(job, **options):
-    """The shards of ``job`` served in this process, wanting the token TOKEN."""
+    """The shards of ``job`` served in this process, wanting the token TOKEN; yields the job with its servers filled
+    in, and the shards."""
     servers = []
     try:
         for k in range(job.cluster.shards):
             servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", token=TOKEN, **options).start())
-        job.override("cluster.servers", [s.address for s in servers])
-        yield servers
+        yield job.override("cluster.servers", [s.address for s in servers]), servers
     finally:
         for s in servers:
             s.stop(grace=1.0)
@@ -80,7 +80,7 @@ def test_idle_connections_do_not_lock_the_workers_out():
     the fix they filled every slot (4 * 2 + 8) for request_timeout, and both workers failed with
     "Connection reset by peer"."""
     job = tiny_job()
-    with token_shards(job) as servers:
+    with token_shards(job) as (job, servers):
         port = servers[0].data.port
         idle = [dial(port) for _ in range(17)]
         try:
@@ -156,7 +156,7 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
 
 def test_a_client_refused_for_its_token_sees_why():
     job = tiny_job()
-    with token_shards(job) as servers:
+    with token_shards(job) as (job, servers):
         core, port = servers[0].core, servers[0].data.port
         with pytest.raises(LinkError) as info:
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token="nope", timeout=IO)
@@ -167,7 +167,7 @@ def test_a_client_refused_for_its_token_sees_why():
 @pytest.mark.slow
 def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
     job = tiny_job()
-    with token_shards(job, hello_timeout=0.5) as servers:
+    with token_shards(job, hello_timeout=0.5) as (job, servers):
         core, port = servers[0].core, servers[0].data.port
         with dial(port) as sock:  # sends nothing: the shard gives up after 0.5 s and says why
             started = time.monotonic()
@@ -201,7 +201,7 @@ def test_idle_connections_beyond_the_cap_evict_the_oldest_and_hold_no_thread():
     """60 silent connections (more than the unauthenticated cap): the oldest are closed, each told why;
     the shard's thread count does not grow with them, and a worker connects at once meanwhile."""
     job = tiny_job()
-    with token_shards(job) as servers:
+    with token_shards(job) as (job, servers):
         core, data = servers[0].core, servers[0].data
         threads_before = threading.active_count()
         socks = [dial(data.port) for _ in range(60)]
@@ -224,7 +224,7 @@ def test_idle_connections_beyond_the_cap_evict_the_oldest_and_hold_no_thread():
 
 def test_refusals_are_summed_up_in_the_log_not_one_line_each():
     job = tiny_job()
-    with token_shards(job) as servers:
+    with token_shards(job) as (job, servers):
         core, port = servers[0].core, servers[0].data.port
         body = json.dumps({"proof": "wrong", "plan_hash": core.plan.hash}).encode()
         hello = protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(body)) + body
@@ -447,7 +447,7 @@ def test_idle_connections_to_the_grpc_port_up_to_the_descriptor_limit_leave_a_sh
         found = wait_for(lambda: re.search(r"serving on (\S+),", log_path.read_text()), 60, "the shard to start")
         address = found.group(1)
         port = int(address.rpartition(":")[2])
-        job.override("cluster.servers", [address])
+        job = job.override("cluster.servers", [address])
         wait_for(lambda: checkpointed(root) >= 0, 30, "the shard's first checkpoint")
         for _ in range(DESCRIPTORS + 64):  # more than the shard has descriptors, all held, none sending a byte
             try:

@@ -48,7 +48,7 @@ def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
                    "train.epochs=1", "cluster.policy=async", f"cluster.transport={transport}")
     servers = serve([build_shard(describe_job(job), 0), build_shard(describe_job(job), 0), build_shard(describe_job(job), 2)])
     try:
-        job.override("cluster.servers", [s.address for s in servers])
+        job = job.override("cluster.servers", [s.address for s in servers])
         assert servers[0].core.nbytes == servers[1].core.nbytes  # the case that went unnoticed
         began = time.monotonic()
         with pytest.raises(PSError, match=r"listed as shard 1 of 3, answered as shard 0 of 3") as err:
@@ -189,7 +189,7 @@ def test_workers_of_one_job_still_train_together():
     job = make_job("cluster.shards=2", "cluster.workers=2", "train.epochs=1", "model.name=softmax")
     servers = serve([build_shard(describe_job(job), k) for k in range(2)])
     try:
-        job.override("cluster.servers", [s.address for s in servers])
+        job = job.override("cluster.servers", [s.address for s in servers])
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
         assert [r.steps for r in results] == [results[0].steps] * 2 and results[0].steps > 0

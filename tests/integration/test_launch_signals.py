@@ -295,7 +295,7 @@ def test_a_stop_signal_caught_by_another_thread_ends_calls_being_retried(tmp_pat
     import threading
 
     config = JobConfig()
-    config.apply_sets(["cluster.shards=2"])
+    config = config.apply_sets(["cluster.shards=2"])
     plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.links.slice_bytes)
     gone = [f"127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there: every call fails, and is retried
     stop = threading.Event()
@@ -335,7 +335,7 @@ def test_a_worker_stopped_while_it_registers_leaves_as_asked():
 
     job = make_job("model.name=softmax", "cluster.shards=1", "cluster.workers=1")
     entered, release, stop, ended = threading.Event(), threading.Event(), threading.Event(), {}
-    with shards(job) as (server,):
+    with shards(job) as (job, (server,)):
         register = server.core.register
 
         def held(*args, **kwargs):

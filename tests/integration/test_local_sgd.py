@@ -5,7 +5,6 @@ leave the centre at the average of the two models each trained alone on its half
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import numpy as np
@@ -28,7 +27,7 @@ COMMON = ("model.hidden=[32]", "train.dtype=float64", "train.epochs=2", "train.b
 def trained(job, pushes_after_pulls: int = 0) -> tuple[dict, list, set]:
     """Train ``job``'s workers against its shards; with ``pushes_after_pulls``, no shard applies a push before
     it has answered that many pulls (so that every worker starts from the initial weights)."""
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         if pushes_after_pulls:
             for server in servers:
                 hold(server.core, pushes_after_pulls)
@@ -67,7 +66,7 @@ def close(got: dict, want: dict) -> None:
 def test_one_worker_is_the_single_process_trainer(local_steps):
     job = make_job(*COMMON, f"cluster.local_steps={local_steps}", "cluster.workers=1", "cluster.shards=2")
     weights, results, versions = trained(job)
-    reference = train_local(copy.deepcopy(job), progress=False)
+    reference = train_local(job, progress=False)
     close(weights, reference.params)
     assert versions == {-(-reference.steps // local_steps)}  # one push per period, the last one short
     assert results[0].steps == reference.steps
@@ -81,7 +80,7 @@ def test_two_workers_pushing_once_leave_the_average_of_their_models():
     assert versions == {2} and all(r.steps == steps for r in results)
     alone = []
     for rank in range(2):  # each worker's model, trained on its half of the data by the reference trainer
-        built = build_job(copy.deepcopy(job))
+        built = build_job(job)
         alone.append(run_loop(built, LocalExchange(built), rank=rank, world=2, progress=False).params)
     close(weights, {name: (alone[0][name] + alone[1][name]) / 2 for name in alone[0]})
     assert any(not np.allclose(alone[0][k], alone[1][k]) for k in alone[0])  # two models: their average is neither

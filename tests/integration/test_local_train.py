@@ -14,7 +14,7 @@ from psgd.training.local import train_local
 
 def job(**sets):
     j = JobConfig()
-    j.apply_sets(f"{k}={v}" for k, v in sets.items())
+    j = j.apply_sets(f"{k}={v}" for k, v in sets.items())
     return j
 
 

@@ -102,10 +102,10 @@ print(json.dumps({"test_accuracy": acc, "test_loss": loss}))
 @pytest.mark.slow
 def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, tmp_path):
     job = JobConfig()  # the MLP on the bundled digits, 30 epochs, momentum SGD
-    job.apply_sets(["cluster.policy=sync", "cluster.shards=2", "cluster.workers=2", "cluster.join_timeout=60",
-                    "cluster.request_timeout=30"])
-    job.override("cluster.servers", [f"{HOSTS['s0']}:{PORT}", f"{HOSTS['s1']}:{PORT}"])
-    job.override("cluster.data_ports", [PORT + 1, PORT + 1])  # named, as for a firewall between machines
+    job = job.apply_sets(["cluster.policy=sync", "cluster.shards=2", "cluster.workers=2", "cluster.join_timeout=60",
+                          "cluster.request_timeout=30"])
+    job = job.override("cluster.servers", [f"{HOSTS['s0']}:{PORT}", f"{HOSTS['s1']}:{PORT}"])
+    job = job.override("cluster.data_ports", [PORT + 1, PORT + 1])  # named, as for a firewall between machines
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     start = time.monotonic()
@@ -126,7 +126,7 @@ def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, 
         return all(f.exists() for f in files) and [f.read_text().strip() for f in files]
 
     bound = wait_for(listening, 60, "the shards to listen")
-    assert bound == job.cluster.servers
+    assert bound == list(job.cluster.servers)
 
     # the preflight check, from a worker's host: names, both ports and the plan of each shard across the bridge
     doctor = hosts.call("w0", [PY, "-m", "psgd.cli.main", "doctor", "-c", str(path)])

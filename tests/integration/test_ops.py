@@ -51,7 +51,8 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 @contextlib.contextmanager
 def observed_shards(job):
-    """Every shard of ``job`` on 127.0.0.1 with its metrics endpoint; yields (servers, metrics)."""
+    """Every shard of ``job`` on 127.0.0.1 with its metrics endpoint; yields (the job with its servers filled in,
+    servers, metrics)."""
     servers, metrics = [], []
     try:
         for k in range(job.cluster.shards):
@@ -61,8 +62,7 @@ def observed_shards(job):
                                        interceptors=m.interceptors).start())
             m.endpoint = serve_metrics("127.0.0.1:0", m.registry)
             metrics.append(m)
-        job.override("cluster.servers", [s.address for s in servers])
-        yield servers, metrics
+        yield job.override("cluster.servers", [s.address for s in servers]), servers, metrics
     finally:
         for m in metrics:
             m.stop()
@@ -74,7 +74,7 @@ def observed_shards(job):
                                        pytest.param("grpc", marks=pytest.mark.slow)])
 def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fills(transport):
     job = make_job(*SMALL, "train.epochs=3", "cluster.policy=async", f"cluster.transport={transport}")
-    with observed_shards(job) as (servers, metrics):
+    with observed_shards(job) as (job, servers, metrics):
         worker = WorkerMetrics(0)
         worker.endpoint = serve_metrics("127.0.0.1:0", worker.registry)
         scrapes = {}
@@ -175,7 +175,7 @@ def test_checkpoint_age_and_metrics_flags(tmp_path):
 def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_path):
     job = make_job(*SMALL, "train.epochs=4", "cluster.policy=sync")
     seen = {}
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         addresses = job.cluster.servers
 
         def on_step(point):
@@ -228,7 +228,7 @@ def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_pa
 def test_status_says_plainly_when_an_address_does_not_answer(capsys):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1")
     closed = free_port()
-    with shards(job):
+    with shards(job) as (job, _):
         start = time.monotonic()
         code = main(["status", job.cluster.servers[0], f"127.0.0.1:{closed}", "--sample", "0", "--timeout", "2"])
         took = time.monotonic() - start
@@ -242,7 +242,7 @@ def test_status_says_plainly_when_an_address_does_not_answer(capsys):
 
 def test_status_command_line_with_a_job_file(tmp_path):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=2")
-    with shards(job):
+    with shards(job) as (job, _):
         path = tmp_path / "job.toml"
         path.write_text(to_toml(job.to_dict()))
         done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "status", "-c", str(path), "--sample", "0.2"],
@@ -255,15 +255,15 @@ def test_status_command_line_with_a_job_file(tmp_path):
 # -- psgd doctor ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def cli_layout_shards(job, transport: str = "auto"):
-    """Every shard of ``job`` with a data port named for it: gRPC on a port P, the data port on P + 1."""
+    """Every shard of ``job`` with a data port named for it: gRPC on a port P, the data port on P + 1; yields the job
+    with its servers filled in, and the shards."""
     servers = []
     try:
         for k in range(job.cluster.shards):
             port = free_port_pair()  # gRPC on P, data on P + 1 (psgd-server --data-port)
             servers.append(ShardServer(build_shard(describe_job(job), k), f"127.0.0.1:{port}", transport=transport,
                                        data_port=port + 1).start())
-        job.override("cluster.servers", [s.address for s in servers])
-        yield servers
+        yield job.override("cluster.servers", [s.address for s in servers]), servers
     finally:
         for s in servers:
             s.stop(grace=1.0)
@@ -281,7 +281,7 @@ def write_job(tmp_path: Path, job, servers=None) -> str:
 def test_doctor_passes_a_healthy_cluster(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("PSGD_TOKEN", raising=False)
     job = make_job(*SMALL)
-    with cli_layout_shards(job):
+    with cli_layout_shards(job) as (job, _):
         code = main(["doctor", "-c", write_job(tmp_path, job)])
         out = capsys.readouterr().out
         assert main(["doctor", "--health", job.cluster.servers[1]]) == 0
@@ -304,7 +304,7 @@ def test_doctor_warns_of_a_shard_on_loopback_beside_shards_elsewhere():
     from psgd.ops.checks import Doctor
 
     job = make_job(*SMALL)
-    job.override("cluster.servers", ["127.0.0.1:1", "192.0.2.1:2"])  # 192.0.2.0/24: documentation, unreachable
+    job = job.override("cluster.servers", ["127.0.0.1:1", "192.0.2.1:2"])  # 192.0.2.0/24: documentation, unreachable
     found, _ = Doctor(job, Connect(timeout=0.5)).check_shard(0, "127.0.0.1:1", None)
     assert found[0].level == "warn" and "other shards are elsewhere" in found[0].message
 
@@ -332,7 +332,7 @@ def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
     job = make_job(*SMALL)
     other = make_job("model.name=mlp", "cluster.workers=3", "cluster.shards=2", "cluster.policy=async")
     closed = free_port()
-    with shards(other) as running:
+    with shards(other) as (other, running):
         servers = [running[1].address, running[0].address]  # shard order swapped
         path = write_job(tmp_path, job, servers)
         start = time.monotonic()
@@ -369,7 +369,7 @@ def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
 
 def test_doctor_data_port_closed(tmp_path, capsys):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1")
-    with cli_layout_shards(job, transport="grpc"):  # the job wants a data port, the shard serves none
+    with cli_layout_shards(job, transport="grpc") as (job, _):  # the job wants a data port, the shard serves none
         code = main(["doctor", "-c", write_job(tmp_path, job), "--timeout", "2"])
     out = capsys.readouterr().out
     assert code == 1

@@ -25,7 +25,7 @@ def test_a_loop_of_ones_own_records_its_evaluations_as_a_launched_worker_does(tm
                    "train.batch_size=64")
     run = tmp_path / "run"
     run.mkdir()
-    with shards(job):
+    with shards(job) as (job, _):
         (run / "job.toml").write_text(to_toml(job.to_dict()))
         environ = {"PSGD_JOB_FILE": str(run / "job.toml"), "PSGD_RANK": "0", "PSGD_METRICS": str(run / "worker-0.jsonl")}
         with psgd.join(environ) as w:
@@ -61,7 +61,7 @@ def test_a_resumed_loop_of_ones_own_judges_its_test_loss_against_the_runs_first(
                {"time": 2.0, "role": "worker:0", "event": "eval", "step": 22, "test_loss": 0.9, "test_accuracy": 0.8}]
     (run / "worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
     monkeypatch.setattr(ParameterServerExchange, "begin", lambda self: 30)  # where the stopped part left it
-    with shards(job):
+    with shards(job) as (job, _):
         (run / "job.toml").write_text(to_toml(job.to_dict()))
         environ = {"PSGD_JOB_FILE": str(run / "job.toml"), "PSGD_RANK": "0", "PSGD_METRICS": str(run / "worker-0.jsonl")}
         with psgd.join(environ) as w:

@@ -39,7 +39,7 @@ def own_loop(tmp_path, module: str, steps: int) -> tuple[list[float], list[float
     np.savez(tmp_path / "data.npz", x=(rng.normal(size=(120, 4)) + np.eye(3, 4)[y]).astype("float32"), y=y)
     job = make_job(f"model.name={module}:Dropped", f"data.name=npz:{tmp_path / 'data.npz'}", "cluster.workers=1",
                    "cluster.shards=1", "train.seed=5", "train.batch_size=8")
-    with shards(job):
+    with shards(job) as (job, _):
         (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
         environ = {"PSGD_JOB_FILE": str(tmp_path / "job.toml"), "PSGD_RANK": "0"}  # (shards served here want no token)
         own, second, derived = [], [], []

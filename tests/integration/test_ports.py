@@ -21,7 +21,7 @@ ENV = by_hand_env(PYTHONUNBUFFERED="1")
 
 def write_job(tmp_path: Path, *sets: str) -> Path:
     job = JobConfig()
-    job.apply_sets(["model.name=softmax", "train.epochs=1", "cluster.policy=async", *sets])
+    job = job.apply_sets(["model.name=softmax", "train.epochs=1", "cluster.policy=async", *sets])
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     return path

@@ -5,9 +5,6 @@ the weights one process reaches with batch N*B: same initial weights, same
 examples per step, one averaged update per clock.
 """
 
-import copy
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -31,7 +28,7 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
                    "optimizer.name=sgd", "optimizer.lr=0.1",
                    "cluster.policy=sync", f"cluster.workers={workers}", f"cluster.shards={num_shards}",
                    "cluster.slice_bytes=2048")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         assert sum(len(s.core.slices) for s in servers) > len(build_job(job).model.specs())  # tensors were cut
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(workers)], timeout=120)
@@ -39,8 +36,8 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
         distributed = fetch_weights(job.cluster.servers, plan)
         versions = {s.core.version for s in servers}
 
-    reference_job = copy.deepcopy(job)  # the [cluster] section plays no part in a single process
-    reference_job.train = dataclasses.replace(reference_job.train, batch_size=workers * batch, device="cpu")
+    # the [cluster] section plays no part in a single process
+    reference_job = job.override("train.batch_size", workers * batch).override("train.device", "cpu")
     reference = train_local(reference_job, progress=False)
 
     assert versions == {reference.steps}  # one update per clock on every shard
@@ -59,7 +56,7 @@ def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
                    "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.policy=sync", "cluster.workers=2",
                    "cluster.shards=2", "cluster.slice_bytes=4096", f"cluster.overlap={str(overlap).lower()}",
                    f"cluster.transport={link}")
-    with shards(job):
+    with shards(job) as (job, _):
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
         plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)
@@ -85,7 +82,7 @@ def test_async_and_ssp_runs_apply_every_push(overlap):
     for policy in ("async", "ssp"):
         job = make_job("model.name=softmax", "train.epochs=1", f"cluster.policy={policy}",
                        "cluster.workers=2", "cluster.shards=2", f"cluster.overlap={str(overlap).lower()}")
-        with shards(job) as servers:
+        with shards(job) as (job, servers):
             results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                    for r in range(2)], timeout=120)
             cores: list[ShardCore] = [s.core for s in servers]

@@ -76,7 +76,7 @@ def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
                                       stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"shard-{k}.log", "w")))
     addresses = wait_for(lambda: all(f.exists() for f in files) and [f.read_text().strip() for f in files],
                          60, "servers to start")
-    job.override("cluster.servers", addresses)
+    job = job.override("cluster.servers", addresses)
     path.write_text(to_toml(job.to_dict()))
     return addresses
 
@@ -84,8 +84,8 @@ def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
 @pytest.mark.slow
 def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_path):
     job = JobConfig()
-    job.apply_sets(["model.name=softmax", "train.epochs=40", "cluster.policy=sync", "cluster.workers=3",
-                    "cluster.shards=2", "cluster.lease_seconds=2"])
+    job = job.apply_sets(["model.name=softmax", "train.epochs=40", "cluster.policy=sync", "cluster.workers=3",
+                          "cluster.shards=2", "cluster.lease_seconds=2"])
     with processes() as procs:
         addresses = start_servers(job, tmp_path, procs)
         workers = []
@@ -122,8 +122,8 @@ def test_a_second_worker_of_the_same_rank_is_refused_naming_the_first(tmp_path):
     lease (a restarted worker waits that long for its old process's), and took the rank from a first paused past
     its lease (found by the chaos suite: seed 7, run 6), which was then refused and exited 1."""
     job = JobConfig()
-    job.apply_sets(["model.name=softmax", "train.epochs=20000", "cluster.policy=async", "cluster.workers=2",
-                    "cluster.shards=1", "cluster.lease_seconds=30"])
+    job = job.apply_sets(["model.name=softmax", "train.epochs=20000", "cluster.policy=async", "cluster.workers=2",
+                          "cluster.shards=1", "cluster.lease_seconds=30"])
     assert job.cluster.deadlines.request_timeout == 60
     with processes() as procs:
         start_servers(job, tmp_path, procs)
@@ -170,7 +170,7 @@ def test_wrong_address_fails_fast_with_a_clear_message():
 
 def test_worker_with_another_model_is_refused_with_the_difference(tmp_path):
     job = JobConfig()
-    job.apply_sets(["cluster.workers=1", "cluster.shards=1"])
+    job = job.apply_sets(["cluster.workers=1", "cluster.shards=1"])
     with processes() as procs:
         addresses = start_servers(job, tmp_path, procs)
         done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",

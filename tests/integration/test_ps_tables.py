@@ -3,8 +3,6 @@ batch, table included; the rows move in the same pulls and pushes; what the shar
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 
 import numpy as np
@@ -47,7 +45,7 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
                    "optimizer.name=sgd", "optimizer.lr=0.1", f"tables.optimizer={rule}", "tables.lr=0.3",
                    "cluster.policy=sync", f"cluster.workers={workers}", "cluster.shards=2",
                    f"cluster.transport={transport}", f"cluster.overlap={str(overlap).lower()}")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(workers)], timeout=120)
         plan = build_job(job).plan
@@ -55,8 +53,7 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
         rows = shard_rows(servers)
         held = [len(s.core.tables.tables["emb"]) for s in servers]
 
-    reference_job = copy.deepcopy(job)
-    reference_job.train = dataclasses.replace(reference_job.train, batch_size=workers * batch)
+    reference_job = job.override("train.batch_size", workers * batch)
     reference = build_job(reference_job, check=True)
     local = LocalExchange(reference)
     expected = run_loop(reference, local, progress=False)
@@ -79,7 +76,7 @@ def test_async_workers_train_a_table_and_rows_stay_on_their_shards(overlap):
     job = make_job(*SMALL, "train.epochs=3", "train.batch_size=32", "train.eval_every=20", "tables.lr=0.1",
                    "cluster.policy=async", "cluster.workers=2", "cluster.shards=2",
                    f"cluster.overlap={str(overlap).lower()}")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
         plan = build_job(job).plan
@@ -111,7 +108,7 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
     from psgd.wire.rows import MAX_ROWS
 
     job = make_job(*SMALL, "train.dtype=float64", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         core = servers[0].core
         plan = build_job(job).plan
         core.register(0, plan.hash)
@@ -172,7 +169,7 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
 
     job = make_job(*SMALL, "train.dtype=float64", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.transport=tcp")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         core, port = servers[0].core, servers[0].data.port
         plan = build_job(job).plan
         core.register(0, plan.hash)
@@ -266,7 +263,7 @@ def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores
 
     job = make_job(*SMALL, "train.epochs=1", "train.batch_size=32", "tables.lr=0.1", "cluster.policy=sync",
                    "cluster.workers=2", "cluster.shards=2")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)],
                     timeout=120)
         for s in servers:  # what psgd-server writes on its way out
@@ -301,7 +298,7 @@ def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_wide
     plan = build_job(job).plan
     ids = np.arange(40, dtype=np.int64) * 1009
     grads = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32) * 1e-2
-    with shards(job) as servers, PSClient(job.cluster.servers, plan, 0,
+    with shards(job) as (job, servers), PSClient(job.cluster.servers, plan, 0,
                                           links=Links(transport=transport, wire_dtype=wire),
                                           config=job) as client:
         client.wait_ready(30)
@@ -343,7 +340,7 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
     assert sorted(seen) == t.held_ids().tolist() and pages == -(-len(t) // 400)
 
     job = make_job(*SMALL, "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         from psgd.worker.client import PSClient
         from psgd.worker.lookups import list_rows
 
@@ -384,8 +381,7 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
     with np.load(saved, allow_pickle=False) as f:
         allreduce = {k: f[k] for k in f.files}
 
-    reference_job = copy.deepcopy(job)
-    reference_job.train = dataclasses.replace(reference_job.train, batch_size=ranks * batch)
+    reference_job = job.override("train.batch_size", ranks * batch)
     reference = build_job(reference_job, check=True)
     expected = run_loop(reference, LocalExchange(reference), progress=False)
     assert sorted(allreduce) == sorted(expected.params)  # the dense weights, and the table's rows saved with them
@@ -403,7 +399,7 @@ def test_a_pull_or_push_of_rows_is_given_time_for_its_rows_bytes_too(monkeypatch
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e5)  # 100 kB/s: seconds a few MB of rows are given
     job = make_job(*SMALL, "model.dim=64", "train.dtype=float64", "cluster.policy=async", "cluster.workers=1",
                    "cluster.shards=1", "cluster.transport=grpc")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         armed = []
         watchdog = servers[0].servicer.watchdog
         real = watchdog.watch

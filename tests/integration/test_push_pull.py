@@ -44,7 +44,7 @@ def _arrays(plan, value=None) -> dict:
 @pytest.mark.parametrize("link", LINKS)
 def test_the_answer_to_a_push_is_the_next_clocks_weights_and_the_push_counts_once(link):
     job = _job(link, "async")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         client = _client(job, 0)
         try:
             plan = client.plan
@@ -70,7 +70,7 @@ def _two_sync_workers(link: str, *more: str):
     """Two workers of a sync job on two shards, worker 0 with a stop event and clock 0's weights pulled:
     (the shards, the stop, worker 0, worker 1, worker 0's host arrays, a gradient)."""
     job = _job(link, "sync", 2, *more)
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         stop = threading.Event()
         first, second = _client(job, 0, stop=stop), _client(job, 1)
         try:
@@ -148,7 +148,7 @@ def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatc
     for policy in ("sync", "async"):
         pulls.clear()
         job = _job(link, policy, 1)
-        with shards(job) as servers:
+        with shards(job) as (job, servers):
             result = run_worker(job, 0, job.cluster.servers, progress=False, evaluate_every=0)
             assert result.steps > 20 and [s.core.version for s in servers] == [result.steps] * 2
         # under sync, cuts (the default) add one pull of the last round's weights before it leaves (settle)
@@ -162,7 +162,7 @@ def test_a_stop_never_cuts_a_push_in_flight(link):
     was on, so the worker counted the push as failed although the shard had applied it.  Here the shard holds the
     push until the stop has come."""
     job = _job(link, "async", 1)
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         stop, entered, release = threading.Event(), threading.Event(), threading.Event()
         client = _client(job, 0, stop=stop)
         core = servers[0].core

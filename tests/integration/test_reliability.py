@@ -151,7 +151,7 @@ def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
 
 def test_a_retried_push_is_applied_once():
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=2", "cluster.policy=async")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         model = build_job(job).model
         plan = PartitionPlan(model.specs(), 2, job.cluster.links.slice_bytes)
         grads = {s.name: np.full(s.shape, 0.5, dtype=np.float32) for s in plan.specs}
@@ -174,12 +174,12 @@ class Cluster:
     """Shard and worker processes for one job file, with fixed ports so a shard can come back."""
 
     def __init__(self, job, tmp: Path, checkpoint_every: float = 0.3):
-        self.tmp, self.job = tmp, job
+        self.tmp = tmp
         taken: set[int] = set()  # gRPC on p, the data path on p + 1; no two shards share one
         self.ports = [free_port_pair(taken=taken) for _ in range(job.cluster.shards)]
-        job.override("cluster.servers", [f"127.0.0.1:{p}" for p in self.ports])
+        self.job = job.override("cluster.servers", [f"127.0.0.1:{p}" for p in self.ports])
         self.path = tmp / "job.toml"
-        self.path.write_text(to_toml(job.to_dict()))
+        self.path.write_text(to_toml(self.job.to_dict()))
         self.ckpt = tmp / "ckpt"
         self.every = checkpoint_every
         self.procs: list[subprocess.Popen] = []

@@ -41,16 +41,16 @@ PY = sys.executable
 
 
 def pair_of(job, k: int = 0, token: str = ""):
-    """Shard ``k`` of ``job`` twice in this process, the second following the first; job's addresses filled in."""
+    """Shard ``k`` of ``job`` twice in this process, the second following the first; the job with its addresses
+    filled in, and the two."""
     d = describe_job(job)
     primary, replica = (ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.links.transport,
                                     replicated=True, token=token).start() for _ in range(2))
     Replication(primary.core, primary.address, replica.address, second=False, token=token).start()
     Replication(replica.core, replica.address, primary.address, second=True, token=token).start()
     wait_for(lambda: primary.core.replication.lag() == 0, 10, "the replica to follow")
-    job.override("cluster.servers", [primary.address])
-    job.override("cluster.replica_servers", [replica.address])
-    return primary, replica
+    job = job.override("cluster.servers", [primary.address])
+    return job.override("cluster.replica_servers", [replica.address]), primary, replica
 
 
 def close(*servers):
@@ -66,7 +66,7 @@ def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, tr
     job = make_job("model.hidden=[32]", "train.epochs=2", "train.batch_size=16", "optimizer.name=adam",
                    "optimizer.lr=0.01", f"cluster.policy={policy}", "cluster.workers=2", "cluster.shards=1",
                    "cluster.replicas=1", f"cluster.transport={transport}")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     try:
         results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
                                for r in range(2)], timeout=120)
@@ -86,7 +86,7 @@ def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, tr
 def test_a_replica_refuses_workers_and_says_where_the_primary_is():
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     try:
         from psgd.server.errors import ShardError
 
@@ -192,7 +192,7 @@ def _lag(address: str) -> int | None:
 def test_status_json_carries_role_and_lag():
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     try:
         rows = ClusterView(probe_all([primary.address, replica.address],
                                      Connect(timeout=5, token=TOKEN))).to_json()["shards"]
@@ -282,7 +282,7 @@ def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_c
     state."""
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=2", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     p, q = primary.core, replica.core
     try:
         for w in range(2):
@@ -312,7 +312,7 @@ def test_a_replica_between_two_connections_when_the_job_ends_hears_that_it_ended
     waited for workers that had left.  Here the replica's next connection is held until the primary is stopping."""
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     p, q = primary.core.replication, replica.core.replication
     connect, release = q._connect, threading.Event()
 
@@ -340,7 +340,7 @@ def test_a_follower_that_is_refused_is_said_once_and_its_claimed_address_cannot_
     in it forged a log line, and each of its attempts logged "refused a replica" (2,142 lines in 24 s)."""
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     host = primary.address.rsplit(":", 1)[0]
     data_port = primary.data.port
     try:
@@ -379,7 +379,7 @@ def test_a_replica_whose_stream_breaks_as_it_is_told_the_job_is_over_is_told_aga
     Now the primary tells it again once it follows again (FINISH_SECONDS at most)."""
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     send, broken = stream.send, []
 
     def breaking(sock, batch):  # the first end of the job sent: the stream breaks under it
@@ -412,7 +412,7 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
     monkeypatch.setattr(replica_module, "BENCH_SECONDS", (3.0, 6.0))  # a time out of 30 s, shortened here
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     plan = primary.core.plan
     grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
     released = threading.Event()
@@ -480,7 +480,7 @@ def test_only_the_pairs_own_replica_follows(caplog):
     anywhere but the pair's replica address is refused, whether or not the replica follows."""
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")
         replica.core.replication.stop(finished=False)  # the replica is away
@@ -514,7 +514,7 @@ def test_a_stranger_at_a_dead_replicas_address_learns_no_token_and_is_not_believ
 
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job, token=TOKEN)
+    job, primary, replica = pair_of(job, token=TOKEN)
     heard: list[dict] = []
 
     class Stranger(ps_pb2_grpc.ParameterServerServicer):
@@ -551,7 +551,7 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
 
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job, token=TOKEN)
+    job, primary, replica = pair_of(job, token=TOKEN)
     try:
         used = Prover(TOKEN, f"127.0.0.1:{primary.data.port}").prove("follow")
         assert primary.data.gate.proofs.check(used, "follow")  # (as the replica's was)
@@ -588,7 +588,7 @@ def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_a
     caplog.set_level(logging.INFO, logger="psgd")
     job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
                    "cluster.shards=1", "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     p, q = primary.core.replication, replica.core.replication
     cut = threading.Event()
     _cut_between(monkeypatch, cut)
@@ -615,7 +615,7 @@ def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_a
 def test_a_replica_that_lost_its_primary_takes_over_when_a_worker_comes_to_it(monkeypatch):
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     q = replica.core.replication
     from psgd.server.errors import ShardError
 
@@ -642,7 +642,7 @@ def test_a_worker_that_starts_after_the_primary_died_joins_through_the_replica()
     moves to the one that leads (the replica, which takes over as the worker comes)."""
     job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
                    "cluster.shards=1", "cluster.replicas=1", "cluster.join_timeout=20")
-    primary, replica = pair_of(job)
+    job, primary, replica = pair_of(job)
     q = replica.core.replication
     try:
         primary.core.replication.stop(finished=False)
@@ -672,8 +672,8 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
     replica = ShardServer(build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport,
                           replicated=True).start()
     Replication(replica.core, replica.address, primary_address, second=True).start()
-    job.override("cluster.servers", [primary_address])
-    job.override("cluster.replica_servers", [replica.address])
+    job = job.override("cluster.servers", [primary_address])
+    job = job.override("cluster.replica_servers", [replica.address])
     caplog.set_level(logging.INFO, logger="psgd.worker")
 
     def waits() -> list[str]:  # what the worker said while it waited: one line every WAIT_REPORT_SECONDS
@@ -800,7 +800,7 @@ def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):
     primary = ShardServer(build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport,
                           replicated=True).start()
     Replication(primary.core, primary.address, f"127.0.0.1:{free_port()}", second=False).start()
-    job.override("cluster.servers", [primary.address])
+    job = job.override("cluster.servers", [primary.address])
     grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in d.plan.specs}
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")

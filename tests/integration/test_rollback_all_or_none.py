@@ -37,7 +37,7 @@ class Job:
             "model.name=softmax", "cluster.policy=sync", "cluster.workers=2", f"cluster.shards={SHARDS}",
             "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
         self.servers = [self.shard(k) for k in range(SHARDS)]
-        self.job.override("cluster.servers", [s.address for s in self.servers])
+        self.job = self.job.override("cluster.servers", [s.address for s in self.servers])
         self.plan = self.servers[0].core.plan
         self.clients = [PSClient(self.job.cluster.servers, self.plan, r, deadlines=Deadlines(request_timeout=6),
                                  token=TOKEN,

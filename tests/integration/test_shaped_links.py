@@ -171,8 +171,8 @@ def test_all_reduce_ranks_on_emulated_hosts_talk_over_their_links(shaping, tmp_p
 
     hosts = {"ctl": "10.99.5.2", "w0": "10.99.5.10", "w1": "10.99.5.11"}
     script = ("import json, sys; from psgd.config import JobConfig; from psgd.launcher import Hosts, launch; "
-              "spec = json.loads(sys.argv[1]); job = JobConfig(); "
-              "job.apply_sets(['cluster.workers=2', 'train.epochs=1', 'model.hidden=[256]']); "
+              "spec = json.loads(sys.argv[1]); "
+              "job = JobConfig().apply_sets(['cluster.workers=2', 'train.epochs=1', 'model.hidden=[256]']); "
               "r = launch(job, mode='allreduce', hosts=Hosts({h: tuple(p) for h, p in spec['prefixes'].items()}, "
               "spec['addresses']), run_dir=sys.argv[2], progress=False); print(json.dumps([r.test_accuracy]))")
     with netns.Namespaces(hosts) as net:

@@ -535,7 +535,7 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
     job = make_job("model.name=mlp", "model.hidden=[32768]", "train.dtype=float64", "optimizer.name=sgd",
                    f"optimizer.lr={lr}", "cluster.policy=async", "cluster.workers=2", "cluster.shards=2",
                    "cluster.transport=shm")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         plan = servers[0].core.plan
         assert all(s.core.nbytes >= PARALLEL_BYTES and len(s.core.slices) > 2 for s in servers)
         ones = {s.name: np.ones(s.shape) for s in plan.specs}
@@ -577,7 +577,7 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
 def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
     job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", "optimizer.lr=0.1",
                    "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.transport=shm")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         server = servers[0]
         real, calls = server.core.push, []
 
@@ -648,8 +648,8 @@ def _one_step(job, caplog, rank: int = 0) -> list:
 def test_a_shard_offering_no_shared_memory_is_used_over_tcp_with_one_line_saying_why(caplog):
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.transport=tcp")
-    with shards(job) as servers:  # the shard's side says tcp: it offers no segments
-        job.override("cluster.transport", "shm")
+    with shards(job) as (job, servers):  # the shard's side says tcp: it offers no segments
+        job = job.override("cluster.transport", "shm")
         assert _one_step(job, caplog) == [("tcp", False)]
         assert servers[0].data.shm is False
     lines = [r for r in caplog.records if "not through shared memory" in r.getMessage()]
@@ -659,7 +659,7 @@ def test_a_shard_offering_no_shared_memory_is_used_over_tcp_with_one_line_saying
 
 def test_a_shard_on_another_host_is_used_over_tcp(caplog, monkeypatch):
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
-    with shards(job) as servers:  # it advertised this machine's identity; the worker now has another one
+    with shards(job) as (job, servers):  # it advertised this machine's identity; the worker now has another one
         monkeypatch.setattr(segment, "host_id", lambda: "another-host")
         assert _one_step(job, caplog) == [("tcp", False)]
         assert pushes_mapped(servers[0].core.fingerprint) == []  # it never asked for a segment
@@ -674,7 +674,7 @@ def test_a_small_shard_is_used_over_tcp_unless_the_job_insists_on_shared_memory(
     wake-up for it): "auto" takes the socket for a shard of fewer than SHARED_FROM_BYTES, "shm" does not."""
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    f"cluster.transport={transport}")
-    with shards(job) as servers:
+    with shards(job) as (job, servers):
         assert servers[0].core.nbytes < SHARED_FROM_BYTES
         assert _one_step(job, caplog) == ([("tcp", False)] if transport == "auto" else [("shm", True)])
     lines = [r for r in caplog.records if "not through shared memory" in r.getMessage()]
@@ -689,7 +689,7 @@ def test_a_small_shard_is_used_over_tcp_unless_the_job_insists_on_shared_memory(
 def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monkeypatch, tmp_path):
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.transport=shm")
-    with shards(job):
+    with shards(job) as (job, _):
         def full(*args):
             raise segment.SegmentError("cannot reserve 5264 bytes of shared memory: [Errno 28] No space left on device")
 

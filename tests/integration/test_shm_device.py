@@ -90,7 +90,7 @@ def test_a_gpu_worker_pulls_into_and_pushes_from_device_arrays_through_registere
                    "cluster.transport=shm")
     gpu.refuse = "cudaErrorHostMemoryAlreadyRegistered" if refused else None
     plan = build_job(job).plan
-    with shards(job):
+    with shards(job) as (job, _):
         client = PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=10),
                           links=Links(transport="shm"), config=job, device=GPU)
         with client:

@@ -55,7 +55,7 @@ def test_the_bound_is_said_only_where_the_exchange_takes_longer_than_the_compute
 def test_a_worker_started_again_for_a_finished_job_says_so(capsys):
     sets = ("model.name=softmax", "cluster.workers=2", "cluster.shards=2", "cluster.policy=sync", "train.epochs=1")
     job = make_job(*sets)
-    with shards(job):
+    with shards(job) as (job, _):
         run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in (0, 1)], 120)
         capsys.readouterr()
         argv = ["--rank", "0", "--servers", ",".join(job.cluster.servers), *(a for s in sets for a in ("--set", s))]
@@ -70,7 +70,7 @@ def test_a_worker_that_does_not_evaluate_shows_no_accuracy_on_its_bar(capsys):
     """Worker 1 evaluates nothing (rank 0 does): its bar showed acc=nan all run long."""
     job = make_job("model.name=softmax", "cluster.workers=2", "cluster.shards=1", "cluster.policy=async",
                    "train.epochs=2")
-    with shards(job):
+    with shards(job) as (job, _):
         run_threads([lambda: run_worker(job, 0, job.cluster.servers, progress=False),
                      lambda: run_worker(job, 1, job.cluster.servers, progress=True)], 120)
     err = capsys.readouterr().err
@@ -113,7 +113,7 @@ def test_a_worker_started_by_hand_with_its_output_in_a_file_writes_its_lines_not
     monkeypatch.delenv("PSGD_TOKEN", raising=False)
     sets = ("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=2")
     job = make_job(*sets)
-    with shards(job):
+    with shards(job) as (job, _):
         capsys.readouterr()
         argv = ["--rank", "0", "--servers", ",".join(job.cluster.servers), *(a for s in sets for a in ("--set", s))]
         assert psgd_worker.main(argv) == 0  # its stderr is no terminal here

@@ -339,7 +339,7 @@ NO_B2 = """
 
 def broken_job(user_module) -> JobConfig:
     job = JobConfig()
-    job.apply_sets([f"model.name='{user_module(NO_B2)}:NoB2'", "train.epochs=1"])
+    job = job.apply_sets([f"model.name='{user_module(NO_B2)}:NoB2'", "train.epochs=1"])
     return job
 
 

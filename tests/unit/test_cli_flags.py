@@ -29,7 +29,7 @@ def test_overrides_are_validated_together_whatever_their_order(tmp_path):
     job_file.write_text('[cluster]\nshards = 2\nservers = ["a:1", "b:2"]\nworkers = 2\n')
     args = worker_args("-c", str(job_file), "--shards", "3", "--servers", "a:1,b:2,c:3")
     job = job_from_args(args, environ={})
-    assert job.cluster.shards == 3 and job.cluster.servers == ["a:1", "b:2", "c:3"]
+    assert job.cluster.shards == 3 and job.cluster.servers == ("a:1", "b:2", "c:3")
 
     job = job_from_args(worker_args("--workers", "4", "--backup-workers", "3"), environ={})
     assert (job.cluster.workers, job.cluster.consistency.backup_workers) == (4, 3)
@@ -85,7 +85,7 @@ def test_addresses_and_counts_come_from_psgd_variables_below_the_flags(tmp_path)
     job_file.write_text('[cluster]\nshards = 1\nworkers = 2\nservers = ["file:1"]\n')
     env = {"PSGD_SERVERS": "env:1,env:2", "PSGD_SHARDS": "2", "PSGD_WORKERS": "3"}
     job = job_from_args(worker_args("-c", str(job_file)), environ=env)
-    assert (job.cluster.servers, job.cluster.shards, job.cluster.workers) == (["env:1", "env:2"], 2, 3)
+    assert (job.cluster.servers, job.cluster.shards, job.cluster.workers) == (("env:1", "env:2"), 2, 3)
     job = job_from_args(worker_args("-c", str(job_file), "--workers", "5"), environ=env)
     assert job.cluster.workers == 5
 

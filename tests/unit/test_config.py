@@ -36,7 +36,7 @@ epochs = 2
 
 def test_overrides_and_set(tmp_path):
     job = JobConfig()
-    job.apply_sets(["model.hidden=[256,128]", "train.epochs=3", "data.name=synthetic", "optimizer.name=adam"])
+    job = job.apply_sets(["model.hidden=[256,128]", "train.epochs=3", "data.name=synthetic", "optimizer.name=adam"])
     assert job.model["hidden"] == [256, 128] and job.train.epochs == 3
     assert job.data == {"name": "synthetic"}
     assert job.optimizer == {"name": "adam"}  # a new name drops the old options
@@ -94,8 +94,8 @@ shards = 2
 servers = ["127.0.0.1:5000", "127.0.0.1:5001"]
 """))
     assert job.cluster.policy == "ssp" and job.cluster.consistency.staleness == 3
-    job.override("cluster.servers", "10.0.0.1:1,10.0.0.2:2")
-    assert job.cluster.servers == ["10.0.0.1:1", "10.0.0.2:2"]
+    job = job.override("cluster.servers", "10.0.0.1:1,10.0.0.2:2")
+    assert job.cluster.servers == ("10.0.0.1:1", "10.0.0.2:2")
     assert job.to_dict()["cluster"]["shards"] == 2
 
 
@@ -125,11 +125,11 @@ local_steps = 7
     assert {k: job.to_dict()["cluster"][k] for k in ("dc_lambda", "transport", "replicas")} == \
         {"dc_lambda": 0.5, "transport": "tcp", "replicas": 1}
     with pytest.raises(ConfigError, match=r"\[cluster\] unknown key 'remedies'"):
-        job.override("cluster.remedies", {})  # a part is not a key of the file
+        job = job.override("cluster.remedies", {})  # a part is not a key of the file
     taken = c.remedies  # a part is frozen: what a shard took whole does not change under it
     with pytest.raises(dataclasses.FrozenInstanceError):
         taken.dc_lambda = 1.0
-    job.override("cluster.dc_lambda", 0.25)
+    job = job.override("cluster.dc_lambda", 0.25)
     assert (taken.dc_lambda, job.cluster.remedies.dc_lambda) == (0.5, 0.25)
 
 
@@ -137,9 +137,9 @@ def test_job_written_as_toml_reads_back_the_same(tmp_path):
     from psgd.config import to_toml
 
     job = JobConfig()
-    job.apply_sets(["model.hidden=[256, 128]", 'data.name="synthetic"', "data.n_train=500",
-                    "optimizer.lr=0.125", "cluster.policy=ssp", "cluster.staleness_lr=true",
-                    'cluster.servers=["127.0.0.1:1", "127.0.0.1:2"]', 'train.device="cpu"'])
+    job = job.apply_sets(["model.hidden=[256, 128]", 'data.name="synthetic"', "data.n_train=500",
+                          "optimizer.lr=0.125", "cluster.policy=ssp", "cluster.staleness_lr=true",
+                          'cluster.servers=["127.0.0.1:1", "127.0.0.1:2"]', 'train.device="cpu"'])
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     assert JobConfig.load(path).to_dict() == job.to_dict()
@@ -214,7 +214,7 @@ def test_busy_poll_is_microseconds_from_minus_one():
     """-1 (the default) is psgd launch's choice, and none for a process started by hand."""
     assert JobConfig().cluster.links.busy_poll_us == -1 and JobConfig().cluster.links.busy_poll_seconds == 0.0
     job = JobConfig()
-    job.apply_sets(["cluster.busy_poll_us=250"])
+    job = job.apply_sets(["cluster.busy_poll_us=250"])
     assert job.cluster.links.busy_poll_seconds == 250e-6
     with pytest.raises(ConfigError, match=re.escape("busy_poll_us")):
         JobConfig().apply_sets(["cluster.busy_poll_us=-2"])
@@ -232,10 +232,10 @@ def test_launch_watches_only_where_each_process_has_a_core(monkeypatch):
 
 def test_data_ports_name_one_port_per_shard_or_none():
     job = JobConfig()
-    job.apply_sets(["cluster.shards=2", "cluster.data_ports=50152,50154"])
-    assert job.cluster.links.data_ports == [50152, 50154]
-    job.apply_sets(["cluster.data_ports=[]"])
-    assert job.cluster.links.data_ports == []
+    job = job.apply_sets(["cluster.shards=2", "cluster.data_ports=50152,50154"])
+    assert job.cluster.links.data_ports == (50152, 50154)
+    job = job.apply_sets(["cluster.data_ports=[]"])
+    assert job.cluster.links.data_ports == ()
     for bad, words in (("cluster.data_ports=50152", "lists 1 data port(s) but shards = 2"),
                        ("cluster.data_ports=[0, 1]", "must be a list of ports (1-65535)"),
                        ("cluster.data_ports=[\"a\", 2]", "must be a list of ports")):
@@ -247,10 +247,10 @@ def test_overlapping_ports_are_said_with_whose_they_are():
     from psgd.ops.ports import overlaps
 
     job = JobConfig()
-    job.apply_sets(["cluster.shards=2", "cluster.servers=localhost:50151,127.0.0.1:50152",
-                    "cluster.data_ports=50152,50153"])
+    job = job.apply_sets(["cluster.shards=2", "cluster.servers=localhost:50151,127.0.0.1:50152",
+                          "cluster.data_ports=50152,50153"])
     assert overlaps(job.cluster) == ["127.0.0.1:50152 is shard 0's data port and shard 1's gRPC port"]
-    job.apply_sets(["cluster.servers=10.0.0.5:50151,10.0.0.6:50152", "cluster.data_ports=50153,50153"])
+    job = job.apply_sets(["cluster.servers=10.0.0.5:50151,10.0.0.6:50152", "cluster.data_ports=50153,50153"])
     assert overlaps(job.cluster) == []  # the same ports on two hosts
 
 

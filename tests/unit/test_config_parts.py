@@ -66,10 +66,54 @@ def test_every_part_is_frozen(cls):
 def test_a_job_changes_a_key_by_making_a_new_part_and_names_its_file_when_refused(tmp_path):
     job = JobConfig()
     cluster, train = job.cluster, job.train
-    job.apply_sets(["cluster.workers=3", "train.epochs=2"])
+    job = job.apply_sets(["cluster.workers=3", "train.epochs=2"])
     assert (cluster.workers, train.epochs) == (2, 30)  # what was taken before is as it was
     assert (job.cluster.workers, job.train.epochs) == (3, 2)
     with pytest.raises(ConfigError, match=re.escape("<defaults>: [cluster] staleness must be an integer from 0 to "
                                                     "1000000, got -5")):
-        job.override("cluster.staleness", -5)
+        job = job.override("cluster.staleness", -5)
     assert job.cluster.consistency.staleness == 2
+
+
+def test_a_job_is_frozen_all_the_way_down():
+    job = JobConfig().apply_sets(["cluster.policy=async", "cluster.shards=1", "cluster.servers=127.0.0.1:7001",
+                                  "cluster.data_ports=7002", "cluster.replicas=1",
+                                  "cluster.replica_servers=127.0.0.1:7003", "model.hidden=[8]"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.train = TrainConfig(epochs=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.model = {"name": "softmax"}
+    for listed in (job.cluster.servers, job.cluster.links.data_ports, job.cluster.recovery.replica_servers):
+        with pytest.raises(AttributeError):
+            listed.append(listed[0])
+    for table in (job.model, job.data, job.optimizer):
+        with pytest.raises(TypeError):
+            table["name"] = "other"
+    assert job.cluster.servers == ("127.0.0.1:7001",) and job.cluster.links.data_ports == (7002,)
+    assert dict(job.model) == {"name": "mlp", "hidden": [8]} and job.data["name"] == "digits"
+
+
+def test_a_job_keeps_a_copy_of_the_tables_it_is_given():
+    model = {"name": "mlp", "hidden": [8]}
+    job = JobConfig(model=model)
+    model["name"], model["hidden"][0] = "softmax", 9
+    assert dict(job.model) == {"name": "mlp", "hidden": [8]}
+
+
+def test_an_override_returns_a_new_job_and_leaves_this_one_as_it_was():
+    job = JobConfig()
+    other = job.override("model.name", "softmax")
+    assert (dict(job.model), dict(other.model)) == ({"name": "mlp"}, {"name": "softmax"})
+    made = job.apply_sets(["cluster.shards=1", "cluster.workers=3", "optimizer.lr=0.1"])
+    assert (job.cluster.shards, job.cluster.workers, job.optimizer["lr"]) == (2, 2, 0.05)
+    assert (made.cluster.shards, made.cluster.workers, made.optimizer["lr"]) == (1, 3, 0.1)
+    with pytest.raises(ConfigError, match=re.escape("backup_workers (2) must be less than workers (2)")):
+        job = job.apply_sets(["cluster.backup_workers=2"])  # the new job is validated whole
+    assert job.cluster.consistency.backup_workers == 0
+
+
+def test_a_job_is_written_back_with_lists_and_plain_tables():
+    doc = JobConfig().apply_sets(["cluster.shards=1", "cluster.servers=127.0.0.1:7001", "model.hidden=[8]"]).to_dict()
+    assert type(doc["cluster"]["servers"]) is list and doc["cluster"]["servers"] == ["127.0.0.1:7001"]
+    assert type(doc["cluster"]["data_ports"]) is list and type(doc["model"]) is dict
+    assert doc["model"] == {"name": "mlp", "hidden": [8]}

@@ -100,7 +100,7 @@ def test_chance_is_the_commonest_class():
 
 def job(*sets: str) -> JobConfig:
     config = JobConfig()
-    config.apply_sets(list(sets))
+    config = config.apply_sets(list(sets))
     return config
 
 
@@ -169,7 +169,7 @@ def test_a_resumed_run_is_judged_against_the_first_test_loss_of_the_whole_run(tm
     metrics = str(tmp_path / "local.jsonl")
     stopped = run_loop(job, LocalExchange(job), progress=False, metrics_path=metrics, final_evaluation=False)
     assert stopped.history and stopped.divergence is None
-    job.config.override("train.epochs", 3)
+    job.config = job.config.override("train.epochs", 3)
     resumed = run_loop(job, Worsening(stopped.params, stopped.final_clock), progress=False, metrics_path=metrics,
                        evaluate_every=1, final_evaluation=False)
     losses = [e["test_loss"] for e in resumed.history]

@@ -17,9 +17,9 @@ from psgd.training.local import LocalExchange
 
 def clicks_job(*sets: str) -> JobConfig:
     config = JobConfig()
-    config.apply_sets(["model.name=embed", "model.dim=8", "model.hidden=[16]", "data.name=clicks",
-                       "data.n_train=8000", "data.n_test=2000", "train.epochs=1", "train.batch_size=64",
-                       "tables.lr=0.1", *sets])
+    config = config.apply_sets(["model.name=embed", "model.dim=8", "model.hidden=[16]", "data.name=clicks",
+                                "data.n_train=8000", "data.n_test=2000", "train.epochs=1", "train.batch_size=64",
+                                "tables.lr=0.1", *sets])
     return config
 
 
@@ -92,7 +92,7 @@ def test_clicks_is_a_dataset_with_ids_and_checked_options():
 def test_the_tables_section_is_checked(key, value, words):
     config = JobConfig()
     with pytest.raises(ConfigError, match=f"\\[tables\\] {words[:20]}"):
-        config.apply_sets([f"tables.{key}={value!r}" if isinstance(value, str) else f"tables.{key}={value}"])
+        config = config.apply_sets([f"tables.{key}={value!r}" if isinstance(value, str) else f"tables.{key}={value}"])
 
 
 def test_the_trained_tables_are_saved_with_the_weights_and_psgd_eval_scores_them_alike(tmp_path):

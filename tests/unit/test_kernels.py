@@ -247,10 +247,11 @@ def test_training_with_graphs_ends_where_training_without_ends(optimizer, caplog
     results = []
     for graphs in ("true", "false"):
         config = JobConfig()
-        config.apply_sets(["model.name=mlp", "model.hidden=[48, 32]", "data.name=digits", f"optimizer.name={optimizer}",
-                           "optimizer.weight_decay=0.001", "optimizer.schedule=cosine", "optimizer.warmup_steps=5",
-                           "optimizer.total_steps=60", "train.epochs=2", "train.batch_size=64", "train.device=cuda",
-                           "train.dtype=float64", f"train.graphs={graphs}"])
+        config = config.apply_sets(["model.name=mlp", "model.hidden=[48, 32]", "data.name=digits",
+                                    f"optimizer.name={optimizer}", "optimizer.weight_decay=0.001",
+                                    "optimizer.schedule=cosine", "optimizer.warmup_steps=5", "optimizer.total_steps=60",
+                                    "train.epochs=2", "train.batch_size=64", "train.device=cuda", "train.dtype=float64",
+                                    f"train.graphs={graphs}"])
         results.append(train_local(config, progress=False))
     assert "captured as a CUDA graph" in caplog.text and "the optimizer's update inside" in caplog.text
     graphed, eager = results
@@ -310,9 +311,9 @@ def test_graphs_is_a_train_option_of_true_or_false():
 
     config = JobConfig()
     assert config.train.graphs is True
-    config.apply_sets(["train.graphs=false"])
+    config = config.apply_sets(["train.graphs=false"])
     config.validate()
     assert config.train.graphs is False
     with pytest.raises(ConfigError, match=r"\[train\] graphs must be true or false"):
-        config.override("train.graphs", "sometimes")
+        config = config.override("train.graphs", "sometimes")
     assert config.train.graphs is False

@@ -224,7 +224,7 @@ def test_a_shard_reads_the_jobs_addresses_where_the_launch_writes_them_after_it_
     args = build_parser().parse_args(["-c", str(path), "--shard", "1"])
     addresses = _job_shards(args, job_from_args(args))
     assert addresses() == []
-    job.override("cluster.servers", ["127.0.0.1:7001", "127.0.0.1:7002"])
-    job.override("cluster.replica_servers", ["127.0.0.1:7101", "127.0.0.1:7102"])
+    job = job.override("cluster.servers", ["127.0.0.1:7001", "127.0.0.1:7002"])
+    job = job.override("cluster.replica_servers", ["127.0.0.1:7101", "127.0.0.1:7102"])
     path.write_text(to_toml(job.to_dict()))
     assert addresses() == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7101", "127.0.0.1:7102"]

@@ -18,10 +18,10 @@ DIM = 4
 
 def shard(policy="sync", workers=2, cluster=(), **tables):
     config = JobConfig()
-    config.apply_sets(["model.name=embed", f"model.dim={DIM}", "model.hidden=[4]", "data.name=clicks",
-                       f"cluster.policy={policy}", "cluster.shards=2", f"cluster.workers={workers}",
-                       "tables.optimizer=sgd", "tables.lr=1.0", "train.dtype=float64",
-                       *(f"tables.{k}={v}" for k, v in tables.items()), *(f"cluster.{c}" for c in cluster)])
+    config = config.apply_sets(["model.name=embed", f"model.dim={DIM}", "model.hidden=[4]", "data.name=clicks",
+                                f"cluster.policy={policy}", "cluster.shards=2", f"cluster.workers={workers}",
+                                "tables.optimizer=sgd", "tables.lr=1.0", "train.dtype=float64",
+                                *(f"tables.{k}={v}" for k, v in tables.items()), *(f"cluster.{c}" for c in cluster)])
     job = describe_job(config)
     core = build_shard(job, 0)
     for w in range(workers):
@@ -129,14 +129,12 @@ def test_a_checkpoint_keeps_the_rows_and_a_round_in_flight(tmp_path):
 
 
 def test_a_worker_whose_tables_are_trained_otherwise_is_refused_naming_them():
-    import copy
     import json
 
     from psgd.job import identity
 
     job, core = shard("sync")
-    theirs = copy.deepcopy(job.config)
-    theirs.apply_sets(["tables.lr=0.5"])
+    theirs = job.config.apply_sets(["tables.lr=0.5"])
     worker = identity(theirs, job.plan.hash, tables=True)
     with pytest.raises(ShardError, match="tables: shard .*lr=1.0.*worker .*lr=0.5") as info:
         core.register(0, job.plan.hash, job_json=json.dumps(worker), incarnation="other")

@@ -82,7 +82,7 @@ def test_every_optimizer_adds_a_states_change_as_it_is_and_trains_the_rest(name)
     opt.update("bn/var#0", p, np.full(6, -0.125))  # a slice of a state is a state
     assert p.tolist() == [1.0] * 6
     w, w_plain = np.ones(6), np.ones(6)
-    job.config.apply_sets([f"optimizer.name={name}"])
+    job.config = job.config.apply_sets([f"optimizer.name={name}"])
     opt, plain = job.optimizer(), build_optimizer(name)
     opt.update("bn/g", w, np.full(6, 0.5))
     plain.update("bn/g", w_plain, np.full(6, 0.5))

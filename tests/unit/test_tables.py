@@ -271,7 +271,8 @@ def test_rows_are_bounded_by_default_from_the_memory_a_process_may_use(monkeypat
 
     monkeypatch.setattr(job_module, "physical_memory", lambda: 64 << 20)  # a 64 MiB machine
     config = JobConfig()
-    config.apply_sets(["model.name=embed", "data.name=clicks", "data.fields=2", "data.dense=2", "model.dim=16"])
+    config = config.apply_sets(["model.name=embed", "data.name=clicks", "data.fields=2", "data.dense=2",
+                                "model.dim=16"])
     job = describe_job(config)
     tables = job.row_tables("shard 0")
     table = next(iter(tables.values()))
@@ -280,7 +281,7 @@ def test_rows_are_bounded_by_default_from_the_memory_a_process_may_use(monkeypat
     assert 0 < cap and cap * per_row * 2 <= (64 << 20) // 4 // len(tables)  # room for growth by doubling
     with pytest.raises(TableFull, match="may hold"):
         table.read(np.arange(cap + 1, dtype=np.int64))
-    config.apply_sets(["tables.max_rows=-1"])
+    config = config.apply_sets(["tables.max_rows=-1"])
     unbounded = next(iter(describe_job(config).row_tables().values()))
     assert unbounded.options.max_rows == 0
     unbounded.read(np.arange(cap + 1, dtype=np.int64))

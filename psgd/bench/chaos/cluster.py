@@ -48,22 +48,20 @@ class Cluster:
         from psgd.job import build_job
 
         self.spec, self.folder, self.net = spec, folder, net
-        config = JobConfig()
-        config.apply_sets([f"model.name={spec.model}", *(MODEL_SETS.get(spec.model, ())),
-                        "train.threads=1", f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}",
-                        f"cluster.workers={spec.workers}", f"cluster.lease_seconds={LEASE}",
-                        f"cluster.request_timeout={REQUEST_TIMEOUT}", f"cluster.join_timeout={JOIN_TIMEOUT}",
-                        f"cluster.transport={spec.transport}", f"cluster.replicas={int(spec.replicas)}",
-                        # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
-                        *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64")
-                          if spec.policy == "sync" else ()),
-                        # a full disk fails a cut: the job goes on (psgd.bench.chaos.disk), instead of stopping
-                        *(("cluster.on_cut_failure=continue",) if any(f.kind == "full-disk" for f in spec.faults)
-                          else ())])
+        config = JobConfig().apply_sets([
+            f"model.name={spec.model}", *(MODEL_SETS.get(spec.model, ())), "train.threads=1",
+            f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}", f"cluster.workers={spec.workers}",
+            f"cluster.lease_seconds={LEASE}", f"cluster.request_timeout={REQUEST_TIMEOUT}",
+            f"cluster.join_timeout={JOIN_TIMEOUT}", f"cluster.transport={spec.transport}",
+            f"cluster.replicas={int(spec.replicas)}",
+            # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
+            *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64") if spec.policy == "sync" else ()),
+            # a full disk fails a cut: the job goes on (psgd.bench.chaos.disk), instead of stopping
+            *(("cluster.on_cut_failure=continue",) if any(f.kind == "full-disk" for f in spec.faults) else ())])
         self.job = build_job(config)
         spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, config.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))
-        config.apply_sets([f"train.epochs={self.epochs}"])
+        config = config.apply_sets([f"train.epochs={self.epochs}"])
         self.total = spe * self.epochs
         if net is None:
             taken: set[int] = set()
@@ -72,12 +70,12 @@ class Cluster:
         else:
             self.binds = [f"{net.hosts[f's{k}']}:{NS_PORT}" for k in range(SHARDS)]
             self.replica_binds = [f"{net.hosts[f'r{k}']}:{NS_PORT}" for k in range(SHARDS) if f"r{k}" in net.hosts]
-        config.override("cluster.servers", list(self.binds))
+        config = config.override("cluster.servers", list(self.binds))
         # each shard's data port named in the job file, next to its gRPC port: where the faults aim, and the same
         # after a restart
-        config.override("cluster.data_ports", [int(b.rpartition(":")[2]) + 1 for b in self.binds])
+        config = config.override("cluster.data_ports", [int(b.rpartition(":")[2]) + 1 for b in self.binds])
         if spec.replicas:  # shard k's second process ("replica{k}"): on a host of its own in namespaces
-            config.override("cluster.replica_servers", list(self.replica_binds))
+            config = config.override("cluster.replica_servers", list(self.replica_binds))
         self.config = config
         self.plan = self.job.plan
         self.path = folder / "job.toml"

@@ -82,7 +82,7 @@ def model(text: str, compute: float | None = None) -> Model:
         from psgd.config import JobConfig, to_toml
 
         config = JobConfig()
-        config.apply_sets(preset("synthetic").job, validate=True)
+        config = config.apply_sets(preset("synthetic").job, validate=True)
         with tempfile.TemporaryDirectory(prefix="psgd-sim-") as tmp:
             job = Path(tmp) / "synthetic.toml"
             job.write_text(to_toml(config.to_dict()))
