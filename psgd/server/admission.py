@@ -1,5 +1,5 @@
 """Who may join a shard and who has: the partition plan and the job a registering worker brings, against
-the shard's (:func:`refusal`), and each worker's registration, its lease and the process holding it
+the shard's (:func:`check_job`), and each worker's registration, its lease and the process holding it
 (:class:`Roster`)."""
 
 from __future__ import annotations
@@ -20,35 +20,35 @@ from psgd.server.errors import ShardError
 log = logging.getLogger(__name__)
 
 
-def refusal(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | None, worker: int, plan_hash: str,
-            plan_json: str, job_json: str | None) -> tuple[str, str, list[str] | None] | None:
-    """Why ``worker`` may not join shard ``shard``: (gRPC status code name, message, the differences of a
-    job mismatch or None for a malformed request), or None when it may.  Without an ``identity`` (a shard
-    built by hand) only the plan is compared."""
+def check_job(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | None, worker: int, plan_hash: str,
+              plan_json: str, job_json: str | None) -> None:
+    """Refuse ``worker`` where it may not join shard ``shard``: FAILED_PRECONDITION (reason JOB_MISMATCH) for
+    another plan or job, with the job's differences, INVALID_ARGUMENT for a malformed request.  Without an
+    ``identity`` (a shard built by hand) only the plan is compared."""
     if plan_hash != plan.hash:
         try:
             why = plan_differences(json.loads(plan_json), plan.description())
         except Exception:  # a malformed description (any shape, any depth) only loses the explanation
             why = ""
-        return ("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from shard "
-                f"{shard}'s {plan.hash!r}" + (f": {why}" if why else "") + "; start every process from the same "
-                "job file", [])
+        raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from shard "
+                         f"{shard}'s {plan.hash!r}" + (f": {why}" if why else "") + "; start every process from the "
+                         "same job file", reason="JOB_MISMATCH")
     if job_json is None or identity is None:
-        return None
+        return
     if not job_json:
-        return ("INVALID_ARGUMENT", "the worker sent no job identity: start it with the same psgd version as the "
-                "shards", None)
+        raise ShardError("INVALID_ARGUMENT", "the worker sent no job identity: start it with the same psgd version as "
+                         "the shards")
     try:
         job = json.loads(job_json)
     except (ValueError, RecursionError):
         job = None
     if not isinstance(job, dict):
-        return "INVALID_ARGUMENT", "the worker's job identity is not a JSON object", None
+        raise ShardError("INVALID_ARGUMENT", "the worker's job identity is not a JSON object")
     differ = job_differences(identity, job, me=f"shard {shard}", them=f"worker {worker}")
     if differ:
-        return ("FAILED_PRECONDITION", f"worker {worker}'s job differs from shard {shard}'s: {'; '.join(differ)}; "
-                "start every process from the same job file", differ)
-    return None
+        raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s job differs from shard {shard}'s: "
+                         f"{'; '.join(differ)}; start every process from the same job file", reason="JOB_MISMATCH",
+                         differences=differ)
 
 
 def holder_id(incarnation: str) -> str:

@@ -4,8 +4,9 @@
 
 A worker's requests reach it through one handler (:mod:`psgd.server.handler`) behind both transports (gRPC,
 the data path); tests drive the core directly.  Its state is taken and given whole by its own methods too (a
-checkpoint written or adopted, a cut gone back to: :mod:`psgd.server.rewind`; a replica's hand-over and updates),
-so that no other module takes its lock or touches its private members.  Every failure is a :class:`ShardError`
+checkpoint written or adopted, a replica's hand-over: :mod:`psgd.server.whole`; a cut gone back to:
+:mod:`psgd.server.rewind`; a replica's updates), so that no other module takes its lock or touches its private
+members.  Every failure is a :class:`ShardError`
 carrying the name of the gRPC status code it maps to, and a message that says what to do.
 
 Locking: one lock guards weights, policy and leases; pulls wait on a condition variable until the policy lets them
@@ -29,13 +30,14 @@ from psgd.config import Deadlines, Remedies
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.server import admission
-from psgd.server.checkpoint import Checkpoint, CheckpointError
+from psgd.server.checkpoint import Checkpoint
 from psgd.server.errors import ShardError
 from psgd.server.remedies import PushRemedies
 from psgd.server.rewind import Rewind
 from psgd.server.rounds import Round
 from psgd.server.store import LiveRead, Snapshot, WeightStore
 from psgd.server.tables import RowsIn, ShardTables
+from psgd.server.whole import WholeState
 from psgd.partition import PartitionPlan
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
 
@@ -109,12 +111,10 @@ class ShardCore:
         # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)
         self.cut_rounds = cut_rounds
         self.on_cut: Callable[[], None] | None = None
-        # psgd.server.recovery keeps these: the checkpoint this process started from, and (version, time) of
-        # the newest one it wrote
-        self.restored_version: int | None = None
-        self.last_checkpoint: tuple[int, float] | None = None
+        # its state taken and given whole, and the checkpoints it started from and wrote last (psgd.server.recovery)
+        self.whole = WholeState(plan, shard, self.fingerprint, self.identity, self.store, optimizer, policy,
+                                self.round, self.tables, self.roster)
         self.rewind = Rewind(shard, num_workers)  # what its rollbacks to a cut leave (psgd.server.recovery.rollback)
-        self._joined: set[int] = set()  # workers registered with this process (a restart forgets them)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
         # while its workers train), and the pair (psgd.server.replica)
         self.role, self.replication = "", None
@@ -177,38 +177,19 @@ class ShardCore:
                  clock: int = 0, job_json: str | None = None, incarnation: str = "") -> int:
         """(Re)join ``worker``; returns the clock it continues from.
 
-        ``clock`` is where the worker is.  The first time a worker that was
-        already training registers with this shard process (so the shard was
-        restarted), the shard jumps ahead to it: the updates since the shard's
-        checkpoint are lost on this shard, but nobody repeats or waits.  ``incarnation`` names the
-        registering process: another one is refused while this rank's lease runs (Roster.admit).
+        ``clock`` is where the worker is: a shard process that meets it for the first time ahead of itself jumps
+        ahead to it, or goes back to a cut (WholeState.met).  ``incarnation`` names the registering process:
+        another one is refused while this rank's lease runs (Roster.admit).
         """
         self.roster.check(worker)
-        refusal = admission.refusal(self.shard, self.plan, self.identity, worker, plan_hash, plan_json, job_json)
-        if refusal is not None:
-            code, message, differ = refusal
-            raise ShardError(code, message, reason="JOB_MISMATCH" if differ is not None else "",
-                             differences=differ or ())
+        admission.check_job(self.shard, self.plan, self.identity, worker, plan_hash, plan_json, job_json)
         if clock < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock {clock} is negative")
         with self.lock:
             self._check_serving()
             info = self.roster.admit(worker, hostname, pid, incarnation)
-            if worker not in self._joined:
-                self._joined.add(worker)
-                if clock > self.policy.clock_of(worker) and self.cut_rounds and self.restored_version is not None:
-                    log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard, restarted from the "
-                                "cut at version %d: the job goes back to it", self.shard, worker, clock, self.version)
-                    self.rewind.ask(worker, self.version)
-                elif clock > self.policy.clock_of(worker):
-                    log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard (%s); "
-                                "continuing from there", self.shard, worker, clock,
-                                f"restored from the checkpoint of version {self.restored_version}"
-                                if self.restored_version is not None else
-                                "started without a checkpoint: its earlier updates are lost")
-                    if self.policy.fast_forward(worker, clock):
-                        self.round.clear()
-                        self.tables.clear_round()
+            if self.whole.met(worker, clock, self.version, bool(self.cut_rounds)):
+                self.rewind.ask(worker, self.version)
             info.clock = clock = self.policy.join(worker)
             self._policy_changed()
             self.changed.notify_all()
@@ -253,11 +234,8 @@ class ShardCore:
                                          f"{self.roster.behind(worker, clock)}")
                     self.changed.wait(min(left, 0.5))
                     self.roster.live(worker, key, renew=False)
-            while self.store.writers_waiting:  # an update is due first: never send half-applied weights
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ShardError("DEADLINE_EXCEEDED", f"pull waited {timeout:.1f}s for an update to finish")
-                self.changed.wait(min(left, 0.5))
+            if not self.store.before_reading(deadline):
+                raise ShardError("DEADLINE_EXCEEDED", f"pull waited {timeout:.1f}s for an update to finish")
             self.counters["pulls"] += 1
             self.counters["bytes_out"] += self.nbytes
             self.remedies.pulled(worker, self.version)
@@ -296,12 +274,7 @@ class ShardCore:
         if clock > MAX_CLOCK:
             raise ShardError("INVALID_ARGUMENT", f"clock {clock} is too large: a push's clock must be at most "
                              f"{MAX_CLOCK}")
-        if set(grads) != set(self.slices):
-            raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
-        unfit = None if self.allow_nonfinite else self.store.unfit(grads, largest)
-        if unfit is not None:  # before the policy counts it: refused whole, the weights as they were
-            raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[unfit[0]].key} from worker {worker} "
-                             f"{unfit[1]}; lower the learning rate or check the data")
+        self.store.check(grads, f"worker {worker}", largest, self.allow_nonfinite)
         rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
             self.store.after_settling()
@@ -413,33 +386,12 @@ class ShardCore:
                 "counters": {**self.counters, **self.store.counters, "impostors": self.roster.impostors,
                              "policy": self.policy.describe()},
                 "reads": self.store.reads(), "staleness_histogram": list(self.staleness_histogram),
-                "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
-                if self.last_checkpoint else None,
-                "restored_version": self.restored_version, "rewinding": dict(self.rewind.rewinding),
-                "last_cause": self.rewind.last_cause(),
+                **self.whole.status(), **self.rewind.status(),
                 "role": self.role, "replica_lag": self.replication.lag() if self.replication is not None else -1,
                 **({"tables": self.tables.status()} if self.tables else {}),
             }
 
-    # -- a checkpoint's worth ------------------------------------------------------------------------------------
-    def _state(self) -> tuple[dict, dict]:
-        """(Under the lock, no update half made.)  What a checkpoint of this core holds: its arrays (views of the
-        live ones) and manifest; also what a primary sends a new replica."""
-        arrays = {"weights": self.flat}
-        arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
-        if self.round is not None:  # a round in flight: its sum, and the pushes an ordered one keeps apart, apart
-            arrays["round_sum"] = self.round.so_far()
-            arrays.update({f"round_push/{w}": a for w, a in self.round.apart.items()})
-        arrays.update(self.tables.arrays())
-        manifest = {"fingerprint": self.fingerprint, "identity": self.identity, "version": self.version,
-                    "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
-                    "policy": self.policy.state_dict(), "counters": dict(self.counters),
-                    "staleness_histogram": list(self.staleness_histogram),
-                    "round_bases": list(self.round.bases) if self.round else [],
-                    "optimizer": self.optimizer.describe(),
-                    "holders": self.roster.holders()}
-        return arrays, manifest
-
+    # -- its state, taken and given whole (psgd.server.whole) --------------------------------------------------
     def write_checkpoint(self, save: Callable[[int, dict, dict], T], held: bool = False,
                          force: bool = False) -> T | None:
         """``save(version, arrays, manifest)`` of this core's whole state (what it returns: the file's path), or
@@ -450,51 +402,14 @@ class ShardCore:
         with contextlib.nullcontext() if held else self.lock:
             if not held:
                 self.store.settle()  # the policy's clocks and the weights say the same
-            if not force and self.last_checkpoint and self.last_checkpoint[0] == self.version:
-                return None
-            arrays, manifest = self._state()
-            try:
-                path = save(self.version, arrays, manifest)
-            except CheckpointError:
-                self.counters["checkpoint_failures"] = self.counters.get("checkpoint_failures", 0) + 1
-                raise
-            self.last_checkpoint = (self.version, time.time())
-            return path
+            return self.whole.write(save, self.version, self.counters, self.staleness_histogram, force)
 
     def adopt(self, ckpt: Checkpoint, restored: bool = False) -> None:
         """Everything of ``ckpt`` (checked: psgd.server.recovery.check), or of a primary's state on its replica:
         the training state, the counters, the staleness histogram, and each rank kept for its holder.
         ``restored``: the shard starts from it (it says so in Status, and it is its last checkpoint)."""
-        m = ckpt.manifest
         with self.lock:
-            self._put_back(ckpt)
-            self.counters.update({k: type(self.counters[k])(v) for k, v in m.get("counters", {}).items()
-                                  if k in self.counters})
-            self.staleness_histogram[:] = [int(v) for v in m["staleness_histogram"]][:STALENESS_BUCKETS]
-            self.roster.keep_for(m.get("holders", {}))
-            if restored:
-                self.restored_version = self.version
-                self.last_checkpoint = (self.version, float(m.get("written_at", time.time())))
-
-    def _put_back(self, ckpt: Checkpoint) -> None:
-        """(Under the lock.)  The training state of ``ckpt``: weights, optimizer, policy, the round in the making,
-        tables, version.  Who holds which rank, the counters and the leases stay as they are, and the policy expects the
-        workers the roster does (not those live when the checkpoint was written: a stopped job's had all left)."""
-        m, a = ckpt.manifest, ckpt.arrays
-        weights = a.get("weights")
-        if weights is None or weights.shape != self.flat.shape or weights.dtype != self.flat.dtype:
-            raise CheckpointError(f"{ckpt.path}: its weights do not fit shard {self.shard}")
-        self.store.replace(weights)
-        self.optimizer.load_state_dict({k[4:]: v for k, v in a.items() if k.startswith("opt/")})
-        self.policy.load_state_dict(m["policy"], live_now=self.roster.expected())
-        if self.round is not None:
-            self.round.clear()
-            if "round_sum" in a:
-                self.round.load(a["round_sum"], m.get("round_bases", []),
-                                {int(k.split("/")[1]): v for k, v in a.items() if k.startswith("round_push/")})
-        if self.tables:
-            self.tables.load(a)
-        self.version = int(m["version"])
+            self.version = self.whole.adopt(ckpt, self.counters, self.staleness_histogram, restored)
 
     # -- going back to a cut ---------------------------------------------------------------------------------------
     def went_back_for(self, cause: str) -> bool:
@@ -508,30 +423,21 @@ class ShardCore:
         on).  Every worker then continues from ``version``: a request with a later clock is refused with
         ROLLED_BACK, naming it, until the worker comes with one no later.  Returns the rounds undone."""
         with self.lock:
-            if cause in self.rewind.causes:
-                return 0
-            self.rewind.may_go_back()
-            if self.version < version:
-                raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} is at version {self.version}, behind "
-                                 f"the cut at {version} that worker {worker} asks it to go back to")
-            if self.version == version:  # there already (the shard that restarted, or one that never went past it)
-                self._went_back(cause, version)
+            if not self.rewind.must_go_back(cause, self.version, version, worker):
+                self.changed.notify_all()  # there already: its workers continue from it
                 return 0
         ckpt = load()
         with self.lock:
             if cause in self.rewind.causes:
                 return 0
             undone = self.version - version
-            self._put_back(ckpt)
-            self._went_back(cause, version)
+            self.version = self.whole.put_back(ckpt)
+            self.rewind.went_back(cause, version)
+            self.changed.notify_all()
             self.counters["rollbacks"] += 1
             self.counters["rounds_undone"] += undone
             self.counters["applied"] -= undone  # the updates the weights hold: the version
         return undone
-
-    def _went_back(self, cause: str, version: int) -> None:
-        self.rewind.went_back(cause, version)
-        self.changed.notify_all()
 
     # -- a pair of processes ---------------------------------------------------------------------------------------
     def join_pair(self, pair: Any) -> None:
@@ -568,11 +474,8 @@ class ShardCore:
         where ``attach(version)`` says yes; asked under the lock with no update half made, so that the updates after
         it are the ones the pair queues from then on.  None where it says no."""
         with self.lock:
-            self.store.settle()
-            if not attach(self.version):
-                return None
-            arrays, manifest = self._state()
-            return self.version, {k: np.array(v) for k, v in arrays.items()}, manifest
+            self.store.settle()  # first: the version it may move on
+            return self.whole.hand_over(attach, self.version, self.counters, self.staleness_histogram)
 
     def adopt_policy(self, state: Mapping[str, Any]) -> None:
         """The primary's policy state (its clocks), on its replica."""

@@ -158,7 +158,7 @@ def cuts(core: ShardCore, folder: str | os.PathLike) -> list[int]:
 def own_restart(core: ShardCore, version: int) -> str:
     """Why ``core`` cannot go back to the cut at ``version`` for its own incarnation ("": it restarted from a cut
     at ``version`` or later)."""
-    restored = core.restored_version
+    restored = core.whole.restored_version
     if restored is not None and restored >= version:
         return ""
     return (f"the cause is shard {core.shard}'s own incarnation, and it did not restart from a cut at version "

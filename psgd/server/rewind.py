@@ -40,18 +40,32 @@ class Rewind:
         """``worker`` came back ahead of this shard, restarted from the cut at ``version``: the job goes back to it."""
         self.cut_asked[worker] = self.rewinding[worker] = version
 
-    def may_go_back(self) -> None:
-        """Refuse (UNAVAILABLE) a new cause within ROLLBACK_SPACING of the last."""
+    def must_go_back(self, cause: str, now: int, version: int, worker: int) -> bool:
+        """Whether the shard, at version ``now``, must load the cut at ``version`` to go back to it for ``cause``, as
+        ``worker`` asks: not for a cause gone back for already, nor where it is there already (the shard that
+        restarted, or one that never went past it: it has gone back then).  Refuses (UNAVAILABLE) a new cause within
+        ROLLBACK_SPACING of the last, and (FAILED_PRECONDITION) a cut ahead of the shard."""
+        if cause in self.causes:
+            return False
         last = max(self.causes.values(), default=None)
         if last is not None and time.monotonic() - last < ROLLBACK_SPACING:
             raise ShardError("UNAVAILABLE", f"shard {self.shard} went back for another cause "
                              f"{time.monotonic() - last:.2f}s ago; it goes back at most once a "
                              f"{ROLLBACK_SPACING:g}s")
+        if now < version:
+            raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} is at version {now}, behind the cut at "
+                             f"{version} that worker {worker} asks it to go back to")
+        if now == version:
+            self.went_back(cause, version)
+            return False
+        return True
 
     def went_back(self, cause: str, version: int) -> None:
         """The shard is at the cut of ``version`` for ``cause``: every worker continues from it."""
         self.causes[cause] = time.monotonic()
         self.rewinding = {w: version for w in range(self.num_workers)}
 
-    def last_cause(self) -> str:
-        return max(self.causes, key=self.causes.__getitem__, default="")
+    def status(self) -> dict:
+        """The version each worker must continue from, and the cause last gone back for ("" for none)."""
+        return {"rewinding": dict(self.rewinding), "last_cause": max(self.causes, key=self.causes.__getitem__,
+                                                                     default="")}

@@ -375,7 +375,7 @@ class ShardServer:
 
     def _checkpoints(self) -> None:
         def turn() -> None:
-            last = self.core.last_checkpoint
+            last = self.core.whole.last_checkpoint
             if last is None or time.time() - last[1] >= self.checkpoint_seconds:
                 self.save_checkpoint()
         while not self._stop.wait(min(1.0, self.checkpoint_seconds)):

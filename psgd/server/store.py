@@ -41,6 +41,7 @@ import numpy as np
 
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
+from psgd.server.errors import ShardError
 from psgd.server.update import UpdatePass
 from psgd.wire.sweep import Sweep, extent
 
@@ -161,6 +162,18 @@ class WeightStore:
     def gradient_views(self, buf: bytearray | memoryview) -> dict[int, np.ndarray]:
         """Per-slice arrays over a buffer holding a gradient for every slice, in slice order."""
         return self.views(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size))
+
+    def check(self, grads: Mapping[int, np.ndarray], who: str, largest: float | None = None,
+              allow_nonfinite: bool = False) -> None:
+        """Refuse (INVALID_ARGUMENT) ``who``'s gradient ``grads`` unless it holds every slice of the store and may be
+        applied (:meth:`unfit`; anything may where ``allow_nonfinite``): before the policy counts the push, so that
+        it is refused whole, the weights as they were."""
+        if set(grads) != set(self.slices):
+            raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
+        unfit = None if allow_nonfinite else self.unfit(grads, largest)
+        if unfit is not None:
+            raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[unfit[0]].key} from {who} {unfit[1]}; "
+                             "lower the learning rate or check the data")
 
     def unfit(self, grads: Mapping[int, np.ndarray], largest: float | None = None) -> tuple[int, str] | None:
         """Why the gradient ``grads`` may not be applied, as (a slice id, what it holds), or None: a NaN or an
@@ -310,6 +323,16 @@ class WeightStore:
         finally:
             self.settling -= 1
             self.changed.notify_all()
+
+    def before_reading(self, deadline: float) -> bool:
+        """What a pull does before it reads: let an update that is due go first (never send half-applied weights),
+        until ``deadline`` (time.monotonic()); False where that passed first."""
+        while self.writers_waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.changed.wait(min(left, 0.5))
+        return True
 
     def after_settling(self) -> None:
         """What a new update does before its policy decides: let a reader of the whole state go first."""

@@ -46,7 +46,7 @@ def test_restore_continues_exactly_like_an_uninterrupted_shard(tmp_path):
     b = make()
     saved = checkpoint.load_latest(tmp_path, PLAN.hash)
     recovery.restore(b, saved)
-    assert b.version == 3 and b.restored_version == 3 and np.array_equal(a.flat, b.flat)
+    assert b.version == 3 and b.whole.restored_version == 3 and np.array_equal(a.flat, b.flat)
     for core in (a, b):  # worker 0's earlier push is in the restored round: a retry is a duplicate
         assert core.push(0, 3, 3, grads(3)).outcome == "duplicate"
         core.push(1, 3, 3, grads(13))

@@ -860,7 +860,7 @@ def test_a_checkpoint_holds_an_update_whole_or_not_at_all(tmp_path, policy, opti
     register_all(core)
     read, pushed = hold_an_update(core, 1, 0)
     written = run_in_thread(recovery.write, core, tmp_path, force=True)
-    wait_for(lambda: core.last_checkpoint is not None or core.store.settling == 1, JOIN_WAIT,
+    wait_for(lambda: core.whole.last_checkpoint is not None or core.store.settling == 1, JOIN_WAIT,
              "the checkpoint to be written or to wait")
     read.release()
     pushed()
