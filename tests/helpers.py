@@ -21,7 +21,7 @@ from psgd.collective import Collective, CollectiveError
 from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 
 
 #: The job's token, as a user's shell holds it for the processes of a job they start by hand (psgd-server refuses

@@ -47,7 +47,8 @@ PY = sys.executable
 # -- pieces -------------------------------------------------------------------------------------------
 def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     """GB/s of parameter bytes a shard updates per second, per optimizer: its weight store's update of one
-    4 MiB-sliced tensor (the blob model's), as a push makes it (psgd.server.store, swept over the shard's threads)."""
+    4 MiB-sliced tensor (the blob model's), as a push makes it (psgd.server.state.store, swept over the shard's
+    threads)."""
     from psgd.bench.blob import Blob
     from psgd.config import JobConfig
     from psgd.job import describe_job

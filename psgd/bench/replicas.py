@@ -195,9 +195,10 @@ FOLLOWER = r"""
 import os, secrets, socket, sys, time
 from psgd.config import JobConfig
 from psgd.job import describe_job
-from psgd.server import build_shard, stream
-from psgd.server.replica import Replication
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.durable import stream
+from psgd.server.durable.replica import Replication
+from psgd.server.net.service import ShardServer
 from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
 job = JobConfig.load(sys.argv[1])

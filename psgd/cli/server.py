@@ -23,10 +23,12 @@ from psgd.observe.files import open_own
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import ShardMetrics, add_metrics_arguments
 from psgd.ops.ports import holder
-from psgd.server import build_shard, checkpoint, recovery
-from psgd.server.listen import PortTaken, raise_descriptor_limit
-from psgd.server.replica import Replication
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.durable import recovery
+from psgd.server.durable.replica import Replication
+from psgd.server.net.listen import PortTaken, raise_descriptor_limit
+from psgd.server.net.service import ShardServer
+from psgd.server.state import checkpoint
 from psgd.wire.channel import MAKE_TOKEN
 from psgd.wire.tls import add_tls_arguments, tls_from_args
 

@@ -42,7 +42,7 @@ class Consistency:
 
 @dataclasses.dataclass(frozen=True)
 class Remedies:
-    """What a shard does to an async or ssp push computed on old weights (psgd.server.remedies)."""
+    """What a shard does to an async or ssp push computed on old weights (psgd.server.state.remedies)."""
 
     staleness_lr: bool = flag(False)  # scale each gradient's learning rate by 1/staleness
     async_lr: str = one_of("divided", ASYNC_LR, _ASYNC_LR_SAID)  # async, ssp: each push at lr / workers ("divided")

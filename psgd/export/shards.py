@@ -35,7 +35,7 @@ from psgd.config import Deadlines, JobConfig
 from psgd.job import describe_job, fingerprint, identity
 from psgd.model.table import TableSpec, joined_by_id, table_keys
 from psgd.partition import PartitionPlan, plan_differences
-from psgd.server import checkpoint
+from psgd.server.state import checkpoint
 from psgd.weights import ExportError
 from psgd.wire.protocol import OBSERVER
 from psgd.wire.tls import NO_TLS, TLSFiles

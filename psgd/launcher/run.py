@@ -287,7 +287,7 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
                                    tls_flags + log_flags + ["--checkpoint-dir", str(run / CHECKPOINTS)], token, timeout)
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
     spec["cluster"]["servers"] = addresses
-    if c.recovery.replicas:  # each shard's replica, on the next node (psgd.server.replica), once its primary is up
+    if c.recovery.replicas:  # each shard's replica, on the next node (psgd.server.durable.replica), once its primary is up
         replicas, replica_bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
                                                 tls_flags + log_flags, token, timeout, primaries=addresses)
         servers += replicas

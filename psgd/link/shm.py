@@ -7,7 +7,7 @@ connections (pull and push) for shared memory: its pull connection is given the 
 segment, its push connection a segment of its own (:mod:`psgd.wire.segment`).  From then on:
 
 - a pull is its request header on the socket; the shard takes a live read of its weights, which live in
-  a shared segment that the worker has mapped read-only (two slots, :mod:`psgd.server.store`), and
+  a shared segment that the worker has mapped read-only (two slots, :mod:`psgd.server.state.store`), and
   replies with the version, the slot that holds it and the slot's sequence number; the worker copies
   them out into its arrays, checks that the sequence number has not changed, and sends a release.  No
   update touches the slot between the reply and the release unless the worker held it past its

@@ -45,7 +45,7 @@ class Connect:
 
     def call(self, address: str, ask: Callable[[grpc.Channel, float, bool], Any]) -> Any:
         """``ask(channel, timeout, wait_for_ready)`` on a channel to ``address``, within ``self.timeout`` in all.  A
-        shard that closes the connection as it comes (its gRPC port is full: psgd.server.listen bounds it, and
+        shard that closes the connection as it comes (its gRPC port is full: psgd.server.net.listen bounds it, and
         closes connections that never prove themselves within seconds) is asked again, waiting for a connection to
         be taken, until the deadline; one that refuses it fails at once.  Where the deadline passes, the first
         error is raised: it says most (a plaintext client at a TLS port is closed as it comes too)."""

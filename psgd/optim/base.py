@@ -167,7 +167,7 @@ class Optimizer:
         where the rule is :attr:`elementwise` and the keys have taken the same number of updates (their states
         are then laid out the same way, in one array each), else key by key.  ``over``, where given, makes that one
         step piece by piece: it calls the function it is given with ``(a, b)`` for pieces covering the array, each
-        once (a shard's update pass, :mod:`psgd.server.update`); an elementwise rule's values are the same either
+        once (a shard's update pass, :mod:`psgd.server.state.update`); an elementwise rule's values are the same either
         way."""
         if self.state_vars and any(self.is_state(k) for k in keys):  # each run of keys of one kind apart
             start = 0

@@ -1,12 +1,14 @@
-"""Parameter-server shards.
+"""Parameter-server shards, in three rooms (state/ imports neither of the others: tests/unit/test_layering.py):
 
-- core.py: the shard without any transport (workers, leases, the policy, the optimizer);
-- store.py: its weights, the reads pulls are served from, updates in place;
-- handler.py: the one request handler a worker's pull or push reaches, whichever transport carried it;
-- service.py: the gRPC servicer and ShardServer (health, leases, checkpoints), which also starts
-- datapath.py: the TCP data path's server end, behind gatekeeper.py (accepting and checking hellos);
-- checkpoint.py: writing and reading a shard's checkpoints; recovery.py: what of a shard they hold;
-- hello.py: what a data connection's hello must say.
+- net/: the network side: the gRPC servicer and ShardServer (health, leases, checkpoints), the TCP data path
+  behind its gatekeeper (accepting and checking hellos), the token check, and handler.py, the one request handler
+  a worker's pull or push reaches, whichever transport carried it;
+- durable/: what keeps a shard through a crash: recovery.py (what of a shard its checkpoints hold, coming back,
+  going back to a cut) and a shard kept twice (replica.py, following.py, stream.py, peers.py);
+- state/: the shard without any transport: core.py (workers, leases, the policy, the optimizer), store.py (its
+  weights, the reads pulls are served from, updates in place), whole.py (its state taken and given whole) and
+  checkpoint.py (the files that state is written as);
+- errors.py: what a shard answers when it refuses a request, whichever room refuses it.
 
 ``build_shard(job, k)`` makes the core of shard ``k`` of a job (:func:`psgd.job.describe_job`).
 """
@@ -15,9 +17,9 @@ from __future__ import annotations
 
 from psgd.config import ConfigError
 from psgd.job import Job, check_fits
-from psgd.server.core import PushResult, ShardCore
+from psgd.server.state.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
-from psgd.server.tables import ShardTables
+from psgd.server.state.tables import ShardTables
 
 __all__ = ["PushResult", "ShardCore", "ShardError", "build_shard"]
 

@@ -2,7 +2,7 @@
 its own.
 
 A table (:class:`psgd.model.TableSpec`) has rows keyed by int64 ids of unbounded range, made when first needed
-(:mod:`psgd.server.tables`), so its optimizer cannot keep dense state: every rule here keeps state per row and
+(:mod:`psgd.server.state.tables`), so its optimizer cannot keep dense state: every rule here keeps state per row and
 updates a batch of touched rows at once, :meth:`RowOptimizer.step` (``rows``, ``grads``, each row's state and
 its update count ``t``, all gathered by the table).
 

@@ -2,7 +2,7 @@
 derived from the token) of what the call is for, of the address it was made to, of when it was made and of a
 session and count never used before.  Every caller makes them here: a gRPC channel opened with a token puts one in
 each call's metadata (``authorization: Proof ...``, psgd.wire.channel.open_channel), and a data-port hello carries one
-(psgd.link.tcp); the shard checks them (psgd.server.tokens).
+(psgd.link.tcp); the shard checks them (psgd.server.net.tokens).
 
 What crosses the wire is good once, at one address, for one purpose, for :data:`PROOF_SECONDS`: a proof read off
 the wire, or received by whoever holds a dead shard's port, cannot be replayed to the shard it was made for (its

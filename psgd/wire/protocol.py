@@ -1,5 +1,5 @@
 """The TCP data path's protocol, what both ends agree on (the worker's :mod:`psgd.link.tcp`, the
-shard's :mod:`psgd.server.datapath`).
+shard's :mod:`psgd.server.net.datapath`).
 
 Beside gRPC (the control plane: register, heartbeat, done, status, and a
 pull/push fallback), every shard listens on a plain TCP port for pulls and

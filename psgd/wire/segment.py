@@ -10,12 +10,12 @@ the shard), and the weights' can never be written through a new mapping or ``wri
 descriptor (``F_SEAL_FUTURE_WRITE``; the shard's own mapping, made before, stays writable).  A worker
 that asked for one, in a hello that passed the data port's token check, is sent the name, the nonce, a
 Unix-domain socket's name and a one-time ticket; it trades the ticket for the descriptor over that
-socket (:mod:`psgd.server.handout`, which also closes the shard's ``/proc/<pid>/fd`` to other
+socket (:mod:`psgd.server.net.handout`, which also closes the shard's ``/proc/<pid>/fd`` to other
 processes), checks the name, the seals, the size and the nonce (so it never uses a file it was not
 given), and maps it.  There are two kinds:
 
 - ``weights``: one per shard, its weights themselves, moved there when the shard first offers shared
-  memory (the data port calls :meth:`psgd.server.core.ShardCore.place_weights`); workers map it read-only
+  memory (the data port calls :meth:`psgd.server.state.core.ShardCore.place_weights`); workers map it read-only
   and copy their pulls out of it;
 - ``push``: one per push connection, made after the data port has checked the hello (and its token);
   the worker writes its gradients there, and the shard closes it when the connection ends.
@@ -24,7 +24,7 @@ The memory goes when the last process that maps it does: whatever is killed, not
 
 Layout: ``HEADER`` bytes (magic, nonce, and at SEQ_AT one sequence number per slot), then the tensor bytes,
 in slice order as on every link: the weights segment holds them twice (two slots, see
-:mod:`psgd.server.store`; a pull's reply says which slot holds its version and what its sequence number
+:mod:`psgd.server.state.store`; a pull's reply says which slot holds its version and what its sequence number
 was, and the worker checks that number again after its copy), a push segment once.  The
 control messages (requests, versions, outcomes, errors) stay on the data connection's socket; the
 segment only carries the bytes, and is read only between a request and its reply (the version
@@ -122,7 +122,7 @@ class Segment:
 
     def offer(self) -> dict:
         """What a worker needs to check this segment once it has its descriptor (the handout adds how to
-        get that: :meth:`psgd.server.handout.Handout.offer`)."""
+        get that: :meth:`psgd.server.net.handout.Handout.offer`)."""
         return {"name": self.name, "nonce": self.nonce.hex(), "bytes": self.size, "slots": self.slots}
 
     def close(self) -> None:

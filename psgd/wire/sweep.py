@@ -5,7 +5,7 @@ applied) and checked (no NaN, no infinity, nothing too large to apply: its large
 other over the whole array, the copy and the check read and write three times the gradient's bytes from memory;
 made piece by piece (:meth:`Sweep.copy_checked`), a piece of PIECE_BYTES stays in the cache from one pass to the
 next: the check reads what the copy has just written.  The shard's update pass runs its optimizer piece by piece
-the same way (:mod:`psgd.server.update`).
+the same way (:mod:`psgd.server.state.update`).
 
 A worker's copies into and out of a segment (:mod:`psgd.link.shm`) are one pass each, over all of its views at once.
 

@@ -1,4 +1,4 @@
-"""A worker's way to the live process of a shard kept twice (``[cluster] replicas = 1``, psgd.server.replica).
+"""A worker's way to the live process of a shard kept twice (``[cluster] replicas = 1``, psgd.server.durable.replica).
 
 Each shard is a pair of addresses: its primary's and its replica's.  A call refused by a replica (NOT_PRIMARY)
 or that cannot reach its shard at all (UNAVAILABLE) moves the client's link for that shard to the other address

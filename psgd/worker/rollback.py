@@ -1,7 +1,7 @@
 """A worker's part in going back to a cut (sync with ``[cluster] checkpoint_rounds``).
 
 A shard that restarts comes back from its newest cut: the checkpoint every shard wrote as the same round closed
-(:mod:`psgd.server.recovery`).  The first worker to register with it hears that it is behind (``rollback_to``,
+(:mod:`psgd.server.durable.recovery`).  The first worker to register with it hears that it is behind (``rollback_to``,
 with the restarted shard's incarnation as the cause) and takes the job back: it asks every shard which cuts it
 holds, picks the newest that all of them hold (no later than the restarted one's), and asks every shard to go
 back to it (each does so once per cause, however many workers ask).  Every worker then continues from that

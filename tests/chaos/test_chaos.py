@@ -35,7 +35,7 @@ from psgd.bench.chaos.suite import parse_kinds, run_chaos
 from psgd.bench.netns import IP, PREFIX
 from psgd.config import Deadlines, to_toml
 from psgd.partition import PartitionPlan
-from psgd.server import checkpoint
+from psgd.server.state import checkpoint
 from psgd.job import build_job, describe_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
@@ -251,7 +251,7 @@ def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
     from psgd.bench.chaos.hostile import outsider
     from psgd.job import describe_job
     from psgd.server import build_shard
-    from psgd.server.service import ShardServer
+    from psgd.server.net.service import ShardServer
 
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.transport=tcp")
@@ -283,8 +283,8 @@ def test_an_insider_claiming_the_replicas_place_is_refused_and_the_replica_keeps
     from psgd.bench.chaos.hostile import follow_as
     from psgd.job import describe_job
     from psgd.server import build_shard
-    from psgd.server.replica import Replication
-    from psgd.server.service import ShardServer
+    from psgd.server.durable.replica import Replication
+    from psgd.server.net.service import ShardServer
 
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
                    "cluster.replicas=1")
@@ -314,8 +314,9 @@ def test_a_rollback_storm_from_a_finished_rank_is_refused_every_time_and_told_wh
     FAILED_PRECONDITION and counted, no version goes back, and it says Done; against shards that believe any cause it
     tells each one accepted (so the fault's checks can fail)."""
     from psgd.bench.chaos.insiders import storm
-    from psgd.server import build_shard, peers, recovery
-    from psgd.server.service import ShardServer
+    from psgd.server import build_shard
+    from psgd.server.durable import peers, recovery
+    from psgd.server.net.service import ShardServer
 
     job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=2",
                    "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")

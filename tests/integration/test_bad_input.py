@@ -27,9 +27,9 @@ from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.core import MAX_CLOCK, ShardCore
+from psgd.server.state.core import MAX_CLOCK, ShardCore
 from psgd.wire.channel import SERVICE_NAME
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 from psgd.wire.channel import MAX_MESSAGE_BYTES
 from psgd.worker.client import fetch_weights
 

@@ -9,8 +9,9 @@ import pytest
 from psgd.config import ConfigError
 from psgd.export.shards import join_checkpoints
 from psgd.job import build_job, describe_job
-from psgd.server import build_shard, checkpoint
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.net.service import ShardServer
 from psgd.worker.exchange import run_worker
 
 from helpers import make_job, run_threads

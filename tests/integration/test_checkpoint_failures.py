@@ -11,8 +11,9 @@ import numpy as np
 from psgd.config import Deadlines
 from psgd.job import describe_job
 from psgd.observe.prometheus import ShardMetrics
-from psgd.server import build_shard, checkpoint
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.net.service import ShardServer
 
 from psgd.worker.client import PSClient
 

@@ -27,9 +27,11 @@ from psgd.ops.reach import Connect
 from psgd.ops.view import collect
 from psgd.config import to_toml
 from psgd.job import describe_job
-from psgd.server import build_shard, checkpoint, recovery
-from psgd.server.core import ShardCore
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
+from psgd.server.state.core import ShardCore
+from psgd.server.net.service import ShardServer
 
 SETS = ("model.name=softmax", "cluster.shards=1", "cluster.workers=1", "cluster.policy=async")
 
@@ -150,7 +152,7 @@ def test_crash_leftovers_are_removed_and_nothing_else(tmp_path, caplog):
     (folder / "notes.txt").write_text("mine")
     kept = files(folder)
     size = leftovers(folder)
-    with caplog.at_level(logging.INFO, logger="psgd.server.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="psgd.server.state.checkpoint"):
         removed, nbytes = checkpoint.remove_leftovers(folder)
     assert sorted(removed) == [".ckpt-5.json.tmp", ".ckpt-6.npz.tmp", "ckpt-5.npz"] and nbytes == size
     assert files(folder) == kept

@@ -15,8 +15,9 @@ import pytest
 from helpers import TOKEN, make_job
 from psgd.config import Deadlines
 from psgd.job import describe_job
-from psgd.server import build_shard, checkpoint
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.net.service import ShardServer
 from psgd.worker.client import PSClient
 from psgd.worker.errors import PSError
 

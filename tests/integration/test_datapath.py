@@ -40,10 +40,10 @@ from psgd.link.tcp import DataConnection
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server import datapath
-from psgd.server.core import ShardCore
-from psgd.server.datapath import DataServer
-from psgd.server.service import ShardServer
+from psgd.server.net import datapath
+from psgd.server.state.core import ShardCore
+from psgd.server.net.datapath import DataServer
+from psgd.server.net.service import ShardServer
 from psgd.wire import protocol
 from psgd.wire.proofs import Prover
 from psgd.worker.client import PSClient, PSError, process_incarnation

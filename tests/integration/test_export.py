@@ -14,7 +14,7 @@ from psgd.config import Deadlines, to_toml
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 from psgd.wire.tls import TLSFiles
 from psgd.job import build_job
 from psgd.worker.client import PSClient, fetch_weights

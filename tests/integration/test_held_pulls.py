@@ -22,7 +22,7 @@ import pytest
 
 from psgd.config import Deadlines, Links
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server import datapath
+from psgd.server.net import datapath
 from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
 

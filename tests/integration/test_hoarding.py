@@ -32,7 +32,7 @@ from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
@@ -115,7 +115,7 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
     as long as they lived; Register, Status and heartbeats waited behind them.  Now pulls and pushes leave the
     control calls threads of their own, and a push that has not arrived by its deadline is cancelled."""
     from psgd.proto import ps_pb2, ps_pb2_grpc
-    from psgd.server import datapath
+    from psgd.server.net import datapath
 
     monkeypatch.setattr(datapath, "TRANSFER_GRACE", 3.0)  # an idle push would hold its thread 3 s: long enough to see
     job = tiny_job()
@@ -231,7 +231,7 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
         records: list[logging.LogRecord] = []
         keep = logging.Handler(logging.WARNING)
         keep.emit = records.append  # on the logger itself: psgd's loggers may not propagate (psgd.observe.logs)
-        logger = logging.getLogger("psgd.server.gatekeeper")
+        logger = logging.getLogger("psgd.server.net.gatekeeper")
         logger.addHandler(keep)
         try:
             for _ in range(150):

@@ -19,8 +19,8 @@ from psgd.link import LinkError
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.admission import Roster
-from psgd.server.service import ShardServer
+from psgd.server.state.admission import Roster
+from psgd.server.net.service import ShardServer
 from psgd.wire import status
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker

@@ -15,7 +15,7 @@ from psgd.launcher import EXIT_LOST_UPDATES, LaunchResult, lost_updates
 from psgd.launcher import result as launched
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 from psgd.wire.tls import NO_TLS
 
 

@@ -27,8 +27,9 @@ from psgd.ops.view import collect
 from psgd.config import to_toml
 from psgd.observe.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.job import describe_job
-from psgd.server import build_shard, recovery
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.durable import recovery
+from psgd.server.net.service import ShardServer
 from psgd.worker.exchange import run_worker
 
 SMALL = ("model.name=softmax", "cluster.workers=2", "cluster.shards=2")

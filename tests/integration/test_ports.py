@@ -117,7 +117,7 @@ def test_a_worker_rejoins_a_shard_restarted_at_another_data_port_at_its_first_fa
 
     from psgd.job import describe_job
     from psgd.server import build_shard
-    from psgd.server.service import ShardServer
+    from psgd.server.net.service import ShardServer
     from psgd.worker.client import PSClient
 
     from helpers import make_job

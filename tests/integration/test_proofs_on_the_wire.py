@@ -1,5 +1,5 @@
 """Without TLS, no call sends the token: each proves it with a proof made for one address, good once there
-(psgd.wire.proofs, psgd.server.tokens).  A stranger at a shard's address (a dead shard's port taken) hears no
+(psgd.wire.proofs, psgd.server.net.tokens).  A stranger at a shard's address (a dead shard's port taken) hears no
 token, and what it hears cannot be replayed to the live shard; a call read off the wire cannot be replayed to the
 shard it was made for."""
 
@@ -21,7 +21,7 @@ from psgd.link.tcp import DataConnection
 from psgd.ops.reach import Connect, read_status
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server import build_shard
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError
 from psgd.wire.tls import NO_TLS

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from psgd.partition import PartitionPlan
-from psgd.server.core import ShardCore
+from psgd.server.state.core import ShardCore
 from psgd.job import build_job
 from psgd.training.local import train_local
 from psgd.worker.client import fetch_weights

@@ -255,7 +255,8 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
     from psgd.export.shards import join_checkpoints, pull_from_servers
     from psgd.launcher.result import evaluate_weights as _evaluate
-    from psgd.server import checkpoint, recovery
+    from psgd.server.state import checkpoint
+    from psgd.server.durable import recovery
     from psgd.model.table import table_keys
     from psgd.training.evaluation import evaluate_file
     from psgd.weights import save_weights
@@ -392,8 +393,8 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
 
 def test_a_pull_or_push_of_rows_is_given_time_for_its_rows_bytes_too(monkeypatch):
     """The watchdog that cuts off a stalled transfer allows a transfer the time its bytes take at the least rate
-    (psgd.server.datapath.MIN_TRANSFER_RATE): the rows' bytes count, not only the dense weights'."""
-    from psgd.server import datapath
+    (psgd.server.net.datapath.MIN_TRANSFER_RATE): the rows' bytes count, not only the dense weights'."""
+    from psgd.server.net import datapath
     from psgd.worker.client import PSClient
 
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e5)  # 100 kB/s: seconds a few MB of rows are given

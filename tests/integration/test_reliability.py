@@ -21,7 +21,7 @@ from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.service import ShardServer
+from psgd.server.net.service import ShardServer
 from psgd.training.evaluation import evaluate
 from psgd.job import build_job, params_to_device
 from psgd.worker.client import PSClient, PSError, fetch_weights

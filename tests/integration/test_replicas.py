@@ -1,5 +1,5 @@
-"""A shard kept twice ([cluster] replicas = 1, psgd.server.replica): the replica applies every update before the push
-is acknowledged, so a primary that dies loses no acknowledged push; the workers fail over to the replica, and the
+"""A shard kept twice ([cluster] replicas = 1, psgd.server.durable.replica): the replica applies every update before the
+push is acknowledged, so a primary that dies loses no acknowledged push; the workers fail over to the replica, and the
 killed process, started again, catches up from it as its replica.
 
 Without a replica a shard SIGKILLed under async comes back from its last checkpoint and the updates since are gone
@@ -27,9 +27,9 @@ from psgd.ops.reach import Connect, read_status
 from psgd.ops.view import ClusterView
 from psgd.ops.reach import probe_all
 from psgd.server import build_shard
-from psgd.server import stream
-from psgd.server.replica import Replication
-from psgd.server.service import ShardServer
+from psgd.server.durable import stream
+from psgd.server.durable.replica import Replication
+from psgd.server.net.service import ShardServer
 from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
 from psgd.worker.client import WAIT_REPORT_SECONDS
@@ -293,7 +293,7 @@ def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_c
             q.policy.fast_forward(1, 1)  # the replica's copy goes wrong
         with caplog.at_level(logging.WARNING, logger="psgd"):
             _push(p, 1, 0)
-        gone = [r.getMessage() for r in caplog.records if r.name == "psgd.server.replica" and "going on alone" in
+        gone = [r.getMessage() for r in caplog.records if r.name == "psgd.server.durable.replica" and "going on alone" in
                 r.getMessage()]
         assert len(gone) == 1 and "is gone (replica of shard 0 at version 1 cannot apply update 2 (worker 1, " \
                                   "clock 0): worker 1 already pushed clock 0" in gone[0]
@@ -406,7 +406,7 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
     a slow one (answering each update late) at 0.5, never cut off or warned about.  Now a replica that does not
     keep up is cut off in one WARNING line each time, the primary going on alone at its own pace; cut off again
     without having kept up in between, it is taken back only after BENCH_SECONDS."""
-    from psgd.server import replica as replica_module
+    from psgd.server.durable import replica as replica_module
     from psgd.worker.client import PSClient
 
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
@@ -571,7 +571,7 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
 def _cut_between(monkeypatch, cut: threading.Event):
     """While ``cut`` is set, neither process of a pair reaches the other (a network cut between them): their status
     calls to each other go unanswered."""
-    from psgd.server import following, replica as replica_module
+    from psgd.server.durable import following, replica as replica_module
 
     real = replica_module.peer_status
     for side in (replica_module, following):  # the primary's side of the pair, and the replica's

@@ -20,8 +20,10 @@ from psgd.config import Deadlines
 from psgd.job import describe_job
 from psgd.observe.prometheus import ShardMetrics
 from psgd.link import LinkError
-from psgd.server import build_shard, checkpoint, recovery
-from psgd.server.service import ShardServer
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
+from psgd.server.net.service import ShardServer
 from psgd.worker.client import PSClient
 from psgd.worker.errors import ShardWentBack
 from psgd.worker.rollback import roll_back

@@ -31,10 +31,10 @@ from psgd.config import Deadlines, Links, to_toml
 from psgd.link.shm import SHARED_FROM_BYTES, ShmData
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server import handout as handout_module
-from psgd.server.datapath import DataServer
-from psgd.server.handout import Handout
-from psgd.server.service import ShardServer
+from psgd.server.net import handout as handout_module
+from psgd.server.net.datapath import DataServer
+from psgd.server.net.handout import Handout
+from psgd.server.net.service import ShardServer
 from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.wire import protocol, segment
 from psgd.wire.proofs import Prover

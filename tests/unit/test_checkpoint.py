@@ -13,8 +13,9 @@ from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server import checkpoint, recovery
-from psgd.server.core import ShardCore
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
+from psgd.server.state.core import ShardCore
 
 PLAN = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float64")], 1, slice_bytes=64)
 
@@ -126,7 +127,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, 
         npz.unlink()
     else:
         meta.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="psgd.server.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="psgd.server.state.checkpoint"):
         saved = checkpoint.load_latest(tmp_path, PLAN.hash)
     assert saved.manifest["version"] == 1 and np.array_equal(saved.arrays["weights"], good)
     assert "skipping checkpoint" in caplog.text and "ckpt-2.json" in caplog.text

@@ -261,7 +261,7 @@ def test_the_shard_and_the_workers_client_take_the_settings_whole():
     import inspect
 
     from psgd.config import PARTS
-    from psgd.server.core import ShardCore
+    from psgd.server.state.core import ShardCore
     from psgd.worker.client import PSClient
 
     keys = {f.name for part in PARTS.values() for f in dataclasses.fields(part)}

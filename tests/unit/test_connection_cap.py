@@ -6,7 +6,7 @@ import resource
 
 import pytest
 
-from psgd.server import listen
+from psgd.server.net import listen
 
 
 @pytest.fixture

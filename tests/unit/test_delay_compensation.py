@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd.server.remedies import EPSILON
-from psgd.server.store import SLOTS
+from psgd.server.state.remedies import EPSILON
+from psgd.server.state.store import SLOTS
 from test_shard_core import INIT, LR, grad, grads_of, make_core, register_all, weights
 
 

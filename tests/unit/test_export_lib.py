@@ -14,8 +14,10 @@ from psgd import weights as weight_files
 from psgd.weights import ExportError
 from psgd.partition import PartitionPlan
 from psgd.job import describe_job
-from psgd.server import build_shard, checkpoint, recovery
-from psgd.server.core import ShardCore
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
+from psgd.server.state.core import ShardCore
 from psgd.job import build_job, fingerprint, identity
 
 from helpers import make_job, slice_weights

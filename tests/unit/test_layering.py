@@ -55,7 +55,8 @@ def test_psgd_never_imports_pytorch():
 TRANSPORTS = {"grpc", "socket", "ssl", "selectors", "psgd.proto", "psgd.wire.channel", "psgd.worker.client"}
 
 
-@pytest.mark.parametrize("path", [PSGD / "server" / "core.py", PSGD / "server" / "store.py", PSGD / "training" / "loop.py"],
+@pytest.mark.parametrize("path", [PSGD / "server" / "state" / "core.py", PSGD / "server" / "state" / "store.py",
+                                  PSGD / "training" / "loop.py"],
                          ids=lambda p: p.name)
 def test_the_shard_core_and_the_loop_know_no_transport(path):
     found = imported(path)
@@ -126,15 +127,15 @@ def test_no_module_is_longer_than_a_sitting(path):
 
 
 #: the shard core: the only module that takes its lock, waits on its conditions or touches its private members
-CORE = {PSGD / "server" / "core.py"}
+CORE = {PSGD / "server" / "state" / "core.py"}
 
 
 def test_the_shard_core_is_one_class_with_its_fields():
     """ShardCore's whole-state methods were a mixin (CoreState) whose fields only ShardCore set: a class now keeps
     the fields it uses, and the core is split only into parts with state of their own, which it holds."""
-    tree = ast.parse((PSGD / "server" / "core.py").read_text())
+    tree = ast.parse((PSGD / "server" / "state" / "core.py").read_text())
     (core,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ShardCore"]
-    assert core.bases == [] and not (PSGD / "server" / "core_state.py").exists()
+    assert core.bases == [] and not (PSGD / "server" / "state" / "core_state.py").exists()
 
 
 def _is_a_core(node: ast.AST) -> bool:
@@ -161,7 +162,7 @@ REQUESTS = ("pull", "push", "read_rows", "check", "live")
 
 
 def test_a_request_reaches_the_core_through_one_handler():
-    """A pull or a push reaches the shard core through psgd/server/handler.py, whichever transport carried it: the
+    """A pull or a push reaches the shard core through psgd/server/net/handler.py, whichever transport carried it: the
     gRPC servicer and the data port each called the core's pull and push, and peeked at the roster, with code of
     their own (7 places)."""
     found = []
@@ -177,10 +178,34 @@ def test_a_request_reaches_the_core_through_one_handler():
     assert found == [], found
 
 
+def server_rooms(path: Path) -> set[str]:
+    """The rooms of psgd/server/ (``net``, ``durable``, ``state``) that ``path`` imports, at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else []
+        found |= {n.split(".")[2] for n in names if n.startswith("psgd.server.") and n.count(".") >= 2}
+    return found & {"net", "durable", "state"}
+
+
+@pytest.mark.parametrize("path", modules("server/state"), ids=lambda p: p.name)
+def test_the_shards_state_imports_neither_its_network_side_nor_what_keeps_it(path):
+    """psgd/server/ is in rooms: state/ (the shard without any transport, and its state taken and given whole: the
+    checkpoint files that state is written as are its own), net/ (gRPC, the data port, the handler) and durable/
+    (recovery, replicas).  The two build on state/, never it on them."""
+    assert server_rooms(path) <= {"state"}, path
+
+
+def test_the_rooms_rule_can_fail(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from psgd.server.durable import recovery\nfrom psgd.server import net\n")
+    assert server_rooms(module) == {"durable", "net"}
+
+
 def test_the_update_pass_lives_beside_the_store():
-    """The shard's update pass (an optimizer over the store's weights) is psgd/server/update.py: the store handed a
-    lambda through psgd/wire/sweep.py, whose passes both ends share, to run the optimizer in."""
-    assert [c.split(":")[0] for c in method_calls(("update_flat",), outside="optim")] == ["server/update.py"]
+    """The shard's update pass (an optimizer over the store's weights) is psgd/server/state/update.py: the store handed
+    a lambda through psgd/wire/sweep.py, whose passes both ends share, to run the optimizer in."""
+    assert [c.split(":")[0] for c in method_calls(("update_flat",), outside="optim")] == ["server/state/update.py"]
     assert not {m for m in imported(PSGD / "wire" / "sweep.py") if m.startswith("psgd.optim")}
 
 
@@ -371,7 +396,7 @@ def test_psgd_errors_have_one_root():
 #: The modules that speak gRPC: the channel and its TLS, the worker's gRPC link, the shard's servicer with its
 #: token check and the peer's questions, the latency interceptor, the rich status both ends read, and the
 #: operators' probes.  Everything else speaks psgd's own codes (psgd.errors.Code).
-GRPC_EDGE = {"wire/channel.py", "link/grpc.py", "server/service.py", "server/tokens.py", "server/peers.py",
+GRPC_EDGE = {"wire/channel.py", "link/grpc.py", "server/net/service.py", "server/net/tokens.py", "server/durable/peers.py",
              "observe/rpc_latency.py", "wire/status.py", "ops/reach.py"}
 
 

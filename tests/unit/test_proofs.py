@@ -1,5 +1,5 @@
 """The proofs with which a call shows that its maker holds the job's token without sending it (psgd.wire.proofs),
-checked by the shard (psgd.server.tokens): each good once, for one purpose, with one token, at the address it was
+checked by the shard (psgd.server.net.tokens): each good once, for one purpose, with one token, at the address it was
 made for, for a while; an answer's proof covers what it says."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from psgd.server import tokens
-from psgd.server.tokens import Here, Proofs, answer, answered
+from psgd.server.net import tokens
+from psgd.server.net.tokens import Here, Proofs, answer, answered
 from psgd.wire import proofs as wire_proofs
 from psgd.wire.proofs import Prover
 

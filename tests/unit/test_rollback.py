@@ -1,4 +1,4 @@
-"""A shard going back to a cut (sync with checkpoint_rounds), driven directly: psgd.server.recovery.rollback and
+"""A shard going back to a cut (sync with checkpoint_rounds), driven directly: psgd.server.durable.recovery.rollback and
 the core's refusals of workers that have not gone back yet.  Plans and helpers are test_shard_core's."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from psgd.server import checkpoint, recovery
-from psgd.server.rewind import ROLLBACK_SPACING
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
+from psgd.server.state.rewind import ROLLBACK_SPACING
 from psgd.server.errors import ShardError
-from psgd.server.rounds import Round
+from psgd.server.state.rounds import Round
 
 from test_shard_core import PLAN, error, grads_of, make_core, push, register_all, weights
 

@@ -1,4 +1,4 @@
-"""A sync round's sum (psgd.server.rounds): the first push copied in over whatever the last round left, a round of
+"""A sync round's sum (psgd.server.state.rounds): the first push copied in over whatever the last round left, a round of
 one push its own mean, and the mean of several the same bits as adding them to zeros and scaling."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd.server.rounds import Round
+from psgd.server.state.rounds import Round
 from psgd.wire.sweep import PARALLEL_BYTES
 
 from test_shard_core import grads_of, make_core, register_all
@@ -60,7 +60,7 @@ def test_a_large_rounds_passes_are_swept_on_threads_with_the_same_bits():
     from psgd.optim import build_optimizer
     from psgd.partition import PartitionPlan
     from psgd.policy import make_policy
-    from psgd.server.core import ShardCore
+    from psgd.server.state.core import ShardCore
 
     specs = [VarSpec("w", (PARALLEL_BYTES // 8 + 999,), "float64")]
     plan = PartitionPlan(specs, num_shards=1, slice_bytes=1 << 20)

@@ -24,10 +24,11 @@ from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server import checkpoint, recovery
-from psgd.server.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
+from psgd.server.state.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
 from psgd.server.errors import ShardError
-from psgd.server.assembly import PushAssembler
+from psgd.server.net.assembly import PushAssembler
 
 LR = 0.1
 LEASE = 10.0

@@ -10,7 +10,9 @@ import pytest
 from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.model.table import initial_rows
-from psgd.server import build_shard, checkpoint, recovery
+from psgd.server import build_shard
+from psgd.server.state import checkpoint
+from psgd.server.durable import recovery
 from psgd.server.errors import ShardError
 
 DIM = 4

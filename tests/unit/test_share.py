@@ -16,7 +16,7 @@ import pytest
 
 from psgd.optim import WHOLE, Adam, Momentum, OptimizerError, SGD, Share, StepDecay
 from psgd.config import Remedies
-from psgd.server.remedies import PushRemedies
+from psgd.server.state.remedies import PushRemedies
 
 P0 = np.array([1.0, -2.0])
 G = [np.array([0.5, 1.0]), np.array([-1.0, 0.25]), np.array([0.75, -0.5]), np.array([0.25, 0.125])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from psgd.server.replica import Replication
+from psgd.server.durable.replica import Replication
 from test_shard_core import make_core
 
 
@@ -15,7 +15,7 @@ def test_a_primary_that_steps_down_ahead_of_its_peer_says_how_many_updates_are_l
     core.version = 419
     pair = Replication(core, "127.0.0.1:1", "127.0.0.1:2", second=False)
     monkeypatch.setattr(pair, "_follow", lambda: None)  # no peer to follow here
-    with caplog.at_level(logging.WARNING, logger="psgd.server.replica"):
+    with caplog.at_level(logging.WARNING, logger="psgd.server.durable.replica"):
         pair._step_down(418)
     lost = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(lost) == 1 and "1 update(s) applied here are not at its peer" in lost[0].getMessage()

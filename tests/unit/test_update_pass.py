@@ -1,5 +1,5 @@
-"""A shard's update pass (psgd.server.update): an update swept piece by piece over threads equal to the update made
-at once, to the bit, and a gradient of separate slices applied slice by slice as each key's own update."""
+"""A shard's update pass (psgd.server.state.update): an update swept piece by piece over threads equal to the update
+made at once, to the bit, and a gradient of separate slices applied slice by slice as each key's own update."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from psgd.optim import build_optimizer
 from psgd.partition import Slice
-from psgd.server.store import SliceViews
-from psgd.server.update import UpdatePass
+from psgd.server.state.store import SliceViews
+from psgd.server.state.update import UpdatePass
 from psgd.wire.sweep import PARALLEL_BYTES, Sweep
 
 OPTIMIZERS = [("sgd", {}), ("sgd", {"weight_decay": 0.01}), ("momentum", {"weight_decay": 0.01}),

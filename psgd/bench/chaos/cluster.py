@@ -299,7 +299,7 @@ class Cluster:
     def checkpoints(self, k: int) -> list[int]:
         """The versions of the checkpoints (with their manifests) shard ``k`` holds, whatever the job folder, oldest
         first."""
-        from psgd.server import checkpoint
+        from psgd.server.state import checkpoint
 
         return sorted({v for folder in self.ckpt.glob(f"*/shard-{k}") for v in checkpoint.versions(folder)})
 

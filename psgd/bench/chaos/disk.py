@@ -22,7 +22,8 @@ from typing import Any, Iterator
 
 from psgd.bench.chaos.settings import REQUEST_TIMEOUT
 
-#: what a shard's log says once its checkpoints fail, and once they are written again (psgd.server.recovery.Failures)
+#: what a shard's log says once its checkpoints fail, and once they are written again
+#: (psgd.server.durable.recovery.Failures)
 FAILED = "the failures that follow are said at most once a minute"
 AGAIN = "checkpoints are written again"
 PAGE = 4096

@@ -158,7 +158,7 @@ class Planner:
                 fault.seconds = round(rng.uniform(1.5, 3.0), 2)
             elif kind == "hostile":
                 fault.seconds, fault.count = round(rng.uniform(1.5, 3.0), 2), rng.randint(8, 24)
-            elif kind == "flood":  # more than a gRPC port takes (psgd.server.listen.GRPC_CONNECTIONS, 1,024)
+            elif kind == "flood":  # more than a gRPC port takes (psgd.server.net.listen.GRPC_CONNECTIONS, 1,024)
                 fault.seconds, fault.count = round(rng.uniform(2.0, 4.0), 2), rng.randint(1200, 2000)
             elif kind == "trickled-push":
                 fault.count = rng.randint(2, 4)

@@ -19,7 +19,7 @@ from psgd.bench.chaos.invariants import check_exit, check_restore
 from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.processes import Proc, last_error
 from psgd.bench.chaos.settings import LEASE, PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
-from psgd.server.datapath import transfer_seconds
+from psgd.server.net.datapath import transfer_seconds
 
 
 class FaultInjection:

@@ -1,5 +1,5 @@
 """The ``flood`` fault: idle TCP connections against every shard process's gRPC port, more than one port takes
-(:data:`psgd.server.listen.GRPC_CONNECTIONS`), opened at once and held for a few seconds; those a shard closes are
+(:data:`psgd.server.net.listen.GRPC_CONNECTIONS`), opened at once and held for a few seconds; those a shard closes are
 not opened again.  The connections are ``psgd bench flood``'s (:func:`psgd.bench.flood.start_flood`): a process of their
 own per port, on the observer's host, which raises its own limit on open files to its hard limit.
 

@@ -332,7 +332,7 @@ def follow_as(host: str, port: int, claims: Sequence[str], plan_hash: str) -> di
     the primary's state sent.  Returns how many were tried and refused, and which were accepted."""
     import secrets
 
-    from psgd.server import stream
+    from psgd.server.durable import stream
 
     token = os.environ.get("PSGD_TOKEN", "")
     stats: dict[str, Any] = {"tried": 0, "refused": 0, "accepted": []}

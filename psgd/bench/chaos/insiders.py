@@ -1,14 +1,15 @@
 """The faults of members of the job: processes that hold its token (so they get past every door that asks for it)
 and use it against the job.  ``insider-follower``: a token holder asks to follow a primary, saying that it is the
 pair's replica, from an address that is not the replica's (and once as a replica of its own address).  Only the
-job's configured replica may follow (it proves that it is the process at its address, psgd.server.replica): the
+job's configured replica may follow (it proves that it is the process at its address, psgd.server.durable.replica): the
 insider must be refused, the real replica must keep following, and the job must go on as if nothing was tried.
 
 ``rollback-storm``: once the workers have finished, a token holder registers as one of them (its rank is free then)
 and asks every shard, many times in a row, to go back to a cut for restarts it cannot prove (:func:`storm`, run from
 the observer's host: :data:`ROLLBACK_STORM`).  A shard goes back only for a restart of the job's own shards that it
-checked itself (psgd.server.peers.restart_of): every request must be refused with FAILED_PRECONDITION and counted
-(``rollbacks_refused``), no version may go back, and each shard says so in one ERROR line, not one per request."""
+checked itself (psgd.server.durable.peers.restart_of): every request must be refused with FAILED_PRECONDITION and
+counted (``rollbacks_refused``), no version may go back, and each shard says so in one ERROR line, not one per
+request."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def storm(config: str, worker: int, rounds: int, bind: str, seed: int, timeout: 
     from psgd.job import describe_job
     from psgd.link import LinkError
     from psgd.server import build_shard
-    from psgd.server.service import ShardServer
+    from psgd.server.net.service import ShardServer
     from psgd.worker.client import PSClient
     from psgd.worker.errors import PSError, ShardWentBack
 

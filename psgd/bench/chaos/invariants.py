@@ -157,7 +157,7 @@ def check_files(folder: Path, ckpt_root: Path, shards: int, keep: int, port_file
     ``keep`` checkpoints, each npz with its manifest and matching its checksum; the newest one is the final
     version (``final_versions``) or at least ``at_least``; no port file is left (a stopped shard removes
     its own)."""
-    from psgd.server import checkpoint
+    from psgd.server.state import checkpoint
 
     out = [f"temporary file left behind: {p.relative_to(folder)}" for p in sorted(folder.rglob("*"))
            if p.is_file() and (p.name.endswith(".tmp") or ".tmp." in p.name)]

@@ -311,7 +311,7 @@ class Run(FaultInjection):
             self.accuracy = round(c.accuracy(weights), 4)
 
     def _said_lost(self) -> dict[int, int]:
-        """Per shard, the updates a process of its pair said were lost as it stepped down (psgd.server.replica:
+        """Per shard, the updates a process of its pair said were lost as it stepped down (psgd.server.durable.replica:
         the pair split by a cut link, the primary having gone on alone), over every process it ran."""
         out: dict[int, int] = {}
         for proc in self.cluster.history:
@@ -333,7 +333,7 @@ class Run(FaultInjection):
     def _from_checkpoints(self) -> tuple[list[dict], dict[str, np.ndarray] | None]:
         """The shards' views (version, counters) and the joined weights, from their newest checkpoints."""
         from psgd.export.shards import join_checkpoints
-        from psgd.server import checkpoint
+        from psgd.server.state import checkpoint
 
         c = self.cluster
         views = []

@@ -80,7 +80,7 @@ worker reaches a drawn fraction of its steps:
   once, the job goes on (a sync run drawing it sets ``on_cut_failure =
   "continue"``), and it says that it writes them again once there is room;
 - ``flood``: 1,200-2,000 idle TCP connections against every shard process's
-  gRPC port (more than it takes: psgd.server.listen), opened at once from
+  gRPC port (more than it takes: psgd.server.net.listen), opened at once from
   the observer's host and held for 2-4 s, those a shard closes not opened
   again: every shard answers Status within the request timeout meanwhile,
   training goes on, and no shard logs an exception that ended a thread or

@@ -3,7 +3,7 @@
 Connections cannot be hoarded.  Until its hello has been checked (token, plan,
 worker id) a connection is *unauthenticated* and holds no thread: one
 gatekeeper thread accepts connections, reads their hellos without blocking and
-hands each authenticated one to the :class:`~psgd.server.datapath.DataServer`,
+hands each authenticated one to the :class:`~psgd.server.net.datapath.DataServer`,
 which serves it on a thread of its own.  Unauthenticated connections have
 their own small cap (MAX_UNAUTHENTICATED, at most MAX_UNAUTHENTICATED_PER_PEER
 from one address), separate from the cap on served ones (4 per worker + 8);
@@ -29,9 +29,9 @@ import threading
 import time
 from typing import Callable
 
-from psgd.server.core import ShardCore
-from psgd.server import hello
-from psgd.server.tokens import Here, Proofs
+from psgd.server.state.core import ShardCore
+from psgd.server.net import hello
+from psgd.server.net.tokens import Here, Proofs
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)

@@ -3,13 +3,13 @@
 gRPC costs several copies per tensor byte (protobuf messages, HTTP/2 frames, Python objects per chunk); here a pull
 is one header and one ``sendmsg`` of the shard's snapshot buffer, and a push is received straight into a reused buffer
 with ``recv_into``.  A push or pull received here goes to the request handler gRPC's go to
-(:mod:`psgd.server.handler`): the same checks, and errors come back as the same codes.
+(:mod:`psgd.server.net.handler`): the same checks, and errors come back as the same codes.
 
 One thread serves one authenticated connection (a worker keeps one per shard; a replica's goes to
-:mod:`psgd.server.replica`).  Every read has a timeout, payload sizes come from the partition plan, and a connection
-that breaks the protocol is answered with an error and closed.  Connections are accepted, and their hellos checked,
-by the gatekeeper (:mod:`psgd.server.gatekeeper`), which holds no thread per connection until it is authenticated:
-connections cannot be hoarded.
+:mod:`psgd.server.durable.replica`).  Every read has a timeout, payload sizes come from the partition plan, and a
+connection that breaks the protocol is answered with an error and closed.  Connections are accepted, and their hellos
+checked, by the gatekeeper (:mod:`psgd.server.net.gatekeeper`), which holds no thread per connection until it is
+authenticated: connections cannot be hoarded.
 
 Rows of embedding tables go over the connection with the pull or push they belong to (OP_PULL_ROWS,
 OP_PUSH_ROWS in :mod:`psgd.wire.protocol`), through shared memory or not.
@@ -17,7 +17,7 @@ OP_PUSH_ROWS in :mod:`psgd.wire.protocol`), through shared memory or not.
 A worker on the same host may ask in its hello for a shared-memory segment
 (:mod:`psgd.wire.segment`); the connection then carries only the headers, and
 the bytes go through the segment: the weights live there (two slots, see
-:mod:`psgd.server.store`), a pull's reply says which slot holds its version, and a push is copied
+:mod:`psgd.server.state.store`), a pull's reply says which slot holds its version, and a push is copied
 out of it into a receive buffer, and checked there, before it is applied.
 """
 
@@ -35,14 +35,14 @@ import numpy as np
 
 from psgd.wire.codec import Codec, CodecError, by_code
 from psgd.errors import PsgdError
-from psgd.server import store
-from psgd.server.core import PushResult, ShardCore
+from psgd.server.state import store
+from psgd.server.state.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
-from psgd.server.handler import PullRequest, PushRequest, RequestHandler
-from psgd.server.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
-from psgd.server.handout import Handout, not_dumpable
-from psgd.server.tokens import Here
-from psgd.server.receive import BufferPool, decode_gradient, drain, receive_gradient
+from psgd.server.net.handler import PullRequest, PushRequest, RequestHandler
+from psgd.server.net.gatekeeper import BACKLOG, MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_PEER, Gatekeeper
+from psgd.server.net.handout import Handout, not_dumpable
+from psgd.server.net.tokens import Here
+from psgd.server.net.receive import BufferPool, decode_gradient, drain, receive_gradient
 from psgd.wire import protocol, segment, status
 from psgd.wire.rows import RowCollector, RowsError, read_sections, sections_bytes
 
@@ -52,7 +52,7 @@ _OUTCOME_CODES = {name: i for i, name in enumerate(protocol.OUTCOMES)}
 #: A transfer must be done within TRANSFER_GRACE seconds plus one second per MIN_TRANSFER_RATE bytes (and the
 #: request timeout): 100 MB has 105 s at most.  A push over the socket that has not arrived by then is cut off
 #: (a trickle of a byte every few seconds cannot hold a receive buffer); a pull still being read by then may
-#: lose its version to an update that needs the memory (psgd.server.store), and its connection is closed.
+#: lose its version to an update that needs the memory (psgd.server.state.store), and its connection is closed.
 MIN_TRANSFER_RATE = 1e6
 TRANSFER_GRACE = 5.0
 
@@ -152,7 +152,7 @@ class DataServer:
         seg = None
         try:
             conn.settimeout(self.request_timeout)
-            if shm == "follow":  # a replica of this shard (psgd.server.replica): it takes the connection over
+            if shm == "follow":  # a replica of this shard (psgd.server.durable.replica): it takes the connection over
                 return self.core.replication.serve_follower(conn) if self.core.replication is not None else \
                     self._fatal(conn, "FAILED_PRECONDITION", f"shard {self.core.shard} keeps no replica")
             seg, offer = self._segment_for(worker, shm)

@@ -26,12 +26,12 @@ over (a later count of failovers) steps down, and its pushes not yet acknowledge
 the new primary. Only the pair's own replica follows (the address the job file gives it, or the first to follow a
 primary that knew none; the primary asks at that address whether it follows with the connection's ticket, so that
 another holder of the token cannot take its place), and the two processes prove to each other that they hold the
-job's token without sending it (:mod:`psgd.server.peers`): a stranger at a dead peer's address learns nothing and is
-not believed. A replica that does not keep up is cut off as Kafka drops a follower from its in-sync set: silent (an
-update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited
+job's token without sending it (:mod:`psgd.server.durable.peers`): a stranger at a dead peer's address learns nothing
+and is not believed. A replica that does not keep up is cut off as Kafka drops a follower from its in-sync set: silent
+(an update waits longer than :data:`KEEP_UP_SECONDS` for its answer) or slow (over a window of as long, updates waited
 for its answers more than half the time, :data:`SLOW_ANSWER_SECONDS` each on average, beyond the time their bytes
-need at :data:`psgd.server.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off again
-without having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a
+need at :data:`psgd.server.durable.stream.MIN_RATE`). The primary says so in one line and goes on alone; one cut off
+again without having kept up in between is taken back only after :data:`BENCH_SECONDS` (doubled each time), so that a
 follower that cannot keep up costs the job a few seconds now and then, not its pace, while one that kept up and
 stalled once (a paused process) follows again as soon as it answers.
 """
@@ -49,11 +49,11 @@ from typing import Mapping
 import numpy as np
 
 from psgd.observe.logs import Quieted
-from psgd.server import stream
-from psgd.server.core import ShardCore
+from psgd.server.durable import stream
+from psgd.server.state.core import ShardCore
 from psgd.server.errors import ShardError
-from psgd.server.following import PRIMARY, REPLICA, Following
-from psgd.server.peers import confirms, failovers, peer_status
+from psgd.server.durable.following import PRIMARY, REPLICA, Following
+from psgd.server.durable.peers import confirms, failovers, peer_status
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
 
@@ -225,7 +225,7 @@ class Replication(Following):
                         "once a minute", self.core.shard, address, why, more)
 
     def serve_follower(self, sock: socket.socket) -> None:
-        """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.datapath): the
+        """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.net.datapath): the
         state, then what is queued, in batches, each batch's answers read before the next goes (one thread uses
         the connection: a TLS one too); a keepalive when nothing is queued."""
         core = self.core

@@ -1,5 +1,5 @@
-"""The stream from a shard's primary to its replica (``[cluster] replicas = 1``, :mod:`psgd.server.replica`): what
-travels on it and how the replica applies it.
+"""The stream from a shard's primary to its replica (``[cluster] replicas = 1``, :mod:`psgd.server.durable.replica`):
+what travels on it and how the replica applies it.
 
 The replica opens a data connection to its primary's data port whose hello asks to follow (:func:`connect`), and
 says where it listens in its first frame; the primary answers the hello and takes that (:func:`accept`), then
@@ -21,14 +21,14 @@ import struct
 
 import numpy as np
 
-from psgd.server import checkpoint
+from psgd.server.state import checkpoint
 from psgd.wire.proofs import Prover
-from psgd.server.core import ShardCore
+from psgd.server.state.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.wire.tls import TLSFiles
 from psgd.wire import protocol
 
-log = logging.getLogger("psgd.server.replica")
+log = logging.getLogger("psgd.server.durable.replica")
 
 #: What a frame is: the primary's whole state (JSON: its manifest and where each array lies in the bytes), one
 #: applied update (the bytes: the gradient as applied, in slice order), the policy's state (JSON), a keepalive,
@@ -72,7 +72,7 @@ def shut(sock: socket.socket) -> None:
 # -- the primary's end ----------------------------------------------------------------------------------------
 def accept(sock: socket.socket, version: int) -> tuple[str, str]:
     """Answer a follower's hello on ``sock`` and read its first frame; returns where it listens, and the ticket
-    with which it says so at that address (psgd.server.peers.confirms)."""
+    with which it says so at that address (psgd.server.durable.peers.confirms)."""
     protocol.send_buffers(sock, [protocol.REPLY.pack(protocol.DATA_MAGIC, 0, 0, version, 0, 0, 0)])
     magic, kind, _, _, _, _, _, size, nbytes = protocol.recv_struct(sock, FRAME)
     if magic != MAGIC or kind != FOLLOW or size > protocol.MAX_HELLO_BYTES or nbytes:
@@ -133,7 +133,7 @@ def answer(sock: socket.socket, deadline: float | None = None) -> int:
 def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSFiles, timeout: float,
             ticket: str = "") -> socket.socket:
     """A data connection to a primary's data port at ``host``:``port`` whose hello asks to follow, its first frame
-    saying that this replica listens at ``me`` (where it answers for ``ticket``: psgd.server.peers.confirms)."""
+    saying that this replica listens at ``me`` (where it answers for ``ticket``: psgd.server.durable.peers.confirms)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:

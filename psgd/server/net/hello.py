@@ -1,11 +1,11 @@
 """What a data connection's hello must say, checked (:func:`check`), and why one is refused (:class:`Refusal`);
-:mod:`psgd.server.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
+:mod:`psgd.server.net.gatekeeper` reads the hellos without blocking, and counts and logs the refusals.
 
 A hello is a JSON object after the request header: a proof that its sender holds the job's token (``"proof"``,
 made for this port and good once: psgd.wire.proofs; the token itself is never sent), the partition plan's hash, a
 worker's registration key (``"key"``: what its registration over gRPC got), and the wish for a shared-memory
 segment (``"shm"``: ``"pull"`` or ``"push"``, workers only) or to follow the shard as its replica (``"follow":
-true``, the header naming no worker: psgd.server.stream); the header names the worker.  A hello as a registered
+true``, the header naming no worker: psgd.server.durable.stream); the header names the worker.  A hello as a registered
 worker without that registration's key is refused; every request on the connection is checked against the key
 again (a connection of a worker that was not registered yet is served, and its requests are refused until it is).
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 
 from psgd.errors import PsgdError
-from psgd.server.admission import Roster
+from psgd.server.state.admission import Roster
 from psgd.server.errors import ShardError
-from psgd.server.tokens import Proofs
+from psgd.server.net.tokens import Proofs
 from psgd.wire import protocol
 
 

@@ -1,18 +1,18 @@
 """A parameter-server shard without any transport: the policy, the optimizer, a sync round in the making
-(:mod:`psgd.server.rounds`), the weight store (:mod:`psgd.server.store`) and the workers' roster
-(:class:`psgd.server.admission.Roster`).
+(:mod:`psgd.server.state.rounds`), the weight store (:mod:`psgd.server.state.store`) and the workers' roster
+(:class:`psgd.server.state.admission.Roster`).
 
-A worker's requests reach it through one handler (:mod:`psgd.server.handler`) behind both transports (gRPC,
+A worker's requests reach it through one handler (:mod:`psgd.server.net.handler`) behind both transports (gRPC,
 the data path); tests drive the core directly.  Its state is taken and given whole by its own methods too (a
-checkpoint written or adopted, a replica's hand-over: :mod:`psgd.server.whole`; a cut gone back to:
-:mod:`psgd.server.rewind`; a replica's updates), so that no other module takes its lock or touches its private
+checkpoint written or adopted, a replica's hand-over: :mod:`psgd.server.state.whole`; a cut gone back to:
+:mod:`psgd.server.state.rewind`; a replica's updates), so that no other module takes its lock or touches its private
 members.  Every failure is a :class:`ShardError`
 carrying the name of the gRPC status code it maps to, and a message that says what to do.
 
 Locking: one lock guards weights, policy and leases; pulls wait on a condition variable until the policy lets them
 through, never longer than their timeout.  Updates are applied under the lock, so a pull sees whole versions; a read
 in flight keeps its version without holding updates back, and what reads the whole state (a checkpoint, a replica)
-finds no update half made (psgd.server.store).
+finds no update half made (psgd.server.state.store).
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import numpy as np
 from psgd.config import Deadlines, Remedies
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
-from psgd.server import admission
-from psgd.server.checkpoint import Checkpoint
+from psgd.server.state import admission
+from psgd.server.state.checkpoint import Checkpoint
 from psgd.server.errors import ShardError
-from psgd.server.remedies import PushRemedies
-from psgd.server.rewind import Rewind
-from psgd.server.rounds import Round
-from psgd.server.store import LiveRead, Snapshot, WeightStore
-from psgd.server.tables import RowsIn, ShardTables
-from psgd.server.whole import WholeState
+from psgd.server.state.remedies import PushRemedies
+from psgd.server.state.rewind import Rewind
+from psgd.server.state.rounds import Round
+from psgd.server.state.store import LiveRead, Snapshot, WeightStore
+from psgd.server.state.tables import RowsIn, ShardTables
+from psgd.server.state.whole import WholeState
 from psgd.partition import PartitionPlan
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
 
@@ -106,17 +106,17 @@ class ShardCore:
                          "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0, "rollbacks": 0, "rounds_undone": 0,
                          "data_requests": 0, "data_cpu_seconds": 0.0, "receive_seconds": 0.0}
         self.closing = False
-        self.halted = ""  # why this shard refuses every call (a cut it could not write: psgd.server.recovery.Failures)
+        self.halted = ""  # why it refuses every call (a cut it could not write: psgd.server.durable.recovery.Failures)
         # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
         # ([cluster] checkpoint_rounds: every shard checkpoints the same versions)
         self.cut_rounds = cut_rounds
         self.on_cut: Callable[[], None] | None = None
-        # its state taken and given whole, and the checkpoints it started from and wrote last (psgd.server.recovery)
+        # its state taken and given whole, and its checkpoints' versions (psgd.server.durable.recovery)
         self.whole = WholeState(plan, shard, self.fingerprint, self.identity, self.store, optimizer, policy,
                                 self.round, self.tables, self.roster)
-        self.rewind = Rewind(shard, num_workers)  # what its rollbacks to a cut leave (psgd.server.recovery.rollback)
+        self.rewind = Rewind(shard, num_workers)  # what its rollbacks leave (psgd.server.durable.recovery.rollback)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
-        # while its workers train), and the pair (psgd.server.replica)
+        # while its workers train), and the pair (psgd.server.durable.replica)
         self.role, self.replication = "", None
 
     @property
@@ -130,7 +130,7 @@ class ShardCore:
 
     def place_weights(self, slots: list[np.ndarray], seq: np.ndarray) -> None:
         """Keep the weights in ``slots`` (each as long as :attr:`flat`, of its dtype) with their sequence numbers in
-        ``seq`` from now on: the data port moves them into shared memory this way (psgd.server.datapath)."""
+        ``seq`` from now on: the data port moves them into shared memory this way (psgd.server.net.datapath)."""
         with self.lock:
             self.store.rehome(slots, seq)
 
@@ -202,7 +202,7 @@ class ShardCore:
              on_revoke: Callable[[], None] = lambda: None, key: str | None = None) -> Snapshot | LiveRead:
         """Wait until the policy lets ``worker`` (None: an observer, which never waits) read the weights
         for ``clock``, then return a read of them: a shared :class:`Snapshot` (``copy``), or a
-        :class:`LiveRead` of the live weights, valid for ``hold`` seconds at least (psgd.server.store says
+        :class:`LiveRead` of the live weights, valid for ``hold`` seconds at least (psgd.server.state.store says
         what happens after).  Release either once the bytes are sent.  ``key``: the worker's registration's (see
         :meth:`Roster.live`: None only for a caller in this process).
 
@@ -264,7 +264,7 @@ class ShardCore:
              wire_bytes: int | None = None, rows: RowsIn | None = None, largest: float | None = None,
              key: str | None = None) -> PushResult:
         """Apply, accumulate or drop one gradient for every slice of this shard, and of the rows it touched
-        (``rows``: ids and gradients by table, :mod:`psgd.server.tables`), as the policy says.
+        (``rows``: ids and gradients by table, :mod:`psgd.server.state.tables`), as the policy says.
         ``wire_bytes``: what the push took on the wire (less than the gradient when compressed); ``largest``: the
         largest magnitude in ``grads``, where the receive measured it (not measured again); ``key``: the worker's
         registration's."""
@@ -288,7 +288,7 @@ class ShardCore:
             staleness = self.version - base_version
             action = decision.action
             # a push is counted with its outcome, never before it: an update may let go of the lock while it waits
-            # for a read (psgd.server.store), and a Status read meanwhile must find the counters adding up
+            # for a read (psgd.server.state.store), and a Status read meanwhile must find the counters adding up
             if action == REJECT:
                 self.counters["pushes"] += 1
                 self.counters["rejected"] += 1
@@ -391,7 +391,7 @@ class ShardCore:
                 **({"tables": self.tables.status()} if self.tables else {}),
             }
 
-    # -- its state, taken and given whole (psgd.server.whole) --------------------------------------------------
+    # -- its state, taken and given whole (psgd.server.state.whole) --------------------------------------------------
     def write_checkpoint(self, save: Callable[[int, dict, dict], T], held: bool = False,
                          force: bool = False) -> T | None:
         """``save(version, arrays, manifest)`` of this core's whole state (what it returns: the file's path), or
@@ -405,7 +405,7 @@ class ShardCore:
             return self.whole.write(save, self.version, self.counters, self.staleness_histogram, force)
 
     def adopt(self, ckpt: Checkpoint, restored: bool = False) -> None:
-        """Everything of ``ckpt`` (checked: psgd.server.recovery.check), or of a primary's state on its replica:
+        """Everything of ``ckpt`` (checked: psgd.server.durable.recovery.check), or of a primary's state on its replica:
         the training state, the counters, the staleness histogram, and each rank kept for its holder.
         ``restored``: the shard starts from it (it says so in Status, and it is its last checkpoint)."""
         with self.lock:
@@ -441,7 +441,7 @@ class ShardCore:
 
     # -- a pair of processes ---------------------------------------------------------------------------------------
     def join_pair(self, pair: Any) -> None:
-        """This process is one of a pair (psgd.server.replica.Replication): it serves no worker until it takes a
+        """This process is one of a pair (psgd.server.durable.replica.Replication): it serves no worker until it takes a
         role."""
         with self.lock:
             self.replication, self.role = pair, "starting"

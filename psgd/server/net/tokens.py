@@ -3,7 +3,7 @@ accepted once, at the address it names only if that is this process's (:class:`H
 the processes of a pair show each other that an answer comes from a holder of the token.
 
 No call sends the token: a gRPC call carries ``authorization: Proof WHEN SESSION COUNT TO MAC`` and a data-port
-hello its ``"proof"`` (psgd.server.hello).  A shard accepts a proof when its time is within :data:`PROOF_SECONDS`
+hello its ``"proof"`` (psgd.server.net.hello).  A shard accepts a proof when its time is within :data:`PROOF_SECONDS`
 of its own clock, it names this process's port and no other machine of the job, and its
 count was not used before in its session (each session's counts are remembered in a window of :data:`WINDOW`).  A
 Status answer carries a keyed hash of the caller's fresh challenge and of what the answer says (:func:`answer`), so

@@ -1,4 +1,4 @@
-"""A shard's update pass: its optimizer applied over the weights of the store (:mod:`psgd.server.store`).
+"""A shard's update pass: its optimizer applied over the weights of the store (:mod:`psgd.server.state.store`).
 
 A push costs a shard passes over memory the size of its weights: a gradient through shared memory is copied into a
 buffer of the shard's own and checked (:meth:`psgd.wire.sweep.Sweep.copy_checked`), then applied by the optimizer,

@@ -1,9 +1,9 @@
-"""What one process of a shard's pair asks the other (:mod:`psgd.server.replica`), and how it checks the answer;
+"""What one process of a shard's pair asks the other (:mod:`psgd.server.durable.replica`), and how it checks the answer;
 whether a shard of the job that a rollback names as its cause restarted (:func:`restart_of`).
 
 Whatever answers at the peer's address may be a stranger's process once the peer died, so the question proves that
 the asker holds the job's token without sending it, and an answer counts only when it proves the same of its sender
-(:mod:`psgd.server.tokens`): a claim to lead from a process without the token is not believed.
+(:mod:`psgd.server.net.tokens`): a claim to lead from a process without the token is not believed.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import grpc
 from psgd.wire.channel import open_channel
 from psgd.observe.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server import tokens
+from psgd.server.net import tokens
 from psgd.wire.tls import NO_TLS, TLSFiles
 
-log = logging.getLogger("psgd.server.replica")
+log = logging.getLogger("psgd.server.durable.replica")
 
 #: how long a status call to the peer may take before the peer counts as gone
 PEER_SECONDS = 0.5
@@ -33,7 +33,7 @@ _unproven = Quieted(UNPROVEN_SAID_EVERY)
 
 def _ask(address: str, token: str, tls: TLSFiles, ticket: str = "") -> tuple[ps_pb2.StatusReply | None, bool]:
     """The Status answer of the shard process at ``address`` (None: none in time) and whether it proves that its
-    sender holds ``token`` (psgd.server.tokens: the call proves it too, the token itself is never sent), and, with
+    sender holds ``token`` (psgd.server.net.tokens: the call proves it too, the token itself is never sent), and, with
     a ``ticket``, that it follows this process with that ticket."""
     challenge = secrets.token_hex(16) if token else ""
     try:

@@ -21,14 +21,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psgd import wire
 from psgd.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server import checkpoint, peers, recovery, tokens
-from psgd.server.assembly import PushAssembler
-from psgd.server.core import ShardCore
-from psgd.server.datapath import DataServer, transfer_seconds
+from psgd.server.state import checkpoint
+from psgd.server.durable import peers, recovery
+from psgd.server.net import tokens
+from psgd.server.net.assembly import PushAssembler
+from psgd.server.state.core import ShardCore
+from psgd.server.net.datapath import DataServer, transfer_seconds
 from psgd.server.errors import ShardError
-from psgd.server.handler import PullRequest, PushRequest, RequestHandler
-from psgd.server.listen import GRPC_IDLE_SECONDS, PortTaken, free_to_listen, grpc_connection_cap
-from psgd.server.watchdog import Turns, Watchdog
+from psgd.server.net.handler import PullRequest, PushRequest, RequestHandler
+from psgd.server.net.listen import GRPC_IDLE_SECONDS, PortTaken, free_to_listen, grpc_connection_cap
+from psgd.server.net.watchdog import Turns, Watchdog
 from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import segment, status
 from psgd.wire.rows import RowCollector, RowsError, blocks
@@ -69,7 +71,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @property
     def transfer_seconds(self) -> float:
-        """How long a pull's bytes may take to go, or a push to arrive (psgd.server.datapath's rule)."""
+        """How long a pull's bytes may take to go, or a push to arrive (psgd.server.net.datapath's rule)."""
         return transfer_seconds(self.core.nbytes, self.request_timeout)
 
     def Register(self, request, context):
@@ -290,7 +292,7 @@ class ShardServer:
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         # connections that have not proven the token are bounded: in number, and by the hello deadline to finish
-        # their handshake (psgd.server.listen)
+        # their handshake (psgd.server.net.listen)
         self.connection_cap, short = grpc_connection_cap(self.data.descriptors if self.data else 0,
                                                          core.num_workers)
         if short:
@@ -351,7 +353,8 @@ class ShardServer:
         return self
 
     def _rollback(self, request: ps_pb2.RollbackRequest, peer: str) -> ps_pb2.RollbackReply:
-        """Go back to the cut of ``request.to_version`` (psgd.server.recovery.rollback), or list the cuts held."""
+        """Go back to the cut of ``request.to_version`` (psgd.server.durable.recovery.rollback), or list the cuts
+        held."""
         core = self.core
         self.servicer.requests.admit(request.worker_id, request.registration)  # only a registered worker
         if not (self.checkpoint_dir and core.cut_rounds):

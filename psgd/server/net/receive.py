@@ -1,6 +1,6 @@
 """What a shard receives a push into: a bounded pool of receive buffers, and the gradient read off a socket or
 out of a segment into one (decoded on the way where the job compresses gradients).  Shared by the data path
-(:mod:`psgd.server.datapath`) and its combined push-and-pull."""
+(:mod:`psgd.server.net.datapath`) and its combined push-and-pull."""
 
 from __future__ import annotations
 

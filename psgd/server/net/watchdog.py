@@ -1,5 +1,5 @@
 """Deadlines for gRPC calls that have none of their own: :class:`Watchdog` cancels a shard's data calls that
-run past theirs (psgd.server.service); and :class:`Turns`, by which a shard's background loops never die."""
+run past theirs (psgd.server.net.service); and :class:`Turns`, by which a shard's background loops never die."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from psgd.wire.codec import Codec, CodecError, by_name
 from psgd.partition import Slice
-from psgd.server.core import ShardCore
+from psgd.server.state.core import ShardCore
 from psgd.server.errors import ShardError
 
 

@@ -1,6 +1,6 @@
 """A sync round in the making: under a policy that accumulates (sync), each push of the round is added to a sum
 of the shard's own, with the version it was computed from; when the round closes, the mean is applied once
-(:meth:`psgd.server.core.ShardCore`) and the round starts again empty.  A checkpoint keeps a round in flight.
+(:meth:`psgd.server.state.core.ShardCore`) and the round starts again empty.  A checkpoint keeps a round in flight.
 
 An ``ordered`` round (a job with cuts, ``[cluster] checkpoint_rounds``) keeps each push apart and adds them in
 the order of their workers as it closes, not in the order they came: floating-point addition depends on the

@@ -1,7 +1,7 @@
-"""What a shard's rollbacks to a cut leave behind (:func:`psgd.server.recovery.rollback`): the causes it went back
-for, each once, and the version each worker must continue from until it comes back with a clock no later.
+"""What a shard's rollbacks to a cut leave behind (:func:`psgd.server.durable.recovery.rollback`): the causes it went
+back for, each once, and the version each worker must continue from until it comes back with a clock no later.
 
-Its core holds one, under the core's lock (:meth:`psgd.server.core.ShardCore.go_back`).
+Its core holds one, under the core's lock (:meth:`psgd.server.state.core.ShardCore.go_back`).
 """
 
 from __future__ import annotations

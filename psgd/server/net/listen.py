@@ -5,7 +5,7 @@ And what connections that have not proven the token may take of a shard: the gRP
 :func:`grpc_connection_cap` connections (gRPC closes more as they come), so that a flood of them never takes the
 descriptors the shard needs for its data port, its checkpoints and its replica; one that has not finished its
 handshake within the hello deadline is closed, and one with no call in flight for GRPC_IDLE_SECONDS too.  The data
-port's own bounds are :mod:`psgd.server.gatekeeper`'s."""
+port's own bounds are :mod:`psgd.server.net.gatekeeper`'s."""
 
 from __future__ import annotations
 

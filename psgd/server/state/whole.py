@@ -4,7 +4,7 @@ gone back to); which checkpoint the shard started from and which it wrote last; 
 from one meets each worker again, the first time it registers (:meth:`WholeState.met`).
 
 Its core holds one and calls it under the core's lock with no update half made
-(:meth:`psgd.server.core.ShardCore.write_checkpoint`, ``adopt``, ``hand_over``, ``go_back``): the version, the
+(:meth:`psgd.server.state.core.ShardCore.write_checkpoint`, ``adopt``, ``hand_over``, ``go_back``): the version, the
 counters and the staleness histogram stay the core's, which every push changes, and are handed in.
 """
 
@@ -19,11 +19,11 @@ import numpy as np
 from psgd.optim import Optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import Policy
-from psgd.server.admission import Roster
-from psgd.server.checkpoint import Checkpoint, CheckpointError
-from psgd.server.rounds import Round
-from psgd.server.store import WeightStore
-from psgd.server.tables import ShardTables
+from psgd.server.state.admission import Roster
+from psgd.server.state.checkpoint import Checkpoint, CheckpointError
+from psgd.server.state.rounds import Round
+from psgd.server.state.store import WeightStore
+from psgd.server.state.tables import ShardTables
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ T = TypeVar("T")
 class WholeState:
     """The parts of shard ``shard`` that its state is made of, and ``restored_version`` (the checkpoint this
     process started from) and ``last_checkpoint`` ((version, time) of the newest one it wrote), which
-    psgd.server.recovery keeps; ``joined``: the workers registered with this process (a restart forgets them)."""
+    psgd.server.durable.recovery keeps; ``joined``: the workers registered with this process (a restart forgets
+    them)."""
 
     def __init__(self, plan: PartitionPlan, shard: int, fingerprint: str, identity: Mapping[str, Any] | None,
                  store: WeightStore, optimizer: Optimizer, policy: Policy, round: Round | None, tables: ShardTables,

@@ -1,7 +1,7 @@
 """What of a shard goes into its checkpoints and how a shard comes back from them; the files themselves (their
-format, their names, writing them so a crash leaves the previous one whole) are :mod:`psgd.server.checkpoint`'s.
+format, their names, writing them so a crash leaves the previous one whole) are :mod:`psgd.server.state.checkpoint`'s.
 
-:func:`write` takes a checkpoint of a :class:`~psgd.server.core.ShardCore` (weights, optimizer state, the policy,
+:func:`write` takes a checkpoint of a :class:`~psgd.server.state.core.ShardCore` (weights, optimizer state, the policy,
 a sync round in the making, counters, who holds which rank); :func:`restore` puts one back before the shard
 serves; :func:`resume` finds the newest intact one of this job, or refuses another job's; :func:`rollback` takes a
 serving shard back to a cut (sync with checkpoint_rounds: every shard's checkpoint of one version), and :func:`cuts`
@@ -15,8 +15,8 @@ import os
 from typing import Callable
 
 from psgd.observe.logs import Quieted
-from psgd.server import checkpoint
-from psgd.server.core import ShardCore
+from psgd.server.state import checkpoint
+from psgd.server.state.core import ShardCore
 from psgd.server.errors import ShardError
 from psgd.wire.sweep import all_finite
 
@@ -172,10 +172,10 @@ def rollback(core: ShardCore, folder: str | os.PathLike, version: int, cause: st
     incarnation of a shard that restarted from it), once per cause however many workers ask; every worker then
     continues from ``version`` (:meth:`ShardCore.go_back`).  Returns the rounds undone; refuses
     (FAILED_PRECONDITION) where ``unproven()`` says why the cause cannot be believed (a new cause is checked: this
-    shard's own restart, :func:`own_restart`, or another shard's of the job, :func:`psgd.server.peers.restart_of`),
-    said by ``refusals`` naming worker ``worker`` calling from ``peer``; or where this shard is behind the cut or
-    holds no intact checkpoint of it (signed with ``key``, where given).  An incarnation justifies one rollback: it
-    is never gone back for twice."""
+    shard's own restart, :func:`own_restart`, or another shard's of the job,
+    :func:`psgd.server.durable.peers.restart_of`), said by ``refusals`` naming worker ``worker`` calling from ``peer``;
+    or where this shard is behind the cut or holds no intact checkpoint of it (signed with ``key``, where given).  An
+    incarnation justifies one rollback: it is never gone back for twice."""
     if not cause or len(cause) > MAX_CAUSE or not cause.isprintable():
         raise ShardError("INVALID_ARGUMENT", f"a rollback must give its cause, the incarnation of the shard that "
                          f"restarted (at most {MAX_CAUSE} printable characters)")

@@ -1,9 +1,9 @@
 """The shard's one request handler: what a worker's pull or push does once a transport has received it.
 
-Two transports carry a worker's requests to a shard: gRPC (:mod:`psgd.server.service`) and the data port
-(:mod:`psgd.server.datapath`, through shared memory or not).  Each only turns its bytes into a request here and the
+Two transports carry a worker's requests to a shard: gRPC (:mod:`psgd.server.net.service`) and the data port
+(:mod:`psgd.server.net.datapath`, through shared memory or not).  Each only turns its bytes into a request here and the
 answer into its reply; the checks and the update are made once, here and in the core
-(:class:`psgd.server.core.ShardCore`), so that a push is the same push whichever link carried it: the same
+(:class:`psgd.server.state.core.ShardCore`), so that a push is the same push whichever link carried it: the same
 admission, the same policy (a duplicate is acknowledged, never applied twice), the same refusals (a
 :class:`ShardError`, whose code each transport turns into its own status).
 """
@@ -15,9 +15,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from psgd.server.core import PushResult, ShardCore
-from psgd.server.store import LiveRead, Snapshot
-from psgd.server.tables import RowsIn
+from psgd.server.state.core import PushResult, ShardCore
+from psgd.server.state.store import LiveRead, Snapshot
+from psgd.server.state.tables import RowsIn
 from psgd.wire.protocol import as_worker
 
 

@@ -18,7 +18,7 @@ still going it copies the weights into the other slot, updates them there and ma
 The reads in flight keep their version, whole, for as long as they take: a stopped or slow reader
 delays no update, and a fast one is waited for rather than copied around.  Only when both slots are
 being read past patience does an update wait longer, for the first of them to be released or to pass
-its hold (the deadline its transport set, see :mod:`psgd.server.datapath`); the reads past their hold
+its hold (the deadline its transport set, see :mod:`psgd.server.net.datapath`); the reads past their hold
 are then revoked (``on_revoke`` closes their connection) and their slot is taken.  Each slot has a
 sequence number (``seq``), odd while it is written: a reader that copies out of shared memory checks it
 after its copy, so a revoked read finds out that its copy is torn and pulls again.  New reads defer to
@@ -42,7 +42,7 @@ import numpy as np
 from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import Slice
 from psgd.server.errors import ShardError
-from psgd.server.update import UpdatePass
+from psgd.server.state.update import UpdatePass
 from psgd.wire.sweep import Sweep, extent
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class WeightStore:
     # -- updates -----------------------------------------------------------------------------------
     def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
               share: Share = WHOLE) -> None:
-        """Update the weights with ``optimizer`` (:mod:`psgd.server.update`): in place where nothing reads them,
+        """Update the weights with ``optimizer`` (:mod:`psgd.server.state.update`): in place where nothing reads them,
         else in the other slot."""
         began = time.perf_counter()
         with self._writing(keep=True):

@@ -1,5 +1,6 @@
-"""A shard's replica following its primary (:mod:`psgd.server.replica`): the replica's side of the pair, which applies
-the primary's stream (:mod:`psgd.server.stream`), and takes over once its primary is lost and a worker comes to it.
+"""A shard's replica following its primary (:mod:`psgd.server.durable.replica`): the replica's side of the pair, which
+applies the primary's stream (:mod:`psgd.server.durable.stream`), and takes over once its primary is lost and a worker
+comes to it.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ import secrets
 import socket
 import time
 
-from psgd.server import stream
+from psgd.server.durable import stream
 from psgd.server.errors import ShardError
-from psgd.server.peers import peer_status
+from psgd.server.durable.peers import peer_status
 from psgd.wire import protocol
 
-log = logging.getLogger("psgd.server.replica")
+log = logging.getLogger("psgd.server.durable.replica")
 
 PRIMARY, REPLICA = "primary", "replica"
 #: a worker that came this long before its replica lost the primary counts too (it may find the primary gone first)
@@ -22,7 +23,7 @@ WORKERS_SECONDS = 2 * stream.SILENCE_SECONDS
 
 
 class Following:
-    """The replica's side of :class:`psgd.server.replica.Replication` (its state is the pair's)."""
+    """The replica's side of :class:`psgd.server.durable.replica.Replication` (its state is the pair's)."""
 
     def _follow(self) -> None:
         """Follow the peer while this process is a replica: apply its stream, answering for each update; take
