@@ -2,7 +2,8 @@
 derived from the token) of what the call is for, of the address it was made to, of when it was made and of a
 session and count never used before.  Every caller makes them here: a gRPC channel opened with a token puts one in
 each call's metadata (``authorization: Proof ...``, psgd.wire.channel.open_channel), and a data-port hello carries one
-(psgd.link.tcp); the shard checks them (psgd.server.net.tokens).
+(psgd.link.tcp); the shard checks them (psgd.server.net.tokens).  A shard's Status answer to a fresh challenge
+carries a proof too (:func:`answer`), which the other process of its pair checks (psgd.server.durable.peers).
 
 What crosses the wire is good once, at one address, for one purpose, for :data:`PROOF_SECONDS`: a proof read off
 the wire, or received by whoever holds a dead shard's port, cannot be replayed to the shard it was made for (its
@@ -63,3 +64,20 @@ def parse(proof: str) -> tuple[int, str, int, str, str] | None:
     if len(words[0]) > 12 or len(words[2]) > 18 or len(words[3]) > 300:
         return None
     return int(words[0]), words[1], int(words[2]), words[3], words[4]
+
+
+def answer(token: str, challenge: str, *said: object) -> str:
+    """The proof that an answer saying ``said`` to the fresh ``challenge`` comes from a holder of ``token``."""
+    return mac(token, "answer", challenge, *said) if token and challenge else ""
+
+
+def answered(token: str, challenge: str, proof: str, *said: object) -> bool:
+    """Whether ``proof`` is :func:`answer`'s for ``challenge`` and ``said`` (always, without a token)."""
+    return not token or hmac.compare_digest(proof.encode("ascii", "replace"),
+                                            answer(token, challenge, *said).encode())
+
+
+def status_said(reply) -> tuple:
+    """What a Status answer's proof covers (:func:`answer`): who answers, as what, how far it is, and its counters
+    (the pair's failovers among them: a claim to lead)."""
+    return reply.shard, reply.role, reply.version, reply.data_port, reply.incarnation, reply.counters_json

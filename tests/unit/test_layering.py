@@ -196,6 +196,13 @@ def test_the_shards_state_imports_neither_its_network_side_nor_what_keeps_it(pat
     assert server_rooms(path) <= {"state"}, path
 
 
+@pytest.mark.parametrize("path", modules("server/durable"), ids=lambda p: p.name)
+def test_what_keeps_the_shard_never_imports_its_network_side(path):
+    """net/ serves what durable/ keeps (the servicer asks the pair and takes cuts), never the other way: the proof a
+    Status answer carries, which the pair checks, is what both ends share (psgd/wire/proofs.py)."""
+    assert server_rooms(path) <= {"state", "durable"}, path
+
+
 def test_the_rooms_rule_can_fail(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from psgd.server.durable import recovery\nfrom psgd.server import net\n")

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from psgd.server.net import tokens
-from psgd.server.net.tokens import Here, Proofs, answer, answered
+from psgd.server.net.tokens import Here, Proofs
+from psgd.wire.proofs import answer, answered
 from psgd.wire import proofs as wire_proofs
 from psgd.wire.proofs import Prover
 

@@ -16,10 +16,10 @@ from typing import Sequence
 
 import grpc
 
+from psgd.wire import proofs
 from psgd.wire.channel import open_channel
 from psgd.observe.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server.net import tokens
 from psgd.wire.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger("psgd.server.durable.replica")
@@ -42,7 +42,7 @@ def _ask(address: str, token: str, tls: TLSFiles, ticket: str = "") -> tuple[ps_
                 ps_pb2.StatusRequest(challenge=challenge, ticket=ticket), timeout=PEER_SECONDS)
     except grpc.RpcError:
         return None, False
-    return reply, tokens.answered(token, challenge, reply.proof, *tokens.status_said(reply), *filter(None, [ticket]))
+    return reply, proofs.answered(token, challenge, reply.proof, *proofs.status_said(reply), *filter(None, [ticket]))
 
 
 def confirms(address: str, ticket: str, token: str = "", tls: TLSFiles = NO_TLS) -> bool:

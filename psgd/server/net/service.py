@@ -32,7 +32,7 @@ from psgd.server.net.handler import PullRequest, PushRequest, RequestHandler
 from psgd.server.net.listen import GRPC_IDLE_SECONDS, PortTaken, free_to_listen, grpc_connection_cap
 from psgd.server.net.watchdog import Turns, Watchdog
 from psgd.wire.tls import NO_TLS, TLSFiles
-from psgd.wire import segment, status
+from psgd.wire import proofs, segment, status
 from psgd.wire.rows import RowCollector, RowsError, blocks
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         pair = self.core.replication
         reply.follower = pair.follower if pair is not None else ""
         mine = request.ticket if pair is not None and request.ticket and request.ticket == pair.ticket else ""
-        reply.proof = tokens.answer(self.token, request.challenge, *tokens.status_said(reply), *filter(None, [mine]))
+        reply.proof = proofs.answer(self.token, request.challenge, *proofs.status_said(reply), *filter(None, [mine]))
         return reply
 
 

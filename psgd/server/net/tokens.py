@@ -144,17 +144,6 @@ class Proofs:
             return True
 
 
-def answer(token: str, challenge: str, *said: object) -> str:
-    """The proof that an answer saying ``said`` to the fresh ``challenge`` comes from a holder of ``token``."""
-    return mac(token, "answer", challenge, *said) if token and challenge else ""
-
-
-def answered(token: str, challenge: str, proof: str, *said: object) -> bool:
-    """Whether ``proof`` is :func:`answer`'s for ``challenge`` and ``said`` (always, without a token)."""
-    return not token or hmac.compare_digest(proof.encode("ascii", "replace"),
-                                            answer(token, challenge, *said).encode())
-
-
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses every call without a proof of the shared token made for this process (metadata
     ``authorization: Proof ...``, :class:`Proofs`)."""
@@ -187,9 +176,3 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         return self._refusals[(handler.request_streaming, handler.response_streaming)]
-
-
-def status_said(reply) -> tuple:
-    """What a Status answer's proof covers (:func:`answer`): who answers, as what, how far it is, and its counters
-    (the pair's failovers among them: a claim to lead)."""
-    return reply.shard, reply.role, reply.version, reply.data_port, reply.incarnation, reply.counters_json
