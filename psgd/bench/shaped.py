@@ -75,7 +75,7 @@ def mpi_allreduce(network, sizes: list[int], ranks: int, repeats: int) -> dict[i
     """An all-reduce of each size through psgd's mpi backend, rank r on host ``w<r>`` (mpiexec's MPMD form,
     as ``psgd launch`` puts ranks on hosts); rank 0's figures per size."""
     from psgd.launcher import find_mpiexec
-    from psgd.launcher.run import MPI_ON_HOSTS
+    from psgd.launcher.allreduce import MPI_ON_HOSTS
 
     argv = [find_mpiexec(), *MPI_ON_HOSTS]
     child = ["-m", "psgd.bench.allreduce", "--child", "mpi", "--sizes-mb", ",".join(str(s / 1e6) for s in sizes),

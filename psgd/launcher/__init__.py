@@ -27,11 +27,12 @@ addresses, so one command per machine needs no other coordination.
 
 Where things live:
 
-- ``run.py``: :func:`launch` and its two modes;
+- ``run.py``: :func:`launch`, and the parameter-server mode's shards and workers;
+- ``allreduce.py``: the all-reduce mode's ranks (MPI or NCCL);
 - ``result.py``: what a launch ends with, the final evaluation of the weights;
 - ``failures.py``: the record of each process of a launch that failed (:class:`ChildFailure`);
 - ``layout.py``: :class:`Layout` (which shards and workers run here), the thread
-  budget and :func:`find_mpiexec`;
+  budget, :func:`find_mpiexec` and the flags that place a process (its device, its output);
 - ``folder.py``: the run folder; ``certs.py``: the CA and certificate a single node makes for its job's TLS;
 - ``supervise.py``: the children (:class:`Children`), signal forwarding, the
   stop signals and ``GRACE``, and the errors of a launch.

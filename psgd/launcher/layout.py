@@ -25,6 +25,7 @@ from psgd.collective import BackendUnavailable
 from psgd.errors import install_extra
 from psgd.compute import backend, threads
 from psgd.launcher.supervise import LaunchError
+from psgd.observe.progress import bar_wanted
 from psgd.wire import protocol
 
 
@@ -174,3 +175,15 @@ def busy_poll(processes: int) -> tuple[int, str]:
                                        f"{protocol.BUSY_POLL_US} µs for its answer before it sleeps "
                                        "([cluster] busy_poll_us to change)")
     return 0, f"{processes} process(es) on {cores} core(s): data connections sleep at once ([cluster] busy_poll_us)"
+
+
+def device_flags(device: str) -> list[str]:
+    """What tells a worker (or rank) the device :func:`place_on_gpus` chose for it (the CPU: nothing)."""
+    return [] if device == "cpu" else ["--device", device]
+
+
+def shown_flags(log: Path, log_flags: list[str]) -> list[str]:
+    """The flags of the process whose output the terminal shows: its bar and its warnings where stderr is a
+    terminal, else its log lines (a bar's redraws would litter a file or a pipe); its whole log goes to ``log``
+    either way (the file its stdout goes to)."""
+    return ["--log-file", str(log), *(["-q"] if bar_wanted(None) else [*log_flags, "--no-progress"])]

@@ -2,8 +2,8 @@
 
 Parameter-server mode starts the shards, waits for their addresses, starts the
 workers and (on node 0) reads the final weights from the shards; all-reduce
-mode starts the ranks and reads the weights rank 0 saved.  Either way the
-weights are evaluated on the test set here.
+mode starts the ranks and reads the weights rank 0 saved (psgd.launcher.allreduce).
+Either way the weights are evaluated on the test set here.
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import RANK_CLAIM, check_optimizer
 from psgd.observe.files import open_own
-from psgd.observe.progress import bar_wanted
 from psgd.launcher.certs import job_tls
 from psgd.launcher.folder import (CHECKPOINTS, FINAL, TOKEN_FILE, claim, made_token, new_run_folder,
                                   resume_command, status_command)
-from psgd.launcher.result import (LaunchResult, evaluate_weights, exchange_bound, final_evaluation,
+from psgd.launcher.result import (LaunchResult, exchange_bound, final_evaluation,
                                   first_divergence, lockstep_steps, read_records)
-from psgd.launcher.layout import Hosts, Layout, busy_poll, find_mpiexec, mpi_environment, place_on_gpus
+from psgd.launcher.allreduce import NCCL_RENDEZVOUS, launch_allreduce
+from psgd.launcher.layout import Hosts, Layout, busy_poll, device_flags, place_on_gpus, shown_flags
 from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
                                    wait_for_files)
 from psgd.ops.reach import Connect, check_health, try_status
-from psgd.weights import read_npz, save_weights
 from psgd.wire.channel import MAKE_TOKEN, read_token
 from psgd.wire.tls import TLSFiles, child_flags
 
@@ -155,7 +154,7 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         stopping = signal.SIGTERM
         try:
             if mode == "allreduce":
-                result = _launch_allreduce(config, backend, run, progress, timeout, list(worker_args), log_flags,
+                result = launch_allreduce(config, backend, run, progress, timeout, list(worker_args), log_flags,
                                            children, save, hosts, devices)
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
@@ -190,8 +189,6 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
                 path.unlink(missing_ok=True)
 
 
-#: where the NCCL ranks of an all-reduce launch find rank 0's unique id, in the run folder
-NCCL_RENDEZVOUS = "nccl-id.json"
 def _write_job(path: Path, spec: dict) -> None:
     """The job file every process of the launch reads, written as psgd's own (psgd.observe.files)."""
     with open_own(path, "w", encoding="utf-8") as f:
@@ -201,76 +198,6 @@ def _write_job(path: Path, spec: dict) -> None:
 def _port_file(run: Path, shard: int, role: str = "shard") -> Path:
     """Where shard ``shard`` of this node (its replica: ``role`` "replica") writes the address it bound."""
     return run / f"{role}-{shard}.addr"
-
-
-def _device_flags(device: str) -> list[str]:
-    """What tells a worker (or rank) the device :func:`place_on_gpus` chose for it (the CPU: nothing)."""
-    return [] if device == "cpu" else ["--device", device]
-
-
-#: MPI settings for ranks on emulated hosts: they talk over their hosts' links (TCP on eth0), not through the
-#: shared memory of the one machine they all run on.
-MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0")
-
-
-def _launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
-                      worker_args: list[str], log_flags: list[str], children: Children,
-                      save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
-    n, py = config.cluster.workers, sys.executable
-    weights = run / "weights.npz"
-    weights.unlink(missing_ok=True)
-    common = ["-m", "psgd.cli.worker", "-c", str(run / "job.toml"), "--mode", "allreduce", "--backend", backend,
-              "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
-    if backend == "mpi":  # every rank: mpiexec shows each one's stderr
-        common += _shown_flags(run / "allreduce.log", log_flags) if progress else (log_flags + ["--no-progress"])
-    start = time.perf_counter()
-    on_gpu = {r: _device_flags(d) for r, d in devices.items()}
-    if backend == "mpi":
-        mpiexec = find_mpiexec()
-        env, said = mpi_environment(mpiexec)
-        if said:
-            log.info("%s", said)
-        if hosts is not None or any(on_gpu.values()):  # mpiexec's MPMD form: rank r on host w<r>, GPU of its own
-            argv = [mpiexec, *(MPI_ON_HOSTS if hosts else ())]
-            for r in range(n):
-                argv += [":"] * (r > 0) + ["-n", "1", *(hosts.prefix(f"w{r}") if hosts else []), py, *common,
-                                           *on_gpu[r]]
-        else:
-            argv = [mpiexec, "-n", str(n), py, *common]
-        children.start(f"mpiexec -n {n}" + " on emulated hosts" * (hosts is not None), argv, run / "allreduce.log",
-                       show=progress, env=env)
-    elif backend == "nccl":
-        rendezvous = run / NCCL_RENDEZVOUS
-        rendezvous.unlink(missing_ok=True)
-        for r in range(n):
-            extra = ["--rank", str(r), *on_gpu[r], "--rendezvous", f"file:{rendezvous}"]
-            extra += _shown_flags(run / f"rank-{r}.log", log_flags) if progress and not r else \
-                (log_flags + ["--no-progress"])
-            children.start(f"rank {r}", [py, *common, *extra], run / f"rank-{r}.log", show=progress and r == 0)
-    else:
-        raise LaunchError(f"unknown all-reduce backend {backend!r}: use mpi or nccl")
-    try:
-        wait_all(children.procs, children.procs, children, time.monotonic() + timeout, timeout, run)
-    except LaunchInterrupted:
-        raise
-    except LaunchError as exc:
-        raise LaunchError(f"a rank of the all-reduce job failed, so the job was stopped (one rank cannot "
-                          f"go on without the others): {exc}", exc.failures) from None
-    if not weights.exists():
-        raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
-    params = read_npz(weights)
-    loss, scores, verdict = evaluate_weights(config, params, "allreduce")
-    if save:
-        save_weights(save, params)
-    return LaunchResult(scores["test_accuracy"], loss, time.perf_counter() - start, [], str(run), [], save, verdict,
-                        test_r2=scores["test_r2"])
-
-
-def _shown_flags(log: Path, log_flags: list[str]) -> list[str]:
-    """The flags of the process whose output the terminal shows: its bar and its warnings where stderr is a
-    terminal, else its log lines (a bar's redraws would litter a file or a pipe); its whole log goes to ``log``
-    either way (the file its stdout goes to)."""
-    return ["--log-file", str(log), *(["-q"] if bar_wanted(None) else [*log_flags, "--no-progress"])]
 
 
 def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
@@ -318,8 +245,8 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
             continue
         argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
                 "--metrics", str(run / f"worker-{r}.jsonl"), *tls_flags, *worker_args]
-        argv += _device_flags(devices[r])
-        argv += _shown_flags(run / f"worker-{r}.log", log_flags) if show else (log_flags + ["--no-progress"])
+        argv += device_flags(devices[r])
+        argv += shown_flags(run / f"worker-{r}.log", log_flags) if show else (log_flags + ["--no-progress"])
         workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show,
                                       env={"PSGD_TOKEN": token, RANK_CLAIM: rank_claim(token, r)}))
     stop = threading.Event()

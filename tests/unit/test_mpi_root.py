@@ -14,7 +14,7 @@ import pytest
 from psgd.collective import BackendUnavailable
 from psgd.config import JobConfig
 from psgd.launcher import launch, layout
-from psgd.launcher import run as launcher
+from psgd.launcher import allreduce
 from psgd.launcher.layout import OPEN_MPI_AS_ROOT, mpi_environment
 from psgd.launcher.supervise import LaunchError
 
@@ -73,7 +73,7 @@ def test_an_mpiexec_that_does_not_answer_is_left_to_fail_where_it_starts(tmp_pat
 def test_launch_gives_open_mpis_ranks_the_variables_and_says_so(tmp_path, monkeypatch, caplog, as_root, which,
                                                                  told):
     mpiexec = fake_mpiexec(tmp_path, which)
-    monkeypatch.setattr(launcher, "find_mpiexec", lambda: str(mpiexec))
+    monkeypatch.setattr(allreduce, "find_mpiexec", lambda: str(mpiexec))
     caplog.set_level(logging.INFO, logger="psgd")
     job = JobConfig.from_dict({"cluster": {"workers": 2}})
     with pytest.raises(LaunchError, match="rank 0 finished without saving"):
