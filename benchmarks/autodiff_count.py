@@ -65,6 +65,7 @@ def tape_step(model):
             h = nn.linear(h, leaves[w], leaves[b], relu)
         backward(nn.cross_entropy(h, y))
         return {name: leaf.grad for name, leaf in leaves.items()}
+
     return step
 
 
@@ -73,13 +74,31 @@ def count(tree: str, version: str, width: int, steps: int, batch: int) -> dict[s
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "counts")
         env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        done = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes",
-                               f"--cachegrind-out-file={out}", sys.executable, os.path.abspath(__file__),
-                               "--child", version, str(width), str(steps), str(batch)],
-                              env=env, cwd=tree, capture_output=True, text=True, timeout=RUN_S)
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=cachegrind",
+                "--cache-sim=yes",
+                "--branch-sim=yes",
+                f"--cachegrind-out-file={out}",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                version,
+                str(width),
+                str(steps),
+                str(batch),
+            ],
+            env=env,
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=RUN_S,
+        )
         if done.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"{version}, {steps} steps, under cachegrind: exit {done.returncode}: "
-                               f"{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"{version}, {steps} steps, under cachegrind: exit {done.returncode}: {done.stderr[-2000:]}"
+            )
         events = summary = None
         with open(out) as f:
             for line in f:
@@ -96,8 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="a checkout of the commit with the hand-written backward (needed)")
     parser.add_argument("--width", type=int, default=64, help="the MLP's hidden width (default 64)")
-    parser.add_argument("--steps", type=int, nargs=2, default=[50, 250], metavar=("FEW", "MANY"),
-                        help="steps of the two runs whose difference is counted (default 50 250)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=2,
+        default=[50, 250],
+        metavar=("FEW", "MANY"),
+        help="steps of the two runs whose difference is counted (default 50 250)",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once (default: the CPUs)")
     parser.add_argument("--json", help="write the counts here")
@@ -116,10 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"hand-written": os.path.abspath(args.before), "derived": HERE, "tape": HERE}
     runs = [(version, n) for version in VERSIONS for n in (few, many)]
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        totals = dict(zip(runs, pool.map(lambda run: count(trees[run[0]], run[0], args.width, run[1], args.batch),
-                                         runs)))
-    per_step = {version: {event: (totals[(version, many)][event] - totals[(version, few)][event]) / (many - few)
-                          for event in totals[(version, many)]} for version in VERSIONS}
+        totals = dict(
+            zip(runs, pool.map(lambda run: count(trees[run[0]], run[0], args.width, run[1], args.batch), runs))
+        )
+    per_step = {
+        version: {
+            event: (totals[(version, many)][event] - totals[(version, few)][event]) / (many - few)
+            for event in totals[(version, many)]
+        }
+        for version in VERSIONS
+    }
     base = per_step["hand-written"]
     print(f"MLP, hidden {args.width}, batch {args.batch}: per step, by cachegrind ({many} steps less {few})")
     print(f"{'version':14}" + "".join(f"{event:>18}" for event in SHOWN))
@@ -131,8 +162,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{version:14}" + "".join(f"{c:>18}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"width": args.width, "batch": args.batch, "steps": [few, many], "per_step": per_step,
-                       "totals": {f"{v} {n}": t for (v, n), t in totals.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "width": args.width,
+                    "batch": args.batch,
+                    "steps": [few, many],
+                    "per_step": per_step,
+                    "totals": {f"{v} {n}": t for (v, n), t in totals.items()},
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -34,8 +34,12 @@ import sys
 import time
 import tracemalloc
 
-MODELS = {"mlp-64": ("mlp", {"hidden": [64]}), "mlp-256": ("mlp", {"hidden": [256]}),
-          "mlp-1024": ("mlp", {"hidden": [1024]}), "cnn": ("cnn", {})}
+MODELS = {
+    "mlp-64": ("mlp", {"hidden": [64]}),
+    "mlp-256": ("mlp", {"hidden": [256]}),
+    "mlp-1024": ("mlp", {"hidden": [1024]}),
+    "cnn": ("cnn", {}),
+}
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -54,6 +58,7 @@ def _cpu_steps(model_key: str, batch: int) -> tuple[dict, dict, object]:
 
     def step() -> None:
         model.loss_and_grads(params, x, y)
+
     step()
     tracemalloc.start()
     step()
@@ -87,10 +92,17 @@ def _gpu_steps(model_key: str, batch: int) -> tuple[dict, dict, object]:
     for _ in range(3):  # an eager first step, then the capture
         graphed(params, x, y)
     stream.synchronize()
-    facts = {"peak_bytes": pool.total_bytes(), "captured": graphed.failed is None and graphed.replays > 0,
-             "graph_bytes": sum(c.pool.total_bytes() for c in graphed._graphs.values()), "failed": graphed.failed}
-    return ({"step": lambda: graphed(params, x, y), "eager": lambda: model.loss_and_grads(params, x, y)}, facts,
-            stream.synchronize)
+    facts = {
+        "peak_bytes": pool.total_bytes(),
+        "captured": graphed.failed is None and graphed.replays > 0,
+        "graph_bytes": sum(c.pool.total_bytes() for c in graphed._graphs.values()),
+        "failed": graphed.failed,
+    }
+    return (
+        {"step": lambda: graphed(params, x, y), "eager": lambda: model.loss_and_grads(params, x, y)},
+        facts,
+        stream.synchronize,
+    )
 
 
 def serve(model_key: str, batch: int, device: str) -> None:
@@ -116,12 +128,17 @@ def start_child(label: str, tree: str, model_key: str, batch: int, device: str):
 
     path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    return Side(label, [sys.executable, os.path.abspath(__file__), "--before", tree, "--child", model_key, str(batch),
-                        device], env, tree)
+    return Side(
+        label,
+        [sys.executable, os.path.abspath(__file__), "--before", tree, "--child", model_key, str(batch), device],
+        env,
+        tree,
+    )
 
 
-def compare(trees: dict[str, str], model_key: str, rounds: int, steps: int, batch: int, device: str,
-            processes: int) -> dict:
+def compare(
+    trees: dict[str, str], model_key: str, rounds: int, steps: int, batch: int, device: str, processes: int
+) -> dict:
     """Both versions' figures for one model: per kind of step, each chunk's mean step (us) in turn, the facts, and
     per pair of processes the median of its chunks' ratios (``rounds`` shared among ``processes`` pairs started in
     turn: a process that runs slow throughout, on a core shared with something else, weighs as one of them)."""
@@ -164,15 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", required=True, help="a checkout of the commit with the hand-written backward")
     parser.add_argument("--rounds", type=int, default=400, help="chunks each version times per model (default 400)")
     parser.add_argument("--steps", type=int, default=20, help="steps in a chunk (default 20)")
-    parser.add_argument("--processes", type=int, default=10,
-                        help="pairs of processes per model, started in turn, the rounds shared among them (default 10;"
-                             " at most one per round)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=10,
+        help="pairs of processes per model, started in turn, the rounds shared among them (default 10;"
+        " at most one per round)",
+    )
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cpu (NumPy, one thread) or cuda (CuPy: kernel by kernel and graphed)")
-    parser.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)),
-                        help="the CPU both versions' processes run on, one at a time (default: the highest this "
-                             "process may use); -1 lets the system place and move them")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu (NumPy, one thread) or cuda (CuPy: kernel by kernel and graphed)",
+    )
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        default=max(os.sched_getaffinity(0)),
+        help="the CPU both versions' processes run on, one at a time (default: the highest this "
+        "process may use); -1 lets the system place and move them",
+    )
     parser.add_argument("--json", help="write every chunk's figures here")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -184,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"hand-written": os.path.abspath(args.before), "autodiff": HERE}
     if args.cpu >= 0:  # the children are started from here: they inherit it
         os.sched_setaffinity(0, {args.cpu})
-    print(f"{'model':10} {'hand-written us':>16} {'autodiff us':>12} {'ratio':>6} {'peak KB before':>15} "
-          f"{'after':>8}  each pair of processes' ratio")
+    print(
+        f"{'model':10} {'hand-written us':>16} {'autodiff us':>12} {'ratio':>6} {'peak KB before':>15} "
+        f"{'after':>8}  each pair of processes' ratio"
+    )
     summary, runs = {}, {}
     for key in MODELS:
         run = runs[key] = compare(trees, key, args.rounds, args.steps, args.batch, args.device, args.processes)
@@ -194,22 +225,38 @@ def main(argv: list[str] | None = None) -> int:
         m = {label: f["peak_bytes"] for label, f in facts.items()}
         each = run["process_ratios"]
         summary[key] = {"step_us": t, "peak_bytes": m, "ratio": statistics.median(each), "process_ratios": each}
-        print(f"{key:10} {t['hand-written']:16.1f} {t['autodiff']:12.1f} {summary[key]['ratio']:6.3f} "
-              f"{m['hand-written'] / 1e3:15.1f} {m['autodiff'] / 1e3:8.1f}  "
-              f"{' '.join(f'{r:.3f}' for r in each)}")
+        print(
+            f"{key:10} {t['hand-written']:16.1f} {t['autodiff']:12.1f} {summary[key]['ratio']:6.3f} "
+            f"{m['hand-written'] / 1e3:15.1f} {m['autodiff'] / 1e3:8.1f}  "
+            f"{' '.join(f'{r:.3f}' for r in each)}"
+        )
         if args.device == "cuda":
             e = summary[key]["eager_us"] = {label: statistics.median(c) for label, c in chunks["eager"].items()}
             summary[key]["captured"] = {label: f["captured"] for label, f in facts.items()}
             summary[key]["graph_bytes"] = {label: f["graph_bytes"] for label, f in facts.items()}
-            print(f"{'':10} kernel by kernel: {e['hand-written']:.1f} against {e['autodiff']:.1f} us; captured: "
-                  f"{summary[key]['captured']}")
+            print(
+                f"{'':10} kernel by kernel: {e['hand-written']:.1f} against {e['autodiff']:.1f} us; captured: "
+                f"{summary[key]['captured']}"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "pinned_to_cpu": args.cpu, "processes": args.processes, "device": args.device,
-                       "gpu": _gpu_name() if args.device == "cuda" else None,
-                       "rounds": args.rounds, "steps": args.steps, "batch": args.batch, "summary": summary,
-                       "runs": runs}, f, indent=1)
+            json.dump(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(),
+                    "pinned_to_cpu": args.cpu,
+                    "processes": args.processes,
+                    "device": args.device,
+                    "gpu": _gpu_name() if args.device == "cuda" else None,
+                    "rounds": args.rounds,
+                    "steps": args.steps,
+                    "batch": args.batch,
+                    "summary": summary,
+                    "runs": runs,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

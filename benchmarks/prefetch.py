@@ -40,10 +40,18 @@ class SlowRows:
 
 def step_ms(latency_ms: float, prefetch: bool, epochs: int, hidden: int) -> float:
     digits = load_dataset("digits")
-    data = Dataset("slow digits", SlowRows(digits.x_train, latency_ms / 1e3), digits.y_train, digits.x_test,
-                   digits.y_test, digits.num_classes, digits.input_shape)
-    result = psgd.train("mlp", data, epochs=epochs, prefetch=prefetch, model_options={"hidden": [hidden]},
-                        progress=False, threads=1)
+    data = Dataset(
+        "slow digits",
+        SlowRows(digits.x_train, latency_ms / 1e3),
+        digits.y_train,
+        digits.x_test,
+        digits.y_test,
+        digits.num_classes,
+        digits.input_shape,
+    )
+    result = psgd.train(
+        "mlp", data, epochs=epochs, prefetch=prefetch, model_options={"hidden": [hidden]}, progress=False, threads=1
+    )
     return 1e3 * result.seconds / result.steps
 
 
@@ -70,9 +78,19 @@ def main() -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "rounds": args.rounds, "epochs": args.epochs, "hidden": args.hidden, "summary": summary,
-                       "turns": turns}, f, indent=1)
+            json.dump(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(),
+                    "rounds": args.rounds,
+                    "epochs": args.epochs,
+                    "hidden": args.hidden,
+                    "summary": summary,
+                    "turns": turns,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

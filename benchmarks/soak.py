@@ -27,20 +27,29 @@ from psgd.config.parsing import Parser
 PY = sys.executable
 
 
-def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folder: str | None = None,
-         say=print) -> dict:
+def soak(
+    seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folder: str | None = None, say=print
+) -> dict:
+    from psgd.bench.chaos.processes import job_token
     from psgd.config import JobConfig, to_toml
+    from psgd.job import build_job, params_to_device
     from psgd.partition import PartitionPlan
     from psgd.training.evaluation import evaluate
-    from psgd.job import build_job, params_to_device
-    from psgd.bench.chaos.processes import job_token
     from psgd.worker.client import PSClient, fetch_weights
 
     token = job_token()  # the job's token, in the environment every process started here inherits
     run = Path(folder or tempfile.mkdtemp(prefix="psgd-soak-"))
     job = JobConfig()
-    job = job.apply_sets(["cluster.policy=async", f"cluster.workers={workers}", f"cluster.shards={shards}",
-                          "cluster.lease_seconds=2", "train.epochs=100000", "optimizer.lr=0.01"])
+    job = job.apply_sets(
+        [
+            "cluster.policy=async",
+            f"cluster.workers={workers}",
+            f"cluster.shards={shards}",
+            "cluster.lease_seconds=2",
+            "train.epochs=100000",
+            "optimizer.lr=0.01",
+        ]
+    )
     path = run / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     rng = random.Random(seed)
@@ -50,14 +59,27 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
     built = build_job(job)
 
     def start(name: str, argv: list[str]) -> None:
-        procs[name] = subprocess.Popen([PY, "-m", *argv], stdout=subprocess.DEVNULL,
-                                       stderr=open(run / f"{name}.log", "a"))
+        procs[name] = subprocess.Popen(
+            [PY, "-m", *argv], stdout=subprocess.DEVNULL, stderr=open(run / f"{name}.log", "a")
+        )
 
     try:
         files = [run / f"shard{k}.addr" for k in range(shards)]
         for k in range(shards):
-            start(f"shard{k}", ["psgd.cli.server", "-c", str(path), "--shard", str(k), "--bind", "127.0.0.1:0",
-                                "--port-file", str(files[k])])
+            start(
+                f"shard{k}",
+                [
+                    "psgd.cli.server",
+                    "-c",
+                    str(path),
+                    "--shard",
+                    str(k),
+                    "--bind",
+                    "127.0.0.1:0",
+                    "--port-file",
+                    str(files[k]),
+                ],
+            )
         deadline = time.monotonic() + 60
         while not all(f.exists() for f in files):
             if time.monotonic() > deadline:
@@ -76,8 +98,9 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
             for name, p in procs.items():
                 if p.poll() is not None:
                     counts["crashes"] += 1
-                    raise RuntimeError(f"{name} exited by itself with status {p.returncode}; "
-                                       f"see {run / (name + '.log')}")
+                    raise RuntimeError(
+                        f"{name} exited by itself with status {p.returncode}; see {run / (name + '.log')}"
+                    )
             with PSClient(job.cluster.servers, plan, deadlines=Deadlines(request_timeout=10), token=token) as client:
                 now = [s.version for s in client.status()]
             counts["checks"] += 1
@@ -90,8 +113,13 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
                 still = 0
             versions.append(now)
             weights = fetch_weights(job.cluster.servers, plan, request_timeout=10, token=token)
-            loss, acc = evaluate(built.model, params_to_device(weights, built.device), built.dataset.x_test,
-                                 built.dataset.y_test, built.device)
+            loss, acc = evaluate(
+                built.model,
+                params_to_device(weights, built.device),
+                built.dataset.x_test,
+                built.dataset.y_test,
+                built.device,
+            )
             losses.append((round(time.monotonic() - (end - seconds), 1), loss, acc))
             if time.monotonic() >= next_kill and time.monotonic() < end - 8:  # the last restart settles
                 victim = f"worker{rng.randrange(workers)}"
@@ -101,8 +129,10 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
                 start(victim, ["psgd.cli.worker", "-c", str(path), "--rank", victim[6:], "--no-progress"])
                 counts["restarts"] += 1
                 next_kill = time.monotonic() + rng.uniform(2, 5)
-                say(f"t={losses[-1][0]:6.1f}s killed and restarted {victim}; versions {now}; "
-                    f"test loss {loss:.4f} accuracy {acc:.3f}")
+                say(
+                    f"t={losses[-1][0]:6.1f}s killed and restarted {victim}; versions {now}; "
+                    f"test loss {loss:.4f} accuracy {acc:.3f}"
+                )
         clean = {}
         for kind in ("worker", "shard"):  # graceful ends: workers leave after their step, then shards stop
             group = {name: p for name, p in procs.items() if name.startswith(kind)}
@@ -110,9 +140,17 @@ def soak(seconds: float, workers: int = 4, shards: int = 2, seed: int = 0, folde
                 p.send_signal(signal.SIGTERM)
             clean.update({name: p.wait(30) for name, p in group.items()})
         first, last = losses[0], losses[-1]
-        result = {"seconds": seconds, "workers": workers, "shards": shards, **counts,
-                  "updates": sum(versions[-1]), "first": first, "last": last,
-                  "exit_codes": clean, "loss_fell": last[1] < first[1]}
+        result = {
+            "seconds": seconds,
+            "workers": workers,
+            "shards": shards,
+            **counts,
+            "updates": sum(versions[-1]),
+            "first": first,
+            "last": last,
+            "exit_codes": clean,
+            "loss_fell": last[1] < first[1],
+        }
         return result
     finally:
         for p in procs.values():

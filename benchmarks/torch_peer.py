@@ -21,23 +21,40 @@ try:
 except ImportError:
     torch = None
 
-INPUTS = {"mlp-64": (8, 8), "mlp-256": (8, 8), "mlp-1024": (8, 8), "cnn": (1, 8, 8), "convnet": (8, 64),
-          "gru": (16, 16), "transformer": (16, 64)}
+INPUTS = {
+    "mlp-64": (8, 8),
+    "mlp-256": (8, 8),
+    "mlp-1024": (8, 8),
+    "cnn": (1, 8, 8),
+    "convnet": (8, 64),
+    "gru": (16, 16),
+    "transformer": (16, 64),
+}
 
 
-def build(key: str) -> "nn.Module":
+def build(key: str) -> nn.Module:
     """The network ``key`` of ``torch_step.NETWORKS``, shaped as psgd's."""
     if key.startswith("mlp-"):
         width = int(key[4:])
         return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
     if key == "cnn":  # psgd's built-in CNN: channels (8, 16), kernel 3, hidden 64
-        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                             nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
     return {"convnet": ConvNet, "gru": GRUNet, "transformer": TransformerNet}[key]()
 
 
 if torch is not None:
+
     class Residual(nn.Module):
         """x + conv(dropout(relu(conv(norm(x))))), the norm over the channels; then a max-pool by 2."""
 
@@ -107,9 +124,18 @@ def serve(key: str, batch: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(net(x), y).backward()
         optimizer.step()
+
     step()
-    print(json.dumps({"parameters": sum(p.numel() for p in net.parameters()), "threads": torch.get_num_threads(),
-                      "version": f"torch {torch.__version__}"}), flush=True)
+    print(
+        json.dumps(
+            {
+                "parameters": sum(p.numel() for p in net.parameters()),
+                "threads": torch.get_num_threads(),
+                "version": f"torch {torch.__version__}",
+            }
+        ),
+        flush=True,
+    )
     for line in sys.stdin:
         n = int(line)
         began = time.perf_counter()
@@ -120,12 +146,12 @@ def serve(key: str, batch: int) -> None:
 
 def main(argv: list[str]) -> int:
     if torch is None:
-        print(f"torch_peer: no PyTorch for {sys.executable} (pip install torch numpy in its environment)",
-              file=sys.stderr)
+        print(
+            f"torch_peer: no PyTorch for {sys.executable} (pip install torch numpy in its environment)", file=sys.stderr
+        )
         return 2
     if len(argv) != 2 or argv[0] not in INPUTS or not argv[1].isdigit():
-        print(f"torch_peer: usage: torch_peer.py NETWORK BATCH, NETWORK one of {', '.join(INPUTS)}",
-              file=sys.stderr)
+        print(f"torch_peer: usage: torch_peer.py NETWORK BATCH, NETWORK one of {', '.join(INPUTS)}", file=sys.stderr)
         return 2
     serve(argv[0], int(argv[1]))
     return 0

@@ -46,15 +46,33 @@ import numpy as np
 
 from psgd.autodiff import ops
 from psgd.bench.turns import ANSWER_S, Side
-from psgd.model import (RNN, Conv1d, Dropout, GRUCell, LayerNorm, Linear, MaxPool1d, Module, MultiHeadAttention,
-                        Network, build_model)
+from psgd.model import (
+    RNN,
+    Conv1d,
+    Dropout,
+    GRUCell,
+    LayerNorm,
+    Linear,
+    MaxPool1d,
+    Module,
+    MultiHeadAttention,
+    Network,
+    build_model,
+)
 from psgd.optim.rules import SGD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "torch_peer.py")
 #: each network's input (one example) and the goal for psgd's step over PyTorch's, on one CPU thread
-INPUTS = {"mlp-64": (8, 8), "mlp-256": (8, 8), "mlp-1024": (8, 8), "cnn": (8, 8), "convnet": (8, 64),
-          "gru": (16, 16), "transformer": (16, 64)}
+INPUTS = {
+    "mlp-64": (8, 8),
+    "mlp-256": (8, 8),
+    "mlp-1024": (8, 8),
+    "cnn": (8, 8),
+    "convnet": (8, 64),
+    "gru": (16, 16),
+    "transformer": (16, 64),
+}
 GOALS = {"mlp-64": 0.5, "mlp-256": 0.5, "mlp-1024": 0.5, "cnn": 1.2, "convnet": 1.2, "gru": 1.2, "transformer": 1.2}
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -141,6 +159,7 @@ def make_step(key: str, batch: int):
         for name, grad in grads.items():
             optimizer.update(name, params[name], grad)
         return float(loss)
+
     return step, sum(p.size for p in params.values())
 
 
@@ -150,8 +169,10 @@ def serve(key: str, batch: int) -> None:
 
     step, parameters = make_step(key, batch)
     step()
-    blas = [f"{p['internal_api']} {p.get('architecture', '')} threads {p['num_threads']}"
-            for p in threadpoolctl.threadpool_info()]
+    blas = [
+        f"{p['internal_api']} {p.get('architecture', '')} threads {p['num_threads']}"
+        for p in threadpoolctl.threadpool_info()
+    ]
     print(json.dumps({"parameters": parameters, "threads": blas, "version": f"numpy {np.__version__}"}), flush=True)
     for line in sys.stdin:
         n = int(line)
@@ -163,25 +184,31 @@ def serve(key: str, batch: int) -> None:
 
 def compare(key: str, torch_python: str, rounds: int, steps: int, batch: int, processes: int) -> dict:
     """Both sides' chunks (each chunk's mean step, us, in turn), their facts, and each pair's median ratio."""
-    argv = {"psgd": [sys.executable, os.path.abspath(__file__), "--child", key, str(batch)],
-            "torch": [torch_python, PEER, key, str(batch)]}
+    argv = {
+        "psgd": [sys.executable, os.path.abspath(__file__), "--child", key, str(batch)],
+        "torch": [torch_python, PEER, key, str(batch)],
+    }
     chunks: dict[str, list[float]] = {"psgd": [], "torch": []}
     each: list[float] = []
     facts: dict = {}
     processes = max(1, min(processes, rounds))
     for p in range(processes):
-        children = {label: Side(label, command, {**os.environ, **THREADS}, os.path.dirname(HERE), "its network")
-                    for label, command in argv.items()}
+        children = {
+            label: Side(label, command, {**os.environ, **THREADS}, os.path.dirname(HERE), "its network")
+            for label, command in argv.items()
+        }
         try:
             facts = {label: c.facts for label, c in children.items()}
             if facts["psgd"]["parameters"] != facts["torch"]["parameters"]:
-                raise RuntimeError(f"{key}: psgd's network has {facts['psgd']['parameters']} parameters and "
-                                   f"PyTorch's {facts['torch']['parameters']}: not the same network")
+                raise RuntimeError(
+                    f"{key}: psgd's network has {facts['psgd']['parameters']} parameters and "
+                    f"PyTorch's {facts['torch']['parameters']}: not the same network"
+                )
             for child in children.values():  # warmed up alike
                 child.seconds(str(max(5, steps // 2)), "steps")
             first = len(chunks["psgd"])
             for turn in range(p * rounds // processes, (p + 1) * rounds // processes):
-                for label in (("psgd", "torch") if turn % 2 == 0 else ("torch", "psgd")):
+                for label in ("psgd", "torch") if turn % 2 == 0 else ("torch", "psgd"):
                     chunks[label].append(children[label].seconds(str(steps), f"{steps} steps") / steps * 1e6)
         finally:
             for child in children.values():
@@ -220,8 +247,9 @@ def _networks(text: str) -> list[str]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in INPUTS]
     if unknown or not keys:
-        raise argparse.ArgumentTypeError(f"unknown network(s) {', '.join(unknown) or repr(text)} "
-                                         f"(networks: {', '.join(INPUTS)})")
+        raise argparse.ArgumentTypeError(
+            f"unknown network(s) {', '.join(unknown) or repr(text)} (networks: {', '.join(INPUTS)})"
+        )
     return keys
 
 
@@ -234,20 +262,34 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--torch-python", help="the Python of an environment with PyTorch (never psgd's own)")
-    parser.add_argument("--networks", type=_networks, default=list(INPUTS),
-                        help=f"the networks, separated by commas (default all: {','.join(INPUTS)})")
+    parser.add_argument(
+        "--networks",
+        type=_networks,
+        default=list(INPUTS),
+        help=f"the networks, separated by commas (default all: {','.join(INPUTS)})",
+    )
     parser.add_argument("--rounds", type=_positive, default=40, help="chunks each side times per network (default 40)")
     parser.add_argument("--steps", type=_positive, default=10, help="steps in a chunk (default 10)")
-    parser.add_argument("--processes", type=_positive, default=2,
-                        help="pairs of processes per network, started in turn, the rounds shared among them "
-                             "(default 2)")
+    parser.add_argument(
+        "--processes",
+        type=_positive,
+        default=2,
+        help="pairs of processes per network, started in turn, the rounds shared among them (default 2)",
+    )
     parser.add_argument("--batch", type=_positive, default=32)
-    parser.add_argument("--cpu", type=int, default=max(os.sched_getaffinity(0)),
-                        help="the CPU every process runs on (default: the highest this process may use); -1 lets "
-                             "the system place and move them")
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        default=max(os.sched_getaffinity(0)),
+        help="the CPU every process runs on (default: the highest this process may use); -1 lets "
+        "the system place and move them",
+    )
     parser.add_argument("--json", help="write every chunk's figures here")
-    parser.add_argument("--profile", choices=list(INPUTS), help="profile psgd's step of this network instead "
-                        "(--rounds x --steps steps) and print cProfile's top lines")
+    parser.add_argument(
+        "--profile",
+        choices=list(INPUTS),
+        help="profile psgd's step of this network instead (--rounds x --steps steps) and print cProfile's top lines",
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -273,17 +315,37 @@ def main(argv: list[str] | None = None) -> int:
         run = runs[key] = compare(key, args.torch_python, args.rounds, args.steps, args.batch, args.processes)
         t = {label: statistics.median(c) for label, c in run["chunks_us"].items()}
         ratio = statistics.median(run["process_ratios"])
-        summary[key] = {"step_us": t, "ratio": ratio, "goal": GOALS[key], "met": ratio <= GOALS[key],
-                        "process_ratios": run["process_ratios"]}
-        print(f"{key:12} {t['psgd']:9.1f} {t['torch']:9.1f} {ratio:6.2f} {GOALS[key]:5.1f}  "
-              f"{' '.join(f'{r:.2f}' for r in run['process_ratios'])}", flush=True)
+        summary[key] = {
+            "step_us": t,
+            "ratio": ratio,
+            "goal": GOALS[key],
+            "met": ratio <= GOALS[key],
+            "process_ratios": run["process_ratios"],
+        }
+        print(
+            f"{key:12} {t['psgd']:9.1f} {t['torch']:9.1f} {ratio:6.2f} {GOALS[key]:5.1f}  "
+            f"{' '.join(f'{r:.2f}' for r in run['process_ratios'])}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "pinned_to_cpu": args.cpu, "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
-                       "steps": args.steps, "processes": args.processes, "batch": args.batch,
-                       "facts": {key: run["facts"] for key, run in runs.items()}, "summary": summary,
-                       "runs": runs}, f, indent=1)
+            json.dump(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(),
+                    "pinned_to_cpu": args.cpu,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "rounds": args.rounds,
+                    "steps": args.steps,
+                    "processes": args.processes,
+                    "batch": args.batch,
+                    "facts": {key: run["facts"] for key, run in runs.items()},
+                    "summary": summary,
+                    "runs": runs,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

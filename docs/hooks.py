@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def on_files(files, config):
     from psgd.cli import reference
 
-    for uri, text in (("reference/commands.md", reference.commands()), ("reference/keys.md", reference.job_file()),
-                      ("reference/python.md", reference.python_api())):
+    for uri, text in (
+        ("reference/commands.md", reference.commands()),
+        ("reference/keys.md", reference.job_file()),
+        ("reference/python.md", reference.python_api()),
+    ):
         files.append(File.generated(config, uri, content=text))
     changes = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     files.append(File.generated(config, "changelog.md", content=changes))

@@ -11,11 +11,21 @@ from typing import Any
 __version__ = "0.1.0"
 
 #: the public names, and the module each comes from
-PUBLIC = {"train": "psgd.api", "launch": "psgd.api", "Result": "psgd.api", "job_config": "psgd.api",
-          "join": "psgd.worker.script", "Worker": "psgd.worker.script",
-          "JobConfig": "psgd.config", "ConfigError": "psgd.config", "PsgdError": "psgd.errors",
-          "LaunchInterrupted": "psgd.launcher", "LaunchError": "psgd.launcher",
-          "Dataset": "psgd.data", "dataset_from": "psgd.data"}
+PUBLIC = {
+    "train": "psgd.api",
+    "launch": "psgd.api",
+    "Result": "psgd.api",
+    "job_config": "psgd.api",
+    "join": "psgd.worker.script",
+    "Worker": "psgd.worker.script",
+    "JobConfig": "psgd.config",
+    "ConfigError": "psgd.config",
+    "PsgdError": "psgd.errors",
+    "LaunchInterrupted": "psgd.launcher",
+    "LaunchError": "psgd.launcher",
+    "Dataset": "psgd.data",
+    "dataset_from": "psgd.data",
+}
 
 #: the modules a user imports from, whose names (their ``__all__``) keep their meaning from release to release: these
 #: and the names above are psgd's public API; every other module is psgd's own and may change without notice

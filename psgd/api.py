@@ -26,8 +26,9 @@ import os
 import site
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -78,8 +79,9 @@ class Result:
     worker_steps: tuple[int, ...] = ()
 
 
-def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings: Mapping[str, Any] | None = None,
-               **keys: Any) -> JobConfig:
+def job_config(
+    job: Any = None, *, model: Any = None, data: Any = None, settings: Mapping[str, Any] | None = None, **keys: Any
+) -> JobConfig:
     """The job :func:`train` and :func:`launch` run (see this module for ``job``, ``keys`` and ``settings``);
     ``model`` and ``data`` here are names (``"mlp"``, ``"mypkg.nets:Net"``; ``"digits"``, ``"npz:FILE"``)."""
     if job is None:
@@ -106,9 +108,11 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
         elif key in config.cluster.keys():
             dotted = f"cluster.{key}"
         else:
-            raise ConfigError(f"unknown setting {key}=: name a [train] or [cluster] key (epochs, batch_size, "
-                              "workers, policy, ...), optimizer or lr; any other key as settings={'section.key': "
-                              "value}")
+            raise ConfigError(
+                f"unknown setting {key}=: name a [train] or [cluster] key (epochs, batch_size, "
+                "workers, policy, ...), optimizer or lr; any other key as settings={'section.key': "
+                "value}"
+            )
         config = config.override(dotted, value)
     for dotted, value in (settings or {}).items():
         config = config.override(dotted, value)
@@ -116,12 +120,24 @@ def job_config(job: Any = None, *, model: Any = None, data: Any = None, settings
     return config
 
 
-def train(model: Any = None, data: Any = None, *, job: Any = None, model_options: Mapping[str, Any] | None = None,
-          test: Any = None, settings: Mapping[str, Any] | None = None, progress: bool | None = None,
-          metrics: str | None = None, save: str | None = None,
-          on_step: Callable[[dict[str, Any]], None] | None = None, checkpoint: str | None = None,
-          resume: str | None = None, stop: threading.Event | None = None, run_dir: str | os.PathLike | None = None,
-          **keys: Any) -> Result:
+def train(
+    model: Any = None,
+    data: Any = None,
+    *,
+    job: Any = None,
+    model_options: Mapping[str, Any] | None = None,
+    test: Any = None,
+    settings: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+    metrics: str | None = None,
+    save: str | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint: str | None = None,
+    resume: str | None = None,
+    stop: threading.Event | None = None,
+    run_dir: str | os.PathLike | None = None,
+    **keys: Any,
+) -> Result:
     """Train in this process, as ``psgd train``: the reference every other mode is measured against.
 
     ``model``: a name (``"mlp"``, ``"package.module:Class"``), a model class (built for the data with
@@ -146,23 +162,57 @@ def train(model: Any = None, data: Any = None, *, job: Any = None, model_options
     run = _records_folder(run_dir) if metrics or run_dir else None
     if run is not None and not metrics:
         metrics = str(run / "local.jsonl")
-    result = train_local(config, dataset=dataset, model=own_model, augment=augment, progress=bar_wanted(progress),
-                         metrics_path=metrics, run_dir=run and str(run), on_step=on_step, keep=checkpoint,
-                         resume=resume, stop=stop)
+    result = train_local(
+        config,
+        dataset=dataset,
+        model=own_model,
+        augment=augment,
+        progress=bar_wanted(progress),
+        metrics_path=metrics,
+        run_dir=run and str(run),
+        on_step=on_step,
+        keep=checkpoint,
+        resume=resume,
+        stop=stop,
+    )
     if run is not None:
         log.info("the metrics lines are in %s; their CSV and TensorBoard files in %s", metrics, run)
     if save:
         save_weights(save, result.params)
-    return Result(result.test_accuracy, result.test_loss, result.seconds, result.history, dict(result.params),
-                  result.steps, run_dir=run and str(run), saved=save or None, divergence=result.divergence,
-                  checkpoint=result.summary.get("kept"), test_r2=result.test_r2, worker_steps=(result.steps,))
+    return Result(
+        result.test_accuracy,
+        result.test_loss,
+        result.seconds,
+        result.history,
+        dict(result.params),
+        result.steps,
+        run_dir=run and str(run),
+        saved=save or None,
+        divergence=result.divergence,
+        checkpoint=result.summary.get("kept"),
+        test_r2=result.test_r2,
+        worker_steps=(result.steps,),
+    )
 
 
-def launch(model: Any = None, data: Any = None, *, job: Any = None,
-           model_options: Mapping[str, Any] | None = None, test: Any = None,
-           settings: Mapping[str, Any] | None = None, mode: str = "ps", backend: str = "mpi",
-           run_dir: str | os.PathLike | None = None, progress: bool | None = None, timeout: float = 900.0,
-           save: str | None = None, resume: bool = False, tls: bool = True, **keys: Any) -> Result:
+def launch(
+    model: Any = None,
+    data: Any = None,
+    *,
+    job: Any = None,
+    model_options: Mapping[str, Any] | None = None,
+    test: Any = None,
+    settings: Mapping[str, Any] | None = None,
+    mode: str = "ps",
+    backend: str = "mpi",
+    run_dir: str | os.PathLike | None = None,
+    progress: bool | None = None,
+    timeout: float = 900.0,
+    save: str | None = None,
+    resume: bool = False,
+    tls: bool = True,
+    **keys: Any,
+) -> Result:
     """Run the job over processes of its own on this machine, as ``psgd launch``: shards and workers (``mode``
     ``"ps"``), or all-reduce ranks (``"allreduce"``, over ``backend`` ``"mpi"`` or ``"nccl"``).
 
@@ -180,8 +230,10 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     (:class:`~psgd.launcher.failures.ChildFailure`: its role, rank, pid, exit code or signal, when, its log and
     the log's last lines)."""
     if model is not None and not isinstance(model, (str, type)):
-        raise ModelError(f"psgd.launch: its processes build the model themselves, each from its class: pass the "
-                         f"class ({type(model).__qualname__}) and its options as model_options=, not an instance")
+        raise ModelError(
+            f"psgd.launch: its processes build the model themselves, each from its class: pass the "
+            f"class ({type(model).__qualname__}) and its options as model_options=, not an instance"
+        )
     if isinstance(model, type):
         model = _importable(model, "model", load_model_class, ModelError)
     if callable(keys.get("augment")):
@@ -193,16 +245,38 @@ def launch(model: Any = None, data: Any = None, *, job: Any = None,
     if own:
         config = config.override("data.name", _written(data, test, run, config.train.dtype))
         config.validate()
-    again = (f"psgd.launch(..., run_dir={str(run)!r}, resume=True) from Python, or "
-             f"{resume_command(run, flags=[] if tls else ['--no-tls'])}")
+    again = (
+        f"psgd.launch(..., run_dir={str(run)!r}, resume=True) from Python, or "
+        f"{resume_command(run, flags=[] if tls else ['--no-tls'])}"
+    )
     try:
-        done = run_job(config, mode=mode, backend=backend, run_dir=str(run), progress=bar_wanted(progress),
-                       timeout=timeout, save=save, resume=resume, tls=None if tls else NO_TLS, continue_with=again)
+        done = run_job(
+            config,
+            mode=mode,
+            backend=backend,
+            run_dir=str(run),
+            progress=bar_wanted(progress),
+            timeout=timeout,
+            save=save,
+            resume=resume,
+            tls=None if tls else NO_TLS,
+            continue_with=again,
+        )
     except LaunchInterrupted as exc:  # Ctrl-C: where the launcher was waiting is no news to the caller
         raise exc.with_traceback(None) from None
-    return Result(done.test_accuracy, done.test_loss, done.seconds, _history(run, mode), read_npz(done.saved),
-                  sum(done.worker_steps), run_dir=str(run), saved=done.saved, divergence=done.divergence,
-                  test_r2=done.test_r2, worker_steps=tuple(done.worker_steps))
+    return Result(
+        done.test_accuracy,
+        done.test_loss,
+        done.seconds,
+        _history(run, mode),
+        read_npz(done.saved),
+        sum(done.worker_steps),
+        run_dir=str(run),
+        saved=done.saved,
+        divergence=done.divergence,
+        test_r2=done.test_r2,
+        worker_steps=tuple(done.worker_steps),
+    )
 
 
 def _records_folder(run_dir: str | os.PathLike | None) -> Path:
@@ -213,8 +287,15 @@ def _records_folder(run_dir: str | os.PathLike | None) -> Path:
     return run
 
 
-def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] | None, test: Any,
-             settings: Mapping[str, Any] | None, keys: Mapping[str, Any]) -> tuple[JobConfig, Any, Any]:
+def _resolve(
+    job: Any,
+    model: Any,
+    data: Any,
+    model_options: Mapping[str, Any] | None,
+    test: Any,
+    settings: Mapping[str, Any] | None,
+    keys: Mapping[str, Any],
+) -> tuple[JobConfig, Any, Any]:
     """The job, the model object train takes beside it (None: the job file's), and the dataset (None: the job's)."""
     own_model = None
     if isinstance(model, str) or model is None:
@@ -226,8 +307,10 @@ def _resolve(job: Any, model: Any, data: Any, model_options: Mapping[str, Any] |
             raise ModelError("model_options= are for a model's class or name; this model is built already")
         name, own_model = class_name(type(model)), model
     else:
-        raise ModelError(f"model: give a name, a model class or a model (with {', '.join(MODEL_METHODS)}), "
-                         f"not a {type(model).__name__}")
+        raise ModelError(
+            f"model: give a name, a model class or a model (with {', '.join(MODEL_METHODS)}), "
+            f"not a {type(model).__name__}"
+        )
     own = _own_data(data, test)
     dataset, data_name = (data, None) if own else (None, data)
     options = {f"model.{key}": value for key, value in (model_options or {}).items()}  # after the model's name
@@ -251,23 +334,32 @@ def _importable(obj: Any, what: str, load: Callable[[str], Any], error: type[Exc
     a process started in this folder."""
     name = f"{obj.__module__}:{obj.__qualname__}"
     if obj.__module__ == "__main__":
-        raise error(f"psgd.launch: {obj.__qualname__} is defined in the script being run (__main__), and the job's "
-                    f"processes import their {what} by name: put it in a module of its own beside the script and "
-                    "import it from there")
+        raise error(
+            f"psgd.launch: {obj.__qualname__} is defined in the script being run (__main__), and the job's "
+            f"processes import their {what} by name: put it in a module of its own beside the script and "
+            "import it from there"
+        )
     if "<locals>" in obj.__qualname__:
-        raise error(f"psgd.launch: {obj.__qualname__} is defined inside a function, and the job's processes import "
-                    f"their {what} by name: define it at the top level of a module")
+        raise error(
+            f"psgd.launch: {obj.__qualname__} is defined inside a function, and the job's processes import "
+            f"their {what} by name: define it at the top level of a module"
+        )
     if load(name) is not obj:
         raise error(f"psgd.launch: {name} does not import as the {what} given")
     where = getattr(sys.modules[obj.__module__], "__file__", None)
     if where:
         depth = obj.__module__.count(".") + (Path(where).name == "__init__.py")
         root = Path(where).resolve().parents[depth]
-        reach = [Path.cwd(), *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
-                 *(Path(p) for p in site.getsitepackages() + [site.getusersitepackages()])]
+        reach = [
+            Path.cwd(),
+            *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
+            *(Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]),
+        ]
         if not any(root == r.resolve() for r in reach if r.exists()):
-            raise error(f"psgd.launch: the job's processes start in {Path.cwd()} and import {name} by name, but its "
-                        f"module is in {root}: run from that folder, or add it to PYTHONPATH")
+            raise error(
+                f"psgd.launch: the job's processes start in {Path.cwd()} and import {name} by name, but its "
+                f"module is in {root}: run from that folder, or add it to PYTHONPATH"
+            )
     return name
 
 
@@ -275,14 +367,22 @@ def _written(data: Any, test: Any, run: Path, dtype: str) -> str:
     """Your data as ``RUN/data.npz`` (arrays only, no pickle), named as a job file names it."""
     dataset = dataset_from(data, test, dtype=dtype)
     if dataset.ids_train is not None:
-        raise ConfigError(f"{dataset.name}: a dataset with categorical ids goes to psgd.launch as a file "
-                          "(npz) or a built-in name")
+        raise ConfigError(
+            f"{dataset.name}: a dataset with categorical ids goes to psgd.launch as a file (npz) or a built-in name"
+        )
 
     run.mkdir(parents=True, exist_ok=True)
     path = run / "data.npz"
     with open_own(path, "w", private=True, binary=True) as f:  # your data: yours alone to read
-        np.savez(f, x_train=dataset.x_train, y_train=dataset.y_train, x_test=dataset.x_test, y_test=dataset.y_test,
-                 num_classes=np.int64(dataset.num_classes), target=np.array(dataset.target))
+        np.savez(
+            f,
+            x_train=dataset.x_train,
+            y_train=dataset.y_train,
+            x_test=dataset.x_test,
+            y_test=dataset.y_test,
+            num_classes=np.int64(dataset.num_classes),
+            target=np.array(dataset.target),
+        )
     log.info("%s written to %s for the job's workers", dataset.describe(), path)
     return f"npz:{path.resolve()}"
 
@@ -291,5 +391,8 @@ def _history(run: Path, mode: str) -> list[dict[str, Any]]:
     """The evaluations the run's first worker (or rank 0) made, from its metrics lines."""
     path = run / ("worker-0.jsonl" if mode == "ps" else "allreduce.jsonl")
     keys = ("step", "epoch", "wall", "train_loss", "test_loss", "test_accuracy", "test_r2")
-    return [{k: record[k] for k in keys if k in record}
-            for record in read_records([path], 0.0) if record.get("event") == "eval"]
+    return [
+        {k: record[k] for k in keys if k in record}
+        for record in read_records([path], 0.0)
+        if record.get("event") == "eval"
+    ]

@@ -75,7 +75,7 @@ class Code(enum.Enum):
     UNAUTHENTICATED = 16
 
     @classmethod
-    def of(cls, number: int) -> "Code":
+    def of(cls, number: int) -> Code:
         """The code numbered ``number`` (UNKNOWN for a number that is none)."""
         try:
             return cls(number)

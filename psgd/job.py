@@ -27,7 +27,8 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -95,14 +96,25 @@ def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[st
     c = config.cluster
     options: dict[str, Any] = {"staleness_lr": c.remedies.staleness_lr}
     if not POLICIES[c.policy].accumulates:  # each push an update of its own: at which rate is the job's meaning
-        options.update(async_lr=c.remedies.async_lr, dc_lambda=c.remedies.dc_lambda, dc_adaptive=c.remedies.dc_adaptive,
-                       implicit_momentum=c.remedies.implicit_momentum)
+        options.update(
+            async_lr=c.remedies.async_lr,
+            dc_lambda=c.remedies.dc_lambda,
+            dc_adaptive=c.remedies.dc_adaptive,
+            implicit_momentum=c.remedies.implicit_momentum,
+        )
     options.update({o.name: getattr(c.consistency, o.cluster_key) for o in POLICIES[c.policy].options})
     if c.cut_rounds:  # every shard must cut at the same rounds (a job without keeps its fingerprint)
         options["checkpoint_rounds"] = c.cut_rounds
-    return {"plan": plan_hash, "policy": c.policy, "policy_options": options, "workers": c.workers,
-            "shards": c.shards, "optimizer": dict(config.optimizer), "dtype": config.train.dtype,
-            **({"tables": dataclasses.asdict(config.tables)} if tables else {})}
+    return {
+        "plan": plan_hash,
+        "policy": c.policy,
+        "policy_options": options,
+        "workers": c.workers,
+        "shards": c.shards,
+        "optimizer": dict(config.optimizer),
+        "dtype": config.train.dtype,
+        **({"tables": dataclasses.asdict(config.tables)} if tables else {}),
+    }
 
 
 def fingerprint(ident: Mapping[str, Any]) -> str:
@@ -111,8 +123,9 @@ def fingerprint(ident: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], me: str = "shard",
-                them: str = "worker") -> list[str]:
+def differences(
+    mine: Mapping[str, Any], theirs: Mapping[str, Any], me: str = "shard", them: str = "worker"
+) -> list[str]:
     """Each field on which two identities differ, in words: ``policy: shard sync, worker async``."""
     out = []
     for key in dict.fromkeys(_fields(mine) + _fields(theirs)):
@@ -140,8 +153,8 @@ class Job:
     model: models.Model
     plan: PartitionPlan
     dataset: datasets.Dataset | None = None  # None: a role that never sees the data (a shard, an export)
-    device: backend.Device | None = None     # None: a role that computes nothing on a device
-    augment: Any = None                      # what each training batch goes through ([train] augment), if anything
+    device: backend.Device | None = None  # None: a role that computes nothing on a device
+    augment: Any = None  # what each training batch goes through ([train] augment), if anything
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -177,8 +190,13 @@ class Job:
         rule_options = {k: getattr(t, k) for k in rule.options}
         tables = {}
         for spec in self.plan.tables:
-            table = RowTable(spec, self.config.train.seed, build_row_optimizer(t.optimizer, lr=t.lr, **rule_options),
-                             TableOptions(t.admit_after, t.idle_updates, max(t.max_rows, 0), t.when_full), where)
+            table = RowTable(
+                spec,
+                self.config.train.seed,
+                build_row_optimizer(t.optimizer, lr=t.lr, **rule_options),
+                TableOptions(t.admit_after, t.idle_updates, max(t.max_rows, 0), t.when_full),
+                where,
+            )
             if t.max_rows == 0:  # bounded from the memory this process may use: rows pulled cannot grow without end
                 cap = int(physical_memory() * TABLE_MEMORY_SHARE) // len(self.plan.tables) // (2 * table.row_bytes())
                 table.options = dataclasses.replace(table.options, max_rows=max(1, cap))
@@ -198,8 +216,13 @@ def check_optimizer(config: JobConfig) -> None:
     job_optimizer(config)
 
 
-def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check: bool = False,
-              model: Any = None, augment: Any = None) -> Job:
+def build_job(
+    config: JobConfig,
+    dataset: datasets.Dataset | None = None,
+    check: bool = False,
+    model: Any = None,
+    augment: Any = None,
+) -> Job:
     """A trainer's job: the dataset loaded, the device opened, the model built (errors are one line each).
     ``dataset``, ``model`` (a model, or its class built here with the job's options) and ``augment`` (a function):
     a caller's own objects instead of the ones the job file names (:func:`psgd.train`).
@@ -216,16 +239,25 @@ def build_job(config: JobConfig, dataset: datasets.Dataset | None = None, check:
     check_fits(model.specs(), f"model {config.model['name']!r}")  # a worker holds all of it
     if check:
         began = time.perf_counter()
-        models.check_model(model, dataset.input_shape, dataset.num_classes, dtype, config.train.seed,
-                           name=config.model["name"], options=config.options("model"), device=device,
-                           id_shape=dataset.id_shape, target=dataset.target, target_shape=dataset.target_shape)
+        models.check_model(
+            model,
+            dataset.input_shape,
+            dataset.num_classes,
+            dtype,
+            config.train.seed,
+            name=config.model["name"],
+            options=config.options("model"),
+            device=device,
+            id_shape=dataset.id_shape,
+            target=dataset.target,
+            target_shape=dataset.target_shape,
+        )
         log.debug("model %s passed its check in %.3f s", config.model["name"], time.perf_counter() - began)
     if augment is None and config.train.augment:
         from psgd.data.ahead import load_augment  # (numpy.random: loaded for a job that augments)
 
         augment = load_augment(config.train.augment)
-    return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device,
-               augment=augment)
+    return Job(config=config, model=model, plan=_plan(config, model), dataset=dataset, device=device, augment=augment)
 
 
 def describe_job(config: JobConfig, model: models.Model | None = None) -> Job:
@@ -236,12 +268,14 @@ def describe_job(config: JobConfig, model: models.Model | None = None) -> Job:
 
 
 def _plan(config: JobConfig, model: models.Model) -> PartitionPlan:
-    return PartitionPlan(model.specs(), config.cluster.shards, config.cluster.links.slice_bytes,
-                         tables=models.model_tables(model))
+    return PartitionPlan(
+        model.specs(), config.cluster.shards, config.cluster.links.slice_bytes, tables=models.model_tables(model)
+    )
 
 
-def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None,
-                    model: Any = None) -> models.Model:
+def build_job_model(
+    config: JobConfig, data: datasets.Dataset | datasets.DataShape | None = None, model: Any = None
+) -> models.Model:
     """The model a job file describes, for ``data``'s input shape and class count.
 
     Without ``data`` they come from :func:`psgd.data.describe_dataset`, which reads headers and labels
@@ -254,12 +288,20 @@ def build_job_model(config: JobConfig, data: datasets.Dataset | datasets.DataSha
     if data is None:
         data = datasets.describe_dataset(config.data["name"], dtype=dtype, **config.options("data"))
     made = models.build_model(
-        config.model["name"] if model is None else model, data.input_shape, data.num_classes, dtype=dtype,
-        id_shape=data.id_shape, target=data.target, **config.options("model"))
+        config.model["name"] if model is None else model,
+        data.input_shape,
+        data.num_classes,
+        dtype=dtype,
+        id_shape=data.id_shape,
+        target=data.target,
+        **config.options("model"),
+    )
     if data.target == "classes" and data.target_shape and getattr(made, "target", None) == "classes":
-        raise ConfigError(f"model {config.model['name']!r} gives one class per example, but {data.name}'s targets "
-                          f"are a class per position {data.target_shape}: write a model whose scores are "
-                          "(batch, *positions, classes) (docs/howto/your-model.md)")
+        raise ConfigError(
+            f"model {config.model['name']!r} gives one class per example, but {data.name}'s targets "
+            f"are a class per position {data.target_shape}: write a model whose scores are "
+            "(batch, *positions, classes) (docs/howto/your-model.md)"
+        )
     return made
 
 
@@ -276,8 +318,10 @@ def check_fits(specs: list[models.VarSpec], what: str, total: int | None = None)
     need = sum(s.size * (8 + np.dtype(s.dtype).itemsize) for s in specs)
     if need > total:
         dtypes = "/".join(sorted({s.dtype for s in specs}))
-        raise ConfigError(f"{what}: its variables ({count:,} parameters of {dtypes}, {need / 2**30:.1f} GiB while "
-                          f"they are initialized) do not fit this machine's {total / 2**30:.1f} GiB of memory")
+        raise ConfigError(
+            f"{what}: its variables ({count:,} parameters of {dtypes}, {need / 2**30:.1f} GiB while "
+            f"they are initialized) do not fit this machine's {total / 2**30:.1f} GiB of memory"
+        )
 
 
 def params_to_device(params: Mapping[str, np.ndarray], device: backend.Device) -> dict[str, Any]:

@@ -25,11 +25,18 @@ def forward(module: str) -> Callable[[str], Any]:
 
     def __getattr__(name: str) -> Any:
         if name not in names:
-            raise AttributeError(f"{module} has no attribute {name!r}: it has moved, and of its names only "
-                                 + ", ".join(f"{n} (now in {home})" for n, home in names.items()) + " were public")
+            raise AttributeError(
+                f"{module} has no attribute {name!r}: it has moved, and of its names only "
+                + ", ".join(f"{n} (now in {home})" for n, home in names.items())
+                + " were public"
+            )
         value = getattr(importlib.import_module(names[name]), name)
-        warnings.warn(f"{module}.{name} has moved: import it from {names[name]}; the old name goes in a later "
-                      "release (CHANGELOG.md)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{module}.{name} has moved: import it from {names[name]}; the old name goes in a later "
+            "release (CHANGELOG.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         vars(sys.modules[module])[name] = value
         return value
 

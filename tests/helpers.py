@@ -10,8 +10,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -22,7 +23,6 @@ from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
-
 
 #: The job's token, as a user's shell holds it for the processes of a job they start by hand (psgd-server refuses
 #: to start without one): the same for every process a test starts.
@@ -45,7 +45,11 @@ def shards(job: JobConfig) -> Iterator[tuple[JobConfig, list[ShardServer]]]:
     servers = []
     try:
         for k in range(job.cluster.shards):
-            servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport=job.cluster.links.transport).start())
+            servers.append(
+                ShardServer(
+                    build_shard(describe_job(job), k), "127.0.0.1:0", transport=job.cluster.links.transport
+                ).start()
+            )
         yield job.override("cluster.servers", [s.address for s in servers]), servers
     finally:
         for s in servers:
@@ -107,8 +111,14 @@ def wait_for(predicate, timeout: float, what: str):
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
-_IDX_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype("i2"): 0x0B,
-              np.dtype("i4"): 0x0C, np.dtype("f4"): 0x0D, np.dtype("f8"): 0x0E}
+_IDX_CODES = {
+    np.dtype("u1"): 0x08,
+    np.dtype("i1"): 0x09,
+    np.dtype("i2"): 0x0B,
+    np.dtype("i4"): 0x0C,
+    np.dtype("f4"): 0x0D,
+    np.dtype("f8"): 0x0E,
+}
 
 
 def idx_bytes(arr: np.ndarray) -> bytes:

@@ -12,15 +12,33 @@ import itertools
 import math
 from typing import Any
 
-from psgd.compute import kernels
 from psgd.autodiff import ops
 from psgd.autodiff.pool import avg_pool1d, avg_pool2d, max_pool1d, max_pool2d  # (nn's operations: pool.py's code)
 from psgd.autodiff.tensor import Tensor, data_of, make, scaled
+from psgd.compute import kernels
 from psgd.compute.backend import get_array_module
 
-__all__ = ["linear", "log_softmax", "softmax", "cross_entropy", "sigmoid_cross_entropy", "mse", "conv1d", "conv2d",
-           "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "gru_cell", "lstm_cell", "attention", "layer_norm",
-           "batch_norm", "dropout", "lookup"]
+__all__ = [
+    "linear",
+    "log_softmax",
+    "softmax",
+    "cross_entropy",
+    "sigmoid_cross_entropy",
+    "mse",
+    "conv1d",
+    "conv2d",
+    "max_pool1d",
+    "max_pool2d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "gru_cell",
+    "lstm_cell",
+    "attention",
+    "layer_norm",
+    "batch_norm",
+    "dropout",
+    "lookup",
+]
 
 
 def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
@@ -43,6 +61,7 @@ def linear(x: Any, w: Any, b: Any = None, relu: bool = False) -> Tensor:
             g = kernels.relu_grad(g, out)
         gx = kernels.matmul(g, W.T) if isinstance(x, Tensor) and (x.requires_grad or x.node) else None
         return gx, kernels.matmul(X.T, g), (g.sum(axis=0) if b is not None else None)
+
     return make(out, (x, w, b), rule, "linear")
 
 
@@ -75,8 +94,10 @@ def cross_entropy(logits: Any, target: Any) -> Tensor:
         Z, T = Z.reshape(-1, shape[-1]), T.reshape(-1)
     batch = Z.shape[0]
     if Z.ndim != 2 or T.shape not in ((batch,), Z.shape):
-        raise ValueError(f"cross_entropy: need logits (B, K) and labels (B,) or targets (B, K), or logits "
-                         f"(B, T, K) and labels (B, T), got {shape} and {T.shape}")
+        raise ValueError(
+            f"cross_entropy: need logits (B, K) and labels (B,) or targets (B, K), or logits "
+            f"(B, T, K) and labels (B, T), got {shape} and {T.shape}"
+        )
     if T.ndim == 1:
         fused = kernels.softmax_xent(Z, T)  # on a GPU: one kernel a row, then the sum
         if fused is not None:
@@ -112,8 +133,7 @@ def sigmoid_cross_entropy(logits: Any, target: Any) -> Tensor:
         raise ValueError(f"sigmoid_cross_entropy: logits {Z.shape} and targets {T.shape} differ")
     batch = Z.shape[0]
     loss = (xp.maximum(Z, 0) - Z * T + xp.log1p(xp.exp(-xp.abs(Z)))).sum() / batch
-    return make(loss, (logits,), lambda g: ((0.5 * (xp.tanh(0.5 * Z) + 1) - T) * (g / batch),),
-                "sigmoid_cross_entropy")
+    return make(loss, (logits,), lambda g: ((0.5 * (xp.tanh(0.5 * Z) + 1) - T) * (g / batch),), "sigmoid_cross_entropy")
 
 
 def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
@@ -132,16 +152,18 @@ def mse(outputs: Any, targets: Any, num_classes: int | None = None) -> Tensor:
 
 
 # -- convolution and pooling ---------------------------------------------------------------------------------------
-def conv1d(x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0, dilation: int = 1,
-           groups: int = 1) -> Tensor:
+def conv1d(
+    x: Any, w: Any, b: Any = None, stride: int = 1, padding: int = 0, dilation: int = 1, groups: int = 1
+) -> Tensor:
     """1-D cross-correlation: ``x`` (B, C, L), ``w`` (O, C // groups, k), ``b`` (O,); ``padding`` zeros each side,
     taps ``dilation`` apart, every ``stride``-th position, the channels in ``groups`` of their own (as PyTorch's
     ``conv1d``).  By strided windows and one matmul each way (see :func:`conv2d`)."""
     return _convolution(x, w, b, stride, padding, dilation, groups, "conv1d")
 
 
-def conv2d(x: Any, w: Any, b: Any = None, padding: int = 0, stride: int = 1, dilation: int = 1,
-           groups: int = 1) -> Tensor:
+def conv2d(
+    x: Any, w: Any, b: Any = None, padding: int = 0, stride: int = 1, dilation: int = 1, groups: int = 1
+) -> Tensor:
     """2-D cross-correlation: ``x`` (B, C, H, W), ``w`` (O, C // groups, kh, kw), ``b`` (O,); ``padding`` zeros each
     side, taps ``dilation`` apart, every ``stride``-th position, the channels in ``groups``.  Every window is one
     copy of a strided view (im2col), and each way is one matmul (:func:`psgd.compute.kernels.matmul`'s, so that on
@@ -160,8 +182,10 @@ def _convolution(x: Any, w: Any, b: Any, stride: int, padding: int, dilation: in
     n, c, size = X.shape[0], X.shape[1], X.shape[2:]
     o, k = W.shape[0], W.shape[2:]
     if s < 1 or d < 1 or p < 0 or groups < 1 or c % groups or o % groups or W.shape[1] != c // groups:
-        raise ValueError(f"{name}: input {X.shape}, weights {W.shape}, stride {s}, padding {p}, dilation {d} and "
-                         f"groups {groups} do not fit")
+        raise ValueError(
+            f"{name}: input {X.shape}, weights {W.shape}, stride {s}, padding {p}, dilation {d} and "
+            f"groups {groups} do not fit"
+        )
     out = tuple((size[i] + 2 * p - d * (k[i] - 1) - 1) // s + 1 for i in range(nd))
     if min(out) < 1:
         raise ValueError(f"{name}: input {size} with padding {p} is smaller than the kernel {k} at dilation {d}")
@@ -182,15 +206,17 @@ def _convolution(x: Any, w: Any, b: Any, stride: int, padding: int, dilation: in
         gb = g4.sum(axis=(0, 3)).reshape(-1) if b is not None else None
         if not (isinstance(x, Tensor) and (x.requires_grad or x.node)):
             return None, gw.reshape(W.shape), gb
-        gcols = (kernels.matmul(w3[0].T, g4[:, 0]) if groups == 1 else xp.matmul(w3.transpose(0, 2, 1), g4))
+        gcols = kernels.matmul(w3[0].T, g4[:, 0]) if groups == 1 else xp.matmul(w3.transpose(0, 2, 1), g4)
         gcols = gcols.reshape((n, c) + tuple(k) + out)
         # col2im: each tap's slice of every window added back where it was taken from, one strided addition a tap
         gpad = xp.zeros((n, c) + tuple(m + 2 * p for m in size), dtype=g.dtype)
         for tap in itertools.product(*(range(m) for m in k)):
-            gpad[(slice(None), slice(None)) + tuple(slice(t * d, t * d + s * (m - 1) + 1, s) for t, m in zip(tap, out))
-                 ] += gcols[(slice(None), slice(None)) + tap]
+            gpad[
+                (slice(None), slice(None)) + tuple(slice(t * d, t * d + s * (m - 1) + 1, s) for t, m in zip(tap, out))
+            ] += gcols[(slice(None), slice(None)) + tap]
         gx = gpad[(slice(None), slice(None)) + tuple(slice(p, p + m) for m in size)] if p else gpad
         return gx, gw.reshape(W.shape), gb
+
     return make(y, (x, w, b), rule, name)
 
 
@@ -200,9 +226,13 @@ def _windows(A: Any, k: tuple[int, ...], dilation: int, stride: int, out: tuple[
     n, c = A.shape[:2]
     step = A.strides[2:]
     view = get_array_module(A).lib.stride_tricks.as_strided(
-        A, (n, groups, c // groups) + tuple(k) + tuple(out),
-        A.strides[:1] + (c // groups * A.strides[1], A.strides[1]) + tuple(t * dilation for t in step)
-        + tuple(t * stride for t in step))
+        A,
+        (n, groups, c // groups) + tuple(k) + tuple(out),
+        A.strides[:1]
+        + (c // groups * A.strides[1], A.strides[1])
+        + tuple(t * dilation for t in step)
+        + tuple(t * stride for t in step),
+    )
     return view.reshape(n, groups, -1, math.prod(out))
 
 
@@ -218,13 +248,20 @@ def _gates(X: Any, H: Any, W_ih: Any, W_hh: Any, b_ih: Any, b_hh: Any) -> tuple[
     return gi, gh
 
 
-def _cell_grads(da: Any, dgh: Any, x: Any, h: Any, X: Any, H: Any, W_ih: Any, W_hh: Any, b_ih: Any,
-                b_hh: Any) -> tuple[Any, ...]:
+def _cell_grads(
+    da: Any, dgh: Any, x: Any, h: Any, X: Any, H: Any, W_ih: Any, W_hh: Any, b_ih: Any, b_hh: Any
+) -> tuple[Any, ...]:
     """The gradients of a cell's x, h, w_ih, w_hh, b_ih, b_hh from those of its two products' outputs."""
     gx = kernels.matmul(da, W_ih.T) if isinstance(x, Tensor) else None
     gh = kernels.matmul(dgh, W_hh.T) if isinstance(h, Tensor) else None
-    return (gx, gh, kernels.matmul(X.T, da), kernels.matmul(H.T, dgh),
-            da.sum(axis=0) if b_ih is not None else None, dgh.sum(axis=0) if b_hh is not None else None)
+    return (
+        gx,
+        gh,
+        kernels.matmul(X.T, da),
+        kernels.matmul(H.T, dgh),
+        da.sum(axis=0) if b_ih is not None else None,
+        dgh.sum(axis=0) if b_hh is not None else None,
+    )
 
 
 def gru_cell(x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None) -> Tensor:
@@ -236,30 +273,32 @@ def gru_cell(x: Any, h: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any =
     xp = get_array_module(X)
     gi, gh = _gates(X, H, W_ih, W_hh, b_ih, b_hh)
     size = H.shape[-1]
-    rz = gi[:, :2 * size] + gh[:, :2 * size]
+    rz = gi[:, : 2 * size] + gh[:, : 2 * size]
     rz = 0.5 * (xp.tanh(0.5 * rz) + 1)  # the sigmoid, without overflow
     r, z = rz[:, :size], rz[:, size:]
-    hn = gh[:, 2 * size:]
-    n = xp.tanh(gi[:, 2 * size:] + r * hn)
+    hn = gh[:, 2 * size :]
+    n = xp.tanh(gi[:, 2 * size :] + r * hn)
     out = n + z * (H - n)
 
     def rule(g):
         da = xp.empty_like(gi)
         dn = g * (1 - z) * (1 - n * n)  # at n's input
         da[:, :size] = dn * hn * r * (1 - r)
-        da[:, size:2 * size] = g * (H - n) * z * (1 - z)
-        da[:, 2 * size:] = dn
+        da[:, size : 2 * size] = g * (H - n) * z * (1 - z)
+        da[:, 2 * size :] = dn
         dgh = da.copy()
-        dgh[:, 2 * size:] *= r
+        dgh[:, 2 * size :] *= r
         grads = _cell_grads(da, dgh, x, h, X, H, W_ih, W_hh, b_ih, b_hh)
         if grads[1] is not None:
             grads[1][...] += g * z
         return grads
+
     return make(out, (x, h, w_ih, w_hh, b_ih, b_hh), rule, "gru_cell")
 
 
-def lstm_cell(x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
-              ) -> tuple[Tensor, Tensor]:
+def lstm_cell(
+    x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None
+) -> tuple[Tensor, Tensor]:
     """One step of an LSTM (Hochreiter & Schmidhuber, 1997, as PyTorch's ``LSTMCell``): ``x`` (B, in), the state
     ``h`` and ``c`` (B, H), ``w_ih`` (in, 4H), ``w_hh`` (H, 4H), ``b_ih`` and ``b_hh`` (4H,), the gates in the order
     input, forget, cell, output: ``c' = f * c + i * g, h' = o * tanh(c')``.  Returns ``(h', c')``, views of one
@@ -269,10 +308,10 @@ def lstm_cell(x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_
     gi, gh = _gates(X, H, W_ih, W_hh, b_ih, b_hh)
     size = H.shape[-1]
     a = gi + gh
-    a[:, 2 * size:3 * size] = xp.tanh(a[:, 2 * size:3 * size])
+    a[:, 2 * size : 3 * size] = xp.tanh(a[:, 2 * size : 3 * size])
     for lo, hi in ((0, 2 * size), (3 * size, 4 * size)):
         a[:, lo:hi] = 0.5 * (xp.tanh(0.5 * a[:, lo:hi]) + 1)
-    i, f, gg, o = (a[:, k * size:(k + 1) * size] for k in range(4))
+    i, f, gg, o = (a[:, k * size : (k + 1) * size] for k in range(4))
     state = xp.empty((2,) + H.shape, dtype=a.dtype)
     state[1] = f * C + i * gg
     tc = xp.tanh(state[1])
@@ -283,11 +322,12 @@ def lstm_cell(x: Any, h: Any, c: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_
         dc = dc + dh * o * (1 - tc * tc)
         da = xp.empty_like(a)
         da[:, :size] = dc * gg * i * (1 - i)
-        da[:, size:2 * size] = dc * C * f * (1 - f)
-        da[:, 2 * size:3 * size] = dc * i * (1 - gg * gg)
-        da[:, 3 * size:] = dh * tc * o * (1 - o)
+        da[:, size : 2 * size] = dc * C * f * (1 - f)
+        da[:, 2 * size : 3 * size] = dc * i * (1 - gg * gg)
+        da[:, 3 * size :] = dh * tc * o * (1 - o)
         gx, gh_, gw_ih, gw_hh, gb_ih, gb_hh = _cell_grads(da, da, x, h, X, H, W_ih, W_hh, b_ih, b_hh)
         return gx, gh_, dc * f if isinstance(c, Tensor) else None, gw_ih, gw_hh, gb_ih, gb_hh
+
     both = make(state, (x, h, c, w_ih, w_hh, b_ih, b_hh), rule, "lstm_cell")
     return ops.getitem(both, 0), ops.getitem(both, 1)
 
@@ -297,8 +337,10 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
     axes, ``q`` (..., Tq, d), ``k`` (..., Tk, d), ``v`` (..., Tk, dv); ``causal``: query i sees keys up to i
     only (Tq == Tk)."""
     Q, K = data_of(q), data_of(k)
-    scores = ops.mul(ops.matmul(q, ops.transpose(k, tuple(range(K.ndim - 2)) + (K.ndim - 1, K.ndim - 2))),
-                     1.0 / math.sqrt(Q.shape[-1]))
+    scores = ops.mul(
+        ops.matmul(q, ops.transpose(k, tuple(range(K.ndim - 2)) + (K.ndim - 1, K.ndim - 2))),
+        1.0 / math.sqrt(Q.shape[-1]),
+    )
     if causal:
         tq, tk = Q.shape[-2], K.shape[-2]
         if tq != tk:
@@ -309,8 +351,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
 
 
 # -- normalization, dropout, lookups -------------------------------------------------------------------------------
-def _normalize(x: Any, axes: tuple[int, ...], stats: tuple[Any, Any] | None, eps: float
-               ) -> tuple[Tensor, Any, Any]:
+def _normalize(x: Any, axes: tuple[int, ...], stats: tuple[Any, Any] | None, eps: float) -> tuple[Tensor, Any, Any]:
     """``((x - mean) / sqrt(var + eps), mean, var)``: the statistics over ``axes`` of ``x`` itself where ``stats`` is
     None (they depend on ``x``, and the rule says how: training), else ``stats`` (constants: evaluation)."""
     X = data_of(x)
@@ -323,6 +364,7 @@ def _normalize(x: Any, axes: tuple[int, ...], stats: tuple[Any, Any] | None, eps
         if stats is not None:
             return (g * inv,)
         return ((g - g.mean(axis=axes, keepdims=True) - out * (g * out).mean(axis=axes, keepdims=True)) * inv,)
+
     return make(out, (x,), rule, "normalize"), mean, var
 
 
@@ -333,8 +375,16 @@ def layer_norm(x: Any, gamma: Any, beta: Any, eps: float = 1e-5) -> Tensor:
     return ops.add(ops.mul(normal, gamma), beta)
 
 
-def batch_norm(x: Any, gamma: Any, beta: Any, running_mean: Any, running_var: Any, training: bool,
-               momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+def batch_norm(
+    x: Any,
+    gamma: Any,
+    beta: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
     """Batch normalization (Ioffe & Szegedy, 2015) of ``x`` (B, C) or (B, C, H, W) per channel C: in training with
     the batch's statistics, which also move ``running_mean`` and ``running_var`` (arrays of C, updated in place:
     ``(1 - momentum) * running + momentum * batch``, the variance unbiased, as PyTorch does); in evaluation with the

@@ -11,17 +11,45 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from psgd.compute import kernels
 from psgd.autodiff.tensor import Part, Tensor, array_module, data_of, make, unbroadcast
+from psgd.compute import kernels
 from psgd.compute.backend import get_array_module, scatter_add
 
-__all__ = ["add", "sub", "mul", "div", "power", "neg", "matmul", "sum", "mean", "max", "reshape", "transpose",
-           "concatenate", "pad", "stack", "getitem", "take", "where", "maximum", "exp", "log", "sqrt", "abs", "tanh",
-           "sigmoid", "relu", "softplus", "gelu"]
+__all__ = [
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "power",
+    "neg",
+    "matmul",
+    "sum",
+    "mean",
+    "max",
+    "reshape",
+    "transpose",
+    "concatenate",
+    "pad",
+    "stack",
+    "getitem",
+    "take",
+    "where",
+    "maximum",
+    "exp",
+    "log",
+    "sqrt",
+    "abs",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "softplus",
+    "gelu",
+]
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -29,6 +57,7 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 _xp = array_module
+
 
 # -- arithmetic, with broadcasting ---------------------------------------------------------------------------------
 def add(a: Any, b: Any) -> Tensor:
@@ -55,12 +84,13 @@ def div(a: Any, b: Any) -> Tensor:
 def power(a: Any, p: Any) -> Tensor:
     """``a ** p``; the gradient with respect to a tensor exponent is ``a ** p * log(a)`` (``a`` > 0 there)."""
     A, P = data_of(a), data_of(p)
-    out = A ** P
+    out = A**P
 
     def rule(g):
         ga = unbroadcast(g * P * A ** (P - 1), _shape(a)) if isinstance(a, Tensor) else None
         gp = unbroadcast(g * out * _xp(a).log(A), _shape(p)) if isinstance(p, Tensor) else None
         return ga, gp
+
     return make(out, (a, p), rule, "power")
 
 
@@ -76,8 +106,10 @@ def matmul(a: Any, b: Any) -> Tensor:
 
     def rule(g):
         if A.ndim == 2 and B.ndim == 2:
-            return (kernels.matmul(g, B.T) if isinstance(a, Tensor) else None,
-                    kernels.matmul(A.T, g) if isinstance(b, Tensor) else None)
+            return (
+                kernels.matmul(g, B.T) if isinstance(a, Tensor) else None,
+                kernels.matmul(A.T, g) if isinstance(b, Tensor) else None,
+            )
         xp = get_array_module(g)
         a2 = A[None, :] if A.ndim == 1 else A  # a vector is a row on the left, a column on the right
         b2 = B[:, None] if B.ndim == 1 else B
@@ -86,11 +118,18 @@ def matmul(a: Any, b: Any) -> Tensor:
             g2 = xp.expand_dims(g2, -2)
         if B.ndim == 1:
             g2 = xp.expand_dims(g2, -1)
-        ga = (unbroadcast(kernels.matmul(g2, xp.swapaxes(b2, -1, -2)), a2.shape).reshape(A.shape)
-              if isinstance(a, Tensor) else None)
-        gb = (unbroadcast(kernels.matmul(xp.swapaxes(a2, -1, -2), g2), b2.shape).reshape(B.shape)
-              if isinstance(b, Tensor) else None)
+        ga = (
+            unbroadcast(kernels.matmul(g2, xp.swapaxes(b2, -1, -2)), a2.shape).reshape(A.shape)
+            if isinstance(a, Tensor)
+            else None
+        )
+        gb = (
+            unbroadcast(kernels.matmul(xp.swapaxes(a2, -1, -2), g2), b2.shape).reshape(B.shape)
+            if isinstance(b, Tensor)
+            else None
+        )
         return ga, gb
+
     return make(out, (a, b), rule, "matmul")
 
 
@@ -118,8 +157,9 @@ def mean(a: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
     A = data_of(a)
     axes = _axes(axis, A.ndim)
     count = math.prod(A.shape[i] for i in axes)
-    return make(A.mean(axis=axes, keepdims=keepdims), (a,),
-                lambda g: (_spread(g / count, A.shape, axes, keepdims),), "mean")
+    return make(
+        A.mean(axis=axes, keepdims=keepdims), (a,), lambda g: (_spread(g / count, A.shape, axes, keepdims),), "mean"
+    )
 
 
 def max(a: Any, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A001
@@ -131,8 +171,10 @@ def max(a: Any, axis: Any = None, keepdims: bool = False) -> Tensor:  # noqa: A0
     def rule(g):
         winners = (A == top).astype(A.dtype)
         return (_spread(g, A.shape, axes, keepdims) * winners / winners.sum(axis=axes, keepdims=True),)
-    return make(top if keepdims else top.reshape([n for i, n in enumerate(A.shape) if i not in axes]), (a,), rule,
-                "max")
+
+    return make(
+        top if keepdims else top.reshape([n for i, n in enumerate(A.shape) if i not in axes]), (a,), rule, "max"
+    )
 
 
 # -- shapes and indexing -------------------------------------------------------------------------------------------
@@ -163,6 +205,7 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> Tensor:
             index[axis] = slice(lo, hi)
             parts.append(g[tuple(index)])
         return parts
+
     return make(out, tuple(xs), rule, "concatenate")
 
 
@@ -172,8 +215,10 @@ def pad(a: Any, widths: Any, value: float = 0.0) -> Tensor:
     output's."""
     A = data_of(a)
     xp = get_array_module(A)
-    spans = [(int(before), int(after)) for before, after in np.broadcast_to(np.asarray(widths, dtype=np.int64),
-                                                                              (A.ndim, 2)).tolist()]
+    spans = [
+        (int(before), int(after))
+        for before, after in np.broadcast_to(np.asarray(widths, dtype=np.int64), (A.ndim, 2)).tolist()
+    ]
     if any(before < 0 or after < 0 for before, after in spans):
         raise ValueError(f"pad: widths must be >= 0, got {widths!r}")
     inner = tuple(slice(before, before + n) for (before, _), n in zip(spans, A.shape))
@@ -189,9 +234,13 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Tensor:
 
 def _basic(index: Any) -> bool:
     """Whether ``index`` is basic indexing (integers, slices, ``...``, None): each entry taken at most once."""
-    for i in (index if type(index) is tuple else (index,)):
-        if not (i is None or i is Ellipsis or type(i) is slice or
-                (isinstance(i, numbers.Integral) and not isinstance(i, bool))):
+    for i in index if type(index) is tuple else (index,):
+        if not (
+            i is None
+            or i is Ellipsis
+            or type(i) is slice
+            or (isinstance(i, numbers.Integral) and not isinstance(i, bool))
+        ):
             return False
     return True
 
@@ -209,6 +258,7 @@ def getitem(a: Any, index: Any) -> Tensor:
         out = get_array_module(g).zeros_like(A)
         scatter_add(out, index, g)
         return (out,)
+
     return make(A[index], (a,), rule, "getitem")
 
 
@@ -223,17 +273,24 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
     C = data_of(condition)
     xp = _xp(a, b, condition)
     zero = xp.zeros((), dtype=xp.result_type(data_of(a), data_of(b)))
-    return make(xp.where(C, data_of(a), data_of(b)), (a, b),
-                lambda g: (unbroadcast(xp.where(C, g, zero), _shape(a)), unbroadcast(xp.where(C, zero, g), _shape(b))),
-                "where")
+    return make(
+        xp.where(C, data_of(a), data_of(b)),
+        (a, b),
+        lambda g: (unbroadcast(xp.where(C, g, zero), _shape(a)), unbroadcast(xp.where(C, zero, g), _shape(b))),
+        "where",
+    )
 
 
 def maximum(a: Any, b: Any) -> Tensor:
     """The larger of ``a`` and ``b``; on a tie the gradient goes to ``a``."""
     A, B = data_of(a), data_of(b)
     first = A >= B
-    return make(_xp(a, b).maximum(A, B), (a, b),
-                lambda g: (unbroadcast(g * first, _shape(a)), unbroadcast(g * ~first, _shape(b))), "maximum")
+    return make(
+        _xp(a, b).maximum(A, B),
+        (a, b),
+        lambda g: (unbroadcast(g * first, _shape(a)), unbroadcast(g * ~first, _shape(b))),
+        "maximum",
+    )
 
 
 # -- elementwise functions -----------------------------------------------------------------------------------------
@@ -291,11 +348,12 @@ def gelu(a: Any) -> Tensor:
     ``0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))``."""
     A = data_of(a)
     xp = _xp(a)
-    t = xp.tanh(_GELU_C * (A + 0.044715 * A ** 3))
+    t = xp.tanh(_GELU_C * (A + 0.044715 * A**3))
     out = 0.5 * A * (1 + t)
 
     def rule(g):
         return (g * (0.5 * (1 + t) + 0.5 * A * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * A * A)),)
+
     return make(out, (a,), rule, "gelu")
 
 
@@ -309,9 +367,24 @@ def _transpose(self: Tensor, *axes: Any) -> Tensor:
 
 
 for _name, _method in {
-        "__add__": add, "__radd__": lambda a, b: add(b, a), "__sub__": sub, "__rsub__": lambda a, b: sub(b, a),
-        "__mul__": mul, "__rmul__": lambda a, b: mul(b, a), "__truediv__": div,
-        "__rtruediv__": lambda a, b: div(b, a), "__pow__": power, "__neg__": neg, "__matmul__": matmul,
-        "__rmatmul__": lambda a, b: matmul(b, a), "__getitem__": getitem, "T": property(transpose),
-        "sum": sum, "mean": mean, "max": max, "reshape": _reshape, "transpose": _transpose}.items():
+    "__add__": add,
+    "__radd__": lambda a, b: add(b, a),
+    "__sub__": sub,
+    "__rsub__": lambda a, b: sub(b, a),
+    "__mul__": mul,
+    "__rmul__": lambda a, b: mul(b, a),
+    "__truediv__": div,
+    "__rtruediv__": lambda a, b: div(b, a),
+    "__pow__": power,
+    "__neg__": neg,
+    "__matmul__": matmul,
+    "__rmatmul__": lambda a, b: matmul(b, a),
+    "__getitem__": getitem,
+    "T": property(transpose),
+    "sum": sum,
+    "mean": mean,
+    "max": max,
+    "reshape": _reshape,
+    "transpose": _transpose,
+}.items():
     setattr(Tensor, _name, _method)

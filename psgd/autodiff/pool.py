@@ -38,6 +38,7 @@ def _max_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
             if t < len(taps) - 1:
                 rest -= won  # (exact: rest or 0)
         return (gx,)
+
     return make(out, (x,), rule, name)
 
 
@@ -53,7 +54,7 @@ def avg_pool2d(x: Any, size: int = 2) -> Tensor:
 
 def _avg_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
     X, xp, taps = _checked_taps(x, size, nd, name)
-    scale = 1.0 / size ** nd
+    scale = 1.0 / size**nd
     out = taps[0][1].copy()
     for _, view in taps[1:]:
         out += view
@@ -65,6 +66,7 @@ def _avg_pool(x: Any, size: int, nd: int, name: str) -> Tensor:
         for index, _ in taps:
             gx[index] = share
         return (gx,)
+
     return make(out, (x,), rule, name)
 
 
@@ -85,8 +87,10 @@ def _taps(X: Any, size: int) -> list[tuple[Any, Any]]:
     spatial = X.shape[2:]
     out = tuple(n // size for n in spatial)
     if min(out) < 1:
-        raise ValueError(f"pooling: input {'x'.join(map(str, spatial))} is smaller than the "
-                         f"{'x'.join([str(size)] * len(spatial))} window")
+        raise ValueError(
+            f"pooling: input {'x'.join(map(str, spatial))} is smaller than the "
+            f"{'x'.join([str(size)] * len(spatial))} window"
+        )
     taps = []
     for offset in itertools.product(range(size), repeat=len(spatial)):
         index = (slice(None), slice(None)) + tuple(slice(o, size * n, size) for o, n in zip(offset, out))

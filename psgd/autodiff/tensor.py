@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from heapq import heappop, heappush
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from psgd.compute.backend import get_array_module, to_host
+
 
 class _State(threading.local):
     """This thread's: whether operations record (off inside :func:`no_grad`), and the seed of the backward in hand
@@ -133,7 +135,7 @@ class Part:
         out[self.index] = self.grad
         return out
 
-    def __mul__(self, factor: Any) -> "Part":
+    def __mul__(self, factor: Any) -> Part:
         return Part(self.shape, self.dtype, self.index, self.grad * factor)
 
 
@@ -163,8 +165,7 @@ def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
     return out.reshape(shape)
 
 
-def backward(loss: Tensor, grad: Any = None,
-             on_grad: Callable[[Tensor, Any], None] | None = None) -> None:
+def backward(loss: Tensor, grad: Any = None, on_grad: Callable[[Tensor, Any], None] | None = None) -> None:
     """Gradients of ``loss`` (``grad``: the gradient of something with respect to it; 1 for a scalar loss) for every
     leaf tensor that requires one, added to its ``grad``.  ``on_grad(leaf, grad)`` is called for each such leaf as
     soon as its gradient is complete.  Every node a gradient reaches is released once its rule has run."""

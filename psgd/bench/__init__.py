@@ -8,9 +8,18 @@ Markdown table and plots::
     result = run_lab(preset("quick"), "lab-out")
 """
 
-from psgd.bench.lab import Contender, LabConfig, Scenario, parse_contender, parse_scenario, preset
 from psgd.bench.convergence import run_lab
+from psgd.bench.lab import Contender, LabConfig, Scenario, parse_contender, parse_scenario, preset
 from psgd.bench.labresult import LabResult, RunResult
 
-__all__ = ["Contender", "LabConfig", "LabResult", "RunResult", "Scenario", "parse_contender", "parse_scenario",
-           "preset", "run_lab"]
+__all__ = [
+    "Contender",
+    "LabConfig",
+    "LabResult",
+    "RunResult",
+    "Scenario",
+    "parse_contender",
+    "parse_scenario",
+    "preset",
+    "run_lab",
+]

@@ -68,22 +68,36 @@ def mpi_child(sizes: list[int], repeats: int) -> None:
 
         def bare_in_pieces() -> None:
             for start in range(0, n, step):
-                comm.Allreduce(MPI.IN_PLACE, buf[start:start + step], op=MPI.SUM)
+                comm.Allreduce(MPI.IN_PLACE, buf[start : start + step], op=MPI.SUM)
 
         psgd_s = _timed(lambda: bucketer.allreduce_mean(group, grads), repeats, comm.Barrier)
         bare_s = _timed(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), repeats, comm.Barrier)
         pieces_s = _timed(bare_in_pieces, repeats, comm.Barrier)
         worst = [comm.allreduce(t, op=MPI.MAX) for t in (psgd_s, bare_s, pieces_s)]
         if group.rank == 0:
-            print(json.dumps({"size": size, "psgd_s": worst[0], "bare_s": worst[1], "bare_pieces_s": worst[2]}),
-                  flush=True)
+            print(
+                json.dumps({"size": size, "psgd_s": worst[0], "bare_s": worst[1], "bare_pieces_s": worst[2]}),
+                flush=True,
+            )
 
 
 def run_mpi(sizes: list[int], ranks: int, repeats: int) -> dict[int, dict]:
     from psgd.launcher import find_mpiexec
 
-    argv = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "psgd.bench.allreduce", "--child", "mpi",
-            "--sizes-mb", ",".join(str(s / MB) for s in sizes), "--repeats", str(repeats)]
+    argv = [
+        find_mpiexec(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "psgd.bench.allreduce",
+        "--child",
+        "mpi",
+        "--sizes-mb",
+        ",".join(str(s / MB) for s in sizes),
+        "--repeats",
+        str(repeats),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise SystemExit(f"mpi benchmark failed:\n{done.stderr[-3000:]}")
@@ -123,16 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", default="1,4,16,64,256,400", help="gradient sizes in MB (10^6 bytes)")
     parser.add_argument("--ranks", type=int, default=2, help="MPI ranks (default 2)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure; the median is reported")
-    parser.add_argument("--network", metavar="LIST",
-                        help="instead: on emulated links of these rates (e.g. 1gbit,10gbit; root and tc), --ranks "
-                             "MPI ranks against as many workers on as many shards, gradients as float32 and bf16, "
-                             "every process on a host of its own, beside what the link's bytes alone take")
+    parser.add_argument(
+        "--network",
+        metavar="LIST",
+        help="instead: on emulated links of these rates (e.g. 1gbit,10gbit; root and tc), --ranks "
+        "MPI ranks against as many workers on as many shards, gradients as float32 and bf16, "
+        "every process on a host of its own, beside what the link's bytes alone take",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     parser.add_argument("--child", choices=("mpi",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
-        sizes = [int(mb * MB) // 4 * 4 for mb in comma_list(args.sizes_mb, "--sizes-mb", kind=float,
-                                                            what="sizes in MB", at_least=4 / MB)]
+        sizes = [
+            int(mb * MB) // 4 * 4
+            for mb in comma_list(args.sizes_mb, "--sizes-mb", kind=float, what="sizes in MB", at_least=4 / MB)
+        ]
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if args.child == "mpi":
@@ -148,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         except netns.NetworkError as exc:
             parser.error(str(exc))
         with tempfile.TemporaryDirectory() as tmp:
-            rows = shaped.ps_against_allreduce_on(names, sizes, args.ranks, args.repeats, tmp,
-                                                 lambda text: print(text, flush=True))
+            rows = shaped.ps_against_allreduce_on(
+                names, sizes, args.ranks, args.repeats, tmp, lambda text: print(text, flush=True)
+            )
         if args.json:
-            Path(args.json).write_text(json.dumps({"machine": machine(), "ranks": args.ranks,
-                                                   "repeats": args.repeats, "rows": rows}, indent=2))
+            Path(args.json).write_text(
+                json.dumps({"machine": machine(), "ranks": args.ranks, "repeats": args.repeats, "rows": rows}, indent=2)
+            )
         return 0
     tcp, copy = tcp_loopback_gbps(), memcpy_gbps()
     print(f"raw loopback TCP {tcp:.2f} GB/s, memory copy {copy:.2f} GB/s", flush=True)
@@ -160,30 +181,51 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         nccl = run_nccl(sizes, args.repeats, tmp)
         rows = []
-        header = (f"{'size MB':>8} {'mpi ms':>8} {'bare ms':>8} {'psgd/bare':>9} {'bare 4MiB':>9} {'algbw GB/s':>10} "
-                  f"{'nccl ms':>8} {'PS ms':>8} {'pull ms':>8} {'push ms':>8} {'PS GB/s':>8} "
-                  f"{'PS/mpi':>7} {'PS/TCP':>7}")
+        header = (
+            f"{'size MB':>8} {'mpi ms':>8} {'bare ms':>8} {'psgd/bare':>9} {'bare 4MiB':>9} {'algbw GB/s':>10} "
+            f"{'nccl ms':>8} {'PS ms':>8} {'pull ms':>8} {'push ms':>8} {'PS GB/s':>8} "
+            f"{'PS/mpi':>7} {'PS/TCP':>7}"
+        )
         print(header, flush=True)
         for size in sizes:
             ps = run_ps(size, args.repeats, tmp)
             m = mpi[size]
             ps_gbps = 2 * size / ps["step_s"] / 1e9
-            row = {"size_bytes": size, "mpi_allreduce_s": m["psgd_s"], "bare_mpi_allreduce_s": m["bare_s"],
-                   "bare_mpi_allreduce_4mib_pieces_s": m["bare_pieces_s"],
-                   "mpi_algbw_gbps": size / m["psgd_s"] / 1e9,
-                   "nccl_allreduce_s": nccl.get(size) if isinstance(nccl, dict) else None,
-                   "ps_pull_push_s": ps["step_s"], "ps_pull_s": ps["pull_s"], "ps_push_s": ps["push_s"],
-                   "ps_gbps": ps_gbps, "ps_over_mpi": ps["step_s"] / m["psgd_s"], "ps_over_tcp": ps_gbps / tcp}
+            row = {
+                "size_bytes": size,
+                "mpi_allreduce_s": m["psgd_s"],
+                "bare_mpi_allreduce_s": m["bare_s"],
+                "bare_mpi_allreduce_4mib_pieces_s": m["bare_pieces_s"],
+                "mpi_algbw_gbps": size / m["psgd_s"] / 1e9,
+                "nccl_allreduce_s": nccl.get(size) if isinstance(nccl, dict) else None,
+                "ps_pull_push_s": ps["step_s"],
+                "ps_pull_s": ps["pull_s"],
+                "ps_push_s": ps["push_s"],
+                "ps_gbps": ps_gbps,
+                "ps_over_mpi": ps["step_s"] / m["psgd_s"],
+                "ps_over_tcp": ps_gbps / tcp,
+            }
             rows.append(row)
             nccl_ms = f"{row['nccl_allreduce_s'] * 1e3:8.2f}" if row["nccl_allreduce_s"] else f"{'-':>8}"
-            print(f"{size / MB:8.0f} {m['psgd_s'] * 1e3:8.2f} {m['bare_s'] * 1e3:8.2f} "
-                  f"{m['psgd_s'] / m['bare_s']:9.2f} {m['bare_pieces_s'] * 1e3:9.2f} {row['mpi_algbw_gbps']:10.2f} {nccl_ms} "
-                  f"{ps['step_s'] * 1e3:8.1f} {ps['pull_s'] * 1e3:8.1f} {ps['push_s'] * 1e3:8.1f} "
-                  f"{ps_gbps:8.2f} {row['ps_over_mpi']:7.2f} {row['ps_over_tcp']:7.2f}", flush=True)
+            print(
+                f"{size / MB:8.0f} {m['psgd_s'] * 1e3:8.2f} {m['bare_s'] * 1e3:8.2f} "
+                f"{m['psgd_s'] / m['bare_s']:9.2f} {m['bare_pieces_s'] * 1e3:9.2f} "
+                f"{row['mpi_algbw_gbps']:10.2f} {nccl_ms} "
+                f"{ps['step_s'] * 1e3:8.1f} {ps['pull_s'] * 1e3:8.1f} {ps['push_s'] * 1e3:8.1f} "
+                f"{ps_gbps:8.2f} {row['ps_over_mpi']:7.2f} {row['ps_over_tcp']:7.2f}",
+                flush=True,
+            )
     if isinstance(nccl, str):
         print(f"nccl: {nccl}")
-    result = {"machine": machine(), "ranks": args.ranks, "repeats": args.repeats, "tcp_loopback_gbps": tcp,
-              "memcpy_gbps": copy, "nccl": nccl if isinstance(nccl, str) else "measured", "rows": rows}
+    result = {
+        "machine": machine(),
+        "ranks": args.ranks,
+        "repeats": args.repeats,
+        "tcp_loopback_gbps": tcp,
+        "memcpy_gbps": copy,
+        "nccl": nccl if isinstance(nccl, str) else "measured",
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

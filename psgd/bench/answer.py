@@ -22,13 +22,13 @@ def situation(network: str, delay: str) -> str:
 class Row(NamedTuple):
     """One (network, scenario, contender) of the lab, as its answer reads it."""
 
-    situation: str                         # the network and scenario, in words
-    policy: str                            # the contender's spec, e.g. "sync"
-    label: str                             # the contender, in words
-    seconds: float | None                  # the median time to target; None: not reached (or failed)
-    accuracy: float | None                 # the median final accuracy
-    error: str | None                      # why every run failed, where they did
-    spread: tuple[float, float] | None     # the least and most times to target over the repeats
+    situation: str  # the network and scenario, in words
+    policy: str  # the contender's spec, e.g. "sync"
+    label: str  # the contender, in words
+    seconds: float | None  # the median time to target; None: not reached (or failed)
+    accuracy: float | None  # the median final accuracy
+    error: str | None  # why every run failed, where they did
+    spread: tuple[float, float] | None  # the least and most times to target over the repeats
 
 
 def rows(result: LabResult) -> list[Row]:
@@ -38,9 +38,17 @@ def rows(result: LabResult) -> list[Row]:
         first = runs[0]
         m = median_summary(runs)
         failed = all(r.error for r in runs)
-        out.append(Row(situation(first.network, first.delay), first.policy, first.label,
-                       None if failed else m["time_to_target"], None if failed else m["final_accuracy"],
-                       first.error if failed else None, m["spread"].get("time_to_target")))
+        out.append(
+            Row(
+                situation(first.network, first.delay),
+                first.policy,
+                first.label,
+                None if failed else m["time_to_target"],
+                None if failed else m["final_accuracy"],
+                first.error if failed else None,
+                m["spread"].get("time_to_target"),
+            )
+        )
     return out
 
 
@@ -48,10 +56,12 @@ def recommend(result: LabResult) -> str:
     """A few lines per situation: the fastest policy to the target, how much faster than the next and than
     sync, and the final accuracies; then which policies never reached it."""
     target = result.config.target_accuracy
-    lines = [f"# {result.config.name}: which policy to use",
-             "",
-             f"Time to test accuracy {target:g} (median of {result.config.repeats} run(s)), from this lab's table.",
-             ""]
+    lines = [
+        f"# {result.config.name}: which policy to use",
+        "",
+        f"Time to test accuracy {target:g} (median of {result.config.repeats} run(s)), from this lab's table.",
+        "",
+    ]
     table = rows(result)
     for where in dict.fromkeys(r.situation for r in table):
         mine = [r for r in table if r.situation == where]
@@ -81,20 +91,28 @@ def _over(row: Row) -> str:
 def _verdict(reached: list[Row], mine: list[Row], target: float, interval: float) -> str:
     if not reached:
         failed = [f"{r.label} ({r.error.splitlines()[0][:80]})" for r in mine if r.error]
-        return (f"no policy reached {target:g}." + (f" Failed: {'; '.join(failed)}." if failed else ""))
+        return f"no policy reached {target:g}." + (f" Failed: {'; '.join(failed)}." if failed else "")
     best = reached[0]
     text = f"{best.label} reached it first, in {best.seconds:.2f} s{_over(best)} (final accuracy {best.accuracy:.3f})"
     if len(reached) > 1:
         second = reached[1]
-        text += (f"; {second.label} next, {as_long(second.seconds, best.seconds, interval)} "
-                 f"({second.seconds:.2f} s{_over(second)}, final {second.accuracy:.3f})")
+        text += (
+            f"; {second.label} next, {as_long(second.seconds, best.seconds, interval)} "
+            f"({second.seconds:.2f} s{_over(second)}, final {second.accuracy:.3f})"
+        )
     sync = next((r for r in reached if r.policy == "sync"), None)
     if sync is not None and sync not in reached[:2]:
         text += f"; sync: {as_long(sync.seconds, best.seconds, interval)}"
     text += "."
     missing = [r for r in mine if r.seconds is None]
     if missing:
-        parts = [f"{r.label} (failed: {r.error.splitlines()[0][:80]})" if r.error else
-                 f"{r.label} (final {r.accuracy:.3f})" if r.accuracy is not None else r.label for r in missing]
+        parts = [
+            f"{r.label} (failed: {r.error.splitlines()[0][:80]})"
+            if r.error
+            else f"{r.label} (final {r.accuracy:.3f})"
+            if r.accuracy is not None
+            else r.label
+            for r in missing
+        ]
         text += " Never reached it: " + ", ".join(parts) + "."
     return text

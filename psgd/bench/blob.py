@@ -67,10 +67,30 @@ class ShardProcesses:
         files = [self.tmp / f"{k}.addr" for k in range(shards)]
         on = [hosts.prefix(f"s{k}") if hosts else [] for k in range(shards)]
         bind = [f"{hosts.hosts[f's{k}']}:0" if hosts else "127.0.0.1:0" for k in range(shards)]
-        self.procs = [subprocess.Popen([*on[k], PY, "-m", "psgd.cli.server", "-c", str(self.path), "--shard",
-                                        str(k), "--bind", bind[k], "--port-file", str(files[k]), "-q"],
-                                       env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                      for k in range(shards)]
+        self.procs = [
+            subprocess.Popen(
+                [
+                    *on[k],
+                    PY,
+                    "-m",
+                    "psgd.cli.server",
+                    "-c",
+                    str(self.path),
+                    "--shard",
+                    str(k),
+                    "--bind",
+                    bind[k],
+                    "--port-file",
+                    str(files[k]),
+                    "-q",
+                ],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(shards)
+        ]
         deadline = time.monotonic() + 120
         while not all(f.exists() for f in files):
             for p in self.procs:
@@ -83,9 +103,14 @@ class ShardProcesses:
     def client(self, worker: int, transport: str = "tcp", wire_dtype: str | None = None):
         from psgd.worker.client import PSClient
 
-        c = PSClient(self.addresses, self.plan, worker, links=Links(transport=transport, wire_dtype=wire_dtype or ""),
-                     config=self.config,
-                     token=self.token)
+        c = PSClient(
+            self.addresses,
+            self.plan,
+            worker,
+            links=Links(transport=transport, wire_dtype=wire_dtype or ""),
+            config=self.config,
+            token=self.token,
+        )
         c.wait_ready(60)
         c.register()
         return c
@@ -110,18 +135,37 @@ class ShardProcesses:
 class BlobCluster(ShardProcesses):
     """``shards`` psgd-server processes holding a one-variable model of ``size`` bytes."""
 
-    def __init__(self, size: int, shards: int = 1, workers: int = 1, optimizer: str = "sgd",
-                 policy: str = "async", tmp: str = ".", hosts=None, busy_poll_us: int = 0):
+    def __init__(
+        self,
+        size: int,
+        shards: int = 1,
+        workers: int = 1,
+        optimizer: str = "sgd",
+        policy: str = "async",
+        tmp: str = ".",
+        hosts=None,
+        busy_poll_us: int = 0,
+    ):
         from psgd.config import JobConfig
         from psgd.job import describe_job
 
         self.size, self.elems = size, size // 4
         config = JobConfig()
-        config = config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={self.elems}",
-                                    "data.name=synthetic", "data.n_train=64", "data.n_test=16",
-                                    f"optimizer.name={optimizer}", "optimizer.lr=0.001", f"cluster.policy={policy}",
-                                    f"cluster.shards={shards}", f"cluster.workers={workers}",
-                                    f"cluster.busy_poll_us={busy_poll_us}"])
+        config = config.apply_sets(
+            [
+                "model.name=psgd.bench.blob:Blob",
+                f"model.size={self.elems}",
+                "data.name=synthetic",
+                "data.n_train=64",
+                "data.n_test=16",
+                f"optimizer.name={optimizer}",
+                "optimizer.lr=0.001",
+                f"cluster.policy={policy}",
+                f"cluster.shards={shards}",
+                f"cluster.workers={workers}",
+                f"cluster.busy_poll_us={busy_poll_us}",
+            ]
+        )
         super().__init__(config, describe_job(config, model=Blob((1,), 2, size=self.elems)).plan, tmp, hosts)
 
 
@@ -138,8 +182,9 @@ def median(xs) -> float:
     return float(np.median(xs))
 
 
-def time_steps(cluster: BlobCluster, workers: int, steps: int, transport: str = "tcp",
-               wire_dtype: str | None = None) -> dict:
+def time_steps(
+    cluster: BlobCluster, workers: int, steps: int, transport: str = "tcp", wire_dtype: str | None = None
+) -> dict:
     """``workers`` clients in threads each doing ``steps`` pull+push over ``transport`` (tcp: the data port,
     shm: shared memory, grpc); per-step medians and throughput."""
     clients = [cluster.client(w, transport, wire_dtype) for w in range(workers)]
@@ -158,9 +203,15 @@ def time_steps(cluster: BlobCluster, workers: int, steps: int, transport: str = 
     pushes = [x for r in results for x in r[1]]
     step = median([a + b for r in results for a, b in zip(*r)])
     moved = 2 * cluster.size * workers * (steps + 1)
-    return {"pull_s": median(pulls), "push_s": median(pushes), "step_s": step,
-            "pull_gbps": cluster.size / median(pulls) / 1e9, "push_gbps": cluster.size / median(pushes) / 1e9,
-            "step_gbps": 2 * cluster.size / step / 1e9, "aggregate_gbps": moved / wall / 1e9}
+    return {
+        "pull_s": median(pulls),
+        "push_s": median(pushes),
+        "step_s": step,
+        "pull_gbps": cluster.size / median(pulls) / 1e9,
+        "push_gbps": cluster.size / median(pushes) / 1e9,
+        "step_gbps": 2 * cluster.size / step / 1e9,
+        "aggregate_gbps": moved / wall / 1e9,
+    }
 
 
 def pull_push_loop(client, elems: int, steps: int) -> tuple[list[float], list[float]]:

@@ -59,8 +59,16 @@ def optimizer_throughput(nbytes: int = 40 * MB, repeats: int = 5) -> dict:
     gradient = np.full(n, 1e-3, dtype=np.float32).tobytes()
     for name in ("sgd", "momentum", "adam"):
         config = JobConfig()
-        config = config.apply_sets(["model.name=psgd.bench.blob:Blob", f"model.size={n}", "data.name=synthetic",
-                                    f"optimizer.name={name}", "cluster.policy=async", "cluster.workers=1"])
+        config = config.apply_sets(
+            [
+                "model.name=psgd.bench.blob:Blob",
+                f"model.size={n}",
+                "data.name=synthetic",
+                f"optimizer.name={name}",
+                "cluster.policy=async",
+                "cluster.workers=1",
+            ]
+        )
         core = build_shard(describe_job(config, model=Blob((1,), 2, size=n)), 0)
         grads = core.store.gradient_views(gradient)
 
@@ -90,8 +98,13 @@ def run_worker_process(cluster: BlobCluster) -> dict:
     config = config.override("train.epochs", 1)
     path = cluster.tmp / "worker.toml"
     path.write_text(to_toml(config.to_dict()))
-    done = subprocess.run([PY, "-m", "psgd.cli.worker", "-c", str(path), "--rank", "0", "--no-progress", "-q",
-                           "--json"], env=cluster.env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [PY, "-m", "psgd.cli.worker", "-c", str(path), "--rank", "0", "--no-progress", "-q", "--json"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode:
         raise SystemExit(f"worker failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout)
@@ -103,26 +116,53 @@ PARTS = ("headline", "sweep", "shm", "grid", "variants", "latency", "optimizer",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``psgd bench comm``; ``benchmarks/comm.py`` runs the same command)."""
-    parser.add_argument("--sizes-mb", default="1,4,16,40,100,400", metavar="LIST",
-                        help="model sizes in MB (10^6 bytes) for the one-worker, one-shard sweep "
-                             "(default 1,4,16,40,100,400)")
-    parser.add_argument("--steps", type=int, default=8, metavar="N",
-                        help="timed steps per figure after one warm-up; medians are reported (default 8)")
-    parser.add_argument("--focus-mb", type=float, default=None, metavar="MB",
-                        help="model size for the headline, the shards x workers grid and the transport variants "
-                             "(default 40; 16 with --quick)")
-    parser.add_argument("--rounds", type=int, default=5, metavar="N",
-                        help="headline: rounds of raw TCP then the focus model's step, each ratio taken within "
-                             "its round; the median is reported (default 5)")
-    parser.add_argument("--quick", action="store_true",
-                        help="1-16 MB, 3 steps, a 16 MB focus model and no scale check: under a minute")
-    parser.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
-                        help="which measurements, comma-separated, besides the limits (always measured): "
-                             + ", ".join(PARTS) + " (default: all)")
-    parser.add_argument("--network", metavar="LIST",
-                        help="instead: on emulated links of these rates (e.g. 1gbit,10gbit,none; root and tc), one "
-                             "worker and one shard each on a host of its own, pull, push and step for every "
-                             "--sizes-mb with float32 and bf16 gradients, beside the link's measured rate")
+    parser.add_argument(
+        "--sizes-mb",
+        default="1,4,16,40,100,400",
+        metavar="LIST",
+        help="model sizes in MB (10^6 bytes) for the one-worker, one-shard sweep (default 1,4,16,40,100,400)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        metavar="N",
+        help="timed steps per figure after one warm-up; medians are reported (default 8)",
+    )
+    parser.add_argument(
+        "--focus-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="model size for the headline, the shards x workers grid and the transport variants "
+        "(default 40; 16 with --quick)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        metavar="N",
+        help="headline: rounds of raw TCP then the focus model's step, each ratio taken within "
+        "its round; the median is reported (default 5)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="1-16 MB, 3 steps, a 16 MB focus model and no scale check: under a minute"
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        metavar="LIST",
+        help="which measurements, comma-separated, besides the limits (always measured): "
+        + ", ".join(PARTS)
+        + " (default: all)",
+    )
+    parser.add_argument(
+        "--network",
+        metavar="LIST",
+        help="instead: on emulated links of these rates (e.g. 1gbit,10gbit,none; root and tc), one "
+        "worker and one shard each on a host of its own, pull, push and step for every "
+        "--sizes-mb with float32 and bf16 gradients, beside the link's measured rate",
+    )
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
 
 
@@ -133,8 +173,12 @@ def run_from_args(args: argparse.Namespace) -> dict:
     parts = comma_list(args.parts, "--parts", choices=PARTS, error=ConfigError)
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
-    sizes = [int(mb * MB) // 4 * 4 for mb in comma_list("1,4,16" if args.quick else args.sizes_mb, "--sizes-mb",
-                                                         kind=float, what="sizes in MB", error=ConfigError)]
+    sizes = [
+        int(mb * MB) // 4 * 4
+        for mb in comma_list(
+            "1,4,16" if args.quick else args.sizes_mb, "--sizes-mb", kind=float, what="sizes in MB", error=ConfigError
+        )
+    ]
     if not min(sizes) >= 4:
         raise ConfigError("--sizes-mb: every size must be at least 0.000004 MB (one float32)")
     if args.rounds < 1:
@@ -164,8 +208,10 @@ def run_from_args(args: argparse.Namespace) -> dict:
     tcp, mem = tcp_loopback_gbps(), memcpy_gbps()
     tcp_cold = tcp_loopback_gbps(buffer_bytes=focus)
     result.update(tcp_loopback_gbps=tcp, tcp_model_sized_gbps=tcp_cold, memcpy_gbps=mem)
-    say(f"limits: raw loopback TCP {tcp:.2f} GB/s (two processes, a 4 MiB buffer in cache), "
-        f"{tcp_cold:.2f} GB/s moving {focus / MB:.0f} MB buffers; memory copy {mem:.2f} GB/s")
+    say(
+        f"limits: raw loopback TCP {tcp:.2f} GB/s (two processes, a 4 MiB buffer in cache), "
+        f"{tcp_cold:.2f} GB/s moving {focus / MB:.0f} MB buffers; memory copy {mem:.2f} GB/s"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         if "headline" in parts:
@@ -185,10 +231,14 @@ def run_from_args(args: argparse.Namespace) -> dict:
             result["optimizer_gbps"] = opt
             threaded = host_copy_gbps(40 * MB)
             result["threaded_memcpy_gbps"] = threaded
-            say(f"a shard's update throughput (parameter bytes/s), against a memory copy ({mem:.2f} GB/s) and the "
-                f"shard's threaded copy ({threaded:.2f} GB/s): " +
-                ", ".join(f"{k} {v:.2f} GB/s ({v / mem:.2f} of memory copy, {v / threaded:.2f} of the threaded copy)"
-                          for k, v in opt.items()))
+            say(
+                f"a shard's update throughput (parameter bytes/s), against a memory copy ({mem:.2f} GB/s) and the "
+                f"shard's threaded copy ({threaded:.2f} GB/s): "
+                + ", ".join(
+                    f"{k} {v:.2f} GB/s ({v / mem:.2f} of memory copy, {v / threaded:.2f} of the threaded copy)"
+                    for k, v in opt.items()
+                )
+            )
         if "memory" in parts:
             _memory(result, [16 * MB] if args.quick else [40 * MB, 400 * MB], tmp, say)
         if "scale" in parts and not args.quick:
@@ -204,16 +254,20 @@ def _headline(result: dict, focus: int, steps: int, tmp: str, say, rounds: int) 
     The machine's speed drifts (shared hosts): measuring the limit beside each
     figure, rather than once at the start, exposes both to the same conditions.
     """
-    say(f"\n{focus / MB:.0f} MB, 1 worker, 1 shard, step beside raw loopback TCP (cache-hot 4 MiB buffer), "
-        f"{rounds} rounds")
+    say(
+        f"\n{focus / MB:.0f} MB, 1 worker, 1 shard, step beside raw loopback TCP (cache-hot 4 MiB buffer), "
+        f"{rounds} rounds"
+    )
     rows = []
     for k in range(rounds):
         tcp = tcp_loopback_gbps()
         with BlobCluster(focus, tmp=tmp) as cluster:
             t = time_steps(cluster, 1, steps)
         rows.append({"tcp_loopback_gbps": tcp, **t, "step_over_tcp": t["step_gbps"] / tcp})
-        say(f"  round {k + 1}: TCP {tcp:.2f} GB/s; pull {t['pull_s'] * 1e3:.1f} ms, push {t['push_s'] * 1e3:.1f} ms, "
-            f"step {t['step_s'] * 1e3:.1f} ms = {t['step_gbps']:.2f} GB/s, {t['step_gbps'] / tcp:.2f} of TCP")
+        say(
+            f"  round {k + 1}: TCP {tcp:.2f} GB/s; pull {t['pull_s'] * 1e3:.1f} ms, push {t['push_s'] * 1e3:.1f} ms, "
+            f"step {t['step_s'] * 1e3:.1f} ms = {t['step_gbps']:.2f} GB/s, {t['step_gbps'] / tcp:.2f} of TCP"
+        )
     ratio = median([r["step_over_tcp"] for r in rows])
     result["headline"] = {"size_bytes": focus, "rounds": rows, "median_step_over_tcp": ratio}
     say(f"  median over the rounds: {ratio:.2f} of raw loopback TCP")
@@ -224,10 +278,14 @@ def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, t
     from psgd.bench.allreduce import run_mpi
 
     mpi = run_mpi(sorted(set(sizes + [focus])), 2, max(3, steps // 2))
-    say("\n1 worker, 1 shard (async, sgd), bulk data path; AR = a bare mpi4py Allreduce of the same bytes "
-        "between 2 processes in one call, psgd AR = psgd's all-reduce mode (4 MiB pieces, then the mean)")
-    say(f"{'MB':>5} {'pull ms':>8} {'push ms':>8} {'step ms':>8} {'GB/s':>6} {'/TCP':>5} "
-        f"{'AR ms':>12} {'step/AR':>7} {'psgd AR ms':>10} {'step/psgd AR':>8} {'shard RSS MB':>12} {'RSS budget':>10}")
+    say(
+        "\n1 worker, 1 shard (async, sgd), bulk data path; AR = a bare mpi4py Allreduce of the same bytes "
+        "between 2 processes in one call, psgd AR = psgd's all-reduce mode (4 MiB pieces, then the mean)"
+    )
+    say(
+        f"{'MB':>5} {'pull ms':>8} {'push ms':>8} {'step ms':>8} {'GB/s':>6} {'/TCP':>5} "
+        f"{'AR ms':>12} {'step/AR':>7} {'psgd AR ms':>10} {'step/psgd AR':>8} {'shard RSS MB':>12} {'RSS budget':>10}"
+    )
     rows = []
     for size in sizes:
         with BlobCluster(size, tmp=tmp) as cluster:
@@ -235,33 +293,57 @@ def _sweep(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, t
             rss = cluster.rss_mb()[0]
         ar, ours = mpi[size]["bare_s"], mpi[size]["psgd_s"]
         budget = 2 * size / MB + 200  # 2 x (weights + SGD's empty state) + 200 MB
-        rows.append({"size_bytes": size, **t, "allreduce_s": ar, "step_over_allreduce": t["step_s"] / ar,
-                     "psgd_allreduce_s": ours, "step_over_psgd_allreduce": t["step_s"] / ours,
-                     "step_over_tcp": t["step_gbps"] / tcp, "shard_peak_rss_mb": rss, "shard_rss_budget_mb": budget})
-        say(f"{size / MB:5.0f} {t['pull_s'] * 1e3:8.2f} {t['push_s'] * 1e3:8.2f} {t['step_s'] * 1e3:8.2f} "
+        rows.append(
+            {
+                "size_bytes": size,
+                **t,
+                "allreduce_s": ar,
+                "step_over_allreduce": t["step_s"] / ar,
+                "psgd_allreduce_s": ours,
+                "step_over_psgd_allreduce": t["step_s"] / ours,
+                "step_over_tcp": t["step_gbps"] / tcp,
+                "shard_peak_rss_mb": rss,
+                "shard_rss_budget_mb": budget,
+            }
+        )
+        say(
+            f"{size / MB:5.0f} {t['pull_s'] * 1e3:8.2f} {t['push_s'] * 1e3:8.2f} {t['step_s'] * 1e3:8.2f} "
             f"{t['step_gbps']:6.2f} {t['step_gbps'] / tcp:5.2f} {ar * 1e3:12.2f} {t['step_s'] / ar:7.2f} "
-            f"{ours * 1e3:10.2f} {t['step_s'] / ours:8.2f} {rss:12.0f} {budget:10.0f}")
+            f"{ours * 1e3:10.2f} {t['step_s'] / ours:8.2f} {rss:12.0f} {budget:10.0f}"
+        )
     result["sweep"] = rows
 
 
 def _shm(result: dict, sizes: list[int], focus: int, steps: int, tcp: float, mem: float, tmp: str, say) -> None:
     """Shared memory against the data port, both against the same shard process, one after the other."""
-    say("\nshared memory (shm) against the data port (tcp), the same shard process (async, sgd); "
-        "'of memcpy' = (2 x size / step) / memory-copy bandwidth, 'of TCP' the same over raw loopback TCP")
-    say(f"{'MB':>5} {'workers':>7} {'shm pull ms':>11} {'shm push ms':>11} {'shm step ms':>11} {'of memcpy':>9} "
-        f"{'tcp step ms':>11} {'of TCP':>6} {'tcp/shm':>7}")
+    say(
+        "\nshared memory (shm) against the data port (tcp), the same shard process (async, sgd); "
+        "'of memcpy' = (2 x size / step) / memory-copy bandwidth, 'of TCP' the same over raw loopback TCP"
+    )
+    say(
+        f"{'MB':>5} {'workers':>7} {'shm pull ms':>11} {'shm push ms':>11} {'shm step ms':>11} {'of memcpy':>9} "
+        f"{'tcp step ms':>11} {'of TCP':>6} {'tcp/shm':>7}"
+    )
     rows = []
     for size, workers in [(size, 1) for size in sizes] + [(focus, 2), (focus, 4)]:
         with BlobCluster(size, workers=workers, tmp=tmp) as cluster:
             shm = time_steps(cluster, workers, steps, "shm")
             tcp_run = time_steps(cluster, workers, steps, "tcp")
-        row = {"size_bytes": size, "workers": workers, "shm": shm, "tcp": tcp_run,
-               "shm_of_memcpy": shm["step_gbps"] / mem, "tcp_of_tcp": tcp_run["step_gbps"] / tcp,
-               "tcp_over_shm": tcp_run["step_s"] / shm["step_s"]}
+        row = {
+            "size_bytes": size,
+            "workers": workers,
+            "shm": shm,
+            "tcp": tcp_run,
+            "shm_of_memcpy": shm["step_gbps"] / mem,
+            "tcp_of_tcp": tcp_run["step_gbps"] / tcp,
+            "tcp_over_shm": tcp_run["step_s"] / shm["step_s"],
+        }
         rows.append(row)
-        say(f"{size / MB:5.0f} {workers:7d} {shm['pull_s'] * 1e3:11.2f} {shm['push_s'] * 1e3:11.2f} "
+        say(
+            f"{size / MB:5.0f} {workers:7d} {shm['pull_s'] * 1e3:11.2f} {shm['push_s'] * 1e3:11.2f} "
             f"{shm['step_s'] * 1e3:11.2f} {row['shm_of_memcpy']:9.2f} {tcp_run['step_s'] * 1e3:11.2f} "
-            f"{row['tcp_of_tcp']:6.2f} {row['tcp_over_shm']:7.2f}")
+            f"{row['tcp_of_tcp']:6.2f} {row['tcp_over_shm']:7.2f}"
+        )
     result["shm"] = rows
 
 
@@ -273,8 +355,10 @@ def _grid(result: dict, focus: int, steps: int, tcp: float, tmp: str, say) -> No
         with BlobCluster(focus, shards, workers, tmp=tmp) as cluster:
             t = time_steps(cluster, workers, steps)
         grid.append({"shards": shards, "workers": workers, **t})
-        say(f"  {shards} shard(s) {workers} worker(s): step {t['step_s'] * 1e3:7.1f} ms, "
-            f"aggregate {t['aggregate_gbps']:.2f} GB/s ({t['aggregate_gbps'] / tcp:.2f} of TCP)")
+        say(
+            f"  {shards} shard(s) {workers} worker(s): step {t['step_s'] * 1e3:7.1f} ms, "
+            f"aggregate {t['aggregate_gbps']:.2f} GB/s ({t['aggregate_gbps'] / tcp:.2f} of TCP)"
+        )
     result["grid"] = grid
 
 
@@ -282,15 +366,20 @@ def _variants(result: dict, focus: int, steps: int, tcp: float, tcp_cold: float,
     """The focus model, one worker and one shard: gRPC alone, the data path, compressed gradients."""
     say(f"\n{focus / MB:.0f} MB, 1x1: transport and wire-compression variants")
     variants = []
-    for label, transport, wdt in (("gRPC only", "grpc", None), ("data path", "tcp", None),
-                                  ("data path, float16 gradients", "tcp", "float16"),
-                                  ("data path, bfloat16 gradients", "tcp", "bfloat16")):
+    for label, transport, wdt in (
+        ("gRPC only", "grpc", None),
+        ("data path", "tcp", None),
+        ("data path, float16 gradients", "tcp", "float16"),
+        ("data path, bfloat16 gradients", "tcp", "bfloat16"),
+    ):
         with BlobCluster(focus, tmp=tmp) as cluster:
             t = time_steps(cluster, 1, steps, transport, wdt)
         variants.append({"variant": label, **t})
-        say(f"  {label:32s} pull {t['pull_s'] * 1e3:7.1f} ms  push {t['push_s'] * 1e3:7.1f} ms  "
+        say(
+            f"  {label:32s} pull {t['pull_s'] * 1e3:7.1f} ms  push {t['push_s'] * 1e3:7.1f} ms  "
             f"step {t['step_s'] * 1e3:7.1f} ms  ({t['step_gbps'] / tcp:.2f} of TCP, "
-            f"{t['step_gbps'] / tcp_cold:.2f} of model-sized TCP; pull alone {t['pull_gbps'] / tcp_cold:.2f})")
+            f"{t['step_gbps'] / tcp_cold:.2f} of model-sized TCP; pull alone {t['pull_gbps'] / tcp_cold:.2f})"
+        )
     result["variants"] = variants
 
 
@@ -309,13 +398,20 @@ def _memory(result: dict, sizes: list[int], tmp: str, say) -> None:
                 worker = run_worker_process(cluster)["peak_rss_mb"] if optimizer == "sgd" else None
                 shard = cluster.rss_mb()[0]
             state = size if optimizer == "momentum" else 0
-            row = {"size_bytes": size, "optimizer": optimizer, "shard_peak_rss_mb": shard,
-                   "shard_budget_mb": 2 * (size + state) / MB + 200, "worker_peak_rss_mb": worker,
-                   "worker_budget_mb": 3 * size / MB + 200}
+            row = {
+                "size_bytes": size,
+                "optimizer": optimizer,
+                "shard_peak_rss_mb": shard,
+                "shard_budget_mb": 2 * (size + state) / MB + 200,
+                "worker_peak_rss_mb": worker,
+                "worker_budget_mb": 3 * size / MB + 200,
+            }
             memory.append(row)
-            say(f"peak RSS, {size / MB:.0f} MB model, {optimizer}: shard {shard:.0f} MB "
-                f"(budget {row['shard_budget_mb']:.0f})" +
-                (f", worker {worker:.0f} MB (budget {row['worker_budget_mb']:.0f})" if worker else ""))
+            say(
+                f"peak RSS, {size / MB:.0f} MB model, {optimizer}: shard {shard:.0f} MB "
+                f"(budget {row['shard_budget_mb']:.0f})"
+                + (f", worker {worker:.0f} MB (budget {row['worker_budget_mb']:.0f})" if worker else "")
+            )
     result["memory"] = memory
 
 
@@ -326,6 +422,9 @@ def _scale(result: dict, tmp: str, say) -> None:
         worker = run_worker_process(cluster)
         shards = cluster.rss_mb()
     result["scale"] = {"parameters": size // 4, "shards": 4, "worker": worker, "shard_peak_rss_mb": shards}
-    say(f"scale check: {size // 4 / 1e6:.0f}M parameters over 4 shards (momentum): {worker['steps']} steps "
+    say(
+        f"scale check: {size // 4 / 1e6:.0f}M parameters over 4 shards (momentum): {worker['steps']} steps "
         f"in {worker['seconds']:.1f}s, worker peak {worker['peak_rss_mb']:.0f} MB, shards peak "
-        + ", ".join(f"{r:.0f}" for r in shards) + " MB")
+        + ", ".join(f"{r:.0f}" for r in shards)
+        + " MB"
+    )

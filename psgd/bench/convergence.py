@@ -27,12 +27,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from psgd.compute import threads
 from psgd.bench import hosted, plots, report
 from psgd.bench.lab import LOOPBACK, PRESETS, Contender, LabConfig, Scenario, preset
 from psgd.bench.labresult import LabResult, RunResult, load_result
-from psgd.bench.observe import (Evaluator, ShardObserver, allreduce_points, initial_point, origin,
-                                ps_points, read_jsonl, start_skew, step_lines)
+from psgd.bench.observe import (
+    Evaluator,
+    ShardObserver,
+    allreduce_points,
+    initial_point,
+    origin,
+    ps_points,
+    read_jsonl,
+    start_skew,
+    step_lines,
+)
+from psgd.compute import threads
 from psgd.config import ConfigError
 from psgd.config.parsing import comma_list
 
@@ -53,8 +62,9 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
 
 
-def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = True,
-            keep_runs: str | os.PathLike | None = None) -> LabResult:
+def run_lab(
+    config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = True, keep_runs: str | os.PathLike | None = None
+) -> LabResult:
     """Run every (scenario, contender) of ``config`` and write JSON, table and plots into ``out_dir``.
 
     Repeats go round the whole list, so background noise falls on every
@@ -62,7 +72,6 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     ``keep_runs`` (kept), or to a temporary folder removed at the end.
     """
     from tqdm import tqdm
-
 
     config.check()
     plots.require_matplotlib()
@@ -79,14 +88,21 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     runs: list[RunResult] = []
     links: dict = {}
     try:
-        with tqdm(total=len(todo) * max(1, len(networks)), desc="convergence lab", unit="run", disable=not progress,
-                  file=sys.stderr, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(todo) * max(1, len(networks)),
+            desc="convergence lab",
+            unit="run",
+            disable=not progress,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        ) as bar:
             for network in networks or [None]:
                 with _network(network, config) as net:
                     if net is not None:
                         links[network] = net.record()
-                        bar.write(f"{network} links: measured {net.record()['measured_gbit_per_s']} Gbit/s",
-                                  file=sys.stderr)
+                        bar.write(
+                            f"{network} links: measured {net.record()['measured_gbit_per_s']} Gbit/s", file=sys.stderr
+                        )
                     for repeat, scenario, contender in todo:
                         repeat_text = f" #{repeat}" if config.repeats > 1 else ""
                         where = f"{network} / " if network else ""
@@ -110,8 +126,9 @@ def run_lab(config: LabConfig, out_dir: str | os.PathLike, *, progress: bool = T
     seconds = time.perf_counter() - began
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     compute = evaluator.gradient_seconds()
-    result = LabResult(config, machine(), evaluator.parameters, evaluator.model_bytes, runs, seconds, {}, load,
-                       compute, links)
+    result = LabResult(
+        config, machine(), evaluator.parameters, evaluator.model_bytes, runs, seconds, {}, load, compute, links
+    )
     result.files = report.write_all(result, out)
     return result
 
@@ -125,8 +142,9 @@ def _network(name: str | None, config: LabConfig):
     return hosted.Network(name, job.cluster.shards, job.cluster.workers)
 
 
-def link_step_seconds(model_bytes: int, workers: int, shards: int, bytes_per_s: float,
-                      wire_fraction: float = 1.0) -> float:
+def link_step_seconds(
+    model_bytes: int, workers: int, shards: int, bytes_per_s: float, wire_fraction: float = 1.0
+) -> float:
     """What a worker's parameter-server step takes on links carrying ``bytes_per_s``, for the bytes alone,
     with a step's pull and push one after the other: a worker pulls the model and pushes its gradient
     (``wire_fraction`` of the model's bytes: 0.5 with 16-bit compression) over its link, and each shard's
@@ -134,24 +152,36 @@ def link_step_seconds(model_bytes: int, workers: int, shards: int, bytes_per_s: 
     return max(1.0, workers / shards) * model_bytes * (1 + wire_fraction) / bytes_per_s
 
 
-def _run_hosted(net, config: LabConfig, scenario: Scenario, contender: Contender, folder: Path,
-                model_bytes: int) -> RunResult:
+def _run_hosted(
+    net, config: LabConfig, scenario: Scenario, contender: Contender, folder: Path, model_bytes: int
+) -> RunResult:
     """One run with its shards and workers on ``net``'s hosts; a failure is reported in its row."""
 
     try:
         run = hosted.run_on(net, config, scenario, contender, folder, config.run_timeout)
     except Exception as exc:
-        run = RunResult(f"{scenario.name}/{contender.spec}", scenario.name, scenario.delay, contender.spec,
-                        contender.label, contender.mode, config.job_config().to_dict(), [], [], {},
-                        error=f"{type(exc).__name__}: {exc}")
+        run = RunResult(
+            f"{scenario.name}/{contender.spec}",
+            scenario.name,
+            scenario.delay,
+            contender.spec,
+            contender.label,
+            contender.mode,
+            config.job_config().to_dict(),
+            [],
+            [],
+            {},
+            error=f"{type(exc).__name__}: {exc}",
+        )
     run.network = net.name
     run.key, run.scenario = f"{net.name}/{run.key}", f"{net.name}-{run.scenario}"
     if net.rate and contender.mode == "ps" and not run.error:
         cluster = run.job["cluster"]  # the job the run recorded, its contender's settings applied
         fraction = 0.5 if cluster["wire_dtype"] else 1.0
         carried = min(net.measured.values())  # what one TCP stream really got through, not the nominal rate
-        run.summary["link_step_seconds"] = link_step_seconds(model_bytes, cluster["workers"], cluster["shards"],
-                                                             carried, fraction)
+        run.summary["link_step_seconds"] = link_step_seconds(
+            model_bytes, cluster["workers"], cluster["shards"], carried, fraction
+        )
     return run
 
 
@@ -160,20 +190,39 @@ def _one_line(run: RunResult, target: float) -> str:
         return f"{run.key} #{run.repeat}: FAILED: {run.error.splitlines()[0]}"
     s = run.summary
     reached = f"{s['time_to_target']:.2f}s" if s["time_to_target"] is not None else "not reached"
-    return (f"{run.key} #{run.repeat}: target {target:g} {reached}, final accuracy {s['final_accuracy']:.3f}, "
-            f"{s['steps_per_s']:.0f} steps/s, {s['updates_per_s']:.0f} updates/s")
+    return (
+        f"{run.key} #{run.repeat}: target {target:g} {reached}, final accuracy {s['final_accuracy']:.3f}, "
+        f"{s['steps_per_s']:.0f} steps/s, {s['updates_per_s']:.0f} updates/s"
+    )
 
 
-def run_one(config: LabConfig, evaluator: Evaluator, scenario: Scenario, contender: Contender, run_dir: Path,
-            bar=None, hosts=None) -> RunResult:
+def run_one(
+    config: LabConfig,
+    evaluator: Evaluator,
+    scenario: Scenario,
+    contender: Contender,
+    run_dir: Path,
+    bar=None,
+    hosts=None,
+) -> RunResult:
     """Launch one run and turn what it recorded into evaluation points and a summary."""
     job = config.job_config()
     job = job.apply_sets(list(contender.sets))
     if run_dir.exists():
         shutil.rmtree(run_dir)  # the metrics logs append
     delay_args = ["--delay", scenario.delay] if scenario.delay else []
-    run = RunResult(f"{scenario.name}/{contender.spec}", scenario.name, scenario.delay, contender.spec,
-                    contender.label, contender.mode, job.to_dict(), delay_args, [], {})
+    run = RunResult(
+        f"{scenario.name}/{contender.spec}",
+        scenario.name,
+        scenario.delay,
+        contender.spec,
+        contender.label,
+        contender.mode,
+        job.to_dict(),
+        delay_args,
+        [],
+        {},
+    )
     try:
         if contender.mode == "allreduce":  # rank 0 evaluates beside its steps: no rank waits for it
             job = job.apply_sets(["train.eval_beside=true"])
@@ -197,8 +246,17 @@ def _run_allreduce(config: LabConfig, evaluator: Evaluator, job, run: RunResult,
     """N MPI ranks; the points are rank 0's evaluations.  Returns (launch s, final accuracy, train s)."""
     from psgd.launcher import launch
 
-    result = launch(job, mode="allreduce", backend="mpi", run_dir=str(run_dir), progress=False,
-                    timeout=config.run_timeout, worker_args=run.worker_args, verbose=-1, hosts=hosts)
+    result = launch(
+        job,
+        mode="allreduce",
+        backend="mpi",
+        run_dir=str(run_dir),
+        progress=False,
+        timeout=config.run_timeout,
+        worker_args=run.worker_args,
+        verbose=-1,
+        hosts=hosts,
+    )
     steps = step_lines([run_dir / "allreduce.jsonl"])
     evals = [rec for rec in read_jsonl(run_dir / "allreduce.jsonl") if rec.get("event") == "eval"]
     run.points = allreduce_points(steps, evals, job.cluster.workers, evaluator.model_bytes, initial_point(evaluator))
@@ -210,8 +268,17 @@ def _run_ps(config: LabConfig, evaluator: Evaluator, job, run: RunResult, run_di
     from psgd.launcher import launch
 
     observer = ShardObserver(evaluator, config.eval_interval, _postfix(bar))
-    result = launch(job, mode="ps", run_dir=str(run_dir), progress=False, timeout=config.run_timeout,
-                    worker_args=run.worker_args, verbose=-1, monitor=observer, hosts=hosts)
+    result = launch(
+        job,
+        mode="ps",
+        run_dir=str(run_dir),
+        progress=False,
+        timeout=config.run_timeout,
+        worker_args=run.worker_args,
+        verbose=-1,
+        monitor=observer,
+        hosts=hosts,
+    )
     steps = step_lines(run_dir / f"worker-{r}.jsonl" for r in range(job.cluster.workers))
     start = origin(steps)
     run.points = ps_points(observer.samples, steps, start, evaluator.model_bytes, initial_point(evaluator))
@@ -255,49 +322,88 @@ def summarize(points: list[dict], target: float, train_seconds: float) -> dict:
 
 # -- command line -------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The lab's flags (``psgd bench convergence``; ``benchmarks/convergence.py`` runs the same command)."""
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                        help="starting configuration: default (MLP on digits, 4 workers, 2 shards, every policy, "
-                             "no straggler and worker 0 4x slower), quick (a few seconds a run, for CI) or "
-                             "synthetic (a ~10M-parameter MLP: communication dominates) or mnist (a CNN on 5,000 MNIST "
-                             "images, minutes a run; needs the mnist extra) (default: default)")
-    parser.add_argument("--quick", action="store_const", const="quick", dest="preset_quick",
-                        help="same as --preset quick")
-    parser.add_argument("--policies", metavar="LIST",
-                        help="comma-separated: sync, async, ssp:S, local:T (local SGD, T steps between pushes), "
-                             "backup:B (sync with B backup workers), allreduce; a parameter-server policy may go on with "
-                             "+bf16 or +fp16 (gradients compressed on the wire) and remedies for staleness: +slr "
-                             "(lr / staleness), +dc or +dca (delay compensation, constant or adaptive), +im "
-                             "(implicit momentum), e.g. async+dc,ssp:2+slr+bf16")
-    parser.add_argument("--delays", metavar="LIST",
-                        help="comma-separated scenarios: none, or a --delay spec of psgd-worker such as "
-                             "slowdown:4@0, fixed:0.01@1, exp:0.005 (default: none,slowdown:4@0)")
-    parser.add_argument("--network", metavar="LIST",
-                        help="comma-separated link rates to run the whole lab on, e.g. 1gbit,10gbit,none: every "
-                             "shard and worker then runs on a host of its own (a network namespace, as root), its "
-                             "link shaped to the rate (none: not shaped), measured before the runs; loopback: "
-                             "this machine's loopback, no emulated hosts, as without the flag")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="starting configuration: default (MLP on digits, 4 workers, 2 shards, every policy, "
+        "no straggler and worker 0 4x slower), quick (a few seconds a run, for CI) or "
+        "synthetic (a ~10M-parameter MLP: communication dominates) or mnist (a CNN on 5,000 MNIST "
+        "images, minutes a run; needs the mnist extra) (default: default)",
+    )
+    parser.add_argument(
+        "--quick", action="store_const", const="quick", dest="preset_quick", help="same as --preset quick"
+    )
+    parser.add_argument(
+        "--policies",
+        metavar="LIST",
+        help="comma-separated: sync, async, ssp:S, local:T (local SGD, T steps between pushes), "
+        "backup:B (sync with B backup workers), allreduce; a parameter-server policy may go on with "
+        "+bf16 or +fp16 (gradients compressed on the wire) and remedies for staleness: +slr "
+        "(lr / staleness), +dc or +dca (delay compensation, constant or adaptive), +im "
+        "(implicit momentum), e.g. async+dc,ssp:2+slr+bf16",
+    )
+    parser.add_argument(
+        "--delays",
+        metavar="LIST",
+        help="comma-separated scenarios: none, or a --delay spec of psgd-worker such as "
+        "slowdown:4@0, fixed:0.01@1, exp:0.005 (default: none,slowdown:4@0)",
+    )
+    parser.add_argument(
+        "--network",
+        metavar="LIST",
+        help="comma-separated link rates to run the whole lab on, e.g. 1gbit,10gbit,none: every "
+        "shard and worker then runs on a host of its own (a network namespace, as root), its "
+        "link shaped to the rate (none: not shaped), measured before the runs; loopback: "
+        "this machine's loopback, no emulated hosts, as without the flag",
+    )
     parser.add_argument("--target", type=float, metavar="ACC", help="target test accuracy (default 0.95 on digits)")
     parser.add_argument("--workers", type=int, help="workers (ranks) in every run")
     parser.add_argument("--shards", type=int, help="parameter-server shards")
     parser.add_argument("--epochs", type=int, help="passes over the training data")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override any job-file key for every run (repeatable)")
-    parser.add_argument("--eval-interval", type=float, metavar="SECONDS",
-                        help="seconds between evaluations of the shards' weights in ps runs")
-    parser.add_argument("--allreduce-eval-every", type=int, metavar="STEPS",
-                        help="steps between rank 0's evaluations in all-reduce runs")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any job-file key for every run (repeatable)",
+    )
+    parser.add_argument(
+        "--eval-interval",
+        type=float,
+        metavar="SECONDS",
+        help="seconds between evaluations of the shards' weights in ps runs",
+    )
+    parser.add_argument(
+        "--allreduce-eval-every",
+        type=int,
+        metavar="STEPS",
+        help="steps between rank 0's evaluations in all-reduce runs",
+    )
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="fail a run that takes longer (default 600)")
-    parser.add_argument("--out", metavar="DIR",
-                        help="where lab.json, table.md and the plots go (default runs/convergence/PRESET under the "
-                             "current folder, as psgd launch keeps its runs)")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where lab.json, table.md and the plots go (default runs/convergence/PRESET under the "
+        "current folder, as psgd launch keeps its runs)",
+    )
     parser.add_argument("--keep-runs", metavar="DIR", help="keep every run's logs and metrics under DIR")
-    parser.add_argument("--repeats", type=int, metavar="N",
-                        help="run every (scenario, policy) N times; the table shows medians (default 3, quick 1)")
-    parser.add_argument("--from", dest="from_json", metavar="LAB.json",
-                        help="run nothing: redraw the table and plots of an earlier lab (into --out, default "
-                             "runs/convergence/PRESET-redrawn: the lab's own files are left as they are)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        metavar="N",
+        help="run every (scenario, policy) N times; the table shows medians (default 3, quick 1)",
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_json",
+        metavar="LAB.json",
+        help="run nothing: redraw the table and plots of an earlier lab (into --out, default "
+        "runs/convergence/PRESET-redrawn: the lab's own files are left as they are)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -317,9 +423,13 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         if getattr(args, flag) is not None:
             config.job.append(f"{key}={getattr(args, flag)}")
     config.job += args.set
-    for flag, attr in (("target", "target_accuracy"), ("eval_interval", "eval_interval"),
-                       ("allreduce_eval_every", "allreduce_eval_every"), ("timeout", "run_timeout"),
-                       ("repeats", "repeats")):
+    for flag, attr in (
+        ("target", "target_accuracy"),
+        ("eval_interval", "eval_interval"),
+        ("allreduce_eval_every", "allreduce_eval_every"),
+        ("timeout", "run_timeout"),
+        ("repeats", "repeats"),
+    ):
         if getattr(args, flag) is not None:
             setattr(config, attr, getattr(args, flag))
     return config
@@ -332,14 +442,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         result = load_result(args.from_json)
         out = Path(args.out or RUNS / f"{result.config.name}-redrawn")
         if out.resolve() == Path(args.from_json).resolve().parent:
-            raise ConfigError(f"--out {out} is where {args.from_json} is: redrawing there would replace the lab's own "
-                              "table and plots; give another --out")
+            raise ConfigError(
+                f"--out {out} is where {args.from_json} is: redrawing there would replace the lab's own "
+                "table and plots; give another --out"
+            )
         result.files = report.write_all(result, out)
         done = f"{len(result.runs)} runs read from {args.from_json} (they took {result.seconds:.0f}s), none run"
     else:
         config = config_from_args(args)
-        result = run_lab(config, args.out or str(RUNS / config.name), progress=not args.no_progress,
-                         keep_runs=args.keep_runs)
+        result = run_lab(
+            config, args.out or str(RUNS / config.name), progress=not args.no_progress, keep_runs=args.keep_runs
+        )
         done = f"{len(result.runs)} runs in {result.seconds:.0f}s"
     print(report.terminal_text(result))
     folders = sorted({str(Path(f).parent) for f in result.files.values()})

@@ -33,8 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from psgd.errors import ClusterError
 
@@ -44,7 +44,8 @@ KINDS = ("idle", "reopened")
 
 FLOOD = r"""
 import json, resource, selectors, socket, sys, threading, time
-host, port, count, seconds, reopen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "1"
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+seconds, reopen = float(sys.argv[4]), sys.argv[5] == "1"
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()  # ends when stdin closes
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -94,9 +95,21 @@ def _job(folder: Path, bind: str) -> Path:
     from psgd.config import JobConfig, to_toml
 
     config = JobConfig()
-    config = config.apply_sets(["model.name=softmax", "data.name=digits", "train.epochs=100000", "train.batch_size=16",
-                                "train.eval_every=0", "train.threads=1", "cluster.policy=async", "cluster.shards=1",
-                                "cluster.workers=3", "cluster.lease_seconds=60", "cluster.transport=tcp"])
+    config = config.apply_sets(
+        [
+            "model.name=softmax",
+            "data.name=digits",
+            "train.epochs=100000",
+            "train.batch_size=16",
+            "train.eval_every=0",
+            "train.threads=1",
+            "cluster.policy=async",
+            "cluster.shards=1",
+            "cluster.workers=3",
+            "cluster.lease_seconds=60",
+            "cluster.transport=tcp",
+        ]
+    )
     config = config.override("cluster.servers", [bind])
     path = folder / "job.toml"
     path.write_text(to_toml(config.to_dict()))
@@ -162,11 +175,17 @@ def _window(shard: _Shard, seconds: float, folder: Path, pid: int, metrics: Path
         answers.append(answer)
     now = time.time()
     last = answers[-1][0]["counters"] if answers else {}
-    return {"versions_per_s": _steps(metrics, wall, now) / (now - wall), "checkpoints_written": len(written),
-            "status_slowest_s": max((a[2] for a in answers), default=None),
-            "status_unanswered": len(shard.unanswered) - unanswered, "status_answered": len(answers),
-            "seconds": time.monotonic() - began, "descriptors_held_at_most": held,
-            "background_errors": last.get("background_errors"), "checkpoint_failures": last.get("checkpoint_failures")}
+    return {
+        "versions_per_s": _steps(metrics, wall, now) / (now - wall),
+        "checkpoints_written": len(written),
+        "status_slowest_s": max((a[2] for a in answers), default=None),
+        "status_unanswered": len(shard.unanswered) - unanswered,
+        "status_answered": len(answers),
+        "seconds": time.monotonic() - began,
+        "descriptors_held_at_most": held,
+        "background_errors": last.get("background_errors"),
+        "checkpoint_failures": last.get("checkpoint_failures"),
+    }
 
 
 def _steps(metrics: Path, start: float, end: float) -> int:
@@ -179,13 +198,18 @@ def _steps(metrics: Path, start: float, end: float) -> int:
     return count
 
 
-def start_flood(host: str, port: str, count: int, seconds: float, reopen: bool,
-                prefix: Sequence[str] = ()) -> subprocess.Popen:
+def start_flood(
+    host: str, port: str, count: int, seconds: float, reopen: bool, prefix: Sequence[str] = ()
+) -> subprocess.Popen:
     """A process of :data:`FLOOD`'s holding ``count`` idle connections to ``host``:``port`` for ``seconds`` at most
     (``reopen``: each one closed is opened again), run after ``prefix`` (a network namespace's ``ip netns exec``)."""
-    return subprocess.Popen([*prefix, sys.executable, "-c", FLOOD, host, port, str(count), str(seconds),
-                             "1" if reopen else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", FLOOD, host, port, str(count), str(seconds), "1" if reopen else "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def ready(flood: subprocess.Popen, bound: float = START_BOUND) -> None:
@@ -195,8 +219,9 @@ def ready(flood: subprocess.Popen, bound: float = START_BOUND) -> None:
         return
     flood.kill()
     flood.wait(5)
-    raise FloodError(f"a flood process did not open its connections within {bound:.0f}s: "
-                     f"{flood.stderr.read().strip()[-500:]}")
+    raise FloodError(
+        f"a flood process did not open its connections within {bound:.0f}s: {flood.stderr.read().strip()[-500:]}"
+    )
 
 
 def end_floods(floods: Sequence[subprocess.Popen]) -> tuple[dict[str, int], int]:
@@ -238,22 +263,37 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
     def start(argv: list[str], name: str) -> subprocess.Popen:
         log = folder / f"{name}.log"
         with open(log, "w") as err:
-            proc = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL
+            )
         procs.append((proc, log))
         return proc
 
     def worker(rank: int) -> tuple[subprocess.Popen, Path]:
         metrics = folder / f"worker{rank}.jsonl"
-        return start([*command("psgd-worker", "psgd.cli.worker"), "-c", str(path), "--rank", str(rank),
-                      "--servers", bind, "--no-progress", "--metrics", str(metrics)], f"worker{rank}"), metrics
+        return start(
+            [
+                *command("psgd-worker", "psgd.cli.worker"),
+                "-c",
+                str(path),
+                "--rank",
+                str(rank),
+                "--servers",
+                bind,
+                "--no-progress",
+                "--metrics",
+                str(metrics),
+            ],
+            f"worker{rank}",
+        ), metrics
 
     def stepped(metrics: Path, proc: subprocess.Popen, what: str) -> float:
         started = time.monotonic()
         while '"event": "step"' not in (metrics.read_text() if metrics.exists() else ""):
             if proc.poll() is not None:
-                raise FloodError(f"{what} exited with status {proc.returncode}: "
-                                 f"{last_error(folder / (metrics.stem + '.log'))}")
+                raise FloodError(
+                    f"{what} exited with status {proc.returncode}: {last_error(folder / (metrics.stem + '.log'))}"
+                )
             if time.monotonic() - started > START_BOUND:
                 raise FloodError(f"{what} took no step within {START_BOUND:.0f}s")
             time.sleep(0.05)  # polling for its first step, with a deadline
@@ -261,9 +301,24 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
 
     port_file = folder / "shard.addr"
     try:
-        shard_proc = start([*command("psgd-server", "psgd.cli.server"), "-c", str(path), "--shard", "0", "--bind",
-                            bind, "--port-file", str(port_file), "--checkpoint-dir", str(ckpt),
-                            "--checkpoint-every", "1"], "shard")
+        shard_proc = start(
+            [
+                *command("psgd-server", "psgd.cli.server"),
+                "-c",
+                str(path),
+                "--shard",
+                "0",
+                "--bind",
+                bind,
+                "--port-file",
+                str(port_file),
+                "--checkpoint-dir",
+                str(ckpt),
+                "--checkpoint-every",
+                "1",
+            ],
+            "shard",
+        )
         deadline = time.monotonic() + START_BOUND
         while not port_file.exists():
             if shard_proc.poll() is not None or time.monotonic() > deadline:
@@ -276,14 +331,19 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
         result = {"shard_open_files_limit": limit, "seconds": seconds}
         say(f"the shard may open {limit} files; undisturbed window of {seconds:.0f}s")
         result["undisturbed"] = base = _window(shard, seconds, ckpt, shard_proc.pid, metrics)
-        say(f"  undisturbed: {base['versions_per_s']:.0f} versions/s, {base['checkpoints_written']} checkpoints, "
-            f"Status in {base['status_slowest_s'] * 1000:.0f} ms at most, {base['descriptors_held_at_most']} descriptors")
+        say(
+            f"  undisturbed: {base['versions_per_s']:.0f} versions/s, {base['checkpoints_written']} checkpoints, "
+            f"Status in {base['status_slowest_s'] * 1000:.0f} ms at most, "
+            f"{base['descriptors_held_at_most']} descriptors"
+        )
         host, _, port = bind.rpartition(":")
         for rank, kind in enumerate(KINDS, start=1):
             count = connections or limit + limit // 10
             per = max(1000, _limit(os.getpid()) - 200)  # connections a flood process may hold (its own limit)
-            floods = [start_flood(host, port, min(per, count - i), seconds + START_BOUND, kind == "reopened")
-                      for i in range(0, count, per)]
+            floods = [
+                start_flood(host, port, min(per, count - i), seconds + START_BOUND, kind == "reopened")
+                for i in range(0, count, per)
+            ]
             figures: dict = {}
             try:
                 figures = _window(shard, seconds, ckpt, shard_proc.pid, metrics)  # from the flood's first connection
@@ -303,24 +363,29 @@ def measure(seconds: float, folder: Path, say, connections: int = 0) -> dict:
                 say(f"  {kind} flood of {count} connections: {figures['error']}; the flood {stats}")
                 continue
             figures["ratio"] = figures["versions_per_s"] / base["versions_per_s"]
-            say(f"  {kind} flood of {count} connections: {figures['versions_per_s']:.0f} versions/s "
+            say(
+                f"  {kind} flood of {count} connections: {figures['versions_per_s']:.0f} versions/s "
                 f"({figures['ratio']:.2f}x), {figures['checkpoints_written']} checkpoints, Status in "
                 f"{(figures['status_slowest_s'] or 0) * 1000:.0f} ms at most ({figures['status_unanswered']} of "
                 f"{figures['status_unanswered'] + figures['status_answered']} not answered within "
                 f"{STATUS_TIMEOUT:.0f}s), the shard held "
                 f"{figures['descriptors_held_at_most']} descriptors at most, a new worker stepped after "
-                f"{figures['new_worker_first_step_s']:.1f}s; the flood {stats}")
+                f"{figures['new_worker_first_step_s']:.1f}s; the flood {stats}"
+            )
         return result
     finally:
         end_all([proc for proc, _ in procs])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seconds", type=float, default=10.0, metavar="S",
-                        help="each measurement window (default 10)")
-    parser.add_argument("--connections", type=int, default=0, metavar="N",
-                        help="connections each flood opens (default: the shard's limit on open files and a tenth "
-                             "more)")
+    parser.add_argument("--seconds", type=float, default=10.0, metavar="S", help="each measurement window (default 10)")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=0,
+        metavar="N",
+        help="connections each flood opens (default: the shard's limit on open files and a tenth more)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
 
 

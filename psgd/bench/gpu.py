@@ -41,14 +41,15 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from psgd.compute import backend
 from psgd.bench.gpu_link import shm_part
 from psgd.bench.limits import machine, seconds_per_call
+from psgd.compute import backend
 from psgd.config.parsing import comma_list
 
 MB = 1_000_000
@@ -67,7 +68,7 @@ class Options:
     batch: int = 256
     steps: int = 100  # training steps in each timed run of the mlp part (bare steps: calls per timed run)
     repeats: int = 5  # timed runs per figure; the median is reported
-    warmup: int = 2   # untimed runs first
+    warmup: int = 2  # untimed runs first
     matmul_n: int = 8192
     transfer_sizes: Sequence[int] = (40 * MB, 400 * MB)  # bytes
     nccl_sizes: Sequence[int] = (1 * MB, 16 * MB, 64 * MB, 256 * MB)  # bytes
@@ -75,6 +76,7 @@ class Options:
 
 
 # ---------------------------------------------------------------- pure helpers (tested without a GPU)
+
 
 def mlp_step_flops(batch: int, widths: Sequence[int]) -> int:
     """Flops of one training step of a dense chain with layer ``widths`` (input, hidden..., classes):
@@ -110,21 +112,23 @@ def parse_parts(text: str) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- part 1: psgd's training step
 
+
 def matmul_tflops(device: backend.Device, n: int, o: Options) -> float:
     """TFLOP/s of one n x n float32 ``xp.matmul`` into a preallocated output (2 n^3 flops)."""
     xp, rng = device.xp, np.random.default_rng(1)
     a, b = (device.asarray(rng.random((n, n), dtype=np.float32)) for _ in range(2))
     c = xp.empty((n, n), dtype=np.float32)
     seconds = seconds_per_call(lambda: xp.matmul(a, b, out=c), device, repeats=o.repeats, warmup=o.warmup)
-    return 2 * n ** 3 / seconds / 1e12
+    return 2 * n**3 / seconds / 1e12
 
 
 def bare_step_seconds(device: backend.Device, width: int, o: Options) -> float:
     """One step's matmuls written bare with xp, for psgd's MLP shapes: 3 forward, 5 backward."""
     rng = np.random.default_rng(2)
-    x, w1, w2, w3, dout = (device.asarray(rng.random(shape, dtype=np.float32) - 0.5)
-                           for shape in ((o.batch, INPUT), (INPUT, width), (width, width), (width, CLASSES),
-                                         (o.batch, CLASSES)))
+    x, w1, w2, w3, dout = (
+        device.asarray(rng.random(shape, dtype=np.float32) - 0.5)
+        for shape in ((o.batch, INPUT), (INPUT, width), (width, width), (width, CLASSES), (o.batch, CLASSES))
+    )
 
     def step() -> tuple:
         h1 = x @ w1
@@ -146,19 +150,29 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options, graphs: bo
     from psgd.config import JobConfig
     from psgd.data import Dataset
     from psgd.job import build_job
-    from psgd.training.loop import run_loop
     from psgd.training.local import LocalExchange
+    from psgd.training.loop import run_loop
 
     config = JobConfig()
-    config = config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
-                                "optimizer.name=sgd", f"optimizer.lr={o.lr}", f"train.batch_size={o.batch}",
-                                "train.epochs=1", f"train.device={device}", "train.dtype=float32",
-                                f"train.graphs={str(graphs).lower()}"])
+    config = config.apply_sets(
+        [
+            "model.name=mlp",
+            f"model.hidden=[{width}, {width}]",
+            "data.name=synthetic",
+            "optimizer.name=sgd",
+            f"optimizer.lr={o.lr}",
+            f"train.batch_size={o.batch}",
+            "train.epochs=1",
+            f"train.device={device}",
+            "train.dtype=float32",
+            f"train.graphs={str(graphs).lower()}",
+        ]
+    )
     rng = np.random.default_rng(3)
     n = o.steps * o.batch
     x = device.asarray(rng.random((n, INPUT), dtype=np.float32))
     y = device.asarray(rng.integers(0, CLASSES, n))
-    job = build_job(config, Dataset("gpu-bench", x, y, x[:o.batch], y[:o.batch], CLASSES, (INPUT,)))
+    job = build_job(config, Dataset("gpu-bench", x, y, x[: o.batch], y[: o.batch], CLASSES, (INPUT,)))
     exchange = LocalExchange(job)  # its final weights are copied to the host after each run, off the clock
 
     def run() -> float:
@@ -167,8 +181,14 @@ def psgd_step_seconds(device: backend.Device, width: int, o: Options, graphs: bo
         # first step runs kernel by kernel, the second is captured) stay off the clock
         walls: list[float] = []
         backend.synchronize(device)
-        run_loop(job, exchange, evaluate_every=0, final_evaluation=False, progress=False,
-                 on_step=lambda point: walls.append(point["wall"]))
+        run_loop(
+            job,
+            exchange,
+            evaluate_every=0,
+            final_evaluation=False,
+            progress=False,
+            on_step=lambda point: walls.append(point["wall"]),
+        )
         first = 1 if len(walls) > 2 else 0
         return (walls[-1] - walls[first]) / max(len(walls) - 1 - first, 1)
 
@@ -187,16 +207,29 @@ def mlp_part(device: backend.Device, o: Options) -> list[dict]:
         bare = bare_step_seconds(device, width, o)
         psgd = psgd_step_seconds(device, width, o)
         eager = psgd_step_seconds(device, width, o, graphs=False)
-        rows.append({"part": "mlp", "width": width, "batch": o.batch, "flops": flops,
-                     "psgd_ms": psgd * 1e3, "psgd_tflops": flops / psgd / 1e12, "eager_ms": eager * 1e3,
-                     "bare_ms": bare * 1e3, "bare_tflops": flops / bare / 1e12,
-                     "matmul_n": o.matmul_n, "matmul_tflops": peak,
-                     "psgd_over_peak": flops / psgd / 1e12 / peak, "bare_over_peak": flops / bare / 1e12 / peak,
-                     "psgd_over_bare": psgd / bare})
+        rows.append(
+            {
+                "part": "mlp",
+                "width": width,
+                "batch": o.batch,
+                "flops": flops,
+                "psgd_ms": psgd * 1e3,
+                "psgd_tflops": flops / psgd / 1e12,
+                "eager_ms": eager * 1e3,
+                "bare_ms": bare * 1e3,
+                "bare_tflops": flops / bare / 1e12,
+                "matmul_n": o.matmul_n,
+                "matmul_tflops": peak,
+                "psgd_over_peak": flops / psgd / 1e12 / peak,
+                "bare_over_peak": flops / bare / 1e12 / peak,
+                "psgd_over_bare": psgd / bare,
+            }
+        )
     return rows
 
 
 # ---------------------------------------------------------------- part 2: host <-> device
+
 
 def transfer_part(device: backend.Device, o: Options) -> list[dict]:
     """Per size: the raw pinned memcpy each way, then each psgd path from pageable and pinned memory."""
@@ -223,9 +256,11 @@ def transfer_part(device: backend.Device, o: Options) -> list[dict]:
             raw_gbps[direction] = size / s / 1e9
             rows.append(_transfer_row(size, "pinned", direction, "raw cudaMemcpy", s, raw_gbps[direction]))
         for kind_of_host, host in (("pageable", pageable), ("pinned", pinned)):
-            paths = (("pull", "device.asarray(host)", lambda h=host: device.asarray(h)),
-                     ("pull", "dev.set(host)", lambda h=host: dev.set(h)),
-                     ("push", "to_host(dev, out=host)", lambda h=host: backend.to_host(dev, out=h)))
+            paths = (
+                ("pull", "device.asarray(host)", lambda h=host: device.asarray(h)),
+                ("pull", "dev.set(host)", lambda h=host: dev.set(h)),
+                ("push", "to_host(dev, out=host)", lambda h=host: backend.to_host(dev, out=h)),
+            )
             for direction, name, fn in paths:
                 s = seconds_per_call(fn, device, repeats=o.repeats, warmup=o.warmup)
                 rows.append(_transfer_row(size, kind_of_host, direction, name, s, raw_gbps[direction]))
@@ -234,11 +269,22 @@ def transfer_part(device: backend.Device, o: Options) -> list[dict]:
 
 def _transfer_row(size: int, host: str, direction: str, path: str, seconds: float, raw_gbps: float) -> dict:
     gbps = size / seconds / 1e9
-    return {"part": "transfer", "size_bytes": size, "size_mb": size / MB, "host": host, "direction": direction,
-            "path": path, "ms": seconds * 1e3, "gbps": gbps, "raw_gbps": raw_gbps, "over_raw": gbps / raw_gbps}
+    return {
+        "part": "transfer",
+        "size_bytes": size,
+        "size_mb": size / MB,
+        "host": host,
+        "direction": direction,
+        "path": path,
+        "ms": seconds * 1e3,
+        "gbps": gbps,
+        "raw_gbps": raw_gbps,
+        "over_raw": gbps / raw_gbps,
+    }
 
 
 # ---------------------------------------------------------------- part 3: NCCL all-reduce
+
 
 def nccl_part(device: backend.Device, o: Options) -> list[dict]:
     """Per size: psgd's one-rank all-reduce and a bare communicator's, in ms and algorithm GB/s.
@@ -261,19 +307,27 @@ def nccl_part(device: backend.Device, o: Options) -> list[dict]:
                 buf = xp.ones(size // 4, dtype=np.float32)
 
                 def bare(buf=buf) -> None:
-                    comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
-                                   stream.ptr)
+                    comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
                     stream.synchronize()
 
                 timing = dict(repeats=o.repeats, warmup=o.warmup, calls=10)
                 bare_s = seconds_per_call(bare, device, **timing)
-                row = {"part": "nccl", "size_bytes": size, "size_mb": size / MB, "bare_ms": bare_s * 1e3,
-                       "bare_algbw_gbps": size / bare_s / 1e9, "psgd_ms": None, "psgd_algbw_gbps": None,
-                       "psgd_over_bare": None, **({"psgd_error": error} if error else {})}
+                row = {
+                    "part": "nccl",
+                    "size_bytes": size,
+                    "size_mb": size / MB,
+                    "bare_ms": bare_s * 1e3,
+                    "bare_algbw_gbps": size / bare_s / 1e9,
+                    "psgd_ms": None,
+                    "psgd_algbw_gbps": None,
+                    "psgd_over_bare": None,
+                    **({"psgd_error": error} if error else {}),
+                }
                 if group is not None:
                     psgd_s = seconds_per_call(lambda buf=buf: group.allreduce_(buf), device, **timing)
-                    row.update(psgd_ms=psgd_s * 1e3, psgd_algbw_gbps=size / psgd_s / 1e9,
-                               psgd_over_bare=psgd_s / bare_s)
+                    row.update(
+                        psgd_ms=psgd_s * 1e3, psgd_algbw_gbps=size / psgd_s / 1e9, psgd_over_bare=psgd_s / bare_s
+                    )
                 rows.append(row)
     finally:
         if group is not None:
@@ -284,49 +338,103 @@ def nccl_part(device: backend.Device, o: Options) -> list[dict]:
 
 # ---------------------------------------------------------------- the command
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Options()
     mb = lambda sizes: ",".join(f"{s / MB:g}" for s in sizes)  # noqa: E731
-    parser.add_argument("--parts", type=parse_parts, default=PARTS, metavar="PART,...",
-                        help="which parts to run: mlp, transfer, shm, nccl (default all four)")
+    parser.add_argument(
+        "--parts",
+        type=parse_parts,
+        default=PARTS,
+        metavar="PART,...",
+        help="which parts to run: mlp, transfer, shm, nccl (default all four)",
+    )
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
-    parser.add_argument("--widths", type=positive_ints, default=tuple(d.widths), metavar="W,...",
-                        help=f"mlp: hidden widths (default {','.join(map(str, d.widths))})")
-    parser.add_argument("--batch", type=positive_int, default=d.batch,
-                        help=f"mlp: batch size (default {d.batch})")
-    parser.add_argument("--steps", type=positive_int, default=d.steps,
-                        help=f"mlp: training steps in each timed run (default {d.steps})")
-    parser.add_argument("--matmul-n", type=positive_int, default=d.matmul_n,
-                        help=f"mlp: size of the n x n matmul peak (default {d.matmul_n})")
-    parser.add_argument("--transfer-mb", type=sizes_mb, default=tuple(d.transfer_sizes), metavar="MB,...",
-                        help=f"transfer: sizes in MB, 10^6 bytes (default {mb(d.transfer_sizes)})")
-    parser.add_argument("--nccl-mb", type=sizes_mb, default=tuple(d.nccl_sizes), metavar="MB,...",
-                        help=f"nccl: sizes in MB (default {mb(d.nccl_sizes)})")
-    parser.add_argument("--repeats", type=positive_int, default=d.repeats,
-                        help=f"timed runs per figure; the median is reported (default {d.repeats})")
+    parser.add_argument(
+        "--widths",
+        type=positive_ints,
+        default=tuple(d.widths),
+        metavar="W,...",
+        help=f"mlp: hidden widths (default {','.join(map(str, d.widths))})",
+    )
+    parser.add_argument("--batch", type=positive_int, default=d.batch, help=f"mlp: batch size (default {d.batch})")
+    parser.add_argument(
+        "--steps", type=positive_int, default=d.steps, help=f"mlp: training steps in each timed run (default {d.steps})"
+    )
+    parser.add_argument(
+        "--matmul-n",
+        type=positive_int,
+        default=d.matmul_n,
+        help=f"mlp: size of the n x n matmul peak (default {d.matmul_n})",
+    )
+    parser.add_argument(
+        "--transfer-mb",
+        type=sizes_mb,
+        default=tuple(d.transfer_sizes),
+        metavar="MB,...",
+        help=f"transfer: sizes in MB, 10^6 bytes (default {mb(d.transfer_sizes)})",
+    )
+    parser.add_argument(
+        "--nccl-mb",
+        type=sizes_mb,
+        default=tuple(d.nccl_sizes),
+        metavar="MB,...",
+        help=f"nccl: sizes in MB (default {mb(d.nccl_sizes)})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=d.repeats,
+        help=f"timed runs per figure; the median is reported (default {d.repeats})",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
 #: each part's table: (header, row key, width (negative: left-aligned), precision and type)
 COLUMNS = {
-    "mlp": [("width", "width", 6, "d"), ("psgd ms", "psgd_ms", 8, ".3f"), ("TFLOP/s", "psgd_tflops", 8, ".2f"),
-            ("eager ms", "eager_ms", 8, ".3f"),
-            ("/peak", "psgd_over_peak", 6, ".2f"), ("bare ms", "bare_ms", 8, ".3f"),
-            ("TFLOP/s", "bare_tflops", 8, ".2f"), ("/peak", "bare_over_peak", 6, ".2f"),
-            ("psgd/bare", "psgd_over_bare", 9, ".2f")],
-    "transfer": [("size MB", "size_mb", 8, "g"), ("host", "host", 8, ""), ("way", "direction", 4, ""),
-                 ("path", "path", -24, ""), ("ms", "ms", 8, ".2f"), ("GB/s", "gbps", 7, ".2f"),
-                 ("/raw", "over_raw", 5, ".2f")],
-    "shm": [("size MB", "size_mb", 8, "g"), ("way", "direction", 4, ""), ("path", "path", -10, ""),
-            ("ms", "ms", 8, ".2f"), ("GB/s", "gbps", 7, ".2f"), ("x 2 copies", "over_two_copies", 10, ".2f")],
-    "nccl": [("size MB", "size_mb", 8, "g"), ("psgd ms", "psgd_ms", 8, ".3f"), ("bare ms", "bare_ms", 8, ".3f"),
-             ("psgd/bare", "psgd_over_bare", 9, ".2f"), ("psgd GB/s", "psgd_algbw_gbps", 9, ".2f"),
-             ("bare GB/s", "bare_algbw_gbps", 9, ".2f")],
+    "mlp": [
+        ("width", "width", 6, "d"),
+        ("psgd ms", "psgd_ms", 8, ".3f"),
+        ("TFLOP/s", "psgd_tflops", 8, ".2f"),
+        ("eager ms", "eager_ms", 8, ".3f"),
+        ("/peak", "psgd_over_peak", 6, ".2f"),
+        ("bare ms", "bare_ms", 8, ".3f"),
+        ("TFLOP/s", "bare_tflops", 8, ".2f"),
+        ("/peak", "bare_over_peak", 6, ".2f"),
+        ("psgd/bare", "psgd_over_bare", 9, ".2f"),
+    ],
+    "transfer": [
+        ("size MB", "size_mb", 8, "g"),
+        ("host", "host", 8, ""),
+        ("way", "direction", 4, ""),
+        ("path", "path", -24, ""),
+        ("ms", "ms", 8, ".2f"),
+        ("GB/s", "gbps", 7, ".2f"),
+        ("/raw", "over_raw", 5, ".2f"),
+    ],
+    "shm": [
+        ("size MB", "size_mb", 8, "g"),
+        ("way", "direction", 4, ""),
+        ("path", "path", -10, ""),
+        ("ms", "ms", 8, ".2f"),
+        ("GB/s", "gbps", 7, ".2f"),
+        ("x 2 copies", "over_two_copies", 10, ".2f"),
+    ],
+    "nccl": [
+        ("size MB", "size_mb", 8, "g"),
+        ("psgd ms", "psgd_ms", 8, ".3f"),
+        ("bare ms", "bare_ms", 8, ".3f"),
+        ("psgd/bare", "psgd_over_bare", 9, ".2f"),
+        ("psgd GB/s", "psgd_algbw_gbps", 9, ".2f"),
+        ("bare GB/s", "bare_algbw_gbps", 9, ".2f"),
+    ],
 }
-TITLES = {"transfer": "transfer: float32, GB/s = 10^9 bytes/s; /raw: against a raw pinned cudaMemcpy the same way",
-          "shm": "shm: float32 between a shared-memory segment and the device, GB/s = 10^9 bytes/s; "
-                 "x 2 copies: against staging through pinned buffers",
-          "nccl": "nccl: one-rank all-reduce (sum) of float32, each call waited for"}
+TITLES = {
+    "transfer": "transfer: float32, GB/s = 10^9 bytes/s; /raw: against a raw pinned cudaMemcpy the same way",
+    "shm": "shm: float32 between a shared-memory segment and the device, GB/s = 10^9 bytes/s; "
+    "x 2 copies: against staging through pinned buffers",
+    "nccl": "nccl: one-rank all-reduce (sum) of float32, each call waited for",
+}
 
 
 def print_table(part: str, rows: list[dict]) -> None:
@@ -334,15 +442,21 @@ def print_table(part: str, rows: list[dict]) -> None:
     if part == "mlp":
         tf32 = "on" if os.environ.get("CUPY_TF32", "0") not in ("", "0") else "off"
         r = rows[0]
-        print(f"mlp: input {INPUT}, hidden (w, w), {CLASSES} classes, float32 (TF32 {tf32}), batch {r['batch']}, "
-              f"SGD; peak {r['matmul_n']}^2 xp.matmul {r['matmul_tflops']:.3g} TFLOP/s")
+        print(
+            f"mlp: input {INPUT}, hidden (w, w), {CLASSES} classes, float32 (TF32 {tf32}), batch {r['batch']}, "
+            f"SGD; peak {r['matmul_n']}^2 xp.matmul {r['matmul_tflops']:.3g} TFLOP/s"
+        )
     else:
         print(TITLES[part])
     cell = lambda width, value, kind="": format(value, f"{'<' if width < 0 else '>'}{abs(width)}{kind}")  # noqa: E731
     print(" ".join(cell(width, header) for header, _, width, _ in COLUMNS[part]))
     for r in rows:
-        print(" ".join(cell(width, "-") if r.get(key) is None else cell(width, r[key], kind)
-                       for _, key, width, kind in COLUMNS[part]))
+        print(
+            " ".join(
+                cell(width, "-") if r.get(key) is None else cell(width, r[key], kind)
+                for _, key, width, kind in COLUMNS[part]
+            )
+        )
     for error in sorted({r["psgd_error"] for r in rows if r.get("psgd_error")}):
         print(f"{part}: psgd's side could not be measured: {error}")
 
@@ -359,15 +473,27 @@ def run_from_args(args: argparse.Namespace) -> int:
     except backend.DeviceError as exc:
         print(f"psgd bench gpu: no usable GPU: {exc}", file=sys.stderr)
         return 2
-    options = Options(widths=args.widths, batch=args.batch, steps=args.steps, repeats=args.repeats,
-                      matmul_n=args.matmul_n, transfer_sizes=args.transfer_mb, nccl_sizes=args.nccl_mb)
+    options = Options(
+        widths=args.widths,
+        batch=args.batch,
+        steps=args.steps,
+        repeats=args.repeats,
+        matmul_n=args.matmul_n,
+        transfer_sizes=args.transfer_mb,
+        nccl_sizes=args.nccl_mb,
+    )
     device.use()
     name = device.xp.cuda.runtime.getDeviceProperties(device.index)["name"]
     name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
     print(f"machine: {machine()}, GPU {name} ({device}), CuPy {device.xp.__version__}", flush=True)
-    result: dict[str, Any] = {"machine": machine(), "gpu": name, "device": str(device),
-                              "cupy": device.xp.__version__, "cupy_tf32": os.environ.get("CUPY_TF32", ""),
-                              "options": dataclasses.asdict(options)}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "gpu": name,
+        "device": str(device),
+        "cupy": device.xp.__version__,
+        "cupy_tf32": os.environ.get("CUPY_TF32", ""),
+        "options": dataclasses.asdict(options),
+    }
     failed = []
     for part in args.parts:
         print()

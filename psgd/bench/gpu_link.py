@@ -5,7 +5,8 @@ the device and its gradient from the device into its push segment.  For each siz
 of float32), each way, three paths, in GB/s (10^9 B/s):
 
   two copies   the path through pinned buffers (``psgd.compute.backend.host_empty``): segment -> pinned on the host
-               (``psgd.link.shm.copy_views``), then ``device.asarray``; ``to_host(dev, out=pinned)``, then pinned -> segment
+               (``psgd.link.shm.copy_views``), then ``device.asarray``; ``to_host(dev, out=pinned)``, then pinned ->
+               segment
   direct       straight between the segment and the device (``copy_to_device`` / ``copy_to_host``), unregistered
   registered   the same with the segment's mapping registered with the driver (``psgd.compute.backend.register_host``),
                what a GPU worker does on the shm link
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from psgd.compute import backend
 from psgd.bench.limits import seconds_per_call
+from psgd.compute import backend
 from psgd.link.shm import copy_views
 from psgd.wire import segment
 
@@ -78,8 +80,10 @@ def _measure(device: backend.Device, o: Any, size: int, readonly: mmap.mmap, seg
         return seconds_per_call(fn, device, repeats=o.repeats, warmup=o.warmup)
 
     rows = []
-    for way, twice, direct, address in (("pull", pull_twice, pull_direct, _address(readonly)),
-                                        ("push", push_twice, push_direct, seg.address())):
+    for way, twice, direct, address in (
+        ("pull", pull_twice, pull_direct, _address(readonly)),
+        ("push", push_twice, push_direct, seg.address()),
+    ):
         taken = {"two copies": seconds(twice), "direct": seconds(direct), "registered": None}
         registered = backend.register_host(*address, device, read_only=way == "pull")
         if registered is not None:
@@ -98,8 +102,16 @@ def _address(mapping: mmap.mmap) -> tuple[int, int]:
 
 
 def _row(size: int, way: str, path: str, seconds: float | None, twice: float) -> dict:
-    row = {"part": "shm", "size_bytes": size, "size_mb": size / MB, "direction": way, "path": path,
-           "ms": None, "gbps": None, "over_two_copies": None}
+    row = {
+        "part": "shm",
+        "size_bytes": size,
+        "size_mb": size / MB,
+        "direction": way,
+        "path": path,
+        "ms": None,
+        "gbps": None,
+        "over_two_copies": None,
+    }
     if seconds is None:
         row["error"] = "the driver refused to register the segment (psgd.compute.backend logged why)"
     else:

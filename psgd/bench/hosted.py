@@ -47,7 +47,7 @@ class Network:
         self.net = netns.Namespaces(host_addresses(shards, workers))
         self.measured: dict[str, float] = {}
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         netns.remove_stale()
         self.net.__enter__()
         try:
@@ -56,13 +56,17 @@ class Network:
                     if host != "ctl":
                         self.net.shape(host, self.rate)
             size = max(32 << 20, (self.rate or 10**10) // 8 // 2)  # half a second at the rate
-            self.measured = {"w0 -> s0": self.net.measure("w0", "s0", size),
-                             "s0 -> w0": self.net.measure("s0", "w0", size)}
+            self.measured = {
+                "w0 -> s0": self.net.measure("w0", "s0", size),
+                "s0 -> w0": self.net.measure("s0", "w0", size),
+            }
             for way, got in self.measured.items():
                 if self.rate is not None and abs(got * 8 / self.rate - 1) > RATE_TOLERANCE:
-                    raise netns.NetworkError(f"the {self.name} link measured {got * 8 / 1e9:.3f} Gbit/s {way}, "
-                                             f"not within {RATE_TOLERANCE:.0%} of its rate: the machine cannot "
-                                             "emulate it (too busy, or the rate is above what veth carries here)")
+                    raise netns.NetworkError(
+                        f"the {self.name} link measured {got * 8 / 1e9:.3f} Gbit/s {way}, "
+                        f"not within {RATE_TOLERANCE:.0%} of its rate: the machine cannot "
+                        "emulate it (too busy, or the rate is above what veth carries here)"
+                    )
         except BaseException:
             self.net.close()
             raise
@@ -75,9 +79,12 @@ class Network:
 
     def record(self) -> dict:
         """What the lab keeps of this network: its rate and what its links measured (bytes/s)."""
-        return {"rate_bits_per_s": self.rate, "described": netns.describe_rate(self.rate),
-                "measured_bytes_per_s": {k: round(v) for k, v in self.measured.items()},
-                "measured_gbit_per_s": {k: round(v * 8 / 1e9, 3) for k, v in self.measured.items()}}
+        return {
+            "rate_bits_per_s": self.rate,
+            "described": netns.describe_rate(self.rate),
+            "measured_bytes_per_s": {k: round(v) for k, v in self.measured.items()},
+            "measured_gbit_per_s": {k: round(v * 8 / 1e9, 3) for k, v in self.measured.items()},
+        }
 
     def hosts_spec(self) -> dict:
         return {"prefixes": {h: self.net.prefix(h) for h in self.net.hosts}, "addresses": dict(self.net.hosts)}
@@ -87,14 +94,28 @@ def run_on(network: Network, config, scenario, contender, run_dir: Path, timeout
     """Run one (scenario, contender) of the lab ``config`` with its launcher on ``ctl``; a RunResult."""
     run_dir.mkdir(parents=True, exist_ok=True)
     spec, out = run_dir / "hosted-spec.json", run_dir / "hosted-result.json"
-    spec.write_text(json.dumps({"config": config.to_dict(), "delay": scenario.delay, "contender": contender.spec,
-                                "run_dir": str(run_dir / "run"), "hosts": network.hosts_spec()}))
+    spec.write_text(
+        json.dumps(
+            {
+                "config": config.to_dict(),
+                "delay": scenario.delay,
+                "contender": contender.spec,
+                "run_dir": str(run_dir / "run"),
+                "hosts": network.hosts_spec(),
+            }
+        )
+    )
     out.unlink(missing_ok=True)
-    done = subprocess.run([*network.net.prefix("ctl"), sys.executable, "-m", "psgd.bench.hosted_run", str(spec),
-                           str(out)], capture_output=True, text=True, timeout=timeout + 120)
+    done = subprocess.run(
+        [*network.net.prefix("ctl"), sys.executable, "-m", "psgd.bench.hosted_run", str(spec), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 120,
+    )
     if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"the run on {network.name} links failed (exit {done.returncode}): "
-                           f"{done.stderr.strip()[-600:]}")
+        raise RuntimeError(
+            f"the run on {network.name} links failed (exit {done.returncode}): {done.stderr.strip()[-600:]}"
+        )
     return RunResult(**json.loads(out.read_text()))
 
 

@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from psgd.compute import threads
-from psgd.bench.lab import LabConfig, parse_contender, parse_scenario
 from psgd.bench.convergence import run_one
+from psgd.bench.lab import LabConfig, parse_contender, parse_scenario
 from psgd.bench.observe import Evaluator
+from psgd.compute import threads
 from psgd.launcher import Hosts
 
 
@@ -23,8 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(spec_path).read_text())
     config = LabConfig(**spec["config"])
     hosts = Hosts.from_spec(spec["hosts"])
-    run = run_one(config, Evaluator(config.job_config()), parse_scenario(spec["delay"] or "none"),
-                  parse_contender(spec["contender"]), Path(spec["run_dir"]), None, hosts=hosts)
+    run = run_one(
+        config,
+        Evaluator(config.job_config()),
+        parse_scenario(spec["delay"] or "none"),
+        parse_contender(spec["contender"]),
+        Path(spec["run_dir"]),
+        None,
+        hosts=hosts,
+    )
     Path(out_path).write_text(json.dumps(run.to_dict()))
     return 0
 

@@ -28,17 +28,17 @@ import dataclasses
 import re
 
 from psgd.config import ConfigError, JobConfig
-from psgd.training.delay import DelayError, parse_delay
 from psgd.policy import POLICIES, PolicyOption
+from psgd.training.delay import DelayError, parse_delay
 
 
 @dataclasses.dataclass(frozen=True)
 class Contender:
     """One way to train (a parameter-server policy or all-reduce): how it is launched and the job keys it sets."""
 
-    spec: str                   # as given: sync | async | ssp:S | local:T | backup:B | allreduce, + modifiers
-    label: str                  # for tables and legends
-    mode: str                   # ps | allreduce
+    spec: str  # as given: sync | async | ssp:S | local:T | backup:B | allreduce, + modifiers
+    label: str  # for tables and legends
+    mode: str  # ps | allreduce
     sets: tuple[str, ...] = ()  # job overrides (cluster.policy=...)
 
 
@@ -67,8 +67,9 @@ def _plain_policies() -> list[str]:
 
 def _shorthands() -> dict[str, tuple[str, PolicyOption]]:
     """The first word of each ``WORD:N`` contender, with the policy and the option its number sets."""
-    return {o.shorthand.partition(":")[0]: (name, o) for name, cls in POLICIES.items() for o in cls.options
-            if o.shorthand}
+    return {
+        o.shorthand.partition(":")[0]: (name, o) for name, cls in POLICIES.items() for o in cls.options if o.shorthand
+    }
 
 
 def contender_families() -> list[str]:
@@ -122,10 +123,16 @@ def _parse_base(text: str, spec: str) -> Contender:
         policy, option = _shorthands()[kind]
         value = int(arg)
         if kind != policy and value == option.default:
-            raise ConfigError(f"policy {spec!r}: {option.shorthand} needs a value other than {option.default} "
-                              f"(plain {policy} is {policy!r})")
-        return Contender(text, option.label.format(value), "ps",
-                         (f"cluster.policy={policy}", f"cluster.{option.cluster_key}={value}"))
+            raise ConfigError(
+                f"policy {spec!r}: {option.shorthand} needs a value other than {option.default} "
+                f"(plain {policy} is {policy!r})"
+            )
+        return Contender(
+            text,
+            option.label.format(value),
+            "ps",
+            (f"cluster.policy={policy}", f"cluster.{option.cluster_key}={value}"),
+        )
     forms = [o.shorthand for _, o in _shorthands().values()]
     raise ConfigError(f"unknown policy {spec!r}: use {', '.join(_plain_policies() + forms)} or allreduce")
 
@@ -147,15 +154,16 @@ class LabConfig:
     """Everything a lab run depends on; recorded in its JSON output."""
 
     name: str = "default"
-    job: list[str] = dataclasses.field(default_factory=list)        # --set overrides of the default job
-    policies: list[str] = dataclasses.field(default_factory=lambda: ["sync", "async", "ssp:1", "ssp:4",
-                                                                     "backup:1", "allreduce"])
+    job: list[str] = dataclasses.field(default_factory=list)  # --set overrides of the default job
+    policies: list[str] = dataclasses.field(
+        default_factory=lambda: ["sync", "async", "ssp:1", "ssp:4", "backup:1", "allreduce"]
+    )
     delays: list[str] = dataclasses.field(default_factory=lambda: ["none", "slowdown:4@0"])
     target_accuracy: float = 0.95
-    eval_interval: float = 0.05      # seconds between the observer's evaluations of the shards (ps runs)
-    allreduce_eval_every: int = 2    # steps between rank 0's evaluations (allreduce runs)
-    repeats: int = 1                 # runs of every (scenario, policy); the table shows medians
-    run_timeout: float = 600.0       # seconds; a run that takes longer fails
+    eval_interval: float = 0.05  # seconds between the observer's evaluations of the shards (ps runs)
+    allreduce_eval_every: int = 2  # steps between rank 0's evaluations (allreduce runs)
+    repeats: int = 1  # runs of every (scenario, policy); the table shows medians
+    run_timeout: float = 600.0  # seconds; a run that takes longer fails
     networks: list[str] = dataclasses.field(default_factory=list)  # link rates (psgd.bench.netns); []: loopback
 
     def job_config(self) -> JobConfig:
@@ -168,6 +176,7 @@ class LabConfig:
 
     def scenarios(self) -> list[Scenario]:
         return [parse_scenario(d) for d in self.delays]
+
     def check(self) -> None:
         """Fail early, with one line, on anything a run would trip over later."""
         job = self.job_config()
@@ -177,8 +186,7 @@ class LabConfig:
             raise ConfigError("no policies to run")
         for p in contenders:
             if p.spec.startswith("backup:") and int(p.spec.split(":")[1]) >= job.cluster.workers:
-                raise ConfigError(f"policy {p.spec}: needs fewer backup workers than workers "
-                                  f"({job.cluster.workers})")
+                raise ConfigError(f"policy {p.spec}: needs fewer backup workers than workers ({job.cluster.workers})")
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ConfigError(f"target accuracy {self.target_accuracy} is not in (0, 1]")
         if self.repeats < 1:
@@ -199,31 +207,57 @@ class LabConfig:
         return dataclasses.asdict(self)
 
 
-_DIGITS = ["cluster.workers=4", "cluster.shards=2", "train.epochs=30", "optimizer.name=momentum",
-           "optimizer.lr=0.02"]
+_DIGITS = ["cluster.workers=4", "cluster.shards=2", "train.epochs=30", "optimizer.name=momentum", "optimizer.lr=0.02"]
 
 PRESETS: dict[str, LabConfig] = {
     # The issue's default configuration: MLP on the bundled digits, 4 workers, 2 shards.
     "default": LabConfig(name="default", job=list(_DIGITS), repeats=3),
     # A lab of the lab: small enough for CI, still every output.
-    "quick": LabConfig(name="quick", job=["cluster.workers=2", "cluster.shards=2", "train.epochs=4",
-                                          "optimizer.name=momentum", "optimizer.lr=0.02"],
-                       policies=["sync", "async", "allreduce"], target_accuracy=0.8),
+    "quick": LabConfig(
+        name="quick",
+        job=["cluster.workers=2", "cluster.shards=2", "train.epochs=4", "optimizer.name=momentum", "optimizer.lr=0.02"],
+        policies=["sync", "async", "allreduce"],
+        target_accuracy=0.8,
+    ),
     # Communication dominates: a ~9.7M-parameter MLP (38.7 MB of float32) on synthetic teacher data.
-    "synthetic": LabConfig(name="synthetic",
-                           job=["cluster.workers=4", "cluster.shards=2", "data.name=synthetic",
-                                "data.input_dim=64", "data.n_train=3072", "data.n_test=256",
-                                "model.hidden=[3072, 3072]", "train.epochs=2", "optimizer.name=momentum",
-                                "optimizer.lr=0.01"],
-                           policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
-                           target_accuracy=0.5, eval_interval=2.0, allreduce_eval_every=2),
+    "synthetic": LabConfig(
+        name="synthetic",
+        job=[
+            "cluster.workers=4",
+            "cluster.shards=2",
+            "data.name=synthetic",
+            "data.input_dim=64",
+            "data.n_train=3072",
+            "data.n_test=256",
+            "model.hidden=[3072, 3072]",
+            "train.epochs=2",
+            "optimizer.name=momentum",
+            "optimizer.lr=0.01",
+        ],
+        policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
+        target_accuracy=0.5,
+        eval_interval=2.0,
+        allreduce_eval_every=2,
+    ),
     # Real data that takes minutes: a CNN (0.8M parameters) on 5,000 MNIST images (the mnist extra).
-    "mnist": LabConfig(name="mnist",
-                       job=["cluster.workers=4", "cluster.shards=2", "data.name=mnist5k", "model.name=cnn",
-                            "model.channels=[32, 64]", "model.hidden=256", "train.epochs=6",
-                            "optimizer.name=momentum", "optimizer.lr=0.02"],
-                       policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
-                       target_accuracy=0.95, eval_interval=1.0, allreduce_eval_every=5),
+    "mnist": LabConfig(
+        name="mnist",
+        job=[
+            "cluster.workers=4",
+            "cluster.shards=2",
+            "data.name=mnist5k",
+            "model.name=cnn",
+            "model.channels=[32, 64]",
+            "model.hidden=256",
+            "train.epochs=6",
+            "optimizer.name=momentum",
+            "optimizer.lr=0.02",
+        ],
+        policies=["sync", "async", "ssp:2", "backup:1", "allreduce"],
+        target_accuracy=0.95,
+        eval_interval=1.0,
+        allreduce_eval_every=5,
+    ),
 }
 
 
@@ -231,5 +265,9 @@ def preset(name: str) -> LabConfig:
     """A fresh copy of a named preset (``default``, ``quick`` or ``synthetic``)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], job=list(PRESETS[name].job),
-                               policies=list(PRESETS[name].policies), delays=list(PRESETS[name].delays))
+    return dataclasses.replace(
+        PRESETS[name],
+        job=list(PRESETS[name].job),
+        policies=list(PRESETS[name].policies),
+        delays=list(PRESETS[name].delays),
+    )

@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -81,9 +81,11 @@ def bare_grpc_rtt(repeats: int = 2000) -> float:
     """Median seconds of a 100-byte unary call to a generic-handler echo server in another process."""
     code = (
         "import grpc, sys\nfrom concurrent import futures\n"
-        "h = grpc.method_handlers_generic_handler('b.Echo', {'E': grpc.unary_unary_rpc_method_handler(lambda r, c: r)})\n"
+        "echo = grpc.unary_unary_rpc_method_handler(lambda r, c: r)\n"
+        "h = grpc.method_handlers_generic_handler('b.Echo', {'E': echo})\n"
         "s = grpc.server(futures.ThreadPoolExecutor(4)); s.add_generic_rpc_handlers((h,))\n"
-        "p = s.add_insecure_port('127.0.0.1:0'); s.start(); print(p, flush=True); sys.stdin.read()\n")
+        "p = s.add_insecure_port('127.0.0.1:0'); s.start(); print(p, flush=True); sys.stdin.read()\n"
+    )
     import grpc
 
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -151,8 +153,14 @@ def step_costs(size: int, link: str, steps: int, tmp: str, busy_poll_us: int = 0
             client.close()
     (two_s, two_shard), (one_s, one_shard) = phases["two"], phases["one"]
     counted = link != "grpc"
-    return {"size_bytes": size, "link": link, "two_round_trips_s": two_s, "one_round_trip_s": one_s,
-            "shard_s": one_shard if counted else None, "shard_two_s": two_shard if counted else None}
+    return {
+        "size_bytes": size,
+        "link": link,
+        "two_round_trips_s": two_s,
+        "one_round_trip_s": one_s,
+        "shard_s": one_shard if counted else None,
+        "shard_two_s": two_shard if counted else None,
+    }
 
 
 def _applier(memory: mmap.mmap, n: int, lr: float, deadline: float) -> None:
@@ -173,8 +181,11 @@ def _applier(memory: mmap.mmap, n: int, lr: float, deadline: float) -> None:
 
 def _floor_arrays(memory: mmap.mmap, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The step asked and the step applied, the weights and the gradient, in ``memory``."""
-    return (np.ndarray((2,), np.int64, memory, 0), np.ndarray((n,), np.float32, memory, 16),
-            np.ndarray((n,), np.float32, memory, 16 + 4 * n))
+    return (
+        np.ndarray((2,), np.int64, memory, 0),
+        np.ndarray((n,), np.float32, memory, 16),
+        np.ndarray((n,), np.float32, memory, 16 + 4 * n),
+    )
 
 
 def floor(steps: int = 4000, turns: int = 3) -> dict:
@@ -196,7 +207,7 @@ def floor(steps: int = 4000, turns: int = 3) -> dict:
     def views(flat: np.ndarray) -> dict[str, np.ndarray]:
         out, at = {}, 0
         for k in names:
-            out[k] = flat[at:at + params[k].size].reshape(params[k].shape)
+            out[k] = flat[at : at + params[k].size].reshape(params[k].shape)
             at += params[k].size
         return out
 
@@ -215,8 +226,9 @@ def floor(steps: int = 4000, turns: int = 3) -> dict:
         memory = mmap.mmap(-1, 16 + 8 * n)  # anonymous and shared: the forked process maps the same pages
         seq, weights, grads = _floor_arrays(memory, n)
         weights[:] = np.concatenate([params[k].ravel() for k in names])
-        other = multiprocessing.get_context("fork").Process(target=_applier, daemon=True,
-                                                              args=(memory, n, 0.01, time.monotonic() + 600))
+        other = multiprocessing.get_context("fork").Process(
+            target=_applier, daemon=True, args=(memory, n, 0.01, time.monotonic() + 600)
+        )
         other.start()
         try:
             local = np.empty(n, np.float32)
@@ -241,8 +253,11 @@ def floor(steps: int = 4000, turns: int = 3) -> dict:
         for _ in range(turns):
             rates["alone"].append(alone())
             rates["split"].append(split())
-    return {"one_process_steps_per_s": rates["alone"], "two_processes_steps_per_s": rates["split"],
-            "split_over_one": median(rates["split"]) / median(rates["alone"])}
+    return {
+        "one_process_steps_per_s": rates["alone"],
+        "two_processes_steps_per_s": rates["split"],
+        "split_over_one": median(rates["split"]) / median(rates["alone"]),
+    }
 
 
 def as_users_run_it(rounds: int, tmp: str, say: Callable[[str], None]) -> dict:
@@ -261,10 +276,15 @@ def as_users_run_it(rounds: int, tmp: str, say: Callable[[str], None]) -> dict:
                 raise SystemExit(f"{record['command']}: {record['error']}")
             rates[kind].append(record["steps_per_s"])
     single, launch = median(rates["single"]), median(rates["sync"])
-    say(f"\nas users run it (digits MLP 64, {rounds} turns): psgd train {single:,.0f} steps/s, psgd launch "
-        f"--workers 1 --shards 1 {launch:,.0f} steps/s: {launch / single:.2f} of one process")
-    return {"single_steps_per_s": rates["single"], "launch_steps_per_s": rates["sync"],
-            "launch_over_single": launch / single}
+    say(
+        f"\nas users run it (digits MLP 64, {rounds} turns): psgd train {single:,.0f} steps/s, psgd launch "
+        f"--workers 1 --shards 1 {launch:,.0f} steps/s: {launch / single:.2f} of one process"
+    )
+    return {
+        "single_steps_per_s": rates["single"],
+        "launch_steps_per_s": rates["sync"],
+        "launch_over_single": launch / single,
+    }
 
 
 def measure(steps: int, tmp: str, say: Callable[[str], None], sizes=SIZES, links=LINKS, rounds: int = 3) -> dict:
@@ -274,16 +294,20 @@ def measure(steps: int, tmp: str, say: Callable[[str], None], sizes=SIZES, links
 
     users = as_users_run_it(rounds, tmp, say)
     limit = floor()
-    say(f"the floor: that step in one process {median(limit['one_process_steps_per_s']):,.0f} steps/s; split "
+    say(
+        f"the floor: that step in one process {median(limit['one_process_steps_per_s']):,.0f} steps/s; split "
         f"across two (the gradient in one, the update in the other) that share only the weights and the gradient "
         f"in shared memory and spin for each other, {median(limit['two_processes_steps_per_s']):,.0f}: "
-        f"{limit['split_over_one']:.2f} of one process, the most any parameter server reaches here")
+        f"{limit['split_over_one']:.2f} of one process, the most any parameter server reaches here"
+    )
     watch = busy_poll(2)[0]  # what psgd launch chooses for one worker and one shard on this machine
     bare, watched = bare_tcp_rtt(max(steps, 1000)), bare_tcp_rtt(max(steps, 1000), watch / 1e6)
     bare_grpc = bare_grpc_rtt(max(steps, 1000))
-    say(f"\na small step's fixed cost: a bare round trip over loopback TCP {bare * 1e6:.0f} us sleeping, "
+    say(
+        f"\na small step's fixed cost: a bare round trip over loopback TCP {bare * 1e6:.0f} us sleeping, "
         f"{watched * 1e6:.0f} us watching (busy_poll_us = {watch}, as psgd launch chooses for one worker and one "
-        f"shard here), a bare gRPC call {bare_grpc * 1e6:.0f} us")
+        f"shard here), a bare gRPC call {bare_grpc * 1e6:.0f} us"
+    )
     rows = []
     for size in sizes:
         for link in links:
@@ -292,8 +316,17 @@ def measure(steps: int, tmp: str, say: Callable[[str], None], sizes=SIZES, links
             row["rest_s"] = row["one_round_trip_s"] - (row["shard_s"] or 0.0) - bare_link
             rows.append(row)
             shard = f"shard CPU {row['shard_s'] * 1e6:4.0f} us, " if row["shard_s"] is not None else ""
-            say(f"  {size:>7,} B over {link:4s}: pull then push {row['two_round_trips_s'] * 1e6:5.0f} us, push and "
+            say(
+                f"  {size:>7,} B over {link:4s}: pull then push {row['two_round_trips_s'] * 1e6:5.0f} us, push and "
                 f"pull {row['one_round_trip_s'] * 1e6:5.0f} us = {shard}bare round trip {bare_link * 1e6:4.0f} us, "
-                f"the rest {row['rest_s'] * 1e6:4.0f} us")
-    return {**users, "floor": limit, "busy_poll_us": watch, "bare_tcp_rtt_s": bare, "bare_tcp_watched_rtt_s": watched,
-            "bare_grpc_rtt_s": bare_grpc, "steps": rows}
+                f"the rest {row['rest_s'] * 1e6:4.0f} us"
+            )
+    return {
+        **users,
+        "floor": limit,
+        "busy_poll_us": watch,
+        "bare_tcp_rtt_s": bare,
+        "bare_tcp_watched_rtt_s": watched,
+        "bare_grpc_rtt_s": bare_grpc,
+        "steps": rows,
+    }

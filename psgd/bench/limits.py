@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -86,8 +87,9 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, {platform.system()}"
 
 
-def seconds_per_call(fn: Callable[[], Any], device: backend.Device, *, repeats: int, warmup: int,
-                     calls: int = 1) -> float:
+def seconds_per_call(
+    fn: Callable[[], Any], device: backend.Device, *, repeats: int, warmup: int, calls: int = 1
+) -> float:
     """Median over ``repeats`` runs of (``calls`` calls of ``fn``, then a synchronize of ``device``) /
     ``calls``, after ``warmup`` untimed calls; ``device`` is also synchronized before each clock start."""
     for _ in range(warmup):

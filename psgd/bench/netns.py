@@ -24,7 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from psgd.errors import ClusterError
 
@@ -138,7 +138,7 @@ class Namespaces:
         self.made.append(name)
         return name
 
-    def build(self) -> "Namespaces":
+    def build(self) -> Namespaces:
         hub = self._add("hub")
         _run(IP, "-n", hub, "link", "add", "br0", "type", "bridge")
         _run(IP, "-n", hub, "link", "set", "br0", "up")
@@ -168,8 +168,16 @@ class Namespaces:
         64 KiB at once (segmentation offload), and a bucket smaller than a
         segment would drop it whole.  Queued packets wait at most 100 ms.
         """
-        spec = ["root", "tbf", "rate", f"{bits_per_second}bit", "burst", str(burst_bytes(bits_per_second)),
-                "latency", "100ms"]
+        spec = [
+            "root",
+            "tbf",
+            "rate",
+            f"{bits_per_second}bit",
+            "burst",
+            str(burst_bytes(bits_per_second)),
+            "latency",
+            "100ms",
+        ]
         _run(IP, "netns", "exec", self.ns(host), TC, "qdisc", "replace", "dev", "eth0", *spec)
         _run(IP, "netns", "exec", self.ns("hub"), TC, "qdisc", "replace", "dev", self.ports[host], *spec)
         self.rates[host] = bits_per_second
@@ -187,14 +195,22 @@ class Namespaces:
         """Bytes per second that ``sender`` moves to ``receiver`` over one TCP connection (``nbytes``
         after a warm-up of an eighth of that): the link's real throughput, shaping included."""
         address = self.hosts[receiver]
-        server = subprocess.Popen([*self.prefix(receiver), sys.executable, "-c", _SINK, address, str(port)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            [*self.prefix(receiver), sys.executable, "-c", _SINK, address, str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             ready = server.stdout.readline().strip()
             if ready != "ready":
                 raise NetworkError(f"the throughput sink on {receiver} did not start: {server.stderr.read()[-300:]}")
-            sent = subprocess.run([*self.prefix(sender), sys.executable, "-c", _SOURCE, address, str(port),
-                                   str(nbytes)], capture_output=True, text=True, timeout=300)
+            sent = subprocess.run(
+                [*self.prefix(sender), sys.executable, "-c", _SOURCE, address, str(port), str(nbytes)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if sent.returncode != 0:
                 raise NetworkError(f"measuring {sender} -> {receiver} failed: {sent.stderr.strip()[-300:]}")
             return float(sent.stdout.split()[-1])
@@ -215,7 +231,7 @@ class Namespaces:
         self.made = left
         return left
 
-    def __enter__(self) -> "Namespaces":
+    def __enter__(self) -> Namespaces:
         try:
             return self.build()
         except BaseException:

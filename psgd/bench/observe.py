@@ -32,8 +32,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -50,12 +50,12 @@ LOSS_WINDOW = 16
 class Sample:
     """One look at the shards."""
 
-    time: float                     # unix time the observer's pull returned
-    versions: list[int]             # per shard
-    observer_pulls: int             # pulls the observer made so far, this one included
-    bytes_moved: int                # bytes_in + bytes_out over all shards
-    histogram: list[int]            # staleness histogram summed over the shards
-    counters: dict[str, int]        # numeric counters summed over the shards
+    time: float  # unix time the observer's pull returned
+    versions: list[int]  # per shard
+    observer_pulls: int  # pulls the observer made so far, this one included
+    bytes_moved: int  # bytes_in + bytes_out over all shards
+    histogram: list[int]  # staleness histogram summed over the shards
+    counters: dict[str, int]  # numeric counters summed over the shards
     test_loss: float
     test_accuracy: float
 
@@ -67,19 +67,25 @@ class Evaluator:
         from psgd.job import build_job
 
         job = build_job(config)
-        self.config, self.model, self.dataset, self.device, self.plan = config, job.model, job.dataset, job.device, \
-            job.plan
+        self.config, self.model, self.dataset, self.device, self.plan = (
+            config,
+            job.model,
+            job.dataset,
+            job.device,
+            job.plan,
+        )
         self.model_bytes = int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in self.plan.specs))
         self.parameters = int(sum(np.prod(s.shape) for s in self.plan.specs))
 
     def __call__(self, weights: dict) -> tuple[float, float]:
         """(test loss, test accuracy) of ``weights``."""
-        from psgd.training.evaluation import evaluate
         from psgd.job import params_to_device
+        from psgd.training.evaluation import evaluate
 
         params = params_to_device(weights, self.device)
-        return evaluate(self.model, params, self.dataset.x_test, self.dataset.y_test, self.device,
-                        self.config.train.eval_batch_size)
+        return evaluate(
+            self.model, params, self.dataset.x_test, self.dataset.y_test, self.device, self.config.train.eval_batch_size
+        )
 
     def gradient_seconds(self, tries: int = 5) -> float:
         """Median time of one minibatch gradient, computed alone in a fresh process (with the BLAS
@@ -89,8 +95,13 @@ class Evaluator:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "job.toml"
             path.write_text(to_toml(self.config.to_dict()))
-            out = subprocess.run([sys.executable, "-c", _GRADIENT_TIMER, str(path), str(tries)], capture_output=True,
-                                 text=True, timeout=300, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-c", _GRADIENT_TIMER, str(path), str(tries)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=True,
+            ).stdout
         return float(out.split()[-1])
 
     def initial(self) -> tuple[float, float]:
@@ -114,8 +125,7 @@ print(gradient_seconds(job.model, job.model.init(config.train.seed), job.dataset
 class ShardObserver:
     """``launch``'s monitor: samples the shards every ``interval`` seconds until the workers finish."""
 
-    def __init__(self, evaluator: Evaluator, interval: float,
-                 on_sample: Callable[[Sample], None] | None = None):
+    def __init__(self, evaluator: Evaluator, interval: float, on_sample: Callable[[Sample], None] | None = None):
         self.evaluator, self.interval, self.on_sample = evaluator, interval, on_sample
         self.samples: list[Sample] = []
         self.error: str | None = None
@@ -128,8 +138,9 @@ class ShardObserver:
         ev = self.evaluator
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in ev.plan.specs}
         try:
-            with PSClient(addresses, ev.plan, OBSERVER, deadlines=ev.config.cluster.deadlines,
-                          token=token, tls=tls) as client:
+            with PSClient(
+                addresses, ev.plan, OBSERVER, deadlines=ev.config.cluster.deadlines, token=token, tls=tls
+            ) as client:
                 next_at = time.monotonic()
                 while True:
                     finished = stop.is_set()  # one last sample after the workers are done: the final weights
@@ -156,14 +167,23 @@ class ShardObserver:
             hist = list(status.staleness_histogram)
             histogram = [a + b for a, b in zip(histogram, hist)] if histogram else hist
         loss, acc = self.evaluator(host)
-        sample = Sample(now, versions, self._pulls, int(counters.get("bytes_in", 0) + counters.get("bytes_out", 0)),
-                        histogram, counters, float(loss), float(acc))
+        sample = Sample(
+            now,
+            versions,
+            self._pulls,
+            int(counters.get("bytes_in", 0) + counters.get("bytes_out", 0)),
+            histogram,
+            counters,
+            float(loss),
+            float(acc),
+        )
         self.samples.append(sample)
         if self.on_sample:
             self.on_sample(sample)
 
 
 # -- the metrics JSONL ------------------------------------------------------------
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every JSON line of ``path`` (a missing file reads as none)."""
@@ -196,18 +216,35 @@ def percentile(histogram: Sequence[int], q: float) -> int | None:
 
 def _window_loss(steps: Sequence[dict], upto: int) -> float | None:
     """Mean loss of the last LOSS_WINDOW step lines before index ``upto``."""
-    losses = [s["loss"] for s in steps[max(0, upto - LOSS_WINDOW):upto] if s.get("loss") is not None]
+    losses = [s["loss"] for s in steps[max(0, upto - LOSS_WINDOW) : upto] if s.get("loss") is not None]
     return float(np.mean(losses)) if losses else None
 
 
-def _point(wall: float, steps: int, updates: int, loss: float | None, test_loss: float | None, acc: float,
-           p50: int | None, p99: int | None, nbytes: int) -> dict:
+def _point(
+    wall: float,
+    steps: int,
+    updates: int,
+    loss: float | None,
+    test_loss: float | None,
+    acc: float,
+    p50: int | None,
+    p99: int | None,
+    nbytes: int,
+) -> dict:
     def clean(v: float | None) -> float | None:
         return None if v is None or not math.isfinite(v) else round(float(v), 5)
 
-    return {"wall": round(max(wall, 0.0), 4), "steps": steps, "updates": updates, "loss": clean(loss),
-            "test_loss": clean(test_loss), "test_accuracy": clean(acc), "staleness_p50": p50,
-            "staleness_p99": p99, "bytes": nbytes}
+    return {
+        "wall": round(max(wall, 0.0), 4),
+        "steps": steps,
+        "updates": updates,
+        "loss": clean(loss),
+        "test_loss": clean(test_loss),
+        "test_accuracy": clean(acc),
+        "staleness_p50": p50,
+        "staleness_p99": p99,
+        "bytes": nbytes,
+    }
 
 
 def initial_point(evaluator: Evaluator) -> dict:
@@ -215,8 +252,9 @@ def initial_point(evaluator: Evaluator) -> dict:
     return _point(0.0, 0, 0, None, loss, acc, None, None, 0)
 
 
-def ps_points(samples: Sequence[Sample], steps: Sequence[dict], start: float, model_bytes: int,
-              first: dict) -> list[dict]:
+def ps_points(
+    samples: Sequence[Sample], steps: Sequence[dict], start: float, model_bytes: int, first: dict
+) -> list[dict]:
     """Evaluation points of a parameter-server run: ``first`` (the initial weights), then every sample
     taken after ``start``.  Bytes leave out the observer's own pulls (one model each)."""
     points, done = [first], 0
@@ -225,15 +263,25 @@ def ps_points(samples: Sequence[Sample], steps: Sequence[dict], start: float, mo
             continue
         while done < len(steps) and steps[done]["time"] <= s.time:
             done += 1
-        points.append(_point(s.time - start, done, min(s.versions), _window_loss(steps, done), s.test_loss,
-                             s.test_accuracy,
-                             percentile(s.histogram, 0.5), percentile(s.histogram, 0.99),
-                             s.bytes_moved - s.observer_pulls * model_bytes))
+        points.append(
+            _point(
+                s.time - start,
+                done,
+                min(s.versions),
+                _window_loss(steps, done),
+                s.test_loss,
+                s.test_accuracy,
+                percentile(s.histogram, 0.5),
+                percentile(s.histogram, 0.99),
+                s.bytes_moved - s.observer_pulls * model_bytes,
+            )
+        )
     return points
 
 
-def allreduce_points(steps: Sequence[dict], evals: Sequence[dict], workers: int, model_bytes: int,
-                     first: dict) -> list[dict]:
+def allreduce_points(
+    steps: Sequence[dict], evals: Sequence[dict], workers: int, model_bytes: int, first: dict
+) -> list[dict]:
     """Evaluation points of an all-reduce run from rank 0's ``eval`` lines (``step``: steps done), the
     loss from its ``step`` lines before each.
 
@@ -245,9 +293,19 @@ def allreduce_points(steps: Sequence[dict], evals: Sequence[dict], workers: int,
     for rec in evals:
         step = int(rec["step"])
         before = sum(1 for c in clocks if c < step)
-        points.append(_point(rec["time"] - start, step * workers, step, _window_loss(steps, before),
-                             rec.get("test_loss"), rec["test_accuracy"], 0, 0,
-                             step * 2 * (workers - 1) * model_bytes))
+        points.append(
+            _point(
+                rec["time"] - start,
+                step * workers,
+                step,
+                _window_loss(steps, before),
+                rec.get("test_loss"),
+                rec["test_accuracy"],
+                0,
+                0,
+                step * 2 * (workers - 1) * model_bytes,
+            )
+        )
     return points
 
 

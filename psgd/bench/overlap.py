@@ -32,30 +32,73 @@ from psgd.config.parsing import comma_list
 
 MODELS = {"synthetic": 3072, "quarter": 1536}
 KINDS = ("sync", "async", "allreduce")
-DATA = ["--dataset", "synthetic", "--set", "data.input_dim=64", "--set", "data.n_train=3072", "--set",
-        "data.n_test=256"]
+DATA = [
+    "--dataset",
+    "synthetic",
+    "--set",
+    "data.input_dim=64",
+    "--set",
+    "data.n_train=3072",
+    "--set",
+    "data.n_test=256",
+]
 PY = sys.executable
 
 
-def launch_argv(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
-                timeout: float, device: str = "cpu") -> list[str]:
+def launch_argv(
+    kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path, timeout: float, device: str = "cpu"
+) -> list[str]:
     """The ``psgd`` command line of one run, as a user would type it (without the leading ``psgd``)."""
     mode = ["--mode", "allreduce"] if kind == "allreduce" else ["--mode", "ps", "--policy", kind, "--shards", "2"]
-    return ["launch", *mode, "--workers", str(workers), "--optimizer", "momentum", "--lr", "0.01",
-            "--epochs", str(epochs), "--set", f"model.hidden=[{width}, {width}]", *DATA,
-            "--set", f"cluster.overlap={'true' if overlap else 'false'}", "--run-dir", str(run_dir),
-            "--timeout", f"{timeout:g}", "--no-progress", "--json", *(["--device", device] if device != "cpu" else [])]
+    return [
+        "launch",
+        *mode,
+        "--workers",
+        str(workers),
+        "--optimizer",
+        "momentum",
+        "--lr",
+        "0.01",
+        "--epochs",
+        str(epochs),
+        "--set",
+        f"model.hidden=[{width}, {width}]",
+        *DATA,
+        "--set",
+        f"cluster.overlap={'true' if overlap else 'false'}",
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        f"{timeout:g}",
+        "--no-progress",
+        "--json",
+        *(["--device", device] if device != "cpu" else []),
+    ]
 
 
-def run_one(kind: str, workers: int, width: int, overlap: bool, epochs: int, run_dir: Path,
-            timeout: float, network=None, device: str = "cpu") -> dict:
+def run_one(
+    kind: str,
+    workers: int,
+    width: int,
+    overlap: bool,
+    epochs: int,
+    run_dir: Path,
+    timeout: float,
+    network=None,
+    device: str = "cpu",
+) -> dict:
     """One launch (on ``network``'s emulated hosts, if given); its steps/s (aggregate and per worker) from
     what its processes recorded."""
     from psgd.bench.scaling.measure import MeasureError, allreduce_rates, ps_rates, read_steps
 
     argv = launch_argv(kind, workers, width, overlap, epochs, run_dir, timeout, device)
-    record = {"kind": kind, "workers": workers, "width": width, "overlap": overlap,
-              "command": shlex.join(["psgd", *argv])}
+    record = {
+        "kind": kind,
+        "workers": workers,
+        "width": width,
+        "overlap": overlap,
+        "command": shlex.join(["psgd", *argv]),
+    }
     command = [PY, "-m", "psgd.cli.main", *argv]
     if network is not None:
         from psgd.bench.hosted import launch_argv as on_hosts
@@ -81,8 +124,8 @@ def compute_seconds(width: int, repeats: int = 10, device: str = "cpu") -> float
     from threadpoolctl import threadpool_limits
 
     from psgd.compute import backend
-    from psgd.training.loop import gradient_seconds
     from psgd.model import build_model
+    from psgd.training.loop import gradient_seconds
 
     where = backend.use_device(device)
     model = build_model("mlp", (64,), 10, hidden=(width, width))
@@ -120,8 +163,17 @@ def comm_seconds(kind: str, workers: int, width: int, steps: int, tmp: str, netw
         return time_steps(cluster, workers, steps, transport="auto")["step_s"]  # as psgd launch moves them
 
 
-def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int, timeout: float, say,
-            network=None, timeline: Path | None = None, device: str = "cpu") -> list[dict]:
+def measure(
+    models: list[str],
+    workers: list[int],
+    kinds: list[str],
+    epochs: int,
+    timeout: float,
+    say,
+    network=None,
+    timeline: Path | None = None,
+    device: str = "cpu",
+) -> list[dict]:
     """Every (model, kind, workers): steps/s off and on, compute and communication alone, and the ratio;
     on ``network``'s emulated hosts where given; ``timeline``: the first overlapped async run, drawn."""
     rows = []
@@ -129,39 +181,70 @@ def measure(models: list[str], workers: list[int], kinds: list[str], epochs: int
         for name in models:
             width = MODELS[name]
             compute = compute_seconds(width, device=device)
-            say(f"\n{name} (MLP 64-{width}-{width}-10, {model_bytes(width) / 1e6:.1f} MB): one gradient alone "
+            say(
+                f"\n{name} (MLP 64-{width}-{width}-10, {model_bytes(width) / 1e6:.1f} MB): one gradient alone "
                 f"{compute * 1e3:.1f} ms\n  run              steps/s off  steps/s on  on/off  compute s  comm s  "
-                "step off s  step on s  on / max")
+                "step off s  step on s  on / max"
+            )
             for kind in kinds:
                 for n in workers:
                     if kind == "allreduce" and n < 2:
                         continue
                     comm = comm_seconds(kind, n, width, 5, tmp, network)
-                    runs = {overlap: run_one(kind, n, width, overlap, epochs,
-                                             Path(tmp) / f"{name}-{kind}{n}-{overlap}", timeout, network, device)
-                            for overlap in (False, True)}
-                    row = {"model": name, "width": width, "model_bytes": model_bytes(width), "kind": kind,
-                           "workers": n, "compute_s": compute, "comm_s": comm, "runs": list(runs.values())}
+                    runs = {
+                        overlap: run_one(
+                            kind,
+                            n,
+                            width,
+                            overlap,
+                            epochs,
+                            Path(tmp) / f"{name}-{kind}{n}-{overlap}",
+                            timeout,
+                            network,
+                            device,
+                        )
+                        for overlap in (False, True)
+                    }
+                    row = {
+                        "model": name,
+                        "width": width,
+                        "model_bytes": model_bytes(width),
+                        "kind": kind,
+                        "workers": n,
+                        "compute_s": compute,
+                        "comm_s": comm,
+                        "runs": list(runs.values()),
+                    }
                     if any("error" in r for r in runs.values()):
                         row["error"] = "; ".join(r["error"] for r in runs.values() if "error" in r)
                         say(f"  {kind} {n}w: FAILED: {row['error']}")
                         rows.append(row)
                         continue
                     if timeline is not None and kind == "async":
-                        draw_timeline(Path(tmp) / f"{name}-{kind}{n}-True" / "worker-0.jsonl", timeline,
-                                      f"worker 0 of {n}, async, overlap on: {name} model "
-                                      f"({model_bytes(width) / 1e6:.1f} MB)"
-                                      + (f", {network.record()['described']} links" if network else ""))
+                        draw_timeline(
+                            Path(tmp) / f"{name}-{kind}{n}-True" / "worker-0.jsonl",
+                            timeline,
+                            f"worker 0 of {n}, async, overlap on: {name} model "
+                            f"({model_bytes(width) / 1e6:.1f} MB)"
+                            + (f", {network.record()['described']} links" if network else ""),
+                        )
                         say(f"  timeline of {kind} {n}w written to {timeline}")
                         timeline = None
                     off, on = (runs[o]["per_worker_steps_per_s"] for o in (False, True))
-                    row.update(steps_per_s_off=runs[False]["steps_per_s"], steps_per_s_on=runs[True]["steps_per_s"],
-                               speedup=on / off, step_off_s=1 / off, step_on_s=1 / on,
-                               on_over_max=(1 / on) / max(compute, comm))
+                    row.update(
+                        steps_per_s_off=runs[False]["steps_per_s"],
+                        steps_per_s_on=runs[True]["steps_per_s"],
+                        speedup=on / off,
+                        step_off_s=1 / off,
+                        step_on_s=1 / on,
+                        on_over_max=(1 / on) / max(compute, comm),
+                    )
                     rows.append(row)
-                    say(f"  {kind + f' {n}w':<16} {row['steps_per_s_off']:11.1f} {row['steps_per_s_on']:11.1f} "
+                    say(
+                        f"  {kind + f' {n}w':<16} {row['steps_per_s_off']:11.1f} {row['steps_per_s_on']:11.1f} "
                         f"{row['speedup']:7.2f} {compute:10.4f} {comm:7.4f} {row['step_off_s']:11.4f} "
-                        f"{row['step_on_s']:10.4f} {row['on_over_max']:9.2f}")
+                        f"{row['step_on_s']:10.4f} {row['on_over_max']:9.2f}"
+                    )
     return rows
 
 
@@ -182,7 +265,7 @@ def draw_timeline(worker_log: Path, path: Path, title: str, steps: int = 4) -> N
     if len(records) < steps:
         raise ValueError(f"{worker_log}: {len(records)} step(s) with spans, {steps} wanted")
     middle = len(records) // 2
-    shown = records[middle - steps // 2:middle - steps // 2 + steps]
+    shown = records[middle - steps // 2 : middle - steps // 2 + steps]
     origin = min(a for r in shown for a, _ in r["spans"].values())
     lanes = [("compute", "gradient (main thread)"), ("push", "push (its thread)"), ("pull", "pull (its thread)")]
     fig, ax = plt.subplots(figsize=(9, 2.8), dpi=150)
@@ -190,10 +273,21 @@ def draw_timeline(worker_log: Path, path: Path, title: str, steps: int = 4) -> N
         for r in shown:
             if key in r["spans"]:
                 a, b = r["spans"][key]
-                ax.broken_barh([((a - origin) * 1e3, (b - a) * 1e3)], (lane - 0.35, 0.7),
-                               facecolors=OKABE_ITO[lane], edgecolor="white")
-                ax.text((a - origin + (b - a) / 2) * 1e3, lane, str(r["clock"]), ha="center", va="center",
-                        fontsize=8, color="white")
+                ax.broken_barh(
+                    [((a - origin) * 1e3, (b - a) * 1e3)],
+                    (lane - 0.35, 0.7),
+                    facecolors=OKABE_ITO[lane],
+                    edgecolor="white",
+                )
+                ax.text(
+                    (a - origin + (b - a) / 2) * 1e3,
+                    lane,
+                    str(r["clock"]),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white",
+                )
     ax.set_yticks(range(len(lanes)), [label for _, label in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds (numbers: the step each piece of work belongs to)")
@@ -204,22 +298,35 @@ def draw_timeline(worker_log: Path, path: Path, title: str, steps: int = 4) -> N
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=",".join(MODELS), metavar="LIST",
-                        help=f"from {', '.join(MODELS)} (default: both)")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), metavar="LIST", help=f"from {', '.join(MODELS)} (default: both)"
+    )
     parser.add_argument("--workers", default="1,2", metavar="LIST", help="worker (rank) counts (default 1,2)")
-    parser.add_argument("--kinds", default=",".join(KINDS), metavar="LIST",
-                        help=f"from {', '.join(KINDS)} (default: all; all-reduce runs with 2 or more ranks)")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        metavar="LIST",
+        help=f"from {', '.join(KINDS)} (default: all; all-reduce runs with 2 or more ranks)",
+    )
     parser.add_argument("--epochs", type=int, default=1, help="passes over the 3,072 examples per run (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="fail a run that takes longer (default 600)")
-    parser.add_argument("--network", metavar="RATE",
-                        help="on emulated links of this rate (e.g. 1gbit; root and tc): every shard, worker and "
-                             "rank on a host of its own, for the runs and the communication-only figures")
-    parser.add_argument("--timeline", metavar="FILE.png",
-                        help="draw what ran when in four steps of worker 0 of the first overlapped async run "
-                             "(one lane per thread)")
-    parser.add_argument("--device", default="cpu",
-                        help="where the workers and ranks compute: cpu (default) or cuda (every process on "
-                             "cuda:0 for a parameter server, all-reduce ranks staged through MPI)")
+    parser.add_argument(
+        "--network",
+        metavar="RATE",
+        help="on emulated links of this rate (e.g. 1gbit; root and tc): every shard, worker and "
+        "rank on a host of its own, for the runs and the communication-only figures",
+    )
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE.png",
+        help="draw what ran when in four steps of worker 0 of the first overlapped async run (one lane per thread)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the workers and ranks compute: cpu (default) or cuda (every process on "
+        "cuda:0 for a parameter server, all-reduce ranks staged through MPI)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
@@ -253,16 +360,30 @@ def run_from_args(args: argparse.Namespace) -> int:
                 raise ConfigError(str(exc)) from None
             network = stack.enter_context(Network(args.network, 2, max(workers)))
             link = network.record()
-            say(f"{args.network} links: measured {link['measured_gbit_per_s']} Gbit/s; every shard, worker and "
-                "rank on a host of its own")
+            say(
+                f"{args.network} links: measured {link['measured_gbit_per_s']} Gbit/s; every shard, worker and "
+                "rank on a host of its own"
+            )
         if args.timeline:
             from psgd.bench.plots import require_matplotlib
 
             require_matplotlib("psgd bench overlap --timeline")
-        rows = measure(models, workers, kinds, args.epochs, args.timeout, say, network,
-                       Path(args.timeline) if args.timeline else None, args.device)
+        rows = measure(
+            models,
+            workers,
+            kinds,
+            args.epochs,
+            args.timeout,
+            say,
+            network,
+            Path(args.timeline) if args.timeline else None,
+            args.device,
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "epochs": args.epochs, "network": link,
-                                               "device": args.device,
-                                               "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"machine": machine(), "epochs": args.epochs, "network": link, "device": args.device, "rows": rows},
+                indent=2,
+            )
+        )
     return 1 if any("error" in r for r in rows) else 0

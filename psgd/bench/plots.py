@@ -15,8 +15,9 @@ dashed or hatched.  Figures are written at 150 dpi.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,6 @@ def require_matplotlib(who: str = "the convergence lab") -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         from psgd.config import ConfigError
-
         from psgd.errors import install_extra
 
         raise ConfigError(f"{who}'s plots need matplotlib: in psgd's folder, {install_extra('bench')}") from None
@@ -58,6 +58,7 @@ def style(spec: str, order: Sequence[str] = ()) -> dict:
     keeps its contender's colour, dashed (``async+bf16``). The first of a family (``ssp:1`` before ``ssp:4``,
     ``async`` before ``async+dc``) takes the family's colour; the others take, in order, the colours no family
     of ``order`` holds."""
+
     def key(text: str) -> str:
         return "+".join(part for part in text.split("+") if part not in ("bf16", "fp16"))
 
@@ -96,15 +97,24 @@ def _band(runs: Sequence[RunResult], x: str, key: str) -> tuple[np.ndarray, np.n
     return grid, np.median(values, axis=0), values.min(axis=0), values.max(axis=0)
 
 
-def curves(group_runs: Sequence[Sequence[RunResult]], metric: str, path: Path, title: str,
-           target: float | None = None, order: Sequence[str] = ()) -> None:
+def curves(
+    group_runs: Sequence[Sequence[RunResult]],
+    metric: str,
+    path: Path,
+    title: str,
+    target: float | None = None,
+    order: Sequence[str] = (),
+) -> None:
     """One figure: ``metric`` (accuracy or loss) against wall time, updates and gradients; per policy its
     median as a line and the spread of its repeats as a band."""
     plt = _pyplot()
     from matplotlib import ticker
 
-    key, ylabel = (("test_accuracy", "test accuracy") if metric == "accuracy"
-                   else ("loss", "training loss, minibatch mean (log scale)"))
+    key, ylabel = (
+        ("test_accuracy", "test accuracy")
+        if metric == "accuracy"
+        else ("loss", "training loss, minibatch mean (log scale)")
+    )
     fig, axes = plt.subplots(1, len(_AXES), figsize=(15, 4.8), sharey=True)
     for ax, (x, xlabel) in zip(axes, _AXES):
         for runs in group_runs:
@@ -133,8 +143,16 @@ def curves(group_runs: Sequence[Sequence[RunResult]], metric: str, path: Path, t
     fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=10, frameon=False)
     repeats = max((len(r) for r in group_runs), default=1)
     spread = f"; bands: the spread of {repeats} repeats, lines their median" if repeats > 1 else ""
-    fig.suptitle(title + (f" (dotted: target {target:g}{spread})" if metric == "accuracy" and target
-                          else f" ({spread[2:]})" if spread else ""))
+    fig.suptitle(
+        title
+        + (
+            f" (dotted: target {target:g}{spread})"
+            if metric == "accuracy" and target
+            else f" ({spread[2:]})"
+            if spread
+            else ""
+        )
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -160,22 +178,38 @@ def summary(result: LabResult, rows: Sequence[Any], path: Path) -> None:
         xs = [g + (i - (len(specs) - 1) / 2) * width for g in range(len(groups))]
         heights = [seconds.get((group, spec)) for group in groups]
         hatch = "//" if look["linestyle"] == "--" else None
-        ax.bar([x for x, h in zip(xs, heights) if h is not None], [h for h in heights if h is not None], width,
-               color=look["color"], hatch=hatch, edgecolor="white")
+        ax.bar(
+            [x for x, h in zip(xs, heights) if h is not None],
+            [h for h in heights if h is not None],
+            width,
+            color=look["color"],
+            hatch=hatch,
+            edgecolor="white",
+        )
         whiskers = [(x, h, spread[group, spec]) for group, x, h in zip(groups, xs, heights) if (group, spec) in spread]
         if whiskers:  # the least and most times of the repeats, around the median's bar
-            ax.errorbar([x for x, _, _ in whiskers], [h for _, h, _ in whiskers],
-                        yerr=[[max(0.0, h - lo) for _, h, (lo, _) in whiskers],
-                              [max(0.0, hi - h) for _, h, (_, hi) in whiskers]],
-                        fmt="none", ecolor="black", elinewidth=1.0, capsize=3)
+            ax.errorbar(
+                [x for x, _, _ in whiskers],
+                [h for _, h, _ in whiskers],
+                yerr=[
+                    [max(0.0, h - lo) for _, h, (lo, _) in whiskers],
+                    [max(0.0, hi - h) for _, h, (_, hi) in whiskers],
+                ],
+                fmt="none",
+                ecolor="black",
+                elinewidth=1.0,
+                capsize=3,
+            )
         handles.append(Patch(facecolor=look["color"], hatch=hatch, edgecolor="white", label=labels[spec]))
         for group, x, h in zip(groups, xs, heights):
             if h is None and (group, spec) in seconds:
                 ax.text(x, top * 0.02, "not reached", rotation=90, ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, fontsize=9)
-    ax.set_ylabel(f"seconds to test accuracy {result.config.target_accuracy:g}" +
-                  (" (median run; whiskers: least to most)" if spread else " (median run)"))
+    ax.set_ylabel(
+        f"seconds to test accuracy {result.config.target_accuracy:g}"
+        + (" (median run; whiskers: least to most)" if spread else " (median run)")
+    )
     ax.grid(True, axis="y", alpha=0.3)
     fig.legend(handles=handles, loc="lower center", ncol=min(5, len(specs)), fontsize=9, frameon=False)
     ax.set_title(f"{result.config.name}: time to target accuracy, by policy (lower is better)")

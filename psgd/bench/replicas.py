@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 
 from psgd.bench.chaos.processes import command, free_port_pair, job_token
-from psgd.errors import ClusterError
-from psgd.launcher.supervise import dying_with_parent
 from psgd.bench.limits import machine
 from psgd.config.parsing import comma_list
+from psgd.errors import ClusterError
+from psgd.launcher.supervise import dying_with_parent
 
 DESCRIPTION = __doc__
 SHARDS, WORKERS = 2, 2
@@ -54,14 +54,36 @@ class ReplicaBenchError(ClusterError):
 
 
 def _argv(hidden: int, epochs: int, replicas: int, run_dir: Path, overlap: bool = False) -> list[str]:
-    return ["launch", "--mode", "ps", "--policy", "async", "--shards", str(SHARDS), "--workers", str(WORKERS),
-            "--set", f"model.hidden=[{hidden}]", "--epochs", str(epochs), "--replicas", str(replicas),
-            "--set", f"cluster.overlap={str(overlap).lower()}",
-            "--no-progress", "--json", "--run-dir", str(run_dir), "--timeout", f"{BOUND:g}"]
+    return [
+        "launch",
+        "--mode",
+        "ps",
+        "--policy",
+        "async",
+        "--shards",
+        str(SHARDS),
+        "--workers",
+        str(WORKERS),
+        "--set",
+        f"model.hidden=[{hidden}]",
+        "--epochs",
+        str(epochs),
+        "--replicas",
+        str(replicas),
+        "--set",
+        f"cluster.overlap={str(overlap).lower()}",
+        "--no-progress",
+        "--json",
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        f"{BOUND:g}",
+    ]
 
 
-def steps_per_second(network: str, hidden: int, epochs: int, replicas: int, folder: Path, overlap: bool = False
-                     ) -> dict:
+def steps_per_second(
+    network: str, hidden: int, epochs: int, replicas: int, folder: Path, overlap: bool = False
+) -> dict:
     """One launch; its aggregate steps/s while every worker stepped, and what its --json said."""
     from psgd.bench.hosted import Network, launch_argv
     from psgd.bench.scaling.measure import ps_rates, read_steps
@@ -69,39 +91,56 @@ def steps_per_second(network: str, hidden: int, epochs: int, replicas: int, fold
     run_dir = folder / "run"
     argv = _argv(hidden, epochs, replicas, run_dir, overlap)
     if network == "loopback":
-        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", *argv], capture_output=True, text=True,
-                              timeout=BOUND + 60)
+        done = subprocess.run(
+            [sys.executable, "-m", "psgd.cli.main", *argv], capture_output=True, text=True, timeout=BOUND + 60
+        )
     else:
         with Network(network, SHARDS, WORKERS) as net:
-            done = subprocess.run(launch_argv(net, folder, argv), capture_output=True, text=True,
-                                  timeout=BOUND + 60)
+            done = subprocess.run(launch_argv(net, folder, argv), capture_output=True, text=True, timeout=BOUND + 60)
     if done.returncode != 0:
-        raise ReplicaBenchError(f"psgd {' '.join(argv)} exited with status {done.returncode}: "
-                                f"{done.stderr.strip()[-1500:]}")
+        raise ReplicaBenchError(
+            f"psgd {' '.join(argv)} exited with status {done.returncode}: {done.stderr.strip()[-1500:]}"
+        )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     rates = ps_rates([read_steps(run_dir / f"worker-{r}.jsonl") for r in range(WORKERS)])
-    return {"steps_per_second": rates["steps_per_s"], "accuracy": result["test_accuracy"],
-            "versions": result["versions"], "failed_over": result.get("failed_over", {})}
+    return {
+        "steps_per_second": rates["steps_per_s"],
+        "accuracy": result["test_accuracy"],
+        "versions": result["versions"],
+        "failed_over": result.get("failed_over", {}),
+    }
 
 
-def throughput(networks: list[str], hidden: int, epochs: int, repeats: int, folder: Path, say=print,
-               overlap: bool = False) -> list[dict]:
+def throughput(
+    networks: list[str], hidden: int, epochs: int, repeats: int, folder: Path, say=print, overlap: bool = False
+) -> list[dict]:
     """For each network: ``repeats`` rounds of (without, with) a replica; the medians and the ratio."""
     rows = []
     for network in networks:
         runs: dict[int, list[dict]] = {0: [], 1: []}
         for i in range(repeats):
             for replicas in (0, 1):
-                runs[replicas].append(steps_per_second(network, hidden, epochs, replicas,
-                                                       folder / f"{network}-{replicas}-{i}", overlap))
+                runs[replicas].append(
+                    steps_per_second(network, hidden, epochs, replicas, folder / f"{network}-{replicas}-{i}", overlap)
+                )
         ratios = [b["steps_per_second"] / a["steps_per_second"] for a, b in zip(runs[0], runs[1])]
-        row = {"network": network, "hidden": hidden, "epochs": epochs, "overlap": overlap,
-               "without": statistics.median(r["steps_per_second"] for r in runs[0]),
-               "with": statistics.median(r["steps_per_second"] for r in runs[1]),
-               "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
+        row = {
+            "network": network,
+            "hidden": hidden,
+            "epochs": epochs,
+            "overlap": overlap,
+            "without": statistics.median(r["steps_per_second"] for r in runs[0]),
+            "with": statistics.median(r["steps_per_second"] for r in runs[1]),
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "runs": runs,
+        }
         rows.append(row)
-        say(f"{network:>8}, MLP [{hidden}]{', overlap' if overlap else ''}: {row['without']:7.1f} steps/s without a replica, {row['with']:7.1f} "
-            f"with ({row['ratio']:.2f}x; rounds {', '.join(f'{r:.2f}' for r in ratios)})")
+        say(
+            f"{network:>8}, MLP [{hidden}]{', overlap' if overlap else ''}: "
+            f"{row['without']:7.1f} steps/s without a replica, {row['with']:7.1f} "
+            f"with ({row['ratio']:.2f}x; rounds {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     return rows
 
 
@@ -124,11 +163,19 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
     taken: set[int] = set()
     ports = [free_port_pair(random.Random(), taken) for _ in range(2 * SHARDS)]
     config = JobConfig()
-    config = config.apply_sets(["cluster.policy=async", f"cluster.shards={SHARDS}", f"cluster.workers={WORKERS}",
-                                f"train.epochs={epochs}", "train.threads=1", "cluster.replicas=1",
-                                "cluster.request_timeout=30",
-                                "cluster.servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[:SHARDS]),
-                                "cluster.replica_servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[SHARDS:])])
+    config = config.apply_sets(
+        [
+            "cluster.policy=async",
+            f"cluster.shards={SHARDS}",
+            f"cluster.workers={WORKERS}",
+            f"train.epochs={epochs}",
+            "train.threads=1",
+            "cluster.replicas=1",
+            "cluster.request_timeout=30",
+            "cluster.servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[:SHARDS]),
+            "cluster.replica_servers=" + ",".join(f"127.0.0.1:{p}" for p in ports[SHARDS:]),
+        ]
+    )
     job_file = folder / "job.toml"
     job_file.write_text(to_toml(config.to_dict()))
     total = WORKERS * steps_per_epoch(len(build_job(config).dataset.x_train), WORKERS, config.train.batch_size) * epochs
@@ -138,8 +185,9 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
 
     def start(name: str, argv: list[str]) -> None:
         with open(folder / f"{name}.log", "w") as err:
-            procs[name] = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL,
-                                           stderr=err, stdin=subprocess.DEVNULL)
+            procs[name] = subprocess.Popen(
+                dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL
+            )
 
     primary, replica = config.cluster.servers[0], config.cluster.recovery.replica_servers[0]
     deadline = time.monotonic() + BOUND
@@ -169,8 +217,9 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
         for r in range(WORKERS):
             code = procs[f"worker{r}"].wait(max(1.0, deadline - time.monotonic()))
             if code != 0:
-                raise ReplicaBenchError(f"worker {r} exited with status {code}: "
-                                        f"{(folder / f'worker{r}.log').read_text()[-1500:]}")
+                raise ReplicaBenchError(
+                    f"worker {r} exited with status {code}: {(folder / f'worker{r}.log').read_text()[-1500:]}"
+                )
         final = _status(replica)
     except subprocess.TimeoutExpired:
         raise ReplicaBenchError(f"the job did not end within {BOUND:.0f}s") from None
@@ -183,9 +232,14 @@ def failover(folder: Path, epochs: int, at: float) -> dict:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return {"pushes": total, "killed_at_version": held, "kill_to_next_push_seconds": applied,
-            "final_version": final["version"], "lost": total - final["version"],
-            "failovers": final["counters"].get("failovers", 0)}
+    return {
+        "pushes": total,
+        "killed_at_version": held,
+        "kill_to_next_push_seconds": applied,
+        "final_version": final["version"],
+        "lost": total - final["version"],
+        "failovers": final["counters"].get("failovers", 0),
+    }
 
 
 #: a follower of the job's own that answers late ("slow") or never ("silent"): argv job file, kind, host, data port,
@@ -235,10 +289,19 @@ def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
     taken: set[int] = set()
     primary_port, replica_port = (free_port_pair(random.Random(), taken) for _ in range(2))
     config = JobConfig()
-    config = config.apply_sets(["cluster.policy=async", "cluster.shards=1", "cluster.workers=1", "train.epochs=100000",
-                                "train.threads=1", f"model.hidden=[{hidden}]", "cluster.replicas=1",
-                                f"cluster.servers=127.0.0.1:{primary_port}",
-                                f"cluster.replica_servers=127.0.0.1:{replica_port}"])
+    config = config.apply_sets(
+        [
+            "cluster.policy=async",
+            "cluster.shards=1",
+            "cluster.workers=1",
+            "train.epochs=100000",
+            "train.threads=1",
+            f"model.hidden=[{hidden}]",
+            "cluster.replicas=1",
+            f"cluster.servers=127.0.0.1:{primary_port}",
+            f"cluster.replica_servers=127.0.0.1:{replica_port}",
+        ]
+    )
     job_file = folder / "job.toml"
     job_file.write_text(to_toml(config.to_dict()))
     server, worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
@@ -247,8 +310,14 @@ def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
 
     def start(name: str, argv: list[str]) -> None:
         with open(folder / f"{name}.log", "w") as err:
-            procs.append(subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL,
-                                          stderr=err, stdin=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    dying_with_parent(argv, signal.SIGKILL),
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
 
     address = config.cluster.servers[0]
     deadline = time.monotonic() + BOUND
@@ -259,14 +328,28 @@ def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
                 raise ReplicaBenchError(f"the primary did not start: {(folder / 'primary.log').read_text()[-800:]}")
             time.sleep(0.05)  # polling the primary's Status, with a deadline
         if kind != "none":
-            start("follower", [sys.executable, "-c", FOLLOWER, str(job_file), kind, "127.0.0.1",
-                               str(s["data_port"]), config.cluster.recovery.replica_servers[0]])
+            start(
+                "follower",
+                [
+                    sys.executable,
+                    "-c",
+                    FOLLOWER,
+                    str(job_file),
+                    kind,
+                    "127.0.0.1",
+                    str(s["data_port"]),
+                    config.cluster.recovery.replica_servers[0],
+                ],
+            )
         start("worker", [*worker, "-c", str(job_file), "--rank", "0", "--no-progress"])
         # from the moment the bound has passed: the primary first acknowledges a push without a copy (no follower),
         # or it has found the follower unable to keep up and timed it out (its log says when it may follow again)
         log = folder / "primary.log"
-        while (s := _status(address)) is None or not s["counters"].get("unreplicated") or \
-                (kind != "none" and "may follow again in" not in log.read_text()):
+        while (
+            (s := _status(address)) is None
+            or not s["counters"].get("unreplicated")
+            or (kind != "none" and "may follow again in" not in log.read_text())
+        ):
             if time.monotonic() > deadline or procs[-1].poll() is not None:
                 raise ReplicaBenchError(f"the primary never went on alone ({kind} follower)")
             time.sleep(0.05)  # polling the primary's counters and log, with a deadline
@@ -285,26 +368,49 @@ def lagging(folder: Path, kind: str, window: float, hidden: int) -> dict:
             except subprocess.TimeoutExpired:
                 p.kill()
     cut = (folder / "primary.log").read_text().count("did not keep up")
-    return {"follower": kind, "versions_per_second": rate, "window_seconds": window, "cut_off": cut,
-            "unreplicated": s["counters"].get("unreplicated", 0)}
+    return {
+        "follower": kind,
+        "versions_per_second": rate,
+        "window_seconds": window,
+        "cut_off": cut,
+        "unreplicated": s["counters"].get("unreplicated", 0),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--network", default="loopback", type=lambda t: comma_list(t, what="networks"),
-                        help="where the steps/s are measured: loopback and/or emulated links such as 1gbit, 10gbit "
-                             "(namespaces: needs root and ip; default loopback)")
+    parser.add_argument(
+        "--network",
+        default="loopback",
+        type=lambda t: comma_list(t, what="networks"),
+        help="where the steps/s are measured: loopback and/or emulated links such as 1gbit, 10gbit "
+        "(namespaces: needs root and ip; default loopback)",
+    )
     parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width (default 256)")
     parser.add_argument("--epochs", type=int, default=6, help="epochs of each launch (default 6)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of (without, with) per network, and of the "
-                        "failover (default 2)")
-    parser.add_argument("--overlap", action="store_true", help="launch with [cluster] overlap = true: the next "
-                        "pull goes beside the push, which waits for the replica")
-    parser.add_argument("--at", type=float, default=0.3, help="kill the primary once this part of the pushes is "
-                        "applied (default 0.3)")
-    parser.add_argument("--parts", default="throughput,failover", type=lambda t: comma_list(t, what="parts"),
-                        help="which parts to run: throughput, failover, follow (default throughput,failover)")
-    parser.add_argument("--window", type=float, default=40.0, help="follow: seconds measured once the primary "
-                        "went on alone (default 40: one come-back of the follower after its 30 s time out)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="rounds of (without, with) per network, and of the failover (default 2)"
+    )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="launch with [cluster] overlap = true: the next pull goes beside the push, which waits for the replica",
+    )
+    parser.add_argument(
+        "--at", type=float, default=0.3, help="kill the primary once this part of the pushes is applied (default 0.3)"
+    )
+    parser.add_argument(
+        "--parts",
+        default="throughput,failover",
+        type=lambda t: comma_list(t, what="parts"),
+        help="which parts to run: throughput, failover, follow (default throughput,failover)",
+    )
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=40.0,
+        help="follow: seconds measured once the primary "
+        "went on alone (default 40: one come-back of the follower after its 30 s time out)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 
@@ -316,33 +422,52 @@ def run_from_args(args: argparse.Namespace) -> int:
     if unknown:
         print(f"psgd bench replicas: unknown part(s) {', '.join(unknown)} (parts: throughput, failover, follow)")
         return 2
-    print(f"machine: {machine()}; async, MLP [{args.hidden}] on the digits: {SHARDS} shards and {WORKERS} workers "
-          "(throughput, failover), 1 shard and 1 worker (follow)", flush=True)
+    print(
+        f"machine: {machine()}; async, MLP [{args.hidden}] on the digits: {SHARDS} shards and {WORKERS} workers "
+        "(throughput, failover), 1 shard and 1 worker (follow)",
+        flush=True,
+    )
     rows, kills, follows = [], [], []
     with tempfile.TemporaryDirectory(prefix="psgd-replicas-") as tmp:
         try:
             if "throughput" in args.parts:
-                rows = throughput(args.network, args.hidden, args.epochs, args.repeats, Path(tmp),
-                                  say=lambda line: print(line, flush=True), overlap=args.overlap)
+                rows = throughput(
+                    args.network,
+                    args.hidden,
+                    args.epochs,
+                    args.repeats,
+                    Path(tmp),
+                    say=lambda line: print(line, flush=True),
+                    overlap=args.overlap,
+                )
             for i in range(args.repeats if "failover" in args.parts else 0):
                 kills.append(failover(Path(tmp) / f"failover-{i}", args.epochs, args.at))
                 k = kills[-1]
-                print(f"failover {i}: shard 0's primary SIGKILLed at version {k['killed_at_version']}: the next push "
-                      f"applied {k['kill_to_next_push_seconds'] * 1000:.0f} ms later, by its replica; "
-                      f"{k['final_version']} of {k['pushes']} pushes applied at the end ({k['lost']} lost)",
-                      flush=True)
+                print(
+                    f"failover {i}: shard 0's primary SIGKILLed at version {k['killed_at_version']}: the next push "
+                    f"applied {k['kill_to_next_push_seconds'] * 1000:.0f} ms later, by its replica; "
+                    f"{k['final_version']} of {k['pushes']} pushes applied at the end ({k['lost']} lost)",
+                    flush=True,
+                )
             for kind in ("none", "slow", "silent") if "follow" in args.parts else ():
                 follows.append(lagging(Path(tmp) / f"follow-{kind}", kind, args.window, args.hidden))
                 f, alone = follows[-1], follows[0]["versions_per_second"]
-                print(f"follower {kind}: {f['versions_per_second']:.1f} versions/s over {args.window:g}s once the "
-                      f"bound had passed (cut off {f['cut_off']} time(s) in all)" +
-                      (f"; {1 - f['versions_per_second'] / alone:.1%} below no follower at all" if kind != "none"
-                       else ""), flush=True)
+                print(
+                    f"follower {kind}: {f['versions_per_second']:.1f} versions/s over {args.window:g}s once the "
+                    f"bound had passed (cut off {f['cut_off']} time(s) in all)"
+                    + (
+                        f"; {1 - f['versions_per_second'] / alone:.1%} below no follower at all"
+                        if kind != "none"
+                        else ""
+                    ),
+                    flush=True,
+                )
         except ReplicaBenchError as exc:
             print(f"psgd bench replicas: {exc}")
             return 1
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows, "failovers": kills,
-                                               "followers": follows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"machine": machine(), "rows": rows, "failovers": kills, "followers": follows}, indent=2)
+        )
         print(f"written to {args.json}")
     return 0 if all(k["lost"] == 0 for k in kills) else 1

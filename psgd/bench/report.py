@@ -50,7 +50,7 @@ def _cells(result: LabResult) -> tuple[list[str], list[list[str]]]:
     for runs in groups(result):
         first = runs[0]
         if all(r.error and len(r.points) < 2 for r in runs):
-            cells = ["0/%d" % len(runs), f"failed: {first.error.splitlines()[0][:80]}"] + [""] * (len(columns) - 1)
+            cells = [f"0/{len(runs)}", f"failed: {first.error.splitlines()[0][:80]}"] + [""] * (len(columns) - 1)
         else:
             summary = median_summary(runs)
             cells = [f"{summary['reached']}/{summary['runs']}", *(fn(summary) for _, fn in columns)]
@@ -79,35 +79,50 @@ def terminal_text(result: LabResult, width: int | None = None) -> str:
 
 def table_notes(result: LabResult) -> str:
     c = result.config
-    compute = (f" One minibatch gradient alone takes {result.gradient_seconds * 1e3:.2f} ms here (model: "
-               f"{result.parameters:,} parameters, {result.model_bytes / 1e6:.2f} MB)." if result.gradient_seconds
-               else "")
-    repeats = (f"Each row: the median of {c.repeats} runs (to target: the run with the median time to target; "
-               f"reached: runs that reached it), with the least and most of them in brackets where they differ. "
-               if c.repeats > 1 else "")
-    return (repeats + f"Target test accuracy {c.target_accuracy:g}. Time is wall time since the first worker "
-            f"entered its training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
-            f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "
-            f"update; async and ssp apply every gradient). steps/s = gradients/s. MB moved: parameter-server "
-            f"runs measured at the shards (weights out + gradients in as sent, 16-bit when compressed; the "
-            f"observer's pulls left out); "
-            f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step." + compute +
-            links_note(result) + "\n")
+    compute = (
+        f" One minibatch gradient alone takes {result.gradient_seconds * 1e3:.2f} ms here (model: "
+        f"{result.parameters:,} parameters, {result.model_bytes / 1e6:.2f} MB)."
+        if result.gradient_seconds
+        else ""
+    )
+    repeats = (
+        f"Each row: the median of {c.repeats} runs (to target: the run with the median time to target; "
+        f"reached: runs that reached it), with the least and most of them in brackets where they differ. "
+        if c.repeats > 1
+        else ""
+    )
+    return (
+        repeats + f"Target test accuracy {c.target_accuracy:g}. Time is wall time since the first worker "
+        f"entered its training loop; *gradients* are minibatch gradients computed by all workers, *updates* are "
+        f"optimizer updates applied (a sync round or an all-reduce step averages N gradients into one "
+        f"update; async and ssp apply every gradient). steps/s = gradients/s. MB moved: parameter-server "
+        f"runs measured at the shards (weights out + gradients in as sent, 16-bit when compressed; the "
+        f"observer's pulls left out); "
+        f"all-reduce runs computed as the ring algorithm's volume, 2(N-1) x model bytes per step."
+        + compute
+        + links_note(result)
+        + "\n"
+    )
 
 
 def links_note(result: LabResult) -> str:
     """What each emulated network's links carried when measured before its runs ('' on loopback)."""
     if not result.links:
         return ""
-    parts = [f"{name} ({link['described']}): " + ", ".join(f"{way} {gbit:.3f} Gbit/s"
-                                                          for way, gbit in link["measured_gbit_per_s"].items())
-             for name, link in result.links.items()]
-    return (" Emulated links: every shard and worker ran on a host of its own (a network namespace), its link "
-            "shaped to the rate by a token bucket each way; one TCP stream measured before the runs: "
-            + "; ".join(parts) + ". *s per step*: a worker's step (workers / steps/s); *link-bound s per step*: "
-            "what the bytes alone take at the measured link throughput, the pull and the push one after the "
-            "other (a worker pulls the model and pushes its gradient over its link; each shard's link carries its "
-            "share of that for every worker, shared by workers/shards of them).")
+    parts = [
+        f"{name} ({link['described']}): "
+        + ", ".join(f"{way} {gbit:.3f} Gbit/s" for way, gbit in link["measured_gbit_per_s"].items())
+        for name, link in result.links.items()
+    ]
+    return (
+        " Emulated links: every shard and worker ran on a host of its own (a network namespace), its link "
+        "shaped to the rate by a token bucket each way; one TCP stream measured before the runs: "
+        + "; ".join(parts)
+        + ". *s per step*: a worker's step (workers / steps/s); *link-bound s per step*: "
+        "what the bytes alone take at the measured link throughput, the pull and the push one after the "
+        "other (a worker pulls the model and pushes its gradient over its link; each shard's link carries its "
+        "share of that for every worker, shared by workers/shards of them)."
+    )
 
 
 def write_all(result: LabResult, out: Path) -> dict[str, str]:
@@ -121,9 +136,14 @@ def write_all(result: LabResult, out: Path) -> dict[str, str]:
         first = next(r for r in result.runs if r.scenario == scenario)
         for metric in ("accuracy", "loss"):
             path = out / f"{metric}-{scenario}.png"
-            plots.curves(group_runs, metric, path, f"{result.config.name}: {metric}, "
-                         f"{answer.situation(first.network, first.delay)}", result.config.target_accuracy,
-                         result.config.policies)
+            plots.curves(
+                group_runs,
+                metric,
+                path,
+                f"{result.config.name}: {metric}, {answer.situation(first.network, first.delay)}",
+                result.config.target_accuracy,
+                result.config.policies,
+            )
             files[f"{metric}-{scenario}"] = str(path)
     files["summary-plot"] = str(out / "summary.png")
     plots.summary(result, answer.rows(result), Path(files["summary-plot"]))

@@ -44,8 +44,9 @@ def link_rate(network) -> float:
     return min(network.measured.values()) if network.measured else None
 
 
-def ps_steps(network, size: int, shards: int, workers: int, steps: int, tmp: str,
-             wire_dtype: str | None = None) -> dict:
+def ps_steps(
+    network, size: int, shards: int, workers: int, steps: int, tmp: str, wire_dtype: str | None = None
+) -> dict:
     """Pull+push of a ``size``-byte model by ``workers`` worker processes on hosts ``w<r>`` through ``shards``
     shards on hosts ``s<k>`` (async: no worker waits for another); medians over all workers' steps."""
     from psgd.bench.blob import BlobCluster
@@ -56,9 +57,15 @@ def ps_steps(network, size: int, shards: int, workers: int, steps: int, tmp: str
         for r in range(workers):
             path = cluster.tmp / f"worker-{r}.json"
             path.write_text(json.dumps({**spec, "rank": r}))
-            runs.append(subprocess.Popen([*network.net.prefix(f"w{r}"), PY, "-m", "psgd.bench.shaped", "worker",
-                                          str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         env=cluster.env))
+            runs.append(
+                subprocess.Popen(
+                    [*network.net.prefix(f"w{r}"), PY, "-m", "psgd.bench.shaped", "worker", str(path)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=cluster.env,
+                )
+            )
         with futures.ThreadPoolExecutor(workers) as pool:
             outputs = list(pool.map(lambda p: p.communicate(timeout=WORKER_TIMEOUT), runs))
     for proc, (out, err) in zip(runs, outputs):
@@ -78,8 +85,16 @@ def mpi_allreduce(network, sizes: list[int], ranks: int, repeats: int) -> dict[i
     from psgd.launcher.allreduce import MPI_ON_HOSTS
 
     argv = [find_mpiexec(), *MPI_ON_HOSTS]
-    child = ["-m", "psgd.bench.allreduce", "--child", "mpi", "--sizes-mb", ",".join(str(s / 1e6) for s in sizes),
-             "--repeats", str(repeats)]
+    child = [
+        "-m",
+        "psgd.bench.allreduce",
+        "--child",
+        "mpi",
+        "--sizes-mb",
+        ",".join(str(s / 1e6) for s in sizes),
+        "--repeats",
+        str(repeats),
+    ]
     for r in range(ranks):
         argv += [":"] * (r > 0) + ["-n", "1", *network.net.prefix(f"w{r}"), PY, *child]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=WORKER_TIMEOUT)
@@ -94,8 +109,7 @@ def networks_from(text: str) -> list[str]:
     :class:`psgd.bench.netns.NetworkError` saying why not."""
     from psgd.bench import netns
 
-    names = comma_list(text, "--network", what="link rates (e.g. 1gbit,10gbit,none)",
-                       error=netns.NetworkError)
+    names = comma_list(text, "--network", what="link rates (e.g. 1gbit,10gbit,none)", error=netns.NetworkError)
     netns.check_networks(names)
     return names
 
@@ -132,23 +146,34 @@ def comm_on(names: list[str], sizes: list[int], steps: int, tmp: str, say) -> li
             if net is None:
                 continue
             rate = link_rate(net)
-            say(f"\n{name} links: measured {net.record()['measured_gbit_per_s']} Gbit/s; 1 worker, 1 shard, each on "
-                "a host of its own\n  size MB  push  pull ms  push ms  step ms  link-bound ms  step/bound")
+            say(
+                f"\n{name} links: measured {net.record()['measured_gbit_per_s']} Gbit/s; 1 worker, 1 shard, each on "
+                "a host of its own\n  size MB  push  pull ms  push ms  step ms  link-bound ms  step/bound"
+            )
             for size in sizes:
                 for wire in (None, "bfloat16"):
                     t = ps_steps(net, size, 1, 1, steps, tmp, wire)
                     bound = link_step_seconds(size, 1, 1, rate, 0.5 if wire else 1.0)
-                    rows.append({"network": name, "link": net.record(), "size_bytes": size,
-                                 "wire_dtype": wire or "float32", **t, "link_bound_s": bound,
-                                 "step_over_bound": t["step_s"] / bound})
-                    say(f"  {size / 1e6:7.0f}  {'bf16' if wire else 'fp32'} {t['pull_s'] * 1e3:8.1f} "
+                    rows.append(
+                        {
+                            "network": name,
+                            "link": net.record(),
+                            "size_bytes": size,
+                            "wire_dtype": wire or "float32",
+                            **t,
+                            "link_bound_s": bound,
+                            "step_over_bound": t["step_s"] / bound,
+                        }
+                    )
+                    say(
+                        f"  {size / 1e6:7.0f}  {'bf16' if wire else 'fp32'} {t['pull_s'] * 1e3:8.1f} "
                         f"{t['push_s'] * 1e3:8.1f} {t['step_s'] * 1e3:8.1f} {bound * 1e3:14.1f} "
-                        f"{t['step_s'] / bound:11.2f}")
+                        f"{t['step_s'] / bound:11.2f}"
+                    )
     return rows
 
 
-def ps_against_allreduce_on(names: list[str], sizes: list[int], ranks: int, repeats: int, tmp: str,
-                            say) -> list[dict]:
+def ps_against_allreduce_on(names: list[str], sizes: list[int], ranks: int, repeats: int, tmp: str, say) -> list[dict]:
     """``benchmarks/allreduce.py --network``: on each network, ``ranks`` MPI ranks all-reduce each size, and
     as many workers pull+push it through as many shards (gradients as float32 and bf16), every process on
     a host of its own; each figure beside what the link's bytes alone take."""
@@ -160,33 +185,43 @@ def ps_against_allreduce_on(names: list[str], sizes: list[int], ranks: int, repe
             if net is None:
                 continue
             rate = link_rate(net)
-            say(f"\n{name} links: measured {net.record()['measured_gbit_per_s']} Gbit/s; {ranks} ranks, and "
+            say(
+                f"\n{name} links: measured {net.record()['measured_gbit_per_s']} Gbit/s; {ranks} ranks, and "
                 f"{ranks} workers on {ranks} shards, each on a host of its own\n"
                 "  size MB  all-reduce ms  ring bound  PS ms  PS bound  PS bf16 ms  bf16 bound  PS/all-reduce  "
-                "bf16/all-reduce")
+                "bf16/all-reduce"
+            )
             mpi = mpi_allreduce(net, sizes, ranks, repeats)
             for size in sizes:
                 ps = ps_steps(net, size, ranks, ranks, repeats, tmp)
                 bf16 = ps_steps(net, size, ranks, ranks, repeats, tmp, "bfloat16")
-                row = {"network": name, "link": net.record(), "size_bytes": size, "ranks": ranks,
-                       "allreduce_s": mpi[size]["psgd_s"], "ring_bound_s": ring_allreduce_seconds(size, ranks, rate),
-                       "ps_step_s": ps["step_s"], "ps_bound_s": link_step_seconds(size, ranks, ranks, rate),
-                       "ps_bf16_step_s": bf16["step_s"],
-                       "ps_bf16_bound_s": link_step_seconds(size, ranks, ranks, rate, 0.5)}
+                row = {
+                    "network": name,
+                    "link": net.record(),
+                    "size_bytes": size,
+                    "ranks": ranks,
+                    "allreduce_s": mpi[size]["psgd_s"],
+                    "ring_bound_s": ring_allreduce_seconds(size, ranks, rate),
+                    "ps_step_s": ps["step_s"],
+                    "ps_bound_s": link_step_seconds(size, ranks, ranks, rate),
+                    "ps_bf16_step_s": bf16["step_s"],
+                    "ps_bf16_bound_s": link_step_seconds(size, ranks, ranks, rate, 0.5),
+                }
                 row["ps_over_allreduce"] = row["ps_step_s"] / row["allreduce_s"]
                 row["ps_bf16_over_allreduce"] = row["ps_bf16_step_s"] / row["allreduce_s"]
                 rows.append(row)
-                say(f"  {size / 1e6:7.0f} {row['allreduce_s'] * 1e3:14.1f} {row['ring_bound_s'] * 1e3:10.1f} "
+                say(
+                    f"  {size / 1e6:7.0f} {row['allreduce_s'] * 1e3:14.1f} {row['ring_bound_s'] * 1e3:10.1f} "
                     f"{row['ps_step_s'] * 1e3:6.1f} {row['ps_bound_s'] * 1e3:9.1f} {row['ps_bf16_step_s'] * 1e3:11.1f} "
                     f"{row['ps_bf16_bound_s'] * 1e3:11.1f} {row['ps_over_allreduce']:14.2f} "
-                    f"{row['ps_bf16_over_allreduce']:16.2f}")
+                    f"{row['ps_bf16_over_allreduce']:16.2f}"
+                )
     return rows
 
 
 def worker_main(spec_path: str) -> int:
     """One worker's pull+push steps (the first a warm-up) against the shards SPEC names; JSON on stdout."""
-    from psgd.bench.blob import Blob
-    from psgd.bench.blob import pull_push_loop
+    from psgd.bench.blob import Blob, pull_push_loop
     from psgd.config import JobConfig
     from psgd.job import describe_job
     from psgd.worker.client import PSClient
@@ -195,8 +230,14 @@ def worker_main(spec_path: str) -> int:
     config = JobConfig.load(spec["job"])
     elems = int(config.model["size"])
     plan = describe_job(config, model=Blob((1,), 2, size=elems)).plan
-    with PSClient(spec["addresses"], plan, spec["rank"], links=Links(wire_dtype=spec["wire_dtype"] or ""),
-                  config=config, token=os.environ.get("PSGD_TOKEN", "")) as client:
+    with PSClient(
+        spec["addresses"],
+        plan,
+        spec["rank"],
+        links=Links(wire_dtype=spec["wire_dtype"] or ""),
+        config=config,
+        token=os.environ.get("PSGD_TOKEN", ""),
+    ) as client:
         client.wait_ready(60)
         client.register()
         pulls, pushes = pull_push_loop(client, elems, spec["steps"])

@@ -33,18 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from psgd.bench.blob import median, rss_mb
 from psgd.bench.limits import machine
+from psgd.config.parsing import comma_list
 from psgd.data.clicks import zipf_ranks
 from psgd.model import BaseModel, VarSpec
 from psgd.model.table import Rows, TableSpec, mix64, name_key
-from psgd.config.parsing import comma_list
 
 PY = sys.executable
 TABLE = "emb"
@@ -105,16 +106,37 @@ def job_config(dim: int, shards: int, workers: int, policy: str = "async"):
     from psgd.config import JobConfig
 
     config = JobConfig()
-    config = config.apply_sets([f"model.name={__name__}:Rowed", f"model.dim={dim}", "data.name=synthetic",
-                                "data.n_train=64", "data.n_test=16", "optimizer.name=sgd", "optimizer.lr=0.001",
-                                "tables.optimizer=sgd", "tables.lr=0.001", f"cluster.policy={policy}",
-                                f"cluster.shards={shards}", f"cluster.workers={workers}"])
+    config = config.apply_sets(
+        [
+            f"model.name={__name__}:Rowed",
+            f"model.dim={dim}",
+            "data.name=synthetic",
+            "data.n_train=64",
+            "data.n_test=16",
+            "optimizer.name=sgd",
+            "optimizer.lr=0.001",
+            "tables.optimizer=sgd",
+            "tables.lr=0.001",
+            f"cluster.policy={policy}",
+            f"cluster.shards={shards}",
+            f"cluster.workers={workers}",
+        ]
+    )
     return config
 
 
 # -- the parameter server ----------------------------------------------------------------------------------------
-def run_ps(n: int, dim: int, shards: int, workers: int, lookups: int, alpha: float, steps: int, tmp: str,
-           say: Callable[[str], None]) -> dict:
+def run_ps(
+    n: int,
+    dim: int,
+    shards: int,
+    workers: int,
+    lookups: int,
+    alpha: float,
+    steps: int,
+    tmp: str,
+    say: Callable[[str], None],
+) -> dict:
     """Fill ``n`` rows on ``shards`` psgd-server processes, then time ``workers`` clients' steps."""
     from psgd.bench.blob import ShardProcesses
     from psgd.job import describe_job
@@ -126,27 +148,35 @@ def run_ps(n: int, dim: int, shards: int, workers: int, lookups: int, alpha: flo
         chunk = FILL_ROWS * shards
         for start in range(0, n, chunk):
             ids = table_ids(n, np.arange(start, min(n, start + chunk)))
-            clients[0].pull(0, {"w": np.empty(1, np.float32)},  # the first lookups of every id make the rows
-                            rows={TABLE: (ids, np.empty((ids.size, dim), np.float32))})
+            clients[0].pull(
+                0,
+                {"w": np.empty(1, np.float32)},  # the first lookups of every id make the rows
+                rows={TABLE: (ids, np.empty((ids.size, dim), np.float32))},
+            )
         fill_s = time.perf_counter() - began
-        say(f"  parameter server: {n:,} rows made on {shards} shard(s) in {fill_s:.1f} s "
-            f"({n / fill_s / shards:,.0f} rows/s per shard)")
+        say(
+            f"  parameter server: {n:,} rows made on {shards} shard(s) in {fill_s:.1f} s "
+            f"({n / fill_s / shards:,.0f} rows/s per shard)"
+        )
         clients += [cluster.client(w) for w in range(1, workers)]
         began = time.perf_counter()
         with futures.ThreadPoolExecutor(workers) as pool:
-            done = list(pool.map(lambda w: _ps_steps(clients[w], n, dim, lookups, alpha, steps, w),
-                                 range(workers)))
+            done = list(pool.map(lambda w: _ps_steps(clients[w], n, dim, lookups, alpha, steps, w), range(workers)))
         wall = time.perf_counter() - began
         for c in clients:
             c.done()
             c.close()
         rows_moved = sum(d["rows"] for d in done)  # pulled, and as many pushed
-        result = {"step_s": median([s for d in done for s in d["steps"]]),
-                  "bytes_per_step": median([b for d in done for b in d["bytes"]]),
-                  "rows_per_step": rows_moved / (workers * (steps + 1)),
-                  "rows_per_s_per_shard": 2 * rows_moved / wall / shards,
-                  "fill_s": fill_s, "fill_rows_per_s_per_shard": n / fill_s / shards,
-                  "shard_rss_mb": cluster.rss_mb(peak=False), "shard_peak_rss_mb": cluster.rss_mb()}
+        result = {
+            "step_s": median([s for d in done for s in d["steps"]]),
+            "bytes_per_step": median([b for d in done for b in d["bytes"]]),
+            "rows_per_step": rows_moved / (workers * (steps + 1)),
+            "rows_per_s_per_shard": 2 * rows_moved / wall / shards,
+            "fill_s": fill_s,
+            "fill_rows_per_s_per_shard": n / fill_s / shards,
+            "shard_rss_mb": cluster.rss_mb(peak=False),
+            "shard_peak_rss_mb": cluster.rss_mb(),
+        }
         return result
 
 
@@ -208,27 +238,49 @@ def allreduce_child(n: int, dim: int, lookups: int, alpha: float, steps: int, de
             comm.Barrier()
             began = time.perf_counter()
             rows = exchange.weights(step, {TABLE: wanted})[TABLE]
-            grads = {"w": np.zeros(1, np.float32), TABLE: Rows(rows.ids, np.full_like(rows.values, 1e-3),
-                                                                rows.index)}
+            grads = {"w": np.zeros(1, np.float32), TABLE: Rows(rows.ids, np.full_like(rows.values, 1e-3), rows.index)}
             exchange.exchange(step, grads)
             if step:
                 times.append(time.perf_counter() - began)
                 others = comm.allreduce(rows.ids.size, op=group.MPI.SUM) - rows.ids.size
                 moved.append(others * (8 + dim * 4))  # an all-gather: every other rank's rows come in
-        out.update(step_s=comm.allreduce(median(times), op=group.MPI.MAX), bytes_per_step=median(moved),
-                   fill_s=fill_s, rank_rss_mb=comm.allreduce(rss_mb(os.getpid(), peak=False), op=group.MPI.MAX),
-                   table_bytes=held.nbytes)
+        out.update(
+            step_s=comm.allreduce(median(times), op=group.MPI.MAX),
+            bytes_per_step=median(moved),
+            fill_s=fill_s,
+            rank_rss_mb=comm.allreduce(rss_mb(os.getpid(), peak=False), op=group.MPI.MAX),
+            table_bytes=held.nbytes,
+        )
     if rank == 0:
         print(json.dumps(out), flush=True)
 
 
-def run_allreduce(n: int, dim: int, ranks: int, lookups: int, alpha: float, steps: int, dense: bool,
-                  table: bool) -> dict:
+def run_allreduce(
+    n: int, dim: int, ranks: int, lookups: int, alpha: float, steps: int, dense: bool, table: bool
+) -> dict:
     from psgd.launcher import find_mpiexec
 
-    argv = [find_mpiexec(), "-n", str(ranks), PY, "-m", __name__, "--child", "--rows", str(n), "--dim", str(dim),
-            "--lookups", str(lookups), "--alpha", str(alpha), "--steps", str(steps),
-            *(["--dense"] if dense else []), *(["--table"] if table else [])]
+    argv = [
+        find_mpiexec(),
+        "-n",
+        str(ranks),
+        PY,
+        "-m",
+        __name__,
+        "--child",
+        "--rows",
+        str(n),
+        "--dim",
+        str(dim),
+        "--lookups",
+        str(lookups),
+        "--alpha",
+        str(alpha),
+        "--steps",
+        str(steps),
+        *(["--dense"] if dense else []),
+        *(["--table"] if table else []),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     if done.returncode:
         raise SystemExit(f"the all-reduce ranks failed:\n{done.stderr[-3000:]}")
@@ -238,23 +290,38 @@ def run_allreduce(n: int, dim: int, ranks: int, lookups: int, alpha: float, step
 # -- the run ------------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``psgd bench sparse``; ``benchmarks/sparse.py`` runs the same command)."""
-    parser.add_argument("--rows", default="1e5,1e6,1e7,1e8", metavar="LIST",
-                        help="table sizes, rows that exist (default 1e5,1e6,1e7,1e8)")
+    parser.add_argument(
+        "--rows",
+        default="1e5,1e6,1e7,1e8",
+        metavar="LIST",
+        help="table sizes, rows that exist (default 1e5,1e6,1e7,1e8)",
+    )
     parser.add_argument("--dim", type=int, default=16, help="values a row, float32 (default 16)")
     parser.add_argument("--shards", type=int, default=2, help="parameter-server shards (default 2)")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="workers of the parameter server, and MPI ranks of all-reduce (default 2)")
-    parser.add_argument("--lookups", type=int, default=26 * 128, metavar="N",
-                        help="ids a batch looks up per worker, duplicates included (default 3328: 26 fields of "
-                             "128 examples)")
-    parser.add_argument("--alpha", type=float, default=1.15,
-                        help="exponent of the power law the ids are drawn from (default 1.15)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per worker after one warm-up "
-                                                              "(default 20)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="workers of the parameter server, and MPI ranks of all-reduce (default 2)",
+    )
+    parser.add_argument(
+        "--lookups",
+        type=int,
+        default=26 * 128,
+        metavar="N",
+        help="ids a batch looks up per worker, duplicates included (default 3328: 26 fields of 128 examples)",
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=1.15, help="exponent of the power law the ids are drawn from (default 1.15)"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per worker after one warm-up (default 20)")
     parser.add_argument("--quick", action="store_true", help="tables of 10^4 and 10^5 rows, 5 steps")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
-    parser.add_argument("--plot", metavar="PNG", help="draw step time, bytes and memory against table size to PNG "
-                                                      "(needs matplotlib: the bench extra)")
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw step time, bytes and memory against table size to PNG (needs matplotlib: the bench extra)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--table", action="store_true", help=argparse.SUPPRESS)
@@ -264,11 +331,19 @@ def run_from_args(args: argparse.Namespace) -> dict | int:
     from psgd.config import ConfigError
 
     if args.child:
-        allreduce_child(int(float(args.rows)), args.dim, args.lookups, args.alpha, args.steps, args.dense,
-                        args.table)
+        allreduce_child(int(float(args.rows)), args.dim, args.lookups, args.alpha, args.steps, args.dense, args.table)
         return 0
-    sizes = [int(r) for r in comma_list("1e4,1e5" if args.quick else args.rows, "--rows", kind=float,
-                                        what="table sizes", at_least=1, error=ConfigError)]
+    sizes = [
+        int(r)
+        for r in comma_list(
+            "1e4,1e5" if args.quick else args.rows,
+            "--rows",
+            kind=float,
+            what="table sizes",
+            at_least=1,
+            error=ConfigError,
+        )
+    ]
     for name in ("dim", "shards", "workers", "lookups", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -283,12 +358,21 @@ def run_from_args(args: argparse.Namespace) -> dict | int:
     def say(text: str) -> None:
         print(text, flush=True)
 
-    result: dict[str, Any] = {"machine": machine(), "dim": args.dim, "shards": args.shards,
-                              "workers": args.workers, "lookups": args.lookups, "alpha": args.alpha,
-                              "steps": steps, "sizes": []}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "dim": args.dim,
+        "shards": args.shards,
+        "workers": args.workers,
+        "lookups": args.lookups,
+        "alpha": args.alpha,
+        "steps": steps,
+        "sizes": [],
+    }
     say(f"machine: {result['machine']}")
-    say(f"rows of {args.dim} float32; {args.shards} shard(s); {args.workers} workers or ranks, each looking up "
-        f"{args.lookups} ids a step (power law, exponent {args.alpha})")
+    say(
+        f"rows of {args.dim} float32; {args.shards} shard(s); {args.workers} workers or ranks, each looking up "
+        f"{args.lookups} ids a step (power law, exponent {args.alpha})"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
             result["sizes"].append(_one_size(n, args, steps, tmp, say))
@@ -310,9 +394,11 @@ def _one_size(n: int, args: argparse.Namespace, steps: int, tmp: str, say) -> di
     if need_ps * 1.5 < budget:  # a table grows by doubling: the old arrays and the new for a moment
         row["ps"] = run_ps(n, args.dim, args.shards, args.workers, args.lookups, args.alpha, steps, tmp, say)
         ps = row["ps"]
-        say(f"  parameter server: step {ps['step_s'] * 1e3:.2f} ms, {ps['bytes_per_step'] / 1e6:.3f} MB a step "
+        say(
+            f"  parameter server: step {ps['step_s'] * 1e3:.2f} ms, {ps['bytes_per_step'] / 1e6:.3f} MB a step "
             f"per worker ({ps['rows_per_step']:,.0f} rows), {ps['rows_per_s_per_shard']:,.0f} rows/s pulled and "
-            f"pushed per shard; shards' RSS {', '.join(f'{m:,.0f}' for m in ps['shard_rss_mb'])} MB")
+            f"pushed per shard; shards' RSS {', '.join(f'{m:,.0f}' for m in ps['shard_rss_mb'])} MB"
+        )
     else:
         row["ps"] = {"skipped": f"needs about {need_ps * 1.5 / 1e9:.1f} GB, {budget / 1e9:.1f} GB available"}
         say(f"  parameter server: not run: {row['ps']['skipped']}")
@@ -323,18 +409,24 @@ def _one_size(n: int, args: argparse.Namespace, steps: int, tmp: str, say) -> di
         got = run_allreduce(n, args.dim, args.workers, args.lookups, args.alpha, steps, dense, table)
     if dense:
         row["dense"] = {"step_s": got["dense_step_s"], "bytes_per_step": got["dense_bytes_per_step"]}
-        say(f"  dense all-reduce: step {got['dense_step_s'] * 1e3:.2f} ms, "
-            f"{got['dense_bytes_per_step'] / 1e6:.3f} MB a step per rank")
+        say(
+            f"  dense all-reduce: step {got['dense_step_s'] * 1e3:.2f} ms, "
+            f"{got['dense_bytes_per_step'] / 1e6:.3f} MB a step per rank"
+        )
     else:
         row["dense"] = {"skipped": f"needs about {need_dense / 1e9:.1f} GB, {budget / 1e9:.1f} GB available"}
         say(f"  dense all-reduce: not run: {row['dense']['skipped']}")
     if table:
         row["allreduce"] = {k: got[k] for k in ("step_s", "bytes_per_step", "fill_s", "rank_rss_mb", "table_bytes")}
-        say(f"  all-reduce (psgd): step {got['step_s'] * 1e3:.2f} ms, {got['bytes_per_step'] / 1e6:.3f} MB a step "
-            f"per rank; each rank holds all {n:,} rows: RSS {got['rank_rss_mb']:,.0f} MB")
+        say(
+            f"  all-reduce (psgd): step {got['step_s'] * 1e3:.2f} ms, {got['bytes_per_step'] / 1e6:.3f} MB a step "
+            f"per rank; each rank holds all {n:,} rows: RSS {got['rank_rss_mb']:,.0f} MB"
+        )
     else:
-        row["allreduce"] = {"skipped": f"every rank holds every row: needs about {need_table * 1.5 / 1e9:.1f} GB, "
-                                       f"{budget / 1e9:.1f} GB available"}
+        row["allreduce"] = {
+            "skipped": f"every rank holds every row: needs about {need_table * 1.5 / 1e9:.1f} GB, "
+            f"{budget / 1e9:.1f} GB available"
+        }
         say(f"  all-reduce (psgd): not run: {row['allreduce']['skipped']}")
     return row
 
@@ -350,8 +442,11 @@ def crossover(sizes: list[dict]) -> int | None:
 
 
 def summary(result: dict) -> str:
-    lines = ["", f"{'rows':>12} {'PS ms':>8} {'PS MB':>8} {'AR ms':>8} {'AR MB':>8} {'dense ms':>9} "
-                 f"{'dense MB':>9} {'shard RSS':>10} {'rank RSS':>9}"]
+    lines = [
+        "",
+        f"{'rows':>12} {'PS ms':>8} {'PS MB':>8} {'AR ms':>8} {'AR MB':>8} {'dense ms':>9} "
+        f"{'dense MB':>9} {'shard RSS':>10} {'rank RSS':>9}",
+    ]
 
     def cell(part: dict, key: str, scale: float, width: int, fmt: str = ".2f") -> str:
         value = part.get(key)
@@ -363,14 +458,21 @@ def summary(result: dict) -> str:
 
     for row in result["sizes"]:
         ps, ar, dense = row["ps"], row["allreduce"], row["dense"]
-        lines.append(f"{row['rows']:>12,} {cell(ps, 'step_s', 1e3, 8)} {cell(ps, 'bytes_per_step', 1e-6, 8, '.3f')} "
-                     f"{cell(ar, 'step_s', 1e3, 8)} {cell(ar, 'bytes_per_step', 1e-6, 8, '.3f')} "
-                     f"{cell(dense, 'step_s', 1e3, 9)} {cell(dense, 'bytes_per_step', 1e-6, 9, '.1f')} "
-                     f"{cell(ps, 'shard_rss_mb', 1, 10, ',.0f')} {cell(ar, 'rank_rss_mb', 1, 9, ',.0f')}")
+        lines.append(
+            f"{row['rows']:>12,} {cell(ps, 'step_s', 1e3, 8)} {cell(ps, 'bytes_per_step', 1e-6, 8, '.3f')} "
+            f"{cell(ar, 'step_s', 1e3, 8)} {cell(ar, 'bytes_per_step', 1e-6, 8, '.3f')} "
+            f"{cell(dense, 'step_s', 1e3, 9)} {cell(dense, 'bytes_per_step', 1e-6, 9, '.1f')} "
+            f"{cell(ps, 'shard_rss_mb', 1, 10, ',.0f')} {cell(ar, 'rank_rss_mb', 1, 9, ',.0f')}"
+        )
     cross = result["crossover_rows"]
-    lines.append("crossover: " + (f"from {cross:,} rows the dense all-reduce step takes longer than the parameter "
-                                  "server's" if cross else "the dense all-reduce step was the faster at every size "
-                                                           "measured"))
+    lines.append(
+        "crossover: "
+        + (
+            f"from {cross:,} rows the dense all-reduce step takes longer than the parameter server's"
+            if cross
+            else "the dense all-reduce step was the faster at every size measured"
+        )
+    )
     return "\n".join(lines)
 
 
@@ -383,19 +485,29 @@ def plot(result: dict, path: Path) -> None:
 
     from psgd.bench.plots import DPI, OKABE_ITO
 
-    modes = (("ps", "parameter server (per worker)", "shard_rss_mb"),
-             ("allreduce", "all-reduce, rows gathered (per rank)", "rank_rss_mb"),
-             ("dense", "all-reduce of a dense table gradient (per rank)", None))
-    panels = (("step_s", 1e3, "step (ms)"), ("bytes_per_step", 1e-6, "MB moved a step"),
-              ("memory", 1, "resident memory (MB), largest process"))
+    modes = (
+        ("ps", "parameter server (per worker)", "shard_rss_mb"),
+        ("allreduce", "all-reduce, rows gathered (per rank)", "rank_rss_mb"),
+        ("dense", "all-reduce of a dense table gradient (per rank)", None),
+    )
+    panels = (
+        ("step_s", 1e3, "step (ms)"),
+        ("bytes_per_step", 1e-6, "MB moved a step"),
+        ("memory", 1, "resident memory (MB), largest process"),
+    )
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (key, scale, label) in zip(axes, panels):
         for colour, (mode, name, rss) in zip(OKABE_ITO, modes):
             xs, ys = [], []
             for row in result["sizes"]:
                 part = row[mode]
-                value = max(part[rss]) if key == "memory" and rss and isinstance(part.get(rss), list) else \
-                    part.get(rss) if key == "memory" and rss else part.get(key)
+                value = (
+                    max(part[rss])
+                    if key == "memory" and rss and isinstance(part.get(rss), list)
+                    else part.get(rss)
+                    if key == "memory" and rss
+                    else part.get(key)
+                )
                 if value is not None:
                     xs.append(row["rows"])
                     ys.append(value * scale)
@@ -407,8 +519,11 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"rows of {result['dim']} float32, {result['workers']} workers or ranks, {result['shards']} "
-                 f"shards, {result['lookups']} lookups a worker a step; {result['machine']}", fontsize=9)
+    fig.suptitle(
+        f"rows of {result['dim']} float32, {result['workers']} workers or ranks, {result['shards']} "
+        f"shards, {result['lookups']} lookups a worker a step; {result['machine']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)

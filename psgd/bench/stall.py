@@ -46,11 +46,25 @@ def _job(folder: Path, transport: str, width: int, workers: int, bind: str) -> P
     from psgd.config import JobConfig, to_toml
 
     config = JobConfig()
-    config = config.apply_sets(["model.name=mlp", f"model.hidden=[{width}, {width}]", "data.name=synthetic",
-                             "data.input_dim=64", "data.n_train=4096", "data.n_test=256", "train.epochs=1000",
-                             "train.threads=1", "optimizer.name=sgd", "optimizer.lr=0.01", "cluster.policy=async",
-                             "cluster.shards=1", f"cluster.workers={workers}", f"cluster.transport={transport}",
-                             "cluster.lease_seconds=120"])
+    config = config.apply_sets(
+        [
+            "model.name=mlp",
+            f"model.hidden=[{width}, {width}]",
+            "data.name=synthetic",
+            "data.input_dim=64",
+            "data.n_train=4096",
+            "data.n_test=256",
+            "train.epochs=1000",
+            "train.threads=1",
+            "optimizer.name=sgd",
+            "optimizer.lr=0.01",
+            "cluster.policy=async",
+            "cluster.shards=1",
+            f"cluster.workers={workers}",
+            f"cluster.transport={transport}",
+            "cluster.lease_seconds=120",
+        ]
+    )
     config = config.override("cluster.servers", [bind])
     path = folder / "job.toml"
     path.write_text(to_toml(config.to_dict()))
@@ -103,8 +117,9 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
         log = folder / f"{name}.log"
         logs.append(log)
         with open(log, "w") as err:
-            proc = subprocess.Popen(dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                dying_with_parent(argv, signal.SIGKILL), stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL
+            )
         procs.append(proc)
         return proc
 
@@ -115,8 +130,20 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
 
     port_file = folder / "shard.addr"
     try:
-        start([*command("psgd-server", "psgd.cli.server"), "-c", str(path), "--shard", "0", "--bind", bind,
-               "--port-file", str(port_file)], "shard")
+        start(
+            [
+                *command("psgd-server", "psgd.cli.server"),
+                "-c",
+                str(path),
+                "--shard",
+                "0",
+                "--bind",
+                bind,
+                "--port-file",
+                str(port_file),
+            ],
+            "shard",
+        )
         deadline = time.monotonic() + START_BOUND
         while not port_file.exists():
             alive()
@@ -124,9 +151,24 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
                 raise StallError(f"the shard did not listen within {START_BOUND:.0f}s")
             time.sleep(0.05)  # polling for the port file, with a deadline
         metrics = [folder / f"worker{r}.jsonl" for r in range(workers)]
-        workers_procs = [start([*command("psgd-worker", "psgd.cli.worker"), "-c", str(path), "--rank", str(r),
-                                "--servers", bind, "--no-progress", "--metrics", str(metrics[r])], f"worker{r}")
-                         for r in range(workers)]
+        workers_procs = [
+            start(
+                [
+                    *command("psgd-worker", "psgd.cli.worker"),
+                    "-c",
+                    str(path),
+                    "--rank",
+                    str(r),
+                    "--servers",
+                    bind,
+                    "--no-progress",
+                    "--metrics",
+                    str(metrics[r]),
+                ],
+                f"worker{r}",
+            )
+            for r in range(workers)
+        ]
         while min(len(_steps(m)) for m in metrics) < 3:
             alive()
             if time.monotonic() > deadline:
@@ -148,8 +190,9 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
                 stopped.send_signal(signal.SIGCONT)
                 time.sleep(rng.uniform(0.0, 0.02))  # a different moment of its step for the next try
             else:
-                raise StallError(f"worker 0 was not caught {'in' if holding else 'outside'} a pull in "
-                                 f"{CATCH_TRIES} tries")
+                raise StallError(
+                    f"worker 0 was not caught {'in' if holding else 'outside'} a pull in {CATCH_TRIES} tries"
+                )
             try:
                 began = time.time()
                 time.sleep(seconds)  # the measurement window, worker 0 stopped
@@ -159,33 +202,54 @@ def measure(transport: str, width: int, workers: int, seconds: float, folder: Pa
             finally:
                 stopped.send_signal(signal.SIGCONT)
             if holding and not held:
-                raise StallError("worker 0's pull was no longer held at the end of the window (over TCP, a pull whose "
-                                 "bytes fit the sockets' buffers is over once they are sent: raise --width)")
-            say(f"{transport}: worker 0 stopped {'mid-pull' if holding else 'holding no pull'} (caught on try "
-                f"{tries}): {figures[phase]:.2f} steps/s, {figures[phase] / undisturbed:.2f}x undisturbed")
+                raise StallError(
+                    "worker 0's pull was no longer held at the end of the window (over TCP, a pull whose "
+                    "bytes fit the sockets' buffers is over once they are sent: raise --width)"
+                )
+            say(
+                f"{transport}: worker 0 stopped {'mid-pull' if holding else 'holding no pull'} (caught on try "
+                f"{tries}): {figures[phase]:.2f} steps/s, {figures[phase] / undisturbed:.2f}x undisturbed"
+            )
         status = _status(bind)
-        return {"transport": transport, "width": width, "workers": workers, "seconds": seconds,
-                "model_bytes": 4 * (64 * width + width + width * width + width + width * 10 + 10),
-                "undisturbed_steps_per_s": undisturbed, "stopped_elsewhere_steps_per_s": figures["control"],
-                "stopped_mid_pull_steps_per_s": figures["fault"],
-                "mid_pull_over_undisturbed": figures["fault"] / undisturbed,
-                "mid_pull_over_stopped_elsewhere": figures["fault"] / figures["control"],
-                "caught_on_try": {"elsewhere": figures["control_tries"], "mid_pull": figures["fault_tries"]},
-                "held_seconds_at_end": max(r["held_seconds"] for r in held),
-                "copied_updates": status.get("copied_updates"), "revoked_reads": status.get("revoked_reads")}
+        return {
+            "transport": transport,
+            "width": width,
+            "workers": workers,
+            "seconds": seconds,
+            "model_bytes": 4 * (64 * width + width + width * width + width + width * 10 + 10),
+            "undisturbed_steps_per_s": undisturbed,
+            "stopped_elsewhere_steps_per_s": figures["control"],
+            "stopped_mid_pull_steps_per_s": figures["fault"],
+            "mid_pull_over_undisturbed": figures["fault"] / undisturbed,
+            "mid_pull_over_stopped_elsewhere": figures["fault"] / figures["control"],
+            "caught_on_try": {"elsewhere": figures["control_tries"], "mid_pull": figures["fault_tries"]},
+            "held_seconds_at_end": max(r["held_seconds"] for r in held),
+            "copied_updates": status.get("copied_updates"),
+            "revoked_reads": status.get("revoked_reads"),
+        }
     finally:
         end_all(procs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--transport", action="append", choices=TRANSPORTS, dest="transports",
-                        help="shm (shared memory) or tcp (the data port); repeat for both (default: both)")
-    parser.add_argument("--width", type=int, default=4096, metavar="W",
-                        help="the MLP's hidden width: 64-W-W-10 (default 4096: 68 MB of float32 weights)")
-    parser.add_argument("--workers", type=int, default=3, metavar="N", help="workers, worker 0 the one stopped "
-                        "(default 3)")
-    parser.add_argument("--seconds", type=float, default=10.0, metavar="S",
-                        help="each measurement window (default 10)")
+    parser.add_argument(
+        "--transport",
+        action="append",
+        choices=TRANSPORTS,
+        dest="transports",
+        help="shm (shared memory) or tcp (the data port); repeat for both (default: both)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=4096,
+        metavar="W",
+        help="the MLP's hidden width: 64-W-W-10 (default 4096: 68 MB of float32 weights)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=3, metavar="N", help="workers, worker 0 the one stopped (default 3)"
+    )
+    parser.add_argument("--seconds", type=float, default=10.0, metavar="S", help="each measurement window (default 10)")
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
 
 

@@ -33,22 +33,26 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Sequence
 
 import numpy as np
 
 from psgd.bench.limits import machine
 from psgd.bench.scaling.measure import read_steps
-from psgd.errors import ClusterError
 from psgd.config.parsing import comma_list
+from psgd.errors import ClusterError
 
 DESCRIPTION = __doc__
 INPUT, CLASSES, STEPS_PER_EPOCH = 1024, 10, 64
 #: run -> (workers, shards, policy, transport)
-RUNS = {"shm": (1, 1, "sync", "shm"), "tcp": (1, 1, "sync", "tcp"), "sync2": (2, 2, "sync", "shm"),
-        "async2": (2, 2, "async", "shm")}
+RUNS = {
+    "shm": (1, 1, "sync", "shm"),
+    "tcp": (1, 1, "sync", "tcp"),
+    "sync2": (2, 2, "sync", "shm"),
+    "async2": (2, 2, "async", "shm"),
+}
 BOUND = 900.0  # seconds any one run may take
 
 
@@ -67,6 +71,7 @@ class Options:
 
 # ---------------------------------------------------------------- pure helpers (unit-tested)
 
+
 def model_bytes(width: int) -> int:
     """Bytes of the MLP's float32 weights and biases at hidden width ``width``."""
     return 4 * (INPUT * width + width + width * width + width + width * CLASSES + CLASSES)
@@ -77,7 +82,7 @@ def steady(records: Sequence[dict]) -> dict:
     steps' weights, compute and exchange seconds."""
     if len(records) < 4:
         raise StepBenchError(f"{len(records)} step(s) recorded: too few for a steady state (raise --steps)")
-    half = records[len(records) // 2 - 1:]  # the step before the half marks its start
+    half = records[len(records) // 2 - 1 :]  # the step before the half marks its start
     walls = [r["wall"] for r in half]
     out = {"steps": len(records), "steps_per_s": (len(walls) - 1) / (walls[-1] - walls[0])}
     for part in ("weights", "compute", "exchange"):
@@ -99,12 +104,20 @@ def per_epoch(o: Options) -> int:
 
 def sets(width: int, o: Options) -> list[str]:
     """The job's --set flags."""
-    return ["model.name=mlp", f"model.hidden=[{width},{width}]", "data.name=synthetic", f"data.input_dim={INPUT}",
-            f"data.n_train={o.batch * per_epoch(o)}", "data.n_test=1024", "optimizer.name=sgd",
-            f"train.batch_size={o.batch}"]
+    return [
+        "model.name=mlp",
+        f"model.hidden=[{width},{width}]",
+        "data.name=synthetic",
+        f"data.input_dim={INPUT}",
+        f"data.n_train={o.batch * per_epoch(o)}",
+        "data.n_test=1024",
+        "optimizer.name=sgd",
+        f"train.batch_size={o.batch}",
+    ]
 
 
 # ---------------------------------------------------------------- the machine's rates
+
 
 def host_copy_gbps(nbytes: int, repeats: int = 5) -> float:
     """GB/s of a memory copy of ``nbytes`` as a shard and a worker make it (psgd.wire.sweep, their threads)."""
@@ -142,9 +155,11 @@ def link_gbps(nbytes: int, device: str) -> tuple[float, float, float]:
 
 # ---------------------------------------------------------------- the runs
 
+
 def _psgd(argv: list[str], folder: Path) -> str:
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", *argv], capture_output=True, text=True,
-                          timeout=BOUND, cwd=folder)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", *argv], capture_output=True, text=True, timeout=BOUND, cwd=folder
+    )
     if done.returncode:
         raise StepBenchError(f"psgd {' '.join(argv[:1])} exited {done.returncode}: {done.stderr.strip()[-1500:]}")
     return done.stdout
@@ -152,8 +167,21 @@ def _psgd(argv: list[str], folder: Path) -> str:
 
 def alone(width: int, o: Options, folder: Path) -> dict:
     run_dir = folder / f"alone-{width}"  # its metrics lines are RUN/local.jsonl, as a launch's are RUN/worker-0.jsonl
-    _psgd(["train", "--device", o.device, "--epochs", str(-(-o.steps // per_epoch(o))), "--run-dir",
-           str(run_dir), "--no-progress", "-q", *(f for s in sets(width, o) for f in ("--set", s))], folder)
+    _psgd(
+        [
+            "train",
+            "--device",
+            o.device,
+            "--epochs",
+            str(-(-o.steps // per_epoch(o))),
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+            "-q",
+            *(f for s in sets(width, o) for f in ("--set", s)),
+        ],
+        folder,
+    )
     return steady(read_steps(run_dir / "local.jsonl"))
 
 
@@ -161,10 +189,33 @@ def launched(width: int, run: str, o: Options, folder: Path) -> dict:
     workers, shards, policy, transport = RUNS[run]
     run_dir = folder / f"{run}-{width}"
     epochs = -(-o.steps * workers // per_epoch(o))  # each worker takes 1/workers of an epoch's batches
-    out = json.loads(_psgd(["launch", "--device", o.device, "--workers", str(workers), "--shards", str(shards),
-                            "--policy", policy, "--epochs", str(epochs), "--set", f"cluster.transport={transport}",
-                            "--run-dir", str(run_dir), "--no-progress", "--json",
-                            *(f for s in sets(width, o) for f in ("--set", s))], folder).strip().splitlines()[-1])
+    out = json.loads(
+        _psgd(
+            [
+                "launch",
+                "--device",
+                o.device,
+                "--workers",
+                str(workers),
+                "--shards",
+                str(shards),
+                "--policy",
+                policy,
+                "--epochs",
+                str(epochs),
+                "--set",
+                f"cluster.transport={transport}",
+                "--run-dir",
+                str(run_dir),
+                "--no-progress",
+                "--json",
+                *(f for s in sets(width, o) for f in ("--set", s)),
+            ],
+            folder,
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     result = steady(read_steps(run_dir / "worker-0.jsonl"))
     result["test_accuracy"] = out["test_accuracy"]
     spent = out.get("shard_seconds", {}).get("0")
@@ -181,25 +232,42 @@ def measure(o: Options, say=print) -> dict:
         for width in o.widths:
             nbytes = model_bytes(width)
             to_shard, from_shard, copy = link_gbps(nbytes, o.device)
-            row = {"width": width, "bytes": nbytes, "to_shard_gbps": to_shard, "from_shard_gbps": from_shard,
-                   "memcpy_gbps": copy, "floor_exchange_ms": 1e3 * floor_seconds(nbytes, to_shard, from_shard, copy)}
+            row = {
+                "width": width,
+                "bytes": nbytes,
+                "to_shard_gbps": to_shard,
+                "from_shard_gbps": from_shard,
+                "memcpy_gbps": copy,
+                "floor_exchange_ms": 1e3 * floor_seconds(nbytes, to_shard, from_shard, copy),
+            }
             row["alone"] = alone(width, o, Path(tmp))
             floor_step = 1 / row["alone"]["steps_per_s"] + row["floor_exchange_ms"] / 1e3
             row["floor_steps_per_s"] = 1 / floor_step
-            say(f"\nwidth {width} ({nbytes / 1e6:.1f} MB): to the shard {to_shard:.1f} GB/s, back {from_shard:.1f}, "
+            say(
+                f"\nwidth {width} ({nbytes / 1e6:.1f} MB): to the shard {to_shard:.1f} GB/s, back {from_shard:.1f}, "
                 f"memory copy {copy:.1f}; floor of the exchange {row['floor_exchange_ms']:.2f} ms; alone "
                 f"{row['alone']['steps_per_s']:.1f} steps/s; floor of a step behind a shard "
-                f"{row['floor_steps_per_s']:.1f} steps/s")
-            say(f"{'run':>7} {'steps/s':>8} {'/alone':>6} {'/floor':>6} {'compute ms':>10} {'exchange ms':>11} "
-                f"{'shard receive ms':>16} {'shard apply ms':>14} {'accuracy':>8}")
+                f"{row['floor_steps_per_s']:.1f} steps/s"
+            )
+            say(
+                f"{'run':>7} {'steps/s':>8} {'/alone':>6} {'/floor':>6} {'compute ms':>10} {'exchange ms':>11} "
+                f"{'shard receive ms':>16} {'shard apply ms':>14} {'accuracy':>8}"
+            )
             for run in ("alone", *o.runs):
                 if run != "alone":
                     row[run] = launched(width, run, o, Path(tmp))
                 r = row[run]
-                cells = [f"{r['steps_per_s']:8.1f}", f"{r['steps_per_s'] / row['alone']['steps_per_s']:6.2f}",
-                         f"{r['steps_per_s'] / row['floor_steps_per_s']:6.2f}"]
-                for key, width_ in (("compute_ms", 10), ("exchange_ms", 11), ("shard_receive_ms", 16),
-                                    ("shard_apply_ms", 14)):
+                cells = [
+                    f"{r['steps_per_s']:8.1f}",
+                    f"{r['steps_per_s'] / row['alone']['steps_per_s']:6.2f}",
+                    f"{r['steps_per_s'] / row['floor_steps_per_s']:6.2f}",
+                ]
+                for key, width_ in (
+                    ("compute_ms", 10),
+                    ("exchange_ms", 11),
+                    ("shard_receive_ms", 16),
+                    ("shard_apply_ms", 14),
+                ):
                     cells.append(f"{r[key]:{width_}.2f}" if r.get(key) is not None else f"{'-':>{width_}}")
                 cells.append(f"{r['test_accuracy']:8.3f}" if "test_accuracy" in r else f"{'-':>8}")
                 say(f"{run:>7} " + " ".join(cells))
@@ -223,14 +291,28 @@ def _steps(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Options()
-    parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N: where the workers (and psgd "
-                        "train) compute (default cpu)")
-    parser.add_argument("--widths", type=_widths, default=tuple(d.widths), metavar="W,...",
-                        help=f"hidden widths of the MLP (default {','.join(map(str, d.widths))})")
-    parser.add_argument("--steps", type=_steps, default=d.steps, help=f"worker 0's steps a run, at least 8 (default "
-                        f"{d.steps})")
-    parser.add_argument("--runs", type=_runs, default=tuple(RUNS), metavar="LIST",
-                        help=f"the launches beside psgd train, of {', '.join(RUNS)} (default all; '' for none)")
+    parser.add_argument(
+        "--device",
+        default=d.device,
+        help="cpu, cuda or cuda:N: where the workers (and psgd train) compute (default cpu)",
+    )
+    parser.add_argument(
+        "--widths",
+        type=_widths,
+        default=tuple(d.widths),
+        metavar="W,...",
+        help=f"hidden widths of the MLP (default {','.join(map(str, d.widths))})",
+    )
+    parser.add_argument(
+        "--steps", type=_steps, default=d.steps, help=f"worker 0's steps a run, at least 8 (default {d.steps})"
+    )
+    parser.add_argument(
+        "--runs",
+        type=_runs,
+        default=tuple(RUNS),
+        metavar="LIST",
+        help=f"the launches beside psgd train, of {', '.join(RUNS)} (default all; '' for none)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
 
 

@@ -9,7 +9,7 @@ import json
 import select
 import subprocess
 import tempfile
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 #: the longest a side may take to answer (a chunk of steps, or building what it times)
 ANSWER_S = 300
@@ -22,8 +22,15 @@ class Side:
     def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, what: str = "its model"):
         self.label = label
         self.errors = tempfile.TemporaryFile(mode="w+")  # what it says on stderr, read back where it fails
-        self.proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.errors)
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+        )
         self.facts = json.loads(self._answer(f"{what} built"))
 
     def _answer(self, what: str) -> str:
@@ -33,8 +40,9 @@ class Side:
             self.proc.kill()
             self.proc.wait(timeout=ANSWER_S)
             self.errors.seek(0)
-            raise RuntimeError(f"the {self.label} process gave no answer ({what}) within {ANSWER_S} s: "
-                               f"{self.errors.read()[-2000:]}")
+            raise RuntimeError(
+                f"the {self.label} process gave no answer ({what}) within {ANSWER_S} s: {self.errors.read()[-2000:]}"
+            )
         return line
 
     def seconds(self, asked: str, what: str) -> float:

@@ -8,8 +8,9 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from psgd.collective import BackendUnavailable
 from psgd.compute import threads
@@ -29,10 +30,16 @@ USER_ERRORS = (InputError, BackendUnavailable)
 
 JOB_FLAGS = {
     # flag: (dotted key, type, help)
-    "--model": ("model.name", str, "model: softmax, mlp, cnn, embed (ids in a table: clicks), or "
-                                   "package.module:Class (default mlp)"),
-    "--dataset": ("data.name", str, "dataset: digits (bundled), synthetic, clicks, idx:DIR, npz:FILE or npy:DIR "
-                                    "(default digits)"),
+    "--model": (
+        "model.name",
+        str,
+        "model: softmax, mlp, cnn, embed (ids in a table: clicks), or package.module:Class (default mlp)",
+    ),
+    "--dataset": (
+        "data.name",
+        str,
+        "dataset: digits (bundled), synthetic, clicks, idx:DIR, npz:FILE or npy:DIR (default digits)",
+    ),
     "--optimizer": ("optimizer.name", str, "optimizer: sgd, momentum, nesterov, adam, adamw (default momentum)"),
     "--lr": ("optimizer.lr", float, "learning rate (default 0.05 for momentum)"),
     "--batch-size": ("train.batch_size", int, "minibatch size per process (default 32)"),
@@ -40,9 +47,13 @@ JOB_FLAGS = {
     "--seed": ("train.seed", int, "seed for initial weights and data order (default 0)"),
     "--device": ("train.device", str, "cpu, cuda or cuda:N (default cpu)"),
     "--dtype": ("train.dtype", str, "float32 or float64 (default float32)"),
-    "--threads": ("train.threads", int, "BLAS/OpenMP threads per process (default: all cores for a lone "
-                                        "process; psgd launch divides the cores among the processes it starts; "
-                                        "OMP_NUM_THREADS or OPENBLAS_NUM_THREADS, when set, rule instead)"),
+    "--threads": (
+        "train.threads",
+        int,
+        "BLAS/OpenMP threads per process (default: all cores for a lone "
+        "process; psgd launch divides the cores among the processes it starts; "
+        "OMP_NUM_THREADS or OPENBLAS_NUM_THREADS, when set, rule instead)",
+    ),
 }
 
 
@@ -54,8 +65,11 @@ def _policy_flags() -> dict[str, tuple[str, type, str]]:
     for name, cls in POLICIES.items():
         for option in cls.options:
             key = option.cluster_key
-            flags["--" + key.replace("_", "-")] = (f"cluster.{key}", option.type,
-                                                   f"{name}: {option.help} (default {getattr(defaults.consistency, key)})")
+            flags["--" + key.replace("_", "-")] = (
+                f"cluster.{key}",
+                option.type,
+                f"{name}: {option.help} (default {getattr(defaults.consistency, key)})",
+            )
     return flags
 
 
@@ -64,24 +78,36 @@ CLUSTER_FLAGS = {
     "--shards": ("cluster.shards", int, "number of parameter-server shards (default 2)"),
     "--workers": ("cluster.workers", int, "number of workers (default 2)"),
     "--servers": ("cluster.servers", str, "shard addresses host:port,host:port,... in shard order"),
-    "--replicas": ("cluster.replicas", int, "async, ssp: 1 keeps a replica of every shard, which applies each update "
-                   "before the push is acknowledged and takes over when its primary dies (default 0)"),
-    "--replica-servers": ("cluster.replica_servers", str, "with --replicas 1: the replicas' addresses "
-                          "host:port,... in shard order"),
-    "--lease": ("cluster.lease_seconds", float,
-                "seconds a silent worker keeps its place in the round (default 10)"),
+    "--replicas": (
+        "cluster.replicas",
+        int,
+        "async, ssp: 1 keeps a replica of every shard, which applies each update "
+        "before the push is acknowledged and takes over when its primary dies (default 0)",
+    ),
+    "--replica-servers": (
+        "cluster.replica_servers",
+        str,
+        "with --replicas 1: the replicas' addresses host:port,... in shard order",
+    ),
+    "--lease": ("cluster.lease_seconds", float, "seconds a silent worker keeps its place in the round (default 10)"),
 }
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, cluster: bool = False) -> None:
     """The job file and the flags that override it (with ``cluster``, the [cluster] flags too)."""
     group = parser.add_argument_group("job", "what to train; flags override the job file")
-    group.add_argument("--config", "-c", metavar="JOB.toml",
-                       help="TOML job file (sections model, data, optimizer, train, cluster)")
+    group.add_argument(
+        "--config", "-c", metavar="JOB.toml", help="TOML job file (sections model, data, optimizer, train, cluster)"
+    )
     for flag, (_, kind, text) in JOB_FLAGS.items():
         group.add_argument(flag, type=kind, default=None, help=text)
-    group.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override any job-file key, e.g. --set model.hidden=[256,128] (repeatable)")
+    group.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any job-file key, e.g. --set model.hidden=[256,128] (repeatable)",
+    )
     if cluster:
         group = parser.add_argument_group("cluster", "how the parameter-server job is laid out")
         for flag, (_, kind, text) in CLUSTER_FLAGS.items():
@@ -89,9 +115,12 @@ def add_job_arguments(parser: argparse.ArgumentParser, cluster: bool = False) ->
 
 
 #: Variables read by every command, between the job file and the flags: (variable, job key).
-ENV_OVERRIDES = (("PSGD_SERVERS", "cluster.servers"), ("PSGD_REPLICA_SERVERS", "cluster.replica_servers"),
-                 ("PSGD_SHARDS", "cluster.shards"),
-                 ("PSGD_WORKERS", "cluster.workers"))
+ENV_OVERRIDES = (
+    ("PSGD_SERVERS", "cluster.servers"),
+    ("PSGD_REPLICA_SERVERS", "cluster.replica_servers"),
+    ("PSGD_SHARDS", "cluster.shards"),
+    ("PSGD_WORKERS", "cluster.workers"),
+)
 #: Where psgd-worker finds its rank when --rank is not given, in this order.
 RANK_VARIABLES = ("PSGD_RANK", "RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX")
 #: Where psgd-worker finds the number of workers when neither --workers nor PSGD_WORKERS is given.
@@ -118,8 +147,9 @@ def first_env_int(names: Sequence[str], environ: Mapping[str, str]) -> tuple[int
     return None
 
 
-def job_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
-                  extra_env: Sequence[tuple[str, str]] = ()) -> JobConfig:
+def job_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, extra_env: Sequence[tuple[str, str]] = ()
+) -> JobConfig:
     """The job: its file, then ``PSGD_*`` variables (and ``extra_env``: (variable, key) pairs read
     only when the key's own ``PSGD_`` variable is unset), then flags and ``--set``; validated once.  A value
     refused is blamed on what gave it: the flag, the variable or the ``--set``, else the job file."""
@@ -155,7 +185,7 @@ def blamed(exc: ConfigError, source: str, given: Mapping[str, str]) -> ConfigErr
     origin = given.get(f"{key[1]}.{key[2] or key[3]}") if key else None
     if origin is None or not text.startswith(f"{source}: "):
         return exc
-    return ConfigError(f"{origin}: {text[len(source) + 2:]}")
+    return ConfigError(f"{origin}: {text[len(source) + 2 :]}")
 
 
 def import_from_current_folder() -> None:
@@ -189,9 +219,13 @@ def start_process(config: JobConfig) -> None:
 
 
 def add_token_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token", default=None, metavar="TOKEN",
-                        help="the job's shared secret, which every call carries (default: $PSGD_TOKEN), at "
-                             f"least {SHORTEST_TOKEN} characters. Make one with: {MAKE_TOKEN}")
+    parser.add_argument(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help="the job's shared secret, which every call carries (default: $PSGD_TOKEN), at "
+        f"least {SHORTEST_TOKEN} characters. Make one with: {MAKE_TOKEN}",
+    )
 
 
 def token_from_args(args: argparse.Namespace) -> str:
@@ -202,18 +236,27 @@ def token_from_args(args: argparse.Namespace) -> str:
 def add_records_arguments(parser: argparse.ArgumentParser) -> None:
     """Where a single process keeps its records (psgd train): the JSON lines, and the run folder of their CSV and
     TensorBoard files, of this run alone (psgd.train's ``metrics`` and ``run_dir``)."""
-    parser.add_argument("--metrics", metavar="FILE.jsonl",
-                        help="append each step and evaluation as JSON lines to FILE (CSV and TensorBoard: --run-dir)")
-    parser.add_argument("--run-dir", metavar="DIR",
-                        help="the run folder, of this run alone: its metrics' CSV and TensorBoard files, and "
-                             "DIR/local.jsonl without --metrics; one that holds another run's files is refused "
-                             "(default with --metrics: a new runs/DATE-TIME-local, said in the last line)")
+    parser.add_argument(
+        "--metrics",
+        metavar="FILE.jsonl",
+        help="append each step and evaluation as JSON lines to FILE (CSV and TensorBoard: --run-dir)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="the run folder, of this run alone: its metrics' CSV and TensorBoard files, and "
+        "DIR/local.jsonl without --metrics; one that holds another run's files is refused "
+        "(default with --metrics: a new runs/DATE-TIME-local, said in the last line)",
+    )
 
 
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-progress", action="store_true",
-                        help="hide the progress bar (shown only where stderr is a terminal; elsewhere, as in a file "
-                             "or a pipe, a line each epoch takes its place)")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (shown only where stderr is a terminal; elsewhere, as in a file "
+        "or a pipe, a line each epoch takes its place)",
+    )
 
 
 def shows_progress(args: argparse.Namespace) -> bool:
@@ -224,9 +267,13 @@ def shows_progress(args: argparse.Namespace) -> bool:
 def add_log_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-v: debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings only")
-    parser.add_argument("--log-file", metavar="PATH", default=None,
-                        help="also append the log to PATH, at INFO (DEBUG with -v) whatever -q says: psgd launch "
-                             "gives it to the worker whose progress bar the terminal shows")
+    parser.add_argument(
+        "--log-file",
+        metavar="PATH",
+        default=None,
+        help="also append the log to PATH, at INFO (DEBUG with -v) whatever -q says: psgd launch "
+        "gives it to the worker whose progress bar the terminal shows",
+    )
 
 
 def verbosity(args: argparse.Namespace) -> int:
@@ -289,6 +336,7 @@ def resumed_from(args: argparse.Namespace) -> None:
         if args.config or args.run_dir:
             raise ConfigError("--resume RUN takes the job file and the run folder from RUN: drop -c and --run-dir")
         if not (Path(args.resume) / "job.toml").is_file():
-            raise ConfigError(f"--resume {args.resume}: no job.toml there (not the run folder of a psgd launch or "
-                              "psgd run)")
+            raise ConfigError(
+                f"--resume {args.resume}: no job.toml there (not the run folder of a psgd launch or psgd run)"
+            )
         args.config, args.run_dir = str(Path(args.resume) / "job.toml"), args.resume

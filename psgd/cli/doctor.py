@@ -50,12 +50,21 @@ examples:
 
 
 def add_doctor_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = sub.add_parser("doctor", help="preflight check of a job: addresses, ports, health, plan, token, "
-                                           "TLS, GPU", description=DOCTOR_DESCRIPTION,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--health", nargs="?", const="", default=None, metavar="ADDRESS",
-                        help=f"only check that ADDRESS (default ${HEALTH_ENV} or {DEFAULT_HEALTH_ADDRESS}) "
-                             "answers SERVING; no job file needed")
+    parser = sub.add_parser(
+        "doctor",
+        help="preflight check of a job: addresses, ports, health, plan, token, TLS, GPU",
+        description=DOCTOR_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--health",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help=f"only check that ADDRESS (default ${HEALTH_ENV} or {DEFAULT_HEALTH_ADDRESS}) "
+        "answers SERVING; no job file needed",
+    )
     parser.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     add_connect_arguments(parser)
     add_job_arguments(parser, cluster=True)
@@ -77,11 +86,13 @@ def cmd_doctor(args: argparse.Namespace, out=None) -> int:
     else:
         out.write(f"psgd doctor: {config.source}\n" + "\n".join(f.line() for f in findings) + "\n")
         if failures:
-            out.write(f"{len(failures)} problem(s) found" + (f", {len(warnings)} warning(s)" if warnings else "")
-                      + ": fix the FAIL lines above.\n")
+            out.write(
+                f"{len(failures)} problem(s) found"
+                + (f", {len(warnings)} warning(s)" if warnings else "")
+                + ": fix the FAIL lines above.\n"
+            )
         else:
-            out.write("everything checked is in order" + (f" ({len(warnings)} warning(s))" if warnings else "")
-                      + ".\n")
+            out.write("everything checked is in order" + (f" ({len(warnings)} warning(s))" if warnings else "") + ".\n")
     out.flush()
     return 1 if failures else 0
 
@@ -92,4 +103,3 @@ def health_check(args: argparse.Namespace, out) -> int:
     out.write(f"{address}: {health}" + (f": {error}" if error else "") + "\n")
     out.flush()
     return 0 if health == "SERVING" else 1
-

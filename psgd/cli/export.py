@@ -8,8 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from psgd.cli.common import (score_said, add_job_arguments, add_log_arguments, add_token_argument, job_from_args,
-                             start_process, token_from_args, verbosity)
+from psgd.cli.common import (
+    add_job_arguments,
+    add_log_arguments,
+    add_token_argument,
+    job_from_args,
+    score_said,
+    start_process,
+    token_from_args,
+    verbosity,
+)
 from psgd.config.parsing import comma_list
 from psgd.observe.logs import setup_logging
 from psgd.training.evaluation import evaluate_file
@@ -71,22 +79,37 @@ examples:
 
 def add_export_parser(sub) -> None:
     parser = sub.add_parser(
-        "export", help="save a job's weights as one plain .npz, from running shards or their checkpoints",
-        description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "export",
+        help="save a job's weights as one plain .npz, from running shards or their checkpoints",
+        description=EXPORT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("file", metavar="FILE.npz", help="where to write the weights")
     source = parser.add_argument_group("checkpoints", "join the shards' checkpoints instead of asking running shards")
-    source.add_argument("--checkpoints", metavar="DIR",
-                        help="psgd-server's --checkpoint-dir, holding shard-0, shard-1, ...")
+    source.add_argument(
+        "--checkpoints", metavar="DIR", help="psgd-server's --checkpoint-dir, holding shard-0, shard-1, ..."
+    )
     pick = source.add_mutually_exclusive_group()
-    pick.add_argument("--version", type=int, metavar="V",
-                      help="take checkpoint V (ckpt-V) of every shard (default: the newest intact of each, "
-                           "which must be of one version)")
-    pick.add_argument("--mixed-versions", action="store_true",
-                      help="join the shards' weights (the newest intact checkpoint of each, or what running shards "
-                           "hold) even when their versions differ")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="running shards: give up on a shard after this long (default: the job's "
-                             "request_timeout, 60)")
+    pick.add_argument(
+        "--version",
+        type=int,
+        metavar="V",
+        help="take checkpoint V (ckpt-V) of every shard (default: the newest intact of each, "
+        "which must be of one version)",
+    )
+    pick.add_argument(
+        "--mixed-versions",
+        action="store_true",
+        help="join the shards' weights (the newest intact checkpoint of each, or what running shards "
+        "hold) even when their versions differ",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="running shards: give up on a shard after this long (default: the job's request_timeout, 60)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_token_argument(parser)
     add_tls_arguments(parser, server=False)
@@ -97,8 +120,11 @@ def add_export_parser(sub) -> None:
 
 def add_eval_parser(sub) -> None:
     parser = sub.add_parser(
-        "eval", help="test accuracy and loss of weights saved in an .npz",
-        description=EVAL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "eval",
+        help="test accuracy and loss of weights saved in an .npz",
+        description=EVAL_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("file", metavar="FILE.npz", help="the weights (plain .npz keyed by variable name)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_job_arguments(parser)
@@ -121,18 +147,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.checkpoints:
         result = join_checkpoints(config, args.checkpoints, args.version, args.mixed_versions)
     else:
-        result = pull_from_servers(config, config.cluster.servers, token_from_args(args), tls_from_args(args),
-                                   request_timeout=args.timeout, mixed=args.mixed_versions)
+        result = pull_from_servers(
+            config,
+            config.cluster.servers,
+            token_from_args(args),
+            tls_from_args(args),
+            request_timeout=args.timeout,
+            mixed=args.mixed_versions,
+        )
     size = save_weights(args.file, result.weights)
     if args.json:
-        print(json.dumps({"file": args.file, "variables": len(result.weights), "parameters": result.parameters,
-                          "bytes": size, "versions": result.versions, "source": result.source,
-                          "checkpoints": result.files, "notes": result.notes}))
+        print(
+            json.dumps(
+                {
+                    "file": args.file,
+                    "variables": len(result.weights),
+                    "parameters": result.parameters,
+                    "bytes": size,
+                    "versions": result.versions,
+                    "source": result.source,
+                    "checkpoints": result.files,
+                    "notes": result.notes,
+                }
+            )
+        )
     else:
         versions = ", ".join(f"shard {k}: {v}" for k, v in enumerate(result.versions))
         notes = "".join(f"; note: {n}" for n in result.notes)
-        print(f"wrote {args.file}: {len(result.weights)} variables, {result.parameters} parameters, {size} bytes; "
-              f"versions {versions}; from {result.source}{notes}")
+        print(
+            f"wrote {args.file}: {len(result.weights)} variables, {result.parameters} parameters, {size} bytes; "
+            f"versions {versions}; from {result.source}{notes}"
+        )
     return 0
 
 
@@ -144,8 +189,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{score_said(result.get('test_accuracy'), result.get('test_r2'))}"
-              f" (loss {result['test_loss']:.4f}) of {args.file}: "
-              f"{result['variables']} variables, {result['parameters']} parameters; model {result['model']} on "
-              f"{result['examples']} test examples of {result['dataset']}")
+        print(
+            f"{score_said(result.get('test_accuracy'), result.get('test_r2'))}"
+            f" (loss {result['test_loss']:.4f}) of {args.file}: "
+            f"{result['variables']} variables, {result['parameters']} parameters; model {result['model']} on "
+            f"{result['examples']} test examples of {result['dataset']}"
+        )
     return 0

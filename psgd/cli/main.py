@@ -6,17 +6,33 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import psgd
 from psgd import __version__, launcher
-from psgd.cli import doctor, models, status, export as export_cli, report as report_cli
+from psgd.cli import bench, doctor, models, status
+from psgd.cli import export as export_cli
+from psgd.cli import report as report_cli
+from psgd.cli.common import (
+    add_job_arguments,
+    add_log_arguments,
+    add_progress_argument,
+    add_records_arguments,
+    first_env_int,
+    flags_not_kept,
+    import_from_current_folder,
+    import_nothing_from_current_folder,
+    job_from_args,
+    resumed_from,
+    run_command,
+    score_fields,
+    score_said,
+    shows_progress,
+    verbosity,
+)
 from psgd.config import ConfigError
-from psgd.cli.common import (add_job_arguments, add_log_arguments, add_progress_argument, add_records_arguments,
-                             first_env_int, flags_not_kept, import_from_current_folder,
-                             import_nothing_from_current_folder, job_from_args, run_command, resumed_from,
-                             score_fields, score_said, shows_progress, verbosity)
 from psgd.config.parsing import Parser, comma_list
 from psgd.observe.logs import setup_logging
 from psgd.training.divergence import EXIT_DIVERGED
@@ -36,25 +52,32 @@ with the same job file; see their --help. Flags are never abbreviated.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="psgd", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="psgd", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"psgd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     train = sub.add_parser(
-        "train", help="train in one process: the reference the other modes are checked against",
+        "train",
+        help="train in one process: the reference the other modes are checked against",
         description="Train a model in one process and print the final test accuracy. "
-                    "With no arguments: the MLP on the bundled UCI digits, momentum SGD, 30 epochs.")
+        "With no arguments: the MLP on the bundled UCI digits, momentum SGD, 30 epochs.",
+    )
     add_job_arguments(train)
     add_records_arguments(train)
     train.add_argument("--save", metavar="FILE.npz", help="save the final weights (plain .npz, no pickle)")
-    train.add_argument("--checkpoint", metavar="FILE.npz",
-                       help="where a run stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP leaves its state: weights, "
-                            "optimizer and step (plain .npz); it says where as it stops (default: nowhere)")
-    train.add_argument("--resume", metavar="FILE.npz",
-                       help="go on from the state a stopped run left in FILE (the same job: model, data, "
-                            "optimizer, dtype, batch size and seed), ending with the weights an unstopped run ends "
-                            "with; stopped again, it leaves its state there (or in --checkpoint)")
+    train.add_argument(
+        "--checkpoint",
+        metavar="FILE.npz",
+        help="where a run stopped by SIGINT (Ctrl-C), SIGTERM or SIGHUP leaves its state: weights, "
+        "optimizer and step (plain .npz); it says where as it stops (default: nowhere)",
+    )
+    train.add_argument(
+        "--resume",
+        metavar="FILE.npz",
+        help="go on from the state a stopped run left in FILE (the same job: model, data, "
+        "optimizer, dtype, batch size and seed), ending with the weights an unstopped run ends "
+        "with; stopped again, it leaves its state there (or in --checkpoint)",
+    )
     add_progress_argument(train)
     train.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
     add_divergence_argument(train)
@@ -62,78 +85,105 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     launch = sub.add_parser(
-        "launch", help="run a job: shards + workers (or all-reduce ranks) on 127.0.0.1 to its final test accuracy, "
-                       "or this node's share of a multi-node job",
+        "launch",
+        help="run a job: shards + workers (or all-reduce ranks) on 127.0.0.1 to its final test accuracy, "
+        "or this node's share of a multi-node job",
         description="Start K psgd-server shards and N psgd-worker processes on 127.0.0.1, show worker 0's "
-                    "progress, wait for the workers to finish, then print the test accuracy of the weights "
-                    "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "
-                    "bundled digits. The cores are divided among the processes (one line says how), and "
-                    "where each has a core of its own a data connection watches for its answer up to 1 ms "
-                    "before it sleeps ([cluster] busy_poll_us; one line says so); "
-                    "SIGINT, SIGTERM and SIGHUP stop every process, which gets 10 s to leave "
-                    "before it is killed; no process outlives the launcher. A stop pauses the job (the workers "
-                    "are told with SIGINT, so that no round closes without them): "
-                    "psgd launch --resume RUN goes on from its shards' checkpoints in the run folder "
-                    "(runs/DATE-TIME-MODE unless --run-dir). Your own model in the current "
-                    "folder is found, as with python -m.",
+        "progress, wait for the workers to finish, then print the test accuracy of the weights "
+        "held by the shards. With no arguments: 2 shards, 2 workers, sync, the MLP on the "
+        "bundled digits. The cores are divided among the processes (one line says how), and "
+        "where each has a core of its own a data connection watches for its answer up to 1 ms "
+        "before it sleeps ([cluster] busy_poll_us; one line says so); "
+        "SIGINT, SIGTERM and SIGHUP stop every process, which gets 10 s to leave "
+        "before it is killed; no process outlives the launcher. A stop pauses the job (the workers "
+        "are told with SIGINT, so that no round closes without them): "
+        "psgd launch --resume RUN goes on from its shards' checkpoints in the run folder "
+        "(runs/DATE-TIME-MODE unless --run-dir). Your own model in the current "
+        "folder is found, as with python -m.",
         epilog="many machines, one command on each (shard k and worker r run on node k % nnodes and "
-               "r % nnodes; node i's shards listen on hosts[i]:port, port+2, ...):\n"
-               "  psgd launch --nnodes 2 --node-rank 0 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
-               "  psgd launch --nnodes 2 --node-rank 1 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
-               "node 0 prints the accuracy and keeps the weights once every worker is done.\n\n"
-               "GPUs, as torchrun places local ranks: --device cuda puts worker (or rank) r of this node on GPU\n"
-               "r mod G, G the GPUs visible (CUDA_VISIBLE_DEVICES decides which); --device cuda:0,2 goes round\n"
-               "GPUs 0 and 2; --device cuda:N puts every worker on GPU N. Shards stay on the CPU. One line says\n"
-               "the placement; psgd doctor lists the GPUs.\n"
-               "  psgd launch --device cuda --workers 4\n\n"
-               "Run as root with Open MPI's mpiexec (mode allreduce), the launcher sets OMPI_ALLOW_RUN_AS_ROOT\n"
-               "and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM for the ranks, and says so.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "r % nnodes; node i's shards listen on hosts[i]:port, port+2, ...):\n"
+        "  psgd launch --nnodes 2 --node-rank 0 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
+        "  psgd launch --nnodes 2 --node-rank 1 --hosts 10.0.0.5,10.0.0.6 --shards 2 --workers 4\n"
+        "node 0 prints the accuracy and keeps the weights once every worker is done.\n\n"
+        "GPUs, as torchrun places local ranks: --device cuda puts worker (or rank) r of this node on GPU\n"
+        "r mod G, G the GPUs visible (CUDA_VISIBLE_DEVICES decides which); --device cuda:0,2 goes round\n"
+        "GPUs 0 and 2; --device cuda:N puts every worker on GPU N. Shards stay on the CPU. One line says\n"
+        "the placement; psgd doctor lists the GPUs.\n"
+        "  psgd launch --device cuda --workers 4\n\n"
+        "Run as root with Open MPI's mpiexec (mode allreduce), the launcher sets OMPI_ALLOW_RUN_AS_ROOT\n"
+        "and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM for the ranks, and says so.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_job_arguments(launch, cluster=True)
-    launch.add_argument("--mode", choices=("ps", "allreduce"), default="ps",
-                        help="ps: parameter-server shards and workers (default); allreduce: N ranks averaging "
-                             "gradients with --backend, no servers")
-    launch.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
-                        help="allreduce mode: mpi (CPU, needs the mpi extra) or nccl (one rank per GPU) "
-                             "(default mpi)")
+    launch.add_argument(
+        "--mode",
+        choices=("ps", "allreduce"),
+        default="ps",
+        help="ps: parameter-server shards and workers (default); allreduce: N ranks averaging "
+        "gradients with --backend, no servers",
+    )
+    launch.add_argument(
+        "--backend",
+        choices=("mpi", "nccl"),
+        default="mpi",
+        help="allreduce mode: mpi (CPU, needs the mpi extra) or nccl (one rank per GPU) (default mpi)",
+    )
     add_run_arguments(launch)
-    launch.add_argument("--emulated-hosts", metavar="FILE.json",
-                        help="run shard k on emulated host s<k> and worker (or rank) r on w<r>, as FILE says "
-                             "(each host's command prefix and address; psgd bench's --network writes such files)")
+    launch.add_argument(
+        "--emulated-hosts",
+        metavar="FILE.json",
+        help="run shard k on emulated host s<k> and worker (or rank) r on w<r>, as FILE says "
+        "(each host's command prefix and address; psgd bench's --network writes such files)",
+    )
     nodes = launch.add_argument_group("many machines")
     nodes.add_argument("--nnodes", type=int, default=1, help="machines taking part, one launch on each (default 1)")
-    nodes.add_argument("--node-rank", type=int, default=None,
-                       help="this machine's index, 0..nnodes-1 (default: $PSGD_NODE_RANK, else $SLURM_NODEID, "
-                            "else 0)")
-    nodes.add_argument("--hosts", metavar="HOST,HOST,...",
-                       help="every node's address, in node-rank order (default: $PSGD_HOSTS)")
-    nodes.add_argument("--port", type=int, default=29500,
-                       help="first gRPC port of each node's shards; each data port is its gRPC port + 1 "
-                            "(default 29500)")
-    launch.add_argument("--no-progress", action="store_true",
-                        help="hide worker 0's progress bar (shown where stderr is a terminal; elsewhere worker 0's "
-                             "log lines take its place)")
+    nodes.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this machine's index, 0..nnodes-1 (default: $PSGD_NODE_RANK, else $SLURM_NODEID, else 0)",
+    )
+    nodes.add_argument(
+        "--hosts", metavar="HOST,HOST,...", help="every node's address, in node-rank order (default: $PSGD_HOSTS)"
+    )
+    nodes.add_argument(
+        "--port",
+        type=int,
+        default=29500,
+        help="first gRPC port of each node's shards; each data port is its gRPC port + 1 (default 29500)",
+    )
+    launch.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide worker 0's progress bar (shown where stderr is a terminal; elsewhere worker 0's "
+        "log lines take its place)",
+    )
     add_tls_arguments(launch, launch=True)
-    launch.add_argument("--accept-lost-updates", action="store_true",
-                        help="exit 0 even if the shards ended at different versions (a shard that restarted from "
-                             "an older checkpoint lost updates; without this flag: exit status 4, and one WARNING "
-                             "line and --json's \"lost_updates\" say how many per shard)")
+    launch.add_argument(
+        "--accept-lost-updates",
+        action="store_true",
+        help="exit 0 even if the shards ended at different versions (a shard that restarted from "
+        "an older checkpoint lost updates; without this flag: exit status 4, and one WARNING "
+        "line and --json's \"lost_updates\" say how many per shard)",
+    )
     add_divergence_argument(launch)
     add_log_arguments(launch)
     launch.set_defaults(func=cmd_launch, parser=launch)
 
     run = sub.add_parser(
-        "run", help="your own training loop: the shards, and a copy of your script for every worker",
+        "run",
+        help="your own training loop: the shards, and a copy of your script for every worker",
         description="Start K psgd-server shards on 127.0.0.1 and, for each of the N workers, a copy of SCRIPT "
-                    "(python SCRIPT ARGS...), as torchrun does; then print the test accuracy of the weights the "
-                    "shards hold. In the script, psgd.join() joins the job (its file, the worker's rank, its "
-                    "device and token come in the environment psgd run sets): pull, push, this worker's batches "
-                    "and share of the data, the policy's clock, a clean stop. The loop is the script's own. "
-                    "Worker 0's output is shown; every worker's is in its log in the run folder. Signals, the "
-                    "timeout and the run folder are as psgd launch's.",
+        "(python SCRIPT ARGS...), as torchrun does; then print the test accuracy of the weights the "
+        "shards hold. In the script, psgd.join() joins the job (its file, the worker's rank, its "
+        "device and token come in the environment psgd run sets): pull, push, this worker's batches "
+        "and share of the data, the policy's clock, a clean stop. The loop is the script's own. "
+        "Worker 0's output is shown; every worker's is in its log in the run folder. Signals, the "
+        "timeout and the run folder are as psgd launch's.",
         epilog="example (docs/howto/python.md has the script):\n"
-               "  psgd run --workers 2 --shards 1 --epochs 5 hardest.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  psgd run --workers 2 --shards 1 --epochs 5 hardest.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_job_arguments(run, cluster=True)
     add_run_arguments(run)
     add_tls_arguments(run, launch=True)
@@ -141,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", metavar="SCRIPT", help="the Python file each worker runs")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
     run.set_defaults(func=cmd_run, parser=run)
-    _add_bench(sub)
+    bench.add_parser(sub)
     status.add_status_parser(sub)
     doctor.add_doctor_parser(sub)
     models.add_check_model_parser(sub)
@@ -154,113 +204,39 @@ def build_parser() -> argparse.ArgumentParser:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What psgd launch and psgd run share: the weights saved, the run folder, the time limit, the JSON result,
     going on from a run folder."""
-    parser.add_argument("--save", metavar="FILE.npz",
-                        help="where to keep the trained weights, a plain .npz keyed by variable name, see psgd eval "
-                             "(default: RUN/final.npz)")
-    parser.add_argument("--run-dir", metavar="DIR",
-                        help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
-                             "current folder, runs/DATE-TIME-MODE, said in the last line); one that holds another "
-                             "run's files is refused (continue that run with --resume)")
-    parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
-                        help="stop everything and fail if the job runs longer (default 900)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the result as one JSON object on stdout; a launch that failed prints its error "
-                             "and a record of each process that failed (\"failures\")")
-    parser.add_argument("--resume", metavar="RUN",
-                        help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
-                             "its shards' checkpoints in RUN/checkpoints, its logs, appended to): each worker goes on "
-                             "from the step its shards hold")
-
-
-def _add_bench(sub) -> None:
-    """``psgd bench KIND``: the benchmarks of psgd.bench."""
-    bench = sub.add_parser("bench", help="benchmarks (convergence: every consistency policy, with stragglers; "
-                                         "comm: how fast tensors move; scaling: steps/s against model width "
-                                         "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
-                                         "communication beside computation, off and on; stall: the others' "
-                                         "steps/s while one worker is stopped mid-pull; flood: a shard under a "
-                                         "flood of connections without the token; sparse: embedding tables' "
-                                         "steps against table size, parameter server and all-reduce; rollback: "
-                                         "what a killed shard costs a sync job with cuts; replicas: what a "
-                                         "replica per shard costs async, and its failover time; simulate: psgd "
-                                         "jobs simulated from costs measured here, checked against launches here)",
-                           description="Benchmarks of psgd itself. See `psgd bench KIND --help` for each: convergence, "
-                                       "comm, scaling, gpu, overlap, stall, flood, sparse, rollback, replicas, "
-                                       "step and simulate.")
-    kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
-    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
-    _bench_command(kinds, "convergence", "psgd.bench.convergence", logger="lab",
-               help="sync vs async vs ssp vs backup workers vs all-reduce, with and without a straggler",
-               description="Train the same model, data, seed, workers and optimizer under each consistency "
-                           "policy and all-reduce, as real processes on this machine, with and without an injected "
-                           "straggler; write lab.json (every evaluation point), table.md and PNG plots of accuracy "
-                           "and loss against wall time, updates and gradients. The default configuration (MLP on "
-                           "digits, 4 workers, 2 shards, 3 repeats) takes 3-5 minutes on 2 cores; --quick "
-                           "takes well under a minute.")
-    _bench_command(kinds, "comm", "psgd.bench.comm",
-               help="pull/push/all-reduce throughput, latency, optimizer speed and memory against raw TCP",
-               description="Measure, in one run and side by side: raw loopback TCP and memory-copy bandwidth (the "
-                           "machine's limits); a 40 MB model's pull+push in rounds, each beside TCP measured just "
-                           "before it; pull, push and pull+push through psgd-server processes for models of "
-                           "1-400 MB, over 1-4 shards and 1-4 workers, over gRPC alone and with compressed "
-                           "gradients; an MPI all-reduce of the same bytes (needs the mpi extra); a small step's "
-                           "fixed cost on every link (two round trips and one), the shard's share of it, beside a "
-                           "bare round trip; the optimizers' update throughput; peak memory of "
-                           "shards and workers; and a 100M-parameter model over 4 shards. Ratios to the limits are "
-                           "printed as each figure comes; --json writes them all. Everything takes about 12 "
-                           "minutes on 2 cores, --quick under a minute.")
-    _bench_command(kinds, "scaling", "psgd.bench.scaling.command", raw=True,
-               help="steps/s of the MLP (widths 64-4096) and CNN: one process, 1-4 workers under sync, async "
-                    "and all-reduce, and a 1-BLAS-thread peer")
-    _bench_command(kinds, "gpu", "psgd.bench.gpu", raw=True,
-               help="psgd on one GPU against bare CuPy: the MLP's training step (mlp), host<->device "
-                    "transfers (transfer) and the NCCL all-reduce (nccl)")
-    _bench_command(kinds, "step", "psgd.bench.step", raw=True,
-               help="a worker's step behind a shard (psgd launch, shared memory and the data port, 1 and 2 workers) "
-                    "against psgd train on the same device, where it goes, beside its floor")
-    _bench_command(kinds, "overlap", "psgd.bench.overlap", raw=True,
-               help="steps/s with [cluster] overlap off and on, beside one step's compute-only and "
-                    "communication-only time (sync, async, all-reduce; the synthetic model and a quarter of it)")
-    _bench_command(kinds, "flood", "psgd.bench.flood", raw=True, help="a shard's versions/s, Status and "
-                   "checkpoints under a flood of connections without the token, beside the job undisturbed")
-    _bench_command(kinds, "stall", "psgd.bench.stall", raw=True,
-               help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
-                    "memory and the data port)")
-    _bench_command(kinds, "sparse", "psgd.bench.sparse", raw=True,
-               help="an embedding table's step time, bytes a step and memory against table size (10^5-10^8 "
-                    "rows): the parameter server, psgd's all-reduce and a dense all-reduce; the crossover")
-    _bench_command(kinds, "rollback", "psgd.bench.rollback", raw=True,
-               help="a sync job with cuts, undisturbed and with a shard SIGKILLed, against the checkpoint "
-                    "interval: the seconds and rounds a kill costs, and the final weights compared")
-    _bench_command(kinds, "simulate", "psgd.bench.simulate.command", raw=True,
-               help="a simulation of psgd jobs from costs measured here, checked against launches here "
-                    "(--validate) before it predicts past this machine")
-    _bench_command(kinds, "replicas", "psgd.bench.replicas", raw=True,
-               help="async steps/s with and without a replica per shard (loopback, emulated links), and the time "
-                    "from a primary's SIGKILL to the next push its replica applies")
-
-
-def _bench_command(kinds, name: str, module: str, help: str, description: str | None = None, raw: bool = False,
-               logger: str = "bench") -> None:
-    """``psgd bench NAME``: ``module``'s add_arguments and run_from_args; ``raw``: its description is its
-    ``DESCRIPTION`` (or docstring), laid out as written."""
-    import importlib
-
-    mod = importlib.import_module(module)
-    if raw:
-        description = getattr(mod, "DESCRIPTION", None) or mod.__doc__
-    parser = kinds.add_parser(name, help=help, description=description,
-                              **({"formatter_class": argparse.RawDescriptionHelpFormatter} if raw else {}))
-    mod.add_arguments(parser)
-    parser.set_defaults(func=lambda args: _run_bench(module, logger, args))
-
-
-def _run_bench(module: str, logger: str, args: argparse.Namespace) -> int:
-    import importlib
-
-    setup_logging(logger, -1)
-    result = importlib.import_module(module).run_from_args(args)
-    return result if isinstance(result, int) else 0  # comm returns its figures: it exits 0
+    parser.add_argument(
+        "--save",
+        metavar="FILE.npz",
+        help="where to keep the trained weights, a plain .npz keyed by variable name, see psgd eval "
+        "(default: RUN/final.npz)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="folder for the job file, logs and metrics (default: a new one in runs/ under the "
+        "current folder, runs/DATE-TIME-MODE, said in the last line); one that holds another "
+        "run's files is refused (continue that run with --resume)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="stop everything and fail if the job runs longer (default 900)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on stdout; a launch that failed prints its error "
+        "and a record of each process that failed (\"failures\")",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="continue the stopped or crashed parameter-server job of run folder RUN (its job.toml, "
+        "its shards' checkpoints in RUN/checkpoints, its logs, appended to): each worker goes on "
+        "from the step its shards hold",
+    )
 
 
 def layout_from_args(args: argparse.Namespace, environ=None):
@@ -280,34 +256,67 @@ def cmd_launch(args: argparse.Namespace) -> int:
     config = job_from_args(args)
     layout = layout_from_args(args)
     hosts = launcher.Hosts.load(args.emulated_hosts) if args.emulated_hosts else None
-    result = launched(args, lambda: launcher.launch(
-        config, mode=args.mode, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
-        timeout=args.timeout, verbose=verbosity(args), save=args.save, layout=layout, hosts=hosts,
-        tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args)))
+    result = launched(
+        args,
+        lambda: launcher.launch(
+            config,
+            mode=args.mode,
+            backend=args.backend,
+            run_dir=args.run_dir,
+            progress=not args.no_progress,
+            timeout=args.timeout,
+            verbose=verbosity(args),
+            save=args.save,
+            layout=layout,
+            hosts=hosts,
+            tls=launch_tls(args),
+            resume=bool(args.resume),
+            resume_flags=flags_not_kept(args.parser, args),
+        ),
+    )
     c = config.cluster
-    how = (f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)" if args.mode == "ps"
-           else f"all-reduce over {args.backend}, {c.workers} rank(s)")
+    how = (
+        f"{c.policy}, {c.shards} shard(s), {c.workers} worker(s)"
+        if args.mode == "ps"
+        else f"all-reduce over {args.backend}, {c.workers} rank(s)"
+    )
     if args.json:
-        print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
-                          "seconds": round(result.seconds, 3), "versions": result.versions,
-                          "steps": sum(result.worker_steps), "worker_steps": result.worker_steps,
-                          "run_dir": result.run_dir, "mode": args.mode, "saved": result.saved,
-                          "node_rank": layout.node_rank,
-                          "policy": c.policy if args.mode == "ps" else args.backend,
-                          "diverged": result.divergence is not None, "divergence": result.divergence,
-                          "lost_updates": {str(k): n for k, n in result.lost.items()},
-                          "went_back": {str(k): b for k, b in result.went_back.items()},
-                          "failed_over": {str(k): n for k, n in result.failed_over.items()},
-                          "unreplicated": {str(k): n for k, n in result.unreplicated.items()},
-                          "shard_seconds": {str(k): t for k, t in result.shard_seconds.items()},
-                          "failures": []}))
+        print(
+            json.dumps(
+                {
+                    **score_fields(result),
+                    "test_loss": result.test_loss,
+                    "seconds": round(result.seconds, 3),
+                    "versions": result.versions,
+                    "steps": sum(result.worker_steps),
+                    "worker_steps": result.worker_steps,
+                    "run_dir": result.run_dir,
+                    "mode": args.mode,
+                    "saved": result.saved,
+                    "node_rank": layout.node_rank,
+                    "policy": c.policy if args.mode == "ps" else args.backend,
+                    "diverged": result.divergence is not None,
+                    "divergence": result.divergence,
+                    "lost_updates": {str(k): n for k, n in result.lost.items()},
+                    "went_back": {str(k): b for k, b in result.went_back.items()},
+                    "failed_over": {str(k): n for k, n in result.failed_over.items()},
+                    "unreplicated": {str(k): n for k, n in result.unreplicated.items()},
+                    "shard_seconds": {str(k): t for k, t in result.shard_seconds.items()},
+                    "failures": [],
+                }
+            )
+        )
     elif layout.node_rank > 0:
-        print(f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
-              f"{result.run_dir}); node 0 prints the final accuracy")
+        print(
+            f"node {layout.node_rank} of {layout.nnodes} done ({how}, {result.seconds:.1f}s; logs in "
+            f"{result.run_dir}); node 0 prints the final accuracy"
+        )
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
-        print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {how}, "
-              f"{result.seconds:.1f}s; logs in {result.run_dir}{saved}){diverged_words(result.divergence)}")
+        print(
+            f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {how}, "
+            f"{result.seconds:.1f}s; logs in {result.run_dir}{saved}){diverged_words(result.divergence)}"
+        )
     if result.lost and not args.accept_lost_updates:
         return launcher.EXIT_LOST_UPDATES
     return divergence_status(args, result.divergence)
@@ -332,21 +341,44 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.script}: no such file (the Python script each worker runs)")
     resumed_from(args)
     config = job_from_args(args)
-    result = launched(args, lambda: launcher.launch(
-        config, run_dir=args.run_dir, timeout=args.timeout, verbose=verbosity(args), save=args.save,
-        tls=launch_tls(args), resume=bool(args.resume), resume_flags=flags_not_kept(args.parser, args),
-        script=[str(Path(args.script).resolve()), *args.script_args]))
+    result = launched(
+        args,
+        lambda: launcher.launch(
+            config,
+            run_dir=args.run_dir,
+            timeout=args.timeout,
+            verbose=verbosity(args),
+            save=args.save,
+            tls=launch_tls(args),
+            resume=bool(args.resume),
+            resume_flags=flags_not_kept(args.parser, args),
+            script=[str(Path(args.script).resolve()), *args.script_args],
+        ),
+    )
     c = config.cluster
     if args.json:
-        print(json.dumps({**score_fields(result), "test_loss": result.test_loss,
-                          "seconds": round(result.seconds, 3), "versions": result.versions,
-                          "steps": sum(result.worker_steps), "worker_steps": result.worker_steps,
-                          "run_dir": result.run_dir, "saved": result.saved, "failures": []}))
+        print(
+            json.dumps(
+                {
+                    **score_fields(result),
+                    "test_loss": result.test_loss,
+                    "seconds": round(result.seconds, 3),
+                    "versions": result.versions,
+                    "steps": sum(result.worker_steps),
+                    "worker_steps": result.worker_steps,
+                    "run_dir": result.run_dir,
+                    "saved": result.saved,
+                    "failures": [],
+                }
+            )
+        )
     else:
         saved = f"; weights saved to {result.saved}" if result.saved else ""
-        print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {c.policy}, "
-              f"{c.shards} shard(s), {c.workers} copies of {args.script}, {result.seconds:.1f}s; logs in "
-              f"{result.run_dir}{saved})")
+        print(
+            f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}; {c.policy}, "
+            f"{c.shards} shard(s), {c.workers} copies of {args.script}, {result.seconds:.1f}s; logs in "
+            f"{result.run_dir}{saved})"
+        )
     return 0
 
 
@@ -359,31 +391,53 @@ def cmd_train(args: argparse.Namespace) -> int:
     stop, heard = threading.Event(), []
     for signum in STOP_SIGNALS:  # the step in hand is finished, the state kept (--checkpoint), then the end
         signal.signal(signum, lambda signum, frame: (heard.append(signum), stop.set()))
-    result = psgd.train(job=config, progress=shows_progress(args), metrics=args.metrics, save=args.save,
-                        checkpoint=args.checkpoint, resume=args.resume, stop=stop, run_dir=args.run_dir)
+    result = psgd.train(
+        job=config,
+        progress=shows_progress(args),
+        metrics=args.metrics,
+        save=args.save,
+        checkpoint=args.checkpoint,
+        resume=args.resume,
+        stop=stop,
+        run_dir=args.run_dir,
+    )
     if heard:
         name = signal.Signals(heard[0]).name
-        kept = (f"its state is in {result.checkpoint}: psgd train --resume {result.checkpoint} goes on from there"
-                if result.checkpoint else "its state is not kept (--checkpoint FILE keeps it)")
+        kept = (
+            f"its state is in {result.checkpoint}: psgd train --resume {result.checkpoint} goes on from there"
+            if result.checkpoint
+            else "its state is not kept (--checkpoint FILE keeps it)"
+        )
         print(f"psgd train: stopped by {name} after {result.steps} step(s); {kept}", file=sys.stderr)
         return 128 + heard[0]
-    summary = {**score_fields(result), "test_loss": result.test_loss,
-               "steps": result.steps, "seconds": round(result.seconds, 3), "run_dir": result.run_dir,
-               "diverged": result.divergence is not None, "divergence": result.divergence}
+    summary = {
+        **score_fields(result),
+        "test_loss": result.test_loss,
+        "steps": result.steps,
+        "seconds": round(result.seconds, 3),
+        "run_dir": result.run_dir,
+        "diverged": result.divergence is not None,
+        "divergence": result.divergence,
+    }
     if args.json:
         print(json.dumps(summary))
     else:
         records = f"; records in {result.run_dir}" if result.run_dir else ""
-        print(f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}, "
-              f"{result.steps} steps in {result.seconds:.1f}s{records}){diverged_words(result.divergence)}")
+        print(
+            f"final {score_said(result.test_accuracy, result.test_r2)} (loss {result.test_loss:.4f}, "
+            f"{result.steps} steps in {result.seconds:.1f}s{records}){diverged_words(result.divergence)}"
+        )
     return divergence_status(args, result.divergence)
 
 
 def add_divergence_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fail-on-divergence", action="store_true",
-                        help="exit with status %d if the run diverged: a loss not finite, the test loss above its "
-                             "first value, or the accuracy at chance, for several evaluations in a row (one "
-                             "WARNING line says so either way, and --json carries \"diverged\")" % EXIT_DIVERGED)
+    parser.add_argument(
+        "--fail-on-divergence",
+        action="store_true",
+        help=f"exit with status {EXIT_DIVERGED} if the run diverged: a loss not finite, the test loss above its "
+        "first value, or the accuracy at chance, for several evaluations in a row (one "
+        "WARNING line says so either way, and --json carries \"diverged\")",
+    )
 
 
 def diverged_words(divergence: dict | None) -> str:

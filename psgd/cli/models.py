@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+
 from psgd import data as datasets
 from psgd import model as models
 from psgd.cli.common import add_job_arguments, job_from_args
@@ -49,12 +50,19 @@ examples:
 
 def add_check_model_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """``psgd check-model MODEL [job flags]``."""
-    parser = sub.add_parser("check-model", help="check a model before training: specs, init, gradients "
-                                                "(against finite differences), predict",
-                            description=CHECK_MODEL_DESCRIPTION,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
-                        help="softmax, mlp, cnn, embed or package.module:Class (default: the job's model, mlp)")
+    parser = sub.add_parser(
+        "check-model",
+        help="check a model before training: specs, init, gradients (against finite differences), predict",
+        description=CHECK_MODEL_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "model_name",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="softmax, mlp, cnn, embed or package.module:Class (default: the job's model, mlp)",
+    )
     add_job_arguments(parser)
     parser.set_defaults(func=cmd_check_model)
     return parser
@@ -73,32 +81,54 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     name, options, dtype = config.model["name"], config.options("model"), config.train.dtype
     device = backend.use_device(config.train.device)
     ds = datasets.load_dataset(config.data["name"], dtype=dtype, **config.options("data"))
-    print(f"checking model {name} for {ds.name}: input {ds.input_shape} {dtype}, {ds.targets_said()}, "
-          f"on {device}")
+    print(f"checking model {name} for {ds.name}: input {ds.input_shape} {dtype}, {ds.targets_said()}, on {device}")
     began = time.perf_counter()
     shown = "".join(f", {k}={v!r}" for k, v in options.items())
     try:
-        model = models.build_model(name, ds.input_shape, ds.num_classes, dtype=dtype, id_shape=ds.id_shape,
-                                   target=ds.target, **options)
+        model = models.build_model(
+            name, ds.input_shape, ds.num_classes, dtype=dtype, id_shape=ds.id_shape, target=ds.target, **options
+        )
     except Exception as exc:  # a ModelError says it in one line; anything else a user's constructor raises
-        text = str(exc) if isinstance(exc, models.ModelError) else \
-            f"model {name!r}: the constructor raised {type(exc).__name__}: {' '.join(str(exc).split())}"
+        text = (
+            str(exc)
+            if isinstance(exc, models.ModelError)
+            else f"model {name!r}: the constructor raised {type(exc).__name__}: {' '.join(str(exc).split())}"
+        )
         print(_line("FAIL", "build", text))
         print("the model could not be built")
         return 2
-    print(_line("ok", "build", f"{type(model).__name__}(input_shape={ds.input_shape}, "
-                               f"num_classes={ds.num_classes}, dtype={dtype!r}{shown})"))
-    checks = models.run_checks(model, ds.input_shape, ds.num_classes, dtype, config.train.seed,
-                               name=name, options=options, device=device, budget=None, id_shape=ds.id_shape,
-                               target=ds.target, target_shape=ds.target_shape)
+    print(
+        _line(
+            "ok",
+            "build",
+            f"{type(model).__name__}(input_shape={ds.input_shape}, "
+            f"num_classes={ds.num_classes}, dtype={dtype!r}{shown})",
+        )
+    )
+    checks = models.run_checks(
+        model,
+        ds.input_shape,
+        ds.num_classes,
+        dtype,
+        config.train.seed,
+        name=name,
+        options=options,
+        device=device,
+        budget=None,
+        id_shape=ds.id_shape,
+        target=ds.target,
+        target_shape=ds.target_shape,
+    )
     for check in checks:
         for text in check.lines:
             print(_line(check.status, check.name, text))
     failed = [c.name for c in checks if c.status == FAIL]
     seconds = time.perf_counter() - began
     if failed:
-        print(f"{len(failed)} of {len(checks) + 1} checks failed ({', '.join(failed)}); "
-              f"fix the first one first, the others may follow from it")
+        print(
+            f"{len(failed)} of {len(checks) + 1} checks failed ({', '.join(failed)}); "
+            f"fix the first one first, the others may follow from it"
+        )
         return 2
     print(f"all {len(checks) + 1} checks passed in {seconds:.2f} s")
     return 0

@@ -11,6 +11,7 @@ import io
 import tokenize
 from pathlib import Path
 from typing import Any
+
 import psgd
 from psgd.config import PARTS, JobConfig
 
@@ -55,8 +56,13 @@ def _help(action: argparse.Action) -> str:
 
 def commands() -> str:
     """Markdown: each command's usage, description and a table of its flags."""
-    out = ["# Commands", "", "Generated from the commands' own parsers each time the documentation is built: what "
-           "`--help` says, every flag.", ""]
+    out = [
+        "# Commands",
+        "",
+        "Generated from the commands' own parsers each time the documentation is built: what "
+        "`--help` says, every flag.",
+        "",
+    ]
     for name, parser in parsers():
         out += [f"## `{name}`", "", "```text", parser.format_usage().strip(), "```", ""]
         if parser.description:
@@ -65,12 +71,18 @@ def commands() -> str:
         if rows:
             out += ["| flag | what it does |", "|---|---|"]
             for a in rows:
-                names = ", ".join(f"`{s}{' ' + a.metavar if isinstance(a.metavar, str) else ''}`"
-                                  for s in a.option_strings)
+                names = ", ".join(
+                    f"`{s}{' ' + a.metavar if isinstance(a.metavar, str) else ''}`" for s in a.option_strings
+                )
                 out.append(f"| {names} | {_cell(_help(a))} |")
             out.append("")
-        positional = [a for a in parser._actions if not a.option_strings and a.help not in (None, argparse.SUPPRESS)
-                      and not isinstance(a, argparse._SubParsersAction)]
+        positional = [
+            a
+            for a in parser._actions
+            if not a.option_strings
+            and a.help not in (None, argparse.SUPPRESS)
+            and not isinstance(a, argparse._SubParsersAction)
+        ]
         if positional:
             out += ["| argument | what it is |", "|---|---|"]
             out += [f"| `{a.metavar or a.dest}` | {_cell(_help(a))} |" for a in positional]
@@ -111,8 +123,9 @@ def _comments() -> dict[str, dict[str, str]]:
 def sections() -> list[tuple[str, type]]:
     """(section, dataclass) of every job-file section with fixed keys."""
     job = JobConfig()
-    return [(name, type(getattr(job, name))) for name in JobConfig.SECTIONS
-            if dataclasses.is_dataclass(getattr(job, name))]
+    return [
+        (name, type(getattr(job, name))) for name in JobConfig.SECTIONS if dataclasses.is_dataclass(getattr(job, name))
+    ]
 
 
 def _rows(cls: type, values: Any, comments: dict[str, dict[str, str]], skip: Any = ()) -> list[str]:
@@ -123,8 +136,10 @@ def _rows(cls: type, values: Any, comments: dict[str, dict[str, str]], skip: Any
         if f.name not in skip:
             rule = f.metadata.get("rule")
             may = rule.words.removeprefix("must be ").removeprefix("must ") if rule else ""
-            out.append(f"| `{f.name}` | `{getattr(values, f.name)!r}` | {_cell(may)} | "
-                       f"{_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |")
+            out.append(
+                f"| `{f.name}` | `{getattr(values, f.name)!r}` | {_cell(may)} | "
+                f"{_cell(comments.get(cls.__name__, {}).get(f.name, ''))} |"
+            )
     return out + [""]
 
 
@@ -132,8 +147,12 @@ def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
     """``[cluster]``'s keys that belong to a part (written flat in the file all the same), a table for each part."""
     out = []
     for part, cls in PARTS.items():
-        out += [f"### {part.capitalize()}", "", _cell(f"{cls.__doc__} Written under `[cluster]` like the keys above; "
-                                                      f"in psgd, `ClusterConfig.{part}`."), ""]
+        out += [
+            f"### {part.capitalize()}",
+            "",
+            _cell(f"{cls.__doc__} Written under `[cluster]` like the keys above; in psgd, `ClusterConfig.{part}`."),
+            "",
+        ]
         out += _rows(cls, getattr(cluster, part), comments)
     return out
 
@@ -141,10 +160,15 @@ def _parts(cluster: Any, comments: dict[str, dict[str, str]]) -> list[str]:
 def job_file() -> str:
     """Markdown: every key of every section with fixed keys, its default, what it may be and its meaning."""
     comments = _comments()
-    out = ["# Job-file keys", "", "Generated from `psgd/config/` each time the documentation is built: every key, "
-           "its default, what it may be (any other value is refused) and what it means. `[model]`, `[data]` and "
-           "`[optimizer]` take a `name` and that choice's own options (see the how-to pages); every key can also be "
-           "set with `--set SECTION.KEY=VALUE`.", ""]
+    out = [
+        "# Job-file keys",
+        "",
+        "Generated from `psgd/config/` each time the documentation is built: every key, "
+        "its default, what it may be (any other value is refused) and what it means. `[model]`, `[data]` and "
+        "`[optimizer]` take a `name` and that choice's own options (see the how-to pages); every key can also be "
+        "set with `--set SECTION.KEY=VALUE`.",
+        "",
+    ]
     defaults = JobConfig()
     for section, cls in sections():
         out += [f"## `[{section}]`", ""]
@@ -164,8 +188,13 @@ def python_api() -> str:
     import inspect
     import re
 
-    out = ["# The Python API", "", "Generated from the code's docstrings. Each name is `psgd.NAME`; "
-           "[psgd from Python](../howto/python.md) shows them at work.", ""]
+    out = [
+        "# The Python API",
+        "",
+        "Generated from the code's docstrings. Each name is `psgd.NAME`; "
+        "[psgd from Python](../howto/python.md) shows them at work.",
+        "",
+    ]
     for name in psgd.PUBLIC:
         obj = getattr(psgd, name)
         fields: list[str] = []
@@ -181,10 +210,16 @@ def python_api() -> str:
         if fields:
             out += ["Fields:", "", *fields, ""]
     modules = ", ".join(f"`{m}`" for m in psgd.PUBLIC_MODULES[1:])
-    out += ["## What is public", "", "The names above and the modules a network is written with, " + modules
-            + " (each module's `__all__`), are psgd's public API: they keep their names and their meaning from one "
-            "release to the next, and a change to one is announced first, in the [changelog](../changelog.md). "
-            "Every other module of psgd is its own and may change without notice.", ""]
+    out += [
+        "## What is public",
+        "",
+        "The names above and the modules a network is written with, "
+        + modules
+        + " (each module's `__all__`), are psgd's public API: they keep their names and their meaning from one "
+        "release to the next, and a change to one is announced first, in the [changelog](../changelog.md). "
+        "Every other module of psgd is its own and may change without notice.",
+        "",
+    ]
     return "\n".join(out)
 
 

@@ -25,8 +25,12 @@ folder.
 
 
 def add_report_parser(sub) -> None:
-    parser = sub.add_parser("report", help="a run's summary and its curves as a PNG (psgd report RUN)",
-                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = sub.add_parser(
+        "report",
+        help="a run's summary and its curves as a PNG (psgd report RUN)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run", metavar="RUN", help="the run folder")
     parser.add_argument("--png", metavar="FILE", help="where to draw the curves (default: RUN/report.png)")
     parser.add_argument("--no-png", action="store_true", help="print the summary only")

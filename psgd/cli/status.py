@@ -19,7 +19,6 @@ from psgd.cli.connect import add_connect_arguments, connect_from_args
 from psgd.config import ConfigError, JobConfig
 from psgd.ops.view import ClusterView, collect
 
-
 # -- psgd status ---------------------------------------------------------------------------------
 STATUS_DESCRIPTION = """\
 Show a running cluster: every shard's health, version, policy, weights held,
@@ -36,17 +35,30 @@ examples:
 
 
 def add_status_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = sub.add_parser("status", help="live view of a running cluster: shards, workers, clocks, staleness",
-                            description=STATUS_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("addresses", nargs="*", metavar="ADDRESS",
-                        help="shard addresses host:port (default: [cluster] servers and replica_servers of the job "
-                             "file -c)")
+    parser = sub.add_parser(
+        "status",
+        help="live view of a running cluster: shards, workers, clocks, staleness",
+        description=STATUS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "addresses",
+        nargs="*",
+        metavar="ADDRESS",
+        help="shard addresses host:port (default: [cluster] servers and replica_servers of the job file -c)",
+    )
     parser.add_argument("--config", "-c", metavar="JOB.toml", help="take the addresses from this job file")
-    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS",
-                        help="refresh every SECONDS until interrupted (Ctrl-C)")
+    parser.add_argument(
+        "--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS until interrupted (Ctrl-C)"
+    )
     parser.add_argument("--count", type=int, default=None, metavar="N", help="with --watch: stop after N refreshes")
-    parser.add_argument("--sample", type=float, default=1.0, metavar="SECONDS",
-                        help="without --watch: poll twice this far apart to measure rates (0: poll once; default 1)")
+    parser.add_argument(
+        "--sample",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="without --watch: poll twice this far apart to measure rates (0: poll once; default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print each poll as one JSON object")
     add_connect_arguments(parser)
     parser.set_defaults(func=cmd_status)
@@ -99,4 +111,3 @@ def _show(view: ClusterView, as_json: bool, out, clear: bool) -> None:
             out.write("\x1b[H\x1b[2J")
         out.write(view.render() + "\n" + ("" if clear else "\n"))
     out.flush()
-

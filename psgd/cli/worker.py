@@ -9,10 +9,25 @@ import os
 import signal
 import sys
 
-from psgd.cli.common import (RANK_VARIABLES, WORLD_VARIABLES, add_job_arguments, add_log_arguments,
-                             add_progress_argument, add_token_argument, first_env_int, ignore_stop_signals,
-                             import_from_current_folder, job_from_args, run_command, score_fields, score_said,
-                             shows_progress, start_process, token_from_args, verbosity)
+from psgd.cli.common import (
+    RANK_VARIABLES,
+    WORLD_VARIABLES,
+    add_job_arguments,
+    add_log_arguments,
+    add_progress_argument,
+    add_token_argument,
+    first_env_int,
+    ignore_stop_signals,
+    import_from_current_folder,
+    job_from_args,
+    run_command,
+    score_fields,
+    score_said,
+    shows_progress,
+    start_process,
+    token_from_args,
+    verbosity,
+)
 from psgd.collective.exchange import train_allreduce
 from psgd.config import ConfigError
 from psgd.config.parsing import Parser
@@ -55,25 +70,47 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="psgd-worker", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rank", type=int, default=None,
-                        help="this worker's rank, 0..workers-1 (ps and nccl modes; mpi takes it from mpiexec)")
-    parser.add_argument("--mode", choices=("ps", "allreduce"), default="ps",
-                        help="ps: train against parameter-server shards (default); allreduce: average "
-                             "gradients between ranks, no servers")
-    parser.add_argument("--backend", choices=("mpi", "nccl"), default="mpi",
-                        help="allreduce mode: mpi (CPU, start under mpiexec) or nccl (GPU) (default mpi)")
-    parser.add_argument("--rendezvous", metavar="file:PATH|tcp:HOST:PORT",
-                        help="nccl: where rank 0 hands out the NCCL id (default file:/tmp/psgd-nccl-id.json; "
-                             "tcp:HOST:PORT is rank 0's address)")
+    parser = Parser(prog="psgd-worker", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="this worker's rank, 0..workers-1 (ps and nccl modes; mpi takes it from mpiexec)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("ps", "allreduce"),
+        default="ps",
+        help="ps: train against parameter-server shards (default); allreduce: average "
+        "gradients between ranks, no servers",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("mpi", "nccl"),
+        default="mpi",
+        help="allreduce mode: mpi (CPU, start under mpiexec) or nccl (GPU) (default mpi)",
+    )
+    parser.add_argument(
+        "--rendezvous",
+        metavar="file:PATH|tcp:HOST:PORT",
+        help="nccl: where rank 0 hands out the NCCL id (default file:/tmp/psgd-nccl-id.json; "
+        "tcp:HOST:PORT is rank 0's address)",
+    )
     parser.add_argument("--save", metavar="FILE.npz", help="allreduce mode: rank 0 saves the final weights here")
     parser.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON line per step to FILE")
-    parser.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
-                        help="evaluate on the test split every STEPS steps (default: each epoch on rank 0)")
-    parser.add_argument("--delay", metavar="SPEC",
-                        help="slow steps down, to play a straggler: fixed:S, exp:MEAN, uniform:LO:HI or "
-                             "slowdown:K (each step K times as long), optionally @RANKS (e.g. slowdown:4@0)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="evaluate on the test split every STEPS steps (default: each epoch on rank 0)",
+    )
+    parser.add_argument(
+        "--delay",
+        metavar="SPEC",
+        help="slow steps down, to play a straggler: fixed:S, exp:MEAN, uniform:LO:HI or "
+        "slowdown:K (each step K times as long), optionally @RANKS (e.g. slowdown:4@0)",
+    )
     add_progress_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
     add_token_argument(parser)
@@ -112,24 +149,49 @@ def work(args: argparse.Namespace) -> int:
     if not config.cluster.servers:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
     if not 0 <= args.rank < config.cluster.workers:
-        raise ConfigError(f"rank {args.rank} (from {rank_source}) is out of range: the job has "
-                          f"{config.cluster.workers} worker(s)")
+        raise ConfigError(
+            f"rank {args.rank} (from {rank_source}) is out of range: the job has {config.cluster.workers} worker(s)"
+        )
     stop = _STOP  # set by SIGTERM, SIGINT or SIGHUP (see main): finish the step in hand, push it, leave
     with WorkerMetrics.from_args(args, args.rank) as metrics:
-        result = run_worker(config, args.rank, config.cluster.servers, progress=shows_progress(args), stop=stop,
-                            metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay,
-                            token=token_from_args(args), tls=tls_from_args(args, config), on_step=metrics.on_step)
+        result = run_worker(
+            config,
+            args.rank,
+            config.cluster.servers,
+            progress=shows_progress(args),
+            stop=stop,
+            metrics_path=args.metrics,
+            evaluate_every=args.eval_every,
+            delay=delay,
+            token=token_from_args(args),
+            tls=tls_from_args(args, config),
+            on_step=metrics.on_step,
+        )
     logging.getLogger("psgd.cli.worker").info("%s", last_line(result, config.cluster.shards))
     if args.json:
-        print(json.dumps({"rank": result.rank, "steps": result.steps, "clock": result.final_clock,
-                          "seconds": round(result.seconds, 3), "outcomes": result.summary["outcomes"],
-                          "peak_rss_mb": round(peak_rss_mb(), 1)}))
+        print(
+            json.dumps(
+                {
+                    "rank": result.rank,
+                    "steps": result.steps,
+                    "clock": result.final_clock,
+                    "seconds": round(result.seconds, 3),
+                    "outcomes": result.summary["outcomes"],
+                    "peak_rss_mb": round(peak_rss_mb(), 1),
+                }
+            )
+        )
     return 0
 
 
 #: what a shard did with a push, in words (psgd.policy's outcomes)
-DID = {"applied": "applied", "accumulated": "added to a round", "duplicate": "already had (a retry)",
-       "late": "too late for its round", "rejected": "refused"}
+DID = {
+    "applied": "applied",
+    "accumulated": "added to a round",
+    "duplicate": "already had (a retry)",
+    "late": "too late for its round",
+    "rejected": "refused",
+}
 
 
 def last_line(result, shards: int) -> str:
@@ -137,15 +199,21 @@ def last_line(result, shards: int) -> str:
     last step left where it evaluated them."""
     summary, total = result.summary, result.summary.get("job_steps", 0)
     if result.steps == 0 and result.final_clock >= total:
-        return (f"worker {result.rank}: nothing to do, the job is already finished (its shards are past its last "
-                f"step, {total})")
+        return (
+            f"worker {result.rank}: nothing to do, the job is already finished (its shards are past its last "
+            f"step, {total})"
+        )
     done = ", ".join(f"{n} {DID.get(k, k)}" for k, n in sorted(summary["outcomes"].items()))
     ended = "done" if result.final_clock >= total else f"stopped at step {result.final_clock} of {total}"
-    line = (f"worker {result.rank} {ended}: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at "
-            f"each of {shards} shard(s): {done or 'none'})")
+    line = (
+        f"worker {result.rank} {ended}: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at "
+        f"each of {shards} shard(s): {done or 'none'})"
+    )
     if "final_versions" in summary:
-        line += (f"; {score_said(result.test_accuracy, result.test_r2, ' ')} of the weights its last step left "
-                 f"(versions {', '.join(map(str, summary['final_versions']))})")
+        line += (
+            f"; {score_said(result.test_accuracy, result.test_r2, ' ')} of the weights its last step left "
+            f"(versions {', '.join(map(str, summary['final_versions']))})"
+        )
     return line
 
 
@@ -153,21 +221,37 @@ def allreduce(args: argparse.Namespace, job, delay) -> int:
     if args.backend == "nccl" and args.rank is None:
         raise ConfigError("--backend nccl needs --rank (0..workers-1) and --device cuda:N")
     result, rank, world = train_allreduce(
-        job, args.backend, rank=args.rank, rendezvous=args.rendezvous,
+        job,
+        args.backend,
+        rank=args.rank,
+        rendezvous=args.rendezvous,
         on_rank=lambda r: setup_logging(f"allreduce:{r}", verbosity(args), args.log_file),
         progress=shows_progress(args),
-        metrics_path=args.metrics, evaluate_every=args.eval_every, delay=delay)
+        metrics_path=args.metrics,
+        evaluate_every=args.eval_every,
+        delay=delay,
+    )
     if rank == 0:
         if args.save:
             save_weights(args.save, result.params)
         if args.json:
-            print(json.dumps({"rank": 0, "world_size": world, "steps": result.steps,
-                              "seconds": round(result.seconds, 3),
-                              "comm_seconds": round(result.summary["comm_seconds"], 3),
-                              **score_fields(result)}))
+            print(
+                json.dumps(
+                    {
+                        "rank": 0,
+                        "world_size": world,
+                        "steps": result.steps,
+                        "seconds": round(result.seconds, 3),
+                        "comm_seconds": round(result.summary["comm_seconds"], 3),
+                        **score_fields(result),
+                    }
+                )
+            )
         else:
-            print(f"final {score_said(result.test_accuracy, result.test_r2)} ({world} rank(s), "
-                  f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)")
+            print(
+                f"final {score_said(result.test_accuracy, result.test_r2)} ({world} rank(s), "
+                f"{args.backend}, {result.steps} steps in {result.seconds:.1f}s)"
+            )
     return 0
 
 

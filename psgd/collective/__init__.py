@@ -7,8 +7,15 @@ BACKENDS = ("mpi", "nccl")
 __all__ = ["BACKENDS", "BackendUnavailable", "Bucketer", "Collective", "CollectiveError", "make_collective"]
 
 
-def make_collective(backend: str, *, rank: int | None = None, world_size: int | None = None, device=None,
-                    rendezvous: str | None = None, timeout: float = 300.0) -> Collective:
+def make_collective(
+    backend: str,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    device=None,
+    rendezvous: str | None = None,
+    timeout: float = 300.0,
+) -> Collective:
     """A collective of the named backend (mpi takes rank and size from MPI; nccl needs them given)."""
     if backend == "mpi":
         from psgd.collective.mpi import MpiCollective
@@ -19,6 +26,7 @@ def make_collective(backend: str, *, rank: int | None = None, world_size: int | 
 
         if rank is None or world_size is None:
             raise CollectiveError("the nccl backend needs --rank and the world size (cluster.workers)")
-        return NcclCollective(rank, world_size, device, rendezvous=rendezvous or "file:/tmp/psgd-nccl-id.json",
-                              timeout=timeout)
+        return NcclCollective(
+            rank, world_size, device, rendezvous=rendezvous or "file:/tmp/psgd-nccl-id.json", timeout=timeout
+        )
     raise CollectiveError(f"unknown all-reduce backend {backend!r}: use one of {', '.join(BACKENDS)}")

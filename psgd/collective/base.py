@@ -9,8 +9,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +69,10 @@ class Collective(abc.ABC):
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
         both = self._host_allreduce(np.array([digest, -digest], dtype=np.int64), op="max")
         if both[0] != digest or -both[1] != digest:
-            raise CollectiveError(f"rank {self.rank}: the {self.world_size} ranks disagree on {what}; "
-                                  "start every rank from the same job file")
+            raise CollectiveError(
+                f"rank {self.rank}: the {self.world_size} ranks disagree on {what}; "
+                "start every rank from the same job file"
+            )
 
     def _host_allreduce(self, array: np.ndarray, op: str) -> np.ndarray:
         """All-reduce a small host array (backends that reduce device arrays only stage it)."""
@@ -83,15 +86,15 @@ class Collective(abc.ABC):
         counts = np.zeros(self.world_size, np.int64)
         counts[self.rank] = ids.size
         counts = self._host_allreduce(counts, op="sum")
-        start = int(counts[:self.rank].sum())
+        start = int(counts[: self.rank].sum())
         total = int(counts.sum())
         all_ids = np.zeros(total, np.int64)
-        all_ids[start:start + ids.size] = ids
+        all_ids[start : start + ids.size] = ids
         all_values = np.zeros((total,) + values.shape[1:], values.dtype)
-        all_values[start:start + ids.size] = values
+        all_values[start : start + ids.size] = values
         return self._host_allreduce(all_ids, op="sum"), self._host_allreduce(all_values, op="sum")
 
-    def __enter__(self) -> "Collective":
+    def __enter__(self) -> Collective:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -110,11 +113,20 @@ class Bucketer:
     in pieces, each scaled to the mean while it is still in cache.
     """
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: Any, xp: Any, bucket_bytes: int = 32 << 20,
-                 direct_bytes: int = 4 << 20):
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        dtype: Any,
+        xp: Any,
+        bucket_bytes: int = 32 << 20,
+        direct_bytes: int = 4 << 20,
+    ):
         self.xp, self.dtype = xp, np.dtype(dtype)
-        self.direct = {name: tuple(shape) for name, shape in shapes.items()
-                       if int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize >= direct_bytes}
+        self.direct = {
+            name: tuple(shape)
+            for name, shape in shapes.items()
+            if int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize >= direct_bytes
+        }
         self.layout: list[list[tuple[str, int, int, tuple[int, ...]]]] = [[]]
         used = 0
         limit = max(1, bucket_bytes // self.dtype.itemsize)
@@ -157,7 +169,7 @@ class Bucketer:
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self.buffers)
 
-    def round(self, collective: Collective, submit: Callable[..., Future]) -> "BucketRound":
+    def round(self, collective: Collective, submit: Callable[..., Future]) -> BucketRound:
         """One step's reduction with each bucket started (through ``submit``, e.g. a one-thread executor's)
         as soon as its gradients are in, while backward goes on."""
         return BucketRound(self, collective, submit)
@@ -178,8 +190,9 @@ class BucketRound:
         self.b, self.collective, self.submit = bucketer, collective, submit
         self.scale = 1.0 / collective.world_size
         self.missing = [{name for name, *_ in bucket} for bucket in bucketer.layout]
-        self.where = {name: (i, start, stop) for i, bucket in enumerate(bucketer.layout)
-                      for name, start, stop, _ in bucket}
+        self.where = {
+            name: (i, start, stop) for i, bucket in enumerate(bucketer.layout) for name, start, stop, _ in bucket
+        }
         self.out: dict[str, Any] = {}
         self.pending: list[Future] = []
 
@@ -226,6 +239,6 @@ def _sum_then_scale(collective: Collective, flat: Any, scale: float) -> None:
     """All-reduce (sum) the 1-D ``flat`` in place, in the backend's chunks, and scale it by ``scale``."""
     step = max(1, collective.chunk_bytes // flat.dtype.itemsize) if collective.chunk_bytes else max(1, flat.size)
     for start in range(0, flat.size, step):
-        part = flat[start:start + step]
+        part = flat[start : start + step]
         collective.allreduce_(part, op="sum")
         part *= scale

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -46,27 +47,42 @@ class AllReduceExchange(Exchange):
         rank, world = collective.rank, collective.world_size
         self.role, self.name = f"allreduce:{rank}", f"rank {rank}"
         if world != config.cluster.workers:
-            raise CollectiveError(f"rank {rank}: the job file says workers = {config.cluster.workers} but "
-                                  f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "
-                                  f"{config.cluster.workers}) or change [cluster] workers")
+            raise CollectiveError(
+                f"rank {rank}: the job file says workers = {config.cluster.workers} but "
+                f"{world} rank(s) were started; start exactly that many (e.g. mpiexec -n "
+                f"{config.cluster.workers}) or change [cluster] workers"
+            )
         specs = model.specs()
         plan = job.one_shard_plan()
         # overlap too: it changes the order of the collective calls, which every rank must make alike
-        collective.check_agreement(json.dumps({"plan": plan.hash, "world": world, "batch": t.batch_size,
-                                               "epochs": t.epochs, "seed": t.seed, "data": ds.describe(),
-                                               "overlap": config.cluster.overlap}),
-                                   "the model, data, batch size, epochs, seed and overlap")
+        collective.check_agreement(
+            json.dumps(
+                {
+                    "plan": plan.hash,
+                    "world": world,
+                    "batch": t.batch_size,
+                    "epochs": t.epochs,
+                    "seed": t.seed,
+                    "data": ds.describe(),
+                    "overlap": config.cluster.overlap,
+                }
+            ),
+            "the model, data, batch size, epochs, seed and overlap",
+        )
         self.params = params_to_device(model.init(t.seed), device)
         for name in sorted(self.params):  # one source of truth, whatever the ranks computed locally
             collective.broadcast_(self.params[name], root=0)
         self.optimizer = job.optimizer()
         self.tables = job.row_tables(f"rank {rank}")
         tables = config.tables
-        if self.tables and (tables.admit_after > 1 or tables.idle_updates or tables.when_full == "evict"
-                            or config.cluster.overlap):
-            raise ConfigError(f"rank {rank}: all-reduce keeps a table alike on every rank only without admission, "
-                              "eviction and overlap ([tables] admit_after, idle_updates, when_full = \"evict\"; "
-                              "[cluster] overlap): each rank would decide them from its own batches")
+        if self.tables and (
+            tables.admit_after > 1 or tables.idle_updates or tables.when_full == "evict" or config.cluster.overlap
+        ):
+            raise ConfigError(
+                f"rank {rank}: all-reduce keeps a table alike on every rank only without admission, "
+                "eviction and overlap ([tables] admit_after, idle_updates, when_full = \"evict\"; "
+                "[cluster] overlap): each rank would decide them from its own batches"
+            )
         self.bucketer = Bucketer({s.name: s.shape for s in specs}, specs[0].dtype, device.xp, bucket_bytes)
         self.comm_seconds = 0.0
         # [cluster] overlap: each bucket is reduced while backward goes on, on a GPU on a CUDA stream of its
@@ -75,13 +91,23 @@ class AllReduceExchange(Exchange):
         self.overlaps = config.cluster.overlap
         self._side = backend.SideStream(device) if self.overlaps else None
         self._queues = self.overlaps and device.is_gpu and collective.queues
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}") \
-            if self.overlaps and not self._queues else None
+        self._comm = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"psgd-allreduce-{rank}")
+            if self.overlaps and not self._queues
+            else None
+        )
         self._round = None
         spe = datasets.steps_per_epoch(ds.n_train, world, t.batch_size)
-        log.info("rank %d of %d (%s): %d steps of batch %d, %d bucket(s) of %.1f MB", rank, world,
-                 collective.backend, spe * t.epochs, t.batch_size, len(self.bucketer.buffers),
-                 self.bucketer.nbytes / 1e6)
+        log.info(
+            "rank %d of %d (%s): %d steps of batch %d, %d bucket(s) of %.1f MB",
+            rank,
+            world,
+            collective.backend,
+            spe * t.epochs,
+            t.batch_size,
+            len(self.bucketer.buffers),
+            self.bucketer.nbytes / 1e6,
+        )
 
     def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
         return {**self.params, **self._rows(lookups, make=True)} if lookups else self.params
@@ -159,20 +185,42 @@ def run_allreduce(
     exchange = AllReduceExchange(job, collective, bucket_bytes)
     rank, world = collective.rank, collective.world_size
     lead = rank == 0
-    return run_loop(job, exchange, rank=rank, world=world, evaluate_every=evaluate_every if lead else 0,
-                    final_evaluation=lead, progress=progress and lead, desc=f"allreduce rank {rank}",
-                    metrics_path=metrics_path if lead else None, delay=delay)
+    return run_loop(
+        job,
+        exchange,
+        rank=rank,
+        world=world,
+        evaluate_every=evaluate_every if lead else 0,
+        final_evaluation=lead,
+        progress=progress and lead,
+        desc=f"allreduce rank {rank}",
+        metrics_path=metrics_path if lead else None,
+        delay=delay,
+    )
 
 
-def train_allreduce(config: JobConfig, backend_name: str, *, rank: int | None = None, rendezvous: str | None = None,
-                    on_rank: Callable[[int], None] | None = None, **options: Any) -> tuple[LoopResult, int, int]:
+def train_allreduce(
+    config: JobConfig,
+    backend_name: str,
+    *,
+    rank: int | None = None,
+    rendezvous: str | None = None,
+    on_rank: Callable[[int], None] | None = None,
+    **options: Any,
+) -> tuple[LoopResult, int, int]:
     """One rank of an all-reduce job, from its collective's opening to its close: the collective of
     ``backend_name`` (``mpi``: its rank from MPI; ``nccl``: ``rank``, met at ``rendezvous``) on the job's device,
     ``on_rank`` told the rank once it is known, then :func:`run_allreduce` with ``options``.  Returns the result,
     the rank and the world size."""
     device = backend.get_device(config.train.device)
-    with make_collective(backend_name, rank=rank, world_size=config.cluster.workers, device=device,
-                         rendezvous=rendezvous, timeout=config.cluster.deadlines.request_timeout) as group:
+    with make_collective(
+        backend_name,
+        rank=rank,
+        world_size=config.cluster.workers,
+        device=device,
+        rendezvous=rendezvous,
+        timeout=config.cluster.deadlines.request_timeout,
+    ) as group:
         if on_rank is not None:
             on_rank(group.rank)
         return run_allreduce(config, group, **options), group.rank, group.world_size

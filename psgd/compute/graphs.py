@@ -21,7 +21,8 @@ holds the optimizer's updates too (:mod:`psgd.optim.ingraph`): the whole step is
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from psgd.compute import backend
 
@@ -49,12 +50,16 @@ def can_graph(model: Any, device: backend.Device, enabled: bool, reason: Callabl
     if not (enabled and device.is_gpu):
         return False
     if not getattr(model, "static_step", False):
-        reason(f"the model {type(model).__name__} does not declare static_step = True (the same kernels for the "
-               "same shapes, nothing read back), so its steps run kernel by kernel")
+        reason(
+            f"the model {type(model).__name__} does not declare static_step = True (the same kernels for the "
+            "same shapes, nothing read back), so its steps run kernel by kernel"
+        )
         return False
     if getattr(model, "random_step", False):
-        reason(f"the model {type(model).__name__} draws random masks each step (dropout), which a captured step "
-               "would replay unchanged, so its steps run kernel by kernel")
+        reason(
+            f"the model {type(model).__name__} draws random masks each step (dropout), which a captured step "
+            "would replay unchanged, so its steps run kernel by kernel"
+        )
         return False
     return True
 
@@ -63,8 +68,18 @@ class _Captured:
     """One graph: its input arrays (batch and weights), its outputs, whether the weights are the caller's, and the
     optimizer's updates it holds, if it does."""
 
-    def __init__(self, graph: Any, x: Any, y: Any, params: dict[str, Any], shared: bool, outputs: tuple,
-                 pool: Any, stream: Any, update: GraphUpdate | None):
+    def __init__(
+        self,
+        graph: Any,
+        x: Any,
+        y: Any,
+        params: dict[str, Any],
+        shared: bool,
+        outputs: tuple,
+        pool: Any,
+        stream: Any,
+        update: GraphUpdate | None,
+    ):
         self.graph, self.x, self.y, self.params, self.shared = graph, x, y, params, shared
         self.loss, self.grads = outputs
         self.pool, self.stream = pool, stream  # kept alive as long as the graph
@@ -101,8 +116,9 @@ class GraphedStep:
     left to apply); a step run eagerly returns its gradients, for the caller to apply as before.
     """
 
-    def __init__(self, model: Any, device: backend.Device, name: str = "train",
-                 update: Callable[[], GraphUpdate] | None = None):
+    def __init__(
+        self, model: Any, device: backend.Device, name: str = "train", update: Callable[[], GraphUpdate] | None = None
+    ):
         self.model, self.device, self.name, self.update = model, device, name, update
         self._graphs: dict[tuple, _Captured] = {}
         self._last: dict[str, Any] | None = None  # the weights of the eager first step, to see if they persist
@@ -124,13 +140,21 @@ class GraphedStep:
                 captured = self._graphs[key] = self._capture(params, x, y)
             except Exception as exc:  # a model that cannot be captured: kernel by kernel from now on
                 self.failed = f"{type(exc).__name__}: {exc}"
-                log.info("%s: the step could not be captured as a CUDA graph (%s); it runs kernel by kernel",
-                         self.name, self.failed)
+                log.info(
+                    "%s: the step could not be captured as a CUDA graph (%s); it runs kernel by kernel",
+                    self.name,
+                    self.failed,
+                )
                 self._graphs.clear()
                 return self.model.loss_and_grads(params, x, y)
-            log.info("%s: the step is captured as a CUDA graph (batch %s, %s weights %s%s)", self.name,
-                     tuple(x.shape), len(params), "read in place" if captured.shared else "copied in each step",
-                     ", the optimizer's update inside" if captured.update is not None else "")
+            log.info(
+                "%s: the step is captured as a CUDA graph (batch %s, %s weights %s%s)",
+                self.name,
+                tuple(x.shape),
+                len(params),
+                "read in place" if captured.shared else "copied in each step",
+                ", the optimizer's update inside" if captured.update is not None else "",
+            )
         if captured.update is not None and not captured.update.current():  # the optimizer's state was replaced
             del self._graphs[key]
             return self.model.loss_and_grads(params, x, y)

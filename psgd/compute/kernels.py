@@ -117,8 +117,9 @@ def softmax_xent(logits: Any, y: Any) -> tuple[Any, Any] | None:
     if kernel is None:
         single = dtype == "float"
         source = _XENT.replace("DTYPE", dtype).replace("EXP", "expf" if single else "exp")
-        kernel = _made[name] = cp.RawKernel(source.replace("LOG", "logf" if single else "log"), f"psgd_xent_{dtype}",
-                                            options=OPTIONS)
+        kernel = _made[name] = cp.RawKernel(
+            source.replace("LOG", "logf" if single else "log"), f"psgd_xent_{dtype}", options=OPTIONS
+        )
     rows, k = logits.shape
     labels = cp.asarray(y).astype(cp.int64, copy=False)
     grad = cp.empty_like(logits)
@@ -129,6 +130,7 @@ def softmax_xent(logits: Any, y: Any) -> tuple[Any, Any] | None:
 
 
 # ---------------------------------------------------------------- optimizer updates
+
 
 def sgd_(param: Any, grad: Any, lr: Any, keep: Any | None) -> None:
     """``p = p * keep`` (weight decay: ``keep`` is ``1 - lr * wd``; None for none), then ``p -= lr * g``, in place.
@@ -143,9 +145,9 @@ def sgd_(param: Any, grad: Any, lr: Any, keep: Any | None) -> None:
             xp.multiply(param, keep, out=param)
         param -= xp.multiply(grad, lr)
         return
-    _elementwise(cp, "sgd", "T g, T keep, T lr, int32 decays", "T p",
-                 "T q = decays ? p * keep : p; p = q - g * lr;")(grad, 1.0 if keep is None else keep, lr,
-                                                                 int(keep is not None), param)
+    _elementwise(cp, "sgd", "T g, T keep, T lr, int32 decays", "T p", "T q = decays ? p * keep : p; p = q - g * lr;")(
+        grad, 1.0 if keep is None else keep, lr, int(keep is not None), param
+    )
 
 
 _MOMENTUM = """
@@ -166,8 +168,19 @@ p = p - step;
 """
 
 
-def momentum_(param: Any, v: Any, grad: Any, *, lr: Any, keep: Any, mu: float, s: float, weight_decay: float,
-              nesterov: bool, lookahead: float) -> None:
+def momentum_(
+    param: Any,
+    v: Any,
+    grad: Any,
+    *,
+    lr: Any,
+    keep: Any,
+    mu: float,
+    s: float,
+    weight_decay: float,
+    nesterov: bool,
+    lookahead: float,
+) -> None:
     """``v = mu v + s g (+ wd s p)``; then ``p -= lr v``, or with ``nesterov`` ``p = p keep`` (``keep`` is
     ``1 - lr wd``) and ``p -= lr (g + lookahead v)``: :class:`psgd.optim.rules.Momentum`'s update, in place."""
     cp = _fused(param)
@@ -193,10 +206,27 @@ def momentum_(param: Any, v: Any, grad: Any, *, lr: Any, keep: Any, mu: float, s
             xp.multiply(v, lr, out=tmp)
         param -= tmp
         return
-    kernel = _elementwise(cp, "momentum", "T g, T mu, T s, T wds, T keep, T look, T lr, "
-                          "int32 scaled, int32 decays, int32 nesterov", "T p, T v", _MOMENTUM)
-    kernel(grad, mu, s, weight_decay * s, keep, lookahead, lr, int(s != 1.0),
-           int(bool(weight_decay)), int(nesterov), param, v)
+    kernel = _elementwise(
+        cp,
+        "momentum",
+        "T g, T mu, T s, T wds, T keep, T look, T lr, int32 scaled, int32 decays, int32 nesterov",
+        "T p, T v",
+        _MOMENTUM,
+    )
+    kernel(
+        grad,
+        mu,
+        s,
+        weight_decay * s,
+        keep,
+        lookahead,
+        lr,
+        int(s != 1.0),
+        int(bool(weight_decay)),
+        int(nesterov),
+        param,
+        v,
+    )
 
 
 _ADAM = """
@@ -220,8 +250,21 @@ p = p - step;
 """
 
 
-def adam_(param: Any, m: Any, v: Any, grad: Any, *, keep: Any, rate: Any, unbias2: Any, b1: float, b2: float,
-          eps: float, weight_decay: float, decoupled: bool) -> None:
+def adam_(
+    param: Any,
+    m: Any,
+    v: Any,
+    grad: Any,
+    *,
+    keep: Any,
+    rate: Any,
+    unbias2: Any,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
     """:class:`psgd.optim.rules.Adam`'s update in place: ``b1``, ``b2`` this update's decays, ``rate`` the learning
     rate over ``1 - b1^t`` and ``unbias2`` ``1 / sqrt(1 - b2^t)`` (the bias corrections), ``keep`` ``1 - lr wd``;
     weight decay through the gradient, or ``decoupled`` (AdamW)."""
@@ -249,11 +292,30 @@ def adam_(param: Any, m: Any, v: Any, grad: Any, *, keep: Any, rate: Any, unbias
         tmp *= rate  # m_hat = m / (1 - b1^t)
         param -= tmp
         return
-    kernel = _elementwise(cp, "adam", "T g, T keep, T wd, T b1, T rest2, T b2, T unbias2, T eps, T rate, "
-                          "int32 decoupled, int32 coupled", "T p, T m, T v", _ADAM)
+    kernel = _elementwise(
+        cp,
+        "adam",
+        "T g, T keep, T wd, T b1, T rest2, T b2, T unbias2, T eps, T rate, int32 decoupled, int32 coupled",
+        "T p, T m, T v",
+        _ADAM,
+    )
     decays = bool(weight_decay)
-    kernel(grad, keep, weight_decay, b1, 1.0 - b2, b2, unbias2, eps, rate,
-           int(decays and decoupled), int(decays and not decoupled), param, m, v)
+    kernel(
+        grad,
+        keep,
+        weight_decay,
+        b1,
+        1.0 - b2,
+        b2,
+        unbias2,
+        eps,
+        rate,
+        int(decays and decoupled),
+        int(decays and not decoupled),
+        param,
+        m,
+        v,
+    )
 
 
 # ---------------------------------------------------------------- matrix products
@@ -333,8 +395,13 @@ def matmul(a: Any, b: Any) -> Any:
     """``a @ b`` of two matrices, or where one or both are stacks of matrices (3-D, the same number where both
     are), a new C-ordered array; on a GPU one cuBLAS gemm (strided and batched for stacks) called here (see above)."""
     cp = _fused(a)
-    if (cp is None or not (2 <= a.ndim <= 3 and 2 <= b.ndim <= 3) or b.dtype != a.dtype or 0 in a.shape + b.shape
-            or (a.ndim == b.ndim == 3 and a.shape[0] != b.shape[0])):
+    if (
+        cp is None
+        or not (2 <= a.ndim <= 3 and 2 <= b.ndim <= 3)
+        or b.dtype != a.dtype
+        or 0 in a.shape + b.shape
+        or (a.ndim == b.ndim == 3 and a.shape[0] != b.shape[0])
+    ):
         return a @ b
     lib = _cublas(cp)
     if lib is None:
@@ -353,10 +420,35 @@ def matmul(a: Any, b: Any) -> Any:
     dtype = a.dtype.name
     one, zero = ctypes.addressof(_ONE[dtype]), ctypes.addressof(_ZERO[dtype])
     if not batch:
-        _checked(getattr(lib, _GEMM[dtype])(handle, b_op, a_op, n, m, k, one, b.data.ptr, b_ld, a.data.ptr, a_ld,
-                                            zero, out.data.ptr, n), _GEMM[dtype])
+        _checked(
+            getattr(lib, _GEMM[dtype])(
+                handle, b_op, a_op, n, m, k, one, b.data.ptr, b_ld, a.data.ptr, a_ld, zero, out.data.ptr, n
+            ),
+            _GEMM[dtype],
+        )
         return out
     name = _GEMM_BATCHED[dtype]
-    _checked(getattr(lib, name)(handle, b_op, a_op, n, m, k, one, b.data.ptr, b_ld, b_step, a.data.ptr, a_ld, a_step,
-                                zero, out.data.ptr, n, m * n, batch), name)
+    _checked(
+        getattr(lib, name)(
+            handle,
+            b_op,
+            a_op,
+            n,
+            m,
+            k,
+            one,
+            b.data.ptr,
+            b_ld,
+            b_step,
+            a.data.ptr,
+            a_ld,
+            a_step,
+            zero,
+            out.data.ptr,
+            n,
+            m * n,
+            batch,
+        ),
+        name,
+    )
     return out

@@ -27,8 +27,13 @@ import os
 log = logging.getLogger(__name__)
 
 #: The variables through which a user sets BLAS/OpenMP threads; the first set one is reported.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-                    "VECLIB_MAXIMUM_THREADS")
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
 
 _limiter = None  # the active threadpool_limits; kept so the limit holds for the life of the process
 
@@ -62,14 +67,17 @@ def budget(threads: int, processes: int) -> tuple[int, str]:
     ``psgd launch`` picks for the processes it starts, and training in one process for itself."""
     cores = available_cores()
     if threads:
-        return threads, (f"{processes} process(es) on {cores} core(s): {threads} BLAS/OpenMP thread(s) each "
-                         "(--threads N to change)")
+        return threads, (
+            f"{processes} process(es) on {cores} core(s): {threads} BLAS/OpenMP thread(s) each (--threads N to change)"
+        )
     explicit = user_setting()
     if explicit:
         return 0, f"{processes} process(es) on {cores} core(s): BLAS/OpenMP threads as {explicit} says"
     share = share_of_cores(processes, cores)
-    return share, (f"{processes} process(es) on {cores} core(s): {share} BLAS/OpenMP thread(s) each "
-                   "(--threads N or OMP_NUM_THREADS to change)")
+    return share, (
+        f"{processes} process(es) on {cores} core(s): {share} BLAS/OpenMP thread(s) each "
+        "(--threads N or OMP_NUM_THREADS to change)"
+    )
 
 
 def apply(threads: int) -> str:
@@ -78,9 +86,8 @@ def apply(threads: int) -> str:
     if threads <= 0:
         explicit = user_setting()
         return f"{explicit} from the environment" if explicit else f"all {available_cores()} cores"
-    from threadpoolctl import threadpool_limits
-
     import numpy  # noqa: F401  (load NumPy's BLAS first, so that the limit reaches it)
+    from threadpoolctl import threadpool_limits
 
     _limiter = threadpool_limits(limits=threads)
     return f"{threads} thread(s)"

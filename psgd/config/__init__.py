@@ -9,11 +9,36 @@ Command-line flags override the file; ``--set section.key=value`` overrides any 
 doctor and a starting shard share), is a :class:`ConfigError` whose message names the file, the section and the key.
 """
 
-from psgd.config.cluster import (ASYNC_LR, CUT_ROUNDS, PARTS, ClusterConfig, Consistency, Deadlines, Links, Recovery,
-                                 Remedies)
+from psgd.config.cluster import (
+    ASYNC_LR,
+    CUT_ROUNDS,
+    PARTS,
+    ClusterConfig,
+    Consistency,
+    Deadlines,
+    Links,
+    Recovery,
+    Remedies,
+)
 from psgd.config.job import DTYPES, JobConfig, TablesConfig, TLSConfig, TrainConfig, parse_value, to_toml
 from psgd.errors import ConfigError
 
-__all__ = ["ASYNC_LR", "CUT_ROUNDS", "DTYPES", "PARTS", "ClusterConfig", "ConfigError", "Consistency", "Deadlines",
-           "JobConfig", "Links", "Recovery", "Remedies", "TLSConfig", "TablesConfig", "TrainConfig", "parse_value",
-           "to_toml"]
+__all__ = [
+    "ASYNC_LR",
+    "CUT_ROUNDS",
+    "DTYPES",
+    "PARTS",
+    "ClusterConfig",
+    "ConfigError",
+    "Consistency",
+    "Deadlines",
+    "JobConfig",
+    "Links",
+    "Recovery",
+    "Remedies",
+    "TLSConfig",
+    "TablesConfig",
+    "TrainConfig",
+    "parse_value",
+    "to_toml",
+]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from psgd.errors import ConfigError
 
@@ -37,23 +38,39 @@ def _field(default: Any, rule: Rule) -> Any:
 
 def integer(default: int, low: int, high: int) -> Any:
     """An integer (not a bool) from ``low`` to ``high``."""
-    return _field(default, Rule(f"must be an integer from {low} to {high}",
-                                lambda v: _number(v) and isinstance(v, int) and low <= v <= high, (low, high)))
+    return _field(
+        default,
+        Rule(
+            f"must be an integer from {low} to {high}",
+            lambda v: _number(v) and isinstance(v, int) and low <= v <= high,
+            (low, high),
+        ),
+    )
 
 
 def seconds(default: float, least: float, most: float) -> Any:
     """A number of seconds from ``least`` to ``most``."""
-    return _field(default, Rule(f"must be a number of seconds from {least:g} to {most:g}",
-                                lambda v: _number(v) and least <= v <= most, (least, most)))
+    return _field(
+        default,
+        Rule(
+            f"must be a number of seconds from {least:g} to {most:g}",
+            lambda v: _number(v) and least <= v <= most,
+            (least, most),
+        ),
+    )
 
 
-def number(default: float, words: str, low: float, high: float = math.inf, *, above: bool = False,
-           below: bool = False) -> Any:
+def number(
+    default: float, words: str, low: float, high: float = math.inf, *, above: bool = False, below: bool = False
+) -> Any:
     """A finite number from ``low`` to ``high``: greater than ``low`` with ``above``, less than ``high`` with
     ``below``."""
+
     def accepts(v: Any) -> bool:
-        return _number(v) and math.isfinite(v) and (v > low if above else v >= low) and \
-            (v < high if below else v <= high)
+        return (
+            _number(v) and math.isfinite(v) and (v > low if above else v >= low) and (v < high if below else v <= high)
+        )
+
     return _field(default, Rule(f"must be {words}", accepts, (low, high)))
 
 
@@ -79,14 +96,29 @@ def text(default: str, words: str, accepts: Callable[[str], bool] = lambda v: Tr
 
 def addresses() -> Any:
     """A list of host:port strings (empty by default), kept as a tuple."""
-    return _field((), Rule("must be a list of host:port strings", lambda v: isinstance(v, (list, tuple)) and all(
-        isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in v)))
+    return _field(
+        (),
+        Rule(
+            "must be a list of host:port strings",
+            lambda v: (
+                isinstance(v, (list, tuple)) and all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in v)
+            ),
+        ),
+    )
 
 
 def ports() -> Any:
     """A list of TCP ports, one per shard (empty by default), kept as a tuple."""
-    return _field((), Rule("must be a list of ports (1-65535), one per shard", lambda v: isinstance(v, (list, tuple))
-                           and all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in v)))
+    return _field(
+        (),
+        Rule(
+            "must be a list of ports (1-65535), one per shard",
+            lambda v: (
+                isinstance(v, (list, tuple))
+                and all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in v)
+            ),
+        ),
+    )
 
 
 def refuse_bad(settings: Any, section: str) -> None:

@@ -65,7 +65,7 @@ class Links:
     wire_dtype: str = one_of("", ("", "float16", "bfloat16"), quoted=True)  # "float16" or "bfloat16": compress
     #                               pushed float32 gradients on the wire
     slice_bytes: int = integer(4 << 20, 64, 1 << 30)  # tensors larger than this are cut into slices
-    data_ports: tuple = ports()   # each shard's data port, in shard order; empty: free ones
+    data_ports: tuple = ports()  # each shard's data port, in shard order; empty: free ones
     hello_timeout: float = seconds(2.0, 0.01, 3600.0)  # a data-port connection that has not sent its hello by then is
     #                               closed
     busy_poll_us: int = integer(-1, -1, 10**6)  # µs a waiting end of a data connection watches for its answer
@@ -114,8 +114,7 @@ class Recovery:
         refuse_bad(self, "cluster")
 
 
-PARTS = {"consistency": Consistency, "remedies": Remedies, "links": Links, "deadlines": Deadlines,
-         "recovery": Recovery}
+PARTS = {"consistency": Consistency, "remedies": Remedies, "links": Links, "deadlines": Deadlines, "recovery": Recovery}
 #: each key a job file writes under [cluster] that belongs to a part -> that part's name
 PART_OF = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
 
@@ -128,7 +127,7 @@ class ClusterConfig:
     shards: int = integer(2, 1, 1024)  # parameter-server shards (psgd-server processes) holding the weights
     workers: int = integer(2, 1, 10**4)  # workers (psgd-worker processes), each on its own share of the data
     servers: tuple = addresses()  # shard addresses, host:port, in shard order
-    overlap: bool = flag(False)   # all-reduce: buckets reduced during backward; PS: next pull beside this push
+    overlap: bool = flag(False)  # all-reduce: buckets reduced during backward; PS: next pull beside this push
     consistency: Consistency = dataclasses.field(default_factory=Consistency)
     remedies: Remedies = dataclasses.field(default_factory=Remedies)
     links: Links = dataclasses.field(default_factory=Links)
@@ -158,8 +157,10 @@ class ClusterConfig:
 
     def flat(self) -> dict[str, Any]:
         """The section as a job file writes it: every key, flat (a list as a list, as the file had it)."""
-        return {key: list(value) if isinstance(value, tuple) else value
-                for key, value in ((key, self.get(key)) for key in self.keys())}
+        return {
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in ((key, self.get(key)) for key in self.keys())
+        }
 
     # -- what it means ---------------------------------------------------------------------------------------------
     @property
@@ -182,35 +183,57 @@ class ClusterConfig:
         c, r, rec = self.consistency, self.remedies, self.recovery
         policy = POLICIES[self.policy]
         if c.backup_workers >= self.workers:
-            raise ConfigError(f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers "
-                              f"({self.workers})")
+            raise ConfigError(
+                f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({self.workers})"
+            )
         if self.servers and len(self.servers) != self.shards:
-            raise ConfigError(f"{src}: [cluster] lists {len(self.servers)} server address(es) but shards = "
-                              f"{self.shards}")
+            raise ConfigError(
+                f"{src}: [cluster] lists {len(self.servers)} server address(es) but shards = {self.shards}"
+            )
         if self.links.data_ports and len(self.links.data_ports) != self.shards:
-            raise ConfigError(f"{src}: [cluster] lists {len(self.links.data_ports)} data port(s) but shards = "
-                              f"{self.shards}: one per shard, or none (each shard takes a free one)")
+            raise ConfigError(
+                f"{src}: [cluster] lists {len(self.links.data_ports)} data port(s) but shards = "
+                f"{self.shards}: one per shard, or none (each shard takes a free one)"
+            )
         if rec.replica_servers and (len(rec.replica_servers) != self.shards or not rec.replicas):
-            raise ConfigError(f"{src}: [cluster] lists {len(rec.replica_servers)} replica address(es); with "
-                              f"replicas = 1 it lists one per shard ({self.shards}), without replicas none")
+            raise ConfigError(
+                f"{src}: [cluster] lists {len(rec.replica_servers)} replica address(es); with "
+                f"replicas = 1 it lists one per shard ({self.shards}), without replicas none"
+            )
         if rec.checkpoint_rounds > 0 and not policy.accumulates:
-            raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {rec.checkpoint_rounds} cuts checkpoints at "
-                              f"common rounds, which only a sync policy has (this job's: {self.policy}); leave it 0")
+            raise ConfigError(
+                f"{src}: [cluster] checkpoint_rounds = {rec.checkpoint_rounds} cuts checkpoints at "
+                f"common rounds, which only a sync policy has (this job's: {self.policy}); leave it 0"
+            )
         if rec.checkpoint_rounds > 0 and c.backup_workers:
-            raise ConfigError(f"{src}: [cluster] checkpoint_rounds = {rec.checkpoint_rounds} takes a job back to a "
-                              f"cut with every worker in every round, and backup_workers = {c.backup_workers} "
-                              "closes rounds without some: use one of them")
+            raise ConfigError(
+                f"{src}: [cluster] checkpoint_rounds = {rec.checkpoint_rounds} takes a job back to a "
+                f"cut with every worker in every round, and backup_workers = {c.backup_workers} "
+                "closes rounds without some: use one of them"
+            )
         if rec.replicas and policy.accumulates:
-            raise ConfigError(f"{src}: [cluster] replicas = 1 keeps a copy of each shard for async and ssp; a sync "
-                              "job comes back from a killed shard without losing anything with checkpoint_rounds")
+            raise ConfigError(
+                f"{src}: [cluster] replicas = 1 keeps a copy of each shard for async and ssp; a sync "
+                "job comes back from a killed shard without losing anything with checkpoint_rounds"
+            )
         if r.implicit_momentum and optimizer not in ("momentum", "nesterov"):
-            raise ConfigError(f"{src}: [cluster] implicit_momentum lowers a momentum optimizer's momentum; "
-                              f"[optimizer] name is {optimizer!r} (use momentum or nesterov)")
+            raise ConfigError(
+                f"{src}: [cluster] implicit_momentum lowers a momentum optimizer's momentum; "
+                f"[optimizer] name is {optimizer!r} (use momentum or nesterov)"
+            )
         if policy.local:
-            pushing = [k for k, on in (("dc_lambda", r.dc_lambda), ("implicit_momentum", r.implicit_momentum),
-                                       ("overlap", self.overlap)) if on]
+            pushing = [
+                k
+                for k, on in (
+                    ("dc_lambda", r.dc_lambda),
+                    ("implicit_momentum", r.implicit_momentum),
+                    ("overlap", self.overlap),
+                )
+                if on
+            ]
             if pushing:
-                raise ConfigError(f"{src}: [cluster] {', '.join(pushing)} cannot go with policy {self.policy!r}: "
-                                  "its workers push their progress after local steps, not a gradient of the weights "
-                                  "they pulled")
-
+                raise ConfigError(
+                    f"{src}: [cluster] {', '.join(pushing)} cannot go with policy {self.policy!r}: "
+                    "its workers push their progress after local steps, not a gradient of the weights "
+                    "they pulled"
+                )

@@ -13,8 +13,9 @@ import json
 import math
 import tomllib
 import types
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from psgd.config.checks import flag, integer, number, one_of, refuse_bad, text
 from psgd.config.cluster import ClusterConfig
@@ -88,8 +89,8 @@ class TLSConfig:
     folder); the same three as ``psgd launch --tls-cert/--tls-key/--tls-ca``, which take precedence."""
 
     cert: str = text("", _PATH)  # the certificate every shard serves with and every worker (and observer) shows
-    key: str = text("", _PATH)   # its private key
-    ca: str = text("", _PATH)    # the CA that signed it: shards demand client certificates it signed, workers trust
+    key: str = text("", _PATH)  # its private key
+    ca: str = text("", _PATH)  # the CA that signed it: shards demand client certificates it signed, workers trust
     #                              shards it signed
 
     def __post_init__(self) -> None:
@@ -118,7 +119,7 @@ class JobConfig:
 
     # -- construction -----------------------------------------------------
     @classmethod
-    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> "JobConfig":
+    def from_dict(cls, doc: dict[str, Any], source: str = "<dict>") -> JobConfig:
         job = cls(source=source)
         unknown = set(doc) - set(cls.SECTIONS)
         if unknown:
@@ -142,7 +143,7 @@ class JobConfig:
         return job
 
     @classmethod
-    def load(cls, path: str | Path) -> "JobConfig":
+    def load(cls, path: str | Path) -> JobConfig:
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -157,7 +158,7 @@ class JobConfig:
         return cls.from_dict(doc, source=str(path))
 
     # -- overrides --------------------------------------------------------
-    def override(self, dotted: str, value: Any) -> "JobConfig":
+    def override(self, dotted: str, value: Any) -> JobConfig:
         """A new job with ``section.key`` set to ``value`` (``model.name`` replaces the model's options), this one
         unchanged: a fixed section is made anew, refusing a bad value.
 
@@ -166,14 +167,16 @@ class JobConfig:
         judged together, whatever order they were given in."""
         section, _, key = dotted.partition(".")
         if section not in self.SECTIONS or not key:
-            raise ConfigError(f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}")
+            raise ConfigError(
+                f"cannot override {dotted!r}: use section.key with section one of {', '.join(self.SECTIONS)}"
+            )
         if section in ("train", "cluster", "tls", "tables"):
             return self._with_field(section, key, value)
         table = getattr(self, section)
         kept = {} if key == "name" and value != table.get("name") else table
         return dataclasses.replace(self, **{section: {**kept, key: value}})
 
-    def apply_sets(self, assignments: Iterable[str], validate: bool = True) -> "JobConfig":
+    def apply_sets(self, assignments: Iterable[str], validate: bool = True) -> JobConfig:
         """A new job with ``--set section.key=value`` strings applied (values parsed as TOML, bare words as
         strings), validated once (unless ``validate`` is false: more overrides are coming)."""
         job = self
@@ -187,23 +190,31 @@ class JobConfig:
         return job
 
     # -- checks -----------------------------------------------------------
-    def _with_field(self, section: str, key: str, value: Any) -> "JobConfig":
+    def _with_field(self, section: str, key: str, value: Any) -> JobConfig:
         target = getattr(self, section)
         fields = target.keys() if section == "cluster" else [f.name for f in dataclasses.fields(target)]
         if (section, key) == ("cluster", "data_path"):
-            raise ConfigError(f"{self.source}: [cluster] data_path was replaced by transport: data_path = true is "
-                              "transport = \"tcp\" (or \"auto\", the default, which also uses shared memory on a "
-                              "shard's host), data_path = false is transport = \"grpc\"")
+            raise ConfigError(
+                f"{self.source}: [cluster] data_path was replaced by transport: data_path = true is "
+                "transport = \"tcp\" (or \"auto\", the default, which also uses shared memory on a "
+                "shard's host), data_path = false is transport = \"grpc\""
+            )
         if key not in fields:
-            raise ConfigError(f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"{self.source}: [{section}] unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
+            )
         if (section, key) in (("cluster", "servers"), ("cluster", "replica_servers")) and isinstance(value, str):
             value = [a.strip() for a in value.split(",") if a.strip()]
-        if (section, key) == ("cluster", "data_ports") and isinstance(value, (str, int)) \
-                and not isinstance(value, bool):  # --set cluster.data_ports=50052,50054 or one port
+        if (
+            (section, key) == ("cluster", "data_ports")
+            and isinstance(value, (str, int))
+            and not isinstance(value, bool)
+        ):  # --set cluster.data_ports=50052,50054 or one port
             value = [int(p) if p.strip().isdigit() else p.strip() for p in str(value).split(",") if p.strip()]
         try:
-            made = (target.with_value(key, value) if section == "cluster"
-                    else dataclasses.replace(target, **{key: value}))
+            made = (
+                target.with_value(key, value) if section == "cluster" else dataclasses.replace(target, **{key: value})
+            )
         except ConfigError as exc:  # the part names the section and the key; the job, where they were given
             raise ConfigError(f"{self.source}: {exc}") from None
         return dataclasses.replace(self, **{section: made})
@@ -219,10 +230,14 @@ class JobConfig:
         self.cluster.check_across(src, self.optimizer.get("name"))
         files = [getattr(self.tls, k) for k in ("cert", "key", "ca")]
         if any(files) and not all(files):
-            raise ConfigError(f"{src}: [tls] needs cert, key and ca together (mutual TLS: every shard serves with "
-                              "the certificate, every worker shows it, and both trust the CA), or none of them")
+            raise ConfigError(
+                f"{src}: [tls] needs cert, key and ca together (mutual TLS: every shard serves with "
+                "the certificate, every worker shows it, and both trust the CA), or none of them"
+            )
         lr = self.optimizer.get("lr")
-        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0):
+        if lr is not None and (
+            isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0
+        ):
             raise ConfigError(f"{src}: [optimizer] lr must be a positive number, got {lr!r}")
 
     def options(self, section: str) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 
@@ -61,9 +62,18 @@ def _nearest(word: str, options: Sequence[str]) -> str:
     return f"; did you mean {found[0]}?" if found else ""
 
 
-def comma_list(text: str, flag: str = "", *, kind: Callable[[str], Any] = str, what: str = "names",
-               choices: Sequence[str] | None = None, at_least: float | None = None, empty: bool = False,
-               unique: bool = False, error: Callable[[str], Exception] = argparse.ArgumentTypeError) -> list:
+def comma_list(
+    text: str,
+    flag: str = "",
+    *,
+    kind: Callable[[str], Any] = str,
+    what: str = "names",
+    choices: Sequence[str] | None = None,
+    at_least: float | None = None,
+    empty: bool = False,
+    unique: bool = False,
+    error: Callable[[str], Exception] = argparse.ArgumentTypeError,
+) -> list:
     """The items of a comma-separated value (``"1gbit, 10gbit"``): stripped, empty ones dropped, each converted
     by ``kind``; with ``unique``, repeats dropped (the first kept).  A wrong one raises ``error`` (an argparse
     type error by default; a command that checks its flags later passes its own), worded alike for every flag:
@@ -82,6 +92,8 @@ def comma_list(text: str, flag: str = "", *, kind: Callable[[str], Any] = str, w
     if at_least is not None and not all(v >= at_least for v in values):  # NaN is not at least anything
         raise error(f"{where}every value must be at least {at_least:g}, got {text!r}")
     if not values and not empty:
-        raise error(f"{where}give at least one" + (f" of {', '.join(choices)}" if choices is not None else
-                                                   f" ({what} separated by commas)"))
+        raise error(
+            f"{where}give at least one"
+            + (f" of {', '.join(choices)}" if choices is not None else f" ({what} separated by commas)")
+        )
     return list(dict.fromkeys(values)) if unique else values

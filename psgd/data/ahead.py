@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,16 @@ class Ahead:
     """Batches of ``x`` and ``y`` by their rows, augmented by ``augment`` (seeded by ``seed`` and the step), the
     next one gathered ahead where ``on``."""
 
-    def __init__(self, x: Any, y: Any, on: bool, augment: Augment | None = None, seed: tuple[int, ...] = (0,),
-                 target: str = "classes", classes: int | None = None):
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        on: bool,
+        augment: Augment | None = None,
+        seed: tuple[int, ...] = (0,),
+        target: str = "classes",
+        classes: int | None = None,
+    ):
         self.x, self.y, self.augment, self.seed = x, y, augment, tuple(seed)
         self.target, self.classes = target, classes  # what an augmentation's targets must be (classes: 0..classes-1)
         self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="batch-ahead") if on else None
@@ -84,8 +93,12 @@ class Ahead:
             return x, y
         out = self.augment(x, y, np.random.default_rng([*self.seed, step]))
         name = getattr(self.augment, '__qualname__', self.augment)
-        if not (isinstance(out, tuple) and len(out) == 2 and getattr(out[0], "shape", None) == x.shape
-                and getattr(out[1], "shape", None) == y.shape):
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and getattr(out[0], "shape", None) == x.shape
+            and getattr(out[1], "shape", None) == y.shape
+        ):
             raise DataError(f"augment {name!r} must return (x, y) of the shapes it was given, {x.shape} and {y.shape}")
         self._check_targets(name, np.asarray(out[1]))
         return out
@@ -102,8 +115,10 @@ class Ahead:
             return
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= self.classes:
-            raise DataError(f"augment {name!r} returned label {low if low < 0 else high} for a job of "
-                            f"{self.classes} classes (0..{self.classes - 1})")
+            raise DataError(
+                f"augment {name!r} returned label {low if low < 0 else high} for a job of "
+                f"{self.classes} classes (0..{self.classes - 1})"
+            )
 
     def close(self) -> None:
         if self._pool is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -91,20 +92,20 @@ class Dataset:
         for split in ("train", "test") if self.ids_train is not None else ():
             ids, x = getattr(self, "ids_" + split), getattr(self, "x_" + split)
             if ids.dtype != np.int64 or len(ids) != len(x) or ids.shape[1:] != self.ids_train.shape[1:]:
-                raise DataError(f"{self.name}: ids_{split} must be int64 of shape ({len(x)}, "
-                                f"*{self.ids_train.shape[1:]}), got {ids.dtype} {ids.shape}")
+                raise DataError(
+                    f"{self.name}: ids_{split} must be int64 of shape ({len(x)}, "
+                    f"*{self.ids_train.shape[1:]}), got {ids.dtype} {ids.shape}"
+                )
         if self.target not in TARGETS:
             raise DataError(f"{self.name}: target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         for split in ("train", "test"):
             x, y = getattr(self, "x_" + split), getattr(self, "y_" + split)
             if x.shape[1:] != self.input_shape:
-                raise DataError(
-                    f"{self.name}: x_{split} has shape {x.shape}, "
-                    f"expected (n, *{self.input_shape})"
-                )
+                raise DataError(f"{self.name}: x_{split} has shape {x.shape}, expected (n, *{self.input_shape})")
             if y.ndim < 1 or len(y) != len(x) or y.shape[1:] != self.target_shape:
-                raise DataError(f"{self.name}: y_{split} has shape {y.shape}, expected ({len(x)}, "
-                                f"*{self.target_shape})")
+                raise DataError(
+                    f"{self.name}: y_{split} has shape {y.shape}, expected ({len(x)}, *{self.target_shape})"
+                )
             _check_kind(self.name, f"y_{split}", y, self.target, self.num_classes)
 
     @property
@@ -119,10 +120,14 @@ class Dataset:
         """A copy with the inputs cast to ``dtype``, and the targets too where they are labels or values (class
         indices unchanged)."""
         dt = float_dtype(dtype, self.name)
-        ys = {} if self.target == "classes" else {
-            "y_train": self.y_train.astype(dt, copy=False), "y_test": self.y_test.astype(dt, copy=False)}
-        return dataclasses.replace(self, x_train=self.x_train.astype(dt, copy=False),
-                                   x_test=self.x_test.astype(dt, copy=False), **ys)
+        ys = (
+            {}
+            if self.target == "classes"
+            else {"y_train": self.y_train.astype(dt, copy=False), "y_test": self.y_test.astype(dt, copy=False)}
+        )
+        return dataclasses.replace(
+            self, x_train=self.x_train.astype(dt, copy=False), x_test=self.x_test.astype(dt, copy=False), **ys
+        )
 
     def describe(self) -> str:
         """One line for logs."""
@@ -150,8 +155,10 @@ def _check_kind(name: str, where: str, y: Any, target: str, num_classes: int) ->
         if y.dtype.kind != "f":
             raise DataError(f"{name}: {where} must hold floating values, got {y.dtype}")
         if math.prod(y.shape[1:]) != num_classes:
-            raise DataError(f"{name}: {where} holds {math.prod(y.shape[1:])} values per example, but num_classes "
-                            f"(the model's outputs) is {num_classes}")
+            raise DataError(
+                f"{name}: {where} holds {math.prod(y.shape[1:])} values per example, but num_classes "
+                f"(the model's outputs) is {num_classes}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +251,11 @@ def read_targets(y: Any, where: str, target: str | None = None) -> tuple[np.ndar
     if target is None:
         target = "classes" if whole else "values"
         if whole and y.ndim == 2 and y.shape[1] > 1 and np.isin(y, (0, 1)).all() and (y.sum(axis=1) == 1).all():
-            raise DataError(f"{where}: the targets look like one-hot rows; give class indices (y.argmax(axis=1)), "
-                            "or say target='labels' for several labels per example, or target='classes' for a "
-                            "class per position")
+            raise DataError(
+                f"{where}: the targets look like one-hot rows; give class indices (y.argmax(axis=1)), "
+                "or say target='labels' for several labels per example, or target='classes' for a "
+                "class per position"
+            )
     if target == "classes":
         if not whole:
             raise DataError(f"{where}: class labels must be integers, found non-integer values")

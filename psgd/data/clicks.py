@@ -31,9 +31,9 @@ from psgd.model.table import mix64, name_key
 FIELDS, DENSE = 26, 13
 ALPHA = 1.15
 MAX_CARDINALITY = 10**6
-GROWTH_START = 0.5          # the share of each vocabulary in use at the start of time
+GROWTH_START = 0.5  # the share of each vocabulary in use at the start of time
 TEACHER_DIM = 4
-HEAD_RANKS = 200.0          # a value's teacher weight is 1 / (1 + rank / HEAD_RANKS)
+HEAD_RANKS = 200.0  # a value's teacher weight is 1 / (1 + rank / HEAD_RANKS)
 CHUNK = 1 << 16
 
 
@@ -81,19 +81,25 @@ def zipf_ranks(u: np.ndarray, size: np.ndarray, alpha: float) -> np.ndarray:
 class Generator:
     """The click logs of one seed and shape; :meth:`make` makes any range of examples of a split."""
 
-    def __init__(self, seed: int = 0, fields: int = FIELDS, dense: int = DENSE, alpha: float = ALPHA,
-                 max_cardinality: int = MAX_CARDINALITY, sharpness: float = 3.0):
+    def __init__(
+        self,
+        seed: int = 0,
+        fields: int = FIELDS,
+        dense: int = DENSE,
+        alpha: float = ALPHA,
+        max_cardinality: int = MAX_CARDINALITY,
+        sharpness: float = 3.0,
+    ):
         if fields < 1 or dense < 0 or not 1.0 < alpha < 3.0 or max_cardinality < 4 or sharpness <= 0:
-            raise ValueError("clicks: need fields >= 1, dense >= 0, 1 < alpha < 3, max_cardinality >= 4, "
-                             "sharpness > 0")
+            raise ValueError("clicks: need fields >= 1, dense >= 0, 1 < alpha < 3, max_cardinality >= 4, sharpness > 0")
         self.seed, self.fields, self.dense, self.alpha, self.sharpness = seed, fields, dense, alpha, sharpness
         self.cardinality = cardinalities(fields, max_cardinality, seed)
         self.field_keys = np.array([name_key("clicks-field", seed, f) for f in range(fields)], np.uint64)
         teacher = name_key("clicks-teacher", seed)
         self.projection = _normal(teacher, np.arange(fields * TEACHER_DIM, dtype=np.uint64)).reshape(
-            fields, TEACHER_DIM) / np.sqrt(fields * TEACHER_DIM)
-        self.dense_weights = _normal(teacher ^ np.uint64(1), np.arange(dense, dtype=np.uint64)) / np.sqrt(
-            max(dense, 1))
+            fields, TEACHER_DIM
+        ) / np.sqrt(fields * TEACHER_DIM)
+        self.dense_weights = _normal(teacher ^ np.uint64(1), np.arange(dense, dtype=np.uint64)) / np.sqrt(max(dense, 1))
         self.value_key = teacher ^ np.uint64(2)
         self.bias = 0.0
         sample = self._raw(name_key("clicks-calibration", seed), np.arange(8192), 8192)
@@ -114,9 +120,11 @@ class Generator:
             size = np.maximum(1, np.floor(self.cardinality[f] * (GROWTH_START + (1 - GROWTH_START) * time)))
             ranks[:, f] = zipf_ranks(_unit(key, base + np.uint64(f)), size.astype(np.int64), self.alpha)
             ids[:, f] = self.ids_of(f, ranks[:, f])
-            cells = (ids[:, f].view(np.uint64)[:, None] * np.uint64(TEACHER_DIM)
-                     + np.arange(TEACHER_DIM, dtype=np.uint64)[None, :])
-            vectors = _normal(self.value_key, cells) / (1.0 + ranks[:, f:f + 1] / HEAD_RANKS)
+            cells = (
+                ids[:, f].view(np.uint64)[:, None] * np.uint64(TEACHER_DIM)
+                + np.arange(TEACHER_DIM, dtype=np.uint64)[None, :]
+            )
+            vectors = _normal(self.value_key, cells) / (1.0 + ranks[:, f : f + 1] / HEAD_RANKS)
             z += vectors @ self.projection[f]
         cells = base[:, None] + np.uint64(F) + np.arange(D, dtype=np.uint64)[None, :]
         dense = _normal(key ^ np.uint64(3), cells)
@@ -131,10 +139,13 @@ class Generator:
             raise ValueError(f"clicks: no examples {start}..{stop} of a {split!r} split of {total}")
         parts = [self.at(split, np.arange(a, min(stop, a + CHUNK)), total) for a in range(start, stop, CHUNK)]
         if not parts:
-            return Clicks(np.zeros((0, self.fields), np.int64), np.zeros((0, self.dense), np.float32),
-                          np.zeros(0, np.int64), np.zeros(0))
+            return Clicks(
+                np.zeros((0, self.fields), np.int64),
+                np.zeros((0, self.dense), np.float32),
+                np.zeros(0, np.int64),
+                np.zeros(0),
+            )
         return Clicks(*(np.concatenate([getattr(c, k) for c in parts]) for k in ("ids", "dense", "y", "p")))
-
 
     def at(self, split: str, index: np.ndarray, total: int) -> Clicks:
         """Examples ``index`` (any int array, each in ``[0, total)``) of a split of ``total``."""
@@ -164,8 +175,7 @@ class Made:
         return self.total
 
     def __getitem__(self, index: object) -> np.ndarray:
-        rows = np.arange(*index.indices(self.total)) if isinstance(index, slice) else \
-            np.asarray(index, dtype=np.int64)
+        rows = np.arange(*index.indices(self.total)) if isinstance(index, slice) else np.asarray(index, dtype=np.int64)
         flat = rows.reshape(-1)
         key = flat.tobytes()
         if self.shared.get("key") != key:
@@ -173,12 +183,13 @@ class Made:
         got = getattr(self.shared["made"], self.part).astype(self.dtype, copy=False)
         return got.reshape(rows.shape + self.shape[1:])
 
-    def astype(self, dtype: object, copy: bool = True) -> "Made":
+    def astype(self, dtype: object, copy: bool = True) -> Made:
         return Made(self.gen, self.split, self.total, self.part, self.shared, dtype)
 
     def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
-        return np.concatenate([self[a:min(self.total, a + CHUNK)] for a in range(0, self.total, CHUNK)]) \
-            .astype(dtype or self.dtype, copy=False)
+        return np.concatenate([self[a : min(self.total, a + CHUNK)] for a in range(0, self.total, CHUNK)]).astype(
+            dtype or self.dtype, copy=False
+        )
 
 
 def reachable_accuracy(clicks: Clicks) -> float:
@@ -191,10 +202,17 @@ def reachable_accuracy(clicks: Clicks) -> float:
 CLICKS_OPTIONS = ("n_train", "n_test", "fields", "dense", "alpha", "max_cardinality", "data_seed")
 
 
-def clicks_options(n_train: object = 100_000, n_test: object = 10_000, fields: object = FIELDS,
-                   dense: object = DENSE, alpha: object = ALPHA, max_cardinality: object = MAX_CARDINALITY,
-                   data_seed: object = 0) -> dict:
+def clicks_options(
+    n_train: object = 100_000,
+    n_test: object = 10_000,
+    fields: object = FIELDS,
+    dense: object = DENSE,
+    alpha: object = ALPHA,
+    max_cardinality: object = MAX_CARDINALITY,
+    data_seed: object = 0,
+) -> dict:
     """The options of the ``clicks`` dataset, checked (strings from a command line or job file accepted)."""
+
     def whole(name: str, value: object, least: int) -> int:
         try:
             number = int(value)  # type: ignore[call-overload]
@@ -212,10 +230,15 @@ def clicks_options(n_train: object = 100_000, n_test: object = 10_000, fields: o
         exponent = float("nan")
     if not 1.0 < exponent < 3.0:
         raise DataError(f"clicks: option alpha must be a number between 1 and 3, got {alpha!r}")
-    return {"n_train": whole("n_train", n_train, 1), "n_test": whole("n_test", n_test, 1),
-            "fields": whole("fields", fields, 1), "dense": whole("dense", dense, 1), "alpha": exponent,
-            "max_cardinality": whole("max_cardinality", max_cardinality, 4),
-            "data_seed": whole("data_seed", data_seed, 0)}
+    return {
+        "n_train": whole("n_train", n_train, 1),
+        "n_test": whole("n_test", n_test, 1),
+        "fields": whole("fields", fields, 1),
+        "dense": whole("dense", dense, 1),
+        "alpha": exponent,
+        "max_cardinality": whole("max_cardinality", max_cardinality, 4),
+        "data_seed": whole("data_seed", data_seed, 0),
+    }
 
 
 def load_clicks(**options: object) -> Dataset:
@@ -225,6 +248,14 @@ def load_clicks(**options: object) -> Dataset:
     gen = Generator(o["data_seed"], o["fields"], o["dense"], o["alpha"], o["max_cardinality"])
     n, shared = o["n_train"], {}
     test = gen.make("test", 0, o["n_test"], o["n_test"])
-    return Dataset("clicks", Made(gen, "train", n, "dense", shared), Made(gen, "train", n, "y", shared),
-                   test.dense, test.y, 2, (o["dense"],), ids_train=Made(gen, "train", n, "ids", shared),
-                   ids_test=test.ids)
+    return Dataset(
+        "clicks",
+        Made(gen, "train", n, "dense", shared),
+        Made(gen, "train", n, "y", shared),
+        test.dense,
+        test.y,
+        2,
+        (o["dense"],),
+        ids_train=Made(gen, "train", n, "ids", shared),
+        ids_test=test.ids,
+    )

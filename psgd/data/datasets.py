@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from psgd.data.base import DataError, DataShape, Dataset, check_test_fraction, float_dtype, stratified_split
+from psgd.data.base import DataError, Dataset, DataShape, check_test_fraction, float_dtype, stratified_split
+from psgd.data.clicks import CLICKS_OPTIONS, clicks_options, load_clicks
 from psgd.data.files import describe_idx_dir, describe_npz, load_idx_dir, load_npz
 from psgd.data.readers import mnist5k_path, read_digits, read_mnist5k
-from psgd.data.clicks import CLICKS_OPTIONS, clicks_options, load_clicks
 from psgd.data.sequences import SEQUENCES_OPTIONS, make_sequences, sequences_options
 from psgd.data.stream import describe_npy_dir, load_npy_dir
 from psgd.data.synthetic import make_synthetic, synthetic_options
@@ -58,6 +58,7 @@ DIGITS_INPUT_SHAPE = (8, 8)
 DIGITS_NUM_CLASSES = 10
 # The MNIST subset, as read_mnist5k gives it.
 MNIST5K_INPUT_SHAPE = (28, 28)
+
 
 def load_dataset(
     spec: str,
@@ -135,8 +136,9 @@ def describe_dataset(
         return DataShape("clicks", (o["dense"],), 2, (o["fields"],))
     if kind == "sequences":
         o = sequences_options(**options)
-        return DataShape("sequences", (o["length"],), o["vocab"],
-                         target_shape=(o["length"],) if o["task"] == "sort" else ())
+        return DataShape(
+            "sequences", (o["length"],), o["vocab"], target_shape=(o["length"],) if o["task"] == "sort" else ()
+        )
     if kind == "idx":
         return describe_idx_dir(path)
     if kind == "npy":
@@ -156,9 +158,7 @@ def _check_request(spec: str, seed: int, dtype: Any, options: dict[str, Any]) ->
     if kind in OPTIONS:
         unknown = sorted(set(options) - set(OPTIONS[kind]))
         if unknown:
-            raise DataError(
-                f"{kind}: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(OPTIONS[kind])}"
-            )
+            raise DataError(f"{kind}: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(OPTIONS[kind])}")
     else:
         _no_options(spec, options)
     return spec, dt, kind, path

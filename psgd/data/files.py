@@ -5,11 +5,11 @@ loaded whole (:func:`load_idx_dir`, :func:`load_npz`) or described from its head
 from __future__ import annotations
 
 import os
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from psgd.data.base import (DataError, DataShape, Dataset, check_test_fraction, held_out, outputs_for, read_targets)
+from psgd.data.base import DataError, Dataset, DataShape, check_test_fraction, held_out, outputs_for, read_targets
 from psgd.data.readers import read_idx, read_idx_header, read_npz, read_npz_headers
 
 # (logical name, IDX kind) of the four files of an MNIST-format directory.
@@ -84,9 +84,7 @@ def _idx_labels(images_path: str, images_shape: tuple[int, ...], labels_path: st
         raise DataError(f"{labels_path}: labels must be 1-D, got shape {labels.shape}")
     y, _ = read_targets(labels, labels_path, "classes")
     if len(y) != images_shape[0]:
-        raise DataError(
-            f"{labels_path} has {len(y)} labels but {images_path} has {images_shape[0]} images"
-        )
+        raise DataError(f"{labels_path} has {len(y)} labels but {images_path} has {images_shape[0]} images")
     return y
 
 
@@ -166,8 +164,9 @@ def describe_npz(path: str | os.PathLike[str], *, test_fraction: float = 0.2) ->
     else:
         check_test_fraction(test_fraction, path)
     num_classes = _npz_num_classes(path, ys, arrays.get("num_classes"), target)
-    return DataShape(f"npz:{path}", headers[pairs[0][0]].shape[1:], num_classes, target=target,
-                     target_shape=tuple(ys[0].shape[1:]))
+    return DataShape(
+        f"npz:{path}", headers[pairs[0][0]].shape[1:], num_classes, target=target, target_shape=tuple(ys[0].shape[1:])
+    )
 
 
 def _npz_layout(path: str, keys: Collection[str]) -> tuple[tuple[str, str], ...]:
@@ -183,20 +182,20 @@ def _npz_layout(path: str, keys: Collection[str]) -> tuple[tuple[str, str], ...]
         return (("x_train", "y_train"), ("x_test", "y_test"))
     if "x" in keys and "y" in keys:
         return (("x", "y"),)
-    raise DataError(
-        f"{path}: an .npz needs arrays x_train, y_train, x_test, y_test (or just x, y); found: {found}"
-    )
+    raise DataError(f"{path}: an .npz needs arrays x_train, y_train, x_test, y_test (or just x, y); found: {found}")
 
 
-def _npz_pair(path: str, arrays: dict[str, np.ndarray], xkey: str, ykey: str,
-              target: str | None) -> tuple[np.ndarray, np.ndarray, str]:
+def _npz_pair(
+    path: str, arrays: dict[str, np.ndarray], xkey: str, ykey: str, target: str | None
+) -> tuple[np.ndarray, np.ndarray, str]:
     x = arrays[xkey]
     y, target = _npz_labels(path, xkey, x.shape, ykey, arrays[ykey], target)
     return _scale_inputs(x, f"{path}: {xkey}"), y, target
 
 
-def _npz_labels(path: str, xkey: str, xshape: tuple[int, ...], ykey: str, y: np.ndarray,
-                target: str | None) -> tuple[np.ndarray, str]:
+def _npz_labels(
+    path: str, xkey: str, xshape: tuple[int, ...], ykey: str, y: np.ndarray, target: str | None
+) -> tuple[np.ndarray, str]:
     """The targets ``y`` for inputs of ``xshape`` (rows first), checked against them, and their kind."""
     if len(xshape) < 2:
         raise DataError(f"{path}: {xkey} must have shape (n, features...), got {xshape}")
@@ -211,8 +210,7 @@ def _npz_target(path: str, value: np.ndarray | None) -> str | None:
     if value is None:
         return None
     if value.shape != () or value.dtype.kind != "U":
-        raise DataError(f"{path}: target must be a string (classes, labels or values), got {value.dtype} "
-                        f"{value.shape}")
+        raise DataError(f"{path}: target must be a string (classes, labels or values), got {value.dtype} {value.shape}")
     return str(value)
 
 

@@ -19,8 +19,16 @@ import numpy as np
 from psgd.data.base import DataError, Dataset, check_test_fraction, float_dtype, held_out, outputs_for, read_targets
 
 
-def dataset_from(data: Any, test: Any = None, *, test_fraction: float = 0.2, num_classes: int | None = None,
-                 dtype: Any = "float32", name: str | None = None, target: str | None = None) -> Dataset:
+def dataset_from(
+    data: Any,
+    test: Any = None,
+    *,
+    test_fraction: float = 0.2,
+    num_classes: int | None = None,
+    dtype: Any = "float32",
+    name: str | None = None,
+    target: str | None = None,
+) -> Dataset:
     """``data`` as a :class:`Dataset`: a ``Dataset`` as it is; a pair of arrays ``(x, y)``; a map-style dataset;
     an iterable factory.
 
@@ -42,14 +50,15 @@ def dataset_from(data: Any, test: Any = None, *, test_fraction: float = 0.2, num
         x_train, y_train = x, y
         x_test, y_test, _ = _arrays(test, f"{label} (test)", dtype, target)
         if x_test.shape[1:] != x_train.shape[1:]:
-            raise DataError(f"{label}: the test examples have shape {x_test.shape[1:]}, the training examples "
-                            f"{x_train.shape[1:]}")
+            raise DataError(
+                f"{label}: the test examples have shape {x_test.shape[1:]}, the training examples {x_train.shape[1:]}"
+            )
         if y_test.shape[1:] != y_train.shape[1:]:
-            raise DataError(f"{label}: the test targets have shape {y_test.shape[1:]}, the training targets "
-                            f"{y_train.shape[1:]}")
+            raise DataError(
+                f"{label}: the test targets have shape {y_test.shape[1:]}, the training targets {y_train.shape[1:]}"
+            )
     num_classes = outputs_for((y_train, y_test), target, label, num_classes)
-    return Dataset(label, x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:], target=target).astype(
-        dtype)
+    return Dataset(label, x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:], target=target).astype(dtype)
 
 
 def _name_of(data: Any) -> str:
@@ -77,8 +86,10 @@ def _arrays(data: Any, label: str, dtype: np.dtype, target: str | None) -> tuple
             raise DataError(f"{label}: has no examples")
         x, y = np.stack(xs), np.asarray(ys)
     else:
-        raise DataError(f"{label}: give a pair of arrays (x, y), a dataset with __len__ and __getitem__ giving "
-                        f"(x, y), or a function returning an iterator of (x, y); got a {type(data).__name__}")
+        raise DataError(
+            f"{label}: give a pair of arrays (x, y), a dataset with __len__ and __getitem__ giving "
+            f"(x, y), or a function returning an iterator of (x, y); got a {type(data).__name__}"
+        )
     if x.ndim < 2:
         raise DataError(f"{label}: inputs must have shape (n, features...), got {x.shape}")
     if x.dtype.kind not in "biuf":

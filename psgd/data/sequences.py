@@ -28,18 +28,31 @@ SEQUENCES_OPTIONS = ("n_train", "n_test", "length", "vocab", "task", "data_seed"
 _TRAIN, _TEST = 1, 2  # the generator's streams
 
 
-def sequences_options(n_train: Any = 8000, n_test: Any = 2000, length: Any = 16, vocab: Any = 8,
-                      task: Any = "majority", data_seed: Any = 0) -> dict[str, Any]:
+def sequences_options(
+    n_train: Any = 8000,
+    n_test: Any = 2000,
+    length: Any = 16,
+    vocab: Any = 8,
+    task: Any = "majority",
+    data_seed: Any = 0,
+) -> dict[str, Any]:
     """The options of :func:`make_sequences`, checked, with the defaults filled in (strings from a command line or a
     job file accepted for the numbers)."""
-    o = {"n_train": _whole("n_train", n_train, 1), "n_test": _whole("n_test", n_test, 1),
-         "length": _whole("length", length, 2), "vocab": _whole("vocab", vocab, 2),
-         "task": str(task).strip().lower(), "data_seed": _whole("data_seed", data_seed, 0)}
+    o = {
+        "n_train": _whole("n_train", n_train, 1),
+        "n_test": _whole("n_test", n_test, 1),
+        "length": _whole("length", length, 2),
+        "vocab": _whole("vocab", vocab, 2),
+        "task": str(task).strip().lower(),
+        "data_seed": _whole("data_seed", data_seed, 0),
+    }
     if o["task"] not in TASKS:
         raise DataError(f"sequences: task must be one of {', '.join(TASKS)}, got {task!r}")
     if o["task"] == "lookup" and o["vocab"] < o["length"]:
-        raise DataError(f"sequences: the lookup task writes a position (1 to {o['length'] - 1}) as its first token, "
-                        f"so vocab must be at least length ({o['length']}), got {o['vocab']}")
+        raise DataError(
+            f"sequences: the lookup task writes a position (1 to {o['length'] - 1}) as its first token, "
+            f"so vocab must be at least length ({o['length']}), got {o['vocab']}"
+        )
     return o
 
 

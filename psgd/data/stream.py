@@ -50,7 +50,7 @@ class Stacked:
             out[mine] = self.parts[p][rows[mine] - self.starts[p]]
         return out
 
-    def astype(self, dtype: Any, copy: bool = True) -> "Stacked":
+    def astype(self, dtype: Any, copy: bool = True) -> Stacked:
         if np.dtype(dtype) != self.dtype:
             raise DataError(f"rows of {self.dtype} asked for as {np.dtype(dtype)}: that would read them whole")
         return self
@@ -62,11 +62,20 @@ def load_npy_dir(directory: str | os.PathLike[str], dtype: Any) -> Dataset:
     want = np.dtype(dtype)
     for split in ("x_train", "x_test"):
         if arrays[split].dtype != want:
-            raise DataError(f"npy:{folder}: {split} is {arrays[split].dtype}, the job's dtype {want}: write the "
-                            f"files as {want} (psgd would otherwise read them whole to convert them)")
+            raise DataError(
+                f"npy:{folder}: {split} is {arrays[split].dtype}, the job's dtype {want}: write the "
+                f"files as {want} (psgd would otherwise read them whole to convert them)"
+            )
     labels = {split: _labels(folder, split, arrays[split]) for split in ("y_train", "y_test")}
-    return Dataset(f"npy:{folder}", arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"],
-                   max(labels.values()) + 1, arrays["x_train"].shape[1:])
+    return Dataset(
+        f"npy:{folder}",
+        arrays["x_train"],
+        arrays["y_train"],
+        arrays["x_test"],
+        arrays["y_test"],
+        max(labels.values()) + 1,
+        arrays["x_train"].shape[1:],
+    )
 
 
 def describe_npy_dir(directory: str | os.PathLike[str]) -> tuple[str, tuple[int, ...], int]:
@@ -79,29 +88,32 @@ def describe_npy_dir(directory: str | os.PathLike[str]) -> tuple[str, tuple[int,
 def _open(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     folder = Path(directory).expanduser()
     if not folder.is_dir():
-        raise DataError(f"npy:{folder}: not a folder (npy:DIR names a folder of x_train.npy, y_train.npy, "
-                        "x_test.npy, y_test.npy)")
+        raise DataError(
+            f"npy:{folder}: not a folder (npy:DIR names a folder of x_train.npy, y_train.npy, x_test.npy, y_test.npy)"
+        )
     arrays = {split: _split(folder, split) for split in SPLITS}
     for part in ("train", "test"):
         x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
         if x.ndim < 2 or x.dtype.kind != "f":
-            raise DataError(f"npy:{folder}: x_{part} must be floats of shape (n, features...), got {x.dtype} "
-                            f"{x.shape}")
+            raise DataError(f"npy:{folder}: x_{part} must be floats of shape (n, features...), got {x.dtype} {x.shape}")
         if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
             raise DataError(f"npy:{folder}: y_{part} must be {len(x)} integer labels, got {y.dtype} {y.shape}")
         if not len(x):
             raise DataError(f"npy:{folder}: x_{part} has no rows: each split needs examples")
     if arrays["x_test"].shape[1:] != arrays["x_train"].shape[1:]:
-        raise DataError(f"npy:{folder}: x_test's rows are {arrays['x_test'].shape[1:]}, x_train's "
-                        f"{arrays['x_train'].shape[1:]}")
+        raise DataError(
+            f"npy:{folder}: x_test's rows are {arrays['x_test'].shape[1:]}, x_train's {arrays['x_train'].shape[1:]}"
+        )
     return folder, arrays
 
 
 def _split(folder: Path, split: str) -> Any:
     """``split`` memory-mapped: its one file, or its pieces in order."""
     whole = folder / f"{split}.npy"
-    pieces = sorted((p for p in folder.glob(f"{split}-*.npy") if re.fullmatch(rf"{split}-\d+", p.stem)),
-                    key=lambda p: int(p.stem.rpartition("-")[2]))
+    pieces = sorted(
+        (p for p in folder.glob(f"{split}-*.npy") if re.fullmatch(rf"{split}-\d+", p.stem)),
+        key=lambda p: int(p.stem.rpartition("-")[2]),
+    )
     if whole.exists() and pieces:
         raise DataError(f"npy:{folder}: both {whole.name} and {pieces[0].name}...: keep one or the other")
     paths = [whole] if whole.exists() else pieces

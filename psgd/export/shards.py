@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -42,10 +42,11 @@ from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.worker.client import PSClient
 from psgd.worker.lookups import list_rows
 
-
 #: What to pass when the job does not describe the model that was trained.
-JOB_HINT = ("pass the job file or flags the model was trained with (-c job.toml, or --model, --dtype, --shards, "
-            "--set model.KEY=VALUE)")
+JOB_HINT = (
+    "pass the job file or flags the model was trained with (-c job.toml, or --model, --dtype, --shards, "
+    "--set model.KEY=VALUE)"
+)
 
 
 #: How many checkpoints of a shard a message lists (newest first).
@@ -59,10 +60,10 @@ class Exported:
     """Whole variables joined from a job's shards, and where they came from."""
 
     weights: dict[str, np.ndarray]
-    versions: list[int]                     # the version taken from each shard, in shard order
-    source: str                             # in words: the cluster's addresses or the checkpoint folder
-    files: list[str] = dataclasses.field(default_factory=list)   # the checkpoint files taken (none from servers)
-    notes: list[str] = dataclasses.field(default_factory=list)   # e.g. a damaged checkpoint skipped
+    versions: list[int]  # the version taken from each shard, in shard order
+    source: str  # in words: the cluster's addresses or the checkpoint folder
+    files: list[str] = dataclasses.field(default_factory=list)  # the checkpoint files taken (none from servers)
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. a damaged checkpoint skipped
 
     @property
     def parameters(self) -> int:
@@ -75,14 +76,22 @@ def job_plan(config: JobConfig) -> PartitionPlan:
 
 
 def _describe_job(config: JobConfig, plan: PartitionPlan) -> str:
-    return (f"plan {plan.hash}: model {config.model['name']}, {config.train.dtype}, {plan.num_shards} shard(s), "
-            f"slices of {plan.slice_bytes} bytes")
+    return (
+        f"plan {plan.hash}: model {config.model['name']}, {config.train.dtype}, {plan.num_shards} shard(s), "
+        f"slices of {plan.slice_bytes} bytes"
+    )
 
 
 # -- from a running cluster -------------------------------------------------------------------
-def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None, token: str = "",
-                      tls: TLSFiles = NO_TLS, request_timeout: float | None = None, rows: bool = True,
-                      mixed: bool = False) -> Exported:
+def pull_from_servers(
+    config: JobConfig,
+    addresses: Sequence[str] | None = None,
+    token: str = "",
+    tls: TLSFiles = NO_TLS,
+    request_timeout: float | None = None,
+    rows: bool = True,
+    mixed: bool = False,
+) -> Exported:
     """The current weights of the running cluster at ``addresses`` (default: the job's servers), and with
     ``rows`` every row its embedding tables hold (``table:NAME:ids``, ``table:NAME:rows``).
 
@@ -98,30 +107,49 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
     """
     addresses = list(addresses or config.cluster.servers)
     if not addresses:
-        raise ExportError("no shard addresses: pass --servers HOST:PORT,... in shard order, or a job file whose "
-                          "[cluster] lists servers, or --checkpoints DIR to join the shards' checkpoints")
+        raise ExportError(
+            "no shard addresses: pass --servers HOST:PORT,... in shard order, or a job file whose "
+            "[cluster] lists servers, or --checkpoints DIR to join the shards' checkpoints"
+        )
     plan = job_plan(config)
     if len(addresses) != plan.num_shards:
-        raise ExportError(f"{len(addresses)} shard address(es) given for a job of {plan.num_shards} shard(s): "
-                          "list every shard's address, or pass --shards")
+        raise ExportError(
+            f"{len(addresses)} shard address(es) given for a job of {plan.num_shards} shard(s): "
+            "list every shard's address, or pass --shards"
+        )
     if request_timeout is None:
         request_timeout = config.cluster.deadlines.request_timeout
-    with PSClient(addresses, plan, OBSERVER, deadlines=Deadlines(request_timeout=request_timeout), token=token, tls=tls,
-                  recovery=config.cluster.recovery) as client:
+    with PSClient(
+        addresses,
+        plan,
+        OBSERVER,
+        deadlines=Deadlines(request_timeout=request_timeout),
+        token=token,
+        tls=tls,
+        recovery=config.cluster.recovery,
+    ) as client:
         problems, statuses = [], client.status()
         for k, status in enumerate(statuses):
             if status.shard != k or status.num_shards != plan.num_shards:
-                problems.append(f"{addresses[k]} is shard {status.shard} of {status.num_shards}, "
-                                f"listed as shard {k} of {plan.num_shards}")
+                problems.append(
+                    f"{addresses[k]} is shard {status.shard} of {status.num_shards}, "
+                    f"listed as shard {k} of {plan.num_shards}"
+                )
             elif status.plan_hash != plan.hash:
                 problems.append(f"shard {k} at {addresses[k]} holds plan {status.plan_hash}")
         theirs = {s.plan_hash for s in statuses}
-        if len(problems) == len(statuses) > 1 and len(theirs) == 1 and plan.hash not in theirs \
-                and all(s.shard == k for k, s in enumerate(statuses)):
+        if (
+            len(problems) == len(statuses) > 1
+            and len(theirs) == 1
+            and plan.hash not in theirs
+            and all(s.shard == k for k, s in enumerate(statuses))
+        ):
             problems = [f"every shard holds plan {theirs.pop()}"]
         if problems:
-            raise ExportError(f"the cluster does not hold the model this job describes ({_describe_job(config, plan)}): "
-                              f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order")
+            raise ExportError(
+                f"the cluster does not hold the model this job describes ({_describe_job(config, plan)}): "
+                f"{'; '.join(problems)}; {JOB_HINT}, and the addresses in shard order"
+            )
         weights = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         deadline = time.monotonic() + SAME_VERSION_SECONDS
         versions = client.pull(0, weights)
@@ -129,18 +157,23 @@ def pull_from_servers(config: JobConfig, addresses: Sequence[str] | None = None,
             versions = client.pull(0, weights)  # a round or a push between two shards: taken again
         if len(set(versions)) > 1 and not mixed:
             each = ", ".join(f"shard {k}: {v}" for k, v in enumerate(versions))
-            raise ExportError(f"the running shards are at different versions ({each}) and stayed so for "
-                              f"{SAME_VERSION_SECONDS:g}s (a shard that restarted from an older checkpoint, or missed "
-                              "pushes a worker made to the others): their weights would join different moments of "
-                              "training; export from --checkpoints DIR --version V, or pass --mixed-versions to join "
-                              "them as they are")
+            raise ExportError(
+                f"the running shards are at different versions ({each}) and stayed so for "
+                f"{SAME_VERSION_SECONDS:g}s (a shard that restarted from an older checkpoint, or missed "
+                "pushes a worker made to the others): their weights would join different moments of "
+                "training; export from --checkpoints DIR --version V, or pass --mixed-versions to join "
+                "them as they are"
+            )
         notes = []
         for table in plan.tables if rows else ():
             ids, values, spans = list_rows(client, table.name)
             weights.update(zip(table_keys(table.name), (ids, values)))
-            notes += [f"shard {k} was updated while the rows of table {table.name!r} were listed (versions {a} to "
-                      f"{b}): they may be of different versions, and a row made or evicted meanwhile may be missing"
-                      for k, (a, b) in enumerate(spans) if a != b]
+            notes += [
+                f"shard {k} was updated while the rows of table {table.name!r} were listed (versions {a} to "
+                f"{b}): they may be of different versions, and a row made or evicted meanwhile may be missing"
+                for k, (a, b) in enumerate(spans)
+                if a != b
+            ]
     return Exported(weights, [int(v) for v in versions], f"the cluster at {','.join(addresses)}", notes=notes)
 
 
@@ -182,8 +215,9 @@ class _ShardFolder:
         return f"{self.name}: " + ", ".join(shown) + (f" and {more} older" if more > 0 else "")
 
 
-def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | None = None,
-                     mixed: bool = False) -> Exported:
+def join_checkpoints(
+    config: JobConfig, root: str | os.PathLike, version: int | None = None, mixed: bool = False
+) -> Exported:
     """Whole variables joined from the job's checkpoints in ``root``/<fingerprint>/shard-K, K = 0..shards-1.
 
     The fingerprint is the job's (:func:`psgd.job.fingerprint`); a ``root``
@@ -200,8 +234,10 @@ def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | 
     """
     root = Path(root)
     if not root.is_dir():
-        raise ExportError(f"checkpoint folder {root} does not exist (it is psgd-server's --checkpoint-dir, "
-                          "holding <job fingerprint>/shard-0, shard-1, ...)")
+        raise ExportError(
+            f"checkpoint folder {root} does not exist (it is psgd-server's --checkpoint-dir, "
+            "holding <job fingerprint>/shard-0, shard-1, ...)"
+        )
     plan = job_plan(config)
     root = _job_folder(config, plan, root)
     shards = [_ShardFolder(root, k, [t.name for t in plan.tables]) for k in range(plan.num_shards)]
@@ -217,34 +253,46 @@ def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | 
             if ckpt is not None:
                 taken[s.shard] = ckpt
                 took = ckpt.manifest["version"]
-                notes += [f"{s.name}/ckpt-{v} skipped ({s.damaged[v]}), took ckpt-{took}" for v in s.versions
-                          if v in s.damaged]
+                notes += [
+                    f"{s.name}/ckpt-{v} skipped ({s.damaged[v]}), took ckpt-{took}"
+                    for v in s.versions
+                    if v in s.damaged
+                ]
     else:
         missing = [s.name for s in shards if version not in s.versions]
         if missing:
-            raise ExportError(f"checkpoint version {version} is not in {', '.join(missing)} of {root} "
-                              f"({inventory()}); {_common_versions(shards)}")
+            raise ExportError(
+                f"checkpoint version {version} is not in {', '.join(missing)} of {root} "
+                f"({inventory()}); {_common_versions(shards)}"
+            )
         for s in shards:
             ckpt = s.take(version)
             if ckpt is None:
-                raise ExportError(f"{s.folder}/ckpt-{version} is damaged: {s.damaged[version]} ({inventory()}); "
-                                  f"{_common_versions(shards)}")
+                raise ExportError(
+                    f"{s.folder}/ckpt-{version} is damaged: {s.damaged[version]} ({inventory()}); "
+                    f"{_common_versions(shards)}"
+                )
             taken[s.shard] = ckpt
 
     _check_plans(config, plan, root, shards, taken, inventory)
     lacking = [s for s in shards if s.shard not in taken]
     if lacking:
         why = [f"{s.name}/ckpt-{max(s.damaged)}: {s.damaged[max(s.damaged)]}" for s in lacking if s.damaged]
-        raise ExportError(f"cannot join the checkpoints in {root}: {', '.join(s.name for s in lacking)} "
-                          f"{'has' if len(lacking) == 1 else 'have'} no intact checkpoint ({inventory()}"
-                          + (f"; {'; '.join(why)}" if why else "") + ")")
+        raise ExportError(
+            f"cannot join the checkpoints in {root}: {', '.join(s.name for s in lacking)} "
+            f"{'has' if len(lacking) == 1 else 'have'} no intact checkpoint ({inventory()}"
+            + (f"; {'; '.join(why)}" if why else "")
+            + ")"
+        )
     versions = [int(taken[s.shard].manifest["version"]) for s in shards]
     if version is None and len(set(versions)) > 1 and not mixed:
         newest = ", ".join(f"{s.name}: ckpt-{v}" for s, v in zip(shards, versions))
-        raise ExportError(f"the newest intact checkpoints in {root} are of different versions ({newest}), as "
-                          "happens when shards checkpoint at different moments of training; pass --version V to "
-                          f"take checkpoint V of every shard ({_common_versions(shards)}), or --mixed-versions "
-                          "to join the newest of each shard as it is")
+        raise ExportError(
+            f"the newest intact checkpoints in {root} are of different versions ({newest}), as "
+            "happens when shards checkpoint at different moments of training; pass --version V to "
+            f"take checkpoint V of every shard ({_common_versions(shards)}), or --mixed-versions "
+            "to join the newest of each shard as it is"
+        )
 
     weights = {spec.name: np.empty(spec.shape, dtype=spec.dtype) for spec in plan.specs}
     for s in shards:
@@ -255,17 +303,25 @@ def join_checkpoints(config: JobConfig, root: str | os.PathLike, version: int | 
     return Exported(weights, versions, f"checkpoints in {root}", files, notes)
 
 
-def _join_rows(plan: PartitionPlan, spec: TableSpec, shards: Sequence[_ShardFolder],
-               taken: Mapping[int, checkpoint.Checkpoint]) -> dict[str, np.ndarray]:
+def _join_rows(
+    plan: PartitionPlan, spec: TableSpec, shards: Sequence[_ShardFolder], taken: Mapping[int, checkpoint.Checkpoint]
+) -> dict[str, np.ndarray]:
     """Every shard's rows of table ``spec``, joined by increasing id (:func:`psgd.model.table.table_keys`)."""
     ids, rows = [], []
     for s in shards:
         a = taken[s.shard].arrays
         mine, values = a.get(f"table/{spec.name}/ids"), a.get(f"table/{spec.name}/rows")
-        if mine is None or values is None or mine.ndim != 1 or values.shape != (mine.size, spec.dim) \
-                or (plan.shard_of_ids(spec.name, mine) != s.shard).any():
-            raise ExportError(f"{taken[s.shard].path.with_suffix('.npz')} holds no rows of table {spec.name!r} that "
-                              f"fit the plan (ids of {s.name}'s, rows of {spec.dim} values)")
+        if (
+            mine is None
+            or values is None
+            or mine.ndim != 1
+            or values.shape != (mine.size, spec.dim)
+            or (plan.shard_of_ids(spec.name, mine) != s.shard).any()
+        ):
+            raise ExportError(
+                f"{taken[s.shard].path.with_suffix('.npz')} holds no rows of table {spec.name!r} that "
+                f"fit the plan (ids of {s.name}'s, rows of {spec.dim} values)"
+            )
         ids.append(mine)
         rows.append(values)
     joined, values = joined_by_id(ids, rows, spec.dim)
@@ -291,18 +347,24 @@ def _job_folder(config: JobConfig, plan: PartitionPlan, root: Path) -> Path:
     if not found:
         return folder  # nothing there: said shard by shard ("no folder")
     them = "another job" if len(found) == 1 else "other jobs"
-    said = f"no checkpoints of this job (fingerprint {name}) in {root}, only of {them}: " + \
-        ", ".join(other.describe(mine, plan.hash) for other in found.values())
+    said = f"no checkpoints of this job (fingerprint {name}) in {root}, only of {them}: " + ", ".join(
+        other.describe(mine, plan.hash) for other in found.values()
+    )
     same = [f for f, other in found.items() if (other.manifest or {}).get("plan_hash") == plan.hash]
     if same:
-        raise ExportError(f"{said}; job {same[0]} has this job's partition plan: pass the job file or flags it was "
-                          f"trained with, or --checkpoints {root / same[0]} to join its checkpoints as they are")
+        raise ExportError(
+            f"{said}; job {same[0]} has this job's partition plan: pass the job file or flags it was "
+            f"trained with, or --checkpoints {root / same[0]} to join its checkpoints as they are"
+        )
     newest = max(found.values(), key=lambda o: (o.manifest or {}).get("written_at", 0))
     theirs = (newest.manifest or {}).get("plan")
     why = plan_differences(plan.description(), theirs, "job", "checkpoints") if isinstance(theirs, dict) else ""
-    raise ExportError(f"{said}; job {newest.fingerprint}'s were written for partition plan "
-                      f"{(newest.manifest or {}).get('plan_hash')}, this job describes {_describe_job(config, plan)}"
-                      + (f" ({why})" if why else "") + f": {JOB_HINT}")
+    raise ExportError(
+        f"{said}; job {newest.fingerprint}'s were written for partition plan "
+        f"{(newest.manifest or {}).get('plan_hash')}, this job describes {_describe_job(config, plan)}"
+        + (f" ({why})" if why else "")
+        + f": {JOB_HINT}"
+    )
 
 
 def _common_versions(shards: Sequence[_ShardFolder]) -> str:
@@ -314,29 +376,42 @@ def _common_versions(shards: Sequence[_ShardFolder]) -> str:
     return "every shard has " + ", ".join(str(v) for v in newest[:SHOWN]) + more
 
 
-def _check_plans(config: JobConfig, plan: PartitionPlan, root: Path, shards: Sequence[_ShardFolder],
-                 taken: Mapping[int, checkpoint.Checkpoint], inventory) -> None:
+def _check_plans(
+    config: JobConfig,
+    plan: PartitionPlan,
+    root: Path,
+    shards: Sequence[_ShardFolder],
+    taken: Mapping[int, checkpoint.Checkpoint],
+    inventory,
+) -> None:
     """Refuse checkpoints of several plans, or of a plan other than the job's, or in the wrong folder."""
     hashes = {k: c.manifest.get("plan_hash") for k, c in taken.items()}
     if len(set(hashes.values())) > 1:
         each = ", ".join(f"shard-{k}/ckpt-{taken[k].manifest['version']}: plan {h}" for k, h in sorted(hashes.items()))
-        raise ExportError(f"the checkpoints in {root} were written for different partition plans ({each}; this job "
-                          f"has plan {plan.hash}): they are not from one job (was the folder reused?); "
-                          f"pass --version V to pick checkpoints of one job ({inventory()})")
+        raise ExportError(
+            f"the checkpoints in {root} were written for different partition plans ({each}; this job "
+            f"has plan {plan.hash}): they are not from one job (was the folder reused?); "
+            f"pass --version V to pick checkpoints of one job ({inventory()})"
+        )
     if hashes and next(iter(hashes.values())) != plan.hash:
         k, ckpt = next(iter(sorted(taken.items())))
         theirs = ckpt.manifest.get("plan")
         why = plan_differences(plan.description(), theirs, "job", "checkpoints") if isinstance(theirs, dict) else ""
-        raise ExportError(f"the checkpoints in {root} were written for partition plan {hashes[k]}, this job "
-                          f"describes {_describe_job(config, plan)}" + (f" ({why})" if why else "") + f": {JOB_HINT}")
+        raise ExportError(
+            f"the checkpoints in {root} were written for partition plan {hashes[k]}, this job "
+            f"describes {_describe_job(config, plan)}" + (f" ({why})" if why else "") + f": {JOB_HINT}"
+        )
     for k, ckpt in taken.items():
         if ckpt.manifest.get("shard", k) != k:
-            raise ExportError(f"{ckpt.path} says it is shard {ckpt.manifest.get('shard')}'s, but it lies in "
-                              f"{shards[k].folder}: was it copied into the wrong folder?")
+            raise ExportError(
+                f"{ckpt.path} says it is shard {ckpt.manifest.get('shard')}'s, but it lies in "
+                f"{shards[k].folder}: was it copied into the wrong folder?"
+            )
 
 
-def _place(plan: PartitionPlan, shard: _ShardFolder, ckpt: checkpoint.Checkpoint,
-           weights: dict[str, np.ndarray]) -> None:
+def _place(
+    plan: PartitionPlan, shard: _ShardFolder, ckpt: checkpoint.Checkpoint, weights: dict[str, np.ndarray]
+) -> None:
     """Copy one shard's flat weights (its slices in slice-id order) into the whole variables."""
     slices = plan.slices_for_shard(shard.shard)
     flat = ckpt.arrays.get("weights")
@@ -344,9 +419,10 @@ def _place(plan: PartitionPlan, shard: _ShardFolder, ckpt: checkpoint.Checkpoint
     dtype = slices[0].dtype if slices else None
     if flat is None or flat.ndim != 1 or flat.size != size or (dtype and flat.dtype != np.dtype(dtype)):
         got = "no weights" if flat is None else f"weights of shape {flat.shape} {flat.dtype}"
-        raise ExportError(f"{ckpt.path.with_suffix('.npz')} holds {got}; the plan gives {shard.name} "
-                          f"{size} values of {dtype}")
+        raise ExportError(
+            f"{ckpt.path.with_suffix('.npz')} holds {got}; the plan gives {shard.name} {size} values of {dtype}"
+        )
     at = 0
     for s in slices:
-        weights[s.var].reshape(-1)[s.start:s.stop] = flat[at:at + s.size]
+        weights[s.var].reshape(-1)[s.start : s.stop] = flat[at : at + s.size]
         at += s.size

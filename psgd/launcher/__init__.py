@@ -40,12 +40,23 @@ Where things live:
 This package only re-exports their public names.
 """
 
-from psgd.launcher.run import launch
-from psgd.launcher.result import EXIT_LOST_UPDATES, LaunchResult, lost_updates
 from psgd.launcher.layout import Hosts, Layout, find_mpiexec
+from psgd.launcher.result import EXIT_LOST_UPDATES, LaunchResult, lost_updates
+from psgd.launcher.run import launch
 from psgd.launcher.supervise import GRACE, STOP_SIGNALS, Children, LaunchError, LaunchInterrupted, child_environment
 
 __all__ = [
-    "launch", "LaunchResult", "EXIT_LOST_UPDATES", "lost_updates", "Hosts", "Layout", "find_mpiexec",
-    "Children", "child_environment", "LaunchError", "LaunchInterrupted", "STOP_SIGNALS", "GRACE",
+    "launch",
+    "LaunchResult",
+    "EXIT_LOST_UPDATES",
+    "lost_updates",
+    "Hosts",
+    "Layout",
+    "find_mpiexec",
+    "Children",
+    "child_environment",
+    "LaunchError",
+    "LaunchInterrupted",
+    "STOP_SIGNALS",
+    "GRACE",
 ]

@@ -25,14 +25,37 @@ NCCL_RENDEZVOUS = "nccl-id.json"
 MPI_ON_HOSTS = ("-genv", "MPIR_CVAR_NOLOCAL", "1", "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0")
 
 
-def launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool, timeout: float,
-                     worker_args: list[str], log_flags: list[str], children: Children,
-                     save: str | None, hosts: Hosts | None, devices: dict[int, str]) -> LaunchResult:
+def launch_allreduce(
+    config: JobConfig,
+    backend: str,
+    run: Path,
+    progress: bool,
+    timeout: float,
+    worker_args: list[str],
+    log_flags: list[str],
+    children: Children,
+    save: str | None,
+    hosts: Hosts | None,
+    devices: dict[int, str],
+) -> LaunchResult:
     n, py = config.cluster.workers, sys.executable
     weights = run / "weights.npz"
     weights.unlink(missing_ok=True)
-    common = ["-m", "psgd.cli.worker", "-c", str(run / "job.toml"), "--mode", "allreduce", "--backend", backend,
-              "--save", str(weights), "--metrics", str(run / "allreduce.jsonl"), *worker_args]
+    common = [
+        "-m",
+        "psgd.cli.worker",
+        "-c",
+        str(run / "job.toml"),
+        "--mode",
+        "allreduce",
+        "--backend",
+        backend,
+        "--save",
+        str(weights),
+        "--metrics",
+        str(run / "allreduce.jsonl"),
+        *worker_args,
+    ]
     if backend == "mpi":  # every rank: mpiexec shows each one's stderr
         common += shown_flags(run / "allreduce.log", log_flags) if progress else (log_flags + ["--no-progress"])
     start = time.perf_counter()
@@ -45,19 +68,31 @@ def launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool,
         if hosts is not None or any(on_gpu.values()):  # mpiexec's MPMD form: rank r on host w<r>, GPU of its own
             argv = [mpiexec, *(MPI_ON_HOSTS if hosts else ())]
             for r in range(n):
-                argv += [":"] * (r > 0) + ["-n", "1", *(hosts.prefix(f"w{r}") if hosts else []), py, *common,
-                                           *on_gpu[r]]
+                argv += [":"] * (r > 0) + [
+                    "-n",
+                    "1",
+                    *(hosts.prefix(f"w{r}") if hosts else []),
+                    py,
+                    *common,
+                    *on_gpu[r],
+                ]
         else:
             argv = [mpiexec, "-n", str(n), py, *common]
-        children.start(f"mpiexec -n {n}" + " on emulated hosts" * (hosts is not None), argv, run / "allreduce.log",
-                       show=progress, env=env)
+        children.start(
+            f"mpiexec -n {n}" + " on emulated hosts" * (hosts is not None),
+            argv,
+            run / "allreduce.log",
+            show=progress,
+            env=env,
+        )
     elif backend == "nccl":
         rendezvous = run / NCCL_RENDEZVOUS
         rendezvous.unlink(missing_ok=True)
         for r in range(n):
             extra = ["--rank", str(r), *on_gpu[r], "--rendezvous", f"file:{rendezvous}"]
-            extra += shown_flags(run / f"rank-{r}.log", log_flags) if progress and not r else \
-                (log_flags + ["--no-progress"])
+            extra += (
+                shown_flags(run / f"rank-{r}.log", log_flags) if progress and not r else (log_flags + ["--no-progress"])
+            )
             children.start(f"rank {r}", [py, *common, *extra], run / f"rank-{r}.log", show=progress and r == 0)
     else:
         raise LaunchError(f"unknown all-reduce backend {backend!r}: use mpi or nccl")
@@ -66,13 +101,25 @@ def launch_allreduce(config: JobConfig, backend: str, run: Path, progress: bool,
     except LaunchInterrupted:
         raise
     except LaunchError as exc:
-        raise LaunchError(f"a rank of the all-reduce job failed, so the job was stopped (one rank cannot "
-                          f"go on without the others): {exc}", exc.failures) from None
+        raise LaunchError(
+            f"a rank of the all-reduce job failed, so the job was stopped (one rank cannot "
+            f"go on without the others): {exc}",
+            exc.failures,
+        ) from None
     if not weights.exists():
         raise LaunchError(f"rank 0 finished without saving {weights}; see the logs in {run}")
     params = read_npz(weights)
     loss, scores, verdict = evaluate_weights(config, params, "allreduce")
     if save:
         save_weights(save, params)
-    return LaunchResult(scores["test_accuracy"], loss, time.perf_counter() - start, [], str(run), [], save, verdict,
-                        test_r2=scores["test_r2"])
+    return LaunchResult(
+        scores["test_accuracy"],
+        loss,
+        time.perf_counter() - start,
+        [],
+        str(run),
+        [],
+        save,
+        verdict,
+        test_r2=scores["test_r2"],
+    )

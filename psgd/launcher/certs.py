@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -41,10 +41,11 @@ def job_tls(run: Path, hosts: Iterable[str] = ()) -> TLSFiles:
     ``localhost`` and ``hosts`` (names or addresses), written there; the files for the job's processes."""
     folder = run / TLS_FOLDER
     if folder.is_symlink() or folder.exists() and not folder.is_dir():
-        raise InputError(f"{folder}: not a folder of psgd's own (a link or a file): remove it, or give the run "
-                         "another folder")
+        raise InputError(
+            f"{folder}: not a folder of psgd's own (a link or a file): remove it, or give the run another folder"
+        )
     folder.mkdir(mode=0o700, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca = _kept_ca(folder, now)
     if ca is None:
         ca = _new_ca(now)
@@ -67,8 +68,9 @@ def _kept_ca(folder: Path, now: datetime.datetime) -> tuple[x509.Certificate, ec
         if cert.public_key() != key.public_key():
             raise ValueError("the key is not the certificate's")
     except ValueError as exc:
-        raise InputError(f"{folder}: not the CA psgd made for this run ({exc}): remove the folder to have a new "
-                         "one made") from None
+        raise InputError(
+            f"{folder}: not the CA psgd made for this run ({exc}): remove the folder to have a new one made"
+        ) from None
     if cert.not_valid_after_utc - now < datetime.timedelta(days=1):
         log.info("the job's CA in %s expires on %s: a new one is made", folder, cert.not_valid_after_utc)
         return None
@@ -78,18 +80,32 @@ def _kept_ca(folder: Path, now: datetime.datetime) -> tuple[x509.Certificate, ec
 def _new_ca(now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "psgd job CA")])
-    cert = (_builder(name, name, key.public_key(), now)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        _builder(name, name, key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     return cert, key
 
 
-def _issued(ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], now: datetime.datetime,
-            names: list[str]) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def _issued(
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], now: datetime.datetime, names: list[str]
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate signed by ``ca`` for ``names``, good for serving (the shards) and for showing (the workers)."""
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
@@ -99,27 +115,37 @@ def _issued(ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], now: dateti
             sans.append(x509.IPAddress(ipaddress.ip_address(name)))
         except ValueError:
             sans.append(x509.DNSName(name))
-    cert = (_builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "psgd job")]), ca_cert.subject,
-                     key.public_key(), now)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        _builder(
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "psgd job")]), ca_cert.subject, key.public_key(), now
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     return cert, key
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key, now: datetime.datetime) -> x509.CertificateBuilder:
-    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))  # a clock a little behind still accepts it
-            .not_valid_after(now + datetime.timedelta(days=DAYS)))
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # a clock a little behind still accepts it
+        .not_valid_after(now + datetime.timedelta(days=DAYS))
+    )
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -45,8 +45,10 @@ class ChildFailure:
 
     def line(self) -> str:
         """One line of the launch's last ones: who, how it ended, when, and where its log is."""
-        return (f"  {self.name}: {self.how()}, {self.seconds:.1f}s into the launch "
-                f"({time.strftime('%H:%M:%S', time.localtime(self.time))}), pid {self.pid}; log {self.log}")
+        return (
+            f"  {self.name}: {self.how()}, {self.seconds:.1f}s into the launch "
+            f"({time.strftime('%H:%M:%S', time.localtime(self.time))}), pid {self.pid}; log {self.log}"
+        )
 
     def record(self) -> dict[str, Any]:
         """The record as JSON takes it (``psgd launch --json``'s ``"failures"``)."""
@@ -62,8 +64,17 @@ def failure(role: str, rank: int | None, pid: int, returncode: int, log: Path, b
             killed = signals.Signals(-returncode).name
         except ValueError:  # a signal Python has no name for
             killed = f"signal {-returncode}"
-    return ChildFailure(role, rank, pid, None if killed else returncode, killed, time.time(),
-                        time.monotonic() - began, str(log), last_lines(log))
+    return ChildFailure(
+        role,
+        rank,
+        pid,
+        None if killed else returncode,
+        killed,
+        time.time(),
+        time.monotonic() - began,
+        str(log),
+        last_lines(log),
+    )
 
 
 def last_lines(path: Path, lines: int = LAST_LINES) -> tuple[str, ...]:

@@ -10,8 +10,8 @@ import os
 import secrets
 import shlex
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from psgd.errors import InputError
 from psgd.launcher.supervise import LaunchError

@@ -18,12 +18,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from psgd.collective import BackendUnavailable
-from psgd.errors import install_extra
 from psgd.compute import backend, threads
+from psgd.errors import install_extra
 from psgd.launcher.supervise import LaunchError
 from psgd.observe.progress import bar_wanted
 from psgd.wire import protocol
@@ -35,21 +35,22 @@ class Layout:
 
     nnodes: int = 1
     node_rank: int = 0
-    hosts: tuple[str, ...] = ()   # one per node; empty: a single node on 127.0.0.1 with free ports
-    port: int = 29500             # first gRPC port of a node's shards (multi-node only)
+    hosts: tuple[str, ...] = ()  # one per node; empty: a single node on 127.0.0.1 with free ports
+    port: int = 29500  # first gRPC port of a node's shards (multi-node only)
 
     def check(self, shards: int, workers: int) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}")
         if self.nnodes > 1 and len(self.hosts) != self.nnodes:
-            raise LaunchError(f"--nnodes {self.nnodes} needs --hosts with one address per node "
-                              f"(got {len(self.hosts)})")
+            raise LaunchError(f"--nnodes {self.nnodes} needs --hosts with one address per node (got {len(self.hosts)})")
         if self.nnodes > max(shards, workers):
-            raise LaunchError(f"--nnodes {self.nnodes} is more nodes than shards ({shards}) or workers ({workers}) "
-                              "to put on them")
+            raise LaunchError(
+                f"--nnodes {self.nnodes} is more nodes than shards ({shards}) or workers ({workers}) to put on them"
+            )
         if not 0 < self.port < 65536 - 4 * shards:
-            raise LaunchError(f"--port {self.port} leaves no room for {shards} shard(s) (two ports each, and two "
-                              "for each replica)")
+            raise LaunchError(
+                f"--port {self.port} leaves no room for {shards} shard(s) (two ports each, and two for each replica)"
+            )
 
     def shards_here(self, shards: int) -> list[int]:
         return [k for k in range(shards) if k % self.nnodes == self.node_rank]
@@ -91,19 +92,21 @@ class Hosts:
         return list(self.prefixes[host])
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "Hosts":
+    def from_spec(cls, spec: dict) -> Hosts:
         """From ``{"prefixes": {host: argv}, "addresses": {host: address}}`` (psgd.bench.hosted writes it)."""
         try:
             return cls({h: tuple(p) for h, p in spec["prefixes"].items()}, dict(spec["addresses"]))
         except KeyError as exc:
-            raise LaunchError(f"an emulated-hosts spec needs 'prefixes' and 'addresses' by host; {exc} is "
-                              "missing") from None
+            raise LaunchError(
+                f"an emulated-hosts spec needs 'prefixes' and 'addresses' by host; {exc} is missing"
+            ) from None
         except (TypeError, AttributeError):
-            raise LaunchError("an emulated-hosts spec needs 'prefixes' and 'addresses' by host, each a table "
-                              "keyed by host name") from None
+            raise LaunchError(
+                "an emulated-hosts spec needs 'prefixes' and 'addresses' by host, each a table keyed by host name"
+            ) from None
 
     @classmethod
-    def load(cls, path: str) -> "Hosts":
+    def load(cls, path: str) -> Hosts:
         """:meth:`from_spec` of the JSON file ``path`` (``psgd launch --emulated-hosts``)."""
         try:
             return cls.from_spec(json.loads(Path(path).read_text()))
@@ -117,8 +120,10 @@ def find_mpiexec() -> str:
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if not found:
-        raise BackendUnavailable("the mpi backend needs an MPI launcher (mpiexec): install one in psgd's folder "
-                                 f"with `{install_extra('mpi')}` (mpi4py with MPICH)")
+        raise BackendUnavailable(
+            "the mpi backend needs an MPI launcher (mpiexec): install one in psgd's folder "
+            f"with `{install_extra('mpi')}` (mpi4py with MPICH)"
+        )
     return found
 
 
@@ -141,7 +146,8 @@ def mpi_environment(mpiexec: str) -> tuple[dict[str, str], str]:
         return {}, ""
     return {v: "1" for v in OPEN_MPI_AS_ROOT}, (
         f"running as root with Open MPI's mpiexec ({mpiexec}), which refuses root unless told: set "
-        f"{'=1 and '.join(OPEN_MPI_AS_ROOT)}=1 for its ranks")
+        f"{'=1 and '.join(OPEN_MPI_AS_ROOT)}=1 for its ranks"
+    )
 
 
 def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tuple[dict[int, str], str]:
@@ -160,8 +166,11 @@ def place_on_gpus(device: str, ranks: Sequence[int], what: str = "worker") -> tu
         return {r: "cpu" for r in ranks}, ""
     placed = {r: f"cuda:{gpus[i % len(gpus)]}" for i, r in enumerate(ranks)}
     shared = f"; {len(ranks)} {what}s share {len(gpus)} GPU(s)" if len(ranks) > len(gpus) else ""
-    return placed, (f"{what}s on GPUs: " + ", ".join(f"{r} on {d}" for r, d in placed.items())
-                    + f" ({backend.cuda_device_count()} visible{shared}; shards on the CPU)")
+    return placed, (
+        f"{what}s on GPUs: "
+        + ", ".join(f"{r} on {d}" for r, d in placed.items())
+        + f" ({backend.cuda_device_count()} visible{shared}; shards on the CPU)"
+    )
 
 
 def busy_poll(processes: int) -> tuple[int, str]:
@@ -171,9 +180,11 @@ def busy_poll(processes: int) -> tuple[int, str]:
     a shard on 2 cores ran at half speed, benchmarks/RESULTS.md)."""
     cores = threads.available_cores()
     if processes <= cores:
-        return protocol.BUSY_POLL_US, (f"{processes} process(es) on {cores} core(s): a data connection watches "
-                                       f"{protocol.BUSY_POLL_US} µs for its answer before it sleeps "
-                                       "([cluster] busy_poll_us to change)")
+        return protocol.BUSY_POLL_US, (
+            f"{processes} process(es) on {cores} core(s): a data connection watches "
+            f"{protocol.BUSY_POLL_US} µs for its answer before it sleeps "
+            "([cluster] busy_poll_us to change)"
+        )
     return 0, f"{processes} process(es) on {cores} core(s): data connections sleep at once ([cluster] busy_poll_us)"
 
 

@@ -7,8 +7,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from psgd import data as datasets
 from psgd.config import JobConfig
@@ -72,14 +73,17 @@ def exchange_bound(records: Sequence[dict]) -> str | None:
             steps += 1
     if not steps or moving <= compute:
         return None
-    return (f"the exchange, not the compute, bounds this job's step: a worker's step took "
-            f"{1e3 * (compute + moving) / steps:.2f} ms, {1e3 * compute / steps:.2f} of them computing its gradient "
-            f"and {1e3 * moving / steps:.2f} getting weights and handing the gradient on; for a model this small, "
-            "train in one process (psgd train) or with --mode allreduce, or give each step more work (--batch-size)")
+    return (
+        f"the exchange, not the compute, bounds this job's step: a worker's step took "
+        f"{1e3 * (compute + moving) / steps:.2f} ms, {1e3 * compute / steps:.2f} of them computing its gradient "
+        f"and {1e3 * moving / steps:.2f} getting weights and handing the gradient on; for a model this small, "
+        "train in one process (psgd train) or with --mode allreduce, or give each step more work (--batch-size)"
+    )
 
 
-def evaluate_weights(config: JobConfig, weights: dict, mode: str,
-                     reader: Any = None) -> tuple[float, dict[str, float | None], dict | None]:
+def evaluate_weights(
+    config: JobConfig, weights: dict, mode: str, reader: Any = None
+) -> tuple[float, dict[str, float | None], dict | None]:
     """The test loss and score of the final weights (a model's embedding tables read by ``reader``, an
     observer of the shards) as ``{"test_accuracy": ..., "test_r2": ...}`` (the one the targets are scored by set,
     the other None), and the divergence guard's verdict on them alone."""
@@ -93,16 +97,18 @@ def evaluate_weights(config: JobConfig, weights: dict, mode: str,
         load_weights(None, job.model.specs(), job.plan.tables, arrays=weights)
         rows = saved_rows(job, weights)
     params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
-    loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows,
-                           target=ds.target)
+    loss, score = evaluate(
+        job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows, target=ds.target
+    )
     steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
     guard = DivergenceGuard.of_job("launcher", ds, config, mode)
     verdict = guard.final(steps, t.epochs, loss, score)
     return loss, scores_of(ds.metric, score), verdict.record() if verdict else None
 
 
-def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: float,
-                      save: str | None, tls: TLSFiles, token: str) -> LaunchResult:
+def final_evaluation(
+    config: JobConfig, addresses: list[str], run: Path, start: float, save: str | None, tls: TLSFiles, token: str
+) -> LaunchResult:
     from psgd.export.shards import job_plan, pull_from_servers
     from psgd.worker.client import PSClient
 
@@ -113,13 +119,20 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     lost = lost_updates(versions)
     if lost:
         top = max(versions)
-        log.warning("the shards ended at different versions: %s; the updates a shard is behind were lost on it (it "
-                    "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
-                    "its part of the model missed them", "; ".join(
-                        f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()))
+        log.warning(
+            "the shards ended at different versions: %s; the updates a shard is behind were lost on it (it "
+            "restarted from an older checkpoint, or a worker died between its pushes to two shards), and "
+            "its part of the model missed them",
+            "; ".join(f"shard {k} at {versions[k]}, {n} behind ({100 * n / top:.1f}%)" for k, n in lost.items()),
+        )
     plan = job_plan(config)
-    with PSClient(addresses, plan, token=token, tls=tls,  # an observer: reads rows, makes none
-                  recovery=config.cluster.recovery) as reader:
+    with PSClient(
+        addresses,
+        plan,
+        token=token,
+        tls=tls,  # an observer: reads rows, makes none
+        recovery=config.cluster.recovery,
+    ) as reader:
         loss, scores, verdict = evaluate_weights(config, weights, "ps", reader)
         statuses = reader.status()
     counters = [json.loads(s.counters_json) for s in statuses]
@@ -128,30 +141,61 @@ def final_evaluation(config: JobConfig, addresses: list[str], run: Path, start: 
     for s in statuses:
         for w in s.workers:
             steps[w.worker_id] = max(steps.get(w.worker_id, 0), w.clock)
-    went_back = {k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")} for k, c in enumerate(counters)
-                 if c.get("rollbacks")}
+    went_back = {
+        k: {n: c.get(n, 0) for n in ("rollbacks", "rounds_undone")}
+        for k, c in enumerate(counters)
+        if c.get("rollbacks")
+    }
     failed_over = {k: n for k, n in enumerate(c.get("failovers", 0) for c in counters) if n}
     if failed_over:
-        log.info("a shard's primary died and its replica took over (no acknowledged push lost): %s",
-                 "; ".join(f"shard {k} {n} time(s)" for k, n in failed_over.items()))
+        log.info(
+            "a shard's primary died and its replica took over (no acknowledged push lost): %s",
+            "; ".join(f"shard {k} {n} time(s)" for k, n in failed_over.items()),
+        )
     unreplicated = {k: n for k, n in enumerate(c.get("unreplicated", 0) for c in counters) if n}
     if unreplicated:
-        log.warning("a shard's pair held one copy for a while (its replica was gone, or could not apply an update): "
-                    "%s; had its primary died then, those pushes would have been lost", "; ".join(
-                        f"shard {k} acknowledged {n} push(es) without a copy" for k, n in unreplicated.items()))
+        log.warning(
+            "a shard's pair held one copy for a while (its replica was gone, or could not apply an update): "
+            "%s; had its primary died then, those pushes would have been lost",
+            "; ".join(f"shard {k} acknowledged {n} push(es) without a copy" for k, n in unreplicated.items()),
+        )
     if went_back:
-        log.info("the job went back to a cut after a shard restarted, and computed the rounds since again (no update "
-                 "lost): %s", "; ".join(f"shard {k} {b['rollbacks']} time(s), {b['rounds_undone']} round(s)"
-                                       for k, b in went_back.items()))
+        log.info(
+            "the job went back to a cut after a shard restarted, and computed the rounds since again (no update "
+            "lost): %s",
+            "; ".join(
+                f"shard {k} {b['rollbacks']} time(s), {b['rounds_undone']} round(s)" for k, b in went_back.items()
+            ),
+        )
     for note in pulled.notes:
         log.warning("--save %s: %s", save, note)
     if save:
         save_weights(save, weights)
-    spent = {k: {"receive": round(c.get("receive_seconds", 0.0), 6), "apply": round(c.get("apply_seconds", 0.0), 6),
-                 "pushes": c.get("pushes", 0)} for k, c in enumerate(counters)}
-    return LaunchResult(scores["test_accuracy"], loss, time.perf_counter() - start, addresses, str(run), versions,
-                        save, verdict, lost, went_back, failed_over, unreplicated, spent, scores["test_r2"],
-                        [steps.get(r, 0) for r in range(config.cluster.workers)])
+    spent = {
+        k: {
+            "receive": round(c.get("receive_seconds", 0.0), 6),
+            "apply": round(c.get("apply_seconds", 0.0), 6),
+            "pushes": c.get("pushes", 0),
+        }
+        for k, c in enumerate(counters)
+    }
+    return LaunchResult(
+        scores["test_accuracy"],
+        loss,
+        time.perf_counter() - start,
+        addresses,
+        str(run),
+        versions,
+        save,
+        verdict,
+        lost,
+        went_back,
+        failed_over,
+        unreplicated,
+        spent,
+        scores["test_r2"],
+        [steps.get(r, 0) for r in range(config.cluster.workers)],
+    )
 
 
 def lockstep_steps(records: list[dict], ranks: int) -> list[int]:

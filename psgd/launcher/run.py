@@ -16,22 +16,43 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from psgd.compute import threads
 from psgd.config import JobConfig, to_toml
 from psgd.job import RANK_CLAIM, check_optimizer
-from psgd.observe.files import open_own
-from psgd.launcher.certs import job_tls
-from psgd.launcher.folder import (CHECKPOINTS, FINAL, TOKEN_FILE, claim, made_token, new_run_folder,
-                                  resume_command, status_command)
-from psgd.launcher.result import (LaunchResult, exchange_bound, final_evaluation,
-                                  first_divergence, lockstep_steps, read_records)
 from psgd.launcher.allreduce import NCCL_RENDEZVOUS, launch_allreduce
+from psgd.launcher.certs import job_tls
+from psgd.launcher.folder import (
+    CHECKPOINTS,
+    FINAL,
+    TOKEN_FILE,
+    claim,
+    made_token,
+    new_run_folder,
+    resume_command,
+    status_command,
+)
 from psgd.launcher.layout import Hosts, Layout, busy_poll, device_flags, place_on_gpus, shown_flags
-from psgd.launcher.supervise import (STOP_SIGNALS, Child, Children, LaunchError, LaunchInterrupted, wait_all,
-                                   wait_for_files)
+from psgd.launcher.result import (
+    LaunchResult,
+    exchange_bound,
+    final_evaluation,
+    first_divergence,
+    lockstep_steps,
+    read_records,
+)
+from psgd.launcher.supervise import (
+    STOP_SIGNALS,
+    Child,
+    Children,
+    LaunchError,
+    LaunchInterrupted,
+    wait_all,
+    wait_for_files,
+)
+from psgd.observe.files import open_own
 from psgd.ops.reach import Connect, check_health, try_status
 from psgd.wire.channel import MAKE_TOKEN, read_token
 from psgd.wire.tls import TLSFiles, child_flags
@@ -39,12 +60,26 @@ from psgd.wire.tls import TLSFiles, child_flags
 log = logging.getLogger(__name__)
 
 
-def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir: str | None = None,
-           progress: bool = True, timeout: float = 900.0, worker_args: Sequence[str] = (),
-           verbose: int = 0, monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None = None,
-           save: str | None = None, layout: Layout = Layout(), hosts: Hosts | None = None,
-           tls: TLSFiles | None = None, resume: bool = False, script: Sequence[str] = (),
-           resume_flags: Sequence[str] = (), continue_with: str = "") -> LaunchResult:
+def launch(
+    config: JobConfig,
+    *,
+    mode: str = "ps",
+    backend: str = "mpi",
+    run_dir: str | None = None,
+    progress: bool = True,
+    timeout: float = 900.0,
+    worker_args: Sequence[str] = (),
+    verbose: int = 0,
+    monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None = None,
+    save: str | None = None,
+    layout: Layout = Layout(),
+    hosts: Hosts | None = None,
+    tls: TLSFiles | None = None,
+    resume: bool = False,
+    script: Sequence[str] = (),
+    resume_flags: Sequence[str] = (),
+    continue_with: str = "",
+) -> LaunchResult:
     """Run ``job`` (this node's share of it); returns the final test accuracy of the trained weights.
 
     ``worker_args`` are passed to every worker (or rank), e.g. ``["--delay",
@@ -77,8 +112,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     if mode not in ("ps", "allreduce"):
         raise LaunchError(f"unknown mode {mode!r}: use ps or allreduce")
     if script and (mode != "ps" or worker_args):
-        raise LaunchError("psgd run starts a script per parameter-server worker: not in all-reduce mode, and not "
-                          "with worker flags")
+        raise LaunchError(
+            "psgd run starts a script per parameter-server worker: not in all-reduce mode, and not with worker flags"
+        )
     check_optimizer(config)
     made_tls = False
     if tls is None:  # the default: the job file's certificates, else (ps mode, one node) a CA made for the job
@@ -86,24 +122,29 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         made_tls = not tls.enabled and mode == "ps" and layout.nnodes == 1
     tls_flags = child_flags(tls)
     if tls.enabled and mode != "ps":
-        raise LaunchError("TLS protects the parameter servers' traffic: all-reduce mode has no servers (MPI and "
-                          "NCCL bring their own transport)")
+        raise LaunchError(
+            "TLS protects the parameter servers' traffic: all-reduce mode has no servers (MPI and "
+            "NCCL bring their own transport)"
+        )
     if mode == "allreduce" and layout.nnodes > 1:
         raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
     layout.check(config.cluster.shards, config.cluster.workers)
     if hosts is not None:
         if layout.nnodes > 1 or (mode == "allreduce" and backend != "mpi"):
-            raise LaunchError("emulated hosts are for one node, and for all-reduce over MPI (NCCL ranks need "
-                              "GPUs of their own)")
+            raise LaunchError(
+                "emulated hosts are for one node, and for all-reduce over MPI (NCCL ranks need GPUs of their own)"
+            )
         hosts.check(config.cluster.shards if mode == "ps" else 0, config.cluster.workers)
     ranks = layout.workers_here(config.cluster.workers)
     devices, placement = place_on_gpus(config.train.device, ranks, "rank" if mode == "allreduce" else "worker")
     if mode == "allreduce" and backend == "nccl":
         gpus = {d for d in devices.values() if d != "cpu"}
         if len(gpus) < len(ranks):
-            raise LaunchError(f"all-reduce over NCCL needs a GPU of its own for each of its {len(ranks)} ranks, "
-                              f"and --device {config.train.device} gives {len(gpus)}: use --device cuda on a machine "
-                              "with enough GPUs, or the mpi backend")
+            raise LaunchError(
+                f"all-reduce over NCCL needs a GPU of its own for each of its {len(ranks)} ranks, "
+                f"and --device {config.train.device} gives {len(gpus)}: use --device cuda on a machine "
+                "with enough GPUs, or the mpi backend"
+            )
     if placement:
         log.info("%s", placement)
     # the job file names one device (its workers' own comes with --device)
@@ -111,8 +152,9 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the launcher's own evaluation imports user models too
     if resume and mode != "ps":
-        raise LaunchError("--resume continues a parameter-server job from its shards' checkpoints; all-reduce "
-                          "ranks keep none")
+        raise LaunchError(
+            "--resume continues a parameter-server job from its shards' checkpoints; all-reduce ranks keep none"
+        )
     token = read_token()  # a weak one is refused before anything is written
     run = Path(run_dir) if run_dir else new_run_folder(mode)
     claim(run, resume, mode, script)
@@ -122,23 +164,33 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
     if kept_token:
         if layout.nnodes == 1:
             token = made_token(run)
-            log.info("the job's token is in %s (readable by you alone; psgd %s --resume reads it, the shards sign "
-                     "their checkpoints with it)", run / TOKEN_FILE, "run" if script else "launch")
+            log.info(
+                "the job's token is in %s (readable by you alone; psgd %s --resume reads it, the shards sign "
+                "their checkpoints with it)",
+                run / TOKEN_FILE,
+                "run" if script else "launch",
+            )
         else:  # every node must know the same one: none is made here
-            raise LaunchError(f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
-                              f"on each before psgd launch (make one: {MAKE_TOKEN})")
+            raise LaunchError(
+                f"a {layout.nnodes}-node job needs its token on every node: set the same PSGD_TOKEN "
+                f"on each before psgd launch (make one: {MAKE_TOKEN})"
+            )
     if made_tls:
         tls = job_tls(run, [*layout.hosts, *(hosts.addresses.values() if hosts else ())])
         tls_flags = child_flags(tls)
         log.info("TLS on (mutual; a CA made for this job, kept in %s)", Path(tls.ca).parent)
     elif mode == "ps" and layout.nnodes > 1 and not tls.enabled:
-        log.warning("no TLS: the token and the gradients and weights travel in the clear between nodes; give every "
-                    "node the same --tls-cert, --tls-key and --tls-ca (docs/howto/reliability-security.md)")
+        log.warning(
+            "no TLS: the token and the gradients and weights travel in the clear between nodes; give every "
+            "node the same --tls-cert, --tls-key and --tls-ca (docs/howto/reliability-security.md)"
+        )
     spec = config.to_dict()
     spec["cluster"]["servers"] = []
-    here = (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0) + \
-        len(layout.workers_here(config.cluster.workers)) + \
-        (len(layout.replicas_here(config.cluster.shards)) if mode == "ps" and config.cluster.recovery.replicas else 0)
+    here = (
+        (len(layout.shards_here(config.cluster.shards)) if mode == "ps" else 0)
+        + len(layout.workers_here(config.cluster.workers))
+        + (len(layout.replicas_here(config.cluster.shards)) if mode == "ps" and config.cluster.recovery.replicas else 0)
+    )
     per_process, said = threads.budget(config.train.threads, here)
     log.info("%s", said)
     spec["train"]["threads"] = per_process
@@ -154,14 +206,42 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         stopping = signal.SIGTERM
         try:
             if mode == "allreduce":
-                result = launch_allreduce(config, backend, run, progress, timeout, list(worker_args), log_flags,
-                                           children, save, hosts, devices)
+                result = launch_allreduce(
+                    config,
+                    backend,
+                    run,
+                    progress,
+                    timeout,
+                    list(worker_args),
+                    log_flags,
+                    children,
+                    save,
+                    hosts,
+                    devices,
+                )
                 metrics, shown = [run / "allreduce.jsonl"], "rank 0" if progress else None
             else:
                 watch = status_command(run, tls, token_kept=kept_token)
-                result = _launch_ps(config, spec, run, progress, timeout, list(worker_args), log_flags, monitor,
-                                    children, save, layout, hosts, devices, tls, tls_flags, token, tuple(script),
-                                    watch)
+                result = _launch_ps(
+                    config,
+                    spec,
+                    run,
+                    progress,
+                    timeout,
+                    list(worker_args),
+                    log_flags,
+                    monitor,
+                    children,
+                    save,
+                    layout,
+                    hosts,
+                    devices,
+                    tls,
+                    tls_flags,
+                    token,
+                    tuple(script),
+                    watch,
+                )
                 metrics = [run / f"worker-{r}.jsonl" for r in ranks]
                 shown = f"worker {ranks[0]}" if progress and ranks else None
             records = read_records(metrics, began)
@@ -175,16 +255,21 @@ def launch(config: JobConfig, *, mode: str = "ps", backend: str = "mpi", run_dir
         except LaunchInterrupted as exc:
             stopping = exc.signum
             if mode == "ps" and layout.node_rank == 0:  # the shards write their last checkpoints as they stop
-                exc.args = (f"{exc}; the shards' checkpoints are in {checkpoints}: continue with "
-                            f"{continue_with or resume_command(run, script, resume_flags)}",)
+                exc.args = (
+                    f"{exc}; the shards' checkpoints are in {checkpoints}: continue with "
+                    f"{continue_with or resume_command(run, script, resume_flags)}",
+                )
             raise
         finally:
             children.stop_all(stopping if stopping in STOP_SIGNALS else signal.SIGTERM, pause_workers=mode == "ps")
             # the files through which the processes found each other mean nothing once the launch has ended
             # (a stopped shard removes its own port file; a killed one cannot)
-            handoff = [run / NCCL_RENDEZVOUS] if mode == "allreduce" else \
-                [_port_file(run, k) for k in layout.shards_here(config.cluster.shards)] + \
-                [_port_file(run, k, "replica") for k in layout.replicas_here(config.cluster.shards)]
+            handoff = (
+                [run / NCCL_RENDEZVOUS]
+                if mode == "allreduce"
+                else [_port_file(run, k) for k in layout.shards_here(config.cluster.shards)]
+                + [_port_file(run, k, "replica") for k in layout.replicas_here(config.cluster.shards)]
+            )
             for path in handoff:
                 path.unlink(missing_ok=True)
 
@@ -200,32 +285,65 @@ def _port_file(run: Path, shard: int, role: str = "shard") -> Path:
     return run / f"{role}-{shard}.addr"
 
 
-def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout: float, worker_args: list[str],
-               log_flags: list[str], monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None,
-               children: Children, save: str | None, layout: Layout, hosts: Hosts | None,
-               devices: dict[int, str], tls: TLSFiles, tls_flags: list[str], token: str,
-               script: tuple[str, ...] = (), watch: str = "") -> LaunchResult:
+def _launch_ps(
+    config: JobConfig,
+    spec: dict,
+    run: Path,
+    progress: bool,
+    timeout: float,
+    worker_args: list[str],
+    log_flags: list[str],
+    monitor: Callable[[list[str], threading.Event, str, TLSFiles], None] | None,
+    children: Children,
+    save: str | None,
+    layout: Layout,
+    hosts: Hosts | None,
+    devices: dict[int, str],
+    tls: TLSFiles,
+    tls_flags: list[str],
+    token: str,
+    script: tuple[str, ...] = (),
+    watch: str = "",
+) -> LaunchResult:
     c = config.cluster
     job_path = run / "job.toml"
     py = sys.executable
     start = time.perf_counter()
     mine = layout.shards_here(c.shards)
-    servers, bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
-                                   tls_flags + log_flags + ["--checkpoint-dir", str(run / CHECKPOINTS)], token, timeout)
+    servers, bound = _start_shards(
+        c.shards,
+        job_path,
+        run,
+        layout,
+        hosts,
+        children,
+        tls_flags + log_flags + ["--checkpoint-dir", str(run / CHECKPOINTS)],
+        token,
+        timeout,
+    )
     addresses = [bound[k] if layout.nnodes == 1 else layout.address(k) for k in range(c.shards)]
     spec["cluster"]["servers"] = addresses
-    if c.recovery.replicas:  # each shard's replica, on the next node (psgd.server.durable.replica), once its primary is up
-        replicas, replica_bound = _start_shards(c.shards, job_path, run, layout, hosts, children,
-                                                tls_flags + log_flags, token, timeout, primaries=addresses)
+    if (
+        c.recovery.replicas
+    ):  # each shard's replica, on the next node (psgd.server.durable.replica), once its primary is up
+        replicas, replica_bound = _start_shards(
+            c.shards, job_path, run, layout, hosts, children, tls_flags + log_flags, token, timeout, primaries=addresses
+        )
         servers += replicas
-        config = config.override("cluster.replica_servers", [replica_bound[k] if layout.nnodes == 1 else
-                                                             layout.replica_address(k, c.shards)
-                                                             for k in range(c.shards)])
+        config = config.override(
+            "cluster.replica_servers",
+            [replica_bound[k] if layout.nnodes == 1 else layout.replica_address(k, c.shards) for k in range(c.shards)],
+        )
         spec["cluster"]["replica_servers"] = list(config.cluster.recovery.replica_servers)
     _write_job(job_path, spec)
     ranks = layout.workers_here(c.workers)
-    log.info("%d shard(s) serving here (%s); starting worker(s) %s, logs in %s", len(mine),
-             ", ".join(bound.values()) or "none", ", ".join(map(str, ranks)) or "none", run)
+    log.info(
+        "%d shard(s) serving here (%s); starting worker(s) %s, logs in %s",
+        len(mine),
+        ", ".join(bound.values()) or "none",
+        ", ".join(map(str, ranks)) or "none",
+        run,
+    )
     if watch:  # once the job file names the shards
         log.info("to watch the shards: %s", watch)
     workers = []
@@ -235,20 +353,50 @@ def _launch_ps(config: JobConfig, spec: dict, run: Path, progress: bool, timeout
         if script:  # psgd run: the user's program, told its job, rank and device in its environment
             from psgd.worker import script as own
 
-            env = {own.JOB_FILE: str(job_path), own.RANK: str(r), own.METRICS: str(run / f"worker-{r}.jsonl"),
-                   RANK_CLAIM: rank_claim(token, r),
-                   **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {}),
-                   **{name: str(Path(path).resolve()) for name, path in zip(own.TLS, (tls.cert, tls.key, tls.ca))
-                      if path}}
-            workers.append(children.start(f"worker {r}", [*on, py, *script], run / f"worker-{r}.log",
-                                          show=r == ranks[0], env={"PSGD_TOKEN": token, **env}, show_stdout=True))
+            env = {
+                own.JOB_FILE: str(job_path),
+                own.RANK: str(r),
+                own.METRICS: str(run / f"worker-{r}.jsonl"),
+                RANK_CLAIM: rank_claim(token, r),
+                **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {}),
+                **{name: str(Path(path).resolve()) for name, path in zip(own.TLS, (tls.cert, tls.key, tls.ca)) if path},
+            }
+            workers.append(
+                children.start(
+                    f"worker {r}",
+                    [*on, py, *script],
+                    run / f"worker-{r}.log",
+                    show=r == ranks[0],
+                    env={"PSGD_TOKEN": token, **env},
+                    show_stdout=True,
+                )
+            )
             continue
-        argv = [*on, py, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(r),
-                "--metrics", str(run / f"worker-{r}.jsonl"), *tls_flags, *worker_args]
+        argv = [
+            *on,
+            py,
+            "-m",
+            "psgd.cli.worker",
+            "-c",
+            str(job_path),
+            "--rank",
+            str(r),
+            "--metrics",
+            str(run / f"worker-{r}.jsonl"),
+            *tls_flags,
+            *worker_args,
+        ]
         argv += device_flags(devices[r])
         argv += shown_flags(run / f"worker-{r}.log", log_flags) if show else (log_flags + ["--no-progress"])
-        workers.append(children.start(f"worker {r}", argv, run / f"worker-{r}.log", show=show,
-                                      env={"PSGD_TOKEN": token, RANK_CLAIM: rank_claim(token, r)}))
+        workers.append(
+            children.start(
+                f"worker {r}",
+                argv,
+                run / f"worker-{r}.log",
+                show=show,
+                env={"PSGD_TOKEN": token, RANK_CLAIM: rank_claim(token, r)},
+            )
+        )
     stop = threading.Event()
     watcher = threading.Thread(target=monitor, args=(addresses, stop, token, tls), daemon=True) if monitor else None
     if watcher:
@@ -275,9 +423,18 @@ def rank_claim(token: str, rank: int) -> str:
     return hmac.new(token.encode(), f"psgd-rank-claim\0{rank}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts: Hosts | None, children: Children,
-                  flags: list[str], token: str, timeout: float, primaries: list[str] | None = None
-                  ) -> tuple[list[Child], dict[int, str]]:
+def _start_shards(
+    shards: int,
+    job_path: Path,
+    run: Path,
+    layout: Layout,
+    hosts: Hosts | None,
+    children: Children,
+    flags: list[str],
+    token: str,
+    timeout: float,
+    primaries: list[str] | None = None,
+) -> tuple[list[Child], dict[int, str]]:
     """Start this node's shards (with ``primaries``, the shards' addresses: their replicas, each on the node after
     its shard's, following it), and wait for the address each bound; returns the processes and those addresses."""
     replica = primaries is not None
@@ -285,24 +442,52 @@ def _start_shards(shards: int, job_path: Path, run: Path, layout: Layout, hosts:
     files = {k: _port_file(run, k, "replica" if replica else "shard") for k in mine}
     started = []
     for k in mine:
-        bind = "127.0.0.1:0" if layout.nnodes == 1 else \
-            layout.replica_address(k, shards) if replica else layout.address(k)
+        bind = (
+            "127.0.0.1:0" if layout.nnodes == 1 else layout.replica_address(k, shards) if replica else layout.address(k)
+        )
         data = ["--data-port", str(int(bind.rpartition(":")[2]) + 1)] if layout.nnodes > 1 and not hosts else []
         host = f"s{(k + 1) % shards}" if replica else f"s{k}"  # a replica: on another emulated host, if any
         if hosts:
             bind = f"{hosts.addresses[host]}:0"
         files[k].unlink(missing_ok=True)
         name = f"replica {k}" if replica else f"shard {k}"
-        started.append(children.start(name, [
-            *(hosts.prefix(host) if hosts else []), sys.executable, "-m", "psgd.cli.server", "-c", str(job_path),
-            "--shard", str(k), *(["--replica", "--peer", primaries[k]] if replica else []), "--bind", bind, *data,
-            "--port-file", str(files[k]), *flags], run / f"{name.replace(' ', '-')}.log", env={"PSGD_TOKEN": token}))
+        started.append(
+            children.start(
+                name,
+                [
+                    *(hosts.prefix(host) if hosts else []),
+                    sys.executable,
+                    "-m",
+                    "psgd.cli.server",
+                    "-c",
+                    str(job_path),
+                    "--shard",
+                    str(k),
+                    *(["--replica", "--peer", primaries[k]] if replica else []),
+                    "--bind",
+                    bind,
+                    *data,
+                    "--port-file",
+                    str(files[k]),
+                    *flags,
+                ],
+                run / f"{name.replace(' ', '-')}.log",
+                env={"PSGD_TOKEN": token},
+            )
+        )
     bound = dict(zip(mine, wait_for_files(list(files.values()), started, children, timeout=min(timeout, 120.0))))
     return started, bound
 
 
-def _wait_for_job(local: list[str], children: Children, servers: list[Child], deadline: float,
-                  timeout: float, tls: TLSFiles, token: str) -> None:
+def _wait_for_job(
+    local: list[str],
+    children: Children,
+    servers: list[Child],
+    deadline: float,
+    timeout: float,
+    tls: TLSFiles,
+    token: str,
+) -> None:
     """Wait until this node's shards say every worker of the job has finished or been dropped (every
     shard follows every worker, so this node's own shards are enough; other nodes' may be gone)."""
     connect = Connect.using(tls, token, 2.0)
@@ -311,8 +496,10 @@ def _wait_for_job(local: list[str], children: Children, servers: list[Child], de
         if ended:
             raise children.failed(ended)
         answers = [try_status(address, connect) for address in local]
-        if all(status is not None and all(w["state"] in ("done", "expired") for w in status["workers"])
-               for status, _, _ in answers):
+        if all(
+            status is not None and all(w["state"] in ("done", "expired") for w in status["workers"])
+            for status, _, _ in answers
+        ):
             return
         log.debug("waiting for the job's workers: %s", "; ".join(why or "training" for _, why, _ in answers))
         if time.monotonic() > deadline:

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 from psgd.errors import ClusterError, Interrupted
 from psgd.launcher.failures import ChildFailure, failure
@@ -37,16 +37,18 @@ log = logging.getLogger(__name__)
 GRACE = 10.0
 # sets the parent-death signal (prctl PR_SET_PDEATHSIG = 1), sends it at once where the parent is gone already,
 # then becomes the command; a command that cannot be started is one line and status 127, as in a shell
-_STUB = ("import ctypes, os, sys\n"
-         "parent, signum, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]\n"
-         "ctypes.CDLL(None).prctl(1, signum, 0, 0, 0)\n"
-         "if os.getppid() != parent:\n"
-         "    os.kill(os.getpid(), signum)\n"
-         "try:\n"
-         "    os.execvp(argv[0], argv)\n"
-         "except OSError as exc:\n"
-         "    sys.stderr.write(f'cannot start {argv[0]}: {exc.strerror}\\n')\n"
-         "    os._exit(127)\n")
+_STUB = (
+    "import ctypes, os, sys\n"
+    "parent, signum, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]\n"
+    "ctypes.CDLL(None).prctl(1, signum, 0, 0, 0)\n"
+    "if os.getppid() != parent:\n"
+    "    os.kill(os.getpid(), signum)\n"
+    "try:\n"
+    "    os.execvp(argv[0], argv)\n"
+    "except OSError as exc:\n"
+    "    sys.stderr.write(f'cannot start {argv[0]}: {exc.strerror}\\n')\n"
+    "    os._exit(127)\n"
+)
 
 
 class LaunchError(ClusterError):
@@ -90,27 +92,43 @@ class Child:
     """One started process, its log file, and how to report and signal it.  Its ``name`` is its role and, where it
     has one, its number: ``shard 0``, ``replica 0``, ``worker 1``, ``rank 1``; ``mpiexec -n 4`` runs every rank."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, show: bool, env: Mapping[str, str] = {},
-                 show_stdout: bool = False, resumed: bool = False):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        show: bool,
+        env: Mapping[str, str] = {},
+        show_stdout: bool = False,
+        resumed: bool = False,
+    ):
         self.name, self.log_path = name, log_path
         if not resumed:
             open_own(log_path, "w").close()  # a new log; then appended to, as the child may write to it (--log-file)
         self.log_file = open_own(log_path, "a")
         if resumed and self.log_file.tell():  # the stopped part's lines stay, and say where they end
-            self.log_file.write(f"---- resumed at {time.strftime('%Y-%m-%d %H:%M:%S')}: the lines above are "
-                                "from the run's earlier part ----\n")
+            self.log_file.write(
+                f"---- resumed at {time.strftime('%Y-%m-%d %H:%M:%S')}: the lines above are "
+                "from the run's earlier part ----\n"
+            )
             self.log_file.flush()
         stderr = None if show else self.log_file
         stdout = None if show and show_stdout else self.log_file  # a script's first copy: its prints shown too
-        self.popen = subprocess.Popen(dying_with_parent(argv), stdout=stdout, stderr=stderr,
-                                      stdin=subprocess.DEVNULL, env={**child_environment(), **env},
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(
+            dying_with_parent(argv),
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env={**child_environment(), **env},
+            start_new_session=True,
+        )
 
     def failure(self, began: float) -> ChildFailure:
         """The record of this child, ended (``began``: when its launch began, by time.monotonic)."""
         role, _, number = self.name.partition(" ")
-        return failure(role, int(number) if number.isdigit() else None, self.popen.pid, self.popen.returncode,
-                       self.log_path, began)
+        return failure(
+            role, int(number) if number.isdigit() else None, self.popen.pid, self.popen.returncode, self.log_path, began
+        )
 
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the child's whole process group (mpiexec's ranks included)."""
@@ -127,8 +145,15 @@ class Children:
         self.began = time.monotonic()  # the failures' "seconds into the launch" count from here
         self.resumed = resumed  # a resumed run's: each log is appended to, after a line that says so
 
-    def start(self, name: str, argv: list[str], log_path: Path, show: bool = False,
-              env: Mapping[str, str] = {}, show_stdout: bool = False) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        show: bool = False,
+        env: Mapping[str, str] = {},
+        show_stdout: bool = False,
+    ) -> Child:
         """Start ``argv`` as child ``name`` (``env``: variables on top of :func:`child_environment`); ``show``: its
         stderr (with ``show_stdout``, its stdout too) on the launcher's, else in its log."""
         self.check_signal()
@@ -143,8 +168,11 @@ class Children:
         first = failures[0]
         tail = "\n".join("    " + line for line in first.last_lines) or "    (its log is empty)"
         how = f"was killed by {first.signal}" if first.signal else f"exited with status {first.exit_code}"
-        return LaunchError(f"{first.name} {how}; the end of its log ({first.log}):\n{tail}\n"
-                           f"the processes that failed:\n" + "\n".join(f.line() for f in failures), failures)
+        return LaunchError(
+            f"{first.name} {how}; the end of its log ({first.log}):\n{tail}\n"
+            f"the processes that failed:\n" + "\n".join(f.line() for f in failures),
+            failures,
+        )
 
     def check_signal(self) -> None:
         if self.received is not None:
@@ -174,8 +202,9 @@ class Children:
         self._signal_and_wait(shards, signum, deadline)
         for p in self.procs:
             if p.popen.poll() is None:
-                log.warning("%s did not stop within %.0fs of %s: killing it", p.name, grace,
-                            signal.Signals(signum).name)
+                log.warning(
+                    "%s did not stop within %.0fs of %s: killing it", p.name, grace, signal.Signals(signum).name
+                )
             p.signal_group(signal.SIGKILL)  # whatever is left in its group (e.g. an MPI rank)
             if p.popen.poll() is None:
                 p.popen.wait(5)
@@ -225,13 +254,16 @@ def wait_for_files(paths: Sequence[Path], procs: Sequence[Child], children: Chil
             return [path.read_text().strip() for path in paths]
         if time.monotonic() > deadline:
             missing = [path.name for path in paths if not path.exists()]
-            raise LaunchError(f"shards did not start within {timeout:.0f}s (no {', '.join(missing)}); "
-                              f"see the logs in {paths[0].parent}")
+            raise LaunchError(
+                f"shards did not start within {timeout:.0f}s (no {', '.join(missing)}); "
+                f"see the logs in {paths[0].parent}"
+            )
         children.wait(0.05)  # polling for port files with a deadline
 
 
-def wait_all(pending: list[Child], watched: Sequence[Child], children: Children, deadline: float,
-             timeout: float, run: Path) -> None:
+def wait_all(
+    pending: list[Child], watched: Sequence[Child], children: Children, deadline: float, timeout: float, run: Path
+) -> None:
     """Wait until every process in ``pending`` exits 0; fail at once when any of ``watched`` fails."""
     pending = list(pending)
     while pending:
@@ -240,7 +272,9 @@ def wait_all(pending: list[Child], watched: Sequence[Child], children: Children,
             raise children.failed(failed)
         pending = [p for p in pending if p.popen.poll() is None]
         if time.monotonic() > deadline:
-            raise LaunchError(f"the job did not finish within {timeout:.0f}s (--timeout); still running: "
-                              f"{', '.join(p.name for p in pending)}; logs in {run}")
+            raise LaunchError(
+                f"the job did not finish within {timeout:.0f}s (--timeout); still running: "
+                f"{', '.join(p.name for p in pending)}; logs in {run}"
+            )
         if pending:
             children.wait(0.1)

@@ -30,8 +30,19 @@ from psgd.link.tcp import TcpData
 from psgd.wire import TRANSPORTS, meaning
 from psgd.wire.channel import accepts_connections
 
-__all__ = ["DataLink", "Endpoint", "Link", "LinkError", "ProtocolError", "PushReply", "LINKS", "TRANSPORTS",
-           "accepts_connections", "link_kind", "open_link"]
+__all__ = [
+    "DataLink",
+    "Endpoint",
+    "Link",
+    "LinkError",
+    "ProtocolError",
+    "PushReply",
+    "LINKS",
+    "TRANSPORTS",
+    "accepts_connections",
+    "link_kind",
+    "open_link",
+]
 
 #: Each kind of link by name: the data link its tensors go over where the shard gives a data port.
 LINKS: dict[str, type[DataLink]] = {"grpc": GrpcData, "tcp": TcpData, "shm": ShmData}

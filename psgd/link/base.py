@@ -4,15 +4,16 @@ its one error type."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from psgd.compute import backend
-from psgd.wire.codec import Codec
 from psgd.errors import Code, TransportError
 from psgd.partition import Slice
 from psgd.proto import ps_pb2
+from psgd.wire.codec import Codec
 from psgd.wire.tls import NO_TLS, TLSFiles
 
 #: Errors a caller may retry: the shard is away or slow (UNAVAILABLE, DEADLINE_EXCEEDED), or it cancelled
@@ -28,8 +29,9 @@ class LinkError(TransportError):
     ``rewind_to`` the clock a ROLLED_BACK refusal says to continue from, ``holder`` (host, pid) the process that
     holds the rank, of a RANK_HELD."""
 
-    def __init__(self, code: Code, details: str, reason: str = "", rewind_to: int = 0,
-                 holder: tuple[str, int] | None = None):
+    def __init__(
+        self, code: Code, details: str, reason: str = "", rewind_to: int = 0, holder: tuple[str, int] | None = None
+    ):
         super().__init__(f"{code.name}: {details}")
         self.code, self.details, self.reason, self.rewind_to, self.holder = code, details, reason, rewind_to, holder
 
@@ -59,13 +61,13 @@ class Endpoint:
     address: str
     shard: int
     slices: Sequence[Slice]  # the shard's slices, in slice-id order (the order bytes travel in)
-    worker_id: int           # protocol.OBSERVER for a reader that never pushes
+    worker_id: int  # protocol.OBSERVER for a reader that never pushes
     plan_hash: str
     token: str = ""
     tls: TLSFiles = NO_TLS
     request_timeout: float = 60.0
     transport: str = "auto"  # what the job asked for ([cluster] transport), for the shm link's fallback line
-    busy_poll: float = 0.0   # seconds a data connection watches for an answer before it sleeps ([cluster] busy_poll_us)
+    busy_poll: float = 0.0  # seconds a data connection watches for an answer before it sleeps ([cluster] busy_poll_us)
 
     @property
     def host(self) -> str:
@@ -107,12 +109,14 @@ class DataLink:
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         raise NotImplementedError
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-             rows: RowsIn | None = None) -> PushReply:
+    def push(
+        self, clock: int, base_version: int, codec: Codec, parts: list[memoryview], rows: RowsIn | None = None
+    ) -> PushReply:
         raise NotImplementedError
 
-    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-                  views: list[memoryview]) -> tuple[PushReply, int | None]:
+    def push_pull(
+        self, clock: int, base_version: int, codec: Codec, parts: list[memoryview], views: list[memoryview]
+    ) -> tuple[PushReply, int | None]:
         """A push of ``clock`` whose answer brings the weights of ``clock + 1`` into ``views``: one round trip.
         Returns the push's reply and the weights' version, or None for a version where the push was applied but
         the weights did not come (the shard could not let the pull go, or the connection broke after the push's

@@ -10,7 +10,8 @@ carries host bytes only.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from psgd.compute import backend
 from psgd.link.base import DataLink, Endpoint, PushReply, RowsIn, RowsOut, on_host, to_device
@@ -79,10 +80,11 @@ class Link:
 
     def _targets(self, device: Mapping[str, Any]) -> list:
         """The device arrays a pull fills, one per view, in slice order."""
-        return [device[s.var][s.start:s.stop] for s in self.endpoint.slices]
+        return [device[s.var][s.start : s.stop] for s in self.endpoint.slices]
 
-    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None,
-             device: Mapping[str, Any] | None = None) -> int:
+    def pull(
+        self, clock: int, views: list[memoryview], rows: RowsOut | None = None, device: Mapping[str, Any] | None = None
+    ) -> int:
         data = self.data
         if device is None:
             return data.pull(clock, views, rows)
@@ -98,8 +100,15 @@ class Link:
             parts = on_host(parts)
         return data.push(clock, base_version, codec, parts, rows)
 
-    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview],
-                  device: Mapping[str, Any] | None = None) -> tuple[PushReply, int | None]:
+    def push_pull(
+        self,
+        clock: int,
+        base_version: int,
+        codec: Codec,
+        parts: list,
+        views: list[memoryview],
+        device: Mapping[str, Any] | None = None,
+    ) -> tuple[PushReply, int | None]:
         """A push of ``clock`` whose answer brings the weights of ``clock + 1``: see
         :meth:`psgd.link.base.DataLink.push_pull`."""
         data = self.data

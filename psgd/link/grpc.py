@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
 from psgd.compute.backend import Device
-from psgd.wire.channel import chunks, open_channel
-from psgd.wire.codec import Codec
 from psgd.errors import Code
 from psgd.link.base import DataLink, Endpoint, LinkError, ProtocolError, PushReply, RowsIn, RowsOut
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.wire import status
+from psgd.wire.channel import chunks, open_channel
+from psgd.wire.codec import Codec
 from psgd.wire.rows import MAX_PULL_ROWS, blocks
 
 T = TypeVar("T")
@@ -57,8 +58,9 @@ class ControlLink:
         return reply
 
     def heartbeat(self, clock: int, timeout: float) -> None:
-        request = ps_pb2.HeartbeatRequest(worker_id=self.endpoint.worker_id, clock=clock,
-                                          registration=self.registration)
+        request = ps_pb2.HeartbeatRequest(
+            worker_id=self.endpoint.worker_id, clock=clock, registration=self.registration
+        )
         _call(lambda: self.stub.Heartbeat(request, timeout=timeout))
 
     def done(self, clock: int) -> None:
@@ -76,8 +78,13 @@ class ControlLink:
     def rollback(self, version: int, cause: str, dry_run: bool = False) -> ps_pb2.RollbackReply:
         """Take the shard back to its cut at ``version`` (once per ``cause``: the incarnation of the shard of the job
         that restarted from a cut), or list its cuts (``dry_run``)."""
-        request = ps_pb2.RollbackRequest(worker_id=self.endpoint.worker_id, to_version=version, cause=cause,
-                                         dry_run=dry_run, registration=self.registration)
+        request = ps_pb2.RollbackRequest(
+            worker_id=self.endpoint.worker_id,
+            to_version=version,
+            cause=cause,
+            dry_run=dry_run,
+            registration=self.registration,
+        )
         return _call(lambda: self.stub.Rollback(request, timeout=self.timeout))
 
     def close(self) -> None:
@@ -100,13 +107,16 @@ class GrpcData(DataLink):
         rows = {t: r for t, r in (rows or {}).items() if len(r[0])}
         asking = sum(len(r[0]) for r in rows.values())
         if asking > MAX_PULL_ROWS:
-            raise ProtocolError(f"a pull may ask shard {ep.shard} for at most {MAX_PULL_ROWS:,} rows, this one asks "
-                                f"for {asking:,}: use a smaller batch, or more shards")
+            raise ProtocolError(
+                f"a pull may ask shard {ep.shard} for at most {MAX_PULL_ROWS:,} rows, this one asks "
+                f"for {asking:,}: use a smaller batch, or more shards"
+            )
         asked = [ps_pb2.RowBlock(table=t, ids=part) for t, (ids, _) in rows.items() for part, _ in blocks(ids)]
         control = self.control
-        stream = control.stub.Pull(ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked,
-                                                      registration=control.registration),
-                                   timeout=control.timeout)
+        stream = control.stub.Pull(
+            ps_pb2.PullRequest(worker_id=ep.worker_id, clock=clock, rows=asked, registration=control.registration),
+            timeout=control.timeout,
+        )
         with self._watched(stream):
             return self._fill(self._chunks(stream), views, rows)
 
@@ -136,14 +146,15 @@ class GrpcData(DataLink):
                 continue
             target = targets.get(chunk.slice_id)
             if target is None:
-                raise ProtocolError(f"shard {ep.shard} at {ep.address} sent slice {chunk.slice_id}, which the "
-                                    "plan does not place there")
+                raise ProtocolError(
+                    f"shard {ep.shard} at {ep.address} sent slice {chunk.slice_id}, which the plan does not place there"
+                )
             sl, out = target
             values = np.frombuffer(chunk.data, dtype=sl.dtype)
             begin, rem = divmod(chunk.offset, out.itemsize)
             if rem or begin + len(values) > len(out):
                 raise ProtocolError(f"shard {ep.shard} sent a malformed chunk for slice {sl.key}")
-            out[begin:begin + len(values)] = values
+            out[begin : begin + len(values)] = values
             got[sl.id] += len(chunk.data)
             version = chunk.version
         short = [targets[i][0].key for i, n in got.items() if n != targets[i][0].nbytes]
@@ -161,11 +172,15 @@ class GrpcData(DataLink):
         at = filled[block.table]
         got = np.frombuffer(block.ids, dtype="<i8")
         values = np.frombuffer(block.values, dtype=out.dtype)
-        if at + got.size > len(ids) or not np.array_equal(got, ids[at:at + got.size]) \
-                or values.size != got.size * out.shape[1]:
-            raise ProtocolError(f"shard {ep.shard} at {ep.address} sent rows of table {block.table!r} other than "
-                                "those asked for")
-        out[at:at + got.size] = values.reshape(got.size, out.shape[1])
+        if (
+            at + got.size > len(ids)
+            or not np.array_equal(got, ids[at : at + got.size])
+            or values.size != got.size * out.shape[1]
+        ):
+            raise ProtocolError(
+                f"shard {ep.shard} at {ep.address} sent rows of table {block.table!r} other than those asked for"
+            )
+        out[at : at + got.size] = values.reshape(got.size, out.shape[1])
         filled[block.table] = at + got.size
 
     @staticmethod
@@ -175,14 +190,22 @@ class GrpcData(DataLink):
         except grpc.RpcError as err:
             raise _link_error(err) from None
 
-    def _messages(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-                  rows: RowsIn | None) -> Iterator[ps_pb2.PushMessage]:
+    def _messages(
+        self, clock: int, base_version: int, codec: Codec, parts: list[memoryview], rows: RowsIn | None
+    ) -> Iterator[ps_pb2.PushMessage]:
         """A push's stream: its header, each slice's chunks, the rows' blocks."""
         ep = self.endpoint
         dtype = codec.name if codec.compresses else (ep.slices[0].dtype if ep.slices else "float32")
-        yield ps_pb2.PushMessage(header=ps_pb2.PushHeader(
-            worker_id=ep.worker_id, clock=clock, base_version=base_version, dtype=dtype,
-            rows=sum(len(ids) for ids, _ in (rows or {}).values()), registration=self.control.registration))
+        yield ps_pb2.PushMessage(
+            header=ps_pb2.PushHeader(
+                worker_id=ep.worker_id,
+                clock=clock,
+                base_version=base_version,
+                dtype=dtype,
+                rows=sum(len(ids) for ids, _ in (rows or {}).values()),
+                registration=self.control.registration,
+            )
+        )
         for sl, part in zip(ep.slices, parts):
             for offset, piece in chunks(part):
                 yield ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=sl.id, offset=offset, data=bytes(piece)))
@@ -190,23 +213,27 @@ class GrpcData(DataLink):
             for part_ids, part_values in blocks(ids, values):
                 yield ps_pb2.PushMessage(rows=ps_pb2.RowBlock(table=table, ids=part_ids, values=part_values))
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-             rows: RowsIn | None = None) -> PushReply:
+    def push(
+        self, clock: int, base_version: int, codec: Codec, parts: list[memoryview], rows: RowsIn | None = None
+    ) -> PushReply:
         control = self.control
-        reply = _call(lambda: control.stub.Push(self._messages(clock, base_version, codec, parts, rows),
-                                                timeout=control.timeout))
+        reply = _call(
+            lambda: control.stub.Push(self._messages(clock, base_version, codec, parts, rows), timeout=control.timeout)
+        )
         return PushReply(reply.outcome, reply.next_clock, reply.version, reply.staleness)
 
-    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-                  views: list[memoryview]) -> tuple[PushReply, int | None]:
+    def push_pull(
+        self, clock: int, base_version: int, codec: Codec, parts: list[memoryview], views: list[memoryview]
+    ) -> tuple[PushReply, int | None]:
         control = self.control
-        stream = control.stub.PushPull(self._messages(clock, base_version, codec, parts, None),
-                                       timeout=control.timeout)
+        stream = control.stub.PushPull(self._messages(clock, base_version, codec, parts, None), timeout=control.timeout)
         received = self._chunks(stream)
         first = next(received, None)  # an error before it: the push's
         if first is None or not first.HasField("pushed"):
-            raise ProtocolError(f"shard {self.endpoint.shard} at {self.endpoint.address} did not answer a push "
-                                "and pull with the push's reply")
+            raise ProtocolError(
+                f"shard {self.endpoint.shard} at {self.endpoint.address} did not answer a push "
+                "and pull with the push's reply"
+            )
         p = first.pushed
         reply = PushReply(p.outcome, p.next_clock, p.version, p.staleness)
         with self._watched(stream):  # the pull half, not the push, is cut by interrupt()

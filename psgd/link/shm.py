@@ -25,7 +25,8 @@ line saying why (a warning where the job asked for ``transport = "shm"``).  Erro
 reconnections are the TCP data link's (:mod:`psgd.link.tcp`), whose connections this one opens.
 
 A worker on a GPU registers its mappings of both segments with the device's driver (page-locked, as pinned
-memory is: :func:`psgd.compute.backend.register_host`) for as long as their connection lasts, and while every shard shares
+memory is: :func:`psgd.compute.backend.register_host`) for as long as their connection lasts, and while every shard
+shares
 memory with it, copies its pulls from the weights segment to the device and its (uncompressed) pushes from the
 device into its push segment directly, instead of through pinned buffers on the host: one copy each way, by
 DMA.  A pull's copy to the device is waited for before the sequence number is checked again, as a copy on the
@@ -35,16 +36,17 @@ host is.
 from __future__ import annotations
 
 import logging
+
 import numpy as np
 
 from psgd.compute import backend
-from psgd.wire.codec import Codec
 from psgd.errors import TransportError
 from psgd.link.base import DataLink, PushReply, RowsIn, RowsOut, on_host, to_device
 from psgd.link.grpc import ControlLink
 from psgd.link.tcp import DataConnection, TcpData
 from psgd.proto import ps_pb2
 from psgd.wire import meaning, protocol, segment
+from psgd.wire.codec import Codec
 from psgd.wire.sweep import PARALLEL_BYTES, Sweep
 
 log = logging.getLogger(__name__)
@@ -63,17 +65,29 @@ class ShmConnection(DataConnection):
     """A data connection whose bytes go through a shared-memory segment (``purpose``: pull or push), registered
     with the driver of ``device`` while the connection lasts where that is a GPU."""
 
-    def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str, timeout: float, tls,
-                 purpose: str, nbytes: int, device: backend.Device = backend.CPU, busy_poll: float = 0.0,
-                 key: str = ""):
-        super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose, busy_poll=busy_poll,
-                         key=key)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        worker: int,
+        plan_hash: str,
+        token: str,
+        timeout: float,
+        tls,
+        purpose: str,
+        nbytes: int,
+        device: backend.Device = backend.CPU,
+        busy_poll: float = 0.0,
+        key: str = "",
+    ):
+        super().__init__(host, port, worker, plan_hash, token, timeout, tls, shm=purpose, busy_poll=busy_poll, key=key)
         try:
             if "name" not in self.offer:
                 raise NoSegment(str(self.offer.get("refused", "the shard offered no shared-memory segment")))
             if self.offer.get("bytes") != nbytes:
-                raise NoSegment(f"the shard offered a segment of {self.offer.get('bytes')} bytes, its slices "
-                                f"take {nbytes}")
+                raise NoSegment(
+                    f"the shard offered a segment of {self.offer.get('bytes')} bytes, its slices take {nbytes}"
+                )
             try:
                 self.seg = segment.attach(self.offer, nbytes, writable=purpose == "push")
             except segment.SegmentError as exc:
@@ -83,8 +97,9 @@ class ShmConnection(DataConnection):
             raise
         self.device = device
         #: the segment's registration with the GPU's driver (None on a CPU, or where the driver refused it)
-        self.registered = backend.register_host(*self.seg.address(), device, read_only=purpose == "pull") \
-            if device.is_gpu else None
+        self.registered = (
+            backend.register_host(*self.seg.address(), device, read_only=purpose == "pull") if device.is_gpu else None
+        )
         if self.registered is not None:
             log.debug("%s registered with %s's driver (%.1f MB)", self.seg.name, device, self.registered.nbytes / 1e6)
 
@@ -95,34 +110,50 @@ class ShmConnection(DataConnection):
         copied to the GPU straight from the segment, the copies finished before the sequence number is checked."""
         return self._take(self._ask(clock, rows, into), into, device)
 
-    def _take(self, answer: tuple[int, int, int, list], into: list[memoryview], device: list | None = None,
-              weights: segment.Segment | None = None) -> int:
+    def _take(
+        self,
+        answer: tuple[int, int, int, list],
+        into: list[memoryview],
+        device: list | None = None,
+        weights: segment.Segment | None = None,
+    ) -> int:
         """Copy the weights of a pull's ``answer`` out of the weights segment (``weights``: that of this link's pull
         connection, for the pull half of a push-and-pull on its push connection), and release them."""
         version, slot, seq, values = answer
         seg = self.seg if weights is None else weights
         if sum(v.nbytes for v in into) > seg.size or not 0 <= slot < seg.slots:
-            raise protocol.WireError(f"the shard holds the weights in slot {slot} of {seg.slots}, of "
-                                     f"{seg.size} bytes: the plan's do not fit")
+            raise protocol.WireError(
+                f"the shard holds the weights in slot {slot} of {seg.slots}, of {seg.size} bytes: the plan's do not fit"
+            )
         for view in values:  # the rows come over the connection
             protocol.recv_exact(self.sock, view)
         source, at = seg.slot(slot), 0
         if device is None:
             pairs = []
             for view in into:
-                pairs.append((view, source[at:at + view.nbytes]))
+                pairs.append((view, source[at : at + view.nbytes]))
                 at += view.nbytes
             copy_views(pairs)
         else:
             backend.copy_to_device(_over(device, source), self.device)  # waited for: read before the check below
         if seg.seq(slot) != seq:
-            raise protocol.WireError("the weights changed while they were copied out of shared memory (the pull "
-                                     "was held past its deadline): pulling again")
+            raise protocol.WireError(
+                "the weights changed while they were copied out of shared memory (the pull "
+                "was held past its deadline): pulling again"
+            )
         self._send(protocol.OP_RELEASE, self.worker, 0, 0, 0, [], 0)
         return version
 
-    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
-             rows: RowsIn | None = None, op: int = protocol.OP_PUSH) -> PushReply:
+    def push(
+        self,
+        clock: int,
+        base_version: int,
+        dtype_code: int,
+        payload: list,
+        size: int,
+        rows: RowsIn | None = None,
+        op: int = protocol.OP_PUSH,
+    ) -> PushReply:
         """Write the gradient into the segment (from the GPU where ``payload`` holds device arrays), then send its
         header, and the rows of ``rows`` after it; the reply says what the shard did."""
         if size > self.seg.size:
@@ -133,11 +164,18 @@ class ShmConnection(DataConnection):
             pairs, at = [], 0
             for part in payload:
                 n = memoryview(part).nbytes
-                pairs.append((self.seg.data[at:at + n], part))
+                pairs.append((self.seg.data[at : at + n], part))
                 at += n
             copy_views(pairs)
-        self._send(protocol.OP_PUSH_ROWS if rows else op, self.worker, clock, base_version, dtype_code,
-                   self._rows_after(rows), size)
+        self._send(
+            protocol.OP_PUSH_ROWS if rows else op,
+            self.worker,
+            clock,
+            base_version,
+            dtype_code,
+            self._rows_after(rows),
+            size,
+        )
         outcome, version, next_clock, staleness, _ = self._reply()
         return PushReply(protocol.OUTCOMES[outcome], next_clock, version, staleness)
 
@@ -199,22 +237,25 @@ class ShmData(DataLink):
         if not reply.data_port:
             self._over_tcp("it has no data port", over="gRPC")
         elif not reply.host_id:
-            self._over_tcp("it offers no shared memory ([cluster] transport = \"tcp\" on its side, or no memory "
-                           "to spare for it)")
+            self._over_tcp(
+                "it offers no shared memory ([cluster] transport = \"tcp\" on its side, or no memory to spare for it)"
+            )
         elif reply.host_id != segment.host_id():
-            self._over_tcp("it is on another host, or in another network or pid namespace (a container; its host "
-                           "id differs)")
+            self._over_tcp(
+                "it is on another host, or in another network or pid namespace (a container; its host id differs)"
+            )
         elif nbytes < SHARED_FROM_BYTES and not meaning(self.endpoint.transport)["insist"]:
-            self._over_tcp(f"its slices take {nbytes:,} bytes, fewer than the "
-                           f"{SHARED_FROM_BYTES:,} from which shared memory pays ([cluster] transport = \"shm\" "
-                           "uses it anyway)")
+            self._over_tcp(
+                f"its slices take {nbytes:,} bytes, fewer than the "
+                f"{SHARED_FROM_BYTES:,} from which shared memory pays ([cluster] transport = \"shm\" "
+                "uses it anyway)"
+            )
         else:
             self.shared = True
             log.debug("shard %d: pulls and pushes through shared memory", shard)
         return bool(reply.data_port)
 
-    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None,
-             device: list | None = None) -> int:
+    def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None, device: list | None = None) -> int:
         """As every data link's; ``device`` (a device array per view) takes the weights instead of ``views``:
         straight from the weights segment where this link has it, else through ``views``."""
         if device is None:
@@ -242,8 +283,15 @@ class ShmData(DataLink):
 
         return self.tcp.over("push", from_device)
 
-    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview],
-                  device: list | None = None) -> tuple[PushReply, int | None]:
+    def push_pull(
+        self,
+        clock: int,
+        base_version: int,
+        codec: Codec,
+        parts: list,
+        views: list[memoryview],
+        device: list | None = None,
+    ) -> tuple[PushReply, int | None]:
         """As every data link's; ``parts`` may be device arrays and ``device`` take the weights, as for :meth:`push`
         and :meth:`pull`.  Through shared memory where both of this link's connections have it: the gradient goes
         through the push segment, the weights come out of the weights segment (mapped by the pull connection)."""
@@ -254,12 +302,14 @@ class ShmData(DataLink):
         def call(conn: DataConnection, got: dict) -> tuple[PushReply, int | None]:
             if isinstance(conn, ShmConnection):
                 if isinstance(weights, ShmConnection):
-                    return conn.push_pull(clock, base_version, codec.code, parts, size, views, got, device=device,
-                                          weights=weights.seg)
+                    return conn.push_pull(
+                        clock, base_version, codec.code, parts, size, views, got, device=device, weights=weights.seg
+                    )
                 got["push"] = conn.push(clock, base_version, codec.code, parts, size)  # no weights segment here
                 return got["push"], None
-            reply, version = conn.push_pull(clock, base_version, codec.code, on_host(parts) if on_device else parts,
-                                            size, views, got)
+            reply, version = conn.push_pull(
+                clock, base_version, codec.code, on_host(parts) if on_device else parts, size, views, got
+            )
             if version is not None and device is not None:  # over a socket, into the host views first
                 to_device(device, views, self.device)
             return reply, version
@@ -271,8 +321,14 @@ class ShmData(DataLink):
         if why != self._said:
             self._said = why
             level = logging.WARNING if meaning(self.endpoint.transport)["insist"] else logging.INFO
-            log.log(level, "shard %d at %s: not through shared memory, over %s, since %s",
-                    self.endpoint.shard, self.endpoint.address, over, why)
+            log.log(
+                level,
+                "shard %d at %s: not through shared memory, over %s, since %s",
+                self.endpoint.shard,
+                self.endpoint.address,
+                over,
+                why,
+            )
 
     def _open(self, purpose: str) -> ShmConnection | None:
         """The ``purpose`` connection through a segment, where the shard shares memory; None for a plain one."""
@@ -280,9 +336,20 @@ class ShmData(DataLink):
             return None
         ep = self.endpoint
         try:
-            return ShmConnection(ep.host, self.tcp.data_port, ep.worker_id, ep.plan_hash, ep.token,
-                                 ep.request_timeout, ep.tls, purpose, sum(s.nbytes for s in ep.slices), self.device,
-                                 ep.busy_poll, self.control.registration)
+            return ShmConnection(
+                ep.host,
+                self.tcp.data_port,
+                ep.worker_id,
+                ep.plan_hash,
+                ep.token,
+                ep.request_timeout,
+                ep.tls,
+                purpose,
+                sum(s.nbytes for s in ep.slices),
+                self.device,
+                ep.busy_poll,
+                self.control.registration,
+            )
         except NoSegment as exc:
             self._over_tcp(str(exc))
             return None

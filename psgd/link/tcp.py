@@ -21,19 +21,20 @@ import contextlib
 import json
 import socket
 import ssl
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-from psgd.wire.codec import Codec
-from psgd.errors import Code
 from psgd.compute.backend import Device
+from psgd.errors import Code
 from psgd.link.base import DataLink, LinkError, PushReply, RowsIn, RowsOut
 from psgd.link.grpc import ControlLink
 from psgd.proto import ps_pb2
-from psgd.wire.proofs import Prover
-from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.wire import protocol
+from psgd.wire.codec import Codec
+from psgd.wire.proofs import Prover
 from psgd.wire.rows import sections
 from psgd.wire.status import reason_name
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 #: Seconds a worker waits for an answer beyond the request timeout, which bounds the shard's own waits.
 REPLY_MARGIN = 2.0
@@ -48,8 +49,19 @@ class DataConnection:
     Raises :class:`LinkError` with the shard's status when it refuses, and
     :class:`protocol.WireError` when the connection breaks."""
 
-    def __init__(self, host: str, port: int, worker: int, plan_hash: str, token: str = "", timeout: float = 60.0,
-                 tls: TLSFiles = NO_TLS, shm: str = "", busy_poll: float = 0.0, key: str = ""):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        worker: int,
+        plan_hash: str,
+        token: str = "",
+        timeout: float = 60.0,
+        tls: TLSFiles = NO_TLS,
+        shm: str = "",
+        busy_poll: float = 0.0,
+        key: str = "",
+    ):
         try:
             self.sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
         except OSError as exc:
@@ -61,13 +73,18 @@ class DataConnection:
                     self.sock.settimeout(min(timeout, 10.0))
                     self.sock = tls.wrap_client(self.sock, host)
                 except (ssl.SSLError, OSError) as exc:
-                    raise LinkError(Code.UNAVAILABLE if isinstance(exc, socket.timeout)
-                                    else Code.UNAUTHENTICATED,
-                                    f"TLS handshake with the data port {host}:{port} failed: {exc}") from None
+                    raise LinkError(
+                        Code.UNAVAILABLE if isinstance(exc, socket.timeout) else Code.UNAUTHENTICATED,
+                        f"TLS handshake with the data port {host}:{port} failed: {exc}",
+                    ) from None
             self.sock.settimeout(timeout + REPLY_MARGIN)
             self._spin = protocol.Spin(self.sock, busy_poll)  # a reply is watched for before the read sleeps
-            hello = {"proof": Prover(token, f"{host}:{port}").prove("hello"), "plan_hash": plan_hash,
-                     **({"key": key} if key else {}), **({"shm": shm} if shm else {})}
+            hello = {
+                "proof": Prover(token, f"{host}:{port}").prove("hello"),
+                "plan_hash": plan_hash,
+                **({"key": key} if key else {}),
+                **({"shm": shm} if shm else {}),
+            }
             body = json.dumps(hello).encode()
             try:
                 self._send(protocol.OP_HELLO, worker, 0, 0, 0, [body], len(body))
@@ -108,22 +125,23 @@ class DataConnection:
             self._reply()
         except (protocol.WireError, OSError):
             pass
-        raise protocol.WireError(f"the data port {host}:{port} closed the connection before the hello: "
-                                 f"{exc}") from None
+        raise protocol.WireError(f"the data port {host}:{port} closed the connection before the hello: {exc}") from None
 
     def interrupt(self) -> None:
         """End a call blocked on this connection (from another thread); the connection is then dead."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
-    def _send(self, op: int, worker: int, clock: int, base_version: int, dtype_code: int,
-              payload: list, size: int) -> None:
+    def _send(
+        self, op: int, worker: int, clock: int, base_version: int, dtype_code: int, payload: list, size: int
+    ) -> None:
         head = protocol.REQUEST.pack(protocol.DATA_MAGIC, op, dtype_code, worker, clock, base_version, size)
         protocol.send_buffers(self.sock, [head, *payload])
 
     def _reply(self) -> tuple:
         magic, status, outcome, version, next_clock, staleness, size = self._spin.read(
-            lambda: protocol.recv_struct(self.sock, protocol.REPLY))
+            lambda: protocol.recv_struct(self.sock, protocol.REPLY)
+        )
         if magic != protocol.DATA_MAGIC:
             raise protocol.WireError("the data port did not answer with the psgd protocol")
         if status:
@@ -131,8 +149,12 @@ class DataConnection:
                 raise protocol.WireError("oversized error message")
             text = bytearray(size)
             protocol.recv_exact(self.sock, memoryview(text))
-            raise LinkError(protocol.status_code(status), text.decode("utf-8", "replace"),  # its outcome byte is
-                            reason_name(outcome), next_clock)  # its reason, its next clock a ROLLED_BACK's clock
+            raise LinkError(
+                protocol.status_code(status),
+                text.decode("utf-8", "replace"),  # its outcome byte is
+                reason_name(outcome),
+                next_clock,
+            )  # its reason, its next clock a ROLLED_BACK's clock
         return outcome, version, next_clock, staleness, size
 
     def _ask(self, clock: int, rows: RowsOut | None, into: list[memoryview]) -> tuple[int, int, int, list]:
@@ -151,8 +173,9 @@ class DataConnection:
         values = [memoryview(out.reshape(-1)).cast("B") for _, out in (rows or {}).values() if out.size]
         expected = sum(v.nbytes for v in into) + sum(v.nbytes for v in values)
         if size != expected:
-            raise protocol.WireError(f"the shard sent {size} bytes of weights and rows, the plan and the rows "
-                                     f"asked for say {expected}")
+            raise protocol.WireError(
+                f"the shard sent {size} bytes of weights and rows, the plan and the rows asked for say {expected}"
+            )
         return version, slot, seq, values
 
     def pull(self, clock: int, into: list[memoryview], rows: RowsOut | None = None) -> int:
@@ -167,8 +190,17 @@ class DataConnection:
             protocol.recv_exact(self.sock, view)
         return version
 
-    def push_pull(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
-                  into: list[memoryview], got: dict, **take) -> tuple[PushReply, int | None]:
+    def push_pull(
+        self,
+        clock: int,
+        base_version: int,
+        dtype_code: int,
+        payload: list,
+        size: int,
+        into: list[memoryview],
+        got: dict,
+        **take,
+    ) -> tuple[PushReply, int | None]:
         """Push ``clock``'s gradient and receive the weights of ``clock + 1`` into ``into`` from the same answer
         (OP_PUSH_PULL); the push's reply goes into ``got["push"]`` once it came (a break after it is the pull's
         alone).  None for the version where the shard said why the pull could not go."""
@@ -187,8 +219,16 @@ class DataConnection:
         payload, n = sections(rows)
         return [protocol.ROWS_LENGTH.pack(n), *payload]
 
-    def push(self, clock: int, base_version: int, dtype_code: int, payload: list, size: int,
-             rows: RowsIn | None = None, op: int = protocol.OP_PUSH) -> PushReply:
+    def push(
+        self,
+        clock: int,
+        base_version: int,
+        dtype_code: int,
+        payload: list,
+        size: int,
+        rows: RowsIn | None = None,
+        op: int = protocol.OP_PUSH,
+    ) -> PushReply:
         """Send a gradient, and the row gradients of ``rows`` after it; a large gradient waits for the shard's
         go-ahead before its payload."""
         op, after = (protocol.OP_PUSH_ROWS if rows else op), self._rows_after(rows)
@@ -213,8 +253,9 @@ class TcpData(DataLink):
 
     via = "tcp"
 
-    def __init__(self, control: ControlLink, device: Device,
-                 opener: Callable[[str], DataConnection | None] | None = None):
+    def __init__(
+        self, control: ControlLink, device: Device, opener: Callable[[str], DataConnection | None] | None = None
+    ):
         super().__init__(control, device)
         self.opener = opener
         self.data_port = 0
@@ -237,9 +278,17 @@ class TcpData(DataLink):
             ep = self.endpoint
             conn = self.opener(purpose) if self.opener is not None else None
             if conn is None:
-                conn = DataConnection(ep.host, self.data_port, ep.worker_id, ep.plan_hash, ep.token,
-                                      ep.request_timeout, ep.tls, busy_poll=ep.busy_poll,
-                                      key=self.control.registration)
+                conn = DataConnection(
+                    ep.host,
+                    self.data_port,
+                    ep.worker_id,
+                    ep.plan_hash,
+                    ep.token,
+                    ep.request_timeout,
+                    ep.tls,
+                    busy_poll=ep.busy_poll,
+                    key=self.control.registration,
+                )
             self._conns[purpose] = conn
         return conn
 
@@ -268,22 +317,29 @@ class TcpData(DataLink):
         except LinkError:
             return
         if now != self.data_port:
-            raise LinkError(Code.FAILED_PRECONDITION, f"shard {self.endpoint.shard} listens on data port "
-                            f"{now or 'none'} now, not {self.data_port}: it restarted", reason="NOT_REGISTERED")
+            raise LinkError(
+                Code.FAILED_PRECONDITION,
+                f"shard {self.endpoint.shard} listens on data port "
+                f"{now or 'none'} now, not {self.data_port}: it restarted",
+                reason="NOT_REGISTERED",
+            )
 
     def pull(self, clock: int, views: list[memoryview], rows: RowsOut | None = None) -> int:
         return self.over("pull", lambda conn: conn.pull(clock, views, rows))
 
-    def push(self, clock: int, base_version: int, codec: Codec, parts: list[memoryview],
-             rows: RowsIn | None = None) -> PushReply:
+    def push(
+        self, clock: int, base_version: int, codec: Codec, parts: list[memoryview], rows: RowsIn | None = None
+    ) -> PushReply:
         size = sum(memoryview(p).nbytes for p in parts)
         return self.over("push", lambda conn: conn.push(clock, base_version, codec.code, parts, size, rows))
 
-    def push_pull(self, clock: int, base_version: int, codec: Codec, parts: list,
-                  views: list[memoryview]) -> tuple[PushReply, int | None]:
+    def push_pull(
+        self, clock: int, base_version: int, codec: Codec, parts: list, views: list[memoryview]
+    ) -> tuple[PushReply, int | None]:
         size = sum(memoryview(p).nbytes for p in parts)
-        return self.pushed_then(lambda conn, got: conn.push_pull(clock, base_version, codec.code, parts, size, views,
-                                                                 got))
+        return self.pushed_then(
+            lambda conn, got: conn.push_pull(clock, base_version, codec.code, parts, size, views, got)
+        )
 
     def pushed_then(self, call) -> tuple[PushReply, int | None]:
         """``call(push connection, got)`` (a push and pull); where the connection broke after the push's reply

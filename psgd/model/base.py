@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import zlib
-from typing import Any, Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -60,8 +61,9 @@ class VarSpec:
         except TypeError:
             raise VarSpecError(f"variable {self.name!r}: unknown dtype {self.dtype!r}") from None
         if self.init not in INITIALIZERS:
-            raise VarSpecError(f"variable {self.name!r}: unknown initializer {self.init!r} "
-                               f"(use one of {', '.join(INITIALIZERS)})")
+            raise VarSpecError(
+                f"variable {self.name!r}: unknown initializer {self.init!r} (use one of {', '.join(INITIALIZERS)})"
+            )
         if any(d <= 0 for d in self.shape):
             raise VarSpecError(f"variable {self.name!r}: shape {self.shape} has a non-positive dimension")
 
@@ -155,7 +157,9 @@ class BaseModel:
     def loss(self, params: Mapping[str, Any], x: Any, y: Any) -> float:
         return self.loss_and_grads(params, x, y)[0]
 
-    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any) -> tuple[float, dict[str, Any]]:  # pragma: no cover
+    def loss_and_grads(
+        self, params: Mapping[str, Any], x: Any, y: Any
+    ) -> tuple[float, dict[str, Any]]:  # pragma: no cover
         raise NotImplementedError
 
     def predict(self, params: Mapping[str, Any], x: Any) -> Any:  # pragma: no cover

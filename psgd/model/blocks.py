@@ -4,7 +4,8 @@ dropout, and functions without parameters (ReLU, flattening, pooling)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from psgd.autodiff import Tensor, nn, ops
 from psgd.autodiff.tensor import array_module as get_array_module
@@ -33,8 +34,15 @@ class Conv2d(Module):
 
     kind = "conv"
 
-    def __init__(self, c_in: int, c_out: int, kernel: int = 3, padding: int | str = "same", init: str = "he_normal",
-                 bias: bool = True):
+    def __init__(
+        self,
+        c_in: int,
+        c_out: int,
+        kernel: int = 3,
+        padding: int | str = "same",
+        init: str = "he_normal",
+        bias: bool = True,
+    ):
         super().__init__()
         k = int(kernel)
         self.padding = _padding("Conv2d", padding, k, 1, 1)
@@ -50,8 +58,9 @@ def _padding(name: str, padding: int | str, k: int, dilation: int, stride: int) 
     ``"valid"`` (none) or an int >= 0."""
     if padding == "same":
         if k % 2 == 0 or stride != 1:
-            raise ModelError(f"{name}: 'same' padding needs an odd kernel and stride 1 (got kernel {k}, stride "
-                             f"{stride})")
+            raise ModelError(
+                f"{name}: 'same' padding needs an odd kernel and stride 1 (got kernel {k}, stride {stride})"
+            )
         return dilation * (k // 2)
     if padding == "valid":
         return 0
@@ -67,13 +76,25 @@ class Conv1d(Module):
 
     kind = "conv"
 
-    def __init__(self, c_in: int, c_out: int, kernel: int = 3, stride: int = 1, padding: int | str = "same",
-                 dilation: int = 1, groups: int = 1, init: str = "he_normal", bias: bool = True):
+    def __init__(
+        self,
+        c_in: int,
+        c_out: int,
+        kernel: int = 3,
+        stride: int = 1,
+        padding: int | str = "same",
+        dilation: int = 1,
+        groups: int = 1,
+        init: str = "he_normal",
+        bias: bool = True,
+    ):
         super().__init__()
         k, groups = int(kernel), int(groups)
         if min(k, int(stride), int(dilation), groups) < 1 or c_in % groups or c_out % groups:
-            raise ModelError(f"Conv1d: kernel, stride, dilation and groups must be positive, and groups must divide "
-                             f"{c_in} and {c_out} channels (got {k}, {stride}, {dilation}, {groups})")
+            raise ModelError(
+                f"Conv1d: kernel, stride, dilation and groups must be positive, and groups must divide "
+                f"{c_in} and {c_out} channels (got {k}, {stride}, {dilation}, {groups})"
+            )
         self.stride, self.dilation, self.groups = int(stride), int(dilation), groups
         self.padding = _padding("Conv1d", padding, k, self.dilation, self.stride)
         fan = c_in // groups * k
@@ -177,6 +198,7 @@ class MultiHeadAttention(Module):
 
         def heads(linear: Linear) -> Tensor:  # (B, heads, T, dim / heads)
             return ops.transpose(ops.reshape(linear(flat), (b, t, self.heads, -1)), (0, 2, 1, 3))
+
         mixed = nn.attention(heads(self.q), heads(self.k), heads(self.v), self.causal)
         return ops.reshape(self.out(ops.reshape(ops.transpose(mixed, (0, 2, 1, 3)), (b * t, dim))), (b, t, dim))
 

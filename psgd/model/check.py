@@ -36,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -60,11 +61,22 @@ class Check:
     lines: list[str]
 
 
-def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed: int = 0, *,
-                name: str | None = None, options: Mapping[str, Any] | None = None,
-                device: backend.Device | None = None, batch: int = BATCH,
-                budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None, target: str = "classes",
-                target_shape: Any = ()) -> list[Check]:
+def check_model(
+    model: Any,
+    input_shape: Any,
+    num_classes: int,
+    dtype: str,
+    seed: int = 0,
+    *,
+    name: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    device: backend.Device | None = None,
+    batch: int = BATCH,
+    budget: float | None = FD_BUDGET_SECONDS,
+    id_shape: Any = None,
+    target: str = "classes",
+    target_shape: Any = (),
+) -> list[Check]:
     """Check ``model`` (see the module docstring); raise :class:`ModelError`, one line per failure.
 
     ``name`` and ``options`` (how the model was built, e.g. ``"mypkg.nets:Net"``
@@ -76,9 +88,21 @@ def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed
     (:attr:`psgd.data.Dataset.target`): the batch's targets are made so. Returns the checks, all passed or
     skipped.
     """
-    checks = run_checks(model, input_shape, num_classes, dtype, seed, name=name, options=options,
-                        device=device, batch=batch, budget=budget, id_shape=id_shape, target=target,
-                        target_shape=target_shape)
+    checks = run_checks(
+        model,
+        input_shape,
+        num_classes,
+        dtype,
+        seed,
+        name=name,
+        options=options,
+        device=device,
+        batch=batch,
+        budget=budget,
+        id_shape=id_shape,
+        target=target,
+        target_shape=target_shape,
+    )
     label = name or _class_name(model)
     failures = [f"model {label!r}: {c.name}: {line}" for c in checks if c.status == FAIL for line in c.lines]
     if failures:
@@ -86,14 +110,38 @@ def check_model(model: Any, input_shape: Any, num_classes: int, dtype: str, seed
     return checks
 
 
-def run_checks(model: Any, input_shape: Any, num_classes: int, dtype: str, seed: int = 0, *,
-               name: str | None = None, options: Mapping[str, Any] | None = None,
-               device: backend.Device | None = None, batch: int = BATCH,
-               budget: float | None = FD_BUDGET_SECONDS, id_shape: Any = None, target: str = "classes",
-               target_shape: Any = ()) -> list[Check]:
+def run_checks(
+    model: Any,
+    input_shape: Any,
+    num_classes: int,
+    dtype: str,
+    seed: int = 0,
+    *,
+    name: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    device: backend.Device | None = None,
+    batch: int = BATCH,
+    budget: float | None = FD_BUDGET_SECONDS,
+    id_shape: Any = None,
+    target: str = "classes",
+    target_shape: Any = (),
+) -> list[Check]:
     """Every check's outcome, in order: specs, init, loss_and_grads, gradients, predict, finite differences."""
-    return _Checker(model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget,
-                    id_shape, target, target_shape).run()
+    return _Checker(
+        model,
+        input_shape,
+        num_classes,
+        dtype,
+        seed,
+        name,
+        options,
+        device,
+        batch,
+        budget,
+        id_shape,
+        target,
+        target_shape,
+    ).run()
 
 
 def _class_name(model: Any) -> str:
@@ -104,8 +152,22 @@ def _class_name(model: Any) -> str:
 class _Checker(FiniteDifferences):
     """The state the checks share: inputs, specs and initial values once they are known good."""
 
-    def __init__(self, model, input_shape, num_classes, dtype, seed, name, options, device, batch, budget,
-                 id_shape=None, target="classes", target_shape=()):
+    def __init__(
+        self,
+        model,
+        input_shape,
+        num_classes,
+        dtype,
+        seed,
+        name,
+        options,
+        device,
+        batch,
+        budget,
+        id_shape=None,
+        target="classes",
+        target_shape=(),
+    ):
         self.model, self.name, self.options, self.budget = model, name, dict(options or {}), budget
         if isinstance(input_shape, (int, np.integer)):
             input_shape = (input_shape,)
@@ -117,31 +179,44 @@ class _Checker(FiniteDifferences):
         self.x_host = rng.standard_normal((self.batch,) + self.input_shape).astype(self.dtype)
         self.target, self.target_shape = target, tuple(int(d) for d in target_shape)
         rows = (self.batch,) + self.target_shape
-        self.y_host = (rng.integers(0, self.num_classes, size=rows, dtype=np.int64) if target == "classes" else
-                       rng.integers(0, 2, size=rows).astype(self.dtype) if target == "labels" else
-                       rng.standard_normal(rows).astype(self.dtype))
+        self.y_host = (
+            rng.integers(0, self.num_classes, size=rows, dtype=np.int64)
+            if target == "classes"
+            else rng.integers(0, 2, size=rows).astype(self.dtype)
+            if target == "labels"
+            else rng.standard_normal(rows).astype(self.dtype)
+        )
         self.x, self.y = self.device.asarray(self.x_host), self.device.asarray(self.y_host)
         self.id_shape = tuple(id_shape) if id_shape is not None else None
         # ids from a pool of 3 per field position: a batch of 4 looks some rows up twice (their gradients add up)
-        self.ids_host = (rng.integers(-2**62, 2**62, size=(3,) + self.id_shape)[
-            rng.integers(0, 3, size=self.batch)] if self.id_shape else None)
+        self.ids_host = (
+            rng.integers(-(2**62), 2**62, size=(3,) + self.id_shape)[rng.integers(0, 3, size=self.batch)]
+            if self.id_shape
+            else None
+        )
         self.tables: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # name -> (ids, values, index)
         self.specs: list[VarSpec] | None = None
         self.params: dict[str, Any] | None = None
         self.result: tuple[float, Mapping[str, Any]] | None = None  # (loss, gradients) once they were returned
-        self.good_grads: list[str] = []   # variables whose gradient has the right shape, dtype and values
-        self.step_seconds = 0.0           # one loss_and_grads in the job's dtype
+        self.good_grads: list[str] = []  # variables whose gradient has the right shape, dtype and values
+        self.step_seconds = 0.0  # one loss_and_grads in the job's dtype
 
     def run(self) -> list[Check]:
         checks = [self._run("specs", self.check_specs)]
-        checks.append(self._run("init", self.check_init) if self.specs is not None
-                      else Check("init", SKIP, ["needs valid specs"]))
+        checks.append(
+            self._run("init", self.check_init) if self.specs is not None else Check("init", SKIP, ["needs valid specs"])
+        )
         if self.params is None:
-            return checks + [Check(n, SKIP, ["needs the initial values"])
-                             for n in ("loss_and_grads", "gradients", "predict", "finite differences")]
+            return checks + [
+                Check(n, SKIP, ["needs the initial values"])
+                for n in ("loss_and_grads", "gradients", "predict", "finite differences")
+            ]
         checks.append(self._run("loss_and_grads", self.check_loss))
-        checks.append(self._run("gradients", self.check_grads) if self.result is not None
-                      else Check("gradients", SKIP, ["needs loss_and_grads to return them"]))
+        checks.append(
+            self._run("gradients", self.check_grads)
+            if self.result is not None
+            else Check("gradients", SKIP, ["needs loss_and_grads to return them"])
+        )
         checks.append(self._run("predict", self.check_predict))
         if self.result is None or not math.isfinite(self.result[0]):
             checks.append(Check("finite differences", SKIP, ["needs a finite loss"]))
@@ -201,8 +276,10 @@ class _Checker(FiniteDifferences):
                 wrong.setdefault(spec.dtype, []).append(spec.name)
         for dt, names in wrong.items():
             which = "variable" if len(names) == 1 else "variables"
-            fail.append(f"{which} {quoted(names)} {'is' if len(names) == 1 else 'are'} {dt} but the job's dtype "
-                        f"is {self.dtype} (give each VarSpec the dtype the model was built with)")
+            fail.append(
+                f"{which} {quoted(names)} {'is' if len(names) == 1 else 'are'} {dt} but the job's dtype "
+                f"is {self.dtype} (give each VarSpec the dtype the model was built with)"
+            )
         if fail:
             return ""
         self.specs = list(specs)
@@ -218,8 +295,10 @@ class _Checker(FiniteDifferences):
         if missing:
             fail.append(f"{what} gives no value for {quoted(missing)}")
         if extra:
-            fail.append(f"{what} gives a value for {quoted(extra)}, which "
-                        + ("it was not asked for" if len(names) < len(self.specs) else "specs() does not list"))
+            fail.append(
+                f"{what} gives a value for {quoted(extra)}, which "
+                + ("it was not asked for" if len(names) < len(self.specs) else "specs() does not list")
+            )
         by_name = {s.name: s for s in self.specs}
         for n in names:
             if n not in values:
@@ -249,8 +328,10 @@ class _Checker(FiniteDifferences):
         try:
             some = self.model.init(self.seed, names=[one])
         except Exception as exc:
-            fail.append(raised(what, exc) + "; the parameter-server shards call it to create only their own "
-                        "variables (subclass psgd.model.BaseModel to get it)")
+            fail.append(
+                raised(what, exc) + "; the parameter-server shards call it to create only their own "
+                "variables (subclass psgd.model.BaseModel to get it)"
+            )
             return ""
         if not self._check_values(what, some, [one], fail):
             return ""
@@ -260,8 +341,10 @@ class _Checker(FiniteDifferences):
         if fail:
             self.params = None
             return ""
-        return (f"{len(names)} array{'s' * (len(names) != 1)} with the specs' shapes and dtypes, "
-                "and only the variables asked for with names=[...]")
+        return (
+            f"{len(names)} array{'s' * (len(names) != 1)} with the specs' shapes and dtypes, "
+            "and only the variables asked for with names=[...]"
+        )
 
     def _table_rows(self, fail: list[str]) -> None:
         """The rows the random batch looks up in each of the model's tables, at their first values."""
@@ -282,15 +365,17 @@ class _Checker(FiniteDifferences):
             return
         specs = {t.name: t for t in tables}
         if not isinstance(lookups, Mapping) or set(lookups) - set(specs):
-            fail.append(f"lookups(ids) returned {kind(lookups)}; it must be a dict of ids by table name "
-                        f"({', '.join(specs)})")
+            fail.append(
+                f"lookups(ids) returned {kind(lookups)}; it must be a dict of ids by table name ({', '.join(specs)})"
+            )
             return
         for name, wanted in lookups.items():
             ids, index = unique_lookups(wanted)
             self.tables[name] = (ids, initial_rows(specs[name], self.seed, ids), index)
 
-    def with_rows(self, params: Mapping[str, Any], dt: str | None = None,
-                  values: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    def with_rows(
+        self, params: Mapping[str, Any], dt: str | None = None, values: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, Any]:
         """``params`` with each table's :class:`Rows` for the batch, in ``dt`` (or the job's dtype), taking a
         table's values from ``values`` where given."""
         out = dict(params)
@@ -322,13 +407,17 @@ class _Checker(FiniteDifferences):
         for name, (ids, first, _) in self.tables.items():  # a table's gradient: Rows of the batch's ids
             g = grads.pop(name, None)
             if not isinstance(g, Rows) or not np.array_equal(np.asarray(g.ids), ids):
-                fail.append(f"the gradient for table {name!r} is {kind(g)}; it must be the batch's Rows with the "
-                            "gradient of each row as values (rows.with_values(...))")
+                fail.append(
+                    f"the gradient for table {name!r} is {kind(g)}; it must be the batch's Rows with the "
+                    "gradient of each row as values (rows.with_values(...))"
+                )
                 continue
             values = g.values
             if tuple(getattr(values, "shape", ())) != first.shape:
-                fail.append(f"the gradient for table {name!r} has shape {tuple(getattr(values, 'shape', ()))}, "
-                            f"but the batch looks up {first.shape[0]} rows of {first.shape[1]}")
+                fail.append(
+                    f"the gradient for table {name!r} has shape {tuple(getattr(values, 'shape', ()))}, "
+                    f"but the batch looks up {first.shape[0]} rows of {first.shape[1]}"
+                )
             elif not np.isfinite(backend.to_host(values)).all():
                 fail.append(f"the gradient for table {name!r} has non-finite values")
             else:
@@ -337,8 +426,10 @@ class _Checker(FiniteDifferences):
         missing = [n for n in names if n not in grads]
         unknown = [n for n in grads if n not in names]
         if missing:
-            fail.append(f"no gradient for {quoted(missing)} (loss_and_grads must return one for every variable "
-                        "in specs(), zeros included)")
+            fail.append(
+                f"no gradient for {quoted(missing)} (loss_and_grads must return one for every variable "
+                "in specs(), zeros included)"
+            )
         if unknown:
             fail.append(f"gradient{'s' * (len(unknown) != 1)} for {quoted(unknown)}, which specs() does not list")
         xp = self.device.xp
@@ -353,8 +444,10 @@ class _Checker(FiniteDifferences):
             elif np.dtype(g.dtype).name != spec.dtype:
                 fail.append(f"the gradient for {n!r} is {np.dtype(g.dtype).name}, but the variable is {spec.dtype}")
             elif backend.get_array_module(g) is not xp:
-                fail.append(f"the gradient for {n!r} is a {type(g).__module__}.{type(g).__name__}, but the weights "
-                            f"are on {self.device} (compute with the array module of the params)")
+                fail.append(
+                    f"the gradient for {n!r} is a {type(g).__module__}.{type(g).__name__}, but the weights "
+                    f"are on {self.device} (compute with the array module of the params)"
+                )
             else:
                 bad = int(backend.to_host((~xp.isfinite(g)).sum()))
                 if bad:
@@ -386,12 +479,17 @@ class _Checker(FiniteDifferences):
         want, said = self.scores_shape()
         if getattr(scores, "shape", None) is None:
             fail.append(f"returned {kind(scores)}, not an array of scores")
-        elif tuple(scores.shape) != want and not (self.target == "values" and len(scores.shape) >= 1 and
-                                                  scores.shape[0] == self.batch and scores.size == math.prod(want)):
+        elif tuple(scores.shape) != want and not (
+            self.target == "values"
+            and len(scores.shape) >= 1
+            and scores.shape[0] == self.batch
+            and scores.size == math.prod(want)
+        ):
             fail.append(f"returned shape {tuple(scores.shape)}; it must return {said}")
         elif backend.get_array_module(scores) is not self.device.xp:
-            fail.append(f"returned a {type(scores).__module__}.{type(scores).__name__}, but the weights "
-                        f"are on {self.device}")
+            fail.append(
+                f"returned a {type(scores).__module__}.{type(scores).__name__}, but the weights are on {self.device}"
+            )
         else:
             host = backend.to_host(scores)
             if host.dtype.kind not in "fiu":

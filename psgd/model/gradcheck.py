@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -26,10 +27,10 @@ from psgd.model.errors import ModelError
 from psgd.model.probe import Skip, call_loss_and_grads, raised
 from psgd.model.registry import build_model
 
-FD_COORDINATES = 3         # coordinates checked per variable
-FD_EPS = 1e-6              # central-difference step in float64
-FD_RTOL = 1e-4             # relative tolerance in float64
-LOOSE_EPS, LOOSE_RTOL = 3e-3, 2e-2   # when the model cannot compute in float64
+FD_COORDINATES = 3  # coordinates checked per variable
+FD_EPS = 1e-6  # central-difference step in float64
+FD_RTOL = 1e-4  # relative tolerance in float64
+LOOSE_EPS, LOOSE_RTOL = 3e-3, 2e-2  # when the model cannot compute in float64
 #: Finite differences within a budget (``budget=None``: no limit, as ``psgd check-model`` does): the
 #: float64 copies of the weights are skipped past FD_MAX_PARAMETERS, and the number of steps taken
 #: shrinks to fit FD_BUDGET_SECONDS (one coordinate per variable, then none) when a step is slow.
@@ -52,11 +53,23 @@ class FiniteDifferences:
             return self.model
         makers = []
         if self.name:
-            makers.append(lambda: build_model(self.name, self.input_shape, self.num_classes, dtype="float64",
-                                              id_shape=self.id_shape, target=self.target, **self.options))
+            makers.append(
+                lambda: build_model(
+                    self.name,
+                    self.input_shape,
+                    self.num_classes,
+                    dtype="float64",
+                    id_shape=self.id_shape,
+                    target=self.target,
+                    **self.options,
+                )
+            )
         ids = {"id_shape": self.id_shape} if self.id_shape is not None else {}
-        makers.append(lambda: type(self.model)(input_shape=self.input_shape, num_classes=self.num_classes,
-                                               dtype="float64", **ids, **self.options))
+        makers.append(
+            lambda: type(self.model)(
+                input_shape=self.input_shape, num_classes=self.num_classes, dtype="float64", **ids, **self.options
+            )
+        )
         want = [(s.name, s.shape, "float64") for s in self.specs]
         for make in makers:
             try:
@@ -99,8 +112,10 @@ class FiniteDifferences:
 
     def check_finite_differences(self, fail: list[str]) -> str:
         if self.budget is not None and sum(s.size for s in self.specs) > FD_MAX_PARAMETERS:
-            raise Skip(f"over {FD_MAX_PARAMETERS:,} parameters: float64 copies of the weights would cost too much "
-                       "memory in every process (psgd check-model checks them)")
+            raise Skip(
+                f"over {FD_MAX_PARAMETERS:,} parameters: float64 copies of the weights would cost too much "
+                "memory in every process (psgd check-model checks them)"
+            )
         self._coordinates(self.step_seconds)  # skip before copying anything when even the job's dtype is slow
         for model, dt, trusted in self._candidates():
             host = {n: backend.to_host(v).astype(dt) for n, v in self.params.items()}
@@ -111,13 +126,16 @@ class FiniteDifferences:
                 began = time.perf_counter()
                 loss0, grads = f()
                 step = time.perf_counter() - began
-                if not trusted and not all(np.dtype(getattr(grads.get(n), "dtype", "O")).name == dt
-                                           for n in self.good_grads):
+                if not trusted and not all(
+                    np.dtype(getattr(grads.get(n), "dtype", "O")).name == dt for n in self.good_grads
+                ):
                     continue
                 again = f()[0]
                 if abs(again - loss0) > 1e-12 * max(1.0, abs(loss0)):
-                    raise Skip(f"two calls at the same weights gave the losses {loss0:.10g} and {again:.10g} "
-                                "(random dropout?); finite differences need the same loss for the same weights")
+                    raise Skip(
+                        f"two calls at the same weights gave the losses {loss0:.10g} and {again:.10g} "
+                        "(random dropout?); finite differences need the same loss for the same weights"
+                    )
                 summary = self._compare(f, host, loss0, grads, dt, self._coordinates(step), found)
             except Skip:
                 raise
@@ -137,11 +155,21 @@ class FiniteDifferences:
             return FD_COORDINATES
         if calls * step <= self.budget:
             return 1
-        raise Skip(f"a step takes {step:.2f} s here, too long to take {calls} more at the start of every process "
-                    "(psgd check-model checks them)")
+        raise Skip(
+            f"a step takes {step:.2f} s here, too long to take {calls} more at the start of every process "
+            "(psgd check-model checks them)"
+        )
 
-    def _compare(self, f: Callable[..., tuple[float, Any]], host: dict[str, np.ndarray],
-                 loss0: float, grads: Mapping[str, Any], dt: str, coordinates: int, fail: list[str]) -> str:
+    def _compare(
+        self,
+        f: Callable[..., tuple[float, Any]],
+        host: dict[str, np.ndarray],
+        loss0: float,
+        grads: Mapping[str, Any],
+        dt: str,
+        coordinates: int,
+        fail: list[str],
+    ) -> str:
         """Compare a few coordinates of each good gradient with central differences of ``f``."""
         eps, rtol = (FD_EPS, FD_RTOL) if dt == "float64" else (LOOSE_EPS, LOOSE_RTOL)
         # what rounding alone can put into a central difference (with room to spare)
@@ -184,12 +212,19 @@ class FiniteDifferences:
                 idx, a, central, err = max(bad, key=lambda b: b[3])
                 at = ", ".join(map(str, idx))
                 more = f" ({len(bad)} of {len(picks)} coordinates disagree)" if len(bad) > 1 else ""
-                fail.append(f"the gradient for {n!r} at [{at}] is {a:.6g}, but central differences of the loss give "
-                            f"{central:.6g} (relative error {err:.1e}, tolerance {rtol:.0e}){more}")
+                fail.append(
+                    f"the gradient for {n!r} at [{at}] is {a:.6g}, but central differences of the loss give "
+                    f"{central:.6g} (relative error {err:.1e}, tolerance {rtol:.0e}){more}"
+                )
         if fail:
             return ""
-        how = ("in float64" if dt == "float64"
-               else f"in {dt} with a loose tolerance (the model does not compute in float64)")
+        how = (
+            "in float64"
+            if dt == "float64"
+            else f"in {dt} with a loose tolerance (the model does not compute in float64)"
+        )
         kinked = f"; {kinks} next to a kink agree one-sided" if kinks else ""
-        return (f"{checked} coordinates of {len(self.good_grads)} gradient{'s' * (len(self.good_grads) != 1)} agree "
-                f"with central differences {how} (largest relative error {worst:.1e}, tolerance {rtol:.0e}{kinked})")
+        return (
+            f"{checked} coordinates of {len(self.good_grads)} gradient{'s' * (len(self.good_grads) != 1)} agree "
+            f"with central differences {how} (largest relative error {worst:.1e}, tolerance {rtol:.0e}{kinked})"
+        )

@@ -9,7 +9,8 @@ the GPU too).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from psgd.autodiff import Tensor, backward, nn
 

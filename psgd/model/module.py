@@ -12,23 +12,30 @@ each gradient to ``on_grad`` as soon as it is complete.  ``predict`` records not
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from psgd.autodiff import Tensor, backward, nn, no_grad
+from psgd.compute.backend import get_array_module
 from psgd.model.base import BaseModel, VarSpec
 from psgd.model.errors import ModelError
 from psgd.model.table import Rows, TableSpec
-from psgd.compute.backend import get_array_module
 
 
 class Parameter:
     """A trainable variable a module declares: its shape and how it starts (see :class:`VarSpec`); its dtype is its
     network's."""
 
-    def __init__(self, shape: Sequence[int], init: str = "he_normal", fan_in: int | None = None,
-                 fan_out: int | None = None, scale: float = 0.01):
+    def __init__(
+        self,
+        shape: Sequence[int],
+        init: str = "he_normal",
+        fan_in: int | None = None,
+        fan_out: int | None = None,
+        scale: float = 0.01,
+    ):
         self.shape, self.init, self.fan_in, self.fan_out, self.scale = tuple(shape), init, fan_in, fan_out, scale
 
     def spec(self, name: str, dtype: str) -> VarSpec:
@@ -81,10 +88,10 @@ class Binding:
     def __init__(self, training: bool, seed: int = 0):
         self.values: dict[tuple[int, str], Any] = {}
         self.training = training
-        self.leaves: list[Tensor] = []           # the tensors whose gradients the call wants, in declaration order
-        self.rows: dict[str, Rows] = {}          # a table's name -> the batch's rows
+        self.leaves: list[Tensor] = []  # the tensors whose gradients the call wants, in declaration order
+        self.rows: dict[str, Rows] = {}  # a table's name -> the batch's rows
         self.states: list[tuple[str, tuple[int, str]]] = []  # each state variable: (name, (module id, attribute))
-        self.moved: dict[tuple[int, str], Any] = {}           # a state's new value, where the call moved it
+        self.moved: dict[tuple[int, str], Any] = {}  # a state's new value, where the call moved it
         self.seed, self.draws = int(seed), 0
 
     def draw(self) -> int:
@@ -92,7 +99,7 @@ class Binding:
         self.draws += 1
         return (self.seed * 1_000_003 + self.draws) & 0xFFFFFFFF
 
-    def __enter__(self) -> "Binding":
+    def __enter__(self) -> Binding:
         self._before = _binding.now
         _binding.now = self
         return self
@@ -114,7 +121,7 @@ class _Now(threading.local):
     """This thread's binding (:class:`Binding`), None outside a call; a default on the class, so that reading it
     costs no failed lookup."""
 
-    now: "Binding | None" = None
+    now: Binding | None = None
 
 
 _binding = _Now()
@@ -216,7 +223,7 @@ class Module:
         now = _binding.now
         return 0 if now is None else now.draw()
 
-    def modules(self) -> Iterator["Module"]:
+    def modules(self) -> Iterator[Module]:
         """This module and every module below it."""
         yield self
         for value in self._declared.values():
@@ -229,7 +236,7 @@ class Module:
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - every module has its own
         raise NotImplementedError(f"{type(self).__name__} must define forward()")
 
-    def declared(self, prefix: str = "") -> Iterator[tuple[str, "Module", str, Parameter | Table]]:
+    def declared(self, prefix: str = "") -> Iterator[tuple[str, Module, str, Parameter | Table]]:
         """(name, owning module, attribute, declaration) of every parameter and table here and below, in order."""
         for attr, value in self._declared.items():
             name = f"{prefix}{attr}"
@@ -284,8 +291,9 @@ class Network(Module, BaseModel):
         except TypeError:
             kind = ""
         if kind != "f":
-            raise ModelError(f"{type(self).__name__}: dtype must be a float type such as float32 or float64 "
-                             f"(got {dtype!r})")
+            raise ModelError(
+                f"{type(self).__name__}: dtype must be a float type such as float32 or float64 (got {dtype!r})"
+            )
         self.dtype = np.dtype(dtype).name
         object.__setattr__(self, "_dtype", np.dtype(dtype))  # what inputs() casts to, parsed once
 
@@ -317,9 +325,17 @@ class Network(Module, BaseModel):
         only once a module's declarations changed."""
         cached = self.__dict__.get("_cached")
         if cached is None or cached[0] != _layout:
-            cached = (_layout, [(name, (id(owner), attr), "table" if isinstance(d, Table) else
-                                 "state" if isinstance(d, State) else "parameter")
-                                for name, owner, attr, d in self.declared()])
+            cached = (
+                _layout,
+                [
+                    (
+                        name,
+                        (id(owner), attr),
+                        "table" if isinstance(d, Table) else "state" if isinstance(d, State) else "parameter",
+                    )
+                    for name, owner, attr, d in self.declared()
+                ],
+            )
             object.__setattr__(self, "_cached", cached)
         return cached[1]
 
@@ -346,9 +362,14 @@ class Network(Module, BaseModel):
                 values[key] = LookedUp(value, leaves[-1])
         return binding
 
-    def loss_and_grads(self, params: Mapping[str, Any], x: Any, y: Any,
-                       on_grad: Callable[[str, Any], None] | None = None,
-                       seed: int | None = None) -> tuple[Any, dict[str, Any]]:
+    def loss_and_grads(
+        self,
+        params: Mapping[str, Any],
+        x: Any,
+        y: Any,
+        on_grad: Callable[[str, Any], None] | None = None,
+        seed: int | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
         """The mean loss (a 0-d array on the weights' device) and every variable's gradient (a table's as its
         rows, a state's as the change the step made to it), ``on_grad(name, grad)`` called for each as soon as
         backward has completed it.  ``seed``: the step's, for its random masks (:meth:`Module.draw`); by default
@@ -361,11 +382,14 @@ class Network(Module, BaseModel):
         if on_grad is None:
             heard = None
         elif rows:
+
             def heard(leaf: Tensor, g: Any) -> None:
                 on_grad(leaf.name, rows[leaf.name].with_values(g) if leaf.name in rows else g)
         else:
+
             def heard(leaf: Tensor, g: Any) -> None:
                 on_grad(leaf.name, g)
+
         backward(loss, on_grad=heard)
         grads = {}
         for leaf in binding.leaves:

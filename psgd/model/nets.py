@@ -10,13 +10,14 @@ unknown option or a bad value raises :class:`ModelError` naming the model and th
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from psgd.autodiff import nn
-from psgd.model.errors import ModelError
 from psgd.model.blocks import Conv2d, Flatten, Linear, MaxPool2d, ReLU
+from psgd.model.errors import ModelError
 from psgd.model.module import Module, Network, chain
 
 #: the loss a built-in model takes for each kind of target, unless told another; and the losses each kind allows
@@ -60,8 +61,15 @@ class LayeredModel(Network):
     #: the same kernels for the same shapes, nothing read back to the host: a step can be a CUDA graph
     static_step = True
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
-                 unknown: Mapping[str, Any] | None = None, target: str = "classes") -> None:
+    def __init__(
+        self,
+        input_shape: Any,
+        num_classes: int,
+        dtype: str = "float32",
+        loss: str | None = None,
+        unknown: Mapping[str, Any] | None = None,
+        target: str = "classes",
+    ) -> None:
         if unknown:
             bad = ", ".join(repr(k) for k in sorted(unknown))
             raise ModelError(f"{self.name}: unknown option(s) {bad} (options: {', '.join(('loss',) + self.OPTIONS)})")
@@ -86,8 +94,10 @@ class LayeredModel(Network):
             raise ModelError(f"{self.name}: dtype must be a float type such as float32 or float64 (got {dtype!r})")
         loss = LOSS_FOR[target] if loss is None else loss
         if loss not in ALLOWED[target]:
-            raise ModelError(f"{self.name}: option 'loss' must be one of {', '.join(ALLOWED[target])} for targets "
-                             f"that are {target} (got {loss!r})")
+            raise ModelError(
+                f"{self.name}: option 'loss' must be one of {', '.join(ALLOWED[target])} for targets "
+                f"that are {target} (got {loss!r})"
+            )
         super().__init__(dtype)  # (a subclass' options are set already)
         self.input_shape, self.num_classes, self.loss_name, self.target = shape, classes, loss, target
         # (values in one input, its shape inside the net): what inputs() checks and reshapes to, worked out once
@@ -108,8 +118,10 @@ class LayeredModel(Network):
         if each == shape:  # already the shape the net takes
             return x
         if x.ndim < 1 or (each != self.input_shape and math.prod(each) != size):
-            raise ModelError(f"{self.name}: expected inputs of shape (B, {', '.join(map(str, self.input_shape))}), "
-                             f"got {tuple(x.shape)}")
+            raise ModelError(
+                f"{self.name}: expected inputs of shape (B, {', '.join(map(str, self.input_shape))}), "
+                f"got {tuple(x.shape)}"
+            )
         return x.reshape((x.shape[0],) + shape)
 
     def forward(self, x: Any) -> Any:
@@ -131,8 +143,15 @@ class SoftmaxRegression(LayeredModel):
 
     name = "softmax"
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
-                 target: str = "classes", **unknown: Any) -> None:
+    def __init__(
+        self,
+        input_shape: Any,
+        num_classes: int,
+        dtype: str = "float32",
+        loss: str | None = None,
+        target: str = "classes",
+        **unknown: Any,
+    ) -> None:
         super().__init__(input_shape, num_classes, dtype, loss, unknown, target)
 
     def layers(self) -> list[Module]:
@@ -145,8 +164,16 @@ class MLP(LayeredModel):
     name = "mlp"
     OPTIONS = ("hidden",)
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
-                 hidden: Any = (128, 64), target: str = "classes", **unknown: Any) -> None:
+    def __init__(
+        self,
+        input_shape: Any,
+        num_classes: int,
+        dtype: str = "float32",
+        loss: str | None = None,
+        hidden: Any = (128, 64),
+        target: str = "classes",
+        **unknown: Any,
+    ) -> None:
         object.__setattr__(self, "hidden", _positive_ints(self.name, "hidden", hidden))
         super().__init__(input_shape, num_classes, dtype, loss, unknown, target)
 
@@ -165,9 +192,18 @@ class CNN(LayeredModel):
     name = "cnn"
     OPTIONS = ("channels", "kernel", "hidden")
 
-    def __init__(self, input_shape: Any, num_classes: int, dtype: str = "float32", loss: str | None = None,
-                 channels: Any = (8, 16), kernel: Any = 3, hidden: Any = 64, target: str = "classes",
-                 **unknown: Any) -> None:
+    def __init__(
+        self,
+        input_shape: Any,
+        num_classes: int,
+        dtype: str = "float32",
+        loss: str | None = None,
+        channels: Any = (8, 16),
+        kernel: Any = 3,
+        hidden: Any = 64,
+        target: str = "classes",
+        **unknown: Any,
+    ) -> None:
         object.__setattr__(self, "channels", _positive_ints(self.name, "channels", channels))
         object.__setattr__(self, "kernel", _positive_int(self.name, "kernel", kernel))
         if self.kernel % 2 == 0:
@@ -183,11 +219,16 @@ class CNN(LayeredModel):
             raise ModelError(f"{self.name}: input_shape must be (C, H, W) or (H, W) (got {self.input_shape})")
         c, h, w = self.batch_shape()
         if h >> len(self.channels) < 1 or w >> len(self.channels) < 1:
-            raise ModelError(f"{self.name}: input {h}x{w} is too small for {len(self.channels)} 2x2 poolings "
-                             "(fewer 'channels' or a larger input)")
+            raise ModelError(
+                f"{self.name}: input {h}x{w} is too small for {len(self.channels)} 2x2 poolings "
+                "(fewer 'channels' or a larger input)"
+            )
         layers: list[Module] = []
         for c_out in self.channels:
             layers += [Conv2d(c, c_out, self.kernel, padding="same"), ReLU(), MaxPool2d()]
             c, h, w = c_out, h // 2, w // 2
-        return layers + [Flatten(), Linear(c * h * w, self.hidden, "he_normal", relu=True),
-                         Linear(self.hidden, self.num_classes, "glorot_uniform")]
+        return layers + [
+            Flatten(),
+            Linear(c * h * w, self.hidden, "he_normal", relu=True),
+            Linear(self.hidden, self.num_classes, "glorot_uniform"),
+        ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -18,8 +19,9 @@ from psgd.compute import backend
 from psgd.errors import PsgdError
 
 #: The checks' own files: a traceback's frames in them are not the model's.
-_CHECK_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                         for name in ("check.py", "gradcheck.py", "probe.py"))
+_CHECK_FILES = frozenset(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("check.py", "gradcheck.py", "probe.py")
+)
 
 
 class Skip(PsgdError):

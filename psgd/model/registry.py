@@ -10,8 +10,8 @@ from typing import Any
 
 from psgd import moved
 from psgd.model.base import VarSpecError
-from psgd.model.errors import ModelError
 from psgd.model.embed import Embed
+from psgd.model.errors import ModelError
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 
 MODELS: dict[str, type] = {"softmax": SoftmaxRegression, "mlp": MLP, "cnn": CNN, "embed": Embed}
@@ -34,8 +34,9 @@ def load_model_class(name: str | type) -> type:
         return MODELS[name]
     module_name, sep, attr = str(name).partition(":")
     if not sep or not _DOTTED.match(module_name) or not _DOTTED.match(attr):
-        raise ModelError(f"unknown model {name!r}: use one of {', '.join(MODELS)}, "
-                         "or package.module:Class for your own model")
+        raise ModelError(
+            f"unknown model {name!r}: use one of {', '.join(MODELS)}, or package.module:Class for your own model"
+        )
     try:
         with moved.shown():  # an old name the module imports says where it went
             obj: Any = importlib.import_module(module_name)
@@ -60,8 +61,10 @@ def class_name(cls: type) -> str:
 def _with_methods(cls: type, name: str, attr: str) -> type:
     missing = [m for m in MODEL_METHODS if not callable(getattr(cls, m, None))]
     if missing:
-        raise ModelError(f"model {name!r}: class {attr!r} lacks the model method(s) {', '.join(missing)} "
-                         f"(a model needs {', '.join(MODEL_METHODS)})")
+        raise ModelError(
+            f"model {name!r}: class {attr!r} lacks the model method(s) {', '.join(missing)} "
+            f"(a model needs {', '.join(MODEL_METHODS)})"
+        )
     return cls
 
 
@@ -71,8 +74,7 @@ def model_options(cls: type) -> list[str] | None:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):
         return None
-    return [p.name for p in params if p.name not in _BUILT_IN_ARGS
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [p.name for p in params if p.name not in _BUILT_IN_ARGS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def _takes(cls: type, name: str) -> bool:
@@ -82,8 +84,15 @@ def _takes(cls: type, name: str) -> bool:
         return False
 
 
-def build_model(name: str | type, input_shape: Any, num_classes: int, dtype: str = "float32",
-                id_shape: Any = None, target: str = "classes", **options: Any) -> Any:
+def build_model(
+    name: str | type,
+    input_shape: Any,
+    num_classes: int,
+    dtype: str = "float32",
+    id_shape: Any = None,
+    target: str = "classes",
+    **options: Any,
+) -> Any:
     """Build model ``name`` (see :func:`load_model_class`) for ``input_shape`` and ``num_classes``; for a dataset
     with categorical ids (:attr:`psgd.data.Dataset.id_shape`), also ``id_shape``, which a model of embedding tables
     takes (``embed``); and ``target`` (:attr:`psgd.data.Dataset.target`) to a model that takes it by name (the

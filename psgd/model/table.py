@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,8 +52,9 @@ class TableSpec:
         except TypeError:
             raise TableSpecError(f"table {self.name!r}: unknown dtype {self.dtype!r}") from None
         if self.init not in ROW_INITIALIZERS:
-            raise TableSpecError(f"table {self.name!r}: unknown initializer {self.init!r} "
-                                 f"(use one of {', '.join(ROW_INITIALIZERS)})")
+            raise TableSpecError(
+                f"table {self.name!r}: unknown initializer {self.init!r} (use one of {', '.join(ROW_INITIALIZERS)})"
+            )
         if not np.isfinite(self.scale) or self.scale < 0:
             raise TableSpecError(f"table {self.name!r}: scale must be a finite number >= 0, got {self.scale!r}")
 
@@ -106,9 +108,9 @@ def initial_rows(spec: TableSpec, seed: int, ids: np.ndarray) -> np.ndarray:
     bits = mix64(cells) >> np.uint64(11)  # 53 random bits each
     unit = (bits.astype(np.float64) + 0.5) * (1.0 / (1 << 53))  # in (0, 1)
     if spec.init == "uniform":
-        values = (unit[:, :spec.dim] * 2.0 - 1.0) * spec.scale
+        values = (unit[:, : spec.dim] * 2.0 - 1.0) * spec.scale
     else:  # normal, by Box-Muller over the two halves
-        u1, u2 = unit[:, :spec.dim], unit[:, spec.dim:]
+        u1, u2 = unit[:, : spec.dim], unit[:, spec.dim :]
         values = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) * spec.scale
     return values.astype(out_dtype)
 
@@ -124,10 +126,10 @@ class Rows:
     values: Any
     index: Any
 
-    def with_values(self, values: Any) -> "Rows":
+    def with_values(self, values: Any) -> Rows:
         return Rows(self.ids, values, self.index)
 
-    def copy(self) -> "Rows":
+    def copy(self) -> Rows:
         return Rows(self.ids, self.values.copy(), self.index)
 
 

@@ -12,8 +12,9 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from psgd.errors import InputError
 
@@ -23,8 +24,9 @@ from psgd.errors import InputError
 HOW = {"w": os.O_TRUNC, "a": os.O_APPEND}
 
 
-def open_own(path: str | os.PathLike, how: str = "w", *, private: bool = False, binary: bool = False,
-             **options: Any) -> IO:
+def open_own(
+    path: str | os.PathLike, how: str = "w", *, private: bool = False, binary: bool = False, **options: Any
+) -> IO:
     """``path`` opened for writing as :data:`HOW` says, as psgd's own file (see the module); ``private``: mode 0600,
     a file that was there included.  ``options`` go to :func:`open` (encoding, newline, buffering)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | HOW[how]
@@ -83,8 +85,10 @@ def _opened(path: str | os.PathLike, flags: int, mode: int) -> int:
         fd = os.open(path, flags, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise InputError(f"{path}: a symbolic link where psgd writes its own file; psgd never writes through "
-                             "one: remove it, or give the run another folder") from None
+            raise InputError(
+                f"{path}: a symbolic link where psgd writes its own file; psgd never writes through "
+                "one: remove it, or give the run another folder"
+            ) from None
         if exc.errno == errno.ENXIO:  # a FIFO opened for writing where none reads it
             raise _not_regular(path) from None
         raise
@@ -105,5 +109,7 @@ def _regular(path: str | os.PathLike, fd: int) -> int:
 
 
 def _not_regular(path: str | os.PathLike) -> InputError:
-    return InputError(f"{path}: not a regular file (a FIFO, a device or a folder), where a run folder holds plain "
-                      "files only: remove it, or give the run another folder")
+    return InputError(
+        f"{path}: not a regular file (a FIFO, a device or a folder), where a run folder holds plain "
+        "files only: remove it, or give the run another folder"
+    )

@@ -10,7 +10,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from tqdm import tqdm
 
@@ -27,8 +28,17 @@ def bar_wanted(asked: bool | None) -> bool:
 @contextlib.contextmanager
 def progress_bar(total: int, desc: str, *, enabled: bool = True, position: int | None = None) -> Iterator[tqdm]:
     """A tqdm bar on stderr (a silent one when ``enabled`` is false)."""
-    bar = tqdm(total=total, desc=desc, unit="step", disable=not enabled, file=sys.stderr,
-               dynamic_ncols=True, mininterval=0.5, position=position, leave=True)
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit="step",
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        position=position,
+        leave=True,
+    )
     try:
         yield bar
     finally:
@@ -36,8 +46,21 @@ def progress_bar(total: int, desc: str, *, enabled: bool = True, position: int |
 
 
 #: the columns of the CSV file beside the JSON lines: a row per step and per evaluation (``step``: the steps done)
-CSV_COLUMNS = ("time", "event", "step", "epoch", "loss", "staleness", "weights_seconds", "compute_seconds",
-               "exchange_seconds", "train_loss", "test_loss", "test_accuracy", "test_r2")
+CSV_COLUMNS = (
+    "time",
+    "event",
+    "step",
+    "epoch",
+    "loss",
+    "staleness",
+    "weights_seconds",
+    "compute_seconds",
+    "exchange_seconds",
+    "train_loss",
+    "test_loss",
+    "test_accuracy",
+    "test_r2",
+)
 
 
 class MetricsLog:
@@ -154,8 +177,11 @@ class Board:
             if now - self._last < self.STEP_SECONDS:
                 return
             self._last = now
-            scalars = {"train/loss": record.get("loss"), "train/staleness": record.get("staleness"),
-                       **{f"seconds/{k}": v for k, v in (record.get("seconds") or {}).items()}}
+            scalars = {
+                "train/loss": record.get("loss"),
+                "train/staleness": record.get("staleness"),
+                **{f"seconds/{k}": v for k, v in (record.get("seconds") or {}).items()},
+            }
         elif event == "eval":
             scalars = {f"eval/{k}": record.get(k) for k in ("test_accuracy", "test_r2", "test_loss", "train_loss")}
         else:

@@ -26,20 +26,46 @@ import argparse
 import math
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
-                               ProcessCollector, start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from psgd.config import ConfigError
-from psgd.policy import OUTCOME_COUNTERS
 from psgd.observe.rpc_latency import LatencyInterceptor
+from psgd.policy import OUTCOME_COUNTERS
 
 #: RPC latency buckets (seconds): sub-millisecond control calls up to sync pulls that wait a minute.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                   60.0, math.inf)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    math.inf,
+)
 #: Staleness buckets, as the shard keeps them: 0..14 exactly, the last bucket is 15 and more.
 STALENESS_BUCKETS = tuple(float(i) for i in range(15)) + (math.inf,)
 #: the shard's counter for each push outcome (psgd.policy.OUTCOME_COUNTERS), and refusals
@@ -99,9 +125,13 @@ def process_registry() -> CollectorRegistry:
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     """``--metrics-port [HOST:]PORT`` for psgd-server and psgd-worker."""
-    parser.add_argument("--metrics-port", metavar="[HOST:]PORT", default=None,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default host: the server's "
-                             "bind address; 127.0.0.1 for a worker; name 0.0.0.0 to be scraped from elsewhere)")
+    parser.add_argument(
+        "--metrics-port",
+        metavar="[HOST:]PORT",
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default host: the server's "
+        "bind address; 127.0.0.1 for a worker; name 0.0.0.0 to be scraped from elsewhere)",
+    )
 
 
 # -- shards --------------------------------------------------------------------------------------
@@ -128,9 +158,14 @@ class ShardMetrics(Collector):
     def __init__(self, core: Any, registry: CollectorRegistry | None = None):
         self.core = core
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.rpc_seconds = Histogram("psgd_shard_rpc_seconds", "gRPC calls served by this shard, by method and "
-                                     "status code (a sync Pull over gRPC includes its wait for the round)",
-                                     ["method", "code"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.rpc_seconds = Histogram(
+            "psgd_shard_rpc_seconds",
+            "gRPC calls served by this shard, by method and "
+            "status code (a sync Pull over gRPC includes its wait for the round)",
+            ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.interceptor = LatencyInterceptor(self.rpc_seconds)
         self.endpoint: MetricsEndpoint | None = None
         self._bind: str | None = None
@@ -143,7 +178,7 @@ class ShardMetrics(Collector):
         return [self.interceptor]
 
     @classmethod
-    def from_args(cls, core: Any, args: argparse.Namespace, default_host: str = "127.0.0.1") -> "ShardMetrics":
+    def from_args(cls, core: Any, args: argparse.Namespace, default_host: str = "127.0.0.1") -> ShardMetrics:
         """Metrics for ``psgd-server``: call :meth:`start` once serving; a no-op without ``--metrics-port``."""
         bind = getattr(args, "metrics_port", None)
         if bind is None:
@@ -153,7 +188,7 @@ class ShardMetrics(Collector):
         metrics._bind, metrics._default_host = bind, default_host
         return metrics
 
-    def start(self) -> "ShardMetrics":
+    def start(self) -> ShardMetrics:
         if self._bind is not None and self.endpoint is None:
             self.endpoint = serve_metrics(self._bind, self.registry, self._default_host)
         return self
@@ -172,73 +207,143 @@ class ShardMetrics(Collector):
         labels = {"shard": str(s["shard"])}
         names, values = list(labels), list(labels.values())
 
-        info = GaugeMetricFamily("psgd_shard_info", "this shard: which of how many, under which policy",
-                                 labels=["shard", "num_shards", "policy", "plan_hash"])
+        info = GaugeMetricFamily(
+            "psgd_shard_info",
+            "this shard: which of how many, under which policy",
+            labels=["shard", "num_shards", "policy", "plan_hash"],
+        )
         info.add_metric([str(s["shard"]), str(s["num_shards"]), s["policy"], s["plan_hash"]], 1)
         yield info
         yield _gauge("psgd_shard_version", "updates applied to this shard's weights", names, values, s["version"])
         yield _gauge("psgd_shard_bytes_held", "bytes of weights this shard holds", names, values, s["bytes_held"])
         tables = s.get("tables", {})
         if tables:
-            for metric, kind, words in (("rows", GaugeMetricFamily, "rows of the table this shard holds"),
-                                        ("bytes", GaugeMetricFamily, "bytes this shard's rows of the table take"),
-                                        ("rows_created", CounterMetricFamily, "rows made on first use"),
-                                        ("rows_evicted", CounterMetricFamily, "rows evicted (idle, or a full table)"),
-                                        ("grads_dropped", CounterMetricFamily,
-                                         "row gradients dropped: their id was not admitted yet")):
+            for metric, kind, words in (
+                ("rows", GaugeMetricFamily, "rows of the table this shard holds"),
+                ("bytes", GaugeMetricFamily, "bytes this shard's rows of the table take"),
+                ("rows_created", CounterMetricFamily, "rows made on first use"),
+                ("rows_evicted", CounterMetricFamily, "rows evicted (idle, or a full table)"),
+                ("grads_dropped", CounterMetricFamily, "row gradients dropped: their id was not admitted yet"),
+            ):
                 family = kind(f"psgd_shard_table_{metric}", words, labels=[*names, "table"])
                 for name, t in tables.items():
                     family.add_metric([*values, name], t.get(metric, 0))
                 yield family
-        yield _counter("psgd_shard_pushes", "gradient pushes received (gRPC and data port)", names, values,
-                       c.get("pushes", 0))
-        yield _counter("psgd_shard_pulls", "weight pulls answered (gRPC and data port)", names, values,
-                       c.get("pulls", 0))
-        outcomes = CounterMetricFamily("psgd_shard_push_outcomes", "pushes by what the policy did with them",
-                                       labels=[*names, "outcome"])
+        yield _counter(
+            "psgd_shard_pushes", "gradient pushes received (gRPC and data port)", names, values, c.get("pushes", 0)
+        )
+        yield _counter(
+            "psgd_shard_pulls", "weight pulls answered (gRPC and data port)", names, values, c.get("pulls", 0)
+        )
+        outcomes = CounterMetricFamily(
+            "psgd_shard_push_outcomes", "pushes by what the policy did with them", labels=[*names, "outcome"]
+        )
         for key, outcome in PUSH_OUTCOMES.items():
             outcomes.add_metric([*values, outcome], c.get(key, 0))
         yield outcomes
-        yield _counter("psgd_shard_received_bytes", "gradient bytes received in accepted pushes", names, values,
-                       c.get("bytes_in", 0))
+        yield _counter(
+            "psgd_shard_received_bytes",
+            "gradient bytes received in accepted pushes",
+            names,
+            values,
+            c.get("bytes_in", 0),
+        )
         yield _counter("psgd_shard_sent_bytes", "weight bytes sent in pulls", names, values, c.get("bytes_out", 0))
-        yield _counter("psgd_shard_data_requests", "pulls and pushes served on the data port", names, values,
-                       c.get("data_requests", 0))
-        yield _counter("psgd_shard_data_request_cpu_seconds", "CPU seconds the data port's threads spent on requests, "
-                       "from a request's header in to its answer sent", names, values,
-                       c.get("data_cpu_seconds", 0.0))
-        yield _counter("psgd_shard_receive_seconds", "seconds pushes took to be received (off the socket, or copied "
-                       "out of shared memory) and checked", names, values, c.get("receive_seconds", 0.0))
-        yield _counter("psgd_shard_apply_seconds", "seconds updates took to be applied to the weights (their wait for "
-                       "reads included)", names, values, c.get("apply_seconds", 0.0))
-        yield _counter("psgd_shard_expired_workers", "workers dropped for missing their lease or join deadline",
-                       names, values, c.get("expired", 0))
-        yield _counter("psgd_shard_impostor_calls", "calls as a registered worker without its registration's key "
-                       "(refused)", names, values, c.get("impostors", 0))
-        yield _counter("psgd_shard_rollbacks_refused", "rollbacks asked for a restart the shard could not prove at "
-                       "the job's own shards (refused)", names, values, c.get("rollbacks_refused", 0))
-        yield _counter("psgd_shard_unreplicated_pushes", "pushes acknowledged without a copy on the shard's replica "
-                       "(replicas = 1: it did not follow then)", names, values, c.get("unreplicated", 0))
-        yield _counter("psgd_shard_copied_updates", "updates made in the weights' other place because the current "
-                       "one was still being read", names, values, c.get("copied_updates", 0))
-        yield _counter("psgd_shard_revoked_reads", "pulls whose memory an update took after they were read past "
-                       "their deadline (their worker pulled again)", names, values, c.get("revoked_reads", 0))
-        yield _gauge("psgd_shard_oldest_read_seconds", "how long the oldest pull still being read has been "
-                     "(0: none)", names, values, max((r["held_seconds"] for r in s["reads"]), default=0.0))
+        yield _counter(
+            "psgd_shard_data_requests",
+            "pulls and pushes served on the data port",
+            names,
+            values,
+            c.get("data_requests", 0),
+        )
+        yield _counter(
+            "psgd_shard_data_request_cpu_seconds",
+            "CPU seconds the data port's threads spent on requests, from a request's header in to its answer sent",
+            names,
+            values,
+            c.get("data_cpu_seconds", 0.0),
+        )
+        yield _counter(
+            "psgd_shard_receive_seconds",
+            "seconds pushes took to be received (off the socket, or copied out of shared memory) and checked",
+            names,
+            values,
+            c.get("receive_seconds", 0.0),
+        )
+        yield _counter(
+            "psgd_shard_apply_seconds",
+            "seconds updates took to be applied to the weights (their wait for reads included)",
+            names,
+            values,
+            c.get("apply_seconds", 0.0),
+        )
+        yield _counter(
+            "psgd_shard_expired_workers",
+            "workers dropped for missing their lease or join deadline",
+            names,
+            values,
+            c.get("expired", 0),
+        )
+        yield _counter(
+            "psgd_shard_impostor_calls",
+            "calls as a registered worker without its registration's key (refused)",
+            names,
+            values,
+            c.get("impostors", 0),
+        )
+        yield _counter(
+            "psgd_shard_rollbacks_refused",
+            "rollbacks asked for a restart the shard could not prove at the job's own shards (refused)",
+            names,
+            values,
+            c.get("rollbacks_refused", 0),
+        )
+        yield _counter(
+            "psgd_shard_unreplicated_pushes",
+            "pushes acknowledged without a copy on the shard's replica (replicas = 1: it did not follow then)",
+            names,
+            values,
+            c.get("unreplicated", 0),
+        )
+        yield _counter(
+            "psgd_shard_copied_updates",
+            "updates made in the weights' other place because the current one was still being read",
+            names,
+            values,
+            c.get("copied_updates", 0),
+        )
+        yield _counter(
+            "psgd_shard_revoked_reads",
+            "pulls whose memory an update took after they were read past their deadline (their worker pulled again)",
+            names,
+            values,
+            c.get("revoked_reads", 0),
+        )
+        yield _gauge(
+            "psgd_shard_oldest_read_seconds",
+            "how long the oldest pull still being read has been (0: none)",
+            names,
+            values,
+            max((r["held_seconds"] for r in s["reads"]), default=0.0),
+        )
 
         states = {state: 0 for state in WORKER_STATES}
-        clocks = GaugeMetricFamily("psgd_shard_worker_clock", "each worker's clock as this shard knows it",
-                                   labels=[*names, "worker"])
-        leases = GaugeMetricFamily("psgd_shard_worker_lease_left_seconds",
-                                   "seconds before a live worker is dropped unless it is heard from",
-                                   labels=[*names, "worker"])
+        clocks = GaugeMetricFamily(
+            "psgd_shard_worker_clock", "each worker's clock as this shard knows it", labels=[*names, "worker"]
+        )
+        leases = GaugeMetricFamily(
+            "psgd_shard_worker_lease_left_seconds",
+            "seconds before a live worker is dropped unless it is heard from",
+            labels=[*names, "worker"],
+        )
         for w in s["workers"]:
             states[w["state"]] = states.get(w["state"], 0) + 1
             clocks.add_metric([*values, str(w["worker_id"])], w["clock"])
             if w["state"] == "live":
                 leases.add_metric([*values, str(w["worker_id"])], max(0.0, w["lease_left_seconds"]))
-        yield _gauge("psgd_shard_live_workers", "workers registered and within their lease", names, values,
-                     states.get("live", 0))
+        yield _gauge(
+            "psgd_shard_live_workers", "workers registered and within their lease", names, values, states.get("live", 0)
+        )
         by_state = GaugeMetricFamily("psgd_shard_workers", "workers by state", labels=[*names, "state"])
         for state, n in states.items():
             by_state.add_metric([*values, state], n)
@@ -247,24 +352,47 @@ class ShardMetrics(Collector):
         yield leases
 
         buckets, total = staleness_buckets(s["staleness_histogram"])
-        hist = HistogramMetricFamily("psgd_shard_staleness", "updates applied between the weights a gradient was "
-                                     "computed on and its application (15 or more in the last bucket)",
-                                     labels=names)
+        hist = HistogramMetricFamily(
+            "psgd_shard_staleness",
+            "updates applied between the weights a gradient was "
+            "computed on and its application (15 or more in the last bucket)",
+            labels=names,
+        )
         hist.add_metric(values, buckets, total)
         yield hist
 
         written = s.get("checkpoint") or {}
         if written.get("written_at"):  # absent until the first checkpoint
-            yield _gauge("psgd_shard_checkpoint_age_seconds", "seconds since the last checkpoint was written",
-                         names, values, max(0.0, time.time() - written["written_at"]))
+            yield _gauge(
+                "psgd_shard_checkpoint_age_seconds",
+                "seconds since the last checkpoint was written",
+                names,
+                values,
+                max(0.0, time.time() - written["written_at"]),
+            )
         if written.get("version") is not None:
-            yield _gauge("psgd_shard_checkpoint_version", "the version the last checkpoint holds", names, values,
-                         written["version"])
+            yield _gauge(
+                "psgd_shard_checkpoint_version",
+                "the version the last checkpoint holds",
+                names,
+                values,
+                written["version"],
+            )
         if "checkpoint_failures" in c:
-            yield _counter("psgd_shard_checkpoint_failures", "checkpoints that could not be written", names,
-                           values, c["checkpoint_failures"])
-        yield _counter("psgd_shard_background_errors", "errors in a shard's background loops (checkpoints, leases), "
-                       "each of which goes on", names, values, c.get("background_errors", 0))
+            yield _counter(
+                "psgd_shard_checkpoint_failures",
+                "checkpoints that could not be written",
+                names,
+                values,
+                c["checkpoint_failures"],
+            )
+        yield _counter(
+            "psgd_shard_background_errors",
+            "errors in a shard's background loops (checkpoints, leases), each of which goes on",
+            names,
+            values,
+            c.get("background_errors", 0),
+        )
 
 
 class _NoMetrics:
@@ -273,7 +401,7 @@ class _NoMetrics:
     interceptors: tuple = ()
     endpoint = None
 
-    def start(self) -> "_NoMetrics":
+    def start(self) -> _NoMetrics:
         return self
 
     def stop(self) -> None:
@@ -282,7 +410,7 @@ class _NoMetrics:
     def on_step(self, point: dict) -> None:
         pass
 
-    def __enter__(self) -> "_NoMetrics":
+    def __enter__(self) -> _NoMetrics:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -315,30 +443,41 @@ class WorkerMetrics:
         Gauge("psgd_worker_info", "this worker's rank", ["rank"], registry=r).labels(str(rank)).set(1)
         self.steps = Counter("psgd_worker_steps", "steps computed and pushed", registry=r)
         self.pulls = Counter("psgd_worker_pulls", "pulls, one per shard per step", registry=r)
-        self.pushes = Counter("psgd_worker_pushes", "pushes, one per shard per step, by the shard's answer",
-                              ["outcome"], registry=r)
-        self.bytes = Counter("psgd_worker_bytes", "bytes of weights pulled plus gradients pushed (before any "
-                             "wire compression)", registry=r)
+        self.pushes = Counter(
+            "psgd_worker_pushes", "pushes, one per shard per step, by the shard's answer", ["outcome"], registry=r
+        )
+        self.bytes = Counter(
+            "psgd_worker_bytes",
+            "bytes of weights pulled plus gradients pushed (before any wire compression)",
+            registry=r,
+        )
         self.clock = Gauge("psgd_worker_clock", "steps this worker has pushed (its clock)", registry=r)
         self.version = Gauge("psgd_worker_version", "the newest shard version this worker pulled", registry=r)
         self.loss = Gauge("psgd_worker_loss", "training loss of the last batch", registry=r)
         self.accuracy = Gauge("psgd_worker_test_accuracy", "test accuracy at the last evaluation", registry=r)
         self.r2 = Gauge("psgd_worker_test_r2", "test R² at the last evaluation (values: regression)", registry=r)
-        self.delay = Counter("psgd_worker_injected_delay_seconds", "seconds of injected slowdown (--delay)",
-                             registry=r)
-        self.staleness = Histogram("psgd_worker_staleness", "staleness of this worker's pushes as the shards "
-                                   "report it (the largest over shards, per step)",
-                                   buckets=STALENESS_BUCKETS, registry=r)
-        self.pull_seconds = Histogram("psgd_worker_pull_seconds", "time per pull from all shards, the wait for "
-                                      "the round (sync) or the slowest worker (ssp) included",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.push_seconds = Histogram("psgd_worker_push_seconds", "time per push to all shards",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.step_seconds = Histogram("psgd_worker_step_seconds", "wall time per step, pull to pull",
-                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.delay = Counter("psgd_worker_injected_delay_seconds", "seconds of injected slowdown (--delay)", registry=r)
+        self.staleness = Histogram(
+            "psgd_worker_staleness",
+            "staleness of this worker's pushes as the shards report it (the largest over shards, per step)",
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+        self.pull_seconds = Histogram(
+            "psgd_worker_pull_seconds",
+            "time per pull from all shards, the wait for the round (sync) or the slowest worker (ssp) included",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.push_seconds = Histogram(
+            "psgd_worker_push_seconds", "time per push to all shards", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.step_seconds = Histogram(
+            "psgd_worker_step_seconds", "wall time per step, pull to pull", buckets=LATENCY_BUCKETS, registry=r
+        )
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, rank: int) -> "WorkerMetrics":
+    def from_args(cls, args: argparse.Namespace, rank: int) -> WorkerMetrics:
         """Metrics for ``psgd-worker``: a no-op without ``--metrics-port``; use as a context manager."""
         bind = getattr(args, "metrics_port", None)
         if bind is None:
@@ -348,7 +487,7 @@ class WorkerMetrics:
         metrics._bind = bind
         return metrics
 
-    def start(self) -> "WorkerMetrics":
+    def start(self) -> WorkerMetrics:
         if self._bind is not None and self.endpoint is None:
             self.endpoint = serve_metrics(self._bind, self.registry)
         return self
@@ -358,7 +497,7 @@ class WorkerMetrics:
             self.endpoint.close()
             self.endpoint = None
 
-    def __enter__(self) -> "WorkerMetrics":
+    def __enter__(self) -> WorkerMetrics:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -47,6 +47,7 @@ class LatencyInterceptor(grpc.ServerInterceptor):
                     return reply
                 finally:
                     observe(method, _code_name(context, code)).observe(time.perf_counter() - began)
+
             return timed
 
         def streaming(behavior):
@@ -60,15 +61,21 @@ class LatencyInterceptor(grpc.ServerInterceptor):
                     raise
                 finally:
                     observe(method, _code_name(context, code)).observe(time.perf_counter() - began)
+
             return timed
 
-        kinds = (("unary_unary", single, grpc.unary_unary_rpc_method_handler),
-                 ("unary_stream", streaming, grpc.unary_stream_rpc_method_handler),
-                 ("stream_unary", single, grpc.stream_unary_rpc_method_handler),
-                 ("stream_stream", streaming, grpc.stream_stream_rpc_method_handler))
+        kinds = (
+            ("unary_unary", single, grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", streaming, grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", single, grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", streaming, grpc.stream_stream_rpc_method_handler),
+        )
         for attr, wrap, make in kinds:
             behavior = getattr(handler, attr)
             if behavior is not None:
-                return make(wrap(behavior), request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
+                return make(
+                    wrap(behavior),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
         return handler

@@ -20,7 +20,7 @@ from psgd.ops.reach import TOKEN_ENV, Connect, probe
 
 @dataclasses.dataclass
 class Finding:
-    level: str     # ok, warn, FAIL
+    level: str  # ok, warn, FAIL
     subject: str
     message: str
 
@@ -56,23 +56,38 @@ class Doctor:
         try:
             plan = describe_job(self.job).plan
         except Exception as exc:  # data not on this machine, a model module not importable here...
-            self.add("warn", "job", f"cannot build the model here to compare partition plans ({exc}); the "
-                     "shards are still compared with each other")
+            self.add(
+                "warn",
+                "job",
+                f"cannot build the model here to compare partition plans ({exc}); the "
+                "shards are still compared with each other",
+            )
             return None
-        self.add("ok", "job", f"{self.job.source}: {c.shards} shard(s), {c.workers} worker(s), policy {c.policy}, "
-                 f"model {self.job.model['name']}: partition plan {plan.hash} ({len(plan.specs)} variables)")
+        self.add(
+            "ok",
+            "job",
+            f"{self.job.source}: {c.shards} shard(s), {c.workers} worker(s), policy {c.policy}, "
+            f"model {self.job.model['name']}: partition plan {plan.hash} ({len(plan.specs)} variables)",
+        )
         return plan.hash
 
     def check_servers(self, plan_hash: str | None) -> None:
         c = self.job.cluster
         if not c.servers:
-            self.add("FAIL", "servers", "[cluster] servers is empty: list the shards' addresses (host:port), in "
-                     "shard order, in the job file or with --servers")
+            self.add(
+                "FAIL",
+                "servers",
+                "[cluster] servers is empty: list the shards' addresses (host:port), in "
+                "shard order, in the job file or with --servers",
+            )
             return
 
         for overlap in overlaps(c):
-            self.add("FAIL", "ports", f"{overlap}: give each its own (a shard's data port is free by default, or "
-                     "[cluster] data_ports)")
+            self.add(
+                "FAIL",
+                "ports",
+                f"{overlap}: give each its own (a shard's data port is free by default, or [cluster] data_ports)",
+            )
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(c.servers))) as pool:
             results = list(pool.map(lambda k: self.check_shard(k, c.servers[k], plan_hash), range(len(c.servers))))
         statuses = [s for _, s in results if s is not None]
@@ -80,8 +95,12 @@ class Doctor:
             self.findings.extend(found)
         hashes = {s["plan_hash"] for s in statuses}
         if plan_hash is None and len(hashes) > 1:
-            self.add("FAIL", "plan", f"the shards hold different partition plans ({', '.join(sorted(hashes))}): "
-                     "they were not started from the same job file")
+            self.add(
+                "FAIL",
+                "plan",
+                f"the shards hold different partition plans ({', '.join(sorted(hashes))}): "
+                "they were not started from the same job file",
+            )
         self.check_token(statuses, len(c.servers))
 
     def check_shard(self, k: int, address: str, plan_hash: str | None) -> tuple[list[Finding], dict | None]:
@@ -92,8 +111,11 @@ class Doctor:
         host = host.strip("[]")
         port = int(port_text)
         if host in ("0.0.0.0", "::", ""):
-            say("FAIL", f"{host or '(empty)'} is a bind address, not one to connect to: list the shard's host name "
-                "or IP in [cluster] servers (bind it with psgd-server --bind 0.0.0.0:PORT)")
+            say(
+                "FAIL",
+                f"{host or '(empty)'} is a bind address, not one to connect to: list the shard's host name "
+                "or IP in [cluster] servers (bind it with psgd-server --bind 0.0.0.0:PORT)",
+            )
             return found, None
         ips, error = resolve(host, port, timeout)
         if error:
@@ -103,9 +125,17 @@ class Doctor:
         # on loopback with every other shard: the one-machine job the pages describe; beside shards elsewhere, a
         # worker on another machine cannot reach it
         alone = loopback and any(not on_loopback(a) for a in c.servers)
-        say("warn" if alone else "ok", f"resolves to {', '.join(ips)}" +
-            (" (loopback: only processes on this machine can reach it, and other shards are elsewhere)" if alone
-             else " (loopback: a job on this machine)" if loopback else ""))
+        say(
+            "warn" if alone else "ok",
+            f"resolves to {', '.join(ips)}"
+            + (
+                " (loopback: only processes on this machine can reach it, and other shards are elsewhere)"
+                if alone
+                else " (loopback: a job on this machine)"
+                if loopback
+                else ""
+            ),
+        )
         error = tcp_check(ips[0], port, timeout)
         if error:
             say("FAIL", f"gRPC port {port}: {error}")
@@ -122,12 +152,18 @@ class Doctor:
             say("ok", "health check: SERVING")
         if c.links.transport != "grpc" and result.status is not None:
             data_port = result.status.get("data_port")
-            error = tcp_check(ips[0], data_port, timeout) if data_port else \
-                "the shard serves none (it was started with [cluster] transport = \"grpc\")"
+            error = (
+                tcp_check(ips[0], data_port, timeout)
+                if data_port
+                else "the shard serves none (it was started with [cluster] transport = \"grpc\")"
+            )
             if error:
                 which = f" {data_port}" if data_port else ""
-                say("FAIL", f"data port{which}: {error}; workers send tensors there: open it (a free port unless "
-                    "[cluster] data_ports or psgd-server --data-port names one), or set [cluster] transport = \"grpc\"")
+                say(
+                    "FAIL",
+                    f"data port{which}: {error}; workers send tensors there: open it (a free port unless "
+                    "[cluster] data_ports or psgd-server --data-port names one), or set [cluster] transport = \"grpc\"",
+                )
             else:
                 say("ok", f"data port {data_port} accepts connections")
         s = result.status
@@ -137,8 +173,10 @@ class Doctor:
             return found, None
         wrong = []
         if s["shard"] != k:
-            wrong.append(f"it is shard {s['shard']}, but the job file lists it as shard {k}: [cluster] servers must "
-                         "be in shard order")
+            wrong.append(
+                f"it is shard {s['shard']}, but the job file lists it as shard {k}: [cluster] servers must "
+                "be in shard order"
+            )
         if s["num_shards"] != c.shards:
             wrong.append(f"it belongs to a job of {s['num_shards']} shard(s), the job file has {c.shards}")
         if s["policy"] != c.policy:
@@ -146,20 +184,29 @@ class Doctor:
         if len(s["workers"]) != c.workers:
             wrong.append(f"it expects {len(s['workers'])} worker(s), the job file has {c.workers}")
         if plan_hash is not None and s["plan_hash"] != plan_hash:
-            wrong.append(f"its partition plan is {s['plan_hash']}, this job file makes {plan_hash}: it was started "
-                         "from another model, dtype, shard count or slice size")
+            wrong.append(
+                f"its partition plan is {s['plan_hash']}, this job file makes {plan_hash}: it was started "
+                "from another model, dtype, shard count or slice size"
+            )
         for message in wrong:
             say("FAIL", message)
         if not wrong:
-            say("ok", f"answers as shard {k} of {c.shards}, policy {s['policy']}, version {s['version']}, "
-                f"{len(s['workers'])} worker(s)" + (", same partition plan" if plan_hash else ""))
+            say(
+                "ok",
+                f"answers as shard {k} of {c.shards}, policy {s['policy']}, version {s['version']}, "
+                f"{len(s['workers'])} worker(s)" + (", same partition plan" if plan_hash else ""),
+            )
         return found, s
 
     def check_token(self, statuses: list[dict], total: int) -> None:
         token = self.connect.token
         if token and token != token.strip():
-            self.add("warn", "token", "has leading or trailing whitespace (quotes or a trailing space in an env "
-                     "file?); every process must use exactly the same token")
+            self.add(
+                "warn",
+                "token",
+                "has leading or trailing whitespace (quotes or a trailing space in an env "
+                "file?); every process must use exactly the same token",
+            )
         refused = any(f.level == "FAIL" and "UNAUTHENTICATED" in f.message for f in self.findings)
         if refused:
             return  # already said, per shard
@@ -168,8 +215,12 @@ class Doctor:
         if token:
             self.add("ok", "token", "accepted by every shard")
         else:
-            self.add("warn", "token", f"none set ({TOKEN_ENV} or --token) and the shards accept calls without one: "
-                     "anyone who can reach their ports can change the weights")
+            self.add(
+                "warn",
+                "token",
+                f"none set ({TOKEN_ENV} or --token) and the shards accept calls without one: "
+                "anyone who can reach their ports can change the weights",
+            )
 
     # -- files and devices ---------------------------------------------------------------------
     def check_tls_files(self) -> None:
@@ -194,8 +245,10 @@ class Doctor:
             try:
                 ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cn.tls_cert, cn.tls_key)
             except (ssl.SSLError, ValueError) as exc:
-                problems.append(f"certificate {cn.tls_cert} and key {cn.tls_key} do not load together ({exc}): "
-                                "not PEM, or the key does not belong to the certificate")
+                problems.append(
+                    f"certificate {cn.tls_cert} and key {cn.tls_key} do not load together ({exc}): "
+                    "not PEM, or the key does not belong to the certificate"
+                )
         for p in problems:
             self.add("FAIL", "TLS", p)
         if not problems:
@@ -206,8 +259,11 @@ class Doctor:
     def check_gpu(self) -> None:
         seen = backend.gpu_names()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        listed = (f"{len(seen)} GPU(s) seen" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-                  + (": " + "; ".join(seen) if seen else ""))
+        listed = (
+            f"{len(seen)} GPU(s) seen"
+            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            + (": " + "; ".join(seen) if seen else "")
+        )
         device = self.job.train.device
         if device.strip().lower() == "cpu":
             self.add("ok", "GPU", f"train.device is {device}: no GPU needed; {listed}")
@@ -230,8 +286,10 @@ def resolve(host: str, port: int, timeout: float) -> tuple[list[str], str | None
     except concurrent.futures.TimeoutError:
         return [], f"cannot resolve {host!r} within {timeout:g}s: the DNS server does not answer"
     except socket.gaierror as exc:
-        return [], (f"cannot resolve {host!r}: {exc.strerror}; check the name, /etc/hosts or the cluster's DNS "
-                    "(in Kubernetes: the headless Service and the pod's subdomain)")
+        return [], (
+            f"cannot resolve {host!r}: {exc.strerror}; check the name, /etc/hosts or the cluster's DNS "
+            "(in Kubernetes: the headless Service and the pod's subdomain)"
+        )
     ips = []
     for info in infos:
         if info[4][0] not in ips:
@@ -245,9 +303,11 @@ def tcp_check(ip: str, port: int, timeout: float) -> str | None:
         with socket.create_connection((ip, port), timeout=timeout):
             return None
     except ConnectionRefusedError:
-        return (f"nothing listens on {ip}:{port} (connection refused): is psgd-server running there, bound to an "
-                "address others can reach (not 127.0.0.1)?")
-    except socket.timeout:
+        return (
+            f"nothing listens on {ip}:{port} (connection refused): is psgd-server running there, bound to an "
+            "address others can reach (not 127.0.0.1)?"
+        )
+    except TimeoutError:
         return f"no answer from {ip}:{port} within {timeout:g}s: a firewall may drop the packets, or the host is down"
     except OSError as exc:
         return f"cannot connect to {ip}:{port}: {exc.strerror or exc}"

@@ -11,7 +11,8 @@ import concurrent.futures
 import dataclasses
 import json
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -32,7 +33,7 @@ class Connect:
     tls_key: str = ""
 
     @classmethod
-    def using(cls, tls: TLSFiles, token: str, timeout: float) -> "Connect":
+    def using(cls, tls: TLSFiles, token: str, timeout: float) -> Connect:
         """How to reach shards with the files of ``tls`` and ``token``, each call within ``timeout``."""
         return cls(timeout=timeout, token=token, tls_ca=tls.ca or "", tls_cert=tls.cert or "", tls_key=tls.key or "")
 
@@ -80,20 +81,26 @@ def explain_rpc_error(address: str, err: grpc.RpcError, timeout: float) -> str:
         if "dns" in low or "resolve" in low or "name or service" in low:
             return f"cannot resolve the host name {host!r} (DNS): check the name, /etc/hosts or the cluster's DNS"
         if "refused" in low:
-            return (f"nothing listens at {address} (connection refused): is psgd-server running there, bound to "
-                    "an address others can reach (not 127.0.0.1)?")
+            return (
+                f"nothing listens at {address} (connection refused): is psgd-server running there, bound to "
+                "an address others can reach (not 127.0.0.1)?"
+            )
         if "ssl" in low or "handshake" in low or "tls" in low or "certificate" in low:
             return f"TLS failed with {address}: {details} (do the client and the shard agree on TLS and the CA?)"
         if "timeout" in low or "timed out" in low or "deadline" in low:
             return f"no answer from {address} within {timeout:g}s: a firewall may drop the packets, or the host is down"
-        return (f"cannot talk to {address}: {details or 'unavailable'} (if the shards use TLS, pass --tls-ca; if "
-                "not, check that the address is a psgd-server's gRPC port, and that its connections are not all "
-                "taken)")
+        return (
+            f"cannot talk to {address}: {details or 'unavailable'} (if the shards use TLS, pass --tls-ca; if "
+            "not, check that the address is a psgd-server's gRPC port, and that its connections are not all "
+            "taken)"
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"no answer from {address} within {timeout:g}s: a firewall may drop the packets, or the host is down"
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return (f"{address} refused the token (UNAUTHENTICATED): set {TOKEN_ENV} or --token to the token the "
-                "shards were started with")
+        return (
+            f"{address} refused the token (UNAUTHENTICATED): set {TOKEN_ENV} or --token to the token the "
+            "shards were started with"
+        )
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return f"{address} refused the call (PERMISSION_DENIED): {details}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -108,11 +115,11 @@ class ShardProbe:
     """What one address said: its health and Status, or why it could not say."""
 
     address: str
-    health: str                   # SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN or UNREACHABLE
-    status: dict | None = None    # the StatusReply as a dict (counters parsed)
-    error: str | None = None      # plain words, when something failed
-    code: str | None = None       # the gRPC status code name of that failure
-    taken: float = 0.0            # time.monotonic() when the Status arrived
+    health: str  # SERVING, NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN or UNREACHABLE
+    status: dict | None = None  # the StatusReply as a dict (counters parsed)
+    error: str | None = None  # plain words, when something failed
+    code: str | None = None  # the gRPC status code name of that failure
+    taken: float = 0.0  # time.monotonic() when the Status arrived
 
     @property
     def ok(self) -> bool:
@@ -125,15 +132,30 @@ def status_dict(reply: Any) -> dict:
     except ValueError:
         counters = {}
     return {
-        "shard": reply.shard, "num_shards": reply.num_shards, "policy": reply.policy, "version": reply.version,
-        "plan_hash": reply.plan_hash, "bytes_held": reply.bytes_held, "incarnation": reply.incarnation,
+        "shard": reply.shard,
+        "num_shards": reply.num_shards,
+        "policy": reply.policy,
+        "version": reply.version,
+        "plan_hash": reply.plan_hash,
+        "bytes_held": reply.bytes_held,
+        "incarnation": reply.incarnation,
         "data_port": getattr(reply, "data_port", 0),  # where Status reports it; 0: the shard serves none
-        "role": getattr(reply, "role", ""), "replica_lag": getattr(reply, "replica_lag", -1),
+        "role": getattr(reply, "role", ""),
+        "replica_lag": getattr(reply, "replica_lag", -1),
         "follower": getattr(reply, "follower", ""),
-        "counters": counters, "staleness_histogram": list(reply.staleness_histogram),
-        "workers": [{"worker_id": w.worker_id, "state": w.state, "clock": w.clock,
-                     "lease_left_seconds": w.lease_left_seconds, "hostname": w.hostname, "pid": w.pid}
-                    for w in reply.workers],
+        "counters": counters,
+        "staleness_histogram": list(reply.staleness_histogram),
+        "workers": [
+            {
+                "worker_id": w.worker_id,
+                "state": w.state,
+                "clock": w.clock,
+                "lease_left_seconds": w.lease_left_seconds,
+                "hostname": w.hostname,
+                "pid": w.pid,
+            }
+            for w in reply.workers
+        ],
     }
 
 
@@ -142,13 +164,19 @@ def check_health(address: str, connect: Connect) -> tuple[str, str | None, str |
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        reply = connect.call(address, lambda channel, timeout, wait: health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout,
-            wait_for_ready=wait))
+        reply = connect.call(
+            address,
+            lambda channel, timeout, wait: health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout, wait_for_ready=wait
+            ),
+        )
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.NOT_FOUND:
-            return "SERVICE_UNKNOWN", (f"{address} runs a gRPC health service but not for {SERVICE_NAME}: "
-                                       "is it a psgd shard?"), err.code().name
+            return (
+                "SERVICE_UNKNOWN",
+                (f"{address} runs a gRPC health service but not for {SERVICE_NAME}: is it a psgd shard?"),
+                err.code().name,
+            )
         return "UNREACHABLE", explain_rpc_error(address, err, connect.timeout), err.code().name
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     if name != "SERVING":
@@ -159,8 +187,12 @@ def check_health(address: str, connect: Connect) -> tuple[str, str | None, str |
 def read_status(address: str, connect: Connect) -> dict:
     """The Status of the shard at ``address`` (:func:`status_dict`), within ``connect.timeout``; the call's
     ``grpc.RpcError`` when it does not answer."""
-    reply = connect.call(address, lambda channel, timeout, wait: ps_pb2_grpc.ParameterServerStub(channel).Status(
-        ps_pb2.StatusRequest(), timeout=timeout, wait_for_ready=wait))
+    reply = connect.call(
+        address,
+        lambda channel, timeout, wait: ps_pb2_grpc.ParameterServerStub(channel).Status(
+            ps_pb2.StatusRequest(), timeout=timeout, wait_for_ready=wait
+        ),
+    )
     return status_dict(reply)
 
 
@@ -187,4 +219,3 @@ def probe(address: str, connect: Connect) -> ShardProbe:
 def probe_all(addresses: Sequence[str], connect: Connect) -> list[ShardProbe]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(32, len(addresses)))) as pool:
         return list(pool.map(lambda a: probe(a, connect), addresses))
-

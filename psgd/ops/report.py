@@ -22,8 +22,9 @@ import json
 import os
 import re
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from psgd.config import JobConfig
 from psgd.data.base import SCORE_KEYS, SCORE_WORDS
@@ -49,18 +50,18 @@ class Worker:
     """One worker's (or rank's) run, from its metrics lines."""
 
     name: str
-    steps: int = 0       # over every part of the run (a resumed run's before its stop included)
+    steps: int = 0  # over every part of the run (a resumed run's before its stop included)
     seconds: float = 0.0  # the training time of every part, summed
-    runs: int = 0        # the parts: more than one where the run was stopped and resumed
-    accuracy: float | None = None   # the last test score: accuracy, or R² where the targets are values
+    runs: int = 0  # the parts: more than one where the run was stopped and resumed
+    accuracy: float | None = None  # the last test score: accuracy, or R² where the targets are values
     score_words: str = "test accuracy"
     staleness: list[float] = dataclasses.field(default_factory=list)
     parts: dict[str, float] = dataclasses.field(default_factory=dict)  # median seconds of each part of a step
-    losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)   # (steps done, loss)
-    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)    # (steps done, test score)
+    losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps done, loss)
+    evals: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps done, test score)
     finished: bool = False  # its last part ended with a done line
-    malformed: int = 0   # lines skipped: not a metrics record
-    too_long: int = 0    # lines skipped: longer than LONGEST_LINE
+    malformed: int = 0  # lines skipped: not a metrics record
+    too_long: int = 0  # lines skipped: longer than LONGEST_LINE
 
     @property
     def rate(self) -> float:
@@ -95,8 +96,11 @@ class Report:
             if w.parts:
                 total = sum(w.parts.values()) or 1.0
                 more.append("a step: " + ", ".join(f"{p} {100 * s / total:.0f}%" for p, s in w.parts.items()))
-            skipped = [f"{n} {what}" for n, what in ((w.malformed, "malformed line(s)"),
-                                                     (w.too_long, "line(s) longer than 1 MiB")) if n]
+            skipped = [
+                f"{n} {what}"
+                for n, what in ((w.malformed, "malformed line(s)"), (w.too_long, "line(s) longer than 1 MiB"))
+                if n
+            ]
             if skipped:
                 more.append("skipped: " + ", ".join(skipped))
             out.append(f"  {w.name}: " + "; ".join(said))
@@ -146,8 +150,8 @@ def _worker(path: Path) -> Worker:
 class _Part:
     """The part of a run being read: a run stopped and resumed appends each part's lines to the same file."""
 
-    steps: int = 0      # its step lines so far
-    wall: float = 0.0   # the seconds into the part of its last step
+    steps: int = 0  # its step lines so far
+    wall: float = 0.0  # the seconds into the part of its last step
 
 
 def _ended(worker: Worker, part: _Part, done: dict[str, Any] | None) -> None:
@@ -188,13 +192,15 @@ def _records(f: BinaryIO, worker: Worker) -> Iterator[dict[str, Any]]:
 
 def _is_record(rec: Any) -> bool:
     """Whether ``rec`` is a metrics record whose numbers are numbers: what :func:`_add` reads without a doubt."""
+
     def number(x: Any) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
 
     if not isinstance(rec, dict) or not isinstance(rec.get("event"), str):
         return False
-    if not all(rec.get(k) is None or number(rec[k]) for k in _NUMBERS) or \
-            not all(rec.get(k) is None or number(rec[k]) and isinstance(rec[k], int) for k in _COUNTS):
+    if not all(rec.get(k) is None or number(rec[k]) for k in _NUMBERS) or not all(
+        rec.get(k) is None or number(rec[k]) and isinstance(rec[k], int) for k in _COUNTS
+    ):
         return False
     seconds = rec.get("seconds")
     if rec["event"] == "step":
@@ -242,8 +248,9 @@ def draw(report: Report, path: str | Path) -> Path:
     """The training loss of each worker and the test accuracy against the steps done, one PNG at ``path``."""
     path = Path(path)
     if path.is_symlink():
-        raise ReportError(f"{path} is a symbolic link: a report is not written through one (remove it, or give "
-                          "--png FILE)")
+        raise ReportError(
+            f"{path} is a symbolic link: a report is not written through one (remove it, or give --png FILE)"
+        )
     import matplotlib
 
     matplotlib.use("Agg")

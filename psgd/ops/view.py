@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from psgd.ops.reach import Connect, ShardProbe, probe_all
 
@@ -39,14 +40,19 @@ class ClusterView:
 
     probes: list[ShardProbe]
     when: float = dataclasses.field(default_factory=time.time)
-    previous: "ClusterView | None" = None
+    previous: ClusterView | None = None
 
     def _earlier(self, p: ShardProbe) -> ShardProbe | None:
         if self.previous is None:
             return None
         for q in self.previous.probes:
-            if q.address == p.address and q.status and p.status and \
-                    q.status["incarnation"] == p.status["incarnation"] and p.taken > q.taken:
+            if (
+                q.address == p.address
+                and q.status
+                and p.status
+                and q.status["incarnation"] == p.status["incarnation"]
+                and p.taken > q.taken
+            ):
                 return q
         return None
 
@@ -57,9 +63,25 @@ class ClusterView:
             if p.status:
                 s = p.status
                 c = s["counters"]
-                row.update({k: s[k] for k in ("shard", "num_shards", "policy", "version", "plan_hash", "bytes_held",
-                                              "incarnation", "staleness_histogram", "counters", "role",
-                                              "replica_lag", "follower")})
+                row.update(
+                    {
+                        k: s[k]
+                        for k in (
+                            "shard",
+                            "num_shards",
+                            "policy",
+                            "version",
+                            "plan_hash",
+                            "bytes_held",
+                            "incarnation",
+                            "staleness_histogram",
+                            "counters",
+                            "role",
+                            "replica_lag",
+                            "follower",
+                        )
+                    }
+                )
                 written = c.get("checkpoint") or {}
                 if written.get("written_at"):
                     row["checkpoint_version"] = written.get("version")
@@ -80,14 +102,24 @@ class ClusterView:
             if not p.status or p.status["role"] in ("replica", "starting"):  # a replica's workers are its primary's
                 continue
             for w in p.status["workers"]:
-                m = merged.setdefault(w["worker_id"], {"worker_id": w["worker_id"], "states": {}, "clocks": {},
-                                                       "lease_left_seconds": None, "hostname": "", "pid": 0})
+                m = merged.setdefault(
+                    w["worker_id"],
+                    {
+                        "worker_id": w["worker_id"],
+                        "states": {},
+                        "clocks": {},
+                        "lease_left_seconds": None,
+                        "hostname": "",
+                        "pid": 0,
+                    },
+                )
                 m["states"][p.status["shard"]] = w["state"]
                 m["clocks"][p.status["shard"]] = w["clock"]
                 if w["state"] == "live":
                     left = w["lease_left_seconds"]
-                    m["lease_left_seconds"] = left if m["lease_left_seconds"] is None else \
-                        min(left, m["lease_left_seconds"])
+                    m["lease_left_seconds"] = (
+                        left if m["lease_left_seconds"] is None else min(left, m["lease_left_seconds"])
+                    )
                 if w["hostname"] or w["pid"]:
                     m["hostname"], m["pid"] = w["hostname"], w["pid"]
         before = {r["worker_id"]: r for r in self.previous.worker_rows()} if self.previous else {}
@@ -96,8 +128,9 @@ class ClusterView:
         for wid in sorted(merged):
             m = merged[wid]
             states = set(m["states"].values())
-            m["state"] = states.pop() if len(states) == 1 else \
-                "/".join(f"{st}@{k}" for k, st in sorted(m["states"].items()))
+            m["state"] = (
+                states.pop() if len(states) == 1 else "/".join(f"{st}@{k}" for k, st in sorted(m["states"].items()))
+            )
             m["clock"] = max(m["clocks"].values())
             m["min_clock"] = min(m["clocks"].values())
             if wid in before and dt > 0:
@@ -113,8 +146,10 @@ class ClusterView:
         for key, what in (("plan_hash", "partition plans"), ("policy", "policies"), ("num_shards", "shard counts")):
             values = {s[key] for s in answered}
             if len(values) > 1:
-                out.append(f"the shards disagree on their {what} ({', '.join(map(str, sorted(values)))}): they were "
-                           "not all started from the same job file")
+                out.append(
+                    f"the shards disagree on their {what} ({', '.join(map(str, sorted(values)))}): they were "
+                    "not all started from the same job file"
+                )
         seen: dict[int, list[str]] = {}
         for p in self.probes:
             # a shard kept twice answers at two addresses, one of them leading
@@ -129,23 +164,36 @@ class ClusterView:
             out.append(f"shard(s) {', '.join(map(str, missing))} of {total} not among the addresses given")
         for w in self.worker_rows():
             if "expired" in w["state"]:
-                out.append(f"worker {w['worker_id']} was dropped (lease or join deadline missed)"
-                           + (f"; last seen on {w['hostname']} pid {w['pid']}" if w["hostname"] else ""))
+                out.append(
+                    f"worker {w['worker_id']} was dropped (lease or join deadline missed)"
+                    + (f"; last seen on {w['hostname']} pid {w['pid']}" if w["hostname"] else "")
+                )
         if self.previous:
             for p in self.probes:
                 for q in self.previous.probes:
-                    if q.address == p.address and p.status and q.status and \
-                            p.status["incarnation"] != q.status["incarnation"]:
-                        out.append(f"shard at {p.address} restarted since the last poll "
-                                   f"(incarnation {q.status['incarnation']} -> {p.status['incarnation']})")
+                    if (
+                        q.address == p.address
+                        and p.status
+                        and q.status
+                        and p.status["incarnation"] != q.status["incarnation"]
+                    ):
+                        out.append(
+                            f"shard at {p.address} restarted since the last poll "
+                            f"(incarnation {q.status['incarnation']} -> {p.status['incarnation']})"
+                        )
         return out
 
     def healthy(self) -> bool:
         return all(p.ok for p in self.probes)
 
     def to_json(self) -> dict:
-        return {"time": round(self.when, 3), "shards": self.shard_rows(), "workers": self.worker_rows(),
-                "problems": self.problems(), "healthy": self.healthy()}
+        return {
+            "time": round(self.when, 3),
+            "shards": self.shard_rows(),
+            "workers": self.worker_rows(),
+            "problems": self.problems(),
+            "healthy": self.healthy(),
+        }
 
     def render(self) -> str:
         shards, workers = self.shard_rows(), self.worker_rows()
@@ -154,9 +202,11 @@ class ClusterView:
         states: dict[str, int] = {}
         for w in workers:
             states[w["state"]] = states.get(w["state"], 0) + 1
-        head = (f"psgd status at {time.strftime('%H:%M:%S', time.localtime(self.when))}: "
-                f"{len(answered)} of {len(shards)} shard(s) answering"
-                + (f", policy {'/'.join(policies)}" if policies else ""))
+        head = (
+            f"psgd status at {time.strftime('%H:%M:%S', time.localtime(self.when))}: "
+            f"{len(answered)} of {len(shards)} shard(s) answering"
+            + (f", policy {'/'.join(policies)}" if policies else "")
+        )
         if workers:
             said = f"{len(workers)} worker(s): " + ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
             fits = len(head) + 2 + len(said) <= shutil.get_terminal_size((80, 24)).columns
@@ -170,29 +220,86 @@ class ClusterView:
                 continue
             c = r["counters"]
             dropped = sum(c.get(k, 0) for k in ("late", "duplicates", "rejected"))
-            saved = "-" if "checkpoint_age_seconds" not in r else \
-                f"v{r['checkpoint_version']}, {r['checkpoint_age_seconds']:.0f}s ago"
+            saved = (
+                "-"
+                if "checkpoint_age_seconds" not in r
+                else f"v{r['checkpoint_version']}, {r['checkpoint_age_seconds']:.0f}s ago"
+            )
             if c.get("rollbacks"):  # went back to a cut: the rounds since were computed again
                 saved += f"; back {c['rollbacks']}x, {c.get('rounds_undone', 0)} rounds"
             tables = (c.get("tables") or {}).values()
             held = r["bytes_held"] + sum(t.get("bytes", 0) for t in tables)
             table_rows = f"{sum(t.get('rows', 0) for t in tables):,}" if tables else "-"
-            role = [] if not paired else [_role(r["role"], r["replica_lag"], c.get("failovers", 0),
-                                                c.get("unreplicated", 0), r.get("follower", ""))]
-            rows.append([f"{r['shard']}/{r['num_shards']}", r["address"], *role, r["health"], str(r["version"]),
-                         human_bytes(held), table_rows, str(c.get("pushes", 0)), str(c.get("pulls", 0)),
-                         rate(r.get("pushes_per_second")), str(dropped),
-                         f"{r['staleness_p50']}/{r['staleness_p99']}", saved, r["incarnation"]])
-        lines = [head, "", table(["SHARD", "ADDRESS", *(["ROLE"] if paired else []), "HEALTH", "VERSION", "HELD",
-                                  "ROWS", "PUSHES", "PULLS",
-                                  "PUSHES/S", "LATE/DUP/REJ", "STALENESS p50/p99", "CHECKPOINT", "INCARNATION"], rows)]
+            role = (
+                []
+                if not paired
+                else [
+                    _role(
+                        r["role"],
+                        r["replica_lag"],
+                        c.get("failovers", 0),
+                        c.get("unreplicated", 0),
+                        r.get("follower", ""),
+                    )
+                ]
+            )
+            rows.append(
+                [
+                    f"{r['shard']}/{r['num_shards']}",
+                    r["address"],
+                    *role,
+                    r["health"],
+                    str(r["version"]),
+                    human_bytes(held),
+                    table_rows,
+                    str(c.get("pushes", 0)),
+                    str(c.get("pulls", 0)),
+                    rate(r.get("pushes_per_second")),
+                    str(dropped),
+                    f"{r['staleness_p50']}/{r['staleness_p99']}",
+                    saved,
+                    r["incarnation"],
+                ]
+            )
+        lines = [
+            head,
+            "",
+            table(
+                [
+                    "SHARD",
+                    "ADDRESS",
+                    *(["ROLE"] if paired else []),
+                    "HEALTH",
+                    "VERSION",
+                    "HELD",
+                    "ROWS",
+                    "PUSHES",
+                    "PULLS",
+                    "PUSHES/S",
+                    "LATE/DUP/REJ",
+                    "STALENESS p50/p99",
+                    "CHECKPOINT",
+                    "INCARNATION",
+                ],
+                rows,
+            ),
+        ]
         if workers:
             wrows = []
             for w in workers:
                 clock = str(w["clock"]) if w["clock"] == w["min_clock"] else f"{w['min_clock']}..{w['clock']}"
                 lease = "-" if w["lease_left_seconds"] is None else f"{max(0.0, w['lease_left_seconds']):.1f}s"
-                wrows.append([str(w["worker_id"]), w["state"], clock, rate(w.get("steps_per_second")), lease,
-                              w["hostname"] or "-", str(w["pid"] or "-")])
+                wrows.append(
+                    [
+                        str(w["worker_id"]),
+                        w["state"],
+                        clock,
+                        rate(w.get("steps_per_second")),
+                        lease,
+                        w["hostname"] or "-",
+                        str(w["pid"] or "-"),
+                    ]
+                )
             lines += ["", table(["WORKER", "STATE", "CLOCK", "STEPS/S", "LEASE LEFT", "HOST", "PID"], wrows)]
         problems = self.problems()
         if problems:

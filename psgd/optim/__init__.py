@@ -37,8 +37,16 @@ This package only re-exports their public names.
 from psgd.optim.base import WHOLE, Optimizer, Share
 from psgd.optim.registry import DEFAULT_LR, OPTIMIZERS, build_optimizer
 from psgd.optim.rules import SGD, Adam, AdamW, Momentum
-from psgd.optim.schedules import (SCHEDULE_OPTIONS, SCHEDULES, Constant, Cosine, Schedule, StepDecay, Warmup,
-                                  build_schedule)
+from psgd.optim.schedules import (
+    SCHEDULE_OPTIONS,
+    SCHEDULES,
+    Constant,
+    Cosine,
+    Schedule,
+    StepDecay,
+    Warmup,
+    build_schedule,
+)
 from psgd.optim.validation import OptimizerError
 
 __all__ = [

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -148,10 +149,13 @@ class Optimizer:
         return bool(self.state_vars) and (key in self.state_vars or key.rsplit("#", 1)[0] in self.state_vars)
 
     def _check_share(self, key: str, share: Share) -> None:
-        if share is not WHOLE and not (isinstance(share.updates, int) and share.updates >= 1
-                                       and 0 <= share.implicit_momentum < 1):
-            raise OptimizerError(f"{self.name}: key {key!r}: {share!r} must have a whole number of updates "
-                                 ">= 1 and 0 <= implicit_momentum < 1")
+        if share is not WHOLE and not (
+            isinstance(share.updates, int) and share.updates >= 1 and 0 <= share.implicit_momentum < 1
+        ):
+            raise OptimizerError(
+                f"{self.name}: key {key!r}: {share!r} must have a whole number of updates "
+                ">= 1 and 0 <= implicit_momentum < 1"
+            )
 
     def _rate(self, t: int, lr_scale: float, share: Share) -> tuple[float, float]:
         """The learning rate of the update after ``t`` of a key, and the rounds done once it is applied."""
@@ -159,9 +163,16 @@ class Optimizer:
         lr = self.schedule(t if per_round == 1 else t / per_round) * lr_scale
         return lr, t + 1 if per_round == 1 else (t + 1) / per_round
 
-    def update_flat(self, keys: tuple[str, ...], param: Any, grad: Any, bounds: tuple[tuple[int, int], ...],
-                    lr_scale: float = 1.0, share: Share = WHOLE,
-                    over: Callable[[Callable[[int, int], None]], None] | None = None) -> None:
+    def update_flat(
+        self,
+        keys: tuple[str, ...],
+        param: Any,
+        grad: Any,
+        bounds: tuple[tuple[int, int], ...],
+        lr_scale: float = 1.0,
+        share: Share = WHOLE,
+        over: Callable[[Callable[[int, int], None]], None] | None = None,
+    ) -> None:
         """:meth:`update` of each key of ``keys``, whose parameter is ``param[a:b]`` and gradient ``grad[a:b]`` for
         its ``(a, b)`` of ``bounds`` (one flat array, the keys one after the other): the same values, in one step
         where the rule is :attr:`elementwise` and the keys have taken the same number of updates (their states
@@ -178,8 +189,14 @@ class Optimizer:
                         self._check(keys[start], param[a:b], grad[a:b], lr_scale)
                         _move(param[a:b], grad[a:b], lr_scale)
                     else:
-                        self.update_flat(keys[start:end], param[a:b], grad[a:b],
-                                         tuple((x - a, y - a) for x, y in bounds[start:end]), lr_scale, share)
+                        self.update_flat(
+                            keys[start:end],
+                            param[a:b],
+                            grad[a:b],
+                            tuple((x - a, y - a) for x, y in bounds[start:end]),
+                            lr_scale,
+                            share,
+                        )
                     start = end
             return
         fused = self._fused.get(keys) if self.elementwise else None
@@ -325,8 +342,7 @@ class Optimizer:
             key, field = entry.rsplit(SEP, 1)
             if field not in expected:
                 raise OptimizerError(
-                    f"{self.name}: state_dict entry {entry!r} is not {self.name} state "
-                    f"(fields: {', '.join(expected)})"
+                    f"{self.name}: state_dict entry {entry!r} is not {self.name} state (fields: {', '.join(expected)})"
                 )
             fields_by_key.setdefault(key, {})[field] = d[entry]
         slots: dict[str, _Slot] = {}

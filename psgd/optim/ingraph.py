@@ -1,6 +1,7 @@
 """An optimizer's updates inside a step captured as a CUDA graph: the values that change each step read on the device.
 
-``psgd train`` on a GPU captures its step as a graph (:mod:`psgd.compute.graphs`).  With the gradient alone in the graph,
+``psgd train`` on a GPU captures its step as a graph (:mod:`psgd.compute.graphs`).  With the gradient alone in the
+graph,
 each step's updates ran after it from Python, one launch and its checks a variable: the largest part of a small
 model's step.  :class:`InGraph` puts the updates into the graph too.  What changes from step to step (the rate the
 schedule gives, what is made of it, Adam's bias corrections) cannot be a number baked into the graph: the rule works
@@ -17,7 +18,8 @@ them), and a graph that is not current is dropped and captured again.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from psgd.compute import backend
 from psgd.optim.base import WHOLE, Optimizer, _move
@@ -74,17 +76,22 @@ class InGraph:
         """Launch every update of ``grads`` into the capture in progress, their changing values read on the device."""
         for key, grad in grads.items():
             if key in self._slots:
-                self.optimizer._apply(self.params[key], grad, self._slots[key].state,
-                                      self._values[self.params[key].dtype.name], WHOLE)
+                self.optimizer._apply(
+                    self.params[key], grad, self._slots[key].state, self._values[self.params[key].dtype.name], WHOLE
+                )
             else:
                 _move(self.params[key], grad, 1.0)
 
     def current(self) -> bool:
         """Whether the state the graph was captured with is still the optimizer's, all keys at one count."""
         slots = self.optimizer._slots
-        return (all(slots.get(k) is slot and all(a is b for a, b in zip(slot.state.values(), self._buffers[k]))
-                    for k, slot in self._slots.items())
-                and len({slot.t for slot in self._slots.values()}) <= 1)
+        return (
+            all(
+                slots.get(k) is slot and all(a is b for a, b in zip(slot.state.values(), self._buffers[k]))
+                for k, slot in self._slots.items()
+            )
+            and len({slot.t for slot in self._slots.values()}) <= 1
+        )
 
     def before(self, stream: Any) -> None:
         """The next update's values copied on ``stream`` to where the graph's kernels read them (launched next on

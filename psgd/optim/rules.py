@@ -87,8 +87,9 @@ class Momentum(Optimizer):
             lookahead = applied**share.updates
             s = (1.0 - applied) / (1.0 - mu)  # the gradient's weight: v of a steady g is g / (1 - mu), as in a round
             mu = applied
-        kernels.momentum_(param, v, grad, lr=lr, keep=keep, mu=mu, s=s, weight_decay=wd, nesterov=self.nesterov,
-                          lookahead=lookahead)
+        kernels.momentum_(
+            param, v, grad, lr=lr, keep=keep, mu=mu, s=s, weight_decay=wd, nesterov=self.nesterov, lookahead=lookahead
+        )
 
 
 class Adam(Optimizer):
@@ -121,8 +122,9 @@ class Adam(Optimizer):
         self.beta1 = fraction(self.name, "beta1", beta1)
         self.beta2 = fraction(self.name, "beta2", beta2)
         self.eps = positive(self.name, "eps", eps)
-        self.weight_decay = non_negative(self.name, "weight_decay", self.default_weight_decay if weight_decay is None
-                                         else weight_decay)
+        self.weight_decay = non_negative(
+            self.name, "weight_decay", self.default_weight_decay if weight_decay is None else weight_decay
+        )
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps, "weight_decay": self.weight_decay}
@@ -135,8 +137,20 @@ class Adam(Optimizer):
         (keep, rate, unbias2), b1, b2 = scalars, self.beta1, self.beta2
         if share.updates != 1:
             b1, b2 = b1**share.fraction, b2**share.fraction
-        kernels.adam_(param, state["m"], state["v"], grad, keep=keep, rate=rate, unbias2=unbias2, b1=b1, b2=b2,
-                      eps=self.eps, weight_decay=self.weight_decay, decoupled=self.decoupled)
+        kernels.adam_(
+            param,
+            state["m"],
+            state["v"],
+            grad,
+            keep=keep,
+            rate=rate,
+            unbias2=unbias2,
+            b1=b1,
+            b2=b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            decoupled=self.decoupled,
+        )
 
 
 class AdamW(Adam):
@@ -149,4 +163,3 @@ class AdamW(Adam):
     name = "adamw"
     decoupled = True
     default_weight_decay = 0.01
-

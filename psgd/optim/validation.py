@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from psgd.errors import InputError
 
@@ -61,6 +62,5 @@ def reject_unknown(owner: str, given: Mapping[str, Any], accepted: tuple[str, ..
     if unknown:
         what = "option" if len(unknown) == 1 else "options"
         raise OptimizerError(
-            f"{owner}: unknown {what} {', '.join(repr(u) for u in unknown)}; "
-            f"accepted: {', '.join(accepted) or 'none'}"
+            f"{owner}: unknown {what} {', '.join(repr(u) for u in unknown)}; accepted: {', '.join(accepted) or 'none'}"
         )

@@ -17,17 +17,43 @@ from typing import Any
 
 from psgd.policy.asynchronous import AsyncPolicy
 from psgd.policy.base import (
-    ACCUMULATE, ACTIONS, APPLY, DUPLICATE, LATE, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy, PolicyError,
-    PolicyOption, PushDecision,
+    ACCUMULATE,
+    ACTIONS,
+    APPLY,
+    DUPLICATE,
+    LATE,
+    OUTCOME_COUNTERS,
+    OUTCOMES,
+    REJECT,
+    Policy,
+    PolicyError,
+    PolicyOption,
+    PushDecision,
 )
 from psgd.policy.local import LocalPolicy
 from psgd.policy.ssp import SSPPolicy
 from psgd.policy.sync import SyncPolicy
 
 __all__ = [
-    "Policy", "PolicyOption", "PushDecision", "PolicyError", "SyncPolicy", "AsyncPolicy", "SSPPolicy", "LocalPolicy",
-    "POLICIES", "make_policy", "policy_from_cluster",
-    "APPLY", "ACCUMULATE", "DUPLICATE", "LATE", "REJECT", "ACTIONS", "OUTCOMES", "OUTCOME_COUNTERS",
+    "Policy",
+    "PolicyOption",
+    "PushDecision",
+    "PolicyError",
+    "SyncPolicy",
+    "AsyncPolicy",
+    "SSPPolicy",
+    "LocalPolicy",
+    "POLICIES",
+    "make_policy",
+    "policy_from_cluster",
+    "APPLY",
+    "ACCUMULATE",
+    "DUPLICATE",
+    "LATE",
+    "REJECT",
+    "ACTIONS",
+    "OUTCOMES",
+    "OUTCOME_COUNTERS",
 ]
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (SyncPolicy, AsyncPolicy, SSPPolicy, LocalPolicy)}

@@ -40,14 +40,18 @@ class AsyncPolicy(Policy):
             return problem
         worker, clock = int(worker), int(clock)
         if clock > self._clocks[worker] + self.gap:
-            return self._reject(f"clock {clock} is beyond what worker {worker} can have reached: it pushes clock "
-                                f"{self._clocks[worker]} next" + (f" (or up to {self.gap} later)" if self.gap else ""),
-                                self._clocks[worker])
+            return self._reject(
+                f"clock {clock} is beyond what worker {worker} can have reached: it pushes clock "
+                f"{self._clocks[worker]} next" + (f" (or up to {self.gap} later)" if self.gap else ""),
+                self._clocks[worker],
+            )
         if clock < self._clocks[worker]:
             self._counters["duplicates"] += 1
-            return PushDecision(DUPLICATE, next_clock=self._clocks[worker],
-                                reason=f"worker {worker} already pushed clock {clock}: "
-                                       f"it is at clock {self._clocks[worker]}")
+            return PushDecision(
+                DUPLICATE,
+                next_clock=self._clocks[worker],
+                reason=f"worker {worker} already pushed clock {clock}: it is at clock {self._clocks[worker]}",
+            )
         self._clocks[worker] = clock + 1
         self._counters["pushes_applied"] += 1
         return PushDecision(APPLY, next_clock=clock + 1)
@@ -68,4 +72,5 @@ class AsyncPolicy(Policy):
 
         def restore() -> None:
             self._clocks = clocks
+
         return restore

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar
 
 from psgd.errors import InputError
 
-APPLY = "apply"            # apply this gradient now
+APPLY = "apply"  # apply this gradient now
 ACCUMULATE = "accumulate"  # add it to the open sync round
-DUPLICATE = "duplicate"    # already applied: drop it, acknowledge OK
-LATE = "late"              # its sync round closed without it: drop it, count it
-REJECT = "reject"          # a protocol violation: tell the worker why
+DUPLICATE = "duplicate"  # already applied: drop it, acknowledge OK
+LATE = "late"  # its sync round closed without it: drop it, count it
+REJECT = "reject"  # a protocol violation: tell the worker why
 ACTIONS = (APPLY, ACCUMULATE, DUPLICATE, LATE, REJECT)
 #: What the shard tells the worker happened to a push it took, for each action but REJECT (an error), and
 #: the shard's counter of each (psgd status, Prometheus).  The order is the data path's outcome codes.
@@ -50,26 +51,26 @@ class PolicyError(InputError):
 class PushDecision:
     """What the core must do with one push."""
 
-    action: str                          # one of ACTIONS
-    round: int | None = None             # sync: the round (= clock) this push belongs to
+    action: str  # one of ACTIONS
+    round: int | None = None  # sync: the round (= clock) this push belongs to
     closed_rounds: tuple[int, ...] = ()  # sync rounds complete after this event, to apply now, in order
-    next_clock: int = 0                  # the clock the worker should use for its next push
-    reason: str = ""                     # for reject, late and duplicate
-    reason_code: str = ""                # for reject: NOT_REGISTERED when the worker must register again
+    next_clock: int = 0  # the clock the worker should use for its next push
+    reason: str = ""  # for reject, late and duplicate
+    reason_code: str = ""  # for reject: NOT_REGISTERED when the worker must register again
 
 
 @dataclass(frozen=True)
 class PolicyOption:
     """One option a policy takes: a keyword of its constructor, and a ``[cluster]`` key of a job file."""
 
-    name: str          # the keyword (and the policy's attribute that holds the value)
-    type: type         # int, float, ...
-    default: Any       # None when required
-    help: str          # one line, for --help
+    name: str  # the keyword (and the policy's attribute that holds the value)
+    type: type  # int, float, ...
+    default: Any  # None when required
+    help: str  # one line, for --help
     required: bool
-    cluster_key: str   # the [cluster] key it is read from (a field of psgd.config.Consistency)
+    cluster_key: str  # the [cluster] key it is read from (a field of psgd.config.Consistency)
     shorthand: str = ""  # how a benchmark contender names a value of it, as WORD:LETTER ("ssp:S"), if it may
-    label: str = ""      # that contender in words, the value at {} ("ssp s={}")
+    label: str = ""  # that contender in words, the value at {} ("ssp s={}")
 
 
 def _is_int(value: Any) -> bool:
@@ -85,10 +86,10 @@ class Policy(ABC):
     """The interface the server core drives; see the module docstring."""
 
     name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""                     # one line, in words
+    summary: ClassVar[str] = ""  # one line, in words
     options: ClassVar[tuple[PolicyOption, ...]] = ()
-    accumulates: ClassVar[bool] = False             # the core sums a round's pushes before one update
-    local: ClassVar[bool] = False                   # workers take local steps and push their progress, not gradients
+    accumulates: ClassVar[bool] = False  # the core sums a round's pushes before one update
+    local: ClassVar[bool] = False  # workers take local steps and push their progress, not gradients
     _COUNTERS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_workers: int):
@@ -190,13 +191,17 @@ class Policy(ABC):
         if d.get("policy") != self.name:
             raise PolicyError(f"policy state is for policy {_show(d.get('policy'))}, this server runs {self.name!r}")
         if d.get("num_workers") != self.num_workers:
-            raise PolicyError(f"policy state is for {_show(d.get('num_workers'))} workers, "
-                              f"this server has {self.num_workers}")
+            raise PolicyError(
+                f"policy state is for {_show(d.get('num_workers'))} workers, this server has {self.num_workers}"
+            )
         live = self._worker_list(d, "live")
         expected = None if live_now is None else {self._check_worker(w) for w in live_now}
         counters = d.get("counters")
-        if (not isinstance(counters, dict) or set(counters) != set(self._COUNTERS)
-                or not all(_is_int(v) and v >= 0 for v in counters.values())):
+        if (
+            not isinstance(counters, dict)
+            or set(counters) != set(self._COUNTERS)
+            or not all(_is_int(v) and v >= 0 for v in counters.values())
+        ):
             raise PolicyError(f"policy state: 'counters' must map {', '.join(self._COUNTERS)} to integers >= 0")
         restore = self._check_state(d)  # validates everything before anything changes
         self._live = set(live) if expected is None else expected
@@ -215,23 +220,31 @@ class Policy(ABC):
 
     def _int_list(self, d: dict[str, Any], key: str, minimum: int) -> list[int]:
         values = d.get(key)
-        if (not isinstance(values, list) or len(values) != self.num_workers
-                or not all(_is_int(v) and v >= minimum for v in values)):
+        if (
+            not isinstance(values, list)
+            or len(values) != self.num_workers
+            or not all(_is_int(v) and v >= minimum for v in values)
+        ):
             raise PolicyError(f"policy state: {key!r} must be a list of {self.num_workers} integers >= {minimum}")
         return [int(v) for v in values]
 
     def _worker_list(self, d: dict[str, Any], key: str) -> list[int]:
         values = d.get(key)
-        if (not isinstance(values, list) or len(set(values)) != len(values)
-                or not all(_is_int(v) and 0 <= v < self.num_workers for v in values)):
-            raise PolicyError(f"policy state: {key!r} must be a list of distinct worker ids "
-                              f"in 0..{self.num_workers - 1}")
+        if (
+            not isinstance(values, list)
+            or len(set(values)) != len(values)
+            or not all(_is_int(v) and 0 <= v < self.num_workers for v in values)
+        ):
+            raise PolicyError(
+                f"policy state: {key!r} must be a list of distinct worker ids in 0..{self.num_workers - 1}"
+            )
         return [int(v) for v in values]
 
     def _check_worker(self, worker: Any) -> int:
         if not _is_int(worker) or not 0 <= worker < self.num_workers:
-            raise PolicyError(f"worker id {_show(worker)} is out of range: "
-                              f"this job has workers 0..{self.num_workers - 1}")
+            raise PolicyError(
+                f"worker id {_show(worker)} is out of range: this job has workers 0..{self.num_workers - 1}"
+            )
         return int(worker)
 
     def _check_clock(self, clock: Any) -> int:
@@ -247,8 +260,11 @@ class Policy(ABC):
         except PolicyError as exc:
             return self._reject(str(exc))
         if worker not in self._live:
-            return self._reject(f"worker {worker} has left (done or lease expired): it must register again "
-                                "before it pushes", self.clock_of(worker), "NOT_REGISTERED")
+            return self._reject(
+                f"worker {worker} has left (done or lease expired): it must register again before it pushes",
+                self.clock_of(worker),
+                "NOT_REGISTERED",
+            )
         return None
 
     def _reject(self, reason: str, next_clock: int = 0, code: str = "") -> PushDecision:

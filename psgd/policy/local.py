@@ -25,12 +25,21 @@ class LocalPolicy(AsyncPolicy):
     """
 
     name: ClassVar[str] = "local"
-    summary: ClassVar[str] = ("local SGD: each worker takes local-steps steps on its own copy, then pushes its "
-                              "progress, applied on arrival to the centre the shards hold")
+    summary: ClassVar[str] = (
+        "local SGD: each worker takes local-steps steps on its own copy, then pushes its "
+        "progress, applied on arrival to the centre the shards hold"
+    )
     options: ClassVar[tuple[PolicyOption, ...]] = (
-        PolicyOption("local_steps", int, 4, "steps a worker takes on its own copy between pull and push",
-                     required=False, cluster_key="local_steps", shorthand="local:T",
-                     label="local SGD \u03c4={}"),
+        PolicyOption(
+            "local_steps",
+            int,
+            4,
+            "steps a worker takes on its own copy between pull and push",
+            required=False,
+            cluster_key="local_steps",
+            shorthand="local:T",
+            label="local SGD \u03c4={}",
+        ),
     )
     accumulates: ClassVar[bool] = False
     local: ClassVar[bool] = True

@@ -25,11 +25,21 @@ class SSPPolicy(AsyncPolicy):
     """
 
     name: ClassVar[str] = "ssp"
-    summary: ClassVar[str] = ("bounded staleness: pushes are applied on arrival; a pull waits while its worker "
-                              "is more clocks than the staleness bound ahead of the slowest")
+    summary: ClassVar[str] = (
+        "bounded staleness: pushes are applied on arrival; a pull waits while its worker "
+        "is more clocks than the staleness bound ahead of the slowest"
+    )
     options: ClassVar[tuple[PolicyOption, ...]] = (
-        PolicyOption("staleness", int, None, "clocks a worker may run ahead of the slowest",
-                     required=True, cluster_key="staleness", shorthand="ssp:S", label="ssp s={}"),
+        PolicyOption(
+            "staleness",
+            int,
+            None,
+            "clocks a worker may run ahead of the slowest",
+            required=True,
+            cluster_key="staleness",
+            shorthand="ssp:S",
+            label="ssp s={}",
+        ),
     )
     accumulates: ClassVar[bool] = False
 

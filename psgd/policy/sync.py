@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from psgd.policy.base import (
-    ACCUMULATE, DUPLICATE, LATE, Policy, PolicyError, PolicyOption, PushDecision, _is_int, _show,
+    ACCUMULATE,
+    DUPLICATE,
+    LATE,
+    Policy,
+    PolicyError,
+    PolicyOption,
+    PushDecision,
+    _is_int,
+    _show,
 )
 
 
@@ -24,18 +32,34 @@ class SyncPolicy(Policy):
     name: ClassVar[str] = "sync"
     summary: ClassVar[str] = "bulk-synchronous rounds: a round's pushes are averaged, then applied once"
     options: ClassVar[tuple[PolicyOption, ...]] = (
-        PolicyOption("backup_workers", int, 0, "close each round without the last B workers' pushes",
-                     required=False, cluster_key="backup_workers", shorthand="backup:B", label="sync +{} backup"),
+        PolicyOption(
+            "backup_workers",
+            int,
+            0,
+            "close each round without the last B workers' pushes",
+            required=False,
+            cluster_key="backup_workers",
+            shorthand="backup:B",
+            label="sync +{} backup",
+        ),
     )
     accumulates: ClassVar[bool] = True
     _COUNTERS: ClassVar[tuple[str, ...]] = (
-        "rounds_closed", "pushes_accumulated", "duplicates", "late", "rejected", "rounds_skipped")
+        "rounds_closed",
+        "pushes_accumulated",
+        "duplicates",
+        "late",
+        "rejected",
+        "rounds_skipped",
+    )
 
     def __init__(self, num_workers: int, backup_workers: int = 0):
         super().__init__(num_workers)
         if not _is_int(backup_workers) or not 0 <= backup_workers < self.num_workers:
-            raise PolicyError(f"policy 'sync': backup_workers must be an integer in "
-                              f"0..{self.num_workers - 1} (fewer than num_workers), got {_show(backup_workers)}")
+            raise PolicyError(
+                f"policy 'sync': backup_workers must be an integer in "
+                f"0..{self.num_workers - 1} (fewer than num_workers), got {_show(backup_workers)}"
+            )
         self.backup_workers = int(backup_workers)
         self._applied_rounds = 0
         self._last = [-1] * self.num_workers  # the last clock each worker contributed to a round
@@ -83,19 +107,29 @@ class SyncPolicy(Policy):
         rnd = self._applied_rounds
         if clock <= self._last[worker]:
             self._counters["duplicates"] += 1
-            return PushDecision(DUPLICATE, round=clock, next_clock=self.clock_of(worker),
-                                reason=f"worker {worker} already pushed clock {clock}")
+            return PushDecision(
+                DUPLICATE,
+                round=clock,
+                next_clock=self.clock_of(worker),
+                reason=f"worker {worker} already pushed clock {clock}",
+            )
         if clock < rnd:
             self._counters["late"] += 1
-            return PushDecision(LATE, round=clock, next_clock=rnd,
-                                reason=f"round {clock} closed without worker {worker}: continue at clock {rnd}")
+            return PushDecision(
+                LATE,
+                round=clock,
+                next_clock=rnd,
+                reason=f"round {clock} closed without worker {worker}: continue at clock {rnd}",
+            )
         if clock > rnd:
-            return self._reject(f"clock {clock} is from the future: round {rnd} is open, and a sync worker "
-                                f"pushes clock {clock} only after round {clock - 1} closed", self.clock_of(worker))
+            return self._reject(
+                f"clock {clock} is from the future: round {rnd} is open, and a sync worker "
+                f"pushes clock {clock} only after round {clock - 1} closed",
+                self.clock_of(worker),
+            )
         self._last[worker] = clock
         self._counters["pushes_accumulated"] += 1
-        return PushDecision(ACCUMULATE, round=clock, closed_rounds=self._close_if_complete(),
-                            next_clock=clock + 1)
+        return PushDecision(ACCUMULATE, round=clock, closed_rounds=self._close_if_complete(), next_clock=clock + 1)
 
     def _close_if_complete(self) -> tuple[int, ...]:
         rnd = self._applied_rounds
@@ -117,8 +151,11 @@ class SyncPolicy(Policy):
         return max(self._last[self._check_worker(worker)] + 1, self._applied_rounds)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "applied_rounds": self._applied_rounds,
-                "open_round_pushers": sorted(self.open_round_pushers())}
+        return {
+            **super().describe(),
+            "applied_rounds": self._applied_rounds,
+            "open_round_pushers": sorted(self.open_round_pushers()),
+        }
 
     # -- checkpoints ----------------------------------------------------
 
@@ -136,4 +173,5 @@ class SyncPolicy(Policy):
         def restore() -> None:
             self._applied_rounds = int(applied)
             self._last = last
+
         return restore

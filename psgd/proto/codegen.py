@@ -25,8 +25,15 @@ def generate() -> dict[str, str]:
 
     include = str(Path(protoc.__file__).resolve().parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{ROOT / 'protos'}", f"-I{include}", f"--python_out={tmp}",
-                f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", str(ROOT / "protos" / PROTO)]
+        args = [
+            "protoc",
+            f"-I{ROOT / 'protos'}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            str(ROOT / "protos" / PROTO),
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out = {}
@@ -47,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         if current != text:
             stale.append(name)
             if args.check:
-                sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
-                                                           f"committed/{name}", f"generated/{name}", n=1))
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        current.splitlines(True), text.splitlines(True), f"committed/{name}", f"generated/{name}", n=1
+                    )
+                )
             else:
                 path.write_text(text)
     if args.check and stale:

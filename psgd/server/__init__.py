@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from psgd.config import ConfigError
 from psgd.job import Job, check_fits
-from psgd.server.state.core import PushResult, ShardCore
 from psgd.server.errors import ShardError
+from psgd.server.state.core import PushResult, ShardCore
 from psgd.server.state.tables import ShardTables
 
 __all__ = ["PushResult", "ShardCore", "ShardError", "build_shard"]
@@ -36,14 +36,23 @@ def build_shard(job: Job, shard: int, checkpoints: bool = False) -> ShardCore:
     held = {sl.var for sl in mine}
     check_fits([v for v in plan.specs if v.name in held], f"shard {shard} of model {config.model['name']!r}")
     init = job.model.init(config.train.seed, names=sorted({s.var for s in mine}))
-    values = {s.id: init[s.var].reshape(-1)[s.start:s.stop] for s in mine}
+    values = {s.id: init[s.var].reshape(-1)[s.start : s.stop] for s in mine}
     rule = job.policy()
     if c.recovery.replicas and plan.tables:
-        raise ConfigError(f"[cluster] replicas = 1 copies a shard's dense variables to its replica, not the rows of "
-                          f"embedding tables ({', '.join(t.name for t in plan.tables)}) yet: leave it 0 for this model")
+        raise ConfigError(
+            f"[cluster] replicas = 1 copies a shard's dense variables to its replica, not the rows of "
+            f"embedding tables ({', '.join(t.name for t in plan.tables)}) yet: leave it 0 for this model"
+        )
     return ShardCore(
-        plan, shard, values, job.shard_optimizer(rule), rule,
-        num_workers=c.workers, deadlines=c.deadlines,
-        identity=job.identity, remedies=c.remedies,
-        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")), cut_rounds=c.shard_cut_rounds(checkpoints),
+        plan,
+        shard,
+        values,
+        job.shard_optimizer(rule),
+        rule,
+        num_workers=c.workers,
+        deadlines=c.deadlines,
+        identity=job.identity,
+        remedies=c.remedies,
+        tables=ShardTables(plan, shard, job.row_tables(f"shard {shard}")),
+        cut_rounds=c.shard_cut_rounds(checkpoints),
     )

@@ -18,22 +18,24 @@ the rows ever touched.  Its options (:class:`TableOptions`):
 
 Storage is one array of rows, one per state field of the rule and three of bookkeeping (id, update count, last
 touch), grown by doubling; freed slots are reused.  Which slot holds an id is found by
-:class:`psgd.tables.index.IdSlots`, a hash table in numpy arrays probed for a whole batch of ids at once.  Not thread-safe: a shard core holds its
+:class:`psgd.tables.index.IdSlots`, a hash table in numpy arrays probed for a whole batch of ids at once.  Not
+thread-safe: a shard core holds its
 lock around every call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from psgd.errors import ClusterError
 from psgd.model.table import Rows, TableSpec, initial_rows, table_keys, unique_lookups
 from psgd.optim.base import WHOLE, Share
-from psgd.tables.rules import RowOptimizer
 from psgd.tables.index import IdSlots, Sightings
+from psgd.tables.rules import RowOptimizer
 
 WHEN_FULL = ("fail", "evict")
 
@@ -66,25 +68,32 @@ class RowTable:
     """The rows of table ``spec`` held ``where`` (``shard 2``: for messages), updated by ``optimizer``; see the
     module docstring."""
 
-    def __init__(self, spec: TableSpec, seed: int, optimizer: RowOptimizer, options: TableOptions = TableOptions(),
-                 where: str = "this process"):
+    def __init__(
+        self,
+        spec: TableSpec,
+        seed: int,
+        optimizer: RowOptimizer,
+        options: TableOptions = TableOptions(),
+        where: str = "this process",
+    ):
         self.spec, self.seed, self.optimizer, self.options, self.where = spec, int(seed), optimizer, options, where
         self.dtype = np.dtype(spec.dtype)
         self.columns = optimizer.state_columns(spec.dim)
-        self.index = IdSlots()              # id -> slot
+        self.index = IdSlots()  # id -> slot
         self.capacity = 0
         self.ids = np.zeros(0, np.int64)
         self.used = np.zeros(0, bool)
         self.rows = np.zeros((0, spec.dim), self.dtype)
-        self.state = {name: np.zeros((0, cols), np.float32 if self.dtype.itemsize < 4 else self.dtype)
-                      for name, cols in self.columns.items()}
-        self.t = np.zeros(0, np.int64)      # updates of each row
-        self.last = np.zeros(0, np.int64)   # the table's update count when each row was last touched
+        self.state = {
+            name: np.zeros((0, cols), np.float32 if self.dtype.itemsize < 4 else self.dtype)
+            for name, cols in self.columns.items()
+        }
+        self.t = np.zeros(0, np.int64)  # updates of each row
+        self.last = np.zeros(0, np.int64)  # the table's update count when each row was last touched
         self.free: list[int] = []
-        self.clock = 0                      # updates applied to this table
+        self.clock = 0  # updates applied to this table
         self.sightings = Sightings(spec.name) if options.admit_after > 1 else None
-        self.counters = {"rows_created": 0, "rows_evicted": 0, "rows_read": 0, "rows_updated": 0,
-                         "grads_dropped": 0}
+        self.counters = {"rows_created": 0, "rows_evicted": 0, "rows_read": 0, "rows_updated": 0, "grads_dropped": 0}
 
     def __len__(self) -> int:
         return self.index.size
@@ -102,8 +111,15 @@ class RowTable:
     @property
     def nbytes(self) -> int:
         """Bytes this table's storage takes (every slot allocated, used or free, and the index)."""
-        return int(self.ids.nbytes + self.used.nbytes + self.rows.nbytes + self.t.nbytes + self.last.nbytes
-                   + sum(a.nbytes for a in self.state.values()) + self.index.nbytes)
+        return int(
+            self.ids.nbytes
+            + self.used.nbytes
+            + self.rows.nbytes
+            + self.t.nbytes
+            + self.last.nbytes
+            + sum(a.nbytes for a in self.state.values())
+            + self.index.nbytes
+        )
 
     # -- reading and updating ----------------------------------------------------------------------------------
     def read(self, ids: np.ndarray) -> np.ndarray:
@@ -169,8 +185,9 @@ class RowTable:
         row's gradients' mean square); they live and are checkpointed with the rule's state."""
         if name not in self.state:
             self.columns = {**self.columns, name: width}
-            self.state[name] = np.zeros((self.capacity, width), self.rows.dtype if self.dtype.itemsize >= 4
-                                        else np.float32)
+            self.state[name] = np.zeros(
+                (self.capacity, width), self.rows.dtype if self.dtype.itemsize >= 4 else np.float32
+            )
 
     def column(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Which of ``ids`` have a row, and those rows' values of state column ``name`` (a copy)."""
@@ -202,9 +219,11 @@ class RowTable:
         cap, n = self.options.max_rows, ids.size
         if cap and len(self) + n > cap:
             if self.options.when_full == "fail" or n + keep.size > cap:
-                raise TableFull(f"table {self.spec.name!r} on {self.where} holds "
-                                 f"{len(self):,} rows and may hold {cap:,} (tables.max_rows): {n:,} more do not "
-                                 f"fit; raise max_rows, add shards, or set tables.when_full = \"evict\"")
+                raise TableFull(
+                    f"table {self.spec.name!r} on {self.where} holds "
+                    f"{len(self):,} rows and may hold {cap:,} (tables.max_rows): {n:,} more do not "
+                    f"fit; raise max_rows, add shards, or set tables.when_full = \"evict\""
+                )
             self._evict_oldest(len(self) + n - cap, keep)
         while len(self.free) < n:
             self._grow()
@@ -240,8 +259,9 @@ class RowTable:
             b[:old] = a
             return b
 
-        self.ids, self.used, self.rows, self.t, self.last = (wider(a) for a in
-                                                             (self.ids, self.used, self.rows, self.t, self.last))
+        self.ids, self.used, self.rows, self.t, self.last = (
+            wider(a) for a in (self.ids, self.used, self.rows, self.t, self.last)
+        )
         self.state = {name: wider(a) for name, a in self.state.items()}
         self.free.extend(range(new - 1, old - 1, -1))  # lowest slots first
         self.capacity = new
@@ -251,8 +271,13 @@ class RowTable:
         """The rows that exist, by increasing id, with their state: arrays for a checkpoint."""
         slots = np.flatnonzero(self.used)
         slots = slots[np.argsort(self.ids[slots], kind="stable")]
-        out = {"ids": self.ids[slots], "rows": self.rows[slots], "t": self.t[slots], "last": self.last[slots],
-               "clock": np.array([self.clock], np.int64)}
+        out = {
+            "ids": self.ids[slots],
+            "rows": self.rows[slots],
+            "t": self.t[slots],
+            "last": self.last[slots],
+            "clock": np.array([self.clock], np.int64),
+        }
         out.update({f"state/{name}": a[slots] for name, a in self.state.items()})
         if self.sightings is not None:
             out["sightings"] = self.sightings.counts
@@ -269,8 +294,9 @@ class RowTable:
         for name, width in added.items():
             self.add_column(name, width)
         if self.options.max_rows and ids.size > self.options.max_rows:
-            raise ValueError(f"table {self.spec.name!r}: {ids.size:,} rows saved, tables.max_rows is "
-                             f"{self.options.max_rows:,}")
+            raise ValueError(
+                f"table {self.spec.name!r}: {ids.size:,} rows saved, tables.max_rows is {self.options.max_rows:,}"
+            )
         while len(self.free) < ids.size:
             self._grow()
         slots = np.arange(ids.size, dtype=np.int64)
@@ -292,7 +318,7 @@ class RowTable:
         got, at = 0, max(0, int(start))
         while got < max_rows and at < self.capacity:
             window = slice(at, min(self.capacity, at + 2 * max_rows))
-            slots = np.flatnonzero(self.used[window])[:max_rows - got] + at
+            slots = np.flatnonzero(self.used[window])[: max_rows - got] + at
             ids.append(self.ids[slots])
             rows.append(self.rows[slots])
             got += slots.size
@@ -308,12 +334,16 @@ class RowTable:
         return {key_ids: state["ids"], key_rows: state["rows"]}
 
     def status(self) -> dict[str, Any]:
-        return {"rows": len(self), "bytes": self.nbytes, "capacity": self.capacity, "clock": self.clock,
-                **self.counters}
+        return {
+            "rows": len(self),
+            "bytes": self.nbytes,
+            "capacity": self.capacity,
+            "clock": self.clock,
+            **self.counters,
+        }
 
 
-def lookup_rows(tables: Mapping[str, RowTable], lookups: Mapping[str, Any], device: Any,
-                make: bool) -> dict[str, Rows]:
+def lookup_rows(tables: Mapping[str, RowTable], lookups: Mapping[str, Any], device: Any, make: bool) -> dict[str, Rows]:
     """The :class:`~psgd.model.table.Rows` of each table that ``lookups`` (a batch's ids, by table) names, read
     from ``tables`` held whole in this process (the reference trainer's, an all-reduce rank's), on ``device``:
     made where they do not exist yet (``make``: a training step), or only read (an evaluation)."""

@@ -53,8 +53,8 @@ class IdSlots:
 
     def __init__(self):
         self.places = np.full(1024, self.EMPTY, np.int64)
-        self.size = 0    # ids held
-        self.freed = 0   # places freed since the last rebuild (they end no probe sequence)
+        self.size = 0  # ids held
+        self.freed = 0  # places freed since the last rebuild (they end no probe sequence)
 
     @property
     def nbytes(self) -> int:

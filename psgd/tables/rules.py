@@ -46,16 +46,22 @@ class RowOptimizer:
         """The state each row keeps: name -> number of values."""
         return {}
 
-    def step(self, rows: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray], t: np.ndarray,
-             lr_scale: float = 1.0, share: Share = WHOLE) -> None:
+    def step(
+        self,
+        rows: np.ndarray,
+        grads: np.ndarray,
+        state: dict[str, np.ndarray],
+        t: np.ndarray,
+        lr_scale: float = 1.0,
+        share: Share = WHOLE,
+    ) -> None:
         """Update ``rows`` ``[k, dim]`` in place by ``grads`` ``[k, dim]``; ``state`` holds each row's state
         ``[k, columns]`` (updated in place), ``t`` ``[k]`` the number of updates of each row, this one counted;
         ``share``: the part of a round this update is."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "lr": self.lr, "lazy": self.lazy,
-                **{k: getattr(self, k) for k in self.options}}
+        return {"name": self.name, "lr": self.lr, "lazy": self.lazy, **{k: getattr(self, k) for k in self.options}}
 
 
 class RowSGD(RowOptimizer):
@@ -102,14 +108,14 @@ class LazyAdam(RowOptimizer):
 
     def step(self, rows, grads, state, t, lr_scale=1.0, share=WHOLE):
         m, v = state["m"], state["v"]
-        b1, b2 = self.beta1 ** share.fraction, self.beta2 ** share.fraction  # a push's part of a round's decay
+        b1, b2 = self.beta1**share.fraction, self.beta2**share.fraction  # a push's part of a round's decay
         m *= b1
         m += (1.0 - b1) * grads
         v *= b2
         v += (1.0 - b2) * np.square(grads)
         tt = t.astype(np.float64)[:, None] / share.updates  # rounds: bias corrections from the round's decays
-        m_hat = m / (1.0 - self.beta1 ** tt)
-        v_hat = v / (1.0 - self.beta2 ** tt)
+        m_hat = m / (1.0 - self.beta1**tt)
+        v_hat = v / (1.0 - self.beta2**tt)
         rows -= ((self.lr * lr_scale) * m_hat / (np.sqrt(v_hat) + self.eps)).astype(rows.dtype)
 
 

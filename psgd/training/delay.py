@@ -37,9 +37,13 @@ class Delay:
         """The delay in words, for titles: ``worker 0 four times slower``."""
         if self.kind == "none":
             return "no straggler"
-        who = ("every worker" if self.ranks is None else
-               f"worker {self.ranks[0]}" if len(self.ranks) == 1 else
-               "workers " + ", ".join(map(str, self.ranks)))
+        who = (
+            "every worker"
+            if self.ranks is None
+            else f"worker {self.ranks[0]}"
+            if len(self.ranks) == 1
+            else "workers " + ", ".join(map(str, self.ranks))
+        )
         if self.kind == "slowdown":
             k = self.args[0]
             times = {2: "twice", 3: "three times", 4: "four times", 5: "five times", 10: "ten times"}.get(k, f"{k:g}x")
@@ -76,8 +80,10 @@ def parse_delay(spec: str | None) -> Delay:
     kind, _, rest = body.partition(":")
     arity = {"fixed": 1, "exp": 1, "uniform": 2, "slowdown": 1}
     if kind not in arity:
-        raise DelayError(f"delay {spec!r}: unknown kind {kind!r}; use fixed:S, exp:MEAN, uniform:LO:HI or "
-                         "slowdown:K, optionally followed by @RANKS")
+        raise DelayError(
+            f"delay {spec!r}: unknown kind {kind!r}; use fixed:S, exp:MEAN, uniform:LO:HI or "
+            "slowdown:K, optionally followed by @RANKS"
+        )
     try:
         args = tuple(float(a) for a in rest.split(":")) if rest else ()
         ranks = tuple(int(r) for r in ranks_text.split(",")) if ranks_text else None

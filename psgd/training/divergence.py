@@ -50,7 +50,7 @@ EXIT_DIVERGED = 3
 class Divergence:
     """What the guard saw: who, when, why, and what to try."""
 
-    by: str       # "worker 0", "rank 0", "local", "launcher"
+    by: str  # "worker 0", "rank 0", "local", "launcher"
     step: int
     epoch: int
     why: str
@@ -91,9 +91,11 @@ def advice(config: Any, mode: str) -> str:
     if mode != "ps" or c.policy not in ("async", "ssp"):
         return f"{lower}, {warm}"
     if c.remedies.async_lr == "full":
-        return (f"under {c.policy} each push is applied at the full learning rate, so {c.workers} workers move "
-                f"the weights {c.workers} times as far per round as sync: set [cluster] async_lr = \"divided\" "
-                f"(the default), or {lower}")
+        return (
+            f"under {c.policy} each push is applied at the full learning rate, so {c.workers} workers move "
+            f"the weights {c.workers} times as far per round as sync: set [cluster] async_lr = \"divided\" "
+            f"(the default), or {lower}"
+        )
     remedies = []
     if not c.remedies.staleness_lr:
         remedies.append("staleness_lr = true")
@@ -122,11 +124,12 @@ class DivergenceGuard:
         self._growing = self._at_chance = 0
 
     @classmethod
-    def of_job(cls, by: str, dataset: Any, config: Any, mode: str) -> "DivergenceGuard":
+    def of_job(cls, by: str, dataset: Any, config: Any, mode: str) -> DivergenceGuard:
         """The guard of a process of a job (``mode``: "ps" or "allreduce") that trains on ``dataset``: its chance
         score, classes and metric from the dataset's test split, its advice from the job's ``config``."""
-        return cls(by, chance(dataset.y_test, dataset.target), dataset.num_classes, advice(config, mode),
-                   dataset.metric)
+        return cls(
+            by, chance(dataset.y_test, dataset.target), dataset.num_classes, advice(config, mode), dataset.metric
+        )
 
     def resumed(self, first_step_loss: float | None, first_test_loss: float | None) -> None:
         """A resumed run's baselines, where its earlier part had them: its first step's loss and its first test loss
@@ -160,8 +163,12 @@ class DivergenceGuard:
         if self._first_step_loss is None:
             self._first_step_loss = loss
         elif loss > BLOWUP * max(self._first_step_loss, self.guess_loss):
-            return self._found(step, epoch, f"the training loss ({loss:.4g}) is {loss / self._first_step_loss:.0f} "
-                                            f"times its first value ({self._first_step_loss:.4g})")
+            return self._found(
+                step,
+                epoch,
+                f"the training loss ({loss:.4g}) is {loss / self._first_step_loss:.0f} "
+                f"times its first value ({self._first_step_loss:.4g})",
+            )
         return None
 
     def _evaluation(self, step: int, epoch: int, test_loss: float, accuracy: float) -> Divergence | None:
@@ -173,25 +180,40 @@ class DivergenceGuard:
         self._growing = self._growing + 1 if test_loss > self._first_loss and not self._overfitting(accuracy) else 0
         self._at_chance = self._at_chance + 1 if accuracy <= self.chance + CHANCE_MARGIN else 0
         if self._growing >= EVALUATIONS:
-            return self._found(step, epoch, f"the test loss ({test_loss:.4g}) has been above its first value "
-                                            f"({self._first_loss:.4g}) for {self._growing} evaluations")
+            return self._found(
+                step,
+                epoch,
+                f"the test loss ({test_loss:.4g}) has been above its first value "
+                f"({self._first_loss:.4g}) for {self._growing} evaluations",
+            )
         if self._at_chance >= EVALUATIONS:
-            return self._found(step, epoch, f"the {self.score_words} ({accuracy:.3f}) has stayed at chance "
-                                            f"({self.chance:.3f}, {self.chance_words}) for {self._at_chance} "
-                                            "evaluations")
+            return self._found(
+                step,
+                epoch,
+                f"the {self.score_words} ({accuracy:.3f}) has stayed at chance "
+                f"({self.chance:.3f}, {self.chance_words}) for {self._at_chance} "
+                "evaluations",
+            )
         return None
 
     def _overfitting(self, accuracy: float) -> bool:
         """Whether a rising test loss is the training set learnt by heart: the training loss well down, the
         accuracy near its best."""
-        return (self._trend is not None and self._first_step_loss is not None
-                and self._trend < 0.5 * self._first_step_loss and accuracy >= self._best_accuracy - ACCURACY_FALL)
+        return (
+            self._trend is not None
+            and self._first_step_loss is not None
+            and self._trend < 0.5 * self._first_step_loss
+            and accuracy >= self._best_accuracy - ACCURACY_FALL
+        )
 
     def final(self, step: int, epoch: int, test_loss: float, accuracy: float) -> Divergence | None:
         """The weights a run ended with, judged on their own (one evaluation, so no trend)."""
         if not math.isfinite(test_loss):
             return self._found(step, epoch, f"the final weights' test loss is {test_loss}")
         if accuracy <= self.chance + CHANCE_MARGIN:
-            return self._found(step, epoch, f"the final {self.score_words} ({accuracy:.3f}) is at chance "
-                                            f"({self.chance:.3f}, {self.chance_words})")
+            return self._found(
+                step,
+                epoch,
+                f"the final {self.score_words} ({accuracy:.3f}) is at chance ({self.chance:.3f}, {self.chance_words})",
+            )
         return None

@@ -7,9 +7,10 @@ loop (:mod:`psgd.training.loop`) and in a loop of one's own (:mod:`psgd.worker.s
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +28,15 @@ log = logging.getLogger(__name__)
 
 
 def evaluate(
-    model: models.Model, params: Mapping[str, Any], x: np.ndarray, y: np.ndarray,
-    device: backend.Device, batch_size: int = 1024, ids: np.ndarray | None = None,
-    rows: Callable[..., dict[str, Any]] | None = None, target: str = "classes",
+    model: models.Model,
+    params: Mapping[str, Any],
+    x: np.ndarray,
+    y: np.ndarray,
+    device: backend.Device,
+    batch_size: int = 1024,
+    ids: np.ndarray | None = None,
+    rows: Callable[..., dict[str, Any]] | None = None,
+    target: str = "classes",
 ) -> tuple[float, float]:
     """Mean loss and score of ``params`` on (x, y), in batches: the score is the accuracy for classes (of every
     position, for a class per position) and for labels (of every label, a score above 0 saying yes), R² for values
@@ -38,10 +45,10 @@ def evaluate(
     making rows)."""
     total_loss, right, targets, squared, n = 0.0, 0, 0, 0.0, max(len(x), 1)
     for start in range(0, len(x), batch_size):
-        xb = device.asarray(x[start:start + batch_size])
-        yb_host = np.asarray(y[start:start + batch_size])
+        xb = device.asarray(x[start : start + batch_size])
+        yb_host = np.asarray(y[start : start + batch_size])
         if rows is not None:
-            params = {**params, **rows(model.lookups(ids[start:start + batch_size]))}
+            params = {**params, **rows(model.lookups(ids[start : start + batch_size]))}
         loss, _ = model.loss_and_grads(params, xb, device.asarray(yb_host))  # the loss, of any model
         scores = backend.to_host(model.predict(params, xb))
         total_loss += float(loss) * len(yb_host)
@@ -66,17 +73,34 @@ def evaluate_file(config: JobConfig, path: str | os.PathLike) -> dict[str, Any]:
     weights = load_weights(path, job.model.specs(), job.plan.tables)
     params = params_to_device({s.name: weights[s.name] for s in job.model.specs()}, job.device)
     ds = job.dataset
-    loss, score = evaluate(job.model, params, ds.x_test, ds.y_test, job.device, config.train.eval_batch_size,
-                           ds.ids_test, saved_rows(job, weights), ds.target)
-    return {ds.score_key: score, "test_loss": loss, "examples": int(len(ds.y_test)),
-            "dataset": config.data["name"], "model": config.model["name"], "variables": len(weights),
-            "parameters": int(sum(w.size for w in weights.values())), "file": str(path)}
+    loss, score = evaluate(
+        job.model,
+        params,
+        ds.x_test,
+        ds.y_test,
+        job.device,
+        config.train.eval_batch_size,
+        ds.ids_test,
+        saved_rows(job, weights),
+        ds.target,
+    )
+    return {
+        ds.score_key: score,
+        "test_loss": loss,
+        "examples": int(len(ds.y_test)),
+        "dataset": config.data["name"],
+        "model": config.model["name"],
+        "variables": len(weights),
+        "parameters": int(sum(w.size for w in weights.values())),
+        "file": str(path),
+    }
 
 
 def saved_rows(job: Any, weights: Mapping[str, np.ndarray]) -> Any:
     """How an evaluation reads the tables of ``job`` from the rows saved in ``weights`` (None: no tables)."""
-    saved = {t.name: SavedRows(t, job.config.train.seed, *(weights[k] for k in table_keys(t.name)))
-             for t in job.plan.tables}
+    saved = {
+        t.name: SavedRows(t, job.config.train.seed, *(weights[k] for k in table_keys(t.name))) for t in job.plan.tables
+    }
     if not saved:
         return None
     return lambda lookups: {name: saved[name].rows(wanted, job.device) for name, wanted in lookups.items()}
@@ -120,8 +144,17 @@ class Evaluations:
     bar shows them) as a log line.  ``rows`` reads a model's embedding rows
     (:meth:`psgd.training.loop.Exchange.rows`)."""
 
-    def __init__(self, job: Job, metrics: MetricsLog, guard: DivergenceGuard, name: str, per_epoch: int,
-                 total: int, rows: Callable[..., dict[str, Any]] | None = None, says: bool = False):
+    def __init__(
+        self,
+        job: Job,
+        metrics: MetricsLog,
+        guard: DivergenceGuard,
+        name: str,
+        per_epoch: int,
+        total: int,
+        rows: Callable[..., dict[str, Any]] | None = None,
+        says: bool = False,
+    ):
         self.job, self.metrics, self.guard, self.name, self.rows, self.says = job, metrics, guard, name, rows, says
         self.per_epoch, self.total = per_epoch, total
         self.history: list[dict[str, Any]] = []
@@ -131,19 +164,42 @@ class Evaluations:
         """Evaluate ``params``, the weights after ``done`` steps (``wall`` seconds into the run); ``train_loss``:
         the last step's, None where this process took none (a resumed job that had ended: no loss to say)."""
         ds, t = self.job.dataset, self.job.config.train
-        self.test_loss, self.score = evaluate(self.job.model, params, ds.x_test, ds.y_test, self.job.device,
-                                              t.eval_batch_size, ds.ids_test, self.rows, ds.target)
+        self.test_loss, self.score = evaluate(
+            self.job.model,
+            params,
+            ds.x_test,
+            ds.y_test,
+            self.job.device,
+            t.eval_batch_size,
+            ds.ids_test,
+            self.rows,
+            ds.target,
+        )
         epoch = done // self.per_epoch
-        point = {"step": done, "epoch": epoch, "wall": wall,
-                 "train_loss": float("nan") if train_loss is None else float(train_loss),
-                 "test_loss": self.test_loss, ds.score_key: self.score}
+        point = {
+            "step": done,
+            "epoch": epoch,
+            "wall": wall,
+            "train_loss": float("nan") if train_loss is None else float(train_loss),
+            "test_loss": self.test_loss,
+            ds.score_key: self.score,
+        }
         self.history.append(point)
         self.metrics.write("eval", **point)
         judged(self.guard.evaluation(done, epoch, self.test_loss, self.score), self.metrics)
         if self.says:
             trained = "" if train_loss is None else f", train loss {train_loss:.4f}"
-            log.info("%s: epoch %d/%d, step %d/%d: %s %.4f%s", self.name, epoch, t.epochs, done, self.total,
-                     SCORE_WORDS[ds.metric], self.score, trained)
+            log.info(
+                "%s: epoch %d/%d, step %d/%d: %s %.4f%s",
+                self.name,
+                epoch,
+                t.epochs,
+                done,
+                self.total,
+                SCORE_WORDS[ds.metric],
+                self.score,
+                trained,
+            )
 
     def scores(self) -> dict[str, Any]:
         """The last evaluation's test loss and score, for a ``done`` line (none where nothing was evaluated)."""

@@ -12,7 +12,8 @@ import hashlib
 import json
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -21,11 +22,11 @@ from psgd.compute import backend, threads
 from psgd.config import ConfigError, JobConfig
 from psgd.errors import InputError
 from psgd.job import Job, build_job, params_to_device
-from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.model.table import Rows
 from psgd.optim.base import SEP
 from psgd.optim.ingraph import InGraph
 from psgd.tables.held import lookup_rows, saved_tables
+from psgd.training.loop import Exchange, Exchanged, LoopResult, run_loop
 from psgd.weights import ExportError, read_npz, save_weights, weight_differences
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,28 @@ class LocalExchange(Exchange):
         #: where a stopped run leaves its state (None: nowhere), and the state it goes on from (None: the start)
         self.keep, self.resume, self.step = keep, resume, 0
         if (keep or resume) and self.tables:
-            raise ConfigError("psgd train keeps no state of a model's embedding tables yet: run it without "
-                              "--checkpoint and --resume, or with psgd launch (its shards keep them)")
+            raise ConfigError(
+                "psgd train keeps no state of a model's embedding tables yet: run it without "
+                "--checkpoint and --resume, or with psgd launch (its shards keep them)"
+            )
         self.specs = job.plan.specs
         t = job.config.train
         self.total = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size) * t.epochs
-        self.job_name = hashlib.sha256(json.dumps(
-            {"plan": job.plan.hash, "optimizer": dict(job.config.optimizer), "dtype": job.config.train.dtype,
-             "batch_size": job.config.train.batch_size, "seed": job.config.train.seed, "model": dict(job.config.model),
-             "data": dict(job.config.data)}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.job_name = hashlib.sha256(
+            json.dumps(
+                {
+                    "plan": job.plan.hash,
+                    "optimizer": dict(job.config.optimizer),
+                    "dtype": job.config.train.dtype,
+                    "batch_size": job.config.train.batch_size,
+                    "seed": job.config.train.seed,
+                    "model": dict(job.config.model),
+                    "data": dict(job.config.data),
+                },
+                sort_keys=True,
+                default=str,
+            ).encode()
+        ).hexdigest()[:16]
 
     def begin(self) -> int:
         self.step = self._restore(self.resume) if self.resume else 0  # (each run of the loop starts afresh)
@@ -72,14 +86,19 @@ class LocalExchange(Exchange):
             raise ConfigError(f"--resume {path}: cannot be read as psgd train's checkpoint ({exc})") from None
         made_by = str(arrays.get("job", ""))
         if made_by != self.job_name:
-            raise ConfigError(f"--resume {path}: it is the state of another job (made by {made_by or 'no job'}, "
-                              f"this job is {self.job_name}): the model, data, optimizer, dtype, batch size and "
-                              "seed must be the ones it was made with")
+            raise ConfigError(
+                f"--resume {path}: it is the state of another job (made by {made_by or 'no job'}, "
+                f"this job is {self.job_name}): the model, data, optimizer, dtype, batch size and "
+                "seed must be the ones it was made with"
+            )
         weights = {k[2:]: v for k, v in arrays.items() if k.startswith("w:")}
         state = {k[2:]: v for k, v in arrays.items() if k.startswith("o:")}
         problems = weight_differences(weights, self.specs)
-        problems += [f"{name} holds NaN or infinite values" for name, v in {**weights, **state}.items()
-                     if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        problems += [
+            f"{name} holds NaN or infinite values"
+            for name, v in {**weights, **state}.items()
+            if v.dtype.kind == "f" and not np.isfinite(v).all()
+        ]
         for key, value in state.items():  # a buffer the shape of its variable (the optimizer checks the rest)
             name, _, field = key.rpartition(SEP)
             if field != "t" and getattr(self.params.get(name), "shape", None) != value.shape:
@@ -96,8 +115,9 @@ class LocalExchange(Exchange):
         try:  # the optimizer checks its own state whole before it takes any of it
             self.optimizer.load_state_dict(state, self.device)
         except InputError as exc:
-            raise ConfigError(f"--resume {path}: not a state this job can go on from: the optimizer's state ({exc})"
-                              ) from None
+            raise ConfigError(
+                f"--resume {path}: not a state this job can go on from: the optimizer's state ({exc})"
+            ) from None
         for name, value in weights.items():
             self.params[name][...] = self.device.asarray(value)
         return int(step)
@@ -138,8 +158,12 @@ class LocalExchange(Exchange):
     def end(self, interrupted: bool) -> dict[str, Any]:
         if interrupted and self.keep:
             self._save(self.keep)
-            log.info("stopped at step %d; its state is in %s (psgd train --resume %s goes on from there)",
-                     self.step, self.keep, self.keep)
+            log.info(
+                "stopped at step %d; its state is in %s (psgd train --resume %s goes on from there)",
+                self.step,
+                self.keep,
+                self.keep,
+            )
             return {"kept": self.keep}
         return {"tables": {name: table.status() for name, table in self.tables.items()}} if self.tables else {}
 
@@ -174,8 +198,15 @@ def train_local(
     threads.apply(per_process)
     t = config.train
     spe = datasets.steps_per_epoch(job.dataset.n_train, 1, t.batch_size)
-    log.info("training %s on %s, %d steps of batch %d on %s", config.model["name"], job.dataset.describe(),
-             spe * t.epochs, t.batch_size, job.device)
+    log.info(
+        "training %s on %s, %d steps of batch %d on %s",
+        config.model["name"],
+        job.dataset.describe(),
+        spe * t.epochs,
+        t.batch_size,
+        job.device,
+    )
     exchange = LocalExchange(job, keep=keep or resume, resume=resume)
-    return run_loop(job, exchange, progress=progress, metrics_path=metrics_path, run_dir=run_dir, on_step=on_step,
-                    stop=stop)
+    return run_loop(
+        job, exchange, progress=progress, metrics_path=metrics_path, run_dir=run_dir, on_step=on_step, stop=stop
+    )

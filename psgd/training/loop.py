@@ -34,25 +34,25 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from psgd import data as datasets
+from psgd import model as models
+from psgd.compute import backend, graphs
+from psgd.config import ConfigError
 from psgd.data.ahead import Ahead
 from psgd.data.base import scores_of
-from psgd.compute import graphs
-from psgd import model as models
-from psgd.compute import backend
-from psgd.config import ConfigError
-from psgd.training.delay import NO_DELAY, Delay
-from psgd.training.divergence import DivergenceGuard
-from psgd.training.evaluation import BackgroundEvaluator, Evaluations, judged, resumed
 from psgd.errors import PsgdError
 from psgd.job import Job
 from psgd.model.module import step_seed
 from psgd.model.table import Rows
 from psgd.observe.progress import MetricsLog, progress_bar
+from psgd.training.delay import NO_DELAY, Delay
+from psgd.training.divergence import DivergenceGuard
+from psgd.training.evaluation import BackgroundEvaluator, Evaluations, judged, resumed
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ class ResumeFromStep(PsgdError):
         self.clock = clock
 
 
-
-def gradient_seconds(model: models.Model, params: Mapping[str, Any], x: Any, y: Any, repeats: int,
-                     device: backend.Device = backend.CPU) -> float:
+def gradient_seconds(
+    model: models.Model, params: Mapping[str, Any], x: Any, y: Any, repeats: int, device: backend.Device = backend.CPU
+) -> float:
     """Median seconds of one gradient of (x, y) over ``repeats`` tries after a warm-up: what a step's
     compute costs before any exchange (the convergence lab's estimate); on a GPU until its kernels are done."""
     times = []
@@ -82,6 +82,7 @@ def gradient_seconds(model: models.Model, params: Mapping[str, Any], x: Any, y: 
         backend.synchronize(device)
         times.append(time.perf_counter() - began)
     return float(np.median(times[1:]))
+
 
 @dataclasses.dataclass
 class Exchanged:
@@ -155,21 +156,20 @@ class Exchange(abc.ABC):
         return None
 
 
-
 @dataclasses.dataclass
 class LoopResult:
     rank: int
-    steps: int                  # steps this process computed
-    final_clock: int            # the step it would compute next
+    steps: int  # steps this process computed
+    final_clock: int  # the step it would compute next
     seconds: float
     last_loss: float
-    test_loss: float            # of the final weights, where evaluated; NaN otherwise
+    test_loss: float  # of the final weights, where evaluated; NaN otherwise
     test_accuracy: float | None  # of the final weights, for classes and labels (None for values)
-    history: list[dict[str, Any]]          # the evaluation records
-    params: dict[str, np.ndarray] | None   # host copies of the final weights, where this process holds them
-    summary: dict[str, Any]                # the exchange's: push outcomes, seconds in the collective, ...
+    history: list[dict[str, Any]]  # the evaluation records
+    params: dict[str, np.ndarray] | None  # host copies of the final weights, where this process holds them
+    summary: dict[str, Any]  # the exchange's: push outcomes, seconds in the collective, ...
     divergence: dict[str, Any] | None = None  # what the divergence guard saw first (psgd.training.divergence)
-    test_r2: float | None = None           # of the final weights, for values (regression) targets
+    test_r2: float | None = None  # of the final weights, for values (regression) targets
 
 
 def run_loop(
@@ -199,19 +199,31 @@ def run_loop(
     """
     ds, model, device, t = job.dataset, job.model, job.device, job.config.train
     if job.plan.tables and not exchange.trains_tables:
-        raise ConfigError(f"model {job.config.model['name']!r} has embedding tables, which the {exchange.mode} mode "
-                          "does not train yet; psgd train and the parameter servers do")
+        raise ConfigError(
+            f"model {job.config.model['name']!r} has embedding tables, which the {exchange.mode} mode "
+            "does not train yet; psgd train and the parameter servers do"
+        )
     if job.plan.tables and ds.ids_train is None:
-        raise ConfigError(f"model {job.config.model['name']!r} looks ids up in embedding tables, but dataset "
-                          f"{ds.name!r} has none (clicks has)")
+        raise ConfigError(
+            f"model {job.config.model['name']!r} looks ids up in embedding tables, but dataset "
+            f"{ds.name!r} has none (clicks has)"
+        )
     looks_up = exchange.rows if job.plan.tables else None
-    batches = datasets.ShardedBatches(ds.x_train, ds.y_train, rank=rank, world=world,
-                                      batch_size=t.batch_size, seed=t.seed)
+    batches = datasets.ShardedBatches(
+        ds.x_train, ds.y_train, rank=rank, world=world, batch_size=t.batch_size, seed=t.seed
+    )
     spe = batches.steps_per_epoch
     total = spe * t.epochs
     # rows read from disk (npy:DIR): the next batch's gathered on a thread while a step computes
-    rows = Ahead(ds.x_train, ds.y_train, on=t.prefetch and type(ds.x_train) is not np.ndarray, augment=job.augment,
-                 seed=(t.seed, rank), target=ds.target, classes=ds.num_classes)
+    rows = Ahead(
+        ds.x_train,
+        ds.y_train,
+        on=t.prefetch and type(ds.x_train) is not np.ndarray,
+        augment=job.augment,
+        seed=(t.seed, rank),
+        target=ds.target,
+        classes=ds.num_classes,
+    )
     if evaluate_every is None:
         evaluate_every = t.eval_every or spe
     metrics = MetricsLog(metrics_path, role=exchange.role, folder=run_dir)
@@ -229,13 +241,19 @@ def run_loop(
         if models.hands_over_gradients(model):
             handing = {"on_grad": exchange.gradient_ready}
         else:
-            log.info("%s: the model's loss_and_grads takes no on_grad, so its gradients move once backward is "
-                     "done (no overlap)", exchange.name)
+            log.info(
+                "%s: the model's loss_and_grads takes no on_grad, so its gradients move once backward is "
+                "done (no overlap)",
+                exchange.name,
+            )
     gradient = model.loss_and_grads
     # a model whose steps draw random masks is given a seed a step, from the job's seed, this rank and the step
     draws = getattr(model, "random_step", False)
-    if not handing and not job.plan.tables and graphs.can_graph(
-            model, device, t.graphs, lambda why: log.info("%s: %s", exchange.name, why)):
+    if (
+        not handing
+        and not job.plan.tables
+        and graphs.can_graph(model, device, t.graphs, lambda why: log.info("%s: %s", exchange.name, why))
+    ):
         # the step's kernels as one launch, the optimizer's among them where the exchange updates in place
         gradient = graphs.GraphedStep(model, device, exchange.name, exchange.updates_in_graph())
     start = time.perf_counter()  # again once joined: wall times count from the first step
@@ -270,8 +288,9 @@ def run_loop(
                         step = _went_back(back, step)
                         continue
                 if stop is not None and stop.is_set():
-                    log.info("%s: stopping at step %d as asked; the next start continues from here",
-                             exchange.name, step)
+                    log.info(
+                        "%s: stopping at step %d as asked; the next start continues from here", exchange.name, step
+                    )
                     interrupted = True
                     break
                 try:
@@ -305,28 +324,47 @@ def run_loop(
                     if pause:
                         time.sleep(pause)  # an injected slowdown (a straggler), part of the run's configuration
                     steps += 1
-                    point = {"clock": step, "epoch": epoch, "loss": loss, **out.fields,
-                             "wall": time.perf_counter() - start, "delay": pause,
-                             "seconds": {"weights": round(fetched - began, 6), "compute": round(synced - fetched, 6),
-                                         "exchange": round(exchanged - synced, 6)}}
+                    point = {
+                        "clock": step,
+                        "epoch": epoch,
+                        "loss": loss,
+                        **out.fields,
+                        "wall": time.perf_counter() - start,
+                        "delay": pause,
+                        "seconds": {
+                            "weights": round(fetched - began, 6),
+                            "compute": round(synced - fetched, 6),
+                            "exchange": round(exchanged - synced, 6),
+                        },
+                    }
                     if exchange.overlaps:  # what ran when, on the clock of "wall": psgd bench overlap draws it
-                        point["spans"] = {name: [round(a - start, 5), round(b - start, 5)] for name, (a, b) in
-                                          {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()}
+                        point["spans"] = {
+                            name: [round(a - start, 5), round(b - start, 5)]
+                            for name, (a, b) in {"compute": (fetched, computed), **out.timings.get("spans", {})}.items()
+                        }
                     metrics.write("step", **point)
                     if on_step:
-                        on_step({**point, **({score_key: evaluations.score} if evaluated else {}),
-                                 "weights_seconds": fetched - began, "compute_seconds": computed - fetched,
-                                 **out.timings})
+                        on_step(
+                            {
+                                **point,
+                                **({score_key: evaluations.score} if evaluated else {}),
+                                "weights_seconds": fetched - began,
+                                "compute_seconds": computed - fetched,
+                                **out.timings,
+                            }
+                        )
                     bar.update(out.next_step - step)
-                    bar.set_postfix(loss=f"{loss:.4f}", **({short: f"{evaluations.score:.3f}"} if history else {}),
-                                   refresh=False)
+                    bar.set_postfix(
+                        loss=f"{loss:.4f}", **({short: f"{evaluations.score:.3f}"} if history else {}), refresh=False
+                    )
                     step = out.next_step
                 except ResumeFromStep as back:  # a shard restarted from a cut: the steps since are taken again
                     step = _went_back(back, step)
         except Interrupted as exc:
             interrupted = True
-            log.info("%s: stopping at step %d as asked (%s); the next start continues from here",
-                     exchange.name, step, exc)
+            log.info(
+                "%s: stopping at step %d as asked (%s); the next start continues from here", exchange.name, step, exc
+            )
         finally:
             rows.close()
             if beside is not None:
@@ -340,10 +378,23 @@ def run_loop(
     if final is not None and final_evaluation and not interrupted:
         evaluations(final, step, loss if steps else None, time.perf_counter() - start)
     diverged = guard.verdict.record() if guard.verdict else None
-    metrics.write("done", steps=steps, clock=step, seconds=seconds, **summary, **evaluations.scores(),
-                  diverged=diverged)
+    metrics.write(
+        "done", steps=steps, clock=step, seconds=seconds, **summary, **evaluations.scores(), diverged=diverged
+    )
     metrics.close()
     host = {name: backend.to_host(v) for name, v in final.items()} if final is not None else None
     scores = scores_of(ds.metric, evaluations.score)
-    return LoopResult(rank, steps, step, seconds, float(loss), evaluations.test_loss, scores["test_accuracy"],
-                      history, host, summary, diverged, scores["test_r2"])
+    return LoopResult(
+        rank,
+        steps,
+        step,
+        seconds,
+        float(loss),
+        evaluations.test_loss,
+        scores["test_accuracy"],
+        history,
+        host,
+        summary,
+        diverged,
+        scores["test_r2"],
+    )

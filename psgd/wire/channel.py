@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import grpc
 
@@ -48,8 +48,9 @@ def open_channel(address: str, tls: TLSFiles = NO_TLS, token: str = "") -> grpc.
     with a client certificate), plaintext otherwise; each call on it proves ``token`` (never sends it)."""
     if tls.enabled:
         tls.check_client()
-        credentials = grpc.ssl_channel_credentials(root_certificates=tls.pem("ca"), private_key=tls.pem("key"),
-                                                   certificate_chain=tls.pem("cert"))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.pem("ca"), private_key=tls.pem("key"), certificate_chain=tls.pem("cert")
+        )
         return _proving(grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS), token, address)
     return _proving(grpc.insecure_channel(address, options=CHANNEL_OPTIONS), token, address)
 
@@ -70,8 +71,9 @@ def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
     """A shard's gRPC port's TLS (mutual where ``tls`` names a CA: clients must show a certificate it signed)."""
     tls.check_server()
     ca = tls.pem("ca")
-    return grpc.ssl_server_credentials([(tls.pem("key"), tls.pem("cert"))], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(tls.pem("key"), tls.pem("cert"))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def read_token(given: str | None = None, environ: Mapping[str, str] = os.environ, source: str = "") -> str:
@@ -83,8 +85,9 @@ def read_token(given: str | None = None, environ: Mapping[str, str] = os.environ
     if token == EXAMPLE_TOKEN:
         raise ConfigError(f"the token in {source} is the example the docs show: {_MAKE_ONE}")
     if 0 < len(token) < SHORTEST_TOKEN:
-        raise ConfigError(f"the token in {source} has {len(token)} character(s), fewer than {SHORTEST_TOKEN}: "
-                          f"{_MAKE_ONE}")
+        raise ConfigError(
+            f"the token in {source} has {len(token)} character(s), fewer than {SHORTEST_TOKEN}: {_MAKE_ONE}"
+        )
     return token
 
 
@@ -98,11 +101,15 @@ def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[tuple[
         yield 0, view
         return
     for offset in range(0, len(view), size):
-        yield offset, view[offset:offset + size]
+        yield offset, view[offset : offset + size]
 
 
-class _Proving(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-               grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _Proving(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Puts a fresh proof for its method into every call's metadata."""
 
     def __init__(self, prover: Prover):

@@ -26,8 +26,8 @@ class CodecError(InputError):
 class Codec:
     """One way to write float gradients on the wire."""
 
-    name: str = ""     #: the name in job files and gRPC push headers
-    code: int = 0      #: the number in a data-path push header
+    name: str = ""  #: the name in job files and gRPC push headers
+    code: int = 0  #: the number in a data-path push header
     itemsize: int = 0  #: bytes per value on the wire (0: the variables' own)
 
     def check(self, dtype: str) -> None:
@@ -60,8 +60,9 @@ class _Half(Codec):
 
     def check(self, dtype: str) -> None:
         if dtype != "float32":
-            raise CodecError(f"gradient compression ({self.name} on the wire) needs float32 variables, "
-                             f"the model's are {dtype}")
+            raise CodecError(
+                f"gradient compression ({self.name} on the wire) needs float32 variables, the model's are {dtype}"
+            )
 
 
 class Float16(_Half):
@@ -119,8 +120,10 @@ def by_name(name: str, dtype: str) -> Codec:
         return IDENTITY
     codec = CODECS.get(name)
     if codec is None or not codec.compresses:
-        raise CodecError(f"gradient dtype {name or '(none)'!r} does not match the model's {dtype!r}: worker "
-                         "and server must use the same dtype")
+        raise CodecError(
+            f"gradient dtype {name or '(none)'!r} does not match the model's {dtype!r}: worker "
+            "and server must use the same dtype"
+        )
     codec.check(dtype)
     return codec
 

@@ -73,8 +73,7 @@ def answer(token: str, challenge: str, *said: object) -> str:
 
 def answered(token: str, challenge: str, proof: str, *said: object) -> bool:
     """Whether ``proof`` is :func:`answer`'s for ``challenge`` and ``said`` (always, without a token)."""
-    return not token or hmac.compare_digest(proof.encode("ascii", "replace"),
-                                            answer(token, challenge, *said).encode())
+    return not token or hmac.compare_digest(proof.encode("ascii", "replace"), answer(token, challenge, *said).encode())
 
 
 def status_said(reply) -> tuple:

@@ -54,8 +54,15 @@ from psgd.errors import Code, TransportError
 
 DATA_MAGIC = b"PSG1"
 OP_HELLO, OP_PULL, OP_PUSH, OP_RELEASE, OP_PULL_ROWS, OP_PUSH_ROWS, OP_PUSH_PULL = 1, 2, 3, 4, 5, 6, 7
-OPS = {OP_HELLO: "hello", OP_PULL: "pull", OP_PUSH: "push", OP_RELEASE: "release", OP_PULL_ROWS: "pull",
-       OP_PUSH_ROWS: "push", OP_PUSH_PULL: "push and pull"}
+OPS = {
+    OP_HELLO: "hello",
+    OP_PULL: "pull",
+    OP_PUSH: "push",
+    OP_RELEASE: "release",
+    OP_PULL_ROWS: "pull",
+    OP_PUSH_ROWS: "push",
+    OP_PUSH_PULL: "push and pull",
+}
 PULLS, PUSHES = (OP_PULL, OP_PULL_ROWS), (OP_PUSH, OP_PUSH_ROWS, OP_PUSH_PULL)
 #: magic, op, wire dtype code, worker id, clock, base version, payload bytes
 REQUEST = struct.Struct("<4sBBxxiqqQ")
@@ -72,8 +79,6 @@ OBSERVER = -1
 #: the outcome code of a push's go-ahead (status 0, no payload)
 READY = 255
 GO_AHEAD_BYTES = 4 << 20
-
-
 
 
 def as_worker(worker_id: int) -> int | None:
@@ -168,7 +173,7 @@ def recv_exact(sock: socket.socket, into: memoryview, deadline: float | None = N
                 sock.settimeout(left)
             try:
                 k = sock.recv_into(view[got:], min(n - got, 8 << 20))
-            except socket.timeout:
+            except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TooSlow(f"{got} of {n} bytes by the deadline") from None
                 raise WireError(f"timed out after {got} of {n} bytes") from None
@@ -208,7 +213,7 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
                 views.pop(0)
             if sent:
                 views[0] = views[0][sent:]
-    except socket.timeout:
+    except TimeoutError:
         raise WireError("timed out while sending") from None
     except OSError as exc:
         raise WireError(f"connection failed: {exc}") from None

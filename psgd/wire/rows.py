@@ -16,13 +16,13 @@ with what a header declares.
 from __future__ import annotations
 
 import struct
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from psgd.errors import InputError
 from psgd.wire.channel import CHUNK_BYTES
 from psgd.wire.codec import Codec
-from psgd.errors import InputError
 
 BLOCK_BYTES = 1 << 20
 #: Rows one message may carry in all, per table: far past a batch's (a batch of 65,536 with 64 ids each).
@@ -47,8 +47,8 @@ def blocks(ids: np.ndarray, values: np.ndarray | None = None) -> Iterator[tuple[
     ids = np.ascontiguousarray(ids, dtype=IDS)
     per = max(1, BLOCK_BYTES // (values[0].nbytes if values is not None and len(values) else 8))
     for start in range(0, len(ids), per):
-        part = ids[start:start + per].tobytes()
-        yield part, (np.ascontiguousarray(values[start:start + per]).tobytes() if values is not None else b"")
+        part = ids[start : start + per].tobytes()
+        yield part, (np.ascontiguousarray(values[start : start + per]).tobytes() if values is not None else b"")
 
 
 def read_ids(data: bytes, what: str) -> np.ndarray:
@@ -62,8 +62,7 @@ class RowCollector:
     ``with_values`` says whether blocks carry values (a push) or ids only (a pull's request); a push's values are
     written by ``codec`` (float16 or bfloat16 gradients are widened back to the table's float32 here)."""
 
-    def __init__(self, tables: Mapping[str, tuple[int, str]], with_values: bool, what: str,
-                 codec: Codec | None = None):
+    def __init__(self, tables: Mapping[str, tuple[int, str]], with_values: bool, what: str, codec: Codec | None = None):
         self.tables, self.with_values, self.what = tables, with_values, what
         self.codec = codec if codec is not None and codec.compresses else None
         self._ids: dict[str, list[np.ndarray]] = {}
@@ -95,8 +94,10 @@ class RowCollector:
             want = got.size * self.row_bytes(table)
             if len(values) != want:
                 wire = f"{self.codec.name} " if self.codec else ""
-                raise RowsError(f"{self.what}: table {table!r}: {got.size} rows of {dim} {wire or dtype + ' '}values "
-                                f"take {want} bytes, the block has {len(values)}")
+                raise RowsError(
+                    f"{self.what}: table {table!r}: {got.size} rows of {dim} {wire or dtype + ' '}values "
+                    f"take {want} bytes, the block has {len(values)}"
+                )
             if self.codec:
                 wide = np.empty((got.size, dim), dtype=dtype)
                 self.codec.decode(np.frombuffer(values, dtype=np.uint16), wide.reshape(-1))
@@ -130,9 +131,12 @@ def sections(rows: Mapping[str, tuple[np.ndarray, np.ndarray | None]]) -> tuple[
 
 def sections_bytes(tables: Mapping[str, tuple[int, str]], with_values: bool) -> int:
     """The most bytes sections for ``tables`` may take: MAX_ROWS rows of each."""
-    return sum(SECTION.size + MAX_NAME_BYTES + MAX_ROWS * (IDS.itemsize + (dim * np.dtype(dtype).itemsize
-                                                                           if with_values else 0))
-               for dim, dtype in tables.values())
+    return sum(
+        SECTION.size
+        + MAX_NAME_BYTES
+        + MAX_ROWS * (IDS.itemsize + (dim * np.dtype(dtype).itemsize if with_values else 0))
+        for dim, dtype in tables.values()
+    )
 
 
 def read_sections(recv: Callable[[int], bytes], size: int, into: RowCollector) -> None:
@@ -151,8 +155,10 @@ def read_sections(recv: Callable[[int], bytes], size: int, into: RowCollector) -
         left -= length
         row = into.row_bytes(table)
         if count > MAX_ROWS or count * (IDS.itemsize + row) > left:
-            raise RowsError(f"{into.what}: table {table!r}: {count:,} rows do not fit the {left:,} bytes left "
-                            f"(at most {MAX_ROWS:,} rows a message)")
+            raise RowsError(
+                f"{into.what}: table {table!r}: {count:,} rows do not fit the {left:,} bytes left "
+                f"(at most {MAX_ROWS:,} rows a message)"
+            )
         per = max(1, BLOCK_BYTES // max(row, IDS.itemsize))
         for start in range(0, count, per):
             n = min(per, count - start)

@@ -51,11 +51,14 @@ SEQ_AT = 32  # where the slots' sequence numbers (uint64, little-endian) start i
 MAX_SLOTS = 4
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 #: the seals of each kind of segment
-SEALS = {"weights": fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL,
-         "push": fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL}
+SEALS = {
+    "weights": fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL,
+    "push": fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
+}
 HANDOUT_SECONDS = 5.0  # how long a worker waits for the shard to hand a segment over
 PURPOSES = ("weights", "push")
 NAME = re.compile(r"^psgd-(?P<job>[0-9a-zA-Z]+)-s(?P<shard>\d+)-(?P<pid>\d+)-(?P<purpose>weights|push)$")
+
 
 class SegmentError(TransportError):
     """A segment could not be made or mapped here (no memory for it, another pid namespace, another user)."""
@@ -64,7 +67,8 @@ class SegmentError(TransportError):
 def host_id() -> str:
     """Who may share memory with whom: the kernel's boot id and the pid and network namespaces.  Processes
     with the same one run on one kernel, can hand each other descriptors over a Unix-domain socket with an
-    abstract name (one network namespace) and are one host on the network; processes in different network namespaces count as
+    abstract name (one network namespace) and are one host on the network; processes in different network namespaces
+    count as
     different hosts, as the emulated hosts of ``psgd launch --emulated-hosts`` are.  "" where ``/proc``
     does not say."""
     try:
@@ -80,12 +84,12 @@ class Segment:
     """A mapped segment: ``data`` is a bytes view of its tensor area; ``close`` unmaps it (and, in the shard,
     closes its descriptor).  ``offer`` is what a worker needs to map a segment the shard made."""
 
-    def __init__(self, name: str, size: int, fd: int, nonce: bytes, writable: bool = True, keep_fd: bool = False,
-                 slots: int = 1):
+    def __init__(
+        self, name: str, size: int, fd: int, nonce: bytes, writable: bool = True, keep_fd: bool = False, slots: int = 1
+    ):
         self.name, self.size, self.nonce, self.slots = name, size, nonce, slots
         try:
-            self._map = mmap.mmap(fd, HEADER + slots * size,
-                                  prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+            self._map = mmap.mmap(fd, HEADER + slots * size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         except BaseException:
             os.close(fd)
             raise
@@ -93,13 +97,13 @@ class Segment:
             os.close(fd)
             fd = -1
         self.fd = fd
-        self.data = memoryview(self._map)[HEADER:HEADER + size]  # slot 0
+        self.data = memoryview(self._map)[HEADER : HEADER + size]  # slot 0
 
     def slot(self, index: int) -> memoryview:
         """The tensor bytes of slot ``index``."""
         if not 0 <= index < self.slots:
             raise IndexError(f"{self.name} has {self.slots} slot(s), not slot {index}")
-        return memoryview(self._map)[HEADER + index * self.size:HEADER + (index + 1) * self.size]
+        return memoryview(self._map)[HEADER + index * self.size : HEADER + (index + 1) * self.size]
 
     def arrays(self, dtype, count: int) -> list[np.ndarray]:
         """Each slot's tensor bytes as ``count`` values of ``dtype``."""
@@ -118,7 +122,7 @@ class Segment:
     def seq(self, index: int) -> int:
         """Slot ``index``'s sequence number now (one aligned 8-byte read)."""
         at = SEQ_AT + 8 * index
-        return int.from_bytes(self._map[at:at + 8], "little")
+        return int.from_bytes(self._map[at : at + 8], "little")
 
     def offer(self) -> dict:
         """What a worker needs to check this segment once it has its descriptor (the handout adds how to
@@ -158,13 +162,14 @@ def create(job: str, shard: int, purpose: str, size: int, slots: int = 1) -> Seg
         seg = Segment(name, size, fd, nonce, keep_fd=True, slots=slots)
     except (OSError, ValueError) as exc:
         raise SegmentError(f"cannot map {name}: {exc}") from None
-    seg._map[:len(MAGIC) + 16] = MAGIC + nonce
+    seg._map[: len(MAGIC) + 16] = MAGIC + nonce
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS[purpose])
     except OSError as exc:
         seg.close()
-        raise SegmentError(f"cannot seal {name} ({exc}; Linux 5.1 or later seals a memory file against writing)") \
-            from None
+        raise SegmentError(
+            f"cannot seal {name} ({exc}; Linux 5.1 or later seals a memory file against writing)"
+        ) from None
     return seg
 
 
@@ -203,7 +208,7 @@ def attach(offer: dict, size: int, writable: bool = True) -> Segment:
         seg = Segment(name, size, handle, nonce, writable, slots=slots)  # closes the descriptor, mapped or not
     except (OSError, ValueError) as exc:
         raise SegmentError(f"cannot map {name}: {exc}") from None
-    if bytes(seg._map[:len(MAGIC) + 16]) != MAGIC + nonce:
+    if bytes(seg._map[: len(MAGIC) + 16]) != MAGIC + nonce:
         seg.close()
         raise SegmentError(f"{name} does not carry the nonce the shard sent: not the segment meant")
     return seg
@@ -218,8 +223,9 @@ def _handed(where: str, ticket: bytes) -> int:
             sock.sendall(ticket)
             answer, fds, _, _ = socket.recv_fds(sock, 1, 4)
     except OSError as exc:
-        raise SegmentError(f"cannot reach the shard's socket {where} ({exc}): another network namespace, or the "
-                           "shard has gone") from None
+        raise SegmentError(
+            f"cannot reach the shard's socket {where} ({exc}): another network namespace, or the shard has gone"
+        ) from None
     for extra in fds[1:]:
         os.close(extra)
     if answer != b"\x01" or not fds:

@@ -12,7 +12,7 @@ what a client accepts (:func:`fit`).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 from google.protobuf import any_pb2
@@ -38,18 +38,33 @@ def reason_name(number: int) -> str:
     return name if name in REASONS else ""
 
 
-def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, reason: str = "",
-          differences: Iterable[str] = (), rewind_to: int = 0, holder: tuple[str, int] | None = None) -> None:
+def abort(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    reason: str = "",
+    differences: Iterable[str] = (),
+    rewind_to: int = 0,
+    holder: tuple[str, int] | None = None,
+) -> None:
     """End the call with ``code`` and ``message``, and ``reason`` as a detail when there is one (with the clock
     to continue from, for ROLLED_BACK; with the holder's host and pid, for RANK_HELD)."""
     if not reason:
         context.abort(code, message)
     detail = any_pb2.Any()
     host, pid = holder or ("", 0)
-    detail.Pack(ps_pb2.ErrorInfo(reason=reason_number(reason), differences=list(differences), rewind_to=rewind_to,
-                                 holder_host=host, holder_pid=pid))
-    context.abort_with_status(rpc_status.to_status(
-        status_pb2.Status(code=code.value[0], message=message, details=[detail])))
+    detail.Pack(
+        ps_pb2.ErrorInfo(
+            reason=reason_number(reason),
+            differences=list(differences),
+            rewind_to=rewind_to,
+            holder_host=host,
+            holder_pid=pid,
+        )
+    )
+    context.abort_with_status(
+        rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+    )
 
 
 def error_info(err: grpc.RpcError) -> tuple[str, int, tuple[str, int] | None]:
@@ -100,5 +115,6 @@ def refuse(context: grpc.ServicerContext, err) -> None:
     # A reason travels in a second trailer that repeats the message (base64, a third larger): both must fit
     # under the clients' 8 KiB together, so the message gets less than half and the differences a little.
     differences = [fit(d, 160) for d in err.differences[:12]]
-    abort(context, code, fit(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences, err.rewind_to,
-          err.holder)
+    abort(
+        context, code, fit(err.message, MAX_DETAILS_BYTES * 2 // 5), err.reason, differences, err.rewind_to, err.holder
+    )

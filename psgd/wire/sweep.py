@@ -18,8 +18,8 @@ bits in any piece order: the same operations on the same values.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class Sweep:
             while lo < d.size:
                 k = at // per
                 take = min(d.size - lo, (k + 1) * per - at)
-                runs[k].append((d[lo:lo + take], s[lo:lo + take]))
+                runs[k].append((d[lo : lo + take], s[lo : lo + take]))
                 lo, at = lo + take, at + take
         self._spread([lambda run=run: [np.copyto(d, s) for d, s in run] for run in runs if run])
 

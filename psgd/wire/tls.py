@@ -26,8 +26,8 @@ class TLSError(InputError):
 @dataclasses.dataclass(frozen=True)
 class TLSFiles:
     cert: str | None = None  # this side's certificate chain (PEM)
-    key: str | None = None   # its private key (PEM)
-    ca: str | None = None    # the CA that signs the other side (PEM)
+    key: str | None = None  # its private key (PEM)
+    ca: str | None = None  # the CA that signs the other side (PEM)
 
     @property
     def enabled(self) -> bool:
@@ -87,28 +87,45 @@ NO_TLS = TLSFiles()
 
 
 def add_tls_arguments(parser, server: bool = False, launch: bool = False) -> None:
-    group = parser.add_argument_group("TLS", "encryption and mutual authentication (certificates with openssl: "
-                                             "docs/howto/reliability-security.md)" if not launch else
-                                      "encryption and mutual authentication, on by default on one node with a CA "
-                                      "made for the job in RUN/tls/ (your own certificates, made with openssl: "
-                                      "docs/howto/reliability-security.md)")
+    group = parser.add_argument_group(
+        "TLS",
+        "encryption and mutual authentication (certificates with openssl: docs/howto/reliability-security.md)"
+        if not launch
+        else "encryption and mutual authentication, on by default on one node with a CA "
+        "made for the job in RUN/tls/ (your own certificates, made with openssl: "
+        "docs/howto/reliability-security.md)",
+    )
     if launch:
-        group.add_argument("--tls-cert", metavar="PEM", help="the certificate every shard serves with and every "
-                           "worker (and this launcher's own reads) shows; it must name 127.0.0.1, or each "
-                           "node's address with --hosts (all three flags together: mutual TLS)")
+        group.add_argument(
+            "--tls-cert",
+            metavar="PEM",
+            help="the certificate every shard serves with and every "
+            "worker (and this launcher's own reads) shows; it must name 127.0.0.1, or each "
+            "node's address with --hosts (all three flags together: mutual TLS)",
+        )
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-        group.add_argument("--tls-ca", metavar="PEM", help="the CA that signed --tls-cert: shards demand client "
-                           "certificates it signed, workers trust shards it signed. Without these three (here or in "
-                           "the job file's [tls]), one node makes a CA for the job and keeps it in RUN/tls/")
-        group.add_argument("--no-tls", action="store_true", help="plaintext: the token, registration keys, "
-                           "gradients and weights travel in the clear (the default with --nnodes > 1 and no "
-                           "certificates)")
+        group.add_argument(
+            "--tls-ca",
+            metavar="PEM",
+            help="the CA that signed --tls-cert: shards demand client "
+            "certificates it signed, workers trust shards it signed. Without these three (here or in "
+            "the job file's [tls]), one node makes a CA for the job and keeps it in RUN/tls/",
+        )
+        group.add_argument(
+            "--no-tls",
+            action="store_true",
+            help="plaintext: the token, registration keys, "
+            "gradients and weights travel in the clear (the default with --nnodes > 1 and no "
+            "certificates)",
+        )
     elif server:
         group.add_argument("--tls-cert", metavar="PEM", help="this shard's certificate; with --tls-key: TLS only")
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
         group.add_argument("--tls-ca", metavar="PEM", help="demand client certificates signed by this CA (mutual TLS)")
     else:
-        group.add_argument("--tls-ca", metavar="PEM", help="trust shards whose certificate this CA signed (enables TLS)")
+        group.add_argument(
+            "--tls-ca", metavar="PEM", help="trust shards whose certificate this CA signed (enables TLS)"
+        )
         group.add_argument("--tls-cert", metavar="PEM", help="this worker's certificate, for mutual TLS")
         group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
 
@@ -138,7 +155,15 @@ def child_flags(tls: TLSFiles) -> list[str]:
     if not tls.enabled:
         return []
     if not (tls.cert and tls.key and tls.ca):
-        raise TLSError("psgd launch with TLS needs --tls-cert, --tls-key and --tls-ca together: shards serve and "
-                       "workers show the certificate, and both trust the CA (mutual TLS)")
-    return ["--tls-cert", str(Path(tls.cert).resolve()), "--tls-key", str(Path(tls.key).resolve()),
-            "--tls-ca", str(Path(tls.ca).resolve())]
+        raise TLSError(
+            "psgd launch with TLS needs --tls-cert, --tls-key and --tls-ca together: shards serve and "
+            "workers show the certificate, and both trust the CA (mutual TLS)"
+        )
+    return [
+        "--tls-cert",
+        str(Path(tls.cert).resolve()),
+        "--tls-key",
+        str(Path(tls.key).resolve()),
+        "--tls-ca",
+        str(Path(tls.ca).resolve()),
+    ]

@@ -18,21 +18,23 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from psgd.compute import backend
-from psgd.wire.codec import CodecError, codec_for
 from psgd.config import Deadlines, JobConfig, Links, Recovery
 from psgd.errors import Code
-from psgd.job import alive_here, identity as job_identity, process_incarnation
+from psgd.job import alive_here, process_incarnation
+from psgd.job import identity as job_identity
 from psgd.link import Endpoint, LinkError, ProtocolError, PushReply, accepts_connections, link_kind, open_link
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2
-from psgd.wire.tls import NO_TLS, TLSFiles
+from psgd.wire.codec import CodecError, codec_for
 from psgd.wire.protocol import OBSERVER
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.worker.errors import PSError, ShardWentBack, Stopped
 from psgd.worker.failover import Failover
 from psgd.worker.outgoing import Outgoing
@@ -48,14 +50,26 @@ PROBE_SECONDS = 0.5
 #: seconds past one lease that a registration refused for a live holder of the rank is retried (a late heartbeat)
 HOLDER_MARGIN = 2.0
 
+
 class PSClient:
     """Talks to all shards of one job on behalf of worker ``worker_id`` (``protocol.OBSERVER``: a reader)."""
 
-    def __init__(self, addresses: Sequence[str], plan: PartitionPlan, worker_id: int = OBSERVER, *,
-                 links: Links = Links(), deadlines: Deadlines = Deadlines(), retry_deadline: float | None = None,
-                 token: str = "", tls: TLSFiles = NO_TLS, stop: threading.Event | None = None,
-                 config: JobConfig | None = None, device: backend.Device = backend.CPU,
-                 recovery: Recovery = Recovery()):
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        plan: PartitionPlan,
+        worker_id: int = OBSERVER,
+        *,
+        links: Links = Links(),
+        deadlines: Deadlines = Deadlines(),
+        retry_deadline: float | None = None,
+        token: str = "",
+        tls: TLSFiles = NO_TLS,
+        stop: threading.Event | None = None,
+        config: JobConfig | None = None,
+        device: backend.Device = backend.CPU,
+        recovery: Recovery = Recovery(),
+    ):
         """``links`` and ``deadlines``: the job's (``[cluster]``), taken whole, and ``recovery`` (its
         ``replica_servers``: where each shard's other process is); an observer's are the defaults
         (gRPC whatever ``links`` says: it has no data port).  ``retry_deadline``: how long a call is retried, the
@@ -73,10 +87,25 @@ class PSClient:
         self.retry_deadline = deadlines.request_timeout if retry_deadline is None else retry_deadline
         self.shard_slices = [plan.slices_for_shard(k) for k in range(plan.num_shards)]
         kind = self.link_kind = link_kind(links.transport if worker_id != OBSERVER else "grpc")  # no data port
-        self.links = [open_link(kind, Endpoint(a, k, self.shard_slices[k], worker_id, plan.hash, token, tls,
-                                               deadlines.request_timeout, links.transport, links.busy_poll_seconds),
-                                device)  # a GPU worker's: it registers its segments, and may take device arrays
-                      for k, a in enumerate(self.addresses)]
+        self.links = [
+            open_link(
+                kind,
+                Endpoint(
+                    a,
+                    k,
+                    self.shard_slices[k],
+                    worker_id,
+                    plan.hash,
+                    token,
+                    tls,
+                    deadlines.request_timeout,
+                    links.transport,
+                    links.busy_poll_seconds,
+                ),
+                device,
+            )  # a GPU worker's: it registers its segments, and may take device arrays
+            for k, a in enumerate(self.addresses)
+        ]
         # each shard's pair of processes where the job keeps replicas (psgd.worker.failover)
         self.recovery = recovery
         self.failover = Failover(self, recovery.replica_servers)
@@ -98,12 +127,21 @@ class PSClient:
         if stop is not None:
             threading.Thread(target=self._watch_stop, name="ps-stop", daemon=True).start()
 
-    def observer(self) -> "PSClient":
+    def observer(self) -> PSClient:
         """A reader of the same shards, with this client's token and TLS (an evaluation's: it never waits)."""
         ep = self.links[0].endpoint
-        return PSClient(self.addresses, self.plan, OBSERVER, deadlines=self.deadlines, token=ep.token,
-                        tls=ep.tls, recovery=dataclasses.replace(self.recovery, replica_servers=[
-                            b if a == s else a for s, (a, b) in zip(self.addresses, self.failover.pairs)]))
+        return PSClient(
+            self.addresses,
+            self.plan,
+            OBSERVER,
+            deadlines=self.deadlines,
+            token=ep.token,
+            tls=ep.tls,
+            recovery=dataclasses.replace(
+                self.recovery,
+                replica_servers=[b if a == s else a for s, (a, b) in zip(self.addresses, self.failover.pairs)],
+            ),
+        )
 
     def _watch_stop(self) -> None:
         """Asked to stop, abandon a pull in progress: a sync pull may wait on a round that will not close now."""
@@ -116,12 +154,21 @@ class PSClient:
         return self.stop is not None and self.stop.is_set()
 
     # -- plumbing ------------------------------------------------------------
-    def retrying(self, shard: int, what: str, call: Callable[[], T], rejoin: bool = True,
-                  also: tuple[Code, ...] = (), also_for: float | None = None, within: float | None = None) -> T:
+    def retrying(
+        self,
+        shard: int,
+        what: str,
+        call: Callable[[], T],
+        rejoin: bool = True,
+        also: tuple[Code, ...] = (),
+        also_for: float | None = None,
+        within: float | None = None,
+    ) -> T:
         """``call()``, retried on transient errors (and the codes in ``also``, for at most ``also_for`` seconds
         from the first of them) for ``within`` seconds (the retry deadline unless given); a shard that has forgotten
         this worker (it restarted, or the lease ran out) is re-registered with first.  Once the worker is asked to
-        stop, no retry starts: a failed call ends there (the shards may be stopping too, a sync round will not close)."""
+        stop, no retry starts: a failed call ends there (the shards may be stopping too, a sync round will not
+        close)."""
         began = time.monotonic()
         deadline, report = began + (self.retry_deadline if within is None else within), began + WAIT_REPORT_SECONDS
         first_also: float | None = None  # when the first error of a code in ``also`` came
@@ -135,14 +182,19 @@ class PSClient:
             except LinkError as err:
                 code, details = err.code, err.details
                 if err.reason == "ROLLED_BACK":  # the job went back to a cut; this worker takes it back if it heard why
-                    raise (ShardWentBack(*self.pending_rollback) if self.pending_rollback else
-                           ShardWentBack(err.rewind_to)) from None
+                    raise (
+                        ShardWentBack(*self.pending_rollback) if self.pending_rollback else ShardWentBack(err.rewind_to)
+                    ) from None
                 self.failover.move(shard, used, err)  # the other process of the shard's pair, if it has one
                 stopping = self._stopping()
                 left = 0.0 if stopping else deadline - time.monotonic()
                 if rejoin and self.worker_id != OBSERVER and err.reason == "NOT_REGISTERED" and left > 0:
-                    log.warning("shard %d at %s no longer knows worker %d (restarted?): registering again",
-                                shard, self.addresses[shard], self.worker_id)
+                    log.warning(
+                        "shard %d at %s no longer knows worker %d (restarted?): registering again",
+                        shard,
+                        self.addresses[shard],
+                        self.worker_id,
+                    )
                     self._register_one(shard)
                     continue
                 # refused for the key of this process's earlier registration (a heartbeat registered again while
@@ -156,15 +208,24 @@ class PSClient:
                     tried = f" after {attempt} attempt(s) over {time.monotonic() - began:.0f}s" if retryable else ""
                     if retryable and stopping:
                         tried = f" after {attempt} attempt(s) (the worker is stopping, so it did not retry)"
-                    raise PSError(f"{what} on shard {shard} at {used.endpoint.address} failed{tried}: "
-                                  f"{code.name}: {details}", code) from None
+                    raise PSError(
+                        f"{what} on shard {shard} at {used.endpoint.address} failed{tried}: {code.name}: {details}",
+                        code,
+                    ) from None
                 pause = min(left, delay * (0.5 + random.random()))
                 log.debug("%s on shard %d: %s, retrying in %.2fs", what, shard, code.name, pause)
                 if time.monotonic() >= report:  # a long wait says what it waits for
                     report = time.monotonic() + WAIT_REPORT_SECONDS
-                    log.warning("%s on shard %d at %s: %s (%s); still retrying (%.0fs of %.0fs)", what, shard,
-                                used.endpoint.address, code.name, details.splitlines()[0] if details else "",
-                                time.monotonic() - began, deadline - began)
+                    log.warning(
+                        "%s on shard %d at %s: %s (%s); still retrying (%.0fs of %.0fs)",
+                        what,
+                        shard,
+                        used.endpoint.address,
+                        code.name,
+                        details.splitlines()[0] if details else "",
+                        time.monotonic() - began,
+                        deadline - began,
+                    )
                 if self.stop is not None:
                     self.stop.wait(pause)  # backoff between attempts, cut short by a stop
                 else:
@@ -191,8 +252,9 @@ class PSClient:
         the missing ones after ``timeout``, or raise :class:`Stopped` when asked to stop."""
         others = self.failover.others()
         up: list[str | None] = [None] * len(self.addresses)  # the process of each shard's pair that accepts
-        log.info("joining %d shard(s) at %s (waiting up to %.0fs)", len(self.addresses), ", ".join(self.addresses),
-                 timeout)
+        log.info(
+            "joining %d shard(s) at %s (waiting up to %.0fs)", len(self.addresses), ", ".join(self.addresses), timeout
+        )
         start = time.monotonic()
         deadline, report = start + timeout, start + WAIT_REPORT_SECONDS
         stop = self.stop if self.stop is not None else threading.Event()
@@ -204,13 +266,21 @@ class PSClient:
             if not missing:
                 for k, (a, there) in enumerate(zip(self.addresses, up)):
                     if there != a:
-                        log.info("shard %d: %s does not accept connections, the other process of its pair, %s, "
-                                 "does: joining there", k, a, there)
+                        log.info(
+                            "shard %d: %s does not accept connections, the other process of its pair, %s, "
+                            "does: joining there",
+                            k,
+                            a,
+                            there,
+                        )
                 return
             now = time.monotonic()
             if now >= deadline:
-                raise PSError(f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is "
-                              "psgd-server running there, and is the address and port right?", Code.UNAVAILABLE)
+                raise PSError(
+                    f"cannot reach shard(s) at {', '.join(missing)} within {timeout:.0f}s: is "
+                    "psgd-server running there, and is the address and port right?",
+                    Code.UNAVAILABLE,
+                )
             if now >= report:
                 log.warning("waiting for shard(s) at %s (%.0fs of %.0fs)", ", ".join(missing), now - start, timeout)
                 report = now + WAIT_REPORT_SECONDS
@@ -219,12 +289,19 @@ class PSClient:
 
     def _register_request(self) -> ps_pb2.RegisterRequest:
         if self.identity is None:
-            raise PSError("a worker registers with its job file (PSClient(..., config=...)); an observer cannot "
-                          "register")
-        return ps_pb2.RegisterRequest(worker_id=self.worker_id, plan_hash=self.plan.hash,
-                                      plan_json=json.dumps(self.plan.description()),
-                                      hostname=socket.gethostname(), pid=os.getpid(), clock=self.clock,
-                                      job_json=json.dumps(self.identity), incarnation=process_incarnation())
+            raise PSError(
+                "a worker registers with its job file (PSClient(..., config=...)); an observer cannot register"
+            )
+        return ps_pb2.RegisterRequest(
+            worker_id=self.worker_id,
+            plan_hash=self.plan.hash,
+            plan_json=json.dumps(self.plan.description()),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            clock=self.clock,
+            job_json=json.dumps(self.identity),
+            incarnation=process_incarnation(),
+        )
 
     def _register_one(self, k: int, within: float | None = None) -> ps_pb2.RegisterReply:
         request = self._register_request()
@@ -234,13 +311,28 @@ class PSClient:
                 return self.links[k].register(request)
             except LinkError as err:  # a holder alive on this host is a second process of the rank, not our past
                 held = err.reason == "RANK_HELD" and err.holder is not None and alive_here(*err.holder)
-                raise PSError(f"register on shard {k} at {self.addresses[k]} failed: {err.code.name}: {err.details} "
-                              f"It is: pid {err.holder[1]} runs on this host.", err.code) if held else err from None
+                raise (
+                    PSError(
+                        f"register on shard {k} at {self.addresses[k]} failed: {err.code.name}: {err.details} "
+                        f"It is: pid {err.holder[1]} runs on this host.",
+                        err.code,
+                    )
+                    if held
+                    else err
+                ) from None
+
         with self._joining:
             self._registering[k] += 1
         try:  # a rank held by another process frees itself within a lease (it crashed: this is its restart)
-            reply = self.retrying(k, "register", register, rejoin=False, also=(Code.ALREADY_EXISTS,),
-                                  also_for=self.holder_wait, within=within)
+            reply = self.retrying(
+                k,
+                "register",
+                register,
+                rejoin=False,
+                also=(Code.ALREADY_EXISTS,),
+                also_for=self.holder_wait,
+                within=within,
+            )
             with self._joining:
                 self._joins[k] += 1
         finally:
@@ -248,11 +340,13 @@ class PSClient:
                 self._registering[k] -= 1
         expected = (k, self.plan.num_shards, self.identity["workers"])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
-            raise PSError(f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
-                          f"answered as shard {reply.shard} of {reply.num_shards} (with {reply.num_workers} "
-                          f"worker(s), this worker expects {expected[2]}): each address must be that of its shard, "
-                          "in shard order; is a psgd-server started with the wrong --shard?",
-                          Code.FAILED_PRECONDITION)
+            raise PSError(
+                f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
+                f"answered as shard {reply.shard} of {reply.num_shards} (with {reply.num_workers} "
+                f"worker(s), this worker expects {expected[2]}): each address must be that of its shard, "
+                "in shard order; is a psgd-server started with the wrong --shard?",
+                Code.FAILED_PRECONDITION,
+            )
         self.versions[k] = reply.version
         if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
             self.pending_rollback = (reply.rollback_to, reply.incarnation)  # then ROLLED_BACK
@@ -270,7 +364,7 @@ class PSClient:
     def _into(self, out: Mapping[str, np.ndarray]) -> list[list[memoryview]]:
         """For each shard, byte views of its slices of ``out`` (an array per variable), in slice order."""
         flat = _flat(out)
-        return [[memoryview(flat[s.var][s.start:s.stop]).cast("B") for s in slices] for slices in self.shard_slices]
+        return [[memoryview(flat[s.var][s.start : s.stop]).cast("B") for s in slices] for slices in self.shard_slices]
 
     def _split_rows(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[dict[str, np.ndarray]]:
         """For each shard, the positions of the ids of ``rows`` (table -> (ids, ...)) whose rows it holds."""
@@ -281,8 +375,13 @@ class PSClient:
                 per_shard[k][table] = np.flatnonzero(owner == k)
         return per_shard
 
-    def pull(self, clock: int, out: Mapping[str, np.ndarray],
-             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, device: dict | None = None) -> list[int]:
+    def pull(
+        self,
+        clock: int,
+        out: Mapping[str, np.ndarray],
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+        device: dict | None = None,
+    ) -> list[int]:
         """Fill ``out`` (one host array per variable) with every shard's weights, and each ``rows`` entry (table ->
         (distinct ids, an array ``[len(ids), dim]``)) with those rows, from the shards that hold them; returns
         shard versions.  ``device`` (device arrays by variable; shm links only) takes the weights instead."""
@@ -291,8 +390,10 @@ class PSClient:
         kw = {} if device is None else {"device": _flat(device)}
 
         def one(k: int) -> int:
-            mine = {t: (rows[t][0][pos], np.empty((pos.size,) + rows[t][1].shape[1:], rows[t][1].dtype))
-                    for t, pos in where[k].items()}
+            mine = {
+                t: (rows[t][0][pos], np.empty((pos.size,) + rows[t][1].shape[1:], rows[t][1].dtype))
+                for t, pos in where[k].items()
+            }
             version = self.retrying(k, f"pull (clock {clock})", lambda: self.links[k].pull(clock, into[k], mine, **kw))
             for t, pos in where[k].items():
                 rows[t][1][pos] = mine[t][1]
@@ -307,17 +408,22 @@ class PSClient:
             self._pulling = False
         return self.versions
 
-    def push(self, clock: int, grads: Mapping[str, np.ndarray],
-             base_versions: Sequence[int] | None = None,
-             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[PushReply]:
+    def push(
+        self,
+        clock: int,
+        grads: Mapping[str, np.ndarray],
+        base_versions: Sequence[int] | None = None,
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> list[PushReply]:
         """Send every shard its slices of ``grads`` (on the device: uncompressed, over direct links, see :meth:`pull`),
         encoded by the job's codec, and its rows of ``rows`` (table -> (distinct ids, their gradients)); a retried push
         is applied once by the shard.  ``base_versions`` are the shards' versions the gradient was computed from
         (default: those of the last pull; give them when a later pull may already be under way)."""
         return [reply for reply, _ in self._pushing(clock, grads, base_versions, rows)]
 
-    def push_pull(self, clock: int, grads: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
-                  device: dict | None = None) -> tuple[list[PushReply], list[int] | None]:
+    def push_pull(
+        self, clock: int, grads: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray], device: dict | None = None
+    ) -> tuple[list[PushReply], list[int] | None]:
         """Push as :meth:`push` (no rows), each shard's answer bringing its weights for ``clock + 1`` into ``out``
         (``device``, as for :meth:`pull`): one round trip a step.  The replies, and the shards' versions, or None
         where some shard's weights did not come (the caller pulls then; the pushes stand).  A stop cuts the wait
@@ -326,8 +432,9 @@ class PSClient:
         try:
             if self._stopping():  # asked before (the watcher found nothing to cut): the push alone
                 return self.push(clock, grads), None
-            answers = self._pushing(clock, grads, None, None, self._into(out),
-                                    None if device is None else _flat(device))
+            answers = self._pushing(
+                clock, grads, None, None, self._into(out), None if device is None else _flat(device)
+            )
         finally:
             self._pulling = False
         if any(v is None for _, v in answers):
@@ -335,9 +442,15 @@ class PSClient:
         self.versions = [v for _, v in answers]
         return [r for r, _ in answers], self.versions
 
-    def _pushing(self, clock: int, grads: Mapping[str, np.ndarray], base_versions: Sequence[int] | None,
-                 rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None, into: list | None = None,
-                 device: dict | None = None) -> list[tuple[PushReply, int | None]]:
+    def _pushing(
+        self,
+        clock: int,
+        grads: Mapping[str, np.ndarray],
+        base_versions: Sequence[int] | None,
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None,
+        into: list | None = None,
+        device: dict | None = None,
+    ) -> list[tuple[PushReply, int | None]]:
         bases, joins = list(self.versions if base_versions is None else base_versions), list(self._joins)
         flat = {name: backend.get_array_module(g).ascontiguousarray(g).reshape(-1) for name, g in grads.items()}
         for spec in self.plan.specs:
@@ -350,12 +463,19 @@ class PSClient:
         def one(k: int) -> tuple[PushReply, int | None]:
             parts = self.outgoing.slices(k, flat)
             mine = {t: (rows[t][0][pos], self.outgoing.rows(rows[t][1][pos])) for t, pos in where[k].items()}
-            base = (lambda: bases[k] if self._joins[k] == joins[k] else self.versions[k])  # a shard that restarted
+
+            def base() -> int:  # read at each try: a shard may restart between them
+                return bases[k] if self._joins[k] == joins[k] else self.versions[k]
+
             if into is not None:
-                return self.retrying(k, f"push and pull (clock {clock})", lambda: self.links[k].push_pull(
-                    clock, base(), self.codec, parts, into[k], device))
-            return self.retrying(k, f"push (clock {clock})", lambda: (self.links[k].push(
-                clock, base(), self.codec, parts, mine), None))
+                return self.retrying(
+                    k,
+                    f"push and pull (clock {clock})",
+                    lambda: self.links[k].push_pull(clock, base(), self.codec, parts, into[k], device),
+                )
+            return self.retrying(
+                k, f"push (clock {clock})", lambda: (self.links[k].push(clock, base(), self.codec, parts, mine), None)
+            )
 
         return self.on_all(one)
 
@@ -384,8 +504,12 @@ class PSClient:
                         self._rejoin(k)  # the lease is what heartbeats keep: a shard that dropped us hears back
 
     def _rejoin(self, k: int) -> None:
-        log.warning("shard %d at %s dropped worker %d (paused or cut off past the lease?): registering again",
-                    k, self.addresses[k], self.worker_id)
+        log.warning(
+            "shard %d at %s dropped worker %d (paused or cut off past the lease?): registering again",
+            k,
+            self.addresses[k],
+            self.worker_id,
+        )
         try:
             self._register_one(k)
         except PSError as exc:
@@ -402,7 +526,7 @@ class PSClient:
         for link in self.links:
             link.close()
 
-    def __enter__(self) -> "PSClient":
+    def __enter__(self) -> PSClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -413,11 +537,17 @@ def _flat(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: a.reshape(-1) for name, a in arrays.items()}
 
 
-def fetch_weights(addresses: Sequence[str], plan: PartitionPlan, request_timeout: float = 60.0,
-                  token: str = "", tls: TLSFiles = NO_TLS) -> dict[str, np.ndarray]:
+def fetch_weights(
+    addresses: Sequence[str],
+    plan: PartitionPlan,
+    request_timeout: float = 60.0,
+    token: str = "",
+    tls: TLSFiles = NO_TLS,
+) -> dict[str, np.ndarray]:
     """The current weights of a running job, read as an observer (never waits for a round)."""
     out = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(addresses, plan, OBSERVER, deadlines=Deadlines(request_timeout=request_timeout), token=token,
-                  tls=tls) as client:
+    with PSClient(
+        addresses, plan, OBSERVER, deadlines=Deadlines(request_timeout=request_timeout), token=token, tls=tls
+    ) as client:
         client.pull(0, out)
     return out

@@ -17,21 +17,22 @@ import logging
 import resource
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
 from psgd import data as datasets
 from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
-from psgd.training.delay import NO_DELAY, Delay
-from psgd.training.loop import Exchange, Exchanged, Interrupted, LoopResult, ResumeFromStep, run_loop
-from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.policy import POLICIES
+from psgd.training.delay import NO_DELAY, Delay
+from psgd.training.loop import Exchange, Exchanged, Interrupted, LoopResult, ResumeFromStep, run_loop
+from psgd.wire.tls import NO_TLS, TLSFiles
 from psgd.worker.client import PSClient, PSError, Stopped
 from psgd.worker.errors import ShardWentBack
 from psgd.worker.lookups import as_rows, asked_rows, held_rows, read_rows
@@ -44,11 +45,11 @@ log = logging.getLogger(__name__)
 class _Prefetch:
     """The pull of the next step, started beside a push ([cluster] overlap)."""
 
-    step: int                                   # the step it pulls the weights for
-    lookups: Mapping[str, np.ndarray] | None    # the ids it asked each table's rows for
-    rows: dict                                  # those rows, as asked_rows gives them
-    pending: Future                             # the pull itself: (versions, its span)
-    pulled: dict[str, Any] | None               # the device arrays it fills, where it goes straight there
+    step: int  # the step it pulls the weights for
+    lookups: Mapping[str, np.ndarray] | None  # the ids it asked each table's rows for
+    rows: dict  # those rows, as asked_rows gives them
+    pending: Future  # the pull itself: (versions, its span)
+    pulled: dict[str, Any] | None  # the device arrays it fills, where it goes straight there
 
 
 class ParameterServerExchange(Exchange):
@@ -65,8 +66,9 @@ class ParameterServerExchange(Exchange):
         # so the copies to and from the device run by DMA at the bus's rate (psgd bench gpu).
         device = job.device
         self.host = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs}
-        self.grad_host = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
-            if device.is_gpu else None
+        self.grad_host = (
+            {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} if device.is_gpu else None
+        )
         self.outcomes: dict[str, int] = {}
         self.joined = False
         #: whether this worker evaluates the weights its last step left (the one that evaluates, rank 0 by default)
@@ -77,12 +79,13 @@ class ParameterServerExchange(Exchange):
         # [cluster] overlap: the next step's pull goes out while this step's push is in flight, into a second
         # set of host buffers; at most one push and one pull are under way (two threads, two buffer sets)
         self.overlaps = job.config.cluster.overlap
-        self._spare = {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} \
-            if self.overlaps else None
+        self._spare = (
+            {s.name: backend.host_empty(s.shape, s.dtype, device) for s in self.plan.specs} if self.overlaps else None
+        )
         self._prefetch: _Prefetch | None = None  # the pull of the next step, started beside a push
-        self._ahead: tuple[int, dict] | None = None        # the next step's rows to pull ahead (tables)
+        self._ahead: tuple[int, dict] | None = None  # the next step's rows to pull ahead (tables)
         self._answered: tuple[int, list[int], dict | None] | None = None  # a push's answer: step, versions, arrays
-        self.pulls_ahead = 0                                  # steps whose weights were pulled beside a push
+        self.pulls_ahead = 0  # steps whose weights were pulled beside a push
         # and on a GPU each gradient leaves the device as soon as backward has produced it, on a CUDA stream
         # of its own into its pinned buffer, while backward goes on
         self._side = backend.SideStream(device) if self.overlaps and device.is_gpu else None
@@ -99,8 +102,10 @@ class ParameterServerExchange(Exchange):
         self.optimizer = job.optimizer() if self.local_steps else None
         self.own: dict[str, Any] | None = None
         if self.plan.tables and self.local_steps:
-            raise ConfigError(f"model {job.config.model['name']!r} has embedding tables, which a parameter-server "
-                              "worker trains without the local policy so far")
+            raise ConfigError(
+                f"model {job.config.model['name']!r} has embedding tables, which a parameter-server "
+                "worker trains without the local policy so far"
+            )
         self._reader: PSClient | None = None  # an observer, for an evaluation's rows
         self.moved = {"rows": 0, "bytes": 0, "steps": 0}  # a model with tables: rows and bytes moved, in all
 
@@ -122,8 +127,16 @@ class ParameterServerExchange(Exchange):
         self.client.start_heartbeats()
         spe = datasets.steps_per_epoch(ds.n_train, c.workers, t.batch_size)
         self.total = spe * t.epochs
-        log.info("worker %d of %d: %d steps of batch %d (%d per epoch), starting at clock %d, %s",
-                 self.rank, c.workers, spe * t.epochs, t.batch_size, spe, clock, ds.describe())
+        log.info(
+            "worker %d of %d: %d steps of batch %d (%d per epoch), starting at clock %d, %s",
+            self.rank,
+            c.workers,
+            spe * t.epochs,
+            t.batch_size,
+            spe,
+            clock,
+            ds.describe(),
+        )
         return clock
 
     def weights(self, step: int, lookups: Mapping[str, np.ndarray] | None = None) -> Mapping[str, Any]:
@@ -137,8 +150,9 @@ class ParameterServerExchange(Exchange):
                 rows = {}
             elif rows is None:
                 rows, self.pulled = asked_rows(self.plan, lookups), self._device_arrays()
-                self.versions = self.client.pull(step, self.host, {t: (ids, out) for t, (ids, _, out) in rows.items()},
-                                                 device=self.pulled)
+                self.versions = self.client.pull(
+                    step, self.host, {t: (ids, out) for t, (ids, _, out) in rows.items()}, device=self.pulled
+                )
                 self.spans["pull"] = (began, time.perf_counter())
         except PSError as exc:
             self._stopping(exc)
@@ -210,8 +224,11 @@ class ParameterServerExchange(Exchange):
             return None
         ahead, self._prefetch = self._prefetch, None
         mine, theirs = lookups or {}, ahead.lookups or {}
-        if ahead.step != step or mine.keys() != theirs.keys() or \
-                not all(np.array_equal(mine[t], theirs[t]) for t in mine):
+        if (
+            ahead.step != step
+            or mine.keys() != theirs.keys()
+            or not all(np.array_equal(mine[t], theirs[t]) for t in mine)
+        ):
             with contextlib.suppress(PSError):  # not this step's: only let it finish off the connection
                 ahead.pending.result()
             return None
@@ -266,14 +283,28 @@ class ParameterServerExchange(Exchange):
             self.moved["rows"] += fields["rows"]
             self.moved["bytes"] += moved
             self.moved["steps"] += 1
-        return Exchanged(new_clock, fields, {"pull_seconds": self.pull_seconds, "push_seconds": pushed - began,
-                                             "bytes": moved, "outcomes": [r.outcome for r in replies], "spans": spans})
+        return Exchanged(
+            new_clock,
+            fields,
+            {
+                "pull_seconds": self.pull_seconds,
+                "push_seconds": pushed - began,
+                "bytes": moved,
+                "outcomes": [r.outcome for r in replies],
+                "spans": spans,
+            },
+        )
 
     def _combines(self, step: int, rows: Mapping) -> bool:
         """Whether this step's push brings the next step's weights: under sync (async's pull, sent once the push is
         answered, reads fresher weights), but for the last step, a stopping worker and rows (their own pull's)."""
-        return (self.accumulates and step + 1 < self.total and not rows and not self.plan.tables
-                and not (self.stop is not None and self.stop.is_set()))
+        return (
+            self.accumulates
+            and step + 1 < self.total
+            and not rows
+            and not self.plan.tables
+            and not (self.stop is not None and self.stop.is_set())
+        )
 
     def gradient_ready(self, name: str, grad: Any) -> None:
         if self._side is not None and not self._pushes_from_device():
@@ -287,15 +318,28 @@ class ParameterServerExchange(Exchange):
         """Push ``step``'s gradient (and row gradients) and, at the same time, pull the weights for the next
         step, with the rows of its lookups where :meth:`ahead` told them (on the link's other connection; under
         sync that pull waits at the shards for the round this push closes)."""
-        push = _in_background(f"worker-{self.rank}-push", _spanned, self.client.push, step, grads,
-                              list(self.versions), rows)
+        push = _in_background(
+            f"worker-{self.rank}-push", _spanned, self.client.push, step, grads, list(self.versions), rows
+        )
         ahead, self._ahead = self._ahead, None
         if step + 1 < self.total and not (self.stop is not None and self.stop.is_set()):
             lookups = ahead[1] if ahead is not None and ahead[0] == step + 1 else None
             asked, pulled = asked_rows(self.plan, lookups), self._device_arrays()
-            self._prefetch = _Prefetch(step + 1, lookups, asked, _in_background(
-                f"worker-{self.rank}-pull", _spanned, self.client.pull, step + 1, self._spare,
-                {t: (ids, out) for t, (ids, _, out) in asked.items()}, pulled), pulled)
+            self._prefetch = _Prefetch(
+                step + 1,
+                lookups,
+                asked,
+                _in_background(
+                    f"worker-{self.rank}-pull",
+                    _spanned,
+                    self.client.pull,
+                    step + 1,
+                    self._spare,
+                    {t: (ids, out) for t, (ids, _, out) in asked.items()},
+                    pulled,
+                ),
+                pulled,
+            )
         replies, self.spans["push"] = push.result()  # a failed push fails this step, as without overlap
         return replies
 
@@ -316,8 +360,9 @@ class ParameterServerExchange(Exchange):
         copied, self._copied = self._copied, set()
         if copied:  # those copied during backward (overlap)
             self._side.synchronize()
-        return {k: self.grad_host[k] if k in copied else backend.to_host(g, out=self.grad_host[k])
-                for k, g in grads.items()}
+        return {
+            k: self.grad_host[k] if k in copied else backend.to_host(g, out=self.grad_host[k]) for k, g in grads.items()
+        }
 
     def _read_final(self) -> dict[str, Any] | None:
         """The weights the shards hold once this worker's last push is in (under sync, its last round's), for the
@@ -325,8 +370,9 @@ class ParameterServerExchange(Exchange):
         try:
             self.versions = self.client.pull(self.total, self.host, {}, None)
         except (PSError, ShardWentBack) as exc:
-            log.warning("worker %d: could not read the weights its last step left, to evaluate them (%s)",
-                        self.rank, exc)
+            log.warning(
+                "worker %d: could not read the weights its last step left, to evaluate them (%s)", self.rank, exc
+            )
             return None
         return params_to_device(self.host, self.job.device)
 
@@ -341,8 +387,11 @@ class ParameterServerExchange(Exchange):
         if self._reader is not None:
             self._reader.close()
         if self.joined and interrupted and getattr(self.stop, "pausing", False):
-            log.info("worker %d: paused, the shards not told it left (their rounds wait for it): psgd launch "
-                     "--resume, or this worker started again, goes on from here", self.rank)
+            log.info(
+                "worker %d: paused, the shards not told it left (their rounds wait for it): psgd launch "
+                "--resume, or this worker started again, goes on from here",
+                self.rank,
+            )
         elif self.joined:
             if self.reads_final and not interrupted:  # before it leaves: the job's last shards may leave with it
                 self._final = self._read_final()
@@ -353,18 +402,30 @@ class ParameterServerExchange(Exchange):
                     raise
                 # Stopped together with its shards (docker compose down): they are not there to hear it.
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
-        summary: dict[str, Any] = {"outcomes": dict(self.outcomes), "job_steps": self.total,
-                                   **({"pulls_ahead": self.pulls_ahead} if self.overlaps else {}),
-                                   **({"final_versions": list(self.versions)} if self._final is not None else {})}
+        summary: dict[str, Any] = {
+            "outcomes": dict(self.outcomes),
+            "job_steps": self.total,
+            **({"pulls_ahead": self.pulls_ahead} if self.overlaps else {}),
+            **({"final_versions": list(self.versions)} if self._final is not None else {}),
+        }
         if self.moved["steps"]:
             steps = self.moved["steps"]
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
-            summary.update(rows_per_step=self.moved["rows"] / steps, bytes_per_step=self.moved["bytes"] / steps,
-                           peak_rss_bytes=peak)
-            log.info("worker %d: %.0f rows of embedding tables and %.3f MB moved a step on average (the dense "
-                     "weights, down and up: %.3f MB; the rows the shards hold: %s); this worker's peak RSS %.0f MB",
-                     self.rank, summary["rows_per_step"], summary["bytes_per_step"] / 1e6,
-                     2 * self.plan.total_bytes / 1e6, held_rows(self.client), peak / 1e6)
+            summary.update(
+                rows_per_step=self.moved["rows"] / steps,
+                bytes_per_step=self.moved["bytes"] / steps,
+                peak_rss_bytes=peak,
+            )
+            log.info(
+                "worker %d: %.0f rows of embedding tables and %.3f MB moved a step on average (the dense "
+                "weights, down and up: %.3f MB; the rows the shards hold: %s); this worker's peak RSS %.0f MB",
+                self.rank,
+                summary["rows_per_step"],
+                summary["bytes_per_step"] / 1e6,
+                2 * self.plan.total_bytes / 1e6,
+                held_rows(self.client),
+                peak / 1e6,
+            )
         return summary
 
 
@@ -420,11 +481,32 @@ def run_worker(
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
     if evaluate_every is None and rank != 0:
         evaluate_every = 0  # by default only rank 0 evaluates (each epoch, see run_loop)
-    with PSClient(addresses, job.plan, rank, links=c.links, deadlines=c.deadlines, recovery=c.recovery, token=token,
-                  tls=tls, stop=stop, config=config, device=job.device) as client:
+    with PSClient(
+        addresses,
+        job.plan,
+        rank,
+        links=c.links,
+        deadlines=c.deadlines,
+        recovery=c.recovery,
+        token=token,
+        tls=tls,
+        stop=stop,
+        config=config,
+        device=job.device,
+    ) as client:
         exchange = ParameterServerExchange(job, client, rank, stop)
         exchange.reads_final = evaluate_every != 0 and not job.plan.tables  # tables: rows read after it left
-        result = run_loop(job, exchange, rank=rank, world=c.workers, evaluate_every=evaluate_every,
-                          progress=progress, desc=f"worker {rank}", metrics_path=metrics_path, delay=delay, stop=stop,
-                          on_step=on_step)
+        result = run_loop(
+            job,
+            exchange,
+            rank=rank,
+            world=c.workers,
+            evaluate_every=evaluate_every,
+            progress=progress,
+            desc=f"worker {rank}",
+            metrics_path=metrics_path,
+            delay=delay,
+            stop=stop,
+            on_step=on_step,
+        )
     return result

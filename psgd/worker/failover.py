@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from psgd.errors import Code
 from psgd.link import Link, LinkError, open_link
@@ -54,5 +55,10 @@ class Failover:
             c.links[k], c.addresses[k] = link, other
             self.moves += 1
         used.close()
-        log.info("shard %d: %s (%s): calling the other process of its pair, %s", k, used.endpoint.address,
-                 "its replica, not its primary" if err.reason == "NOT_PRIMARY" else f"{err.code.name}", other)
+        log.info(
+            "shard %d: %s (%s): calling the other process of its pair, %s",
+            k,
+            used.endpoint.address,
+            "its replica, not its primary" if err.reason == "NOT_PRIMARY" else f"{err.code.name}",
+            other,
+        )

@@ -5,7 +5,8 @@ a table's shards hold, listed (an export's)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +32,11 @@ def read_rows(observer: Any, lookups: Mapping[str, np.ndarray], device: Any) -> 
     """The rows ``lookups`` names (ids by table), read by ``observer`` (an observer's :class:`PSClient`) from the
     shards that hold them, as they are (none is made), on ``device``: what an evaluation looks up."""
     rows = asked_rows(observer.plan, lookups)
-    observer.pull(0, {s.name: np.empty(s.shape, s.dtype) for s in observer.plan.specs},
-                  {t: (ids, out) for t, (ids, _, out) in rows.items()})
+    observer.pull(
+        0,
+        {s.name: np.empty(s.shape, s.dtype) for s in observer.plan.specs},
+        {t: (ids, out) for t, (ids, _, out) in rows.items()},
+    )
     return as_rows(rows, device)
 
 
@@ -57,16 +61,22 @@ def list_rows(client: Any, table: str) -> tuple[np.ndarray, np.ndarray, list[tup
         while start != -1:
             page = client.retrying(k, f"listing of table {table!r}", lambda: client.links[k].list_rows(table, start))
             got = np.frombuffer(page.rows.ids, "<i8")
-            if len(page.rows.values) != got.size * spec.dim * np.dtype(spec.dtype).itemsize or \
-                    (client.plan.shard_of_ids(table, got) != k).any():
-                raise PSError(f"shard {k} listed rows of table {table!r} that are not its own, or values that "
-                              f"are not one row of {spec.dim} {spec.dtype} per id")
+            if (
+                len(page.rows.values) != got.size * spec.dim * np.dtype(spec.dtype).itemsize
+                or (client.plan.shard_of_ids(table, got) != k).any()
+            ):
+                raise PSError(
+                    f"shard {k} listed rows of table {table!r} that are not its own, or values that "
+                    f"are not one row of {spec.dim} {spec.dtype} per id"
+                )
             ids.append(got)
             values.append(np.frombuffer(page.rows.values, spec.dtype).reshape(got.size, spec.dim))
             versions.append(page.version)
             if page.next != -1 and page.next <= start:
-                raise PSError(f"shard {k} listed table {table!r} out of order (a page at {start} said the next "
-                              f"starts at {page.next})")
+                raise PSError(
+                    f"shard {k} listed table {table!r} out of order (a page at {start} said the next "
+                    f"starts at {page.next})"
+                )
             start = page.next
         return ids, values, (versions[0], versions[-1])
 

@@ -7,13 +7,13 @@ model-sized buffer is built per push.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from psgd.compute import backend
-from psgd.wire.codec import Codec
 from psgd.partition import Slice
+from psgd.wire.codec import Codec
 
 
 class Outgoing:
@@ -28,15 +28,15 @@ class Outgoing:
         of it (device arrays stay on the device), or of the reused 16-bit buffer."""
         slices = self.shard_slices[k]
         if not self.codec.compresses:
-            views = [flat[s.var][s.start:s.stop] for s in slices]
+            views = [flat[s.var][s.start : s.stop] for s in slices]
             return views if views and backend.is_device_array(views[0]) else [memoryview(v).cast("B") for v in views]
         packed = self._packed[k]
         if packed is None:
             packed = self._packed[k] = np.empty(sum(s.size for s in slices), dtype=np.uint16)
         parts, at = [], 0
         for s in slices:
-            dst = packed[at:at + s.size]
-            self.codec.encode(flat[s.var][s.start:s.stop], dst)
+            dst = packed[at : at + s.size]
+            self.codec.encode(flat[s.var][s.start : s.stop], dst)
             parts.append(memoryview(dst).cast("B"))
             at += s.size
         return parts

@@ -46,10 +46,12 @@ def _wait_for_every_shard(client: Any, clock: int) -> None:
         if not finished and time.monotonic() - began > FINISH_AFTER_SECONDS:
             finished = _finish(client, clock, replies)
         if time.monotonic() > deadline:
-            raise PSError(f"worker {client.worker_id}: the shards are at versions {versions} "
-                          f"{waits:.0f}s after one went back to the cut at {clock}: the worker taking "
-                          "the job back to it did not reach them all (it may have died); restart the job from its "
-                          "checkpoints")
+            raise PSError(
+                f"worker {client.worker_id}: the shards are at versions {versions} "
+                f"{waits:.0f}s after one went back to the cut at {clock}: the worker taking "
+                "the job back to it did not reach them all (it may have died); restart the job from its "
+                "checkpoints"
+            )
         time.sleep(0.05)  # polling the shards' versions, with a deadline
 
 
@@ -63,9 +65,15 @@ def _finish(client: Any, clock: int, replies: list) -> bool:
         return False
     cause = causes.pop()
     behind = [k for k, r in enumerate(replies) if r.version > clock]
-    log.warning("worker %d: shard(s) %s are still past the cut at version %d %.0fs after the job went back to it "
-                "(cause %s; the worker taking the job back may have died): taking them back", client.worker_id,
-                behind, clock, FINISH_AFTER_SECONDS, cause)
+    log.warning(
+        "worker %d: shard(s) %s are still past the cut at version %d %.0fs after the job went back to it "
+        "(cause %s; the worker taking the job back may have died): taking them back",
+        client.worker_id,
+        behind,
+        clock,
+        FINISH_AFTER_SECONDS,
+        cause,
+    )
     for k in behind:
         client.retrying(k, f"going back to version {clock}", lambda k=k: client.links[k].rollback(clock, cause))
     return True
@@ -76,24 +84,43 @@ def roll_back(client: Any, rewind: ShardWentBack) -> int:
     :class:`psgd.worker.client.PSClient` ``client``; returns the clock this worker continues from."""
     clock = rewind.clock
     if rewind.cause:
-        held = client.on_all(lambda k: client.retrying(k, "listing the cuts", lambda: client.links[k].rollback(
-            rewind.clock, rewind.cause, dry_run=True)))
+        held = client.on_all(
+            lambda k: client.retrying(
+                k, "listing the cuts", lambda: client.links[k].rollback(rewind.clock, rewind.cause, dry_run=True)
+            )
+        )
         common = set(held[0].cuts).intersection(*(set(r.cuts) for r in held[1:]))
         eligible = [v for v in common if v <= rewind.clock]
         if not eligible:
             listed = "; ".join(f"shard {k}: {list(r.cuts) or 'none'}" for k, r in enumerate(held))
-            raise PSError(f"worker {client.worker_id}: a shard restarted from the cut at version {rewind.clock}, and "
-                          f"no cut at or before it is held by every shard ({listed}): the job cannot go back "
-                          "without losing rounds; restart it from its checkpoints (psgd launch resumes them)")
+            raise PSError(
+                f"worker {client.worker_id}: a shard restarted from the cut at version {rewind.clock}, and "
+                f"no cut at or before it is held by every shard ({listed}): the job cannot go back "
+                "without losing rounds; restart it from its checkpoints (psgd launch resumes them)"
+            )
         clock = max(eligible)
-        undone = client.on_all(lambda k: client.retrying(k, f"going back to version {clock}", lambda: client.links[
-            k].rollback(clock, rewind.cause).rounds_undone))
-        log.info("worker %d: a shard restarted from the cut at version %d (incarnation %s): the job went back to "
-                 "version %d (rounds undone per shard: %s); repeating from clock %d", client.worker_id, rewind.clock,
-                 rewind.cause, clock, ", ".join(map(str, undone)), clock)
+        undone = client.on_all(
+            lambda k: client.retrying(
+                k, f"going back to version {clock}", lambda: client.links[k].rollback(clock, rewind.cause).rounds_undone
+            )
+        )
+        log.info(
+            "worker %d: a shard restarted from the cut at version %d (incarnation %s): the job went back to "
+            "version %d (rounds undone per shard: %s); repeating from clock %d",
+            client.worker_id,
+            rewind.clock,
+            rewind.cause,
+            clock,
+            ", ".join(map(str, undone)),
+            clock,
+        )
     else:
-        log.info("worker %d: a shard went back to the cut at version %d: repeating from clock %d once every shard "
-                 "has", client.worker_id, clock, clock)
+        log.info(
+            "worker %d: a shard went back to the cut at version %d: repeating from clock %d once every shard has",
+            client.worker_id,
+            clock,
+            clock,
+        )
         _wait_for_every_shard(client, clock)
     client.pending_rollback = None
     client.clock = clock

@@ -24,7 +24,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -38,17 +39,18 @@ from psgd.observe.progress import MetricsLog
 from psgd.training.divergence import DivergenceGuard
 from psgd.training.evaluation import Evaluations, judged, resumed
 from psgd.training.loop import ResumeFromStep
+from psgd.wire.channel import read_token
+from psgd.wire.tls import TLSFiles
 from psgd.worker.client import PSClient
 from psgd.worker.exchange import ParameterServerExchange
 from psgd.worker.stop import STOP_SIGNALS, Stop
-from psgd.wire.channel import read_token
-from psgd.wire.tls import TLSFiles
 
 #: what psgd run tells each copy of the script: the job file, the worker's rank, where its metrics lines go and
 #: the device it computes on (the job's token travels as PSGD_TOKEN)
 JOB_FILE, RANK, METRICS, DEVICE = "PSGD_JOB_FILE", "PSGD_RANK", "PSGD_METRICS", "PSGD_DEVICE"
 #: and, where the job runs over TLS, the certificate, key and CA it shows and trusts (psgd run --tls-*)
 TLS = ("PSGD_TLS_CERT", "PSGD_TLS_KEY", "PSGD_TLS_CA")
+
 
 class Worker:
     """This process's place in a job: the job (:attr:`job`, with its model, data and device), this worker's
@@ -62,8 +64,9 @@ class Worker:
         self.model, self.device = job.model, job.device
         self._client = client
         self._exchange = ParameterServerExchange(job, client, rank, stop)
-        self._batches = datasets.ShardedBatches(job.dataset.x_train, job.dataset.y_train, rank=rank, world=c.workers,
-                                                batch_size=t.batch_size, seed=t.seed)
+        self._batches = datasets.ShardedBatches(
+            job.dataset.x_train, job.dataset.y_train, rank=rank, world=c.workers, batch_size=t.batch_size, seed=t.seed
+        )
         #: the steps the job's epochs make for this worker (its share of the data, the job's batch size)
         self.steps = self._batches.steps_per_epoch * t.epochs
         self._metrics = MetricsLog(metrics_path, role=f"worker:{rank}")
@@ -72,14 +75,28 @@ class Worker:
         # evaluated as psgd launch's workers are: on worker 0, before each epoch's first step (or every
         # [train] eval_every steps), and the weights its last step left (read before it leaves)
         self._every = 0 if rank else t.eval_every or self._batches.steps_per_epoch
-        self._evaluations = Evaluations(job, self._metrics, self._guard, f"worker {rank}",
-                                        self._batches.steps_per_epoch, self.steps,
-                                        self._exchange.rows if job.plan.tables else None, says=True)
+        self._evaluations = Evaluations(
+            job,
+            self._metrics,
+            self._guard,
+            f"worker {rank}",
+            self._batches.steps_per_epoch,
+            self.steps,
+            self._exchange.rows if job.plan.tables else None,
+            says=True,
+        )
         self._exchange.reads_final = bool(self._every) and not job.plan.tables  # (rows: read after it left)
         self._evaluated, self._loss = -1, None  # the step last evaluated at; the last loss pushed (None: none yet)
         self._epoch: tuple[int, np.ndarray] = (-1, np.empty(0))
-        self._rows = Ahead(job.dataset.x_train, job.dataset.y_train, on=False, augment=job.augment,
-                           seed=(t.seed, rank), target=job.dataset.target, classes=job.dataset.num_classes)
+        self._rows = Ahead(
+            job.dataset.x_train,
+            job.dataset.y_train,
+            on=False,
+            augment=job.augment,
+            seed=(t.seed, rank),
+            target=job.dataset.target,
+            classes=job.dataset.num_classes,
+        )
         self.clock = self._exchange.begin()
         if self.clock > 0:  # a resumed run: judged against its own start, in its earlier part's records
             resumed(self._guard, metrics_path, self._metrics.role)
@@ -143,8 +160,7 @@ class Worker:
         record = {"clock": self.clock, **out.fields, "wall": time.perf_counter() - self._began}
         if loss is not None:
             record["loss"] = self._loss = float(loss)
-            judged(self._guard.step(self.clock, self.clock // self._batches.steps_per_epoch, self._loss),
-                   self._metrics)
+            judged(self._guard.step(self.clock, self.clock // self._batches.steps_per_epoch, self._loss), self._metrics)
         self._metrics.write("step", **record)
         self.clock = out.next_step
 
@@ -171,15 +187,16 @@ class Worker:
             if final is not None:
                 self._evaluations(final, self.clock, self._loss, seconds)
             diverged = self._guard.verdict.record() if self._guard.verdict else None
-            self._metrics.write("done", clock=self.clock, seconds=seconds, **summary, **self._evaluations.scores(),
-                                diverged=diverged)
+            self._metrics.write(
+                "done", clock=self.clock, seconds=seconds, **summary, **self._evaluations.scores(), diverged=diverged
+            )
         finally:
             if getattr(self.model, "step_seeds", None) == self._step_seed:
                 self.model.step_seeds = None
             self._metrics.close()
             self._client.close()
 
-    def __enter__(self) -> "Worker":
+    def __enter__(self) -> Worker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -203,8 +220,10 @@ def join(environ: Mapping[str, str] | None = None) -> Worker:
 def _join(environ: Mapping[str, str]) -> Worker:
     missing = [name for name in (JOB_FILE, RANK) if not environ.get(name)]
     if missing:
-        raise InputError(f"{', '.join(missing)} not set: start this script with psgd run "
-                         "(psgd run --help), which starts the shards and one copy of it per worker")
+        raise InputError(
+            f"{', '.join(missing)} not set: start this script with psgd run "
+            "(psgd run --help), which starts the shards and one copy of it per worker"
+        )
     stop = Stop()
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:
@@ -220,9 +239,19 @@ def _join(environ: Mapping[str, str]) -> Worker:
         raise InputError(f"{RANK}={rank}: the job has {workers} worker(s), 0..{workers - 1}")
     job = build_job(config, check=True)
     c = config.cluster
-    client = PSClient(c.servers, job.plan, rank, links=c.links, deadlines=c.deadlines, recovery=c.recovery,
-                      token=read_token(environ=environ), tls=TLSFiles(*(environ.get(name) for name in TLS)),
-                      stop=stop, config=config, device=job.device)
+    client = PSClient(
+        c.servers,
+        job.plan,
+        rank,
+        links=c.links,
+        deadlines=c.deadlines,
+        recovery=c.recovery,
+        token=read_token(environ=environ),
+        tls=TLSFiles(*(environ.get(name) for name in TLS)),
+        stop=stop,
+        config=config,
+        device=job.device,
+    )
     try:
         return Worker(job, client, rank, stop, environ.get(METRICS) or None)
     except BaseException:

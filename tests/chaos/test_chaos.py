@@ -22,21 +22,30 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import TOKEN, by_hand_env, make_job, run_threads, shards, wait_for
-from psgd.bench.chaos.invariants import (check_background, check_counters, check_exactly_once, check_exit,
-                                         check_files, check_finite, check_follows, check_no_loss, check_restore,
-                                         check_same_weights)
+
 from psgd.bench.chaos.draws import AT_THE_END, WITH_CUTS, WITH_REPLICAS, Planner
+from psgd.bench.chaos.invariants import (
+    check_background,
+    check_counters,
+    check_exactly_once,
+    check_exit,
+    check_files,
+    check_finite,
+    check_follows,
+    check_no_loss,
+    check_restore,
+    check_same_weights,
+)
 from psgd.bench.chaos.processes import command, free_port_pair
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, KINDS, MIN_ACCURACY
 from psgd.bench.chaos.suite import main as chaos_main
 from psgd.bench.chaos.suite import parse_kinds, run_chaos
 from psgd.bench.netns import IP, PREFIX
 from psgd.config import Deadlines, to_toml
+from psgd.job import build_job, describe_job
 from psgd.partition import PartitionPlan
 from psgd.server.state import checkpoint
-from psgd.job import build_job, describe_job
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
@@ -103,8 +112,9 @@ def test_a_nan_is_detected():
 def test_wrong_exit_codes_are_detected():
     assert check_exit("shard 0", 0, 0, "after SIGTERM") == []
     assert check_exit("worker 1", -9, -9, "after SIGKILL") == []
-    assert check_exit("shard 0", -9, 0, "after SIGTERM") == \
-        ["shard 0 exited with status -9, expected 0 (after SIGTERM)"]
+    assert check_exit("shard 0", -9, 0, "after SIGTERM") == [
+        "shard 0 exited with status -9, expected 0 (after SIGTERM)"
+    ]
     assert check_exit("shard 0", None, 0, "within 10 s of SIGTERM") == ["shard 0 had not exited within 10 s of SIGTERM"]
 
 
@@ -131,8 +141,13 @@ def test_a_background_loop_that_failed_is_detected():
 def _checkpoints(folder, versions, keep=10):
     shard = checkpoint.shard_dir(folder / "ckpt", 0, "0123456789abcdef")
     for v in versions:
-        checkpoint.save(shard, v, {"weights": np.full(4, float(v), np.float32)},
-                        {"fingerprint": "0123456789abcdef", "shard": 0}, keep=keep)
+        checkpoint.save(
+            shard,
+            v,
+            {"weights": np.full(4, float(v), np.float32)},
+            {"fingerprint": "0123456789abcdef", "shard": 0},
+            keep=keep,
+        )
     return shard, [folder / "shard0.addr"]  # a stopped shard has removed its port file
 
 
@@ -141,7 +156,7 @@ def test_a_clean_folder_passes_and_every_leak_is_detected(tmp_path):
     assert check_files(tmp_path, tmp_path / "ckpt", 1, 2, ports, final_versions={0: 7}) == []
 
     (shard / ".ckpt-9.npz.tmp").write_bytes(b"half a checkpoint")  # a temporary file left behind
-    (tmp_path / "shard0.addr.tmp").write_text("127.0.0.1:1")        # a stray port file
+    (tmp_path / "shard0.addr.tmp").write_text("127.0.0.1:1")  # a stray port file
     found = check_files(tmp_path, tmp_path / "ckpt", 1, 2, ports, final_versions={0: 7})
     assert any("temporary file left behind" in p and ".ckpt-9.npz.tmp" in p for p in found), found
     assert any("temporary file left behind: shard0.addr.tmp" in p for p in found), found
@@ -173,8 +188,9 @@ def test_too_many_or_damaged_checkpoints_and_a_missing_last_one_are_detected(tmp
     assert "ckpt-2 is damaged" in text and "checksum" in text
     assert "shard 0 stopped at version 4 but its newest checkpoint is ckpt-3" in text
     (tmp_path / "shard0.addr").write_text("127.0.0.1:23456\n")
-    assert "port file shard0.addr left behind by a shard that stopped" in \
-        check_files(tmp_path, tmp_path / "ckpt", 1, 3, ports)
+    assert "port file shard0.addr left behind by a shard that stopped" in check_files(
+        tmp_path, tmp_path / "ckpt", 1, 3, ports
+    )
 
 
 def test_the_plan_is_replayed_from_its_seed_and_covers_every_kind():
@@ -200,15 +216,17 @@ def test_pair_kinds_are_drawn_only_for_runs_with_replicas_and_end_kinds_only_at_
     for s in specs:
         ends = [f for f in s.faults if f.kind in AT_THE_END]
         if ends:  # after every other fault, once the workers have finished; the shards do not leave by themselves
-            assert s.faults[-len(ends):] == ends and all(f.at == 1.0 for f in ends), s.describe()
+            assert s.faults[-len(ends) :] == ends and all(f.at == 1.0 for f in ends), s.describe()
             assert s.end == "finish" and not s.exit_when_done, s.describe()
     floods = [f for _, f in drawn if f.kind == "flood"]  # more connections than a gRPC port takes
     assert all(1200 <= f.count <= 2000 and 2.0 <= f.seconds <= 4.0 for f in floods)
     storms = [(s, f) for s, f in drawn if f.kind == "rollback-storm"]  # as one of the run's ranks
     assert all(20 <= f.count <= 50 and 0 <= f.target < s.workers for s, f in storms)
     only = Planner(5, ["insider-follower"], None)  # a run without replicas draws none of them
-    assert all((s.replicas, [f.kind for f in s.faults]) in ((False, []), (True, ["insider-follower"] * 3))
-               for s in (only.next(i) for i in range(6)))
+    assert all(
+        (s.replicas, [f.kind for f in s.faults]) in ((False, []), (True, ["insider-follower"] * 3))
+        for s in (only.next(i) for i in range(6))
+    )
 
 
 def test_the_ci_seed_covers_every_kind_policy_and_transport():
@@ -218,8 +236,9 @@ def test_the_ci_seed_covers_every_kind_policy_and_transport():
     assert covered == set(KINDS)
     assert {s.policy for s in specs} == {"sync", "async"} and {s.transport for s in specs} == {"shm", "tcp", "grpc"}
     more = [planner.next(i) for i in range(SHORT_RUNS, 6)]
-    assert {(s.policy, s.transport) for s in specs + more} == {(p, t) for p in ("sync", "async")
-                                                                 for t in ("shm", "tcp", "grpc")}
+    assert {(s.policy, s.transport) for s in specs + more} == {
+        (p, t) for p in ("sync", "async") for t in ("shm", "tcp", "grpc")
+    }
 
 
 def test_every_third_run_is_the_sparse_job():
@@ -238,8 +257,9 @@ def test_unknown_kinds_are_refused():
 
 
 def test_the_suites_command_refuses_an_unknown_kind_with_status_2():
-    done = subprocess.run([sys.executable, "-m", "psgd.bench.chaos", "--kinds", "nope"], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgd.bench.chaos", "--kinds", "nope"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "chaos: error: --kinds: unknown nope; choose from kill-shard" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
 
@@ -253,15 +273,17 @@ def test_the_outsider_is_refused_every_call_and_changes_nothing(monkeypatch):
     from psgd.server import build_shard
     from psgd.server.net.service import ShardServer
 
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.transport=tcp")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.transport=tcp"
+    )
     server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN).start()
     monkeypatch.setenv("PSGD_TOKEN", TOKEN)
     plan, core = server.core.plan, server.core
     try:
         job = job.override("cluster.servers", [server.address])
-        with PSClient([server.address], plan, 0, deadlines=Deadlines(request_timeout=10), token=TOKEN,
-                      config=job) as client:
+        with PSClient(
+            [server.address], plan, 0, deadlines=Deadlines(request_timeout=10), token=TOKEN, config=job
+        ) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
             client.push(0, grads)
@@ -286,11 +308,13 @@ def test_an_insider_claiming_the_replicas_place_is_refused_and_the_replica_keeps
     from psgd.server.durable.replica import Replication
     from psgd.server.net.service import ShardServer
 
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     d = describe_job(job)
-    primary, replica = (ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True, token=TOKEN).start()
-                        for _ in range(2))
+    primary, replica = (
+        ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True, token=TOKEN).start() for _ in range(2)
+    )
     monkeypatch.setenv("PSGD_TOKEN", TOKEN)
     try:
         Replication(primary.core, primary.address, replica.address, second=False, token=TOKEN).start()
@@ -318,20 +342,35 @@ def test_a_rollback_storm_from_a_finished_rank_is_refused_every_time_and_told_wh
     from psgd.server.durable import peers, recovery
     from psgd.server.net.service import ShardServer
 
-    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=2",
-                   "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
+    job = make_job(
+        "model.name=softmax",
+        "cluster.policy=sync",
+        "cluster.workers=1",
+        "cluster.shards=2",
+        "cluster.checkpoint_rounds=2",
+        "cluster.transport=tcp",
+        "cluster.request_timeout=6",
+    )
     servers = []
     for k in range(2):
-        servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", transport="tcp", token=TOKEN,
-                                   checkpoint_dir=str(tmp_path / "ckpt"),
-                                   job_shards=lambda: job.cluster.servers).start())
+        servers.append(
+            ShardServer(
+                build_shard(describe_job(job), k),
+                "127.0.0.1:0",
+                transport="tcp",
+                token=TOKEN,
+                checkpoint_dir=str(tmp_path / "ckpt"),
+                job_shards=lambda: job.cluster.servers,
+            ).start()
+        )
     job = job.override("cluster.servers", [s.address for s in servers])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     monkeypatch.setenv("PSGD_TOKEN", TOKEN)
     try:
         plan = servers[0].core.plan
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=6), token=TOKEN,
-                      config=job) as client:
+        with PSClient(
+            job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=6), token=TOKEN, config=job
+        ) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
             for clock in range(5):  # cuts at 0, 2 and 4
@@ -347,8 +386,10 @@ def test_a_rollback_storm_from_a_finished_rank_is_refused_every_time_and_told_wh
         monkeypatch.setattr(peers, "restart_of", lambda *_, **__: "")  # shards that believe any cause
         monkeypatch.setattr(recovery, "own_restart", lambda *_: "")
         believed = storm(**{**asked, "rounds": 2})
-        assert [a.startswith(f"shard {k} went back to the cut at 4") for k, a in enumerate(believed["accepted"])] \
-            == [True, True], believed  # (then each refuses this worker until it goes back too)
+        assert [a.startswith(f"shard {k} went back to the cut at 4") for k, a in enumerate(believed["accepted"])] == [
+            True,
+            True,
+        ], believed  # (then each refuses this worker until it goes back too)
         assert "goes back to the cut at version 4" in believed["done"], believed
     finally:
         for s in servers:
@@ -364,11 +405,16 @@ def _namespaces_of_this_process() -> str:
 @pytest.mark.slow
 def test_a_short_chaos_run_of_every_fault_kind_finds_no_violation(tmp_path):
     seed = int(os.environ.get("PSGD_CHAOS_SEED", CI_SEED))
-    print(f"chaos seed {seed}: replay with PSGD_CHAOS_SEED={seed} or benchmarks/chaos.py --runs {SHORT_RUNS} --seed {seed}")
+    print(
+        f"chaos seed {seed}: replay with PSGD_CHAOS_SEED={seed} "
+        f"or benchmarks/chaos.py --runs {SHORT_RUNS} --seed {seed}"
+    )
     result = run_chaos(0, seed, "all", out=tmp_path, progress=False, runs=SHORT_RUNS)
     shown = json.dumps([{k: v for k, v in x.items() if k != "logs"} for x in result["violations"]], indent=1)
-    assert result["violations"] == [], f"seed {seed}: {result['violation_count']} violation(s):\n{shown}\n" + \
-        "\n\n".join(f"{name}:\n{text}" for x in result["violations"][:2] for name, text in x["logs"].items())
+    assert result["violations"] == [], (
+        f"seed {seed}: {result['violation_count']} violation(s):\n{shown}\n"
+        + "\n\n".join(f"{name}:\n{text}" for x in result["violations"][:2] for name, text in x["logs"].items())
+    )
     for kind in KINDS:
         assert result["faults"][kind] >= 1 or kind in result["skipped"], (kind, result["faults"], result["skipped"])
     assert result["runs"] == SHORT_RUNS and len(result["accuracies"]) >= 1
@@ -393,13 +439,22 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
     out (a pause, a network cut) and whose stale push is answered "late" with each shard's open round, which
     the loop also merges with max (run_worker's ``new_clock``).  The short chaos run hits that most times.
     """
-    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2",
-                   "train.epochs=1", "cluster.lease_seconds=2", "cluster.request_timeout=5", "cluster.transport=grpc")
+    job = make_job(
+        "model.name=softmax",
+        "cluster.policy=sync",
+        "cluster.workers=2",
+        "cluster.shards=2",
+        "train.epochs=1",
+        "cluster.lease_seconds=2",
+        "cluster.request_timeout=5",
+        "cluster.transport=grpc",
+    )
     with shards(job) as (job, servers):
         plan = servers[0].core.plan
         grads = {s.name: np.zeros(s.shape, np.float32) for s in plan.specs}
-        clients = [PSClient(job.cluster.servers, plan, r, config=job,
-                            deadlines=Deadlines(request_timeout=5)) for r in range(2)]
+        clients = [
+            PSClient(job.cluster.servers, plan, r, config=job, deadlines=Deadlines(request_timeout=5)) for r in range(2)
+        ]
         try:
             for c in clients:
                 c.register()
@@ -411,20 +466,37 @@ def test_a_sync_job_survives_a_worker_killed_between_its_pushes_to_two_shards():
                 c.close()
         stalled = None
         try:  # both workers (re)start, as psgd-worker does, and train to the end
-            results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                                   for r in range(2)], 90)
+            results = run_threads(
+                [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], 90
+            )
         except PSError as exc:
             stalled = str(exc)
     if stalled:
-        pytest.fail(f"violation [finishes]: the sync job stalled after a worker was killed between its pushes to "
-                    f"two shards: {stalled}", pytrace=False)
+        pytest.fail(
+            f"violation [finishes]: the sync job stalled after a worker was killed between its pushes to "
+            f"two shards: {stalled}",
+            pytrace=False,
+        )
     assert [r.final_clock for r in results] == [22, 22]
 
 
 def _shard_process(job_path, port, *extra):
-    return subprocess.Popen([*command("psgd-server", "psgd.cli.server"), "-c", str(job_path), "--shard", "0",
-                             "--bind", f"127.0.0.1:{port}", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=by_hand_env())
+    return subprocess.Popen(
+        [
+            *command("psgd-server", "psgd.cli.server"),
+            "-c",
+            str(job_path),
+            "--shard",
+            "0",
+            "--bind",
+            f"127.0.0.1:{port}",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=by_hand_env(),
+    )
 
 
 @pytest.mark.slow
@@ -435,29 +507,37 @@ def test_an_exit_when_done_shard_paused_longer_than_the_lease_keeps_serving(tmp_
     the lease finds every lease expired when it resumes, drops every worker, takes that for "every worker has
     finished" and exits 0 while its workers are alive and training: they fail after request_timeout.
     """
-    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.lease_seconds=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1", "cluster.lease_seconds=1"
+    )
     port = free_port_pair(random.Random(), set())
     job = job.override("cluster.servers", [f"127.0.0.1:{port}"])
     (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
     shard = _shard_process(tmp_path / "job.toml", port, "--exit-when-done")
     try:
         plan = PartitionPlan(build_job(job).model.specs(), 1, job.cluster.links.slice_bytes)
-        with PSClient(job.cluster.servers, plan, 0, config=job, deadlines=Deadlines(request_timeout=10),
-                      token=TOKEN) as client:
+        with PSClient(
+            job.cluster.servers, plan, 0, config=job, deadlines=Deadlines(request_timeout=10), token=TOKEN
+        ) as client:
             client.wait_ready(30)
             client.register()
             client.start_heartbeats()  # a live worker, renewing its lease
             shard.send_signal(signal.SIGSTOP)
             time.sleep(2.5)  # the pause, longer than the 1 s lease, is the fault
             shard.send_signal(signal.SIGCONT)
-            wait_for(lambda: shard.poll() is not None or _holds_live_lease(client), 30,
-                     "the resumed shard to renew its worker's lease (or to exit)")
+            wait_for(
+                lambda: shard.poll() is not None or _holds_live_lease(client),
+                30,
+                "the resumed shard to renew its worker's lease (or to exit)",
+            )
             code = shard.poll()
         if code is not None:
             said = [line for line in shard.stderr.read().splitlines() if "lease" in line or "stopping" in line]
-            pytest.fail(f"violation [finishes]: psgd-server --exit-when-done exited with status {code} after a "
-                        "2.5 s pause while its worker was live:\n" + "\n".join(said), pytrace=False)
+            pytest.fail(
+                f"violation [finishes]: psgd-server --exit-when-done exited with status {code} after a "
+                "2.5 s pause while its worker was live:\n" + "\n".join(said),
+                pytrace=False,
+            )
     finally:
         shard.kill()
         shard.wait(10)
@@ -490,15 +570,28 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
     codes = {}
     try:
         for delay in (0.005, 0.015, 0.03):
-            worker = subprocess.Popen([*command("psgd-worker", "psgd.cli.worker"), "-c",
-                                       str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=by_hand_env())
+            worker = subprocess.Popen(
+                [
+                    *command("psgd-worker", "psgd.cli.worker"),
+                    "-c",
+                    str(tmp_path / "job.toml"),
+                    "--rank",
+                    "0",
+                    "--no-progress",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=by_hand_env(),
+            )
             guard = threading.Timer(60, worker.kill)  # bounds the read below, should the worker hang
             guard.start()
             try:
                 for line in worker.stderr:
                     if " done: " in line:
-                        time.sleep(delay)  # the fault: a SIGTERM this far into its teardown ("at any point" includes this one)
+                        time.sleep(
+                            delay
+                        )  # the fault: a SIGTERM this far into its teardown ("at any point" includes this one)
                         worker.send_signal(signal.SIGTERM)
                         break
                 worker.stderr.read()
@@ -511,16 +604,18 @@ def test_a_worker_sigtermed_as_it_exits_still_exits_0(tmp_path):
         shard.kill()
         shard.wait(10)
     bad = {f"{d * 1000:.0f} ms": c for d, c in codes.items() if c != 0}
-    assert not bad, f"violation [exit-code]: psgd-worker exited with status {bad} on a SIGTERM that arrived that " \
-                    "long after it logged that it was done; expected 0"
+    assert not bad, (
+        f"violation [exit-code]: psgd-worker exited with status {bad} on a SIGTERM that arrived that "
+        "long after it logged that it was done; expected 0"
+    )
 
 
 def test_the_full_disk_fault_refuses_writes_and_leaves_the_folder_as_it_was(tmp_path):
     """The ``full-disk`` fault's disk: the folder's files are still there, a new file cannot be written (ENOSPC, as
     a shard's checkpoint meets it), and once it ends the folder is the one it was, the files written to it gone."""
-    from psgd.bench.chaos.disk import full
-
     from helpers import skip_or_fail
+
+    from psgd.bench.chaos.disk import full
 
     (tmp_path / "ckpt-3.npz").write_bytes(b"x" * 10000)
     with full(tmp_path) as why:
@@ -538,9 +633,22 @@ def test_a_finished_run_without_a_measured_accuracy_leaves_it_out_of_the_figures
     10-minute run (seed 7474) ended in a TypeError, and its JSON was never written."""
     from psgd.bench.chaos.suite import accuracies, summary
 
-    records = [{"finished": True, "accuracy": 0.95}, {"finished": True, "accuracy": None},
-               {"finished": False, "accuracy": None}]
+    records = [
+        {"finished": True, "accuracy": 0.95},
+        {"finished": True, "accuracy": None},
+        {"finished": False, "accuracy": None},
+    ]
     assert accuracies(records) == [0.95]
-    result = {"seed": 1, "runs": 3, "seconds": 1.0, "faults": {}, "faults_total": 0, "violation_count": 0,
-              "durations": [1.0], "accuracies": accuracies(records), "skipped": {}, "violations": []}
+    result = {
+        "seed": 1,
+        "runs": 3,
+        "seconds": 1.0,
+        "faults": {},
+        "faults_total": 0,
+        "violation_count": 0,
+        "durations": [1.0],
+        "accuracies": accuracies(records),
+        "skipped": {},
+        "violations": [],
+    }
     assert "final accuracies: 0.950" in summary(result)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import secrets
 
-import pytest
-
 import dockerlab
+import pytest
 
 
 @pytest.fixture(scope="session")

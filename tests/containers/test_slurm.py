@@ -18,9 +18,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-import pytest
-
 import dockerlab
+import pytest
 
 SLURM_PACKAGES = ("slurm-wlm", "munge")
 NODES = ("node1", "node2", "node3", "node4")
@@ -28,8 +27,17 @@ CONTROLLER = NODES[0]
 #: long enough to pass 0.9 test accuracy on the digits with room to spare, short to keep the test quick
 EPOCHS = 10
 #: Slurm's job states after which a job does not run again
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE", "PREEMPTED"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 # Containers have no systemd, cgroup delegation or accounting database: processes are tracked by
 # their parent chain, tasks are not bound, and the node's CPUs are what this file says (the four
@@ -76,17 +84,27 @@ fi
 exec slurmd -D
 """
 
+
 def compose_file(name: str, base: str, repo_copy: Path, shared: Path) -> dict:
     """Four nodes of the psgd image (built once, by node1) as root, with the shared folder mounted."""
+
     def node(hostname: str) -> dict:
-        return {"image": f"{name}:cpu", "hostname": hostname, "user": "0", "working_dir": str(shared),
-                "volumes": [f"{shared}:{shared}", f"{shared / 'slurm.conf'}:/etc/slurm/slurm.conf:ro"],
-                "command": ["bash", str(shared / "entrypoint.sh"),
-                            "controller" if hostname == CONTROLLER else "compute"],
-                "healthcheck": {"disable": True}}
+        return {
+            "image": f"{name}:cpu",
+            "hostname": hostname,
+            "user": "0",
+            "working_dir": str(shared),
+            "volumes": [f"{shared}:{shared}", f"{shared / 'slurm.conf'}:/etc/slurm/slurm.conf:ro"],
+            "command": ["bash", str(shared / "entrypoint.sh"), "controller" if hostname == CONTROLLER else "compute"],
+            "healthcheck": {"disable": True},
+        }
+
     services = {host: node(host) for host in NODES}
-    services[CONTROLLER]["build"] = {"context": str(repo_copy), "dockerfile": "deploy/Dockerfile",
-                                     "args": {"BASE": base}}
+    services[CONTROLLER]["build"] = {
+        "context": str(repo_copy),
+        "dockerfile": "deploy/Dockerfile",
+        "args": {"BASE": base},
+    }
     return {"services": services}
 
 
@@ -105,8 +123,9 @@ def test_sbatch_script_trains_on_four_slurm_nodes_and_prints_the_accuracy(repo_c
     logs = shared / "logs"
     logs.mkdir(parents=True)
     repo = shutil.copytree(repo_copy, shared / "repo")
-    (shared / "slurm.conf").write_text(SLURM_CONF.format(controller=CONTROLLER, logs=logs, nodes=",".join(NODES),
-                                                         cpus=os.cpu_count() or 1))
+    (shared / "slurm.conf").write_text(
+        SLURM_CONF.format(controller=CONTROLLER, logs=logs, nodes=",".join(NODES), cpus=os.cpu_count() or 1)
+    )
     key = shared / "munge.key"
     key.write_bytes(secrets.token_bytes(1024))
     key.chmod(0o400)
@@ -140,51 +159,81 @@ def test_sbatch_script_trains_on_four_slurm_nodes_and_prints_the_accuracy(repo_c
         def idle() -> bool:
             listed = on_controller("sinfo", "-h", "-N", "-o", "%N %t", check=False).split("\n")
             return sorted(line.split()[0] for line in listed if line.endswith(" idle")) == list(NODES)
+
         dockerlab.until(f"sinfo listing {', '.join(NODES)} idle", idle, timeout=90, explain=explain)
 
         # as the README says: export the token, then sbatch from the repository root
-        submitted = cluster("exec", "-T", "-w", str(repo), "-e", "PSGD_TOKEN", CONTROLLER,
-                            "sbatch", "--parsable", f"--nodes={len(NODES)}", f"--export=ALL,JOB_FILE={job_file}",
-                            "deploy/slurm/psgd.sbatch", env={"PSGD_TOKEN": token}, timeout=60)
+        submitted = cluster(
+            "exec",
+            "-T",
+            "-w",
+            str(repo),
+            "-e",
+            "PSGD_TOKEN",
+            CONTROLLER,
+            "sbatch",
+            "--parsable",
+            f"--nodes={len(NODES)}",
+            f"--export=ALL,JOB_FILE={job_file}",
+            "deploy/slurm/psgd.sbatch",
+            env={"PSGD_TOKEN": token},
+            timeout=60,
+        )
         job_id = submitted.stdout.decode().strip().split(";")[0]
         assert job_id.isdigit(), f"sbatch --parsable said {submitted.stdout!r}"
 
         def ended() -> dict[str, str] | None:
             fields = job_fields(on_controller("scontrol", "show", "job", "-o", job_id, check=False))
             return fields if fields.get("JobState") in ENDED else None
+
         job = dockerlab.until(f"job {job_id} ending", ended, timeout=420, explain=lambda: explain(job_id))
 
         output = (repo / f"psgd-{job_id}.out").read_text()
-        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), \
+        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), (
             f"job {job_id}: {job['JobState']}, exit code {job['ExitCode']}\n{explain(job_id)}"
+        )
 
         # the shards on the first two nodes, one worker on each of the others
-        shards = re.search(rf"(?m)^psgd: shards at (\S+), 2 worker\(s\), job file {re.escape(str(job_file))}, "
-                           "device cpu$", output)
+        shards = re.search(
+            rf"(?m)^psgd: shards at (\S+), 2 worker\(s\), job file {re.escape(str(job_file))}, "
+            "device cpu$",
+            output,
+        )
         assert shards, f"no `psgd: shards at ...` line in the output:\n{output[-3000:]}"
         shard_hosts = [address.rsplit(":", 1)[0] for address in shards.group(1).split(",")]
         worker_hosts = dict(re.findall(r"shard 0: worker (\d+) registered \((\S+) pid", output))
         assert sorted(worker_hosts) == ["0", "1"], f"worker registrations in the output: {worker_hosts}"
-        assert sorted([*shard_hosts, *worker_hosts.values()]) == list(NODES), \
+        assert sorted([*shard_hosts, *worker_hosts.values()]) == list(NODES), (
             f"shards on {shard_hosts}, workers on {worker_hosts}: not one process per node"
+        )
 
         # the shards were stopped, not killed: each wrote its last checkpoint, the export joined those
         stopped = re.findall(r"server:\d\[\d+\] INFO stopped at version (\d+)", output)
         assert len(stopped) == 2 and len(set(stopped)) == 1, f"shards stopped at versions {stopped}\n{output[-3000:]}"
         assert "forcing job termination" not in output, output[-3000:]
         model = repo / "psgd-checkpoints" / job_id / "model.npz"
-        assert f"wrote {model}:" in output and f"versions shard 0: {stopped[0]}, shard 1: {stopped[0]};" in output, \
+        assert f"wrote {model}:" in output and f"versions shard 0: {stopped[0]}, shard 1: {stopped[0]};" in output, (
             output[-3000:]
+        )
         assert model.is_file()
 
         accuracy = re.search(r"(?m)^test accuracy: (\d\.\d+) \(loss [\d.]+\) of (\S+): ", output)
         assert accuracy and accuracy.group(2) == str(model), f"no test accuracy of {model}:\n{output[-3000:]}"
-        assert output.rstrip().splitlines()[-1].startswith("test accuracy: "), \
+        assert output.rstrip().splitlines()[-1].startswith("test accuracy: "), (
             f"the output does not end with the accuracy:\n{output[-1500:]}"
+        )
         assert float(accuracy.group(1)) >= 0.9, accuracy.group(0)
-        print(f"psgd-{job_id}.out, abridged:", *[line for line in output.splitlines() if line.startswith(
-            ("psgd: shards", "srun: sending", "wrote ", "test accuracy")) or "stopped at version" in line
-            or "received SIGINT" in line], sep="\n")
+        print(
+            f"psgd-{job_id}.out, abridged:",
+            *[
+                line
+                for line in output.splitlines()
+                if line.startswith(("psgd: shards", "srun: sending", "wrote ", "test accuracy"))
+                or "stopped at version" in line
+                or "received SIGINT" in line
+            ],
+            sep="\n",
+        )
     finally:
         cluster.down()
         dockerlab.run(["docker", "image", "rm", "-f", f"{name}:cpu"], timeout=120, check=False)

@@ -1,9 +1,8 @@
 # tanhbyhand.py: the same network, its gradients derived by hand
 import numpy as np
 
-from psgd.model import BaseModel, VarSpec
+from psgd.model import BaseModel, VarSpec, get_array_module
 from psgd.model.losses import softmax_cross_entropy
-from psgd.model import get_array_module
 
 
 class TanhMLPByHand(BaseModel):

@@ -43,8 +43,9 @@ class Transformer(Network):
     """Tokens (batch, length) -> embeddings + positions -> blocks -> the first position's scores (head="first"),
     or every position's (head="each": a class per position, shape (batch, length, classes))."""
 
-    def __init__(self, input_shape, num_classes, dtype="float32", dim=32, heads=2, hidden=64, depth=1, vocab=None,
-                 head="first"):
+    def __init__(
+        self, input_shape, num_classes, dtype="float32", dim=32, heads=2, hidden=64, depth=1, vocab=None, head="first"
+    ):
         super().__init__(dtype)
         self.every = {"first": False, "each": True}[head]
         (length,) = input_shape

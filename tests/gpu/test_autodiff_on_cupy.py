@@ -17,13 +17,14 @@ import pathlib
 import numpy as np
 import pytest
 
-from psgd.compute import backend
 from psgd.autodiff import Tensor, backward, no_grad, ops
+from psgd.compute import backend
 
 pytestmark = pytest.mark.gpu
 
 _spec = importlib.util.spec_from_file_location(
-    "psgd_unit_autodiff_checks", pathlib.Path(__file__).parents[1] / "unit" / "test_autodiff.py")
+    "psgd_unit_autodiff_checks", pathlib.Path(__file__).parents[1] / "unit" / "test_autodiff.py"
+)
 unit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(unit)
 
@@ -87,8 +88,13 @@ def check_on_both(fn, *arrays, seed: int = 0, random: bool = False) -> None:
 
 
 unit_check = unit.check
-CHECKS = sorted(name for name in dir(unit) if name.startswith("test_") and name not in (
-    "test_a_rule_made_slightly_wrong_fails_the_check", "test_the_reference_names_every_operation_and_module"))
+CHECKS = sorted(
+    name
+    for name in dir(unit)
+    if name.startswith("test_")
+    and name
+    not in ("test_a_rule_made_slightly_wrong_fails_the_check", "test_the_reference_names_every_operation_and_module")
+)
 
 
 def _parameters(test):
@@ -98,13 +104,20 @@ def _parameters(test):
     cases = [{}]
     for mark in marks:
         names = [n.strip() for n in mark.args[0].split(",")]
-        cases = [{**case, **dict(zip(names, value if len(names) > 1 else (value,)))}
-                 for case in cases for value in mark.args[1]]
+        cases = [
+            {**case, **dict(zip(names, value if len(names) > 1 else (value,)))}
+            for case in cases
+            for value in mark.args[1]
+        ]
     return cases
 
 
-CASES = [(name, params) for name in CHECKS for params in _parameters(getattr(unit, name))
-         if "check(" in open(unit.__file__).read().split(f"def {name}(")[1].split("\ndef ")[0]]
+CASES = [
+    (name, params)
+    for name in CHECKS
+    for params in _parameters(getattr(unit, name))
+    if "check(" in open(unit.__file__).read().split(f"def {name}(")[1].split("\ndef ")[0]
+]
 
 
 @pytest.mark.parametrize("name,params", CASES, ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CASES])

@@ -14,7 +14,8 @@ from psgd.compute import backend
 pytestmark = pytest.mark.gpu
 
 _spec = importlib.util.spec_from_file_location(
-    "psgd_unit_blocks", pathlib.Path(__file__).parents[1] / "unit" / "test_blocks.py")
+    "psgd_unit_blocks", pathlib.Path(__file__).parents[1] / "unit" / "test_blocks.py"
+)
 unit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(unit)
 
@@ -33,5 +34,6 @@ def test_the_sequence_modules_give_numpys_loss_gradients_and_scores_on_cupy(caus
     np.testing.assert_allclose(backend.to_host(got_loss), loss, rtol=1e-9)
     for name, g in grads.items():
         np.testing.assert_allclose(backend.to_host(got_grads[name]), g, rtol=1e-9, atol=1e-12, err_msg=name)
-    np.testing.assert_allclose(backend.to_host(net.predict(on_device, cp.asarray(x))), net.predict(params, x),
-                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        backend.to_host(net.predict(on_device, cp.asarray(x))), net.predict(params, x), rtol=1e-9, atol=1e-12
+    )

@@ -7,12 +7,11 @@ CuPy is reached only through ``psgd.compute.backend``.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from psgd.compute import backend
 from psgd.collective.base import Bucketer, CollectiveError
+from psgd.compute import backend
 
 
 @pytest.fixture
@@ -95,9 +94,16 @@ def test_remembered_checks_reduce_several_shapes_and_dtypes_in_a_row(group, gpu,
     """After its first call, an all-reduce skips the checks of its (type, dtype, op): calls that alternate
     shapes, dtypes and reductions, three rounds over, each still passes the right pointer, count and type."""
     xp = gpu.xp
-    cases = [((1000,), np.float32, "sum"), ((10, 100), np.float32, "max"), ((7,), np.float64, "min"),
-             ((3, 5, 2), np.int32, "sum"), ((1 << 20,), np.float16, "sum"), ((33,), np.int64, "max"),
-             ((4 << 20,), np.float32, "sum"), ((1,), np.float64, "sum")]
+    cases = [
+        ((1000,), np.float32, "sum"),
+        ((10, 100), np.float32, "max"),
+        ((7,), np.float64, "min"),
+        ((3, 5, 2), np.int32, "sum"),
+        ((1 << 20,), np.float16, "sum"),
+        ((33,), np.int64, "max"),
+        ((4 << 20,), np.float32, "sum"),
+        ((1,), np.float64, "sum"),
+    ]
     for _ in range(3):
         for shape, dtype, op in cases:
             host = (rng.standard_normal(shape) * 100).astype(dtype)
@@ -217,16 +223,46 @@ def test_one_nccl_rank_trains_as_one_process_on_the_cpu(tmp_path):
     import sys
 
     from helpers import make_job
+
     from psgd.config import to_toml
     from psgd.training.local import train_local
 
-    job = make_job("model.hidden=[32]", "train.dtype=float64", "train.epochs=2", "train.batch_size=16",
-                   "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=1", "train.device=cuda:0")
+    job = make_job(
+        "model.hidden=[32]",
+        "train.dtype=float64",
+        "train.epochs=2",
+        "train.batch_size=16",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "cluster.workers=1",
+        "train.device=cuda:0",
+    )
     path, saved = tmp_path / "job.toml", tmp_path / "w.npz"
     path.write_text(to_toml(job.to_dict()))
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.worker", "-c", str(path), "--mode", "allreduce",
-                           "--backend", "nccl", "--rank", "0", "--rendezvous", f"file:{tmp_path / 'id.json'}",
-                           "--no-progress", "-q", "--save", str(saved)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.worker",
+            "-c",
+            str(path),
+            "--mode",
+            "allreduce",
+            "--backend",
+            "nccl",
+            "--rank",
+            "0",
+            "--rendezvous",
+            f"file:{tmp_path / 'id.json'}",
+            "--no-progress",
+            "-q",
+            "--save",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     job = job.override("train.device", "cpu")
     reference = train_local(job, progress=False).params
@@ -244,19 +280,48 @@ def test_one_nccl_rank_with_overlap_ends_with_the_weights_without_it(tmp_path):
     import sys
 
     from helpers import make_job
+
     from psgd.config import to_toml
 
     saved = {}
     for overlap in (False, True):
-        job = make_job("model.hidden=[1200, 600]", "train.dtype=float64", "train.epochs=1", "train.batch_size=16",
-                       "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.workers=1", "train.device=cuda:0",
-                       f"cluster.overlap={str(overlap).lower()}")
+        job = make_job(
+            "model.hidden=[1200, 600]",
+            "train.dtype=float64",
+            "train.epochs=1",
+            "train.batch_size=16",
+            "optimizer.name=sgd",
+            "optimizer.lr=0.1",
+            "cluster.workers=1",
+            "train.device=cuda:0",
+            f"cluster.overlap={str(overlap).lower()}",
+        )
         path, saved[overlap] = tmp_path / f"job-{overlap}.toml", tmp_path / f"w-{overlap}.npz"
         path.write_text(to_toml(job.to_dict()))
-        done = subprocess.run([sys.executable, "-m", "psgd.cli.worker", "-c", str(path), "--mode", "allreduce",
-                               "--backend", "nccl", "--rank", "0", "--rendezvous",
-                               f"file:{tmp_path / f'id-{overlap}.json'}", "--no-progress", "-q",
-                               "--save", str(saved[overlap])], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "psgd.cli.worker",
+                "-c",
+                str(path),
+                "--mode",
+                "allreduce",
+                "--backend",
+                "nccl",
+                "--rank",
+                "0",
+                "--rendezvous",
+                f"file:{tmp_path / f'id-{overlap}.json'}",
+                "--no-progress",
+                "-q",
+                "--save",
+                str(saved[overlap]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     with np.load(saved[False], allow_pickle=False) as off, np.load(saved[True], allow_pickle=False) as on:
         assert off.files == on.files

@@ -1,4 +1,5 @@
-"""The same-host link on a real GPU: host memory registered with the driver (psgd.compute.backend.register_host), and a GPU
+"""The same-host link on a real GPU: host memory registered with the driver (psgd.compute.backend.register_host), and a
+GPU
 worker pulling from and pushing to a real ``psgd-server`` shard through registered shared memory, straight
 between the segments and the device, ending where the same job ends over TCP and in one CPU process.
 
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import TOKEN, by_hand_env, make_job, shards, wait_for
+
 from psgd.compute import backend
 from psgd.config import to_toml
 from psgd.job import build_job
@@ -81,17 +82,45 @@ def test_a_read_only_mapping_of_a_weights_segment_is_registered_read_only(gpu):
 
 
 def _job(transport: str, overlap: bool):
-    return make_job("model.name=mlp", "model.hidden=[48]", "train.dtype=float64", "train.device=cuda:0",
-                    "train.epochs=1", "train.batch_size=32", "optimizer.name=sgd", "optimizer.lr=0.1",
-                    "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1", "cluster.slice_bytes=4096",
-                    f"cluster.transport={transport}", f"cluster.overlap={str(overlap).lower()}",
-                    "cluster.request_timeout=30")
+    return make_job(
+        "model.name=mlp",
+        "model.hidden=[48]",
+        "train.dtype=float64",
+        "train.device=cuda:0",
+        "train.epochs=1",
+        "train.batch_size=32",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "cluster.policy=sync",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.slice_bytes=4096",
+        f"cluster.transport={transport}",
+        f"cluster.overlap={str(overlap).lower()}",
+        "cluster.request_timeout=30",
+    )
 
 
 def _server(job_path: Path, port_file: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "psgd.cli.server", "-c", str(job_path), "--shard", "0",
-                             "--bind", "127.0.0.1:0", "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True, env=by_hand_env())
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.server",
+            "-c",
+            str(job_path),
+            "--shard",
+            "0",
+            "--bind",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        start_new_session=True,
+        env=by_hand_env(),
+    )
 
 
 @pytest.mark.gpu
@@ -104,13 +133,20 @@ def test_a_gpu_worker_over_registered_shared_memory_ends_where_tcp_and_one_cpu_p
     shard = _server(job_path, tmp_path / "port", tmp_path / "shard.log")
     held: list[int] = []
     try:
+
         def address() -> str:
             assert shard.poll() is None, (tmp_path / "shard.log").read_text()
             return (tmp_path / "port").exists() and (tmp_path / "port").read_text().strip()
 
         servers = [wait_for(address, 60, "the shard's port file")]
-        result = run_worker(job, 0, servers, progress=False, token=TOKEN,
-                            on_step=lambda point: held.append(backend.registered_host_bytes()))
+        result = run_worker(
+            job,
+            0,
+            servers,
+            progress=False,
+            token=TOKEN,
+            on_step=lambda point: held.append(backend.registered_host_bytes()),
+        )
         over_shm = fetch_weights(servers, plan, token=TOKEN)
     finally:
         os.killpg(shard.pid, signal.SIGKILL)

@@ -41,8 +41,7 @@ for step in range(2):
 ids = np.arange(2 * r, dtype=np.int64) + 100 * r
 values = np.stack([ids * 0.5, -ids.astype(np.float64)], axis=1).astype(np.float32)
 want_ids = np.concatenate([np.arange(2 * k) + 100 * k for k in range(n)])
-for gathered_ids, gathered in (group.gather_rows(ids, values),
-                               super(MpiCollective, group).gather_rows(ids, values)):
+for gathered_ids, gathered in (group.gather_rows(ids, values), super(MpiCollective, group).gather_rows(ids, values)):
     np.testing.assert_array_equal(gathered_ids, want_ids)
     np.testing.assert_array_equal(gathered, np.stack([want_ids * 0.5, -want_ids.astype(np.float64)], axis=1))
     assert gathered.dtype == np.float32

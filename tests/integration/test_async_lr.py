@@ -46,7 +46,7 @@ def test_async_and_ssp_train_at_the_settings_that_train_sync(tmp_path):
     for policy in (["--policy", "async"], ["--policy", "ssp", "--staleness", "2"]):
         accuracies = sorted(launch(tmp_path / f"run{n}", *policy)["test_accuracy"] for n in range(RUNS))
         median = accuracies[RUNS // 2]
-        assert median >= sync - TOLERANCE, \
+        assert median >= sync - TOLERANCE, (
             f"{' '.join(policy)}: median {median:.3f} of {accuracies} against sync's {sync:.3f}"
+        )
         assert not result["diverged"], result["divergence"]  # the divergence guard stays silent
-

@@ -23,25 +23,35 @@ from hypothesis import strategies as st
 
 from psgd.config import JobConfig
 from psgd.data import datasets
+from psgd.job import describe_job
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.state.core import MAX_CLOCK, ShardCore
-from psgd.wire.channel import SERVICE_NAME
 from psgd.server.net.service import ShardServer
-from psgd.wire.channel import MAX_MESSAGE_BYTES
+from psgd.server.state.core import MAX_CLOCK, ShardCore
+from psgd.wire.channel import MAX_MESSAGE_BYTES, SERVICE_NAME
 from psgd.worker.client import fetch_weights
 
 RPC_TIMEOUT = 5.0  # seconds; every call here is answered in milliseconds
 LR = 0.1
-JOB_SETS = ["model.name=softmax", "cluster.workers=2", "cluster.shards=1", "train.dtype=float64",
-            "optimizer.name=sgd", f"optimizer.lr={LR}", "cluster.slice_bytes=2048"]
-INT32 = (-2**31, 2**31 - 1)
-INT64 = (-2**63, 2**63 - 1)
+JOB_SETS = [
+    "model.name=softmax",
+    "cluster.workers=2",
+    "cluster.shards=1",
+    "train.dtype=float64",
+    "optimizer.name=sgd",
+    f"optimizer.lr={LR}",
+    "cluster.slice_bytes=2048",
+]
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
 
-PROPERTY = settings(max_examples=80, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=80,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def make_job(*extra: str) -> JobConfig:
@@ -76,9 +86,18 @@ class Shard:
         return fetch_weights(self.addresses, self.plan, request_timeout=RPC_TIMEOUT)
 
     def register(self, worker: int, clock: int = 0) -> ps_pb2.RegisterReply:
-        reply = self.stub.Register(ps_pb2.RegisterRequest(
-            worker_id=worker, plan_hash=self.plan.hash, plan_json=json.dumps(self.plan.description()),
-            hostname="test", pid=1, job_json=json.dumps(self.core.identity), clock=clock), timeout=RPC_TIMEOUT)
+        reply = self.stub.Register(
+            ps_pb2.RegisterRequest(
+                worker_id=worker,
+                plan_hash=self.plan.hash,
+                plan_json=json.dumps(self.plan.description()),
+                hostname="test",
+                pid=1,
+                job_json=json.dumps(self.core.identity),
+                clock=clock,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
         self.keys[worker] = reply.registration
         return reply
 
@@ -131,8 +150,9 @@ def gradient(plan: PartitionPlan, seed: int = 1) -> dict[str, np.ndarray]:
 
 
 def header(worker: int = 0, clock: int = 0, base_version: int = 0, dtype: str = "float64") -> ps_pb2.PushMessage:
-    return ps_pb2.PushMessage(header=ps_pb2.PushHeader(worker_id=worker, clock=clock, base_version=base_version,
-                                                       dtype=dtype))
+    return ps_pb2.PushMessage(
+        header=ps_pb2.PushHeader(worker_id=worker, clock=clock, base_version=base_version, dtype=dtype)
+    )
 
 
 def chunk(slice_id: int, offset: int, data: bytes) -> ps_pb2.PushMessage:
@@ -142,7 +162,7 @@ def chunk(slice_id: int, offset: int, data: bytes) -> ps_pb2.PushMessage:
 def slice_payloads(plan: PartitionPlan, grads: dict[str, np.ndarray]) -> list[tuple[int, bytes]]:
     """(slice id, bytes) for every slice of shard 0, in plan order."""
     flat = {name: np.ascontiguousarray(g, dtype=np.float64).reshape(-1) for name, g in grads.items()}
-    return [(s.id, flat[s.var][s.start:s.stop].tobytes()) for s in plan.slices_for_shard(0)]
+    return [(s.id, flat[s.var][s.start : s.stop].tobytes()) for s in plan.slices_for_shard(0)]
 
 
 def valid_push(plan: PartitionPlan, grads=None, **head) -> list[ps_pb2.PushMessage]:
@@ -219,28 +239,52 @@ def _with_header(plan: PartitionPlan, **head) -> list[ps_pb2.PushMessage]:
 
 BAD_PUSHES = {
     # name: (messages from the plan, code, words the message must contain)
-    "too-many-bytes": (lambda p: _resized(p, 3, 8), "INVALID_ARGUMENT",
-                       ["dense0/b#0", "holds 80 bytes", "88", "wrong shape"]),
+    "too-many-bytes": (
+        lambda p: _resized(p, 3, 8),
+        "INVALID_ARGUMENT",
+        ["dense0/b#0", "holds 80 bytes", "88", "wrong shape"],
+    ),
     "one-byte-too-many": (lambda p: _resized(p, 0, 1), "INVALID_ARGUMENT", ["dense0/W#0", "holds 2048 bytes"]),
-    "too-few-bytes": (lambda p: _resized(p, 3, -8), "INVALID_ARGUMENT",
-                      ["incomplete push", "dense0/b#0 (72 of 80 bytes)"]),
+    "too-few-bytes": (
+        lambda p: _resized(p, 3, -8),
+        "INVALID_ARGUMENT",
+        ["incomplete push", "dense0/b#0 (72 of 80 bytes)"],
+    ),
     "slice-missing": (lambda p: valid_push(p)[:-1], "INVALID_ARGUMENT", ["incomplete push", "dense0/b#0 (0 of 80"]),
-    "float32-dtype": (lambda p: _with_header(p, dtype="float32"), "INVALID_ARGUMENT",
-                      ["dtype", "'float32'", "'float64'", "same dtype"]),
+    "float32-dtype": (
+        lambda p: _with_header(p, dtype="float32"),
+        "INVALID_ARGUMENT",
+        ["dtype", "'float32'", "'float64'", "same dtype"],
+    ),
     "no-dtype": (lambda p: _with_header(p, dtype=""), "INVALID_ARGUMENT", ["dtype", "(none)", "'float64'"]),
-    "nan": (lambda p: _payload_with(p, 1, 7, math.nan), "INVALID_ARGUMENT",
-            ["dense0/W#256", "worker 0", "1 non-finite", "NaN/Inf"]),
+    "nan": (
+        lambda p: _payload_with(p, 1, 7, math.nan),
+        "INVALID_ARGUMENT",
+        ["dense0/W#256", "worker 0", "1 non-finite", "NaN/Inf"],
+    ),
     "inf": (lambda p: _payload_with(p, 3, 0, math.inf), "INVALID_ARGUMENT", ["dense0/b#0", "non-finite"]),
     "minus-inf": (lambda p: _payload_with(p, 0, 255, -math.inf), "INVALID_ARGUMENT", ["dense0/W#0", "non-finite"]),
-    "unknown-slice": (lambda p: valid_push(p) + [chunk(4, 0, b"\0" * 8)], "NOT_FOUND",
-                      ["slice 4", "not held by this shard", "partition plan"]),
+    "unknown-slice": (
+        lambda p: valid_push(p) + [chunk(4, 0, b"\0" * 8)],
+        "NOT_FOUND",
+        ["slice 4", "not held by this shard", "partition plan"],
+    ),
     "huge-slice-id": (lambda p: [header(), chunk(2**32 - 1, 0, b"")], "NOT_FOUND", [f"slice {2**32 - 1}"]),
-    "out-of-order": (lambda p: [header(), chunk(0, 8, b"\0" * 8)], "INVALID_ARGUMENT",
-                     ["dense0/W#0", "chunk at byte 8, expected 0", "in order"]),
-    "slice-sent-twice": (lambda p: valid_push(p) + [valid_push(p)[1]], "INVALID_ARGUMENT",
-                         ["chunk at byte 0, expected 2048"]),
-    "worker-out-of-range": (lambda p: _with_header(p, worker=2), "INVALID_ARGUMENT",
-                            ["worker id 2", "out of range", "ids 0..1"]),
+    "out-of-order": (
+        lambda p: [header(), chunk(0, 8, b"\0" * 8)],
+        "INVALID_ARGUMENT",
+        ["dense0/W#0", "chunk at byte 8, expected 0", "in order"],
+    ),
+    "slice-sent-twice": (
+        lambda p: valid_push(p) + [valid_push(p)[1]],
+        "INVALID_ARGUMENT",
+        ["chunk at byte 0, expected 2048"],
+    ),
+    "worker-out-of-range": (
+        lambda p: _with_header(p, worker=2),
+        "INVALID_ARGUMENT",
+        ["worker id 2", "out of range", "ids 0..1"],
+    ),
     "negative-worker": (lambda p: _with_header(p, worker=-1), "INVALID_ARGUMENT", ["worker id -1", "out of range"]),
     "huge-worker": (lambda p: _with_header(p, worker=2**31 - 1), "INVALID_ARGUMENT", ["out of range"]),
     "no-header": (lambda p: valid_push(p)[1:], "INVALID_ARGUMENT", ["must start with a header"]),
@@ -249,17 +293,29 @@ BAD_PUSHES = {
     "two-headers": (lambda p: valid_push(p) + [header()], "INVALID_ARGUMENT", ["exactly one header"]),
     "two-headers-first": (lambda p: [header()] + valid_push(p), "INVALID_ARGUMENT", ["exactly one header"]),
     "negative-clock": (lambda p: _with_header(p, clock=-1), "INVALID_ARGUMENT", ["clock (-1)", ">= 0"]),
-    "most-negative-clock": (lambda p: _with_header(p, clock=-2**63), "INVALID_ARGUMENT", [">= 0"]),
-    "negative-base-version": (lambda p: _with_header(p, base_version=-5), "INVALID_ARGUMENT",
-                              ["base version (-5)", ">= 0"]),
-    "base-version-ahead": (lambda p: _with_header(p, base_version=3), "INVALID_ARGUMENT",
-                           ["base version 3", "ahead", "version 0"]),
-    "clock-from-the-future": (lambda p: _with_header(p, clock=1), "FAILED_PRECONDITION",
-                              ["clock 1", "from the future", "round 0 is open"]),
+    "most-negative-clock": (lambda p: _with_header(p, clock=-(2**63)), "INVALID_ARGUMENT", [">= 0"]),
+    "negative-base-version": (
+        lambda p: _with_header(p, base_version=-5),
+        "INVALID_ARGUMENT",
+        ["base version (-5)", ">= 0"],
+    ),
+    "base-version-ahead": (
+        lambda p: _with_header(p, base_version=3),
+        "INVALID_ARGUMENT",
+        ["base version 3", "ahead", "version 0"],
+    ),
+    "clock-from-the-future": (
+        lambda p: _with_header(p, clock=1),
+        "FAILED_PRECONDITION",
+        ["clock 1", "from the future", "round 0 is open"],
+    ),
     "huge-clock-sync": (lambda p: _with_header(p, clock=2**62), "FAILED_PRECONDITION", ["from the future"]),
     "largest-clock": (lambda p: _with_header(p, clock=2**63 - 1), "INVALID_ARGUMENT", ["too large"]),
-    "unregistered-worker": (lambda p: _with_header(p, worker=1), "FAILED_PRECONDITION",
-                            ["worker 1 is not registered", "pending", "register"]),
+    "unregistered-worker": (
+        lambda p: _with_header(p, worker=1),
+        "FAILED_PRECONDITION",
+        ["worker 1 is not registered", "pending", "register"],
+    ),
 }
 
 
@@ -295,16 +351,22 @@ def test_an_oversized_message_is_refused_by_grpc_and_the_server_stays_healthy(sh
 
 
 def pull(shard: Shard, worker: int, clock: int, timeout: float = RPC_TIMEOUT) -> list[ps_pb2.TensorChunk]:
-    return list(shard.stub.Pull(ps_pb2.PullRequest(worker_id=worker, clock=clock,
-                                                   registration=shard.keys.get(worker, "")), timeout=timeout))
+    return list(
+        shard.stub.Pull(
+            ps_pb2.PullRequest(worker_id=worker, clock=clock, registration=shard.keys.get(worker, "")), timeout=timeout
+        )
+    )
 
 
-@pytest.mark.parametrize("worker,clock,code,words", [
-    (1, 0, "FAILED_PRECONDITION", ["worker 1 is not registered", "pending", "register"]),
-    (2, 0, "INVALID_ARGUMENT", ["worker id 2", "out of range"]),
-    (-2, 0, "INVALID_ARGUMENT", ["worker id -2", "out of range"]),
-    (0, -1, "INVALID_ARGUMENT", ["clock -1", "negative"]),
-])
+@pytest.mark.parametrize(
+    "worker,clock,code,words",
+    [
+        (1, 0, "FAILED_PRECONDITION", ["worker 1 is not registered", "pending", "register"]),
+        (2, 0, "INVALID_ARGUMENT", ["worker id 2", "out of range"]),
+        (-2, 0, "INVALID_ARGUMENT", ["worker id -2", "out of range"]),
+        (0, -1, "INVALID_ARGUMENT", ["clock -1", "negative"]),
+    ],
+)
 def test_a_bad_pull_is_refused(shard, worker, clock, code, words):
     before = shard.weights()
     err = refused(pull, shard, worker, clock)
@@ -373,15 +435,19 @@ def test_messages_echoing_huge_or_odd_input_stay_readable(shard):
     err = refused(shard.stub.Register, request, RPC_TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "more characters" in err.details()
 
-    many = {"num_shards": 1, "slice_bytes": 2048,
-            "variables": [[f"block{i}/conv/W", [3, 3, 64, 64], "float64"] for i in range(3000)]}
+    many = {
+        "num_shards": 1,
+        "slice_bytes": 2048,
+        "variables": [[f"block{i}/conv/W", [3, 3, 64, 64], "float64"] for i in range(3000)],
+    }
     request = ps_pb2.RegisterRequest(worker_id=1, plan_hash="abc", plan_json=json.dumps(many))
     err = refused(shard.stub.Register, request, RPC_TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
     assert "variables only the worker has: block0/conv/W" in err.details()
 
-    request = ps_pb2.RegisterRequest(worker_id=1, plan_hash="abc",
-                                     plan_json='{"variables": [["\\ud800", [1], "float64"]]}')
+    request = ps_pb2.RegisterRequest(
+        worker_id=1, plan_hash="abc", plan_json='{"variables": [["\\ud800", [1], "float64"]]}'
+    )
     err = refused(shard.stub.Register, request, RPC_TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "variables only the worker has: \\ud800" in err.details() and "same job file" in err.details()
@@ -409,8 +475,9 @@ def test_async_push_clocks_stop_where_the_next_clock_no_longer_fits_int64(async_
 
 SLICE_IDS = st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1))
 OFFSETS = st.one_of(st.sampled_from([0, 1, 8, 80, 1024, 2048]), st.integers(0, 2**64 - 1))
-DTYPES = st.one_of(st.sampled_from(["float64", "float32", "", "<f8", "f8", "float64 ", "FLOAT64", "int64"]),
-                   st.text(max_size=12))
+DTYPES = st.one_of(
+    st.sampled_from(["float64", "float32", "", "<f8", "f8", "float64 ", "FLOAT64", "int64"]), st.text(max_size=12)
+)
 WORKERS = st.one_of(st.integers(-2, 3), st.integers(*INT32))
 CLOCKS = st.one_of(st.integers(-2, 3), st.integers(*INT64))
 
@@ -426,13 +493,33 @@ def junk_streams(draw) -> list[ps_pb2.PushMessage]:
         else:
             messages.append(chunk(draw(SLICE_IDS), draw(OFFSETS), draw(st.binary(max_size=300))))
     if draw(st.booleans()):
-        messages.insert(0, header(draw(st.integers(-1, 2)), draw(st.integers(-1, 2)), draw(st.integers(-1, 2)),
-                                  draw(st.sampled_from(["float64", "float32"]))))
+        messages.insert(
+            0,
+            header(
+                draw(st.integers(-1, 2)),
+                draw(st.integers(-1, 2)),
+                draw(st.integers(-1, 2)),
+                draw(st.sampled_from(["float64", "float32"])),
+            ),
+        )
     return messages[:7]
 
 
-MUTATIONS = ("nan", "truncate", "extend", "drop", "repeat", "slice_id", "offset", "dtype", "worker", "clock",
-             "base_version", "no_header", "extra_header")
+MUTATIONS = (
+    "nan",
+    "truncate",
+    "extend",
+    "drop",
+    "repeat",
+    "slice_id",
+    "offset",
+    "dtype",
+    "worker",
+    "clock",
+    "base_version",
+    "no_header",
+    "extra_header",
+)
 
 
 @st.composite
@@ -485,8 +572,7 @@ def mutated_pushes(draw, plan: PartitionPlan) -> tuple[list[ps_pb2.PushMessage],
     return messages, mutation, code
 
 
-ALLOWED_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                    grpc.StatusCode.FAILED_PRECONDITION}
+ALLOWED_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 
 
 def _check_after_refusal(shard: Shard, initial: dict[int, bytes], err: grpc.RpcError) -> None:
@@ -517,12 +603,21 @@ def test_random_push_streams_get_a_status_and_never_change_the_weights(shard, da
 
 
 @PROPERTY
-@given(worker=WORKERS, plan_hash=st.text(max_size=20), plan_json=st.one_of(
-    st.text(max_size=60),
-    st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-                 lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                     st.sampled_from(["num_shards", "slice_bytes", "variables", "x"]), inner, max_size=4),
-                 max_leaves=12).map(json.dumps)))
+@given(
+    worker=WORKERS,
+    plan_hash=st.text(max_size=20),
+    plan_json=st.one_of(
+        st.text(max_size=60),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(st.sampled_from(["num_shards", "slice_bytes", "variables", "x"]), inner, max_size=4)
+            ),
+            max_leaves=12,
+        ).map(json.dumps),
+    ),
+)
 def test_random_registrations_are_refused_with_a_reason(shard, worker, plan_hash, plan_json):
     request = ps_pb2.RegisterRequest(worker_id=worker, plan_hash=plan_hash, plan_json=plan_json)
     try:
@@ -536,8 +631,7 @@ def test_random_registrations_are_refused_with_a_reason(shard, worker, plan_hash
     assert shard.status().version == 0
 
 
-@settings(max_examples=40, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(worker=WORKERS, clock=CLOCKS)
 def test_random_pulls_get_an_answer_or_a_status(shard, worker, clock):
     if worker == -1 or (worker == 0 and clock == 0):

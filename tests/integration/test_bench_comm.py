@@ -14,8 +14,9 @@ PY = sys.executable
 
 
 def bench(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "psgd.cli.main", "bench", "comm", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PY, "-m", "psgd.cli.main", "bench", "comm", *argv], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_names_every_part_and_the_limits():
@@ -25,14 +26,17 @@ def test_help_names_every_part_and_the_limits():
         assert word in done.stdout, word
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--parts", "sweep,warp"], ["--parts: unknown warp", "choose from"]),
-    (["--sizes-mb", "4,lots"], ["--sizes-mb", "'4,lots'"]),
-    (["--sizes-mb", "0"], ["at least"]),
-    (["--steps", "0"], ["--steps must be at least 1"]),
-    (["--rounds", "0"], ["--rounds must be at least 1"]),
-    (["--focus-mb", "0"], ["--focus-mb"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--parts", "sweep,warp"], ["--parts: unknown warp", "choose from"]),
+        (["--sizes-mb", "4,lots"], ["--sizes-mb", "'4,lots'"]),
+        (["--sizes-mb", "0"], ["at least"]),
+        (["--steps", "0"], ["--steps must be at least 1"]),
+        (["--rounds", "0"], ["--rounds must be at least 1"]),
+        (["--focus-mb", "0"], ["--focus-mb"]),
+    ],
+)
 def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
     done = bench(*argv, timeout=60)
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -46,8 +50,20 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
 @pytest.mark.lacks(importlib.util.find_spec("mpi4py") is None, reason="the sweep's all-reduce needs the mpi extra")
 def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     out = tmp_path / "comm.json"
-    done = bench("--parts", "headline,sweep,latency,optimizer", "--sizes-mb", "0.1", "--focus-mb", "0.2",
-                 "--rounds", "2", "--steps", "2", "--json", str(out))
+    done = bench(
+        "--parts",
+        "headline,sweep,latency,optimizer",
+        "--sizes-mb",
+        "0.1",
+        "--focus-mb",
+        "0.2",
+        "--rounds",
+        "2",
+        "--steps",
+        "2",
+        "--json",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "limits: raw loopback TCP" in done.stdout and "a small step's fixed cost" in done.stdout
     result = json.loads(out.read_text())
@@ -56,29 +72,39 @@ def test_a_small_run_measures_each_part_against_the_limits(tmp_path):
     (row,) = result["sweep"]
     assert row["size_bytes"] == 100_000
     assert 0 < row["pull_s"] < row["step_s"] and 0 < row["push_s"] < row["step_s"]
-    assert row["allreduce_s"] > 0 and row["step_over_tcp"] == pytest.approx(row["step_gbps"] / result["tcp_loopback_gbps"])
+    assert row["allreduce_s"] > 0 and row["step_over_tcp"] == pytest.approx(
+        row["step_gbps"] / result["tcp_loopback_gbps"]
+    )
     assert 0 < row["shard_peak_rss_mb"] < row["shard_rss_budget_mb"]
     headline = result["headline"]
     assert headline["size_bytes"] == 200_000 and len(headline["rounds"]) == 2
     for r in headline["rounds"]:
         assert r["step_over_tcp"] == pytest.approx(r["step_gbps"] / r["tcp_loopback_gbps"])
     assert headline["median_step_over_tcp"] == pytest.approx(
-        sum(r["step_over_tcp"] for r in headline["rounds"]) / 2)  # the median of two is their mean
+        sum(r["step_over_tcp"] for r in headline["rounds"]) / 2
+    )  # the median of two is their mean
     latency = result["latency"]  # a launch and one process as users run them, then each link's small step
     assert "as users run it" in done.stdout and len(latency["launch_steps_per_s"]) == 1
     assert latency["launch_over_single"] == pytest.approx(
-        latency["launch_steps_per_s"][0] / latency["single_steps_per_s"][0])
+        latency["launch_steps_per_s"][0] / latency["single_steps_per_s"][0]
+    )
     limit = latency["floor"]  # the same step split across two processes with nothing between them but memory
     assert len(limit["one_process_steps_per_s"]) == len(limit["two_processes_steps_per_s"]) == 3
     assert 0 < limit["split_over_one"] < 1.5 and "the floor: that step in one process" in done.stdout
     assert [(r["size_bytes"], r["link"]) for r in latency["steps"]] == [
-        (size, link) for size in (64, 19_240) for link in ("tcp", "shm", "grpc")]
+        (size, link) for size in (64, 19_240) for link in ("tcp", "shm", "grpc")
+    ]
     for r in latency["steps"]:
         assert r["one_round_trip_s"] > 0 and r["two_round_trips_s"] > 0
         shard = r["shard_s"] or 0.0  # the shard counts the time of its data port's requests, not gRPC's
         assert (r["shard_s"] is None) == (r["link"] == "grpc") and shard < r["one_round_trip_s"]
-        bare = latency["bare_grpc_rtt_s" if r["link"] == "grpc" else
-                       "bare_tcp_watched_rtt_s" if latency["busy_poll_us"] else "bare_tcp_rtt_s"]
+        bare = latency[
+            "bare_grpc_rtt_s"
+            if r["link"] == "grpc"
+            else "bare_tcp_watched_rtt_s"
+            if latency["busy_poll_us"]
+            else "bare_tcp_rtt_s"
+        ]
         assert r["bare_s"] == bare and r["rest_s"] == pytest.approx(r["one_round_trip_s"] - shard - bare)
     assert set(result["optimizer_gbps"]) == {"sgd", "momentum", "adam"}
     assert "grid" not in result and "scale" not in result  # only the parts asked for
@@ -106,8 +132,12 @@ def test_the_allreduce_benchmark_sets_mpi_beside_the_parameter_server_for_the_sa
     """benchmarks/allreduce.py, as small as it goes: one 100 kB gradient, two MPI ranks against one worker and one
     shard, beside the machine's loopback and memory copy."""
     out = tmp_path / "allreduce.json"
-    done = subprocess.run([PY, "-m", "psgd.bench.allreduce", "--sizes-mb", "0.1", "--ranks", "2", "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [PY, "-m", "psgd.bench.allreduce", "--sizes-mb", "0.1", "--ranks", "2", "--repeats", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["tcp_loopback_gbps"] > 0 and result["memcpy_gbps"] > 0

@@ -14,12 +14,18 @@ PY = sys.executable
 
 
 def bench(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "psgd.cli.main", "bench", "flood", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PY, "-m", "psgd.cli.main", "bench", "flood", *argv], capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("argv, words", [(["--seconds", "0"], ["--seconds must be positive"]),
-                                         (["--connections", "-1"], ["--connections must be at least 0"])])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--seconds", "0"], ["--seconds must be positive"]),
+        (["--connections", "-1"], ["--connections must be at least 0"]),
+    ],
+)
 def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
     done = bench(*argv, timeout=60)
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -29,9 +35,18 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
 
 def test_a_workers_steps_are_counted_between_two_times(tmp_path):
     records = tmp_path / "worker0.jsonl"
-    records.write_text("\n".join(json.dumps(r) for r in [{"event": "eval", "time": 1.5}, {"event": "step", "time": 1.0},
-                                                          {"event": "step", "time": 2.0}, {"event": "step", "time": 3.0}])
-                       + "\n{\"event\": \"step\", \"ti")  # a line still being written
+    records.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"event": "eval", "time": 1.5},
+                {"event": "step", "time": 1.0},
+                {"event": "step", "time": 2.0},
+                {"event": "step", "time": 3.0},
+            ]
+        )
+        + "\n{\"event\": \"step\", \"ti"
+    )  # a line still being written
     assert flood._steps(records, 1.0, 3.0) == 2
 
 

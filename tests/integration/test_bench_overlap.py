@@ -14,9 +14,30 @@ from psgd.bench import overlap
 @pytest.mark.slow
 def test_a_run_of_one_async_worker_measures_both_paths_and_the_two_parts(tmp_path):
     out, picture = tmp_path / "overlap.json", tmp_path / "timeline.png"
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "overlap", "--models", "quarter",
-                           "--workers", "1", "--kinds", "async", "--epochs", "1", "--json", str(out),
-                           "--timeline", str(picture)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "overlap",
+            "--models",
+            "quarter",
+            "--workers",
+            "1",
+            "--kinds",
+            "async",
+            "--epochs",
+            "1",
+            "--json",
+            str(out),
+            "--timeline",
+            str(picture),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "timeline of async 1w" in done.stdout
     assert "steps/s off" in done.stdout and "async 1w" in done.stdout
@@ -29,13 +50,19 @@ def test_a_run_of_one_async_worker_measures_both_paths_and_the_two_parts(tmp_pat
     assert row["speedup"] == pytest.approx(row["step_off_s"] / row["step_on_s"])
 
 
-@pytest.mark.parametrize("flags, said", [(["--models", "huge"], "--models: unknown huge"),
-                                         (["--kinds", "bsp"], "--kinds: unknown bsp"),
-                                         (["--workers", "x"], "--workers: expected whole numbers"),
-                                         (["--epochs", "0"], "at least 1")])
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--models", "huge"], "--models: unknown huge"),
+        (["--kinds", "bsp"], "--kinds: unknown bsp"),
+        (["--workers", "x"], "--workers: expected whole numbers"),
+        (["--epochs", "0"], "at least 1"),
+    ],
+)
 def test_bad_flags_are_refused_in_one_line(flags, said):
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "overlap", *flags],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "bench", "overlap", *flags], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
@@ -44,9 +71,14 @@ def test_the_timeline_shows_a_push_and_the_next_pull_at_once(tmp_path):
     records = []
     for clock in range(6):
         t = clock * 0.1
-        records.append({"event": "step", "clock": clock, "wall": t + 0.1,
-                        "spans": {"compute": [t, t + 0.02], "push": [t + 0.02, t + 0.09],
-                                  "pull": [t - 0.08, t]}})
+        records.append(
+            {
+                "event": "step",
+                "clock": clock,
+                "wall": t + 0.1,
+                "spans": {"compute": [t, t + 0.02], "push": [t + 0.02, t + 0.09], "pull": [t - 0.08, t]},
+            }
+        )
     log = tmp_path / "worker-0.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
     overlap.draw_timeline(log, tmp_path / "t.png", "test")

@@ -29,11 +29,29 @@ def test_a_silent_follower_at_the_replicas_address_is_cut_off_and_the_job_goes_o
 
 
 def test_bad_arguments_are_refused(capsys):
-    args = argparse.Namespace(hidden=0, epochs=2, repeats=1, at=0.3, network=["loopback"], overlap=False, json=None,
-                              parts=["throughput"], window=40.0)
+    args = argparse.Namespace(
+        hidden=0,
+        epochs=2,
+        repeats=1,
+        at=0.3,
+        network=["loopback"],
+        overlap=False,
+        json=None,
+        parts=["throughput"],
+        window=40.0,
+    )
     assert replicas.run_from_args(args) == 2
     assert "must be >= 1" in capsys.readouterr().out
-    args = argparse.Namespace(hidden=8, epochs=2, repeats=1, at=0.3, network=["loopback"], overlap=False, json=None,
-                              parts=["fallover"], window=40.0)
+    args = argparse.Namespace(
+        hidden=8,
+        epochs=2,
+        repeats=1,
+        at=0.3,
+        network=["loopback"],
+        overlap=False,
+        json=None,
+        parts=["fallover"],
+        window=40.0,
+    )
     assert replicas.run_from_args(args) == 2
     assert "unknown part(s) fallover" in capsys.readouterr().out

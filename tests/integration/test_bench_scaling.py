@@ -10,9 +10,17 @@ from pathlib import Path
 import pytest
 
 from psgd.bench.scaling.command import add_arguments, settings_from_args
-from psgd.bench.scaling.measure import (MeasureError, allreduce_rates, efficiency, ps_rates, read_steps, single_rates,
-                                        span_rate, thread_report)
 from psgd.bench.scaling.grid import ALLCORES_LABEL, PEER_ENV, PEER_LABEL, RATIO_LABEL, Run
+from psgd.bench.scaling.measure import (
+    MeasureError,
+    allreduce_rates,
+    efficiency,
+    ps_rates,
+    read_steps,
+    single_rates,
+    span_rate,
+    thread_report,
+)
 from psgd.bench.scaling.report import markdown, tabulate
 from psgd.cli.main import main as psgd_main
 from psgd.compute.threads import available_cores
@@ -29,6 +37,7 @@ def steps(started: float, walls: list[float], role: str = "worker:0") -> list[di
 
 # -- the arithmetic, no processes ----------------------------------------------------------------
 
+
 def test_span_rate_leaves_out_the_first_step():
     assert span_rate([0.5, 0.6, 0.7, 0.8, 0.9]) == pytest.approx(4 / 0.4)
     with pytest.raises(MeasureError, match="too few"):
@@ -39,7 +48,7 @@ def test_span_rate_leaves_out_the_first_step():
 
 def test_ps_rates_count_steps_while_every_worker_was_stepping():
     # worker 0 steps every 10 ms from t=100.000, worker 1 every 20 ms from t=100.105 (a late start)
-    w0 = steps(100.0, [0.01 * k for k in range(1, 31)])             # completions 100.01 .. 100.30
+    w0 = steps(100.0, [0.01 * k for k in range(1, 31)])  # completions 100.01 .. 100.30
     w1 = steps(100.1, [0.005 + 0.02 * k for k in range(1, 11)], "worker:1")  # 100.125 .. 100.305
     got = ps_rates([w0, w1])
     assert got["method"] == "window"
@@ -55,7 +64,7 @@ def test_ps_rates_count_steps_while_every_worker_was_stepping():
 
 
 def test_ps_rates_fall_back_to_the_sum_of_rates_when_workers_barely_overlap():
-    w0 = steps(100.0, [0.01 * k for k in range(1, 21)])   # 100.01 .. 100.20
+    w0 = steps(100.0, [0.01 * k for k in range(1, 21)])  # 100.01 .. 100.20
     w1 = steps(100.19, [0.01 * k for k in range(1, 21)], "worker:1")  # 100.20 .. 100.39
     got = ps_rates([w0, w1])
     assert got["method"] == "sum of per-worker rates"
@@ -91,15 +100,22 @@ def test_efficiency_is_aggregate_over_n_times_one_process():
 
 def test_read_steps_keeps_only_step_lines(tmp_path):
     path = tmp_path / "worker-0.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"event": "step", "wall": 0.1}, {"event": "done", "steps": 1},
-                                                       {"event": "step", "wall": 0.2}]) + "\n\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [{"event": "step", "wall": 0.1}, {"event": "done", "steps": 1}, {"event": "step", "wall": 0.2}]
+        )
+        + "\n\n"
+    )
     assert [r["wall"] for r in read_steps(path)] == [0.1, 0.2]
 
 
 def test_thread_report_reads_the_launchers_line():
     line = "21:35:19 launch[15901] INFO 5 process(es) on 16 core(s): 3 BLAS/OpenMP thread(s) each (--threads N)"
-    assert thread_report("psgd: something\n" + line) == ("5 process(es) on 16 core(s): 3 BLAS/OpenMP thread(s) each "
-                                                         "(--threads N)", 3)
+    assert thread_report("psgd: something\n" + line) == (
+        "5 process(es) on 16 core(s): 3 BLAS/OpenMP thread(s) each (--threads N)",
+        3,
+    )
     said = "3 process(es) on 16 core(s): BLAS/OpenMP threads as OMP_NUM_THREADS=1 says"
     assert thread_report(said) == (said, 1)
     assert thread_report("final test accuracy: 0.95") == ("", None)
@@ -108,24 +124,52 @@ def test_thread_report_reads_the_launchers_line():
 def test_the_plan_runs_the_peer_beside_its_twin_and_flags_fill_in_quick():
     settings = settings_from_args(_args("--quick"))
     assert [(r.row, r.column) for r in settings.plan()] == [
-        (w, c) for w in ("64", "512") for c in ("1 process", "sync 1w", "sync 2w", PEER_LABEL, ALLCORES_LABEL)]
-    settings = settings_from_args(_args("--quick", "--workers", "1", "--configs", "sync,peer,cnn",
-                                                "--widths", "128"))
+        (w, c) for w in ("64", "512") for c in ("1 process", "sync 1w", "sync 2w", PEER_LABEL, ALLCORES_LABEL)
+    ]
+    settings = settings_from_args(_args("--quick", "--workers", "1", "--configs", "sync,peer,cnn", "--widths", "128"))
     assert [(r.row, r.column) for r in settings.plan()] == [
-        ("128", "sync 1w"), ("128", "sync 2w"), ("128", PEER_LABEL),
-        ("cnn", "sync 1w"), ("cnn", "sync 2w"), ("cnn", PEER_LABEL)]
+        ("128", "sync 1w"),
+        ("128", "sync 2w"),
+        ("128", PEER_LABEL),
+        ("cnn", "sync 1w"),
+        ("cnn", "sync 2w"),
+        ("cnn", PEER_LABEL),
+    ]
     full = settings_from_args(_args())
     assert len(full.plan()) == 8 * 12 and full.repeats == 3 and full.epochs == 20
-    assert full.columns() == ["1 process", "sync 1w", "sync 2w", "sync 4w", "async 1w", "async 2w", "async 4w",
-                              "all-reduce 1w", "all-reduce 2w", "all-reduce 4w", PEER_LABEL, ALLCORES_LABEL]
+    assert full.columns() == [
+        "1 process",
+        "sync 1w",
+        "sync 2w",
+        "sync 4w",
+        "async 1w",
+        "async 2w",
+        "async 4w",
+        "all-reduce 1w",
+        "all-reduce 2w",
+        "all-reduce 4w",
+        PEER_LABEL,
+        ALLCORES_LABEL,
+    ]
     peer = Run("256", "sync", 2, peer=True)
     argv = peer.argv(3, "DIR", 60)
     assert argv[:2] == ["launch", "--mode"] and "--set" in argv and "model.hidden=[256]" in argv
     no_budget = Run("256", "sync", 2, all_cores=True).argv(3, "DIR", 60)
     assert no_budget[no_budget.index("--threads") + 1] == str(available_cores())
     assert "--threads" not in argv
-    assert Run("cnn", "single").argv(3) == ["train", "--optimizer", "sgd", "--lr", "0.1", "--epochs", "3", "--model",
-                                            "cnn", "--no-progress", "--json"]
+    assert Run("cnn", "single").argv(3) == [
+        "train",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--epochs",
+        "3",
+        "--model",
+        "cnn",
+        "--no-progress",
+        "--json",
+    ]
 
 
 def _args(*argv: str):
@@ -146,17 +190,22 @@ def _record(row, column, kind, workers, rate, peer=False, error=None, threads=No
 
 
 def test_table_medians_efficiency_and_peer_ratio_from_hand_made_runs():
-    settings = settings_from_args(_args("--widths", "64,512", "--workers", "2",
-                                                "--configs", "single,sync,allreduce,peer", "--repeats", "3"))
+    settings = settings_from_args(
+        _args("--widths", "64,512", "--workers", "2", "--configs", "single,sync,allreduce,peer", "--repeats", "3")
+    )
     records = []
     for rate in (1000.0, 900.0, 1100.0):
-        records += [_record("64", "1 process", "single", 1, rate),
-                    _record("64", "sync 2w", "sync", 2, rate * 1.5, threads=1),
-                    _record("64", PEER_LABEL, "sync", 2, rate * 1.5, peer=True, threads=1),
-                    _record("512", "1 process", "single", 1, rate / 2)]
-    records += [_record("512", "sync 2w", "sync", 2, 40.0, threads=8),
-                _record("512", PEER_LABEL, "sync", 2, 800.0, peer=True, threads=1),
-                _record("512", "sync 2w", "sync", 2, 0, error="exit status 1: psgd: error: boom")]
+        records += [
+            _record("64", "1 process", "single", 1, rate),
+            _record("64", "sync 2w", "sync", 2, rate * 1.5, threads=1),
+            _record("64", PEER_LABEL, "sync", 2, rate * 1.5, peer=True, threads=1),
+            _record("512", "1 process", "single", 1, rate / 2),
+        ]
+    records += [
+        _record("512", "sync 2w", "sync", 2, 40.0, threads=8),
+        _record("512", PEER_LABEL, "sync", 2, 800.0, peer=True, threads=1),
+        _record("512", "sync 2w", "sync", 2, 0, error="exit status 1: psgd: error: boom"),
+    ]
     table = tabulate(records, settings, {"allreduce": "mpi4py is not installed"})
     assert table["columns"] == ["1 process", "sync 2w", "all-reduce 2w", PEER_LABEL]
     assert table["steps_per_s"]["64"]["1 process"] == pytest.approx(1000)  # the median of three
@@ -168,9 +217,18 @@ def test_table_medians_efficiency_and_peer_ratio_from_hand_made_runs():
     assert table["peer_ratio"]["512"] == pytest.approx(0.05)
     assert table["steps_per_s"]["512"]["all-reduce 2w"] == "skipped"
     assert table["blas_threads"]["512"]["sync 2w"] == [8]
-    text = markdown({"table": table, "settings": settings.to_dict(), "thread_env": {}, "skipped":
-                     {"allreduce": "mpi4py is not installed"}, "machine": "m", "runs": records, "seconds": 1.0,
-                     "load_average": {"before": [0, 0, 0], "after": [0, 0, 0]}})
+    text = markdown(
+        {
+            "table": table,
+            "settings": settings.to_dict(),
+            "thread_env": {},
+            "skipped": {"allreduce": "mpi4py is not installed"},
+            "machine": "m",
+            "runs": records,
+            "seconds": 1.0,
+            "load_average": {"before": [0, 0, 0], "after": [0, 0, 0]},
+        }
+    )
     first = text.split("\n\n")[1].splitlines()
     assert first[0] == f"| model | 1 process | sync 2w | all-reduce 2w | {PEER_LABEL} | {RATIO_LABEL} |"
     assert first[2] == "| MLP 64 | 1,000 | 1,500 | skipped | 1,500 | 1.00 |"
@@ -179,18 +237,21 @@ def test_table_medians_efficiency_and_peer_ratio_from_hand_made_runs():
     assert "| MLP 512 | 0.04 | skipped | 0.80 |" in text  # efficiency: 40 / (2 x 500), 800 / (2 x 500)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--widths", "64,lots"], ["--widths", "'64,lots'"]),
-    (["--widths", "0"], ["--widths", "at least 1"]),
-    (["--workers", ","], ["--workers", "at least one"]),
-    (["--configs", "sync,warp"], ["--configs: unknown warp", "choose from"]),
-    (["--configs", "cnn"], ["nothing to run"]),
-    (["--widths", "", "--configs", "sync"], ["nothing to run"]),
-    (["--epochs", "0"], ["--epochs must be at least 1"]),
-    (["--epochs", "two"], ["--epochs", "'two'"]),
-    (["--repeats", "0"], ["--repeats must be at least 1"]),
-    (["--timeout", "-5"], ["--timeout must be at least"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--widths", "64,lots"], ["--widths", "'64,lots'"]),
+        (["--widths", "0"], ["--widths", "at least 1"]),
+        (["--workers", ","], ["--workers", "at least one"]),
+        (["--configs", "sync,warp"], ["--configs: unknown warp", "choose from"]),
+        (["--configs", "cnn"], ["nothing to run"]),
+        (["--widths", "", "--configs", "sync"], ["nothing to run"]),
+        (["--epochs", "0"], ["--epochs must be at least 1"]),
+        (["--epochs", "two"], ["--epochs", "'two'"]),
+        (["--repeats", "0"], ["--repeats must be at least 1"]),
+        (["--timeout", "-5"], ["--timeout must be at least"]),
+    ],
+)
 def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words, tmp_path, capsys):
     out = tmp_path / "out"
     assert psgd_main(["bench", "scaling", "--out", str(out), "--no-progress", *argv]) == 2
@@ -203,11 +264,30 @@ def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words, tmp_pat
 
 # -- a real run ------------------------------------------------------------------------------------
 
+
 def test_a_quick_run_writes_the_table_json_and_plot(tmp_path):
     out, extra = tmp_path / "out", tmp_path / "all.json"
-    done = subprocess.run([PY, "-m", "psgd.cli.main", "bench", "scaling", "--quick", "--widths", "64",
-                           "--out", str(out), "--json", str(extra), "--timeout", "120"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            PY,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "scaling",
+            "--quick",
+            "--widths",
+            "64",
+            "--out",
+            str(out),
+            "--json",
+            str(extra),
+            "--timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"table.md", "scaling.json", "scaling.png"}
     assert (out / "scaling.png").read_bytes()[:8] == PNG_SIGNATURE

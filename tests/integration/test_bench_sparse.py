@@ -13,16 +13,20 @@ PY = sys.executable
 
 
 def bench(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "psgd.cli.main", "bench", "sparse", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PY, "-m", "psgd.cli.main", "bench", "sparse", *argv], capture_output=True, text=True, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--rows", "1e5,many"], ["--rows", "'1e5,many'"]),
-    (["--rows", "0"], ["at least"]),
-    (["--steps", "0"], ["--steps must be at least 1"]),
-    (["--alpha", "0.5"], ["--alpha must lie between 1 and 3"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rows", "1e5,many"], ["--rows", "'1e5,many'"]),
+        (["--rows", "0"], ["at least"]),
+        (["--steps", "0"], ["--steps must be at least 1"]),
+        (["--alpha", "0.5"], ["--alpha must lie between 1 and 3"]),
+    ],
+)
 def test_bad_flags_are_one_line_errors_before_anything_runs(argv, words):
     done = bench(*argv, timeout=60)
     assert done.returncode == 2, (done.stdout, done.stderr)

@@ -11,8 +11,26 @@ import pytest
 
 def test_a_small_run_measures_the_step_where_it_goes_and_its_floor(tmp_path):
     out = tmp_path / "step.json"
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "step", "--widths", "64", "--steps", "16",
-                           "--runs", "shm,tcp", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "step",
+            "--widths",
+            "64",
+            "--steps",
+            "16",
+            "--runs",
+            "shm,tcp",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (row,) = json.loads(out.read_text())["widths"]
     assert row["width"] == 64 and row["bytes"] == 4 * (1024 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10)
@@ -25,10 +43,16 @@ def test_a_small_run_measures_the_step_where_it_goes_and_its_floor(tmp_path):
     assert "floor of a step behind a shard" in done.stdout
 
 
-@pytest.mark.parametrize("flags, said", [(["--runs", "bsp"], "--runs: unknown bsp"),
-                                         (["--widths", "x"], "--widths: expected whole numbers"),
-                                         (["--steps", "2"], "at least 8")])
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--runs", "bsp"], "--runs: unknown bsp"),
+        (["--widths", "x"], "--widths: expected whole numbers"),
+        (["--steps", "2"], "at least 8"),
+    ],
+)
 def test_bad_flags_are_refused_in_one_line(flags, said):
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "step", *flags],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "bench", "step", *flags], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr

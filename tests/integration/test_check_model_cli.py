@@ -77,8 +77,11 @@ def test_readme_model_is_the_tested_file():
     for name, path in EXAMPLES.items():
         assert readme_model(name) == path.read_text(encoding="utf-8")
     readme = PAGE.read_text(encoding="utf-8")
-    for command in ("psgd check-model tanhnet:TanhMLP", "psgd train --model tanhnet:TanhMLP",
-                    "psgd launch --model tanhnet:TanhMLP"):
+    for command in (
+        "psgd check-model tanhnet:TanhMLP",
+        "psgd train --model tanhnet:TanhMLP",
+        "psgd launch --model tanhnet:TanhMLP",
+    ):
         assert command in readme
     for initializer in ("`zeros`", "`he_normal`", "`glorot_uniform`", "`normal` (std `scale`"):
         assert initializer in readme
@@ -91,8 +94,11 @@ def test_readme_model_passes(folder, capsys, model):
     assert lines[0] == f"checking model {model} for digits: input (8, 8) float32, 10 classes, on cpu"
     assert [line.split(":")[0] for line in lines[1:-1]] == [f"ok   {c}" for c in CHECKS]
     assert "ok   specs: 4 variables, 4,810 parameters, float32" in lines
-    assert re.match(r"ok   finite differences: 12 coordinates of 4 gradients agree with central differences in "
-                    r"float64 \(largest relative error \S+, tolerance 1e-04\)$", lines[-2])
+    assert re.match(
+        r"ok   finite differences: 12 coordinates of 4 gradients agree with central differences in "
+        r"float64 \(largest relative error \S+, tolerance 1e-04\)$",
+        lines[-2],
+    )
     assert re.match(r"all 7 checks passed in \d+\.\d\d s$", lines[-1])
 
 
@@ -113,26 +119,28 @@ def test_options_and_dtype_reach_the_model(folder, capsys):
 def test_a_missing_gradient_fails_with_exit_status_2(folder, capsys):
     code, lines, _ = run(capsys, "broken:NoB2")
     assert code == 2
-    assert ("FAIL gradients: no gradient for 'b2' (loss_and_grads must return one for every variable in specs(), "
-            "zeros included)") in lines
-    assert lines[-1] == ("1 of 7 checks failed (gradients); fix the first one first, the others may follow "
-                         "from it")
+    assert (
+        "FAIL gradients: no gradient for 'b2' (loss_and_grads must return one for every variable in specs(), "
+        "zeros included)"
+    ) in lines
+    assert lines[-1] == ("1 of 7 checks failed (gradients); fix the first one first, the others may follow from it")
     assert lines[-2].startswith("ok   finite differences: 9 coordinates of 3 gradients agree")
 
 
 def test_swapped_order_is_said_in_words(folder, capsys):
     code, lines, _ = run(capsys, "broken:Swapped")
     assert code == 2
-    assert ("FAIL loss_and_grads: returned (gradients, loss); it must return (loss, gradients), in that order"
-            in lines)
+    assert "FAIL loss_and_grads: returned (gradients, loss); it must return (loss, gradients), in that order" in lines
     assert "ok   gradients: one per variable, with its shape and dtype, all finite" in lines
 
 
 def test_a_model_that_does_not_build(folder, capsys):
     code, lines, _ = run(capsys, "tanhnet:TanhMLP", "--set", "model.widht=3")
     assert code == 2
-    assert lines[1:] == ["FAIL build: model 'tanhnet:TanhMLP': got an unexpected keyword argument 'widht' "
-                         "(options it takes: width)", "the model could not be built"]
+    assert lines[1:] == [
+        "FAIL build: model 'tanhnet:TanhMLP': got an unexpected keyword argument 'widht' (options it takes: width)",
+        "the model could not be built",
+    ]
     code, lines, _ = run(capsys, "nosuchmodule:Net")
     assert code == 2 and lines[1].startswith("FAIL build: model 'nosuchmodule:Net': cannot import module")
 
@@ -164,11 +172,13 @@ def test_real_psgd_process_from_the_models_folder(tmp_path):
     (tmp_path / "broken.py").write_text(BROKEN)
     command = [shutil.which("psgd")] if shutil.which("psgd") else [sys.executable, "-m", "psgd.cli.main"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's psgd, whichever is installed
-    good = subprocess.run([*command, "check-model", "tanhnet:TanhMLP"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    good = subprocess.run(
+        [*command, "check-model", "tanhnet:TanhMLP"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert good.returncode == 0, good.stdout + good.stderr
     assert "ok   gradients: one per variable" in good.stdout and "all 7 checks passed" in good.stdout
-    bad = subprocess.run([*command, "check-model", "broken:NoB2"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [*command, "check-model", "broken:NoB2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "FAIL gradients: no gradient for 'b2'" in bad.stdout

@@ -7,23 +7,22 @@ import errno
 import logging
 
 import numpy as np
+from helpers import TOKEN, make_job, wait_for
 
 from psgd.config import Deadlines
 from psgd.job import describe_job
 from psgd.observe.prometheus import ShardMetrics
 from psgd.server import build_shard
-from psgd.server.state import checkpoint
 from psgd.server.net.service import ShardServer
-
+from psgd.server.state import checkpoint
 from psgd.worker.client import PSClient
-
-from helpers import TOKEN, make_job, wait_for
 
 
 def test_failing_checkpoints_are_said_once_counted_and_their_end_said(tmp_path, monkeypatch, caplog):
     job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1")
-    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", checkpoint_dir=str(tmp_path),
-                         checkpoint_seconds=3600).start()
+    server = ShardServer(
+        build_shard(describe_job(job), 0), "127.0.0.1:0", checkpoint_dir=str(tmp_path), checkpoint_seconds=3600
+    ).start()
     real_save = checkpoint.save
 
     def full_disk(*args, **kwargs):
@@ -53,26 +52,42 @@ def test_a_checkpoint_loop_that_runs_out_of_descriptors_goes_on_and_writes_again
     """Periodic checkpoints (async) whose folder cannot be listed for a while: the loop goes on, and once the
     descriptors are back the next version is checkpointed.  Before, the loop's thread died of the OSError
     ("Exception in thread shard0-checkpoints") and no checkpoint was written again."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.transport=tcp", "cluster.request_timeout=5")
-    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN,
-                         checkpoint_dir=str(tmp_path), checkpoint_seconds=0.05).start()
+    job = make_job(
+        "model.name=softmax",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.transport=tcp",
+        "cluster.request_timeout=5",
+    )
+    server = ShardServer(
+        build_shard(describe_job(job), 0),
+        "127.0.0.1:0",
+        transport="tcp",
+        token=TOKEN,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_seconds=0.05,
+    ).start()
     job = job.override("cluster.servers", [server.address])
     plan = server.core.plan
     folder = checkpoint.shard_dir(tmp_path, 0, server.core.fingerprint)
     caplog.set_level(logging.INFO, logger="psgd.server")
     try:
         wait_for(lambda: checkpoint.versions(folder) == [0], 10, "the first checkpoint")
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN,
-                      config=job) as client:
+        with PSClient(
+            job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN, config=job
+        ) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
             with monkeypatch.context() as patched:  # neither a checkpoint's files nor the folder's list
                 patched.setattr(checkpoint, "_write_atomically", out_of_descriptors)
                 patched.setattr(checkpoint, "_versions", out_of_descriptors)
                 client.push(0, grads)
-                wait_for(lambda: server.core.counters.get("checkpoint_failures", 0) >= 2, 10,
-                         "the checkpoint loop to fail twice")
+                wait_for(
+                    lambda: server.core.counters.get("checkpoint_failures", 0) >= 2,
+                    10,
+                    "the checkpoint loop to fail twice",
+                )
             client.push(1, grads)
             wait_for(lambda: 2 in checkpoint.versions(folder), 10, "a checkpoint of version 2")
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -84,8 +99,13 @@ def test_a_checkpoint_loop_that_runs_out_of_descriptors_goes_on_and_writes_again
 def test_a_background_loop_that_meets_an_error_says_it_counts_it_and_goes_on(tmp_path, caplog):
     """Whatever a turn of a shard's background loops raises (here the lease reaper's), the loop goes on: the error
     is counted (Status, Prometheus) and said once, with its traceback, not once per turn."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.lease_seconds=0.4")
+    job = make_job(
+        "model.name=softmax",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.lease_seconds=0.4",
+    )
     server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0").start()
     real, turns = server.core.expire_leases, []
 
@@ -94,6 +114,7 @@ def test_a_background_loop_that_meets_an_error_says_it_counts_it_and_goes_on(tmp
         if len(turns) <= 5:
             raise RuntimeError("a fault of the lease reaper's own")
         return real()
+
     caplog.set_level(logging.INFO, logger="psgd.server")
     server.core.expire_leases = broken
     try:

@@ -21,17 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import TOKEN, by_hand_env, make_job, skip_or_fail, wait_for
-from psgd.ops.reach import Connect
-from psgd.ops.view import collect
+
 from psgd.config import to_toml
 from psgd.job import describe_job
+from psgd.ops.reach import Connect
+from psgd.ops.view import collect
 from psgd.server import build_shard
-from psgd.server.state import checkpoint
 from psgd.server.durable import recovery
-from psgd.server.state.core import ShardCore
 from psgd.server.net.service import ShardServer
+from psgd.server.state import checkpoint
+from psgd.server.state.core import ShardCore
 
 SETS = ("model.name=softmax", "cluster.shards=1", "cluster.workers=1", "cluster.policy=async")
 
@@ -49,8 +49,9 @@ def shard(j) -> ShardCore:
 def step(core: ShardCore, seed: int) -> None:
     """One async push of a random gradient: the shard's version goes up by one."""
     rng = np.random.default_rng(seed)
-    core.push(0, core.version, core.version,
-              {i: rng.standard_normal(s.size).astype(s.dtype) for i, s in core.slices.items()})
+    core.push(
+        0, core.version, core.version, {i: rng.standard_normal(s.size).astype(s.dtype) for i, s in core.slices.items()}
+    )
 
 
 def files(folder: Path) -> dict[str, bytes]:
@@ -68,9 +69,11 @@ def plant_other_job(root: Path, where: str, mine: str) -> Path:
     an earlier psgd (``root/shard-0``, manifests without a fingerprint), under the other job's own
     fingerprint, or copied into this job's folder.  Returns their folder."""
     other = shard(job("model.name=mlp", "model.hidden=[8]"))
-    folder = {"old layout": checkpoint.shard_dir(root, 0),
-              "own fingerprint": checkpoint.shard_dir(root, 0, other.fingerprint),
-              "this job's folder": checkpoint.shard_dir(root, 0, mine)}[where]
+    folder = {
+        "old layout": checkpoint.shard_dir(root, 0),
+        "own fingerprint": checkpoint.shard_dir(root, 0, other.fingerprint),
+        "this job's folder": checkpoint.shard_dir(root, 0, mine),
+    }[where]
     for version in (576, 578, 580):
         other.version = version
         meta = recovery.write(other, folder, keep=3, force=True)
@@ -88,8 +91,9 @@ def test_a_reused_folder_keeps_this_jobs_checkpoints_and_leaves_the_other_jobs_a
     theirs = plant_other_job(root, where, core.fingerprint)
     before = files(theirs)
     mine = checkpoint.shard_dir(root, 0, core.fingerprint)
-    server = ShardServer(core, "127.0.0.1:0", transport="grpc", checkpoint_dir=str(root), checkpoint_seconds=3600,
-                         keep_checkpoints=2).start()
+    server = ShardServer(
+        core, "127.0.0.1:0", transport="grpc", checkpoint_dir=str(root), checkpoint_seconds=3600, keep_checkpoints=2
+    ).start()
     try:
         for seed in range(4):
             step(core, seed)
@@ -121,21 +125,25 @@ def test_pruning_counts_only_this_jobs_checkpoints_and_keeps_the_one_just_writte
     for seed in range(3):
         step(core, seed)
         recovery.write(core, tmp_path, keep=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-100.json", "ckpt-100.npz", "ckpt-3.json",
-                                                          "ckpt-3.npz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-100.json", "ckpt-100.npz", "ckpt-3.json", "ckpt-3.npz"]
     assert checkpoint.load_latest(tmp_path, core.plan.hash, core.fingerprint).manifest["version"] == 3
     manifest = json.loads((tmp_path / "ckpt-3.json").read_text())
     assert manifest["fingerprint"] == core.fingerprint and manifest["identity"] == core.identity
     assert manifest["shard"] == 0
-    with pytest.raises(checkpoint.CheckpointError, match=f"is shard 0's of job {other.fingerprint}, this is shard 0 "
-                                                          f"of job {core.fingerprint}"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=f"is shard 0's of job {other.fingerprint}, this is shard 0 of job {core.fingerprint}",
+    ):
         recovery.restore(core, checkpoint.load(tmp_path, 100))
 
 
 def leftovers(folder: Path) -> int:
     """What kills in the middle of checkpoints 5 and 6 leave behind; returns their size in bytes."""
-    left = {"ckpt-5.npz": b"x" * 1000,  # renamed into place; the kill came before its manifest
-            ".ckpt-5.json.tmp": b'{"vers', ".ckpt-6.npz.tmp": b"y" * 300}
+    left = {
+        "ckpt-5.npz": b"x" * 1000,  # renamed into place; the kill came before its manifest
+        ".ckpt-5.json.tmp": b'{"vers',
+        ".ckpt-6.npz.tmp": b"y" * 300,
+    }
     for name, data in left.items():
         (folder / name).write_bytes(data)
     return sum(len(data) for data in left.values())
@@ -157,8 +165,10 @@ def test_crash_leftovers_are_removed_and_nothing_else(tmp_path, caplog):
     assert sorted(removed) == [".ckpt-5.json.tmp", ".ckpt-6.npz.tmp", "ckpt-5.npz"] and nbytes == size
     assert files(folder) == kept
     lines = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
-    assert lines == [f"removed what interrupted checkpoints left in {folder}: .ckpt-5.json.tmp, .ckpt-6.npz.tmp, "
-                     f"ckpt-5.npz ({size} bytes)"]
+    assert lines == [
+        f"removed what interrupted checkpoints left in {folder}: .ckpt-5.json.tmp, .ckpt-6.npz.tmp, "
+        f"ckpt-5.npz ({size} bytes)"
+    ]
     assert checkpoint.remove_leftovers(folder) == ([], 0) and checkpoint.remove_leftovers(tmp_path / "none") == ([], 0)
 
 
@@ -204,8 +214,9 @@ def test_a_read_only_folder(tmp_path):
         if os.geteuid() != 0:
             folder.chmod(0o500)
         else:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True, text=True
+            )
             if done.returncode != 0:
                 skip_or_fail(f"root cannot mount a tmpfs here: {done.stderr.strip()}")
             mounted = True
@@ -229,9 +240,25 @@ class Server:
         path.write_text(to_toml(j.to_dict()))
         exe = Path(sys.executable).with_name("psgd-server")
         argv = [str(exe)] if exe.exists() else [sys.executable, "-m", "psgd.cli.server"]
-        self.proc = subprocess.Popen([*argv, "-c", str(path), "--shard", "0", "--bind", "127.0.0.1:0",
-                                      "--port-file", str(self.port_file), "--checkpoint-dir", str(root), *extra],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "w"), env=by_hand_env())
+        self.proc = subprocess.Popen(
+            [
+                *argv,
+                "-c",
+                str(path),
+                "--shard",
+                "0",
+                "--bind",
+                "127.0.0.1:0",
+                "--port-file",
+                str(self.port_file),
+                "--checkpoint-dir",
+                str(root),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "w"),
+            env=by_hand_env(),
+        )
 
     def text(self) -> str:
         return self.log.read_text()
@@ -272,14 +299,22 @@ def test_a_shard_refuses_another_jobs_checkpoints_unless_told_fresh(tmp_path, wh
         refused.close()
     line = refused.text().strip().splitlines()[-1]
     assert line.startswith("psgd-server: error: shard 0: ") and refused.text().count("error:") == 1
-    assert f"holds no checkpoint of this job (fingerprint {fingerprint}) but shard 0's checkpoints of another job: " \
-           in line and "ckpt-580" in line and "--fresh" in line
+    assert (
+        f"holds no checkpoint of this job (fingerprint {fingerprint}) but shard 0's checkpoints of another job: "
+        in line
+        and "ckpt-580" in line
+        and "--fresh" in line
+    )
     if where == "own fingerprint":
-        assert f"job {other.fingerprint} (ckpt-580; differs in workers: this job 1, checkpoint 2; optimizer: this " \
-               "job {lr=0.05}, checkpoint {lr=0.2})" in line
+        assert (
+            f"job {other.fingerprint} (ckpt-580; differs in workers: this job 1, checkpoint 2; optimizer: this "
+            "job {lr=0.05}, checkpoint {lr=0.2})" in line
+        )
     else:
-        assert f"{theirs} (ckpt-580, written before checkpoints were scoped to their job; the same plan, no " \
-               "identity recorded)" in line
+        assert (
+            f"{theirs} (ckpt-580, written before checkpoints were scoped to their job; the same plan, no "
+            "identity recorded)" in line
+        )
     assert not (root / fingerprint).exists() and files(theirs) == before
 
     fresh = Server(tmp_path, mine, root, "--fresh", name="fresh")
@@ -313,9 +348,17 @@ def test_psgd_server_removes_leftovers_and_restores_this_jobs_newest_beside_anot
     finally:
         server.close()
     text = server.text()
-    assert f"removed what interrupted checkpoints left in {folder}: .ckpt-5.json.tmp, .ckpt-6.npz.tmp, ckpt-5.npz " \
-           f"({size} bytes)" in text
+    assert (
+        f"removed what interrupted checkpoints left in {folder}: .ckpt-5.json.tmp, .ckpt-6.npz.tmp, ckpt-5.npz "
+        f"({size} bytes)" in text
+    )
     assert f"restored version 3 from {folder / 'ckpt-3.json'}" in text and "--fresh" not in text
-    assert sorted(files(folder)) == ["ckpt-1.json", "ckpt-1.npz", "ckpt-2.json", "ckpt-2.npz", "ckpt-3.json",
-                                     "ckpt-3.npz"]
+    assert sorted(files(folder)) == [
+        "ckpt-1.json",
+        "ckpt-1.npz",
+        "ckpt-2.json",
+        "ckpt-2.npz",
+        "ckpt-3.json",
+        "ckpt-3.npz",
+    ]
     assert files(theirs) == before

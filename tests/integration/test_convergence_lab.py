@@ -16,14 +16,34 @@ from psgd.bench.observe import Sample, allreduce_points, percentile, ps_points
 from psgd.bench.report import markdown_table
 from psgd.config import ConfigError
 
-POINT_KEYS = {"wall", "steps", "updates", "loss", "test_loss", "test_accuracy", "staleness_p50", "staleness_p99",
-              "bytes"}
-SUMMARY_KEYS = {"time_to_target", "updates_to_target", "steps_to_target", "final_accuracy", "train_seconds",
-                "steps_per_s", "updates_per_s", "staleness_p50", "staleness_p99", "bytes"}
+POINT_KEYS = {
+    "wall",
+    "steps",
+    "updates",
+    "loss",
+    "test_loss",
+    "test_accuracy",
+    "staleness_p50",
+    "staleness_p99",
+    "bytes",
+}
+SUMMARY_KEYS = {
+    "time_to_target",
+    "updates_to_target",
+    "steps_to_target",
+    "final_accuracy",
+    "train_seconds",
+    "steps_per_s",
+    "updates_per_s",
+    "staleness_p50",
+    "staleness_p99",
+    "bytes",
+}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # -- parts, no processes -------------------------------------------------------------
+
 
 def test_contenders_and_scenarios_parse():
     assert parse_contender("sync").sets == ("cluster.policy=sync",)
@@ -61,9 +81,11 @@ def _sample(t, version, pulls, nbytes, acc, hist=(3, 1)):
 
 
 def test_ps_points_share_the_clock_of_the_first_step_and_leave_out_observer_bytes():
-    steps = [{"time": 100.5, "wall": 0.5, "loss": 2.0, "role": "w0"},   # worker loop started at 100.0
-             {"time": 100.7, "wall": 0.6, "loss": 1.0, "role": "w1"},   # started at 100.1
-             {"time": 101.2, "wall": 1.2, "loss": 0.5, "role": "w0"}]
+    steps = [
+        {"time": 100.5, "wall": 0.5, "loss": 2.0, "role": "w0"},  # worker loop started at 100.0
+        {"time": 100.7, "wall": 0.6, "loss": 1.0, "role": "w1"},  # started at 100.1
+        {"time": 101.2, "wall": 1.2, "loss": 0.5, "role": "w0"},
+    ]
     samples = [_sample(99.0, 0, 1, 1000, 0.1), _sample(100.8, 2, 2, 5000, 0.5), _sample(101.5, 3, 3, 9000, 0.9)]
     first = {"wall": 0.0, "steps": 0, "updates": 0, "test_accuracy": 0.1}
     points = ps_points(samples, steps, 100.0, model_bytes=1000, first=first)
@@ -80,8 +102,10 @@ def test_ps_points_share_the_clock_of_the_first_step_and_leave_out_observer_byte
 
 def test_allreduce_points_count_n_gradients_per_step_and_ring_bytes():
     lines = [{"time": 10.0 + 0.1 * s, "wall": 0.1 * s, "clock": s - 1, "loss": 1.0, "role": "r0"} for s in range(1, 5)]
-    evals = [{"time": 10.2, "wall": 0.2, "step": 2, "test_accuracy": 0.5},
-             {"time": 10.4, "wall": 0.4, "step": 4, "test_accuracy": 0.7}]
+    evals = [
+        {"time": 10.2, "wall": 0.2, "step": 2, "test_accuracy": 0.5},
+        {"time": 10.4, "wall": 0.4, "step": 4, "test_accuracy": 0.7},
+    ]
     points = allreduce_points(lines, evals, workers=4, model_bytes=100, first={"wall": 0.0})
     assert [(p["steps"], p["updates"]) for p in points[1:]] == [(8, 2), (16, 4)]
     assert [p["bytes"] for p in points[1:]] == [2 * 2 * 3 * 100, 4 * 2 * 3 * 100]
@@ -90,13 +114,28 @@ def test_allreduce_points_count_n_gradients_per_step_and_ring_bytes():
 
 def test_table_has_one_row_per_policy_with_medians():
     def run(policy, repeat, ttt):
-        summary = {"time_to_target": ttt, "updates_to_target": 10, "steps_to_target": 40, "final_accuracy": 0.9,
-                   "train_seconds": 1.0, "steps_per_s": 100.0 + repeat, "updates_per_s": 25.0, "staleness_p50": 0,
-                   "staleness_p99": 1, "bytes": 2e6}
+        summary = {
+            "time_to_target": ttt,
+            "updates_to_target": 10,
+            "steps_to_target": 40,
+            "final_accuracy": 0.9,
+            "train_seconds": 1.0,
+            "steps_per_s": 100.0 + repeat,
+            "updates_per_s": 25.0,
+            "staleness_p50": 0,
+            "staleness_p99": 1,
+            "bytes": 2e6,
+        }
         return RunResult(f"s/{policy}", "s", "", policy, policy, "ps", {}, [], [{}, {}], summary, None, repeat)
 
-    runs = [run("sync", 0, 1.0), run("async", 0, None), run("sync", 1, 3.0), run("async", 1, 0.5),
-            run("sync", 2, 2.0), run("async", 2, None)]
+    runs = [
+        run("sync", 0, 1.0),
+        run("async", 0, None),
+        run("sync", 1, 3.0),
+        run("async", 1, 0.5),
+        run("sync", 2, 2.0),
+        run("async", 2, None),
+    ]
     table = markdown_table(LabResult(LabConfig(repeats=3), "m", 1, 4, runs, 1.0, {}, {}))
     rows = [line.split("|")[1:-1] for line in table.splitlines()]
     assert len(rows) == 4 and set(rows[1]) == {"---"}
@@ -121,8 +160,9 @@ def test_the_answer_shows_the_spread_and_is_no_finer_than_the_evaluation_interva
         summary = {"time_to_target": ttt, "final_accuracy": 0.9, "steps_per_s": 100.0}
         return RunResult(f"s/{policy}", "s", "", policy, policy, "ps", {}, [], [{}, {}], summary, None, repeat)
 
-    runs = [run("sync", r, t) for r, t in enumerate((1.0, 3.0, 2.0))] + \
-        [run("async", r, t) for r, t in enumerate((0.5, 0.6, 0.7))]
+    runs = [run("sync", r, t) for r, t in enumerate((1.0, 3.0, 2.0))] + [
+        run("async", r, t) for r, t in enumerate((0.5, 0.6, 0.7))
+    ]
     text = recommend(LabResult(LabConfig(repeats=3, eval_interval=0.05), "m", 1, 4, runs, 1.0, {}, {}))
     assert "async reached it first, in 0.60 s (0.50-0.70 s over the repeats)" in text
     assert "sync next, 3.3x as long (2.00 s (1.00-3.00 s over the repeats), final 0.900)" in text
@@ -130,11 +170,16 @@ def test_the_answer_shows_the_spread_and_is_no_finer_than_the_evaluation_interva
 
 # -- the whole lab, --quick, as a user runs it ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def quick_lab(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("lab")
-    proc = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--quick", "--out",
-                           str(out), "--no-progress"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--quick", "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     return out, proc
 
 
@@ -206,8 +251,10 @@ def test_quick_lab_ends_with_an_answer_in_words(quick_lab):
     summary = (out / "summary.md").read_text()
     assert " ".join(summary.split()) in " ".join(proc.stdout.split())  # wrapped to the terminal's width
     situations = [line for line in summary.splitlines() if line.startswith("**")]
-    assert [line.split("**")[1] for line in situations] == ["loopback, no straggler",
-                                                             "loopback, worker 0 four times slower"]
+    assert [line.split("**")[1] for line in situations] == [
+        "loopback, no straggler",
+        "loopback, worker 0 four times slower",
+    ]
     for line in situations:
         assert "reached it first, in" in line and "final accuracy" in line
 
@@ -217,9 +264,22 @@ def test_quick_lab_can_be_redrawn_from_its_json(quick_lab, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = load_result(out / "lab.json")
     assert len(result.runs) == 6
-    redo = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--from",
-                           str(out / "lab.json"), "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    redo = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "convergence",
+            "--from",
+            str(out / "lab.json"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert redo.returncode == 0, redo.stderr[-3000:]
     assert (tmp_path / "table.md").read_text() == (out / "table.md").read_text()
     assert (tmp_path / "accuracy-no-straggler.png").exists()
@@ -232,13 +292,32 @@ def test_a_redrawn_lab_leaves_the_labs_own_files_and_says_it_ran_nothing(quick_l
     out, proc = quick_lab
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    redo = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--from",
-                           str(out / "lab.json")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    redo = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--from", str(out / "lab.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert redo.returncode == 0, redo.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert (tmp_path / "runs" / "convergence" / "quick-redrawn" / "table.md").exists()
     assert f"6 runs read from {out / 'lab.json'} (they took" in redo.stdout and "none run" in redo.stdout
-    same = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "convergence", "--from",
-                           str(out / "lab.json"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    same = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "convergence",
+            "--from",
+            str(out / "lab.json"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert same.returncode == 2 and "would replace the lab's own table and plots" in same.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

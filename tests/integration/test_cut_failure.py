@@ -11,13 +11,13 @@ import shutil
 
 import numpy as np
 import pytest
-
 from helpers import TOKEN, make_job
+
 from psgd.config import Deadlines
 from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.state import checkpoint
 from psgd.server.net.service import ShardServer
+from psgd.server.state import checkpoint
 from psgd.worker.client import PSClient
 from psgd.worker.errors import PSError
 
@@ -26,16 +26,30 @@ from psgd.worker.errors import PSError
 def pushing(tmp_path, setting: str = "stop"):
     """A sync shard with cuts every 2 rounds (on_cut_failure = ``setting``) and its one worker's client, after the
     rounds of clocks 0 and 1 (their cut written); yields (server, client, a gradient)."""
-    job = make_job("model.name=softmax", "cluster.policy=sync", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=5",
-                   f"cluster.on_cut_failure={setting}")
-    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="tcp", token=TOKEN,
-                         checkpoint_dir=str(tmp_path), on_cut_failure=job.cluster.recovery.on_cut_failure).start()
+    job = make_job(
+        "model.name=softmax",
+        "cluster.policy=sync",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.checkpoint_rounds=2",
+        "cluster.transport=tcp",
+        "cluster.request_timeout=5",
+        f"cluster.on_cut_failure={setting}",
+    )
+    server = ShardServer(
+        build_shard(describe_job(job), 0),
+        "127.0.0.1:0",
+        transport="tcp",
+        token=TOKEN,
+        checkpoint_dir=str(tmp_path),
+        on_cut_failure=job.cluster.recovery.on_cut_failure,
+    ).start()
     job = job.override("cluster.servers", [server.address])
     plan = server.core.plan
     try:
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN,
-                      config=job) as client:
+        with PSClient(
+            job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=5), token=TOKEN, config=job
+        ) as client:
             client.register()
             grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in plan.specs}
             for clock in range(2):
@@ -72,6 +86,7 @@ def test_a_cut_that_fails_for_want_of_descriptors_stops_the_job(tmp_path, monkey
     """A cut whose write fails while the process has no descriptor left (a flood of connections took them): the
     failure is the cut's, and on_cut_failure = "stop" stops the job.  Before, saying which checkpoint was left to
     fall back on listed the folder, failed again, and that OSError escaped the round's closing: the job went on."""
+
     def no_descriptor(*args, **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")
 

@@ -30,26 +30,25 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from helpers import make_job, run_threads, shards, slice_weights, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psgd.config import ConfigError, Deadlines, Links
 from psgd.data import datasets
+from psgd.errors import Code
+from psgd.job import describe_job
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
 from psgd.partition import PartitionPlan
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net import datapath
-from psgd.server.state.core import ShardCore
 from psgd.server.net.datapath import DataServer
 from psgd.server.net.service import ShardServer
+from psgd.server.state.core import ShardCore
 from psgd.wire import protocol
 from psgd.wire.proofs import Prover
 from psgd.worker.client import PSClient, PSError, process_incarnation
-
-from helpers import make_job, run_threads, shards, slice_weights, wait_for
-from psgd.errors import Code
 
 pytestmark = [
     # an exception escaping a server thread (a connection ending without an answer) fails the test
@@ -60,9 +59,17 @@ pytestmark = [
 
 IO = 5.0  # seconds: the timeout of every socket and client here; every answer comes in milliseconds
 LR = 0.1
-HOSTILE_SETS = ["model.name=softmax", "cluster.workers=2", "cluster.shards=1", "train.dtype=float64",
-                "optimizer.name=sgd", f"optimizer.lr={LR}", "cluster.slice_bytes=2048",
-                "cluster.lease_seconds=600", "cluster.join_timeout=600"]
+HOSTILE_SETS = [
+    "model.name=softmax",
+    "cluster.workers=2",
+    "cluster.shards=1",
+    "train.dtype=float64",
+    "optimizer.name=sgd",
+    f"optimizer.lr={LR}",
+    "cluster.slice_bytes=2048",
+    "cluster.lease_seconds=600",
+    "cluster.join_timeout=600",
+]
 CODE = {c.value: c for c in Code}
 OK = Code.OK
 INVALID, PRECONDITION = Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION
@@ -93,16 +100,34 @@ def dial(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=IO)
 
 
-def request(sock: socket.socket, op: int, *, worker: int = 0, clock: int = 0, base: int = 0, code: int = 0,
-            size: int | None = None, payload: bytes = b"", magic: bytes = protocol.DATA_MAGIC) -> None:
+def request(
+    sock: socket.socket,
+    op: int,
+    *,
+    worker: int = 0,
+    clock: int = 0,
+    base: int = 0,
+    code: int = 0,
+    size: int | None = None,
+    payload: bytes = b"",
+    magic: bytes = protocol.DATA_MAGIC,
+) -> None:
     size = len(payload) if size is None else size
     sock.sendall(protocol.REQUEST.pack(magic, op, code, worker, clock, base, size) + payload)
 
 
-def send_hello(sock: socket.socket, plan_hash: str, *, worker: int = 0, token="", body: bytes | None = None,
-               size: int | None = None, key: str = "") -> None:
+def send_hello(
+    sock: socket.socket,
+    plan_hash: str,
+    *,
+    worker: int = 0,
+    token="",
+    body: bytes | None = None,
+    size: int | None = None,
+    key: str = "",
+) -> None:
     if body is None:
-        proof = Prover(token, "127.0.0.1:%d" % sock.getpeername()[1]).prove("hello")
+        proof = Prover(token, f"127.0.0.1:{sock.getpeername()[1]}").prove("hello")
         body = json.dumps({"proof": proof, "plan_hash": plan_hash, **({"key": key} if key else {})}).encode()
     request(sock, protocol.OP_HELLO, worker=worker, size=size, payload=body if size is None else b"")
 
@@ -255,9 +280,17 @@ def connections(link) -> dict:
 def _sync_run(job, grads, steps: int, transport: str):
     with shards(job) as (job, servers):
         plan = servers[0].core.plan
-        clients = [PSClient(job.cluster.servers, plan, w, deadlines=Deadlines(request_timeout=IO),
-                            links=Links(transport=transport), config=job)
-                   for w in range(2)]
+        clients = [
+            PSClient(
+                job.cluster.servers,
+                plan,
+                w,
+                deadlines=Deadlines(request_timeout=IO),
+                links=Links(transport=transport),
+                config=job,
+            )
+            for w in range(2)
+        ]
         try:
             assert [c.register() for c in clients] == [0, 0]
             assert all(link.kind == transport for c in clients for link in c.links)
@@ -277,11 +310,20 @@ def _sync_run(job, grads, steps: int, transport: str):
                 return seen
 
             seen = run_threads([lambda w=w: loop(w) for w in range(2)], timeout=60)
-            used = {any(conn is not None for conn in connections(c.links[k]).values())
-                    for c in clients for k in range(plan.num_shards)}
+            used = {
+                any(conn is not None for conn in connections(c.links[k]).values())
+                for c in clients
+                for k in range(plan.num_shards)
+            }
             conns = sum(len(s.data._conns) for s in servers)
-            result = {"flats": [s.core.flat.copy() for s in servers], "versions": [s.core.version for s in servers],
-                      "seen": seen, "used": used, "conns": conns, "cores": [s.core for s in servers]}
+            result = {
+                "flats": [s.core.flat.copy() for s in servers],
+                "versions": [s.core.version for s in servers],
+                "seen": seen,
+                "used": used,
+                "conns": conns,
+                "cores": [s.core for s in servers],
+            }
         finally:
             for c in clients:
                 c.close()
@@ -292,8 +334,16 @@ def _sync_run(job, grads, steps: int, transport: str):
 def test_sync_job_gives_bitwise_the_same_weights_over_shared_memory_the_data_path_and_grpc(monkeypatch, go_ahead):
     if go_ahead:  # every push of this small model waits for READY, as a large model's do
         monkeypatch.setattr(protocol, "GO_AHEAD_BYTES", 1)
-    job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", f"optimizer.lr={LR}",
-                   "cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "cluster.slice_bytes=1024")
+    job = make_job(
+        "model.name=softmax",
+        "train.dtype=float64",
+        "optimizer.name=sgd",
+        f"optimizer.lr={LR}",
+        "cluster.policy=sync",
+        "cluster.workers=2",
+        "cluster.shards=2",
+        "cluster.slice_bytes=1024",
+    )
     steps = 3
     specs = PartitionPlan(build_shard(describe_job(job), 0).plan.specs, 2, 1024).specs
     rng = np.random.default_rng(2)
@@ -326,7 +376,7 @@ def test_sync_job_gives_bitwise_the_same_weights_over_shared_memory_the_data_pat
     for core, flat in zip(tcp["cores"], tcp["flats"]):
         for i, (a, b) in core.offsets.items():
             sl = core.slices[i]
-            assert flat[a:b].tobytes() == expected[sl.var].reshape(-1)[sl.start:sl.stop].tobytes()
+            assert flat[a:b].tobytes() == expected[sl.var].reshape(-1)[sl.start : sl.stop].tobytes()
 
 
 # --- gradient compression ----------------------------------------------------------------------
@@ -348,9 +398,18 @@ LINKS = ("shm", "tcp", "grpc")  # [cluster] transport
 
 @pytest.fixture(scope="module")
 def async32():
-    job = make_job("model.name=softmax", "train.dtype=float32", "optimizer.name=sgd", f"optimizer.lr={LR}",
-                   "cluster.policy=async", "cluster.workers=4", "cluster.shards=2", "cluster.slice_bytes=1024",
-                   "cluster.lease_seconds=600", "cluster.join_timeout=600")
+    job = make_job(
+        "model.name=softmax",
+        "train.dtype=float32",
+        "optimizer.name=sgd",
+        f"optimizer.lr={LR}",
+        "cluster.policy=async",
+        "cluster.workers=4",
+        "cluster.shards=2",
+        "cluster.slice_bytes=1024",
+        "cluster.lease_seconds=600",
+        "cluster.join_timeout=600",
+    )
     with shards(job) as (job, servers):
         yield job, servers
 
@@ -361,15 +420,17 @@ def _expected(servers, before: list[np.ndarray], grads: dict[str, np.ndarray]) -
         flat = flat.copy()
         for i, (a, b) in server.core.offsets.items():
             sl = server.core.slices[i]
-            flat[a:b] -= np.multiply(grads[sl.var].reshape(-1)[sl.start:sl.stop], LR / 4)  # async: lr / workers
+            flat[a:b] -= np.multiply(grads[sl.var].reshape(-1)[sl.start : sl.stop], LR / 4)  # async: lr / workers
         out.append(flat)
     return out
 
 
 def _gradients(plan: PartitionPlan, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    grads = {s.name: (rng.standard_normal(s.shape) * 10.0 ** rng.integers(-6, 2, s.shape)).astype(np.float32)
-             for s in plan.specs}
+    grads = {
+        s.name: (rng.standard_normal(s.shape) * 10.0 ** rng.integers(-6, 2, s.shape)).astype(np.float32)
+        for s in plan.specs
+    }
     first = next(iter(grads.values())).reshape(-1)
     first[:4] = [0.0, -0.0, 1.0, -0.375]  # exact in every format
     return grads
@@ -385,14 +446,22 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
     if wire_dtype:
         assert any(not np.array_equal(rounded[k], grads[k]) for k in grads)  # the format does round
         smallest = 2.0**-14 if wire_dtype == "float16" else 2.0**-126  # below: subnormal, absolute error only
-        g, r = np.concatenate([g.reshape(-1) for g in grads.values()]), np.concatenate(
-            [r.reshape(-1) for r in rounded.values()])
+        g, r = (
+            np.concatenate([g.reshape(-1) for g in grads.values()]),
+            np.concatenate([r.reshape(-1) for r in rounded.values()]),
+        )
         normal = np.abs(g) >= smallest
         rel = np.abs(r[normal] - g[normal]) / np.abs(g[normal])
         assert rel.max() <= (2.0**-8 if wire_dtype == "bfloat16" else 2.0**-11)  # half an ulp
         assert np.all(np.abs(r[~normal] - g[~normal]) <= smallest * 2.0**-10)
-    with PSClient(job.cluster.servers, plan, WORKER_FOR[wire_dtype], deadlines=Deadlines(request_timeout=IO),
-                  links=Links(transport=link, wire_dtype=wire_dtype or ""), config=job) as client:
+    with PSClient(
+        job.cluster.servers,
+        plan,
+        WORKER_FOR[wire_dtype],
+        deadlines=Deadlines(request_timeout=IO),
+        links=Links(transport=link, wire_dtype=wire_dtype or ""),
+        config=job,
+    ) as client:
         clock = client.register()
         before = [s.core.flat.copy() for s in servers]
         versions = [s.core.version for s in servers]
@@ -406,15 +475,16 @@ def test_compressed_pushes_apply_the_rounded_gradient_exactly(async32, wire_dtyp
             before, clock = expected, clock + 1
         assert [s.core.version for s in servers] == [v + 2 for v in versions]
         itemsize = 2 if wire_dtype else 4  # the shards count the bytes as they came over the wire
-        assert [s.core.counters["bytes_in"] - r for s, r in zip(servers, received)] == \
-            [2 * s.core.flat.size * itemsize for s in servers]
+        assert [s.core.counters["bytes_in"] - r for s, r in zip(servers, received)] == [
+            2 * s.core.flat.size * itemsize for s in servers
+        ]
         if link == "tcp":
             assert all(connections(link)["push"] is not None for link in client.links)  # it went over the data path
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
         for server in servers:
             for sl, w in slice_weights(server.core):
-                assert host[sl.var].reshape(-1)[sl.start:sl.stop].tobytes() == w.tobytes()
+                assert host[sl.var].reshape(-1)[sl.start : sl.stop].tobytes() == w.tobytes()
 
 
 def _poison(servers, grads: dict[str, np.ndarray], bits: int) -> None:
@@ -425,8 +495,7 @@ def _poison(servers, grads: dict[str, np.ndarray], bits: int) -> None:
 
 
 @pytest.mark.parametrize("wire_dtype", [None, "float16", "bfloat16"])
-@pytest.mark.parametrize("bits", [0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7F800000],
-                         ids=hex)
+@pytest.mark.parametrize("bits", [0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7F800000], ids=hex)
 def test_nan_and_inf_gradients_are_refused_whatever_the_wire_dtype(async32, wire_dtype, bits):
     """Compression must not turn a NaN into a number the shard would apply."""
     job, servers = async32
@@ -434,8 +503,14 @@ def test_nan_and_inf_gradients_are_refused_whatever_the_wire_dtype(async32, wire
     grads = _gradients(plan, 6)
     _poison(servers, grads, bits)
     before = [(s.core.flat.tobytes(), s.core.version) for s in servers]
-    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
-                  links=Links(wire_dtype=wire_dtype or ""), config=job) as client:
+    with PSClient(
+        job.cluster.servers,
+        plan,
+        3,
+        deadlines=Deadlines(request_timeout=IO),
+        links=Links(wire_dtype=wire_dtype or ""),
+        config=job,
+    ) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -450,8 +525,14 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
     grads = _gradients(plan, 7)
     _poison(servers, grads, int(np.array([1.0e5], dtype=np.float32).view(np.uint32)[0]))
     before = [s.core.flat.tobytes() for s in servers]
-    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
-                  links=Links(wire_dtype="float16"), config=job) as client:
+    with PSClient(
+        job.cluster.servers,
+        plan,
+        3,
+        deadlines=Deadlines(request_timeout=IO),
+        links=Links(wire_dtype="float16"),
+        config=job,
+    ) as client:
         clock = client.register()
         with pytest.raises(PSError) as info:
             client.push(clock, grads)
@@ -459,8 +540,14 @@ def test_a_float16_overflow_is_refused_not_applied_as_infinity(async32):
     assert [s.core.flat.tobytes() for s in servers] == before
     # bfloat16 has float32's range: the same gradient goes through.  (A new client: the failed push may
     # still be running on the other shard when PSClient.push raises.)
-    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO),
-                  links=Links(wire_dtype="bfloat16"), config=job) as client:
+    with PSClient(
+        job.cluster.servers,
+        plan,
+        3,
+        deadlines=Deadlines(request_timeout=IO),
+        links=Links(wire_dtype="bfloat16"),
+        config=job,
+    ) as client:
         assert client.register() == clock
         assert [r.outcome for r in client.push(clock, grads)] == ["applied", "applied"]
 
@@ -483,9 +570,14 @@ def test_a_pull_that_waits_out_the_request_timeout_hears_why_from_the_shard(host
     job = make_job(*HOSTILE_SETS, "cluster.request_timeout=1")
     server = ShardServer(hostile.core, "127.0.0.1:0", request_timeout=job.cluster.deadlines.request_timeout).start()
     try:
-        client = PSClient([server.address], hostile.plan, 0,
-                          deadlines=Deadlines(request_timeout=job.cluster.deadlines.request_timeout),
-                          retry_deadline=0.0, config=job)
+        client = PSClient(
+            [server.address],
+            hostile.plan,
+            0,
+            deadlines=Deadlines(request_timeout=job.cluster.deadlines.request_timeout),
+            retry_deadline=0.0,
+            config=job,
+        )
         with client:
             client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in hostile.plan.specs}
@@ -505,8 +597,9 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
     job, servers = async32
     plan = servers[0].core.plan
     grads = _gradients(plan, 8)
-    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO), links=Links(transport=link),
-                  config=job) as client:
+    with PSClient(
+        job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO), links=Links(transport=link), config=job
+    ) as client:
         clock = client.register()
         host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
         client.pull(clock, host)
@@ -520,15 +613,17 @@ def test_a_connection_broken_by_the_server_is_reopened_and_the_call_succeeds(asy
                 client.pull(clock, host)
                 for server in servers:
                     for sl, w in slice_weights(server.core):
-                        assert host[sl.var].reshape(-1)[sl.start:sl.stop].tobytes() == w.tobytes()
+                        assert host[sl.var].reshape(-1)[sl.start : sl.stop].tobytes() == w.tobytes()
             else:
                 assert [r.outcome for r in client.push(clock, grads)] == ["applied", "applied"]
                 for server, want in zip(servers, _expected(servers, before, grads)):
                     assert server.core.flat.tobytes() == want.tobytes()
                 assert [s.core.version for s in servers] == [v + 1 for v in versions]
                 clock += 1
-            assert all(new is not None and new is not was
-                       for new, was in zip([connections(link)[purpose] for link in client.links], old))
+            assert all(
+                new is not None and new is not was
+                for new, was in zip([connections(link)[purpose] for link in client.links], old)
+            )
 
 
 @pytest.mark.parametrize("link", ["shm", "tcp"])
@@ -549,8 +644,9 @@ def test_a_push_whose_reply_is_lost_is_retried_and_applied_once(async32, monkeyp
 
         monkeypatch.setattr(server.core, "push", push_then_break)
         server.calls = calls
-    with PSClient(job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO), links=Links(transport=link),
-                  config=job) as client:
+    with PSClient(
+        job.cluster.servers, plan, 3, deadlines=Deadlines(request_timeout=IO), links=Links(transport=link), config=job
+    ) as client:
         clock = client.register()
         client.pull(clock, {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs})
         before = [s.core.flat.copy() for s in servers]
@@ -601,7 +697,7 @@ def test_a_valid_hello_is_answered_with_the_version(shard):
         assert reply.code == OK and reply.payload == shard.initial and reply.version == 0
 
 
-@pytest.mark.parametrize("worker", [2, -2, 2**31 - 1, -2**31])
+@pytest.mark.parametrize("worker", [2, -2, 2**31 - 1, -(2**31)])
 def test_a_hello_with_an_out_of_range_worker_is_refused(shard, worker):
     with dial(shard.port) as sock:
         send_hello(sock, shard.plan.hash, worker=worker)
@@ -635,18 +731,42 @@ def test_an_oversized_hello_is_refused_without_allocating_it(shard, size):
 
 def test_a_hello_of_exactly_the_largest_size_is_read(shard):
     empty = json.dumps({"plan_hash": shard.plan.hash, "key": shard.key(0), "pad": ""}).encode()
-    body = json.dumps({"plan_hash": shard.plan.hash, "key": shard.key(0),
-                       "pad": "x" * (protocol.MAX_HELLO_BYTES - len(empty))}).encode()
+    body = json.dumps(
+        {"plan_hash": shard.plan.hash, "key": shard.key(0), "pad": "x" * (protocol.MAX_HELLO_BYTES - len(empty))}
+    ).encode()
     assert len(body) == protocol.MAX_HELLO_BYTES
     with dial(shard.port) as sock:
         send_hello(sock, shard.plan.hash, body=body)
         assert read_reply(sock).code == OK
 
 
-@pytest.mark.parametrize("body", [b"", b"{", b"\xff\xfe{}", b"[]", b"null", b'"token"', b"12", b"[" * 60_000,
-                                  b"{" * 30_000, b'{"plan_hash": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"],
-                         ids=["empty", "open-brace", "not-utf8", "list", "null", "string", "number", "deep-list",
-                              "deep-object", "deep-hash"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{",
+        b"\xff\xfe{}",
+        b"[]",
+        b"null",
+        b'"token"',
+        b"12",
+        b"[" * 60_000,
+        b"{" * 30_000,
+        b'{"plan_hash": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+    ],
+    ids=[
+        "empty",
+        "open-brace",
+        "not-utf8",
+        "list",
+        "null",
+        "string",
+        "number",
+        "deep-list",
+        "deep-object",
+        "deep-hash",
+    ],
+)
 def test_a_hello_that_is_not_a_json_object_is_refused(shard, body):
     with dial(shard.port) as sock:
         send_hello(sock, shard.plan.hash, body=body)
@@ -654,17 +774,29 @@ def test_a_hello_that_is_not_a_json_object_is_refused(shard, body):
         assert_closed(sock)
 
 
-@pytest.mark.parametrize("hello", [
-    {"plan_hash": "HASH"}, {"proof": "", "plan_hash": "HASH"}, {"proof": "wrong", "plan_hash": "HASH"},
-    {"token": "s3cret", "plan_hash": "HASH"}, {"proof": "s3cret", "plan_hash": "HASH"},
-    {"proof": "ANOTHER", "plan_hash": "HASH"}, {"proof": "ELSEWHERE", "plan_hash": "HASH"},
-    {"proof": None, "plan_hash": "HASH"}, {"proof": 123, "plan_hash": "HASH"},
-    {"proof": "\ud800", "plan_hash": "HASH"}, {"proof": "wrong", "plan_hash": "another plan"},
-], ids=lambda h: repr(h.get("proof", h.get("token", "(none)"))) + ("" if h["plan_hash"] == "HASH" else "+plan"))
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {"plan_hash": "HASH"},
+        {"proof": "", "plan_hash": "HASH"},
+        {"proof": "wrong", "plan_hash": "HASH"},
+        {"token": "s3cret", "plan_hash": "HASH"},
+        {"proof": "s3cret", "plan_hash": "HASH"},
+        {"proof": "ANOTHER", "plan_hash": "HASH"},
+        {"proof": "ELSEWHERE", "plan_hash": "HASH"},
+        {"proof": None, "plan_hash": "HASH"},
+        {"proof": 123, "plan_hash": "HASH"},
+        {"proof": "\ud800", "plan_hash": "HASH"},
+        {"proof": "wrong", "plan_hash": "another plan"},
+    ],
+    ids=lambda h: repr(h.get("proof", h.get("token", "(none)"))) + ("" if h["plan_hash"] == "HASH" else "+plan"),
+)
 def test_a_hello_without_a_right_proof_of_the_token_is_unauthenticated(shard, token_port, hello):
     """Neither the token itself nor a proof made with another token or for another address opens a connection."""
-    made = {"ANOTHER": Prover("another", f"127.0.0.1:{token_port}").prove("hello"),
-            "ELSEWHERE": Prover("s3cret", f"127.0.0.1:{token_port + 1}").prove("hello")}
+    made = {
+        "ANOTHER": Prover("another", f"127.0.0.1:{token_port}").prove("hello"),
+        "ELSEWHERE": Prover("s3cret", f"127.0.0.1:{token_port + 1}").prove("hello"),
+    }
     body = json.dumps({k: (shard.plan.hash if v == "HASH" else made.get(v, v)) for k, v in hello.items()}).encode()
     with dial(token_port) as sock:
         send_hello(sock, shard.plan.hash, body=body)
@@ -777,8 +909,12 @@ def _with_value(shard: Shard, index: int, value: float) -> bytes:
 
 RECOVERABLE = {
     # name: (hello worker, request fields, code, words)
-    "nan": (0, lambda s: dict(payload=_with_value(s, 300, np.nan)), INVALID,
-            ["dense0/W#256", "1 non-finite", "NaN/Inf"]),
+    "nan": (
+        0,
+        lambda s: dict(payload=_with_value(s, 300, np.nan)),
+        INVALID,
+        ["dense0/W#256", "1 non-finite", "NaN/Inf"],
+    ),
     "inf": (0, lambda s: dict(payload=_with_value(s, 649, np.inf)), INVALID, ["dense0/b#0", "non-finite"]),
     "minus-inf": (0, lambda s: dict(payload=_with_value(s, 0, -np.inf)), INVALID, ["dense0/W#0", "non-finite"]),
     "clock-from-the-future": (0, lambda s: dict(clock=1), PRECONDITION, ["clock 1", "from the future"]),
@@ -877,8 +1013,9 @@ def test_the_client_gives_up_on_a_shard_that_answers_a_push_header_with_somethin
         served.result(timeout=IO)
 
 
-@pytest.mark.parametrize("clock, code, words", [(-1, INVALID, ["clock -1", "negative"]),
-                                                (-2**63, INVALID, ["negative"])])
+@pytest.mark.parametrize(
+    "clock, code, words", [(-1, INVALID, ["clock -1", "negative"]), (-(2**63), INVALID, ["negative"])]
+)
 def test_a_bad_pull_is_answered_and_the_connection_goes_on(shard, clock, code, words):
     with shard.hello(0) as sock:
         request(sock, protocol.OP_PULL, clock=clock)
@@ -913,8 +1050,11 @@ def test_a_silent_or_stalled_peer_is_dropped_after_the_timeouts(hostile):
     data = DataServer(shard.core, request_timeout=0.3, idle_timeout=0.6, hello_timeout=0.3).start()
     try:
         started = time.monotonic()
-        with dial(data.port) as silent, shard.hello(0, port=data.port) as idle, \
-                shard.hello(0, port=data.port) as stalled:
+        with (
+            dial(data.port) as silent,
+            shard.hello(0, port=data.port) as idle,
+            shard.hello(0, port=data.port) as stalled,
+        ):
             request(stalled, protocol.OP_PUSH, size=shard.core.nbytes, payload=b"\0" * 100)
             expect(silent, Code.DEADLINE_EXCEEDED, "no hello within 0.3 s")  # told why, then closed
             expect(stalled, Code.DEADLINE_EXCEEDED, "did not arrive within 0.3s", "at least 1 MB/s")
@@ -937,8 +1077,12 @@ def test_trickled_pushes_cannot_hold_the_receive_buffers(hostile, monkeypatch):
     data = DataServer(shard.core, request_timeout=IO, idle_timeout=IO).start()
     g = valid_gradient(shard.plan).tobytes()
     try:
-        with shard.hello(1, port=data.port) as a, shard.hello(1, port=data.port) as b, \
-                shard.hello(0, port=data.port) as trickle, shard.hello(0, port=data.port) as real:
+        with (
+            shard.hello(1, port=data.port) as a,
+            shard.hello(1, port=data.port) as b,
+            shard.hello(0, port=data.port) as trickle,
+            shard.hello(0, port=data.port) as real,
+        ):
             for sock in (a, b):  # worker 1 is not registered: it takes no buffer
                 request(sock, protocol.OP_PUSH, size=len(g), payload=g[:1])
             began = time.monotonic()
@@ -1018,8 +1162,8 @@ def fuzz_shard(digits64):
         data.stop()
 
 
-INT32 = st.integers(-2**31, 2**31 - 1)
-INT64 = st.integers(-2**63, 2**63 - 1)
+INT32 = st.integers(-(2**31), 2**31 - 1)
+INT64 = st.integers(-(2**63), 2**63 - 1)
 
 
 @st.composite
@@ -1029,26 +1173,49 @@ def sessions(draw, plan_hash: str) -> bytes:
     parts = []
     if draw(st.booleans()):
         body = json.dumps({"plan_hash": plan_hash}).encode()
-        parts.append(protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, draw(st.sampled_from([-1, 0, 1, 2])),
-                                       0, 0, len(body)) + body)
+        parts.append(
+            protocol.REQUEST.pack(
+                protocol.DATA_MAGIC, protocol.OP_HELLO, 0, draw(st.sampled_from([-1, 0, 1, 2])), 0, 0, len(body)
+            )
+            + body
+        )
     for _ in range(draw(st.integers(0, 4))):
         if draw(st.integers(0, 3)) == 0:
             parts.append(draw(st.binary(max_size=200)))
             continue
         magic = draw(st.sampled_from([protocol.DATA_MAGIC, protocol.DATA_MAGIC, b"PSG0", b"\0\0\0\0"]))
-        op = draw(st.one_of(st.sampled_from([protocol.OP_PULL, protocol.OP_PUSH, protocol.OP_HELLO]), st.integers(0, 255)))
+        op = draw(
+            st.one_of(st.sampled_from([protocol.OP_PULL, protocol.OP_PUSH, protocol.OP_HELLO]), st.integers(0, 255))
+        )
         code = draw(st.one_of(st.integers(0, 5), st.integers(0, 255)))
-        size = draw(st.one_of(st.sampled_from([0, 8, 2600, 1300, 5200, 5199, 5201, protocol.MAX_HELLO_BYTES + 1]),
-                              st.integers(0, 2**64 - 1)))
+        size = draw(
+            st.one_of(
+                st.sampled_from([0, 8, 2600, 1300, 5200, 5199, 5201, protocol.MAX_HELLO_BYTES + 1]),
+                st.integers(0, 2**64 - 1),
+            )
+        )
         payload = draw(st.binary(max_size=400))
-        parts.append(protocol.REQUEST.pack(magic, op, code, draw(st.one_of(st.integers(-2, 2), INT32)),
-                                       draw(st.one_of(st.integers(-2, 2), INT64)),
-                                       draw(st.one_of(st.integers(-1, 1), INT64)), size) + payload)
+        parts.append(
+            protocol.REQUEST.pack(
+                magic,
+                op,
+                code,
+                draw(st.one_of(st.integers(-2, 2), INT32)),
+                draw(st.one_of(st.integers(-2, 2), INT64)),
+                draw(st.one_of(st.integers(-1, 1), INT64)),
+                size,
+            )
+            + payload
+        )
     return b"".join(parts)
 
 
-@settings(max_examples=50, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=50,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_random_bytes_get_answers_or_a_closed_connection_never_a_change(fuzz_shard, data):
     core, server = fuzz_shard
@@ -1067,8 +1234,10 @@ def test_random_bytes_get_answers_or_a_closed_connection_never_a_change(fuzz_sha
     while at + protocol.REPLY.size <= len(received):
         magic, status, _, _, _, _, size = protocol.REPLY.unpack_from(received, at)
         assert magic == protocol.DATA_MAGIC
-        assert CODE[status] in (OK, INVALID, PRECONDITION, Code.PERMISSION_DENIED), \
-            (CODE[status], bytes(received[at + 40:at + 200]))  # (a hello as worker 0 without its key)
+        assert CODE[status] in (OK, INVALID, PRECONDITION, Code.PERMISSION_DENIED), (
+            CODE[status],
+            bytes(received[at + 40 : at + 200]),
+        )  # (a hello as worker 0 without its key)
         assert size in (0, core.nbytes) if status == 0 else size <= protocol.MAX_ERROR_BYTES
         at += protocol.REPLY.size + size
     assert at == len(received) or len(received) - at < protocol.REPLY.size  # a reset may cut the last one

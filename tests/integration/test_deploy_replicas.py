@@ -9,14 +9,22 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from test_deploy_static import (
+    CONTAINER_JOB,
+    DEPLOY,
+    JOB_FILE,
+    SLURM_SAMPLES,
+    compose,
+    container_argv,
+    flag,
+    parse_cli,
+    slurm_commands,
+)
 
 from psgd.cli.common import job_from_args
 from psgd.config import JobConfig
 from psgd.export.shards import job_plan
 from psgd.job import fingerprint, identity
-
-from test_deploy_static import (CONTAINER_JOB, DEPLOY, JOB_FILE, SLURM_SAMPLES, compose, container_argv, flag,
-                                parse_cli, slurm_commands)
 
 REPLICA_JOB = DEPLOY / "replicas" / "job.toml"
 
@@ -67,8 +75,11 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
     component = yaml.safe_load((DEPLOY / "replicas" / "kustomization.yaml").read_text())
     assert component["kind"] == "Component"
     assert "# components: [replicas]" in (DEPLOY / "kustomization.yaml").read_text()
-    objects = {f"{d['kind']}/{d['metadata']['name']}": d
-               for r in component["resources"] for d in yaml.safe_load_all((DEPLOY / "replicas" / r).read_text())}
+    objects = {
+        f"{d['kind']}/{d['metadata']['name']}": d
+        for r in component["resources"]
+        for d in yaml.safe_load_all((DEPLOY / "replicas" / r).read_text())
+    }
     sts, svc = objects["StatefulSet/replica"], objects["Service/psgd-replicas"]
     job = JobConfig.load(REPLICA_JOB)
     assert sts["spec"]["replicas"] == job.cluster.shards and sts["spec"]["serviceName"] == "psgd-replicas"
@@ -77,8 +88,9 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
     (container,) = pod["containers"]
     args = parse_cli(container_argv(container, "StatefulSet replica"), "StatefulSet replica")
     ran = replica_job_of(args, "StatefulSet replica")
-    assert args.replica and list(ran.cluster.recovery.replica_servers) == [f"replica-{k}.psgd-replicas:50051"
-                                                            for k in range(job.cluster.shards)]
+    assert args.replica and list(ran.cluster.recovery.replica_servers) == [
+        f"replica-{k}.psgd-replicas:50051" for k in range(job.cluster.shards)
+    ]
     assert list(ran.cluster.servers) == [f"shard-{k}.psgd-shards:50051" for k in range(job.cluster.shards)]
     (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {"app.kubernetes.io/component": "shard"}
@@ -106,8 +118,11 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
 def test_slurm_replicas_run_beside_the_next_shard_with_one_job_fingerprint():
     text = (DEPLOY / "slurm" / "psgd.sbatch").read_text()
     assert 'REPLICA_SERVERS+="${REPLICA_SERVERS:+,}${NODES[$(( (k + 1) % SHARDS ))]}:$REPLICA_PORT"' in text
-    samples = {**SLURM_SAMPLES, "JOB_FILE": ["deploy/replicas/job.toml"],
-               "REPLICA_FLAGS[@]": ["--replicas", "1", "--replica-servers", "node2:50061,node1:50061"]}
+    samples = {
+        **SLURM_SAMPLES,
+        "JOB_FILE": ["deploy/replicas/job.toml"],
+        "REPLICA_FLAGS[@]": ["--replicas", "1", "--replica-servers", "node2:50061,node1:50061"],
+    }
     commands = slurm_commands(text, samples)
     servers = [argv for argv in commands if argv[0] == "psgd-server"]
     assert [("--replica" in argv) for argv in servers] == [False, True], "a shard's line and a replica's line"

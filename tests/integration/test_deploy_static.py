@@ -30,8 +30,11 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 JOB_FILE = DEPLOY / "job.toml"
 CONTAINER_JOB = "/etc/psgd/job.toml"
-PARSERS = {"psgd-server": psgd_server.build_parser, "psgd-worker": psgd_worker.build_parser,
-           "psgd": psgd_main.build_parser}
+PARSERS = {
+    "psgd-server": psgd_server.build_parser,
+    "psgd-worker": psgd_worker.build_parser,
+    "psgd": psgd_main.build_parser,
+}
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -59,10 +62,12 @@ def job_of(args: argparse.Namespace, where: str) -> JobConfig:
 
 def interpolate(text: str, where: str) -> str:
     """docker compose's ``${VAR:-default}`` with every variable unset (the defaults must make sense)."""
+
     def one(m: re.Match) -> str:
         if m.group(2) is None:
             pytest.fail(f"{where}: ${{{m.group(1)}}} has no default", pytrace=False)
         return m.group(2)
+
     return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", one, text)
 
 
@@ -142,8 +147,9 @@ def test_images_are_pinned_small_non_root_and_health_checked(name, extra):
     assert len(froms) >= 2, f"{name}: a build stage and a runtime stage"
     for image in froms:
         repo, _, tag = image.partition("@")[0].partition(":")
-        assert "@sha256:" in image or re.search(r"\d+\.\d+\.\d+", tag), \
+        assert "@sha256:" in image or re.search(r"\d+\.\d+\.\d+", tag), (
             f"{name}: base {image} is not pinned to a patch release or digest"
+        )
     final = max(i for i, (w, _) in enumerate(steps) if w == "FROM")
     users = [rest for w, rest in steps[final:] if w == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root"), f"{name}: the image must run as a non-root user"
@@ -169,9 +175,15 @@ def test_images_are_pinned_small_non_root_and_health_checked(name, extra):
             *sources, _dest = [p for p in rest.split() if not p.startswith("--")]
             for src in sources:
                 assert (REPO / src).exists(), f"{name}: COPY {src}: no such file in the repository"
-                files = [src] if (REPO / src).is_file() else \
-                    [str(p.relative_to(REPO)) for p in (REPO / src).rglob("*") if p.is_file()
-                     and "__pycache__" not in p.parts]
+                files = (
+                    [src]
+                    if (REPO / src).is_file()
+                    else [
+                        str(p.relative_to(REPO))
+                        for p in (REPO / src).rglob("*")
+                        if p.is_file() and "__pycache__" not in p.parts
+                    ]
+                )
                 for f in files:
                     assert dockerignore_keeps(patterns, f), f"{name}: {f} is copied but {ignore.name} leaves it out"
     for needed in ("psgd/cli/main.py", "psgd/proto/ps_pb2.py", "psgd/data/digits.csv.gz", "pyproject.toml"):
@@ -182,9 +194,11 @@ def test_images_are_pinned_small_non_root_and_health_checked(name, extra):
     # reproducible: every dependency (and the CUDA extra) installed under exact pins
     text = path.read_text()
     assert "--constraint requirements.lock" in text
-    pins = {line.split("==")[0].strip().lower(): line.split("==")[1].strip()
-            for line in (REPO / "requirements.lock").read_text().splitlines()
-            if "==" in line and not line.startswith("#")}
+    pins = {
+        line.split("==")[0].strip().lower(): line.split("==")[1].strip()
+        for line in (REPO / "requirements.lock").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     wanted = [re.split(r"[<>=!~; \[]", d)[0].lower() for d in project["dependencies"]]
     wanted += [extra] if extra else []
@@ -229,8 +243,7 @@ def test_compose_runs_every_shard_and_worker_of_the_job_file(job):
             assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
         argv = svc.get("command")
         if argv and argv[:2] == ["sh", "-c"]:
-            results[name] = [parse_cli(shlex.split(part), f"{where}: {part.strip()}")
-                             for part in argv[2].split("&&")]
+            results[name] = [parse_cli(shlex.split(part), f"{where}: {part.strip()}") for part in argv[2].split("&&")]
             continue
         if not argv or argv[0] not in PARSERS:
             continue
@@ -254,33 +267,39 @@ def test_compose_runs_every_shard_and_worker_of_the_job_file(job):
     for k, (name, svc, args, ran) in shards.items():
         host, port = args.bind.rsplit(":", 1)
         assert host == "0.0.0.0", f"{name}: must listen beyond the container's loopback"
-        assert c.servers[k] == f"{name}:{port}", \
+        assert c.servers[k] == f"{name}:{port}", (
             f"job.toml lists shard {k} as {c.servers[k]}, compose runs it as {name}:{port}"
+        )
         published = {p.split(":", 1)[1] for p in svc["ports"]}
-        assert {f"{port}:{port}", f"{int(port) + 1}:{int(port) + 1}"} <= published, \
+        assert {f"{port}:{port}", f"{int(port) + 1}:{int(port) + 1}"} <= published, (
             f"{name}: publish the gRPC and data ports on the same numbers (the data port travels in Register)"
+        )
         assert svc["restart"] in ("always", "unless-stopped", "on-failure"), f"{name}: a killed shard must come back"
         checkpoint = args.checkpoint_dir
         state = [m.split(":") for m in svc["volumes"] if m.split(":")[0] in volumes]
-        assert any(checkpoint.startswith(target) for _, target, *_ in state), \
+        assert any(checkpoint.startswith(target) for _, target, *_ in state), (
             f"{name}: --checkpoint-dir {checkpoint} is not on a named volume, so a restart would lose it"
+        )
         assert svc["healthcheck"]["test"][-1] == f"127.0.0.1:{port}", f"{name}: health check of another port"
         assert ran.cluster.shards == c.shards and ran.cluster.workers == c.workers
     for r, (name, svc, args, ran) in workers.items():
         assert ran.cluster.servers == c.servers, f"{name}: by default the workers use the job file's shards"
         assert svc["restart"] in ("always", "on-failure"), f"{name}: a failed worker must rejoin"
-        assert {d: v["condition"] for d, v in svc["depends_on"].items()} == \
-            {shards[k][0]: "service_healthy" for k in shards}
+        assert {d: v["condition"] for d, v in svc["depends_on"].items()} == {
+            shards[k][0]: "service_healthy" for k in shards
+        }
 
     # the result service joins the checkpoints the shards write, once every shard has finished
     assert list(results) == ["result"]
     export, evaluate = results["result"]
     assert export.checkpoints == shards[0][2].checkpoint_dir and export.file == evaluate.file
-    assert {d: v["condition"] for d, v in services["result"]["depends_on"].items()} == \
-        {shards[k][0]: "service_completed_successfully" for k in shards}
+    assert {d: v["condition"] for d, v in services["result"]["depends_on"].items()} == {
+        shards[k][0]: "service_completed_successfully" for k in shards
+    }
     for k, (name, svc, args, ran) in shards.items():
-        assert args.exit_when_done and svc["restart"] == "on-failure", \
+        assert args.exit_when_done and svc["restart"] == "on-failure", (
             f"{name}: must end with the job (exit 0, not restarted) for the result service to run"
+        )
 
     prometheus = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     targets = {t for sc in prometheus["scrape_configs"] for s in sc["static_configs"] for t in s["targets"]}
@@ -329,6 +348,7 @@ def container_argv(container: dict, where: str, injected: set[str] = frozenset()
     def one(m: re.Match) -> str:
         assert m.group(1) in defined, f"{where}: $({m.group(1)}) is not defined in the container's env"
         return samples[m.group(1)]
+
     return [re.sub(r"\$\((\w+)\)", one, str(a)) for a in argv]
 
 
@@ -338,8 +358,9 @@ def pod_checks(spec: dict, where: str, generators: dict[str, str]) -> None:
     for container in spec.get("initContainers", []) + spec["containers"]:
         assert container["image"] == "psgd:cpu", f"{where}: the compose demo's image"
         for mount in container.get("volumeMounts", []):
-            assert mount["name"] in volumes or mount["name"] in generators.get("claims", ""), \
+            assert mount["name"] in volumes or mount["name"] in generators.get("claims", ""), (
                 f"{where}: mounts {mount['name']}, which is no volume"
+            )
         for source in container.get("envFrom", []):
             assert source["secretRef"]["name"] == generators["secret"], f"{where}: the token Secret"
         for probe in ("readinessProbe", "livenessProbe"):
@@ -399,16 +420,29 @@ def test_kubernetes_statefulset_shards_and_indexed_job_workers(job):
         assert args.servers == expected, f"{where}: --servers {args.servers}, the shards are {expected}"
         assert ran.cluster.shards == c.shards and ran.cluster.workers == c.workers
     (worker,) = spec["template"]["spec"]["containers"]
-    assert "--rank" not in worker["args"] and "JOB_COMPLETION_INDEX" in RANK_VARIABLES, \
+    assert "--rank" not in worker["args"] and "JOB_COMPLETION_INDEX" in RANK_VARIABLES, (
         "the Indexed Job's JOB_COMPLETION_INDEX is the worker's rank, read by psgd-worker itself"
+    )
     assert kustomization["namespace"] == objects[f"Namespace/{kustomization['namespace']}"]["metadata"]["name"]
 
 
 # -- Slurm -----------------------------------------------------------------------------------------
-SLURM_SAMPLES = {"JOB_FILE": ["deploy/job.toml"], "k": ["0"], "r": ["0"], "SHARDS": ["2"], "WORKERS": ["3"],
-                 "PORT": ["50051"], "DATA_PORT": ["50052"], "DEVICE": ["cpu"], "CHECKPOINTS": ["/scratch/psgd"],
-                 "SERVERS": ["node1:50051,node2:50051"], "ADDRESSES[@]": ["node1:50051", "node2:50051"],
-                 "REPLICA_PORT": ["50061"], "REPLICA_DATA_PORT": ["50062"], "REPLICA_FLAGS[@]": []}
+SLURM_SAMPLES = {
+    "JOB_FILE": ["deploy/job.toml"],
+    "k": ["0"],
+    "r": ["0"],
+    "SHARDS": ["2"],
+    "WORKERS": ["3"],
+    "PORT": ["50051"],
+    "DATA_PORT": ["50052"],
+    "DEVICE": ["cpu"],
+    "CHECKPOINTS": ["/scratch/psgd"],
+    "SERVERS": ["node1:50051,node2:50051"],
+    "ADDRESSES[@]": ["node1:50051", "node2:50051"],
+    "REPLICA_PORT": ["50061"],
+    "REPLICA_DATA_PORT": ["50062"],
+    "REPLICA_FLAGS[@]": [],
+}
 
 
 def slurm_commands(text: str, samples: dict[str, list[str]] = SLURM_SAMPLES) -> list[list[str]]:
@@ -425,7 +459,7 @@ def slurm_commands(text: str, samples: dict[str, list[str]] = SLURM_SAMPLES) -> 
         if not starts:
             continue
         argv = []
-        for t in tokens[starts[0]:]:
+        for t in tokens[starts[0] :]:
             if t in (";", "&", "&&", "||", "|", ")"):
                 break
             whole = re.fullmatch(r"\$\{(\w+\[@\])\}", t)
@@ -437,6 +471,7 @@ def slurm_commands(text: str, samples: dict[str, list[str]] = SLURM_SAMPLES) -> 
                 name = m.group(1) or m.group(2)
                 assert name in samples, f"psgd.sbatch: no sample value for ${name}"
                 return samples[name][0]
+
             argv.append(re.sub(r"\$\{(\w+)\}|\$(\w+)", one, t))
         commands.append(argv)
     return commands
@@ -450,8 +485,14 @@ def test_slurm_script_is_valid_bash_and_runs_real_commands(job):
     assert done.returncode == 0, done.stderr
     commands = slurm_commands(text)
     kinds = [argv[0] if argv[0] != "psgd" else f"psgd {argv[1]}" for argv in commands]
-    assert sorted(set(kinds)) == ["psgd doctor", "psgd eval", "psgd export", "psgd status", "psgd-server",
-                                  "psgd-worker"], kinds
+    assert sorted(set(kinds)) == [
+        "psgd doctor",
+        "psgd eval",
+        "psgd export",
+        "psgd status",
+        "psgd-server",
+        "psgd-worker",
+    ], kinds
     fingerprints = {}
     for kind, argv in zip(kinds, commands):
         args = parse_cli(argv, "psgd.sbatch")

@@ -45,10 +45,27 @@ def test_a_run_that_trains_is_left_alone(tmp_path):
 def test_an_async_job_at_the_full_rate_per_push_is_told_why(tmp_path):
     """Four async workers each applying momentum 0.9 at lr 0.5: the weights blow up.  The launcher repeats the
     worker's line (the worker's own went to its log) and names the async remedy."""
-    rc, result, stderr = psgd(tmp_path, "launch", "--workers", "4", "--shards", "2", "--policy", "async",
-                              "--optimizer", "momentum", "--lr", "0.5", "--epochs", "4",
-                              "--set", 'cluster.async_lr="full"', "--run-dir", str(tmp_path / "run"),
-                              "--fail-on-divergence")
+    rc, result, stderr = psgd(
+        tmp_path,
+        "launch",
+        "--workers",
+        "4",
+        "--shards",
+        "2",
+        "--policy",
+        "async",
+        "--optimizer",
+        "momentum",
+        "--lr",
+        "0.5",
+        "--epochs",
+        "4",
+        "--set",
+        'cluster.async_lr="full"',
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--fail-on-divergence",
+    )
     assert rc == 3 and result["diverged"] is True, result
     divergence = result["divergence"]
     assert 'async_lr = "divided"' in divergence["advice"]

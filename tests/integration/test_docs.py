@@ -27,8 +27,13 @@ TOOLS = dict(reference.TOOLS)  # the command-line tools, and the module each run
 def site(tmp_path_factory):
     """The site, built once strictly: what the build said, and its folder."""
     folder = tmp_path_factory.mktemp("site") / "site"
-    done = subprocess.run([sys.executable, "-m", "properdocs", "build", "--strict", "--site-dir", str(folder)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "properdocs", "build", "--strict", "--site-dir", str(folder)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout + done.stderr, folder
 
@@ -37,8 +42,14 @@ def site(tmp_path_factory):
 def test_the_site_builds_strictly(site):
     said, folder = site  # a build says what it did, and no banner (a theme's end of life, say)
     assert "end of life" not in said.lower() and "│" not in said, said
-    for page in ("index.html", "reference/commands/index.html", "reference/keys/index.html",
-                 "benchmarks/RESULTS/index.html", "benchmarks/results/simulate/efficiency.png", "changelog/index.html"):
+    for page in (
+        "index.html",
+        "reference/commands/index.html",
+        "reference/keys/index.html",
+        "benchmarks/RESULTS/index.html",
+        "benchmarks/results/simulate/efficiency.png",
+        "changelog/index.html",
+    ):
         assert (folder / page).exists(), page
 
 
@@ -48,17 +59,27 @@ def test_code_is_highlighted_offline(site):
     own: the theme's highlighter comes from a CDN, which the build turns off, and the tokens had no colors."""
     _, folder = site
     page = (folder / "howto" / "your-model" / "index.html").read_text(encoding="utf-8")
-    assert re.search(r'<div class="highlight"><pre>(<span></span>)?<code>\s*<span class="c1">#[^<]*</span>\s*'
-                     r'<span class="kn">import</span>', page), "your-model's first block is not highlighted"
-    sheets = [re.search(r'href="([^"]+)"', link).group(1) for link in re.findall(r"<link\b[^>]*>", page)
-              if 'rel="stylesheet"' in link]
-    rules = "".join((folder / "howto" / "your-model" / href).resolve().read_text(encoding="utf-8")
-                    for href in sheets if not re.match(r"(\w+:)?//", href))
+    assert re.search(
+        r'<div class="highlight"><pre>(<span></span>)?<code>\s*<span class="c1">#[^<]*</span>\s*'
+        r'<span class="kn">import</span>',
+        page,
+    ), "your-model's first block is not highlighted"
+    sheets = [
+        re.search(r'href="([^"]+)"', link).group(1)
+        for link in re.findall(r"<link\b[^>]*>", page)
+        if 'rel="stylesheet"' in link
+    ]
+    rules = "".join(
+        (folder / "howto" / "your-model" / href).resolve().read_text(encoding="utf-8")
+        for href in sheets
+        if not re.match(r"(\w+:)?//", href)
+    )
     for token in ("kn", "c1", "s2", "nb"):  # a keyword, a comment, a string, a builtin: each its color
         assert re.search(rf"\.highlight \.{token} \{{[^}}]*color: #[0-9A-Fa-f]{{3,6}}", rules), token
     for html in sorted(folder.rglob("*.html")):  # nothing of a page comes from another host
-        fetched = re.findall(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="((?:\w+:)?//[^"]*)"',
-                             html.read_text(encoding="utf-8"))
+        fetched = re.findall(
+            r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="((?:\w+:)?//[^"]*)"', html.read_text(encoding="utf-8")
+        )
         assert fetched == [], f"{html.relative_to(folder)}: {fetched}"
 
 
@@ -73,8 +94,9 @@ def test_the_reference_names_every_flag_of_every_command():
         assert name in pages, f"{name} has no section"
         missing = [f for f in reference.flags(parser, hidden=False) if f"`{f}" not in pages[name]]
         assert missing == [], f"{name}: {missing}"
-    helped = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--help"], capture_output=True,
-                            text=True, timeout=60).stdout
+    helped = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "launch", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     flags = set(re.findall(r"^  (?:-\w[ \w.,]*?, )?(--[a-z][a-z0-9-]*)", helped, flags=re.M))  # its option lines
     assert len(flags) > 20 and [f for f in sorted(flags) if f"`{f}" not in pages["psgd launch"]] == []
 
@@ -123,7 +145,7 @@ def _parser(argv: list[str]):
         if token.startswith("-") or " ".join(words + [token]) not in parsers:
             break
         words.append(token)
-    return " ".join(words), parsers[" ".join(words)], argv[len(words):]
+    return " ".join(words), parsers[" ".join(words)], argv[len(words) :]
 
 
 def test_every_example_uses_flags_that_exist():
@@ -154,16 +176,21 @@ def test_getting_starteds_commands_fit_without_scrolling():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for name in re.findall(r'^--8<-- "README\.md:([\w-]+)"$', page, flags=re.M):  # what the page includes
         page += readme.split(f"[start:{name}]")[1].split(f"[end:{name}]")[0]
-    lines = [line for block in re.findall(r"^```bash\n(.*?)^```", page, flags=re.M | re.S)
-             for line in block.splitlines()]
+    lines = [
+        line for block in re.findall(r"^```bash\n(.*?)^```", page, flags=re.M | re.S) for line in block.splitlines()
+    ]
     assert len(lines) >= 3 and [line for line in lines if len(line) > FITS] == []
 
 
 def test_every_page_installs_psgd_the_same_way():
     """Editable from its folder, the extras added to it: a page that installed "." after one that installed "-e ."
     swapped the install under the other (the README's, the docs', the lab's and the GPU page's lines each did)."""
-    lines = [(page.relative_to(ROOT), line) for page in [*PAGES, ROOT / ".ci" / "run"]
-             for line in page.read_text().splitlines() if re.search(r"pip install\b.*\s['\"]?\.(\[|['\"\s]|$)", line)]
+    lines = [
+        (page.relative_to(ROOT), line)
+        for page in [*PAGES, ROOT / ".ci" / "run"]
+        for line in page.read_text().splitlines()
+        if re.search(r"pip install\b.*\s['\"]?\.(\[|['\"\s]|$)", line)
+    ]
     assert len(lines) >= 6
     assert [(where, line) for where, line in lines if not re.search(r"\s-e\s+['\"]?\.", line)] == []
     extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -183,8 +210,9 @@ def test_the_runnable_examples_run(tmp_path):
     assert len(runnable) >= 3
     printed: dict[str, set[str]] = {}
     for where, argv in runnable:
-        done = subprocess.run([sys.executable, "-m", TOOLS[argv[0]], *argv[1:]], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [sys.executable, "-m", TOOLS[argv[0]], *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240
+        )
         assert done.returncode == 0, f"{where}: exit {done.returncode}\n{done.stderr[-2000:]}"
         printed.setdefault(where.split(": ")[0], set()).update(map(_shape, done.stdout.splitlines()))
     samples = 0

@@ -8,21 +8,25 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import make_job, shards
 
 from psgd.cli.main import main
 from psgd.config import Deadlines, to_toml
+from psgd.job import build_job, describe_job
 from psgd.partition import PartitionPlan
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
 from psgd.wire.tls import TLSFiles
-from psgd.job import build_job
 from psgd.worker.client import PSClient, fetch_weights
 
-from helpers import make_job, shards
-
-SETS = ("model.hidden=[24]", "cluster.shards=2", "cluster.workers=1", "cluster.policy=async",
-        "cluster.slice_bytes=512", "cluster.request_timeout=5")
+SETS = (
+    "model.hidden=[24]",
+    "cluster.shards=2",
+    "cluster.workers=1",
+    "cluster.policy=async",
+    "cluster.slice_bytes=512",
+    "cluster.request_timeout=5",
+)
 
 
 def job(*extra: str):
@@ -31,8 +35,16 @@ def job(*extra: str):
 
 def flags(j) -> list[str]:
     """The CLI flags that describe ``j`` (the model, data and cluster layout)."""
-    return ["--set", "model.hidden=[24]", "--shards", str(j.cluster.shards), "--set", "cluster.slice_bytes=512",
-            "--set", "cluster.request_timeout=5"]
+    return [
+        "--set",
+        "model.hidden=[24]",
+        "--shards",
+        str(j.cluster.shards),
+        "--set",
+        "cluster.slice_bytes=512",
+        "--set",
+        "cluster.request_timeout=5",
+    ]
 
 
 def push_steps(j, steps: int) -> None:
@@ -55,16 +67,26 @@ def test_export_from_a_running_cluster_gives_its_weights_exactly(tmp_path, capsy
     j = job()
     out = tmp_path / "model.npz"
     with shards(j) as (j, servers):
-        code, text, _ = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j)[:2],
-                            "--set", "cluster.slice_bytes=512", str(out))
+        code, text, _ = run(
+            capsys,
+            "export",
+            "--servers",
+            ",".join(j.cluster.servers),
+            *flags(j)[:2],
+            "--set",
+            "cluster.slice_bytes=512",
+            str(out),
+        )
         assert code == 0, text
         init = build_job(j).model.init(j.train.seed)
         with np.load(out, allow_pickle=False) as data:
             assert sorted(data.files) == sorted(init)
             for name, value in init.items():
                 assert data[name].dtype == value.dtype and np.array_equal(data[name], value)
-        assert text.startswith(f"wrote {out}: 4 variables, {sum(v.size for v in init.values())} parameters, "
-                               f"{out.stat().st_size} bytes; versions shard 0: 0, shard 1: 0; from the cluster at ")
+        assert text.startswith(
+            f"wrote {out}: 4 variables, {sum(v.size for v in init.values())} parameters, "
+            f"{out.stat().st_size} bytes; versions shard 0: 0, shard 1: 0; from the cluster at "
+        )
 
         push_steps(j, 3)
         code, text, _ = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j), "--json", str(out))
@@ -84,8 +106,17 @@ def test_export_refuses_a_job_that_does_not_describe_the_cluster(tmp_path, capsy
     j = job()
     with shards(j) as (j, _):
         a, b = j.cluster.servers
-        code, _, err = run(capsys, "export", "--servers", f"{a},{b}", "--set", "model.hidden=[32]",
-                           "--set", "cluster.slice_bytes=512", str(tmp_path / "m.npz"))
+        code, _, err = run(
+            capsys,
+            "export",
+            "--servers",
+            f"{a},{b}",
+            "--set",
+            "model.hidden=[32]",
+            "--set",
+            "cluster.slice_bytes=512",
+            str(tmp_path / "m.npz"),
+        )
         assert code == 2
         assert f"holds plan {build_shard(describe_job(j), 0).plan.hash}" in err and "-c job.toml, or --model" in err
         code, _, err = run(capsys, "export", "--servers", f"{b},{a}", *flags(j), str(tmp_path / "m.npz"))
@@ -114,18 +145,54 @@ def test_export_over_tls(tmp_path, capsys):
     def openssl(*args):
         subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca", "-keyout", "ca.key",
-            "-out", "ca.pem")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=shard", "-keyout", "shard.key", "-out", "shard.csr")
     (tmp_path / "shard.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "shard.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
-            "-extfile", "shard.ext", "-out", "shard.pem")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "shard.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "shard.ext",
+        "-out",
+        "shard.pem",
+    )
     j = job("cluster.shards=1")
     tls = TLSFiles(str(tmp_path / "shard.pem"), str(tmp_path / "shard.key"), None)
     server = ShardServer(build_shard(describe_job(j), 0), "127.0.0.1:0", tls=tls).start()
     try:
-        code, text, err = run(capsys, "export", "--servers", server.address, *flags(j), "--tls-ca",
-                              str(tmp_path / "ca.pem"), str(tmp_path / "m.npz"))
+        code, text, err = run(
+            capsys,
+            "export",
+            "--servers",
+            server.address,
+            *flags(j),
+            "--tls-ca",
+            str(tmp_path / "ca.pem"),
+            str(tmp_path / "m.npz"),
+        )
         assert code == 0, err
         with np.load(tmp_path / "m.npz", allow_pickle=False) as data:
             assert np.array_equal(data["dense0/W"], build_job(j).model.init(0)["dense0/W"])
@@ -136,8 +203,12 @@ def test_export_over_tls(tmp_path, capsys):
 def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     j = job()
     ckpt = tmp_path / "ckpt"
-    servers = [ShardServer(build_shard(describe_job(j), k), "127.0.0.1:0", checkpoint_dir=str(ckpt),
-                           checkpoint_seconds=3600).start() for k in range(2)]
+    servers = [
+        ShardServer(
+            build_shard(describe_job(j), k), "127.0.0.1:0", checkpoint_dir=str(ckpt), checkpoint_seconds=3600
+        ).start()
+        for k in range(2)
+    ]
     folder = ckpt / servers[0].core.fingerprint  # DIR/<the job's fingerprint>/shard-K
     try:
         j = j.override("cluster.servers", [s.address for s in servers])
@@ -154,8 +225,10 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     out = tmp_path / "model.npz"
     code, text, err = run(capsys, "export", "-c", str(job_file), "--checkpoints", str(ckpt), str(out))
     assert code == 0, err
-    assert text == (f"wrote {out}: 4 variables, {sum(v.size for v in live.values())} parameters, "
-                    f"{out.stat().st_size} bytes; versions shard 0: 4, shard 1: 4; from checkpoints in {folder}\n")
+    assert text == (
+        f"wrote {out}: 4 variables, {sum(v.size for v in live.values())} parameters, "
+        f"{out.stat().st_size} bytes; versions shard 0: 4, shard 1: 4; from checkpoints in {folder}\n"
+    )
     assert sorted(p.name for p in folder.iterdir()) == ["shard-0", "shard-1"]
     with np.load(out, allow_pickle=False) as data:
         for name, value in live.items():
@@ -164,10 +237,17 @@ def test_export_from_checkpoints_then_eval(tmp_path, capsys):
     code, text, _ = run(capsys, "eval", "-c", str(job_file), str(out), "--json")
     result = json.loads(text)
     built = build_job(j)
-    from psgd.training.evaluation import evaluate
     from psgd.job import params_to_device
-    loss, acc = evaluate(built.model, params_to_device(live, built.device), built.dataset.x_test,
-                         built.dataset.y_test, built.device, j.train.eval_batch_size)
+    from psgd.training.evaluation import evaluate
+
+    loss, acc = evaluate(
+        built.model,
+        params_to_device(live, built.device),
+        built.dataset.x_test,
+        built.dataset.y_test,
+        built.device,
+        j.train.eval_batch_size,
+    )
     assert code == 0 and result["test_accuracy"] == acc and result["test_loss"] == loss
 
     code, _, err = run(capsys, "export", "--checkpoints", str(ckpt), str(out))  # the default MLP: another plan
@@ -189,8 +269,9 @@ def test_eval_of_a_file_saved_by_train_gives_the_accuracy_train_printed(tmp_path
     assert evaluated["test_loss"] == trained["test_loss"]
     assert evaluated["variables"] == 6 and evaluated["examples"] > 0
     code, text, _ = run(capsys, "eval", str(saved), "-q")
-    assert text.startswith(f"test accuracy: {trained['test_accuracy']:.4f} (loss {trained['test_loss']:.4f}) "
-                           f"of {saved}: 6 variables")
+    assert text.startswith(
+        f"test accuracy: {trained['test_accuracy']:.4f} (loss {trained['test_loss']:.4f}) of {saved}: 6 variables"
+    )
 
     code, _, err = run(capsys, "eval", str(saved), "--model", "softmax")
     assert code == 2 and err.count("\n") == 1
@@ -225,6 +306,14 @@ def test_export_from_running_shards_refuses_different_versions_as_from_checkpoin
         code, _, err = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j), str(out))
         assert code == 2 and "different versions (shard 0: 1, shard 1: 0)" in err and "--mixed-versions" in err, err
         assert not out.exists()
-        code, text, _ = run(capsys, "export", "--servers", ",".join(j.cluster.servers), *flags(j), "--mixed-versions",
-                            "--json", str(out))
+        code, text, _ = run(
+            capsys,
+            "export",
+            "--servers",
+            ",".join(j.cluster.servers),
+            *flags(j),
+            "--mixed-versions",
+            "--json",
+            str(out),
+        )
         assert code == 0 and json.loads(text)["versions"] == [1, 0]

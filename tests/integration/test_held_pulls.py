@@ -19,14 +19,13 @@ import time
 import grpc
 import numpy as np
 import pytest
+from helpers import make_job, shards, slice_weights, wait_for
 
 from psgd.config import Deadlines, Links
 from psgd.proto import ps_pb2, ps_pb2_grpc
 from psgd.server.net import datapath
 from psgd.wire import protocol, segment
 from psgd.worker.client import PSClient
-
-from helpers import make_job, shards, slice_weights, wait_for
 
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
@@ -37,9 +36,19 @@ LINKS = ("tcp", "shm", "grpc")
 
 @pytest.fixture(scope="module")
 def big():
-    job = make_job("model.name=mlp", "model.hidden=[2048,2048]", "train.dtype=float32", "optimizer.name=sgd",
-                   "optimizer.lr=0.01", "cluster.policy=async", "cluster.workers=2", "cluster.shards=1",
-                   "cluster.request_timeout=30", "cluster.lease_seconds=600", "cluster.join_timeout=600")
+    job = make_job(
+        "model.name=mlp",
+        "model.hidden=[2048,2048]",
+        "train.dtype=float32",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.01",
+        "cluster.policy=async",
+        "cluster.workers=2",
+        "cluster.shards=1",
+        "cluster.request_timeout=30",
+        "cluster.lease_seconds=600",
+        "cluster.join_timeout=600",
+    )
     with shards(job) as (job, servers):
         yield job, servers[0]
 
@@ -70,8 +79,9 @@ def stopped_reader(link: str, server):
     core = server.core
     if link == "grpc":
         channel = grpc.insecure_channel(server.address)
-        stream = ps_pb2_grpc.ParameterServerStub(channel).Pull(ps_pb2.PullRequest(
-            worker_id=0, clock=0, registration=core.roster.workers[0].key), timeout=60)
+        stream = ps_pb2_grpc.ParameterServerStub(channel).Pull(
+            ps_pb2.PullRequest(worker_id=0, clock=0, registration=core.roster.workers[0].key), timeout=60
+        )
         first = next(stream)
 
         def finish() -> bytes:
@@ -79,16 +89,18 @@ def stopped_reader(link: str, server):
             for chunk in [first, *stream]:
                 a, b = core.offsets[chunk.slice_id]
                 at = a * 4 + chunk.offset
-                out[at:at + len(chunk.data)] = chunk.data
+                out[at : at + len(chunk.data)] = chunk.data
             return bytes(out)
+
         try:
             yield finish
         finally:
             stream.cancel()
             channel.close()
         return
-    sock, offer = _hello(server.data.port, core.plan.hash, shm="pull" if link == "shm" else "",
-                         key=core.roster.workers[0].key)
+    sock, offer = _hello(
+        server.data.port, core.plan.hash, shm="pull" if link == "shm" else "", key=core.roster.workers[0].key
+    )
     seg = segment.attach(offer, offer["bytes"], writable=False) if link == "shm" else None
     try:
         _pull_request(sock)
@@ -101,12 +113,14 @@ def stopped_reader(link: str, server):
                 assert seg.seq(slot) == seq
                 return held
         else:
+
             def finish() -> bytes:
                 magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
                 assert magic == protocol.DATA_MAGIC and status == 0 and size == core.nbytes
                 out = bytearray(size)
                 protocol.recv_exact(sock, memoryview(out))
                 return bytes(out)
+
         yield finish
     finally:
         if seg is not None:
@@ -120,9 +134,17 @@ def test_a_stopped_reader_delays_no_other_worker_and_keeps_its_version_whole(big
     core, plan = server.core, server.core.plan
     host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), config=job) as holder, \
-            PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
-                     links=Links(transport=link), config=job) as other:
+    with (
+        PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), config=job) as holder,
+        PSClient(
+            job.cluster.servers,
+            plan,
+            1,
+            deadlines=Deadlines(request_timeout=IO),
+            links=Links(transport=link),
+            config=job,
+        ) as other,
+    ):
         holder.register()
         clock = other.register()
         before, version = core.flat.tobytes(), core.version
@@ -147,9 +169,17 @@ def test_a_stopped_shared_memory_reader_is_found_out_when_its_version_had_to_go(
     monkeypatch.setattr(datapath, "TRANSFER_GRACE", 0.5)
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e12)
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), config=job) as holder, \
-            PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
-                     links=Links(transport="tcp"), config=job) as other:
+    with (
+        PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), config=job) as holder,
+        PSClient(
+            job.cluster.servers,
+            plan,
+            1,
+            deadlines=Deadlines(request_timeout=IO),
+            links=Links(transport="tcp"),
+            config=job,
+        ) as other,
+    ):
         holder.register()
         clock = other.register()
         first, offer = _hello(server.data.port, plan.hash, shm="pull", key=server.core.roster.workers[0].key)
@@ -201,10 +231,24 @@ def test_a_worker_whose_copy_was_torn_pulls_again_and_gets_a_whole_version(big, 
     monkeypatch.setattr(shm, "copy_views", stopped_copy)
     grads = {s.name: np.full(s.shape, 1e-3, dtype=s.dtype) for s in plan.specs}
     host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO), links=Links(transport="shm"),
-                  config=job) as stopped, \
-            PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
-                     links=Links(transport="tcp"), config=job) as other:
+    with (
+        PSClient(
+            job.cluster.servers,
+            plan,
+            0,
+            deadlines=Deadlines(request_timeout=IO),
+            links=Links(transport="shm"),
+            config=job,
+        ) as stopped,
+        PSClient(
+            job.cluster.servers,
+            plan,
+            1,
+            deadlines=Deadlines(request_timeout=IO),
+            links=Links(transport="tcp"),
+            config=job,
+        ) as other,
+    ):
         clock0, clock1 = stopped.register(), other.register()
         assert stopped.links[0].shared
         pulled = run_in_thread(lambda: stopped.pull(clock0, host))
@@ -217,12 +261,13 @@ def test_a_worker_whose_copy_was_torn_pulls_again_and_gets_a_whole_version(big, 
         version = pulled()
         assert version == [core.version] and core.store.counters["revoked_reads"] == revoked
         for sl, w in slice_weights(core):
-            assert host[sl.var].reshape(-1)[sl.start:sl.stop].tobytes() == w.tobytes()
+            assert host[sl.var].reshape(-1)[sl.start : sl.stop].tobytes() == w.tobytes()
         assert len(calls) > 1  # it copied again
 
 
 def run_in_thread(fn):
     import concurrent.futures
+
     pool = concurrent.futures.ThreadPoolExecutor(1)
     future = pool.submit(fn)
     pool.shutdown(wait=False)

@@ -24,19 +24,19 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 from helpers import make_job, run_threads, wait_for
+
 from psgd.bench.chaos.processes import end_all
 from psgd.config import Deadlines, to_toml
+from psgd.errors import Code
+from psgd.job import describe_job
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
 from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
-from psgd.errors import Code
 
 TOKEN = "s3cret-of-this-job"
 IO = 10.0  # seconds: every socket's timeout here
@@ -46,9 +46,18 @@ CODES = {c.value: c for c in Code}
 def tiny_job(*sets: str):
     """Two workers (so the authenticated cap is 4 * 2 + 8 = 16), one shard, a few hundred small steps.
     request_timeout is short so that a locked-out worker fails within the test, not after 60 s."""
-    return make_job("model.name=softmax", "cluster.workers=2", "cluster.shards=1", "cluster.policy=async",
-                    "train.epochs=1", "train.batch_size=16", "train.eval_every=0", "cluster.request_timeout=8",
-                    "cluster.join_timeout=30", *sets)
+    return make_job(
+        "model.name=softmax",
+        "cluster.workers=2",
+        "cluster.shards=1",
+        "cluster.policy=async",
+        "train.epochs=1",
+        "train.batch_size=16",
+        "train.eval_every=0",
+        "cluster.request_timeout=8",
+        "cluster.join_timeout=30",
+        *sets,
+    )
 
 
 @contextlib.contextmanager
@@ -58,7 +67,9 @@ def token_shards(job, **options):
     servers = []
     try:
         for k in range(job.cluster.shards):
-            servers.append(ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", token=TOKEN, **options).start())
+            servers.append(
+                ShardServer(build_shard(describe_job(job), k), "127.0.0.1:0", token=TOKEN, **options).start()
+            )
         yield job.override("cluster.servers", [s.address for s in servers]), servers
     finally:
         for s in servers:
@@ -71,8 +82,13 @@ def dial(port: int, timeout: float = IO) -> socket.socket:
 
 def train_all(job, timeout: float = 60.0):
     """Every worker of ``job`` trained in a thread of this process; their results."""
-    return run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False, token=TOKEN)
-                        for r in range(job.cluster.workers)], timeout=timeout)
+    return run_threads(
+        [
+            lambda r=r: run_worker(job, r, job.cluster.servers, progress=False, token=TOKEN)
+            for r in range(job.cluster.workers)
+        ],
+        timeout=timeout,
+    )
 
 
 def test_idle_connections_do_not_lock_the_workers_out():
@@ -130,23 +146,28 @@ def test_idle_grpc_streams_cannot_block_the_control_calls_and_are_ended(monkeypa
     # four connections of ten idle streams each (a channel of its own each: gRPC's channels to one address share
     # one connection otherwise, and 40 streams opened on it before the shard's limit of 16 (STREAMS_PER_CONNECTION)
     # had reached the client were refused, the Status call among them, in 1 of 15 runs)
-    channels = [grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(4)]
+    channels = [
+        grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(4)
+    ]
     try:
-        streams = [ps_pb2_grpc.ParameterServerStub(channels[i % 4]).Push.future(idle(), timeout=30)
-                   for i in range(40)]
+        streams = [ps_pb2_grpc.ParameterServerStub(channels[i % 4]).Push.future(idle(), timeout=30) for i in range(40)]
         stub = ps_pb2_grpc.ParameterServerStub(channels[0])
         for _ in range(3):  # the control calls are answered at once, on the connection the idle streams crowd too
             began = time.monotonic()
             stub.Status(ps_pb2.StatusRequest(), timeout=5)
-            with PSClient([server.address], server.core.plan, 0, deadlines=Deadlines(request_timeout=5),
-                          config=job) as client:
+            with PSClient(
+                [server.address], server.core.plan, 0, deadlines=Deadlines(request_timeout=5), config=job
+            ) as client:
                 client.register()
             assert time.monotonic() - began < 2.0
         codes = [f.exception(timeout=IO).code() for f in streams]  # every one ended by the shard, within IO
         # (gRPC's client now and then reports a stream the shard cancelled as UNAVAILABLE: seen in 1 of 5 runs)
-        assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, codes
+        assert set(codes) <= {
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.UNAVAILABLE,
+        }, codes
     finally:
         never.set()
         for channel in channels:
@@ -189,8 +210,9 @@ def test_a_client_whose_hello_comes_too_late_is_told_so(monkeypatch):
             DataConnection("127.0.0.1", port, 0, core.plan.hash, token=TOKEN, timeout=IO)
         assert info.value.code == Code.DEADLINE_EXCEEDED and "no hello within 0.5 s" in info.value.details
         # a worker retries it (a slow network may be to blame) and, when it gives up, its error says why
-        with PSClient(job.cluster.servers, core.plan, 0, deadlines=Deadlines(request_timeout=2.0), token=TOKEN,
-                      config=job) as client:
+        with PSClient(
+            job.cluster.servers, core.plan, 0, deadlines=Deadlines(request_timeout=2.0), token=TOKEN, config=job
+        ) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in core.plan.specs}
             with pytest.raises(PSError, match="no hello within 0.5 s"):
@@ -207,7 +229,7 @@ def test_idle_connections_beyond_the_cap_evict_the_oldest_and_hold_no_thread():
         socks = [dial(data.port) for _ in range(60)]
         try:
             cap = min(data.gate.max_unauthenticated, data.gate.max_per_peer)  # on loopback every peer is one address
-            evicted = socks[:60 - cap]
+            evicted = socks[: 60 - cap]
             for sock in evicted[:5]:
                 code, message = read_refusal(sock)
                 assert code == Code.UNAVAILABLE and "to make room" in message, message
@@ -243,8 +265,14 @@ def test_refusals_are_summed_up_in_the_log_not_one_line_each():
             logger.removeHandler(keep)
         lines = [r.getMessage() for r in records]
         assert 1 <= len(lines) <= 3, lines
-        assert any(re.search(r"refused \d+ data connection\(s\) from 127\.0\.0\.1 in the last \d+s "
-                             r"\(no proof of the token\)", line) for line in lines), lines
+        assert any(
+            re.search(
+                r"refused \d+ data connection\(s\) from 127\.0\.0\.1 in the last \d+s "
+                r"\(no proof of the token\)",
+                line,
+            )
+            for line in lines
+        ), lines
         counted = sum(int(m.group(1)) for line in lines if (m := re.search(r"refused (\d+) ", line)))
         assert counted + sum("refused a data connection" in line for line in lines) == 150, lines
 
@@ -329,8 +357,12 @@ def memory(pid: int) -> dict[str, float]:
 def flood(port: int, idle: int, garbage: int, limit: float):
     """IDLE + GARBAGE connections held against ``port`` from threads of another process; yields a dict
     that holds the flood's counts once it has ended."""
-    proc = subprocess.Popen([sys.executable, "-c", FLOOD, str(port), str(idle), str(garbage), str(limit)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLOOD, str(port), str(idle), str(garbage), str(limit)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     counts: dict = {}
     try:
         # bounded by the flood's limit: every connection opened, and the first ones already closed and re-opened
@@ -358,19 +390,43 @@ def test_a_worker_trains_at_full_speed_under_a_flood_of_idle_and_garbage_connect
     Softmax regression (a few hundred microseconds a step) is the hardest case: whatever the flood costs
     the shard shows in every step.  Each run trains a fresh rank of an async job, ~2800 steps; undisturbed
     and disturbed runs alternate, three each, and their medians are compared."""
-    job = make_job("model.name=softmax", "cluster.workers=8", "cluster.shards=1", "cluster.policy=async",
-                   "train.epochs=250", "train.batch_size=16", "train.eval_every=0", "cluster.request_timeout=20",
-                   "cluster.join_timeout=600", "cluster.lease_seconds=600")
+    job = make_job(
+        "model.name=softmax",
+        "cluster.workers=8",
+        "cluster.shards=1",
+        "cluster.policy=async",
+        "train.epochs=250",
+        "train.batch_size=16",
+        "train.eval_every=0",
+        "cluster.request_timeout=20",
+        "cluster.join_timeout=600",
+        "cluster.lease_seconds=600",
+    )
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     log_path = tmp_path / "shard.log"
     with open(log_path, "w") as log_file:
-        shard = subprocess.Popen([sys.executable, "-m", "psgd.cli.server", "-c", str(path), "--shard", "0",
-                                  "--bind", "127.0.0.1:0", "--token", TOKEN],
-                                 stdout=subprocess.DEVNULL, stderr=log_file)
+        shard = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "psgd.cli.server",
+                "-c",
+                str(path),
+                "--shard",
+                "0",
+                "--bind",
+                "127.0.0.1:0",
+                "--token",
+                TOKEN,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
     try:
-        found = wait_for(lambda: re.search(r"serving on (\S+), data port (\d+)", log_path.read_text()), 60,
-                         "the shard to start")
+        found = wait_for(
+            lambda: re.search(r"serving on (\S+), data port (\d+)", log_path.read_text()), 60, "the shard to start"
+        )
         address, data_port = found.group(1), int(found.group(2))
         rates: dict[str, list[float]] = {"undisturbed": [], "disturbed": []}
         counts = []
@@ -379,8 +435,9 @@ def test_a_worker_trains_at_full_speed_under_a_flood_of_idle_and_garbage_connect
         def run(kind: str) -> None:
             nonlocal rank
             walls = []
-            result = run_worker(job, rank, [address], progress=False, token=TOKEN,
-                                on_step=lambda point: walls.append(point["wall"]))
+            result = run_worker(
+                job, rank, [address], progress=False, token=TOKEN, on_step=lambda point: walls.append(point["wall"])
+            )
             rank += 1
             assert result.steps == len(walls) > 50
             skip = 10  # the first steps warm up
@@ -398,10 +455,12 @@ def test_a_worker_trains_at_full_speed_under_a_flood_of_idle_and_garbage_connect
             counts.append(count)
         after = memory(shard.pid)
         undisturbed, disturbed = (statistics.median(rates[k]) for k in ("undisturbed", "disturbed"))
-        print(f"steps/s undisturbed {undisturbed:.0f} {[round(r) for r in rates['undisturbed']]}, disturbed "
-              f"{disturbed:.0f} {[round(r) for r in rates['disturbed']]} ({disturbed / undisturbed:.2f}x); shard "
-              f"VmHWM {peak['VmHWM']:.1f} MB undisturbed, {after['VmHWM']:.1f} MB after, VmRSS {during['VmRSS']:.1f} "
-              f"MB during the last flood; flood {counts}")
+        print(
+            f"steps/s undisturbed {undisturbed:.0f} {[round(r) for r in rates['undisturbed']]}, disturbed "
+            f"{disturbed:.0f} {[round(r) for r in rates['disturbed']]} ({disturbed / undisturbed:.2f}x); shard "
+            f"VmHWM {peak['VmHWM']:.1f} MB undisturbed, {after['VmHWM']:.1f} MB after, VmRSS {during['VmRSS']:.1f} "
+            f"MB during the last flood; flood {counts}"
+        )
         assert all(c["connections"] > 200 and c["told_why"] > 100 for c in counts), counts
         # The goal is 0.8x (figures in benchmarks/RESULTS.md, from quiet runs of this test); on a shared
         # 2-core machine a neighbour's load moves single runs by 20-30%, so the test holds a floor that still
@@ -436,12 +495,27 @@ def test_idle_connections_to_the_grpc_port_up_to_the_descriptor_limit_leave_a_sh
     path.write_text(to_toml(job.to_dict()))
     root, log_path = tmp_path / "ckpt", tmp_path / "shard.log"
     exe = Path(sys.executable).with_name("psgd-server")
-    argv = " ".join([str(exe) if exe.exists() else f"{sys.executable} -m psgd.cli.server", "-c", str(path),
-                     "--shard", "0", "--bind", "127.0.0.1:0", "--checkpoint-dir", str(root),
-                     "--checkpoint-every", "0.2"])
+    argv = " ".join(
+        [
+            str(exe) if exe.exists() else f"{sys.executable} -m psgd.cli.server",
+            "-c",
+            str(path),
+            "--shard",
+            "0",
+            "--bind",
+            "127.0.0.1:0",
+            "--checkpoint-dir",
+            str(root),
+            "--checkpoint-every",
+            "0.2",
+        ]
+    )
     with open(log_path, "w") as log_file:  # started as a user with `ulimit -n` in their shell starts it
-        shard = subprocess.Popen(["bash", "-c", f"ulimit -n {DESCRIPTORS} && exec {argv} --token {TOKEN}"],
-                                 stdout=subprocess.DEVNULL, stderr=log_file)
+        shard = subprocess.Popen(
+            ["bash", "-c", f"ulimit -n {DESCRIPTORS} && exec {argv} --token {TOKEN}"],
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
     held: list[socket.socket] = []
     try:
         found = wait_for(lambda: re.search(r"serving on (\S+),", log_path.read_text()), 60, "the shard to start")
@@ -458,14 +532,22 @@ def test_idle_connections_to_the_grpc_port_up_to_the_descriptor_limit_leave_a_sh
 
         def status() -> subprocess.CompletedProcess:
             psgd = Path(sys.executable).with_name("psgd")
-            return subprocess.run([str(psgd), "status", "--sample", "0", "--timeout", "10",
-                                   "--token", TOKEN, "--json", address], capture_output=True, text=True, timeout=60)
+            return subprocess.run(
+                [str(psgd), "status", "--sample", "0", "--timeout", "10", "--token", TOKEN, "--json", address],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
         asked = status()
         assert asked.returncode == 0, asked.stdout + asked.stderr
         results = train_all(job, timeout=90)  # a worker that comes now joins and trains
         assert results[0].steps > 0
-        wait_for(lambda: checkpointed(root) >= results[0].steps, 30,
-                 f"a checkpoint of version {results[0].steps} (the newest is {checkpointed(root)})")
+        wait_for(
+            lambda: checkpointed(root) >= results[0].steps,
+            30,
+            f"a checkpoint of version {results[0].steps} (the newest is {checkpointed(root)})",
+        )
         asked = status()
         assert asked.returncode == 0, asked.stdout + asked.stderr
     finally:

@@ -11,20 +11,19 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from helpers import make_job, run_threads
+
 from psgd.config import Deadlines
-from psgd.job import build_job
+from psgd.errors import Code
+from psgd.job import build_job, describe_job
 from psgd.link import LinkError
 from psgd.partition import PartitionPlan
-from psgd.job import describe_job
 from psgd.server import build_shard
-from psgd.server.state.admission import Roster
 from psgd.server.net.service import ShardServer
+from psgd.server.state.admission import Roster
 from psgd.wire import status
 from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
-from psgd.errors import Code
 
 
 def plan_of(job) -> PartitionPlan:
@@ -44,9 +43,18 @@ def stop(servers) -> None:
 def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
     """Shards 0, 0, 2 holding the same number of bytes used to train to the end, shard 1's gradients
     stored as shard 0's slices, with no warning."""
-    job = make_job("model.name=softmax", "cluster.shards=3", "cluster.workers=1", "cluster.slice_bytes=512",
-                   "train.epochs=1", "cluster.policy=async", f"cluster.transport={transport}")
-    servers = serve([build_shard(describe_job(job), 0), build_shard(describe_job(job), 0), build_shard(describe_job(job), 2)])
+    job = make_job(
+        "model.name=softmax",
+        "cluster.shards=3",
+        "cluster.workers=1",
+        "cluster.slice_bytes=512",
+        "train.epochs=1",
+        "cluster.policy=async",
+        f"cluster.transport={transport}",
+    )
+    servers = serve(
+        [build_shard(describe_job(job), 0), build_shard(describe_job(job), 0), build_shard(describe_job(job), 2)]
+    )
     try:
         job = job.override("cluster.servers", [s.address for s in servers])
         assert servers[0].core.nbytes == servers[1].core.nbytes  # the case that went unnoticed
@@ -60,16 +68,26 @@ def test_two_shards_with_the_same_index_are_found_out_at_once(transport):
         stop(servers)
 
 
-@pytest.mark.parametrize("change, field", [
-    ("cluster.policy=async", "policy: shard 0 sync, worker 0 async"),
-    ("cluster.workers=3", "workers: shard 0 2, worker 0 3"),
-    ("optimizer.lr=0.5", "optimizer: shard 0 {lr=0.05}, worker 0 {lr=0.5}"),  # only what differs
-    ("cluster.backup_workers=1", "policy_options: shard 0 {backup_workers=0, checkpoint_rounds=100}, worker 0 "
-                                 "{backup_workers=1}"),  # sync without backup workers has cuts, with them none
-    ("cluster.policy=async cluster.async_lr=full", "policy_options: shard 0 {async_lr=divided}, worker 0 "
-                                                  "{async_lr=full}"),
-    ("cluster.policy=ssp cluster.dc_lambda=0.5", "policy_options: shard 0 {dc_lambda=0.0}, worker 0 {dc_lambda=0.5}"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ("cluster.policy=async", "policy: shard 0 sync, worker 0 async"),
+        ("cluster.workers=3", "workers: shard 0 2, worker 0 3"),
+        ("optimizer.lr=0.5", "optimizer: shard 0 {lr=0.05}, worker 0 {lr=0.5}"),  # only what differs
+        (
+            "cluster.backup_workers=1",
+            "policy_options: shard 0 {backup_workers=0, checkpoint_rounds=100}, worker 0 {backup_workers=1}",
+        ),  # sync without backup workers has cuts, with them none
+        (
+            "cluster.policy=async cluster.async_lr=full",
+            "policy_options: shard 0 {async_lr=divided}, worker 0 {async_lr=full}",
+        ),
+        (
+            "cluster.policy=ssp cluster.dc_lambda=0.5",
+            "policy_options: shard 0 {dc_lambda=0.0}, worker 0 {dc_lambda=0.5}",
+        ),
+    ],
+)
 def test_a_worker_from_another_job_is_refused_when_it_registers_naming_each_field(change, field):
     """``change``: the worker's job differs in it; with two, the first is the shard's too."""
     *both, change = change.split()
@@ -94,7 +112,9 @@ def test_the_rate_of_an_async_push_is_part_of_an_async_jobs_identity_only():
     for policy, differs in (("sync", False), ("async", True), ("ssp", True)):
         for key, values in (("async_lr", ("divided", "full")), ("implicit_momentum", ("false", "true"))):
             a, b = (make_job(f"cluster.policy={policy}", f"cluster.{key}={value}") for value in values)
-            assert (build_shard(describe_job(a), 0).fingerprint != build_shard(describe_job(b), 0).fingerprint) == differs, (policy, key)
+            assert (
+                build_shard(describe_job(a), 0).fingerprint != build_shard(describe_job(b), 0).fingerprint
+            ) == differs, (policy, key)
 
 
 def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
@@ -103,8 +123,9 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
     try:
         other = make_job("cluster.shards=1", "cluster.policy=ssp")
         with grpc.insecure_channel(servers[0].address) as channel:
-            from psgd.proto import ps_pb2, ps_pb2_grpc
             from grpc_status import rpc_status
+
+            from psgd.proto import ps_pb2, ps_pb2_grpc
 
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             client = PSClient([servers[0].address], plan_of(other), 0, config=other)
@@ -117,10 +138,12 @@ def test_the_refusal_carries_its_reason_and_differences_as_a_status_detail():
             info = ps_pb2.ErrorInfo()
             rpc_status.from_call(err.value).details[0].Unpack(info)
             # each difference is cut to 160 bytes, so that twelve of them fit in the trailer beside the message
-            assert list(info.differences) == ["policy: shard 0 sync, worker 0 ssp",
-                                              "policy_options: shard 0 {backup_workers=0, checkpoint_rounds=100}, "
-                                              "worker 0 {async_lr=divided, dc_adaptive=False, dc_lam ... (46 more "
-                                              "characters)"]
+            assert list(info.differences) == [
+                "policy: shard 0 sync, worker 0 ssp",
+                "policy_options: shard 0 {backup_workers=0, checkpoint_rounds=100}, "
+                "worker 0 {async_lr=divided, dc_adaptive=False, dc_lam ... (46 more "
+                "characters)",
+            ]
             request.job_json = ""
             with pytest.raises(grpc.RpcError) as err:
                 stub.Register(request, timeout=5)
@@ -143,8 +166,7 @@ def test_a_forgotten_worker_registers_again_because_of_the_reason_not_the_words(
             raise
 
     monkeypatch.setattr(Roster, "live", reworded)
-    job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async",
-                   f"cluster.transport={transport}")
+    job = make_job("cluster.shards=1", "cluster.workers=1", "cluster.policy=async", f"cluster.transport={transport}")
     servers = serve([build_shard(describe_job(job), 0)])
     try:
         plan = plan_of(job)
@@ -171,8 +193,9 @@ def test_the_data_path_reports_the_reason_too():
         plan = plan_of(job)
         with PSClient([servers[0].address], plan, 0, deadlines=Deadlines(request_timeout=5), config=job) as client:
             client.register()
-        conn = DataConnection("127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0,
-                              key=servers[0].core.roster.workers[0].key)
+        conn = DataConnection(
+            "127.0.0.1", servers[0].data.port, 0, plan.hash, "", 5.0, key=servers[0].core.roster.workers[0].key
+        )
         try:
             with servers[0].core.lock:
                 servers[0].core.roster.workers[0].state = "expired"
@@ -190,8 +213,9 @@ def test_workers_of_one_job_still_train_together():
     servers = serve([build_shard(describe_job(job), k) for k in range(2)])
     try:
         job = job.override("cluster.servers", [s.address for s in servers])
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(2)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], timeout=120
+        )
         assert [r.steps for r in results] == [results[0].steps] * 2 and results[0].steps > 0
     finally:
         stop(servers)

@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import by_hand_env, wait_for
 
 PSGD = shutil.which("psgd") or "psgd"
@@ -22,11 +21,18 @@ SERVER = shutil.which("psgd-server") or "psgd-server"
 
 def start_server(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     port_file = tmp_path / "shard.addr"
-    proc = subprocess.Popen([SERVER, "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--workers", "1",
-                             "-q", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=by_hand_env())
-    wait_for(lambda: proc.poll() is not None or (port_file.exists() and port_file.read_text().strip()), 60,
-             "the shard's port file")
+    proc = subprocess.Popen(
+        [SERVER, "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--workers", "1", "-q", *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=by_hand_env(),
+    )
+    wait_for(
+        lambda: proc.poll() is not None or (port_file.exists() and port_file.read_text().strip()),
+        60,
+        "the shard's port file",
+    )
     assert proc.poll() is None, proc.stderr.read()
     return proc, port_file
 
@@ -54,8 +60,12 @@ def handoff_files(run: Path) -> list[str]:
 @pytest.mark.slow
 def test_launch_leaves_no_address_files_when_it_finishes(tmp_path):
     run = tmp_path / "run"
-    done = subprocess.run([PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "final test accuracy" in done.stdout
     assert handoff_files(run) == []
@@ -81,11 +91,18 @@ def shard_pids(run: Path) -> list[int]:
 @pytest.mark.parametrize("how", ["SIGTERM to the launch", "a shard killed"])
 def test_launch_leaves_no_address_files_however_it_ends(tmp_path, how):
     run = tmp_path / "run"
-    launch = subprocess.Popen([PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launch = subprocess.Popen(
+        [PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: (run / "worker-0.jsonl").exists() and (run / "worker-0.jsonl").stat().st_size > 0, 60,
-                 "worker 0's first step")
+        wait_for(
+            lambda: (run / "worker-0.jsonl").exists() and (run / "worker-0.jsonl").stat().st_size > 0,
+            60,
+            "worker 0's first step",
+        )
         assert handoff_files(run) == ["shard-0.addr", "shard-1.addr"]
         if how == "a shard killed":
             (pid,) = [p for p in shard_pids(run) if f"--shard\0{0}" in open(f"/proc/{p}/cmdline").read()]
@@ -107,8 +124,9 @@ def test_a_launch_keeps_its_run_where_the_user_sees_it_and_says_where(tmp_path):
     import tempfile
 
     before = set(Path(tempfile.gettempdir()).glob("psgd-run-*"))
-    done = subprocess.run([PSGD, "launch", "--epochs", "1", "--no-progress"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [PSGD, "launch", "--epochs", "1", "--no-progress"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     (run,) = (tmp_path / "runs").iterdir()
     assert run.name.endswith("-ps") and len(run.name) == len("20261127-134512-ps")

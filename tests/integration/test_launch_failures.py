@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import wait_for
 from test_launch_signals import kill_leftovers, processes_mentioning, started_training
 
@@ -27,8 +26,13 @@ if os.environ["PSGD_RANK"] == "1":
 
 
 def psgd(folder: Path, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "psgd.cli.main", *argv], cwd=folder, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "psgd.cli.main", *argv],
+        cwd=folder,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def failed_as_json(launcher: subprocess.Popen) -> tuple[list[dict], list[str]]:
@@ -44,12 +48,18 @@ def failed_as_json(launcher: subprocess.Popen) -> tuple[list[dict], list[str]]:
 @pytest.mark.slow
 def test_a_worker_that_exits_with_a_code_is_recorded_with_its_code_and_its_error(tmp_path):
     (tmp_path / "fails.py").write_text(EXITS_3)
-    launcher = psgd(tmp_path, "run", "--json", "--run-dir", str(tmp_path / "run"), "--workers", "2", "--shards", "1",
-                    "fails.py")
+    launcher = psgd(
+        tmp_path, "run", "--json", "--run-dir", str(tmp_path / "run"), "--workers", "2", "--shards", "1", "fails.py"
+    )
     (failure,), err = failed_as_json(launcher)
     log = str(tmp_path / "run" / "worker-1.log")
-    assert {k: failure[k] for k in ("role", "rank", "exit_code", "signal", "log")} == \
-        {"role": "worker", "rank": 1, "exit_code": 3, "signal": None, "log": log}
+    assert {k: failure[k] for k in ("role", "rank", "exit_code", "signal", "log")} == {
+        "role": "worker",
+        "rank": 1,
+        "exit_code": 3,
+        "signal": None,
+        "log": log,
+    }
     assert failure["last_lines"][-1] == "rank 1: no data in /nowhere" and failure["seconds"] > 0
     assert err[-1].startswith("  worker 1: exit code 3, ") and err[-1].endswith(f"; log {log}"), err
 
@@ -60,8 +70,11 @@ def test_a_worker_killed_by_a_signal_is_recorded_with_the_signals_name(tmp_path)
     launcher = psgd(tmp_path, "launch", "--json", "--run-dir", str(run), "--epochs", "400", "--no-progress")
     try:
         wait_for(lambda: started_training(run), 120, "both workers' first step")
-        (pid,) = [pid for pid, cmdline in processes_mentioning(str(run / "job.toml"))
-                  if "psgd.cli.worker" in cmdline and "--rank 1 " in cmdline]
+        (pid,) = [
+            pid
+            for pid, cmdline in processes_mentioning(str(run / "job.toml"))
+            if "psgd.cli.worker" in cmdline and "--rank 1 " in cmdline
+        ]
         os.kill(pid, signal.SIGKILL)
         (failure,), err = failed_as_json(launcher)
     finally:
@@ -70,15 +83,36 @@ def test_a_worker_killed_by_a_signal_is_recorded_with_the_signals_name(tmp_path)
             launcher.wait(10)
         kill_leftovers(run)
     log = str(run / "worker-1.log")
-    assert {k: failure[k] for k in ("role", "rank", "pid", "exit_code", "signal", "log")} == \
-        {"role": "worker", "rank": 1, "pid": pid, "exit_code": None, "signal": "SIGKILL", "log": log}
+    assert {k: failure[k] for k in ("role", "rank", "pid", "exit_code", "signal", "log")} == {
+        "role": "worker",
+        "rank": 1,
+        "pid": pid,
+        "exit_code": None,
+        "signal": "SIGKILL",
+        "log": log,
+    }
     assert err[-1].startswith("  worker 1: SIGKILL, ") and f"pid {pid}; log {log}" in err[-1], err
 
 
 @pytest.mark.slow
 def test_a_launch_that_finished_carries_no_failure(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--json", "--run-dir", "run",
-                           "--epochs", "1", "--no-progress"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "launch",
+            "--json",
+            "--run-dir",
+            "run",
+            "--epochs",
+            "1",
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["failures"] == []

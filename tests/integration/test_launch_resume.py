@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import assert_rejoined_at_once, wait_for
 
 PSGD = shutil.which("psgd") or "psgd"
@@ -26,13 +25,18 @@ def steps_done(run) -> int:
 
 @pytest.mark.slow
 def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_ends(tmp_path):
-    whole = subprocess.run([PSGD, "launch", *JOB, "--run-dir", str(tmp_path / "whole"), "--save",
-                            str(tmp_path / "whole.npz")], capture_output=True, text=True, timeout=300)
+    whole = subprocess.run(
+        [PSGD, "launch", *JOB, "--run-dir", str(tmp_path / "whole"), "--save", str(tmp_path / "whole.npz")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert whole.returncode == 0, whole.stderr
 
     run = tmp_path / "run"
-    launch = subprocess.Popen([PSGD, "launch", *JOB, "--run-dir", str(run)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    launch = subprocess.Popen(
+        [PSGD, "launch", *JOB, "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_for(lambda: steps_done(run) > 300 or launch.poll() is not None, 120, "300 steps of worker 0")
         assert launch.poll() is None, "the job ended before it could be stopped"
@@ -46,13 +50,16 @@ def test_a_launch_stopped_with_ctrl_c_resumes_and_ends_where_an_unstopped_one_en
     stopped_at = steps_done(run)
     assert 300 < stopped_at < 150 * 22  # stopped halfway, not at the end
 
-    again = subprocess.run([PSGD, "launch", *JOB, "--run-dir", str(run)], capture_output=True, text=True,
-                           timeout=60)
+    again = subprocess.run([PSGD, "launch", *JOB, "--run-dir", str(run)], capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and f"continue it with psgd launch --resume {run}" in again.stderr
 
     began = time.monotonic()
-    resumed = subprocess.run([PSGD, "launch", "--resume", str(run), "--no-progress", "--save",
-                              str(tmp_path / "resumed.npz")], capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [PSGD, "launch", "--resume", str(run), "--no-progress", "--save", str(tmp_path / "resumed.npz")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert time.monotonic() - began < 300
     assert "restored version" in (run / "shard-0.log").read_text()
@@ -71,9 +78,12 @@ def test_a_resumed_launch_keeps_its_earlier_logs_and_its_report_counts_the_whole
     run = tmp_path / "run"
     if how == "psgd launch":
         for again in ([], ["--resume", str(run)]):
-            done = subprocess.run([PSGD, "launch", "--no-progress", *(again or ["--epochs", "2", "--run-dir",
-                                                                              str(run)])],
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [PSGD, "launch", "--no-progress", *(again or ["--epochs", "2", "--run-dir", str(run)])],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stderr
     else:
         import psgd
@@ -90,5 +100,6 @@ def test_a_resumed_launch_keeps_its_earlier_logs_and_its_report_counts_the_whole
     said = subprocess.run([PSGD, "report", str(run), "--no-png"], capture_output=True, text=True, timeout=60)
     assert said.returncode == 0, said.stderr
     for rank in (0, 1):  # (was "0 steps in 0.0s (0 steps/s)": the last part's count)
-        assert re.search(rf"\n  worker-{rank}: 44 steps in [0-9.]+s over 2 parts \([0-9,]+ steps/s\)", said.stdout), \
+        assert re.search(rf"\n  worker-{rank}: 44 steps in [0-9.]+s over 2 parts \([0-9,]+ steps/s\)", said.stdout), (
             said.stdout
+        )

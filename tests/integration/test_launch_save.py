@@ -1,4 +1,5 @@
-"""``psgd launch`` keeps the trained model in both modes (in its run folder, or where --save says); ``psgd eval`` scores it as the launch did;
+"""``psgd launch`` keeps the trained model in both modes (in its run folder, or where --save says); ``psgd eval``
+scores it as the launch did;
 a user's model in the current folder trains under ``psgd launch`` and ``psgd train``.
 
 Every command runs as a user types it: the console scripts, in the user's folder, with the user's
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import TOKEN, free_port_pair
 
 PSGD = shutil.which("psgd") or "psgd"
@@ -43,12 +43,18 @@ def has_mpiexec() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ps", pytest.param("allreduce", marks=pytest.mark.lacks(
-    not has_mpiexec(), reason="needs mpi4py and mpiexec (the mpi extra)"))])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "ps",
+        pytest.param(
+            "allreduce", marks=pytest.mark.lacks(not has_mpiexec(), reason="needs mpi4py and mpiexec (the mpi extra)")
+        ),
+    ],
+)
 def test_launch_saves_weights_that_eval_scores_as_the_launch_did(tmp_path, mode):
     saved = tmp_path / "w.npz"
-    launched = run([PSGD, "launch", "--mode", mode, "--no-progress", "--json", "--save", str(saved), *JOB],
-                   tmp_path)
+    launched = run([PSGD, "launch", "--mode", mode, "--no-progress", "--json", "--save", str(saved), *JOB], tmp_path)
     assert launched["saved"] == str(saved)
     with np.load(saved, allow_pickle=False) as weights:
         assert sorted(weights.files) == ["dense0/W", "dense0/b", "dense1/W", "dense1/b", "dense2/W", "dense2/b"]
@@ -91,10 +97,31 @@ def test_one_launch_per_node_trains_what_one_machine_trains(tmp_path):
     job = [*JOB, "--shards", "2", "--workers", "2", "--no-progress", "--json"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PSGD_TOKEN"] = TOKEN  # the job's token, the same on every node
-    nodes = [subprocess.Popen([PSGD, "launch", "--nnodes", "2", "--node-rank", str(i), "--hosts", ",".join(hosts),
-                               "--port", str(port), "--run-dir", str(tmp_path / f"node{i}"), *job],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in (1, 0)]
+    nodes = [
+        subprocess.Popen(
+            [
+                PSGD,
+                "launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--hosts",
+                ",".join(hosts),
+                "--port",
+                str(port),
+                "--run-dir",
+                str(tmp_path / f"node{i}"),
+                *job,
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in (1, 0)
+    ]
     try:
         outputs = [p.communicate(timeout=240) for p in nodes]
     finally:

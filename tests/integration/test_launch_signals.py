@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import TOKEN, by_hand_env, free_port, wait_for
+
 from psgd.config import Deadlines, JobConfig
 from psgd.job import build_job
+from psgd.launcher import GRACE
 from psgd.partition import PartitionPlan
 from psgd.wire.tls import TLSFiles
 from psgd.worker.client import PSClient
-from psgd.launcher import GRACE
 
 pytestmark = pytest.mark.lacks(not Path("/proc/self/cmdline").exists(), reason="needs /proc to list processes")
 
@@ -39,8 +39,9 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
             continue
         try:
             raw = (entry / "cmdline").read_bytes()
-            state = next((line for line in (entry / "status").read_text().splitlines()
-                          if line.startswith("State:")), "")
+            state = next(
+                (line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), ""
+            )
         except OSError:
             continue
         if "zombie" in state:
@@ -109,16 +110,24 @@ def test_children_die_with_a_killed_launcher(tmp_path):
 @pytest.mark.slow
 def test_launch_under_timeout_leaves_nothing(tmp_path):
     run = tmp_path / "run"
-    done = subprocess.run(["timeout", "4", PSGD, "launch", "--run-dir", str(run), "--epochs", "400",
-                           "--no-progress"], capture_output=True, text=True, timeout=GRACE + 30)
+    done = subprocess.run(
+        ["timeout", "4", PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=GRACE + 30,
+    )
     assert done.returncode == 124, done.stderr  # timeout's status: the launch was cut short by SIGTERM
     assert processes_mentioning(str(run)) == []
 
 
 def test_a_worker_waiting_for_absent_shards_stops_at_once_on_sigterm(tmp_path):
     servers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    worker = subprocess.Popen([WORKER, "--rank", "0", "--servers", servers, "--no-progress"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [WORKER, "--rank", "0", "--servers", servers, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = worker.stderr.readline()  # bounded: the worker logs at start-up, or exits
         while first and "joining 2 shard(s)" not in first:
@@ -140,8 +149,23 @@ def test_a_worker_waiting_for_absent_shards_stops_at_once_on_sigterm(tmp_path):
 @pytest.mark.slow
 def test_a_waiting_worker_says_what_it_waits_for(tmp_path):
     address = f"127.0.0.1:{free_port()}"
-    done = subprocess.run([WORKER, "--rank", "0", "--shards", "1", "--servers", address, "--no-progress",
-                           "--set", "cluster.join_timeout=6"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            WORKER,
+            "--rank",
+            "0",
+            "--shards",
+            "1",
+            "--servers",
+            address,
+            "--no-progress",
+            "--set",
+            "cluster.join_timeout=6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1
     assert f"waiting for shard(s) at {address} (5s of 6s)" in done.stderr
     assert f"cannot reach shard(s) at {address} within 6s" in done.stderr
@@ -156,16 +180,38 @@ def test_shards_and_workers_sigtermed_together_all_exit_0(tmp_path):
     try:
         files = [tmp_path / f"shard-{k}.addr" for k in (0, 1)]
         for k in (0, 1):
-            procs.append(subprocess.Popen([SERVER, "-c", str(job), "--shard", str(k), "--port-file", str(files[k])],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          env=by_hand_env()))
+            procs.append(
+                subprocess.Popen(
+                    [SERVER, "-c", str(job), "--shard", str(k), "--port-file", str(files[k])],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=by_hand_env(),
+                )
+            )
         wait_for(lambda: all(f.exists() for f in files), 60, "both shards to serve")
         servers = ",".join(f.read_text().strip() for f in files)
         for r in (0, 1):
-            procs.append(subprocess.Popen([WORKER, "-c", str(job), "--rank", str(r), "--servers", servers,
-                                           "--no-progress", "--metrics", str(tmp_path / f"w{r}.jsonl")],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          env=by_hand_env()))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        WORKER,
+                        "-c",
+                        str(job),
+                        "--rank",
+                        str(r),
+                        "--servers",
+                        servers,
+                        "--no-progress",
+                        "--metrics",
+                        str(tmp_path / f"w{r}.jsonl"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=by_hand_env(),
+                )
+            )
         wait_for(lambda: all((tmp_path / f"w{r}.jsonl").exists() for r in (0, 1)), 60, "both workers to step")
         began = time.monotonic()
         for p in procs:
@@ -182,13 +228,26 @@ def test_shards_and_workers_sigtermed_together_all_exit_0(tmp_path):
 
 @pytest.mark.slow
 def test_launch_divides_the_cores_and_says_so(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                                            "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-                                                            "VECLIB_MAXIMUM_THREADS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "OMP_NUM_THREADS",
+            "OPENBLAS_NUM_THREADS",
+            "MKL_NUM_THREADS",
+            "BLIS_NUM_THREADS",
+            "VECLIB_MAXIMUM_THREADS",
+        )
+    }
     run = tmp_path / "run"
-    done = subprocess.run([PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress",
-                           "--shards", "1", "--workers", "1"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = subprocess.run(
+        [PSGD, "launch", "--run-dir", str(run), "--epochs", "1", "--no-progress", "--shards", "1", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     cores = len(os.sched_getaffinity(0))
     share = max(1, cores // 2)
@@ -200,9 +259,13 @@ def test_launch_divides_the_cores_and_says_so(tmp_path):
 
     env["OMP_NUM_THREADS"] = "1"
     again = tmp_path / "again"  # a run folder holding a launch's checkpoints is for --resume only
-    done = subprocess.run([PSGD, "launch", "--run-dir", str(again), "--epochs", "1", "--no-progress",
-                           "--shards", "1", "--workers", "1"], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = subprocess.run(
+        [PSGD, "launch", "--run-dir", str(again), "--epochs", "1", "--no-progress", "--shards", "1", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "BLAS/OpenMP threads as OMP_NUM_THREADS=1 says" in done.stderr
     assert "threads = 0" in (again / "job.toml").read_text()
@@ -223,17 +286,29 @@ def test_a_worker_waiting_in_a_sync_round_stops_without_waiting_out_its_request(
     """A worker whose sync round cannot close (the other worker never came) retried its interrupted pull
     inside the stop grace, and the retry waited out the whole request_timeout: 60 s after SIGTERM."""
     job = tmp_path / "job.toml"
-    job.write_text(f"[train]\nepochs = 5\n[cluster]\nshards = 1\nworkers = 2\npolicy = \"sync\"\n"
-                   f"transport = \"{transport}\"\n")
+    job.write_text(
+        f"[train]\nepochs = 5\n[cluster]\nshards = 1\nworkers = 2\npolicy = \"sync\"\ntransport = \"{transport}\"\n"
+    )
     procs = []
     try:
         port_file = tmp_path / "shard.addr"
-        procs.append(subprocess.Popen([SERVER, "-c", str(job), "--shard", "0", "--port-file", str(port_file)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      env=by_hand_env()))
+        procs.append(
+            subprocess.Popen(
+                [SERVER, "-c", str(job), "--shard", "0", "--port-file", str(port_file)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=by_hand_env(),
+            )
+        )
         address = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), 60, "the shard to serve")
-        worker = subprocess.Popen([WORKER, "-c", str(job), "--rank", "0", "--servers", address, "--no-progress"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=by_hand_env())
+        worker = subprocess.Popen(
+            [WORKER, "-c", str(job), "--rank", "0", "--servers", address, "--no-progress"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=by_hand_env(),
+        )
         procs.append(worker)
         config = JobConfig.load(job)
         plan = PartitionPlan(build_job(config).model.specs(), 1, config.cluster.links.slice_bytes)
@@ -257,25 +332,37 @@ def test_launch_guards_its_shards_with_a_token_of_its_own(tmp_path):
     them. Now it makes one per job and hands it to its children in their environment only."""
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "PSGD_TOKEN"}
-    launch = subprocess.Popen([PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    launch = subprocess.Popen(
+        [PSGD, "launch", "--run-dir", str(run), "--epochs", "400", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         wait_for(lambda: started_training(run), 60, "both workers to step")
         address = (run / "shard-0.addr").read_text().strip()
         shard_pid = next(pid for pid, cmd in processes_mentioning(str(run)) if "psgd.cli.server" in cmd)
-        environ = dict(item.split("=", 1) for item in
-                       Path(f"/proc/{shard_pid}/environ").read_text().split("\0") if "=" in item)
+        environ = dict(
+            item.split("=", 1) for item in Path(f"/proc/{shard_pid}/environ").read_text().split("\0") if "=" in item
+        )
         token = environ["PSGD_TOKEN"]
         assert len(token) >= 32
         config = JobConfig.load(run / "job.toml")
         plan = PartitionPlan(build_job(config).model.specs(), 2, config.cluster.links.slice_bytes)
         tls = TLSFiles(*(str(run / "tls" / name) for name in ("job.pem", "job.key", "ca.pem")))  # the run's own
-        with PSClient([address, config.cluster.servers[1]], plan, deadlines=Deadlines(request_timeout=5),
-                      retry_deadline=0, tls=tls) as stranger:  # its certificate, not its token
+        with PSClient(
+            [address, config.cluster.servers[1]],
+            plan,
+            deadlines=Deadlines(request_timeout=5),
+            retry_deadline=0,
+            tls=tls,
+        ) as stranger:  # its certificate, not its token
             with pytest.raises(Exception, match="UNAUTHENTICATED"):
                 stranger.status()
-        with PSClient(config.cluster.servers, plan, deadlines=Deadlines(request_timeout=5), token=token,
-                      tls=tls) as insider:
+        with PSClient(
+            config.cluster.servers, plan, deadlines=Deadlines(request_timeout=5), token=token, tls=tls
+        ) as insider:
             assert [s.shard for s in insider.status()] == [0, 1]
         launch.send_signal(signal.SIGTERM)
         _, err = launch.communicate(timeout=60)
@@ -306,8 +393,11 @@ def test_a_stop_signal_caught_by_another_thread_ends_calls_being_retried(tmp_pat
             host = {s.name: __import__("numpy").empty(s.shape, dtype=s.dtype) for s in plan.specs}
 
             def signal_a_pool_thread() -> None:
-                threads = wait_for(lambda: [t for t in list(client._pool._threads) if t.ident], 10,
-                                   "the client's pool to run the calls")
+                threads = wait_for(
+                    lambda: [t for t in list(client._pool._threads) if t.ident],
+                    10,
+                    "the client's pool to run the calls",
+                )
                 signal.pthread_kill(threads[0].ident, signal.SIGUSR1)
                 sent.append(time.monotonic())
 
@@ -331,6 +421,7 @@ def test_a_worker_stopped_while_it_registers_leaves_as_asked():
     import threading
 
     from helpers import make_job, shards
+
     from psgd.worker.exchange import run_worker
 
     job = make_job("model.name=softmax", "cluster.shards=1", "cluster.workers=1")

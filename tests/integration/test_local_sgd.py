@@ -9,19 +9,26 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import make_job, run_threads, shards
 
 from psgd import data as datasets
 from psgd.job import build_job
-from psgd.training.loop import run_loop
 from psgd.partition import PartitionPlan
 from psgd.training.local import LocalExchange, train_local
+from psgd.training.loop import run_loop
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 
-from helpers import make_job, run_threads, shards
-
-COMMON = ("model.hidden=[32]", "train.dtype=float64", "train.epochs=2", "train.batch_size=16",
-          "optimizer.name=momentum", "optimizer.lr=0.05", "cluster.policy=local", "cluster.slice_bytes=2048")
+COMMON = (
+    "model.hidden=[32]",
+    "train.dtype=float64",
+    "train.epochs=2",
+    "train.batch_size=16",
+    "optimizer.name=momentum",
+    "optimizer.lr=0.05",
+    "cluster.policy=local",
+    "cluster.slice_bytes=2048",
+)
 
 
 def trained(job, pushes_after_pulls: int = 0) -> tuple[dict, list, set]:
@@ -31,8 +38,10 @@ def trained(job, pushes_after_pulls: int = 0) -> tuple[dict, list, set]:
         if pushes_after_pulls:
             for server in servers:
                 hold(server.core, pushes_after_pulls)
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(job.cluster.workers)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(job.cluster.workers)],
+            timeout=120,
+        )
         plan = PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.links.slice_bytes)
         return fetch_weights(job.cluster.servers, plan), results, {s.core.version for s in servers}
 

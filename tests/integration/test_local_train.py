@@ -43,9 +43,19 @@ def test_same_seed_same_weights_other_seed_other_weights():
 
 
 def test_float64_and_adam_with_a_schedule():
-    result = train_local(job(**{"train.dtype": "float64", "train.epochs": 5, "optimizer.name": "adam",
-                                "optimizer.lr": 0.01, "optimizer.schedule": "cosine",
-                                "optimizer.total_steps": 220}), progress=False)
+    result = train_local(
+        job(
+            **{
+                "train.dtype": "float64",
+                "train.epochs": 5,
+                "optimizer.name": "adam",
+                "optimizer.lr": 0.01,
+                "optimizer.schedule": "cosine",
+                "optimizer.total_steps": 220,
+            }
+        ),
+        progress=False,
+    )
     assert all(v.dtype == np.float64 for v in result.params.values())
     assert result.test_accuracy >= 0.95
 
@@ -76,8 +86,9 @@ def test_evaluating_beside_training_leaves_the_training_alone(tmp_path):
 def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where the run's folder is made (runs/DATE-TIME-local)
     weights, metrics = tmp_path / "w.npz", tmp_path / "m.jsonl"
-    code = main(["train", "--epochs", "2", "--no-progress", "-q", "--json",
-                 "--save", str(weights), "--metrics", str(metrics)])
+    code = main(
+        ["train", "--epochs", "2", "--no-progress", "-q", "--json", "--save", str(weights), "--metrics", str(metrics)]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert (tmp_path / summary["run_dir"] / "m.csv").is_file() and not (tmp_path / "m.csv").exists()
@@ -87,22 +98,28 @@ def test_cli_train_prints_accuracy_saves_weights_and_metrics(tmp_path, capsys, m
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
     # one line per step, an evaluation after each epoch (the second one of the final weights), the end
     steps = summary["steps"]
-    assert [e["event"] for e in events] == ["step"] * (steps // 2) + ["eval"] + ["step"] * (steps // 2) + ["eval", "done"]
+    assert [e["event"] for e in events] == ["step"] * (steps // 2) + ["eval"] + ["step"] * (steps // 2) + [
+        "eval",
+        "done",
+    ]
     assert [e["step"] for e in events if e["event"] == "eval"] == [steps // 2, steps]
     assert events[-2]["test_accuracy"] == summary["test_accuracy"] and events[-1]["steps"] == steps
     assert all(e["role"] == "local" for e in events)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "resnet"], "unknown model 'resnet'"),
-    (["--model", "no_such_module_xyz:Net"], "no_such_module_xyz"),
-    (["--dataset", "imagenet"], "imagenet"),
-    (["--dataset", "npz:/no/such/file.npz"], "/no/such/file.npz"),
-    (["--optimizer", "adan"], "unknown optimizer 'adan'"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--batch-size", "0"], "batch_size must be an integer from 1 to 16777216"),
-    (["--set", "model.hidden=[0]"], "hidden"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--model", "resnet"], "unknown model 'resnet'"),
+        (["--model", "no_such_module_xyz:Net"], "no_such_module_xyz"),
+        (["--dataset", "imagenet"], "imagenet"),
+        (["--dataset", "npz:/no/such/file.npz"], "/no/such/file.npz"),
+        (["--optimizer", "adan"], "unknown optimizer 'adan'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--batch-size", "0"], "batch_size must be an integer from 1 to 16777216"),
+        (["--set", "model.hidden=[0]"], "hidden"),
+    ],
+)
 def test_cli_user_errors_are_one_line_and_exit_2(argv, words, capsys):
     assert main(["train", "--epochs", "1", "--no-progress", "-q", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -112,11 +129,21 @@ def test_cli_user_errors_are_one_line_and_exit_2(argv, words, capsys):
 def test_cli_job_file_and_help(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('[model]\nname = "softmax"\n[train]\nepochs = 1\n')
-    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "train", "-c", str(path), "--no-progress",
-                          "-q", "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "train", "-c", str(path), "--no-progress", "-q", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert json.loads(out)["steps"] == 1438 // 32
-    help_text = subprocess.run([sys.executable, "-m", "psgd.cli.main", "train", "--help"],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     for flag in ("--config", "--model", "--dataset", "--set", "--device", "--metrics"):
         assert flag in help_text
 
@@ -127,11 +154,15 @@ def test_ctrl_c_leaves_psgd_trains_state_where_it_says_and_resume_ends_where_an_
     import time
 
     argv = [sys.executable, "-m", "psgd.cli.main", "train", "--epochs", "60", "--dtype", "float64", "--json"]
-    whole = subprocess.run([*argv, "--save", "whole.npz"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
+    whole = subprocess.run([*argv, "--save", "whole.npz"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr
-    stopped = subprocess.Popen([*argv, "--checkpoint", "state.npz", "--metrics", "m.jsonl"], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = subprocess.Popen(
+        [*argv, "--checkpoint", "state.npz", "--metrics", "m.jsonl"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not ((tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text().count('"step"') > 20):
         assert time.monotonic() < deadline and stopped.poll() is None, "psgd train took no step"
@@ -139,10 +170,17 @@ def test_ctrl_c_leaves_psgd_trains_state_where_it_says_and_resume_ends_where_an_
     stopped.send_signal(signal.SIGINT)
     _, err = stopped.communicate(timeout=60)
     assert stopped.returncode == 128 + signal.SIGINT, err
-    assert "psgd train: stopped by SIGINT after" in err and "its state is in state.npz: psgd train --resume " \
-        "state.npz goes on from there" in err
-    resumed = subprocess.run([*argv, "--resume", "state.npz", "--save", "resumed.npz"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
+    assert (
+        "psgd train: stopped by SIGINT after" in err
+        and "its state is in state.npz: psgd train --resume state.npz goes on from there" in err
+    )
+    resumed = subprocess.run(
+        [*argv, "--resume", "state.npz", "--save", "resumed.npz"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     with np.load(tmp_path / "whole.npz") as a, np.load(tmp_path / "resumed.npz") as b:
         for name in a.files:

@@ -8,12 +8,12 @@ import logging
 import time
 
 import numpy as np
-
 from helpers import make_job
+
 from psgd.cli import main as cli
+from psgd.job import describe_job
 from psgd.launcher import EXIT_LOST_UPDATES, LaunchResult, lost_updates
 from psgd.launcher import result as launched
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
 from psgd.wire.tls import NO_TLS
@@ -37,8 +37,9 @@ def test_the_final_read_finds_shards_at_different_versions(tmp_path, caplog):
         for clock in range(3):  # shard 0 applied 3 updates that shard 1 does not have
             core.push(0, clock, core.version, grads)
         caplog.set_level(logging.WARNING)
-        result = launched.final_evaluation(job, [s.address for s in servers], tmp_path, time.perf_counter(), None,
-                                            NO_TLS, "")
+        result = launched.final_evaluation(
+            job, [s.address for s in servers], tmp_path, time.perf_counter(), None, NO_TLS, ""
+        )
     finally:
         for s in servers:
             s.stop(grace=0.5)

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import by_hand_env, skip_or_fail, wait_for
+
 from psgd.bench.netns import IP, Namespaces, NetworkError, unavailable
 from psgd.config import JobConfig, to_toml
 
@@ -43,14 +43,25 @@ class Hosts(Namespaces):
         self.procs: list[subprocess.Popen] = []
 
     def run(self, host: str, argv: list[str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen([*self.prefix(host), *argv], stdout=subprocess.PIPE, stderr=open(log, "w"),
-                                stdin=subprocess.DEVNULL, text=True, env=by_hand_env(PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            [*self.prefix(host), *argv],
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w"),
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=by_hand_env(PYTHONUNBUFFERED="1"),
+        )
         self.procs.append(proc)
         return proc
 
     def call(self, host: str, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.prefix(host), *argv], capture_output=True, text=True, timeout=timeout,
-                              env=by_hand_env(PYTHONUNBUFFERED="1"))
+        return subprocess.run(
+            [*self.prefix(host), *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=by_hand_env(PYTHONUNBUFFERED="1"),
+        )
 
     def rx_bytes(self, host: str) -> int:
         stats = json.loads(ip("-n", self.ns(host), "-s", "-j", "link", "show", "eth0").stdout)
@@ -102,8 +113,15 @@ print(json.dumps({"test_accuracy": acc, "test_loss": loss}))
 @pytest.mark.slow
 def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, tmp_path):
     job = JobConfig()  # the MLP on the bundled digits, 30 epochs, momentum SGD
-    job = job.apply_sets(["cluster.policy=sync", "cluster.shards=2", "cluster.workers=2", "cluster.join_timeout=60",
-                          "cluster.request_timeout=30"])
+    job = job.apply_sets(
+        [
+            "cluster.policy=sync",
+            "cluster.shards=2",
+            "cluster.workers=2",
+            "cluster.join_timeout=60",
+            "cluster.request_timeout=30",
+        ]
+    )
     job = job.override("cluster.servers", [f"{HOSTS['s0']}:{PORT}", f"{HOSTS['s1']}:{PORT}"])
     job = job.override("cluster.data_ports", [PORT + 1, PORT + 1])  # named, as for a firewall between machines
     path = tmp_path / "job.toml"
@@ -113,16 +131,33 @@ def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, 
     shards = []
     for k in range(2):
         port_file = tmp_path / f"shard-{k}.addr"
-        shards.append(hosts.run(f"s{k}", [PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k),
-                                          "--bind", f"{HOSTS[f's{k}']}:{PORT}", "--port-file", str(port_file)],
-                                tmp_path / f"shard-{k}.log"))
+        shards.append(
+            hosts.run(
+                f"s{k}",
+                [
+                    PY,
+                    "-m",
+                    "psgd.cli.server",
+                    "-c",
+                    str(path),
+                    "--shard",
+                    str(k),
+                    "--bind",
+                    f"{HOSTS[f's{k}']}:{PORT}",
+                    "--port-file",
+                    str(port_file),
+                ],
+                tmp_path / f"shard-{k}.log",
+            )
+        )
     files = [tmp_path / f"shard-{k}.addr" for k in range(2)]
 
     def listening():
         for k, s in enumerate(shards):
             if s.poll() is not None:
-                pytest.fail(f"shard {k} exited with status {s.returncode}: "
-                            f"{(tmp_path / f'shard-{k}.log').read_text()[-2000:]}")
+                pytest.fail(
+                    f"shard {k} exited with status {s.returncode}: {(tmp_path / f'shard-{k}.log').read_text()[-2000:]}"
+                )
         return all(f.exists() for f in files) and [f.read_text().strip() for f in files]
 
     bound = wait_for(listening, 60, "the shards to listen")
@@ -137,9 +172,26 @@ def test_shards_and_workers_on_separate_hosts_train_digits_to_97_percent(hosts, 
         assert f"shard {k} at {address}: data port {PORT + 1} accepts connections" in doctor.stdout
         assert f"shard {k} at {address}: answers as shard {k} of 2" in doctor.stdout
 
-    workers = [hosts.run(f"w{r}", [PY, "-m", "psgd.cli.worker", "-c", str(path), "--rank", str(r), "--no-progress",
-                                   "--json", "--metrics", str(tmp_path / f"worker-{r}.jsonl")],
-                         tmp_path / f"worker-{r}.log") for r in range(2)]
+    workers = [
+        hosts.run(
+            f"w{r}",
+            [
+                PY,
+                "-m",
+                "psgd.cli.worker",
+                "-c",
+                str(path),
+                "--rank",
+                str(r),
+                "--no-progress",
+                "--json",
+                "--metrics",
+                str(tmp_path / f"worker-{r}.jsonl"),
+            ],
+            tmp_path / f"worker-{r}.log",
+        )
+        for r in range(2)
+    ]
     for r, w in enumerate(workers):
         try:
             out, _ = w.communicate(timeout=120)

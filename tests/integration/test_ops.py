@@ -17,16 +17,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port, free_port_pair, make_job, run_threads, shards
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import free_port, free_port_pair, make_job, run_threads, shards
-from psgd.compute import backend
 from psgd.cli.main import main
+from psgd.compute import backend
+from psgd.config import to_toml
+from psgd.job import describe_job
+from psgd.observe.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
 from psgd.ops.reach import Connect
 from psgd.ops.view import collect
-from psgd.config import to_toml
-from psgd.observe.prometheus import MetricsError, ShardMetrics, WorkerMetrics, serve_metrics
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.durable import recovery
 from psgd.server.net.service import ShardServer
@@ -59,8 +59,11 @@ def observed_shards(job):
         for k in range(job.cluster.shards):
             core = build_shard(describe_job(job), k)
             m = ShardMetrics(core)
-            servers.append(ShardServer(core, "127.0.0.1:0", transport=job.cluster.links.transport,
-                                       interceptors=m.interceptors).start())
+            servers.append(
+                ShardServer(
+                    core, "127.0.0.1:0", transport=job.cluster.links.transport, interceptors=m.interceptors
+                ).start()
+            )
             m.endpoint = serve_metrics("127.0.0.1:0", m.registry)
             metrics.append(m)
         yield job.override("cluster.servers", [s.address for s in servers]), servers, metrics
@@ -71,8 +74,9 @@ def observed_shards(job):
             s.stop(grace=1.0)
 
 
-@pytest.mark.parametrize("transport", [pytest.param("shm", marks=pytest.mark.slow), "tcp",
-                                       pytest.param("grpc", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "transport", [pytest.param("shm", marks=pytest.mark.slow), "tcp", pytest.param("grpc", marks=pytest.mark.slow)]
+)
 def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fills(transport):
     job = make_job(*SMALL, "train.epochs=3", "cluster.policy=async", f"cluster.transport={transport}")
     with observed_shards(job) as (job, servers, metrics):
@@ -86,8 +90,13 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
                 scrapes[point["clock"]] = (scrape(metrics[0].endpoint.url), scrape(worker.endpoint.url))
 
         try:
-            run_threads([lambda: run_worker(job, 0, job.cluster.servers, progress=False, on_step=on_step),
-                         lambda: run_worker(job, 1, job.cluster.servers, progress=False)], timeout=60)
+            run_threads(
+                [
+                    lambda: run_worker(job, 0, job.cluster.servers, progress=False, on_step=on_step),
+                    lambda: run_worker(job, 1, job.cluster.servers, progress=False),
+                ],
+                timeout=60,
+            )
             final = scrape(metrics[0].endpoint.url)
             final_worker = scrape(worker.endpoint.url)
         finally:
@@ -95,8 +104,13 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
         status = servers[0].core.status()
 
     (early, early_w), (late, late_w) = scrapes[5], scrapes[30]
-    for name in ("psgd_shard_pushes_total", "psgd_shard_pulls_total", "psgd_shard_received_bytes_total",
-                 "psgd_shard_sent_bytes_total", "psgd_shard_version"):
+    for name in (
+        "psgd_shard_pushes_total",
+        "psgd_shard_pulls_total",
+        "psgd_shard_received_bytes_total",
+        "psgd_shard_sent_bytes_total",
+        "psgd_shard_version",
+    ):
         assert 0 < total(early, name) < total(late, name) <= total(final, name), name
     assert total(final, "psgd_shard_pushes_total") == status["counters"]["pushes"]
     served = ("psgd_shard_data_requests_total", "psgd_shard_data_request_cpu_seconds_total")
@@ -108,8 +122,11 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
     assert total(final, "psgd_shard_push_outcomes_total", outcome="applied") == status["counters"]["applied"]
     # the staleness histogram: one observation per applied push, spread over the buckets
     assert 0 < total(early, "psgd_shard_staleness_count") < total(late, "psgd_shard_staleness_count")
-    assert total(final, "psgd_shard_staleness_count") == status["counters"]["applied"] == \
-        sum(status["staleness_histogram"])
+    assert (
+        total(final, "psgd_shard_staleness_count")
+        == status["counters"]["applied"]
+        == sum(status["staleness_histogram"])
+    )
     assert total(final, "psgd_shard_staleness_bucket", le="+Inf") == status["counters"]["applied"]
     assert total(final, "psgd_shard_staleness_bucket", le="0.0") == status["staleness_histogram"][0]
     # workers, as the shard sees them: live while training (mid-run; under async worker 1, never slowed
@@ -123,15 +140,19 @@ def test_metrics_endpoint_is_scraped_during_a_run_counters_move_and_staleness_fi
     assert total(final, "psgd_shard_rpc_seconds_count", method="Register", code="OK") == 2
     assert total(final, "psgd_shard_rpc_seconds_count", method="Done", code="OK") == 2
     if transport == "grpc":
-        assert total(late, "psgd_shard_rpc_seconds_count", method="Push", code="OK") > \
-            total(early, "psgd_shard_rpc_seconds_count", method="Push", code="OK") > 0
+        assert (
+            total(late, "psgd_shard_rpc_seconds_count", method="Push", code="OK")
+            > total(early, "psgd_shard_rpc_seconds_count", method="Push", code="OK")
+            > 0
+        )
         assert total(final, "psgd_shard_rpc_seconds_count", method="Pull") > 0
     # the worker's own endpoint
     assert total(early_w, "psgd_worker_steps_total") == 6 and total(late_w, "psgd_worker_steps_total") == 31
     assert total(late_w, "psgd_worker_clock") == 31
     assert total(final_worker, "psgd_worker_pulls_total") == 2 * total(final_worker, "psgd_worker_steps_total")
-    assert total(final_worker, "psgd_worker_pushes_total", outcome="applied") == \
-        2 * total(final_worker, "psgd_worker_steps_total")
+    assert total(final_worker, "psgd_worker_pushes_total", outcome="applied") == 2 * total(
+        final_worker, "psgd_worker_steps_total"
+    )
     assert total(final_worker, "psgd_worker_staleness_count") == total(final_worker, "psgd_worker_steps_total")
     assert total(late_w, "psgd_worker_pull_seconds_count") == 31 and total(late_w, "psgd_worker_bytes_total") > 0
     assert total(final_worker, "psgd_worker_info", rank="0") == 1
@@ -184,8 +205,13 @@ def test_status_shows_every_worker_and_shard_of_a_running_cluster(capsys, tmp_pa
                 view = collect(addresses, Connect(timeout=2))
                 seen["view"], seen["text"] = view, view.render()
 
-        run_threads([lambda: run_worker(job, 0, addresses, progress=False, on_step=on_step),
-                     lambda: run_worker(job, 1, addresses, progress=False)], timeout=60)
+        run_threads(
+            [
+                lambda: run_worker(job, 0, addresses, progress=False, on_step=on_step),
+                lambda: run_worker(job, 1, addresses, progress=False),
+            ],
+            timeout=60,
+        )
         recovery.write(servers[1].core, tmp_path, force=True)
         code = main(["status", *addresses, "--sample", "0"])
         after = capsys.readouterr().out
@@ -246,8 +272,12 @@ def test_status_command_line_with_a_job_file(tmp_path):
     with shards(job) as (job, _):
         path = tmp_path / "job.toml"
         path.write_text(to_toml(job.to_dict()))
-        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "status", "-c", str(path), "--sample", "0.2"],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "psgd.cli.main", "status", "-c", str(path), "--sample", "0.2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 0, done.stderr
     assert "2 of 2 shard(s) answering" in done.stdout and "pending" in done.stdout
     assert "Traceback" not in done.stderr
@@ -262,8 +292,11 @@ def cli_layout_shards(job, transport: str = "auto"):
     try:
         for k in range(job.cluster.shards):
             port = free_port_pair()  # gRPC on P, data on P + 1 (psgd-server --data-port)
-            servers.append(ShardServer(build_shard(describe_job(job), k), f"127.0.0.1:{port}", transport=transport,
-                                       data_port=port + 1).start())
+            servers.append(
+                ShardServer(
+                    build_shard(describe_job(job), k), f"127.0.0.1:{port}", transport=transport, data_port=port + 1
+                ).start()
+            )
         yield job.override("cluster.servers", [s.address for s in servers]), servers
     finally:
         for s in servers:
@@ -310,10 +343,13 @@ def test_doctor_warns_of_a_shard_on_loopback_beside_shards_elsewhere():
     assert found[0].level == "warn" and "other shards are elsewhere" in found[0].message
 
 
-@pytest.mark.parametrize("sets, said", [
-    (("cluster.policy=async", "cluster.checkpoint_rounds=4"), "which only a sync policy has (this job's: async)"),
-    (("cluster.checkpoint_rounds=4", "cluster.backup_workers=1"), "closes rounds without some: use one of them"),
-])
+@pytest.mark.parametrize(
+    "sets, said",
+    [
+        (("cluster.policy=async", "cluster.checkpoint_rounds=4"), "which only a sync policy has (this job's: async)"),
+        (("cluster.checkpoint_rounds=4", "cluster.backup_workers=1"), "closes rounds without some: use one of them"),
+    ],
+)
 def test_doctor_refuses_what_a_starting_shard_would(tmp_path, capsys, sets, said):
     """The rules across [cluster] keys live in the job file's validation (psgd.config), which psgd doctor, every
     command and a starting shard share: doctor used to pass a job whose shards would refuse to start."""
@@ -348,18 +384,35 @@ def test_doctor_names_each_problem_in_plain_words(tmp_path, capsys):
     assert out.rstrip().endswith("fix the FAIL lines above.")
 
     path = write_job(tmp_path, job, ["no-such-host.invalid:50051", f"127.0.0.1:{closed}"])
-    code = main(["doctor", "-c", path, "--timeout", "2", "--device", "cuda:7", "--tls-cert", str(tmp_path / "no.pem"),
-                 "--tls-key", str(tmp_path / "job.toml")])
+    code = main(
+        [
+            "doctor",
+            "-c",
+            path,
+            "--timeout",
+            "2",
+            "--device",
+            "cuda:7",
+            "--tls-cert",
+            str(tmp_path / "no.pem"),
+            "--tls-key",
+            str(tmp_path / "job.toml"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "shard 0 at no-such-host.invalid:50051: cannot resolve 'no-such-host.invalid'" in out
-    assert f"shard 1 at 127.0.0.1:{closed}: gRPC port {closed}: nothing listens on 127.0.0.1:{closed} " \
-           "(connection refused)" in out
+    assert (
+        f"shard 1 at 127.0.0.1:{closed}: gRPC port {closed}: nothing listens on 127.0.0.1:{closed} "
+        "(connection refused)" in out
+    )
     assert f"TLS: certificate {tmp_path / 'no.pem'} does not exist" in out
     if not backend.cuda_available():
         assert "GPU: train.device is cuda:7, but" in out
-    assert main(["doctor", "-c", write_job(tmp_path, job, ["0.0.0.0:50051", "127.0.0.1:1"]), "--timeout", "1",
-                 "--json"]) == 1
+    assert (
+        main(["doctor", "-c", write_job(tmp_path, job, ["0.0.0.0:50051", "127.0.0.1:1"]), "--timeout", "1", "--json"])
+        == 1
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False
     assert any("is a bind address, not one to connect to" in f["message"] for f in report["findings"])
@@ -379,8 +432,9 @@ def test_doctor_data_port_closed(tmp_path, capsys):
 
 def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch):
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
-    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret-of-this-job",
-                         transport="grpc").start()
+    server = ShardServer(
+        build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret-of-this-job", transport="grpc"
+    ).start()
     try:
         path = write_job(tmp_path, job, [server.address])
         monkeypatch.setenv("PSGD_TOKEN", "wrong-but-long-enough")
@@ -403,19 +457,62 @@ def openssl(*args: str, cwd: Path) -> None:
 def test_doctor_and_status_with_tls(tmp_path, capsys):
     from psgd.wire.tls import TLSFiles
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca", "-keyout", "ca.key",
-            "-out", "ca.pem", cwd=tmp_path)
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=shard", "-keyout", "shard.key", "-out", "shard.csr",
-            cwd=tmp_path)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=tmp_path,
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=shard",
+        "-keyout",
+        "shard.key",
+        "-out",
+        "shard.csr",
+        cwd=tmp_path,
+    )
     (tmp_path / "shard.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "shard.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
-            "-extfile", "shard.ext", "-out", "shard.pem", cwd=tmp_path)
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "shard.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "shard.ext",
+        "-out",
+        "shard.pem",
+        cwd=tmp_path,
+    )
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
     ca, cert, key = (str(tmp_path / name) for name in ("ca.pem", "shard.pem", "shard.key"))
 
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.transport=grpc")
-    server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", transport="grpc", tls=TLSFiles(cert, key)).start()
+    server = ShardServer(
+        build_shard(describe_job(job), 0), "127.0.0.1:0", transport="grpc", tls=TLSFiles(cert, key)
+    ).start()
     try:
         path = write_job(tmp_path, job, [server.address])
         assert main(["doctor", "-c", path, "--tls-ca", ca]) == 0
@@ -427,8 +524,9 @@ def test_doctor_and_status_with_tls(tmp_path, capsys):
         assert main(["status", server.address, "--sample", "0", "--timeout", "2"]) == 1
         assert "pass --tls-ca" in capsys.readouterr().out
         # files that do not parse, or are not there
-        assert main(["doctor", "-c", path, "--tls-ca", str(garbage), "--tls-cert", cert,
-                     "--tls-key", str(garbage)]) == 1
+        assert (
+            main(["doctor", "-c", path, "--tls-ca", str(garbage), "--tls-cert", cert, "--tls-key", str(garbage)]) == 1
+        )
         assert f"TLS: CA certificate {garbage} is not a PEM certificate" in capsys.readouterr().out
         assert main(["doctor", "-c", path, "--tls-ca", ca, "--tls-cert", cert, "--tls-key", str(garbage)]) == 1
         assert "do not load together" in capsys.readouterr().out

@@ -9,9 +9,9 @@ import json
 import signal
 
 import pytest
+from helpers import make_job, shards
 
 import psgd
-from helpers import make_job, shards
 from psgd.config import to_toml
 from psgd.ops.report import summarise
 
@@ -21,13 +21,18 @@ pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd.join() take
 def test_a_loop_of_ones_own_records_its_evaluations_as_a_launched_worker_does(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=2",
-                   "train.batch_size=64")
+    job = make_job(
+        "model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=2", "train.batch_size=64"
+    )
     run = tmp_path / "run"
     run.mkdir()
     with shards(job) as (job, _):
         (run / "job.toml").write_text(to_toml(job.to_dict()))
-        environ = {"PSGD_JOB_FILE": str(run / "job.toml"), "PSGD_RANK": "0", "PSGD_METRICS": str(run / "worker-0.jsonl")}
+        environ = {
+            "PSGD_JOB_FILE": str(run / "job.toml"),
+            "PSGD_RANK": "0",
+            "PSGD_METRICS": str(run / "worker-0.jsonl"),
+        }
         with psgd.join(environ) as w:
             while w.clock < w.steps:
                 params = w.pull()
@@ -44,8 +49,9 @@ def test_a_loop_of_ones_own_records_its_evaluations_as_a_launched_worker_does(tm
     assert done["event"] == "done" and done["test_accuracy"] == evals[-1]["test_accuracy"]
     board = EventAccumulator(str(run / "tensorboard" / "worker-0"))
     board.Reload()
-    assert [(a.step, round(a.value, 6)) for a in board.Scalars("eval/test_accuracy")] == \
-        [(e["step"], round(e["test_accuracy"], 6)) for e in evals]
+    assert [(a.step, round(a.value, 6)) for a in board.Scalars("eval/test_accuracy")] == [
+        (e["step"], round(e["test_accuracy"], 6)) for e in evals
+    ]
     assert summarise(run).workers[0].accuracy == evals[-1]["test_accuracy"]
 
 
@@ -57,13 +63,19 @@ def test_a_resumed_loop_of_ones_own_judges_its_test_loss_against_the_runs_first(
     job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=2")
     run = tmp_path / "run"
     run.mkdir()
-    earlier = [{"time": 1.0, "role": "worker:0", "event": "step", "clock": 0, "loss": 2.3},
-               {"time": 2.0, "role": "worker:0", "event": "eval", "step": 22, "test_loss": 0.9, "test_accuracy": 0.8}]
+    earlier = [
+        {"time": 1.0, "role": "worker:0", "event": "step", "clock": 0, "loss": 2.3},
+        {"time": 2.0, "role": "worker:0", "event": "eval", "step": 22, "test_loss": 0.9, "test_accuracy": 0.8},
+    ]
     (run / "worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
     monkeypatch.setattr(ParameterServerExchange, "begin", lambda self: 30)  # where the stopped part left it
     with shards(job) as (job, _):
         (run / "job.toml").write_text(to_toml(job.to_dict()))
-        environ = {"PSGD_JOB_FILE": str(run / "job.toml"), "PSGD_RANK": "0", "PSGD_METRICS": str(run / "worker-0.jsonl")}
+        environ = {
+            "PSGD_JOB_FILE": str(run / "job.toml"),
+            "PSGD_RANK": "0",
+            "PSGD_METRICS": str(run / "worker-0.jsonl"),
+        }
         with psgd.join(environ) as w:
             assert w.clock == 30
             said = [w._guard.evaluation(44 + i, 2, loss, 0.95) for i, loss in enumerate([0.30, 0.31, 0.32, 0.33])]

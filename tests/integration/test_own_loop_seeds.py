@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import make_job, shards
 
 import psgd
-from helpers import make_job, shards
 from psgd.config import to_toml
 from psgd.model.module import step_seed
 
@@ -37,8 +37,14 @@ def own_loop(tmp_path, module: str, steps: int) -> tuple[list[float], list[float
     rng = np.random.default_rng(3)
     y = rng.integers(0, 3, 120)
     np.savez(tmp_path / "data.npz", x=(rng.normal(size=(120, 4)) + np.eye(3, 4)[y]).astype("float32"), y=y)
-    job = make_job(f"model.name={module}:Dropped", f"data.name=npz:{tmp_path / 'data.npz'}", "cluster.workers=1",
-                   "cluster.shards=1", "train.seed=5", "train.batch_size=8")
+    job = make_job(
+        f"model.name={module}:Dropped",
+        f"data.name=npz:{tmp_path / 'data.npz'}",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "train.seed=5",
+        "train.batch_size=8",
+    )
     with shards(job) as (job, _):
         (tmp_path / "job.toml").write_text(to_toml(job.to_dict()))
         environ = {"PSGD_JOB_FILE": str(tmp_path / "job.toml"), "PSGD_RANK": "0"}  # (shards served here want no token)

@@ -13,8 +13,8 @@ from concurrent import futures
 
 import grpc
 import pytest
-
 from helpers import TOKEN, make_job, wait_for
+
 from psgd.job import describe_job
 from psgd.link import LinkError
 from psgd.link.tcp import DataConnection
@@ -24,7 +24,6 @@ from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
 from psgd.wire import protocol
 from psgd.worker.client import PSClient, PSError
-from psgd.wire.tls import NO_TLS
 
 
 class _Heard(grpc.ServerInterceptor):
@@ -118,16 +117,22 @@ def test_a_stranger_at_a_shards_address_hears_no_token_and_cannot_replay_what_it
         with grpc.insecure_channel(shard.address) as channel:  # what it heard, replayed to the live shard
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             for method, metadata in heard.calls:
-                call = {"/psgd.v1.ParameterServer/Status": lambda: stub.Status(ps_pb2.StatusRequest(), timeout=5,
-                                                                                metadata=metadata),
-                        "/psgd.v1.ParameterServer/Register": lambda: stub.Register(
-                            ps_pb2.RegisterRequest(worker_id=0), timeout=5, metadata=metadata)}[method]
+                call = {
+                    "/psgd.v1.ParameterServer/Status": lambda: stub.Status(
+                        ps_pb2.StatusRequest(), timeout=5, metadata=metadata
+                    ),
+                    "/psgd.v1.ParameterServer/Register": lambda: stub.Register(
+                        ps_pb2.RegisterRequest(worker_id=0), timeout=5, metadata=metadata
+                    ),
+                }[method]
                 with pytest.raises(grpc.RpcError) as info:
                     call()
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, info.value.details())
         with contextlib.closing(socket.create_connection(("127.0.0.1", shard.data.port), timeout=5)) as sock:
-            protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0,
-                                                               len(hellos[0])), hellos[0]])
+            protocol.send_buffers(
+                sock,
+                [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, 0, 0, 0, len(hellos[0])), hellos[0]],
+            )
             _, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
             assert op != 0 and "proof of the token" in protocol.recv_bytes(sock, size).decode()
     finally:
@@ -149,7 +154,8 @@ def test_a_call_read_off_the_wire_is_refused_when_replayed():
         with grpc.insecure_channel(shard.address) as channel:
             with pytest.raises(grpc.RpcError) as info:
                 ps_pb2_grpc.ParameterServerStub(channel).Done(
-                    ps_pb2.DoneRequest(worker_id=0, clock=clock, registration=key), timeout=5, metadata=metadata)
+                    ps_pb2.DoneRequest(worker_id=0, clock=clock, registration=key), timeout=5, metadata=metadata
+                )
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
     finally:
         shard.stop(grace=0)

@@ -7,31 +7,39 @@ examples per step, one averaged update per clock.
 
 import numpy as np
 import pytest
+from helpers import make_job, run_threads, shards
 
+from psgd.job import build_job
 from psgd.partition import PartitionPlan
 from psgd.server.state.core import ShardCore
-from psgd.job import build_job
 from psgd.training.local import train_local
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
-
-from helpers import make_job, run_threads, shards
 
 
 @pytest.mark.parametrize("workers, num_shards, model", [(2, 2, "mlp"), (3, 3, "softmax"), (4, 1, "mlp")])
 def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shards, model, device):
     """Workers on ``device`` (NumPy, or CuPy on a GPU) against one process on the CPU."""
     batch = 16
-    job = make_job(f"model.name={model}", "model.hidden=[32]" if model == "mlp" else "train.seed=3",
-                   f"train.device={device}",
-                   "train.dtype=float64", "train.epochs=2", f"train.batch_size={batch}",
-                   "optimizer.name=sgd", "optimizer.lr=0.1",
-                   "cluster.policy=sync", f"cluster.workers={workers}", f"cluster.shards={num_shards}",
-                   "cluster.slice_bytes=2048")
+    job = make_job(
+        f"model.name={model}",
+        "model.hidden=[32]" if model == "mlp" else "train.seed=3",
+        f"train.device={device}",
+        "train.dtype=float64",
+        "train.epochs=2",
+        f"train.batch_size={batch}",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "cluster.policy=sync",
+        f"cluster.workers={workers}",
+        f"cluster.shards={num_shards}",
+        "cluster.slice_bytes=2048",
+    )
     with shards(job) as (job, servers):
         assert sum(len(s.core.slices) for s in servers) > len(build_job(job).model.specs())  # tensors were cut
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(workers)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(workers)], timeout=120
+        )
         plan = PartitionPlan(build_job(job).model.specs(), num_shards, job.cluster.links.slice_bytes)
         distributed = fetch_weights(job.cluster.servers, plan)
         versions = {s.core.version for s in servers}
@@ -52,13 +60,25 @@ def test_sync_run_equals_single_process_with_n_times_the_batch(workers, num_shar
 
 
 def sync_weights(overlap: bool, link: str, device="cpu") -> tuple[dict, list]:
-    job = make_job("model.hidden=[48]", "train.dtype=float64", f"train.device={device}", "train.epochs=2", "train.batch_size=16",
-                   "optimizer.name=sgd", "optimizer.lr=0.1", "cluster.policy=sync", "cluster.workers=2",
-                   "cluster.shards=2", "cluster.slice_bytes=4096", f"cluster.overlap={str(overlap).lower()}",
-                   f"cluster.transport={link}")
+    job = make_job(
+        "model.hidden=[48]",
+        "train.dtype=float64",
+        f"train.device={device}",
+        "train.epochs=2",
+        "train.batch_size=16",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "cluster.policy=sync",
+        "cluster.workers=2",
+        "cluster.shards=2",
+        "cluster.slice_bytes=4096",
+        f"cluster.overlap={str(overlap).lower()}",
+        f"cluster.transport={link}",
+    )
     with shards(job) as (job, _):
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(2)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], timeout=120
+        )
         plan = PartitionPlan(build_job(job).model.specs(), 2, job.cluster.links.slice_bytes)
         return fetch_weights(job.cluster.servers, plan), [r.steps for r in results]
 
@@ -80,11 +100,18 @@ def test_overlap_on_and_off_give_identical_weights_under_sync(link, device):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_async_and_ssp_runs_apply_every_push(overlap):
     for policy in ("async", "ssp"):
-        job = make_job("model.name=softmax", "train.epochs=1", f"cluster.policy={policy}",
-                       "cluster.workers=2", "cluster.shards=2", f"cluster.overlap={str(overlap).lower()}")
+        job = make_job(
+            "model.name=softmax",
+            "train.epochs=1",
+            f"cluster.policy={policy}",
+            "cluster.workers=2",
+            "cluster.shards=2",
+            f"cluster.overlap={str(overlap).lower()}",
+        )
         with shards(job) as (job, servers):
-            results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                                   for r in range(2)], timeout=120)
+            results = run_threads(
+                [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], timeout=120
+            )
             cores: list[ShardCore] = [s.core for s in servers]
             steps = sum(r.steps for r in results)
             assert [c.version for c in cores] == [steps, steps]

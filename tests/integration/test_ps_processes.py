@@ -11,32 +11,46 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import TOKEN, by_hand_env, wait_for
 
 from psgd.config import JobConfig, to_toml
-from psgd.partition import PartitionPlan
 from psgd.job import build_job
+from psgd.partition import PartitionPlan
 from psgd.worker.client import PSClient
 
 PY = sys.executable
 
 
 def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", *argv], capture_output=True, text=True, timeout=timeout,
-                          env=by_hand_env(PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [PY, "-m", *argv], capture_output=True, text=True, timeout=timeout, env=by_hand_env(PYTHONUNBUFFERED="1")
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, extra, target", [
-    ("sync", [], 0.97),
-    ("async", [], 0.95),
-    ("ssp", ["--staleness", "2"], 0.95),
-])
+@pytest.mark.parametrize(
+    "policy, extra, target",
+    [
+        ("sync", [], 0.97),
+        ("async", [], 0.95),
+        ("ssp", ["--staleness", "2"], 0.95),
+    ],
+)
 def test_launch_trains_digits_with_every_policy(policy, extra, target, tmp_path):
     start = time.monotonic()
-    done = run_cli("psgd.cli.main", "launch", "--policy", policy, *extra, "--json", "--no-progress",
-                   "--run-dir", str(tmp_path), "--timeout", "110")
+    done = run_cli(
+        "psgd.cli.main",
+        "launch",
+        "--policy",
+        policy,
+        *extra,
+        "--json",
+        "--no-progress",
+        "--run-dir",
+        str(tmp_path),
+        "--timeout",
+        "110",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["policy"] == policy
@@ -63,19 +77,35 @@ def processes():
             p.wait(10)
 
 
-
-
 def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     files = []
     for k in range(job.cluster.shards):
         files.append(tmp_path / f"shard-{k}.addr")
-        procs.append(subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k),
-                                       "--bind", "127.0.0.1:0", "--port-file", str(files[-1])], env=by_hand_env(),
-                                      stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"shard-{k}.log", "w")))
-    addresses = wait_for(lambda: all(f.exists() for f in files) and [f.read_text().strip() for f in files],
-                         60, "servers to start")
+        procs.append(
+            subprocess.Popen(
+                [
+                    PY,
+                    "-m",
+                    "psgd.cli.server",
+                    "-c",
+                    str(path),
+                    "--shard",
+                    str(k),
+                    "--bind",
+                    "127.0.0.1:0",
+                    "--port-file",
+                    str(files[-1]),
+                ],
+                env=by_hand_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=open(tmp_path / f"shard-{k}.log", "w"),
+            )
+        )
+    addresses = wait_for(
+        lambda: all(f.exists() for f in files) and [f.read_text().strip() for f in files], 60, "servers to start"
+    )
     job = job.override("cluster.servers", addresses)
     path.write_text(to_toml(job.to_dict()))
     return addresses
@@ -84,20 +114,46 @@ def start_servers(job: JobConfig, tmp_path: Path, procs: list) -> list[str]:
 @pytest.mark.slow
 def test_sigkilled_worker_is_dropped_after_its_lease_and_the_others_finish(tmp_path):
     job = JobConfig()
-    job = job.apply_sets(["model.name=softmax", "train.epochs=40", "cluster.policy=sync", "cluster.workers=3",
-                          "cluster.shards=2", "cluster.lease_seconds=2"])
+    job = job.apply_sets(
+        [
+            "model.name=softmax",
+            "train.epochs=40",
+            "cluster.policy=sync",
+            "cluster.workers=3",
+            "cluster.shards=2",
+            "cluster.lease_seconds=2",
+        ]
+    )
     with processes() as procs:
         addresses = start_servers(job, tmp_path, procs)
         workers = []
         for r in range(3):
-            workers.append(subprocess.Popen(
-                [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", str(r), "--no-progress",
-                 "--metrics", str(tmp_path / f"w{r}.jsonl")], env=by_hand_env(),
-                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"w{r}.log", "w")))
+            workers.append(
+                subprocess.Popen(
+                    [
+                        PY,
+                        "-m",
+                        "psgd.cli.worker",
+                        "-c",
+                        str(tmp_path / "job.toml"),
+                        "--rank",
+                        str(r),
+                        "--no-progress",
+                        "--metrics",
+                        str(tmp_path / f"w{r}.jsonl"),
+                    ],
+                    env=by_hand_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(tmp_path / f"w{r}.log", "w"),
+                )
+            )
         procs += workers
         victim_log = tmp_path / "w2.jsonl"
-        wait_for(lambda: victim_log.exists() and len(victim_log.read_text().splitlines()) >= 20, 60,
-                 "worker 2 to take 20 steps")
+        wait_for(
+            lambda: victim_log.exists() and len(victim_log.read_text().splitlines()) >= 20,
+            60,
+            "worker 2 to take 20 steps",
+        )
         workers[2].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         for w in workers[:2]:
@@ -122,14 +178,26 @@ def test_a_second_worker_of_the_same_rank_is_refused_naming_the_first(tmp_path):
     lease (a restarted worker waits that long for its old process's), and took the rank from a first paused past
     its lease (found by the chaos suite: seed 7, run 6), which was then refused and exited 1."""
     job = JobConfig()
-    job = job.apply_sets(["model.name=softmax", "train.epochs=20000", "cluster.policy=async", "cluster.workers=2",
-                          "cluster.shards=1", "cluster.lease_seconds=30"])
+    job = job.apply_sets(
+        [
+            "model.name=softmax",
+            "train.epochs=20000",
+            "cluster.policy=async",
+            "cluster.workers=2",
+            "cluster.shards=1",
+            "cluster.lease_seconds=30",
+        ]
+    )
     assert job.cluster.deadlines.request_timeout == 60
     with processes() as procs:
         start_servers(job, tmp_path, procs)
         argv = [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", "0", "--no-progress"]
-        first = subprocess.Popen(argv + ["--metrics", str(tmp_path / "first.jsonl")], stdout=subprocess.DEVNULL,
-                                 stderr=open(tmp_path / "first.log", "w"), env=by_hand_env())
+        first = subprocess.Popen(
+            argv + ["--metrics", str(tmp_path / "first.jsonl")],
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "first.log", "w"),
+            env=by_hand_env(),
+        )
         procs.append(first)
         steps = tmp_path / "first.jsonl"
         wait_for(lambda: steps.exists() and len(steps.read_text().splitlines()) >= 5, 60, "the first worker's steps")
@@ -153,16 +221,40 @@ def test_a_model_too_large_for_the_machine_is_refused_in_one_line_before_allocat
     """model.hidden=[1000000000] ended in a numpy traceback ("Unable to allocate 477. GiB") once the shard
     began to make its variables; a model of 100 GiB would rather have started allocating."""
     where = ["--bind", "127.0.0.1:0"] if module == "psgd.cli.server" else ["--rank", "0", "--no-progress"]
-    done = run_cli(module, *where, "--workers", "1", "--shards", "1", "--servers", "127.0.0.1:9",
-                   "--set", "model.hidden=[1000000000]", timeout=60)
+    done = run_cli(
+        module,
+        *where,
+        "--workers",
+        "1",
+        "--shards",
+        "1",
+        "--servers",
+        "127.0.0.1:9",
+        "--set",
+        "model.hidden=[1000000000]",
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
     assert "75,000,000,010 parameters of float32" in done.stderr and "GiB of memory" in done.stderr
 
 
 def test_wrong_address_fails_fast_with_a_clear_message():
-    done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",
-                   "--servers", "127.0.0.1:9", "--set", "cluster.join_timeout=1", "--no-progress", timeout=60)
+    done = run_cli(
+        "psgd.cli.worker",
+        "--rank",
+        "0",
+        "--workers",
+        "1",
+        "--shards",
+        "1",
+        "--servers",
+        "127.0.0.1:9",
+        "--set",
+        "cluster.join_timeout=1",
+        "--no-progress",
+        timeout=60,
+    )
     assert done.returncode == 1
     assert "cannot reach shard(s) at 127.0.0.1:9 within 1s" in done.stderr
     assert "Traceback" not in done.stderr
@@ -173,8 +265,21 @@ def test_worker_with_another_model_is_refused_with_the_difference(tmp_path):
     job = job.apply_sets(["cluster.workers=1", "cluster.shards=1"])
     with processes() as procs:
         addresses = start_servers(job, tmp_path, procs)
-        done = run_cli("psgd.cli.worker", "--rank", "0", "--workers", "1", "--shards", "1",
-                       "--servers", addresses[0], "--set", "model.hidden=[10]", "--no-progress", timeout=60)
+        done = run_cli(
+            "psgd.cli.worker",
+            "--rank",
+            "0",
+            "--workers",
+            "1",
+            "--shards",
+            "1",
+            "--servers",
+            addresses[0],
+            "--set",
+            "model.hidden=[10]",
+            "--no-progress",
+            timeout=60,
+        )
     assert done.returncode == 1
     assert "FAILED_PRECONDITION" in done.stderr and "partition plan" in done.stderr
     assert "dense0/W: worker shape (64, 10)" in done.stderr and "Traceback" not in done.stderr

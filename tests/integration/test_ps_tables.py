@@ -7,22 +7,29 @@ import json
 
 import numpy as np
 import pytest
+from helpers import make_job, run_threads, shards
 
 from psgd.config import Deadlines, Links
-from psgd.errors import install_extra
+from psgd.errors import Code, install_extra
 from psgd.job import build_job
-from psgd.training.loop import run_loop
-from psgd.ops.reach import Connect, read_status
 from psgd.observe.prometheus import ShardMetrics
+from psgd.ops.reach import Connect, read_status
 from psgd.training.local import LocalExchange
+from psgd.training.loop import run_loop
 from psgd.worker.client import fetch_weights
 from psgd.worker.exchange import run_worker
 
-from helpers import make_job, run_threads, shards
-from psgd.errors import Code
-
-SMALL = ("model.name=embed", "model.dim=3", "model.hidden=[8]", "data.name=clicks", "data.n_train=1536",
-         "data.n_test=256", "data.fields=5", "data.dense=3", "data.max_cardinality=2000")
+SMALL = (
+    "model.name=embed",
+    "model.dim=3",
+    "model.hidden=[8]",
+    "data.name=clicks",
+    "data.n_train=1536",
+    "data.n_test=256",
+    "data.fields=5",
+    "data.dense=3",
+    "data.max_cardinality=2000",
+)
 
 
 def shard_rows(servers, table="emb"):
@@ -35,19 +42,33 @@ def shard_rows(servers, table="emb"):
     return out
 
 
-@pytest.mark.parametrize("rule, transport, overlap", [("sgd", "grpc", False), ("rowwise_adagrad", "tcp", False),
-                                                     ("lazy_adam", "shm", False), ("sgd", "tcp", True)])
+@pytest.mark.parametrize(
+    "rule, transport, overlap",
+    [("sgd", "grpc", False), ("rowwise_adagrad", "tcp", False), ("lazy_adam", "shm", False), ("sgd", "tcp", True)],
+)
 def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule, transport, overlap):
     """... with [cluster] overlap too: the next step's rows are pulled beside this step's push, and under sync
     that pull waits for the round, so nothing changes."""
     workers, batch = 2, 16
-    job = make_job(*SMALL, "train.dtype=float64", "train.epochs=1", f"train.batch_size={batch}",
-                   "optimizer.name=sgd", "optimizer.lr=0.1", f"tables.optimizer={rule}", "tables.lr=0.3",
-                   "cluster.policy=sync", f"cluster.workers={workers}", "cluster.shards=2",
-                   f"cluster.transport={transport}", f"cluster.overlap={str(overlap).lower()}")
+    job = make_job(
+        *SMALL,
+        "train.dtype=float64",
+        "train.epochs=1",
+        f"train.batch_size={batch}",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        f"tables.optimizer={rule}",
+        "tables.lr=0.3",
+        "cluster.policy=sync",
+        f"cluster.workers={workers}",
+        "cluster.shards=2",
+        f"cluster.transport={transport}",
+        f"cluster.overlap={str(overlap).lower()}",
+    )
     with shards(job) as (job, servers):
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(workers)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(workers)], timeout=120
+        )
         plan = build_job(job).plan
         dense = fetch_weights(job.cluster.servers, plan)
         rows = shard_rows(servers)
@@ -73,12 +94,21 @@ def test_a_sync_run_with_a_table_equals_one_process_with_n_times_the_batch(rule,
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_async_workers_train_a_table_and_rows_stay_on_their_shards(overlap):
-    job = make_job(*SMALL, "train.epochs=3", "train.batch_size=32", "train.eval_every=20", "tables.lr=0.1",
-                   "cluster.policy=async", "cluster.workers=2", "cluster.shards=2",
-                   f"cluster.overlap={str(overlap).lower()}")
+    job = make_job(
+        *SMALL,
+        "train.epochs=3",
+        "train.batch_size=32",
+        "train.eval_every=20",
+        "tables.lr=0.1",
+        "cluster.policy=async",
+        "cluster.workers=2",
+        "cluster.shards=2",
+        f"cluster.overlap={str(overlap).lower()}",
+    )
     with shards(job) as (job, servers):
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(2)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], timeout=120
+        )
         plan = build_job(job).plan
         for k, s in enumerate(servers):
             ids = s.core.tables.tables["emb"].state_dict()["ids"]
@@ -115,9 +145,10 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
         ids = np.arange(5, dtype=np.int64)
         core.read_rows(0, {"emb": ids})
         before = core.read_rows(None, {"emb": ids})["emb"].copy()
-        dense = [ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=s.id, offset=0,
-                                                              data=np.zeros(s.size).tobytes()))
-                 for s in plan.slices_for_shard(0)]
+        dense = [
+            ps_pb2.PushMessage(chunk=ps_pb2.TensorChunk(slice_id=s.id, offset=0, data=np.zeros(s.size).tobytes()))
+            for s in plan.slices_for_shard(0)
+        ]
         good = np.ones((5, 3)).tobytes()
         bad_blocks = {
             "ids not whole int64s": ps_pb2.RowBlock(table="emb", ids=b"\x01\x02\x03", values=b""),
@@ -125,31 +156,57 @@ def test_hostile_rows_on_the_wire_are_refused_with_every_row_unchanged():
             "an unknown table": ps_pb2.RowBlock(table="users", ids=ids.tobytes(), values=good),
             "an id twice": ps_pb2.RowBlock(table="emb", ids=np.array([1, 1, 2, 3, 4]).tobytes(), values=good),
             "NaN rows": ps_pb2.RowBlock(table="emb", ids=ids.tobytes(), values=np.full((5, 3), np.nan).tobytes()),
-            "float32 values": ps_pb2.RowBlock(table="emb", ids=ids.tobytes(),
-                                              values=np.ones((5, 3), np.float32).tobytes()),
-            "too many ids": ps_pb2.RowBlock(table="emb", ids=np.zeros(MAX_ROWS + 1, np.int64).tobytes(),
-                                            values=b""),
+            "float32 values": ps_pb2.RowBlock(
+                table="emb", ids=ids.tobytes(), values=np.ones((5, 3), np.float32).tobytes()
+            ),
+            "too many ids": ps_pb2.RowBlock(table="emb", ids=np.zeros(MAX_ROWS + 1, np.int64).tobytes(), values=b""),
         }
-        with grpc.insecure_channel(job.cluster.servers[0], options=[("grpc.max_send_message_length", 1 << 26)]) \
-                as channel:
+        with grpc.insecure_channel(
+            job.cluster.servers[0], options=[("grpc.max_send_message_length", 1 << 26)]
+        ) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             for what, block in bad_blocks.items():
-                messages = [ps_pb2.PushMessage(header=ps_pb2.PushHeader(  # saying the rows it sends, as a worker does
-                    worker_id=0, clock=0, base_version=0, dtype="float64", rows=len(block.ids) // 8,
-                    registration=core.roster.workers[0].key)), *dense,
-                            ps_pb2.PushMessage(rows=block)]
+                messages = [
+                    ps_pb2.PushMessage(
+                        header=ps_pb2.PushHeader(  # saying the rows it sends, as a worker does
+                            worker_id=0,
+                            clock=0,
+                            base_version=0,
+                            dtype="float64",
+                            rows=len(block.ids) // 8,
+                            registration=core.roster.workers[0].key,
+                        )
+                    ),
+                    *dense,
+                    ps_pb2.PushMessage(rows=block),
+                ]
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Push(iter(messages), timeout=10)
-                assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                             grpc.StatusCode.RESOURCE_EXHAUSTED), (what, info.value.details())
+                assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (
+                    what,
+                    info.value.details(),
+                )
                 if what in ("ids not whole int64s", "an unknown table", "an id twice", "too many ids"):
                     with pytest.raises(grpc.RpcError) as info:  # asked for in a pull, the same
-                        list(stub.Pull(ps_pb2.PullRequest(worker_id=-1, clock=0, rows=[
-                            ps_pb2.RowBlock(table=block.table, ids=block.ids)]), timeout=10))
-                    assert info.value.code() == (grpc.StatusCode.RESOURCE_EXHAUSTED if what == "too many ids" else
-                                                 grpc.StatusCode.INVALID_ARGUMENT), (what, info.value.details())
-            pulled = list(stub.Pull(ps_pb2.PullRequest(worker_id=-1, clock=0, rows=[
-                ps_pb2.RowBlock(table="emb", ids=ids.tobytes())]), timeout=10))
+                        list(
+                            stub.Pull(
+                                ps_pb2.PullRequest(
+                                    worker_id=-1, clock=0, rows=[ps_pb2.RowBlock(table=block.table, ids=block.ids)]
+                                ),
+                                timeout=10,
+                            )
+                        )
+                    assert info.value.code() == (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED
+                        if what == "too many ids"
+                        else grpc.StatusCode.INVALID_ARGUMENT
+                    ), (what, info.value.details())
+            pulled = list(
+                stub.Pull(
+                    ps_pb2.PullRequest(worker_id=-1, clock=0, rows=[ps_pb2.RowBlock(table="emb", ids=ids.tobytes())]),
+                    timeout=10,
+                )
+            )
         assert core.version == 0 and core.counters["pushes"] == 0
         np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"], before)
         rows = [c.rows for c in pulled if c.HasField("rows")]
@@ -167,8 +224,14 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
     from psgd.wire import protocol
     from psgd.wire.rows import MAX_ROWS, SECTION, sections
 
-    job = make_job(*SMALL, "train.dtype=float64", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.transport=tcp")
+    job = make_job(
+        *SMALL,
+        "train.dtype=float64",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.transport=tcp",
+    )
     with shards(job) as (job, servers):
         core, port = servers[0].core, servers[0].data.port
         plan = build_job(job).plan
@@ -195,7 +258,9 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
         for what, rows in [*pushes.items(), ("rows of an absurd length", None)]:
             conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10, key=core.roster.workers[0].key)
             try:  # the length of the rows, then the rows (the absurd length: refused before any is read)
-                after = [protocol.ROWS_LENGTH.pack(len(rows)), rows] if rows is not None else [struct.pack("<Q", 1 << 62)]
+                after = (
+                    [protocol.ROWS_LENGTH.pack(len(rows)), rows] if rows is not None else [struct.pack("<Q", 1 << 62)]
+                )
                 conn._send(protocol.OP_PUSH_ROWS, 0, 0, 0, 0, [dense, *after], len(dense))
                 with pytest.raises(LinkError) as info:
                     conn._reply()
@@ -203,12 +268,18 @@ def test_hostile_rows_on_the_data_port_are_refused_with_every_row_unchanged():
             finally:
                 conn.close()
         too_many = section("emb", MAX_ROWS + 1, b"")  # refused on its header, before the ids it declares come
-        for what, asked in {"an unknown table": {"users": ids}, "an id twice": {"emb": np.array([1, 1])},
-                            "too many ids": too_many}.items():
+        for what, asked in {
+            "an unknown table": {"users": ids},
+            "an id twice": {"emb": np.array([1, 1])},
+            "too many ids": too_many,
+        }.items():
             conn = DataConnection("127.0.0.1", port, 0, plan.hash, timeout=10, key=core.roster.workers[0].key)
             try:
-                payload, n = sections({t: (i, None) for t, i in asked.items()}) if isinstance(asked, dict) else \
-                    ([asked], len(asked) + (MAX_ROWS + 1) * 8)
+                payload, n = (
+                    sections({t: (i, None) for t, i in asked.items()})
+                    if isinstance(asked, dict)
+                    else ([asked], len(asked) + (MAX_ROWS + 1) * 8)
+                )
                 conn._send(protocol.OP_PULL_ROWS, 0, 0, 0, 0, payload, n)
                 with pytest.raises(LinkError) as info:
                     conn._reply()
@@ -237,9 +308,28 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 
     from psgd.data.clicks import Generator, reachable_accuracy
 
-    argv = [shutil.which("psgd") or "psgd", "launch", "--model", "embed", "--dataset", "clicks", "--set",
-            "data.n_train=30000", "--set", "data.n_test=3000", "--epochs", "1", "--batch-size", "64", "--set",
-            "tables.lr=0.1", "--no-progress", "--json", "--save", "model.npz"]
+    argv = [
+        shutil.which("psgd") or "psgd",
+        "launch",
+        "--model",
+        "embed",
+        "--dataset",
+        "clicks",
+        "--set",
+        "data.n_train=30000",
+        "--set",
+        "data.n_test=3000",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--set",
+        "tables.lr=0.1",
+        "--no-progress",
+        "--json",
+        "--save",
+        "model.npz",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -255,18 +345,26 @@ def test_psgd_launch_trains_embed_on_clicks_as_a_user_runs_it(tmp_path):
 def test_the_shards_and_their_checkpoints_export_the_tables_and_psgd_eval_scores_them(tmp_path):
     from psgd.export.shards import join_checkpoints, pull_from_servers
     from psgd.launcher.result import evaluate_weights as _evaluate
-    from psgd.server.state import checkpoint
-    from psgd.server.durable import recovery
     from psgd.model.table import table_keys
+    from psgd.server.durable import recovery
+    from psgd.server.state import checkpoint
     from psgd.training.evaluation import evaluate_file
     from psgd.weights import save_weights
     from psgd.worker.client import PSClient
 
-    job = make_job(*SMALL, "train.epochs=1", "train.batch_size=32", "tables.lr=0.1", "cluster.policy=sync",
-                   "cluster.workers=2", "cluster.shards=2")
+    job = make_job(
+        *SMALL,
+        "train.epochs=1",
+        "train.batch_size=32",
+        "tables.lr=0.1",
+        "cluster.policy=sync",
+        "cluster.workers=2",
+        "cluster.shards=2",
+    )
     with shards(job) as (job, servers):
-        run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)],
-                    timeout=120)
+        run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], timeout=120
+        )
         for s in servers:  # what psgd-server writes on its way out
             recovery.write(s.core, checkpoint.shard_dir(tmp_path, s.core.shard, s.core.fingerprint), force=True)
         live = pull_from_servers(job)
@@ -294,14 +392,23 @@ def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_wide
     from psgd.wire.codec import codec_for
     from psgd.worker.client import PSClient
 
-    job = make_job(*SMALL, "cluster.policy=async", "cluster.workers=1", "cluster.shards=2", "tables.optimizer=sgd",
-                   "tables.lr=1.0", f"cluster.wire_dtype={wire}", f"cluster.transport={transport}")
+    job = make_job(
+        *SMALL,
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=2",
+        "tables.optimizer=sgd",
+        "tables.lr=1.0",
+        f"cluster.wire_dtype={wire}",
+        f"cluster.transport={transport}",
+    )
     plan = build_job(job).plan
     ids = np.arange(40, dtype=np.int64) * 1009
     grads = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32) * 1e-2
-    with shards(job) as (job, servers), PSClient(job.cluster.servers, plan, 0,
-                                          links=Links(transport=transport, wire_dtype=wire),
-                                          config=job) as client:
+    with (
+        shards(job) as (job, servers),
+        PSClient(job.cluster.servers, plan, 0, links=Links(transport=transport, wire_dtype=wire), config=job) as client,
+    ):
         client.wait_ready(30)
         client.register()
         dense = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
@@ -324,8 +431,8 @@ def test_row_gradients_travel_as_16_bit_values_and_are_applied_as_the_shard_wide
 
 def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a_table():
     from psgd.link import LinkError
-    from psgd.tables.held import RowTable, TableOptions
     from psgd.model.table import TableSpec
+    from psgd.tables.held import RowTable, TableOptions
     from psgd.tables.rules import RowSGD
 
     t = RowTable(TableSpec("e", 2), 0, RowSGD(0.1), TableOptions(idle_updates=1))
@@ -345,8 +452,9 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
         from psgd.worker.client import PSClient
         from psgd.worker.lookups import list_rows
 
-        with PSClient(job.cluster.servers, build_job(job).plan, deadlines=Deadlines(request_timeout=5),
-                      retry_deadline=1) as reader:
+        with PSClient(
+            job.cluster.servers, build_job(job).plan, deadlines=Deadlines(request_timeout=5), retry_deadline=1
+        ) as reader:
             with pytest.raises(LinkError) as info:
                 reader.links[0].list_rows("users", 0)
             assert info.value.code == Code.INVALID_ARGUMENT and "'users'" in str(info.value)
@@ -358,8 +466,10 @@ def test_a_listing_goes_page_by_page_through_every_row_and_refuses_what_is_not_a
         assert len(servers[0].core.tables.tables["emb"]) == 0
 
 
-@pytest.mark.lacks(__import__("importlib").util.find_spec("mpi4py") is None,
-                   reason=f"the mpi extra is not installed ({install_extra('mpi')})")
+@pytest.mark.lacks(
+    __import__("importlib").util.find_spec("mpi4py") is None,
+    reason=f"the mpi extra is not installed ({install_extra('mpi')})",
+)
 def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_the_batch(tmp_path):
     import subprocess
     import sys
@@ -368,15 +478,43 @@ def test_allreduce_ranks_holding_the_whole_table_equal_one_process_with_n_times_
     from psgd.launcher import find_mpiexec
 
     ranks, batch = 2, 16
-    job = make_job(*SMALL, "train.dtype=float64", "train.epochs=1", f"train.batch_size={batch}",
-                   "optimizer.name=sgd", "optimizer.lr=0.1", "tables.optimizer=rowwise_adagrad", "tables.lr=0.3",
-                   f"cluster.workers={ranks}")
+    job = make_job(
+        *SMALL,
+        "train.dtype=float64",
+        "train.epochs=1",
+        f"train.batch_size={batch}",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "tables.optimizer=rowwise_adagrad",
+        "tables.lr=0.3",
+        f"cluster.workers={ranks}",
+    )
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     saved = tmp_path / "w.npz"
-    done = subprocess.run([find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "psgd.cli.worker", "-c",
-                           str(path), "--mode", "allreduce", "--backend", "mpi", "--no-progress", "--json",
-                           "--save", str(saved)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            find_mpiexec(),
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "psgd.cli.worker",
+            "-c",
+            str(path),
+            "--mode",
+            "allreduce",
+            "--backend",
+            "mpi",
+            "--no-progress",
+            "--json",
+            "--save",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lead = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     with np.load(saved, allow_pickle=False) as f:
@@ -398,14 +536,20 @@ def test_a_pull_or_push_of_rows_is_given_time_for_its_rows_bytes_too(monkeypatch
     from psgd.worker.client import PSClient
 
     monkeypatch.setattr(datapath, "MIN_TRANSFER_RATE", 1e5)  # 100 kB/s: seconds a few MB of rows are given
-    job = make_job(*SMALL, "model.dim=64", "train.dtype=float64", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "cluster.transport=grpc")
+    job = make_job(
+        *SMALL,
+        "model.dim=64",
+        "train.dtype=float64",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.transport=grpc",
+    )
     with shards(job) as (job, servers):
         armed = []
         watchdog = servers[0].servicer.watchdog
         real = watchdog.watch
-        monkeypatch.setattr(watchdog, "watch",
-                            lambda seconds, *a, **k: armed.append(seconds) or real(seconds, *a, **k))
+        monkeypatch.setattr(watchdog, "watch", lambda seconds, *a, **k: armed.append(seconds) or real(seconds, *a, **k))
         plan = build_job(job).plan
         ids = np.arange(8000, dtype=np.int64)  # 8000 rows of 64 float64: 4.1 MB, 41 s at the least rate
         with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=60), config=job) as client:

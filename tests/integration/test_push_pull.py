@@ -11,34 +11,42 @@ from concurrent import futures
 
 import numpy as np
 import pytest
+from helpers import make_job, shards, wait_for
 
 from psgd.job import build_job
 from psgd.worker.client import PSClient, fetch_weights
 from psgd.worker.exchange import run_worker
 
-from helpers import make_job, shards, wait_for
-
 LINKS = ["tcp", "shm", "grpc"]
 
 
 def _job(link: str, policy: str, workers: int = 1, *more: str):
-    return make_job("model.hidden=[24]", "train.epochs=1", "optimizer.name=momentum", "optimizer.lr=0.05",
-                    f"cluster.policy={policy}", f"cluster.workers={workers}", "cluster.shards=2",
-                    "cluster.slice_bytes=2048", f"cluster.transport={link}", *more)
+    return make_job(
+        "model.hidden=[24]",
+        "train.epochs=1",
+        "optimizer.name=momentum",
+        "optimizer.lr=0.05",
+        f"cluster.policy={policy}",
+        f"cluster.workers={workers}",
+        "cluster.shards=2",
+        "cluster.slice_bytes=2048",
+        f"cluster.transport={link}",
+        *more,
+    )
 
 
 def _client(job, rank: int, **kw) -> PSClient:
     plan = build_job(job).plan
-    client = PSClient(job.cluster.servers, plan, rank, links=job.cluster.links, config=job,
-                      **kw)
+    client = PSClient(job.cluster.servers, plan, rank, links=job.cluster.links, config=job, **kw)
     client.wait_ready(30)
     client.register()
     return client
 
 
 def _arrays(plan, value=None) -> dict:
-    return {s.name: (np.empty(s.shape, s.dtype) if value is None else np.full(s.shape, value, s.dtype))
-            for s in plan.specs}
+    return {
+        s.name: (np.empty(s.shape, s.dtype) if value is None else np.full(s.shape, value, s.dtype)) for s in plan.specs
+    }
 
 
 @pytest.mark.parametrize("link", LINKS)
@@ -114,8 +122,11 @@ def test_a_stop_that_came_while_the_worker_computed_cuts_its_next_wait_for_the_w
     round here (a long lease), so only a cut wait lets the push's call return."""
     with _two_sync_workers(link, "cluster.lease_seconds=120") as (servers, stop, first, second, host, grads):
         stop.set()  # ... while it computes its step: nothing to cut yet
-        wait_for(lambda: not any(t.name == "ps-stop" for t in threading.enumerate()), 10,
-                 "the client's stop watcher to have looked for a pull")
+        wait_for(
+            lambda: not any(t.name == "ps-stop" for t in threading.enumerate()),
+            10,
+            "the client's stop watcher to have looked for a pull",
+        )
         with futures.ThreadPoolExecutor(1) as pool:
             replies, versions = pool.submit(first.push_pull, 0, grads, host).result(timeout=20)
         assert versions is None and {r.outcome for r in replies} == {"accumulated"}  # pushed, not waited
@@ -143,8 +154,9 @@ def test_a_sync_worker_pulls_on_its_own_only_for_its_first_step(link, monkeypatc
     each step once its push is answered: weights read then are fresher than those read with the push."""
     pulls = []
     original = PSClient.pull
-    monkeypatch.setattr(PSClient, "pull", lambda self, clock, *a, **k: pulls.append(clock) or original(
-        self, clock, *a, **k))
+    monkeypatch.setattr(
+        PSClient, "pull", lambda self, clock, *a, **k: pulls.append(clock) or original(self, clock, *a, **k)
+    )
     for policy in ("sync", "async"):
         pulls.clear()
         job = _job(link, policy, 1)

@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
-
 from helpers import assert_rejoined_at_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,13 +55,19 @@ def test_launch_from_a_script_hands_the_workers_its_class_by_name_and_its_arrays
     page_files(tmp_path)
     done = run("launch_blobs.py", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    said = re.search(r"^test accuracy ([\d.]+) after (\d+) steps \((\d+) \+ (\d+), worker by worker\); run folder "
-                     r"(\S+)$", done.stdout, re.M)
+    said = re.search(
+        r"^test accuracy ([\d.]+) after (\d+) steps \((\d+) \+ (\d+), worker by worker\); run folder "
+        r"(\S+)$",
+        done.stdout,
+        re.M,
+    )
     assert said and float(said.group(1)) > 0.8, done.stdout
     folder = tmp_path / said.group(5)
     each = [int(said.group(3)), int(said.group(4))]  # each worker's steps, as its own metrics lines end
-    assert each == [json.loads(path.read_text().splitlines()[-1])["clock"]
-                    for path in (folder / "worker-0.jsonl", folder / "worker-1.jsonl")]
+    assert each == [
+        json.loads(path.read_text().splitlines()[-1])["clock"]
+        for path in (folder / "worker-0.jsonl", folder / "worker-1.jsonl")
+    ]
     assert int(said.group(2)) == sum(each) and each[0] > 0
     with np.load(folder / "data.npz", allow_pickle=False) as data:
         assert sorted(data.files) == ["num_classes", "target", "x_test", "x_train", "y_test", "y_train"]
@@ -86,18 +91,24 @@ def test_regression_from_a_script_is_launched_trained_and_scored_by_r2(tmp_path)
     folder = tmp_path / said.group(3)
     with np.load(folder / "data.npz", allow_pickle=False) as data:
         assert str(data["target"]) == "values" and data["y_train"].shape[1:] == (2,)
-    evals = [json.loads(line) for line in (folder / "worker-0.jsonl").read_text().splitlines()
-             if '"eval"' in line]
+    evals = [json.loads(line) for line in (folder / "worker-0.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals and all("test_r2" in e and "test_accuracy" not in e for e in evals)
     assert evals[-1]["test_r2"] > evals[0]["test_r2"]
-    report = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(folder)], capture_output=True,
-                            text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "report", str(folder)], capture_output=True, text=True, timeout=120
+    )
     assert re.search(r"worker-0: .*test R² 0\.9", report.stdout), report.stdout + report.stderr
 
 
 def psgd_run(folder: Path, *argv: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "psgd.cli.main", "run", *argv], cwd=folder, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "psgd.cli.main", "run", *argv],
+        cwd=folder,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **popen,
+    )
 
 
 @pytest.mark.slow
@@ -130,11 +141,24 @@ def stopped_by_sigterm(folder: Path, epochs: int, *flags: str) -> tuple[subproce
     RUN=run, sent SIGTERM once both workers have pushed a step: the launcher (ended), its stderr and the workers'
     metrics files."""
     page_files(folder)
-    launcher = psgd_run(folder, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", str(epochs),
-                        *flags, "hardest.py", *SCRIPT_ARGS)
+    launcher = psgd_run(
+        folder,
+        "--run-dir",
+        "run",
+        "--workers",
+        "2",
+        "--shards",
+        "1",
+        "--epochs",
+        str(epochs),
+        *flags,
+        "hardest.py",
+        *SCRIPT_ARGS,
+    )
     metrics = [folder / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
-    err = sigterm_once(launcher, lambda: all(p.exists() and p.stat().st_size for p in metrics),
-                       "both workers' first push")
+    err = sigterm_once(
+        launcher, lambda: all(p.exists() and p.stat().st_size for p in metrics), "both workers' first push"
+    )
     return launcher, err, metrics
 
 
@@ -227,11 +251,11 @@ def test_a_sync_job_stopped_with_one_worker_a_step_ahead_resumes_with_every_step
     stays open in the shard's last checkpoint, and the resumed worker 1 pushes its step 2 into it."""
     (tmp_path / "held.py").write_text(HELD)
     (tmp_path / "hold").touch()
-    launcher = psgd_run(tmp_path, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", "1",
-                        "held.py")
+    launcher = psgd_run(tmp_path, "--run-dir", "run", "--workers", "2", "--shards", "1", "--epochs", "1", "held.py")
     metrics = [tmp_path / "run" / f"worker-{r}.jsonl" for r in (0, 1)]
-    err = sigterm_once(launcher, lambda: all((tmp_path / f"at-2-{r}").exists() for r in (0, 1)),
-                       "step 2 reached by both workers")
+    err = sigterm_once(
+        launcher, lambda: all((tmp_path / f"at-2-{r}").exists() for r in (0, 1)), "step 2 reached by both workers"
+    )
     assert launcher.returncode == 128 + signal.SIGTERM, err
     stopped = [json.loads(p.read_text().splitlines()[-1])["clock"] for p in metrics]
     assert stopped == [3, 2], stopped
@@ -250,8 +274,13 @@ def test_the_data_pages_augmentation_runs_by_name_in_a_launchs_workers(tmp_path)
     common = ["--epochs", "2", "--workers", "2", "--shards", "1", "--json"]
     losses = []
     for run, flags in (("shifted", command.split()), ("plain", [])):
-        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", *flags, *common, "--run-dir", run],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "psgd.cli.main", "launch", *flags, *common, "--run-dir", run],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         losses.append(json.loads(done.stdout.splitlines()[-1])["test_loss"])
     assert 'augment = "augment:shift"' in (tmp_path / "shifted" / "job.toml").read_text()
@@ -273,12 +302,16 @@ def test_ctrl_c_under_psgd_launch_is_a_keyboard_interrupt_that_says_how_to_go_on
     """Ctrl-C under psgd.launch ended in a long traceback of the launcher's own RuntimeError, which psgd did not
     export, and which said to go on with psgd launch --resume alone."""
     (tmp_path / "stopped.py").write_text(STOPPED)
-    launcher = subprocess.Popen([sys.executable, "stopped.py"], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "stopped.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = tmp_path / "run" / "worker-0.jsonl"
     try:
-        wait_for(lambda: launcher.poll() is not None or (metrics.exists() and metrics.stat().st_size), 60,
-                 "worker 0's first step")
+        wait_for(
+            lambda: launcher.poll() is not None or (metrics.exists() and metrics.stat().st_size),
+            60,
+            "worker 0's first step",
+        )
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=60)
     finally:
@@ -288,5 +321,8 @@ def test_ctrl_c_under_psgd_launch_is_a_keyboard_interrupt_that_says_how_to_go_on
     assert out.split() == ["LaunchInterrupted", "True", "True"], (out, err[-3000:])
     assert launcher.returncode != 0 and err.count('  File "') <= 2, err  # the script's line and psgd.launch's
     last = err.strip().splitlines()[-1]
-    assert "stopped by SIGINT" in last and "continue with psgd.launch(..., run_dir='run', resume=True) from " \
-        "Python, or psgd launch --resume run" in last, last
+    assert (
+        "stopped by SIGINT" in last
+        and "continue with psgd.launch(..., run_dir='run', resume=True) from Python, or psgd launch --resume run"
+        in last
+    ), last

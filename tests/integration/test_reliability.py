@@ -14,22 +14,21 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from helpers import TOKEN, by_hand_env, free_port_pair, make_job, shards, slice_weights, wait_for
+
 from psgd.config import Deadlines, to_toml
+from psgd.errors import Code
+from psgd.job import build_job, describe_job, params_to_device
+from psgd.link import LinkError
+from psgd.link.tcp import DataConnection
 from psgd.partition import PartitionPlan
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
 from psgd.training.evaluation import evaluate
-from psgd.job import build_job, params_to_device
-from psgd.worker.client import PSClient, PSError, fetch_weights
-from psgd.link import LinkError
-from psgd.link.tcp import DataConnection
-from psgd.worker.exchange import run_worker
-from psgd.errors import Code
 from psgd.wire.channel import open_channel
+from psgd.worker.client import PSClient, PSError, fetch_weights
+from psgd.worker.exchange import run_worker
 
 PY = sys.executable
 
@@ -42,13 +41,20 @@ def test_calls_without_the_token_are_refused_and_change_nothing():
         before = server.core.flat.copy()
         with grpc.insecure_channel(server.address) as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
-            for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),),
-                             (("authorization", "Bearer s3cret"),)):  # the token itself proves nothing: it is sent
-                for call in (lambda: stub.Status(ps_pb2.StatusRequest(), timeout=5, metadata=metadata),
-                             lambda: stub.Register(ps_pb2.RegisterRequest(worker_id=0), timeout=5, metadata=metadata),
-                             lambda: list(stub.Pull(ps_pb2.PullRequest(worker_id=-1), timeout=5, metadata=metadata)),
-                             lambda: stub.Push(iter([ps_pb2.PushMessage(header=ps_pb2.PushHeader())]), timeout=5,
-                                               metadata=metadata)):
+            for metadata in (
+                (),
+                (("authorization", "Bearer wrong"),),
+                (("authorization", "s3cret"),),
+                (("authorization", "Bearer s3cret"),),
+            ):  # the token itself proves nothing: it is sent
+                for call in (
+                    lambda: stub.Status(ps_pb2.StatusRequest(), timeout=5, metadata=metadata),
+                    lambda: stub.Register(ps_pb2.RegisterRequest(worker_id=0), timeout=5, metadata=metadata),
+                    lambda: list(stub.Pull(ps_pb2.PullRequest(worker_id=-1), timeout=5, metadata=metadata)),
+                    lambda: stub.Push(
+                        iter([ps_pb2.PushMessage(header=ps_pb2.PushHeader())]), timeout=5, metadata=metadata
+                    ),
+                ):
                     with pytest.raises(grpc.RpcError) as info:
                         call()
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -82,8 +88,9 @@ def test_a_shard_started_by_hand_without_a_token_refuses_to_start_unless_told(tm
     assert both.returncode == 2 and "--no-token and a token" in both.stderr, both.stderr[-2000:]
     port_file = tmp_path / "port"
     with open(tmp_path / "shard.log", "w") as log:
-        open_shard = subprocess.Popen([*argv, "--no-token", "--port-file", str(port_file)], env=bare,
-                                      stdout=subprocess.DEVNULL, stderr=log)
+        open_shard = subprocess.Popen(
+            [*argv, "--no-token", "--port-file", str(port_file)], env=bare, stdout=subprocess.DEVNULL, stderr=log
+        )
     try:
         wait_for(lambda: port_file.exists() or open_shard.poll() is not None, 60, "the shard to serve")
         assert open_shard.poll() is None, (tmp_path / "shard.log").read_text()
@@ -97,8 +104,9 @@ def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
     """The token lets a process into the job, not into another process's registration: a push, pull, heartbeat,
     Done or Rollback as worker 0 without the key worker 0's registration got is refused, counted, and changes
     nothing; so is a data connection claiming worker 0."""
-    job = make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.policy=async",
-                   "train.epochs=1")
+    job = make_job(
+        "model.name=softmax", "cluster.workers=1", "cluster.shards=1", "cluster.policy=async", "train.epochs=1"
+    )
     server = ShardServer(build_shard(describe_job(job), 0), "127.0.0.1:0", token="s3cret").start()
     try:
         plan = server.core.plan
@@ -111,17 +119,33 @@ def test_a_token_holder_cannot_act_as_a_worker_it_did_not_register_as():
             with open_channel(server.address, token="s3cret") as channel:
                 stub = ps_pb2_grpc.ParameterServerStub(channel)
                 calls = {
-                    "push": lambda key: stub.Push(iter([ps_pb2.PushMessage(header=ps_pb2.PushHeader(
-                        worker_id=0, clock=1, base_version=version, dtype="float32", registration=key))]),
-                        timeout=5, metadata=meta),
-                    "pull": lambda key: list(stub.Pull(ps_pb2.PullRequest(worker_id=0, clock=1, registration=key),
-                                                       timeout=5, metadata=meta)),
-                    "heartbeat": lambda key: stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=0, registration=key),
-                                                            timeout=5, metadata=meta),
-                    "done": lambda key: stub.Done(ps_pb2.DoneRequest(worker_id=0, clock=1, registration=key),
-                                                  timeout=5, metadata=meta),
-                    "rollback": lambda key: stub.Rollback(ps_pb2.RollbackRequest(
-                        worker_id=0, to_version=0, cause="x", registration=key), timeout=5, metadata=meta),
+                    "push": lambda key: stub.Push(
+                        iter(
+                            [
+                                ps_pb2.PushMessage(
+                                    header=ps_pb2.PushHeader(
+                                        worker_id=0, clock=1, base_version=version, dtype="float32", registration=key
+                                    )
+                                )
+                            ]
+                        ),
+                        timeout=5,
+                        metadata=meta,
+                    ),
+                    "pull": lambda key: list(
+                        stub.Pull(ps_pb2.PullRequest(worker_id=0, clock=1, registration=key), timeout=5, metadata=meta)
+                    ),
+                    "heartbeat": lambda key: stub.Heartbeat(
+                        ps_pb2.HeartbeatRequest(worker_id=0, registration=key), timeout=5, metadata=meta
+                    ),
+                    "done": lambda key: stub.Done(
+                        ps_pb2.DoneRequest(worker_id=0, clock=1, registration=key), timeout=5, metadata=meta
+                    ),
+                    "rollback": lambda key: stub.Rollback(
+                        ps_pb2.RollbackRequest(worker_id=0, to_version=0, cause="x", registration=key),
+                        timeout=5,
+                        metadata=meta,
+                    ),
                 }
                 for name, call in calls.items():
                     for key in ("", "0" * 32):  # none, and a made-up one
@@ -165,7 +189,7 @@ def test_a_retried_push_is_applied_once():
         init = model.init(job.train.seed)
         for s in servers:
             for sl, w in slice_weights(s.core):
-                expected = init[sl.var].reshape(-1)[sl.start:sl.stop] - 0.05 * 0.5  # one momentum step, lr 0.05
+                expected = init[sl.var].reshape(-1)[sl.start : sl.stop] - 0.05 * 0.5  # one momentum step, lr 0.05
                 np.testing.assert_allclose(w, expected, rtol=1e-6)
 
 
@@ -185,10 +209,24 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
 
     def start_shard(self, k: int, log_name: str | None = None) -> subprocess.Popen:
-        p = subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(self.path), "--shard", str(k),
-                              "--checkpoint-dir", str(self.ckpt), "--checkpoint-every", str(self.every)],
-                             stdout=subprocess.DEVNULL, stderr=open(self.tmp / (log_name or f"shard{k}.log"), "w"),
-                             env=by_hand_env())
+        p = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "psgd.cli.server",
+                "-c",
+                str(self.path),
+                "--shard",
+                str(k),
+                "--checkpoint-dir",
+                str(self.ckpt),
+                "--checkpoint-every",
+                str(self.every),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.tmp / (log_name or f"shard{k}.log"), "w"),
+            env=by_hand_env(),
+        )
         self.procs.append(p)
         return p
 
@@ -197,9 +235,24 @@ class Cluster:
         return self.ckpt / build_shard(describe_job(self.job), k).fingerprint / f"shard-{k}"
 
     def start_worker(self, r: int, *extra: str) -> subprocess.Popen:
-        p = subprocess.Popen([PY, "-m", "psgd.cli.worker", "-c", str(self.path), "--rank", str(r), "--no-progress",
-                              "--metrics", str(self.tmp / f"w{r}.jsonl"), *extra],
-                             stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"w{r}.log", "a"), env=by_hand_env())
+        p = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "psgd.cli.worker",
+                "-c",
+                str(self.path),
+                "--rank",
+                str(r),
+                "--no-progress",
+                "--metrics",
+                str(self.tmp / f"w{r}.jsonl"),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.tmp / f"w{r}.log", "a"),
+            env=by_hand_env(),
+        )
         self.procs.append(p)
         return p
 
@@ -210,7 +263,9 @@ class Cluster:
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
     def status(self):
-        plan = PartitionPlan(build_job(self.job).model.specs(), self.job.cluster.shards, self.job.cluster.links.slice_bytes)
+        plan = PartitionPlan(
+            build_job(self.job).model.specs(), self.job.cluster.shards, self.job.cluster.links.slice_bytes
+        )
         with PSClient(self.job.cluster.servers, plan, deadlines=Deadlines(request_timeout=10), token=TOKEN) as client:
             client.wait_ready(30)
             return client.status(), fetch_weights(self.job.cluster.servers, plan, token=TOKEN)
@@ -224,17 +279,24 @@ class Cluster:
 
 def accuracy(job, weights) -> float:
     built = build_job(job)
-    return evaluate(built.model, params_to_device(weights, built.device), built.dataset.x_test,
-                    built.dataset.y_test, built.device)[1]
+    return evaluate(
+        built.model, params_to_device(weights, built.device), built.dataset.x_test, built.dataset.y_test, built.device
+    )[1]
 
 
 @pytest.mark.slow
 def test_a_sigkilled_shard_restarts_from_its_checkpoint_and_training_completes(tmp_path):
     sets = ("cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "train.epochs=40")
     total = 40 * (1438 // 2 // 32)
-    reference = json.loads(subprocess.run(
-        [PY, "-m", "psgd.cli.main", "launch", "--no-progress", "--json", *sum((["--set", s] for s in sets), [])],
-        capture_output=True, text=True, timeout=120, check=True).stdout)["test_accuracy"]
+    reference = json.loads(
+        subprocess.run(
+            [PY, "-m", "psgd.cli.main", "launch", "--no-progress", "--json", *sum((["--set", s] for s in sets), [])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )["test_accuracy"]
 
     cluster = Cluster(make_job(*sets), tmp_path)
     try:
@@ -272,8 +334,13 @@ def _status_of_shard(cluster: Cluster, k: int):
 
 
 def test_sigterm_stops_a_shard_gracefully_with_a_last_checkpoint_and_a_worker_after_its_step(tmp_path):
-    cluster = Cluster(make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1",
-                               "cluster.shards=1", "train.epochs=400"), tmp_path, checkpoint_every=60)
+    cluster = Cluster(
+        make_job(
+            "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "train.epochs=400"
+        ),
+        tmp_path,
+        checkpoint_every=60,
+    )
     try:
         shard = cluster.start_shard(0)
         worker = cluster.start_worker(0)
@@ -295,8 +362,13 @@ def test_sigterm_stops_a_shard_gracefully_with_a_last_checkpoint_and_a_worker_af
 def test_a_shard_whose_last_checkpoint_fails_exits_non_zero_saying_so(tmp_path):
     """A shard whose final checkpoint could not be written (a full disk) logged it and exited 0: whoever
     restarts it from that folder loses the updates since the last one, and nothing said so."""
-    cluster = Cluster(make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1",
-                               "cluster.shards=1", "train.epochs=400"), tmp_path, checkpoint_every=3600)
+    cluster = Cluster(
+        make_job(
+            "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "train.epochs=400"
+        ),
+        tmp_path,
+        checkpoint_every=3600,
+    )
     try:
         shard = cluster.start_shard(0)
         worker = cluster.start_worker(0)
@@ -317,8 +389,17 @@ def test_a_shard_whose_last_checkpoint_fails_exits_non_zero_saying_so(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_worker_restarts_and_continues_where_it_was(tmp_path):
-    cluster = Cluster(make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=2",
-                               "cluster.shards=1", "train.epochs=20", "cluster.lease_seconds=2"), tmp_path)
+    cluster = Cluster(
+        make_job(
+            "model.name=softmax",
+            "cluster.policy=async",
+            "cluster.workers=2",
+            "cluster.shards=1",
+            "train.epochs=20",
+            "cluster.lease_seconds=2",
+        ),
+        tmp_path,
+    )
     total = 20 * (1438 // 2 // 32)
     try:
         cluster.start_shard(0)

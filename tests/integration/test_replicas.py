@@ -19,23 +19,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from helpers import TOKEN, by_hand_env, free_port, make_job, run_threads, wait_for
 
 from psgd.bench.chaos.processes import free_port_pair
 from psgd.config import ConfigError, Deadlines, to_toml
 from psgd.job import describe_job
-from psgd.ops.reach import Connect, read_status
+from psgd.ops.reach import Connect, probe_all, read_status
 from psgd.ops.view import ClusterView
-from psgd.ops.reach import probe_all
 from psgd.server import build_shard
 from psgd.server.durable import stream
 from psgd.server.durable.replica import Replication
 from psgd.server.net.service import ShardServer
-from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
+from psgd.wire.tls import NO_TLS
 from psgd.worker.client import WAIT_REPORT_SECONDS
 from psgd.worker.exchange import run_worker
-
-from helpers import TOKEN, by_hand_env, free_port, make_job, run_threads, wait_for
 
 PY = sys.executable
 
@@ -44,8 +42,12 @@ def pair_of(job, k: int = 0, token: str = ""):
     """Shard ``k`` of ``job`` twice in this process, the second following the first; the job with its addresses
     filled in, and the two."""
     d = describe_job(job)
-    primary, replica = (ShardServer(build_shard(d, k), "127.0.0.1:0", transport=job.cluster.links.transport,
-                                    replicated=True, token=token).start() for _ in range(2))
+    primary, replica = (
+        ShardServer(
+            build_shard(d, k), "127.0.0.1:0", transport=job.cluster.links.transport, replicated=True, token=token
+        ).start()
+        for _ in range(2)
+    )
     Replication(primary.core, primary.address, replica.address, second=False, token=token).start()
     Replication(replica.core, replica.address, primary.address, second=True, token=token).start()
     wait_for(lambda: primary.core.replication.lag() == 0, 10, "the replica to follow")
@@ -63,13 +65,23 @@ def close(*servers):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, transport", [("async", "tcp"), ("ssp", "shm"), ("async", "grpc")])
 def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, transport):
-    job = make_job("model.hidden=[32]", "train.epochs=2", "train.batch_size=16", "optimizer.name=adam",
-                   "optimizer.lr=0.01", f"cluster.policy={policy}", "cluster.workers=2", "cluster.shards=1",
-                   "cluster.replicas=1", f"cluster.transport={transport}")
+    job = make_job(
+        "model.hidden=[32]",
+        "train.epochs=2",
+        "train.batch_size=16",
+        "optimizer.name=adam",
+        "optimizer.lr=0.01",
+        f"cluster.policy={policy}",
+        "cluster.workers=2",
+        "cluster.shards=1",
+        "cluster.replicas=1",
+        f"cluster.transport={transport}",
+    )
     job, primary, replica = pair_of(job)
     try:
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False)
-                               for r in range(2)], timeout=120)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False) for r in range(2)], timeout=120
+        )
         p, q = primary.core, replica.core
         assert p.version == q.version == sum(r.steps for r in results) == 2 * results[0].steps
         np.testing.assert_array_equal(p.flat, q.flat)
@@ -84,8 +96,9 @@ def test_the_replica_holds_the_primarys_weights_and_clocks_to_the_bit(policy, tr
 
 
 def test_a_replica_refuses_workers_and_says_where_the_primary_is():
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     try:
         from psgd.server.errors import ShardError
@@ -97,12 +110,18 @@ def test_a_replica_refuses_workers_and_says_where_the_primary_is():
         close(primary, replica)
 
 
-@pytest.mark.parametrize("sets, error", [
-    (("cluster.policy=sync", "cluster.replicas=1"), "checkpoint_rounds"),
-    (("cluster.policy=async", "cluster.replicas=2"), "replicas must be an integer from 0 to 1"),
-    (("cluster.policy=async", "cluster.shards=2", "cluster.replicas=1", "cluster.replica_servers=h:1"),
-     "one per shard"),
-    (("cluster.policy=async", "cluster.replica_servers=h:1"), "without replicas none")])
+@pytest.mark.parametrize(
+    "sets, error",
+    [
+        (("cluster.policy=sync", "cluster.replicas=1"), "checkpoint_rounds"),
+        (("cluster.policy=async", "cluster.replicas=2"), "replicas must be an integer from 0 to 1"),
+        (
+            ("cluster.policy=async", "cluster.shards=2", "cluster.replicas=1", "cluster.replica_servers=h:1"),
+            "one per shard",
+        ),
+        (("cluster.policy=async", "cluster.replica_servers=h:1"), "without replicas none"),
+    ],
+)
 def test_replicas_are_checked_in_the_job_file(sets, error):
     with pytest.raises(ConfigError, match=error):
         make_job(*sets).validate()
@@ -110,15 +129,25 @@ def test_replicas_are_checked_in_the_job_file(sets, error):
 
 def test_a_model_with_embedding_tables_keeps_no_replica_yet():
     """Rows are not streamed to a replica: a shard of such a job refuses to start rather than lose them."""
-    job = make_job("model.name=embed", "data.name=clicks", "data.n_train=200", "data.n_test=50",
-                   "cluster.policy=async", "cluster.replicas=1")
+    job = make_job(
+        "model.name=embed",
+        "data.name=clicks",
+        "data.n_train=200",
+        "data.n_test=50",
+        "cluster.policy=async",
+        "cluster.replicas=1",
+    )
     with pytest.raises(ConfigError, match="rows of embedding tables"):
         build_shard(describe_job(job), 0)
 
 
 def _server(path, k: int, log, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k), *extra],
-                            stdout=subprocess.DEVNULL, stderr=log, env=by_hand_env())
+    return subprocess.Popen(
+        [PY, "-m", "psgd.cli.server", "-c", str(path), "--shard", str(k), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env=by_hand_env(),
+    )
 
 
 @pytest.mark.slow
@@ -129,15 +158,26 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
     catches up (a new replica)."""
     taken: set[int] = set()
     ports = [free_port_pair(taken=taken) for _ in range(4)]
-    job = make_job("model.hidden=[32]", "train.epochs=6", "cluster.policy=async", "cluster.workers=2",
-                   "cluster.shards=2", "cluster.replicas=1", "cluster.request_timeout=30",
-                   f"cluster.servers=127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
-                   f"cluster.replica_servers=127.0.0.1:{ports[2]},127.0.0.1:{ports[3]}")
+    job = make_job(
+        "model.hidden=[32]",
+        "train.epochs=6",
+        "cluster.policy=async",
+        "cluster.workers=2",
+        "cluster.shards=2",
+        "cluster.replicas=1",
+        "cluster.request_timeout=30",
+        f"cluster.servers=127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+        f"cluster.replica_servers=127.0.0.1:{ports[2]},127.0.0.1:{ports[3]}",
+    )
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "p1", "r0", "r1", "p0-again")}
-    procs = {"p0": _server(path, 0, logs["p0"]), "p1": _server(path, 1, logs["p1"]),
-             "r0": _server(path, 0, logs["r0"], "--replica"), "r1": _server(path, 1, logs["r1"], "--replica")}
+    procs = {
+        "p0": _server(path, 0, logs["p0"]),
+        "p1": _server(path, 1, logs["p1"]),
+        "r0": _server(path, 0, logs["r0"], "--replica"),
+        "r1": _server(path, 1, logs["r1"], "--replica"),
+    }
     status = lambda address: read_status(address, Connect(timeout=5, token=TOKEN))  # noqa: E731
     try:
         for k in range(2):
@@ -151,8 +191,11 @@ def test_a_sigkilled_primary_loses_no_acknowledged_push_and_comes_back_as_the_re
             procs["p0"].wait(10)
             done.append(True)
 
-        results = run_threads([lambda r=r: run_worker(job, r, job.cluster.servers, progress=False, token=TOKEN)
-                               for r in range(2)] + [kill_when_a_quarter_is_done], timeout=180)
+        results = run_threads(
+            [lambda r=r: run_worker(job, r, job.cluster.servers, progress=False, token=TOKEN) for r in range(2)]
+            + [kill_when_a_quarter_is_done],
+            timeout=180,
+        )
         assert done and all(r.steps == steps for r in results[:2])
         survivor = status(job.cluster.recovery.replica_servers[0])
         assert survivor["role"] == "primary" and survivor["counters"]["failovers"] == 1
@@ -190,12 +233,14 @@ def _lag(address: str) -> int | None:
 
 
 def test_status_json_carries_role_and_lag():
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     try:
-        rows = ClusterView(probe_all([primary.address, replica.address],
-                                     Connect(timeout=5, token=TOKEN))).to_json()["shards"]
+        rows = ClusterView(probe_all([primary.address, replica.address], Connect(timeout=5, token=TOKEN))).to_json()[
+            "shards"
+        ]
         assert [(r["role"], r["replica_lag"]) for r in rows] == [("primary", 0), ("replica", 0)]
         assert json.dumps(rows)
     finally:
@@ -203,8 +248,12 @@ def test_status_json_carries_role_and_lag():
 
 
 def _push(core, worker: int, clock: int):
-    return core.push(worker, clock, core.version, {i: np.full(s.size, 0.01 * (worker + 1), core.dtype)
-                                                    for i, s in core.slices.items()})
+    return core.push(
+        worker,
+        clock,
+        core.version,
+        {i: np.full(s.size, 0.01 * (worker + 1), core.dtype) for i, s in core.slices.items()},
+    )
 
 
 def _hold_an_update(core, worker: int, clock: int):
@@ -223,8 +272,9 @@ def _hold_an_update(core, worker: int, clock: int):
 
 def _same_copies(primary, replica):
     p, q = primary.core, replica.core
-    wait_for(lambda: p.replication.lag() == 0 and q.version == p.version, 10,
-             "the replica to hold the primary's version")
+    wait_for(
+        lambda: p.replication.lag() == 0 and q.version == p.version, 10, "the replica to hold the primary's version"
+    )
     assert [p.policy.clock_of(w) for w in range(p.num_workers)] == [q.policy.clock_of(w) for w in range(q.num_workers)]
     np.testing.assert_array_equal(p.flat, q.flat)
 
@@ -235,8 +285,9 @@ def test_an_update_held_before_its_write_reaches_the_replica_in_its_place(event,
     update waited for a read of the weights (decided, not yet written), and the policy's state sent to the replica
     already counted that push, so the update that followed it was refused as a duplicate.  The same holds for the
     state a replica starts from.  Both now wait for the update to be written (WeightStore.settle)."""
-    job = make_job("model.name=softmax", "cluster.policy=ssp", "cluster.workers=2", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=ssp", "cluster.workers=2", "cluster.shards=1", "cluster.replicas=1"
+    )
     d = describe_job(job)
     primary = ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True).start()
     replica = ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True).start()
@@ -254,11 +305,15 @@ def test_an_update_held_before_its_write_reaches_the_replica_in_its_place(event,
             if event == "a worker leaves":
                 done = threading.Thread(target=p.done, args=(0, 0), daemon=True)
             else:
-                done = threading.Thread(target=Replication(replica.core, replica.address, primary.address,
-                                                    second=True).start, daemon=True)
+                done = threading.Thread(
+                    target=Replication(replica.core, replica.address, primary.address, second=True).start, daemon=True
+                )
             done.start()
-            wait_for(lambda: p.store.settling == 1 or not done.is_alive() and p.replication.attached, 10,
-                     f"{event}: to wait for the update, or to be done")
+            wait_for(
+                lambda: p.store.settling == 1 or not done.is_alive() and p.replication.attached,
+                10,
+                f"{event}: to wait for the update, or to be done",
+            )
             read.release()
             pushing.join(10)
             done.join(10)
@@ -280,8 +335,9 @@ def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_c
     next update of that worker: the primary hears why, says in one WARNING that its replica is gone, acknowledges
     that push without a copy (counted, shown by psgd status), and the replica follows again from the primary's
     state."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=2", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=2", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     p, q = primary.core, replica.core
     try:
@@ -293,10 +349,17 @@ def test_a_replica_that_cannot_apply_an_update_says_so_and_the_pair_counts_one_c
             q.policy.fast_forward(1, 1)  # the replica's copy goes wrong
         with caplog.at_level(logging.WARNING, logger="psgd"):
             _push(p, 1, 0)
-        gone = [r.getMessage() for r in caplog.records if r.name == "psgd.server.durable.replica" and "going on alone" in
-                r.getMessage()]
-        assert len(gone) == 1 and "is gone (replica of shard 0 at version 1 cannot apply update 2 (worker 1, " \
-                                  "clock 0): worker 1 already pushed clock 0" in gone[0]
+        gone = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "psgd.server.durable.replica" and "going on alone" in r.getMessage()
+        ]
+        assert (
+            len(gone) == 1
+            and "is gone (replica of shard 0 at version 1 cannot apply update 2 (worker 1, "
+            "clock 0): worker 1 already pushed clock 0"
+            in gone[0]
+        )
         assert p.counters["unreplicated"] == 1
         _same_copies(primary, replica)  # it follows again, from the state
         rows = ClusterView(probe_all([primary.address], Connect(timeout=5, token=TOKEN))).render()
@@ -310,8 +373,9 @@ def test_a_replica_between_two_connections_when_the_job_ends_hears_that_it_ended
     second on a crowded machine) and it was connecting again when its primary finished; the primary told only an
     attached replica that the job was over, so the replica found its primary gone, took over a finished job and
     waited for workers that had left.  Here the replica's next connection is held until the primary is stopping."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     p, q = primary.core.replication, replica.core.replication
     connect, release = q._connect, threading.Event()
@@ -338,8 +402,9 @@ def test_a_replica_between_two_connections_when_the_job_ends_hears_that_it_ended
 def test_a_follower_that_is_refused_is_said_once_and_its_claimed_address_cannot_forge_a_log_line(caplog):
     """An outsider at a followed primary: its claimed address ("where it listens") was logged as given, so a newline
     in it forged a log line, and each of its attempts logged "refused a replica" (2,142 lines in 24 s)."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     host = primary.address.rsplit(":", 1)[0]
     data_port = primary.data.port
@@ -362,8 +427,11 @@ def test_a_follower_that_is_refused_is_said_once_and_its_claimed_address_cannot_
         wait_for(lambda: any("refused a replica" in r.getMessage() for r in caplog.records), 10, "the refusal's line")
         for _ in range(3):
             follow("10.0.0.9:1\n12:00:00 shard[1] WARNING forged")
-        wait_for(lambda: sum("listen at HOST:PORT" in r.getMessage() for r in caplog.records) == 3, 10,
-                 "the forged addresses' refusals")
+        wait_for(
+            lambda: sum("listen at HOST:PORT" in r.getMessage() for r in caplog.records) == 3,
+            10,
+            "the forged addresses' refusals",
+        )
         lines = [r.getMessage() for r in caplog.records]
         assert not any("\n" in line for line in lines), lines
         said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -377,8 +445,9 @@ def test_a_replica_whose_stream_breaks_as_it_is_told_the_job_is_over_is_told_aga
     """Found by the chaos suite (CI seed, run 3): a primary's last frame, the job's end, met a broken pipe; the primary
     stopped, and its replica, which never heard, neither took over nor stopped (--exit-when-done: it never exited).
     Now the primary tells it again once it follows again (FINISH_SECONDS at most)."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     send, broken = stream.send, []
 
@@ -409,8 +478,9 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
     from psgd.server.durable import replica as replica_module
     from psgd.worker.client import PSClient
 
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     monkeypatch.setattr(replica_module, "BENCH_SECONDS", (3.0, 6.0))  # a time out of 30 s, shortened here
     job, primary, replica = pair_of(job)
     plan = primary.core.plan
@@ -427,8 +497,14 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
 
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
-                      recovery=job.cluster.recovery, config=job) as client:
+        with PSClient(
+            job.cluster.servers,
+            plan,
+            0,
+            deadlines=Deadlines(request_timeout=30),
+            recovery=job.cluster.recovery,
+            config=job,
+        ) as client:
             client.register()
             monkeypatch.setattr(stream.Reader, "take", lagging)
             took, clock = [], 0
@@ -436,6 +512,7 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
 
             def cuts() -> list[str]:
                 return [r.getMessage() for r in caplog.records if "did not keep up" in r.getMessage()]
+
             # slow: cut off at once, back at once (it kept up before), cut off again and then timed out; silent: its
             # stream hangs, so it is cut off once and comes back only when it answers again
             until = "follow again in 3s" if how == "slow" else "follow again at once"
@@ -461,12 +538,18 @@ def test_a_replica_that_does_not_keep_up_is_cut_off_in_one_line_and_the_primary_
             released.set()
             monkeypatch.setattr(stream.Reader, "take", take)
             # once its time out is over, it follows again from the primary's state and holds every update
-            wait_for(lambda: primary.core.replication.lag() == 0 and not primary.core.replication.alone, 30,
-                     "the replica to follow again")
+            wait_for(
+                lambda: primary.core.replication.lag() == 0 and not primary.core.replication.alone,
+                30,
+                "the replica to follow again",
+            )
             assert [r.outcome for r in client.push(clock, grads)] == ["applied"]
             wait_for(lambda: replica.core.version == primary.core.version, 10, "the replica to hold the last update")
-        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "did not keep up" in
-                  r.getMessage()]
+        warned = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and "did not keep up" in r.getMessage()
+        ]
         assert warned == cut, warned  # one line a cut, nothing more once it keeps up again
     finally:
         released.set()
@@ -478,8 +561,9 @@ def test_only_the_pairs_own_replica_follows(caplog):
     """Found: the follow hello accepted any follower, first come: an outsider took the place of a replica that was
     away, and the primary acknowledged pushes that only the outsider held.  Now a follower that says it listens
     anywhere but the pair's replica address is refused, whether or not the replica follows."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     try:
         caplog.set_level(logging.INFO, logger="psgd.server")
@@ -512,16 +596,18 @@ def test_a_stranger_at_a_dead_replicas_address_learns_no_token_and_is_not_believ
 
     from psgd.proto import ps_pb2, ps_pb2_grpc
 
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job, token=TOKEN)
     heard: list[dict] = []
 
     class Stranger(ps_pb2_grpc.ParameterServerServicer):
         def Status(self, request, context):
             heard.append(dict(context.invocation_metadata()))
-            return ps_pb2.StatusReply(shard=0, role="primary", version=10**6, data_port=1,
-                                      counters_json=json.dumps({"failovers": 99}))
+            return ps_pb2.StatusReply(
+                shard=0, role="primary", version=10**6, data_port=1, counters_json=json.dumps({"failovers": 99})
+            )
 
     stranger = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     try:
@@ -549,8 +635,9 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
     already used, or nothing is refused, so that no process of a pair ever needs to send the token to a peer."""
     from psgd.wire.proofs import Prover
 
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job, token=TOKEN)
     try:
         used = Prover(TOKEN, f"127.0.0.1:{primary.data.port}").prove("follow")
@@ -558,8 +645,15 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
         said = {"the token": {"token": TOKEN}, "a replayed proof": {"proof": used}, "no proof": {}}[hello]
         body = json.dumps({**said, "plan_hash": primary.core.plan.hash, "follow": True}).encode()
         with contextlib.closing(stream.socket.create_connection(("127.0.0.1", primary.data.port), timeout=5)) as sock:
-            protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
-                                                               protocol.OBSERVER, 0, 0, len(body)), body])
+            protocol.send_buffers(
+                sock,
+                [
+                    protocol.REQUEST.pack(
+                        protocol.DATA_MAGIC, protocol.OP_HELLO, 0, protocol.OBSERVER, 0, 0, len(body)
+                    ),
+                    body,
+                ],
+            )
             magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
             refusal = protocol.recv_bytes(sock, size).decode()
         assert op != 0 and "wrong or replayed proof of the token" in refusal, refusal
@@ -571,12 +665,16 @@ def test_a_follower_that_does_not_prove_the_token_afresh_is_refused(hello):
 def _cut_between(monkeypatch, cut: threading.Event):
     """While ``cut`` is set, neither process of a pair reaches the other (a network cut between them): their status
     calls to each other go unanswered."""
-    from psgd.server.durable import following, replica as replica_module
+    from psgd.server.durable import following
+    from psgd.server.durable import replica as replica_module
 
     real = replica_module.peer_status
     for side in (replica_module, following):  # the primary's side of the pair, and the replica's
-        monkeypatch.setattr(side, "peer_status",
-                            lambda address, *args, **kwargs: None if cut.is_set() else real(address, *args, **kwargs))
+        monkeypatch.setattr(
+            side,
+            "peer_status",
+            lambda address, *args, **kwargs: None if cut.is_set() else real(address, *args, **kwargs),
+        )
 
 
 def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_and_loses_nothing(monkeypatch, caplog):
@@ -586,8 +684,14 @@ def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_a
     primary takes over only once a worker comes to it (a worker comes only when it cannot reach the primary): cut
     apart from a primary the workers still reach, it waits, and follows again when the cut heals."""
     caplog.set_level(logging.INFO, logger="psgd")
-    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax",
+        "train.epochs=1",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.replicas=1",
+    )
     job, primary, replica = pair_of(job)
     p, q = primary.core.replication, replica.core.replication
     cut = threading.Event()
@@ -595,8 +699,11 @@ def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_a
     try:
         cut.set()
         stream.shut(q._sock)  # the link between them breaks
-        wait_for(lambda: p.alone and (getattr(q, "orphaned", "") or replica.core.role == "primary"), 10,
-                 "the primary to go on alone and the replica to decide (wait, or lead)")
+        wait_for(
+            lambda: p.alone and (getattr(q, "orphaned", "") or replica.core.role == "primary"),
+            10,
+            "the primary to go on alone and the replica to decide (wait, or lead)",
+        )
         result = run_worker(job, 0, job.cluster.servers, progress=False)  # acknowledged by the primary alone
         assert result.steps > 0 and primary.core.version == result.steps
         assert replica.core.role == "replica" and primary.core.role == "primary"
@@ -613,8 +720,9 @@ def test_a_pair_cut_apart_while_the_workers_reach_the_primary_keeps_one_leader_a
 
 
 def test_a_replica_that_lost_its_primary_takes_over_when_a_worker_comes_to_it(monkeypatch):
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     job, primary, replica = pair_of(job)
     q = replica.core.replication
     from psgd.server.errors import ShardError
@@ -640,8 +748,15 @@ def test_a_worker_that_starts_after_the_primary_died_joins_through_the_replica()
     worker waited for each shard's listed address to accept connections before it would call the other process of
     the pair.  Now a shard counts as there when either process of its pair accepts connections, and registering
     moves to the one that leads (the replica, which takes over as the worker comes)."""
-    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "cluster.replicas=1", "cluster.join_timeout=20")
+    job = make_job(
+        "model.name=softmax",
+        "train.epochs=1",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.replicas=1",
+        "cluster.join_timeout=20",
+    )
     job, primary, replica = pair_of(job)
     q = replica.core.replication
     try:
@@ -665,12 +780,21 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
     up later than the worker's request timeout.  The worker waited up to its join deadline for the primary before;
     with either process of the pair counted as there, registering gave up after the request timeout instead
     (NOT_PRIMARY from the replica, UNAVAILABLE from the primary, back and forth).  It waits its join deadline."""
-    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "cluster.replicas=1", "cluster.join_timeout=30", "cluster.request_timeout=2")
+    job = make_job(
+        "model.name=softmax",
+        "train.epochs=1",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.replicas=1",
+        "cluster.join_timeout=30",
+        "cluster.request_timeout=2",
+    )
     d = describe_job(job)
     primary_address = f"127.0.0.1:{free_port()}"
-    replica = ShardServer(build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport,
-                          replicated=True).start()
+    replica = ShardServer(
+        build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport, replicated=True
+    ).start()
     Replication(replica.core, replica.address, primary_address, second=True).start()
     job = job.override("cluster.servers", [primary_address])
     job = job.override("cluster.replica_servers", [replica.address])
@@ -678,6 +802,7 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
 
     def waits() -> list[str]:  # what the worker said while it waited: one line every WAIT_REPORT_SECONDS
         return [r.getMessage() for r in caplog.records if "still retrying" in r.getMessage()]
+
     primary = None
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -686,8 +811,9 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
             assert WAIT_REPORT_SECONDS > job.cluster.deadlines.request_timeout
             wait_for(lambda: worker.done() or waits(), 30, "the worker to say it still waits to register")
             assert not worker.done(), f"the worker gave up before its primary started: {worker.exception()!r}"
-            primary = ShardServer(build_shard(d, 0), primary_address, transport=job.cluster.links.transport,
-                                  replicated=True).start()
+            primary = ShardServer(
+                build_shard(d, 0), primary_address, transport=job.cluster.links.transport, replicated=True
+            ).start()
             Replication(primary.core, primary.address, replica.address, second=False).start()
             result = worker.result(timeout=60)
         assert result.steps > 0 and primary.core.version == result.steps
@@ -695,8 +821,12 @@ def test_a_worker_waits_its_join_deadline_for_a_primary_that_starts_after_its_re
         # each line of the wait names the process that answered so: the primary refused connections, the replica
         # said it serves no worker (after each, the worker calls the other one, which the line must not name)
         said = waits()
-        assert said and not [line for line in said if f"at {replica.address}: UNAVAILABLE (failed to connect" in line
-                             or f"at {primary_address}: UNAVAILABLE (this process" in line], said
+        assert said and not [
+            line
+            for line in said
+            if f"at {replica.address}: UNAVAILABLE (failed to connect" in line
+            or f"at {primary_address}: UNAVAILABLE (this process" in line
+        ], said
     finally:
         close(*[s for s in (primary, replica) if s is not None])
 
@@ -707,8 +837,15 @@ def _push_once(job) -> None:
 
     plan = describe_job(job).plan
     grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=30),
-                  recovery=job.cluster.recovery, config=job, token=TOKEN) as client:
+    with PSClient(
+        job.cluster.servers,
+        plan,
+        0,
+        deadlines=Deadlines(request_timeout=30),
+        recovery=job.cluster.recovery,
+        config=job,
+        token=TOKEN,
+    ) as client:
         client.register()
         client.push(0, grads)
 
@@ -717,9 +854,16 @@ def _one_pair(tmp_path):
     """An async job of one shard kept twice, one worker, its processes' ports free; its job file."""
     taken: set[int] = set()
     ports = [free_port_pair(taken=taken) for _ in range(2)]
-    job = make_job("model.name=softmax", "train.epochs=1", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "cluster.replicas=1", f"cluster.servers=127.0.0.1:{ports[0]}",
-                   f"cluster.replica_servers=127.0.0.1:{ports[1]}")
+    job = make_job(
+        "model.name=softmax",
+        "train.epochs=1",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.replicas=1",
+        f"cluster.servers=127.0.0.1:{ports[0]}",
+        f"cluster.replica_servers=127.0.0.1:{ports[1]}",
+    )
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     return job, path
@@ -748,8 +892,11 @@ def test_a_replica_follows_its_primary_again_after_the_primary_restarts_at_the_j
         _push_once(job)
         again = status(job.cluster.servers[0])
         assert again["role"] == "primary" and again["counters"]["unreplicated"] == 0
-        wait_for(lambda: status(job.cluster.recovery.replica_servers[0])["version"] == again["version"], 10,
-                 "the replica to hold the push")
+        wait_for(
+            lambda: status(job.cluster.recovery.replica_servers[0])["version"] == again["version"],
+            10,
+            "the replica to hold the push",
+        )
     finally:
         _stop(procs, logs)
 
@@ -762,7 +909,10 @@ def test_a_replica_that_took_over_and_restarts_at_the_jobs_end_leads_again(tmp_p
     the job was over, did not lead: neither did, and Status found no primary.  A process whose peer is a replica no
     further on than itself now leads, whichever of the pair it is, and its peer follows it."""
     job, path = _one_pair(tmp_path)
-    first, second = ("--checkpoint-dir", str(tmp_path / "ckpt")), ("--replica", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    first, second = (
+        ("--checkpoint-dir", str(tmp_path / "ckpt")),
+        ("--replica", "--checkpoint-dir", str(tmp_path / "ckpt")),
+    )
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("p0", "r0", "p0-again", "r0-again")}
     procs = {"p0": _server(path, 0, logs["p0"], *first), "r0": _server(path, 0, logs["r0"], *second)}
     status = lambda address: read_status(address, Connect(timeout=5, token=TOKEN))  # noqa: E731
@@ -794,11 +944,13 @@ def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):
     from psgd.observe.prometheus import ShardMetrics
     from psgd.worker.client import PSClient
 
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     d = describe_job(job)
-    primary = ShardServer(build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport,
-                          replicated=True).start()
+    primary = ShardServer(
+        build_shard(d, 0), "127.0.0.1:0", transport=job.cluster.links.transport, replicated=True
+    ).start()
     Replication(primary.core, primary.address, f"127.0.0.1:{free_port()}", second=False).start()
     job = job.override("cluster.servers", [primary.address])
     grads = {s.name: np.full(s.shape, 1e-4, dtype=s.dtype) for s in d.plan.specs}
@@ -808,8 +960,11 @@ def test_pushes_acknowledged_without_a_copy_are_said_once_and_counted(caplog):
             client.register()
             for clock in range(5):
                 client.push(clock, grads)
-        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "without a copy" in
-                r.getMessage()]
+        said = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and "without a copy" in r.getMessage()
+        ]
         assert len(said) == 1, said
         assert primary.core.counters["unreplicated"] == 5
         scraped = {m.name: m for m in ShardMetrics(primary.core).collect()}
@@ -825,11 +980,13 @@ def test_a_token_holder_that_follows_first_does_not_take_the_replicas_place(capl
     Now a follower proves that it is the process at the replica's address (the primary asks there, with a ticket
     only that follower knows), so the insider is refused and the real replica follows; psgd status says who
     follows, from where."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.replicas=1")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.replicas=1"
+    )
     d = describe_job(job)
-    primary, replica, insider = (ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True, token=TOKEN).start()
-                                 for _ in range(3))
+    primary, replica, insider = (
+        ShardServer(build_shard(d, 0), "127.0.0.1:0", replicated=True, token=TOKEN).start() for _ in range(3)
+    )
     p = Replication(primary.core, primary.address, replica.address, second=False, token=TOKEN).start()
     caplog.set_level(logging.INFO, logger="psgd.server")
     try:  # the insider follows first, saying it is at the replica's address

@@ -14,16 +14,16 @@ import logging
 
 import numpy as np
 import pytest
-
 from helpers import TOKEN, make_job, run_threads
+
 from psgd.config import Deadlines
 from psgd.job import describe_job
-from psgd.observe.prometheus import ShardMetrics
 from psgd.link import LinkError
+from psgd.observe.prometheus import ShardMetrics
 from psgd.server import build_shard
-from psgd.server.state import checkpoint
 from psgd.server.durable import recovery
 from psgd.server.net.service import ShardServer
+from psgd.server.state import checkpoint
 from psgd.worker.client import PSClient
 from psgd.worker.errors import ShardWentBack
 from psgd.worker.rollback import roll_back
@@ -35,15 +35,33 @@ class Job:
     """SHARDS in-process shards with cuts every 2 rounds, and two registered workers, after five rounds."""
 
     def __init__(self, tmp_path, keep: int = 10):
-        self.tmp, self.keep, self.job = tmp_path, keep, make_job(
-            "model.name=softmax", "cluster.policy=sync", "cluster.workers=2", f"cluster.shards={SHARDS}",
-            "cluster.checkpoint_rounds=2", "cluster.transport=tcp", "cluster.request_timeout=6")
+        self.tmp, self.keep, self.job = (
+            tmp_path,
+            keep,
+            make_job(
+                "model.name=softmax",
+                "cluster.policy=sync",
+                "cluster.workers=2",
+                f"cluster.shards={SHARDS}",
+                "cluster.checkpoint_rounds=2",
+                "cluster.transport=tcp",
+                "cluster.request_timeout=6",
+            ),
+        )
         self.servers = [self.shard(k) for k in range(SHARDS)]
         self.job = self.job.override("cluster.servers", [s.address for s in self.servers])
         self.plan = self.servers[0].core.plan
-        self.clients = [PSClient(self.job.cluster.servers, self.plan, r, deadlines=Deadlines(request_timeout=6),
-                                 token=TOKEN,
-                                 config=self.job) for r in range(2)]
+        self.clients = [
+            PSClient(
+                self.job.cluster.servers,
+                self.plan,
+                r,
+                deadlines=Deadlines(request_timeout=6),
+                token=TOKEN,
+                config=self.job,
+            )
+            for r in range(2)
+        ]
         for c in self.clients:
             c.register()
         grads = {s.name: np.full(s.shape, 1e-3, np.float32) for s in self.plan.specs}
@@ -54,8 +72,15 @@ class Job:
     def shard(self, k: int, bind: str = "127.0.0.1:0") -> ShardServer:
         core = build_shard(describe_job(self.job), k)
         recovery.resume(core, str(self.tmp))
-        return ShardServer(core, bind, transport="tcp", token=TOKEN, checkpoint_dir=str(self.tmp),
-                           keep_checkpoints=self.keep, job_shards=lambda: self.job.cluster.servers).start()
+        return ShardServer(
+            core,
+            bind,
+            transport="tcp",
+            token=TOKEN,
+            checkpoint_dir=str(self.tmp),
+            keep_checkpoints=self.keep,
+            job_shards=lambda: self.job.cluster.servers,
+        ).start()
 
     def restart(self, k: int) -> ShardServer:
         """Shard ``k`` stopped without a last checkpoint (as if killed) and started again at its address."""

@@ -11,13 +11,18 @@ import signal
 
 import numpy as np
 import pytest
-
 from helpers import make_job, wait_for
 from test_reliability import Cluster
 
 K = 10  # rounds between cuts
-BASE = ("cluster.policy=sync", "cluster.workers=2", "cluster.shards=2", "train.epochs=8", "train.dtype=float64",
-        "cluster.request_timeout=30")
+BASE = (
+    "cluster.policy=sync",
+    "cluster.workers=2",
+    "cluster.shards=2",
+    "train.epochs=8",
+    "train.dtype=float64",
+    "cluster.request_timeout=30",
+)
 SETS = (*BASE, f"cluster.checkpoint_rounds={K}")
 TOTAL = 8 * (1438 // 2 // 32)  # rounds
 

@@ -16,9 +16,26 @@ import pytest
 def run(tmp_path_factory):
     """A two-worker sync launch of the digits' MLP for two epochs, as a user starts it."""
     folder = tmp_path_factory.mktemp("launch") / "run"
-    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "2", "--shards", "2",
-                          "--epochs", "2", "--no-progress", "--run-dir", str(folder)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "launch",
+            "--workers",
+            "2",
+            "--shards",
+            "2",
+            "--epochs",
+            "2",
+            "--no-progress",
+            "--run-dir",
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return folder
 
@@ -45,8 +62,7 @@ def test_every_worker_writes_its_curves_as_tensorboard_event_files(run):
     board = EventAccumulator(str(run / "tensorboard" / "worker-0"))
     board.Reload()
     accuracy = board.Scalars("eval/test_accuracy")
-    assert [(a.step, round(a.value, 6)) for a in accuracy] == [(e["step"], round(e["test_accuracy"], 6))
-                                                                for e in evals]
+    assert [(a.step, round(a.value, 6)) for a in accuracy] == [(e["step"], round(e["test_accuracy"], 6)) for e in evals]
 
 
 def test_every_worker_writes_its_steps_and_evaluations_as_csv_rows(run):
@@ -65,8 +81,12 @@ def test_every_worker_writes_its_steps_and_evaluations_as_csv_rows(run):
 
 
 def test_psgd_report_says_what_each_worker_did_and_draws_the_curves(run, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(run), "--png", str(tmp_path / "r.png")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "report", str(run), "--png", str(tmp_path / "r.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == f"run {run}: mlp on digits, sync, 2 worker(s), 2 shard(s)"
@@ -82,8 +102,9 @@ def test_psgd_report_says_what_each_worker_did_and_draws_the_curves(run, tmp_pat
 
 
 def test_psgd_report_of_a_folder_that_is_not_a_run_says_so(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "report", str(tmp_path)], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "report", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "holds no metrics lines (worker-R.jsonl)" in out.stderr, out.stderr
 
 
@@ -100,12 +121,15 @@ def test_a_launch_never_writes_through_links_planted_in_its_run_folder(tmp_path)
     small = ["--workers", "1", "--shards", "1", "--epochs", "1"]
     done = subprocess.run([*launch, *small, "--run-dir", str(run)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.splitlines()[-1] == (f"psgd: error: {run} holds the files of an earlier run "
-                                            f"(shard-0.log): continue it with psgd launch --resume {run}, or give "
-                                            "another --run-dir")
+    assert done.stderr.splitlines()[-1] == (
+        f"psgd: error: {run} holds the files of an earlier run "
+        f"(shard-0.log): continue it with psgd launch --resume {run}, or give "
+        "another --run-dir"
+    )
     (run / "job.toml").write_text("[train]\nepochs = 1\n[cluster]\nworkers = 1\nshards = 1\n")
     done = subprocess.run([*launch, "--resume", str(run)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.splitlines()[-1].startswith(f"psgd: error: {run / 'shard-0.log'}: a symbolic link "
-                                                   "where psgd writes its own file")
+    assert done.stderr.splitlines()[-1].startswith(
+        f"psgd: error: {run / 'shard-0.log'}: a symbolic link where psgd writes its own file"
+    )
     assert all(victim.read_text() == "precious\n" for victim in victims.values())

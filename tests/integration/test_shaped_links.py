@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import skip_or_fail
+
 from psgd.bench import netns
 from psgd.errors import install_extra
 
@@ -38,8 +38,18 @@ def shaping():
         skip_or_fail(f"cannot shape links here: {why}")
 
 
-@pytest.mark.parametrize("text, bits", [("1gbit", 10**9), ("10gbit", 10**10), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
-                                        ("512kbit", 512_000), ("none", None), ("", None)])
+@pytest.mark.parametrize(
+    "text, bits",
+    [
+        ("1gbit", 10**9),
+        ("10gbit", 10**10),
+        ("100mbit", 10**8),
+        ("2.5Gbit", 25 * 10**8),
+        ("512kbit", 512_000),
+        ("none", None),
+        ("", None),
+    ],
+)
 def test_rates_are_read_as_tc_writes_them(text, bits):
     assert netns.parse_rate(text) == bits
 
@@ -51,8 +61,13 @@ def test_a_rate_tc_would_not_take_is_refused_with_an_example(text):
 
 
 def test_rates_are_described_in_words():
-    assert [netns.describe_rate(r) for r in (10**9, 10**10, 10**8, 25 * 10**8, None)] == \
-        ["1 Gbit/s", "10 Gbit/s", "100 Mbit/s", "2.5 Gbit/s", "unshaped"]
+    assert [netns.describe_rate(r) for r in (10**9, 10**10, 10**8, 25 * 10**8, None)] == [
+        "1 Gbit/s",
+        "10 Gbit/s",
+        "100 Mbit/s",
+        "2.5 Gbit/s",
+        "unshaped",
+    ]
 
 
 def test_a_shaped_link_runs_at_its_rate_and_an_unshaped_one_faster(shaping):
@@ -82,8 +97,10 @@ def test_nothing_is_left_behind_when_the_work_fails(shaping):
 
 
 def test_the_namespaces_of_a_killed_process_are_removed_at_the_next_start(shaping):
-    script = ("import sys, os; from psgd.bench import netns; net = netns.Namespaces({'a': '10.99.6.1'}).build(); "
-              "net.shape('a', 10**9); print(net.tag, flush=True); os.kill(os.getpid(), 9)")
+    script = (
+        "import sys, os; from psgd.bench import netns; net = netns.Namespaces({'a': '10.99.6.1'}).build(); "
+        "net.shape('a', 10**9); print(net.tag, flush=True); os.kill(os.getpid(), 9)"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == -9, done.stderr
     tag = done.stdout.split()[0]
@@ -94,6 +111,7 @@ def test_the_namespaces_of_a_killed_process_are_removed_at_the_next_start(shapin
 
 
 # -- the convergence lab on emulated links ---------------------------------------------------------------
+
 
 def quick_lab(**changes):
     from psgd.bench.lab import preset
@@ -170,18 +188,30 @@ def test_all_reduce_ranks_on_emulated_hosts_talk_over_their_links(shaping, tmp_p
     import json
 
     hosts = {"ctl": "10.99.5.2", "w0": "10.99.5.10", "w1": "10.99.5.11"}
-    script = ("import json, sys; from psgd.config import JobConfig; from psgd.launcher import Hosts, launch; "
-              "spec = json.loads(sys.argv[1]); "
-              "job = JobConfig().apply_sets(['cluster.workers=2', 'train.epochs=1', 'model.hidden=[256]']); "
-              "r = launch(job, mode='allreduce', hosts=Hosts({h: tuple(p) for h, p in spec['prefixes'].items()}, "
-              "spec['addresses']), run_dir=sys.argv[2], progress=False); print(json.dumps([r.test_accuracy]))")
+    script = (
+        "import json, sys; from psgd.config import JobConfig; from psgd.launcher import Hosts, launch; "
+        "spec = json.loads(sys.argv[1]); "
+        "job = JobConfig().apply_sets(['cluster.workers=2', 'train.epochs=1', 'model.hidden=[256]']); "
+        "r = launch(job, mode='allreduce', hosts=Hosts({h: tuple(p) for h, p in spec['prefixes'].items()}, "
+        "spec['addresses']), run_dir=sys.argv[2], progress=False); print(json.dumps([r.test_accuracy]))"
+    )
     with netns.Namespaces(hosts) as net:
         spec = {"prefixes": {h: net.prefix(h) for h in hosts}, "addresses": hosts}
-        done = subprocess.run([*net.prefix("ctl"), sys.executable, "-c", script, json.dumps(spec), str(tmp_path)],
-                              capture_output=True, text=True, timeout=180)
+        done = subprocess.run(
+            [*net.prefix("ctl"), sys.executable, "-c", script, json.dumps(spec), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
-        stats = json.loads(subprocess.run([netns.IP, "-n", net.ns("w1"), "-s", "-j", "link", "show", "eth0"],
-                                          capture_output=True, text=True, timeout=20).stdout)
+        stats = json.loads(
+            subprocess.run(
+                [netns.IP, "-n", net.ns("w1"), "-s", "-j", "link", "show", "eth0"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout
+        )
     accuracy = json.loads(done.stdout.splitlines()[-1])[0]
     assert accuracy > 0.8
     steps = sum(1 for line in (tmp_path / "allreduce.jsonl").read_text().splitlines() if '"step"' in line)
@@ -196,7 +226,9 @@ def test_loopback_runs_beside_a_shaped_network_in_one_lab(shaping, tmp_path):
 
     result = run_lab(quick_lab(networks=["200mbit", "loopback"]), tmp_path / "lab", progress=False)
     assert [(r.network, r.scenario, r.error) for r in result.runs] == [
-        ("200mbit", "200mbit-no-straggler", None), ("loopback", "loopback-no-straggler", None)]
+        ("200mbit", "200mbit-no-straggler", None),
+        ("loopback", "loopback-no-straggler", None),
+    ]
     assert list(result.links) == ["200mbit"]  # loopback is this machine's own: nothing to measure
     summary = (tmp_path / "lab" / "summary.md").read_text()
     assert "**200 Mbit/s links, no straggler**" in summary and "**loopback, no straggler**" in summary
@@ -210,9 +242,26 @@ def test_comm_on_a_shaped_link_sets_each_step_beside_the_link_bound(shaping, tmp
     import json
 
     out = tmp_path / "comm.json"
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "comm", "--network", "1gbit",
-                           "--sizes-mb", "2", "--steps", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "comm",
+            "--network",
+            "1gbit",
+            "--sizes-mb",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "1gbit links: measured" in done.stdout and "link-bound ms" in done.stdout
     rows = json.loads(out.read_text())["links"]
@@ -234,9 +283,26 @@ def test_allreduce_against_the_parameter_server_on_a_shaped_link(shaping, tmp_pa
 
     needs_mpi()
     out = tmp_path / "allreduce.json"
-    done = subprocess.run([sys.executable, "-m", "psgd.bench.allreduce", "--network", "1gbit", "--sizes-mb", "2",
-                           "--ranks", "2", "--repeats", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.bench.allreduce",
+            "--network",
+            "1gbit",
+            "--sizes-mb",
+            "2",
+            "--ranks",
+            "2",
+            "--repeats",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     rate = min(row["link"]["measured_bytes_per_s"].values())
@@ -269,10 +335,35 @@ def test_scaling_runs_its_launches_on_a_shaped_link(shaping, tmp_path):
 
     needs_mpi()
     out = tmp_path / "scaling.json"
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "bench", "scaling", "--network", "1gbit",
-                           "--widths", "64", "--workers", "2", "--configs", "single,sync,allreduce", "--epochs", "1",
-                           "--repeats", "1", "--out", str(tmp_path / "out"), "--json", str(out), "--no-progress"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "bench",
+            "scaling",
+            "--network",
+            "1gbit",
+            "--widths",
+            "64",
+            "--workers",
+            "2",
+            "--configs",
+            "single,sync,allreduce",
+            "--epochs",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["network"]["rate_bits_per_s"] == 10**9 and min(result["network"]["measured_bytes_per_s"].values()) > 0
@@ -298,6 +389,10 @@ def test_an_emulated_hosts_file_psgd_launch_cannot_read_is_a_clear_error(tmp_pat
     good = tmp_path / "good.json"
     good.write_text('{"prefixes": {"s0": ["ip", "netns", "exec", "x"]}, "addresses": {"s0": "10.0.0.1"}}')
     assert Hosts.load(str(good)).prefix("s0") == ["ip", "netns", "exec", "x"]
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--emulated-hosts", str(bad)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", "launch", "--emulated-hosts", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "'addresses' is missing" in done.stderr, done.stderr[-1000:]

@@ -20,35 +20,52 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
+from helpers import by_hand_env, make_job, run_threads, shards, wait_for
+from test_datapath import (  # noqa: F401  (fixtures: test_datapath's hostile-input shard)
+    FATAL_PUSHES,
+    HOSTILE_SETS,
+    INVALID,
+    IO,
+    LR,
+    OK,
+    UNAUTHENTICATED,
+    Shard,
+    assert_closed,
+    assert_serves,
+    dial,
+    digits64,
+    expect,
+    hostile,
+    request,
+    send_hello,
+    valid_gradient,
+)
 
 import psgd
 from psgd.config import Deadlines, Links, to_toml
-from psgd.link.shm import SHARED_FROM_BYTES, ShmData
+from psgd.errors import Code
 from psgd.job import describe_job
+from psgd.link.shm import SHARED_FROM_BYTES, ShmData
 from psgd.server import build_shard
 from psgd.server.net import handout as handout_module
 from psgd.server.net.datapath import DataServer
 from psgd.server.net.handout import Handout
 from psgd.server.net.service import ShardServer
-from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.wire import protocol, segment
 from psgd.wire.proofs import Prover
+from psgd.wire.sweep import PARALLEL_BYTES
 from psgd.worker.client import PSClient
-from psgd.errors import Code
 
-from helpers import by_hand_env, make_job, run_threads, shards, wait_for
-from test_datapath import (FATAL_PUSHES, HOSTILE_SETS, INVALID, IO, LR, OK, UNAUTHENTICATED, Shard, assert_closed,
-                           assert_serves, dial, expect, request, send_hello, valid_gradient)
-from test_datapath import digits64, hostile  # noqa: F401  (fixtures: test_datapath's hostile-input shard)
-
-pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning"),
-              pytest.mark.lacks(not segment.host_id(), reason="this machine's /proc does not say who shares memory")]
+pytestmark = [
+    pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning"),
+    pytest.mark.lacks(not segment.host_id(), reason="this machine's /proc does not say who shares memory"),
+]
 
 PY = sys.executable
 
@@ -71,7 +88,7 @@ def pushes_mapped(job: str) -> list[str]:
 def with_segment(shard: Shard, purpose: str, worker: int = 0, port: int | None = None, token: str = ""):
     """A raw data connection that asked for a ``purpose`` segment, and the segment, mapped."""
     sock = dial(shard.port if port is None else port)
-    proof = Prover(token, "127.0.0.1:%d" % sock.getpeername()[1]).prove("hello")
+    proof = Prover(token, f"127.0.0.1:{sock.getpeername()[1]}").prove("hello")
     body = json.dumps({"proof": proof, "plan_hash": shard.plan.hash, "shm": purpose, "key": shard.key(worker)}).encode()
     send_hello(sock, shard.plan.hash, worker=worker, body=body)
     magic, status, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
@@ -109,8 +126,9 @@ def handout():
     h.stop()
 
 
-def test_a_segment_is_a_sealed_memory_file_handed_over_for_a_ticket_and_checked_before_it_is_mapped(handout,
-                                                                                                   monkeypatch):
+def test_a_segment_is_a_sealed_memory_file_handed_over_for_a_ticket_and_checked_before_it_is_mapped(
+    handout, monkeypatch
+):
     seg = segment.create("0123abcd", 3, "push", 4096)
 
     def fresh(**changes) -> dict:
@@ -121,12 +139,14 @@ def test_a_segment_is_a_sealed_memory_file_handed_over_for_a_ticket_and_checked_
         assert offer["name"] == f"psgd-0123abcd-s3-{os.getpid()}-push"
         assert offer["socket"].startswith(f"@psgd-0123abcd-s3-{os.getpid()}-") and "fd" not in offer
         assert not list(Path("/dev/shm").glob("*0123abcd*"))  # no file to remove anywhere
-        for bad, words in [(fresh(nonce="00" * 16), "does not carry the nonce"),
-                           (fresh(name="psgd-0123abcd-s3-1-push"), "is not the memory file"),
-                           (fresh(name="../../etc/passwd"), "not the name of a psgd segment"),
-                           (fresh(socket="@elsewhere"), "not the name of a psgd shard's socket"),
-                           (fresh(ticket="00" * 32), "handed nothing over"),
-                           ({"name": "x"}, "not a segment offer")]:
+        for bad, words in [
+            (fresh(nonce="00" * 16), "does not carry the nonce"),
+            (fresh(name="psgd-0123abcd-s3-1-push"), "is not the memory file"),
+            (fresh(name="../../etc/passwd"), "not the name of a psgd segment"),
+            (fresh(socket="@elsewhere"), "not the name of a psgd shard's socket"),
+            (fresh(ticket="00" * 32), "handed nothing over"),
+            ({"name": "x"}, "not a segment offer"),
+        ]:
             with pytest.raises(segment.SegmentError, match=words):
                 segment.attach(bad, 4096)
         with pytest.raises(segment.SegmentError, match="is not 4064 bytes long"):
@@ -175,7 +195,7 @@ def test_the_weights_handed_over_cannot_be_written_through_any_descriptor(handou
             finally:
                 os.close(again)
             with mmap.mmap(fd, segment.HEADER + 2 * 4096, prot=mmap.PROT_READ) as view:
-                assert view[segment.HEADER + 4096:segment.HEADER + 4101] == b"hello"
+                assert view[segment.HEADER + 4096 : segment.HEADER + 4101] == b"hello"
         finally:
             os.close(fd)
     finally:
@@ -254,18 +274,39 @@ def _shard_as_one_user(*sets: str) -> Iterator[tuple[list[str], dict, Path, str,
     job_path.chmod(0o644)
     env = {**os.environ, "PSGD_TOKEN": "s3cret-token-of-the-job", "HOME": str(folder)}
     user = _as_one_user(folder)
-    shard = subprocess.Popen([*user, PY, "-m", "psgd.cli.server", "-c", str(job_path), "--shard", "0", "--bind",
-                              "127.0.0.1:0", "--port-file", str(folder / "port")], env=env, cwd=folder,
-                             stdout=subprocess.DEVNULL, stderr=(folder / "shard.log").open("w"))
+    shard = subprocess.Popen(
+        [
+            *user,
+            PY,
+            "-m",
+            "psgd.cli.server",
+            "-c",
+            str(job_path),
+            "--shard",
+            "0",
+            "--bind",
+            "127.0.0.1:0",
+            "--port-file",
+            str(folder / "port"),
+        ],
+        env=env,
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+        stderr=(folder / "shard.log").open("w"),
+    )
     try:
         try:
             address = _wait_file(folder / "port", shard, "the shard's port file")
         except AssertionError:
-            raise AssertionError(f"the shard, run as {user or 'this user'}, did not start: "
-                                 f"{(folder / 'shard.log').read_text()[-2000:]}") from None
+            raise AssertionError(
+                f"the shard, run as {user or 'this user'}, did not start: {(folder / 'shard.log').read_text()[-2000:]}"
+            ) from None
         yield user, env, job_path, address, shard
-        uid = next(line.split()[1] for line in Path(f"/proc/{shard.pid}/status").read_text().splitlines()
-                   if line.startswith("Uid:"))
+        uid = next(
+            line.split()[1]
+            for line in Path(f"/proc/{shard.pid}/status").read_text().splitlines()
+            if line.startswith("Uid:")
+        )
         assert int(uid) == (65534 if user else os.getuid())  # the shard ran as the attacker's user, never root
     finally:
         shard.terminate()
@@ -275,24 +316,52 @@ def _shard_as_one_user(*sets: str) -> Iterator[tuple[list[str], dict, Path, str,
 
 def _train(user: list[str], env: dict, job_path: Path, address: str, rank: int = 0) -> subprocess.Popen:
     """``psgd-worker --rank rank`` of the job, as ``user``."""
-    return subprocess.Popen([*user, PY, "-m", "psgd.cli.worker", "-c", str(job_path), "--rank", str(rank),
-                             "--servers", address, "--no-progress"], env=env, cwd=job_path.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            *user,
+            PY,
+            "-m",
+            "psgd.cli.worker",
+            "-c",
+            str(job_path),
+            "--rank",
+            str(rank),
+            "--servers",
+            address,
+            "--no-progress",
+        ],
+        env=env,
+        cwd=job_path.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_process_of_the_shards_own_user_without_the_token_gets_no_segment():
     """Found: any process of the shard's user could open /proc/<shard>/fd/<n> (the weights' memory file) read-write
     and write NaN into the live weights.  Now the shard's /proc is closed to it and the descriptors go only for
     tickets; a worker with the token still trains through shared memory."""
-    with _shard_as_one_user("model.name=softmax", "cluster.workers=1", "train.epochs=1") as \
-            (user, env, job_path, address, shard):
+    with _shard_as_one_user("model.name=softmax", "cluster.workers=1", "train.epochs=1") as (
+        user,
+        env,
+        job_path,
+        address,
+        shard,
+    ):
         worker = _train(user, env, job_path, address)
         _, err = worker.communicate(timeout=120)
         assert worker.returncode == 0, err[-2000:]
         assert "through shared memory" not in err  # no fallback line: it trained through it
         attacker_env = {k: v for k, v in env.items() if k != "PSGD_TOKEN"}
-        attack = subprocess.run([*user, PY, "-c", ATTACK, str(shard.pid)], env=attacker_env, cwd=job_path.parent,
-                                capture_output=True, text=True, timeout=60)
+        attack = subprocess.run(
+            [*user, PY, "-c", ATTACK, str(shard.pid)],
+            env=attacker_env,
+            cwd=job_path.parent,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert attack.returncode == 0, attack.stderr[-2000:]
         got = json.loads(attack.stdout)
         assert got["fd_listing"] == "PermissionError" and got["opened"] == [] and got["mem"] == "PermissionError"
@@ -353,12 +422,19 @@ def test_a_push_rewritten_in_its_segment_while_the_shard_reads_it_never_reaches_
     could rewrite the checked zeros with NaN and the weights became NaN.  Here the shard, the writer and another
     worker run as one non-root user; the writer rewrites its segment, zeros then NaN, all the time its pushes of
     zeros are read: each is applied as the zeros it was checked as or refused, and the other worker trains on."""
-    with _shard_as_one_user("model.name=mlp", "model.hidden=[256]", "cluster.workers=2", "optimizer.name=sgd",
-                            "train.epochs=2") as (user, env, job_path, address, shard):
+    with _shard_as_one_user(
+        "model.name=mlp", "model.hidden=[256]", "cluster.workers=2", "optimizer.name=sgd", "train.epochs=2"
+    ) as (user, env, job_path, address, shard):
         trainer = _train(user, env, job_path, address, rank=0)
         token_free = {k: v for k, v in env.items() if k != "PSGD_TOKEN"}
-        attack = subprocess.run([*user, PY, "-c", REWRITE, str(job_path), address, "400", env["PSGD_TOKEN"]],
-                                env=token_free, cwd=job_path.parent, capture_output=True, text=True, timeout=120)
+        attack = subprocess.run(
+            [*user, PY, "-c", REWRITE, str(job_path), address, "400", env["PSGD_TOKEN"]],
+            env=token_free,
+            cwd=job_path.parent,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out, err = trainer.communicate(timeout=120)
         assert attack.returncode == 0, attack.stderr[-2000:]
         got = json.loads(attack.stdout)
@@ -387,7 +463,7 @@ def test_a_push_segment_is_the_connections_and_goes_with_it(shard):
     with with_segment(shard, "push") as (sock, seg, offer):
         assert offer["name"].endswith("-push") and pushes_mapped(shard.core.fingerprint) == [offer["name"]]
         g = valid_gradient(shard.plan)
-        seg.data[:g.nbytes] = g.tobytes()
+        seg.data[: g.nbytes] = g.tobytes()
         request(sock, protocol.OP_PUSH, size=g.nbytes)
         assert shm_reply(sock)[0] == OK
     wait_for(lambda: not pushes_mapped(shard.core.fingerprint), IO, "the shard to close the connection's segment")
@@ -436,7 +512,7 @@ def test_a_token_protected_shard_makes_no_segment_before_the_token_is_right(shar
         assert pushes_mapped(shard.core.fingerprint) == []  # no segment made for it
         with with_segment(shard, "push", port=data.port, token="s3cret") as (sock, seg, offer):
             g = valid_gradient(shard.plan)
-            seg.data[:g.nbytes] = g.tobytes()
+            seg.data[: g.nbytes] = g.tobytes()
             request(sock, protocol.OP_PUSH, size=g.nbytes)
             code, outcome, _, _, _ = shm_reply(sock)
             assert code == OK and protocol.OUTCOMES[outcome] in ("accumulated", "duplicate")
@@ -444,8 +520,9 @@ def test_a_token_protected_shard_makes_no_segment_before_the_token_is_right(shar
         data.stop()
 
 
-@pytest.mark.parametrize("worker, shm, words", [(-1, "pull", "workers only"), (0, "both", "not 'both'"),
-                                                (0, "../x", "not '../x'")])
+@pytest.mark.parametrize(
+    "worker, shm, words", [(-1, "pull", "workers only"), (0, "both", "not 'both'"), (0, "../x", "not '../x'")]
+)
 def test_an_observer_or_an_unknown_purpose_gets_no_segment(shard, worker, shm, words):
     with dial(shard.port) as sock:
         body = json.dumps({"plan_hash": shard.plan.hash, "shm": shm}).encode()
@@ -483,12 +560,12 @@ def test_a_nan_written_into_the_segment_is_refused_and_the_connection_goes_on(sh
     with with_segment(shard, "push") as (sock, seg, _):
         g = valid_gradient(shard.plan)
         g[100] = np.nan
-        seg.data[:g.nbytes] = g.tobytes()
+        seg.data[: g.nbytes] = g.tobytes()
         request(sock, protocol.OP_PUSH, size=g.nbytes)
         expect(sock, INVALID, "non-finite")
         assert shard.state() == before
         g[100] = 0.5
-        seg.data[:g.nbytes] = g.tobytes()
+        seg.data[: g.nbytes] = g.tobytes()
         request(sock, protocol.OP_PUSH, size=g.nbytes)
         assert shm_reply(sock)[0] == OK
 
@@ -504,11 +581,11 @@ def test_what_is_checked_is_what_is_applied(monkeypatch):
     try:
         with with_segment(shard, "push") as (sock, seg, _):
             g = valid_gradient(shard.plan)
-            seg.data[:g.nbytes] = g.tobytes()
+            seg.data[: g.nbytes] = g.tobytes()
 
             def check_then_rewrite(grads, largest=None):
                 found = checked(grads, largest)
-                seg.data[:g.nbytes] = np.full_like(g, np.nan).tobytes()  # the worker writes after the check
+                seg.data[: g.nbytes] = np.full_like(g, np.nan).tobytes()  # the worker writes after the check
                 return found
 
             monkeypatch.setattr(core.store, "unfit", check_then_rewrite)
@@ -532,17 +609,39 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
     that moved by one and the same multiple of that step everywhere, and its version must say how many."""
     lr = 0.5
     step = lr / 2
-    job = make_job("model.name=mlp", "model.hidden=[32768]", "train.dtype=float64", "optimizer.name=sgd",
-                   f"optimizer.lr={lr}", "cluster.policy=async", "cluster.workers=2", "cluster.shards=2",
-                   "cluster.transport=shm")
+    job = make_job(
+        "model.name=mlp",
+        "model.hidden=[32768]",
+        "train.dtype=float64",
+        "optimizer.name=sgd",
+        f"optimizer.lr={lr}",
+        "cluster.policy=async",
+        "cluster.workers=2",
+        "cluster.shards=2",
+        "cluster.transport=shm",
+    )
     with shards(job) as (job, servers):
         plan = servers[0].core.plan
         assert all(s.core.nbytes >= PARALLEL_BYTES and len(s.core.slices) > 2 for s in servers)
         ones = {s.name: np.ones(s.shape) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO),
-                      links=Links(transport="shm"), config=job) as pusher, \
-                PSClient(job.cluster.servers, plan, 1, deadlines=Deadlines(request_timeout=IO),
-                         links=Links(transport="shm"), config=job) as puller:
+        with (
+            PSClient(
+                job.cluster.servers,
+                plan,
+                0,
+                deadlines=Deadlines(request_timeout=IO),
+                links=Links(transport="shm"),
+                config=job,
+            ) as pusher,
+            PSClient(
+                job.cluster.servers,
+                plan,
+                1,
+                deadlines=Deadlines(request_timeout=IO),
+                links=Links(transport="shm"),
+                config=job,
+            ) as puller,
+        ):
             pusher.register(), puller.register()
             assert all(isinstance(link.data, ShmData) and link.shared for link in pusher.links + puller.links)
             initial = {s.name: np.empty(s.shape) for s in plan.specs}
@@ -563,9 +662,15 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
                     versions = puller.pull(0, host)
                     seen.extend(versions)
                     for k in range(len(servers)):
-                        moved = np.concatenate([(host[sl.var].reshape(-1)[sl.start:sl.stop]
-                                                 - initial[sl.var].reshape(-1)[sl.start:sl.stop])
-                                                for sl in plan.slices_for_shard(k)])
+                        moved = np.concatenate(
+                            [
+                                (
+                                    host[sl.var].reshape(-1)[sl.start : sl.stop]
+                                    - initial[sl.var].reshape(-1)[sl.start : sl.stop]
+                                )
+                                for sl in plan.slices_for_shard(k)
+                            ]
+                        )
                         np.testing.assert_allclose(moved, -step * versions[k], rtol=0, atol=1e-9)
                 return pushes
 
@@ -575,8 +680,16 @@ def test_a_pull_never_sees_half_an_update_while_pushes_are_applied(tmp_path):
 
 
 def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
-    job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", "optimizer.lr=0.1",
-                   "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.transport=shm")
+    job = make_job(
+        "model.name=softmax",
+        "train.dtype=float64",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "cluster.transport=shm",
+    )
     with shards(job) as (job, servers):
         server = servers[0]
         real, calls = server.core.push, []
@@ -594,8 +707,14 @@ def test_a_retried_push_over_shared_memory_is_applied_once(monkeypatch):
         monkeypatch.setattr(server.core, "push", push_then_break)
         plan = server.core.plan
         grads = {s.name: np.full(s.shape, 0.25) for s in plan.specs}
-        with PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=IO),
-                      links=Links(transport="shm"), config=job) as client:
+        with PSClient(
+            job.cluster.servers,
+            plan,
+            0,
+            deadlines=Deadlines(request_timeout=IO),
+            links=Links(transport="shm"),
+            config=job,
+        ) as client:
             clock = client.register()
             assert client.links[0].shared
             before = server.core.flat.copy()
@@ -634,9 +753,14 @@ def caplog():
 def _one_step(job, caplog, rank: int = 0) -> list:
     plan = build_shard(describe_job(job), 0).plan
     with contextlib.nullcontext():
-        with PSClient(job.cluster.servers, plan, rank, deadlines=Deadlines(request_timeout=IO),
-                      links=job.cluster.links,
-                      config=job) as client:
+        with PSClient(
+            job.cluster.servers,
+            plan,
+            rank,
+            deadlines=Deadlines(request_timeout=IO),
+            links=job.cluster.links,
+            config=job,
+        ) as client:
             clock = client.register()
             host = {s.name: np.empty(s.shape, dtype=s.dtype) for s in plan.specs}
             client.pull(clock, host)
@@ -646,8 +770,9 @@ def _one_step(job, caplog, rank: int = 0) -> list:
 
 
 def test_a_shard_offering_no_shared_memory_is_used_over_tcp_with_one_line_saying_why(caplog):
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.transport=tcp")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.transport=tcp"
+    )
     with shards(job) as (job, servers):  # the shard's side says tcp: it offers no segments
         job = job.override("cluster.transport", "shm")
         assert _one_step(job, caplog) == [("tcp", False)]
@@ -672,8 +797,13 @@ def test_a_shard_on_another_host_is_used_over_tcp(caplog, monkeypatch):
 def test_a_small_shard_is_used_over_tcp_unless_the_job_insists_on_shared_memory(caplog, transport):
     """A step of a small model over shared memory costs more than over the socket (the release, and the shard's
     wake-up for it): "auto" takes the socket for a shard of fewer than SHARED_FROM_BYTES, "shm" does not."""
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   f"cluster.transport={transport}")
+    job = make_job(
+        "model.name=softmax",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        f"cluster.transport={transport}",
+    )
     with shards(job) as (job, servers):
         assert servers[0].core.nbytes < SHARED_FROM_BYTES
         assert _one_step(job, caplog) == ([("tcp", False)] if transport == "auto" else [("shm", True)])
@@ -687,9 +817,11 @@ def test_a_small_shard_is_used_over_tcp_unless_the_job_insists_on_shared_memory(
 
 
 def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monkeypatch, tmp_path):
-    job = make_job("model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1",
-                   "cluster.transport=shm")
+    job = make_job(
+        "model.name=softmax", "cluster.policy=async", "cluster.workers=1", "cluster.shards=1", "cluster.transport=shm"
+    )
     with shards(job) as (job, _):
+
         def full(*args):
             raise segment.SegmentError("cannot reserve 5264 bytes of shared memory: [Errno 28] No space left on device")
 
@@ -703,9 +835,13 @@ def test_a_segment_that_cannot_be_made_leaves_the_connection_on_tcp(caplog, monk
 
 
 def _server(job_path: Path, port_file: Path, log: Path, port: str = "127.0.0.1:0") -> subprocess.Popen:
-    return subprocess.Popen(["psgd-server", "-c", str(job_path), "--shard", "0", "--bind", port,
-                             "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True, env=by_hand_env())
+    return subprocess.Popen(
+        ["psgd-server", "-c", str(job_path), "--shard", "0", "--bind", port, "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        start_new_session=True,
+        env=by_hand_env(),
+    )
 
 
 def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 60) -> str:
@@ -717,9 +853,24 @@ def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float = 6
 
 
 def _worker(job_path: Path, address: str, metrics: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(["psgd-worker", "-c", str(job_path), "--rank", "0", "--servers", address,
-                             "--no-progress", "--metrics", str(metrics)], stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True, env=by_hand_env())
+    return subprocess.Popen(
+        [
+            "psgd-worker",
+            "-c",
+            str(job_path),
+            "--rank",
+            "0",
+            "--servers",
+            address,
+            "--no-progress",
+            "--metrics",
+            str(metrics),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        start_new_session=True,
+        env=by_hand_env(),
+    )
 
 
 def _stepping(metrics: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -735,8 +886,16 @@ def test_no_segment_is_left_after_the_shard_or_the_worker_is_killed(tmp_path, ki
     """Shard and worker map the weights and the worker's push segment, memory files with no name in any
     folder. A killed worker's push segment goes when the shard sees its connection end; a killed shard's
     go when the worker, reconnecting to the restarted shard, lets go of them: nothing is left."""
-    job = make_job("model.name=mlp", "model.hidden=[64]", "cluster.policy=async", "cluster.workers=1",
-                   "cluster.shards=1", "train.epochs=200", "cluster.transport=shm", "cluster.request_timeout=5")
+    job = make_job(
+        "model.name=mlp",
+        "model.hidden=[64]",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "train.epochs=200",
+        "cluster.transport=shm",
+        "cluster.request_timeout=5",
+    )
     job_path = tmp_path / "job.toml"
     job_path.write_text(to_toml(job.to_dict()))
     fp = build_shard(describe_job(job), 0).fingerprint
@@ -755,15 +914,21 @@ def test_no_segment_is_left_after_the_shard_or_the_worker_is_killed(tmp_path, ki
         if killed == "worker":
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(30)
-            wait_for(lambda: segment.mapped(shard.pid, fp) == [of(shard)[1]], 30,
-                     "the shard to let go of the dead worker's push segment")
+            wait_for(
+                lambda: segment.mapped(shard.pid, fp) == [of(shard)[1]],
+                30,
+                "the shard to let go of the dead worker's push segment",
+            )
         else:
             os.killpg(shard.pid, signal.SIGKILL)
             shard.wait(30)
             again = _server(job_path, tmp_path / "port2", tmp_path / "shard2.log", port=address)
             _wait_file(tmp_path / "port2", again, "the restarted shard's port file")
-            wait_for(lambda: segment.mapped(worker.pid, fp) == of(again), 60,
-                     "the worker to move to the restarted shard's segments and let go of the killed one's")
+            wait_for(
+                lambda: segment.mapped(worker.pid, fp) == of(again),
+                60,
+                "the worker to move to the restarted shard's segments and let go of the killed one's",
+            )
         assert not list(Path("/dev/shm").glob(f"*{fp}*"))
     finally:
         for proc in (worker, shard, again):

@@ -1,4 +1,5 @@
-"""A GPU worker's same-host link without a GPU: host memory registration (psgd.compute.backend.register_host) and the shm
+"""A GPU worker's same-host link without a GPU: host memory registration (psgd.compute.backend.register_host) and the
+shm
 link's copies straight between device arrays and the segments, against a fake CuPy whose device arrays are NumPy
 arrays of their own type (tests/fake_cupy.py, with what these copies use added here).  The real thing is
 tests/gpu/test_shm_registered.py."""
@@ -8,11 +9,11 @@ from __future__ import annotations
 import logging
 import types
 
+import fake_cupy
 import numpy as np
 import pytest
-
-import fake_cupy
 from helpers import make_job, shards
+
 from psgd.compute import backend
 from psgd.config import Deadlines, Links
 from psgd.job import build_job
@@ -85,14 +86,29 @@ def test_a_registration_is_undone_once_and_a_refusal_is_said_once(gpu, caplog):
 
 @pytest.mark.parametrize("refused", [False, True])
 def test_a_gpu_worker_pulls_into_and_pushes_from_device_arrays_through_registered_segments(gpu, refused):
-    job = make_job("model.name=softmax", "train.dtype=float64", "optimizer.name=sgd", f"optimizer.lr={LR}",
-                   "cluster.policy=async", "cluster.workers=1", "cluster.shards=2", "cluster.slice_bytes=2048",
-                   "cluster.transport=shm")
+    job = make_job(
+        "model.name=softmax",
+        "train.dtype=float64",
+        "optimizer.name=sgd",
+        f"optimizer.lr={LR}",
+        "cluster.policy=async",
+        "cluster.workers=1",
+        "cluster.shards=2",
+        "cluster.slice_bytes=2048",
+        "cluster.transport=shm",
+    )
     gpu.refuse = "cudaErrorHostMemoryAlreadyRegistered" if refused else None
     plan = build_job(job).plan
     with shards(job) as (job, _):
-        client = PSClient(job.cluster.servers, plan, 0, deadlines=Deadlines(request_timeout=10),
-                          links=Links(transport="shm"), config=job, device=GPU)
+        client = PSClient(
+            job.cluster.servers,
+            plan,
+            0,
+            deadlines=Deadlines(request_timeout=10),
+            links=Links(transport="shm"),
+            config=job,
+            device=GPU,
+        )
         with client:
             clock = client.register()
             host = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
@@ -104,8 +120,9 @@ def test_a_gpu_worker_pulls_into_and_pushes_from_device_arrays_through_registere
             for s in plan.specs:
                 np.testing.assert_array_equal(on_device[s.name], host[s.name])
                 assert not staging[s.name].any()  # straight to the device: nothing staged on the host
-            grads = {s.name: np.arange(s.size, dtype=s.dtype).reshape(s.shape).view(DeviceArray) / 1000
-                     for s in plan.specs}
+            grads = {
+                s.name: np.arange(s.size, dtype=s.dtype).reshape(s.shape).view(DeviceArray) / 1000 for s in plan.specs
+            }
             client.push(clock, grads)
             after = {s.name: np.zeros(s.shape, s.dtype) for s in plan.specs}
             client.pull(clock + 1, after)

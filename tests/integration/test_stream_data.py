@@ -10,12 +10,11 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
-
 from helpers import skip_or_fail
 
 V1, V2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
@@ -51,8 +50,8 @@ def written(folder: Path) -> None:
         np.save(folder / f"y_{split}.npy", y)
         x = np.lib.format.open_memmap(folder / f"x_{split}.npy", mode="w+", dtype=np.float32, shape=(n, FEATURES))
         for start in range(0, n, 512):
-            part = y[start:start + 512]
-            x[start:start + 512] = rng.standard_normal((len(part), FEATURES), dtype=np.float32) + patterns[part]
+            part = y[start : start + 512]
+            x[start : start + 512] = rng.standard_normal((len(part), FEATURES), dtype=np.float32) + patterns[part]
         x.flush()
         del x
     for path in folder.iterdir():  # the process under test reads them from disk, charged to its own group
@@ -79,15 +78,33 @@ def test_a_dataset_larger_than_the_memory_given_streams_from_disk_and_trains(tmp
     assert size > 1.5 * LIMIT
     group, reached = memory_cgroup(f"psgd-test-{os.getpid()}", LIMIT)
     try:
-        done = in_group(group, [sys.executable, "-m", "psgd.cli.main", "train", "--dataset", f"npy:{data}",
-                                "--set", "model.hidden=[16]", "--epochs", "1", "--set", "train.eval_batch_size=256",
-                                "--lr", "0.01"], tmp_path)
+        done = in_group(
+            group,
+            [
+                sys.executable,
+                "-m",
+                "psgd.cli.main",
+                "train",
+                "--dataset",
+                f"npy:{data}",
+                "--set",
+                "model.hidden=[16]",
+                "--epochs",
+                "1",
+                "--set",
+                "train.eval_batch_size=256",
+                "--lr",
+                "0.01",
+            ],
+            tmp_path,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         accuracy = float(re.search(r"final test accuracy: ([\d.]+)", done.stdout).group(1))
         assert accuracy > 0.9, done.stdout  # chance is 0.25
         assert reached()  # its memory reached the limit, and the pages it had read were given back
-        eager = in_group(group, [sys.executable, "-c", f"import numpy; numpy.load('{data / 'x_train.npy'}').sum()"],
-                         tmp_path)
+        eager = in_group(
+            group, [sys.executable, "-c", f"import numpy; numpy.load('{data / 'x_train.npy'}').sum()"], tmp_path
+        )
         assert eager.returncode != 0  # loaded whole, the same data does not fit: the limit binds
     finally:
         group.rmdir()

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import make_job
+
 from psgd.config import Deadlines
-from psgd.job import build_job
+from psgd.job import build_job, describe_job
 from psgd.partition import PartitionPlan
-from psgd.job import describe_job
 from psgd.server import build_shard
 from psgd.server.net.service import ShardServer
 from psgd.wire.tls import TLSFiles
@@ -30,16 +29,57 @@ def openssl(*args: str, cwd: Path) -> None:
 
 
 def make_ca(folder: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=folder)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        cwd=folder,
+    )
 
 
 def make_cert(folder: Path, name: str, ca: str, san: str) -> None:
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr", cwd=folder)
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=folder,
+    )
     (folder / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=folder)
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.pem",
+        cwd=folder,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +94,11 @@ def certs(tmp_path_factory) -> Path:
 
 
 def files(d: Path, cert: str | None = None, ca: str | None = None) -> TLSFiles:
-    return TLSFiles(str(d / f"{cert}.pem") if cert else None, str(d / f"{cert}.key") if cert else None,
-                    str(d / f"{ca}.pem") if ca else None)
+    return TLSFiles(
+        str(d / f"{cert}.pem") if cert else None,
+        str(d / f"{cert}.key") if cert else None,
+        str(d / f"{ca}.pem") if ca else None,
+    )
 
 
 def serve(job, tls: TLSFiles) -> ShardServer:
@@ -63,8 +106,15 @@ def serve(job, tls: TLSFiles) -> ShardServer:
 
 
 def job():
-    return make_job("model.name=softmax", "cluster.workers=1", "cluster.shards=1", "train.epochs=1",
-                    "cluster.policy=async", "cluster.request_timeout=3", "cluster.join_timeout=3")
+    return make_job(
+        "model.name=softmax",
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "train.epochs=1",
+        "cluster.policy=async",
+        "cluster.request_timeout=3",
+        "cluster.join_timeout=3",
+    )
 
 
 def plan_of(j):
@@ -89,15 +139,19 @@ def test_a_certificate_from_an_unknown_ca_is_refused(certs):
     server = serve(j, files(certs, "shard", "ca"))
     try:
         before = server.core.flat.copy()
-        for client_tls in (files(certs, "stranger", "ca"),        # client cert from another CA
-                           files(certs, None, "ca"),              # no client cert at all
-                           files(certs, "worker", "stranger-ca")):  # does not trust the shard's CA
-            with PSClient([server.address], plan_of(j), 0, deadlines=Deadlines(request_timeout=0.5), tls=client_tls,
-                          config=j) as client:
+        for client_tls in (
+            files(certs, "stranger", "ca"),  # client cert from another CA
+            files(certs, None, "ca"),  # no client cert at all
+            files(certs, "worker", "stranger-ca"),
+        ):  # does not trust the shard's CA
+            with PSClient(
+                [server.address], plan_of(j), 0, deadlines=Deadlines(request_timeout=0.5), tls=client_tls, config=j
+            ) as client:
                 with pytest.raises(PSError, match="UNAVAILABLE"):
                     client.register()
-        with PSClient([server.address], plan_of(j), 0, deadlines=Deadlines(request_timeout=0.5),
-                      config=j) as plain:  # no TLS at all
+        with PSClient(
+            [server.address], plan_of(j), 0, deadlines=Deadlines(request_timeout=0.5), config=j
+        ) as plain:  # no TLS at all
             with pytest.raises(PSError):
                 plain.register()
         assert np.array_equal(server.core.flat, before) and server.core.version == 0
@@ -107,8 +161,8 @@ def test_a_certificate_from_an_unknown_ca_is_refused(certs):
 
 def test_the_data_path_refuses_a_plaintext_or_untrusted_client(certs):
     from psgd.link import LinkError
-    from psgd.wire.protocol import WireError
     from psgd.link.tcp import DataConnection
+    from psgd.wire.protocol import WireError
 
     j = job()
     server = serve(j, files(certs, "shard", "ca"))
@@ -131,18 +185,51 @@ def test_the_data_path_refuses_a_plaintext_or_untrusted_client(certs):
 def test_launch_runs_a_whole_job_over_mutual_tls(certs, tmp_path):
     """psgd launch knew no --tls-*: a TLS job could not be launched with one command."""
     run = tmp_path / "run"
-    done = subprocess.run([shutil.which("psgd") or "psgd", "launch", "--epochs", "2", "--workers", "2", "--shards", "2",
-                           "--run-dir", str(run), "--no-progress", "--json", "--tls-cert", str(certs / "shard.pem"),
-                           "--tls-key", str(certs / "shard.key"), "--tls-ca", str(certs / "ca.pem")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            shutil.which("psgd") or "psgd",
+            "launch",
+            "--epochs",
+            "2",
+            "--workers",
+            "2",
+            "--shards",
+            "2",
+            "--run-dir",
+            str(run),
+            "--no-progress",
+            "--json",
+            "--tls-cert",
+            str(certs / "shard.pem"),
+            "--tls-key",
+            str(certs / "shard.key"),
+            "--tls-ca",
+            str(certs / "ca.pem"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["test_accuracy"] > 0.8
     for k in (0, 1):
         assert "mutual TLS; policy sync" in (run / f"shard-{k}.log").read_text()
     for r in (0, 1):  # every worker trained to the end, over TLS (a plaintext client is refused)
         assert json.loads((run / f"worker-{r}.jsonl").read_text().splitlines()[-1])["event"] == "done"
-    half = subprocess.run([shutil.which("psgd") or "psgd", "launch", "--epochs", "1", "--tls-cert",
-                           str(certs / "shard.pem"), "--no-progress"], capture_output=True, text=True, timeout=120)
+    half = subprocess.run(
+        [
+            shutil.which("psgd") or "psgd",
+            "launch",
+            "--epochs",
+            "1",
+            "--tls-cert",
+            str(certs / "shard.pem"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert half.returncode == 2 and "needs --tls-cert, --tls-key and --tls-ca together" in half.stderr
 
 
@@ -160,10 +247,32 @@ with psgd.join() as w:
 def test_psgd_run_runs_its_scripts_over_mutual_tls(certs, tmp_path):
     """psgd run refused TLS: a script's worker could not join a job whose shards demand client certificates."""
     (tmp_path / "loop.py").write_text(LOOP)
-    done = subprocess.run([shutil.which("psgd") or "psgd", "run", "--epochs", "1", "--workers", "2", "--shards", "1",
-                           "--run-dir", "run", "--json", "--tls-cert", str(certs / "shard.pem"), "--tls-key",
-                           str(certs / "shard.key"), "--tls-ca", str(certs / "ca.pem"), "loop.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            shutil.which("psgd") or "psgd",
+            "run",
+            "--epochs",
+            "1",
+            "--workers",
+            "2",
+            "--shards",
+            "1",
+            "--run-dir",
+            "run",
+            "--json",
+            "--tls-cert",
+            str(certs / "shard.pem"),
+            "--tls-key",
+            str(certs / "shard.key"),
+            "--tls-ca",
+            str(certs / "ca.pem"),
+            "loop.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1])["test_accuracy"] > 0.5
     assert "mutual TLS; policy sync" in (tmp_path / "run" / "shard-0.log").read_text()
@@ -179,14 +288,37 @@ def test_launch_takes_tls_from_the_job_file(certs, tmp_path):
     rel = os.path.relpath(certs, tmp_path)
     job.write_text(f'[tls]\ncert = "{rel}/shard.pem"\nkey = "{rel}/shard.key"\nca = "{rel}/ca.pem"\n')
     run = tmp_path / "run"
-    done = subprocess.run([shutil.which("psgd") or "psgd", "launch", "-c", str(job), "--epochs", "1", "--workers",
-                           "2", "--shards", "1", "--run-dir", str(run), "--no-progress", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd="/")
+    done = subprocess.run(
+        [
+            shutil.which("psgd") or "psgd",
+            "launch",
+            "-c",
+            str(job),
+            "--epochs",
+            "1",
+            "--workers",
+            "2",
+            "--shards",
+            "1",
+            "--run-dir",
+            str(run),
+            "--no-progress",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mutual TLS; policy sync" in (run / "shard-0.log").read_text()
     for r in (0, 1):
         assert json.loads((run / f"worker-{r}.jsonl").read_text().splitlines()[-1])["event"] == "done"
     job.write_text(f'[tls]\ncert = "{rel}/shard.pem"\n')
-    half = subprocess.run([shutil.which("psgd") or "psgd", "launch", "-c", str(job), "--epochs", "1",
-                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    half = subprocess.run(
+        [shutil.which("psgd") or "psgd", "launch", "-c", str(job), "--epochs", "1", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert half.returncode == 2 and "[tls] needs cert, key and ca together" in half.stderr

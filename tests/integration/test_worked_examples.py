@@ -18,21 +18,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "howto" / "examples.md"
 EXAMPLES = {
     "resnet": ("resnet:ResNet", ["--epochs", "20"]),
-    "transformer": ("transformer:Transformer",
-                    ["--dataset", "sequences", "--optimizer", "adam", "--lr", "0.003", "--epochs", "8"]),
+    "transformer": (
+        "transformer:Transformer",
+        ["--dataset", "sequences", "--optimizer", "adam", "--lr", "0.003", "--epochs", "8"],
+    ),
     "rowgru": ("rowgru:RowGRU", ["--epochs", "20"]),
 }
 
 
 def page_model(name: str) -> str:
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), flags=re.S)
-                if b.startswith(f"# {name}.py")]
+    (block,) = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), flags=re.S)
+        if b.startswith(f"# {name}.py")
+    ]
     return block
 
 
 def psgd(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "psgd.cli.main", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "psgd.cli.main", *argv], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +68,17 @@ def test_check_model_passes_on_each(folder, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, policy", [("resnet", "sync"), ("resnet", "async"), ("transformer", "sync"),
-                                          ("transformer", "async"), ("rowgru", "sync"), ("rowgru", "async")])
+@pytest.mark.parametrize(
+    "name, policy",
+    [
+        ("resnet", "sync"),
+        ("resnet", "async"),
+        ("transformer", "sync"),
+        ("transformer", "async"),
+        ("rowgru", "sync"),
+        ("rowgru", "async"),
+    ],
+)
 def test_launch_trains_each_under_each_policy(folder, name, policy):
     model, flags = EXAMPLES[name]
     done = psgd("launch", "--model", model, *flags, "--policy", policy, "--no-progress", "--json", cwd=folder)
@@ -75,8 +90,9 @@ def test_launch_trains_each_under_each_policy(folder, name, policy):
 
 @pytest.mark.slow
 def test_the_recurrent_network_trains_alone_in_seconds_as_the_page_says(folder):
-    (command,) = [c for c in re.findall(r"^psgd train .*$", PAGE.read_text(encoding="utf-8"), flags=re.M)
-                  if "rowgru" in c]
+    (command,) = [
+        c for c in re.findall(r"^psgd train .*$", PAGE.read_text(encoding="utf-8"), flags=re.M) if "rowgru" in c
+    ]
     done = psgd(*command.split()[1:], "--no-progress", "--json", cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -88,15 +104,27 @@ def test_the_recurrent_network_trains_alone_in_seconds_as_the_page_says(folder):
 def test_the_running_statistics_travel_through_all_reduce_and_the_export(folder):
     model, flags = EXAMPLES["resnet"]
     saved = folder / "resnet.npz"
-    done = psgd("launch", "--model", model, *flags, "--mode", "allreduce", "--save", str(saved), "--no-progress",
-                "--json", cwd=folder)
+    done = psgd(
+        "launch",
+        "--model",
+        model,
+        *flags,
+        "--mode",
+        "allreduce",
+        "--save",
+        str(saved),
+        "--no-progress",
+        "--json",
+        cwd=folder,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = json.loads(done.stdout.strip().splitlines()[-1])["test_accuracy"]
     assert accuracy >= 0.95
     with np.load(saved) as weights:
         states = {k: weights[k] for k in weights.files if k.endswith(("/mean", "/var"))}
-    assert sorted(states) == sorted(f"{m}/{s}" for m in ("bn", "block0/bn1", "block0/bn2", "block1/bn1",
-                                                         "block1/bn2") for s in ("mean", "var"))
+    assert sorted(states) == sorted(
+        f"{m}/{s}" for m in ("bn", "block0/bn1", "block0/bn2", "block1/bn1", "block1/bn2") for s in ("mean", "var")
+    )
     # moved by training from where they start (mean 0, var 1); psgd eval normalizes with them and agrees
     assert all(np.abs(v).max() > 0.01 for k, v in states.items() if k.endswith("mean"))
     assert all(np.abs(v - 1).max() > 0.01 for k, v in states.items() if k.endswith("var"))
@@ -109,8 +137,11 @@ def test_the_running_statistics_travel_through_all_reduce_and_the_export(folder)
 def test_the_transformer_sorts_a_class_per_position_as_the_page_says(folder):
     """The sort task's targets are a class per position (batch, 16): the page's command scores every position of
     the transformer (head=each) and reaches what the page says; the built-in MLP is refused in one line."""
-    (command,) = [c for c in re.findall(r"^psgd launch .*$", PAGE.read_text(encoding="utf-8"), flags=re.M)
-                  if "data.task=sort" in c]
+    (command,) = [
+        c
+        for c in re.findall(r"^psgd launch .*$", PAGE.read_text(encoding="utf-8"), flags=re.M)
+        if "data.task=sort" in c
+    ]
     done = psgd(*command.split()[1:], "--no-progress", "--json", cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

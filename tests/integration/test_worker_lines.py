@@ -8,31 +8,53 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import make_job, run_threads, shards
+
 from psgd.cli import worker as psgd_worker
 from psgd.worker.exchange import run_worker
-
 
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd-worker's main() takes the stop signals
 
 
 def test_a_workers_last_line_says_what_it_did_and_the_accuracy_its_last_step_left(tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "2", "--shards", "2",
-                          "--epochs", "2", "--no-progress", "--run-dir", str(run)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgd.cli.main",
+            "launch",
+            "--workers",
+            "2",
+            "--shards",
+            "2",
+            "--epochs",
+            "2",
+            "--no-progress",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     final = re.search(r"final test accuracy: (\d\.\d{4})", out.stdout + out.stderr)[1]
-    first, second = ([line for line in (run / f"worker-{r}.log").read_text().splitlines() if " done: " in line]
-                     for r in (0, 1))
+    first, second = (
+        [line for line in (run / f"worker-{r}.log").read_text().splitlines() if " done: " in line] for r in (0, 1)
+    )
     assert len(first) == len(second) == 1
     # sync: the weights worker 0 read after its last push are the job's final ones, which the launcher evaluates
-    assert re.search(r"worker 0 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
-                     rf"a round\); test accuracy {final} of the weights its last step left \(versions 44, 44\)$",
-                     first[0]), first
-    assert re.search(r"worker 1 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
-                     r"a round\)$", second[0]), second
+    assert re.search(
+        r"worker 0 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
+        rf"a round\); test accuracy {final} of the weights its last step left \(versions 44, 44\)$",
+        first[0],
+    ), first
+    assert re.search(
+        r"worker 1 done: 44 steps in [\d.]+s \(its pushes, counted at each of 2 shard\(s\): 88 added to "
+        r"a round\)$",
+        second[0],
+    ), second
     assert "accumulated" not in first[0] + second[0]
     # digits' MLP: a step's gradient takes a fraction of its exchange, and the launch says so with the ways out
     assert "the exchange, not the compute, bounds this job's step" in out.stderr and "--mode allreduce" in out.stderr
@@ -42,14 +64,17 @@ def test_the_bound_is_said_only_where_the_exchange_takes_longer_than_the_compute
     from psgd.launcher.result import exchange_bound
 
     def steps(compute, moving):
-        return [{"event": "step", "seconds": {"weights": moving / 2, "compute": compute, "exchange": moving / 2}}
-                for _ in range(4)] + [{"event": "done"}]
+        return [
+            {"event": "step", "seconds": {"weights": moving / 2, "compute": compute, "exchange": moving / 2}}
+            for _ in range(4)
+        ] + [{"event": "done"}]
 
     first = steps(0.004, 0.001)
     assert exchange_bound(first + steps(0.004, 0.002)) is None
     assert exchange_bound(first + steps(0.001, 0.009)).startswith(
         "the exchange, not the compute, bounds this job's step: a worker's step took 7.50 ms, 2.50 of them computing "
-        "its gradient and 5.00")
+        "its gradient and 5.00"
+    )
 
 
 def test_a_worker_started_again_for_a_finished_job_says_so(capsys):
@@ -68,19 +93,38 @@ def test_a_worker_started_again_for_a_finished_job_says_so(capsys):
 
 def test_a_worker_that_does_not_evaluate_shows_no_accuracy_on_its_bar(capsys):
     """Worker 1 evaluates nothing (rank 0 does): its bar showed acc=nan all run long."""
-    job = make_job("model.name=softmax", "cluster.workers=2", "cluster.shards=1", "cluster.policy=async",
-                   "train.epochs=2")
+    job = make_job(
+        "model.name=softmax", "cluster.workers=2", "cluster.shards=1", "cluster.policy=async", "train.epochs=2"
+    )
     with shards(job) as (job, _):
-        run_threads([lambda: run_worker(job, 0, job.cluster.servers, progress=False),
-                     lambda: run_worker(job, 1, job.cluster.servers, progress=True)], 120)
+        run_threads(
+            [
+                lambda: run_worker(job, 0, job.cluster.servers, progress=False),
+                lambda: run_worker(job, 1, job.cluster.servers, progress=True),
+            ],
+            120,
+        )
     err = capsys.readouterr().err
     assert "worker 1" in err and "loss=" in err and "acc=" not in err
 
 
 def _launch(run, *extra: str, terminal: bool = False) -> str:
     """``psgd launch`` with its progress shown, its stderr a pipe or (``terminal``) a pseudo-terminal; its output."""
-    argv = [sys.executable, "-m", "psgd.cli.main", "launch", "--workers", "2", "--shards", "1", "--epochs", "2",
-            "--run-dir", str(run), *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "psgd.cli.main",
+        "launch",
+        "--workers",
+        "2",
+        "--shards",
+        "1",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(run),
+        *extra,
+    ]
     if terminal:  # script(1) gives the command a terminal (of 120 columns) and copies what it writes there
         argv = ["script", "-qec", "stty cols 120 rows 40; " + " ".join(argv), "/dev/null"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)

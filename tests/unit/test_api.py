@@ -43,8 +43,16 @@ class Small(Network):
 
 
 def test_settings_are_the_job_files_keys_by_name():
-    job = psgd.job_config(epochs=3, batch_size=16, workers=4, policy="ssp", staleness=2, lr=0.2,
-                          optimizer="sgd", settings={"tables.lr": 0.5})
+    job = psgd.job_config(
+        epochs=3,
+        batch_size=16,
+        workers=4,
+        policy="ssp",
+        staleness=2,
+        lr=0.2,
+        optimizer="sgd",
+        settings={"tables.lr": 0.5},
+    )
     assert (job.train.epochs, job.train.batch_size, job.cluster.workers, job.cluster.policy) == (3, 16, 4, "ssp")
     assert job.cluster.consistency.staleness == 2 and job.optimizer == {"name": "sgd", "lr": 0.2}
     assert job.tables.lr == 0.5
@@ -56,8 +64,9 @@ def test_settings_are_the_job_files_keys_by_name():
 
 def test_a_class_and_a_map_style_dataset_of_ones_own_train_in_this_process():
     heard = []
-    result = psgd.train(Small, Blobs(), epochs=4, lr=0.1, dtype="float64", model_options={"width": 12},
-                        on_step=heard.append)
+    result = psgd.train(
+        Small, Blobs(), epochs=4, lr=0.1, dtype="float64", model_options={"width": 12}, on_step=heard.append
+    )
     assert result.test_accuracy > 0.9
     assert [p["epoch"] for p in result.history] == [1, 2, 3, 4]
     assert result.weights["hidden/W"].shape == (4, 12) and result.weights["hidden/W"].dtype == np.float64
@@ -96,6 +105,7 @@ def test_launch_refuses_a_model_its_processes_could_not_import_before_it_starts(
     def local():
         class Inside(Small):
             pass
+
         return Inside
 
     with pytest.raises(ModelError, match="defined inside a function"):
@@ -126,8 +136,10 @@ def test_import_psgd_loads_the_api_only_when_it_is_used():
     import subprocess
     import sys
 
-    code = ("import sys, psgd; before = 'psgd.api' in sys.modules or 'numpy' in sys.modules; "
-            "psgd.train; print(before, 'psgd.api' in sys.modules)")
+    code = (
+        "import sys, psgd; before = 'psgd.api' in sys.modules or 'numpy' in sys.modules; "
+        "psgd.train; print(before, 'psgd.api' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["False", "True"], done.stderr
 
@@ -139,7 +151,11 @@ def test_the_job_files_model_and_data_hold_unless_others_are_given(tmp_path):
     result = psgd.train(job=job, epochs=1)
     assert sorted(result.weights) == ["dense0/W", "dense0/b"] and result.steps == 200 // 32
     assert sorted(psgd.train("mlp", job=job, epochs=1, model_options={"hidden": [4]}).weights) == [
-        "dense0/W", "dense0/b", "dense1/W", "dense1/b"]
+        "dense0/W",
+        "dense0/b",
+        "dense1/W",
+        "dense1/b",
+    ]
 
 
 def flip(x, y, rng):
@@ -173,19 +189,23 @@ def test_an_augmentation_sees_every_training_batch_seeded_by_the_step(monkeypatc
         psgd.train(Small, data, epochs=1, augment="flip")
 
 
-@pytest.mark.parametrize("labels,words", [
-    (lambda y: y + 3, "label 5 for a job of 3 classes"),  # trained to a NaN loss, and exit 0
-    (lambda y: y - 3, "label -3 for a job of 3 classes"),
-    (lambda y: y + 0.5, "labels of float64: class labels are integers"),
-])
+@pytest.mark.parametrize(
+    "labels,words",
+    [
+        (lambda y: y + 3, "label 5 for a job of 3 classes"),  # trained to a NaN loss, and exit 0
+        (lambda y: y - 3, "label -3 for a job of 3 classes"),
+        (lambda y: y + 0.5, "labels of float64: class labels are integers"),
+    ],
+)
 def test_labels_an_augmentation_returns_are_checked_as_the_datas_own_are(labels, words):
     with pytest.raises(DataError, match=f"augment .*returned {words}"):
         psgd.train(Small, Blobs(300), epochs=1, augment=lambda x, y, rng: (x, labels(y)))
 
 
 def test_an_augmentation_whose_module_fails_to_import_is_one_error(tmp_path, monkeypatch):
-    (tmp_path / "broken_augment.py").write_text("raise RuntimeError('no GPU here')\n\ndef f(x, y, rng):\n"
-                                                "    return x, y\n")
+    (tmp_path / "broken_augment.py").write_text(
+        "raise RuntimeError('no GPU here')\n\ndef f(x, y, rng):\n    return x, y\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(DataError, match="augment 'broken_augment:f': importing it raised RuntimeError: no GPU here"):
         psgd.train(Small, Blobs(300), epochs=1, augment="broken_augment:f")
@@ -212,8 +232,14 @@ def test_a_run_stopped_halfway_and_resumed_ends_with_the_weights_of_one_never_st
     job = dict(epochs=4, dtype="float64", optimizer="adam", lr=0.01, model_options={"hidden": [8]})
     whole = psgd.train("mlp", Blobs(), **job)
     stop, kept = threading.Event(), tmp_path / "state.npz"
-    halted = psgd.train("mlp", Blobs(), **job, checkpoint=str(kept), stop=stop,
-                        on_step=lambda point: point["clock"] == 12 and stop.set())
+    halted = psgd.train(
+        "mlp",
+        Blobs(),
+        **job,
+        checkpoint=str(kept),
+        stop=stop,
+        on_step=lambda point: point["clock"] == 12 and stop.set(),
+    )
     assert halted.checkpoint == str(kept) and halted.steps == 13 < whole.steps
     with np.load(kept, allow_pickle=False) as saved:
         assert int(saved["step"]) == 13
@@ -226,22 +252,28 @@ def test_a_run_stopped_halfway_and_resumed_ends_with_the_weights_of_one_never_st
 
 
 TAMPERED = {  # name: (what is done to the arrays, the words of the refusal)
-    "one element for a weight": (lambda a: a.update({"w:dense0/W": np.array([0.5])}),
-                                 "dense0/W has shape \\(1,\\), the model's is \\(4, 8\\)"),
+    "one element for a weight": (
+        lambda a: a.update({"w:dense0/W": np.array([0.5])}),
+        "dense0/W has shape \\(1,\\), the model's is \\(4, 8\\)",
+    ),
     "a NaN weight": (lambda a: a["w:dense1/b"].__setitem__(0, np.nan), "dense1/b holds NaN or infinite values"),
     "an infinite optimizer state": (
         lambda a: a[next(k for k in a if k.startswith("o:") and not k.endswith("::t"))].flat.__setitem__(0, np.inf),
-        "holds NaN or infinite values"),
+        "holds NaN or infinite values",
+    ),
     "a step past the run's": (lambda a: a.update(step=np.array(10**15)), "step 1000000000000000 is not in 0..28"),
     "a negative step": (lambda a: a.update(step=np.array(-1)), "step -1 is not in 0..28"),
     "a step that is no integer": (lambda a: a.update(step=np.array(1.5)), "step must be an integer"),
     "no step": (lambda a: a.pop("step"), "no step"),
     "a weight missing": (lambda a: a.pop("w:dense0/b"), "missing dense0/b"),
-    "a weight of another dtype": (lambda a: a.update({"w:dense0/b": a["w:dense0/b"].astype(np.float32)}),
-                                  "dense0/b is float32, the model's is float64"),
+    "a weight of another dtype": (
+        lambda a: a.update({"w:dense0/b": a["w:dense0/b"].astype(np.float32)}),
+        "dense0/b is float32, the model's is float64",
+    ),
     "an optimizer state of another shape": (
         lambda a: a.update({k: np.zeros(3) for k in a if k.startswith("o:") and not k.endswith("::t")}),
-        "the optimizer's state"),
+        "the optimizer's state",
+    ),
 }
 
 
@@ -255,8 +287,14 @@ def test_a_tampered_state_file_is_refused_before_anything_is_installed(tmp_path,
 
     job = dict(epochs=4, dtype="float64", optimizer="adam", lr=0.01, model_options={"hidden": [8]})
     stop, kept = threading.Event(), tmp_path / "state.npz"
-    psgd.train("mlp", Blobs(), **job, checkpoint=str(kept), stop=stop,
-               on_step=lambda point: point["clock"] == 12 and stop.set())
+    psgd.train(
+        "mlp",
+        Blobs(),
+        **job,
+        checkpoint=str(kept),
+        stop=stop,
+        on_step=lambda point: point["clock"] == 12 and stop.set(),
+    )
     with np.load(kept, allow_pickle=False) as saved:
         arrays = {k: saved[k].copy() for k in saved.files}
     change, words = TAMPERED[case]
@@ -275,8 +313,11 @@ def test_the_documentation_imports_only_what_is_public():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md")),
-             *sorted((root / "tests" / "data").glob("*.py"))]
+    pages = [
+        root / "README.md",
+        *sorted((root / "docs").rglob("*.md")),
+        *sorted((root / "tests" / "data").glob("*.py")),
+    ]
     seen = []
     for page in pages:
         text = page.read_text(encoding="utf-8")
@@ -294,8 +335,7 @@ def test_the_documentation_imports_only_what_is_public():
     assert "## What is public" in __import__("psgd.cli.reference", fromlist=["x"]).python_api()
 
 
-def test_each_psgd_train_keeps_its_csv_and_tensorboard_files_in_a_run_folder_of_its_own(tmp_path, monkeypatch,
-                                                                                         caplog):
+def test_each_psgd_train_keeps_its_csv_and_tensorboard_files_in_a_run_folder_of_its_own(tmp_path, monkeypatch, caplog):
     """The metrics lines go where ``metrics=`` says; their CSV and TensorBoard files go into the run's own folder
     (a new one under runs/, as psgd launch makes), never into the current folder, so two runs never mix."""
     monkeypatch.chdir(tmp_path)

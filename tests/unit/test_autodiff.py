@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psgd.autodiff import Tensor, backward, no_grad, nn, ops, pool, tensor
+from psgd.autodiff import Tensor, backward, nn, no_grad, ops, pool, tensor
 
 EPS, RTOL, ATOL = 1e-6, 1e-5, 1e-7
 
@@ -80,8 +80,16 @@ SEEDS = st.integers(0, 2**16)
 QUICK = settings(max_examples=12, deadline=None)
 
 BINARY = {"add": ops.add, "sub": ops.sub, "mul": ops.mul, "div": ops.div, "maximum": ops.maximum}
-UNARY = {"exp": ops.exp, "tanh": ops.tanh, "sigmoid": ops.sigmoid, "softplus": ops.softplus, "gelu": ops.gelu,
-         "neg": ops.neg, "relu": ops.relu, "abs": ops.abs}
+UNARY = {
+    "exp": ops.exp,
+    "tanh": ops.tanh,
+    "sigmoid": ops.sigmoid,
+    "softplus": ops.softplus,
+    "gelu": ops.gelu,
+    "neg": ops.neg,
+    "relu": ops.relu,
+    "abs": ops.abs,
+}
 POSITIVE = {"log": ops.log, "sqrt": ops.sqrt}
 
 
@@ -110,7 +118,7 @@ def test_elementwise_functions(name, shape, seed):
 def test_power_by_a_number_and_by_a_tensor(pair, seed):
     base = np.abs(values(pair[0], seed)) + 0.5
     check(lambda a: ops.power(a, 3), base)
-    check(lambda a: a ** 0.5, base)
+    check(lambda a: a**0.5, base)
     check(ops.power, base, values(pair[1], seed + 1))
 
 
@@ -128,8 +136,13 @@ def test_matmul_of_matrices_stacks_and_vectors(lead, m, k, n, seed):
 @QUICK
 @given(shape=shapes, seed=SEEDS, data=st.data())
 def test_reductions_over_any_axes(reduce, shape, seed, data):
-    axis = data.draw(st.one_of(st.none(), st.integers(-len(shape), len(shape) - 1),
-                               st.lists(st.integers(0, len(shape) - 1), min_size=1, unique=True).map(tuple)))
+    axis = data.draw(
+        st.one_of(
+            st.none(),
+            st.integers(-len(shape), len(shape) - 1),
+            st.lists(st.integers(0, len(shape) - 1), min_size=1, unique=True).map(tuple),
+        )
+    )
     keepdims = data.draw(st.booleans())
     check(lambda a: getattr(ops, reduce)(a, axis, keepdims), values(shape, seed))
 
@@ -188,16 +201,37 @@ def test_a_dense_layer(b, n_in, n_out, relu, seed):
 
 
 @QUICK
-@given(b=st.integers(1, 2), c=st.integers(1, 2), o=st.integers(1, 3), hw=st.integers(3, 5),
-       k=st.sampled_from([1, 3]), pad=st.integers(0, 1), seed=SEEDS)
+@given(
+    b=st.integers(1, 2),
+    c=st.integers(1, 2),
+    o=st.integers(1, 3),
+    hw=st.integers(3, 5),
+    k=st.sampled_from([1, 3]),
+    pad=st.integers(0, 1),
+    seed=SEEDS,
+)
 def test_convolution(b, c, o, hw, k, pad, seed):
-    check(lambda x, w, bias: nn.conv2d(x, w, bias, pad), values((b, c, hw, hw), seed), values((o, c, k, k), seed + 1),
-          values((o,), seed + 2))
+    check(
+        lambda x, w, bias: nn.conv2d(x, w, bias, pad),
+        values((b, c, hw, hw), seed),
+        values((o, c, k, k), seed + 1),
+        values((o,), seed + 2),
+    )
 
 
 @QUICK
-@given(b=st.integers(1, 2), groups=st.integers(1, 2), c=st.integers(1, 2), o=st.integers(1, 2), n=st.integers(4, 9),
-       k=st.integers(1, 3), stride=st.integers(1, 3), pad=st.integers(0, 2), dilation=st.integers(1, 2), seed=SEEDS)
+@given(
+    b=st.integers(1, 2),
+    groups=st.integers(1, 2),
+    c=st.integers(1, 2),
+    o=st.integers(1, 2),
+    n=st.integers(4, 9),
+    k=st.integers(1, 3),
+    stride=st.integers(1, 3),
+    pad=st.integers(0, 2),
+    dilation=st.integers(1, 2),
+    seed=SEEDS,
+)
 def test_convolution_with_stride_dilation_and_groups(b, groups, c, o, n, k, stride, pad, dilation, seed):
     c, o = c * groups, o * groups
     if n + 2 * pad < dilation * (k - 1) + 1:
@@ -234,16 +268,19 @@ def test_recurrent_cells(b, n_in, size, bias, seed):
         weights = [values((n_in, gates * size), seed + 3), values((size, gates * size), seed + 4)]
         if bias:
             weights += [values((gates * size,), seed + 5), values((gates * size,), seed + 6)]
-        check(lambda *a: ops.concatenate(cell(*a), axis=-1) if cell is nn.lstm_cell else cell(*a), x, *state,
-              *weights)
+        check(lambda *a: ops.concatenate(cell(*a), axis=-1) if cell is nn.lstm_cell else cell(*a), x, *state, *weights)
 
 
 @QUICK
 @given(lead=st.lists(dims, max_size=2).map(tuple), tq=dims, tk=dims, d=dims, causal=st.booleans(), seed=SEEDS)
 def test_attention(lead, tq, tk, d, causal, seed):
     tk = tq if causal else tk
-    check(lambda q, k, v: nn.attention(q, k, v, causal), values(lead + (tq, d), seed), values(lead + (tk, d), seed + 1),
-          values(lead + (tk, d + 1), seed + 2))
+    check(
+        lambda q, k, v: nn.attention(q, k, v, causal),
+        values(lead + (tq, d), seed),
+        values(lead + (tk, d), seed + 1),
+        values(lead + (tk, d + 1), seed + 2),
+    )
 
 
 @QUICK
@@ -258,8 +295,12 @@ def test_layer_norm(shape, seed):
 def test_batch_norm(training, shape, seed):
     c = shape[1]
     mean, var = values((c,), seed + 3), np.abs(values((c,), seed + 4)) + 0.5
-    check(lambda x, g, b: nn.batch_norm(x, g, b, mean.copy(), var.copy(), training), values(shape, seed),
-          values((c,), seed + 1), values((c,), seed + 2))
+    check(
+        lambda x, g, b: nn.batch_norm(x, g, b, mean.copy(), var.copy(), training),
+        values(shape, seed),
+        values((c,), seed + 1),
+        values((c,), seed + 2),
+    )
 
 
 def test_batch_norm_moves_its_running_statistics_in_training_only():
@@ -287,15 +328,17 @@ def test_dropout_is_seeded_scaled_and_off_in_evaluation():
 def test_slices_add_their_gradients_in_place_and_stack_and_concatenate_hand_back_views(monkeypatch):
     """Indexing by slices and integers scatters nothing: k slices of one array add into one gradient in place; the
     gradients stack and concatenate hand back are views of theirs, not copies."""
+
     def refuse(*args):
         raise AssertionError("a scatter for a plain slice")
+
     monkeypatch.setattr(ops, "scatter_add", refuse)
     x = Tensor(values((4, 6), 1), requires_grad=True)
     r = values((3, 4, 4), 2)
-    backward(ops.sum(ops.mul(ops.stack([x[:, i:i + 4] for i in range(3)]), r)))
+    backward(ops.sum(ops.mul(ops.stack([x[:, i : i + 4] for i in range(3)]), r)))
     want = np.zeros((4, 6))
     for i in range(3):
-        want[:, i:i + 4] += r[i]
+        want[:, i : i + 4] += r[i]
     np.testing.assert_allclose(x.grad, want, rtol=1e-15)
     a, b, c = (Tensor(values((2, 3), n), requires_grad=True) for n in range(3))
     backward(ops.sum(ops.mul(ops.stack([a, b], axis=1), values((2, 2, 3), 4))))
@@ -353,7 +396,6 @@ def test_backward_lets_go_of_each_tensor_once_its_rule_has_run():
     assert alive_when_w_was_done == [False]  # tanh's rule (the last to run) came after exp(middle)'s let it go
 
 
-
 def test_a_rule_that_replaces_its_gradient_lets_go_of_the_one_it_was_given():
     """As a fused ReLU's rule does (``g = relu_grad(g, out)``): backward holds no reference to the gradient it handed
     the rule, nor to the gradients of the rule before, so the old one is freed as the rule replaces it (the peak of a
@@ -366,6 +408,7 @@ def test_a_rule_that_replaces_its_gradient_lets_go_of_the_one_it_was_given():
             g = g * 2.0
             freed.append(given() is None)
             return (g,)
+
         return tensor.make(a.data * 2.0, (a,), rule, "doubled")
 
     w = Tensor(values((3, 4), 1), requires_grad=True)
@@ -373,32 +416,43 @@ def test_a_rule_that_replaces_its_gradient_lets_go_of_the_one_it_was_given():
     assert freed == [True, True]
     np.testing.assert_allclose(w.grad, 4 * values((3, 4), 2))
 
+
 # -- the check, checked: a wrong rule is caught, for every operation ---------------------------------------------------
 CASES = {
     **{name: (fn, [(2, 3), (1, 3)]) for name, fn in BINARY.items()},
     **{name: (fn, [(2, 3)]) for name, fn in UNARY.items()},
-    "log": (ops.log, [(2, 3)]), "sqrt": (ops.sqrt, [(2, 3)]), "power": (ops.power, [(2, 3), (2, 3)]),
-    "matmul": (ops.matmul, [(2, 3, 4), (4, 2)]), "sum": (lambda a: ops.sum(a, 1), [(2, 3)]),
-    "mean": (lambda a: ops.mean(a, 0), [(2, 3)]), "max": (lambda a: ops.max(a, 1), [(2, 3)]),
-    "reshape": (lambda a: a.reshape(3, 2), [(2, 3)]), "transpose": (lambda a: a.T, [(2, 3)]),
+    "log": (ops.log, [(2, 3)]),
+    "sqrt": (ops.sqrt, [(2, 3)]),
+    "power": (ops.power, [(2, 3), (2, 3)]),
+    "matmul": (ops.matmul, [(2, 3, 4), (4, 2)]),
+    "sum": (lambda a: ops.sum(a, 1), [(2, 3)]),
+    "mean": (lambda a: ops.mean(a, 0), [(2, 3)]),
+    "max": (lambda a: ops.max(a, 1), [(2, 3)]),
+    "reshape": (lambda a: a.reshape(3, 2), [(2, 3)]),
+    "transpose": (lambda a: a.T, [(2, 3)]),
     "getitem": (lambda a: a[np.array([0, 0, 1])], [(2, 3)]),
     "concatenate": (lambda a, b: ops.concatenate([a, b]), [(2, 3), (1, 3)]),
     "stack": (lambda a, b: ops.stack([a, b]), [(2, 3), (2, 3)]),
     "where": (lambda a, b: ops.where(np.array([True, False, True]), a, b), [(2, 3), (2, 3)]),
     "linear": (lambda a, b, c: nn.linear(a, b, c), [(2, 3), (3, 2), (2,)]),
-    "softmax": (nn.softmax, [(2, 3)]), "log_softmax": (nn.log_softmax, [(2, 3)]),
+    "softmax": (nn.softmax, [(2, 3)]),
+    "log_softmax": (nn.log_softmax, [(2, 3)]),
     "cross_entropy": (lambda a: nn.cross_entropy(a, np.array([0, 2])), [(2, 3)]),
     "sigmoid_cross_entropy": (lambda a: nn.sigmoid_cross_entropy(a, np.ones((2, 3))), [(2, 3)]),
     "mse": (lambda a: nn.mse(a, np.array([0, 2])), [(2, 3)]),
     "conv2d": (lambda a, b: nn.conv2d(a, b, None, 1), [(1, 2, 3, 3), (2, 2, 3, 3)]),
     "conv1d": (lambda a, b, c: nn.conv1d(a, b, c, 2, 1, 2, 2), [(2, 4, 7), (2, 2, 3), (2,)]),
-    "max_pool2d": (nn.max_pool2d, [(1, 1, 4, 4)]), "avg_pool2d": (nn.avg_pool2d, [(1, 1, 4, 4)]),
-    "max_pool1d": (nn.max_pool1d, [(2, 2, 5)]), "avg_pool1d": (nn.avg_pool1d, [(2, 2, 5)]),
+    "max_pool2d": (nn.max_pool2d, [(1, 1, 4, 4)]),
+    "avg_pool2d": (nn.avg_pool2d, [(1, 1, 4, 4)]),
+    "max_pool1d": (nn.max_pool1d, [(2, 2, 5)]),
+    "avg_pool1d": (nn.avg_pool1d, [(2, 2, 5)]),
     "layer_norm": (nn.layer_norm, [(2, 3), (3,), (3,)]),
     "pad": (lambda a: ops.pad(a, [(1, 0), (0, 2)]), [(2, 3)]),
     "gru_cell": (nn.gru_cell, [(2, 3), (2, 2), (3, 6), (2, 6), (6,), (6,)]),
-    "lstm_cell": (lambda *a: ops.concatenate(nn.lstm_cell(*a), axis=-1), [(2, 3), (2, 2), (2, 2), (3, 8), (2, 8),
-                                                                          (8,), (8,)]),
+    "lstm_cell": (
+        lambda *a: ops.concatenate(nn.lstm_cell(*a), axis=-1),
+        [(2, 3), (2, 2), (2, 2), (3, 8), (2, 8), (8,), (8,)],
+    ),
     "attention": (lambda q, k, v: nn.attention(q, k, v, causal=True), [(2, 3, 2), (2, 3, 2), (2, 3, 4)]),
 }
 
@@ -415,6 +469,7 @@ def rule_off_by(op: str, factor: float):
         if name != op:
             return made(data, inputs, rule, name)
         return made(data, inputs, lambda g: [None if gx is None else gx * factor for gx in rule(g)], name)
+
     for module in (ops, nn, pool):
         module.make = wrong
     try:
@@ -442,10 +497,17 @@ def test_the_reference_names_every_operation_and_module():
     from psgd.model import blocks, module
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "autodiff.md").read_text()
-    public = [name for source in (ops, nn, pool) for name, f in vars(source).items()
-              if inspect.isfunction(f) and f.__module__ == source.__name__ and not name.startswith("_")]
-    public += [name for name in psgd.model.__all__ if getattr(getattr(psgd.model, name), "__module__", "") in
-               (module.__name__, blocks.__name__)]
+    public = [
+        name
+        for source in (ops, nn, pool)
+        for name, f in vars(source).items()
+        if inspect.isfunction(f) and f.__module__ == source.__name__ and not name.startswith("_")
+    ]
+    public += [
+        name
+        for name in psgd.model.__all__
+        if getattr(getattr(psgd.model, name), "__module__", "") in (module.__name__, blocks.__name__)
+    ]
     assert len(public) > 40
     missing = [name for name in public if f"`{name}(" not in page and f"`{name}`" not in page]
     assert missing == [], missing

@@ -55,7 +55,10 @@ def test_cupy_imported_only_by_the_backend():
     import pathlib
 
     root = pathlib.Path(backend.__file__).parent
-    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if p.name != "backend.py" and any(line.strip().startswith(("import cupy", "from cupy"))
-                                                  for line in p.read_text().splitlines())]
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "backend.py"
+        and any(line.strip().startswith(("import cupy", "from cupy")) for line in p.read_text().splitlines())
+    ]
     assert offenders == []

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from psgd.compute import backend
 from psgd.bench import gpu
 from psgd.cli import main as psgd_main
+from psgd.compute import backend
 
 
 def bench_gpu(*argv: str) -> argparse.Namespace:
@@ -80,28 +80,40 @@ def test_values_are_parsed_into_numbers_and_parts():
     assert args.transfer_mb == (1_000_000,) and args.nccl_mb == (2_000_000, 4_000_000)
 
 
-@pytest.mark.parametrize("parse, text, message", [
-    (gpu.positive_ints, "0,1024", "at least 1"),
-    (gpu.positive_ints, "-3", "at least 1"),
-    (gpu.positive_ints, "1024,abc", "whole numbers"),
-    (gpu.positive_ints, " , ", "give at least one"),
-    (gpu.positive_int, "1,2", "one whole number"),
-    (gpu.sizes_mb, "ten", "sizes in MB"),
-    (gpu.sizes_mb, "0", "at least 4 bytes"),
-    (gpu.sizes_mb, "-1", "at least 4 bytes"),
-    (gpu.sizes_mb, "nan", "finite"),
-    (gpu.sizes_mb, "inf", "finite"),
-    (gpu.parse_parts, "mlp,gpu", "unknown gpu; choose from mlp, transfer, shm, nccl"),
-    (gpu.parse_parts, "", "give at least one of mlp, transfer, shm, nccl"),
-])
+@pytest.mark.parametrize(
+    "parse, text, message",
+    [
+        (gpu.positive_ints, "0,1024", "at least 1"),
+        (gpu.positive_ints, "-3", "at least 1"),
+        (gpu.positive_ints, "1024,abc", "whole numbers"),
+        (gpu.positive_ints, " , ", "give at least one"),
+        (gpu.positive_int, "1,2", "one whole number"),
+        (gpu.sizes_mb, "ten", "sizes in MB"),
+        (gpu.sizes_mb, "0", "at least 4 bytes"),
+        (gpu.sizes_mb, "-1", "at least 4 bytes"),
+        (gpu.sizes_mb, "nan", "finite"),
+        (gpu.sizes_mb, "inf", "finite"),
+        (gpu.parse_parts, "mlp,gpu", "unknown gpu; choose from mlp, transfer, shm, nccl"),
+        (gpu.parse_parts, "", "give at least one of mlp, transfer, shm, nccl"),
+    ],
+)
 def test_bad_values_are_refused_with_what_was_wrong(parse, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse(text)
 
 
-@pytest.mark.parametrize("flag, value", [("--widths", "0"), ("--widths", "1k"), ("--batch", "0"),
-                                         ("--transfer-mb", "x"), ("--nccl-mb", "0"), ("--parts", "mlp,foo"),
-                                         ("--repeats", "0")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--widths", "0"),
+        ("--widths", "1k"),
+        ("--batch", "0"),
+        ("--transfer-mb", "x"),
+        ("--nccl-mb", "0"),
+        ("--parts", "mlp,foo"),
+        ("--repeats", "0"),
+    ],
+)
 def test_the_command_line_refuses_bad_values_naming_the_flag(flag, value, capsys):
     with pytest.raises(SystemExit) as done:
         bench_gpu(flag, value)
@@ -127,8 +139,17 @@ def test_the_mlp_part_runs_psgds_loop_and_the_bare_matmuls_on_the_cpu(capsys):
 
 
 def test_a_figure_psgd_could_not_take_prints_as_a_dash_with_the_reason(capsys):
-    row = {"part": "nccl", "size_bytes": 1_000_000, "size_mb": 1.0, "bare_ms": 0.5, "bare_algbw_gbps": 2.0,
-           "psgd_ms": None, "psgd_algbw_gbps": None, "psgd_over_bare": None, "psgd_error": "CollectiveError: no"}
+    row = {
+        "part": "nccl",
+        "size_bytes": 1_000_000,
+        "size_mb": 1.0,
+        "bare_ms": 0.5,
+        "bare_algbw_gbps": 2.0,
+        "psgd_ms": None,
+        "psgd_algbw_gbps": None,
+        "psgd_over_bare": None,
+        "psgd_error": "CollectiveError: no",
+    }
     gpu.print_table("nccl", [row])
     out = capsys.readouterr().out.splitlines()
     assert out[2].split() == ["1", "-", "0.500", "-", "-", "2.00"]
@@ -138,8 +159,9 @@ def test_a_figure_psgd_could_not_take_prints_as_a_dash_with_the_reason(capsys):
 @pytest.mark.gpu
 def test_every_part_measures_positive_finite_figures_on_a_gpu(capsys):
     device = backend.get_device("cuda:0")
-    options = gpu.Options(widths=(64,), steps=2, repeats=2, warmup=1, matmul_n=256,
-                          transfer_sizes=(1_000_000,), nccl_sizes=(1_000_000,))
+    options = gpu.Options(
+        widths=(64,), steps=2, repeats=2, warmup=1, matmul_n=256, transfer_sizes=(1_000_000,), nccl_sizes=(1_000_000,)
+    )
     results = {}
     for part, measure in gpu.PART_FUNCTIONS.items():
         results[part] = rows = measure(device, options)
@@ -148,4 +170,6 @@ def test_every_part_measures_positive_finite_figures_on_a_gpu(capsys):
         gpu.print_table(part, rows)
     paths = ("device.asarray(host)", "dev.set(host)", "to_host(dev, out=host)")
     assert {(r["host"], r["path"]) for r in results["transfer"]} == {
-        ("pinned", "raw cudaMemcpy"), *((host, path) for host in ("pageable", "pinned") for path in paths)}
+        ("pinned", "raw cudaMemcpy"),
+        *((host, path) for host in ("pageable", "pinned") for path in paths),
+    }

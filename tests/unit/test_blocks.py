@@ -8,8 +8,19 @@ import numpy as np
 import pytest
 
 from psgd.autodiff import Tensor, nn, ops
-from psgd.model import (RNN, AvgPool1d, Conv1d, GRUCell, LSTMCell, MaxPool1d, ModelError, MultiHeadAttention,
-                        Network, check_model, get_array_module)
+from psgd.model import (
+    RNN,
+    AvgPool1d,
+    Conv1d,
+    GRUCell,
+    LSTMCell,
+    MaxPool1d,
+    ModelError,
+    MultiHeadAttention,
+    Network,
+    check_model,
+    get_array_module,
+)
 
 T, FEATURES, CLASSES = 6, 4, 3
 
@@ -37,8 +48,14 @@ class SignalNet(Network):
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_network_of_the_sequence_modules_passes_the_model_check_in_full(causal):
     net = SignalNet(causal=causal)
-    assert [s.name for s in net.specs()][:6] == ["conv/W", "conv/b", "strided/W", "strided/b", "gru/cell/w_ih",
-                                                 "gru/cell/w_hh"]
+    assert [s.name for s in net.specs()][:6] == [
+        "conv/W",
+        "conv/b",
+        "strided/W",
+        "strided/b",
+        "gru/cell/w_ih",
+        "gru/cell/w_hh",
+    ]
     checks = check_model(net, (T, FEATURES), CLASSES, "float64", budget=None)
     assert any(c.status == "ok" and "central differences in float64" in " ".join(c.lines) for c in checks), checks
 
@@ -76,6 +93,7 @@ def test_the_lstm_cell_is_pytorchs_gate_for_gate():
 
     def sig(v):
         return 1 / (1 + np.exp(-v))
+
     i, f, g, o = sig(a[:, :4]), sig(a[:, 4:8]), np.tanh(a[:, 8:12]), sig(a[:, 12:])
     h2, c2 = nn.lstm_cell(x, h, c, w_ih, w_hh, b, None)
     np.testing.assert_allclose(c2.data, f * c + i * g, rtol=1e-12)
@@ -88,7 +106,7 @@ def test_the_gru_cell_is_pytorchs_gate_for_gate():
     x, h = rng.standard_normal((2, 3)), rng.standard_normal((2, 4))
     w_ih, w_hh, b_ih, b_hh = (rng.standard_normal(s) for s in ((3, 12), (4, 12), 12, 12))
     gi, gh = x @ w_ih + b_ih, h @ w_hh + b_hh
-    r, z = (1 / (1 + np.exp(-(gi[:, k:k + 4] + gh[:, k:k + 4]))) for k in (0, 4))
+    r, z = (1 / (1 + np.exp(-(gi[:, k : k + 4] + gh[:, k : k + 4]))) for k in (0, 4))
     n = np.tanh(gi[:, 8:] + r * gh[:, 8:])
     np.testing.assert_allclose(nn.gru_cell(x, h, w_ih, w_hh, b_ih, b_hh).data, (1 - z) * n + z * h, rtol=1e-12)
 

@@ -55,8 +55,9 @@ def test_a_shard_and_a_worker_with_the_made_files_agree_on_mutual_tls(tmp_path):
         assert s.recv(2) == b"ok"
     anonymous = ssl.create_default_context(cafile=tls.ca)
     with pytest.raises((ssl.SSLError, OSError)):
-        with anonymous.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
-                                   server_hostname="127.0.0.1") as s:
+        with anonymous.wrap_socket(
+            socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="127.0.0.1"
+        ) as s:
             s.recv(2)
     t.join(15)
     server.close()

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from psgd.compute import backend
+from psgd.compute.backend import get_array_module
 from psgd.config import JobConfig
+from psgd.job import build_job
 from psgd.model import BaseModel, ModelError, VarSpec, build_model, check_model, run_checks
 from psgd.model.losses import softmax_cross_entropy
-from psgd.job import build_job
 from psgd.training.local import train_local
-from psgd.compute.backend import get_array_module
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-SHAPE, CLASSES = (8, 8), 10   # the digits
+SHAPE, CLASSES = (8, 8), 10  # the digits
 
 
 @pytest.fixture
@@ -55,13 +55,21 @@ def failures(model, dtype="float32", name="net", **kwargs) -> list[str]:
 
 # -- models that pass --------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("name,options", [("softmax", {}), ("mlp", {}), ("cnn", {}), ("mlp", {"loss": "mse"}),
-                                          ("cnn", {"channels": (4,), "kernel": 5, "hidden": 8})], ids=str)
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("softmax", {}),
+        ("mlp", {}),
+        ("cnn", {}),
+        ("mlp", {"loss": "mse"}),
+        ("cnn", {"channels": (4,), "kernel": 5, "hidden": 8}),
+    ],
+    ids=str,
+)
 def test_builtin_models_pass(name, options, dtype):
     model = build_model(name, SHAPE, CLASSES, dtype=dtype, **options)
     checks = check_model(model, SHAPE, CLASSES, dtype, name=name, options=options, budget=None)
-    assert [c.name for c in checks] == ["specs", "init", "loss_and_grads", "gradients", "predict",
-                                        "finite differences"]
+    assert [c.name for c in checks] == ["specs", "init", "loss_and_grads", "gradients", "predict", "finite differences"]
     assert all(c.status == "ok" and len(c.lines) == 1 for c in checks)
     assert "in float64" in checks[-1].lines[0]
 
@@ -70,8 +78,7 @@ def test_arrays_on_the_device(device, tanhnet):
     """The check runs where training runs: NumPy on the CPU, CuPy on a GPU (gpu-marked)."""
     for name, options in [("cnn", {}), ("tanhbyhand:TanhMLPByHand", {"width": 8})]:
         model = build_model(name, SHAPE, CLASSES, **options)
-        checks = check_model(model, SHAPE, CLASSES, "float32", name=name, options=options, device=device,
-                             budget=None)
+        checks = check_model(model, SHAPE, CLASSES, "float32", name=name, options=options, device=device, budget=None)
         assert "in float64" in checks[-1].lines[0]
 
     class HostGradients(tanhnet.TanhMLPByHand):
@@ -81,8 +88,9 @@ def test_arrays_on_the_device(device, tanhnet):
 
     if device.is_gpu:
         lines = failures(HostGradients(SHAPE, CLASSES), device=device)
-        assert lines[0].startswith("model 'net': gradients: the gradient for 'W1' is a numpy.ndarray, but the "
-                                   "weights are on cuda:0")
+        assert lines[0].startswith(
+            "model 'net': gradients: the gradient for 'W1' is a numpy.ndarray, but the weights are on cuda:0"
+        )
     else:
         check_model(HostGradients(SHAPE, CLASSES), SHAPE, CLASSES, "float32", device=device, budget=None)
 
@@ -110,8 +118,9 @@ def test_builtin_models_pass_for_many_seeds_and_shapes():
 
 def test_readme_model_passes_by_name_and_without(tanhnet):
     model = build_model("tanhbyhand:TanhMLPByHand", SHAPE, CLASSES, width=16)
-    checks = check_model(model, SHAPE, CLASSES, "float32", name="tanhbyhand:TanhMLPByHand", options={"width": 16},
-                         budget=None)
+    checks = check_model(
+        model, SHAPE, CLASSES, "float32", name="tanhbyhand:TanhMLPByHand", options={"width": 16}, budget=None
+    )
     assert checks[-1].status == "ok" and checks[0].lines == ["4 variables, 1,210 parameters, float32"]
     # without its name: no float64 twin with the same width, so float64 copies of the weights are used
     assert "in float64" in check_model(model, SHAPE, CLASSES, "float32", budget=None)[-1].lines[0]
@@ -125,8 +134,10 @@ def test_a_relu_on_its_kink_passes():
             self.n, self.k, self.dtype = int(np.prod(input_shape)), num_classes, dtype
 
         def specs(self):
-            return [VarSpec("W", (self.n, self.k), self.dtype, "glorot_uniform"),
-                    VarSpec("b", (self.k,), self.dtype, "zeros")]
+            return [
+                VarSpec("W", (self.n, self.k), self.dtype, "glorot_uniform"),
+                VarSpec("b", (self.k,), self.dtype, "zeros"),
+            ]
 
         def loss_and_grads(self, params, x, y):
             xp = get_array_module(params["W"])
@@ -146,43 +157,55 @@ def test_a_relu_on_its_kink_passes():
 FAULTS = {
     "missing gradient": (
         "del grads['b2']",
-        r"^model 'net': gradients: no gradient for 'b2' \(loss_and_grads must return one for every variable"),
-    "two missing gradients": (
-        "del grads['b1'], grads['b2']", r"^model 'net': gradients: no gradient for 'b1', 'b2' "),
+        r"^model 'net': gradients: no gradient for 'b2' \(loss_and_grads must return one for every variable",
+    ),
+    "two missing gradients": ("del grads['b1'], grads['b2']", r"^model 'net': gradients: no gradient for 'b1', 'b2' "),
     "extra gradient": (
-        "grads['W3'] = grads['W2']", r"^model 'net': gradients: gradient for 'W3', which specs\(\) does not list$"),
+        "grads['W3'] = grads['W2']",
+        r"^model 'net': gradients: gradient for 'W3', which specs\(\) does not list$",
+    ),
     "wrong shape": (
         "grads['b1'] = grads['b1'][:-1]",
-        r"^model 'net': gradients: the gradient for 'b1' has shape \(63,\), but the variable has \(64,\)$"),
+        r"^model 'net': gradients: the gradient for 'b1' has shape \(63,\), but the variable has \(64,\)$",
+    ),
     "wrong dtype": (
         "grads['W2'] = grads['W2'].astype('float64')",
-        r"^model 'net': gradients: the gradient for 'W2' is float64, but the variable is float32$"),
+        r"^model 'net': gradients: the gradient for 'W2' is float64, but the variable is float32$",
+    ),
     "not an array": (
         "grads['b2'] = grads['b2'].tolist()",
-        r"^model 'net': gradients: the gradient for 'b2' is a list, not an array$"),
+        r"^model 'net': gradients: the gradient for 'b2' is a list, not an array$",
+    ),
     "non-finite gradient": (
         "grads['b2'][0] = float('inf')",
-        r"^model 'net': gradients: the gradient for 'b2' has 1 non-finite value \(nan or inf\)$"),
+        r"^model 'net': gradients: the gradient for 'b2' has 1 non-finite value \(nan or inf\)$",
+    ),
     "swapped order": (
         "return grads, loss",
         r"^model 'net': loss_and_grads: returned \(gradients, loss\); it must return \(loss, gradients\), "
-        r"in that order$"),
+        r"in that order$",
+    ),
     "non-finite loss": (
         "loss = float('nan')",
-        r"^model 'net': loss_and_grads: the loss is nan on a batch of 4 random inputs; it must be finite$"),
+        r"^model 'net': loss_and_grads: the loss is nan on a batch of 4 random inputs; it must be finite$",
+    ),
     "loss per example": (
         "loss = x[:, 0] * 0 + loss",
-        r"^model 'net': loss_and_grads: the loss is an array of shape \(4,\), not a scalar \(return the mean"),
+        r"^model 'net': loss_and_grads: the loss is an array of shape \(4,\), not a scalar \(return the mean",
+    ),
     "one value returned": (
         "return loss",
-        r"^model 'net': loss_and_grads: returned a float(32)?; it must return a \(loss, gradients\) tuple$"),
+        r"^model 'net': loss_and_grads: returned a float(32)?; it must return a \(loss, gradients\) tuple$",
+    ),
     "wrong values": (
         "grads['W2'] = 2 * grads['W2']",
         r"^model 'net': finite differences: the gradient for 'W2' at \[\d+, \d+\] is \S+, but central "
-        r"differences of the loss give \S+ \(relative error 5\.0e-01, tolerance 1e-04\) \(3 of 3 coordinates"),
+        r"differences of the loss give \S+ \(relative error 5\.0e-01, tolerance 1e-04\) \(3 of 3 coordinates",
+    ),
     "raises": (
         "grads['W1'] = params['W9']",
-        r"^model 'net': loss_and_grads: raised KeyError: 'W9' \(at test_check_model\.py:\d+\)$"),
+        r"^model 'net': loss_and_grads: raised KeyError: 'W9' \(at test_check_model\.py:\d+\)$",
+    ),
 }
 
 
@@ -190,9 +213,11 @@ def faulty(tanhnet, change: str):
     """A TanhMLP whose loss_and_grads has ``change`` applied just before it returns."""
     namespace = {"TanhMLP": tanhnet.TanhMLPByHand}
     body = textwrap.indent(change if change.startswith("return") else change + "\nreturn loss, grads", " " * 8)
-    code = ("class Faulty(TanhMLP):\n    def loss_and_grads(self, params, x, y):\n"
-            "        x, h, scores = self.forward(params, x)\n"
-            "        loss, grads = super().loss_and_grads(params, x, y)\n" + body + "\n")
+    code = (
+        "class Faulty(TanhMLP):\n    def loss_and_grads(self, params, x, y):\n"
+        "        x, h, scores = self.forward(params, x)\n"
+        "        loss, grads = super().loss_and_grads(params, x, y)\n" + body + "\n"
+    )
     exec(compile(code, __file__, "exec"), namespace)  # "at test_check_model.py:N" in a traceback
     return namespace["Faulty"](SHAPE, CLASSES)
 
@@ -257,12 +282,15 @@ def test_specs_and_init_faults(tanhnet):
 
     assert failures(Unknown(SHAPE, CLASSES)) == [
         "model 'net': specs: variable 'W1': unknown initializer 'he_uniform' "
-        "(use one of zeros, ones, he_normal, glorot_uniform, normal)"]
+        "(use one of zeros, ones, he_normal, glorot_uniform, normal)"
+    ]
     assert failures(Duplicate(SHAPE, CLASSES)) == [
-        "model 'net': specs: variable name 'b2' appears 2 times (names must be unique)"]
+        "model 'net': specs: variable name 'b2' appears 2 times (names must be unique)"
+    ]
     assert failures(AlwaysFloat32(SHAPE, CLASSES, dtype="float64"), dtype="float64") == [
         "model 'net': specs: variables 'W1', 'b1', 'W2', 'b2' are float32 but the job's dtype is float64 "
-        "(give each VarSpec the dtype the model was built with)"]
+        "(give each VarSpec the dtype the model was built with)"
+    ]
     assert failures(NotSpecs(SHAPE, CLASSES)) == ["model 'net': specs: item 0 of specs() is a tuple, not a VarSpec"]
     (line,) = failures(NoNames(SHAPE, CLASSES))
     assert line.startswith("model 'net': init: init(0, names=['b2']) raised TypeError: ")
@@ -280,10 +308,12 @@ def test_init_and_predict_shapes(tanhnet):
             return super().predict(params, x).argmax(axis=1)
 
     assert failures(InitTransposed(SHAPE, CLASSES)) == [
-        "model 'net': init: init(0) gives 'W2' the shape (10, 64), but specs() says (64, 10)"]
+        "model 'net': init: init(0) gives 'W2' the shape (10, 64), but specs() says (64, 10)"
+    ]
     assert failures(ClassPredictor(SHAPE, CLASSES)) == [
         "model 'net': predict: returned shape (4,); it must return scores of shape (batch, num_classes) = (4, 10), "
-        "one row per example"]
+        "one row per example"
+    ]
 
 
 def test_later_checks_are_skipped_not_failed(tanhnet):
@@ -293,8 +323,13 @@ def test_later_checks_are_skipped_not_failed(tanhnet):
 
     checks = run_checks(NoSpecs(SHAPE, CLASSES), SHAPE, CLASSES, "float32")
     assert [(c.status, c.name) for c in checks] == [
-        ("FAIL", "specs"), ("skip", "init"), ("skip", "loss_and_grads"), ("skip", "gradients"), ("skip", "predict"),
-        ("skip", "finite differences")]
+        ("FAIL", "specs"),
+        ("skip", "init"),
+        ("skip", "loss_and_grads"),
+        ("skip", "gradients"),
+        ("skip", "predict"),
+        ("skip", "finite differences"),
+    ]
     assert re.fullmatch(r"raised RuntimeError: not written yet \(at test_check_model\.py:\d+\)", checks[0].lines[0])
 
 
@@ -314,15 +349,18 @@ def test_unknown_initializer_in_the_constructor(user_module):
     """)
     with pytest.raises(ModelError) as info:
         build_model(f"{mod}:Eager", SHAPE, CLASSES)
-    assert str(info.value) == (f"model '{mod}:Eager': variable 'W1': unknown initializer 'xavier' "
-                               "(use one of zeros, ones, he_normal, glorot_uniform, normal)")
+    assert str(info.value) == (
+        f"model '{mod}:Eager': variable 'W1': unknown initializer 'xavier' "
+        "(use one of zeros, ones, he_normal, glorot_uniform, normal)"
+    )
 
 
 def test_bad_constructor_keyword(tanhnet):
     with pytest.raises(ModelError) as info:
         build_model("tanhbyhand:TanhMLPByHand", SHAPE, CLASSES, widht=3)
-    assert str(info.value) == ("model 'tanhbyhand:TanhMLPByHand': got an unexpected keyword argument 'widht' "
-                               "(options it takes: width)")
+    assert str(info.value) == (
+        "model 'tanhbyhand:TanhMLPByHand': got an unexpected keyword argument 'widht' (options it takes: width)"
+    )
 
 
 # -- every trainer checks before training; the shards do not ------------------------------------------
@@ -378,8 +416,11 @@ def test_finite_differences_fit_the_budget(tanhnet, monkeypatch):
     assert "12 coordinates" in check_model(model, SHAPE, CLASSES, "float32", budget=None)[-1].lines[0]
     skipped = check_model(model, SHAPE, CLASSES, "float32", budget=0.0)[-1]
     assert skipped.status == "skip"
-    assert re.fullmatch(r"a step takes \d+\.\d\d s here, too long to take 8 more at the start of every process "
-                        r"\(psgd check-model checks them\)", skipped.lines[0])
+    assert re.fullmatch(
+        r"a step takes \d+\.\d\d s here, too long to take 8 more at the start of every process "
+        r"\(psgd check-model checks them\)",
+        skipped.lines[0],
+    )
     monkeypatch.setattr("psgd.model.gradcheck.FD_MAX_PARAMETERS", 1000)
     (line,) = check_model(model, SHAPE, CLASSES, "float32")[-1].lines
     assert line.startswith("over 1,000 parameters: float64 copies of the weights would cost too much memory")
@@ -419,5 +460,8 @@ def test_a_random_loss_skips_finite_differences(tanhnet):
             return loss + 0.01 * self.rng.random(), grads
 
     (line,) = check_model(Dropout(SHAPE, CLASSES), SHAPE, CLASSES, "float32", budget=None)[-1].lines
-    assert re.fullmatch(r"two calls at the same weights gave the losses \S+ and \S+ \(random dropout\?\); "
-                        r"finite differences need the same loss for the same weights", line)
+    assert re.fullmatch(
+        r"two calls at the same weights gave the losses \S+ and \S+ \(random dropout\?\); "
+        r"finite differences need the same loss for the same weights",
+        line,
+    )

@@ -7,14 +7,14 @@ import os
 
 import numpy as np
 import pytest
-
 from helpers import skip_or_fail
+
 from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server.state import checkpoint
 from psgd.server.durable import recovery
+from psgd.server.state import checkpoint
 from psgd.server.state.core import ShardCore
 
 PLAN = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float64")], 1, slice_bytes=64)
@@ -23,8 +23,9 @@ PLAN = PartitionPlan([VarSpec("w", (12,), "float64"), VarSpec("b", (3,), "float6
 def make(policy="sync", workers=2, registered=None):
     """A shard core of ``workers`` workers, the first ``registered`` of them (all) registered."""
     values = {s.id: np.arange(s.start, s.stop, dtype=np.float64) for s in PLAN.slices}
-    core = ShardCore(PLAN, 0, values, build_optimizer("momentum", lr=0.1), make_policy(policy, workers),
-                     num_workers=workers)
+    core = ShardCore(
+        PLAN, 0, values, build_optimizer("momentum", lr=0.1), make_policy(policy, workers), num_workers=workers
+    )
     for w in range(workers if registered is None else registered):
         core.register(w, PLAN.hash)
     return core
@@ -189,14 +190,14 @@ def test_a_really_full_filesystem(tmp_path):
 
     mnt = tmp_path / "small"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
     if done.returncode != 0:
         skip_or_fail(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     try:
         big = PartitionPlan([VarSpec("w", (6000,), "float64")], 1)  # 48 KB of weights
-        core = ShardCore(big, 0, {0: np.zeros(6000)}, build_optimizer("sgd", lr=0.1),
-                         make_policy("async", 1), num_workers=1)
+        core = ShardCore(
+            big, 0, {0: np.zeros(6000)}, build_optimizer("sgd", lr=0.1), make_policy("async", 1), num_workers=1
+        )
         core.register(0, big.hash)
         recovery.write(core, mnt)  # fits once
         core.push(0, 0, 0, {0: np.ones(6000)})
@@ -228,6 +229,7 @@ def set_nan(arrays, manifest):
 def set_version(value):
     def change(arrays, manifest):
         manifest["version"] = value
+
     return change
 
 
@@ -236,8 +238,15 @@ def bad_optimizer(arrays, manifest):
     arrays[key] = np.zeros(arrays[key].size + 5)
 
 
-@pytest.mark.parametrize("change, why", [(set_nan, "non-finite"), (set_version(-5), "version"),
-                                         (set_version(2**70), "version"), (bad_optimizer, "optimizer")])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (set_nan, "non-finite"),
+        (set_version(-5), "version"),
+        (set_version(2**70), "version"),
+        (bad_optimizer, "optimizer"),
+    ],
+)
 def test_a_checkpoint_that_does_not_pass_is_skipped_for_the_newest_that_does(tmp_path, caplog, change, why):
     """Checkpoints were believed: an edited one (hashes made again) restored NaN weights, version -5 or 2^70, and
     one with a bad optimizer shape was refused without falling back to an older intact one."""

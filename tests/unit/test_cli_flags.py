@@ -16,7 +16,6 @@ from psgd.cli.common import job_from_args
 from psgd.config import ConfigError
 from psgd.config.parsing import comma_list
 
-
 pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # psgd-worker's and psgd-server's main()
 
 
@@ -42,12 +41,15 @@ def test_an_inconsistent_job_is_still_refused_once_everything_is_in(tmp_path):
         job_from_args(worker_args("--backup-workers", "3"), environ={})
 
 
-@pytest.mark.parametrize("argv, hint", [
-    (["train", "--epoch", "1"], "did you mean --epochs?"),
-    (["launch", "--worker", "3"], "did you mean --workers?"),
-    (["lauch"], "did you mean launch?"),
-    (["train", "--optimiser", "sgd"], "did you mean --optimizer?"),
-])
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["train", "--epoch", "1"], "did you mean --epochs?"),
+        (["launch", "--worker", "3"], "did you mean --workers?"),
+        (["lauch"], "did you mean launch?"),
+        (["train", "--optimiser", "sgd"], "did you mean --optimizer?"),
+    ],
+)
 def test_abbreviations_are_refused_and_typos_get_the_nearest_flag(argv, hint, capsys):
     with pytest.raises(SystemExit) as info:
         psgd_main.build_parser().parse_args(argv)
@@ -57,8 +59,10 @@ def test_abbreviations_are_refused_and_typos_get_the_nearest_flag(argv, hint, ca
 
 
 def test_servers_and_workers_refuse_abbreviations_too(capsys):
-    for build, argv in ((psgd_worker.build_parser, ["--rank", "0", "--serv", "a:1"]),
-                        (psgd_server.build_parser, ["--shar", "0"])):
+    for build, argv in (
+        (psgd_worker.build_parser, ["--rank", "0", "--serv", "a:1"]),
+        (psgd_server.build_parser, ["--shar", "0"]),
+    ):
         with pytest.raises(SystemExit):
             build().parse_args(argv)
         assert "unrecognized arguments" in capsys.readouterr().err
@@ -93,8 +97,10 @@ def test_addresses_and_counts_come_from_psgd_variables_below_the_flags(tmp_path)
 def test_world_size_counts_the_workers_unless_psgd_workers_says_otherwise():
     world = [("WORLD_SIZE", "cluster.workers")]
     assert job_from_args(worker_args(), environ={"WORLD_SIZE": "4"}, extra_env=world).cluster.workers == 4
-    assert job_from_args(worker_args(), environ={"WORLD_SIZE": "4", "PSGD_WORKERS": "3"},
-                         extra_env=world).cluster.workers == 3
+    assert (
+        job_from_args(worker_args(), environ={"WORLD_SIZE": "4", "PSGD_WORKERS": "3"}, extra_env=world).cluster.workers
+        == 3
+    )
     assert job_from_args(worker_args(), environ={"WORLD_SIZE": "4"}).cluster.workers == 2  # not read by others
 
 
@@ -103,8 +109,10 @@ def test_a_worker_without_a_rank_names_where_one_can_come_from(monkeypatch, caps
         monkeypatch.delenv(name, raising=False)
     code = psgd_worker.main(["--servers", "127.0.0.1:1,127.0.0.1:2"])
     assert code == 2
-    assert "no rank: pass --rank, or set one of PSGD_RANK, RANK, SLURM_PROCID, JOB_COMPLETION_INDEX" in \
-        capsys.readouterr().err
+    assert (
+        "no rank: pass --rank, or set one of PSGD_RANK, RANK, SLURM_PROCID, JOB_COMPLETION_INDEX"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_rank_out_of_range_says_where_it_came_from(monkeypatch, capsys):
@@ -150,14 +158,17 @@ def test_a_multi_node_layout_puts_shards_and_workers_round_robin():
 # -- comma-separated lists: one reader, one wording -------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, options, message", [
-    ("sync,warp", dict(choices=("sync", "async")), "--x: unknown warp; choose from sync, async"),
-    ("4,lots", dict(kind=float, what="sizes in MB"), "--x: expected sizes in MB separated by commas, got '4,lots'"),
-    ("2,0", dict(kind=int, at_least=1), "--x: every value must be at least 1, got '2,0'"),
-    ("nan", dict(kind=float, at_least=0), "--x: every value must be at least 0, got 'nan'"),
-    (" , ", dict(kind=int, what="whole numbers"), "--x: give at least one (whole numbers separated by commas)"),
-    ("", dict(choices=("a", "b")), "--x: give at least one of a, b"),
-])
+@pytest.mark.parametrize(
+    "text, options, message",
+    [
+        ("sync,warp", dict(choices=("sync", "async")), "--x: unknown warp; choose from sync, async"),
+        ("4,lots", dict(kind=float, what="sizes in MB"), "--x: expected sizes in MB separated by commas, got '4,lots'"),
+        ("2,0", dict(kind=int, at_least=1), "--x: every value must be at least 1, got '2,0'"),
+        ("nan", dict(kind=float, at_least=0), "--x: every value must be at least 0, got 'nan'"),
+        (" , ", dict(kind=int, what="whole numbers"), "--x: give at least one (whole numbers separated by commas)"),
+        ("", dict(choices=("a", "b")), "--x: give at least one of a, b"),
+    ],
+)
 def test_a_comma_list_names_the_flag_and_what_was_wrong(text, options, message):
     with pytest.raises(argparse.ArgumentTypeError) as info:
         comma_list(text, "--x", **options)
@@ -177,21 +188,31 @@ def test_every_comma_separated_flag_is_read_by_the_one_reader():
     """No command splits a flag's value on commas itself: psgd.config.parsing.comma_list reads every list."""
     root = Path(psgd.__file__).parent
     commands = [p for folder in ("cli", "bench") for p in sorted((root / folder).rglob("*.py"))]
-    found = [f"{p.relative_to(root)}:{n}" for p in commands
-             for n, line in enumerate(p.read_text().splitlines(), 1) if '.split(",")' in line]
+    found = [
+        f"{p.relative_to(root)}:{n}"
+        for p in commands
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if '.split(",")' in line
+    ]
     assert found == [], found
 
 
-@pytest.mark.parametrize("command, argv, env, said", [
-    (psgd_main.main, ["launch", "--policy", "asynch"], {}, "--policy asynch: [cluster] policy must be one of"),
-    (psgd_main.main, ["launch", "--workers", "0"], {}, "--workers 0: [cluster] workers must be an integer"),
-    (psgd_main.main, ["train", "--set", "cluster.polcy=x"], {}, "--set cluster.polcy=x: [cluster] unknown key"),
-    (psgd_main.main, ["launch"], {"PSGD_WORKERS": "0"}, "PSGD_WORKERS=0: [cluster] workers must be an integer"),
-    (psgd_worker.main, ["--rank", "0", "--servers", "a:1", "--policy", "asynch"], {},
-     "--policy asynch: [cluster] policy must be one of"),
-])
-def test_a_value_refused_is_blamed_on_the_flag_or_variable_that_gave_it(command, argv, env, said, monkeypatch,
-                                                                        capsys):
+@pytest.mark.parametrize(
+    "command, argv, env, said",
+    [
+        (psgd_main.main, ["launch", "--policy", "asynch"], {}, "--policy asynch: [cluster] policy must be one of"),
+        (psgd_main.main, ["launch", "--workers", "0"], {}, "--workers 0: [cluster] workers must be an integer"),
+        (psgd_main.main, ["train", "--set", "cluster.polcy=x"], {}, "--set cluster.polcy=x: [cluster] unknown key"),
+        (psgd_main.main, ["launch"], {"PSGD_WORKERS": "0"}, "PSGD_WORKERS=0: [cluster] workers must be an integer"),
+        (
+            psgd_worker.main,
+            ["--rank", "0", "--servers", "a:1", "--policy", "asynch"],
+            {},
+            "--policy asynch: [cluster] policy must be one of",
+        ),
+    ],
+)
+def test_a_value_refused_is_blamed_on_the_flag_or_variable_that_gave_it(command, argv, env, said, monkeypatch, capsys):
     """Not on "<defaults>", which the user never wrote; a job file's own mistake still names the file."""
     for name in ("PSGD_WORKERS", "PSGD_SHARDS", "PSGD_SERVERS", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -7,14 +7,14 @@ import threading
 import time
 
 import pytest
-
 from helpers import make_job
+
 from psgd.config import Deadlines
-from psgd.partition import PartitionPlan
+from psgd.errors import Code
 from psgd.job import build_job
 from psgd.link import LinkError
+from psgd.partition import PartitionPlan
 from psgd.worker.client import PSClient, PSError
-from psgd.errors import Code
 
 
 def client(stop: threading.Event | None = None) -> PSClient:
@@ -31,6 +31,7 @@ def failing(times: int, code: Code):
         if len(calls) <= times:
             raise LinkError(code, code.name.lower())
         return "answered"
+
     return call, calls
 
 
@@ -117,15 +118,20 @@ def registering(c: PSClient, gate: threading.Event | None = None) -> list[int]:
         if gate is not None:
             assert gate.wait(5), "the test never let the registration through"
         keys.append(len(keys) + 1)  # each registration of a restarted shard makes a new key
-        return ps_pb2.RegisterReply(shard=0, num_shards=1, num_workers=c.identity["workers"], version=30,
-                                    lease_seconds=10.0, clock=30)
+        return ps_pb2.RegisterReply(
+            shard=0, num_shards=1, num_workers=c.identity["workers"], version=30, lease_seconds=10.0, clock=30
+        )
+
     c.links[0].register = register
     return keys
 
 
 def denied() -> LinkError:
-    return LinkError(Code.PERMISSION_DENIED, "worker 0 is registered with shard 0 by host pid 1: a call as worker "
-                     "0 must carry the key that process's registration got; this one does not")
+    return LinkError(
+        Code.PERMISSION_DENIED,
+        "worker 0 is registered with shard 0 by host pid 1: a call as worker "
+        "0 must carry the key that process's registration got; this one does not",
+    )
 
 
 def test_a_call_refused_because_the_heartbeat_registered_meanwhile_is_retried():
@@ -145,6 +151,7 @@ def test_a_call_refused_because_the_heartbeat_registered_meanwhile_is_retried():
                 beat.join(5)
                 raise denied()
             return "answered"
+
         assert c.retrying(0, "push and pull (clock 31)", call) == "answered"
         assert len(calls) == 2 and keys == [1]
 
@@ -168,6 +175,7 @@ def test_a_call_refused_while_a_registration_is_on_the_way_is_retried():
             gate.set()
             beat.join(5)
             return "answered"
+
         assert c.retrying(0, "push (clock 31)", call) == "answered"
         assert len(calls) == 2 and keys == [1]
 
@@ -181,6 +189,7 @@ def test_a_call_refused_for_another_processs_key_is_not_retried():
         def call():
             calls.append(1)
             raise denied()
+
         with pytest.raises(PSError, match="PERMISSION_DENIED"):
             c.retrying(0, "push (clock 31)", call)
         assert len(calls) == 1
@@ -218,9 +227,10 @@ def test_waiting_for_a_shard_pair_leaves_no_thread_watching_a_channel(monkeypatc
     with "ValueError: Cannot monitor channel state: Channel closed!".  Made to happen: each watching thread's next
     look, once its channel is ready, waits until the wait for the shards has returned.  The wait now asks with
     plain connections, so no thread of gRPC's watches any of its channels."""
+    from concurrent import futures as cf
+
     import grpc
     import grpc._channel as grpc_channel
-    from concurrent import futures as cf
 
     from psgd.config import Recovery
 

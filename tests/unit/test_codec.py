@@ -7,7 +7,6 @@ import pytest
 
 from psgd.wire import codec
 
-
 # --- bfloat16 ----------------------------------------------------------------------------------
 
 
@@ -46,8 +45,27 @@ def reference_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def test_values_exact_in_bfloat16_survive_unchanged():
-    exact = np.array([0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 3.0, -96.0, 1.5, 1.0078125, 2.0**-126, 2.0**-133, 2.0**127,
-                      -3.3895313892515355e38, np.inf, -np.inf], dtype=np.float32)
+    exact = np.array(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            0.5,
+            2.0,
+            3.0,
+            -96.0,
+            1.5,
+            1.0078125,
+            2.0**-126,
+            2.0**-133,
+            2.0**127,
+            -3.3895313892515355e38,
+            np.inf,
+            -np.inf,
+        ],
+        dtype=np.float32,
+    )
     # and random bit patterns with the low 16 bits clear (excluding NaN, checked below)
     rng = np.random.default_rng(0)
     high = rng.integers(0, 1 << 16, size=5000, dtype=np.uint32) << np.uint32(16)
@@ -58,29 +76,47 @@ def test_values_exact_in_bfloat16_survive_unchanged():
     assert np.array_equal(to_bf16(values), (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
 
 
-@pytest.mark.parametrize("bits, expected", [
-    (0x3F808000, 0x3F80),  # 1 + 2**-8: exactly halfway between 1 and 1 + 2**-7; 0x3F80 is even
-    (0x3F818000, 0x3F82),  # halfway between 0x3F81 and 0x3F82: up to the even one
-    (0x3F808001, 0x3F81),  # just above halfway: up
-    (0x3F807FFF, 0x3F80),  # just below halfway: down
-    (0xBF808000, 0xBF80),  # negative tie: to even, in magnitude
-    (0xBF818000, 0xBF82),
-    (0x3FFF8000, 0x4000),  # a tie that carries into the exponent
-    (0x00008000, 0x0000),  # subnormal tie down to +0
-    (0x00018000, 0x0002),  # subnormal tie up to even
-    (0x7F7F7FFF, 0x7F7F),  # just under the midpoint above bfloat16's largest finite value
-    (0x7F7F8000, 0x7F80),  # the midpoint itself ties to even, which is infinity (as IEEE rounding does)
-    (0x7F7FFFFF, 0x7F80),  # float32's largest finite value is past it: rounds to infinity
-    (0xFF7FFFFF, 0xFF80),
-], ids=lambda v: f"{v:#x}")
+@pytest.mark.parametrize(
+    "bits, expected",
+    [
+        (0x3F808000, 0x3F80),  # 1 + 2**-8: exactly halfway between 1 and 1 + 2**-7; 0x3F80 is even
+        (0x3F818000, 0x3F82),  # halfway between 0x3F81 and 0x3F82: up to the even one
+        (0x3F808001, 0x3F81),  # just above halfway: up
+        (0x3F807FFF, 0x3F80),  # just below halfway: down
+        (0xBF808000, 0xBF80),  # negative tie: to even, in magnitude
+        (0xBF818000, 0xBF82),
+        (0x3FFF8000, 0x4000),  # a tie that carries into the exponent
+        (0x00008000, 0x0000),  # subnormal tie down to +0
+        (0x00018000, 0x0002),  # subnormal tie up to even
+        (0x7F7F7FFF, 0x7F7F),  # just under the midpoint above bfloat16's largest finite value
+        (0x7F7F8000, 0x7F80),  # the midpoint itself ties to even, which is infinity (as IEEE rounding does)
+        (0x7F7FFFFF, 0x7F80),  # float32's largest finite value is past it: rounds to infinity
+        (0xFF7FFFFF, 0xFF80),
+    ],
+    ids=lambda v: f"{v:#x}",
+)
 def test_bfloat16_rounds_to_nearest_even(bits, expected):
     got = to_bf16(f32(bits))
     assert int(got[0]) == expected, f"{bits:#010x} -> {int(got[0]):#06x}, expected {expected:#06x}"
     assert int(reference_bf16(f32(bits))[0]) == expected
 
 
-@pytest.mark.parametrize("bits", [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FFFFFFF,
-                                  0xFFFFFFFF, 0x7FFF8000, 0x7F80FFFF, 0x7FC0FFFF], ids=hex)
+@pytest.mark.parametrize(
+    "bits",
+    [
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0xFF800001,
+        0x7FBFFFFF,
+        0x7FFFFFFF,
+        0xFFFFFFFF,
+        0x7FFF8000,
+        0x7F80FFFF,
+        0x7FC0FFFF,
+    ],
+    ids=hex,
+)
 def test_nan_stays_nan_whatever_its_payload(bits):
     """A NaN must never round into an infinity, a zero, or a number: the shard rejects non-finite
     gradients only if it still sees them."""
@@ -139,8 +175,12 @@ def test_float16_path_matches_numpy_rounding():
     """What the client and server do for float16: encode into a uint16 buffer, then widen."""
     f16 = codec.codec_for("float16")
     rng = np.random.default_rng(3)
-    src = np.concatenate([rng.standard_normal(10_000).astype(np.float32),
-                          np.array([0.0, -0.0, 1.0, 65504.0, 6.0e-8, np.inf, -np.inf], dtype=np.float32)])
+    src = np.concatenate(
+        [
+            rng.standard_normal(10_000).astype(np.float32),
+            np.array([0.0, -0.0, 1.0, 65504.0, 6.0e-8, np.inf, -np.inf], dtype=np.float32),
+        ]
+    )
     packed = np.empty(src.size, dtype=np.uint16)
     f16.encode(src, packed)
     wide = np.empty(src.size, dtype=np.float32)

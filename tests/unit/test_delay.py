@@ -17,8 +17,9 @@ def test_kinds_and_ranks():
     assert parse_delay("fixed:1").applies_to(7)
 
 
-@pytest.mark.parametrize("spec", ["slow:2", "fixed", "fixed:a", "uniform:2:1", "slowdown:0.5", "fixed:1@x",
-                                  "exp:-1", "uniform:1"])
+@pytest.mark.parametrize(
+    "spec", ["slow:2", "fixed", "fixed:a", "uniform:2:1", "slowdown:0.5", "fixed:1@x", "exp:-1", "uniform:1"]
+)
 def test_bad_specs(spec):
     with pytest.raises(DelayError):
         parse_delay(spec)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_shard_core import INIT, LR, grad, grads_of, make_core, register_all, weights
 
 from psgd.server.state.remedies import EPSILON
 from psgd.server.state.store import SLOTS
-from test_shard_core import INIT, LR, grad, grads_of, make_core, register_all, weights
 
 
 def flat(tree: dict[str, np.ndarray]) -> np.ndarray:
@@ -89,8 +89,7 @@ def test_compensation_goes_with_staleness_lr():
     core.push(0, 0, 0, grads_of(*grad(1)))
     pull(core, 0)
     core.push(0, 1, 2, grads_of(*grad(3)))
-    np.testing.assert_allclose(flat(weights(core)), reference(0.5, False, staleness_lr=True), rtol=1e-12,
-                               atol=1e-12)
+    np.testing.assert_allclose(flat(weights(core)), reference(0.5, False, staleness_lr=True), rtol=1e-12, atol=1e-12)
 
 
 def test_a_push_without_the_pull_it_names_is_applied_as_it_came_and_counted():

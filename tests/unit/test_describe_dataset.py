@@ -14,17 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import idx_bytes, make_job, slice_weights
 
 import psgd.data
 import psgd.data.datasets
 import psgd.data.files
 from psgd.data import DataError, DataShape, describe_dataset, load_dataset, read_idx_header, read_npz_headers
-from psgd.job import build_job
+from psgd.job import build_job, describe_job
 from psgd.partition import PartitionPlan
-from psgd.job import describe_job
 from psgd.server import build_shard
-
-from helpers import idx_bytes, make_job, slice_weights
 
 
 def assert_same(spec: str, **kwargs) -> DataShape:
@@ -79,10 +77,19 @@ def test_synthetic_does_not_make_data(monkeypatch):
     assert describe_dataset("synthetic", n_train=10**9, input_dim=3) == DataShape("synthetic", (3,), 10)
 
 
-@pytest.mark.parametrize("options", [
-    {"input_dim": 0}, {"num_classes": 1}, {"num_classes": 2.5}, {"n_train": True}, {"n_test": "many"},
-    {"data_seed": -1}, {"colour": "red"}, {"input_dim": 0, "width": 3},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"input_dim": 0},
+        {"num_classes": 1},
+        {"num_classes": 2.5},
+        {"n_train": True},
+        {"n_test": "many"},
+        {"data_seed": -1},
+        {"colour": "red"},
+        {"input_dim": 0, "width": 3},
+    ],
+)
 def test_synthetic_bad_options(options):
     assert assert_same_error("synthetic", **options).startswith("synthetic: ")
 
@@ -90,13 +97,13 @@ def test_synthetic_bad_options(options):
 # ---------------------------------------------------------------- IDX
 
 
-
 def write(path: Path, data: bytes, gz: bool) -> None:
     path.write_bytes(gzip.compress(data) if gz else data)
 
 
-def mnist_dir(root: Path, *, gz=False, n_train=30, n_test=10, shape=(4, 3), test_shape=None, num_labels=10,
-              images_dtype="u1") -> Path:
+def mnist_dir(
+    root: Path, *, gz=False, n_train=30, n_test=10, shape=(4, 3), test_shape=None, num_labels=10, images_dtype="u1"
+) -> Path:
     """An MNIST-format directory of random images and labels."""
     rng = np.random.default_rng(1)
     root.mkdir(exist_ok=True)
@@ -125,7 +132,7 @@ def test_idx_images_are_not_read(tmp_path, gz):
     root = mnist_dir(tmp_path, gz=gz, n_train=500, shape=(28, 28))
     for name, n in (("train-images-idx3-ubyte", 500), ("t10k-images-idx3-ubyte", 10)):
         data = idx_bytes(np.zeros((n, 28, 28), np.uint8))
-        write(root / (name + (".gz" if gz else "")), data[:16 + 100], gz)
+        write(root / (name + (".gz" if gz else "")), data[: 16 + 100], gz)
     assert describe_dataset(f"idx:{root}") == DataShape(f"idx:{root}", (28, 28), 10)
     with pytest.raises(DataError, match=r"train-images-idx3-ubyte(\.gz)?: IDX payload is 100 bytes .*truncated"):
         load_dataset(f"idx:{root}")
@@ -188,9 +195,12 @@ def test_idx_errors_are_the_same(tmp_path, gz):
 
 
 def split_arrays(rng, n_train=30, n_test=10, row=(6,)):
-    return dict(x_train=rng.standard_normal((n_train, *row)), y_train=rng.integers(0, 4, n_train),
-                x_test=rng.standard_normal((n_test, *row)).astype(np.float32),
-                y_test=rng.integers(0, 4, n_test).astype(np.int32))
+    return dict(
+        x_train=rng.standard_normal((n_train, *row)),
+        y_train=rng.integers(0, 4, n_train),
+        x_test=rng.standard_normal((n_test, *row)).astype(np.float32),
+        y_test=rng.integers(0, 4, n_test).astype(np.int32),
+    )
 
 
 def test_npz_split_layout(tmp_path):
@@ -247,8 +257,13 @@ def test_npz_object_arrays_are_refused_without_unpickling(tmp_path, monkeypatch)
 
     np.savez(tmp_path / "x.npz", x=np.array([{"a": 1}, None], dtype=object), y=np.array([0, 1]), allow_pickle=True)
     np.savez(tmp_path / "y.npz", x=np.zeros((2, 3)), y=np.array([0, None], dtype=object), allow_pickle=True)
-    np.savez(tmp_path / "extra.npz", x=np.zeros((2, 3)), y=np.array([0, 1]), note=np.array(["a", 1], dtype=object),
-             allow_pickle=True)
+    np.savez(
+        tmp_path / "extra.npz",
+        x=np.zeros((2, 3)),
+        y=np.array([0, 1]),
+        note=np.array(["a", 1], dtype=object),
+        allow_pickle=True,
+    )
     with open(tmp_path / "p.npz", "wb") as f:
         pickle.dump({"x": np.zeros((2, 3)), "y": np.array([0, 1])}, f)
     monkeypatch.setattr(pickle, "loads", boom)
@@ -267,25 +282,36 @@ def test_npz_errors_are_the_same(tmp_path):
         return str(tmp_path / name)
 
     cases = {
-        "missing key(s) y_test": npz("m.npz", x_train=np.zeros((3, 2)), y_train=np.zeros(3, int),
-                                     x_test=np.zeros((1, 2))),
+        "missing key(s) y_test": npz(
+            "m.npz", x_train=np.zeros((3, 2)), y_train=np.zeros(3, int), x_test=np.zeros((1, 2))
+        ),
         "found: images": npz("n.npz", images=np.zeros((3, 2))),
         "x has 5 rows but y has 4 targets": npz("l.npz", x=np.zeros((5, 2)), y=np.zeros(4, int)),
         "must have shape (n, features...)": npz("v.npz", x=np.zeros(5), y=np.zeros(5, int)),
-        "class labels must be integers": npz("f.npz", x=np.zeros((4, 2)), y=np.array([0.0, 1.5, 1.0, 0.0]),
-                                             target=np.array("classes")),
+        "class labels must be integers": npz(
+            "f.npz", x=np.zeros((4, 2)), y=np.array([0.0, 1.5, 1.0, 0.0]), target=np.array("classes")
+        ),
         "look like one-hot rows": npz("o.npz", x=np.zeros((2, 2)), y=np.eye(2)),
         "target must be a string": npz("t.npz", x=np.zeros((2, 2)), y=np.zeros(2), target=np.int64(1)),
         "inputs must be numeric": npz("b.npz", x=np.zeros((2, 2), bool), y=np.array([0, 1])),
         "x_train rows have shape (2,) but x_test rows (3,)": npz(
-            "r.npz", x_train=np.zeros((3, 2)), y_train=np.zeros(3, int), x_test=np.zeros((1, 3)),
-            y_test=np.zeros(1, int)),
-        "num_classes is 2 but a label is 3": npz("k.npz", x=np.zeros((4, 2)), y=np.arange(4),
-                                                 num_classes=np.int64(2)),
-        "num_classes must be a scalar integer": npz("q.npz", x=np.zeros((4, 2)), y=np.arange(4),
-                                                    num_classes=np.array([5, 6])),
-        "no labels at all": npz("e.npz", x_train=np.zeros((0, 2)), y_train=np.zeros(0, int),
-                                x_test=np.zeros((0, 2)), y_test=np.zeros(0, int)),
+            "r.npz",
+            x_train=np.zeros((3, 2)),
+            y_train=np.zeros(3, int),
+            x_test=np.zeros((1, 3)),
+            y_test=np.zeros(1, int),
+        ),
+        "num_classes is 2 but a label is 3": npz("k.npz", x=np.zeros((4, 2)), y=np.arange(4), num_classes=np.int64(2)),
+        "num_classes must be a scalar integer": npz(
+            "q.npz", x=np.zeros((4, 2)), y=np.arange(4), num_classes=np.array([5, 6])
+        ),
+        "no labels at all": npz(
+            "e.npz",
+            x_train=np.zeros((0, 2)),
+            y_train=np.zeros(0, int),
+            x_test=np.zeros((0, 2)),
+            y_test=np.zeros(0, int),
+        ),
     }
     (tmp_path / "junk.npz").write_bytes(b"this is not a zip archive at all")
     cases["not an .npz archive"] = str(tmp_path / "junk.npz")
@@ -300,11 +326,23 @@ def test_npz_errors_are_the_same(tmp_path):
 # ---------------------------------------------------------------- specs
 
 
-@pytest.mark.parametrize("spec, kwargs", [
-    ("mnist", {}), ("", {}), ("   ", {}), (3, {}), ("idx:", {}), ("npz: ", {}),
-    ("digits", {"dtype": "int32"}), ("digits", {"seed": "x"}), ("digits", {"test_fraction": 0}),
-    ("digits", {"n_train": 10}), ("idx:/nowhere", {"input_dim": 3}), ("x.npz", {"num_classes": 3}),
-])
+@pytest.mark.parametrize(
+    "spec, kwargs",
+    [
+        ("mnist", {}),
+        ("", {}),
+        ("   ", {}),
+        (3, {}),
+        ("idx:", {}),
+        ("npz: ", {}),
+        ("digits", {"dtype": "int32"}),
+        ("digits", {"seed": "x"}),
+        ("digits", {"test_fraction": 0}),
+        ("digits", {"n_train": 10}),
+        ("idx:/nowhere", {"input_dim": 3}),
+        ("x.npz", {"num_classes": 3}),
+    ],
+)
 def test_bad_specs_give_the_same_error(spec, kwargs):
     assert_same_error(spec, **kwargs)
 
@@ -312,8 +350,14 @@ def test_bad_specs_give_the_same_error(spec, kwargs):
 # ---------------------------------------------------------------- shards
 
 
-@pytest.mark.parametrize("sets", [(), ("model.name=softmax", "train.dtype=float64"),
-                                  ("data.name=synthetic", "data.input_dim=12", "data.num_classes=3")])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("model.name=softmax", "train.dtype=float64"),
+        ("data.name=synthetic", "data.input_dim=12", "data.num_classes=3"),
+    ],
+)
 def test_build_shard_does_not_load_the_dataset(sets, monkeypatch):
     job = make_job("model.hidden=[16]", "cluster.shards=2", "cluster.slice_bytes=512", *sets)
     built = build_job(job)  # what a trainer builds, from the loaded data
@@ -323,14 +367,18 @@ def test_build_shard_does_not_load_the_dataset(sets, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a shard loaded the dataset")
 
-    for module, name in ((psgd.data, "load_dataset"), (psgd.data.datasets, "load_dataset"),
-                         (psgd.data.datasets, "read_digits"), (psgd.data.datasets, "make_synthetic")):
+    for module, name in (
+        (psgd.data, "load_dataset"),
+        (psgd.data.datasets, "load_dataset"),
+        (psgd.data.datasets, "read_digits"),
+        (psgd.data.datasets, "make_synthetic"),
+    ):
         monkeypatch.setattr(module, name, refuse)
     for k in range(2):
         core = build_shard(describe_job(job), k)
         assert core.plan.hash == want.hash
         for s, w in slice_weights(core):
-            np.testing.assert_array_equal(w, init[s.var].reshape(-1)[s.start:s.stop])
+            np.testing.assert_array_equal(w, init[s.var].reshape(-1)[s.start : s.stop])
 
 
 def test_build_shard_from_idx_headers(tmp_path):

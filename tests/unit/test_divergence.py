@@ -72,8 +72,10 @@ def test_a_run_that_trains_is_never_told():
     for step in range(1000):
         assert g.step(step, step // 100, 2.3 * math.exp(-step / 200) * rng.uniform(0.2, 3)) is None
         if step % 100 == 99:
-            assert g.evaluation(step + 1, step // 100, 2.3 * math.exp(-step / 300), 1 - 0.9 * math.exp(-step / 300)) \
+            assert (
+                g.evaluation(step + 1, step // 100, 2.3 * math.exp(-step / 300), 1 - 0.9 * math.exp(-step / 300))
                 is None
+            )
     assert g.verdict is None
 
 
@@ -83,8 +85,13 @@ def test_told_once():
     assert first is not None
     assert g.step(4, 0, float("nan")) is None and g.evaluation(5, 0, float("nan"), 0.1) is None
     assert g.verdict is first
-    assert first.record() == {"by": "worker 0", "step": 3, "epoch": 0, "why": "the training loss is nan",
-                              "advice": "lower it"}
+    assert first.record() == {
+        "by": "worker 0",
+        "step": 3,
+        "epoch": 0,
+        "why": "the training loss is nan",
+        "advice": "lower it",
+    }
 
 
 def test_the_final_weights_on_their_own():
@@ -104,17 +111,37 @@ def job(*sets: str) -> JobConfig:
     return config
 
 
-@pytest.mark.parametrize("mode, sets, words, absent", [
-    ("local", ["optimizer.lr=0.5"], ["lower the learning rate ([optimizer] lr = 0.5)", "warmup_steps"], ["cluster"]),
-    ("allreduce", [], ["lower the learning rate", "warmup_steps"], ["cluster"]),
-    ("ps", ["cluster.policy=\"sync\""], ["lower the learning rate", "warmup_steps"], ["cluster"]),
-    ("ps", ["cluster.policy=\"async\"", "cluster.async_lr=\"full\"", "cluster.workers=4"],
-     ["full learning rate", "4 workers move the weights 4 times as far", "async_lr = \"divided\""], []),
-    ("ps", ["cluster.policy=\"async\""],
-     ["staleness_lr = true", "dc_lambda = 0.04", "implicit_momentum = true"], ["staleness bound"]),
-    ("ps", ["cluster.policy=\"ssp\"", "cluster.staleness=3", "cluster.dc_lambda=0.1", "optimizer.name=\"adam\""],
-     ["staleness_lr = true", "smaller staleness bound (now 3)"], ["dc_lambda", "implicit_momentum"]),
-])
+@pytest.mark.parametrize(
+    "mode, sets, words, absent",
+    [
+        (
+            "local",
+            ["optimizer.lr=0.5"],
+            ["lower the learning rate ([optimizer] lr = 0.5)", "warmup_steps"],
+            ["cluster"],
+        ),
+        ("allreduce", [], ["lower the learning rate", "warmup_steps"], ["cluster"]),
+        ("ps", ["cluster.policy=\"sync\""], ["lower the learning rate", "warmup_steps"], ["cluster"]),
+        (
+            "ps",
+            ["cluster.policy=\"async\"", "cluster.async_lr=\"full\"", "cluster.workers=4"],
+            ["full learning rate", "4 workers move the weights 4 times as far", "async_lr = \"divided\""],
+            [],
+        ),
+        (
+            "ps",
+            ["cluster.policy=\"async\""],
+            ["staleness_lr = true", "dc_lambda = 0.04", "implicit_momentum = true"],
+            ["staleness bound"],
+        ),
+        (
+            "ps",
+            ["cluster.policy=\"ssp\"", "cluster.staleness=3", "cluster.dc_lambda=0.1", "optimizer.name=\"adam\""],
+            ["staleness_lr = true", "smaller staleness bound (now 3)"],
+            ["dc_lambda", "implicit_momentum"],
+        ),
+    ],
+)
 def test_the_advice_fits_the_mode_and_policy(mode, sets, words, absent):
     said = advice(job(*sets), mode)
     for w in words:
@@ -161,6 +188,7 @@ def test_a_resumed_run_is_judged_against_the_first_test_loss_of_the_whole_run(tm
     """The stopped part's metrics lines hold the run's first test loss; the resumed part's first evaluation is not
     the run's (it was the baseline, and a test loss creeping up from it made a false "training diverged")."""
     from helpers import make_job
+
     from psgd.job import build_job
     from psgd.training.local import LocalExchange
     from psgd.training.loop import run_loop
@@ -170,8 +198,14 @@ def test_a_resumed_run_is_judged_against_the_first_test_loss_of_the_whole_run(tm
     stopped = run_loop(job, LocalExchange(job), progress=False, metrics_path=metrics, final_evaluation=False)
     assert stopped.history and stopped.divergence is None
     job.config = job.config.override("train.epochs", 3)
-    resumed = run_loop(job, Worsening(stopped.params, stopped.final_clock), progress=False, metrics_path=metrics,
-                       evaluate_every=1, final_evaluation=False)
+    resumed = run_loop(
+        job,
+        Worsening(stopped.params, stopped.final_clock),
+        progress=False,
+        metrics_path=metrics,
+        evaluate_every=1,
+        final_evaluation=False,
+    )
     losses = [e["test_loss"] for e in resumed.history]
     assert losses[-1] > losses[0] and losses[-1] < stopped.history[0]["test_loss"], losses  # creeping, but below
     assert resumed.divergence is None, resumed.divergence
@@ -182,11 +216,13 @@ def test_a_resumed_runs_first_values_skip_other_roles_cut_lines_and_what_is_not_
 
     wanted = {"step": "loss", "eval": "test_loss"}
     path = tmp_path / "worker-0.jsonl"
-    path.write_text('{"role": "worker:1", "event": "eval", "test_loss": 5.0}\n{"role": "worker:0", "ev\n'
-                    '[1, 2]\n{"role": "worker:0", "event": "step", "loss": null}\n'
-                    '{"role": "worker:0", "event": "step", "loss": 2.5}\n'
-                    '{"role": "worker:0", "event": "eval", "test_loss": 0.9}\n'
-                    '{"role": "worker:0", "event": "eval", "test_loss": 0.5}\n')
+    path.write_text(
+        '{"role": "worker:1", "event": "eval", "test_loss": 5.0}\n{"role": "worker:0", "ev\n'
+        '[1, 2]\n{"role": "worker:0", "event": "step", "loss": null}\n'
+        '{"role": "worker:0", "event": "step", "loss": 2.5}\n'
+        '{"role": "worker:0", "event": "eval", "test_loss": 0.9}\n'
+        '{"role": "worker:0", "event": "eval", "test_loss": 0.5}\n'
+    )
     assert first_values(path, "worker:0", wanted) == {"step": 2.5, "eval": 0.9}
     assert first_values(tmp_path / "none.jsonl", "worker:0", wanted) == {}
     assert first_values(tmp_path, "worker:0", wanted) == {}  # a folder

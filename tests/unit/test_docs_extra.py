@@ -21,8 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 def docs_extra() -> set[str]:
     """The distributions ``pip install -e ".[docs]"`` installs: the extra's requirements and all of theirs (as
     installed here), extras of theirs left out as pip leaves them."""
-    wanted = [Requirement(r) for r in
-              tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]]
+    wanted = [
+        Requirement(r)
+        for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
+    ]
     found: set[str] = set()
     while wanted:
         req = wanted.pop()
@@ -45,8 +47,10 @@ def hooks_imports() -> set[str]:
 def site_needs() -> dict[str, str]:
     """What properdocs.yml names, by what provides it: a module, or a theme's or plugin's entry point."""
     site = yaml.safe_load((REPO / "properdocs.yml").read_text(encoding="utf-8"))
-    needs = {"theme " + site["theme"]["name"]: "properdocs.themes", **{f"plugin {p}": "properdocs.plugins"
-                                                                     for p in site.get("plugins", ())}}
+    needs = {
+        "theme " + site["theme"]["name"]: "properdocs.themes",
+        **{f"plugin {p}": "properdocs.plugins" for p in site.get("plugins", ())},
+    }
     for entry in site["markdown_extensions"]:
         name, options = next(iter(entry.items())) if isinstance(entry, dict) else (entry, None)
         needs[f"extension {name}"] = name.split(".")[0] if "." in name else "markdown"  # Markdown's own: bare names
@@ -71,8 +75,9 @@ def test_every_extension_theme_and_plugin_comes_with_the_docs_extra():
     missing = []
     for what, need in site_needs().items():
         if need.startswith("properdocs."):
-            given = {canonicalize_name(e.dist.name) for e in metadata.entry_points(group=need)
-                     if e.name == what.split()[1]}
+            given = {
+                canonicalize_name(e.dist.name) for e in metadata.entry_points(group=need) if e.name == what.split()[1]
+            }
         else:
             given = providers(need)
         if not given & installed:

@@ -25,4 +25,6 @@ def test_every_path_a_page_names_is_there(page):
 
 def test_the_paths_are_found_in_backquotes_only():
     assert named_paths("see `psgd/server/state/core.py` and psgd/x.py, `tests/unit/`, `psgd/*.py`") == [
-        "psgd/server/state/core.py", "tests/unit/"]
+        "psgd/server/state/core.py",
+        "tests/unit/",
+    ]

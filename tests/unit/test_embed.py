@@ -41,8 +41,7 @@ def test_every_gradient_of_embed_is_its_losss_in_float64(combine):
 
 def test_the_model_checker_checks_a_models_tables():
     model = build_model("embed", (13,), 2, "float32", id_shape=(26,), dim=4, hidden=[8])
-    checks = check_model(model, (13,), 2, "float32", id_shape=(26,), name="embed",
-                         options=dict(dim=4, hidden=[8]))
+    checks = check_model(model, (13,), 2, "float32", id_shape=(26,), name="embed", options=dict(dim=4, hidden=[8]))
     assert [c.status for c in checks] == ["ok"] * 6, checks
     assert "one per table" in checks[3].lines[0] and "5 gradients" in checks[5].lines[0]  # the table's checked
 

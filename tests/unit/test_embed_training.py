@@ -10,16 +10,27 @@ from psgd.config import ConfigError, JobConfig
 from psgd.data import DataError, describe_dataset, load_dataset
 from psgd.data.clicks import Generator, reachable_accuracy
 from psgd.job import build_job
-from psgd.training.loop import run_loop
 from psgd.model import ModelError
 from psgd.training.local import LocalExchange
+from psgd.training.loop import run_loop
 
 
 def clicks_job(*sets: str) -> JobConfig:
     config = JobConfig()
-    config = config.apply_sets(["model.name=embed", "model.dim=8", "model.hidden=[16]", "data.name=clicks",
-                                "data.n_train=8000", "data.n_test=2000", "train.epochs=1", "train.batch_size=64",
-                                "tables.lr=0.1", *sets])
+    config = config.apply_sets(
+        [
+            "model.name=embed",
+            "model.dim=8",
+            "model.hidden=[16]",
+            "data.name=clicks",
+            "data.n_train=8000",
+            "data.n_test=2000",
+            "train.epochs=1",
+            "train.batch_size=64",
+            "tables.lr=0.1",
+            *sets,
+        ]
+    )
     return config
 
 
@@ -84,11 +95,16 @@ def test_clicks_is_a_dataset_with_ids_and_checked_options():
         describe_dataset("clicks", alpha=0.5)
 
 
-@pytest.mark.parametrize("key, value, words", [("optimizer", "adam", "optimizer must be one of sgd, rowwise_adagrad"),
-                                               ("beta1", 1.0, "beta1 must be a finite number in [0, 1)"),
-                                               ("lr", 0, "lr must be a finite number > 0"),
-                                               ("when_full", "drop", 'when_full must be "fail" or "evict"'),
-                                               ("max_rows", -2, "max_rows must be an integer")])
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("optimizer", "adam", "optimizer must be one of sgd, rowwise_adagrad"),
+        ("beta1", 1.0, "beta1 must be a finite number in [0, 1)"),
+        ("lr", 0, "lr must be a finite number > 0"),
+        ("when_full", "drop", 'when_full must be "fail" or "evict"'),
+        ("max_rows", -2, "max_rows must be an integer"),
+    ],
+)
 def test_the_tables_section_is_checked(key, value, words):
     config = JobConfig()
     with pytest.raises(ConfigError, match=f"\\[tables\\] {words[:20]}"):
@@ -96,8 +112,8 @@ def test_the_tables_section_is_checked(key, value, words):
 
 
 def test_the_trained_tables_are_saved_with_the_weights_and_psgd_eval_scores_them_alike(tmp_path):
-    from psgd.training.local import train_local
     from psgd.training.evaluation import evaluate_file
+    from psgd.training.local import train_local
     from psgd.weights import save_weights
 
     config = clicks_job()

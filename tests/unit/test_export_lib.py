@@ -8,23 +8,20 @@ import pickle
 
 import numpy as np
 import pytest
-
-from psgd.export import shards as export
-from psgd import weights as weight_files
-from psgd.weights import ExportError
-from psgd.partition import PartitionPlan
-from psgd.job import describe_job
-from psgd.server import build_shard
-from psgd.server.state import checkpoint
-from psgd.server.durable import recovery
-from psgd.server.state.core import ShardCore
-from psgd.job import build_job, fingerprint, identity
-
 from helpers import make_job, slice_weights
 
+from psgd import weights as weight_files
+from psgd.export import shards as export
+from psgd.job import build_job, describe_job, fingerprint, identity
+from psgd.partition import PartitionPlan
+from psgd.server import build_shard
+from psgd.server.durable import recovery
+from psgd.server.state import checkpoint
+from psgd.server.state.core import ShardCore
+from psgd.weights import ExportError
+
 # Small slices, so that every MLP tensor is cut and spread over the 3 shards.
-SETS = ("model.hidden=[24]", "cluster.shards=3", "cluster.workers=1", "cluster.policy=async",
-        "cluster.slice_bytes=512")
+SETS = ("model.hidden=[24]", "cluster.shards=3", "cluster.workers=1", "cluster.policy=async", "cluster.slice_bytes=512")
 
 
 def job(*extra: str):
@@ -51,7 +48,7 @@ def joined_by_hand(j, shard_cores: list[ShardCore]) -> dict[str, np.ndarray]:
     out = {s.name: np.full(s.shape, np.nan, dtype=s.dtype) for s in plan.specs}
     for core in shard_cores:
         for sl, w in slice_weights(core):
-            out[sl.var].reshape(-1)[sl.start:sl.stop] = w
+            out[sl.var].reshape(-1)[sl.start : sl.stop] = w
     return out
 
 
@@ -151,8 +148,11 @@ def test_a_missing_shard_is_refused(tmp_path):
     for p in (home(tmp_path, j) / "shard-1").iterdir():
         p.unlink()
     (home(tmp_path, j) / "shard-1").rmdir()
-    with pytest.raises(ExportError, match=r"shard-1 has no intact checkpoint \(shard-0: ckpt-0; shard-1: no folder; "
-                                          r"shard-2: ckpt-0\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"shard-1 has no intact checkpoint \(shard-0: ckpt-0; shard-1: no folder; "
+        r"shard-2: ckpt-0\)",
+    ):
         export.join_checkpoints(j, tmp_path)
     with pytest.raises(ExportError, match="does not exist"):
         export.join_checkpoints(j, tmp_path / "nowhere")
@@ -178,8 +178,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_says_so(tm
         damage(home(tmp_path, j) / f"shard-{k}" / "ckpt-2.npz")
     result = export.join_checkpoints(j, tmp_path)
     assert result.versions == [1, 1, 1]
-    assert len(result.notes) == 3 and "shard-0/ckpt-2 skipped (ckpt-2.npz does not match its checksum" in \
-        result.notes[0] and result.notes[0].endswith("took ckpt-1")
+    assert (
+        len(result.notes) == 3
+        and "shard-0/ckpt-2 skipped (ckpt-2.npz does not match its checksum" in result.notes[0]
+        and result.notes[0].endswith("took ckpt-1")
+    )
     for name, value in at_1.items():
         assert np.array_equal(result.weights[name], value)
 
@@ -194,13 +197,19 @@ def test_a_damaged_checkpoint_on_one_shard_is_named(tmp_path):
     (home(tmp_path, j) / "shard-2" / "ckpt-1.npz").write_bytes(b"PK truncated")
     with pytest.raises(ExportError, match=r"shard-0: ckpt-1, shard-1: ckpt-1, shard-2: ckpt-0"):
         export.join_checkpoints(j, tmp_path)  # shard 2 fell back to version 0: versions differ
-    with pytest.raises(ExportError, match=r"shard-2/ckpt-1 is damaged: ckpt-1.npz does not match its checksum.*"
-                                          r"shard-2: ckpt-1 \(damaged\), ckpt-0"):
+    with pytest.raises(
+        ExportError,
+        match=r"shard-2/ckpt-1 is damaged: ckpt-1.npz does not match its checksum.*"
+        r"shard-2: ckpt-1 \(damaged\), ckpt-0",
+    ):
         export.join_checkpoints(j, tmp_path, version=1)
     assert export.join_checkpoints(j, tmp_path, version=0).versions == [0, 0, 0]
     (home(tmp_path, j) / "shard-2" / "ckpt-0.npz").unlink()
-    with pytest.raises(ExportError, match=r"shard-2 has no intact checkpoint .*shard-2/ckpt-1: ckpt-1.npz does not "
-                                          r"match"):
+    with pytest.raises(
+        ExportError,
+        match=r"shard-2 has no intact checkpoint .*shard-2/ckpt-1: ckpt-1.npz does not "
+        r"match",
+    ):
         export.join_checkpoints(j, tmp_path, mixed=True)
 
 
@@ -212,8 +221,10 @@ def test_checkpoints_of_another_model_are_refused_with_the_jobs_plan(tmp_path):
     text = str(err.value)
     plan = export.job_plan(other)
     assert f"no checkpoints of this job (fingerprint {home(tmp_path, other).name}) in {tmp_path}" in text
-    assert f"only of another job: job {home(tmp_path, job()).name} (ckpt-0; differs in plan: this job " \
-           f"{plan.hash}, checkpoint {export.job_plan(job()).hash})" in text
+    assert (
+        f"only of another job: job {home(tmp_path, job()).name} (ckpt-0; differs in plan: this job "
+        f"{plan.hash}, checkpoint {export.job_plan(job()).hash})" in text
+    )
     assert f"this job describes plan {plan.hash}: model mlp, float32, 3 shard(s)" in text
     assert "dense0/W: job shape (64, 32) float32 vs checkpoints shape (64, 24) float32" in text
     assert "--model" in text and "-c job.toml" in text
@@ -228,14 +239,18 @@ def test_checkpoints_of_different_plans_are_refused(tmp_path):
         p.unlink()
     other = cores(job("model.hidden=[32]"))
     recovery.write(other[1], home(tmp_path, job()) / "shard-1", force=True)  # copied into this job's folder
-    with pytest.raises(ExportError, match=r"different partition plans \(shard-0/ckpt-0: plan \w+, shard-1/ckpt-0: "
-                                          r"plan \w+, shard-2/ckpt-0: plan \w+; this job has plan \w+\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"different partition plans \(shard-0/ckpt-0: plan \w+, shard-1/ckpt-0: "
+        r"plan \w+, shard-2/ckpt-0: plan \w+; this job has plan \w+\)",
+    ):
         export.join_checkpoints(job(), tmp_path)
 
 
 def test_a_checkpoint_in_the_wrong_shard_folder_is_refused(tmp_path):
-    j = make_job("model.name=softmax", "cluster.shards=2", "cluster.workers=1", "cluster.slice_bytes=64",
-                 "cluster.policy=async")
+    j = make_job(
+        "model.name=softmax", "cluster.shards=2", "cluster.workers=1", "cluster.slice_bytes=64", "cluster.policy=async"
+    )
     shard_cores = cores(j)
     recovery.write(shard_cores[0], home(tmp_path, j) / "shard-0", force=True)
     recovery.write(shard_cores[0], home(tmp_path, j) / "shard-1", force=True)
@@ -266,9 +281,11 @@ def test_checkpoints_of_another_job_with_the_same_plan_are_named_with_what_diffe
     with pytest.raises(ExportError) as err:
         export.join_checkpoints(job(), tmp_path)
     text = str(err.value)
-    assert f"no checkpoints of this job (fingerprint {home(tmp_path, job()).name}) in {tmp_path}, only of another " \
-           f"job: job {theirs.name} (ckpt-0; differs in workers: this job 1, checkpoint 2; optimizer: this job " \
-           "{lr=0.05}, checkpoint {lr=0.2})" in text
+    assert (
+        f"no checkpoints of this job (fingerprint {home(tmp_path, job()).name}) in {tmp_path}, only of another "
+        f"job: job {theirs.name} (ckpt-0; differs in workers: this job 1, checkpoint 2; optimizer: this job "
+        "{lr=0.05}, checkpoint {lr=0.2})" in text
+    )
     assert f"or --checkpoints {theirs} to join its checkpoints as they are" in text and "\n" not in text
     assert export.join_checkpoints(job(), theirs).versions == [0, 0, 0]  # a job's folder named directly
 
@@ -276,7 +293,9 @@ def test_checkpoints_of_another_job_with_the_same_plan_are_named_with_what_diffe
 def test_checkpoints_in_the_layout_before_fingerprints_still_join(tmp_path):
     j = job()
     for core in cores(j):
-        recovery.write(core, checkpoint.shard_dir(tmp_path, core.shard), force=True)  # DIR/shard-K, as psgd wrote before
+        recovery.write(
+            core, checkpoint.shard_dir(tmp_path, core.shard), force=True
+        )  # DIR/shard-K, as psgd wrote before
     result = export.join_checkpoints(j, tmp_path)
     assert result.versions == [0, 0, 0] and result.source == f"checkpoints in {tmp_path}"
 
@@ -313,20 +332,26 @@ def test_load_weights_names_each_difference():
     bad["dense0/W"] = np.zeros((64, 10), np.float32)
     bad["dense0/b"] = np.zeros(24, np.float64)
     assert weight_files.weight_differences(bad, specs) == [
-        "missing dense1/b", "extra extra", "dense0/W has shape (64, 10), the model's is (64, 24)",
-        "dense0/b is float64, the model's is float32"]
+        "missing dense1/b",
+        "extra extra",
+        "dense0/W has shape (64, 10), the model's is (64, 24)",
+        "dense0/b is float64, the model's is float32",
+    ]
     doubles = {k: v.astype(np.float64) for k, v in good.items()}
     assert weight_files.weight_differences(doubles, specs) == ["every variable is float64, the model's are float32"]
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("text", "not an .npz archive"),
-    ("pickle", "is a Python pickle, which psgd never loads"),
-    ("object", "array 'a' is an object array; psgd never unpickles data"),
-    ("npy", "is a single .npy array, expected an .npz archive"),
-    ("truncated", "not a readable .npz archive|array 'a' is corrupt"),
-    ("missing", "no such file"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("text", "not an .npz archive"),
+        ("pickle", "is a Python pickle, which psgd never loads"),
+        ("object", "array 'a' is an object array; psgd never unpickles data"),
+        ("npy", "is a single .npy array, expected an .npz archive"),
+        ("truncated", "not a readable .npz archive|array 'a' is corrupt"),
+        ("missing", "no such file"),
+    ],
+)
 def test_files_that_are_not_plain_npz_are_refused(tmp_path, kind, message):
     path = tmp_path / "w.npz"
     if kind == "text":

@@ -11,8 +11,10 @@ import pytest
 
 from psgd.launcher.supervise import Children, LaunchError, wait_all
 
-FAILS = {"exit code 3": "import sys; print('worker 1: no data here', file=sys.stderr); sys.exit(3)",
-         "SIGKILL": "import os, signal; print('worker 1: going', flush=True); os.kill(os.getpid(), signal.SIGKILL)"}
+FAILS = {
+    "exit code 3": "import sys; print('worker 1: no data here', file=sys.stderr); sys.exit(3)",
+    "SIGKILL": "import os, signal; print('worker 1: going', flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+}
 
 
 def launch_of(tmp_path, source: str) -> tuple[LaunchError, int, float]:
@@ -41,9 +43,17 @@ def test_a_child_that_fails_is_recorded_whole(tmp_path, how):
         assert (failure.exit_code, failure.signal) == (3, None)
         assert failure.last_lines == ("worker 1: no data here",)
     assert before <= failure.time <= time.time() and 0 <= failure.seconds <= time.time() - before
-    assert failure.record() == {"role": "worker", "rank": 1, "pid": pid, "exit_code": failure.exit_code,
-                                "signal": failure.signal, "time": failure.time, "seconds": failure.seconds,
-                                "log": str(tmp_path / "worker-1.log"), "last_lines": list(failure.last_lines)}
+    assert failure.record() == {
+        "role": "worker",
+        "rank": 1,
+        "pid": pid,
+        "exit_code": failure.exit_code,
+        "signal": failure.signal,
+        "time": failure.time,
+        "seconds": failure.seconds,
+        "log": str(tmp_path / "worker-1.log"),
+        "last_lines": list(failure.last_lines),
+    }
     last = str(error).splitlines()[-1]  # the launch's last line names it: role, rank, how it ended, its log
     assert last.startswith(f"  worker 1: {how}, ") and last.endswith(f"; log {tmp_path / 'worker-1.log'}"), last
 
@@ -53,8 +63,9 @@ def test_only_the_children_that_failed_are_recorded(tmp_path):
     children = Children()
     well = children.start("worker 0", [sys.executable, "-c", "pass"], tmp_path / "worker-0.log")
     well.popen.wait(30)
-    running = children.start("shard 0", [sys.executable, "-c", "import signal; signal.pause()"],
-                             tmp_path / "shard-0.log")
+    running = children.start(
+        "shard 0", [sys.executable, "-c", "import signal; signal.pause()"], tmp_path / "shard-0.log"
+    )
     bad = children.start("replica 0", [sys.executable, "-c", "raise SystemExit(5)"], tmp_path / "replica-0.log")
     try:
         with pytest.raises(LaunchError) as failed:
@@ -67,8 +78,9 @@ def test_only_the_children_that_failed_are_recorded(tmp_path):
 
 def test_a_launch_that_ran_out_of_time_has_no_failure_to_record(tmp_path):
     children = Children()
-    slow = children.start("worker 0", [sys.executable, "-c", "import signal; signal.pause()"],
-                          tmp_path / "worker-0.log")
+    slow = children.start(
+        "worker 0", [sys.executable, "-c", "import signal; signal.pause()"], tmp_path / "worker-0.log"
+    )
     try:
         with pytest.raises(LaunchError, match="did not finish within") as failed:
             wait_all([slow], children.procs, children, time.monotonic() + 0.2, 0.2, tmp_path)

@@ -7,13 +7,13 @@ import tomllib
 import types
 from pathlib import Path
 
+import fake_cupy
 import numpy as np
 import pytest
-
-import fake_cupy
 from helpers import Mirror
-from psgd.compute import backend
+
 from psgd.collective.base import Bucketer
+from psgd.compute import backend
 from psgd.config import JobConfig
 from psgd.data import load_dataset
 from psgd.job import build_job
@@ -27,8 +27,9 @@ class CupyShaped(np.ndarray):
     @property
     def flags(self):
         real = np.ndarray.flags.__get__(self)
-        return types.SimpleNamespace(c_contiguous=real.c_contiguous, f_contiguous=real.f_contiguous,
-                                     owndata=real.owndata)
+        return types.SimpleNamespace(
+            c_contiguous=real.c_contiguous, f_contiguous=real.f_contiguous, owndata=real.owndata
+        )
 
 
 def test_bucketer_reduces_a_large_gradient_that_has_cupy_flags():
@@ -69,8 +70,13 @@ def test_use_device_parses_checks_and_makes_current(monkeypatch):
 def test_a_gpu_whose_kernels_cannot_be_built_is_not_available(monkeypatch):
     # CuPy 14's wheel brings neither NVRTC nor cuBLAS: on a host with a driver and no CUDA toolkit
     # it sees the GPU and fails at the first kernel.  psgd must say so when the device is asked for.
-    fake_cupy.install(monkeypatch, fake_cupy.FakeCupy(
-        devices=1, broken="CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open shared object file"))
+    fake_cupy.install(
+        monkeypatch,
+        fake_cupy.FakeCupy(
+            devices=1,
+            broken="CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open shared object file",
+        ),
+    )
     assert not backend.cuda_available()
     with pytest.raises(backend.DeviceError) as info:
         backend.get_device("cuda:0")
@@ -87,7 +93,8 @@ def test_the_cuda_hint_names_packages_that_exist():
     from pathlib import Path
 
     extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     for extra in ("cuda12", "cuda13"):
         names = [re.match(r"[\w.\[\]-]+", requirement)[0] for requirement in extras[extra]]
         command = "pip install " + " ".join(f"'{n}'" if "[" in n else n for n in names)
@@ -112,8 +119,10 @@ def test_the_cuda_extras_install_cupy_with_its_toolkit_and_nccl():
         wanted = extras[f"cuda{cuda}"]
         assert any(r.startswith(f"cupy-cuda{cuda}x[ctk]>=14") for r in wanted), wanted
         assert any(r.startswith(f"nvidia-nccl-cu{cuda}") for r in wanted), wanted
-    pins = {line.split("==")[0].strip() for line in (REPO / "requirements.lock").read_text().splitlines()
-            if "==" in line and not line.lstrip().startswith("#")}
-    for package in ("cupy-cuda12x", "nvidia-nccl-cu12", "cuda-toolkit", "nvidia-cuda-nvrtc-cu12",
-                    "nvidia-cublas-cu12"):
+    pins = {
+        line.split("==")[0].strip()
+        for line in (REPO / "requirements.lock").read_text().splitlines()
+        if "==" in line and not line.lstrip().startswith("#")
+    }
+    for package in ("cupy-cuda12x", "nvidia-nccl-cu12", "cuda-toolkit", "nvidia-cuda-nvrtc-cu12", "nvidia-cublas-cu12"):
         assert package in pins, f"requirements.lock does not pin {package}"

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgd.compute import backend
 from psgd.autodiff import Tensor, backward, no_grad, ops
+from psgd.compute import backend
 from psgd.model import build_model
-from psgd.model.losses import mean_squared_error, softmax_cross_entropy
 from psgd.model.blocks import Conv2d, Flatten, Linear, MaxPool2d, ReLU
+from psgd.model.losses import mean_squared_error, softmax_cross_entropy
 from psgd.model.module import Binding, Sequential
 
 EPS = 1e-6

@@ -14,8 +14,16 @@ from psgd.errors import install_extra
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what a user reads: psgd's code (its messages and help), its pages, the benchmarks' results page
-READ = sorted([*(ROOT / "psgd").rglob("*.py"), *(ROOT / "psgd").rglob("*.md"), *(ROOT / "docs").rglob("*.md"),
-               ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", ROOT / "pyproject.toml"])
+READ = sorted(
+    [
+        *(ROOT / "psgd").rglob("*.py"),
+        *(ROOT / "psgd").rglob("*.md"),
+        *(ROOT / "docs").rglob("*.md"),
+        ROOT / "README.md",
+        ROOT / "benchmarks" / "RESULTS.md",
+        ROOT / "pyproject.toml",
+    ]
+)
 #: an install of an extra of psgd's: psgd[...] or .[...]
 EXTRA = re.compile(r"pip install\b[^\n`]*?['\"]?(?:psgd|\.)\[")
 ONE_WAY = re.compile(r'python3 -m pip install (?:-q )?-c requirements\.lock -e "\.\[')
@@ -29,8 +37,11 @@ def test_one_way_is_the_readmes():
 @pytest.mark.parametrize("path", READ, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_hint_installs_an_extra_the_one_way(path):
     text = path.read_text(encoding="utf-8")
-    other = [text[m.start() - 30:m.end() + 10] for m in EXTRA.finditer(text)
-             if not ONE_WAY.match(text, m.start() - len("python3 -m "))]
+    other = [
+        text[m.start() - 30 : m.end() + 10]
+        for m in EXTRA.finditer(text)
+        if not ONE_WAY.match(text, m.start() - len("python3 -m "))
+    ]
     assert other == [], f"say {install_extra('EXTRA')!r} (psgd.errors.install_extra): {other}"
 
 

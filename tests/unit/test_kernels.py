@@ -13,10 +13,9 @@ import itertools
 import numpy as np
 import pytest
 
-from psgd.compute import kernels
-from psgd.compute import backend
-from psgd.model import build_model
 from psgd.autodiff import Tensor, backward, nn, ops
+from psgd.compute import backend, kernels
+from psgd.model import build_model
 from psgd.model.losses import softmax_cross_entropy
 from psgd.optim import SGD, Adam, AdamW, Momentum, Share
 
@@ -46,11 +45,17 @@ def test_relu_steps_keep_the_mask_products_they_replace(device, rng, dtype):
     np.testing.assert_array_equal(backend.to_host(kernels.relu_grad(on(d), on(out))), d * (out > 0))
 
 
-RULES = {"sgd": lambda: SGD(0.1), "sgd-wd": lambda: SGD(0.1, weight_decay=0.01),
-         "momentum": lambda: Momentum(0.1, 0.9), "momentum-wd": lambda: Momentum(0.1, 0.9, weight_decay=0.01),
-         "nesterov": lambda: Momentum(0.05, 0.8, nesterov=True),
-         "nesterov-wd": lambda: Momentum(0.1, 0.9, nesterov=True, weight_decay=0.01),
-         "adam": lambda: Adam(0.01), "adam-wd": lambda: Adam(0.01, weight_decay=0.01), "adamw": lambda: AdamW(0.01)}
+RULES = {
+    "sgd": lambda: SGD(0.1),
+    "sgd-wd": lambda: SGD(0.1, weight_decay=0.01),
+    "momentum": lambda: Momentum(0.1, 0.9),
+    "momentum-wd": lambda: Momentum(0.1, 0.9, weight_decay=0.01),
+    "nesterov": lambda: Momentum(0.05, 0.8, nesterov=True),
+    "nesterov-wd": lambda: Momentum(0.1, 0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda: Adam(0.01),
+    "adam-wd": lambda: Adam(0.01, weight_decay=0.01),
+    "adamw": lambda: AdamW(0.01),
+}
 SHARES = (Share(), Share(updates=4), Share(updates=4, implicit_momentum=0.5))
 
 
@@ -99,12 +104,21 @@ def test_matmul_is_the_product_for_every_layout(device, rng, dtype):
         a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
         at, bt = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
         wide = np.repeat(a, 2, axis=1)
-        for left, right, want in ((a, b, a @ b), (at.T, b, a @ b), (a, bt.T, a @ b), (at.T, bt.T, a @ b),
-                                  (wide[:, ::2], b, a @ b)):
+        for left, right, want in (
+            (a, b, a @ b),
+            (at.T, b, a @ b),
+            (a, bt.T, a @ b),
+            (at.T, bt.T, a @ b),
+            (wide[:, ::2], b, a @ b),
+        ):
             got = kernels.matmul(device.asarray(left), device.asarray(right))
             assert got.shape == (m, n) and got.dtype == dtype
-            np.testing.assert_allclose(backend.to_host(got), want, rtol=1e-5 if dtype == np.float32 else 1e-12,
-                                       atol=1e-5 if dtype == np.float32 else 1e-12)
+            np.testing.assert_allclose(
+                backend.to_host(got),
+                want,
+                rtol=1e-5 if dtype == np.float32 else 1e-12,
+                atol=1e-5 if dtype == np.float32 else 1e-12,
+            )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -115,8 +129,12 @@ def test_matmul_is_the_product_for_stacks_of_matrices(device, rng, dtype):
     for s, m, k, n in ((5, 7, 3, 4), (1, 6, 9, 2), (3, 1, 4, 1)):
         a3, b3 = rng.standard_normal((s, m, k)).astype(dtype), rng.standard_normal((s, k, n)).astype(dtype)
         a2, b2 = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-        views = {"as is": lambda x: x, "transposed": lambda x: x.transpose(0, 2, 1).copy().transpose(0, 2, 1),
-                 "strided": lambda x: x.repeat(2, axis=2)[:, :, ::2], "reversed": lambda x: x[::-1]}
+        views = {
+            "as is": lambda x: x,
+            "transposed": lambda x: x.transpose(0, 2, 1).copy().transpose(0, 2, 1),
+            "strided": lambda x: x.repeat(2, axis=2)[:, :, ::2],
+            "reversed": lambda x: x[::-1],
+        }
         for (left, right), view in itertools.product(((a3, b2), (a2, b3), (a3, b3)), views):
             on = [views[view](device.asarray(v)) if v.ndim == 3 else device.asarray(v) for v in (left, right)]
             got = kernels.matmul(*on)
@@ -171,8 +189,9 @@ def mlp_batch(gpu, rng, dtype="float64", name="mlp"):
     if name == "attention":
         model = attention_network(dtype)
     else:
-        model = build_model(name, input_shape=shape, num_classes=5, dtype=dtype,
-                            **({"hidden": [32, 32]} if name == "mlp" else {}))
+        model = build_model(
+            name, input_shape=shape, num_classes=5, dtype=dtype, **({"hidden": [32, 32]} if name == "mlp" else {})
+        )
     params = {k: gpu.asarray(v) for k, v in model.init(3).items()}
     return model, params, lambda: (gpu.asarray(rng.standard_normal((64,) + shape)), gpu.asarray(rng.integers(0, 5, 64)))
 
@@ -247,11 +266,23 @@ def test_training_with_graphs_ends_where_training_without_ends(optimizer, caplog
     results = []
     for graphs in ("true", "false"):
         config = JobConfig()
-        config = config.apply_sets(["model.name=mlp", "model.hidden=[48, 32]", "data.name=digits",
-                                    f"optimizer.name={optimizer}", "optimizer.weight_decay=0.001",
-                                    "optimizer.schedule=cosine", "optimizer.warmup_steps=5", "optimizer.total_steps=60",
-                                    "train.epochs=2", "train.batch_size=64", "train.device=cuda", "train.dtype=float64",
-                                    f"train.graphs={graphs}"])
+        config = config.apply_sets(
+            [
+                "model.name=mlp",
+                "model.hidden=[48, 32]",
+                "data.name=digits",
+                f"optimizer.name={optimizer}",
+                "optimizer.weight_decay=0.001",
+                "optimizer.schedule=cosine",
+                "optimizer.warmup_steps=5",
+                "optimizer.total_steps=60",
+                "train.epochs=2",
+                "train.batch_size=64",
+                "train.device=cuda",
+                "train.dtype=float64",
+                f"train.graphs={graphs}",
+            ]
+        )
         results.append(train_local(config, progress=False))
     assert "captured as a CUDA graph" in caplog.text and "the optimizer's update inside" in caplog.text
     graphed, eager = results

@@ -47,17 +47,22 @@ def test_benchmarks_do_not_import_the_command_line(path):
 
 def test_psgd_never_imports_pytorch():
     """PyTorch is a peer a benchmark measures against (benchmarks/torch_step.py), in an environment of its own."""
-    found = [str(path.relative_to(PSGD)) for path in sorted(PSGD.rglob("*.py"))
-             if any(m == "torch" or m.startswith("torch.") for m in imported(path))]
+    found = [
+        str(path.relative_to(PSGD))
+        for path in sorted(PSGD.rglob("*.py"))
+        if any(m == "torch" or m.startswith("torch.") for m in imported(path))
+    ]
     assert found == []
 
 
 TRANSPORTS = {"grpc", "socket", "ssl", "selectors", "psgd.proto", "psgd.wire.channel", "psgd.worker.client"}
 
 
-@pytest.mark.parametrize("path", [PSGD / "server" / "state" / "core.py", PSGD / "server" / "state" / "store.py",
-                                  PSGD / "training" / "loop.py"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [PSGD / "server" / "state" / "core.py", PSGD / "server" / "state" / "store.py", PSGD / "training" / "loop.py"],
+    ids=lambda p: p.name,
+)
 def test_the_shard_core_and_the_loop_know_no_transport(path):
     found = imported(path)
     assert not found & TRANSPORTS and not any(m.startswith("psgd.link") for m in found), path
@@ -71,12 +76,14 @@ def test_the_shard_imports_the_wire_never_the_workers_links(path):
 
 @pytest.mark.parametrize("path", modules("wire"), ids=lambda p: p.name)
 def test_the_wire_imports_neither_end(path):
-    assert not {m for m in imported(path) if m.split(".")[:2] in (["psgd", "link"], ["psgd", "server"],
-                                                                   ["psgd", "worker"])}, path
+    assert not {
+        m for m in imported(path) if m.split(".")[:2] in (["psgd", "link"], ["psgd", "server"], ["psgd", "worker"])
+    }, path
 
 
 def transport_tests(tree: ast.AST) -> list[int]:
     """Lines that compare something named ``transport`` with "auto" or "shm": a meaning spelled out again."""
+
     def names_transport(node: ast.AST) -> bool:
         return any(getattr(n, "id", getattr(n, "attr", None)) == "transport" for n in ast.walk(node))
 
@@ -90,8 +97,11 @@ def test_what_a_transport_means_is_written_once():
     """psgd/wire says what each [cluster] transport means (which link, a data port, shared memory); no other
     module tests a transport against "auto" or "shm" (the link's and the shard's ends each did)."""
     product = [p for p in sorted(PSGD.rglob("*.py")) if p.relative_to(PSGD).parts[0] not in ("wire", "bench")]
-    found = [f"{path.relative_to(PSGD)}:{line}" for path in product  # (a benchmark picks its own transports)
-             for line in transport_tests(ast.parse(path.read_text(), str(path)))]
+    found = [
+        f"{path.relative_to(PSGD)}:{line}"
+        for path in product  # (a benchmark picks its own transports)
+        for line in transport_tests(ast.parse(path.read_text(), str(path)))
+    ]
     assert found == [], found
     before = ast.parse('shm = transport in ("auto", "shm")\nkind = "shm" if transport == "auto" else transport')
     assert transport_tests(before) == [1, 2]  # what the two ends wrote before
@@ -99,8 +109,13 @@ def test_what_a_transport_means_is_written_once():
 
 def test_the_workers_client_leaves_the_bytes_to_its_links():
     """The client decides what to retry and fans out to every shard; it never touches a socket or a stub."""
-    assert not imported(PSGD / "worker" / "client.py") & {"socket.socket", "psgd.link.tcp", "psgd.link.grpc",
-                                                          "psgd.wire.channel", "psgd.wire.protocol.WireError"}
+    assert not imported(PSGD / "worker" / "client.py") & {
+        "socket.socket",
+        "psgd.link.tcp",
+        "psgd.link.grpc",
+        "psgd.wire.channel",
+        "psgd.wire.protocol.WireError",
+    }
     source = (PSGD / "worker" / "client.py").read_text()
     assert "Stub(" not in source and "recv_into" not in source and "sendmsg" not in source
 
@@ -109,17 +124,24 @@ def test_links_are_composed_not_inherited():
     """A worker's link to a shard holds a control link (gRPC) and a data link (gRPC, TCP or shared memory): no link
     extends another, so none falls back to what it inherited.  A data link takes only the interface (DataLink); a
     connection may extend the connection it carries bytes for (a segment's requests go over the data port's)."""
-    classes = {node.name: (path.name, [b.id for b in node.bases if isinstance(b, ast.Name)])
-               for path in modules("link") for node in ast.walk(ast.parse(path.read_text(), str(path)))
-               if isinstance(node, ast.ClassDef)}
-    extended = {f"{where}:{name}({', '.join(bases)})" for name, (where, bases) in classes.items()
-                for base in bases if base in classes and base != "DataLink"
-                and not (name.endswith("Connection") and base.endswith("Connection"))}
+    classes = {
+        node.name: (path.name, [b.id for b in node.bases if isinstance(b, ast.Name)])
+        for path in modules("link")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef)
+    }
+    extended = {
+        f"{where}:{name}({', '.join(bases)})"
+        for name, (where, bases) in classes.items()
+        for base in bases
+        if base in classes and base != "DataLink" and not (name.endswith("Connection") and base.endswith("Connection"))
+    }
     assert extended == set(), sorted(extended)
 
 
-@pytest.mark.parametrize("path", sorted(p for p in PSGD.rglob("*.py") if "proto" not in p.parts),
-                         ids=lambda p: str(p.relative_to(PSGD)))
+@pytest.mark.parametrize(
+    "path", sorted(p for p in PSGD.rglob("*.py") if "proto" not in p.parts), ids=lambda p: str(p.relative_to(PSGD))
+)
 def test_no_module_is_longer_than_a_sitting(path):
     """A module is one idea, split where the meaning splits, never to fit a count: this is only a smoke alarm for
     one that has grown several ideas (generated code aside)."""
@@ -151,8 +173,11 @@ def test_no_module_but_the_shard_core_takes_its_lock_or_touches_its_private_memb
         if path in CORE or "proto" in path.parts:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Attribute) and _is_a_core(node.value) and (
-                    node.attr in ("lock", "changed", "serving_changed") or node.attr.startswith("_")):
+            if (
+                isinstance(node, ast.Attribute)
+                and _is_a_core(node.value)
+                and (node.attr in ("lock", "changed", "serving_changed") or node.attr.startswith("_"))
+            ):
                 found.append(f"{path.relative_to(PSGD)}:{node.lineno}: core.{node.attr}")
     assert found == [], found
 
@@ -172,8 +197,12 @@ def test_a_request_reaches_the_core_through_one_handler():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in REQUESTS:
                 held = node.func.value  # core.push, or core.roster.live
-                if _is_a_core(held) or isinstance(held, ast.Attribute) and held.attr == "roster" and \
-                        _is_a_core(held.value):
+                if (
+                    _is_a_core(held)
+                    or isinstance(held, ast.Attribute)
+                    and held.attr == "roster"
+                    and _is_a_core(held.value)
+                ):
                     found.append(f"{path.name}:{node.lineno} {node.func.attr}")
     assert found == [], found
 
@@ -182,8 +211,13 @@ def server_rooms(path: Path) -> set[str]:
     """The rooms of psgd/server/ (``net``, ``durable``, ``state``) that ``path`` imports, at any depth."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [f"{node.module}.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module
+            else []
+        )
         found |= {n.split(".")[2] for n in names if n.startswith("psgd.server.") and n.count(".") >= 2}
     return found & {"net", "durable", "state"}
 
@@ -220,8 +254,13 @@ def test_the_update_pass_lives_beside_the_store():
 def test_the_shard_imports_psgd_at_the_top(path):
     """An import inside a function hides what a module needs (and any circle: see test_no_import_circle)."""
     tree = ast.parse(path.read_text(), str(path))
-    inner = [node.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-             for node in ast.walk(f) if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("psgd")]
+    inner = [
+        node.lineno
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(f)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("psgd")
+    ]
     assert inner == [], path
 
 
@@ -233,8 +272,12 @@ def test_the_loop_is_the_only_training_loop():
     # (gradient_seconds, for the lab); the step of the one loop (run_loop) is the model's loss_and_grads or the graph
     # of it, captured and run there; and the floor a small step is measured against (psgd.bench.latency.floor): a
     # bare gradient in one process and split across two, with no loop around it, twice
-    assert sorted({c.split(":")[0] for c in calls}) == ["bench/latency.py", "compute/graphs.py",
-                                                        "training/evaluation.py", "training/loop.py"], calls
+    assert sorted({c.split(":")[0] for c in calls}) == [
+        "bench/latency.py",
+        "compute/graphs.py",
+        "training/evaluation.py",
+        "training/loop.py",
+    ], calls
     assert [c.split(":")[0] for c in calls].count("bench/latency.py") == 2, calls
     assert [c.split(":")[0] for c in calls].count("training/loop.py") == 1, calls
     assert [c.split(":")[0] for c in calls].count("training/evaluation.py") == 1, calls
@@ -259,8 +302,9 @@ def import_graph() -> dict[str, set[str]]:
         arrows = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                arrows |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
-                           for a in node.names}
+                arrows |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names
+                }
             elif isinstance(node, ast.Import):
                 arrows |= {a.name for a in node.names}
         graph[name] = {a for a in arrows if a in names and a != name}
@@ -317,8 +361,21 @@ def test_no_import_circle():
 
 
 #: what builds a job's plan, policy or optimizer (the optimizers' own classes included)
-BUILDERS = {"PartitionPlan", "make_policy", "policy_from_cluster", "build_optimizer", "SGD", "Momentum", "Nesterov",
-            "Adam", "AdamW", "build_row_optimizer", "RowSGD", "RowwiseAdagrad", "LazyAdam"}
+BUILDERS = {
+    "PartitionPlan",
+    "make_policy",
+    "policy_from_cluster",
+    "build_optimizer",
+    "SGD",
+    "Momentum",
+    "Nesterov",
+    "Adam",
+    "AdamW",
+    "build_row_optimizer",
+    "RowSGD",
+    "RowwiseAdagrad",
+    "LazyAdam",
+}
 
 
 def test_a_plan_a_policy_or_an_optimizer_is_built_only_in_the_job():
@@ -354,13 +411,24 @@ def test_the_assembled_job_has_one_name():
     found = []
     for path in sorted(PSGD.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            named = node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg) else \
-                node.attr if isinstance(node, ast.Attribute) else None
+            named = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.arg
+                if isinstance(node, ast.arg)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else None
+            )
             if named == "built":
                 found.append(f"{path.relative_to(PSGD)}:{node.lineno}")
             typed = ast.unparse(node.annotation) if isinstance(node, ast.arg) and node.annotation else ""
-            if "JobConfig" in typed and node.arg != "config" or typed.strip('"') in ("Job", "Job | None") \
-                    and node.arg != "job":
+            if (
+                "JobConfig" in typed
+                and node.arg != "config"
+                or typed.strip('"') in ("Job", "Job | None")
+                and node.arg != "job"
+            ):
                 found.append(f"{path.relative_to(PSGD)}:{node.lineno} {node.arg}: {typed}")
     assert found == [], found
 
@@ -370,16 +438,24 @@ def test_the_readme_layout_names_every_module():
     is named there, by its path or by its package's (``psgd/optim/``)."""
     text = (PSGD.parent / "docs" / "reference" / "layout.md").read_text()
     named = set(re.findall(r"`(psgd/[\w/.]*)`", text))
-    missing = [str(path.relative_to(PSGD.parent)) for path in sorted(PSGD.rglob("*.py"))
-               if path.name != "__init__.py" and not any(
-                   str(path.relative_to(PSGD.parent)) == n or n.endswith("/") and
-                   str(path.relative_to(PSGD.parent)).startswith(n) for n in named)]
+    missing = [
+        str(path.relative_to(PSGD.parent))
+        for path in sorted(PSGD.rglob("*.py"))
+        if path.name != "__init__.py"
+        and not any(
+            str(path.relative_to(PSGD.parent)) == n
+            or n.endswith("/")
+            and str(path.relative_to(PSGD.parent)).startswith(n)
+            for n in named
+        )
+    ]
     assert missing == [], missing
 
 
 #: Python's own exception classes
-BUILTIN_ERRORS = {name for name, value in vars(builtins).items()
-                  if isinstance(value, type) and issubclass(value, BaseException)}
+BUILTIN_ERRORS = {
+    name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)
+}
 
 
 def test_psgd_errors_have_one_root():
@@ -396,15 +472,27 @@ def test_psgd_errors_have_one_root():
                 bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
                 if bases & BUILTIN_ERRORS:
                     straight.append(f"{path.relative_to(PSGD)}:{node.name}")
-    assert straight == ["errors.py:PsgdError", "errors.py:InputError", "errors.py:ClusterError",
-                        "errors.py:Interrupted"], straight
+    assert straight == [
+        "errors.py:PsgdError",
+        "errors.py:InputError",
+        "errors.py:ClusterError",
+        "errors.py:Interrupted",
+    ], straight
 
 
 #: The modules that speak gRPC: the channel and its TLS, the worker's gRPC link, the shard's servicer with its
 #: token check and the peer's questions, the latency interceptor, the rich status both ends read, and the
 #: operators' probes.  Everything else speaks psgd's own codes (psgd.errors.Code).
-GRPC_EDGE = {"wire/channel.py", "link/grpc.py", "server/net/service.py", "server/net/tokens.py", "server/durable/peers.py",
-             "observe/rpc_latency.py", "wire/status.py", "ops/reach.py"}
+GRPC_EDGE = {
+    "wire/channel.py",
+    "link/grpc.py",
+    "server/net/service.py",
+    "server/net/tokens.py",
+    "server/durable/peers.py",
+    "observe/rpc_latency.py",
+    "wire/status.py",
+    "ops/reach.py",
+}
 
 
 def test_grpc_is_spoken_only_at_its_edge():
@@ -423,19 +511,19 @@ def test_grpc_is_spoken_only_at_its_edge():
 #: states its exchanges' contract (psgd/training/loop.py) and each mode's exchange implements it, so the modes sit
 #: above the loop; the worker's links and the shard share psgd/wire and never import each other.
 LAYERS = [
-    {"cli"},                                # the commands: they parse, then call
-    {"api", "bench", "psgd"},               # psgd.train / launch / run; the benchmarks; the package's face
-    {"launcher"},                           # a job's processes started, watched, and its result read
-    {"ops", "export"},                      # status, doctor and report; a model kept from its shards
-    {"worker", "collective"},               # the modes' exchanges: a worker's client and links; all-reduce
-    {"training", "link", "server"},         # the one loop and its contract; a worker's links; the shard
-    {"job", "observe", "weights"},          # a job assembled; what it tells its user; a model's weights as a file
-    {"config", "data", "partition"},        # the job file; datasets; the partition plan
-    {"wire", "tables"},                     # what both ends share; embedding rows as a process holds them
+    {"cli"},  # the commands: they parse, then call
+    {"api", "bench", "psgd"},  # psgd.train / launch / run; the benchmarks; the package's face
+    {"launcher"},  # a job's processes started, watched, and its result read
+    {"ops", "export"},  # status, doctor and report; a model kept from its shards
+    {"worker", "collective"},  # the modes' exchanges: a worker's client and links; all-reduce
+    {"training", "link", "server"},  # the one loop and its contract; a worker's links; the shard
+    {"job", "observe", "weights"},  # a job assembled; what it tells its user; a model's weights as a file
+    {"config", "data", "partition"},  # the job file; datasets; the partition plan
+    {"wire", "tables"},  # what both ends share; embedding rows as a process holds them
     {"model", "optim", "policy", "proto", "xp"},  # networks; optimizers; policies; the generated wire code
-    {"autodiff"},                           # the tape
-    {"compute"},                            # the step's arithmetic: NumPy or CuPy
-    {"errors", "moved"},                    # psgd's errors; the moved names' forwarding
+    {"autodiff"},  # the tape
+    {"compute"},  # the step's arithmetic: NumPy or CuPy
+    {"errors", "moved"},  # psgd's errors; the moved names' forwarding
 ]
 
 
@@ -511,8 +599,9 @@ MOST_LATE_IMPORTS_IN_BENCH = 180
 def test_imports_inside_functions_are_few_and_each_has_a_reason():
     """An import inside a function hides what a module depends on (and hid circles the module check missed)."""
     product = [p for p in sorted(PSGD.rglob("*.py")) if p.relative_to(PSGD).parts[0] not in ("bench", "proto")]
-    found = [(str(path.relative_to(PSGD)), line, module) for path in product
-             for line, module in function_level_imports(path)]
+    found = [
+        (str(path.relative_to(PSGD)), line, module) for path in product for line, module in function_level_imports(path)
+    ]
     unexplained = [f"{path}:{line} {module}" for path, line, module in found if (path, module) not in LATE_IMPORTS]
     assert unexplained == [], unexplained
     assert {(path, module) for path, _, module in found} == set(LATE_IMPORTS), "a reason for an import gone"
@@ -522,6 +611,9 @@ def test_imports_inside_functions_are_few_and_each_has_a_reason():
 
 
 def test_the_benchmarks_late_imports_do_not_grow():
-    found = [f"{path.relative_to(PSGD)}:{line} {module}" for path in modules("bench")
-             for line, module in function_level_imports(path)]
+    found = [
+        f"{path.relative_to(PSGD)}:{line} {module}"
+        for path in modules("bench")
+        for line, module in function_level_imports(path)
+    ]
     assert len(found) <= MOST_LATE_IMPORTS_IN_BENCH, len(found)

@@ -37,13 +37,15 @@ def test_psgd_train_from_python_picks_its_threads_as_launch_does_and_says_so(thr
     caplog.set_level("INFO", logger="psgd")
     psgd.train("softmax", blobs(), epochs=1, progress=False)
     assert three_cores == [3]  # a lone process: every core, as psgd launch gives one
-    assert said(caplog.records) == ["1 process(es) on 3 core(s): 3 BLAS/OpenMP thread(s) each (--threads N or "
-                                    "OMP_NUM_THREADS to change)"]
+    assert said(caplog.records) == [
+        "1 process(es) on 3 core(s): 3 BLAS/OpenMP thread(s) each (--threads N or OMP_NUM_THREADS to change)"
+    ]
     caplog.clear()
     psgd.train("softmax", blobs(), epochs=1, progress=False, threads=2)
     assert three_cores == [3, 2]
-    assert said(caplog.records) == ["1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each (--threads N to "
-                                    "change)"]  # as a resumed launch, whose job file holds its count, says it
+    assert said(caplog.records) == [
+        "1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each (--threads N to change)"
+    ]  # as a resumed launch, whose job file holds its count, says it
     caplog.clear()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     psgd.train("softmax", blobs(), epochs=1, progress=False)
@@ -55,5 +57,6 @@ def test_psgd_train_picks_its_threads_once_and_says_so_in_one_line(three_cores, 
     assert main(["train", "--model", "softmax", "--epochs", "1", "--no-progress", "--threads", "2"]) == 0
     assert three_cores == [2]
     lines = [line for line in capsys.readouterr().err.splitlines() if "BLAS" in line]
-    assert len(lines) == 1 and lines[0].endswith(" INFO 1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each "
-                                                 "(--threads N to change)"), lines
+    assert len(lines) == 1 and lines[0].endswith(
+        " INFO 1 process(es) on 3 core(s): 2 BLAS/OpenMP thread(s) each (--threads N to change)"
+    ), lines

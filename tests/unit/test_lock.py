@@ -28,7 +28,8 @@ def pins() -> dict[str, list[tuple[str, Marker | None]]]:
         name, _, version = spec.partition("==")
         assert version, f"requirements.lock: {line!r} is not an exact pin"
         out.setdefault(canonicalize_name(name.strip()), []).append(
-            (version.strip(), Marker(marker) if marker.strip() else None))
+            (version.strip(), Marker(marker) if marker.strip() else None)
+        )
     return out
 
 
@@ -46,12 +47,19 @@ def test_every_requirement_is_pinned_at_a_version_it_allows():
         wanted += [Requirement(r) for r in project["optional-dependencies"][extra]]
     locked = pins()
     for python in ("3.11", "3.12", "3.13"):
-        where = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
-                 "platform_machine": "x86_64", "platform_system": "Linux", "implementation_name": "cpython"}
+        where = {
+            "python_version": python,
+            "python_full_version": python + ".0",
+            "sys_platform": "linux",
+            "platform_machine": "x86_64",
+            "platform_system": "Linux",
+            "implementation_name": "cpython",
+        }
         for req in wanted:
             name = canonicalize_name(req.name)
             assert name in locked, f"requirements.lock does not pin {req.name}: refresh it (its first lines)"
             versions = [v for v, marker in locked[name] if marker is None or marker.evaluate(where)]
             assert len(versions) == 1, f"{req.name} on Python {python}: {versions}"
-            assert req.specifier.contains(versions[0], prereleases=True), \
+            assert req.specifier.contains(versions[0], prereleases=True), (
                 f"requirements.lock pins {req.name}=={versions[0]}, which {req} does not allow: refresh it"
+            )

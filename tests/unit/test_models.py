@@ -2,26 +2,50 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from psgd.compute import backend
 from psgd.model import (
-    MODELS, BaseModel, Model, ModelError, VarSpec, build_model, init_variable, load_model_class,
+    MODELS,
+    BaseModel,
+    Model,
+    ModelError,
+    VarSpec,
+    build_model,
+    init_variable,
+    load_model_class,
 )
 from psgd.model.nets import CNN, MLP, SoftmaxRegression
 
 EXPECTED_SPECS = {
     ("softmax", (28, 28), ()): [("dense0/W", (784, 10)), ("dense0/b", (10,))],
-    ("mlp", (784,), ()): [("dense0/W", (784, 128)), ("dense0/b", (128,)), ("dense1/W", (128, 64)),
-                          ("dense1/b", (64,)), ("dense2/W", (64, 10)), ("dense2/b", (10,))],
-    ("cnn", (8, 8), ()): [("conv0/W", (8, 1, 3, 3)), ("conv0/b", (8,)), ("conv1/W", (16, 8, 3, 3)),
-                          ("conv1/b", (16,)), ("dense0/W", (64, 64)), ("dense0/b", (64,)),
-                          ("dense1/W", (64, 10)), ("dense1/b", (10,))],
+    ("mlp", (784,), ()): [
+        ("dense0/W", (784, 128)),
+        ("dense0/b", (128,)),
+        ("dense1/W", (128, 64)),
+        ("dense1/b", (64,)),
+        ("dense2/W", (64, 10)),
+        ("dense2/b", (10,)),
+    ],
+    ("cnn", (8, 8), ()): [
+        ("conv0/W", (8, 1, 3, 3)),
+        ("conv0/b", (8,)),
+        ("conv1/W", (16, 8, 3, 3)),
+        ("conv1/b", (16,)),
+        ("dense0/W", (64, 64)),
+        ("dense0/b", (64,)),
+        ("dense1/W", (64, 10)),
+        ("dense1/b", (10,)),
+    ],
     ("cnn", (3, 9, 7), (("channels", (4,)), ("kernel", 5), ("hidden", 6))): [
-        ("conv0/W", (4, 3, 5, 5)), ("conv0/b", (4,)), ("dense0/W", (4 * 4 * 3, 6)), ("dense0/b", (6,)),
-        ("dense1/W", (6, 10)), ("dense1/b", (10,))],
+        ("conv0/W", (4, 3, 5, 5)),
+        ("conv0/b", (4,)),
+        ("dense0/W", (4 * 4 * 3, 6)),
+        ("dense0/b", (6,)),
+        ("dense1/W", (6, 10)),
+        ("dense1/b", (10,)),
+    ],
 }
 
 
@@ -46,10 +70,15 @@ def test_specs(key, dtype):
     assert {s.init for s in specs if s.name.endswith("/b")} == {"zeros"}
 
 
-@pytest.mark.parametrize("name,input_shape,options", [
-    ("softmax", (6,), {}), ("mlp", (2, 3), {"hidden": (5,)}), ("cnn", (4, 4), {"channels": (2,), "hidden": 3}),
-    ("cnn", (2, 4, 4), {"channels": (2, 2), "hidden": 3}),
-])
+@pytest.mark.parametrize(
+    "name,input_shape,options",
+    [
+        ("softmax", (6,), {}),
+        ("mlp", (2, 3), {"hidden": (5,)}),
+        ("cnn", (4, 4), {"channels": (2,), "hidden": 3}),
+        ("cnn", (2, 4, 4), {"channels": (2, 2), "hidden": 3}),
+    ],
+)
 def test_float32_grads_on_device(device, rng, name, input_shape, options):
     model = build_model(name, input_shape, 3, **options)
     params = {k: device.asarray(v) for k, v in model.init(0).items()}
@@ -102,7 +131,7 @@ def images(rng, n=60, classes=3):
     y = rng.integers(0, classes, size=n)
     x = rng.standard_normal((n, 6, 6)).astype(np.float32) * 0.3
     for i, c in enumerate(y):
-        x[i, 2 * c:2 * c + 2, :] += 2.0
+        x[i, 2 * c : 2 * c + 2, :] += 2.0
     return x, y
 
 
@@ -117,12 +146,15 @@ def train(model, x, y, lr, steps):
     return first, loss, accuracy
 
 
-@pytest.mark.parametrize("name,loss,options,lr", [
-    ("softmax", "cross_entropy", {}, 0.1),
-    ("softmax", "mse", {}, 0.01),
-    ("mlp", "cross_entropy", {"hidden": (16,)}, 0.05),
-    ("mlp", "mse", {"hidden": (16, 8)}, 0.01),
-])
+@pytest.mark.parametrize(
+    "name,loss,options,lr",
+    [
+        ("softmax", "cross_entropy", {}, 0.1),
+        ("softmax", "mse", {}, 0.01),
+        ("mlp", "cross_entropy", {"hidden": (16,)}, 0.05),
+        ("mlp", "mse", {"hidden": (16, 8)}, 0.01),
+    ],
+)
 def test_training_reduces_loss(rng, name, loss, options, lr):
     x, y = blobs(rng)
     model = build_model(name, (10,), 3, loss=loss, **options)
@@ -151,29 +183,37 @@ def one_line_error(match, fn, *args, **kwargs):
     return str(info.value)
 
 
-@pytest.mark.parametrize("name,input_shape,options,match", [
-    ("mlp", (4,), {"widths": 3}, r"^mlp: unknown option\(s\) 'widths' \(options: loss, hidden\)"),
-    ("softmax", (4,), {"hidden": 3}, r"^softmax: unknown option\(s\) 'hidden' \(options: loss\)"),
-    ("mlp", (4,), {"hidden": ()}, r"^mlp: option 'hidden'"),
-    ("mlp", (4,), {"hidden": (8, -1)}, r"^mlp: option 'hidden'"),
-    ("mlp", (4,), {"hidden": 0}, r"^mlp: option 'hidden'"),
-    ("mlp", (4,), {"hidden": "abc"}, r"^mlp: option 'hidden'"),
-    ("mlp", (4,), {"hidden": (True,)}, r"^mlp: option 'hidden'"),
-    ("mlp", (4,), {"loss": "hinge"}, r"^mlp: option 'loss' must be one of cross_entropy, mse"),
-    ("cnn", (8, 8), {"channels": ()}, r"^cnn: option 'channels'"),
-    ("cnn", (8, 8), {"kernel": 2}, r"^cnn: option 'kernel' must be odd"),
-    ("cnn", (8, 8), {"kernel": -3}, r"^cnn: option 'kernel'"),
-    ("cnn", (8, 8), {"hidden": (4, 4)}, r"^cnn: option 'hidden'"),
-    ("cnn", (8, 8), {"stride": 2}, r"^cnn: unknown option\(s\) 'stride' \(options: loss, channels, kernel, hidden\)"),
-    ("cnn", (64,), {}, r"^cnn: input_shape must be \(C, H, W\) or \(H, W\)"),
-    ("cnn", (1, 2, 8, 8), {}, r"^cnn: input_shape must be"),
-    ("cnn", (3, 3), {}, r"^cnn: input 3x3 is too small for 2"),
-    ("mlp", (0,), {}, r"^mlp: input_shape must be positive"),
-    ("mlp", "abc", {}, r"^mlp: input_shape"),
-    ("mlp", (4,), {"num_classes": 1}, r"^mlp: num_classes must be at least 2"),
-    ("mlp", (4,), {"dtype": "int32"}, r"^mlp: dtype must be a float type"),
-    ("mlp", (4,), {"dtype": "nonsense"}, r"^mlp: dtype must be a float type"),
-])
+@pytest.mark.parametrize(
+    "name,input_shape,options,match",
+    [
+        ("mlp", (4,), {"widths": 3}, r"^mlp: unknown option\(s\) 'widths' \(options: loss, hidden\)"),
+        ("softmax", (4,), {"hidden": 3}, r"^softmax: unknown option\(s\) 'hidden' \(options: loss\)"),
+        ("mlp", (4,), {"hidden": ()}, r"^mlp: option 'hidden'"),
+        ("mlp", (4,), {"hidden": (8, -1)}, r"^mlp: option 'hidden'"),
+        ("mlp", (4,), {"hidden": 0}, r"^mlp: option 'hidden'"),
+        ("mlp", (4,), {"hidden": "abc"}, r"^mlp: option 'hidden'"),
+        ("mlp", (4,), {"hidden": (True,)}, r"^mlp: option 'hidden'"),
+        ("mlp", (4,), {"loss": "hinge"}, r"^mlp: option 'loss' must be one of cross_entropy, mse"),
+        ("cnn", (8, 8), {"channels": ()}, r"^cnn: option 'channels'"),
+        ("cnn", (8, 8), {"kernel": 2}, r"^cnn: option 'kernel' must be odd"),
+        ("cnn", (8, 8), {"kernel": -3}, r"^cnn: option 'kernel'"),
+        ("cnn", (8, 8), {"hidden": (4, 4)}, r"^cnn: option 'hidden'"),
+        (
+            "cnn",
+            (8, 8),
+            {"stride": 2},
+            r"^cnn: unknown option\(s\) 'stride' \(options: loss, channels, kernel, hidden\)",
+        ),
+        ("cnn", (64,), {}, r"^cnn: input_shape must be \(C, H, W\) or \(H, W\)"),
+        ("cnn", (1, 2, 8, 8), {}, r"^cnn: input_shape must be"),
+        ("cnn", (3, 3), {}, r"^cnn: input 3x3 is too small for 2"),
+        ("mlp", (0,), {}, r"^mlp: input_shape must be positive"),
+        ("mlp", "abc", {}, r"^mlp: input_shape"),
+        ("mlp", (4,), {"num_classes": 1}, r"^mlp: num_classes must be at least 2"),
+        ("mlp", (4,), {"dtype": "int32"}, r"^mlp: dtype must be a float type"),
+        ("mlp", (4,), {"dtype": "nonsense"}, r"^mlp: dtype must be a float type"),
+    ],
+)
 def test_bad_builtin_options(name, input_shape, options, match):
     kwargs = {"num_classes": 3, **options}
     one_line_error(match, build_model, name, input_shape, **kwargs)
@@ -182,8 +222,13 @@ def test_bad_builtin_options(name, input_shape, options, match):
 
 def test_wrong_input_shape_at_call_time(rng):
     model = build_model("mlp", (4,), 3, hidden=(2,))
-    one_line_error(r"^mlp: expected inputs of shape \(B, 4\), got \(2, 5\)",
-                   model.loss_and_grads, model.init(0), rng.standard_normal((2, 5)), np.array([0, 1]))
+    one_line_error(
+        r"^mlp: expected inputs of shape \(B, 4\), got \(2, 5\)",
+        model.loss_and_grads,
+        model.init(0),
+        rng.standard_normal((2, 5)),
+        np.array([0, 1]),
+    )
 
 
 @pytest.mark.parametrize("name", ["nope", "resnet50", "a:b:c", ":Net", "pkg.mod:", "pkg mod:Net"])
@@ -252,29 +297,42 @@ def test_user_model_builds_and_trains(user_module, rng):
     assert wide.hidden == (4, 4) and wide.loss_name == "mse"
 
 
-@pytest.mark.parametrize("attr,options,match", [
-    ("Missing", {}, r"module '{mod}' has no attribute 'Missing'"),
-    ("not_a_class", {}, r"'not_a_class' is a function, not a class"),
-    ("CONSTANT", {}, r"'CONSTANT' is a int, not a class"),
-    ("NotAModel", {}, r"class 'NotAModel' lacks the model method\(s\) init, loss_and_grads, predict"),
-    ("TinyLinear", {"depth": 2}, r"unexpected keyword argument 'depth' \(options it takes: scale\)"),
-    ("NeedsPositiveScale", {"scale": -1}, r"ValueError: scale must be positive \(options it takes: scale\)"),
-    ("WideMLP", {"width": 0}, r"^mlp: option 'hidden'"),  # a ModelError from inside passes through
-])
+@pytest.mark.parametrize(
+    "attr,options,match",
+    [
+        ("Missing", {}, r"module '{mod}' has no attribute 'Missing'"),
+        ("not_a_class", {}, r"'not_a_class' is a function, not a class"),
+        ("CONSTANT", {}, r"'CONSTANT' is a int, not a class"),
+        ("NotAModel", {}, r"class 'NotAModel' lacks the model method\(s\) init, loss_and_grads, predict"),
+        ("TinyLinear", {"depth": 2}, r"unexpected keyword argument 'depth' \(options it takes: scale\)"),
+        ("NeedsPositiveScale", {"scale": -1}, r"ValueError: scale must be positive \(options it takes: scale\)"),
+        ("WideMLP", {"width": 0}, r"^mlp: option 'hidden'"),  # a ModelError from inside passes through
+    ],
+)
 def test_user_model_errors(user_module, attr, options, match):
     mod = user_module(GOOD_MODULE)
     one_line_error(match.format(mod=mod), build_model, f"{mod}:{attr}", (4,), 3, **options)
 
 
 def test_user_module_that_does_not_import(user_module):
-    msg = one_line_error(r"^model 'psgd_no_such_module_xyz:Net': cannot import module 'psgd_no_such_module_xyz' "
-                         r"\(ModuleNotFoundError: No module named 'psgd_no_such_module_xyz'\)",
-                         build_model, "psgd_no_such_module_xyz:Net", (4,), 3)
+    msg = one_line_error(
+        r"^model 'psgd_no_such_module_xyz:Net': cannot import module 'psgd_no_such_module_xyz' "
+        r"\(ModuleNotFoundError: No module named 'psgd_no_such_module_xyz'\)",
+        build_model,
+        "psgd_no_such_module_xyz:Net",
+        (4,),
+        3,
+    )
     assert msg
     broken = user_module("class Net(:\n    pass\n")
     one_line_error(rf"cannot import module '{broken}' \(SyntaxError: ", build_model, f"{broken}:Net", (4,), 3)
     raising = user_module("import numpy\nraise RuntimeError('no GPU here\\nsecond line')\n")
-    one_line_error(rf"cannot import module '{raising}' \(RuntimeError: no GPU here second line\)",
-                   build_model, f"{raising}:Net", (4,), 3)
+    one_line_error(
+        rf"cannot import module '{raising}' \(RuntimeError: no GPU here second line\)",
+        build_model,
+        f"{raising}:Net",
+        (4,),
+        3,
+    )
     missing_dep = user_module("import psgd_missing_dependency_xyz\n")
     one_line_error(r"No module named 'psgd_missing_dependency_xyz'", build_model, f"{missing_dep}:Net", (4,), 3)

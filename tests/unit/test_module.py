@@ -56,8 +56,10 @@ def test_two_threads_calling_one_network_each_see_their_own_weights():
 
     net.with_bias = Slow(3, 2)
     got: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i, p=p: got.__setitem__(i, net.predict(p, x)))
-               for i, p in enumerate((first, second))]
+    threads = [
+        threading.Thread(target=lambda i=i, p=p: got.__setitem__(i, net.predict(p, x)))
+        for i, p in enumerate((first, second))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

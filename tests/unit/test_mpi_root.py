@@ -13,15 +13,16 @@ import pytest
 
 from psgd.collective import BackendUnavailable
 from psgd.config import JobConfig
-from psgd.launcher import launch, layout
-from psgd.launcher import allreduce
+from psgd.launcher import allreduce, launch, layout
 from psgd.launcher.layout import OPEN_MPI_AS_ROOT, mpi_environment
 from psgd.launcher.supervise import LaunchError
 
 #: the first line of ``mpiexec --version`` of each (Open MPI 4.1 and 5.0, MPICH 4.2's Hydra)
-VERSIONS = {"open mpi 4": "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/",
-            "open mpi 5": "mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/",
-            "mpich": "HYDRA build details:\n    Version:                                 4.2.1"}
+VERSIONS = {
+    "open mpi 4": "mpiexec (OpenRTE) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/",
+    "open mpi 5": "mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/",
+    "mpich": "HYDRA build details:\n    Version:                                 4.2.1",
+}
 
 
 def fake_mpiexec(folder: Path, which: str) -> Path:
@@ -29,9 +30,9 @@ def fake_mpiexec(folder: Path, which: str) -> Path:
     to env.txt beside it and exits 0 (its ranks saved nothing)."""
     path = folder / "mpiexec"
     version = VERSIONS[which].replace("'", "")
-    path.write_text("#!/bin/sh\n"
-                    f"if [ \"$1\" = --version ]; then printf '%s\\n' '{version}'; exit 0; fi\n"
-                    f"env > '{folder}/env.txt'\n")
+    path.write_text(
+        f"#!/bin/sh\nif [ \"$1\" = --version ]; then printf '%s\\n' '{version}'; exit 0; fi\nenv > '{folder}/env.txt'\n"
+    )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 
@@ -70,8 +71,7 @@ def test_an_mpiexec_that_does_not_answer_is_left_to_fail_where_it_starts(tmp_pat
 
 
 @pytest.mark.parametrize("which, told", [("open mpi 5", True), ("mpich", False)])
-def test_launch_gives_open_mpis_ranks_the_variables_and_says_so(tmp_path, monkeypatch, caplog, as_root, which,
-                                                                 told):
+def test_launch_gives_open_mpis_ranks_the_variables_and_says_so(tmp_path, monkeypatch, caplog, as_root, which, told):
     mpiexec = fake_mpiexec(tmp_path, which)
     monkeypatch.setattr(allreduce, "find_mpiexec", lambda: str(mpiexec))
     caplog.set_level(logging.INFO, logger="psgd")

@@ -18,7 +18,6 @@ import pytest
 from psgd.compute import backend
 from psgd.optim import (
     DEFAULT_LR,
-    Share,
     SGD,
     Adam,
     AdamW,
@@ -26,6 +25,7 @@ from psgd.optim import (
     Cosine,
     Momentum,
     OptimizerError,
+    Share,
     StepDecay,
     Warmup,
     build_optimizer,
@@ -471,7 +471,11 @@ def test_default_lrs():
     assert build_optimizer("adam").lr == 1e-3 and build_optimizer("SGD").lr == 0.05
     assert build_optimizer("momentum", nesterov=None).nesterov is False  # None counts as not given
     assert Momentum(0.1).describe() == {
-        "name": "momentum", "lr": 0.1, "schedule": "constant", "momentum": 0.9, "weight_decay": 0.0,
+        "name": "momentum",
+        "lr": 0.1,
+        "schedule": "constant",
+        "momentum": 0.9,
+        "weight_decay": 0.0,
     }
 
 

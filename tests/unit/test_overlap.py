@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from helpers import Mirror
+
 from psgd.collective.base import Bucketer, CollectiveError
 from psgd.model import build_model, hands_over_gradients
 
@@ -19,8 +19,12 @@ def test_the_built_in_models_hand_each_gradient_over_last_layer_first(rng):
     assert hands_over_gradients(model)
     params = model.init(0)
     handed = []
-    loss, grads = model.loss_and_grads(params, rng.standard_normal((4, 6)).astype(np.float32), np.array([0, 1, 2, 1]),
-                                       on_grad=lambda name, g: handed.append((name, g)))
+    loss, grads = model.loss_and_grads(
+        params,
+        rng.standard_normal((4, 6)).astype(np.float32),
+        np.array([0, 1, 2, 1]),
+        on_grad=lambda name, g: handed.append((name, g)),
+    )
     assert [name for name, _ in handed] == ["dense2/W", "dense2/b", "dense1/W", "dense1/b", "dense0/W", "dense0/b"]
     assert all(g is grads[name] for name, g in handed)  # the very arrays returned
     x = rng.standard_normal((4, 6)).astype(np.float32)
@@ -50,8 +54,12 @@ def test_a_round_fed_gradient_by_gradient_equals_the_reduction_at_the_end(rng, o
     bucketer = Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000)
     assert set(bucketer.direct) == {"big/W"} and len(bucketer.layout) > 1
     grads = grads_for(SHAPES, rng)
-    reference = {k: v.copy() for k, v in Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000)
-                 .allreduce_mean(Mirror(2), {k: v.copy() for k, v in grads.items()}).items()}
+    reference = {
+        k: v.copy()
+        for k, v in Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000)
+        .allreduce_mean(Mirror(2), {k: v.copy() for k, v in grads.items()})
+        .items()
+    }
     names = list(SHAPES)[::-1] if order == "backward" else list(SHAPES)
     if order.startswith("some"):
         names = names[::2]
@@ -66,7 +74,8 @@ def test_a_round_fed_gradient_by_gradient_equals_the_reduction_at_the_end(rng, o
         np.testing.assert_array_equal(mean[name], reference[name])  # the same sums: equal to the bit
     at_the_end = Mirror(2)  # the same reductions, of the same sizes, as without overlap
     Bucketer(SHAPES, np.float64, np, bucket_bytes=8000, direct_bytes=30000).allreduce_mean(
-        at_the_end, {k: v.copy() for k, v in grads.items()})
+        at_the_end, {k: v.copy() for k, v in grads.items()}
+    )
     assert sorted(collective.sizes) == sorted(at_the_end.sizes)
 
 

@@ -48,7 +48,7 @@ def test_split_gives_views_that_reassemble():
     parts = plan.split(values)
     rebuilt = {s.name: np.empty(s.size, np.float32) for s in plan.specs}
     for sl in plan.slices:
-        rebuilt[sl.var][sl.start:sl.stop] = parts[sl.id]
+        rebuilt[sl.var][sl.start : sl.stop] = parts[sl.id]
     for s in plan.specs:
         np.testing.assert_array_equal(rebuilt[s.name].reshape(s.shape), values[s.name])
     only0 = plan.split(values, shard=0)
@@ -65,11 +65,14 @@ def test_differences_are_explained():
     assert plan_differences(mine, mine) == ""
 
 
-@pytest.mark.parametrize("args, words", [
-    ((specs((3,)), 0), "at least 1"),
-    (([], 1), "at least one variable"),
-    (([VarSpec("a", (2,)), VarSpec("a", (3,))], 1), "unique"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ((specs((3,)), 0), "at least 1"),
+        (([], 1), "at least one variable"),
+        (([VarSpec("a", (2,)), VarSpec("a", (3,))], 1), "unique"),
+    ],
+)
 def test_bad_plans(args, words):
     with pytest.raises(PlanError, match=words):
         PartitionPlan(*args)

@@ -9,15 +9,29 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psgd.policy import (
-    ACCUMULATE, APPLY, DUPLICATE, LATE, REJECT, AsyncPolicy, Policy, PolicyError, PushDecision, SSPPolicy,
-    SyncPolicy, make_policy,
+    ACCUMULATE,
+    APPLY,
+    DUPLICATE,
+    LATE,
+    REJECT,
+    AsyncPolicy,
+    Policy,
+    PolicyError,
+    PushDecision,
+    SSPPolicy,
+    SyncPolicy,
+    make_policy,
 )
 
-PROPERTY = settings(max_examples=120, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
-ALL_POLICIES = [("sync", {}), ("sync", {"backup_workers": 1}), ("async", {}),
-                ("ssp", {"staleness": 0}), ("ssp", {"staleness": 2})]
+ALL_POLICIES = [
+    ("sync", {}),
+    ("sync", {"backup_workers": 1}),
+    ("async", {}),
+    ("ssp", {"staleness": 0}),
+    ("ssp", {"staleness": 2}),
+]
 POLICY_IDS = ["sync", "sync-b1", "async", "ssp0", "ssp2"]
 
 
@@ -66,23 +80,26 @@ def test_make_policy_builds_each_policy_with_its_options():
     assert all(isinstance(p, Policy) for p in (sync, ssp))
 
 
-@pytest.mark.parametrize("name, num_workers, options, words", [
-    ("bsp", 2, {}, ["'bsp'", "sync, async, ssp"]),
-    (None, 2, {}, ["sync, async, ssp"]),
-    ("sync", 2, {"staleness": 1}, ["staleness", "options it takes: backup_workers"]),
-    ("async", 2, {"backup_workers": 1}, ["backup_workers", "options it takes: none"]),
-    ("ssp", 2, {}, ["needs", "staleness"]),
-    ("ssp", 2, {"staleness": -1}, ["staleness", ">= 0", "-1"]),
-    ("ssp", 2, {"staleness": 1.5}, ["staleness", "1.5"]),
-    ("ssp", 2, {"staleness": float("inf")}, ["staleness", "inf"]),
-    ("ssp", 2, {"staleness": "2"}, ["staleness", "'2'"]),
-    ("sync", 3, {"backup_workers": 3}, ["backup_workers", "0..2"]),
-    ("sync", 3, {"backup_workers": -1}, ["backup_workers", "0..2"]),
-    ("sync", 3, {"backup_workers": True}, ["backup_workers", "True"]),
-    ("sync", 0, {}, ["num_workers", ">= 1"]),
-    ("async", 2.0, {}, ["num_workers", "2.0"]),
-    ("async", True, {}, ["num_workers"]),
-])
+@pytest.mark.parametrize(
+    "name, num_workers, options, words",
+    [
+        ("bsp", 2, {}, ["'bsp'", "sync, async, ssp"]),
+        (None, 2, {}, ["sync, async, ssp"]),
+        ("sync", 2, {"staleness": 1}, ["staleness", "options it takes: backup_workers"]),
+        ("async", 2, {"backup_workers": 1}, ["backup_workers", "options it takes: none"]),
+        ("ssp", 2, {}, ["needs", "staleness"]),
+        ("ssp", 2, {"staleness": -1}, ["staleness", ">= 0", "-1"]),
+        ("ssp", 2, {"staleness": 1.5}, ["staleness", "1.5"]),
+        ("ssp", 2, {"staleness": float("inf")}, ["staleness", "inf"]),
+        ("ssp", 2, {"staleness": "2"}, ["staleness", "'2'"]),
+        ("sync", 3, {"backup_workers": 3}, ["backup_workers", "0..2"]),
+        ("sync", 3, {"backup_workers": -1}, ["backup_workers", "0..2"]),
+        ("sync", 3, {"backup_workers": True}, ["backup_workers", "True"]),
+        ("sync", 0, {}, ["num_workers", ">= 1"]),
+        ("async", 2.0, {}, ["num_workers", "2.0"]),
+        ("async", True, {}, ["num_workers"]),
+    ],
+)
 def test_make_policy_errors_are_one_line_and_say_what_is_accepted(name, num_workers, options, words):
     with pytest.raises(PolicyError) as info:
         make_policy(name, num_workers, **options)
@@ -256,8 +273,9 @@ def test_ssp_with_huge_staleness_is_async():
     assert ssp.join(2) == asy.join(2) == 1
 
 
-EVENT = st.tuples(st.sampled_from(["push", "push", "push", "pull", "leave", "join"]),
-                  st.integers(0, 5), st.integers(-2, 3))
+EVENT = st.tuples(
+    st.sampled_from(["push", "push", "push", "pull", "leave", "join"]), st.integers(0, 5), st.integers(-2, 3)
+)
 
 
 def _model_push(clocks: list[int], live: set[int], w: int, clock: int) -> str:
@@ -347,7 +365,13 @@ def test_sync_one_averaged_update_per_clock_and_pulls_wait_for_the_round():
         assert core.push(1, rnd).action == DUPLICATE  # a retry after it closed
     assert core.applied == [frozenset({0, 1, 2})] * 4
     assert policy.describe()["counters"] == {
-        "rounds_closed": 4, "pushes_accumulated": 12, "duplicates": 8, "late": 0, "rejected": 0, "rounds_skipped": 0}
+        "rounds_closed": 4,
+        "pushes_accumulated": 12,
+        "duplicates": 8,
+        "late": 0,
+        "rejected": 0,
+        "rounds_skipped": 0,
+    }
 
 
 def test_sync_rejects_clocks_from_the_future():
@@ -446,8 +470,9 @@ def test_sync_rejoin_catches_up():
     assert core.applied[3] == frozenset({0, 1, 2})
 
 
-SYNC_EVENT = st.tuples(st.sampled_from(["push", "push", "push", "push", "leave", "join"]),
-                       st.integers(0, 5), st.integers(-2, 1))
+SYNC_EVENT = st.tuples(
+    st.sampled_from(["push", "push", "push", "push", "leave", "join"]), st.integers(0, 5), st.integers(-2, 1)
+)
 
 
 @pytest.mark.parametrize("backup_workers", [0, 1, 2])
@@ -468,8 +493,17 @@ def test_sync_against_a_model(backup_workers, num_workers, events):
         if kind == "push":
             before_live = set(live)
             decision = core.push(w, clock)
-            expected = (REJECT if w not in live else DUPLICATE if clock <= last[w] else LATE if clock < rounds
-                        else REJECT if clock > rounds else ACCUMULATE)
+            expected = (
+                REJECT
+                if w not in live
+                else DUPLICATE
+                if clock <= last[w]
+                else LATE
+                if clock < rounds
+                else REJECT
+                if clock > rounds
+                else ACCUMULATE
+            )
             assert decision.action == expected
             if expected == ACCUMULATE:
                 last[w] = clock
@@ -550,8 +584,7 @@ def test_load_state_dict_refuses_bad_state_and_changes_nothing(name, options):
         ({**good, key: [-5, 0, 0]}, key),
     ]
     if name == "sync":
-        bad += [({**good, "applied_rounds": -1}, "applied_rounds"),
-                ({**good, "last_pushed": [3, -1, -1]}, "beyond")]
+        bad += [({**good, "applied_rounds": -1}, "applied_rounds"), ({**good, "last_pushed": [3, -1, -1]}, "beyond")]
     fresh = make_policy(name, 3, **options)
     for state, words in bad:
         with pytest.raises(PolicyError, match=words):

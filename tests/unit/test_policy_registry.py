@@ -13,7 +13,15 @@ import pytest
 from psgd.cli.common import add_job_arguments, job_from_args
 from psgd.config import ClusterConfig, ConfigError, Consistency, JobConfig
 from psgd.policy import (
-    ACCUMULATE, POLICIES, AsyncPolicy, LocalPolicy, PolicyError, PolicyOption, SSPPolicy, SyncPolicy, make_policy,
+    ACCUMULATE,
+    POLICIES,
+    AsyncPolicy,
+    LocalPolicy,
+    PolicyError,
+    PolicyOption,
+    SSPPolicy,
+    SyncPolicy,
+    make_policy,
     policy_from_cluster,
 )
 
@@ -69,12 +77,17 @@ def test_only_sync_accumulates():
     assert [n for n in REGISTERED if POLICIES[n].local] == ["local"]
 
 
-@pytest.mark.parametrize("sets, words", [
-    (["cluster.policy=local", "cluster.local_steps=0"], "local_steps must be an integer from 1 to 1000000"),
-    (["cluster.policy=local", "cluster.dc_lambda=0.1"], "dc_lambda cannot go with policy 'local'"),
-    (["cluster.policy=local", "cluster.overlap=true", "cluster.implicit_momentum=true"],
-     "implicit_momentum, overlap cannot go with policy 'local': its workers push their progress"),
-])
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["cluster.policy=local", "cluster.local_steps=0"], "local_steps must be an integer from 1 to 1000000"),
+        (["cluster.policy=local", "cluster.dc_lambda=0.1"], "dc_lambda cannot go with policy 'local'"),
+        (
+            ["cluster.policy=local", "cluster.overlap=true", "cluster.implicit_momentum=true"],
+            "implicit_momentum, overlap cannot go with policy 'local': its workers push their progress",
+        ),
+    ],
+)
 def test_local_sgd_options_are_checked(sets, words):
     with pytest.raises(ConfigError, match=words):
         JobConfig().apply_sets(sets)
@@ -82,12 +95,19 @@ def test_local_sgd_options_are_checked(sets, words):
         make_policy("local", 2, local_steps=0)
 
 
-@pytest.mark.parametrize("name, options, words", [
-    ("sync", {"staleness": 1, "bogus": 2}, ["unknown option(s) bogus, staleness", "options it takes: backup_workers"]),
-    ("async", {"staleness": 1}, ["unknown option(s) staleness", "options it takes: none"]),
-    ("ssp", {}, ["needs the option(s) staleness", "options it takes: staleness"]),
-    ("ssp", {"backup_workers": 1}, ["unknown option(s) backup_workers", "options it takes: staleness"]),
-])
+@pytest.mark.parametrize(
+    "name, options, words",
+    [
+        (
+            "sync",
+            {"staleness": 1, "bogus": 2},
+            ["unknown option(s) bogus, staleness", "options it takes: backup_workers"],
+        ),
+        ("async", {"staleness": 1}, ["unknown option(s) staleness", "options it takes: none"]),
+        ("ssp", {}, ["needs the option(s) staleness", "options it takes: staleness"]),
+        ("ssp", {"backup_workers": 1}, ["unknown option(s) backup_workers", "options it takes: staleness"]),
+    ],
+)
 def test_make_policy_refuses_unknown_and_missing_options_by_name(name, options, words):
     with pytest.raises(PolicyError) as info:
         make_policy(name, 3, **options)
@@ -115,12 +135,18 @@ def test_the_policy_flag_help_lists_every_policy_and_its_summary(monkeypatch):
             assert "--" + option.cluster_key.replace("_", "-") in text and f"{name}: {option.help}" in text
 
 
-@pytest.mark.parametrize("argv, name, options", [
-    (["--policy", "ssp", "--staleness", "5", "--workers", "3"], "ssp", {"staleness": 5}),
-    (["--policy", "sync", "--backup-workers", "1", "--workers", "3", "--staleness", "7"], "sync",
-     {"backup_workers": 1}),
-    (["--policy", "async", "--workers", "3", "--staleness", "7"], "async", {}),
-])
+@pytest.mark.parametrize(
+    "argv, name, options",
+    [
+        (["--policy", "ssp", "--staleness", "5", "--workers", "3"], "ssp", {"staleness": 5}),
+        (
+            ["--policy", "sync", "--backup-workers", "1", "--workers", "3", "--staleness", "7"],
+            "sync",
+            {"backup_workers": 1},
+        ),
+        (["--policy", "async", "--workers", "3", "--staleness", "7"], "async", {}),
+    ],
+)
 def test_policy_from_cluster_reads_each_option_from_its_cluster_key(argv, name, options):
     job = job_from_args(cluster_parser().parse_args(argv), environ={})
     policy = policy_from_cluster(job.cluster)

@@ -10,9 +10,8 @@ import pytest
 
 from psgd.server.net import tokens
 from psgd.server.net.tokens import Here, Proofs
-from psgd.wire.proofs import answer, answered
 from psgd.wire import proofs as wire_proofs
-from psgd.wire.proofs import Prover
+from psgd.wire.proofs import Prover, answer, answered
 
 HERE = "127.0.0.1:5000"
 
@@ -82,8 +81,18 @@ def test_a_proof_too_far_behind_its_sessions_newest_is_refused(monkeypatch):
     assert not proofs.check(late, "hello")  # 8 behind: cannot be told from a replay
 
 
-@pytest.mark.parametrize("bad", ["", "x", "1 2 3 4 5", "1.2.3", "notanumber " + "0" * 32 + " 1 127.0.0.1:5000 00",
-                                 "1 " + "0" * 32 + " 1 127.0.0.1:5000", "1 " + "0" * 32 + " 0 127.0.0.1:5000 00"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "x",
+        "1 2 3 4 5",
+        "1.2.3",
+        "notanumber " + "0" * 32 + " 1 127.0.0.1:5000 00",
+        "1 " + "0" * 32 + " 1 127.0.0.1:5000",
+        "1 " + "0" * 32 + " 0 127.0.0.1:5000 00",
+    ],
+)
 def test_what_is_not_a_proof_is_refused(bad):
     assert not _proofs().check(bad, "follow")
 

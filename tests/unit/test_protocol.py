@@ -30,10 +30,10 @@ def test_request_and_reply_layouts_are_stable():
     assert (protocol.OP_HELLO, protocol.OP_PULL, protocol.OP_PUSH) == (1, 2, 3)
     assert protocol.OUTCOMES == ("applied", "accumulated", "duplicate", "late")
     assert protocol.READY not in range(len(protocol.OUTCOMES))  # the go-ahead is no outcome
-    req = protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_PUSH, 4, -1, 2**63 - 1, -2**63, 2**64 - 1)
+    req = protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_PUSH, 4, -1, 2**63 - 1, -(2**63), 2**64 - 1)
     assert req[:4] == b"PSG1" and req[4] == 3 and req[5] == 4 and req[6:8] == b"\0\0"
     assert req[8:12] == (-1).to_bytes(4, "little", signed=True)
-    assert protocol.REQUEST.unpack(req) == (b"PSG1", 3, 4, -1, 2**63 - 1, -2**63, 2**64 - 1)
+    assert protocol.REQUEST.unpack(req) == (b"PSG1", 3, 4, -1, 2**63 - 1, -(2**63), 2**64 - 1)
     rep = protocol.REPLY.pack(protocol.DATA_MAGIC, 9, 2, 5, 6, -7, 8)
     assert rep[4:8] == bytes([9, 2, 0, 0])
     assert protocol.REPLY.unpack(rep) == (b"PSG1", 9, 2, 5, 6, -7, 8)
@@ -132,7 +132,7 @@ def test_recv_exact_fills_typed_and_multidimensional_buffers(pair):
 def test_a_64_mib_payload_in_pieces(pair):
     a, b = pair
     payload = np.random.default_rng(9).integers(0, 256, 64 << 20, dtype=np.uint8)
-    pieces = [payload[:1], payload[1:(40 << 20) + 3], payload[(40 << 20) + 3:]]
+    pieces = [payload[:1], payload[1 : (40 << 20) + 3], payload[(40 << 20) + 3 :]]
     t, box = in_thread(protocol.send_buffers, a, pieces)
     got = np.empty(64 << 20, dtype=np.uint8)
     protocol.recv_exact(b, memoryview(got))

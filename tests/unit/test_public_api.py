@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 RECORD = Path(__file__).with_name("public_api.txt")
-HEADER = ("# psgd's public API, compared by tests/unit/test_public_api.py. After a deliberate change, write it again\n"
-          "# with `python tests/unit/test_public_api.py --write` and say in CHANGELOG.md what a user must change.\n")
+HEADER = (
+    "# psgd's public API, compared by tests/unit/test_public_api.py. After a deliberate change, write it again\n"
+    "# with `python tests/unit/test_public_api.py --write` and say in CHANGELOG.md what a user must change.\n"
+)
 
 
 def api() -> list[str]:
@@ -23,8 +25,9 @@ def api() -> list[str]:
     from psgd.cli import reference
     from psgd.moved import MOVED
 
-    lines = [f"name {module}.{name}" for module in psgd.PUBLIC_MODULES
-             for name in importlib.import_module(module).__all__]
+    lines = [
+        f"name {module}.{name}" for module in psgd.PUBLIC_MODULES for name in importlib.import_module(module).__all__
+    ]
     for command, parser in reference.parsers():
         lines.append(f"command {command}")
         lines += [f"flag {command} {flag}" for flag in reference.flags(parser, hidden=False)]
@@ -37,11 +40,14 @@ def difference(recorded: list[str], now: list[str]) -> str:
     gone, new = sorted(set(recorded) - set(now)), sorted(set(now) - set(recorded))
     if not gone and not new:
         return ""
-    return ("psgd's public API is not what tests/unit/public_api.txt records:\n"
-            + "".join(f"  gone: {line}\n" for line in gone) + "".join(f"  new:  {line}\n" for line in new)
-            + "A name or flag gone breaks users' code: keep the old one answering (a moved name: psgd/moved.py), "
-              "or make the change on purpose: write the record again with `python tests/unit/test_public_api.py "
-              "--write` and say in CHANGELOG.md what a user must change.")
+    return (
+        "psgd's public API is not what tests/unit/public_api.txt records:\n"
+        + "".join(f"  gone: {line}\n" for line in gone)
+        + "".join(f"  new:  {line}\n" for line in new)
+        + "A name or flag gone breaks users' code: keep the old one answering (a moved name: psgd/moved.py), "
+        "or make the change on purpose: write the record again with `python tests/unit/test_public_api.py "
+        "--write` and say in CHANGELOG.md what a user must change."
+    )
 
 
 def recorded() -> list[str]:
@@ -60,8 +66,9 @@ def test_a_rename_is_caught_and_said(monkeypatch):
 
     monkeypatch.setattr(psgd.model, "__all__", [n if n != "Linear" else "Dense" for n in psgd.model.__all__])
     parsers = reference.parsers()
-    monkeypatch.setattr(reference, "parsers", lambda: [(name, parser) for name, parser in parsers
-                                                       if name != "psgd report"])
+    monkeypatch.setattr(
+        reference, "parsers", lambda: [(name, parser) for name, parser in parsers if name != "psgd report"]
+    )
     monkeypatch.setitem(__import__("psgd.moved", fromlist=["MOVED"]).MOVED, "psgd.xp", {})
     message = difference(recorded(), api())
     assert "  gone: name psgd.model.Linear\n" in message and "  new:  name psgd.model.Dense\n" in message

@@ -17,14 +17,13 @@ import types
 
 import numpy as np
 import pytest
-
 from helpers import Mirror, free_port
 
-from psgd.compute import backend
 from psgd.collective import nccl as nccl_backend
 from psgd.collective.base import CollectiveError
 from psgd.collective.nccl import NcclCollective, _call_with_deadline, _nccl_dtype, _nccl_op, _wait
 from psgd.collective.rendezvous import RendezvousError, exchange
+from psgd.compute import backend
 
 ID = list(range(-64, 64))  # the shape of an NCCL unique id: 128 signed chars
 NCCL_ID = bytes(range(100, 228))  # what CuPy 14's nccl.get_unique_id() returns: 128 bytes
@@ -56,10 +55,12 @@ def rank_call(spec, rank, world, timeout=5.0, ident=ID, delay=0.0):
     def call():
         time.sleep(delay)  # the case under test: a rank that arrives late
         return exchange(spec, rank, world, lambda: list(ident), timeout)
+
     return call
 
 
 # ---------------------------------------------------------------- rendezvous
+
 
 def test_every_rank_gets_rank0s_id(spec, tmp_path):
     outcomes = run_ranks([rank_call(spec, r, 4) for r in range(4)])
@@ -124,8 +125,10 @@ def test_tcp_world_size_mismatch_is_refused_at_once():
     assert "rank(s) 1 of 2 never came" in str(info.value) and "refused" in str(info.value)
 
 
-@pytest.mark.parametrize("bad", ["", "nccl", "http://host:80", "file:", "tcp:host", "tcp:host:0", "tcp::29500",
-                                 "tcp:host:99999", "tcp:host:port"])
+@pytest.mark.parametrize(
+    "bad",
+    ["", "nccl", "http://host:80", "file:", "tcp:host", "tcp:host:0", "tcp::29500", "tcp:host:99999", "tcp:host:port"],
+)
 def test_bad_spec_is_refused(bad):
     with pytest.raises(RendezvousError) as info:
         exchange(bad, 1, 2, lambda: ID, timeout=0.5)
@@ -231,8 +234,15 @@ def test_ranks_as_processes(spec):
     procs = []
     try:
         for rank in [2, 1, 0]:  # rank 0 last: the others must wait for it
-            procs.append(subprocess.Popen([sys.executable, "-c", CHILD, spec, str(rank), str(world)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", CHILD, spec, str(rank), str(world)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
         results = [p.communicate(timeout=20) for p in procs]
     finally:
         for p in procs:
@@ -246,14 +256,20 @@ def test_ranks_as_processes(spec):
 
 # ---------------------------------------------------------------- nccl backend: pure helpers
 
-FAKE_NCCL_CONSTANTS = dict(NCCL_SUM=0, NCCL_MAX=2, NCCL_MIN=3, NCCL_INT32=2, NCCL_INT64=4, NCCL_FLOAT16=6,
-                           NCCL_FLOAT32=7, NCCL_FLOAT64=8)
+FAKE_NCCL_CONSTANTS = dict(
+    NCCL_SUM=0, NCCL_MAX=2, NCCL_MIN=3, NCCL_INT32=2, NCCL_INT64=4, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8
+)
 
 
 def test_nccl_dtypes_and_ops_map_to_the_bindings_constants():
     fake = types.SimpleNamespace(**FAKE_NCCL_CONSTANTS)
-    assert [_nccl_dtype(np.dtype(d), fake) for d in ["float16", "float32", "float64", "int32", "int64"]] == \
-        [6, 7, 8, 2, 4]
+    assert [_nccl_dtype(np.dtype(d), fake) for d in ["float16", "float32", "float64", "int32", "int64"]] == [
+        6,
+        7,
+        8,
+        2,
+        4,
+    ]
     assert _nccl_dtype(np.float32, fake) == 7
     assert [_nccl_op(op, fake) for op in ["sum", "max", "min"]] == [0, 2, 3]
 
@@ -330,6 +346,7 @@ def test_call_with_deadline():
 
 # ---------------------------------------------------------------- nccl backend with fake bindings
 
+
 class FakeArray:
     """Enough of a CuPy array for the backend: host data, a pointer, a device id."""
 
@@ -400,10 +417,12 @@ class FakeDevice:
 
     def __init__(self, stream):
         self.used, self.current, self.entered = 0, 0, []  # current: the thread's current device, as CuPy has it
-        runtime = types.SimpleNamespace(streamQuery=stream.query, CUDARuntimeError=FakeCudaRuntimeError,
-                                        getDevice=lambda: self.current)
-        cuda = types.SimpleNamespace(Device=self._device, get_current_stream=lambda: self._stream(stream),
-                                     runtime=runtime)
+        runtime = types.SimpleNamespace(
+            streamQuery=stream.query, CUDARuntimeError=FakeCudaRuntimeError, getDevice=lambda: self.current
+        )
+        cuda = types.SimpleNamespace(
+            Device=self._device, get_current_stream=lambda: self._stream(stream), runtime=runtime
+        )
         self.xp = types.SimpleNamespace(cuda=cuda)
 
     @contextlib.contextmanager
@@ -433,8 +452,7 @@ class FakeDevice:
 def fake_gpu(monkeypatch):
     """Patch the nccl backend onto fake bindings and a fake device; returns (stream, device)."""
     FakeComm.instances = []
-    fake = types.SimpleNamespace(**FAKE_NCCL_CONSTANTS, NcclCommunicator=FakeComm,
-                                 get_unique_id=lambda: NCCL_ID)
+    fake = types.SimpleNamespace(**FAKE_NCCL_CONSTANTS, NcclCommunicator=FakeComm, get_unique_id=lambda: NCCL_ID)
     stream = FakeStream()
     device = FakeDevice(stream)
     monkeypatch.setattr(nccl_backend, "nccl_module", lambda: fake)
@@ -556,12 +574,14 @@ def test_an_all_reduce_checks_its_array_every_time_after_the_first_full_check(fa
     on every call: what was refused the first time is refused every time after, between accepted calls."""
     group = make_group(tmp_path)
     comm = FakeComm.instances[0]
-    refusals = [(np.zeros(3, np.float32), "sum", "needs device \\(CuPy\\) arrays .* numpy.ndarray"),
-                (FakeArray(np.zeros(3, np.uint8)), "sum", "cannot reduce uint8"),
-                (FakeArray(np.zeros(3, np.float32), device_id=1), "sum", "all-reduce of an array on cuda:1"),
-                (FakeArray(np.zeros((4, 4), np.float32))[:, 1], "sum", "contiguous .* shape \\(4,\\)"),
-                (FakeArray(np.zeros(3, np.float32)), "prod", "unknown reduction 'prod'"),
-                (FakeArray(np.zeros(3, np.float32)), ["sum"], "unknown reduction \\['sum'\\]")]
+    refusals = [
+        (np.zeros(3, np.float32), "sum", "needs device \\(CuPy\\) arrays .* numpy.ndarray"),
+        (FakeArray(np.zeros(3, np.uint8)), "sum", "cannot reduce uint8"),
+        (FakeArray(np.zeros(3, np.float32), device_id=1), "sum", "all-reduce of an array on cuda:1"),
+        (FakeArray(np.zeros((4, 4), np.float32))[:, 1], "sum", "contiguous .* shape \\(4,\\)"),
+        (FakeArray(np.zeros(3, np.float32)), "prod", "unknown reduction 'prod'"),
+        (FakeArray(np.zeros(3, np.float32)), ["sum"], "unknown reduction \\['sum'\\]"),
+    ]
     for round_ in range(3):
         good = FakeArray(np.arange(3, dtype=np.float32))
         assert group.allreduce_(good) is good
@@ -653,8 +673,11 @@ def test_a_stalled_all_reduce_after_finished_ones_is_aborted(fake_gpu, tmp_path)
         group.allreduce_(FakeArray(np.zeros(4, np.float32)))
     stream.status = 600
     began = time.monotonic()
-    with pytest.raises(CollectiveError, match="rank 0: all-reduce \\(sum\\) of 16 bytes did not complete within "
-                                              "0.2 s: another rank has probably died or stalled"):
+    with pytest.raises(
+        CollectiveError,
+        match="rank 0: all-reduce \\(sum\\) of 16 bytes did not complete within "
+        "0.2 s: another rank has probably died or stalled",
+    ):
         group.allreduce_(FakeArray(np.zeros(4, np.float32)))
     assert 0.15 <= time.monotonic() - began < 2.0 and FakeComm.instances[0].aborted == 1
 

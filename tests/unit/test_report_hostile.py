@@ -78,12 +78,26 @@ def test_a_job_file_that_is_not_a_regular_file_is_refused(tmp_path, capsys, own_
 
 
 def test_malformed_lines_are_skipped_and_counted_in_one_line(tmp_path, capsys, own_path):
-    run = run_folder(tmp_path / "run", "[]", "12", "null", '"step"', "{", b"\xff\xfe", '{"event": 3}',
-                     '{"event": "step", "loss": "x"}', '{"event": "step", "seconds": 5}',
-                     '{"event": "step", "seconds": {"compute": "slow"}}', '{"event": "step", "staleness": [1]}',
-                     '{"event": "step", "clock": "c"}', '{"event": "eval", "test_accuracy": "high"}',
-                     '{"event": "eval", "step": {}, "test_accuracy": 0.9}', '{"event": "done", "seconds": "x"}',
-                     '{"event": "done", "steps": 1.5}', json.dumps(STEP))
+    run = run_folder(
+        tmp_path / "run",
+        "[]",
+        "12",
+        "null",
+        '"step"',
+        "{",
+        b"\xff\xfe",
+        '{"event": 3}',
+        '{"event": "step", "loss": "x"}',
+        '{"event": "step", "seconds": 5}',
+        '{"event": "step", "seconds": {"compute": "slow"}}',
+        '{"event": "step", "staleness": [1]}',
+        '{"event": "step", "clock": "c"}',
+        '{"event": "eval", "test_accuracy": "high"}',
+        '{"event": "eval", "step": {}, "test_accuracy": 0.9}',
+        '{"event": "done", "seconds": "x"}',
+        '{"event": "done", "steps": 1.5}',
+        json.dumps(STEP),
+    )
     assert main(["report", str(run), "--no-png"]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in err, err

@@ -35,10 +35,15 @@ def test_the_watch_command_parses_as_psgd_status_with_the_job_file_token_and_tls
     line = status_command(run, tls, token_kept=True)
     token = "PSGD_TOKEN=$(cat 'runs/a b/.token') "
     assert line.startswith(token), line
-    argv = shlex.split(line[len(token):])
+    argv = shlex.split(line[len(token) :])
     args = psgd_main.build_parser().parse_args(argv[1:])
-    assert argv[0] == "psgd" and (args.command, args.config, args.tls_ca, args.tls_cert, args.tls_key) == \
-        ("status", "runs/a b/job.toml", "runs/a b/tls/ca.pem", "runs/a b/tls/job.pem", "runs/a b/tls/job.key")
+    assert argv[0] == "psgd" and (args.command, args.config, args.tls_ca, args.tls_cert, args.tls_key) == (
+        "status",
+        "runs/a b/job.toml",
+        "runs/a b/tls/ca.pem",
+        "runs/a b/tls/job.pem",
+        "runs/a b/tls/job.key",
+    )
     # the user's own token (in $PSGD_TOKEN) and no TLS: the job file alone
     assert shlex.split(status_command(run, NO_TLS, token_kept=False)) == ["psgd", "status", "-c", "runs/a b/job.toml"]
 
@@ -56,13 +61,32 @@ def launched(monkeypatch):
     return given
 
 
-def test_psgd_run_hands_the_launcher_the_flags_to_say_again_and_the_scripts_arguments(tmp_path, monkeypatch,
-                                                                                       launched):
+def test_psgd_run_hands_the_launcher_the_flags_to_say_again_and_the_scripts_arguments(tmp_path, monkeypatch, launched):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "own_loop.py").write_text("")
-    status = psgd_main.main(["run", "--epochs", "3", "--set", "train.batch_size=16", "--run-dir", "runs/x",
-                             "--timeout", "60", "--save", "my w.npz", "--no-tls", "-v", "-v",
-                             "own_loop.py", "--warmup", "100", "--clip", "5.0"])
+    status = psgd_main.main(
+        [
+            "run",
+            "--epochs",
+            "3",
+            "--set",
+            "train.batch_size=16",
+            "--run-dir",
+            "runs/x",
+            "--timeout",
+            "60",
+            "--save",
+            "my w.npz",
+            "--no-tls",
+            "-v",
+            "-v",
+            "own_loop.py",
+            "--warmup",
+            "100",
+            "--clip",
+            "5.0",
+        ]
+    )
     assert status == 128 + signal.SIGTERM
     assert launched["script"] == [str(tmp_path / "own_loop.py"), "--warmup", "100", "--clip", "5.0"]
     # the job's flags are in RUN/job.toml, the folder is --resume's: the rest is said again, in the parser's order

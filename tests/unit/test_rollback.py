@@ -8,14 +8,13 @@ import threading
 
 import numpy as np
 import pytest
-
-from psgd.server.state import checkpoint
-from psgd.server.durable import recovery
-from psgd.server.state.rewind import ROLLBACK_SPACING
-from psgd.server.errors import ShardError
-from psgd.server.state.rounds import Round
-
 from test_shard_core import PLAN, error, grads_of, make_core, push, register_all, weights
+
+from psgd.server.durable import recovery
+from psgd.server.errors import ShardError
+from psgd.server.state import checkpoint
+from psgd.server.state.rewind import ROLLBACK_SPACING
+from psgd.server.state.rounds import Round
 
 K = 2  # rounds between cuts
 
@@ -67,7 +66,10 @@ def test_the_same_rounds_after_going_back_give_the_same_bits(tmp_path):
     rng = np.random.default_rng(5)
     g = {}
     for c in range(4):  # workers 0 and 2 cancel each other: how the sum rounds shows the order it was added in
-        big, small = (rng.standard_normal(12), rng.standard_normal(3)), (rng.standard_normal(12), rng.standard_normal(3))
+        big, small = (
+            (rng.standard_normal(12), rng.standard_normal(3)),
+            (rng.standard_normal(12), rng.standard_normal(3)),
+        )
         g[0, c], g[1, c], g[2, c] = tuple(1e16 * p for p in big), small, tuple(-1e16 * p for p in big)
     for c in range(4):
         for w in (0, 1, 2):
@@ -181,9 +183,9 @@ def test_a_shard_restarted_from_a_cut_tells_a_worker_that_is_past_it(tmp_path):
 
 
 def test_a_cut_needs_every_worker_in_every_round():
-    from psgd.config import ConfigError
-
     from helpers import make_job
+
+    from psgd.config import ConfigError
 
     with pytest.raises(ConfigError, match="backup_workers = 1 closes rounds without some"):
         make_job("cluster.policy=sync", "cluster.checkpoint_rounds=4", "cluster.backup_workers=1", "cluster.workers=2")
@@ -214,6 +216,7 @@ def test_a_shard_reads_the_jobs_addresses_where_the_launch_writes_them_after_it_
     all are bound: a shard that found none there at its start reads them again when it checks a rollback's cause
     (only there: never at an address the rollback names)."""
     from helpers import make_job
+
     from psgd.cli.common import job_from_args
     from psgd.cli.server import _job_shards, build_parser
     from psgd.config import to_toml

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_shard_core import grads_of, make_core, register_all
 
 from psgd.server.state.rounds import Round
 from psgd.wire.sweep import PARALLEL_BYTES
-
-from test_shard_core import grads_of, make_core, register_all
 
 
 def pushes(n: int, seed: int = 0) -> list:
@@ -48,8 +47,12 @@ def test_a_rounds_sum_so_far_is_what_a_checkpoint_keeps():
     gs = pushes(2)
     r.add(gs[0], 0)
     r.add(gs[1], 1)
-    assert r.so_far().tobytes() == (np.concatenate([gs[0][i] for i in sorted(gs[0])])
-                                    + np.concatenate([gs[1][i] for i in sorted(gs[1])])).tobytes()
+    assert (
+        r.so_far().tobytes()
+        == (
+            np.concatenate([gs[0][i] for i in sorted(gs[0])]) + np.concatenate([gs[1][i] for i in sorted(gs[1])])
+        ).tobytes()
+    )
     ordered = Round(core.store, ordered=True)
     ordered.add(gs[0], 0, worker=0)
     assert not ordered.so_far().any() and set(ordered.apart) == {0}  # its pushes are kept apart
@@ -66,8 +69,9 @@ def test_a_large_rounds_passes_are_swept_on_threads_with_the_same_bits():
     plan = PartitionPlan(specs, num_shards=1, slice_bytes=1 << 20)
     rng = np.random.default_rng(4)
     values = plan.split({"w": rng.standard_normal(specs[0].shape)}, shard=0)
-    core = ShardCore(plan, 0, values, build_optimizer("sgd", lr=0.1), make_policy("sync", 3), num_workers=3,
-                     apply_threads=3)
+    core = ShardCore(
+        plan, 0, values, build_optimizer("sgd", lr=0.1), make_policy("sync", 3), num_workers=3, apply_threads=3
+    )
     assert core.store.sweep.threads == 3
     gs = [core.store.views(rng.standard_normal(core.flat.size)) for _ in range(3)]
     r = Round(core.store)

@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import refused_at_a_fifo
+
 from psgd.errors import InputError
 
 
@@ -40,8 +40,9 @@ def test_a_run_file_that_is_a_fifo_is_refused_without_waiting_for_a_reader(tmp_p
     from psgd.observe.files import open_own
 
     os.mkfifo(tmp_path / "worker-0.jsonl")
-    said = refused_at_a_fifo(tmp_path / "worker-0.jsonl", lambda: open_own(tmp_path / "worker-0.jsonl", "a"),
-                             InputError)
+    said = refused_at_a_fifo(
+        tmp_path / "worker-0.jsonl", lambda: open_own(tmp_path / "worker-0.jsonl", "a"), InputError
+    )
     assert "not a regular file" in str(said)
 
 
@@ -101,8 +102,11 @@ def test_a_folder_holding_another_runs_files_is_refused_unless_resumed(tmp_path,
 
     (tmp_path / left).parent.mkdir(exist_ok=True)
     (tmp_path / left).write_text("")
-    with pytest.raises(InputError, match=f"^{tmp_path} holds the files of an earlier run \\({left}\\): continue it "
-                                         f"with psgd launch --resume {tmp_path}, or give another --run-dir"):
+    with pytest.raises(
+        InputError,
+        match=f"^{tmp_path} holds the files of an earlier run \\({left}\\): continue it "
+        f"with psgd launch --resume {tmp_path}, or give another --run-dir",
+    ):
         claim(tmp_path, resume=False)
     claim(tmp_path, resume=True)
 

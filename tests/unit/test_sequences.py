@@ -39,11 +39,16 @@ def test_the_dataset_spec_loads_and_describes_alike():
     assert ds.x_train.shape == (64, 10)
 
 
-@pytest.mark.parametrize("options, said", [({"task": "sorted"}, "task must be one of majority, lookup, sort"),
-                                           ({"length": 1}, "length must be a whole number of at least 2"),
-                                           ({"vocab": "x"}, "vocab must be a whole number"),
-                                           ({"task": "lookup", "length": 9, "vocab": 8}, "vocab must be at least"),
-                                           ({"tokens": 3}, "unknown option(s) tokens")])
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ({"task": "sorted"}, "task must be one of majority, lookup, sort"),
+        ({"length": 1}, "length must be a whole number of at least 2"),
+        ({"vocab": "x"}, "vocab must be a whole number"),
+        ({"task": "lookup", "length": 9, "vocab": 8}, "vocab must be at least"),
+        ({"tokens": 3}, "unknown option(s) tokens"),
+    ],
+)
 def test_a_bad_option_is_one_clear_error(options, said):
     with pytest.raises(DataError, match=re.escape(said)):
         load_dataset("sequences", **options)

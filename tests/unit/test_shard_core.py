@@ -17,18 +17,18 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import slice_weights, wait_for
+
 from psgd.config import Deadlines, Remedies
 from psgd.model.base import VarSpec
 from psgd.optim import build_optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import make_policy
-from psgd.server.state import checkpoint
 from psgd.server.durable import recovery
-from psgd.server.state.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
 from psgd.server.errors import ShardError
 from psgd.server.net.assembly import PushAssembler
+from psgd.server.state import checkpoint
+from psgd.server.state.core import MAX_CLOCK, STALENESS_BUCKETS, ShardCore
 
 LR = 0.1
 LEASE = 10.0
@@ -55,14 +55,24 @@ class FakeClock:
 REMEDIES = {f.name for f in dataclasses.fields(Remedies)}
 
 
-def make_core(policy: str = "sync", workers: int = 2, *, clock: FakeClock | None = None,
-              options: dict | None = None, **kwargs) -> tuple[ShardCore, FakeClock]:
+def make_core(
+    policy: str = "sync", workers: int = 2, *, clock: FakeClock | None = None, options: dict | None = None, **kwargs
+) -> tuple[ShardCore, FakeClock]:
     clock = clock or FakeClock()
     values = PLAN.split(INIT, shard=0)
     remedies = Remedies(**{k: kwargs.pop(k) for k in list(kwargs) if k in REMEDIES})
-    core = ShardCore(PLAN, 0, values, build_optimizer("sgd", lr=LR), make_policy(policy, workers, **(options or {})),
-                     num_workers=workers, deadlines=Deadlines(lease_seconds=LEASE, join_timeout=JOIN), now=clock,
-                     remedies=remedies, **kwargs)
+    core = ShardCore(
+        PLAN,
+        0,
+        values,
+        build_optimizer("sgd", lr=LR),
+        make_policy(policy, workers, **(options or {})),
+        num_workers=workers,
+        deadlines=Deadlines(lease_seconds=LEASE, join_timeout=JOIN),
+        now=clock,
+        remedies=remedies,
+        **kwargs,
+    )
     return core, clock
 
 
@@ -73,8 +83,10 @@ def register_all(core: ShardCore, workers=None) -> None:
 
 def grads_of(w: np.ndarray, b: np.ndarray) -> dict[int, np.ndarray]:
     """Per-slice gradients of the whole-variable gradients (w, b)."""
-    return {i: np.array(g, dtype=np.float64) for i, g in PLAN.split({"w": np.asarray(w, float),
-                                                                       "b": np.asarray(b, float)}).items()}
+    return {
+        i: np.array(g, dtype=np.float64)
+        for i, g in PLAN.split({"w": np.asarray(w, float), "b": np.asarray(b, float)}).items()
+    }
 
 
 def grad(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +97,7 @@ def grad(seed: int) -> tuple[np.ndarray, np.ndarray]:
 def weights(core: ShardCore) -> dict[str, np.ndarray]:
     out = {s.name: np.empty(s.size) for s in SPECS}
     for sl, values in slice_weights(core):
-        out[sl.var][sl.start:sl.stop] = values
+        out[sl.var][sl.start : sl.stop] = values
     return out
 
 
@@ -134,6 +146,7 @@ def run_in_thread(fn, *args, **kwargs):
         if "error" in box:
             raise box["error"]
         return box["result"]
+
     return join
 
 
@@ -506,10 +519,20 @@ def test_plan_hash_mismatch_explains_the_difference():
     assert err.code == "FAILED_PRECONDITION"
 
 
-MALFORMED_PLANS = ["", "not json", "[]", "null", "7", '{"variables": 5}', '{"variables": [[]]}',
-                   '{"variables": [{}]}', '{"variables": [["w"]]}', '{"variables": [[["w"]]]}',
-                   '{"num_shards": 1, "slice_bytes": 64, "variables": [["w", 12, "float64"]]}',
-                   "[" * 100_000 + "]" * 100_000]
+MALFORMED_PLANS = [
+    "",
+    "not json",
+    "[]",
+    "null",
+    "7",
+    '{"variables": 5}',
+    '{"variables": [[]]}',
+    '{"variables": [{}]}',
+    '{"variables": [["w"]]}',
+    '{"variables": [[["w"]]]}',
+    '{"num_shards": 1, "slice_bytes": 64, "variables": [["w", 12, "float64"]]}',
+    "[" * 100_000 + "]" * 100_000,
+]
 
 
 @pytest.mark.parametrize("plan_json", MALFORMED_PLANS, ids=[f"plan{i}" for i in range(len(MALFORMED_PLANS))])
@@ -622,15 +645,36 @@ def test_status_reports_everything():
     s = core.status()
     assert s["checkpoint"] is None and s["restored_version"] is None and s["rewinding"] == {} and s["last_cause"] == ""
     assert (s["role"], s["replica_lag"]) == ("", -1)  # no replica
-    assert set(s) == {"shard", "num_shards", "policy", "version", "plan_hash", "bytes_held", "workers",
-                      "checkpoint", "restored_version", "reads", "rewinding", "last_cause", "role", "replica_lag",
-                      "counters", "staleness_histogram"}
+    assert set(s) == {
+        "shard",
+        "num_shards",
+        "policy",
+        "version",
+        "plan_hash",
+        "bytes_held",
+        "workers",
+        "checkpoint",
+        "restored_version",
+        "reads",
+        "rewinding",
+        "last_cause",
+        "role",
+        "replica_lag",
+        "counters",
+        "staleness_histogram",
+    }
     assert (s["shard"], s["num_shards"], s["policy"], s["version"]) == (0, 1, "sync", 0)
     assert s["plan_hash"] == PLAN.hash
     assert s["bytes_held"] == 15 * 8
     w0, w1 = s["workers"]
-    assert w0 == {"worker_id": 0, "state": "live", "clock": 1, "lease_left_seconds": pytest.approx(LEASE - 4),
-                  "hostname": "host-a", "pid": 4242}
+    assert w0 == {
+        "worker_id": 0,
+        "state": "live",
+        "clock": 1,
+        "lease_left_seconds": pytest.approx(LEASE - 4),
+        "hostname": "host-a",
+        "pid": 4242,
+    }
     assert (w1["worker_id"], w1["state"], w1["clock"]) == (1, "pending", 0)
     assert w1["lease_left_seconds"] == pytest.approx(JOIN - 7)
     c = s["counters"]
@@ -803,8 +847,15 @@ def _big_core(threads: int, optimizer: str) -> ShardCore:
     plan = PartitionPlan(specs, num_shards=1, slice_bytes=1 << 20)
     rng = np.random.default_rng(5)
     values = plan.split({s.name: rng.standard_normal(s.shape) for s in specs}, shard=0)
-    core = ShardCore(plan, 0, values, build_optimizer(optimizer, lr=LR), make_policy("async", 1), num_workers=1,
-                     apply_threads=threads)
+    core = ShardCore(
+        plan,
+        0,
+        values,
+        build_optimizer(optimizer, lr=LR),
+        make_policy("async", 1),
+        num_workers=1,
+        apply_threads=threads,
+    )
     core.register(0, plan.hash)
     return core
 
@@ -861,8 +912,11 @@ def test_a_checkpoint_holds_an_update_whole_or_not_at_all(tmp_path, policy, opti
     register_all(core)
     read, pushed = hold_an_update(core, 1, 0)
     written = run_in_thread(recovery.write, core, tmp_path, force=True)
-    wait_for(lambda: core.whole.last_checkpoint is not None or core.store.settling == 1, JOIN_WAIT,
-             "the checkpoint to be written or to wait")
+    wait_for(
+        lambda: core.whole.last_checkpoint is not None or core.store.settling == 1,
+        JOIN_WAIT,
+        "the checkpoint to be written or to wait",
+    )
     read.release()
     pushed()
     written()

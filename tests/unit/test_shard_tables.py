@@ -11,19 +11,31 @@ from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.model.table import initial_rows
 from psgd.server import build_shard
-from psgd.server.state import checkpoint
 from psgd.server.durable import recovery
 from psgd.server.errors import ShardError
+from psgd.server.state import checkpoint
 
 DIM = 4
 
 
 def shard(policy="sync", workers=2, cluster=(), **tables):
     config = JobConfig()
-    config = config.apply_sets(["model.name=embed", f"model.dim={DIM}", "model.hidden=[4]", "data.name=clicks",
-                                f"cluster.policy={policy}", "cluster.shards=2", f"cluster.workers={workers}",
-                                "tables.optimizer=sgd", "tables.lr=1.0", "train.dtype=float64",
-                                *(f"tables.{k}={v}" for k, v in tables.items()), *(f"cluster.{c}" for c in cluster)])
+    config = config.apply_sets(
+        [
+            "model.name=embed",
+            f"model.dim={DIM}",
+            "model.hidden=[4]",
+            "data.name=clicks",
+            f"cluster.policy={policy}",
+            "cluster.shards=2",
+            f"cluster.workers={workers}",
+            "tables.optimizer=sgd",
+            "tables.lr=1.0",
+            "train.dtype=float64",
+            *(f"tables.{k}={v}" for k, v in tables.items()),
+            *(f"cluster.{c}" for c in cluster),
+        ]
+    )
     job = describe_job(config)
     core = build_shard(job, 0)
     for w in range(workers):
@@ -55,9 +67,9 @@ def test_a_sync_round_averages_its_row_gradients_over_its_pushes():
     assert np.array_equal(core.read_rows(None, {"emb": ids})["emb"], start)  # nothing until the round closes
     core.push(1, 0, 0, dense(core), rows={"emb": (b, np.full((4, DIM), 3.0))})
     want = start.copy()
-    want[:2] -= 1.0 / 2            # worker 0's alone, over 2 pushes
-    want[2:4] -= (1.0 + 3.0) / 2   # both
-    want[4:] -= 3.0 / 2            # worker 1's alone
+    want[:2] -= 1.0 / 2  # worker 0's alone, over 2 pushes
+    want[2:4] -= (1.0 + 3.0) / 2  # both
+    want[4:] -= 3.0 / 2  # worker 1's alone
     np.testing.assert_allclose(core.read_rows(None, {"emb": ids})["emb"], want)
     assert core.version == 1 and core.status()["tables"]["emb"]["rows"] == 6
 
@@ -85,14 +97,17 @@ def test_async_rows_are_applied_on_arrival_at_the_pushs_rate_and_a_retried_push_
     np.testing.assert_allclose(core.read_rows(0, {"emb": ids})["emb"], start - 1.0 / 4)  # lr / workers, once
 
 
-@pytest.mark.parametrize("rows, words", [
-    (lambda ids: {"emb": (np.concatenate([ids[:2], ids[:1]]), np.ones((3, DIM)))}, "an id is repeated"),
-    (lambda ids: {"emb": (np.arange(40, dtype=np.int64), np.ones((40, DIM)))}, "not shard 0's"),
-    (lambda ids: {"emb": (ids, np.ones((len(ids), DIM + 1)))}, "need gradients of shape"),
-    (lambda ids: {"emb": (ids.astype(np.float64), np.ones((len(ids), DIM)))}, "must be one int64 array"),
-    (lambda ids: {"emb": (ids, np.full((len(ids), DIM), np.nan))}, "non-finite"),
-    (lambda ids: {"users": (ids, np.ones((len(ids), DIM)))}, "no table 'users'"),
-])
+@pytest.mark.parametrize(
+    "rows, words",
+    [
+        (lambda ids: {"emb": (np.concatenate([ids[:2], ids[:1]]), np.ones((3, DIM)))}, "an id is repeated"),
+        (lambda ids: {"emb": (np.arange(40, dtype=np.int64), np.ones((40, DIM)))}, "not shard 0's"),
+        (lambda ids: {"emb": (ids, np.ones((len(ids), DIM + 1)))}, "need gradients of shape"),
+        (lambda ids: {"emb": (ids.astype(np.float64), np.ones((len(ids), DIM)))}, "must be one int64 array"),
+        (lambda ids: {"emb": (ids, np.full((len(ids), DIM), np.nan))}, "non-finite"),
+        (lambda ids: {"users": (ids, np.ones((len(ids), DIM)))}, "no table 'users'"),
+    ],
+)
 def test_hostile_rows_are_refused_and_change_nothing(rows, words):
     job, core = shard("async")
     ids = mine(job, 3)
@@ -125,8 +140,7 @@ def test_a_checkpoint_keeps_the_rows_and_a_round_in_flight(tmp_path):
     for c in (core, again):
         c.register(1, job.plan.hash)
         c.push(1, 0, 0, dense(c), rows={"emb": (ids[:2], np.ones((2, DIM)))})
-    np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"],
-                                  again.read_rows(None, {"emb": ids})["emb"])
+    np.testing.assert_array_equal(core.read_rows(None, {"emb": ids})["emb"], again.read_rows(None, {"emb": ids})["emb"])
     assert again.version == core.version == 1
 
 

@@ -14,8 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from psgd.optim import WHOLE, Adam, Momentum, OptimizerError, SGD, Share, StepDecay
 from psgd.config import Remedies
+from psgd.optim import SGD, WHOLE, Adam, Momentum, OptimizerError, Share, StepDecay
 from psgd.server.state.remedies import PushRemedies
 
 P0 = np.array([1.0, -2.0])
@@ -35,7 +35,7 @@ def test_momentum_one_of_n_updates_written_out():
     got = run(Momentum(LR, momentum=mu), G, n, Share(n))
     p, v = P0.copy(), np.zeros(2)
     for g in G:
-        v = mu ** 0.25 * v + (1 - mu ** 0.25) / (1 - mu) * g
+        v = mu**0.25 * v + (1 - mu**0.25) / (1 - mu) * g
         p = p - LR / 4 * v
     np.testing.assert_allclose(got, p, rtol=1e-13, atol=1e-14)
 
@@ -54,7 +54,7 @@ def test_momentum_implicit_momentum_written_out():
     """Four workers: asynchrony carries about 0.75 per update; the optimizer keeps the rest of 0.9 ** 0.25."""
     n, mu = 4, 0.9
     got = run(Momentum(LR, momentum=mu), G, n, Share(n, implicit_momentum=0.75))
-    kept = 0.9 ** 0.25 - 0.75
+    kept = 0.9**0.25 - 0.75
     p, v = P0.copy(), np.zeros(2)
     for g in G:
         v = kept * v + (1 - kept) / (1 - mu) * g
@@ -94,10 +94,10 @@ def test_adam_one_of_n_updates_written_out():
     got = run(Adam(LR), G, n, Share(n))
     p, m, v = P0.copy(), np.zeros(2), np.zeros(2)
     for k, g in enumerate(G, start=1):
-        m = b1 ** 0.25 * m + (1 - b1 ** 0.25) * g
-        v = b2 ** 0.25 * v + (1 - b2 ** 0.25) * g * g
+        m = b1**0.25 * m + (1 - b1**0.25) * g
+        v = b2**0.25 * v + (1 - b2**0.25) * g * g
         t = k / 4  # rounds
-        p = p - LR / 4 * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+        p = p - LR / 4 * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
     np.testing.assert_allclose(got, p, rtol=1e-12, atol=1e-14)
 
 
@@ -147,8 +147,9 @@ def test_a_whole_share_is_the_plain_update():
     assert WHOLE == Share(1, 0.0) and WHOLE.fraction == 1.0
 
 
-@pytest.mark.parametrize("share", [Share(0), Share(-2), Share(2.5), Share(2, implicit_momentum=1.0),
-                                   Share(2, implicit_momentum=-0.1)])
+@pytest.mark.parametrize(
+    "share", [Share(0), Share(-2), Share(2.5), Share(2, implicit_momentum=1.0), Share(2, implicit_momentum=-0.1)]
+)
 def test_a_bad_share_is_refused_and_changes_nothing(share):
     opt = Momentum(LR)
     p = P0.copy()
@@ -158,16 +159,20 @@ def test_a_bad_share_is_refused_and_changes_nothing(share):
     assert opt.step_count("w") == 0
 
 
-@pytest.mark.parametrize("accumulates, async_lr, implicit, want_scale, want", [
-    (False, "divided", False, 0.25, Share(4)),
-    (False, "divided", True, 0.25, Share(4, 0.75)),
-    (False, "full", False, 1.0, Share(1)),
-    (False, "full", True, 1.0, Share(1, 0.75)),
-    (True, "divided", True, 1.0, Share(1)),  # a sync round is one update: nothing to share, no asynchrony
-])
+@pytest.mark.parametrize(
+    "accumulates, async_lr, implicit, want_scale, want",
+    [
+        (False, "divided", False, 0.25, Share(4)),
+        (False, "divided", True, 0.25, Share(4, 0.75)),
+        (False, "full", False, 1.0, Share(1)),
+        (False, "full", True, 1.0, Share(1, 0.75)),
+        (True, "divided", True, 1.0, Share(1)),  # a sync round is one update: nothing to share, no asynchrony
+    ],
+)
 def test_a_shard_counts_a_push_as_its_policy_says(accumulates, async_lr, implicit, want_scale, want):
     flat = np.zeros(3)
-    remedies = PushRemedies(4, accumulates, flat, lambda a: {0: a},
-                            Remedies(async_lr=async_lr, implicit_momentum=implicit))
+    remedies = PushRemedies(
+        4, accumulates, flat, lambda a: {0: a}, Remedies(async_lr=async_lr, implicit_momentum=implicit)
+    )
     assert remedies.scale == want_scale and remedies.share == want
     assert math.isclose(remedies.lr_scale(0), want_scale)

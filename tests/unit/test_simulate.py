@@ -9,8 +9,19 @@ import pytest
 from psgd.bench.simulate.engine import Cpu, Sim
 from psgd.bench.simulate.job import Costs, Layout, simulate
 
-FREE = Costs(compute=0.0, shard_request=0.0, shard_per_byte=0.0, joint_request=0.0, joint_per_byte=0.0,
-             worker_request=0.0, worker_per_byte=0.0, wake=0.0, cores=1.0, hop=0.0, ring_rate=1e9)
+FREE = Costs(
+    compute=0.0,
+    shard_request=0.0,
+    shard_per_byte=0.0,
+    joint_request=0.0,
+    joint_per_byte=0.0,
+    worker_request=0.0,
+    worker_per_byte=0.0,
+    wake=0.0,
+    cores=1.0,
+    hop=0.0,
+    ring_rate=1e9,
+)
 
 
 def costs(**changes) -> Costs:
@@ -20,8 +31,16 @@ def costs(**changes) -> Costs:
 
 
 def test_one_sync_worker_steps_at_the_sum_of_its_parts():
-    c = costs(compute=100e-6, joint_request=30e-6, joint_per_byte=1e-9, worker_joint=20e-6,
-              worker_per_byte=0.5e-9, wake=15e-6, cores=2.0, worker_step=7e-6)
+    c = costs(
+        compute=100e-6,
+        joint_request=30e-6,
+        joint_per_byte=1e-9,
+        worker_joint=20e-6,
+        worker_per_byte=0.5e-9,
+        wake=15e-6,
+        cores=2.0,
+        worker_step=7e-6,
+    )
     step = 100e-6 + 7e-6 + 20e-6 + 0.5e-9 * 10_000 + 30e-6 + 1e-9 * 10_000 + 15e-6
     assert simulate(c, Layout(1, 1, "sync", 10_000))["steps_per_s"] == pytest.approx(1 / step, rel=1e-6)
 
@@ -36,8 +55,15 @@ def test_ranks_waiting_in_an_allreduce_take_their_share_of_the_cores():
 
 
 def test_async_pays_two_round_trips_where_sync_pays_one():
-    c = costs(compute=100e-6, shard_request=30e-6, joint_request=30e-6, worker_request=20e-6, worker_joint=20e-6,
-              wake=15e-6, cores=2.0)
+    c = costs(
+        compute=100e-6,
+        shard_request=30e-6,
+        joint_request=30e-6,
+        worker_request=20e-6,
+        worker_joint=20e-6,
+        wake=15e-6,
+        cores=2.0,
+    )
     sync = 1 / simulate(c, Layout(1, 1, "sync", 1000))["steps_per_s"]
     asynchronous = 1 / simulate(c, Layout(1, 1, "async", 1000))["steps_per_s"]
     assert sync == pytest.approx(100e-6 + 20e-6 + 30e-6 + 15e-6)
@@ -47,15 +73,18 @@ def test_async_pays_two_round_trips_where_sync_pays_one():
 @pytest.mark.parametrize("n", [2, 4, 16])
 def test_bandwidth_bound_ring_allreduce_takes_2_n_minus_1_over_n_model_over_rate(n):
     rate, model = 1.25e9, 100e6  # 10 Gbit/s, a 100 MB gradient
-    step = n / simulate(costs(), Layout(n, 1, "allreduce", model, rate=rate, latency=0.0), steps=5 * n,
-                        warmup=n)["steps_per_s"]
+    step = (
+        n
+        / simulate(costs(), Layout(n, 1, "allreduce", model, rate=rate, latency=0.0), steps=5 * n, warmup=n)[
+            "steps_per_s"
+        ]
+    )
     assert step == pytest.approx(2 * (n - 1) / n * model / rate, rel=1e-6)
 
 
 def test_one_bandwidth_bound_sync_worker_pushes_then_pulls():
     rate, model = 1.25e9, 100e6
-    step = 1 / simulate(costs(), Layout(1, 1, "sync", model, rate=rate, latency=0.0), steps=10,
-                        warmup=2)["steps_per_s"]
+    step = 1 / simulate(costs(), Layout(1, 1, "sync", model, rate=rate, latency=0.0), steps=10, warmup=2)["steps_per_s"]
     assert step == pytest.approx(2 * model / rate, rel=1e-6)
 
 
@@ -65,8 +94,12 @@ def test_bandwidth_bound_sync_ps_is_within_bytepss_bound_and_twice_it(n, k):
     pushes before it pulls, but a worker whose weights came early pushes again while others still pull, and a shard
     whose round closed answers while other shards still take pushes: a step lies between the bound and twice it."""
     rate, model = 1.25e9, 100e6
-    step = n / simulate(costs(), Layout(n, k, "sync", model, rate=rate, latency=0.0), steps=20 * n,
-                        warmup=4 * n)["steps_per_s"]
+    step = (
+        n
+        / simulate(costs(), Layout(n, k, "sync", model, rate=rate, latency=0.0), steps=20 * n, warmup=4 * n)[
+            "steps_per_s"
+        ]
+    )
     bound = max(model / rate, n * model / (k * rate))
     assert bound * (1 - 1e-9) <= step <= 2 * bound * (1 + 1e-9)
 
@@ -131,15 +164,41 @@ def test_a_prediction_answers_for_the_users_job(tmp_path, capsys):
     import json
 
     saved, out = tmp_path / "costs.json", tmp_path / "out.json"
-    c = costs(compute=1e-4, joint_request=1e-4, joint_per_byte=1e-9, worker_joint=1e-4, shard_request=1e-4,
-              worker_request=1e-4, cores=2.0, hop=1e-5)
+    c = costs(
+        compute=1e-4,
+        joint_request=1e-4,
+        joint_per_byte=1e-9,
+        worker_joint=1e-4,
+        shard_request=1e-4,
+        worker_request=1e-4,
+        cores=2.0,
+        hop=1e-5,
+    )
     saved.write_text(json.dumps({"costs": dataclasses.asdict(c)}))
-    assert _command("--costs", str(saved), "--workers", "16", "--shards", "4", "--network", "10gbit", "--model",
-                    "resnet50", "--json", str(out)) == 0
+    assert (
+        _command(
+            "--costs",
+            str(saved),
+            "--workers",
+            "16",
+            "--shards",
+            "4",
+            "--network",
+            "10gbit",
+            "--model",
+            "resnet50",
+            "--json",
+            str(out),
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     figures = json.loads(out.read_text())["prediction"]
-    assert figures["workers"] == 16 and figures["shards"] == 4 and set(figures["steps_per_s"]) == \
-        {"sync", "async", "ssp", "allreduce"}
+    assert (
+        figures["workers"] == 16
+        and figures["shards"] == 4
+        and set(figures["steps_per_s"]) == {"sync", "async", "ssp", "allreduce"}
+    )
     assert "16 workers, 4 shard(s), ResNet-50-sized" in said and "90% of all-reduce" in said
     with pytest.raises(SystemExit, match="name the model"):
         _command("--costs", str(saved), "--workers", "16")
@@ -174,8 +233,10 @@ def test_crowded_cores_give_what_was_measured_for_four():
 def test_watching_ends_save_the_measured_cpu_of_a_round_trip():
     c = costs(compute=100e-6, joint_request=40e-6, worker_joint=30e-6, wake=0.0, cores=2.0, watch_saves=20e-6)
     sleeping = 1 / simulate(c, Layout(1, 1, "sync", 1000))["steps_per_s"]
-    watching = 1 / simulate(dataclasses_replace(c, wake_watching=5e-6), Layout(1, 1, "sync", 1000, watching=True))[
-        "steps_per_s"]
+    watching = (
+        1
+        / simulate(dataclasses_replace(c, wake_watching=5e-6), Layout(1, 1, "sync", 1000, watching=True))["steps_per_s"]
+    )
     assert sleeping == pytest.approx(170e-6) and watching == pytest.approx(170e-6 - 20e-6 + 5e-6)
 
 
@@ -186,8 +247,16 @@ def dataclasses_replace(c, **changes):
 
 
 def test_async_watching_ends_save_what_was_measured_for_a_round_trip_of_its_own():
-    c = costs(compute=100e-6, shard_request=40e-6, worker_request=30e-6, wake=50e-6, wake_watching=5e-6, cores=2.0,
-              watch_saves=50e-6, watch_saves_request=20e-6)
+    c = costs(
+        compute=100e-6,
+        shard_request=40e-6,
+        worker_request=30e-6,
+        wake=50e-6,
+        wake_watching=5e-6,
+        cores=2.0,
+        watch_saves=50e-6,
+        watch_saves_request=20e-6,
+    )
     watching = 1 / simulate(c, Layout(1, 1, "async", 1000, watching=True))["steps_per_s"]
     assert watching == pytest.approx(100e-6 + 2 * (30e-6 + 40e-6 + 5e-6 - 20e-6))
 
@@ -197,8 +266,15 @@ def test_a_jobs_own_cpu_a_step_gives_its_step_back():
     steps in its CPU, its shard's and the wait: the scaling keeps the parts' proportions and sets their sum."""
     from psgd.bench.simulate.calibrate import as_in
 
-    c = costs(compute=100e-6, worker_joint=20e-6, joint_request=30e-6, joint_per_byte=1e-9, wake=10e-6, cores=2.0,
-              cores_four=1.5)
+    c = costs(
+        compute=100e-6,
+        worker_joint=20e-6,
+        joint_request=30e-6,
+        joint_per_byte=1e-9,
+        wake=10e-6,
+        cores=2.0,
+        cores_four=1.5,
+    )
     layout = Layout(1, 1, "sync", 10_000)
     launch = {"steps_per_s": 0.0, "busy_poll_us": 0, "worker-0": 300e-6, "server-0": 80e-6, "main-1": 0.0}
     own = as_in(c, launch, layout)
@@ -274,13 +350,26 @@ def test_the_questions_tables_show_efficiency_and_shards(tmp_path):
     from psgd.bench.simulate.predict import Model
 
     m = Model("tiny", 1e6, 1e-3, "test")
-    result = {"models": [m.__dict__], "shards": [1, 4], "networks": ["25gbit"], "workers": [16],
-              "rows": [{"model": "tiny", "network": "25gbit", "workers": 16, "allreduce": 8000.0,
-                        "sync": {"1": 4000.0, "4": 12000.0}, "shards_for_90": 4, "shards_to_beat": None,
-                        "bytepss_bound": 9}],
-              "stragglers": [{"model": "tiny", "workers": 64, "sync": 100.0, "async": 250.0}],
-              "published": [{"model": "tiny", "allreduce_512_25gbit": 0.5,
-                             "best_sync_over_allreduce_256_100gbit": 1.5}]}
+    result = {
+        "models": [m.__dict__],
+        "shards": [1, 4],
+        "networks": ["25gbit"],
+        "workers": [16],
+        "rows": [
+            {
+                "model": "tiny",
+                "network": "25gbit",
+                "workers": 16,
+                "allreduce": 8000.0,
+                "sync": {"1": 4000.0, "4": 12000.0},
+                "shards_for_90": 4,
+                "shards_to_beat": None,
+                "bytepss_bound": 9,
+            }
+        ],
+        "stragglers": [{"model": "tiny", "workers": 64, "sync": 100.0, "async": 250.0}],
+        "published": [{"model": "tiny", "allreduce_512_25gbit": 0.5, "best_sync_over_allreduce_256_100gbit": 1.5}],
+    }
     text = questions.markdown(result)
     assert "| 25gbit | 16 | 25% | 75% | 50% | 4 | > 64 | 9 |" in text and "| tiny | 64 | 100.0 | 250.0 | 2.50 |" in text
     assert "| tiny | 50% | 1.50x |" in text
@@ -293,8 +382,8 @@ def test_an_emulated_links_bucket_lets_a_burst_through_then_holds_to_its_rate():
 
     sim, arrived = Sim(), []
     a, b = Nic(1e6, 0.0, burst=1000.0), Nic(1e6, 0.0, burst=1000.0)
-    send(sim, a, b, 600, lambda: arrived.append(sim.now))   # within the bucket: at once
-    send(sim, a, b, 600, lambda: arrived.append(sim.now))   # 400 tokens left: 200 bytes at 1 MB/s
+    send(sim, a, b, 600, lambda: arrived.append(sim.now))  # within the bucket: at once
+    send(sim, a, b, 600, lambda: arrived.append(sim.now))  # 400 tokens left: 200 bytes at 1 MB/s
     sim.run(1.0)
     sim.after(0.01, lambda: send(sim, a, b, 1000, lambda: arrived.append(sim.now)))  # refilled by then
     sim.run(1.0)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from psgd.autodiff import ops
-from psgd.config import JobConfig
 from psgd.compute.graphs import can_graph
+from psgd.config import JobConfig
 from psgd.job import describe_job
 from psgd.model import BatchNorm, Dropout, Linear, ModelError, Network, State, check_model
 from psgd.optim import build_optimizer

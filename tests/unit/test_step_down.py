@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from psgd.server.durable.replica import Replication
 from test_shard_core import make_core
+
+from psgd.server.durable.replica import Replication
 
 
 def test_a_primary_that_steps_down_ahead_of_its_peer_says_how_many_updates_are_lost(caplog, monkeypatch):

@@ -17,8 +17,10 @@ def test_model_bytes_are_the_mlps_own(width):
 def test_the_steady_state_is_the_second_half():
     # 10 steps: the first half slow (start-up), then one step every 10 ms
     walls = [1.0, 2.0, 3.0, 4.0, 5.0, 5.01, 5.02, 5.03, 5.04, 5.05]
-    records = [{"wall": w, "seconds": {"weights": 0.0, "compute": 0.004 + i * 1e-4, "exchange": 0.006}}
-               for i, w in enumerate(walls)]
+    records = [
+        {"wall": w, "seconds": {"weights": 0.0, "compute": 0.004 + i * 1e-4, "exchange": 0.006}}
+        for i, w in enumerate(walls)
+    ]
     out = steady(records)
     assert out["steps_per_s"] == pytest.approx(100.0)
     assert out["exchange_ms"] == pytest.approx(6.0) and out["compute_ms"] == pytest.approx(4.7)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import refused_at_a_fifo
+
 from psgd.data import DataError, describe_dataset, load_dataset
 from psgd.data.stream import Stacked
 
@@ -62,8 +62,18 @@ def test_batches_gathered_ahead_train_exactly_as_batches_gathered_in_the_step(tm
     import psgd
 
     folder_of(tmp_path, pieces=2, dtype=np.float64)
-    runs = [psgd.train("mlp", f"npy:{tmp_path}", epochs=2, dtype="float64", batch_size=16, prefetch=on,
-                       model_options={"hidden": [8]}) for on in (True, False)]
+    runs = [
+        psgd.train(
+            "mlp",
+            f"npy:{tmp_path}",
+            epochs=2,
+            dtype="float64",
+            batch_size=16,
+            prefetch=on,
+            model_options={"hidden": [8]},
+        )
+        for on in (True, False)
+    ]
     assert runs[0].steps == 2 * (70 // 16)
     for name, w in runs[0].weights.items():
         np.testing.assert_array_equal(w, runs[1].weights[name])
@@ -98,6 +108,7 @@ def test_an_npy_folder_with_an_empty_split_is_refused(tmp_path, split):
 def test_an_npy_file_that_is_not_a_regular_file_is_refused_without_being_opened(tmp_path):
     """A FIFO named x_train.npy: its open for reading waited for a writer that never came."""
     import os
+
     folder_of(tmp_path)
     (tmp_path / "x_train.npy").unlink()
     os.mkfifo(tmp_path / "x_train.npy")

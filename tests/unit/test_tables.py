@@ -11,11 +11,11 @@ import pytest
 from psgd.model import VarSpec
 from psgd.model.table import TableSpec, TableSpecError, initial_rows
 from psgd.optim import Adam
-from psgd.tables.rules import LazyAdam, RowSGD, RowwiseAdagrad, build_row_optimizer
 from psgd.optim.validation import OptimizerError
 from psgd.partition import PartitionPlan, plan_differences
-from psgd.tables.index import IdSlots
 from psgd.tables.held import RowTable, TableFull, TableOptions
+from psgd.tables.index import IdSlots
+from psgd.tables.rules import LazyAdam, RowSGD, RowwiseAdagrad, build_row_optimizer
 
 SPECS = [VarSpec("w", (4, 3), "float64", "normal")]
 HUGE = np.array([0, 1, -1, 2**62, -(2**63), 2**63 - 1, 123456789012345, 7], np.int64)
@@ -47,21 +47,29 @@ def test_first_values_follow_their_distribution(init, mean, std):
 
 
 def test_a_table_that_cannot_be_is_refused_in_one_line():
-    for bad, words in [(dict(dim=0), "dim must be a positive integer"), (dict(init="he"), "unknown initializer"),
-                       (dict(dtype="nope"), "unknown dtype"), (dict(scale=float("nan")), "scale must be")]:
+    for bad, words in [
+        (dict(dim=0), "dim must be a positive integer"),
+        (dict(init="he"), "unknown initializer"),
+        (dict(dtype="nope"), "unknown dtype"),
+        (dict(scale=float("nan")), "scale must be"),
+    ]:
         with pytest.raises(TableSpecError, match=words):
             TableSpec("t", **{"dim": 4, **bad})
 
 
 # -- which shard holds a row -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ids", [np.arange(100_000), np.arange(100_000) << 32, np.arange(100_000) * 1024 + 3],
-                         ids=["consecutive", "high-bits", "strided"])
+@pytest.mark.parametrize(
+    "ids",
+    [np.arange(100_000), np.arange(100_000) << 32, np.arange(100_000) * 1024 + 3],
+    ids=["consecutive", "high-bits", "strided"],
+)
 def test_rows_spread_evenly_over_the_shards_whatever_the_ids(ids):
     plan = PartitionPlan(SPECS, 5, tables=[table()])
     counts = np.bincount(plan.shard_of_ids("emb", ids), minlength=5)
     assert counts.sum() == ids.size and np.abs(counts / (ids.size / 5) - 1).max() < 0.03, counts
-    assert np.array_equal(plan.shard_of_ids("emb", ids), PartitionPlan(SPECS, 5, tables=[table()])
-                          .shard_of_ids("emb", ids))
+    assert np.array_equal(
+        plan.shard_of_ids("emb", ids), PartitionPlan(SPECS, 5, tables=[table()]).shard_of_ids("emb", ids)
+    )
 
 
 def test_tables_are_part_of_the_plan_and_its_hash():
@@ -69,8 +77,9 @@ def test_tables_are_part_of_the_plan_and_its_hash():
     assert "tables" not in dense.description()  # a plan without tables is the plan it always was
     a, b = PartitionPlan(SPECS, 2, tables=[table(4)]), PartitionPlan(SPECS, 2, tables=[table(8)])
     assert len({dense.hash, a.hash, b.hash}) == 3
-    assert "table emb: worker dim 4 float64, normal 0.1 vs server dim 8 float64" in \
-        plan_differences(a.description(), b.description())
+    assert "table emb: worker dim 4 float64, normal 0.1 vs server dim 8 float64" in plan_differences(
+        a.description(), b.description()
+    )
     with pytest.raises(ValueError, match="names must be unique"):
         PartitionPlan(SPECS, 2, tables=[table(name="w")])
 
@@ -217,8 +226,10 @@ def test_the_id_index_agrees_with_a_dict_through_adds_removals_and_rebuilds():
     keys = np.zeros(1 << 16, np.int64)
     free = list(range(keys.size))
     for _ in range(60):
-        new = np.setdiff1d(rng.integers(-2**63, 2**63 - 1, 400, dtype=np.int64, endpoint=True),
-                           np.fromiter(model, np.int64, len(model)))
+        new = np.setdiff1d(
+            rng.integers(-(2**63), 2**63 - 1, 400, dtype=np.int64, endpoint=True),
+            np.fromiter(model, np.int64, len(model)),
+        )
         new = np.concatenate([new, np.arange(50) + rng.integers(0, 1000)])  # neighbours, some held already
         new = np.setdiff1d(np.unique(new), np.fromiter(model, np.int64, len(model)))
         slots = np.array([free.pop() for _ in range(new.size)], np.int64)
@@ -271,8 +282,9 @@ def test_rows_are_bounded_by_default_from_the_memory_a_process_may_use(monkeypat
 
     monkeypatch.setattr(job_module, "physical_memory", lambda: 64 << 20)  # a 64 MiB machine
     config = JobConfig()
-    config = config.apply_sets(["model.name=embed", "data.name=clicks", "data.fields=2", "data.dense=2",
-                                "model.dim=16"])
+    config = config.apply_sets(
+        ["model.name=embed", "data.name=clicks", "data.fields=2", "data.dense=2", "model.dim=16"]
+    )
     job = describe_job(config)
     tables = job.row_tables("shard 0")
     table = next(iter(tables.values()))

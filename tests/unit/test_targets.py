@@ -33,15 +33,18 @@ def test_the_kind_is_worked_out_from_the_targets_or_taken_as_said():
     assert kind == "labels" and y.dtype == np.float32
 
 
-@pytest.mark.parametrize("y, target, said", [
-    (np.eye(3)[[0, 2, 1]], None, "look like one-hot rows; give class indices"),
-    (np.array([[0, 2], [1, 1]]), "labels", "labels must be rows of 0s and 1s"),
-    (np.array([0.5, np.nan]), None, "NaN or infinite"),
-    (np.array([0.5, 1.0]), "classes", "class labels must be integers"),
-    (np.array([0, -1]), None, "class labels must be >= 0"),
-    (np.array(["a", "b"]), None, "targets must be numbers"),
-    (np.array([0, 1]), "regression", "target must be one of classes, labels, values"),
-])
+@pytest.mark.parametrize(
+    "y, target, said",
+    [
+        (np.eye(3)[[0, 2, 1]], None, "look like one-hot rows; give class indices"),
+        (np.array([[0, 2], [1, 1]]), "labels", "labels must be rows of 0s and 1s"),
+        (np.array([0.5, np.nan]), None, "NaN or infinite"),
+        (np.array([0.5, 1.0]), "classes", "class labels must be integers"),
+        (np.array([0, -1]), None, "class labels must be >= 0"),
+        (np.array(["a", "b"]), None, "targets must be numbers"),
+        (np.array([0, 1]), "regression", "target must be one of classes, labels, values"),
+    ],
+)
 def test_targets_that_cannot_be_read_as_asked_are_one_clear_error(y, target, said):
     with pytest.raises(DataError, match=said):
         read_targets(y, "mine", target)
@@ -102,12 +105,14 @@ def test_evaluate_scores_each_kind_of_target_as_it_should():
     # values: R² is 1 for every value right, 0 for their mean, 1 - SSE / SST in between
     y = np.array([[1.0, 0.0], [2.0, 1.0], [3.0, 0.0], [4.0, 3.0]])
     assert evaluate(Fixed(y.copy()), {}, x, y, backend.CPU, target="values")[1] == 1.0
-    assert evaluate(Fixed(np.tile(y.mean(axis=0), (4, 1))), {}, x, y, backend.CPU,
-                    target="values")[1] == pytest.approx(0.0)
+    assert evaluate(Fixed(np.tile(y.mean(axis=0), (4, 1))), {}, x, y, backend.CPU, target="values")[1] == pytest.approx(
+        0.0
+    )
     off = y + np.array([[0.5, 0.0], [0.0, 0.0], [0.0, -1.0], [0.0, 0.0]])
     sst = ((y - y.mean(axis=0)) ** 2).sum()
-    assert evaluate(Fixed(off), {}, x, y, backend.CPU, batch_size=3,
-                    target="values")[1] == pytest.approx(1 - 1.25 / sst)
+    assert evaluate(Fixed(off), {}, x, y, backend.CPU, batch_size=3, target="values")[1] == pytest.approx(
+        1 - 1.25 / sst
+    )
     # one value per example, predicted as a column (batch, 1)
     assert evaluate(Fixed(y[:, :1].copy()), {}, x, y[:, 0], backend.CPU, target="values")[1] == 1.0
 
@@ -134,8 +139,9 @@ def test_cross_entropy_takes_a_class_per_position_as_rows_of_their_own():
         nn.cross_entropy(Tensor(z), y[:, :3])
 
 
-@pytest.mark.parametrize("target, loss", [("classes", "cross_entropy"), ("labels", "sigmoid_cross_entropy"),
-                                          ("values", "mse")])
+@pytest.mark.parametrize(
+    "target, loss", [("classes", "cross_entropy"), ("labels", "sigmoid_cross_entropy"), ("values", "mse")]
+)
 def test_a_built_in_model_takes_the_loss_its_targets_want(target, loss):
     assert MLP((4,), 3, target=target).loss_name == loss
     assert MLP((4,), 3, target=target, loss="mse").loss_name == "mse"
@@ -166,8 +172,11 @@ def test_regression_and_labels_train_with_the_built_in_mlp():
 
 
 def test_a_built_in_model_refuses_a_class_per_position_in_one_line():
-    with pytest.raises(ConfigError, match=r"gives one class per example, but sequences's targets are a class per "
-                                          r"position \(16,\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"gives one class per example, but sequences's targets are a class per "
+        r"position \(16,\)",
+    ):
         psgd.train("mlp", "sequences", settings={"data.task": "sort"}, epochs=1, progress=False)
 
 

@@ -20,8 +20,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch_step  # noqa: E402
 
 #: what benchmarks/torch_peer.py's networks count, by PyTorch 2.13 (sum of numel over parameters())
-TORCH_PARAMETERS = {"mlp-64": 4810, "mlp-256": 19210, "mlp-1024": 76810, "cnn": 6058, "convnet": 14186,
-                    "gru": 16394, "transformer": 34122}
+TORCH_PARAMETERS = {
+    "mlp-64": 4810,
+    "mlp-256": 19210,
+    "mlp-1024": 76810,
+    "cnn": 6058,
+    "convnet": 14186,
+    "gru": 16394,
+    "transformer": 34122,
+}
 
 
 @pytest.mark.parametrize("key", torch_step.INPUTS)
@@ -33,8 +40,12 @@ def test_each_network_trains_in_psgd_with_pytorchs_parameter_count(key):
 
 
 def test_a_child_answers_its_chunks_in_seconds():
-    child = Side("psgd", [sys.executable, str(ROOT / "benchmarks" / "torch_step.py"), "--child", "mlp-64", "4"],
-                 {**os.environ, **torch_step.THREADS}, str(ROOT))
+    child = Side(
+        "psgd",
+        [sys.executable, str(ROOT / "benchmarks" / "torch_step.py"), "--child", "mlp-64", "4"],
+        {**os.environ, **torch_step.THREADS},
+        str(ROOT),
+    )
     try:
         assert child.facts["parameters"] == TORCH_PARAMETERS["mlp-64"]
         assert 0 < child.seconds("3", "3 steps") < 60
@@ -49,15 +60,22 @@ def test_a_python_without_pytorch_ends_it_in_one_line(tmp_path, capsys):
     python.chmod(0o755)
     assert torch_step.main(["--torch-python", str(python), "--networks", "mlp-64", "--cpu", "-1"]) == 2
     said = capsys.readouterr().err.strip().splitlines()
-    assert said == [f"torch_step: {python} has no PyTorch (ModuleNotFoundError: No module named 'torch'); nothing "
-                    "to measure against"]
+    assert said == [
+        f"torch_step: {python} has no PyTorch (ModuleNotFoundError: No module named 'torch'); nothing "
+        "to measure against"
+    ]
     assert torch_step.main(["--torch-python", str(tmp_path / "absent"), "--cpu", "-1"]) == 2
     assert "cannot run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, says", [(["--networks", "mlp-64,lstm"], "unknown network(s) lstm"),
-                                        (["--rounds", "0"], "at least 1"),
-                                        (["--cpu", "-1"], "--torch-python: name the Python")])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--networks", "mlp-64,lstm"], "unknown network(s) lstm"),
+        (["--rounds", "0"], "at least 1"),
+        (["--cpu", "-1"], "--torch-python: name the Python"),
+    ],
+)
 def test_bad_flags_exit_2_naming_the_flag(argv, says, capsys):
     with pytest.raises(SystemExit) as ended:
         torch_step.main(argv)
@@ -67,11 +85,16 @@ def test_bad_flags_exit_2_naming_the_flag(argv, says, capsys):
 def test_the_peer_without_pytorch_says_so_and_exits_2():
     try:
         import torch  # noqa: F401
+
         pytest.skip("PyTorch is installed here")
     except ImportError:
         pass
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torch_peer.py"), "mlp-64", "4"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "torch_peer.py"), "mlp-64", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "no PyTorch" in done.stderr
 
 

@@ -12,8 +12,14 @@ from psgd.server.state.store import SliceViews
 from psgd.server.state.update import UpdatePass
 from psgd.wire.sweep import PARALLEL_BYTES, Sweep
 
-OPTIMIZERS = [("sgd", {}), ("sgd", {"weight_decay": 0.01}), ("momentum", {"weight_decay": 0.01}),
-              ("nesterov", {}), ("adam", {"weight_decay": 0.01}), ("adamw", {"weight_decay": 0.01})]
+OPTIMIZERS = [
+    ("sgd", {}),
+    ("sgd", {"weight_decay": 0.01}),
+    ("momentum", {"weight_decay": 0.01}),
+    ("nesterov", {}),
+    ("adam", {"weight_decay": 0.01}),
+    ("adamw", {"weight_decay": 0.01}),
+]
 
 
 def two_slices(n: int, dtype: str) -> tuple[dict[int, Slice], dict[int, tuple[int, int]]]:

@@ -22,8 +22,10 @@ SERVER = ["--workers", "1", "--shards", "1", "--bind", "127.0.0.1:0"]
 WORKER = ["--rank", "0", "--workers", "1", "--shards", "1", "--servers", "127.0.0.1:1"]
 ENTRIES = {
     "psgd-worker": (psgd_worker.main, WORKER),
-    "psgd launch": (psgd_main.main, ["launch", "--workers", "1", "--shards", "1", "--epochs", "1", "--timeout", "60",
-                                     "--no-progress"]),
+    "psgd launch": (
+        psgd_main.main,
+        ["launch", "--workers", "1", "--shards", "1", "--epochs", "1", "--timeout", "60", "--no-progress"],
+    ),
     "psgd status": (psgd_main.main, ["status", "127.0.0.1:1", "--timeout", "0.5"]),
     "psgd doctor": (psgd_main.main, ["doctor", "--shards", "1", "--servers", "127.0.0.1:1", "--timeout", "0.5"]),
     "psgd export": (psgd_main.main, ["export", "--servers", "127.0.0.1:1", "--timeout", "0.5", "out.npz"]),
@@ -37,13 +39,20 @@ def refused_in_one_line(capsys, source: str) -> None:
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("flag, env", [(["--token", "a"], {}), ([], {"PSGD_TOKEN": WEAK[-1]})],
-                         ids=["--token", "PSGD_TOKEN"])
+@pytest.mark.parametrize(
+    "flag, env", [(["--token", "a"], {}), ([], {"PSGD_TOKEN": WEAK[-1]})], ids=["--token", "PSGD_TOKEN"]
+)
 def test_psgd_server_refuses_a_weak_token_before_it_serves(flag, env, tmp_path):
     """In a process of its own: a shard that took the token would serve until stopped."""
     environ = {**{k: v for k, v in os.environ.items() if k != "PSGD_TOKEN"}, **env}
-    done = subprocess.run([sys.executable, "-m", "psgd.cli.server", *SERVER, *flag], env=environ, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgd.cli.server", *SERVER, *flag],
+        env=environ,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.startswith("psgd-server: error: the token in ") and HOW in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

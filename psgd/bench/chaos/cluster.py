@@ -9,19 +9,32 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
 from psgd.bench.chaos.invariants import check_follows
 from psgd.bench.chaos.processes import Proc, command, free_port_pair, job_token, last_error
+from psgd.bench.chaos.settings import (
+    CHECKPOINT_EVERY,
+    CUT_ROUNDS,
+    JOIN_TIMEOUT,
+    KEEP,
+    LEASE,
+    MIN_ACCURACY,
+    NS_PORT,
+    PACE,
+    REQUEST_TIMEOUT,
+    SHARDS,
+    START_BOUND,
+    STEPS_PER_WORKER,
+)
+from psgd.bench.netns import Namespaces
 from psgd.errors import PsgdError
 from psgd.launcher.supervise import dying_with_parent
-from psgd.bench.chaos.settings import (CHECKPOINT_EVERY, CUT_ROUNDS, JOIN_TIMEOUT, KEEP, LEASE, MIN_ACCURACY,
-                                       NS_PORT, PACE, REQUEST_TIMEOUT, SHARDS, START_BOUND, STEPS_PER_WORKER)
 
 
 class Abort(PsgdError):
@@ -33,10 +46,20 @@ class Abort(PsgdError):
 
 
 #: what each model of the runs is trained on, beside its name (the digits by default)
-MODEL_SETS = {"mlp": ("model.hidden=[32]",),
-              "embed": ("model.dim=4", "model.hidden=[16]", "data.name=clicks", "data.n_train=8000",
-                        "data.n_test=2000", "data.fields=8", "data.dense=4", "data.max_cardinality=20000",
-                        "tables.lr=0.1")}
+MODEL_SETS = {
+    "mlp": ("model.hidden=[32]",),
+    "embed": (
+        "model.dim=4",
+        "model.hidden=[16]",
+        "data.name=clicks",
+        "data.n_train=8000",
+        "data.n_test=2000",
+        "data.fields=8",
+        "data.dense=4",
+        "data.max_cardinality=20000",
+        "tables.lr=0.1",
+    ),
+}
 
 
 class Cluster:
@@ -48,16 +71,25 @@ class Cluster:
         from psgd.job import build_job
 
         self.spec, self.folder, self.net = spec, folder, net
-        config = JobConfig().apply_sets([
-            f"model.name={spec.model}", *(MODEL_SETS.get(spec.model, ())), "train.threads=1",
-            f"cluster.policy={spec.policy}", f"cluster.shards={SHARDS}", f"cluster.workers={spec.workers}",
-            f"cluster.lease_seconds={LEASE}", f"cluster.request_timeout={REQUEST_TIMEOUT}",
-            f"cluster.join_timeout={JOIN_TIMEOUT}", f"cluster.transport={spec.transport}",
-            f"cluster.replicas={int(spec.replicas)}",
-            # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
-            *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64") if spec.policy == "sync" else ()),
-            # a full disk fails a cut: the job goes on (psgd.bench.chaos.disk), instead of stopping
-            *(("cluster.on_cut_failure=continue",) if any(f.kind == "full-disk" for f in spec.faults) else ())])
+        config = JobConfig().apply_sets(
+            [
+                f"model.name={spec.model}",
+                *(MODEL_SETS.get(spec.model, ())),
+                "train.threads=1",
+                f"cluster.policy={spec.policy}",
+                f"cluster.shards={SHARDS}",
+                f"cluster.workers={spec.workers}",
+                f"cluster.lease_seconds={LEASE}",
+                f"cluster.request_timeout={REQUEST_TIMEOUT}",
+                f"cluster.join_timeout={JOIN_TIMEOUT}",
+                f"cluster.transport={spec.transport}",
+                f"cluster.replicas={int(spec.replicas)}",
+                # sync goes back to a cut after a shard restarts, and float64 makes "the same weights" exact
+                *((f"cluster.checkpoint_rounds={CUT_ROUNDS}", "train.dtype=float64") if spec.policy == "sync" else ()),
+                # a full disk fails a cut: the job goes on (psgd.bench.chaos.disk), instead of stopping
+                *(("cluster.on_cut_failure=continue",) if any(f.kind == "full-disk" for f in spec.faults) else ()),
+            ]
+        )
         self.job = build_job(config)
         spe = steps_per_epoch(len(self.job.dataset.x_train), spec.workers, config.train.batch_size)
         self.epochs = max(1, round(STEPS_PER_WORKER / spe))
@@ -81,10 +113,11 @@ class Cluster:
         self.path = folder / "job.toml"
         self.path.write_text(to_toml(config.to_dict()))
         self.ckpt = folder / "ckpt"
-        self.port_files = [folder / f"shard{k}.addr" for k in range(SHARDS)] + \
-            [folder / f"replica{k}.addr" for k in range(SHARDS) if spec.replicas]
-        self.procs: dict[str, Proc] = {}    # the current incarnation of each process
-        self.history: list[Proc] = []       # every incarnation
+        self.port_files = [folder / f"shard{k}.addr" for k in range(SHARDS)] + [
+            folder / f"replica{k}.addr" for k in range(SHARDS) if spec.replicas
+        ]
+        self.procs: dict[str, Proc] = {}  # the current incarnation of each process
+        self.history: list[Proc] = []  # every incarnation
         self.server, self.worker = command("psgd-server", "psgd.cli.server"), command("psgd-worker", "psgd.cli.worker")
         self.token = job_token()  # in the environment: every process of the job inherits it
         self.psgd = command("psgd", "psgd.cli.main")
@@ -103,8 +136,12 @@ class Cluster:
         incarnation = sum(1 for p in self.history if p.name == name)
         log = self.folder / f"{name}.{incarnation}.log"
         with open(log, "w") as err:
-            popen = subprocess.Popen(dying_with_parent(self.prefix(self._host(name)) + argv, signal.SIGKILL),
-                                     stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+            popen = subprocess.Popen(
+                dying_with_parent(self.prefix(self._host(name)) + argv, signal.SIGKILL),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
         proc = Proc(name, incarnation, popen, log, metrics)
         if current:
             self.procs[name] = proc
@@ -115,11 +152,25 @@ class Cluster:
         """Shard ``k``'s process (``replica``: the second of its pair, ``replica{k}``)."""
         name, at = (f"replica{k}", SHARDS + k) if replica else (f"shard{k}", k)
         self.port_files[at].unlink(missing_ok=True)
-        argv = [*self.server, "-c", str(self.path), "--shard", str(k),
-                "--bind", (self.replica_binds if replica else self.binds)[k], *(["--replica"] if replica else []),
-                "--port-file", str(self.port_files[at]), "--checkpoint-dir", str(self.ckpt),
-                "--checkpoint-every", str(CHECKPOINT_EVERY), "--keep-checkpoints", str(KEEP),
-                *(["--exit-when-done"] if self.spec.exit_when_done else [])]
+        argv = [
+            *self.server,
+            "-c",
+            str(self.path),
+            "--shard",
+            str(k),
+            "--bind",
+            (self.replica_binds if replica else self.binds)[k],
+            *(["--replica"] if replica else []),
+            "--port-file",
+            str(self.port_files[at]),
+            "--checkpoint-dir",
+            str(self.ckpt),
+            "--checkpoint-every",
+            str(CHECKPOINT_EVERY),
+            "--keep-checkpoints",
+            str(KEEP),
+            *(["--exit-when-done"] if self.spec.exit_when_done else []),
+        ]
         return self._start(name, argv)
 
     @property
@@ -175,8 +226,10 @@ class Cluster:
         deadline = time.monotonic() + bound
         while not self.port_files[at].exists():
             if proc.popen.poll() is not None:
-                raise Abort(f"{name} exited with status {proc.popen.returncode} while starting: "
-                            f"{last_error(proc.log)}", "finishes")
+                raise Abort(
+                    f"{name} exited with status {proc.popen.returncode} while starting: {last_error(proc.log)}",
+                    "finishes",
+                )
             if time.monotonic() > deadline:
                 raise Abort(f"{name} did not listen within {bound:.0f}s")
             time.sleep(0.05)  # polling for the port file, with a deadline
@@ -187,8 +240,20 @@ class Cluster:
         name = f"{'duplicate' if duplicate else 'worker'}{r}"
         incarnation = sum(1 for p in self.history if p.name == name)
         metrics = self.folder / f"{name}.{incarnation}.jsonl"
-        argv = [*self.worker, "-c", str(self.path), "--rank", str(r), "--servers", ",".join(self.binds),
-                "--no-progress", "--metrics", str(metrics), "--delay", PACE]
+        argv = [
+            *self.worker,
+            "-c",
+            str(self.path),
+            "--rank",
+            str(r),
+            "--servers",
+            ",".join(self.binds),
+            "--no-progress",
+            "--metrics",
+            str(metrics),
+            "--delay",
+            PACE,
+        ]
         return self._start(name, argv, metrics, current=not duplicate)
 
     def alive(self, name: str) -> bool:
@@ -259,9 +324,13 @@ class Cluster:
         addresses = [*self.binds, *(self.replica_binds if self.spec.replicas else [])]
         if self.net is not None:
             try:
-                done = subprocess.run(self.prefix("obs") + [*self.psgd, "status", "--json", "--sample", "0",
-                                                             "--timeout", str(timeout), *addresses],
-                                      capture_output=True, text=True, timeout=timeout * 2 + 30)
+                done = subprocess.run(
+                    self.prefix("obs")
+                    + [*self.psgd, "status", "--json", "--sample", "0", "--timeout", str(timeout), *addresses],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout * 2 + 30,
+                )
                 return [row if "version" in row else None for row in json.loads(done.stdout)["shards"]]
             except (subprocess.TimeoutExpired, ValueError, KeyError):
                 return [None] * len(addresses)
@@ -286,9 +355,22 @@ class Cluster:
         from psgd.weights import read_npz
 
         out = self.folder / "observed.npz"
-        done = subprocess.run(self.prefix("obs") + [*self.psgd, "export", "-c", str(self.path), "--timeout",
-                                                     str(timeout), "--mixed-versions", str(out)],  # as they are
-                              capture_output=True, text=True, timeout=timeout * 3 + 30)
+        done = subprocess.run(
+            self.prefix("obs")
+            + [
+                *self.psgd,
+                "export",
+                "-c",
+                str(self.path),
+                "--timeout",
+                str(timeout),
+                "--mixed-versions",
+                str(out),
+            ],  # as they are
+            capture_output=True,
+            text=True,
+            timeout=timeout * 3 + 30,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"psgd export exited with status {done.returncode}: {done.stderr.strip()[-500:]}")
         try:
@@ -314,14 +396,22 @@ class Cluster:
 
     def accuracy(self, weights: Mapping[str, np.ndarray]) -> float:
         """Test accuracy of ``weights`` (with a table's rows as checkpoints hold them, for a sparse job)."""
-        from psgd.training.evaluation import evaluate
         from psgd.job import params_to_device
-        from psgd.training.evaluation import saved_rows
+        from psgd.training.evaluation import evaluate, saved_rows
 
         b = self.job
         params = params_to_device({s.name: weights[s.name] for s in b.model.specs()}, b.device)
-        return float(evaluate(b.model, params, b.dataset.x_test, b.dataset.y_test, b.device, ids=b.dataset.ids_test,
-                              rows=saved_rows(b, weights) if self.sparse else None)[1])
+        return float(
+            evaluate(
+                b.model,
+                params,
+                b.dataset.x_test,
+                b.dataset.y_test,
+                b.device,
+                ids=b.dataset.ids_test,
+                rows=saved_rows(b, weights) if self.sparse else None,
+            )[1]
+        )
 
     def least_accuracy(self) -> float:
         """What a finished job must reach: MIN_ACCURACY on the digits; on clicks, half the way from chance to
@@ -338,6 +428,11 @@ class Cluster:
 def shard_view(shard: int, version: int, incarnation: str, counters: Mapping[str, Any]) -> dict:
     counters = dict(counters)
     written = counters.pop("checkpoint", None) or {}
-    return {"shard": shard, "version": version, "incarnation": incarnation,
-            "restored_version": counters.pop("restored_version", None), "checkpoint_version": written.get("version"),
-            "counters": {k: v for k, v in counters.items() if isinstance(v, int)}}
+    return {
+        "shard": shard,
+        "version": version,
+        "incarnation": incarnation,
+        "restored_version": counters.pop("restored_version", None),
+        "checkpoint_version": written.get("version"),
+        "counters": {k: v for k, v in counters.items() if isinstance(v, int)},
+    }

@@ -17,8 +17,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from psgd.bench.chaos.settings import REQUEST_TIMEOUT
 
@@ -41,8 +42,12 @@ def full(folder: Path) -> Iterator[str]:
         for p in held:
             shutil.copy2(p, copy)
         room = sum(-(-p.stat().st_size // PAGE) for p in held) * PAGE + 16 * PAGE
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room},mode=0755", "psgd-chaos-full", str(folder)],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={room},mode=0755", "psgd-chaos-full", str(folder)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode:
             yield f"cannot mount a tmpfs here: {done.stderr.strip()}"
             return
@@ -84,10 +89,21 @@ def inject(run: Any, k: int, seconds: float) -> str:
             break
         time.sleep(0.1)  # polling the shard's log and folder, with a deadline
     if failed > 1:
-        run.violate("full-disk", [f"shard {k} said {failed} times in {seconds:.1f}s that its checkpoints failed "
-                                  "(once, then at most once a minute)"])
+        run.violate(
+            "full-disk",
+            [
+                f"shard {k} said {failed} times in {seconds:.1f}s that its checkpoints failed "
+                "(once, then at most once a minute)"
+            ],
+        )
     if failed and not again and training:
-        run.violate("full-disk", [f"shard {k} did not say within {REQUEST_TIMEOUT:.0f}s of the disk having room "
-                                  "again that it writes its checkpoints again"])
+        run.violate(
+            "full-disk",
+            [
+                f"shard {k} did not say within {REQUEST_TIMEOUT:.0f}s of the disk having room "
+                "again that it writes its checkpoints again"
+            ],
+        )
     return f"{'failures said once' if failed else 'no checkpoint due while full'}" + (
-        ", written again" if again else "")
+        ", written again" if again else ""
+    )

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from psgd.bench.chaos.settings import FAULTS_PER_RUN, LEASE, SHARDS
-
 
 #: the kinds aimed at a worker whose names do not end in "-worker"
 AT_A_WORKER = ("stop-mid-pull", "trickled-push", "duplicate-rank", "outsider", "rollback-storm")
@@ -26,19 +25,26 @@ AT_THE_END = ("restart-primary-at-end", "rollback-storm")
 @dataclasses.dataclass
 class Fault:
     kind: str
-    at: float              # the slowest worker's progress (fraction of its steps) at which it is injected
-    target: int = 0        # shard or worker index (a worker that has finished passes it on to the next)
-    seconds: float = 0.0   # stop, hostile, netcut, squatter, full-disk, flood: how long
-    count: int = 0         # hostile: connections of each sort per port; trickled-push: unregistered ones per shard;
+    at: float  # the slowest worker's progress (fraction of its steps) at which it is injected
+    target: int = 0  # shard or worker index (a worker that has finished passes it on to the next)
+    seconds: float = 0.0  # stop, hostile, netcut, squatter, full-disk, flood: how long
+    count: int = 0  # hostile: connections of each sort per port; trickled-push: unregistered ones per shard;
     #                        flood: idle connections per gRPC port; rollback-storm: rollbacks asked of each shard
-    role: str = ""         # netcut: whose link ("shard" or "worker")
-    offset: float = 0.0    # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
-    damage: str = ""       # corrupt-checkpoint: what is done to the newest checkpoint ("flipped", "truncated",
+    role: str = ""  # netcut: whose link ("shard" or "worker")
+    offset: float = 0.0  # kill-worker: seconds after the worker logged a step (so that it lands mid-step)
+    damage: str = ""  # corrupt-checkpoint: what is done to the newest checkpoint ("flipped", "truncated",
     #                        "manifest"; psgd.bench.chaos.faults.damage_checkpoint)
 
     def describe(self) -> str:
-        who = self.role if self.kind == "netcut" else "worker" if self.kind in AT_A_WORKER else \
-            "shard" if self.kind in AT_A_SHARD else self.kind.rpartition("-")[2]
+        who = (
+            self.role
+            if self.kind == "netcut"
+            else "worker"
+            if self.kind in AT_A_WORKER
+            else "shard"
+            if self.kind in AT_A_SHARD
+            else self.kind.rpartition("-")[2]
+        )
         text = self.kind + (f" {who} {self.target}" if who in ("shard", "worker") else "")
         if self.kind == "kill-worker":
             text += f" {self.offset * 1000:.1f} ms after a step"
@@ -53,33 +59,39 @@ class Fault:
         if self.kind == "rollback-storm":
             text += f", {self.count} rollback(s) asked of each shard"
         if self.seconds:
-            text += f", restarted {self.seconds:.1f}s later" if self.kind == "kill-worker" else \
-                f" for {self.seconds:.1f}s"
+            text += (
+                f", restarted {self.seconds:.1f}s later" if self.kind == "kill-worker" else f" for {self.seconds:.1f}s"
+            )
         return text
+
 
 #: the transports the runs take turns with ("shm": shared memory, everything runs on this machine; the digits
 #: model is too small for "auto" to take it)
 TRANSPORTS = ("shm", "tcp", "grpc")
 
+
 @dataclasses.dataclass
 class RunSpec:
     index: int
     policy: str
-    transport: str           # [cluster] transport: shm (shared memory here), tcp or grpc
-    model: str               # softmax or mlp (on the digits), embed (on clicks: a table's rows on the shards)
+    transport: str  # [cluster] transport: shm (shared memory here), tcp or grpc
+    model: str  # softmax or mlp (on the digits), embed (on clicks: a table's rows on the shards)
     workers: int
     exit_when_done: bool
     faults: list[Fault]
-    end: str                 # "finish" (train to the end) or "sigterm" (every process at once)
-    end_at: float            # sigterm: the progress at which it is sent
-    namespaces: bool         # the run lives in network namespaces (it has a netcut)
-    replicas: bool = False   # each shard kept twice ([cluster] replicas = 1): every async run on the digits
+    end: str  # "finish" (train to the end) or "sigterm" (every process at once)
+    end_at: float  # sigterm: the progress at which it is sent
+    namespaces: bool  # the run lives in network namespaces (it has a netcut)
+    replicas: bool = False  # each shard kept twice ([cluster] replicas = 1): every async run on the digits
 
     def describe(self) -> str:
-        return (f"{self.policy}, {self.model}, {self.workers} workers, transport {self.transport}"
-                + (", in namespaces" if self.namespaces else "") + (", --exit-when-done" if self.exit_when_done else "")
-                + (", a replica per shard" if self.replicas else "")
-                + f"; faults: {', '.join(f.describe() for f in self.faults) or 'none'}; end: {self.end}")
+        return (
+            f"{self.policy}, {self.model}, {self.workers} workers, transport {self.transport}"
+            + (", in namespaces" if self.namespaces else "")
+            + (", --exit-when-done" if self.exit_when_done else "")
+            + (", a replica per shard" if self.replicas else "")
+            + f"; faults: {', '.join(f.describe() for f in self.faults) or 'none'}; end: {self.end}"
+        )
 
 
 class Planner:
@@ -130,8 +142,9 @@ class Planner:
         def fits(kind: str) -> bool:
             if kind in WITH_REPLICAS and not replicas or kind in WITH_CUTS and policy != "sync":
                 return False
-            return not (kind == "sigterm" and any(k in AT_THE_END for k in drawn)
-                        or kind in AT_THE_END and "sigterm" in drawn)
+            return not (
+                kind == "sigterm" and any(k in AT_THE_END for k in drawn) or kind in AT_THE_END and "sigterm" in drawn
+            )
 
         for _ in range(FAULTS_PER_RUN):
             drawn.append(self._draw(fits))
@@ -178,8 +191,16 @@ class Planner:
         faults += last
         end = "sigterm" if "sigterm" in drawn else "finish"
         end_at = round(max([0.5] + [f.at + 0.1 for f in faults]) if end == "sigterm" else 1.0, 3)
-        return RunSpec(index, policy, transport, model, workers,
-                       exit_when_done=end == "finish" and rng.random() < 0.5 and not last, faults=faults, end=end,
-                       end_at=min(end_at, 0.9), namespaces=any(f.kind == "netcut" for f in faults),
-                       replicas=replicas)
-
+        return RunSpec(
+            index,
+            policy,
+            transport,
+            model,
+            workers,
+            exit_when_done=end == "finish" and rng.random() < 0.5 and not last,
+            faults=faults,
+            end=end,
+            end_at=min(end_at, 0.9),
+            namespaces=any(f.kind == "netcut" for f in faults),
+            replicas=replicas,
+        )

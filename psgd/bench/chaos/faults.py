@@ -12,11 +12,11 @@ from pathlib import Path
 
 from psgd.bench.chaos import disk, flooding
 from psgd.bench.chaos.cluster import Abort
+from psgd.bench.chaos.draws import Fault
 from psgd.bench.chaos.hostile import HOLD, HOSTILE, OUTSIDER, SQUATTER, TRICKLE
 from psgd.bench.chaos.insiders import insider_follower, rollback_storm
-from psgd.bench.chaos.pairs import restart_primary_at_end
 from psgd.bench.chaos.invariants import check_exit, check_restore
-from psgd.bench.chaos.draws import Fault
+from psgd.bench.chaos.pairs import restart_primary_at_end
 from psgd.bench.chaos.processes import Proc, last_error
 from psgd.bench.chaos.settings import LEASE, PY, REQUEST_TIMEOUT, START_BOUND, STOP_BOUND
 from psgd.server.net.datapath import transfer_seconds
@@ -35,8 +35,11 @@ class FaultInjection:
             note = self._restart_shard(fault.target)
         elif fault.kind == "kill-worker":
             r = self._live_worker(fault.target)
-            note = self._kill_worker(r, fault.offset, fault.seconds) if r is not None else \
-                "skipped: every worker had finished"
+            note = (
+                self._kill_worker(r, fault.offset, fault.seconds)
+                if r is not None
+                else "skipped: every worker had finished"
+            )
         elif fault.kind in ("stop-shard", "stop-worker"):
             if fault.kind == "stop-shard":
                 name = f"shard{fault.target}"
@@ -62,8 +65,11 @@ class FaultInjection:
             r = self._live_worker(fault.target)
             note = self._outsider(r) if r is not None else "skipped: every worker had finished"
         elif fault.kind == "squatter":
-            note = self._squatter(fault.target, fault.seconds) if self.spec.replicas else \
-                "skipped: the run keeps no replicas"
+            note = (
+                self._squatter(fault.target, fault.seconds)
+                if self.spec.replicas
+                else "skipped: the run keeps no replicas"
+            )
         elif fault.kind == "full-disk":
             note = disk.inject(self, fault.target, fault.seconds)
         elif fault.kind == "hostile":
@@ -102,8 +108,10 @@ class FaultInjection:
         c = self.cluster
         name = f"shard{k}"
         c.signal(name, signal.SIGKILL)
-        self.violate("exit-code", check_exit(f"shard {k} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
-                                             "after SIGKILL"))
+        self.violate(
+            "exit-code",
+            check_exit(f"shard {k} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL, "after SIGKILL"),
+        )
         newest = c.newest_checkpoint(k)  # what was on disk when it died
         damaged = ""
         if damage:
@@ -125,8 +133,9 @@ class FaultInjection:
         restored = view["restored_version"]
         if damaged.startswith("damaged") and restored is not None and restored > newest:
             self.violate("checkpoint", [f"shard {k} restored version {restored}, its {damaged[8:]}"])
-        return "; ".join(filter(None, [damaged, f"newest checkpoint ckpt-{newest}, restored {restored}, version "
-                                                f"{view['version']}"]))
+        return "; ".join(
+            filter(None, [damaged, f"newest checkpoint ckpt-{newest}, restored {restored}, version {view['version']}"])
+        )
 
     def _restart_shard(self, k: int) -> str:
         """SIGTERM: it exits 0 within 10 s with a last checkpoint of its last version; started again, it
@@ -147,29 +156,37 @@ class FaultInjection:
         stopped = self._stopped_at().get(k)
         newest = c.newest_checkpoint(k)
         if stopped is not None and newest != stopped:
-            self.violate("checkpoint", [f"shard {k} stopped at version {stopped} on SIGTERM but its newest "
-                                        f"checkpoint is ckpt-{newest}"])
+            self.violate(
+                "checkpoint",
+                [f"shard {k} stopped at version {stopped} on SIGTERM but its newest checkpoint is ckpt-{newest}"],
+            )
         c.start_shard(k)
         c.wait_listening(k)
         view = self._status_of(k, START_BOUND)
-        self.violate("checkpoint", check_restore(k, stopped if stopped is not None else newest,
-                                                 view["restored_version"], view["version"]))
+        self.violate(
+            "checkpoint",
+            check_restore(k, stopped if stopped is not None else newest, view["restored_version"], view["version"]),
+        )
         return f"stopped at version {stopped}, restored {view['restored_version']}"
 
     def _pair_whole(self, k: int) -> str:
         """After shard ``k``'s first process came back: its pair has a primary whose replica follows again (the
         process that came back catches up from the survivor's state)."""
         leader = self.cluster.wait_whole(k)
-        return (f"the pair is whole again: primary at version {leader['version']}, "
-                f"{leader['counters'].get('failovers', 0)} failover(s)")
+        return (
+            f"the pair is whole again: primary at version {leader['version']}, "
+            f"{leader['counters'].get('failovers', 0)} failover(s)"
+        )
 
     def _kill_worker(self, r: int, offset: float, down: float) -> str:
         c = self.cluster
         name = f"worker{r}"
         self._aim(c.procs[name], offset)
         c.signal(name, signal.SIGKILL)
-        self.violate("exit-code", check_exit(f"worker {r} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
-                                             "after SIGKILL"))
+        self.violate(
+            "exit-code",
+            check_exit(f"worker {r} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL, "after SIGKILL"),
+        )
         self.worker_kills += 1
         before = c.clocks()[r]
         if self.spec.exit_when_done:  # there a lapsed lease, once the others are done, ends the job by design (the
@@ -179,20 +196,28 @@ class FaultInjection:
         deadline = time.monotonic() + START_BOUND
         while (first := _first_step(proc.metrics)) is None:  # an evaluation may be logged before it
             if proc.popen.poll() is not None:
-                raise Abort(f"worker {r}, restarted after SIGKILL at clock {before}, exited with status "
-                            f"{proc.popen.returncode} before its first step: {last_error(proc.log)}", "finishes")
+                raise Abort(
+                    f"worker {r}, restarted after SIGKILL at clock {before}, exited with status "
+                    f"{proc.popen.returncode} before its first step: {last_error(proc.log)}",
+                    "finishes",
+                )
             if time.monotonic() > deadline:
-                raise Abort(f"worker {r}, restarted after SIGKILL at clock {before}, logged no step within "
-                            f"{START_BOUND:.0f}s")
+                raise Abort(
+                    f"worker {r}, restarted after SIGKILL at clock {before}, logged no step within {START_BOUND:.0f}s"
+                )
             time.sleep(0.05)  # polling for its first step record, with a deadline
         resumed = first["clock"]
         problems = []
         if before >= 0 and resumed < before + 1:
-            problems.append(f"worker {r} logged clock {before} before it was killed but continued at clock "
-                            f"{resumed}: it repeats steps the shards hold")
+            problems.append(
+                f"worker {r} logged clock {before} before it was killed but continued at clock "
+                f"{resumed}: it repeats steps the shards hold"
+            )
         if self.spec.policy != "sync" and before >= 0 and resumed > before + 2:
-            problems.append(f"worker {r} logged clock {before} before it was killed but continued at clock "
-                            f"{resumed}: async steps were skipped")
+            problems.append(
+                f"worker {r} logged clock {before} before it was killed but continued at clock "
+                f"{resumed}: async steps were skipped"
+            )
         self.violate("continue", problems)
         return f"last clock {before}, continued at {resumed}"
 
@@ -200,6 +225,7 @@ class FaultInjection:
     def _aim(proc: Proc, offset: float) -> None:
         """Wait (at most 2 s) for the worker's next metrics line, then ``offset`` seconds: its next step is under
         way then (pull, gradient, push; the pace's pause comes after the push)."""
+
         def size() -> int:
             try:
                 return proc.metrics.stat().st_size
@@ -219,27 +245,41 @@ class FaultInjection:
         targets, sizes = self._data_ports()
         c.signal(f"worker{r}", signal.SIGSTOP)
         try:
-            stats, before, after = self._from_outside(HOLD, {"targets": targets, "sizes": sizes, "worker": r,
-                                                             "plan_hash": c.plan.hash, "seconds": seconds},
-                                                      seconds + 60, "pull-holding")
+            stats, before, after = self._from_outside(
+                HOLD,
+                {"targets": targets, "sizes": sizes, "worker": r, "plan_hash": c.plan.hash, "seconds": seconds},
+                seconds + 60,
+                "pull-holding",
+            )
         finally:
             c.signal(f"worker{r}", signal.SIGCONT)
         if stats is None:
             return "pull-holding client failed"
         others = [w for w in range(self.spec.workers) if w != r and c.alive(f"worker{w}")]
         if self.spec.policy == "async" and others and self._stood_still(before, after):
-            self.violate("starvation", [f"no shard applied an update during {seconds:.1f}s while worker {r} was "
-                                        f"stopped in the middle of a pull (versions {before} -> {after}; {stats})"])
-        return (f"{stats['unfinished']} pull(s) left unfinished ({stats['shm']} answered through shared memory and "
-                f"never released, {stats['refused']} refused), versions {before} -> {after}")
+            self.violate(
+                "starvation",
+                [
+                    f"no shard applied an update during {seconds:.1f}s while worker {r} was "
+                    f"stopped in the middle of a pull (versions {before} -> {after}; {stats})"
+                ],
+            )
+        return (
+            f"{stats['unfinished']} pull(s) left unfinished ({stats['shm']} answered through shared memory and "
+            f"never released, {stats['refused']} refused), versions {before} -> {after}"
+        )
 
     def _from_outside(self, script: str, args: dict, timeout: float, who: str) -> tuple[dict | None, list, list]:
         """Run one of :mod:`psgd.bench.chaos.hostile`'s clients (``script``, given ``args``) from the observer's
         host, the shards' versions read just before and just after it: its stats (the last line it prints), or
         None once a harness violation says that the ``who`` client failed."""
         before = self._versions()
-        done = subprocess.run(self.cluster.prefix("obs") + [PY, "-c", script, json.dumps(args)], capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            self.cluster.prefix("obs") + [PY, "-c", script, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         after = self._versions()
         try:
             return json.loads(done.stdout.strip().splitlines()[-1]), before, after
@@ -269,21 +309,43 @@ class FaultInjection:
         c = self.cluster
         targets, sizes = self._data_ports()
         allowed = max(transfer_seconds(n, REQUEST_TIMEOUT) for n in sizes)
-        stats, before, after = self._from_outside(TRICKLE, {"targets": targets, "sizes": sizes, "worker": r,
-                                                            "unregistered": unregistered, "plan_hash": c.plan.hash,
-                                                            "seconds": allowed + 3.0}, allowed + 60, "trickling")
+        stats, before, after = self._from_outside(
+            TRICKLE,
+            {
+                "targets": targets,
+                "sizes": sizes,
+                "worker": r,
+                "unregistered": unregistered,
+                "plan_hash": c.plan.hash,
+                "seconds": allowed + 3.0,
+            },
+            allowed + 60,
+            "trickling",
+        )
         if stats is None:
             return "trickling client failed"
         if stats["open_at_end"] or stats["longest"] > allowed + 2.0:
-            self.violate("deadline", [f"a push trickled a byte every 0.25 s stayed open {stats['longest']:.1f}s, "
-                                      f"past its transfer deadline of {allowed:.1f}s ({stats})"])
+            self.violate(
+                "deadline",
+                [
+                    f"a push trickled a byte every 0.25 s stayed open {stats['longest']:.1f}s, "
+                    f"past its transfer deadline of {allowed:.1f}s ({stats})"
+                ],
+            )
         training = any(c.alive(f"worker{w}") for w in range(self.spec.workers))
         if training and self._stood_still(before, after):
-            self.violate("starvation", [f"no shard applied an update while pushes trickled in for "
-                                        f"{stats['longest']:.1f}s (versions {before} -> {after}; {stats})"])
-        return (f"{stats['opened']} opened ({stats['refused']} refused), {stats['closed_by_peer']} closed by the "
-                f"shards, the longest after {stats['longest']:.1f}s (deadline {allowed:.1f}s), versions "
-                f"{before} -> {after}")
+            self.violate(
+                "starvation",
+                [
+                    f"no shard applied an update while pushes trickled in for "
+                    f"{stats['longest']:.1f}s (versions {before} -> {after}; {stats})"
+                ],
+            )
+        return (
+            f"{stats['opened']} opened ({stats['refused']} refused), {stats['closed_by_peer']} closed by the "
+            f"shards, the longest after {stats['longest']:.1f}s (deadline {allowed:.1f}s), versions "
+            f"{before} -> {after}"
+        )
 
     def _outsider(self, r: int) -> str:
         """A process with the job's token that never registered calls every shard in worker ``r``'s name (a push at
@@ -292,8 +354,12 @@ class FaultInjection:
         c = self.cluster
         targets, _ = self._data_ports()
         slices = [[dataclasses.asdict(s) for s in c.plan.slices_for_shard(k)] for k in range(len(c.binds))]
-        asked = {"targets": [(a, port) for a, (_, port) in zip(c.binds, targets)], "slices": slices, "worker": r,
-                 "plan_hash": c.plan.hash}
+        asked = {
+            "targets": [(a, port) for a, (_, port) in zip(c.binds, targets)],
+            "slices": slices,
+            "worker": r,
+            "plan_hash": c.plan.hash,
+        }
         stats, before, after = self._from_outside(OUTSIDER, asked, 120, "outsider")
         if stats is None:
             return "outsider client failed"
@@ -311,12 +377,28 @@ class FaultInjection:
         second = roles.index("replica") == 1
         name, address = (f"replica{k}", c.replica_binds[k]) if second else (f"shard{k}", c.binds[k])
         c.signal(name, signal.SIGKILL)
-        self.violate("exit-code", check_exit(f"{name} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL,
-                                             "after SIGKILL"))
-        done = subprocess.run(c.prefix(c._host(name)) + [PY, "-c", SQUATTER, json.dumps(
-            {"address": address, "shard": k, "seconds": seconds,
-             "replay_to": (c.binds if second else c.replica_binds)[k]})], capture_output=True, text=True,
-            timeout=seconds + 60)
+        self.violate(
+            "exit-code", check_exit(f"{name} (SIGKILLed)", c.wait(name, STOP_BOUND), -signal.SIGKILL, "after SIGKILL")
+        )
+        done = subprocess.run(
+            c.prefix(c._host(name))
+            + [
+                PY,
+                "-c",
+                SQUATTER,
+                json.dumps(
+                    {
+                        "address": address,
+                        "shard": k,
+                        "seconds": seconds,
+                        "replay_to": (c.binds if second else c.replica_binds)[k],
+                    }
+                ),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+        )
         try:
             stats = json.loads(done.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -328,16 +410,25 @@ class FaultInjection:
         if leader == "" and self.spec.exit_when_done:  # no answer: the job may be ending, its primary on its way out
             c.wait(f"shard{k}" if second else f"replica{k}", STOP_BOUND)
         if leader != "primary" and not self.cluster.left_by_itself():  # (not: the job ended meanwhile)
-            self.violate("squatter", [f"shard {k}'s primary stopped leading while a process without the token at "
-                                      f"its replica's address claimed to lead (roles now {leaders})"])
+            self.violate(
+                "squatter",
+                [
+                    f"shard {k}'s primary stopped leading while a process without the token at "
+                    f"its replica's address claimed to lead (roles now {leaders})"
+                ],
+            )
         heard = f"{stats['calls']} call(s) heard" if stats and stats["bound"] else "could not bind"
         c.start_shard(k, replica=second)
         self.restarted.add(k)
         c.wait_listening(k, replica=second)
         if self.cluster.left_by_itself():  # no pair to be whole again, nor a primary to follow: it is stopped as a user
             c.signal(name, signal.SIGTERM)  # would stop it, and must leave as SIGTERM says
-            self.violate("exit-code", check_exit(f"{name} (restarted after the job's end)", c.wait(name, STOP_BOUND),
-                                                 0, "within 10 s of SIGTERM"))
+            self.violate(
+                "exit-code",
+                check_exit(
+                    f"{name} (restarted after the job's end)", c.wait(name, STOP_BOUND), 0, "within 10 s of SIGTERM"
+                ),
+            )
             return f"{name} at {address}: squatter {heard}; the job ended meanwhile"
         return f"{name} at {address}: squatter {heard}; {self._pair_whole(k)}"
 
@@ -360,22 +451,46 @@ class FaultInjection:
             try:
                 code = proc.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.violate("duplicate", [f"the duplicate of worker {r} (pid {proc.popen.pid}) had not exited "
-                                           f"{bound:.0f}s after {'SIGTERM' if stopped else 'the run ended'}"])
+                self.violate(
+                    "duplicate",
+                    [
+                        f"the duplicate of worker {r} (pid {proc.popen.pid}) had not exited "
+                        f"{bound:.0f}s after {'SIGTERM' if stopped else 'the run ended'}"
+                    ],
+                )
                 continue
             text = proc.log.read_text(errors="replace")
-            steps = [line for line in (proc.metrics.read_text().splitlines() if proc.metrics.exists() else [])
-                     if '"event": "step"' in line]
+            steps = [
+                line
+                for line in (proc.metrics.read_text().splitlines() if proc.metrics.exists() else [])
+                if '"event": "step"' in line
+            ]
             if steps:
-                self.violate("duplicate", [f"the duplicate of worker {r} trained {len(steps)} step(s) beside the "
-                                           f"holder (pid {holder}); exit status {code}"])
-            elif code != 0 and not stopped and not ("ALREADY_EXISTS" in text and f"pid {holder}" in text) \
-                    and not (self.cluster.left_by_itself() and "cannot reach shard" in text):  # it came after the end
-                self.violate("duplicate", [f"the duplicate of worker {r} exited with status {code} without saying "
-                                           f"that pid {holder} holds the rank: {last_error(proc.log)}"])
+                self.violate(
+                    "duplicate",
+                    [
+                        f"the duplicate of worker {r} trained {len(steps)} step(s) beside the "
+                        f"holder (pid {holder}); exit status {code}"
+                    ],
+                )
+            elif (
+                code != 0
+                and not stopped
+                and not ("ALREADY_EXISTS" in text and f"pid {holder}" in text)
+                and not (self.cluster.left_by_itself() and "cannot reach shard" in text)
+            ):  # it came after the end
+                self.violate(
+                    "duplicate",
+                    [
+                        f"the duplicate of worker {r} exited with status {code} without saying "
+                        f"that pid {holder} holds the rank: {last_error(proc.log)}"
+                    ],
+                )
             refused = "ALREADY_EXISTS" in text and f"pid {holder}" in text
-            self.say(f"  run {self.spec.index}: the duplicate of worker {r} exited with status {code}"
-                     + (f", refused: pid {holder} holds the rank" if refused else ", without a step"))
+            self.say(
+                f"  run {self.spec.index}: the duplicate of worker {r} exited with status {code}"
+                + (f", refused: pid {holder} holds the rank" if refused else ", without a step")
+            )
 
     def _hostile(self, fault: Fault) -> str:
         c = self.cluster
@@ -383,18 +498,29 @@ class FaultInjection:
         for address, data_port in zip(c.binds, c.config.cluster.links.data_ports):
             host, _, port = address.rpartition(":")
             targets += [(host, int(port)), (host, data_port)]
-        stats, before, after = self._from_outside(HOSTILE, {"targets": targets, "count": fault.count,
-                                                            "seconds": fault.seconds,
-                                                            "seed": self.seed * 1000 + self.spec.index},
-                                                  fault.seconds + 60, "hostile")
+        stats, before, after = self._from_outside(
+            HOSTILE,
+            {
+                "targets": targets,
+                "count": fault.count,
+                "seconds": fault.seconds,
+                "seed": self.seed * 1000 + self.spec.index,
+            },
+            fault.seconds + 60,
+            "hostile",
+        )
         if stats is None:
             return "hostile client failed"
         training = any(c.alive(f"worker{r}") for r in range(self.spec.workers))
         if training and self._stood_still(before, after):
-            self.violate("starvation", [f"no shard applied an update during {fault.seconds:.1f}s of hostile "
-                                        f"connections (versions {before} -> {after}; {stats})"])
-        return (f"{stats['opened']} opened, {stats['closed_by_peer']} closed by the shards, versions "
-                f"{before} -> {after}")
+            self.violate(
+                "starvation",
+                [
+                    f"no shard applied an update during {fault.seconds:.1f}s of hostile "
+                    f"connections (versions {before} -> {after}; {stats})"
+                ],
+            )
+        return f"{stats['opened']} opened, {stats['closed_by_peer']} closed by the shards, versions {before} -> {after}"
 
 
 def _first_step(metrics: Path) -> dict | None:
@@ -419,7 +545,7 @@ def damage_checkpoint(root: Path, k: int, version: int, damage: str) -> str:
             manifest.write_text("{not json")
         elif damage == "truncated":
             data = arrays.read_bytes()
-            arrays.write_bytes(data[:len(data) // 2])
+            arrays.write_bytes(data[: len(data) // 2])
         else:  # flipped
             with open(arrays, "r+b") as f:
                 f.seek(arrays.stat().st_size // 2)

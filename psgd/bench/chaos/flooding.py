@@ -25,8 +25,17 @@ def inject(run: Any, fault: Fault) -> str:
     logs = {name: (c.procs[name].log, c.procs[name].log.stat().st_size) for name in c.shard_names}
     errors = _background_errors(c)
     before = run._versions()
-    floods = [start_flood(address.rpartition(":")[0].strip("[]"), address.rpartition(":")[2], fault.count,
-                          fault.seconds + START_BOUND, False, c.prefix("obs")) for address in addresses]
+    floods = [
+        start_flood(
+            address.rpartition(":")[0].strip("[]"),
+            address.rpartition(":")[2],
+            fault.count,
+            fault.seconds + START_BOUND,
+            False,
+            c.prefix("obs"),
+        )
+        for address in addresses
+    ]
     unanswered: list[str] = []
     try:
         for f in floods:  # each says "ready" once its connections are open
@@ -45,14 +54,21 @@ def inject(run: Any, fault: Fault) -> str:
     run.violate("flood", unanswered)
     training = any(c.alive(f"worker{r}") for r in range(run.spec.workers))
     if training and run._stood_still(before, after):
-        run.violate("starvation", [f"no shard applied an update during a flood of {fault.count} idle connections per "
-                                   f"gRPC port (versions {before} -> {after}; {stats})"])
+        run.violate(
+            "starvation",
+            [
+                f"no shard applied an update during a flood of {fault.count} idle connections per "
+                f"gRPC port (versions {before} -> {after}; {stats})"
+            ],
+        )
     now = _background_errors(c)
     for name, (log, start) in logs.items():
         said = log.read_bytes()[start:].decode(errors="replace") if log.exists() else ""
         run.violate("flood", check_background(name, said, now.get(name, 0) - errors.get(name, 0)))
-    return (f"{stats['opened']} opened ({stats['failed']} failed), {stats['closed_by_shard']} closed by the shards, "
-            f"versions {before} -> {after}")
+    return (
+        f"{stats['opened']} opened ({stats['failed']} failed), {stats['closed_by_shard']} closed by the shards, "
+        f"versions {before} -> {after}"
+    )
 
 
 def _status_during(c: Any, addresses: list[str]) -> list[str]:
@@ -65,12 +81,14 @@ def _status_during(c: Any, addresses: list[str]) -> list[str]:
         left -= {i for i in left if raw[i] is not None}
         if left:
             time.sleep(0.2)  # polling, with a deadline
-    return [f"the shard process at {addresses[i]} did not answer Status within {REQUEST_TIMEOUT:.0f}s of a flood of "
-            f"idle connections" for i in sorted(left)]
+    return [
+        f"the shard process at {addresses[i]} did not answer Status within {REQUEST_TIMEOUT:.0f}s of a flood of "
+        f"idle connections"
+        for i in sorted(left)
+    ]
 
 
 def _background_errors(c: Any) -> dict[str, int]:
     """Each shard process's count of errors in its background loops, from its Status (those that answer)."""
     raw = c._raw_status(5.0)
-    return {name: int((s or {}).get("counters", {}).get("background_errors", 0))
-            for name, s in zip(c.shard_names, raw)}
+    return {name: int((s or {}).get("counters", {}).get("background_errors", 0)) for name, s in zip(c.shard_names, raw)}

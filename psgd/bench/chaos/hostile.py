@@ -15,11 +15,11 @@ import os
 import random
 import socket
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from psgd.wire.tls import NO_TLS
 from psgd.wire import protocol
-
+from psgd.wire.tls import NO_TLS
 
 HOSTILE = """
 import json, sys
@@ -117,8 +117,9 @@ def hostile(targets: Sequence[Sequence[Any]], count: int, seconds: float, seed: 
     return stats
 
 
-def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, plan_hash: str,
-               seconds: float) -> dict:
+def hold_pulls(
+    targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, plan_hash: str, seconds: float
+) -> dict:
     """Worker ``worker``'s pull from each (host, data port) whose shard holds ``sizes`` bytes of weights, asked
     for and left unfinished for ``seconds``, as a worker stopped in the middle of it leaves it.  Made from outside
     the worker's process, it lacks the key of the worker's registration: a shard refuses its hello while the rank
@@ -156,8 +157,15 @@ def hold_pulls(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: i
     return stats
 
 
-def trickle_pushes(targets: Sequence[Sequence[Any]], sizes: Sequence[int], worker: int, unregistered: int,
-                   plan_hash: str, seconds: float, pace: float = 0.25) -> dict:
+def trickle_pushes(
+    targets: Sequence[Sequence[Any]],
+    sizes: Sequence[int],
+    worker: int,
+    unregistered: int,
+    plan_hash: str,
+    seconds: float,
+    pace: float = 0.25,
+) -> dict:
     """Against each (host, data port) whose shard holds ``sizes`` bytes: ``unregistered`` connections that say
     hello as an observer (no worker: never registered) and one as worker ``worker`` (live, but this process has
     not its registration's key: refused at its hello while the rank is live), each
@@ -224,10 +232,10 @@ def outsider(targets: Sequence[Sequence[Any]], slices: Sequence[Sequence[dict]],
     import secrets
     from dataclasses import replace
 
-    from psgd.wire.codec import codec_for
     from psgd.link import LinkError, open_link
     from psgd.link.base import Endpoint, ProtocolError
     from psgd.partition import Slice
+    from psgd.wire.codec import codec_for
 
     token = os.environ.get("PSGD_TOKEN", "")
     stats: dict[str, Any] = {"tried": 0, "refused": 0, "accepted": []}
@@ -240,7 +248,8 @@ def outsider(targets: Sequence[Sequence[Any]], slices: Sequence[Sequence[dict]],
         host = address.rpartition(":")[0].strip("[]")
         tries = {
             f"a push as worker {worker} at clock 10^12": lambda: link.push(
-                10**12, 0, codec_for(None), [memoryview(b) for b in buffers]),
+                10**12, 0, codec_for(None), [memoryview(b) for b in buffers]
+            ),
             f"a pull as worker {worker}": lambda: link.pull(0, [memoryview(b) for b in buffers]),
             f"Done as worker {worker}": lambda: link.done(10**12),
             f"Rollback in worker {worker}'s name": lambda: link.rollback(0, "an outsider's cause"),
@@ -267,8 +276,13 @@ def _follow_in_clear(host: str, port: int, token: str, plan_hash: str) -> None:
     it is accepted, raises WireError when it is refused."""
     body = json.dumps({"token": token, "plan_hash": plan_hash, "follow": True}).encode()
     with contextlib.closing(socket.create_connection((host, port), timeout=5.0)) as sock:
-        protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
-                                                           protocol.OBSERVER, 0, 0, len(body)), body])
+        protocol.send_buffers(
+            sock,
+            [
+                protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, protocol.OBSERVER, 0, 0, len(body)),
+                body,
+            ],
+        )
         magic, op, _, _, _, _, _ = protocol.recv_struct(sock, protocol.REPLY)
         if magic != protocol.DATA_MAGIC or op != 0:
             raise protocol.WireError("refused")
@@ -293,8 +307,9 @@ def squat(address: str, shard: int, seconds: float, replay_to: str = "") -> dict
     class Squatter(ps_pb2_grpc.ParameterServerServicer):
         def Status(self, request, context):
             heard.append(tuple((m.key, m.value) for m in context.invocation_metadata() if m.key == "authorization"))
-            return ps_pb2.StatusReply(shard=shard, role="primary", version=10**9, data_port=1,
-                                      counters_json=json.dumps({"failovers": 99}))
+            return ps_pb2.StatusReply(
+                shard=shard, role="primary", version=10**9, data_port=1, counters_json=json.dumps({"failovers": 99})
+            )
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     ps_pb2_grpc.add_ParameterServerServicer_to_server(Squatter(), server)
@@ -318,10 +333,13 @@ def squat(address: str, shard: int, seconds: float, replay_to: str = "") -> dict
                     pass
     said = [" ".join(str(v) for _, v in h) for h in heard]
     problems = [f"a process without the token at {address} was sent the job's token"] * (
-        bool(token) and any(token in s for s in said))
+        bool(token) and any(token in s for s in said)
+    )
     if answered:
-        problems.append(f"the process at {replay_to} answered {answered} call(s) that a process without the token "
-                        f"heard at {address} and replayed")
+        problems.append(
+            f"the process at {replay_to} answered {answered} call(s) that a process without the token "
+            f"heard at {address} and replayed"
+        )
     return {"bound": bound, "calls": len(heard), "problems": problems}
 
 
@@ -369,7 +387,14 @@ def push_once(config: str, worker: int, timeout: float) -> dict:
     job = JobConfig.load(config)
     plan = describe_job(job).plan
     zeros = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in plan.specs}
-    with PSClient(job.cluster.servers, plan, worker, deadlines=Deadlines(request_timeout=timeout),
-                  recovery=job.cluster.recovery, config=job, token=os.environ.get("PSGD_TOKEN", "")) as client:
+    with PSClient(
+        job.cluster.servers,
+        plan,
+        worker,
+        deadlines=Deadlines(request_timeout=timeout),
+        recovery=job.cluster.recovery,
+        config=job,
+        token=os.environ.get("PSGD_TOKEN", ""),
+    ) as client:
         clock = client.register()
         return {"clock": clock, "outcomes": [r.outcome for r in client.push(clock, zeros)]}

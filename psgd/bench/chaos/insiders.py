@@ -37,21 +37,34 @@ def insider_follower(run: Any, k: int) -> str:
     if sorted(roles) != ["primary", "replica"]:
         return f"skipped: shard {k}'s pair is not whole ({roles})"
     first = roles.index("primary")
-    primary, replica = (c.binds[k], c.replica_binds[k])[::1 if first == 0 else -1]  # (first: which leads)
+    primary, replica = (c.binds[k], c.replica_binds[k])[:: 1 if first == 0 else -1]  # (first: which leads)
     observer = "127.0.0.1" if c.net is None else c.net.hosts["obs"]
     claims = [replica, f"{observer}:1"]  # the replica's place, and a replica of its own (nothing listens at port 1)
-    stats, _, _ = run._from_outside(FOLLOW_AS, {"host": primary.rpartition(":")[0].strip("[]"),
-                                               "port": pair[first]["data_port"], "claims": claims,
-                                               "plan_hash": c.plan.hash}, 60, "insider-follower")
+    stats, _, _ = run._from_outside(
+        FOLLOW_AS,
+        {
+            "host": primary.rpartition(":")[0].strip("[]"),
+            "port": pair[first]["data_port"],
+            "claims": claims,
+            "plan_hash": c.plan.hash,
+        },
+        60,
+        "insider-follower",
+    )
     if stats is None:
         return "insider-follower client failed"
-    run.violate("insider", [f"shard {k}'s primary at {primary} let a token holder elsewhere follow it: {what}"
-                            for what in stats["accepted"]])
+    run.violate(
+        "insider",
+        [
+            f"shard {k}'s primary at {primary} let a token holder elsewhere follow it: {what}"
+            for what in stats["accepted"]
+        ],
+    )
     problems = c.wait_followed(k)
     run.violate("insider", [f"after a token holder asked to follow in its replica's place: {p}" for p in problems])
-    return (f"{stats['refused']} of {stats['tried']} claims refused; "
-            + ("the replica follows still" if not problems else "the replica does not follow"))
-
+    return f"{stats['refused']} of {stats['tried']} claims refused; " + (
+        "the replica follows still" if not problems else "the replica does not follow"
+    )
 
 
 def rollback_storm(run: Any, r: int, rounds: int) -> str:
@@ -65,10 +78,19 @@ def rollback_storm(run: Any, r: int, rounds: int) -> str:
     views = [run._status_of(k, REQUEST_TIMEOUT) for k in range(SHARDS)]
     said = [_refusals_said(c, k, r) for k in range(SHARDS)]
     observer = "127.0.0.1" if c.net is None else c.net.hosts["obs"]
-    stats, before, after = run._from_outside(ROLLBACK_STORM, {
-        "config": str(c.path), "worker": r, "rounds": rounds, "bind": f"{observer}:0",
-        "seed": run.seed * 1000 + run.spec.index, "timeout": REQUEST_TIMEOUT}, REQUEST_TIMEOUT * 4 + 60,
-        "rollback-storm")
+    stats, before, after = run._from_outside(
+        ROLLBACK_STORM,
+        {
+            "config": str(c.path),
+            "worker": r,
+            "rounds": rounds,
+            "bind": f"{observer}:0",
+            "seed": run.seed * 1000 + run.spec.index,
+            "timeout": REQUEST_TIMEOUT,
+        },
+        REQUEST_TIMEOUT * 4 + 60,
+        "rollback-storm",
+    )
     if stats is None:
         return "the rollback-storm client failed"
     problems = [f"a rollback for a restart nobody proved was accepted: {what}" for what in stats["accepted"]]
@@ -81,19 +103,25 @@ def rollback_storm(run: Any, r: int, rounds: int) -> str:
         if stats["cuts"][k] is None:
             problems.append(f"shard {k} listed no cut to go back to")
         elif refused != tried:
-            problems.append(f"shard {k} refused {refused} of {tried} rollback(s) with FAILED_PRECONDITION "
-                            f"(codes {stats['codes']})")
-        counted = run._status_of(k, REQUEST_TIMEOUT)["counters"].get("rollbacks_refused", 0) - \
-            view["counters"].get("rollbacks_refused", 0)
+            problems.append(
+                f"shard {k} refused {refused} of {tried} rollback(s) with FAILED_PRECONDITION (codes {stats['codes']})"
+            )
+        counted = run._status_of(k, REQUEST_TIMEOUT)["counters"].get("rollbacks_refused", 0) - view["counters"].get(
+            "rollbacks_refused", 0
+        )
         if counted != tried:
             problems.append(f"shard {k} counted {counted} refused rollback(s) of {tried} (rollbacks_refused)")
         lines = _refusals_said(c, k, r)
         if not lines or lines - said[k] > 2:
-            problems.append(f"shard {k} said {lines - said[k]} ERROR line(s) about {tried} refused rollback(s): "
-                            "one, then at most one a minute")
+            problems.append(
+                f"shard {k} said {lines - said[k]} ERROR line(s) about {tried} refused rollback(s): "
+                "one, then at most one a minute"
+            )
     run.violate("rollback", problems)
-    return (f"as worker {r}: {sum(stats['refused'])} of {sum(stats['tried'])} rollbacks to the cuts at "
-            f"{stats['cuts']} refused, versions {before} -> {after}")
+    return (
+        f"as worker {r}: {sum(stats['refused'])} of {sum(stats['tried'])} rollbacks to the cuts at "
+        f"{stats['cuts']} refused, versions {before} -> {after}"
+    )
 
 
 def _refusals_said(cluster: Any, k: int, r: int) -> int:
@@ -123,8 +151,15 @@ def storm(config: str, worker: int, rounds: int, bind: str, seed: int, timeout: 
     stats: dict[str, Any] = {"tried": [], "refused": [], "codes": {}, "accepted": [], "cuts": [], "done": ""}
     own = ShardServer(build_shard(described, 0), bind, transport="grpc", token=token).start()
     try:
-        with PSClient(job.cluster.servers, described.plan, worker, deadlines=Deadlines(request_timeout=timeout),
-                      recovery=job.cluster.recovery, config=job, token=token) as client:
+        with PSClient(
+            job.cluster.servers,
+            described.plan,
+            worker,
+            deadlines=Deadlines(request_timeout=timeout),
+            recovery=job.cluster.recovery,
+            config=job,
+            token=token,
+        ) as client:
             client.register()
             client.start_heartbeats()
             shards = client.status()
@@ -146,8 +181,10 @@ def storm(config: str, worker: int, rounds: int, bind: str, seed: int, timeout: 
                         stats["codes"][err.code.name] = stats["codes"].get(err.code.name, 0) + 1
                         stats["refused"][k] += err.code.name == "FAILED_PRECONDITION"
                     else:
-                        stats["accepted"].append(f"shard {k} went back to the cut at {cut} for the restart of "
-                                                 f"incarnation {cause} ({undone} round(s) undone)")
+                        stats["accepted"].append(
+                            f"shard {k} went back to the cut at {cut} for the restart of "
+                            f"incarnation {cause} ({undone} round(s) undone)"
+                        )
             try:  # (where a shard went back, it says so instead)
                 client.done()
             except (PSError, ShardWentBack) as exc:

@@ -8,8 +8,9 @@ never fail (:func:`check_background`), and nothing leaked on disk.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,12 +28,22 @@ def check_exactly_once(policy: str, versions: Mapping[int, int], clocks: Mapping
         bound, what = max(clocks.values(), default=0), "the largest worker clock (one update per sync round)"
     else:
         bound, what = sum(clocks.values()), "the sum of the workers' clocks (one update per push)"
-    return [f"shard {k}: version {v} exceeds {bound}, {what}: an update was applied twice"
-            for k, v in sorted(versions.items()) if v > bound]
+    return [
+        f"shard {k}: version {v} exceeds {bound}, {what}: an update was applied twice"
+        for k, v in sorted(versions.items())
+        if v > bound
+    ]
 
 
-def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers: int, restarted: Iterable[int],
-                  worker_kills: int, said_lost: Mapping[int, int] | None = None) -> list[str]:
+def check_no_loss(
+    policy: str,
+    versions: Mapping[int, int],
+    total: int,
+    workers: int,
+    restarted: Iterable[int],
+    worker_kills: int,
+    said_lost: Mapping[int, int] | None = None,
+) -> list[str]:
     """A finished job's shards that were never killed lost no update (a graceful restart loses none); ``restarted``
     names the others (none where a killed shard loses nothing: sync with cuts, a shard kept twice); ``said_lost``:
     updates a process of a pair said were lost as it stepped down (it had gone on alone: said, not silent).
@@ -47,12 +58,16 @@ def check_no_loss(policy: str, versions: Mapping[int, int], total: int, workers:
         if k in restarted:
             continue
         if POLICIES[policy].accumulates and v != total:
-            out.append(f"shard {k}: version {v} after a finished sync job of {total} rounds (it was never killed): "
-                       f"{'rounds were lost' if v < total else 'rounds were applied twice'}")
+            out.append(
+                f"shard {k}: version {v} after a finished sync job of {total} rounds (it was never killed): "
+                f"{'rounds were lost' if v < total else 'rounds were applied twice'}"
+            )
         elif not POLICIES[policy].accumulates and v < workers * total - worker_kills - (said_lost or {}).get(k, 0):
-            out.append(f"shard {k}: version {v} after a finished async job of {workers} x {total} pushes with "
-                       f"{worker_kills} worker kill(s) (it was never killed): {workers * total - worker_kills - v} "
-                       "update(s) lost")
+            out.append(
+                f"shard {k}: version {v} after a finished async job of {workers} x {total} pushes with "
+                f"{worker_kills} worker kill(s) (it was never killed): {workers * total - worker_kills - v} "
+                "update(s) lost"
+            )
     return out
 
 
@@ -65,8 +80,10 @@ def check_same_weights(weights: Mapping[str, np.ndarray], undisturbed: Mapping[s
         if mine is None or mine.shape != value.shape:
             out.append(f"variable {name} is missing or of another shape than in the undisturbed run")
         elif not np.array_equal(mine, value):
-            out.append(f"variable {name} differs from the undisturbed run's by up to "
-                       f"{float(np.max(np.abs(mine - value))):.3g} ({int(np.sum(mine != value))} of {value.size} values)")
+            out.append(
+                f"variable {name} differs from the undisturbed run's by up to "
+                f"{float(np.max(np.abs(mine - value))):.3g} ({int(np.sum(mine != value))} of {value.size} values)"
+            )
     return out
 
 
@@ -76,11 +93,15 @@ def check_counters(policy: str, shard: int, version: int, counters: Mapping[str,
     if "applied" in counters and int(counters["applied"]) != version:
         out.append(f"shard {shard}: counters say {counters['applied']} update(s) applied, its version is {version}")
     if "pushes" in counters:
-        parts = ["accumulated", "duplicates", "late", "rejected"] + ([] if POLICIES[policy].accumulates else ["applied"])
+        parts = ["accumulated", "duplicates", "late", "rejected"] + (
+            [] if POLICIES[policy].accumulates else ["applied"]
+        )
         outcomes = sum(int(counters.get(k, 0)) for k in parts)
         if int(counters["pushes"]) != outcomes:
-            out.append(f"shard {shard}: {counters['pushes']} push(es) counted but {outcomes} outcome(s) "
-                       f"({', '.join(f'{k} {counters.get(k, 0)}' for k in parts)})")
+            out.append(
+                f"shard {shard}: {counters['pushes']} push(es) counted but {outcomes} outcome(s) "
+                f"({', '.join(f'{k} {counters.get(k, 0)}' for k in parts)})"
+            )
     return out
 
 
@@ -90,15 +111,21 @@ def check_restore(shard: int, newest_before: int | None, restored: int | None, v
     if newest_before is None:
         return []
     if restored is None:
-        return [f"shard {shard} restarted from its initial weights although checkpoint ckpt-{newest_before} "
-                "was there: every update it had applied is lost"]
+        return [
+            f"shard {shard} restarted from its initial weights although checkpoint ckpt-{newest_before} "
+            "was there: every update it had applied is lost"
+        ]
     out = []
     if restored < newest_before:
-        out.append(f"shard {shard} restored version {restored}, older than its newest checkpoint "
-                   f"ckpt-{newest_before} at the kill: {newest_before - restored} update(s) lost")
+        out.append(
+            f"shard {shard} restored version {restored}, older than its newest checkpoint "
+            f"ckpt-{newest_before} at the kill: {newest_before - restored} update(s) lost"
+        )
     if version is not None and version < newest_before:
-        out.append(f"shard {shard} is at version {version} after its restart, below its newest checkpoint "
-                   f"ckpt-{newest_before} at the kill")
+        out.append(
+            f"shard {shard} is at version {version} after its restart, below its newest checkpoint "
+            f"ckpt-{newest_before} at the kill"
+        )
     return out
 
 
@@ -121,8 +148,9 @@ def check_exit(name: str, code: int | None, expected: int, why: str) -> list[str
     return []
 
 
-def check_follows(shard: int, leader: Mapping[str, Any] | None, follower: Mapping[str, Any] | None,
-                  address: str) -> list[str]:
+def check_follows(
+    shard: int, leader: Mapping[str, Any] | None, follower: Mapping[str, Any] | None, address: str
+) -> list[str]:
     """Shard ``shard``'s pair is whole: its primary (``leader``, its Status) says that it is followed by its replica at
     ``address``, and that replica (``follower``, its Status) says that it follows; a pair never reports a follower
     it does not have (None: did not answer)."""
@@ -131,11 +159,15 @@ def check_follows(shard: int, leader: Mapping[str, Any] | None, follower: Mappin
     out = []
     said = leader.get("follower") or ""
     if not said.startswith(f"{address} ") or leader.get("replica_lag", -1) < 0:
-        out.append(f"shard {shard}'s primary says it is followed by {said or 'no one'}, not by its replica at "
-                   f"{address} (lag {leader.get('replica_lag')})")
+        out.append(
+            f"shard {shard}'s primary says it is followed by {said or 'no one'}, not by its replica at "
+            f"{address} (lag {leader.get('replica_lag')})"
+        )
     if follower is None or follower.get("role") != "replica" or follower.get("replica_lag") != 0:
-        out.append(f"shard {shard}: its replica at {address} does not follow (role "
-                   f"{follower and follower.get('role')}, lag {follower and follower.get('replica_lag')})")
+        out.append(
+            f"shard {shard}: its replica at {address} does not follow (role "
+            f"{follower and follower.get('role')}, lag {follower and follower.get('replica_lag')})"
+        )
     return out
 
 
@@ -143,24 +175,36 @@ def check_background(name: str, said: str, errors: int) -> list[str]:
     """A shard process's background loops (checkpoints, leases, its replica) never die silently: its log
     (``said``) holds no exception that ended a thread, and it counted no error of theirs (``errors``:
     background_errors, each logged and retried)."""
-    out = [f"{name} logged an exception that ended a thread: {line.strip()}" for line in said.splitlines()
-           if line.startswith("Exception in thread")]
+    out = [
+        f"{name} logged an exception that ended a thread: {line.strip()}"
+        for line in said.splitlines()
+        if line.startswith("Exception in thread")
+    ]
     if errors:
         out.append(f"{name} counted {errors} error(s) in its background loops (background_errors)")
     return out
 
 
-def check_files(folder: Path, ckpt_root: Path, shards: int, keep: int, port_files: Sequence[Path],
-                final_versions: Mapping[int, int] | None = None,
-                at_least: Mapping[int, int] | None = None) -> list[str]:
+def check_files(
+    folder: Path,
+    ckpt_root: Path,
+    shards: int,
+    keep: int,
+    port_files: Sequence[Path],
+    final_versions: Mapping[int, int] | None = None,
+    at_least: Mapping[int, int] | None = None,
+) -> list[str]:
     """After a clean stop nothing is leaked: no temporary file anywhere under ``folder``; per shard at most
     ``keep`` checkpoints, each npz with its manifest and matching its checksum; the newest one is the final
     version (``final_versions``) or at least ``at_least``; no port file is left (a stopped shard removes
     its own)."""
     from psgd.server.state import checkpoint
 
-    out = [f"temporary file left behind: {p.relative_to(folder)}" for p in sorted(folder.rglob("*"))
-           if p.is_file() and (p.name.endswith(".tmp") or ".tmp." in p.name)]
+    out = [
+        f"temporary file left behind: {p.relative_to(folder)}"
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and (p.name.endswith(".tmp") or ".tmp." in p.name)
+    ]
     jobs = [p for p in sorted(ckpt_root.iterdir()) if p.is_dir()] if ckpt_root.is_dir() else []
     if len(jobs) > 1:
         out.append(f"{ckpt_root} holds {len(jobs)} job folders ({', '.join(p.name for p in jobs)}), expected one")
@@ -179,11 +223,14 @@ def check_files(folder: Path, ckpt_root: Path, shards: int, keep: int, port_file
                     out.append(f"{where.relative_to(folder)}/ckpt-{v} is damaged: {exc}")
             newest = held[0] if held else None
             if final_versions is not None and k in final_versions and newest != final_versions[k]:
-                out.append(f"shard {k} stopped at version {final_versions[k]} but its newest checkpoint is "
-                           f"{'none' if newest is None else f'ckpt-{newest}'}: the last checkpoint was not written")
+                out.append(
+                    f"shard {k} stopped at version {final_versions[k]} but its newest checkpoint is "
+                    f"{'none' if newest is None else f'ckpt-{newest}'}: the last checkpoint was not written"
+                )
             if at_least is not None and k in at_least and (newest is None or newest < at_least[k]):
-                out.append(f"shard {k} was at version {at_least[k]} before it stopped but its newest checkpoint is "
-                           f"{'none' if newest is None else f'ckpt-{newest}'}: the last checkpoint was not written")
+                out.append(
+                    f"shard {k} was at version {at_least[k]} before it stopped but its newest checkpoint is "
+                    f"{'none' if newest is None else f'ckpt-{newest}'}: the last checkpoint was not written"
+                )
     out += [f"port file {path.name} left behind by a shard that stopped" for path in port_files if path.exists()]
     return out
-

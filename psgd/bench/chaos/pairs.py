@@ -29,8 +29,9 @@ def restart_primary_at_end(run: Any, k: int) -> str:
     name = f"shard{k}" if first == 0 else f"replica{k}"
     c.signal(name, signal.SIGTERM)
     code = c.wait(name, STOP_BOUND)
-    run.violate("exit-code", check_exit(f"{name} (the primary, after the workers finished)", code, 0,
-                                        "within 10 s of SIGTERM"))
+    run.violate(
+        "exit-code", check_exit(f"{name} (the primary, after the workers finished)", code, 0, "within 10 s of SIGTERM")
+    )
     if code is None:
         c.signal(name, signal.SIGKILL)
         c.wait(name, STOP_BOUND)
@@ -41,8 +42,12 @@ def restart_primary_at_end(run: Any, k: int) -> str:
     if problems:
         return "the replica does not follow the restarted primary"
     held = c._pair_status(k, 5.0)[first]["counters"].get("unreplicated", 0)
-    stats, _, _ = run._from_outside(PUSH_ONCE, {"config": str(c.path), "worker": 0, "timeout": REQUEST_TIMEOUT},
-                                    REQUEST_TIMEOUT * 2 + 60, "push-after-the-end")
+    stats, _, _ = run._from_outside(
+        PUSH_ONCE,
+        {"config": str(c.path), "worker": 0, "timeout": REQUEST_TIMEOUT},
+        REQUEST_TIMEOUT * 2 + 60,
+        "push-after-the-end",
+    )
     if stats is None:
         return "the push after the end failed"
     if "applied" in stats["outcomes"]:  # one update more than the workers' clocks allow, on each shard
@@ -58,10 +63,22 @@ def restart_primary_at_end(run: Any, k: int) -> str:
         lead, follow = follow, lead
     unreplicated = (lead or {}).get("counters", {}).get("unreplicated", 0) - held
     if unreplicated:
-        run.violate("replica", [f"shard {k}'s restarted primary acknowledged {unreplicated} push(es) without a copy "
-                                f"although its replica follows"])
+        run.violate(
+            "replica",
+            [
+                f"shard {k}'s restarted primary acknowledged {unreplicated} push(es) without a copy "
+                f"although its replica follows"
+            ],
+        )
     if lead is None or follow is None or follow["version"] != lead["version"]:
-        run.violate("replica", [f"shard {k}'s replica does not hold the push made after its primary restarted "
-                                f"(versions {lead and lead['version']} and {follow and follow['version']})"])
-    return (f"{name} restarted, its replica follows it again; a push at clock {stats['clock']} "
-            f"({', '.join(stats['outcomes'])}) copied")
+        run.violate(
+            "replica",
+            [
+                f"shard {k}'s replica does not hold the push made after its primary restarted "
+                f"(versions {lead and lead['version']} and {follow and follow['version']})"
+            ],
+        )
+    return (
+        f"{name} restarted, its replica follows it again; a push at clock {stats['clock']} "
+        f"({', '.join(stats['outcomes'])}) copied"
+    )

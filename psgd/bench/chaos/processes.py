@@ -33,8 +33,9 @@ def job_token() -> str:
     return token
 
 
-def free_port_pair(rng: random.Random | None = None, taken: set[int] | None = None,
-                   hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
+def free_port_pair(
+    rng: random.Random | None = None, taken: set[int] | None = None, hosts: tuple[str, ...] = ("127.0.0.1",)
+) -> int:
     """A port p with p and p + 1 free on every one of ``hosts``, below the ephemeral range (so that no
     outgoing connection takes it while its shard is down for a restart); ``taken`` (updated) is skipped."""
     rng = rng or random.Random()
@@ -87,15 +88,14 @@ def processes_mentioning(text: str) -> list[int]:
 
 @dataclasses.dataclass
 class Proc:
-    name: str                # shard0, worker1, ...
+    name: str  # shard0, worker1, ...
     incarnation: int
     popen: subprocess.Popen
     log: Path
     metrics: Path | None = None  # a worker's --metrics file
 
 
-
-def end_all(procs: "list[subprocess.Popen]", grace: float = 15.0) -> None:
+def end_all(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
     """SIGTERM (after SIGCONT, for a stopped one) every process of ``procs``, then wait ``grace`` seconds for each
     and SIGKILL what is left."""
     import contextlib

@@ -9,20 +9,36 @@ import random
 import re
 import signal
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from psgd.bench.chaos.cluster import Abort, Cluster, shard_view
-from psgd.bench.chaos.faults import FaultInjection
-from psgd.bench.chaos.invariants import (check_counters, check_exactly_once, check_exit, check_files, check_finite,
-                                         check_no_loss, check_same_weights)
-from psgd.bench.netns import Namespaces
 from psgd.bench.chaos.draws import RunSpec
+from psgd.bench.chaos.faults import FaultInjection
+from psgd.bench.chaos.invariants import (
+    check_counters,
+    check_exactly_once,
+    check_exit,
+    check_files,
+    check_finite,
+    check_no_loss,
+    check_same_weights,
+)
 from psgd.bench.chaos.processes import last_error, processes_mentioning, tail
-from psgd.bench.chaos.settings import (JOIN_TIMEOUT, KEEP, REQUEST_TIMEOUT, RUN_BOUND, SHARDS,
-                                       STALL_BOUND, START_BOUND, STOP_BOUND, SUBNET)
+from psgd.bench.chaos.settings import (
+    JOIN_TIMEOUT,
+    KEEP,
+    REQUEST_TIMEOUT,
+    RUN_BOUND,
+    SHARDS,
+    STALL_BOUND,
+    START_BOUND,
+    STOP_BOUND,
+    SUBNET,
+)
+from psgd.bench.netns import Namespaces
 
 
 class Run(FaultInjection):
@@ -52,13 +68,22 @@ class Run(FaultInjection):
             if self.cluster is not None:
                 for name, proc in sorted(self.cluster.procs.items()):
                     logs[f"{name}.{proc.incarnation}"] = tail(proc.log)
-            record = {"seed": self.seed, "run": self.spec.index, "invariant": invariant, "message": problem,
-                      "run_spec": self.spec.describe(), "faults_so_far": list(self.done_faults),
-                      "at_seconds": round(time.monotonic() - self.started, 1), "folder": str(self.folder),
-                      "logs": logs}
+            record = {
+                "seed": self.seed,
+                "run": self.spec.index,
+                "invariant": invariant,
+                "message": problem,
+                "run_spec": self.spec.describe(),
+                "faults_so_far": list(self.done_faults),
+                "at_seconds": round(time.monotonic() - self.started, 1),
+                "folder": str(self.folder),
+                "logs": logs,
+            }
             self.violations.append(record)
-            self.say(f"  VIOLATION [{invariant}] seed {self.seed} run {self.spec.index}: {problem} "
-                     f"(faults so far: {'; '.join(self.done_faults) or 'none'})")
+            self.say(
+                f"  VIOLATION [{invariant}] seed {self.seed} run {self.spec.index}: {problem} "
+                f"(faults so far: {'; '.join(self.done_faults) or 'none'})"
+            )
 
     def left(self) -> float:
         return self.started + RUN_BOUND - time.monotonic()
@@ -100,12 +125,23 @@ class Run(FaultInjection):
             self.violate("harness", [f"{type(exc).__name__}: {exc}"])
         finally:
             self._close()
-        return {"run": spec.index, "spec": spec.describe(), "policy": spec.policy, "model": spec.model,
-                "workers": spec.workers, "transport": spec.transport, "namespaces": spec.namespaces,
-                "end": spec.end, "faults": self.done_faults, "seconds": round(time.monotonic() - self.started, 1),
-                "finished": self.finished, "accuracy": self.accuracy, "violations": len(self.violations),
-                "same_as_undisturbed": self.compared,
-                "steps_per_worker": self.cluster.total if self.cluster else None}
+        return {
+            "run": spec.index,
+            "spec": spec.describe(),
+            "policy": spec.policy,
+            "model": spec.model,
+            "workers": spec.workers,
+            "transport": spec.transport,
+            "namespaces": spec.namespaces,
+            "end": spec.end,
+            "faults": self.done_faults,
+            "seconds": round(time.monotonic() - self.started, 1),
+            "finished": self.finished,
+            "accuracy": self.accuracy,
+            "violations": len(self.violations),
+            "same_as_undisturbed": self.compared,
+            "steps_per_worker": self.cluster.total if self.cluster else None,
+        }
 
     def _wait_progress(self, fraction: float, what: str) -> None:
         """Until the slowest worker has done ``fraction`` of its steps (or every worker has exited);
@@ -118,8 +154,11 @@ class Run(FaultInjection):
             for r in range(self.spec.workers):
                 proc = c.procs[f"worker{r}"]
                 if proc.popen.poll() not in (None, 0):
-                    raise Abort(f"worker {r} exited with status {proc.popen.returncode} at clock {clocks[r]} of "
-                                f"{c.total}: {last_error(proc.log)}", "finishes")
+                    raise Abort(
+                        f"worker {r} exited with status {proc.popen.returncode} at clock {clocks[r]} of "
+                        f"{c.total}: {last_error(proc.log)}",
+                        "finishes",
+                    )
             if min(clocks.values()) + 1 >= target:
                 return
             if not any(c.alive(f"worker{r}") for r in range(self.spec.workers)):
@@ -127,13 +166,18 @@ class Run(FaultInjection):
             for name in c.shard_names:
                 proc = c.procs[name]
                 if proc.popen.poll() is not None:
-                    raise Abort(f"{name} exited with status {proc.popen.returncode} while workers were training "
-                                f"(clocks {clocks}): {last_error(proc.log)}", "finishes")
+                    raise Abort(
+                        f"{name} exited with status {proc.popen.returncode} while workers were training "
+                        f"(clocks {clocks}): {last_error(proc.log)}",
+                        "finishes",
+                    )
             if clocks != last:
                 last, moved = clocks, time.monotonic()
             if time.monotonic() - moved > STALL_BOUND:
-                raise Abort(f"no worker clock moved for {STALL_BOUND:.0f}s waiting for {what} (clocks {clocks}, "
-                            f"versions {[s and s['version'] for s in c.status()]}): a hang")
+                raise Abort(
+                    f"no worker clock moved for {STALL_BOUND:.0f}s waiting for {what} (clocks {clocks}, "
+                    f"versions {[s and s['version'] for s in c.status()]}): a hang"
+                )
             if self.left() <= 0:
                 raise Abort(f"the run took longer than {RUN_BOUND:.0f}s waiting for {what} (clocks {clocks})")
             time.sleep(0.1)  # polling the workers' metrics, with a deadline
@@ -147,8 +191,11 @@ class Run(FaultInjection):
             if view is not None:
                 return view
             if proc.popen.poll() is not None:
-                raise Abort(f"shard {k} exited with status {proc.popen.returncode} while it was expected to serve: "
-                            f"{last_error(proc.log)}", "finishes")
+                raise Abort(
+                    f"shard {k} exited with status {proc.popen.returncode} while it was expected to serve: "
+                    f"{last_error(proc.log)}",
+                    "finishes",
+                )
             if time.monotonic() > deadline:
                 raise Abort(f"shard {k} did not answer Status within {bound:.0f}s")
             time.sleep(0.2)  # polling, with a deadline
@@ -165,8 +212,13 @@ class Run(FaultInjection):
             seen = self.seen.get(v["shard"])
             back = int(v["counters"].get("rollbacks", 0))  # a sync job's cuts: another shard's restart takes it back
             if seen and seen[0] == v["incarnation"] and v["version"] < seen[1] and back == seen[2]:
-                self.violate("monotonic", [f"shard {v['shard']}'s version went back from {seen[1]} to "
-                                           f"{v['version']} without a restart or a rollback"])
+                self.violate(
+                    "monotonic",
+                    [
+                        f"shard {v['shard']}'s version went back from {seen[1]} to "
+                        f"{v['version']} without a restart or a rollback"
+                    ],
+                )
             self.seen[v["shard"]] = (v["incarnation"], v["version"], back)
 
     def _check_running(self, after: str) -> None:
@@ -191,8 +243,10 @@ class Run(FaultInjection):
         try:
             self.violate("finite", check_finite(c.weights(), f"weights after {after}"))
         except Exception as exc:  # a pull that fails after a fault is a finding too ...
-            ended = self.spec.exit_when_done and (not any(c.alive(f"worker{r}") for r in range(self.spec.workers))
-                                                  or any(c.procs[n].popen.poll() == 0 for n in c.shard_names))
+            ended = self.spec.exit_when_done and (
+                not any(c.alive(f"worker{r}") for r in range(self.spec.workers))
+                or any(c.procs[n].popen.poll() == 0 for n in c.shard_names)
+            )
             if not ended:  # ... unless training ended meanwhile and the shards left by themselves (the workers
                 # may still be on their way out)
                 self.violate("observe", [f"the weights could not be pulled after {after}: {exc}"])
@@ -203,19 +257,35 @@ class Run(FaultInjection):
         c, spec = self.cluster, self.spec
         self._wait_progress(1.0, "the end of training")
         for r in range(spec.workers):
-            self.violate("exit-code", check_exit(f"worker {r}", c.wait(f"worker{r}", max(5.0, min(60.0, self.left()))),
-                                                 0, "at the end of training"))
+            self.violate(
+                "exit-code",
+                check_exit(
+                    f"worker {r}", c.wait(f"worker{r}", max(5.0, min(60.0, self.left()))), 0, "at the end of training"
+                ),
+            )
         self._check_duplicates(REQUEST_TIMEOUT + START_BOUND)  # before the shards go: they refuse it, or admit it
         done = {r: [x for x in c.records(r) if x["event"] == "done"] for r in range(spec.workers)}
         self.finished = all(d and d[-1]["clock"] == c.total for d in done.values())
         if not self.finished:
-            self.violate("finishes", [f"worker {r} ended at clock {d[-1]['clock'] if d else '?'} of {c.total}"
-                                      for r, d in done.items() if not d or d[-1]["clock"] != c.total])
+            self.violate(
+                "finishes",
+                [
+                    f"worker {r} ended at clock {d[-1]['clock'] if d else '?'} of {c.total}"
+                    for r, d in done.items()
+                    if not d or d[-1]["clock"] != c.total
+                ],
+            )
         if spec.exit_when_done:
             for name in c.shard_names:  # a restarted shard waits for the join deadline of workers that are done
-                self.violate("exit-code", check_exit(f"{name} (--exit-when-done)",
-                                                     c.wait(name, JOIN_TIMEOUT + STOP_BOUND), 0,
-                                                     "within the join timeout + 10 s of the last worker's end"))
+                self.violate(
+                    "exit-code",
+                    check_exit(
+                        f"{name} (--exit-when-done)",
+                        c.wait(name, JOIN_TIMEOUT + STOP_BOUND),
+                        0,
+                        "within the join timeout + 10 s of the last worker's end",
+                    ),
+                )
             views, weights = self._from_checkpoints()
         else:
             views = [self._status_of(k, REQUEST_TIMEOUT) for k in range(SHARDS)]
@@ -230,9 +300,18 @@ class Run(FaultInjection):
         self._check_shards(views, {r: c.total + self.pushed_after.get(r, 0) for r in range(spec.workers)})
         if self.finished:  # under sync a restarted shard takes the job back to its cut, and with replicas its
             # replica took over: either way it loses nothing (no acknowledged push, under async)
-            self.violate("lost-update", check_no_loss(spec.policy, versions, c.total, spec.workers,
-                                                      () if spec.policy == "sync" or spec.replicas else self.restarted,
-                                                      self.worker_kills, self._said_lost()))
+            self.violate(
+                "lost-update",
+                check_no_loss(
+                    spec.policy,
+                    versions,
+                    c.total,
+                    spec.workers,
+                    () if spec.policy == "sync" or spec.replicas else self.restarted,
+                    self.worker_kills,
+                    self._said_lost(),
+                ),
+            )
             if spec.policy == "sync" and weights is not None:
                 self._against_undisturbed(weights, views)
         if weights is not None:
@@ -241,16 +320,20 @@ class Run(FaultInjection):
             least = c.least_accuracy()
             if self.finished and self.accuracy < least:
                 self.violate("trained", [f"final test accuracy {self.accuracy:.3f} < {least:.3f}"])
-        self.violate("files", check_files(self.folder, c.ckpt, SHARDS, KEEP, c.port_files,
-                                          final_versions=self._stopped_at() or versions))
+        self.violate(
+            "files",
+            check_files(self.folder, c.ckpt, SHARDS, KEEP, c.port_files, final_versions=self._stopped_at() or versions),
+        )
 
     def _against_undisturbed(self, weights: Mapping[str, np.ndarray], views: Sequence[dict]) -> None:
         """A finished sync job no worker was dropped from ends with the weights of the same job run without faults,
         to the bit (float64): a restarted shard cost rounds computed again, never a different result."""
         dropped = sum(int(v["counters"].get("expired", 0)) for v in views)
         if dropped:
-            self.say(f"  run {self.spec.index}: {dropped} worker lease(s) ran out (its rounds closed without it), "
-                     "so the weights are not compared with an undisturbed run's")
+            self.say(
+                f"  run {self.spec.index}: {dropped} worker lease(s) ran out (its rounds closed without it), "
+                "so the weights are not compared with an undisturbed run's"
+            )
             return
         undisturbed = self._undisturbed()
         if undisturbed is None:
@@ -271,8 +354,13 @@ class Run(FaultInjection):
             for r in range(spec.workers):
                 code = cluster.wait(f"worker{r}", max(5.0, self.left()))
                 if code != 0:
-                    self.violate("harness", [f"the undisturbed run's worker {r} ended with status {code}: "
-                                             f"{last_error(cluster.procs[f'worker{r}'].log)}"])
+                    self.violate(
+                        "harness",
+                        [
+                            f"the undisturbed run's worker {r} ended with status {code}: "
+                            f"{last_error(cluster.procs[f'worker{r}'].log)}"
+                        ],
+                    )
                     return None
             if not cluster.sparse:
                 return cluster.weights()
@@ -297,12 +385,21 @@ class Run(FaultInjection):
                 proc.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_BOUND
         for name in c.procs:
-            self.violate("exit-code", check_exit(name, c.wait(name, max(0.1, deadline - time.monotonic())), 0,
-                                                 "within 10 s of SIGTERM to every process"))
+            self.violate(
+                "exit-code",
+                check_exit(
+                    name,
+                    c.wait(name, max(0.1, deadline - time.monotonic())),
+                    0,
+                    "within 10 s of SIGTERM to every process",
+                ),
+            )
         self._check_duplicates(max(0.1, deadline - time.monotonic()), stopped=True)
         stopped = self._stopped_at()
-        self.violate("files", check_files(self.folder, c.ckpt, SHARDS, KEEP, c.port_files, final_versions=stopped,
-                                          at_least=before))
+        self.violate(
+            "files",
+            check_files(self.folder, c.ckpt, SHARDS, KEEP, c.port_files, final_versions=stopped, at_least=before),
+        )
         views, weights = self._from_checkpoints()
         clocks = {r: last + 2 for r, last in c.clocks().items()}  # + a push stopped mid-step, without its line
         self._check_shards(views, clocks)
@@ -324,8 +421,12 @@ class Run(FaultInjection):
         """The version each shard's last incarnation said it stopped at (its log's last line)."""
         out = {}
         for k in range(SHARDS):  # a pair: the later of the two (a replica is never ahead of its primary)
-            found = [int(v) for name in self.cluster.shard_names if name[-1] == str(k)
-                     for v in re.findall(r"stopped at version (\d+)", tail(self.cluster.procs[name].log, 5))[-1:]]
+            found = [
+                int(v)
+                for name in self.cluster.shard_names
+                if name[-1] == str(k)
+                for v in re.findall(r"stopped at version (\d+)", tail(self.cluster.procs[name].log, 5))[-1:]
+            ]
             if found:
                 out[k] = max(found)
         return out
@@ -356,8 +457,9 @@ class Run(FaultInjection):
             self.cluster.close()
             left = processes_mentioning(str(self.folder))  # every child was reaped: anything here escaped
             if left:
-                self.violate("processes", [f"process(es) {left} mentioning the run's folder are still there after "
-                                           "it ended"])
+                self.violate(
+                    "processes", [f"process(es) {left} mentioning the run's folder are still there after it ended"]
+                )
         if self.net is not None:
             left = self.net.close()
             if left:

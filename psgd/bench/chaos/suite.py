@@ -11,13 +11,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from psgd.bench.netns import unavailable as namespaces_unavailable
 from psgd.bench.chaos.draws import Planner
 from psgd.bench.chaos.run import Run
 from psgd.bench.chaos.settings import KINDS
+from psgd.bench.netns import unavailable as namespaces_unavailable
 from psgd.config.parsing import Parser, comma_list
 from psgd.observe.progress import bar_wanted
 
@@ -138,12 +139,19 @@ def parse_kinds(text: str | Sequence[str] | None) -> list[str]:
     """``"kill-shard,hostile"`` (or a list, or None/"all" for every kind) -> kinds, checked."""
     if text is None or text == "all":
         return list(KINDS)
-    return comma_list(text if isinstance(text, str) else ",".join(text), "--kinds", choices=KINDS, unique=True,
-                      error=ValueError)
+    return comma_list(
+        text if isinstance(text, str) else ",".join(text), "--kinds", choices=KINDS, unique=True, error=ValueError
+    )
 
 
-def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = None, out: str | os.PathLike | None = None,
-              progress: bool = True, runs: int | None = None) -> dict:
+def run_chaos(
+    minutes: float,
+    seed: int,
+    kinds: str | Sequence[str] | None = None,
+    out: str | os.PathLike | None = None,
+    progress: bool = True,
+    runs: int | None = None,
+) -> dict:
     """Run faulted jobs for about ``minutes`` (the run in hand is finished; at least one run), or ``runs``
     runs; returns the figures: runs, faults by kind, violations (each with seed, faults and log tails),
     per-run durations and final accuracies.  ``out``: where the runs' folders go (default: a temporary
@@ -159,24 +167,35 @@ def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = Non
     budget = max(0.0, minutes * 60)
     began = time.monotonic()
     by_runs = runs is not None
-    bar = tqdm(total=runs if by_runs else round(budget), unit="run" if by_runs else "s", desc="chaos",
-               file=sys.stderr, disable=not bar_wanted(None if progress else False), leave=False, dynamic_ncols=True,
-               bar_format="{desc}: {n_fmt}/{total_fmt}" + (" runs" if by_runs else "s") + " |{bar}|")
+    bar = tqdm(
+        total=runs if by_runs else round(budget),
+        unit="run" if by_runs else "s",
+        desc="chaos",
+        file=sys.stderr,
+        disable=not bar_wanted(None if progress else False),
+        leave=False,
+        dynamic_ncols=True,
+        bar_format="{desc}: {n_fmt}/{total_fmt}" + (" runs" if by_runs else "s") + " |{bar}|",
+    )
 
     def say(line: str) -> None:
         if progress:
             bar.write(line, file=sys.stderr)
 
-    print(f"chaos: seed {seed} (replay with --seed {seed}); kinds {', '.join(kinds)}; runs in {root}",
-          file=sys.stderr, flush=True)
+    print(
+        f"chaos: seed {seed} (replay with --seed {seed}); kinds {', '.join(kinds)}; runs in {root}",
+        file=sys.stderr,
+        flush=True,
+    )
     if why_not:
         print(f"chaos: netcut skipped: {why_not}", file=sys.stderr, flush=True)
     records, violations = [], []
     faults: dict[str, int] = dict.fromkeys(kinds, 0)
     try:
         index = 0
-        while (runs is None and (index == 0 or time.monotonic() - began < budget)) or \
-                (runs is not None and index < runs):
+        while (runs is None and (index == 0 or time.monotonic() - began < budget)) or (
+            runs is not None and index < runs
+        ):
             spec = planner.next(index)
             folder = root / f"run-{index:03d}"
             if folder.exists():  # an earlier run into the same --out: its metrics logs would be appended to
@@ -189,8 +208,10 @@ def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = Non
             violations += run.violations
             for kind, n in run.counts.items():
                 faults[kind] = faults.get(kind, 0) + n
-            say(f"run {index}: {'finished' if record['finished'] else 'ended'} in {record['seconds']:.1f}s, "
-                f"accuracy {record['accuracy']}, {len(run.violations)} violation(s)")
+            say(
+                f"run {index}: {'finished' if record['finished'] else 'ended'} in {record['seconds']:.1f}s, "
+                f"accuracy {record['accuracy']}, {len(run.violations)} violation(s)"
+            )
             if not run.violations and not keep_all:
                 shutil.rmtree(folder, ignore_errors=True)
             bar.n = index + 1 if by_runs else min(round(budget), round(time.monotonic() - began))
@@ -201,14 +222,23 @@ def run_chaos(minutes: float, seed: int, kinds: str | Sequence[str] | None = Non
         if not keep_all and not violations:
             shutil.rmtree(root, ignore_errors=True)
     for v in violations:
-        print(f"chaos: VIOLATION [{v['invariant']}] seed {v['seed']} run {v['run']}: {v['message']}",
-              file=sys.stderr)
-    return {"seed": seed, "kinds": kinds, "minutes": minutes, "seconds": round(time.monotonic() - began, 1),
-            "runs": len(records), "faults": faults, "faults_total": sum(faults.values()),
-            "skipped": dict(planner.skipped), "violations": violations, "violation_count": len(violations),
-            "durations": [r["seconds"] for r in records],
-            "accuracies": accuracies(records), "run_records": records,
-            "folder": str(root) if keep_all or violations else None}
+        print(f"chaos: VIOLATION [{v['invariant']}] seed {v['seed']} run {v['run']}: {v['message']}", file=sys.stderr)
+    return {
+        "seed": seed,
+        "kinds": kinds,
+        "minutes": minutes,
+        "seconds": round(time.monotonic() - began, 1),
+        "runs": len(records),
+        "faults": faults,
+        "faults_total": sum(faults.values()),
+        "skipped": dict(planner.skipped),
+        "violations": violations,
+        "violation_count": len(violations),
+        "durations": [r["seconds"] for r in records],
+        "accuracies": accuracies(records),
+        "run_records": records,
+        "folder": str(root) if keep_all or violations else None,
+    }
 
 
 def accuracies(records: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -220,10 +250,12 @@ def accuracies(records: Sequence[Mapping[str, Any]]) -> list[float]:
 def summary(result: Mapping[str, Any]) -> str:
     """The figures in a few lines."""
     faults = ", ".join(f"{k} {n}" for k, n in result["faults"].items())
-    lines = [f"seed {result['seed']}: {result['runs']} run(s) in {result['seconds']:.0f}s, "
-             f"{result['faults_total']} fault(s) ({faults}), {result['violation_count']} violation(s)",
-             f"run durations (s): {', '.join(f'{d:.1f}' for d in result['durations'])}",
-             f"final accuracies: {', '.join(f'{a:.3f}' for a in result['accuracies']) or '-'}"]
+    lines = [
+        f"seed {result['seed']}: {result['runs']} run(s) in {result['seconds']:.0f}s, "
+        f"{result['faults_total']} fault(s) ({faults}), {result['violation_count']} violation(s)",
+        f"run durations (s): {', '.join(f'{d:.1f}' for d in result['durations'])}",
+        f"final accuracies: {', '.join(f'{a:.3f}' for a in result['accuracies']) or '-'}",
+    ]
     lines += [f"skipped {k}: {why}" for k, why in result["skipped"].items()]
     lines += [f"VIOLATION [{v['invariant']}] run {v['run']}: {v['message']}" for v in result["violations"]]
     return "\n".join(lines)
@@ -232,8 +264,9 @@ def summary(result: Mapping[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="chaos", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to keep starting runs (default 10)")
-    parser.add_argument("--seed", type=int, default=None, help="the seed to draw jobs and faults from (default: "
-                                                               "a random one, printed)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the seed to draw jobs and faults from (default: a random one, printed)"
+    )
     parser.add_argument("--kinds", default="all", help=f"fault kinds, comma-separated (default all: {','.join(KINDS)})")
     parser.add_argument("--runs", type=int, default=None, help="stop after this many runs instead of --minutes")
     parser.add_argument("--out", metavar="DIR", help="keep every run's folder (job file, logs, checkpoints) here")

@@ -76,11 +76,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """The flags, checked (a bad one is a one-line :class:`ConfigError`); --quick fills what is not given."""
     base = QUICK if args.quick else DEFAULTS
     ints = dict(kind=int, what="whole numbers", at_least=1, unique=True, error=_config_error)
-    widths = comma_list(args.widths, "--widths", empty=True, **ints) if args.widths is not None \
-        else list(base["widths"])
+    widths = (
+        comma_list(args.widths, "--widths", empty=True, **ints) if args.widths is not None else list(base["widths"])
+    )
     workers = comma_list(args.workers, "--workers", **ints) if args.workers is not None else list(base["workers"])
-    configs = comma_list(args.configs, "--configs", choices=CONFIGS, empty=True, error=_config_error) \
-        if args.configs is not None else list(base["configs"])
+    configs = (
+        comma_list(args.configs, "--configs", choices=CONFIGS, empty=True, error=_config_error)
+        if args.configs is not None
+        else list(base["configs"])
+    )
     if not set(configs) - {"cnn"}:
         raise _config_error(f"--configs: nothing to run; name at least one of {', '.join(CONFIGS[:-1])}")
     epochs = _number("--epochs", args.epochs) if args.epochs is not None else base["epochs"]
@@ -94,8 +98,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             netns.check_networks([network])
         except netns.NetworkError as exc:
             raise _config_error(str(exc)) from None
-    settings = Settings(widths, workers, list(dict.fromkeys(configs)), epochs, repeats, timeout,
-                        args.out or DEFAULT_OUT, args.quick, network)
+    settings = Settings(
+        widths,
+        workers,
+        list(dict.fromkeys(configs)),
+        epochs,
+        repeats,
+        timeout,
+        args.out or DEFAULT_OUT,
+        args.quick,
+        network,
+    )
     if not settings.rows:
         raise _config_error("nothing to run: give --widths, or add cnn to --configs")
     if not settings.plan():
@@ -103,37 +116,58 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return settings
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``psgd bench scaling``; ``benchmarks/scaling.py`` runs the same command)."""
-    parser.add_argument("--widths", metavar="LIST",
-                        help="MLP hidden widths, comma-separated (default " + ",".join(map(str, WIDTHS)) +
-                             "; quick 64,512)")
-    parser.add_argument("--workers", metavar="LIST",
-                        help="worker (rank) counts for sync, async and all-reduce (default 1,2,4; quick 1,2)")
-    parser.add_argument("--configs", metavar="LIST",
-                        help="comma-separated, from " + ", ".join(CONFIGS) + ": single (psgd train), sync and "
-                             "async (psgd launch --mode ps, 1 shard), allreduce (psgd launch --mode allreduce), "
-                             "peer (2w sync with 1 BLAS thread, beside its as-shipped twin), allcores (2w sync "
-                             "with a thread per core in every process, i.e. no thread budget), cnn (add the CNN "
-                             "row) (default: all; quick single,sync,peer,allcores)")
-    parser.add_argument("--epochs", metavar="N",
-                        help="passes over the training data per run, ~45 gradients each whatever the workers "
-                             f"(default {DEFAULTS['epochs']}; quick {QUICK['epochs']})")
-    parser.add_argument("--repeats", metavar="N",
-                        help="run everything N times, going round the whole list; the table shows medians "
-                             f"(default {DEFAULTS['repeats']}; quick {QUICK['repeats']})")
-    parser.add_argument("--timeout", metavar="SECONDS",
-                        help=f"fail a run that takes longer (default {DEFAULT_TIMEOUT:g})")
-    parser.add_argument("--out", metavar="DIR",
-                        help=f"where table.md, scaling.json and scaling.png go (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true",
-                        help="widths 64 and 512, 1 and 2 workers, sync + peer + one process, 1 epoch, 1 repeat "
-                             "(~15 s); flags given beside it win")
-    parser.add_argument("--network", metavar="RATE",
-                        help="run every launch on emulated links of this rate (e.g. 1gbit, 10gbit, none; root and "
-                             "tc): each shard, worker and all-reduce rank on a host of its own, its link shaped to "
-                             "the rate and measured first; one-process runs stay on this machine")
+    parser.add_argument(
+        "--widths",
+        metavar="LIST",
+        help="MLP hidden widths, comma-separated (default " + ",".join(map(str, WIDTHS)) + "; quick 64,512)",
+    )
+    parser.add_argument(
+        "--workers",
+        metavar="LIST",
+        help="worker (rank) counts for sync, async and all-reduce (default 1,2,4; quick 1,2)",
+    )
+    parser.add_argument(
+        "--configs",
+        metavar="LIST",
+        help="comma-separated, from " + ", ".join(CONFIGS) + ": single (psgd train), sync and "
+        "async (psgd launch --mode ps, 1 shard), allreduce (psgd launch --mode allreduce), "
+        "peer (2w sync with 1 BLAS thread, beside its as-shipped twin), allcores (2w sync "
+        "with a thread per core in every process, i.e. no thread budget), cnn (add the CNN "
+        "row) (default: all; quick single,sync,peer,allcores)",
+    )
+    parser.add_argument(
+        "--epochs",
+        metavar="N",
+        help="passes over the training data per run, ~45 gradients each whatever the workers "
+        f"(default {DEFAULTS['epochs']}; quick {QUICK['epochs']})",
+    )
+    parser.add_argument(
+        "--repeats",
+        metavar="N",
+        help="run everything N times, going round the whole list; the table shows medians "
+        f"(default {DEFAULTS['repeats']}; quick {QUICK['repeats']})",
+    )
+    parser.add_argument(
+        "--timeout", metavar="SECONDS", help=f"fail a run that takes longer (default {DEFAULT_TIMEOUT:g})"
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help=f"where table.md, scaling.json and scaling.png go (default {DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="widths 64 and 512, 1 and 2 workers, sync + peer + one process, 1 epoch, 1 repeat "
+        "(~15 s); flags given beside it win",
+    )
+    parser.add_argument(
+        "--network",
+        metavar="RATE",
+        help="run every launch on emulated links of this rate (e.g. 1gbit, 10gbit, none; root and "
+        "tc): each shard, worker and all-reduce rank on a host of its own, its link shaped to "
+        "the rate and measured first; one-process runs stay on this machine",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
     parser.add_argument("--keep-runs", metavar="DIR", help="keep every run's logs and metrics under DIR")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -146,6 +180,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json_text(result))
     print(Path(result["files"]["table"]).read_text())
-    print(f"{len(result['runs'])} runs in {result['seconds']:.0f}s; wrote "
-          f"{', '.join(sorted(result['files'].values()))}")
+    print(
+        f"{len(result['runs'])} runs in {result['seconds']:.0f}s; wrote {', '.join(sorted(result['files'].values()))}"
+    )
     return 1 if any(r.get("error") for r in result["runs"]) else 0

@@ -13,8 +13,13 @@ WORKERS = (1, 2, 4)
 CONFIGS = ("single", "sync", "async", "allreduce", "peer", "allcores", "cnn")
 KINDS = ("single", "sync", "async", "allreduce")
 DEFAULTS = {"widths": WIDTHS, "workers": WORKERS, "configs": CONFIGS, "epochs": 20, "repeats": 3}
-QUICK = {"widths": (64, 512), "workers": (1, 2), "configs": ("single", "sync", "peer", "allcores"), "epochs": 1,
-         "repeats": 1}
+QUICK = {
+    "widths": (64, 512),
+    "workers": (1, 2),
+    "configs": ("single", "sync", "peer", "allcores"),
+    "epochs": 1,
+    "repeats": 1,
+}
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_OUT = "benchmarks/results/scaling"
 
@@ -34,16 +39,17 @@ class Run:
     """One configuration of one model: ``row`` is a hidden width ("64") or "cnn"."""
 
     row: str
-    kind: str                # single | sync | async | allreduce (and ssp, for psgd bench simulate)
+    kind: str  # single | sync | async | allreduce (and ssp, for psgd bench simulate)
     workers: int = 1
-    peer: bool = False       # PEER_ENV in its environment (the labelled peer column)
+    peer: bool = False  # PEER_ENV in its environment (the labelled peer column)
     all_cores: bool = False  # --threads <this machine's cores> on every process: no thread budget
-    shards: int = 1          # parameter-server shards (psgd bench simulate's validation runs 2 too)
+    shards: int = 1  # parameter-server shards (psgd bench simulate's validation runs 2 too)
 
     @property
     def column(self) -> str:
-        return column_label(self.kind, self.workers, self.peer, self.all_cores) + \
-            (f" {self.shards}s" if self.shards != 1 else "")
+        return column_label(self.kind, self.workers, self.peer, self.all_cores) + (
+            f" {self.shards}s" if self.shards != 1 else ""
+        )
 
     @property
     def label(self) -> str:
@@ -55,11 +61,24 @@ class Run:
         common = ["--optimizer", "sgd", "--lr", "0.1", "--epochs", str(epochs), *model, "--no-progress", "--json"]
         if self.kind == "single":
             return ["train", *common]
-        mode = (["--mode", "allreduce"] if self.kind == "allreduce"
-                else ["--mode", "ps", "--policy", self.kind, "--shards", str(self.shards)])
+        mode = (
+            ["--mode", "allreduce"]
+            if self.kind == "allreduce"
+            else ["--mode", "ps", "--policy", self.kind, "--shards", str(self.shards)]
+        )
         threads = ["--threads", str(available_cores())] if self.all_cores else []
-        return ["launch", *mode, "--workers", str(self.workers), *common, *threads, "--run-dir", str(run_dir),
-                "--timeout", f"{timeout:g}"]
+        return [
+            "launch",
+            *mode,
+            "--workers",
+            str(self.workers),
+            *common,
+            *threads,
+            "--run-dir",
+            str(run_dir),
+            "--timeout",
+            f"{timeout:g}",
+        ]
 
 
 def column_label(kind: str, workers: int = 1, peer: bool = False, all_cores: bool = False) -> str:
@@ -122,4 +141,3 @@ class Settings:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-

@@ -7,20 +7,19 @@ import json
 import os
 import re
 import statistics
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from psgd.errors import ClusterError
 
 #: Where each kind of run's figure comes from.
 SOURCES = {
-    "single": "psgd train --json: steps / seconds of its training loop (first step and per-epoch evaluation "
-              "included)",
+    "single": "psgd train --json: steps / seconds of its training loop (first step and per-epoch evaluation included)",
     "ps": "worker-K.jsonl (one line per step, 'wall' since the worker's start, 'time' on the shared clock): "
-          "steps completed while every worker was stepping, over that window; the first step of each worker "
-          "is left out (a fallback, when the workers barely overlapped: the sum over workers of "
-          "(steps - 1) / (last wall - first wall))",
+    "steps completed while every worker was stepping, over that window; the first step of each worker "
+    "is left out (a fallback, when the workers barely overlapped: the sum over workers of "
+    "(steps - 1) / (last wall - first wall))",
     "allreduce": "allreduce.jsonl (rank 0, one line per step): (steps - 1) / (last wall - first wall), times "
-                 "N (every rank computes one gradient per step, in lockstep)",
+    "N (every rank computes one gradient per step, in lockstep)",
 }
 
 
@@ -38,8 +37,10 @@ def read_steps(path: str | os.PathLike) -> list[dict]:
 def span_rate(walls: Sequence[float]) -> float:
     """Steps per second after the first step: (steps - 1) / (last wall - first wall)."""
     if len(walls) < 2 or walls[-1] <= walls[0]:
-        raise MeasureError(f"{len(walls)} step(s) recorded over {(walls[-1] - walls[0]) if walls else 0:.4f}s: "
-                           "too few to measure (raise --epochs)")
+        raise MeasureError(
+            f"{len(walls)} step(s) recorded over {(walls[-1] - walls[0]) if walls else 0:.4f}s: "
+            "too few to measure (raise --epochs)"
+        )
     return (len(walls) - 1) / (walls[-1] - walls[0])
 
 
@@ -71,9 +72,15 @@ def ps_rates(workers: Sequence[Sequence[dict]], min_overlap: float = 0.5) -> dic
     start, end = max(c[0] for c in clocks), min(c[-1] for c in clocks)
     inside = sum(1 for c in clocks for t in c if start < t <= end)
     spans = [r[-1]["wall"] - r[0]["wall"] for r in workers]
-    out = {"workers": n, "steps": sum(len(r) for r in workers), "worker_steps_per_s": rates,
-           "sum_of_rates": sum(rates), "window_s": max(end - start, 0.0), "window_steps": inside,
-           "start_skew_s": max(c[0] for c in clocks) - min(c[0] for c in clocks)}
+    out = {
+        "workers": n,
+        "steps": sum(len(r) for r in workers),
+        "worker_steps_per_s": rates,
+        "sum_of_rates": sum(rates),
+        "window_s": max(end - start, 0.0),
+        "window_steps": inside,
+        "start_skew_s": max(c[0] for c in clocks) - min(c[0] for c in clocks),
+    }
     if end > start and inside >= 2 and end - start >= min_overlap * statistics.median(spans):
         out.update(steps_per_s=inside / (end - start), method="window")
     else:
@@ -86,9 +93,14 @@ def ps_rates(workers: Sequence[Sequence[dict]], min_overlap: float = 0.5) -> dic
 def allreduce_rates(records: Sequence[dict], workers: int) -> dict:
     """All-reduce: rank 0's steps/s after its first step; every rank computes one gradient per step."""
     per = span_rate([r["wall"] for r in records])
-    return {"workers": workers, "steps": len(records) * workers, "per_worker_steps_per_s": per,
-            "steps_per_s": per * workers, "method": "rank 0 x N",
-            "seconds": records[-1]["wall"] - records[0]["wall"]}
+    return {
+        "workers": workers,
+        "steps": len(records) * workers,
+        "per_worker_steps_per_s": per,
+        "steps_per_s": per * workers,
+        "method": "rank 0 x N",
+        "seconds": records[-1]["wall"] - records[0]["wall"],
+    }
 
 
 def single_rates(summary: dict) -> dict:
@@ -96,8 +108,14 @@ def single_rates(summary: dict) -> dict:
     steps, seconds = summary.get("steps"), summary.get("seconds")
     if not steps or not seconds or seconds <= 0:
         raise MeasureError(f"psgd train reported steps={steps}, seconds={seconds}: too little to measure")
-    return {"workers": 1, "steps": steps, "seconds": seconds, "steps_per_s": steps / seconds,
-            "per_worker_steps_per_s": steps / seconds, "method": "train --json"}
+    return {
+        "workers": 1,
+        "steps": steps,
+        "seconds": seconds,
+        "steps_per_s": steps / seconds,
+        "per_worker_steps_per_s": steps / seconds,
+        "method": "train --json",
+    }
 
 
 def efficiency(aggregate: float | None, workers: int, single: float | None) -> float | None:

@@ -7,18 +7,33 @@ import json
 import re
 from pathlib import Path
 
+from psgd.bench.scaling.grid import (
+    ALLCORES_LABEL,
+    PEER_ENV,
+    PEER_LABEL,
+    PEER_TARGET,
+    RATIO_LABEL,
+    Settings,
+    kind_name,
+    row_label,
+)
 from psgd.bench.scaling.measure import SOURCES, efficiency, median
-from psgd.bench.scaling.grid import (ALLCORES_LABEL, PEER_ENV, PEER_LABEL, PEER_TARGET, RATIO_LABEL, Settings,
-                                     kind_name, row_label)
 
 
 def tabulate(records: list[dict], settings: Settings, skipped: dict[str, str]) -> dict:
     """Medians over the repeats, per (row, column): aggregate and per-worker steps/s, efficiency, the peer
     ratio, the BLAS threads reported; a cell with no good run holds "failed" or "skipped"."""
     columns = settings.columns()
-    table: dict[str, dict] = {"columns": columns, "rows": settings.rows, "steps_per_s": {},
-                              "per_worker_steps_per_s": {}, "efficiency": {}, "peer_ratio": {},
-                              "blas_threads": {}, "failures": {}}
+    table: dict[str, dict] = {
+        "columns": columns,
+        "rows": settings.rows,
+        "steps_per_s": {},
+        "per_worker_steps_per_s": {},
+        "efficiency": {},
+        "peer_ratio": {},
+        "blas_threads": {},
+        "failures": {},
+    }
     for row in settings.rows:
         mine = [r for r in records if r["row"] == row]
         agg, per, eff, threads, failures = {}, {}, {}, {}, {}
@@ -86,18 +101,28 @@ def markdown(result: dict) -> str:
         return lines + [""]
 
     reps = f"median of {s['repeats']} runs" if s["repeats"] > 1 else "one run each"
-    lines = grid(f"Aggregate steps/s (minibatch gradients per second, all workers together; {reps})", columns,
-                 lambda row, c: _rate(t["steps_per_s"][row].get(c)),
-                 (RATIO_LABEL, lambda row: _ratio(t["peer_ratio"][row])) if peer else None)
-    lines += grid("Steps/s per worker (aggregate / N)", scaled,
-                  lambda row, c: _rate(t["per_worker_steps_per_s"][row].get(c)))
+    lines = grid(
+        f"Aggregate steps/s (minibatch gradients per second, all workers together; {reps})",
+        columns,
+        lambda row, c: _rate(t["steps_per_s"][row].get(c)),
+        (RATIO_LABEL, lambda row: _ratio(t["peer_ratio"][row])) if peer else None,
+    )
+    lines += grid(
+        "Steps/s per worker (aggregate / N)", scaled, lambda row, c: _rate(t["per_worker_steps_per_s"][row].get(c))
+    )
     if "1 process" in columns:
-        lines += grid("Scaling efficiency: aggregate steps/s / (N x one process's steps/s)", scaled,
-                      lambda row, c: _eff(t, row, c))
+        lines += grid(
+            "Scaling efficiency: aggregate steps/s / (N x one process's steps/s)",
+            scaled,
+            lambda row, c: _eff(t, row, c),
+        )
     reported = any(v for row in rows for v in t["blas_threads"][row].values())
     if reported:
-        lines += grid("BLAS/OpenMP threads per process, as the launcher's log said", columns,
-                      lambda row, c: "-".join(str(x) for x in t["blas_threads"][row].get(c) or []) or "")
+        lines += grid(
+            "BLAS/OpenMP threads per process, as the launcher's log said",
+            columns,
+            lambda row, c: "-".join(str(x) for x in t["blas_threads"][row].get(c) or []) or "",
+        )
     return "\n".join(lines) + "\n" + notes(result, reported)
 
 
@@ -119,17 +144,21 @@ def notes(result: dict, reported: bool) -> str:
             used.append(kind)
     where = {"single": "1 process", "ps": "sync / async / peer / no budget", "allreduce": "all-reduce"}
     lines = [f"Sources: {'; '.join(f'*{where[k]}*: {SOURCES[k]}' for k in used)}.", ""]
-    lines.append(f"Each run: `psgd train` or `psgd launch` (one shard for sync/async), SGD lr 0.1, batch 32 per "
-                 f"worker, {s['epochs']} epoch(s) of the bundled digits (~{45 * s['epochs']} minibatch "
-                 f"gradients in all, whatever N), started as a user would in this environment, unchanged. "
-                 f"The peer column alone runs with {', '.join(f'{k}={v}' for k, v in PEER_ENV.items())} in its "
-                 f"environment; {RATIO_LABEL} = sync 2w / peer, the goal >= {PEER_TARGET:g} at every width. "
-                 f"The no-budget column passes --threads <cores> to every process: each uses a thread per core, "
-                 f"as every psgd process did before the thread budget.")
+    lines.append(
+        f"Each run: `psgd train` or `psgd launch` (one shard for sync/async), SGD lr 0.1, batch 32 per "
+        f"worker, {s['epochs']} epoch(s) of the bundled digits (~{45 * s['epochs']} minibatch "
+        f"gradients in all, whatever N), started as a user would in this environment, unchanged. "
+        f"The peer column alone runs with {', '.join(f'{k}={v}' for k, v in PEER_ENV.items())} in its "
+        f"environment; {RATIO_LABEL} = sync 2w / peer, the goal >= {PEER_TARGET:g} at every width. "
+        f"The no-budget column passes --threads <cores> to every process: each uses a thread per core, "
+        f"as every psgd process did before the thread budget."
+    )
     if result["thread_env"]:
-        lines.append(f"Caution: this environment already sets "
-                     f"{', '.join(f'{k}={v}' for k, v in result['thread_env'].items())}, so the as-shipped "
-                     f"runs inherited it and are not what psgd does on its own.")
+        lines.append(
+            f"Caution: this environment already sets "
+            f"{', '.join(f'{k}={v}' for k, v in result['thread_env'].items())}, so the as-shipped "
+            f"runs inherited it and are not what psgd does on its own."
+        )
     if not reported:
         lines.append("No launcher printed a BLAS/OpenMP thread budget line.")
     for kind, why in result["skipped"].items():
@@ -139,13 +168,17 @@ def notes(result: dict, reported: bool) -> str:
             lines.append(f"{row_label(row)} | {col}: failed: {error}")
     if result.get("network"):
         net = result["network"]
-        lines.append(f"Every launch ran on emulated links of {net['described']}: each shard, worker and all-reduce "
-                     f"rank on a host of its own (a network namespace), its link shaped to the rate and measured "
-                     f"at {net['measured_gbit_per_s']} Gbit/s before the runs; one-process runs ran on this "
-                     f"machine.")
+        lines.append(
+            f"Every launch ran on emulated links of {net['described']}: each shard, worker and all-reduce "
+            f"rank on a host of its own (a network namespace), its link shaped to the rate and measured "
+            f"at {net['measured_gbit_per_s']} Gbit/s before the runs; one-process runs ran on this "
+            f"machine."
+        )
     load = result["load_average"]
-    lines.append(f"Machine: {result['machine']}; load average (1/5/15 min) {load['before']} before, "
-                 f"{load['after']} after; {len(result['runs'])} runs in {result['seconds']:.0f}s.")
+    lines.append(
+        f"Machine: {result['machine']}; load average (1/5/15 min) {load['before']} before, "
+        f"{load['after']} after; {len(result['runs'])} runs in {result['seconds']:.0f}s."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -178,12 +211,20 @@ def plot(result: dict, path: Path) -> None:
     widths = [row for row in t["rows"] if row != "cnn"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.2))
     colors = plt.get_cmap("tab10")
-    special = {PEER_LABEL: {"color": "black", "linestyle": "--"},  # the two references stand apart
-               ALLCORES_LABEL: {"color": "black", "linestyle": ":", "marker": "x"}}
+    special = {
+        PEER_LABEL: {"color": "black", "linestyle": "--"},  # the two references stand apart
+        ALLCORES_LABEL: {"color": "black", "linestyle": ":", "marker": "x"},
+    }
     plain = [c for c in t["columns"] if c not in special]
     for col in t["columns"]:
-        style = {"marker": "o", "markersize": 4, "label": col, "linestyle": "-",
-                 "color": colors(plain.index(col) % 10) if col in plain else None, **special.get(col, {})}
+        style = {
+            "marker": "o",
+            "markersize": 4,
+            "label": col,
+            "linestyle": "-",
+            "color": colors(plain.index(col) % 10) if col in plain else None,
+            **special.get(col, {}),
+        }
         xy = [(int(w), t["steps_per_s"][w].get(col)) for w in widths]
         xy = [(x, y) for x, y in xy if isinstance(y, float) and y > 0]
         if xy:
@@ -206,9 +247,10 @@ def plot(result: dict, path: Path) -> None:
     handles, labels = left.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=9, frameon=False)
     cnn = " (the CNN is in the table)" if "cnn" in t["rows"] else ""
-    fig.suptitle(f"psgd bench scaling: MLP on digits, {result['settings']['epochs']} epoch(s) per run{cnn}; "
-                 f"{result['machine']}", fontsize=10)
+    fig.suptitle(
+        f"psgd bench scaling: MLP on digits, {result['settings']['epochs']} epoch(s) per run{cnn}; {result['machine']}",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
-

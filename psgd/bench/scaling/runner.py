@@ -17,9 +17,16 @@ from pathlib import Path
 
 from threadpoolctl import threadpool_info
 
-from psgd.bench.scaling.measure import (SOURCES, MeasureError, allreduce_rates, ps_rates, read_steps, single_rates,
-                                        thread_report)
 from psgd.bench.scaling.grid import PEER_ENV, THREAD_VARS, Run, Settings, kind_name, row_label
+from psgd.bench.scaling.measure import (
+    SOURCES,
+    MeasureError,
+    allreduce_rates,
+    ps_rates,
+    read_steps,
+    single_rates,
+    thread_report,
+)
 from psgd.bench.scaling.report import tabulate, write_outputs
 
 
@@ -46,9 +53,16 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path, network=None) 
     With ``network`` (:class:`psgd.bench.hosted.Network`) a launch runs with its processes on its hosts."""
     argv = run.argv(epochs, run_dir, timeout)
     env = {**os.environ, **PEER_ENV} if run.peer else None  # None: this process's environment, as it is
-    record = {"row": run.row, "column": run.column, "kind": run.kind, "workers": run.workers, "peer": run.peer,
-              "all_cores": run.all_cores,
-              "command": shlex.join(["psgd", *argv]), "env": dict(PEER_ENV) if run.peer else {}}
+    record = {
+        "row": run.row,
+        "column": run.column,
+        "kind": run.kind,
+        "workers": run.workers,
+        "peer": run.peer,
+        "all_cores": run.all_cores,
+        "command": shlex.join(["psgd", *argv]),
+        "env": dict(PEER_ENV) if run.peer else {},
+    }
     limit = timeout + (60 if run.kind != "single" else 0)  # psgd launch stops itself at --timeout
     began = time.perf_counter()
     command = [sys.executable, "-m", "psgd.cli.main", *argv]
@@ -57,9 +71,15 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path, network=None) 
 
         command = launch_argv(network, run_dir, argv)
         record["network"] = network.name
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     timed_out = False
     try:
         out, err = proc.communicate(timeout=limit)
@@ -90,13 +110,15 @@ def execute(run: Run, epochs: int, timeout: float, run_dir: Path, network=None) 
     return record
 
 
-def _run_all(todo: list, settings: Settings, root: Path, records: list[dict], progress: bool, skipped: dict,
-             network) -> None:
+def _run_all(
+    todo: list, settings: Settings, root: Path, records: list[dict], progress: bool, skipped: dict, network
+) -> None:
     """Each (repeat, run) in turn, its record appended to ``records``, one line each as it comes."""
     from tqdm import tqdm
 
-    with tqdm(total=len(todo), desc="scaling", unit="run", disable=not progress, file=sys.stderr,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(todo), desc="scaling", unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True
+    ) as bar:
         if progress:
             for kind, why in skipped.items():
                 bar.write(f"{kind_name(kind)}: skipped: {why}", file=sys.stderr)
@@ -139,8 +161,10 @@ def _one_line(record: dict, repeat: int) -> str:
         return f"{head}: FAILED: {record['error']}"
     threads = f"; {record['blas_threads']} BLAS thread(s) each" if record.get("blas_threads") else ""
     per = f" ({record['per_worker_steps_per_s']:,.0f}/worker)" if record["workers"] > 1 else ""
-    return (f"{head}: {record['steps_per_s']:,.0f} steps/s{per} over {record['seconds']:.2f}s{threads} "
-            f"[{record['process_seconds']:.1f}s in all]")
+    return (
+        f"{head}: {record['steps_per_s']:,.0f} steps/s{per} over {record['seconds']:.2f}s{threads} "
+        f"[{record['process_seconds']:.1f}s in all]"
+    )
 
 
 def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str | None = None) -> dict:
@@ -171,8 +195,11 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
 
                 network = stack.enter_context(Network(settings.network, 1, max(r.workers for r in plan)))
                 if progress:
-                    print(f"{settings.network} links: measured {network.record()['measured_gbit_per_s']} Gbit/s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{settings.network} links: measured {network.record()['measured_gbit_per_s']} Gbit/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             _run_all(todo, settings, root, records, progress, skipped, network)
     finally:
         if not keep_runs:
@@ -187,8 +214,7 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
         "threadpool_info": threadpool_info(),
         "thread_env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ},
         "peer_env": PEER_ENV,
-        "load_average": {"before": [round(x, 2) for x in load_before],
-                         "after": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "seconds": round(time.perf_counter() - began, 1),
         "sources": SOURCES,
         "skipped": skipped,
@@ -197,4 +223,3 @@ def run_benchmark(settings: Settings, *, progress: bool = True, keep_runs: str |
     }
     result["files"] = write_outputs(result, out)
     return result
-

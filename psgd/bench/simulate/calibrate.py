@@ -21,8 +21,8 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from psgd.bench.simulate.job import Costs, Layout
 from psgd.wire.protocol import BUSY_POLL_US
@@ -61,8 +61,7 @@ def cores_for(width: int, busy: int, epochs: int = 2000) -> float:
         return single_rates(json.loads(out.strip().splitlines()[-1]))["steps_per_s"]
 
     alone = rate(subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True).stdout)
-    group = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for _ in range(busy)]
+    group = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(busy)]
     together = sum(rate(p.communicate(timeout=600)[0]) for p in group)
     return min(float(busy), together / alone)
 
@@ -84,15 +83,23 @@ def _cpu_seconds(run_dir: str) -> dict[str, float]:
             number = re.search(r"--(?:rank|shard)\x00?(\d+)", "\0".join(argv))
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            out[f"{role}-{number.group(1) if number else pid}"] = \
-                (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out[f"{role}-{number.group(1) if number else pid}"] = (int(fields[11]) + int(fields[12])) / os.sysconf(
+                "SC_CLK_TCK"
+            )
         except (OSError, ValueError, IndexError):
             continue
     return out
 
 
-def in_a_launch(width: int, shards: int, policy: str, workers: int = 1, window: float = WINDOW,
-                busy_poll_us: int | None = 0, network=None) -> dict:
+def in_a_launch(
+    width: int,
+    shards: int,
+    policy: str,
+    workers: int = 1,
+    window: float = WINDOW,
+    busy_poll_us: int | None = 0,
+    network=None,
+) -> dict:
     """A ``psgd launch`` of ``workers`` workers and ``shards`` shards (all-reduce: ranks), its data connections
     sleeping (``busy_poll_us`` 0: what the processes use is their work), watching, or as psgd launch chooses
     (None); on ``network``'s hosts (:class:`psgd.bench.hosted.Network`) or this machine: each process's CPU per step
@@ -114,11 +121,12 @@ def in_a_launch(width: int, shards: int, policy: str, workers: int = 1, window: 
     else:
         command = [sys.executable, "-m", "psgd.cli.main", *argv]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    records, each = (("allreduce.jsonl", workers) if policy == "allreduce" else ("worker-*.jsonl", 1))
+    records, each = ("allreduce.jsonl", workers) if policy == "allreduce" else ("worker-*.jsonl", 1)
 
     def steps() -> int:  # all workers' steps so far (all-reduce: rank 0's, each a step of every rank)
-        return each * sum(sum(1 for line in open(f) if '"event": "step"' in line)
-                          for f in glob.glob(f"{run}/{records}"))
+        return each * sum(
+            sum(1 for line in open(f) if '"event": "step"' in line) for f in glob.glob(f"{run}/{records}")
+        )
 
     try:
         deadline = time.monotonic() + 120
@@ -136,8 +144,11 @@ def in_a_launch(width: int, shards: int, policy: str, workers: int = 1, window: 
         stop(proc)  # the launch and what it started
         shutil.rmtree(run, ignore_errors=True)
     n = n1 - n0
-    return {"steps_per_s": n / (t1 - t0), "busy_poll_us": tomllib.loads(job)["cluster"].get("busy_poll_us", 0),
-            **{k: (after[k] - before[k]) / n for k in after if k in before}}
+    return {
+        "steps_per_s": n / (t1 - t0),
+        "busy_poll_us": tomllib.loads(job)["cluster"].get("busy_poll_us", 0),
+        **{k: (after[k] - before[k]) / n for k in after if k in before},
+    }
 
 
 def as_in(costs: Costs, launch: dict, layout: Layout) -> Costs:
@@ -151,13 +162,22 @@ def as_in(costs: Costs, launch: dict, layout: Layout) -> Costs:
     shard = statistics.mean(v for k, v in launch.items() if k.startswith("server-")) / (1 if sync else 2)
     client = costs.worker_joint if sync else 2 * costs.worker_request
     f = worker / (costs.compute + costs.worker_step + layout.shards * (client + costs.worker_per_byte * part))
-    g = shard / (costs.joint_request + costs.joint_per_byte * part if sync
-                 else costs.shard_request + costs.shard_per_byte * part)
+    g = shard / (
+        costs.joint_request + costs.joint_per_byte * part if sync else costs.shard_request + costs.shard_per_byte * part
+    )
     return dataclasses.replace(
-        costs, compute=costs.compute * f, worker_step=costs.worker_step * f, worker_joint=costs.worker_joint * f,
-        worker_request=costs.worker_request * f, worker_per_byte=costs.worker_per_byte * f,
-        shard_request=costs.shard_request * g, shard_per_byte=costs.shard_per_byte * g,
-        joint_request=costs.joint_request * g, joint_per_byte=costs.joint_per_byte * g, cores_four=0.0)
+        costs,
+        compute=costs.compute * f,
+        worker_step=costs.worker_step * f,
+        worker_joint=costs.worker_joint * f,
+        worker_request=costs.worker_request * f,
+        worker_per_byte=costs.worker_per_byte * f,
+        shard_request=costs.shard_request * g,
+        shard_per_byte=costs.shard_per_byte * g,
+        joint_request=costs.joint_request * g,
+        joint_per_byte=costs.joint_per_byte * g,
+        cores_four=0.0,
+    )
 
 
 def request_costs(size: int, tmp: str, steps: int, busy_poll_us: int) -> dict:
@@ -178,9 +198,17 @@ def request_costs(size: int, tmp: str, steps: int, busy_poll_us: int) -> dict:
     joint = line(small["shard_s"], big["shard_s"])
     # the worker's own share of a joint round trip: the step less the shard's CPU and the bare round trip
     worker = line(small["one_round_trip_s"] - small["shard_s"] - wake, big["one_round_trip_s"] - big["shard_s"] - wake)
-    return {"shard_request": shard[0], "shard_per_byte": shard[1], "joint_request": joint[0],
-            "joint_per_byte": joint[1], "worker_request": worker[0], "worker_per_byte": worker[1], "wake": wake,
-            "wake_watching": watched, "measured": {"small": small, "big": big}}
+    return {
+        "shard_request": shard[0],
+        "shard_per_byte": shard[1],
+        "joint_request": joint[0],
+        "joint_per_byte": joint[1],
+        "worker_request": worker[0],
+        "worker_per_byte": worker[1],
+        "wake": wake,
+        "wake_watching": watched,
+        "measured": {"small": small, "big": big},
+    }
 
 
 def ring_costs(model_bytes: int, repeats: int = 20) -> tuple[float, float] | str:
@@ -210,10 +238,14 @@ def measure(width: int, model_bytes: int, say: Callable[[str], None], steps: int
         cores, four = cores_for(width, 2), cores_for(width, 4)
         say(f"  busy processes get this machine's cores together: two {cores:.2f}, four {four:.2f}")
         req = request_costs(max(model_bytes, LARGE), tmp, steps, 0)
-        launches = {name: in_a_launch(width, shards, policy)
-                    for name, shards, policy in (("sync1", 1, "sync"), ("sync2", 2, "sync"), ("async1", 1, "async"))}
-        watched = {name: in_a_launch(width, 1, policy, busy_poll_us=BUSY_POLL_US)
-                   for name, policy in (("sync1", "sync"), ("async1", "async"))}
+        launches = {
+            name: in_a_launch(width, shards, policy)
+            for name, shards, policy in (("sync1", 1, "sync"), ("sync2", 2, "sync"), ("async1", 1, "async"))
+        }
+        watched = {
+            name: in_a_launch(width, 1, policy, busy_poll_us=BUSY_POLL_US)
+            for name, policy in (("sync1", "sync"), ("async1", "async"))
+        }
         ring = ring_costs(model_bytes)
     m, w_byte, s_byte, j_byte = model_bytes, req["worker_per_byte"], req["shard_per_byte"], req["joint_per_byte"]
     w1, w2, wa = (launches[n]["worker-0"] for n in ("sync1", "sync2", "async1"))
@@ -222,11 +254,15 @@ def measure(width: int, model_bytes: int, say: Callable[[str], None], steps: int
     worker_request = max((wa - compute - worker_step - w_byte * m) / 2, 0.0)
     joint_request = max(launches["sync1"]["server-0"] - j_byte * m, 0.0)
     shard_request = max((launches["async1"]["server-0"] - 2 * s_byte * m) / 2, 0.0)
-    wake = max(1 / launches["sync1"]["steps_per_s"] - launches["sync1"]["worker-0"] - launches["sync1"]["server-0"],
-               0.0)
-    say(f"  in a launch, a step's CPU: the worker {w1 * 1e6:.0f} us with one shard, {w2 * 1e6:.0f} with two, "
+    wake = max(
+        1 / launches["sync1"]["steps_per_s"] - launches["sync1"]["worker-0"] - launches["sync1"]["server-0"], 0.0
+    )
+    say(
+        f"  in a launch, a step's CPU: the worker {w1 * 1e6:.0f} us with one shard, {w2 * 1e6:.0f} with two, "
         f"{wa * 1e6:.0f} under async; the shard {launches['sync1']['server-0'] * 1e6:.0f} us (sync), "
-        f"{launches['async1']['server-0'] * 1e6:.0f} (async: a push and a pull)")
+        f"{launches['async1']['server-0'] * 1e6:.0f} (async: a push and a pull)"
+    )
+
     # both ends watching, the same step takes less: what is left of the difference once the watch's own wait is paid
     # is CPU the sleeping ends spent going to sleep and waking (sync: a joint round trip a step; async: two of its
     # own)
@@ -235,20 +271,40 @@ def measure(width: int, model_bytes: int, say: Callable[[str], None], steps: int
         return max(gained / trips + req["wake_watching"] - wake, 0.0)
 
     saves, saves_request = saved("sync1", 1), saved("async1", 2)
-    say(f"  a round trip's wait beyond the CPU: {wake * 1e6:.0f} us sleeping, {req['wake_watching'] * 1e6:.0f} us "
+    say(
+        f"  a round trip's wait beyond the CPU: {wake * 1e6:.0f} us sleeping, {req['wake_watching'] * 1e6:.0f} us "
         f"watching, which saves the ends {saves * 1e6:.0f} us of CPU (sync's joint round trip), "
-        f"{saves_request * 1e6:.0f} us (async's own)")
+        f"{saves_request * 1e6:.0f} us (async's own)"
+    )
     if isinstance(ring, str):
         say(f"  all-reduce: not measured ({ring})")
         hop, ring_rate = 0.0, 0.0
     else:
         hop, ring_rate = ring
         say(f"  a ring step: {hop * 1e6:.0f} us + its bytes at {ring_rate / 1e9:.2f} GB/s")
-    costs = Costs(compute=compute, shard_request=shard_request, shard_per_byte=s_byte, joint_request=joint_request,
-                  joint_per_byte=j_byte, worker_request=worker_request, worker_per_byte=w_byte, wake=wake,
-                  cores=cores, worker_joint=worker_joint, worker_step=worker_step, cores_four=four, watch_saves=saves,
-                  watch_saves_request=saves_request, wake_watching=req["wake_watching"], hop=hop, ring_rate=ring_rate)
+    costs = Costs(
+        compute=compute,
+        shard_request=shard_request,
+        shard_per_byte=s_byte,
+        joint_request=joint_request,
+        joint_per_byte=j_byte,
+        worker_request=worker_request,
+        worker_per_byte=w_byte,
+        wake=wake,
+        cores=cores,
+        worker_joint=worker_joint,
+        worker_step=worker_step,
+        cores_four=four,
+        watch_saves=saves,
+        watch_saves_request=saves_request,
+        wake_watching=req["wake_watching"],
+        hop=hop,
+        ring_rate=ring_rate,
+    )
     watching = {f"{name}_watching": launch for name, launch in watched.items()}
-    return costs, {"requests": req["measured"], "launches": {**launches, **watching},
-                   "calibrated_on": ["sync 1w 1s", "sync 1w 2s", "async 1w 1s"],
-                   "seconds": time.monotonic() - began}
+    return costs, {
+        "requests": req["measured"],
+        "launches": {**launches, **watching},
+        "calibrated_on": ["sync 1w 1s", "sync 1w 2s", "async 1w 1s"],
+        "seconds": time.monotonic() - began,
+    }

@@ -51,30 +51,66 @@ and gradient (--model; --compute for your own device's step):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--validate", action="store_true",
-                        help="launch the validation grid here and print measured against simulated steps/s")
-    parser.add_argument("--width", type=int, default=64,
-                        help="the digits MLP's hidden width whose costs are measured (default 64)")
-    parser.add_argument("--costs", type=Path, default=None, help="read the costs from this file (a --json of an "
-                        "earlier run) instead of measuring them")
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="launch the validation grid here and print measured against simulated steps/s",
+    )
+    parser.add_argument(
+        "--width", type=int, default=64, help="the digits MLP's hidden width whose costs are measured (default 64)"
+    )
+    parser.add_argument(
+        "--costs",
+        type=Path,
+        default=None,
+        help="read the costs from this file (a --json of an earlier run) instead of measuring them",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="--validate: launches of each job (default 2)")
-    parser.add_argument("--network", metavar="RATE", default=None,
-                        help="links of this rate (e.g. 1gbit, 10gbit, 25gbit): --validate runs on emulated links "
-                             "(root and tc; each shard, worker and rank on a host of its own, on this machine's "
-                             "cores); a prediction's hosts have them (default 25gbit)")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="predict a job of N workers, each on a host of its own (with --model; default 64)")
-    parser.add_argument("--shards", type=int, default=None, metavar="K",
-                        help="... with K shards, each on a host of its own (default: N / 4, at least 1)")
-    parser.add_argument("--model", default=None, metavar="MODEL",
-                        help="the prediction's model: resnet50 or vgg16 (their size, a P100's published step), "
-                             "synthetic (the convergence lab's), or a job file (its model's size; its gradient "
-                             "measured here with psgd train, or --compute)")
-    parser.add_argument("--compute", type=float, default=None, metavar="SECONDS",
-                        help="one gradient's seconds on a worker (say, on your GPU) instead of the model's own")
-    parser.add_argument("--questions", type=Path, default=None, metavar="DIR",
-                        help="answer the questions of benchmarks/RESULTS.md into DIR: 16-1,024 workers, 1-64 shards, "
-                             "10/25/100 Gbit/s, three models (tables, JSON, a plot)")
+    parser.add_argument(
+        "--network",
+        metavar="RATE",
+        default=None,
+        help="links of this rate (e.g. 1gbit, 10gbit, 25gbit): --validate runs on emulated links "
+        "(root and tc; each shard, worker and rank on a host of its own, on this machine's "
+        "cores); a prediction's hosts have them (default 25gbit)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="predict a job of N workers, each on a host of its own (with --model; default 64)",
+    )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="K",
+        help="... with K shards, each on a host of its own (default: N / 4, at least 1)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="MODEL",
+        help="the prediction's model: resnet50 or vgg16 (their size, a P100's published step), "
+        "synthetic (the convergence lab's), or a job file (its model's size; its gradient "
+        "measured here with psgd train, or --compute)",
+    )
+    parser.add_argument(
+        "--compute",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="one gradient's seconds on a worker (say, on your GPU) instead of the model's own",
+    )
+    parser.add_argument(
+        "--questions",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="answer the questions of benchmarks/RESULTS.md into DIR: 16-1,024 workers, 1-64 shards, "
+        "10/25/100 Gbit/s, three models (tables, JSON, a plot)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the costs and every figure here")
 
 
@@ -110,27 +146,49 @@ def validate(costs: Costs, width: int, repeats: int, say, network=None) -> list[
     if network is not None:  # hosts of their own on this machine's cores, their links shaped as tc shapes them
         from psgd.bench.netns import burst_bytes
 
-        link = {"rate": statistics.mean(network.measured.values()), "latency": 0.0, "one_machine": True,
-                "burst": burst_bytes(network.rate)}
+        link = {
+            "rate": statistics.mean(network.measured.values()),
+            "latency": 0.0,
+            "one_machine": True,
+            "burst": burst_bytes(network.rate),
+        }
     rows = []
     for workers, shards, policy in validation_grid(costs.ring_rate > 0):
-        launches = [in_a_launch(width, shards, policy, workers, busy_poll_us=None, network=network)
-                    for _ in range(repeats)]
+        launches = [
+            in_a_launch(width, shards, policy, workers, busy_poll_us=None, network=network) for _ in range(repeats)
+        ]
         measured = statistics.median(launch["steps_per_s"] for launch in launches)
         watching = max(launch["busy_poll_us"] for launch in launches) > 0
         layout = Layout(workers, shards, policy, _model_bytes(width), watching=watching, **link)
         predicted = simulate(costs, layout)["steps_per_s"]
-        own = None if watching or policy == "allreduce" else \
-            statistics.median(simulate(as_in(costs, launch, layout), layout)["steps_per_s"] for launch in launches)
-        busy = statistics.median(launch["steps_per_s"] * sum(v for k, v in launch.items() if "-" in k)
-                                 for launch in launches)  # cores the job's processes kept busy
-        rows.append({"workers": workers, "shards": shards, "policy": policy, "measured_steps_per_s": measured,
-                     "runs": launches, "watching": watching, "simulated_steps_per_s": predicted,
-                     "error": predicted / measured - 1, "own_costs_steps_per_s": own,
-                     "own_costs_error": None if own is None else own / measured - 1, "cores_busy": busy})
+        own = (
+            None
+            if watching or policy == "allreduce"
+            else statistics.median(simulate(as_in(costs, launch, layout), layout)["steps_per_s"] for launch in launches)
+        )
+        busy = statistics.median(
+            launch["steps_per_s"] * sum(v for k, v in launch.items() if "-" in k) for launch in launches
+        )  # cores the job's processes kept busy
+        rows.append(
+            {
+                "workers": workers,
+                "shards": shards,
+                "policy": policy,
+                "measured_steps_per_s": measured,
+                "runs": launches,
+                "watching": watching,
+                "simulated_steps_per_s": predicted,
+                "error": predicted / measured - 1,
+                "own_costs_steps_per_s": own,
+                "own_costs_error": None if own is None else own / measured - 1,
+                "cores_busy": busy,
+            }
+        )
         with_own = "" if own is None else f"; with its own costs {own:8,.0f}: {own / measured - 1:+.0%}"
-        say(f"  {policy:9s} {workers}w {shards}s: measured {measured:8,.0f} steps/s, simulated "
-            f"{predicted:8,.0f}: {predicted / measured - 1:+.0%}{with_own}")
+        say(
+            f"  {policy:9s} {workers}w {shards}s: measured {measured:8,.0f} steps/s, simulated "
+            f"{predicted:8,.0f}: {predicted / measured - 1:+.0%}{with_own}"
+        )
     return rows
 
 
@@ -147,14 +205,18 @@ def _validation(args: argparse.Namespace, costs: Costs, result: dict, say) -> No
             network = stack.enter_context(Network(args.network, 2, 4))
             result["network"] = network.record()
             say(f"{args.network} links: measured {result['network']['measured_gbit_per_s']} Gbit/s")
-        say(f"\nvalidation: psgd launch here{' on ' + args.network + ' links' if network else ''} against the "
-            f"simulation of the same job (steps/s over {calibrate.WINDOW:g} s of its run, median of {args.repeats}):")
+        say(
+            f"\nvalidation: psgd launch here{' on ' + args.network + ' links' if network else ''} against the "
+            f"simulation of the same job (steps/s over {calibrate.WINDOW:g} s of its run, median of {args.repeats}):"
+        )
         rows = result["validation"] = validate(costs, args.width, args.repeats, say, network)
     for key, what in (("error", "with the calibrated costs"), ("own_costs_error", "with each job's own costs")):
         errors = [r for r in rows if r[key] is not None]
         worst = max(errors, key=lambda r: abs(r[key]))
-        say(f"{what}: {sum(abs(r[key]) <= 0.15 for r in errors)} of {len(errors)} within 15%; the worst: "
-            f"{worst['policy']} {worst['workers']}w {worst['shards']}s at {worst[key]:+.0%}")
+        say(
+            f"{what}: {sum(abs(r[key]) <= 0.15 for r in errors)} of {len(errors)} within 15%; the worst: "
+            f"{worst['policy']} {worst['workers']}w {worst['shards']}s at {worst[key]:+.0%}"
+        )
 
 
 def _prediction(args: argparse.Namespace, costs: Costs, result: dict, say) -> None:
@@ -166,18 +228,28 @@ def _prediction(args: argparse.Namespace, costs: Costs, result: dict, say) -> No
     rate = link_rate(network)
     n = args.workers or 64
     k = args.shards or max(1, n // 4)
-    say(f"\n{n:,} workers, {k:,} shard(s), {found.name} ({found.nbytes / 1e6:,.1f} MB, a gradient "
+    say(
+        f"\n{n:,} workers, {k:,} shard(s), {found.name} ({found.nbytes / 1e6:,.1f} MB, a gradient "
         f"{found.compute * 1e3:,.1f} ms: {found.source}), every process on a host of its own with a "
-        f"{network} link:")
+        f"{network} link:"
+    )
     figures = {}
     for policy in ("sync", "async", "ssp", "allreduce"):
         figures[policy] = steps_per_s(costs, found, n, k, rate, policy)
-        say(f"  {'all-reduce' if policy == 'allreduce' else policy:10s} {figures[policy]:12,.1f} steps/s, "
-            f"efficiency {efficiency(figures[policy], n, found):.0%}")
+        say(
+            f"  {'all-reduce' if policy == 'allreduce' else policy:10s} {figures[policy]:12,.1f} steps/s, "
+            f"efficiency {efficiency(figures[policy], n, found):.0%}"
+        )
     need = shards_for(costs, found, n, rate, 0.9 * figures["allreduce"], known={k: figures["sync"]})
     say(f"  sync reaches 90% of all-reduce's steps/s with {need if need else f'more than {MOST_SHARDS}'} shard(s)")
-    result["prediction"] = {"model": found.__dict__, "workers": n, "shards": k, "network": network,
-                            "steps_per_s": figures, "shards_for_90": need}
+    result["prediction"] = {
+        "model": found.__dict__,
+        "workers": n,
+        "shards": k,
+        "network": network,
+        "steps_per_s": figures,
+        "shards_for_90": need,
+    }
 
 
 def _questions(args: argparse.Namespace, costs: Costs, result: dict, say) -> None:
@@ -196,8 +268,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     if args.workers is not None and not args.model:
-        raise SystemExit("--workers asks for a prediction: name the model too (--model resnet50, vgg16, "
-                         "synthetic or a job file)")
+        raise SystemExit(
+            "--workers asks for a prediction: name the model too (--model resnet50, vgg16, synthetic or a job file)"
+        )
     costs, calibration = _costs(args, say)
     result: dict = {"costs": dataclasses.asdict(costs), "calibration": calibration}
     if args.validate:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 Then = Callable[[], None]
 
@@ -53,7 +53,7 @@ class Cpu:
         ``four``: what four or more get together where measured (context switches cost them some)."""
         self.sim, self.cores, self.four = sim, cores, four
         self._running: dict[int, list] = {}  # id -> [work left (core-seconds), then, owner]
-        self._watching: set = set()          # processes spinning while they wait
+        self._watching: set = set()  # processes spinning while they wait
         self._ids = itertools.count()
         self._last = 0.0
         self._epoch = 0  # the completion event in flight; an older one is stale

@@ -23,22 +23,22 @@ class Costs:
     """What a step's parts cost on some machine (seconds, bytes/s), as :mod:`psgd.bench.simulate.calibrate`
     measures them."""
 
-    compute: float         # one gradient of a batch on one core, the training loop around it included
-    shard_request: float   # a shard's CPU for a push or a pull of its own, beside its bytes
+    compute: float  # one gradient of a batch on one core, the training loop around it included
+    shard_request: float  # a shard's CPU for a push or a pull of its own, beside its bytes
     shard_per_byte: float  # ... and for each byte of it (receive, check, update or read, send)
-    joint_request: float   # a shard's CPU for a push whose answer brings the next weights (sync), beside its bytes
+    joint_request: float  # a shard's CPU for a push whose answer brings the next weights (sync), beside its bytes
     joint_per_byte: float  # ... and for each byte of the push
     worker_request: float  # a worker's CPU for a push or a pull of its own to one shard, beside its bytes
     worker_per_byte: float  # ... and for each byte of it
-    wake: float            # a round trip's time beyond both ends' CPU (the socket, waking the peer)
-    cores: float           # what a host's cores give busy processes together (measured, not counted)
+    wake: float  # a round trip's time beyond both ends' CPU (the socket, waking the peer)
+    cores: float  # what a host's cores give busy processes together (measured, not counted)
     worker_joint: float = 0.0  # a worker's CPU for a joint push and pull to one shard (sync), beside its bytes
-    worker_step: float = 0.0   # a worker's CPU a step beyond its gradient and its requests
-    cores_four: float = 0.0    # what four or more busy processes get from a host's cores together (0: as cores)
-    watch_saves: float = 0.0   # CPU a joint round trip saves where both ends watch (no sleep, no wake-up), half each
+    worker_step: float = 0.0  # a worker's CPU a step beyond its gradient and its requests
+    cores_four: float = 0.0  # what four or more busy processes get from a host's cores together (0: as cores)
+    watch_saves: float = 0.0  # CPU a joint round trip saves where both ends watch (no sleep, no wake-up), half each
     watch_saves_request: float = 0.0  # ... and a push's or a pull's round trip of its own (async, ssp)
     wake_watching: float = 0.0  # a round trip's time beyond both ends' CPU where both watch (0: as wake)
-    hop: float = 0.0       # all-reduce: one step of the ring beside its bytes
+    hop: float = 0.0  # all-reduce: one step of the ring beside its bytes
     ring_rate: float = 0.0  # all-reduce: bytes/s of a ring step between ranks of one host (0: no all-reduce)
 
     def watched(self, joint: bool) -> float:
@@ -106,22 +106,25 @@ class _Shard:
     def __init__(self, job: _Job, k: int):
         self.job, self.k, self.host, self.lock = job, k, job.shard_hosts[k], Lock()
         self.pushed = [0] * job.layout.workers  # each worker's clocks pushed here
-        self.rounds: dict[int, list] = {}       # sync: clock -> the workers waiting for its close
-        self.closed = -1                        # sync: the last round closed
-        self.held: list = []                    # ssp: pulls waiting for the slowest
+        self.rounds: dict[int, list] = {}  # sync: clock -> the workers waiting for its close
+        self.closed = -1  # sync: the last round closed
+        self.held: list = []  # ssp: pulls waiting for the slowest
 
     def _cpu(self, seconds: float, then, joint: bool = False) -> None:
         if self.job.layout.watching:
             seconds = max(seconds - self.job.costs.watched(joint), 0.0)
         self.lock.acquire(lambda: self.host.cpu.work(seconds, lambda: (self.lock.release(), then()), self))
 
-    def push(self, worker: "_Worker", clock: int) -> None:
+    def push(self, worker: _Worker, clock: int) -> None:
         c, part = self.job.costs, self.job.part
         joint = self.job.layout.policy == "sync"
-        self._cpu(c.joint_request + c.joint_per_byte * part if joint else c.shard_request + c.shard_per_byte * part,
-                  lambda: self._pushed(worker, clock), joint)
+        self._cpu(
+            c.joint_request + c.joint_per_byte * part if joint else c.shard_request + c.shard_per_byte * part,
+            lambda: self._pushed(worker, clock),
+            joint,
+        )
 
-    def _pushed(self, worker: "_Worker", clock: int) -> None:
+    def _pushed(self, worker: _Worker, clock: int) -> None:
         layout = self.job.layout
         self.pushed[worker.rank] = clock + 1
         if layout.policy != "sync":
@@ -138,10 +141,10 @@ class _Shard:
             for w in self.rounds.pop(clock):
                 self._weights_to(w)
 
-    def _weights_to(self, worker: "_Worker") -> None:
+    def _weights_to(self, worker: _Worker) -> None:
         self.job.move(self.host, worker.host, self.job.part, lambda: worker.got(self.k))
 
-    def pull(self, worker: "_Worker", clock: int) -> None:
+    def pull(self, worker: _Worker, clock: int) -> None:
         if self.job.layout.policy == "ssp" and clock - min(self.pushed) > self.job.layout.staleness:
             self.held.append((worker, clock))
             return
@@ -175,8 +178,10 @@ class _Worker:
     def computed(self) -> None:
         self.waiting = len(self.shards)
         for shard in self.shards:
-            self._client(self.job.part, lambda s=shard: self.job.move(self.host, s.host, self.job.part,
-                                                                          lambda: s.push(self, self.clock)))
+            self._client(
+                self.job.part,
+                lambda s=shard: self.job.move(self.host, s.host, self.job.part, lambda: s.push(self, self.clock)),
+            )
 
     def answered(self, k: int) -> None:  # async, ssp: the push is answered; the pull goes
         shard = self.shards[k]
@@ -238,9 +243,11 @@ def simulate(costs: Costs, layout: Layout, steps: int = 400, warmup: int = 40) -
         if layout.workers > 1:
             _ring(job)
         else:  # one rank: nothing to reduce
+
             def alone() -> None:
                 job.steps.append((job.sim.now, 0))
                 job.worker_hosts[0].cpu.work(costs.compute * layout.slow.get(0, 1.0), alone)
+
             job.worker_hosts[0].cpu.work(costs.compute, alone)
     else:
         shards = [_Shard(job, k) for k in range(layout.shards)]

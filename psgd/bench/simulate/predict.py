@@ -43,10 +43,18 @@ class Model:
 # P100's step at batch 64, from TensorFlow's published benchmarks (DGX-1, synthetic data, May 2017: 219 and 154
 # images/s), the GPU generation of Horovod's published scaling runs.
 MODELS = {
-    "resnet50": Model("ResNet-50-sized", 25_557_032 * 4, 64 / 219,
-                      "25.6M float32 parameters; a P100's step of 64 images at 219 images/s (TensorFlow benchmarks)"),
-    "vgg16": Model("VGG-16-sized", 138_357_544 * 4, 64 / 154,
-                   "138.4M float32 parameters; a P100's step of 64 images at 154 images/s (TensorFlow benchmarks)"),
+    "resnet50": Model(
+        "ResNet-50-sized",
+        25_557_032 * 4,
+        64 / 219,
+        "25.6M float32 parameters; a P100's step of 64 images at 219 images/s (TensorFlow benchmarks)",
+    ),
+    "vgg16": Model(
+        "VGG-16-sized",
+        138_357_544 * 4,
+        64 / 154,
+        "138.4M float32 parameters; a P100's step of 64 images at 154 images/s (TensorFlow benchmarks)",
+    ),
 }
 
 
@@ -60,8 +68,23 @@ def _measured(name: str, job: Path, compute: float | None, source: str) -> Model
     if compute is None:
         from psgd.bench.scaling.measure import single_rates
 
-        done = subprocess.run([sys.executable, "-m", "psgd.cli.main", "train", "-c", str(job), "--epochs", "1",
-                               "--no-progress", "--json"], capture_output=True, text=True, timeout=3600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "psgd.cli.main",
+                "train",
+                "-c",
+                str(job),
+                "--epochs",
+                "1",
+                "--no-progress",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if done.returncode:
             raise SystemExit(f"psgd train -c {job} failed: {done.stderr.strip()[-400:]}")
         compute = 1 / single_rates(json.loads(done.stdout.strip().splitlines()[-1]))["steps_per_s"]
@@ -105,13 +128,13 @@ def on_hosts(costs: Costs, model: Model) -> Costs:
     return dataclasses.replace(costs, compute=model.compute, cores_four=0.0)
 
 
-def steps_per_s(costs: Costs, model: Model, workers: int, shards: int, rate: float, policy: str = "sync",
-                slow: dict | None = None) -> float:
+def steps_per_s(
+    costs: Costs, model: Model, workers: int, shards: int, rate: float, policy: str = "sync", slow: dict | None = None
+) -> float:
     """Steps/s of all workers together of ``model`` with ``workers`` and ``shards`` (all-reduce: ``workers``
     ranks), each on a host of its own with a link of ``rate`` bytes/s; ``slow``: worker -> how many times longer
     its gradient takes."""
-    layout = Layout(workers, shards, policy, model.nbytes, rate=rate, latency=LATENCY, watching=True,
-                    slow=slow or {})
+    layout = Layout(workers, shards, policy, model.nbytes, rate=rate, latency=LATENCY, watching=True, slow=slow or {})
     rounds = 2 if policy in ("sync", "allreduce") else 4  # sync's rounds repeat; async's take a few to settle
     return simulate(on_hosts(costs, model), layout, steps=rounds * workers, warmup=workers)["steps_per_s"]
 
@@ -121,8 +144,9 @@ def efficiency(rate_of_steps: float, workers: int, model: Model) -> float:
     return rate_of_steps * model.compute / workers
 
 
-def shards_for(costs: Costs, model: Model, workers: int, rate: float, target: float,
-               known: dict[int, float] | None = None) -> int | None:
+def shards_for(
+    costs: Costs, model: Model, workers: int, rate: float, target: float, known: dict[int, float] | None = None
+) -> int | None:
     """The fewest shards (1, 2, 4 ... :data:`MOST_SHARDS`) whose sync job reaches ``target`` steps/s, or None;
     ``known`` (shards -> steps/s) is used where it has the figure and filled in."""
     known = {} if known is None else known

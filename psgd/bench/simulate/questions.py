@@ -37,28 +37,49 @@ def answer(costs: Costs, models: list[Model], say) -> dict:
             for n in WORKERS:
                 ring = steps_per_s(costs, model, n, 1, rate, "allreduce")
                 known = {k: steps_per_s(costs, model, n, k, rate) for k in SHARDS}
-                row = {"model": model.name, "network": network, "workers": n, "allreduce": ring,
-                       "sync": {str(k): known[k] for k in SHARDS},
-                       "shards_for_90": shards_for(costs, model, n, rate, 0.9 * ring, known),
-                       "shards_to_beat": shards_for(costs, model, n, rate, ring, known),
-                       "bytepss_bound": bytepss_bound(n)}
+                row = {
+                    "model": model.name,
+                    "network": network,
+                    "workers": n,
+                    "allreduce": ring,
+                    "sync": {str(k): known[k] for k in SHARDS},
+                    "shards_for_90": shards_for(costs, model, n, rate, 0.9 * ring, known),
+                    "shards_to_beat": shards_for(costs, model, n, rate, ring, known),
+                    "bytepss_bound": bytepss_bound(n),
+                }
                 rows.append(row)
-                say(f"  {model.name}, {network}, {n} workers: all-reduce {efficiency(ring, n, model):.0%}, sync "
-                    + ", ".join(f"{k} shards {efficiency(known[k], n, model):.0%}" for k in SHARDS))
+                say(
+                    f"  {model.name}, {network}, {n} workers: all-reduce {efficiency(ring, n, model):.0%}, sync "
+                    + ", ".join(f"{k} shards {efficiency(known[k], n, model):.0%}" for k in SHARDS)
+                )
         rate = link_rate("25gbit")  # the stragglers' network, and Horovod's published runs'
         for n in WORKERS[1:]:
             slow = {r: STRAGGLER for r in range(0, n, 64)}
-            sync, free = (steps_per_s(costs, model, n, STRAGGLER_SHARDS, rate, policy, slow) for policy in
-                          ("sync", "async"))
+            sync, free = (
+                steps_per_s(costs, model, n, STRAGGLER_SHARDS, rate, policy, slow) for policy in ("sync", "async")
+            )
             stragglers.append({"model": model.name, "workers": n, "sync": sync, "async": free})
         # Horovod's published runs: 512 GPUs over 25 Gbit/s; BytePS's: 256 GPUs over 100 Gbit/s
         horovod = efficiency(steps_per_s(costs, model, 512, 1, rate, "allreduce"), 512, model)
-        bytepss = next(r for r in rows if r["model"] == model.name and r["network"] == "100gbit"
-                       and r["workers"] == 256)
-        published.append({"model": model.name, "allreduce_512_25gbit": horovod,
-                          "best_sync_over_allreduce_256_100gbit": max(bytepss["sync"].values()) / bytepss["allreduce"]})
-    return {"models": [m.__dict__ for m in models], "rows": rows, "stragglers": stragglers, "published": published,
-            "workers": list(WORKERS), "shards": list(SHARDS), "networks": list(NETWORKS)}
+        bytepss = next(
+            r for r in rows if r["model"] == model.name and r["network"] == "100gbit" and r["workers"] == 256
+        )
+        published.append(
+            {
+                "model": model.name,
+                "allreduce_512_25gbit": horovod,
+                "best_sync_over_allreduce_256_100gbit": max(bytepss["sync"].values()) / bytepss["allreduce"],
+            }
+        )
+    return {
+        "models": [m.__dict__ for m in models],
+        "rows": rows,
+        "stragglers": stragglers,
+        "published": published,
+        "workers": list(WORKERS),
+        "shards": list(SHARDS),
+        "networks": list(NETWORKS),
+    }
 
 
 def _shards(k: int | None) -> str:
@@ -70,29 +91,50 @@ def markdown(result: dict) -> str:
     models = {m["name"]: Model(**m) for m in result["models"]}
     out = []
     for name, model in models.items():
-        out += [f"### {name} ({model.nbytes / 1e6:,.1f} MB, a gradient {model.compute * 1e3:,.1f} ms)", "",
-                f"Scaling efficiency (steps/s against the workers' gradients alone); {model.source}.", "",
-                "| network | workers | " + " | ".join(f"sync, {k} shards" for k in result["shards"])
-                + " | ring all-reduce | shards for 90% of all-reduce | shards to beat it | BytePS's bound |",
-                "|---|---|" + "---|" * (len(result["shards"]) + 4)]
+        out += [
+            f"### {name} ({model.nbytes / 1e6:,.1f} MB, a gradient {model.compute * 1e3:,.1f} ms)",
+            "",
+            f"Scaling efficiency (steps/s against the workers' gradients alone); {model.source}.",
+            "",
+            "| network | workers | "
+            + " | ".join(f"sync, {k} shards" for k in result["shards"])
+            + " | ring all-reduce | shards for 90% of all-reduce | shards to beat it | BytePS's bound |",
+            "|---|---|" + "---|" * (len(result["shards"]) + 4),
+        ]
         for row in (r for r in result["rows"] if r["model"] == name):
             n = row["workers"]
             cells = [f"{efficiency(row['sync'][str(k)], n, model):.0%}" for k in result["shards"]]
-            out.append(f"| {row['network']} | {n:,} | " + " | ".join(cells)
-                       + f" | {efficiency(row['allreduce'], n, model):.0%} | {_shards(row['shards_for_90'])} | "
-                         f"{_shards(row['shards_to_beat'])} | {row['bytepss_bound']} |")
+            out.append(
+                f"| {row['network']} | {n:,} | "
+                + " | ".join(cells)
+                + f" | {efficiency(row['allreduce'], n, model):.0%} | {_shards(row['shards_for_90'])} | "
+                f"{_shards(row['shards_to_beat'])} | {row['bytepss_bound']} |"
+            )
         out.append("")
-    out += [f"### One straggler in 64 ({STRAGGLER:g}x slower gradients), 25 Gbit/s, {STRAGGLER_SHARDS} shards", "",
-            "| model | workers | sync steps/s | async steps/s | async / sync |", "|---|---|---|---|---|"]
+    out += [
+        f"### One straggler in 64 ({STRAGGLER:g}x slower gradients), 25 Gbit/s, {STRAGGLER_SHARDS} shards",
+        "",
+        "| model | workers | sync steps/s | async steps/s | async / sync |",
+        "|---|---|---|---|---|",
+    ]
     for row in result["stragglers"]:
-        out.append(f"| {row['model']} | {row['workers']:,} | {row['sync']:,.1f} | {row['async']:,.1f} | "
-                   f"{row['async'] / row['sync']:.2f} |")
-    out += ["", "### Beside the published figures", "",
-            "| model | ring all-reduce, 512 workers, 25 Gbit/s: efficiency | psgd sync's best (1-64 shards) over "
-            "all-reduce, 256 workers, 100 Gbit/s |", "|---|---|---|"]
+        out.append(
+            f"| {row['model']} | {row['workers']:,} | {row['sync']:,.1f} | {row['async']:,.1f} | "
+            f"{row['async'] / row['sync']:.2f} |"
+        )
+    out += [
+        "",
+        "### Beside the published figures",
+        "",
+        "| model | ring all-reduce, 512 workers, 25 Gbit/s: efficiency | psgd sync's best (1-64 shards) over "
+        "all-reduce, 256 workers, 100 Gbit/s |",
+        "|---|---|---|",
+    ]
     for row in result["published"]:
-        out.append(f"| {row['model']} | {row['allreduce_512_25gbit']:.0%} | "
-                   f"{row['best_sync_over_allreduce_256_100gbit']:.2f}x |")
+        out.append(
+            f"| {row['model']} | {row['allreduce_512_25gbit']:.0%} | "
+            f"{row['best_sync_over_allreduce_256_100gbit']:.2f}x |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -107,10 +149,20 @@ def plot(result: dict, path: Path) -> None:
         rows = [r for r in result["rows"] if r["model"] == model.name and r["network"] == "25gbit"]
         n = [r["workers"] for r in rows]
         for colour, k in zip(OKABE_ITO, result["shards"]):
-            ax.plot(n, [efficiency(r["sync"][str(k)], r["workers"], model) for r in rows], "o-", color=colour,
-                    label=f"sync, {k} shard{'s' if k > 1 else ''}")
-        ax.plot(n, [efficiency(r["allreduce"], r["workers"], model) for r in rows], "s--", color="#000000",
-                label="ring all-reduce")
+            ax.plot(
+                n,
+                [efficiency(r["sync"][str(k)], r["workers"], model) for r in rows],
+                "o-",
+                color=colour,
+                label=f"sync, {k} shard{'s' if k > 1 else ''}",
+            )
+        ax.plot(
+            n,
+            [efficiency(r["allreduce"], r["workers"], model) for r in rows],
+            "s--",
+            color="#000000",
+            label="ring all-reduce",
+        )
         ax.set_xscale("log", base=2)
         ax.set_xticks(n, [f"{w:,}" for w in n])
         ax.set_title(f"{model.name}, 25 Gbit/s")

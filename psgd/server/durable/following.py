@@ -11,8 +11,8 @@ import socket
 import time
 
 from psgd.server.durable import stream
-from psgd.server.errors import ShardError
 from psgd.server.durable.peers import peer_status
+from psgd.server.errors import ShardError
 from psgd.wire import protocol
 
 log = logging.getLogger("psgd.server.durable.replica")
@@ -64,8 +64,13 @@ class Following:
         if not self._held or (found is not None and found.role == PRIMARY) or self.orphaned:
             return
         self.orphaned, self._orphaned_at = why, time.monotonic()
-        log.warning("shard %d: its primary %s does not answer (%s): gone, or cut off from this process alone; this "
-                    "replica takes over as soon as a worker comes to it", self.core.shard, self.peer, why)
+        log.warning(
+            "shard %d: its primary %s does not answer (%s): gone, or cut off from this process alone; this "
+            "replica takes over as soon as a worker comes to it",
+            self.core.shard,
+            self.peer,
+            why,
+        )
 
     def _connect(self) -> socket.socket | None:
         """A data connection to the peer whose hello asks to follow; None where the peer does not lead now."""
@@ -74,8 +79,16 @@ class Following:
             return None  # (the primary that said the job is over is followed again only once it restarted)
         self._leader = found.incarnation
         self.ticket = secrets.token_hex(16)  # the primary asks at this process's address who holds it
-        return stream.connect(self.peer.rpartition(":")[0].strip("[]"), found.data_port, self.me, self.token,
-                              self.core.plan.hash, self.tls, stream.SILENCE_SECONDS * 5, self.ticket)
+        return stream.connect(
+            self.peer.rpartition(":")[0].strip("[]"),
+            found.data_port,
+            self.me,
+            self.token,
+            self.core.plan.hash,
+            self.tls,
+            stream.SILENCE_SECONDS * 5,
+            self.ticket,
+        )
 
     def _apply_stream(self, sock: socket.socket) -> str:
         """Apply frames from ``sock`` until it ends; returns why it ended ("" for the job's end)."""
@@ -108,6 +121,11 @@ class Following:
         core.take_role(PRIMARY, failover=True)
         with self._lock:
             self.alone, why, self.orphaned = True, self.orphaned or why, ""
-        log.info("shard %d: its primary %s is gone (%s): this replica takes over at version %d", core.shard,
-                 self.peer, why, core.version)
+        log.info(
+            "shard %d: its primary %s is gone (%s): this replica takes over at version %d",
+            core.shard,
+            self.peer,
+            why,
+            core.version,
+        )
         return True

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from collections.abc import Sequence
 from concurrent import futures
-from typing import Sequence
 
 import grpc
 
-from psgd.wire import proofs
-from psgd.wire.channel import open_channel
 from psgd.observe.logs import Quieted
 from psgd.proto import ps_pb2, ps_pb2_grpc
+from psgd.wire import proofs
+from psgd.wire.channel import open_channel
 from psgd.wire.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger("psgd.server.durable.replica")
@@ -39,7 +39,8 @@ def _ask(address: str, token: str, tls: TLSFiles, ticket: str = "") -> tuple[ps_
     try:
         with open_channel(address, tls, token) as channel:  # each call proves the token, made for this address
             reply = ps_pb2_grpc.ParameterServerStub(channel).Status(
-                ps_pb2.StatusRequest(challenge=challenge, ticket=ticket), timeout=PEER_SECONDS)
+                ps_pb2.StatusRequest(challenge=challenge, ticket=ticket), timeout=PEER_SECONDS
+            )
     except grpc.RpcError:
         return None, False
     return reply, proofs.answered(token, challenge, reply.proof, *proofs.status_said(reply), *filter(None, [ticket]))
@@ -60,13 +61,19 @@ def peer_status(address: str, token: str = "", tls: TLSFiles = NO_TLS) -> ps_pb2
     if reply is None or proven:
         return reply
     if _unproven.due() is not None:  # said once a minute at most, as refused followers are
-        log.warning("the process at %s answered as shard %d's %s without proving that it holds the job's token: "
-                    "not believed (taken for gone)", address, reply.shard, reply.role or "peer")
+        log.warning(
+            "the process at %s answered as shard %d's %s without proving that it holds the job's token: "
+            "not believed (taken for gone)",
+            address,
+            reply.shard,
+            reply.role or "peer",
+        )
     return None
 
 
-def restart_of(job: Sequence[str], cause: str, version: int, shard: int, token: str = "",
-               tls: TLSFiles = NO_TLS) -> str:
+def restart_of(
+    job: Sequence[str], cause: str, version: int, shard: int, token: str = "", tls: TLSFiles = NO_TLS
+) -> str:
     """Why shard ``shard`` cannot believe that the job goes back to the cut at ``version`` because of ``cause`` ("":
     it can).  The cause is looked for only at ``job``, the addresses of the job's own shards and replicas (its
     [cluster] servers and replica_servers), never at one a request names: a registered worker may run a shard of
@@ -80,16 +87,18 @@ def restart_of(job: Sequence[str], cause: str, version: int, shard: int, token: 
     found = [(address, reply) for address, (reply, proven) in answers if proven and reply.incarnation == cause]
     if not found:
         unproven = [address for address, (reply, proven) in answers if reply is not None and not proven]
-        return (f"no shard of the job at its addresses ({', '.join(job)}) is of incarnation {cause[:40]!r}" +
-                (f"; {', '.join(unproven)} answered without proving that it holds the job's token" if unproven
-                 else ""))
+        return f"no shard of the job at its addresses ({', '.join(job)}) is of incarnation {cause[:40]!r}" + (
+            f"; {', '.join(unproven)} answered without proving that it holds the job's token" if unproven else ""
+        )
     address, reply = found[0]
     if reply.shard == shard:
         return f"the process at {address} is shard {shard}'s own, not another shard's"
     restored = _counters(reply).get("restored_version")
     if not isinstance(restored, int) or restored < version:
-        return (f"shard {reply.shard} at {address} did not restart from a cut at version {version} or later (it "
-                f"restarted from {'none' if restored is None else f'the cut at {restored}'})")
+        return (
+            f"shard {reply.shard} at {address} did not restart from a cut at version {version} or later (it "
+            f"restarted from {'none' if restored is None else f'the cut at {restored}'})"
+        )
     return ""
 
 

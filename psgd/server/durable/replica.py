@@ -44,18 +44,18 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from psgd.observe.logs import Quieted
 from psgd.server.durable import stream
-from psgd.server.state.core import ShardCore
-from psgd.server.errors import ShardError
 from psgd.server.durable.following import PRIMARY, REPLICA, Following
 from psgd.server.durable.peers import confirms, failovers, peer_status
-from psgd.wire.tls import NO_TLS, TLSFiles
+from psgd.server.errors import ShardError
+from psgd.server.state.core import ShardCore
 from psgd.wire import protocol
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -82,39 +82,48 @@ class Replication(Following):
     other process's gRPC address (a primary started without one learns it from its replica); ``me``: this one's, as
     the peer reaches it; ``second``: this is the pair's second process (a replica at the start)."""
 
-    def __init__(self, core: ShardCore, me: str, peer: str = "", *, second: bool, token: str = "",
-                 tls: TLSFiles = NO_TLS, ack_seconds: float = 60.0):
+    def __init__(
+        self,
+        core: ShardCore,
+        me: str,
+        peer: str = "",
+        *,
+        second: bool,
+        token: str = "",
+        tls: TLSFiles = NO_TLS,
+        ack_seconds: float = 60.0,
+    ):
         self.core, self.me, self.peer, self.second, self.token, self.tls = core, me, peer, second, token, tls
         self.ack_seconds = ack_seconds  # the longest a push waits for its replica's answer
         self._lock = threading.Condition(threading.Lock())
         self._queue: deque = deque()
-        self.attached = False    # a primary with a replica that follows (its stream open)
-        self.alone = True        # a primary whose replica is gone: pushes are acknowledged without a copy
+        self.attached = False  # a primary with a replica that follows (its stream open)
+        self.alone = True  # a primary whose replica is gone: pushes are acknowledged without a copy
         self._said_alone = False  # ... which a WARNING said since its replica last followed (once, not per push)
-        self.acked = -1          # the newest update the replica answered for
-        self.sent = -1           # the newest update queued for it
-        self.job_over = False    # a replica told by its primary that the job is over
+        self.acked = -1  # the newest update the replica answered for
+        self.sent = -1  # the newest update queued for it
+        self.job_over = False  # a replica told by its primary that the job is over
         self._leader = self._ended_by = ""  # the incarnation of the primary followed, of the one that said so
-        self.ticket = ""    # a replica's last connection to its primary: it says so when the primary asks
+        self.ticket = ""  # a replica's last connection to its primary: it says so when the primary asks
         self.follower = ""  # a primary's replica that follows: where it listens, from where it connected
-        self._told = False       # a primary that told its replica so
-        self.following = False   # a replica with its primary's stream open
-        self.orphaned = ""       # why a replica lost its primary, while it waits for a worker to come (then leads)
+        self._told = False  # a primary that told its replica so
+        self.following = False  # a replica with its primary's stream open
+        self.orphaned = ""  # why a replica lost its primary, while it waits for a worker to come (then leads)
         self._orphaned_at = 0.0  # since when (monotonic)
-        self._asked_at = -1e9    # when a worker last came to this process while it was a replica (monotonic)
-        self._held = False       # this process held the job's state (it followed a primary, or led)
+        self._asked_at = -1e9  # when a worker last came to this process while it was a replica (monotonic)
+        self._held = False  # this process held the job's state (it followed a primary, or led)
         self._refused = Quieted(REFUSALS_SAID_EVERY)  # followers refused: said once a minute at most
         # a replica cut off twice without keeping up in between waits (doubling) before it may follow again
         self._benched_until, self._bench, self._strikes = 0.0, BENCH_SECONDS[0], 0
         self._lagged = False  # the last replica was cut off for not keeping up (until one follows again)
-        self._queued_at = 0.0    # when the oldest update in the queue was queued (0: none)
+        self._queued_at = 0.0  # when the oldest update in the queue was queued (0: none)
         self._stop, self._woken = threading.Event(), threading.Event()  # _woken: a worker came
         self._sock: socket.socket | None = None  # a replica's connection to its primary
         self._follower = threading.Thread(target=self._follow, name=f"shard{core.shard}-follow", daemon=True)
         core.join_pair(self)  # serving no worker until start() decides
 
     # -- roles ----------------------------------------------------------------------------------------------
-    def start(self) -> "Replication":
+    def start(self) -> Replication:
         """Take this process's role: replica where the peer already leads or holds more (it follows the peer from
         now on), or where this is the pair's second and its peer is not a replica that follows no one; else
         primary."""
@@ -128,8 +137,13 @@ class Replication(Following):
         role = REPLICA if ahead or (self.second and not idle) else PRIMARY
         self._held = role == PRIMARY
         self.core.take_role(role)
-        log.info("shard %d: %s of the pair (peer %s: %s)", self.core.shard, role, self.peer or "not known yet",
-                 f"{found.role or 'no role yet'} at version {found.version}" if found else "not answering")
+        log.info(
+            "shard %d: %s of the pair (peer %s: %s)",
+            self.core.shard,
+            role,
+            self.peer or "not known yet",
+            f"{found.role or 'no role yet'} at version {found.version}" if found else "not answering",
+        )
         if role == REPLICA:
             self._follower.start()
         return self
@@ -164,8 +178,7 @@ class Replication(Following):
         return max(0, self.sent - self.acked) if self.attached else -1
 
     # -- the primary's side -------------------------------------------------------------------------------------
-    def applied(self, worker: int, clock: int, staleness: int, lr_scale: float,
-                grads: Mapping[int, np.ndarray]) -> int:
+    def applied(self, worker: int, clock: int, staleness: int, lr_scale: float, grads: Mapping[int, np.ndarray]) -> int:
         """An update the core just applied (under its lock): queued for the replica; returns its number."""
         seq = self.core.version
         with self._lock:
@@ -195,24 +208,34 @@ class Replication(Following):
             with self._lock:
                 if not self._said_alone and self.acked < seq:
                     self._said_alone = True
-                    log.warning("shard %d: acknowledging pushes without a copy: its replica%s does not follow; "
-                                "counted (unreplicated) until it follows again", self.core.shard,
-                                f" at {self.peer}" if self.peer else "")
+                    log.warning(
+                        "shard %d: acknowledging pushes without a copy: its replica%s does not follow; "
+                        "counted (unreplicated) until it follows again",
+                        self.core.shard,
+                        f" at {self.peer}" if self.peer else "",
+                    )
         if self.core.role == REPLICA:
-            raise ShardError("UNAVAILABLE", f"shard {self.core.shard} at this address stepped down: its peer "
-                             f"{self.peer} leads now", reason="NOT_PRIMARY")
+            raise ShardError(
+                "UNAVAILABLE",
+                f"shard {self.core.shard} at this address stepped down: its peer {self.peer} leads now",
+                reason="NOT_PRIMARY",
+            )
 
     def _wait_for(self, seq: int, deadline: float) -> None:
         """(Under the pair's lock.)  Wait until the replica holds update ``seq``, the primary goes on alone or it
         stepped down; refuse where it shuts down meanwhile or the replica stays silent past ``deadline``."""
         while self.acked < seq and not self.alone and self.core.role != REPLICA:
             if self._stop.is_set() or self.core.closing:
-                raise ShardError("UNAVAILABLE", f"shard {self.core.shard} is shutting down before its replica "
-                                 f"confirmed update {seq}")
+                raise ShardError(
+                    "UNAVAILABLE", f"shard {self.core.shard} is shutting down before its replica confirmed update {seq}"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ShardError("UNAVAILABLE", f"shard {self.core.shard}: its replica at {self.peer} did not "
-                                 f"confirm update {seq} within {self.ack_seconds:.0f}s; retry")
+                raise ShardError(
+                    "UNAVAILABLE",
+                    f"shard {self.core.shard}: its replica at {self.peer} did not "
+                    f"confirm update {seq} within {self.ack_seconds:.0f}s; retry",
+                )
             self._lock.wait(min(left, 0.5))
 
     def _refuse(self, address: str, why: str) -> None:
@@ -221,8 +244,14 @@ class Replication(Following):
         unsaid = self._refused.due()
         if unsaid is not None:
             more = f" ({unsaid} more refused since the last line)" if unsaid else ""
-            log.warning("shard %d: refused a replica at %s: this process is %s%s; further refusals are said at most "
-                        "once a minute", self.core.shard, address, why, more)
+            log.warning(
+                "shard %d: refused a replica at %s: this process is %s%s; further refusals are said at most "
+                "once a minute",
+                self.core.shard,
+                address,
+                why,
+                more,
+            )
 
     def serve_follower(self, sock: socket.socket) -> None:
         """Serve a replica on ``sock`` (a data connection whose hello asked to follow, psgd.server.net.datapath): the
@@ -233,18 +262,29 @@ class Replication(Following):
         address, ticket = stream.accept(sock, core.version)
         # the pair's replica proves that it is the process at its address (the job's): a token holder elsewhere
         # that says it listens there cannot
-        proven = (address == (self.peer or address) and core.role == PRIMARY and not self.attached
-                  and confirms(address, ticket, self.token, self.tls))  # (asked only of one that may follow)
+        proven = (
+            address == (self.peer or address)
+            and core.role == PRIMARY
+            and not self.attached
+            and confirms(address, ticket, self.token, self.tls)
+        )  # (asked only of one that may follow)
 
         def attach(version: int) -> bool:  # asked under the core's lock: the updates after the state are queued
             with self._lock:
                 benched = self._benched_until - time.monotonic()
                 if core.role != PRIMARY or self.attached or benched > 0 or not proven:
-                    self._refuse(address, "led by its peer" if core.role != PRIMARY else
-                                 "followed already" if self.attached else
-                                 f"the pair of {self.peer}, not of {address}" if address != (self.peer or address)
-                                 else f"not followed by the process at {address} (it does not say so)" if not proven
-                                 else f"taking its replica back only in {benched:.0f}s (cut off)")
+                    self._refuse(
+                        address,
+                        "led by its peer"
+                        if core.role != PRIMARY
+                        else "followed already"
+                        if self.attached
+                        else f"the pair of {self.peer}, not of {address}"
+                        if address != (self.peer or address)
+                        else f"not followed by the process at {address} (it does not say so)"
+                        if not proven
+                        else f"taking its replica back only in {benched:.0f}s (cut off)",
+                    )
                     return False
                 self._queue.clear()
                 self.attached, self.alone, self.sent, self.acked = True, False, version, -1
@@ -253,6 +293,7 @@ class Replication(Following):
                 self.peer = self.peer or address  # where it said it listens, unless the job file says
                 self.follower = f"{address} from {_far_end(sock)}"
                 return True
+
         handed = core.hand_over(attach)
         if handed is None:
             return
@@ -272,8 +313,7 @@ class Replication(Following):
                     seq = stream.answer(sock, deadline)
                     with self._lock:
                         if self.acked < 0:
-                            log.info("shard %d: replica at %s holds version %d and follows", core.shard, self.peer,
-                                     seq)
+                            log.info("shard %d: replica at %s holds version %d and follows", core.shard, self.peer, seq)
                         self.acked = max(self.acked, seq)
                         self._lock.notify_all()
                 if batch[-1][0] == stream.FINISHED:
@@ -287,8 +327,10 @@ class Replication(Following):
                     batches += 1
                     if now - window >= KEEP_UP_SECONDS:
                         if waited > (now - window) / 2 and waited / batches > SLOW_ANSWER_SECONDS:
-                            lagging = (f"did not keep up (updates waited {waited:.1f}s of the last "
-                                       f"{now - window:.1f}s for its answers, {waited / batches:.2f}s each)")
+                            lagging = (
+                                f"did not keep up (updates waited {waited:.1f}s of the last "
+                                f"{now - window:.1f}s for its answers, {waited / batches:.2f}s each)"
+                            )
                             return
                         window, waited, batches, kept_up = now, 0.0, 0, True
                 with self._lock:
@@ -302,8 +344,10 @@ class Replication(Following):
         except stream.Refused as exc:  # its copy is behind for good: the pair has one, as when it is gone
             refused = str(exc)
         except protocol.TooSlow:  # silent: cut off, as a follower that leaves the in-sync set
-            lagging = (f"did not keep up (an update waited {time.monotonic() - oldest:.1f}s for its answer, more "
-                       f"than {KEEP_UP_SECONDS:g}s and the time its bytes need)")
+            lagging = (
+                f"did not keep up (an update waited {time.monotonic() - oldest:.1f}s for its answer, more "
+                f"than {KEEP_UP_SECONDS:g}s and the time its bytes need)"
+            )
         except protocol.WireError as exc:
             log.warning("shard %d: the stream to its replica at %s ended: %s", core.shard, self.peer, exc)
         finally:
@@ -321,9 +365,14 @@ class Replication(Following):
                         self._benched_until, wait = time.monotonic() + self._bench, self._bench
                         self._bench = min(2 * self._bench, BENCH_SECONDS[1])
                     if not self.alone:
-                        log.warning("shard %d: its replica at %s %s: cut off; going on alone, pushes acknowledged "
-                                    "without a copy; it may follow again %s", core.shard, self.peer, lagging,
-                                    f"in {wait:.0f}s" if wait else "at once")
+                        log.warning(
+                            "shard %d: its replica at %s %s: cut off; going on alone, pushes acknowledged "
+                            "without a copy; it may follow again %s",
+                            core.shard,
+                            self.peer,
+                            lagging,
+                            f"in {wait:.0f}s" if wait else "at once",
+                        )
                         self._said_alone = True
                     self.alone = self._lagged = True
                 self._lock.notify_all()
@@ -351,8 +400,13 @@ class Replication(Following):
         """(Under the pair's lock.)  The replica cannot hold the updates from now on (``why``): pushes are
         acknowledged without a copy (counted: ``unreplicated``) until it follows again; one WARNING says so."""
         if not self.alone:
-            log.warning("shard %d: its replica at %s %s: going on alone, pushes acknowledged without a copy until it "
-                        "follows again", self.core.shard, self.peer, why)
+            log.warning(
+                "shard %d: its replica at %s %s: going on alone, pushes acknowledged without a copy until it "
+                "follows again",
+                self.core.shard,
+                self.peer,
+                why,
+            )
             self._said_alone = True
         self.alone = True
 
@@ -362,13 +416,22 @@ class Replication(Following):
         with self._lock:
             self.alone = False
             self._lock.notify_all()
-        log.warning("shard %d: its peer %s leads now (at version %d, this process at %d): stepping down to "
-                    "replica; pushes not yet acknowledged here are retried there", self.core.shard, self.peer,
-                    theirs, self.core.version)
+        log.warning(
+            "shard %d: its peer %s leads now (at version %d, this process at %d): stepping down to "
+            "replica; pushes not yet acknowledged here are retried there",
+            self.core.shard,
+            self.peer,
+            theirs,
+            self.core.version,
+        )
         if ahead > 0:  # applied here and not there: the pushes among them acknowledged without a copy are gone
-            log.error("shard %d: %d update(s) applied here are not at its peer, which took over while this process "
-                      "went on alone (a cut link looks like a dead peer to both): pushes acknowledged for them "
-                      "without a copy are lost", self.core.shard, ahead)
+            log.error(
+                "shard %d: %d update(s) applied here are not at its peer, which took over while this process "
+                "went on alone (a cut link looks like a dead peer to both): pushes acknowledged for them "
+                "without a copy are lost",
+                self.core.shard,
+                ahead,
+            )
         self._follower = threading.Thread(target=self._follow, name=f"shard{self.core.shard}-follow", daemon=True)
         self._follower.start()
 

@@ -14,19 +14,19 @@ apply) is answered with a refusal that says why (:class:`Refused`) instead: the 
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 import socket
 import struct
 
 import numpy as np
 
-from psgd.server.state import checkpoint
-from psgd.wire.proofs import Prover
-from psgd.server.state.core import ShardCore
 from psgd.server.errors import ShardError
-from psgd.wire.tls import TLSFiles
+from psgd.server.state import checkpoint
+from psgd.server.state.core import ShardCore
 from psgd.wire import protocol
+from psgd.wire.proofs import Prover
+from psgd.wire.tls import TLSFiles
 
 log = logging.getLogger("psgd.server.durable.replica")
 
@@ -56,8 +56,16 @@ ADDRESS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,252}|\[[0-9A-Fa-f:.]{2,45}
 TICKET = re.compile(r"(?:[0-9a-f]{32})?")
 
 
-def frame(kind: int, seq: int, text: str = "", data_bytes: int = 0, worker: int = 0, clock: int = 0,
-          staleness: int = 0, lr_scale: float = 0.0) -> list:
+def frame(
+    kind: int,
+    seq: int,
+    text: str = "",
+    data_bytes: int = 0,
+    worker: int = 0,
+    clock: int = 0,
+    staleness: int = 0,
+    lr_scale: float = 0.0,
+) -> list:
     body = text.encode()
     return [FRAME.pack(MAGIC, kind, seq, worker, clock, staleness, lr_scale, len(body), data_bytes), body]
 
@@ -130,8 +138,9 @@ def answer(sock: socket.socket, deadline: float | None = None) -> int:
 
 
 # -- the replica's end ------------------------------------------------------------------------------------------
-def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSFiles, timeout: float,
-            ticket: str = "") -> socket.socket:
+def connect(
+    host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSFiles, timeout: float, ticket: str = ""
+) -> socket.socket:
     """A data connection to a primary's data port at ``host``:``port`` whose hello asks to follow, its first frame
     saying that this replica listens at ``me`` (where it answers for ``ticket``: psgd.server.durable.peers.confirms)."""
     try:
@@ -142,10 +151,16 @@ def connect(host: str, port: int, me: str, token: str, plan_hash: str, tls: TLSF
         protocol.tune(sock)
         if tls.enabled:
             sock = tls.wrap_client(sock, host)
-        hello = json.dumps({"proof": Prover(token, f"{host}:{port}").prove("follow"), "plan_hash": plan_hash,
-                            "follow": True}).encode()  # the token itself never travels to a peer
-        protocol.send_buffers(sock, [protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0,
-                                                           protocol.OBSERVER, 0, 0, len(hello)), hello])
+        hello = json.dumps(
+            {"proof": Prover(token, f"{host}:{port}").prove("follow"), "plan_hash": plan_hash, "follow": True}
+        ).encode()  # the token itself never travels to a peer
+        protocol.send_buffers(
+            sock,
+            [
+                protocol.REQUEST.pack(protocol.DATA_MAGIC, protocol.OP_HELLO, 0, protocol.OBSERVER, 0, 0, len(hello)),
+                hello,
+            ],
+        )
         magic, op, _, _, _, _, size = protocol.recv_struct(sock, protocol.REPLY)
         if magic != protocol.DATA_MAGIC or op != 0:
             message = protocol.recv_bytes(sock, min(size, protocol.MAX_ERROR_BYTES)).decode("utf-8", "replace")
@@ -186,10 +201,11 @@ class Reader:
 
             def answer(why: str) -> None:  # before it is applied: the primary acknowledges the push on it
                 if why:
-                    words = why.encode()[:protocol.MAX_ERROR_BYTES]
+                    words = why.encode()[: protocol.MAX_ERROR_BYTES]
                     protocol.send_buffers(sock, [ANSWER.pack(REFUSED_MAGIC, len(words)), words])
                 else:
                     protocol.send_buffers(sock, [ANSWER.pack(ANSWER_MAGIC, seq)])
+
             core.apply_replicated(seq, worker, clock, staleness, lr_scale, grads, answer)
         elif kind not in (KEEPALIVE, FINISHED):
             raise protocol.WireError(f"a frame of unknown kind {kind}")
@@ -200,8 +216,11 @@ class Reader:
     def _state(self, manifest: dict, data: bytearray) -> None:
         core = self.core
         if manifest.get("fingerprint") != core.fingerprint:
-            raise ShardError("FAILED_PRECONDITION", f"replica of shard {core.shard} of job {core.fingerprint} was "
-                             f"sent the state of job {manifest.get('fingerprint')}")
+            raise ShardError(
+                "FAILED_PRECONDITION",
+                f"replica of shard {core.shard} of job {core.fingerprint} was "
+                f"sent the state of job {manifest.get('fingerprint')}",
+            )
         arrays = {}
         for name, (dtype, shape, at) in manifest.pop("arrays").items():
             kind = np.dtype(dtype)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from psgd.wire.codec import Codec, CodecError, by_name
 from psgd.partition import Slice
-from psgd.server.state.core import ShardCore
 from psgd.server.errors import ShardError
+from psgd.server.state.core import ShardCore
+from psgd.wire.codec import Codec, CodecError, by_name
 
 
 class PushAssembler:
@@ -36,16 +36,22 @@ class PushAssembler:
     def add(self, slice_id: int, offset: int, data: bytes) -> None:
         sl = self.slices.get(slice_id)
         if sl is None:
-            raise ShardError("NOT_FOUND", f"slice {slice_id} is not held by this shard: "
-                             "is the worker using the same partition plan?")
+            raise ShardError(
+                "NOT_FOUND", f"slice {slice_id} is not held by this shard: is the worker using the same partition plan?"
+            )
         got, nbytes = self._received.get(slice_id, 0), self._nbytes(sl)
         if offset != got:
-            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}): chunk at byte {offset}, "
-                             f"expected {got} (chunks must arrive in order, without gaps)")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"slice {slice_id} ({sl.key}): chunk at byte {offset}, "
+                f"expected {got} (chunks must arrive in order, without gaps)",
+            )
         end = offset + len(data)
         if end > nbytes:
-            raise ShardError("INVALID_ARGUMENT", f"slice {slice_id} ({sl.key}) holds {nbytes} bytes, "
-                             f"the push sent {end} or more: wrong shape or dtype")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"slice {slice_id} ({sl.key}) holds {nbytes} bytes, the push sent {end} or more: wrong shape or dtype",
+            )
         buf = self._buffers.get(slice_id)
         if buf is None:
             buf = self._buffers[slice_id] = bytearray(nbytes)
@@ -58,8 +64,11 @@ class PushAssembler:
         return sum(self._received.values())
 
     def finish(self) -> dict[int, np.ndarray]:
-        missing = [f"{sl.key} ({self._received.get(i, 0)} of {self._nbytes(sl)} bytes)"
-                   for i, sl in self.slices.items() if self._received.get(i, 0) != self._nbytes(sl)]
+        missing = [
+            f"{sl.key} ({self._received.get(i, 0)} of {self._nbytes(sl)} bytes)"
+            for i, sl in self.slices.items()
+            if self._received.get(i, 0) != self._nbytes(sl)
+        ]
         if missing:
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise ShardError("INVALID_ARGUMENT", f"incomplete push: {', '.join(missing[:3])}{more}")

@@ -27,11 +27,11 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from psgd.server.state.core import ShardCore
 from psgd.server.net import hello
 from psgd.server.net.tokens import Here, Proofs
+from psgd.server.state.core import ShardCore
 from psgd.wire import protocol
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,19 @@ class Gatekeeper:
     """Accepts connections on the listening socket ``sock`` (non-blocking; the gatekeeper closes it on
     :meth:`stop`) and passes each one whose hello checks out to ``hand_over``."""
 
-    def __init__(self, core: ShardCore, sock: socket.socket, *, token: str, tls: ssl.SSLContext | None,
-                 hello_timeout: float, max_unauthenticated: int, max_per_peer: int, hand_over: HandOver,
-                 here: Here | None = None):
+    def __init__(
+        self,
+        core: ShardCore,
+        sock: socket.socket,
+        *,
+        token: str,
+        tls: ssl.SSLContext | None,
+        hello_timeout: float,
+        max_unauthenticated: int,
+        max_per_peer: int,
+        hand_over: HandOver,
+        here: Here | None = None,
+    ):
         self.core, self.sock, self.tls = core, sock, tls
         host, port = sock.getsockname()[:2]  # the token, which a hello proves: once, made for this port
         self.proofs = Proofs(token, here or Here(host), lambda: port)
@@ -73,7 +83,7 @@ class Gatekeeper:
         self._hand_over = hand_over
         self._stop = threading.Event()
         # touched by the gatekeeper's thread only
-        self._pending: set[_Pending] = set()      # accepted, hello not checked yet
+        self._pending: set[_Pending] = set()  # accepted, hello not checked yet
         self._selector = selectors.DefaultSelector()
         self._listening = False
         self._tokens, self._refilled = float(ACCEPT_BURST), time.monotonic()
@@ -121,8 +131,13 @@ class Gatekeeper:
                         self._advance(key.data)
                 now = time.monotonic()
                 for p in [p for p in self._pending if p.deadline <= now]:
-                    self._refuse(p, "DEADLINE_EXCEEDED", f"no hello within {self.hello_timeout:g} s: a data "
-                                 "connection must open with its psgd hello at once", "no hello in time")
+                    self._refuse(
+                        p,
+                        "DEADLINE_EXCEEDED",
+                        f"no hello within {self.hello_timeout:g} s: a data "
+                        "connection must open with its psgd hello at once",
+                        "no hello in time",
+                    )
                 self._refusals.flush(now)
         except Exception:  # a bug here would silently close the data port: say so loudly
             log.exception("shard %d: the data port stopped accepting connections", self.core.shard)
@@ -209,13 +224,18 @@ class Gatekeeper:
         self._selector.register(conn, selectors.EVENT_READ, p)
         self._advance(p)  # a worker's hello is usually here already
 
-    def _evict(self, candidates: list["_Pending"]) -> None:
+    def _evict(self, candidates: list[_Pending]) -> None:
         victim = min(candidates, key=lambda p: (p.progress, p.accepted))  # silent ones first, then the oldest
-        self._refuse(victim, "UNAVAILABLE", f"shard {self.core.shard} closed this data connection to make room: "
-                     f"too many connections were waiting for their hello (at most {self.max_unauthenticated}, "
-                     f"{self.max_per_peer} from one address)", "evicted waiting for its hello")
+        self._refuse(
+            victim,
+            "UNAVAILABLE",
+            f"shard {self.core.shard} closed this data connection to make room: "
+            f"too many connections were waiting for their hello (at most {self.max_unauthenticated}, "
+            f"{self.max_per_peer} from one address)",
+            "evicted waiting for its hello",
+        )
 
-    def _advance(self, p: "_Pending") -> None:
+    def _advance(self, p: _Pending) -> None:
         """Read what has come of ``p``'s hello (never blocking); check it once it is whole."""
         try:
             if p.state == "tls" and not self._tls_start(p):
@@ -225,7 +245,7 @@ class Gatekeeper:
                 p.state = "header"
             while True:
                 if p.got < len(p.buf):
-                    n = p.sock.recv_into(memoryview(p.buf)[p.got:])
+                    n = p.sock.recv_into(memoryview(p.buf)[p.got :])
                     if n == 0:
                         self._drop(p, "closed before its hello")
                         return
@@ -234,12 +254,19 @@ class Gatekeeper:
                 if p.state == "header":
                     magic, op, _, worker, _, _, size = protocol.REQUEST.unpack(p.buf)
                     if magic != protocol.DATA_MAGIC or op != protocol.OP_HELLO or size > protocol.MAX_HELLO_BYTES:
-                        raise hello.Refusal("INVALID_ARGUMENT", "a data connection must start with a psgd hello",
-                                            "not a psgd hello")
+                        raise hello.Refusal(
+                            "INVALID_ARGUMENT", "a data connection must start with a psgd hello", "not a psgd hello"
+                        )
                     p.worker, p.state, p.buf, p.got = worker, "body", bytearray(size), 0
                     continue
-                checked = hello.check(p.buf, p.worker, proofs=self.proofs, plan_hash=self.core.plan.hash,
-                                      shard=self.core.shard, roster=self.core.roster)
+                checked = hello.check(
+                    p.buf,
+                    p.worker,
+                    proofs=self.proofs,
+                    plan_hash=self.core.plan.hash,
+                    shard=self.core.shard,
+                    roster=self.core.roster,
+                )
                 self._authenticated(p, *checked)
                 return
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
@@ -250,21 +277,25 @@ class Gatekeeper:
             self._refuse(p, r.code, str(r), r.reason)
         except (ssl.SSLError, OSError, ValueError) as exc:
             if p.state in ("tls", "handshake"):
-                self._refuse(p, "UNAUTHENTICATED", f"TLS handshake failed: {exc}", "TLS handshake failed",
-                             reply=False)
+                self._refuse(p, "UNAUTHENTICATED", f"TLS handshake failed: {exc}", "TLS handshake failed", reply=False)
             else:
                 self._drop(p, f"broken before its hello: {exc}")
 
-    def _tls_start(self, p: "_Pending") -> bool:
+    def _tls_start(self, p: _Pending) -> bool:
         """Start the TLS handshake of ``p``; a plaintext psgd hello is told that this port wants TLS."""
         head = p.sock.recv(len(protocol.DATA_MAGIC), socket.MSG_PEEK)
         if not head:
             self._drop(p, "closed before its hello")
             return False
         if head == protocol.DATA_MAGIC:
-            self._refuse(p, "FAILED_PRECONDITION", f"the data port of shard {self.core.shard} speaks TLS only: give "
-                         "the worker the job's TLS settings (--tls-ca, and --tls-cert/--tls-key for mutual TLS)",
-                         "plaintext hello to a TLS port", reply=True)
+            self._refuse(
+                p,
+                "FAILED_PRECONDITION",
+                f"the data port of shard {self.core.shard} speaks TLS only: give "
+                "the worker the job's TLS settings (--tls-ca, and --tls-cert/--tls-key for mutual TLS)",
+                "plaintext hello to a TLS port",
+                reply=True,
+            )
             return False
         self._selector.unregister(p.sock)
         p.sock = self.tls.wrap_socket(p.sock, server_side=True, do_handshake_on_connect=False)  # detaches the raw one
@@ -272,19 +303,19 @@ class Gatekeeper:
         p.state, p.progress = "handshake", True
         return True
 
-    def _want(self, p: "_Pending", events: int) -> None:
+    def _want(self, p: _Pending, events: int) -> None:
         if events != p.events:
             p.events = events
             self._selector.modify(p.sock, events, p)
 
-    def _authenticated(self, p: "_Pending", worker: int, shm: str, key: str) -> None:
+    def _authenticated(self, p: _Pending, worker: int, shm: str, key: str) -> None:
         """Hand ``p`` over to be served; refuse it if it cannot be."""
         self._forget(p)
         refusal = self._hand_over(p.sock, p.peer, worker, shm, key)
         if refusal is not None:
             self._refuse(p, *refusal)
 
-    def _refuse(self, p: "_Pending", code: str, message: str, reason: str, reply: bool | None = None) -> None:
+    def _refuse(self, p: _Pending, code: str, message: str, reason: str, reply: bool | None = None) -> None:
         """Close ``p``, first telling the peer why (never blocking), and count it for the log."""
         self._forget(p)
         if reply if reply is not None else p.state not in ("tls", "handshake"):
@@ -295,12 +326,12 @@ class Gatekeeper:
         self._refusals.note(p.host, reason, time.monotonic())
         _close(p.sock)
 
-    def _drop(self, p: "_Pending", why: str) -> None:
+    def _drop(self, p: _Pending, why: str) -> None:
         log.debug("shard %d: data connection from %s %s", self.core.shard, p.peer, why)
         self._forget(p)
         _close(p.sock)
 
-    def _forget(self, p: "_Pending") -> None:
+    def _forget(self, p: _Pending) -> None:
         if p in self._pending:
             self._pending.discard(p)
             try:
@@ -312,8 +343,7 @@ class Gatekeeper:
 class _Pending:
     """A connection accepted but not yet authenticated, its hello read by the gatekeeper piece by piece."""
 
-    __slots__ = ("sock", "peer", "host", "accepted", "deadline", "state", "buf", "got", "worker", "progress",
-                 "events")
+    __slots__ = ("sock", "peer", "host", "accepted", "deadline", "state", "buf", "got", "worker", "progress", "events")
 
     def __init__(self, sock: socket.socket, peer, now: float, deadline: float, tls: bool):
         self.sock, self.peer, self.host = sock, peer, str(peer[0])
@@ -344,7 +374,7 @@ class _RefusalLog:
     """Refused connections, counted by address and reason and written in one burst of lines per
     ``every`` seconds at most; the first one after a quiet spell is written at once."""
 
-    MAX_LINES = 4   # (address, reason) lines per burst; the rest are summed up in one more line
+    MAX_LINES = 4  # (address, reason) lines per burst; the rest are summed up in one more line
     MAX_KEYS = 256  # counters kept at most; further addresses are counted together
 
     def __init__(self, shard: int, every: float):
@@ -371,12 +401,23 @@ class _RefusalLog:
             return
         window = min(now - self.last, 10 * self.every)
         ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])
-        for (host, reason), n in ranked[:self.MAX_LINES]:
-            log.warning("shard %d: refused %d data connection(s) from %s in the last %.0fs (%s)",
-                        self.shard, n, host, window, reason)
-        rest = ranked[self.MAX_LINES:]
+        for (host, reason), n in ranked[: self.MAX_LINES]:
+            log.warning(
+                "shard %d: refused %d data connection(s) from %s in the last %.0fs (%s)",
+                self.shard,
+                n,
+                host,
+                window,
+                reason,
+            )
+        rest = ranked[self.MAX_LINES :]
         if rest:
-            log.warning("shard %d: refused %d more data connection(s) from %d other address(es) or reason(s) "
-                        "in the last %.0fs", self.shard, sum(n for _, n in rest), len(rest), window)
+            log.warning(
+                "shard %d: refused %d more data connection(s) from %d other address(es) or reason(s) in the last %.0fs",
+                self.shard,
+                sum(n for _, n in rest),
+                len(rest),
+                window,
+            )
         self.counts.clear()
         self.last = now

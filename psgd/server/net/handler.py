@@ -11,7 +11,7 @@ admission, the same policy (a duplicate is acknowledged, never applied twice), t
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Pulled:
     read: Snapshot | LiveRead
     rows: dict[str, np.ndarray]
 
-    def __enter__(self) -> "Pulled":
+    def __enter__(self) -> Pulled:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -83,16 +83,31 @@ class RequestHandler:
 
     def push(self, request: PushRequest) -> PushResult:
         """Apply, accumulate or drop the push as the policy says (:meth:`ShardCore.push`)."""
-        return self.core.push(request.worker, request.clock, request.base_version, request.grads,
-                              wire_bytes=request.wire_bytes, rows=request.rows, largest=request.largest,
-                              key=request.key)
+        return self.core.push(
+            request.worker,
+            request.clock,
+            request.base_version,
+            request.grads,
+            wire_bytes=request.wire_bytes,
+            rows=request.rows,
+            largest=request.largest,
+            key=request.key,
+        )
 
     def pull(self, request: PullRequest) -> Pulled:
         """The weights once the policy lets the pull go (:meth:`ShardCore.pull`), and then its rows: under sync no
         update comes before this worker's push."""
         worker = as_worker(request.worker)
-        read = self.core.pull(worker, request.clock, request.timeout, cancelled=request.cancelled,
-                              copy=not request.live, hold=request.hold, on_revoke=request.on_revoke, key=request.key)
+        read = self.core.pull(
+            worker,
+            request.clock,
+            request.timeout,
+            cancelled=request.cancelled,
+            copy=not request.live,
+            hold=request.hold,
+            on_revoke=request.on_revoke,
+            key=request.key,
+        )
         try:
             rows = self.core.read_rows(worker, request.lookups) if request.lookups else {}
         except BaseException:

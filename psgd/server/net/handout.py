@@ -57,7 +57,7 @@ class Handout:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"shard{shard}-handout")
 
-    def start(self) -> "Handout":
+    def start(self) -> Handout:
         self._thread.start()
         return self
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 
 from psgd.errors import PsgdError
-from psgd.server.state.admission import Roster
 from psgd.server.errors import ShardError
 from psgd.server.net.tokens import Proofs
+from psgd.server.state.admission import Roster
 from psgd.wire import protocol
 
 
@@ -29,9 +29,9 @@ class Refusal(PsgdError):
         self.code, self.reason = code, reason
 
 
-
-def check(body: bytes | bytearray, worker: int, *, proofs: Proofs, plan_hash: str, shard: int,
-          roster: Roster) -> tuple[int, str, str]:
+def check(
+    body: bytes | bytearray, worker: int, *, proofs: Proofs, plan_hash: str, shard: int, roster: Roster
+) -> tuple[int, str, str]:
     """The worker id, what the connection is for ("", "pull" or "push": a shared-memory segment; "follow": a
     replica) and the registration key it gave, of a hello whose header named ``worker`` and whose JSON body is
     ``body``, once checked against the shard's token (``proofs.token``; a follower proves it holds it, with
@@ -43,12 +43,18 @@ def check(body: bytes | bytearray, worker: int, *, proofs: Proofs, plan_hash: st
     except (ValueError, AttributeError, RecursionError):  # RecursionError: deeply nested JSON
         raise Refusal("INVALID_ARGUMENT", "the hello is not a JSON object", "not a psgd hello") from None
     if proofs.token and not proofs.check(proof, "follow" if follow else "hello"):
-        raise Refusal("UNAUTHENTICATED", "missing, wrong or replayed proof of the token: a hello proves that its "
-                      "sender holds the job's token with a fresh proof made for this port (psgd.wire.proofs)",
-                      "no proof of the token")
+        raise Refusal(
+            "UNAUTHENTICATED",
+            "missing, wrong or replayed proof of the token: a hello proves that its "
+            "sender holds the job's token with a fresh proof made for this port (psgd.wire.proofs)",
+            "no proof of the token",
+        )
     if theirs != plan_hash:
-        raise Refusal("FAILED_PRECONDITION", f"partition plan {theirs[:64]!r} is not shard "
-                      f"{shard}'s (registering over gRPC says how they differ)", "another partition plan")
+        raise Refusal(
+            "FAILED_PRECONDITION",
+            f"partition plan {theirs[:64]!r} is not shard {shard}'s (registering over gRPC says how they differ)",
+            "another partition plan",
+        )
     if worker != protocol.OBSERVER:
         try:
             roster.check(worker)
@@ -57,8 +63,12 @@ def check(body: bytes | bytearray, worker: int, *, proofs: Proofs, plan_hash: st
     if follow and not shm and worker == protocol.OBSERVER:
         return worker, "follow", ""
     if shm not in ("", "pull", "push") or (shm and worker == protocol.OBSERVER) or follow:
-        raise Refusal("INVALID_ARGUMENT", f"a hello may ask for a \"pull\" or \"push\" segment (workers "
-                      f"only), not {shm!r}, or to follow (a replica, no worker)", "not a psgd hello")
+        raise Refusal(
+            "INVALID_ARGUMENT",
+            f"a hello may ask for a \"pull\" or \"push\" segment (workers "
+            f"only), not {shm!r}, or to follow (a replica, no worker)",
+            "not a psgd hello",
+        )
     try:  # a peek, without the shard's lock: each request checks again under it
         if worker != protocol.OBSERVER and roster.workers[worker].state == "live":
             roster.live(worker, key, renew=False)

@@ -31,8 +31,9 @@ def free_to_listen(bind: str) -> None:
         return
     host = host.strip("[]")
     try:
-        socket.create_server((host or "0.0.0.0", int(port)),
-                             family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+        socket.create_server(
+            (host or "0.0.0.0", int(port)), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        ).close()
     except OSError as exc:
         raise PortTaken("gRPC port", bind, int(port), exc.strerror or str(exc)) from None
 
@@ -74,7 +75,12 @@ def grpc_connection_cap(data_connections: int, workers: int) -> tuple[int, str]:
     wanted = max(GRPC_CONNECTIONS, 2 * workers + 16)
     cap = max(8, min(wanted, room))
     needed = 2 * workers + 16
-    warning = "" if cap >= needed else (
-        f"only {soft} open files allowed (ulimit -n): the gRPC port takes {cap} connections at most, fewer than "
-        f"the {needed} its {workers} workers and tools may need; raise the limit (ulimit -n {WANTED_DESCRIPTORS})")
+    warning = (
+        ""
+        if cap >= needed
+        else (
+            f"only {soft} open files allowed (ulimit -n): the gRPC port takes {cap} connections at most, fewer than "
+            f"the {needed} its {workers} workers and tools may need; raise the limit (ulimit -n {WANTED_DESCRIPTORS})"
+        )
+    )
     return cap, warning

@@ -9,9 +9,9 @@ import threading
 
 import numpy as np
 
-from psgd.wire.codec import Codec
 from psgd.server.errors import ShardError
 from psgd.wire import protocol
+from psgd.wire.codec import Codec
 
 
 class BufferPool:
@@ -31,8 +31,9 @@ class BufferPool:
     def acquire(self, timeout: float) -> bytearray:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free or self._made < self._limit, timeout):
-                raise ShardError("RESOURCE_EXHAUSTED", f"no receive buffer free within {timeout:.1f}s: "
-                                 "too many pushes at once")
+                raise ShardError(
+                    "RESOURCE_EXHAUSTED", f"no receive buffer free within {timeout:.1f}s: too many pushes at once"
+                )
             if self._free:
                 return self._free.pop()
             self._made += 1
@@ -42,7 +43,6 @@ class BufferPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
-
 
 
 STAGE_ELEMS = 1 << 20
@@ -82,4 +82,4 @@ def receive_gradient(conn: socket.socket, buf: memoryview, codec: Codec, count: 
         n = min(STAGE_ELEMS, count - start)
         piece = stage[:n]
         protocol.recv_exact(conn, memoryview(piece), deadline)
-        codec.decode(piece, out[start:start + n])
+        codec.decode(piece, out[start : start + n])

@@ -12,28 +12,28 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgd import wire
-from psgd.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.proto import ps_pb2, ps_pb2_grpc
-from psgd.server.state import checkpoint
 from psgd.server.durable import peers, recovery
+from psgd.server.errors import ShardError
 from psgd.server.net import tokens
 from psgd.server.net.assembly import PushAssembler
-from psgd.server.state.core import ShardCore
 from psgd.server.net.datapath import DataServer, transfer_seconds
-from psgd.server.errors import ShardError
 from psgd.server.net.handler import PullRequest, PushRequest, RequestHandler
 from psgd.server.net.listen import GRPC_IDLE_SECONDS, PortTaken, free_to_listen, grpc_connection_cap
 from psgd.server.net.watchdog import Turns, Watchdog
-from psgd.wire.tls import NO_TLS, TLSFiles
+from psgd.server.state import checkpoint
+from psgd.server.state.core import ShardCore
 from psgd.wire import proofs, segment, status
+from psgd.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME, chunks, server_credentials
 from psgd.wire.rows import RowCollector, RowsError, blocks
+from psgd.wire.tls import NO_TLS, TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,23 @@ def _remaining(context: grpc.ServicerContext, cap: float) -> float:
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Maps RPCs onto the core; every ShardError becomes its status code."""
 
-    def __init__(self, core: ShardCore, incarnation: str, request_timeout: float, data_port: int = 0,
-                 host_id: str = "", threads: int = 16, token: str = ""):
-        self.core, self.incarnation, self.data_port, self.host_id, self.token = (core, incarnation, data_port,
-                                                                                 host_id, token)  # token: Status' proof
+    def __init__(
+        self,
+        core: ShardCore,
+        incarnation: str,
+        request_timeout: float,
+        data_port: int = 0,
+        host_id: str = "",
+        threads: int = 16,
+        token: str = "",
+    ):
+        self.core, self.incarnation, self.data_port, self.host_id, self.token = (
+            core,
+            incarnation,
+            data_port,
+            host_id,
+            token,
+        )  # token: Status' proof
         self.request_timeout = request_timeout
         self.requests = RequestHandler(core)
         self._row_shapes = core.tables.shapes()
@@ -76,22 +89,40 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Register(self, request, context):
         try:
-            clock = self.core.register(request.worker_id, request.plan_hash, request.plan_json,
-                                       request.hostname, request.pid, request.clock, request.job_json,
-                                       request.incarnation)
+            clock = self.core.register(
+                request.worker_id,
+                request.plan_hash,
+                request.plan_json,
+                request.hostname,
+                request.pid,
+                request.clock,
+                request.job_json,
+                request.incarnation,
+            )
         except ShardError as err:
             status.refuse(context, err)
         core = self.core
         if not core.roster.held_by(request.worker_id, request.incarnation):  # another process took it since
-            status.refuse(context, ShardError("ABORTED", "the registration was taken over as it was answered; "
-                                                         "register again"))
+            status.refuse(
+                context, ShardError("ABORTED", "the registration was taken over as it was answered; register again")
+            )
         held = core.roster.workers[request.worker_id]
         cut = core.rewind.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
-            worker_id=request.worker_id, clock=clock, lease_seconds=core.roster.lease_seconds, shard=core.shard,
-            num_shards=core.plan.num_shards, num_workers=core.num_workers, policy=core.policy.name,
-            incarnation=self.incarnation, version=core.version, data_port=self.data_port, host_id=self.host_id,
-            registration=held.key, **({"rollback_to": cut} if cut is not None else {}))
+            worker_id=request.worker_id,
+            clock=clock,
+            lease_seconds=core.roster.lease_seconds,
+            shard=core.shard,
+            num_shards=core.plan.num_shards,
+            num_workers=core.num_workers,
+            policy=core.policy.name,
+            incarnation=self.incarnation,
+            version=core.version,
+            data_port=self.data_port,
+            host_id=self.host_id,
+            registration=held.key,
+            **({"rollback_to": cut} if cut is not None else {}),
+        )
 
     def Rollback(self, request, context):
         try:
@@ -104,8 +135,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         returns the call's key for the watchdog, which cancels it after ``seconds``.  :meth:`_end_call` gives
         both back."""
         if not self.data_calls.acquire(blocking=False):
-            status.refuse(context, ShardError("RESOURCE_EXHAUSTED", f"shard {self.core.shard} serves as many pulls "
-                                              "and pushes at once as it has threads for; try again"))
+            status.refuse(
+                context,
+                ShardError(
+                    "RESOURCE_EXHAUSTED",
+                    f"shard {self.core.shard} serves as many pulls and pushes at once as it has threads for; try again",
+                ),
+            )
         return self.watchdog.watch(seconds, context, what)
 
     def _end_call(self, key: int) -> None:
@@ -128,9 +164,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             for block in blocks_asked:
                 asked.add(block.table, block.ids, block.values)
             ids = asked.lookups()
-            pulled = self.requests.pull(PullRequest(asker.worker_id, clock, _remaining(context, self.request_timeout),
-                                                    asker.registration, ids,
-                                                    cancelled=lambda: not context.is_active()))
+            pulled = self.requests.pull(
+                PullRequest(
+                    asker.worker_id,
+                    clock,
+                    _remaining(context, self.request_timeout),
+                    asker.registration,
+                    ids,
+                    cancelled=lambda: not context.is_active(),
+                )
+            )
         except RowsError as err:
             status.refuse(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
@@ -144,8 +187,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     yield ps_pb2.TensorChunk(slice_id=slice_id, offset=offset, data=bytes(piece), version=snap.version)
             for table, values in rows.items():
                 for part_ids, part_values in blocks(ids[table], values):
-                    yield ps_pb2.TensorChunk(version=snap.version, rows=ps_pb2.RowBlock(
-                        table=table, ids=part_ids, values=part_values))
+                    yield ps_pb2.TensorChunk(
+                        version=snap.version, rows=ps_pb2.RowBlock(table=table, ids=part_ids, values=part_values)
+                    )
 
     def Push(self, request_iterator, context):
         what = f"shard {self.core.shard}: gRPC push"
@@ -171,8 +215,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             return self._push(request_iterator, context, key, what)
         except grpc.RpcError:  # cancelled by the watchdog, or by the client
-            status.refuse(context, ShardError("DEADLINE_EXCEEDED",
-                                              f"push did not arrive within {self.transfer_seconds:.1f}s"))
+            status.refuse(
+                context, ShardError("DEADLINE_EXCEEDED", f"push did not arrive within {self.transfer_seconds:.1f}s")
+            )
 
     def _push(self, request_iterator, context, key: int, what: str):
         began, row_bytes = time.monotonic(), 0
@@ -203,17 +248,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             pushed = rows.rows()
             got = sum(ids.size for ids, _ in pushed.values())
             if got != header.rows:  # it may end quietly before the call is seen to end: count what came
-                raise ShardError("INVALID_ARGUMENT", f"the push said it carries {header.rows} rows and {got} came; "
-                                 "nothing was applied")
-            result = self.requests.push(PushRequest(header.worker_id, header.clock, header.base_version,
-                                                    assembler.finish(), assembler.received, header.registration,
-                                                    pushed))
+                raise ShardError(
+                    "INVALID_ARGUMENT",
+                    f"the push said it carries {header.rows} rows and {got} came; nothing was applied",
+                )
+            result = self.requests.push(
+                PushRequest(
+                    header.worker_id,
+                    header.clock,
+                    header.base_version,
+                    assembler.finish(),
+                    assembler.received,
+                    header.registration,
+                    pushed,
+                )
+            )
         except RowsError as err:
             status.refuse(context, ShardError("INVALID_ARGUMENT", str(err)))
         except ShardError as err:
             status.refuse(context, err)
-        return ps_pb2.PushReply(outcome=result.outcome, next_clock=result.next_clock, version=result.version,
-                                staleness=result.staleness), header
+        return ps_pb2.PushReply(
+            outcome=result.outcome, next_clock=result.next_clock, version=result.version, staleness=result.staleness
+        ), header
 
     def Heartbeat(self, request, context):
         try:
@@ -237,20 +293,34 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             status.refuse(context, err)
         finally:
             self._end_call(key)
-        return ps_pb2.ListRowsReply(rows=ps_pb2.RowBlock(table=request.table, ids=ids.astype("<i8").tobytes(),
-                                                         values=values.tobytes()),
-                                    next=after, version=version)
+        return ps_pb2.ListRowsReply(
+            rows=ps_pb2.RowBlock(table=request.table, ids=ids.astype("<i8").tobytes(), values=values.tobytes()),
+            next=after,
+            version=version,
+        )
 
     def Status(self, request, context):
         s = self.core.status()
-        counters = {**s["counters"], "tables": s.get("tables", {}),
-                    **{k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding", "last_cause")}}
+        counters = {
+            **s["counters"],
+            "tables": s.get("tables", {}),
+            **{k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding", "last_cause")},
+        }
         reply = ps_pb2.StatusReply(
-            shard=s["shard"], num_shards=s["num_shards"], policy=s["policy"], version=s["version"],
-            workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]], plan_hash=s["plan_hash"],
-            bytes_held=s["bytes_held"], counters_json=json.dumps(counters),
-            staleness_histogram=s["staleness_histogram"], incarnation=self.incarnation,
-            data_port=self.data_port, role=s["role"], replica_lag=s["replica_lag"])
+            shard=s["shard"],
+            num_shards=s["num_shards"],
+            policy=s["policy"],
+            version=s["version"],
+            workers=[ps_pb2.WorkerStatus(**w) for w in s["workers"]],
+            plan_hash=s["plan_hash"],
+            bytes_held=s["bytes_held"],
+            counters_json=json.dumps(counters),
+            staleness_histogram=s["staleness_histogram"],
+            incarnation=self.incarnation,
+            data_port=self.data_port,
+            role=s["role"],
+            replica_lag=s["replica_lag"],
+        )
         pair = self.core.replication
         reply.follower = pair.follower if pair is not None else ""
         mine = request.ticket if pair is not None and request.ticket and request.ticket == pair.ticket else ""
@@ -261,12 +331,27 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 class ShardServer:
     """A shard served over gRPC, with health checking and a lease reaper thread."""
 
-    def __init__(self, core: ShardCore, bind: str = "127.0.0.1:0", *, request_timeout: float = 60.0,
-                 threads: int | None = None, transport: str = "auto", data_port: int = 0,
-                 interceptors: Sequence[grpc.ServerInterceptor] = (), token: str = "",
-                 checkpoint_dir: str | None = None, checkpoint_seconds: float = 30.0, keep_checkpoints: int = 3,
-                 tls: TLSFiles = NO_TLS, hello_timeout: float = 2.0, replicated: bool = False, busy_poll: float = 0.0,
-                 on_cut_failure: str = "stop", job_shards: Callable[[], Sequence[str]] = tuple):
+    def __init__(
+        self,
+        core: ShardCore,
+        bind: str = "127.0.0.1:0",
+        *,
+        request_timeout: float = 60.0,
+        threads: int | None = None,
+        transport: str = "auto",
+        data_port: int = 0,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+        token: str = "",
+        checkpoint_dir: str | None = None,
+        checkpoint_seconds: float = 30.0,
+        keep_checkpoints: int = 3,
+        tls: TLSFiles = NO_TLS,
+        hello_timeout: float = 2.0,
+        replicated: bool = False,
+        busy_poll: float = 0.0,
+        on_cut_failure: str = "stop",
+        job_shards: Callable[[], Sequence[str]] = tuple,
+    ):
         self.core = core
         #: the addresses of the job's shards and replicas now ([cluster] servers, replica_servers): where the cause
         #: of a rollback is checked
@@ -282,31 +367,52 @@ class ShardServer:
         self.incarnation = uuid.uuid4().hex[:12]
         means = wire.meaning(transport)  # a data port or none; shared memory for workers on this host or not
         try:
-            self.data = DataServer(core, host.strip("[]") or "127.0.0.1", data_port, token=token, here=here,
-                                   request_timeout=request_timeout, hello_timeout=hello_timeout,
-                                   tls=tls.server_context() if tls.enabled else None,
-                                   shm=bool(means["shared_memory"]), busy_poll=busy_poll) \
-                if means["data_port"] or replicated else None
+            self.data = (
+                DataServer(
+                    core,
+                    host.strip("[]") or "127.0.0.1",
+                    data_port,
+                    token=token,
+                    here=here,
+                    request_timeout=request_timeout,
+                    hello_timeout=hello_timeout,
+                    tls=tls.server_context() if tls.enabled else None,
+                    shm=bool(means["shared_memory"]),
+                    busy_poll=busy_poll,
+                )
+                if means["data_port"] or replicated
+                else None
+            )
         except OSError as exc:
             raise PortTaken("data port", f"{host}:{data_port}", data_port, exc.strerror or str(exc)) from None
         shares = self.data is not None and self.data.shm
         threads = threads or max(16, 4 * core.num_workers + 8)
         # connections that have not proven the token are bounded: in number, and by the hello deadline to finish
         # their handshake (psgd.server.net.listen)
-        self.connection_cap, short = grpc_connection_cap(self.data.descriptors if self.data else 0,
-                                                         core.num_workers)
+        self.connection_cap, short = grpc_connection_cap(self.data.descriptors if self.data else 0, core.num_workers)
         if short:
             log.warning("shard %d: %s", core.shard, short)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads,
-                                                             thread_name_prefix=f"shard{core.shard}"),
-                                  options=[*CHANNEL_OPTIONS, ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
-                                           ("grpc.max_allowed_incoming_connections", self.connection_cap),
-                                           ("grpc.server_handshake_timeout_ms", max(1, int(hello_timeout * 1000))),
-                                           ("grpc.max_connection_idle_ms", int(GRPC_IDLE_SECONDS * 1000))],
-                                  maximum_concurrent_rpcs=threads * 4, interceptors=list(interceptors))
-        self.servicer = ParameterServerServicer(core, self.incarnation, request_timeout,
-                                                self.data.port if self.data else 0,
-                                                segment.host_id() if shares else "", threads, token)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"shard{core.shard}"),
+            options=[
+                *CHANNEL_OPTIONS,
+                ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                ("grpc.max_allowed_incoming_connections", self.connection_cap),
+                ("grpc.server_handshake_timeout_ms", max(1, int(hello_timeout * 1000))),
+                ("grpc.max_connection_idle_ms", int(GRPC_IDLE_SECONDS * 1000)),
+            ],
+            maximum_concurrent_rpcs=threads * 4,
+            interceptors=list(interceptors),
+        )
+        self.servicer = ParameterServerServicer(
+            core,
+            self.incarnation,
+            request_timeout,
+            self.data.port if self.data else 0,
+            segment.host_id() if shares else "",
+            threads,
+            token,
+        )
         self.servicer.rollback = self._rollback
         ps_pb2_grpc.add_ParameterServerServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer()
@@ -314,8 +420,11 @@ class ShardServer:
         self.tls = tls
         try:
             free_to_listen(bind)
-            self.port = (self.server.add_secure_port(bind, server_credentials(tls)) if tls.enabled
-                         else self.server.add_insecure_port(bind))
+            self.port = (
+                self.server.add_secure_port(bind, server_credentials(tls))
+                if tls.enabled
+                else self.server.add_insecure_port(bind)
+            )
             if self.port == 0:  # older grpcio says so; newer raises
                 raise RuntimeError("no port added")
         except (OSError, RuntimeError) as exc:
@@ -327,10 +436,11 @@ class ShardServer:
         self._stop = threading.Event()
         self._survive = Turns(core, "background_errors")
         self._reaper = threading.Thread(target=self._reap, name=f"shard{core.shard}-leases", daemon=True)
-        self._checkpointer = threading.Thread(target=self._checkpoints, name=f"shard{core.shard}-checkpoints",
-                                              daemon=True)
+        self._checkpointer = threading.Thread(
+            target=self._checkpoints, name=f"shard{core.shard}-checkpoints", daemon=True
+        )
 
-    def start(self) -> "ShardServer":
+    def start(self) -> ShardServer:
         self.servicer.watchdog.start()
         self.server.start()
         if self.data:
@@ -346,10 +456,18 @@ class ShardServer:
             self._checkpointer.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("shard %d of %d serving on %s, data port %s (%s; policy %s, %d workers, %d slices, %.1f MB)",
-                 self.core.shard, self.core.plan.num_shards, self.address, self.data.port if self.data else "none",
-                 "mutual TLS" if self.tls.ca else "TLS" if self.tls.enabled else "plaintext", self.core.policy.name,
-                 self.core.num_workers, len(self.core.slices), sum(w.nbytes for w in self.core.weights.values()) / 1e6)
+        log.info(
+            "shard %d of %d serving on %s, data port %s (%s; policy %s, %d workers, %d slices, %.1f MB)",
+            self.core.shard,
+            self.core.plan.num_shards,
+            self.address,
+            self.data.port if self.data else "none",
+            "mutual TLS" if self.tls.ca else "TLS" if self.tls.enabled else "plaintext",
+            self.core.policy.name,
+            self.core.num_workers,
+            len(self.core.slices),
+            sum(w.nbytes for w in self.core.weights.values()) / 1e6,
+        )
         return self
 
     def _rollback(self, request: ps_pb2.RollbackRequest, peer: str) -> ps_pb2.RollbackReply:
@@ -358,17 +476,36 @@ class ShardServer:
         core = self.core
         self.servicer.requests.admit(request.worker_id, request.registration)  # only a registered worker
         if not (self.checkpoint_dir and core.cut_rounds):
-            raise ShardError("FAILED_PRECONDITION", f"shard {core.shard} keeps no cuts to go back to (it needs a "
-                             "checkpoint folder and [cluster] checkpoint_rounds under sync)")
+            raise ShardError(
+                "FAILED_PRECONDITION",
+                f"shard {core.shard} keeps no cuts to go back to (it needs a "
+                "checkpoint folder and [cluster] checkpoint_rounds under sync)",
+            )
         folder = checkpoint.shard_dir(self.checkpoint_dir, core.shard, core.fingerprint)
         if request.dry_run:
             return ps_pb2.RollbackReply(version=core.version, cuts=recovery.cuts(core, folder))
         undone = recovery.rollback(
-            core, folder, request.to_version, request.cause, request.worker_id,
-            unproven=lambda: recovery.own_restart(core, request.to_version) if request.cause == self.incarnation
-            else peers.restart_of(list(self.job_shards()), request.cause, request.to_version, core.shard,
-                                  self.servicer.token, self.tls),
-            key=checkpoint.signing_key(self.servicer.token), refusals=self._refusals, peer=peer)
+            core,
+            folder,
+            request.to_version,
+            request.cause,
+            request.worker_id,
+            unproven=lambda: (
+                recovery.own_restart(core, request.to_version)
+                if request.cause == self.incarnation
+                else peers.restart_of(
+                    list(self.job_shards()),
+                    request.cause,
+                    request.to_version,
+                    core.shard,
+                    self.servicer.token,
+                    self.tls,
+                )
+            ),
+            key=checkpoint.signing_key(self.servicer.token),
+            refusals=self._refusals,
+            peer=peer,
+        )
         return ps_pb2.RollbackReply(version=core.version, rounds_undone=undone)
 
     def _reap(self) -> None:
@@ -381,6 +518,7 @@ class ShardServer:
             last = self.core.whole.last_checkpoint
             if last is None or time.time() - last[1] >= self.checkpoint_seconds:
                 self.save_checkpoint()
+
         while not self._stop.wait(min(1.0, self.checkpoint_seconds)):
             self._survive("the checkpoint loop", turn)
 
@@ -391,8 +529,14 @@ class ShardServer:
             return True
         try:
             folder = checkpoint.shard_dir(self.checkpoint_dir, self.core.shard, self.core.fingerprint)
-            path = recovery.write(self.core, folder, self.keep_checkpoints, force=force, held=held,
-                                  key=checkpoint.signing_key(self.servicer.token))
+            path = recovery.write(
+                self.core,
+                folder,
+                self.keep_checkpoints,
+                force=force,
+                held=held,
+                key=checkpoint.signing_key(self.servicer.token),
+            )
         except checkpoint.CheckpointError as exc:
             self._failures.failed(exc, cut=bool(self.core.cut_rounds))  # each one a cut, then
             return False

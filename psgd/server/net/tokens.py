@@ -17,7 +17,7 @@ import hmac
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -112,8 +112,9 @@ class Proofs:
         now = time.time()
         if abs(now - when) > PROOF_SECONDS or count < 1:
             return False
-        if not hmac.compare_digest(given.encode("ascii", "replace"),
-                                   mac(self.token, "call", purpose, to, when, session, count).encode()):
+        if not hmac.compare_digest(
+            given.encode("ascii", "replace"), mac(self.token, "call", purpose, to, when, session, count).encode()
+        ):
             return False
         if not self.here.answers_to(to, self.port()):
             return False  # made for another process: received by whoever held that address
@@ -152,8 +153,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._proofs = Proofs(token, here, port)
 
         def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing, wrong or replayed proof of the token: pass "
-                                                           "--token or set PSGD_TOKEN to the job's token")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing, wrong or replayed proof of the token: pass --token or set PSGD_TOKEN to the job's token",
+            )
 
         self._refusals = {
             (False, False): grpc.unary_unary_rpc_method_handler(refuse),

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from psgd.observe.logs import Quieted
 
@@ -29,10 +30,15 @@ class Turns:
             self.core.count(self.counter)
             unsaid = self._said.due()
             if unsaid is not None:
-                log.error("shard %d: %s failed (%s: %s)%s; it goes on, and says so again at most once a minute",
-                          self.shard, what, type(exc).__name__, exc,
-                          f" ({unsaid} more errors since the last line)" if unsaid else "",
-                          exc_info=not self._traced)  # the first with its traceback
+                log.error(
+                    "shard %d: %s failed (%s: %s)%s; it goes on, and says so again at most once a minute",
+                    self.shard,
+                    what,
+                    type(exc).__name__,
+                    exc,
+                    f" ({unsaid} more errors since the last line)" if unsaid else "",
+                    exc_info=not self._traced,
+                )  # the first with its traceback
                 self._traced = True
 
 

@@ -10,7 +10,8 @@ import hmac
 import json
 import logging
 import secrets
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from psgd.config import Deadlines
 from psgd.job import differences as job_differences
@@ -20,8 +21,15 @@ from psgd.server.errors import ShardError
 log = logging.getLogger(__name__)
 
 
-def check_job(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | None, worker: int, plan_hash: str,
-              plan_json: str, job_json: str | None) -> None:
+def check_job(
+    shard: int,
+    plan: PartitionPlan,
+    identity: Mapping[str, Any] | None,
+    worker: int,
+    plan_hash: str,
+    plan_json: str,
+    job_json: str | None,
+) -> None:
     """Refuse ``worker`` where it may not join shard ``shard``: FAILED_PRECONDITION (reason JOB_MISMATCH) for
     another plan or job, with the job's differences, INVALID_ARGUMENT for a malformed request.  Without an
     ``identity`` (a shard built by hand) only the plan is compared."""
@@ -30,14 +38,19 @@ def check_job(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | Non
             why = plan_differences(json.loads(plan_json), plan.description())
         except Exception:  # a malformed description (any shape, any depth) only loses the explanation
             why = ""
-        raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s partition plan {plan_hash!r} differs from shard "
-                         f"{shard}'s {plan.hash!r}" + (f": {why}" if why else "") + "; start every process from the "
-                         "same job file", reason="JOB_MISMATCH")
+        raise ShardError(
+            "FAILED_PRECONDITION",
+            f"worker {worker}'s partition plan {plan_hash!r} differs from shard "
+            f"{shard}'s {plan.hash!r}" + (f": {why}" if why else "") + "; start every process from the "
+            "same job file",
+            reason="JOB_MISMATCH",
+        )
     if job_json is None or identity is None:
         return
     if not job_json:
-        raise ShardError("INVALID_ARGUMENT", "the worker sent no job identity: start it with the same psgd version as "
-                         "the shards")
+        raise ShardError(
+            "INVALID_ARGUMENT", "the worker sent no job identity: start it with the same psgd version as the shards"
+        )
     try:
         job = json.loads(job_json)
     except (ValueError, RecursionError):
@@ -46,9 +59,13 @@ def check_job(shard: int, plan: PartitionPlan, identity: Mapping[str, Any] | Non
         raise ShardError("INVALID_ARGUMENT", "the worker's job identity is not a JSON object")
     differ = job_differences(identity, job, me=f"shard {shard}", them=f"worker {worker}")
     if differ:
-        raise ShardError("FAILED_PRECONDITION", f"worker {worker}'s job differs from shard {shard}'s: "
-                         f"{'; '.join(differ)}; start every process from the same job file", reason="JOB_MISMATCH",
-                         differences=differ)
+        raise ShardError(
+            "FAILED_PRECONDITION",
+            f"worker {worker}'s job differs from shard {shard}'s: "
+            f"{'; '.join(differ)}; start every process from the same job file",
+            reason="JOB_MISMATCH",
+            differences=differ,
+        )
 
 
 def holder_id(incarnation: str) -> str:
@@ -63,14 +80,17 @@ def claim_id(incarnation: str) -> str:
     process (``CLAIM/PROCESS``: :func:`psgd.job.process_incarnation`): a digest, as :func:`holder_id`; "" where the
     process has none (one started by hand)."""
     claim, mark, _ = incarnation.partition("/")
-    return hashlib.sha256(b"psgd-claim\0" + claim.encode("utf-8", "surrogatepass")).hexdigest()[:32] \
-        if mark and claim else ""
+    return (
+        hashlib.sha256(b"psgd-claim\0" + claim.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        if mark and claim
+        else ""
+    )
 
 
 @dataclasses.dataclass
 class WorkerInfo:
     state: str = "pending"  # pending (expected, not yet registered), live, done, expired
-    deadline: float = 0.0   # lease (or join) deadline, on the roster's clock
+    deadline: float = 0.0  # lease (or join) deadline, on the roster's clock
     expired_at: float = 0.0  # when this shard dropped it (its clock), for "finished" to settle
     clock: int = 0
     hostname: str = ""
@@ -104,20 +124,30 @@ class Roster:
     def check(self, worker: int) -> None:
         """Refuse a worker id outside the job (links check it before they read a push)."""
         if not 0 <= worker < self.num_workers:
-            raise ShardError("INVALID_ARGUMENT", f"worker id {worker} is out of range: this job has "
-                             f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"worker id {worker} is out of range: this job has "
+                f"{self.num_workers} worker(s), ids 0..{self.num_workers - 1}",
+            )
 
     def live(self, worker: int, key: str | None, renew: bool = True) -> WorkerInfo:
         """``worker``'s registration, its lease renewed; refused unless it is live and ``key`` is its key (None: the
         caller is in this process and vouches for it; a call that came over the network always has a str)."""
         info = self.workers[worker]
         if info.state != "live":
-            raise ShardError("FAILED_PRECONDITION", f"worker {worker} is not registered with shard {self.shard} "
-                             f"(state: {info.state}); it must register again", reason="NOT_REGISTERED")
+            raise ShardError(
+                "FAILED_PRECONDITION",
+                f"worker {worker} is not registered with shard {self.shard} "
+                f"(state: {info.state}); it must register again",
+                reason="NOT_REGISTERED",
+            )
         if not self._carries(info, key):
-            raise ShardError("PERMISSION_DENIED", f"worker {worker} is registered with shard {self.shard} by "
-                             f"{info.hostname or '?'} pid {info.pid}: a call as worker {worker} must carry the key "
-                             "that process's registration got; this one does not")
+            raise ShardError(
+                "PERMISSION_DENIED",
+                f"worker {worker} is registered with shard {self.shard} by "
+                f"{info.hostname or '?'} pid {info.pid}: a call as worker {worker} must carry the key "
+                "that process's registration got; this one does not",
+            )
         if renew:
             info.deadline = self._now() + self.lease_seconds
         return info
@@ -140,14 +170,21 @@ class Roster:
         held = info.state == "live" and now <= info.deadline
         kept = info.state == "pending" and now <= info.kept_until and not (claim and claim == info.claim)
         if (held or kept) and incarnation != info.incarnation:
-            how = (f"is already registered with shard {self.shard} by {info.hostname or '?'} pid {info.pid}, whose "
-                   f"lease runs {info.deadline - now:.1f}s more" if held else
-                   f"was held by {info.hostname or '?'} pid {info.pid} when shard {self.shard}'s checkpoint was "
-                   f"written, and is kept for it {info.kept_until - now:.1f}s more since the shard restarted")
-            raise ShardError("ALREADY_EXISTS", f"worker {worker} {how}: is a second psgd-worker started with rank "
-                             f"{worker}? (A worker restarted after a crash rejoins once the old process's "
-                             f"{self.lease_seconds:.0f}s lease has run out.)", reason="RANK_HELD",
-                             holder=(info.hostname, info.pid))
+            how = (
+                f"is already registered with shard {self.shard} by {info.hostname or '?'} pid {info.pid}, whose "
+                f"lease runs {info.deadline - now:.1f}s more"
+                if held
+                else f"was held by {info.hostname or '?'} pid {info.pid} when shard {self.shard}'s checkpoint was "
+                f"written, and is kept for it {info.kept_until - now:.1f}s more since the shard restarted"
+            )
+            raise ShardError(
+                "ALREADY_EXISTS",
+                f"worker {worker} {how}: is a second psgd-worker started with rank "
+                f"{worker}? (A worker restarted after a crash rejoins once the old process's "
+                f"{self.lease_seconds:.0f}s lease has run out.)",
+                reason="RANK_HELD",
+                holder=(info.hostname, info.pid),
+            )
         if incarnation != info.incarnation or not info.key:  # the same process keeps its key (its calls in flight)
             info.key = secrets.token_hex(16)
         info.state, info.hostname, info.pid, info.incarnation, info.claim = "live", hostname, pid, incarnation, claim
@@ -156,15 +193,18 @@ class Roster:
 
     def holders(self) -> dict[str, dict[str, Any]]:
         """Who holds each live rank (for a checkpoint: see :meth:`keep_for`)."""
-        return {str(w): {"hostname": i.hostname, "pid": i.pid, "incarnation": i.incarnation, "claim": i.claim}
-                for w, i in self.workers.items() if i.state == "live" and i.incarnation}
+        return {
+            str(w): {"hostname": i.hostname, "pid": i.pid, "incarnation": i.incarnation, "claim": i.claim}
+            for w, i in self.workers.items()
+            if i.state == "live" and i.incarnation
+        }
 
     def keep_for(self, holders: Mapping[str, Any]) -> None:
         """After a restart from a checkpoint: keep each rank that was live then for the process that held it (or
         one of its claim), for one lease, so that a second process of that rank cannot take it before the holder
         comes back."""
         until = self._now() + self.lease_seconds
-        for w, h in (holders.items() if isinstance(holders, Mapping) else ()):
+        for w, h in holders.items() if isinstance(holders, Mapping) else ():
             try:
                 info = self.workers.get(int(w))
                 if info is not None and info.state == "pending" and isinstance(h, Mapping):
@@ -180,8 +220,11 @@ class Roster:
         info = self.workers[worker]
         if info.state == "done":  # said again (its answer was lost): by the same registration only
             if not self._carries(info, key):
-                raise ShardError("PERMISSION_DENIED", f"worker {worker} is done on shard {self.shard}: a Done as "
-                                 f"worker {worker} must carry the key of the registration that was done")
+                raise ShardError(
+                    "PERMISSION_DENIED",
+                    f"worker {worker} is done on shard {self.shard}: a Done as "
+                    f"worker {worker} must carry the key of the registration that was done",
+                )
             return False
         self.live(worker, key, renew=False)  # not live here: refused, the caller registers again
         info.state, info.clock = "done", max(info.clock, clock)
@@ -195,15 +238,22 @@ class Roster:
                 was = info.state
                 info.state, info.expired_at = "expired", now
                 dropped.append(w)
-                log.warning("shard %d: worker %d %s within %.1fs: dropped from the round; it may register again",
-                            self.shard, w, "did not register" if was == "pending" else "missed its lease",
-                            self.join_timeout if was == "pending" else self.lease_seconds)
+                log.warning(
+                    "shard %d: worker %d %s within %.1fs: dropped from the round; it may register again",
+                    self.shard,
+                    w,
+                    "did not register" if was == "pending" else "missed its lease",
+                    self.join_timeout if was == "pending" else self.lease_seconds,
+                )
         return dropped
 
     def behind(self, worker: int, clock: int) -> str:
         """Which other workers a pull of ``worker`` for ``clock`` waits for, in words."""
-        slow = sorted((w, i.clock) for w, i in self.workers.items()
-                      if i.state in ("live", "pending") and w != worker and i.clock < clock)
+        slow = sorted(
+            (w, i.clock)
+            for w, i in self.workers.items()
+            if i.state in ("live", "pending") and w != worker and i.clock < clock
+        )
         return "other workers still expected: " + (", ".join(f"worker {w} at clock {c}" for w, c in slow) or "none")
 
     def expected(self) -> list[int]:
@@ -216,10 +266,20 @@ class Roster:
     def finished(self, settle: float) -> bool:
         """No worker is pending or live: each is done, or was dropped at least ``settle`` seconds ago."""
         now = self._now()
-        return all(i.state == "done" or (i.state == "expired" and now - i.expired_at >= settle)
-                   for i in self.workers.values())
+        return all(
+            i.state == "done" or (i.state == "expired" and now - i.expired_at >= settle) for i in self.workers.values()
+        )
 
     def rows(self) -> list[dict]:
         now = self._now()
-        return [{"worker_id": w, "state": i.state, "clock": i.clock, "lease_left_seconds": i.deadline - now,
-                 "hostname": i.hostname, "pid": i.pid} for w, i in sorted(self.workers.items())]
+        return [
+            {
+                "worker_id": w,
+                "state": i.state,
+                "clock": i.clock,
+                "lease_left_seconds": i.deadline - now,
+                "hostname": i.hostname,
+                "pid": i.pid,
+            }
+            for w, i in sorted(self.workers.items())
+        ]

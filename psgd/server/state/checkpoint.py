@@ -40,8 +40,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -124,9 +125,13 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 
 def owned(folder: Path, fingerprint: Any, shard: Any) -> list[int]:
     """The versions in ``folder`` whose manifest carries ``fingerprint`` and ``shard``, newest first."""
-    return [v for v in versions(folder)
-            if (m := _read_manifest(folder / f"ckpt-{v}.json")) is not None
-            and m.get("fingerprint") == fingerprint and m.get("shard") == shard]
+    return [
+        v
+        for v in versions(folder)
+        if (m := _read_manifest(folder / f"ckpt-{v}.json")) is not None
+        and m.get("fingerprint") == fingerprint
+        and m.get("shard") == shard
+    ]
 
 
 def signing_key(token: str) -> bytes | None:
@@ -141,8 +146,14 @@ def _signature(key: bytes, manifest: Mapping[str, Any]) -> str:
     return hmac.new(key, said.encode(), hashlib.sha256).hexdigest()
 
 
-def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray], manifest: dict[str, Any],
-         keep: int = 3, key: bytes | None = None) -> Path:
+def save(
+    folder: str | os.PathLike,
+    version: int,
+    arrays: dict[str, np.ndarray],
+    manifest: dict[str, Any],
+    keep: int = 3,
+    key: bytes | None = None,
+) -> Path:
     """Write checkpoint ``version`` into ``folder``; returns the manifest's path.  ``key``: the job's
     :func:`signing_key`, with which the manifest is signed (None: not signed).
 
@@ -165,9 +176,15 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
         # over its path (or a folder moved aside and made again) meanwhile cannot split the checkpoint between two
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         _write_atomically(fd, npz, lambda f: np.savez(f, **arrays))
-        manifest = {**manifest, "format": FORMAT, "version": version, "npz": npz,
-                    "npz_bytes": os.stat(npz, dir_fd=fd).st_size, "sha256": _sha256(npz, fd),
-                    "written_at": time.time()}
+        manifest = {
+            **manifest,
+            "format": FORMAT,
+            "version": version,
+            "npz": npz,
+            "npz_bytes": os.stat(npz, dir_fd=fd).st_size,
+            "sha256": _sha256(npz, fd),
+            "written_at": time.time(),
+        }
         if key is not None:
             manifest["signature"] = _signature(key, manifest)
         _write_atomically(fd, meta, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -176,24 +193,30 @@ def save(folder: str | os.PathLike, version: int, arrays: dict[str, np.ndarray],
     except OSError as exc:
         if fd is not None and not os.access(meta, os.F_OK, dir_fd=fd):
             _remove(npz, fd)
-        raise CheckpointError(f"checkpoint of version {version} in {folder} failed ({exc.strerror or exc}); "
-                              + fallback(folder, job, shard, version)) from None
+        raise CheckpointError(
+            f"checkpoint of version {version} in {folder} failed ({exc.strerror or exc}); "
+            + fallback(folder, job, shard, version)
+        ) from None
     finally:
         if fd is not None:
             os.close(fd)
     try:
         _prune(folder, job, shard, version, keep)
     except OSError as exc:  # the checkpoint is written; the old ones go at the next (no descriptor left, say)
-        log.warning("checkpoint %s is written, but the older ones could not be looked through to remove those "
-                    "beyond the newest %d (%s); the next checkpoint tries again", folder / meta, keep,
-                    exc.strerror or exc)
+        log.warning(
+            "checkpoint %s is written, but the older ones could not be looked through to remove those "
+            "beyond the newest %d (%s); the next checkpoint tries again",
+            folder / meta,
+            keep,
+            exc.strerror or exc,
+        )
     return folder / meta
 
 
 def _prune(folder: Path, job: Any, shard: Any, version: int, keep: int) -> None:
     """Remove the job's checkpoints in ``folder`` older than the newest ``keep`` (see :func:`save`)."""
     older = [v for v in owned(folder, job, shard) if v != version]
-    gone = older[keep - 1:] if keep > 0 else []
+    gone = older[keep - 1 :] if keep > 0 else []
     if gone and folder.parent.name == job:  # the job's own folder: a manifest that cannot be read is its own too
         gone += [v for v in versions(folder) if v < gone[0] and _read_manifest(folder / f"ckpt-{v}.json") is None]
     for old in gone:
@@ -252,7 +275,7 @@ def remove_leftovers(folder: str | os.PathLike) -> tuple[list[str], int]:
 def _versions(folder: Path) -> list[int]:
     out = []
     for path in folder.glob("ckpt-*.json"):
-        stem = path.stem[len("ckpt-"):]
+        stem = path.stem[len("ckpt-") :]
         if stem.isdigit():
             out.append(int(stem))
     return out
@@ -264,8 +287,14 @@ def versions(folder: str | os.PathLike) -> list[int]:
     return sorted(_versions(folder), reverse=True) if folder.is_dir() else []
 
 
-def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
-         arrays: bool | Sequence[str] = True, fingerprint: str | None = None, key: bytes | None = None) -> Checkpoint:
+def load(
+    folder: str | os.PathLike,
+    version: int,
+    plan_hash: str | None = None,
+    arrays: bool | Sequence[str] = True,
+    fingerprint: str | None = None,
+    key: bytes | None = None,
+) -> Checkpoint:
     """Checkpoint ``version`` of ``folder``, checked against its manifest's size and SHA-256 (and
     against ``plan_hash``, the job's ``fingerprint`` and the manifest's signature with ``key`` when given);
     never unpickles.  ``arrays``: True loads every array, a list of names loads those (e.g. ``["weights"]``),
@@ -279,24 +308,30 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"unknown format {manifest.get('format')!r}")
         if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
-            raise CheckpointError(f"it was written by job {manifest.get('fingerprint') or '(unnamed)'}, "
-                                  f"this is job {fingerprint}")
+            raise CheckpointError(
+                f"it was written by job {manifest.get('fingerprint') or '(unnamed)'}, this is job {fingerprint}"
+            )
         if key is not None:
             signed = manifest.get("signature")
             if not isinstance(signed, str) or not signed:
-                raise CheckpointError("it is not signed, and this job has a token: it was written by a shard without "
-                                      "one (--no-token), or not by a shard of this job")
+                raise CheckpointError(
+                    "it is not signed, and this job has a token: it was written by a shard without "
+                    "one (--no-token), or not by a shard of this job"
+                )
             if not hmac.compare_digest(signed.encode("ascii", "replace"), _signature(key, manifest).encode()):
-                raise CheckpointError("its signature does not match this job's token: it was written under another "
-                                      "token, or changed since")
+                raise CheckpointError(
+                    "its signature does not match this job's token: it was written under another "
+                    "token, or changed since"
+                )
         npz = folder / manifest["npz"]
         if npz.parent != folder or not npz.exists():
             raise CheckpointError(f"{npz.name} is missing")
         if npz.stat().st_size != manifest["npz_bytes"] or _sha256(npz) != manifest["sha256"]:
             raise CheckpointError(f"{npz.name} does not match its checksum (truncated or corrupt)")
         if plan_hash is not None and manifest.get("plan_hash") != plan_hash:
-            raise CheckpointError(f"it was written for partition plan {manifest.get('plan_hash')!r}, "
-                                  f"this shard has {plan_hash!r}")
+            raise CheckpointError(
+                f"it was written for partition plan {manifest.get('plan_hash')!r}, this shard has {plan_hash!r}"
+            )
         loaded = {}
         if arrays:
             with np.load(npz, allow_pickle=False) as data:
@@ -310,8 +345,13 @@ def load(folder: str | os.PathLike, version: int, plan_hash: str | None = None,
         raise CheckpointError(f"{type(exc).__name__}: {reason}") from None
 
 
-def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | None = None,
-                check: Callable[[Checkpoint], None] | None = None, key: bytes | None = None) -> Checkpoint | None:
+def load_latest(
+    folder: str | os.PathLike,
+    plan_hash: str,
+    fingerprint: str | None = None,
+    check: Callable[[Checkpoint], None] | None = None,
+    key: bytes | None = None,
+) -> Checkpoint | None:
     """The newest intact checkpoint in ``folder`` for ``plan_hash`` (and the job ``fingerprint``, and signed with
     ``key``, when given) that ``check`` passes (it raises :class:`CheckpointError` saying why not), or None when
     there is none."""
@@ -322,8 +362,7 @@ def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | No
                 check(ckpt)
             return ckpt
         except CheckpointError as exc:
-            log.warning("skipping checkpoint %s: %s; trying the one before", Path(folder) / f"ckpt-{version}.json",
-                        exc)
+            log.warning("skipping checkpoint %s: %s; trying the one before", Path(folder) / f"ckpt-{version}.json", exc)
     return None
 
 
@@ -331,10 +370,10 @@ def load_latest(folder: str | os.PathLike, plan_hash: str, fingerprint: str | No
 class Other:
     """Checkpoints of one shard index that belong to another job (or to no job: the layout before)."""
 
-    fingerprint: str | None             # None: ``root/shard-K``, written before checkpoints were scoped to a job
+    fingerprint: str | None  # None: ``root/shard-K``, written before checkpoints were scoped to a job
     folder: Path
-    versions: list[int]                 # newest first
-    manifest: dict[str, Any] | None     # the newest readable manifest
+    versions: list[int]  # newest first
+    manifest: dict[str, Any] | None  # the newest readable manifest
 
     def describe(self, mine: Mapping[str, Any] | None, plan_hash: str) -> str:
         """``fingerprint (ckpt-V; differs in field: this job a, checkpoint b; ...)``, one line."""
@@ -363,8 +402,11 @@ def others(root: str | os.PathLike, shard: int, fingerprint: str) -> list[Other]
     root = Path(root)
     if not root.is_dir():
         return []
-    folders = [(sub.name, shard_dir(root, shard, sub.name)) for sub in sorted(root.iterdir())
-               if sub.name != fingerprint and is_fingerprint(sub.name)]
+    folders = [
+        (sub.name, shard_dir(root, shard, sub.name))
+        for sub in sorted(root.iterdir())
+        if sub.name != fingerprint and is_fingerprint(sub.name)
+    ]
     found = []
     for name, folder in [*folders, (None, shard_dir(root, shard))]:
         held = versions(folder)

@@ -22,24 +22,25 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from psgd.config import Deadlines, Remedies
 from psgd.job import fingerprint as job_fingerprint
 from psgd.optim import WHOLE, Optimizer, Share
+from psgd.partition import PartitionPlan
+from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
+from psgd.server.errors import ShardError
 from psgd.server.state import admission
 from psgd.server.state.checkpoint import Checkpoint
-from psgd.server.errors import ShardError
 from psgd.server.state.remedies import PushRemedies
 from psgd.server.state.rewind import Rewind
 from psgd.server.state.rounds import Round
 from psgd.server.state.store import LiveRead, Snapshot, WeightStore
 from psgd.server.state.tables import RowsIn, ShardTables
 from psgd.server.state.whole import WholeState
-from psgd.partition import PartitionPlan
-from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,12 @@ class ShardCore:
     slices travel in on the wire."""
 
     def __init__(
-        self, plan: PartitionPlan, shard: int, values: Mapping[int, np.ndarray], optimizer: Optimizer, policy: Policy,
+        self,
+        plan: PartitionPlan,
+        shard: int,
+        values: Mapping[int, np.ndarray],
+        optimizer: Optimizer,
+        policy: Policy,
         *,
         num_workers: int,
         deadlines: Deadlines | None = None,  # how long a silent or missing worker keeps its place ([cluster]'s part)
@@ -93,8 +99,9 @@ class ShardCore:
         self.offsets, self.nbytes = self.store.offsets, self.store.nbytes
         self.optimizer, self.policy = optimizer, policy
         self.num_workers, self.allow_nonfinite = num_workers, allow_nonfinite
-        self.remedies = PushRemedies(num_workers, policy.accumulates, lambda: self.store.flat, self.store.views,
-                                     remedies or Remedies())
+        self.remedies = PushRemedies(
+            num_workers, policy.accumulates, lambda: self.store.flat, self.store.views, remedies or Remedies()
+        )
         self.version = 0
         self.roster = admission.Roster(shard, num_workers, deadlines or Deadlines(), now)
         # a sync round in the making, its pushes added in the workers' order where the job goes back to cuts
@@ -102,9 +109,23 @@ class ShardCore:
         self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows
         self.remedies.watch_tables(self.tables.tables)
         self.staleness_histogram = [0] * STALENESS_BUCKETS
-        self.counters = {"pushes": 0, "pulls": 0, "applied": 0, "accumulated": 0, "duplicates": 0, "late": 0,
-                         "rejected": 0, "expired": 0, "bytes_in": 0, "bytes_out": 0, "rollbacks": 0, "rounds_undone": 0,
-                         "data_requests": 0, "data_cpu_seconds": 0.0, "receive_seconds": 0.0}
+        self.counters = {
+            "pushes": 0,
+            "pulls": 0,
+            "applied": 0,
+            "accumulated": 0,
+            "duplicates": 0,
+            "late": 0,
+            "rejected": 0,
+            "expired": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "rollbacks": 0,
+            "rounds_undone": 0,
+            "data_requests": 0,
+            "data_cpu_seconds": 0.0,
+            "receive_seconds": 0.0,
+        }
         self.closing = False
         self.halted = ""  # why it refuses every call (a cut it could not write: psgd.server.durable.recovery.Failures)
         # sync: at each multiple of ``cut_rounds`` rounds, ``on_cut`` runs under the lock, before the next round
@@ -112,8 +133,18 @@ class ShardCore:
         self.cut_rounds = cut_rounds
         self.on_cut: Callable[[], None] | None = None
         # its state taken and given whole, and its checkpoints' versions (psgd.server.durable.recovery)
-        self.whole = WholeState(plan, shard, self.fingerprint, self.identity, self.store, optimizer, policy,
-                                self.round, self.tables, self.roster)
+        self.whole = WholeState(
+            plan,
+            shard,
+            self.fingerprint,
+            self.identity,
+            self.store,
+            optimizer,
+            policy,
+            self.round,
+            self.tables,
+            self.roster,
+        )
         self.rewind = Rewind(shard, num_workers)  # what its rollbacks leave (psgd.server.durable.recovery.rollback)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
         # while its workers train), and the pair (psgd.server.durable.replica)
@@ -164,8 +195,12 @@ class ShardCore:
         if self.role in ("replica", "starting", "stopping"):
             if self.role == "replica" and self.replication is not None:
                 self.replication.asked()  # a worker that cannot reach the primary: a replica that lost it may lead
-            raise ShardError("UNAVAILABLE", f"this process of shard {self.shard} serves no worker ({self.role}): the "
-                             "other process of its pair does", reason="NOT_PRIMARY")
+            raise ShardError(
+                "UNAVAILABLE",
+                f"this process of shard {self.shard} serves no worker ({self.role}): the "
+                "other process of its pair does",
+                reason="NOT_PRIMARY",
+            )
 
     def _policy_changed(self) -> None:
         if self.replication is not None:  # the policy's state, no update half made (the replica applies each after)
@@ -173,8 +208,17 @@ class ShardCore:
             self.replication.policy_changed()
 
     # -- requests -----------------------------------------------------------------
-    def register(self, worker: int, plan_hash: str, plan_json: str = "", hostname: str = "", pid: int = 0,
-                 clock: int = 0, job_json: str | None = None, incarnation: str = "") -> int:
+    def register(
+        self,
+        worker: int,
+        plan_hash: str,
+        plan_json: str = "",
+        hostname: str = "",
+        pid: int = 0,
+        clock: int = 0,
+        job_json: str | None = None,
+        incarnation: str = "",
+    ) -> int:
         """(Re)join ``worker``; returns the clock it continues from.
 
         ``clock`` is where the worker is: a shard process that meets it for the first time ahead of itself jumps
@@ -193,13 +237,27 @@ class ShardCore:
             info.clock = clock = self.policy.join(worker)
             self._policy_changed()
             self.changed.notify_all()
-        log.info("shard %d: worker %d registered (%s pid %d), continues at clock %d",
-                 self.shard, worker, hostname or "?", pid, clock)
+        log.info(
+            "shard %d: worker %d registered (%s pid %d), continues at clock %d",
+            self.shard,
+            worker,
+            hostname or "?",
+            pid,
+            clock,
+        )
         return clock
 
-    def pull(self, worker: int | None, clock: int, timeout: float,
-             cancelled: Callable[[], bool] = lambda: False, copy: bool = True, hold: float = float("inf"),
-             on_revoke: Callable[[], None] = lambda: None, key: str | None = None) -> Snapshot | LiveRead:
+    def pull(
+        self,
+        worker: int | None,
+        clock: int,
+        timeout: float,
+        cancelled: Callable[[], bool] = lambda: False,
+        copy: bool = True,
+        hold: float = float("inf"),
+        on_revoke: Callable[[], None] = lambda: None,
+        key: str | None = None,
+    ) -> Snapshot | LiveRead:
         """Wait until the policy lets ``worker`` (None: an observer, which never waits) read the weights
         for ``clock``, then return a read of them: a shared :class:`Snapshot` (``copy``), or a
         :class:`LiveRead` of the live weights, valid for ``hold`` seconds at least (psgd.server.state.store says
@@ -229,9 +287,12 @@ class ShardCore:
                         raise ShardError("CANCELLED", f"worker {worker} went away while its pull waited")
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ShardError("DEADLINE_EXCEEDED", f"pull for clock {clock} by worker {worker} waited "
-                                         f"{timeout:.1f}s under {self.policy.name}; "
-                                         f"{self.roster.behind(worker, clock)}")
+                        raise ShardError(
+                            "DEADLINE_EXCEEDED",
+                            f"pull for clock {clock} by worker {worker} waited "
+                            f"{timeout:.1f}s under {self.policy.name}; "
+                            f"{self.roster.behind(worker, clock)}",
+                        )
                     self.changed.wait(min(left, 0.5))
                     self.roster.live(worker, key, renew=False)
             if not self.store.before_reading(deadline):
@@ -239,8 +300,7 @@ class ShardCore:
             self.counters["pulls"] += 1
             self.counters["bytes_out"] += self.nbytes
             self.remedies.pulled(worker, self.version)
-            return (self.store.snapshot(self.version) if copy else
-                    self.store.live(self.version, worker, hold, on_revoke))
+            return self.store.snapshot(self.version) if copy else self.store.live(self.version, worker, hold, on_revoke)
 
     def read_rows(self, worker: int | None, lookups: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The rows of each table ``lookups`` names (this shard's ids, distinct), after the pull that lets
@@ -250,8 +310,9 @@ class ShardCore:
             self.roster.check(worker)
         with self.lock:
             rows = self.tables.read(lookups, who, make=worker is not None)
-            self.remedies.pulled_rows(worker, self.version, {n: (np.asarray(lookups[n], np.int64), v)
-                                                              for n, v in rows.items()})
+            self.remedies.pulled_rows(
+                worker, self.version, {n: (np.asarray(lookups[n], np.int64), v) for n, v in rows.items()}
+            )
             return rows
 
     def list_rows(self, table: str, start: int, max_rows: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -260,9 +321,17 @@ class ShardCore:
         with self.lock:
             return (*self.tables.page(table, start, max_rows, "a listing"), self.version)
 
-    def push(self, worker: int, clock: int, base_version: int, grads: Mapping[int, np.ndarray],
-             wire_bytes: int | None = None, rows: RowsIn | None = None, largest: float | None = None,
-             key: str | None = None) -> PushResult:
+    def push(
+        self,
+        worker: int,
+        clock: int,
+        base_version: int,
+        grads: Mapping[int, np.ndarray],
+        wire_bytes: int | None = None,
+        rows: RowsIn | None = None,
+        largest: float | None = None,
+        key: str | None = None,
+    ) -> PushResult:
         """Apply, accumulate or drop one gradient for every slice of this shard, and of the rows it touched
         (``rows``: ids and gradients by table, :mod:`psgd.server.state.tables`), as the policy says.
         ``wire_bytes``: what the push took on the wire (less than the gradient when compressed); ``largest``: the
@@ -272,8 +341,9 @@ class ShardCore:
         if clock < 0 or base_version < 0:
             raise ShardError("INVALID_ARGUMENT", f"clock ({clock}) and base version ({base_version}) must be >= 0")
         if clock > MAX_CLOCK:
-            raise ShardError("INVALID_ARGUMENT", f"clock {clock} is too large: a push's clock must be at most "
-                             f"{MAX_CLOCK}")
+            raise ShardError(
+                "INVALID_ARGUMENT", f"clock {clock} is too large: a push's clock must be at most {MAX_CLOCK}"
+            )
         self.store.check(grads, f"worker {worker}", largest, self.allow_nonfinite)
         rows = self.tables.check(rows or {}, f"push from worker {worker}", self.allow_nonfinite)
         with self.lock:
@@ -282,8 +352,10 @@ class ShardCore:
             info = self.roster.live(worker, key)  # first: a restarted shard asks the worker to register again
             self.rewind.check(worker, clock)
             if base_version > self.version:
-                raise ShardError("INVALID_ARGUMENT", f"base version {base_version} is ahead of shard "
-                                 f"{self.shard}'s version {self.version}")
+                raise ShardError(
+                    "INVALID_ARGUMENT",
+                    f"base version {base_version} is ahead of shard {self.shard}'s version {self.version}",
+                )
             decision = self.policy.push(worker, clock)
             staleness = self.version - base_version
             action = decision.action
@@ -292,8 +364,11 @@ class ShardCore:
             if action == REJECT:
                 self.counters["pushes"] += 1
                 self.counters["rejected"] += 1
-                raise ShardError("FAILED_PRECONDITION", f"push from worker {worker} at clock {clock} refused: "
-                                 f"{decision.reason}", reason=decision.reason_code)
+                raise ShardError(
+                    "FAILED_PRECONDITION",
+                    f"push from worker {worker} at clock {clock} refused: {decision.reason}",
+                    reason=decision.reason_code,
+                )
             self.counters["bytes_in"] += sum(g.nbytes for g in grads.values()) if wire_bytes is None else wire_bytes
             info.clock = max(info.clock, decision.next_clock)
             outcome = OUTCOMES[action]
@@ -315,8 +390,9 @@ class ShardCore:
                 self.round.add(grads, base_version, worker, closes=bool(decision.closed_rounds))
                 self.tables.add(rows, worker)
                 self._close_rounds(decision.closed_rounds)
-            result = PushResult(outcome, decision.next_clock, self.version, staleness,
-                                self.policy.pull_ready(worker, clock + 1))
+            result = PushResult(
+                outcome, decision.next_clock, self.version, staleness, self.policy.pull_ready(worker, clock + 1)
+            )
         if self.replication is not None:  # a duplicate too: the replica must hold the push before it is acknowledged
             self.replication.confirm(ticket if action == APPLY else result.version)
         return result
@@ -380,20 +456,32 @@ class ShardCore:
     def status(self) -> dict:
         with self.lock:
             return {
-                "shard": self.shard, "num_shards": self.plan.num_shards, "policy": self.policy.name,
-                "version": self.version, "plan_hash": self.plan.hash,
-                "bytes_held": int(sum(w.nbytes for w in self.weights.values())), "workers": self.roster.rows(),
-                "counters": {**self.counters, **self.store.counters, "impostors": self.roster.impostors,
-                             "policy": self.policy.describe()},
-                "reads": self.store.reads(), "staleness_histogram": list(self.staleness_histogram),
-                **self.whole.status(), **self.rewind.status(),
-                "role": self.role, "replica_lag": self.replication.lag() if self.replication is not None else -1,
+                "shard": self.shard,
+                "num_shards": self.plan.num_shards,
+                "policy": self.policy.name,
+                "version": self.version,
+                "plan_hash": self.plan.hash,
+                "bytes_held": int(sum(w.nbytes for w in self.weights.values())),
+                "workers": self.roster.rows(),
+                "counters": {
+                    **self.counters,
+                    **self.store.counters,
+                    "impostors": self.roster.impostors,
+                    "policy": self.policy.describe(),
+                },
+                "reads": self.store.reads(),
+                "staleness_histogram": list(self.staleness_histogram),
+                **self.whole.status(),
+                **self.rewind.status(),
+                "role": self.role,
+                "replica_lag": self.replication.lag() if self.replication is not None else -1,
                 **({"tables": self.tables.status()} if self.tables else {}),
             }
 
     # -- its state, taken and given whole (psgd.server.state.whole) --------------------------------------------------
-    def write_checkpoint(self, save: Callable[[int, dict, dict], T], held: bool = False,
-                         force: bool = False) -> T | None:
+    def write_checkpoint(
+        self, save: Callable[[int, dict, dict], T], held: bool = False, force: bool = False
+    ) -> T | None:
         """``save(version, arrays, manifest)`` of this core's whole state (what it returns: the file's path), or
         nothing where the state is the one last saved (unless ``force``).  Under the lock, straight from the live
         arrays with no update half made: consistent, and no second copy of the weights; training pauses meanwhile.
@@ -482,17 +570,27 @@ class ShardCore:
         with self.lock:
             self.policy.load_state_dict(dict(state))
 
-    def apply_replicated(self, seq: int, worker: int, clock: int, staleness: int, lr_scale: float,
-                         grads: Mapping[int, np.ndarray], answer: Callable[[str], None]) -> None:
+    def apply_replicated(
+        self,
+        seq: int,
+        worker: int,
+        clock: int,
+        staleness: int,
+        lr_scale: float,
+        grads: Mapping[int, np.ndarray],
+        answer: Callable[[str], None],
+    ) -> None:
         """On a replica: the primary's update ``seq`` (worker ``worker``'s push at ``clock``), checked against this
         process's policy before ``answer`` is called with "" (the primary acknowledges the push on it) or why not
         (then refused: FAILED_PRECONDITION), and applied after."""
         with self.lock:
             decision = self.policy.push(worker, clock) if self.version + 1 == seq else None
             if decision is None or decision.action != APPLY:
-                why = (f"replica of shard {self.shard} at version {self.version} cannot apply update {seq} (worker "
-                       f"{worker}, clock {clock}): "
-                       f"{(decision.reason or decision.action) if decision else 'out of order'}")
+                why = (
+                    f"replica of shard {self.shard} at version {self.version} cannot apply update {seq} (worker "
+                    f"{worker}, clock {clock}): "
+                    f"{(decision.reason or decision.action) if decision else 'out of order'}"
+                )
                 answer(why)
                 raise ShardError("FAILED_PRECONDITION", why)
             answer("")  # held: applied while the next comes

@@ -33,7 +33,7 @@ receives.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -52,8 +52,14 @@ MEAN_SQUARE_COLUMN = "dc_mean_square"
 class PushRemedies:
     """The rate and the compensation of a shard's pushes (sync pushes, averaged into a round, get neither)."""
 
-    def __init__(self, num_workers: int, accumulates: bool, flat: Callable[[], np.ndarray],
-                 views: Callable[[np.ndarray], dict[int, np.ndarray]], settings: Remedies):
+    def __init__(
+        self,
+        num_workers: int,
+        accumulates: bool,
+        flat: Callable[[], np.ndarray],
+        views: Callable[[np.ndarray], dict[int, np.ndarray]],
+        settings: Remedies,
+    ):
         per_round = num_workers if settings.async_lr == "divided" and not accumulates else 1
         self.scale = 1.0 / per_round
         implicit = 1.0 - 1.0 / num_workers if settings.implicit_momentum and not accumulates else 0.0
@@ -83,8 +89,9 @@ class PushRemedies:
         np.copyto(copy, self._flat())
         self._pulled[worker] = (version, copy, views)
 
-    def compensate(self, worker: int, base_version: int, grads: Mapping[int, np.ndarray],
-                   weights: Mapping[int, np.ndarray]) -> Mapping[int, np.ndarray]:
+    def compensate(
+        self, worker: int, base_version: int, grads: Mapping[int, np.ndarray], weights: Mapping[int, np.ndarray]
+    ) -> Mapping[int, np.ndarray]:
         """The gradients to apply in place of ``grads`` (new arrays: the pushed ones are left as they came)."""
         if not self.dc_lambda:
             return grads
@@ -114,8 +121,13 @@ class PushRemedies:
         if self.dc_lambda and worker is not None:
             self._pulled_rows[worker] = (version, dict(rows))
 
-    def compensate_rows(self, worker: int, base_version: int, rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                        tables: Mapping[str, RowTable]) -> Mapping[str, tuple[np.ndarray, np.ndarray]]:
+    def compensate_rows(
+        self,
+        worker: int,
+        base_version: int,
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]],
+        tables: Mapping[str, RowTable],
+    ) -> Mapping[str, tuple[np.ndarray, np.ndarray]]:
         """The row gradients to apply in place of ``rows``' (new arrays), compensated as the dense ones are."""
         if not self.dc_lambda or not rows:
             return rows

@@ -32,9 +32,14 @@ class Rewind:
         if cut is not None and clock <= cut:
             del self.rewinding[worker]  # it has gone back
         elif cut is not None:
-            raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} went back to the cut at version {cut} (a "
-                             f"shard of the job restarted from it): worker {worker} continues from clock {cut}, not "
-                             f"{clock}", reason="ROLLED_BACK", rewind_to=cut)
+            raise ShardError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} went back to the cut at version {cut} (a "
+                f"shard of the job restarted from it): worker {worker} continues from clock {cut}, not "
+                f"{clock}",
+                reason="ROLLED_BACK",
+                rewind_to=cut,
+            )
 
     def ask(self, worker: int, version: int) -> None:
         """``worker`` came back ahead of this shard, restarted from the cut at ``version``: the job goes back to it."""
@@ -49,12 +54,18 @@ class Rewind:
             return False
         last = max(self.causes.values(), default=None)
         if last is not None and time.monotonic() - last < ROLLBACK_SPACING:
-            raise ShardError("UNAVAILABLE", f"shard {self.shard} went back for another cause "
-                             f"{time.monotonic() - last:.2f}s ago; it goes back at most once a "
-                             f"{ROLLBACK_SPACING:g}s")
+            raise ShardError(
+                "UNAVAILABLE",
+                f"shard {self.shard} went back for another cause "
+                f"{time.monotonic() - last:.2f}s ago; it goes back at most once a "
+                f"{ROLLBACK_SPACING:g}s",
+            )
         if now < version:
-            raise ShardError("FAILED_PRECONDITION", f"shard {self.shard} is at version {now}, behind the cut at "
-                             f"{version} that worker {worker} asks it to go back to")
+            raise ShardError(
+                "FAILED_PRECONDITION",
+                f"shard {self.shard} is at version {now}, behind the cut at "
+                f"{version} that worker {worker} asks it to go back to",
+            )
         if now == version:
             self.went_back(cause, version)
             return False
@@ -67,5 +78,7 @@ class Rewind:
 
     def status(self) -> dict:
         """The version each worker must continue from, and the cause last gone back for ("" for none)."""
-        return {"rewinding": dict(self.rewinding), "last_cause": max(self.causes, key=self.causes.__getitem__,
-                                                                     default="")}
+        return {
+            "rewinding": dict(self.rewinding),
+            "last_cause": max(self.causes, key=self.causes.__getitem__, default=""),
+        }

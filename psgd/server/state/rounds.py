@@ -9,7 +9,8 @@ copy of each push of the round meanwhile (up to one per worker)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +36,9 @@ class Round:
     def _fold(self, push: np.ndarray, first: bool) -> None:
         """``push`` (laid out like the sum) into the sum: copied in as the round's first, else added, in one pass."""
         flat = self.flat
-        self._sweep(lambda a, b: np.copyto(flat[a:b], push[a:b]) if first else
-                    np.add(flat[a:b], push[a:b], out=flat[a:b]))
+        self._sweep(
+            lambda a, b: np.copyto(flat[a:b], push[a:b]) if first else np.add(flat[a:b], push[a:b], out=flat[a:b])
+        )
 
     def add(self, grads: Mapping[int, np.ndarray], base_version: int, worker: int = 0, closes: bool = False) -> None:
         """Add a push computed from ``base_version``; ``closes``: the round closes with it, before its buffer is

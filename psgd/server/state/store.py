@@ -35,7 +35,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class Snapshot:
     the bytes have been sent, so the buffer can be reused.
     """
 
-    def __init__(self, version: int, buffer: bytearray, views: dict[int, memoryview], owner: "WeightStore"):
+    def __init__(self, version: int, buffer: bytearray, views: dict[int, memoryview], owner: WeightStore):
         self.version, self.buffer, self.data = version, buffer, views
         self.refs, self._owner = 0, owner
 
@@ -76,7 +76,7 @@ class Snapshot:
     def __getitem__(self, index: int):
         return (self.version, self.data)[index]
 
-    def __enter__(self) -> "Snapshot":
+    def __enter__(self) -> Snapshot:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -88,8 +88,17 @@ class LiveRead:
     was ``seq``), valid until :meth:`release`, or until ``hold_until`` (monotonic) has passed and an update
     needs the slot: then the read is revoked (``on_revoke`` is called, ``revoked`` set)."""
 
-    def __init__(self, version: int, worker: int | None, slot: int, seq: int, buffer: memoryview,
-                 owner: "WeightStore", hold_until: float, on_revoke: Callable[[], None]):
+    def __init__(
+        self,
+        version: int,
+        worker: int | None,
+        slot: int,
+        seq: int,
+        buffer: memoryview,
+        owner: WeightStore,
+        hold_until: float,
+        on_revoke: Callable[[], None],
+    ):
         self.version, self.worker, self.slot, self.seq, self.buffer = version, worker, slot, seq, buffer
         self.hold_until, self.on_revoke, self.began = hold_until, on_revoke, time.monotonic()
         self._owner, self._done, self.revoked = owner, False, False
@@ -99,7 +108,7 @@ class LiveRead:
             self._done = True
             self._owner._release_live(self)
 
-    def __enter__(self) -> "LiveRead":
+    def __enter__(self) -> LiveRead:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -109,8 +118,15 @@ class LiveRead:
 class WeightStore:
     """The weights of ``slices`` (initialized from ``values``) and their reads; see the module docstring."""
 
-    def __init__(self, slices: Mapping[int, Slice], values: Mapping[int, np.ndarray], dtype: str,
-                 changed: threading.Condition, shard: int, apply_threads: int | None = None):
+    def __init__(
+        self,
+        slices: Mapping[int, Slice],
+        values: Mapping[int, np.ndarray],
+        dtype: str,
+        changed: threading.Condition,
+        shard: int,
+        apply_threads: int | None = None,
+    ):
         if set(values) != set(slices):
             raise ValueError("initial values must cover exactly this shard's slices")
         self.slices, self.dtype, self.changed, self.shard = slices, dtype, changed, shard
@@ -135,8 +151,8 @@ class WeightStore:
         self._snapshot: Snapshot | None = None
         self._spare: bytearray | None = None
         self._reads: list[list[LiveRead]] = [[] for _ in range(SLOTS)]  # live reads of each slot
-        self.writers_waiting = 0   # updates waiting for reads to finish (new reads defer to them)
-        self.settling = 0          # readers of the whole state waiting for those updates (new updates defer to them)
+        self.writers_waiting = 0  # updates waiting for reads to finish (new reads defer to them)
+        self.settling = 0  # readers of the whole state waiting for those updates (new updates defer to them)
         #: updates made in the other slot since the current one was being read; reads revoked past their hold; the
         #: seconds updates took (their wait for reads included)
         self.counters = {"copied_updates": 0, "revoked_reads": 0, "apply_seconds": 0.0}
@@ -155,7 +171,7 @@ class WeightStore:
         self._slots, self.seq = list(slots), seq
         self._use(0)
 
-    def views(self, flat: np.ndarray) -> "SliceViews":
+    def views(self, flat: np.ndarray) -> SliceViews:
         """Per-slice views of an array laid out like ``flat``."""
         return SliceViews(flat, {i: flat[a:b] for i, (a, b) in self.offsets.items()})
 
@@ -163,8 +179,9 @@ class WeightStore:
         """Per-slice arrays over a buffer holding a gradient for every slice, in slice order."""
         return self.views(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size))
 
-    def check(self, grads: Mapping[int, np.ndarray], who: str, largest: float | None = None,
-              allow_nonfinite: bool = False) -> None:
+    def check(
+        self, grads: Mapping[int, np.ndarray], who: str, largest: float | None = None, allow_nonfinite: bool = False
+    ) -> None:
         """Refuse (INVALID_ARGUMENT) ``who``'s gradient ``grads`` unless it holds every slice of the store and may be
         applied (:meth:`unfit`; anything may where ``allow_nonfinite``): before the policy counts the push, so that
         it is refused whole, the weights as they were."""
@@ -172,8 +189,11 @@ class WeightStore:
             raise ShardError("INVALID_ARGUMENT", "a push must carry a gradient for every slice of the shard")
         unfit = None if allow_nonfinite else self.unfit(grads, largest)
         if unfit is not None:
-            raise ShardError("INVALID_ARGUMENT", f"gradient for {self.slices[unfit[0]].key} from {who} {unfit[1]}; "
-                             "lower the learning rate or check the data")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"gradient for {self.slices[unfit[0]].key} from {who} {unfit[1]}; "
+                "lower the learning rate or check the data",
+            )
 
     def unfit(self, grads: Mapping[int, np.ndarray], largest: float | None = None) -> tuple[int, str] | None:
         """Why the gradient ``grads`` may not be applied, as (a slice id, what it holds), or None: a NaN or an
@@ -191,8 +211,10 @@ class WeightStore:
                 return i, f"has {_nonfinite(grads[i])} non-finite value(s) (NaN/Inf)"
         for i, e in extents.items():
             if e > self.max_gradient:
-                return i, (f"has values up to {e:.3g}, beyond the {self.max_gradient:.3g} a {self.dtype} gradient may "
-                           "hold: no update rule keeps the weights finite under it")
+                return i, (
+                    f"has values up to {e:.3g}, beyond the {self.max_gradient:.3g} a {self.dtype} gradient may "
+                    "hold: no update rule keeps the weights finite under it"
+                )
         return None
 
     # -- reads --------------------------------------------------------------------------------------
@@ -209,7 +231,7 @@ class WeightStore:
             np.copyto(np.frombuffer(buf, dtype=self.dtype, count=self.flat.size), self.flat)
             view = memoryview(buf)
             item = np.dtype(self.dtype).itemsize
-            parts = {i: view[a * item:b * item] for i, (a, b) in self.offsets.items()}
+            parts = {i: view[a * item : b * item] for i, (a, b) in self.offsets.items()}
             snap = self._snapshot = Snapshot(version, buf, parts, self)
         snap.refs += 1
         return snap
@@ -220,11 +242,24 @@ class WeightStore:
             if snap.refs == 0 and snap is not self._snapshot and self._spare is None:
                 self._spare = snap.buffer
 
-    def live(self, version: int, worker: int | None = None, hold: float = float("inf"),
-             on_revoke: Callable[[], None] = lambda: None) -> LiveRead:
+    def live(
+        self,
+        version: int,
+        worker: int | None = None,
+        hold: float = float("inf"),
+        on_revoke: Callable[[], None] = lambda: None,
+    ) -> LiveRead:
         """A read of the current weights, no copy; see the module docstring for how long it may last."""
-        read = LiveRead(version, worker, self.current, int(self.seq[self.current]),
-                        memoryview(self.flat).cast("B"), self, time.monotonic() + hold, on_revoke)
+        read = LiveRead(
+            version,
+            worker,
+            self.current,
+            int(self.seq[self.current]),
+            memoryview(self.flat).cast("B"),
+            self,
+            time.monotonic() + hold,
+            on_revoke,
+        )
         self._reads[self.current].append(read)
         return read
 
@@ -238,12 +273,15 @@ class WeightStore:
     def reads(self) -> list[dict]:
         """The live reads now, oldest first: whose, of which version, held how long."""
         now = time.monotonic()
-        return [{"worker": r.worker, "version": r.version, "held_seconds": round(now - r.began, 3)}
-                for r in sorted((r for slot in self._reads for r in slot), key=lambda r: r.began)]
+        return [
+            {"worker": r.worker, "version": r.version, "held_seconds": round(now - r.began, 3)}
+            for r in sorted((r for slot in self._reads for r in slot), key=lambda r: r.began)
+        ]
 
     # -- updates -----------------------------------------------------------------------------------
-    def apply(self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float,
-              share: Share = WHOLE) -> None:
+    def apply(
+        self, optimizer: Optimizer, grads: Mapping[int, np.ndarray], lr_scale: float, share: Share = WHOLE
+    ) -> None:
         """Update the weights with ``optimizer`` (:mod:`psgd.server.state.update`): in place where nothing reads them,
         else in the other slot."""
         began = time.perf_counter()
@@ -318,8 +356,12 @@ class WeightStore:
                 self.changed.wait(1.0)
                 if time.monotonic() > report:  # a long wait says what it waits for
                     report = time.monotonic() + 10.0
-                    log.warning("shard %d: reading its state waits for %d update(s) held by reads of the weights: "
-                                "%s", self.shard, self.writers_waiting, self.reads())
+                    log.warning(
+                        "shard %d: reading its state waits for %d update(s) held by reads of the weights: %s",
+                        self.shard,
+                        self.writers_waiting,
+                        self.reads(),
+                    )
         finally:
             self.settling -= 1
             self.changed.notify_all()
@@ -343,9 +385,14 @@ class WeightStore:
         for read in self._reads[slot]:
             read.revoked = True
             self.counters["revoked_reads"] += 1
-            log.warning("shard %d: a pull of version %d by worker %s was still being read after %.1fs, past its "
-                        "deadline: its connection is closed (it pulls again) and an update takes its memory",
-                        self.shard, read.version, "?" if read.worker is None else read.worker, now - read.began)
+            log.warning(
+                "shard %d: a pull of version %d by worker %s was still being read after %.1fs, past its "
+                "deadline: its connection is closed (it pulls again) and an update takes its memory",
+                self.shard,
+                read.version,
+                "?" if read.worker is None else read.worker,
+                now - read.began,
+            )
             try:
                 read.on_revoke()
             except OSError:

@@ -14,7 +14,8 @@ arithmetic as one process computing the gradient of the round's whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -47,18 +48,27 @@ class ShardTables:
     def check_ids(self, name: str, ids: Any, who: str) -> np.ndarray:
         """``ids`` of table ``name`` as int64, once they are distinct and all this shard's."""
         if name not in self.tables:
-            raise ShardError("INVALID_ARGUMENT", f"{who}: no table {name!r} (this job's tables: "
-                             f"{', '.join(self.tables) or 'none'})")
+            raise ShardError(
+                "INVALID_ARGUMENT", f"{who}: no table {name!r} (this job's tables: {', '.join(self.tables) or 'none'})"
+            )
         array = np.asarray(ids)
         if array.ndim != 1 or array.dtype != np.int64:
-            raise ShardError("INVALID_ARGUMENT", f"{who}: the ids of table {name!r} must be one int64 array, got "
-                             f"{array.dtype} of shape {array.shape}")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"{who}: the ids of table {name!r} must be one int64 array, got {array.dtype} of shape {array.shape}",
+            )
         if np.unique(array).size != array.size:
-            raise ShardError("INVALID_ARGUMENT", f"{who}: table {name!r}: an id is repeated (sum a batch's "
-                             "gradients of one row before pushing, and ask for each row once)")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"{who}: table {name!r}: an id is repeated (sum a batch's "
+                "gradients of one row before pushing, and ask for each row once)",
+            )
         if array.size and (self.plan.shard_of_ids(name, array) != self.shard).any():
-            raise ShardError("INVALID_ARGUMENT", f"{who}: table {name!r}: some ids are not shard {self.shard}'s "
-                             "(the plan spreads rows by a hash of the id: send each id to the shard it names)")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"{who}: table {name!r}: some ids are not shard {self.shard}'s "
+                "(the plan spreads rows by a hash of the id: send each id to the shard it names)",
+            )
         return array
 
     def check(self, rows: RowsIn, who: str, allow_nonfinite: bool = False) -> dict[str, tuple[np.ndarray, Any]]:
@@ -69,12 +79,18 @@ class ShardTables:
             dim = self.tables[name].spec.dim
             values = np.asarray(values)
             if values.shape != (ids.size, dim) or values.dtype.kind != "f":
-                raise ShardError("INVALID_ARGUMENT", f"{who}: table {name!r}: {ids.size} ids need gradients of "
-                                 f"shape ({ids.size}, {dim}) of floats, got {values.dtype} {values.shape}")
+                raise ShardError(
+                    "INVALID_ARGUMENT",
+                    f"{who}: table {name!r}: {ids.size} ids need gradients of "
+                    f"shape ({ids.size}, {dim}) of floats, got {values.dtype} {values.shape}",
+                )
             if not allow_nonfinite and not np.isfinite(values).all():
                 bad = int((~np.isfinite(values)).sum())
-                raise ShardError("INVALID_ARGUMENT", f"{who}: table {name!r}: the row gradients have {bad} non-finite "
-                                 "value(s) (NaN/Inf); lower the learning rate or check the data")
+                raise ShardError(
+                    "INVALID_ARGUMENT",
+                    f"{who}: table {name!r}: the row gradients have {bad} non-finite "
+                    "value(s) (NaN/Inf); lower the learning rate or check the data",
+                )
             out[name] = (ids, values)
         return out
 
@@ -97,8 +113,10 @@ class ShardTables:
         """A page of table ``name``'s rows (:meth:`psgd.tables.held.RowTable.page`), at most ``max_rows`` and
         BLOCK_BYTES of values."""
         if name not in self.tables:
-            raise ShardError("INVALID_ARGUMENT", f"{who} asked for the rows of table {name!r}; this job's tables: "
-                             f"{', '.join(self.tables) or 'none'}")
+            raise ShardError(
+                "INVALID_ARGUMENT",
+                f"{who} asked for the rows of table {name!r}; this job's tables: {', '.join(self.tables) or 'none'}",
+            )
         if start < -1:
             raise ShardError("INVALID_ARGUMENT", f"{who}: a listing starts at 0 or a reply's next, not {start}")
         table = self.tables[name]
@@ -107,8 +125,7 @@ class ShardTables:
             return np.zeros(0, np.int64), np.zeros((0, table.spec.dim), table.dtype), -1
         return table.page(start, min(most, max_rows) if max_rows > 0 else most)
 
-    def apply(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], lr_scale: float,
-              share: Share = WHOLE) -> None:
+    def apply(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], lr_scale: float, share: Share = WHOLE) -> None:
         for name, (ids, values) in rows.items():
             self.tables[name].apply(ids, values, lr_scale, share)
             self.counters["rows_pushed"] += int(ids.size)
@@ -145,16 +162,18 @@ class ShardTables:
             out.update({f"table/{name}/{k}": v for k, v in table.state_dict().items()})
             parts = self.round[name]
             out[f"round_rows/{name}/ids"] = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-            out[f"round_rows/{name}/values"] = (np.concatenate([p[1] for p in parts]) if parts else
-                                                np.zeros((0, table.spec.dim)))
-            out[f"round_rows/{name}/workers"] = (np.concatenate([np.full(p[0].size, p[2]) for p in parts]) if parts
-                                                 else np.zeros(0, np.int64))
+            out[f"round_rows/{name}/values"] = (
+                np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, table.spec.dim))
+            )
+            out[f"round_rows/{name}/workers"] = (
+                np.concatenate([np.full(p[0].size, p[2]) for p in parts]) if parts else np.zeros(0, np.int64)
+            )
         return out
 
     def load(self, arrays: Mapping[str, np.ndarray]) -> None:
         for name, table in self.tables.items():
             prefix = f"table/{name}/"
-            table.load_state_dict({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+            table.load_state_dict({k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)})
             ids = arrays.get(f"round_rows/{name}/ids")
             self.round[name] = []
             if ids is not None and len(ids):  # each push's rows apart again, by its worker (-1: unknown)

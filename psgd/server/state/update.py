@@ -12,7 +12,7 @@ the weights.  An elementwise rule gives the same bits in any piece order: the sa
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -31,8 +31,15 @@ class UpdatePass:
         self._keys = tuple(slices[i].key for i in order)
         self._bounds = tuple(offsets[i] for i in order)
 
-    def apply(self, optimizer: Optimizer, flat: np.ndarray, weights: Mapping[int, np.ndarray],
-              grads: Mapping[int, np.ndarray], lr_scale: float, share: Share = WHOLE) -> None:
+    def apply(
+        self,
+        optimizer: Optimizer,
+        flat: np.ndarray,
+        weights: Mapping[int, np.ndarray],
+        grads: Mapping[int, np.ndarray],
+        lr_scale: float,
+        share: Share = WHOLE,
+    ) -> None:
         """Update ``flat`` (whose slices ``weights`` views) with ``grads``: an elementwise rule all the slices at
         once, piece by piece, where the gradient is one array too (its ``flat``); else slice by slice, the slices
         spread over the threads."""
@@ -40,8 +47,7 @@ class UpdatePass:
         if whole is not None and optimizer.elementwise:
             optimizer.update_flat(self._keys, flat, whole, self._bounds, lr_scale, share, over=self._pieces(flat))
         else:
-            self.sweep.map(lambda i: optimizer.update(self.slices[i].key, weights[i], grads[i], lr_scale, share),
-                           grads)
+            self.sweep.map(lambda i: optimizer.update(self.slices[i].key, weights[i], grads[i], lr_scale, share), grads)
 
     def _pieces(self, flat: np.ndarray) -> Callable[[Callable[[int, int], object]], None]:
         """What the optimizer runs its step over: each piece of ``flat``, spread over the sweep's threads."""

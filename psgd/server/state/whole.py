@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,9 +37,19 @@ class WholeState:
     psgd.server.durable.recovery keeps; ``joined``: the workers registered with this process (a restart forgets
     them)."""
 
-    def __init__(self, plan: PartitionPlan, shard: int, fingerprint: str, identity: Mapping[str, Any] | None,
-                 store: WeightStore, optimizer: Optimizer, policy: Policy, round: Round | None, tables: ShardTables,
-                 roster: Roster):
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        shard: int,
+        fingerprint: str,
+        identity: Mapping[str, Any] | None,
+        store: WeightStore,
+        optimizer: Optimizer,
+        policy: Policy,
+        round: Round | None,
+        tables: ShardTables,
+        roster: Roster,
+    ):
         self.plan, self.shard, self.fingerprint, self.identity = plan, shard, fingerprint, identity
         self.store, self.optimizer, self.policy, self.round = store, optimizer, policy, round
         self.tables, self.roster = tables, roster
@@ -55,17 +66,25 @@ class WholeState:
             arrays["round_sum"] = self.round.so_far()
             arrays.update({f"round_push/{w}": a for w, a in self.round.apart.items()})
         arrays.update(self.tables.arrays())
-        manifest = {"fingerprint": self.fingerprint, "identity": self.identity, "version": version,
-                    "shard": self.shard, "plan_hash": self.plan.hash, "plan": self.plan.description(),
-                    "policy": self.policy.state_dict(), "counters": dict(counters),
-                    "staleness_histogram": list(histogram),
-                    "round_bases": list(self.round.bases) if self.round else [],
-                    "optimizer": self.optimizer.describe(),
-                    "holders": self.roster.holders()}
+        manifest = {
+            "fingerprint": self.fingerprint,
+            "identity": self.identity,
+            "version": version,
+            "shard": self.shard,
+            "plan_hash": self.plan.hash,
+            "plan": self.plan.description(),
+            "policy": self.policy.state_dict(),
+            "counters": dict(counters),
+            "staleness_histogram": list(histogram),
+            "round_bases": list(self.round.bases) if self.round else [],
+            "optimizer": self.optimizer.describe(),
+            "holders": self.roster.holders(),
+        }
         return arrays, manifest
 
-    def hand_over(self, attach: Callable[[int], bool], version: int, counters: Mapping[str, Any],
-                  histogram: list[int]) -> tuple[int, dict, dict] | None:
+    def hand_over(
+        self, attach: Callable[[int], bool], version: int, counters: Mapping[str, Any], histogram: list[int]
+    ) -> tuple[int, dict, dict] | None:
         """The whole state a new follower starts from at ``version``, copied (the weights move on): (version,
         arrays, manifest), where ``attach(version)`` says yes; else None."""
         if not attach(version):
@@ -83,21 +102,38 @@ class WholeState:
         self.joined.add(worker)
         restored, ahead = self.restored_version, clock > self.policy.clock_of(worker)
         if ahead and cuts and restored is not None:
-            log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard, restarted from the "
-                        "cut at version %d: the job goes back to it", self.shard, worker, clock, version)
+            log.warning(
+                "shard %d: worker %d comes back at clock %d, ahead of this shard, restarted from the "
+                "cut at version %d: the job goes back to it",
+                self.shard,
+                worker,
+                clock,
+                version,
+            )
             return True
         if ahead:
-            log.warning("shard %d: worker %d comes back at clock %d, ahead of this shard (%s); "
-                        "continuing from there", self.shard, worker, clock,
-                        f"restored from the checkpoint of version {restored}" if restored is not None else
-                        "started without a checkpoint: its earlier updates are lost")
+            log.warning(
+                "shard %d: worker %d comes back at clock %d, ahead of this shard (%s); continuing from there",
+                self.shard,
+                worker,
+                clock,
+                f"restored from the checkpoint of version {restored}"
+                if restored is not None
+                else "started without a checkpoint: its earlier updates are lost",
+            )
             if self.policy.fast_forward(worker, clock):
                 self.round.clear()
                 self.tables.clear_round()
         return False
 
-    def write(self, save: Callable[[int, dict, dict], T], version: int, counters: dict[str, Any], histogram: list[int],
-              force: bool) -> T | None:
+    def write(
+        self,
+        save: Callable[[int, dict, dict], T],
+        version: int,
+        counters: dict[str, Any],
+        histogram: list[int],
+        force: bool,
+    ) -> T | None:
         """``save(version, arrays, manifest)`` of the state at ``version`` (what it returns), or nothing where that
         is the one last saved (unless ``force``).  A failure is counted in ``counters`` (``checkpoint_failures``)
         and raised (CheckpointError)."""
@@ -118,7 +154,7 @@ class WholeState:
         m = ckpt.manifest
         version = self.put_back(ckpt)
         counters.update({k: type(counters[k])(v) for k, v in m.get("counters", {}).items() if k in counters})
-        histogram[:] = [int(v) for v in m["staleness_histogram"]][:len(histogram)]
+        histogram[:] = [int(v) for v in m["staleness_histogram"]][: len(histogram)]
         self.roster.keep_for(m.get("holders", {}))
         if restored:
             self.restored_version = version
@@ -139,12 +175,19 @@ class WholeState:
         if self.round is not None:
             self.round.clear()
             if "round_sum" in a:
-                self.round.load(a["round_sum"], m.get("round_bases", []),
-                                {int(k.split("/")[1]): v for k, v in a.items() if k.startswith("round_push/")})
+                self.round.load(
+                    a["round_sum"],
+                    m.get("round_bases", []),
+                    {int(k.split("/")[1]): v for k, v in a.items() if k.startswith("round_push/")},
+                )
         if self.tables:
             self.tables.load(a)
         return int(m["version"])
 
     def status(self) -> dict:
-        return {"checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
-                if self.last_checkpoint else None, "restored_version": self.restored_version}
+        return {
+            "checkpoint": {"version": self.last_checkpoint[0], "written_at": self.last_checkpoint[1]}
+            if self.last_checkpoint
+            else None,
+            "restored_version": self.restored_version,
+        }
