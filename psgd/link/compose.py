@@ -94,11 +94,17 @@ class Link:
         to_device(self._targets(device), views, self.device)
         return version
 
+    @staticmethod
+    def _staged(data: DataLink, parts: list) -> list:
+        """A push's ``parts`` as ``data`` takes them: device arrays through the host for a data link that carries
+        host bytes only."""
+        if parts and backend.is_device_array(parts[0]) and not data.takes_device:
+            return on_host(parts)
+        return parts
+
     def push(self, clock: int, base_version: int, codec: Codec, parts: list, rows: RowsIn | None = None) -> PushReply:
         data = self.data
-        if parts and backend.is_device_array(parts[0]) and not data.takes_device:
-            parts = on_host(parts)
-        return data.push(clock, base_version, codec, parts, rows)
+        return data.push(clock, base_version, codec, self._staged(data, parts), rows)
 
     def push_pull(
         self,
@@ -115,9 +121,7 @@ class Link:
         targets = None if device is None else self._targets(device)
         if data.takes_device:
             return data.push_pull(clock, base_version, codec, parts, views, targets)
-        if parts and backend.is_device_array(parts[0]):
-            parts = on_host(parts)
-        reply, version = data.push_pull(clock, base_version, codec, parts, views)
+        reply, version = data.push_pull(clock, base_version, codec, self._staged(data, parts), views)
         if version is not None and targets is not None:
             to_device(targets, views, self.device)
         return reply, version
