@@ -8,6 +8,7 @@ import re
 import secrets
 import socket
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -190,3 +191,63 @@ def assert_rejoined_at_once(run: Path, err: str) -> None:
     joined = re.findall(r"^(\d\d):(\d\d):(\d\d) .*worker \d registered", shard, re.M)[-2:]
     seconds = [(int(h) * 60 + int(m)) * 60 + int(s) for h, m, s in (restored, *joined)]
     assert all(0 <= t - seconds[0] <= 3 for t in seconds[1:]), (restored, joined)
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(folder: Path, name: str) -> None:
+    """A self-signed CA ``name`` (``name.pem``, ``name.key``) in ``folder``, as a user makes one with openssl."""
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        cwd=folder,
+    )
+
+
+def make_cert(folder: Path, name: str, ca: str, san: str) -> None:
+    """A certificate ``name`` (``name.pem``, ``name.key``) for ``san`` (subjectAltName), signed by the CA ``ca``."""
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=folder,
+    )
+    (folder / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.pem",
+        cwd=folder,
+    )

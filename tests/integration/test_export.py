@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import make_job, shards
+from helpers import make_ca, make_cert, make_job, shards
 
 from psgd.cli.main import main
 from psgd.config import Deadlines, to_toml
@@ -142,43 +141,8 @@ def test_export_with_a_token(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_export_over_tls(tmp_path, capsys):
-    def openssl(*args):
-        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True, timeout=60)
-
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-    )
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=shard", "-keyout", "shard.key", "-out", "shard.csr")
-    (tmp_path / "shard.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        "shard.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "shard.ext",
-        "-out",
-        "shard.pem",
-    )
+    make_ca(tmp_path, "ca")
+    make_cert(tmp_path, "shard", "ca", "IP:127.0.0.1")
     j = job("cluster.shards=1")
     tls = TLSFiles(str(tmp_path / "shard.pem"), str(tmp_path / "shard.key"), None)
     server = ShardServer(build_shard(describe_job(j), 0), "127.0.0.1:0", tls=tls).start()

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import free_port, free_port_pair, make_job, run_threads, shards
+from helpers import free_port, free_port_pair, make_ca, make_cert, make_job, run_threads, shards
 from prometheus_client.parser import text_string_to_metric_families
 
 from psgd.cli.main import main
@@ -449,62 +449,12 @@ def test_doctor_and_status_report_a_refused_token(tmp_path, capsys, monkeypatch)
         server.stop(grace=1.0)
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 @pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_doctor_and_status_with_tls(tmp_path, capsys):
     from psgd.wire.tls import TLSFiles
 
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        cwd=tmp_path,
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=shard",
-        "-keyout",
-        "shard.key",
-        "-out",
-        "shard.csr",
-        cwd=tmp_path,
-    )
-    (tmp_path / "shard.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        "shard.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "shard.ext",
-        "-out",
-        "shard.pem",
-        cwd=tmp_path,
-    )
+    make_ca(tmp_path, "ca")
+    make_cert(tmp_path, "shard", "ca", "IP:127.0.0.1")
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
     ca, cert, key = (str(tmp_path / name) for name in ("ca.pem", "shard.pem", "shard.key"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_job
+from helpers import make_ca, make_cert, make_job
 
 from psgd.config import Deadlines
 from psgd.job import build_job, describe_job
@@ -22,64 +22,6 @@ from psgd.worker.client import PSClient, PSError
 from psgd.worker.exchange import run_worker
 
 pytestmark = pytest.mark.lacks(shutil.which("openssl") is None, reason="openssl is not installed")
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(folder: Path, name: str) -> None:
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        f"/CN={name}",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.pem",
-        cwd=folder,
-    )
-
-
-def make_cert(folder: Path, name: str, ca: str, san: str) -> None:
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        f"/CN={name}",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        cwd=folder,
-    )
-    (folder / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        f"{name}.csr",
-        "-CA",
-        f"{ca}.pem",
-        "-CAkey",
-        f"{ca}.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        f"{name}.ext",
-        "-out",
-        f"{name}.pem",
-        cwd=folder,
-    )
 
 
 @pytest.fixture(scope="module")
