@@ -109,7 +109,7 @@ def identity(config: JobConfig, plan_hash: str, tables: bool = False) -> dict[st
         "plan": plan_hash,
         "policy": c.policy,
         "policy_options": options,
-        "workers": c.workers,
+        "workers": c.get("workers"),
         "shards": c.shards,
         "optimizer": dict(config.optimizer),
         "dtype": config.train.dtype,

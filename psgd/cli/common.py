@@ -76,7 +76,12 @@ def _policy_flags() -> dict[str, tuple[str, type, str]]:
 CLUSTER_FLAGS = {
     **_policy_flags(),
     "--shards": ("cluster.shards", int, "number of parameter-server shards (default 2)"),
-    "--workers": ("cluster.workers", int, "number of workers (default 2)"),
+    "--workers": (
+        "cluster.workers",
+        str,
+        "number of workers (default 2), or a range MIN:MAX: the job starts with MIN and workers may join "
+        "(psgd-worker --rank auto) and leave while it runs, as torchrun's --nnodes",
+    ),
     "--servers": ("cluster.servers", str, "shard addresses host:port,host:port,... in shard order"),
     "--replicas": (
         "cluster.replicas",
@@ -162,7 +167,9 @@ def job_from_args(
             if environ.get(name, "").strip() and not any(environ.get(n, "").strip() for n in own):
                 raw = environ[name].strip()
                 given[dotted] = f"{name}={raw}"
-                job = job.override(dotted, raw if dotted == "cluster.servers" else env_int(name, environ))
+                job = job.override(
+                    dotted, raw if dotted in ("cluster.servers", "cluster.workers") else env_int(name, environ)
+                )
         for flag, (dotted, _, _) in {**JOB_FLAGS, **CLUSTER_FLAGS}.items():
             value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
             if value is not None:

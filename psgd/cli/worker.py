@@ -34,6 +34,7 @@ from psgd.config.parsing import Parser
 from psgd.observe.logs import setup_logging
 from psgd.observe.prometheus import WorkerMetrics, add_metrics_arguments
 from psgd.training.delay import DelayError, parse_delay
+from psgd.training.loop import Interrupted
 from psgd.weights import save_weights
 from psgd.wire.tls import add_tls_arguments, tls_from_args
 from psgd.worker.exchange import run_worker
@@ -73,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="psgd-worker", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--rank",
-        type=int,
+        type=_rank,
         default=None,
-        help="this worker's rank, 0..workers-1 (ps and nccl modes; mpi takes it from mpiexec)",
+        help="this worker's rank, 0..workers-1 (ps and nccl modes; mpi takes it from mpiexec), or auto: join a job "
+        "with a range of workers (--workers MIN:MAX) at the lowest rank nobody holds, which shard 0 gives",
     )
     parser.add_argument(
         "--mode",
@@ -121,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank(text: str) -> int | str:
+    """--rank: a rank, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rank (an integer) or auto, got {text!r}") from None
+
+
 def rank_from(args: argparse.Namespace, environ=None) -> tuple[int | None, str]:
     """This worker's rank and where it came from: --rank, else the first of RANK_VARIABLES set."""
     if args.rank is not None:
@@ -148,25 +160,22 @@ def work(args: argparse.Namespace) -> int:
         logging.getLogger("psgd.cli.worker").info("rank %d from %s", args.rank, rank_source)
     if not config.cluster.servers:
         raise ConfigError("no server addresses: pass --servers host:port,... or set [cluster] servers in the job file")
-    if not 0 <= args.rank < config.cluster.workers:
+    auto = args.rank == "auto"
+    if not auto and not 0 <= args.rank < config.cluster.workers:
         raise ConfigError(
             f"rank {args.rank} (from {rank_source}) is out of range: the job has {config.cluster.workers} worker(s)"
         )
     stop = _STOP  # set by SIGTERM, SIGINT or SIGHUP (see main): finish the step in hand, push it, leave
-    with WorkerMetrics.from_args(args, args.rank) as metrics:
-        result = run_worker(
-            config,
-            args.rank,
-            config.cluster.servers,
-            progress=shows_progress(args),
-            stop=stop,
-            metrics_path=args.metrics,
-            evaluate_every=args.eval_every,
-            delay=delay,
-            token=token_from_args(args),
-            tls=tls_from_args(args, config),
-            on_step=metrics.on_step,
-        )
+
+    def took(rank: int) -> None:  # --rank auto: the log says the rank shard 0 gave
+        args.rank = rank
+        setup_logging(f"worker:{rank}", verbosity(args), args.log_file)
+
+    try:
+        result = _train(args, config, None if auto else args.rank, stop, delay, took)
+    except Interrupted as exc:  # stopped before it had a rank: nothing to leave
+        logging.getLogger("psgd.cli.worker").info("%s", exc)
+        return 0
     logging.getLogger("psgd.cli.worker").info("%s", last_line(result, config.cluster.shards))
     if args.json:
         print(
@@ -182,6 +191,26 @@ def work(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _train(args, config, rank: int | None, stop, delay, took):
+    """One parameter-server worker's training, its metrics served where asked (``rank`` None: --rank auto)."""
+    metrics = WorkerMetrics.from_args(args, rank if rank is not None else -1)
+    with metrics:
+        return run_worker(
+            config,
+            rank,
+            config.cluster.servers,
+            progress=shows_progress(args),
+            stop=stop,
+            metrics_path=args.metrics,
+            evaluate_every=args.eval_every,
+            delay=delay,
+            token=token_from_args(args),
+            tls=tls_from_args(args, config),
+            on_step=metrics.on_step,
+            on_rank=took,
+        )
 
 
 #: what a shard did with a push, in words (psgd.policy's outcomes)

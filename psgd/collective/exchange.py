@@ -46,6 +46,12 @@ class AllReduceExchange(Exchange):
         self.collective, self.device = collective, device
         rank, world = collective.rank, collective.world_size
         self.role, self.name = f"allreduce:{rank}", f"rank {rank}"
+        if config.cluster.elastic:
+            raise CollectiveError(
+                f"the all-reduce mode keeps a fixed count of ranks: [cluster] workers = "
+                f"\"{config.cluster.get('workers')}\" is a range, which only a parameter-server job takes; give one "
+                "number"
+            )
         if world != config.cluster.workers:
             raise CollectiveError(
                 f"rank {rank}: the job file says workers = {config.cluster.workers} but "

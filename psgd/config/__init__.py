@@ -19,6 +19,7 @@ from psgd.config.cluster import (
     Links,
     Recovery,
     Remedies,
+    workers_range,
 )
 from psgd.config.job import DTYPES, JobConfig, TablesConfig, TLSConfig, TrainConfig, parse_value, to_toml
 from psgd.errors import ConfigError
@@ -38,6 +39,7 @@ __all__ = [
     "Remedies",
     "TLSConfig",
     "TablesConfig",
+    "workers_range",
     "TrainConfig",
     "parse_value",
     "to_toml",

@@ -28,6 +28,24 @@ ASYNC_LR = ("divided", "full")
 _ASYNC_LR_SAID = '"divided" (each async or ssp push at lr / workers) or "full" (at lr)'
 
 
+def workers_range(value: Any) -> tuple[int, int]:
+    """``[cluster] workers`` as (fewest, most): an integer N is (N, N), a string ``"MIN:MAX"`` a range (torchrun's
+    ``--nnodes``), ``"N"`` is N.  Anything else is a ConfigError that says what it may be."""
+    if isinstance(value, str):
+        low, sep, high = value.strip().partition(":")
+        try:
+            fewest, most = (int(low), int(high)) if sep else (int(low), int(low))
+        except ValueError:
+            fewest = most = -1
+        if not sep and most >= 0 or fewest >= 1 and most >= fewest:  # a count's range is the field's to check
+            return fewest, most
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value, value  # its range is the field's to check
+    raise ConfigError(
+        f"[cluster] workers must be a number of workers or a range \"MIN:MAX\" with 1 <= MIN <= MAX, got {value!r}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Consistency:
     """A policy's own settings (each read only by the policies named)."""
@@ -125,7 +143,10 @@ class ClusterConfig:
 
     policy: str = one_of("sync", POLICIES)  # a consistency policy: a name in psgd.policy.POLICIES
     shards: int = integer(2, 1, 1024)  # parameter-server shards (psgd-server processes) holding the weights
-    workers: int = integer(2, 1, 10**4)  # workers (psgd-worker processes), each on its own share of the data
+    workers: int = integer(2, 1, 10**4)  # workers (psgd-worker processes), each on its own share of the data; in a
+    #                               job with a range ("MIN:MAX"), the most that may train at once
+    min_workers: int = integer(0, 0, 10**4)  # a job with a range: the fewest it trains with (0: a fixed count);
+    #                               written in a job file as workers = "MIN:MAX"
     servers: tuple = addresses()  # shard addresses, host:port, in shard order
     overlap: bool = flag(False)  # all-reduce: buckets reduced during backward; PS: next pull beside this push
     consistency: Consistency = dataclasses.field(default_factory=Consistency)
@@ -139,17 +160,25 @@ class ClusterConfig:
 
     # -- the job file's flat keys ---------------------------------------------------------------------------------
     def keys(self) -> list[str]:
-        """Every key the section takes, as a job file writes it."""
-        return [f.name for f in dataclasses.fields(self) if f.name not in PARTS] + list(PART_OF)
+        """Every key the section takes, as a job file writes it (``min_workers`` is in ``workers = "MIN:MAX"``)."""
+        return [f.name for f in dataclasses.fields(self) if f.name not in PARTS and f.name != "min_workers"] + list(
+            PART_OF
+        )
 
     def get(self, key: str) -> Any:
-        """The value of a job file's key (``staleness`` is ``consistency.staleness``)."""
+        """The value of a job file's key (``staleness`` is ``consistency.staleness``; ``workers`` of a job with a
+        range is ``"MIN:MAX"``)."""
+        if key == "workers" and self.elastic:
+            return f"{self.min_workers}:{self.workers}"
         part = PART_OF.get(key)
         return getattr(self if part is None else getattr(self, part), key)
 
     def with_value(self, key: str, value: Any) -> ClusterConfig:
         """A new section with a job file's key given a value (and its part made anew): the section and its parts are
         frozen, as a shard or a worker takes them whole and they do not change under it."""
+        if key == "workers":
+            fewest, most = workers_range(value)
+            return dataclasses.replace(self, workers=most, min_workers=0 if fewest == most else fewest)
         part = PART_OF.get(key)
         if part is None:
             return dataclasses.replace(self, **{key: value})
@@ -163,6 +192,16 @@ class ClusterConfig:
         }
 
     # -- what it means ---------------------------------------------------------------------------------------------
+    @property
+    def elastic(self) -> bool:
+        """Whether the job has a range of workers: workers may join it and leave it while it runs."""
+        return 0 < self.min_workers < self.workers
+
+    @property
+    def fewest(self) -> int:
+        """The workers a job starts with and trains on at the least: MIN of a range, else all of them."""
+        return self.min_workers if self.elastic else self.workers
+
     @property
     def cut_rounds(self) -> int:
         """Rounds between cuts (0: none): ``checkpoint_rounds``, or where it is -1, :data:`CUT_ROUNDS` under sync
@@ -182,9 +221,15 @@ class ClusterConfig:
         optimizer's name).  Apart from making, as a job's overrides may pass through a section that breaks one."""
         c, r, rec = self.consistency, self.remedies, self.recovery
         policy = POLICIES[self.policy]
-        if c.backup_workers >= self.workers:
+        if self.min_workers > self.workers:
             raise ConfigError(
-                f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({self.workers})"
+                f"{src}: [cluster] workers = \"{self.min_workers}:{self.workers}\": the fewest (MIN) must not be more "
+                "than the most (MAX)"
+            )
+        if c.backup_workers >= self.fewest:
+            raise ConfigError(
+                f"{src}: [cluster] backup_workers ({c.backup_workers}) must be less than workers ({self.fewest}"
+                + (", the fewest of its range)" if self.elastic else ")")
             )
         if self.servers and len(self.servers) != self.shards:
             raise ConfigError(

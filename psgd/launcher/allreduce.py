@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from psgd.config import JobConfig
+from psgd.errors import ConfigError
 from psgd.launcher.layout import Hosts, device_flags, find_mpiexec, mpi_environment, shown_flags
 from psgd.launcher.result import LaunchResult, evaluate_weights
 from psgd.launcher.supervise import Children, LaunchError, LaunchInterrupted, wait_all
@@ -39,6 +40,11 @@ def launch_allreduce(
     devices: dict[int, str],
 ) -> LaunchResult:
     n, py = config.cluster.workers, sys.executable
+    if config.cluster.elastic:
+        raise ConfigError(
+            f"the all-reduce mode keeps a fixed count of ranks: --workers {config.cluster.get('workers')} is a range, "
+            "which only a parameter-server job takes; give one number"
+        )
     weights = run / "weights.npz"
     weights.unlink(missing_ok=True)
     common = [

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid", "clock", "job_json", "incarnation")
+    __slots__ = ("worker_id", "plan_hash", "plan_json", "hostname", "pid", "clock", "job_json", "incarnation", "any_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_HASH_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RegisterRequest(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     JOB_JSON_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ANY_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     plan_hash: str
     plan_json: str
@@ -25,7 +26,8 @@ class RegisterRequest(_message.Message):
     clock: int
     job_json: str
     incarnation: str
-    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ..., job_json: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    any_rank: bool
+    def __init__(self, worker_id: _Optional[int] = ..., plan_hash: _Optional[str] = ..., plan_json: _Optional[str] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., clock: _Optional[int] = ..., job_json: _Optional[str] = ..., incarnation: _Optional[str] = ..., any_rank: _Optional[bool] = ...) -> None: ...
 
 class ErrorInfo(_message.Message):
     __slots__ = ("reason", "differences", "rewind_to", "holder_host", "holder_pid")

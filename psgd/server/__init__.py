@@ -50,6 +50,7 @@ def build_shard(job: Job, shard: int, checkpoints: bool = False) -> ShardCore:
         job.shard_optimizer(rule),
         rule,
         num_workers=c.workers,
+        fewest=c.fewest,
         deadlines=c.deadlines,
         identity=job.identity,
         remedies=c.remedies,

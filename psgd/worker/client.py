@@ -25,7 +25,7 @@ from typing import TypeVar
 import numpy as np
 
 from psgd.compute import backend
-from psgd.config import Deadlines, JobConfig, Links, Recovery
+from psgd.config import Deadlines, JobConfig, Links, Recovery, workers_range
 from psgd.errors import Code
 from psgd.job import alive_here, process_incarnation
 from psgd.job import identity as job_identity
@@ -338,7 +338,7 @@ class PSClient:
         finally:
             with self._joining:
                 self._registering[k] -= 1
-        expected = (k, self.plan.num_shards, self.identity["workers"])
+        expected = (k, self.plan.num_shards, workers_range(self.identity["workers"])[1])
         if (reply.shard, reply.num_shards, reply.num_workers) != expected:
             raise PSError(
                 f"the shard at {self.addresses[k]}, listed as shard {k} of {self.plan.num_shards}, "
@@ -351,6 +351,15 @@ class PSClient:
         if reply.HasField("rollback_to") and reply.rollback_to < self.clock:
             self.pending_rollback = (reply.rollback_to, reply.incarnation)  # then ROLLED_BACK
         return reply
+
+    def take_rank(self, within: float | None = None) -> int:
+        """Ask shard 0 for the lowest rank nobody holds (a job with a range of workers: ``psgd-worker --rank auto``),
+        which it registers for this process at once; returns the rank.  A client of that rank then registers it with
+        every shard, as any worker does (this process holds it: the same incarnation)."""
+        request = self._register_request()
+        request.any_rank = True
+        reply = self.retrying(0, "take a rank", lambda: self.links[0].register(request), rejoin=False, within=within)
+        return reply.worker_id
 
     def register(self, within: float | None = None) -> int:
         """Join every shard, retrying each for ``within`` seconds (the retry deadline unless given); returns the clock

@@ -451,9 +451,35 @@ def _in_background(name: str, fn: Callable[..., Any], *args: Any) -> Future:
     return future
 
 
+def take_rank(
+    job: Job, addresses: Sequence[str], token: str, tls: TLSFiles, stop: threading.Event | None = None
+) -> int:
+    """The rank shard 0 gives this process to join ``job``, a job with a range of workers (``--rank auto``): it
+    waits for the shards as a worker does, then asks within the join timeout."""
+    c = job.config.cluster
+    if not c.elastic:
+        raise ConfigError(
+            f"--rank auto joins a job with a range of workers ([cluster] workers = \"MIN:MAX\"); this job has a fixed "
+            f"{c.workers}: give each worker its rank, 0..{c.workers - 1}"
+        )
+    with PSClient(
+        addresses, job.plan, 0, deadlines=c.deadlines, token=token, tls=tls, stop=stop, config=job.config
+    ) as client:  # gRPC only: it registers once, with shard 0
+        join, began = c.deadlines.join_timeout, time.monotonic()
+        try:
+            client.wait_ready(join)
+            rank = client.take_rank(max(c.deadlines.request_timeout, join - (time.monotonic() - began)))
+        except PSError as exc:
+            if isinstance(exc, Stopped) or (stop is not None and stop.is_set()):
+                raise Interrupted(f"{exc}; leaving before it joined") from None
+            raise
+    log.info("joined the job as worker %d of at most %d (shard 0 gave the rank)", rank, c.workers)
+    return rank
+
+
 def run_worker(
     config: JobConfig,
-    rank: int,
+    rank: int | None,
     addresses: Sequence[str],
     *,
     dataset: datasets.Dataset | None = None,
@@ -465,8 +491,10 @@ def run_worker(
     token: str = "",
     stop: threading.Event | None = None,
     tls: TLSFiles = NO_TLS,
+    on_rank: Callable[[int], None] | None = None,
 ) -> LoopResult:
-    """Train as worker ``rank`` of ``config.cluster.workers`` against the shards at ``addresses``.
+    """Train as worker ``rank`` of ``config.cluster.workers`` against the shards at ``addresses``; ``rank`` None
+    joins a job with a range of workers at the lowest rank nobody holds (:func:`take_rank`), told to ``on_rank``.
 
     ``evaluate_every`` (steps; default: once per epoch on rank 0, never on the others) evaluates the pulled weights
     on the test split, and at the end the weights its last step left (read from the shards before it leaves; not
@@ -477,6 +505,10 @@ def run_worker(
     """
     job = build_job(config, dataset, check=True)
     c = config.cluster
+    if rank is None:
+        rank = take_rank(job, addresses, token, tls, stop)
+        if on_rank is not None:
+            on_rank(rank)
     if not 0 <= rank < c.workers:
         raise ValueError(f"rank {rank} is out of range: the job has {c.workers} worker(s), 0..{c.workers - 1}")
     if evaluate_every is None and rank != 0:

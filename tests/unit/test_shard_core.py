@@ -648,6 +648,8 @@ def test_status_reports_everything():
     assert set(s) == {
         "shard",
         "num_shards",
+        "workers_range",
+        "members",
         "policy",
         "version",
         "plan_hash",

@@ -172,7 +172,7 @@ def test_a_bad_share_is_refused_and_changes_nothing(share):
 def test_a_shard_counts_a_push_as_its_policy_says(accumulates, async_lr, implicit, want_scale, want):
     flat = np.zeros(3)
     remedies = PushRemedies(
-        4, accumulates, flat, lambda a: {0: a}, Remedies(async_lr=async_lr, implicit_momentum=implicit)
+        lambda: 4, accumulates, flat, lambda a: {0: a}, Remedies(async_lr=async_lr, implicit_momentum=implicit)
     )
     assert remedies.scale == want_scale and remedies.share == want
     assert math.isclose(remedies.lr_scale(0), want_scale)

@@ -88,9 +88,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return transfer_seconds(self.core.nbytes, self.request_timeout)
 
     def Register(self, request, context):
+        worker = request.worker_id
         try:
+            if request.any_rank:  # psgd-worker --rank auto: shard 0 gives it a rank
+                if self.core.shard != 0:
+                    raise ShardError("INVALID_ARGUMENT", "a worker takes a rank from shard 0 only, then registers it")
+                args = (request.plan_hash, request.plan_json, request.hostname, request.pid, request.job_json)
+                worker = self.core.take_rank(*args, request.incarnation)
             clock = self.core.register(
-                request.worker_id,
+                worker,
                 request.plan_hash,
                 request.plan_json,
                 request.hostname,
@@ -102,14 +108,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             status.refuse(context, err)
         core = self.core
-        if not core.roster.held_by(request.worker_id, request.incarnation):  # another process took it since
+        if not core.roster.held_by(worker, request.incarnation):  # another process took it since
             status.refuse(
                 context, ShardError("ABORTED", "the registration was taken over as it was answered; register again")
             )
-        held = core.roster.workers[request.worker_id]
-        cut = core.rewind.cut_asked.pop(request.worker_id, None)  # this shard restarted from a cut behind the worker
+        held = core.roster.workers[worker]
+        cut = core.rewind.cut_asked.pop(worker, None)  # this shard restarted from a cut behind the worker
         return ps_pb2.RegisterReply(
-            worker_id=request.worker_id,
+            worker_id=worker,
             clock=clock,
             lease_seconds=core.roster.lease_seconds,
             shard=core.shard,
@@ -304,7 +310,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         counters = {
             **s["counters"],
             "tables": s.get("tables", {}),
-            **{k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding", "last_cause")},
+            **{
+                k: s[k] for k in ("checkpoint", "restored_version", "reads", "rewinding", "last_cause", "workers_range")
+            },
         }
         reply = ps_pb2.StatusReply(
             shard=s["shard"],

@@ -89,7 +89,9 @@ def claim_id(incarnation: str) -> str:
 
 @dataclasses.dataclass
 class WorkerInfo:
-    state: str = "pending"  # pending (expected, not yet registered), live, done, expired
+    state: str = "pending"  # pending (expected, not yet registered), live, done, expired; in a job with a range of
+    #                         workers also free (a rank above the fewest that nobody has held) and left (its worker
+    #                         left the job for good while at least the fewest stayed: the rank is free again)
     deadline: float = 0.0  # lease (or join) deadline, on the roster's clock
     expired_at: float = 0.0  # when this shard dropped it (its clock), for "finished" to settle
     clock: int = 0
@@ -112,14 +114,38 @@ class Roster:
     while it re-registers; a call as the worker that does not carry it (another process, or one that never
     registered) is refused with PERMISSION_DENIED and counted (``impostors``).  The caller holds the shard's lock
     (``live`` without renewing only reads, and may peek without it).
+
+    A job with a range of workers (``fewest`` < ``num_workers``) expects only its fewest at the start; the ranks above
+    are ``free``, taken by a worker that joins (:meth:`pick`, ``psgd-worker --rank auto``), and a worker that leaves
+    while at least the fewest stay (:meth:`leave`) frees its rank (``left``) instead of finishing it.
     """
 
-    def __init__(self, shard: int, num_workers: int, deadlines: Deadlines, now: Callable[[], float]):
+    def __init__(
+        self, shard: int, num_workers: int, deadlines: Deadlines, now: Callable[[], float], fewest: int | None = None
+    ):
         self.shard, self.num_workers = shard, num_workers
+        self.fewest = num_workers if fewest is None else fewest
         self.lease_seconds, self.join_timeout, self._now = deadlines.lease_seconds, deadlines.join_timeout, now
         start = now()
-        self.workers = {w: WorkerInfo(deadline=start + self.join_timeout) for w in range(num_workers)}
+        self.workers = {
+            w: WorkerInfo(state="pending" if w < self.fewest else "free", deadline=start + self.join_timeout)
+            for w in range(num_workers)
+        }
         self.impostors = 0  # calls refused for a key that is not the registration's
+
+    def pick(self) -> int:
+        """The lowest rank nobody holds or is kept for (:meth:`keep_for`): one expected and not yet registered, one
+        never held, one whose worker left or whose lease ran out.  RESOURCE_EXHAUSTED when every rank is held."""
+        now = self._now()
+        for w, info in sorted(self.workers.items()):
+            kept = info.state == "pending" and now <= info.kept_until
+            if info.state in ("pending", "free", "left", "expired") and not kept:
+                return w
+        raise ShardError(
+            "RESOURCE_EXHAUSTED",
+            f"every rank of this job ({self.num_workers}, the most workers it takes) is held: shard {self.shard} has "
+            "no rank for another worker; raise the range's MAX to run more",
+        )
 
     def check(self, worker: int) -> None:
         """Refuse a worker id outside the job (links check it before they read a push)."""
@@ -218,16 +244,18 @@ class Roster:
         """``worker`` (``key``: its registration's, see :meth:`live`) is done at ``clock``; True when it was live
         until now, False when it was done already; refused (:meth:`live`) where it is neither."""
         info = self.workers[worker]
-        if info.state == "done":  # said again (its answer was lost): by the same registration only
+        if info.state in ("done", "left"):  # said again (its answer was lost): by the same registration only
             if not self._carries(info, key):
                 raise ShardError(
                     "PERMISSION_DENIED",
-                    f"worker {worker} is done on shard {self.shard}: a Done as "
+                    f"worker {worker} is {info.state} on shard {self.shard}: a Done as "
                     f"worker {worker} must carry the key of the registration that was done",
                 )
             return False
         self.live(worker, key, renew=False)  # not live here: refused, the caller registers again
-        info.state, info.clock = "done", max(info.clock, clock)
+        # a job with a range shrinks while its fewest stay; below them, the worker is done as in a fixed job
+        info.state = "left" if self.live_count() > self.fewest else "done"
+        info.clock = max(info.clock, clock)
         return True
 
     def overdue(self) -> list[int]:
@@ -264,10 +292,12 @@ class Roster:
         return sum(1 for i in self.workers.values() if i.state == "live")
 
     def finished(self, settle: float) -> bool:
-        """No worker is pending or live: each is done, or was dropped at least ``settle`` seconds ago."""
+        """No worker is pending or live: each is done (or left, or its rank was never taken), or was dropped at
+        least ``settle`` seconds ago."""
         now = self._now()
         return all(
-            i.state == "done" or (i.state == "expired" and now - i.expired_at >= settle) for i in self.workers.values()
+            i.state in ("done", "left", "free") or (i.state == "expired" and now - i.expired_at >= settle)
+            for i in self.workers.values()
         )
 
     def rows(self) -> list[dict]:

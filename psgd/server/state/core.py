@@ -33,7 +33,7 @@ from psgd.optim import WHOLE, Optimizer, Share
 from psgd.partition import PartitionPlan
 from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, Policy
 from psgd.server.errors import ShardError
-from psgd.server.state import admission
+from psgd.server.state import admission, said
 from psgd.server.state.checkpoint import Checkpoint
 from psgd.server.state.remedies import PushRemedies
 from psgd.server.state.rewind import Rewind
@@ -74,6 +74,7 @@ class ShardCore:
         policy: Policy,
         *,
         num_workers: int,
+        fewest: int | None = None,  # a job with a range of workers ("MIN:MAX"): MIN, the workers it starts with
         deadlines: Deadlines | None = None,  # how long a silent or missing worker keeps its place ([cluster]'s part)
         allow_nonfinite: bool = False,
         apply_threads: int | None = None,
@@ -99,11 +100,15 @@ class ShardCore:
         self.offsets, self.nbytes = self.store.offsets, self.store.nbytes
         self.optimizer, self.policy = optimizer, policy
         self.num_workers, self.allow_nonfinite = num_workers, allow_nonfinite
+        self.roster = admission.Roster(shard, num_workers, deadlines or Deadlines(), now, fewest)
+        for w in range(self.roster.fewest, num_workers):  # a rank above the fewest trains once a worker takes it
+            policy.leave(w)
+        # "divided" divides by the workers training when a push is applied: a job with a range grows and shrinks
+        members = (lambda: len(policy.live_workers())) if self.roster.fewest < num_workers else (lambda: num_workers)
         self.remedies = PushRemedies(
-            num_workers, policy.accumulates, lambda: self.store.flat, self.store.views, remedies or Remedies()
+            members, policy.accumulates, lambda: self.store.flat, self.store.views, remedies or Remedies()
         )
         self.version = 0
-        self.roster = admission.Roster(shard, num_workers, deadlines or Deadlines(), now)
         # a sync round in the making, its pushes added in the workers' order where the job goes back to cuts
         self.round = Round(self.store, ordered=bool(cut_rounds)) if policy.accumulates else None
         self.tables = tables if tables is not None else ShardTables(plan, shard, {})  # this shard's rows
@@ -246,6 +251,19 @@ class ShardCore:
             clock,
         )
         return clock
+
+    def take_rank(
+        self, plan_hash: str, plan_json: str, hostname: str, pid: int, job_json: str | None, incarnation: str
+    ) -> int:
+        """Give a joining process (``psgd-worker --rank auto``) the lowest rank nobody holds (Roster.pick), held for
+        it at once; it then registers that rank here and with the other shards as any worker does."""
+        admission.check_job(self.shard, self.plan, self.identity, -1, plan_hash, plan_json, job_json)
+        with self.lock:
+            self._check_serving()
+            worker = self.roster.pick()
+            self.roster.admit(worker, hostname, pid, incarnation)
+        log.info("shard %d: rank %d taken by %s pid %d, which joins the job", self.shard, worker, hostname or "?", pid)
+        return worker
 
     def pull(
         self,
@@ -412,7 +430,8 @@ class ShardCore:
             if self.roster.leave(worker, clock, key):
                 self._close_rounds(self.policy.leave(worker))
                 self._policy_changed()
-                log.info("shard %d: worker %d is done at clock %d", self.shard, worker, clock)
+                how = "left the job" if self.roster.workers[worker].state == "left" else "is done"
+                log.info("shard %d: worker %d %s at clock %d", self.shard, worker, how, clock)
             self.wake()
             return self.roster.live_count()
 
@@ -454,29 +473,9 @@ class ShardCore:
             self.wake()
 
     def status(self) -> dict:
+        """What the shard says of itself (psgd status, Prometheus): :func:`psgd.server.state.said.shard_status`."""
         with self.lock:
-            return {
-                "shard": self.shard,
-                "num_shards": self.plan.num_shards,
-                "policy": self.policy.name,
-                "version": self.version,
-                "plan_hash": self.plan.hash,
-                "bytes_held": int(sum(w.nbytes for w in self.weights.values())),
-                "workers": self.roster.rows(),
-                "counters": {
-                    **self.counters,
-                    **self.store.counters,
-                    "impostors": self.roster.impostors,
-                    "policy": self.policy.describe(),
-                },
-                "reads": self.store.reads(),
-                "staleness_histogram": list(self.staleness_histogram),
-                **self.whole.status(),
-                **self.rewind.status(),
-                "role": self.role,
-                "replica_lag": self.replication.lag() if self.replication is not None else -1,
-                **({"tables": self.tables.status()} if self.tables else {}),
-            }
+            return said.shard_status(self)
 
     # -- its state, taken and given whole (psgd.server.state.whole) --------------------------------------------------
     def write_checkpoint(

@@ -54,16 +54,14 @@ class PushRemedies:
 
     def __init__(
         self,
-        num_workers: int,
+        workers: Callable[[], int],
         accumulates: bool,
         flat: Callable[[], np.ndarray],
         views: Callable[[np.ndarray], dict[int, np.ndarray]],
         settings: Remedies,
     ):
-        per_round = num_workers if settings.async_lr == "divided" and not accumulates else 1
-        self.scale = 1.0 / per_round
-        implicit = 1.0 - 1.0 / num_workers if settings.implicit_momentum and not accumulates else 0.0
-        self.share = Share(per_round, implicit)  # how the optimizer counts a push
+        # the workers training now, read when a push is applied (a job with a range grows and shrinks)
+        self._workers, self._accumulates, self._settings = workers, accumulates, settings
         self.staleness_lr = settings.staleness_lr
         self.dc_lambda = 0.0 if accumulates else float(settings.dc_lambda)
         self._flat, self._views = flat, views
@@ -73,6 +71,19 @@ class PushRemedies:
         self.uncompensated = 0  # pushes applied without a copy of the weights their worker pulled
         self._pulled_rows: dict[int, tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]] = {}
         self.uncompensated_rows = 0  # pushes whose rows were applied without the rows their worker pulled
+
+    @property
+    def share(self) -> Share:
+        """How the optimizer counts a push: one of N updates a round with "divided", N the workers training now."""
+        n, settings = max(1, self._workers()), self._settings
+        per_round = n if settings.async_lr == "divided" and not self._accumulates else 1
+        implicit = 1.0 - 1.0 / n if settings.implicit_momentum and not self._accumulates else 0.0
+        return Share(per_round, implicit)
+
+    @property
+    def scale(self) -> float:
+        """The learning rate's factor for a push: 1 / N with "divided" (async, ssp), else 1."""
+        return self.share.fraction
 
     def lr_scale(self, staleness: int) -> float:
         """The learning rate's factor for a push applied ``staleness`` updates late."""

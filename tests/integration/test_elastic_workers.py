@@ -1,0 +1,112 @@
+"""A job with a range of workers, started by hand as a user does (psgd-server and psgd-worker processes on 127.0.0.1):
+a third worker joins it running (``--rank auto``) and makes steps of its own, and a worker that leaves does not hold a
+sync job.  Every wait is bounded."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import TOKEN, by_hand_env, wait_for
+from test_ps_processes import PY, processes, start_servers
+
+from psgd.config import JobConfig
+from psgd.job import build_job
+from psgd.partition import PartitionPlan
+from psgd.worker.client import PSClient
+
+
+def elastic_job(policy: str, lease: float = 30.0) -> JobConfig:
+    return JobConfig().apply_sets(
+        [
+            "model.name=softmax",
+            "train.epochs=5000",  # runs until the test stops it
+            f"cluster.policy={policy}",
+            'cluster.workers="2:3"',
+            "cluster.shards=2",
+            f"cluster.lease_seconds={lease}",
+        ]
+    )
+
+
+def worker(tmp_path: Path, name: str, rank: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PY, "-m", "psgd.cli.worker", "-c", str(tmp_path / "job.toml"), "--rank", rank, "--no-progress"]
+        + ["--metrics", str(tmp_path / f"{name}.jsonl")],
+        env=by_hand_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"{name}.log", "w"),
+    )
+
+
+def steps(tmp_path: Path, name: str) -> list[dict]:
+    path = tmp_path / f"{name}.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if "loss" in r]
+
+
+def statuses(job: JobConfig, addresses: list[str]) -> list:
+    plan = PartitionPlan(build_job(job).model.specs(), job.cluster.shards, job.cluster.links.slice_bytes)
+    with PSClient(addresses, plan, token=TOKEN) as client:
+        return client.status()
+
+
+def stop_all(procs: list[subprocess.Popen], tmp_path: Path) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        assert p.wait(60) == 0, [f.read_text()[-1500:] for f in sorted(tmp_path.glob("*.log"))]
+
+
+@pytest.mark.parametrize("policy", ["sync", "async"])
+def test_a_third_worker_joins_a_running_job_and_makes_steps_of_its_own(policy, tmp_path):
+    job = elastic_job(policy)
+    with processes() as procs:
+        addresses = start_servers(job, tmp_path, procs)
+        first = [worker(tmp_path, f"w{r}", str(r)) for r in (0, 1)]
+        procs += first
+        wait_for(lambda: all(len(steps(tmp_path, f"w{r}")) >= 20 for r in (0, 1)), 90, "workers 0 and 1 to train")
+        joiner = worker(tmp_path, "joiner", "auto")
+        procs.append(joiner)
+        wait_for(lambda: len(steps(tmp_path, "joiner")) >= 20, 90, "the joining worker to take 20 steps")
+        joined = steps(tmp_path, "joiner")
+        assert "worker:2[" in (tmp_path / "joiner.log").read_text()  # shard 0 gave it the one free rank
+        assert all(not r.get("outcomes") or "rejected" not in r["outcomes"] for r in joined)
+        before = {r: len(steps(tmp_path, f"w{r}")) for r in (0, 1)}
+        wait_for(
+            lambda: all(len(steps(tmp_path, f"w{r}")) >= before[r] + 10 for r in (0, 1)),
+            60,
+            "workers 0 and 1 to train on beside the joiner",
+        )
+        for status in statuses(job, addresses):
+            counters = json.loads(status.counters_json)
+            assert counters["workers_range"] == [2, 3]
+            assert {w.worker_id: w.state for w in status.workers} == {0: "live", 1: "live", 2: "live"}
+        if policy == "sync":  # it trains in the job's rounds: its clocks are theirs
+            theirs = {r["clock"] for r in steps(tmp_path, "w0")}
+            assert {r["clock"] for r in joined} <= theirs
+        stop_all([*first, joiner], tmp_path)
+
+
+def test_a_worker_that_leaves_does_not_hold_a_sync_job_and_frees_its_rank(tmp_path):
+    job = elastic_job("sync", lease=60.0)  # a worker that held the rounds would hold them a minute
+    with processes() as procs:
+        addresses = start_servers(job, tmp_path, procs)
+        ranked = [worker(tmp_path, f"w{r}", str(r)) for r in (0, 1, 2)]
+        procs += ranked
+        wait_for(lambda: all(len(steps(tmp_path, f"w{r}")) >= 20 for r in (0, 1, 2)), 90, "three workers to train")
+        ranked[2].send_signal(signal.SIGTERM)
+        assert ranked[2].wait(30) == 0, (tmp_path / "w2.log").read_text()[-2000:]
+        before = len(steps(tmp_path, "w0"))
+        wait_for(lambda: len(steps(tmp_path, "w0")) >= before + 30, 30, "worker 0 to take 30 rounds without worker 2")
+        for status in statuses(job, addresses):
+            assert {w.worker_id: w.state for w in status.workers}[2] == "left"
+        again = worker(tmp_path, "again", "auto")  # the freed rank is the one a new worker takes
+        procs.append(again)
+        wait_for(lambda: len(steps(tmp_path, "again")) >= 5, 90, "a new worker to take the freed rank and train")
+        assert "worker:2[" in (tmp_path / "again.log").read_text()
+        stop_all([ranked[0], ranked[1], again], tmp_path)
