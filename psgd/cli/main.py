@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import psgd
 from psgd import __version__, launcher
-from psgd.cli import bench, doctor, models, status
+from psgd.cli import bench, doctor, models, scale, status
 from psgd.cli import export as export_cli
 from psgd.cli import report as report_cli
 from psgd.cli.common import (
@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run, parser=run)
     bench.add_parser(sub)
     status.add_status_parser(sub)
+    scale.add_scale_parser(sub)
     doctor.add_doctor_parser(sub)
     models.add_check_model_parser(sub)
     export_cli.add_export_parser(sub)

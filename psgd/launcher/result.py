@@ -100,7 +100,7 @@ def evaluate_weights(
     loss, score = evaluate(
         job.model, params, ds.x_test, ds.y_test, job.device, ids=ds.ids_test, rows=rows, target=ds.target
     )
-    steps = datasets.steps_per_epoch(ds.n_train, config.cluster.workers, t.batch_size) * t.epochs
+    steps = datasets.steps_per_epoch(ds.n_train, config.cluster.fewest, t.batch_size) * t.epochs
     guard = DivergenceGuard.of_job("launcher", ds, config, mode)
     verdict = guard.final(steps, t.epochs, loss, score)
     return loss, scores_of(ds.metric, score), verdict.record() if verdict else None

@@ -43,6 +43,7 @@ from psgd.launcher.result import (
     lockstep_steps,
     read_records,
 )
+from psgd.launcher.scale import Scaler
 from psgd.launcher.supervise import (
     STOP_SIGNALS,
     Child,
@@ -125,6 +126,11 @@ def launch(
         raise LaunchError(
             "TLS protects the parameter servers' traffic: all-reduce mode has no servers (MPI and "
             "NCCL bring their own transport)"
+        )
+    if config.cluster.elastic and layout.nnodes > 1:
+        raise LaunchError(
+            f"--workers {config.cluster.get('workers')} (a range) is launched on one node; on many, start the "
+            "shards and run psgd-worker --rank auto on each machine that joins (docs/howto/elastic.md)"
         )
     if mode == "allreduce" and layout.nnodes > 1:
         raise LaunchError("--nnodes > 1 is for ps mode; start all-reduce ranks on many machines with mpiexec")
@@ -336,7 +342,7 @@ def _launch_ps(
         )
         spec["cluster"]["replica_servers"] = list(config.cluster.recovery.replica_servers)
     _write_job(job_path, spec)
-    ranks = layout.workers_here(c.workers)
+    ranks = layout.workers_here(c.fewest)
     log.info(
         "%d shard(s) serving here (%s); starting worker(s) %s, logs in %s",
         len(mine),
@@ -346,8 +352,9 @@ def _launch_ps(
     )
     if watch:  # once the job file names the shards
         log.info("to watch the shards: %s", watch)
-    workers = []
-    for r in ranks:
+
+    def start_worker(r: int) -> Child:
+        """Start the worker of rank ``r`` (the first rank's shows its progress)."""
         show = progress and r == ranks[0]
         on = hosts.prefix(f"w{r}") if hosts else []
         if script:  # psgd run: the user's program, told its job, rank and device in its environment
@@ -361,17 +368,14 @@ def _launch_ps(
                 **({own.DEVICE: devices[r]} if devices[r] != "cpu" else {}),
                 **{name: str(Path(path).resolve()) for name, path in zip(own.TLS, (tls.cert, tls.key, tls.ca)) if path},
             }
-            workers.append(
-                children.start(
-                    f"worker {r}",
-                    [*on, py, *script],
-                    run / f"worker-{r}.log",
-                    show=r == ranks[0],
-                    env={"PSGD_TOKEN": token, **env},
-                    show_stdout=True,
-                )
+            return children.start(
+                f"worker {r}",
+                [*on, py, *script],
+                run / f"worker-{r}.log",
+                show=r == ranks[0],
+                env={"PSGD_TOKEN": token, **env},
+                show_stdout=True,
             )
-            continue
         argv = [
             *on,
             py,
@@ -388,21 +392,24 @@ def _launch_ps(
         ]
         argv += device_flags(devices[r])
         argv += shown_flags(run / f"worker-{r}.log", log_flags) if show else (log_flags + ["--no-progress"])
-        workers.append(
-            children.start(
-                f"worker {r}",
-                argv,
-                run / f"worker-{r}.log",
-                show=show,
-                env={"PSGD_TOKEN": token, RANK_CLAIM: rank_claim(token, r)},
-            )
+        return children.start(
+            f"worker {r}",
+            argv,
+            run / f"worker-{r}.log",
+            show=show,
+            env={"PSGD_TOKEN": token, RANK_CLAIM: rank_claim(token, r)},
         )
+
+    workers = [start_worker(r) for r in ranks]
+    # a job with a range starts its fewest; psgd scale asks for more or fewer while it runs
+    scaler = Scaler(run, c.workers, start_worker, dict(zip(ranks, workers))) if c.elastic else None
     stop = threading.Event()
     watcher = threading.Thread(target=monitor, args=(addresses, stop, token, tls), daemon=True) if monitor else None
     if watcher:
         watcher.start()
     try:
-        wait_all(workers, children.procs, children, time.monotonic() + timeout, timeout, run)
+        more = scaler.poll if scaler is not None else None
+        wait_all(workers, children.procs, children, time.monotonic() + timeout, timeout, run, more)
         if layout.nnodes > 1 and servers:  # shards here may still serve other nodes' workers
             _wait_for_job(list(bound.values()), children, servers, time.monotonic() + timeout, timeout, tls, token)
     finally:
@@ -497,7 +504,7 @@ def _wait_for_job(
             raise children.failed(ended)
         answers = [try_status(address, connect) for address in local]
         if all(
-            status is not None and all(w["state"] in ("done", "expired") for w in status["workers"])
+            status is not None and all(w["state"] in ("done", "expired", "left", "free") for w in status["workers"])
             for status, _, _ in answers
         ):
             return

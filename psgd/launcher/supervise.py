@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from psgd.errors import ClusterError, Interrupted
@@ -262,11 +262,19 @@ def wait_for_files(paths: Sequence[Path], procs: Sequence[Child], children: Chil
 
 
 def wait_all(
-    pending: list[Child], watched: Sequence[Child], children: Children, deadline: float, timeout: float, run: Path
+    pending: list[Child],
+    watched: Sequence[Child],
+    children: Children,
+    deadline: float,
+    timeout: float,
+    run: Path,
+    more: Callable[[], list[Child]] | None = None,
 ) -> None:
-    """Wait until every process in ``pending`` exits 0; fail at once when any of ``watched`` fails."""
+    """Wait until every process in ``pending`` exits 0; fail at once when any of ``watched`` fails.  ``more``, asked
+    at each look, returns processes started since, which are waited for too (a launch scaled up)."""
     pending = list(pending)
     while pending:
+        pending += more() if more is not None else []
         failed = [p for p in watched if p.popen.poll() is not None and p.popen.returncode != 0]
         if failed:
             raise children.failed(failed)

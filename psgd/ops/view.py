@@ -186,11 +186,20 @@ class ClusterView:
     def healthy(self) -> bool:
         return all(p.ok for p in self.probes)
 
+    def workers_range(self) -> list[int] | None:
+        """The job's fewest and most workers as a shard says them (a job with a range: "MIN:MAX"), or None."""
+        for p in self.probes:
+            said = (p.status or {}).get("counters", {}).get("workers_range")
+            if said:
+                return list(said)
+        return None
+
     def to_json(self) -> dict:
         return {
             "time": round(self.when, 3),
             "shards": self.shard_rows(),
             "workers": self.worker_rows(),
+            "workers_range": self.workers_range(),
             "problems": self.problems(),
             "healthy": self.healthy(),
         }
@@ -207,6 +216,11 @@ class ClusterView:
             f"{len(answered)} of {len(shards)} shard(s) answering"
             + (f", policy {'/'.join(policies)}" if policies else "")
         )
+        span = self.workers_range()
+        if span and span[0] < span[1]:  # a job with a range: how many train now, of how many it may
+            workers = [w for w in workers if w["state"] != "free"]
+            states.pop("free", None)
+            head += f"; {states.get('live', 0)} worker(s) training, range {span[0]}:{span[1]}"
         if workers:
             said = f"{len(workers)} worker(s): " + ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
             fits = len(head) + 2 + len(said) <= shutil.get_terminal_size((80, 24)).columns

@@ -62,6 +62,7 @@ def stop_all(procs: list[subprocess.Popen], tmp_path: Path) -> None:
         assert p.wait(60) == 0, [f.read_text()[-1500:] for f in sorted(tmp_path.glob("*.log"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["sync", "async"])
 def test_a_third_worker_joins_a_running_job_and_makes_steps_of_its_own(policy, tmp_path):
     job = elastic_job(policy)
@@ -92,6 +93,7 @@ def test_a_third_worker_joins_a_running_job_and_makes_steps_of_its_own(policy, t
         stop_all([*first, joiner], tmp_path)
 
 
+@pytest.mark.slow
 def test_a_worker_that_leaves_does_not_hold_a_sync_job_and_frees_its_rank(tmp_path):
     job = elastic_job("sync", lease=60.0)  # a worker that held the rounds would hold them a minute
     with processes() as procs:
@@ -110,3 +112,55 @@ def test_a_worker_that_leaves_does_not_hold_a_sync_job_and_frees_its_rank(tmp_pa
         wait_for(lambda: len(steps(tmp_path, "again")) >= 5, 90, "a new worker to take the freed rank and train")
         assert "worker:2[" in (tmp_path / "again.log").read_text()
         stop_all([ranked[0], ranked[1], again], tmp_path)
+
+
+@pytest.mark.slow
+def test_psgd_scale_grows_and_shrinks_a_running_launch(tmp_path):
+    run = tmp_path / "run"
+    argv = [PY, "-m", "psgd.cli.main", "launch", "--model", "softmax", "--epochs", "400", "--policy", "sync"]
+    argv += ["--workers", "2:3", "--shards", "2", "--no-progress", "--json", "--run-dir", str(run), "--timeout", "240"]
+    with processes() as procs:
+        launch = subprocess.Popen(argv, env=by_hand_env(), stdout=subprocess.PIPE, stderr=open(tmp_path / "l.log", "w"))
+        procs.append(launch)
+        wait_for(lambda: len(steps(run, "worker-0")) >= 20, 90, "the launch's worker 0 to train")
+        assert not (run / "worker-2.jsonl").exists()  # it starts with the fewest
+        grown = subprocess.run(
+            [PY, "-m", "psgd.cli.main", "scale", str(run), "--workers", "3"], capture_output=True, text=True, timeout=60
+        )
+        assert grown.returncode == 0, grown.stderr
+        assert "for 3 worker(s) (its range: 2:3)" in grown.stdout
+        wait_for(lambda: len(steps(run, "worker-2")) >= 20, 90, "the worker the launch started to train")
+        shrunk = subprocess.run(
+            [PY, "-m", "psgd.cli.main", "scale", str(run), "--workers", "2"], capture_output=True, text=True, timeout=60
+        )
+        assert shrunk.returncode == 0, shrunk.stderr
+        wait_for(lambda: "worker 2 left the job" in (run / "shard-0.log").read_text(), 60, "worker 2 to leave")
+        out, _ = launch.communicate(timeout=240)
+        assert launch.returncode == 0, (tmp_path / "l.log").read_text()[-3000:]
+        result = json.loads(out)
+        assert result["test_accuracy"] > 0.9
+        assert result["worker_steps"][2] > 0 and result["failures"] == []
+
+
+@pytest.mark.parametrize(
+    "workers, said",
+    [
+        ("4", "has a fixed 4 worker(s): start it with --workers MIN:MAX to scale it"),
+        ("2:3", "--workers 5 is outside the job's range 2:3"),
+    ],
+)
+def test_psgd_scale_refuses_what_it_cannot_do_in_one_line(workers, said, tmp_path):
+    (tmp_path / "job.toml").write_text(f'[cluster]\nworkers = "{workers}"\n')
+    done = subprocess.run(
+        [PY, "-m", "psgd.cli.main", "scale", str(tmp_path), "--workers", "5"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and said in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_a_request_no_launch_takes_is_an_error_that_says_so(tmp_path):
+    from psgd.launcher.scale import SCALE_FILE, ask
+
+    (tmp_path / "job.toml").write_text('[cluster]\nworkers = "1:3"\n')
+    with pytest.raises(Exception, match="no launch took the request") as info:
+        ask(tmp_path, 2, within=0.3)
+    assert type(info.value).__name__ == "LaunchError" and not (tmp_path / SCALE_FILE).exists()
