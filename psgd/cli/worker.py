@@ -227,13 +227,16 @@ def last_line(result, shards: int) -> str:
     """A parameter-server worker's last line, in plain words: what it did, and the test accuracy of the weights its
     last step left where it evaluated them."""
     summary, total = result.summary, result.summary.get("job_steps", 0)
-    if result.steps == 0 and result.final_clock >= total:
+    if total is None:  # a job with a range of workers: it trained the batches shard 0 handed it
+        ended = "left the job" if summary.get("stopped") else "done (no batch of the job left)"
+    elif result.steps == 0 and result.final_clock >= total:
         return (
             f"worker {result.rank}: nothing to do, the job is already finished (its shards are past its last "
             f"step, {total})"
         )
+    else:
+        ended = "done" if result.final_clock >= total else f"stopped at step {result.final_clock} of {total}"
     done = ", ".join(f"{n} {DID.get(k, k)}" for k, n in sorted(summary["outcomes"].items()))
-    ended = "done" if result.final_clock >= total else f"stopped at step {result.final_clock} of {total}"
     line = (
         f"worker {result.rank} {ended}: {result.steps} steps in {result.seconds:.1f}s (its pushes, counted at "
         f"each of {shards} shard(s): {done or 'none'})"

@@ -256,6 +256,12 @@ class ClusterConfig:
                 f"cut with every worker in every round, and backup_workers = {c.backup_workers} "
                 "closes rounds without some: use one of them"
             )
+        if rec.replicas and self.elastic:
+            raise ConfigError(
+                f'{src}: [cluster] replicas = 1 with workers = "{self.min_workers}:{self.workers}": a shard\'s replica '
+                "does not keep the batches shard 0 hands out to a job with a range of workers yet; give workers one "
+                "number, or leave replicas 0"
+            )
         if rec.replicas and policy.accumulates:
             raise ConfigError(
                 f"{src}: [cluster] replicas = 1 keeps a copy of each shard for async and ssp; a sync "

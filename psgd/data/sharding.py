@@ -110,7 +110,17 @@ class ShardedBatches:
     covers global steps ``[e * steps_per_epoch, (e + 1) * steps_per_epoch)``.
     """
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, *, rank: int, world: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        rank: int,
+        world: int,
+        batch_size: int,
+        seed: int,
+        epochs: int | None = None,
+    ) -> None:
         if len(x) != len(y):
             raise DataError(f"sharding: x has {len(x)} rows but y has {len(y)}")
         self.rank, self.world = _check_rank(rank, world)
@@ -125,6 +135,9 @@ class ShardedBatches:
                 f"({self.n} examples over {self.world} workers); use a smaller batch or fewer workers"
             )
         self.steps_per_epoch = steps_per_epoch(self.n, self.world, self.batch_size)
+        #: the steps of a job of ``epochs`` (at which :meth:`at` says none is left), where given
+        self.steps = None if epochs is None else self.steps_per_epoch * _check_int("epochs", epochs, 0)
+        self._cached: tuple[int, np.ndarray] | None = None  # the epoch asked last, and its batches
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -132,6 +145,22 @@ class ShardedBatches:
     def indices(self, epoch: int) -> np.ndarray:
         """This worker's batches of ``epoch`` as indices, shape ``(steps_per_epoch, batch_size)``."""
         return epoch_batch_indices(self.n, self.rank, self.world, self.batch_size, epoch, self.seed)
+
+    def at(self, step: int) -> tuple[int, np.ndarray] | None:
+        """The epoch of this worker's step ``step`` (its clock) and the indices of its batch (an epoch's
+        permutation is made once, for its first step asked); None past the job's last step."""
+        if self.steps is not None and step >= self.steps:
+            return None
+        epoch, i = divmod(step, self.steps_per_epoch)
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, self.indices(epoch))
+        return epoch, self._cached[1][i]
+
+    def ahead(self, step: int) -> np.ndarray | None:
+        """The indices of step ``step``'s batch, known before it is taken (to gather its rows ahead); None past
+        the job's last step."""
+        batch = self.at(step)
+        return None if batch is None else batch[1]
 
     def epoch(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``(x_batch, y_batch)`` for each step of ``epoch``."""

@@ -198,6 +198,17 @@ def final_evaluation(
     )
 
 
+def handed_steps(records: list[dict], ranks: int) -> list[int]:
+    """Each rank's steps in a job with a range of workers, from the ``done`` lines of the processes that held it (a
+    rank's clock counts the job's rounds from before it joined, not its steps)."""
+    steps = [0] * ranks
+    for r in records:
+        role = str(r.get("role", ""))
+        if r.get("event") == "done" and role.startswith("worker:") and role[7:].isdigit() and int(role[7:]) < ranks:
+            steps[int(role[7:])] += int(r.get("steps", 0))
+    return steps
+
+
 def lockstep_steps(records: list[dict], ranks: int) -> list[int]:
     """Each all-reduce rank's steps: rank 0's (its ``done`` line in ``records``, its metrics), for the ranks
     reduce every step together."""

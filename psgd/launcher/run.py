@@ -40,6 +40,7 @@ from psgd.launcher.result import (
     exchange_bound,
     final_evaluation,
     first_divergence,
+    handed_steps,
     lockstep_steps,
     read_records,
 )
@@ -253,6 +254,8 @@ def launch(
             records = read_records(metrics, began)
             if mode == "allreduce":
                 result.worker_steps = lockstep_steps(records, config.cluster.workers)
+            elif config.cluster.elastic:
+                result.worker_steps = handed_steps(records, config.cluster.workers)
             result.divergence = first_divergence(records, result.divergence, shown)
             bound = exchange_bound(records) if mode == "ps" and layout.node_rank == 0 else None
             if bound:

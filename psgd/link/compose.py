@@ -69,6 +69,9 @@ class Link:
     def done(self, clock: int) -> None:
         self.control.done(clock)
 
+    def batch(self, clock: int, blocks: int) -> int:
+        return self.control.batch(clock, blocks)
+
     def status(self) -> ps_pb2.StatusReply:
         return self.control.status()
 

@@ -63,6 +63,13 @@ class ControlLink:
         )
         _call(lambda: self.stub.Heartbeat(request, timeout=timeout))
 
+    def batch(self, clock: int, blocks: int) -> int:
+        """The job's batch this worker trains at ``clock`` (shard 0 of a job with a range: psgd.data.blocks)."""
+        request = ps_pb2.BatchRequest(
+            worker_id=self.endpoint.worker_id, clock=clock, blocks=blocks, registration=self.registration
+        )
+        return _call(lambda: self.stub.Batch(request, timeout=self.timeout)).block
+
     def done(self, clock: int) -> None:
         request = ps_pb2.DoneRequest(worker_id=self.endpoint.worker_id, clock=clock, registration=self.registration)
         _call(lambda: self.stub.Done(request, timeout=self.timeout))

@@ -217,6 +217,24 @@ class HeartbeatRequest(_message.Message):
     registration: str
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
 
+class BatchRequest(_message.Message):
+    __slots__ = ("worker_id", "clock", "blocks", "registration")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    clock: int
+    blocks: int
+    registration: str
+    def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., blocks: _Optional[int] = ..., registration: _Optional[str] = ...) -> None: ...
+
+class BatchReply(_message.Message):
+    __slots__ = ("block",)
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    def __init__(self, block: _Optional[int] = ...) -> None: ...
+
 class HeartbeatReply(_message.Message):
     __slots__ = ("lease_seconds", "version")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]

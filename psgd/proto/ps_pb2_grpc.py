@@ -65,6 +65,11 @@ class ParameterServerStub:
                 request_serializer=psgd_dot_v1_dot_ps__pb2.DoneRequest.SerializeToString,
                 response_deserializer=psgd_dot_v1_dot_ps__pb2.DoneReply.FromString,
                 _registered_method=True)
+        self.Batch = channel.unary_unary(
+                '/psgd.v1.ParameterServer/Batch',
+                request_serializer=psgd_dot_v1_dot_ps__pb2.BatchRequest.SerializeToString,
+                response_deserializer=psgd_dot_v1_dot_ps__pb2.BatchReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/psgd.v1.ParameterServer/Status',
                 request_serializer=psgd_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -134,6 +139,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request, context):
+        """A job with a range of workers: the batch a worker trains at a clock,
+        handed out by shard 0 so that no batch of the job is trained twice or
+        lost while workers join and leave.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Clocks, versions, live workers and counters, for people and tools.
         """
@@ -190,6 +204,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Done,
                     request_deserializer=psgd_dot_v1_dot_ps__pb2.DoneRequest.FromString,
                     response_serializer=psgd_dot_v1_dot_ps__pb2.DoneReply.SerializeToString,
+            ),
+            'Batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=psgd_dot_v1_dot_ps__pb2.BatchRequest.FromString,
+                    response_serializer=psgd_dot_v1_dot_ps__pb2.BatchReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -370,6 +389,33 @@ class ParameterServer:
             '/psgd.v1.ParameterServer/Done',
             psgd_dot_v1_dot_ps__pb2.DoneRequest.SerializeToString,
             psgd_dot_v1_dot_ps__pb2.DoneReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgd.v1.ParameterServer/Batch',
+            psgd_dot_v1_dot_ps__pb2.BatchRequest.SerializeToString,
+            psgd_dot_v1_dot_ps__pb2.BatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -143,6 +143,11 @@ class Exchange(abc.ABC):
         """Variable ``name``'s gradient of the step in hand, as soon as backward has produced it (only where
         :attr:`overlaps` and the model hands its gradients over); :meth:`exchange` still gets them all."""
 
+    def batches(self, fixed: datasets.ShardedBatches) -> Any:
+        """Where this rank's batches come from: ``fixed`` (its share of every epoch, from its rank), unless the
+        exchange's job hands them out as it runs (a parameter-server job with a range of workers)."""
+        return fixed
+
     def settle(self, step: int) -> None:
         """The loop's last step is done: an exchange that may still go back (:class:`ResumeFromStep`) makes sure here
         that every step stands before the loop ends."""
@@ -209,11 +214,13 @@ def run_loop(
             f"{ds.name!r} has none (clicks has)"
         )
     looks_up = exchange.rows if job.plan.tables else None
-    batches = datasets.ShardedBatches(
-        ds.x_train, ds.y_train, rank=rank, world=world, batch_size=t.batch_size, seed=t.seed
+    # this rank's batches (a job with a range of workers: each step's handed out by the shards, Exchange.batches)
+    batches = exchange.batches(
+        datasets.ShardedBatches(
+            ds.x_train, ds.y_train, rank=rank, world=world, batch_size=t.batch_size, seed=t.seed, epochs=t.epochs
+        )
     )
-    spe = batches.steps_per_epoch
-    total = spe * t.epochs
+    spe, total = batches.steps_per_epoch, batches.steps
     # rows read from disk (npy:DIR): the next batch's gathered on a thread while a step computes
     rows = Ahead(
         ds.x_train,
@@ -235,7 +242,6 @@ def run_loop(
     delay_rng = np.random.default_rng([t.seed, rank, 7])
     loss = float("nan")
     steps, step, interrupted = 0, 0, False
-    cached_epoch, indices = -1, np.empty((0, t.batch_size), dtype=np.int64)  # this rank's batches of one epoch
     handing = {}  # the model's loss_and_grads keyword that hands each gradient on as backward produces it
     if exchange.overlaps:
         if models.hands_over_gradients(model):
@@ -260,11 +266,6 @@ def run_loop(
 
     beside = BackgroundEvaluator(evaluations) if t.eval_beside else None
 
-    def rows_of(later: int) -> np.ndarray:
-        """The rows of step ``later``'s batch (this epoch's, or the next's)."""
-        epoch, i = divmod(later, spe)
-        return (indices if epoch == cached_epoch else batches.indices(epoch))[i]
-
     def _went_back(back: ResumeFromStep, step: int) -> int:
         metrics.write("rewound", clock=back.clock, at=step)
         bar.update(back.clock - step)
@@ -279,7 +280,8 @@ def run_loop(
             bar.initial = bar.n = step  # resumed there: the steps before are not this run's, nor is their rate
             bar.refresh()
             while True:
-                if step >= total:  # the last step: the exchange makes sure it stands before the loop ends
+                batch = batches.at(step)
+                if batch is None:  # the last step: the exchange makes sure it stands before the loop ends
                     try:
                         if step > first:  # (a worker with nothing to do pushed nothing that could need it)
                             exchange.settle(step)
@@ -294,13 +296,11 @@ def run_loop(
                     interrupted = True
                     break
                 try:
-                    epoch, i = divmod(step, spe)
-                    if epoch != cached_epoch:  # the epoch's permutation, once per epoch rather than per step
-                        cached_epoch, indices = epoch, batches.indices(epoch)
-                    idx = indices[i]
+                    epoch, idx = batch
                     x, y = rows.take(step, idx)  # (gathered ahead, or now: in none of the step's parts below)
-                    if rows.on and step + 1 < total:
-                        rows.ahead(step + 1, rows_of(step + 1))
+                    later = batches.ahead(step + 1)  # the next batch, where it is known before it is taken
+                    if rows.on and later is not None:
+                        rows.ahead(step + 1, later)
                     began = time.perf_counter()
                     params = exchange.weights(step, model.lookups(ds.ids_train[idx]) if looks_up else None)
                     fetched = time.perf_counter()
@@ -316,8 +316,8 @@ def run_loop(
                     loss = float(loss)  # on a GPU: waits for the step's kernels
                     synced = time.perf_counter()
                     judged(guard.step(step, epoch, loss), metrics)
-                    if exchange.overlaps and looks_up and step + 1 < total:  # the next batch's rows, pulled ahead
-                        exchange.ahead(step + 1, model.lookups(ds.ids_train[rows_of(step + 1)]))
+                    if exchange.overlaps and looks_up and later is not None:  # the next batch's rows, pulled ahead
+                        exchange.ahead(step + 1, model.lookups(ds.ids_train[later]))
                     out = exchange.exchange(step, grads)
                     exchanged = time.perf_counter()
                     pause = delay.seconds(time.perf_counter() - began, delay_rng) if slow else 0.0

@@ -488,6 +488,11 @@ class PSClient:
 
         return self.on_all(one)
 
+    def batch(self, clock: int, blocks: int) -> int:
+        """The job's batch to train at ``clock`` (a job with a range: shard 0 hands them out, psgd.data.blocks), of
+        the ``blocks`` this worker's data makes; the same when asked again for the same clock."""
+        return self.retrying(0, f"batch (clock {clock})", lambda: self.links[0].batch(clock, blocks))
+
     def done(self) -> None:
         self._stop_heartbeats()  # first: a done worker holds no lease; a heartbeat refused then would register it again
         self.on_all(lambda k: self.retrying(k, "done", lambda: self.links[k].done(self.clock)))

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import numpy as np
 from psgd import data as datasets
 from psgd.compute import backend
 from psgd.config import ConfigError, JobConfig
+from psgd.data.blocks import HandedBatches, blocks_per_epoch
 from psgd.job import Job, build_job, params_to_device
 from psgd.model.table import Rows
 from psgd.policy import POLICIES
@@ -94,6 +96,7 @@ class ParameterServerExchange(Exchange):
         # pull, and pushes from the device, straight from and into the shards' segments: no host buffers then.
         self.pulled: dict[str, Any] | None = None  # the weights the last pull put on the device (None: in self.host)
         self.total = 0
+        self.stepped = 0  # the clock after the last step this process took
         self.spans: dict[str, tuple[float, float]] = {}  # overlap: when this step's pull and push ran
         # a local policy: this worker's own copy of the weights and its optimizer, between pulls
         c = job.config.cluster
@@ -125,6 +128,20 @@ class ParameterServerExchange(Exchange):
             raise
         self.joined = True
         self.client.start_heartbeats()
+        if c.elastic:  # its batches are handed out as it goes: it trains until none is left
+            self.total = sys.maxsize
+            log.info(
+                "worker %d of %s: batches of %d handed out by shard 0 until the job's %d epoch(s) are done (%d "
+                "batches an epoch), starting at clock %d, %s",
+                self.rank,
+                c.get("workers"),
+                t.batch_size,
+                t.epochs,
+                blocks_per_epoch(ds.n_train, t.batch_size),
+                clock,
+                ds.describe(),
+            )
+            return clock
         spe = datasets.steps_per_epoch(ds.n_train, c.workers, t.batch_size)
         self.total = spe * t.epochs
         log.info(
@@ -166,9 +183,31 @@ class ParameterServerExchange(Exchange):
             return self.own
         return {**{k: device.asarray(v) for k, v in pulled.items()}, **as_rows(rows, device)}
 
+    def batches(self, fixed: datasets.ShardedBatches) -> datasets.ShardedBatches | HandedBatches:
+        """A job with a range of workers: each step's batch asked of shard 0 (psgd.data.blocks), else ``fixed``."""
+        c, t, ds = self.job.config.cluster, self.job.config.train, self.job.dataset
+        if not c.elastic:
+            return fixed
+        return HandedBatches(ds.n_train, t.batch_size, t.seed, t.epochs, c.fewest, self._batch)
+
+    def _batch(self, clock: int, total: int) -> int:
+        try:
+            return self.client.batch(clock, total)
+        except PSError as exc:
+            self._stopping(exc)
+            raise
+
     def settle(self, step: int) -> None:
-        """With cuts (sync, checkpoint_rounds): the last round's weights pulled from every shard before this worker
+        """A local policy's last period, cut short where the job's batches ran out (a job with a range), pushed; and
+        with cuts (sync, checkpoint_rounds) the last round's weights pulled from every shard before this worker
         leaves, so that a shard that restarted from a cut after its last push still brings the job back."""
+        try:
+            self._push_period_so_far(step)
+        except PSError as exc:
+            self._stopping(exc)
+            raise
+        except ShardWentBack as back:
+            self._went_back(back)
         if self.job.config.cluster.cut_rounds:
             try:
                 self.client.pull(step, self.host)
@@ -177,6 +216,16 @@ class ParameterServerExchange(Exchange):
                 raise
             except ShardWentBack as back:
                 self._went_back(back)
+
+    def _push_period_so_far(self, step: int) -> None:
+        """A job with a range under a local policy: the progress of the period ``step`` (the clock after its last
+        step) cut short, pushed, as the job's batches ran out or the worker leaves; its batches are then in, and
+        leaving gives none of them back (a worker that could not push gives them back, and another trains them)."""
+        if self.job.config.cluster.elastic and self.local_steps and step % self.local_steps and self.own is not None:
+            device, centre = self.job.device, self._centre()
+            progress = {k: device.asarray(centre[k]) - v for k, v in self.own.items()}
+            self.client.push(step - 1, self._outgoing(progress))
+            self.client.clock = step
 
     def _went_back(self, back: ShardWentBack) -> NoReturn:
         """The job goes back to a cut (psgd.worker.rollback): taken back by this worker where it heard why; a pull
@@ -239,6 +288,7 @@ class ParameterServerExchange(Exchange):
         return ahead.rows
 
     def exchange(self, step: int, grads: dict[str, Any]) -> Exchanged:
+        self.stepped = step + 1
         if self.local_steps:
             for name, grad in grads.items():
                 self.optimizer.update(name, self.own[name], grad)
@@ -368,7 +418,8 @@ class ParameterServerExchange(Exchange):
         """The weights the shards hold once this worker's last push is in (under sync, its last round's), for the
         loop to evaluate as the final ones; None, said in a line, where they cannot be read."""
         try:
-            self.versions = self.client.pull(self.total, self.host, {}, None)
+            last = self.client.clock if self.job.config.cluster.elastic else self.total  # (elastic: ran out of batches)
+            self.versions = self.client.pull(last, self.host, {}, None)
         except (PSError, ShardWentBack) as exc:
             log.warning(
                 "worker %d: could not read the weights its last step left, to evaluate them (%s)", self.rank, exc
@@ -393,6 +444,9 @@ class ParameterServerExchange(Exchange):
                 self.rank,
             )
         elif self.joined:
+            if interrupted:  # leaving: a local period's progress so far goes in first (else its batches go back)
+                with contextlib.suppress(PSError, ShardWentBack):
+                    self._push_period_so_far(self.stepped)
             if self.reads_final and not interrupted:  # before it leaves: the job's last shards may leave with it
                 self._final = self._read_final()
             try:
@@ -404,7 +458,8 @@ class ParameterServerExchange(Exchange):
                 log.warning("worker %d: could not say it left (%s); stopping anyway", self.rank, exc)
         summary: dict[str, Any] = {
             "outcomes": dict(self.outcomes),
-            "job_steps": self.total,
+            "job_steps": None if self.job.config.cluster.elastic else self.total,  # elastic: until no batch is left
+            "stopped": interrupted,
             **({"pulls_ahead": self.pulls_ahead} if self.overlaps else {}),
             **({"final_versions": list(self.versions)} if self._final is not None else {}),
         }

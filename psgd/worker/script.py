@@ -32,7 +32,7 @@ import numpy as np
 from psgd import data as datasets
 from psgd.config import JobConfig
 from psgd.data.ahead import Ahead
-from psgd.errors import InputError, PsgdError
+from psgd.errors import ConfigError, InputError, PsgdError
 from psgd.job import Job, build_job
 from psgd.model.module import step_seed
 from psgd.observe.progress import MetricsLog
@@ -60,6 +60,11 @@ class Worker:
     def __init__(self, job: Job, client: PSClient, rank: int, stop: Stop, metrics_path: str | None = None):
         self.job, self.rank, self.stop = job, rank, stop
         c, t = job.config.cluster, job.config.train
+        if c.elastic:
+            raise ConfigError(
+                f'psgd.join() takes a fixed count of workers; [cluster] workers = "{c.get("workers")}" is a range, '
+                "which psgd launch's and psgd-worker's own loop take: give one number"
+            )
         self.workers, self.batch_size = c.workers, t.batch_size
         self.model, self.device = job.model, job.device
         self._client = client

@@ -63,7 +63,7 @@ def stop_all(procs: list[subprocess.Popen], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["sync", "async"])
+@pytest.mark.parametrize("policy", ["sync", "async", "ssp", "local"])
 def test_a_third_worker_joins_a_running_job_and_makes_steps_of_its_own(policy, tmp_path):
     job = elastic_job(policy)
     with processes() as procs:
@@ -140,6 +140,7 @@ def test_psgd_scale_grows_and_shrinks_a_running_launch(tmp_path):
         result = json.loads(out)
         assert result["test_accuracy"] > 0.9
         assert result["worker_steps"][2] > 0 and result["failures"] == []
+        assert sum(result["worker_steps"]) == 400 * (1438 // 32)  # every batch of the job, once
 
 
 @pytest.mark.parametrize(
@@ -164,3 +165,33 @@ def test_a_request_no_launch_takes_is_an_error_that_says_so(tmp_path):
     with pytest.raises(Exception, match="no launch took the request") as info:
         ask(tmp_path, 2, within=0.3)
     assert type(info.value).__name__ == "LaunchError" and not (tmp_path / SCALE_FILE).exists()
+
+
+def done_record(tmp_path: Path, name: str) -> dict:
+    lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, reversed(lines)) if r.get("event") == "done")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["sync", "async", "local"])
+def test_every_batch_of_the_job_is_trained_once_across_a_join_and_a_leave(policy, tmp_path):
+    """Shard 0 hands each step its batch (psgd.data.blocks): the job's 150 epochs of 44 batches are trained once
+    each, by whoever trains when, with a worker joining and another leaving half-way."""
+    job = elastic_job(policy).override("train.epochs", 150)
+    total = 150 * (1438 // 32)
+    with processes() as procs:
+        addresses = start_servers(job, tmp_path, procs)
+        first = [worker(tmp_path, f"w{r}", str(r)) for r in (0, 1)]
+        procs += first
+        wait_for(lambda: len(steps(tmp_path, "w0")) >= 200, 90, "worker 0 to take 200 steps")
+        joiner = worker(tmp_path, "joiner", "auto")
+        procs.append(joiner)
+        wait_for(lambda: len(steps(tmp_path, "joiner")) >= 50, 90, "the joining worker to take 50 steps")
+        first[1].send_signal(signal.SIGTERM)  # leaves in the middle of the job
+        for p in (*first, joiner):
+            assert p.wait(120) == 0, [f.read_text()[-1500:] for f in sorted(tmp_path.glob("*.log"))]
+        trained = {name: done_record(tmp_path, name)["steps"] for name in ("w0", "w1", "joiner")}
+        assert sum(trained.values()) == total, trained
+        assert all(n > 0 for n in trained.values()) and trained["w1"] < trained["w0"]
+        batches = json.loads(statuses(job, addresses)[0].counters_json)["batches"]
+        assert batches["total"] == total and batches["left"] == 0

@@ -22,7 +22,7 @@ def elastic(policy: str = "sync", fewest: int = 2, most: int = 4, **kw):
 
 def join(core, who: str = "joiner") -> int:
     """A process that takes a rank, then registers it as any worker does; returns the rank."""
-    rank = core.take_rank(PLAN.hash, PLAN_JSON, "host", 7, None, who)
+    rank = core.lobby.take_rank(PLAN.hash, PLAN_JSON, "host", 7, None, who)
     core.register(rank, PLAN.hash, PLAN_JSON, incarnation=who)
     return rank
 
@@ -49,6 +49,12 @@ def test_a_range_is_part_of_the_job_every_process_compares():
 def test_a_bad_range_is_refused_in_words(bad):
     with pytest.raises(ConfigError, match=r'workers must be a number of workers or a range "MIN:MAX"'):
         workers_range(bad)
+
+
+def test_a_range_is_refused_with_replicas_which_do_not_keep_the_batches_handed_out():
+    job = JobConfig().apply_sets(['cluster.workers="2:4"', "cluster.policy=async", "cluster.replicas=1"], False)
+    with pytest.raises(ConfigError, match="does not keep the batches shard 0 hands out"):
+        job.validate()
 
 
 def test_backup_workers_must_stay_below_the_fewest():
@@ -119,7 +125,7 @@ def test_a_sync_worker_that_leaves_does_not_hold_the_round_and_its_rank_is_free_
 
 def test_a_rank_is_given_only_for_the_same_job():
     core, _ = elastic("sync")
-    err = error(core.take_rank, "another plan", PLAN_JSON, "h", 1, None, "x")
+    err = error(core.lobby.take_rank, "another plan", PLAN_JSON, "h", 1, None, "x")
     assert err.code == "FAILED_PRECONDITION" and core.roster.workers[0].state == "pending"
 
 
@@ -140,3 +146,30 @@ def test_a_fixed_job_divides_by_its_count_whoever_trains():
     core.register(0, PLAN.hash, PLAN_JSON, incarnation="p0")
     core.done(0, 0, core.roster.workers[0].key)
     assert core.remedies.scale == pytest.approx(1 / 4)
+
+
+def test_shard_0_hands_each_clock_its_batch_and_takes_back_those_of_a_worker_that_leaves():
+    core, clock = elastic("async")
+    keys = {}
+    for w in (0, 1, 2):
+        core.register(w, PLAN.hash, PLAN_JSON, incarnation=f"p{w}")
+        keys[w] = core.roster.workers[w].key
+    got = {(w, c): core.lobby.batch(w, c, 10, keys[w]) for c in (0, 1) for w in (0, 1, 2)}
+    assert sorted(got.values()) == list(range(6))
+    assert core.lobby.batch(1, 1, 10, keys[1]) == got[(1, 1)]  # asked again: the same
+    err = error(core.lobby.batch, 0, 2, 11, keys[0])
+    assert (err.code, err.reason) == ("FAILED_PRECONDITION", "JOB_MISMATCH") and "said 10" in str(err)
+    assert error(core.lobby.batch, 0, 2, 10, "another key").code == "PERMISSION_DENIED"
+    core.done(2, 1, keys[2])  # left before pushing clock 1: its batch of clock 1 goes to the next to ask
+    assert core.lobby.batch(0, 2, 10, keys[0]) == got[(2, 1)]
+    assert core.status()["counters"]["batches"] == {"total": 10, "left": 4, "given_back": 1}
+    clock.advance(LEASE + 1)  # worker 1 never pushed (its clock is 0): its lease runs out
+    core.heartbeat(0, 3, keys[0])
+    core.expire_leases()
+    assert core.status()["counters"]["batches"]["given_back"] == 3  # its batches of clocks 0 and 1
+
+
+def test_only_shard_0_of_a_job_with_a_range_hands_out_batches_or_ranks():
+    fixed, _ = make_core("sync", 2)
+    assert error(fixed.lobby.batch, 0, 0, 10, None).code == "INVALID_ARGUMENT"
+    assert "hands out no ranks" in str(error(fixed.lobby.take_rank, PLAN.hash, PLAN_JSON, "h", 1, None, "x"))

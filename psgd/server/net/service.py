@@ -91,10 +91,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         worker = request.worker_id
         try:
             if request.any_rank:  # psgd-worker --rank auto: shard 0 gives it a rank
-                if self.core.shard != 0:
-                    raise ShardError("INVALID_ARGUMENT", "a worker takes a rank from shard 0 only, then registers it")
                 args = (request.plan_hash, request.plan_json, request.hostname, request.pid, request.job_json)
-                worker = self.core.take_rank(*args, request.incarnation)
+                worker = self.core.lobby.take_rank(*args, request.incarnation)
             clock = self.core.register(
                 worker,
                 request.plan_hash,
@@ -283,6 +281,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except ShardError as err:
             status.refuse(context, err)
         return ps_pb2.HeartbeatReply(lease_seconds=self.core.roster.lease_seconds, version=self.core.version)
+
+    def Batch(self, request, context):
+        try:
+            block = self.core.lobby.batch(request.worker_id, request.clock, request.blocks, request.registration)
+        except ShardError as err:
+            status.refuse(context, err)
+        return ps_pb2.BatchReply(block=block)
 
     def Done(self, request, context):
         try:

@@ -35,6 +35,7 @@ from psgd.policy import ACCUMULATE, APPLY, OUTCOME_COUNTERS, OUTCOMES, REJECT, P
 from psgd.server.errors import ShardError
 from psgd.server.state import admission, said
 from psgd.server.state.checkpoint import Checkpoint
+from psgd.server.state.lobby import Lobby
 from psgd.server.state.remedies import PushRemedies
 from psgd.server.state.rewind import Rewind
 from psgd.server.state.rounds import Round
@@ -103,6 +104,8 @@ class ShardCore:
         self.roster = admission.Roster(shard, num_workers, deadlines or Deadlines(), now, fewest)
         for w in range(self.roster.fewest, num_workers):  # a rank above the fewest trains once a worker takes it
             policy.leave(w)
+        # shard 0 of a job with a range: the ranks and batches joining workers take (psgd.server.state.lobby)
+        self.lobby = Lobby(shard, plan, self.identity, self.roster, self.lock, self._check_serving)
         # "divided" divides by the workers training when a push is applied: a job with a range grows and shrinks
         members = (lambda: len(policy.live_workers())) if self.roster.fewest < num_workers else (lambda: num_workers)
         self.remedies = PushRemedies(
@@ -149,6 +152,7 @@ class ShardCore:
             self.round,
             self.tables,
             self.roster,
+            self.lobby.blocks,  # kept in its checkpoints
         )
         self.rewind = Rewind(shard, num_workers)  # what its rollbacks leave (psgd.server.durable.recovery.rollback)
         # [cluster] replicas = 1: "primary", "replica" ("starting" until it knows, "stopping" a primary that stops
@@ -251,19 +255,6 @@ class ShardCore:
             clock,
         )
         return clock
-
-    def take_rank(
-        self, plan_hash: str, plan_json: str, hostname: str, pid: int, job_json: str | None, incarnation: str
-    ) -> int:
-        """Give a joining process (``psgd-worker --rank auto``) the lowest rank nobody holds (Roster.pick), held for
-        it at once; it then registers that rank here and with the other shards as any worker does."""
-        admission.check_job(self.shard, self.plan, self.identity, -1, plan_hash, plan_json, job_json)
-        with self.lock:
-            self._check_serving()
-            worker = self.roster.pick()
-            self.roster.admit(worker, hostname, pid, incarnation)
-        log.info("shard %d: rank %d taken by %s pid %d, which joins the job", self.shard, worker, hostname or "?", pid)
-        return worker
 
     def pull(
         self,
@@ -428,6 +419,7 @@ class ShardCore:
             self._check_serving()
             self.rewind.check(worker, clock)
             if self.roster.leave(worker, clock, key):
+                self.lobby.gone(worker, clock)
                 self._close_rounds(self.policy.leave(worker))
                 self._policy_changed()
                 how = "left the job" if self.roster.workers[worker].state == "left" else "is done"
@@ -442,6 +434,7 @@ class ShardCore:
             expired = self.roster.overdue() if self.role not in ("replica", "starting") else []
             for w in expired:
                 self.counters["expired"] += 1
+                self.lobby.gone(w, self.roster.workers[w].clock)
                 self._close_rounds(self.policy.leave(w))
             if expired:
                 self._policy_changed()

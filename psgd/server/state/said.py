@@ -26,6 +26,7 @@ def shard_status(core: Any) -> dict[str, Any]:
             **core.store.counters,
             "impostors": core.roster.impostors,
             "policy": core.policy.describe(),
+            **({"batches": core.lobby.blocks.describe()} if core.lobby.blocks is not None else {}),
         },
         "reads": core.store.reads(),
         "staleness_histogram": list(core.staleness_histogram),

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from psgd.data.blocks import Blocks
 from psgd.optim import Optimizer
 from psgd.partition import PartitionPlan
 from psgd.policy import Policy
@@ -49,10 +50,12 @@ class WholeState:
         round: Round | None,
         tables: ShardTables,
         roster: Roster,
+        blocks: Blocks | None = None,
     ):
         self.plan, self.shard, self.fingerprint, self.identity = plan, shard, fingerprint, identity
         self.store, self.optimizer, self.policy, self.round = store, optimizer, policy, round
         self.tables, self.roster = tables, roster
+        self.blocks = blocks  # shard 0 of a job with a range: the batches handed out (its lobby's)
         self.restored_version: int | None = None
         self.last_checkpoint: tuple[int, float] | None = None
         self.joined: set[int] = set()
@@ -80,6 +83,10 @@ class WholeState:
             "optimizer": self.optimizer.describe(),
             "holders": self.roster.holders(),
         }
+        if self.blocks is not None:  # each worker's batches from the clock it pushes next (a cut's, under sync)
+            clocks = {w: self.policy.clock_of(w) for w in range(self.roster.num_workers)}
+            since = {w: min(c, version) if self.policy.accumulates else c for w, c in clocks.items()}
+            manifest["blocks"] = self.blocks.state_dict(since)
         return arrays, manifest
 
     def hand_over(
@@ -156,6 +163,8 @@ class WholeState:
         counters.update({k: type(counters[k])(v) for k, v in m.get("counters", {}).items() if k in counters})
         histogram[:] = [int(v) for v in m["staleness_histogram"]][: len(histogram)]
         self.roster.keep_for(m.get("holders", {}))
+        if self.blocks is not None and "blocks" in m:  # a process restarted: the batches it had handed out
+            self.blocks.load_state_dict(m["blocks"])
         if restored:
             self.restored_version = version
             self.last_checkpoint = (version, float(m.get("written_at", time.time())))

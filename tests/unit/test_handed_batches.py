@@ -1,0 +1,94 @@
+"""The batches of a job with a range of workers (psgd.data.blocks): over any joins, leaves and crashes, every block
+of the job is trained once, none twice and none lost; a retried ask gets the same block."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from psgd.data.base import DataError
+from psgd.data.blocks import NONE_LEFT, Blocks, block_indices, blocks_per_epoch
+from psgd.data.sharding import epoch_permutation
+
+EVENTS = st.lists(
+    st.tuples(st.sampled_from(["step", "step", "step", "join", "leave", "crash", "half"]), st.integers(0, 7)),
+    max_size=300,
+)
+
+
+def drain(blocks: Blocks, clocks: dict[int, int], trained: list[int]) -> None:
+    """The workers still there train until no block is left (one that joins where none is)."""
+    if not clocks:
+        clocks[99] = 0
+    for _ in range(10_000):  # bounded: a job of at most a few hundred blocks
+        taken = {w: blocks.take(w, c) for w, c in clocks.items()}
+        if all(b == NONE_LEFT for b in taken.values()):
+            return
+        for w, b in taken.items():
+            if b != NONE_LEFT:
+                trained.append(b)
+                clocks[w] += 1
+    raise AssertionError("the job never ran out of blocks")
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1, 120), events=EVENTS, first=st.integers(1, 4))
+def test_every_block_is_trained_once_whoever_joins_leaves_or_crashes(total, events, first):
+    blocks = Blocks()
+    assert blocks.check_total(total) == ""
+    clocks = {w: 0 for w in range(first)}  # the workers training now, at their clocks
+    trained: list[int] = []
+    fresh = first
+    for kind, pick in events:
+        if kind == "join":
+            clocks[fresh], fresh = 0, fresh + 1
+            continue
+        if not clocks:
+            continue
+        w = sorted(clocks)[pick % len(clocks)]
+        if kind == "step":  # takes the block of its clock, trains it, pushes: next clock
+            b = blocks.take(w, clocks[w])
+            if b != NONE_LEFT:
+                assert blocks.take(w, clocks[w]) == b  # asked again (a retry): the same block
+                trained.append(b)
+                clocks[w] += 1
+        elif kind == "half":  # took a block, stopped before its push, then left (SIGTERM mid-step)
+            blocks.take(w, clocks[w])
+            blocks.give_back(w, clocks.pop(w))
+        else:  # left between steps, or crashed and its lease ran out: the same for its blocks
+            blocks.give_back(w, clocks.pop(w))
+    drain(blocks, clocks, trained)
+    assert Counter(trained) == Counter(range(total)), "a block lost or trained twice"
+    assert blocks.left() == 0
+
+
+def test_a_block_is_the_epochs_permutation_cut_in_batches():
+    n, batch, seed = 103, 10, 5
+    per = blocks_per_epoch(n, batch)
+    assert per == 10
+    seen = np.concatenate([block_indices(g, n, batch, seed)[1] for g in range(per)])
+    assert (seen == epoch_permutation(n, 0, seed)[: per * batch]).all()  # one epoch: no example twice
+    epoch, idx = block_indices(per + 3, n, batch, seed)
+    assert epoch == 1 and (idx == epoch_permutation(n, 1, seed)[30:40]).all()
+    with pytest.raises(DataError, match="does not fit"):
+        blocks_per_epoch(5, 10)
+
+
+def test_a_worker_with_other_data_is_told_why_and_the_state_survives_a_checkpoint():
+    blocks = Blocks()
+    assert blocks.check_total(50) == "" and "the job's first worker said 50" in blocks.check_total(40)
+    for clock in range(3):
+        blocks.take(0, clock)
+        blocks.take(1, clock)
+    blocks.give_back(1, 2)  # worker 1 left before pushing clock 2
+    again = Blocks()
+    again.load_state_dict(blocks.state_dict({0: 2, 1: 2}))
+    assert again.take(0, 2) == blocks.take(0, 2)  # its block for a clock not pushed yet is kept
+    assert again.take(2, 0) == blocks.take(2, 0) == 5  # the block given back goes first
+    assert again.left() == blocks.left()
+    with pytest.raises(DataError, match="malformed"):
+        Blocks().load_state_dict({"total": 3})
