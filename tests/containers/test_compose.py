@@ -290,3 +290,46 @@ def test_two_machines_reach_the_shards_only_through_published_ports(repo_copy, p
         a.down()
         b.down()
         assert a.leftovers() == [] and b.leftovers() == []
+
+
+def elastic_job_file(deploy: Path, epochs: int) -> str:
+    """A copy of deploy/elastic/job.toml that trains ``epochs`` epochs, as a path for PSGD_JOB_FILE."""
+    text, n = re.subn(r"(?m)^epochs = \d+.*$", f"epochs = {epochs}", (deploy / "elastic" / "job.toml").read_text())
+    assert n == 1, "deploy/elastic/job.toml has no [train] epochs line"
+    (deploy / "elastic" / f"job-{epochs}-epochs.toml").write_text(text)
+    return f"./elastic/job-{epochs}-epochs.toml"
+
+
+def training(p: dockerlab.Project) -> dict[int, str]:
+    """Each rank's state, as psgd status merges them over the shards (ranks nobody took left out)."""
+    return {w["worker_id"]: w["state"] for w in cluster_status(p).get("workers", []) if w["state"] != "free"}
+
+
+def test_compose_workers_scale_up_and_down_while_the_job_trains(repo_copy, psgd_image, tmp_path):
+    """docs/howto/elastic.md's Compose commands: two workers, a third joining with --scale worker=3, then leaving
+    with --scale worker=2 (SIGTERM: it tells the shards), the job trained to the end and its result printed."""
+    deploy = repo_copy / "deploy"
+    env = {"PSGD_IMAGE": psgd_image, "PSGD_JOB_FILE": elastic_job_file(deploy, 40)}
+    with dockerlab.project(deploy, dockerlab.unique("psgd-elastic"), env) as p:
+        p.argv += ["-f", "compose.yaml", "-f", "elastic/compose.yaml"]
+        p("up", "-d", "--scale", "worker=2", "worker", timeout=300)  # the shards first, healthy, then 2 workers
+        p.wait("two workers training", lambda: list(training(p).values()) == ["live", "live"], timeout=240)
+        p("up", "-d", "--no-recreate", "--scale", "worker=3", "worker", timeout=120)
+        p.wait("a third worker joining", lambda: list(training(p).values()) == ["live"] * 3, timeout=180)
+        p("up", "-d", "--no-recreate", "--scale", "worker=2", "worker", timeout=120)
+        p.wait("one worker leaving", lambda: sorted(training(p).values()) == ["left", "live", "live"], timeout=120)
+        states = p.wait(
+            "the job to end (the shards exit when every batch is trained)",
+            lambda: (lambda c: c if all(c[s]["State"] == "exited" for s in ("shard-0", "shard-1")) else None)(
+                p.containers()
+            ),
+            timeout=600,
+            every=2.0,
+        )
+        for s in ("shard-0", "shard-1"):
+            assert states[s]["ExitCode"] == 0, p.logs(s)[-3000:]
+        assert "left the job" in p.logs("shard-0")
+        p("up", "--no-deps", "result", timeout=300)  # (its dependencies ended: not started again)
+        assert accuracy_of(p) >= 0.9, p.logs("result")
+        p.down()
+        assert p.leftovers() == [], f"docker compose down -v left {p.leftovers()}"
