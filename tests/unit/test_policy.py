@@ -239,9 +239,26 @@ def test_ssp_window_leave_and_join():
     assert policy.join(2) == 1
     assert policy.pull_ready(2, 1)
     assert policy.pull_ready(0, 3) and not policy.pull_ready(0, 4)
-    assert policy.push(2, 0).action == DUPLICATE
     assert policy.push(2, 1).action == APPLY
+    assert policy.push(2, 1).action == DUPLICATE  # a retry
     assert policy.pull_ready(0, 4)
+
+
+def test_ssp_applies_a_clock_a_join_jumped_over_as_the_shard_that_did_not_jump_does():
+    """Two shards, each its own policy, a worker joining while they stand a clock apart: one jumps it to 2, the
+    other to 1.  The worker goes on from the smaller (PSClient.register); its push of clock 1 was counted a
+    duplicate where the jump was to 2, and that shard never had the gradient (found by psgd bench elastic: the
+    shards ended a version apart)."""
+    a, b = SSPPolicy(2, staleness=0), SSPPolicy(2, staleness=0)
+    for c in range(3):
+        a.push(0, c)
+    for c in range(2):
+        b.push(0, c)
+    for shard in (a, b):
+        shard.leave(1)
+    assert (a.join(1), b.join(1)) == (3, 2)
+    assert a.push(1, 2).action == b.push(1, 2).action == APPLY
+    assert a.push(1, 2).action == b.push(1, 2).action == DUPLICATE  # a retry, applied once on each
 
 
 def test_ssp_only_a_worker_that_had_left_jumps_ahead_on_join():
@@ -278,13 +295,13 @@ EVENT = st.tuples(
 )
 
 
-def _model_push(clocks: list[int], live: set[int], w: int, clock: int) -> str:
-    """The async/ssp push rule, on the test's own model of the clocks."""
+def _model_push(clocks: list[int], pushed: list[int], live: set[int], w: int, clock: int) -> str:
+    """The async/ssp push rule, on the test's own model of the clocks and of the last clock each pushed."""
     if w not in live or clock > clocks[w]:  # left, or a clock it cannot have reached
         return REJECT
-    if clock < clocks[w]:
+    if clock <= pushed[w]:  # pushed before: a retry
         return DUPLICATE
-    clocks[w] = clock + 1
+    clocks[w], pushed[w] = max(clocks[w], clock + 1), clock  # (a clock a join jumped over is pushed here first)
     return APPLY
 
 
@@ -297,15 +314,16 @@ def test_ssp_and_async_against_a_model(staleness, num_workers, events):
     applied exactly when they are not duplicates; async lets every pull through."""
     ssp, asy = SSPPolicy(num_workers, staleness), AsyncPolicy(num_workers)
     clocks, async_clocks = [0] * num_workers, [0] * num_workers
+    pushed, async_pushed = [-1] * num_workers, [-1] * num_workers
     live = set(range(num_workers))
     for kind, w, delta in events:
         w %= num_workers
         clock = max(0, clocks[w] + delta)
         if kind == "push":
-            for policy, model in ((ssp, clocks), (asy, async_clocks)):
+            for policy, model, done in ((ssp, clocks, pushed), (asy, async_clocks, async_pushed)):
                 before = model[w]
                 decision = policy.push(w, clock)
-                assert decision.action == _model_push(model, live, w, clock)
+                assert decision.action == _model_push(model, done, live, w, clock)
                 assert decision.closed_rounds == () and decision.round is None
                 assert decision.next_clock == (before if decision.action != APPLY else clock + 1)
         elif kind == "pull":
