@@ -8,11 +8,12 @@ epoch, as a fixed job's sharding leaves its remainder out), and block ``g`` of t
 
 Shard 0 hands them out (:class:`Blocks`, a pure state machine under the shard's lock): a worker asks for the block of
 its clock at the start of each step and gets the lowest block nobody took, or the one it was given for that clock
-before (a retried ask, a step taken again after the job went back to a cut); a worker that leaves, or whose lease
-runs out, gives back the blocks of the clocks it did not push, which go to the next to ask.  So within the job no
-block is trained twice and none is lost, however many workers train at a time (``tests/unit/test_handed_batches.py``
-checks it over random joins, leaves and crashes).  When no block is left the answer is :data:`NONE_LEFT`, and the
-worker's training ends.
+before (a retried ask, a step taken again after the job went back to a cut).  A worker that leaves gives back the
+blocks of the clocks it did not push, which go to the next to ask.  One whose lease runs out may only be paused, and
+push its step in hand when it comes back: its blocks stay its own (and go to the next process of its rank, clock for
+clock) until no other block is left.  So within the job no block is trained twice and none is lost, however many
+workers train at a time (``tests/unit/test_handed_batches.py`` checks it over random joins, leaves, crashes and
+pauses).  When no block is left the answer is :data:`NONE_LEFT`, and the worker's training ends.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Blocks:
         self._back: list[int] = []  # blocks given back, a heap: the lowest goes first
         self._given: dict[int, dict[int, int]] = {}  # worker -> its clock -> the block it trains then
         self.given_back = 0  # blocks given back so far (to be handed out again)
+        self._lapsed: dict[int, int] = {}  # worker -> the clock from which its lease ran out (it may come back)
 
     def check_total(self, total: int) -> str:
         """ "" when ``total`` is the job's blocks (the first to ask sets it), else why not, in words."""
@@ -70,6 +72,10 @@ class Blocks:
         mine = self._given.setdefault(worker, {})
         if clock in mine:
             return mine[clock]
+        if not self._back and (self.total is None or self._next >= self.total):
+            for gone, since in self._lapsed.items():  # nothing else left: the lapsed workers' blocks go now
+                self.give_back(gone, since)
+            self._lapsed.clear()
         if self._back:
             block = heapq.heappop(self._back)
         elif self.total is not None and self._next < self.total:
@@ -89,9 +95,22 @@ class Blocks:
         self.given_back += len(back)
         return back
 
-    def describe(self) -> dict[str, int | None]:
-        """The job's blocks, those not handed out yet and those given back so far (for status displays)."""
-        return {"total": self.total, "left": self.left(), "given_back": self.given_back}
+    def lapsed(self, worker: int, from_clock: int) -> None:
+        """``worker``'s lease ran out at ``from_clock``: it may be paused, not dead, and push the step in hand when it
+        comes back, so its blocks from then on stay its own (the process that takes its rank next gets them, clock
+        for clock) until no other block is left; then they go to the next to ask."""
+        self._lapsed[worker] = min(from_clock, self._lapsed.get(worker, from_clock))
+
+    def came_back(self, worker: int) -> None:
+        """``worker``'s rank is registered again (the same process, or the next to take it): its blocks are its
+        own again."""
+        self._lapsed.pop(worker, None)
+
+    def describe(self) -> dict[str, Any]:
+        """The job's blocks, those not handed out yet, those given back so far, and the workers whose lease ran out
+        with the clock it ran out at (for status displays)."""
+        lapsed = {str(w): c for w, c in self._lapsed.items()}
+        return {"total": self.total, "left": self.left(), "given_back": self.given_back, "lapsed": lapsed}
 
     def left(self) -> int:
         """Blocks not yet handed out (given back ones included)."""
@@ -109,6 +128,7 @@ class Blocks:
             "back": sorted(self._back),
             "given": given,
             "given_back": self.given_back,
+            "lapsed": {str(w): c for w, c in self._lapsed.items()},
         }
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
@@ -118,10 +138,11 @@ class Blocks:
             following, back = int(d["next"]), sorted(int(b) for b in d["back"])
             given = {int(w): {int(c): int(b) for c, b in mine.items()} for w, mine in d["given"].items()}
             given_back = int(d.get("given_back", 0))
+            lapsed = {int(w): int(c) for w, c in d.get("lapsed", {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DataError(f"the handed-out batches in the checkpoint are malformed: {exc!r}") from None
         self.total, self._next, self._back, self._given = total, following, back, given
-        self.given_back = given_back
+        self.given_back, self._lapsed = given_back, lapsed
 
 
 class HandedBatches:

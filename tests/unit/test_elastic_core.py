@@ -76,6 +76,20 @@ def test_ranks_above_the_fewest_are_free_and_taken_lowest_first():
     assert info.value.code == "RESOURCE_EXHAUSTED"
 
 
+def test_a_rank_whose_lease_ran_out_is_taken_only_when_no_other_is_free():
+    clock = FakeClock()
+    roster = Roster(0, 4, Deadlines(lease_seconds=LEASE, join_timeout=JOIN), clock, fewest=2)
+    for w in (0, 1, 2):
+        roster.admit(w, "h", 1, f"p{w}")
+    clock.advance(LEASE + 1)
+    roster.live(0, None)
+    roster.live(2, None)
+    assert roster.overdue() == [1]  # paused past its lease: it may come back for rank 1
+    assert roster.pick() == 3
+    roster.admit(3, "h", 1, "p3")
+    assert roster.pick() == 1
+
+
 def test_a_worker_leaving_above_the_fewest_frees_its_rank_below_it_is_done():
     roster = Roster(0, 4, Deadlines(lease_seconds=LEASE, join_timeout=JOIN), FakeClock(), fewest=2)
     keys = {w: roster.admit(w, "h", 1, f"p{w}").key for w in range(3)}
@@ -162,11 +176,15 @@ def test_shard_0_hands_each_clock_its_batch_and_takes_back_those_of_a_worker_tha
     assert error(core.lobby.batch, 0, 2, 10, "another key").code == "PERMISSION_DENIED"
     core.done(2, 1, keys[2])  # left before pushing clock 1: its batch of clock 1 goes to the next to ask
     assert core.lobby.batch(0, 2, 10, keys[0]) == got[(2, 1)]
-    assert core.status()["counters"]["batches"] == {"total": 10, "left": 4, "given_back": 1}
+    assert core.status()["counters"]["batches"] == {"total": 10, "left": 4, "given_back": 1, "lapsed": {}}
     clock.advance(LEASE + 1)  # worker 1 never pushed (its clock is 0): its lease runs out
     core.heartbeat(0, 3, keys[0])
     core.expire_leases()
-    assert core.status()["counters"]["batches"]["given_back"] == 3  # its batches of clocks 0 and 1
+    batches = core.status()["counters"]["batches"]
+    assert batches["given_back"] == 1 and batches["lapsed"] == {"1": 0}  # paused or dead: kept for its rank
+    core.register(1, PLAN.hash, PLAN_JSON, incarnation="next")  # the next process of rank 1
+    key = core.roster.workers[1].key
+    assert [core.lobby.batch(1, c, 10, key) for c in (0, 1)] == [got[(1, 0)], got[(1, 1)]]
 
 
 def test_only_shard_0_of_a_job_with_a_range_hands_out_batches_or_ranks():

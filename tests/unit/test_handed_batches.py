@@ -1,5 +1,5 @@
-"""The batches of a job with a range of workers (psgd.data.blocks): over any joins, leaves and crashes, every block
-of the job is trained once, none twice and none lost; a retried ask gets the same block."""
+"""The batches of a job with a range of workers (psgd.data.blocks): over any joins, leaves, crashes and pauses past
+a lease, every block of the job is trained once, none twice and none lost; a retried ask gets the same block."""
 
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from psgd.data.blocks import NONE_LEFT, Blocks, block_indices, blocks_per_epoch
 from psgd.data.sharding import epoch_permutation
 
 EVENTS = st.lists(
-    st.tuples(st.sampled_from(["step", "step", "step", "join", "leave", "crash", "half"]), st.integers(0, 7)),
+    st.tuples(
+        st.sampled_from(["step", "step", "step", "join", "leave", "crash", "half", "pause", "resume"]),
+        st.integers(0, 7),
+    ),
     max_size=300,
 )
 
 
 def drain(blocks: Blocks, clocks: dict[int, int], trained: list[int]) -> None:
-    """The workers still there train until no block is left (one that joins where none is)."""
+    """The workers still there train until no block is left (one that joins where none is); those paused never
+    come back (their blocks go once no other is left)."""
     if not clocks:
         clocks[99] = 0
     for _ in range(10_000):  # bounded: a job of at most a few hundred blocks
@@ -41,11 +45,22 @@ def test_every_block_is_trained_once_whoever_joins_leaves_or_crashes(total, even
     blocks = Blocks()
     assert blocks.check_total(total) == ""
     clocks = {w: 0 for w in range(first)}  # the workers training now, at their clocks
+    paused: dict[int, tuple[int, int]] = {}  # paused past their lease: their clock, and the block in hand
     trained: list[int] = []
     fresh = first
     for kind, pick in events:
         if kind == "join":
             clocks[fresh], fresh = 0, fresh + 1
+            continue
+        if kind == "resume" and paused:  # came back: registers again, pushes the step in hand
+            w = sorted(paused)[pick % len(paused)]
+            if str(w) not in blocks.describe()["lapsed"]:  # too late: no other block was left, its went to others
+                continue  # (docs/howto/elastic.md: it would push its last batch a second time; here it stays away)
+            clock, block = paused.pop(w)
+            blocks.came_back(w)
+            if block != NONE_LEFT:
+                trained.append(block)
+            clocks[w] = clock + 1
             continue
         if not clocks:
             continue
@@ -59,8 +74,17 @@ def test_every_block_is_trained_once_whoever_joins_leaves_or_crashes(total, even
         elif kind == "half":  # took a block, stopped before its push, then left (SIGTERM mid-step)
             blocks.take(w, clocks[w])
             blocks.give_back(w, clocks.pop(w))
-        else:  # left between steps, or crashed and its lease ran out: the same for its blocks
+        elif kind == "pause":  # took a block, then was paused past its lease mid-step
+            clock = clocks.pop(w)
+            paused[w] = (clock, blocks.take(w, clock))
+            blocks.lapsed(w, clock)
+        elif kind == "crash":  # died mid-step: its lease runs out, and it never comes back
+            blocks.take(w, clocks[w])
+            blocks.lapsed(w, clocks.pop(w))
+        else:  # left between steps
             blocks.give_back(w, clocks.pop(w))
+    for w, (clock, _) in paused.items():  # paused for good: as a crash
+        blocks.lapsed(w, clock)
     drain(blocks, clocks, trained)
     assert Counter(trained) == Counter(range(total)), "a block lost or trained twice"
     assert blocks.left() == 0

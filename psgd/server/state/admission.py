@@ -135,12 +135,14 @@ class Roster:
 
     def pick(self) -> int:
         """The lowest rank nobody holds or is kept for (:meth:`keep_for`): one expected and not yet registered, one
-        never held, one whose worker left or whose lease ran out.  RESOURCE_EXHAUSTED when every rank is held."""
+        never held, one whose worker left; else one whose lease ran out (its holder, paused, may come back for it).
+        RESOURCE_EXHAUSTED when every rank is held."""
         now = self._now()
-        for w, info in sorted(self.workers.items()):
-            kept = info.state == "pending" and now <= info.kept_until
-            if info.state in ("pending", "free", "left", "expired") and not kept:
-                return w
+        for states in (("pending", "free", "left"), ("expired",)):  # a rank whose holder may come back, last
+            for w, info in sorted(self.workers.items()):
+                kept = info.state == "pending" and now <= info.kept_until
+                if info.state in states and not kept:
+                    return w
         raise ShardError(
             "RESOURCE_EXHAUSTED",
             f"every rank of this job ({self.num_workers}, the most workers it takes) is held: shard {self.shard} has "

@@ -244,6 +244,7 @@ class ShardCore:
             if self.whole.met(worker, clock, self.version, bool(self.cut_rounds)):
                 self.rewind.ask(worker, self.version)
             info.clock = clock = self.policy.join(worker)
+            self.lobby.registered(worker)
             self._policy_changed()
             self.changed.notify_all()
         log.info(
@@ -434,7 +435,7 @@ class ShardCore:
             expired = self.roster.overdue() if self.role not in ("replica", "starting") else []
             for w in expired:
                 self.counters["expired"] += 1
-                self.lobby.gone(w, self.roster.workers[w].clock)
+                self.lobby.lapsed(w, self.roster.workers[w].clock)
                 self._close_rounds(self.policy.leave(w))
             if expired:
                 self._policy_changed()

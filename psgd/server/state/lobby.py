@@ -79,9 +79,20 @@ class Lobby:
             return self.blocks.take(worker, clock)
 
     def gone(self, worker: int, from_clock: int) -> None:
-        """(Under the lock.)  ``worker`` pushes nothing from ``from_clock`` on (it left, or its lease ran out): the
-        batches it was given for those clocks go to the next workers to ask."""
+        """(Under the lock.)  ``worker`` left at ``from_clock``, pushing nothing from then on: the batches it was
+        given for those clocks go to the next workers to ask."""
         if self.blocks is not None:
             back = self.blocks.give_back(worker, from_clock)
             if back:
                 log.info("shard %d: %d batch(es) of worker %d go to the next to ask", self.shard, len(back), worker)
+
+    def lapsed(self, worker: int, from_clock: int) -> None:
+        """(Under the lock.)  ``worker``'s lease ran out at ``from_clock``: paused or dead, it keeps its batches until
+        its rank registers again or no other batch is left (psgd.data.blocks.Blocks.lapsed)."""
+        if self.blocks is not None:
+            self.blocks.lapsed(worker, from_clock)
+
+    def registered(self, worker: int) -> None:
+        """(Under the lock.)  ``worker``'s rank registered again: its batches are its own again."""
+        if self.blocks is not None:
+            self.blocks.came_back(worker)
