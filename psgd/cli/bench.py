@@ -17,14 +17,15 @@ def add_parser(sub) -> None:
         "comm: how fast tensors move; scaling: steps/s against model width "
         "and workers; gpu: psgd on one GPU against bare CuPy; overlap: "
         "communication beside computation, off and on; stall: the others' "
-        "steps/s while one worker is stopped mid-pull; flood: a shard under a "
+        "steps/s while one worker is stopped mid-pull; elastic: workers joining "
+        "and leaving a running launch; flood: a shard under a "
         "flood of connections without the token; sparse: embedding tables' "
         "steps against table size, parameter server and all-reduce; rollback: "
         "what a killed shard costs a sync job with cuts; replicas: what a "
         "replica per shard costs async, and its failover time; simulate: psgd "
         "jobs simulated from costs measured here, checked against launches here)",
         description="Benchmarks of psgd itself. See `psgd bench KIND --help` for each: convergence, "
-        "comm, scaling, gpu, overlap, stall, flood, sparse, rollback, replicas, "
+        "comm, scaling, gpu, overlap, stall, elastic, flood, sparse, rollback, replicas, "
         "step and simulate.",
     )
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
@@ -105,6 +106,14 @@ def add_parser(sub) -> None:
         raw=True,
         help="the other workers' async steps/s while one is stopped in the middle of a pull (shared "
         "memory and the data port)",
+    )
+    _command(
+        kinds,
+        "elastic",
+        "psgd.bench.elastic",
+        raw=True,
+        help="workers joining and leaving a running launch (2 -> 4 -> 2 with psgd scale) under each policy: "
+        "steps lost and the stall at each change; the same job fixed at 2 and 4",
     )
     _command(
         kinds,

@@ -87,6 +87,14 @@ def test_a_third_worker_joins_a_running_job_and_makes_steps_of_its_own(policy, t
             counters = json.loads(status.counters_json)
             assert counters["workers_range"] == [2, 3]
             assert {w.worker_id: w.state for w in status.workers} == {0: "live", 1: "live", 2: "live"}
+        said = subprocess.run(
+            [PY, "-m", "psgd.cli.main", "status", *addresses, "--sample", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=by_hand_env(),
+        )
+        assert "3 worker(s) training, range 2:3" in said.stdout, said.stdout + said.stderr
         if policy == "sync":  # it trains in the job's rounds: its clocks are theirs
             theirs = {r["clock"] for r in steps(tmp_path, "w0")}
             assert {r["clock"] for r in joined} <= theirs

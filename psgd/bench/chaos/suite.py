@@ -272,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", metavar="DIR", help="keep every run's folder (job file, logs, checkpoints) here")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-fault lines")
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help='run jobs with a range of workers (workers = "MIN:MAX") instead: workers join, leave, are killed and '
+        "are paused past their lease while they train, with their own invariants (psgd.bench.chaos.elastic; "
+        "--runs of them, default 8; --kinds and --minutes do not apply)",
+    )
     args = parser.parse_args(argv)
     try:
         kinds = parse_kinds(args.kinds)
@@ -283,11 +290,29 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
+    if args.elastic:
+        return _elastic(args, seed)
     result = run_chaos(args.minutes, seed, kinds, out=args.out, progress=not args.no_progress, runs=args.runs)
     if args.json:  # first: the figures are kept whatever the summary meets
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(summary(result))
     return 0 if not result["violations"] else 1
+
+
+def _elastic(args: argparse.Namespace, seed: int) -> int:
+    """``--elastic``: the runs of jobs with a range of workers, their records and violations."""
+    from psgd.bench.chaos.elastic import run_elastic
+
+    say = (lambda line: None) if args.no_progress else print
+    with tempfile.TemporaryDirectory(prefix="psgd-chaos-elastic-") as tmp:
+        records = run_elastic(args.runs or 8, seed, Path(args.out or tmp), say)
+    violations = [v for r in records for v in r["violations"]]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seed": seed, "runs": records, "violations": violations}, indent=1))
+    print(
+        f"chaos, jobs with a range of workers: {len(records)} run(s) from seed {seed}, {len(violations)} violation(s)"
+    )
+    return 0 if not violations else 1
 
 
 if __name__ == "__main__":
