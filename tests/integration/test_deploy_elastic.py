@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from test_deploy_static import CONTAINER_JOB, DEPLOY, JOB_FILE, compose, container_argv, parse_cli, pod_checks
+from test_deploy_static import CONTAINER_JOB, DEPLOY, JOB_FILE, compose, container_argv, job_of, parse_cli, pod_checks
 
 from psgd.cli.common import job_from_args
 from psgd.config import JobConfig
@@ -18,14 +18,6 @@ from psgd.job import fingerprint, identity
 
 ELASTIC_JOB = DEPLOY / "elastic" / "job.toml"
 DOCS = DEPLOY.parent / "docs" / "howto" / "elastic.md"
-
-
-def elastic_job_of(args, where: str) -> JobConfig:
-    """The job a parsed command runs, its job file the elastic one (the container path mapped to it)."""
-    if args.config in (CONTAINER_JOB, "deploy/elastic/job.toml"):
-        args.config = str(ELASTIC_JOB)
-    assert args.config == str(ELASTIC_JOB), f"{where}: reads {args.config}, not deploy/elastic/job.toml"
-    return job_from_args(args)
 
 
 def test_the_elastic_job_is_the_deploy_job_with_a_range():
@@ -47,7 +39,7 @@ def test_compose_overlay_runs_a_scalable_worker_that_takes_its_rank():
     assert over["worker-0"]["profiles"] == over["worker-1"]["profiles"] == ["fixed"]
     worker = over["worker"]
     args = parse_cli(worker["command"], "elastic/compose.yaml worker")
-    ran = elastic_job_of(args, "elastic/compose.yaml worker")
+    ran = job_of(args, "elastic/compose.yaml worker", ELASTIC_JOB)
     assert args.rank == "auto" and "ports" not in worker, "a scaled service publishes no port of its own"
     assert args.servers == base["worker-0"]["command"][base["worker-0"]["command"].index("--servers") + 1]
     assert set(worker["depends_on"]) == {"shard-0", "shard-1"} and worker["restart"] == "on-failure"
@@ -75,7 +67,7 @@ def test_kubernetes_component_runs_the_workers_as_a_scalable_deployment(tmp_path
     pod_checks(pod["spec"], "Deployment", {"configmap": "psgd-job", "secret": "psgd-token"})
     (container,) = pod["spec"]["containers"]
     args = parse_cli(container_argv(container, "Deployment worker"), "Deployment worker")
-    elastic_job_of(args, "Deployment worker")
+    job_of(args, "Deployment worker", ELASTIC_JOB)
     assert args.rank == "auto" and args.servers == "shard-0.psgd-shards:50051,shard-1.psgd-shards:50051"
     (generator,) = component["configMapGenerator"]
     assert generator["behavior"] == "replace" and generator["files"] == ["job.toml"]

@@ -17,24 +17,16 @@ from test_deploy_static import (
     compose,
     container_argv,
     flag,
+    job_of,
     parse_cli,
     slurm_commands,
 )
 
-from psgd.cli.common import job_from_args
 from psgd.config import JobConfig
 from psgd.export.shards import job_plan
 from psgd.job import fingerprint, identity
 
 REPLICA_JOB = DEPLOY / "replicas" / "job.toml"
-
-
-def replica_job_of(args, where: str) -> JobConfig:
-    """The job a parsed command runs, its job file the replicas' (the container path mapped to it)."""
-    if args.config in (CONTAINER_JOB, "deploy/replicas/job.toml"):
-        args.config = str(REPLICA_JOB)
-    assert args.config == str(REPLICA_JOB), f"{where}: reads {args.config}, not deploy/replicas/job.toml"
-    return job_from_args(args)
 
 
 def test_the_replicas_job_is_the_deploy_job_kept_twice_under_async():
@@ -57,7 +49,7 @@ def test_compose_overlay_runs_a_replica_of_every_shard():
         svc = over[f"replica-{k}"]
         where = f"replicas/compose.yaml replica-{k}"
         args = parse_cli(svc["command"], where)
-        ran = replica_job_of(args, where)
+        ran = job_of(args, where, REPLICA_JOB)
         port = int(address.rsplit(":", 1)[1])
         assert (args.shard, args.replica, args.bind) == (k, True, f"0.0.0.0:{port}"), where
         assert address.startswith(f"replica-{k}:") and ran.cluster.recovery.replicas == 1
@@ -87,7 +79,7 @@ def test_kubernetes_component_adds_replicas_off_the_shards_nodes(tmp_path):
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     args = parse_cli(container_argv(container, "StatefulSet replica"), "StatefulSet replica")
-    ran = replica_job_of(args, "StatefulSet replica")
+    ran = job_of(args, "StatefulSet replica", REPLICA_JOB)
     assert args.replica and list(ran.cluster.recovery.replica_servers) == [
         f"replica-{k}.psgd-replicas:50051" for k in range(job.cluster.shards)
     ]
@@ -130,7 +122,7 @@ def test_slurm_replicas_run_beside_the_next_shard_with_one_job_fingerprint():
     for argv in commands:
         args = parse_cli(argv, "psgd.sbatch")
         if argv[0] in ("psgd-server", "psgd-worker"):
-            ran = replica_job_of(args, "psgd.sbatch")
+            ran = job_of(args, "psgd.sbatch", REPLICA_JOB)
             assert list(ran.cluster.recovery.replica_servers) == ["node2:50061", "node1:50061"], argv
             prints.add(fingerprint(identity(ran, job_plan(ran).hash)))
     assert len(prints) == 1

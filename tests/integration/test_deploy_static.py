@@ -51,12 +51,13 @@ def parse_cli(argv: list[str], where: str) -> argparse.Namespace:
         pytest.fail(f"{where}: `{shlex.join(argv)}` does not parse:\n{err.getvalue().strip()}", pytrace=False)
 
 
-def job_of(args: argparse.Namespace, where: str) -> JobConfig:
-    """The job a parsed command would run: its job file (the container path mapped to deploy/job.toml)
-    with its command-line overrides applied."""
-    if getattr(args, "config", None) in (CONTAINER_JOB, "deploy/job.toml"):
-        args.config = str(JOB_FILE)
-    assert args.config == str(JOB_FILE), f"{where}: reads {args.config}, not the deploy job file"
+def job_of(args: argparse.Namespace, where: str, path: Path = JOB_FILE) -> JobConfig:
+    """The job a parsed command would run: its job file (the container path mapped to ``path``, by default
+    deploy/job.toml) with its command-line overrides applied."""
+    shown = str(path.relative_to(REPO))
+    if getattr(args, "config", None) in (CONTAINER_JOB, shown):
+        args.config = str(path)
+    assert args.config == str(path), f"{where}: reads {args.config}, not {shown}"
     return job_from_args(args)
 
 
