@@ -196,6 +196,11 @@ def work(args: argparse.Namespace) -> int:
 def _train(args, config, rank: int | None, stop, delay, took):
     """One parameter-server worker's training, its metrics served where asked (``rank`` None: --rank auto)."""
     metrics = WorkerMetrics.from_args(args, rank if rank is not None else -1)
+
+    def joined(given: int) -> None:  # --rank auto: its metrics and its log say the rank shard 0 gave
+        metrics.took_rank(given)
+        took(given)
+
     with metrics:
         return run_worker(
             config,
@@ -209,7 +214,7 @@ def _train(args, config, rank: int | None, stop, delay, took):
             token=token_from_args(args),
             tls=tls_from_args(args, config),
             on_step=metrics.on_step,
-            on_rank=took,
+            on_rank=joined,
         )
 
 

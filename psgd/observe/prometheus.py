@@ -410,6 +410,9 @@ class _NoMetrics:
     def on_step(self, point: dict) -> None:
         pass
 
+    def took_rank(self, rank: int) -> None:
+        pass
+
     def __enter__(self) -> _NoMetrics:
         return self
 
@@ -440,7 +443,8 @@ class WorkerMetrics:
         self._bind: str | None = None
         self._lock = threading.Lock()
         self._last_wall: float | None = None
-        Gauge("psgd_worker_info", "this worker's rank", ["rank"], registry=r).labels(str(rank)).set(1)
+        self._info = Gauge("psgd_worker_info", "this worker's rank", ["rank"], registry=r)
+        self._info.labels(str(rank)).set(1)
         self.steps = Counter("psgd_worker_steps", "steps computed and pushed", registry=r)
         self.pulls = Counter("psgd_worker_pulls", "pulls, one per shard per step", registry=r)
         self.pushes = Counter(
@@ -475,6 +479,12 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "psgd_worker_step_seconds", "wall time per step, pull to pull", buckets=LATENCY_BUCKETS, registry=r
         )
+
+    def took_rank(self, rank: int) -> None:
+        """A worker started with --rank auto was given ``rank`` (it said -1 until then)."""
+        self._info.remove(str(self.rank))
+        self.rank = rank
+        self._info.labels(str(rank)).set(1)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, rank: int) -> WorkerMetrics:

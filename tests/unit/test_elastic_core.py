@@ -191,3 +191,14 @@ def test_only_shard_0_of_a_job_with_a_range_hands_out_batches_or_ranks():
     fixed, _ = make_core("sync", 2)
     assert error(fixed.lobby.batch, 0, 0, 10, None).code == "INVALID_ARGUMENT"
     assert "hands out no ranks" in str(error(fixed.lobby.take_rank, PLAN.hash, PLAN_JSON, "h", 1, None, "x"))
+
+
+def test_a_worker_that_took_its_rank_says_it_in_its_metrics():
+    from prometheus_client import generate_latest
+
+    from psgd.observe.prometheus import WorkerMetrics
+
+    metrics = WorkerMetrics(-1)  # psgd-worker --rank auto, before shard 0 answered
+    metrics.took_rank(2)
+    text = generate_latest(metrics.registry).decode()
+    assert 'psgd_worker_info{rank="2"} 1.0' in text and 'rank="-1"' not in text
