@@ -5,6 +5,7 @@ frees its rank instead of finishing it; "divided" divides by the workers trainin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from test_shard_core import JOIN, LEASE, PLAN, FakeClock, error, make_core, push
@@ -202,3 +203,29 @@ def test_a_worker_that_took_its_rank_says_it_in_its_metrics():
     metrics.took_rank(2)
     text = generate_latest(metrics.registry).decode()
     assert 'psgd_worker_info{rank="2"} 1.0' in text and 'rank="-1"' not in text
+
+
+def test_a_restarted_shard_0_hands_out_from_where_its_checkpoint_left():
+    """Shard 0's batches travel in its checkpoint: a process restored from it gives a worker the batch of a clock it
+    had not pushed (the same again) and the next batches never handed out, none twice."""
+    import numpy as np
+
+    from psgd.server.state.checkpoint import Checkpoint
+
+    core, _ = elastic("async")
+    for w in (0, 1):
+        core.register(w, PLAN.hash, PLAN_JSON, incarnation=f"p{w}")
+    keys = {w: core.roster.workers[w].key for w in (0, 1)}
+    taken = [core.lobby.batch(w, 0, 10, keys[w]) for w in (0, 1)]
+    push(core, 0, 0)  # worker 0 pushed its clock 0; worker 1 has not
+    saved = {}
+    core.write_checkpoint(lambda version, arrays, manifest: saved.update(arrays=arrays, manifest=manifest))
+    restored, _ = elastic("async")
+    arrays = {k: np.array(v) for k, v in saved["arrays"].items()}
+    restored.adopt(Checkpoint(json.loads(json.dumps(saved["manifest"])), arrays, Path("ckpt")), restored=True)
+    for w in (0, 1):
+        restored.register(w, PLAN.hash, PLAN_JSON, incarnation=f"p{w}")
+    again = {w: restored.roster.workers[w].key for w in (0, 1)}
+    assert restored.lobby.batch(1, 0, 10, again[1]) == taken[1]  # not pushed: the same batch
+    later = [restored.lobby.batch(0, 1, 10, again[0]), restored.lobby.batch(1, 1, 10, again[1])]
+    assert sorted(later) == [2, 3] and not set(later) & set(taken)
