@@ -46,7 +46,8 @@ def steps(tmp_path: Path, name: str) -> list[dict]:
     path = tmp_path / f"{name}.jsonl"
     if not path.exists():
         return []
-    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if "loss" in r]
+    lines = [line for line in path.read_text().splitlines() if line.endswith("}")]  # (the last may be half written)
+    return [r for r in map(json.loads, lines) if "loss" in r]
 
 
 def statuses(job: JobConfig, addresses: list[str]) -> list:
