@@ -4,12 +4,18 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import yaml
-from test_deploy_static import CONTAINER_JOB, DEPLOY, JOB_FILE, compose, container_argv, job_of, parse_cli, pod_checks
+from test_deploy_static import (
+    CONTAINER_JOB,
+    DEPLOY,
+    JOB_FILE,
+    built_with_component,
+    compose,
+    container_argv,
+    job_of,
+    parse_cli,
+    pod_checks,
+)
 
 from psgd.cli.common import job_from_args
 from psgd.config import JobConfig
@@ -74,16 +80,9 @@ def test_kubernetes_component_runs_the_workers_as_a_scalable_deployment(tmp_path
     (patch,) = component["patches"]
     deleted = yaml.safe_load(patch["patch"])
     assert (deleted["$patch"], deleted["kind"], deleted["metadata"]["name"]) == ("delete", "Job", "psgd-workers")
-    if shutil.which("kubectl") is None:
+    built = built_with_component("elastic", tmp_path)
+    if built is None:  # no kubectl here: the files' own checks above stand
         return
-    # the real build, with the component switched on, in a copy (kustomize reads the token file too)
-    copy = Path(shutil.copytree(DEPLOY, tmp_path / "deploy"))
-    (copy / "psgd.env").write_text("PSGD_TOKEN=sample-token-of-the-job\n")
-    base = copy / "kustomization.yaml"
-    base.write_text(base.read_text().replace("# components: [elastic]", "components: [elastic]"))
-    done = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    built = list(yaml.safe_load_all(done.stdout))
     kinds = {(d["kind"], d["metadata"]["name"]) for d in built}
     assert ("Deployment", "psgd-workers") in kinds and ("Job", "psgd-workers") not in kinds
     (config,) = [d for d in built if d["kind"] == "ConfigMap"]

@@ -11,6 +11,7 @@ import io
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -338,6 +339,20 @@ def manifests() -> tuple[dict, dict[str, dict]]:
         for doc in yaml.safe_load_all(path.read_text()):
             objects[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return kustomization, objects
+
+
+def built_with_component(name: str, tmp_path: Path) -> list[dict] | None:
+    """``kubectl kustomize`` of deploy/ with its component ``name`` switched on, in a copy (kustomize reads the token
+    file too): the objects it makes; None where kubectl is not installed."""
+    if shutil.which("kubectl") is None:
+        return None
+    copy = Path(shutil.copytree(DEPLOY, tmp_path / "deploy"))
+    (copy / "psgd.env").write_text("PSGD_TOKEN=sample-token-of-the-job\n")
+    base = copy / "kustomization.yaml"
+    base.write_text(base.read_text().replace(f"# components: [{name}]", f"components: [{name}]"))
+    done = subprocess.run(["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return list(yaml.safe_load_all(done.stdout))
 
 
 def container_argv(container: dict, where: str, injected: set[str] = frozenset()) -> list[str]:
