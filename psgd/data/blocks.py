@@ -38,12 +38,6 @@ def blocks_per_epoch(n: int, batch_size: int) -> int:
     return n // batch_size
 
 
-def block_indices(block: int, n: int, batch_size: int, seed: int) -> tuple[int, np.ndarray]:
-    """The epoch of job block ``block`` and the indices of its examples."""
-    epoch, b = divmod(block, blocks_per_epoch(n, batch_size))
-    return epoch, epoch_permutation(n, epoch, seed)[b * batch_size : (b + 1) * batch_size]
-
-
 class Blocks:
     """Which block each worker trains at each of its clocks; see the module docstring.
 

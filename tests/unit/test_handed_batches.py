@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from psgd.data.base import DataError
-from psgd.data.blocks import NONE_LEFT, Blocks, block_indices, blocks_per_epoch
+from psgd.data.blocks import NONE_LEFT, Blocks, HandedBatches, blocks_per_epoch
 from psgd.data.sharding import epoch_permutation
 
 EVENTS = st.lists(
@@ -94,10 +94,16 @@ def test_a_block_is_the_epochs_permutation_cut_in_batches():
     n, batch, seed = 103, 10, 5
     per = blocks_per_epoch(n, batch)
     assert per == 10
-    seen = np.concatenate([block_indices(g, n, batch, seed)[1] for g in range(per)])
-    assert (seen == epoch_permutation(n, 0, seed)[: per * batch]).all()  # one epoch: no example twice
-    epoch, idx = block_indices(per + 3, n, batch, seed)
+    handed = iter([*range(per), per + 3, NONE_LEFT])  # what shard 0 answers, step after step
+    asked = []
+    batches = HandedBatches(n, batch, seed, epochs=2, fewest=1, ask=lambda c, t: asked.append((c, t)) or next(handed))
+    seen = [batches.at(step) for step in range(per)]
+    assert all(epoch == 0 for epoch, _ in seen)
+    assert (np.concatenate([idx for _, idx in seen]) == epoch_permutation(n, 0, seed)[: per * batch]).all()
+    epoch, idx = batches.at(per)
     assert epoch == 1 and (idx == epoch_permutation(n, 1, seed)[30:40]).all()
+    assert batches.at(per + 1) is None and batches.ahead(per + 2) is None
+    assert asked == [(c, 2 * per) for c in range(per + 2)]  # each step's clock, and the job's batches
     with pytest.raises(DataError, match="does not fit"):
         blocks_per_epoch(5, 10)
 
