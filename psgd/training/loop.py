@@ -298,7 +298,8 @@ def run_loop(
                 try:
                     epoch, idx = batch
                     x, y = rows.take(step, idx)  # (gathered ahead, or now: in none of the step's parts below)
-                    later = batches.ahead(step + 1)  # the next batch, where it is known before it is taken
+                    # the next batch, where it is known before it is taken and something gathers it ahead
+                    later = batches.ahead(step + 1) if rows.on or (exchange.overlaps and looks_up) else None
                     if rows.on and later is not None:
                         rows.ahead(step + 1, later)
                     began = time.perf_counter()
