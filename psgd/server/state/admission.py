@@ -133,6 +133,11 @@ class Roster:
         }
         self.impostors = 0  # calls refused for a key that is not the registration's
 
+    @property
+    def ranged(self) -> bool:
+        """Whether the job has a range of workers (fewer expected at the start than it takes at most)."""
+        return self.fewest < self.num_workers
+
     def pick(self) -> int:
         """The lowest rank nobody holds or is kept for (:meth:`keep_for`): one expected and not yet registered, one
         never held, one whose worker left; else one whose lease ran out (its holder, paused, may come back for it).

@@ -107,7 +107,7 @@ class ShardCore:
         # shard 0 of a job with a range: the ranks and batches joining workers take (psgd.server.state.lobby)
         self.lobby = Lobby(shard, plan, self.identity, self.roster, self.lock, self._check_serving)
         # "divided" divides by the workers training when a push is applied: a job with a range grows and shrinks
-        members = (lambda: len(policy.live_workers())) if self.roster.fewest < num_workers else (lambda: num_workers)
+        members = (lambda: len(policy.live_workers())) if self.roster.ranged else (lambda: num_workers)
         self.remedies = PushRemedies(
             members, policy.accumulates, lambda: self.store.flat, self.store.views, remedies or Remedies()
         )

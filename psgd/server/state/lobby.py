@@ -34,7 +34,7 @@ class Lobby:
     ):
         self.shard, self.plan, self.identity, self.roster, self.lock = shard, plan, identity, roster, lock
         self.check_serving = check_serving
-        self.hands_out = shard == 0 and roster.fewest < roster.num_workers
+        self.hands_out = shard == 0 and roster.ranged
         self.blocks = Blocks() if self.hands_out else None
 
     def _refuse_unless_handing_out(self, what: str) -> None:
